@@ -1,0 +1,223 @@
+//! The one error type of the runtime crate.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use crate::dtype::DType;
+use crate::ids::{ModelId, Version};
+
+/// Result alias used across the runtime.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// What is wrong with one tensor, compared to the manifest that was agreed at connect.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Mismatch {
+    /// The tensor is in the manifest but not in the incoming weights.
+    Missing,
+    /// The incoming weights carry a tensor the manifest does not know.
+    Unexpected,
+    /// Element types differ.
+    DType {
+        /// What the manifest says.
+        expected: DType,
+        /// What arrived.
+        found: DType,
+    },
+    /// Shapes differ.
+    Shape {
+        /// What the manifest says.
+        expected: Vec<usize>,
+        /// What arrived.
+        found: Vec<usize>,
+    },
+    /// Byte sizes or offsets differ.
+    Size {
+        /// What the manifest says.
+        expected: usize,
+        /// What arrived.
+        found: usize,
+    },
+    /// Content checksum differs.
+    Checksum {
+        /// What the sender declared.
+        expected: u64,
+        /// What the bytes hash to.
+        found: u64,
+    },
+}
+
+impl std::fmt::Display for Mismatch {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Missing => write!(f, "missing from the incoming weights"),
+            Self::Unexpected => write!(f, "not in the manifest"),
+            Self::DType { expected, found } => write!(f, "dtype {expected} expected, found {found}"),
+            Self::Shape { expected, found } => {
+                write!(f, "shape {expected:?} expected, found {found:?}")
+            }
+            Self::Size { expected, found } => {
+                write!(f, "{expected} bytes expected, found {found}")
+            }
+            Self::Checksum { expected, found } => {
+                write!(f, "checksum {expected:#018x} expected, found {found:#018x}")
+            }
+        }
+    }
+}
+
+/// Every error the runtime reports. Messages are lowercase and keep their cause.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// One tensor does not match the agreed manifest; the whole version is refused.
+    #[error("model `{model}`, tensor `{name}`: {problem}")]
+    Tensor {
+        /// The model the tensor belongs to.
+        model: ModelId,
+        /// The tensor's name.
+        name: String,
+        /// What is wrong with it.
+        problem: Mismatch,
+    },
+    /// Two manifests describe different models (different schema hashes) without a tensor to blame.
+    #[error("model `{model}`: schema hash {expected:#018x} expected, found {found:#018x}")]
+    Schema {
+        /// The model.
+        model: ModelId,
+        /// The hash agreed at connect.
+        expected: u64,
+        /// The hash that arrived.
+        found: u64,
+    },
+    /// A manifest that cannot describe a weight set (overlaps, bad sizes, duplicate names).
+    #[error("invalid manifest: {0}")]
+    InvalidManifest(String),
+    /// A model id that cannot be used.
+    #[error("invalid model id {0:?}: {1}")]
+    InvalidModelId(String, &'static str),
+    /// A version that is not newer than the one already applied.
+    #[error("model `{model}`: version {offered} refused, version {current} already applied (versions only grow)")]
+    StaleVersion {
+        /// The model.
+        model: ModelId,
+        /// The version that was offered.
+        offered: Version,
+        /// The version in force.
+        current: Version,
+    },
+    /// A model the scheme was not set up with.
+    #[error("unknown model `{0}`")]
+    UnknownModel(ModelId),
+    /// The same model appears twice in one atomic group.
+    #[error("model `{0}` appears twice in one update")]
+    DuplicateModel(ModelId),
+    /// A typed view asked for an element type the tensor does not have.
+    #[error("tensor `{name}` is {actual}, not {requested}")]
+    WrongElement {
+        /// The tensor.
+        name: String,
+        /// Its dtype.
+        actual: DType,
+        /// The dtype asked for.
+        requested: DType,
+    },
+    /// A tensor name that is not in the weight set.
+    #[error("no tensor named `{0}`")]
+    NoSuchTensor(String),
+    /// A weight set whose storage is read-only was asked for mutable bytes.
+    #[error("weight set of model `{0}` is read-only (shared storage)")]
+    ReadOnly(ModelId),
+    /// A safetensors file or buffer was refused.
+    #[error("safetensors {source_name}: {reason}")]
+    Safetensors {
+        /// File path or `<buffer>`.
+        source_name: String,
+        /// Why it was refused.
+        reason: String,
+    },
+    /// An operating-system call failed.
+    #[error("{context}: {source}")]
+    Io {
+        /// What was being done.
+        context: String,
+        /// The cause.
+        #[source]
+        source: std::io::Error,
+    },
+    /// A path-specific I/O failure.
+    #[error("{context} `{}`: {source}", path.display())]
+    Path {
+        /// What was being done.
+        context: &'static str,
+        /// The path.
+        path: PathBuf,
+        /// The cause.
+        #[source]
+        source: std::io::Error,
+    },
+    /// A deadline passed.
+    #[error("timed out after {after:?} waiting for {what}")]
+    Timeout {
+        /// What was awaited.
+        what: String,
+        /// How long.
+        after: Duration,
+    },
+    /// The other end is gone (process died, socket closed, segment removed).
+    #[error("peer {peer} is gone: {reason}")]
+    PeerGone {
+        /// Who.
+        peer: String,
+        /// Why we believe so.
+        reason: String,
+    },
+    /// A message or description that could not be encoded or decoded.
+    #[error("wire: {0}")]
+    Wire(String),
+    /// Something was used after `shutdown` or before `connect`.
+    #[error("{0}")]
+    State(&'static str),
+    /// A strategy could not extract from or apply to a model.
+    #[error("strategy: {0}")]
+    Strategy(String),
+    /// A transport-specific failure.
+    #[error("{transport} transport: {message}")]
+    Transport {
+        /// Which transport.
+        transport: &'static str,
+        /// What happened.
+        message: String,
+    },
+}
+
+impl Error {
+    /// Builds an [`Error::Io`] with the given context.
+    pub fn io(context: impl Into<String>, source: std::io::Error) -> Self {
+        Self::Io {
+            context: context.into(),
+            source,
+        }
+    }
+
+    /// Builds an [`Error::Tensor`].
+    pub fn tensor(model: &ModelId, name: impl Into<String>, problem: Mismatch) -> Self {
+        Self::Tensor {
+            model: model.clone(),
+            name: name.into(),
+            problem,
+        }
+    }
+
+    /// Builds an [`Error::Transport`].
+    pub fn transport(transport: &'static str, message: impl Into<String>) -> Self {
+        Self::Transport {
+            transport,
+            message: message.into(),
+        }
+    }
+
+    /// True when this error says a deadline passed.
+    pub fn is_timeout(&self) -> bool {
+        matches!(self, Self::Timeout { .. })
+    }
+}

@@ -1,0 +1,283 @@
+//! The sync protocol as plain deterministic code: version rules, validation of an incoming
+//! update against the agreed manifests, and the sender's acknowledgement book.
+//!
+//! Nothing here touches a socket, a clock, a thread or an actor; transports and schemes call
+//! into it, and its tests drive it directly.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::{Error, Result};
+use crate::ids::{ModelId, Version};
+use crate::manifest::Manifest;
+use crate::weights::WeightSet;
+
+/// One atomic update: at most one weight set per model, all landing or none.
+pub type Group = Vec<Arc<WeightSet>>;
+
+/// `(model id, version)` pairs of one update, as acknowledged by a receiver.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Ack {
+    /// Which receiver acknowledges.
+    pub receiver: u32,
+    /// What it applied.
+    pub applied: Vec<(ModelId, Version)>,
+}
+
+/// The entries of a group, in order.
+pub fn entries(group: &[Arc<WeightSet>]) -> Vec<(ModelId, Version)> {
+    group.iter().map(|w| (w.model().clone(), w.version())).collect()
+}
+
+/// The agreed manifests of every model of a scheme.
+#[derive(Clone, Debug, Default)]
+pub struct Manifests(BTreeMap<ModelId, Arc<Manifest>>);
+
+impl Manifests {
+    /// From `(model, manifest)` pairs.
+    ///
+    /// # Errors
+    /// [`Error::DuplicateModel`] if a model appears twice.
+    pub fn new(items: impl IntoIterator<Item = (ModelId, Arc<Manifest>)>) -> Result<Self> {
+        let mut map = BTreeMap::new();
+        for (id, m) in items {
+            if map.insert(id.clone(), m).is_some() {
+                return Err(Error::DuplicateModel(id));
+            }
+        }
+        Ok(Self(map))
+    }
+
+    /// The manifest of one model.
+    ///
+    /// # Errors
+    /// [`Error::UnknownModel`].
+    pub fn get(&self, model: &ModelId) -> Result<&Arc<Manifest>> {
+        self.0.get(model).ok_or_else(|| Error::UnknownModel(model.clone()))
+    }
+
+    /// Every `(model, manifest)`.
+    pub fn iter(&self) -> impl Iterator<Item = (&ModelId, &Arc<Manifest>)> {
+        self.0.iter()
+    }
+
+    /// The model ids.
+    pub fn ids(&self) -> impl Iterator<Item = &ModelId> {
+        self.0.keys()
+    }
+
+    /// Number of models.
+    pub fn len(&self) -> usize {
+        self.0.len()
+    }
+
+    /// True when there is no model.
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    /// Checks that `other` (what the peer announced) agrees model by model.
+    ///
+    /// # Errors
+    /// [`Error::UnknownModel`] for a model only one side has; a tensor error otherwise.
+    pub fn check_agree(&self, other: &Manifests) -> Result<()> {
+        for (id, m) in self.iter() {
+            m.check_same_schema(id, other.get(id)?)?;
+        }
+        if let Some(extra) = other.ids().find(|id| !self.0.contains_key(*id)) {
+            return Err(Error::UnknownModel(extra.clone()));
+        }
+        Ok(())
+    }
+}
+
+/// Checks a whole group before anything of it is applied: known models, each at most once,
+/// manifests equal to the agreed ones.
+///
+/// # Errors
+/// The first problem found, naming the model and tensor.
+pub fn validate_group(manifests: &Manifests, group: &[Arc<WeightSet>]) -> Result<()> {
+    if group.is_empty() {
+        return Err(Error::State("an update must carry at least one model"));
+    }
+    let mut seen = BTreeSet::new();
+    for w in group {
+        if !seen.insert(w.model()) {
+            return Err(Error::DuplicateModel(w.model().clone()));
+        }
+        manifests.get(w.model())?.check_same_schema(w.model(), w.manifest())?;
+    }
+    Ok(())
+}
+
+/// Per-model "versions only grow" rule, as held by one end.
+#[derive(Clone, Debug, Default)]
+pub struct VersionGate {
+    applied: BTreeMap<ModelId, Version>,
+}
+
+impl VersionGate {
+    /// The version in force for a model ([`Version::ZERO`] if none yet).
+    pub fn current(&self, model: &ModelId) -> Version {
+        self.applied.get(model).copied().unwrap_or(Version::ZERO)
+    }
+
+    /// Checks that every entry is newer than what is in force.
+    ///
+    /// # Errors
+    /// [`Error::StaleVersion`] for a stale or repeated version; [`Error::DuplicateModel`].
+    pub fn check(&self, entries: &[(ModelId, Version)]) -> Result<()> {
+        let mut seen = BTreeSet::new();
+        for (model, version) in entries {
+            if !seen.insert(model) {
+                return Err(Error::DuplicateModel(model.clone()));
+            }
+            let current = self.current(model);
+            if *version <= current {
+                return Err(Error::StaleVersion {
+                    model: model.clone(),
+                    offered: *version,
+                    current,
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// Records entries that were checked and applied.
+    pub fn commit(&mut self, entries: &[(ModelId, Version)]) {
+        for (model, version) in entries {
+            self.applied.insert(model.clone(), *version);
+        }
+    }
+
+    /// Check then commit.
+    ///
+    /// # Errors
+    /// As [`VersionGate::check`]; nothing is recorded on error.
+    pub fn admit(&mut self, entries: &[(ModelId, Version)]) -> Result<()> {
+        self.check(entries)?;
+        self.commit(entries);
+        Ok(())
+    }
+}
+
+/// The sender's book of what each receiver has acknowledged.
+#[derive(Clone, Debug, Default)]
+pub struct AckBook {
+    acked: BTreeMap<u32, BTreeMap<ModelId, Version>>,
+}
+
+impl AckBook {
+    /// Registers a receiver (it owes acks from now on).
+    pub fn register(&mut self, receiver: u32) {
+        self.acked.entry(receiver).or_default();
+    }
+
+    /// Forgets a receiver (it left or died; nobody waits for it).
+    pub fn remove(&mut self, receiver: u32) {
+        self.acked.remove(&receiver);
+    }
+
+    /// The registered receivers.
+    pub fn receivers(&self) -> impl Iterator<Item = u32> + '_ {
+        self.acked.keys().copied()
+    }
+
+    /// Records an ack; versions only grow, an older ack changes nothing.
+    pub fn record(&mut self, ack: &Ack) {
+        let book = self.acked.entry(ack.receiver).or_default();
+        for (model, version) in &ack.applied {
+            let v = book.entry(model.clone()).or_insert(Version::ZERO);
+            *v = (*v).max(*version);
+        }
+    }
+
+    /// Receivers that have not yet acknowledged every entry.
+    pub fn missing(&self, entries: &[(ModelId, Version)]) -> Vec<u32> {
+        self.acked
+            .iter()
+            .filter(|(_, book)| {
+                entries
+                    .iter()
+                    .any(|(m, v)| book.get(m).copied().unwrap_or(Version::ZERO) < *v)
+            })
+            .map(|(r, _)| *r)
+            .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::DType;
+
+    fn id(s: &str) -> ModelId {
+        ModelId::new(s).unwrap()
+    }
+
+    fn ws(model: &str, m: &Arc<Manifest>, v: u64) -> Arc<WeightSet> {
+        let mut w = WeightSet::zeroed(id(model), Arc::clone(m));
+        w.set_version(Version(v));
+        Arc::new(w)
+    }
+
+    #[test]
+    fn versions_only_grow() {
+        let mut g = VersionGate::default();
+        let p = id("policy");
+        g.admit(&[(p.clone(), Version(1))]).unwrap();
+        g.admit(&[(p.clone(), Version(5))]).unwrap();
+        let dup = g.admit(&[(p.clone(), Version(5))]).unwrap_err();
+        assert!(matches!(dup, Error::StaleVersion { offered: Version(5), current: Version(5), .. }));
+        assert!(g.admit(&[(p.clone(), Version(2))]).is_err());
+        assert!(g.admit(&[(p.clone(), Version(0))]).is_err());
+        assert_eq!(g.current(&p), Version(5));
+        // a group with one stale entry records nothing
+        let c = id("critic");
+        assert!(g.admit(&[(c.clone(), Version(1)), (p.clone(), Version(4))]).is_err());
+        assert_eq!(g.current(&c), Version::ZERO);
+        assert!(g.admit(&[(c.clone(), Version(1)), (c.clone(), Version(2))]).is_err());
+    }
+
+    #[test]
+    fn groups_are_validated_whole() {
+        let a = Arc::new(Manifest::builder().tensor("x", DType::F32, &[4]).build().unwrap());
+        let b = Arc::new(Manifest::builder().tensor("x", DType::F32, &[5]).build().unwrap());
+        let ms = Manifests::new([(id("actor"), a.clone()), (id("critic"), a.clone())]).unwrap();
+        validate_group(&ms, &[ws("actor", &a, 1), ws("critic", &a, 1)]).unwrap();
+        let e = validate_group(&ms, &[ws("actor", &a, 1), ws("critic", &b, 1)]).unwrap_err();
+        assert!(e.to_string().contains("model `critic`, tensor `x`: shape [4] expected"), "{e}");
+        assert!(matches!(
+            validate_group(&ms, &[ws("nobody", &a, 1)]),
+            Err(Error::UnknownModel(_))
+        ));
+        assert!(matches!(
+            validate_group(&ms, &[ws("actor", &a, 1), ws("actor", &a, 2)]),
+            Err(Error::DuplicateModel(_))
+        ));
+        assert!(validate_group(&ms, &[]).is_err());
+        let other = Manifests::new([(id("actor"), a.clone())]).unwrap();
+        assert!(ms.check_agree(&other).is_err());
+        assert!(other.check_agree(&ms).is_err());
+        assert!(ms.check_agree(&ms.clone()).is_ok());
+    }
+
+    #[test]
+    fn ack_book_tracks_each_receiver() {
+        let mut book = AckBook::default();
+        book.register(0);
+        book.register(1);
+        let e = vec![(id("p"), Version(3))];
+        assert_eq!(book.missing(&e), vec![0, 1]);
+        book.record(&Ack { receiver: 0, applied: e.clone() });
+        assert_eq!(book.missing(&e), vec![1]);
+        book.record(&Ack { receiver: 1, applied: vec![(id("p"), Version(4))] });
+        book.record(&Ack { receiver: 1, applied: vec![(id("p"), Version(2))] });
+        assert!(book.missing(&e).is_empty());
+        book.remove(1);
+        assert_eq!(book.receivers().collect::<Vec<_>>(), vec![0]);
+    }
+}

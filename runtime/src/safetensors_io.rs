@@ -1,0 +1,321 @@
+//! safetensors import and export of weight sets.
+//!
+//! Files are written to a temporary name beside the target and renamed, so a reader never
+//! sees half a file. Reading maps the file and copies each tensor once into a fresh arena.
+//! The model id, version and manifest order travel in the header's `__metadata__`, so
+//! export then import gives back the same manifest (same schema hash) and the same bytes.
+
+use std::borrow::Cow;
+use std::collections::HashMap;
+use std::fs::File;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use crate::dtype::DType;
+use crate::error::{Error, Result};
+use crate::ids::{ModelId, Version};
+use crate::manifest::Manifest;
+use crate::weights::{TensorView, WeightSet};
+
+const KEY_MODEL: &str = "refit.model";
+const KEY_VERSION: &str = "refit.version";
+const KEY_ORDER: &str = "refit.order";
+
+fn refused(source_name: &str, reason: impl std::fmt::Display) -> Error {
+    Error::Safetensors {
+        source_name: source_name.to_string(),
+        reason: reason.to_string(),
+    }
+}
+
+impl safetensors::View for TensorView<'_> {
+    fn dtype(&self) -> safetensors::Dtype {
+        TensorView::dtype(self).to_safetensors()
+    }
+    fn shape(&self) -> &[usize] {
+        TensorView::shape(self)
+    }
+    fn data(&self) -> Cow<'_, [u8]> {
+        Cow::Borrowed(self.bytes())
+    }
+    fn data_len(&self) -> usize {
+        self.bytes().len()
+    }
+}
+
+impl WeightSet {
+    /// Encodes this weight set as a safetensors byte buffer.
+    ///
+    /// # Errors
+    /// [`Error::Safetensors`] if the encoder refuses (a header over 100 MB).
+    pub fn to_safetensors_bytes(&self) -> Result<Vec<u8>> {
+        safetensors::serialize(self.tensors().map(|t| (t.name(), t)), Some(self.header_metadata()))
+            .map_err(|e| refused("<buffer>", e))
+    }
+
+    /// Writes this weight set to `path` atomically (temporary file, fsync, rename).
+    ///
+    /// # Errors
+    /// [`Error::Path`] on I/O failure, [`Error::Safetensors`] if encoding fails.
+    pub fn write_safetensors(&self, path: impl AsRef<Path>) -> Result<()> {
+        let path = path.as_ref();
+        let tmp = temp_sibling(path);
+        let result = (|| {
+            safetensors::serialize_to_file(
+                self.tensors().map(|t| (t.name(), t)),
+                Some(self.header_metadata()),
+                &tmp,
+            )
+            .map_err(|e| refused(&tmp.display().to_string(), e))?;
+            let f = File::open(&tmp).map_err(|source| Error::Path {
+                context: "reopening",
+                path: tmp.clone(),
+                source,
+            })?;
+            f.sync_all().map_err(|source| Error::Path {
+                context: "syncing",
+                path: tmp.clone(),
+                source,
+            })?;
+            std::fs::rename(&tmp, path).map_err(|source| Error::Path {
+                context: "renaming into place",
+                path: path.to_path_buf(),
+                source,
+            })
+        })();
+        if result.is_err() {
+            let _ = std::fs::remove_file(&tmp);
+        }
+        result
+    }
+
+    /// Reads a safetensors file (memory-mapped) into a new weight set.
+    ///
+    /// The model id and version come from the header when refit wrote it; otherwise `model`
+    /// (required then) and version 0.
+    ///
+    /// # Errors
+    /// [`Error::Path`] if the file cannot be opened or mapped; [`Error::Safetensors`] for a
+    /// bad header, truncated data or an unsupported dtype.
+    pub fn read_safetensors(path: impl AsRef<Path>, model: Option<&ModelId>) -> Result<Self> {
+        let path = path.as_ref();
+        let file = File::open(path).map_err(|source| Error::Path {
+            context: "opening",
+            path: path.to_path_buf(),
+            source,
+        })?;
+        if file.metadata().map(|m| m.len()).unwrap_or(0) == 0 {
+            return Err(refused(&path.display().to_string(), "file is empty"));
+        }
+        // SAFETY: the map is read-only and private to this call; refit writes safetensors by
+        // rename, never in place, so the file under the map does not change while we copy
+        // out of it. A foreign writer truncating the file could still fault the copy; that is
+        // the documented contract of reading mapped files.
+        let map = unsafe { memmap2::Mmap::map(&file) }.map_err(|source| Error::Path {
+            context: "mapping",
+            path: path.to_path_buf(),
+            source,
+        })?;
+        Self::parse_safetensors(&map, &path.display().to_string(), model)
+    }
+
+    /// Decodes a safetensors byte buffer into a new weight set.
+    ///
+    /// # Errors
+    /// As [`WeightSet::read_safetensors`].
+    pub fn from_safetensors_bytes(bytes: &[u8], model: Option<&ModelId>) -> Result<Self> {
+        Self::parse_safetensors(bytes, "<buffer>", model)
+    }
+
+    fn parse_safetensors(bytes: &[u8], source: &str, model: Option<&ModelId>) -> Result<Self> {
+        let st = safetensors::SafeTensors::deserialize(bytes).map_err(|e| refused(source, e))?;
+        let (_, meta) =
+            safetensors::SafeTensors::read_metadata(bytes).map_err(|e| refused(source, e))?;
+        let extra = meta.metadata().clone().unwrap_or_default();
+        let model = match (extra.get(KEY_MODEL), model) {
+            (_, Some(m)) => m.clone(),
+            (Some(name), None) => ModelId::new(name).map_err(|e| refused(source, e))?,
+            (None, None) => {
+                return Err(refused(source, "no model id in the header and none given"));
+            }
+        };
+        let version = match extra.get(KEY_VERSION) {
+            Some(v) => Version(
+                v.parse()
+                    .map_err(|_| refused(source, format!("version {v:?} is not a number")))?,
+            ),
+            None => Version::ZERO,
+        };
+        let mut order = meta.offset_keys();
+        if let Some(json) = extra.get(KEY_ORDER) {
+            let declared: Vec<String> = serde_json::from_str(json)
+                .map_err(|e| refused(source, format!("bad {KEY_ORDER}: {e}")))?;
+            let mut a = declared.clone();
+            let mut b = order.clone();
+            a.sort();
+            b.sort();
+            if a != b {
+                return Err(refused(source, format!("{KEY_ORDER} does not list the file's tensors")));
+            }
+            order = declared;
+        }
+        let mut builder = Manifest::builder();
+        let mut views = Vec::with_capacity(order.len());
+        for name in &order {
+            let view = st.tensor(name).map_err(|e| refused(source, e))?;
+            let dtype = DType::from_safetensors(view.dtype(), name).map_err(|e| match e {
+                Error::Safetensors { reason, .. } => refused(source, reason),
+                other => other,
+            })?;
+            builder.push(name.clone(), dtype, view.shape());
+            views.push(view);
+        }
+        let manifest = Arc::new(builder.build()?);
+        let mut ws = WeightSet::zeroed(model, manifest);
+        ws.set_version(version);
+        for (name, view) in order.iter().zip(views) {
+            ws.tensor_bytes_mut(name)?.copy_from_slice(view.data());
+        }
+        Ok(ws)
+    }
+
+    fn header_metadata(&self) -> HashMap<String, String> {
+        let order: Vec<&str> = self.manifest().tensors().iter().map(|t| t.name.as_str()).collect();
+        HashMap::from([
+            (KEY_MODEL.to_string(), self.model().to_string()),
+            (KEY_VERSION.to_string(), self.version().to_string()),
+            (
+                KEY_ORDER.to_string(),
+                serde_json::to_string(&order).unwrap_or_else(|_| "[]".into()),
+            ),
+        ])
+    }
+}
+
+fn temp_sibling(path: &Path) -> PathBuf {
+    let name = path
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_else(|| "weights".into());
+    path.with_file_name(format!(
+        ".{name}.tmp-{}-{}",
+        std::process::id(),
+        uuid::Uuid::new_v4().simple()
+    ))
+}
+
+/// Writes `bytes` to `path` atomically (temporary sibling, fsync, rename).
+///
+/// # Errors
+/// [`Error::Path`] on I/O failure.
+pub fn write_atomically(path: &Path, bytes: &[u8]) -> Result<()> {
+    let tmp = temp_sibling(path);
+    let io = |context, source| Error::Path {
+        context,
+        path: tmp.clone(),
+        source,
+    };
+    let result = (|| {
+        let mut f = File::create(&tmp).map_err(|e| io("creating", e))?;
+        f.write_all(bytes).map_err(|e| io("writing", e))?;
+        f.sync_all().map_err(|e| io("syncing", e))?;
+        std::fs::rename(&tmp, path).map_err(|e| io("renaming", e))
+    })();
+    if result.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    result
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sample() -> WeightSet {
+        let m = Manifest::builder()
+            .tensor("z.last", DType::F32, &[3, 4])
+            .tensor("a.first", DType::BF16, &[5])
+            .tensor("mask", DType::Bool, &[7])
+            .tensor("q", DType::F8E4M3, &[9])
+            .tensor("steps", DType::I64, &[])
+            .build()
+            .unwrap();
+        let mut ws = WeightSet::zeroed(ModelId::new("policy").unwrap(), Arc::new(m));
+        for (i, b) in ws.bytes_mut().unwrap().iter_mut().enumerate() {
+            *b = (i * 31 % 251) as u8;
+        }
+        ws.set_version(Version(42));
+        ws
+    }
+
+    #[test]
+    fn round_trip_is_exact_through_a_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("m.safetensors");
+        let ws = sample();
+        ws.write_safetensors(&path).unwrap();
+        let back = WeightSet::read_safetensors(&path, None).unwrap();
+        assert_eq!(back.model().as_str(), "policy");
+        assert_eq!(back.version(), Version(42));
+        assert_eq!(**back.manifest(), **ws.manifest());
+        for (a, b) in ws.tensors().zip(back.tensors()) {
+            assert_eq!(a.bytes(), b.bytes(), "{}", a.name());
+        }
+        // no temporary file left behind
+        assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 1);
+    }
+
+    #[test]
+    fn bad_headers_are_refused_cleanly() {
+        let good = sample().to_safetensors_bytes().unwrap();
+        let cases: Vec<(&str, Vec<u8>)> = vec![
+            ("empty", vec![]),
+            ("short", vec![1, 2, 3]),
+            ("huge length", u64::MAX.to_le_bytes().to_vec()),
+            ("length past end", {
+                let mut b = good.clone();
+                b[..8].copy_from_slice(&(good.len() as u64).to_le_bytes());
+                b
+            }),
+            ("not json", {
+                let mut b = good.clone();
+                b[8] = b'#';
+                b
+            }),
+            ("truncated data", good[..good.len() - 5].to_vec()),
+        ];
+        for (what, bytes) in cases {
+            let err = WeightSet::from_safetensors_bytes(&bytes, None).unwrap_err();
+            assert!(matches!(err, Error::Safetensors { .. }), "{what}: {err}");
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let empty = dir.path().join("empty.safetensors");
+        std::fs::write(&empty, b"").unwrap();
+        assert!(WeightSet::read_safetensors(&empty, None).unwrap_err().to_string().contains("empty"));
+        let missing = WeightSet::read_safetensors(dir.path().join("nope"), None).unwrap_err();
+        assert!(matches!(missing, Error::Path { .. }), "{missing}");
+    }
+
+    #[test]
+    fn foreign_files_need_a_model_id() {
+        let ws = sample();
+        let bytes = safetensors::serialize(ws.tensors().map(|t| (t.name(), t)), None).unwrap();
+        assert!(WeightSet::from_safetensors_bytes(&bytes, None).is_err());
+        let id = ModelId::new("ext").unwrap();
+        let back = WeightSet::from_safetensors_bytes(&bytes, Some(&id)).unwrap();
+        assert_eq!(back.version(), Version::ZERO);
+        for t in ws.tensors() {
+            assert_eq!(back.tensor(t.name()).unwrap().bytes(), t.bytes());
+        }
+    }
+
+    #[test]
+    fn atomic_write_replaces_whole() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("x");
+        write_atomically(&p, b"one").unwrap();
+        write_atomically(&p, b"two!").unwrap();
+        assert_eq!(std::fs::read(&p).unwrap(), b"two!");
+    }
+}

@@ -1,0 +1,92 @@
+//! The wire codec: msgpack of typed structs (rmp-serde), with size limits checked before
+//! decoding, and a text token form for shipping descriptions through argv or environment.
+
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+
+use crate::error::{Error, Result};
+
+/// Largest control message accepted by default (weights never travel in control messages).
+pub const MAX_CONTROL_MESSAGE: usize = 16 * 1024 * 1024;
+
+/// Encodes a value as named msgpack (fields by name, so added fields stay compatible).
+///
+/// # Errors
+/// [`Error::Wire`] if the value cannot be encoded.
+pub fn encode<T: Serialize + ?Sized>(value: &T) -> Result<Vec<u8>> {
+    rmp_serde::to_vec_named(value).map_err(|e| Error::Wire(format!("encode: {e}")))
+}
+
+/// Decodes a value, refusing inputs longer than `max` before touching them.
+///
+/// # Errors
+/// [`Error::Wire`] if too long or malformed.
+pub fn decode<T: DeserializeOwned>(bytes: &[u8], max: usize) -> Result<T> {
+    if bytes.len() > max {
+        return Err(Error::Wire(format!(
+            "message of {} bytes exceeds the {max}-byte limit",
+            bytes.len()
+        )));
+    }
+    rmp_serde::from_slice(bytes).map_err(|e| Error::Wire(format!("decode: {e}")))
+}
+
+/// Encodes a value as a hex token (msgpack inside), for argv or environment variables.
+///
+/// # Errors
+/// [`Error::Wire`] if the value cannot be encoded.
+pub fn to_token<T: Serialize + ?Sized>(value: &T) -> Result<String> {
+    let bytes = encode(value)?;
+    let mut s = String::with_capacity(bytes.len() * 2);
+    for b in bytes {
+        s.push(char::from(b"0123456789abcdef"[usize::from(b >> 4)]));
+        s.push(char::from(b"0123456789abcdef"[usize::from(b & 15)]));
+    }
+    Ok(s)
+}
+
+/// Decodes a token written by [`to_token`].
+///
+/// # Errors
+/// [`Error::Wire`] on bad hex, an oversized token or a malformed message.
+pub fn from_token<T: DeserializeOwned>(token: &str) -> Result<T> {
+    let t = token.trim().as_bytes();
+    if t.len() % 2 != 0 || t.len() / 2 > MAX_CONTROL_MESSAGE {
+        return Err(Error::Wire("token has an odd or excessive length".into()));
+    }
+    let nib = |c: u8| match c {
+        b'0'..=b'9' => Ok(c - b'0'),
+        b'a'..=b'f' => Ok(c - b'a' + 10),
+        _ => Err(Error::Wire(format!("token holds a non-hex byte {c:#04x}"))),
+    };
+    let bytes = t
+        .chunks_exact(2)
+        .map(|p| Ok(nib(p[0])? << 4 | nib(p[1])?))
+        .collect::<Result<Vec<u8>>>()?;
+    decode(&bytes, MAX_CONTROL_MESSAGE)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde::Deserialize;
+
+    #[derive(Serialize, Deserialize, PartialEq, Debug)]
+    struct Msg {
+        id: uuid::Uuid,
+        n: u64,
+        #[serde(with = "serde_bytes")]
+        blob: Vec<u8>,
+    }
+
+    #[test]
+    fn tokens_round_trip_and_refuse_garbage() {
+        let m = Msg { id: uuid::Uuid::new_v4(), n: 7, blob: vec![1, 2, 255] };
+        let t = to_token(&m).unwrap();
+        assert_eq!(from_token::<Msg>(&t).unwrap(), m);
+        assert!(from_token::<Msg>("zz").is_err());
+        assert!(from_token::<Msg>("abc").is_err());
+        assert!(from_token::<Msg>("00").is_err());
+        assert!(decode::<Msg>(&encode(&m).unwrap(), 3).unwrap_err().to_string().contains("limit"));
+    }
+}
