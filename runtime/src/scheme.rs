@@ -215,6 +215,11 @@ impl<T: SenderTransport> Sender<T> {
         self.gate.current(model)
     }
 
+    /// Changes how long `send` waits for buffers and acknowledgements.
+    pub fn set_ack_timeout(&mut self, timeout: Duration) {
+        self.ack_timeout = timeout;
+    }
+
     /// The agreed manifests.
     pub fn manifests(&self) -> &Manifests {
         &self.manifests

@@ -1,1 +1,14 @@
-//! x
+//! Refit transports: each module moves bytes one way and implements the runtime's
+//! [`SenderTransport`](refit_runtime::SenderTransport) and
+//! [`ReceiverTransport`](refit_runtime::ReceiverTransport).
+//!
+//! - [`inproc`]: threads and actors of one process; publishing is a pointer swap.
+//! - [`shm`]: processes of one host; a segment per model with N slots, a seqlock header per
+//!   slot, readers pinned to the slot they use, futex wake-ups.
+//!
+//! Errors are the runtime's [`refit_runtime::Error`]: the transport traits return it, so a
+//! second enum here would only be converted back.
+#![warn(missing_docs, unreachable_pub, missing_debug_implementations)]
+
+pub mod inproc;
+pub mod shm;

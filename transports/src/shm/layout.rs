@@ -1,0 +1,82 @@
+//! Where everything lives in the board and data segments.
+//!
+//! Board segment (one per scheme):
+//!
+//! ```text
+//! 0    magic u64 | layout u32 | n_models u32 | n_slots u32 | max_receivers u32
+//! 24   sender_pid u32 | state u32 | commit_seq u32 (seqlock + futex) | ack_seq u32 (futex)
+//! 40   directory_len u64 | generation u64
+//! 64   per model: version u64, slot u64                         (MAX_MODELS entries)
+//! 256  per receiver (RECEIVER_STRIDE bytes): state u32, pid u32, ...
+//!      +64 acked version per model u64, +128 pins[model][slot] u32
+//! DIR  msgpack of the directory (manifests, data segment paths), page-aligned
+//! ```
+//!
+//! Data segment (one per model): `n_slots` slots, each a page of header (`seq u64` even when
+//! stable and odd while written, `version u64`) followed by the arena, page-aligned.
+
+/// "REFITSHM".
+pub(crate) const MAGIC: u64 = u64::from_le_bytes(*b"REFITSHM");
+pub(crate) const LAYOUT: u32 = 1;
+pub(crate) const PAGE: usize = 4096;
+/// Most models one scheme carries.
+pub const MAX_MODELS: usize = 8;
+/// Most slots per model.
+pub const MAX_SLOTS: usize = 8;
+
+pub(crate) const OFF_MAGIC: usize = 0;
+pub(crate) const OFF_LAYOUT: usize = 8;
+pub(crate) const OFF_N_MODELS: usize = 12;
+pub(crate) const OFF_N_SLOTS: usize = 16;
+pub(crate) const OFF_MAX_RECEIVERS: usize = 20;
+pub(crate) const OFF_SENDER_PID: usize = 24;
+pub(crate) const OFF_STATE: usize = 28;
+pub(crate) const OFF_COMMIT_SEQ: usize = 32;
+pub(crate) const OFF_ACK_SEQ: usize = 36;
+pub(crate) const OFF_DIR_LEN: usize = 40;
+pub(crate) const OFF_GENERATION: usize = 48;
+pub(crate) const OFF_ENTRIES: usize = 64;
+pub(crate) const ENTRY_STRIDE: usize = 16;
+pub(crate) const OFF_RECEIVERS: usize = 256;
+pub(crate) const RECEIVER_STRIDE: usize = 512;
+pub(crate) const R_STATE: usize = 0;
+pub(crate) const R_PID: usize = 4;
+pub(crate) const R_ACKED: usize = 64;
+pub(crate) const R_PINS: usize = 128;
+
+pub(crate) const STATE_INIT: u32 = 0;
+pub(crate) const STATE_LIVE: u32 = 1;
+pub(crate) const STATE_SHUTDOWN: u32 = 2;
+
+pub(crate) const RECEIVER_FREE: u32 = 0;
+pub(crate) const RECEIVER_CLAIMED: u32 = 1;
+
+pub(crate) fn entry_version(model: usize) -> usize {
+    OFF_ENTRIES + model * ENTRY_STRIDE
+}
+pub(crate) fn entry_slot(model: usize) -> usize {
+    OFF_ENTRIES + model * ENTRY_STRIDE + 8
+}
+pub(crate) fn receiver(idx: usize) -> usize {
+    OFF_RECEIVERS + idx * RECEIVER_STRIDE
+}
+pub(crate) fn acked(idx: usize, model: usize) -> usize {
+    receiver(idx) + R_ACKED + model * 8
+}
+pub(crate) fn pin(idx: usize, model: usize, slot: usize) -> usize {
+    receiver(idx) + R_PINS + (model * MAX_SLOTS + slot) * 4
+}
+pub(crate) fn directory_offset(max_receivers: usize) -> usize {
+    round_up(receiver(max_receivers))
+}
+pub(crate) fn round_up(n: usize) -> usize {
+    n.div_ceil(PAGE) * PAGE
+}
+/// Bytes from one slot's start to the next's.
+pub(crate) fn slot_stride(arena_len: usize) -> usize {
+    PAGE + round_up(arena_len.max(1))
+}
+
+const _: () = assert!(OFF_ENTRIES + MAX_MODELS * ENTRY_STRIDE <= OFF_RECEIVERS);
+const _: () = assert!(R_PINS + MAX_MODELS * MAX_SLOTS * 4 <= RECEIVER_STRIDE);
+const _: () = assert!(R_ACKED + MAX_MODELS * 8 <= R_PINS);

@@ -1,0 +1,812 @@
+//! The shared-memory transport, for processes of one host.
+//!
+//! One *board* segment per scheme holds the commit record (which slot holds which version of
+//! each model, under a seqlock), the receivers' table (pins, acknowledgements, pids) and a
+//! directory of manifests; one *data* segment per model holds `slots` copies of its arena.
+//!
+//! - The sender writes a new version once, into a slot no reader has pinned, whatever the
+//!   number of receivers; then it flips the board in one seqlock step, so models published
+//!   together are seen together.
+//! - A reader pins the slots it reads (a per-reader counter the writer checks, Dekker-style
+//!   with sequentially consistent atomics), checks the slot header (even sequence, expected
+//!   version) before and after, and so proves it saw one whole version.
+//! - Receivers sleep on a futex in the board and are woken by each commit; no busy-spinning.
+//! - A sender that crashes mid-write leaves its slot odd and the board on the old version:
+//!   readers keep the old weights and learn the sender's death from its pid.
+//! - Shutdown removes every segment file; mappings that readers still hold stay valid.
+
+mod futex;
+mod layout;
+mod segment;
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, Ordering, fence};
+use std::time::{Duration, Instant};
+
+use refit_runtime::{
+    Error, Group, Manifest, Manifests, ModelId, ReceiverTransport, Result, SenderTransport,
+    SharedBytes, Version, WeightSet, wire,
+};
+use serde::{Deserialize, Serialize};
+
+pub use layout::{MAX_MODELS, MAX_SLOTS};
+use layout::*;
+use segment::Segment;
+
+const NAME: &str = "shm";
+/// How often a waiting receiver looks at the sender's pid.
+const LIVENESS_EVERY: Duration = Duration::from_millis(100);
+
+/// Where and how the segments are made.
+#[derive(Debug, Clone)]
+pub struct ShmConfig {
+    /// Directory of the segment files (default `/dev/shm`, memory-backed on Linux).
+    pub dir: PathBuf,
+    /// Slots per model (at least 2; default 3 so a lagging reader never blocks the writer).
+    pub slots: usize,
+    /// Most receivers that can attach at once (default 64).
+    pub max_receivers: usize,
+    /// Receivers `connect` waits for before returning (default 0: whoever attaches).
+    pub expected_receivers: usize,
+}
+
+impl Default for ShmConfig {
+    fn default() -> Self {
+        Self {
+            dir: PathBuf::from("/dev/shm"),
+            slots: 3,
+            max_receivers: 64,
+            expected_receivers: 0,
+        }
+    }
+}
+
+/// What a receiver needs to attach: serialisable, shipped to another process (see
+/// [`refit_runtime::wire::to_token`]).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ShmReceiverSpec {
+    /// Path of the board segment.
+    pub board: PathBuf,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct Directory {
+    models: Vec<DirModel>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct DirModel {
+    id: ModelId,
+    manifest: Manifest,
+    data: PathBuf,
+}
+
+fn shm_err(message: impl Into<String>) -> Error {
+    Error::transport(NAME, message)
+}
+
+fn state_word(board: &Segment) -> Result<&AtomicU32> {
+    board.u32_at(OFF_STATE)
+}
+
+/// One consistent read of the commit record: `(version, slot)` per model.
+fn read_board(board: &Segment, n_models: usize, sender_pid: u32) -> Result<Vec<(u64, u64)>> {
+    let seq = board.u32_at(OFF_COMMIT_SEQ)?;
+    let started = Instant::now();
+    loop {
+        let before = seq.load(Ordering::Acquire);
+        if before % 2 == 0 {
+            let mut out = Vec::with_capacity(n_models);
+            for m in 0..n_models {
+                out.push((
+                    board.u64_at(entry_version(m))?.load(Ordering::Relaxed),
+                    board.u64_at(entry_slot(m))?.load(Ordering::Relaxed),
+                ));
+            }
+            fence(Ordering::Acquire);
+            if seq.load(Ordering::Relaxed) == before {
+                return Ok(out);
+            }
+        } else if started.elapsed() > LIVENESS_EVERY && !futex::alive(sender_pid) {
+            return Err(sender_gone(sender_pid, "died while committing"));
+        }
+        std::thread::yield_now();
+    }
+}
+
+fn sender_gone(pid: u32, reason: &str) -> Error {
+    Error::PeerGone {
+        peer: format!("shm sender (pid {pid})"),
+        reason: reason.into(),
+    }
+}
+
+/// The sending end: owns the segments.
+#[derive(Debug)]
+pub struct ShmSender {
+    board: Segment,
+    data: Vec<Segment>,
+    index: BTreeMap<ModelId, usize>,
+    current: Vec<Option<usize>>,
+    slots: usize,
+    max_receivers: usize,
+    expected_receivers: usize,
+    closed: bool,
+}
+
+impl ShmSender {
+    /// Creates the segments for `manifests` (local only: nobody is contacted).
+    ///
+    /// # Errors
+    /// Bad configuration (fewer than 2 or more than [`MAX_SLOTS`] slots, more than
+    /// [`MAX_MODELS`] models), or the files cannot be created.
+    pub fn create(config: &ShmConfig, manifests: &Manifests) -> Result<Self> {
+        if !(2..=MAX_SLOTS).contains(&config.slots) {
+            return Err(shm_err(format!("slots must be 2..={MAX_SLOTS}, got {}", config.slots)));
+        }
+        if manifests.is_empty() || manifests.len() > MAX_MODELS {
+            return Err(shm_err(format!(
+                "a scheme carries 1..={MAX_MODELS} models, got {}",
+                manifests.len()
+            )));
+        }
+        if config.max_receivers == 0 || config.max_receivers > 4096 {
+            return Err(shm_err("max_receivers must be 1..=4096"));
+        }
+        let scheme = uuid::Uuid::new_v4().simple().to_string();
+        let mut data = Vec::new();
+        let mut models = Vec::new();
+        let mut index = BTreeMap::new();
+        let cleanup = |segs: &[Segment]| {
+            for s in segs {
+                let _ = s.unlink();
+            }
+        };
+        for (i, (id, manifest)) in manifests.iter().enumerate() {
+            let path = config.dir.join(format!("refit-{scheme}-m{i}"));
+            let len = slot_stride(manifest.total_len())
+                .checked_mul(config.slots)
+                .ok_or_else(|| shm_err("segment size overflows"))?;
+            match Segment::create(&path, len) {
+                Ok(s) => data.push(s),
+                Err(e) => {
+                    cleanup(&data);
+                    return Err(e);
+                }
+            }
+            index.insert(id.clone(), i);
+            models.push(DirModel {
+                id: id.clone(),
+                manifest: (**manifest).clone(),
+                data: path,
+            });
+        }
+        let dir_bytes = wire::encode(&Directory { models })?;
+        let dir_off = directory_offset(config.max_receivers);
+        let board_path = config.dir.join(format!("refit-{scheme}-board"));
+        let board = match Segment::create(&board_path, dir_off + round_up(dir_bytes.len())) {
+            Ok(b) => b,
+            Err(e) => {
+                cleanup(&data);
+                return Err(e);
+            }
+        };
+        let sender = Self {
+            board,
+            data,
+            index,
+            current: vec![None; manifests.len()],
+            slots: config.slots,
+            max_receivers: config.max_receivers,
+            expected_receivers: config.expected_receivers,
+            closed: false,
+        };
+        sender.board.write(dir_off, &dir_bytes)?;
+        let b = &sender.board;
+        b.u32_at(OFF_LAYOUT)?.store(LAYOUT, Ordering::Relaxed);
+        b.u32_at(OFF_N_MODELS)?.store(manifests.len() as u32, Ordering::Relaxed);
+        b.u32_at(OFF_N_SLOTS)?.store(config.slots as u32, Ordering::Relaxed);
+        b.u32_at(OFF_MAX_RECEIVERS)?.store(config.max_receivers as u32, Ordering::Relaxed);
+        b.u32_at(OFF_SENDER_PID)?.store(std::process::id(), Ordering::Relaxed);
+        b.u64_at(OFF_DIR_LEN)?.store(dir_bytes.len() as u64, Ordering::Relaxed);
+        b.u64_at(OFF_MAGIC)?.store(MAGIC, Ordering::Release);
+        Ok(sender)
+    }
+
+    /// The description a receiver (in any process of this host) attaches with.
+    pub fn receiver_spec(&self) -> ShmReceiverSpec {
+        ShmReceiverSpec {
+            board: self.board.path().to_path_buf(),
+        }
+    }
+
+    /// Paths of every segment file (board first).
+    pub fn segment_paths(&self) -> Vec<PathBuf> {
+        std::iter::once(&self.board)
+            .chain(&self.data)
+            .map(|s| s.path().to_path_buf())
+            .collect()
+    }
+
+    /// Number of receivers attached now (dead ones are reaped first).
+    ///
+    /// # Errors
+    /// If the board cannot be read.
+    pub fn attached(&self) -> Result<usize> {
+        self.reap_dead()?;
+        let mut n = 0;
+        for r in 0..self.max_receivers {
+            if self.board.u32_at(receiver(r) + R_STATE)?.load(Ordering::SeqCst) == RECEIVER_CLAIMED {
+                n += 1;
+            }
+        }
+        Ok(n)
+    }
+
+    /// Frees the entries (and pins) of receivers whose process is gone.
+    fn reap_dead(&self) -> Result<()> {
+        for r in 0..self.max_receivers {
+            let state = self.board.u32_at(receiver(r) + R_STATE)?;
+            if state.load(Ordering::SeqCst) != RECEIVER_CLAIMED {
+                continue;
+            }
+            let pid = self.board.u32_at(receiver(r) + R_PID)?.load(Ordering::SeqCst);
+            if pid != 0 && !futex::alive(pid) {
+                tracing::warn!(receiver = r, pid, "shm receiver died; freeing its pins");
+                for m in 0..self.data.len() {
+                    for s in 0..self.slots {
+                        self.board.u32_at(pin(r, m, s))?.store(0, Ordering::SeqCst);
+                    }
+                }
+                state.store(RECEIVER_FREE, Ordering::SeqCst);
+            }
+        }
+        Ok(())
+    }
+
+    fn pinned(&self, model: usize, slot: usize) -> Result<bool> {
+        for r in 0..self.max_receivers {
+            if self.board.u32_at(pin(r, model, slot))?.load(Ordering::SeqCst) != 0 {
+                return Ok(true);
+            }
+        }
+        Ok(false)
+    }
+
+    /// Claims a slot for writing: leaves its sequence odd and returns it.
+    fn claim_slot(&self, model: usize, deadline: Instant) -> Result<(usize, u64)> {
+        let seg = &self.data[model];
+        let stride = seg.len() / self.slots;
+        loop {
+            for s in 0..self.slots {
+                if self.current[model] == Some(s) {
+                    continue;
+                }
+                let seq = seg.u64_at(s * stride)?;
+                let was = seq.load(Ordering::SeqCst);
+                seq.store(was | 1, Ordering::SeqCst);
+                if !self.pinned(model, s)? {
+                    return Ok((s, was & !1));
+                }
+                seq.store(was, Ordering::SeqCst);
+            }
+            self.reap_dead()?;
+            if Instant::now() >= deadline {
+                return Err(Error::Timeout {
+                    what: format!(
+                        "a free shm slot for model #{model}: all {} other slots pinned by readers",
+                        self.slots - 1
+                    ),
+                    after: Duration::ZERO,
+                });
+            }
+            std::thread::sleep(Duration::from_micros(100));
+        }
+    }
+
+    fn missing_acks(&self, entries: &[(ModelId, Version)]) -> Result<Vec<(usize, u32)>> {
+        let mut missing = Vec::new();
+        for r in 0..self.max_receivers {
+            if self.board.u32_at(receiver(r) + R_STATE)?.load(Ordering::SeqCst) != RECEIVER_CLAIMED {
+                continue;
+            }
+            for (id, v) in entries {
+                let m = self.model_index(id)?;
+                if self.board.u64_at(acked(r, m))?.load(Ordering::SeqCst) < v.get() {
+                    missing.push((r, self.board.u32_at(receiver(r) + R_PID)?.load(Ordering::SeqCst)));
+                    break;
+                }
+            }
+        }
+        Ok(missing)
+    }
+
+    fn model_index(&self, id: &ModelId) -> Result<usize> {
+        self.index
+            .get(id)
+            .copied()
+            .ok_or_else(|| Error::UnknownModel(id.clone()))
+    }
+}
+
+impl SenderTransport for ShmSender {
+    fn name(&self) -> &'static str {
+        NAME
+    }
+
+    fn connect(&mut self, initial: &Group, deadline: Instant) -> Result<()> {
+        self.publish(initial, deadline)?;
+        state_word(&self.board)?.store(STATE_LIVE, Ordering::SeqCst);
+        futex::wake_all(state_word(&self.board)?);
+        let ack_seq = self.board.u32_at(OFF_ACK_SEQ)?;
+        let start = Instant::now();
+        loop {
+            let seen = ack_seq.load(Ordering::SeqCst);
+            let n = self.attached()?;
+            if n >= self.expected_receivers {
+                return Ok(());
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return Err(Error::Timeout {
+                    what: format!(
+                        "{} shm receivers to attach ({n} did)",
+                        self.expected_receivers
+                    ),
+                    after: start.elapsed(),
+                });
+            }
+            futex::wait(ack_seq, seen, (deadline - now).min(LIVENESS_EVERY));
+        }
+    }
+
+    fn publish(&mut self, group: &Group, deadline: Instant) -> Result<()> {
+        if self.closed {
+            return Err(Error::State("shm sender is shut down"));
+        }
+        let mut placed = Vec::with_capacity(group.len());
+        for w in group {
+            let m = self.model_index(w.model())?;
+            let (slot, seq) = self.claim_slot(m, deadline)?;
+            let seg = &self.data[m];
+            let base = slot * (seg.len() / self.slots);
+            seg.write(base + PAGE, w.bytes())?;
+            seg.u64_at(base + 8)?.store(w.version().get(), Ordering::SeqCst);
+            seg.u64_at(base)?.store(seq + 2, Ordering::SeqCst);
+            placed.push((m, slot, w.version().get()));
+        }
+        let commit = self.board.u32_at(OFF_COMMIT_SEQ)?;
+        commit.fetch_add(1, Ordering::SeqCst);
+        for &(m, slot, v) in &placed {
+            self.board.u64_at(entry_version(m))?.store(v, Ordering::Relaxed);
+            self.board.u64_at(entry_slot(m))?.store(slot as u64, Ordering::Relaxed);
+            self.current[m] = Some(slot);
+        }
+        commit.fetch_add(1, Ordering::SeqCst);
+        self.board.u64_at(OFF_GENERATION)?.fetch_add(1, Ordering::SeqCst);
+        futex::wake_all(commit);
+        Ok(())
+    }
+
+    fn wait_acks(&mut self, entries: &[(ModelId, Version)], deadline: Instant) -> Result<()> {
+        let ack_seq = self.board.u32_at(OFF_ACK_SEQ)?;
+        let start = Instant::now();
+        loop {
+            let seen = ack_seq.load(Ordering::SeqCst);
+            self.reap_dead()?;
+            let missing = self.missing_acks(entries)?;
+            if missing.is_empty() {
+                return Ok(());
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return Err(Error::Timeout {
+                    what: format!(
+                        "shm receivers (slot, pid) {missing:?} to acknowledge {entries:?}"
+                    ),
+                    after: start.elapsed(),
+                });
+            }
+            futex::wait(ack_seq, seen, (deadline - now).min(LIVENESS_EVERY));
+        }
+    }
+
+    fn shutdown(&mut self) -> Result<()> {
+        if self.closed {
+            return Ok(());
+        }
+        self.closed = true;
+        let state = state_word(&self.board)?;
+        state.store(STATE_SHUTDOWN, Ordering::SeqCst);
+        futex::wake_all(state);
+        futex::wake_all(self.board.u32_at(OFF_COMMIT_SEQ)?);
+        let mut first_err = None;
+        for s in std::iter::once(&self.board).chain(&self.data) {
+            if let Err(e) = s.unlink() {
+                first_err.get_or_insert(e);
+            }
+        }
+        first_err.map_or(Ok(()), Err)
+    }
+}
+
+impl Drop for ShmSender {
+    fn drop(&mut self) {
+        let _ = self.shutdown();
+    }
+}
+
+/// How a receiver reads a slot.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ShmReadMode {
+    /// Copy the slot into private memory, pinning it only for the copy (default): the writer
+    /// is never held back by a slow reader.
+    #[default]
+    Copy,
+    /// Serve straight from the slot, pinned while any reader holds the weight set: no copy,
+    /// but the sender needs a free slot beyond those pinned.
+    ZeroCopy,
+}
+
+/// The receiver's claim on its table entry; freed when the receiver and every zero-copy
+/// weight set it handed out are gone.
+#[derive(Debug)]
+struct Lease {
+    board: Arc<Segment>,
+    idx: usize,
+}
+
+impl Drop for Lease {
+    fn drop(&mut self) {
+        if let Ok(state) = self.board.u32_at(receiver(self.idx) + R_STATE) {
+            if let Ok(pid) = self.board.u32_at(receiver(self.idx) + R_PID) {
+                pid.store(0, Ordering::SeqCst);
+            }
+            state.store(RECEIVER_FREE, Ordering::SeqCst);
+        }
+        if let Ok(ack) = self.board.u32_at(OFF_ACK_SEQ) {
+            ack.fetch_add(1, Ordering::SeqCst);
+            futex::wake_all(ack);
+        }
+    }
+}
+
+/// A pinned slot served without copying.
+struct PinnedSlot {
+    lease: Arc<Lease>,
+    data: Arc<Segment>,
+    pin_off: usize,
+    off: usize,
+    len: usize,
+}
+
+impl SharedBytes for PinnedSlot {
+    fn bytes(&self) -> &[u8] {
+        // Bounds were checked when the slot was pinned (same offsets); an empty slice is the
+        // only fallback and cannot happen for a well-formed directory.
+        self.data.bytes(self.off, self.len).unwrap_or(&[])
+    }
+}
+
+impl Drop for PinnedSlot {
+    fn drop(&mut self) {
+        if let Ok(p) = self.lease.board.u32_at(self.pin_off) {
+            p.fetch_sub(1, Ordering::SeqCst);
+        }
+    }
+}
+
+struct Attached {
+    board: Arc<Segment>,
+    lease: Arc<Lease>,
+    models: Vec<(ModelId, Arc<Manifest>, Arc<Segment>)>,
+    n_slots: usize,
+    sender_pid: u32,
+}
+
+/// A receiving end.
+pub struct ShmReceiver {
+    spec: ShmReceiverSpec,
+    mode: ShmReadMode,
+    attached: Option<Attached>,
+    seen: Vec<u64>,
+}
+
+impl std::fmt::Debug for ShmReceiver {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ShmReceiver")
+            .field("spec", &self.spec)
+            .field("mode", &self.mode)
+            .field("attached", &self.attached.is_some())
+            .finish()
+    }
+}
+
+impl ShmReceiver {
+    /// A receiver for `spec` (local only: nothing is opened until `connect`).
+    pub fn new(spec: ShmReceiverSpec) -> Self {
+        Self {
+            spec,
+            mode: ShmReadMode::default(),
+            attached: None,
+            seen: Vec::new(),
+        }
+    }
+
+    /// Chooses how slots are read.
+    #[must_use]
+    pub fn with_mode(mut self, mode: ShmReadMode) -> Self {
+        self.mode = mode;
+        self
+    }
+
+    fn attach(&self) -> Result<Option<Attached>> {
+        let board = match Segment::open(&self.spec.board, true) {
+            Ok(b) => Arc::new(b),
+            Err(Error::Path { source, .. }) if source.kind() == std::io::ErrorKind::NotFound => {
+                return Ok(None);
+            }
+            Err(e) => return Err(e),
+        };
+        if board.len() < OFF_RECEIVERS || board.u64_at(OFF_MAGIC)?.load(Ordering::Acquire) != MAGIC {
+            return Ok(None);
+        }
+        if board.u32_at(OFF_LAYOUT)?.load(Ordering::Relaxed) != LAYOUT {
+            return Err(shm_err("board was written by another layout version"));
+        }
+        match state_word(&board)?.load(Ordering::SeqCst) {
+            STATE_LIVE => {}
+            STATE_SHUTDOWN => {
+                return Err(sender_gone(
+                    board.u32_at(OFF_SENDER_PID)?.load(Ordering::Relaxed),
+                    "shut down",
+                ));
+            }
+            STATE_INIT => return Ok(None),
+            other => return Err(shm_err(format!("board is in unknown state {other}"))),
+        }
+        let max_receivers = board.u32_at(OFF_MAX_RECEIVERS)?.load(Ordering::Relaxed) as usize;
+        let n_slots = board.u32_at(OFF_N_SLOTS)?.load(Ordering::Relaxed) as usize;
+        let dir_len = usize::try_from(board.u64_at(OFF_DIR_LEN)?.load(Ordering::Relaxed))
+            .map_err(|_| shm_err("directory length overflows"))?;
+        let dir: Directory = wire::decode(
+            board.bytes(directory_offset(max_receivers), dir_len)?,
+            wire::MAX_CONTROL_MESSAGE,
+        )?;
+        if dir.models.len() > MAX_MODELS || !(2..=MAX_SLOTS).contains(&n_slots) {
+            return Err(shm_err("board directory is malformed"));
+        }
+        let mut models = Vec::with_capacity(dir.models.len());
+        for m in dir.models {
+            let seg = Arc::new(Segment::open(&m.data, false)?);
+            if seg.len() < slot_stride(m.manifest.total_len()) * n_slots {
+                return Err(shm_err(format!("data segment of `{}` is too small", m.id)));
+            }
+            models.push((m.id, Arc::new(m.manifest), seg));
+        }
+        let mut idx = None;
+        for r in 0..max_receivers {
+            let state = board.u32_at(receiver(r) + R_STATE)?;
+            if state
+                .compare_exchange(RECEIVER_FREE, RECEIVER_CLAIMED, Ordering::SeqCst, Ordering::SeqCst)
+                .is_ok()
+            {
+                idx = Some(r);
+                break;
+            }
+        }
+        let idx = idx.ok_or_else(|| shm_err(format!("all {max_receivers} receiver entries are taken")))?;
+        board.u32_at(receiver(idx) + R_PID)?.store(std::process::id(), Ordering::SeqCst);
+        for m in 0..MAX_MODELS {
+            board.u64_at(acked(idx, m))?.store(0, Ordering::SeqCst);
+        }
+        let sender_pid = board.u32_at(OFF_SENDER_PID)?.load(Ordering::Relaxed);
+        let lease = Arc::new(Lease {
+            board: Arc::clone(&board),
+            idx,
+        });
+        let ack = board.u32_at(OFF_ACK_SEQ)?;
+        ack.fetch_add(1, Ordering::SeqCst);
+        futex::wake_all(ack);
+        Ok(Some(Attached {
+            board,
+            lease,
+            models,
+            n_slots,
+            sender_pid,
+        }))
+    }
+
+    /// Pins every fresh model's slot, or nothing (a writer raced us: try again).
+    fn try_pin(a: &Attached, fresh: &[(usize, u64, usize)]) -> Result<bool> {
+        let mut pinned: Vec<&AtomicU32> = Vec::with_capacity(fresh.len());
+        for &(m, version, slot) in fresh {
+            let p = a.board.u32_at(pin(a.lease.idx, m, slot))?;
+            p.fetch_add(1, Ordering::SeqCst);
+            pinned.push(p);
+            let seg = &a.models[m].2;
+            let base = slot * (seg.len() / a.n_slots);
+            let seq = seg.u64_at(base)?.load(Ordering::SeqCst);
+            let v = seg.u64_at(base + 8)?.load(Ordering::SeqCst);
+            if seq % 2 == 1 || v != version {
+                for p in pinned {
+                    p.fetch_sub(1, Ordering::SeqCst);
+                }
+                return Ok(false);
+            }
+        }
+        Ok(true)
+    }
+
+    fn take_fresh(&mut self) -> Result<Option<Group>> {
+        let Some(a) = &self.attached else {
+            return Err(Error::State("shm receiver is not connected"));
+        };
+        loop {
+            let board = read_board(&a.board, a.models.len(), a.sender_pid)?;
+            let fresh: Vec<(usize, u64, usize)> = board
+                .iter()
+                .enumerate()
+                .filter(|(m, (v, _))| *v > self.seen[*m])
+                .map(|(m, &(v, s))| (m, v, s as usize))
+                .collect();
+            if fresh.is_empty() {
+                return Ok(None);
+            }
+            if fresh.iter().any(|&(_, _, s)| s >= a.n_slots) {
+                return Err(shm_err("board points at a slot that does not exist"));
+            }
+            if !Self::try_pin(a, &fresh)? {
+                std::thread::yield_now();
+                continue;
+            }
+            let mut group = Vec::with_capacity(fresh.len());
+            let mut result = Ok(());
+            for &(m, version, slot) in &fresh {
+                let (id, manifest, seg) = &a.models[m];
+                let base = slot * (seg.len() / a.n_slots);
+                let pin_off = pin(a.lease.idx, m, slot);
+                let ws = match self.mode {
+                    ShmReadMode::Copy => {
+                        let copy = seg
+                            .bytes(base + PAGE, manifest.total_len())
+                            .and_then(|b| {
+                                WeightSet::from_bytes(id.clone(), Version(version), Arc::clone(manifest), b)
+                            });
+                        // the header after the copy proves the slot was stable throughout
+                        let stable = seg.u64_at(base)?.load(Ordering::SeqCst) % 2 == 0
+                            && seg.u64_at(base + 8)?.load(Ordering::SeqCst) == version;
+                        a.board.u32_at(pin_off)?.fetch_sub(1, Ordering::SeqCst);
+                        if !stable {
+                            result = Err(shm_err(format!(
+                                "slot {slot} of `{id}` changed while pinned (protocol violation)"
+                            )));
+                            continue;
+                        }
+                        copy
+                    }
+                    ShmReadMode::ZeroCopy => WeightSet::from_shared(
+                        id.clone(),
+                        Version(version),
+                        Arc::clone(manifest),
+                        Arc::new(PinnedSlot {
+                            lease: Arc::clone(&a.lease),
+                            data: Arc::clone(seg),
+                            pin_off,
+                            off: base + PAGE,
+                            len: manifest.total_len(),
+                        }),
+                    ),
+                };
+                match ws {
+                    Ok(ws) => group.push(Arc::new(ws)),
+                    Err(e) => result = Err(e),
+                }
+            }
+            result?;
+            for &(m, v, _) in &fresh {
+                self.seen[m] = v;
+            }
+            return Ok(Some(group));
+        }
+    }
+}
+
+impl ReceiverTransport for ShmReceiver {
+    fn name(&self) -> &'static str {
+        NAME
+    }
+
+    fn connect(&mut self, deadline: Instant) -> Result<Manifests> {
+        let start = Instant::now();
+        let attached = loop {
+            if let Some(a) = self.attach()? {
+                break a;
+            }
+            if Instant::now() >= deadline {
+                return Err(Error::Timeout {
+                    what: format!("shm sender at {}", self.spec.board.display()),
+                    after: start.elapsed(),
+                });
+            }
+            std::thread::sleep(Duration::from_millis(2));
+        };
+        let manifests = Manifests::new(
+            attached
+                .models
+                .iter()
+                .map(|(id, m, _)| (id.clone(), Arc::clone(m))),
+        )?;
+        self.seen = vec![0; attached.models.len()];
+        self.attached = Some(attached);
+        Ok(manifests)
+    }
+
+    fn next_group(&mut self, deadline: Instant) -> Result<Option<Group>> {
+        let mut last_check = Instant::now();
+        loop {
+            let (commit_word, pid, state) = {
+                let a = self
+                    .attached
+                    .as_ref()
+                    .ok_or(Error::State("shm receiver is not connected"))?;
+                (
+                    a.board.u32_at(OFF_COMMIT_SEQ)?.load(Ordering::SeqCst),
+                    a.sender_pid,
+                    state_word(&a.board)?.load(Ordering::SeqCst),
+                )
+            };
+            if let Some(g) = self.take_fresh()? {
+                return Ok(Some(g));
+            }
+            if state == STATE_SHUTDOWN {
+                return Err(sender_gone(pid, "shut down"));
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return Ok(None);
+            }
+            if now.duration_since(last_check) >= LIVENESS_EVERY {
+                last_check = now;
+                if !futex::alive(pid) {
+                    return Err(sender_gone(pid, "process exited"));
+                }
+            }
+            let a = self
+                .attached
+                .as_ref()
+                .ok_or(Error::State("shm receiver is not connected"))?;
+            futex::wait(
+                a.board.u32_at(OFF_COMMIT_SEQ)?,
+                commit_word,
+                (deadline - now).min(LIVENESS_EVERY),
+            );
+        }
+    }
+
+    fn ack(&mut self, applied: &[(ModelId, Version)]) -> Result<()> {
+        let a = self
+            .attached
+            .as_ref()
+            .ok_or(Error::State("shm receiver is not connected"))?;
+        for (id, v) in applied {
+            let m = a
+                .models
+                .iter()
+                .position(|(mid, _, _)| mid == id)
+                .ok_or_else(|| Error::UnknownModel(id.clone()))?;
+            a.board.u64_at(acked(a.lease.idx, m))?.store(v.get(), Ordering::SeqCst);
+        }
+        let ack = a.board.u32_at(OFF_ACK_SEQ)?;
+        ack.fetch_add(1, Ordering::SeqCst);
+        futex::wake_all(ack);
+        Ok(())
+    }
+
+    fn shutdown(&mut self) -> Result<()> {
+        self.attached = None;
+        Ok(())
+    }
+}

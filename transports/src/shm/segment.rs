@@ -1,0 +1,170 @@
+//! A file in shared memory mapped into this process, with typed access to the atomic words
+//! the layout places in it.
+
+use std::fs::{File, OpenOptions};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU32, AtomicU64};
+
+use memmap2::MmapRaw;
+use refit_runtime::{Error, Result};
+
+/// One mapped segment.
+#[derive(Debug)]
+pub(crate) struct Segment {
+    map: MmapRaw,
+    path: PathBuf,
+    len: usize,
+}
+
+fn path_err(context: &'static str, path: &Path, source: std::io::Error) -> Error {
+    Error::Path {
+        context,
+        path: path.to_path_buf(),
+        source,
+    }
+}
+
+impl Segment {
+    /// Creates a new zero-filled segment; fails if the file exists.
+    pub(crate) fn create(path: &Path, len: usize) -> Result<Self> {
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create_new(true)
+            .open(path)
+            .map_err(|e| path_err("creating shared-memory segment", path, e))?;
+        file.set_len(len as u64)
+            .map_err(|e| path_err("sizing shared-memory segment", path, e))?;
+        Self::map(file, path, len, true)
+    }
+
+    /// Opens an existing segment.
+    pub(crate) fn open(path: &Path, writable: bool) -> Result<Self> {
+        let file = OpenOptions::new()
+            .read(true)
+            .write(writable)
+            .open(path)
+            .map_err(|e| path_err("opening shared-memory segment", path, e))?;
+        let len = file
+            .metadata()
+            .map_err(|e| path_err("reading size of", path, e))?
+            .len();
+        let len = usize::try_from(len).map_err(|_| {
+            Error::transport("shm", format!("segment {} is too large", path.display()))
+        })?;
+        Self::map(file, path, len, writable)
+    }
+
+    fn map(file: File, path: &Path, len: usize, writable: bool) -> Result<Self> {
+        let map = if writable {
+            memmap2::MmapOptions::new().len(len).map_raw(&file)
+        } else {
+            memmap2::MmapOptions::new().len(len).map_raw_read_only(&file)
+        }
+        .map_err(|e| path_err("mapping", path, e))?;
+        Ok(Self {
+            map,
+            path: path.to_path_buf(),
+            len,
+        })
+    }
+
+    pub(crate) fn len(&self) -> usize {
+        self.len
+    }
+
+    pub(crate) fn path(&self) -> &Path {
+        &self.path
+    }
+
+    fn check(&self, off: usize, size: usize, align: usize) -> Result<()> {
+        if off % align != 0 || off.checked_add(size).is_none_or(|end| end > self.len) {
+            return Err(Error::transport(
+                "shm",
+                format!(
+                    "segment {}: {size} bytes at {off} fall outside its {} bytes",
+                    self.path.display(),
+                    self.len
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// The atomic u32 at `off`.
+    pub(crate) fn u32_at(&self, off: usize) -> Result<&AtomicU32> {
+        self.check(off, 4, 4)?;
+        // SAFETY: the mapping starts page-aligned and lives as long as `self`; `off` is
+        // 4-aligned and in bounds (checked above). AtomicU32 has the size and alignment of
+        // u32, and every process touches these words only through atomics.
+        Ok(unsafe { &*self.map.as_ptr().add(off).cast::<AtomicU32>() })
+    }
+
+    /// The atomic u64 at `off`.
+    pub(crate) fn u64_at(&self, off: usize) -> Result<&AtomicU64> {
+        self.check(off, 8, 8)?;
+        // SAFETY: as in `u32_at`, with 8-byte alignment checked.
+        Ok(unsafe { &*self.map.as_ptr().add(off).cast::<AtomicU64>() })
+    }
+
+    /// Reads `len` bytes at `off`.
+    ///
+    /// The caller guarantees no process writes them meanwhile (the slot is pinned).
+    pub(crate) fn bytes(&self, off: usize, len: usize) -> Result<&[u8]> {
+        self.check(off, len, 1)?;
+        // SAFETY: in bounds (checked); the mapping outlives the borrow. The protocol keeps
+        // writers off a pinned slot, so the bytes do not change while borrowed.
+        Ok(unsafe { std::slice::from_raw_parts(self.map.as_ptr().add(off), len) })
+    }
+
+    /// Writes `src` at `off` (the caller holds the slot in its writing state).
+    pub(crate) fn write(&self, off: usize, src: &[u8]) -> Result<()> {
+        self.check(off, src.len(), 1)?;
+        if self.map.as_mut_ptr().is_null() {
+            return Err(Error::State("segment is not mapped"));
+        }
+        // SAFETY: in bounds (checked); the mapping is writable (writers map with `create` or
+        // `open(.., true)`); no reader looks at a slot in its writing state, so nothing aliases
+        // the destination; `src` is ordinary process memory, so the ranges do not overlap.
+        unsafe {
+            std::ptr::copy_nonoverlapping(src.as_ptr(), self.map.as_mut_ptr().add(off), src.len());
+        }
+        Ok(())
+    }
+
+    /// Removes the file (mappings stay valid until dropped).
+    pub(crate) fn unlink(&self) -> Result<()> {
+        match std::fs::remove_file(&self.path) {
+            Ok(()) => Ok(()),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+            Err(e) => Err(path_err("removing", &self.path, e)),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::Ordering;
+
+    #[test]
+    fn typed_words_are_bounds_checked() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("seg");
+        let s = Segment::create(&p, 4096).unwrap();
+        assert!(Segment::create(&p, 4096).is_err());
+        s.u64_at(8).unwrap().store(77, Ordering::SeqCst);
+        s.write(100, b"hello").unwrap();
+        let r = Segment::open(&p, false).unwrap();
+        assert_eq!(r.len(), 4096);
+        assert_eq!(r.u64_at(8).unwrap().load(Ordering::SeqCst), 77);
+        assert_eq!(r.bytes(100, 5).unwrap(), b"hello");
+        assert!(s.u64_at(4).is_err());
+        assert!(s.u32_at(4094).is_err());
+        assert!(s.bytes(4000, 200).is_err());
+        assert!(s.write(usize::MAX, b"x").is_err());
+        s.unlink().unwrap();
+        s.unlink().unwrap();
+        assert!(!p.exists());
+    }
+}

@@ -1,0 +1,56 @@
+//! Helpers shared by the transport tests.
+#![allow(dead_code, unreachable_pub, missing_docs, clippy::unwrap_used)]
+
+use std::sync::Arc;
+
+use refit_runtime::{DType, Manifest, Manifests, ModelId, Version, WeightSet};
+
+pub fn id(s: &str) -> ModelId {
+    ModelId::new(s).unwrap()
+}
+
+pub fn manifest(hidden: usize) -> Arc<Manifest> {
+    Arc::new(
+        Manifest::builder()
+            .tensor("fc1.weight", DType::F32, &[hidden, 4])
+            .tensor("fc1.bias", DType::F32, &[hidden])
+            .tensor("head.weight", DType::F32, &[2, hidden])
+            .tensor("steps", DType::I64, &[])
+            .build()
+            .unwrap(),
+    )
+}
+
+pub fn manifests(models: &[(&str, &Arc<Manifest>)]) -> Manifests {
+    Manifests::new(models.iter().map(|(n, m)| (id(n), Arc::clone(m)))).unwrap()
+}
+
+/// A weight set whose every f32 equals the version and whose `steps` is the version.
+pub fn stamped(model: &str, m: &Arc<Manifest>, version: u64) -> WeightSet {
+    let mut ws = WeightSet::zeroed(id(model), Arc::clone(m));
+    for t in m.tensors() {
+        match t.dtype {
+            DType::F32 => ws.view_mut::<f32>(&t.name).unwrap().fill(version as f32),
+            DType::I64 => ws.view_mut::<i64>(&t.name).unwrap().fill(version as i64),
+            _ => unreachable!(),
+        }
+    }
+    ws.set_version(Version(version));
+    ws
+}
+
+/// Checks that every tensor carries the weight set's own version stamp.
+pub fn check_stamp(ws: &WeightSet) -> Result<(), String> {
+    let v = ws.version().get();
+    for t in ws.tensors() {
+        let ok = match t.dtype() {
+            DType::F32 => t.as_slice::<f32>().unwrap().iter().all(|&x| x == v as f32),
+            DType::I64 => t.as_slice::<i64>().unwrap().iter().all(|&x| x == v as i64),
+            _ => false,
+        };
+        if !ok {
+            return Err(format!("torn read: tensor `{}` of {} disagrees with version {v}", t.name(), ws.model()));
+        }
+    }
+    Ok(())
+}

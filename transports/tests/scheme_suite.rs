@@ -1,0 +1,337 @@
+//! One suite of lifecycle tests, run over every transport of this crate.
+#![allow(clippy::unwrap_used, missing_docs)]
+
+mod common;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use common::*;
+use refit_runtime::{
+    DType, Error, Manifest, Manifests, ReceiverInit, ReceiverTransport, SenderInit,
+    SenderTransport, Version, WeightSet,
+};
+use refit_transports::inproc::InProc;
+use refit_transports::shm::{ShmConfig, ShmReadMode, ShmReceiver, ShmSender};
+
+const T: Duration = Duration::from_secs(10);
+
+/// Makes a sender transport and `n` receiver transports for the given models.
+trait Make {
+    type S: SenderTransport + std::fmt::Debug + 'static;
+    type R: ReceiverTransport + std::fmt::Debug + 'static;
+    fn make(&self, ms: &Manifests, n: usize) -> (Self::S, Vec<Self::R>);
+}
+
+struct InProcMake;
+impl Make for InProcMake {
+    type S = refit_transports::inproc::InProcSender;
+    type R = refit_transports::inproc::InProcReceiver;
+    fn make(&self, _ms: &Manifests, n: usize) -> (Self::S, Vec<Self::R>) {
+        let hub = InProc::new();
+        let rs = (0..n).map(|_| hub.receiver()).collect();
+        (hub.sender().unwrap(), rs)
+    }
+}
+
+struct ShmMake(ShmReadMode);
+impl Make for ShmMake {
+    type S = ShmSender;
+    type R = ShmReceiver;
+    fn make(&self, ms: &Manifests, n: usize) -> (Self::S, Vec<Self::R>) {
+        let cfg = ShmConfig {
+            expected_receivers: n,
+            ..ShmConfig::default()
+        };
+        let s = ShmSender::create(&cfg, ms).unwrap();
+        let spec = s.receiver_spec();
+        let rs = (0..n).map(|_| ShmReceiver::new(spec.clone()).with_mode(self.0)).collect();
+        (s, rs)
+    }
+}
+
+fn all_makers(f: impl Fn(&dyn Fn() -> Box<dyn Runner>)) {
+    f(&|| Box::new(InProcMake));
+    f(&|| Box::new(ShmMake(ShmReadMode::Copy)));
+    f(&|| Box::new(ShmMake(ShmReadMode::ZeroCopy)));
+}
+
+/// Object-safe runner so one list covers every transport.
+trait Runner {
+    fn versions_flow_and_stale_is_refused(&self);
+    fn bad_tensor_is_refused_and_previous_served(&self);
+    fn two_models_land_together(&self);
+    fn timeout_and_dead_sender(&self);
+}
+
+fn connect_all<M: Make>(
+    m: &M,
+    ms: &Manifests,
+    initial: Vec<WeightSet>,
+    n: usize,
+) -> (
+    refit_runtime::Sender<M::S>,
+    Vec<refit_runtime::Receiver<M::R>>,
+) {
+    let (s, rs) = m.make(ms, n);
+    let handles: Vec<_> = rs
+        .into_iter()
+        .map(|r| std::thread::spawn(move || ReceiverInit::new(r, None).connect(T)))
+        .collect();
+    let sender = SenderInit::new(s, ms.clone()).with_ack_timeout(T).connect(initial, T).unwrap();
+    let receivers = handles.into_iter().map(|h| h.join().unwrap().unwrap()).collect();
+    (sender, receivers)
+}
+
+impl<M: Make> Runner for M {
+    fn versions_flow_and_stale_is_refused(&self) {
+        let m = manifest(16);
+        let ms = manifests(&[("policy", &m)]);
+        let (mut sender, mut receivers) = connect_all(self, &ms, vec![stamped("policy", &m, 1)], 2);
+        let p = id("policy");
+        for r in &receivers {
+            assert_eq!(r.version(&p), Version(1));
+            check_stamp(&r.current(&p).unwrap()).unwrap();
+        }
+        // receivers apply on their own threads while the sender waits for their acks
+        let stop = Arc::new(AtomicBool::new(false));
+        let loops: Vec<_> = receivers
+            .drain(..)
+            .map(|r| {
+                let stop = Arc::clone(&stop);
+                std::thread::spawn(move || {
+                    let mut r = r;
+                    let mut last = 1;
+                    while !stop.load(Ordering::Acquire) {
+                        if let Some(u) = r.receive(Duration::from_millis(20)).unwrap() {
+                            let w = &u.group[0];
+                            check_stamp(w).unwrap();
+                            assert!(w.version().get() > last, "versions only grow");
+                            last = w.version().get();
+                        }
+                    }
+                    r
+                })
+            })
+            .collect();
+        for v in 2..=40 {
+            let acked = sender.send(stamped("policy", &m, v)).unwrap();
+            assert_eq!(acked, vec![(p.clone(), Version(v))]);
+        }
+        let dup = sender.send(stamped("policy", &m, 40)).unwrap_err();
+        assert!(matches!(dup, Error::StaleVersion { .. }), "{dup}");
+        let old = sender.send(stamped("policy", &m, 7)).unwrap_err();
+        assert!(old.to_string().contains("version 7 refused, version 40 already applied"), "{old}");
+        stop.store(true, Ordering::Release);
+        for h in loops {
+            let r = h.join().unwrap();
+            assert_eq!(r.version(&p), Version(40));
+            check_stamp(&r.current(&p).unwrap()).unwrap();
+        }
+        sender.shutdown().unwrap();
+    }
+
+    fn bad_tensor_is_refused_and_previous_served(&self) {
+        let m = manifest(8);
+        let ms = manifests(&[("policy", &m)]);
+        let (mut sender, mut receivers) = connect_all(self, &ms, vec![stamped("policy", &m, 1)], 1);
+        let p = id("policy");
+        let wrong_shape = manifest(9);
+        let err = sender.send(stamped("policy", &wrong_shape, 2)).unwrap_err().to_string();
+        assert!(err.contains("tensor `fc1.weight`: shape [8, 4] expected, found [9, 4]"), "{err}");
+        let wrong_dtype = Arc::new(
+            Manifest::builder()
+                .tensor("fc1.weight", DType::F16, &[8, 4])
+                .tensor("fc1.bias", DType::F32, &[8])
+                .tensor("head.weight", DType::F32, &[2, 8])
+                .tensor("steps", DType::I64, &[])
+                .build()
+                .unwrap(),
+        );
+        let mut ws = WeightSet::zeroed(id("policy"), wrong_dtype);
+        ws.set_version(Version(2));
+        let err = sender.send(ws).unwrap_err().to_string();
+        assert!(err.contains("tensor `fc1.weight`: dtype f32 expected, found f16"), "{err}");
+        let renamed = Arc::new(
+            Manifest::builder()
+                .tensor("fc1.weight", DType::F32, &[8, 4])
+                .tensor("fc1.b", DType::F32, &[8])
+                .tensor("head.weight", DType::F32, &[2, 8])
+                .tensor("steps", DType::I64, &[])
+                .build()
+                .unwrap(),
+        );
+        let err = sender.send(stamped("policy", &renamed, 2)).unwrap_err().to_string();
+        assert!(err.contains("tensor `fc1.bias`: missing"), "{err}");
+        let err = sender.send(stamped("critic", &m, 2)).unwrap_err();
+        assert!(matches!(err, Error::UnknownModel(_)), "{err}");
+        // nothing was published: the receiver still serves version 1, and 2 still goes through
+        assert!(receivers[0].receive(Duration::from_millis(30)).unwrap().is_none());
+        assert_eq!(receivers[0].version(&p), Version(1));
+        check_stamp(&receivers[0].current(&p).unwrap()).unwrap();
+        let pending = sender.send_async(vec![stamped("policy", &m, 2)]).unwrap();
+        assert!(receivers[0].receive(T).unwrap().is_some());
+        sender.wait(&pending, T).unwrap();
+        assert_eq!(receivers[0].version(&p), Version(2));
+        // a receiver that expects another layout refuses to connect, naming the tensor
+        let (s2, mut rs2) = self.make(&ms, 1);
+        let expect = manifests(&[("policy", &wrong_shape)]);
+        let r = rs2.remove(0);
+        let h = std::thread::spawn(move || ReceiverInit::new(r, Some(expect)).connect(T));
+        let _sender2 = SenderInit::new(s2, ms.clone())
+            .with_ack_timeout(Duration::from_millis(300))
+            .connect(vec![stamped("policy", &m, 1)], Duration::from_millis(300));
+        let err = h.join().unwrap().unwrap_err().to_string();
+        assert!(err.contains("tensor `fc1.weight`"), "{err}");
+    }
+
+    fn two_models_land_together(&self) {
+        let ma = manifest(32);
+        let mc = manifest(8);
+        let ms = manifests(&[("actor", &ma), ("critic", &mc)]);
+        let (mut sender, mut receivers) = connect_all(
+            self,
+            &ms,
+            vec![stamped("actor", &ma, 1), stamped("critic", &mc, 1)],
+            1,
+        );
+        let r = receivers.remove(0);
+        let served = r.served();
+        let lp = r.spawn_loop(|_| {}, |e| panic!("refused: {e}"));
+        let stop = Arc::new(AtomicBool::new(false));
+        let reader = {
+            let stop = Arc::clone(&stop);
+            std::thread::spawn(move || {
+                let (a, c) = (id("actor"), id("critic"));
+                let mut checks = 0u64;
+                while !stop.load(Ordering::Acquire) {
+                    let snap = served.load();
+                    let (va, vc) = (snap.version(&a), snap.version(&c));
+                    assert_eq!(va, vc, "actor and critic seen at different versions");
+                    check_stamp(snap.get(&a).unwrap()).unwrap();
+                    check_stamp(snap.get(&c).unwrap()).unwrap();
+                    checks += 1;
+                }
+                checks
+            })
+        };
+        for v in 2..=60 {
+            sender
+                .send_group(vec![stamped("actor", &ma, v), stamped("critic", &mc, v)])
+                .unwrap();
+        }
+        stop.store(true, Ordering::Release);
+        assert!(reader.join().unwrap() > 0);
+        let r = lp.stop().unwrap();
+        assert_eq!(r.version(&id("critic")), Version(60));
+        // a group with one bad member publishes nothing
+        let bad = manifest(3);
+        assert!(sender
+            .send_group(vec![stamped("actor", &ma, 61), stamped("critic", &bad, 61)])
+            .is_err());
+        assert_eq!(sender.version(&id("actor")), Version(60));
+    }
+
+    fn timeout_and_dead_sender(&self) {
+        let m = manifest(4);
+        let ms = manifests(&[("policy", &m)]);
+        let (sender, mut receivers) = connect_all(self, &ms, vec![stamped("policy", &m, 1)], 1);
+        let t = Instant::now();
+        assert!(receivers[0].receive(Duration::from_millis(80)).unwrap().is_none());
+        let waited = t.elapsed();
+        assert!(waited >= Duration::from_millis(70) && waited < Duration::from_secs(2), "{waited:?}");
+        drop(sender);
+        let t = Instant::now();
+        let err = receivers[0].receive(Duration::from_secs(30)).unwrap_err();
+        assert!(matches!(err, Error::PeerGone { .. }), "{err}");
+        assert!(t.elapsed() < Duration::from_secs(2));
+        // the last applied weights stay served
+        check_stamp(&receivers[0].current(&id("policy")).unwrap()).unwrap();
+        // a receiver with no sender times out, never hangs
+        let (_s, mut rs) = self.make(&ms, 1);
+        let t = Instant::now();
+        let err = ReceiverInit::new(rs.remove(0), None)
+            .connect(Duration::from_millis(150))
+            .unwrap_err();
+        assert!(err.is_timeout(), "{err}");
+        assert!(t.elapsed() < Duration::from_secs(2));
+    }
+}
+
+#[test]
+fn versions_flow_and_stale_is_refused() {
+    all_makers(|mk| mk().versions_flow_and_stale_is_refused());
+}
+
+#[test]
+fn bad_tensor_is_refused_and_previous_served() {
+    all_makers(|mk| mk().bad_tensor_is_refused_and_previous_served());
+}
+
+#[test]
+fn two_models_land_together() {
+    all_makers(|mk| mk().two_models_land_together());
+}
+
+#[test]
+fn timeout_and_dead_sender() {
+    all_makers(|mk| mk().timeout_and_dead_sender());
+}
+
+#[test]
+fn sender_with_no_receiver_times_out_on_acks() {
+    let m = manifest(4);
+    let ms = manifests(&[("policy", &m)]);
+    let cfg = ShmConfig {
+        expected_receivers: 1,
+        ..ShmConfig::default()
+    };
+    let s = ShmSender::create(&cfg, &ms).unwrap();
+    let paths = s.segment_paths();
+    assert!(paths.iter().all(|p| p.exists()));
+    let t = Instant::now();
+    let err = SenderInit::new(s, ms)
+        .connect(vec![stamped("policy", &m, 1)], Duration::from_millis(200))
+        .unwrap_err();
+    assert!(err.is_timeout(), "{err}");
+    assert!(t.elapsed() < Duration::from_secs(2));
+    // the failed sender was dropped: its segments are gone
+    assert!(paths.iter().all(|p| !p.exists()), "segments left behind");
+}
+
+#[test]
+fn zero_copy_pins_hold_slots_and_writer_uses_free_ones() {
+    let m = manifest(64);
+    let ms = manifests(&[("policy", &m)]);
+    let (mut sender, mut rs) = connect_all(&ShmMake(ShmReadMode::ZeroCopy), &ms, vec![stamped("policy", &m, 1)], 1);
+    let p = id("policy");
+    let held = rs[0].current(&p).unwrap();
+    assert!(held.is_shared());
+    // publish many versions while the reader keeps an old one pinned: its bytes never change
+    let publish = |sender: &mut refit_runtime::Sender<ShmSender>,
+                   v: u64,
+                   rs: &mut Vec<refit_runtime::Receiver<ShmReceiver>>| {
+        let pending = sender.send_async(vec![stamped("policy", &m, v)])?;
+        rs[0].receive(T)?;
+        sender.wait(&pending, T)
+    };
+    for v in 2..=20 {
+        publish(&mut sender, v, &mut rs).unwrap();
+        check_stamp(&held).unwrap();
+    }
+    assert_eq!(held.version(), Version(1));
+    // pin a second old version; with 3 slots, two pinned old versions plus the one in force
+    // leave the writer no free slot: it says so within its deadline instead of overwriting
+    let held2 = rs[0].current(&p).unwrap();
+    sender.set_ack_timeout(Duration::from_millis(100));
+    publish(&mut sender, 21, &mut rs).unwrap();
+    let err = publish(&mut sender, 22, &mut rs).unwrap_err();
+    assert!(err.to_string().contains("pinned by readers"), "{err}");
+    check_stamp(&held).unwrap();
+    check_stamp(&held2).unwrap();
+    drop(held);
+    drop(held2);
+    publish(&mut sender, 23, &mut rs).unwrap();
+    assert_eq!(rs[0].version(&p), Version(23));
+}
