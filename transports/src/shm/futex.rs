@@ -42,7 +42,8 @@ pub(crate) fn wake_all(word: &AtomicU32) {
     }
 }
 
-/// True when a process with this pid exists (it may be a zombie).
+/// True when a process with this pid exists and has not exited (a zombie, exited but not yet
+/// reaped by its parent, counts as dead).
 pub(crate) fn alive(pid: u32) -> bool {
     let Ok(pid) = libc::pid_t::try_from(pid) else {
         return false;
@@ -53,7 +54,17 @@ pub(crate) fn alive(pid: u32) -> bool {
     // SAFETY: kill with signal 0 sends nothing; it only checks that the pid exists and that we
     // may signal it. No memory is touched.
     let r = unsafe { libc::kill(pid, 0) };
-    r == 0 || std::io::Error::last_os_error().raw_os_error() != Some(libc::ESRCH)
+    if r != 0 && std::io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH) {
+        return false;
+    }
+    // "pid (comm) S ...": the state letter follows the last ')'
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Ok(stat) => !matches!(
+            stat.rsplit_once(')').and_then(|(_, rest)| rest.trim_start().chars().next()),
+            Some('Z' | 'X')
+        ),
+        Err(_) => true,
+    }
 }
 
 #[cfg(test)]
@@ -90,6 +101,15 @@ mod tests {
     #[test]
     fn liveness() {
         assert!(alive(std::process::id()));
+        let mut child = std::process::Command::new("true").spawn().unwrap();
+        let pid = child.id();
+        let t = Instant::now();
+        while alive(pid) {
+            assert!(t.elapsed() < Duration::from_secs(5), "exited child still alive");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        child.wait().unwrap();
+        assert!(!alive(pid));
         assert!(!alive(0));
         assert!(!alive(u32::MAX));
     }

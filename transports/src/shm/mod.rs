@@ -331,6 +331,23 @@ impl ShmSender {
     }
 }
 
+impl ShmSender {
+    /// Test hook: claims a slot, writes half of `weights` into it and aborts the process, as a
+    /// crash in the middle of a publish would. Used by the crash tests; never call it otherwise.
+    #[doc(hidden)]
+    pub fn crash_mid_write(&mut self, weights: &WeightSet) -> ! {
+        if let Ok(m) = self.model_index(weights.model()) {
+            if let Ok((slot, _)) = self.claim_slot(m, Instant::now() + Duration::from_secs(5)) {
+                let seg = &self.data[m];
+                let base = slot * (seg.len() / self.slots);
+                let half = weights.bytes().len() / 2;
+                let _ = seg.write(base + PAGE, &weights.bytes()[..half]);
+            }
+        }
+        std::process::abort()
+    }
+}
+
 impl SenderTransport for ShmSender {
     fn name(&self) -> &'static str {
         NAME
