@@ -145,7 +145,9 @@ impl DType {
             other => {
                 return Err(Error::Safetensors {
                     source_name: "<header>".into(),
-                    reason: format!("tensor `{tensor}` has dtype {other:?}, which refit does not carry"),
+                    reason: format!(
+                        "tensor `{tensor}` has dtype {other:?}, which refit does not carry"
+                    ),
                 });
             }
         })

@@ -51,7 +51,9 @@ impl std::fmt::Display for Mismatch {
         match self {
             Self::Missing => write!(f, "missing from the incoming weights"),
             Self::Unexpected => write!(f, "not in the manifest"),
-            Self::DType { expected, found } => write!(f, "dtype {expected} expected, found {found}"),
+            Self::DType { expected, found } => {
+                write!(f, "dtype {expected} expected, found {found}")
+            }
             Self::Shape { expected, found } => {
                 write!(f, "shape {expected:?} expected, found {found:?}")
             }
@@ -96,7 +98,9 @@ pub enum Error {
     #[error("invalid model id {0:?}: {1}")]
     InvalidModelId(String, &'static str),
     /// A version that is not newer than the one already applied.
-    #[error("model `{model}`: version {offered} refused, version {current} already applied (versions only grow)")]
+    #[error(
+        "model `{model}`: version {offered} refused, version {current} already applied (versions only grow)"
+    )]
     StaleVersion {
         /// The model.
         model: ModelId,

@@ -31,7 +31,10 @@ impl ModelId {
             return Err(Error::InvalidModelId(name.into(), "longer than 255 bytes"));
         }
         if name.chars().any(char::is_control) {
-            return Err(Error::InvalidModelId(name.into(), "holds control characters"));
+            return Err(Error::InvalidModelId(
+                name.into(),
+                "holds control characters",
+            ));
         }
         Ok(Self(name.into()))
     }
@@ -77,9 +80,7 @@ impl fmt::Debug for ModelId {
 /// A per-model version, strictly increasing, stamped on every weight set the trainer publishes.
 ///
 /// Version 0 means "never published"; the first real version is 1.
-#[derive(
-    Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Default, Serialize, Deserialize,
-)]
+#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Default, Serialize, Deserialize)]
 #[serde(transparent)]
 pub struct Version(pub u64);
 

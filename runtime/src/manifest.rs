@@ -113,7 +113,10 @@ impl Manifest {
                 return Err(Error::InvalidManifest("a tensor has an empty name".into()));
             }
             if index.insert(t.name.clone(), i).is_some() {
-                return Err(Error::InvalidManifest(format!("tensor `{}` appears twice", t.name)));
+                return Err(Error::InvalidManifest(format!(
+                    "tensor `{}` appears twice",
+                    t.name
+                )));
             }
             let expect = t
                 .shape
@@ -300,7 +303,9 @@ impl ManifestBuilder {
             .iter()
             .try_fold(dtype.size(), |acc, &d| acc.checked_mul(d));
         let (Some(len), Some(offset)) = (len, align_up(self.cursor)) else {
-            self.error = Some(Error::InvalidManifest(format!("tensor `{name}`: size overflows")));
+            self.error = Some(Error::InvalidManifest(format!(
+                "tensor `{name}`: size overflows"
+            )));
             return;
         };
         self.cursor = offset + len;
@@ -370,7 +375,10 @@ mod tests {
             .build()
             .unwrap();
         let e = m.check_same_schema(&id, &shape).unwrap_err().to_string();
-        assert!(e.contains("tensor `w`") && e.contains("shape [3, 5] expected"), "{e}");
+        assert!(
+            e.contains("tensor `w`") && e.contains("shape [3, 5] expected"),
+            "{e}"
+        );
         let dtype = Manifest::builder()
             .tensor("w", DType::F32, &[3, 5])
             .tensor("b", DType::BF16, &[5])
@@ -378,7 +386,10 @@ mod tests {
             .build()
             .unwrap();
         let e = m.check_same_schema(&id, &dtype).unwrap_err().to_string();
-        assert!(e.contains("tensor `b`") && e.contains("dtype f16 expected, found bf16"), "{e}");
+        assert!(
+            e.contains("tensor `b`") && e.contains("dtype f16 expected, found bf16"),
+            "{e}"
+        );
         let missing = Manifest::builder()
             .tensor("w", DType::F32, &[3, 5])
             .tensor("b", DType::F16, &[5])
@@ -435,7 +446,9 @@ mod tests {
         let mut wire = ManifestWire::from(m);
         wire.schema_hash ^= 1;
         let bytes = rmp_serde::to_vec_named(&wire).unwrap();
-        let err = rmp_serde::from_slice::<Manifest>(&bytes).unwrap_err().to_string();
+        let err = rmp_serde::from_slice::<Manifest>(&bytes)
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("schema hash"), "{err}");
     }
 }

@@ -28,7 +28,10 @@ pub struct Ack {
 
 /// The entries of a group, in order.
 pub fn entries(group: &[Arc<WeightSet>]) -> Vec<(ModelId, Version)> {
-    group.iter().map(|w| (w.model().clone(), w.version())).collect()
+    group
+        .iter()
+        .map(|w| (w.model().clone(), w.version()))
+        .collect()
 }
 
 /// The agreed manifests of every model of a scheme.
@@ -55,7 +58,9 @@ impl Manifests {
     /// # Errors
     /// [`Error::UnknownModel`].
     pub fn get(&self, model: &ModelId) -> Result<&Arc<Manifest>> {
-        self.0.get(model).ok_or_else(|| Error::UnknownModel(model.clone()))
+        self.0
+            .get(model)
+            .ok_or_else(|| Error::UnknownModel(model.clone()))
     }
 
     /// Every `(model, manifest)`.
@@ -107,7 +112,9 @@ pub fn validate_group(manifests: &Manifests, group: &[Arc<WeightSet>]) -> Result
         if !seen.insert(w.model()) {
             return Err(Error::DuplicateModel(w.model().clone()));
         }
-        manifests.get(w.model())?.check_same_schema(w.model(), w.manifest())?;
+        manifests
+            .get(w.model())?
+            .check_same_schema(w.model(), w.manifest())?;
     }
     Ok(())
 }
@@ -231,25 +238,52 @@ mod tests {
         g.admit(&[(p.clone(), Version(1))]).unwrap();
         g.admit(&[(p.clone(), Version(5))]).unwrap();
         let dup = g.admit(&[(p.clone(), Version(5))]).unwrap_err();
-        assert!(matches!(dup, Error::StaleVersion { offered: Version(5), current: Version(5), .. }));
+        assert!(matches!(
+            dup,
+            Error::StaleVersion {
+                offered: Version(5),
+                current: Version(5),
+                ..
+            }
+        ));
         assert!(g.admit(&[(p.clone(), Version(2))]).is_err());
         assert!(g.admit(&[(p.clone(), Version(0))]).is_err());
         assert_eq!(g.current(&p), Version(5));
         // a group with one stale entry records nothing
         let c = id("critic");
-        assert!(g.admit(&[(c.clone(), Version(1)), (p.clone(), Version(4))]).is_err());
+        assert!(
+            g.admit(&[(c.clone(), Version(1)), (p.clone(), Version(4))])
+                .is_err()
+        );
         assert_eq!(g.current(&c), Version::ZERO);
-        assert!(g.admit(&[(c.clone(), Version(1)), (c.clone(), Version(2))]).is_err());
+        assert!(
+            g.admit(&[(c.clone(), Version(1)), (c.clone(), Version(2))])
+                .is_err()
+        );
     }
 
     #[test]
     fn groups_are_validated_whole() {
-        let a = Arc::new(Manifest::builder().tensor("x", DType::F32, &[4]).build().unwrap());
-        let b = Arc::new(Manifest::builder().tensor("x", DType::F32, &[5]).build().unwrap());
+        let a = Arc::new(
+            Manifest::builder()
+                .tensor("x", DType::F32, &[4])
+                .build()
+                .unwrap(),
+        );
+        let b = Arc::new(
+            Manifest::builder()
+                .tensor("x", DType::F32, &[5])
+                .build()
+                .unwrap(),
+        );
         let ms = Manifests::new([(id("actor"), a.clone()), (id("critic"), a.clone())]).unwrap();
         validate_group(&ms, &[ws("actor", &a, 1), ws("critic", &a, 1)]).unwrap();
         let e = validate_group(&ms, &[ws("actor", &a, 1), ws("critic", &b, 1)]).unwrap_err();
-        assert!(e.to_string().contains("model `critic`, tensor `x`: shape [4] expected"), "{e}");
+        assert!(
+            e.to_string()
+                .contains("model `critic`, tensor `x`: shape [4] expected"),
+            "{e}"
+        );
         assert!(matches!(
             validate_group(&ms, &[ws("nobody", &a, 1)]),
             Err(Error::UnknownModel(_))
@@ -272,10 +306,19 @@ mod tests {
         book.register(1);
         let e = vec![(id("p"), Version(3))];
         assert_eq!(book.missing(&e), vec![0, 1]);
-        book.record(&Ack { receiver: 0, applied: e.clone() });
+        book.record(&Ack {
+            receiver: 0,
+            applied: e.clone(),
+        });
         assert_eq!(book.missing(&e), vec![1]);
-        book.record(&Ack { receiver: 1, applied: vec![(id("p"), Version(4))] });
-        book.record(&Ack { receiver: 1, applied: vec![(id("p"), Version(2))] });
+        book.record(&Ack {
+            receiver: 1,
+            applied: vec![(id("p"), Version(4))],
+        });
+        book.record(&Ack {
+            receiver: 1,
+            applied: vec![(id("p"), Version(2))],
+        });
         assert!(book.missing(&e).is_empty());
         book.remove(1);
         assert_eq!(book.receivers().collect::<Vec<_>>(), vec![0]);

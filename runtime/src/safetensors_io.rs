@@ -50,8 +50,11 @@ impl WeightSet {
     /// # Errors
     /// [`Error::Safetensors`] if the encoder refuses (a header over 100 MB).
     pub fn to_safetensors_bytes(&self) -> Result<Vec<u8>> {
-        safetensors::serialize(self.tensors().map(|t| (t.name(), t)), Some(self.header_metadata()))
-            .map_err(|e| refused("<buffer>", e))
+        safetensors::serialize(
+            self.tensors().map(|t| (t.name(), t)),
+            Some(self.header_metadata()),
+        )
+        .map_err(|e| refused("<buffer>", e))
     }
 
     /// Writes this weight set to `path` atomically (temporary file, fsync, rename).
@@ -156,7 +159,10 @@ impl WeightSet {
             a.sort();
             b.sort();
             if a != b {
-                return Err(refused(source, format!("{KEY_ORDER} does not list the file's tensors")));
+                return Err(refused(
+                    source,
+                    format!("{KEY_ORDER} does not list the file's tensors"),
+                ));
             }
             order = declared;
         }
@@ -181,7 +187,12 @@ impl WeightSet {
     }
 
     fn header_metadata(&self) -> HashMap<String, String> {
-        let order: Vec<&str> = self.manifest().tensors().iter().map(|t| t.name.as_str()).collect();
+        let order: Vec<&str> = self
+            .manifest()
+            .tensors()
+            .iter()
+            .map(|t| t.name.as_str())
+            .collect();
         HashMap::from([
             (KEY_MODEL.to_string(), self.model().to_string()),
             (KEY_VERSION.to_string(), self.version().to_string()),
@@ -292,7 +303,12 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let empty = dir.path().join("empty.safetensors");
         std::fs::write(&empty, b"").unwrap();
-        assert!(WeightSet::read_safetensors(&empty, None).unwrap_err().to_string().contains("empty"));
+        assert!(
+            WeightSet::read_safetensors(&empty, None)
+                .unwrap_err()
+                .to_string()
+                .contains("empty")
+        );
         let missing = WeightSet::read_safetensors(dir.path().join("nope"), None).unwrap_err();
         assert!(matches!(missing, Error::Path { .. }), "{missing}");
     }

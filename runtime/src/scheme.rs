@@ -76,7 +76,8 @@ pub trait ReceiverTransport: Send {
 /// Deadline `timeout` from now (saturating).
 pub fn deadline_in(timeout: Duration) -> Instant {
     let now = Instant::now();
-    now.checked_add(timeout).unwrap_or(now + Duration::from_secs(86400 * 365))
+    now.checked_add(timeout)
+        .unwrap_or(now + Duration::from_secs(86400 * 365))
 }
 
 /// A sender that is initialised but not connected.
@@ -118,7 +119,9 @@ impl<T: SenderTransport> SenderInit<T> {
         let group: Group = initial.into_iter().map(Arc::new).collect();
         validate_group(&self.manifests, &group)?;
         if group.len() != self.manifests.len() {
-            return Err(Error::State("connect needs initial weights for every model"));
+            return Err(Error::State(
+                "connect needs initial weights for every model",
+            ));
         }
         let mut gate = VersionGate::default();
         gate.admit(&entries(&group))?;
@@ -197,7 +200,8 @@ impl<T: SenderTransport> Sender<T> {
         validate_group(&self.manifests, &group)?;
         let entries = entries(&group);
         self.gate.check(&entries)?;
-        self.transport.publish(&group, deadline_in(self.ack_timeout))?;
+        self.transport
+            .publish(&group, deadline_in(self.ack_timeout))?;
         self.gate.commit(&entries);
         Ok(PendingSend { entries })
     }
@@ -207,7 +211,8 @@ impl<T: SenderTransport> Sender<T> {
     /// # Errors
     /// [`Error::Timeout`] naming late receivers; [`Error::PeerGone`].
     pub fn wait(&mut self, pending: &PendingSend, timeout: Duration) -> Result<()> {
-        self.transport.wait_acks(&pending.entries, deadline_in(timeout))
+        self.transport
+            .wait_acks(&pending.entries, deadline_in(timeout))
     }
 
     /// The version in force for a model.
@@ -267,7 +272,9 @@ impl Snapshot {
 
     /// The version of one model ([`Version::ZERO`] if absent).
     pub fn version(&self, model: &ModelId) -> Version {
-        self.models.get(model).map_or(Version::ZERO, |w| w.version())
+        self.models
+            .get(model)
+            .map_or(Version::ZERO, |w| w.version())
     }
 
     /// Every model.
@@ -311,7 +318,10 @@ impl<T: ReceiverTransport> ReceiverInit<T> {
     /// Local setup only; no communication. With `expected`, connect refuses a sender whose
     /// manifests differ (naming the tensor).
     pub fn new(transport: T, expected: Option<Manifests>) -> Self {
-        Self { transport, expected }
+        Self {
+            transport,
+            expected,
+        }
     }
 
     /// Blocking rendez-vous: attaches, checks manifests, applies the initial weights.

@@ -113,7 +113,11 @@ mod tests {
     impl HasWeights for Linear {
         fn weight_manifest(&self) -> Result<Manifest> {
             Manifest::builder()
-                .tensor("w", DType::F32, &[self.b.len(), self.w.len() / self.b.len()])
+                .tensor(
+                    "w",
+                    DType::F32,
+                    &[self.b.len(), self.w.len() / self.b.len()],
+                )
                 .tensor("b", DType::F32, &[self.b.len()])
                 .build()
         }
@@ -131,16 +135,28 @@ mod tests {
 
     #[test]
     fn arena_strategy_moves_weights_and_refuses_other_layouts() {
-        let src = Linear { w: vec![1., 2., 3., 4., 5., 6.], b: vec![7., 8.] };
+        let src = Linear {
+            w: vec![1., 2., 3., 4., 5., 6.],
+            b: vec![7., 8.],
+        };
         let id = ModelId::new("lin").unwrap();
         let mut ws = extract_new(&ArenaStrategy, &src, id.clone()).unwrap();
         ws.set_version(Version(3));
-        let mut dst = Linear { w: vec![0.; 6], b: vec![0.; 2] };
+        let mut dst = Linear {
+            w: vec![0.; 6],
+            b: vec![0.; 2],
+        };
         ArenaStrategy.apply(&ws, &mut dst).unwrap();
         assert_eq!(dst.w, src.w);
         assert_eq!(dst.b, src.b);
-        let mut wrong = Linear { w: vec![0.; 9], b: vec![0.; 3] };
-        let err = ArenaStrategy.apply(&ws, &mut wrong).unwrap_err().to_string();
+        let mut wrong = Linear {
+            w: vec![0.; 9],
+            b: vec![0.; 3],
+        };
+        let err = ArenaStrategy
+            .apply(&ws, &mut wrong)
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("tensor `w`"), "{err}");
         assert_eq!(wrong.w, vec![0.; 9]);
         let mut copy = WeightSet::zeroed(id, Arc::clone(ws.manifest()));

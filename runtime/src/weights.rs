@@ -198,7 +198,8 @@ impl WeightSet {
     /// # Errors
     /// [`Error::Tensor`] / [`Error::Schema`] if the manifests differ; [`Error::ReadOnly`].
     pub fn copy_from(&mut self, other: &WeightSet) -> Result<()> {
-        self.manifest.check_same_schema(&self.model, &other.manifest)?;
+        self.manifest
+            .check_same_schema(&self.model, &other.manifest)?;
         self.bytes_mut()?.copy_from_slice(other.bytes());
         self.version = other.version;
         Ok(())
@@ -326,12 +327,20 @@ mod tests {
     fn views_by_name_are_typed() {
         let id = ModelId::new("m").unwrap();
         let mut ws = WeightSet::zeroed(id.clone(), manifest());
-        ws.view_mut::<f32>("w").unwrap().copy_from_slice(&[1., 2., 3., 4., 5., 6.]);
+        ws.view_mut::<f32>("w")
+            .unwrap()
+            .copy_from_slice(&[1., 2., 3., 4., 5., 6.]);
         ws.view_mut::<f64>("b").unwrap()[2] = 9.5;
         assert_eq!(ws.view::<f32>("w").unwrap()[4], 5.0);
         assert_eq!(ws.view::<f64>("b").unwrap(), &[0.0, 0.0, 9.5]);
-        assert!(matches!(ws.view::<f64>("w"), Err(Error::WrongElement { .. })));
-        assert!(matches!(ws.view::<f32>("nope"), Err(Error::NoSuchTensor(_))));
+        assert!(matches!(
+            ws.view::<f64>("w"),
+            Err(Error::WrongElement { .. })
+        ));
+        assert!(matches!(
+            ws.view::<f32>("nope"),
+            Err(Error::NoSuchTensor(_))
+        ));
         let names: Vec<_> = ws.tensors().map(|t| t.name().to_string()).collect();
         assert_eq!(names, ["w", "b"]);
         let copy = ws.clone();
@@ -343,11 +352,20 @@ mod tests {
     fn shared_storage_is_read_only_and_length_checked() {
         let id = ModelId::new("m").unwrap();
         let m = manifest();
-        let bad = WeightSet::from_shared(id.clone(), Version(1), m.clone(), Arc::new(Fixed(vec![0; 3])));
+        let bad = WeightSet::from_shared(
+            id.clone(),
+            Version(1),
+            m.clone(),
+            Arc::new(Fixed(vec![0; 3])),
+        );
         assert!(bad.unwrap_err().to_string().contains("<arena>"));
-        let mut ws =
-            WeightSet::from_shared(id, Version(1), m.clone(), Arc::new(Fixed(vec![1; m.total_len()])))
-                .unwrap();
+        let mut ws = WeightSet::from_shared(
+            id,
+            Version(1),
+            m.clone(),
+            Arc::new(Fixed(vec![1; m.total_len()])),
+        )
+        .unwrap();
         assert!(ws.is_shared());
         assert!(matches!(ws.bytes_mut(), Err(Error::ReadOnly(_))));
         let owned = ws.to_owned_copy();

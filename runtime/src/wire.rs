@@ -51,7 +51,7 @@ pub fn to_token<T: Serialize + ?Sized>(value: &T) -> Result<String> {
 /// [`Error::Wire`] on bad hex, an oversized token or a malformed message.
 pub fn from_token<T: DeserializeOwned>(token: &str) -> Result<T> {
     let t = token.trim().as_bytes();
-    if t.len() % 2 != 0 || t.len() / 2 > MAX_CONTROL_MESSAGE {
+    if !t.len().is_multiple_of(2) || t.len() / 2 > MAX_CONTROL_MESSAGE {
         return Err(Error::Wire("token has an odd or excessive length".into()));
     }
     let nib = |c: u8| match c {
@@ -81,12 +81,21 @@ mod tests {
 
     #[test]
     fn tokens_round_trip_and_refuse_garbage() {
-        let m = Msg { id: uuid::Uuid::new_v4(), n: 7, blob: vec![1, 2, 255] };
+        let m = Msg {
+            id: uuid::Uuid::new_v4(),
+            n: 7,
+            blob: vec![1, 2, 255],
+        };
         let t = to_token(&m).unwrap();
         assert_eq!(from_token::<Msg>(&t).unwrap(), m);
         assert!(from_token::<Msg>("zz").is_err());
         assert!(from_token::<Msg>("abc").is_err());
         assert!(from_token::<Msg>("00").is_err());
-        assert!(decode::<Msg>(&encode(&m).unwrap(), 3).unwrap_err().to_string().contains("limit"));
+        assert!(
+            decode::<Msg>(&encode(&m).unwrap(), 3)
+                .unwrap_err()
+                .to_string()
+                .contains("limit")
+        );
     }
 }

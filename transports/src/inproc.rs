@@ -50,7 +50,11 @@ impl Hub {
     }
 
     /// Waits on the condition variable until `deadline`; false when it passed.
-    fn wait<'a>(&self, guard: MutexGuard<'a, State>, deadline: Instant) -> (MutexGuard<'a, State>, bool) {
+    fn wait<'a>(
+        &self,
+        guard: MutexGuard<'a, State>,
+        deadline: Instant,
+    ) -> (MutexGuard<'a, State>, bool) {
         let now = Instant::now();
         if now >= deadline {
             return (guard, false);
@@ -143,7 +147,10 @@ impl SenderTransport for InProcSender {
         for w in group {
             models.insert(w.model().clone(), Arc::clone(w));
         }
-        self.hub.board.store(Some(Arc::new(Board { seq: st.seq, models })));
+        self.hub.board.store(Some(Arc::new(Board {
+            seq: st.seq,
+            models,
+        })));
         drop(st);
         self.hub.changed.notify_all();
         Ok(())

@@ -46,7 +46,9 @@ impl Make for ShmMake {
         };
         let s = ShmSender::create(&cfg, ms).unwrap();
         let spec = s.receiver_spec();
-        let rs = (0..n).map(|_| ShmReceiver::new(spec.clone()).with_mode(self.0)).collect();
+        let rs = (0..n)
+            .map(|_| ShmReceiver::new(spec.clone()).with_mode(self.0))
+            .collect();
         (s, rs)
     }
 }
@@ -79,8 +81,14 @@ fn connect_all<M: Make>(
         .into_iter()
         .map(|r| std::thread::spawn(move || ReceiverInit::new(r, None).connect(T)))
         .collect();
-    let sender = SenderInit::new(s, ms.clone()).with_ack_timeout(T).connect(initial, T).unwrap();
-    let receivers = handles.into_iter().map(|h| h.join().unwrap().unwrap()).collect();
+    let sender = SenderInit::new(s, ms.clone())
+        .with_ack_timeout(T)
+        .connect(initial, T)
+        .unwrap();
+    let receivers = handles
+        .into_iter()
+        .map(|h| h.join().unwrap().unwrap())
+        .collect();
     (sender, receivers)
 }
 
@@ -122,7 +130,11 @@ impl<M: Make> Runner for M {
         let dup = sender.send(stamped("policy", &m, 40)).unwrap_err();
         assert!(matches!(dup, Error::StaleVersion { .. }), "{dup}");
         let old = sender.send(stamped("policy", &m, 7)).unwrap_err();
-        assert!(old.to_string().contains("version 7 refused, version 40 already applied"), "{old}");
+        assert!(
+            old.to_string()
+                .contains("version 7 refused, version 40 already applied"),
+            "{old}"
+        );
         stop.store(true, Ordering::Release);
         for h in loops {
             let r = h.join().unwrap();
@@ -138,8 +150,14 @@ impl<M: Make> Runner for M {
         let (mut sender, mut receivers) = connect_all(self, &ms, vec![stamped("policy", &m, 1)], 1);
         let p = id("policy");
         let wrong_shape = manifest(9);
-        let err = sender.send(stamped("policy", &wrong_shape, 2)).unwrap_err().to_string();
-        assert!(err.contains("tensor `fc1.weight`: shape [8, 4] expected, found [9, 4]"), "{err}");
+        let err = sender
+            .send(stamped("policy", &wrong_shape, 2))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("tensor `fc1.weight`: shape [8, 4] expected, found [9, 4]"),
+            "{err}"
+        );
         let wrong_dtype = Arc::new(
             Manifest::builder()
                 .tensor("fc1.weight", DType::F16, &[8, 4])
@@ -152,7 +170,10 @@ impl<M: Make> Runner for M {
         let mut ws = WeightSet::zeroed(id("policy"), wrong_dtype);
         ws.set_version(Version(2));
         let err = sender.send(ws).unwrap_err().to_string();
-        assert!(err.contains("tensor `fc1.weight`: dtype f32 expected, found f16"), "{err}");
+        assert!(
+            err.contains("tensor `fc1.weight`: dtype f32 expected, found f16"),
+            "{err}"
+        );
         let renamed = Arc::new(
             Manifest::builder()
                 .tensor("fc1.weight", DType::F32, &[8, 4])
@@ -162,12 +183,20 @@ impl<M: Make> Runner for M {
                 .build()
                 .unwrap(),
         );
-        let err = sender.send(stamped("policy", &renamed, 2)).unwrap_err().to_string();
+        let err = sender
+            .send(stamped("policy", &renamed, 2))
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("tensor `fc1.bias`: missing"), "{err}");
         let err = sender.send(stamped("critic", &m, 2)).unwrap_err();
         assert!(matches!(err, Error::UnknownModel(_)), "{err}");
         // nothing was published: the receiver still serves version 1, and 2 still goes through
-        assert!(receivers[0].receive(Duration::from_millis(30)).unwrap().is_none());
+        assert!(
+            receivers[0]
+                .receive(Duration::from_millis(30))
+                .unwrap()
+                .is_none()
+        );
         assert_eq!(receivers[0].version(&p), Version(1));
         check_stamp(&receivers[0].current(&p).unwrap()).unwrap();
         let pending = sender.send_async(vec![stamped("policy", &m, 2)]).unwrap();
@@ -227,9 +256,11 @@ impl<M: Make> Runner for M {
         assert_eq!(r.version(&id("critic")), Version(60));
         // a group with one bad member publishes nothing
         let bad = manifest(3);
-        assert!(sender
-            .send_group(vec![stamped("actor", &ma, 61), stamped("critic", &bad, 61)])
-            .is_err());
+        assert!(
+            sender
+                .send_group(vec![stamped("actor", &ma, 61), stamped("critic", &bad, 61)])
+                .is_err()
+        );
         assert_eq!(sender.version(&id("actor")), Version(60));
     }
 
@@ -238,9 +269,17 @@ impl<M: Make> Runner for M {
         let ms = manifests(&[("policy", &m)]);
         let (sender, mut receivers) = connect_all(self, &ms, vec![stamped("policy", &m, 1)], 1);
         let t = Instant::now();
-        assert!(receivers[0].receive(Duration::from_millis(80)).unwrap().is_none());
+        assert!(
+            receivers[0]
+                .receive(Duration::from_millis(80))
+                .unwrap()
+                .is_none()
+        );
         let waited = t.elapsed();
-        assert!(waited >= Duration::from_millis(70) && waited < Duration::from_secs(2), "{waited:?}");
+        assert!(
+            waited >= Duration::from_millis(70) && waited < Duration::from_secs(2),
+            "{waited:?}"
+        );
         drop(sender);
         let t = Instant::now();
         let err = receivers[0].receive(Duration::from_secs(30)).unwrap_err();
@@ -304,7 +343,12 @@ fn sender_with_no_receiver_times_out_on_acks() {
 fn zero_copy_pins_hold_slots_and_writer_uses_free_ones() {
     let m = manifest(64);
     let ms = manifests(&[("policy", &m)]);
-    let (mut sender, mut rs) = connect_all(&ShmMake(ShmReadMode::ZeroCopy), &ms, vec![stamped("policy", &m, 1)], 1);
+    let (mut sender, mut rs) = connect_all(
+        &ShmMake(ShmReadMode::ZeroCopy),
+        &ms,
+        vec![stamped("policy", &m, 1)],
+        1,
+    );
     let p = id("policy");
     let held = rs[0].current(&p).unwrap();
     assert!(held.is_shared());

@@ -34,7 +34,10 @@ fn read_line_where<T>(child: &mut Child, pick: impl Fn(&str) -> Option<T>) -> T 
     let mut reader = std::io::BufReader::new(stdout);
     loop {
         let mut line = String::new();
-        assert!(reader.read_line(&mut line).unwrap() > 0, "child closed stdout");
+        assert!(
+            reader.read_line(&mut line).unwrap() > 0,
+            "child closed stdout"
+        );
         // libtest may print "test child_entry ... " on the same line first
         let last = line.split_whitespace().last().unwrap_or("");
         if let Some(v) = pick(last) {
@@ -59,7 +62,11 @@ fn child_entry() {
     let spec: ShmReceiverSpec = wire::from_token(&std::env::var(SPEC).unwrap()).unwrap();
     match role.as_str() {
         "reader-copy" | "reader-zero" => {
-            let mode = if role == "reader-copy" { ShmReadMode::Copy } else { ShmReadMode::ZeroCopy };
+            let mode = if role == "reader-copy" {
+                ShmReadMode::Copy
+            } else {
+                ShmReadMode::ZeroCopy
+            };
             let mut r = ReceiverInit::new(ShmReceiver::new(spec).with_mode(mode), None)
                 .connect(T)
                 .unwrap();
@@ -82,7 +89,10 @@ fn child_entry() {
                 // the served weights are whole, even while the writer runs ahead
                 check_stamp(&r.current(&p).unwrap()).unwrap();
             }
-            println!("applied={applied} last={} tensors_checked={checked}", r.version(&p).get());
+            println!(
+                "applied={applied} last={} tensors_checked={checked}",
+                r.version(&p).get()
+            );
         }
         "crash-sender" => {
             let m = manifest(4096);
@@ -95,16 +105,21 @@ fn child_entry() {
             let sender = ShmSender::create(&cfg, &ms).unwrap();
             // tell the parent where the board is
             println!("{}", wire::to_token(&sender.receiver_spec()).unwrap());
-            let mut s = SenderInit::new(sender, ms).connect(vec![stamped("policy", &m, 1)], T).unwrap();
+            let mut s = SenderInit::new(sender, ms)
+                .connect(vec![stamped("policy", &m, 1)], T)
+                .unwrap();
             for v in 2..=5 {
                 s.send(stamped("policy", &m, v)).unwrap();
             }
             s.transport_mut().crash_mid_write(&stamped("policy", &m, 6));
         }
         "pin-and-hang" => {
-            let mut r = ReceiverInit::new(ShmReceiver::new(spec).with_mode(ShmReadMode::ZeroCopy), None)
-                .connect(T)
-                .unwrap();
+            let mut r = ReceiverInit::new(
+                ShmReceiver::new(spec).with_mode(ShmReadMode::ZeroCopy),
+                None,
+            )
+            .connect(T)
+            .unwrap();
             let _ = r.receive(Duration::ZERO);
             println!("pinned");
             std::thread::sleep(Duration::from_secs(60));
@@ -123,8 +138,14 @@ fn no_torn_reads_across_processes() {
     };
     let sender = ShmSender::create(&cfg, &ms).unwrap();
     let spec = sender.receiver_spec();
-    let readers = [spawn_child("reader-copy", &spec), spawn_child("reader-zero", &spec)];
-    let mut s = SenderInit::new(sender, ms).with_ack_timeout(T).connect(vec![stamped("policy", &m, 1)], T).unwrap();
+    let readers = [
+        spawn_child("reader-copy", &spec),
+        spawn_child("reader-zero", &spec),
+    ];
+    let mut s = SenderInit::new(sender, ms)
+        .with_ack_timeout(T)
+        .connect(vec![stamped("policy", &m, 1)], T)
+        .unwrap();
     const VERSIONS: u64 = 1200;
     for v in 2..=VERSIONS {
         // publish without waiting, so the writer races the readers; wait every 100 versions
@@ -148,7 +169,9 @@ fn crashed_sender_leaves_readers_whole() {
     };
     let mut child = spawn_child("crash-sender", &placeholder);
     let spec: ShmReceiverSpec = read_line_where(&mut child, |l| wire::from_token(l).ok());
-    let mut r = ReceiverInit::new(ShmReceiver::new(spec.clone()), None).connect(T).unwrap();
+    let mut r = ReceiverInit::new(ShmReceiver::new(spec.clone()), None)
+        .connect(T)
+        .unwrap();
     let p = id("policy");
     let t = Instant::now();
     let err = loop {
@@ -166,7 +189,9 @@ fn crashed_sender_leaves_readers_whole() {
     assert_eq!(r.version(&p), Version(5));
     check_stamp(&r.current(&p).unwrap()).unwrap();
     // a reader attaching after the crash also sees version 5 whole, then learns of the death
-    let mut late = ReceiverInit::new(ShmReceiver::new(spec), None).connect(T).unwrap();
+    let mut late = ReceiverInit::new(ShmReceiver::new(spec), None)
+        .connect(T)
+        .unwrap();
     assert_eq!(late.version(&p), Version(5));
     check_stamp(&late.current(&p).unwrap()).unwrap();
     assert!(matches!(late.receive(T), Err(Error::PeerGone { .. })));
@@ -186,7 +211,10 @@ fn killed_receiver_does_not_block_the_sender() {
     let sender = ShmSender::create(&cfg, &ms).unwrap();
     let spec = sender.receiver_spec();
     let mut child = spawn_child("pin-and-hang", &spec);
-    let mut s = SenderInit::new(sender, ms).with_ack_timeout(T).connect(vec![stamped("policy", &m, 1)], T).unwrap();
+    let mut s = SenderInit::new(sender, ms)
+        .with_ack_timeout(T)
+        .connect(vec![stamped("policy", &m, 1)], T)
+        .unwrap();
     read_line_where(&mut child, |l| (l == "pinned").then_some(()));
     child.kill().unwrap();
     child.wait().unwrap();

@@ -60,7 +60,8 @@ pub(crate) fn alive(pid: u32) -> bool {
     // "pid (comm) S ...": the state letter follows the last ')'
     match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
         Ok(stat) => !matches!(
-            stat.rsplit_once(')').and_then(|(_, rest)| rest.trim_start().chars().next()),
+            stat.rsplit_once(')')
+                .and_then(|(_, rest)| rest.trim_start().chars().next()),
             Some('Z' | 'X')
         ),
         Err(_) => true,
@@ -105,7 +106,10 @@ mod tests {
         let pid = child.id();
         let t = Instant::now();
         while alive(pid) {
-            assert!(t.elapsed() < Duration::from_secs(5), "exited child still alive");
+            assert!(
+                t.elapsed() < Duration::from_secs(5),
+                "exited child still alive"
+            );
             std::thread::sleep(Duration::from_millis(5));
         }
         child.wait().unwrap();

@@ -31,8 +31,8 @@ use refit_runtime::{
 };
 use serde::{Deserialize, Serialize};
 
-pub use layout::{MAX_MODELS, MAX_SLOTS};
 use layout::*;
+pub use layout::{MAX_MODELS, MAX_SLOTS};
 use segment::Segment;
 
 const NAME: &str = "shm";
@@ -144,7 +144,10 @@ impl ShmSender {
     /// [`MAX_MODELS`] models), or the files cannot be created.
     pub fn create(config: &ShmConfig, manifests: &Manifests) -> Result<Self> {
         if !(2..=MAX_SLOTS).contains(&config.slots) {
-            return Err(shm_err(format!("slots must be 2..={MAX_SLOTS}, got {}", config.slots)));
+            return Err(shm_err(format!(
+                "slots must be 2..={MAX_SLOTS}, got {}",
+                config.slots
+            )));
         }
         if manifests.is_empty() || manifests.len() > MAX_MODELS {
             return Err(shm_err(format!(
@@ -206,11 +209,16 @@ impl ShmSender {
         sender.board.write(dir_off, &dir_bytes)?;
         let b = &sender.board;
         b.u32_at(OFF_LAYOUT)?.store(LAYOUT, Ordering::Relaxed);
-        b.u32_at(OFF_N_MODELS)?.store(manifests.len() as u32, Ordering::Relaxed);
-        b.u32_at(OFF_N_SLOTS)?.store(config.slots as u32, Ordering::Relaxed);
-        b.u32_at(OFF_MAX_RECEIVERS)?.store(config.max_receivers as u32, Ordering::Relaxed);
-        b.u32_at(OFF_SENDER_PID)?.store(std::process::id(), Ordering::Relaxed);
-        b.u64_at(OFF_DIR_LEN)?.store(dir_bytes.len() as u64, Ordering::Relaxed);
+        b.u32_at(OFF_N_MODELS)?
+            .store(manifests.len() as u32, Ordering::Relaxed);
+        b.u32_at(OFF_N_SLOTS)?
+            .store(config.slots as u32, Ordering::Relaxed);
+        b.u32_at(OFF_MAX_RECEIVERS)?
+            .store(config.max_receivers as u32, Ordering::Relaxed);
+        b.u32_at(OFF_SENDER_PID)?
+            .store(std::process::id(), Ordering::Relaxed);
+        b.u64_at(OFF_DIR_LEN)?
+            .store(dir_bytes.len() as u64, Ordering::Relaxed);
         b.u64_at(OFF_MAGIC)?.store(MAGIC, Ordering::Release);
         Ok(sender)
     }
@@ -238,7 +246,12 @@ impl ShmSender {
         self.reap_dead()?;
         let mut n = 0;
         for r in 0..self.max_receivers {
-            if self.board.u32_at(receiver(r) + R_STATE)?.load(Ordering::SeqCst) == RECEIVER_CLAIMED {
+            if self
+                .board
+                .u32_at(receiver(r) + R_STATE)?
+                .load(Ordering::SeqCst)
+                == RECEIVER_CLAIMED
+            {
                 n += 1;
             }
         }
@@ -252,7 +265,10 @@ impl ShmSender {
             if state.load(Ordering::SeqCst) != RECEIVER_CLAIMED {
                 continue;
             }
-            let pid = self.board.u32_at(receiver(r) + R_PID)?.load(Ordering::SeqCst);
+            let pid = self
+                .board
+                .u32_at(receiver(r) + R_PID)?
+                .load(Ordering::SeqCst);
             if pid != 0 && !futex::alive(pid) {
                 tracing::warn!(receiver = r, pid, "shm receiver died; freeing its pins");
                 for m in 0..self.data.len() {
@@ -268,7 +284,12 @@ impl ShmSender {
 
     fn pinned(&self, model: usize, slot: usize) -> Result<bool> {
         for r in 0..self.max_receivers {
-            if self.board.u32_at(pin(r, model, slot))?.load(Ordering::SeqCst) != 0 {
+            if self
+                .board
+                .u32_at(pin(r, model, slot))?
+                .load(Ordering::SeqCst)
+                != 0
+            {
                 return Ok(true);
             }
         }
@@ -309,13 +330,23 @@ impl ShmSender {
     fn missing_acks(&self, entries: &[(ModelId, Version)]) -> Result<Vec<(usize, u32)>> {
         let mut missing = Vec::new();
         for r in 0..self.max_receivers {
-            if self.board.u32_at(receiver(r) + R_STATE)?.load(Ordering::SeqCst) != RECEIVER_CLAIMED {
+            if self
+                .board
+                .u32_at(receiver(r) + R_STATE)?
+                .load(Ordering::SeqCst)
+                != RECEIVER_CLAIMED
+            {
                 continue;
             }
             for (id, v) in entries {
                 let m = self.model_index(id)?;
                 if self.board.u64_at(acked(r, m))?.load(Ordering::SeqCst) < v.get() {
-                    missing.push((r, self.board.u32_at(receiver(r) + R_PID)?.load(Ordering::SeqCst)));
+                    missing.push((
+                        r,
+                        self.board
+                            .u32_at(receiver(r) + R_PID)?
+                            .load(Ordering::SeqCst),
+                    ));
                     break;
                 }
             }
@@ -336,13 +367,13 @@ impl ShmSender {
     /// crash in the middle of a publish would. Used by the crash tests; never call it otherwise.
     #[doc(hidden)]
     pub fn crash_mid_write(&mut self, weights: &WeightSet) -> ! {
-        if let Ok(m) = self.model_index(weights.model()) {
-            if let Ok((slot, _)) = self.claim_slot(m, Instant::now() + Duration::from_secs(5)) {
-                let seg = &self.data[m];
-                let base = slot * (seg.len() / self.slots);
-                let half = weights.bytes().len() / 2;
-                let _ = seg.write(base + PAGE, &weights.bytes()[..half]);
-            }
+        if let Ok(m) = self.model_index(weights.model())
+            && let Ok((slot, _)) = self.claim_slot(m, Instant::now() + Duration::from_secs(5))
+        {
+            let seg = &self.data[m];
+            let base = slot * (seg.len() / self.slots);
+            let half = weights.bytes().len() / 2;
+            let _ = seg.write(base + PAGE, &weights.bytes()[..half]);
         }
         std::process::abort()
     }
@@ -390,19 +421,26 @@ impl SenderTransport for ShmSender {
             let seg = &self.data[m];
             let base = slot * (seg.len() / self.slots);
             seg.write(base + PAGE, w.bytes())?;
-            seg.u64_at(base + 8)?.store(w.version().get(), Ordering::SeqCst);
+            seg.u64_at(base + 8)?
+                .store(w.version().get(), Ordering::SeqCst);
             seg.u64_at(base)?.store(seq + 2, Ordering::SeqCst);
             placed.push((m, slot, w.version().get()));
         }
         let commit = self.board.u32_at(OFF_COMMIT_SEQ)?;
         commit.fetch_add(1, Ordering::SeqCst);
         for &(m, slot, v) in &placed {
-            self.board.u64_at(entry_version(m))?.store(v, Ordering::Relaxed);
-            self.board.u64_at(entry_slot(m))?.store(slot as u64, Ordering::Relaxed);
+            self.board
+                .u64_at(entry_version(m))?
+                .store(v, Ordering::Relaxed);
+            self.board
+                .u64_at(entry_slot(m))?
+                .store(slot as u64, Ordering::Relaxed);
             self.current[m] = Some(slot);
         }
         commit.fetch_add(1, Ordering::SeqCst);
-        self.board.u64_at(OFF_GENERATION)?.fetch_add(1, Ordering::SeqCst);
+        self.board
+            .u64_at(OFF_GENERATION)?
+            .fetch_add(1, Ordering::SeqCst);
         futex::wake_all(commit);
         Ok(())
     }
@@ -567,7 +605,8 @@ impl ShmReceiver {
             }
             Err(e) => return Err(e),
         };
-        if board.len() < OFF_RECEIVERS || board.u64_at(OFF_MAGIC)?.load(Ordering::Acquire) != MAGIC {
+        if board.len() < OFF_RECEIVERS || board.u64_at(OFF_MAGIC)?.load(Ordering::Acquire) != MAGIC
+        {
             return Ok(None);
         }
         if board.u32_at(OFF_LAYOUT)?.load(Ordering::Relaxed) != LAYOUT {
@@ -607,15 +646,23 @@ impl ShmReceiver {
         for r in 0..max_receivers {
             let state = board.u32_at(receiver(r) + R_STATE)?;
             if state
-                .compare_exchange(RECEIVER_FREE, RECEIVER_CLAIMED, Ordering::SeqCst, Ordering::SeqCst)
+                .compare_exchange(
+                    RECEIVER_FREE,
+                    RECEIVER_CLAIMED,
+                    Ordering::SeqCst,
+                    Ordering::SeqCst,
+                )
                 .is_ok()
             {
                 idx = Some(r);
                 break;
             }
         }
-        let idx = idx.ok_or_else(|| shm_err(format!("all {max_receivers} receiver entries are taken")))?;
-        board.u32_at(receiver(idx) + R_PID)?.store(std::process::id(), Ordering::SeqCst);
+        let idx =
+            idx.ok_or_else(|| shm_err(format!("all {max_receivers} receiver entries are taken")))?;
+        board
+            .u32_at(receiver(idx) + R_PID)?
+            .store(std::process::id(), Ordering::SeqCst);
         for m in 0..MAX_MODELS {
             board.u64_at(acked(idx, m))?.store(0, Ordering::SeqCst);
         }
@@ -687,11 +734,14 @@ impl ShmReceiver {
                 let pin_off = pin(a.lease.idx, m, slot);
                 let ws = match self.mode {
                     ShmReadMode::Copy => {
-                        let copy = seg
-                            .bytes(base + PAGE, manifest.total_len())
-                            .and_then(|b| {
-                                WeightSet::from_bytes(id.clone(), Version(version), Arc::clone(manifest), b)
-                            });
+                        let copy = seg.bytes(base + PAGE, manifest.total_len()).and_then(|b| {
+                            WeightSet::from_bytes(
+                                id.clone(),
+                                Version(version),
+                                Arc::clone(manifest),
+                                b,
+                            )
+                        });
                         // the header after the copy proves the slot was stable throughout
                         let stable = seg.u64_at(base)?.load(Ordering::SeqCst) % 2 == 0
                             && seg.u64_at(base + 8)?.load(Ordering::SeqCst) == version;
@@ -814,7 +864,9 @@ impl ReceiverTransport for ShmReceiver {
                 .iter()
                 .position(|(mid, _, _)| mid == id)
                 .ok_or_else(|| Error::UnknownModel(id.clone()))?;
-            a.board.u64_at(acked(a.lease.idx, m))?.store(v.get(), Ordering::SeqCst);
+            a.board
+                .u64_at(acked(a.lease.idx, m))?
+                .store(v.get(), Ordering::SeqCst);
         }
         let ack = a.board.u32_at(OFF_ACK_SEQ)?;
         ack.fetch_add(1, Ordering::SeqCst);

@@ -59,7 +59,9 @@ impl Segment {
         let map = if writable {
             memmap2::MmapOptions::new().len(len).map_raw(&file)
         } else {
-            memmap2::MmapOptions::new().len(len).map_raw_read_only(&file)
+            memmap2::MmapOptions::new()
+                .len(len)
+                .map_raw_read_only(&file)
         }
         .map_err(|e| path_err("mapping", path, e))?;
         Ok(Self {
@@ -78,7 +80,7 @@ impl Segment {
     }
 
     fn check(&self, off: usize, size: usize, align: usize) -> Result<()> {
-        if off % align != 0 || off.checked_add(size).is_none_or(|end| end > self.len) {
+        if !off.is_multiple_of(align) || off.checked_add(size).is_none_or(|end| end > self.len) {
             return Err(Error::transport(
                 "shm",
                 format!(

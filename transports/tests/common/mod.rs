@@ -49,7 +49,11 @@ pub fn check_stamp(ws: &WeightSet) -> Result<(), String> {
             _ => false,
         };
         if !ok {
-            return Err(format!("torn read: tensor `{}` of {} disagrees with version {v}", t.name(), ws.model()));
+            return Err(format!(
+                "torn read: tensor `{}` of {} disagrees with version {v}",
+                t.name(),
+                ws.model()
+            ));
         }
     }
     Ok(())

@@ -1,0 +1,138 @@
+//! A sender process and two receiver processes share weights through shared memory.
+//!
+//! ```text
+//! cargo run --release --example shm_weights [-- VERSIONS]
+//! ```
+//!
+//! The sender re-runs this program twice as a receiver, handing each the receiver
+//! description as a token; it then publishes `VERSIONS` versions of a small policy and waits
+//! for both receivers to acknowledge each one. Receivers print every version they apply.
+
+use std::process::{Command, ExitCode};
+use std::sync::Arc;
+use std::time::Duration;
+
+use refit::prelude::*;
+use refit::runtime::wire;
+
+// ANCHOR: model
+/// The policy's layout: a two-layer MLP.
+fn policy_manifest() -> Result<Manifest> {
+    Manifest::builder()
+        .tensor("fc1.weight", DType::F32, &[64, 4])
+        .tensor("fc1.bias", DType::F32, &[64])
+        .tensor("fc2.weight", DType::F32, &[2, 64])
+        .tensor("fc2.bias", DType::F32, &[2])
+        .build()
+}
+
+/// What the trainer would produce at `version`: here every weight equals the version.
+fn weights_at(manifest: &Arc<Manifest>, version: u64) -> Result<WeightSet> {
+    let mut ws = WeightSet::zeroed(ModelId::new("policy")?, Arc::clone(manifest));
+    for t in manifest.tensors() {
+        ws.view_mut::<f32>(&t.name)?.fill(version as f32);
+    }
+    ws.set_version(Version(version));
+    Ok(ws)
+}
+// ANCHOR_END: model
+
+// ANCHOR: sender
+fn run_sender(versions: u64) -> Result<()> {
+    let manifest = Arc::new(policy_manifest()?);
+    let manifests = Manifests::new([(ModelId::new("policy")?, Arc::clone(&manifest))])?;
+    // init: create the segments; nothing is sent yet
+    let config = ShmConfig {
+        expected_receivers: 2,
+        ..ShmConfig::default()
+    };
+    let transport = ShmSender::create(&config, &manifests)?;
+    let token = wire::to_token(&transport.receiver_spec())?;
+    let exe = std::env::current_exe().map_err(|e| Error::io("locating this program", e))?;
+    let mut children = Vec::new();
+    for i in 0..2 {
+        let child = Command::new(&exe)
+            .args(["receiver", &i.to_string(), &token])
+            .spawn()
+            .map_err(|e| Error::io("spawning a receiver", e))?;
+        children.push(child);
+    }
+    // connect: wait for both receivers, deliver version 1, wait for their acks
+    let init = SenderInit::new(transport, manifests).with_ack_timeout(Duration::from_secs(10));
+    let mut sender = init.connect(vec![weights_at(&manifest, 1)?], Duration::from_secs(10))?;
+    for v in 2..=versions {
+        let acked = sender.send(weights_at(&manifest, v)?)?;
+        println!("sender: published {acked:?}, acknowledged by both receivers");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // shutdown: removes the segments; receivers see the sender leave and exit
+    sender.shutdown()?;
+    for mut c in children {
+        let status = c
+            .wait()
+            .map_err(|e| Error::io("waiting for a receiver", e))?;
+        if !status.success() {
+            return Err(Error::State("a receiver failed"));
+        }
+    }
+    Ok(())
+}
+// ANCHOR_END: sender
+
+// ANCHOR: receiver
+fn run_receiver(index: &str, token: &str) -> Result<()> {
+    let spec: ShmReceiverSpec = wire::from_token(token)?;
+    let expected = Manifests::new([(ModelId::new("policy")?, Arc::new(policy_manifest()?))])?;
+    // init (local), then connect: attach, check manifests, apply the initial weights
+    let mut receiver = ReceiverInit::new(ShmReceiver::new(spec), Some(expected))
+        .connect(Duration::from_secs(10))?;
+    let policy = ModelId::new("policy")?;
+    println!(
+        "receiver {index}: connected at version {}",
+        receiver.version(&policy)
+    );
+    loop {
+        match receiver.receive(Duration::from_secs(10)) {
+            Ok(Some(update)) => {
+                let w = &update.group[0];
+                let first = w.view::<f32>("fc1.weight")?[0];
+                println!(
+                    "receiver {index}: applied version {} (fc1.weight[0] = {first})",
+                    w.version()
+                );
+            }
+            Ok(None) => return Err(Error::State("no update for 10 s")),
+            Err(Error::PeerGone { reason, .. }) => {
+                println!(
+                    "receiver {index}: sender left ({reason}); last version {}",
+                    receiver.version(&policy)
+                );
+                return Ok(());
+            }
+            Err(e) => return Err(e),
+        }
+    }
+}
+// ANCHOR_END: receiver
+
+fn main() -> ExitCode {
+    let args: Vec<String> = std::env::args().collect();
+    let result = match args.get(1).map(String::as_str) {
+        Some("receiver") if args.len() == 4 => run_receiver(&args[2], &args[3]),
+        Some(n) => match n.parse::<u64>() {
+            Ok(v) if v >= 1 => run_sender(v),
+            _ => {
+                eprintln!("usage: shm_weights [VERSIONS >= 1]");
+                return ExitCode::from(2);
+            }
+        },
+        None => run_sender(10),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
