@@ -19,7 +19,7 @@ pub use refit_transports as transports;
 pub mod prelude {
     pub use refit_runtime::{
         ArenaStrategy, DType, Error, HasWeights, Manifest, Manifests, ModelId, Receiver,
-        ReceiverInit, Result, Sender, SenderInit, Strategy, Version, WeightSet,
+        ReceiverInit, Result, Sender, SenderInit, SharedBytes, Strategy, Version, WeightSet,
     };
     pub use refit_transports::inproc::InProc;
     pub use refit_transports::shm::{

@@ -21,13 +21,13 @@ mod segment;
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering, fence};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use refit_runtime::{
-    Error, Group, Manifest, Manifests, ModelId, ReceiverTransport, Result, SenderTransport,
-    SharedBytes, Version, WeightSet, wire,
+    AlignedBuf, Error, Group, Manifest, Manifests, ModelId, ReceiverTransport, Result,
+    SenderTransport, SharedBytes, Version, WeightSet, wire,
 };
 use serde::{Deserialize, Serialize};
 
@@ -553,6 +553,50 @@ impl Drop for PinnedSlot {
     }
 }
 
+/// Arenas of earlier versions, kept for reuse: a copying receiver that allocated a fresh
+/// arena per update would pay a page fault (and the kernel's zeroing) per 4 KiB every time.
+#[derive(Debug, Default)]
+struct BufPool(Mutex<Vec<AlignedBuf>>);
+
+impl BufPool {
+    const KEEP: usize = 2;
+
+    fn take(&self, len: usize) -> AlignedBuf {
+        let mut free = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        match free.iter().position(|b| b.len() == len) {
+            Some(i) => free.swap_remove(i),
+            None => AlignedBuf::zeroed(len),
+        }
+    }
+
+    fn give(&self, buf: AlignedBuf) {
+        let mut free = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        if free.len() < Self::KEEP {
+            free.push(buf);
+        }
+    }
+}
+
+/// A private copy of a slot whose arena returns to the pool when the last reader drops it.
+struct PooledBuf {
+    buf: Option<AlignedBuf>,
+    pool: Arc<BufPool>,
+}
+
+impl SharedBytes for PooledBuf {
+    fn bytes(&self) -> &[u8] {
+        self.buf.as_ref().map_or(&[], AlignedBuf::as_slice)
+    }
+}
+
+impl Drop for PooledBuf {
+    fn drop(&mut self) {
+        if let Some(b) = self.buf.take() {
+            self.pool.give(b);
+        }
+    }
+}
+
 struct Attached {
     board: Arc<Segment>,
     lease: Arc<Lease>,
@@ -567,6 +611,7 @@ pub struct ShmReceiver {
     mode: ShmReadMode,
     attached: Option<Attached>,
     seen: Vec<u64>,
+    pool: Arc<BufPool>,
 }
 
 impl std::fmt::Debug for ShmReceiver {
@@ -587,6 +632,7 @@ impl ShmReceiver {
             mode: ShmReadMode::default(),
             attached: None,
             seen: Vec::new(),
+            pool: Arc::default(),
         }
     }
 
@@ -735,11 +781,17 @@ impl ShmReceiver {
                 let ws = match self.mode {
                     ShmReadMode::Copy => {
                         let copy = seg.bytes(base + PAGE, manifest.total_len()).and_then(|b| {
-                            WeightSet::from_bytes(
+                            let mut buf = self.pool.take(b.len());
+                            buf.as_mut_slice().copy_from_slice(b);
+                            let pooled = PooledBuf {
+                                buf: Some(buf),
+                                pool: Arc::clone(&self.pool),
+                            };
+                            WeightSet::from_shared(
                                 id.clone(),
                                 Version(version),
                                 Arc::clone(manifest),
-                                b,
+                                Arc::new(pooled),
                             )
                         });
                         // the header after the copy proves the slot was stable throughout

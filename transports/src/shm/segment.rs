@@ -24,6 +24,32 @@ fn path_err(context: &'static str, path: &Path, source: std::io::Error) -> Error
     }
 }
 
+/// Reserves the segment's memory now (tmpfs allocates pages lazily otherwise, and the first
+/// updates would pay for it); a full `/dev/shm` is reported here, not as a fault mid-update.
+fn allocate(file: &File, path: &Path, len: usize) -> Result<()> {
+    use std::os::fd::AsRawFd;
+    let Ok(len) = libc::off_t::try_from(len) else {
+        return Err(Error::transport(
+            "shm",
+            format!("segment {} is too large", path.display()),
+        ));
+    };
+    if len == 0 {
+        return Ok(());
+    }
+    // SAFETY: the descriptor belongs to `file`, open for writing, for the whole call;
+    // posix_fallocate touches no memory of ours.
+    let rc = unsafe { libc::posix_fallocate(file.as_raw_fd(), 0, len) };
+    if rc != 0 {
+        return Err(path_err(
+            "reserving memory for shared-memory segment",
+            path,
+            std::io::Error::from_raw_os_error(rc),
+        ));
+    }
+    Ok(())
+}
+
 impl Segment {
     /// Creates a new zero-filled segment; fails if the file exists.
     pub(crate) fn create(path: &Path, len: usize) -> Result<Self> {
@@ -35,6 +61,7 @@ impl Segment {
             .map_err(|e| path_err("creating shared-memory segment", path, e))?;
         file.set_len(len as u64)
             .map_err(|e| path_err("sizing shared-memory segment", path, e))?;
+        allocate(&file, path, len)?;
         Self::map(file, path, len, true)
     }
 

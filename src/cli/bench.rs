@@ -1,0 +1,448 @@
+//! `refit bench`: every transport against physical baselines measured in the same run.
+
+use std::error::Error as StdError;
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use refit::prelude::*;
+use refit::runtime::{SenderTransport, wire};
+use serde::Serialize;
+
+use super::stats::{Summary, fmt_bytes, fmt_secs, parse_bytes};
+
+type BoxResult<T> = Result<T, Box<dyn StdError>>;
+
+const SIZES: [usize; 4] = [4 << 20, 64 << 20, 512 << 20, 2 << 30];
+const WAIT: Duration = Duration::from_secs(120);
+
+/// Arguments of `refit bench`.
+#[derive(Debug, clap::Args)]
+pub(crate) struct BenchArgs {
+    /// Largest weight-set size measured; sizes are 4 MiB, 64 MiB, 512 MiB and 2 GiB up to it.
+    #[arg(long, default_value = "2GiB", value_parser = parse_bytes)]
+    max_size: usize,
+    /// Receiver counts (receivers of the shared-memory transport are separate processes).
+    #[arg(long, value_delimiter = ',', default_value = "1,2,4")]
+    receivers: Vec<usize>,
+    /// Timed updates per configuration.
+    #[arg(long, default_value_t = 5)]
+    iters: usize,
+    /// Untimed updates first.
+    #[arg(long, default_value_t = 1)]
+    warmup: usize,
+    /// Transports to measure (inproc, shm).
+    #[arg(long, value_delimiter = ',', default_value = "inproc,shm")]
+    transports: Vec<String>,
+    /// Print JSON instead of a table.
+    #[arg(long)]
+    json: bool,
+}
+
+/// Arguments of the hidden child process.
+#[derive(Debug, clap::Args)]
+pub(crate) struct ChildArgs {
+    /// `tcp-sink` or `shm-copy` / `shm-zero`.
+    role: String,
+    /// Address or receiver token.
+    target: String,
+    /// Bytes per round (tcp-sink).
+    #[arg(default_value_t = 0)]
+    bytes: usize,
+    /// Rounds (tcp-sink).
+    #[arg(default_value_t = 0)]
+    rounds: usize,
+}
+
+/// One measured figure.
+#[derive(Debug, Clone, Serialize)]
+struct Row {
+    transport: String,
+    metric: String,
+    bytes: usize,
+    receivers: usize,
+    seconds: Summary,
+    baseline: String,
+    baseline_median: f64,
+    ratio: f64,
+}
+
+struct Baselines {
+    memcpy: Summary,
+}
+
+pub(crate) fn run(args: &BenchArgs) -> BoxResult<()> {
+    if args.iters == 0 {
+        return Err("--iters must be at least 1".into());
+    }
+    let sizes: Vec<usize> = SIZES.into_iter().filter(|&s| s <= args.max_size).collect();
+    if sizes.is_empty() {
+        return Err(format!(
+            "--max-size {} is below the smallest size, 4 MiB",
+            args.max_size
+        )
+        .into());
+    }
+    for t in &args.transports {
+        if !["inproc", "shm"].contains(&t.as_str()) {
+            return Err(format!("unknown transport {t:?} (known: inproc, shm)").into());
+        }
+    }
+    let mut rows = Vec::new();
+    for &size in &sizes {
+        let weights = make_weights(size)?;
+        let memcpy = memcpy_baseline(size, args.iters.max(3));
+        rows.push(row("memcpy", "copy", size, 1, memcpy, "-", memcpy.median));
+        let tcp = tcp_baseline(size, args.iters.max(3))?;
+        rows.push(row(
+            "tcp-loopback",
+            "stream",
+            size,
+            1,
+            tcp,
+            "memcpy",
+            memcpy.median,
+        ));
+        let base = Baselines { memcpy };
+        for t in &args.transports {
+            for &n in &args.receivers {
+                eprintln!("refit bench: {t} {} N={n}", fmt_bytes(size));
+                match t.as_str() {
+                    "inproc" => rows.extend(bench_inproc(&weights, n, args, &base)?),
+                    _ => {
+                        for mode in [ShmReadMode::ZeroCopy, ShmReadMode::Copy] {
+                            rows.extend(bench_shm(&weights, n, mode, args, &base)?);
+                        }
+                    }
+                }
+            }
+        }
+    }
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&rows)?);
+    } else {
+        print_table(&rows);
+    }
+    Ok(())
+}
+
+fn row(
+    transport: &str,
+    metric: &str,
+    bytes: usize,
+    receivers: usize,
+    s: Summary,
+    baseline: &str,
+    base: f64,
+) -> Row {
+    Row {
+        transport: transport.into(),
+        metric: metric.into(),
+        bytes,
+        receivers,
+        seconds: s,
+        baseline: baseline.into(),
+        baseline_median: base,
+        ratio: s.median / base,
+    }
+}
+
+fn print_table(rows: &[Row]) {
+    println!(
+        "{:<18} {:<12} {:>8} {:>2} {:>11} {:>11} {:>11} {:>10} {:>9}",
+        "transport", "metric", "size", "N", "min", "median", "max", "GB/s", "x base"
+    );
+    for r in rows {
+        let gbps = r.bytes as f64 / r.seconds.median / 1e9;
+        println!(
+            "{:<18} {:<12} {:>8} {:>2} {:>11} {:>11} {:>11} {:>10.2} {:>9}",
+            r.transport,
+            r.metric,
+            fmt_bytes(r.bytes),
+            r.receivers,
+            fmt_secs(r.seconds.min),
+            fmt_secs(r.seconds.median),
+            fmt_secs(r.seconds.max),
+            gbps,
+            if r.baseline == "-" {
+                "-".to_string()
+            } else {
+                format!("{:.3} {}", r.ratio, r.baseline)
+            },
+        );
+    }
+}
+
+/// A weight set of `size` bytes in 16 tensors, filled with a pattern (pages faulted in).
+fn make_weights(size: usize) -> BoxResult<Arc<WeightSet>> {
+    let mut b = Manifest::builder();
+    for i in 0..16 {
+        b.push(format!("layer{i}.weight"), DType::U8, &[size / 16]);
+    }
+    let mut ws = WeightSet::zeroed(ModelId::new("bench")?, Arc::new(b.build()?));
+    for (i, chunk) in ws.bytes_mut()?.chunks_mut(4096).enumerate() {
+        chunk.fill(i as u8 | 1);
+    }
+    ws.set_version(Version(1));
+    Ok(Arc::new(ws))
+}
+
+fn memcpy_baseline(size: usize, iters: usize) -> Summary {
+    let src = vec![7u8; size];
+    let mut dst = vec![1u8; size];
+    let mut samples = Vec::with_capacity(iters);
+    for _ in 0..iters + 1 {
+        let t = Instant::now();
+        dst.copy_from_slice(std::hint::black_box(&src));
+        std::hint::black_box(&mut dst);
+        samples.push(t.elapsed());
+    }
+    Summary::of(&samples[1..])
+}
+
+fn spawn_child(args: &[&str]) -> BoxResult<Child> {
+    Ok(Command::new(std::env::current_exe()?)
+        .arg("__bench-child")
+        .args(args)
+        .stdin(Stdio::null())
+        .spawn()?)
+}
+
+/// Raw loopback TCP between two processes: the time to stream `size` bytes and get one
+/// byte back.
+fn tcp_baseline(size: usize, iters: usize) -> BoxResult<Summary> {
+    let listener = TcpListener::bind("127.0.0.1:0")?;
+    let addr = listener.local_addr()?.to_string();
+    let mut child = spawn_child(&[
+        "tcp-sink",
+        &addr,
+        &size.to_string(),
+        &(iters + 1).to_string(),
+    ])?;
+    let (mut sock, _) = listener.accept()?;
+    sock.set_nodelay(true)?;
+    let buf = vec![3u8; size.min(64 << 20)];
+    let mut samples = Vec::with_capacity(iters);
+    for _ in 0..iters + 1 {
+        let t = Instant::now();
+        let mut left = size;
+        while left > 0 {
+            let n = left.min(buf.len());
+            sock.write_all(&buf[..n])?;
+            left -= n;
+        }
+        let mut ack = [0u8; 1];
+        sock.read_exact(&mut ack)?;
+        samples.push(t.elapsed());
+    }
+    if !child.wait()?.success() {
+        return Err("tcp sink process failed".into());
+    }
+    Ok(Summary::of(&samples[1..]))
+}
+
+fn bump(weights: &mut Arc<WeightSet>) -> BoxResult<()> {
+    let ws = Arc::get_mut(weights).ok_or("weight set still shared after the update")?;
+    ws.set_version(ws.version().next());
+    Ok(())
+}
+
+fn bench_inproc(
+    weights: &Arc<WeightSet>,
+    n: usize,
+    args: &BenchArgs,
+    base: &Baselines,
+) -> BoxResult<Vec<Row>> {
+    let size = weights.manifest().total_len();
+    let hub = InProc::new();
+    let manifests = Manifests::new([(weights.model().clone(), Arc::clone(weights.manifest()))])?;
+    let stop = Arc::new(AtomicBool::new(false));
+    let mut threads = Vec::new();
+    for _ in 0..n {
+        let r = hub.receiver();
+        let stop = Arc::clone(&stop);
+        threads.push(std::thread::spawn(move || -> Result<(), String> {
+            let mut r = ReceiverInit::new(r, None)
+                .connect(WAIT)
+                .map_err(|e| e.to_string())?;
+            while !stop.load(Ordering::Acquire) {
+                r.receive(Duration::from_millis(20))
+                    .map_err(|e| e.to_string())?;
+            }
+            Ok(())
+        }));
+    }
+    let mut sender = SenderInit::new(hub.sender()?, manifests)
+        .with_ack_timeout(WAIT)
+        .connect(vec![(**weights).clone()], WAIT)?;
+    // the weight set travels by pointer: each version shares one arena
+    let arena: Arc<dyn SharedBytes> = Arc::new(ArenaBytes(Arc::clone(weights)));
+    let version_of = |v: u64| -> BoxResult<Arc<WeightSet>> {
+        Ok(Arc::new(WeightSet::from_shared(
+            weights.model().clone(),
+            Version(v),
+            Arc::clone(weights.manifest()),
+            Arc::clone(&arena),
+        )?))
+    };
+    let mut v = 1;
+    let mut e2e = Vec::new();
+    let mut publish = Vec::new();
+    for i in 0..args.warmup + args.iters.max(20) {
+        v += 1;
+        let ws = version_of(v)?;
+        let t0 = Instant::now();
+        let pending = sender.publish_shared(vec![ws])?;
+        let t1 = Instant::now();
+        sender.wait(&pending, WAIT)?;
+        let t2 = Instant::now();
+        if i >= args.warmup {
+            publish.push(t1 - t0);
+            e2e.push(t2 - t0);
+        }
+    }
+    stop.store(true, Ordering::Release);
+    for t in threads {
+        t.join().map_err(|_| "receiver thread panicked")??;
+    }
+    sender.shutdown()?;
+    let m = base.memcpy.median;
+    Ok(vec![
+        row(
+            "inproc",
+            "publish",
+            size,
+            n,
+            Summary::of(&publish),
+            "memcpy",
+            m,
+        ),
+        row(
+            "inproc",
+            "end-to-end",
+            size,
+            n,
+            Summary::of(&e2e),
+            "memcpy",
+            m,
+        ),
+    ])
+}
+
+struct ArenaBytes(Arc<WeightSet>);
+impl SharedBytes for ArenaBytes {
+    fn bytes(&self) -> &[u8] {
+        self.0.bytes()
+    }
+}
+
+fn bench_shm(
+    weights: &Arc<WeightSet>,
+    n: usize,
+    mode: ShmReadMode,
+    args: &BenchArgs,
+    base: &Baselines,
+) -> BoxResult<Vec<Row>> {
+    let size = weights.manifest().total_len();
+    let manifests = Manifests::new([(weights.model().clone(), Arc::clone(weights.manifest()))])?;
+    let config = ShmConfig {
+        expected_receivers: n,
+        ..ShmConfig::default()
+    };
+    let transport = ShmSender::create(&config, &manifests)?;
+    let token = wire::to_token(&transport.receiver_spec())?;
+    let role = match mode {
+        ShmReadMode::Copy => "shm-copy",
+        ShmReadMode::ZeroCopy => "shm-zero",
+    };
+    let children = (0..n)
+        .map(|_| spawn_child(&[role, &token]))
+        .collect::<BoxResult<Vec<_>>>()?;
+    let mut weights = Arc::new((**weights).clone());
+    let mut sender = SenderInit::new(transport, manifests)
+        .with_ack_timeout(WAIT)
+        .connect(vec![(*weights).clone()], WAIT)?;
+    let (mut e2e, mut write, mut acks) = (Vec::new(), Vec::new(), Vec::new());
+    for i in 0..args.warmup + args.iters {
+        bump(&mut weights)?;
+        let t0 = Instant::now();
+        let pending = sender.publish_shared(vec![Arc::clone(&weights)])?;
+        let t1 = Instant::now();
+        sender.wait(&pending, WAIT)?;
+        let t2 = Instant::now();
+        if i >= args.warmup {
+            write.push(t1 - t0);
+            acks.push(t2 - t1);
+            e2e.push(t2 - t0);
+        }
+    }
+    sender.transport_mut().shutdown()?;
+    drop(sender);
+    for mut c in children {
+        if !c.wait()?.success() {
+            return Err("a shm receiver process failed".into());
+        }
+    }
+    let name = match mode {
+        ShmReadMode::Copy => "shm (copy)",
+        ShmReadMode::ZeroCopy => "shm (zero-copy)",
+    };
+    let m = base.memcpy.median;
+    Ok(vec![
+        row(name, "end-to-end", size, n, Summary::of(&e2e), "memcpy", m),
+        row(name, "  write", size, n, Summary::of(&write), "memcpy", m),
+        row(
+            name,
+            "  apply+ack",
+            size,
+            n,
+            Summary::of(&acks),
+            "memcpy",
+            m,
+        ),
+    ])
+}
+
+pub(crate) fn child(args: &ChildArgs) -> BoxResult<()> {
+    match args.role.as_str() {
+        "tcp-sink" => {
+            let mut sock = TcpStream::connect(&args.target)?;
+            sock.set_nodelay(true)?;
+            let mut buf = vec![0u8; 4 << 20];
+            for _ in 0..args.rounds {
+                let mut left = args.bytes;
+                while left > 0 {
+                    let n = sock.read(&mut buf[..left.min(4 << 20)])?;
+                    if n == 0 {
+                        return Err("sender closed the socket early".into());
+                    }
+                    left -= n;
+                }
+                sock.write_all(&[1])?;
+            }
+            Ok(())
+        }
+        "shm-copy" | "shm-zero" => {
+            let mode = if args.role == "shm-copy" {
+                ShmReadMode::Copy
+            } else {
+                ShmReadMode::ZeroCopy
+            };
+            let spec: ShmReceiverSpec = wire::from_token(&args.target)?;
+            let mut r =
+                ReceiverInit::new(ShmReceiver::new(spec).with_mode(mode), None).connect(WAIT)?;
+            loop {
+                match r.receive(WAIT) {
+                    Ok(Some(_)) => {}
+                    Ok(None) => return Err("no update within the deadline".into()),
+                    Err(Error::PeerGone { .. }) => return Ok(()),
+                    Err(e) => return Err(e.into()),
+                }
+            }
+        }
+        other => Err(format!("unknown child role {other:?}").into()),
+    }
+}
