@@ -59,7 +59,7 @@ pub(crate) fn fmt_secs(s: f64) -> String {
 pub(crate) fn fmt_bytes(n: usize) -> String {
     const GIB: usize = 1 << 30;
     const MIB: usize = 1 << 20;
-    if n >= GIB && n % GIB == 0 {
+    if n >= GIB && n.is_multiple_of(GIB) {
         format!("{} GiB", n / GIB)
     } else if n >= MIB {
         format!("{} MiB", n / MIB)
