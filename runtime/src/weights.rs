@@ -14,6 +14,12 @@ use crate::manifest::{Manifest, TensorSpec};
 pub trait SharedBytes: Send + Sync + 'static {
     /// The bytes.
     fn bytes(&self) -> &[u8];
+
+    /// The bytes, writable, for storage lent to one writer (a shared-memory slot being
+    /// filled in place); `None` (the default) for storage that is read-only.
+    fn bytes_mut(&mut self) -> Option<&mut [u8]> {
+        None
+    }
 }
 
 enum Storage {
@@ -110,11 +116,13 @@ impl WeightSet {
     /// The whole arena, writable.
     ///
     /// # Errors
-    /// [`Error::ReadOnly`] when the storage is shared.
+    /// [`Error::ReadOnly`] when the storage is shared with others or read-only.
     pub fn bytes_mut(&mut self) -> Result<&mut [u8]> {
         match &mut self.storage {
             Storage::Owned(b) => Ok(b.as_mut_slice()),
-            Storage::Shared(_) => Err(Error::ReadOnly(self.model.clone())),
+            Storage::Shared(s) => Arc::get_mut(s)
+                .and_then(|s| s.bytes_mut())
+                .ok_or_else(|| Error::ReadOnly(self.model.clone())),
         }
     }
 

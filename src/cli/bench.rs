@@ -113,8 +113,12 @@ pub(crate) fn run(args: &BenchArgs) -> BoxResult<()> {
                 match t.as_str() {
                     "inproc" => rows.extend(bench_inproc(&weights, n, args, &base)?),
                     _ => {
-                        for mode in [ShmReadMode::ZeroCopy, ShmReadMode::Copy] {
-                            rows.extend(bench_shm(&weights, n, mode, args, &base)?);
+                        for (mode, loaned) in [
+                            (ShmReadMode::ZeroCopy, true),
+                            (ShmReadMode::ZeroCopy, false),
+                            (ShmReadMode::Copy, false),
+                        ] {
+                            rows.extend(bench_shm(&weights, n, mode, loaned, args, &base)?);
                         }
                     }
                 }
@@ -339,10 +343,13 @@ impl SharedBytes for ArenaBytes {
     }
 }
 
+/// Shared memory with `n` receiver processes. `loaned`: the sender fills a lent slot in place
+/// (timed apart as `fill`, the trainer's own extraction) and publishes without a copy.
 fn bench_shm(
     weights: &Arc<WeightSet>,
     n: usize,
     mode: ShmReadMode,
+    loaned: bool,
     args: &BenchArgs,
     base: &Baselines,
 ) -> BoxResult<Vec<Row>> {
@@ -365,11 +372,25 @@ fn bench_shm(
     let mut sender = SenderInit::new(transport, manifests)
         .with_ack_timeout(WAIT)
         .connect(vec![(*weights).clone()], WAIT)?;
-    let (mut e2e, mut write, mut acks) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut e2e, mut write, mut acks, mut fill) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     for i in 0..args.warmup + args.iters {
         bump(&mut weights)?;
+        let update = if loaned {
+            let far = Instant::now() + WAIT;
+            let mut lent = sender
+                .transport_mut()
+                .loan(weights.model(), weights.version(), far)?;
+            let t = Instant::now();
+            lent.bytes_mut()?.copy_from_slice(weights.bytes());
+            if i >= args.warmup {
+                fill.push(t.elapsed());
+            }
+            Arc::new(lent)
+        } else {
+            Arc::clone(&weights)
+        };
         let t0 = Instant::now();
-        let pending = sender.publish_shared(vec![Arc::clone(&weights)])?;
+        let pending = sender.publish_shared(vec![update])?;
         let t1 = Instant::now();
         sender.wait(&pending, WAIT)?;
         let t2 = Instant::now();
@@ -386,12 +407,13 @@ fn bench_shm(
             return Err("a shm receiver process failed".into());
         }
     }
-    let name = match mode {
-        ShmReadMode::Copy => "shm (copy)",
-        ShmReadMode::ZeroCopy => "shm (zero-copy)",
+    let name = match (mode, loaned) {
+        (_, true) => "shm (loaned)",
+        (ShmReadMode::Copy, _) => "shm (copy)",
+        (ShmReadMode::ZeroCopy, _) => "shm (zero-copy)",
     };
     let m = base.memcpy.median;
-    Ok(vec![
+    let mut rows = vec![
         row(name, "end-to-end", size, n, Summary::of(&e2e), "memcpy", m),
         row(name, "  write", size, n, Summary::of(&write), "memcpy", m),
         row(
@@ -403,7 +425,19 @@ fn bench_shm(
             "memcpy",
             m,
         ),
-    ])
+    ];
+    if loaned {
+        rows.push(row(
+            name,
+            "  (fill)",
+            size,
+            n,
+            Summary::of(&fill),
+            "memcpy",
+            m,
+        ));
+    }
+    Ok(rows)
 }
 
 pub(crate) fn child(args: &ChildArgs) -> BoxResult<()> {

@@ -379,3 +379,36 @@ fn zero_copy_pins_hold_slots_and_writer_uses_free_ones() {
     publish(&mut sender, 23, &mut rs).unwrap();
     assert_eq!(rs[0].version(&p), Version(23));
 }
+
+#[test]
+fn loaned_slots_publish_without_a_copy_and_seal() {
+    let m = manifest(32);
+    let ms = manifests(&[("policy", &m)]);
+    let (mut sender, mut rs) = connect_all(&ShmMake(ShmReadMode::ZeroCopy), &ms, vec![stamped("policy", &m, 1)], 1);
+    let p = id("policy");
+    let far = Instant::now() + T;
+    for v in 2..=12 {
+        let mut ws = sender.transport_mut().loan(&p, Version(v), far).unwrap();
+        assert!(ws.is_shared());
+        ws.copy_from(&stamped("policy", &m, v)).unwrap(); // fills the slot in place
+        let ws = Arc::new(ws);
+        let keep = Arc::clone(&ws);
+        let pending = sender.publish_shared(vec![ws]).unwrap();
+        let u = rs[0].receive(T).unwrap().unwrap();
+        sender.wait(&pending, T).unwrap();
+        check_stamp(&u.group[0]).unwrap();
+        // the receiver reads the very bytes the trainer wrote: same shared memory, no copy
+        assert_eq!(u.group[0].bytes(), keep.bytes());
+        // once published, the loan is sealed: writing through a kept handle is refused
+        let mut keep = Arc::try_unwrap(keep).unwrap();
+        assert!(matches!(keep.bytes_mut(), Err(Error::ReadOnly(_))));
+    }
+    // a loan given up unpublished leaves nothing behind; the next publish copies as usual
+    let abandoned = sender.transport_mut().loan(&p, Version(13), far).unwrap();
+    drop(abandoned);
+    let pending = sender.send_async(vec![stamped("policy", &m, 13)]).unwrap();
+    rs[0].receive(T).unwrap();
+    sender.wait(&pending, T).unwrap();
+    assert_eq!(rs[0].version(&p), Version(13));
+    check_stamp(&rs[0].current(&p).unwrap()).unwrap();
+}

@@ -21,7 +21,7 @@ mod segment;
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicU32, Ordering, fence};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering, fence};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -123,11 +123,47 @@ fn sender_gone(pid: u32, reason: &str) -> Error {
     }
 }
 
+/// A slot lent to the caller (see [`ShmSender::loan`]).
+#[derive(Debug)]
+struct Loan {
+    slot: usize,
+    seq: u64,
+    off: usize,
+    sealed: Arc<AtomicBool>,
+}
+
+/// The bytes of a lent slot: writable until the version is published.
+struct SlotBytes {
+    data: Arc<Segment>,
+    off: usize,
+    len: usize,
+    sealed: Arc<AtomicBool>,
+}
+
+impl SharedBytes for SlotBytes {
+    fn bytes(&self) -> &[u8] {
+        self.data.bytes(self.off, self.len).unwrap_or(&[])
+    }
+
+    fn bytes_mut(&mut self) -> Option<&mut [u8]> {
+        if self.sealed.load(Ordering::Acquire) {
+            return None;
+        }
+        // SAFETY: the slot is claimed (odd sequence) for this loan, so no reader looks at it
+        // and the sender writes nothing else there; `&mut self` on the only `SlotBytes` of the
+        // loan makes this borrow exclusive; the sender maps its data segments writable. Once
+        // published the loan is sealed and no writable borrow is handed out again.
+        unsafe { self.data.bytes_mut(self.off, self.len) }.ok()
+    }
+}
+
 /// The sending end: owns the segments.
 #[derive(Debug)]
 pub struct ShmSender {
     board: Segment,
-    data: Vec<Segment>,
+    data: Vec<Arc<Segment>>,
+    manifests: Vec<Arc<Manifest>>,
+    loans: Vec<Option<Loan>>,
     index: BTreeMap<ModelId, usize>,
     current: Vec<Option<usize>>,
     slots: usize,
@@ -162,7 +198,7 @@ impl ShmSender {
         let mut data = Vec::new();
         let mut models = Vec::new();
         let mut index = BTreeMap::new();
-        let cleanup = |segs: &[Segment]| {
+        let cleanup = |segs: &[Arc<Segment>]| {
             for s in segs {
                 let _ = s.unlink();
             }
@@ -173,7 +209,7 @@ impl ShmSender {
                 .checked_mul(config.slots)
                 .ok_or_else(|| shm_err("segment size overflows"))?;
             match Segment::create(&path, len) {
-                Ok(s) => data.push(s),
+                Ok(s) => data.push(Arc::new(s)),
                 Err(e) => {
                     cleanup(&data);
                     return Err(e);
@@ -201,6 +237,8 @@ impl ShmSender {
             data,
             index,
             current: vec![None; manifests.len()],
+            manifests: manifests.iter().map(|(_, m)| Arc::clone(m)).collect(),
+            loans: (0..manifests.len()).map(|_| None).collect(),
             slots: config.slots,
             max_receivers: config.max_receivers,
             expected_receivers: config.expected_receivers,
@@ -233,7 +271,7 @@ impl ShmSender {
     /// Paths of every segment file (board first).
     pub fn segment_paths(&self) -> Vec<PathBuf> {
         std::iter::once(&self.board)
-            .chain(&self.data)
+            .chain(self.data.iter().map(|d| &**d))
             .map(|s| s.path().to_path_buf())
             .collect()
     }
@@ -354,6 +392,48 @@ impl ShmSender {
         Ok(missing)
     }
 
+    /// Lends a free slot of `model` to fill in place (zero-copy publish): the returned weight
+    /// set is writable (`bytes_mut`, `view_mut`) and lives in shared memory; publishing it
+    /// through the scheme (`Sender::publish_shared`) then costs no copy at all. Writing after
+    /// publication is refused (the storage turns read-only). A second loan of the same model
+    /// returns the first slot unused.
+    ///
+    /// # Errors
+    /// [`Error::UnknownModel`]; [`Error::Timeout`] if no slot is free by `deadline`.
+    pub fn loan(&mut self, model: &ModelId, version: Version, deadline: Instant) -> Result<WeightSet> {
+        let m = self.model_index(model)?;
+        self.release_loan(m)?;
+        let (slot, seq) = self.claim_slot(m, deadline)?;
+        let data = &self.data[m];
+        let off = slot * (data.len() / self.slots) + PAGE;
+        let manifest = Arc::clone(&self.manifests[m]);
+        let sealed = Arc::new(AtomicBool::new(false));
+        let bytes = SlotBytes {
+            data: Arc::clone(data),
+            off,
+            len: manifest.total_len(),
+            sealed: Arc::clone(&sealed),
+        };
+        self.loans[m] = Some(Loan {
+            slot,
+            seq,
+            off,
+            sealed,
+        });
+        WeightSet::from_shared(model.clone(), version, manifest, Arc::new(bytes))
+    }
+
+    /// Gives an unpublished loan's slot back.
+    fn release_loan(&mut self, m: usize) -> Result<()> {
+        if let Some(loan) = self.loans[m].take() {
+            loan.sealed.store(true, Ordering::Release);
+            let data = &self.data[m];
+            let base = loan.slot * (data.len() / self.slots);
+            data.u64_at(base)?.store(loan.seq, Ordering::SeqCst);
+        }
+        Ok(())
+    }
+
     fn model_index(&self, id: &ModelId) -> Result<usize> {
         self.index
             .get(id)
@@ -417,10 +497,23 @@ impl SenderTransport for ShmSender {
         let mut placed = Vec::with_capacity(group.len());
         for w in group {
             let m = self.model_index(w.model())?;
-            let (slot, seq) = self.claim_slot(m, deadline)?;
-            let seg = &self.data[m];
+            let seg = Arc::clone(&self.data[m]);
+            let lent = self.loans[m]
+                .as_ref()
+                .is_some_and(|l| seg.bytes(l.off, 0).is_ok_and(|b| b.as_ptr() == w.bytes().as_ptr()));
+            let (slot, seq) = if lent {
+                // the weights were written in place: seal the loan, no copy
+                let loan = self.loans[m].take().ok_or(Error::State("loan vanished"))?;
+                loan.sealed.store(true, Ordering::Release);
+                (loan.slot, loan.seq)
+            } else {
+                self.release_loan(m)?;
+                let (slot, seq) = self.claim_slot(m, deadline)?;
+                let base = slot * (seg.len() / self.slots);
+                seg.write(base + PAGE, w.bytes())?;
+                (slot, seq)
+            };
             let base = slot * (seg.len() / self.slots);
-            seg.write(base + PAGE, w.bytes())?;
             seg.u64_at(base + 8)?
                 .store(w.version().get(), Ordering::SeqCst);
             seg.u64_at(base)?.store(seq + 2, Ordering::SeqCst);
@@ -478,7 +571,7 @@ impl SenderTransport for ShmSender {
         futex::wake_all(state);
         futex::wake_all(self.board.u32_at(OFF_COMMIT_SEQ)?);
         let mut first_err = None;
-        for s in std::iter::once(&self.board).chain(&self.data) {
+        for s in std::iter::once(&self.board).chain(self.data.iter().map(|d| &**d)) {
             if let Err(e) = s.unlink() {
                 first_err.get_or_insert(e);
             }

@@ -146,6 +146,18 @@ impl Segment {
         Ok(unsafe { std::slice::from_raw_parts(self.map.as_ptr().add(off), len) })
     }
 
+    /// `len` writable bytes at `off`, for a slot lent to one writer.
+    ///
+    /// # Safety
+    /// The caller must hold the slot in its writing state (no reader looks at it), must be
+    /// the only one with access to these bytes while the borrow lives, and the segment must
+    /// have been mapped writable.
+    pub(crate) unsafe fn bytes_mut(&self, off: usize, len: usize) -> Result<&mut [u8]> {
+        self.check(off, len, 1)?;
+        // SAFETY: in bounds (checked); exclusivity and writability are the caller's contract.
+        Ok(unsafe { std::slice::from_raw_parts_mut(self.map.as_mut_ptr().add(off), len) })
+    }
+
     /// Writes `src` at `off` (the caller holds the slot in its writing state).
     pub(crate) fn write(&self, off: usize, src: &[u8]) -> Result<()> {
         self.check(off, src.len(), 1)?;
