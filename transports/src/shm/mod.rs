@@ -149,11 +149,13 @@ impl SharedBytes for SlotBytes {
         if self.sealed.load(Ordering::Acquire) {
             return None;
         }
-        // SAFETY: the slot is claimed (odd sequence) for this loan, so no reader looks at it
-        // and the sender writes nothing else there; `&mut self` on the only `SlotBytes` of the
-        // loan makes this borrow exclusive; the sender maps its data segments writable. Once
+        let ptr = self.data.ptr_mut(self.off, self.len).ok()?;
+        // SAFETY: `ptr..ptr+len` lies in the mapping (checked by `ptr_mut`), which the sender
+        // maps writable and `self.data` keeps alive. The slot is claimed (odd sequence) for
+        // this loan, so no reader looks at it and the sender writes nothing else there;
+        // `&mut self` on the only `SlotBytes` of the loan makes this borrow exclusive. Once
         // published the loan is sealed and no writable borrow is handed out again.
-        unsafe { self.data.bytes_mut(self.off, self.len) }.ok()
+        Some(unsafe { std::slice::from_raw_parts_mut(ptr, self.len) })
     }
 }
 

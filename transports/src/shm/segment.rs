@@ -146,16 +146,13 @@ impl Segment {
         Ok(unsafe { std::slice::from_raw_parts(self.map.as_ptr().add(off), len) })
     }
 
-    /// `len` writable bytes at `off`, for a slot lent to one writer.
-    ///
-    /// # Safety
-    /// The caller must hold the slot in its writing state (no reader looks at it), must be
-    /// the only one with access to these bytes while the borrow lives, and the segment must
-    /// have been mapped writable.
-    pub(crate) unsafe fn bytes_mut(&self, off: usize, len: usize) -> Result<&mut [u8]> {
+    /// A pointer to `len` bytes at `off`, for a slot lent to one writer (bounds checked;
+    /// dereferencing it is the caller's business).
+    pub(crate) fn ptr_mut(&self, off: usize, len: usize) -> Result<*mut u8> {
         self.check(off, len, 1)?;
-        // SAFETY: in bounds (checked); exclusivity and writability are the caller's contract.
-        Ok(unsafe { std::slice::from_raw_parts_mut(self.map.as_mut_ptr().add(off), len) })
+        // SAFETY: `off` is within the mapping (checked), so the offset pointer stays inside
+        // the same allocation.
+        Ok(unsafe { self.map.as_mut_ptr().add(off) })
     }
 
     /// Writes `src` at `off` (the caller holds the slot in its writing state).
