@@ -19,6 +19,8 @@ struct Cli {
 enum Command {
     /// Measure every transport against physical baselines (memcpy, loopback TCP) in one run.
     Bench(bench::BenchArgs),
+    /// Report whether the CUDA driver and NCCL can be used, and the devices present.
+    Probe,
     /// Internal: a benchmark receiver process (spawned by `refit bench`).
     #[command(name = "__bench-child", hide = true)]
     BenchChild(bench::ChildArgs),
@@ -29,6 +31,7 @@ pub(crate) fn main() -> ExitCode {
     let result = match cli.command {
         Command::Bench(args) => bench::run(&args),
         Command::BenchChild(args) => bench::child(&args),
+        Command::Probe => probe(),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -37,4 +40,25 @@ pub(crate) fn main() -> ExitCode {
             ExitCode::FAILURE
         }
     }
+}
+
+fn probe() -> Result<(), Box<dyn std::error::Error>> {
+    let report = refit::transports::gpu::probe()?;
+    for d in &report.devices {
+        println!(
+            "cuda device {}: {} ({:.1} GiB)",
+            d.ordinal,
+            d.name,
+            d.total_memory as f64 / f64::from(1u32 << 30)
+        );
+    }
+    println!(
+        "nccl: {}",
+        if report.nccl {
+            "loadable"
+        } else {
+            "not found (libnccl.so)"
+        }
+    );
+    Ok(())
 }

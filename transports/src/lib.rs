@@ -3,6 +3,7 @@
 //! [`ReceiverTransport`](refit_runtime::ReceiverTransport).
 //!
 //! - [`inproc`]: threads and actors of one process; publishing is a pointer swap.
+//! - [`gpu`]: the CUDA/NCCL probe (feature `cuda`); GPU transports build on it.
 //! - [`shm`]: processes of one host; a segment per model with N slots, a seqlock header per
 //!   slot, readers pinned to the slot they use, futex wake-ups.
 //!
@@ -10,5 +11,6 @@
 //! second enum here would only be converted back.
 #![warn(missing_docs, unreachable_pub, missing_debug_implementations)]
 
+pub mod gpu;
 pub mod inproc;
 pub mod shm;

@@ -1,0 +1,138 @@
+//! GPU support: a probe that says, as an error and never a panic, whether the CUDA driver and
+//! NCCL can be loaded, and which devices are present.
+//!
+//! Built with the `cuda` feature, the probe loads the libraries at run time through cudarc
+//! (dynamic loading: the feature compiles on machines without CUDA). Without the feature it
+//! reports [`GpuUnavailable::NotCompiled`]. No cudarc call is made before the probe has
+//! checked that the libraries exist, because cudarc panics when they are missing.
+
+use serde::{Deserialize, Serialize};
+
+#[cfg(feature = "cuda")]
+mod probe_cuda;
+
+/// Why no GPU can be used.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[non_exhaustive]
+pub enum GpuUnavailable {
+    /// This build has no `cuda` feature.
+    NotCompiled,
+    /// `libcuda` (the driver) cannot be loaded.
+    NoDriver,
+    /// The driver loaded but reported an error.
+    Driver(String),
+    /// The driver works but there is no device.
+    NoDevice,
+}
+
+impl std::fmt::Display for GpuUnavailable {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::NotCompiled => write!(f, "refit was built without the `cuda` feature"),
+            Self::NoDriver => write!(
+                f,
+                "the CUDA driver library (libcuda.so) cannot be loaded: no NVIDIA driver on this machine"
+            ),
+            Self::Driver(e) => write!(f, "the CUDA driver reported an error: {e}"),
+            Self::NoDevice => write!(f, "the CUDA driver found no device"),
+        }
+    }
+}
+
+impl std::error::Error for GpuUnavailable {}
+
+/// One CUDA device.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GpuDevice {
+    /// Ordinal.
+    pub ordinal: usize,
+    /// Name reported by the driver.
+    pub name: String,
+    /// Total memory in bytes.
+    pub total_memory: usize,
+}
+
+/// What the probe found.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GpuReport {
+    /// The devices.
+    pub devices: Vec<GpuDevice>,
+    /// Whether `libnccl` can be loaded (cudarc looks for `libnccl.so`; link it to
+    /// `libnccl.so.2` where only that name is installed).
+    pub nccl: bool,
+}
+
+/// Looks for the CUDA driver, the devices and NCCL.
+///
+/// # Errors
+/// [`GpuUnavailable`] saying why no GPU can be used; never panics.
+pub fn probe() -> Result<GpuReport, GpuUnavailable> {
+    #[cfg(feature = "cuda")]
+    {
+        probe_cuda::probe()
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        Err(GpuUnavailable::NotCompiled)
+    }
+}
+
+/// An NCCL unique id as it travels between processes (128 bytes; `c_char` is signed on
+/// x86-64 and unsigned on aarch64, so the wire form is plain bytes).
+#[derive(Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NcclUniqueId(#[serde(with = "serde_bytes")] pub Vec<u8>);
+
+impl NcclUniqueId {
+    /// Length of an NCCL unique id.
+    pub const LEN: usize = 128;
+
+    /// Checks the length after decoding.
+    ///
+    /// # Errors
+    /// [`refit_runtime::Error::Wire`] when the id is not 128 bytes.
+    pub fn validate(&self) -> refit_runtime::Result<()> {
+        if self.0.len() != Self::LEN {
+            return Err(refit_runtime::Error::Wire(format!(
+                "nccl unique id has {} bytes, not {}",
+                self.0.len(),
+                Self::LEN
+            )));
+        }
+        Ok(())
+    }
+}
+
+impl std::fmt::Debug for NcclUniqueId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "NcclUniqueId({} bytes)", self.0.len())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// On machines without an NVIDIA driver (CI), the probe answers with a clear error.
+    #[test]
+    fn probe_never_panics_and_explains() {
+        match probe() {
+            Ok(report) => assert!(!report.devices.is_empty()),
+            Err(e) => {
+                let msg = e.to_string();
+                assert!(msg.contains("cuda") || msg.contains("CUDA"), "{msg}");
+            }
+        }
+        #[cfg(not(feature = "cuda"))]
+        assert_eq!(probe(), Err(GpuUnavailable::NotCompiled));
+    }
+
+    #[test]
+    fn nccl_ids_travel_as_bytes() {
+        let id = NcclUniqueId((0..128u8).collect());
+        let token = refit_runtime::wire::to_token(&id).unwrap();
+        let back: NcclUniqueId = refit_runtime::wire::from_token(&token).unwrap();
+        assert_eq!(back, id);
+        back.validate().unwrap();
+        assert!(NcclUniqueId(vec![0; 12]).validate().is_err());
+    }
+}
