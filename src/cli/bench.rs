@@ -18,6 +18,8 @@ type BoxResult<T> = Result<T, Box<dyn StdError>>;
 
 const SIZES: [usize; 4] = [4 << 20, 64 << 20, 512 << 20, 2 << 30];
 const WAIT: Duration = Duration::from_secs(120);
+/// Largest size measured with copying shm receivers.
+const COPY_MODE_MAX: usize = 512 << 20;
 
 /// Arguments of `refit bench`.
 #[derive(Debug, clap::Args)]
@@ -93,7 +95,7 @@ pub(crate) fn run(args: &BenchArgs) -> BoxResult<()> {
     }
     let mut rows = Vec::new();
     for &size in &sizes {
-        let weights = make_weights(size)?;
+        let mut weights = make_weights(size)?;
         let memcpy = memcpy_baseline(size, args.iters.max(3));
         rows.push(row("memcpy", "copy", size, 1, memcpy, "-", memcpy.median));
         let tcp = tcp_baseline(size, args.iters.max(3))?;
@@ -112,13 +114,27 @@ pub(crate) fn run(args: &BenchArgs) -> BoxResult<()> {
                 eprintln!("refit bench: {t} {} N={n}", fmt_bytes(size));
                 match t.as_str() {
                     "inproc" => rows.extend(bench_inproc(&weights, n, args, &base)?),
+                    // copying receivers hold two private arenas each: above 512 MiB, four of
+                    // them would not fit beside the slots in this machine's memory
+                    _ if size > COPY_MODE_MAX => {
+                        for loaned in [true, false] {
+                            rows.extend(bench_shm(
+                                &mut weights,
+                                n,
+                                ShmReadMode::ZeroCopy,
+                                loaned,
+                                args,
+                                &base,
+                            )?);
+                        }
+                    }
                     _ => {
                         for (mode, loaned) in [
                             (ShmReadMode::ZeroCopy, true),
                             (ShmReadMode::ZeroCopy, false),
                             (ShmReadMode::Copy, false),
                         ] {
-                            rows.extend(bench_shm(&weights, n, mode, loaned, args, &base)?);
+                            rows.extend(bench_shm(&mut weights, n, mode, loaned, args, &base)?);
                         }
                     }
                 }
@@ -292,7 +308,7 @@ fn bench_inproc(
             Arc::clone(&arena),
         )?))
     };
-    let mut v = 1;
+    let mut v = weights.version().get();
     let mut e2e = Vec::new();
     let mut publish = Vec::new();
     for i in 0..args.warmup + args.iters.max(20) {
@@ -346,7 +362,7 @@ impl SharedBytes for ArenaBytes {
 /// Shared memory with `n` receiver processes. `loaned`: the sender fills a lent slot in place
 /// (timed apart as `fill`, the trainer's own extraction) and publishes without a copy.
 fn bench_shm(
-    weights: &Arc<WeightSet>,
+    weights: &mut Arc<WeightSet>,
     n: usize,
     mode: ShmReadMode,
     loaned: bool,
@@ -368,13 +384,12 @@ fn bench_shm(
     let children = (0..n)
         .map(|_| spawn_child(&[role, &token]))
         .collect::<BoxResult<Vec<_>>>()?;
-    let mut weights = Arc::new((**weights).clone());
     let mut sender = SenderInit::new(transport, manifests)
         .with_ack_timeout(WAIT)
-        .connect(vec![(*weights).clone()], WAIT)?;
+        .connect(vec![(**weights).clone()], WAIT)?;
     let (mut e2e, mut write, mut acks, mut fill) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     for i in 0..args.warmup + args.iters {
-        bump(&mut weights)?;
+        bump(weights)?;
         let update = if loaned {
             let far = Instant::now() + WAIT;
             let mut lent = sender
@@ -387,7 +402,7 @@ fn bench_shm(
             }
             Arc::new(lent)
         } else {
-            Arc::clone(&weights)
+            Arc::clone(weights)
         };
         let t0 = Instant::now();
         let pending = sender.publish_shared(vec![update])?;
