@@ -1,1 +1,36 @@
-//! x
+//! Refit actors: the reinforcement-learning loop on top of the runtime.
+//!
+//! - [`mod@env`]: the [`Env`] trait and [`CartPole`] (Gymnasium `CartPole-v1`, exactly).
+//! - [`policy`]: the [`Policy`] trait and [`MlpPolicy`], a tanh MLP whose single-observation
+//!   forward is plain Rust; weights load through a refit [`Strategy`](refit_runtime::Strategy).
+//! - [`collector`]: [`Collector`], the per-step rollout loop with a carrier, trajectory ids,
+//!   hooks, `postproc`, `split_trajs`, direct replay-buffer writes and a frame budget.
+//! - [`multi`]: [`MultiSyncCollector`] and [`MultiAsyncCollector`] on worker threads, fed with
+//!   weights through a refit scheme ([`run_worker`] is generic over the receiving transport;
+//!   `refit_transports::inproc` between threads).
+//! - [`ppo`]: [`PpoTrainer`], PPO with candle on CPU, exporting the [`MlpPolicy`] layout.
+#![warn(missing_docs, unreachable_pub, missing_debug_implementations)]
+
+pub mod batch;
+pub mod collector;
+pub mod device;
+pub mod env;
+pub mod error;
+pub mod multi;
+pub mod policy;
+pub mod ppo;
+
+pub use batch::{Batch, EpisodeStats, ReplayBuffer, RingBuffer, TrajPool, TrajSpan, Transition};
+pub use collector::{
+    Collector, CollectorBuilder, CollectorConfig, UpdatePolicyWeights, WeightSource,
+    policy_model_id,
+};
+pub use device::Device;
+pub use env::{CartPole, Env, StepResult};
+pub use error::{Error, Result};
+pub use multi::{
+    MultiAsyncCollector, MultiConfig, MultiSyncCollector, WorkerCommand, WorkerLink, WorkerMessage,
+    WorkerMode, run_worker,
+};
+pub use policy::{ActionOut, MlpPolicy, Policy};
+pub use ppo::{PpoConfig, PpoStats, PpoTrainer};

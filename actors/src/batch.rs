@@ -1,0 +1,298 @@
+//! What collectors produce: transitions, batches, trajectory ids, replay buffers.
+
+use std::ops::Range;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+use rand::Rng;
+use rand::rngs::SmallRng;
+use refit_runtime::Version;
+
+use crate::error::{Error, Result};
+
+/// One environment step, with the collector's bookkeeping.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Transition {
+    /// Observation the policy acted on.
+    pub obs: Vec<f32>,
+    /// The action taken.
+    pub action: usize,
+    /// Log-probability of `action` under the policy that acted (version `version`).
+    pub log_prob: f32,
+    /// Reward of the step.
+    pub reward: f32,
+    /// Observation after the step (terminal observation when the episode ended; the env
+    /// was then reset and the reset observation went to the carrier, not here).
+    pub next_obs: Vec<f32>,
+    /// The episode reached a terminal state.
+    pub terminated: bool,
+    /// The episode was cut by a time limit.
+    pub truncated: bool,
+    /// Trajectory id (`None` when `track_traj_ids` is off).
+    pub traj_id: Option<u64>,
+    /// Version of the policy weights that chose `action`.
+    pub version: Version,
+    /// Index of the worker that collected it (0 for a single collector).
+    pub worker: usize,
+    /// Index of the environment inside its worker.
+    pub env: usize,
+    /// Step index inside its episode (0 for the first step after a reset).
+    pub step: u32,
+}
+
+impl Transition {
+    /// True when the episode ended here.
+    pub fn done(&self) -> bool {
+        self.terminated || self.truncated
+    }
+}
+
+/// An episode that ended during a batch.
+#[derive(Clone, Debug, PartialEq)]
+pub struct EpisodeStats {
+    /// Its trajectory id, when tracked.
+    pub traj_id: Option<u64>,
+    /// Undiscounted return.
+    pub ret: f64,
+    /// Number of steps.
+    pub len: u32,
+    /// Worker that ran it.
+    pub worker: usize,
+    /// Environment index inside the worker.
+    pub env: usize,
+    /// Policy version of its last step.
+    pub version: Version,
+}
+
+/// One trajectory's place in a batch whose transitions were grouped by `split_trajs`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TrajSpan {
+    /// The trajectory id.
+    pub traj_id: u64,
+    /// Its transitions, in time order: `batch.transitions[range]`.
+    pub range: Range<usize>,
+}
+
+/// What a collector yields per iteration.
+///
+/// Transitions are in step order, environments side by side (`t0 env0, t0 env1, .., t1
+/// env0, ..`); with `split_trajs` they are regrouped so each trajectory is contiguous and
+/// `trajectories` lists the spans. With direct replay-buffer writes `transitions` is empty
+/// and `frames` still counts what was written.
+#[derive(Clone, Debug, Default)]
+pub struct Batch {
+    /// The transitions (empty with direct replay-buffer writes).
+    pub transitions: Vec<Transition>,
+    /// Trajectory spans when `split_trajs` is on.
+    pub trajectories: Option<Vec<TrajSpan>>,
+    /// Episodes that ended in this batch.
+    pub episodes: Vec<EpisodeStats>,
+    /// Frames (environment steps) collected.
+    pub frames: usize,
+    /// Time spent before the batch polling for and applying new weights (the longest of
+    /// the workers' for a concatenated batch).
+    pub weight_sync: Duration,
+}
+
+impl Batch {
+    /// Lowest and highest policy versions of the transitions (`None` when empty).
+    pub fn version_range(&self) -> Option<(Version, Version)> {
+        let mut it = self.transitions.iter().map(|t| t.version);
+        let first = it.next()?;
+        Some(it.fold((first, first), |(lo, hi), v| (lo.min(v), hi.max(v))))
+    }
+
+    /// Mean return of the episodes that ended in this batch.
+    pub fn mean_episode_return(&self) -> Option<f64> {
+        if self.episodes.is_empty() {
+            return None;
+        }
+        Some(self.episodes.iter().map(|e| e.ret).sum::<f64>() / self.episodes.len() as f64)
+    }
+
+    /// Regroups transitions so that each trajectory is contiguous and in time order, and
+    /// fills [`Batch::trajectories`].
+    ///
+    /// # Errors
+    /// [`Error::SplitTrajsWithoutTrajIds`] when a transition carries no trajectory id.
+    pub fn split_trajs(&mut self) -> Result<()> {
+        if self.transitions.iter().any(|t| t.traj_id.is_none()) {
+            return Err(Error::SplitTrajsWithoutTrajIds);
+        }
+        // Stable: a trajectory's steps keep their time order.
+        self.transitions.sort_by_key(|t| t.traj_id);
+        let mut spans: Vec<TrajSpan> = Vec::new();
+        for (i, t) in self.transitions.iter().enumerate() {
+            let id = t.traj_id.unwrap_or_default();
+            match spans.last_mut() {
+                Some(s) if s.traj_id == id => s.range.end = i + 1,
+                _ => spans.push(TrajSpan {
+                    traj_id: id,
+                    range: i..i + 1,
+                }),
+            }
+        }
+        self.trajectories = Some(spans);
+        Ok(())
+    }
+
+    /// Concatenates batches (e.g. one per worker), keeping trajectory spans valid.
+    pub fn concat(batches: impl IntoIterator<Item = Batch>) -> Batch {
+        let mut out = Batch::default();
+        let mut any_spans = false;
+        let mut spans = Vec::new();
+        for b in batches {
+            let offset = out.transitions.len();
+            if let Some(s) = b.trajectories {
+                any_spans = true;
+                spans.extend(s.into_iter().map(|s| TrajSpan {
+                    traj_id: s.traj_id,
+                    range: s.range.start + offset..s.range.end + offset,
+                }));
+            }
+            out.transitions.extend(b.transitions);
+            out.episodes.extend(b.episodes);
+            out.frames += b.frames;
+            out.weight_sync = out.weight_sync.max(b.weight_sync);
+        }
+        if any_spans {
+            out.trajectories = Some(spans);
+        }
+        out
+    }
+}
+
+/// Hands out trajectory ids; clones share one counter, so ids never collide across the
+/// workers (threads) that share a pool.
+#[derive(Clone, Debug, Default)]
+pub struct TrajPool(Arc<AtomicU64>);
+
+impl TrajPool {
+    /// A pool whose first id is 0.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// A fresh id.
+    pub fn next_id(&self) -> u64 {
+        self.0.fetch_add(1, Ordering::Relaxed)
+    }
+
+    /// `n` fresh consecutive ids.
+    pub fn take(&self, n: u64) -> Range<u64> {
+        let start = self.0.fetch_add(n, Ordering::Relaxed);
+        start..start + n
+    }
+
+    /// How many ids were handed out.
+    pub fn issued(&self) -> u64 {
+        self.0.load(Ordering::Relaxed)
+    }
+}
+
+/// Storage collectors write transitions into directly (instead of yielding them).
+///
+/// Shared between workers, hence `&self` methods.
+pub trait ReplayBuffer: Send + Sync {
+    /// Stores one transition.
+    ///
+    /// # Errors
+    /// Whatever the storage reports.
+    fn add(&self, transition: Transition) -> Result<()>;
+    /// Number of transitions held.
+    fn len(&self) -> usize;
+    /// True when empty.
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    /// `n` transitions drawn uniformly with replacement (empty when the buffer is).
+    fn sample(&self, n: usize, rng: &mut SmallRng) -> Vec<Transition>;
+}
+
+/// A fixed-capacity ring buffer: once full, each new transition replaces the oldest.
+#[derive(Debug)]
+pub struct RingBuffer {
+    capacity: usize,
+    inner: Mutex<Ring>,
+}
+
+#[derive(Debug, Default)]
+struct Ring {
+    items: Vec<Transition>,
+    next: usize,
+    added: u64,
+}
+
+impl RingBuffer {
+    /// A ring of `capacity` transitions.
+    ///
+    /// # Errors
+    /// [`Error::Config`] when `capacity` is zero.
+    pub fn new(capacity: usize) -> Result<Self> {
+        if capacity == 0 {
+            return Err(Error::Config(
+                "ring buffer capacity must be positive".into(),
+            ));
+        }
+        Ok(Self {
+            capacity,
+            inner: Mutex::new(Ring::default()),
+        })
+    }
+
+    /// Capacity.
+    pub fn capacity(&self) -> usize {
+        self.capacity
+    }
+
+    /// Transitions ever added (including overwritten ones).
+    pub fn total_added(&self) -> u64 {
+        self.lock().added
+    }
+
+    /// A copy of the contents, oldest first.
+    pub fn snapshot(&self) -> Vec<Transition> {
+        let r = self.lock();
+        let (newer, older) = r.items.split_at(r.next.min(r.items.len()));
+        if r.items.len() < self.capacity {
+            r.items.clone()
+        } else {
+            older.iter().chain(newer).cloned().collect()
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Ring> {
+        // A panic in another writer leaves the ring consistent (writes are single pushes).
+        self.inner.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+impl ReplayBuffer for RingBuffer {
+    fn add(&self, transition: Transition) -> Result<()> {
+        let mut r = self.lock();
+        if r.items.len() < self.capacity {
+            r.items.push(transition);
+        } else {
+            let i = r.next;
+            r.items[i] = transition;
+        }
+        r.next = (r.next + 1) % self.capacity;
+        r.added += 1;
+        Ok(())
+    }
+
+    fn len(&self) -> usize {
+        self.lock().items.len()
+    }
+
+    fn sample(&self, n: usize, rng: &mut SmallRng) -> Vec<Transition> {
+        let r = self.lock();
+        if r.items.is_empty() {
+            return Vec::new();
+        }
+        (0..n)
+            .map(|_| r.items[rng.random_range(0..r.items.len())].clone())
+            .collect()
+    }
+}

@@ -1,0 +1,95 @@
+//! The one error type of the actors crate.
+
+use crate::device::Device;
+
+/// Result alias used across the actors crate.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// Every error the actors crate reports. Messages are lowercase and keep their cause.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// A weight-sync or weight-layout failure reported by the runtime.
+    #[error("runtime: {0}")]
+    Runtime(#[from] refit_runtime::Error),
+    /// A failure inside candle (the trainer's tensor library).
+    #[error("candle: {0}")]
+    Candle(#[from] candle_core::Error),
+    /// A device that this build cannot run on.
+    #[error("device {0} is not supported (only cpu is implemented)")]
+    DeviceNotSupported(Device),
+    /// `split_trajs` was asked for while `track_traj_ids` is off.
+    #[error("split_trajs requires track_traj_ids (trajectories are split by their ids)")]
+    SplitTrajsWithoutTrajIds,
+    /// A configuration value that cannot work.
+    #[error("invalid configuration: {0}")]
+    Config(String),
+    /// An environment failed to reset or step.
+    #[error("environment {env}: {message}")]
+    Env {
+        /// Index of the environment inside its collector.
+        env: usize,
+        /// What went wrong.
+        message: String,
+    },
+    /// A user hook (pre/post collect, postproc) failed; collection stops.
+    #[error("{hook} failed: {message}")]
+    Hook {
+        /// Which hook.
+        hook: &'static str,
+        /// What it reported.
+        message: String,
+    },
+    /// A weight set was offered under a model id it does not belong to.
+    #[error("weight set of model `{found}` offered as model `{expected}`")]
+    ModelMismatch {
+        /// The id the caller named.
+        expected: String,
+        /// The id the weight set carries.
+        found: String,
+    },
+    /// `update_policy_weights` was called with no registered policy.
+    #[error("no policy is registered to pull weights from (call register_policy first)")]
+    NoRegisteredPolicy,
+    /// A collector worker reported an error.
+    #[error("worker {worker}: {source}")]
+    Worker {
+        /// Worker index.
+        worker: usize,
+        /// What it reported.
+        #[source]
+        source: Box<Error>,
+    },
+    /// A collector worker stopped without reporting (panic, closed channel).
+    #[error("worker {worker} is gone: {reason}")]
+    WorkerGone {
+        /// Worker index.
+        worker: usize,
+        /// Why we believe so.
+        reason: String,
+    },
+    /// The collector was used after shutdown.
+    #[error("collector is shut down")]
+    Closed,
+    /// A trainer input that cannot be trained on.
+    #[error("trainer: {0}")]
+    Trainer(String),
+}
+
+impl Error {
+    /// Builds an [`Error::Hook`], for hooks that fail.
+    pub fn hook(hook: &'static str, message: impl Into<String>) -> Self {
+        Self::Hook {
+            hook,
+            message: message.into(),
+        }
+    }
+
+    /// Builds an [`Error::Env`], for environments that fail.
+    pub fn env(env: usize, message: impl Into<String>) -> Self {
+        Self::Env {
+            env,
+            message: message.into(),
+        }
+    }
+}

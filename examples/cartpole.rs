@@ -1,0 +1,250 @@
+//! PPO on CartPole: one trainer, several collector workers fed with weights through a refit
+//! scheme (in-process transport), until the mean return of the last 20 episodes reaches 475.
+//!
+//! ```text
+//! cargo run --release --example cartpole -- [--workers 2] [--envs 4] [--frames-per-batch 2048]
+//!     [--async] [--seed 0] [--max-seconds 60] [--target 475]
+//! ```
+
+use std::collections::VecDeque;
+use std::time::{Duration, Instant};
+
+use indicatif::{ProgressBar, ProgressStyle};
+use refit_actors::{
+    Batch, CartPole, Collector, MlpPolicy, MultiAsyncCollector, MultiConfig, MultiSyncCollector,
+    PpoConfig, PpoTrainer, UpdatePolicyWeights,
+};
+
+struct Args {
+    workers: usize,
+    envs: usize,
+    frames_per_batch: usize,
+    asynchronous: bool,
+    seed: u64,
+    max_seconds: f64,
+    target: f64,
+    total_frames: u64,
+}
+
+fn parse_args() -> Result<Args, String> {
+    let mut a = Args {
+        workers: 2,
+        envs: 4,
+        frames_per_batch: 2048,
+        asynchronous: false,
+        seed: 0,
+        max_seconds: 60.0,
+        target: 475.0,
+        total_frames: 2_000_000,
+    };
+    let mut it = std::env::args().skip(1);
+    while let Some(flag) = it.next() {
+        let mut value = |name: &str| it.next().ok_or(format!("{name} needs a value"));
+        let bad = |name: &str, e: &dyn std::fmt::Display| format!("{name}: {e}");
+        match flag.as_str() {
+            "--workers" => {
+                a.workers = value("--workers")?
+                    .parse()
+                    .map_err(|e| bad("--workers", &e))?
+            }
+            "--envs" => a.envs = value("--envs")?.parse().map_err(|e| bad("--envs", &e))?,
+            "--frames-per-batch" => {
+                a.frames_per_batch = value("--frames-per-batch")?
+                    .parse()
+                    .map_err(|e| bad("--frames-per-batch", &e))?
+            }
+            "--async" => a.asynchronous = true,
+            "--seed" => a.seed = value("--seed")?.parse().map_err(|e| bad("--seed", &e))?,
+            "--max-seconds" => {
+                a.max_seconds = value("--max-seconds")?
+                    .parse()
+                    .map_err(|e| bad("--max-seconds", &e))?
+            }
+            "--target" => {
+                a.target = value("--target")?
+                    .parse()
+                    .map_err(|e| bad("--target", &e))?
+            }
+            "--total-frames" => {
+                a.total_frames = value("--total-frames")?
+                    .parse()
+                    .map_err(|e| bad("--total-frames", &e))?
+            }
+            other => return Err(format!("unknown argument {other}")),
+        }
+    }
+    if a.workers == 0 || a.envs == 0 || a.frames_per_batch < a.workers * a.envs {
+        return Err("workers, envs and frames per batch must be positive".into());
+    }
+    Ok(a)
+}
+
+/// What the loop reports at the end.
+struct Outcome {
+    solved: bool,
+    frames: u64,
+    updates: u64,
+    mean_return: f64,
+    episodes: usize,
+    update_time: Duration,
+    train_time: Duration,
+}
+
+fn train<C>(
+    mut collector: C,
+    trainer: &mut PpoTrainer,
+    args: &Args,
+    start: Instant,
+) -> Result<Outcome, Box<dyn std::error::Error>>
+where
+    C: UpdatePolicyWeights + Iterator<Item = refit_actors::Result<Batch>>,
+{
+    let pb = ProgressBar::new(args.total_frames);
+    pb.set_style(
+        ProgressStyle::with_template(
+            "{elapsed_precise} [{bar:30}] {pos}/{len} frames {per_sec} {msg}",
+        )?
+        .progress_chars("=> "),
+    );
+    let mut last20: VecDeque<f64> = VecDeque::with_capacity(20);
+    let mut out = Outcome {
+        solved: false,
+        frames: 0,
+        updates: 0,
+        mean_return: 0.0,
+        episodes: 0,
+        update_time: Duration::ZERO,
+        train_time: Duration::ZERO,
+    };
+    while let Some(batch) = collector.next() {
+        let batch = batch?;
+        out.frames += batch.frames as u64;
+        out.episodes += batch.episodes.len();
+        for e in &batch.episodes {
+            if last20.len() == 20 {
+                last20.pop_front();
+            }
+            last20.push_back(e.ret);
+        }
+        let mean = if last20.is_empty() {
+            0.0
+        } else {
+            last20.iter().sum::<f64>() / last20.len() as f64
+        };
+        out.mean_return = mean;
+        let (lo, hi) = batch.version_range().unwrap_or_default();
+        let staleness = trainer.version().get().saturating_sub(lo.get());
+        if last20.len() == 20 && mean >= args.target {
+            out.solved = true;
+            pb.suspend(|| println!(
+                "frames {:>7}  mean return {mean:>6.1}  (solved with weights v{}..v{hi}, staleness {staleness})",
+                out.frames, lo
+            ));
+            break;
+        }
+        let stats = trainer.update(&batch)?;
+        out.train_time += stats.elapsed;
+        let t = Instant::now();
+        let ws = trainer.export()?;
+        collector.update_weights(ws)?;
+        let update = t.elapsed();
+        out.update_time += update;
+        out.updates += 1;
+        pb.set_position(out.frames.min(args.total_frames));
+        pb.set_message(format!("return {mean:.1}"));
+        pb.suspend(|| println!(
+            "frames {:>7}  mean return {mean:>6.1}  episodes {:>4}  weights v{lo}..v{hi} -> v{}  staleness {staleness}  \
+             train {:>4} ms  update {:>5} us  kl {:.4}  entropy {:.3}",
+            out.frames,
+            out.episodes,
+            trainer.version(),
+            stats.elapsed.as_millis(),
+            update.as_micros(),
+            stats.approx_kl,
+            stats.entropy,
+        ));
+        if start.elapsed().as_secs_f64() > args.max_seconds || out.frames >= args.total_frames {
+            break;
+        }
+    }
+    pb.finish_and_clear();
+    Ok(out)
+}
+
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    if std::env::var_os("RAYON_NUM_THREADS").is_none() {
+        // candle sizes its matmul fan-out from this variable (not from the current rayon
+        // pool); on a 4-64-64-2 network, splitting a matmul costs more than it saves, and
+        // the collector threads want the other core.
+        // SAFETY: no other thread exists yet (nothing has been spawned), so nothing reads
+        // the environment concurrently.
+        unsafe { std::env::set_var("RAYON_NUM_THREADS", "1") };
+    }
+    let args = parse_args()?;
+    let start = Instant::now();
+    let mut trainer = PpoTrainer::new(PpoConfig {
+        lr: 1e-3,
+        epochs: 8,
+        minibatch: 512,
+        gamma: 0.99,
+        gae_lambda: 0.95,
+        clip: 0.2,
+        ent_coef: 0.0,
+        seed: args.seed,
+        ..PpoConfig::default()
+    })?;
+    let hub = refit_transports::inproc::InProc::new();
+    let per_worker = args.frames_per_batch / args.workers;
+    let mut workers = Vec::new();
+    for w in 0..args.workers {
+        let envs = (0..args.envs)
+            .map(|i| CartPole::new(args.seed * 1000 + (w * args.envs + i) as u64).with_index(i))
+            .collect();
+        let c = Collector::builder(envs, MlpPolicy::cartpole()?)
+            .frames_per_batch(per_worker)
+            .seed(args.seed.wrapping_mul(7919).wrapping_add(w as u64))
+            .build()?;
+        workers.push((c, hub.receiver()));
+    }
+    let initial = vec![trainer.export()?];
+    let config = MultiConfig::default();
+    println!(
+        "cartpole: {} workers x {} envs, {} frames per {}, ppo lr {} epochs {} minibatch {}",
+        args.workers,
+        args.envs,
+        per_worker * args.workers,
+        if args.asynchronous {
+            "worker batch (async)"
+        } else {
+            "batch (sync)"
+        },
+        trainer.config().lr,
+        trainer.config().epochs,
+        trainer.config().minibatch
+    );
+    let out = if args.asynchronous {
+        let c = MultiAsyncCollector::spawn(hub.sender()?, workers, initial, config)?;
+        train(c, &mut trainer, &args, start)?
+    } else {
+        let c = MultiSyncCollector::spawn(hub.sender()?, workers, initial, config)?;
+        train(c, &mut trainer, &args, start)?
+    };
+    let wall = start.elapsed();
+    println!(
+        "{}: mean return {:.1} over the last 20 episodes after {} frames, {} episodes, {} updates, \
+         {:.1} s wall ({:.0} frames/s overall); training {:.1} s, weight export+publish {:.2} ms total",
+        if out.solved { "solved" } else { "NOT solved" },
+        out.mean_return,
+        out.frames,
+        out.episodes,
+        out.updates,
+        wall.as_secs_f64(),
+        out.frames as f64 / wall.as_secs_f64(),
+        out.train_time.as_secs_f64(),
+        out.update_time.as_secs_f64() * 1e3,
+    );
+    if !out.solved {
+        std::process::exit(1);
+    }
+    Ok(())
+}
