@@ -184,6 +184,80 @@ pub enum Error {
     /// A strategy could not extract from or apply to a model.
     #[error("strategy: {0}")]
     Strategy(String),
+    /// A bucket plan or one bucket of it was refused (see `bucket`).
+    #[error("bucket {index}: {reason}")]
+    Bucket {
+        /// Which bucket (its index in the plan).
+        index: usize,
+        /// What is wrong with it, naming the tensor where there is one.
+        reason: String,
+    },
+    /// A layout rule or plan was refused at plan time (see `layout`).
+    #[error("layout: {culprit}: {reason}")]
+    Layout {
+        /// The rule (`rule \`fuse [..] -> ..\``) or tensor (`tensor \`x\``) to blame.
+        culprit: String,
+        /// What is wrong.
+        reason: String,
+    },
+    /// A dtype conversion was refused (see `cast`).
+    #[error("cast of tensor `{tensor}`: {reason}")]
+    Cast {
+        /// The tensor (or rule pattern) to blame.
+        tensor: String,
+        /// What is wrong.
+        reason: String,
+    },
+    /// A delta update whose base version this receiver does not hold.
+    #[error(
+        "model `{model}`: delta from base version {base} to {version} refused, this receiver holds {}",
+        held.map_or_else(|| "no version".to_string(), |v| format!("version {v}"))
+    )]
+    DeltaBase {
+        /// The model.
+        model: ModelId,
+        /// The base the delta was computed against.
+        base: Version,
+        /// The version the delta produces.
+        version: Version,
+        /// The version the receiver holds, if any.
+        held: Option<Version>,
+    },
+    /// A sharded writer broke the shard protocol (wrong rank, write outside its shard, barrier
+    /// closed early).
+    #[error("shard of rank {rank}: {reason}")]
+    Shard {
+        /// The rank to blame.
+        rank: usize,
+        /// What is wrong.
+        reason: String,
+    },
+    /// A peer presented no cluster token or a wrong one, or refused ours.
+    #[error("peer {peer} refused: {reason}")]
+    Unauthorized {
+        /// Who (address).
+        peer: String,
+        /// Why.
+        reason: String,
+    },
+    /// A remote handler answered with an error.
+    #[error("remote call `{method}` on {peer} failed: {message}")]
+    Remote {
+        /// Who answered.
+        peer: String,
+        /// The method called.
+        method: String,
+        /// The remote error, as the remote side wrote it.
+        message: String,
+    },
+    /// A launch variable (`RANK`, `WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT`) is missing or bad.
+    #[error("launch variable `{var}`: {reason}")]
+    Launch {
+        /// The variable.
+        var: &'static str,
+        /// What is wrong with it.
+        reason: String,
+    },
     /// A transport-specific failure.
     #[error("{transport} transport: {message}")]
     Transport {

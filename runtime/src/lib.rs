@@ -7,6 +7,8 @@
 //!   transports.
 //! - [`protocol`]: the sync rules as plain code (versions only grow, whole-group
 //!   validation, acknowledgements), tested with no I/O.
+//! - [`node`]: processes that host handlers on TCP: remote calls with deadlines, streams,
+//!   a rendezvous store, launch variables, the cluster token.
 //! - [`wire`]: msgpack encoding with size limits, and tokens to ship descriptions.
 #![warn(missing_docs, unreachable_pub, missing_debug_implementations)]
 
@@ -15,6 +17,7 @@ pub mod dtype;
 pub mod error;
 pub mod ids;
 pub mod manifest;
+pub mod node;
 pub mod protocol;
 mod safetensors_io;
 pub mod scheme;

@@ -1,6 +1,7 @@
 //! Subcommands of the `refit` tool.
 
 mod bench;
+mod net;
 mod stats;
 
 use std::process::ExitCode;
@@ -19,6 +20,12 @@ struct Cli {
 enum Command {
     /// Measure every transport against physical baselines (memcpy, loopback TCP) in one run.
     Bench(bench::BenchArgs),
+    /// Start a node: remote calls and a rendezvous store on TCP.
+    Node(net::NodeArgs),
+    /// Serve a safetensors file as a sender agent.
+    Serve(net::ServeArgs),
+    /// Pull a model from a sender agent into a safetensors file (written atomically).
+    Pull(net::PullArgs),
     /// Report whether the CUDA driver and NCCL can be used, and the devices present.
     Probe,
     /// Internal: a benchmark receiver process (spawned by `refit bench`).
@@ -32,6 +39,9 @@ pub(crate) fn main() -> ExitCode {
         Command::Bench(args) => bench::run(&args),
         Command::BenchChild(args) => bench::child(&args),
         Command::Probe => probe(),
+        Command::Node(a) => return net::node(a),
+        Command::Serve(a) => return net::serve(a),
+        Command::Pull(a) => return net::pull(a),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

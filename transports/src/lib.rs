@@ -4,6 +4,8 @@
 //!
 //! - [`inproc`]: threads and actors of one process; publishing is a pointer swap.
 //! - [`gpu`]: the CUDA/NCCL probe (feature `cuda`); GPU transports build on it.
+//! - [`tcp`]: processes on one host or many; a sender agent serves versions that receivers
+//!   pull over parallel streams (full or delta, checksummed, relayed receiver to receiver).
 //! - [`shm`]: processes of one host; a segment per model with N slots, a seqlock header per
 //!   slot, readers pinned to the slot they use, futex wake-ups.
 //!
@@ -14,3 +16,4 @@
 pub mod gpu;
 pub mod inproc;
 pub mod shm;
+pub mod tcp;

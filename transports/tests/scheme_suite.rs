@@ -14,6 +14,7 @@ use refit_runtime::{
 };
 use refit_transports::inproc::InProc;
 use refit_transports::shm::{ShmConfig, ShmReadMode, ShmReceiver, ShmSender};
+use refit_transports::tcp::{TcpConfig, TcpReceiver, TcpReceiverConfig, TcpSender, TransferMode};
 
 const T: Duration = Duration::from_secs(10);
 
@@ -53,10 +54,35 @@ impl Make for ShmMake {
     }
 }
 
+struct TcpMake(TransferMode);
+impl Make for TcpMake {
+    type S = TcpSender;
+    type R = TcpReceiver;
+    fn make(&self, ms: &Manifests, n: usize) -> (Self::S, Vec<Self::R>) {
+        let cfg = TcpConfig {
+            expected_receivers: n,
+            token: Some(refit_runtime::node::ClusterToken::random()),
+            ..TcpConfig::default()
+        };
+        let s = TcpSender::bind(cfg, ms).unwrap();
+        let spec = s.receiver_spec();
+        let rcfg = TcpReceiverConfig {
+            mode: self.0,
+            ..TcpReceiverConfig::default()
+        };
+        let rs = (0..n)
+            .map(|_| TcpReceiver::new(spec.clone()).with_config(rcfg.clone()))
+            .collect();
+        (s, rs)
+    }
+}
+
 fn all_makers(f: impl Fn(&dyn Fn() -> Box<dyn Runner>)) {
     f(&|| Box::new(InProcMake));
     f(&|| Box::new(ShmMake(ShmReadMode::Copy)));
     f(&|| Box::new(ShmMake(ShmReadMode::ZeroCopy)));
+    f(&|| Box::new(TcpMake(TransferMode::Delta)));
+    f(&|| Box::new(TcpMake(TransferMode::Full)));
 }
 
 /// Object-safe runner so one list covers every transport.
@@ -234,15 +260,19 @@ impl<M: Make> Runner for M {
             std::thread::spawn(move || {
                 let (a, c) = (id("actor"), id("critic"));
                 let mut checks = 0u64;
-                while !stop.load(Ordering::Acquire) {
+                // at least one check even if the sends finish before this thread runs
+                loop {
+                    let done = stop.load(Ordering::Acquire);
                     let snap = served.load();
                     let (va, vc) = (snap.version(&a), snap.version(&c));
                     assert_eq!(va, vc, "actor and critic seen at different versions");
                     check_stamp(snap.get(&a).unwrap()).unwrap();
                     check_stamp(snap.get(&c).unwrap()).unwrap();
                     checks += 1;
+                    if done {
+                        break checks;
+                    }
                 }
-                checks
             })
         };
         for v in 2..=60 {
@@ -384,7 +414,12 @@ fn zero_copy_pins_hold_slots_and_writer_uses_free_ones() {
 fn loaned_slots_publish_without_a_copy_and_seal() {
     let m = manifest(32);
     let ms = manifests(&[("policy", &m)]);
-    let (mut sender, mut rs) = connect_all(&ShmMake(ShmReadMode::ZeroCopy), &ms, vec![stamped("policy", &m, 1)], 1);
+    let (mut sender, mut rs) = connect_all(
+        &ShmMake(ShmReadMode::ZeroCopy),
+        &ms,
+        vec![stamped("policy", &m, 1)],
+        1,
+    );
     let p = id("policy");
     let far = Instant::now() + T;
     for v in 2..=12 {

@@ -402,7 +402,12 @@ impl ShmSender {
     ///
     /// # Errors
     /// [`Error::UnknownModel`]; [`Error::Timeout`] if no slot is free by `deadline`.
-    pub fn loan(&mut self, model: &ModelId, version: Version, deadline: Instant) -> Result<WeightSet> {
+    pub fn loan(
+        &mut self,
+        model: &ModelId,
+        version: Version,
+        deadline: Instant,
+    ) -> Result<WeightSet> {
         let m = self.model_index(model)?;
         self.release_loan(m)?;
         let (slot, seq) = self.claim_slot(m, deadline)?;
@@ -500,9 +505,10 @@ impl SenderTransport for ShmSender {
         for w in group {
             let m = self.model_index(w.model())?;
             let seg = Arc::clone(&self.data[m]);
-            let lent = self.loans[m]
-                .as_ref()
-                .is_some_and(|l| seg.bytes(l.off, 0).is_ok_and(|b| b.as_ptr() == w.bytes().as_ptr()));
+            let lent = self.loans[m].as_ref().is_some_and(|l| {
+                seg.bytes(l.off, 0)
+                    .is_ok_and(|b| b.as_ptr() == w.bytes().as_ptr())
+            });
             let (slot, seq) = if lent {
                 // the weights were written in place: seal the loan, no copy
                 let loan = self.loans[m].take().ok_or(Error::State("loan vanished"))?;

@@ -1,0 +1,262 @@
+//! A trainer node and worker nodes as separate processes, weights moving over TCP.
+//!
+//! ```text
+//! cargo run --release --example multi_node [-- --workers 2 --versions 5]
+//! ```
+//!
+//! Run as is, the trainer (rank 0) starts its workers itself on loopback. Across hosts, start
+//! each process with the usual launch variables and one shared token:
+//!
+//! ```text
+//! # host A (rank 0, the trainer)
+//! REFIT_TOKEN=... RANK=0 WORLD_SIZE=3 MASTER_ADDR=10.0.0.1 MASTER_PORT=29500 \
+//!     multi_node trainer --bind 10.0.0.1:29500 --no-spawn
+//! # hosts B and C (ranks 1 and 2)
+//! REFIT_TOKEN=... RANK=1 WORLD_SIZE=3 MASTER_ADDR=10.0.0.1 MASTER_PORT=29500 \
+//!     multi_node worker --bind 10.0.0.2:0
+//! ```
+//!
+//! The trainer serves a rendezvous store and a TCP sender agent on one node and publishes
+//! the receiver spec in the store. Each worker reads it, registers its receiver, and applies
+//! every version the trainer announces: the trainer calls `_receive_weights_scheme` on the
+//! worker's node, the worker pulls the bytes over parallel streams (or from another worker
+//! that already holds them), verifies every tensor's checksum, applies and acknowledges.
+
+use std::net::SocketAddr;
+use std::process::{Command, ExitCode};
+use std::sync::Arc;
+use std::time::Duration;
+
+use refit::prelude::*;
+use refit::runtime::node::{ClusterToken, LaunchEnv, Node, NodeConfig, Store, StoreClient};
+use refit::runtime::wire;
+use refit::transports::tcp::{TcpConfig, TcpReceiver, TcpReceiverConfig, TcpSender};
+
+const WAIT: Duration = Duration::from_secs(60);
+
+struct Args {
+    role: String,
+    workers: u32,
+    versions: u64,
+    bind: Option<SocketAddr>,
+    spawn: bool,
+}
+
+fn parse_args() -> std::result::Result<Args, String> {
+    let mut a = Args {
+        role: "trainer".into(),
+        workers: 2,
+        versions: 5,
+        bind: None,
+        spawn: true,
+    };
+    let mut it = std::env::args().skip(1);
+    while let Some(arg) = it.next() {
+        let mut value = |name: &str| it.next().ok_or(format!("{name} needs a value"));
+        match arg.as_str() {
+            "trainer" | "worker" => a.role = arg,
+            "--workers" => {
+                a.workers = value("--workers")?
+                    .parse()
+                    .map_err(|e| format!("--workers: {e}"))?
+            }
+            "--versions" => {
+                a.versions = value("--versions")?
+                    .parse()
+                    .map_err(|e| format!("--versions: {e}"))?
+            }
+            "--bind" => {
+                a.bind = Some(
+                    value("--bind")?
+                        .parse()
+                        .map_err(|e| format!("--bind: {e}"))?,
+                )
+            }
+            "--no-spawn" => a.spawn = false,
+            other => return Err(format!("unknown argument {other:?}")),
+        }
+    }
+    Ok(a)
+}
+
+// ANCHOR: model
+/// The policy's layout: 4 MiB of weights in three tensors.
+fn policy_manifest() -> Result<Manifest> {
+    Manifest::builder()
+        .tensor("encoder.weight", DType::F32, &[512, 1024])
+        .tensor("encoder.bias", DType::F32, &[512])
+        .tensor("head.weight", DType::F32, &[1024, 512])
+        .build()
+}
+
+/// What the trainer would produce at `version`: the head changes every version, the encoder
+/// every other one (so delta transfers move only what changed).
+fn weights_at(manifest: &Arc<Manifest>, version: u64) -> Result<WeightSet> {
+    let mut ws = WeightSet::zeroed(ModelId::new("policy")?, Arc::clone(manifest));
+    let encoder = (version / 2) as f32;
+    ws.view_mut::<f32>("encoder.weight")?.fill(encoder);
+    ws.view_mut::<f32>("encoder.bias")?.fill(encoder);
+    ws.view_mut::<f32>("head.weight")?.fill(version as f32);
+    ws.set_version(Version(version));
+    Ok(ws)
+}
+// ANCHOR_END: model
+
+// ANCHOR: trainer
+fn trainer(args: &Args) -> Result<()> {
+    let token = ClusterToken::from_env_or_random()?;
+    let launch = LaunchEnv::from_env().ok();
+    let bind = args
+        .bind
+        .or(launch.as_ref().and_then(|l| l.master().ok()))
+        .unwrap_or_else(|| SocketAddr::from(([127, 0, 0, 1], 0)));
+    // one node hosts the rendezvous store and the sender agent
+    let node = Node::start(NodeConfig::loopback(token.clone()).with_bind(bind))?;
+    Store::serve(&node);
+    let manifest = Arc::new(policy_manifest()?);
+    let manifests = Manifests::new([(ModelId::new("policy")?, Arc::clone(&manifest))])?;
+    let config = TcpConfig {
+        expected_receivers: args.workers as usize,
+        ..TcpConfig::default()
+    };
+    let transport = TcpSender::on_node(&node, config, &manifests)?;
+    let store = StoreClient::connect(&node, node.addr(), WAIT)?;
+    store.set(
+        "refit/policy/sender",
+        wire::to_token(&transport.receiver_spec())?.as_bytes(),
+    )?;
+    println!(
+        "trainer: node {} serving the store and the sender",
+        node.addr()
+    );
+    let children = if args.spawn {
+        spawn_workers(args, &token, node.addr())?
+    } else {
+        Vec::new()
+    };
+    // connect: wait for every worker to register, deliver version 1, wait for their acks
+    let mut sender = SenderInit::new(transport, manifests)
+        .with_ack_timeout(WAIT)
+        .connect(vec![weights_at(&manifest, 1)?], WAIT)?;
+    for v in 2..=args.versions {
+        // ... a training step would go here ...
+        sender.send(weights_at(&manifest, v)?)?;
+        println!(
+            "trainer: version {v} acknowledged by {} workers",
+            args.workers
+        );
+    }
+    sender.shutdown()?;
+    for mut child in children {
+        let status = child
+            .wait()
+            .map_err(|e| Error::io("waiting for a worker", e))?;
+        if !status.success() {
+            return Err(Error::State("a worker failed"));
+        }
+    }
+    println!("trainer: done");
+    Ok(())
+}
+// ANCHOR_END: trainer
+
+// ANCHOR: launch
+/// Starts the workers on this host with the launch variables a cluster launcher would set.
+fn spawn_workers(
+    args: &Args,
+    token: &ClusterToken,
+    master: SocketAddr,
+) -> Result<Vec<std::process::Child>> {
+    let exe = std::env::current_exe().map_err(|e| Error::io("locating this program", e))?;
+    (1..=args.workers)
+        .map(|rank| {
+            let launch = LaunchEnv {
+                rank,
+                world_size: args.workers + 1,
+                master_addr: master.ip().to_string(),
+                master_port: master.port(),
+            };
+            Command::new(&exe)
+                .arg("worker")
+                .envs(launch.vars())
+                .env(refit::runtime::node::TOKEN_ENV, token.expose())
+                .spawn()
+                .map_err(|e| Error::io("spawning a worker", e))
+        })
+        .collect()
+}
+// ANCHOR_END: launch
+
+// ANCHOR: worker
+fn worker(args: &Args) -> Result<()> {
+    let launch = LaunchEnv::from_env()?;
+    let rank = launch.rank;
+    let token = ClusterToken::from_env()?.ok_or(Error::State("REFIT_TOKEN is not set"))?;
+    // the worker's own node: the trainer calls `_receive_weights_scheme` on it, and other
+    // workers pull relayed bytes from it
+    let bind = args
+        .bind
+        .unwrap_or_else(|| SocketAddr::from(([127, 0, 0, 1], 0)));
+    let node = Node::start(NodeConfig::loopback(token).with_bind(bind))?;
+    let store = StoreClient::connect(&node, launch.master()?, WAIT)?;
+    let spec = wire::from_token(
+        std::str::from_utf8(&store.wait_get("refit/policy/sender", WAIT)?)
+            .map_err(|_| Error::Wire("the sender spec is not text".into()))?,
+    )?;
+    let config = TcpReceiverConfig {
+        advertise: args.bind.filter(|b| b.port() != 0),
+        ..TcpReceiverConfig::default()
+    };
+    let transport = TcpReceiver::new(spec)
+        .with_node(node.clone())
+        .with_config(config);
+    let mut receiver = ReceiverInit::new(transport, None).connect(WAIT)?;
+    let policy = ModelId::new("policy")?;
+    println!(
+        "worker {rank}: applied version {}",
+        receiver.version(&policy)
+    );
+    loop {
+        match receiver.receive(WAIT) {
+            Ok(Some(update)) => {
+                let w = &update.group[0];
+                let head = w.view::<f32>("head.weight")?[0];
+                println!(
+                    "worker {rank}: applied version {} (head = {head})",
+                    w.version()
+                );
+            }
+            Ok(None) => return Err(Error::State("no update in time")),
+            Err(Error::PeerGone { .. }) => break,
+            Err(e) => return Err(e),
+        }
+    }
+    println!(
+        "worker {rank}: trainer gone after version {}",
+        receiver.version(&policy)
+    );
+    Ok(())
+}
+// ANCHOR_END: worker
+
+fn main() -> ExitCode {
+    let args = match parse_args() {
+        Ok(a) => a,
+        Err(e) => {
+            eprintln!("multi_node: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let result = if args.role == "worker" {
+        worker(&args)
+    } else {
+        trainer(&args)
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("multi_node {}: {e}", args.role);
+            ExitCode::FAILURE
+        }
+    }
+}

@@ -1,0 +1,406 @@
+//! Nodes: processes that host handlers and talk over TCP.
+//!
+//! A [`Node`] listens on one address (loopback unless configured) and serves:
+//! - **remote calls**: a handler is addressed by `(target uuid, method name)`; a call carries a
+//!   deadline; its reply comes back on the same connection ([`Peer::call`]);
+//! - **streams**: a connection that, after one request frame, carries raw bytes written by a
+//!   stream handler (the data plane of the TCP transport; see [`open_stream`]).
+//!
+//! Every connection starts with a hello frame holding the shared [`ClusterToken`]; a peer
+//! without it is refused and logged. Frames are a `u32` length plus named msgpack of typed
+//! structs, with the length checked before anything is allocated ([`frame`]).
+//!
+//! A peer that vanishes turns every pending call on its connection into
+//! [`Error::PeerGone`]; a call whose deadline passes is [`Error::Timeout`]. Async methods
+//! suit tokio code; the `*_blocking`-free names ([`Peer::call`], [`Node::connect`]) block the
+//! calling thread and suit plain threads (never call them from inside an async task).
+
+pub mod frame;
+pub mod launch;
+mod message;
+mod peer;
+mod server;
+pub mod store;
+mod stream;
+mod token;
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::{Duration, Instant};
+
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+use uuid::Uuid;
+
+use crate::error::{Error, Result};
+use crate::wire::{self, MAX_CONTROL_MESSAGE};
+
+pub use launch::LaunchEnv;
+pub use message::{MAX_HELLO, StreamHead};
+pub use peer::Peer;
+pub use store::{Store, StoreClient};
+pub use stream::{OpenStream, open_stream, write_head};
+pub use token::{ClusterToken, TOKEN_ENV};
+
+/// A boxed, sendable future (what raw handlers return).
+pub type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send + 'static>>;
+
+type RawHandler = Arc<dyn Fn(CallInfo, Vec<u8>) -> BoxFuture<Result<Vec<u8>>> + Send + Sync>;
+type StreamHandler =
+    Arc<dyn Fn(CallInfo, Vec<u8>, tokio::net::TcpStream) -> BoxFuture<Result<()>> + Send + Sync>;
+type DisconnectHook = Arc<dyn Fn(ConnId) + Send + Sync>;
+
+/// One accepted connection of a node, as handlers see it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ConnId(pub u64);
+
+/// Who is calling: handed to every handler.
+#[derive(Debug, Clone, Copy)]
+pub struct CallInfo {
+    /// The connection the call came on (see [`Node::on_disconnect`]).
+    pub conn: ConnId,
+    /// The caller's address.
+    pub peer: SocketAddr,
+    /// The calling node's id.
+    pub node: Uuid,
+    /// When the caller stops waiting.
+    pub deadline: Instant,
+}
+
+/// How a node is set up.
+#[derive(Debug, Clone)]
+pub struct NodeConfig {
+    /// Where to listen (default `127.0.0.1:0`: loopback, a free port).
+    pub bind: SocketAddr,
+    /// The cluster token every connection must present.
+    pub token: ClusterToken,
+    /// Largest frame accepted after the hello (default [`MAX_CONTROL_MESSAGE`], 16 MiB).
+    pub max_frame: usize,
+    /// How long a new connection has to send its hello (default 5 s).
+    pub hello_timeout: Duration,
+    /// Runtime worker threads (default 2).
+    pub threads: usize,
+}
+
+impl NodeConfig {
+    /// Loopback, a free port, the given token.
+    pub fn loopback(token: ClusterToken) -> Self {
+        Self {
+            bind: SocketAddr::from(([127, 0, 0, 1], 0)),
+            token,
+            max_frame: MAX_CONTROL_MESSAGE,
+            hello_timeout: Duration::from_secs(5),
+            threads: 2,
+        }
+    }
+
+    /// Listens on `bind` instead.
+    #[must_use]
+    pub fn with_bind(mut self, bind: SocketAddr) -> Self {
+        self.bind = bind;
+        self
+    }
+}
+
+pub(crate) struct Shared {
+    id: Uuid,
+    token: ClusterToken,
+    max_frame: usize,
+    hello_timeout: Duration,
+    handlers: RwLock<HashMap<(Uuid, String), RawHandler>>,
+    streams: RwLock<HashMap<(Uuid, String), StreamHandler>>,
+    hooks: RwLock<Vec<DisconnectHook>>,
+    next_conn: AtomicU64,
+    refused: AtomicU64,
+}
+
+fn read<T>(l: &RwLock<T>) -> std::sync::RwLockReadGuard<'_, T> {
+    // poisoned only if a registering thread panicked; the map itself stays consistent
+    l.read().unwrap_or_else(|p| p.into_inner())
+}
+
+fn write<T>(l: &RwLock<T>) -> std::sync::RwLockWriteGuard<'_, T> {
+    l.write().unwrap_or_else(|p| p.into_inner())
+}
+
+struct Inner {
+    shared: Arc<Shared>,
+    handle: tokio::runtime::Handle,
+    runtime: Mutex<Option<tokio::runtime::Runtime>>,
+    addr: SocketAddr,
+}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        let rt = self
+            .runtime
+            .get_mut()
+            .unwrap_or_else(|p| p.into_inner())
+            .take();
+        if let Some(rt) = rt {
+            rt.shutdown_background();
+        }
+    }
+}
+
+/// A process's presence on the network: a listener, its handlers, its outgoing peers.
+///
+/// Cheap to clone; the node stops when [`Node::shutdown`] is called or the last clone drops
+/// (do not capture a `Node` inside its own handlers: that keeps it alive forever).
+#[derive(Clone)]
+pub struct Node {
+    inner: Arc<Inner>,
+}
+
+impl std::fmt::Debug for Node {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Node")
+            .field("id", &self.inner.shared.id)
+            .field("addr", &self.inner.addr)
+            .finish()
+    }
+}
+
+impl Node {
+    /// Starts a node: its own tokio runtime, a listener on `config.bind`, an accept loop.
+    ///
+    /// # Errors
+    /// [`Error::Io`] when the runtime cannot start or the address cannot be bound.
+    pub fn start(config: NodeConfig) -> Result<Self> {
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(config.threads.max(1))
+            .thread_name("refit-node")
+            .enable_all()
+            .build()
+            .map_err(|e| Error::io("starting the node runtime", e))?;
+        let listener = std::net::TcpListener::bind(config.bind)
+            .map_err(|e| Error::io(format!("binding {}", config.bind), e))?;
+        listener
+            .set_nonblocking(true)
+            .map_err(|e| Error::io("configuring the listener", e))?;
+        let addr = listener
+            .local_addr()
+            .map_err(|e| Error::io("reading the listener address", e))?;
+        let shared = Arc::new(Shared {
+            id: Uuid::new_v4(),
+            token: config.token,
+            max_frame: config.max_frame,
+            hello_timeout: config.hello_timeout,
+            handlers: RwLock::default(),
+            streams: RwLock::default(),
+            hooks: RwLock::default(),
+            next_conn: AtomicU64::new(1),
+            refused: AtomicU64::new(0),
+        });
+        let listener = {
+            let _guard = runtime.enter();
+            tokio::net::TcpListener::from_std(listener)
+                .map_err(|e| Error::io("registering the listener", e))?
+        };
+        runtime.spawn(server::accept_loop(Arc::clone(&shared), listener));
+        tracing::debug!(%addr, node = %shared.id, "node listening");
+        Ok(Self {
+            inner: Arc::new(Inner {
+                shared,
+                handle: runtime.handle().clone(),
+                runtime: Mutex::new(Some(runtime)),
+                addr,
+            }),
+        })
+    }
+
+    /// A loopback node on a free port.
+    ///
+    /// # Errors
+    /// As [`Node::start`].
+    pub fn loopback(token: ClusterToken) -> Result<Self> {
+        Self::start(NodeConfig::loopback(token))
+    }
+
+    /// The address the node listens on.
+    pub fn addr(&self) -> SocketAddr {
+        self.inner.addr
+    }
+
+    /// The node's id.
+    pub fn id(&self) -> Uuid {
+        self.inner.shared.id
+    }
+
+    /// The cluster token.
+    pub fn token(&self) -> &ClusterToken {
+        &self.inner.shared.token
+    }
+
+    /// The runtime handle (to spawn work next to the node's tasks).
+    pub fn handle(&self) -> &tokio::runtime::Handle {
+        &self.inner.handle
+    }
+
+    /// How many connections were refused so far (bad token, malformed hello).
+    pub fn refused(&self) -> u64 {
+        self.inner.shared.refused.load(Ordering::Relaxed)
+    }
+
+    /// Registers a raw handler (bytes in, bytes out), replacing any with the same address.
+    pub fn register_raw(
+        &self,
+        target: Uuid,
+        method: &str,
+        handler: impl Fn(CallInfo, Vec<u8>) -> BoxFuture<Result<Vec<u8>>> + Send + Sync + 'static,
+    ) {
+        write(&self.inner.shared.handlers).insert((target, method.to_owned()), Arc::new(handler));
+    }
+
+    /// Registers an async handler of typed requests and responses.
+    pub fn register<Req, Resp, F, Fut>(&self, target: Uuid, method: &str, handler: F)
+    where
+        Req: DeserializeOwned + Send + 'static,
+        Resp: Serialize + Send + 'static,
+        F: Fn(CallInfo, Req) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = Result<Resp>> + Send + 'static,
+    {
+        let max = self.inner.shared.max_frame;
+        self.register_raw(target, method, move |info, bytes| {
+            let req = wire::decode::<Req>(&bytes, max);
+            let fut = req.map(|r| handler(info, r));
+            Box::pin(async move { wire::encode(&fut?.await?) })
+        });
+    }
+
+    /// Registers a blocking handler: it runs on the runtime's blocking pool, so it may wait
+    /// on locks, files or other nodes.
+    pub fn register_blocking<Req, Resp, F>(&self, target: Uuid, method: &str, handler: F)
+    where
+        Req: DeserializeOwned + Send + 'static,
+        Resp: Serialize + Send + 'static,
+        F: Fn(CallInfo, Req) -> Result<Resp> + Send + Sync + 'static,
+    {
+        let handler = Arc::new(handler);
+        self.register(target, method, move |info, req: Req| {
+            let h = Arc::clone(&handler);
+            async move {
+                tokio::task::spawn_blocking(move || h(info, req))
+                    .await
+                    .map_err(|e| {
+                        Error::State(if e.is_panic() {
+                            "a blocking handler panicked"
+                        } else {
+                            "a blocking handler was cancelled"
+                        })
+                    })?
+            }
+        });
+    }
+
+    /// Registers a stream handler: it receives the request frame and owns the socket; it
+    /// writes a [`StreamHead`] (see [`write_head`]) and then raw bytes.
+    pub fn register_stream(
+        &self,
+        target: Uuid,
+        method: &str,
+        handler: impl Fn(CallInfo, Vec<u8>, tokio::net::TcpStream) -> BoxFuture<Result<()>>
+        + Send
+        + Sync
+        + 'static,
+    ) {
+        write(&self.inner.shared.streams).insert((target, method.to_owned()), Arc::new(handler));
+    }
+
+    /// Removes every handler and stream handler of `target`.
+    pub fn unregister(&self, target: Uuid) {
+        write(&self.inner.shared.handlers).retain(|(t, _), _| *t != target);
+        write(&self.inner.shared.streams).retain(|(t, _), _| *t != target);
+    }
+
+    /// Calls `hook` with the id of every remote-call connection that closes (the peer died,
+    /// left, or sent garbage).
+    pub fn on_disconnect(&self, hook: impl Fn(ConnId) + Send + Sync + 'static) {
+        write(&self.inner.shared.hooks).push(Arc::new(hook));
+    }
+
+    /// Connects to another node for remote calls (async).
+    ///
+    /// # Errors
+    /// [`Error::Timeout`], [`Error::Io`] when unreachable, [`Error::Unauthorized`] when the
+    /// other node refuses our token.
+    pub async fn connect_async(&self, addr: SocketAddr, timeout: Duration) -> Result<Peer> {
+        Peer::connect(
+            self.inner.shared.id,
+            &self.inner.shared.token,
+            self.inner.shared.max_frame,
+            addr,
+            timeout,
+        )
+        .await
+    }
+
+    /// Connects to another node for remote calls (blocking).
+    ///
+    /// # Errors
+    /// As [`Node::connect_async`].
+    pub fn connect(&self, addr: SocketAddr, timeout: Duration) -> Result<Peer> {
+        let this = self.clone();
+        self.block_on(async move { this.connect_async(addr, timeout).await })
+    }
+
+    /// Opens a stream to a stream handler of another node (blocking; see [`open_stream`]).
+    ///
+    /// # Errors
+    /// As [`open_stream`].
+    pub fn open_stream<Req: Serialize>(
+        &self,
+        addr: SocketAddr,
+        target: Uuid,
+        method: &str,
+        request: &Req,
+        timeout: Duration,
+    ) -> Result<OpenStream> {
+        open_stream(
+            addr,
+            &self.inner.shared.token,
+            self.inner.shared.id,
+            target,
+            method,
+            request,
+            timeout,
+        )
+    }
+
+    /// Runs a future on the node's runtime and waits for it on this thread.
+    ///
+    /// # Errors
+    /// The future's error, or [`Error::State`] when the node is shut down.
+    pub fn block_on<T: Send + 'static>(
+        &self,
+        fut: impl Future<Output = Result<T>> + Send + 'static,
+    ) -> Result<T> {
+        let (tx, rx) = std::sync::mpsc::sync_channel(1);
+        self.inner.handle.spawn(async move {
+            let _ = tx.send(fut.await);
+        });
+        rx.recv()
+            .map_err(|_| Error::State("the node is shut down"))?
+    }
+
+    /// Stops accepting and drops every connection and task of this node (idempotent; other
+    /// clones see a stopped node).
+    pub fn shutdown(&self) {
+        let rt = self
+            .inner
+            .runtime
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take();
+        if let Some(rt) = rt {
+            rt.shutdown_background();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;

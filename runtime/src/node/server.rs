@@ -1,0 +1,172 @@
+//! The accepting side of a node: hello and token check, the remote-call loop, streams.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use tokio::net::TcpStream;
+use tokio::sync::mpsc;
+
+use super::message::{ConnKind, Hello, MAX_HELLO, Outcome, Reply, Request, StreamHead, Welcome};
+use super::{CallInfo, ConnId, Shared, frame, read, stream::write_head};
+use crate::error::{Error, Result};
+use crate::wire;
+
+pub(super) async fn accept_loop(shared: Arc<Shared>, listener: tokio::net::TcpListener) {
+    loop {
+        match listener.accept().await {
+            Ok((stream, peer)) => {
+                let _ = stream.set_nodelay(true);
+                tokio::spawn(serve_conn(Arc::clone(&shared), stream, peer));
+            }
+            Err(e) => {
+                // out of descriptors and the like: back off instead of spinning
+                tracing::warn!(error = %e, "accept failed");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+    }
+}
+
+fn refuse(shared: &Shared, peer: SocketAddr, reason: &str) {
+    shared.refused.fetch_add(1, Ordering::Relaxed);
+    tracing::warn!(%peer, reason, "refused a connection");
+}
+
+async fn serve_conn(shared: Arc<Shared>, mut stream: TcpStream, peer: SocketAddr) {
+    let conn = ConnId(shared.next_conn.fetch_add(1, Ordering::Relaxed));
+    let hello = tokio::time::timeout(
+        shared.hello_timeout,
+        frame::recv::<Hello, _>(&mut stream, MAX_HELLO),
+    )
+    .await;
+    let hello = match hello {
+        Ok(Ok(h)) => h,
+        Ok(Err(e)) => return refuse(&shared, peer, &format!("bad hello: {e}")),
+        Err(_) => return refuse(&shared, peer, "no hello in time"),
+    };
+    if !shared.token.matches(&hello.token) {
+        refuse(&shared, peer, "wrong or missing cluster token");
+        let _ = frame::send(
+            &mut stream,
+            &Welcome::Refused {
+                reason: "wrong or missing cluster token".into(),
+            },
+        )
+        .await;
+        return;
+    }
+    if frame::send(&mut stream, &Welcome::Ok { node: shared.id })
+        .await
+        .is_err()
+    {
+        return;
+    }
+    let info = CallInfo {
+        conn,
+        peer,
+        node: hello.node,
+        deadline: Instant::now(),
+    };
+    match hello.kind {
+        ConnKind::Rpc => {
+            if let Err(e) = rpc_loop(&shared, stream, info).await {
+                tracing::warn!(%peer, error = %e, "remote-call connection closed on error");
+            }
+            let hooks = read(&shared.hooks).clone();
+            for hook in hooks {
+                hook(conn);
+            }
+        }
+        ConnKind::Stream { target, method } => {
+            if let Err(e) = serve_stream(&shared, stream, info, target, method).await {
+                tracing::debug!(%peer, error = %e, "stream ended on error");
+            }
+        }
+    }
+}
+
+async fn serve_stream(
+    shared: &Shared,
+    mut stream: TcpStream,
+    info: CallInfo,
+    target: uuid::Uuid,
+    method: String,
+) -> Result<()> {
+    let request = frame::read_frame(&mut stream, shared.max_frame)
+        .await?
+        .ok_or_else(|| Error::Wire("stream closed before its request".into()))?;
+    let handler = read(&shared.streams)
+        .get(&(target, method.clone()))
+        .cloned();
+    match handler {
+        Some(h) => h(info, request, stream).await,
+        None => {
+            write_head(
+                &mut stream,
+                &StreamHead::Err {
+                    reason: format!("no stream handler `{method}` for {target}"),
+                },
+            )
+            .await
+        }
+    }
+}
+
+async fn rpc_loop(shared: &Arc<Shared>, stream: TcpStream, info: CallInfo) -> Result<()> {
+    let (mut rd, mut wr) = stream.into_split();
+    let (tx, mut rx) = mpsc::unbounded_channel::<Vec<u8>>();
+    let writer = tokio::spawn(async move {
+        while let Some(body) = rx.recv().await {
+            if frame::write_frame(&mut wr, &body).await.is_err() {
+                break;
+            }
+        }
+    });
+    let result = loop {
+        let body = match frame::read_frame(&mut rd, shared.max_frame).await {
+            Ok(Some(b)) => b,
+            Ok(None) => break Ok(()),
+            Err(e) => break Err(e),
+        };
+        let req: Request = match wire::decode(&body, shared.max_frame) {
+            Ok(r) => r,
+            Err(e) => break Err(e),
+        };
+        let handler = read(&shared.handlers)
+            .get(&(req.target, req.method.clone()))
+            .cloned();
+        let tx = tx.clone();
+        let timeout = Duration::from_millis(req.timeout_ms);
+        let info = CallInfo {
+            deadline: crate::scheme::deadline_in(timeout),
+            ..info
+        };
+        tokio::spawn(async move {
+            let outcome = match handler {
+                None => Outcome::Err(format!(
+                    "no handler `{}` for target {}",
+                    req.method, req.target
+                )),
+                Some(h) => match tokio::time::timeout(timeout, h(info, req.payload)).await {
+                    Ok(Ok(bytes)) => Outcome::Ok(bytes),
+                    Ok(Err(e)) => Outcome::Err(e.to_string()),
+                    Err(_) => Outcome::Err(format!("handler timed out after {timeout:?}")),
+                },
+            };
+            if let Ok(body) = wire::encode(&Reply {
+                call: req.call,
+                outcome,
+            }) {
+                let _ = tx.send(body);
+            }
+        });
+    };
+    drop(tx);
+    if result.is_err() {
+        // garbage on the wire: close now rather than after in-flight replies
+        writer.abort();
+    }
+    result
+}

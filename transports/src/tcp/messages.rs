@@ -1,0 +1,104 @@
+//! Control messages of the TCP transport (named msgpack over node remote calls).
+
+use std::net::SocketAddr;
+
+use refit_runtime::{Manifest, ModelId, Version};
+use serde::{Deserialize, Serialize};
+use uuid::Uuid;
+
+/// The remote call a sender makes on each receiver when a version is published (the
+/// Ray-like trigger): the receiver then pulls the bytes over its data plane and acknowledges.
+pub const RECEIVE_WEIGHTS: &str = "_receive_weights_scheme";
+pub(crate) const REGISTER: &str = "register";
+pub(crate) const TRANSFER: &str = "request_transfer";
+pub(crate) const DONE: &str = "transfer_done";
+pub(crate) const ACK: &str = "ack";
+pub(crate) const PULL: &str = "pull";
+
+/// How a receiver asks for a version.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub enum TransferMode {
+    /// Every byte of the arena.
+    Full,
+    /// Only the tensors whose checksum changed since the version the receiver holds (full
+    /// when it holds none, or the sender no longer knows that version's checksums).
+    #[default]
+    Delta,
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+pub(crate) struct Register {
+    pub(crate) receiver: Uuid,
+    /// Where the receiver's node listens (for announcements and relaying).
+    pub(crate) node: SocketAddr,
+    pub(crate) relay: bool,
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+pub(crate) struct Registered {
+    pub(crate) id: u32,
+    pub(crate) models: Vec<(ModelId, Manifest)>,
+    pub(crate) latest: Vec<(ModelId, Version)>,
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+pub(crate) struct TransferReq {
+    pub(crate) receiver: u32,
+    pub(crate) model: ModelId,
+    pub(crate) version: Version,
+    pub(crate) have: Option<Version>,
+    pub(crate) mode: TransferMode,
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+pub(crate) enum TransferReply {
+    Plan(Plan),
+    /// The version is no longer kept; this one is the newest.
+    Superseded {
+        latest: Version,
+    },
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+pub(crate) struct Plan {
+    pub(crate) lease: u64,
+    /// The node to pull from (the sender, or a receiver that holds the version).
+    pub(crate) source: SocketAddr,
+    pub(crate) target: Uuid,
+    pub(crate) from_sender: bool,
+    /// Tensor indices to pull, in manifest order (all of them for a full transfer).
+    pub(crate) tensors: Vec<u32>,
+    /// True when `tensors` is every tensor (pull the whole arena, padding included).
+    pub(crate) full: bool,
+    /// xxh3-64 of every tensor of the version, verified before apply.
+    pub(crate) checksums: Vec<u64>,
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+pub(crate) struct Done {
+    pub(crate) receiver: u32,
+    pub(crate) lease: u64,
+    pub(crate) ok: bool,
+    pub(crate) reason: String,
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+pub(crate) struct AckReq {
+    pub(crate) receiver: u32,
+    pub(crate) applied: Vec<(ModelId, Version)>,
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+pub(crate) struct Announce {
+    pub(crate) entries: Vec<(ModelId, Version)>,
+    /// The sender is shutting down.
+    pub(crate) closing: bool,
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+pub(crate) struct PullReq {
+    pub(crate) model: ModelId,
+    pub(crate) version: Version,
+    /// `(offset, len)` byte ranges of the arena, ascending and disjoint.
+    pub(crate) ranges: Vec<(u64, u64)>,
+}

@@ -1,0 +1,104 @@
+//! The TCP transport, for processes on one host or many.
+//!
+//! - A **sender agent** ([`TcpSender`]) runs on a [node](refit_runtime::node) and serves the
+//!   newest versions of its models (the last [`TcpConfig::keep_versions`] of each) and their
+//!   per-tensor xxh3 checksums (the last [`TcpConfig::checksum_history`]).
+//! - A **receiver** ([`TcpReceiver`]) registers with it, then for each version it is told
+//!   about (the sender calls `_receive_weights_scheme` on the receiver's node) asks for a
+//!   transfer plan in `full` or `delta` mode, pulls the bytes over several parallel streams
+//!   (each a disjoint byte range, straight into the new arena), verifies every tensor's
+//!   checksum *before* the version can be applied, signals completion, and acknowledges once
+//!   applied.
+//! - **Relay**: a receiver that holds a version serves it to the next one, so the sender
+//!   writes each byte about once however many receivers there are; holders serve in parallel.
+//! - **Security**: nodes bind loopback unless configured; every connection presents the
+//!   cluster token (from the configuration, `REFIT_TOKEN`, or random); nothing on the wire
+//!   is code.
+//!
+//! Every wait has a deadline; a vanished sender is [`Error::PeerGone`](refit_runtime::Error),
+//! a vanished receiver is dropped from the sender's book (its leases freed, its acks no
+//! longer awaited), and a restarted receiver registers anew and gets the newest version.
+
+mod data;
+mod messages;
+mod receiver;
+mod sender;
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use refit_runtime::node::ClusterToken;
+use serde::{Deserialize, Serialize};
+use uuid::Uuid;
+
+pub use messages::{RECEIVE_WEIGHTS, TransferMode};
+pub use receiver::{TcpReceiver, TcpReceiverConfig};
+pub use sender::TcpSender;
+
+const NAME: &str = "tcp";
+
+/// How a sender agent is set up.
+#[derive(Debug, Clone)]
+pub struct TcpConfig {
+    /// Where its own node listens (default `127.0.0.1:0`; use `0.0.0.0:PORT` for other hosts).
+    pub bind: SocketAddr,
+    /// The address receivers are told to use (default: the bound address).
+    pub advertise: Option<SocketAddr>,
+    /// The cluster token (default: `REFIT_TOKEN`, else a random one).
+    pub token: Option<ClusterToken>,
+    /// Receivers `connect` waits for before publishing the initial weights (default 0).
+    pub expected_receivers: usize,
+    /// Versions kept per model for receivers still pulling them (default 2).
+    pub keep_versions: usize,
+    /// Versions whose per-tensor checksums are kept for delta transfers (default 16).
+    pub checksum_history: usize,
+    /// Let receivers that hold a version serve it to others (default true).
+    pub relay: bool,
+    /// Pulls one source (the sender or a relaying receiver) serves at once when relaying
+    /// (default 1: each byte leaves the sender about once, holders fan out in parallel).
+    pub relay_fanout: usize,
+    /// How long a transfer may hold its source before the lease is reclaimed (default 120 s).
+    pub transfer_timeout: Duration,
+    /// Deadline of the sender's own remote calls, e.g. announcements (default 5 s).
+    pub call_timeout: Duration,
+}
+
+impl Default for TcpConfig {
+    fn default() -> Self {
+        Self {
+            bind: SocketAddr::from(([127, 0, 0, 1], 0)),
+            advertise: None,
+            token: None,
+            expected_receivers: 0,
+            keep_versions: 2,
+            checksum_history: 16,
+            relay: true,
+            relay_fanout: 1,
+            transfer_timeout: Duration::from_secs(120),
+            call_timeout: Duration::from_secs(5),
+        }
+    }
+}
+
+/// What a receiver needs to attach: the sender agent's address, its id, and the cluster
+/// token. Serialisable (ship it with [`refit_runtime::wire::to_token`]); it holds the token,
+/// so treat it as a secret.
+#[derive(Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TcpReceiverSpec {
+    /// The sender's node.
+    pub addr: SocketAddr,
+    /// The sender agent on that node.
+    pub agent: Uuid,
+    /// The cluster token.
+    pub token: String,
+}
+
+impl std::fmt::Debug for TcpReceiverSpec {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TcpReceiverSpec")
+            .field("addr", &self.addr)
+            .field("agent", &self.agent)
+            .field("token", &"<redacted>")
+            .finish()
+    }
+}

@@ -1,0 +1,497 @@
+//! The receiving end: registers with a sender agent, learns of versions through
+//! `_receive_weights_scheme`, pulls them over parallel streams, verifies, relays.
+
+use std::collections::{BTreeMap, VecDeque};
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use refit_runtime::node::{ClusterToken, Node, NodeConfig, Peer, open_stream};
+use refit_runtime::{
+    Error, Group, Manifest, Manifests, Mismatch, ModelId, ReceiverTransport, Result, Version,
+    WeightSet, wire,
+};
+use uuid::Uuid;
+
+use super::data::{ServeStats, pull_parts, serve_pull, split_ranges, tensor_ranges};
+use super::messages::*;
+use super::{NAME, TcpReceiverSpec};
+
+/// How a receiver pulls.
+#[derive(Debug, Clone)]
+pub struct TcpReceiverConfig {
+    /// Parallel streams per transfer, each pulling a disjoint byte range (default 4).
+    pub streams: usize,
+    /// `Full` or `Delta` (default `Delta`: only changed tensors once a version is held).
+    pub mode: TransferMode,
+    /// Serve held versions to other receivers (default true).
+    pub relay: bool,
+    /// Where the receiver's own node listens when it starts one (default `127.0.0.1:0`; the
+    /// sender must reach it, so use a routable address across hosts).
+    pub bind: SocketAddr,
+    /// The address the sender and other receivers are told to use (default: the bound one).
+    pub advertise: Option<SocketAddr>,
+    /// Versions held per model for relaying and as delta bases (default 2).
+    pub keep_versions: usize,
+    /// Deadline of control calls (register, plan, ack; default 120 s: a plan may wait for a
+    /// relay source to free up).
+    pub call_timeout: Duration,
+    /// Longest wait for any single read or write on a data stream (default 30 s).
+    pub stream_timeout: Duration,
+}
+
+impl Default for TcpReceiverConfig {
+    fn default() -> Self {
+        Self {
+            streams: 4,
+            mode: TransferMode::Delta,
+            relay: true,
+            bind: SocketAddr::from(([127, 0, 0, 1], 0)),
+            advertise: None,
+            keep_versions: 2,
+            call_timeout: Duration::from_secs(120),
+            stream_timeout: Duration::from_secs(30),
+        }
+    }
+}
+
+#[derive(Debug, Default)]
+struct Inbox {
+    pending: BTreeMap<ModelId, Version>,
+    closing: bool,
+}
+
+#[derive(Debug, Default)]
+struct Shared {
+    inbox: Mutex<Inbox>,
+    cv: Condvar,
+    held: Mutex<BTreeMap<ModelId, VecDeque<Arc<WeightSet>>>>,
+    relay: ServeStats,
+    pulled: Arc<AtomicU64>,
+}
+
+impl Shared {
+    fn inbox(&self) -> MutexGuard<'_, Inbox> {
+        // plain bookkeeping, consistent even after a panic elsewhere
+        self.inbox.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn held(&self) -> MutexGuard<'_, BTreeMap<ModelId, VecDeque<Arc<WeightSet>>>> {
+        self.held.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn merge(&self, entries: &[(ModelId, Version)]) {
+        let mut ib = self.inbox();
+        for (m, v) in entries {
+            let e = ib.pending.entry(m.clone()).or_insert(*v);
+            *e = (*e).max(*v);
+        }
+        drop(ib);
+        self.cv.notify_all();
+    }
+
+    fn held_version(&self, model: &ModelId) -> Version {
+        self.held()
+            .get(model)
+            .and_then(|q| q.back())
+            .map_or(Version::ZERO, |w| w.version())
+    }
+}
+
+/// The receiving end of the TCP transport.
+pub struct TcpReceiver {
+    spec: TcpReceiverSpec,
+    cfg: TcpReceiverConfig,
+    node: Option<Node>,
+    owns_node: bool,
+    me: Uuid,
+    id: u32,
+    ctl: Option<Peer>,
+    manifests: Option<Manifests>,
+    shared: Arc<Shared>,
+    closed: bool,
+}
+
+impl std::fmt::Debug for TcpReceiver {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TcpReceiver")
+            .field("sender", &self.spec.addr)
+            .field("id", &self.id)
+            .field("connected", &self.ctl.is_some())
+            .finish()
+    }
+}
+
+impl TcpReceiver {
+    /// A receiver of the sender described by `spec` (local only: nothing is contacted until
+    /// `connect`).
+    pub fn new(spec: TcpReceiverSpec) -> Self {
+        Self {
+            spec,
+            cfg: TcpReceiverConfig::default(),
+            node: None,
+            owns_node: false,
+            me: Uuid::new_v4(),
+            id: u32::MAX,
+            ctl: None,
+            manifests: None,
+            shared: Arc::default(),
+            closed: false,
+        }
+    }
+
+    /// Replaces the configuration.
+    #[must_use]
+    pub fn with_config(mut self, cfg: TcpReceiverConfig) -> Self {
+        self.cfg = cfg;
+        self
+    }
+
+    /// Uses an existing node (its token must be the cluster's) instead of starting one.
+    #[must_use]
+    pub fn with_node(mut self, node: Node) -> Self {
+        self.node = Some(node);
+        self.owns_node = false;
+        self
+    }
+
+    /// The uuid this receiver's handlers are registered under on its node (the target of
+    /// `_receive_weights_scheme`).
+    pub fn handler_id(&self) -> Uuid {
+        self.me
+    }
+
+    /// A counter of weight bytes pulled so far (for progress bars), readable from any thread.
+    pub fn progress(&self) -> Arc<AtomicU64> {
+        Arc::clone(&self.shared.pulled)
+    }
+
+    /// Bytes this receiver served to other receivers as a relay.
+    pub fn bytes_relayed(&self) -> u64 {
+        self.shared.relay.bytes.load(Ordering::Relaxed)
+    }
+
+    fn ctl(&self) -> Result<&Peer> {
+        self.ctl.as_ref().ok_or(Error::State(
+            "tcp receiver used before connect or after shutdown",
+        ))
+    }
+
+    fn gone(&self, reason: &str) -> Error {
+        Error::PeerGone {
+            peer: format!("tcp sender at {}", self.spec.addr),
+            reason: reason.into(),
+        }
+    }
+
+    fn register_handlers(&self, node: &Node) {
+        let sh = Arc::clone(&self.shared);
+        node.register(self.me, RECEIVE_WEIGHTS, move |_, a: Announce| {
+            if a.closing {
+                sh.inbox().closing = true;
+                sh.cv.notify_all();
+            } else {
+                sh.merge(&a.entries);
+            }
+            async { Ok(()) }
+        });
+        let sh = Arc::clone(&self.shared);
+        node.register_stream(self.me, PULL, move |_, bytes, stream| {
+            let sh = Arc::clone(&sh);
+            Box::pin(async move {
+                let req: PullReq = wire::decode(&bytes, wire::MAX_CONTROL_MESSAGE)?;
+                let ws = sh
+                    .held()
+                    .get(&req.model)
+                    .and_then(|q| q.iter().find(|w| w.version() == req.version).cloned())
+                    .ok_or_else(|| {
+                        format!(
+                            "this receiver no longer holds `{}` version {}",
+                            req.model, req.version
+                        )
+                    });
+                serve_pull(stream, ws, req, &sh.relay).await
+            })
+        });
+    }
+
+    fn done(&self, lease: u64, ok: bool, reason: String) {
+        let d = Done {
+            receiver: self.id,
+            lease,
+            ok,
+            reason,
+        };
+        let sent = self
+            .ctl()
+            .and_then(|ctl| ctl.call::<_, ()>(self.spec.agent, DONE, &d, self.cfg.call_timeout));
+        if let Err(e) = sent {
+            tracing::warn!(error = %e, "could not signal transfer completion");
+        }
+    }
+
+    /// Pulls one version; `Ok(Err(latest))` when the sender no longer keeps it.
+    fn pull(
+        &self,
+        model: &ModelId,
+        version: Version,
+    ) -> Result<std::result::Result<WeightSet, Version>> {
+        let manifest: Arc<Manifest> = Arc::clone(
+            self.manifests
+                .as_ref()
+                .ok_or(Error::State("tcp receiver used before connect"))?
+                .get(model)?,
+        );
+        let base = self
+            .shared
+            .held()
+            .get(model)
+            .and_then(|q| q.back().cloned());
+        let token = ClusterToken::new(self.spec.token.clone())?;
+        let mut attempt = 0;
+        loop {
+            attempt += 1;
+            let req = TransferReq {
+                receiver: self.id,
+                model: model.clone(),
+                version,
+                have: base.as_ref().map(|b| b.version()),
+                mode: self.cfg.mode,
+            };
+            let reply: TransferReply =
+                self.ctl()?
+                    .call(self.spec.agent, TRANSFER, &req, self.cfg.call_timeout)?;
+            let plan = match reply {
+                TransferReply::Superseded { latest } => return Ok(Err(latest)),
+                TransferReply::Plan(p) => p,
+            };
+            let mut ws = WeightSet::zeroed(model.clone(), Arc::clone(&manifest));
+            let ranges = match (&base, plan.full) {
+                (_, true) => vec![(0, manifest.total_len() as u64)],
+                (Some(b), false) => {
+                    ws.bytes_mut()?.copy_from_slice(b.bytes());
+                    tensor_ranges(&manifest, &plan.tensors)
+                }
+                (None, false) => {
+                    self.done(plan.lease, false, "delta plan without a base".into());
+                    return Err(Error::transport(
+                        NAME,
+                        "sender planned a delta but this receiver holds no base",
+                    ));
+                }
+            };
+            let parts = split_ranges(&ranges, self.cfg.streams.max(1));
+            let me = self.node.as_ref().map_or_else(Uuid::nil, Node::id);
+            let open = |part: &[(u64, u64)]| {
+                let req = PullReq {
+                    model: model.clone(),
+                    version,
+                    ranges: part.to_vec(),
+                };
+                open_stream(
+                    plan.source,
+                    &token,
+                    me,
+                    plan.target,
+                    PULL,
+                    &req,
+                    self.cfg.stream_timeout,
+                )
+            };
+            let result = ws
+                .bytes_mut()
+                .and_then(|arena| pull_parts(arena, &parts, &open, &self.shared.pulled))
+                .and_then(|_| verify(&ws, &plan.checksums));
+            match result {
+                Ok(()) => {
+                    self.done(plan.lease, true, String::new());
+                    ws.set_version(version);
+                    return Ok(Ok(ws));
+                }
+                Err(e) => {
+                    self.done(plan.lease, false, e.to_string());
+                    if plan.from_sender || attempt >= 4 {
+                        return Err(e);
+                    }
+                    tracing::warn!(source = %plan.source, error = %e, "relay pull failed; asking for another source");
+                }
+            }
+        }
+    }
+}
+
+/// Checks every tensor against the sender's checksums; the first mismatch names the tensor.
+fn verify(ws: &WeightSet, sums: &[u64]) -> Result<()> {
+    if sums.len() != ws.manifest().len() {
+        return Err(Error::transport(
+            NAME,
+            format!(
+                "{} checksums for {} tensors",
+                sums.len(),
+                ws.manifest().len()
+            ),
+        ));
+    }
+    for (t, &expected) in ws.tensors().zip(sums) {
+        let found = t.checksum();
+        if found != expected {
+            return Err(Error::tensor(
+                ws.model(),
+                t.name(),
+                Mismatch::Checksum { expected, found },
+            ));
+        }
+    }
+    Ok(())
+}
+
+impl ReceiverTransport for TcpReceiver {
+    fn name(&self) -> &'static str {
+        NAME
+    }
+
+    fn connect(&mut self, deadline: Instant) -> Result<Manifests> {
+        if self.closed {
+            return Err(Error::State("tcp receiver is shut down"));
+        }
+        let node = match &self.node {
+            Some(n) => n.clone(),
+            None => {
+                let token = ClusterToken::new(self.spec.token.clone())?;
+                let n = Node::start(NodeConfig::loopback(token).with_bind(self.cfg.bind))?;
+                self.node = Some(n.clone());
+                self.owns_node = true;
+                n
+            }
+        };
+        self.register_handlers(&node);
+        let remaining = || deadline.saturating_duration_since(Instant::now());
+        let ctl = node.connect(self.spec.addr, remaining())?;
+        let reg = Register {
+            receiver: self.me,
+            node: self.cfg.advertise.unwrap_or_else(|| node.addr()),
+            relay: self.cfg.relay,
+        };
+        let registered: Registered = ctl.call(self.spec.agent, REGISTER, &reg, remaining())?;
+        self.id = registered.id;
+        self.ctl = Some(ctl);
+        let manifests = Manifests::new(
+            registered
+                .models
+                .into_iter()
+                .map(|(id, m)| (id, Arc::new(m))),
+        )?;
+        self.manifests = Some(manifests.clone());
+        self.shared.merge(&registered.latest);
+        Ok(manifests)
+    }
+
+    fn next_group(&mut self, deadline: Instant) -> Result<Option<Group>> {
+        loop {
+            let want: Vec<(ModelId, Version)> = {
+                let mut ib = self.shared.inbox();
+                loop {
+                    if ib.closing {
+                        return Err(self.gone("shut down"));
+                    }
+                    if self.ctl()?.is_closed() {
+                        return Err(self.gone("the control connection closed"));
+                    }
+                    let want: Vec<_> = ib
+                        .pending
+                        .iter()
+                        .filter(|(m, v)| **v > self.shared.held_version(m))
+                        .map(|(m, v)| (m.clone(), *v))
+                        .collect();
+                    if !want.is_empty() {
+                        break want;
+                    }
+                    let now = Instant::now();
+                    if now >= deadline {
+                        return Ok(None);
+                    }
+                    let slice = (deadline - now).min(Duration::from_millis(50));
+                    ib = self
+                        .shared
+                        .cv
+                        .wait_timeout(ib, slice)
+                        .unwrap_or_else(|p| p.into_inner())
+                        .0;
+                }
+            };
+            let mut group: Group = Vec::with_capacity(want.len());
+            let mut superseded = false;
+            for (m, v) in &want {
+                match self.pull(m, *v)? {
+                    Ok(ws) => group.push(Arc::new(ws)),
+                    Err(latest) => {
+                        let mut ib = self.shared.inbox();
+                        if ib.pending.get(m) == Some(v) {
+                            if latest > *v {
+                                ib.pending.insert(m.clone(), latest);
+                            } else {
+                                ib.pending.remove(m);
+                            }
+                        }
+                        superseded = true;
+                        break;
+                    }
+                }
+            }
+            if superseded {
+                continue;
+            }
+            {
+                let keep = self.cfg.keep_versions.max(1);
+                let mut held = self.shared.held();
+                for w in &group {
+                    let q = held.entry(w.model().clone()).or_default();
+                    q.push_back(Arc::clone(w));
+                    while q.len() > keep {
+                        q.pop_front();
+                    }
+                }
+            }
+            let mut ib = self.shared.inbox();
+            for w in &group {
+                if ib.pending.get(w.model()).is_some_and(|v| *v <= w.version()) {
+                    ib.pending.remove(w.model());
+                }
+            }
+            return Ok(Some(group));
+        }
+    }
+
+    fn ack(&mut self, applied: &[(ModelId, Version)]) -> Result<()> {
+        let req = AckReq {
+            receiver: self.id,
+            applied: applied.to_vec(),
+        };
+        self.ctl()?
+            .call(self.spec.agent, ACK, &req, self.cfg.call_timeout)
+    }
+
+    fn shutdown(&mut self) -> Result<()> {
+        if self.closed {
+            return Ok(());
+        }
+        self.closed = true;
+        if let Some(ctl) = self.ctl.take() {
+            ctl.close();
+        }
+        if let Some(node) = self.node.take() {
+            node.unregister(self.me);
+            if self.owns_node {
+                node.shutdown();
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Drop for TcpReceiver {
+    fn drop(&mut self) {
+        let _ = self.shutdown();
+    }
+}

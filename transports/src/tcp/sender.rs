@@ -1,0 +1,674 @@
+//! The sender agent: serves the latest versions of one model set to registered receivers.
+//!
+//! Handlers (on the sender's node, addressed by the agent's uuid): `register`,
+//! `request_transfer` (answers a plan: which source to pull from, which tensors, their
+//! checksums), `transfer_done` (the completion signal), `ack`, and the `pull` stream.
+//! Publishing calls `_receive_weights_scheme` on every receiver.
+
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::net::SocketAddr;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use refit_runtime::node::{CallInfo, ClusterToken, ConnId, Node, NodeConfig, Peer};
+use refit_runtime::{
+    Ack, AckBook, Error, Group, Manifests, ModelId, Result, SenderTransport, Version, WeightSet,
+    wire,
+};
+use tokio::sync::watch;
+use uuid::Uuid;
+
+use super::data::{ServeStats, serve_pull};
+use super::messages::*;
+use super::{NAME, TcpConfig, TcpReceiverSpec};
+
+#[derive(Debug, Default)]
+struct ModelSlot {
+    versions: VecDeque<Arc<WeightSet>>,
+    sums: VecDeque<(Version, Arc<Vec<u64>>)>,
+}
+
+#[derive(Debug)]
+struct Recv {
+    uuid: Uuid,
+    node: SocketAddr,
+    relay: bool,
+    conn: ConnId,
+    holds: BTreeMap<ModelId, VecDeque<Version>>,
+    peer: Option<Peer>,
+    busy: usize,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Src {
+    Sender,
+    Receiver(u32),
+}
+
+#[derive(Debug)]
+struct Lease {
+    source: Src,
+    puller: u32,
+    model: ModelId,
+    version: Version,
+    expires: Instant,
+}
+
+#[derive(Debug, Default)]
+struct State {
+    models: BTreeMap<ModelId, ModelSlot>,
+    receivers: BTreeMap<u32, Recv>,
+    next_id: u32,
+    acks: AckBook,
+    leases: HashMap<u64, Lease>,
+    next_lease: u64,
+    sender_busy: usize,
+    closed: bool,
+}
+
+impl State {
+    fn release(&mut self, lease: u64) -> Option<Lease> {
+        let l = self.leases.remove(&lease)?;
+        match l.source {
+            Src::Sender => self.sender_busy = self.sender_busy.saturating_sub(1),
+            Src::Receiver(r) => {
+                if let Some(rc) = self.receivers.get_mut(&r) {
+                    rc.busy = rc.busy.saturating_sub(1);
+                }
+            }
+        }
+        Some(l)
+    }
+
+    fn reap(&mut self, now: Instant) -> bool {
+        let expired: Vec<u64> = self
+            .leases
+            .iter()
+            .filter(|(_, l)| l.expires <= now)
+            .map(|(k, _)| *k)
+            .collect();
+        for k in &expired {
+            self.release(*k);
+        }
+        !expired.is_empty()
+    }
+
+    fn remove_receiver(&mut self, id: u32) {
+        if self.receivers.remove(&id).is_none() {
+            return;
+        }
+        self.acks.remove(id);
+        let gone: Vec<u64> = self
+            .leases
+            .iter()
+            .filter(|(_, l)| l.puller == id || l.source == Src::Receiver(id))
+            .map(|(k, _)| *k)
+            .collect();
+        for k in gone {
+            self.release(k);
+        }
+    }
+}
+
+pub(crate) struct Agent {
+    pub(crate) id: Uuid,
+    addr: SocketAddr,
+    cfg: TcpConfig,
+    state: Mutex<State>,
+    cv: Condvar,
+    changed: watch::Sender<u64>,
+    pub(crate) stats: ServeStats,
+}
+
+impl Agent {
+    fn lock(&self) -> MutexGuard<'_, State> {
+        // the state is plain bookkeeping; a panicking handler leaves it usable
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn notify(&self) {
+        self.cv.notify_all();
+        self.changed.send_modify(|n| *n = n.wrapping_add(1));
+    }
+
+    fn find(
+        &self,
+        model: &ModelId,
+        version: Version,
+    ) -> std::result::Result<Arc<WeightSet>, String> {
+        let st = self.lock();
+        st.models
+            .get(model)
+            .and_then(|s| s.versions.iter().find(|w| w.version() == version))
+            .cloned()
+            .ok_or_else(|| format!("model `{model}` version {version} is not kept by the sender"))
+    }
+
+    /// One attempt at a plan; `None` means "wait for a source to free up".
+    fn plan(&self, st: &mut State, req: &TransferReq) -> Option<Result<TransferReply>> {
+        st.reap(Instant::now());
+        let Some(slot) = st.models.get(&req.model) else {
+            return Some(Err(Error::UnknownModel(req.model.clone())));
+        };
+        let Some(ws) = slot.versions.iter().find(|w| w.version() == req.version) else {
+            let latest = slot.versions.back().map_or(Version::ZERO, |w| w.version());
+            return Some(Ok(TransferReply::Superseded { latest }));
+        };
+        let n = ws.manifest().len();
+        let sums_of = |v: Version| slot.sums.iter().find(|(sv, _)| *sv == v).map(|s| &s.1);
+        let Some(sums) = sums_of(req.version).cloned() else {
+            return Some(Err(Error::State("checksums of a kept version are missing")));
+        };
+        let base = match (req.mode, req.have) {
+            (TransferMode::Delta, Some(have)) => sums_of(have).cloned(),
+            _ => None,
+        };
+        let tensors: Vec<u32> = match &base {
+            Some(b) => (0..n)
+                .filter(|&i| b.get(i) != sums.get(i))
+                .filter_map(|i| u32::try_from(i).ok())
+                .collect(),
+            None => (0..n).filter_map(|i| u32::try_from(i).ok()).collect(),
+        };
+        let full = base.is_none();
+        let fanout = self.cfg.relay_fanout.max(1);
+        let source = if self.cfg.relay && !tensors.is_empty() {
+            let holders: Vec<(u32, usize)> = st
+                .receivers
+                .iter()
+                .filter(|(id, r)| {
+                    **id != req.receiver
+                        && r.relay
+                        && r.holds
+                            .get(&req.model)
+                            .is_some_and(|h| h.contains(&req.version))
+                })
+                .map(|(id, r)| (*id, r.busy))
+                .collect();
+            if holders.is_empty() {
+                (st.sender_busy < fanout).then_some(Src::Sender)?
+            } else {
+                let (id, busy) = holders.into_iter().min_by_key(|h| h.1)?;
+                (busy < fanout).then_some(Src::Receiver(id))?
+            }
+        } else {
+            Src::Sender
+        };
+        let (addr, target) = match source {
+            Src::Sender => (self.addr, self.id),
+            Src::Receiver(r) => {
+                let rc = st.receivers.get_mut(&r)?;
+                rc.busy += 1;
+                (rc.node, rc.uuid)
+            }
+        };
+        if source == Src::Sender {
+            st.sender_busy += 1;
+        }
+        st.next_lease += 1;
+        let lease = st.next_lease;
+        st.leases.insert(
+            lease,
+            Lease {
+                source,
+                puller: req.receiver,
+                model: req.model.clone(),
+                version: req.version,
+                expires: Instant::now() + self.cfg.transfer_timeout,
+            },
+        );
+        Some(Ok(TransferReply::Plan(Plan {
+            lease,
+            source: addr,
+            target,
+            from_sender: source == Src::Sender,
+            tensors,
+            full,
+            checksums: sums.to_vec(),
+        })))
+    }
+}
+
+/// The sending end: a sender agent on a node.
+pub struct TcpSender {
+    agent: Arc<Agent>,
+    node: Node,
+    owns_node: bool,
+    token: ClusterToken,
+    closed: bool,
+}
+
+impl std::fmt::Debug for TcpSender {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TcpSender")
+            .field("agent", &self.agent.id)
+            .field("addr", &self.agent.addr)
+            .field("closed", &self.closed)
+            .finish()
+    }
+}
+
+impl TcpSender {
+    /// Starts a node of its own (on `config.bind`, loopback by default) and a sender agent
+    /// on it. Local only: nobody is contacted.
+    ///
+    /// # Errors
+    /// [`Error::Io`] when the address cannot be bound; [`Error::Unauthorized`] for a bad
+    /// `REFIT_TOKEN`.
+    pub fn bind(config: TcpConfig, manifests: &Manifests) -> Result<Self> {
+        let token = match &config.token {
+            Some(t) => t.clone(),
+            None => ClusterToken::from_env_or_random()?,
+        };
+        let node = Node::start(NodeConfig::loopback(token).with_bind(config.bind))?;
+        let mut s = Self::on_node(&node, config, manifests)?;
+        s.owns_node = true;
+        Ok(s)
+    }
+
+    /// A sender agent on an existing node (which may host other handlers, a store, other
+    /// agents). `config.bind` and `config.token` are ignored: the node's are used.
+    ///
+    /// # Errors
+    /// [`Error::State`] for an empty model set.
+    pub fn on_node(node: &Node, config: TcpConfig, manifests: &Manifests) -> Result<Self> {
+        if manifests.is_empty() {
+            return Err(Error::State("a tcp sender needs at least one model"));
+        }
+        let addr = config.advertise.unwrap_or_else(|| node.addr());
+        let (changed, _) = watch::channel(0);
+        let agent = Arc::new(Agent {
+            id: Uuid::new_v4(),
+            addr,
+            cfg: config,
+            state: Mutex::new(State::default()),
+            cv: Condvar::new(),
+            changed,
+            stats: ServeStats::default(),
+        });
+        {
+            let mut st = agent.lock();
+            for (id, _) in manifests.iter() {
+                st.models.insert(id.clone(), ModelSlot::default());
+            }
+        }
+        register_handlers(node, &agent, manifests.clone());
+        Ok(Self {
+            agent,
+            node: node.clone(),
+            owns_node: false,
+            token: node.token().clone(),
+            closed: false,
+        })
+    }
+
+    /// What a receiver needs to attach (serialisable: ship it with
+    /// [`refit_runtime::wire::to_token`]). Holds the cluster token: treat it as a secret.
+    pub fn receiver_spec(&self) -> TcpReceiverSpec {
+        TcpReceiverSpec {
+            addr: self.agent.addr,
+            agent: self.agent.id,
+            token: self.token.expose().to_owned(),
+        }
+    }
+
+    /// The address receivers connect to.
+    pub fn addr(&self) -> SocketAddr {
+        self.agent.addr
+    }
+
+    /// The node the agent runs on.
+    pub fn node(&self) -> &Node {
+        &self.node
+    }
+
+    /// Receivers registered now.
+    pub fn receivers(&self) -> usize {
+        self.agent.lock().receivers.len()
+    }
+
+    /// Bytes of weights this sender has written on its data streams (relayed bytes are not
+    /// counted here).
+    pub fn bytes_sent(&self) -> u64 {
+        self.agent.stats.bytes.load(Ordering::Relaxed)
+    }
+
+    /// Test hook: flips one byte in each of the next `chunks` chunks (1 MiB) this sender
+    /// serves, as a faulty network or disk would. Receivers must catch it by checksum.
+    #[doc(hidden)]
+    pub fn inject_corruption(&self, chunks: u32) {
+        self.agent
+            .stats
+            .corrupt_chunks
+            .store(chunks, Ordering::Release);
+    }
+
+    fn announce(
+        &self,
+        entries: Vec<(ModelId, Version)>,
+        closing: bool,
+    ) -> Vec<tokio::task::JoinHandle<()>> {
+        let targets: Vec<(u32, Uuid, SocketAddr, Option<Peer>)> = self
+            .agent
+            .lock()
+            .receivers
+            .iter()
+            .map(|(id, r)| (*id, r.uuid, r.node, r.peer.clone()))
+            .collect();
+        let timeout = self.agent.cfg.call_timeout;
+        let mut tasks = Vec::with_capacity(targets.len());
+        for (id, uuid, addr, peer) in targets {
+            let agent = Arc::clone(&self.agent);
+            let node = self.node.clone();
+            let msg = Announce {
+                entries: entries.clone(),
+                closing,
+            };
+            tasks.push(self.node.handle().spawn(async move {
+                let peer = match peer.filter(|p| !p.is_closed()) {
+                    Some(p) => Ok(p),
+                    None => node.connect_async(addr, timeout).await,
+                };
+                drop(node);
+                let result = match peer {
+                    Ok(p) => {
+                        if let Some(r) = agent.lock().receivers.get_mut(&id) {
+                            r.peer = Some(p.clone());
+                        }
+                        p.call_async::<_, ()>(uuid, RECEIVE_WEIGHTS, &msg, timeout)
+                            .await
+                    }
+                    Err(e) => Err(e),
+                };
+                if let Err(e) = result {
+                    if closing {
+                        return;
+                    }
+                    tracing::warn!(receiver = id, error = %e, "announcement failed; dropping the receiver");
+                    if matches!(e, Error::PeerGone { .. } | Error::Io { .. } | Error::Unauthorized { .. }) {
+                        agent.lock().remove_receiver(id);
+                        agent.notify();
+                    }
+                }
+            }));
+        }
+        tasks
+    }
+}
+
+fn register_handlers(node: &Node, agent: &Arc<Agent>, manifests: Manifests) {
+    let target = agent.id;
+    let a = Arc::clone(agent);
+    node.register(target, REGISTER, move |info: CallInfo, r: Register| {
+        let a = Arc::clone(&a);
+        let models: Vec<_> = manifests
+            .iter()
+            .map(|(id, m)| (id.clone(), (**m).clone()))
+            .collect();
+        async move {
+            let mut st = a.lock();
+            if st.closed {
+                return Err(Error::State("the tcp sender is shut down"));
+            }
+            let id = st.next_id;
+            st.next_id += 1;
+            st.acks.register(id);
+            st.receivers.insert(
+                id,
+                Recv {
+                    uuid: r.receiver,
+                    node: r.node,
+                    relay: r.relay,
+                    conn: info.conn,
+                    holds: BTreeMap::new(),
+                    peer: None,
+                    busy: 0,
+                },
+            );
+            let latest = st
+                .models
+                .iter()
+                .filter_map(|(m, s)| s.versions.back().map(|w| (m.clone(), w.version())))
+                .collect();
+            drop(st);
+            a.notify();
+            tracing::debug!(receiver = id, node = %r.node, "receiver registered");
+            Ok(Registered { id, models, latest })
+        }
+    });
+    let a = Arc::clone(agent);
+    node.register(target, TRANSFER, move |info: CallInfo, r: TransferReq| {
+        let a = Arc::clone(&a);
+        async move {
+            let mut rx = a.changed.subscribe();
+            let deadline = tokio::time::Instant::from_std(info.deadline);
+            loop {
+                {
+                    let mut st = a.lock();
+                    if !st.receivers.contains_key(&r.receiver) {
+                        return Err(Error::State("unknown receiver: register first"));
+                    }
+                    if let Some(reply) = a.plan(&mut st, &r) {
+                        return reply;
+                    }
+                }
+                // wait for a source to free up; wake now and then to reap expired leases
+                let tick = (tokio::time::Instant::now() + Duration::from_millis(200)).min(deadline);
+                let _ = tokio::time::timeout_at(tick, rx.changed()).await;
+                if tokio::time::Instant::now() >= deadline {
+                    return Err(Error::Timeout {
+                        what: format!("a free source for `{}` version {}", r.model, r.version),
+                        after: Duration::ZERO,
+                    });
+                }
+            }
+        }
+    });
+    let a = Arc::clone(agent);
+    node.register(target, DONE, move |_, d: Done| {
+        let a = Arc::clone(&a);
+        async move {
+            let mut st = a.lock();
+            if let Some(l) = st.release(d.lease) {
+                if d.ok {
+                    if let Some(r) = st.receivers.get_mut(&d.receiver) {
+                        let h = r.holds.entry(l.model).or_default();
+                        h.push_back(l.version);
+                        while h.len() > 2 {
+                            h.pop_front();
+                        }
+                    }
+                } else {
+                    tracing::warn!(receiver = d.receiver, reason = %d.reason, "transfer failed");
+                    if let Src::Receiver(src) = l.source {
+                        // the relay failed: stop sending others to it for this version
+                        if let Some(h) = st
+                            .receivers
+                            .get_mut(&src)
+                            .and_then(|r| r.holds.get_mut(&l.model))
+                        {
+                            h.retain(|v| *v != l.version);
+                        }
+                    }
+                }
+            }
+            drop(st);
+            a.notify();
+            Ok(())
+        }
+    });
+    let a = Arc::clone(agent);
+    node.register(target, ACK, move |_, r: AckReq| {
+        let a = Arc::clone(&a);
+        async move {
+            let mut st = a.lock();
+            if st.receivers.contains_key(&r.receiver) {
+                st.acks.record(&Ack {
+                    receiver: r.receiver,
+                    applied: r.applied,
+                });
+            }
+            drop(st);
+            a.notify();
+            Ok(())
+        }
+    });
+    let a = Arc::clone(agent);
+    node.register_stream(target, PULL, move |_, bytes, stream| {
+        let a = Arc::clone(&a);
+        Box::pin(async move {
+            let req: PullReq = wire::decode(&bytes, wire::MAX_CONTROL_MESSAGE)?;
+            let ws = a.find(&req.model, req.version);
+            serve_pull(stream, ws, req, &a.stats).await
+        })
+    });
+    let a = Arc::downgrade(agent);
+    node.on_disconnect(move |conn| {
+        let Some(a) = a.upgrade() else { return };
+        let mut st = a.lock();
+        let gone: Vec<u32> = st
+            .receivers
+            .iter()
+            .filter(|(_, r)| r.conn == conn)
+            .map(|(id, _)| *id)
+            .collect();
+        for id in &gone {
+            tracing::info!(receiver = id, "receiver disconnected");
+            st.remove_receiver(*id);
+        }
+        drop(st);
+        if !gone.is_empty() {
+            a.notify();
+        }
+    });
+}
+
+impl SenderTransport for TcpSender {
+    fn name(&self) -> &'static str {
+        NAME
+    }
+
+    fn connect(&mut self, initial: &Group, deadline: Instant) -> Result<()> {
+        let start = Instant::now();
+        let want = self.agent.cfg.expected_receivers;
+        let mut st = self.agent.lock();
+        while st.receivers.len() < want {
+            let now = Instant::now();
+            if now >= deadline {
+                return Err(Error::Timeout {
+                    what: format!(
+                        "{want} tcp receivers to register at {} ({} did)",
+                        self.agent.addr,
+                        st.receivers.len()
+                    ),
+                    after: start.elapsed(),
+                });
+            }
+            st = self
+                .agent
+                .cv
+                .wait_timeout(st, deadline - now)
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+        }
+        drop(st);
+        self.publish(initial, deadline)
+    }
+
+    fn publish(&mut self, group: &Group, _deadline: Instant) -> Result<()> {
+        if self.closed {
+            return Err(Error::State("tcp sender is shut down"));
+        }
+        let sums: Vec<Arc<Vec<u64>>> = group
+            .iter()
+            .map(|w| Arc::new(w.tensor_checksums()))
+            .collect();
+        {
+            let keep = self.agent.cfg.keep_versions.max(1);
+            let history = self.agent.cfg.checksum_history.max(keep);
+            let mut st = self.agent.lock();
+            for (w, s) in group.iter().zip(sums) {
+                let slot = st.models.entry(w.model().clone()).or_default();
+                slot.versions.push_back(Arc::clone(w));
+                while slot.versions.len() > keep {
+                    slot.versions.pop_front();
+                }
+                slot.sums.push_back((w.version(), s));
+                while slot.sums.len() > history {
+                    slot.sums.pop_front();
+                }
+            }
+        }
+        self.agent.notify();
+        let entries = group
+            .iter()
+            .map(|w| (w.model().clone(), w.version()))
+            .collect();
+        drop(self.announce(entries, false));
+        Ok(())
+    }
+
+    fn wait_acks(&mut self, entries: &[(ModelId, Version)], deadline: Instant) -> Result<()> {
+        let start = Instant::now();
+        let mut st = self.agent.lock();
+        loop {
+            let missing = st.acks.missing(entries);
+            if missing.is_empty() {
+                return Ok(());
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return Err(Error::Timeout {
+                    what: format!("tcp receivers {missing:?} to acknowledge {entries:?}"),
+                    after: start.elapsed(),
+                });
+            }
+            st = self
+                .agent
+                .cv
+                .wait_timeout(st, deadline - now)
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+        }
+    }
+
+    fn shutdown(&mut self) -> Result<()> {
+        if self.closed {
+            return Ok(());
+        }
+        self.closed = true;
+        self.agent.lock().closed = true;
+        if !self.owns_node {
+            // receivers on a shared node would not see the connection drop: tell them
+            let tasks = self.announce(Vec::new(), true);
+            let node = self.node.clone();
+            let _ = node.block_on(async move {
+                let all = async {
+                    for t in tasks {
+                        let _ = t.await;
+                    }
+                };
+                let _ = tokio::time::timeout(Duration::from_secs(1), all).await;
+                Ok(())
+            });
+        }
+        self.node.unregister(self.agent.id);
+        {
+            let mut st = self.agent.lock();
+            st.receivers.clear();
+            st.models.clear();
+        }
+        self.agent.notify();
+        if self.owns_node {
+            self.node.shutdown();
+        }
+        Ok(())
+    }
+}
+
+impl Drop for TcpSender {
+    fn drop(&mut self) {
+        let _ = self.shutdown();
+    }
+}

@@ -1,0 +1,359 @@
+//! The TCP transport in one process: big models over parallel streams, delta transfers,
+//! checksums, relaying, tokens and garbage on the wire.
+#![allow(clippy::unwrap_used, missing_docs)]
+
+mod common;
+
+use std::io::{Read, Write};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use common::*;
+use refit_runtime::node::{ClusterToken, Node, NodeConfig};
+use refit_runtime::{
+    DType, Error, Manifest, Mismatch, Receiver, ReceiverInit, Sender, SenderInit, Version,
+    WeightSet,
+};
+use refit_transports::tcp::{TcpConfig, TcpReceiver, TcpReceiverConfig, TcpSender, TransferMode};
+
+const T: Duration = Duration::from_secs(60);
+
+/// `tensors` f32 tensors of `mib` MiB each.
+fn big_manifest(tensors: usize, mib: usize) -> Arc<Manifest> {
+    let mut b = Manifest::builder();
+    for i in 0..tensors {
+        b.push(format!("layer{i}.weight"), DType::F32, &[mib << 18]);
+    }
+    Arc::new(b.build().unwrap())
+}
+
+/// Pseudo-random bytes (xorshift), different for every seed.
+fn fill(ws: &mut WeightSet, seed: u64) {
+    let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    for chunk in ws.bytes_mut().unwrap().chunks_exact_mut(8) {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        chunk.copy_from_slice(&x.to_le_bytes());
+    }
+}
+
+fn random_set(m: &Arc<Manifest>, version: u64, seed: u64) -> WeightSet {
+    let mut ws = WeightSet::zeroed(id("policy"), Arc::clone(m));
+    fill(&mut ws, seed);
+    ws.set_version(Version(version));
+    ws
+}
+
+fn pair(
+    m: &Arc<Manifest>,
+    initial: WeightSet,
+    n: usize,
+    cfg: TcpConfig,
+    rcfg: TcpReceiverConfig,
+) -> (Sender<TcpSender>, Vec<Receiver<TcpReceiver>>) {
+    let ms = manifests(&[("policy", m)]);
+    let cfg = TcpConfig {
+        expected_receivers: n,
+        token: Some(ClusterToken::random()),
+        ..cfg
+    };
+    let s = TcpSender::bind(cfg, &ms).unwrap();
+    let spec = s.receiver_spec();
+    let hs: Vec<_> = (0..n)
+        .map(|_| {
+            let r = TcpReceiver::new(spec.clone()).with_config(rcfg.clone());
+            std::thread::spawn(move || ReceiverInit::new(r, None).connect(T))
+        })
+        .collect();
+    let sender = SenderInit::new(s, ms)
+        .with_ack_timeout(T)
+        .connect(vec![initial], T)
+        .unwrap();
+    let rs = hs.into_iter().map(|h| h.join().unwrap().unwrap()).collect();
+    (sender, rs)
+}
+
+/// Publishes and lets every receiver apply on its own thread, then waits for the acks.
+fn send_all(
+    sender: &mut Sender<TcpSender>,
+    rs: Vec<Receiver<TcpReceiver>>,
+    ws: WeightSet,
+) -> Vec<Receiver<TcpReceiver>> {
+    let pending = sender.send_async(vec![ws]).unwrap();
+    let hs: Vec<_> = rs
+        .into_iter()
+        .map(|mut r| {
+            std::thread::spawn(move || {
+                r.receive(T).unwrap().unwrap();
+                r
+            })
+        })
+        .collect();
+    sender.wait(&pending, T).unwrap();
+    hs.into_iter().map(|h| h.join().unwrap()).collect()
+}
+
+#[test]
+fn a_256_mib_model_arrives_bit_identical_over_4_streams() {
+    let m = big_manifest(8, 32);
+    assert_eq!(m.total_len(), 256 << 20);
+    let v1 = random_set(&m, 1, 1);
+    let expected = v1.bytes().to_vec();
+    let rcfg = TcpReceiverConfig {
+        streams: 4,
+        mode: TransferMode::Full,
+        ..TcpReceiverConfig::default()
+    };
+    let t = Instant::now();
+    let (sender, rs) = pair(&m, v1, 1, TcpConfig::default(), rcfg);
+    let took = t.elapsed();
+    let got = rs[0].current(&id("policy")).unwrap();
+    assert_eq!(got.version(), Version(1));
+    assert!(got.bytes() == &expected[..], "bytes differ");
+    assert_eq!(sender.transport().bytes_sent(), 256 << 20);
+    eprintln!(
+        "256 MiB over 4 streams: {took:?} ({:.0} MiB/s, checksums included)",
+        256.0 / took.as_secs_f64()
+    );
+}
+
+#[test]
+fn delta_mode_sends_only_changed_tensors() {
+    let m = big_manifest(8, 1);
+    let v1 = random_set(&m, 1, 7);
+    let rcfg = TcpReceiverConfig {
+        mode: TransferMode::Delta,
+        ..TcpReceiverConfig::default()
+    };
+    let (mut sender, rs) = pair(&m, v1.clone(), 1, TcpConfig::default(), rcfg);
+    let full = sender.transport().bytes_sent();
+    assert_eq!(full, 8 << 20, "the first version has no base: full");
+    // change two tensors, far apart
+    let mut v2 = v1.clone();
+    v2.set_version(Version(2));
+    v2.view_mut::<f32>("layer2.weight").unwrap()[5] = 1.5;
+    v2.view_mut::<f32>("layer6.weight").unwrap().fill(-2.0);
+    let expected = v2.bytes().to_vec();
+    let rs = send_all(&mut sender, rs, v2.clone());
+    let delta = sender.transport().bytes_sent() - full;
+    assert_eq!(delta, 2 << 20, "only the two changed tensors travel");
+    assert!(rs[0].current(&id("policy")).unwrap().bytes() == &expected[..]);
+    // an unchanged version moves no bytes at all, and still lands
+    let mut v3 = v2.clone();
+    v3.set_version(Version(3));
+    let rs = send_all(&mut sender, rs, v3);
+    assert_eq!(sender.transport().bytes_sent() - full, 2 << 20);
+    assert_eq!(rs[0].version(&id("policy")), Version(3));
+    // a full-mode receiver of the same sender gets every byte
+    let spec = sender.transport().receiver_spec();
+    let r_full = TcpReceiver::new(spec).with_config(TcpReceiverConfig {
+        mode: TransferMode::Full,
+        relay: false,
+        ..TcpReceiverConfig::default()
+    });
+    let pulled = r_full.progress();
+    let late = ReceiverInit::new(r_full, None).connect(T).unwrap();
+    assert_eq!(late.version(&id("policy")), Version(3));
+    // (relayed by the first receiver, which holds version 3)
+    assert_eq!(pulled.load(std::sync::atomic::Ordering::Relaxed), 8 << 20);
+    assert_eq!(sender.transport().bytes_sent() - full, 2 << 20);
+}
+
+#[test]
+fn a_corrupted_chunk_is_caught_and_the_version_not_applied() {
+    let m = big_manifest(4, 2);
+    let v1 = random_set(&m, 1, 3);
+    let (mut sender, mut rs) = pair(
+        &m,
+        v1,
+        1,
+        TcpConfig::default(),
+        TcpReceiverConfig {
+            mode: TransferMode::Full,
+            ..TcpReceiverConfig::default()
+        },
+    );
+    let p = id("policy");
+    let v2 = random_set(&m, 2, 4);
+    let expected = v2.bytes().to_vec();
+    sender.transport().inject_corruption(1);
+    let pending = sender.send_async(vec![v2]).unwrap();
+    let err = rs[0].receive(T).unwrap_err();
+    match &err {
+        Error::Tensor {
+            name,
+            problem: Mismatch::Checksum { .. },
+            ..
+        } => assert!(m.get(name).is_some(), "{name}"),
+        other => panic!("expected a checksum error naming the tensor, got {other}"),
+    }
+    assert!(
+        err.to_string().contains("model `policy`, tensor `layer"),
+        "{err}"
+    );
+    assert!(err.to_string().contains("checksum"), "{err}");
+    // not applied: version 1 is still served, whole
+    assert_eq!(rs[0].version(&p), Version(1));
+    assert!(sender.wait(&pending, Duration::from_millis(100)).is_err());
+    // the next attempt pulls a clean copy
+    rs[0].receive(T).unwrap().unwrap();
+    sender.wait(&pending, T).unwrap();
+    assert!(rs[0].current(&p).unwrap().bytes() == &expected[..]);
+}
+
+#[test]
+fn relays_let_the_sender_send_each_byte_about_once() {
+    let m = big_manifest(4, 4);
+    let size = m.total_len() as u64;
+    for (relay, receivers) in [(true, 4usize), (false, 3)] {
+        let cfg = TcpConfig {
+            relay,
+            ..TcpConfig::default()
+        };
+        let rcfg = TcpReceiverConfig {
+            mode: TransferMode::Full,
+            ..TcpReceiverConfig::default()
+        };
+        let (mut sender, mut rs) = pair(&m, random_set(&m, 1, 1), receivers, cfg, rcfg);
+        for v in 2..=3 {
+            let ws = random_set(&m, v, v);
+            let expected = ws.bytes().to_vec();
+            rs = send_all(&mut sender, rs, ws);
+            for r in &rs {
+                assert!(r.current(&id("policy")).unwrap().bytes() == &expected[..]);
+            }
+        }
+        // every receiver holds every version bit-identical; what left the sender tells
+        // whether the others got it from a relay
+        let sent = sender.transport().bytes_sent();
+        if relay {
+            assert_eq!(sent, 3 * size, "each version left the sender once");
+        } else {
+            assert_eq!(sent, 3 * receivers as u64 * size);
+        }
+    }
+}
+
+#[test]
+fn a_peer_without_the_token_is_refused() {
+    let m = manifest(4);
+    let ms = manifests(&[("policy", &m)]);
+    let s = TcpSender::bind(
+        TcpConfig {
+            token: Some(ClusterToken::random()),
+            ..TcpConfig::default()
+        },
+        &ms,
+    )
+    .unwrap();
+    let mut spec = s.receiver_spec();
+    spec.token = ClusterToken::random().expose().to_owned();
+    let t = Instant::now();
+    let err = ReceiverInit::new(TcpReceiver::new(spec), None)
+        .connect(Duration::from_secs(5))
+        .unwrap_err();
+    assert!(matches!(err, Error::Unauthorized { .. }), "{err}");
+    assert!(t.elapsed() < Duration::from_secs(2));
+    assert_eq!(s.node().refused(), 1);
+    assert_eq!(s.receivers(), 0);
+}
+
+#[test]
+fn garbage_on_the_wire_is_refused_without_a_panic() {
+    use rand::{Rng, SeedableRng};
+    let m = manifest(64);
+    let ms = manifests(&[("policy", &m)]);
+    let token = ClusterToken::random();
+    let (mut sender, mut rs) = {
+        let s = TcpSender::bind(
+            TcpConfig {
+                token: Some(token.clone()),
+                expected_receivers: 1,
+                ..TcpConfig::default()
+            },
+            &ms,
+        )
+        .unwrap();
+        let r = TcpReceiver::new(s.receiver_spec());
+        let h = std::thread::spawn(move || ReceiverInit::new(r, None).connect(T).unwrap());
+        let s = SenderInit::new(s, ms)
+            .connect(vec![stamped("policy", &m, 1)], T)
+            .unwrap();
+        (s, vec![h.join().unwrap()])
+    };
+    let addr = sender.transport().addr();
+    let agent = sender.transport().receiver_spec().agent;
+    let me = Node::start(NodeConfig::loopback(token.clone())).unwrap();
+    let mut rng = rand::rngs::StdRng::seed_from_u64(42);
+    for case in 0..200u32 {
+        match case % 4 {
+            0 => {
+                // random bytes instead of a hello
+                let mut s = std::net::TcpStream::connect(addr).unwrap();
+                let n = rng.random_range(1..300);
+                let junk: Vec<u8> = (0..n).map(|_| rng.random()).collect();
+                let _ = s.write_all(&junk);
+                let _ = s.shutdown(std::net::Shutdown::Write);
+                s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+                let _ = s.read_to_end(&mut Vec::new());
+            }
+            1 => {
+                // an authenticated stream asking for random ranges of the arena
+                let ranges: Vec<(u64, u64)> = (0..rng.random_range(0..4))
+                    .map(|_| {
+                        (
+                            rng.random_range(0..1u64 << 20),
+                            rng.random_range(0..u64::MAX),
+                        )
+                    })
+                    .collect();
+                #[derive(serde::Serialize)]
+                struct PullReq {
+                    model: String,
+                    version: u64,
+                    ranges: Vec<(u64, u64)>,
+                }
+                let req = PullReq {
+                    model: "policy".into(),
+                    version: rng.random_range(0..3),
+                    ranges,
+                };
+                if let Ok(mut s) = me.open_stream(addr, agent, "pull", &req, Duration::from_secs(5))
+                {
+                    let _ = s.stream.read_to_end(&mut Vec::new());
+                }
+            }
+            2 => {
+                // an authenticated stream whose request is random bytes
+                let junk: Vec<u8> = (0..rng.random_range(0..64)).map(|_| rng.random()).collect();
+                let _ = me.open_stream(
+                    addr,
+                    agent,
+                    "pull",
+                    &serde_bytes::ByteBuf::from(junk),
+                    Duration::from_secs(5),
+                );
+            }
+            _ => {
+                // remote calls carrying random payloads
+                let peer = me.connect(addr, Duration::from_secs(5)).unwrap();
+                let junk: Vec<u8> = (0..rng.random_range(0..64)).map(|_| rng.random()).collect();
+                for method in ["register", "request_transfer", "transfer_done", "ack"] {
+                    let _ = peer.call::<_, serde_bytes::ByteBuf>(
+                        agent,
+                        method,
+                        &serde_bytes::ByteBuf::from(junk.clone()),
+                        Duration::from_secs(5),
+                    );
+                }
+            }
+        }
+    }
+    // the sender still serves its real receiver
+    let pending = sender.send_async(vec![stamped("policy", &m, 2)]).unwrap();
+    rs[0].receive(T).unwrap().unwrap();
+    sender.wait(&pending, T).unwrap();
+    check_stamp(&rs[0].current(&id("policy")).unwrap()).unwrap();
+    assert!(sender.transport().node().refused() >= 50);
+}
