@@ -142,6 +142,7 @@ where
             ));
             break;
         }
+        // ANCHOR: update
         let stats = trainer.update(&batch)?;
         out.train_time += stats.elapsed;
         let t = Instant::now();
@@ -149,6 +150,7 @@ where
         collector.update_weights(ws)?;
         let update = t.elapsed();
         out.update_time += update;
+        // ANCHOR_END: update
         out.updates += 1;
         pb.set_position(out.frames.min(args.total_frames));
         pb.set_message(format!("return {mean:.1}"));
@@ -193,6 +195,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         seed: args.seed,
         ..PpoConfig::default()
     })?;
+    // ANCHOR: workers
     let hub = refit_transports::inproc::InProc::new();
     let per_worker = args.frames_per_batch / args.workers;
     let mut workers = Vec::new();
@@ -207,6 +210,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         workers.push((c, hub.receiver()));
     }
     let initial = vec![trainer.export()?];
+    // ANCHOR_END: workers
     let config = MultiConfig::default();
     println!(
         "cartpole: {} workers x {} envs, {} frames per {}, ppo lr {} epochs {} minibatch {}",

@@ -71,6 +71,9 @@ pub enum Error {
     /// The collector was used after shutdown.
     #[error("collector is shut down")]
     Closed,
+    /// An actor could not be reached or stopped (mailbox closed, timed out).
+    #[error("actor: {0}")]
+    Actor(String),
     /// A trainer input that cannot be trained on.
     #[error("trainer: {0}")]
     Trainer(String),

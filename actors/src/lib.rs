@@ -11,6 +11,7 @@
 //! - [`ppo`]: [`PpoTrainer`], PPO with candle on CPU, exporting the [`MlpPolicy`] layout.
 #![warn(missing_docs, unreachable_pub, missing_debug_implementations)]
 
+pub mod actor;
 pub mod batch;
 pub mod collector;
 pub mod device;

@@ -7,28 +7,43 @@
 //!   transports.
 //! - [`protocol`]: the sync rules as plain code (versions only grow, whole-group
 //!   validation, acknowledgements), tested with no I/O.
+//! - [`wire`]: msgpack encoding with size limits, and tokens to ship descriptions.
+//! - Strategies for inference engines: [`bucket`] (bucket plans and an all-or-nothing
+//!   assembler), [`layout`] (rename, fuse, split, transpose), [`cast`] (bf16, f16, fp8 with
+//!   scales), [`delta`] (changed tensors or blocks only), [`sharded`] (ranks write one
+//!   double-buffered arena).
 //! - [`node`]: processes that host handlers on TCP: remote calls with deadlines, streams,
 //!   a rendezvous store, launch variables, the cluster token.
-//! - [`wire`]: msgpack encoding with size limits, and tokens to ship descriptions.
 #![warn(missing_docs, unreachable_pub, missing_debug_implementations)]
 
 mod arena;
+pub mod bucket;
+pub mod cast;
+pub mod delta;
 pub mod dtype;
 pub mod error;
 pub mod ids;
+pub mod layout;
 pub mod manifest;
 pub mod node;
 pub mod protocol;
 mod safetensors_io;
 pub mod scheme;
+pub mod sharded;
 pub mod strategy;
+#[doc(hidden)]
+pub mod strategy_bench;
 pub mod weights;
 pub mod wire;
 
 pub use arena::AlignedBuf;
+pub use bucket::{BucketAssembler, BucketHeader, BucketPlan};
+pub use cast::{CastPlan, CastRules};
+pub use delta::{Delta, DeltaEncoder, DeltaPolicy, DeltaReceiver};
 pub use dtype::{DType, Element};
 pub use error::{Error, Mismatch, Result};
 pub use ids::{ModelId, Version};
+pub use layout::{LayoutPlan, LayoutRules};
 pub use manifest::{ALIGN, Manifest, ManifestBuilder, TensorSpec};
 pub use protocol::{Ack, AckBook, Group, Manifests, VersionGate};
 pub use safetensors_io::write_atomically;
@@ -36,5 +51,6 @@ pub use scheme::{
     PendingSend, Receiver, ReceiverInit, ReceiverLoop, ReceiverTransport, Sender, SenderInit,
     SenderTransport, Served, Snapshot, Update,
 };
+pub use sharded::ShardedBuffer;
 pub use strategy::{ArenaStrategy, HasWeights, Strategy, extract_new};
 pub use weights::{SharedBytes, TensorView, WeightSet};

@@ -1,0 +1,108 @@
+//! The actix actors with real weights: pause, load, continue; refusals keep the served
+//! version; the controller moves a version to every target.
+#![allow(clippy::unwrap_used, missing_docs)]
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use refit_actors::actor::{
+    Act, Continue, InferenceEngine, LoadWeights, Pause, Publish, ServedVersion, Versions,
+    WeightSyncController,
+};
+use refit_actors::{MlpPolicy, policy_model_id};
+use refit_runtime::{DType, Manifest, Version, WeightSet};
+
+fn weights(version: u64, fill: f32) -> Arc<WeightSet> {
+    let m = Arc::new(MlpPolicy::manifest_for(&[4, 8, 2]).unwrap());
+    let mut ws = WeightSet::zeroed(policy_model_id(), m.clone());
+    for t in m.tensors() {
+        ws.view_mut::<f32>(&t.name).unwrap().fill(fill);
+    }
+    ws.set_version(Version(version));
+    Arc::new(ws)
+}
+
+#[actix_rt::test]
+async fn engine_pauses_loads_and_continues() {
+    let engine = actix::Actor::start(InferenceEngine::new(MlpPolicy::new(&[4, 8, 2]).unwrap(), 7));
+    let obs = vec![0.1, -0.2, 0.3, 0.0];
+    let first = engine
+        .send(Act { obs: obs.clone() })
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(first.version, Version::ZERO);
+    engine.send(Pause).await.unwrap();
+    // a request made while paused waits for Continue, and is served by the new weights
+    let pending = engine.send(Act { obs: obs.clone() });
+    let loaded = engine
+        .send(LoadWeights {
+            weights: weights(1, 0.01),
+        })
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(loaded, Version(1));
+    engine.send(Continue).await.unwrap();
+    let acted = tokio::time::timeout(Duration::from_secs(5), pending)
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap();
+    assert_eq!(acted.version, Version(1));
+    // a stale version and a wrong layout are refused; version 1 stays served
+    let stale = engine
+        .send(LoadWeights {
+            weights: weights(1, 0.5),
+        })
+        .await
+        .unwrap()
+        .unwrap_err();
+    assert!(stale.to_string().contains("version 1 refused"), "{stale}");
+    let bad = Manifest::builder()
+        .tensor("pi.0.weight", DType::F32, &[8, 5])
+        .build()
+        .unwrap();
+    let mut wrong = WeightSet::zeroed(policy_model_id(), Arc::new(bad));
+    wrong.set_version(Version(2));
+    let err = engine
+        .send(LoadWeights {
+            weights: Arc::new(wrong),
+        })
+        .await
+        .unwrap()
+        .unwrap_err();
+    assert!(err.to_string().contains("pi.0.weight"), "{err}");
+    assert_eq!(engine.send(ServedVersion).await.unwrap(), Version(1));
+}
+
+#[actix_rt::test]
+async fn controller_moves_each_version_to_every_engine() {
+    let engines: Vec<_> = (0..3)
+        .map(|i| actix::Actor::start(InferenceEngine::new(MlpPolicy::new(&[4, 8, 2]).unwrap(), i)))
+        .collect();
+    let targets = engines.iter().map(|e| e.clone().recipient()).collect();
+    let ctl = actix::Actor::start(WeightSyncController::new(targets, Duration::from_secs(5)));
+    for v in 1..=5 {
+        let acked = ctl
+            .send(Publish {
+                weights: weights(v, v as f32 / 100.0),
+            })
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(acked, vec![Version(v); 3]);
+    }
+    assert!(
+        ctl.send(Publish {
+            weights: weights(3, 0.0)
+        })
+        .await
+        .unwrap()
+        .is_err()
+    );
+    assert_eq!(ctl.send(Versions).await.unwrap(), (Version(5), Version(5)));
+    for e in &engines {
+        assert_eq!(e.send(ServedVersion).await.unwrap(), Version(5));
+    }
+}

@@ -1,0 +1,451 @@
+//! Bucket plans: a weight set's arena cut into buckets of a configured size, one control
+//! message each, and a receive-side assembler that exposes nothing until every bucket arrived.
+//!
+//! The plan is computed once by the sender from both ends' manifests
+//! ([`BucketPlan::compute`]), shipped (it is serde), checked by the receiver against its own
+//! manifest ([`BucketPlan::verify`]) and replayed for every version. Buckets cover the arena
+//! contiguously from byte 0 to its end (alignment padding included, so the assembled arena is
+//! bit-identical). Small tensors share a bucket; a bucket is closed early rather than cut a
+//! tensor that would fit whole in the next one; a tensor larger than a bucket is cut into
+//! chunks, never refused.
+
+use std::ops::Range;
+use std::sync::Arc;
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::{Error, Result};
+use crate::ids::{ModelId, Version};
+use crate::manifest::{ALIGN, Manifest};
+use crate::weights::WeightSet;
+
+/// One tensor, or a chunk of one, inside a bucket.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Piece {
+    /// Position of the tensor in the manifest.
+    pub tensor: usize,
+    /// Its name.
+    pub name: String,
+    /// First byte of the piece, counted from the tensor's start.
+    pub offset: usize,
+    /// Bytes in the piece (the whole tensor unless it is chunked).
+    pub len: usize,
+}
+
+impl Piece {
+    /// True when the piece is only part of its tensor.
+    pub fn is_chunk(&self, tensor_len: usize) -> bool {
+        self.offset != 0 || self.len != tensor_len
+    }
+}
+
+/// One bucket of a plan: an arena byte range and the pieces of tensors it covers.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BucketSpec {
+    /// First arena byte.
+    pub start: usize,
+    /// Bytes in the bucket.
+    pub len: usize,
+    /// The tensors or chunks it covers, in arena order (empty tensors are in none).
+    pub pieces: Vec<Piece>,
+}
+
+impl BucketSpec {
+    /// The arena byte range.
+    pub fn range(&self) -> Range<usize> {
+        self.start..self.start + self.len
+    }
+}
+
+/// The sender's authoritative cut of one model's arena into buckets.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BucketPlan {
+    /// The model.
+    pub model: ModelId,
+    /// Schema hash of the manifest the plan was cut from.
+    pub schema_hash: u64,
+    /// The configured bucket size in bytes (a multiple of [`ALIGN`]); no bucket is larger.
+    pub bucket_size: usize,
+    /// Arena size in bytes.
+    pub total_len: usize,
+    /// The buckets, in arena order.
+    pub buckets: Vec<BucketSpec>,
+}
+
+/// The control message sent with each bucket's bytes.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BucketHeader {
+    /// Position of the bucket in the plan.
+    pub index: usize,
+    /// The version the bytes belong to.
+    pub version: Version,
+    /// First arena byte.
+    pub start: usize,
+    /// Bytes in the bucket.
+    pub len: usize,
+    /// The tensors or chunks it covers.
+    pub pieces: Vec<Piece>,
+    /// xxh3-64 of the bucket's bytes.
+    pub checksum: u64,
+}
+
+fn bucket_error(index: usize, reason: impl Into<String>) -> Error {
+    Error::Bucket {
+        index,
+        reason: reason.into(),
+    }
+}
+
+impl BucketPlan {
+    /// Cuts `sender`'s arena into buckets of at most `bucket_size` bytes, after checking that
+    /// `receiver` describes the same tensors.
+    ///
+    /// # Errors
+    /// The schema error of [`Manifest::check_same_schema`] when the manifests differ;
+    /// [`Error::Bucket`] (index 0) when `bucket_size` is zero or not a multiple of [`ALIGN`].
+    pub fn compute(
+        model: &ModelId,
+        sender: &Manifest,
+        receiver: &Manifest,
+        bucket_size: usize,
+    ) -> Result<Self> {
+        receiver.check_same_schema(model, sender)?;
+        if bucket_size == 0 || !bucket_size.is_multiple_of(ALIGN) {
+            return Err(bucket_error(
+                0,
+                format!("bucket size {bucket_size} is not a positive multiple of {ALIGN}"),
+            ));
+        }
+        let mut order: Vec<usize> = (0..sender.len()).collect();
+        order.sort_by_key(|&i| sender.tensors()[i].offset);
+        let specs = sender.tensors();
+        let total = sender.total_len();
+        let mut cuts = vec![0];
+        let mut start = 0;
+        while total - start > bucket_size {
+            let end = start + bucket_size;
+            // A tensor straddling `end` that begins after `start` moves whole to the next bucket.
+            let straddler = order
+                .iter()
+                .map(|&i| &specs[i])
+                .find(|t| t.len > 0 && t.offset < end && t.offset + t.len > end);
+            let cut = match straddler {
+                Some(t) if t.offset > start => t.offset,
+                _ => end,
+            };
+            cuts.push(cut);
+            start = cut;
+        }
+        cuts.push(total);
+        cuts.dedup();
+        let buckets = cuts
+            .windows(2)
+            .map(|w| BucketSpec {
+                start: w[0],
+                len: w[1] - w[0],
+                pieces: pieces_in(sender, &order, w[0]..w[1]),
+            })
+            .collect();
+        Ok(Self {
+            model: model.clone(),
+            schema_hash: sender.schema_hash(),
+            bucket_size,
+            total_len: total,
+            buckets,
+        })
+    }
+
+    /// Number of buckets.
+    pub fn len(&self) -> usize {
+        self.buckets.len()
+    }
+
+    /// True when the arena is empty.
+    pub fn is_empty(&self) -> bool {
+        self.buckets.is_empty()
+    }
+
+    /// Checks a plan received from the sender against this end's manifest: same schema,
+    /// buckets that cover the arena contiguously within the bucket size, and pieces that are
+    /// exactly the tensors' bytes in each bucket.
+    ///
+    /// # Errors
+    /// [`Error::Schema`] when the schema hash differs; [`Error::Bucket`] naming the bucket
+    /// (and the tensor where there is one) for any other disagreement.
+    pub fn verify(&self, manifest: &Manifest) -> Result<()> {
+        if self.schema_hash != manifest.schema_hash() {
+            return Err(Error::Schema {
+                model: self.model.clone(),
+                expected: manifest.schema_hash(),
+                found: self.schema_hash,
+            });
+        }
+        if self.total_len != manifest.total_len() {
+            return Err(bucket_error(
+                0,
+                format!(
+                    "plan covers {} bytes, the arena has {}",
+                    self.total_len,
+                    manifest.total_len()
+                ),
+            ));
+        }
+        let mut order: Vec<usize> = (0..manifest.len()).collect();
+        order.sort_by_key(|&i| manifest.tensors()[i].offset);
+        let mut at = 0;
+        for (i, b) in self.buckets.iter().enumerate() {
+            if b.start != at || b.len == 0 || b.len > self.bucket_size {
+                return Err(bucket_error(
+                    i,
+                    format!(
+                        "covers bytes {}..{}, expected to start at {at} with 1..={} bytes",
+                        b.start,
+                        b.start + b.len,
+                        self.bucket_size
+                    ),
+                ));
+            }
+            let expected = pieces_in(manifest, &order, b.range());
+            if b.pieces != expected {
+                let culprit = b
+                    .pieces
+                    .iter()
+                    .zip(&expected)
+                    .find(|(a, e)| a != e)
+                    .map_or_else(
+                        || format!("lists {} pieces, the manifest gives {}", b.pieces.len(), expected.len()),
+                        |(a, e)| {
+                            format!(
+                                "piece of tensor `{}` (bytes {}..+{}) disagrees with the manifest's `{}` (bytes {}..+{})",
+                                a.name, a.offset, a.len, e.name, e.offset, e.len
+                            )
+                        },
+                    );
+                return Err(bucket_error(i, culprit));
+            }
+            at = b.start + b.len;
+        }
+        if at != self.total_len {
+            return Err(bucket_error(
+                self.buckets.len(),
+                format!("buckets end at byte {at}, the arena at {}", self.total_len),
+            ));
+        }
+        Ok(())
+    }
+
+    /// The header and bytes of bucket `index` of `weights`.
+    ///
+    /// # Errors
+    /// [`Error::Schema`] when `weights` has another manifest; [`Error::Bucket`] when `index` is
+    /// out of range.
+    pub fn bucket<'a>(
+        &self,
+        weights: &'a WeightSet,
+        index: usize,
+    ) -> Result<(BucketHeader, &'a [u8])> {
+        if weights.manifest().schema_hash() != self.schema_hash {
+            return Err(Error::Schema {
+                model: self.model.clone(),
+                expected: self.schema_hash,
+                found: weights.manifest().schema_hash(),
+            });
+        }
+        let b = self.buckets.get(index).ok_or_else(|| {
+            bucket_error(index, format!("out of range, the plan has {}", self.len()))
+        })?;
+        let bytes = &weights.bytes()[b.range()];
+        Ok((
+            BucketHeader {
+                index,
+                version: weights.version(),
+                start: b.start,
+                len: b.len,
+                pieces: b.pieces.clone(),
+                checksum: xxhash_rust::xxh3::xxh3_64(bytes),
+            },
+            bytes,
+        ))
+    }
+
+    /// Every bucket of `weights`, in order.
+    ///
+    /// # Errors
+    /// As [`BucketPlan::bucket`].
+    pub fn buckets<'a>(&self, weights: &'a WeightSet) -> Result<Vec<(BucketHeader, &'a [u8])>> {
+        (0..self.len()).map(|i| self.bucket(weights, i)).collect()
+    }
+}
+
+/// The non-empty intersections of tensors with `range`, in arena order.
+fn pieces_in(m: &Manifest, order: &[usize], range: Range<usize>) -> Vec<Piece> {
+    order
+        .iter()
+        .filter_map(|&i| {
+            let t = &m.tensors()[i];
+            let (s, e) = (t.offset.max(range.start), (t.offset + t.len).min(range.end));
+            (s < e).then(|| Piece {
+                tensor: i,
+                name: t.name.clone(),
+                offset: s - t.offset,
+                len: e - s,
+            })
+        })
+        .collect()
+}
+
+/// Receive side: accepts the buckets of one version in any order and hands out the weight
+/// set only once every bucket arrived and checked out.
+///
+/// A bucket is checked (plan, version, range, pieces, checksum, not seen before) before any
+/// of its bytes are copied; a refused bucket changes nothing, so a retransmission can still
+/// complete the version. The arena being filled is never readable from outside.
+#[derive(Debug)]
+pub struct BucketAssembler {
+    plan: BucketPlan,
+    manifest: Arc<Manifest>,
+    arena: Option<WeightSet>,
+    version: Option<Version>,
+    seen: Vec<bool>,
+    received: usize,
+}
+
+impl BucketAssembler {
+    /// An assembler for `plan`, after [`BucketPlan::verify`] against `manifest`.
+    ///
+    /// # Errors
+    /// As [`BucketPlan::verify`].
+    pub fn new(plan: BucketPlan, manifest: Arc<Manifest>) -> Result<Self> {
+        plan.verify(&manifest)?;
+        let n = plan.len();
+        Ok(Self {
+            plan,
+            manifest,
+            arena: None,
+            version: None,
+            seen: vec![false; n],
+            received: 0,
+        })
+    }
+
+    /// The version being assembled (fixed by its first accepted bucket).
+    pub fn version(&self) -> Option<Version> {
+        self.version
+    }
+
+    /// `(received, total)` buckets of the version being assembled.
+    pub fn progress(&self) -> (usize, usize) {
+        (self.received, self.plan.len())
+    }
+
+    /// True when every bucket of the current version arrived.
+    pub fn is_complete(&self) -> bool {
+        self.received == self.plan.len()
+    }
+
+    /// Checks one bucket and copies its bytes in.
+    ///
+    /// # Errors
+    /// [`Error::Bucket`] naming the bucket when its index is out of range, it was already
+    /// received, it belongs to another version than the buckets before it, its range or
+    /// pieces differ from the plan, its length differs from its bytes, or its checksum does not
+    /// match; nothing is copied then.
+    pub fn accept(&mut self, header: &BucketHeader, bytes: &[u8]) -> Result<()> {
+        let i = header.index;
+        let spec = self.plan.buckets.get(i).ok_or_else(|| {
+            bucket_error(
+                i,
+                format!("out of range, the plan has {} buckets", self.plan.len()),
+            )
+        })?;
+        if let Some(v) = self.version
+            && v != header.version
+        {
+            return Err(bucket_error(
+                i,
+                format!(
+                    "belongs to version {}, version {v} is being assembled",
+                    header.version
+                ),
+            ));
+        }
+        if self.seen[i] {
+            return Err(bucket_error(
+                i,
+                format!("received twice for version {}", header.version),
+            ));
+        }
+        if header.start != spec.start || header.len != spec.len || header.pieces != spec.pieces {
+            return Err(bucket_error(
+                i,
+                format!(
+                    "header covers bytes {}..+{}, the plan says {}..+{}",
+                    header.start, header.len, spec.start, spec.len
+                ),
+            ));
+        }
+        if bytes.len() != spec.len {
+            return Err(bucket_error(
+                i,
+                format!("{} bytes declared, {} arrived", spec.len, bytes.len()),
+            ));
+        }
+        let found = xxhash_rust::xxh3::xxh3_64(bytes);
+        if found != header.checksum {
+            let names: Vec<&str> = spec.pieces.iter().map(|p| p.name.as_str()).collect();
+            return Err(bucket_error(
+                i,
+                format!(
+                    "checksum {:#018x} declared, bytes hash to {found:#018x} (tensors {})",
+                    header.checksum,
+                    names.join(", ")
+                ),
+            ));
+        }
+        let arena = self.arena.get_or_insert_with(|| {
+            WeightSet::zeroed(self.plan.model.clone(), Arc::clone(&self.manifest))
+        });
+        arena.bytes_mut()?[spec.range()].copy_from_slice(bytes);
+        self.version = Some(header.version);
+        self.seen[i] = true;
+        self.received += 1;
+        Ok(())
+    }
+
+    /// The complete weight set, stamped with its version; the assembler is then ready for
+    /// the next version.
+    ///
+    /// # Errors
+    /// [`Error::Bucket`] naming the first missing bucket when the version is not complete
+    /// (the buckets received so far are kept).
+    pub fn take(&mut self) -> Result<WeightSet> {
+        if let Some(missing) = self.seen.iter().position(|s| !s) {
+            return Err(bucket_error(
+                missing,
+                format!(
+                    "not received; {} of {} buckets arrived for version {}",
+                    self.received,
+                    self.plan.len(),
+                    self.version.map_or_else(|| "-".into(), |v| v.to_string())
+                ),
+            ));
+        }
+        let mut ws = self.arena.take().unwrap_or_else(|| {
+            WeightSet::zeroed(self.plan.model.clone(), Arc::clone(&self.manifest))
+        });
+        ws.set_version(self.version.unwrap_or(Version::ZERO));
+        self.reset();
+        Ok(ws)
+    }
+
+    /// Drops the version being assembled (its buckets are discarded).
+    pub fn reset(&mut self) {
+        self.arena = None;
+        self.version = None;
+        self.seen.fill(false);
+        self.received = 0;
+    }
+}
+
+#[cfg(test)]
+mod tests;

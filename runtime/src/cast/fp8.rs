@@ -1,0 +1,290 @@
+//! 8-bit floats, encoded and decoded bit-exactly.
+//!
+//! Two formats (OCP 8-bit floating point specification):
+//!
+//! | | e4m3 (`e4m3fn`) | e5m2 |
+//! | --- | --- | --- |
+//! | exponent / mantissa bits, bias | 4 / 3, 7 | 5 / 2, 15 |
+//! | largest finite | 448 (`0x7e`) | 57344 (`0x7b`) |
+//! | smallest normal | 2^-6 (`0x08`) | 2^-14 (`0x04`) |
+//! | smallest subnormal | 2^-9 (`0x01`) | 2^-16 (`0x01`) |
+//! | infinity | none | `0x7c` / `0xfc` |
+//! | NaN | `0x7f` / `0xff` only | `0x7d..=0x7f` (and negative) |
+//!
+//! Encoding from `f32` (`bf16` and `f16` inputs are first widened to `f32`, which is exact):
+//!
+//! - **Rounding**: round to nearest, ties to even, computed once on the exact `f32` bits (no
+//!   double rounding). A carry out of the mantissa moves to the next exponent, so a
+//!   subnormal can round up to the smallest normal, and a value can round up past the
+//!   largest finite (then the overflow rule applies).
+//! - **Subnormals**: values below the smallest normal are encoded as subnormals, rounded the
+//!   same way; magnitudes at or below half the smallest subnormal round to zero (exactly half
+//!   is a tie and goes to the even code, zero). `f32` subnormals become zero.
+//! - **Zero**: the sign is kept (`-0.0` gives `0x80`).
+//! - **NaN**: every NaN encodes as `0x7f`, or `0xff` when its sign bit is set (for both
+//!   formats).
+//! - **Overflow** ([`Overflow`]): by default ([`Overflow::Saturate`]) any magnitude that rounds
+//!   above the largest finite, infinities included, becomes ± the largest finite (448 or
+//!   57344). With [`Overflow::NonFinite`] it becomes NaN in e4m3 (which has no infinity) and
+//!   ±infinity in e5m2.
+
+/// What a magnitude beyond the largest finite value encodes to.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub enum Overflow {
+    /// ± the largest finite value (448 in e4m3, 57344 in e5m2). The default.
+    #[default]
+    Saturate,
+    /// NaN in e4m3, ±infinity in e5m2 (what a plain IEEE-style cast does).
+    NonFinite,
+}
+
+struct Format {
+    man_bits: u32,
+    bias: i32,
+    max_code: u32,
+    inf: Option<u8>,
+}
+
+const E4M3: Format = Format {
+    man_bits: 3,
+    bias: 7,
+    max_code: 0x7e,
+    inf: None,
+};
+const E5M2: Format = Format {
+    man_bits: 2,
+    bias: 15,
+    max_code: 0x7b,
+    inf: Some(0x7c),
+};
+
+/// Largest finite e4m3 value.
+pub const E4M3_MAX: f32 = 448.0;
+/// Largest finite e5m2 value.
+pub const E5M2_MAX: f32 = 57344.0;
+
+/// Round `value >> shift` to nearest, ties to even.
+fn round_shift(value: u32, shift: u32) -> u32 {
+    let kept = value >> shift;
+    let rem = value & ((1 << shift) - 1);
+    let half = 1 << (shift - 1);
+    if rem > half || (rem == half && kept & 1 == 1) {
+        kept + 1
+    } else {
+        kept
+    }
+}
+
+#[inline(always)]
+fn encode(x: f32, f: &Format, overflow: Overflow) -> u8 {
+    let bits = x.to_bits();
+    let sign = ((bits >> 24) & 0x80) as u8;
+    if x.is_nan() {
+        return sign | 0x7f;
+    }
+    let exp = ((bits >> 23) & 0xff) as i32;
+    let man = bits & 0x7f_ffff;
+    let code = if exp == 0xff {
+        u32::MAX // infinity: past any finite code
+    } else if exp == 0 {
+        0 // f32 zero or subnormal: far below half the smallest fp8 subnormal
+    } else {
+        let e = exp - 127;
+        let field = e + f.bias;
+        if field >= 1 {
+            // Normal: keep `man_bits` of the 23; the carry may bump the exponent.
+            ((field as u32) << f.man_bits) + round_shift(man, 23 - f.man_bits)
+        } else {
+            // Subnormal: the significand 1.m in units of the smallest subnormal.
+            let shift = (24 - f.bias - f.man_bits as i32 - e) as u32;
+            if shift > 25 {
+                0
+            } else {
+                round_shift((1 << 23) | man, shift)
+            }
+        }
+    };
+    if code > f.max_code {
+        return match (overflow, f.inf) {
+            (Overflow::Saturate, _) => sign | f.max_code as u8,
+            (Overflow::NonFinite, Some(inf)) => sign | inf,
+            (Overflow::NonFinite, None) => sign | 0x7f,
+        };
+    }
+    sign | code as u8
+}
+
+fn decode(b: u8, f: &Format) -> f32 {
+    let sign = if b & 0x80 != 0 { -1.0 } else { 1.0 };
+    let exp_bits = 7 - f.man_bits;
+    let exp = i32::from((b >> f.man_bits) & ((1 << exp_bits) - 1));
+    let man = f32::from(b & ((1 << f.man_bits) - 1));
+    let steps = (1 << f.man_bits) as f32;
+    let top = (1 << exp_bits) - 1;
+    if exp == top {
+        match f.inf {
+            Some(_) if man == 0.0 => return sign * f32::INFINITY,
+            Some(_) => return f32::NAN,
+            None if man == steps - 1.0 => return f32::NAN,
+            None => {}
+        }
+    }
+    if exp == 0 {
+        sign * man / steps * 2f32.powi(1 - f.bias)
+    } else {
+        sign * (1.0 + man / steps) * 2f32.powi(exp - f.bias)
+    }
+}
+
+/// `x` as e4m3 (OCP `e4m3fn`); see the [module docs](self) for the exact rules.
+#[inline]
+pub fn f32_to_e4m3(x: f32, overflow: Overflow) -> u8 {
+    encode(x, &E4M3, overflow)
+}
+
+/// `x` as e5m2; see the [module docs](self) for the exact rules.
+#[inline]
+pub fn f32_to_e5m2(x: f32, overflow: Overflow) -> u8 {
+    encode(x, &E5M2, overflow)
+}
+
+/// The exact value of an e4m3 byte (`0x7f` / `0xff` are NaN).
+pub fn e4m3_to_f32(b: u8) -> f32 {
+    decode(b, &E4M3)
+}
+
+/// The exact value of an e5m2 byte.
+pub fn e5m2_to_f32(b: u8) -> f32 {
+    decode(b, &E5M2)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const SAT: Overflow = Overflow::Saturate;
+
+    #[test]
+    fn e4m3_reference_values() {
+        let cases: [(f32, u8); 22] = [
+            (1.0, 0x38),
+            (-1.0, 0xb8),
+            (448.0, 0x7e),
+            (-448.0, 0xfe),
+            (0.001_953_125, 0x01), // 2^-9, smallest subnormal
+            (0.015_625, 0x08),     // 2^-6, smallest normal
+            (0.013_671_875, 0x07), // 7 * 2^-9, largest subnormal
+            (500.0, 0x7e),         // saturates
+            (1e30, 0x7e),
+            (f32::INFINITY, 0x7e),
+            (f32::NEG_INFINITY, 0xfe),
+            (0.0, 0x00),
+            (-0.0, 0x80),
+            (0.000_976_562_5, 0x00), // 2^-10: tie between 0 and 2^-9, to even (0)
+            (0.002_929_687_5, 0x02), // 1.5 * 2^-9: tie between 1 and 2, to even (2)
+            (0.000_976_6, 0x01),     // just above half the smallest subnormal
+            (1.0625, 0x38),          // tie between 1.0 and 1.125, to even (1.0)
+            (1.1875, 0x3a),          // tie between 1.125 and 1.25, to even (1.25)
+            (1.06251, 0x39),         // just above the tie
+            (464.0, 0x7e),           // tie between 448 and (480), to even: 448
+            (0.0147, 0x08),          // past the midpoint 0.01465 of 0.01367 (0x07) and 0.015625
+            (3.0, 0x44),
+        ];
+        for (x, code) in cases {
+            assert_eq!(f32_to_e4m3(x, SAT), code, "{x}");
+        }
+        assert_eq!(f32_to_e4m3(f32::NAN, SAT), 0x7f);
+        assert_eq!(f32_to_e4m3(-f32::NAN, SAT), 0xff);
+        assert_eq!(f32_to_e4m3(500.0, Overflow::NonFinite), 0x7f);
+        assert_eq!(f32_to_e4m3(-f32::INFINITY, Overflow::NonFinite), 0xff);
+        assert_eq!(f32_to_e4m3(450.0, Overflow::NonFinite), 0x7e);
+        assert_eq!(f32_to_e4m3(f32::from_bits(1), SAT), 0x00);
+    }
+
+    #[test]
+    fn e5m2_reference_values() {
+        let cases: [(f32, u8); 15] = [
+            (1.0, 0x3c),
+            (448.0, 0x5f),
+            (500.0, 0x60),         // 1.953 * 2^8 rounds up into the next binade
+            (0.001_953_125, 0x18), // 2^-9 is normal in e5m2
+            (57344.0, 0x7b),
+            (-57344.0, 0xfb),
+            (65536.0, 0x7b),
+            (f32::INFINITY, 0x7b),
+            (1.0 / 65536.0, 0x01), // 2^-16, smallest subnormal
+            (1.0 / 16384.0, 0x04), // 2^-14, smallest normal
+            (-0.0, 0x80),
+            (1.125, 0x3c), // tie between 1.0 and 1.25, to even (1.0)
+            (1.375, 0x3e), // tie between 1.25 and 1.5, to even (1.5)
+            (0.5, 0x38),
+            (1.0 / 131072.0, 0x00), // 2^-17: tie to zero
+        ];
+        for (x, code) in cases {
+            assert_eq!(f32_to_e5m2(x, SAT), code, "{x}");
+        }
+        assert_eq!(f32_to_e5m2(f32::NAN, SAT), 0x7f);
+        assert_eq!(f32_to_e5m2(65536.0, Overflow::NonFinite), 0x7c);
+        assert_eq!(f32_to_e5m2(f32::NEG_INFINITY, Overflow::NonFinite), 0xfc);
+        assert_eq!(e5m2_to_f32(0x7c), f32::INFINITY);
+        assert!(e5m2_to_f32(0x7d).is_nan());
+    }
+
+    #[test]
+    fn every_code_round_trips_and_encoding_is_nearest() {
+        for (enc, dec, nan_codes) in [
+            (
+                f32_to_e4m3 as fn(f32, Overflow) -> u8,
+                e4m3_to_f32 as fn(u8) -> f32,
+                &[0x7f_u8, 0xff][..],
+            ),
+            (
+                f32_to_e5m2,
+                e5m2_to_f32,
+                &[0x7d, 0x7e, 0x7f, 0xfd, 0xfe, 0xff][..],
+            ),
+        ] {
+            let mut finite = Vec::new();
+            for b in 0..=255_u8 {
+                let v = dec(b);
+                if nan_codes.contains(&b) {
+                    assert!(v.is_nan(), "{b:#04x}");
+                    continue;
+                }
+                assert_eq!(enc(v, Overflow::NonFinite), b, "{b:#04x} = {v}");
+                if v.is_finite() {
+                    finite.push(v);
+                }
+            }
+            // Nearest: for many inputs, no finite code is strictly closer than the chosen one.
+            let mut x = -70000.0_f32;
+            while x < 70000.0 {
+                for v in [x, x / 1024.0, x / 1_048_576.0] {
+                    let got = dec(enc(v, Overflow::Saturate));
+                    let best = finite
+                        .iter()
+                        .map(|c| (c - v).abs())
+                        .fold(f32::INFINITY, f32::min);
+                    assert!(
+                        (got - v).abs() <= best,
+                        "{v} -> {got}, a code is {best} away"
+                    );
+                }
+                x += 7.37;
+            }
+        }
+    }
+
+    #[test]
+    fn decode_reference_values() {
+        assert_eq!(e4m3_to_f32(0x38), 1.0);
+        assert_eq!(e4m3_to_f32(0x7e), 448.0);
+        assert_eq!(e4m3_to_f32(0x01), 0.001_953_125);
+        assert_eq!(e4m3_to_f32(0x80), 0.0);
+        assert!(e4m3_to_f32(0x80).is_sign_negative());
+        assert!(e4m3_to_f32(0xff).is_nan());
+        assert_eq!(e4m3_to_f32(0x78), 256.0); // exponent 15 is a normal binade in e4m3fn
+        assert_eq!(e5m2_to_f32(0x7b), 57344.0);
+        assert_eq!(e5m2_to_f32(0x01), 1.0 / 65536.0);
+    }
+}
