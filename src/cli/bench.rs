@@ -39,6 +39,9 @@ pub(crate) struct BenchArgs {
     /// Transports to measure (inproc, shm).
     #[arg(long, value_delimiter = ',', default_value = "inproc,shm")]
     transports: Vec<String>,
+    /// Size of the model the strategy steps (rename/fuse, casts, delta) are measured on; 0 skips them.
+    #[arg(long, default_value = "64MiB", value_parser = parse_bytes)]
+    strategies_size: usize,
     /// Print JSON instead of a table.
     #[arg(long)]
     json: bool,
@@ -139,6 +142,36 @@ pub(crate) fn run(args: &BenchArgs) -> BoxResult<()> {
                     }
                 }
             }
+        }
+    }
+    if args.strategies_size > 0 {
+        eprintln!(
+            "refit bench: strategy steps, {}",
+            fmt_bytes(args.strategies_size)
+        );
+        let sb = refit::runtime::strategy_bench::run(args.strategies_size, 5)?;
+        let memcpy = sb
+            .figures
+            .iter()
+            .find(|f| f.name == "memcpy")
+            .map_or(f64::NAN, |f| f.seconds);
+        for f in &sb.figures {
+            // best of 5 runs: min, median and max are all that best run
+            let s = Summary {
+                min: f.seconds,
+                median: f.seconds,
+                max: f.seconds,
+                samples: 1,
+            };
+            rows.push(row(
+                "strategy (best of 5)",
+                f.name,
+                f.bytes,
+                0,
+                s,
+                "memcpy",
+                memcpy,
+            ));
         }
     }
     if args.json {
