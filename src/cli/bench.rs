@@ -9,7 +9,11 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use refit::prelude::*;
+use refit::runtime::node::ClusterToken;
 use refit::runtime::{SenderTransport, wire};
+use refit::transports::tcp::{
+    TcpConfig, TcpReceiver, TcpReceiverConfig, TcpReceiverSpec, TcpSender, TransferMode,
+};
 use serde::Serialize;
 
 use super::stats::{Summary, fmt_bytes, fmt_secs, parse_bytes};
@@ -18,6 +22,8 @@ type BoxResult<T> = Result<T, Box<dyn StdError>>;
 
 const SIZES: [usize; 4] = [4 << 20, 64 << 20, 512 << 20, 2 << 30];
 const WAIT: Duration = Duration::from_secs(120);
+/// Largest size measured over TCP.
+const TCP_MAX: usize = 512 << 20;
 /// Largest size measured with copying shm receivers.
 const COPY_MODE_MAX: usize = 512 << 20;
 
@@ -36,8 +42,8 @@ pub(crate) struct BenchArgs {
     /// Untimed updates first.
     #[arg(long, default_value_t = 1)]
     warmup: usize,
-    /// Transports to measure (inproc, shm).
-    #[arg(long, value_delimiter = ',', default_value = "inproc,shm")]
+    /// Transports to measure (inproc, shm, tcp).
+    #[arg(long, value_delimiter = ',', default_value = "inproc,shm,tcp")]
     transports: Vec<String>,
     /// Size of the model the strategy steps (rename/fuse, casts, delta) are measured on; 0 skips them.
     #[arg(long, default_value = "64MiB", value_parser = parse_bytes)]
@@ -77,6 +83,7 @@ struct Row {
 
 struct Baselines {
     memcpy: Summary,
+    tcp: f64,
 }
 
 pub(crate) fn run(args: &BenchArgs) -> BoxResult<()> {
@@ -92,8 +99,8 @@ pub(crate) fn run(args: &BenchArgs) -> BoxResult<()> {
         .into());
     }
     for t in &args.transports {
-        if !["inproc", "shm"].contains(&t.as_str()) {
-            return Err(format!("unknown transport {t:?} (known: inproc, shm)").into());
+        if !["inproc", "shm", "tcp"].contains(&t.as_str()) {
+            return Err(format!("unknown transport {t:?} (known: inproc, shm, tcp)").into());
         }
     }
     let mut rows = Vec::new();
@@ -111,12 +118,19 @@ pub(crate) fn run(args: &BenchArgs) -> BoxResult<()> {
             "memcpy",
             memcpy.median,
         ));
-        let base = Baselines { memcpy };
+        let base = Baselines {
+            memcpy,
+            tcp: tcp.median,
+        };
         for t in &args.transports {
             for &n in &args.receivers {
                 eprintln!("refit bench: {t} {} N={n}", fmt_bytes(size));
                 match t.as_str() {
                     "inproc" => rows.extend(bench_inproc(&weights, n, args, &base)?),
+                    // receivers keep the versions they pulled: above 512 MiB four of them
+                    // would not fit beside the sender in this machine's memory
+                    "tcp" if size > TCP_MAX => {}
+                    "tcp" => rows.extend(bench_tcp(&mut weights, n, args, &base)?),
                     // copying receivers hold two private arenas each: above 512 MiB, four of
                     // them would not fit beside the slots in this machine's memory
                     _ if size > COPY_MODE_MAX => {
@@ -205,13 +219,13 @@ fn row(
 
 fn print_table(rows: &[Row]) {
     println!(
-        "{:<18} {:<12} {:>8} {:>2} {:>11} {:>11} {:>11} {:>10} {:>9}",
+        "{:<22} {:<20} {:>8} {:>2} {:>11} {:>11} {:>11} {:>10} {:>9}",
         "transport", "metric", "size", "N", "min", "median", "max", "GB/s", "x base"
     );
     for r in rows {
         let gbps = r.bytes as f64 / r.seconds.median / 1e9;
         println!(
-            "{:<18} {:<12} {:>8} {:>2} {:>11} {:>11} {:>11} {:>10.2} {:>9}",
+            "{:<22} {:<20} {:>8} {:>2} {:>11} {:>11} {:>11} {:>10.2} {:>9}",
             r.transport,
             r.metric,
             fmt_bytes(r.bytes),
@@ -297,8 +311,10 @@ fn tcp_baseline(size: usize, iters: usize) -> BoxResult<Summary> {
     Ok(Summary::of(&samples[1..]))
 }
 
+/// Next version of the weights; copies them first (untimed) if a transport still holds the
+/// previous one (the TCP sender keeps recent versions for receivers still pulling).
 fn bump(weights: &mut Arc<WeightSet>) -> BoxResult<()> {
-    let ws = Arc::get_mut(weights).ok_or("weight set still shared after the update")?;
+    let ws = Arc::make_mut(weights);
     ws.set_version(ws.version().next());
     Ok(())
 }
@@ -420,34 +436,7 @@ fn bench_shm(
     let mut sender = SenderInit::new(transport, manifests)
         .with_ack_timeout(WAIT)
         .connect(vec![(**weights).clone()], WAIT)?;
-    let (mut e2e, mut write, mut acks, mut fill) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
-    for i in 0..args.warmup + args.iters {
-        bump(weights)?;
-        let update = if loaned {
-            let far = Instant::now() + WAIT;
-            let mut lent = sender
-                .transport_mut()
-                .loan(weights.model(), weights.version(), far)?;
-            let t = Instant::now();
-            lent.bytes_mut()?.copy_from_slice(weights.bytes());
-            if i >= args.warmup {
-                fill.push(t.elapsed());
-            }
-            Arc::new(lent)
-        } else {
-            Arc::clone(weights)
-        };
-        let t0 = Instant::now();
-        let pending = sender.publish_shared(vec![update])?;
-        let t1 = Instant::now();
-        sender.wait(&pending, WAIT)?;
-        let t2 = Instant::now();
-        if i >= args.warmup {
-            write.push(t1 - t0);
-            acks.push(t2 - t1);
-            e2e.push(t2 - t0);
-        }
-    }
+    let times = timed_updates(&mut sender, weights, loaned, args)?;
     sender.transport_mut().shutdown()?;
     drop(sender);
     for mut c in children {
@@ -460,32 +449,7 @@ fn bench_shm(
         (ShmReadMode::Copy, _) => "shm (copy)",
         (ShmReadMode::ZeroCopy, _) => "shm (zero-copy)",
     };
-    let m = base.memcpy.median;
-    let mut rows = vec![
-        row(name, "end-to-end", size, n, Summary::of(&e2e), "memcpy", m),
-        row(name, "  write", size, n, Summary::of(&write), "memcpy", m),
-        row(
-            name,
-            "  apply+ack",
-            size,
-            n,
-            Summary::of(&acks),
-            "memcpy",
-            m,
-        ),
-    ];
-    if loaned {
-        rows.push(row(
-            name,
-            "  (fill)",
-            size,
-            n,
-            Summary::of(&fill),
-            "memcpy",
-            m,
-        ));
-    }
-    Ok(rows)
+    Ok(times.rows(name, size, n, ("memcpy", base.memcpy.median)))
 }
 
 pub(crate) fn child(args: &ChildArgs) -> BoxResult<()> {
@@ -507,6 +471,15 @@ pub(crate) fn child(args: &ChildArgs) -> BoxResult<()> {
             }
             Ok(())
         }
+        "tcp-recv" => {
+            let spec: TcpReceiverSpec = wire::from_token(&args.target)?;
+            let config = TcpReceiverConfig {
+                mode: TransferMode::Full,
+                ..TcpReceiverConfig::default()
+            };
+            let r = TcpReceiver::new(spec).with_config(config);
+            drain(ReceiverInit::new(r, None).connect(WAIT)?)
+        }
         "shm-copy" | "shm-zero" => {
             let mode = if args.role == "shm-copy" {
                 ShmReadMode::Copy
@@ -526,5 +499,160 @@ pub(crate) fn child(args: &ChildArgs) -> BoxResult<()> {
             }
         }
         other => Err(format!("unknown child role {other:?}").into()),
+    }
+}
+
+/// Timings of the updates of one configuration, by phase.
+#[derive(Default)]
+struct Times {
+    e2e: Vec<Duration>,
+    write: Vec<Duration>,
+    acks: Vec<Duration>,
+    fill: Vec<Duration>,
+}
+
+impl Times {
+    fn rows(&self, name: &str, size: usize, n: usize, baseline: (&str, f64)) -> Vec<Row> {
+        let (bname, base) = baseline;
+        let mut rows = vec![
+            row(
+                name,
+                "end-to-end",
+                size,
+                n,
+                Summary::of(&self.e2e),
+                bname,
+                base,
+            ),
+            row(
+                name,
+                "  publish",
+                size,
+                n,
+                Summary::of(&self.write),
+                bname,
+                base,
+            ),
+            row(
+                name,
+                "  apply+ack",
+                size,
+                n,
+                Summary::of(&self.acks),
+                bname,
+                base,
+            ),
+        ];
+        if !self.fill.is_empty() {
+            rows.push(row(
+                name,
+                "  (fill)",
+                size,
+                n,
+                Summary::of(&self.fill),
+                bname,
+                base,
+            ));
+        }
+        rows
+    }
+}
+
+/// Warm-up then timed updates: publish version N, wait until every receiver acknowledged it.
+/// `loaned` (shared memory only) fills a lent slot in place first, timed apart as `fill`.
+fn timed_updates<T: SenderTransport + LoanSlots>(
+    sender: &mut Sender<T>,
+    weights: &mut Arc<WeightSet>,
+    loaned: bool,
+    args: &BenchArgs,
+) -> BoxResult<Times> {
+    let mut t = Times::default();
+    for i in 0..args.warmup + args.iters {
+        bump(weights)?;
+        let update = if loaned {
+            let far = Instant::now() + WAIT;
+            let mut lent = sender.transport_mut().loan_slot(weights, far)?;
+            let start = Instant::now();
+            lent.bytes_mut()?.copy_from_slice(weights.bytes());
+            if i >= args.warmup {
+                t.fill.push(start.elapsed());
+            }
+            Arc::new(lent)
+        } else {
+            Arc::clone(weights)
+        };
+        let t0 = Instant::now();
+        let pending = sender.publish_shared(vec![update])?;
+        let t1 = Instant::now();
+        sender.wait(&pending, WAIT)?;
+        let t2 = Instant::now();
+        if i >= args.warmup {
+            t.write.push(t1 - t0);
+            t.acks.push(t2 - t1);
+            t.e2e.push(t2 - t0);
+        }
+    }
+    Ok(t)
+}
+
+/// Transports that can lend a slot to fill in place.
+trait LoanSlots {
+    fn loan_slot(&mut self, weights: &WeightSet, deadline: Instant) -> BoxResult<WeightSet>;
+}
+
+impl LoanSlots for ShmSender {
+    fn loan_slot(&mut self, weights: &WeightSet, deadline: Instant) -> BoxResult<WeightSet> {
+        Ok(self.loan(weights.model(), weights.version(), deadline)?)
+    }
+}
+
+impl LoanSlots for TcpSender {
+    fn loan_slot(&mut self, _: &WeightSet, _: Instant) -> BoxResult<WeightSet> {
+        Err("the tcp transport does not lend slots".into())
+    }
+}
+
+/// TCP with `n` receiver processes pulling full versions over parallel streams.
+fn bench_tcp(
+    weights: &mut Arc<WeightSet>,
+    n: usize,
+    args: &BenchArgs,
+    base: &Baselines,
+) -> BoxResult<Vec<Row>> {
+    let size = weights.manifest().total_len();
+    let manifests = Manifests::new([(weights.model().clone(), Arc::clone(weights.manifest()))])?;
+    let config = TcpConfig {
+        expected_receivers: n,
+        token: Some(ClusterToken::random()),
+        ..TcpConfig::default()
+    };
+    let transport = TcpSender::bind(config, &manifests)?;
+    let token = wire::to_token(&transport.receiver_spec())?;
+    let children = (0..n)
+        .map(|_| spawn_child(&["tcp-recv", &token]))
+        .collect::<BoxResult<Vec<_>>>()?;
+    let mut sender = SenderInit::new(transport, manifests)
+        .with_ack_timeout(WAIT)
+        .connect(vec![(**weights).clone()], WAIT)?;
+    let times = timed_updates(&mut sender, weights, false, args)?;
+    sender.transport_mut().shutdown()?;
+    drop(sender);
+    for mut c in children {
+        if !c.wait()?.success() {
+            return Err("a tcp receiver process failed".into());
+        }
+    }
+    Ok(times.rows("tcp (full, 4 streams)", size, n, ("tcp-loopback", base.tcp)))
+}
+
+/// A benchmark receiver: applies every update until the sender leaves.
+fn drain<T: refit::runtime::ReceiverTransport>(mut r: Receiver<T>) -> BoxResult<()> {
+    loop {
+        match r.receive(WAIT) {
+            Ok(Some(_)) => {}
+            Ok(None) => return Err("no update within the deadline".into()),
+            Err(Error::PeerGone { .. }) => return Ok(()),
+            Err(e) => return Err(e.into()),
+        }
     }
 }
