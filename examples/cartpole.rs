@@ -1,25 +1,33 @@
-//! PPO on CartPole: one trainer, several collector workers fed with weights through a refit
-//! scheme (in-process transport), until the mean return of the last 20 episodes reaches 475.
+//! PPO on CartPole: one trainer and several collector workers, until the mean return of the
+//! last 20 episodes reaches 475. By default the workers are separate processes (this program
+//! re-run as `worker`) fed with weights through shared memory; `--threads` runs them as
+//! threads over the in-process transport, `--async` as asynchronous threads.
 //!
 //! ```text
 //! cargo run --release --example cartpole -- [--workers 2] [--envs 4] [--frames-per-batch 2048]
-//!     [--async] [--seed 0] [--max-seconds 60] [--target 475]
+//!     [--threads | --async] [--seed 0] [--max-seconds 60] [--target 475]
 //! ```
 
 use std::collections::VecDeque;
+use std::process::Command;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use indicatif::{ProgressBar, ProgressStyle};
+use refit_actors::process::{ProcessConfig, ProcessSyncCollector, serve_worker};
 use refit_actors::{
     Batch, CartPole, Collector, MlpPolicy, MultiAsyncCollector, MultiConfig, MultiSyncCollector,
     PpoConfig, PpoTrainer, UpdatePolicyWeights,
 };
+use refit_runtime::{Manifests, ReceiverInit, wire};
+use refit_transports::shm::{ShmConfig, ShmReceiver, ShmReceiverSpec, ShmSender};
 
 struct Args {
     workers: usize,
     envs: usize,
     frames_per_batch: usize,
     asynchronous: bool,
+    threads: bool,
     seed: u64,
     max_seconds: f64,
     target: f64,
@@ -32,6 +40,7 @@ fn parse_args() -> Result<Args, String> {
         envs: 4,
         frames_per_batch: 2048,
         asynchronous: false,
+        threads: false,
         seed: 0,
         max_seconds: 60.0,
         target: 475.0,
@@ -54,6 +63,7 @@ fn parse_args() -> Result<Args, String> {
                     .map_err(|e| bad("--frames-per-batch", &e))?
             }
             "--async" => a.asynchronous = true,
+            "--threads" => a.threads = true,
             "--seed" => a.seed = value("--seed")?.parse().map_err(|e| bad("--seed", &e))?,
             "--max-seconds" => {
                 a.max_seconds = value("--max-seconds")?
@@ -173,7 +183,43 @@ where
     Ok(out)
 }
 
+/// The collector of worker `w`: the same in a thread or in a worker process.
+fn worker_collector(
+    w: usize,
+    envs: usize,
+    per_worker: usize,
+    seed: u64,
+) -> refit_actors::Result<Collector<CartPole, MlpPolicy>> {
+    let envs = (0..envs)
+        .map(|i| CartPole::new(seed * 1000 + (w * envs + i) as u64).with_index(i))
+        .collect();
+    Collector::builder(envs, MlpPolicy::cartpole()?)
+        .frames_per_batch(per_worker)
+        .seed(seed.wrapping_mul(7919).wrapping_add(w as u64))
+        .build()
+}
+
+// ANCHOR: process_worker
+/// `cartpole worker W TOKEN ENVS FRAMES SEED`: a collector worker process. Its stdout carries
+/// batches to the trainer; weights arrive through shared memory.
+fn run_worker_process(args: &[String]) -> Result<(), Box<dyn std::error::Error>> {
+    let [w, token, envs, frames, seed] = args else {
+        return Err("usage: cartpole worker W TOKEN ENVS FRAMES SEED".into());
+    };
+    let w: usize = w.parse()?;
+    let spec: ShmReceiverSpec = wire::from_token(token)?;
+    let collector = worker_collector(w, envs.parse()?, frames.parse()?, seed.parse()?)?;
+    let receiver = ReceiverInit::new(ShmReceiver::new(spec), None);
+    serve_worker(collector, w, receiver, Duration::from_secs(30))?;
+    Ok(())
+}
+// ANCHOR_END: process_worker
+
 fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let argv: Vec<String> = std::env::args().collect();
+    if argv.get(1).map(String::as_str) == Some("worker") {
+        return run_worker_process(&argv[2..]);
+    }
     if std::env::var_os("RAYON_NUM_THREADS").is_none() {
         // candle sizes its matmul fan-out from this variable (not from the current rayon
         // pool); on a 4-64-64-2 network, splitting a matmul costs more than it saves, and
@@ -195,22 +241,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         seed: args.seed,
         ..PpoConfig::default()
     })?;
-    // ANCHOR: workers
-    let hub = refit_transports::inproc::InProc::new();
     let per_worker = args.frames_per_batch / args.workers;
-    let mut workers = Vec::new();
-    for w in 0..args.workers {
-        let envs = (0..args.envs)
-            .map(|i| CartPole::new(args.seed * 1000 + (w * args.envs + i) as u64).with_index(i))
-            .collect();
-        let c = Collector::builder(envs, MlpPolicy::cartpole()?)
-            .frames_per_batch(per_worker)
-            .seed(args.seed.wrapping_mul(7919).wrapping_add(w as u64))
-            .build()?;
-        workers.push((c, hub.receiver()));
-    }
     let initial = vec![trainer.export()?];
-    // ANCHOR_END: workers
     let config = MultiConfig::default();
     println!(
         "cartpole: {} workers x {} envs, {} frames per {}, ppo lr {} epochs {} minibatch {}",
@@ -218,15 +250,50 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         args.envs,
         per_worker * args.workers,
         if args.asynchronous {
-            "worker batch (async)"
+            "worker batch (async threads, in-process weights)"
+        } else if args.threads {
+            "batch (sync threads, in-process weights)"
         } else {
-            "batch (sync)"
+            "batch (sync worker processes, shared-memory weights)"
         },
         trainer.config().lr,
         trainer.config().epochs,
         trainer.config().minibatch
     );
-    let out = if args.asynchronous {
+    let hub = refit_transports::inproc::InProc::new();
+    let mut workers = Vec::new();
+    if args.threads || args.asynchronous {
+        for w in 0..args.workers {
+            let c = worker_collector(w, args.envs, per_worker, args.seed)?;
+            workers.push((c, hub.receiver()));
+        }
+    }
+    let out = if !args.threads && !args.asynchronous {
+        // ANCHOR: processes
+        let manifests = Manifests::new([(
+            initial[0].model().clone(),
+            Arc::clone(initial[0].manifest()),
+        )])?;
+        let shm = ShmConfig {
+            expected_receivers: args.workers,
+            ..ShmConfig::default()
+        };
+        let sender = ShmSender::create(&shm, &manifests)?;
+        let token = wire::to_token(&sender.receiver_spec())?;
+        let exe = std::env::current_exe()?;
+        let commands = (0..args.workers)
+            .map(|w| {
+                let mut c = Command::new(&exe);
+                c.arg("worker").arg(w.to_string()).arg(&token);
+                c.arg(args.envs.to_string()).arg(per_worker.to_string());
+                c.arg(args.seed.to_string());
+                c
+            })
+            .collect();
+        let c = ProcessSyncCollector::spawn(sender, commands, initial, ProcessConfig::default())?;
+        // ANCHOR_END: processes
+        train(c, &mut trainer, &args, start)?
+    } else if args.asynchronous {
         let c = MultiAsyncCollector::spawn(hub.sender()?, workers, initial, config)?;
         train(c, &mut trainer, &args, start)?
     } else {

@@ -8,11 +8,12 @@ use std::time::Duration;
 use rand::Rng;
 use rand::rngs::SmallRng;
 use refit_runtime::Version;
+use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
 
 /// One environment step, with the collector's bookkeeping.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Transition {
     /// Observation the policy acted on.
     pub obs: Vec<f32>,
@@ -49,7 +50,7 @@ impl Transition {
 }
 
 /// An episode that ended during a batch.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct EpisodeStats {
     /// Its trajectory id, when tracked.
     pub traj_id: Option<u64>,
@@ -66,7 +67,7 @@ pub struct EpisodeStats {
 }
 
 /// One trajectory's place in a batch whose transitions were grouped by `split_trajs`.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct TrajSpan {
     /// The trajectory id.
     pub traj_id: u64,
@@ -80,7 +81,7 @@ pub struct TrajSpan {
 /// env0, ..`); with `split_trajs` they are regrouped so each trajectory is contiguous and
 /// `trajectories` lists the spans. With direct replay-buffer writes `transitions` is empty
 /// and `frames` still counts what was written.
-#[derive(Clone, Debug, Default)]
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
 pub struct Batch {
     /// The transitions (empty with direct replay-buffer writes).
     pub transitions: Vec<Transition>,
@@ -172,6 +173,11 @@ impl TrajPool {
     /// A pool whose first id is 0.
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// A pool whose first id is `start` (worker processes each draw from their own block).
+    pub fn starting_at(start: u64) -> Self {
+        Self(Arc::new(AtomicU64::new(start)))
     }
 
     /// A fresh id.

@@ -20,6 +20,7 @@ pub mod error;
 pub mod multi;
 pub mod policy;
 pub mod ppo;
+pub mod process;
 
 pub use batch::{Batch, EpisodeStats, ReplayBuffer, RingBuffer, TrajPool, TrajSpan, Transition};
 pub use collector::{
