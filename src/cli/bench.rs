@@ -430,20 +430,15 @@ fn bench_shm(
         ShmReadMode::Copy => "shm-copy",
         ShmReadMode::ZeroCopy => "shm-zero",
     };
-    let children = (0..n)
-        .map(|_| spawn_child(&[role, &token]))
-        .collect::<BoxResult<Vec<_>>>()?;
-    let mut sender = SenderInit::new(transport, manifests)
-        .with_ack_timeout(WAIT)
-        .connect(vec![(**weights).clone()], WAIT)?;
-    let times = timed_updates(&mut sender, weights, loaned, args)?;
-    sender.transport_mut().shutdown()?;
-    drop(sender);
-    for mut c in children {
-        if !c.wait()?.success() {
-            return Err("a shm receiver process failed".into());
-        }
-    }
+    let times = with_receiver_processes(
+        transport,
+        manifests,
+        &[role, &token],
+        n,
+        weights,
+        loaned,
+        args,
+    )?;
     let name = match (mode, loaned) {
         (_, true) => "shm (loaned)",
         (ShmReadMode::Copy, _) => "shm (copy)",
@@ -628,20 +623,15 @@ fn bench_tcp(
     };
     let transport = TcpSender::bind(config, &manifests)?;
     let token = wire::to_token(&transport.receiver_spec())?;
-    let children = (0..n)
-        .map(|_| spawn_child(&["tcp-recv", &token]))
-        .collect::<BoxResult<Vec<_>>>()?;
-    let mut sender = SenderInit::new(transport, manifests)
-        .with_ack_timeout(WAIT)
-        .connect(vec![(**weights).clone()], WAIT)?;
-    let times = timed_updates(&mut sender, weights, false, args)?;
-    sender.transport_mut().shutdown()?;
-    drop(sender);
-    for mut c in children {
-        if !c.wait()?.success() {
-            return Err("a tcp receiver process failed".into());
-        }
-    }
+    let times = with_receiver_processes(
+        transport,
+        manifests,
+        &["tcp-recv", &token],
+        n,
+        weights,
+        false,
+        args,
+    )?;
     Ok(times.rows("tcp (full, 4 streams)", size, n, ("tcp-loopback", base.tcp)))
 }
 
@@ -655,4 +645,32 @@ fn drain<T: refit::runtime::ReceiverTransport>(mut r: Receiver<T>) -> BoxResult<
             Err(e) => return Err(e.into()),
         }
     }
+}
+
+/// Starts `n` receiver processes (`child` arguments), connects the scheme, times the updates,
+/// shuts the sender down (receivers see it leave and exit) and checks every process succeeded.
+fn with_receiver_processes<T: SenderTransport + LoanSlots>(
+    transport: T,
+    manifests: Manifests,
+    child: &[&str],
+    n: usize,
+    weights: &mut Arc<WeightSet>,
+    loaned: bool,
+    args: &BenchArgs,
+) -> BoxResult<Times> {
+    let children = (0..n)
+        .map(|_| spawn_child(child))
+        .collect::<BoxResult<Vec<_>>>()?;
+    let mut sender = SenderInit::new(transport, manifests)
+        .with_ack_timeout(WAIT)
+        .connect(vec![(**weights).clone()], WAIT)?;
+    let times = timed_updates(&mut sender, weights, loaned, args)?;
+    sender.transport_mut().shutdown()?;
+    drop(sender);
+    for mut c in children {
+        if !c.wait()?.success() {
+            return Err(format!("a {} receiver process failed", child[0]).into());
+        }
+    }
+    Ok(times)
 }
