@@ -53,12 +53,7 @@ pub async fn read_frame<R: AsyncRead + Unpin>(r: &mut R, max: usize) -> Result<O
             .await
             .map_err(|e| Error::io("reading a frame length", e))?;
         if n == 0 {
-            if got == 0 {
-                return Ok(None);
-            }
-            return Err(Error::Wire(
-                "truncated frame: the peer closed mid-length".into(),
-            ));
+            return closed_before_length(got);
         }
         got += n;
     }
@@ -120,12 +115,7 @@ pub fn read_frame_blocking<R: Read>(r: &mut R, max: usize) -> Result<Option<Vec<
             Err(e) => return Err(Error::io("reading a frame length", e)),
         };
         if n == 0 {
-            if got == 0 {
-                return Ok(None);
-            }
-            return Err(Error::Wire(
-                "truncated frame: the peer closed mid-length".into(),
-            ));
+            return closed_before_length(got);
         }
         got += n;
     }
@@ -167,6 +157,17 @@ pub fn recv_blocking<T: DeserializeOwned, R: Read>(r: &mut R, max: usize) -> Res
 /// As [`write_frame`].
 pub fn send_blocking<T: Serialize, W: Write>(w: &mut W, msg: &T) -> Result<()> {
     write_frame_blocking(w, &wire::encode(msg)?)
+}
+
+/// The peer closed while `got` bytes of a length prefix had arrived: a clean end between
+/// frames when none had, a truncated frame otherwise.
+fn closed_before_length(got: usize) -> Result<Option<Vec<u8>>> {
+    if got == 0 {
+        return Ok(None);
+    }
+    Err(Error::Wire(
+        "truncated frame: the peer closed mid-length".into(),
+    ))
 }
 
 #[cfg(test)]
