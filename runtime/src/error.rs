@@ -258,6 +258,12 @@ pub enum Error {
         /// What is wrong with it.
         reason: String,
     },
+    /// A configuration that cannot be used (unknown key, bad value), naming the key.
+    #[error("invalid configuration: {0}")]
+    Config(String),
+    /// A sync-policy rule was broken (barrier rounds, notification order).
+    #[error("sync policy: {0}")]
+    Sync(String),
     /// A transport-specific failure.
     #[error("{transport} transport: {message}")]
     Transport {

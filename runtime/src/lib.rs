@@ -12,6 +12,8 @@
 //!   assembler), [`layout`] (rename, fuse, split, transpose), [`cast`] (bf16, f16, fp8 with
 //!   scales), [`delta`] (changed tensors or blocks only), [`sharded`] (ranks write one
 //!   double-buffered arena).
+//! - [`sync_policy`]: when weights move — sync modes, the rollout status check, the
+//!   staleness filter, validation cadence and the multi-model version barrier, as plain code.
 //! - [`node`]: processes that host handlers on TCP: remote calls with deadlines, streams,
 //!   a rendezvous store, launch variables, the cluster token.
 #![warn(missing_docs, unreachable_pub, missing_debug_implementations)]
@@ -30,6 +32,7 @@ pub mod protocol;
 mod safetensors_io;
 pub mod scheme;
 pub mod sharded;
+pub mod sync_policy;
 pub mod strategy;
 #[doc(hidden)]
 pub mod strategy_bench;
@@ -52,5 +55,8 @@ pub use scheme::{
     SenderTransport, Served, Snapshot, Update,
 };
 pub use sharded::ShardedBuffer;
+pub use sync_policy::{
+    Decision, StalenessFilter, SyncConfig, SyncMode, SyncOrder, SyncPolicy, VersionBarrier,
+};
 pub use strategy::{ArenaStrategy, HasWeights, Strategy, extract_new};
 pub use weights::{SharedBytes, TensorView, WeightSet};
