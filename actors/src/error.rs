@@ -74,6 +74,13 @@ pub enum Error {
     /// An actor could not be reached or stopped (mailbox closed, timed out).
     #[error("actor: {0}")]
     Actor(String),
+    /// A request of an episode that was cancelled (an eval step's leader cancels in-flight
+    /// episodes so that pause and load are not contended).
+    #[error("episode cancelled (engine generation is now {generation})")]
+    Cancelled {
+        /// The engine's generation after the cancellation.
+        generation: u64,
+    },
     /// A trainer input that cannot be trained on.
     #[error("trainer: {0}")]
     Trainer(String),

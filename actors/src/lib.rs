@@ -8,6 +8,10 @@
 //! - [`multi`]: [`MultiSyncCollector`] and [`MultiAsyncCollector`] on worker threads, fed with
 //!   weights through a refit scheme ([`run_worker`] is generic over the receiving transport;
 //!   `refit_transports::inproc` between threads).
+//! - [`actor`]: the actix actors — inference engine, weight-sync controller (sync modes,
+//!   staleness, validation cadence, multi-model version barrier), rollout workers,
+//!   trajectory pool, evaluator, trainer — and [`actor::topology::run`], a training run.
+//! - [`link`]: type-erased scheme ends ([`WeightInlet`], [`WeightOutlet`]) for actors.
 //! - [`ppo`]: [`PpoTrainer`], PPO with candle on CPU, exporting the [`MlpPolicy`] layout.
 #![warn(missing_docs, unreachable_pub, missing_debug_implementations)]
 
@@ -17,6 +21,7 @@ pub mod collector;
 pub mod device;
 pub mod env;
 pub mod error;
+pub mod link;
 pub mod multi;
 pub mod policy;
 pub mod ppo;
@@ -30,6 +35,7 @@ pub use collector::{
 pub use device::Device;
 pub use env::{CartPole, Env, StepResult};
 pub use error::{Error, Result};
+pub use link::{WeightInlet, WeightOutlet};
 pub use multi::{
     MultiAsyncCollector, MultiConfig, MultiSyncCollector, WorkerCommand, WorkerLink, WorkerMessage,
     WorkerMode, run_worker,

@@ -1,14 +1,11 @@
-//! The actix actors with real weights: pause, load, continue; refusals keep the served
-//! version; the controller moves a version to every target.
+//! The inference engine with real weights: pause, load, continue; refusals keep the served
+//! version. (The controller's tests are in `controller.rs`.)
 #![allow(clippy::unwrap_used, missing_docs)]
 
 use std::sync::Arc;
 use std::time::Duration;
 
-use refit_actors::actor::{
-    Act, Continue, InferenceEngine, LoadWeights, Pause, Publish, ServedVersion, Versions,
-    WeightSyncController,
-};
+use refit_actors::actor::{Act, Continue, InferenceEngine, LoadWeights, Pause, ServedVersion};
 use refit_actors::{MlpPolicy, policy_model_id};
 use refit_runtime::{DType, Manifest, Version, WeightSet};
 
@@ -24,7 +21,7 @@ fn weights(version: u64, fill: f32) -> Arc<WeightSet> {
 
 #[actix_rt::test]
 async fn engine_pauses_loads_and_continues() {
-    let engine = actix::Actor::start(InferenceEngine::new(MlpPolicy::new(&[4, 8, 2]).unwrap(), 7));
+    let engine = actix::Actor::start(InferenceEngine::new(MlpPolicy::new(&[4, 8, 2]).unwrap(), 7).unwrap());
     let obs = vec![0.1, -0.2, 0.3, 0.0];
     let first = engine
         .send(Act { obs: obs.clone() })
@@ -74,35 +71,4 @@ async fn engine_pauses_loads_and_continues() {
         .unwrap_err();
     assert!(err.to_string().contains("pi.0.weight"), "{err}");
     assert_eq!(engine.send(ServedVersion).await.unwrap(), Version(1));
-}
-
-#[actix_rt::test]
-async fn controller_moves_each_version_to_every_engine() {
-    let engines: Vec<_> = (0..3)
-        .map(|i| actix::Actor::start(InferenceEngine::new(MlpPolicy::new(&[4, 8, 2]).unwrap(), i)))
-        .collect();
-    let targets = engines.iter().map(|e| e.clone().recipient()).collect();
-    let ctl = actix::Actor::start(WeightSyncController::new(targets, Duration::from_secs(5)));
-    for v in 1..=5 {
-        let acked = ctl
-            .send(Publish {
-                weights: weights(v, v as f32 / 100.0),
-            })
-            .await
-            .unwrap()
-            .unwrap();
-        assert_eq!(acked, vec![Version(v); 3]);
-    }
-    assert!(
-        ctl.send(Publish {
-            weights: weights(3, 0.0)
-        })
-        .await
-        .unwrap()
-        .is_err()
-    );
-    assert_eq!(ctl.send(Versions).await.unwrap(), (Version(5), Version(5)));
-    for e in &engines {
-        assert_eq!(e.send(ServedVersion).await.unwrap(), Version(5));
-    }
 }

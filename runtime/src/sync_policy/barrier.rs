@@ -107,9 +107,13 @@ impl<W> VersionBarrier<W> {
             .collect()
     }
 
-    /// Removes one model's waiting arrival (its deadline passed).
-    pub fn withdraw(&mut self, model: &ModelId) -> Option<(Version, W)> {
-        self.pending.remove(model)
+    /// Removes one model's waiting arrival at `version` (its deadline passed); `None` when
+    /// that arrival was already released.
+    pub fn withdraw(&mut self, model: &ModelId, version: Version) -> Option<(Version, W)> {
+        if self.pending.get(model).is_some_and(|(v, _)| *v == version) {
+            return self.pending.remove(model);
+        }
+        None
     }
 
     /// The models still awaited in the current round, with the versions already recorded.

@@ -257,36 +257,50 @@ impl SyncPolicy {
         }))
     }
 
-    /// A load finished: every engine serves `model` at `served` (at least the ordered
-    /// version). Answers the next load when a newer version was queued meanwhile.
+    /// A load of `ordered` finished: every engine serves `model` at `served` (at least the
+    /// ordered version). Answers the next load when a newer version was queued meanwhile.
     ///
     /// # Errors
     /// [`Error::UnknownModel`].
-    pub fn sync_done(&mut self, model: &ModelId, served: Version) -> Result<Option<SyncOrder>> {
+    pub fn sync_done(&mut self, model: &ModelId, ordered: Version, served: Version) -> Result<Option<SyncOrder>> {
         let m = self.model_mut(model)?;
         m.rollout_version = m.rollout_version.max(served);
-        m.in_flight = None;
-        let next = match m.queued.take() {
-            Some(v) if v > m.rollout_version && m.deferred.is_none() => {
-                m.in_flight = Some(v);
-                Some(SyncOrder {
-                    model: model.clone(),
-                    version: v,
-                })
-            }
-            _ => None,
-        };
-        m.settle();
-        Ok(next)
+        if m.in_flight.is_some_and(|v| v <= m.rollout_version || v == ordered) {
+            m.in_flight = None;
+        }
+        Ok(Self::follow_up(model, m))
     }
 
-    /// A load failed: the previous version stays served. Answers a queued newer load, if any.
+    /// A load of `ordered` failed: the previous version stays served. Answers a queued newer
+    /// load, if any.
     ///
     /// # Errors
     /// [`Error::UnknownModel`].
-    pub fn sync_failed(&mut self, model: &ModelId) -> Result<Option<SyncOrder>> {
-        let served = self.model(model)?.rollout_version;
-        self.sync_done(model, served)
+    pub fn sync_failed(&mut self, model: &ModelId, ordered: Version) -> Result<Option<SyncOrder>> {
+        let m = self.model_mut(model)?;
+        if m.in_flight == Some(ordered) {
+            m.in_flight = None;
+        }
+        Ok(Self::follow_up(model, m))
+    }
+
+    fn follow_up(model: &ModelId, m: &mut ModelSync) -> Option<SyncOrder> {
+        let next = if m.in_flight.is_none() && m.deferred.is_none() {
+            match m.queued.take() {
+                Some(v) if v > m.rollout_version => {
+                    m.in_flight = Some(v);
+                    Some(SyncOrder {
+                        model: model.clone(),
+                        version: v,
+                    })
+                }
+                _ => None,
+            }
+        } else {
+            None
+        };
+        m.settle();
+        next
     }
 
     /// Pauses data acquisition for every model (eval steps, validation).
@@ -347,7 +361,7 @@ mod tests {
         assert_eq!(order.version, Version(1));
         assert_eq!(p.model(&m).unwrap().state, RolloutState::Syncing);
         assert!(!go(&p));
-        assert_eq!(p.sync_done(&m, Version(1)).unwrap(), None);
+        assert_eq!(p.sync_done(&m, Version(1), Version(1)).unwrap(), None);
         assert_eq!(p.model(&m).unwrap().state, RolloutState::Running);
         assert_eq!(p.check_rollout(&m).unwrap(), Decision::Continue { staleness: 0 });
     }
@@ -371,10 +385,10 @@ mod tests {
             })
         );
         // v1 lands: the queued v2 is the next load, staleness 1 lets rollouts go
-        let next = p.sync_done(&m, Version(1)).unwrap().unwrap();
+        let next = p.sync_done(&m, Version(1), Version(1)).unwrap().unwrap();
         assert_eq!(next.version, Version(2));
         assert!(go(&p));
-        assert_eq!(p.sync_done(&m, Version(2)).unwrap(), None);
+        assert_eq!(p.sync_done(&m, Version(2), Version(2)).unwrap(), None);
         assert_eq!(p.staleness(&m).unwrap(), 0);
     }
 
@@ -389,7 +403,7 @@ mod tests {
             assert!(go(&p));
         }
         // only the newest queued version is loaded next; 2..8 are skipped
-        assert_eq!(p.sync_done(&m, Version(1)).unwrap().unwrap().version, Version(9));
+        assert_eq!(p.sync_done(&m, Version(1), Version(1)).unwrap().unwrap().version, Version(9));
         assert!(go(&p));
     }
 
@@ -398,7 +412,7 @@ mod tests {
         let m = id("policy");
         let mut p = policy(SyncMode::FullyAsync, 1, 2);
         assert!(p.trainer_finished(&m, Version(1)).unwrap().is_some());
-        p.sync_done(&m, Version(1)).unwrap();
+        p.sync_done(&m, Version(1), Version(1)).unwrap();
         assert_eq!(p.trainer_finished(&m, Version(2)).unwrap(), None, "eval step is deferred");
         assert_eq!(p.model(&m).unwrap().state, RolloutState::NeedSync);
         p.pause_acquisition();
@@ -406,7 +420,7 @@ mod tests {
         let order = p.take_deferred(&m).unwrap().unwrap();
         assert_eq!(order.version, Version(2));
         assert_eq!(p.take_deferred(&m).unwrap(), None);
-        p.sync_done(&m, Version(2)).unwrap();
+        p.sync_done(&m, Version(2), Version(2)).unwrap();
         assert!(!go(&p), "paused until validation ends");
         p.end_validate();
         assert!(go(&p));
@@ -424,7 +438,7 @@ mod tests {
             Err(Error::UnknownModel(_))
         ));
         // a failed load keeps the served version; sync mode stays blocked (still behind)
-        p.sync_failed(&m).unwrap();
+        p.sync_failed(&m, Version(3)).unwrap();
         assert_eq!(p.model(&m).unwrap().rollout_version, Version::ZERO);
         assert!(!go(&p));
         assert!(SyncPolicy::new(&SyncConfig::default(), []).is_err());

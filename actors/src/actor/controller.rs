@@ -1,0 +1,935 @@
+//! The weight-sync controller actor: carries out the decisions of
+//! [`SyncPolicy`](refit_runtime::SyncPolicy) and the [`VersionBarrier`].
+//!
+//! Trainers tell it when they finish a version ([`NotifyVersion`], best through a
+//! [`VersionNotifier`], which lets a trainer run one step ahead while keeping its
+//! notifications in order); the trajectory pool tells it when a batch is ready
+//! ([`BatchReady`]); rollout workers ask it before each fragment ([`AwaitRollout`]) and say
+//! when the fragment is over ([`RolloutDone`]). It orders loads on every engine
+//! ([`UpdateModel`]) and, on eval steps, the barrier's leader pauses data acquisition,
+//! cancels in-flight episodes, loads every model in sorted order, runs the evaluator,
+//! checks that every model was evaluated at the round's version, resumes and wakes the
+//! other trainers.
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use actix::prelude::*;
+use refit_runtime::sync_policy::{
+    BlockReason, Decision, LeaderStep, SyncConfig, SyncOrder, SyncPolicy, VersionBarrier,
+    leader_sequence,
+};
+use refit_runtime::{ModelId, Version};
+use tokio::sync::oneshot;
+
+use crate::error::{Error, Result};
+
+use super::engine::{CancelInFlight, EngineHandle, UpdateModel};
+use super::eval::{EvalReport, RunEval};
+
+/// The rollout status check: `continue` or `block`, answered at once.
+#[derive(Debug, Message)]
+#[rtype(result = "Result<Decision>")]
+pub struct CheckRollout {
+    /// The model the rollout uses.
+    pub model: ModelId,
+}
+
+/// The status check that waits: answers when the rollout may run (or fails at the
+/// configured `rollout_wait_s` deadline, saying why it was blocked).
+#[derive(Debug, Message)]
+#[rtype(result = "Result<Admission>")]
+pub struct AwaitRollout {
+    /// The model the rollout uses.
+    pub model: ModelId,
+}
+
+/// Why a rollout was let through, and when.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Admission {
+    /// The controller's event number of the admission (orders it against sync events).
+    pub seq: u64,
+    /// The trainer's version at admission.
+    pub train_version: Version,
+    /// The version every engine served at admission.
+    pub rollout_version: Version,
+    /// `train_version - rollout_version` at admission.
+    pub staleness: u64,
+    /// How long the check waited.
+    pub waited: Duration,
+}
+
+/// A rollout admitted by [`AwaitRollout`] is over (its fragment is in the pool, or it was
+/// cancelled).
+#[derive(Debug, Message)]
+#[rtype(result = "()")]
+pub struct RolloutDone {
+    /// The model.
+    pub model: ModelId,
+}
+
+/// Waits until no admitted rollout of `model` is running (`sync` mode gathers every
+/// on-policy fragment before training).
+#[derive(Debug, Message)]
+#[rtype(result = "Result<()>")]
+pub struct AwaitDrained {
+    /// The model.
+    pub model: ModelId,
+}
+
+/// Waits until every engine serves `model` at `version` or newer (a run's last version, or
+/// a test's sync point). Fails at the load deadline, with the last load error.
+#[derive(Debug, Message)]
+#[rtype(result = "Result<Version>")]
+pub struct AwaitSynced {
+    /// The model.
+    pub model: ModelId,
+    /// The least version.
+    pub version: Version,
+}
+
+/// The trajectory pool has a batch ready for `model`.
+#[derive(Debug, Message)]
+#[rtype(result = "()")]
+pub struct BatchReady {
+    /// The model.
+    pub model: ModelId,
+}
+
+/// `model`'s trainer finished `version` and published it. Answers once the version
+/// barrier released the round (and, on eval steps, once validation ran).
+#[derive(Debug, Message)]
+#[rtype(result = "Result<NotifyOutcome>")]
+pub struct NotifyVersion {
+    /// The model.
+    pub model: ModelId,
+    /// The version the trainer published.
+    pub version: Version,
+}
+
+/// The answer to [`NotifyVersion`].
+#[derive(Debug, Clone, PartialEq)]
+pub struct NotifyOutcome {
+    /// The round's version.
+    pub version: Version,
+    /// True for the trainer whose arrival completed the round.
+    pub leader: bool,
+    /// The validation of an eval step (every model at `version`).
+    pub eval: Option<EvalReport>,
+}
+
+/// Ends a validation run by hand (when no evaluator is registered): data acquisition
+/// resumes.
+#[derive(Debug, Message)]
+#[rtype(result = "()")]
+pub struct EndValidate;
+
+/// Asks for the controller's state and timeline.
+#[derive(Debug, Message)]
+#[rtype(result = "ControllerStatus")]
+pub struct GetStatus;
+
+/// One model as the controller sees it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ModelStatus {
+    /// The trainer's newest version.
+    pub train_version: Version,
+    /// The version every engine serves.
+    pub rollout_version: Version,
+    /// `running`, `need_sync` or `syncing`.
+    pub state: &'static str,
+    /// Rollouts admitted.
+    pub admissions: u64,
+    /// Admissions that had to wait.
+    pub blocked: u64,
+    /// Total waiting time of admissions.
+    pub waited: Duration,
+    /// Largest staleness at admission.
+    pub max_staleness: u64,
+    /// Loads completed.
+    pub loads: u64,
+    /// Loads that failed (the previous version stayed served).
+    pub failed_loads: u64,
+    /// The last load error.
+    pub last_error: Option<String>,
+}
+
+/// The controller's state and its event timeline.
+#[derive(Debug, Clone)]
+pub struct ControllerStatus {
+    /// Per model.
+    pub models: BTreeMap<ModelId, ModelStatus>,
+    /// True while data acquisition is paused.
+    pub acquisition_paused: bool,
+    /// Eval steps completed.
+    pub evals: u64,
+    /// Every event, in order (capped at the newest 100 000).
+    pub events: Vec<SyncEvent>,
+}
+
+/// One entry of the controller's timeline.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SyncEvent {
+    /// Event number (strictly increasing).
+    pub seq: u64,
+    /// Time since the controller started.
+    pub at: Duration,
+    /// The model it concerns, if one.
+    pub model: Option<ModelId>,
+    /// What happened.
+    pub kind: SyncEventKind,
+}
+
+/// What happened.
+#[derive(Debug, Clone, PartialEq)]
+pub enum SyncEventKind {
+    /// A batch is ready.
+    BatchReady,
+    /// The trainer finished a version.
+    TrainerFinished(Version),
+    /// A load was ordered on every engine.
+    LoadStarted(Version),
+    /// Every engine serves this version: the sync point.
+    Landed(Version),
+    /// A load failed.
+    LoadFailed(Version, String),
+    /// A rollout was admitted.
+    Admitted(Admission),
+    /// A rollout status check answered `block`.
+    Blocked(BlockReason),
+    /// A trainer arrived at the barrier.
+    Arrived(Version),
+    /// A barrier round completed; its leader runs the round.
+    Leader {
+        /// The round's version.
+        version: Version,
+        /// Whether it is an eval step.
+        eval: bool,
+    },
+    /// A step of the leader's eval sequence began.
+    Step(LeaderStep),
+    /// Validation finished.
+    Evaluated(Version),
+    /// Every trainer of the round was released.
+    Released(Version),
+}
+
+type NotifyTx = oneshot::Sender<Result<NotifyOutcome>>;
+
+struct Blocked {
+    id: u64,
+    model: ModelId,
+    since: Instant,
+    reason: BlockReason,
+    tx: oneshot::Sender<Result<Admission>>,
+}
+
+#[derive(Default, Clone)]
+struct Counters {
+    admissions: u64,
+    blocked: u64,
+    waited: Duration,
+    max_staleness: u64,
+    loads: u64,
+    failed_loads: u64,
+    last_error: Option<String>,
+    in_flight: u64,
+}
+
+const MAX_EVENTS: usize = 100_000;
+
+/// Decides when weights move, and carries it out.
+pub struct WeightSyncController {
+    policy: SyncPolicy,
+    barrier: VersionBarrier<NotifyTx>,
+    engines: Vec<EngineHandle>,
+    evaluator: Option<Recipient<RunEval>>,
+    blocked: Vec<Blocked>,
+    drains: Vec<(ModelId, oneshot::Sender<Result<()>>)>,
+    synced: Vec<(ModelId, Version, oneshot::Sender<Result<Version>>)>,
+    counters: BTreeMap<ModelId, Counters>,
+    events: std::collections::VecDeque<SyncEvent>,
+    seq: u64,
+    next_id: u64,
+    evals: u64,
+    started: Instant,
+}
+
+impl std::fmt::Debug for WeightSyncController {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("WeightSyncController")
+            .field("mode", &self.policy.config().sync_mode)
+            .field("engines", &self.engines.len())
+            .field("seq", &self.seq)
+            .finish()
+    }
+}
+
+impl WeightSyncController {
+    /// A controller for the models of `cfg` (or `models` when the configuration lists
+    /// none), loading on `engines`, validating with `evaluator` on eval steps.
+    ///
+    /// # Errors
+    /// [`Error::Config`] for no model, no engine, or a configuration that fails its checks.
+    pub fn new(
+        cfg: &SyncConfig,
+        models: Vec<ModelId>,
+        engines: Vec<EngineHandle>,
+        evaluator: Option<Recipient<RunEval>>,
+    ) -> Result<Self> {
+        let models = if cfg.models.is_empty() {
+            models
+        } else {
+            cfg.models.clone()
+        };
+        if engines.is_empty() {
+            return Err(Error::Config("a controller needs at least one engine".into()));
+        }
+        let policy = SyncPolicy::new(cfg, models.iter().cloned())?;
+        let barrier = VersionBarrier::new(models.iter().cloned())?;
+        let counters = models.iter().map(|m| (m.clone(), Counters::default())).collect();
+        Ok(Self {
+            policy,
+            barrier,
+            engines,
+            evaluator,
+            blocked: Vec::new(),
+            drains: Vec::new(),
+            synced: Vec::new(),
+            counters,
+            events: std::collections::VecDeque::new(),
+            seq: 0,
+            next_id: 0,
+            evals: 0,
+            started: Instant::now(),
+        })
+    }
+
+    fn event(&mut self, model: Option<&ModelId>, kind: SyncEventKind) -> u64 {
+        self.seq += 1;
+        if self.events.len() == MAX_EVENTS {
+            self.events.pop_front();
+        }
+        self.events.push_back(SyncEvent {
+            seq: self.seq,
+            at: self.started.elapsed(),
+            model: model.cloned(),
+            kind,
+        });
+        self.seq
+    }
+
+    fn counters(&mut self, model: &ModelId) -> &mut Counters {
+        self.counters.entry(model.clone()).or_default()
+    }
+
+    fn admit(&mut self, model: &ModelId, waited: Duration) -> Result<Admission> {
+        let m = self.policy.model(model)?;
+        let (train_version, rollout_version) = (m.train_version, m.rollout_version);
+        let staleness = train_version.0.saturating_sub(rollout_version.0);
+        let mut admission = Admission {
+            seq: 0,
+            train_version,
+            rollout_version,
+            staleness,
+            waited,
+        };
+        admission.seq = self.event(Some(model), SyncEventKind::Admitted(admission));
+        let c = self.counters(model);
+        c.admissions += 1;
+        c.in_flight += 1;
+        c.waited += waited;
+        c.blocked += u64::from(!waited.is_zero());
+        c.max_staleness = c.max_staleness.max(staleness);
+        Ok(admission)
+    }
+
+    /// Lets through every blocked rollout the policy now allows.
+    fn wake(&mut self) {
+        let blocked = std::mem::take(&mut self.blocked);
+        for b in blocked {
+            match self.policy.check_rollout(&b.model) {
+                Ok(Decision::Continue { .. }) => {
+                    let waited = b.since.elapsed().max(Duration::from_nanos(1));
+                    let r = self.admit(&b.model, waited);
+                    if let Err(Ok(_)) = b.tx.send(r) {
+                        // the worker is gone: its admission will never finish
+                        self.rollout_done(&b.model);
+                    }
+                }
+                Ok(Decision::Block(_)) => self.blocked.push(b),
+                Err(e) => {
+                    let _ = b.tx.send(Err(e.into()));
+                }
+            }
+        }
+    }
+
+    fn rollout_done(&mut self, model: &ModelId) {
+        let c = self.counters(model);
+        c.in_flight = c.in_flight.saturating_sub(1);
+        if c.in_flight == 0 {
+            let drains = std::mem::take(&mut self.drains);
+            for (m, tx) in drains {
+                if &m == model {
+                    let _ = tx.send(Ok(()));
+                } else {
+                    self.drains.push((m, tx));
+                }
+            }
+        }
+    }
+
+    fn start_load(&mut self, order: SyncOrder, ctx: &mut Context<Self>) {
+        self.event(Some(&order.model), SyncEventKind::LoadStarted(order.version));
+        let load = load_everywhere(
+            self.engines.clone(),
+            order.clone(),
+            self.policy.config().timeouts.load(),
+        );
+        ctx.spawn(load.into_actor(self).map(move |result, act, ctx| {
+            act.load_finished(&order, result, ctx);
+        }));
+    }
+
+    fn load_finished(
+        &mut self,
+        order: &SyncOrder,
+        result: Result<Version>,
+        ctx: &mut Context<Self>,
+    ) {
+        let next = match result {
+            Ok(served) => {
+                self.event(Some(&order.model), SyncEventKind::Landed(served));
+                self.counters(&order.model).loads += 1;
+                self.policy.sync_done(&order.model, order.version, served)
+            }
+            Err(e) => {
+                let msg = e.to_string();
+                tracing::error!(model = %order.model, version = %order.version, "load failed: {msg}");
+                self.event(
+                    Some(&order.model),
+                    SyncEventKind::LoadFailed(order.version, msg.clone()),
+                );
+                let c = self.counters(&order.model);
+                c.failed_loads += 1;
+                c.last_error = Some(msg);
+                self.policy.sync_failed(&order.model, order.version)
+            }
+        };
+        match next {
+            Ok(Some(next)) => self.start_load(next, ctx),
+            Ok(None) => {}
+            Err(e) => tracing::error!("sync policy: {e}"),
+        }
+        self.wake();
+        self.wake_synced();
+    }
+
+    fn wake_synced(&mut self) {
+        let waiting = std::mem::take(&mut self.synced);
+        for (m, v, tx) in waiting {
+            match self.policy.model(&m) {
+                Ok(s) if s.rollout_version >= v => {
+                    let _ = tx.send(Ok(s.rollout_version));
+                }
+                Ok(_) => self.synced.push((m, v, tx)),
+                Err(e) => {
+                    let _ = tx.send(Err(e.into()));
+                }
+            }
+        }
+    }
+
+    fn expire_blocked(&mut self, id: u64, timeout: Duration) {
+        if let Some(i) = self.blocked.iter().position(|b| b.id == id) {
+            let b = self.blocked.swap_remove(i);
+            let last = self
+                .counters
+                .get(&b.model)
+                .and_then(|c| c.last_error.clone())
+                .map(|e| format!("; last load error: {e}"))
+                .unwrap_or_default();
+            let _ = b.tx.send(Err(Error::Runtime(refit_runtime::Error::Timeout {
+                what: format!(
+                    "a rollout of model `{}` to be let through (blocked: {:?}){last}",
+                    b.model, b.reason
+                ),
+                after: timeout,
+            })));
+        }
+    }
+
+    /// The leader's eval-step sequence, run as a future that drives this actor through
+    /// messages to itself.
+    fn lead_eval(&mut self, version: Version, ctx: &mut Context<Self>) -> ResponseActFuture<Self, Result<Option<EvalReport>>> {
+        let me = ctx.address();
+        let engines = self.engines.clone();
+        let evaluator = self.evaluator.clone();
+        let steps = leader_sequence(self.policy.models(), true);
+        let timeouts = self.policy.config().timeouts.clone();
+        let run = async move {
+            let mut report = None;
+            for step in steps {
+                me.send(Internal::Step(step.clone()))
+                    .await
+                    .map_err(|e| Error::Actor(format!("controller: {e}")))??;
+                match step {
+                    LeaderStep::CancelInFlight => {
+                        for e in &engines {
+                            e.cancel
+                                .send(CancelInFlight)
+                                .timeout(timeouts.load())
+                                .await
+                                .map_err(|e| Error::Actor(format!("engine did not cancel: {e}")))?;
+                        }
+                    }
+                    LeaderStep::Load(model) => {
+                        let order = me
+                            .send(Internal::TakeDeferred(model.clone()))
+                            .await
+                            .map_err(|e| Error::Actor(format!("controller: {e}")))??;
+                        if let Some(order) = order {
+                            let r = load_everywhere(engines.clone(), order.clone(), timeouts.load()).await;
+                            let failed = r.as_ref().err().map(ToString::to_string);
+                            me.send(Internal::Loaded(order.clone(), r))
+                                .await
+                                .map_err(|e| Error::Actor(format!("controller: {e}")))??;
+                            if let Some(e) = failed {
+                                return Err(Error::Actor(format!(
+                                    "eval step v{version}: loading model `{}` failed: {e}",
+                                    order.model
+                                )));
+                            }
+                        }
+                    }
+                    LeaderStep::Eval => {
+                        let Some(ev) = &evaluator else { continue };
+                        let r = ev
+                            .send(RunEval { step: version })
+                            .timeout(timeouts.eval())
+                            .await
+                            .map_err(|e| Error::Actor(format!("evaluator: {e}")))??;
+                        r.check_versions(version)?;
+                        report = Some(r);
+                    }
+                    LeaderStep::ResumeAcquisition | LeaderStep::PauseAcquisition | LeaderStep::WakeAll => {}
+                }
+            }
+            Ok(report)
+        };
+        Box::pin(run.into_actor(self))
+    }
+}
+
+/// Sends one load to every engine at once and waits for all (latency is the slowest
+/// engine's, not the sum); answers the lowest version served.
+async fn load_everywhere(engines: Vec<EngineHandle>, order: SyncOrder, timeout: Duration) -> Result<Version> {
+    let requests: Vec<_> = engines
+        .iter()
+        .map(|e| {
+            e.update
+                .send(UpdateModel {
+                    model: order.model.clone(),
+                    version: order.version,
+                    timeout,
+                })
+                .timeout(timeout + Duration::from_secs(1))
+        })
+        .collect();
+    let mut served: Option<Version> = None;
+    for (i, r) in requests.into_iter().enumerate() {
+        let report = r
+            .await
+            .map_err(|e| Error::Actor(format!("engine {i} did not load model `{}` v{}: {e}", order.model, order.version)))??;
+        served = Some(served.map_or(report.version, |s| s.min(report.version)));
+    }
+    served.ok_or_else(|| Error::Config("no engine to load on".into()))
+}
+
+#[derive(Debug, Message)]
+#[rtype(result = "Result<Option<SyncOrder>>")]
+enum Internal {
+    Step(LeaderStep),
+    TakeDeferred(ModelId),
+    Loaded(SyncOrder, Result<Version>),
+}
+
+impl Actor for WeightSyncController {
+    type Context = Context<Self>;
+}
+
+impl Handler<Internal> for WeightSyncController {
+    type Result = Result<Option<SyncOrder>>;
+    fn handle(&mut self, msg: Internal, ctx: &mut Context<Self>) -> Self::Result {
+        match msg {
+            Internal::Step(step) => {
+                self.event(None, SyncEventKind::Step(step.clone()));
+                match step {
+                    LeaderStep::PauseAcquisition => self.policy.pause_acquisition(),
+                    LeaderStep::ResumeAcquisition if self.evaluator.is_some() => {
+                        self.policy.end_validate();
+                        self.wake();
+                    }
+                    _ => {}
+                }
+                Ok(None)
+            }
+            Internal::TakeDeferred(model) => {
+                let order = self.policy.take_deferred(&model)?;
+                if let Some(o) = &order {
+                    self.event(Some(&o.model), SyncEventKind::LoadStarted(o.version));
+                }
+                Ok(order)
+            }
+            Internal::Loaded(order, result) => {
+                self.load_finished(&order, result, ctx);
+                Ok(None)
+            }
+        }
+    }
+}
+
+impl Handler<CheckRollout> for WeightSyncController {
+    type Result = Result<Decision>;
+    fn handle(&mut self, msg: CheckRollout, _: &mut Context<Self>) -> Self::Result {
+        Ok(self.policy.check_rollout(&msg.model)?)
+    }
+}
+
+impl Handler<AwaitRollout> for WeightSyncController {
+    type Result = ResponseFuture<Result<Admission>>;
+    fn handle(&mut self, msg: AwaitRollout, ctx: &mut Context<Self>) -> Self::Result {
+        let decision = match self.policy.check_rollout(&msg.model) {
+            Ok(d) => d,
+            Err(e) => return Box::pin(async move { Err(e.into()) }),
+        };
+        match decision {
+            Decision::Continue { .. } => {
+                let r = self.admit(&msg.model, Duration::ZERO);
+                Box::pin(async move { r })
+            }
+            Decision::Block(reason) => {
+                self.event(Some(&msg.model), SyncEventKind::Blocked(reason));
+                let (tx, rx) = oneshot::channel();
+                let id = self.next_id;
+                self.next_id += 1;
+                self.blocked.push(Blocked {
+                    id,
+                    model: msg.model,
+                    since: Instant::now(),
+                    reason,
+                    tx,
+                });
+                let timeout = self.policy.config().timeouts.rollout_wait();
+                ctx.run_later(timeout, move |act, _| act.expire_blocked(id, timeout));
+                Box::pin(async move {
+                    rx.await
+                        .map_err(|_| Error::Actor("weight-sync controller stopped".into()))?
+                })
+            }
+        }
+    }
+}
+
+impl Handler<RolloutDone> for WeightSyncController {
+    type Result = ();
+    fn handle(&mut self, msg: RolloutDone, _: &mut Context<Self>) {
+        self.rollout_done(&msg.model);
+    }
+}
+
+impl Handler<AwaitDrained> for WeightSyncController {
+    type Result = ResponseFuture<Result<()>>;
+    fn handle(&mut self, msg: AwaitDrained, ctx: &mut Context<Self>) -> Self::Result {
+        if self.counters(&msg.model).in_flight == 0 {
+            return Box::pin(async { Ok(()) });
+        }
+        let (tx, rx) = oneshot::channel();
+        let model = msg.model.clone();
+        self.drains.push((msg.model, tx));
+        let timeout = self.policy.config().timeouts.rollout_wait();
+        ctx.run_later(timeout, move |act, _| {
+            let drains = std::mem::take(&mut act.drains);
+            for (m, tx) in drains {
+                if m == model {
+                    let _ = tx.send(Err(Error::Runtime(refit_runtime::Error::Timeout {
+                        what: format!("the rollouts of model `{m}` in flight to finish"),
+                        after: timeout,
+                    })));
+                } else {
+                    act.drains.push((m, tx));
+                }
+            }
+        });
+        Box::pin(async move {
+            rx.await
+                .map_err(|_| Error::Actor("weight-sync controller stopped".into()))?
+        })
+    }
+}
+
+impl Handler<AwaitSynced> for WeightSyncController {
+    type Result = ResponseFuture<Result<Version>>;
+    fn handle(&mut self, msg: AwaitSynced, ctx: &mut Context<Self>) -> Self::Result {
+        let (tx, rx) = oneshot::channel();
+        self.synced.push((msg.model.clone(), msg.version, tx));
+        self.wake_synced();
+        let timeout = self.policy.config().timeouts.load() * 2;
+        let AwaitSynced { model, version } = msg;
+        ctx.run_later(timeout, move |act, _| {
+            let waiting = std::mem::take(&mut act.synced);
+            for (m, v, tx) in waiting {
+                if m == model && v == version {
+                    let last = act
+                        .counters
+                        .get(&m)
+                        .and_then(|c| c.last_error.clone())
+                        .map(|e| format!("; last load error: {e}"))
+                        .unwrap_or_default();
+                    let _ = tx.send(Err(Error::Runtime(refit_runtime::Error::Timeout {
+                        what: format!("model `{m}` v{v} to land on every engine{last}"),
+                        after: timeout,
+                    })));
+                } else {
+                    act.synced.push((m, v, tx));
+                }
+            }
+        });
+        Box::pin(async move {
+            rx.await
+                .map_err(|_| Error::Actor("weight-sync controller stopped".into()))?
+        })
+    }
+}
+
+impl Handler<BatchReady> for WeightSyncController {
+    type Result = ();
+    fn handle(&mut self, msg: BatchReady, _: &mut Context<Self>) {
+        self.event(Some(&msg.model), SyncEventKind::BatchReady);
+        if let Err(e) = self.policy.batch_ready(&msg.model) {
+            tracing::error!("batch ready: {e}");
+        }
+    }
+}
+
+impl Handler<NotifyVersion> for WeightSyncController {
+    type Result = ResponseFuture<Result<NotifyOutcome>>;
+    fn handle(&mut self, msg: NotifyVersion, ctx: &mut Context<Self>) -> Self::Result {
+        let NotifyVersion { model, version } = msg;
+        // Phase 1: the trainer finished; non-eval steps load now, eval steps defer.
+        match self.policy.trainer_finished(&model, version) {
+            Ok(order) => {
+                self.event(Some(&model), SyncEventKind::TrainerFinished(version));
+                if let Some(order) = order {
+                    self.start_load(order, ctx);
+                }
+                self.wake();
+            }
+            Err(e) => return Box::pin(async move { Err(e.into()) }),
+        }
+        // Phase 2: the version barrier.
+        let (tx, rx) = oneshot::channel();
+        self.event(Some(&model), SyncEventKind::Arrived(version));
+        match self.barrier.arrive(&model, version, tx) {
+            Ok(Some(round)) => self.release(round, ctx),
+            Ok(None) => {
+                let timeout = self.policy.config().timeouts.barrier();
+                let waiting = model.clone();
+                ctx.run_later(timeout, move |act, _| {
+                    if let Some((v, tx)) = act.barrier.withdraw(&waiting, version) {
+                        let (missing, _) = act.barrier.waiting_for();
+                        let names: Vec<String> = missing.iter().map(ToString::to_string).collect();
+                        let _ = tx.send(Err(Error::Runtime(refit_runtime::Error::Timeout {
+                            what: format!(
+                                "the version barrier at v{v} (model `{waiting}` arrived; still missing: {})",
+                                names.join(", ")
+                            ),
+                            after: timeout,
+                        })));
+                    }
+                });
+            }
+            Err(e) => {
+                // A broken round: fail every waiter, naming what was wrong.
+                let msg = e.to_string();
+                for (_, _, tx) in self.barrier.abort() {
+                    let _ = tx.send(Err(Error::Actor(msg.clone())));
+                }
+                return Box::pin(async move { Err(e.into()) });
+            }
+        }
+        Box::pin(async move {
+            rx.await
+                .map_err(|_| Error::Actor("weight-sync controller stopped".into()))?
+        })
+    }
+}
+
+impl WeightSyncController {
+    fn release(&mut self, round: refit_runtime::sync_policy::Round<NotifyTx>, ctx: &mut Context<Self>) {
+        let eval = self.policy.config().is_eval_step(round.version);
+        self.event(
+            Some(&round.leader),
+            SyncEventKind::Leader {
+                version: round.version,
+                eval,
+            },
+        );
+        let version = round.version;
+        let leader = round.leader.clone();
+        let waiters = round.waiters;
+        let finish = move |act: &mut Self, result: Result<Option<EvalReport>>| {
+            act.event(None, SyncEventKind::Released(version));
+            match result {
+                Ok(report) => {
+                    if report.is_some() {
+                        act.evals += 1;
+                        act.event(None, SyncEventKind::Evaluated(version));
+                    }
+                    for (m, tx) in waiters {
+                        let _ = tx.send(Ok(NotifyOutcome {
+                            version,
+                            leader: m == leader,
+                            eval: report.clone(),
+                        }));
+                    }
+                }
+                Err(e) => {
+                    // Never leave acquisition paused behind a failed eval step.
+                    if act.evaluator.is_some() {
+                        act.policy.end_validate();
+                        act.wake();
+                    }
+                    let msg = e.to_string();
+                    for (_, tx) in waiters {
+                        let _ = tx.send(Err(Error::Actor(msg.clone())));
+                    }
+                }
+            }
+        };
+        if eval {
+            let lead = self.lead_eval(version, ctx);
+            ctx.spawn(lead.map(move |result, act, _| finish(act, result)));
+        } else {
+            finish(self, Ok(None));
+        }
+    }
+}
+
+impl Handler<EndValidate> for WeightSyncController {
+    type Result = ();
+    fn handle(&mut self, _: EndValidate, _: &mut Context<Self>) {
+        self.event(None, SyncEventKind::Step(LeaderStep::ResumeAcquisition));
+        self.policy.end_validate();
+        self.wake();
+    }
+}
+
+impl Handler<GetStatus> for WeightSyncController {
+    type Result = MessageResult<GetStatus>;
+    fn handle(&mut self, _: GetStatus, _: &mut Context<Self>) -> Self::Result {
+        let models = self
+            .policy
+            .models()
+            .cloned()
+            .collect::<Vec<_>>()
+            .into_iter()
+            .filter_map(|m| {
+                let s = self.policy.model(&m).ok()?.clone();
+                let c = self.counters.get(&m).cloned().unwrap_or_default();
+                Some((
+                    m,
+                    ModelStatus {
+                        train_version: s.train_version,
+                        rollout_version: s.rollout_version,
+                        state: s.state.as_str(),
+                        admissions: c.admissions,
+                        blocked: c.blocked,
+                        waited: c.waited,
+                        max_staleness: c.max_staleness,
+                        loads: c.loads,
+                        failed_loads: c.failed_loads,
+                        last_error: c.last_error,
+                    },
+                ))
+            })
+            .collect();
+        MessageResult(ControllerStatus {
+            models,
+            acquisition_paused: self.policy.acquisition_paused(),
+            evals: self.evals,
+            events: self.events.iter().cloned().collect(),
+        })
+    }
+}
+
+/// A trainer's handle on the controller: notifications go out in order, and a trainer may
+/// run one step ahead — [`VersionNotifier::notify`] returns at once on non-eval steps after
+/// the previous notification completed, and waits for the round (and its validation) on
+/// eval steps.
+pub struct VersionNotifier {
+    controller: Addr<WeightSyncController>,
+    model: ModelId,
+    cfg: SyncConfig,
+    pending: Option<actix::dev::Request<WeightSyncController, NotifyVersion>>,
+}
+
+impl std::fmt::Debug for VersionNotifier {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("VersionNotifier")
+            .field("model", &self.model)
+            .field("pending", &self.pending.is_some())
+            .finish()
+    }
+}
+
+impl VersionNotifier {
+    /// A notifier for `model`'s trainer.
+    pub fn new(controller: Addr<WeightSyncController>, model: ModelId, cfg: SyncConfig) -> Self {
+        Self {
+            controller,
+            model,
+            cfg,
+            pending: None,
+        }
+    }
+
+    /// Waits for the previous notification's round, if one is pending.
+    ///
+    /// # Errors
+    /// The previous round's failure; the controller gone.
+    pub async fn flush(&mut self) -> Result<Option<NotifyOutcome>> {
+        match self.pending.take() {
+            None => Ok(None),
+            Some(req) => Ok(Some(
+                req.await
+                    .map_err(|e| Error::Actor(format!("weight-sync controller: {e}")))??,
+            )),
+        }
+    }
+
+    /// Notifies `version`: waits for the previous notification first (notifications are
+    /// serialised), then returns at once on a non-eval step, or waits for the round and
+    /// answers its outcome (with the validation) on an eval step.
+    ///
+    /// # Errors
+    /// The previous or this round's failure (a stale version, a barrier deadline, a failed
+    /// eval-step load or validation).
+    pub async fn notify(&mut self, version: Version) -> Result<Option<NotifyOutcome>> {
+        self.flush().await?;
+        let req = self.controller.send(NotifyVersion {
+            model: self.model.clone(),
+            version,
+        });
+        if self.cfg.is_eval_step(version) {
+            Ok(Some(
+                req.await
+                    .map_err(|e| Error::Actor(format!("weight-sync controller: {e}")))??,
+            ))
+        } else {
+            self.pending = Some(req);
+            Ok(None)
+        }
+    }
+}

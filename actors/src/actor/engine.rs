@@ -1,0 +1,518 @@
+//! The inference engine actor: serves actions for one or several models; pauses, loads and
+//! continues one model at a time, with the bytes staged before the pause.
+
+use std::collections::{BTreeMap, VecDeque};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use actix::prelude::*;
+use rand::SeedableRng;
+use rand::rngs::SmallRng;
+use refit_runtime::{ArenaStrategy, ModelId, Strategy, Version, WeightSet};
+use tokio::sync::{Mutex, oneshot};
+
+use crate::collector::policy_model_id;
+use crate::error::{Error, Result};
+use crate::link::WeightInlet;
+use crate::policy::{ActionOut, Policy};
+
+use super::stale;
+
+/// Asks the engine's default model for an action.
+#[derive(Debug, Message)]
+#[rtype(result = "Result<Acted>")]
+pub struct Act {
+    /// The observation.
+    pub obs: Vec<f32>,
+}
+
+/// An action and the weights version that chose it.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Acted {
+    /// The action and its log-probability.
+    pub out: ActionOut,
+    /// The version of the weights that acted.
+    pub version: Version,
+}
+
+/// Asks one model for actions on several observations at once (one rollout step of a
+/// vector of environments).
+#[derive(Debug, Clone, Message)]
+#[rtype(result = "Result<ActedBatch>")]
+pub struct ActBatch {
+    /// The model.
+    pub model: ModelId,
+    /// Observations, one after the other (`n * obs_dim` values).
+    pub obs: Vec<f32>,
+    /// The cancellation generation the episode started in (`None`: not cancellable). A
+    /// request from an older generation is refused with [`Error::Cancelled`].
+    pub generation: Option<u64>,
+    /// Greedy actions (evaluation) instead of samples.
+    pub greedy: bool,
+}
+
+/// The answer to [`ActBatch`].
+#[derive(Debug, Clone, PartialEq)]
+pub struct ActedBatch {
+    /// One action per observation.
+    pub actions: Vec<ActionOut>,
+    /// The version of the weights that acted (one version for the whole request).
+    pub version: Version,
+    /// The engine's cancellation generation.
+    pub generation: u64,
+}
+
+/// Pauses generation of every model: requests queue until [`Continue`].
+#[derive(Debug, Message)]
+#[rtype(result = "()")]
+pub struct Pause;
+
+/// Resumes generation and answers the queued requests.
+#[derive(Debug, Message)]
+#[rtype(result = "()")]
+pub struct Continue;
+
+/// Loads weights pushed by the caller (validated whole first; a refused version leaves the
+/// served one). The model is the one the weight set names.
+#[derive(Debug, Clone, Message)]
+#[rtype(result = "Result<Version>")]
+pub struct LoadWeights {
+    /// The weights.
+    pub weights: Arc<WeightSet>,
+}
+
+/// Brings one model to at least `version`: fetch through the model's inlet and validate
+/// (staging, generation goes on), then pause that model, apply, continue. Loads of one
+/// model are serialised by a per-model lock; loads of different models overlap.
+#[derive(Debug, Clone, Message)]
+#[rtype(result = "Result<LoadReport>")]
+pub struct UpdateModel {
+    /// The model.
+    pub model: ModelId,
+    /// The least version to serve afterwards.
+    pub version: Version,
+    /// Deadline for the fetch.
+    pub timeout: Duration,
+}
+
+/// What one load did.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LoadReport {
+    /// The model.
+    pub model: ModelId,
+    /// The version served afterwards.
+    pub version: Version,
+    /// Waiting for the per-model lock plus fetching and validating the bytes.
+    pub staged: Duration,
+    /// How long the model's generation was paused (the apply only).
+    pub paused: Duration,
+}
+
+/// Cancels in-flight episodes: requests of older generations are refused from now on, and
+/// queued ones are answered with [`Error::Cancelled`]. Answers the new generation.
+#[derive(Debug, Message)]
+#[rtype(result = "u64")]
+pub struct CancelInFlight;
+
+/// Asks which version the default model serves.
+#[derive(Debug, Message)]
+#[rtype(result = "Version")]
+pub struct ServedVersion;
+
+/// Asks which version every model serves.
+#[derive(Debug, Message)]
+#[rtype(result = "BTreeMap<ModelId, Version>")]
+pub struct ServedVersions;
+
+/// Asks for the engine's load statistics.
+#[derive(Debug, Message)]
+#[rtype(result = "EngineStats")]
+pub struct GetEngineStats;
+
+/// Load statistics of an engine.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct EngineStats {
+    /// Loads applied.
+    pub loads: u64,
+    /// Total time models were paused for applies.
+    pub paused_total: Duration,
+    /// Longest single pause.
+    pub paused_max: Duration,
+    /// Total staging time (lock wait + fetch + validation), outside any pause.
+    pub staged_total: Duration,
+    /// Requests refused because their episode was cancelled.
+    pub cancelled: u64,
+}
+
+type Waiter = oneshot::Sender<Result<ActedBatch>>;
+type SharedInlet = Arc<Mutex<Box<dyn WeightInlet>>>;
+
+struct Slot<P> {
+    policy: P,
+    version: Version,
+    obs_dim: usize,
+    inlet: Option<SharedInlet>,
+    queued: VecDeque<(ActBatch, Waiter)>,
+}
+
+/// Serves actions for one or several models; pauses, loads weights and continues.
+pub struct InferenceEngine<P: Policy> {
+    models: BTreeMap<ModelId, Slot<P>>,
+    default: ModelId,
+    paused: bool,
+    generation: u64,
+    rng: SmallRng,
+    stats: EngineStats,
+}
+
+impl<P: Policy> std::fmt::Debug for InferenceEngine<P> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let versions: BTreeMap<_, _> = self.models.iter().map(|(m, s)| (m, s.version)).collect();
+        f.debug_struct("InferenceEngine")
+            .field("versions", &versions)
+            .field("paused", &self.paused)
+            .field("generation", &self.generation)
+            .finish()
+    }
+}
+
+fn obs_dim<P: Policy>(policy: &P) -> Result<usize> {
+    let m = refit_runtime::HasWeights::weight_manifest(policy)?;
+    let first = m
+        .tensors()
+        .first()
+        .ok_or_else(|| Error::Config("a policy with no tensors cannot serve".into()))?;
+    Ok(first.shape.last().copied().unwrap_or(1))
+}
+
+impl<P: Policy + Unpin + 'static> InferenceEngine<P> {
+    /// An engine serving `policy` as the default model (`policy_model_id()`, version 0 until
+    /// weights load), with no inlet (weights are pushed with [`LoadWeights`]).
+    ///
+    /// # Errors
+    /// As [`InferenceEngine::with_model`].
+    pub fn new(policy: P, seed: u64) -> Result<Self> {
+        Self::empty(seed).with_model(policy_model_id(), policy, None)
+    }
+
+    /// An engine with no model yet.
+    pub fn empty(seed: u64) -> Self {
+        Self {
+            models: BTreeMap::new(),
+            default: policy_model_id(),
+            paused: false,
+            generation: 0,
+            rng: SmallRng::seed_from_u64(seed),
+            stats: EngineStats::default(),
+        }
+    }
+
+    /// Adds a model, fed through `inlet` when given. The first model added is the default.
+    ///
+    /// # Errors
+    /// [`Error::Config`] for a model added twice or a policy with no tensors.
+    pub fn with_model(
+        mut self,
+        id: ModelId,
+        policy: P,
+        inlet: Option<Box<dyn WeightInlet>>,
+    ) -> Result<Self> {
+        if self.models.contains_key(&id) {
+            return Err(Error::Config(format!("model `{id}` is served twice by one engine")));
+        }
+        if self.models.is_empty() {
+            self.default = id.clone();
+        }
+        let slot = Slot {
+            obs_dim: obs_dim(&policy)?,
+            policy,
+            version: Version::ZERO,
+            inlet: inlet.map(|i| Arc::new(Mutex::new(i))),
+            queued: VecDeque::new(),
+        };
+        self.models.insert(id, slot);
+        Ok(self)
+    }
+
+    fn slot(&mut self, model: &ModelId) -> Result<&mut Slot<P>> {
+        self.models
+            .get_mut(model)
+            .ok_or_else(|| Error::Runtime(refit_runtime::Error::UnknownModel(model.clone())))
+    }
+
+    fn act_now(&mut self, req: &ActBatch) -> Result<ActedBatch> {
+        if req.generation.is_some_and(|g| g != self.generation) {
+            self.stats.cancelled += 1;
+            return Err(Error::Cancelled {
+                generation: self.generation,
+            });
+        }
+        let generation = self.generation;
+        let Self { models, rng, .. } = self;
+        let slot = models
+            .get_mut(&req.model)
+            .ok_or_else(|| Error::Runtime(refit_runtime::Error::UnknownModel(req.model.clone())))?;
+        let d = slot.obs_dim;
+        if req.obs.is_empty() || req.obs.len() % d != 0 {
+            return Err(Error::Config(format!(
+                "{} observation values do not make whole observations of length {d} for model `{}`",
+                req.obs.len(),
+                req.model
+            )));
+        }
+        let actions = req
+            .obs
+            .chunks_exact(d)
+            .map(|o| {
+                if req.greedy {
+                    let action = slot.policy.act_greedy(o, rng);
+                    ActionOut {
+                        action,
+                        log_prob: 0.0,
+                    }
+                } else {
+                    slot.policy.act(o, rng)
+                }
+            })
+            .collect();
+        Ok(ActedBatch {
+            actions,
+            version: slot.version,
+            generation,
+        })
+    }
+
+    fn drain(&mut self, model: &ModelId) {
+        if self.paused {
+            return;
+        }
+        let queued = match self.models.get_mut(model) {
+            Some(s) => std::mem::take(&mut s.queued),
+            None => return,
+        };
+        for (req, tx) in queued {
+            let _ = tx.send(self.act_now(&req));
+        }
+    }
+
+    /// Applies staged weights to one model: pause, apply, continue. Answers the pause.
+    fn apply(&mut self, weights: &WeightSet) -> Result<Duration> {
+        let model = weights.model().clone();
+        let slot = self.slot(&model)?;
+        if weights.version() <= slot.version {
+            return Err(stale(&model, weights.version(), slot.version));
+        }
+        let paused_at = Instant::now();
+        // Generation of this model pauses here: the actor answers no request until apply
+        // returns, and requests of other models are not touched.
+        let applied = ArenaStrategy.apply(weights, &mut slot.policy);
+        if applied.is_ok() {
+            slot.version = weights.version();
+        }
+        let paused = paused_at.elapsed();
+        self.drain(&model);
+        applied?;
+        self.stats.loads += 1;
+        self.stats.paused_total += paused;
+        self.stats.paused_max = self.stats.paused_max.max(paused);
+        Ok(paused)
+    }
+}
+
+impl<P: Policy + Unpin + 'static> Actor for InferenceEngine<P> {
+    type Context = Context<Self>;
+}
+
+impl<P: Policy + Unpin + 'static> Handler<ActBatch> for InferenceEngine<P> {
+    type Result = ResponseFuture<Result<ActedBatch>>;
+
+    fn handle(&mut self, msg: ActBatch, _: &mut Context<Self>) -> Self::Result {
+        if self.paused {
+            let (tx, rx) = oneshot::channel();
+            match self.slot(&msg.model) {
+                Ok(slot) => slot.queued.push_back((msg, tx)),
+                Err(e) => return Box::pin(async move { Err(e) }),
+            }
+            return Box::pin(async move {
+                rx.await
+                    .map_err(|_| Error::Actor("inference engine stopped".into()))?
+            });
+        }
+        let r = self.act_now(&msg);
+        Box::pin(async move { r })
+    }
+}
+
+impl<P: Policy + Unpin + 'static> Handler<Act> for InferenceEngine<P> {
+    type Result = ResponseFuture<Result<Acted>>;
+
+    fn handle(&mut self, msg: Act, ctx: &mut Context<Self>) -> Self::Result {
+        let req = ActBatch {
+            model: self.default.clone(),
+            obs: msg.obs,
+            generation: None,
+            greedy: false,
+        };
+        let fut = <Self as Handler<ActBatch>>::handle(self, req, ctx);
+        Box::pin(async move {
+            let b = fut.await?;
+            let out = b
+                .actions
+                .first()
+                .copied()
+                .ok_or_else(|| Error::Actor("engine answered no action".into()))?;
+            Ok(Acted {
+                out,
+                version: b.version,
+            })
+        })
+    }
+}
+
+impl<P: Policy + Unpin + 'static> Handler<Pause> for InferenceEngine<P> {
+    type Result = ();
+    fn handle(&mut self, _: Pause, _: &mut Context<Self>) {
+        self.paused = true;
+    }
+}
+
+impl<P: Policy + Unpin + 'static> Handler<Continue> for InferenceEngine<P> {
+    type Result = ();
+    fn handle(&mut self, _: Continue, _: &mut Context<Self>) {
+        self.paused = false;
+        let models: Vec<ModelId> = self.models.keys().cloned().collect();
+        for m in &models {
+            self.drain(m);
+        }
+    }
+}
+
+impl<P: Policy + Unpin + 'static> Handler<CancelInFlight> for InferenceEngine<P> {
+    type Result = u64;
+    fn handle(&mut self, _: CancelInFlight, _: &mut Context<Self>) -> u64 {
+        self.generation += 1;
+        let generation = self.generation;
+        for slot in self.models.values_mut() {
+            for (req, tx) in std::mem::take(&mut slot.queued) {
+                if req.generation.is_some() {
+                    self.stats.cancelled += 1;
+                    let _ = tx.send(Err(Error::Cancelled { generation }));
+                } else {
+                    slot.queued.push_back((req, tx));
+                }
+            }
+        }
+        generation
+    }
+}
+
+impl<P: Policy + Unpin + 'static> Handler<LoadWeights> for InferenceEngine<P> {
+    type Result = Result<Version>;
+    fn handle(&mut self, msg: LoadWeights, _: &mut Context<Self>) -> Result<Version> {
+        self.apply(&msg.weights)?;
+        Ok(msg.weights.version())
+    }
+}
+
+impl<P: Policy + Unpin + 'static> Handler<UpdateModel> for InferenceEngine<P> {
+    type Result = ResponseActFuture<Self, Result<LoadReport>>;
+
+    fn handle(&mut self, msg: UpdateModel, _: &mut Context<Self>) -> Self::Result {
+        let inlet = match self.slot(&msg.model) {
+            Ok(slot) => slot.inlet.clone(),
+            Err(e) => return Box::pin(fut::ready(Err(e))),
+        };
+        let Some(inlet) = inlet else {
+            let e = Error::Config(format!(
+                "model `{}` has no inlet on this engine (push weights with LoadWeights)",
+                msg.model
+            ));
+            return Box::pin(fut::ready(Err(e)));
+        };
+        let started = Instant::now();
+        let UpdateModel {
+            model,
+            version,
+            timeout,
+        } = msg;
+        let stage = async move {
+            // The per-model lock: loads of one model are serialised, FIFO.
+            let mut guard = inlet.lock_owned().await;
+            let fetch_model = model.clone();
+            let fetched = actix_rt::task::spawn_blocking(move || {
+                let r = guard.fetch(&fetch_model, version, timeout);
+                (guard, r)
+            })
+            .await;
+            match fetched {
+                Ok((guard, r)) => (Some(guard), model, r),
+                Err(e) => (
+                    None,
+                    model,
+                    Err(Error::Actor(format!("weight fetch thread failed: {e}"))),
+                ),
+            }
+        };
+        Box::pin(stage.into_actor(self).map(move |(guard, model, fetched), act, _| {
+            let staged = started.elapsed();
+            act.stats.staged_total += staged;
+            let weights = fetched?;
+            let current = act.slot(&model)?.version;
+            let paused = if weights.version() > current {
+                act.apply(&weights)?
+            } else {
+                Duration::ZERO // a newer version already landed through an earlier load
+            };
+            drop(guard);
+            Ok(LoadReport {
+                version: act.slot(&model)?.version,
+                model,
+                staged,
+                paused,
+            })
+        }))
+    }
+}
+
+impl<P: Policy + Unpin + 'static> Handler<ServedVersion> for InferenceEngine<P> {
+    type Result = MessageResult<ServedVersion>;
+    fn handle(&mut self, _: ServedVersion, _: &mut Context<Self>) -> Self::Result {
+        MessageResult(self.models.get(&self.default).map_or(Version::ZERO, |s| s.version))
+    }
+}
+
+impl<P: Policy + Unpin + 'static> Handler<ServedVersions> for InferenceEngine<P> {
+    type Result = MessageResult<ServedVersions>;
+    fn handle(&mut self, _: ServedVersions, _: &mut Context<Self>) -> Self::Result {
+        MessageResult(self.models.iter().map(|(m, s)| (m.clone(), s.version)).collect())
+    }
+}
+
+impl<P: Policy + Unpin + 'static> Handler<GetEngineStats> for InferenceEngine<P> {
+    type Result = MessageResult<GetEngineStats>;
+    fn handle(&mut self, _: GetEngineStats, _: &mut Context<Self>) -> Self::Result {
+        MessageResult(self.stats.clone())
+    }
+}
+
+/// The engine messages a controller needs, for any policy type.
+#[derive(Debug, Clone)]
+pub struct EngineHandle {
+    /// Loads.
+    pub update: Recipient<UpdateModel>,
+    /// Cancels in-flight episodes.
+    pub cancel: Recipient<CancelInFlight>,
+    /// Versions served.
+    pub versions: Recipient<ServedVersions>,
+}
+
+impl EngineHandle {
+    /// The handle of a started engine.
+    pub fn of<P: Policy + Unpin + 'static>(addr: &Addr<InferenceEngine<P>>) -> Self {
+        Self {
+            update: addr.clone().recipient(),
+            cancel: addr.clone().recipient(),
+            versions: addr.clone().recipient(),
+        }
+    }
+}

@@ -1,0 +1,169 @@
+//! Validation: episodes run through the engine with every model, recording the version
+//! that answered each request so the controller can check that an eval step saw every model
+//! at the round's version.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use actix::prelude::*;
+use refit_runtime::{ModelId, Version};
+
+use crate::env::Env;
+use crate::error::{Error, Result};
+
+use super::engine::ActBatch;
+use super::rollout::VecEnv;
+
+/// Runs validation for the eval step `step`.
+#[derive(Debug, Clone, Message)]
+#[rtype(result = "Result<EvalReport>")]
+pub struct RunEval {
+    /// The round's version.
+    pub step: Version,
+}
+
+/// One model's validation.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ModelEval {
+    /// Every version that answered an evaluation request.
+    pub versions: BTreeSet<Version>,
+    /// Mean undiscounted return of the episodes.
+    pub mean_return: f64,
+    /// Episodes run.
+    pub episodes: usize,
+}
+
+/// A validation run.
+#[derive(Debug, Clone, PartialEq)]
+pub struct EvalReport {
+    /// The eval step.
+    pub step: Version,
+    /// Per model.
+    pub models: BTreeMap<ModelId, ModelEval>,
+}
+
+impl EvalReport {
+    /// Checks that every model was evaluated at `version` only.
+    ///
+    /// # Errors
+    /// [`Error::Runtime`] with [`refit_runtime::Error::Sync`] naming the model and the
+    /// versions it was seen at.
+    pub fn check_versions(&self, version: Version) -> Result<()> {
+        for (m, e) in &self.models {
+            if e.versions.len() != 1 || !e.versions.contains(&version) {
+                let seen: Vec<String> = e.versions.iter().map(|v| format!("v{v}")).collect();
+                return Err(Error::Runtime(refit_runtime::Error::Sync(format!(
+                    "eval step v{version} saw model `{m}` at {} (every model must be at v{version})",
+                    seen.join(", ")
+                ))));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Runs greedy validation episodes through an engine for each model.
+pub struct Evaluator<E: Env> {
+    engine: Recipient<ActBatch>,
+    models: Vec<ModelId>,
+    make_env: Box<dyn Fn(usize) -> E + Send>,
+    episodes: usize,
+    seed: u64,
+    max_steps: usize,
+}
+
+impl<E: Env> std::fmt::Debug for Evaluator<E> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Evaluator")
+            .field("models", &self.models)
+            .field("episodes", &self.episodes)
+            .finish()
+    }
+}
+
+impl<E: Env + Unpin + 'static> Evaluator<E> {
+    /// An evaluator running `episodes` episodes (environments from `make_env(i)`) per model,
+    /// each at most `max_steps` steps.
+    pub fn new(
+        engine: Recipient<ActBatch>,
+        models: Vec<ModelId>,
+        make_env: impl Fn(usize) -> E + Send + 'static,
+        episodes: usize,
+        max_steps: usize,
+        seed: u64,
+    ) -> Self {
+        Self {
+            engine,
+            models,
+            make_env: Box::new(make_env),
+            episodes: episodes.max(1),
+            seed,
+            max_steps: max_steps.max(1),
+        }
+    }
+}
+
+impl<E: Env + Unpin + 'static> Actor for Evaluator<E> {
+    type Context = Context<Self>;
+}
+
+impl<E: Env + Unpin + 'static> Handler<RunEval> for Evaluator<E> {
+    type Result = ResponseFuture<Result<EvalReport>>;
+
+    fn handle(&mut self, msg: RunEval, _: &mut Context<Self>) -> Self::Result {
+        let runs: Vec<(ModelId, Vec<E>)> = self
+            .models
+            .iter()
+            .map(|m| (m.clone(), (0..self.episodes).map(|i| (self.make_env)(i)).collect()))
+            .collect();
+        let engine = self.engine.clone();
+        let seed = self.seed.wrapping_add(msg.step.0 * 7919);
+        let max_steps = self.max_steps;
+        Box::pin(async move {
+            let mut models = BTreeMap::new();
+            for (model, envs) in runs {
+                let n = envs.len();
+                let mut venv = VecEnv::new(envs, seed)?;
+                let mut versions = BTreeSet::new();
+                let mut returns: Vec<Option<f64>> = vec![None; n];
+                for _ in 0..max_steps {
+                    let acted = engine
+                        .send(ActBatch {
+                            model: model.clone(),
+                            obs: venv.obs_flat(),
+                            generation: None,
+                            greedy: true,
+                        })
+                        .await
+                        .map_err(|e| Error::Actor(format!("engine unreachable: {e}")))??;
+                    versions.insert(acted.version);
+                    for ep in venv.step(&acted.actions, acted.version, 0, None)? {
+                        if returns[ep.env].is_none() {
+                            returns[ep.env] = Some(ep.ret);
+                        }
+                    }
+                    if returns.iter().all(Option::is_some) {
+                        break;
+                    }
+                }
+                let done: Vec<f64> = returns.iter().flatten().copied().collect();
+                let mean_return = if done.is_empty() {
+                    0.0
+                } else {
+                    done.iter().sum::<f64>() / done.len() as f64
+                };
+                models.insert(
+                    model,
+                    ModelEval {
+                        versions,
+                        mean_return,
+                        episodes: done.len(),
+                    },
+                );
+            }
+            Ok(EvalReport {
+                step: msg.step,
+                models,
+            })
+        })
+    }
+}

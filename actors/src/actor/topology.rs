@@ -1,0 +1,508 @@
+//! A training run as actors: per model one trainer, one trajectory pool and rollout
+//! workers; one inference engine serving every model; one weight-sync controller; an
+//! evaluator for eval steps. Weights travel through a real scheme (the in-process transport
+//! by default) from each trainer's outlet to the engine's inlet for that model.
+//!
+//! Call [`run`] inside an actix system (`actix_rt::System::new().block_on(..)` or an
+//! `#[actix_rt::test]`).
+
+use std::collections::{BTreeMap, VecDeque};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, Instant};
+
+use actix::prelude::*;
+use refit_runtime::sync_policy::{StalenessStats, SyncConfig, SyncMode};
+use refit_runtime::{Manifests, ModelId, ReceiverInit, SenderInit, Version};
+use refit_transports::inproc::InProc;
+
+use crate::env::Env;
+use crate::error::{Error, Result};
+use crate::link::WeightInlet;
+use crate::policy::MlpPolicy;
+use crate::ppo::{PpoConfig, PpoTrainer};
+
+use super::controller::{
+    AwaitDrained, AwaitSynced, ControllerStatus, GetStatus, VersionNotifier, WeightSyncController,
+};
+use super::engine::{EngineHandle, EngineStats, GetEngineStats, InferenceEngine};
+use super::eval::{EvalReport, Evaluator};
+use super::rollout::{
+    AwaitBatch, FragmentInfo, RolloutConfig, RolloutStats, RolloutWorker, StartRollouts, StopRollouts,
+    TakeBatch, TrajectoryPool,
+};
+use super::workers::{TrainAndPublish, Trainer};
+
+/// One model of a run, and how it is trained.
+#[derive(Debug, Clone)]
+pub struct ModelSpec {
+    /// The model's id (its trainer publishes under it).
+    pub id: ModelId,
+    /// PPO settings (its `policy_id` is replaced by `id`).
+    pub ppo: PpoConfig,
+    /// Rollout workers for this model (each on its own thread).
+    pub workers: usize,
+    /// Environments per worker.
+    pub envs_per_worker: usize,
+    /// Steps per rollout fragment.
+    pub fragment_steps: usize,
+    /// Frames per training batch (at least).
+    pub batch_frames: usize,
+}
+
+impl ModelSpec {
+    /// CartPole-sized defaults for `id`.
+    pub fn cartpole(id: ModelId, seed: u64) -> Self {
+        Self {
+            ppo: PpoConfig {
+                lr: 1e-3,
+                epochs: 8,
+                minibatch: 512,
+                seed,
+                policy_id: id.clone(),
+                ..PpoConfig::default()
+            },
+            id,
+            workers: 2,
+            envs_per_worker: 4,
+            fragment_steps: 32,
+            batch_frames: 2048,
+        }
+    }
+}
+
+/// When a run stops. Every model stops at the same version, so that the last barrier
+/// round completes.
+#[derive(Debug, Clone)]
+pub struct StopRule {
+    /// Stop after this many updates.
+    pub max_updates: u64,
+    /// Stop once every model's mean return over its last 20 episodes reaches this.
+    pub target_return: Option<f64>,
+    /// Stop once this much time has passed.
+    pub max_time: Duration,
+}
+
+/// Wraps an engine's inlet (for instance to model a slow link).
+pub type InletWrapper = Arc<dyn Fn(Box<dyn WeightInlet>) -> Box<dyn WeightInlet> + Send + Sync>;
+
+/// A run's settings.
+#[derive(Clone)]
+pub struct RunConfig {
+    /// The controller's settings.
+    pub sync: SyncConfig,
+    /// The models.
+    pub models: Vec<ModelSpec>,
+    /// Validation episodes per model on eval steps.
+    pub eval_episodes: usize,
+    /// When to stop.
+    pub stop: StopRule,
+    /// Seed of the engine and the environments.
+    pub seed: u64,
+    /// Wraps every engine inlet, when set.
+    pub wrap_inlet: Option<InletWrapper>,
+    /// How long a pool may wait for a batch, and a scheme for its rendezvous.
+    pub wait: Duration,
+}
+
+impl std::fmt::Debug for RunConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RunConfig")
+            .field("sync", &self.sync)
+            .field("models", &self.models)
+            .field("stop", &self.stop)
+            .finish()
+    }
+}
+
+/// One training update of one model.
+#[derive(Debug, Clone)]
+pub struct UpdateRecord {
+    /// The version the trainer was at when it took the batch (trained on it).
+    pub train_version: Version,
+    /// The version it published.
+    pub published: Version,
+    /// Frames trained on.
+    pub frames: usize,
+    /// Lowest and highest sample version in the batch.
+    pub sample_versions: (Version, Version),
+    /// Largest staleness in the batch.
+    pub max_staleness: u64,
+    /// Samples dropped as too stale while gathering it.
+    pub dropped: u64,
+    /// The batch's fragments: admissions and sample versions.
+    pub fragments: Vec<FragmentInfo>,
+    /// Mean return over the model's last 20 episodes after this batch.
+    pub mean_return: f64,
+}
+
+/// One model's run.
+#[derive(Debug, Clone)]
+pub struct ModelReport {
+    /// Updates.
+    pub updates: Vec<UpdateRecord>,
+    /// Frames trained on.
+    pub frames: u64,
+    /// Episodes finished.
+    pub episodes: u64,
+    /// Mean return over the last 20 episodes.
+    pub mean_return: f64,
+    /// What the staleness filter kept and dropped.
+    pub staleness: StalenessStats,
+    /// Validation results of the eval steps this trainer waited for.
+    pub evals: Vec<EvalReport>,
+    /// The rollout workers' statistics.
+    pub workers: Vec<RolloutStats>,
+}
+
+/// What a run did.
+#[derive(Debug, Clone)]
+pub struct RunReport {
+    /// Per model.
+    pub models: BTreeMap<ModelId, ModelReport>,
+    /// The controller's final state and timeline.
+    pub controller: ControllerStatus,
+    /// The engine's load statistics.
+    pub engine: EngineStats,
+    /// Wall time.
+    pub elapsed: Duration,
+    /// True when every model reached the target return.
+    pub solved: bool,
+}
+
+struct StopBoard {
+    versions: BTreeMap<ModelId, Version>,
+    solved: BTreeMap<ModelId, bool>,
+    stop_at: Option<Version>,
+}
+
+impl StopBoard {
+    /// Records `model` at `version`; decides the common last version once a rule fires.
+    fn post(&mut self, model: &ModelId, version: Version, solved: bool, stop_now: bool) -> Option<Version> {
+        self.versions.insert(model.clone(), version);
+        self.solved.insert(model.clone(), solved);
+        let all_solved = self.solved.len() == self.versions.len() && self.solved.values().all(|s| *s);
+        if self.stop_at.is_none() && (stop_now || all_solved) {
+            let max = self.versions.values().copied().max().unwrap_or(version);
+            self.stop_at = Some(max);
+        }
+        self.stop_at
+    }
+}
+
+/// Runs a training topology until the stop rule fires; `make_env(seed)` builds one
+/// environment.
+///
+/// # Errors
+/// Configuration errors; the first error of a trainer, pool, controller or engine (named).
+pub async fn run<E, F>(cfg: RunConfig, make_env: F) -> Result<RunReport>
+where
+    E: Env + Unpin + 'static,
+    F: Fn(u64) -> E + Clone + Send + Sync + 'static,
+{
+    let started = Instant::now();
+    if cfg.models.is_empty() {
+        return Err(Error::Config("a run needs at least one model".into()));
+    }
+    let ids: Vec<ModelId> = cfg.models.iter().map(|m| m.id.clone()).collect();
+    let mut sync = cfg.sync.clone();
+    sync.models = ids.clone();
+    sync.check()?;
+
+    // Trainers, their outlets, and the engine's inlets: one in-process scheme per model.
+    let mut engine = InferenceEngine::<MlpPolicy>::empty(cfg.seed);
+    let mut trainers = Vec::new();
+    for spec in &cfg.models {
+        let mut ppo_cfg = spec.ppo.clone();
+        ppo_cfg.policy_id = spec.id.clone();
+        let mut ppo = PpoTrainer::new(ppo_cfg.clone())?;
+        let initial = ppo.export()?;
+        let manifests = Manifests::new([(spec.id.clone(), Arc::clone(initial.manifest()))])?;
+        let hub = InProc::new();
+        let receiver = ReceiverInit::new(hub.receiver(), Some(manifests.clone()));
+        let wait = cfg.wait;
+        let (sender, receiver) = std::thread::scope(|s| {
+            let r = s.spawn(move || receiver.connect(wait));
+            let sender = SenderInit::new(hub.sender()?, manifests).connect(vec![initial], wait);
+            let receiver = r
+                .join()
+                .map_err(|_| refit_runtime::Error::State("receiver connect thread panicked"))?;
+            Ok::<_, refit_runtime::Error>((sender?, receiver?))
+        })?;
+        let mut inlet: Box<dyn WeightInlet> = Box::new(receiver);
+        if let Some(wrap) = &cfg.wrap_inlet {
+            inlet = wrap(inlet);
+        }
+        engine = engine.with_model(spec.id.clone(), MlpPolicy::new(&ppo_cfg.sizes)?, Some(inlet))?;
+        trainers.push(Trainer::start_with_outlet(ppo, Box::new(sender)));
+    }
+    let engine_arbiter = Arbiter::new();
+    let engine = InferenceEngine::start_in_arbiter(&engine_arbiter.handle(), move |_| engine);
+
+    let evaluator = {
+        let make_env = make_env.clone();
+        let seed = cfg.seed;
+        Evaluator::new(
+            engine.clone().recipient(),
+            ids.clone(),
+            move |i| make_env(seed.wrapping_mul(31).wrapping_add(1_000_000 + i as u64)),
+            cfg.eval_episodes,
+            10_000,
+            cfg.seed,
+        )
+        .start()
+    };
+    let controller = WeightSyncController::new(
+        &sync,
+        ids.clone(),
+        vec![EngineHandle::of(&engine)],
+        Some(evaluator.recipient()),
+    )?
+    .start();
+
+    // Version 1 lands everywhere before any rollout runs.
+    let mut notifiers: Vec<VersionNotifier> = ids
+        .iter()
+        .map(|id| VersionNotifier::new(controller.clone(), id.clone(), sync.clone()))
+        .collect();
+    for n in &mut notifiers {
+        n.notify(Version(1)).await?;
+    }
+    for n in &mut notifiers {
+        n.flush().await?;
+    }
+
+    // Pools and rollout workers.
+    let mut pools = Vec::new();
+    let mut workers: Vec<Vec<Addr<RolloutWorker<E>>>> = Vec::new();
+    let mut arbiters = vec![engine_arbiter];
+    for (mi, spec) in cfg.models.iter().enumerate() {
+        let pool = TrajectoryPool::new(
+            spec.id.clone(),
+            spec.batch_frames,
+            sync.allowed_staleness(),
+            Some(controller.clone().recipient()),
+        )
+        .start();
+        let mut ws = Vec::new();
+        for w in 0..spec.workers {
+            let base = cfg.seed.wrapping_mul(1000).wrapping_add((mi * 100 + w) as u64 * 17);
+            let envs: Vec<E> = (0..spec.envs_per_worker)
+                .map(|i| make_env(base.wrapping_add(i as u64)))
+                .collect();
+            let worker = RolloutWorker::new(
+                RolloutConfig {
+                    model: spec.id.clone(),
+                    worker: w,
+                    fragment_steps: spec.fragment_steps,
+                    seed: base,
+                },
+                envs,
+                engine.clone().recipient(),
+                controller.clone(),
+                pool.clone().recipient(),
+            )?;
+            let arbiter = Arbiter::new();
+            let addr = RolloutWorker::start_in_arbiter(&arbiter.handle(), move |_| worker);
+            addr.do_send(StartRollouts);
+            arbiters.push(arbiter);
+            ws.push(addr);
+        }
+        pools.push(pool);
+        workers.push(ws);
+    }
+
+    // One driver per model: take a batch, train, publish, notify.
+    let board = Arc::new(Mutex::new(StopBoard {
+        versions: BTreeMap::new(),
+        solved: BTreeMap::new(),
+        stop_at: None,
+    }));
+    let mut drivers = Vec::new();
+    for (((spec, trainer), pool), notifier) in cfg
+        .models
+        .iter()
+        .zip(trainers)
+        .zip(pools.iter().cloned())
+        .zip(notifiers)
+    {
+        let d = drive(
+            spec.id.clone(),
+            trainer,
+            pool,
+            controller.clone(),
+            notifier,
+            sync.sync_mode,
+            cfg.stop.clone(),
+            cfg.wait,
+            Arc::clone(&board),
+            started,
+        );
+        drivers.push(actix_rt::spawn(d));
+    }
+    let mut reports = BTreeMap::new();
+    let mut first_error = None;
+    for (id, d) in ids.iter().zip(drivers) {
+        match d.await {
+            Ok(Ok(r)) => {
+                reports.insert(id.clone(), r);
+            }
+            Ok(Err(e)) => {
+                first_error.get_or_insert(Error::Actor(format!("trainer of model `{id}`: {e}")));
+            }
+            Err(e) => {
+                first_error.get_or_insert(Error::Actor(format!("trainer of model `{id}` panicked: {e}")));
+            }
+        }
+    }
+    for (id, ws) in ids.iter().zip(&workers) {
+        for w in ws {
+            let stats = w
+                .send(StopRollouts)
+                .await
+                .map_err(|e| Error::Actor(format!("rollout worker of `{id}`: {e}")))?;
+            if let Some(r) = reports.get_mut(id) {
+                r.workers.push(stats);
+            }
+        }
+    }
+    let status = controller
+        .send(GetStatus)
+        .await
+        .map_err(|e| Error::Actor(format!("controller: {e}")))?;
+    let engine_stats = engine
+        .send(GetEngineStats)
+        .await
+        .map_err(|e| Error::Actor(format!("engine: {e}")))?;
+    for a in arbiters {
+        a.stop();
+    }
+    if let Some(e) = first_error {
+        return Err(e);
+    }
+    let solved = cfg.stop.target_return.is_some_and(|t| {
+        reports.values().all(|r| r.mean_return >= t)
+    });
+    Ok(RunReport {
+        models: reports,
+        controller: status,
+        engine: engine_stats,
+        elapsed: started.elapsed(),
+        solved,
+    })
+}
+
+#[allow(clippy::too_many_arguments)]
+async fn drive(
+    model: ModelId,
+    trainer: Addr<Trainer>,
+    pool: Addr<TrajectoryPool>,
+    controller: Addr<WeightSyncController>,
+    mut notifier: VersionNotifier,
+    mode: SyncMode,
+    stop: StopRule,
+    wait: Duration,
+    board: Arc<Mutex<StopBoard>>,
+    started: Instant,
+) -> Result<ModelReport> {
+    let mut version = Version(1);
+    let mut last20: VecDeque<f64> = VecDeque::with_capacity(20);
+    let mut report = ModelReport {
+        updates: Vec::new(),
+        frames: 0,
+        episodes: 0,
+        mean_return: 0.0,
+        staleness: StalenessStats::default(),
+        evals: Vec::new(),
+        workers: Vec::new(),
+    };
+    let unreachable = |what: &str, e: MailboxError| Error::Actor(format!("{what} of model `{model}`: {e}"));
+    loop {
+        let stop_at = board
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .stop_at;
+        if stop_at.is_some_and(|s| version >= s) {
+            break;
+        }
+        if mode == SyncMode::Sync {
+            // Every fragment admitted under this version is on-policy: wait for them all.
+            pool.send(AwaitBatch {
+                train_version: version,
+                timeout: wait,
+            })
+            .await
+            .map_err(|e| unreachable("pool", e))??;
+            controller
+                .send(AwaitDrained {
+                    model: model.clone(),
+                })
+                .await
+                .map_err(|e| unreachable("controller", e))??;
+        }
+        let pb = pool
+            .send(TakeBatch {
+                train_version: version,
+                all: mode == SyncMode::Sync,
+                timeout: wait,
+            })
+            .await
+            .map_err(|e| unreachable("pool", e))??;
+        for e in &pb.batch.episodes {
+            if last20.len() == 20 {
+                last20.pop_front();
+            }
+            last20.push_back(e.ret);
+        }
+        report.episodes += pb.batch.episodes.len() as u64;
+        report.frames += pb.batch.frames as u64;
+        let mean = if last20.is_empty() {
+            0.0
+        } else {
+            last20.iter().sum::<f64>() / last20.len() as f64
+        };
+        report.mean_return = mean;
+        report.staleness = pb.totals.clone();
+        let sample_versions = pb.batch.version_range().unwrap_or((version, version));
+        let frames = pb.batch.frames;
+        let (_, published) = trainer
+            .send(TrainAndPublish { batch: pb.batch })
+            .await
+            .map_err(|e| unreachable("trainer", e))??;
+        report.updates.push(UpdateRecord {
+            train_version: version,
+            published,
+            frames,
+            sample_versions,
+            max_staleness: pb.max_staleness,
+            dropped: pb.dropped,
+            fragments: pb.fragments,
+            mean_return: mean,
+        });
+        version = published;
+        let solved = stop.target_return.is_some_and(|t| last20.len() == 20 && mean >= t);
+        let out_of_budget =
+            report.updates.len() as u64 >= stop.max_updates || started.elapsed() >= stop.max_time;
+        board
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .post(&model, version, solved, out_of_budget);
+        if let Some(outcome) = notifier.notify(version).await? {
+            if let Some(eval) = outcome.eval {
+                report.evals.push(eval);
+            }
+        }
+    }
+    notifier.flush().await?;
+    // The run ends when its last version serves everywhere.
+    controller
+        .send(AwaitSynced {
+            model: model.clone(),
+            version,
+        })
+        .await
+        .map_err(|e| unreachable("controller", e))??;
+    Ok(report)
+}
+
+/// How long a blocked step may wait, by default.
+pub const DEFAULT_WAIT: Duration = Duration::from_secs(60);

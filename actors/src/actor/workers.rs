@@ -1,0 +1,168 @@
+//! Actors that wrap the plain-Rust collector and PPO trainer on their own threads.
+
+use std::sync::Arc;
+
+use actix::prelude::*;
+use refit_runtime::{Version, WeightSet};
+
+use crate::batch::Batch;
+use crate::collector::{Collector, UpdatePolicyWeights};
+use crate::env::Env;
+use crate::error::{Error, Result};
+use crate::link::WeightOutlet;
+use crate::policy::Policy;
+use crate::ppo::{PpoStats, PpoTrainer};
+
+use super::engine::LoadWeights;
+
+/// Asks a worker for one batch.
+#[derive(Debug, Message)]
+#[rtype(result = "Result<Option<Batch>>")]
+pub struct CollectBatch;
+
+/// Collects batches with a [`Collector`] on its own thread.
+pub struct CollectorWorker<E: Env, P: Policy> {
+    collector: Collector<E, P>,
+}
+
+impl<E: Env, P: Policy> std::fmt::Debug for CollectorWorker<E, P> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CollectorWorker")
+            .field("frames", &self.collector.frames())
+            .finish()
+    }
+}
+
+impl<E: Env + Unpin + 'static, P: Policy + Unpin + 'static> CollectorWorker<E, P> {
+    /// Starts a worker on its own thread; `make` builds the collector there.
+    pub fn start(make: impl Fn() -> Collector<E, P> + Send + Sync + 'static) -> Addr<Self> {
+        SyncArbiter::start(1, move || Self { collector: make() })
+    }
+}
+
+impl<E: Env + Unpin + 'static, P: Policy + Unpin + 'static> Actor for CollectorWorker<E, P> {
+    type Context = SyncContext<Self>;
+}
+
+impl<E: Env + Unpin + 'static, P: Policy + Unpin + 'static> Handler<CollectBatch>
+    for CollectorWorker<E, P>
+{
+    type Result = Result<Option<Batch>>;
+    fn handle(&mut self, _: CollectBatch, _: &mut SyncContext<Self>) -> Self::Result {
+        self.collector.next_batch()
+    }
+}
+
+impl<E: Env + Unpin + 'static, P: Policy + Unpin + 'static> Handler<LoadWeights>
+    for CollectorWorker<E, P>
+{
+    type Result = Result<Version>;
+    fn handle(&mut self, msg: LoadWeights, _: &mut SyncContext<Self>) -> Result<Version> {
+        self.collector.update_weights((*msg.weights).clone())?;
+        Ok(self.collector.policy_version())
+    }
+}
+
+/// One PPO update on a batch; answers the stats and the new weights.
+#[derive(Debug, Message)]
+#[rtype(result = "Result<(PpoStats, Arc<WeightSet>)>")]
+pub struct Train {
+    /// The batch.
+    pub batch: Batch,
+}
+
+/// One PPO update, then the new version goes out through the trainer's outlet; answers the
+/// stats and the published version.
+#[derive(Debug, Message)]
+#[rtype(result = "Result<(PpoStats, Version)>")]
+pub struct TrainAndPublish {
+    /// The batch.
+    pub batch: Batch,
+}
+
+/// Exports the current weights as a new version and publishes them through the outlet
+/// (the initial version, before any training).
+#[derive(Debug, Message)]
+#[rtype(result = "Result<Version>")]
+pub struct PublishCurrent;
+
+/// The trainer actor (PPO with candle), on its own thread, optionally publishing through a
+/// [`WeightOutlet`].
+pub struct Trainer {
+    ppo: PpoTrainer,
+    outlet: Option<Box<dyn WeightOutlet>>,
+}
+
+impl std::fmt::Debug for Trainer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Trainer")
+            .field("version", &self.ppo.version())
+            .finish()
+    }
+}
+
+impl Trainer {
+    /// Starts a trainer on its own thread; `make` builds it there.
+    pub fn start(make: impl Fn() -> PpoTrainer + Send + Sync + 'static) -> Addr<Self> {
+        SyncArbiter::start(1, move || Self {
+            ppo: make(),
+            outlet: None,
+        })
+    }
+
+    /// Starts a trainer that publishes every version through `outlet`.
+    pub fn start_with_outlet(ppo: PpoTrainer, outlet: Box<dyn WeightOutlet>) -> Addr<Self> {
+        let slot = std::sync::Mutex::new(Some((ppo, outlet)));
+        SyncArbiter::start(1, move || {
+            let taken = slot
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .take();
+            match taken {
+                Some((ppo, outlet)) => Self {
+                    ppo,
+                    outlet: Some(outlet),
+                },
+                // A sync arbiter builds its actor once per thread; one thread is started.
+                None => unreachable!("trainer actor built twice"),
+            }
+        })
+    }
+
+    fn publish(&mut self) -> Result<Version> {
+        let weights = Arc::new(self.ppo.export()?);
+        match &mut self.outlet {
+            Some(o) => o.publish(weights),
+            None => Err(Error::Config(
+                "this trainer has no outlet (start it with start_with_outlet)".into(),
+            )),
+        }
+    }
+}
+
+impl Handler<TrainAndPublish> for Trainer {
+    type Result = Result<(PpoStats, Version)>;
+    fn handle(&mut self, msg: TrainAndPublish, _: &mut SyncContext<Self>) -> Self::Result {
+        let stats = self.ppo.update(&msg.batch)?;
+        Ok((stats, self.publish()?))
+    }
+}
+
+impl Handler<PublishCurrent> for Trainer {
+    type Result = Result<Version>;
+    fn handle(&mut self, _: PublishCurrent, _: &mut SyncContext<Self>) -> Self::Result {
+        self.publish()
+    }
+}
+
+impl Actor for Trainer {
+    type Context = SyncContext<Self>;
+}
+
+impl Handler<Train> for Trainer {
+    type Result = Result<(PpoStats, Arc<WeightSet>)>;
+    fn handle(&mut self, msg: Train, _: &mut SyncContext<Self>) -> Self::Result {
+        let stats = self.ppo.update(&msg.batch)?;
+        Ok((stats, Arc::new(self.ppo.export()?)))
+    }
+}

@@ -1,0 +1,427 @@
+//! The weight-sync controller with real actors and real weight transfer (the in-process
+//! scheme, or the in-process scheme behind a slow link): every sync mode, validation
+//! cadence, and the two-model version barrier with its leader's eval sequence.
+#![allow(clippy::unwrap_used, missing_docs)]
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use actix::Actor;
+use refit_actors::actor::topology::{self, InletWrapper, ModelSpec, RunConfig, RunReport, StopRule};
+use refit_actors::actor::{
+    ActBatch, EngineHandle, Evaluator, GetStatus, InferenceEngine, RunEval, ServedVersions,
+    SyncEventKind, UpdateModel, VersionNotifier, WeightSyncController,
+};
+use refit_actors::{CartPole, MlpPolicy, WeightInlet};
+use refit_runtime::sync_policy::{LeaderStep, SyncConfig, SyncMode, leader_sequence};
+use refit_runtime::{Manifests, ModelId, ReceiverInit, Sender, SenderInit, Version, WeightSet};
+use refit_transports::inproc::{InProc, InProcReceiver, InProcSender};
+
+const SIZES: [usize; 3] = [4, 16, 2];
+
+fn id(s: &str) -> ModelId {
+    ModelId::new(s).unwrap()
+}
+
+/// A link that takes `delay` before each fetch: the bytes still cross the real scheme.
+struct SlowLink {
+    inner: Box<dyn WeightInlet>,
+    delay: Duration,
+}
+
+impl WeightInlet for SlowLink {
+    fn fetch(
+        &mut self,
+        model: &ModelId,
+        at_least: Version,
+        timeout: Duration,
+    ) -> refit_actors::Result<Arc<WeightSet>> {
+        std::thread::sleep(self.delay);
+        self.inner.fetch(model, at_least, timeout)
+    }
+}
+
+fn slow(delay: Duration) -> InletWrapper {
+    Arc::new(move |inner| Box::new(SlowLink { inner, delay }) as Box<dyn WeightInlet>)
+}
+
+fn spec(name: &str, seed: u64) -> ModelSpec {
+    let mut s = ModelSpec::cartpole(id(name), seed);
+    s.ppo.sizes = vec![4, 32, 2];
+    s.ppo.epochs = 2;
+    s.ppo.minibatch = 128;
+    s.workers = 2;
+    s.envs_per_worker = 2;
+    s.fragment_steps = 16;
+    s.batch_frames = 256;
+    s
+}
+
+fn run_config(mode: SyncMode, models: Vec<ModelSpec>, updates: u64) -> RunConfig {
+    let mut sync = SyncConfig::with_mode(mode);
+    sync.staleness_threshold = 2;
+    sync.timeouts.rollout_wait_s = 60.0;
+    RunConfig {
+        sync,
+        models,
+        eval_episodes: 2,
+        stop: StopRule {
+            max_updates: updates,
+            target_return: None,
+            max_time: Duration::from_secs(120),
+        },
+        seed: 3,
+        wrap_inlet: None,
+        wait: Duration::from_secs(60),
+    }
+}
+
+async fn run(cfg: RunConfig) -> RunReport {
+    topology::run(cfg, CartPole::new).await.unwrap()
+}
+
+/// The last `Landed` version of `model` before event `seq`.
+fn landed_before(report: &RunReport, model: &ModelId, seq: u64) -> Version {
+    report
+        .controller
+        .events
+        .iter()
+        .filter(|e| e.seq < seq && e.model.as_ref() == Some(model))
+        .filter_map(|e| match e.kind {
+            SyncEventKind::Landed(v) => Some(v),
+            _ => None,
+        })
+        .max()
+        .unwrap_or(Version::ZERO)
+}
+
+#[actix_rt::test]
+async fn sync_mode_no_rollout_uses_an_old_version_after_the_sync_point() {
+    let m = id("policy");
+    let report = run(run_config(SyncMode::Sync, vec![spec("policy", 1)], 8)).await;
+    let r = &report.models[&m];
+    assert_eq!(r.updates.len(), 8);
+    let mut fragments = 0;
+    for u in &r.updates {
+        // every sample was produced by the version that trains on it
+        assert_eq!(
+            u.sample_versions,
+            (u.train_version, u.train_version),
+            "{u:?}"
+        );
+        for f in &u.fragments {
+            let landed = landed_before(&report, &m, f.admission.seq);
+            assert!(f.versions.0 >= landed, "fragment admitted after v{landed} landed acted with v{:?}", f.versions);
+            assert_eq!(f.admission.staleness, 0, "{f:?}");
+            fragments += 1;
+        }
+    }
+    assert!(fragments >= 8 * 8, "{fragments} fragments");
+    assert_eq!(r.staleness.dropped, 0, "drained batches drop nothing: {:?}", r.staleness);
+    let status = &report.controller.models[&m];
+    assert!(status.blocked > 0, "sync mode blocks rollouts between batch and load: {status:?}");
+    assert_eq!(status.rollout_version, Version(9));
+}
+
+#[actix_rt::test]
+async fn batch_async_staleness_never_exceeds_the_threshold() {
+    let m = id("policy");
+    let mut cfg = run_config(SyncMode::BatchAsync, vec![spec("policy", 2)], 10);
+    // a slow link lets the trainer outrun the loads, so the threshold has to bite
+    cfg.wrap_inlet = Some(slow(Duration::from_millis(60)));
+    let report = run(cfg).await;
+    let r = &report.models[&m];
+    let threshold = 2;
+    for u in &r.updates {
+        assert!(u.max_staleness <= threshold, "{u:?}");
+        for f in &u.fragments {
+            assert!(f.admission.staleness < threshold, "{f:?}");
+        }
+    }
+    let status = &report.controller.models[&m];
+    assert!(status.max_staleness < threshold, "{status:?}");
+    assert!(status.blocked > 0, "the threshold never blocked: {status:?}");
+    let blocked_by_staleness = report.controller.events.iter().any(|e| {
+        matches!(
+            e.kind,
+            SyncEventKind::Blocked(refit_runtime::sync_policy::BlockReason::Staleness { .. })
+        )
+    });
+    assert!(blocked_by_staleness);
+}
+
+#[actix_rt::test]
+async fn fully_async_rollouts_never_block() {
+    let m = id("policy");
+    let mut cfg = run_config(SyncMode::FullyAsync, vec![spec("policy", 3)], 10);
+    cfg.wrap_inlet = Some(slow(Duration::from_millis(60)));
+    let report = run(cfg).await;
+    let status = &report.controller.models[&m];
+    assert!(status.admissions > 20, "{status:?}");
+    assert_eq!(status.blocked, 0, "{status:?}");
+    assert_eq!(status.waited, Duration::ZERO);
+    assert!(
+        report
+            .controller
+            .events
+            .iter()
+            .all(|e| !matches!(e.kind, SyncEventKind::Blocked(_)))
+    );
+    // rollouts went on while the engine was behind the trainer
+    assert!(status.max_staleness >= 1, "{status:?}");
+    let r = &report.models[&m];
+    assert_eq!(r.staleness.dropped, 0);
+    assert!(r.workers.iter().all(|w| w.blocked.is_zero() && w.error.is_none()), "{:?}", r.workers);
+}
+
+#[actix_rt::test]
+async fn two_models_run_many_eval_steps_and_every_eval_sees_both_at_the_round_version() {
+    let (solver, verifier) = (id("solver"), id("verifier"));
+    let mut cfg = run_config(
+        SyncMode::FullyAsync,
+        vec![spec("verifier", 5), spec("solver", 4)],
+        12,
+    );
+    cfg.sync.validate_freq = 3;
+    // different link speeds make the two models' non-eval loads overlap and interleave
+    cfg.wrap_inlet = Some(slow(Duration::from_millis(15)));
+    let report = run(cfg).await;
+    let evals = &report.models[&solver].evals;
+    // versions 3, 6, 9, 12 are eval steps (the initial version is 1, 12 updates end at 13)
+    let steps: Vec<Version> = evals.iter().map(|e| e.step).collect();
+    assert_eq!(steps, vec![Version(3), Version(6), Version(9), Version(12)]);
+    assert_eq!(report.controller.evals, 4);
+    for e in evals {
+        for m in [&solver, &verifier] {
+            assert_eq!(e.models[m].versions.iter().copied().collect::<Vec<_>>(), vec![e.step], "{e:?}");
+            assert!(e.models[m].episodes > 0);
+        }
+    }
+    assert_eq!(&report.models[&verifier].evals, evals, "both trainers get the same eval");
+    // the leader's sequence, in order, for every eval round
+    let expected = leader_sequence([&solver, &verifier], true);
+    let ev = &report.controller.events;
+    let mut rounds = 0;
+    for (i, e) in ev.iter().enumerate() {
+        let SyncEventKind::Leader { version, eval: true } = e.kind else {
+            continue;
+        };
+        rounds += 1;
+        let steps: Vec<LeaderStep> = ev[i..]
+            .iter()
+            .take_while(|x| x.kind != SyncEventKind::Released(version))
+            .filter_map(|x| match &x.kind {
+                SyncEventKind::Step(s) => Some(s.clone()),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(steps, expected, "round v{version}");
+        // each model landed at the round's version before validation started
+        let eval_at = ev[i..]
+            .iter()
+            .position(|x| x.kind == SyncEventKind::Step(LeaderStep::Eval))
+            .unwrap()
+            + i;
+        for m in [&solver, &verifier] {
+            assert!(landed_before(&report, m, ev[eval_at].seq) >= version);
+        }
+    }
+    assert_eq!(rounds, 4);
+    for m in [&solver, &verifier] {
+        let s = &report.controller.models[m];
+        assert_eq!((s.train_version, s.rollout_version), (Version(13), Version(13)), "{s:?}");
+        assert_eq!(s.failed_loads, 0);
+    }
+}
+
+/// One in-process scheme per model: (sender, receiver for the engine).
+fn scheme(model: &ModelId) -> (Sender<InProcSender>, refit_runtime::Receiver<InProcReceiver>) {
+    let manifest = Arc::new(MlpPolicy::manifest_for(&SIZES).unwrap());
+    let manifests = Manifests::new([(model.clone(), manifest.clone())]).unwrap();
+    let hub = InProc::new();
+    let receiver = ReceiverInit::new(hub.receiver(), Some(manifests.clone()));
+    let r = std::thread::spawn(move || receiver.connect(Duration::from_secs(5)).unwrap());
+    let sender = SenderInit::new(hub.sender().unwrap(), manifests)
+        .connect(vec![weights(model, 1, 0.0)], Duration::from_secs(5))
+        .unwrap();
+    (sender, r.join().unwrap())
+}
+
+fn weights(model: &ModelId, version: u64, fill: f32) -> WeightSet {
+    let m = Arc::new(MlpPolicy::manifest_for(&SIZES).unwrap());
+    let mut ws = WeightSet::zeroed(model.clone(), m.clone());
+    for t in m.tensors() {
+        ws.view_mut::<f32>(&t.name).unwrap().fill(fill);
+    }
+    ws.set_version(Version(version));
+    ws
+}
+
+#[actix_rt::test]
+async fn the_pause_covers_only_the_apply_and_models_load_independently() {
+    let (a, b) = (id("solver"), id("verifier"));
+    let (mut sa, ra) = scheme(&a);
+    let (_sb, rb) = scheme(&b);
+    let engine = InferenceEngine::empty(1)
+        .with_model(
+            a.clone(),
+            MlpPolicy::new(&SIZES).unwrap(),
+            Some(Box::new(SlowLink {
+                inner: Box::new(ra),
+                delay: Duration::from_millis(150),
+            })),
+        )
+        .unwrap()
+        .with_model(b.clone(), MlpPolicy::new(&SIZES).unwrap(), Some(Box::new(rb)))
+        .unwrap()
+        .start();
+    mock_publish(&mut sa, &a, 2).unwrap();
+    let load = |v| {
+        engine.send(UpdateModel {
+            model: a.clone(),
+            version: Version(v),
+            timeout: Duration::from_secs(5),
+        })
+    };
+    let first = load(2);
+    // while solver's bytes are being staged, verifier keeps answering
+    let t = Instant::now();
+    let acted = engine
+        .send(ActBatch {
+            model: b.clone(),
+            obs: vec![0.0; 8],
+            generation: None,
+            greedy: false,
+        })
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(t.elapsed() < Duration::from_millis(100), "{:?}", t.elapsed());
+    assert_eq!(acted.actions.len(), 2);
+    let report = first.await.unwrap().unwrap();
+    assert_eq!(report.version, Version(2));
+    assert!(report.staged >= Duration::from_millis(150), "{report:?}");
+    assert!(report.paused < Duration::from_millis(20), "{report:?}");
+    // same-model loads are serialised: the second waits for the first's lock
+    let (p3, p4) = (load(3), load(4));
+    let _ = mock_publish(&mut sa, &a, 4);
+    let (r3, r4) = (p3.await.unwrap().unwrap(), p4.await.unwrap().unwrap());
+    assert_eq!((r3.version, r4.version), (Version(4), Version(4)));
+    assert!(r4.staged >= Duration::from_millis(300), "{r4:?}");
+    let served = engine.send(ServedVersions).await.unwrap();
+    assert_eq!(served[&a], Version(4));
+    assert_eq!(served[&b], Version::ZERO);
+}
+
+fn mock_publish(s: &mut Sender<InProcSender>, m: &ModelId, v: u64) -> refit_runtime::Result<()> {
+    s.send_async(vec![weights(m, v, v as f32 / 100.0)]).map(|_| ())
+}
+
+#[actix_rt::test]
+async fn an_eval_that_sees_a_model_at_an_older_version_is_refused() {
+    // The check the leader applies after its loads: if a model were left behind (the
+    // sequence broken), validation would see it at an older version and the round fails.
+    let (a, b) = (id("solver"), id("verifier"));
+    let (mut sa, ra) = scheme(&a);
+    let (_sb, rb) = scheme(&b);
+    let engine = InferenceEngine::empty(1)
+        .with_model(a.clone(), MlpPolicy::new(&SIZES).unwrap(), Some(Box::new(ra)))
+        .unwrap()
+        .with_model(b.clone(), MlpPolicy::new(&SIZES).unwrap(), Some(Box::new(rb)))
+        .unwrap()
+        .start();
+    for (m, v) in [(&a, 1), (&b, 1)] {
+        engine
+            .send(UpdateModel {
+                model: m.clone(),
+                version: Version(v),
+                timeout: Duration::from_secs(5),
+            })
+            .await
+            .unwrap()
+            .unwrap();
+    }
+    mock_publish(&mut sa, &a, 2).unwrap();
+    engine
+        .send(UpdateModel {
+            model: a.clone(),
+            version: Version(2),
+            timeout: Duration::from_secs(5),
+        })
+        .await
+        .unwrap()
+        .unwrap();
+    let evaluator = Evaluator::new(
+        engine.clone().recipient(),
+        vec![a.clone(), b.clone()],
+        |i| CartPole::new(i as u64),
+        2,
+        50,
+        0,
+    )
+    .start();
+    let report = evaluator.send(RunEval { step: Version(2) }).await.unwrap().unwrap();
+    assert_eq!(report.models[&a].versions.len(), 1);
+    let err = report.check_versions(Version(2)).unwrap_err().to_string();
+    assert!(err.contains("`verifier` at v1"), "{err}");
+}
+
+#[actix_rt::test]
+async fn an_eval_step_whose_load_fails_fails_the_round_and_resumes_acquisition() {
+    let (a, b) = (id("solver"), id("verifier"));
+    let (mut sa, ra) = scheme(&a);
+    let (mut sb, rb) = scheme(&b);
+    let engine = InferenceEngine::empty(1)
+        .with_model(a.clone(), MlpPolicy::new(&SIZES).unwrap(), Some(Box::new(ra)))
+        .unwrap()
+        .with_model(b.clone(), MlpPolicy::new(&SIZES).unwrap(), Some(Box::new(rb)))
+        .unwrap()
+        .start();
+    let evaluator = Evaluator::new(
+        engine.clone().recipient(),
+        vec![a.clone(), b.clone()],
+        |i| CartPole::new(i as u64),
+        1,
+        20,
+        0,
+    )
+    .start();
+    let mut cfg = SyncConfig::with_mode(SyncMode::FullyAsync);
+    cfg.validate_freq = 2;
+    cfg.timeouts.load_s = 0.5;
+    let ctl = WeightSyncController::new(
+        &cfg,
+        vec![a.clone(), b.clone()],
+        vec![EngineHandle::of(&engine)],
+        Some(evaluator.recipient()),
+    )
+    .unwrap()
+    .start();
+    let mut na = VersionNotifier::new(ctl.clone(), a.clone(), cfg.clone());
+    let mut nb = VersionNotifier::new(ctl.clone(), b.clone(), cfg.clone());
+    na.notify(Version(1)).await.unwrap();
+    nb.notify(Version(1)).await.unwrap();
+    na.flush().await.unwrap();
+    nb.flush().await.unwrap();
+    // solver publishes v2; verifier's trainer says v2 but never publishes it
+    mock_publish(&mut sa, &a, 2).unwrap();
+    let _ = &mut sb;
+    let (ra, rb) = futures_pair(na.notify(Version(2)), nb.notify(Version(2))).await;
+    for r in [ra, rb] {
+        let e = r.unwrap_err().to_string();
+        assert!(e.contains("verifier") && e.contains("failed"), "{e}");
+    }
+    let status = ctl.send(GetStatus).await.unwrap();
+    assert!(!status.acquisition_paused, "a failed eval step must not leave rollouts paused");
+    assert_eq!(status.models[&b].rollout_version, Version(1), "the previous version stays served");
+    assert_eq!(status.models[&a].rollout_version, Version(2));
+    assert_eq!(status.evals, 0);
+}
+
+async fn futures_pair<A, B>(a: A, b: B) -> (A::Output, B::Output)
+where
+    A: std::future::Future,
+    B: std::future::Future,
+{
+    tokio::join!(a, b)
+}
