@@ -3,9 +3,14 @@
 //! re-run as `worker`) fed with weights through shared memory; `--threads` runs them as
 //! threads over the in-process transport, `--async` as asynchronous threads.
 //!
+//! `--sync-mode sync|fully-async|batch-async` (or `--sync-config FILE.toml`) runs the actor
+//! topology instead: rollout worker actors act through an inference engine actor, and the
+//! weight-sync controller decides when each new version loads and when rollouts wait.
+//!
 //! ```text
 //! cargo run --release --example cartpole -- [--workers 2] [--envs 4] [--frames-per-batch 2048]
-//!     [--threads | --async] [--seed 0] [--max-seconds 60] [--target 475]
+//!     [--threads | --async | --sync-mode MODE | --sync-config FILE] [--staleness-threshold 2]
+//!     [--seed 0] [--max-seconds 60] [--target 475]
 //! ```
 
 use std::collections::VecDeque;
@@ -19,6 +24,8 @@ use refit_actors::{
     Batch, CartPole, Collector, MlpPolicy, MultiAsyncCollector, MultiConfig, MultiSyncCollector,
     PpoConfig, PpoTrainer, UpdatePolicyWeights,
 };
+use refit_actors::actor::topology::{self, ModelSpec, RunConfig, StopRule};
+use refit_runtime::sync_policy::{SyncConfig, SyncMode};
 use refit_runtime::{Manifests, ReceiverInit, wire};
 use refit_transports::shm::{ShmConfig, ShmReceiver, ShmReceiverSpec, ShmSender};
 
@@ -32,6 +39,9 @@ struct Args {
     max_seconds: f64,
     target: f64,
     total_frames: u64,
+    sync_mode: Option<SyncMode>,
+    sync_config: Option<std::path::PathBuf>,
+    staleness_threshold: Option<u64>,
 }
 
 fn parse_args() -> Result<Args, String> {
@@ -45,6 +55,9 @@ fn parse_args() -> Result<Args, String> {
         max_seconds: 60.0,
         target: 475.0,
         total_frames: 2_000_000,
+        sync_mode: None,
+        sync_config: None,
+        staleness_threshold: None,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -79,6 +92,18 @@ fn parse_args() -> Result<Args, String> {
                 a.total_frames = value("--total-frames")?
                     .parse()
                     .map_err(|e| bad("--total-frames", &e))?
+            }
+            "--sync-mode" => {
+                a.sync_mode =
+                    Some(SyncMode::parse(&value("--sync-mode")?).map_err(|e| e.to_string())?)
+            }
+            "--sync-config" => a.sync_config = Some(value("--sync-config")?.into()),
+            "--staleness-threshold" => {
+                a.staleness_threshold = Some(
+                    value("--staleness-threshold")?
+                        .parse()
+                        .map_err(|e| bad("--staleness-threshold", &e))?,
+                )
             }
             other => return Err(format!("unknown argument {other}")),
         }
@@ -229,6 +254,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         unsafe { std::env::set_var("RAYON_NUM_THREADS", "1") };
     }
     let args = parse_args()?;
+    if args.sync_mode.is_some() || args.sync_config.is_some() {
+        return run_actors(&args);
+    }
     let start = Instant::now();
     let mut trainer = PpoTrainer::new(PpoConfig {
         lr: 1e-3,
@@ -319,3 +347,97 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     }
     Ok(())
 }
+
+// ANCHOR: actors
+/// The actor topology: rollout workers act through the inference engine; the controller
+/// decides when each version loads and when rollouts wait.
+fn run_actors(args: &Args) -> Result<(), Box<dyn std::error::Error>> {
+    let mut sync = match &args.sync_config {
+        Some(path) => SyncConfig::from_path(path)?,
+        None => SyncConfig::default(),
+    };
+    if let Some(mode) = args.sync_mode {
+        sync.sync_mode = mode;
+    }
+    if let Some(t) = args.staleness_threshold {
+        sync.staleness_threshold = t;
+    }
+    sync.check()?;
+    let mut spec = ModelSpec::cartpole(refit_actors::policy_model_id(), args.seed);
+    spec.workers = args.workers;
+    spec.envs_per_worker = args.envs;
+    spec.batch_frames = args.frames_per_batch;
+    let cfg = RunConfig {
+        sync: sync.clone(),
+        models: vec![spec],
+        eval_episodes: 10,
+        stop: StopRule {
+            max_updates: u64::MAX,
+            target_return: Some(args.target),
+            max_time: Duration::from_secs_f64(args.max_seconds),
+        },
+        seed: args.seed,
+        wrap_inlet: None,
+        wait: Duration::from_secs(60),
+    };
+    println!(
+        "cartpole (actors): sync mode {}, staleness threshold {}, filter {}, {} rollout workers x {} envs, batches of {} frames",
+        sync.sync_mode,
+        sync.staleness_threshold,
+        sync.allowed_staleness()
+            .map_or("keeps all".to_string(), |s| format!("drops staleness > {s}")),
+        args.workers,
+        args.envs,
+        args.frames_per_batch
+    );
+    let report = actix_rt::System::new().block_on(topology::run(cfg, CartPole::new))?;
+    for (model, r) in &report.models {
+        for u in &r.updates {
+            println!(
+                "{model} v{:>3} -> v{:<3} frames {:>5}  samples v{}..v{}  max staleness {}  dropped {:>4}  evicted {:>5}  mean return {:>6.1}",
+                u.train_version,
+                u.published,
+                u.frames,
+                u.sample_versions.0,
+                u.sample_versions.1,
+                u.max_staleness,
+                u.dropped,
+                u.evicted,
+                u.mean_return
+            );
+        }
+        for e in &r.evals {
+            for (m, ev) in &e.models {
+                println!("eval at v{}: {m} mean return {:.1} over {} episodes", e.step, ev.mean_return, ev.episodes);
+            }
+        }
+        let c = &report.controller.models[model];
+        let s = &r.staleness;
+        println!(
+            "{}: {model} mean return {:.1} over the last 20 episodes after {} frames, {} updates, {:.1} s wall; \
+             staleness of trained samples mean {:.2} max {} (dropped {}, evicted from a full pool {}); rollouts admitted {}, blocked {} ({:.0} ms waiting), \
+             staleness at admission max {}; engine paused {:.2} ms in total over {} loads (longest {:.3} ms)",
+            if report.solved { "solved" } else { "NOT solved" },
+            r.mean_return,
+            r.frames,
+            r.updates.len(),
+            report.elapsed.as_secs_f64(),
+            s.mean_kept(),
+            s.max_kept,
+            s.dropped,
+            r.evicted,
+            c.admissions,
+            c.blocked,
+            c.waited.as_secs_f64() * 1e3,
+            c.max_staleness,
+            report.engine.paused_total.as_secs_f64() * 1e3,
+            report.engine.loads,
+            report.engine.paused_max.as_secs_f64() * 1e3,
+        );
+    }
+    if !report.solved {
+        std::process::exit(1);
+    }
+    Ok(())
+}
+// ANCHOR_END: actors

@@ -126,9 +126,9 @@ async fn sync_mode_no_rollout_uses_an_old_version_after_the_sync_point() {
 #[actix_rt::test]
 async fn batch_async_staleness_never_exceeds_the_threshold() {
     let m = id("policy");
-    let mut cfg = run_config(SyncMode::BatchAsync, vec![spec("policy", 2)], 10);
+    let mut cfg = run_config(SyncMode::BatchAsync, vec![spec("policy", 2)], 8);
     // a slow link lets the trainer outrun the loads, so the threshold has to bite
-    cfg.wrap_inlet = Some(slow(Duration::from_millis(60)));
+    cfg.wrap_inlet = Some(slow(Duration::from_millis(250)));
     let report = run(cfg).await;
     let r = &report.models[&m];
     let threshold = 2;

@@ -394,6 +394,8 @@ pub struct PoolBatch {
     pub batch: Batch,
     /// Samples dropped as too stale while this batch was gathered.
     pub dropped: u64,
+    /// Samples evicted because the pool was full while this batch was gathered.
+    pub evicted: u64,
     /// Largest staleness in this batch.
     pub max_staleness: u64,
     /// The fragments of this batch: their admissions and sample versions.
@@ -429,6 +431,9 @@ pub struct TrajectoryPool {
     train_version: Version,
     fragments: VecDeque<(Batch, Admission)>,
     dropped_since_take: u64,
+    evicted_since_take: u64,
+    evicted_total: u64,
+    capacity: usize,
     controller: Option<Recipient<BatchReady>>,
     ready_sent: bool,
     waiting: Vec<Waiting>,
@@ -462,11 +467,38 @@ impl TrajectoryPool {
             train_version: Version::ZERO,
             fragments: VecDeque::new(),
             dropped_since_take: 0,
+            evicted_since_take: 0,
+            evicted_total: 0,
+            capacity: batch_frames.max(1) * 2,
             controller,
             ready_sent: false,
             waiting: Vec::new(),
             next_id: 0,
             next_stream: 0,
+        }
+    }
+
+    /// Holds at most `batches` batches of frames; older fragments are evicted.
+    #[must_use]
+    pub fn with_capacity_batches(mut self, batches: u64) -> Self {
+        let b = usize::try_from(batches.max(1)).unwrap_or(usize::MAX);
+        self.capacity = self.batch_frames.saturating_mul(b);
+        self
+    }
+
+    /// Samples evicted so far because the pool was full.
+    pub fn evicted(&self) -> u64 {
+        self.evicted_total
+    }
+
+    fn evict(&mut self) {
+        let mut frames = self.frames();
+        while frames > self.capacity && self.fragments.len() > 1 {
+            if let Some((b, _)) = self.fragments.pop_front() {
+                frames -= b.frames;
+                self.evicted_since_take += b.frames as u64;
+                self.evicted_total += b.frames as u64;
+            }
         }
     }
 
@@ -576,6 +608,7 @@ impl TrajectoryPool {
         PoolBatch {
             batch: Batch::concat(parts),
             dropped: std::mem::take(&mut self.dropped_since_take),
+            evicted: std::mem::take(&mut self.evicted_since_take),
             max_staleness,
             fragments,
             totals: self.filter.stats().clone(),
@@ -633,6 +666,7 @@ impl Handler<PushFragment> for TrajectoryPool {
         if msg.fragment.frames > 0 {
             self.fragments.push_back((msg.fragment, msg.admission));
         }
+        self.evict();
         self.serve();
     }
 }

@@ -129,6 +129,8 @@ pub struct UpdateRecord {
     pub max_staleness: u64,
     /// Samples dropped as too stale while gathering it.
     pub dropped: u64,
+    /// Samples evicted from a full pool while gathering it.
+    pub evicted: u64,
     /// The batch's fragments: admissions and sample versions.
     pub fragments: Vec<FragmentInfo>,
     /// Mean return over the model's last 20 episodes after this batch.
@@ -148,6 +150,8 @@ pub struct ModelReport {
     pub mean_return: f64,
     /// What the staleness filter kept and dropped.
     pub staleness: StalenessStats,
+    /// Samples evicted from a full pool.
+    pub evicted: u64,
     /// Validation results of the eval steps this trainer waited for.
     pub evals: Vec<EvalReport>,
     /// The rollout workers' statistics.
@@ -282,6 +286,7 @@ where
             sync.allowed_staleness(),
             Some(controller.clone().recipient()),
         )
+        .with_capacity_batches(sync.max_buffered_batches)
         .start();
         let mut ws = Vec::new();
         for w in 0..spec.workers {
@@ -412,6 +417,7 @@ async fn drive(
         episodes: 0,
         mean_return: 0.0,
         staleness: StalenessStats::default(),
+        evicted: 0,
         evals: Vec::new(),
         workers: Vec::new(),
     };
@@ -462,6 +468,7 @@ async fn drive(
         };
         report.mean_return = mean;
         report.staleness = pb.totals.clone();
+        report.evicted += pb.evicted;
         let sample_versions = pb.batch.version_range().unwrap_or((version, version));
         let frames = pb.batch.frames;
         let (_, published) = trainer
@@ -475,6 +482,7 @@ async fn drive(
             sample_versions,
             max_staleness: pb.max_staleness,
             dropped: pb.dropped,
+            evicted: pb.evicted,
             fragments: pb.fragments,
             mean_return: mean,
         });

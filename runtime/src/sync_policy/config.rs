@@ -121,6 +121,10 @@ pub struct SyncConfig {
     /// Samples whose version is more than this behind the trainer are dropped. Default by
     /// mode: `sync` 0, `batch-async` the threshold, `fully-async` none dropped.
     pub max_staleness: Option<u64>,
+    /// The trajectory pool holds at most this many batches of frames; when rollouts outrun
+    /// the trainer the oldest fragments are evicted (and counted), so that a backlog never
+    /// makes trained samples older than the rollouts that produce them (>= 1).
+    pub max_buffered_batches: u64,
     /// Every version divisible by this is an eval step: rollouts pause, every model loads in
     /// order, validation runs, rollouts resume. 0 turns validation off.
     pub validate_freq: u64,
@@ -137,6 +141,7 @@ impl Default for SyncConfig {
             sync_mode: SyncMode::Sync,
             staleness_threshold: 2,
             max_staleness: None,
+            max_buffered_batches: 2,
             validate_freq: 0,
             models: Vec::new(),
             timeouts: Timeouts::default(),
@@ -188,6 +193,11 @@ impl SyncConfig {
         if self.sync_mode == SyncMode::BatchAsync && self.staleness_threshold == 0 {
             return Err(Error::Config(
                 "staleness_threshold must be at least 1 in batch-async mode (0 would block every rollout)".into(),
+            ));
+        }
+        if self.max_buffered_batches == 0 {
+            return Err(Error::Config(
+                "max_buffered_batches must be at least 1 (the pool must hold one batch)".into(),
             ));
         }
         let mut seen = std::collections::BTreeSet::new();
@@ -278,6 +288,8 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("staleness_threshold"), "{e}");
+        let e = SyncConfig::from_toml("max_buffered_batches = 0").unwrap_err().to_string();
+        assert!(e.contains("max_buffered_batches"), "{e}");
         let e = SyncConfig::from_toml("models = [\"a\", \"a\"]").unwrap_err().to_string();
         assert!(e.contains("`a` is listed twice"), "{e}");
         let e = SyncConfig::from_toml("models = [\"\"]").unwrap_err().to_string();
