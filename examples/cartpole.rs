@@ -19,12 +19,12 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use indicatif::{ProgressBar, ProgressStyle};
+use refit_actors::actor::topology::{self, ModelSpec, RunConfig, StopRule};
 use refit_actors::process::{ProcessConfig, ProcessSyncCollector, serve_worker};
 use refit_actors::{
     Batch, CartPole, Collector, MlpPolicy, MultiAsyncCollector, MultiConfig, MultiSyncCollector,
     PpoConfig, PpoTrainer, UpdatePolicyWeights,
 };
-use refit_actors::actor::topology::{self, ModelSpec, RunConfig, StopRule};
 use refit_runtime::sync_policy::{SyncConfig, SyncMode};
 use refit_runtime::{Manifests, ReceiverInit, wire};
 use refit_transports::shm::{ShmConfig, ShmReceiver, ShmReceiverSpec, ShmSender};
@@ -385,7 +385,9 @@ fn run_actors(args: &Args) -> Result<(), Box<dyn std::error::Error>> {
         sync.sync_mode,
         sync.staleness_threshold,
         sync.allowed_staleness()
-            .map_or("keeps all".to_string(), |s| format!("drops staleness > {s}")),
+            .map_or("keeps all".to_string(), |s| format!(
+                "drops staleness > {s}"
+            )),
         args.workers,
         args.envs,
         args.frames_per_batch
@@ -408,7 +410,10 @@ fn run_actors(args: &Args) -> Result<(), Box<dyn std::error::Error>> {
         }
         for e in &r.evals {
             for (m, ev) in &e.models {
-                println!("eval at v{}: {m} mean return {:.1} over {} episodes", e.step, ev.mean_return, ev.episodes);
+                println!(
+                    "eval at v{}: {m} mean return {:.1} over {} episodes",
+                    e.step, ev.mean_return, ev.episodes
+                );
             }
         }
         let c = &report.controller.models[model];
@@ -417,7 +422,11 @@ fn run_actors(args: &Args) -> Result<(), Box<dyn std::error::Error>> {
             "{}: {model} mean return {:.1} over the last 20 episodes after {} frames, {} updates, {:.1} s wall; \
              staleness of trained samples mean {:.2} max {} (dropped {}, evicted from a full pool {}); rollouts admitted {}, blocked {} ({:.0} ms waiting), \
              staleness at admission max {}; engine paused {:.2} ms in total over {} loads (longest {:.3} ms)",
-            if report.solved { "solved" } else { "NOT solved" },
+            if report.solved {
+                "solved"
+            } else {
+                "NOT solved"
+            },
             r.mean_return,
             r.frames,
             r.updates.len(),

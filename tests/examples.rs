@@ -58,3 +58,84 @@ fn shm_weights_example_refuses_bad_arguments() {
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("usage"));
 }
+
+fn run_ok(name: &str, args: &[&str]) -> String {
+    let out = Command::new(example(name)).args(args).output().unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status.success(),
+        "{name} {args:?}\n{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    stdout
+}
+
+#[test]
+fn cartpole_runs_the_actor_topology_in_every_sync_mode() {
+    for mode in ["sync", "batch-async", "fully-async"] {
+        let stdout = run_ok(
+            "cartpole",
+            &[
+                "--sync-mode",
+                mode,
+                "--target",
+                "40",
+                "--frames-per-batch",
+                "1024",
+                "--max-seconds",
+                "300",
+            ],
+        );
+        assert!(stdout.contains(&format!("sync mode {mode}")), "{stdout}");
+        assert!(stdout.contains("solved: policy mean return"), "{stdout}");
+        if mode == "sync" {
+            // on-policy: every trained sample came from the version that trained on it
+            assert!(
+                stdout.contains("staleness of trained samples mean 0.00 max 0"),
+                "{stdout}"
+            );
+        }
+        if mode == "fully-async" {
+            assert!(stdout.contains("blocked 0 (0 ms waiting)"), "{stdout}");
+        }
+    }
+}
+
+#[test]
+fn two_models_example_keeps_both_models_in_step_at_every_eval() {
+    let stdout = run_ok("two_models", &["--updates", "4", "--validate-freq", "2"]);
+    for v in [2, 4] {
+        let line = format!("eval at v{v}: solver at v{v} mean return");
+        assert!(stdout.contains(&line), "missing {line:?} in\n{stdout}");
+        assert!(
+            stdout.contains(&format!("verifier at v{v} mean return")),
+            "{stdout}"
+        );
+    }
+    assert!(stdout.contains("2 eval steps"), "{stdout}");
+    assert!(stdout.contains("leader: load solver"), "{stdout}");
+    for m in ["solver", "verifier"] {
+        assert!(
+            stdout.contains(&format!("{m}: trained to v5, engine serves v5")),
+            "{stdout}"
+        );
+    }
+}
+
+#[test]
+fn a_sync_config_with_an_unknown_key_is_refused_by_name() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("sync.toml");
+    std::fs::write(&path, "sync_mode = \"sync\"\nstaleness = 2\n").unwrap();
+    let out = Command::new(example("two_models"))
+        .arg("--config")
+        .arg(&path)
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("unknown field `staleness`") && stderr.contains("sync.toml"),
+        "{stderr}"
+    );
+}

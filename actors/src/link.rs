@@ -23,8 +23,12 @@ pub trait WeightInlet: Send + 'static {
     /// # Errors
     /// A timeout naming the model and version; a refused update (the previous weights stay
     /// served); the sender gone.
-    fn fetch(&mut self, model: &ModelId, at_least: Version, timeout: Duration)
-    -> Result<Arc<WeightSet>>;
+    fn fetch(
+        &mut self,
+        model: &ModelId,
+        at_least: Version,
+        timeout: Duration,
+    ) -> Result<Arc<WeightSet>>;
 }
 
 impl<T: ReceiverTransport + 'static> WeightInlet for Receiver<T> {
@@ -37,9 +41,9 @@ impl<T: ReceiverTransport + 'static> WeightInlet for Receiver<T> {
         let deadline = Instant::now() + timeout;
         loop {
             if self.version(model) >= at_least {
-                return self
-                    .current(model)
-                    .ok_or_else(|| Error::Runtime(refit_runtime::Error::UnknownModel(model.clone())));
+                return self.current(model).ok_or_else(|| {
+                    Error::Runtime(refit_runtime::Error::UnknownModel(model.clone()))
+                });
             }
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {

@@ -21,7 +21,8 @@ fn weights(version: u64, fill: f32) -> Arc<WeightSet> {
 
 #[actix_rt::test]
 async fn engine_pauses_loads_and_continues() {
-    let engine = actix::Actor::start(InferenceEngine::new(MlpPolicy::new(&[4, 8, 2]).unwrap(), 7).unwrap());
+    let engine =
+        actix::Actor::start(InferenceEngine::new(MlpPolicy::new(&[4, 8, 2]).unwrap(), 7).unwrap());
     let obs = vec![0.1, -0.2, 0.3, 0.0];
     let first = engine
         .send(Act { obs: obs.clone() })

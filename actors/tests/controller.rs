@@ -7,7 +7,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use actix::Actor;
-use refit_actors::actor::topology::{self, InletWrapper, ModelSpec, RunConfig, RunReport, StopRule};
+use refit_actors::actor::topology::{
+    self, InletWrapper, ModelSpec, RunConfig, RunReport, StopRule,
+};
 use refit_actors::actor::{
     ActBatch, EngineHandle, Evaluator, GetStatus, InferenceEngine, RunEval, ServedVersions,
     SyncEventKind, UpdateModel, VersionNotifier, WeightSyncController,
@@ -111,15 +113,26 @@ async fn sync_mode_no_rollout_uses_an_old_version_after_the_sync_point() {
         );
         for f in &u.fragments {
             let landed = landed_before(&report, &m, f.admission.seq);
-            assert!(f.versions.0 >= landed, "fragment admitted after v{landed} landed acted with v{:?}", f.versions);
+            assert!(
+                f.versions.0 >= landed,
+                "fragment admitted after v{landed} landed acted with v{:?}",
+                f.versions
+            );
             assert_eq!(f.admission.staleness, 0, "{f:?}");
             fragments += 1;
         }
     }
     assert!(fragments >= 8 * 8, "{fragments} fragments");
-    assert_eq!(r.staleness.dropped, 0, "drained batches drop nothing: {:?}", r.staleness);
+    assert_eq!(
+        r.staleness.dropped, 0,
+        "drained batches drop nothing: {:?}",
+        r.staleness
+    );
     let status = &report.controller.models[&m];
-    assert!(status.blocked > 0, "sync mode blocks rollouts between batch and load: {status:?}");
+    assert!(
+        status.blocked > 0,
+        "sync mode blocks rollouts between batch and load: {status:?}"
+    );
     assert_eq!(status.rollout_version, Version(9));
 }
 
@@ -140,7 +153,10 @@ async fn batch_async_staleness_never_exceeds_the_threshold() {
     }
     let status = &report.controller.models[&m];
     assert!(status.max_staleness < threshold, "{status:?}");
-    assert!(status.blocked > 0, "the threshold never blocked: {status:?}");
+    assert!(
+        status.blocked > 0,
+        "the threshold never blocked: {status:?}"
+    );
     let blocked_by_staleness = report.controller.events.iter().any(|e| {
         matches!(
             e.kind,
@@ -171,7 +187,13 @@ async fn fully_async_rollouts_never_block() {
     assert!(status.max_staleness >= 1, "{status:?}");
     let r = &report.models[&m];
     assert_eq!(r.staleness.dropped, 0);
-    assert!(r.workers.iter().all(|w| w.blocked.is_zero() && w.error.is_none()), "{:?}", r.workers);
+    assert!(
+        r.workers
+            .iter()
+            .all(|w| w.blocked.is_zero() && w.error.is_none()),
+        "{:?}",
+        r.workers
+    );
 }
 
 #[actix_rt::test]
@@ -193,17 +215,28 @@ async fn two_models_run_many_eval_steps_and_every_eval_sees_both_at_the_round_ve
     assert_eq!(report.controller.evals, 4);
     for e in evals {
         for m in [&solver, &verifier] {
-            assert_eq!(e.models[m].versions.iter().copied().collect::<Vec<_>>(), vec![e.step], "{e:?}");
+            assert_eq!(
+                e.models[m].versions.iter().copied().collect::<Vec<_>>(),
+                vec![e.step],
+                "{e:?}"
+            );
             assert!(e.models[m].episodes > 0);
         }
     }
-    assert_eq!(&report.models[&verifier].evals, evals, "both trainers get the same eval");
+    assert_eq!(
+        &report.models[&verifier].evals, evals,
+        "both trainers get the same eval"
+    );
     // the leader's sequence, in order, for every eval round
     let expected = leader_sequence([&solver, &verifier], true);
     let ev = &report.controller.events;
     let mut rounds = 0;
     for (i, e) in ev.iter().enumerate() {
-        let SyncEventKind::Leader { version, eval: true } = e.kind else {
+        let SyncEventKind::Leader {
+            version,
+            eval: true,
+        } = e.kind
+        else {
             continue;
         };
         rounds += 1;
@@ -229,13 +262,22 @@ async fn two_models_run_many_eval_steps_and_every_eval_sees_both_at_the_round_ve
     assert_eq!(rounds, 4);
     for m in [&solver, &verifier] {
         let s = &report.controller.models[m];
-        assert_eq!((s.train_version, s.rollout_version), (Version(13), Version(13)), "{s:?}");
+        assert_eq!(
+            (s.train_version, s.rollout_version),
+            (Version(13), Version(13)),
+            "{s:?}"
+        );
         assert_eq!(s.failed_loads, 0);
     }
 }
 
 /// One in-process scheme per model: (sender, receiver for the engine).
-fn scheme(model: &ModelId) -> (Sender<InProcSender>, refit_runtime::Receiver<InProcReceiver>) {
+fn scheme(
+    model: &ModelId,
+) -> (
+    Sender<InProcSender>,
+    refit_runtime::Receiver<InProcReceiver>,
+) {
     let manifest = Arc::new(MlpPolicy::manifest_for(&SIZES).unwrap());
     let manifests = Manifests::new([(model.clone(), manifest.clone())]).unwrap();
     let hub = InProc::new();
@@ -272,7 +314,11 @@ async fn the_pause_covers_only_the_apply_and_models_load_independently() {
             })),
         )
         .unwrap()
-        .with_model(b.clone(), MlpPolicy::new(&SIZES).unwrap(), Some(Box::new(rb)))
+        .with_model(
+            b.clone(),
+            MlpPolicy::new(&SIZES).unwrap(),
+            Some(Box::new(rb)),
+        )
         .unwrap()
         .start();
     mock_publish(&mut sa, &a, 2).unwrap();
@@ -296,7 +342,11 @@ async fn the_pause_covers_only_the_apply_and_models_load_independently() {
         .await
         .unwrap()
         .unwrap();
-    assert!(t.elapsed() < Duration::from_millis(100), "{:?}", t.elapsed());
+    assert!(
+        t.elapsed() < Duration::from_millis(100),
+        "{:?}",
+        t.elapsed()
+    );
     assert_eq!(acted.actions.len(), 2);
     let report = first.await.unwrap().unwrap();
     assert_eq!(report.version, Version(2));
@@ -314,7 +364,8 @@ async fn the_pause_covers_only_the_apply_and_models_load_independently() {
 }
 
 fn mock_publish(s: &mut Sender<InProcSender>, m: &ModelId, v: u64) -> refit_runtime::Result<()> {
-    s.send_async(vec![weights(m, v, v as f32 / 100.0)]).map(|_| ())
+    s.send_async(vec![weights(m, v, v as f32 / 100.0)])
+        .map(|_| ())
 }
 
 #[actix_rt::test]
@@ -325,9 +376,17 @@ async fn an_eval_that_sees_a_model_at_an_older_version_is_refused() {
     let (mut sa, ra) = scheme(&a);
     let (_sb, rb) = scheme(&b);
     let engine = InferenceEngine::empty(1)
-        .with_model(a.clone(), MlpPolicy::new(&SIZES).unwrap(), Some(Box::new(ra)))
+        .with_model(
+            a.clone(),
+            MlpPolicy::new(&SIZES).unwrap(),
+            Some(Box::new(ra)),
+        )
         .unwrap()
-        .with_model(b.clone(), MlpPolicy::new(&SIZES).unwrap(), Some(Box::new(rb)))
+        .with_model(
+            b.clone(),
+            MlpPolicy::new(&SIZES).unwrap(),
+            Some(Box::new(rb)),
+        )
         .unwrap()
         .start();
     for (m, v) in [(&a, 1), (&b, 1)] {
@@ -360,7 +419,11 @@ async fn an_eval_that_sees_a_model_at_an_older_version_is_refused() {
         0,
     )
     .start();
-    let report = evaluator.send(RunEval { step: Version(2) }).await.unwrap().unwrap();
+    let report = evaluator
+        .send(RunEval { step: Version(2) })
+        .await
+        .unwrap()
+        .unwrap();
     assert_eq!(report.models[&a].versions.len(), 1);
     let err = report.check_versions(Version(2)).unwrap_err().to_string();
     assert!(err.contains("`verifier` at v1"), "{err}");
@@ -372,9 +435,17 @@ async fn an_eval_step_whose_load_fails_fails_the_round_and_resumes_acquisition()
     let (mut sa, ra) = scheme(&a);
     let (mut sb, rb) = scheme(&b);
     let engine = InferenceEngine::empty(1)
-        .with_model(a.clone(), MlpPolicy::new(&SIZES).unwrap(), Some(Box::new(ra)))
+        .with_model(
+            a.clone(),
+            MlpPolicy::new(&SIZES).unwrap(),
+            Some(Box::new(ra)),
+        )
         .unwrap()
-        .with_model(b.clone(), MlpPolicy::new(&SIZES).unwrap(), Some(Box::new(rb)))
+        .with_model(
+            b.clone(),
+            MlpPolicy::new(&SIZES).unwrap(),
+            Some(Box::new(rb)),
+        )
         .unwrap()
         .start();
     let evaluator = Evaluator::new(
@@ -412,8 +483,15 @@ async fn an_eval_step_whose_load_fails_fails_the_round_and_resumes_acquisition()
         assert!(e.contains("verifier") && e.contains("failed"), "{e}");
     }
     let status = ctl.send(GetStatus).await.unwrap();
-    assert!(!status.acquisition_paused, "a failed eval step must not leave rollouts paused");
-    assert_eq!(status.models[&b].rollout_version, Version(1), "the previous version stays served");
+    assert!(
+        !status.acquisition_paused,
+        "a failed eval step must not leave rollouts paused"
+    );
+    assert_eq!(
+        status.models[&b].rollout_version,
+        Version(1),
+        "the previous version stays served"
+    );
     assert_eq!(status.models[&a].rollout_version, Version(2));
     assert_eq!(status.evals, 0);
 }

@@ -32,10 +32,10 @@ pub mod protocol;
 mod safetensors_io;
 pub mod scheme;
 pub mod sharded;
-pub mod sync_policy;
 pub mod strategy;
 #[doc(hidden)]
 pub mod strategy_bench;
+pub mod sync_policy;
 pub mod weights;
 pub mod wire;
 
@@ -55,8 +55,8 @@ pub use scheme::{
     SenderTransport, Served, Snapshot, Update,
 };
 pub use sharded::ShardedBuffer;
+pub use strategy::{ArenaStrategy, HasWeights, Strategy, extract_new};
 pub use sync_policy::{
     Decision, StalenessFilter, SyncConfig, SyncMode, SyncOrder, SyncPolicy, VersionBarrier,
 };
-pub use strategy::{ArenaStrategy, HasWeights, Strategy, extract_new};
 pub use weights::{SharedBytes, TensorView, WeightSet};

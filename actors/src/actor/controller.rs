@@ -214,6 +214,33 @@ pub enum SyncEventKind {
     Released(Version),
 }
 
+impl std::fmt::Display for SyncEventKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::BatchReady => f.write_str("batch ready"),
+            Self::TrainerFinished(v) => write!(f, "trainer finished v{v}"),
+            Self::LoadStarted(v) => write!(f, "load v{v} started"),
+            Self::Landed(v) => write!(f, "v{v} landed on every engine"),
+            Self::LoadFailed(v, e) => write!(f, "load v{v} failed: {e}"),
+            Self::Admitted(a) => write!(
+                f,
+                "rollout admitted (train v{}, rollout v{}, waited {:?})",
+                a.train_version, a.rollout_version, a.waited
+            ),
+            Self::Blocked(r) => write!(f, "rollout blocked ({r:?})"),
+            Self::Arrived(v) => write!(f, "arrived at the barrier with v{v}"),
+            Self::Leader { version, eval } => write!(
+                f,
+                "barrier complete at v{version}: leader{}",
+                if *eval { " (eval step)" } else { "" }
+            ),
+            Self::Step(s) => write!(f, "leader: {s}"),
+            Self::Evaluated(v) => write!(f, "validation at v{v} done"),
+            Self::Released(v) => write!(f, "trainers released at v{v}"),
+        }
+    }
+}
+
 type NotifyTx = oneshot::Sender<Result<NotifyOutcome>>;
 
 struct Blocked {
@@ -283,11 +310,16 @@ impl WeightSyncController {
             cfg.models.clone()
         };
         if engines.is_empty() {
-            return Err(Error::Config("a controller needs at least one engine".into()));
+            return Err(Error::Config(
+                "a controller needs at least one engine".into(),
+            ));
         }
         let policy = SyncPolicy::new(cfg, models.iter().cloned())?;
         let barrier = VersionBarrier::new(models.iter().cloned())?;
-        let counters = models.iter().map(|m| (m.clone(), Counters::default())).collect();
+        let counters = models
+            .iter()
+            .map(|m| (m.clone(), Counters::default()))
+            .collect();
         Ok(Self {
             policy,
             barrier,
@@ -381,7 +413,10 @@ impl WeightSyncController {
     }
 
     fn start_load(&mut self, order: SyncOrder, ctx: &mut Context<Self>) {
-        self.event(Some(&order.model), SyncEventKind::LoadStarted(order.version));
+        self.event(
+            Some(&order.model),
+            SyncEventKind::LoadStarted(order.version),
+        );
         let load = load_everywhere(
             self.engines.clone(),
             order.clone(),
@@ -462,7 +497,11 @@ impl WeightSyncController {
 
     /// The leader's eval-step sequence, run as a future that drives this actor through
     /// messages to itself.
-    fn lead_eval(&mut self, version: Version, ctx: &mut Context<Self>) -> ResponseActFuture<Self, Result<Option<EvalReport>>> {
+    fn lead_eval(
+        &mut self,
+        version: Version,
+        ctx: &mut Context<Self>,
+    ) -> ResponseActFuture<Self, Result<Option<EvalReport>>> {
         let me = ctx.address();
         let engines = self.engines.clone();
         let evaluator = self.evaluator.clone();
@@ -490,7 +529,9 @@ impl WeightSyncController {
                             .await
                             .map_err(|e| Error::Actor(format!("controller: {e}")))??;
                         if let Some(order) = order {
-                            let r = load_everywhere(engines.clone(), order.clone(), timeouts.load()).await;
+                            let r =
+                                load_everywhere(engines.clone(), order.clone(), timeouts.load())
+                                    .await;
                             let failed = r.as_ref().err().map(ToString::to_string);
                             me.send(Internal::Loaded(order.clone(), r))
                                 .await
@@ -513,7 +554,9 @@ impl WeightSyncController {
                         r.check_versions(version)?;
                         report = Some(r);
                     }
-                    LeaderStep::ResumeAcquisition | LeaderStep::PauseAcquisition | LeaderStep::WakeAll => {}
+                    LeaderStep::ResumeAcquisition
+                    | LeaderStep::PauseAcquisition
+                    | LeaderStep::WakeAll => {}
                 }
             }
             Ok(report)
@@ -524,7 +567,11 @@ impl WeightSyncController {
 
 /// Sends one load to every engine at once and waits for all (latency is the slowest
 /// engine's, not the sum); answers the lowest version served.
-async fn load_everywhere(engines: Vec<EngineHandle>, order: SyncOrder, timeout: Duration) -> Result<Version> {
+async fn load_everywhere(
+    engines: Vec<EngineHandle>,
+    order: SyncOrder,
+    timeout: Duration,
+) -> Result<Version> {
     let requests: Vec<_> = engines
         .iter()
         .map(|e| {
@@ -539,9 +586,12 @@ async fn load_everywhere(engines: Vec<EngineHandle>, order: SyncOrder, timeout: 
         .collect();
     let mut served: Option<Version> = None;
     for (i, r) in requests.into_iter().enumerate() {
-        let report = r
-            .await
-            .map_err(|e| Error::Actor(format!("engine {i} did not load model `{}` v{}: {e}", order.model, order.version)))??;
+        let report = r.await.map_err(|e| {
+            Error::Actor(format!(
+                "engine {i} did not load model `{}` v{}: {e}",
+                order.model, order.version
+            ))
+        })??;
         served = Some(served.map_or(report.version, |s| s.min(report.version)));
     }
     served.ok_or_else(|| Error::Config("no engine to load on".into()))
@@ -767,7 +817,11 @@ impl Handler<NotifyVersion> for WeightSyncController {
 }
 
 impl WeightSyncController {
-    fn release(&mut self, round: refit_runtime::sync_policy::Round<NotifyTx>, ctx: &mut Context<Self>) {
+    fn release(
+        &mut self,
+        round: refit_runtime::sync_policy::Round<NotifyTx>,
+        ctx: &mut Context<Self>,
+    ) {
         let eval = self.policy.config().is_eval_step(round.version);
         self.event(
             Some(&round.leader),
@@ -902,10 +956,11 @@ impl VersionNotifier {
     pub async fn flush(&mut self) -> Result<Option<NotifyOutcome>> {
         match self.pending.take() {
             None => Ok(None),
-            Some(req) => Ok(Some(
-                req.await
-                    .map_err(|e| Error::Actor(format!("weight-sync controller: {e}")))??,
-            )),
+            Some(req) => {
+                Ok(Some(req.await.map_err(|e| {
+                    Error::Actor(format!("weight-sync controller: {e}"))
+                })??))
+            }
         }
     }
 
@@ -923,10 +978,9 @@ impl VersionNotifier {
             version,
         });
         if self.cfg.is_eval_step(version) {
-            Ok(Some(
-                req.await
-                    .map_err(|e| Error::Actor(format!("weight-sync controller: {e}")))??,
-            ))
+            Ok(Some(req.await.map_err(|e| {
+                Error::Actor(format!("weight-sync controller: {e}"))
+            })??))
         } else {
             self.pending = Some(req);
             Ok(None)

@@ -218,7 +218,9 @@ impl<P: Policy + Unpin + 'static> InferenceEngine<P> {
         inlet: Option<Box<dyn WeightInlet>>,
     ) -> Result<Self> {
         if self.models.contains_key(&id) {
-            return Err(Error::Config(format!("model `{id}` is served twice by one engine")));
+            return Err(Error::Config(format!(
+                "model `{id}` is served twice by one engine"
+            )));
         }
         if self.models.is_empty() {
             self.default = id.clone();
@@ -453,38 +455,51 @@ impl<P: Policy + Unpin + 'static> Handler<UpdateModel> for InferenceEngine<P> {
                 ),
             }
         };
-        Box::pin(stage.into_actor(self).map(move |(guard, model, fetched), act, _| {
-            let staged = started.elapsed();
-            act.stats.staged_total += staged;
-            let weights = fetched?;
-            let current = act.slot(&model)?.version;
-            let paused = if weights.version() > current {
-                act.apply(&weights)?
-            } else {
-                Duration::ZERO // a newer version already landed through an earlier load
-            };
-            drop(guard);
-            Ok(LoadReport {
-                version: act.slot(&model)?.version,
-                model,
-                staged,
-                paused,
-            })
-        }))
+        Box::pin(
+            stage
+                .into_actor(self)
+                .map(move |(guard, model, fetched), act, _| {
+                    let staged = started.elapsed();
+                    act.stats.staged_total += staged;
+                    let weights = fetched?;
+                    let current = act.slot(&model)?.version;
+                    let paused = if weights.version() > current {
+                        act.apply(&weights)?
+                    } else {
+                        Duration::ZERO // a newer version already landed through an earlier load
+                    };
+                    drop(guard);
+                    Ok(LoadReport {
+                        version: act.slot(&model)?.version,
+                        model,
+                        staged,
+                        paused,
+                    })
+                }),
+        )
     }
 }
 
 impl<P: Policy + Unpin + 'static> Handler<ServedVersion> for InferenceEngine<P> {
     type Result = MessageResult<ServedVersion>;
     fn handle(&mut self, _: ServedVersion, _: &mut Context<Self>) -> Self::Result {
-        MessageResult(self.models.get(&self.default).map_or(Version::ZERO, |s| s.version))
+        MessageResult(
+            self.models
+                .get(&self.default)
+                .map_or(Version::ZERO, |s| s.version),
+        )
     }
 }
 
 impl<P: Policy + Unpin + 'static> Handler<ServedVersions> for InferenceEngine<P> {
     type Result = MessageResult<ServedVersions>;
     fn handle(&mut self, _: ServedVersions, _: &mut Context<Self>) -> Self::Result {
-        MessageResult(self.models.iter().map(|(m, s)| (m.clone(), s.version)).collect())
+        MessageResult(
+            self.models
+                .iter()
+                .map(|(m, s)| (m.clone(), s.version))
+                .collect(),
+        )
     }
 }
 

@@ -113,7 +113,12 @@ impl<E: Env + Unpin + 'static> Handler<RunEval> for Evaluator<E> {
         let runs: Vec<(ModelId, Vec<E>)> = self
             .models
             .iter()
-            .map(|m| (m.clone(), (0..self.episodes).map(|i| (self.make_env)(i)).collect()))
+            .map(|m| {
+                (
+                    m.clone(),
+                    (0..self.episodes).map(|i| (self.make_env)(i)).collect(),
+                )
+            })
             .collect();
         let engine = self.engine.clone();
         let seed = self.seed.wrapping_add(msg.step.0 * 7919);

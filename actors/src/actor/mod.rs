@@ -28,14 +28,14 @@ pub mod workers;
 use refit_runtime::{ModelId, Version};
 
 pub use controller::{
-    Admission, AwaitDrained, AwaitRollout, AwaitSynced, BatchReady, CheckRollout, ControllerStatus, EndValidate,
-    GetStatus, ModelStatus, NotifyOutcome, NotifyVersion, RolloutDone, SyncEvent, SyncEventKind,
-    VersionNotifier, WeightSyncController,
+    Admission, AwaitDrained, AwaitRollout, AwaitSynced, BatchReady, CheckRollout, ControllerStatus,
+    EndValidate, GetStatus, ModelStatus, NotifyOutcome, NotifyVersion, RolloutDone, SyncEvent,
+    SyncEventKind, VersionNotifier, WeightSyncController,
 };
 pub use engine::{
     Act, ActBatch, Acted, ActedBatch, CancelInFlight, Continue, EngineHandle, EngineStats,
-    GetEngineStats, InferenceEngine, LoadReport, LoadWeights, Pause, ServedVersion,
-    ServedVersions, UpdateModel,
+    GetEngineStats, InferenceEngine, LoadReport, LoadWeights, Pause, ServedVersion, ServedVersions,
+    UpdateModel,
 };
 pub use eval::{EvalReport, Evaluator, ModelEval, RunEval};
 pub use rollout::{

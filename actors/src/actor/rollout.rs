@@ -5,8 +5,8 @@ use std::collections::VecDeque;
 use std::time::Duration;
 
 use actix::prelude::*;
-use refit_runtime::{ModelId, StalenessFilter, Version};
 use refit_runtime::sync_policy::StalenessStats;
+use refit_runtime::{ModelId, StalenessFilter, Version};
 use tokio::sync::oneshot;
 
 use crate::batch::{Batch, EpisodeStats, Transition};
@@ -88,7 +88,9 @@ impl<E: Env> VecEnv<E> {
         }
         let mut ended = Vec::new();
         for (i, (env, a)) in self.envs.iter_mut().zip(actions).enumerate() {
-            let r = env.step(a.action).map_err(|e| Error::env(i, e.to_string()))?;
+            let r = env
+                .step(a.action)
+                .map_err(|e| Error::env(i, e.to_string()))?;
             self.ret[i] += f64::from(r.reward);
             let step = self.len[i];
             self.len[i] += 1;
@@ -314,7 +316,12 @@ async fn run_fragment<E: Env>(
             Err(e) => return Err(e),
         };
         generation = Some(acted.generation);
-        envs.step(&acted.actions, acted.version, cfg.worker, Some(&mut fragment))?;
+        envs.step(
+            &acted.actions,
+            acted.version,
+            cfg.worker,
+            Some(&mut fragment),
+        )?;
     }
     let waited = admission.waited;
     pool.send(PushFragment {
@@ -684,7 +691,10 @@ impl Handler<AwaitBatch> for TrajectoryPool {
             id,
         });
         self.serve();
-        Box::pin(async move { rx.await.map_err(|_| Error::Actor("trajectory pool stopped".into()))? })
+        Box::pin(async move {
+            rx.await
+                .map_err(|_| Error::Actor("trajectory pool stopped".into()))?
+        })
     }
 }
 
@@ -701,6 +711,9 @@ impl Handler<TakeBatch> for TrajectoryPool {
             id,
         });
         self.serve();
-        Box::pin(async move { rx.await.map_err(|_| Error::Actor("trajectory pool stopped".into()))? })
+        Box::pin(async move {
+            rx.await
+                .map_err(|_| Error::Actor("trajectory pool stopped".into()))?
+        })
     }
 }

@@ -27,8 +27,8 @@ use super::controller::{
 use super::engine::{EngineHandle, EngineStats, GetEngineStats, InferenceEngine};
 use super::eval::{EvalReport, Evaluator};
 use super::rollout::{
-    AwaitBatch, FragmentInfo, RolloutConfig, RolloutStats, RolloutWorker, StartRollouts, StopRollouts,
-    TakeBatch, TrajectoryPool,
+    AwaitBatch, FragmentInfo, RolloutConfig, RolloutStats, RolloutWorker, StartRollouts,
+    StopRollouts, TakeBatch, TrajectoryPool,
 };
 use super::workers::{TrainAndPublish, Trainer};
 
@@ -181,10 +181,17 @@ struct StopBoard {
 
 impl StopBoard {
     /// Records `model` at `version`; decides the common last version once a rule fires.
-    fn post(&mut self, model: &ModelId, version: Version, solved: bool, stop_now: bool) -> Option<Version> {
+    fn post(
+        &mut self,
+        model: &ModelId,
+        version: Version,
+        solved: bool,
+        stop_now: bool,
+    ) -> Option<Version> {
         self.versions.insert(model.clone(), version);
         self.solved.insert(model.clone(), solved);
-        let all_solved = self.solved.len() == self.versions.len() && self.solved.values().all(|s| *s);
+        let all_solved =
+            self.solved.len() == self.versions.len() && self.solved.values().all(|s| *s);
         if self.stop_at.is_none() && (stop_now || all_solved) {
             let max = self.versions.values().copied().max().unwrap_or(version);
             self.stop_at = Some(max);
@@ -236,7 +243,11 @@ where
         if let Some(wrap) = &cfg.wrap_inlet {
             inlet = wrap(inlet);
         }
-        engine = engine.with_model(spec.id.clone(), MlpPolicy::new(&ppo_cfg.sizes)?, Some(inlet))?;
+        engine = engine.with_model(
+            spec.id.clone(),
+            MlpPolicy::new(&ppo_cfg.sizes)?,
+            Some(inlet),
+        )?;
         trainers.push(Trainer::start_with_outlet(ppo, Box::new(sender)));
     }
     let engine_arbiter = Arbiter::new();
@@ -290,7 +301,10 @@ where
         .start();
         let mut ws = Vec::new();
         for w in 0..spec.workers {
-            let base = cfg.seed.wrapping_mul(1000).wrapping_add((mi * 100 + w) as u64 * 17);
+            let base = cfg
+                .seed
+                .wrapping_mul(1000)
+                .wrapping_add((mi * 100 + w) as u64 * 17);
             let envs: Vec<E> = (0..spec.envs_per_worker)
                 .map(|i| make_env(base.wrapping_add(i as u64)))
                 .collect();
@@ -355,7 +369,9 @@ where
                 first_error.get_or_insert(Error::Actor(format!("trainer of model `{id}`: {e}")));
             }
             Err(e) => {
-                first_error.get_or_insert(Error::Actor(format!("trainer of model `{id}` panicked: {e}")));
+                first_error.get_or_insert(Error::Actor(format!(
+                    "trainer of model `{id}` panicked: {e}"
+                )));
             }
         }
     }
@@ -384,9 +400,10 @@ where
     if let Some(e) = first_error {
         return Err(e);
     }
-    let solved = cfg.stop.target_return.is_some_and(|t| {
-        reports.values().all(|r| r.mean_return >= t)
-    });
+    let solved = cfg
+        .stop
+        .target_return
+        .is_some_and(|t| reports.values().all(|r| r.mean_return >= t));
     Ok(RunReport {
         models: reports,
         controller: status,
@@ -421,12 +438,10 @@ async fn drive(
         evals: Vec::new(),
         workers: Vec::new(),
     };
-    let unreachable = |what: &str, e: MailboxError| Error::Actor(format!("{what} of model `{model}`: {e}"));
+    let unreachable =
+        |what: &str, e: MailboxError| Error::Actor(format!("{what} of model `{model}`: {e}"));
     loop {
-        let stop_at = board
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .stop_at;
+        let stop_at = board.lock().unwrap_or_else(PoisonError::into_inner).stop_at;
         if stop_at.is_some_and(|s| version >= s) {
             break;
         }
@@ -487,13 +502,17 @@ async fn drive(
             mean_return: mean,
         });
         version = published;
-        let solved = stop.target_return.is_some_and(|t| last20.len() == 20 && mean >= t);
+        let solved = stop
+            .target_return
+            .is_some_and(|t| last20.len() == 20 && mean >= t);
         let out_of_budget =
             report.updates.len() as u64 >= stop.max_updates || started.elapsed() >= stop.max_time;
-        board
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .post(&model, version, solved, out_of_budget);
+        board.lock().unwrap_or_else(PoisonError::into_inner).post(
+            &model,
+            version,
+            solved,
+            out_of_budget,
+        );
         if let Some(outcome) = notifier.notify(version).await? {
             if let Some(eval) = outcome.eval {
                 report.evals.push(eval);

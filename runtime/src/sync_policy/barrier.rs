@@ -33,7 +33,9 @@ impl<W> VersionBarrier<W> {
     pub fn new(models: impl IntoIterator<Item = ModelId>) -> Result<Self> {
         let models: BTreeSet<_> = models.into_iter().collect();
         if models.is_empty() {
-            return Err(Error::Config("a version barrier needs at least one model".into()));
+            return Err(Error::Config(
+                "a version barrier needs at least one model".into(),
+            ));
         }
         Ok(Self {
             models,
@@ -51,7 +53,12 @@ impl<W> VersionBarrier<W> {
     /// (its notifications were not serialised) or when all arrived at different versions
     /// (naming each model's version; every waiter of the round is handed back in the error
     /// path through [`VersionBarrier::abort`]).
-    pub fn arrive(&mut self, model: &ModelId, version: Version, waiter: W) -> Result<Option<Round<W>>> {
+    pub fn arrive(
+        &mut self,
+        model: &ModelId,
+        version: Version,
+        waiter: W,
+    ) -> Result<Option<Round<W>>> {
         if !self.models.contains(model) {
             return Err(Error::UnknownModel(model.clone()));
         }
@@ -124,7 +131,11 @@ impl<W> VersionBarrier<W> {
             .filter(|m| !self.pending.contains_key(*m))
             .cloned()
             .collect();
-        let recorded = self.pending.iter().map(|(m, (v, _))| (m.clone(), *v)).collect();
+        let recorded = self
+            .pending
+            .iter()
+            .map(|(m, (v, _))| (m.clone(), *v))
+            .collect();
         (missing, recorded)
     }
 }
@@ -146,9 +157,25 @@ pub enum LeaderStep {
     WakeAll,
 }
 
+impl std::fmt::Display for LeaderStep {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::PauseAcquisition => f.write_str("pause data acquisition"),
+            Self::CancelInFlight => f.write_str("cancel in-flight episodes"),
+            Self::Load(m) => write!(f, "load {m}"),
+            Self::Eval => f.write_str("run validation"),
+            Self::ResumeAcquisition => f.write_str("resume data acquisition"),
+            Self::WakeAll => f.write_str("wake every trainer"),
+        }
+    }
+}
+
 /// The leader's sequence on an eval step (AstraFlow's order); on other steps only
 /// [`LeaderStep::WakeAll`] (loads were started when each trainer notified).
-pub fn leader_sequence<'a>(models: impl IntoIterator<Item = &'a ModelId>, eval: bool) -> Vec<LeaderStep> {
+pub fn leader_sequence<'a>(
+    models: impl IntoIterator<Item = &'a ModelId>,
+    eval: bool,
+) -> Vec<LeaderStep> {
     if !eval {
         return vec![LeaderStep::WakeAll];
     }
@@ -176,19 +203,33 @@ mod tests {
     #[test]
     fn the_last_arrival_leads_and_every_waiter_is_released() {
         let mut b = VersionBarrier::new([id("solver"), id("verifier")]).unwrap();
-        assert!(b.arrive(&id("verifier"), Version(1), "v").unwrap().is_none());
+        assert!(
+            b.arrive(&id("verifier"), Version(1), "v")
+                .unwrap()
+                .is_none()
+        );
         assert_eq!(b.waiting_for().0, vec![id("solver")]);
         let round = b.arrive(&id("solver"), Version(1), "s").unwrap().unwrap();
         assert_eq!(round.version, Version(1));
         assert_eq!(round.leader, id("solver"));
-        assert_eq!(round.waiters, vec![(id("solver"), "s"), (id("verifier"), "v")]);
+        assert_eq!(
+            round.waiters,
+            vec![(id("solver"), "s"), (id("verifier"), "v")]
+        );
         // next round; a repeated version is stale
         let e = b.arrive(&id("solver"), Version(1), "s").unwrap_err();
         assert!(matches!(e, Error::StaleVersion { .. }), "{e}");
         assert!(b.arrive(&id("solver"), Version(2), "s").unwrap().is_none());
-        let e = b.arrive(&id("solver"), Version(3), "s").unwrap_err().to_string();
+        let e = b
+            .arrive(&id("solver"), Version(3), "s")
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("serialised"), "{e}");
-        assert!(b.arrive(&id("verifier"), Version(2), "v").unwrap().is_some());
+        assert!(
+            b.arrive(&id("verifier"), Version(2), "v")
+                .unwrap()
+                .is_some()
+        );
     }
 
     #[test]
@@ -199,7 +240,10 @@ mod tests {
         assert!(e.contains("a at v3") && e.contains("b at v4"), "{e}");
         let aborted = b.abort();
         assert_eq!(aborted.len(), 2);
-        assert!(matches!(b.arrive(&id("c"), Version(1), 3), Err(Error::UnknownModel(_))));
+        assert!(matches!(
+            b.arrive(&id("c"), Version(1), 3),
+            Err(Error::UnknownModel(_))
+        ));
         assert!(VersionBarrier::<()>::new([]).is_err());
     }
 

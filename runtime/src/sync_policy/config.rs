@@ -275,29 +275,48 @@ mod tests {
 
     #[test]
     fn unknown_keys_and_bad_values_are_named() {
-        let e = SyncConfig::from_toml("sync_mod = \"sync\"").unwrap_err().to_string();
+        let e = SyncConfig::from_toml("sync_mod = \"sync\"")
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("unknown field `sync_mod`"), "{e}");
         assert!(e.contains("sync_mode"), "{e}");
-        let e = SyncConfig::from_toml("[timeouts]\nload = 1.0").unwrap_err().to_string();
+        let e = SyncConfig::from_toml("[timeouts]\nload = 1.0")
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("unknown field `load`"), "{e}");
-        let e = SyncConfig::from_toml("sync_mode = \"eventually\"").unwrap_err().to_string();
+        let e = SyncConfig::from_toml("sync_mode = \"eventually\"")
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("eventually") && e.contains("batch-async"), "{e}");
-        let e = SyncConfig::from_toml("validate_freq = -1").unwrap_err().to_string();
+        let e = SyncConfig::from_toml("validate_freq = -1")
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("validate_freq"), "{e}");
         let e = SyncConfig::from_toml("sync_mode = \"batch-async\"\nstaleness_threshold = 0")
             .unwrap_err()
             .to_string();
         assert!(e.contains("staleness_threshold"), "{e}");
-        let e = SyncConfig::from_toml("max_buffered_batches = 0").unwrap_err().to_string();
+        let e = SyncConfig::from_toml("max_buffered_batches = 0")
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("max_buffered_batches"), "{e}");
-        let e = SyncConfig::from_toml("models = [\"a\", \"a\"]").unwrap_err().to_string();
+        let e = SyncConfig::from_toml("models = [\"a\", \"a\"]")
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("`a` is listed twice"), "{e}");
-        let e = SyncConfig::from_toml("models = [\"\"]").unwrap_err().to_string();
+        let e = SyncConfig::from_toml("models = [\"\"]")
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("models"), "{e}");
-        let e = SyncConfig::from_toml("[timeouts]\neval_s = 0.0").unwrap_err().to_string();
+        let e = SyncConfig::from_toml("[timeouts]\neval_s = 0.0")
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("timeouts.eval_s"), "{e}");
         assert!(SyncMode::parse("batch").is_err());
-        assert_eq!(SyncMode::parse("fully-async").unwrap(), SyncMode::FullyAsync);
+        assert_eq!(
+            SyncMode::parse("fully-async").unwrap(),
+            SyncMode::FullyAsync
+        );
     }
 
     #[test]
@@ -306,8 +325,13 @@ mod tests {
         let p = dir.path().join("sync.toml");
         std::fs::write(&p, "validate_freq = \"often\"").unwrap();
         let e = SyncConfig::from_path(&p).unwrap_err().to_string();
-        assert!(e.contains("sync.toml") && e.contains("validate_freq"), "{e}");
-        let e = SyncConfig::from_path(&dir.path().join("none.toml")).unwrap_err().to_string();
+        assert!(
+            e.contains("sync.toml") && e.contains("validate_freq"),
+            "{e}"
+        );
+        let e = SyncConfig::from_path(&dir.path().join("none.toml"))
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("none.toml"), "{e}");
     }
 }

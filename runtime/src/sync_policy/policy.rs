@@ -130,7 +130,9 @@ impl SyncPolicy {
         cfg.check()?;
         let models: BTreeMap<_, _> = models.into_iter().map(|m| (m, ModelSync::new())).collect();
         if models.is_empty() {
-            return Err(Error::Config("a sync policy needs at least one model".into()));
+            return Err(Error::Config(
+                "a sync policy needs at least one model".into(),
+            ));
         }
         Ok(Self {
             mode: cfg.sync_mode,
@@ -179,13 +181,14 @@ impl SyncPolicy {
         let staleness = m.staleness();
         let block = match self.mode {
             SyncMode::FullyAsync => None,
-            SyncMode::Sync => {
-                (m.state != RolloutState::Running || staleness > 0).then_some(BlockReason::AwaitingSync)
+            SyncMode::Sync => (m.state != RolloutState::Running || staleness > 0)
+                .then_some(BlockReason::AwaitingSync),
+            SyncMode::BatchAsync => {
+                (staleness >= self.threshold).then_some(BlockReason::Staleness {
+                    train: m.train_version,
+                    rollout: m.rollout_version,
+                })
             }
-            SyncMode::BatchAsync => (staleness >= self.threshold).then_some(BlockReason::Staleness {
-                train: m.train_version,
-                rollout: m.rollout_version,
-            }),
         };
         Ok(block.map_or(Decision::Continue { staleness }, Decision::Block))
     }
@@ -211,7 +214,11 @@ impl SyncPolicy {
     ///
     /// # Errors
     /// [`Error::StaleVersion`] when `version` is not newer than the last one finished.
-    pub fn trainer_finished(&mut self, model: &ModelId, version: Version) -> Result<Option<SyncOrder>> {
+    pub fn trainer_finished(
+        &mut self,
+        model: &ModelId,
+        version: Version,
+    ) -> Result<Option<SyncOrder>> {
         let eval = self.cfg.is_eval_step(version);
         let m = self.model_mut(model)?;
         if version <= m.train_version {
@@ -262,10 +269,17 @@ impl SyncPolicy {
     ///
     /// # Errors
     /// [`Error::UnknownModel`].
-    pub fn sync_done(&mut self, model: &ModelId, ordered: Version, served: Version) -> Result<Option<SyncOrder>> {
+    pub fn sync_done(
+        &mut self,
+        model: &ModelId,
+        ordered: Version,
+        served: Version,
+    ) -> Result<Option<SyncOrder>> {
         let m = self.model_mut(model)?;
         m.rollout_version = m.rollout_version.max(served);
-        if m.in_flight.is_some_and(|v| v <= m.rollout_version || v == ordered) {
+        if m.in_flight
+            .is_some_and(|v| v <= m.rollout_version || v == ordered)
+        {
             m.in_flight = None;
         }
         Ok(Self::follow_up(model, m))
@@ -346,7 +360,10 @@ mod tests {
     }
 
     fn go(p: &SyncPolicy) -> bool {
-        matches!(p.check_rollout(&id("policy")).unwrap(), Decision::Continue { .. })
+        matches!(
+            p.check_rollout(&id("policy")).unwrap(),
+            Decision::Continue { .. }
+        )
     }
 
     #[test]
@@ -356,14 +373,20 @@ mod tests {
         assert!(go(&p));
         p.batch_ready(&m).unwrap();
         assert_eq!(p.model(&m).unwrap().state, RolloutState::NeedSync);
-        assert_eq!(p.check_rollout(&m).unwrap(), Decision::Block(BlockReason::AwaitingSync));
+        assert_eq!(
+            p.check_rollout(&m).unwrap(),
+            Decision::Block(BlockReason::AwaitingSync)
+        );
         let order = p.trainer_finished(&m, Version(1)).unwrap().unwrap();
         assert_eq!(order.version, Version(1));
         assert_eq!(p.model(&m).unwrap().state, RolloutState::Syncing);
         assert!(!go(&p));
         assert_eq!(p.sync_done(&m, Version(1), Version(1)).unwrap(), None);
         assert_eq!(p.model(&m).unwrap().state, RolloutState::Running);
-        assert_eq!(p.check_rollout(&m).unwrap(), Decision::Continue { staleness: 0 });
+        assert_eq!(
+            p.check_rollout(&m).unwrap(),
+            Decision::Continue { staleness: 0 }
+        );
     }
 
     #[test]
@@ -374,7 +397,10 @@ mod tests {
         assert!(go(&p), "batch-async does not lock on batch ready");
         let first = p.trainer_finished(&m, Version(1)).unwrap();
         assert!(first.is_some());
-        assert_eq!(p.check_rollout(&m).unwrap(), Decision::Continue { staleness: 1 });
+        assert_eq!(
+            p.check_rollout(&m).unwrap(),
+            Decision::Continue { staleness: 1 }
+        );
         // a load is in flight: v2 queues, and staleness reaches the threshold
         assert_eq!(p.trainer_finished(&m, Version(2)).unwrap(), None);
         assert_eq!(
@@ -403,7 +429,13 @@ mod tests {
             assert!(go(&p));
         }
         // only the newest queued version is loaded next; 2..8 are skipped
-        assert_eq!(p.sync_done(&m, Version(1), Version(1)).unwrap().unwrap().version, Version(9));
+        assert_eq!(
+            p.sync_done(&m, Version(1), Version(1))
+                .unwrap()
+                .unwrap()
+                .version,
+            Version(9)
+        );
         assert!(go(&p));
     }
 
@@ -413,10 +445,17 @@ mod tests {
         let mut p = policy(SyncMode::FullyAsync, 1, 2);
         assert!(p.trainer_finished(&m, Version(1)).unwrap().is_some());
         p.sync_done(&m, Version(1), Version(1)).unwrap();
-        assert_eq!(p.trainer_finished(&m, Version(2)).unwrap(), None, "eval step is deferred");
+        assert_eq!(
+            p.trainer_finished(&m, Version(2)).unwrap(),
+            None,
+            "eval step is deferred"
+        );
         assert_eq!(p.model(&m).unwrap().state, RolloutState::NeedSync);
         p.pause_acquisition();
-        assert_eq!(p.check_rollout(&m).unwrap(), Decision::Block(BlockReason::Validation));
+        assert_eq!(
+            p.check_rollout(&m).unwrap(),
+            Decision::Block(BlockReason::Validation)
+        );
         let order = p.take_deferred(&m).unwrap().unwrap();
         assert_eq!(order.version, Version(2));
         assert_eq!(p.take_deferred(&m).unwrap(), None);
