@@ -139,3 +139,17 @@ fn a_sync_config_with_an_unknown_key_is_refused_by_name() {
         "{stderr}"
     );
 }
+
+#[test]
+fn the_sample_sync_config_parses_and_drives_two_models() {
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("examples/configs/sync.toml");
+    let cfg = refit_runtime::SyncConfig::from_path(&path).unwrap();
+    assert_eq!(cfg.sync_mode, refit_runtime::SyncMode::BatchAsync);
+    assert_eq!(cfg.validate_freq, 5);
+    let stdout = run_ok(
+        "two_models",
+        &["--config", path.to_str().unwrap(), "--updates", "5"],
+    );
+    assert!(stdout.contains("sync mode batch-async, eval every 5 versions"), "{stdout}");
+    assert!(stdout.contains("eval at v5: solver at v5"), "{stdout}");
+}
