@@ -150,6 +150,9 @@ fn the_sample_sync_config_parses_and_drives_two_models() {
         "two_models",
         &["--config", path.to_str().unwrap(), "--updates", "5"],
     );
-    assert!(stdout.contains("sync mode batch-async, eval every 5 versions"), "{stdout}");
+    assert!(
+        stdout.contains("sync mode batch-async, eval every 5 versions"),
+        "{stdout}"
+    );
     assert!(stdout.contains("eval at v5: solver at v5"), "{stdout}");
 }

@@ -255,7 +255,7 @@ impl<P: Policy + Unpin + 'static> InferenceEngine<P> {
             .get_mut(&req.model)
             .ok_or_else(|| Error::Runtime(refit_runtime::Error::UnknownModel(req.model.clone())))?;
         let d = slot.obs_dim;
-        if req.obs.is_empty() || req.obs.len() % d != 0 {
+        if req.obs.is_empty() || !req.obs.len().is_multiple_of(d) {
             return Err(Error::Config(format!(
                 "{} observation values do not make whole observations of length {d} for model `{}`",
                 req.obs.len(),

@@ -513,10 +513,8 @@ async fn drive(
             solved,
             out_of_budget,
         );
-        if let Some(outcome) = notifier.notify(version).await? {
-            if let Some(eval) = outcome.eval {
-                report.evals.push(eval);
-            }
+        if let Some(eval) = notifier.notify(version).await?.and_then(|o| o.eval) {
+            report.evals.push(eval);
         }
     }
     notifier.flush().await?;

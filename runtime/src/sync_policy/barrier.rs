@@ -62,14 +62,14 @@ impl<W> VersionBarrier<W> {
         if !self.models.contains(model) {
             return Err(Error::UnknownModel(model.clone()));
         }
-        if let Some(&last) = self.released.get(model) {
-            if version <= last {
-                return Err(Error::StaleVersion {
-                    model: model.clone(),
-                    offered: version,
-                    current: last,
-                });
-            }
+        if let Some(&last) = self.released.get(model)
+            && version <= last
+        {
+            return Err(Error::StaleVersion {
+                model: model.clone(),
+                offered: version,
+                current: last,
+            });
         }
         if let Some((v, _)) = self.pending.get(model) {
             return Err(Error::Sync(format!(

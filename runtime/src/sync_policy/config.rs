@@ -233,7 +233,7 @@ impl SyncConfig {
 
     /// True when `version` is an eval step.
     pub fn is_eval_step(&self, version: crate::ids::Version) -> bool {
-        self.validate_freq > 0 && version.0 > 0 && version.0 % self.validate_freq == 0
+        self.validate_freq > 0 && version.0 > 0 && version.0.is_multiple_of(self.validate_freq)
     }
 }
 

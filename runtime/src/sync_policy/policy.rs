@@ -98,12 +98,11 @@ impl ModelSync {
     }
 
     fn settle(&mut self) {
+        let behind_after_batch =
+            self.state == RolloutState::NeedSync && self.rollout_version < self.train_version;
         self.state = if self.in_flight.is_some() {
             RolloutState::Syncing
-        } else if self.deferred.is_some() {
-            RolloutState::NeedSync
-        } else if self.state == RolloutState::NeedSync && self.rollout_version < self.train_version
-        {
+        } else if self.deferred.is_some() || behind_after_batch {
             RolloutState::NeedSync
         } else {
             RolloutState::Running
