@@ -14,6 +14,22 @@
 //! - A sender that crashes mid-write leaves its slot odd and the board on the old version:
 //!   readers keep the old weights and learn the sender's death from its pid.
 //! - Shutdown removes every segment file; mappings that readers still hold stay valid.
+//!
+//! # Why there are no bucket control messages here
+//!
+//! TCP moves bytes by a [`BucketPlan`](refit_runtime::BucketPlan), one header per bucket,
+//! because its bytes cross a wire in pieces that can arrive late, damaged, from a relay, or
+//! not at all. Shared memory has none of that: the sender writes the arena once into a slot
+//! and commits the whole slot with one seqlock step; a reader either maps the slot
+//! (`ShmReadMode::ZeroCopy`) or copies it whole in one `memcpy` (`ShmReadMode::Copy`) and
+//! proves, by the slot's sequence before and after, that it saw one whole version. There is
+//! no channel on which a per-bucket message could travel, nothing for it to checksum that the
+//! seqlock does not already prove, and cutting the copy into buckets would only add
+//! bookkeeping to a copy that runs at memory bandwidth. The manifest (the layout a plan would
+//! describe) is read once at attach from the board's manifest directory and checked by the
+//! scheme against the manifests the receiver expects. So the
+//! unit of control here is the version, not the bucket; the same holds for the in-process
+//! transport, which moves no bytes at all.
 
 mod futex;
 mod layout;
