@@ -9,7 +9,7 @@
 
 use std::io::Read;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
 
 use refit_runtime::node::{OpenStream, StreamHead, frame, write_head};
 use refit_runtime::{
@@ -109,6 +109,54 @@ pub(crate) async fn serve_pull(
         }
     }
     stream.flush().await.map_err(io)
+}
+
+/// xxh3-64 of every tensor of `ws`, hashed by up to `threads` threads taking the plan's
+/// buckets from a shared queue (each hashes the tensors a bucket holds whole); tensors cut
+/// across buckets, and any the plan does not place, are hashed afterwards. Bucket checksums
+/// are left to the serving streams, which hash each bucket just before writing it, in
+/// parallel with the other streams' socket writes.
+pub(crate) fn tensor_sums(plan: &BucketPlan, ws: &WeightSet, threads: usize) -> Vec<u64> {
+    let bytes = ws.bytes();
+    let specs = ws.manifest().tensors();
+    let tensor_bytes = |i: usize| {
+        specs
+            .get(i)
+            .and_then(|t| bytes.get(t.offset..t.offset + t.len))
+    };
+    let next = AtomicUsize::new(0);
+    let work = || {
+        let mut out = Vec::new();
+        while let Some(b) = plan.buckets.get(next.fetch_add(1, Ordering::Relaxed)) {
+            for p in &b.pieces {
+                if specs.get(p.tensor).is_some_and(|t| !p.is_chunk(t.len))
+                    && let Some(t) = tensor_bytes(p.tensor)
+                {
+                    out.push((p.tensor, xxhash_rust::xxh3::xxh3_64(t)));
+                }
+            }
+        }
+        out
+    };
+    let done: Vec<(usize, u64)> = std::thread::scope(|s| {
+        let handles: Vec<_> = (1..threads.max(1)).map(|_| s.spawn(work)).collect();
+        let mut all = work();
+        for h in handles {
+            // a panicking hasher leaves its tensors unhashed: they are hashed below
+            all.extend(h.join().unwrap_or_default());
+        }
+        all
+    });
+    let mut sums: Vec<Option<u64>> = vec![None; specs.len()];
+    for (t, s) in done {
+        if let Some(slot) = sums.get_mut(t) {
+            *slot = Some(s);
+        }
+    }
+    sums.into_iter()
+        .enumerate()
+        .map(|(i, s)| s.unwrap_or_else(|| tensor_bytes(i).map_or(0, xxhash_rust::xxh3::xxh3_64)))
+        .collect()
 }
 
 /// Spreads `buckets` (ascending) over at most `streams` streams: each bucket goes whole to
@@ -373,5 +421,24 @@ mod tests {
         assert!(check_buckets(&req(id, vec![4]), &src).is_err());
         let e = check_buckets(&req(id ^ 1, vec![0]), &src).unwrap_err();
         assert!(e.contains("bucket plan"), "{e}");
+    }
+
+    #[test]
+    fn parallel_tensor_sums_equal_the_serial_ones() {
+        let mut b = Manifest::builder();
+        for (i, n) in [100usize, 5000, 0, 64, 3000, 7].iter().enumerate() {
+            b.push(format!("t{i}"), DType::U8, &[*n]);
+        }
+        let m = Arc::new(b.build().unwrap());
+        let mut ws = WeightSet::zeroed(ModelId::new("m").unwrap(), Arc::clone(&m));
+        for (i, x) in ws.bytes_mut().unwrap().iter_mut().enumerate() {
+            *x = (i * 31 % 251) as u8;
+        }
+        for bucket in [64, 1024, 1 << 20] {
+            let p = BucketPlan::compute(&ModelId::new("m").unwrap(), &m, &m, bucket).unwrap();
+            for threads in [1, 3] {
+                assert_eq!(tensor_sums(&p, &ws, threads), ws.tensor_checksums());
+            }
+        }
     }
 }

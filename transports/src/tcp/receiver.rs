@@ -18,6 +18,7 @@ use uuid::Uuid;
 use super::data::{Counters, Expect, ServeStats, Source, assign, pull_buckets, serve_pull};
 use super::messages::*;
 use super::{NAME, TcpReceiverSpec};
+use crate::pool::{BufPool, PooledBuf};
 
 /// How a receiver pulls.
 #[derive(Debug, Clone)]
@@ -78,6 +79,8 @@ struct Shared {
     pulled: Arc<AtomicU64>,
     /// Bucket headers received (one control message per bucket pulled).
     headers: Arc<AtomicU64>,
+    /// Arenas of dropped versions, reused by the next pulls.
+    pool: Arc<BufPool>,
     /// The verified bucket plan of each model (and its fingerprint).
     plans: Mutex<BTreeMap<ModelId, (u64, Arc<BucketPlan>)>>,
 }
@@ -385,7 +388,30 @@ impl TcpReceiver {
                     ),
                 ));
             }
-            let mut ws = WeightSet::zeroed(model.clone(), Arc::clone(&manifest));
+            if t.full && t.buckets.len() != plan.len() {
+                self.done(
+                    t.lease,
+                    false,
+                    "a full transfer without every bucket".into(),
+                );
+                return Err(Error::transport(
+                    NAME,
+                    format!(
+                        "a full transfer lists {} of the plan's {} buckets",
+                        t.buckets.len(),
+                        plan.len()
+                    ),
+                ));
+            }
+            // a recycled arena: a full transfer overwrites every byte (the verified plan
+            // covers the arena), a delta starts from a copy of the base
+            let buf = self.shared.pool.take(manifest.total_len());
+            let mut ws = WeightSet::from_shared(
+                model.clone(),
+                Version::ZERO,
+                Arc::clone(&manifest),
+                Arc::new(PooledBuf::new(buf, &self.shared.pool)),
+            )?;
             match (&base, t.full) {
                 (_, true) => {}
                 (Some(b), false) => ws.bytes_mut()?.copy_from_slice(b.bytes()),

@@ -25,7 +25,7 @@ use refit_runtime::{
 use tokio::sync::watch;
 use uuid::Uuid;
 
-use super::data::{ServeStats, Source, serve_pull};
+use super::data::{ServeStats, Source, serve_pull, tensor_sums};
 use super::messages::*;
 use super::{NAME, TcpConfig, TcpReceiverSpec};
 
@@ -644,9 +644,28 @@ impl SenderTransport for TcpSender {
         if self.closed {
             return Err(Error::State("tcp sender is shut down"));
         }
+        // every tensor's checksum, hashed in parallel bucket by bucket
+        let plans: Vec<Option<Arc<BucketPlan>>> = {
+            let st = self.agent.lock();
+            group
+                .iter()
+                .map(|w| {
+                    st.models
+                        .get(w.model())
+                        .and_then(|s| s.plan.as_ref().map(|p| Arc::clone(&p.1)))
+                })
+                .collect()
+        };
+        let threads = std::thread::available_parallelism().map_or(1, usize::from);
         let sums: Vec<Arc<Vec<u64>>> = group
             .iter()
-            .map(|w| Arc::new(w.tensor_checksums()))
+            .zip(plans)
+            .map(|(w, plan)| {
+                Arc::new(match plan {
+                    Some(plan) => tensor_sums(&plan, w, threads),
+                    None => w.tensor_checksums(),
+                })
+            })
             .collect();
         {
             let keep = self.agent.cfg.keep_versions.max(1);
