@@ -234,6 +234,79 @@ impl BucketPlan {
         Ok(())
     }
 
+    /// A fingerprint of the plan (xxh3-64 of its wire encoding): two ends whose plans have the
+    /// same fingerprint cut the arena the same way, so a transport ships the plan once and
+    /// names it by fingerprint afterwards.
+    ///
+    /// # Errors
+    /// [`Error::Wire`] when the plan cannot be encoded.
+    pub fn fingerprint(&self) -> Result<u64> {
+        Ok(xxhash_rust::xxh3::xxh3_64(&crate::wire::encode(self)?))
+    }
+
+    /// The buckets holding at least one byte of any of `tensors` (manifest positions), in
+    /// ascending order: what a delta transfer of those tensors moves.
+    pub fn touching(&self, tensors: &[usize]) -> Vec<usize> {
+        let mut wanted = tensors.to_vec();
+        wanted.sort_unstable();
+        self.buckets
+            .iter()
+            .enumerate()
+            .filter(|(_, b)| {
+                b.pieces
+                    .iter()
+                    .any(|p| wanted.binary_search(&p.tensor).is_ok())
+            })
+            .map(|(i, _)| i)
+            .collect()
+    }
+
+    /// Checks a received bucket header against the plan: its index is in range and its byte
+    /// range and pieces are the plan's. Returns the plan's spec of that bucket.
+    ///
+    /// # Errors
+    /// [`Error::Bucket`] naming the bucket when its index is out of range or its range or
+    /// pieces differ from the plan.
+    pub fn check_header(&self, header: &BucketHeader) -> Result<&BucketSpec> {
+        let i = header.index;
+        let spec = self.buckets.get(i).ok_or_else(|| {
+            bucket_error(
+                i,
+                format!("out of range, the plan has {} buckets", self.len()),
+            )
+        })?;
+        if header.start != spec.start || header.len != spec.len || header.pieces != spec.pieces {
+            return Err(bucket_error(
+                i,
+                format!(
+                    "header covers bytes {}..+{}, the plan says {}..+{}",
+                    header.start, header.len, spec.start, spec.len
+                ),
+            ));
+        }
+        Ok(spec)
+    }
+
+    /// Checks that `bytes`, the payload of `header`, hash to the header's checksum.
+    ///
+    /// # Errors
+    /// [`Error::Bucket`] naming the bucket and its tensors when the checksum differs.
+    pub fn check_checksum(&self, header: &BucketHeader, bytes: &[u8]) -> Result<()> {
+        let found = xxhash_rust::xxh3::xxh3_64(bytes);
+        if found == header.checksum {
+            return Ok(());
+        }
+        let names: Vec<&str> = header.pieces.iter().map(|p| p.name.as_str()).collect();
+        Err(bucket_error(
+            header.index,
+            format!(
+                "checksum {:#018x} declared, bytes hash to {found:#018x} (tensors {})",
+                header.checksum,
+                names.join(", ")
+            ),
+        ))
+    }
+
     /// The header and bytes of bucket `index` of `weights`.
     ///
     /// # Errors
@@ -352,12 +425,12 @@ impl BucketAssembler {
     /// match; nothing is copied then.
     pub fn accept(&mut self, header: &BucketHeader, bytes: &[u8]) -> Result<()> {
         let i = header.index;
-        let spec = self.plan.buckets.get(i).ok_or_else(|| {
-            bucket_error(
+        if i >= self.plan.len() {
+            return Err(bucket_error(
                 i,
                 format!("out of range, the plan has {} buckets", self.plan.len()),
-            )
-        })?;
+            ));
+        }
         if let Some(v) = self.version
             && v != header.version
         {
@@ -375,37 +448,18 @@ impl BucketAssembler {
                 format!("received twice for version {}", header.version),
             ));
         }
-        if header.start != spec.start || header.len != spec.len || header.pieces != spec.pieces {
+        let range = self.plan.check_header(header)?.range();
+        if bytes.len() != range.len() {
             return Err(bucket_error(
                 i,
-                format!(
-                    "header covers bytes {}..+{}, the plan says {}..+{}",
-                    header.start, header.len, spec.start, spec.len
-                ),
+                format!("{} bytes declared, {} arrived", range.len(), bytes.len()),
             ));
         }
-        if bytes.len() != spec.len {
-            return Err(bucket_error(
-                i,
-                format!("{} bytes declared, {} arrived", spec.len, bytes.len()),
-            ));
-        }
-        let found = xxhash_rust::xxh3::xxh3_64(bytes);
-        if found != header.checksum {
-            let names: Vec<&str> = spec.pieces.iter().map(|p| p.name.as_str()).collect();
-            return Err(bucket_error(
-                i,
-                format!(
-                    "checksum {:#018x} declared, bytes hash to {found:#018x} (tensors {})",
-                    header.checksum,
-                    names.join(", ")
-                ),
-            ));
-        }
+        self.plan.check_checksum(header, bytes)?;
         let arena = self.arena.get_or_insert_with(|| {
             WeightSet::zeroed(self.plan.model.clone(), Arc::clone(&self.manifest))
         });
-        arena.bytes_mut()?[spec.range()].copy_from_slice(bytes);
+        arena.bytes_mut()?[range].copy_from_slice(bytes);
         self.version = Some(header.version);
         self.seen[i] = true;
         self.received += 1;

@@ -377,6 +377,11 @@ impl Update {
 }
 
 impl<T: ReceiverTransport> Receiver<T> {
+    /// The transport (e.g. to read its transfer counters).
+    pub fn transport(&self) -> &T {
+        &self.transport
+    }
+
     /// Waits up to `timeout` for the next update, validates it whole, applies it (the served
     /// snapshot switches to it in one step) and acknowledges it. `Ok(None)` when the timeout
     /// passes with nothing new.

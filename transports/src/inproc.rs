@@ -5,6 +5,10 @@
 //! `hub.receiver()` one receiving end (registered at once, so the sender waits for its
 //! acknowledgements). The board holds the newest version of every model; it is replaced as a
 //! whole, so a receiver that skips versions still sees models published together together.
+//!
+//! No bytes move, so there are no buckets: a
+//! [`BucketPlan`](refit_runtime::BucketPlan) cuts bytes that travel, and here a receiver gets
+//! the sender's own `Arc` (one control step per *version*, not per bucket).
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, Ordering};

@@ -15,5 +15,6 @@
 
 pub mod gpu;
 pub mod inproc;
+mod pool;
 pub mod shm;
 pub mod tcp;

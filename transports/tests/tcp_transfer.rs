@@ -27,24 +27,6 @@ fn big_manifest(tensors: usize, mib: usize) -> Arc<Manifest> {
     Arc::new(b.build().unwrap())
 }
 
-/// Pseudo-random bytes (xorshift), different for every seed.
-fn fill(ws: &mut WeightSet, seed: u64) {
-    let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
-    for chunk in ws.bytes_mut().unwrap().chunks_exact_mut(8) {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        chunk.copy_from_slice(&x.to_le_bytes());
-    }
-}
-
-fn random_set(m: &Arc<Manifest>, version: u64, seed: u64) -> WeightSet {
-    let mut ws = WeightSet::zeroed(id("policy"), Arc::clone(m));
-    fill(&mut ws, seed);
-    ws.set_version(Version(version));
-    ws
-}
-
 fn pair(
     m: &Arc<Manifest>,
     initial: WeightSet,
@@ -119,14 +101,23 @@ fn a_256_mib_model_arrives_bit_identical_over_4_streams() {
 }
 
 #[test]
-fn delta_mode_sends_only_changed_tensors() {
+fn delta_mode_sends_only_the_buckets_of_changed_tensors() {
     let m = big_manifest(8, 1);
     let v1 = random_set(&m, 1, 7);
     let rcfg = TcpReceiverConfig {
         mode: TransferMode::Delta,
         ..TcpReceiverConfig::default()
     };
-    let (mut sender, rs) = pair(&m, v1.clone(), 1, TcpConfig::default(), rcfg);
+    // one 1 MiB tensor per bucket: a delta moves exactly the changed tensors
+    let cfg = TcpConfig {
+        bucket_size: 1 << 20,
+        ..TcpConfig::default()
+    };
+    let (mut sender, rs) = pair(&m, v1.clone(), 1, cfg, rcfg);
+    assert_eq!(
+        sender.transport().bucket_plan(&id("policy")).unwrap().len(),
+        8
+    );
     let full = sender.transport().bytes_sent();
     assert_eq!(full, 8 << 20, "the first version has no base: full");
     // change two tensors, far apart
@@ -137,7 +128,11 @@ fn delta_mode_sends_only_changed_tensors() {
     let expected = v2.bytes().to_vec();
     let rs = send_all(&mut sender, rs, v2.clone());
     let delta = sender.transport().bytes_sent() - full;
-    assert_eq!(delta, 2 << 20, "only the two changed tensors travel");
+    assert_eq!(
+        delta,
+        2 << 20,
+        "only the buckets of the two changed tensors travel"
+    );
     assert!(rs[0].current(&id("policy")).unwrap().bytes() == &expected[..]);
     // an unchanged version moves no bytes at all, and still lands
     let mut v3 = v2.clone();

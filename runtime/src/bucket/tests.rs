@@ -198,3 +198,48 @@ fn empty_arena_has_no_buckets_and_assembles_at_once() {
     assert!(asm.is_complete());
     assert_eq!(asm.take().unwrap().bytes().len(), 0);
 }
+
+#[test]
+fn delta_buckets_are_those_touching_changed_tensors() {
+    let m = manifest();
+    let plan = BucketPlan::compute(&id(), &m, &m, 256).unwrap();
+    assert_eq!(plan.touching(&[1]), [0]);
+    assert_eq!(plan.touching(&[2]), [1, 2, 3, 4]);
+    assert_eq!(plan.touching(&[3, 0]), [0, 5]);
+    assert!(plan.touching(&[]).is_empty());
+    assert!(plan.touching(&[99]).is_empty());
+}
+
+#[test]
+fn headers_are_checked_against_the_plan_and_fingerprints_tell_plans_apart() {
+    let m = manifest();
+    let plan = BucketPlan::compute(&id(), &m, &m, 256).unwrap();
+    let ws = filled(&m, 1);
+    let (header, bytes) = plan.bucket(&ws, 2).unwrap();
+    assert_eq!(plan.check_header(&header).unwrap().range(), 448..704);
+    plan.check_checksum(&header, bytes).unwrap();
+    let mut bad = bytes.to_vec();
+    bad[3] ^= 1;
+    let e = plan.check_checksum(&header, &bad).unwrap_err().to_string();
+    assert!(
+        e.starts_with("bucket 2: checksum") && e.contains("big"),
+        "{e}"
+    );
+    let mut moved = header.clone();
+    moved.start += 64;
+    assert!(plan.check_header(&moved).is_err());
+    let mut out = header;
+    out.index = 6;
+    assert!(
+        plan.check_header(&out)
+            .unwrap_err()
+            .to_string()
+            .contains("out of range")
+    );
+    let other = BucketPlan::compute(&id(), &m, &m, 512).unwrap();
+    assert_eq!(
+        plan.fingerprint().unwrap(),
+        plan.clone().fingerprint().unwrap()
+    );
+    assert_ne!(plan.fingerprint().unwrap(), other.fingerprint().unwrap());
+}

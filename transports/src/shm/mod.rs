@@ -14,6 +14,22 @@
 //! - A sender that crashes mid-write leaves its slot odd and the board on the old version:
 //!   readers keep the old weights and learn the sender's death from its pid.
 //! - Shutdown removes every segment file; mappings that readers still hold stay valid.
+//!
+//! # Why there are no bucket control messages here
+//!
+//! TCP moves bytes by a [`BucketPlan`](refit_runtime::BucketPlan), one header per bucket,
+//! because its bytes cross a wire in pieces that can arrive late, damaged, from a relay, or
+//! not at all. Shared memory has none of that: the sender writes the arena once into a slot
+//! and commits the whole slot with one seqlock step; a reader either maps the slot
+//! (`ShmReadMode::ZeroCopy`) or copies it whole in one `memcpy` (`ShmReadMode::Copy`) and
+//! proves, by the slot's sequence before and after, that it saw one whole version. There is
+//! no channel on which a per-bucket message could travel, nothing for it to checksum that the
+//! seqlock does not already prove, and cutting the copy into buckets would only add
+//! bookkeeping to a copy that runs at memory bandwidth. The manifest (the layout a plan would
+//! describe) is read once at attach from the board's manifest directory and checked by the
+//! scheme against the manifests the receiver expects. So the
+//! unit of control here is the version, not the bucket; the same holds for the in-process
+//! transport, which moves no bytes at all.
 
 mod futex;
 mod layout;
@@ -21,19 +37,21 @@ mod segment;
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering, fence};
-use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use refit_runtime::{
-    AlignedBuf, Error, Group, Manifest, Manifests, ModelId, ReceiverTransport, Result,
-    SenderTransport, SharedBytes, Version, WeightSet, wire,
+    Error, Group, Manifest, Manifests, ModelId, ReceiverTransport, Result, SenderTransport,
+    SharedBytes, Version, WeightSet, wire,
 };
 use serde::{Deserialize, Serialize};
 
 use layout::*;
 pub use layout::{MAX_MODELS, MAX_SLOTS};
 use segment::Segment;
+
+use crate::pool::{BufPool, PooledBuf};
 
 const NAME: &str = "shm";
 /// How often a waiting receiver looks at the sender's pid.
@@ -654,50 +672,6 @@ impl Drop for PinnedSlot {
     }
 }
 
-/// Arenas of earlier versions, kept for reuse: a copying receiver that allocated a fresh
-/// arena per update would pay a page fault (and the kernel's zeroing) per 4 KiB every time.
-#[derive(Debug, Default)]
-struct BufPool(Mutex<Vec<AlignedBuf>>);
-
-impl BufPool {
-    const KEEP: usize = 2;
-
-    fn take(&self, len: usize) -> AlignedBuf {
-        let mut free = self.0.lock().unwrap_or_else(|p| p.into_inner());
-        match free.iter().position(|b| b.len() == len) {
-            Some(i) => free.swap_remove(i),
-            None => AlignedBuf::zeroed(len),
-        }
-    }
-
-    fn give(&self, buf: AlignedBuf) {
-        let mut free = self.0.lock().unwrap_or_else(|p| p.into_inner());
-        if free.len() < Self::KEEP {
-            free.push(buf);
-        }
-    }
-}
-
-/// A private copy of a slot whose arena returns to the pool when the last reader drops it.
-struct PooledBuf {
-    buf: Option<AlignedBuf>,
-    pool: Arc<BufPool>,
-}
-
-impl SharedBytes for PooledBuf {
-    fn bytes(&self) -> &[u8] {
-        self.buf.as_ref().map_or(&[], AlignedBuf::as_slice)
-    }
-}
-
-impl Drop for PooledBuf {
-    fn drop(&mut self) {
-        if let Some(b) = self.buf.take() {
-            self.pool.give(b);
-        }
-    }
-}
-
 struct Attached {
     board: Arc<Segment>,
     lease: Arc<Lease>,
@@ -884,10 +858,7 @@ impl ShmReceiver {
                         let copy = seg.bytes(base + PAGE, manifest.total_len()).and_then(|b| {
                             let mut buf = self.pool.take(b.len());
                             buf.as_mut_slice().copy_from_slice(b);
-                            let pooled = PooledBuf {
-                                buf: Some(buf),
-                                pool: Arc::clone(&self.pool),
-                            };
+                            let pooled = PooledBuf::new(buf, &self.pool);
                             WeightSet::from_shared(
                                 id.clone(),
                                 Version(version),

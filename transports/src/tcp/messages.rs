@@ -2,7 +2,7 @@
 
 use std::net::SocketAddr;
 
-use refit_runtime::{Manifest, ModelId, Version};
+use refit_runtime::{BucketPlan, Manifest, ModelId, Version};
 use serde::{Deserialize, Serialize};
 use uuid::Uuid;
 
@@ -20,8 +20,9 @@ pub(crate) const PULL: &str = "pull";
 pub enum TransferMode {
     /// Every byte of the arena.
     Full,
-    /// Only the tensors whose checksum changed since the version the receiver holds (full
-    /// when it holds none, or the sender no longer knows that version's checksums).
+    /// Only the buckets holding a tensor whose checksum changed since the version the
+    /// receiver holds, on top of that version (full when it holds none, or the sender no
+    /// longer knows that version's checksums).
     #[default]
     Delta,
 }
@@ -48,6 +49,9 @@ pub(crate) struct TransferReq {
     pub(crate) version: Version,
     pub(crate) have: Option<Version>,
     pub(crate) mode: TransferMode,
+    /// Fingerprint of the bucket plan the receiver holds for the model (none before its
+    /// first pull): the sender ships its plan only when this differs.
+    pub(crate) plan: Option<u64>,
 }
 
 #[derive(Debug, Serialize, Deserialize)]
@@ -66,9 +70,16 @@ pub(crate) struct Plan {
     pub(crate) source: SocketAddr,
     pub(crate) target: Uuid,
     pub(crate) from_sender: bool,
-    /// Tensor indices to pull, in manifest order (all of them for a full transfer).
-    pub(crate) tensors: Vec<u32>,
-    /// True when `tensors` is every tensor (pull the whole arena, padding included).
+    /// Fingerprint of the sender's bucket plan for the model; pulls name it.
+    pub(crate) plan_id: u64,
+    /// The sender's bucket plan, shipped when the receiver does not hold `plan_id` yet; the
+    /// receiver verifies it against its manifest before pulling a byte.
+    pub(crate) bucket_plan: Option<BucketPlan>,
+    /// Indices of the buckets to pull, ascending (every bucket for a full transfer; for a
+    /// delta, those holding a byte of a changed tensor).
+    pub(crate) buckets: Vec<u32>,
+    /// True for a full transfer (every bucket, into a fresh arena); false for a delta (the
+    /// receiver starts from the version it holds).
     pub(crate) full: bool,
     /// xxh3-64 of every tensor of the version, verified before apply.
     pub(crate) checksums: Vec<u64>,
@@ -95,10 +106,17 @@ pub(crate) struct Announce {
     pub(crate) closing: bool,
 }
 
+/// The request of one data stream. The stream answers a head whose `len` is the payload
+/// bytes of the requested buckets, then for each bucket, in the requested order, one framed
+/// [`BucketHeader`](refit_runtime::BucketHeader) (index, version, range, pieces, checksum)
+/// followed by exactly `len` raw bytes.
 #[derive(Debug, Serialize, Deserialize)]
 pub(crate) struct PullReq {
     pub(crate) model: ModelId,
     pub(crate) version: Version,
-    /// `(offset, len)` byte ranges of the arena, ascending and disjoint.
-    pub(crate) ranges: Vec<(u64, u64)>,
+    /// Fingerprint of the bucket plan the indices refer to; a source holding another plan
+    /// refuses the pull.
+    pub(crate) plan: u64,
+    /// Bucket indices, strictly ascending.
+    pub(crate) buckets: Vec<u32>,
 }

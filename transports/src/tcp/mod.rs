@@ -5,10 +5,25 @@
 //!   per-tensor xxh3 checksums (the last [`TcpConfig::checksum_history`]).
 //! - A **receiver** ([`TcpReceiver`]) registers with it, then for each version it is told
 //!   about (the sender calls `_receive_weights_scheme` on the receiver's node) asks for a
-//!   transfer plan in `full` or `delta` mode, pulls the bytes over several parallel streams
-//!   (each a disjoint byte range, straight into the new arena), verifies every tensor's
-//!   checksum *before* the version can be applied, signals completion, and acknowledges once
-//!   applied.
+//!   transfer in `full` or `delta` mode, pulls the bytes over several parallel streams,
+//!   verifies every tensor's checksum *before* the version can be applied, signals
+//!   completion, and acknowledges once applied.
+//! - **Buckets**: bytes move by the sender's [`BucketPlan`](refit_runtime::BucketPlan),
+//!   computed once per model with [`TcpConfig::bucket_size`] and shipped with the first
+//!   transfer a receiver asks for (later transfers name it by fingerprint; a changed plan is
+//!   shipped again). The receiver verifies it against its manifest with
+//!   [`BucketPlan::verify`](refit_runtime::BucketPlan::verify) and refuses one that does not
+//!   fit, with the error naming the bucket and tensor; nothing is pulled then and the
+//!   previous version stays served. Streams take whole buckets (each to the stream with the
+//!   fewest bytes so far); each bucket travels as exactly one framed
+//!   [`BucketHeader`](refit_runtime::BucketHeader) (index, version, range, pieces, xxh3)
+//!   followed by its bytes, straight into the new arena. A tensor larger than a bucket is
+//!   cut across buckets, never refused.
+//! - **Delta**: a delta transfer moves the buckets that hold at least one byte of a changed
+//!   tensor, whole, and starts from the version the receiver holds; buckets with no changed
+//!   tensor are skipped. One header still describes each bucket, and the delta needs no
+//!   second plan; the price is granularity (an unchanged tensor sharing a bucket with a
+//!   changed one travels too), so pick a smaller bucket size for sparse updates.
 //! - **Relay**: a receiver that holds a version serves it to the next one, so the sender
 //!   writes each byte about once however many receivers there are; holders serve in parallel.
 //! - **Security**: nodes bind loopback unless configured; every connection presents the
@@ -61,7 +76,16 @@ pub struct TcpConfig {
     pub transfer_timeout: Duration,
     /// Deadline of the sender's own remote calls, e.g. announcements (default 5 s).
     pub call_timeout: Duration,
+    /// Bytes per bucket of the bucket plan, a positive multiple of
+    /// [`ALIGN`](refit_runtime::ALIGN) (default [`DEFAULT_BUCKET_SIZE`], 16 MiB). Larger
+    /// buckets mean fewer control messages; smaller ones spread a model over more parallel
+    /// streams and make deltas finer.
+    pub bucket_size: usize,
 }
+
+/// The default [`TcpConfig::bucket_size`]: 16 MiB, so a 64 MiB model already keeps four
+/// streams busy while a 1 GiB model needs only 64 bucket headers.
+pub const DEFAULT_BUCKET_SIZE: usize = 16 << 20;
 
 impl Default for TcpConfig {
     fn default() -> Self {
@@ -76,6 +100,7 @@ impl Default for TcpConfig {
             relay_fanout: 1,
             transfer_timeout: Duration::from_secs(120),
             call_timeout: Duration::from_secs(5),
+            bucket_size: DEFAULT_BUCKET_SIZE,
         }
     }
 }

@@ -1,5 +1,6 @@
 //! The receiving end: registers with a sender agent, learns of versions through
-//! `_receive_weights_scheme`, pulls them over parallel streams, verifies, relays.
+//! `_receive_weights_scheme`, verifies the sender's bucket plan, pulls the buckets over
+//! parallel streams, verifies every tensor, relays.
 
 use std::collections::{BTreeMap, VecDeque};
 use std::net::SocketAddr;
@@ -9,21 +10,24 @@ use std::time::{Duration, Instant};
 
 use refit_runtime::node::{ClusterToken, Node, NodeConfig, Peer, open_stream};
 use refit_runtime::{
-    Error, Group, Manifest, Manifests, Mismatch, ModelId, ReceiverTransport, Result, Version,
+    BucketPlan, Error, Group, Manifest, Manifests, ModelId, ReceiverTransport, Result, Version,
     WeightSet, wire,
 };
 use uuid::Uuid;
 
-use super::data::{ServeStats, pull_parts, serve_pull, split_ranges, tensor_ranges};
+use super::data::{Counters, Expect, ServeStats, Source, assign, pull_buckets, serve_pull};
 use super::messages::*;
 use super::{NAME, TcpReceiverSpec};
+use crate::pool::{BufPool, PooledBuf};
 
 /// How a receiver pulls.
 #[derive(Debug, Clone)]
 pub struct TcpReceiverConfig {
-    /// Parallel streams per transfer, each pulling a disjoint byte range (default 4).
+    /// Parallel streams per transfer, each pulling whole buckets (default 4; never more
+    /// than the buckets to pull).
     pub streams: usize,
-    /// `Full` or `Delta` (default `Delta`: only changed tensors once a version is held).
+    /// `Full` or `Delta` (default `Delta`: once a version is held, only the buckets holding
+    /// a changed tensor).
     pub mode: TransferMode,
     /// Serve held versions to other receivers (default true).
     pub relay: bool,
@@ -67,8 +71,18 @@ struct Shared {
     inbox: Mutex<Inbox>,
     cv: Condvar,
     held: Mutex<BTreeMap<ModelId, VecDeque<Arc<WeightSet>>>>,
+    /// Verified versions this receiver serves as a relay. A version enters before the
+    /// sender hears the transfer is done (so a puller the sender sends here finds it), which
+    /// may be before its group is returned; `held` tracks what was returned.
+    relayable: Mutex<BTreeMap<ModelId, VecDeque<Arc<WeightSet>>>>,
     relay: ServeStats,
     pulled: Arc<AtomicU64>,
+    /// Bucket headers received (one control message per bucket pulled).
+    headers: Arc<AtomicU64>,
+    /// Arenas of dropped versions, reused by the next pulls.
+    pool: Arc<BufPool>,
+    /// The verified bucket plan of each model (and its fingerprint).
+    plans: Mutex<BTreeMap<ModelId, (u64, Arc<BucketPlan>)>>,
 }
 
 impl Shared {
@@ -89,6 +103,50 @@ impl Shared {
         }
         drop(ib);
         self.cv.notify_all();
+    }
+
+    fn plan(&self, model: &ModelId) -> Option<(u64, Arc<BucketPlan>)> {
+        self.plans
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(model)
+            .cloned()
+    }
+
+    fn set_plan(&self, model: &ModelId, id: u64, plan: Arc<BucketPlan>) {
+        self.plans
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(model.clone(), (id, plan));
+    }
+
+    /// What this receiver serves a relayed pull from.
+    fn source(&self, model: &ModelId, version: Version) -> std::result::Result<Source, String> {
+        let weights = self
+            .relayable
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(model)
+            .and_then(|q| q.iter().find(|w| w.version() == version).cloned())
+            .ok_or_else(|| format!("this receiver no longer holds `{model}` version {version}"))?;
+        let (plan_id, plan) = self
+            .plan(model)
+            .ok_or_else(|| format!("this receiver holds no bucket plan of `{model}`"))?;
+        Ok(Source {
+            weights,
+            plan,
+            plan_id,
+        })
+    }
+
+    /// Makes a verified version available to relayed pulls, keeping the newest `keep`.
+    fn offer(&self, ws: &Arc<WeightSet>, keep: usize) {
+        let mut r = self.relayable.lock().unwrap_or_else(|p| p.into_inner());
+        let q = r.entry(ws.model().clone()).or_default();
+        q.push_back(Arc::clone(ws));
+        while q.len() > keep.max(1) {
+            q.pop_front();
+        }
     }
 
     fn held_version(&self, model: &ModelId) -> Version {
@@ -167,6 +225,17 @@ impl TcpReceiver {
         Arc::clone(&self.shared.pulled)
     }
 
+    /// Bucket control messages (headers) this receiver has received: one per bucket pulled,
+    /// so a full transfer adds the plan's bucket count.
+    pub fn bucket_headers(&self) -> u64 {
+        self.shared.headers.load(Ordering::Relaxed)
+    }
+
+    /// The bucket plan this receiver verified for `model` (none before its first pull).
+    pub fn bucket_plan(&self, model: &ModelId) -> Option<Arc<BucketPlan>> {
+        self.shared.plan(model).map(|p| p.1)
+    }
+
     /// Bytes this receiver served to other receivers as a relay.
     pub fn bytes_relayed(&self) -> u64 {
         self.shared.relay.bytes.load(Ordering::Relaxed)
@@ -201,17 +270,8 @@ impl TcpReceiver {
             let sh = Arc::clone(&sh);
             Box::pin(async move {
                 let req: PullReq = wire::decode(&bytes, wire::MAX_CONTROL_MESSAGE)?;
-                let ws = sh
-                    .held()
-                    .get(&req.model)
-                    .and_then(|q| q.iter().find(|w| w.version() == req.version).cloned())
-                    .ok_or_else(|| {
-                        format!(
-                            "this receiver no longer holds `{}` version {}",
-                            req.model, req.version
-                        )
-                    });
-                serve_pull(stream, ws, req, &sh.relay).await
+                let src = sh.source(&req.model, req.version);
+                serve_pull(stream, src, req, &sh.relay).await
             })
         });
     }
@@ -231,12 +291,55 @@ impl TcpReceiver {
         }
     }
 
+    /// The sender's plan for `model`: the one held when the transfer names it, else the
+    /// shipped one once it verified against this end's manifest (then held for later
+    /// transfers and for relaying).
+    fn accept_plan(
+        &self,
+        model: &ModelId,
+        manifest: &Manifest,
+        t: &Plan,
+    ) -> Result<Arc<BucketPlan>> {
+        let Some(plan) = &t.bucket_plan else {
+            return match self.shared.plan(model) {
+                Some((id, p)) if id == t.plan_id => Ok(p),
+                _ => Err(Error::transport(
+                    NAME,
+                    format!(
+                        "the sender named bucket plan {:#018x} of `{model}` without shipping it",
+                        t.plan_id
+                    ),
+                )),
+            };
+        };
+        if &plan.model != model {
+            return Err(Error::Bucket {
+                index: 0,
+                reason: format!("the plan of model `{}` came for `{model}`", plan.model),
+            });
+        }
+        plan.verify(manifest)?;
+        let id = plan.fingerprint()?;
+        if id != t.plan_id {
+            return Err(Error::transport(
+                NAME,
+                format!(
+                    "the shipped bucket plan hashes to {id:#018x}, the sender named {:#018x}",
+                    t.plan_id
+                ),
+            ));
+        }
+        let plan = Arc::new(plan.clone());
+        self.shared.set_plan(model, id, Arc::clone(&plan));
+        Ok(plan)
+    }
+
     /// Pulls one version; `Ok(Err(latest))` when the sender no longer keeps it.
     fn pull(
         &self,
         model: &ModelId,
         version: Version,
-    ) -> Result<std::result::Result<WeightSet, Version>> {
+    ) -> Result<std::result::Result<Arc<WeightSet>, Version>> {
         let manifest: Arc<Manifest> = Arc::clone(
             self.manifests
                 .as_ref()
@@ -258,42 +361,93 @@ impl TcpReceiver {
                 version,
                 have: base.as_ref().map(|b| b.version()),
                 mode: self.cfg.mode,
+                plan: self.shared.plan(model).map(|p| p.0),
             };
             let reply: TransferReply =
                 self.ctl()?
                     .call(self.spec.agent, TRANSFER, &req, self.cfg.call_timeout)?;
-            let plan = match reply {
+            let t = match reply {
                 TransferReply::Superseded { latest } => return Ok(Err(latest)),
                 TransferReply::Plan(p) => p,
             };
-            let mut ws = WeightSet::zeroed(model.clone(), Arc::clone(&manifest));
-            let ranges = match (&base, plan.full) {
-                (_, true) => vec![(0, manifest.total_len() as u64)],
-                (Some(b), false) => {
-                    ws.bytes_mut()?.copy_from_slice(b.bytes());
-                    tensor_ranges(&manifest, &plan.tensors)
+            let plan = match self.accept_plan(model, &manifest, &t) {
+                Ok(p) => p,
+                Err(e) => {
+                    self.done(t.lease, false, format!("bucket plan refused: {e}"));
+                    return Err(e);
                 }
+            };
+            if t.checksums.len() != manifest.len() {
+                self.done(t.lease, false, "checksum count".into());
+                return Err(Error::transport(
+                    NAME,
+                    format!(
+                        "{} checksums for {} tensors",
+                        t.checksums.len(),
+                        manifest.len()
+                    ),
+                ));
+            }
+            if t.full && t.buckets.len() != plan.len() {
+                self.done(
+                    t.lease,
+                    false,
+                    "a full transfer without every bucket".into(),
+                );
+                return Err(Error::transport(
+                    NAME,
+                    format!(
+                        "a full transfer lists {} of the plan's {} buckets",
+                        t.buckets.len(),
+                        plan.len()
+                    ),
+                ));
+            }
+            // a recycled arena: a full transfer overwrites every byte (the verified plan
+            // covers the arena), a delta starts from a copy of the base
+            let buf = self.shared.pool.take(manifest.total_len());
+            let mut ws = WeightSet::from_shared(
+                model.clone(),
+                Version::ZERO,
+                Arc::clone(&manifest),
+                Arc::new(PooledBuf::new(buf, &self.shared.pool)),
+            )?;
+            match (&base, t.full) {
+                (_, true) => {}
+                (Some(b), false) => ws.bytes_mut()?.copy_from_slice(b.bytes()),
                 (None, false) => {
-                    self.done(plan.lease, false, "delta plan without a base".into());
+                    self.done(t.lease, false, "delta plan without a base".into());
                     return Err(Error::transport(
                         NAME,
                         "sender planned a delta but this receiver holds no base",
                     ));
                 }
+            }
+            let parts = assign(&plan, &t.buckets, self.cfg.streams.max(1));
+            let exp = Expect {
+                model,
+                version,
+                manifest: &manifest,
+                plan: &plan,
+                sums: &t.checksums,
             };
-            let parts = split_ranges(&ranges, self.cfg.streams.max(1));
+            let counters = Counters {
+                bytes: &self.shared.pulled,
+                headers: &self.shared.headers,
+            };
             let me = self.node.as_ref().map_or_else(Uuid::nil, Node::id);
-            let open = |part: &[(u64, u64)]| {
+            let open = |part: &[u32]| {
                 let req = PullReq {
                     model: model.clone(),
                     version,
-                    ranges: part.to_vec(),
+                    plan: t.plan_id,
+                    buckets: part.to_vec(),
                 };
                 open_stream(
-                    plan.source,
+                    t.source,
                     &token,
                     me,
-                    plan.target,
+                    t.target,
                     PULL,
                     &req,
                     self.cfg.stream_timeout,
@@ -301,47 +455,47 @@ impl TcpReceiver {
             };
             let result = ws
                 .bytes_mut()
-                .and_then(|arena| pull_parts(arena, &parts, &open, &self.shared.pulled))
-                .and_then(|_| verify(&ws, &plan.checksums));
+                .and_then(|arena| pull_buckets(arena, &parts, exp, &open, counters))
+                .and_then(|_| verify_cut_tensors(&ws, exp, &t.buckets));
             match result {
                 Ok(()) => {
-                    self.done(plan.lease, true, String::new());
                     ws.set_version(version);
+                    let ws = Arc::new(ws);
+                    self.shared.offer(&ws, self.cfg.keep_versions);
+                    self.done(t.lease, true, String::new());
                     return Ok(Ok(ws));
                 }
                 Err(e) => {
-                    self.done(plan.lease, false, e.to_string());
-                    if plan.from_sender || attempt >= 4 {
+                    self.done(t.lease, false, e.to_string());
+                    if t.from_sender || attempt >= 4 {
                         return Err(e);
                     }
-                    tracing::warn!(source = %plan.source, error = %e, "relay pull failed; asking for another source");
+                    tracing::warn!(source = %t.source, error = %e, "relay pull failed; asking for another source");
                 }
             }
         }
     }
 }
 
-/// Checks every tensor against the sender's checksums; the first mismatch names the tensor.
-fn verify(ws: &WeightSet, sums: &[u64]) -> Result<()> {
-    if sums.len() != ws.manifest().len() {
-        return Err(Error::transport(
-            NAME,
-            format!(
-                "{} checksums for {} tensors",
-                sums.len(),
-                ws.manifest().len()
-            ),
-        ));
-    }
-    for (t, &expected) in ws.tensors().zip(sums) {
-        let found = t.checksum();
-        if found != expected {
-            return Err(Error::tensor(
-                ws.model(),
-                t.name(),
-                Mismatch::Checksum { expected, found },
-            ));
-        }
+/// Checks the tensors cut across several of the pulled `buckets` against the sender's
+/// checksums (tensors held whole by a bucket were checked as their bucket arrived); the
+/// first mismatch names the tensor.
+fn verify_cut_tensors(ws: &WeightSet, exp: Expect<'_>, buckets: &[u32]) -> Result<()> {
+    let specs = exp.manifest.tensors();
+    let mut cut: Vec<usize> = buckets
+        .iter()
+        .filter_map(|&i| exp.plan.buckets.get(i as usize))
+        .flat_map(|b| &b.pieces)
+        .filter(|p| specs.get(p.tensor).is_some_and(|t| p.is_chunk(t.len)))
+        .map(|p| p.tensor)
+        .collect();
+    cut.dedup();
+    for i in cut {
+        let Some(t) = specs.get(i) else { continue };
+        let bytes = ws.bytes().get(t.offset..t.offset + t.len).ok_or_else(|| {
+            Error::transport(NAME, format!("tensor `{}` runs past the arena", t.name))
+        })?;
+        exp.check_tensor(i, bytes)?;
     }
     Ok(())
 }
@@ -424,7 +578,7 @@ impl ReceiverTransport for TcpReceiver {
             let mut superseded = false;
             for (m, v) in &want {
                 match self.pull(m, *v)? {
-                    Ok(ws) => group.push(Arc::new(ws)),
+                    Ok(ws) => group.push(ws),
                     Err(latest) => {
                         let mut ib = self.shared.inbox();
                         if ib.pending.get(m) == Some(v) {

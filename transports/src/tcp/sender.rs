@@ -1,9 +1,15 @@
 //! The sender agent: serves the latest versions of one model set to registered receivers.
 //!
 //! Handlers (on the sender's node, addressed by the agent's uuid): `register`,
-//! `request_transfer` (answers a plan: which source to pull from, which tensors, their
-//! checksums), `transfer_done` (the completion signal), `ack`, and the `pull` stream.
-//! Publishing calls `_receive_weights_scheme` on every receiver.
+//! `request_transfer` (answers a transfer: which source to pull from, which buckets, the
+//! tensors' checksums, and the bucket plan itself when the receiver does not hold it yet),
+//! `transfer_done` (the completion signal), `ack`, and the `pull` stream. Publishing calls
+//! `_receive_weights_scheme` on every receiver.
+//!
+//! The bucket plan of each model is computed once, when the agent starts, from the model's
+//! manifest and [`TcpConfig::bucket_size`]: receivers adopt the sender's manifests when they
+//! register (the scheme checks them against the ones they expect), so one plan per model
+//! serves every receiver and is replayed for every version.
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::net::SocketAddr;
@@ -13,13 +19,13 @@ use std::time::{Duration, Instant};
 
 use refit_runtime::node::{CallInfo, ClusterToken, ConnId, Node, NodeConfig, Peer};
 use refit_runtime::{
-    Ack, AckBook, Error, Group, Manifests, ModelId, Result, SenderTransport, Version, WeightSet,
-    wire,
+    Ack, AckBook, BucketPlan, Error, Group, Manifests, ModelId, Result, SenderTransport, Version,
+    WeightSet, wire,
 };
 use tokio::sync::watch;
 use uuid::Uuid;
 
-use super::data::{ServeStats, serve_pull};
+use super::data::{ServeStats, Source, serve_pull, tensor_sums};
 use super::messages::*;
 use super::{NAME, TcpConfig, TcpReceiverSpec};
 
@@ -27,6 +33,8 @@ use super::{NAME, TcpConfig, TcpReceiverSpec};
 struct ModelSlot {
     versions: VecDeque<Arc<WeightSet>>,
     sums: VecDeque<(Version, Arc<Vec<u64>>)>,
+    /// The bucket plan (and its fingerprint) every version of the model travels by.
+    plan: Option<(u64, Arc<BucketPlan>)>,
 }
 
 #[derive(Debug)]
@@ -132,17 +140,23 @@ impl Agent {
         self.changed.send_modify(|n| *n = n.wrapping_add(1));
     }
 
-    fn find(
-        &self,
-        model: &ModelId,
-        version: Version,
-    ) -> std::result::Result<Arc<WeightSet>, String> {
+    fn find(&self, model: &ModelId, version: Version) -> std::result::Result<Source, String> {
         let st = self.lock();
-        st.models
-            .get(model)
+        let slot = st.models.get(model);
+        let weights = slot
             .and_then(|s| s.versions.iter().find(|w| w.version() == version))
             .cloned()
-            .ok_or_else(|| format!("model `{model}` version {version} is not kept by the sender"))
+            .ok_or_else(|| {
+                format!("model `{model}` version {version} is not kept by the sender")
+            })?;
+        let (plan_id, plan) = slot
+            .and_then(|s| s.plan.clone())
+            .ok_or_else(|| format!("model `{model}` has no bucket plan"))?;
+        Ok(Source {
+            weights,
+            plan,
+            plan_id,
+        })
     }
 
     /// One attempt at a plan; `None` means "wait for a source to free up".
@@ -156,6 +170,9 @@ impl Agent {
             return Some(Ok(TransferReply::Superseded { latest }));
         };
         let n = ws.manifest().len();
+        let Some((plan_id, bucket_plan)) = slot.plan.clone() else {
+            return Some(Err(Error::State("a model without a bucket plan")));
+        };
         let sums_of = |v: Version| slot.sums.iter().find(|(sv, _)| *sv == v).map(|s| &s.1);
         let Some(sums) = sums_of(req.version).cloned() else {
             return Some(Err(Error::State("checksums of a kept version are missing")));
@@ -164,16 +181,23 @@ impl Agent {
             (TransferMode::Delta, Some(have)) => sums_of(have).cloned(),
             _ => None,
         };
-        let tensors: Vec<u32> = match &base {
-            Some(b) => (0..n)
-                .filter(|&i| b.get(i) != sums.get(i))
+        // a delta moves the buckets holding a byte of a changed tensor, whole
+        let buckets: Vec<u32> = match &base {
+            Some(b) => {
+                let changed: Vec<usize> = (0..n).filter(|&i| b.get(i) != sums.get(i)).collect();
+                bucket_plan
+                    .touching(&changed)
+                    .into_iter()
+                    .filter_map(|i| u32::try_from(i).ok())
+                    .collect()
+            }
+            None => (0..bucket_plan.len())
                 .filter_map(|i| u32::try_from(i).ok())
                 .collect(),
-            None => (0..n).filter_map(|i| u32::try_from(i).ok()).collect(),
         };
         let full = base.is_none();
         let fanout = self.cfg.relay_fanout.max(1);
-        let source = if self.cfg.relay && !tensors.is_empty() {
+        let source = if self.cfg.relay && !buckets.is_empty() {
             let holders: Vec<(u32, usize)> = st
                 .receivers
                 .iter()
@@ -223,7 +247,9 @@ impl Agent {
             source: addr,
             target,
             from_sender: source == Src::Sender,
-            tensors,
+            plan_id,
+            bucket_plan: (req.plan != Some(plan_id)).then(|| (*bucket_plan).clone()),
+            buckets,
             full,
             checksums: sums.to_vec(),
         })))
@@ -271,10 +297,16 @@ impl TcpSender {
     /// agents). `config.bind` and `config.token` are ignored: the node's are used.
     ///
     /// # Errors
-    /// [`Error::State`] for an empty model set.
+    /// [`Error::State`] for an empty model set; [`Error::Bucket`] when
+    /// [`TcpConfig::bucket_size`] is zero or not a multiple of [`refit_runtime::ALIGN`].
     pub fn on_node(node: &Node, config: TcpConfig, manifests: &Manifests) -> Result<Self> {
         if manifests.is_empty() {
             return Err(Error::State("a tcp sender needs at least one model"));
+        }
+        let mut plans = Vec::with_capacity(manifests.len());
+        for (id, m) in manifests.iter() {
+            let plan = BucketPlan::compute(id, m, m, config.bucket_size)?;
+            plans.push((id.clone(), plan.fingerprint()?, Arc::new(plan)));
         }
         let addr = config.advertise.unwrap_or_else(|| node.addr());
         let (changed, _) = watch::channel(0);
@@ -289,8 +321,12 @@ impl TcpSender {
         });
         {
             let mut st = agent.lock();
-            for (id, _) in manifests.iter() {
-                st.models.insert(id.clone(), ModelSlot::default());
+            for (id, plan_id, plan) in plans {
+                let slot = ModelSlot {
+                    plan: Some((plan_id, plan)),
+                    ..ModelSlot::default()
+                };
+                st.models.insert(id, slot);
             }
         }
         register_handlers(node, &agent, manifests.clone());
@@ -332,6 +368,34 @@ impl TcpSender {
     /// counted here).
     pub fn bytes_sent(&self) -> u64 {
         self.agent.stats.bytes.load(Ordering::Relaxed)
+    }
+
+    /// The bucket plan `model` travels by (computed once from its manifest and
+    /// [`TcpConfig::bucket_size`]); `None` for a model this sender does not serve.
+    pub fn bucket_plan(&self, model: &ModelId) -> Option<Arc<BucketPlan>> {
+        self.agent
+            .lock()
+            .models
+            .get(model)
+            .and_then(|s| s.plan.as_ref().map(|p| Arc::clone(&p.1)))
+    }
+
+    /// Test hook: replaces the plan this sender ships and serves `plan.model` by, as a
+    /// forged or buggy sender would. Receivers must refuse a plan that does not fit their
+    /// manifest.
+    ///
+    /// # Errors
+    /// [`Error::UnknownModel`] when the sender does not serve the plan's model; wire errors.
+    #[doc(hidden)]
+    pub fn replace_bucket_plan(&self, plan: BucketPlan) -> Result<()> {
+        let id = plan.fingerprint()?;
+        let mut st = self.agent.lock();
+        let slot = st
+            .models
+            .get_mut(&plan.model)
+            .ok_or_else(|| Error::UnknownModel(plan.model.clone()))?;
+        slot.plan = Some((id, Arc::new(plan)));
+        Ok(())
     }
 
     /// Test hook: flips one byte in each of the next `chunks` chunks (1 MiB) this sender
@@ -580,9 +644,28 @@ impl SenderTransport for TcpSender {
         if self.closed {
             return Err(Error::State("tcp sender is shut down"));
         }
+        // every tensor's checksum, hashed in parallel bucket by bucket
+        let plans: Vec<Option<Arc<BucketPlan>>> = {
+            let st = self.agent.lock();
+            group
+                .iter()
+                .map(|w| {
+                    st.models
+                        .get(w.model())
+                        .and_then(|s| s.plan.as_ref().map(|p| Arc::clone(&p.1)))
+                })
+                .collect()
+        };
+        let threads = std::thread::available_parallelism().map_or(1, usize::from);
         let sums: Vec<Arc<Vec<u64>>> = group
             .iter()
-            .map(|w| Arc::new(w.tensor_checksums()))
+            .zip(plans)
+            .map(|(w, plan)| {
+                Arc::new(match plan {
+                    Some(plan) => tensor_sums(&plan, w, threads),
+                    None => w.tensor_checksums(),
+                })
+            })
             .collect();
         {
             let keep = self.agent.cfg.keep_versions.max(1);

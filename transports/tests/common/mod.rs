@@ -58,3 +58,22 @@ pub fn check_stamp(ws: &WeightSet) -> Result<(), String> {
     }
     Ok(())
 }
+
+/// Pseudo-random bytes (xorshift), different for every seed.
+pub fn fill(ws: &mut WeightSet, seed: u64) {
+    let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    for chunk in ws.bytes_mut().unwrap().chunks_exact_mut(8) {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        chunk.copy_from_slice(&x.to_le_bytes());
+    }
+}
+
+/// Version `version` of `policy` filled with pseudo-random bytes from `seed`.
+pub fn random_set(m: &Arc<Manifest>, version: u64, seed: u64) -> WeightSet {
+    let mut ws = WeightSet::zeroed(id("policy"), Arc::clone(m));
+    fill(&mut ws, seed);
+    ws.set_version(Version(version));
+    ws
+}
