@@ -73,3 +73,52 @@ async fn engine_pauses_loads_and_continues() {
     assert!(err.to_string().contains("pi.0.weight"), "{err}");
     assert_eq!(engine.send(ServedVersion).await.unwrap(), Version(1));
 }
+
+#[actix_rt::test]
+async fn a_collector_worker_and_a_trainer_close_the_loop_through_the_engine() {
+    use refit_actors::actor::{CollectBatch, CollectorWorker, Train, Trainer};
+    use refit_actors::{CartPole, Collector, PpoConfig, PpoTrainer};
+    let sizes = vec![4, 16, 2];
+    let s = sizes.clone();
+    let worker = CollectorWorker::start(move || {
+        let envs = (0..2).map(CartPole::new).collect();
+        Collector::builder(envs, MlpPolicy::new(&s).unwrap())
+            .frames_per_batch(128)
+            .build()
+            .unwrap()
+    });
+    let cfg = PpoConfig {
+        sizes: sizes.clone(),
+        epochs: 1,
+        minibatch: 64,
+        ..PpoConfig::default()
+    };
+    let trainer = Trainer::start(move || PpoTrainer::new(cfg.clone()).unwrap());
+    let engine =
+        actix::Actor::start(InferenceEngine::new(MlpPolicy::new(&sizes).unwrap(), 1).unwrap());
+    let batch = worker.send(CollectBatch).await.unwrap().unwrap().unwrap();
+    assert_eq!(batch.frames, 128);
+    let (stats, weights) = trainer.send(Train { batch }).await.unwrap().unwrap();
+    assert_eq!(stats.samples, 128);
+    assert_eq!(weights.version(), Version(1));
+    // the trained weights reach both the worker's policy and the engine
+    let v = worker
+        .send(LoadWeights {
+            weights: weights.clone(),
+        })
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(v, Version(1));
+    engine.send(LoadWeights { weights }).await.unwrap().unwrap();
+    let acted = engine
+        .send(Act {
+            obs: vec![0.0, 0.1, 0.0, -0.1],
+        })
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(acted.version, Version(1));
+    let next = worker.send(CollectBatch).await.unwrap().unwrap().unwrap();
+    assert!(next.transitions.iter().all(|t| t.version == Version(1)));
+}

@@ -89,14 +89,14 @@ pub struct PublishCurrent;
 /// The trainer actor (PPO with candle), on its own thread, optionally publishing through a
 /// [`WeightOutlet`].
 pub struct Trainer {
-    ppo: PpoTrainer,
+    ppo: Option<PpoTrainer>,
     outlet: Option<Box<dyn WeightOutlet>>,
 }
 
 impl std::fmt::Debug for Trainer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Trainer")
-            .field("version", &self.ppo.version())
+            .field("version", &self.ppo.as_ref().map(PpoTrainer::version))
             .finish()
     }
 }
@@ -105,7 +105,7 @@ impl Trainer {
     /// Starts a trainer on its own thread; `make` builds it there.
     pub fn start(make: impl Fn() -> PpoTrainer + Send + Sync + 'static) -> Addr<Self> {
         SyncArbiter::start(1, move || Self {
-            ppo: make(),
+            ppo: Some(make()),
             outlet: None,
         })
     }
@@ -118,19 +118,21 @@ impl Trainer {
                 .lock()
                 .unwrap_or_else(std::sync::PoisonError::into_inner)
                 .take();
-            match taken {
-                Some((ppo, outlet)) => Self {
-                    ppo,
-                    outlet: Some(outlet),
-                },
-                // A sync arbiter builds its actor once per thread; one thread is started.
-                None => unreachable!("trainer actor built twice"),
-            }
+            // A sync arbiter builds its actor again only if it stopped; the state is gone
+            // then, and every request says so.
+            let (ppo, outlet) = taken.map_or((None, None), |(p, o)| (Some(p), Some(o)));
+            Self { ppo, outlet }
+        })
+    }
+
+    fn ppo(&mut self) -> Result<&mut PpoTrainer> {
+        self.ppo.as_mut().ok_or_else(|| {
+            Error::Actor("the trainer actor was restarted and its trainer state is lost".into())
         })
     }
 
     fn publish(&mut self) -> Result<Version> {
-        let weights = Arc::new(self.ppo.export()?);
+        let weights = Arc::new(self.ppo()?.export()?);
         match &mut self.outlet {
             Some(o) => o.publish(weights),
             None => Err(Error::Config(
@@ -143,7 +145,7 @@ impl Trainer {
 impl Handler<TrainAndPublish> for Trainer {
     type Result = Result<(PpoStats, Version)>;
     fn handle(&mut self, msg: TrainAndPublish, _: &mut SyncContext<Self>) -> Self::Result {
-        let stats = self.ppo.update(&msg.batch)?;
+        let stats = self.ppo()?.update(&msg.batch)?;
         Ok((stats, self.publish()?))
     }
 }
@@ -162,7 +164,8 @@ impl Actor for Trainer {
 impl Handler<Train> for Trainer {
     type Result = Result<(PpoStats, Arc<WeightSet>)>;
     fn handle(&mut self, msg: Train, _: &mut SyncContext<Self>) -> Self::Result {
-        let stats = self.ppo.update(&msg.batch)?;
-        Ok((stats, Arc::new(self.ppo.export()?)))
+        let ppo = self.ppo()?;
+        let stats = ppo.update(&msg.batch)?;
+        Ok((stats, Arc::new(ppo.export()?)))
     }
 }
