@@ -503,3 +503,61 @@ where
 {
     tokio::join!(a, b)
 }
+
+#[actix_rt::test]
+async fn without_an_evaluator_rollouts_stay_paused_until_end_validate() {
+    use refit_actors::actor::{CheckRollout, EndValidate};
+    use refit_runtime::sync_policy::{BlockReason, Decision};
+    let m = id("policy");
+    let (mut s, r) = scheme(&m);
+    let engine = InferenceEngine::empty(1)
+        .with_model(
+            m.clone(),
+            MlpPolicy::new(&SIZES).unwrap(),
+            Some(Box::new(r)),
+        )
+        .unwrap()
+        .start();
+    let mut cfg = SyncConfig::with_mode(SyncMode::FullyAsync);
+    cfg.validate_freq = 2;
+    let ctl =
+        WeightSyncController::new(&cfg, vec![m.clone()], vec![EngineHandle::of(&engine)], None)
+            .unwrap()
+            .start();
+    let mut n = VersionNotifier::new(ctl.clone(), m.clone(), cfg.clone());
+    n.notify(Version(1)).await.unwrap();
+    n.flush().await.unwrap();
+    // the round is released before the load lands (fully-async); wait for the sync point
+    let landed = ctl
+        .send(refit_actors::actor::AwaitSynced {
+            model: m.clone(),
+            version: Version(1),
+        })
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(landed, Version(1));
+    let check = || ctl.send(CheckRollout { model: m.clone() });
+    assert_eq!(
+        check().await.unwrap().unwrap(),
+        Decision::Continue { staleness: 0 }
+    );
+    mock_publish(&mut s, &m, 2).unwrap();
+    // an eval step: the leader loads v2, finds no evaluator, and leaves acquisition paused
+    let outcome = n.notify(Version(2)).await.unwrap().unwrap();
+    assert_eq!(outcome.version, Version(2));
+    assert!(outcome.eval.is_none());
+    assert_eq!(engine.send(ServedVersions).await.unwrap()[&m], Version(2));
+    assert_eq!(
+        check().await.unwrap().unwrap(),
+        Decision::Block(BlockReason::Validation)
+    );
+    ctl.send(EndValidate).await.unwrap();
+    assert_eq!(
+        check().await.unwrap().unwrap(),
+        Decision::Continue { staleness: 0 }
+    );
+    // a stale notification is refused, naming the versions
+    let e = n.notify(Version(2)).await.unwrap_err().to_string();
+    assert!(e.contains("version 2 refused"), "{e}");
+}
