@@ -677,6 +677,7 @@ impl SenderTransport for TcpSender {
                 Ok(Arc::new(Sums::compute(&plan, id, w, threads)))
             })
             .collect::<Result<_>>()?;
+        let mut retired = Vec::new();
         {
             let keep = self.agent.cfg.keep_versions.max(1);
             let history = self.agent.cfg.checksum_history.max(keep);
@@ -685,7 +686,7 @@ impl SenderTransport for TcpSender {
                 let slot = st.models.entry(w.model().clone()).or_default();
                 slot.versions.push_back(Arc::clone(w));
                 while slot.versions.len() > keep {
-                    slot.versions.pop_front();
+                    retired.extend(slot.versions.pop_front());
                 }
                 slot.sums.push_back((w.version(), s));
                 while slot.sums.len() > history {
@@ -699,6 +700,14 @@ impl SenderTransport for TcpSender {
             .map(|w| (w.model().clone(), w.version()))
             .collect();
         drop(self.announce(entries, false));
+        // a retired version may be the last owner of its arena: unmapping hundreds of MiB
+        // takes tens of milliseconds, which publish need not wait for (when no thread can be
+        // started, the closure and the versions are dropped here instead)
+        if !retired.is_empty() {
+            let _ = std::thread::Builder::new()
+                .name("refit-tcp-retire".into())
+                .spawn(move || drop(retired));
+        }
         Ok(())
     }
 
