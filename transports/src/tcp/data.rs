@@ -4,24 +4,32 @@
 //! Each stream carries whole buckets; each bucket travels as exactly one framed
 //! [`BucketHeader`] (its control message: index, version, range, pieces, xxh3) followed by its
 //! raw bytes. The receiving thread checks the header against the plan before reading a byte,
-//! then verifies the bucket's tensors and its checksum as soon as the bucket is in, in
-//! parallel with the other streams.
+//! hashes each piece as its bytes land (while they are in cache), then verifies the pieces
+//! and the bucket's checksum (derived from the piece checksums and the gap bytes) as soon as
+//! the bucket is in, in parallel with the other streams. The sender hashes each piece once at
+//! publish; headers are built from those cached checksums.
 
 use std::io::Read;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
 
+use refit_runtime::bucket::{BucketSpec, Piece};
 use refit_runtime::node::{OpenStream, StreamHead, frame, write_head};
 use refit_runtime::{
     BucketHeader, BucketPlan, Error, Manifest, Mismatch, ModelId, Result, Version, WeightSet, wire,
 };
+use std::ops::Range;
 use tokio::io::AsyncWriteExt;
+use xxhash_rust::xxh3::Xxh3;
 
 use super::NAME;
 use super::messages::PullReq;
 
 /// Bytes written per socket write on the serving side (the unit of injected corruption).
 pub(crate) const CHUNK: usize = 1 << 20;
+/// Bytes read per socket read on the pulling side: small enough that the four streams' fresh
+/// bytes stay in the two cores' L2 caches while they are hashed.
+const READ: usize = 256 << 10;
 /// Most buckets one pull request may ask for.
 const MAX_BUCKETS: usize = 1 << 20;
 
@@ -38,10 +46,194 @@ pub(crate) struct Source {
     pub(crate) weights: Arc<WeightSet>,
     pub(crate) plan: Arc<BucketPlan>,
     pub(crate) plan_id: u64,
+    /// The version's checksums, cut by `plan`: headers are built from them, so serving
+    /// hashes nothing.
+    pub(crate) sums: Arc<Sums>,
+}
+
+/// The checksums of one version cut by one bucket plan, computed once (at publish on the
+/// sender, while the bytes land on a receiver) and served with every header.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Sums {
+    /// Fingerprint of the plan that cut them.
+    pub(crate) plan_id: u64,
+    /// xxh3-64 of every piece of the plan (a tensor held whole by a bucket, or a chunk of a
+    /// cut one), bucket after bucket in plan order.
+    pub(crate) pieces: Vec<u64>,
+    /// The checksum of every bucket ([`bucket_sum`]).
+    pub(crate) buckets: Vec<u64>,
+}
+
+impl Sums {
+    /// Hashes every piece of `ws` by `plan` with up to `threads` threads taking buckets from
+    /// a shared queue (one pass over the bytes), then derives the bucket checksums.
+    pub(crate) fn compute(plan: &BucketPlan, plan_id: u64, ws: &WeightSet, threads: usize) -> Self {
+        let bytes = ws.bytes();
+        let manifest = ws.manifest();
+        let next = AtomicUsize::new(0);
+        let work = || {
+            let mut out = Vec::new();
+            loop {
+                let i = next.fetch_add(1, Ordering::Relaxed);
+                let Some(b) = plan.buckets.get(i) else { break };
+                let data = bytes.get(b.range()).unwrap_or_default();
+                let pieces: Vec<u64> = b
+                    .pieces
+                    .iter()
+                    .map(|p| {
+                        let r = piece_range(manifest, b, p).unwrap_or_default();
+                        xxhash_rust::xxh3::xxh3_64(data.get(r).unwrap_or_default())
+                    })
+                    .collect();
+                let sum = bucket_sum(manifest, b, data, &pieces);
+                out.push((i, pieces, sum));
+            }
+            out
+        };
+        let mut done: Vec<(usize, Vec<u64>, u64)> = std::thread::scope(|s| {
+            let handles: Vec<_> = (1..threads.max(1)).map(|_| s.spawn(work)).collect();
+            let mut all = work();
+            for h in handles {
+                // a panicking hasher leaves its buckets unhashed: they are hashed below
+                all.extend(h.join().unwrap_or_default());
+            }
+            all
+        });
+        done.sort_unstable_by_key(|d| d.0);
+        let mut sums = Self {
+            plan_id,
+            pieces: Vec::with_capacity(plan.buckets.iter().map(|b| b.pieces.len()).sum()),
+            buckets: Vec::with_capacity(plan.len()),
+        };
+        let mut done = done.into_iter().peekable();
+        for (i, b) in plan.buckets.iter().enumerate() {
+            let (pieces, sum) = match done.next_if(|d| d.0 == i) {
+                Some((_, p, s)) => (p, s),
+                None => {
+                    let data = bytes.get(b.range()).unwrap_or_default();
+                    let p: Vec<u64> = b
+                        .pieces
+                        .iter()
+                        .map(|p| {
+                            let r = piece_range(manifest, b, p).unwrap_or_default();
+                            xxhash_rust::xxh3::xxh3_64(data.get(r).unwrap_or_default())
+                        })
+                        .collect();
+                    let s = bucket_sum(manifest, b, data, &p);
+                    (p, s)
+                }
+            };
+            sums.pieces.extend(pieces);
+            sums.buckets.push(sum);
+        }
+        sums
+    }
+
+    /// The sums of a version that arrived whole: `pieces` were verified as the bytes landed,
+    /// the bucket checksums are derived from them and the arena's gap bytes.
+    pub(crate) fn of_arena(
+        plan: &BucketPlan,
+        plan_id: u64,
+        manifest: &Manifest,
+        arena: &[u8],
+        pieces: Vec<u64>,
+    ) -> Self {
+        let starts = piece_starts(plan);
+        let buckets = plan
+            .buckets
+            .iter()
+            .zip(starts.windows(2))
+            .map(|(b, w)| {
+                let data = arena.get(b.range()).unwrap_or_default();
+                bucket_sum(
+                    manifest,
+                    b,
+                    data,
+                    pieces.get(w[0]..w[1]).unwrap_or_default(),
+                )
+            })
+            .collect();
+        Self {
+            plan_id,
+            pieces,
+            buckets,
+        }
+    }
+
+    /// The tensors (manifest positions, ascending) with a piece whose checksum differs from
+    /// `base`'s; `None` when `base` was cut by another plan.
+    pub(crate) fn changed_since(&self, base: &Sums, plan: &BucketPlan) -> Option<Vec<usize>> {
+        if base.plan_id != self.plan_id || base.pieces.len() != self.pieces.len() {
+            return None;
+        }
+        let mut changed: Vec<usize> = plan
+            .buckets
+            .iter()
+            .flat_map(|b| &b.pieces)
+            .zip(self.pieces.iter().zip(&base.pieces))
+            .filter(|(_, (a, b))| a != b)
+            .map(|(p, _)| p.tensor)
+            .collect();
+        changed.sort_unstable();
+        changed.dedup();
+        Some(changed)
+    }
+}
+
+/// Where the pieces of each bucket start in the flattened piece list (one entry per bucket,
+/// plus the total).
+pub(crate) fn piece_starts(plan: &BucketPlan) -> Vec<usize> {
+    let mut at = 0;
+    let mut starts = Vec::with_capacity(plan.len() + 1);
+    starts.push(0);
+    for b in &plan.buckets {
+        at += b.pieces.len();
+        starts.push(at);
+    }
+    starts
+}
+
+/// The bytes of `piece` inside the bytes of `bucket` (none when the manifest places it
+/// elsewhere).
+fn piece_range(manifest: &Manifest, bucket: &BucketSpec, piece: &Piece) -> Option<Range<usize>> {
+    let start =
+        (manifest.tensors().get(piece.tensor)?.offset + piece.offset).checked_sub(bucket.start)?;
+    let end = start.checked_add(piece.len)?;
+    (end <= bucket.len).then_some(start..end)
+}
+
+/// The checksum of a bucket: xxh3-64 over its bytes in arena order, each piece replaced by
+/// its own checksum (little-endian), so the gaps between tensors (alignment padding) are
+/// covered while tensor bytes are hashed once, piece by piece.
+pub(crate) fn bucket_sum(
+    manifest: &Manifest,
+    bucket: &BucketSpec,
+    bytes: &[u8],
+    piece_sums: &[u64],
+) -> u64 {
+    let mut h = Xxh3::new();
+    let mut at = 0;
+    for (p, s) in bucket.pieces.iter().zip(piece_sums) {
+        if let Some(r) = piece_range(manifest, bucket, p)
+            && r.start >= at
+        {
+            h.update(bytes.get(at..r.start).unwrap_or_default());
+            at = r.end;
+        }
+        h.update(&s.to_le_bytes());
+    }
+    h.update(bytes.get(at..).unwrap_or_default());
+    h.digest()
 }
 
 /// Checks a pull against the source's plan; the payload bytes it asks for.
 fn check_buckets(req: &PullReq, src: &Source) -> std::result::Result<u64, String> {
+    if src.sums.plan_id != src.plan_id || src.sums.buckets.len() != src.plan.len() {
+        return Err(format!(
+            "the checksums of `{}` version {} were cut by another bucket plan",
+            req.model, req.version
+        ));
+    }
     if req.plan != src.plan_id {
         return Err(format!(
             "the pull names bucket plan {:#018x}, this source cuts `{}` by plan {:#018x}",
@@ -89,8 +281,29 @@ pub(crate) async fn serve_pull(
     };
     write_head(&mut stream, &StreamHead::Ok { len: total }).await?;
     let io = |e| Error::io("serving a pull", e);
+    let all = src.weights.bytes();
     for &i in &req.buckets {
-        let (header, bytes) = src.plan.bucket(&src.weights, i as usize)?;
+        let (Some(b), Some(&checksum)) = (
+            src.plan.buckets.get(i as usize),
+            src.sums.buckets.get(i as usize),
+        ) else {
+            return Err(Error::Bucket {
+                index: i as usize,
+                reason: "not in the plan or without a checksum".into(),
+            });
+        };
+        let bytes = all.get(b.range()).ok_or_else(|| Error::Bucket {
+            index: i as usize,
+            reason: format!("runs past the arena's {} bytes", all.len()),
+        })?;
+        let header = BucketHeader {
+            index: i as usize,
+            version: src.weights.version(),
+            start: b.start,
+            len: b.len,
+            pieces: b.pieces.clone(),
+            checksum,
+        };
         frame::send(&mut stream, &header).await?;
         for chunk in bytes.chunks(CHUNK) {
             let corrupt = stats
@@ -109,54 +322,6 @@ pub(crate) async fn serve_pull(
         }
     }
     stream.flush().await.map_err(io)
-}
-
-/// xxh3-64 of every tensor of `ws`, hashed by up to `threads` threads taking the plan's
-/// buckets from a shared queue (each hashes the tensors a bucket holds whole); tensors cut
-/// across buckets, and any the plan does not place, are hashed afterwards. Bucket checksums
-/// are left to the serving streams, which hash each bucket just before writing it, in
-/// parallel with the other streams' socket writes.
-pub(crate) fn tensor_sums(plan: &BucketPlan, ws: &WeightSet, threads: usize) -> Vec<u64> {
-    let bytes = ws.bytes();
-    let specs = ws.manifest().tensors();
-    let tensor_bytes = |i: usize| {
-        specs
-            .get(i)
-            .and_then(|t| bytes.get(t.offset..t.offset + t.len))
-    };
-    let next = AtomicUsize::new(0);
-    let work = || {
-        let mut out = Vec::new();
-        while let Some(b) = plan.buckets.get(next.fetch_add(1, Ordering::Relaxed)) {
-            for p in &b.pieces {
-                if specs.get(p.tensor).is_some_and(|t| !p.is_chunk(t.len))
-                    && let Some(t) = tensor_bytes(p.tensor)
-                {
-                    out.push((p.tensor, xxhash_rust::xxh3::xxh3_64(t)));
-                }
-            }
-        }
-        out
-    };
-    let done: Vec<(usize, u64)> = std::thread::scope(|s| {
-        let handles: Vec<_> = (1..threads.max(1)).map(|_| s.spawn(work)).collect();
-        let mut all = work();
-        for h in handles {
-            // a panicking hasher leaves its tensors unhashed: they are hashed below
-            all.extend(h.join().unwrap_or_default());
-        }
-        all
-    });
-    let mut sums: Vec<Option<u64>> = vec![None; specs.len()];
-    for (t, s) in done {
-        if let Some(slot) = sums.get_mut(t) {
-            *slot = Some(s);
-        }
-    }
-    sums.into_iter()
-        .enumerate()
-        .map(|(i, s)| s.unwrap_or_else(|| tensor_bytes(i).map_or(0, xxhash_rust::xxh3::xxh3_64)))
-        .collect()
 }
 
 /// Spreads `buckets` (ascending) over at most `streams` streams: each bucket goes whole to
@@ -182,49 +347,112 @@ pub(crate) struct Expect<'a> {
     pub(crate) version: Version,
     pub(crate) manifest: &'a Manifest,
     pub(crate) plan: &'a BucketPlan,
-    /// xxh3-64 of every tensor of the version.
+    /// xxh3-64 of every piece of the plan, in plan order ([`Sums::pieces`]).
     pub(crate) sums: &'a [u64],
+    /// Where each bucket's pieces start in `sums` ([`piece_starts`]).
+    pub(crate) starts: &'a [usize],
+}
+
+/// Hashes the pieces of one bucket as its bytes land, while they are still in cache: one
+/// pass serves both the tensor checks and the bucket checksum.
+struct Landing {
+    ranges: Vec<Range<usize>>,
+    next: usize,
+    hasher: Xxh3,
+    sums: Vec<u64>,
+}
+
+impl Landing {
+    fn new(exp: &Expect<'_>, spec: &BucketSpec, index: usize) -> Result<Self> {
+        let ranges = spec
+            .pieces
+            .iter()
+            .map(|p| {
+                piece_range(exp.manifest, spec, p).ok_or_else(|| Error::Bucket {
+                    index,
+                    reason: format!("piece of tensor `{}` lies outside the bucket", p.name),
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        if ranges.windows(2).any(|w| w[0].end > w[1].start) {
+            return Err(Error::Bucket {
+                index,
+                reason: "pieces overlap or are out of arena order".into(),
+            });
+        }
+        Ok(Self {
+            sums: Vec::with_capacity(ranges.len()),
+            ranges,
+            next: 0,
+            hasher: Xxh3::new(),
+        })
+    }
+
+    /// Feeds the bytes `landed` of the bucket (`bucket[landed]` just arrived, after every
+    /// byte before it).
+    fn feed(&mut self, bucket: &[u8], landed: Range<usize>) {
+        while let Some(r) = self.ranges.get(self.next) {
+            let (s, e) = (r.start.max(landed.start), r.end.min(landed.end));
+            if s < e {
+                self.hasher.update(bucket.get(s..e).unwrap_or_default());
+            }
+            if r.end > landed.end {
+                break;
+            }
+            self.sums.push(self.hasher.digest());
+            self.hasher.reset();
+            self.next += 1;
+        }
+    }
 }
 
 impl Expect<'_> {
-    /// Checks the tensor bytes `bytes` of manifest tensor `tensor` against its checksum.
-    pub(crate) fn check_tensor(&self, tensor: usize, bytes: &[u8]) -> Result<()> {
-        let (Some(spec), Some(&expected)) =
-            (self.manifest.tensors().get(tensor), self.sums.get(tensor))
-        else {
-            return Err(Error::transport(
-                NAME,
-                format!("tensor {tensor} is not in the manifest or has no checksum"),
-            ));
-        };
-        let found = xxhash_rust::xxh3::xxh3_64(bytes);
-        if found != expected {
-            return Err(Error::tensor(
-                self.model,
-                &spec.name,
-                Mismatch::Checksum { expected, found },
-            ));
-        }
-        Ok(())
-    }
-
-    /// Checks a bucket that arrived whole in `dst`: every tensor it holds whole against its
-    /// checksum (naming the tensor), then the bucket's own checksum.
-    fn check_bucket(&self, header: &BucketHeader, dst: &[u8]) -> Result<()> {
-        for p in &header.pieces {
-            let Some(spec) = self.manifest.tensors().get(p.tensor) else {
-                continue; // the header matched the plan, which was verified
-            };
-            if !p.is_chunk(spec.len) {
-                let at = (spec.offset + p.offset).saturating_sub(header.start);
-                let bytes = dst.get(at..at + p.len).ok_or_else(|| Error::Bucket {
-                    index: header.index,
-                    reason: format!("tensor `{}` runs past the bucket", spec.name),
-                })?;
-                self.check_tensor(p.tensor, bytes)?;
+    /// Checks a bucket that arrived whole in `dst`, with `found` the checksums of its pieces
+    /// hashed as they landed: every piece against the sender's checksum (naming the tensor),
+    /// then the bucket's own checksum (which also covers the bytes between tensors).
+    fn check_bucket(
+        &self,
+        spec: &BucketSpec,
+        header: &BucketHeader,
+        dst: &[u8],
+        found: &[u64],
+    ) -> Result<()> {
+        let expected = self
+            .starts
+            .get(header.index..header.index + 2)
+            .and_then(|w| self.sums.get(w[0]..w[1]))
+            .filter(|e| e.len() == spec.pieces.len() && found.len() == e.len())
+            .ok_or_else(|| Error::Bucket {
+                index: header.index,
+                reason: "the checksums do not fit the plan's pieces".into(),
+            })?;
+        for ((p, &expected), &found) in spec.pieces.iter().zip(expected).zip(found) {
+            if found != expected {
+                let name = self
+                    .manifest
+                    .tensors()
+                    .get(p.tensor)
+                    .map_or(p.name.as_str(), |t| t.name.as_str());
+                return Err(Error::tensor(
+                    self.model,
+                    name,
+                    Mismatch::Checksum { expected, found },
+                ));
             }
         }
-        self.plan.check_checksum(header, dst)
+        let sum = bucket_sum(self.manifest, spec, dst, found);
+        if sum != header.checksum {
+            let names: Vec<&str> = spec.pieces.iter().map(|p| p.name.as_str()).collect();
+            return Err(Error::Bucket {
+                index: header.index,
+                reason: format!(
+                    "checksum {:#018x} declared, bytes hash to {sum:#018x} (tensors {})",
+                    header.checksum,
+                    names.join(", ")
+                ),
+            });
+        }
+        Ok(())
     }
 }
 
@@ -242,8 +470,8 @@ pub(crate) type Opener<'a> = dyn Fn(&[u32]) -> Result<OpenStream> + Sync + 'a;
 
 /// Pulls `parts` (from [`assign`]) into `arena`, one stream per part on its own thread;
 /// `open` opens one stream for one part. Every bucket is checked against the plan before its
-/// bytes are read and verified (tensors held whole, then its checksum) once they are in;
-/// tensors cut across buckets are left to the caller. Returns the bytes read.
+/// bytes are read; its pieces (whole tensors and chunks of cut ones) are hashed as they land
+/// and verified, then its checksum, once it is in. Returns the bytes read.
 pub(crate) fn pull_buckets(
     arena: &mut [u8],
     parts: &[Vec<u32>],
@@ -352,14 +580,20 @@ fn pull_part(
                 ),
             });
         }
-        exp.plan.check_header(&header)?;
-        for piece in dst.chunks_mut(CHUNK) {
+        let spec = exp.plan.check_header(&header)?;
+        let mut landing = Landing::new(&exp, spec, i as usize)?;
+        let mut at = 0;
+        while at < dst.len() {
+            let end = (at + READ).min(dst.len());
+            let piece = dst.get_mut(at..end).unwrap_or_default();
             s.stream.read_exact(piece).map_err(|e| broke(&e))?;
+            landing.feed(dst, at..end);
             counters
                 .bytes
-                .fetch_add(piece.len() as u64, Ordering::Relaxed);
+                .fetch_add((end - at) as u64, Ordering::Relaxed);
+            at = end;
         }
-        exp.check_bucket(&header, dst)?;
+        exp.check_bucket(spec, &header, dst, &landing.sums)?;
     }
     Ok(want)
 }
@@ -403,10 +637,13 @@ mod tests {
             }
             b.build().unwrap()
         });
+        let weights = WeightSet::zeroed(ModelId::new("m").unwrap(), m);
+        let plan_id = p.fingerprint().unwrap();
         let src = Source {
-            weights: Arc::new(WeightSet::zeroed(ModelId::new("m").unwrap(), m)),
+            sums: Arc::new(Sums::compute(&p, plan_id, &weights, 2)),
+            weights: Arc::new(weights),
             plan: Arc::clone(&p),
-            plan_id: p.fingerprint().unwrap(),
+            plan_id,
         };
         let req = |plan, buckets| PullReq {
             model: ModelId::new("m").unwrap(),
@@ -424,7 +661,7 @@ mod tests {
     }
 
     #[test]
-    fn parallel_tensor_sums_equal_the_serial_ones() {
+    fn parallel_sums_hash_every_piece_once_and_cover_the_gaps() {
         let mut b = Manifest::builder();
         for (i, n) in [100usize, 5000, 0, 64, 3000, 7].iter().enumerate() {
             b.push(format!("t{i}"), DType::U8, &[*n]);
@@ -436,8 +673,98 @@ mod tests {
         }
         for bucket in [64, 1024, 1 << 20] {
             let p = BucketPlan::compute(&ModelId::new("m").unwrap(), &m, &m, bucket).unwrap();
-            for threads in [1, 3] {
-                assert_eq!(tensor_sums(&p, &ws, threads), ws.tensor_checksums());
+            let serial = Sums::compute(&p, 7, &ws, 1);
+            assert_eq!(Sums::compute(&p, 7, &ws, 3), serial);
+            assert_eq!(serial.buckets.len(), p.len());
+            // every piece is the xxh3 of its bytes
+            let flat: Vec<u64> = p
+                .buckets
+                .iter()
+                .flat_map(|b| &b.pieces)
+                .map(|pc| {
+                    let at = m.tensors()[pc.tensor].offset + pc.offset;
+                    xxhash_rust::xxh3::xxh3_64(&ws.bytes()[at..at + pc.len])
+                })
+                .collect();
+            assert_eq!(serial.pieces, flat);
+            // the receiver's derivation agrees
+            let again = Sums::of_arena(&p, 7, &m, ws.bytes(), flat.clone());
+            assert_eq!(again, serial);
+            // a flipped byte between tensors changes its bucket's checksum only
+            let gap = m.tensors()[1].offset - 1;
+            assert!(gap >= 100, "t0 is padded");
+            let mut bytes = ws.bytes().to_vec();
+            bytes[gap] ^= 1;
+            let flipped = Sums::of_arena(&p, 7, &m, &bytes, flat);
+            let hit: Vec<usize> = (0..p.len())
+                .filter(|&i| flipped.buckets[i] != serial.buckets[i])
+                .collect();
+            assert_eq!(hit.len(), 1);
+            assert!(p.buckets[hit[0]].range().contains(&gap));
+            // no change since itself; a changed tensor is found by its pieces
+            assert_eq!(serial.changed_since(&serial, &p), Some(vec![]));
+            let mut other = ws.clone();
+            other.bytes_mut().unwrap()[m.tensors()[4].offset + 2999] ^= 1;
+            let changed = Sums::compute(&p, 7, &other, 2);
+            assert_eq!(changed.changed_since(&serial, &p), Some(vec![4]));
+            assert_eq!(
+                Sums {
+                    plan_id: 8,
+                    ..changed
+                }
+                .changed_since(&serial, &p),
+                None
+            );
+        }
+    }
+
+    #[test]
+    fn landing_hashes_equal_the_one_shot_ones_for_any_read_size() {
+        let mut b = Manifest::builder();
+        for (i, n) in [100usize, 5000, 64, 3000].iter().enumerate() {
+            b.push(format!("t{i}"), DType::U8, &[*n]);
+        }
+        let m = Arc::new(b.build().unwrap());
+        let mut ws = WeightSet::zeroed(ModelId::new("m").unwrap(), Arc::clone(&m));
+        for (i, x) in ws.bytes_mut().unwrap().iter_mut().enumerate() {
+            *x = (i * 17 % 253) as u8;
+        }
+        let p = BucketPlan::compute(&ModelId::new("m").unwrap(), &m, &m, 4096).unwrap();
+        let sums = Sums::compute(&p, 1, &ws, 1);
+        let starts = piece_starts(&p);
+        let exp = Expect {
+            model: &ModelId::new("m").unwrap(),
+            version: Version(1),
+            manifest: &m,
+            plan: &p,
+            sums: &sums.pieces,
+            starts: &starts,
+        };
+        for step in [1, 7, 64, 1000, 1 << 20] {
+            for (i, spec) in p.buckets.iter().enumerate() {
+                let bytes = &ws.bytes()[spec.range()];
+                let mut l = Landing::new(&exp, spec, i).unwrap();
+                let mut at = 0;
+                while at < bytes.len() {
+                    let end = (at + step).min(bytes.len());
+                    l.feed(bytes, at..end);
+                    at = end;
+                }
+                assert_eq!(l.sums, sums.pieces[starts[i]..starts[i + 1]]);
+                let header = BucketHeader {
+                    index: i,
+                    version: Version(1),
+                    start: spec.start,
+                    len: spec.len,
+                    pieces: spec.pieces.clone(),
+                    checksum: sums.buckets[i],
+                };
+                exp.check_bucket(spec, &header, bytes, &l.sums).unwrap();
+                // a wrong piece names its tensor
+                let mut bad = l.sums.clone();
+                bad[0] ^= 1;
+                let e = exp.check_bucket(spec, &header, bytes, &bad).unwrap_err();
+                assert!(matches!(e, Error::Tensor { .. }), "{e}");
             }
         }
     }

@@ -2,12 +2,15 @@
 //!
 //! - A **sender agent** ([`TcpSender`]) runs on a [node](refit_runtime::node) and serves the
 //!   newest versions of its models (the last [`TcpConfig::keep_versions`] of each) and their
-//!   per-tensor xxh3 checksums (the last [`TcpConfig::checksum_history`]).
+//!   checksums (the last [`TcpConfig::checksum_history`]): one xxh3 per piece of the bucket
+//!   plan (a tensor a bucket holds whole, or a chunk of a cut one), hashed once at publish in
+//!   parallel, plus each bucket's checksum derived from them, so serving hashes nothing.
 //! - A **receiver** ([`TcpReceiver`]) registers with it, then for each version it is told
 //!   about (the sender calls `_receive_weights_scheme` on the receiver's node) asks for a
 //!   transfer in `full` or `delta` mode, pulls the bytes over several parallel streams,
-//!   verifies every tensor's checksum *before* the version can be applied, signals
-//!   completion, and acknowledges once applied.
+//!   hashes every piece as its bytes land (one pass) and verifies it, naming the tensor, and
+//!   each bucket's checksum *before* the version can be applied, signals completion, and
+//!   acknowledges once applied.
 //! - **Buckets**: bytes move by the sender's [`BucketPlan`](refit_runtime::BucketPlan),
 //!   computed once per model with [`TcpConfig::bucket_size`] and shipped with the first
 //!   transfer a receiver asks for (later transfers name it by fingerprint; a changed plan is

@@ -15,7 +15,9 @@ use refit_runtime::{
 };
 use uuid::Uuid;
 
-use super::data::{Counters, Expect, ServeStats, Source, assign, pull_buckets, serve_pull};
+use super::data::{
+    Counters, Expect, ServeStats, Source, Sums, assign, piece_starts, pull_buckets, serve_pull,
+};
 use super::messages::*;
 use super::{NAME, TcpReceiverSpec};
 use crate::pool::{BufPool, PooledBuf};
@@ -66,6 +68,9 @@ struct Inbox {
     closing: bool,
 }
 
+/// A verified version this receiver can relay, with its checksums.
+type Relayable = (Arc<WeightSet>, Arc<Sums>);
+
 #[derive(Debug, Default)]
 struct Shared {
     inbox: Mutex<Inbox>,
@@ -73,8 +78,9 @@ struct Shared {
     held: Mutex<BTreeMap<ModelId, VecDeque<Arc<WeightSet>>>>,
     /// Verified versions this receiver serves as a relay. A version enters before the
     /// sender hears the transfer is done (so a puller the sender sends here finds it), which
-    /// may be before its group is returned; `held` tracks what was returned.
-    relayable: Mutex<BTreeMap<ModelId, VecDeque<Arc<WeightSet>>>>,
+    /// may be before its group is returned; `held` tracks what was returned. Each comes with
+    /// its checksums, so relaying hashes nothing.
+    relayable: Mutex<BTreeMap<ModelId, VecDeque<Relayable>>>,
     relay: ServeStats,
     pulled: Arc<AtomicU64>,
     /// Bucket headers received (one control message per bucket pulled).
@@ -122,12 +128,12 @@ impl Shared {
 
     /// What this receiver serves a relayed pull from.
     fn source(&self, model: &ModelId, version: Version) -> std::result::Result<Source, String> {
-        let weights = self
+        let (weights, sums) = self
             .relayable
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .get(model)
-            .and_then(|q| q.iter().find(|w| w.version() == version).cloned())
+            .and_then(|q| q.iter().find(|w| w.0.version() == version).cloned())
             .ok_or_else(|| format!("this receiver no longer holds `{model}` version {version}"))?;
         let (plan_id, plan) = self
             .plan(model)
@@ -136,14 +142,15 @@ impl Shared {
             weights,
             plan,
             plan_id,
+            sums,
         })
     }
 
     /// Makes a verified version available to relayed pulls, keeping the newest `keep`.
-    fn offer(&self, ws: &Arc<WeightSet>, keep: usize) {
+    fn offer(&self, ws: &Arc<WeightSet>, sums: Sums, keep: usize) {
         let mut r = self.relayable.lock().unwrap_or_else(|p| p.into_inner());
         let q = r.entry(ws.model().clone()).or_default();
-        q.push_back(Arc::clone(ws));
+        q.push_back((Arc::clone(ws), Arc::new(sums)));
         while q.len() > keep.max(1) {
             q.pop_front();
         }
@@ -377,14 +384,15 @@ impl TcpReceiver {
                     return Err(e);
                 }
             };
-            if t.checksums.len() != manifest.len() {
+            let starts = piece_starts(&plan);
+            let pieces = starts.last().copied().unwrap_or(0);
+            if t.checksums.len() != pieces {
                 self.done(t.lease, false, "checksum count".into());
                 return Err(Error::transport(
                     NAME,
                     format!(
-                        "{} checksums for {} tensors",
-                        t.checksums.len(),
-                        manifest.len()
+                        "{} checksums for the plan's {pieces} pieces",
+                        t.checksums.len()
                     ),
                 ));
             }
@@ -404,7 +412,7 @@ impl TcpReceiver {
                 ));
             }
             // a recycled arena: a full transfer overwrites every byte (the verified plan
-            // covers the arena), a delta starts from a copy of the base
+            // covers the arena), a delta copies the buckets it does not pull from the base
             let buf = self.shared.pool.take(manifest.total_len());
             let mut ws = WeightSet::from_shared(
                 model.clone(),
@@ -414,7 +422,20 @@ impl TcpReceiver {
             )?;
             match (&base, t.full) {
                 (_, true) => {}
-                (Some(b), false) => ws.bytes_mut()?.copy_from_slice(b.bytes()),
+                (Some(b), false) => {
+                    let dst = ws.bytes_mut()?;
+                    let mut pulled = t.buckets.iter().peekable();
+                    for (i, spec) in plan.buckets.iter().enumerate() {
+                        if pulled.next_if(|&&p| p as usize == i).is_some() {
+                            continue;
+                        }
+                        if let (Some(d), Some(s)) =
+                            (dst.get_mut(spec.range()), b.bytes().get(spec.range()))
+                        {
+                            d.copy_from_slice(s);
+                        }
+                    }
+                }
                 (None, false) => {
                     self.done(t.lease, false, "delta plan without a base".into());
                     return Err(Error::transport(
@@ -430,6 +451,7 @@ impl TcpReceiver {
                 manifest: &manifest,
                 plan: &plan,
                 sums: &t.checksums,
+                starts: &starts,
             };
             let counters = Counters {
                 bytes: &self.shared.pulled,
@@ -455,13 +477,13 @@ impl TcpReceiver {
             };
             let result = ws
                 .bytes_mut()
-                .and_then(|arena| pull_buckets(arena, &parts, exp, &open, counters))
-                .and_then(|_| verify_cut_tensors(&ws, exp, &t.buckets));
+                .and_then(|arena| pull_buckets(arena, &parts, exp, &open, counters));
             match result {
-                Ok(()) => {
+                Ok(_) => {
                     ws.set_version(version);
+                    let sums = Sums::of_arena(&plan, t.plan_id, &manifest, ws.bytes(), t.checksums);
                     let ws = Arc::new(ws);
-                    self.shared.offer(&ws, self.cfg.keep_versions);
+                    self.shared.offer(&ws, sums, self.cfg.keep_versions);
                     self.done(t.lease, true, String::new());
                     return Ok(Ok(ws));
                 }
@@ -475,29 +497,6 @@ impl TcpReceiver {
             }
         }
     }
-}
-
-/// Checks the tensors cut across several of the pulled `buckets` against the sender's
-/// checksums (tensors held whole by a bucket were checked as their bucket arrived); the
-/// first mismatch names the tensor.
-fn verify_cut_tensors(ws: &WeightSet, exp: Expect<'_>, buckets: &[u32]) -> Result<()> {
-    let specs = exp.manifest.tensors();
-    let mut cut: Vec<usize> = buckets
-        .iter()
-        .filter_map(|&i| exp.plan.buckets.get(i as usize))
-        .flat_map(|b| &b.pieces)
-        .filter(|p| specs.get(p.tensor).is_some_and(|t| p.is_chunk(t.len)))
-        .map(|p| p.tensor)
-        .collect();
-    cut.dedup();
-    for i in cut {
-        let Some(t) = specs.get(i) else { continue };
-        let bytes = ws.bytes().get(t.offset..t.offset + t.len).ok_or_else(|| {
-            Error::transport(NAME, format!("tensor `{}` runs past the arena", t.name))
-        })?;
-        exp.check_tensor(i, bytes)?;
-    }
-    Ok(())
 }
 
 impl ReceiverTransport for TcpReceiver {

@@ -25,14 +25,16 @@ use refit_runtime::{
 use tokio::sync::watch;
 use uuid::Uuid;
 
-use super::data::{ServeStats, Source, serve_pull, tensor_sums};
+use super::data::{ServeStats, Source, Sums, serve_pull};
 use super::messages::*;
 use super::{NAME, TcpConfig, TcpReceiverSpec};
 
 #[derive(Debug, Default)]
 struct ModelSlot {
     versions: VecDeque<Arc<WeightSet>>,
-    sums: VecDeque<(Version, Arc<Vec<u64>>)>,
+    /// Checksums of recent versions (pieces and buckets, cut by the plan), computed once at
+    /// publish.
+    sums: VecDeque<(Version, Arc<Sums>)>,
     /// The bucket plan (and its fingerprint) every version of the model travels by.
     plan: Option<(u64, Arc<BucketPlan>)>,
 }
@@ -152,50 +154,63 @@ impl Agent {
         let (plan_id, plan) = slot
             .and_then(|s| s.plan.clone())
             .ok_or_else(|| format!("model `{model}` has no bucket plan"))?;
+        let sums = slot
+            .and_then(|s| s.sums.iter().find(|(v, _)| *v == version))
+            .map(|s| Arc::clone(&s.1))
+            .ok_or_else(|| format!("the checksums of `{model}` version {version} are gone"))?;
         Ok(Source {
             weights,
             plan,
             plan_id,
+            sums,
         })
     }
 
     /// One attempt at a plan; `None` means "wait for a source to free up".
     fn plan(&self, st: &mut State, req: &TransferReq) -> Option<Result<TransferReply>> {
         st.reap(Instant::now());
-        let Some(slot) = st.models.get(&req.model) else {
+        let Some(slot) = st.models.get_mut(&req.model) else {
             return Some(Err(Error::UnknownModel(req.model.clone())));
         };
-        let Some(ws) = slot.versions.iter().find(|w| w.version() == req.version) else {
+        let Some(ws) = slot
+            .versions
+            .iter()
+            .find(|w| w.version() == req.version)
+            .cloned()
+        else {
             let latest = slot.versions.back().map_or(Version::ZERO, |w| w.version());
             return Some(Ok(TransferReply::Superseded { latest }));
         };
-        let n = ws.manifest().len();
         let Some((plan_id, bucket_plan)) = slot.plan.clone() else {
             return Some(Err(Error::State("a model without a bucket plan")));
         };
-        let sums_of = |v: Version| slot.sums.iter().find(|(sv, _)| *sv == v).map(|s| &s.1);
-        let Some(sums) = sums_of(req.version).cloned() else {
+        let Some(entry) = slot.sums.iter_mut().find(|(v, _)| *v == req.version) else {
             return Some(Err(Error::State("checksums of a kept version are missing")));
         };
-        let base = match (req.mode, req.have) {
-            (TransferMode::Delta, Some(have)) => sums_of(have).cloned(),
+        if entry.1.plan_id != plan_id {
+            // the plan was replaced since publish (a test hook): cut the sums anew
+            entry.1 = Arc::new(Sums::compute(&bucket_plan, plan_id, &ws, 1));
+        }
+        let sums = Arc::clone(&entry.1);
+        let sums_of = |v: Version| slot.sums.iter().find(|(sv, _)| *sv == v).map(|s| &s.1);
+        // a delta moves the buckets holding a byte of a changed tensor, whole
+        let changed = match (req.mode, req.have) {
+            (TransferMode::Delta, Some(have)) => {
+                sums_of(have).and_then(|b| sums.changed_since(b, &bucket_plan))
+            }
             _ => None,
         };
-        // a delta moves the buckets holding a byte of a changed tensor, whole
-        let buckets: Vec<u32> = match &base {
-            Some(b) => {
-                let changed: Vec<usize> = (0..n).filter(|&i| b.get(i) != sums.get(i)).collect();
-                bucket_plan
-                    .touching(&changed)
-                    .into_iter()
-                    .filter_map(|i| u32::try_from(i).ok())
-                    .collect()
-            }
+        let buckets: Vec<u32> = match &changed {
+            Some(changed) => bucket_plan
+                .touching(changed)
+                .into_iter()
+                .filter_map(|i| u32::try_from(i).ok())
+                .collect(),
             None => (0..bucket_plan.len())
                 .filter_map(|i| u32::try_from(i).ok())
                 .collect(),
         };
-        let full = base.is_none();
+        let full = changed.is_none();
         let fanout = self.cfg.relay_fanout.max(1);
         let source = if self.cfg.relay && !buckets.is_empty() {
             let holders: Vec<(u32, usize)> = st
@@ -251,7 +266,7 @@ impl Agent {
             bucket_plan: (req.plan != Some(plan_id)).then(|| (*bucket_plan).clone()),
             buckets,
             full,
-            checksums: sums.to_vec(),
+            checksums: sums.pieces.clone(),
         })))
     }
 }
@@ -644,29 +659,25 @@ impl SenderTransport for TcpSender {
         if self.closed {
             return Err(Error::State("tcp sender is shut down"));
         }
-        // every tensor's checksum, hashed in parallel bucket by bucket
-        let plans: Vec<Option<Arc<BucketPlan>>> = {
+        // every piece's checksum, hashed once in parallel bucket by bucket; the bucket
+        // checksums derive from them, so serving hashes nothing
+        let plans: Vec<Option<(u64, Arc<BucketPlan>)>> = {
             let st = self.agent.lock();
             group
                 .iter()
-                .map(|w| {
-                    st.models
-                        .get(w.model())
-                        .and_then(|s| s.plan.as_ref().map(|p| Arc::clone(&p.1)))
-                })
+                .map(|w| st.models.get(w.model()).and_then(|s| s.plan.clone()))
                 .collect()
         };
         let threads = std::thread::available_parallelism().map_or(1, usize::from);
-        let sums: Vec<Arc<Vec<u64>>> = group
+        let sums: Vec<Arc<Sums>> = group
             .iter()
             .zip(plans)
             .map(|(w, plan)| {
-                Arc::new(match plan {
-                    Some(plan) => tensor_sums(&plan, w, threads),
-                    None => w.tensor_checksums(),
-                })
+                let (id, plan) = plan.ok_or_else(|| Error::UnknownModel(w.model().clone()))?;
+                Ok(Arc::new(Sums::compute(&plan, id, w, threads)))
             })
-            .collect();
+            .collect::<Result<_>>()?;
+        let mut retired = Vec::new();
         {
             let keep = self.agent.cfg.keep_versions.max(1);
             let history = self.agent.cfg.checksum_history.max(keep);
@@ -675,7 +686,7 @@ impl SenderTransport for TcpSender {
                 let slot = st.models.entry(w.model().clone()).or_default();
                 slot.versions.push_back(Arc::clone(w));
                 while slot.versions.len() > keep {
-                    slot.versions.pop_front();
+                    retired.extend(slot.versions.pop_front());
                 }
                 slot.sums.push_back((w.version(), s));
                 while slot.sums.len() > history {
@@ -689,6 +700,14 @@ impl SenderTransport for TcpSender {
             .map(|w| (w.model().clone(), w.version()))
             .collect();
         drop(self.announce(entries, false));
+        // a retired version may be the last owner of its arena: unmapping hundreds of MiB
+        // takes tens of milliseconds, which publish need not wait for (when no thread can be
+        // started, the closure and the versions are dropped here instead)
+        if !retired.is_empty() {
+            let _ = std::thread::Builder::new()
+                .name("refit-tcp-retire".into())
+                .spawn(move || drop(retired));
+        }
         Ok(())
     }
 
