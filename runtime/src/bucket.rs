@@ -55,6 +55,58 @@ impl BucketSpec {
     pub fn range(&self) -> Range<usize> {
         self.start..self.start + self.len
     }
+
+    /// Where `piece`'s bytes sit inside this bucket's bytes (`None` when `manifest` places
+    /// the tensor elsewhere).
+    pub fn piece_range(&self, manifest: &Manifest, piece: &Piece) -> Option<Range<usize>> {
+        let start = (manifest.tensors().get(piece.tensor)?.offset + piece.offset)
+            .checked_sub(self.start)?;
+        let end = start.checked_add(piece.len)?;
+        (end <= self.len).then_some(start..end)
+    }
+
+    /// The xxh3-64 of each piece's bytes, in piece order (an empty slice for a piece the
+    /// manifest places outside the bucket).
+    pub fn piece_checksums(&self, manifest: &Manifest, bytes: &[u8]) -> Vec<u64> {
+        self.pieces
+            .iter()
+            .map(|p| {
+                let r = self.piece_range(manifest, p).unwrap_or_default();
+                xxhash_rust::xxh3::xxh3_64(bytes.get(r).unwrap_or_default())
+            })
+            .collect()
+    }
+
+    /// The bucket's checksum from its pieces' checksums: xxh3-64 over the bucket's bytes in
+    /// arena order with each piece's bytes replaced by its checksum (little-endian). The
+    /// alignment padding between tensors is covered, and tensor bytes are hashed once, piece
+    /// by piece — so a transport that hashes pieces as they land (or once at publish) gets
+    /// the bucket checksum without a second pass.
+    pub fn checksum_from_pieces(
+        &self,
+        manifest: &Manifest,
+        bytes: &[u8],
+        piece_sums: &[u64],
+    ) -> u64 {
+        let mut h = xxhash_rust::xxh3::Xxh3::new();
+        let mut at = 0;
+        for (p, s) in self.pieces.iter().zip(piece_sums) {
+            if let Some(r) = self.piece_range(manifest, p)
+                && r.start >= at
+            {
+                h.update(bytes.get(at..r.start).unwrap_or_default());
+                at = r.end;
+            }
+            h.update(&s.to_le_bytes());
+        }
+        h.update(bytes.get(at..).unwrap_or_default());
+        h.digest()
+    }
+
+    /// The bucket's checksum ([`BucketSpec::checksum_from_pieces`] of its own pieces).
+    pub fn checksum(&self, manifest: &Manifest, bytes: &[u8]) -> u64 {
+        self.checksum_from_pieces(manifest, bytes, &self.piece_checksums(manifest, bytes))
+    }
 }
 
 /// The sender's authoritative cut of one model's arena into buckets.
@@ -287,12 +339,19 @@ impl BucketPlan {
         Ok(spec)
     }
 
-    /// Checks that `bytes`, the payload of `header`, hash to the header's checksum.
+    /// Checks that `bytes`, the payload of `header`, have the header's checksum
+    /// ([`BucketSpec::checksum`]; `manifest` places the pieces).
     ///
     /// # Errors
-    /// [`Error::Bucket`] naming the bucket and its tensors when the checksum differs.
-    pub fn check_checksum(&self, header: &BucketHeader, bytes: &[u8]) -> Result<()> {
-        let found = xxhash_rust::xxh3::xxh3_64(bytes);
+    /// [`Error::Bucket`] naming the bucket and its tensors when the checksum differs or the
+    /// header is not one of the plan's buckets.
+    pub fn check_checksum(
+        &self,
+        manifest: &Manifest,
+        header: &BucketHeader,
+        bytes: &[u8],
+    ) -> Result<()> {
+        let found = self.check_header(header)?.checksum(manifest, bytes);
         if found == header.checksum {
             return Ok(());
         }
@@ -335,7 +394,7 @@ impl BucketPlan {
                 start: b.start,
                 len: b.len,
                 pieces: b.pieces.clone(),
-                checksum: xxhash_rust::xxh3::xxh3_64(bytes),
+                checksum: b.checksum(weights.manifest(), bytes),
             },
             bytes,
         ))
@@ -455,7 +514,7 @@ impl BucketAssembler {
                 format!("{} bytes declared, {} arrived", range.len(), bytes.len()),
             ));
         }
-        self.plan.check_checksum(header, bytes)?;
+        self.plan.check_checksum(&self.manifest, header, bytes)?;
         let arena = self.arena.get_or_insert_with(|| {
             WeightSet::zeroed(self.plan.model.clone(), Arc::clone(&self.manifest))
         });

@@ -217,14 +217,29 @@ fn headers_are_checked_against_the_plan_and_fingerprints_tell_plans_apart() {
     let ws = filled(&m, 1);
     let (header, bytes) = plan.bucket(&ws, 2).unwrap();
     assert_eq!(plan.check_header(&header).unwrap().range(), 448..704);
-    plan.check_checksum(&header, bytes).unwrap();
+    plan.check_checksum(&m, &header, bytes).unwrap();
     let mut bad = bytes.to_vec();
     bad[3] ^= 1;
-    let e = plan.check_checksum(&header, &bad).unwrap_err().to_string();
+    let e = plan
+        .check_checksum(&m, &header, &bad)
+        .unwrap_err()
+        .to_string();
     assert!(
         e.starts_with("bucket 2: checksum") && e.contains("big"),
         "{e}"
     );
+    // the checksum is the one every transport uses: derived from the pieces' checksums
+    let spec = &plan.buckets[2];
+    assert_eq!(
+        header.checksum,
+        spec.checksum_from_pieces(&m, bytes, &spec.piece_checksums(&m, bytes))
+    );
+    let mut padded = bytes.to_vec();
+    let last_piece = spec.piece_range(&m, spec.pieces.last().unwrap()).unwrap();
+    if last_piece.end < padded.len() {
+        padded[last_piece.end] ^= 1; // alignment padding is covered too
+        assert!(plan.check_checksum(&m, &header, &padded).is_err());
+    }
     let mut moved = header.clone();
     moved.start += 64;
     assert!(plan.check_header(&moved).is_err());

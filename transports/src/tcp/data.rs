@@ -193,37 +193,20 @@ pub(crate) fn piece_starts(plan: &BucketPlan) -> Vec<usize> {
     starts
 }
 
-/// The bytes of `piece` inside the bytes of `bucket` (none when the manifest places it
-/// elsewhere).
+/// The bytes of `piece` inside the bytes of `bucket` ([`BucketSpec::piece_range`]).
 fn piece_range(manifest: &Manifest, bucket: &BucketSpec, piece: &Piece) -> Option<Range<usize>> {
-    let start =
-        (manifest.tensors().get(piece.tensor)?.offset + piece.offset).checked_sub(bucket.start)?;
-    let end = start.checked_add(piece.len)?;
-    (end <= bucket.len).then_some(start..end)
+    bucket.piece_range(manifest, piece)
 }
 
-/// The checksum of a bucket: xxh3-64 over its bytes in arena order, each piece replaced by
-/// its own checksum (little-endian), so the gaps between tensors (alignment padding) are
-/// covered while tensor bytes are hashed once, piece by piece.
+/// The checksum of a bucket ([`BucketSpec::checksum_from_pieces`], the one definition every
+/// transport and the assembler share).
 pub(crate) fn bucket_sum(
     manifest: &Manifest,
     bucket: &BucketSpec,
     bytes: &[u8],
     piece_sums: &[u64],
 ) -> u64 {
-    let mut h = Xxh3::new();
-    let mut at = 0;
-    for (p, s) in bucket.pieces.iter().zip(piece_sums) {
-        if let Some(r) = piece_range(manifest, bucket, p)
-            && r.start >= at
-        {
-            h.update(bytes.get(at..r.start).unwrap_or_default());
-            at = r.end;
-        }
-        h.update(&s.to_le_bytes());
-    }
-    h.update(bytes.get(at..).unwrap_or_default());
-    h.digest()
+    bucket.checksum_from_pieces(manifest, bytes, piece_sums)
 }
 
 /// Checks a pull against the source's plan; the payload bytes it asks for.
