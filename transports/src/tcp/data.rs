@@ -13,7 +13,7 @@ use std::io::Read;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
 
-use refit_runtime::bucket::{BucketSpec, Piece};
+use refit_runtime::bucket::BucketSpec;
 use refit_runtime::node::{OpenStream, StreamHead, frame, write_head};
 use refit_runtime::{
     BucketHeader, BucketPlan, Error, Manifest, Mismatch, ModelId, Result, Version, WeightSet, wire,
@@ -60,7 +60,7 @@ pub(crate) struct Sums {
     /// xxh3-64 of every piece of the plan (a tensor held whole by a bucket, or a chunk of a
     /// cut one), bucket after bucket in plan order.
     pub(crate) pieces: Vec<u64>,
-    /// The checksum of every bucket ([`bucket_sum`]).
+    /// The checksum of every bucket ([`BucketSpec::checksum_from_pieces`]).
     pub(crate) buckets: Vec<u64>,
 }
 
@@ -81,11 +81,11 @@ impl Sums {
                     .pieces
                     .iter()
                     .map(|p| {
-                        let r = piece_range(manifest, b, p).unwrap_or_default();
+                        let r = b.piece_range(manifest, p).unwrap_or_default();
                         xxhash_rust::xxh3::xxh3_64(data.get(r).unwrap_or_default())
                     })
                     .collect();
-                let sum = bucket_sum(manifest, b, data, &pieces);
+                let sum = b.checksum_from_pieces(manifest, data, &pieces);
                 out.push((i, pieces, sum));
             }
             out
@@ -115,11 +115,11 @@ impl Sums {
                         .pieces
                         .iter()
                         .map(|p| {
-                            let r = piece_range(manifest, b, p).unwrap_or_default();
+                            let r = b.piece_range(manifest, p).unwrap_or_default();
                             xxhash_rust::xxh3::xxh3_64(data.get(r).unwrap_or_default())
                         })
                         .collect();
-                    let s = bucket_sum(manifest, b, data, &p);
+                    let s = b.checksum_from_pieces(manifest, data, &p);
                     (p, s)
                 }
             };
@@ -145,12 +145,7 @@ impl Sums {
             .zip(starts.windows(2))
             .map(|(b, w)| {
                 let data = arena.get(b.range()).unwrap_or_default();
-                bucket_sum(
-                    manifest,
-                    b,
-                    data,
-                    pieces.get(w[0]..w[1]).unwrap_or_default(),
-                )
+                b.checksum_from_pieces(manifest, data, pieces.get(w[0]..w[1]).unwrap_or_default())
             })
             .collect();
         Self {
@@ -191,22 +186,6 @@ pub(crate) fn piece_starts(plan: &BucketPlan) -> Vec<usize> {
         starts.push(at);
     }
     starts
-}
-
-/// The bytes of `piece` inside the bytes of `bucket` ([`BucketSpec::piece_range`]).
-fn piece_range(manifest: &Manifest, bucket: &BucketSpec, piece: &Piece) -> Option<Range<usize>> {
-    bucket.piece_range(manifest, piece)
-}
-
-/// The checksum of a bucket ([`BucketSpec::checksum_from_pieces`], the one definition every
-/// transport and the assembler share).
-pub(crate) fn bucket_sum(
-    manifest: &Manifest,
-    bucket: &BucketSpec,
-    bytes: &[u8],
-    piece_sums: &[u64],
-) -> u64 {
-    bucket.checksum_from_pieces(manifest, bytes, piece_sums)
 }
 
 /// Checks a pull against the source's plan; the payload bytes it asks for.
@@ -351,10 +330,11 @@ impl Landing {
             .pieces
             .iter()
             .map(|p| {
-                piece_range(exp.manifest, spec, p).ok_or_else(|| Error::Bucket {
-                    index,
-                    reason: format!("piece of tensor `{}` lies outside the bucket", p.name),
-                })
+                spec.piece_range(exp.manifest, p)
+                    .ok_or_else(|| Error::Bucket {
+                        index,
+                        reason: format!("piece of tensor `{}` lies outside the bucket", p.name),
+                    })
             })
             .collect::<Result<Vec<_>>>()?;
         if ranges.windows(2).any(|w| w[0].end > w[1].start) {
@@ -423,7 +403,7 @@ impl Expect<'_> {
                 ));
             }
         }
-        let sum = bucket_sum(self.manifest, spec, dst, found);
+        let sum = spec.checksum_from_pieces(self.manifest, dst, found);
         if sum != header.checksum {
             let names: Vec<&str> = spec.pieces.iter().map(|p| p.name.as_str()).collect();
             return Err(Error::Bucket {
