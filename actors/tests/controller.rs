@@ -289,6 +289,19 @@ fn scheme(
     (sender, r.join().unwrap())
 }
 
+/// An engine serving one `SIZES` policy per model, each fed through its inlet.
+fn engine_with(
+    inlets: Vec<(ModelId, Box<dyn WeightInlet>)>,
+) -> actix::Addr<InferenceEngine<MlpPolicy>> {
+    inlets
+        .into_iter()
+        .fold(InferenceEngine::empty(1), |e, (m, inlet)| {
+            e.with_model(m, MlpPolicy::new(&SIZES).unwrap(), Some(inlet))
+                .unwrap()
+        })
+        .start()
+}
+
 fn weights(model: &ModelId, version: u64, fill: f32) -> WeightSet {
     let m = Arc::new(MlpPolicy::manifest_for(&SIZES).unwrap());
     let mut ws = WeightSet::zeroed(model.clone(), m.clone());
@@ -304,23 +317,16 @@ async fn the_pause_covers_only_the_apply_and_models_load_independently() {
     let (a, b) = (id("solver"), id("verifier"));
     let (mut sa, ra) = scheme(&a);
     let (_sb, rb) = scheme(&b);
-    let engine = InferenceEngine::empty(1)
-        .with_model(
+    let engine = engine_with(vec![
+        (
             a.clone(),
-            MlpPolicy::new(&SIZES).unwrap(),
-            Some(Box::new(SlowLink {
+            Box::new(SlowLink {
                 inner: Box::new(ra),
                 delay: Duration::from_millis(150),
-            })),
-        )
-        .unwrap()
-        .with_model(
-            b.clone(),
-            MlpPolicy::new(&SIZES).unwrap(),
-            Some(Box::new(rb)),
-        )
-        .unwrap()
-        .start();
+            }) as Box<dyn WeightInlet>,
+        ),
+        (b.clone(), Box::new(rb) as Box<dyn WeightInlet>),
+    ]);
     mock_publish(&mut sa, &a, 2).unwrap();
     let load = |v| {
         engine.send(UpdateModel {
@@ -375,20 +381,10 @@ async fn an_eval_that_sees_a_model_at_an_older_version_is_refused() {
     let (a, b) = (id("solver"), id("verifier"));
     let (mut sa, ra) = scheme(&a);
     let (_sb, rb) = scheme(&b);
-    let engine = InferenceEngine::empty(1)
-        .with_model(
-            a.clone(),
-            MlpPolicy::new(&SIZES).unwrap(),
-            Some(Box::new(ra)),
-        )
-        .unwrap()
-        .with_model(
-            b.clone(),
-            MlpPolicy::new(&SIZES).unwrap(),
-            Some(Box::new(rb)),
-        )
-        .unwrap()
-        .start();
+    let engine = engine_with(vec![
+        (a.clone(), Box::new(ra) as Box<dyn WeightInlet>),
+        (b.clone(), Box::new(rb) as Box<dyn WeightInlet>),
+    ]);
     for (m, v) in [(&a, 1), (&b, 1)] {
         engine
             .send(UpdateModel {
@@ -434,20 +430,10 @@ async fn an_eval_step_whose_load_fails_fails_the_round_and_resumes_acquisition()
     let (a, b) = (id("solver"), id("verifier"));
     let (mut sa, ra) = scheme(&a);
     let (mut sb, rb) = scheme(&b);
-    let engine = InferenceEngine::empty(1)
-        .with_model(
-            a.clone(),
-            MlpPolicy::new(&SIZES).unwrap(),
-            Some(Box::new(ra)),
-        )
-        .unwrap()
-        .with_model(
-            b.clone(),
-            MlpPolicy::new(&SIZES).unwrap(),
-            Some(Box::new(rb)),
-        )
-        .unwrap()
-        .start();
+    let engine = engine_with(vec![
+        (a.clone(), Box::new(ra) as Box<dyn WeightInlet>),
+        (b.clone(), Box::new(rb) as Box<dyn WeightInlet>),
+    ]);
     let evaluator = Evaluator::new(
         engine.clone().recipient(),
         vec![a.clone(), b.clone()],
@@ -477,7 +463,7 @@ async fn an_eval_step_whose_load_fails_fails_the_round_and_resumes_acquisition()
     // solver publishes v2; verifier's trainer says v2 but never publishes it
     mock_publish(&mut sa, &a, 2).unwrap();
     let _ = &mut sb;
-    let (ra, rb) = futures_pair(na.notify(Version(2)), nb.notify(Version(2))).await;
+    let (ra, rb) = tokio::join!(na.notify(Version(2)), nb.notify(Version(2)));
     for r in [ra, rb] {
         let e = r.unwrap_err().to_string();
         assert!(e.contains("verifier") && e.contains("failed"), "{e}");
@@ -496,28 +482,13 @@ async fn an_eval_step_whose_load_fails_fails_the_round_and_resumes_acquisition()
     assert_eq!(status.evals, 0);
 }
 
-async fn futures_pair<A, B>(a: A, b: B) -> (A::Output, B::Output)
-where
-    A: std::future::Future,
-    B: std::future::Future,
-{
-    tokio::join!(a, b)
-}
-
 #[actix_rt::test]
 async fn without_an_evaluator_rollouts_stay_paused_until_end_validate() {
     use refit_actors::actor::{CheckRollout, EndValidate};
     use refit_runtime::sync_policy::{BlockReason, Decision};
     let m = id("policy");
     let (mut s, r) = scheme(&m);
-    let engine = InferenceEngine::empty(1)
-        .with_model(
-            m.clone(),
-            MlpPolicy::new(&SIZES).unwrap(),
-            Some(Box::new(r)),
-        )
-        .unwrap()
-        .start();
+    let engine = engine_with(vec![(m.clone(), Box::new(r) as Box<dyn WeightInlet>)]);
     let mut cfg = SyncConfig::with_mode(SyncMode::FullyAsync);
     cfg.validate_freq = 2;
     let ctl =

@@ -70,22 +70,19 @@ impl Sums {
     pub(crate) fn compute(plan: &BucketPlan, plan_id: u64, ws: &WeightSet, threads: usize) -> Self {
         let bytes = ws.bytes();
         let manifest = ws.manifest();
+        let hash_bucket = |b: &BucketSpec| {
+            let data = bytes.get(b.range()).unwrap_or_default();
+            let pieces = b.piece_checksums(manifest, data);
+            let sum = b.checksum_from_pieces(manifest, data, &pieces);
+            (pieces, sum)
+        };
         let next = AtomicUsize::new(0);
         let work = || {
             let mut out = Vec::new();
             loop {
                 let i = next.fetch_add(1, Ordering::Relaxed);
                 let Some(b) = plan.buckets.get(i) else { break };
-                let data = bytes.get(b.range()).unwrap_or_default();
-                let pieces: Vec<u64> = b
-                    .pieces
-                    .iter()
-                    .map(|p| {
-                        let r = b.piece_range(manifest, p).unwrap_or_default();
-                        xxhash_rust::xxh3::xxh3_64(data.get(r).unwrap_or_default())
-                    })
-                    .collect();
-                let sum = b.checksum_from_pieces(manifest, data, &pieces);
+                let (pieces, sum) = hash_bucket(b);
                 out.push((i, pieces, sum));
             }
             out
@@ -109,19 +106,7 @@ impl Sums {
         for (i, b) in plan.buckets.iter().enumerate() {
             let (pieces, sum) = match done.next_if(|d| d.0 == i) {
                 Some((_, p, s)) => (p, s),
-                None => {
-                    let data = bytes.get(b.range()).unwrap_or_default();
-                    let p: Vec<u64> = b
-                        .pieces
-                        .iter()
-                        .map(|p| {
-                            let r = b.piece_range(manifest, p).unwrap_or_default();
-                            xxhash_rust::xxh3::xxh3_64(data.get(r).unwrap_or_default())
-                        })
-                        .collect();
-                    let s = b.checksum_from_pieces(manifest, data, &p);
-                    (p, s)
-                }
+                None => hash_bucket(b),
             };
             sums.pieces.extend(pieces);
             sums.buckets.push(sum);
