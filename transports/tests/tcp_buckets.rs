@@ -68,26 +68,6 @@ fn connect(
     (sender, rs)
 }
 
-/// Publishes `ws` and lets every receiver apply it, then waits for the acks.
-fn send_all(
-    sender: &mut Sender<TcpSender>,
-    rs: Vec<Receiver<TcpReceiver>>,
-    ws: refit_runtime::WeightSet,
-) -> Vec<Receiver<TcpReceiver>> {
-    let pending = sender.send_async(vec![ws]).unwrap();
-    let hs: Vec<_> = rs
-        .into_iter()
-        .map(|mut r| {
-            std::thread::spawn(move || {
-                r.receive(T).unwrap().unwrap();
-                r
-            })
-        })
-        .collect();
-    sender.wait(&pending, T).unwrap();
-    hs.into_iter().map(|h| h.join().unwrap()).collect()
-}
-
 #[test]
 fn a_tensor_larger_than_a_bucket_is_cut_and_arrives_bit_identical() {
     let m = manifest_with_a_huge_tensor();
@@ -114,7 +94,7 @@ fn a_tensor_larger_than_a_bucket_is_cut_and_arrives_bit_identical() {
     assert!(rs[0].current(&id("policy")).unwrap().bytes() == expected.bytes());
     // the next version too, and every byte of the arena is the sender's
     let v2 = random_set(&m, 2, 2);
-    let rs = send_all(&mut sender, rs, v2.clone());
+    let rs = send_all(&mut sender, rs, v2.clone(), T);
     let got = rs[0].current(&id("policy")).unwrap();
     assert_eq!(got.version(), Version(2));
     assert!(got.bytes() == v2.bytes(), "bytes differ");
@@ -136,7 +116,7 @@ fn one_bucket_header_arrives_per_bucket_of_the_plan() {
             sender.transport().bucket_plan(&id("policy"))
         );
     }
-    let rs = send_all(&mut sender, rs, random_set(&m, 2, 2));
+    let rs = send_all(&mut sender, rs, random_set(&m, 2, 2), T);
     for r in &rs {
         assert_eq!(r.transport().bucket_headers(), 2 * n);
     }
@@ -157,7 +137,7 @@ fn one_bucket_header_arrives_per_bucket_of_the_plan() {
     let touched = plan.touching(&[2, 4]);
     assert!(!touched.is_empty() && (touched.len() as u64) < n);
     let before = sender.transport().bytes_sent();
-    let rs = send_all(&mut sender, rs, v2.clone());
+    let rs = send_all(&mut sender, rs, v2.clone(), T);
     assert_eq!(rs[0].transport().bucket_headers(), n + touched.len() as u64);
     let moved: usize = touched.iter().map(|&i| plan.buckets[i].len).sum();
     assert_eq!(sender.transport().bytes_sent() - before, moved as u64);
@@ -165,7 +145,7 @@ fn one_bucket_header_arrives_per_bucket_of_the_plan() {
     // an unchanged version moves no bucket and still lands
     let mut v3 = v2;
     v3.set_version(Version(3));
-    let rs = send_all(&mut sender, rs, v3);
+    let rs = send_all(&mut sender, rs, v3, T);
     assert_eq!(rs[0].version(&id("policy")), Version(3));
     assert_eq!(rs[0].transport().bucket_headers(), n + touched.len() as u64);
 }

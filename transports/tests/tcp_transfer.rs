@@ -56,26 +56,6 @@ fn pair(
     (sender, rs)
 }
 
-/// Publishes and lets every receiver apply on its own thread, then waits for the acks.
-fn send_all(
-    sender: &mut Sender<TcpSender>,
-    rs: Vec<Receiver<TcpReceiver>>,
-    ws: WeightSet,
-) -> Vec<Receiver<TcpReceiver>> {
-    let pending = sender.send_async(vec![ws]).unwrap();
-    let hs: Vec<_> = rs
-        .into_iter()
-        .map(|mut r| {
-            std::thread::spawn(move || {
-                r.receive(T).unwrap().unwrap();
-                r
-            })
-        })
-        .collect();
-    sender.wait(&pending, T).unwrap();
-    hs.into_iter().map(|h| h.join().unwrap()).collect()
-}
-
 #[test]
 fn a_256_mib_model_arrives_bit_identical_over_4_streams() {
     let m = big_manifest(8, 32);
@@ -126,7 +106,7 @@ fn delta_mode_sends_only_the_buckets_of_changed_tensors() {
     v2.view_mut::<f32>("layer2.weight").unwrap()[5] = 1.5;
     v2.view_mut::<f32>("layer6.weight").unwrap().fill(-2.0);
     let expected = v2.bytes().to_vec();
-    let rs = send_all(&mut sender, rs, v2.clone());
+    let rs = send_all(&mut sender, rs, v2.clone(), T);
     let delta = sender.transport().bytes_sent() - full;
     assert_eq!(
         delta,
@@ -137,7 +117,7 @@ fn delta_mode_sends_only_the_buckets_of_changed_tensors() {
     // an unchanged version moves no bytes at all, and still lands
     let mut v3 = v2.clone();
     v3.set_version(Version(3));
-    let rs = send_all(&mut sender, rs, v3);
+    let rs = send_all(&mut sender, rs, v3, T);
     assert_eq!(sender.transport().bytes_sent() - full, 2 << 20);
     assert_eq!(rs[0].version(&id("policy")), Version(3));
     // a full-mode receiver of the same sender gets every byte
@@ -214,7 +194,7 @@ fn relays_let_the_sender_send_each_byte_about_once() {
         for v in 2..=3 {
             let ws = random_set(&m, v, v);
             let expected = ws.bytes().to_vec();
-            rs = send_all(&mut sender, rs, ws);
+            rs = send_all(&mut sender, rs, ws, T);
             for r in &rs {
                 assert!(r.current(&id("policy")).unwrap().bytes() == &expected[..]);
             }

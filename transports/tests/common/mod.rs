@@ -77,3 +77,25 @@ pub fn random_set(m: &Arc<Manifest>, version: u64, seed: u64) -> WeightSet {
     ws.set_version(Version(version));
     ws
 }
+
+/// Publishes `ws` over TCP, lets every receiver apply it on its own thread, and waits for
+/// the acknowledgements; hands the receivers back.
+pub fn send_all(
+    sender: &mut refit_runtime::Sender<refit_transports::tcp::TcpSender>,
+    rs: Vec<refit_runtime::Receiver<refit_transports::tcp::TcpReceiver>>,
+    ws: WeightSet,
+    timeout: std::time::Duration,
+) -> Vec<refit_runtime::Receiver<refit_transports::tcp::TcpReceiver>> {
+    let pending = sender.send_async(vec![ws]).unwrap();
+    let hs: Vec<_> = rs
+        .into_iter()
+        .map(|mut r| {
+            std::thread::spawn(move || {
+                r.receive(timeout).unwrap().unwrap();
+                r
+            })
+        })
+        .collect();
+    sender.wait(&pending, timeout).unwrap();
+    hs.into_iter().map(|h| h.join().unwrap()).collect()
+}
