@@ -243,6 +243,12 @@ impl std::fmt::Display for SyncEventKind {
 
 type NotifyTx = oneshot::Sender<Result<NotifyOutcome>>;
 
+/// Awaits an answer the controller sends later.
+async fn answer<T>(rx: oneshot::Receiver<Result<T>>) -> Result<T> {
+    rx.await
+        .map_err(|_| Error::Actor("weight-sync controller stopped".into()))?
+}
+
 struct Blocked {
     id: u64,
     model: ModelId,
@@ -272,8 +278,8 @@ pub struct WeightSyncController {
     engines: Vec<EngineHandle>,
     evaluator: Option<Recipient<RunEval>>,
     blocked: Vec<Blocked>,
-    drains: Vec<(ModelId, oneshot::Sender<Result<()>>)>,
-    synced: Vec<(ModelId, Version, oneshot::Sender<Result<Version>>)>,
+    drains: Vec<(u64, ModelId, oneshot::Sender<Result<()>>)>,
+    synced: Vec<(u64, ModelId, Version, oneshot::Sender<Result<Version>>)>,
     counters: BTreeMap<ModelId, Counters>,
     events: std::collections::VecDeque<SyncEvent>,
     seq: u64,
@@ -401,13 +407,8 @@ impl WeightSyncController {
         let c = self.counters(model);
         c.in_flight = c.in_flight.saturating_sub(1);
         if c.in_flight == 0 {
-            let drains = std::mem::take(&mut self.drains);
-            for (m, tx) in drains {
-                if &m == model {
-                    let _ = tx.send(Ok(()));
-                } else {
-                    self.drains.push((m, tx));
-                }
+            for (_, _, tx) in self.drains.extract_if(.., |(_, m, _)| m == model) {
+                let _ = tx.send(Ok(()));
             }
         }
     }
@@ -462,29 +463,37 @@ impl WeightSyncController {
     }
 
     fn wake_synced(&mut self) {
-        let waiting = std::mem::take(&mut self.synced);
-        for (m, v, tx) in waiting {
-            match self.policy.model(&m) {
-                Ok(s) if s.rollout_version >= v => {
-                    let _ = tx.send(Ok(s.rollout_version));
-                }
-                Ok(_) => self.synced.push((m, v, tx)),
-                Err(e) => {
-                    let _ = tx.send(Err(e.into()));
-                }
-            }
+        let policy = &self.policy;
+        let landed =
+            |m: &ModelId, v: Version| policy.model(m).map_or(true, |s| s.rollout_version >= v);
+        for (_, m, _, tx) in self.synced.extract_if(.., |(_, m, v, _)| landed(m, *v)) {
+            let _ = tx.send(
+                policy
+                    .model(&m)
+                    .map(|s| s.rollout_version)
+                    .map_err(Into::into),
+            );
         }
+    }
+
+    fn next_id(&mut self) -> u64 {
+        self.next_id += 1;
+        self.next_id
+    }
+
+    /// `"; last load error: .."` for a model whose last load failed, else empty.
+    fn last_error_note(&self, model: &ModelId) -> String {
+        self.counters
+            .get(model)
+            .and_then(|c| c.last_error.as_ref())
+            .map(|e| format!("; last load error: {e}"))
+            .unwrap_or_default()
     }
 
     fn expire_blocked(&mut self, id: u64, timeout: Duration) {
         if let Some(i) = self.blocked.iter().position(|b| b.id == id) {
             let b = self.blocked.swap_remove(i);
-            let last = self
-                .counters
-                .get(&b.model)
-                .and_then(|c| c.last_error.clone())
-                .map(|e| format!("; last load error: {e}"))
-                .unwrap_or_default();
+            let last = self.last_error_note(&b.model);
             let _ = b.tx.send(Err(Error::Runtime(refit_runtime::Error::Timeout {
                 what: format!(
                     "a rollout of model `{}` to be let through (blocked: {:?}){last}",
@@ -662,8 +671,7 @@ impl Handler<AwaitRollout> for WeightSyncController {
             Decision::Block(reason) => {
                 self.event(Some(&msg.model), SyncEventKind::Blocked(reason));
                 let (tx, rx) = oneshot::channel();
-                let id = self.next_id;
-                self.next_id += 1;
+                let id = self.next_id();
                 self.blocked.push(Blocked {
                     id,
                     model: msg.model,
@@ -673,10 +681,7 @@ impl Handler<AwaitRollout> for WeightSyncController {
                 });
                 let timeout = self.policy.config().timeouts.rollout_wait();
                 ctx.run_later(timeout, move |act, _| act.expire_blocked(id, timeout));
-                Box::pin(async move {
-                    rx.await
-                        .map_err(|_| Error::Actor("weight-sync controller stopped".into()))?
-                })
+                Box::pin(answer(rx))
             }
         }
     }
@@ -696,26 +701,18 @@ impl Handler<AwaitDrained> for WeightSyncController {
             return Box::pin(async { Ok(()) });
         }
         let (tx, rx) = oneshot::channel();
-        let model = msg.model.clone();
-        self.drains.push((msg.model, tx));
+        let id = self.next_id();
+        self.drains.push((id, msg.model, tx));
         let timeout = self.policy.config().timeouts.rollout_wait();
         ctx.run_later(timeout, move |act, _| {
-            let drains = std::mem::take(&mut act.drains);
-            for (m, tx) in drains {
-                if m == model {
-                    let _ = tx.send(Err(Error::Runtime(refit_runtime::Error::Timeout {
-                        what: format!("the rollouts of model `{m}` in flight to finish"),
-                        after: timeout,
-                    })));
-                } else {
-                    act.drains.push((m, tx));
-                }
+            for (_, m, tx) in act.drains.extract_if(.., |w| w.0 == id) {
+                let _ = tx.send(Err(Error::Runtime(refit_runtime::Error::Timeout {
+                    what: format!("the rollouts of model `{m}` in flight to finish"),
+                    after: timeout,
+                })));
             }
         });
-        Box::pin(async move {
-            rx.await
-                .map_err(|_| Error::Actor("weight-sync controller stopped".into()))?
-        })
+        Box::pin(answer(rx))
     }
 }
 
@@ -723,33 +720,21 @@ impl Handler<AwaitSynced> for WeightSyncController {
     type Result = ResponseFuture<Result<Version>>;
     fn handle(&mut self, msg: AwaitSynced, ctx: &mut Context<Self>) -> Self::Result {
         let (tx, rx) = oneshot::channel();
-        self.synced.push((msg.model.clone(), msg.version, tx));
+        let id = self.next_id();
+        self.synced.push((id, msg.model, msg.version, tx));
         self.wake_synced();
         let timeout = self.policy.config().timeouts.load() * 2;
-        let AwaitSynced { model, version } = msg;
         ctx.run_later(timeout, move |act, _| {
-            let waiting = std::mem::take(&mut act.synced);
-            for (m, v, tx) in waiting {
-                if m == model && v == version {
-                    let last = act
-                        .counters
-                        .get(&m)
-                        .and_then(|c| c.last_error.clone())
-                        .map(|e| format!("; last load error: {e}"))
-                        .unwrap_or_default();
-                    let _ = tx.send(Err(Error::Runtime(refit_runtime::Error::Timeout {
-                        what: format!("model `{m}` v{v} to land on every engine{last}"),
-                        after: timeout,
-                    })));
-                } else {
-                    act.synced.push((m, v, tx));
-                }
+            let expired: Vec<_> = act.synced.extract_if(.., |w| w.0 == id).collect();
+            for (_, m, v, tx) in expired {
+                let last = act.last_error_note(&m);
+                let _ = tx.send(Err(Error::Runtime(refit_runtime::Error::Timeout {
+                    what: format!("model `{m}` v{v} to land on every engine{last}"),
+                    after: timeout,
+                })));
             }
         });
-        Box::pin(async move {
-            rx.await
-                .map_err(|_| Error::Actor("weight-sync controller stopped".into()))?
-        })
+        Box::pin(answer(rx))
     }
 }
 
@@ -809,10 +794,7 @@ impl Handler<NotifyVersion> for WeightSyncController {
                 return Box::pin(async move { Err(e.into()) });
             }
         }
-        Box::pin(async move {
-            rx.await
-                .map_err(|_| Error::Actor("weight-sync controller stopped".into()))?
-        })
+        Box::pin(answer(rx))
     }
 }
 

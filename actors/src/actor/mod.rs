@@ -43,7 +43,7 @@ pub use rollout::{
     StartRollouts, StopRollouts, TakeBatch, TrajectoryPool,
 };
 pub use topology::{ModelSpec, RunConfig, RunReport, StopRule, UpdateRecord};
-pub use workers::{CollectBatch, CollectorWorker, PublishCurrent, Train, TrainAndPublish, Trainer};
+pub use workers::{CollectBatch, CollectorWorker, Train, TrainAndPublish, Trainer};
 
 use crate::error::Error;
 

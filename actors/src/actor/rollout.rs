@@ -422,11 +422,18 @@ pub struct FragmentInfo {
     pub frames: usize,
 }
 
+/// A trainer waiting on the pool: to know a batch is there, or to take it.
+enum Want {
+    Ready(oneshot::Sender<Result<usize>>),
+    Take {
+        all: bool,
+        tx: oneshot::Sender<Result<PoolBatch>>,
+    },
+}
+
 struct Waiting {
-    all: bool,
-    tx: Option<oneshot::Sender<Result<PoolBatch>>>,
-    ready_tx: Option<oneshot::Sender<Result<usize>>>,
     id: u64,
+    want: Want,
 }
 
 /// Gathers fragments into batches for one model's trainer; drops samples older than the
@@ -519,42 +526,31 @@ impl TrajectoryPool {
             return;
         };
         let train = self.train_version;
-        for (b, _) in &mut self.fragments {
+        let Self {
+            fragments,
+            filter,
+            dropped_since_take,
+            ..
+        } = self;
+        for (b, _) in fragments.iter_mut() {
             let before = b.transitions.len();
-            let keep: Vec<bool> = b
-                .transitions
-                .iter()
-                .map(|t| StalenessFilter::staleness(t.version, train) <= max)
-                .collect();
-            if keep.iter().all(|k| *k) {
-                continue;
-            }
-            let mut it = keep.iter();
-            let mut stale_versions = Vec::new();
             b.transitions.retain(|t| {
-                let k = it.next().copied().unwrap_or(true);
-                if !k {
-                    stale_versions.push(t.version);
+                let keep = StalenessFilter::staleness(t.version, train) <= max;
+                if !keep {
+                    filter.admit(t.version, train, 1);
                 }
-                k
+                keep
             });
-            for v in stale_versions {
-                self.filter.admit(v, train, 1);
-            }
             let dropped = before - b.transitions.len();
-            self.dropped_since_take += dropped as u64;
+            *dropped_since_take += dropped as u64;
             b.frames -= dropped;
         }
-        self.fragments.retain(|(b, _)| b.frames > 0);
+        fragments.retain(|(b, _)| b.frames > 0);
     }
 
-    fn serve(&mut self) {
-        self.prune();
-        let frames = self.frames();
-        if frames < self.batch_frames {
-            return;
-        }
-        if !self.ready_sent {
+    /// Tells the controller, once per batch, that a batch is ready.
+    fn announce_ready(&mut self) {
+        if self.frames() >= self.batch_frames && !self.ready_sent {
             self.ready_sent = true;
             if let Some(c) = &self.controller {
                 c.do_send(BatchReady {
@@ -562,21 +558,24 @@ impl TrajectoryPool {
                 });
             }
         }
-        let waiting = std::mem::take(&mut self.waiting);
-        for w in waiting {
-            if let Some(tx) = w.ready_tx {
-                let _ = tx.send(Ok(frames));
-            } else if let Some(tx) = w.tx {
-                if self.frames() >= self.batch_frames {
-                    let _ = tx.send(Ok(self.take(w.all)));
-                } else {
-                    self.waiting.push(Waiting {
-                        all: w.all,
-                        tx: Some(tx),
-                        ready_tx: None,
-                        id: w.id,
-                    });
+    }
+
+    fn serve(&mut self) {
+        self.prune();
+        if self.frames() < self.batch_frames {
+            return;
+        }
+        self.announce_ready();
+        for w in std::mem::take(&mut self.waiting) {
+            match w.want {
+                Want::Ready(tx) => {
+                    let _ = tx.send(Ok(self.frames()));
                 }
+                // an earlier take in this loop may have emptied the pool
+                Want::Take { all, tx } if self.frames() >= self.batch_frames => {
+                    let _ = tx.send(Ok(self.take(all)));
+                }
+                want @ Want::Take { .. } => self.waiting.push(Waiting { id: w.id, want }),
             }
         }
     }
@@ -611,7 +610,8 @@ impl TrajectoryPool {
             parts.push(b);
         }
         self.ready_sent = false;
-        self.serve_ready_only();
+        // after a partial take, a full batch may already be waiting
+        self.announce_ready();
         PoolBatch {
             batch: Batch::concat(parts),
             dropped: std::mem::take(&mut self.dropped_since_take),
@@ -622,45 +622,44 @@ impl TrajectoryPool {
         }
     }
 
-    /// After a partial take, a full batch may already be waiting: tell the controller.
-    fn serve_ready_only(&mut self) {
-        if self.frames() >= self.batch_frames && !self.ready_sent {
-            self.ready_sent = true;
-            if let Some(c) = &self.controller {
-                c.do_send(BatchReady {
-                    model: self.model.clone(),
-                });
-            }
-        }
-    }
-
-    fn wait(&mut self, timeout: Duration, ctx: &mut Context<Self>) -> u64 {
+    /// Queues `want` with a deadline, then serves what can be served now.
+    fn enqueue(
+        &mut self,
+        train_version: Version,
+        want: Want,
+        timeout: Duration,
+        ctx: &mut Context<Self>,
+    ) {
+        self.train_version = self.train_version.max(train_version);
         let id = self.next_id;
         self.next_id += 1;
+        self.waiting.push(Waiting { id, want });
         ctx.run_later(timeout, move |act, _| {
-            if let Some(i) = act.waiting.iter().position(|w| w.id == id) {
-                let w = act.waiting.swap_remove(i);
-                let e = || {
-                    Error::Runtime(refit_runtime::Error::Timeout {
-                        what: format!(
-                            "a batch of {} frames for model `{}` (the pool holds {})",
-                            act.batch_frames,
-                            act.model,
-                            act.frames()
-                        ),
-                        after: timeout,
-                    })
-                };
-                if let Some(tx) = w.tx {
-                    let _ = tx.send(Err(e()));
-                }
-                if let Some(tx) = w.ready_tx {
-                    let _ = tx.send(Err(e()));
-                }
+            let Some(i) = act.waiting.iter().position(|w| w.id == id) else {
+                return;
+            };
+            let w = act.waiting.swap_remove(i);
+            let e = Error::Runtime(refit_runtime::Error::Timeout {
+                what: format!(
+                    "a batch of {} frames for model `{}` (the pool holds {})",
+                    act.batch_frames,
+                    act.model,
+                    act.frames()
+                ),
+                after: timeout,
+            });
+            match w.want {
+                Want::Ready(tx) => drop(tx.send(Err(e))),
+                Want::Take { tx, .. } => drop(tx.send(Err(e))),
             }
         });
-        id
+        self.serve();
     }
+}
+
+async fn answer<T>(rx: oneshot::Receiver<Result<T>>) -> Result<T> {
+    rx.await
+        .map_err(|_| Error::Actor("trajectory pool stopped".into()))?
 }
 
 impl Actor for TrajectoryPool {
@@ -681,39 +680,18 @@ impl Handler<PushFragment> for TrajectoryPool {
 impl Handler<AwaitBatch> for TrajectoryPool {
     type Result = ResponseFuture<Result<usize>>;
     fn handle(&mut self, msg: AwaitBatch, ctx: &mut Context<Self>) -> Self::Result {
-        self.train_version = self.train_version.max(msg.train_version);
         let (tx, rx) = oneshot::channel();
-        let id = self.wait(msg.timeout, ctx);
-        self.waiting.push(Waiting {
-            all: false,
-            tx: None,
-            ready_tx: Some(tx),
-            id,
-        });
-        self.serve();
-        Box::pin(async move {
-            rx.await
-                .map_err(|_| Error::Actor("trajectory pool stopped".into()))?
-        })
+        self.enqueue(msg.train_version, Want::Ready(tx), msg.timeout, ctx);
+        Box::pin(answer(rx))
     }
 }
 
 impl Handler<TakeBatch> for TrajectoryPool {
     type Result = ResponseFuture<Result<PoolBatch>>;
     fn handle(&mut self, msg: TakeBatch, ctx: &mut Context<Self>) -> Self::Result {
-        self.train_version = self.train_version.max(msg.train_version);
         let (tx, rx) = oneshot::channel();
-        let id = self.wait(msg.timeout, ctx);
-        self.waiting.push(Waiting {
-            all: msg.all,
-            tx: Some(tx),
-            ready_tx: None,
-            id,
-        });
-        self.serve();
-        Box::pin(async move {
-            rx.await
-                .map_err(|_| Error::Actor("trajectory pool stopped".into()))?
-        })
+        let want = Want::Take { all: msg.all, tx };
+        self.enqueue(msg.train_version, want, msg.timeout, ctx);
+        Box::pin(answer(rx))
     }
 }

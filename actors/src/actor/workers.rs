@@ -80,12 +80,6 @@ pub struct TrainAndPublish {
     pub batch: Batch,
 }
 
-/// Exports the current weights as a new version and publishes them through the outlet
-/// (the initial version, before any training).
-#[derive(Debug, Message)]
-#[rtype(result = "Result<Version>")]
-pub struct PublishCurrent;
-
 /// The trainer actor (PPO with candle), on its own thread, optionally publishing through a
 /// [`WeightOutlet`].
 pub struct Trainer {
@@ -147,13 +141,6 @@ impl Handler<TrainAndPublish> for Trainer {
     fn handle(&mut self, msg: TrainAndPublish, _: &mut SyncContext<Self>) -> Self::Result {
         let stats = self.ppo()?.update(&msg.batch)?;
         Ok((stats, self.publish()?))
-    }
-}
-
-impl Handler<PublishCurrent> for Trainer {
-    type Result = Result<Version>;
-    fn handle(&mut self, _: PublishCurrent, _: &mut SyncContext<Self>) -> Self::Result {
-        self.publish()
     }
 }
 

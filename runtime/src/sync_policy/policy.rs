@@ -113,8 +113,6 @@ impl ModelSync {
 /// The controller's decisions for every model, as plain code.
 #[derive(Clone, Debug)]
 pub struct SyncPolicy {
-    mode: SyncMode,
-    threshold: u64,
     models: BTreeMap<ModelId, ModelSync>,
     acquisition_paused: bool,
     cfg: SyncConfig,
@@ -134,8 +132,6 @@ impl SyncPolicy {
             ));
         }
         Ok(Self {
-            mode: cfg.sync_mode,
-            threshold: cfg.staleness_threshold,
             models,
             acquisition_paused: false,
             cfg: cfg.clone(),
@@ -178,12 +174,12 @@ impl SyncPolicy {
             return Ok(Decision::Block(BlockReason::Validation));
         }
         let staleness = m.staleness();
-        let block = match self.mode {
+        let block = match self.cfg.sync_mode {
             SyncMode::FullyAsync => None,
             SyncMode::Sync => (m.state != RolloutState::Running || staleness > 0)
                 .then_some(BlockReason::AwaitingSync),
             SyncMode::BatchAsync => {
-                (staleness >= self.threshold).then_some(BlockReason::Staleness {
+                (staleness >= self.cfg.staleness_threshold).then_some(BlockReason::Staleness {
                     train: m.train_version,
                     rollout: m.rollout_version,
                 })
@@ -198,7 +194,7 @@ impl SyncPolicy {
     /// # Errors
     /// [`Error::UnknownModel`].
     pub fn batch_ready(&mut self, model: &ModelId) -> Result<()> {
-        let mode = self.mode;
+        let mode = self.cfg.sync_mode;
         let m = self.model_mut(model)?;
         if mode == SyncMode::Sync && m.state == RolloutState::Running {
             m.state = RolloutState::NeedSync;
