@@ -1,8 +1,12 @@
 //! A trainer node and worker nodes as separate processes, weights moving over TCP.
 //!
 //! ```text
-//! cargo run --release --example multi_node [-- --workers 2 --versions 5]
+//! cargo run --release --example multi_node [-- --workers 2 --versions 5 --size 64MiB --full]
 //! ```
+//!
+//! `--size` sets the weight bytes (default 4 MiB), `--full` pulls every byte of every version
+//! (default: only the buckets whose tensors changed), `--bucket-size` the bytes per bucket;
+//! the trainer prints, per version, the time until every worker acknowledged it.
 //!
 //! Run as is, the trainer (rank 0) starts its workers itself on loopback. Across hosts, start
 //! each process with the usual launch variables and one shared token:
@@ -25,14 +29,16 @@
 use std::net::SocketAddr;
 use std::process::{Command, ExitCode};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use refit::prelude::*;
 use refit::runtime::node::{ClusterToken, LaunchEnv, Node, NodeConfig, Store, StoreClient};
 use refit::runtime::wire;
-use refit::transports::tcp::{TcpConfig, TcpReceiver, TcpReceiverConfig, TcpSender};
+use refit::transports::tcp::{
+    DEFAULT_BUCKET_SIZE, TcpConfig, TcpReceiver, TcpReceiverConfig, TcpSender, TransferMode,
+};
 
-const WAIT: Duration = Duration::from_secs(60);
+const WAIT: Duration = Duration::from_secs(120);
 
 struct Args {
     role: String,
@@ -40,6 +46,24 @@ struct Args {
     versions: u64,
     bind: Option<SocketAddr>,
     spawn: bool,
+    size: usize,
+    full: bool,
+    bucket_size: usize,
+}
+
+/// `4MiB`, `1GiB`, `4096`.
+fn parse_size(s: &str) -> std::result::Result<usize, String> {
+    let split = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
+    let (num, unit) = s.split_at(split);
+    let n: usize = num.parse().map_err(|_| format!("bad size {s:?}"))?;
+    let mult = match unit.to_ascii_lowercase().as_str() {
+        "" => 1,
+        "kib" | "k" => 1 << 10,
+        "mib" | "m" => 1 << 20,
+        "gib" | "g" => 1 << 30,
+        other => return Err(format!("unknown unit {other:?} in {s:?}")),
+    };
+    n.checked_mul(mult).ok_or(format!("{s:?} overflows"))
 }
 
 fn parse_args() -> std::result::Result<Args, String> {
@@ -49,6 +73,9 @@ fn parse_args() -> std::result::Result<Args, String> {
         versions: 5,
         bind: None,
         spawn: true,
+        size: 4 << 20,
+        full: false,
+        bucket_size: DEFAULT_BUCKET_SIZE,
     };
     let mut it = std::env::args().skip(1);
     while let Some(arg) = it.next() {
@@ -73,6 +100,9 @@ fn parse_args() -> std::result::Result<Args, String> {
                 )
             }
             "--no-spawn" => a.spawn = false,
+            "--size" => a.size = parse_size(&value("--size")?)?,
+            "--bucket-size" => a.bucket_size = parse_size(&value("--bucket-size")?)?,
+            "--full" => a.full = true,
             other => return Err(format!("unknown argument {other:?}")),
         }
     }
@@ -80,12 +110,14 @@ fn parse_args() -> std::result::Result<Args, String> {
 }
 
 // ANCHOR: model
-/// The policy's layout: 4 MiB of weights in three tensors.
-fn policy_manifest() -> Result<Manifest> {
+/// The policy's layout: about `size` bytes of weights in three tensors (4 MiB: an encoder
+/// of 512 x 1024, its bias, a head of 1024 x 512).
+fn policy_manifest(size: usize) -> Result<Manifest> {
+    let rows = (size / (2 * 1024 * 4)).max(1);
     Manifest::builder()
-        .tensor("encoder.weight", DType::F32, &[512, 1024])
-        .tensor("encoder.bias", DType::F32, &[512])
-        .tensor("head.weight", DType::F32, &[1024, 512])
+        .tensor("encoder.weight", DType::F32, &[rows, 1024])
+        .tensor("encoder.bias", DType::F32, &[rows])
+        .tensor("head.weight", DType::F32, &[1024, rows])
         .build()
 }
 
@@ -113,10 +145,11 @@ fn trainer(args: &Args) -> Result<()> {
     // one node hosts the rendezvous store and the sender agent
     let node = Node::start(NodeConfig::loopback(token.clone()).with_bind(bind))?;
     Store::serve(&node);
-    let manifest = Arc::new(policy_manifest()?);
+    let manifest = Arc::new(policy_manifest(args.size)?);
     let manifests = Manifests::new([(ModelId::new("policy")?, Arc::clone(&manifest))])?;
     let config = TcpConfig {
         expected_receivers: args.workers as usize,
+        bucket_size: args.bucket_size,
         ..TcpConfig::default()
     };
     let transport = TcpSender::on_node(&node, config, &manifests)?;
@@ -138,11 +171,26 @@ fn trainer(args: &Args) -> Result<()> {
     let mut sender = SenderInit::new(transport, manifests)
         .with_ack_timeout(WAIT)
         .connect(vec![weights_at(&manifest, 1)?], WAIT)?;
+    let mut took = Vec::new();
     for v in 2..=args.versions {
         // ... a training step would go here ...
-        sender.send(weights_at(&manifest, v)?)?;
+        let next = weights_at(&manifest, v)?;
+        let start = Instant::now();
+        sender.send(next)?;
+        let t = start.elapsed();
+        took.push(t.as_secs_f64());
         println!(
-            "trainer: version {v} acknowledged by {} workers",
+            "trainer: version {v} acknowledged by {} workers in {:.3} s ({} bytes)",
+            args.workers,
+            t.as_secs_f64(),
+            manifest.total_len()
+        );
+    }
+    took.sort_by(f64::total_cmp);
+    if let Some(median) = took.get(took.len() / 2) {
+        println!(
+            "trainer: median {median:.3} s per version over {} versions, {} workers",
+            took.len(),
             args.workers
         );
     }
@@ -176,8 +224,11 @@ fn spawn_workers(
                 master_addr: master.ip().to_string(),
                 master_port: master.port(),
             };
-            Command::new(&exe)
-                .arg("worker")
+            let mut cmd = Command::new(&exe);
+            if args.full {
+                cmd.arg("--full");
+            }
+            cmd.arg("worker")
                 .envs(launch.vars())
                 .env(refit::runtime::node::TOKEN_ENV, token.expose())
                 .spawn()
@@ -205,6 +256,11 @@ fn worker(args: &Args) -> Result<()> {
     )?;
     let config = TcpReceiverConfig {
         advertise: args.bind.filter(|b| b.port() != 0),
+        mode: if args.full {
+            TransferMode::Full
+        } else {
+            TransferMode::Delta
+        },
         ..TcpReceiverConfig::default()
     };
     let transport = TcpReceiver::new(spec)

@@ -49,7 +49,7 @@ pub use ids::{ModelId, Version};
 pub use layout::{LayoutPlan, LayoutRules};
 pub use manifest::{ALIGN, Manifest, ManifestBuilder, TensorSpec};
 pub use protocol::{Ack, AckBook, Group, Manifests, VersionGate};
-pub use safetensors_io::write_atomically;
+pub use safetensors_io::{SafetensorsLayout, write_atomically};
 pub use scheme::{
     PendingSend, Receiver, ReceiverInit, ReceiverLoop, ReceiverTransport, Sender, SenderInit,
     SenderTransport, Served, Snapshot, Update,

@@ -204,6 +204,99 @@ impl WeightSet {
     }
 }
 
+/// How a weight set's arena becomes a safetensors file when it is received straight into the
+/// file (a writable map of it) rather than copied there afterwards: the file's first bytes,
+/// then the arena; tensors the arena pads apart are moved together in place once it is whole.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SafetensorsLayout {
+    /// The file's first bytes: the header's length (8 bytes, little-endian) and the JSON
+    /// header, padded with spaces so the data starts at a multiple of
+    /// [`ALIGN`](crate::ALIGN).
+    pub header: Vec<u8>,
+    /// Each tensor's range in the arena and where its bytes start in the file's data, in
+    /// arena order. Every move goes toward the front (or nowhere).
+    pub moves: Vec<(std::ops::Range<usize>, usize)>,
+    /// Bytes of tensor data in the file (the arena without its padding).
+    pub data_len: usize,
+}
+
+impl SafetensorsLayout {
+    /// The layout of `model` at `version` cut by `manifest`; the header names the model,
+    /// the version and the manifest order, as [`WeightSet::write_safetensors`] does.
+    ///
+    /// # Errors
+    /// [`Error::Safetensors`] when the header cannot be encoded.
+    pub fn of(model: &ModelId, version: Version, manifest: &Manifest) -> Result<Self> {
+        let mut specs: Vec<&crate::TensorSpec> = manifest.tensors().iter().collect();
+        specs.sort_by_key(|t| t.offset);
+        let mut json = serde_json::Map::new();
+        let order: Vec<&str> = manifest.tensors().iter().map(|t| t.name.as_str()).collect();
+        let meta = HashMap::from([
+            (KEY_MODEL, model.to_string()),
+            (KEY_VERSION, version.to_string()),
+            (
+                KEY_ORDER,
+                serde_json::to_string(&order).map_err(|e| refused("<header>", e))?,
+            ),
+        ]);
+        json.insert(
+            "__metadata__".into(),
+            serde_json::to_value(meta).map_err(|e| refused("<header>", e))?,
+        );
+        let mut moves = Vec::with_capacity(specs.len());
+        let mut at = 0usize;
+        for t in specs {
+            let info = serde_json::json!({
+                "dtype": t.dtype.to_safetensors(),
+                "shape": t.shape,
+                "data_offsets": [at, at + t.len],
+            });
+            json.insert(t.name.clone(), info);
+            moves.push((t.range(), at));
+            at += t.len;
+        }
+        let mut text = serde_json::to_vec(&json).map_err(|e| refused("<header>", e))?;
+        let pad = (crate::ALIGN - (8 + text.len()) % crate::ALIGN) % crate::ALIGN;
+        text.resize(text.len() + pad, b' ');
+        let mut header = (text.len() as u64).to_le_bytes().to_vec();
+        header.extend_from_slice(&text);
+        Ok(Self {
+            header,
+            moves,
+            data_len: at,
+        })
+    }
+
+    /// Bytes of the whole file.
+    pub fn file_len(&self) -> usize {
+        self.header.len() + self.data_len
+    }
+
+    /// True when the arena is the file's data as it stands (no padding between tensors):
+    /// nothing moves once the bytes are in.
+    pub fn in_place(&self) -> bool {
+        self.moves.iter().all(|(r, at)| r.start == *at)
+    }
+
+    /// Turns `region`, which holds the arena (the bytes after the header), into the file's
+    /// data: each tensor after the first gap moves toward the front. Only the tensors behind
+    /// padding move; none does when [`in_place`](Self::in_place).
+    ///
+    /// # Errors
+    /// [`Error::State`] when `region` is shorter than the arena.
+    pub fn pack(&self, region: &mut [u8]) -> Result<()> {
+        if self.moves.iter().any(|(r, _)| r.end > region.len()) {
+            return Err(Error::State("the region is shorter than the arena"));
+        }
+        for (r, at) in &self.moves {
+            if r.start != *at {
+                region.copy_within(r.clone(), *at);
+            }
+        }
+        Ok(())
+    }
+}
+
 fn temp_sibling(path: &Path) -> PathBuf {
     let name = path
         .file_name()
@@ -323,6 +416,42 @@ mod tests {
         assert_eq!(back.version(), Version::ZERO);
         for t in ws.tensors() {
             assert_eq!(back.tensor(t.name()).unwrap().bytes(), t.bytes());
+        }
+    }
+
+    #[test]
+    fn an_arena_written_in_place_reads_back_as_the_weight_set() {
+        let padded = sample();
+        let m = Manifest::builder()
+            .tensor("a", DType::F32, &[64])
+            .tensor("b", DType::BF16, &[4, 32])
+            .build()
+            .unwrap();
+        let mut dense = WeightSet::zeroed(ModelId::new("d").unwrap(), Arc::new(m));
+        for (i, b) in dense.bytes_mut().unwrap().iter_mut().enumerate() {
+            *b = (i * 7 % 253) as u8;
+        }
+        dense.set_version(Version(3));
+        let dir = tempfile::tempdir().unwrap();
+        for (ws, in_place) in [(padded, false), (dense, true)] {
+            let layout = SafetensorsLayout::of(ws.model(), ws.version(), ws.manifest()).unwrap();
+            assert_eq!(layout.in_place(), in_place);
+            assert_eq!(layout.header.len() % crate::ALIGN, 0);
+            let mut file = layout.header.clone();
+            file.extend_from_slice(ws.bytes());
+            let start = layout.header.len();
+            layout.pack(&mut file[start..]).unwrap();
+            file.truncate(layout.file_len());
+            let path = dir.path().join("in-place.safetensors");
+            std::fs::write(&path, &file).unwrap();
+            let back = WeightSet::read_safetensors(&path, None).unwrap();
+            assert_eq!(back.model(), ws.model());
+            assert_eq!(back.version(), ws.version());
+            assert_eq!(**back.manifest(), **ws.manifest());
+            for (a, b) in ws.tensors().zip(back.tensors()) {
+                assert_eq!(a.bytes(), b.bytes(), "{}", a.name());
+            }
+            assert!(layout.pack(&mut file[start..start + 1]).is_err());
         }
     }
 

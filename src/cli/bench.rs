@@ -39,8 +39,10 @@ pub(crate) struct BenchArgs {
     /// Timed updates per configuration.
     #[arg(long, default_value_t = 5)]
     iters: usize,
-    /// Untimed updates first.
-    #[arg(long, default_value_t = 1)]
+    /// Untimed updates first (2: a receiver holds two versions while it pulls a third, so
+    /// its third pull is the first into a recycled arena; earlier ones touch new memory,
+    /// which the connect rows time apart).
+    #[arg(long, default_value_t = 2)]
     warmup: usize,
     /// Transports to measure (inproc, shm, tcp).
     #[arg(long, value_delimiter = ',', default_value = "inproc,shm,tcp")]
@@ -48,6 +50,17 @@ pub(crate) struct BenchArgs {
     /// Size of the model the strategy steps (rename/fuse, casts, delta) are measured on; 0 skips them.
     #[arg(long, default_value = "64MiB", value_parser = parse_bytes)]
     strategies_size: usize,
+    /// Times each TCP configuration's connect (receiver processes start, register, pull
+    /// the initial weights and acknowledge) this many times, each with fresh processes.
+    #[arg(long, default_value_t = 3)]
+    connect_runs: usize,
+    /// Size of the model `refit pull` fetches into --pull-dir (four tensors, each far larger
+    /// than a bucket), timed against raw loopback TCP of the same size; 0 skips it.
+    #[arg(long, default_value = "1GiB", value_parser = parse_bytes)]
+    pull_size: usize,
+    /// Where the `refit pull` rows write their file.
+    #[arg(long, default_value = "/dev/shm")]
+    pull_dir: std::path::PathBuf,
     /// Print JSON instead of a table.
     #[arg(long)]
     json: bool,
@@ -158,6 +171,14 @@ pub(crate) fn run(args: &BenchArgs) -> BoxResult<()> {
             }
         }
     }
+    if args.pull_size > 0 && args.transports.iter().any(|t| t == "tcp") {
+        eprintln!(
+            "refit bench: refit pull of {} into {}",
+            fmt_bytes(args.pull_size),
+            args.pull_dir.display()
+        );
+        rows.extend(bench_pull(args)?);
+    }
     if args.strategies_size > 0 {
         eprintln!(
             "refit bench: strategy steps, {}",
@@ -174,6 +195,7 @@ pub(crate) fn run(args: &BenchArgs) -> BoxResult<()> {
             let s = Summary {
                 min: f.seconds,
                 median: f.seconds,
+                p99: f.seconds,
                 max: f.seconds,
                 samples: 1,
             };
@@ -219,19 +241,20 @@ fn row(
 
 fn print_table(rows: &[Row]) {
     println!(
-        "{:<22} {:<20} {:>8} {:>2} {:>11} {:>11} {:>11} {:>10} {:>9}",
-        "transport", "metric", "size", "N", "min", "median", "max", "GB/s", "x base"
+        "{:<22} {:<20} {:>8} {:>2} {:>11} {:>11} {:>11} {:>11} {:>10} {:>9}",
+        "transport", "metric", "size", "N", "min", "median", "p99", "max", "GB/s", "x base"
     );
     for r in rows {
         let gbps = r.bytes as f64 / r.seconds.median / 1e9;
         println!(
-            "{:<22} {:<20} {:>8} {:>2} {:>11} {:>11} {:>11} {:>10.2} {:>9}",
+            "{:<22} {:<20} {:>8} {:>2} {:>11} {:>11} {:>11} {:>11} {:>10.2} {:>9}",
             r.transport,
             r.metric,
             fmt_bytes(r.bytes),
             r.receivers,
             fmt_secs(r.seconds.min),
             fmt_secs(r.seconds.median),
+            fmt_secs(r.seconds.p99),
             fmt_secs(r.seconds.max),
             gbps,
             if r.baseline == "-" {
@@ -437,7 +460,7 @@ fn bench_shm(
         n,
         weights,
         loaned,
-        args,
+        Some(args),
     )?;
     let name = match (mode, loaned) {
         (_, true) => "shm (loaned)",
@@ -500,6 +523,9 @@ pub(crate) fn child(args: &ChildArgs) -> BoxResult<()> {
 /// Timings of the updates of one configuration, by phase.
 #[derive(Default)]
 struct Times {
+    /// Receiver processes started until every one has applied and acknowledged the initial
+    /// weights.
+    connect: Vec<Duration>,
     e2e: Vec<Duration>,
     write: Vec<Duration>,
     acks: Vec<Duration>,
@@ -538,6 +564,20 @@ impl Times {
                 base,
             ),
         ];
+        if !self.connect.is_empty() {
+            rows.insert(
+                0,
+                row(
+                    name,
+                    "connect+first pull",
+                    size,
+                    n,
+                    Summary::of(&self.connect),
+                    bname,
+                    base,
+                ),
+            );
+        }
         if !self.fill.is_empty() {
             rows.push(row(
                 name,
@@ -616,23 +656,169 @@ fn bench_tcp(
 ) -> BoxResult<Vec<Row>> {
     let size = weights.manifest().total_len();
     let manifests = Manifests::new([(weights.model().clone(), Arc::clone(weights.manifest()))])?;
+    let runs = args.connect_runs.max(1);
+    let mut connect = Vec::with_capacity(runs);
+    let mut times = Times::default();
+    // fresh receiver processes each run: their connect pulls into arenas never used before,
+    // as a user's first pull does; the timed updates run on the last one
+    for run in 0..runs {
+        let config = TcpConfig {
+            expected_receivers: n,
+            token: Some(ClusterToken::random()),
+            ..TcpConfig::default()
+        };
+        let transport = TcpSender::bind(config, &manifests)?;
+        let token = wire::to_token(&transport.receiver_spec())?;
+        let t = with_receiver_processes(
+            transport,
+            manifests.clone(),
+            &["tcp-recv", &token],
+            n,
+            weights,
+            false,
+            (run + 1 == runs).then_some(args),
+        )?;
+        connect.extend(t.connect.iter().copied());
+        times = t;
+    }
+    times.connect = connect;
+    Ok(times.rows("tcp (full, 4 streams)", size, n, ("tcp-loopback", base.tcp)))
+}
+
+/// `refit pull` as a user runs it: a sender serves a model of four tensors (each far larger
+/// than a bucket) and a `refit pull` process fetches it into a new file in `--pull-dir`, timed
+/// from the process start to its exit, against raw loopback TCP of the same bytes and against
+/// writing the same bytes into a new file there (the cost of the file's fresh pages alone),
+/// all in this run.
+fn bench_pull(args: &BenchArgs) -> BoxResult<Vec<Row>> {
+    let size = args.pull_size.next_multiple_of(4 * refit::runtime::ALIGN);
+    let iters = args.iters.max(3);
+    let tcp = tcp_baseline(size, iters)?;
+    let file_write = file_write_baseline(size, iters, &args.pull_dir)?;
+    let touch = first_touch_baseline(size, iters);
+    let mut b = Manifest::builder();
+    for i in 0..4 {
+        b.push(format!("layer{i}.weight"), DType::U8, &[size / 4]);
+    }
+    let mut ws = WeightSet::zeroed(ModelId::new("bench")?, Arc::new(b.build()?));
+    for (i, chunk) in ws.bytes_mut()?.chunks_mut(4096).enumerate() {
+        chunk.fill(i as u8 | 1);
+    }
+    ws.set_version(Version(1));
+    let manifests = Manifests::new([(ws.model().clone(), Arc::clone(ws.manifest()))])?;
     let config = TcpConfig {
-        expected_receivers: n,
         token: Some(ClusterToken::random()),
         ..TcpConfig::default()
     };
     let transport = TcpSender::bind(config, &manifests)?;
-    let token = wire::to_token(&transport.receiver_spec())?;
-    let times = with_receiver_processes(
-        transport,
-        manifests,
-        &["tcp-recv", &token],
-        n,
-        weights,
-        false,
-        args,
+    let pid = std::process::id();
+    let spec_file = args.pull_dir.join(format!(".refit-bench-{pid}.spec"));
+    let out = args.pull_dir.join(format!("refit-bench-{pid}.safetensors"));
+    refit::runtime::write_atomically(
+        &spec_file,
+        wire::to_token(&transport.receiver_spec())?.as_bytes(),
     )?;
-    Ok(times.rows("tcp (full, 4 streams)", size, n, ("tcp-loopback", base.tcp)))
+    let result = (|| -> BoxResult<Vec<Duration>> {
+        let sender = SenderInit::new(transport, manifests).connect(vec![ws], WAIT)?;
+        let mut samples = Vec::with_capacity(iters);
+        for _ in 0..iters {
+            let t = Instant::now();
+            let done = Command::new(std::env::current_exe()?)
+                .arg("pull")
+                .arg("--spec-file")
+                .arg(&spec_file)
+                .arg(&out)
+                .stdin(Stdio::null())
+                .output()?;
+            samples.push(t.elapsed());
+            if !done.status.success() {
+                return Err(format!(
+                    "refit pull failed: {}",
+                    String::from_utf8_lossy(&done.stderr).trim()
+                )
+                .into());
+            }
+            if std::fs::metadata(&out)?.len() < size as u64 {
+                return Err("refit pull wrote a short file".into());
+            }
+            std::fs::remove_file(&out)?;
+        }
+        sender.shutdown()?;
+        Ok(samples)
+    })();
+    let _ = std::fs::remove_file(&spec_file);
+    let _ = std::fs::remove_file(&out);
+    let samples = result?;
+    let dir = args.pull_dir.display().to_string();
+    Ok(vec![
+        row("tcp-loopback", "stream", size, 1, tcp, "-", tcp.median),
+        row(
+            "new file",
+            &format!("write to {dir}"),
+            size,
+            1,
+            file_write,
+            "tcp-loopback",
+            tcp.median,
+        ),
+        row(
+            "new memory",
+            "first touch",
+            size,
+            1,
+            touch,
+            "tcp-loopback",
+            tcp.median,
+        ),
+        row(
+            "refit pull",
+            &format!("to {dir}"),
+            size,
+            1,
+            Summary::of(&samples),
+            "tcp-loopback",
+            tcp.median,
+        ),
+    ])
+}
+
+/// Writing one byte into every page of `size` bytes of memory never used before (what a
+/// fresh arena costs its first transfer before a byte moves).
+fn first_touch_baseline(size: usize, iters: usize) -> Summary {
+    let mut samples = Vec::with_capacity(iters);
+    for _ in 0..iters {
+        let mut fresh = vec![0u8; size];
+        let t = Instant::now();
+        for page in fresh.chunks_mut(4096) {
+            page[0] = 1;
+        }
+        std::hint::black_box(&mut fresh);
+        samples.push(t.elapsed());
+    }
+    Summary::of(&samples)
+}
+
+/// Writing `size` bytes into a new file in `dir` (created, written from a reused buffer,
+/// synced, removed): what the file's fresh pages cost without any network.
+fn file_write_baseline(size: usize, iters: usize, dir: &std::path::Path) -> BoxResult<Summary> {
+    let path = dir.join(format!(".refit-bench-{}.write", std::process::id()));
+    let buf = vec![5u8; size.min(16 << 20)];
+    let mut samples = Vec::with_capacity(iters);
+    for _ in 0..iters {
+        let t = Instant::now();
+        let mut f = std::fs::File::create(&path)?;
+        let mut left = size;
+        while left > 0 {
+            let n = left.min(buf.len());
+            f.write_all(&buf[..n])?;
+            left -= n;
+        }
+        f.sync_all()?;
+        drop(f);
+        samples.push(t.elapsed());
+        std::fs::remove_file(&path)?;
+    }
+    Ok(Summary::of(&samples))
 }
 
 /// A benchmark receiver: applies every update until the sender leaves.
@@ -647,7 +833,8 @@ fn drain<T: refit::runtime::ReceiverTransport>(mut r: Receiver<T>) -> BoxResult<
     }
 }
 
-/// Starts `n` receiver processes (`child` arguments), connects the scheme, times the updates,
+/// Starts `n` receiver processes (`child` arguments), connects the scheme (timed, from the
+/// processes' start), times the updates when `timed`,
 /// shuts the sender down (receivers see it leave and exit) and checks every process succeeded.
 fn with_receiver_processes<T: SenderTransport + LoanSlots>(
     transport: T,
@@ -656,15 +843,22 @@ fn with_receiver_processes<T: SenderTransport + LoanSlots>(
     n: usize,
     weights: &mut Arc<WeightSet>,
     loaned: bool,
-    args: &BenchArgs,
+    timed: Option<&BenchArgs>,
 ) -> BoxResult<Times> {
+    let initial = (**weights).clone();
+    let t0 = Instant::now();
     let children = (0..n)
         .map(|_| spawn_child(child))
         .collect::<BoxResult<Vec<_>>>()?;
     let mut sender = SenderInit::new(transport, manifests)
         .with_ack_timeout(WAIT)
-        .connect(vec![(**weights).clone()], WAIT)?;
-    let times = timed_updates(&mut sender, weights, loaned, args)?;
+        .connect(vec![initial], WAIT)?;
+    let connect = t0.elapsed();
+    let mut times = match timed {
+        Some(args) => timed_updates(&mut sender, weights, loaned, args)?,
+        None => Times::default(),
+    };
+    times.connect.push(connect);
     sender.transport_mut().shutdown()?;
     drop(sender);
     for mut c in children {

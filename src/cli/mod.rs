@@ -2,6 +2,7 @@
 
 mod bench;
 mod net;
+mod out_file;
 mod stats;
 
 use std::process::ExitCode;

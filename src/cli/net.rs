@@ -8,6 +8,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant, SystemTime};
 
+use super::out_file::OutFiles;
 use refit::runtime::node::{ClusterToken, Node, NodeConfig, Store, TOKEN_ENV};
 use refit::runtime::{
     Error, Manifests, ModelId, ReceiverInit, Result, SenderInit, Version, WeightSet, wire,
@@ -50,6 +51,10 @@ pub(crate) struct ServeArgs {
     /// Re-read the file when it changes and publish it as the next version.
     #[arg(long)]
     watch: bool,
+    /// Bytes per bucket of the transfer plan (a multiple of 64; tensors larger than a bucket
+    /// are cut across buckets).
+    #[arg(long, default_value = "16MiB", value_parser = super::stats::parse_bytes)]
+    bucket_size: usize,
     /// Stop after this many seconds (default: run until killed).
     #[arg(long)]
     seconds: Option<u64>,
@@ -157,6 +162,7 @@ pub(crate) fn serve(args: ServeArgs) -> ExitCode {
             bind: args.bind,
             advertise: args.advertise,
             token: Some(token()?),
+            bucket_size: args.bucket_size,
             ..TcpConfig::default()
         };
         let transport = TcpSender::bind(config, &manifests)?;
@@ -224,20 +230,27 @@ pub(crate) fn pull(args: PullArgs) -> ExitCode {
             relay: false,
             ..TcpReceiverConfig::default()
         };
-        let receiver = TcpReceiver::new(spec).with_config(cfg);
-        let pulled = receiver.progress();
+        let files = OutFiles::new(&args.out);
+        let receiver = {
+            let files = Arc::clone(&files);
+            TcpReceiver::new(spec)
+                .with_config(cfg)
+                .with_sinks(move |model, version, manifest| files.sink(model, version, manifest))
+        };
+        let (pulled, total) = (receiver.progress(), receiver.progress_total());
         let done = Arc::new(AtomicBool::new(false));
-        let bar = indicatif::ProgressBar::new_spinner();
+        let bar = indicatif::ProgressBar::new(0);
         bar.set_style(
             indicatif::ProgressStyle::with_template(
-                "{spinner} {bytes} pulled ({binary_bytes_per_sec}) {elapsed}",
+                "{bar:30} {bytes}/{total_bytes} ({binary_bytes_per_sec}, eta {eta}) {elapsed}",
             )
-            .unwrap_or_else(|_| indicatif::ProgressStyle::default_spinner()),
+            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
         );
         let ticker = {
-            let (bar, done, pulled) = (bar.clone(), Arc::clone(&done), Arc::clone(&pulled));
+            let (bar, done) = (bar.clone(), Arc::clone(&done));
             std::thread::spawn(move || {
                 while !done.load(Ordering::Acquire) {
+                    bar.set_length(total.load(Ordering::Relaxed));
                     bar.set_position(pulled.load(Ordering::Relaxed));
                     std::thread::sleep(Duration::from_millis(100));
                 }
@@ -261,15 +274,17 @@ pub(crate) fn pull(args: PullArgs) -> ExitCode {
         let weights = receiver
             .current(&model)
             .ok_or_else(|| Error::UnknownModel(model.clone()))?;
-        weights.write_safetensors(&args.out)?;
+        // the bytes went into the file as they arrived: it is synced and renamed into place
+        files.commit(&weights)?;
+        let (version, bytes) = (weights.version(), weights.manifest().total_len());
+        drop(weights);
+        receiver.shutdown()?;
         let took = started.elapsed();
-        let bytes = weights.manifest().total_len();
         eprintln!(
-            "pulled `{model}` version {} ({bytes} bytes) in {took:.2?} ({:.0} MiB/s) into {}",
-            weights.version(),
+            "pulled `{model}` version {version} ({bytes} bytes) in {took:.2?} ({:.0} MiB/s) into {}",
             bytes as f64 / (1 << 20) as f64 / took.as_secs_f64().max(1e-9),
             args.out.display()
         );
-        receiver.shutdown()
+        Ok(())
     })())
 }

@@ -4,11 +4,13 @@ use std::time::Duration;
 
 use serde::Serialize;
 
-/// min / median / max of a set of timings, in seconds.
+/// min / median / p99 / max of a set of timings, in seconds.
 #[derive(Debug, Clone, Copy, Serialize)]
 pub(crate) struct Summary {
     pub(crate) min: f64,
     pub(crate) median: f64,
+    /// The 99th percentile (nearest rank: below 101 samples it is the largest).
+    pub(crate) p99: f64,
     pub(crate) max: f64,
     pub(crate) samples: usize,
 }
@@ -22,6 +24,7 @@ impl Summary {
             return Self {
                 min: f64::NAN,
                 median: f64::NAN,
+                p99: f64::NAN,
                 max: f64::NAN,
                 samples: 0,
             };
@@ -31,9 +34,12 @@ impl Summary {
         } else {
             (s[n / 2 - 1] + s[n / 2]) / 2.0
         };
+        // nearest rank: the smallest sample with at least 99% of the samples at or below it
+        let rank = (n * 99).div_ceil(100).max(1);
         Self {
             min: s[0],
             median,
+            p99: s[rank - 1],
             max: s[n - 1],
             samples: n,
         }
@@ -92,7 +98,10 @@ mod tests {
     #[test]
     fn summary_and_sizes() {
         let s = Summary::of(&[3, 1, 2, 10].map(Duration::from_secs));
-        assert_eq!((s.min, s.median, s.max), (1.0, 2.5, 10.0));
+        assert_eq!((s.min, s.median, s.p99, s.max), (1.0, 2.5, 10.0, 10.0));
+        let many: Vec<Duration> = (1..=200).map(Duration::from_millis).collect();
+        let m = Summary::of(&many);
+        assert_eq!((m.p99, m.max), (0.198, 0.2));
         assert_eq!(Summary::of(&[Duration::from_secs(4)]).median, 4.0);
         assert_eq!(parse_bytes("2GiB").unwrap(), 2 << 30);
         assert_eq!(parse_bytes("64m").unwrap(), 64 << 20);

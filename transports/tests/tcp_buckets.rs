@@ -242,3 +242,48 @@ fn a_bucket_size_that_is_not_aligned_is_refused_at_bind() {
         assert!(matches!(err, Error::Bucket { .. }), "{err}");
     }
 }
+
+/// Four tensors of 4 MiB: every one four times the 1 MiB bucket.
+fn manifest_of_tensors_four_buckets_long() -> Arc<Manifest> {
+    let mut b = Manifest::builder();
+    for i in 0..4 {
+        b.push(format!("layer{i}.weight"), DType::F32, &[BUCKET]);
+    }
+    Arc::new(b.build().unwrap())
+}
+
+#[test]
+fn tensors_four_times_a_bucket_arrive_bit_identical_through_a_relay_chain() {
+    let m = manifest_of_tensors_four_buckets_long();
+    let total = m.total_len() as u64;
+    // three receivers: the first pulls from the sender, each next one from a receiver still
+    // pulling (relayed bucket by bucket as its buckets land)
+    let (mut sender, rs) = connect(&m, 3, TransferMode::Full, true);
+    let plan = sender.transport().bucket_plan(&id("policy")).unwrap();
+    assert_eq!(plan.len(), 16);
+    for t in m.tensors() {
+        let pieces: Vec<_> = plan
+            .buckets
+            .iter()
+            .flat_map(|b| &b.pieces)
+            .filter(|p| p.name == t.name)
+            .collect();
+        assert_eq!(pieces.len(), 4, "{} in 1 MiB buckets", t.name);
+        assert!(pieces.iter().all(|p| p.is_chunk(t.len)));
+    }
+    let v1 = random_set(&m, 1, 1);
+    for r in &rs {
+        assert!(r.current(&id("policy")).unwrap().bytes() == v1.bytes());
+    }
+    let v2 = random_set(&m, 2, 2);
+    let rs = send_all(&mut sender, rs, v2.clone(), T);
+    for r in &rs {
+        let got = r.current(&id("policy")).unwrap();
+        assert_eq!(got.version(), Version(2));
+        assert!(got.bytes() == v2.bytes(), "bytes differ");
+    }
+    // each byte left the sender once per version; the receivers relayed the rest
+    assert_eq!(sender.transport().bytes_sent(), 2 * total);
+    let relayed: u64 = rs.iter().map(|r| r.transport().bytes_relayed()).sum();
+    assert_eq!(relayed, 2 * 2 * total);
+}

@@ -23,6 +23,7 @@ use tokio::io::AsyncWriteExt;
 use xxhash_rust::xxh3::Xxh3;
 
 use super::NAME;
+use super::inflight::InFlight;
 use super::messages::PullReq;
 
 /// Bytes written per socket write on the serving side (the unit of injected corruption).
@@ -49,6 +50,16 @@ pub(crate) struct Source {
     /// The version's checksums, cut by `plan`: headers are built from them, so serving
     /// hashes nothing.
     pub(crate) sums: Arc<Sums>,
+}
+
+/// What a pull is served from: a whole version, or one still landing on a relay (served
+/// bucket by bucket as its buckets land).
+#[derive(Debug, Clone)]
+pub(crate) enum Serve {
+    /// A version held whole.
+    Whole(Source),
+    /// A version this relay is pulling itself.
+    Landing(Arc<InFlight>),
 }
 
 /// The checksums of one version cut by one bucket plan, computed once (at publish on the
@@ -174,17 +185,23 @@ pub(crate) fn piece_starts(plan: &BucketPlan) -> Vec<usize> {
 }
 
 /// Checks a pull against the source's plan; the payload bytes it asks for.
-fn check_buckets(req: &PullReq, src: &Source) -> std::result::Result<u64, String> {
-    if src.sums.plan_id != src.plan_id || src.sums.buckets.len() != src.plan.len() {
+fn check_buckets(req: &PullReq, src: &Serve) -> std::result::Result<u64, String> {
+    let (plan, plan_id) = match src {
+        Serve::Whole(src) => {
+            if src.sums.plan_id != src.plan_id || src.sums.buckets.len() != src.plan.len() {
+                return Err(format!(
+                    "the checksums of `{}` version {} were cut by another bucket plan",
+                    req.model, req.version
+                ));
+            }
+            (&src.plan, src.plan_id)
+        }
+        Serve::Landing(f) => (&f.plan, f.plan_id),
+    };
+    if req.plan != plan_id {
         return Err(format!(
-            "the checksums of `{}` version {} were cut by another bucket plan",
-            req.model, req.version
-        ));
-    }
-    if req.plan != src.plan_id {
-        return Err(format!(
-            "the pull names bucket plan {:#018x}, this source cuts `{}` by plan {:#018x}",
-            req.plan, req.model, src.plan_id
+            "the pull names bucket plan {:#018x}, this source cuts `{}` by plan {plan_id:#018x}",
+            req.plan, req.model
         ));
     }
     if req.buckets.len() > MAX_BUCKETS {
@@ -197,7 +214,7 @@ fn check_buckets(req: &PullReq, src: &Source) -> std::result::Result<u64, String
     let mut next = 0usize;
     for &i in &req.buckets {
         let i = i as usize;
-        match src.plan.buckets.get(i) {
+        match plan.buckets.get(i) {
             Some(b) if i >= next => {
                 total += b.len as u64;
                 next = i + 1;
@@ -205,7 +222,7 @@ fn check_buckets(req: &PullReq, src: &Source) -> std::result::Result<u64, String
             _ => {
                 return Err(format!(
                     "bucket {i} is out of order or past the plan's {}",
-                    src.plan.len()
+                    plan.len()
                 ));
             }
         }
@@ -214,10 +231,12 @@ fn check_buckets(req: &PullReq, src: &Source) -> std::result::Result<u64, String
 }
 
 /// Serves one pull: a head, then each requested bucket as its header frame and its bytes (or
-/// an error head when the pull does not fit the source).
+/// an error head when the pull does not fit the source). A version still landing is served
+/// bucket by bucket as its buckets land; a bucket that does not land ends the stream, and the
+/// puller asks for another source.
 pub(crate) async fn serve_pull(
     mut stream: tokio::net::TcpStream,
-    src: std::result::Result<Source, String>,
+    src: std::result::Result<Serve, String>,
     req: PullReq,
     stats: &ServeStats,
 ) -> Result<()> {
@@ -228,27 +247,43 @@ pub(crate) async fn serve_pull(
     };
     write_head(&mut stream, &StreamHead::Ok { len: total }).await?;
     let io = |e| Error::io("serving a pull", e);
-    let all = src.weights.bytes();
     for &i in &req.buckets {
-        let (Some(b), Some(&checksum)) = (
-            src.plan.buckets.get(i as usize),
-            src.sums.buckets.get(i as usize),
-        ) else {
-            return Err(Error::Bucket {
-                index: i as usize,
-                reason: "not in the plan or without a checksum".into(),
-            });
+        let index = i as usize;
+        let (spec, bytes, checksum, version) = match &src {
+            Serve::Whole(s) => {
+                let all = s.weights.bytes();
+                let (Some(b), Some(&checksum)) =
+                    (s.plan.buckets.get(index), s.sums.buckets.get(index))
+                else {
+                    return Err(Error::Bucket {
+                        index,
+                        reason: "not in the plan or without a checksum".into(),
+                    });
+                };
+                let bytes = all.get(b.range()).ok_or_else(|| Error::Bucket {
+                    index,
+                    reason: format!("runs past the arena's {} bytes", all.len()),
+                })?;
+                (b, bytes, checksum, s.weights.version())
+            }
+            Serve::Landing(f) => {
+                let b = f.plan.buckets.get(index).ok_or_else(|| Error::Bucket {
+                    index,
+                    reason: "not in the plan".into(),
+                })?;
+                let (bytes, checksum) = f
+                    .landed(index)
+                    .await
+                    .map_err(|reason| Error::Bucket { index, reason })?;
+                (b, bytes, checksum, f.version())
+            }
         };
-        let bytes = all.get(b.range()).ok_or_else(|| Error::Bucket {
-            index: i as usize,
-            reason: format!("runs past the arena's {} bytes", all.len()),
-        })?;
         let header = BucketHeader {
-            index: i as usize,
-            version: src.weights.version(),
-            start: b.start,
-            len: b.len,
-            pieces: b.pieces.clone(),
+            index,
+            version,
+            start: spec.start,
+            len: spec.len,
+            pieces: spec.pieces.clone(),
             checksum,
         };
         frame::send(&mut stream, &header).await?;
@@ -336,15 +371,17 @@ impl Landing {
         })
     }
 
-    /// Feeds the bytes `landed` of the bucket (`bucket[landed]` just arrived, after every
-    /// byte before it).
-    fn feed(&mut self, bucket: &[u8], landed: Range<usize>) {
+    /// Feeds `chunk`, the bytes of the bucket from offset `at` (they just arrived, after
+    /// every byte before them).
+    fn feed(&mut self, chunk: &[u8], at: usize) {
+        let end = at + chunk.len();
         while let Some(r) = self.ranges.get(self.next) {
-            let (s, e) = (r.start.max(landed.start), r.end.min(landed.end));
+            let (s, e) = (r.start.max(at), r.end.min(end));
             if s < e {
-                self.hasher.update(bucket.get(s..e).unwrap_or_default());
+                self.hasher
+                    .update(chunk.get(s - at..e - at).unwrap_or_default());
             }
-            if r.end > landed.end {
+            if r.end > end {
                 break;
             }
             self.sums.push(self.hasher.digest());
@@ -364,7 +401,7 @@ impl Expect<'_> {
         header: &BucketHeader,
         dst: &[u8],
         found: &[u64],
-    ) -> Result<()> {
+    ) -> Result<u64> {
         let expected = self
             .starts
             .get(header.index..header.index + 2)
@@ -400,7 +437,7 @@ impl Expect<'_> {
                 ),
             });
         }
-        Ok(())
+        Ok(sum)
     }
 }
 
@@ -416,23 +453,58 @@ pub(crate) struct Counters<'a> {
 /// Opens one stream for one part (its bucket indices).
 pub(crate) type Opener<'a> = dyn Fn(&[u32]) -> Result<OpenStream> + Sync + 'a;
 
-/// Pulls `parts` (from [`assign`]) into `arena`, one stream per part on its own thread;
-/// `open` opens one stream for one part. Every bucket is checked against the plan before its
-/// bytes are read; its pieces (whole tensors and chunks of cut ones) are hashed as they land
-/// and verified, then its checksum, once it is in. Returns the bytes read.
+/// Where pulled bytes go.
+#[derive(Clone, Copy)]
+pub(crate) enum Dest<'a> {
+    /// Into the arena of a version in flight, bucket by bucket (relayable as they land).
+    Arena(&'a InFlight),
+    /// Through a small buffer into a sink (e.g. the file the weights are bound for); every
+    /// bucket must be covered by its pieces.
+    Sink(&'a dyn Sink),
+}
+
+/// Takes the bytes of a transfer in place of an arena: e.g. the file the weights are bound
+/// for, written as the bytes arrive (so nothing makes a second pass over them). Bytes are
+/// written before their bucket is verified; a transfer that fails drops the sink unfinished.
+pub trait Sink: Send + Sync {
+    /// Writes `bytes`, the arena's bytes from offset `at`.
+    ///
+    /// # Errors
+    /// An I/O error, which fails the transfer.
+    fn write_at(&self, at: usize, bytes: &[u8]) -> Result<()>;
+
+    /// Every byte is in and verified: the storage of the version (the arena's bytes, e.g. a
+    /// read-only map of the file), which must be exactly the arena's length.
+    ///
+    /// # Errors
+    /// An I/O error, which fails the transfer.
+    fn finish(self: Box<Self>) -> Result<Arc<dyn refit_runtime::SharedBytes>>;
+}
+
+/// True when the pieces of every bucket of `plan` cover it whole (no padding between
+/// tensors): a sink can then take the bytes without anything reading them back.
+pub(crate) fn covered(plan: &BucketPlan) -> bool {
+    plan.buckets
+        .iter()
+        .all(|b| b.pieces.iter().map(|p| p.len).sum::<usize>() == b.len)
+}
+
+/// Pulls `parts` (from [`assign`]) into `dest`, one stream per part on its own
+/// thread; `open` opens one stream for one part. Every bucket is checked against the plan
+/// before its bytes are read; its pieces (whole tensors and chunks of cut ones) are hashed as
+/// they land and verified, then its checksum, once it is in; then it is marked landed, so a
+/// relayed pull of the same version can serve it at once. Returns the bytes read.
 pub(crate) fn pull_buckets(
-    arena: &mut [u8],
+    dest: Dest<'_>,
     parts: &[Vec<u32>],
     exp: Expect<'_>,
     open: &Opener<'_>,
     counters: Counters<'_>,
 ) -> Result<u64> {
-    let dests = carve(arena, exp.plan, parts)?;
     std::thread::scope(|scope| {
         let handles: Vec<_> = parts
             .iter()
-            .zip(dests)
-            .map(|(part, slices)| scope.spawn(move || pull_part(part, slices, exp, open, counters)))
+            .map(|part| scope.spawn(move || pull_part(part, dest, exp, open, counters)))
             .collect();
         let mut total = 0;
         let mut first_err = None;
@@ -451,55 +523,19 @@ pub(crate) fn pull_buckets(
     })
 }
 
-/// Cuts `arena` into the destination slice of every bucket of every part.
-fn carve<'a>(
-    arena: &'a mut [u8],
-    plan: &BucketPlan,
-    parts: &[Vec<u32>],
-) -> Result<Vec<Vec<&'a mut [u8]>>> {
-    let mut order: Vec<(u32, usize)> = parts
-        .iter()
-        .enumerate()
-        .flat_map(|(p, part)| part.iter().map(move |&i| (i, p)))
-        .collect();
-    order.sort_unstable();
-    let mut dests: Vec<Vec<(u32, &mut [u8])>> = parts.iter().map(|_| Vec::new()).collect();
-    let mut rest: &mut [u8] = arena;
-    let mut base = 0usize;
-    for (i, p) in order {
-        let b = plan
-            .buckets
-            .get(i as usize)
-            .ok_or_else(|| Error::transport(NAME, format!("bucket {i} is not in the plan")))?;
-        if b.start < base || b.start + b.len - base > rest.len() {
-            return Err(Error::transport(
-                NAME,
-                format!("bucket {i} overlaps another or runs past the arena"),
-            ));
-        }
-        let (_, tail) = std::mem::take(&mut rest).split_at_mut(b.start - base);
-        let (dst, tail) = tail.split_at_mut(b.len);
-        dests[p].push((i, dst));
-        rest = tail;
-        base = b.start + b.len;
-    }
-    Ok(dests
-        .into_iter()
-        .map(|mut d| {
-            d.sort_unstable_by_key(|x| x.0);
-            d.into_iter().map(|x| x.1).collect()
-        })
-        .collect())
-}
-
-/// One stream: its buckets in order, each header checked, bytes read, bucket verified.
+/// One stream: its buckets in order, each header checked, bytes read, bucket verified and
+/// marked landed.
 fn pull_part(
     part: &[u32],
-    slices: Vec<&mut [u8]>,
+    dest: Dest<'_>,
     exp: Expect<'_>,
     open: &Opener<'_>,
     counters: Counters<'_>,
 ) -> Result<u64> {
+    let mut scratch = match dest {
+        Dest::Sink(_) => vec![0u8; READ],
+        Dest::Arena(_) => Vec::new(),
+    };
     let want: u64 = part
         .iter()
         .filter_map(|&i| exp.plan.buckets.get(i as usize))
@@ -515,7 +551,7 @@ fn pull_part(
     let broke = |e: &dyn std::fmt::Display| {
         Error::transport(NAME, format!("stream broke mid-transfer: {e}"))
     };
-    for (&i, dst) in part.iter().zip(slices) {
+    for &i in part {
         let header: BucketHeader = frame::recv_blocking(&mut s.stream, wire::MAX_CONTROL_MESSAGE)
             .map_err(|e| broke(&e))?;
         counters.headers.fetch_add(1, Ordering::Relaxed);
@@ -530,18 +566,51 @@ fn pull_part(
         }
         let spec = exp.plan.check_header(&header)?;
         let mut landing = Landing::new(&exp, spec, i as usize)?;
+        let flight = match dest {
+            Dest::Arena(f) => f,
+            Dest::Sink(sink) => {
+                // a sink takes the bytes from a small reused buffer, hashed while in cache;
+                // its buckets are covered by their pieces, so no byte of the bucket is read
+                // again
+                let mut at = 0;
+                while at < spec.len {
+                    let end = (at + READ).min(spec.len);
+                    let chunk = scratch.get_mut(..end - at).unwrap_or_default();
+                    s.stream.read_exact(chunk).map_err(|e| broke(&e))?;
+                    landing.feed(chunk, at);
+                    sink.write_at(spec.start + at, chunk)?;
+                    counters
+                        .bytes
+                        .fetch_add((end - at) as u64, Ordering::Relaxed);
+                    at = end;
+                }
+                exp.check_bucket(spec, &header, &[], &landing.sums)?;
+                continue;
+            }
+        };
+        let mut dst = flight.claim(i as usize).ok_or_else(|| Error::Bucket {
+            index: i as usize,
+            reason: "pulled twice or not part of the transfer".into(),
+        })?;
+        if dst.len() != spec.len {
+            return Err(Error::Bucket {
+                index: i as usize,
+                reason: "the transfer's plan and the header's disagree on its length".into(),
+            });
+        }
         let mut at = 0;
         while at < dst.len() {
             let end = (at + READ).min(dst.len());
             let piece = dst.get_mut(at..end).unwrap_or_default();
             s.stream.read_exact(piece).map_err(|e| broke(&e))?;
-            landing.feed(dst, at..end);
+            landing.feed(piece, at);
             counters
                 .bytes
                 .fetch_add((end - at) as u64, Ordering::Relaxed);
             at = end;
         }
-        exp.check_bucket(spec, &header, dst, &landing.sums)?;
+        let sum = exp.check_bucket(spec, &header, &dst, &landing.sums)?;
+        dst.land(sum);
     }
     Ok(want)
 }
@@ -600,6 +669,7 @@ mod tests {
             buckets,
         };
         let id = src.plan_id;
+        let src = Serve::Whole(src);
         assert_eq!(check_buckets(&req(id, vec![0, 2, 3]), &src), Ok(3072));
         assert!(check_buckets(&req(id, vec![2, 1]), &src).is_err());
         assert!(check_buckets(&req(id, vec![1, 1]), &src).is_err());
@@ -695,7 +765,7 @@ mod tests {
                 let mut at = 0;
                 while at < bytes.len() {
                     let end = (at + step).min(bytes.len());
-                    l.feed(bytes, at..end);
+                    l.feed(&bytes[at..end], at);
                     at = end;
                 }
                 assert_eq!(l.sums, sums.pieces[starts[i]..starts[i + 1]]);

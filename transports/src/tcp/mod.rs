@@ -38,6 +38,7 @@
 //! longer awaited), and a restarted receiver registers anew and gets the newest version.
 
 mod data;
+mod inflight;
 mod messages;
 mod receiver;
 mod sender;
@@ -49,8 +50,9 @@ use refit_runtime::node::ClusterToken;
 use serde::{Deserialize, Serialize};
 use uuid::Uuid;
 
+pub use data::Sink;
 pub use messages::{RECEIVE_WEIGHTS, TransferMode};
-pub use receiver::{TcpReceiver, TcpReceiverConfig};
+pub use receiver::{SinkSource, TcpReceiver, TcpReceiverConfig};
 pub use sender::TcpSender;
 
 const NAME: &str = "tcp";

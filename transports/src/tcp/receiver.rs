@@ -16,8 +16,10 @@ use refit_runtime::{
 use uuid::Uuid;
 
 use super::data::{
-    Counters, Expect, ServeStats, Source, Sums, assign, piece_starts, pull_buckets, serve_pull,
+    Counters, Dest, Expect, Serve, ServeStats, Sink, Source, Sums, assign, covered, piece_starts,
+    pull_buckets, serve_pull,
 };
+use super::inflight::InFlight;
 use super::messages::*;
 use super::{NAME, TcpReceiverSpec};
 use crate::pool::{BufPool, PooledBuf};
@@ -68,6 +70,15 @@ struct Inbox {
     closing: bool,
 }
 
+/// How long a relayed pull waits for this receiver's own pull of the version to start.
+const RELAY_START: Duration = Duration::from_secs(5);
+
+/// Where a receiver writes a transfer instead of an arena of its pool (see
+/// [`TcpReceiver::with_sinks`]): called once per transfer with the model, the version and
+/// its manifest; `None` takes an arena from the pool.
+pub type SinkSource =
+    dyn Fn(&ModelId, Version, &Arc<Manifest>) -> Result<Option<Box<dyn Sink>>> + Send + Sync;
+
 /// A verified version this receiver can relay, with its checksums.
 type Relayable = (Arc<WeightSet>, Arc<Sums>);
 
@@ -81,8 +92,13 @@ struct Shared {
     /// may be before its group is returned; `held` tracks what was returned. Each comes with
     /// its checksums, so relaying hashes nothing.
     relayable: Mutex<BTreeMap<ModelId, VecDeque<Relayable>>>,
+    /// The version of each model being pulled now, served to relayed pulls bucket by bucket
+    /// as its buckets land.
+    inflight: Mutex<BTreeMap<ModelId, Arc<InFlight>>>,
     relay: ServeStats,
     pulled: Arc<AtomicU64>,
+    /// Weight bytes the transfers planned so far will have pulled once done.
+    planned: Arc<AtomicU64>,
     /// Bucket headers received (one control message per bucket pulled).
     headers: Arc<AtomicU64>,
     /// Arenas of dropped versions, reused by the next pulls.
@@ -126,24 +142,46 @@ impl Shared {
             .insert(model.clone(), (id, plan));
     }
 
-    /// What this receiver serves a relayed pull from.
-    fn source(&self, model: &ModelId, version: Version) -> std::result::Result<Source, String> {
-        let (weights, sums) = self
+    /// What this receiver serves a relayed pull from: a verified version it holds, else the
+    /// one it is pulling now; `None` when it has neither.
+    fn source(
+        &self,
+        model: &ModelId,
+        version: Version,
+    ) -> Option<std::result::Result<Serve, String>> {
+        let held = self
             .relayable
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .get(model)
-            .and_then(|q| q.iter().find(|w| w.0.version() == version).cloned())
-            .ok_or_else(|| format!("this receiver no longer holds `{model}` version {version}"))?;
-        let (plan_id, plan) = self
-            .plan(model)
-            .ok_or_else(|| format!("this receiver holds no bucket plan of `{model}`"))?;
-        Ok(Source {
-            weights,
-            plan,
-            plan_id,
-            sums,
-        })
+            .and_then(|q| q.iter().find(|w| w.0.version() == version).cloned());
+        if let Some((weights, sums)) = held {
+            let Some((plan_id, plan)) = self.plan(model) else {
+                return Some(Err(format!(
+                    "this receiver holds no bucket plan of `{model}`"
+                )));
+            };
+            return Some(Ok(Serve::Whole(Source {
+                weights,
+                plan,
+                plan_id,
+                sums,
+            })));
+        }
+        self.inflight
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(model)
+            .filter(|f| f.version() == version)
+            .map(|f| Ok(Serve::Landing(Arc::clone(f))))
+    }
+
+    fn set_inflight(&self, model: &ModelId, flight: Option<&Arc<InFlight>>) {
+        let mut m = self.inflight.lock().unwrap_or_else(|p| p.into_inner());
+        match flight {
+            Some(f) => m.insert(model.clone(), Arc::clone(f)),
+            None => m.remove(model),
+        };
     }
 
     /// Makes a verified version available to relayed pulls, keeping the newest `keep`.
@@ -175,6 +213,7 @@ pub struct TcpReceiver {
     ctl: Option<Peer>,
     manifests: Option<Manifests>,
     shared: Arc<Shared>,
+    sinks: Option<Arc<SinkSource>>,
     closed: bool,
 }
 
@@ -202,8 +241,28 @@ impl TcpReceiver {
             ctl: None,
             manifests: None,
             shared: Arc::default(),
+            sinks: None,
             closed: false,
         }
+    }
+
+    /// Writes each transfer into a sink from `source` (when it gives one) instead of an
+    /// arena of the receiver's pool: e.g. the file the weights are bound for, written as the
+    /// bytes arrive and verified bucket by bucket, so nothing makes a second pass over them
+    /// (what `refit pull` does). Used when every bucket of the plan is covered by its tensors
+    /// (no padding between them); otherwise, or when `source` gives `None`, the transfer
+    /// lands in an arena. An error from `source` fails the transfer and the previous
+    /// version stays served.
+    #[must_use]
+    pub fn with_sinks(
+        mut self,
+        source: impl Fn(&ModelId, Version, &Arc<Manifest>) -> Result<Option<Box<dyn Sink>>>
+        + Send
+        + Sync
+        + 'static,
+    ) -> Self {
+        self.sinks = Some(Arc::new(source));
+        self
     }
 
     /// Replaces the configuration.
@@ -230,6 +289,12 @@ impl TcpReceiver {
     /// A counter of weight bytes pulled so far (for progress bars), readable from any thread.
     pub fn progress(&self) -> Arc<AtomicU64> {
         Arc::clone(&self.shared.pulled)
+    }
+
+    /// A counter of the weight bytes the transfers planned so far will have pulled once
+    /// done (the end of a progress bar whose position is [`progress`](Self::progress)).
+    pub fn progress_total(&self) -> Arc<AtomicU64> {
+        Arc::clone(&self.shared.planned)
     }
 
     /// Bucket control messages (headers) this receiver has received: one per bucket pulled,
@@ -277,7 +342,21 @@ impl TcpReceiver {
             let sh = Arc::clone(&sh);
             Box::pin(async move {
                 let req: PullReq = wire::decode(&bytes, wire::MAX_CONTROL_MESSAGE)?;
-                let src = sh.source(&req.model, req.version);
+                // the sender may send a puller here a moment before this receiver's own pull
+                // of the version has started: wait a little for it
+                let deadline = tokio::time::Instant::now() + RELAY_START;
+                let src = loop {
+                    if let Some(src) = sh.source(&req.model, req.version) {
+                        break src;
+                    }
+                    if tokio::time::Instant::now() >= deadline {
+                        break Err(format!(
+                            "this receiver holds no `{}` version {}",
+                            req.model, req.version
+                        ));
+                    }
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                };
                 serve_pull(stream, src, req, &sh.relay).await
             })
         });
@@ -411,38 +490,70 @@ impl TcpReceiver {
                     ),
                 ));
             }
-            // a recycled arena: a full transfer overwrites every byte (the verified plan
-            // covers the arena), a delta copies the buckets it does not pull from the base
-            let buf = self.shared.pool.take(manifest.total_len());
-            let mut ws = WeightSet::from_shared(
-                model.clone(),
-                Version::ZERO,
-                Arc::clone(&manifest),
-                Arc::new(PooledBuf::new(buf, &self.shared.pool)),
-            )?;
-            match (&base, t.full) {
-                (_, true) => {}
-                (Some(b), false) => {
-                    let dst = ws.bytes_mut()?;
+            let planned: u64 = t
+                .buckets
+                .iter()
+                .filter_map(|&i| plan.buckets.get(i as usize))
+                .map(|b| b.len as u64)
+                .sum();
+            if !t.full && base.is_none() {
+                self.done(t.lease, false, "delta plan without a base".into());
+                return Err(Error::transport(
+                    NAME,
+                    "sender planned a delta but this receiver holds no base",
+                ));
+            }
+            // the buckets a delta does not pull, from the version held
+            let kept: Vec<std::ops::Range<usize>> = match (&base, t.full) {
+                (Some(_), false) => {
                     let mut pulled = t.buckets.iter().peekable();
-                    for (i, spec) in plan.buckets.iter().enumerate() {
-                        if pulled.next_if(|&&p| p as usize == i).is_some() {
-                            continue;
-                        }
-                        if let (Some(d), Some(s)) =
-                            (dst.get_mut(spec.range()), b.bytes().get(spec.range()))
-                        {
-                            d.copy_from_slice(s);
-                        }
+                    plan.buckets
+                        .iter()
+                        .enumerate()
+                        .filter(|(i, _)| pulled.next_if(|&&p| p as usize == *i).is_none())
+                        .map(|(_, spec)| spec.range())
+                        .collect()
+                }
+                _ => Vec::new(),
+            };
+            let base_bytes = base.as_ref().map_or(&[][..], |b| b.bytes());
+            let sink = match &self.sinks {
+                Some(source) if covered(&plan) => source(model, version, &manifest),
+                _ => Ok(None),
+            };
+            let sink = match sink {
+                Ok(s) => s,
+                Err(e) => {
+                    self.done(t.lease, false, format!("no sink: {e}"));
+                    return Err(e);
+                }
+            };
+            let flight = match &sink {
+                Some(sink) => {
+                    let copied = kept.iter().try_for_each(|r| {
+                        sink.write_at(r.start, base_bytes.get(r.clone()).unwrap_or_default())
+                    });
+                    if let Err(e) = copied {
+                        self.done(t.lease, false, e.to_string());
+                        return Err(e);
                     }
+                    None
                 }
-                (None, false) => {
-                    self.done(t.lease, false, "delta plan without a base".into());
-                    return Err(Error::transport(
-                        NAME,
-                        "sender planned a delta but this receiver holds no base",
-                    ));
-                }
+                None => match self
+                    .arena_flight(model, version, &manifest, &plan, &t, &kept, base_bytes)
+                {
+                    Ok(f) => Some(f),
+                    Err(e) => {
+                        self.done(t.lease, false, e.to_string());
+                        return Err(e);
+                    }
+                },
+            };
+            self.shared.planned.fetch_add(planned, Ordering::Relaxed);
+            if let Some(f) = &flight
+                && self.cfg.relay
+            {
+                self.shared.set_inflight(model, Some(f));
             }
             let parts = assign(&plan, &t.buckets, self.cfg.streams.max(1));
             let exp = Expect {
@@ -475,19 +586,39 @@ impl TcpReceiver {
                     self.cfg.stream_timeout,
                 )
             };
-            let result = ws
-                .bytes_mut()
-                .and_then(|arena| pull_buckets(arena, &parts, exp, &open, counters));
+            let result = match (&flight, sink) {
+                (Some(f), _) => pull_buckets(Dest::Arena(f), &parts, exp, &open, counters)
+                    .and_then(|_| f.finish()),
+                (None, Some(sink)) => {
+                    pull_buckets(Dest::Sink(&*sink), &parts, exp, &open, counters)
+                        .and_then(|_| sink.finish())
+                        .and_then(|storage| {
+                            WeightSet::from_shared(
+                                model.clone(),
+                                version,
+                                Arc::clone(&manifest),
+                                storage,
+                            )
+                        })
+                        .map(Arc::new)
+                }
+                (None, None) => Err(Error::State("a transfer with neither arena nor sink")),
+            };
+            if let Some(f) = &flight
+                && result.is_err()
+            {
+                f.fail();
+            }
             match result {
-                Ok(_) => {
-                    ws.set_version(version);
+                Ok(ws) => {
                     let sums = Sums::of_arena(&plan, t.plan_id, &manifest, ws.bytes(), t.checksums);
-                    let ws = Arc::new(ws);
                     self.shared.offer(&ws, sums, self.cfg.keep_versions);
+                    self.shared.set_inflight(model, None);
                     self.done(t.lease, true, String::new());
                     return Ok(Ok(ws));
                 }
                 Err(e) => {
+                    self.shared.set_inflight(model, None);
                     self.done(t.lease, false, e.to_string());
                     if t.from_sender || attempt >= 4 {
                         return Err(e);
@@ -496,6 +627,42 @@ impl TcpReceiver {
                 }
             }
         }
+    }
+
+    /// A recycled arena for a transfer, as a version in flight: a full transfer overwrites
+    /// every byte (the verified plan covers the arena), a delta first copies the `kept`
+    /// ranges from the base.
+    #[allow(clippy::too_many_arguments)]
+    fn arena_flight(
+        &self,
+        model: &ModelId,
+        version: Version,
+        manifest: &Arc<Manifest>,
+        plan: &Arc<BucketPlan>,
+        t: &Plan,
+        kept: &[std::ops::Range<usize>],
+        base: &[u8],
+    ) -> Result<Arc<InFlight>> {
+        let buf = self.shared.pool.take(manifest.total_len());
+        let mut ws = WeightSet::from_shared(
+            model.clone(),
+            version,
+            Arc::clone(manifest),
+            Arc::new(PooledBuf::new(buf, &self.shared.pool)),
+        )?;
+        let dst = ws.bytes_mut()?;
+        for r in kept {
+            if let (Some(d), Some(s)) = (dst.get_mut(r.clone()), base.get(r.clone())) {
+                d.copy_from_slice(s);
+            }
+        }
+        Ok(Arc::new(InFlight::new(
+            ws,
+            Arc::clone(plan),
+            t.plan_id,
+            &t.buckets,
+            self.cfg.stream_timeout,
+        )?))
     }
 }
 

@@ -25,7 +25,7 @@ use refit_runtime::{
 use tokio::sync::watch;
 use uuid::Uuid;
 
-use super::data::{ServeStats, Source, Sums, serve_pull};
+use super::data::{Serve, ServeStats, Source, Sums, serve_pull};
 use super::messages::*;
 use super::{NAME, TcpConfig, TcpReceiverSpec};
 
@@ -62,6 +62,8 @@ struct Lease {
     puller: u32,
     model: ModelId,
     version: Version,
+    /// The buckets the puller pulls (ascending): while it pulls them, it can relay them.
+    buckets: Arc<Vec<u32>>,
     expires: Instant,
 }
 
@@ -213,23 +215,36 @@ impl Agent {
         let full = changed.is_none();
         let fanout = self.cfg.relay_fanout.max(1);
         let source = if self.cfg.relay && !buckets.is_empty() {
-            let holders: Vec<(u32, usize)> = st
+            // receivers that hold the version, or pull every bucket asked for right now (they
+            // relay each bucket as it lands, so a chain of them pipelines bucket by bucket)
+            let pulling: Vec<u32> = st
+                .leases
+                .values()
+                .filter(|l| {
+                    l.model == req.model
+                        && l.version == req.version
+                        && l.source != Src::Receiver(req.receiver)
+                        && is_subset(&buckets, &l.buckets)
+                })
+                .map(|l| l.puller)
+                .collect();
+            let relays: Vec<(u32, usize)> = st
                 .receivers
                 .iter()
                 .filter(|(id, r)| {
                     **id != req.receiver
                         && r.relay
-                        && r.holds
-                            .get(&req.model)
-                            .is_some_and(|h| h.contains(&req.version))
+                        && (pulling.contains(id)
+                            || r.holds
+                                .get(&req.model)
+                                .is_some_and(|h| h.contains(&req.version)))
                 })
                 .map(|(id, r)| (*id, r.busy))
                 .collect();
-            if holders.is_empty() {
-                (st.sender_busy < fanout).then_some(Src::Sender)?
-            } else {
-                let (id, busy) = holders.into_iter().min_by_key(|h| h.1)?;
-                (busy < fanout).then_some(Src::Receiver(id))?
+            // each byte leaves the sender about once: a free relay goes first
+            match relays.into_iter().min_by_key(|h| h.1) {
+                Some((id, busy)) if busy < fanout => Src::Receiver(id),
+                _ => (st.sender_busy < fanout).then_some(Src::Sender)?,
             }
         } else {
             Src::Sender
@@ -254,6 +269,7 @@ impl Agent {
                 puller: req.receiver,
                 model: req.model.clone(),
                 version: req.version,
+                buckets: Arc::new(buckets.clone()),
                 expires: Instant::now() + self.cfg.transfer_timeout,
             },
         );
@@ -269,6 +285,12 @@ impl Agent {
             checksums: sums.pieces.clone(),
         })))
     }
+}
+
+/// True when every element of `small` is in `big` (both strictly ascending).
+fn is_subset(small: &[u32], big: &[u32]) -> bool {
+    let mut it = big.iter();
+    small.iter().all(|x| it.any(|y| y == x))
 }
 
 /// The sending end: a sender agent on a node.
@@ -598,7 +620,7 @@ fn register_handlers(node: &Node, agent: &Arc<Agent>, manifests: Manifests) {
         let a = Arc::clone(&a);
         Box::pin(async move {
             let req: PullReq = wire::decode(&bytes, wire::MAX_CONTROL_MESSAGE)?;
-            let ws = a.find(&req.model, req.version);
+            let ws = a.find(&req.model, req.version).map(Serve::Whole);
             serve_pull(stream, ws, req, &a.stats).await
         })
     });

@@ -1,0 +1,194 @@
+//! The file `refit pull` writes. Where the platform allows (unix) and the model's tensors
+//! lie back to back (no padding between them, as for tensors whose sizes are multiples of 64
+//! bytes), the transfer writes its bytes straight into a temporary file beside the target,
+//! at their place after the safetensors header, as they arrive; nothing makes a second pass
+//! over them. The file is then synced and renamed into place. Otherwise the weights land in
+//! memory and are written afterwards.
+
+use std::fs::File;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+use refit::runtime::{
+    Error, Manifest, ModelId, Result, SafetensorsLayout, SharedBytes, Version, WeightSet,
+};
+use refit::transports::tcp::Sink;
+
+/// A temporary file a transfer writes.
+#[derive(Debug)]
+struct Pending {
+    model: ModelId,
+    version: Version,
+    tmp: PathBuf,
+    file: Arc<File>,
+}
+
+/// The temporary files of one `refit pull`, one per transfer; the one committed is renamed
+/// onto the target, the others are removed when this is dropped.
+#[derive(Debug)]
+pub(crate) struct OutFiles {
+    target: PathBuf,
+    next: AtomicU64,
+    pending: Mutex<Vec<Pending>>,
+}
+
+fn path_err(context: &'static str, path: &Path) -> impl FnOnce(std::io::Error) -> Error {
+    let path = path.to_path_buf();
+    move |source| Error::Path {
+        context,
+        path,
+        source,
+    }
+}
+
+/// Writes a transfer's bytes into the file, after its header.
+struct FileSink {
+    file: Arc<File>,
+    tmp: PathBuf,
+    start: usize,
+    len: usize,
+}
+
+/// The bytes of the finished file, mapped read-only (nothing reads them in `refit pull`, so
+/// no page of the map is ever touched).
+struct Mapped(memmap2::Mmap);
+
+impl SharedBytes for Mapped {
+    fn bytes(&self) -> &[u8] {
+        &self.0
+    }
+}
+
+impl Sink for FileSink {
+    fn write_at(&self, at: usize, bytes: &[u8]) -> Result<()> {
+        if at + bytes.len() > self.len {
+            return Err(Error::State("a write past the end of the weights"));
+        }
+        write_at(&self.file, bytes, (self.start + at) as u64)
+            .map_err(path_err("writing", &self.tmp))
+    }
+
+    fn finish(self: Box<Self>) -> Result<Arc<dyn SharedBytes>> {
+        // SAFETY: the file was created by this process under a fresh temporary name
+        // (`create_new`) and is only renamed, never resized or written, from now on; the map
+        // covers bytes inside it.
+        let map = unsafe {
+            memmap2::MmapOptions::new()
+                .offset(self.start as u64)
+                .len(self.len)
+                .map(&*self.file)
+        }
+        .map_err(path_err("mapping", &self.tmp))?;
+        Ok(Arc::new(Mapped(map)))
+    }
+}
+
+#[cfg(unix)]
+fn write_at(file: &File, bytes: &[u8], at: u64) -> std::io::Result<()> {
+    std::os::unix::fs::FileExt::write_all_at(file, bytes, at)
+}
+
+#[cfg(not(unix))]
+fn write_at(_: &File, _: &[u8], _: u64) -> std::io::Result<()> {
+    Err(std::io::Error::other("positioned writes need unix"))
+}
+
+impl OutFiles {
+    /// The temporary files for `target` (none yet).
+    pub(crate) fn new(target: &Path) -> Arc<Self> {
+        Arc::new(Self {
+            target: target.to_path_buf(),
+            next: AtomicU64::new(0),
+            pending: Mutex::new(Vec::new()),
+        })
+    }
+
+    fn pending(&self) -> std::sync::MutexGuard<'_, Vec<Pending>> {
+        self.pending.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// A sink into a new temporary file for `model` at `version`, sized and with its header
+    /// written; `None` when the platform has no positioned writes or the tensors do not lie
+    /// back to back (the weights then land in memory and [`OutFiles::commit`] writes them).
+    ///
+    /// # Errors
+    /// [`Error::Path`] when the file cannot be created, sized or written.
+    pub(crate) fn sink(
+        &self,
+        model: &ModelId,
+        version: Version,
+        manifest: &Arc<Manifest>,
+    ) -> Result<Option<Box<dyn Sink>>> {
+        let layout = SafetensorsLayout::of(model, version, manifest)?;
+        if !cfg!(unix) || !layout.in_place() || layout.data_len != manifest.total_len() {
+            return Ok(None);
+        }
+        let name = self
+            .target
+            .file_name()
+            .map_or_else(|| "weights".into(), |n| n.to_string_lossy().into_owned());
+        let tmp = self.target.with_file_name(format!(
+            ".{name}.tmp-{}-{}",
+            std::process::id(),
+            self.next.fetch_add(1, Ordering::Relaxed)
+        ));
+        let file = File::options()
+            .read(true)
+            .write(true)
+            .create_new(true)
+            .open(&tmp)
+            .map_err(path_err("creating", &tmp))?;
+        let file = Arc::new(file);
+        self.pending().push(Pending {
+            model: model.clone(),
+            version,
+            tmp: tmp.clone(),
+            file: Arc::clone(&file),
+        });
+        file.set_len(layout.file_len() as u64)
+            .map_err(path_err("sizing", &tmp))?;
+        write_at(&file, &layout.header, 0).map_err(path_err("writing", &tmp))?;
+        Ok(Some(Box::new(FileSink {
+            file,
+            tmp,
+            start: layout.header.len(),
+            len: layout.data_len,
+        })))
+    }
+
+    /// Puts `weights` at the target: the file a sink wrote for their version (synced, then
+    /// renamed into place), or, when they landed in memory, a new file written from them.
+    ///
+    /// # Errors
+    /// [`Error::Path`] on I/O failure; [`Error::Safetensors`] when encoding fails.
+    pub(crate) fn commit(&self, weights: &WeightSet) -> Result<()> {
+        let found = {
+            let mut pending = self.pending();
+            pending
+                .iter()
+                .rposition(|p| &p.model == weights.model() && p.version == weights.version())
+                .map(|at| pending.remove(at))
+        };
+        let Some(p) = found else {
+            return weights.write_safetensors(&self.target);
+        };
+        let result = (|| {
+            p.file.sync_all().map_err(path_err("syncing", &p.tmp))?;
+            std::fs::rename(&p.tmp, &self.target)
+                .map_err(path_err("renaming into place", &self.target))
+        })();
+        if result.is_err() {
+            let _ = std::fs::remove_file(&p.tmp);
+        }
+        result
+    }
+}
+
+impl Drop for OutFiles {
+    fn drop(&mut self) {
+        for p in self.pending().drain(..) {
+            let _ = std::fs::remove_file(&p.tmp);
+        }
+    }
+}
