@@ -26,6 +26,8 @@ for n in 1 2 3 4; do
     "$exe" trainer --bind 10.77.0.1:29500 --no-spawn --workers "$n" --versions "$versions" \
     --size "$size" --bucket-size "$bucket" >"$log/trainer-$n" 2>&1 &
   trainer=$!
+  # the workers reach the trainer's store once it listens
+  for _ in $(seq 100); do grep -q "serving the store" "$log/trainer-$n" && break; sleep 0.1; done
   pids=()
   for rank in $(seq 1 "$n"); do
     h=$((rank + 1))

@@ -27,8 +27,14 @@
 //!   tensor are skipped. One header still describes each bucket, and the delta needs no
 //!   second plan; the price is granularity (an unchanged tensor sharing a bucket with a
 //!   changed one travels too), so pick a smaller bucket size for sparse updates.
-//! - **Relay**: a receiver that holds a version serves it to the next one, so the sender
-//!   writes each byte about once however many receivers there are; holders serve in parallel.
+//! - **Relay**: a receiver that holds a version, or is pulling every bucket asked for right
+//!   now, serves it to the next one; a version still landing is served bucket by bucket as
+//!   its buckets land and verify, so receivers form a pipelined chain: the sender writes each
+//!   byte once however many receivers there are, and N receivers take about the time of one
+//!   plus a bucket per hop.
+//! - **Sinks**: a receiver can write a transfer into a [`Sink`] (e.g. the file the weights
+//!   are bound for) instead of an arena, through a small reused buffer, hashed as the bytes
+//!   pass ([`TcpReceiver::with_sinks`]; `refit pull` does this).
 //! - **Security**: nodes bind loopback unless configured; every connection presents the
 //!   cluster token (from the configuration, `REFIT_TOKEN`, or random); nothing on the wire
 //!   is code.
