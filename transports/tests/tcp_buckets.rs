@@ -287,3 +287,48 @@ fn tensors_four_times_a_bucket_arrive_bit_identical_through_a_relay_chain() {
     let relayed: u64 = rs.iter().map(|r| r.transport().bytes_relayed()).sum();
     assert_eq!(relayed, 2 * 2 * total);
 }
+
+#[test]
+fn a_corrupt_bucket_at_the_head_of_a_relay_chain_is_refused_and_pulled_again_by_all() {
+    let m = manifest_of_tensors_four_buckets_long();
+    let p = id("policy");
+    let (mut sender, rs) = connect(&m, 2, TransferMode::Full, true);
+    let v2 = random_set(&m, 2, 2);
+    // the first chunk the sender serves is damaged: the head of the chain refuses its
+    // bucket, the receiver relayed from it sees its source fail and asks for another
+    sender.transport().inject_corruption(1);
+    let pending = sender.send_async(vec![v2.clone()]).unwrap();
+    let hs: Vec<_> = rs
+        .into_iter()
+        .map(|mut r| {
+            std::thread::spawn(move || {
+                let mut errors = Vec::new();
+                for _ in 0..5 {
+                    match r.receive(T) {
+                        Ok(Some(_)) => break,
+                        Ok(None) => panic!("no version within {T:?}"),
+                        Err(e) => {
+                            // refused: version 1 stays served, whole
+                            assert_eq!(r.version(&id("policy")), Version(1));
+                            errors.push(e.to_string());
+                        }
+                    }
+                }
+                (r, errors)
+            })
+        })
+        .collect();
+    sender.wait(&pending, T).unwrap();
+    let mut errors = Vec::new();
+    for h in hs {
+        let (r, e) = h.join().unwrap();
+        let got = r.current(&p).unwrap();
+        assert_eq!(got.version(), Version(2));
+        assert!(got.bytes() == v2.bytes(), "bytes differ");
+        errors.extend(e);
+    }
+    assert!(
+        errors.iter().any(|e| e.contains("checksum")),
+        "the damaged bucket was not refused: {errors:?}"
+    );
+}

@@ -448,6 +448,7 @@ impl TcpReceiver {
                 have: base.as_ref().map(|b| b.version()),
                 mode: self.cfg.mode,
                 plan: self.shared.plan(model).map(|p| p.0),
+                relay_in_flight: self.cfg.relay && self.sinks.is_none(),
             };
             let reply: TransferReply =
                 self.ctl()?

@@ -64,6 +64,8 @@ struct Lease {
     version: Version,
     /// The buckets the puller pulls (ascending): while it pulls them, it can relay them.
     buckets: Arc<Vec<u32>>,
+    /// The puller relays the buckets as they land (false: only once it holds the version).
+    relay_in_flight: bool,
     expires: Instant,
 }
 
@@ -221,7 +223,8 @@ impl Agent {
                 .leases
                 .values()
                 .filter(|l| {
-                    l.model == req.model
+                    l.relay_in_flight
+                        && l.model == req.model
                         && l.version == req.version
                         && l.source != Src::Receiver(req.receiver)
                         && is_subset(&buckets, &l.buckets)
@@ -270,6 +273,7 @@ impl Agent {
                 model: req.model.clone(),
                 version: req.version,
                 buckets: Arc::new(buckets.clone()),
+                relay_in_flight: req.relay_in_flight,
                 expires: Instant::now() + self.cfg.transfer_timeout,
             },
         );
