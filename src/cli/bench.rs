@@ -9,7 +9,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use refit::prelude::*;
-use refit::runtime::node::ClusterToken;
+use refit::runtime::node::{ClusterToken, TOKEN_ENV, TOKEN_FILE_ENV};
 use refit::runtime::{SenderTransport, wire};
 use refit::transports::tcp::{
     TcpConfig, TcpReceiver, TcpReceiverConfig, TcpReceiverSpec, TcpSender, TransferMode,
@@ -270,10 +270,19 @@ fn memcpy_baseline(size: usize, iters: usize) -> Summary {
     Summary::of(&samples[1..])
 }
 
+/// The cluster token of this run's TCP rows: random, handed to receiver processes in their
+/// environment, never on their command line (which `ps` shows).
+fn bench_token() -> &'static ClusterToken {
+    static TOKEN: std::sync::OnceLock<ClusterToken> = std::sync::OnceLock::new();
+    TOKEN.get_or_init(ClusterToken::random)
+}
+
 fn spawn_child(args: &[&str]) -> BoxResult<Child> {
     Ok(Command::new(std::env::current_exe()?)
         .arg("__bench-child")
         .args(args)
+        .env(TOKEN_ENV, bench_token().expose())
+        .env_remove(TOKEN_FILE_ENV)
         .stdin(Stdio::null())
         .spawn()?)
 }
@@ -467,7 +476,9 @@ pub(crate) fn child(args: &ChildArgs) -> BoxResult<()> {
             Ok(())
         }
         "tcp-recv" => {
-            let spec: TcpReceiverSpec = wire::from_token(&args.target)?;
+            let endpoint: TcpEndpoint = wire::from_token(&args.target)?;
+            let token = ClusterToken::from_env()?.ok_or("REFIT_TOKEN is not set")?;
+            let spec = TcpReceiverSpec::new(endpoint, &token);
             let config = TcpReceiverConfig {
                 mode: TransferMode::Full,
                 ..TcpReceiverConfig::default()
@@ -618,11 +629,11 @@ fn bench_tcp(
     let manifests = Manifests::new([(weights.model().clone(), Arc::clone(weights.manifest()))])?;
     let config = TcpConfig {
         expected_receivers: n,
-        token: Some(ClusterToken::random()),
+        token: Some(bench_token().clone()),
         ..TcpConfig::default()
     };
     let transport = TcpSender::bind(config, &manifests)?;
-    let token = wire::to_token(&transport.receiver_spec())?;
+    let token = wire::to_token(&transport.endpoint())?;
     let times = with_receiver_processes(
         transport,
         manifests,
