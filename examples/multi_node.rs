@@ -21,7 +21,8 @@
 //! ```
 //!
 //! The trainer serves a rendezvous store and a TCP sender agent on one node and publishes
-//! the receiver spec in the store. Each worker reads it, registers its receiver, and applies
+//! the agent's endpoint (address and id, no secret) in the store. Each worker reads it, adds
+//! the cluster token it was started with, registers its receiver, and applies
 //! every version the trainer announces: the trainer calls `_receive_weights_scheme` on the
 //! worker's node, the worker pulls the bytes over parallel streams (or from another worker
 //! that already holds them), verifies every tensor's checksum, applies and acknowledges.
@@ -35,7 +36,8 @@ use refit::prelude::*;
 use refit::runtime::node::{ClusterToken, LaunchEnv, Node, NodeConfig, Store, StoreClient};
 use refit::runtime::wire;
 use refit::transports::tcp::{
-    DEFAULT_BUCKET_SIZE, TcpConfig, TcpReceiver, TcpReceiverConfig, TcpSender, TransferMode,
+    DEFAULT_BUCKET_SIZE, TcpConfig, TcpEndpoint, TcpReceiver, TcpReceiverConfig, TcpReceiverSpec,
+    TcpSender, TransferMode,
 };
 
 const WAIT: Duration = Duration::from_secs(120);
@@ -156,7 +158,7 @@ fn trainer(args: &Args) -> Result<()> {
     let store = StoreClient::connect(&node, node.addr(), WAIT)?;
     store.set(
         "refit/policy/sender",
-        wire::to_token(&transport.receiver_spec())?.as_bytes(),
+        wire::to_token(&transport.endpoint())?.as_bytes(),
     )?;
     println!(
         "trainer: node {} serving the store and the sender",
@@ -248,12 +250,13 @@ fn worker(args: &Args) -> Result<()> {
     let bind = args
         .bind
         .unwrap_or_else(|| SocketAddr::from(([127, 0, 0, 1], 0)));
-    let node = Node::start(NodeConfig::loopback(token).with_bind(bind))?;
+    let node = Node::start(NodeConfig::loopback(token.clone()).with_bind(bind))?;
     let store = StoreClient::connect(&node, launch.master()?, WAIT)?;
-    let spec = wire::from_token(
+    let endpoint: TcpEndpoint = wire::from_token(
         std::str::from_utf8(&store.wait_get("refit/policy/sender", WAIT)?)
-            .map_err(|_| Error::Wire("the sender spec is not text".into()))?,
+            .map_err(|_| Error::Wire("the sender's endpoint is not text".into()))?,
     )?;
+    let spec = TcpReceiverSpec::new(endpoint, &token);
     let config = TcpReceiverConfig {
         advertise: args.bind.filter(|b| b.port() != 0),
         mode: if args.full {

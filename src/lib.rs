@@ -3,26 +3,74 @@
 //! torn, with clear errors and nothing lost.
 //!
 //! This facade re-exports the workspace crates:
-//! - [`runtime`]: weight sets, manifests, versions, strategies, the scheme lifecycle and the
-//!   sans-IO sync protocol;
-//! - [`transports`]: in-process and shared-memory transports;
-//! - [`actors`]: environments, policies, collectors, the PPO trainer and the actors.
+//! - [`runtime`]: weight sets, manifests, versions, strategies, the scheme lifecycle, the
+//!   sans-IO sync protocol, the wire codec and nodes;
+//! - [`transports`]: in-process, shared-memory and TCP transports (and, with feature
+//!   `cuda`, the CUDA/NCCL probe);
+//! - `actors` (features `rl`, `candle`, `actors`): environments, policies, collectors, the
+//!   PPO trainer and the actix actors.
 //!
-//! The most used items are also at the root: see the [`prelude`].
+//! The most used items are in the [`prelude`]: `use refit::prelude::*;`.
+//!
+//! # Features
+//!
+//! | feature | on by default | what it adds | what it pulls in |
+//! | --- | --- | --- | --- |
+//! | (none) | | weight sets, schemes, in-process / shared-memory / TCP transports | tokio, serde, safetensors |
+//! | `rl` | yes | `refit::actors`: environments, policies, collectors | rand |
+//! | `candle` | yes | the PPO trainer (`refit::actors::ppo`); implies `rl` | candle |
+//! | `actors` | yes | the actix actors and training topology (`refit::actors::actor`); implies `candle` | actix |
+//! | `cli` | yes | the `refit` command-line tool | clap, indicatif, bytesize, notify |
+//! | `cuda` | no | GPU transports' probe (CUDA and NCCL loaded at run time) | cudarc |
+//!
+//! A program that only moves weights depends on the runtime and the transports alone:
+//!
+//! ```toml
+//! [dependencies]
+//! refit = { version = "0.1", default-features = false }
+//! ```
 #![warn(missing_docs, unreachable_pub, missing_debug_implementations)]
 
+#[cfg(feature = "rl")]
 pub use refit_actors as actors;
 pub use refit_runtime as runtime;
 pub use refit_transports as transports;
 
-/// The items most programs need.
+/// The items most programs need: weight sets and their layout, the scheme lifecycle, the
+/// wire codec, the cluster token, every transport's two ends, and (with their features) the
+/// reinforcement-learning pieces and the actor topology's entry points.
 pub mod prelude {
+    pub use refit_runtime::node::ClusterToken;
+    pub use refit_runtime::sync_policy::{SyncConfig, SyncMode};
     pub use refit_runtime::{
         ArenaStrategy, DType, Error, HasWeights, Manifest, Manifests, ModelId, Receiver,
-        ReceiverInit, Result, Sender, SenderInit, SharedBytes, Strategy, Version, WeightSet,
+        ReceiverInit, Result, Sender, SenderInit, SharedBytes, Strategy, Version, WeightSet, wire,
     };
     pub use refit_transports::inproc::InProc;
     pub use refit_transports::shm::{
         ShmConfig, ShmReadMode, ShmReceiver, ShmReceiverSpec, ShmSender,
+    };
+    pub use refit_transports::tcp::{
+        TcpConfig, TcpEndpoint, TcpReceiver, TcpReceiverConfig, TcpReceiverSpec, TcpSender,
+        TransferMode,
+    };
+
+    #[cfg(feature = "rl")]
+    pub use refit_actors::{
+        CartPole, Collector, CollectorConfig, Env, MlpPolicy, MultiAsyncCollector, MultiConfig,
+        MultiSyncCollector, Policy, UpdatePolicyWeights,
+    };
+
+    #[cfg(feature = "candle")]
+    pub use refit_actors::{PpoConfig, PpoTrainer};
+
+    /// The actor topology's entry points: build a [`RunConfig`](topology::RunConfig) of
+    /// [`ModelSpec`](topology::ModelSpec)s and run it with
+    /// [`topology::run`](topology::run) on an actix system.
+    #[cfg(feature = "actors")]
+    pub use refit_actors::actor::topology;
+    #[cfg(feature = "actors")]
+    pub use refit_actors::actor::{
+        InferenceEngine, ModelSpec, RunConfig, RunReport, StopRule, WeightSyncController,
     };
 }

@@ -13,6 +13,7 @@ pub enum Error {
     #[error("runtime: {0}")]
     Runtime(#[from] refit_runtime::Error),
     /// A failure inside candle (the trainer's tensor library).
+    #[cfg(feature = "candle")]
     #[error("candle: {0}")]
     Candle(#[from] candle_core::Error),
     /// A device that this build cannot run on.

@@ -8,13 +8,18 @@
 //! - [`multi`]: [`MultiSyncCollector`] and [`MultiAsyncCollector`] on worker threads, fed with
 //!   weights through a refit scheme ([`run_worker`] is generic over the receiving transport;
 //!   `refit_transports::inproc` between threads).
-//! - [`actor`]: the actix actors — inference engine, weight-sync controller (sync modes,
+//! - `actor` (feature `actix`, on by default): the actix actors — inference engine, weight-sync controller (sync modes,
 //!   staleness, validation cadence, multi-model version barrier), rollout workers,
-//!   trajectory pool, evaluator, trainer — and [`actor::topology::run`], a training run.
+//!   trajectory pool, evaluator, trainer — and `actor::topology::run`, a training run.
 //! - [`link`]: type-erased scheme ends ([`WeightInlet`], [`WeightOutlet`]) for actors.
-//! - [`ppo`]: [`PpoTrainer`], PPO with candle on CPU, exporting the [`MlpPolicy`] layout.
+//! - `ppo` (feature `candle`, on by default): `PpoTrainer`, PPO with candle on CPU,
+//!   exporting the [`MlpPolicy`] layout.
+//!
+//! Without default features the crate holds the environments, policies and collectors only,
+//! and builds without candle and actix.
 #![warn(missing_docs, unreachable_pub, missing_debug_implementations)]
 
+#[cfg(feature = "actix")]
 pub mod actor;
 pub mod batch;
 pub mod collector;
@@ -24,6 +29,7 @@ pub mod error;
 pub mod link;
 pub mod multi;
 pub mod policy;
+#[cfg(feature = "candle")]
 pub mod ppo;
 pub mod process;
 
@@ -41,4 +47,5 @@ pub use multi::{
     WorkerMode, run_worker,
 };
 pub use policy::{ActionOut, MlpPolicy, Policy};
+#[cfg(feature = "candle")]
 pub use ppo::{PpoConfig, PpoStats, PpoTrainer};

@@ -232,6 +232,19 @@ pub enum Error {
         /// What is wrong.
         reason: String,
     },
+    /// A file holding a secret (the cluster token) that users other than its owner may
+    /// read; the secret is not used.
+    #[error(
+        "secret file `{}` is readable by its group or others (mode {mode:04o}); make it owner-only: chmod 600 `{}`",
+        path.display(),
+        path.display()
+    )]
+    InsecureSecretFile {
+        /// The file.
+        path: PathBuf,
+        /// Its permission bits.
+        mode: u32,
+    },
     /// A peer presented no cluster token or a wrong one, or refused ours.
     #[error("peer {peer} refused: {reason}")]
     Unauthorized {

@@ -9,7 +9,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use refit::prelude::*;
-use refit::runtime::node::ClusterToken;
+use refit::runtime::node::{ClusterToken, TOKEN_ENV, TOKEN_FILE_ENV};
 use refit::runtime::{SenderTransport, wire};
 use refit::transports::tcp::{
     TcpConfig, TcpReceiver, TcpReceiverConfig, TcpReceiverSpec, TcpSender, TransferMode,
@@ -293,10 +293,19 @@ fn memcpy_baseline(size: usize, iters: usize) -> Summary {
     Summary::of(&samples[1..])
 }
 
+/// The cluster token of this run's TCP rows: random, handed to receiver processes in their
+/// environment, never on their command line (which `ps` shows).
+fn bench_token() -> &'static ClusterToken {
+    static TOKEN: std::sync::OnceLock<ClusterToken> = std::sync::OnceLock::new();
+    TOKEN.get_or_init(ClusterToken::random)
+}
+
 fn spawn_child(args: &[&str]) -> BoxResult<Child> {
     Ok(Command::new(std::env::current_exe()?)
         .arg("__bench-child")
         .args(args)
+        .env(TOKEN_ENV, bench_token().expose())
+        .env_remove(TOKEN_FILE_ENV)
         .stdin(Stdio::null())
         .spawn()?)
 }
@@ -490,7 +499,9 @@ pub(crate) fn child(args: &ChildArgs) -> BoxResult<()> {
             Ok(())
         }
         "tcp-recv" => {
-            let spec: TcpReceiverSpec = wire::from_token(&args.target)?;
+            let endpoint: TcpEndpoint = wire::from_token(&args.target)?;
+            let token = ClusterToken::from_env()?.ok_or("REFIT_TOKEN is not set")?;
+            let spec = TcpReceiverSpec::new(endpoint, &token);
             let config = TcpReceiverConfig {
                 mode: TransferMode::Full,
                 ..TcpReceiverConfig::default()
@@ -670,11 +681,11 @@ fn bench_tcp(
     for run in 0..runs {
         let config = TcpConfig {
             expected_receivers: n,
-            token: Some(ClusterToken::random()),
+            token: Some(bench_token().clone()),
             ..TcpConfig::default()
         };
         let transport = TcpSender::bind(config, &manifests)?;
-        let token = wire::to_token(&transport.receiver_spec())?;
+        let token = wire::to_token(&transport.endpoint())?;
         let t = with_receiver_processes(
             transport,
             manifests.clone(),
@@ -713,7 +724,7 @@ fn bench_pull(args: &BenchArgs) -> BoxResult<Vec<Row>> {
     ws.set_version(Version(1));
     let manifests = Manifests::new([(ws.model().clone(), Arc::clone(ws.manifest()))])?;
     let config = TcpConfig {
-        token: Some(ClusterToken::random()),
+        token: Some(bench_token().clone()),
         ..TcpConfig::default()
     };
     let transport = TcpSender::bind(config, &manifests)?;
@@ -722,7 +733,7 @@ fn bench_pull(args: &BenchArgs) -> BoxResult<Vec<Row>> {
     let out = args.pull_dir.join(format!("refit-bench-{pid}.safetensors"));
     refit::runtime::write_atomically(
         &spec_file,
-        wire::to_token(&transport.receiver_spec())?.as_bytes(),
+        wire::to_token(&transport.endpoint())?.as_bytes(),
     )?;
     let result = (|| -> BoxResult<Vec<Duration>> {
         let sender = SenderInit::new(transport, manifests).connect(vec![ws], WAIT)?;
@@ -731,6 +742,8 @@ fn bench_pull(args: &BenchArgs) -> BoxResult<Vec<Row>> {
             let t = Instant::now();
             let done = Command::new(std::env::current_exe()?)
                 .arg("pull")
+                .env(TOKEN_ENV, bench_token().expose())
+                .env_remove(TOKEN_FILE_ENV)
                 .arg("--spec-file")
                 .arg(&spec_file)
                 .arg(&out)

@@ -27,6 +27,8 @@ enum Command {
     Serve(net::ServeArgs),
     /// Pull a model from a sender agent into a safetensors file (written atomically).
     Pull(net::PullArgs),
+    /// Write a fresh cluster token to a new file only you can read (mode 0600).
+    Token(net::TokenFileArgs),
     /// Report whether the CUDA driver and NCCL can be used, and the devices present.
     Probe,
     /// Internal: a benchmark receiver process (spawned by `refit bench`).
@@ -43,6 +45,7 @@ pub(crate) fn main() -> ExitCode {
         Command::Node(a) => return net::node(a),
         Command::Serve(a) => return net::serve(a),
         Command::Pull(a) => return net::pull(a),
+        Command::Token(a) => return net::token_file(a),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -1,21 +1,40 @@
 //! `refit node`, `refit serve`, `refit pull`: nodes, a safetensors file served as a sender
 //! agent, and a model pulled to a safetensors file over the TCP transport.
 
+use std::ffi::OsString;
 use std::net::SocketAddr;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant, SystemTime};
 
 use super::out_file::OutFiles;
-use refit::runtime::node::{ClusterToken, Node, NodeConfig, Store, TOKEN_ENV};
+use refit::runtime::node::{ClusterToken, Node, NodeConfig, Store, TOKEN_ENV, TOKEN_FILE_ENV};
 use refit::runtime::{
     Error, Manifests, ModelId, ReceiverInit, Result, SenderInit, Version, WeightSet, wire,
 };
 use refit::transports::tcp::{
-    TcpConfig, TcpReceiver, TcpReceiverConfig, TcpReceiverSpec, TcpSender, TransferMode,
+    TcpConfig, TcpEndpoint, TcpReceiver, TcpReceiverConfig, TcpReceiverSpec, TcpSender,
+    TransferMode,
 };
+
+/// Where the cluster token comes from: the environment or an owner-only file, never the
+/// command line (which `ps` and shell history show).
+#[derive(Debug, clap::Args)]
+pub(crate) struct TokenArgs {
+    /// A file holding the cluster token, readable by its owner only (`refit token FILE`
+    /// makes one). Default: `REFIT_TOKEN`, or the file `REFIT_TOKEN_FILE` names.
+    #[arg(long, value_name = "FILE")]
+    token_file: Option<PathBuf>,
+}
+
+/// Arguments of `refit token`.
+#[derive(Debug, clap::Args)]
+pub(crate) struct TokenFileArgs {
+    /// The file to create (mode 0600; an existing file is never overwritten).
+    file: PathBuf,
+}
 
 /// Arguments of `refit node`.
 #[derive(Debug, clap::Args)]
@@ -29,6 +48,8 @@ pub(crate) struct NodeArgs {
     /// Stop after this many seconds (default: run until killed).
     #[arg(long)]
     seconds: Option<u64>,
+    #[command(flatten)]
+    token: TokenArgs,
 }
 
 /// Arguments of `refit serve`.
@@ -42,10 +63,11 @@ pub(crate) struct ServeArgs {
     /// Address to listen on (loopback unless you say otherwise).
     #[arg(long, default_value = "127.0.0.1:0")]
     bind: SocketAddr,
-    /// Address receivers are told to use (default: the bound one).
+    /// Address receivers are told to use (default: the bound one; required when binding an
+    /// unspecified address such as 0.0.0.0; port 0 means the bound port).
     #[arg(long)]
     advertise: Option<SocketAddr>,
-    /// Also write the receiver spec (a secret: it holds the token) to this file.
+    /// Also write the spec (the sender's address and id; it holds no token) to this file.
     #[arg(long)]
     spec_file: Option<PathBuf>,
     /// Re-read the file when it changes and publish it as the next version.
@@ -58,6 +80,8 @@ pub(crate) struct ServeArgs {
     /// Stop after this many seconds (default: run until killed).
     #[arg(long)]
     seconds: Option<u64>,
+    #[command(flatten)]
+    token: TokenArgs,
 }
 
 /// Arguments of `refit pull`.
@@ -65,14 +89,14 @@ pub(crate) struct ServeArgs {
 pub(crate) struct PullArgs {
     /// Where to write the model (atomically: a temporary file, then a rename).
     out: PathBuf,
-    /// The receiver spec printed by `refit serve` (hex).
+    /// The spec printed by `refit serve` (hex; it holds no token).
     #[arg(
         long,
         conflicts_with = "spec_file",
         required_unless_present = "spec_file"
     )]
     spec: Option<String>,
-    /// A file holding the receiver spec.
+    /// A file holding the spec (`refit serve --spec-file`).
     #[arg(long)]
     spec_file: Option<PathBuf>,
     /// The model to write (default: the only one served).
@@ -87,6 +111,8 @@ pub(crate) struct PullArgs {
     /// Give up after this many seconds.
     #[arg(long, default_value_t = 300)]
     timeout: u64,
+    #[command(flatten)]
+    token: TokenArgs,
 }
 
 fn exit(r: Result<()>) -> ExitCode {
@@ -99,17 +125,31 @@ fn exit(r: Result<()>) -> ExitCode {
     }
 }
 
-fn token() -> Result<ClusterToken> {
-    if let Some(t) = ClusterToken::from_env()? {
-        return Ok(t);
+/// The cluster token: `--token-file`, else `REFIT_TOKEN` or `REFIT_TOKEN_FILE`.
+fn token(args: &TokenArgs) -> Result<ClusterToken> {
+    if let Some(path) = &args.token_file {
+        return ClusterToken::from_file(path);
     }
-    let t = ClusterToken::random();
-    eprintln!(
-        "refit: no {TOKEN_ENV} set; generated one (share it with the other nodes):\n  \
-         export {TOKEN_ENV}={}",
-        t.expose()
-    );
-    Ok(t)
+    ClusterToken::from_env()?.ok_or_else(|| {
+        Error::Config(format!(
+            "no cluster token: set {TOKEN_ENV}, or give --token-file FILE (or set \
+             {TOKEN_FILE_ENV}) naming a file only its owner can read; `refit token FILE` \
+             makes one"
+        ))
+    })
+}
+
+/// `refit token`: a fresh cluster token in a new owner-only file.
+pub(crate) fn token_file(args: TokenFileArgs) -> ExitCode {
+    exit((|| {
+        ClusterToken::create_file(&args.file)?;
+        eprintln!(
+            "wrote a new cluster token to {} (readable by you only); give every node the same \
+             file with --token-file, or its content in {TOKEN_ENV}",
+            args.file.display()
+        );
+        Ok(())
+    })())
 }
 
 /// Sleeps until `seconds` pass (forever when `None`), waking early when `stop` is set.
@@ -127,7 +167,7 @@ fn run_for(seconds: Option<u64>, mut tick: impl FnMut() -> Result<()>) -> Result
 /// `refit node`: a node (and optionally a rendezvous store) that runs until killed.
 pub(crate) fn node(args: NodeArgs) -> ExitCode {
     exit((|| {
-        let node = Node::start(NodeConfig::loopback(token()?).with_bind(args.bind))?;
+        let node = Node::start(NodeConfig::loopback(token(&args.token)?).with_bind(args.bind))?;
         if args.store {
             Store::serve(&node);
         }
@@ -147,13 +187,115 @@ pub(crate) fn node(args: NodeArgs) -> ExitCode {
     })())
 }
 
-fn mtime(path: &PathBuf) -> Option<SystemTime> {
+fn mtime(path: &Path) -> Option<SystemTime> {
     std::fs::metadata(path).and_then(|m| m.modified()).ok()
+}
+
+/// Tells `refit serve --watch` when the served file changed and has settled (no further
+/// change for one tick, so a file being written is not read half-way). Uses the OS's file
+/// events (inotify through `notify`) on the file's folder, so a file replaced by a rename
+/// (how editors and atomic writers save) is followed too. Where no watcher can be set up
+/// (inotify's watch limit reached, an unsupported file system) it falls back to comparing
+/// the file's modification time every tick, which sees the same changes, only later.
+enum Watch {
+    Events {
+        _watcher: notify::RecommendedWatcher,
+        events: std::sync::mpsc::Receiver<notify::Result<notify::Event>>,
+        name: OsString,
+        pending: bool,
+    },
+    Poll {
+        seen: Option<SystemTime>,
+        pending: bool,
+    },
+}
+
+impl Watch {
+    fn new(path: &Path) -> Self {
+        use notify::Watcher;
+        let poll = || Self::Poll {
+            seen: mtime(path),
+            pending: false,
+        };
+        let Some(name) = path.file_name().map(OsString::from) else {
+            return poll();
+        };
+        let dir = match path.parent() {
+            Some(d) if !d.as_os_str().is_empty() => d.to_path_buf(),
+            _ => PathBuf::from("."),
+        };
+        let (tx, events) = std::sync::mpsc::channel();
+        let watcher = notify::recommended_watcher(tx).and_then(|mut w| {
+            w.watch(&dir, notify::RecursiveMode::NonRecursive)?;
+            Ok(w)
+        });
+        match watcher {
+            Ok(w) => Self::Events {
+                _watcher: w,
+                events,
+                name,
+                pending: false,
+            },
+            Err(e) => {
+                eprintln!(
+                    "refit: cannot watch {} ({e}); polling its modification time instead",
+                    dir.display()
+                );
+                poll()
+            }
+        }
+    }
+
+    /// Whether the file changed since the last publish and nothing changed in this tick.
+    fn settled_change(&mut self, path: &Path) -> bool {
+        match self {
+            Self::Events {
+                events,
+                name,
+                pending,
+                ..
+            } => {
+                let mut now = false;
+                while let Ok(event) = events.try_recv() {
+                    let Ok(event) = event else {
+                        now = true; // a watcher error: look at the file to be safe
+                        continue;
+                    };
+                    let ours = event
+                        .paths
+                        .iter()
+                        .any(|p| p.file_name() == Some(name.as_os_str()));
+                    if ours && !event.kind.is_access() {
+                        now = true;
+                    }
+                }
+                let settled = *pending && !now;
+                *pending = now;
+                settled
+            }
+            Self::Poll { seen, pending } => {
+                let m = mtime(path);
+                let now = m != *seen;
+                *seen = m;
+                let settled = *pending && !now;
+                *pending = now;
+                settled
+            }
+        }
+    }
 }
 
 /// `refit serve`: a safetensors file served as a sender agent.
 pub(crate) fn serve(args: ServeArgs) -> ExitCode {
     exit((|| {
+        let token = token(&args.token)?;
+        if args.bind.ip().is_unspecified() && args.advertise.is_none() {
+            return Err(Error::Config(format!(
+                "--bind {} is an unspecified address, which receivers cannot connect to: give \
+                 --advertise HOST:PORT, the address they reach this host at",
+                args.bind
+            )));
+        }
         let model = ModelId::new(&args.model)?;
         let mut weights = WeightSet::read_safetensors(&args.file, Some(&model))?;
         weights.set_version(Version(1));
@@ -161,12 +303,13 @@ pub(crate) fn serve(args: ServeArgs) -> ExitCode {
         let config = TcpConfig {
             bind: args.bind,
             advertise: args.advertise,
-            token: Some(token()?),
+            token: Some(token),
             bucket_size: args.bucket_size,
             ..TcpConfig::default()
         };
         let transport = TcpSender::bind(config, &manifests)?;
-        let spec = wire::to_token(&transport.receiver_spec())?;
+        // the endpoint only: receivers bring their own copy of the token
+        let spec = wire::to_token(&transport.endpoint())?;
         if let Some(path) = &args.spec_file {
             refit::runtime::write_atomically(path, spec.as_bytes())?;
         }
@@ -180,13 +323,12 @@ pub(crate) fn serve(args: ServeArgs) -> ExitCode {
         println!("spec: {spec}");
         let mut sender =
             SenderInit::new(transport, manifests).connect(vec![weights], Duration::from_secs(5))?;
-        let mut seen = mtime(&args.file);
+        let mut watch = args.watch.then(|| Watch::new(&args.file));
         let mut version = Version(1);
         run_for(args.seconds, || {
-            if !args.watch || mtime(&args.file) == seen {
+            if !watch.as_mut().is_some_and(|w| w.settled_change(&args.file)) {
                 return Ok(());
             }
-            seen = mtime(&args.file);
             let mut next = match WeightSet::read_safetensors(&args.file, Some(&model)) {
                 Ok(w) => w,
                 Err(e) => {
@@ -209,6 +351,7 @@ pub(crate) fn serve(args: ServeArgs) -> ExitCode {
 /// `refit pull`: pulls the newest version of a served model into a safetensors file.
 pub(crate) fn pull(args: PullArgs) -> ExitCode {
     exit((|| {
+        let token = token(&args.token)?;
         let spec_text = match (&args.spec, &args.spec_file) {
             (Some(s), _) => s.clone(),
             (None, Some(p)) => std::fs::read_to_string(p).map_err(|e| Error::Path {
@@ -218,8 +361,9 @@ pub(crate) fn pull(args: PullArgs) -> ExitCode {
             })?,
             (None, None) => return Err(Error::State("give --spec or --spec-file")),
         };
-        let spec: TcpReceiverSpec =
+        let endpoint: TcpEndpoint =
             wire::from_token(spec_text.trim().trim_start_matches("spec:").trim())?;
+        let spec = TcpReceiverSpec::new(endpoint, &token);
         let cfg = TcpReceiverConfig {
             streams: args.streams.max(1),
             mode: if args.mode == "delta" {

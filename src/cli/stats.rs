@@ -74,21 +74,18 @@ pub(crate) fn fmt_bytes(n: usize) -> String {
     }
 }
 
-/// Parses `4MiB`, `2GiB`, `512M`, `1G`, `4096`.
+/// Parses a byte size with `bytesize`: `4096`, `4MiB`, `2GiB` (binary units: `KiB`, `MiB`,
+/// `GiB`, also `Ki`, `Mi`, `Gi`), `64MB`, `1G` (decimal units: `KB` / `K` is 1000 bytes).
 pub(crate) fn parse_bytes(s: &str) -> Result<usize, String> {
-    let t = s.trim();
-    let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
-    let (num, unit) = t.split_at(split);
-    let n: usize = num.parse().map_err(|_| format!("bad size {s:?}"))?;
-    let mult = match unit.trim().to_ascii_lowercase().as_str() {
-        "" | "b" => 1,
-        "k" | "kib" | "kb" => 1 << 10,
-        "m" | "mib" | "mb" => 1 << 20,
-        "g" | "gib" | "gb" => 1 << 30,
-        other => return Err(format!("unknown size unit {other:?} in {s:?}")),
-    };
-    n.checked_mul(mult)
-        .ok_or_else(|| format!("size {s:?} overflows"))
+    let size: bytesize::ByteSize = s
+        .trim()
+        .parse()
+        .map_err(|e| format!("bad size {s:?}: {e}"))?;
+    // bytesize saturates instead of overflowing
+    if size.as_u64() == u64::MAX {
+        return Err(format!("size {s:?} overflows"));
+    }
+    usize::try_from(size.as_u64()).map_err(|_| format!("size {s:?} overflows"))
 }
 
 #[cfg(test)]
@@ -104,9 +101,13 @@ mod tests {
         assert_eq!((m.p99, m.max), (0.198, 0.2));
         assert_eq!(Summary::of(&[Duration::from_secs(4)]).median, 4.0);
         assert_eq!(parse_bytes("2GiB").unwrap(), 2 << 30);
-        assert_eq!(parse_bytes("64m").unwrap(), 64 << 20);
+        assert_eq!(parse_bytes("64MiB").unwrap(), 64 << 20);
+        assert_eq!(parse_bytes("64mi").unwrap(), 64 << 20);
+        assert_eq!(parse_bytes("64MB").unwrap(), 64_000_000);
+        assert_eq!(parse_bytes(" 512 KiB ").unwrap(), 512 << 10);
         assert_eq!(parse_bytes("4096").unwrap(), 4096);
         assert!(parse_bytes("3 parsecs").is_err());
+        assert!(parse_bytes("99999999999EiB").is_err());
         assert_eq!(fmt_bytes(512 << 20), "512 MiB");
         assert_eq!(fmt_secs(2.5e-6), "2.50 us");
     }

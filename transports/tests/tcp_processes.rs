@@ -12,12 +12,13 @@ use std::sync::mpsc::{Receiver as Lines, channel};
 use std::time::{Duration, Instant};
 
 use common::*;
-use refit_runtime::node::ClusterToken;
+use refit_runtime::node::{ClusterToken, TOKEN_ENV};
 use refit_runtime::{
     DType, Error, Manifest, ReceiverInit, SenderInit, SenderTransport, Version, WeightSet, wire,
 };
 use refit_transports::tcp::{
-    TcpConfig, TcpReceiver, TcpReceiverConfig, TcpReceiverSpec, TcpSender, TransferMode,
+    TcpConfig, TcpEndpoint, TcpReceiver, TcpReceiverConfig, TcpReceiverSpec, TcpSender,
+    TransferMode,
 };
 
 const ROLE: &str = "REFIT_CHILD_ROLE";
@@ -39,11 +40,15 @@ fn at(m: &Arc<Manifest>, v: u64) -> WeightSet {
     WeightSet::from_bytes(id("policy"), Version(v), Arc::clone(m), &bytes).unwrap()
 }
 
-fn spawn_child(spec: &TcpReceiverSpec) -> (Child, Lines<String>) {
+/// A receiver process: the sender's endpoint and the token in its environment
+/// (the token in `REFIT_TOKEN`, as a launcher hands a secret to a process; the endpoint
+/// holds none).
+fn spawn_child(endpoint: TcpEndpoint, token: &ClusterToken) -> (Child, Lines<String>) {
     let mut child = Command::new(std::env::current_exe().unwrap())
         .args(["child_entry", "--exact", "--nocapture", "--test-threads=1"])
         .env(ROLE, "receiver")
-        .env(SPEC, wire::to_token(spec).unwrap())
+        .env(SPEC, wire::to_token(&endpoint).unwrap())
+        .env(TOKEN_ENV, token.expose())
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit())
         .spawn()
@@ -82,7 +87,9 @@ fn child_entry() {
         return;
     };
     assert_eq!(role, "receiver");
-    let spec: TcpReceiverSpec = wire::from_token(&std::env::var(SPEC).unwrap()).unwrap();
+    let endpoint: TcpEndpoint = wire::from_token(&std::env::var(SPEC).unwrap()).unwrap();
+    let token = ClusterToken::from_env().unwrap().unwrap();
+    let spec = TcpReceiverSpec::new(endpoint, &token);
     let cfg = TcpReceiverConfig {
         mode: TransferMode::Full,
         ..TcpReceiverConfig::default()
@@ -129,20 +136,21 @@ fn a_receiver_killed_mid_transfer_leaves_the_rest_working() {
     let m = big_manifest();
     let size = m.total_len() as u64;
     let ms = manifests(&[("policy", &m)]);
+    let token = ClusterToken::random();
     let cfg = TcpConfig {
-        token: Some(ClusterToken::random()),
+        token: Some(token.clone()),
         relay: false,
         ..TcpConfig::default()
     };
     let sender = TcpSender::bind(cfg, &ms).unwrap();
-    let spec = sender.receiver_spec();
+    let endpoint = sender.endpoint();
     let mut s = SenderInit::new(sender, ms)
         .with_ack_timeout(T)
         .connect(vec![at(&m, 1)], T)
         .unwrap();
     let p = id("policy");
-    let (steady, steady_out) = spawn_child(&spec);
-    let (mut victim, victim_out) = spawn_child(&spec);
+    let (steady, steady_out) = spawn_child(endpoint, &token);
+    let (mut victim, victim_out) = spawn_child(endpoint, &token);
     expect_line(&steady_out, "applied 1");
     expect_line(&victim_out, "applied 1");
     // both registered and hold version 1
@@ -181,7 +189,7 @@ fn a_receiver_killed_mid_transfer_leaves_the_rest_working() {
     assert!(t.elapsed() < Duration::from_secs(30));
     assert_eq!(s.transport().receivers(), 1);
     // a restarted receiver rejoins and gets the newest version straight away
-    let (reborn, reborn_out) = spawn_child(&spec);
+    let (reborn, reborn_out) = spawn_child(endpoint, &token);
     expect_line(&reborn_out, "applied 4");
     s.send(at(&m, 5)).unwrap();
     expect_line(&reborn_out, "applied 5");

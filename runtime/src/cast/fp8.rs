@@ -27,6 +27,11 @@
 //!   above the largest finite, infinities included, becomes ± the largest finite (448 or
 //!   57344). With [`Overflow::NonFinite`] it becomes NaN in e4m3 (which has no infinity) and
 //!   ±infinity in e5m2.
+//!
+//! The tests cross-check both directions against the `float8` crate (a port of CUDA's
+//! `cuda_fp8.hpp` conversions): all 256 codes of each format decode to the same values, and
+//! saturating encodes agree on every code value, every tie and its neighbours, and a stride
+//! through all `f32` bit patterns; only NaN payloads differ (both sides give a NaN code).
 
 /// What a magnitude beyond the largest finite value encodes to.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -286,5 +291,97 @@ mod tests {
         assert_eq!(e4m3_to_f32(0x78), 256.0); // exponent 15 is a normal binade in e4m3fn
         assert_eq!(e5m2_to_f32(0x7b), 57344.0);
         assert_eq!(e5m2_to_f32(0x01), 1.0 / 65536.0);
+    }
+
+    /// Cross-check against the `float8` crate (a port of CUDA's `cuda_fp8.hpp`
+    /// conversions), which implements the same OCP formats with saturation to the largest
+    /// finite value. NaN payloads are not compared (any `S.1111.111` / `S.11111.{01,10,11}`
+    /// pattern is a NaN per the OCP spec; `float8` keeps part of the input's payload in
+    /// e5m2, we always write `0x7f`), only that both sides give a NaN.
+    mod float8_cross_check {
+        use super::*;
+        use float8::{F8E4M3, F8E5M2};
+
+        fn same(ours: f32, theirs: f32) -> bool {
+            (ours.is_nan() && theirs.is_nan()) || ours.to_bits() == theirs.to_bits()
+        }
+
+        #[test]
+        fn every_code_decodes_as_float8_does() {
+            for b in 0..=255_u8 {
+                let (ours, theirs) = (e4m3_to_f32(b), F8E4M3::from_bits(b).to_f32());
+                assert!(
+                    same(ours, theirs),
+                    "e4m3 {b:#04x}: ours {ours}, float8 {theirs}"
+                );
+                let (ours, theirs) = (e5m2_to_f32(b), F8E5M2::from_bits(b).to_f32());
+                assert!(
+                    same(ours, theirs),
+                    "e5m2 {b:#04x}: ours {ours}, float8 {theirs}"
+                );
+            }
+        }
+
+        /// Every code's value, the midpoints between neighbouring codes (ties) and one f32
+        /// step either side of each, values past the largest finite, infinities, and a
+        /// stride through every f32 bit pattern.
+        fn inputs(dec: fn(u8) -> f32) -> Vec<f32> {
+            let mut finite: Vec<f32> = (0..=255_u8).map(dec).filter(|v| v.is_finite()).collect();
+            finite.sort_by(f32::total_cmp);
+            let mut xs = finite.clone();
+            for w in finite.windows(2) {
+                let mid = (w[0] + w[1]) / 2.0; // exact: both are short binary fractions
+                xs.extend([mid, mid.next_up(), mid.next_down()]);
+            }
+            let max = finite.last().copied().unwrap_or(0.0);
+            xs.extend([max * 1.03, max * 1.1, max * 2.0, 1e30, f32::MAX]);
+            xs.extend([
+                f32::INFINITY,
+                f32::NEG_INFINITY,
+                f32::MIN_POSITIVE,
+                f32::from_bits(1),
+            ]);
+            let negatives: Vec<f32> = xs.iter().map(|x| -x).collect();
+            xs.extend(negatives);
+            xs.extend((0..u32::MAX).step_by(9_973).map(f32::from_bits));
+            xs
+        }
+
+        #[test]
+        fn encoding_agrees_with_float8_when_saturating() {
+            for (name, enc, dec, theirs) in [
+                (
+                    "e4m3",
+                    f32_to_e4m3 as fn(f32, Overflow) -> u8,
+                    e4m3_to_f32 as fn(u8) -> f32,
+                    (|x| F8E4M3::from_f32(x).to_bits()) as fn(f32) -> u8,
+                ),
+                ("e5m2", f32_to_e5m2, e5m2_to_f32, |x| {
+                    F8E5M2::from_f32(x).to_bits()
+                }),
+            ] {
+                let mut checked = 0;
+                for x in inputs(dec) {
+                    let (ours, theirs) = (enc(x, Overflow::Saturate), theirs(x));
+                    if x.is_nan() {
+                        assert!(
+                            dec(ours).is_nan() && dec(theirs).is_nan(),
+                            "{name} NaN {x:?}"
+                        );
+                        continue;
+                    }
+                    assert_eq!(
+                        ours,
+                        theirs,
+                        "{name}: {x:e} ({:#010x}) -> ours {ours:#04x} ({}), float8 {theirs:#04x} ({})",
+                        x.to_bits(),
+                        dec(ours),
+                        dec(theirs)
+                    );
+                    checked += 1;
+                }
+                assert!(checked > 400_000, "{name}: only {checked} inputs");
+            }
+        }
     }
 }

@@ -44,7 +44,7 @@ pub use message::{MAX_HELLO, StreamHead};
 pub use peer::Peer;
 pub use store::{Store, StoreClient};
 pub use stream::{OpenStream, open_stream, write_head};
-pub use token::{ClusterToken, TOKEN_ENV};
+pub use token::{ClusterToken, TOKEN_ENV, TOKEN_FILE_ENV};
 
 /// A boxed, sendable future (what raw handlers return).
 pub type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send + 'static>>;

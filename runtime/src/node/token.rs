@@ -1,6 +1,8 @@
 //! The shared cluster token every connection presents in its first frame.
 
 use std::fmt;
+use std::io::Read;
+use std::path::Path;
 
 use serde::{Deserialize, Serialize};
 
@@ -8,6 +10,10 @@ use crate::error::{Error, Result};
 
 /// Environment variable holding the cluster token.
 pub const TOKEN_ENV: &str = "REFIT_TOKEN";
+
+/// Environment variable naming a file that holds the cluster token (a file only its owner
+/// can read; see [`ClusterToken::from_file`]).
+pub const TOKEN_FILE_ENV: &str = "REFIT_TOKEN_FILE";
 
 /// A shared secret: every node of one cluster holds the same one and presents it in its
 /// hello frame. Compared in constant time; never printed (`Debug` shows `<redacted>`).
@@ -51,22 +57,36 @@ impl ClusterToken {
         Ok(Self(token))
     }
 
-    /// The token in `REFIT_TOKEN`, if set.
+    /// The token in `REFIT_TOKEN`, or in the file `REFIT_TOKEN_FILE` names
+    /// ([`ClusterToken::from_file`]), if either is set.
     ///
     /// # Errors
-    /// As [`ClusterToken::new`] when the variable holds a bad token or is not UTF-8.
+    /// As [`ClusterToken::new`] when the variable holds a bad token or is not UTF-8; as
+    /// [`ClusterToken::from_file`] for the file; [`Error::Unauthorized`] when both are set.
     pub fn from_env() -> Result<Option<Self>> {
-        match std::env::var(TOKEN_ENV) {
-            Ok(v) => Self::new(v).map(Some),
-            Err(std::env::VarError::NotPresent) => Ok(None),
-            Err(std::env::VarError::NotUnicode(_)) => Err(Error::Unauthorized {
+        let not_utf8 = |var: &str| Error::Unauthorized {
+            peer: "local configuration".into(),
+            reason: format!("{var} is not UTF-8"),
+        };
+        let file = match std::env::var_os(TOKEN_FILE_ENV) {
+            Some(f) if !f.is_empty() => Some(f),
+            _ => None,
+        };
+        match (std::env::var(TOKEN_ENV), file) {
+            (Ok(_) | Err(std::env::VarError::NotUnicode(_)), Some(_)) => Err(Error::Unauthorized {
                 peer: "local configuration".into(),
-                reason: format!("{TOKEN_ENV} is not UTF-8"),
+                reason: format!("both {TOKEN_ENV} and {TOKEN_FILE_ENV} are set; keep one"),
             }),
+            (Ok(v), None) => Self::new(v).map(Some),
+            (Err(std::env::VarError::NotUnicode(_)), None) => Err(not_utf8(TOKEN_ENV)),
+            (Err(std::env::VarError::NotPresent), Some(f)) => {
+                Self::from_file(Path::new(&f)).map(Some)
+            }
+            (Err(std::env::VarError::NotPresent), None) => Ok(None),
         }
     }
 
-    /// `REFIT_TOKEN` if set, a fresh random token otherwise.
+    /// `REFIT_TOKEN` (or `REFIT_TOKEN_FILE`) if set, a fresh random token otherwise.
     ///
     /// # Errors
     /// As [`ClusterToken::from_env`].
@@ -74,24 +94,91 @@ impl ClusterToken {
         Ok(Self::from_env()?.unwrap_or_else(Self::random))
     }
 
+    /// The token held in a file (surrounding whitespace, such as a final newline, is
+    /// ignored). The file must be readable by its owner only (no group or other permission
+    /// bits, e.g. mode `0600` or `0400`): a secret that others can read is refused, not used.
+    ///
+    /// # Errors
+    /// [`Error::InsecureSecretFile`] naming the file and its mode when its group or others
+    /// have any permission; [`Error::Path`] when it cannot be opened or read; as
+    /// [`ClusterToken::new`] for what it holds (also when it is not UTF-8).
+    pub fn from_file(path: &Path) -> Result<Self> {
+        let path_err = |context: &'static str| {
+            move |source: std::io::Error| Error::Path {
+                context,
+                path: path.to_path_buf(),
+                source,
+            }
+        };
+        let mut file = std::fs::File::open(path).map_err(path_err("opening the token file"))?;
+        // the mode of the file opened, not of whatever the path names a moment later
+        let meta = file
+            .metadata()
+            .map_err(path_err("reading the token file's permissions"))?;
+        #[cfg(unix)]
+        {
+            use std::os::unix::fs::PermissionsExt;
+            let mode = meta.permissions().mode() & 0o7777;
+            if mode & 0o077 != 0 {
+                return Err(Error::InsecureSecretFile {
+                    path: path.to_path_buf(),
+                    mode,
+                });
+            }
+        }
+        if meta.len() > 4096 {
+            return Err(Error::Unauthorized {
+                peer: "local configuration".into(),
+                reason: format!("token file `{}` is larger than 4 KiB", path.display()),
+            });
+        }
+        let mut text = String::new();
+        file.read_to_string(&mut text)
+            .map_err(path_err("reading the token file"))?;
+        Self::new(text.trim())
+    }
+
+    /// Writes a fresh random token to a new file that only its owner can read and write
+    /// (mode `0600`, set as the file is created), and returns it. An existing file is never
+    /// overwritten.
+    ///
+    /// # Errors
+    /// [`Error::Path`] when the file exists or cannot be created or written.
+    pub fn create_file(path: &Path) -> Result<Self> {
+        use std::io::Write;
+        let token = Self::random();
+        let mut options = std::fs::OpenOptions::new();
+        options.write(true).create_new(true);
+        #[cfg(unix)]
+        {
+            use std::os::unix::fs::OpenOptionsExt;
+            options.mode(0o600);
+        }
+        let mut file = options.open(path).map_err(|source| Error::Path {
+            context: "creating the token file",
+            path: path.to_path_buf(),
+            source,
+        })?;
+        writeln!(file, "{}", token.0)
+            .and_then(|()| file.sync_all())
+            .map_err(|source| Error::Path {
+                context: "writing the token file",
+                path: path.to_path_buf(),
+                source,
+            })?;
+        Ok(token)
+    }
+
     /// The secret itself (to hand to a child process; never log it).
     pub fn expose(&self) -> &str {
         &self.0
     }
 
-    /// Constant-time comparison with what a peer presented: the time taken depends only on
-    /// the lengths, never on where the bytes first differ.
+    /// Constant-time comparison with what a peer presented (`subtle`'s `ct_eq`): the time
+    /// taken depends only on the lengths, never on where the bytes first differ.
     pub fn matches(&self, presented: &str) -> bool {
-        let a = self.0.as_bytes();
-        let b = presented.as_bytes();
-        let n = a.len().max(b.len());
-        let mut diff = u8::from(a.len() != b.len());
-        for i in 0..n {
-            let x = a.get(i).copied().unwrap_or(0);
-            let y = b.get(i).copied().unwrap_or(0xff);
-            diff |= std::hint::black_box(x ^ y);
-        }
-        std::hint::black_box(diff) == 0
+        use subtle::ConstantTimeEq;
+        self.0.as_bytes().ct_eq(presented.as_bytes()).into()
     }
 }
 
@@ -118,5 +205,63 @@ mod tests {
         let r = ClusterToken::random();
         assert_eq!(r.expose().len(), 64);
         assert_ne!(r, ClusterToken::random());
+    }
+
+    #[cfg(unix)]
+    fn write_with_mode(path: &Path, text: &str, mode: u32) {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::write(path, text).unwrap();
+        std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode)).unwrap();
+    }
+
+    #[cfg(unix)]
+    #[test]
+    fn token_files_must_be_owner_only() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("token");
+        write_with_mode(&path, "0123456789abcdef-secret\n", 0o600);
+        let t = ClusterToken::from_file(&path).unwrap();
+        assert!(t.matches("0123456789abcdef-secret"));
+        write_with_mode(&path, "0123456789abcdef-secret\n", 0o400);
+        assert!(ClusterToken::from_file(&path).is_ok());
+        for mode in [0o640, 0o604, 0o644, 0o660, 0o610] {
+            write_with_mode(&path, "0123456789abcdef-secret\n", mode);
+            match ClusterToken::from_file(&path) {
+                Err(Error::InsecureSecretFile { path: p, mode: m }) => {
+                    assert_eq!((p.as_path(), m), (path.as_path(), mode));
+                    let msg = Error::InsecureSecretFile { path: p, mode: m }.to_string();
+                    assert!(msg.contains(&format!("{mode:04o}")), "{msg}");
+                    assert!(msg.contains(&path.display().to_string()), "{msg}");
+                    assert!(!msg.contains("secret\n"), "{msg}");
+                }
+                other => panic!("mode {mode:o}: {other:?}"),
+            }
+        }
+        write_with_mode(&path, "short\n", 0o600);
+        assert!(matches!(
+            ClusterToken::from_file(&path),
+            Err(Error::Unauthorized { .. })
+        ));
+        assert!(matches!(
+            ClusterToken::from_file(&dir.path().join("missing")),
+            Err(Error::Path { .. })
+        ));
+    }
+
+    #[cfg(unix)]
+    #[test]
+    fn created_token_files_are_owner_only_and_never_overwritten() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("cluster.token");
+        let t = ClusterToken::create_file(&path).unwrap();
+        let mode = std::fs::metadata(&path).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode, 0o600);
+        assert_eq!(ClusterToken::from_file(&path).unwrap(), t);
+        assert!(matches!(
+            ClusterToken::create_file(&path),
+            Err(Error::Path { .. })
+        ));
+        assert_eq!(ClusterToken::from_file(&path).unwrap(), t);
     }
 }

@@ -11,7 +11,7 @@
 
 use std::io::Read;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 
 use refit_runtime::bucket::BucketSpec;
 use refit_runtime::node::{OpenStream, StreamHead, frame, write_head};
@@ -76,9 +76,11 @@ pub(crate) struct Sums {
 }
 
 impl Sums {
-    /// Hashes every piece of `ws` by `plan` with up to `threads` threads taking buckets from
-    /// a shared queue (one pass over the bytes), then derives the bucket checksums.
+    /// Hashes every piece of `ws` by `plan` (one pass over the bytes), bucket by bucket on
+    /// rayon's global pool when `threads > 1` (its worker threads are started once per
+    /// process and kept, so a publish starts no thread), then derives the bucket checksums.
     pub(crate) fn compute(plan: &BucketPlan, plan_id: u64, ws: &WeightSet, threads: usize) -> Self {
+        use rayon::prelude::*;
         let bytes = ws.bytes();
         let manifest = ws.manifest();
         let hash_bucket = |b: &BucketSpec| {
@@ -87,38 +89,17 @@ impl Sums {
             let sum = b.checksum_from_pieces(manifest, data, &pieces);
             (pieces, sum)
         };
-        let next = AtomicUsize::new(0);
-        let work = || {
-            let mut out = Vec::new();
-            loop {
-                let i = next.fetch_add(1, Ordering::Relaxed);
-                let Some(b) = plan.buckets.get(i) else { break };
-                let (pieces, sum) = hash_bucket(b);
-                out.push((i, pieces, sum));
-            }
-            out
+        let done: Vec<(Vec<u64>, u64)> = if threads > 1 && plan.buckets.len() > 1 {
+            plan.buckets.par_iter().map(hash_bucket).collect()
+        } else {
+            plan.buckets.iter().map(hash_bucket).collect()
         };
-        let mut done: Vec<(usize, Vec<u64>, u64)> = std::thread::scope(|s| {
-            let handles: Vec<_> = (1..threads.max(1)).map(|_| s.spawn(work)).collect();
-            let mut all = work();
-            for h in handles {
-                // a panicking hasher leaves its buckets unhashed: they are hashed below
-                all.extend(h.join().unwrap_or_default());
-            }
-            all
-        });
-        done.sort_unstable_by_key(|d| d.0);
         let mut sums = Self {
             plan_id,
             pieces: Vec::with_capacity(plan.buckets.iter().map(|b| b.pieces.len()).sum()),
             buckets: Vec::with_capacity(plan.len()),
         };
-        let mut done = done.into_iter().peekable();
-        for (i, b) in plan.buckets.iter().enumerate() {
-            let (pieces, sum) = match done.next_if(|d| d.0 == i) {
-                Some((_, p, s)) => (p, s),
-                None => hash_bucket(b),
-            };
+        for (pieces, sum) in done {
             sums.pieces.extend(pieces);
             sums.buckets.push(sum);
         }

@@ -35,9 +35,11 @@
 //! - **Sinks**: a receiver can write a transfer into a [`Sink`] (e.g. the file the weights
 //!   are bound for) instead of an arena, through a small reused buffer, hashed as the bytes
 //!   pass ([`TcpReceiver::with_sinks`]; `refit pull` does this).
-//! - **Security**: nodes bind loopback unless configured; every connection presents the
-//!   cluster token (from the configuration, `REFIT_TOKEN`, or random); nothing on the wire
-//!   is code.
+//! - **Security**: nodes bind loopback unless configured, and a node bound to an
+//!   unspecified address (`0.0.0.0`) must be given the address to advertise; every
+//!   connection presents the cluster token (from the configuration, `REFIT_TOKEN`,
+//!   `REFIT_TOKEN_FILE`, or random); what is shipped to receivers is a [`TcpEndpoint`],
+//!   which holds no token; nothing on the wire is code.
 //!
 //! Every wait has a deadline; a vanished sender is [`Error::PeerGone`](refit_runtime::Error),
 //! a vanished receiver is dropped from the sender's book (its leases freed, its acks no
@@ -53,6 +55,7 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use refit_runtime::node::ClusterToken;
+use refit_runtime::{Error, Result};
 use serde::{Deserialize, Serialize};
 use uuid::Uuid;
 
@@ -66,11 +69,14 @@ const NAME: &str = "tcp";
 /// How a sender agent is set up.
 #[derive(Debug, Clone)]
 pub struct TcpConfig {
-    /// Where its own node listens (default `127.0.0.1:0`; use `0.0.0.0:PORT` for other hosts).
+    /// Where its own node listens (default `127.0.0.1:0`; use a routable address, or
+    /// `0.0.0.0:PORT` with [`TcpConfig::advertise`], for other hosts).
     pub bind: SocketAddr,
-    /// The address receivers are told to use (default: the bound address).
+    /// The address receivers are told to use (default: the bound address). Required when
+    /// the node listens on an unspecified address (`0.0.0.0`, `::`), which no receiver can
+    /// connect to; a port of 0 here means the port the node is bound to.
     pub advertise: Option<SocketAddr>,
-    /// The cluster token (default: `REFIT_TOKEN`, else a random one).
+    /// The cluster token (default: `REFIT_TOKEN` or `REFIT_TOKEN_FILE`, else a random one).
     pub token: Option<ClusterToken>,
     /// Receivers `connect` waits for before publishing the initial weights (default 0).
     pub expected_receivers: usize,
@@ -117,8 +123,9 @@ impl Default for TcpConfig {
 }
 
 /// What a receiver needs to attach: the sender agent's address, its id, and the cluster
-/// token. Serialisable (ship it with [`refit_runtime::wire::to_token`]); it holds the token,
-/// so treat it as a secret.
+/// token. It holds the token, so treat it as a secret: ship the [`TcpEndpoint`] instead
+/// ([`TcpReceiverSpec::endpoint`]) and let the receiving side add the token it already has
+/// ([`TcpReceiverSpec::new`]).
 #[derive(Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct TcpReceiverSpec {
     /// The sender's node.
@@ -136,5 +143,103 @@ impl std::fmt::Debug for TcpReceiverSpec {
             .field("agent", &self.agent)
             .field("token", &"<redacted>")
             .finish()
+    }
+}
+
+impl TcpReceiverSpec {
+    /// The spec of the sender agent at `endpoint`, presenting `token`.
+    pub fn new(endpoint: TcpEndpoint, token: &ClusterToken) -> Self {
+        Self {
+            addr: endpoint.addr,
+            agent: endpoint.agent,
+            token: token.expose().to_owned(),
+        }
+    }
+
+    /// Where the sender agent is, without the token.
+    pub fn endpoint(&self) -> TcpEndpoint {
+        TcpEndpoint {
+            addr: self.addr,
+            agent: self.agent,
+        }
+    }
+}
+
+/// Where a sender agent is: its node's address and the agent's id. It holds no secret, so
+/// it can be printed, logged, stored or passed on a command line (as text with
+/// [`refit_runtime::wire::to_token`]); a receiver adds the cluster token it got from its own
+/// configuration with [`TcpReceiverSpec::new`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct TcpEndpoint {
+    /// The sender's node.
+    pub addr: SocketAddr,
+    /// The sender agent on that node.
+    pub agent: Uuid,
+}
+
+/// The address peers are told to use for a node listening on `bound`: `advertise` when
+/// given (its port 0 meaning `bound`'s port), else `bound`, which must then be a specified
+/// address (nobody can connect to `0.0.0.0` or `::`).
+pub(crate) fn advertised(
+    who: &str,
+    bound: SocketAddr,
+    advertise: Option<SocketAddr>,
+) -> Result<SocketAddr> {
+    match advertise {
+        Some(a) if a.ip().is_unspecified() => Err(Error::Config(format!(
+            "{who}: advertise address {a} is unspecified; advertise the address peers reach \
+             this host at"
+        ))),
+        Some(a) if a.port() == 0 => Ok(SocketAddr::new(a.ip(), bound.port())),
+        Some(a) => Ok(a),
+        None if bound.ip().is_unspecified() => Err(Error::Config(format!(
+            "{who} listens on the unspecified address {bound}, which peers cannot connect \
+             to: set an advertise address (the one peers reach this host at)"
+        ))),
+        None => Ok(bound),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn unspecified_addresses_need_an_advertised_one() {
+        let any: SocketAddr = "0.0.0.0:29600".parse().unwrap();
+        let any6: SocketAddr = "[::]:29600".parse().unwrap();
+        let lo: SocketAddr = "127.0.0.1:29600".parse().unwrap();
+        let host: SocketAddr = "10.0.0.1:29700".parse().unwrap();
+        for bound in [any, any6] {
+            let e = advertised("the tcp sender", bound, None).unwrap_err();
+            assert!(matches!(e, Error::Config(_)), "{e}");
+            assert!(e.to_string().contains(&bound.to_string()), "{e}");
+            assert!(e.to_string().contains("advertise"), "{e}");
+            assert_eq!(advertised("s", bound, Some(host)).unwrap(), host);
+        }
+        assert_eq!(advertised("s", lo, None).unwrap(), lo);
+        assert_eq!(
+            advertised("s", any, Some("10.0.0.1:0".parse().unwrap())).unwrap(),
+            "10.0.0.1:29600".parse::<SocketAddr>().unwrap()
+        );
+        assert!(advertised("s", lo, Some(any)).is_err());
+    }
+
+    #[test]
+    fn endpoints_hold_no_token() {
+        let token = ClusterToken::new("0123456789abcdef-secret").unwrap();
+        let endpoint = TcpEndpoint {
+            addr: "127.0.0.1:29600".parse().unwrap(),
+            agent: Uuid::new_v4(),
+        };
+        let spec = TcpReceiverSpec::new(endpoint, &token);
+        assert_eq!(spec.endpoint(), endpoint);
+        assert_eq!(spec.token, token.expose());
+        let text = refit_runtime::wire::to_token(&spec.endpoint()).unwrap();
+        let bytes = refit_runtime::wire::encode(&spec.endpoint()).unwrap();
+        assert!(!String::from_utf8_lossy(&bytes).contains("secret"));
+        let back: TcpEndpoint = refit_runtime::wire::from_token(&text).unwrap();
+        assert_eq!(back, endpoint);
+        assert!(!format!("{spec:?}").contains("secret"));
     }
 }

@@ -676,6 +676,10 @@ impl ReceiverTransport for TcpReceiver {
         if self.closed {
             return Err(Error::State("tcp receiver is shut down"));
         }
+        if self.node.is_none() {
+            // refuse before binding: an unspecified address cannot be reached
+            super::advertised("the tcp receiver", self.cfg.bind, self.cfg.advertise)?;
+        }
         let node = match &self.node {
             Some(n) => n.clone(),
             None => {
@@ -691,7 +695,7 @@ impl ReceiverTransport for TcpReceiver {
         let ctl = node.connect(self.spec.addr, remaining())?;
         let reg = Register {
             receiver: self.me,
-            node: self.cfg.advertise.unwrap_or_else(|| node.addr()),
+            node: super::advertised("the tcp receiver", node.addr(), self.cfg.advertise)?,
             relay: self.cfg.relay,
         };
         let registered: Registered = ctl.call(self.spec.agent, REGISTER, &reg, remaining())?;

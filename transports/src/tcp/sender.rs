@@ -27,7 +27,7 @@ use uuid::Uuid;
 
 use super::data::{Serve, ServeStats, Source, Sums, serve_pull};
 use super::messages::*;
-use super::{NAME, TcpConfig, TcpReceiverSpec};
+use super::{NAME, TcpConfig, TcpEndpoint, TcpReceiverSpec};
 
 #[derive(Debug, Default)]
 struct ModelSlot {
@@ -324,6 +324,7 @@ impl TcpSender {
     /// [`Error::Io`] when the address cannot be bound; [`Error::Unauthorized`] for a bad
     /// `REFIT_TOKEN`.
     pub fn bind(config: TcpConfig, manifests: &Manifests) -> Result<Self> {
+        super::advertised("the tcp sender", config.bind, config.advertise)?;
         let token = match &config.token {
             Some(t) => t.clone(),
             None => ClusterToken::from_env_or_random()?,
@@ -349,7 +350,7 @@ impl TcpSender {
             let plan = BucketPlan::compute(id, m, m, config.bucket_size)?;
             plans.push((id.clone(), plan.fingerprint()?, Arc::new(plan)));
         }
-        let addr = config.advertise.unwrap_or_else(|| node.addr());
+        let addr = super::advertised("the tcp sender", node.addr(), config.advertise)?;
         let (changed, _) = watch::channel(0);
         let agent = Arc::new(Agent {
             id: Uuid::new_v4(),
@@ -380,8 +381,17 @@ impl TcpSender {
         })
     }
 
-    /// What a receiver needs to attach (serialisable: ship it with
-    /// [`refit_runtime::wire::to_token`]). Holds the cluster token: treat it as a secret.
+    /// Where the agent is, without the token: what to print, store or ship to receivers,
+    /// who add their own token with [`TcpReceiverSpec::new`].
+    pub fn endpoint(&self) -> TcpEndpoint {
+        TcpEndpoint {
+            addr: self.agent.addr,
+            agent: self.agent.id,
+        }
+    }
+
+    /// What a receiver needs to attach. Holds the cluster token: treat it as a secret (ship
+    /// [`TcpSender::endpoint`] instead).
     pub fn receiver_spec(&self) -> TcpReceiverSpec {
         TcpReceiverSpec {
             addr: self.agent.addr,
@@ -727,12 +737,10 @@ impl SenderTransport for TcpSender {
             .collect();
         drop(self.announce(entries, false));
         // a retired version may be the last owner of its arena: unmapping hundreds of MiB
-        // takes tens of milliseconds, which publish need not wait for (when no thread can be
-        // started, the closure and the versions are dropped here instead)
+        // takes tens of milliseconds, which publish need not wait for; rayon's pool (the
+        // one that hashed the version) drops it, so publishing starts no thread
         if !retired.is_empty() {
-            let _ = std::thread::Builder::new()
-                .name("refit-tcp-retire".into())
-                .spawn(move || drop(retired));
+            rayon::spawn(move || drop(retired));
         }
         Ok(())
     }

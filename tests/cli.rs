@@ -1,0 +1,276 @@
+//! The `refit` tool as a user runs it (real processes, real sockets on loopback): the
+//! cluster token comes only from the environment or an owner-only file, printed specs hold
+//! no token, an unspecified bind address needs `--advertise`, and `serve --watch` publishes
+//! a file replaced on disk.
+#![allow(clippy::unwrap_used, missing_docs)]
+
+use std::io::{BufRead, BufReader};
+use std::os::unix::fs::PermissionsExt;
+use std::path::Path;
+use std::process::{Command, Output, Stdio};
+use std::sync::Arc;
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use refit::prelude::*;
+use refit::transports::tcp::TcpEndpoint;
+
+const TOKEN: &str = "cli-test-token-0123456789abcdef";
+
+/// The `refit` binary with no token in its environment.
+fn refit() -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_refit"));
+    c.env_remove("REFIT_TOKEN").env_remove("REFIT_TOKEN_FILE");
+    c
+}
+
+fn text(out: &Output) -> (String, String) {
+    (
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+/// A one-tensor model (`w`, 256 f32 all equal to `value`) written as safetensors.
+fn write_model(path: &Path, value: f32) {
+    let manifest = Manifest::builder()
+        .tensor("w", DType::F32, &[256])
+        .build()
+        .unwrap();
+    let mut ws = WeightSet::zeroed(ModelId::new("policy").unwrap(), Arc::new(manifest));
+    ws.view_mut::<f32>("w").unwrap().fill(value);
+    ws.write_safetensors(path).unwrap();
+}
+
+fn model_value(path: &Path) -> f32 {
+    let ws = WeightSet::read_safetensors(path, Some(&ModelId::new("policy").unwrap())).unwrap();
+    ws.view::<f32>("w").unwrap()[0]
+}
+
+fn write_with_mode(path: &Path, content: &str, mode: u32) {
+    std::fs::write(path, content).unwrap();
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode)).unwrap();
+}
+
+fn hex(s: &str) -> String {
+    s.bytes().map(|b| format!("{b:02x}")).collect()
+}
+
+#[test]
+fn a_token_file_others_can_read_is_refused_by_name_and_mode() {
+    let dir = tempfile::tempdir().unwrap();
+    let (model, token) = (dir.path().join("m.safetensors"), dir.path().join("token"));
+    write_model(&model, 1.0);
+    for mode in [0o644, 0o640, 0o604] {
+        write_with_mode(&token, TOKEN, mode);
+        let serve = refit()
+            .arg("serve")
+            .arg(&model)
+            .arg("--token-file")
+            .arg(&token)
+            .args(["--seconds", "1"])
+            .output()
+            .unwrap();
+        let pull = refit()
+            .args(["pull", "out.safetensors", "--spec", "00"])
+            .env("REFIT_TOKEN_FILE", &token)
+            .current_dir(dir.path())
+            .output()
+            .unwrap();
+        for out in [serve, pull] {
+            let (stdout, stderr) = text(&out);
+            assert!(!out.status.success(), "mode {mode:o}: {stdout}{stderr}");
+            assert!(
+                stderr.contains(&token.display().to_string()),
+                "mode {mode:o}: {stderr}"
+            );
+            assert!(stderr.contains(&format!("{mode:04o}")), "{stderr}");
+            assert!(!stdout.contains(TOKEN) && !stderr.contains(TOKEN));
+        }
+    }
+}
+
+#[test]
+fn without_a_token_serve_and_pull_say_where_to_put_one() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = dir.path().join("m.safetensors");
+    write_model(&model, 1.0);
+    let serve = refit()
+        .arg("serve")
+        .arg(&model)
+        .args(["--seconds", "1"])
+        .output()
+        .unwrap();
+    let pull = refit()
+        .args(["pull", "out.safetensors", "--spec", "00"])
+        .current_dir(dir.path())
+        .output()
+        .unwrap();
+    for out in [serve, pull] {
+        let (_, stderr) = text(&out);
+        assert!(!out.status.success());
+        assert!(
+            stderr.contains("no cluster token")
+                && stderr.contains("REFIT_TOKEN")
+                && stderr.contains("--token-file"),
+            "{stderr}"
+        );
+    }
+    // a token on the command line is not an option
+    let out = refit()
+        .args(["pull", "out.safetensors", "--spec", "00", "--token", TOKEN])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+}
+
+#[test]
+fn refit_token_writes_an_owner_only_file_and_never_overwrites() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("cluster.token");
+    let out = refit().arg("token").arg(&path).output().unwrap();
+    assert!(out.status.success(), "{:?}", text(&out));
+    let mode = std::fs::metadata(&path).unwrap().permissions().mode() & 0o777;
+    assert_eq!(mode, 0o600);
+    let token = std::fs::read_to_string(&path).unwrap();
+    assert!(token.trim().len() >= 16);
+    let (stdout, stderr) = text(&out);
+    assert!(!stdout.contains(token.trim()) && !stderr.contains(token.trim()));
+    let again = refit().arg("token").arg(&path).output().unwrap();
+    assert!(!again.status.success());
+    assert_eq!(std::fs::read_to_string(&path).unwrap(), token);
+}
+
+#[test]
+fn serving_an_unspecified_address_needs_advertise() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = dir.path().join("m.safetensors");
+    write_model(&model, 1.0);
+    let out = refit()
+        .arg("serve")
+        .arg(&model)
+        .args(["--bind", "0.0.0.0:0", "--seconds", "1"])
+        .env("REFIT_TOKEN", TOKEN)
+        .output()
+        .unwrap();
+    let (stdout, stderr) = text(&out);
+    assert!(!out.status.success(), "{stdout}{stderr}");
+    assert!(
+        stderr.contains("--advertise") && stderr.contains("0.0.0.0:0"),
+        "{stderr}"
+    );
+    assert!(!stdout.contains("spec:"), "{stdout}");
+}
+
+/// Pulls with the token from the environment into `out`; the pull's output.
+fn pull(dir: &Path, spec_args: &[&str], env: (&str, &str), out: &str) -> Output {
+    refit()
+        .arg("pull")
+        .arg(out)
+        .args(spec_args)
+        .args(["--mode", "full", "--timeout", "60"])
+        .env(env.0, env.1)
+        .current_dir(dir)
+        .output()
+        .unwrap()
+}
+
+#[test]
+fn serve_prints_no_token_pull_brings_its_own_and_watch_publishes_a_replaced_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let (model, token_file) = (dir.path().join("m.safetensors"), dir.path().join("token"));
+    write_model(&model, 1.0);
+    write_with_mode(&token_file, &format!("{TOKEN}\n"), 0o600);
+    let mut serve = refit()
+        .arg("serve")
+        .arg(&model)
+        .arg("--token-file")
+        .arg(&token_file)
+        .args(["--spec-file", "spec.txt", "--watch", "--seconds", "120"])
+        .current_dir(dir.path())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let (tx, rx) = mpsc::channel();
+    let stdout = serve.stdout.take().unwrap();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines() {
+            let Ok(line) = line else { break };
+            if tx.send(line).is_err() {
+                break;
+            }
+        }
+    });
+    let spec_line = rx.recv_timeout(Duration::from_secs(60));
+    let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        let spec_line = spec_line.unwrap();
+        let spec = spec_line.strip_prefix("spec: ").unwrap().trim().to_owned();
+        for shown in [
+            &spec,
+            &std::fs::read_to_string(dir.path().join("spec.txt")).unwrap(),
+        ] {
+            assert!(
+                !shown.contains(TOKEN) && !shown.contains(&hex(TOKEN)),
+                "{shown}"
+            );
+        }
+        let endpoint: TcpEndpoint = refit::runtime::wire::from_token(&spec).unwrap();
+        assert!(endpoint.addr.ip().is_loopback());
+
+        // the token from the environment
+        let out = pull(
+            dir.path(),
+            &["--spec", &spec],
+            ("REFIT_TOKEN", TOKEN),
+            "a.st",
+        );
+        assert!(out.status.success(), "{:?}", text(&out));
+        assert_eq!(model_value(&dir.path().join("a.st")), 1.0);
+
+        // a wrong token is refused, and nothing is written
+        let wrong = "another-token-0123456789abcdef";
+        let out = pull(
+            dir.path(),
+            &["--spec", &spec],
+            ("REFIT_TOKEN", wrong),
+            "b.st",
+        );
+        assert!(!out.status.success(), "{:?}", text(&out));
+        assert!(!dir.path().join("b.st").exists());
+
+        // a new file replaces the served one (written aside, renamed into place)
+        let next = dir.path().join("next.tmp");
+        write_model(&next, 2.0);
+        std::fs::rename(&next, &model).unwrap();
+        let token_path = token_file.to_str().unwrap();
+        let t = Instant::now();
+        loop {
+            let out = pull(
+                dir.path(),
+                &["--spec-file", "spec.txt"],
+                ("REFIT_TOKEN_FILE", token_path),
+                "c.st",
+            );
+            assert!(out.status.success(), "{:?}", text(&out));
+            if model_value(&dir.path().join("c.st")) == 2.0 {
+                break;
+            }
+            assert!(
+                t.elapsed() < Duration::from_secs(60),
+                "version 2 not served within 60 s"
+            );
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    }));
+    serve.kill().unwrap();
+    let out = serve.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let rest: Vec<String> = rx.try_iter().collect();
+    if let Err(e) = result {
+        panic!("{e:?}\nserve's stderr:\n{stderr}");
+    }
+    assert!(stderr.contains("published version 2"), "{stderr}");
+    assert!(!stderr.contains(TOKEN), "{stderr}");
+    assert!(rest.iter().all(|l| !l.contains(TOKEN)), "{rest:?}");
+}
