@@ -116,6 +116,10 @@ fn run_receiver(index: &str, token: &str) -> Result<()> {
 // ANCHOR_END: receiver
 
 fn main() -> ExitCode {
+    if let Err(e) = refit::init() {
+        eprintln!("error: {e}");
+        return ExitCode::FAILURE;
+    }
     let args: Vec<String> = std::env::args().collect();
     let result = match args.get(1).map(String::as_str) {
         Some("receiver") if args.len() == 4 => run_receiver(&args[2], &args[3]),

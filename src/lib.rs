@@ -15,6 +15,9 @@ pub use refit_actors as actors;
 pub use refit_runtime as runtime;
 pub use refit_transports as transports;
 
+mod setup;
+pub use setup::{DEFAULT_LOG, init, init_logging};
+
 /// The items most programs need.
 pub mod prelude {
     pub use refit_runtime::{

@@ -21,6 +21,7 @@
 mod arena;
 pub mod bucket;
 pub mod cast;
+pub mod cleanup;
 pub mod delta;
 pub mod dtype;
 pub mod error;
