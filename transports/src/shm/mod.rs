@@ -585,6 +585,21 @@ impl ShmSender {
     }
 }
 
+/// Test hook: writes `pid` into the sender's owner record of the board at `spec`, as if the
+/// sender had died and its pid gone to another process. Used by the pid-reuse tests; never
+/// call it otherwise.
+///
+/// # Errors
+/// If the board cannot be opened.
+#[doc(hidden)]
+pub fn overwrite_sender_pid(spec: &ShmReceiverSpec, pid: u32) -> Result<()> {
+    let board = Segment::open(&spec.board, true)?;
+    board
+        .u32_at(OFF_SENDER + lease::REC_PID)?
+        .store(pid, Ordering::SeqCst);
+    Ok(())
+}
+
 impl SenderTransport for ShmSender {
     fn name(&self) -> &'static str {
         NAME
