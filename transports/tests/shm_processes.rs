@@ -178,6 +178,9 @@ fn child_entry() {
             };
             let sender = ShmSender::create(&cfg, &ms).unwrap();
             let paths = sender.segment_paths();
+            // this process ends on the signal, before it could wait for the reader, which
+            // then leaves on its own and is reaped by its new parent
+            #[expect(clippy::zombie_processes, reason = "ends on a signal, never waits")]
             let reader = spawn_child("reader-copy", &sender.receiver_spec());
             let mut s = SenderInit::new(sender, ms)
                 .connect(vec![stamped("policy", &m, 1), stamped("critic", &m, 1)], T)
@@ -212,7 +215,7 @@ fn child_entry() {
             std::process::exit(3);
         }
         "ns-pinner" => {
-            let mut r = ReceiverInit::new(
+            let r = ReceiverInit::new(
                 ShmReceiver::new(spec).with_mode(ShmReadMode::ZeroCopy),
                 None,
             )
