@@ -243,6 +243,7 @@ fn run_worker_process(args: &[String]) -> Result<(), Box<dyn std::error::Error>>
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let argv: Vec<String> = std::env::args().collect();
     if argv.get(1).map(String::as_str) == Some("worker") {
+        refit::init()?;
         return run_worker_process(&argv[2..]);
     }
     if std::env::var_os("RAYON_NUM_THREADS").is_none() {
@@ -253,6 +254,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         // the environment concurrently.
         unsafe { std::env::set_var("RAYON_NUM_THREADS", "1") };
     }
+    // logging and SIGINT/SIGTERM handling (starts a thread: after the environment is set)
+    refit::init()?;
     let args = parse_args()?;
     if args.sync_mode.is_some() || args.sync_config.is_some() {
         return run_actors(&args);

@@ -77,6 +77,7 @@ impl Run {
 }
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
+    refit::init()?;
     let mut total: u64 = 200_000;
     let mut n_envs = 1usize;
     let mut args = std::env::args().skip(1);

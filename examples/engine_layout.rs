@@ -93,6 +93,7 @@ fn engine_rules() -> LayoutRules {
 // ANCHOR_END: rules
 
 fn main() -> Result<()> {
+    refit::init()?;
     // ANCHOR: plan
     // At connect: check the rules once, get the engine's manifest.
     let trainer = trainer_manifest(2, 64, 16, 128)?;

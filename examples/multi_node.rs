@@ -299,6 +299,10 @@ fn worker(args: &Args) -> Result<()> {
 // ANCHOR_END: worker
 
 fn main() -> ExitCode {
+    if let Err(e) = refit::init() {
+        eprintln!("multi_node: {e}");
+        return ExitCode::FAILURE;
+    }
     let args = match parse_args() {
         Ok(a) => a,
         Err(e) => {

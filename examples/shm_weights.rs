@@ -116,6 +116,13 @@ fn run_receiver(index: &str, token: &str) -> Result<()> {
 // ANCHOR_END: receiver
 
 fn main() -> ExitCode {
+    // ANCHOR: init
+    // logging (RUST_LOG) and SIGINT/SIGTERM: segments released, exit status 130/143
+    if let Err(e) = refit::init() {
+        eprintln!("error: {e}");
+        return ExitCode::FAILURE;
+    }
+    // ANCHOR_END: init
     let args: Vec<String> = std::env::args().collect();
     let result = match args.get(1).map(String::as_str) {
         Some("receiver") if args.len() == 4 => run_receiver(&args[2], &args[3]),

@@ -56,6 +56,7 @@ fn parse_args() -> Result<Args, String> {
 }
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
+    refit::init()?;
     let args = match parse_args() {
         Ok(a) => a,
         Err(e) => {

@@ -36,6 +36,9 @@ pub use refit_actors as actors;
 pub use refit_runtime as runtime;
 pub use refit_transports as transports;
 
+mod setup;
+pub use setup::{DEFAULT_LOG, init, init_logging};
+
 /// The items most programs need: weight sets and their layout, the scheme lifecycle, the
 /// wire codec, the cluster token, every transport's two ends, and (with their features) the
 /// reinforcement-learning pieces and the actor topology's entry points.

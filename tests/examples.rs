@@ -156,3 +156,68 @@ fn the_sample_sync_config_parses_and_drives_two_models() {
     );
     assert!(stdout.contains("eval at v5: solver at v5"), "{stdout}");
 }
+
+#[test]
+fn sigterm_stops_the_shm_weights_sender_cleanly_and_says_so_in_the_log() {
+    use std::io::{BufRead, Read};
+    use std::process::Stdio;
+    use std::time::{Duration, Instant};
+    let mut sender = Command::new(example("shm_weights"))
+        .arg("100000")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stdout = std::io::BufReader::new(sender.stdout.take().unwrap());
+    let mut seen = String::new();
+    while !seen.contains("acknowledged by both receivers") {
+        let mut line = String::new();
+        assert!(stdout.read_line(&mut line).unwrap() > 0, "{seen}");
+        seen.push_str(&line);
+    }
+    let kill = Command::new("kill")
+        .args(["-TERM", &sender.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(kill.success());
+    let t = Instant::now();
+    let status = loop {
+        if let Some(s) = sender.try_wait().unwrap() {
+            break s;
+        }
+        assert!(t.elapsed() < Duration::from_secs(20), "no exit on SIGTERM");
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert_eq!(status.code(), Some(143), "{status:?}");
+    let mut stderr = String::new();
+    sender
+        .stderr
+        .take()
+        .unwrap()
+        .read_to_string(&mut stderr)
+        .unwrap();
+    // the subscriber is installed: the signal thread's warning reaches stderr
+    assert!(
+        stderr.contains("SIGTERM") && stderr.contains("releasing shared memory"),
+        "{stderr}"
+    );
+    // the receivers saw the board shut down and left (their stdout closes)
+    stdout.read_to_string(&mut seen).unwrap();
+    for r in 0..2 {
+        assert!(
+            seen.contains(&format!("receiver {r}: sender left (shut down)")),
+            "{seen}"
+        );
+    }
+}
+
+#[test]
+fn a_bad_rust_log_is_reported_and_the_default_used() {
+    let out = Command::new(example("engine_layout"))
+        .env("RUST_LOG", "refit=notalevel")
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("ignoring RUST_LOG"), "{stderr}");
+}

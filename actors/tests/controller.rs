@@ -532,3 +532,29 @@ async fn without_an_evaluator_rollouts_stay_paused_until_end_validate() {
     let e = n.notify(Version(2)).await.unwrap_err().to_string();
     assert!(e.contains("version 2 refused"), "{e}");
 }
+
+#[actix_rt::test]
+async fn a_policy_error_with_no_caller_lands_in_the_status_not_only_the_log() {
+    use refit_actors::actor::BatchReady;
+    let m = id("policy");
+    let (_s, r) = scheme(&m);
+    let engine = engine_with(vec![(m.clone(), Box::new(r) as Box<dyn WeightInlet>)]);
+    let cfg = SyncConfig::with_mode(SyncMode::BatchAsync);
+    let ctl =
+        WeightSyncController::new(&cfg, vec![m.clone()], vec![EngineHandle::of(&engine)], None)
+            .unwrap()
+            .start();
+    // a batch for a model the controller does not run: nobody awaits the answer
+    ctl.send(BatchReady { model: id("ghost") }).await.unwrap();
+    let status = ctl.send(GetStatus).await.unwrap();
+    let errors: Vec<&String> = status
+        .events
+        .iter()
+        .filter_map(|e| match &e.kind {
+            SyncEventKind::PolicyError(msg) => Some(msg),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(errors.len(), 1, "{:?}", status.events);
+    assert!(errors[0].contains("ghost"), "{}", errors[0]);
+}

@@ -16,11 +16,14 @@
 //!   staleness filter, validation cadence and the multi-model version barrier, as plain code.
 //! - [`node`]: processes that host handlers on TCP: remote calls with deadlines, streams,
 //!   a rendezvous store, launch variables, the cluster token.
+//! - [`cleanup`]: SIGINT/SIGTERM release shared-memory segments (and whatever else a
+//!   component registers) before the process exits with 130/143.
 #![warn(missing_docs, unreachable_pub, missing_debug_implementations)]
 
 mod arena;
 pub mod bucket;
 pub mod cast;
+pub mod cleanup;
 pub mod delta;
 pub mod dtype;
 pub mod error;

@@ -15,6 +15,46 @@ const ROLE: &str = "REFIT_CHILD_ROLE";
 const SPEC: &str = "REFIT_CHILD_SPEC";
 const T: Duration = Duration::from_secs(20);
 
+/// The lease of the pid-namespace tests: death is told by the heartbeat alone.
+const NS_LEASE: Duration = Duration::from_millis(500);
+
+/// Runs the child in a new pid namespace (`unshare --pid --fork`; with a user namespace
+/// when not root), stdin piped: its pid there (1) means nothing here.
+fn spawn_child_in_pid_ns(role: &str, spec: &ShmReceiverSpec) -> Child {
+    // SAFETY: geteuid has no preconditions and touches no memory.
+    let root = unsafe { libc::geteuid() } == 0;
+    let mut cmd = Command::new("unshare");
+    if !root {
+        cmd.args(["--user", "--map-root-user"]);
+    }
+    cmd.args(["--pid", "--fork"])
+        .arg(std::env::current_exe().unwrap())
+        .args(["child_entry", "--exact", "--nocapture", "--test-threads=1"])
+        .env(ROLE, role)
+        .env(SPEC, wire::to_token(spec).unwrap())
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .expect("`unshare` (util-linux) runs the pid-namespace tests")
+}
+
+/// Waits (bounded) for a process that is not our child to be gone or a zombie.
+fn wait_gone(pid: u32) {
+    let t = Instant::now();
+    loop {
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+        let state = stat
+            .rsplit_once(')')
+            .and_then(|(_, r)| r.trim_start().chars().next());
+        if state.is_none_or(|c| c == 'Z' || c == 'X') {
+            return;
+        }
+        assert!(t.elapsed() < T, "process {pid} still runs");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
 fn spawn_child(role: &str, spec: &ShmReceiverSpec) -> Child {
     Command::new(std::env::current_exe().unwrap())
         .args(["child_entry", "--exact", "--nocapture", "--test-threads=1"])
@@ -124,6 +164,69 @@ fn child_entry() {
             println!("pinned");
             std::thread::sleep(Duration::from_secs(60));
         }
+        "hold-slots" => {
+            // a sender holding 3 slots per model, with a receiver process of its own, until
+            // a signal ends it
+            refit_runtime::cleanup::install_signal_handlers().unwrap();
+            let m = manifest(4096);
+            let ms = manifests(&[("policy", &m), ("critic", &m)]);
+            let cfg = ShmConfig {
+                dir: spec.board.parent().unwrap().to_path_buf(),
+                slots: 3,
+                expected_receivers: 1,
+                ..ShmConfig::default()
+            };
+            let sender = ShmSender::create(&cfg, &ms).unwrap();
+            let paths = sender.segment_paths();
+            // this process ends on the signal, before it could wait for the reader, which
+            // then leaves on its own and is reaped by its new parent
+            #[expect(clippy::zombie_processes, reason = "ends on a signal, never waits")]
+            let reader = spawn_child("reader-copy", &sender.receiver_spec());
+            let mut s = SenderInit::new(sender, ms)
+                .connect(vec![stamped("policy", &m, 1), stamped("critic", &m, 1)], T)
+                .unwrap();
+            for v in 2..=3 {
+                s.send_group(vec![stamped("policy", &m, v), stamped("critic", &m, v)])
+                    .unwrap();
+            }
+            let paths: Vec<String> = paths.iter().map(|p| p.display().to_string()).collect();
+            println!("held={},{}", reader.id(), paths.join(","));
+            std::thread::sleep(T * 3);
+            panic!("no signal came");
+        }
+        "ns-sender" => {
+            // a sender that dies without cleaning up when the parent says so
+            let m = manifest(4096);
+            let ms = manifests(&[("policy", &m)]);
+            let cfg = ShmConfig {
+                dir: spec.board.parent().unwrap().to_path_buf(),
+                expected_receivers: 1,
+                lease: NS_LEASE,
+                ..ShmConfig::default()
+            };
+            let sender = ShmSender::create(&cfg, &ms).unwrap();
+            println!("{}", wire::to_token(&sender.receiver_spec()).unwrap());
+            let mut s = SenderInit::new(sender, ms)
+                .connect(vec![stamped("policy", &m, 1)], T)
+                .unwrap();
+            s.send(stamped("policy", &m, 2)).unwrap();
+            let mut line = String::new();
+            std::io::stdin().read_line(&mut line).unwrap();
+            std::process::exit(3);
+        }
+        "ns-pinner" => {
+            let r = ReceiverInit::new(
+                ShmReceiver::new(spec).with_mode(ShmReadMode::ZeroCopy),
+                None,
+            )
+            .connect(T)
+            .unwrap();
+            let _kept = r.current(&id("policy")).unwrap();
+            println!("pinned");
+            let mut line = String::new();
+            std::io::stdin().read_line(&mut line).unwrap();
+            std::process::exit(3);
+        }
         other => panic!("unknown role {other}"),
     }
 }
@@ -225,4 +328,207 @@ fn killed_receiver_does_not_block_the_sender() {
     }
     assert!(t.elapsed() < Duration::from_secs(5));
     assert_eq!(s.transport().attached().unwrap(), 0);
+}
+
+/// Sends `signal` to a sender holding 3 slots of two models (and a receiver process):
+/// it exits with 128 + signal, its segments are gone from `/dev/shm` and its receiver left.
+fn signal_releases_everything(signal: i32) {
+    let placeholder = ShmReceiverSpec {
+        board: std::path::PathBuf::from("/dev/shm/unused"),
+    };
+    let mut child = spawn_child("hold-slots", &placeholder);
+    let held = read_line_where(&mut child, |l| l.strip_prefix("held=").map(str::to_string));
+    let mut parts = held.split(',');
+    let reader: u32 = parts.next().unwrap().parse().unwrap();
+    let paths: Vec<std::path::PathBuf> = parts.map(Into::into).collect();
+    assert_eq!(paths.len(), 3, "board and two data segments: {paths:?}");
+    for p in &paths {
+        assert!(p.starts_with("/dev/shm") && p.exists(), "{}", p.display());
+    }
+    let pid = libc::pid_t::try_from(child.id()).unwrap();
+    // SAFETY: kill only sends a signal to our own child, which we have not reaped yet.
+    assert_eq!(unsafe { libc::kill(pid, signal) }, 0);
+    let t = Instant::now();
+    let status = loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            break s;
+        }
+        assert!(
+            t.elapsed() < T,
+            "the sender did not exit on signal {signal}"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert_eq!(status.code(), Some(128 + signal), "{status:?}");
+    for p in &paths {
+        assert!(!p.exists(), "{} left behind", p.display());
+    }
+    // its receiver saw the sender leave and exited
+    wait_gone(reader);
+}
+
+#[test]
+fn sigterm_releases_the_segments_and_the_receiver() {
+    signal_releases_everything(libc::SIGTERM);
+}
+
+#[test]
+fn sigint_releases_the_segments_and_the_receiver() {
+    signal_releases_everything(libc::SIGINT);
+}
+
+#[test]
+fn a_dead_sender_whose_pid_was_reused_is_still_dead_and_collected() {
+    let dir = tempfile::tempdir().unwrap();
+    let placeholder = ShmReceiverSpec {
+        board: dir.path().join("unused"),
+    };
+    let mut child = spawn_child("crash-sender", &placeholder);
+    let spec: ShmReceiverSpec = read_line_where(&mut child, |l| wire::from_token(l).ok());
+    let mut first = ReceiverInit::new(ShmReceiver::new(spec.clone()), None)
+        .connect(T)
+        .unwrap();
+    while let Ok(Some(_)) = first.receive(T) {}
+    assert!(!child.wait().unwrap().success());
+    // its pid now names a live process started after it died, as a reused pid would: a
+    // receiver attaching now still learns that the sender is dead (start times are kept in
+    // 10 ms ticks: the stand-in starts well after the sender)
+    std::thread::sleep(Duration::from_millis(50));
+    let mut stand_in = Command::new("sleep").arg("60").spawn().unwrap();
+    refit_transports::shm::overwrite_sender_pid(&spec, stand_in.id()).unwrap();
+    let mut late = ReceiverInit::new(ShmReceiver::new(spec.clone()), None)
+        .connect(T)
+        .unwrap();
+    assert_eq!(late.version(&id("policy")), Version(5));
+    let err = late.receive(T).unwrap_err();
+    let Error::PeerGone { reason, .. } = &err else {
+        panic!("{err}")
+    };
+    assert!(reason.contains("another process"), "{reason}");
+    stand_in.kill().unwrap();
+    stand_in.wait().unwrap();
+    // the next sender in the directory removes the dead one's segments, and only those
+    let m = manifest(64);
+    let cfg = ShmConfig {
+        dir: dir.path().to_path_buf(),
+        ..ShmConfig::default()
+    };
+    let live = ShmSender::create(&cfg, &manifests(&[("policy", &m)])).unwrap();
+    let next = ShmSender::create(&cfg, &manifests(&[("policy", &m)])).unwrap();
+    assert_eq!(live.collected().len(), 2, "{:?}", live.collected());
+    assert!(live.collected().contains(&spec.board));
+    assert!(
+        next.collected().is_empty(),
+        "a live sender's segments were taken"
+    );
+    let left: Vec<_> = std::fs::read_dir(dir.path()).unwrap().collect();
+    assert_eq!(left.len(), 4, "two live senders, two segments each");
+}
+
+#[test]
+fn a_sender_in_another_pid_namespace_is_declared_dead_by_its_heartbeat() {
+    let dir = tempfile::tempdir().unwrap();
+    let placeholder = ShmReceiverSpec {
+        board: dir.path().join("unused"),
+    };
+    let mut child = spawn_child_in_pid_ns("ns-sender", &placeholder);
+    let spec: ShmReceiverSpec = read_line_where(&mut child, |l| wire::from_token(l).ok());
+    let mut r = ReceiverInit::new(ShmReceiver::new(spec), None)
+        .connect(T)
+        .unwrap();
+    let p = id("policy");
+    while r.version(&p) < Version(2) {
+        r.receive(T).unwrap().unwrap();
+    }
+    // alive and beating: no false alarm over several leases
+    assert!(r.receive(NS_LEASE * 4).unwrap().is_none());
+    {
+        use std::io::Write;
+        let stdin = child.stdin.as_mut().unwrap();
+        stdin.write_all(b"die\n").unwrap();
+    }
+    assert_eq!(child.wait().unwrap().code(), Some(3));
+    let t = Instant::now();
+    let err = r.receive(T).unwrap_err();
+    let Error::PeerGone { reason, .. } = &err else {
+        panic!("{err}")
+    };
+    assert!(reason.contains("no heartbeat"), "{reason}");
+    assert!(t.elapsed() < T / 2, "{:?}", t.elapsed());
+    assert_eq!(r.version(&p), Version(2));
+    // and the next sender collects what it left
+    let cfg = ShmConfig {
+        dir: dir.path().to_path_buf(),
+        ..ShmConfig::default()
+    };
+    let next = ShmSender::create(&cfg, &manifests(&[("policy", &manifest(64))])).unwrap();
+    assert_eq!(next.collected().len(), 2, "{:?}", next.collected());
+}
+
+#[test]
+fn a_receiver_in_another_pid_namespace_is_reaped_by_its_heartbeat() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = manifest(64);
+    let ms = manifests(&[("policy", &m)]);
+    let cfg = ShmConfig {
+        dir: dir.path().to_path_buf(),
+        expected_receivers: 1,
+        lease: NS_LEASE,
+        ..ShmConfig::default()
+    };
+    let sender = ShmSender::create(&cfg, &ms).unwrap();
+    let spec = sender.receiver_spec();
+    let mut child = spawn_child_in_pid_ns("ns-pinner", &spec);
+    let mut s = SenderInit::new(sender, ms)
+        .with_ack_timeout(T)
+        .connect(vec![stamped("policy", &m, 1)], T)
+        .unwrap();
+    read_line_where(&mut child, |l| (l == "pinned").then_some(()));
+    // beating: kept over several leases
+    std::thread::sleep(NS_LEASE * 4);
+    assert_eq!(s.transport().attached().unwrap(), 1);
+    {
+        use std::io::Write;
+        child.stdin.as_mut().unwrap().write_all(b"die\n").unwrap();
+    }
+    assert_eq!(child.wait().unwrap().code(), Some(3));
+    let t = Instant::now();
+    while s.transport().attached().unwrap() != 0 {
+        assert!(t.elapsed() < T, "the dead receiver was never reaped");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let departed = s.transport().departed();
+    assert_eq!(departed.len(), 1, "{departed:?}");
+    assert!(departed[0].reason.contains("no heartbeat"), "{departed:?}");
+    // nobody left to wait for: sends go through
+    for v in 2..=5 {
+        s.send(stamped("policy", &m, v)).unwrap();
+    }
+}
+
+#[test]
+fn a_scheme_larger_than_the_segment_directory_is_refused_with_the_fix() {
+    let huge = std::sync::Arc::new(
+        refit_runtime::Manifest::builder()
+            .tensor("w", refit_runtime::DType::F32, &[1 << 40])
+            .build()
+            .unwrap(),
+    );
+    let err =
+        ShmSender::create(&ShmConfig::default(), &manifests(&[("policy", &huge)])).unwrap_err();
+    let Error::Path { source, path, .. } = &err else {
+        panic!("{err}")
+    };
+    assert_eq!(source.kind(), std::io::ErrorKind::StorageFull, "{err}");
+    assert!(!path.exists(), "a segment was created: {}", path.display());
+    let msg = err.to_string();
+    for needle in [
+        "/dev/shm",
+        "--shm-size",
+        "emptyDir",
+        "medium: Memory",
+        "needed",
+    ] {
+        assert!(msg.contains(needle), "{msg}");
+    }
 }

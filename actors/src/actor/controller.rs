@@ -150,7 +150,7 @@ pub struct ModelStatus {
     pub loads: u64,
     /// Loads that failed (the previous version stayed served).
     pub failed_loads: u64,
-    /// The last load error.
+    /// The last load error, or the last sync-policy error.
     pub last_error: Option<String>,
 }
 
@@ -212,6 +212,9 @@ pub enum SyncEventKind {
     Evaluated(Version),
     /// Every trainer of the round was released.
     Released(Version),
+    /// A sync-policy rule refused a step the controller was carrying out (the message
+    /// names it); also the model's `last_error`.
+    PolicyError(String),
 }
 
 impl std::fmt::Display for SyncEventKind {
@@ -237,6 +240,7 @@ impl std::fmt::Display for SyncEventKind {
             Self::Step(s) => write!(f, "leader: {s}"),
             Self::Evaluated(v) => write!(f, "validation at v{v} done"),
             Self::Released(v) => write!(f, "trainers released at v{v}"),
+            Self::PolicyError(e) => write!(f, "sync policy error: {e}"),
         }
     }
 }
@@ -456,7 +460,7 @@ impl WeightSyncController {
         match next {
             Ok(Some(next)) => self.start_load(next, ctx),
             Ok(None) => {}
-            Err(e) => tracing::error!("sync policy: {e}"),
+            Err(e) => self.policy_error(&order.model, e.to_string()),
         }
         self.wake();
         self.wake_synced();
@@ -479,6 +483,14 @@ impl WeightSyncController {
     fn next_id(&mut self) -> u64 {
         self.next_id += 1;
         self.next_id
+    }
+
+    /// A policy error with no caller to answer: logged, put on the timeline and kept as the
+    /// model's `last_error`, so a run's report shows it (not only the log).
+    fn policy_error(&mut self, model: &ModelId, msg: String) {
+        tracing::error!(model = %model, "sync policy: {msg}");
+        self.event(Some(model), SyncEventKind::PolicyError(msg.clone()));
+        self.counters(model).last_error = Some(msg);
     }
 
     /// `"; last load error: .."` for a model whose last load failed, else empty.
@@ -743,7 +755,7 @@ impl Handler<BatchReady> for WeightSyncController {
     fn handle(&mut self, msg: BatchReady, _: &mut Context<Self>) {
         self.event(Some(&msg.model), SyncEventKind::BatchReady);
         if let Err(e) = self.policy.batch_ready(&msg.model) {
-            tracing::error!("batch ready: {e}");
+            self.policy_error(&msg.model, format!("batch ready: {e}"));
         }
     }
 }

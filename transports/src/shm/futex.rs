@@ -1,71 +1,27 @@
-//! Process-shared futex waits and wake-ups, and process liveness checks (Linux).
+//! Process-shared futex waits and wake-ups (Linux), through `rustix`.
 
 use std::sync::atomic::AtomicU32;
 use std::time::Duration;
 
+use rustix::thread::futex;
+
 /// Sleeps while `word` holds `expected`, at most `timeout` (spurious wake-ups are possible).
 pub(crate) fn wait(word: &AtomicU32, expected: u32, timeout: Duration) {
-    let ts = libc::timespec {
-        tv_sec: timeout.as_secs().min(i64::MAX as u64) as libc::time_t,
-        tv_nsec: libc::c_long::from(timeout.subsec_nanos() as i32),
+    let ts = futex::Timespec {
+        tv_sec: i64::try_from(timeout.as_secs()).unwrap_or(i64::MAX),
+        tv_nsec: i64::from(timeout.subsec_nanos()),
     };
-    // SAFETY: `word` is a live, 4-byte-aligned AtomicU32 (in a shared mapping or on the heap)
-    // for the duration of the call; FUTEX_WAIT without the PRIVATE flag keys the wait on the
-    // physical page, so waiters in other processes mapping the same file are woken too. The
-    // kernel only reads the word and the timespec; a changed value returns EAGAIN at once.
-    unsafe {
-        libc::syscall(
-            libc::SYS_futex,
-            word.as_ptr(),
-            libc::FUTEX_WAIT,
-            expected,
-            &ts as *const libc::timespec,
-            std::ptr::null::<u32>(),
-            0u32,
-        );
-    }
+    // Without `Flags::PRIVATE` the wait is keyed on the physical page, so waiters in other
+    // processes mapping the same file are woken too. A changed value (EAGAIN), the timeout
+    // (ETIMEDOUT) and a signal (EINTR) all simply return: every caller loops and re-reads.
+    let _ = futex::wait(word, futex::Flags::empty(), expected, Some(&ts));
 }
 
 /// Wakes every process waiting on `word`.
 pub(crate) fn wake_all(word: &AtomicU32) {
-    // SAFETY: as in `wait`; FUTEX_WAKE only uses the address as a key and never writes it.
-    unsafe {
-        libc::syscall(
-            libc::SYS_futex,
-            word.as_ptr(),
-            libc::FUTEX_WAKE,
-            i32::MAX,
-            std::ptr::null::<libc::timespec>(),
-            std::ptr::null::<u32>(),
-            0u32,
-        );
-    }
-}
-
-/// True when a process with this pid exists and has not exited (a zombie, exited but not yet
-/// reaped by its parent, counts as dead).
-pub(crate) fn alive(pid: u32) -> bool {
-    let Ok(pid) = libc::pid_t::try_from(pid) else {
-        return false;
-    };
-    if pid <= 0 {
-        return false;
-    }
-    // SAFETY: kill with signal 0 sends nothing; it only checks that the pid exists and that we
-    // may signal it. No memory is touched.
-    let r = unsafe { libc::kill(pid, 0) };
-    if r != 0 && std::io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH) {
-        return false;
-    }
-    // "pid (comm) S ...": the state letter follows the last ')'
-    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
-        Ok(stat) => !matches!(
-            stat.rsplit_once(')')
-                .and_then(|(_, rest)| rest.trim_start().chars().next()),
-            Some('Z' | 'X')
-        ),
-        Err(_) => true,
-    }
+    // FUTEX_WAKE only uses the address as a key; it cannot fail for a valid, aligned word.
+    // The count is an `int` to the kernel: `i32::MAX` means everyone (`u32::MAX` would read as -1).
+    let _ = futex::wake(word, futex::Flags::empty(), i32::MAX as u32);
 }
 
 #[cfg(test)]
@@ -100,21 +56,26 @@ mod tests {
     }
 
     #[test]
-    fn liveness() {
-        assert!(alive(std::process::id()));
-        let mut child = std::process::Command::new("true").spawn().unwrap();
-        let pid = child.id();
-        let t = Instant::now();
-        while alive(pid) {
-            assert!(
-                t.elapsed() < Duration::from_secs(5),
-                "exited child still alive"
-            );
-            std::thread::sleep(Duration::from_millis(5));
+    fn wake_all_wakes_every_waiter() {
+        let w = Arc::new(AtomicU32::new(0));
+        let waiters: Vec<_> = (0..4)
+            .map(|_| {
+                let w = Arc::clone(&w);
+                std::thread::spawn(move || {
+                    let t = Instant::now();
+                    while w.load(Ordering::SeqCst) == 0 {
+                        wait(&w, 0, Duration::from_secs(30));
+                    }
+                    t.elapsed()
+                })
+            })
+            .collect();
+        std::thread::sleep(Duration::from_millis(100));
+        w.store(1, Ordering::SeqCst);
+        wake_all(&w);
+        for h in waiters {
+            // one wake-up each, long before the 30 s timeout
+            assert!(h.join().unwrap() < Duration::from_secs(20));
         }
-        child.wait().unwrap();
-        assert!(!alive(pid));
-        assert!(!alive(0));
-        assert!(!alive(u32::MAX));
     }
 }

@@ -4,10 +4,11 @@
 //!
 //! ```text
 //! 0    magic u64 | layout u32 | n_models u32 | n_slots u32 | max_receivers u32
-//! 24   sender_pid u32 | state u32 | commit_seq u32 (seqlock + futex) | ack_seq u32 (futex)
+//! 24   (unused) u32 | state u32 | commit_seq u32 (seqlock + futex) | ack_seq u32 (futex)
 //! 40   directory_len u64 | generation u64
 //! 64   per model: version u64, slot u64                         (MAX_MODELS entries)
-//! 256  per receiver (RECEIVER_STRIDE bytes): state u32, pid u32, ...
+//! 192  the sender's owner record (pid, lease, start time, pid namespace, heartbeat)
+//! 256  per receiver (RECEIVER_STRIDE bytes): state u32, +8 owner record, ...
 //!      +64 acked version per model u64, +128 pins[model][slot] u32
 //! DIR  msgpack of the directory (manifests, data segment paths), page-aligned
 //! ```
@@ -17,7 +18,8 @@
 
 /// "REFITSHM".
 pub(crate) const MAGIC: u64 = u64::from_le_bytes(*b"REFITSHM");
-pub(crate) const LAYOUT: u32 = 1;
+/// 2: owner records with heartbeats (layout 1 kept bare pids).
+pub(crate) const LAYOUT: u32 = 2;
 pub(crate) const PAGE: usize = 4096;
 /// Most models one scheme carries.
 pub const MAX_MODELS: usize = 8;
@@ -29,18 +31,20 @@ pub(crate) const OFF_LAYOUT: usize = 8;
 pub(crate) const OFF_N_MODELS: usize = 12;
 pub(crate) const OFF_N_SLOTS: usize = 16;
 pub(crate) const OFF_MAX_RECEIVERS: usize = 20;
-pub(crate) const OFF_SENDER_PID: usize = 24;
 pub(crate) const OFF_STATE: usize = 28;
 pub(crate) const OFF_COMMIT_SEQ: usize = 32;
 pub(crate) const OFF_ACK_SEQ: usize = 36;
 pub(crate) const OFF_DIR_LEN: usize = 40;
 pub(crate) const OFF_GENERATION: usize = 48;
 pub(crate) const OFF_ENTRIES: usize = 64;
+/// The sender's owner record (see `lease`).
+pub(crate) const OFF_SENDER: usize = 192;
 pub(crate) const ENTRY_STRIDE: usize = 16;
 pub(crate) const OFF_RECEIVERS: usize = 256;
 pub(crate) const RECEIVER_STRIDE: usize = 512;
 pub(crate) const R_STATE: usize = 0;
-pub(crate) const R_PID: usize = 4;
+/// A receiver's owner record (see `lease`), relative to its entry.
+pub(crate) const R_OWNER: usize = 8;
 pub(crate) const R_ACKED: usize = 64;
 pub(crate) const R_PINS: usize = 128;
 
@@ -77,6 +81,8 @@ pub(crate) fn slot_stride(arena_len: usize) -> usize {
     PAGE + round_up(arena_len.max(1))
 }
 
-const _: () = assert!(OFF_ENTRIES + MAX_MODELS * ENTRY_STRIDE <= OFF_RECEIVERS);
+const _: () = assert!(OFF_ENTRIES + MAX_MODELS * ENTRY_STRIDE <= OFF_SENDER);
+const _: () = assert!(OFF_SENDER + super::lease::REC_LEN <= OFF_RECEIVERS);
+const _: () = assert!(R_OWNER + super::lease::REC_LEN <= R_ACKED);
 const _: () = assert!(R_PINS + MAX_MODELS * MAX_SLOTS * 4 <= RECEIVER_STRIDE);
 const _: () = assert!(R_ACKED + MAX_MODELS * 8 <= R_PINS);

@@ -12,8 +12,16 @@
 //!   version) before and after, and so proves it saw one whole version.
 //! - Receivers sleep on a futex in the board and are woken by each commit; no busy-spinning.
 //! - A sender that crashes mid-write leaves its slot odd and the board on the old version:
-//!   readers keep the old weights and learn the sender's death from its pid.
-//! - Shutdown removes every segment file; mappings that readers still hold stay valid.
+//!   readers keep the old weights and learn the sender's death from its lease (see below).
+//! - Liveness does not trust bare pids: every party keeps an owner record in the board (pid,
+//!   start time, pid namespace, heartbeat). In the owner's pid namespace the start time
+//!   unmasks a reused pid at once; across namespaces (containers sharing `/dev/shm`) a
+//!   heartbeat older than the lease ([`ShmConfig::lease`]) declares the owner dead.
+//! - Shutdown removes every segment file; mappings that readers still hold stay valid. So
+//!   do SIGINT and SIGTERM once the program installed
+//!   [`refit_runtime::cleanup::install_signal_handlers`]. A sender that dies without
+//!   cleaning up (SIGKILL, the OOM killer) leaves its files; the next sender created in the
+//!   same directory removes them ([`ShmSender::collected`]).
 //!
 //! # Why there are no bucket control messages here
 //!
@@ -31,14 +39,16 @@
 //! unit of control here is the version, not the bucket; the same holds for the in-process
 //! transport, which moves no bytes at all.
 
+mod collect;
 mod futex;
 mod layout;
+mod lease;
 mod segment;
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering, fence};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use refit_runtime::{
@@ -49,13 +59,16 @@ use serde::{Deserialize, Serialize};
 
 use layout::*;
 pub use layout::{MAX_MODELS, MAX_SLOTS};
+use lease::{Heartbeat, Identity};
 use segment::Segment;
 
 use crate::pool::{BufPool, PooledBuf};
 
 const NAME: &str = "shm";
-/// How often a waiting receiver looks at the sender's pid.
+/// How often a waiting party checks the other side's liveness.
 const LIVENESS_EVERY: Duration = Duration::from_millis(100);
+/// Dead receivers [`ShmSender::departed`] remembers (the newest).
+const MAX_DEPARTED: usize = 256;
 
 /// Where and how the segments are made.
 #[derive(Debug, Clone)]
@@ -68,6 +81,10 @@ pub struct ShmConfig {
     pub max_receivers: usize,
     /// Receivers `connect` waits for before returning (default 0: whoever attaches).
     pub expected_receivers: usize,
+    /// How long a party's heartbeat may stay silent before the other side declares it
+    /// dead, where the exact check cannot be made (another pid namespace, no `/proc`).
+    /// Each party beats 8 times per lease. Default 3 s; 10 ms..=1 h.
+    pub lease: Duration,
 }
 
 impl Default for ShmConfig {
@@ -77,6 +94,7 @@ impl Default for ShmConfig {
             slots: 3,
             max_receivers: 64,
             expected_receivers: 0,
+            lease: Duration::from_secs(3),
         }
     }
 }
@@ -110,7 +128,7 @@ fn state_word(board: &Segment) -> Result<&AtomicU32> {
 }
 
 /// One consistent read of the commit record: `(version, slot)` per model.
-fn read_board(board: &Segment, n_models: usize, sender_pid: u32) -> Result<Vec<(u64, u64)>> {
+fn read_board(board: &Segment, n_models: usize, lease: Duration) -> Result<Vec<(u64, u64)>> {
     let seq = board.u32_at(OFF_COMMIT_SEQ)?;
     let started = Instant::now();
     loop {
@@ -127,18 +145,39 @@ fn read_board(board: &Segment, n_models: usize, sender_pid: u32) -> Result<Vec<(
             if seq.load(Ordering::Relaxed) == before {
                 return Ok(out);
             }
-        } else if started.elapsed() > LIVENESS_EVERY && !futex::alive(sender_pid) {
-            return Err(sender_gone(sender_pid, "died while committing"));
+        } else if started.elapsed() > LIVENESS_EVERY
+            && let Some(why) = lease::dead(board, OFF_SENDER, lease)?
+        {
+            return Err(sender_gone(board, format!("died while committing ({why})")));
         }
         std::thread::yield_now();
     }
 }
 
-fn sender_gone(pid: u32, reason: &str) -> Error {
+fn sender_gone(board: &Segment, reason: impl Into<String>) -> Error {
     Error::PeerGone {
-        peer: format!("shm sender (pid {pid})"),
+        peer: format!("shm sender (pid {})", lease::record_pid(board, OFF_SENDER)),
         reason: reason.into(),
     }
+}
+
+/// The sender's lease as its record states it.
+fn board_lease(board: &Segment) -> Result<Duration> {
+    let ms = board
+        .u32_at(OFF_SENDER + lease::REC_LEASE_MS)?
+        .load(Ordering::Relaxed);
+    Ok(Duration::from_millis(u64::from(ms.max(10))))
+}
+
+/// A receiver the sender found dead and freed (see [`ShmSender::departed`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DepartedReceiver {
+    /// Its entry in the receivers' table.
+    pub entry: usize,
+    /// Its pid, as it saw itself (another pid namespace numbers it differently).
+    pub pid: u32,
+    /// How its death was told (`process exited`, `no heartbeat for ..`).
+    pub reason: String,
 }
 
 /// A slot lent to the caller (see [`ShmSender::loan`]).
@@ -180,7 +219,12 @@ impl SharedBytes for SlotBytes {
 /// The sending end: owns the segments.
 #[derive(Debug)]
 pub struct ShmSender {
-    board: Segment,
+    board: Arc<Segment>,
+    heartbeat: Option<Heartbeat>,
+    exit_guard: Option<refit_runtime::cleanup::ExitGuard>,
+    collected: Vec<PathBuf>,
+    lease: Duration,
+    departed: Mutex<Vec<DepartedReceiver>>,
     data: Vec<Arc<Segment>>,
     manifests: Vec<Arc<Manifest>>,
     loans: Vec<Option<Loan>>,
@@ -197,7 +241,10 @@ impl ShmSender {
     ///
     /// # Errors
     /// Bad configuration (fewer than 2 or more than [`MAX_SLOTS`] slots, more than
-    /// [`MAX_MODELS`] models), or the files cannot be created.
+    /// [`MAX_MODELS`] models, a lease outside 10 ms..=1 h), or the files cannot be created.
+    /// A directory without room for the segments gives, before anything is created, an
+    /// [`Error::Path`] whose source is of kind `StorageFull`, naming the sizes and how to
+    /// enlarge `/dev/shm` (Docker `--shm-size`, a Kubernetes memory `emptyDir`).
     pub fn create(config: &ShmConfig, manifests: &Manifests) -> Result<Self> {
         if !(2..=MAX_SLOTS).contains(&config.slots) {
             return Err(shm_err(format!(
@@ -214,46 +261,98 @@ impl ShmSender {
         if config.max_receivers == 0 || config.max_receivers > 4096 {
             return Err(shm_err("max_receivers must be 1..=4096"));
         }
+        let lease_ms = u32::try_from(config.lease.as_millis())
+            .ok()
+            .filter(|ms| (10..=3_600_000).contains(ms))
+            .ok_or_else(|| shm_err(format!("lease must be 10 ms..=1 h, got {:?}", config.lease)))?;
         let scheme = uuid::Uuid::new_v4().simple().to_string();
-        let mut data = Vec::new();
         let mut models = Vec::new();
+        let mut sizes = Vec::new();
         let mut index = BTreeMap::new();
-        let cleanup = |segs: &[Arc<Segment>]| {
-            for s in segs {
-                let _ = s.unlink();
-            }
-        };
         for (i, (id, manifest)) in manifests.iter().enumerate() {
-            let path = config.dir.join(format!("refit-{scheme}-m{i}"));
             let len = slot_stride(manifest.total_len())
                 .checked_mul(config.slots)
                 .ok_or_else(|| shm_err("segment size overflows"))?;
-            match Segment::create(&path, len) {
-                Ok(s) => data.push(Arc::new(s)),
-                Err(e) => {
-                    cleanup(&data);
-                    return Err(e);
-                }
-            }
+            sizes.push(len);
             index.insert(id.clone(), i);
             models.push(DirModel {
                 id: id.clone(),
                 manifest: (**manifest).clone(),
-                data: path,
+                data: config.dir.join(format!("refit-{scheme}-m{i}")),
             });
         }
+        let paths: Vec<PathBuf> = models.iter().map(|m| m.data.clone()).collect();
         let dir_bytes = wire::encode(&Directory { models })?;
         let dir_off = directory_offset(config.max_receivers);
         let board_path = config.dir.join(format!("refit-{scheme}-board"));
-        let board = match Segment::create(&board_path, dir_off + round_up(dir_bytes.len())) {
-            Ok(b) => b,
-            Err(e) => {
-                cleanup(&data);
-                return Err(e);
+        let board_len = dir_off + round_up(dir_bytes.len());
+        let collected = collect::collect_dead(&config.dir);
+        let needed = sizes
+            .iter()
+            .try_fold(board_len, |a, &b| a.checked_add(b))
+            .ok_or_else(|| shm_err("segment size overflows"))?;
+        segment::check_space(&config.dir, &board_path, needed as u64)?;
+        // The board comes first and names its owner at once, so that whatever this sender
+        // leaves behind if it dies is collected by the next one.
+        let board = Arc::new(Segment::create(&board_path, board_len)?);
+        let fail = |data: &[Arc<Segment>], e: Error| {
+            let _ = board.unlink();
+            for d in data {
+                let _ = d.unlink();
             }
+            e
         };
-        let sender = Self {
+        let init = (|| -> Result<()> {
+            let b = &board;
+            b.u32_at(OFF_LAYOUT)?.store(LAYOUT, Ordering::Relaxed);
+            b.u32_at(OFF_SENDER + lease::REC_LEASE_MS)?
+                .store(lease_ms, Ordering::Relaxed);
+            lease::write_record(b, OFF_SENDER, Identity::current())?;
+            b.write(dir_off, &dir_bytes)?;
+            b.u32_at(OFF_N_MODELS)?
+                .store(manifests.len() as u32, Ordering::Relaxed);
+            b.u32_at(OFF_N_SLOTS)?
+                .store(config.slots as u32, Ordering::Relaxed);
+            b.u32_at(OFF_MAX_RECEIVERS)?
+                .store(config.max_receivers as u32, Ordering::Relaxed);
+            b.u64_at(OFF_DIR_LEN)?
+                .store(dir_bytes.len() as u64, Ordering::Relaxed);
+            Ok(())
+        })();
+        if let Err(e) = init {
+            return Err(fail(&[], e));
+        }
+        let heartbeat = match Heartbeat::start(Arc::clone(&board), OFF_SENDER, config.lease) {
+            Ok(h) => h,
+            Err(e) => return Err(fail(&[], e)),
+        };
+        let mut data = Vec::with_capacity(paths.len());
+        for (path, &len) in paths.iter().zip(&sizes) {
+            match Segment::create(path, len) {
+                Ok(s) => data.push(Arc::new(s)),
+                Err(e) => return Err(fail(&data, e)),
+            }
+        }
+        if let Err(e) = board
+            .u64_at(OFF_MAGIC)
+            .map(|m| m.store(MAGIC, Ordering::Release))
+        {
+            return Err(fail(&data, e));
+        }
+        // SIGINT/SIGTERM (with the handlers installed) release the segments as shutdown does
+        let exit_guard = refit_runtime::cleanup::on_exit_signal({
+            let (board, data) = (Arc::clone(&board), data.clone());
+            move || {
+                let _ = release(&board, &data);
+            }
+        });
+        Ok(Self {
             board,
+            heartbeat: Some(heartbeat),
+            exit_guard: Some(exit_guard),
+            collected,
+            lease: config.lease,
+            departed: Mutex::new(Vec::new()),
             data,
             index,
             current: vec![None; manifests.len()],
@@ -263,22 +362,7 @@ impl ShmSender {
             max_receivers: config.max_receivers,
             expected_receivers: config.expected_receivers,
             closed: false,
-        };
-        sender.board.write(dir_off, &dir_bytes)?;
-        let b = &sender.board;
-        b.u32_at(OFF_LAYOUT)?.store(LAYOUT, Ordering::Relaxed);
-        b.u32_at(OFF_N_MODELS)?
-            .store(manifests.len() as u32, Ordering::Relaxed);
-        b.u32_at(OFF_N_SLOTS)?
-            .store(config.slots as u32, Ordering::Relaxed);
-        b.u32_at(OFF_MAX_RECEIVERS)?
-            .store(config.max_receivers as u32, Ordering::Relaxed);
-        b.u32_at(OFF_SENDER_PID)?
-            .store(std::process::id(), Ordering::Relaxed);
-        b.u64_at(OFF_DIR_LEN)?
-            .store(dir_bytes.len() as u64, Ordering::Relaxed);
-        b.u64_at(OFF_MAGIC)?.store(MAGIC, Ordering::Release);
-        Ok(sender)
+        })
     }
 
     /// The description a receiver (in any process of this host) attaches with.
@@ -290,7 +374,7 @@ impl ShmSender {
 
     /// Paths of every segment file (board first).
     pub fn segment_paths(&self) -> Vec<PathBuf> {
-        std::iter::once(&self.board)
+        std::iter::once(&*self.board)
             .chain(self.data.iter().map(|d| &**d))
             .map(|s| s.path().to_path_buf())
             .collect()
@@ -323,21 +407,43 @@ impl ShmSender {
             if state.load(Ordering::SeqCst) != RECEIVER_CLAIMED {
                 continue;
             }
-            let pid = self
-                .board
-                .u32_at(receiver(r) + R_PID)?
-                .load(Ordering::SeqCst);
-            if pid != 0 && !futex::alive(pid) {
-                tracing::warn!(receiver = r, pid, "shm receiver died; freeing its pins");
-                for m in 0..self.data.len() {
-                    for s in 0..self.slots {
-                        self.board.u32_at(pin(r, m, s))?.store(0, Ordering::SeqCst);
-                    }
+            let owner = receiver(r) + R_OWNER;
+            let Some(reason) = lease::dead(&self.board, owner, self.lease)? else {
+                continue;
+            };
+            let pid = lease::record_pid(&self.board, owner);
+            tracing::warn!(receiver = r, pid, %reason, "shm receiver died; freeing its pins");
+            for m in 0..self.data.len() {
+                for s in 0..self.slots {
+                    self.board.u32_at(pin(r, m, s))?.store(0, Ordering::SeqCst);
                 }
-                state.store(RECEIVER_FREE, Ordering::SeqCst);
+            }
+            lease::clear_record(&self.board, owner)?;
+            state.store(RECEIVER_FREE, Ordering::SeqCst);
+            if let Ok(mut departed) = self.departed.lock() {
+                if departed.len() == MAX_DEPARTED {
+                    departed.remove(0);
+                }
+                departed.push(DepartedReceiver {
+                    entry: r,
+                    pid,
+                    reason,
+                });
             }
         }
         Ok(())
+    }
+
+    /// Segment files of dead senders this sender removed when it was created (see the
+    /// module docs: a sender killed without cleaning up leaves its segments behind).
+    pub fn collected(&self) -> &[PathBuf] {
+        &self.collected
+    }
+
+    /// Receivers found dead and freed so far (the newest 256): a run's report should say
+    /// that a consumer vanished, not only the log.
+    pub fn departed(&self) -> Vec<DepartedReceiver> {
+        self.departed.lock().map(|d| d.clone()).unwrap_or_default()
     }
 
     fn pinned(&self, model: usize, slot: usize) -> Result<bool> {
@@ -399,12 +505,7 @@ impl ShmSender {
             for (id, v) in entries {
                 let m = self.model_index(id)?;
                 if self.board.u64_at(acked(r, m))?.load(Ordering::SeqCst) < v.get() {
-                    missing.push((
-                        r,
-                        self.board
-                            .u32_at(receiver(r) + R_PID)?
-                            .load(Ordering::SeqCst),
-                    ));
+                    missing.push((r, lease::record_pid(&self.board, receiver(r) + R_OWNER)));
                     break;
                 }
             }
@@ -482,6 +583,21 @@ impl ShmSender {
         }
         std::process::abort()
     }
+}
+
+/// Test hook: writes `pid` into the sender's owner record of the board at `spec`, as if the
+/// sender had died and its pid gone to another process. Used by the pid-reuse tests; never
+/// call it otherwise.
+///
+/// # Errors
+/// If the board cannot be opened.
+#[doc(hidden)]
+pub fn overwrite_sender_pid(spec: &ShmReceiverSpec, pid: u32) -> Result<()> {
+    let board = Segment::open(&spec.board, true)?;
+    board
+        .u32_at(OFF_SENDER + lease::REC_PID)?
+        .store(pid, Ordering::SeqCst);
+    Ok(())
 }
 
 impl SenderTransport for ShmSender {
@@ -592,18 +708,25 @@ impl SenderTransport for ShmSender {
             return Ok(());
         }
         self.closed = true;
-        let state = state_word(&self.board)?;
-        state.store(STATE_SHUTDOWN, Ordering::SeqCst);
-        futex::wake_all(state);
-        futex::wake_all(self.board.u32_at(OFF_COMMIT_SEQ)?);
-        let mut first_err = None;
-        for s in std::iter::once(&self.board).chain(self.data.iter().map(|d| &**d)) {
-            if let Err(e) = s.unlink() {
-                first_err.get_or_insert(e);
-            }
-        }
-        first_err.map_or(Ok(()), Err)
+        self.heartbeat = None;
+        self.exit_guard = None;
+        release(&self.board, &self.data)
     }
+}
+
+/// Tells receivers the sender left and removes every segment file (mappings stay valid).
+fn release(board: &Segment, data: &[Arc<Segment>]) -> Result<()> {
+    let state = state_word(board)?;
+    state.store(STATE_SHUTDOWN, Ordering::SeqCst);
+    futex::wake_all(state);
+    futex::wake_all(board.u32_at(OFF_COMMIT_SEQ)?);
+    let mut first_err = None;
+    for s in std::iter::once(board).chain(data.iter().map(|d| &**d)) {
+        if let Err(e) = s.unlink() {
+            first_err.get_or_insert(e);
+        }
+    }
+    first_err.map_or(Ok(()), Err)
 }
 
 impl Drop for ShmSender {
@@ -630,14 +753,14 @@ pub enum ShmReadMode {
 struct Lease {
     board: Arc<Segment>,
     idx: usize,
+    heartbeat: Option<Heartbeat>,
 }
 
 impl Drop for Lease {
     fn drop(&mut self) {
+        self.heartbeat = None;
         if let Ok(state) = self.board.u32_at(receiver(self.idx) + R_STATE) {
-            if let Ok(pid) = self.board.u32_at(receiver(self.idx) + R_PID) {
-                pid.store(0, Ordering::SeqCst);
-            }
+            let _ = lease::clear_record(&self.board, receiver(self.idx) + R_OWNER);
             state.store(RECEIVER_FREE, Ordering::SeqCst);
         }
         if let Ok(ack) = self.board.u32_at(OFF_ACK_SEQ) {
@@ -677,7 +800,8 @@ struct Attached {
     lease: Arc<Lease>,
     models: Vec<(ModelId, Arc<Manifest>, Arc<Segment>)>,
     n_slots: usize,
-    sender_pid: u32,
+    /// The sender's lease.
+    lease_len: Duration,
 }
 
 /// A receiving end.
@@ -736,10 +860,7 @@ impl ShmReceiver {
         match state_word(&board)?.load(Ordering::SeqCst) {
             STATE_LIVE => {}
             STATE_SHUTDOWN => {
-                return Err(sender_gone(
-                    board.u32_at(OFF_SENDER_PID)?.load(Ordering::Relaxed),
-                    "shut down",
-                ));
+                return Err(sender_gone(&board, "shut down"));
             }
             STATE_INIT => return Ok(None),
             other => return Err(shm_err(format!("board is in unknown state {other}"))),
@@ -763,9 +884,19 @@ impl ShmReceiver {
             }
             models.push((m.id, Arc::new(m.manifest), seg));
         }
+        let lease_len = board_lease(&board)?;
         let mut idx = None;
         for r in 0..max_receivers {
             let state = board.u32_at(receiver(r) + R_STATE)?;
+            if state.load(Ordering::SeqCst) != RECEIVER_FREE {
+                continue;
+            }
+            // a fresh beat before the claim: the sender's reaper, which may look at the
+            // entry before the identity is written, sees a live claimant (and rival
+            // claimants only ever write the same kind of value here)
+            board
+                .u64_at(receiver(r) + R_OWNER + lease::REC_BEAT)?
+                .store(lease::now_ns(), Ordering::SeqCst);
             if state
                 .compare_exchange(
                     RECEIVER_FREE,
@@ -781,17 +912,22 @@ impl ShmReceiver {
         }
         let idx =
             idx.ok_or_else(|| shm_err(format!("all {max_receivers} receiver entries are taken")))?;
-        board
-            .u32_at(receiver(idx) + R_PID)?
-            .store(std::process::id(), Ordering::SeqCst);
+        // from here on the lease frees the entry whatever fails
+        let mut lease = Lease {
+            board: Arc::clone(&board),
+            idx,
+            heartbeat: None,
+        };
+        lease::write_record(&board, receiver(idx) + R_OWNER, Identity::current())?;
+        lease.heartbeat = Some(Heartbeat::start(
+            Arc::clone(&board),
+            receiver(idx) + R_OWNER,
+            lease_len,
+        )?);
         for m in 0..MAX_MODELS {
             board.u64_at(acked(idx, m))?.store(0, Ordering::SeqCst);
         }
-        let sender_pid = board.u32_at(OFF_SENDER_PID)?.load(Ordering::Relaxed);
-        let lease = Arc::new(Lease {
-            board: Arc::clone(&board),
-            idx,
-        });
+        let lease = Arc::new(lease);
         let ack = board.u32_at(OFF_ACK_SEQ)?;
         ack.fetch_add(1, Ordering::SeqCst);
         futex::wake_all(ack);
@@ -800,7 +936,7 @@ impl ShmReceiver {
             lease,
             models,
             n_slots,
-            sender_pid,
+            lease_len,
         }))
     }
 
@@ -830,7 +966,7 @@ impl ShmReceiver {
             return Err(Error::State("shm receiver is not connected"));
         };
         loop {
-            let board = read_board(&a.board, a.models.len(), a.sender_pid)?;
+            let board = read_board(&a.board, a.models.len(), a.lease_len)?;
             let fresh: Vec<(usize, u64, usize)> = board
                 .iter()
                 .enumerate()
@@ -938,22 +1074,25 @@ impl ReceiverTransport for ShmReceiver {
     fn next_group(&mut self, deadline: Instant) -> Result<Option<Group>> {
         let mut last_check = Instant::now();
         loop {
-            let (commit_word, pid, state) = {
+            let (commit_word, state) = {
                 let a = self
                     .attached
                     .as_ref()
                     .ok_or(Error::State("shm receiver is not connected"))?;
                 (
                     a.board.u32_at(OFF_COMMIT_SEQ)?.load(Ordering::SeqCst),
-                    a.sender_pid,
                     state_word(&a.board)?.load(Ordering::SeqCst),
                 )
             };
             if let Some(g) = self.take_fresh()? {
                 return Ok(Some(g));
             }
+            let a = self
+                .attached
+                .as_ref()
+                .ok_or(Error::State("shm receiver is not connected"))?;
             if state == STATE_SHUTDOWN {
-                return Err(sender_gone(pid, "shut down"));
+                return Err(sender_gone(&a.board, "shut down"));
             }
             let now = Instant::now();
             if now >= deadline {
@@ -961,14 +1100,10 @@ impl ReceiverTransport for ShmReceiver {
             }
             if now.duration_since(last_check) >= LIVENESS_EVERY {
                 last_check = now;
-                if !futex::alive(pid) {
-                    return Err(sender_gone(pid, "process exited"));
+                if let Some(why) = lease::dead(&a.board, OFF_SENDER, a.lease_len)? {
+                    return Err(sender_gone(&a.board, why));
                 }
             }
-            let a = self
-                .attached
-                .as_ref()
-                .ok_or(Error::State("shm receiver is not connected"))?;
             futex::wait(
                 a.board.u32_at(OFF_COMMIT_SEQ)?,
                 commit_word,

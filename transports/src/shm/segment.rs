@@ -40,12 +40,76 @@ fn allocate(file: &File, path: &Path, len: usize) -> Result<()> {
     // SAFETY: the descriptor belongs to `file`, open for writing, for the whole call;
     // posix_fallocate touches no memory of ours.
     let rc = unsafe { libc::posix_fallocate(file.as_raw_fd(), 0, len) };
+    if rc == libc::ENOSPC {
+        return Err(no_space(path, len as u64));
+    }
     if rc != 0 {
         return Err(path_err(
             "reserving memory for shared-memory segment",
             path,
             std::io::Error::from_raw_os_error(rc),
         ));
+    }
+    Ok(())
+}
+
+/// `1.5 GiB`, `64.0 MiB`, `12 KiB`.
+fn human(bytes: u64) -> String {
+    const UNITS: [&str; 4] = ["KiB", "MiB", "GiB", "TiB"];
+    let mut v = bytes as f64;
+    if v < 1024.0 {
+        return format!("{bytes} B");
+    }
+    let mut unit = UNITS[0];
+    for u in UNITS {
+        v /= 1024.0;
+        unit = u;
+        if v < 1024.0 {
+            break;
+        }
+    }
+    format!("{v:.1} {unit}")
+}
+
+/// The error for a segment that does not fit: says how much is missing and how to get it
+/// (typed: an [`Error::Path`] whose source is [`std::io::ErrorKind::StorageFull`]).
+pub(crate) fn no_space(path: &Path, needed: u64) -> Error {
+    let dir = path.parent().unwrap_or(path);
+    let room = rustix::fs::statvfs(dir)
+        .map(|s| {
+            format!(
+                "{} free of {}",
+                human(s.f_bavail.saturating_mul(s.f_frsize)),
+                human(s.f_blocks.saturating_mul(s.f_frsize))
+            )
+        })
+        .unwrap_or_else(|e| format!("free space unknown ({e})"));
+    Error::Path {
+        context: "not enough shared memory for segment",
+        path: path.to_path_buf(),
+        source: std::io::Error::new(
+            std::io::ErrorKind::StorageFull,
+            format!(
+                "{} needed, {room} in {}; enlarge it (Docker: `docker run --shm-size=8g`, \
+                 Compose: `shm_size: 8gb`; Kubernetes: mount an `emptyDir` volume with \
+                 `medium: Memory` and a `sizeLimit` at /dev/shm) or point `ShmConfig::dir` \
+                 at a larger tmpfs",
+                human(needed),
+                dir.display()
+            ),
+        ),
+    }
+}
+
+/// Fails early, before anything is created, when `dir` has less than `needed` bytes free
+/// (the segments of a scheme are created one after another; finding out at the last one
+/// would waste the others). A directory whose free space cannot be read is not checked:
+/// creating the segments reports its own error.
+pub(crate) fn check_space(dir: &Path, first: &Path, needed: u64) -> Result<()> {
+    if let Ok(s) = rustix::fs::statvfs(dir)
+        && s.f_bavail.saturating_mul(s.f_frsize) < needed
+    {
+        return Err(no_space(first, needed));
     }
     Ok(())
 }
@@ -204,5 +268,26 @@ mod tests {
         s.unlink().unwrap();
         s.unlink().unwrap();
         assert!(!p.exists());
+    }
+
+    #[test]
+    fn a_full_directory_says_what_to_do() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("seg");
+        // more than any test machine has: refused before anything is created
+        let e = check_space(dir.path(), &p, 1 << 60).unwrap_err();
+        let Error::Path { source, .. } = &e else {
+            panic!("{e}")
+        };
+        assert_eq!(source.kind(), std::io::ErrorKind::StorageFull);
+        let msg = e.to_string();
+        for needle in ["--shm-size", "emptyDir", "medium: Memory", "free of"] {
+            assert!(msg.contains(needle), "{msg}");
+        }
+        assert!(msg.contains("1048576.0 TiB"), "{msg}");
+        assert!(!p.exists());
+        check_space(dir.path(), &p, 4096).unwrap();
+        assert_eq!(human(512), "512 B");
+        assert_eq!(human(3 << 29), "1.5 GiB");
     }
 }

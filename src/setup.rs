@@ -1,0 +1,41 @@
+//! What every Refit program does first: logging and signal handling.
+
+use std::io::IsTerminal;
+
+use tracing_subscriber::EnvFilter;
+
+/// Logging when `RUST_LOG` is not set: warnings and errors from everything, and Refit's
+/// own progress notes.
+pub const DEFAULT_LOG: &str =
+    "warn,refit=info,refit_runtime=info,refit_transports=info,refit_actors=info";
+
+/// Installs a `tracing` subscriber writing to stderr (stdout stays free for a program's
+/// output), filtered by `RUST_LOG` (for example `RUST_LOG=debug` or
+/// `RUST_LOG=refit_transports=trace`), else by [`DEFAULT_LOG`]. A `RUST_LOG` that does not
+/// parse is reported on stderr and the default is used. Calling it again does nothing.
+pub fn init_logging() {
+    let filter = match std::env::var("RUST_LOG") {
+        Ok(spec) if !spec.trim().is_empty() => EnvFilter::try_new(&spec).unwrap_or_else(|e| {
+            eprintln!("refit: ignoring RUST_LOG={spec:?} ({e}); using {DEFAULT_LOG:?}");
+            EnvFilter::new(DEFAULT_LOG)
+        }),
+        _ => EnvFilter::new(DEFAULT_LOG),
+    };
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal())
+        .try_init();
+}
+
+/// Sets a program up: [`init_logging`], then
+/// [`install_signal_handlers`](crate::runtime::cleanup::install_signal_handlers), so that
+/// SIGINT and SIGTERM release shared-memory segments before the process exits (with status
+/// 130 or 143). Every binary and example calls it first thing in `main`.
+///
+/// # Errors
+/// If the signal handlers cannot be installed.
+pub fn init() -> crate::runtime::Result<()> {
+    init_logging();
+    crate::runtime::cleanup::install_signal_handlers()
+}
