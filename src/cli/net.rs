@@ -50,6 +50,9 @@ pub(crate) struct ServeArgs {
     /// Re-read the file when it changes and publish it as the next version.
     #[arg(long)]
     watch: bool,
+    /// Serve the update phase timings (Prometheus text format) at http://ADDR/metrics.
+    #[arg(long)]
+    metrics_addr: Option<SocketAddr>,
     /// Stop after this many seconds (default: run until killed).
     #[arg(long)]
     seconds: Option<u64>,
@@ -149,6 +152,10 @@ fn mtime(path: &PathBuf) -> Option<SystemTime> {
 /// `refit serve`: a safetensors file served as a sender agent.
 pub(crate) fn serve(args: ServeArgs) -> ExitCode {
     exit((|| {
+        if let Some(addr) = args.metrics_addr {
+            let bound = super::metrics::serve(addr)?;
+            println!("metrics: http://{bound}/metrics");
+        }
         let model = ModelId::new(&args.model)?;
         let mut weights = WeightSet::read_safetensors(&args.file, Some(&model))?;
         weights.set_version(Version(1));
