@@ -11,9 +11,11 @@ use refit::runtime::{Error, Result};
 /// Installs the Prometheus recorder for this process and serves its page on `addr` (from a
 /// background thread); returns the bound address.
 pub(crate) fn serve(addr: SocketAddr) -> Result<SocketAddr> {
+    // ANCHOR: install
     let handle = PrometheusBuilder::new()
         .install_recorder()
         .map_err(|e| Error::Config(format!("--metrics-addr: cannot install the recorder: {e}")))?;
+    // ANCHOR_END: install
     let listener = TcpListener::bind(addr).map_err(|e| Error::io(format!("binding {addr}"), e))?;
     let bound = listener
         .local_addr()
