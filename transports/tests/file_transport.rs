@@ -223,6 +223,84 @@ fn a_writer_aborted_mid_write_names_no_partial_version() {
     assert!(!dir.path().join(tmp[0]).exists());
 }
 
+/// Captures the phase samples recorded on this thread.
+#[derive(Default)]
+struct Capture(std::sync::Mutex<Vec<String>>);
+impl metrics::Recorder for Capture {
+    fn describe_counter(
+        &self,
+        _: metrics::KeyName,
+        _: Option<metrics::Unit>,
+        _: metrics::SharedString,
+    ) {
+    }
+    fn describe_gauge(
+        &self,
+        _: metrics::KeyName,
+        _: Option<metrics::Unit>,
+        _: metrics::SharedString,
+    ) {
+    }
+    fn describe_histogram(
+        &self,
+        _: metrics::KeyName,
+        _: Option<metrics::Unit>,
+        _: metrics::SharedString,
+    ) {
+    }
+    fn register_counter(&self, _: &metrics::Key, _: &metrics::Metadata<'_>) -> metrics::Counter {
+        metrics::Counter::noop()
+    }
+    fn register_gauge(&self, _: &metrics::Key, _: &metrics::Metadata<'_>) -> metrics::Gauge {
+        metrics::Gauge::noop()
+    }
+    fn register_histogram(
+        &self,
+        key: &metrics::Key,
+        _: &metrics::Metadata<'_>,
+    ) -> metrics::Histogram {
+        let labels: Vec<String> = key
+            .labels()
+            .map(|l| format!("{}={}", l.key(), l.value()))
+            .collect();
+        self.0
+            .lock()
+            .unwrap()
+            .push(format!("{} {}", key.name(), labels.join(",")));
+        metrics::Histogram::noop()
+    }
+}
+
+#[test]
+fn every_phase_of_a_file_update_is_recorded() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = manifest(16);
+    let cfg = FileConfig {
+        expected_receivers: 1,
+        ..FileConfig::new(dir.path())
+    };
+    let (mut sender, mut r) = connect_one(&cfg, &m);
+    let cap = Capture::default();
+    metrics::with_local_recorder(&cap, || {
+        let pending = sender.send_async(vec![stamped("policy", &m, 2)]).unwrap();
+        r.receive(T).unwrap().unwrap();
+        sender.wait(&pending, T).unwrap();
+    });
+    let seen = cap.0.lock().unwrap().clone();
+    for phase in ["assemble", "verify", "wire", "apply"] {
+        let want = format!(
+            "{} phase={phase},model=policy,transport=file",
+            refit_runtime::metrics::PHASE_SECONDS
+        );
+        assert_eq!(
+            seen.iter().filter(|s| **s == want).count(),
+            1,
+            "{want} in {seen:?}"
+        );
+    }
+    sender.shutdown().unwrap();
+}
+
 #[test]
 fn two_senders_cannot_share_a_directory() {
     let dir = tempfile::tempdir().unwrap();
