@@ -27,6 +27,18 @@ fn child_entry() {
         return;
     };
     let dir = PathBuf::from(std::env::var(DIR).unwrap());
+    if role == "busy-writer" {
+        // publishes ever newer versions until killed
+        let m = manifest(64 * 1024);
+        let ms = manifests(&[("policy", &m)]);
+        let s = FileSender::create(&FileConfig::new(&dir)).unwrap();
+        let mut sender = SenderInit::new(s, ms)
+            .connect(vec![stamped("policy", &m, 1)], T)
+            .unwrap();
+        for v in 2.. {
+            sender.send(stamped("policy", &m, v)).unwrap();
+        }
+    }
     assert_eq!(role, "crash-writer");
     let m = manifest(4096);
     let ms = manifests(&[("policy", &m)]);
@@ -299,6 +311,42 @@ fn every_phase_of_a_file_update_is_recorded() {
         );
     }
     sender.shutdown().unwrap();
+}
+
+#[test]
+fn a_writer_killed_at_any_moment_leaves_only_whole_versions() {
+    for round in 0..3u64 {
+        let dir = tempfile::tempdir().unwrap();
+        let mut child = Command::new(std::env::current_exe().unwrap())
+            .args(["child_entry", "--exact", "--nocapture", "--test-threads=1"])
+            .env(ROLE, "busy-writer")
+            .env(DIR, dir.path())
+            .stdout(std::process::Stdio::null())
+            .spawn()
+            .unwrap();
+        // let it publish a few versions, then SIGKILL it wherever it is
+        let t = std::time::Instant::now();
+        while !std::fs::read_to_string(dir.path().join(POINTER))
+            .is_ok_and(|p| !p.contains("policy.v1.") && !p.contains("policy.v2."))
+        {
+            assert!(t.elapsed() < T, "the writer published nothing");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        std::thread::sleep(Duration::from_millis(7 * round));
+        child.kill().unwrap();
+        child.wait().unwrap();
+        // every named version is whole, and the pointer names one of them
+        let files = names(dir.path());
+        let named: Vec<&String> = files.iter().filter(|n| n.starts_with("policy.v")).collect();
+        assert!(!named.is_empty(), "{files:?}");
+        for n in &named {
+            let v = FileVersion::open(dir.path().join(n), T)
+                .unwrap_or_else(|e| panic!("round {round}: {n} is not whole: {e}"));
+            check_stamp(&v.to_weights().unwrap()).unwrap();
+        }
+        let newest = FileVersion::open_newest(dir.path(), &id("policy"), T).unwrap();
+        check_stamp(&newest.to_weights().unwrap()).unwrap();
+    }
 }
 
 #[test]
