@@ -221,3 +221,28 @@ fn a_bad_rust_log_is_reported_and_the_default_used() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(stderr.contains("ignoring RUST_LOG"), "{stderr}");
 }
+
+#[test]
+fn file_weights_example_publishes_holds_and_collects() {
+    let stdout = run_ok("file_weights", &["6"]);
+    for v in 2..=6 {
+        assert!(
+            stdout.contains(&format!("receiver: applied version {v}")),
+            "{stdout}"
+        );
+    }
+    assert!(
+        stdout.contains("reader: still holds version 1 (fc1.bias[0] = Some(1.0))"),
+        "{stdout}"
+    );
+    assert!(stdout.contains("receiver: serves version 6"), "{stdout}");
+    // version 1 was held through 2..=6; the collector kept it, and the newest 2 besides
+    assert!(
+        stdout.contains(
+            "directory: policy.safetensors policy.v1.safetensors policy.v5.safetensors \
+             policy.v6.safetensors"
+        ),
+        "{stdout}"
+    );
+    assert!(stdout.contains("policy.safetensors: version 6"), "{stdout}");
+}

@@ -14,6 +14,8 @@
 //!   double-buffered arena).
 //! - [`sync_policy`]: when weights move — sync modes, the rollout status check, the
 //!   staleness filter, validation cadence and the multi-model version barrier, as plain code.
+//! - [`metrics`]: per-update phase timings (assemble, wire, verify, apply, engine pause)
+//!   through the `metrics` facade and as `tracing` spans.
 //! - [`node`]: processes that host handlers on TCP: remote calls with deadlines, streams,
 //!   a rendezvous store, launch variables, the cluster token.
 //! - [`cleanup`]: SIGINT/SIGTERM release shared-memory segments (and whatever else a
@@ -30,6 +32,7 @@ pub mod error;
 pub mod ids;
 pub mod layout;
 pub mod manifest;
+pub mod metrics;
 pub mod node;
 pub mod protocol;
 mod safetensors_io;
@@ -52,7 +55,9 @@ pub use ids::{ModelId, Version};
 pub use layout::{LayoutPlan, LayoutRules};
 pub use manifest::{ALIGN, Manifest, ManifestBuilder, TensorSpec};
 pub use protocol::{Ack, AckBook, Group, Manifests, VersionGate};
-pub use safetensors_io::{SafetensorsLayout, write_atomically};
+pub use safetensors_io::{
+    SafetensorsFilePlan, SafetensorsLayout, inspect_safetensors, temp_sibling, write_atomically,
+};
 pub use scheme::{
     PendingSend, Receiver, ReceiverInit, ReceiverLoop, ReceiverTransport, Sender, SenderInit,
     SenderTransport, Served, Snapshot, Update,

@@ -4,16 +4,20 @@
 //! sees half a file. Reading maps the file and copies each tensor once into a fresh arena.
 //! The model id, version and manifest order travel in the header's `__metadata__`, so
 //! export then import gives back the same manifest (same schema hash) and the same bytes.
+//! So does the xxh3-64 of every tensor (`refit.xxh3`, hex, manifest order): safetensors has
+//! no checksum of its own, and readers that do not know the key ignore it. Refit verifies
+//! the checksums whenever a file carries them; [`inspect_safetensors`] can require them.
 
 use std::borrow::Cow;
 use std::collections::HashMap;
 use std::fs::File;
 use std::io::Write;
+use std::ops::Range;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use crate::dtype::DType;
-use crate::error::{Error, Result};
+use crate::error::{Error, Mismatch, Result};
 use crate::ids::{ModelId, Version};
 use crate::manifest::Manifest;
 use crate::weights::{TensorView, WeightSet};
@@ -21,6 +25,147 @@ use crate::weights::{TensorView, WeightSet};
 const KEY_MODEL: &str = "refit.model";
 const KEY_VERSION: &str = "refit.version";
 const KEY_ORDER: &str = "refit.order";
+const KEY_XXH3: &str = "refit.xxh3";
+
+/// What a safetensors buffer holds, checked (see [`inspect_safetensors`]): the model, its
+/// version, its manifest, and where each tensor's bytes lie in the buffer.
+#[derive(Debug, Clone)]
+pub struct SafetensorsLayout {
+    /// The model (from the header, or the one given).
+    pub model: ModelId,
+    /// The version from the header ([`Version::ZERO`] when absent).
+    pub version: Version,
+    /// The manifest, in the order the header declares (`refit.order`) or the file's.
+    pub manifest: Arc<Manifest>,
+    /// Byte range of each tensor in the buffer, in manifest order.
+    pub ranges: Vec<Range<usize>>,
+    /// Whether every tensor's bytes were checked against the header's `refit.xxh3`.
+    pub verified: bool,
+}
+
+impl SafetensorsLayout {
+    /// The bytes of tensor `name` in `bytes` (the buffer this layout was read from).
+    pub fn tensor_bytes<'a>(&self, bytes: &'a [u8], name: &str) -> Option<&'a [u8]> {
+        let i = self.manifest.position(name)?;
+        bytes.get(self.ranges[i].clone())
+    }
+}
+
+/// Decodes a safetensors header and checks the buffer against it without copying: every
+/// tensor lies inside the buffer, dtypes are supported, and, when the header carries
+/// `refit.xxh3` (or `require_checksums` is set), every tensor hashes to its declared xxh3.
+/// `source_name` (a path) names the buffer in errors.
+///
+/// # Errors
+/// [`Error::Safetensors`] naming `source_name` for a bad or truncated buffer, a missing
+/// model id (none in the header and none given), missing checksums when required, or a
+/// tensor whose bytes do not match its checksum (naming the tensor).
+pub fn inspect_safetensors(
+    bytes: &[u8],
+    source_name: &str,
+    model: Option<&ModelId>,
+    require_checksums: bool,
+) -> Result<SafetensorsLayout> {
+    let source = source_name;
+    let st = safetensors::SafeTensors::deserialize(bytes).map_err(|e| refused(source, e))?;
+    let (_, meta) =
+        safetensors::SafeTensors::read_metadata(bytes).map_err(|e| refused(source, e))?;
+    let extra = meta.metadata().clone().unwrap_or_default();
+    let model = match (extra.get(KEY_MODEL), model) {
+        (_, Some(m)) => m.clone(),
+        (Some(name), None) => ModelId::new(name).map_err(|e| refused(source, e))?,
+        (None, None) => {
+            return Err(refused(source, "no model id in the header and none given"));
+        }
+    };
+    let version = match extra.get(KEY_VERSION) {
+        Some(v) => Version(
+            v.parse()
+                .map_err(|_| refused(source, format!("version {v:?} is not a number")))?,
+        ),
+        None => Version::ZERO,
+    };
+    let mut order = meta.offset_keys();
+    if let Some(json) = extra.get(KEY_ORDER) {
+        let declared: Vec<String> = serde_json::from_str(json)
+            .map_err(|e| refused(source, format!("bad {KEY_ORDER}: {e}")))?;
+        let mut a = declared.clone();
+        let mut b = order.clone();
+        a.sort();
+        b.sort();
+        if a != b {
+            return Err(refused(
+                source,
+                format!("{KEY_ORDER} does not list the file's tensors"),
+            ));
+        }
+        order = declared;
+    }
+    let sums: Option<Vec<String>> = match extra.get(KEY_XXH3) {
+        Some(json) => Some(
+            serde_json::from_str(json)
+                .map_err(|e| refused(source, format!("bad {KEY_XXH3}: {e}")))?,
+        ),
+        None if require_checksums => {
+            return Err(refused(
+                source,
+                format!("no {KEY_XXH3} checksums in the header"),
+            ));
+        }
+        None => None,
+    };
+    if let Some(sums) = &sums
+        && sums.len() != order.len()
+    {
+        return Err(refused(
+            source,
+            format!(
+                "{KEY_XXH3} lists {} checksums for {} tensors",
+                sums.len(),
+                order.len()
+            ),
+        ));
+    }
+    let base = bytes.as_ptr() as usize;
+    let mut builder = Manifest::builder();
+    let mut ranges = Vec::with_capacity(order.len());
+    for (i, name) in order.iter().enumerate() {
+        let view = st.tensor(name).map_err(|e| refused(source, e))?;
+        let dtype = DType::from_safetensors(view.dtype(), name).map_err(|e| match e {
+            Error::Safetensors { reason, .. } => refused(source, reason),
+            other => other,
+        })?;
+        builder.push(name.clone(), dtype, view.shape());
+        if let Some(sums) = &sums {
+            let expected = u64::from_str_radix(&sums[i], 16).map_err(|_| {
+                refused(
+                    source,
+                    format!("tensor `{name}`: checksum {:?} is not hex", sums[i]),
+                )
+            })?;
+            let found = xxhash_rust::xxh3::xxh3_64(view.data());
+            if found != expected {
+                return Err(refused(
+                    source,
+                    format!(
+                        "tensor `{name}`: {}",
+                        Mismatch::Checksum { expected, found }
+                    ),
+                ));
+            }
+        }
+        let start = view.data().as_ptr() as usize - base;
+        ranges.push(start..start + view.data().len());
+    }
+    let manifest = Arc::new(builder.build()?);
+    Ok(SafetensorsLayout {
+        model,
+        version,
+        manifest,
+        ranges,
+        verified: sums.is_some(),
+    })
+}
 
 fn refused(source_name: &str, reason: impl std::fmt::Display) -> Error {
     Error::Safetensors {
@@ -132,56 +277,27 @@ impl WeightSet {
     }
 
     fn parse_safetensors(bytes: &[u8], source: &str, model: Option<&ModelId>) -> Result<Self> {
-        let st = safetensors::SafeTensors::deserialize(bytes).map_err(|e| refused(source, e))?;
-        let (_, meta) =
-            safetensors::SafeTensors::read_metadata(bytes).map_err(|e| refused(source, e))?;
-        let extra = meta.metadata().clone().unwrap_or_default();
-        let model = match (extra.get(KEY_MODEL), model) {
-            (_, Some(m)) => m.clone(),
-            (Some(name), None) => ModelId::new(name).map_err(|e| refused(source, e))?,
-            (None, None) => {
-                return Err(refused(source, "no model id in the header and none given"));
-            }
-        };
-        let version = match extra.get(KEY_VERSION) {
-            Some(v) => Version(
-                v.parse()
-                    .map_err(|_| refused(source, format!("version {v:?} is not a number")))?,
-            ),
-            None => Version::ZERO,
-        };
-        let mut order = meta.offset_keys();
-        if let Some(json) = extra.get(KEY_ORDER) {
-            let declared: Vec<String> = serde_json::from_str(json)
-                .map_err(|e| refused(source, format!("bad {KEY_ORDER}: {e}")))?;
-            let mut a = declared.clone();
-            let mut b = order.clone();
-            a.sort();
-            b.sort();
-            if a != b {
-                return Err(refused(
-                    source,
-                    format!("{KEY_ORDER} does not list the file's tensors"),
-                ));
-            }
-            order = declared;
-        }
-        let mut builder = Manifest::builder();
-        let mut views = Vec::with_capacity(order.len());
-        for name in &order {
-            let view = st.tensor(name).map_err(|e| refused(source, e))?;
-            let dtype = DType::from_safetensors(view.dtype(), name).map_err(|e| match e {
-                Error::Safetensors { reason, .. } => refused(source, reason),
-                other => other,
+        let layout = inspect_safetensors(bytes, source, model, false)?;
+        Self::from_safetensors_layout(bytes, &layout)
+    }
+
+    /// Copies the tensors of a buffer checked by [`inspect_safetensors`] into a new weight
+    /// set (the layout's model, version and manifest).
+    ///
+    /// # Errors
+    /// [`Error::Safetensors`] if `bytes` is not the buffer the layout was read from (a range
+    /// falls outside it).
+    pub fn from_safetensors_layout(bytes: &[u8], layout: &SafetensorsLayout) -> Result<Self> {
+        let mut ws = WeightSet::zeroed(layout.model.clone(), Arc::clone(&layout.manifest));
+        ws.set_version(layout.version);
+        for (spec, range) in layout.manifest.tensors().iter().zip(&layout.ranges) {
+            let src = bytes.get(range.clone()).ok_or_else(|| {
+                refused(
+                    "<buffer>",
+                    format!("tensor `{}` lies outside the buffer", spec.name),
+                )
             })?;
-            builder.push(name.clone(), dtype, view.shape());
-            views.push(view);
-        }
-        let manifest = Arc::new(builder.build()?);
-        let mut ws = WeightSet::zeroed(model, manifest);
-        ws.set_version(version);
-        for (name, view) in order.iter().zip(views) {
-            ws.tensor_bytes_mut(name)?.copy_from_slice(view.data());
+            ws.tensor_bytes_mut(&spec.name)?.copy_from_slice(src);
         }
         Ok(ws)
     }
@@ -193,7 +309,16 @@ impl WeightSet {
             .iter()
             .map(|t| t.name.as_str())
             .collect();
+        let sums: Vec<String> = self
+            .tensor_checksums()
+            .iter()
+            .map(|s| format!("{s:016x}"))
+            .collect();
         HashMap::from([
+            (
+                KEY_XXH3.to_string(),
+                serde_json::to_string(&sums).unwrap_or_else(|_| "[]".into()),
+            ),
             (KEY_MODEL.to_string(), self.model().to_string()),
             (KEY_VERSION.to_string(), self.version().to_string()),
             (
@@ -208,7 +333,7 @@ impl WeightSet {
 /// file (a writable map of it) rather than copied there afterwards: the file's first bytes,
 /// then the arena; tensors the arena pads apart are moved together in place once it is whole.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct SafetensorsLayout {
+pub struct SafetensorsFilePlan {
     /// The file's first bytes: the header's length (8 bytes, little-endian) and the JSON
     /// header, padded with spaces so the data starts at a multiple of
     /// [`ALIGN`](crate::ALIGN).
@@ -220,7 +345,7 @@ pub struct SafetensorsLayout {
     pub data_len: usize,
 }
 
-impl SafetensorsLayout {
+impl SafetensorsFilePlan {
     /// The layout of `model` at `version` cut by `manifest`; the header names the model,
     /// the version and the manifest order, as [`WeightSet::write_safetensors`] does.
     ///
@@ -297,7 +422,10 @@ impl SafetensorsLayout {
     }
 }
 
-fn temp_sibling(path: &Path) -> PathBuf {
+/// The temporary name [`write_atomically`] and [`WeightSet::write_safetensors`] write to
+/// before renaming onto `path`: hidden (`.NAME.tmp-PID-UUID`), beside it, with the writer's
+/// process id so a collector can tell a dead writer's leftovers.
+pub fn temp_sibling(path: &Path) -> PathBuf {
     let name = path
         .file_name()
         .map(|n| n.to_string_lossy().into_owned())
@@ -407,6 +535,44 @@ mod tests {
     }
 
     #[test]
+    fn a_flipped_byte_is_refused_naming_the_tensor() {
+        let ws = sample();
+        let good = ws.to_safetensors_bytes().unwrap();
+        let layout = inspect_safetensors(&good, "good.safetensors", None, true).unwrap();
+        assert!(layout.verified);
+        assert_eq!(*layout.manifest, **ws.manifest());
+        assert_eq!(
+            layout.tensor_bytes(&good, "z.last").unwrap(),
+            ws.tensor("z.last").unwrap().bytes()
+        );
+        // flip one byte inside tensor `mask`
+        let mut bad = good.clone();
+        let at = layout.ranges[2].start;
+        bad[at] ^= 0x40;
+        let err = WeightSet::from_safetensors_bytes(&bad, None)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("tensor `mask`: checksum"), "{err}");
+        let err = inspect_safetensors(&bad, "v7.safetensors", None, true)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("v7.safetensors") && err.contains("`mask`"),
+            "{err}"
+        );
+        // a file without checksums is read, but refused where they are required
+        let bare = safetensors::serialize(ws.tensors().map(|t| (t.name(), t)), None).unwrap();
+        let id = ModelId::new("ext").unwrap();
+        assert!(
+            !inspect_safetensors(&bare, "x", Some(&id), false)
+                .unwrap()
+                .verified
+        );
+        let err = inspect_safetensors(&bare, "x", Some(&id), true).unwrap_err();
+        assert!(err.to_string().contains("no refit.xxh3"), "{err}");
+    }
+
+    #[test]
     fn foreign_files_need_a_model_id() {
         let ws = sample();
         let bytes = safetensors::serialize(ws.tensors().map(|t| (t.name(), t)), None).unwrap();
@@ -434,7 +600,7 @@ mod tests {
         dense.set_version(Version(3));
         let dir = tempfile::tempdir().unwrap();
         for (ws, in_place) in [(padded, false), (dense, true)] {
-            let layout = SafetensorsLayout::of(ws.model(), ws.version(), ws.manifest()).unwrap();
+            let layout = SafetensorsFilePlan::of(ws.model(), ws.version(), ws.manifest()).unwrap();
             assert_eq!(layout.in_place(), in_place);
             assert_eq!(layout.header.len() % crate::ALIGN, 0);
             let mut file = layout.header.clone();

@@ -17,6 +17,7 @@ use arc_swap::ArcSwap;
 
 use crate::error::{Error, Result};
 use crate::ids::{ModelId, Version};
+use crate::metrics::{self, Phase};
 use crate::protocol::{Group, Manifests, VersionGate, entries, validate_group};
 use crate::weights::WeightSet;
 
@@ -200,8 +201,14 @@ impl<T: SenderTransport> Sender<T> {
         validate_group(&self.manifests, &group)?;
         let entries = entries(&group);
         self.gate.check(&entries)?;
+        let timer = metrics::timed_group(
+            Phase::Assemble,
+            self.transport.name(),
+            group.iter().map(|w| w.model().as_str()),
+        );
         self.transport
             .publish(&group, deadline_in(self.ack_timeout))?;
+        timer.finish();
         self.gate.commit(&entries);
         Ok(PendingSend { entries })
     }
@@ -396,12 +403,18 @@ impl<T: ReceiverTransport> Receiver<T> {
         let Some(group) = self.transport.next_group(deadline_in(timeout))? else {
             return Ok(None);
         };
+        let timer = metrics::timed_group(
+            Phase::Apply,
+            self.transport.name(),
+            group.iter().map(|w| w.model().as_str()),
+        );
         validate_group(&self.manifests, &group)?;
         let entries = entries(&group);
         self.gate.check(&entries)?;
         let snapshot = self.served.load().with(&group);
         self.served.store(snapshot);
         self.gate.commit(&entries);
+        timer.finish();
         self.transport.ack(&entries)?;
         Ok(Some(Update { group }))
     }

@@ -44,8 +44,8 @@ pub(crate) struct BenchArgs {
     /// which the connect rows time apart).
     #[arg(long, default_value_t = 2)]
     warmup: usize,
-    /// Transports to measure (inproc, shm, tcp).
-    #[arg(long, value_delimiter = ',', default_value = "inproc,shm,tcp")]
+    /// Transports to measure (inproc, shm, tcp, file).
+    #[arg(long, value_delimiter = ',', default_value = "inproc,shm,tcp,file")]
     transports: Vec<String>,
     /// Size of the model the strategy steps (rename/fuse, casts, delta) are measured on; 0 skips them.
     #[arg(long, default_value = "64MiB", value_parser = parse_bytes)]
@@ -112,8 +112,8 @@ pub(crate) fn run(args: &BenchArgs) -> BoxResult<()> {
         .into());
     }
     for t in &args.transports {
-        if !["inproc", "shm", "tcp"].contains(&t.as_str()) {
-            return Err(format!("unknown transport {t:?} (known: inproc, shm, tcp)").into());
+        if !["inproc", "shm", "tcp", "file"].contains(&t.as_str()) {
+            return Err(format!("unknown transport {t:?} (known: inproc, shm, tcp, file)").into());
         }
     }
     let mut rows = Vec::new();
@@ -144,6 +144,9 @@ pub(crate) fn run(args: &BenchArgs) -> BoxResult<()> {
                     // would not fit beside the sender in this machine's memory
                     "tcp" if size > TCP_MAX => {}
                     "tcp" => rows.extend(bench_tcp(&mut weights, n, args, &base)?),
+                    // receivers copy each version into arenas of their own, as over tcp
+                    "file" if size > TCP_MAX => {}
+                    "file" => rows.extend(bench_file(&weights, n, args, &base)?),
                     // copying receivers hold two private arenas each: above 512 MiB, four of
                     // them would not fit beside the slots in this machine's memory
                     _ if size > COPY_MODE_MAX => {
@@ -423,6 +426,96 @@ fn bench_inproc(
         ),
         row(
             "inproc",
+            "end-to-end",
+            size,
+            n,
+            Summary::of(&e2e),
+            "memcpy",
+            m,
+        ),
+    ])
+}
+
+/// The file transport with `n` receiver threads, in a fresh directory of the system's
+/// temporary folder (on disk where that is a disk): publish writes and fsyncs a file.
+fn bench_file(
+    weights: &Arc<WeightSet>,
+    n: usize,
+    args: &BenchArgs,
+    base: &Baselines,
+) -> BoxResult<Vec<Row>> {
+    use refit::transports::file::{FileConfig, FileReceiver, FileSender};
+    let size = weights.manifest().total_len();
+    let dir = std::env::temp_dir().join(format!("refit-bench-file-{}", std::process::id()));
+    let manifests = Manifests::new([(weights.model().clone(), Arc::clone(weights.manifest()))])?;
+    let transport = FileSender::create(&FileConfig {
+        expected_receivers: n,
+        ..FileConfig::new(&dir)
+    })?;
+    let stop = Arc::new(AtomicBool::new(false));
+    let mut threads = Vec::new();
+    for _ in 0..n {
+        let r = FileReceiver::new(transport.receiver_spec());
+        let stop = Arc::clone(&stop);
+        threads.push(std::thread::spawn(move || -> Result<(), String> {
+            let mut r = ReceiverInit::new(r, None)
+                .connect(WAIT)
+                .map_err(|e| e.to_string())?;
+            while !stop.load(Ordering::Acquire) {
+                r.receive(Duration::from_millis(20))
+                    .map_err(|e| e.to_string())?;
+            }
+            Ok(())
+        }));
+    }
+    let timed = || -> BoxResult<(Vec<Duration>, Vec<Duration>)> {
+        let mut sender = SenderInit::new(transport, manifests)
+            .with_ack_timeout(WAIT)
+            .connect(vec![(**weights).clone()], WAIT)?;
+        let mut v = weights.version().get();
+        let (mut publish, mut e2e) = (Vec::new(), Vec::new());
+        for i in 0..args.warmup + args.iters.max(5) {
+            v += 1;
+            let mut ws = (**weights).clone();
+            ws.set_version(Version(v));
+            let t0 = Instant::now();
+            let pending = sender.send_async(vec![ws])?;
+            let t1 = Instant::now();
+            sender.wait(&pending, WAIT)?;
+            let t2 = Instant::now();
+            if i >= args.warmup {
+                publish.push(t1 - t0);
+                e2e.push(t2 - t0);
+            }
+        }
+        // receivers stop before the sender leaves (they would report it gone)
+        stop.store(true, Ordering::Release);
+        for t in threads.drain(..) {
+            t.join().map_err(|_| "receiver thread panicked")??;
+        }
+        sender.shutdown()?;
+        Ok((publish, e2e))
+    };
+    let result = timed();
+    stop.store(true, Ordering::Release);
+    for t in threads {
+        let _ = t.join();
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+    let (publish, e2e) = result?;
+    let m = base.memcpy.median;
+    Ok(vec![
+        row(
+            "file",
+            "publish",
+            size,
+            n,
+            Summary::of(&publish),
+            "memcpy",
+            m,
+        ),
+        row(
+            "file",
             "end-to-end",
             size,
             n,

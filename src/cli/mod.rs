@@ -1,6 +1,7 @@
 //! Subcommands of the `refit` tool.
 
 mod bench;
+mod metrics;
 mod net;
 mod out_file;
 mod stats;

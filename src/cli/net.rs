@@ -77,6 +77,9 @@ pub(crate) struct ServeArgs {
     /// are cut across buckets).
     #[arg(long, default_value = "16MiB", value_parser = super::stats::parse_bytes)]
     bucket_size: usize,
+    /// Serve the update phase timings (Prometheus text format) at http://ADDR/metrics.
+    #[arg(long)]
+    metrics_addr: Option<SocketAddr>,
     /// Stop after this many seconds (default: run until killed).
     #[arg(long)]
     seconds: Option<u64>,
@@ -295,6 +298,10 @@ pub(crate) fn serve(args: ServeArgs) -> ExitCode {
                  --advertise HOST:PORT, the address they reach this host at",
                 args.bind
             )));
+        }
+        if let Some(addr) = args.metrics_addr {
+            let bound = super::metrics::serve(addr)?;
+            println!("metrics: http://{bound}/metrics");
         }
         let model = ModelId::new(&args.model)?;
         let mut weights = WeightSet::read_safetensors(&args.file, Some(&model))?;

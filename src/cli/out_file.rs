@@ -11,7 +11,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use refit::runtime::{
-    Error, Manifest, ModelId, Result, SafetensorsLayout, SharedBytes, Version, WeightSet,
+    Error, Manifest, ModelId, Result, SafetensorsFilePlan, SharedBytes, Version, WeightSet,
 };
 use refit::transports::tcp::Sink;
 
@@ -120,7 +120,7 @@ impl OutFiles {
         version: Version,
         manifest: &Arc<Manifest>,
     ) -> Result<Option<Box<dyn Sink>>> {
-        let layout = SafetensorsLayout::of(model, version, manifest)?;
+        let layout = SafetensorsFilePlan::of(model, version, manifest)?;
         if !cfg!(unix) || !layout.in_place() || layout.data_len != manifest.total_len() {
             return Ok(None);
         }

@@ -12,6 +12,7 @@ use refit_runtime::{
     DType, Error, Manifest, Manifests, ReceiverInit, ReceiverTransport, SenderInit,
     SenderTransport, Version, WeightSet,
 };
+use refit_transports::file::{FileConfig, FileReceiver, FileSender};
 use refit_transports::inproc::InProc;
 use refit_transports::shm::{ShmConfig, ShmReadMode, ShmReceiver, ShmSender};
 use refit_transports::tcp::{TcpConfig, TcpReceiver, TcpReceiverConfig, TcpSender, TransferMode};
@@ -77,12 +78,33 @@ impl Make for TcpMake {
     }
 }
 
+/// Each scheme gets its own directory, removed when the runner is dropped.
+#[derive(Default)]
+struct FileMake(std::sync::Mutex<Vec<tempfile::TempDir>>);
+impl Make for FileMake {
+    type S = FileSender;
+    type R = FileReceiver;
+    fn make(&self, _ms: &Manifests, n: usize) -> (Self::S, Vec<Self::R>) {
+        let dir = tempfile::tempdir().unwrap();
+        let cfg = FileConfig {
+            expected_receivers: n,
+            ..FileConfig::new(dir.path())
+        };
+        let s = FileSender::create(&cfg).unwrap();
+        let spec = s.receiver_spec();
+        self.0.lock().unwrap().push(dir);
+        let rs = (0..n).map(|_| FileReceiver::new(spec.clone())).collect();
+        (s, rs)
+    }
+}
+
 fn all_makers(f: impl Fn(&dyn Fn() -> Box<dyn Runner>)) {
     f(&|| Box::new(InProcMake));
     f(&|| Box::new(ShmMake(ShmReadMode::Copy)));
     f(&|| Box::new(ShmMake(ShmReadMode::ZeroCopy)));
     f(&|| Box::new(TcpMake(TransferMode::Delta)));
     f(&|| Box::new(TcpMake(TransferMode::Full)));
+    f(&|| Box::new(FileMake::default()));
 }
 
 /// Object-safe runner so one list covers every transport.

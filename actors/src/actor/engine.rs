@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 use actix::prelude::*;
 use rand::SeedableRng;
 use rand::rngs::SmallRng;
+use refit_runtime::metrics::{self, Phase};
 use refit_runtime::{ArenaStrategy, ModelId, Strategy, Version, WeightSet};
 use tokio::sync::{Mutex, oneshot};
 
@@ -304,14 +305,14 @@ impl<P: Policy + Unpin + 'static> InferenceEngine<P> {
         if weights.version() <= slot.version {
             return Err(stale(&model, weights.version(), slot.version));
         }
-        let paused_at = Instant::now();
+        let pause = metrics::timed(Phase::EnginePause, "engine", model.as_str());
         // Generation of this model pauses here: the actor answers no request until apply
         // returns, and requests of other models are not touched.
         let applied = ArenaStrategy.apply(weights, &mut slot.policy);
         if applied.is_ok() {
             slot.version = weights.version();
         }
-        let paused = paused_at.elapsed();
+        let paused = pause.finish();
         self.drain(&model);
         applied?;
         self.stats.loads += 1;

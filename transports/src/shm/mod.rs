@@ -51,6 +51,7 @@ use std::sync::atomic::{AtomicBool, AtomicU32, Ordering, fence};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use refit_runtime::metrics::{self, Phase};
 use refit_runtime::{
     Error, Group, Manifest, Manifests, ModelId, ReceiverTransport, Result, SenderTransport,
     SharedBytes, Version, WeightSet, wire,
@@ -991,6 +992,7 @@ impl ShmReceiver {
                 let pin_off = pin(a.lease.idx, m, slot);
                 let ws = match self.mode {
                     ShmReadMode::Copy => {
+                        let wire = metrics::timed(Phase::Wire, NAME, id.as_str());
                         let copy = seg.bytes(base + PAGE, manifest.total_len()).and_then(|b| {
                             let mut buf = self.pool.take(b.len());
                             buf.as_mut_slice().copy_from_slice(b);
@@ -1012,6 +1014,7 @@ impl ShmReceiver {
                             )));
                             continue;
                         }
+                        wire.finish();
                         copy
                     }
                     ShmReadMode::ZeroCopy => WeightSet::from_shared(

@@ -8,6 +8,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
+use refit_runtime::metrics::{self, Phase};
 use refit_runtime::node::{ClusterToken, Node, NodeConfig, Peer, open_stream};
 use refit_runtime::{
     BucketPlan, Error, Group, Manifest, Manifests, ModelId, ReceiverTransport, Result, Version,
@@ -748,8 +749,12 @@ impl ReceiverTransport for TcpReceiver {
             let mut group: Group = Vec::with_capacity(want.len());
             let mut superseded = false;
             for (m, v) in &want {
+                let wire = metrics::timed(Phase::Wire, NAME, m.as_str());
                 match self.pull(m, *v)? {
-                    Ok(ws) => group.push(ws),
+                    Ok(ws) => {
+                        wire.finish();
+                        group.push(ws);
+                    }
                     Err(latest) => {
                         let mut ib = self.shared.inbox();
                         if ib.pending.get(m) == Some(v) {

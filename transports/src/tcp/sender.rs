@@ -17,6 +17,7 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
+use refit_runtime::metrics::{self, Phase};
 use refit_runtime::node::{CallInfo, ClusterToken, ConnId, Node, NodeConfig, Peer};
 use refit_runtime::{
     Ack, AckBook, BucketPlan, Error, Group, Manifests, ModelId, Result, SenderTransport, Version,
@@ -67,6 +68,8 @@ struct Lease {
     /// The puller relays the buckets as they land (false: only once it holds the version).
     relay_in_flight: bool,
     expires: Instant,
+    /// When the transfer was granted (the sender side of the `wire` phase).
+    granted: Instant,
 }
 
 #[derive(Debug, Default)]
@@ -275,6 +278,7 @@ impl Agent {
                 buckets: Arc::new(buckets.clone()),
                 relay_in_flight: req.relay_in_flight,
                 expires: Instant::now() + self.cfg.transfer_timeout,
+                granted: Instant::now(),
             },
         );
         Some(Ok(TransferReply::Plan(Plan {
@@ -587,6 +591,8 @@ fn register_handlers(node: &Node, agent: &Arc<Agent>, manifests: Manifests) {
             let mut st = a.lock();
             if let Some(l) = st.release(d.lease) {
                 if d.ok {
+                    let took = l.granted.elapsed();
+                    metrics::record(Phase::Wire, NAME, l.model.as_str(), took);
                     if let Some(r) = st.receivers.get_mut(&d.receiver) {
                         let h = r.holds.entry(l.model).or_default();
                         h.push_back(l.version);

@@ -1,0 +1,70 @@
+//! `--metrics-addr`: the update phase timings (see `refit::runtime::metrics`) rendered by
+//! the Prometheus exporter and served as a plain-text page at `/metrics`.
+
+use std::io::{BufRead, BufReader, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::time::Duration;
+
+use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
+use refit::runtime::{Error, Result};
+
+/// Installs the Prometheus recorder for this process and serves its page on `addr` (from a
+/// background thread); returns the bound address.
+pub(crate) fn serve(addr: SocketAddr) -> Result<SocketAddr> {
+    // ANCHOR: install
+    let handle = PrometheusBuilder::new()
+        .install_recorder()
+        .map_err(|e| Error::Config(format!("--metrics-addr: cannot install the recorder: {e}")))?;
+    // ANCHOR_END: install
+    let listener = TcpListener::bind(addr).map_err(|e| Error::io(format!("binding {addr}"), e))?;
+    let bound = listener
+        .local_addr()
+        .map_err(|e| Error::io("reading the metrics address", e))?;
+    let upkeep = handle.clone();
+    std::thread::Builder::new()
+        .name("refit-metrics-upkeep".into())
+        .spawn(move || {
+            loop {
+                std::thread::sleep(Duration::from_secs(5));
+                upkeep.run_upkeep();
+            }
+        })
+        .map_err(|e| Error::io("starting the metrics upkeep thread", e))?;
+    std::thread::Builder::new()
+        .name("refit-metrics".into())
+        .spawn(move || {
+            for conn in listener.incoming().flatten() {
+                if let Err(e) = answer(conn, &handle) {
+                    tracing::debug!("metrics request failed: {e}");
+                }
+            }
+        })
+        .map_err(|e| Error::io("starting the metrics thread", e))?;
+    Ok(bound)
+}
+
+/// Answers one HTTP request: the page for `GET /metrics`, 404 otherwise.
+fn answer(conn: TcpStream, handle: &PrometheusHandle) -> std::io::Result<()> {
+    conn.set_read_timeout(Some(Duration::from_secs(5)))?;
+    conn.set_write_timeout(Some(Duration::from_secs(5)))?;
+    let mut reader = BufReader::new(conn.try_clone()?);
+    let mut request = String::new();
+    reader.read_line(&mut request)?;
+    // skip the headers up to the blank line
+    let mut line = String::new();
+    while reader.read_line(&mut line)? > 2 {
+        line.clear();
+    }
+    let mut parts = request.split_whitespace();
+    let (status, body) = match (parts.next(), parts.next()) {
+        (Some("GET"), Some("/metrics")) => ("200 OK", handle.render()),
+        _ => ("404 Not Found", "try GET /metrics\n".to_string()),
+    };
+    let mut conn = conn;
+    write!(
+        conn,
+        "HTTP/1.1 {status}\r\nContent-Type: text/plain; version=0.0.4\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    )?;
+    conn.flush()
+}
