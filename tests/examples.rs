@@ -4,19 +4,8 @@
 use std::path::PathBuf;
 use std::process::Command;
 
-/// Cargo builds examples before integration tests; they sit in `target/<profile>/examples`,
-/// beside the `deps` directory holding this test binary.
-pub fn example(name: &str) -> PathBuf {
-    let exe = std::env::current_exe().unwrap();
-    let profile_dir = exe.parent().unwrap().parent().unwrap();
-    let path = profile_dir.join("examples").join(name);
-    assert!(
-        path.exists(),
-        "example {name} not built at {}",
-        path.display()
-    );
-    path
-}
+mod common;
+use common::example;
 
 #[test]
 fn shm_weights_example_runs_sender_and_two_receiver_processes() {

@@ -2,28 +2,11 @@
 //! and checks what each process reports.
 #![allow(clippy::unwrap_used, missing_docs)]
 
-use std::path::PathBuf;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-/// Examples are built before integration tests (`cargo test`), next to the test binary's
-/// parent folder; a filtered run (`cargo test --test multi_node`) builds it here.
-fn example(name: &str) -> PathBuf {
-    let exe = std::env::current_exe().unwrap();
-    let profile_dir = exe.parent().unwrap().parent().unwrap();
-    let path = profile_dir.join("examples").join(name);
-    if !path.exists() {
-        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-        let mut cmd = Command::new(cargo);
-        cmd.args(["build", "--example", name]);
-        if profile_dir.ends_with("release") {
-            cmd.arg("--release");
-        }
-        assert!(cmd.status().unwrap().success(), "building example {name}");
-    }
-    assert!(path.exists(), "{} is not built", path.display());
-    path
-}
+mod common;
+use common::example;
 
 #[test]
 fn trainer_and_two_workers_agree_on_every_version() {

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use refit::prelude::*;
 use refit::runtime::node::{ClusterToken, TOKEN_ENV, TOKEN_FILE_ENV};
-use refit::runtime::{SenderTransport, wire};
+use refit::runtime::{ReceiverTransport, SenderTransport, wire};
 use refit::transports::tcp::{
     TcpConfig, TcpReceiver, TcpReceiverConfig, TcpReceiverSpec, TcpSender, TransferMode,
 };
@@ -363,56 +363,25 @@ fn bench_inproc(
     let size = weights.manifest().total_len();
     let hub = InProc::new();
     let manifests = Manifests::new([(weights.model().clone(), Arc::clone(weights.manifest()))])?;
-    let stop = Arc::new(AtomicBool::new(false));
-    let mut threads = Vec::new();
-    for _ in 0..n {
-        let r = hub.receiver();
-        let stop = Arc::clone(&stop);
-        threads.push(std::thread::spawn(move || -> Result<(), String> {
-            let mut r = ReceiverInit::new(r, None)
-                .connect(WAIT)
-                .map_err(|e| e.to_string())?;
-            while !stop.load(Ordering::Acquire) {
-                r.receive(Duration::from_millis(20))
-                    .map_err(|e| e.to_string())?;
-            }
-            Ok(())
-        }));
-    }
-    let mut sender = SenderInit::new(hub.sender()?, manifests)
-        .with_ack_timeout(WAIT)
-        .connect(vec![(**weights).clone()], WAIT)?;
+    let receivers = (0..n).map(|_| hub.receiver()).collect();
     // the weight set travels by pointer: each version shares one arena
     let arena: Arc<dyn SharedBytes> = Arc::new(ArenaBytes(Arc::clone(weights)));
-    let version_of = |v: u64| -> BoxResult<Arc<WeightSet>> {
-        Ok(Arc::new(WeightSet::from_shared(
-            weights.model().clone(),
-            Version(v),
-            Arc::clone(weights.manifest()),
-            Arc::clone(&arena),
-        )?))
-    };
-    let mut v = weights.version().get();
-    let mut e2e = Vec::new();
-    let mut publish = Vec::new();
-    for i in 0..args.warmup + args.iters.max(20) {
-        v += 1;
-        let ws = version_of(v)?;
-        let t0 = Instant::now();
-        let pending = sender.publish_shared(vec![ws])?;
-        let t1 = Instant::now();
-        sender.wait(&pending, WAIT)?;
-        let t2 = Instant::now();
-        if i >= args.warmup {
-            publish.push(t1 - t0);
-            e2e.push(t2 - t0);
-        }
-    }
-    stop.store(true, Ordering::Release);
-    for t in threads {
-        t.join().map_err(|_| "receiver thread panicked")??;
-    }
-    sender.shutdown()?;
+    let (publish, e2e) = timed_threaded_updates(
+        hub.sender()?,
+        receivers,
+        manifests,
+        weights,
+        args.warmup + args.iters.max(20),
+        args.warmup,
+        |v| {
+            Ok(Arc::new(WeightSet::from_shared(
+                weights.model().clone(),
+                Version(v),
+                Arc::clone(weights.manifest()),
+                Arc::clone(&arena),
+            )?))
+        },
+    )?;
     let m = base.memcpy.median;
     Ok(vec![
         row(
@@ -436,6 +405,80 @@ fn bench_inproc(
     ])
 }
 
+/// Receivers in threads of this process (each connects, then receives until told to stop)
+/// and a sender publishing `runs` versions made by `version_of`: the publish times (until
+/// the send returns) and the end-to-end times (until every receiver acknowledged), the
+/// first `warmup` runs left out.
+fn timed_threaded_updates<T, R>(
+    transport: T,
+    receivers: Vec<R>,
+    manifests: Manifests,
+    weights: &Arc<WeightSet>,
+    runs: usize,
+    warmup: usize,
+    mut version_of: impl FnMut(u64) -> BoxResult<Arc<WeightSet>>,
+) -> BoxResult<(Vec<Duration>, Vec<Duration>)>
+where
+    T: SenderTransport,
+    R: ReceiverTransport + Send + 'static,
+{
+    let stop = Arc::new(AtomicBool::new(false));
+    let threads: Vec<_> = receivers
+        .into_iter()
+        .map(|r| {
+            let stop = Arc::clone(&stop);
+            std::thread::spawn(move || -> Result<(), String> {
+                let mut r = ReceiverInit::new(r, None)
+                    .connect(WAIT)
+                    .map_err(|e| e.to_string())?;
+                while !stop.load(Ordering::Acquire) {
+                    r.receive(Duration::from_millis(20))
+                        .map_err(|e| e.to_string())?;
+                }
+                Ok(())
+            })
+        })
+        .collect();
+    let timed = || -> BoxResult<_> {
+        let mut sender = SenderInit::new(transport, manifests)
+            .with_ack_timeout(WAIT)
+            .connect(vec![(**weights).clone()], WAIT)?;
+        let mut v = weights.version().get();
+        let (mut publish, mut e2e) = (Vec::new(), Vec::new());
+        for i in 0..runs {
+            v += 1;
+            let ws = version_of(v)?;
+            let t0 = Instant::now();
+            let pending = sender.publish_shared(vec![ws])?;
+            let t1 = Instant::now();
+            sender.wait(&pending, WAIT)?;
+            let t2 = Instant::now();
+            if i >= warmup {
+                publish.push(t1 - t0);
+                e2e.push(t2 - t0);
+            }
+        }
+        Ok((sender, publish, e2e))
+    };
+    let result = timed();
+    // receivers stop before the sender leaves (they would report it gone)
+    stop.store(true, Ordering::Release);
+    let mut joined: BoxResult<()> = Ok(());
+    for t in threads {
+        let r = match t.join() {
+            Ok(r) => r.map_err(Into::into),
+            Err(_) => Err("receiver thread panicked".into()),
+        };
+        if joined.is_ok() {
+            joined = r;
+        }
+    }
+    let (sender, publish, e2e) = result?;
+    joined?;
+    sender.shutdown()?;
+    Ok((publish, e2e))
+}
+
 /// The file transport with `n` receiver threads, in a fresh directory of the system's
 /// temporary folder (on disk where that is a disk): publish writes and fsyncs a file.
 fn bench_file(
@@ -452,55 +495,22 @@ fn bench_file(
         expected_receivers: n,
         ..FileConfig::new(&dir)
     })?;
-    let stop = Arc::new(AtomicBool::new(false));
-    let mut threads = Vec::new();
-    for _ in 0..n {
-        let r = FileReceiver::new(transport.receiver_spec());
-        let stop = Arc::clone(&stop);
-        threads.push(std::thread::spawn(move || -> Result<(), String> {
-            let mut r = ReceiverInit::new(r, None)
-                .connect(WAIT)
-                .map_err(|e| e.to_string())?;
-            while !stop.load(Ordering::Acquire) {
-                r.receive(Duration::from_millis(20))
-                    .map_err(|e| e.to_string())?;
-            }
-            Ok(())
-        }));
-    }
-    let timed = || -> BoxResult<(Vec<Duration>, Vec<Duration>)> {
-        let mut sender = SenderInit::new(transport, manifests)
-            .with_ack_timeout(WAIT)
-            .connect(vec![(**weights).clone()], WAIT)?;
-        let mut v = weights.version().get();
-        let (mut publish, mut e2e) = (Vec::new(), Vec::new());
-        for i in 0..args.warmup + args.iters.max(5) {
-            v += 1;
+    let receivers = (0..n)
+        .map(|_| FileReceiver::new(transport.receiver_spec()))
+        .collect();
+    let result = timed_threaded_updates(
+        transport,
+        receivers,
+        manifests,
+        weights,
+        args.warmup + args.iters.max(5),
+        args.warmup,
+        |v| {
             let mut ws = (**weights).clone();
             ws.set_version(Version(v));
-            let t0 = Instant::now();
-            let pending = sender.send_async(vec![ws])?;
-            let t1 = Instant::now();
-            sender.wait(&pending, WAIT)?;
-            let t2 = Instant::now();
-            if i >= args.warmup {
-                publish.push(t1 - t0);
-                e2e.push(t2 - t0);
-            }
-        }
-        // receivers stop before the sender leaves (they would report it gone)
-        stop.store(true, Ordering::Release);
-        for t in threads.drain(..) {
-            t.join().map_err(|_| "receiver thread panicked")??;
-        }
-        sender.shutdown()?;
-        Ok((publish, e2e))
-    };
-    let result = timed();
-    stop.store(true, Ordering::Release);
-    for t in threads {
-        let _ = t.join();
-    }
+            Ok(Arc::new(ws))
+        },
+    );
     let _ = std::fs::remove_dir_all(&dir);
     let (publish, e2e) = result?;
     let m = base.memcpy.median;
@@ -934,7 +944,7 @@ fn file_write_baseline(size: usize, iters: usize, dir: &std::path::Path) -> BoxR
 }
 
 /// A benchmark receiver: applies every update until the sender leaves.
-fn drain<T: refit::runtime::ReceiverTransport>(mut r: Receiver<T>) -> BoxResult<()> {
+fn drain<T: ReceiverTransport>(mut r: Receiver<T>) -> BoxResult<()> {
     loop {
         match r.receive(WAIT) {
             Ok(Some(_)) => {}
