@@ -34,6 +34,8 @@
 mod futex;
 mod layout;
 mod segment;
+#[cfg(test)]
+mod tests;
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -109,8 +111,20 @@ fn state_word(board: &Segment) -> Result<&AtomicU32> {
     board.u32_at(OFF_STATE)
 }
 
-/// One consistent read of the commit record: `(version, slot)` per model.
-fn read_board(board: &Segment, n_models: usize, sender_pid: u32) -> Result<Vec<(u64, u64)>> {
+/// The least time a reader waits for a commit in progress, whatever its caller's deadline:
+/// a commit is a few stores, but the committing thread may be descheduled in the middle,
+/// and a zero-timeout poll must not report that as a hang.
+const COMMIT_GRACE: Duration = Duration::from_millis(100);
+
+/// One consistent read of the commit record: `(version, slot)` per model. A commit that
+/// stays in progress (odd sequence) past `deadline` while the sender lives (hung, or
+/// stopped mid-commit) is [`Error::Timeout`].
+fn read_board(
+    board: &Segment,
+    n_models: usize,
+    sender_pid: u32,
+    deadline: Instant,
+) -> Result<Vec<(u64, u64)>> {
     let seq = board.u32_at(OFF_COMMIT_SEQ)?;
     let started = Instant::now();
     loop {
@@ -129,6 +143,13 @@ fn read_board(board: &Segment, n_models: usize, sender_pid: u32) -> Result<Vec<(
             }
         } else if started.elapsed() > LIVENESS_EVERY && !futex::alive(sender_pid) {
             return Err(sender_gone(sender_pid, "died while committing"));
+        } else if Instant::now() >= deadline {
+            return Err(Error::Timeout {
+                what: format!(
+                    "the shm sender (pid {sender_pid}) to finish its commit (the board stayed mid-commit)"
+                ),
+                after: started.elapsed(),
+            });
         }
         std::thread::yield_now();
     }
@@ -825,12 +846,12 @@ impl ShmReceiver {
         Ok(true)
     }
 
-    fn take_fresh(&mut self) -> Result<Option<Group>> {
+    fn take_fresh(&mut self, deadline: Instant) -> Result<Option<Group>> {
         let Some(a) = &self.attached else {
             return Err(Error::State("shm receiver is not connected"));
         };
         loop {
-            let board = read_board(&a.board, a.models.len(), a.sender_pid)?;
+            let board = read_board(&a.board, a.models.len(), a.sender_pid, deadline)?;
             let fresh: Vec<(usize, u64, usize)> = board
                 .iter()
                 .enumerate()
@@ -949,7 +970,8 @@ impl ReceiverTransport for ShmReceiver {
                     state_word(&a.board)?.load(Ordering::SeqCst),
                 )
             };
-            if let Some(g) = self.take_fresh()? {
+            let commit_deadline = deadline.max(Instant::now() + COMMIT_GRACE);
+            if let Some(g) = self.take_fresh(commit_deadline)? {
                 return Ok(Some(g));
             }
             if state == STATE_SHUTDOWN {
