@@ -568,26 +568,24 @@ async fn under_async_notify_the_trainer_runs_one_version_ahead_of_the_engine() {
     // finish the next one first
     cfg.wrap_inlet = Some(slow(Duration::from_millis(250)));
     let report = run(cfg).await;
-    let events = &report.controller.events;
-    let seq_of = |want: &dyn Fn(&SyncEventKind) -> bool| {
-        events
-            .iter()
-            .find(|e| e.model.as_ref() == Some(&m) && want(&e.kind))
-            .map(|e| e.seq)
-    };
-    let mut ahead = Vec::new();
-    for v in 2..9u64 {
-        let landed = seq_of(&|k| *k == SyncEventKind::Landed(Version(v)));
-        let next = seq_of(&|k| *k == SyncEventKind::TrainerFinished(Version(v + 1)));
-        if let (Some(landed), Some(next)) = (landed, next)
-            && next < landed
-        {
-            ahead.push(v);
-        }
-    }
+    // when the trainer finished v + 1 it had trained on v; the engine served what had
+    // landed by then
+    let ahead: Vec<(Version, Version)> = report
+        .controller
+        .events
+        .iter()
+        .filter(|e| e.model.as_ref() == Some(&m))
+        .filter_map(|e| match e.kind {
+            SyncEventKind::TrainerFinished(v) if v.0 > 2 => {
+                Some((Version(v.0 - 1), landed_before(&report, &m, e.seq)))
+            }
+            _ => None,
+        })
+        .filter(|(trained_on, served)| trained_on.0 == served.0 + 1)
+        .collect();
     assert!(
         !ahead.is_empty(),
-        "the trainer never finished a version before the previous one landed"
+        "the trainer never trained while its previous version was still loading"
     );
     // the controller saw it too: rollouts admitted with the engine one version behind
     let status = &report.controller.models[&m];
