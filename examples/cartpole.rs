@@ -14,8 +14,8 @@
 //! ```
 //!
 //! The run stops, solved, once the target is reached; it fails (exit code 1) when the frame
-//! budget (`--total-frames`, in the actor topology rounded up to whole batches) or the time
-//! budget is spent first.
+//! budget (`--total-frames`; in the actor topology it buys `total / frames-per-batch`
+//! updates, rounded up) or the time budget is spent first.
 
 use std::collections::VecDeque;
 use std::process::Command;
