@@ -72,7 +72,7 @@ fn run_ok(name: &str, args: &[&str]) -> String {
 
 /// Solves CartPole (mean return 475, Gymnasium's threshold) through the actor topology in
 /// every sync mode, within a frame budget: a run that stops learning runs out of frames
-/// and fails. Seeds 0-3 solved in 49k-74k frames (24-36 updates of 2048 frames); the budget
+/// and fails. Seeds 0-3 solved in 49k-74k frames (24-34 updates of 2048 frames); the budget
 /// is twice that.
 #[test]
 fn cartpole_learns_through_the_actor_topology_in_every_sync_mode() {
