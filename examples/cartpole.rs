@@ -10,8 +10,12 @@
 //! ```text
 //! cargo run --release --example cartpole -- [--workers 2] [--envs 4] [--frames-per-batch 2048]
 //!     [--threads | --async | --sync-mode MODE | --sync-config FILE] [--staleness-threshold 2]
-//!     [--seed 0] [--max-seconds 60] [--target 475]
+//!     [--seed 0] [--max-seconds 60] [--target 475] [--total-frames 2000000]
 //! ```
+//!
+//! The run stops, solved, once the target is reached; it fails (exit code 1) when the frame
+//! budget (`--total-frames`; in the actor topology it buys `total / frames-per-batch`
+//! updates, rounded up) or the time budget is spent first.
 
 use std::collections::VecDeque;
 use std::process::Command;
@@ -375,7 +379,7 @@ fn run_actors(args: &Args) -> Result<(), Box<dyn std::error::Error>> {
         models: vec![spec],
         eval_episodes: 10,
         stop: StopRule {
-            max_updates: u64::MAX,
+            max_updates: args.total_frames.div_ceil(args.frames_per_batch as u64),
             target_return: Some(args.target),
             max_time: Duration::from_secs_f64(args.max_seconds),
         },

@@ -156,6 +156,9 @@ pub struct MultiConfig {
     pub policy_id: ModelId,
     /// Async only: batches a worker may have queued ahead of the consumer (default 1).
     pub queue_depth: usize,
+    /// How long `next_batch` waits for a live worker's batch before reporting it hung, and
+    /// how long shutdown waits for a worker thread to end (default 60 s).
+    pub batch_timeout: Duration,
 }
 
 impl Default for MultiConfig {
@@ -166,6 +169,7 @@ impl Default for MultiConfig {
             ack_timeout: Duration::from_secs(30),
             policy_id: policy_model_id(),
             queue_depth: 1,
+            batch_timeout: Duration::from_secs(60),
         }
     }
 }
@@ -186,6 +190,7 @@ struct Core<T: SenderTransport> {
     traj_pool: TrajPool,
     stash: VecDeque<(usize, Batch)>,
     closed: bool,
+    batch_timeout: Duration,
 }
 
 impl<T: SenderTransport> fmt::Debug for Core<T> {
@@ -246,6 +251,7 @@ impl<T: SenderTransport> Core<T> {
             traj_pool: traj_pool.clone(),
             stash: VecDeque::new(),
             closed: false,
+            batch_timeout: config.batch_timeout,
         };
         for (worker, (mut collector, transport)) in workers.into_iter().enumerate() {
             collector.set_traj_pool(traj_pool.clone())?;
@@ -297,20 +303,36 @@ impl<T: SenderTransport> Core<T> {
         self.total_frames.is_some_and(|t| self.frames >= t)
     }
 
-    fn recv(&mut self) -> Result<(usize, Batch)> {
+    /// The next worker message, within `batch_timeout`: a worker whose thread lives but
+    /// sends nothing (a hung environment or policy) is reported as a timeout naming
+    /// `waiting` (the workers still awaited).
+    fn recv(&mut self, waiting: &dyn Fn() -> String) -> Result<(usize, Batch)> {
         if let Some(b) = self.stash.pop_front() {
             return Ok(b);
         }
         let out = self.out.as_ref().ok_or(Error::Closed)?;
+        let started = Instant::now();
         loop {
-            let msg = match out.recv_timeout(Duration::from_millis(100)) {
+            let left = self.batch_timeout.saturating_sub(started.elapsed());
+            let msg = match out.recv_timeout(left.min(Duration::from_millis(100))) {
                 Ok(m) => m,
                 Err(RecvTimeoutError::Timeout) => {
                     let gone = self
                         .handles
                         .iter()
                         .position(|h| h.as_ref().is_none_or(JoinHandle::is_finished));
-                    let Some(worker) = gone else { continue };
+                    let Some(worker) = gone else {
+                        if started.elapsed() >= self.batch_timeout {
+                            return Err(Error::Runtime(refit_runtime::Error::Timeout {
+                                what: format!(
+                                    "a batch from {} (the thread lives but sends nothing)",
+                                    waiting()
+                                ),
+                                after: started.elapsed(),
+                            }));
+                        }
+                        continue;
+                    };
                     // A message sent just before the thread ended is already queued.
                     match out.try_recv() {
                         Ok(m) => m,
@@ -355,15 +377,32 @@ impl<T: SenderTransport> Core<T> {
         // Workers blocked on a full queue see the consumer gone and stop.
         drop(self.out.take());
         let mut first_error = None;
+        // A hung worker is left behind (detached) after the deadline rather than joined
+        // forever.
+        let deadline = Instant::now() + self.batch_timeout;
         for (worker, h) in self.handles.iter_mut().enumerate() {
-            if let Some(h) = h.take()
-                && h.join().is_err()
-                && first_error.is_none()
-            {
-                first_error = Some(Error::WorkerGone {
+            let Some(h) = h.take() else { continue };
+            while !h.is_finished() && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            let error = if !h.is_finished() {
+                Some(Error::WorkerGone {
+                    worker,
+                    reason: format!(
+                        "its thread did not stop within {:?} (left running)",
+                        self.batch_timeout
+                    ),
+                })
+            } else if h.join().is_err() {
+                Some(Error::WorkerGone {
                     worker,
                     reason: "its thread panicked".into(),
-                });
+                })
+            } else {
+                None
+            };
+            if first_error.is_none() {
+                first_error = error;
             }
         }
         if let Some(s) = self.sender.take()
@@ -420,7 +459,9 @@ macro_rules! common_methods {
             /// Stops every worker, joins the threads and shuts the sender down.
             ///
             /// # Errors
-            /// [`Error::WorkerGone`] for a worker thread that panicked; sender shutdown errors.
+            /// [`Error::WorkerGone`] for a worker thread that panicked, or that did not stop
+            /// within [`MultiConfig::batch_timeout`] (it is left running); sender shutdown
+            /// errors.
             pub fn shutdown(mut self) -> Result<()> {
                 self.core.shutdown()
             }
@@ -501,7 +542,9 @@ impl<T: SenderTransport> MultiSyncCollector<T> {
     /// is in force for the whole batch (its acknowledgements arrive as workers start).
     ///
     /// # Errors
-    /// A worker's failure ([`Error::Worker`]) or death ([`Error::WorkerGone`]).
+    /// A worker's failure ([`Error::Worker`]) or death ([`Error::WorkerGone`]);
+    /// [`refit_runtime::Error::Timeout`] naming the late workers when a live worker sends
+    /// nothing within [`MultiConfig::batch_timeout`].
     pub fn next_batch(&mut self) -> Result<Option<Batch>> {
         if self.core.closed {
             return Err(Error::Closed);
@@ -519,7 +562,8 @@ impl<T: SenderTransport> MultiSyncCollector<T> {
         let n = self.core.commands.len();
         let mut parts: Vec<Option<Batch>> = (0..n).map(|_| None).collect();
         for _ in 0..n {
-            let (worker, batch) = self.core.recv()?;
+            let late: Vec<usize> = (0..n).filter(|w| parts[*w].is_none()).collect();
+            let (worker, batch) = self.core.recv(&|| format!("workers {late:?}"))?;
             if let Some(slot) = parts.get_mut(worker) {
                 *slot = Some(batch);
             }
@@ -598,7 +642,9 @@ impl<T: SenderTransport> MultiAsyncCollector<T> {
     /// budget is spent.
     ///
     /// # Errors
-    /// A worker's failure ([`Error::Worker`]) or death ([`Error::WorkerGone`]).
+    /// A worker's failure ([`Error::Worker`]) or death ([`Error::WorkerGone`]);
+    /// [`refit_runtime::Error::Timeout`] when no live worker delivers within
+    /// [`MultiConfig::batch_timeout`].
     pub fn next_batch(&mut self) -> Result<Option<Batch>> {
         if self.core.closed {
             return Err(Error::Closed);
@@ -606,7 +652,8 @@ impl<T: SenderTransport> MultiAsyncCollector<T> {
         if self.core.budget_spent() {
             return Ok(None);
         }
-        let (_, batch) = self.core.recv()?;
+        let n = self.core.handles.len();
+        let (_, batch) = self.core.recv(&|| format!("any of the {n} workers"))?;
         self.core.frames += batch.frames as u64;
         Ok(Some(batch))
     }

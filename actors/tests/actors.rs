@@ -122,3 +122,154 @@ async fn a_collector_worker_and_a_trainer_close_the_loop_through_the_engine() {
     let next = worker.send(CollectBatch).await.unwrap().unwrap().unwrap();
     assert!(next.transitions.iter().all(|t| t.version == Version(1)));
 }
+
+#[actix_rt::test]
+async fn a_pause_never_followed_by_continue_stops_rollouts_with_a_timeout() {
+    use actix::Actor;
+    use refit_actors::CartPole;
+    use refit_actors::actor::{
+        EngineHandle, RolloutConfig, RolloutWorker, StartRollouts, StopRollouts, TrajectoryPool,
+        WeightSyncController,
+    };
+    use refit_runtime::sync_policy::{SyncConfig, SyncMode};
+    let engine = InferenceEngine::new(MlpPolicy::new(&[4, 8, 2]).unwrap(), 7)
+        .unwrap()
+        .start();
+    let controller = WeightSyncController::new(
+        &SyncConfig::with_mode(SyncMode::FullyAsync),
+        vec![policy_model_id()],
+        vec![EngineHandle::of(&engine)],
+        None,
+    )
+    .unwrap()
+    .start();
+    let pool = TrajectoryPool::new(policy_model_id(), 64, None, None).start();
+    let deadline = Duration::from_millis(1500);
+    let worker = RolloutWorker::new(
+        RolloutConfig {
+            model: policy_model_id(),
+            worker: 0,
+            fragment_steps: 4,
+            seed: 1,
+            timeout: deadline,
+        },
+        vec![CartPole::new(0)],
+        engine.clone().recipient(),
+        controller,
+        pool.recipient(),
+    )
+    .unwrap()
+    .start();
+    // paused and never continued: the worker's first request queues in the engine
+    engine.send(Pause).await.unwrap();
+    let t = std::time::Instant::now();
+    worker.send(StartRollouts).await.unwrap();
+    let stats = loop {
+        // stops new fragments; the one in flight still ends (with the error) and is counted
+        let stats = worker.send(StopRollouts).await.unwrap();
+        if stats.error.is_some() || t.elapsed() > deadline + Duration::from_secs(10) {
+            break stats;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    let waited = t.elapsed();
+    let err = stats
+        .error
+        .expect("the worker never gave up on the paused engine");
+    assert!(
+        err.contains("timed out") && err.contains("the engine to act for model `policy`"),
+        "{err}"
+    );
+    assert_eq!(stats.fragments, 0);
+    assert!(
+        waited >= deadline - Duration::from_millis(100)
+            && waited < deadline + Duration::from_secs(2),
+        "{waited:?}"
+    );
+    engine.send(Continue).await.unwrap();
+}
+
+/// An MLP whose weight loads take `delay` (a large model's copy, stretched so that what
+/// happens during an apply can be observed).
+struct SlowToLoad {
+    inner: MlpPolicy,
+    delay: Duration,
+}
+
+impl refit_runtime::HasWeights for SlowToLoad {
+    fn weight_manifest(&self) -> refit_runtime::Result<Manifest> {
+        self.inner.weight_manifest()
+    }
+    fn write_weights(&self, out: &mut WeightSet) -> refit_runtime::Result<()> {
+        self.inner.write_weights(out)
+    }
+    fn read_weights(&mut self, weights: &WeightSet) -> refit_runtime::Result<()> {
+        std::thread::sleep(self.delay);
+        self.inner.read_weights(weights)
+    }
+}
+
+impl refit_actors::Policy for SlowToLoad {
+    fn act(&mut self, obs: &[f32], rng: &mut rand::rngs::SmallRng) -> refit_actors::ActionOut {
+        self.inner.act(obs, rng)
+    }
+}
+
+#[actix_rt::test]
+async fn one_models_apply_does_not_stall_requests_for_another() {
+    use actix::Actor;
+    use refit_actors::actor::{ActBatch, ServedVersions};
+    use refit_runtime::{HasWeights, ModelId};
+    let (a, b) = (
+        ModelId::new("solver").unwrap(),
+        ModelId::new("verifier").unwrap(),
+    );
+    let slow = |delay| SlowToLoad {
+        inner: MlpPolicy::new(&[4, 8, 2]).unwrap(),
+        delay,
+    };
+    let engine = InferenceEngine::empty(3)
+        .with_model(a.clone(), slow(Duration::from_secs(2)), None)
+        .unwrap()
+        .with_model(b.clone(), slow(Duration::ZERO), None)
+        .unwrap()
+        .start();
+    let ask = |model: &ModelId| {
+        engine.send(ActBatch {
+            model: model.clone(),
+            obs: vec![0.0; 8],
+            generation: None,
+            greedy: false,
+        })
+    };
+    let mut v1 = WeightSet::zeroed(
+        a.clone(),
+        Arc::new(slow(Duration::ZERO).weight_manifest().unwrap()),
+    );
+    v1.set_version(Version(1));
+    let load = actix_rt::spawn(engine.send(LoadWeights {
+        weights: Arc::new(v1),
+    }));
+    // the solver's apply is under way (it takes 2 s)
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let solver_req = ask(&a);
+    let verifier = ask(&b).await.unwrap().unwrap();
+    assert_eq!(verifier.actions.len(), 2);
+    assert!(
+        !load.is_finished(),
+        "the verifier was answered only after the solver's apply"
+    );
+    let served = engine.send(ServedVersions).await.unwrap();
+    assert_eq!(served[&a], Version::ZERO, "the apply is not over yet");
+    assert!(!load.is_finished());
+    assert_eq!(load.await.unwrap().unwrap().unwrap(), Version(1));
+    // the solver's request queued during its apply and was answered by the new weights
+    let solver = solver_req.await.unwrap().unwrap();
+    assert_eq!(solver.version, Version(1));
+    let stats = engine
+        .send(refit_actors::actor::GetEngineStats)
+        .await
+        .unwrap();
+    assert_eq!(stats.loads, 1);
+    assert!(stats.paused_max >= Duration::from_secs(2), "{stats:?}");
+}

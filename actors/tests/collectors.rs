@@ -490,3 +490,98 @@ fn mlp_policy_runs_in_a_collector_and_ppo_exports_its_layout() {
     let lp2 = trainer.action_log_probs(&t.obs).unwrap();
     assert!((p.log_probs(&t.obs)[0] - lp2[0]).abs() < 1e-5);
 }
+
+/// CartPole that blocks inside `step` (a hung environment) once `hang_after` steps ran,
+/// until the test releases it.
+struct Hanging {
+    inner: CartPole,
+    steps: usize,
+    hang_after: usize,
+    release: Arc<(Mutex<bool>, std::sync::Condvar)>,
+}
+
+impl Env for Hanging {
+    fn obs_dim(&self) -> usize {
+        4
+    }
+    fn num_actions(&self) -> usize {
+        2
+    }
+    fn reset(&mut self, seed: Option<u64>) -> refit_actors::Result<Vec<f32>> {
+        self.inner.reset(seed)
+    }
+    fn step(&mut self, action: usize) -> refit_actors::Result<StepResult> {
+        self.steps += 1;
+        if self.steps > self.hang_after {
+            let (lock, cv) = &*self.release;
+            let mut released = lock.lock().unwrap();
+            while !*released {
+                released = cv.wait(released).unwrap();
+            }
+        }
+        self.inner.step(action)
+    }
+}
+
+#[test]
+fn a_live_but_hung_worker_is_a_timeout_naming_it_not_a_hang() {
+    let hub = refit_transports::inproc::InProc::new();
+    let release = Arc::new((Mutex::new(false), std::sync::Condvar::new()));
+    let workers: Vec<_> = (0..2)
+        .map(|w| {
+            let env = Hanging {
+                inner: CartPole::new(w),
+                steps: 0,
+                // worker 1 hangs in its second batch; worker 0 never does
+                hang_after: if w == 1 { 20 } else { usize::MAX },
+                release: Arc::clone(&release),
+            };
+            let c = Collector::builder(vec![env], TagPolicy::default())
+                .frames_per_batch(20)
+                .build()
+                .unwrap();
+            (c, hub.receiver())
+        })
+        .collect();
+    let deadline = Duration::from_millis(1500);
+    let mut multi = MultiSyncCollector::spawn(
+        hub.sender().unwrap(),
+        workers,
+        vec![tag_weights(1)],
+        MultiConfig {
+            batch_timeout: deadline,
+            ..MultiConfig::default()
+        },
+    )
+    .unwrap();
+    assert_eq!(multi.next_batch().unwrap().unwrap().frames, 40);
+    let t = std::time::Instant::now();
+    let err = multi.next_batch().unwrap_err();
+    let waited = t.elapsed();
+    assert!(
+        matches!(&err, Error::Runtime(e) if e.is_timeout()),
+        "expected a timeout, got {err}"
+    );
+    assert!(err.to_string().contains("workers [1]"), "{err}");
+    assert!(
+        waited >= deadline - Duration::from_millis(100)
+            && waited < deadline + Duration::from_secs(2),
+        "{waited:?}"
+    );
+    // shutdown does not join the hung thread forever either: it is named and left behind
+    let t = std::time::Instant::now();
+    let err = multi.shutdown().unwrap_err();
+    assert!(
+        matches!(err, Error::WorkerGone { worker: 1, .. }),
+        "expected worker 1 left running, got {err}"
+    );
+    assert!(err.to_string().contains("did not stop"), "{err}");
+    assert!(
+        t.elapsed() < deadline + Duration::from_secs(2),
+        "{:?}",
+        t.elapsed()
+    );
+    let (lock, cv) = &*release;
+    *lock.lock().unwrap() = true;
+    cv.notify_all();
+}

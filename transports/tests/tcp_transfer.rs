@@ -234,6 +234,24 @@ fn a_peer_without_the_token_is_refused() {
     assert_eq!(s.receivers(), 0);
 }
 
+/// A pull request as the wire carries it (the field names are part of the encoding).
+#[derive(Debug, serde::Serialize)]
+struct PullReq {
+    model: String,
+    version: u64,
+    plan: u64,
+    buckets: Vec<u32>,
+}
+
+fn pull_req(model: &str, version: u64, plan: u64, buckets: Vec<u32>) -> PullReq {
+    PullReq {
+        model: model.into(),
+        version,
+        plan,
+        buckets,
+    }
+}
+
 #[test]
 fn garbage_on_the_wire_is_refused_without_a_panic() {
     use rand::{Rng, SeedableRng};
@@ -260,6 +278,25 @@ fn garbage_on_the_wire_is_refused_without_a_panic() {
     let addr = sender.transport().addr();
     let agent = sender.transport().receiver_spec().agent;
     let me = Node::start(NodeConfig::loopback(token.clone())).unwrap();
+    let plan = sender.transport().bucket_plan(&id("policy")).unwrap();
+    // the request shape hostile pulls use is the real one: a fair request is served
+    let mut fair = me
+        .open_stream(
+            addr,
+            agent,
+            "pull",
+            &pull_req("policy", 1, plan.fingerprint().unwrap(), vec![0]),
+            Duration::from_secs(5),
+        )
+        .unwrap();
+    assert_eq!(fair.len, plan.buckets[0].len as u64);
+    let mut served = Vec::new();
+    fair.stream.read_to_end(&mut served).unwrap();
+    assert!(
+        served.len() as u64 > fair.len,
+        "a header and the bucket's bytes"
+    );
+    let mut hostile_pulls = 0;
     let mut rng = rand::rngs::StdRng::seed_from_u64(42);
     for case in 0..200u32 {
         match case % 4 {
@@ -274,30 +311,40 @@ fn garbage_on_the_wire_is_refused_without_a_panic() {
                 let _ = s.read_to_end(&mut Vec::new());
             }
             1 => {
-                // an authenticated stream asking for random ranges of the arena
-                let ranges: Vec<(u64, u64)> = (0..rng.random_range(0..4))
-                    .map(|_| {
-                        (
-                            rng.random_range(0..1u64 << 20),
-                            rng.random_range(0..u64::MAX),
-                        )
-                    })
-                    .collect();
-                #[derive(serde::Serialize)]
-                struct PullReq {
-                    model: String,
-                    version: u64,
-                    ranges: Vec<(u64, u64)>,
-                }
-                let req = PullReq {
-                    model: "policy".into(),
-                    version: rng.random_range(0..3),
-                    ranges,
+                // a well-formed, authenticated pull that asks for what the sender must refuse
+                let plan_id = plan.fingerprint().unwrap();
+                let n = plan.len() as u32;
+                let (req, refusal) = match rng.random_range(0..5) {
+                    0 => (
+                        pull_req("policy", 1, plan_id, vec![rng.random_range(n..=u32::MAX)]),
+                        "past the plan",
+                    ),
+                    1 => (
+                        pull_req(
+                            "policy",
+                            1,
+                            plan_id ^ rng.random_range(1..u64::MAX),
+                            vec![0],
+                        ),
+                        "names bucket plan",
+                    ),
+                    2 => (
+                        pull_req("policy", rng.random_range(3..u64::MAX), plan_id, vec![0]),
+                        "is not kept by the sender",
+                    ),
+                    3 => (pull_req("critic", 1, plan_id, vec![0]), "is not kept"),
+                    _ => (pull_req("policy", 1, plan_id, vec![0, 0]), "out of order"),
                 };
-                if let Ok(mut s) = me.open_stream(addr, agent, "pull", &req, Duration::from_secs(5))
-                {
-                    let _ = s.stream.read_to_end(&mut Vec::new());
+                let err = me
+                    .open_stream(addr, agent, "pull", &req, Duration::from_secs(5))
+                    .unwrap_err();
+                match &err {
+                    Error::Remote { message, .. } => {
+                        assert!(message.contains(refusal), "{req:?}: {message}")
+                    }
+                    other => panic!("{req:?} refused as {other}, not by the pull handler"),
                 }
+                hostile_pulls += 1;
             }
             2 => {
                 // an authenticated stream whose request is random bytes
@@ -325,10 +372,166 @@ fn garbage_on_the_wire_is_refused_without_a_panic() {
             }
         }
     }
-    // the sender still serves its real receiver
+    assert_eq!(hostile_pulls, 50);
+    // the sender still serves its real receiver, which kept version 1 throughout
+    assert_eq!(rs[0].version(&id("policy")), Version(1));
+    check_stamp(&rs[0].current(&id("policy")).unwrap()).unwrap();
     let pending = sender.send_async(vec![stamped("policy", &m, 2)]).unwrap();
     rs[0].receive(T).unwrap().unwrap();
     sender.wait(&pending, T).unwrap();
     check_stamp(&rs[0].current(&id("policy")).unwrap()).unwrap();
     assert!(sender.transport().node().refused() >= 50);
+}
+
+/// A TCP forwarder in front of a sender's node. While `stall` is set, each connection
+/// forwards at most `budget` more bytes toward the receiver, then holds the rest (a sender
+/// that hangs mid-transfer while its sockets stay open).
+struct Proxy {
+    addr: std::net::SocketAddr,
+    stall: Arc<std::sync::atomic::AtomicBool>,
+    stop: Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl Proxy {
+    fn bind() -> (Self, std::net::TcpListener) {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let p = Self {
+            addr: l.local_addr().unwrap(),
+            stall: Arc::default(),
+            stop: Arc::default(),
+        };
+        (p, l)
+    }
+
+    fn run(&self, l: std::net::TcpListener, upstream: std::net::SocketAddr, budget: usize) {
+        use std::sync::atomic::Ordering::SeqCst;
+        let (stall, stop) = (Arc::clone(&self.stall), Arc::clone(&self.stop));
+        l.set_nonblocking(true).unwrap();
+        let pump = move |mut from: std::net::TcpStream,
+                         mut to: std::net::TcpStream,
+                         stall: Option<Arc<std::sync::atomic::AtomicBool>>,
+                         stop: Arc<std::sync::atomic::AtomicBool>| {
+            from.set_read_timeout(Some(Duration::from_millis(50)))
+                .unwrap();
+            let mut buf = vec![0u8; 64 << 10];
+            let mut since_stall = 0;
+            while !stop.load(SeqCst) {
+                let stalled = stall.as_ref().is_some_and(|s| s.load(SeqCst));
+                if !stalled {
+                    since_stall = 0;
+                } else if since_stall >= budget {
+                    std::thread::sleep(Duration::from_millis(10));
+                    continue;
+                }
+                let room = if stalled {
+                    budget - since_stall
+                } else {
+                    buf.len()
+                };
+                let room = room.min(buf.len());
+                match from.read(&mut buf[..room]) {
+                    Ok(0) => break,
+                    Ok(n) => {
+                        if to.write_all(&buf[..n]).is_err() {
+                            break;
+                        }
+                        if stalled {
+                            since_stall += n;
+                        }
+                    }
+                    Err(e)
+                        if matches!(
+                            e.kind(),
+                            std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                        ) => {}
+                    Err(_) => break,
+                }
+            }
+            let _ = to.shutdown(std::net::Shutdown::Both);
+        };
+        std::thread::spawn(move || {
+            while !stop.load(SeqCst) {
+                match l.accept() {
+                    Ok((client, _)) => {
+                        client.set_nonblocking(false).unwrap();
+                        let up = std::net::TcpStream::connect(upstream).unwrap();
+                        let (c2, u2) = (client.try_clone().unwrap(), up.try_clone().unwrap());
+                        let (s1, s2) = (Arc::clone(&stop), Arc::clone(&stop));
+                        std::thread::spawn(move || pump(c2, u2, None, s1));
+                        let st = Arc::clone(&stall);
+                        std::thread::spawn(move || pump(up, client, Some(st), s2));
+                    }
+                    Err(_) => std::thread::sleep(Duration::from_millis(5)),
+                }
+            }
+        });
+    }
+}
+
+impl Drop for Proxy {
+    fn drop(&mut self) {
+        self.stop.store(true, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
+#[test]
+fn a_pull_stalled_mid_way_is_a_timeout_at_the_callers_deadline() {
+    use std::sync::atomic::Ordering::SeqCst;
+    let m = big_manifest(2, 4);
+    let ms = manifests(&[("policy", &m)]);
+    let (proxy, listener) = Proxy::bind();
+    let s = TcpSender::bind(
+        TcpConfig {
+            token: Some(ClusterToken::random()),
+            expected_receivers: 1,
+            advertise: Some(proxy.addr),
+            ..TcpConfig::default()
+        },
+        &ms,
+    )
+    .unwrap();
+    proxy.run(listener, s.node().addr(), 3 << 20);
+    let stall = Duration::from_millis(500);
+    let r = TcpReceiver::new(s.receiver_spec()).with_config(TcpReceiverConfig {
+        streams: 1,
+        mode: TransferMode::Full,
+        relay: false,
+        stall_timeout: stall,
+        ..TcpReceiverConfig::default()
+    });
+    let h = std::thread::spawn(move || ReceiverInit::new(r, None).connect(T).unwrap());
+    let v1 = random_set(&m, 1, 1);
+    let mut sender = SenderInit::new(s, ms)
+        .with_ack_timeout(T)
+        .connect(vec![v1.clone()], T)
+        .unwrap();
+    let mut rs = h.join().unwrap();
+    // the sender hangs mid-transfer: its sockets stay open, bytes stop after 3 of 8 MiB
+    proxy.stall.store(true, SeqCst);
+    let pending = sender.send_async(vec![random_set(&m, 2, 2)]).unwrap();
+    let before = rs.transport().progress().load(SeqCst);
+    let deadline = Duration::from_millis(1500);
+    let t = Instant::now();
+    let err = rs.receive(deadline).unwrap_err();
+    let waited = t.elapsed();
+    assert!(matches!(err, Error::Timeout { .. }), "{err}");
+    assert!(err.to_string().contains("`policy` v2"), "{err}");
+    // bound: the deadline, one stall window to see no byte came, and a loaded machine
+    assert!(
+        waited >= deadline - Duration::from_millis(50)
+            && waited < deadline + 2 * stall + Duration::from_secs(2),
+        "{waited:?}"
+    );
+    let moved = rs.transport().progress().load(SeqCst) - before;
+    assert!(
+        moved > 0 && moved < m.total_len() as u64,
+        "stalled mid-way: {moved} bytes"
+    );
+    // the previous weights stay served; once the link recovers, the version lands
+    assert_eq!(rs.version(&id("policy")), Version(1));
+    assert!(rs.current(&id("policy")).unwrap().bytes() == v1.bytes());
+    proxy.stall.store(false, SeqCst);
+    rs.receive(T).unwrap().unwrap();
+    sender.wait(&pending, T).unwrap();
+    assert!(rs.current(&id("policy")).unwrap().bytes() == random_set(&m, 2, 2).bytes());
 }

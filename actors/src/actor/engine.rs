@@ -1,5 +1,9 @@
 //! The inference engine actor: serves actions for one or several models; pauses, loads and
 //! continues one model at a time, with the bytes staged before the pause.
+//!
+//! The apply itself (copying a version into the policy) runs on a blocking thread, not in
+//! the actor's handler: while one model's weights are applied, that model's requests queue
+//! and every other model's requests are answered.
 
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::Arc;
@@ -74,7 +78,8 @@ pub struct Pause;
 pub struct Continue;
 
 /// Loads weights pushed by the caller (validated whole first; a refused version leaves the
-/// served one). The model is the one the weight set names.
+/// served one). The model is the one the weight set names; its requests queue during the
+/// apply, other models keep being served.
 #[derive(Debug, Clone, Message)]
 #[rtype(result = "Result<Version>")]
 pub struct LoadWeights {
@@ -149,11 +154,17 @@ type Waiter = oneshot::Sender<Result<ActedBatch>>;
 type SharedInlet = Arc<Mutex<Box<dyn WeightInlet>>>;
 
 struct Slot<P> {
-    policy: P,
+    /// `None` while its weights are applied on a blocking thread (or after an apply that
+    /// panicked took it down).
+    policy: Option<P>,
+    /// True while its weights are applied: its requests queue.
+    applying: bool,
     version: Version,
     obs_dim: usize,
     inlet: Option<SharedInlet>,
     queued: VecDeque<(ActBatch, Waiter)>,
+    /// Serialises the applies of this model (a load through the inlet and pushed loads).
+    apply_lock: Arc<Mutex<()>>,
 }
 
 /// Serves actions for one or several models; pauses, loads weights and continues.
@@ -228,10 +239,12 @@ impl<P: Policy + Unpin + 'static> InferenceEngine<P> {
         }
         let slot = Slot {
             obs_dim: obs_dim(&policy)?,
-            policy,
+            policy: Some(policy),
+            applying: false,
             version: Version::ZERO,
             inlet: inlet.map(|i| Arc::new(Mutex::new(i))),
             queued: VecDeque::new(),
+            apply_lock: Arc::default(),
         };
         self.models.insert(id, slot);
         Ok(self)
@@ -256,6 +269,9 @@ impl<P: Policy + Unpin + 'static> InferenceEngine<P> {
             .get_mut(&req.model)
             .ok_or_else(|| Error::Runtime(refit_runtime::Error::UnknownModel(req.model.clone())))?;
         let d = slot.obs_dim;
+        let Some(policy) = slot.policy.as_mut() else {
+            return Err(lost(&req.model));
+        };
         if req.obs.is_empty() || !req.obs.len().is_multiple_of(d) {
             return Err(Error::Config(format!(
                 "{} observation values do not make whole observations of length {d} for model `{}`",
@@ -268,13 +284,13 @@ impl<P: Policy + Unpin + 'static> InferenceEngine<P> {
             .chunks_exact(d)
             .map(|o| {
                 if req.greedy {
-                    let action = slot.policy.act_greedy(o, rng);
+                    let action = policy.act_greedy(o, rng);
                     ActionOut {
                         action,
                         log_prob: 0.0,
                     }
                 } else {
-                    slot.policy.act(o, rng)
+                    policy.act(o, rng)
                 }
             })
             .collect();
@@ -290,29 +306,87 @@ impl<P: Policy + Unpin + 'static> InferenceEngine<P> {
             return;
         }
         let queued = match self.models.get_mut(model) {
-            Some(s) => std::mem::take(&mut s.queued),
-            None => return,
+            Some(s) if !s.applying => std::mem::take(&mut s.queued),
+            _ => return,
         };
         for (req, tx) in queued {
             let _ = tx.send(self.act_now(&req));
         }
     }
 
-    /// Applies staged weights to one model: pause, apply, continue. Answers the pause.
-    fn apply(&mut self, weights: &WeightSet) -> Result<Duration> {
+    /// Applies `weights` to their model off the actor's thread: waits for the model's apply
+    /// lock, checks the version, lends the policy to a blocking thread (the model's requests
+    /// queue meanwhile; other models are served), takes it back and answers the queued
+    /// requests. Answers how long the model was paused.
+    fn apply(&mut self, weights: Arc<WeightSet>) -> ResponseActFuture<Self, Result<Duration>> {
+        let lock = match self.slot(weights.model()) {
+            Ok(s) => Arc::clone(&s.apply_lock),
+            Err(e) => return Box::pin(fut::ready(Err(e))),
+        };
+        let locked = async move { lock.lock_owned().await };
+        Box::pin(locked.into_actor(self).then(move |guard, act, _| {
+            let policy = match act.begin_apply(&weights) {
+                Ok(p) => p,
+                Err(e) => return Box::pin(fut::ready(Err(e))) as ResponseActFuture<_, _>,
+            };
+            let paused_at = Instant::now();
+            let w = Arc::clone(&weights);
+            let job = actix_rt::task::spawn_blocking(move || {
+                let mut policy = policy;
+                let applied = ArenaStrategy.apply(&w, &mut policy);
+                (policy, applied)
+            });
+            Box::pin(job.into_actor(act).map(move |joined, act, _| {
+                let r = act.end_apply(&weights, joined, paused_at.elapsed());
+                drop(guard);
+                r
+            }))
+        }))
+    }
+
+    /// Takes the model's policy for an apply (its requests queue until [`Self::end_apply`]).
+    fn begin_apply(&mut self, weights: &WeightSet) -> Result<P> {
+        let model = weights.model();
+        let slot = self.slot(model)?;
+        if weights.version() <= slot.version {
+            return Err(stale(model, weights.version(), slot.version));
+        }
+        let policy = slot.policy.take().ok_or_else(|| lost(model))?;
+        slot.applying = true;
+        Ok(policy)
+    }
+
+    /// Gives the policy back, records the version when the apply succeeded, and answers the
+    /// requests that queued meanwhile.
+    fn end_apply(
+        &mut self,
+        weights: &WeightSet,
+        joined: std::result::Result<(P, refit_runtime::Result<()>), actix_rt::task::JoinError>,
+        paused: Duration,
+    ) -> Result<Duration> {
         let model = weights.model().clone();
         let slot = self.slot(&model)?;
-        if weights.version() <= slot.version {
-            return Err(stale(&model, weights.version(), slot.version));
-        }
-        let pause = metrics::timed(Phase::EnginePause, "engine", model.as_str());
-        // Generation of this model pauses here: the actor answers no request until apply
-        // returns, and requests of other models are not touched.
-        let applied = ArenaStrategy.apply(weights, &mut slot.policy);
-        if applied.is_ok() {
-            slot.version = weights.version();
-        }
-        let paused = pause.finish();
+        // the pause spans an await, so it is recorded as a sample, not as an entered span
+        metrics::record(Phase::EnginePause, "engine", model.as_str(), paused);
+        slot.applying = false;
+        let applied = match joined {
+            Ok((policy, r)) => {
+                slot.policy = Some(policy);
+                if r.is_ok() {
+                    slot.version = weights.version();
+                }
+                r.map_err(Error::Runtime)
+            }
+            Err(e) => {
+                // the policy went down with the thread: the model cannot serve any more
+                for (_, tx) in std::mem::take(&mut slot.queued) {
+                    let _ = tx.send(Err(lost(&model)));
+                }
+                Err(Error::Actor(format!(
+                    "the weight apply of model `{model}` failed on its thread: {e}"
+                )))
+            }
+        };
         self.drain(&model);
         applied?;
         self.stats.loads += 1;
@@ -320,6 +394,12 @@ impl<P: Policy + Unpin + 'static> InferenceEngine<P> {
         self.stats.paused_max = self.stats.paused_max.max(paused);
         Ok(paused)
     }
+}
+
+fn lost(model: &ModelId) -> Error {
+    Error::Actor(format!(
+        "model `{model}` cannot serve: an earlier weight apply failed on its thread"
+    ))
 }
 
 impl<P: Policy + Unpin + 'static> Actor for InferenceEngine<P> {
@@ -330,7 +410,12 @@ impl<P: Policy + Unpin + 'static> Handler<ActBatch> for InferenceEngine<P> {
     type Result = ResponseFuture<Result<ActedBatch>>;
 
     fn handle(&mut self, msg: ActBatch, _: &mut Context<Self>) -> Self::Result {
-        if self.paused {
+        let paused = self.paused;
+        let applying = match self.slot(&msg.model) {
+            Ok(slot) => slot.applying,
+            Err(e) => return Box::pin(async move { Err(e) }),
+        };
+        if paused || applying {
             let (tx, rx) = oneshot::channel();
             match self.slot(&msg.model) {
                 Ok(slot) => slot.queued.push_back((msg, tx)),
@@ -410,10 +495,13 @@ impl<P: Policy + Unpin + 'static> Handler<CancelInFlight> for InferenceEngine<P>
 }
 
 impl<P: Policy + Unpin + 'static> Handler<LoadWeights> for InferenceEngine<P> {
-    type Result = Result<Version>;
-    fn handle(&mut self, msg: LoadWeights, _: &mut Context<Self>) -> Result<Version> {
-        self.apply(&msg.weights)?;
-        Ok(msg.weights.version())
+    type Result = ResponseActFuture<Self, Result<Version>>;
+    fn handle(&mut self, msg: LoadWeights, _: &mut Context<Self>) -> Self::Result {
+        let version = msg.weights.version();
+        Box::pin(
+            self.apply(msg.weights)
+                .map(move |r, _, _| r.map(|_| version)),
+        )
     }
 }
 
@@ -459,23 +547,33 @@ impl<P: Policy + Unpin + 'static> Handler<UpdateModel> for InferenceEngine<P> {
         Box::pin(
             stage
                 .into_actor(self)
-                .map(move |(guard, model, fetched), act, _| {
+                .then(move |(guard, model, fetched), act, _| {
                     let staged = started.elapsed();
                     act.stats.staged_total += staged;
-                    let weights = fetched?;
-                    let current = act.slot(&model)?.version;
-                    let paused = if weights.version() > current {
-                        act.apply(&weights)?
-                    } else {
-                        Duration::ZERO // a newer version already landed through an earlier load
+                    let current = act.slot(&model).map(|s| s.version);
+                    let weights = match (fetched, current) {
+                        (Ok(w), Ok(current)) if w.version() > current => w,
+                        // a newer version already landed through an earlier load
+                        (Ok(_), Ok(current)) => {
+                            return Box::pin(fut::ready(Ok(LoadReport {
+                                model,
+                                version: current,
+                                staged,
+                                paused: Duration::ZERO,
+                            }))) as ResponseActFuture<_, _>;
+                        }
+                        (Err(e), _) | (_, Err(e)) => return Box::pin(fut::ready(Err(e))),
                     };
-                    drop(guard);
-                    Ok(LoadReport {
-                        version: act.slot(&model)?.version,
-                        model,
-                        staged,
-                        paused,
-                    })
+                    Box::pin(act.apply(weights).map(move |paused, act, _| {
+                        // the per-model lock is held until the apply is over
+                        drop(guard);
+                        Ok(LoadReport {
+                            version: act.slot(&model)?.version,
+                            model,
+                            staged,
+                            paused: paused?,
+                        })
+                    }))
                 }),
         )
     }

@@ -181,6 +181,10 @@ pub struct RolloutConfig {
     pub fragment_steps: usize,
     /// Seed of the environments' first resets.
     pub seed: u64,
+    /// Deadline of each engine request (a `Pause` never followed by `Continue` shows here)
+    /// and of handing a fragment to the pool: past it the worker stops with
+    /// [`refit_runtime::Error::Timeout`] in its [`RolloutStats::error`].
+    pub timeout: Duration,
 }
 
 /// Steps a vector of environments with actions from an engine: before each fragment it
@@ -302,8 +306,15 @@ async fn run_fragment<E: Env>(
                 generation,
                 greedy: false,
             })
+            .timeout(cfg.timeout)
             .await
-            .map_err(|e| Error::Actor(format!("engine unreachable: {e}")))?;
+            .map_err(|e| {
+                unanswered(
+                    e,
+                    cfg.timeout,
+                    format!("the engine to act for model `{}`", cfg.model),
+                )
+            })?;
         let acted = match asked {
             Ok(a) => a,
             Err(Error::Cancelled { .. }) => {
@@ -328,12 +339,27 @@ async fn run_fragment<E: Env>(
         fragment,
         admission,
     })
+    .timeout(cfg.timeout)
     .await
-    .map_err(|e| Error::Actor(format!("trajectory pool unreachable: {e}")))?;
+    .map_err(|e| {
+        unanswered(
+            e,
+            cfg.timeout,
+            format!("the trajectory pool of model `{}`", cfg.model),
+        )
+    })?;
     Ok(Outcome {
         waited,
         cancelled: false,
     })
+}
+
+/// A request that got no answer: past its deadline, or to an actor that stopped.
+fn unanswered(e: MailboxError, after: Duration, what: String) -> Error {
+    match e {
+        MailboxError::Timeout => Error::Runtime(refit_runtime::Error::Timeout { what, after }),
+        MailboxError::Closed => Error::Actor(format!("{what}: it stopped")),
+    }
 }
 
 #[derive(Debug, Message)]

@@ -314,6 +314,7 @@ where
                     worker: w,
                     fragment_steps: spec.fragment_steps,
                     seed: base,
+                    timeout: cfg.wait,
                 },
                 envs,
                 engine.clone().recipient(),

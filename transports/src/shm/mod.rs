@@ -44,6 +44,8 @@ mod futex;
 mod layout;
 mod lease;
 mod segment;
+#[cfg(test)]
+mod tests;
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -128,8 +130,21 @@ fn state_word(board: &Segment) -> Result<&AtomicU32> {
     board.u32_at(OFF_STATE)
 }
 
-/// One consistent read of the commit record: `(version, slot)` per model.
-fn read_board(board: &Segment, n_models: usize, lease: Duration) -> Result<Vec<(u64, u64)>> {
+/// The least time a reader waits for a commit in progress, whatever its caller's deadline:
+/// a commit is a few stores, but the committing thread may be descheduled in the middle,
+/// and a zero-timeout poll must not report that as a hang.
+const COMMIT_GRACE: Duration = Duration::from_millis(100);
+
+/// One consistent read of the commit record: `(version, slot)` per model. A commit that
+/// stays in progress (odd sequence) past `deadline` while the sender lives (hung, or
+/// stopped mid-commit) is [`Error::Timeout`]; a sender whose lease says it died is
+/// [`Error::PeerGone`].
+fn read_board(
+    board: &Segment,
+    n_models: usize,
+    lease: Duration,
+    deadline: Instant,
+) -> Result<Vec<(u64, u64)>> {
     let seq = board.u32_at(OFF_COMMIT_SEQ)?;
     let started = Instant::now();
     loop {
@@ -150,6 +165,11 @@ fn read_board(board: &Segment, n_models: usize, lease: Duration) -> Result<Vec<(
             && let Some(why) = lease::dead(board, OFF_SENDER, lease)?
         {
             return Err(sender_gone(board, format!("died while committing ({why})")));
+        } else if Instant::now() >= deadline {
+            return Err(Error::Timeout {
+                what: "the shm sender to finish its commit (the board stayed mid-commit)".into(),
+                after: started.elapsed(),
+            });
         }
         std::thread::yield_now();
     }
@@ -962,12 +982,12 @@ impl ShmReceiver {
         Ok(true)
     }
 
-    fn take_fresh(&mut self) -> Result<Option<Group>> {
+    fn take_fresh(&mut self, deadline: Instant) -> Result<Option<Group>> {
         let Some(a) = &self.attached else {
             return Err(Error::State("shm receiver is not connected"));
         };
         loop {
-            let board = read_board(&a.board, a.models.len(), a.lease_len)?;
+            let board = read_board(&a.board, a.models.len(), a.lease_len, deadline)?;
             let fresh: Vec<(usize, u64, usize)> = board
                 .iter()
                 .enumerate()
@@ -1087,7 +1107,8 @@ impl ReceiverTransport for ShmReceiver {
                     state_word(&a.board)?.load(Ordering::SeqCst),
                 )
             };
-            if let Some(g) = self.take_fresh()? {
+            let commit_deadline = deadline.max(Instant::now() + COMMIT_GRACE);
+            if let Some(g) = self.take_fresh(commit_deadline)? {
                 return Ok(Some(g));
             }
             let a = self

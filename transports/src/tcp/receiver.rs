@@ -48,6 +48,12 @@ pub struct TcpReceiverConfig {
     pub call_timeout: Duration,
     /// Longest wait for any single read or write on a data stream (default 30 s).
     pub stream_timeout: Duration,
+    /// How `next_group` honours its caller's deadline while a pull is under way: past the
+    /// deadline the pull goes on only while bytes keep arriving, and is abandoned with
+    /// [`Error::Timeout`] once none arrived for this long (default 1 s). It is also the
+    /// least time a pull's control call and stream opening get, so that a short poll can
+    /// still start one.
+    pub stall_timeout: Duration,
 }
 
 impl Default for TcpReceiverConfig {
@@ -61,6 +67,7 @@ impl Default for TcpReceiverConfig {
             keep_versions: 2,
             call_timeout: Duration::from_secs(120),
             stream_timeout: Duration::from_secs(30),
+            stall_timeout: Duration::from_secs(1),
         }
     }
 }
@@ -200,6 +207,80 @@ impl Shared {
             .get(model)
             .and_then(|q| q.back())
             .map_or(Version::ZERO, |w| w.version())
+    }
+}
+
+/// Watches a pull against its caller's deadline: once the deadline passed and no byte
+/// arrived for a stall window, it shuts the pull's streams (their blocked reads return at
+/// once) and marks the pull expired.
+#[derive(Default)]
+struct Watchdog {
+    state: Mutex<Watched>,
+    cv: Condvar,
+}
+
+#[derive(Default)]
+struct Watched {
+    streams: Vec<std::net::TcpStream>,
+    expired: bool,
+    finished: bool,
+}
+
+impl Watchdog {
+    fn state(&self) -> MutexGuard<'_, Watched> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Keeps a handle on a stream the pull opened; false once the pull expired.
+    fn register(&self, stream: &std::net::TcpStream) -> bool {
+        let mut st = self.state();
+        if st.expired {
+            return false;
+        }
+        if let Ok(s) = stream.try_clone() {
+            st.streams.push(s);
+        }
+        true
+    }
+
+    fn finish(&self) {
+        self.state().finished = true;
+        self.cv.notify_all();
+    }
+
+    fn expired(&self) -> bool {
+        self.state().expired
+    }
+
+    /// Waits until the pull finishes (false) or expires (true).
+    fn watch(&self, deadline: Instant, stall: Duration, pulled: &AtomicU64) -> bool {
+        let mut st = self.state();
+        let mut until = deadline;
+        let mut last = None;
+        loop {
+            if st.finished {
+                return false;
+            }
+            let now = Instant::now();
+            if now < until {
+                st = self
+                    .cv
+                    .wait_timeout(st, until - now)
+                    .unwrap_or_else(|p| p.into_inner())
+                    .0;
+                continue;
+            }
+            let bytes = pulled.load(Ordering::Relaxed);
+            if last == Some(bytes) {
+                st.expired = true;
+                for s in &st.streams {
+                    let _ = s.shutdown(std::net::Shutdown::Both);
+                }
+                return true;
+            }
+            last = Some(bytes);
+            until = now + stall;
+        }
     }
 }
 
@@ -421,11 +502,23 @@ impl TcpReceiver {
         Ok(plan)
     }
 
-    /// Pulls one version; `Ok(Err(latest))` when the sender no longer keeps it.
+    /// How long a step of a pull may wait for `deadline`: the time left, at least the stall
+    /// window, at most `cap`.
+    fn within(&self, deadline: Instant, cap: Duration) -> Duration {
+        cap.min(
+            deadline
+                .saturating_duration_since(Instant::now())
+                .max(self.cfg.stall_timeout),
+        )
+    }
+
+    /// Pulls one version; `Ok(Err(latest))` when the sender no longer keeps it. Honours
+    /// `deadline` as [`TcpReceiverConfig::stall_timeout`] says.
     fn pull(
         &self,
         model: &ModelId,
         version: Version,
+        deadline: Instant,
     ) -> Result<std::result::Result<Arc<WeightSet>, Version>> {
         let manifest: Arc<Manifest> = Arc::clone(
             self.manifests
@@ -439,6 +532,7 @@ impl TcpReceiver {
             .get(model)
             .and_then(|q| q.back().cloned());
         let token = ClusterToken::new(self.spec.token.clone())?;
+        let started = Instant::now();
         let mut attempt = 0;
         loop {
             attempt += 1;
@@ -451,9 +545,12 @@ impl TcpReceiver {
                 plan: self.shared.plan(model).map(|p| p.0),
                 relay_in_flight: self.cfg.relay && self.sinks.is_none(),
             };
-            let reply: TransferReply =
-                self.ctl()?
-                    .call(self.spec.agent, TRANSFER, &req, self.cfg.call_timeout)?;
+            let reply: TransferReply = self.ctl()?.call(
+                self.spec.agent,
+                TRANSFER,
+                &req,
+                self.within(deadline, self.cfg.call_timeout),
+            )?;
             let t = match reply {
                 TransferReply::Superseded { latest } => return Ok(Err(latest)),
                 TransferReply::Plan(p) => p,
@@ -571,6 +668,14 @@ impl TcpReceiver {
                 headers: &self.shared.headers,
             };
             let me = self.node.as_ref().map_or_else(Uuid::nil, Node::id);
+            let watchdog = Watchdog::default();
+            let expired = || Error::Timeout {
+                what: format!(
+                    "`{model}` v{version} from {} (bytes stopped arriving past the deadline)",
+                    t.source
+                ),
+                after: started.elapsed(),
+            };
             let open = |part: &[u32]| {
                 let req = PullReq {
                     model: model.clone(),
@@ -578,38 +683,70 @@ impl TcpReceiver {
                     plan: t.plan_id,
                     buckets: part.to_vec(),
                 };
-                open_stream(
+                let s = open_stream(
                     t.source,
                     &token,
                     me,
                     t.target,
                     PULL,
                     &req,
-                    self.cfg.stream_timeout,
-                )
-            };
-            let result = match (&flight, sink) {
-                (Some(f), _) => pull_buckets(Dest::Arena(f), &parts, exp, &open, counters)
-                    .and_then(|_| f.finish()),
-                (None, Some(sink)) => {
-                    pull_buckets(Dest::Sink(&*sink), &parts, exp, &open, counters)
-                        .and_then(|_| sink.finish())
-                        .and_then(|storage| {
-                            WeightSet::from_shared(
-                                model.clone(),
-                                version,
-                                Arc::clone(&manifest),
-                                storage,
-                            )
-                        })
-                        .map(Arc::new)
+                    self.within(deadline, self.cfg.stream_timeout),
+                )?;
+                // reads wait as long as the config says: the watchdog enforces the deadline
+                s.stream
+                    .set_read_timeout(Some(self.cfg.stream_timeout))
+                    .map_err(|e| Error::io("setting a pull stream's read timeout", e))?;
+                if watchdog.register(&s.stream) {
+                    Ok(s)
+                } else {
+                    Err(expired())
                 }
-                (None, None) => Err(Error::State("a transfer with neither arena nor sink")),
             };
+            let (stall, pulled) = (self.cfg.stall_timeout, &*self.shared.pulled);
+            let result = std::thread::scope(|scope| {
+                let watch = scope.spawn(|| watchdog.watch(deadline, stall, pulled));
+                let r = match (&flight, sink) {
+                    (Some(f), _) => pull_buckets(Dest::Arena(f), &parts, exp, &open, counters)
+                        .and_then(|_| f.finish()),
+                    (None, Some(sink)) => {
+                        pull_buckets(Dest::Sink(&*sink), &parts, exp, &open, counters)
+                            .and_then(|_| sink.finish())
+                            .and_then(|storage| {
+                                WeightSet::from_shared(
+                                    model.clone(),
+                                    version,
+                                    Arc::clone(&manifest),
+                                    storage,
+                                )
+                            })
+                            .map(Arc::new)
+                    }
+                    (None, None) => Err(Error::State("a transfer with neither arena nor sink")),
+                };
+                watchdog.finish();
+                let _ = watch.join();
+                r
+            });
             if let Some(f) = &flight
                 && result.is_err()
             {
                 f.fail();
+            }
+            if result.is_err() && watchdog.expired() {
+                self.shared.set_inflight(model, None);
+                // tell the sender without waiting on it: it may be the one that hangs
+                if let Ok(ctl) = self.ctl() {
+                    let (ctl, agent, timeout) =
+                        (ctl.clone(), self.spec.agent, self.cfg.call_timeout);
+                    let d = Done {
+                        receiver: self.id,
+                        lease: t.lease,
+                        ok: false,
+                        reason: "the pull timed out".into(),
+                    };
+                    std::thread::spawn(move || ctl.call::<_, ()>(agent, DONE, &d, timeout));
+                }
+                return Err(expired());
             }
             match result {
                 Ok(ws) => {
@@ -750,7 +887,7 @@ impl ReceiverTransport for TcpReceiver {
             let mut superseded = false;
             for (m, v) in &want {
                 let wire = metrics::timed(Phase::Wire, NAME, m.as_str());
-                match self.pull(m, *v)? {
+                match self.pull(m, *v, deadline)? {
                     Ok(ws) => {
                         wire.finish();
                         group.push(ws);

@@ -1,0 +1,84 @@
+//! The shm transport's waits, from inside the module (the board's words are private).
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use refit_runtime::{
+    DType, Error, Manifest, Manifests, ModelId, ReceiverInit, SenderInit, Version, WeightSet,
+};
+
+use super::layout::OFF_COMMIT_SEQ;
+use super::{ShmConfig, ShmReceiver, ShmSender};
+
+const T: Duration = Duration::from_secs(30);
+
+fn weights(m: &Arc<Manifest>, v: u64) -> WeightSet {
+    let mut ws = WeightSet::zeroed(ModelId::new("policy").unwrap(), Arc::clone(m));
+    ws.view_mut::<f32>("w").unwrap().fill(v as f32);
+    ws.set_version(Version(v));
+    ws
+}
+
+#[test]
+fn a_board_left_mid_commit_by_a_live_sender_is_a_timeout() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = Arc::new(
+        Manifest::builder()
+            .tensor("w", DType::F32, &[16])
+            .build()
+            .unwrap(),
+    );
+    let ms = Manifests::new([(ModelId::new("policy").unwrap(), Arc::clone(&m))]).unwrap();
+    let cfg = ShmConfig {
+        dir: dir.path().to_path_buf(),
+        expected_receivers: 1,
+        ..ShmConfig::default()
+    };
+    let s = ShmSender::create(&cfg, &ms).unwrap();
+    let r = ShmReceiver::new(s.receiver_spec());
+    let h = std::thread::spawn(move || ReceiverInit::new(r, None).connect(T).unwrap());
+    let mut sender = SenderInit::new(s, ms)
+        .with_ack_timeout(T)
+        .connect(vec![weights(&m, 1)], T)
+        .unwrap();
+    let mut receiver = h.join().unwrap();
+    // the sender (this live process) stops in the middle of a commit: the sequence is odd
+    let seq = sender.transport().board.u32_at(OFF_COMMIT_SEQ).unwrap();
+    seq.fetch_add(1, Ordering::SeqCst);
+    let deadline = Duration::from_millis(1500);
+    let t = Instant::now();
+    let err = receiver.receive(deadline).unwrap_err();
+    let waited = t.elapsed();
+    assert!(matches!(err, Error::Timeout { .. }), "{err}");
+    assert!(err.to_string().contains("to finish its commit"), "{err}");
+    assert!(
+        waited >= deadline - Duration::from_millis(50)
+            && waited < deadline + Duration::from_secs(2),
+        "{waited:?}"
+    );
+    // a zero-timeout poll still gives a commit its grace before it reports one
+    let t = Instant::now();
+    let err = receiver.receive(Duration::ZERO).unwrap_err();
+    assert!(err.is_timeout(), "{err}");
+    assert!(
+        t.elapsed() >= super::COMMIT_GRACE - Duration::from_millis(10)
+            && t.elapsed() < super::COMMIT_GRACE + Duration::from_secs(2),
+        "{:?}",
+        t.elapsed()
+    );
+    // the previous weights stay served; once the commit ends, versions flow again
+    assert_eq!(
+        receiver.version(&ModelId::new("policy").unwrap()),
+        Version(1)
+    );
+    seq.fetch_add(1, Ordering::SeqCst);
+    let pending = sender.send_async(vec![weights(&m, 2)]).unwrap();
+    receiver.receive(T).unwrap().unwrap();
+    sender.wait(&pending, T).unwrap();
+    assert_eq!(
+        receiver.version(&ModelId::new("policy").unwrap()),
+        Version(2)
+    );
+    sender.shutdown().unwrap();
+}
