@@ -118,7 +118,7 @@ pub(crate) fn run(args: &BenchArgs) -> BoxResult<()> {
     }
     let mut rows = Vec::new();
     for &size in &sizes {
-        let mut weights = make_weights(size)?;
+        let mut weights = make_weights(size, 16)?;
         let memcpy = memcpy_baseline(size, args.iters.max(3));
         rows.push(row("memcpy", "copy", size, 1, memcpy, "-", memcpy.median));
         let tcp = tcp_baseline(size, args.iters.max(3))?;
@@ -269,11 +269,12 @@ fn print_table(rows: &[Row]) {
     }
 }
 
-/// A weight set of `size` bytes in 16 tensors, filled with a pattern (pages faulted in).
-fn make_weights(size: usize) -> BoxResult<Arc<WeightSet>> {
+/// A weight set of `size` bytes in `tensors` tensors, filled with a pattern (pages
+/// faulted in).
+fn make_weights(size: usize, tensors: usize) -> BoxResult<Arc<WeightSet>> {
     let mut b = Manifest::builder();
-    for i in 0..16 {
-        b.push(format!("layer{i}.weight"), DType::U8, &[size / 16]);
+    for i in 0..tensors {
+        b.push(format!("layer{i}.weight"), DType::U8, &[size / tensors]);
     }
     let mut ws = WeightSet::zeroed(ModelId::new("bench")?, Arc::new(b.build()?));
     for (i, chunk) in ws.bytes_mut()?.chunks_mut(4096).enumerate() {
@@ -816,15 +817,7 @@ fn bench_pull(args: &BenchArgs) -> BoxResult<Vec<Row>> {
     let tcp = tcp_baseline(size, iters)?;
     let file_write = file_write_baseline(size, iters, &args.pull_dir)?;
     let touch = first_touch_baseline(size, iters);
-    let mut b = Manifest::builder();
-    for i in 0..4 {
-        b.push(format!("layer{i}.weight"), DType::U8, &[size / 4]);
-    }
-    let mut ws = WeightSet::zeroed(ModelId::new("bench")?, Arc::new(b.build()?));
-    for (i, chunk) in ws.bytes_mut()?.chunks_mut(4096).enumerate() {
-        chunk.fill(i as u8 | 1);
-    }
-    ws.set_version(Version(1));
+    let ws = Arc::unwrap_or_clone(make_weights(size, 4)?);
     let manifests = Manifests::new([(ws.model().clone(), Arc::clone(ws.manifest()))])?;
     let config = TcpConfig {
         token: Some(bench_token().clone()),

@@ -8,7 +8,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use common::*;
-use refit_runtime::{Error, ReceiverInit, SenderInit, Version, wire};
+use refit_runtime::{Error, Receiver, ReceiverInit, SenderInit, Version, wire};
 use refit_transports::shm::{ShmConfig, ShmReadMode, ShmReceiver, ShmReceiverSpec, ShmSender};
 
 const ROLE: &str = "REFIT_CHILD_ROLE";
@@ -264,17 +264,29 @@ fn no_torn_reads_across_processes() {
     }
 }
 
-#[test]
-fn crashed_sender_leaves_readers_whole() {
+/// A `crash-sender` child (it aborts in the middle of a write) and a receiver connected to
+/// it, with the folder the child is pointed at (its segments go there).
+fn connect_to_crash_sender() -> (
+    tempfile::TempDir,
+    Child,
+    ShmReceiverSpec,
+    Receiver<ShmReceiver>,
+) {
     let dir = tempfile::tempdir().unwrap();
     let placeholder = ShmReceiverSpec {
         board: dir.path().join("unused"),
     };
     let mut child = spawn_child("crash-sender", &placeholder);
     let spec: ShmReceiverSpec = read_line_where(&mut child, |l| wire::from_token(l).ok());
-    let mut r = ReceiverInit::new(ShmReceiver::new(spec.clone()), None)
+    let r = ReceiverInit::new(ShmReceiver::new(spec.clone()), None)
         .connect(T)
         .unwrap();
+    (dir, child, spec, r)
+}
+
+#[test]
+fn crashed_sender_leaves_readers_whole() {
+    let (dir, mut child, spec, mut r) = connect_to_crash_sender();
     let p = id("policy");
     let t = Instant::now();
     let err = loop {
@@ -379,15 +391,7 @@ fn sigint_releases_the_segments_and_the_receiver() {
 
 #[test]
 fn a_dead_sender_whose_pid_was_reused_is_still_dead_and_collected() {
-    let dir = tempfile::tempdir().unwrap();
-    let placeholder = ShmReceiverSpec {
-        board: dir.path().join("unused"),
-    };
-    let mut child = spawn_child("crash-sender", &placeholder);
-    let spec: ShmReceiverSpec = read_line_where(&mut child, |l| wire::from_token(l).ok());
-    let mut first = ReceiverInit::new(ShmReceiver::new(spec.clone()), None)
-        .connect(T)
-        .unwrap();
+    let (dir, mut child, spec, mut first) = connect_to_crash_sender();
     while let Ok(Some(_)) = first.receive(T) {}
     assert!(!child.wait().unwrap().success());
     // its pid now names a live process started after it died, as a reused pid would: a
