@@ -817,6 +817,14 @@ impl FileReceiver {
 
     /// Reads every fresh file the pointer names, or none; `Ok(None)` when one was collected
     /// meanwhile (read the pointer again).
+    /// Refuses every model of an update one of whose files is bad: the others are not
+    /// offered alone later, so a receiver never serves half of an update.
+    fn refuse_whole(&mut self, fresh: &[Entry]) {
+        for e in fresh {
+            self.refused.insert(e.model.clone(), e.version);
+        }
+    }
+
     fn read_fresh(&mut self, fresh: &[Entry]) -> Result<Option<Group>> {
         let mut group = Vec::with_capacity(fresh.len());
         for e in fresh {
@@ -834,13 +842,13 @@ impl FileReceiver {
                 }
                 Err(err) => {
                     if matches!(err, Error::Safetensors { .. }) {
-                        self.refused.insert(e.model.clone(), e.version);
+                        self.refuse_whole(fresh);
                     }
                     return Err(err);
                 }
             };
             if v.model() != &e.model || v.version().get() != e.version {
-                self.refused.insert(e.model.clone(), e.version);
+                self.refuse_whole(fresh);
                 return Err(Error::Safetensors {
                     source_name: path.display().to_string(),
                     reason: format!(
@@ -922,14 +930,16 @@ impl ReceiverTransport for FileReceiver {
                 })
                 .cloned()
                 .collect();
-            if !fresh.is_empty() {
-                if let Some(group) = self.read_fresh(&fresh)? {
-                    for e in &fresh {
-                        self.seen.insert(e.model.clone(), e.version);
-                    }
-                    return Ok(Some(group));
+            // a file the pointer names may be gone (`None`): collected under us (the
+            // pointer names a newer one by the next look) or removed for good; either way
+            // the deadline below still holds
+            if !fresh.is_empty()
+                && let Some(group) = self.read_fresh(&fresh)?
+            {
+                for e in &fresh {
+                    self.seen.insert(e.model.clone(), e.version);
                 }
-                continue; // a file was collected under us: the pointer names a newer one
+                return Ok(Some(group));
             }
             if pointer.state == State::Shutdown {
                 return Err(Self::gone(&pointer, "shut down"));

@@ -81,6 +81,55 @@ fn connect_one(
 }
 
 #[test]
+fn an_update_with_one_bad_file_is_refused_whole_and_never_lands_in_part() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = manifest(64);
+    let ms = manifests(&[("policy", &m), ("critic", &m)]);
+    let s = FileSender::create(&FileConfig {
+        expected_receivers: 1,
+        ..FileConfig::new(dir.path())
+    })
+    .unwrap();
+    let r = FileReceiver::new(s.receiver_spec());
+    let h = std::thread::spawn(move || ReceiverInit::new(r, None).connect(T));
+    let mut sender = SenderInit::new(s, ms)
+        .with_ack_timeout(T)
+        .connect(vec![stamped("policy", &m, 1), stamped("critic", &m, 1)], T)
+        .unwrap();
+    let mut r = h.join().unwrap().unwrap();
+    let (p, c) = (id("policy"), id("critic"));
+
+    // one update of both models; the critic's file is truncated after it was published
+    let _pending = sender
+        .send_async(vec![stamped("policy", &m, 2), stamped("critic", &m, 2)])
+        .unwrap();
+    let bad = sender.transport().version_path(&c, Version(2));
+    let len = std::fs::metadata(&bad).unwrap().len();
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&bad)
+        .unwrap()
+        .set_len(len - 100)
+        .unwrap();
+    let err = r.receive(T).unwrap_err();
+    assert!(err.to_string().contains("critic.v2.safetensors"), "{err}");
+    // the policy's good half of the update is not offered on its own later
+    assert!(r.receive(Duration::from_millis(100)).unwrap().is_none());
+    assert_eq!(r.version(&p), Version(1));
+    assert_eq!(r.version(&c), Version(1));
+
+    // the next whole update lands, both models together
+    let pending = sender
+        .send_async(vec![stamped("policy", &m, 3), stamped("critic", &m, 3)])
+        .unwrap();
+    let u = r.receive(T).unwrap().unwrap();
+    sender.wait(&pending, T).unwrap();
+    assert_eq!(u.group.len(), 2);
+    assert_eq!((r.version(&p), r.version(&c)), (Version(3), Version(3)));
+    sender.shutdown().unwrap();
+}
+
+#[test]
 fn truncated_or_corrupted_files_are_refused_naming_them() {
     let dir = tempfile::tempdir().unwrap();
     let m = manifest(64);
