@@ -71,6 +71,20 @@ fn serve_exposes_phase_timings_after_a_pull() {
         std::thread::sleep(Duration::from_millis(20));
     }
     assert!(get(&metrics_addr, "/nope").starts_with("HTTP/1.1 404"));
+    // a request line that never ends is cut at the size limit, answered, and does not
+    // hold the endpoint: the next request is served
+    {
+        use std::io::{Read, Write};
+        let mut junk = std::net::TcpStream::connect(&metrics_addr).unwrap();
+        junk.set_read_timeout(Some(Duration::from_secs(10)))
+            .unwrap();
+        // exactly the limit: the server reads all of it, so its close is a clean one
+        let _ = junk.write_all(&vec![b'x'; 16 * 1024]);
+        let mut answer = String::new();
+        let _ = junk.read_to_string(&mut answer);
+        assert!(answer.starts_with("HTTP/1.1 404"), "{answer:?}");
+    }
+    assert!(get(&metrics_addr, "/nope").starts_with("HTTP/1.1 404"));
     let out = dir.path().join("pulled.safetensors");
     let pull = Command::new(REFIT)
         .arg("pull")

@@ -1,9 +1,9 @@
 //! `--metrics-addr`: the update phase timings (see `refit::runtime::metrics`) rendered by
 //! the Prometheus exporter and served as a plain-text page at `/metrics`.
 
-use std::io::{BufRead, BufReader, Write};
+use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
 use refit::runtime::{Error, Result};
@@ -43,11 +43,40 @@ pub(crate) fn serve(addr: SocketAddr) -> Result<SocketAddr> {
     Ok(bound)
 }
 
+/// The most time one request may take to arrive.
+const REQUEST_TIME: Duration = Duration::from_secs(5);
+/// The most bytes one request (request line and headers) may hold.
+const REQUEST_BYTES: u64 = 16 * 1024;
+
+/// A connection whose reads fail once `deadline` has passed.
+struct Deadlined {
+    conn: TcpStream,
+    deadline: Instant,
+}
+
+impl Read for Deadlined {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        let left = self.deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(std::io::ErrorKind::TimedOut.into());
+        }
+        self.conn.set_read_timeout(Some(left))?;
+        self.conn.read(buf)
+    }
+}
+
 /// Answers one HTTP request: the page for `GET /metrics`, 404 otherwise.
 fn answer(conn: TcpStream, handle: &PrometheusHandle) -> std::io::Result<()> {
-    conn.set_read_timeout(Some(Duration::from_secs(5)))?;
-    conn.set_write_timeout(Some(Duration::from_secs(5)))?;
-    let mut reader = BufReader::new(conn.try_clone()?);
+    conn.set_write_timeout(Some(REQUEST_TIME))?;
+    // one request may take REQUEST_TIME and REQUEST_BYTES in all, however it trickles in:
+    // the page is served by one thread, and a slow client must not hold it
+    let mut reader = BufReader::new(
+        Deadlined {
+            conn: conn.try_clone()?,
+            deadline: Instant::now() + REQUEST_TIME,
+        }
+        .take(REQUEST_BYTES),
+    );
     let mut request = String::new();
     reader.read_line(&mut request)?;
     // skip the headers up to the blank line
