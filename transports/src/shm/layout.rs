@@ -54,6 +54,9 @@ pub(crate) const STATE_SHUTDOWN: u32 = 2;
 
 pub(crate) const RECEIVER_FREE: u32 = 0;
 pub(crate) const RECEIVER_CLAIMED: u32 = 1;
+/// An entry being freed (by the sender's reaper or its own receiver): nobody claims it, and
+/// whoever moved it here puts it back to claimed if the owner turns out to be live.
+pub(crate) const RECEIVER_FREEING: u32 = 2;
 
 pub(crate) fn entry_version(model: usize) -> usize {
     OFF_ENTRIES + model * ENTRY_STRIDE

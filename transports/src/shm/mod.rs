@@ -429,7 +429,25 @@ impl ShmSender {
                 continue;
             }
             let owner = receiver(r) + R_OWNER;
+            if lease::dead(&self.board, owner, self.lease)?.is_none() {
+                continue;
+            }
+            // take the entry, then look again: the owner may have freed it and a new
+            // receiver claimed it (its fresh beat is written before its claim) since the
+            // first look; a live owner gets its entry back untouched
+            if state
+                .compare_exchange(
+                    RECEIVER_CLAIMED,
+                    RECEIVER_FREEING,
+                    Ordering::SeqCst,
+                    Ordering::SeqCst,
+                )
+                .is_err()
+            {
+                continue;
+            }
             let Some(reason) = lease::dead(&self.board, owner, self.lease)? else {
+                state.store(RECEIVER_CLAIMED, Ordering::SeqCst);
                 continue;
             };
             let pid = lease::record_pid(&self.board, owner);
@@ -780,9 +798,26 @@ struct Lease {
 impl Drop for Lease {
     fn drop(&mut self) {
         self.heartbeat = None;
-        if let Ok(state) = self.board.u32_at(receiver(self.idx) + R_STATE) {
-            let _ = lease::clear_record(&self.board, receiver(self.idx) + R_OWNER);
-            state.store(RECEIVER_FREE, Ordering::SeqCst);
+        // free the entry only while it is still ours: a receiver the sender declared dead
+        // (a stall past its lease seen from another pid namespace) may find it reaped and
+        // claimed by another receiver, whose record names another identity
+        let owner = receiver(self.idx) + R_OWNER;
+        if let Ok(state) = self.board.u32_at(receiver(self.idx) + R_STATE)
+            && state
+                .compare_exchange(
+                    RECEIVER_CLAIMED,
+                    RECEIVER_FREEING,
+                    Ordering::SeqCst,
+                    Ordering::SeqCst,
+                )
+                .is_ok()
+        {
+            if lease::record_pid(&self.board, owner) == Identity::current().pid {
+                let _ = lease::clear_record(&self.board, owner);
+                state.store(RECEIVER_FREE, Ordering::SeqCst);
+            } else {
+                state.store(RECEIVER_CLAIMED, Ordering::SeqCst);
+            }
         }
         if let Ok(ack) = self.board.u32_at(OFF_ACK_SEQ) {
             ack.fetch_add(1, Ordering::SeqCst);
@@ -811,7 +846,8 @@ impl SharedBytes for PinnedSlot {
 impl Drop for PinnedSlot {
     fn drop(&mut self) {
         if let Ok(p) = self.lease.board.u32_at(self.pin_off) {
-            p.fetch_sub(1, Ordering::SeqCst);
+            // never below zero: the sender's reaper zeroes the pins of an entry it frees
+            let _ = p.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1));
         }
     }
 }
