@@ -26,8 +26,9 @@
 //! every model for readers that do not lock (on Linux, their open mappings would survive the
 //! removal anyway).
 //!
-//! A sender that shuts down marks the pointer so; one that dies is found by its process id
-//! (when it ran on this host). A sender that crashes mid-write leaves only a hidden
+//! A sender that shuts down marks the pointer so; one that dies is found by its process
+//! identity (pid and start time, so a reused pid is not mistaken for it) when it ran on this
+//! host and in this pid namespace; elsewhere only the shutdown mark tells. A sender that crashes mid-write leaves only a hidden
 //! temporary file, never a named version; the next sender in the directory removes it.
 
 use std::collections::{BTreeMap, VecDeque};
@@ -43,6 +44,8 @@ use refit_runtime::{
     SenderTransport, Version, WeightSet, inspect_safetensors, temp_sibling, wire, write_atomically,
 };
 use serde::{Deserialize, Serialize};
+
+use crate::shm::lease::{self, Identity, Known};
 
 const NAME: &str = "file";
 /// The pointer file naming the newest version of every model.
@@ -121,8 +124,24 @@ struct Pointer {
     seq: u64,
     state: State,
     sender_pid: u32,
+    /// The sender's start time and pid namespace (0 when unknown): a reused pid or
+    /// another container's pid is not taken for the sender.
+    #[serde(default)]
+    sender_start: u64,
+    #[serde(default)]
+    sender_ns: u64,
     host: String,
     models: Vec<Entry>,
+}
+
+impl Pointer {
+    fn sender(&self) -> Identity {
+        Identity {
+            pid: self.sender_pid,
+            start: self.sender_start,
+            ns: self.sender_ns,
+        }
+    }
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -144,6 +163,11 @@ struct SchemeFile {
 struct Record {
     scheme: String,
     pid: u32,
+    /// The receiver's start time and pid namespace (0 when unknown), as the pointer's.
+    #[serde(default)]
+    start: u64,
+    #[serde(default)]
+    ns: u64,
     host: String,
     acked: Vec<(ModelId, u64)>,
 }
@@ -168,9 +192,11 @@ fn alive(pid: u32) -> bool {
     !(r != 0 && std::io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH))
 }
 
-/// A process on another host cannot be checked: it counts as alive.
-fn alive_on(pid: u32, host: &str, here: &str) -> bool {
-    host != here || alive(pid)
+/// Whether process `who` of `host` may still run: a process on another host, in another
+/// pid namespace, or of unknown start time cannot be checked and counts as alive; on this
+/// host and namespace a reused pid is told apart by its start time.
+fn alive_on(who: Identity, host: &str, here: &str) -> bool {
+    host != here || !matches!(lease::exited(who), Known::Exited(_))
 }
 
 /// Takes `op` (`LOCK_SH`/`LOCK_EX`, non-blocking) on `file`; false when someone holds a
@@ -529,7 +555,12 @@ impl FileSender {
                     continue;
                 }
             };
-            if !alive_on(rec.pid, &rec.host, &self.host) {
+            let who = Identity {
+                pid: rec.pid,
+                start: rec.start,
+                ns: rec.ns,
+            };
+            if !alive_on(who, &rec.host, &self.host) {
                 tracing::warn!(pid = rec.pid, "file receiver died; removing its record");
                 let _ = std::fs::remove_file(&path);
                 continue;
@@ -542,11 +573,14 @@ impl FileSender {
     }
 
     fn write_pointer(&self, state: State) -> Result<()> {
+        let me = Identity::current();
         let pointer = Pointer {
             scheme: self.scheme.clone(),
             seq: self.seq,
             state,
-            sender_pid: std::process::id(),
+            sender_pid: me.pid,
+            sender_start: me.start,
+            sender_ns: me.ns,
             host: self.host.clone(),
             models: self.current.values().cloned().collect(),
         };
@@ -794,9 +828,12 @@ impl FileReceiver {
         let (Some(path), Some(scheme)) = (&self.record, &self.scheme) else {
             return Err(Error::State("file receiver is not connected"));
         };
+        let me = Identity::current();
         let rec = Record {
             scheme: scheme.scheme.clone(),
-            pid: std::process::id(),
+            pid: me.pid,
+            start: me.start,
+            ns: me.ns,
             host: self.host.clone(),
             acked: self.acked.iter().map(|(m, v)| (m.clone(), *v)).collect(),
         };
@@ -950,7 +987,7 @@ impl ReceiverTransport for FileReceiver {
             }
             if now.duration_since(last_check) >= LIVENESS_EVERY {
                 last_check = now;
-                if !alive_on(pointer.sender_pid, &pointer.host, &self.host) {
+                if !alive_on(pointer.sender(), &pointer.host, &self.host) {
                     return Err(Self::gone(&pointer, "process exited"));
                 }
             }
@@ -1008,7 +1045,22 @@ mod tests {
     fn liveness_and_locks() {
         assert!(alive(std::process::id()));
         assert!(!alive(0));
-        assert!(alive_on(0, "elsewhere", "here"));
+        let me = Identity::current();
+        assert!(alive_on(me, "here", "here"));
+        let nobody = Identity { pid: 0, ..me };
+        assert!(alive_on(nobody, "elsewhere", "here"));
+        // a live pid with another start time is a process that reused a dead one's pid
+        let reused = Identity {
+            start: me.start + 1,
+            ..me
+        };
+        assert!(!alive_on(reused, "here", "here"));
+        // another pid namespace cannot be checked from here: alive
+        let elsewhere = Identity {
+            ns: me.ns + 1,
+            ..reused
+        };
+        assert!(alive_on(elsewhere, "here", "here"));
         let dir = tempfile::tempdir().unwrap();
         let p = dir.path().join("x");
         std::fs::write(&p, b"x").unwrap();

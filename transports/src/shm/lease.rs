@@ -132,6 +132,38 @@ pub(crate) fn record_pid(seg: &Segment, off: usize) -> u32 {
         .map_or(0, |p| p.load(Ordering::SeqCst))
 }
 
+/// What `/proc` can say of a process identity.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Known {
+    /// It lives (same pid namespace, same start time).
+    Alive,
+    /// It is gone, for this reason.
+    Exited(String),
+    /// Another pid namespace, an identity without a start time, or an unreadable `/proc`.
+    CannotTell,
+}
+
+/// Whether the process `who` still runs, as far as this process's `/proc` can tell: exact
+/// in the same pid namespace (a reused pid shows another start time), silent across them.
+pub(crate) fn exited(who: Identity) -> Known {
+    let me = Identity::current();
+    if who.pid == 0 || who.start == 0 || who.ns == 0 || me.ns != who.ns {
+        return Known::CannotTell;
+    }
+    match proc_stat(&who.pid.to_string()) {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            Known::Exited("process exited".into())
+        }
+        Ok(('Z' | 'X', _, _)) => Known::Exited("process exited".into()),
+        Ok((_, now_start, _)) if now_start != who.start => Known::Exited(format!(
+            "process exited; pid {} now belongs to another process",
+            who.pid
+        )),
+        Ok(_) => Known::Alive,
+        Err(_) => Known::CannotTell,
+    }
+}
+
 /// `Some(why)` when the owner of the record at `off` is dead, `None` while it lives.
 ///
 /// # Errors
@@ -141,24 +173,11 @@ pub(crate) fn dead(seg: &Segment, off: usize, lease: Duration) -> Result<Option<
     let start = seg.u64_at(off + REC_START)?.load(Ordering::SeqCst);
     let ns = seg.u64_at(off + REC_NS)?.load(Ordering::SeqCst);
     let beat = seg.u64_at(off + REC_BEAT)?.load(Ordering::SeqCst);
-    let me = Identity::current();
-    if pid != 0 && start != 0 && ns != 0 && me.ns == ns {
-        match proc_stat(&pid.to_string()) {
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-                return Ok(Some("process exited".into()));
-            }
-            Ok(('Z' | 'X', _, _)) => {
-                return Ok(Some("process exited".into()));
-            }
-            Ok((_, now_start, _)) if now_start != start => {
-                return Ok(Some(format!(
-                    "process exited; pid {pid} now belongs to another process"
-                )));
-            }
-            Ok(_) => return Ok(None),
-            // unreadable /proc: fall back on the heartbeat
-            Err(_) => {}
-        }
+    match exited(Identity { pid, start, ns }) {
+        Known::Exited(why) => return Ok(Some(why)),
+        Known::Alive => return Ok(None),
+        // another pid namespace or an unreadable /proc: the heartbeat decides
+        Known::CannotTell => {}
     }
     let age = Duration::from_nanos(now_ns().saturating_sub(beat));
     if age > lease {

@@ -42,7 +42,7 @@
 mod collect;
 mod futex;
 mod layout;
-mod lease;
+pub(crate) mod lease;
 mod segment;
 #[cfg(test)]
 mod tests;
