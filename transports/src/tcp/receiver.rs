@@ -736,8 +736,13 @@ impl TcpReceiver {
                 self.shared.set_inflight(model, None);
                 // tell the sender without waiting on it: it may be the one that hangs
                 if let Ok(ctl) = self.ctl() {
-                    let (ctl, agent, timeout) =
-                        (ctl.clone(), self.spec.agent, self.cfg.call_timeout);
+                    // a short-lived thread: the report waits one stall window at most (a
+                    // sender that misses it frees the lease on its own timeout)
+                    let (ctl, agent, timeout) = (
+                        ctl.clone(),
+                        self.spec.agent,
+                        self.cfg.stall_timeout.min(self.cfg.call_timeout),
+                    );
                     let d = Done {
                         receiver: self.id,
                         lease: t.lease,
