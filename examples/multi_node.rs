@@ -53,19 +53,17 @@ struct Args {
     bucket_size: usize,
 }
 
-/// `4MiB`, `1GiB`, `4096`.
+/// `4MiB`, `1GiB`, `4096` (binary units need the `i`: `4MB` is 4,000,000 bytes), as the
+/// `refit` tool reads sizes.
 fn parse_size(s: &str) -> std::result::Result<usize, String> {
-    let split = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
-    let (num, unit) = s.split_at(split);
-    let n: usize = num.parse().map_err(|_| format!("bad size {s:?}"))?;
-    let mult = match unit.to_ascii_lowercase().as_str() {
-        "" => 1,
-        "kib" | "k" => 1 << 10,
-        "mib" | "m" => 1 << 20,
-        "gib" | "g" => 1 << 30,
-        other => return Err(format!("unknown unit {other:?} in {s:?}")),
-    };
-    n.checked_mul(mult).ok_or(format!("{s:?} overflows"))
+    let size: bytesize::ByteSize = s
+        .trim()
+        .parse()
+        .map_err(|e| format!("bad size {s:?}: {e}"))?;
+    usize::try_from(size.as_u64())
+        .ok()
+        .filter(|_| size.as_u64() != u64::MAX)
+        .ok_or(format!("size {s:?} overflows"))
 }
 
 fn parse_args() -> std::result::Result<Args, String> {

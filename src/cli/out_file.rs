@@ -7,11 +7,11 @@
 
 use std::fs::File;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use refit::runtime::{
     Error, Manifest, ModelId, Result, SafetensorsFilePlan, SharedBytes, Version, WeightSet,
+    temp_sibling,
 };
 use refit::transports::tcp::Sink;
 
@@ -29,7 +29,6 @@ struct Pending {
 #[derive(Debug)]
 pub(crate) struct OutFiles {
     target: PathBuf,
-    next: AtomicU64,
     pending: Mutex<Vec<Pending>>,
 }
 
@@ -99,7 +98,6 @@ impl OutFiles {
     pub(crate) fn new(target: &Path) -> Arc<Self> {
         Arc::new(Self {
             target: target.to_path_buf(),
-            next: AtomicU64::new(0),
             pending: Mutex::new(Vec::new()),
         })
     }
@@ -124,15 +122,7 @@ impl OutFiles {
         if !cfg!(unix) || !layout.in_place() || layout.data_len != manifest.total_len() {
             return Ok(None);
         }
-        let name = self
-            .target
-            .file_name()
-            .map_or_else(|| "weights".into(), |n| n.to_string_lossy().into_owned());
-        let tmp = self.target.with_file_name(format!(
-            ".{name}.tmp-{}-{}",
-            std::process::id(),
-            self.next.fetch_add(1, Ordering::Relaxed)
-        ));
+        let tmp = temp_sibling(&self.target);
         let file = File::options()
             .read(true)
             .write(true)
