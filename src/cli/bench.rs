@@ -383,27 +383,23 @@ fn bench_inproc(
             )?))
         },
     )?;
+    Ok(threaded_rows("inproc", size, n, &publish, &e2e, base))
+}
+
+/// The two rows of a transport timed by [`timed_threaded_updates`], against memcpy.
+fn threaded_rows(
+    name: &str,
+    size: usize,
+    n: usize,
+    publish: &[Duration],
+    e2e: &[Duration],
+    base: &Baselines,
+) -> Vec<Row> {
     let m = base.memcpy.median;
-    Ok(vec![
-        row(
-            "inproc",
-            "publish",
-            size,
-            n,
-            Summary::of(&publish),
-            "memcpy",
-            m,
-        ),
-        row(
-            "inproc",
-            "end-to-end",
-            size,
-            n,
-            Summary::of(&e2e),
-            "memcpy",
-            m,
-        ),
-    ])
+    vec![
+        row(name, "publish", size, n, Summary::of(publish), "memcpy", m),
+        row(name, "end-to-end", size, n, Summary::of(e2e), "memcpy", m),
+    ]
 }
 
 /// Receivers in threads of this process (each connects, then receives until told to stop)
@@ -514,27 +510,7 @@ fn bench_file(
     );
     let _ = std::fs::remove_dir_all(&dir);
     let (publish, e2e) = result?;
-    let m = base.memcpy.median;
-    Ok(vec![
-        row(
-            "file",
-            "publish",
-            size,
-            n,
-            Summary::of(&publish),
-            "memcpy",
-            m,
-        ),
-        row(
-            "file",
-            "end-to-end",
-            size,
-            n,
-            Summary::of(&e2e),
-            "memcpy",
-            m,
-        ),
-    ])
+    Ok(threaded_rows("file", size, n, &publish, &e2e, base))
 }
 
 struct ArenaBytes(Arc<WeightSet>);
