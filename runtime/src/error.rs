@@ -271,6 +271,15 @@ pub enum Error {
         /// What is wrong with it.
         reason: String,
     },
+    /// A topology file that cannot be used (see `topology`): malformed, an unknown key, a
+    /// bad value or an impossible placement.
+    #[error("topology: `{key}`: {reason}")]
+    Topology {
+        /// The key to blame, with its table (`process[actor].roles`, `links.weights`).
+        key: String,
+        /// What is wrong, naming the value and the process.
+        reason: String,
+    },
     /// A configuration that cannot be used (unknown key, bad value), naming the key.
     #[error("invalid configuration: {0}")]
     Config(String),

@@ -14,6 +14,8 @@
 //!   double-buffered arena).
 //! - [`sync_policy`]: when weights move — sync modes, the rollout status check, the
 //!   staleness filter, validation cadence and the multi-model version barrier, as plain code.
+//! - [`topology`]: the topology file (processes, roles, hosts, models, sync policy, stop
+//!   rule, transport per link), validated whole, expanded into ranks.
 //! - [`metrics`]: per-update phase timings (assemble, wire, verify, apply, engine pause)
 //!   through the `metrics` facade and as `tracing` spans.
 //! - [`node`]: processes that host handlers on TCP: remote calls with deadlines, streams,
@@ -42,6 +44,7 @@ pub mod strategy;
 #[doc(hidden)]
 pub mod strategy_bench;
 pub mod sync_policy;
+pub mod topology;
 pub mod weights;
 pub mod wire;
 

@@ -1,0 +1,97 @@
+//! Turns a TOML parse error into an error naming the key and its table.
+
+use crate::error::Error;
+
+/// The table a byte offset of `text` lies in: `run`, `sync.timeouts`, `process[actor]`
+/// (array-of-tables entries are named by their `name`/`id`, else by their index).
+fn table_at(text: &str, offset: usize) -> String {
+    let mut header: Option<(&str, bool, usize)> = None; // (name, is_array, line start)
+    let mut counts: std::collections::HashMap<&str, usize> = Default::default();
+    let mut index = 0;
+    let mut pos = 0;
+    for line in text.split_inclusive('\n') {
+        if pos > offset {
+            break;
+        }
+        let t = line.trim();
+        if let Some(inner) = t.strip_prefix("[[").and_then(|r| r.split("]]").next()) {
+            let name = inner.trim();
+            let n = counts.entry(name).or_insert(0);
+            index = *n;
+            *n += 1;
+            header = Some((name, true, pos + line.len()));
+        } else if let Some(inner) = t.strip_prefix('[').and_then(|r| r.split(']').next()) {
+            header = Some((inner.trim(), false, pos + line.len()));
+        }
+        pos += line.len();
+    }
+    let Some((name, is_array, body)) = header else {
+        return String::new();
+    };
+    if !is_array {
+        return name.to_string();
+    }
+    // Name the entry by its `name = "..."` (or `id = "..."`) line, when it has one.
+    let label = text[body.min(text.len())..]
+        .lines()
+        .take_while(|l| !l.trim_start().starts_with('['))
+        .find_map(|l| {
+            let (k, v) = l.split_once('=')?;
+            let k = k.trim();
+            (k == "name" || k == "id").then(|| v.trim().trim_matches('"').to_string())
+        })
+        .filter(|l| !l.is_empty());
+    match label {
+        Some(l) => format!("{name}[{l}]"),
+        None => format!("{name}[#{}]", index + 1),
+    }
+}
+
+/// The first backquoted word of `message` after `prefix` (`unknown field `x``).
+fn quoted_after<'m>(message: &'m str, prefix: &str) -> Option<&'m str> {
+    let rest = &message[message.find(prefix)? + prefix.len()..];
+    let rest = rest.strip_prefix('`')?;
+    Some(&rest[..rest.find('`')?])
+}
+
+/// An [`Error::Topology`] for a TOML error in `text`, naming the key (with its table).
+pub(crate) fn parse_error(text: &str, err: &toml::de::Error) -> Error {
+    let message = err.message().trim().to_string();
+    let span = err.span();
+    // An empty span at the start, or one over the whole document, blames a top-level key.
+    let table = match &span {
+        Some(s) if !(s.start == 0 && (s.end == 0 || s.end >= text.trim_end().len())) => {
+            table_at(text, s.start)
+        }
+        _ => String::new(),
+    };
+    let field = quoted_after(&message, "unknown field ")
+        .or_else(|| quoted_after(&message, "missing field "))
+        .map(str::to_string)
+        .or_else(|| {
+            // Otherwise the key written on the line the error points at.
+            let s = span.as_ref()?;
+            let start = text[..s.start.min(text.len())]
+                .rfind('\n')
+                .map_or(0, |i| i + 1);
+            let line = text[start..].lines().next()?;
+            let (k, _) = line.split_once('=')?;
+            Some(k.trim().to_string())
+        });
+    // An unknown top-level table points at its own header: the table is the key.
+    let field =
+        field.filter(|f| table.rsplit('.').next() != Some(f.as_str()) || table.contains('['));
+    let key = match (table.is_empty(), field) {
+        (true, Some(f)) => f,
+        (false, Some(f)) => format!("{table}.{f}"),
+        (false, None) => table,
+        (true, None) => "<file>".into(),
+    };
+    let line = span
+        .map(|s| text[..s.start.min(text.len())].matches('\n').count() + 1)
+        .map_or_else(String::new, |l| format!(" (line {l})"));
+    Error::Topology {
+        key,
+        reason: format!("{message}{line}"),
+    }
+}

@@ -1,0 +1,202 @@
+//! The topology file: which processes run which roles on which hosts, the models, the sync
+//! policy, the stop rule and the transport of each link — parsed from TOML and validated
+//! whole before anything starts.
+//!
+//! Plain code: text in, values out (no I/O beyond [`Topology::from_path`], no async).
+//!
+//! ```
+//! use refit_runtime::topology::{Role, Topology, TransportKind};
+//!
+//! let topo = Topology::parse(r#"
+//!     [run]
+//!     command = ["my-program"]
+//!     [[model]]
+//!     id = "policy"
+//!     [[process]]
+//!     name = "learner"
+//!     roles = ["trainer", "controller"]
+//!     [[process]]
+//!     name = "actor"
+//!     replicas = 2
+//!     roles = ["engine", "rollout"]
+//! "#)?;
+//! assert_eq!(topo.world_size(), 3);
+//! assert_eq!(topo.rank(2)?.process, "actor");
+//! assert!(topo.rank(1)?.has(Role::Engine));
+//! assert_eq!(topo.engine_ranks(), vec![1, 2]);
+//! assert_eq!(topo.weights_transport(0, 1), TransportKind::Shm);
+//! # Ok::<(), refit_runtime::Error>(())
+//! ```
+
+mod locate;
+mod placement;
+mod schema;
+#[cfg(test)]
+mod tests;
+mod validate;
+
+use std::path::Path;
+use std::time::Duration;
+
+pub use placement::RankPlan;
+pub use schema::{
+    HostSection, LinkTransport, LinksSection, ModelSection, OnFailure, ProcessSection, Role,
+    RunSection, StopSection, TransportKind,
+};
+
+use crate::error::{Error, Result};
+use crate::ids::ModelId;
+use crate::sync_policy::SyncConfig;
+
+/// The most ranks one topology may expand to.
+pub const MAX_WORLD_SIZE: u32 = 65_536;
+
+/// A validated topology file.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Topology {
+    /// `[run]`.
+    pub run: RunSection,
+    /// `[sync]`, with `models` filled from the `[[model]]` sections.
+    pub sync: SyncConfig,
+    /// `[stop]`.
+    pub stop: StopSection,
+    /// `[[model]]`, in file order.
+    pub models: Vec<ModelSection>,
+    /// `[[host]]`, in file order (one `local` host at `127.0.0.1` when none is declared).
+    pub hosts: Vec<HostSection>,
+    /// `[[process]]`, in file order, each with its host filled in.
+    pub processes: Vec<ProcessSection>,
+    /// `[links]`.
+    pub links: LinksSection,
+    ranks: Vec<RankPlan>,
+}
+
+impl Topology {
+    /// Parses and validates a topology file's text.
+    ///
+    /// # Errors
+    /// [`Error::Topology`] naming the key (with its table and, for `[[process]]` entries, the
+    /// process): malformed TOML, an unknown key, a value of the wrong type, an unknown role
+    /// or transport, or a placement that cannot work (see the module docs and the book).
+    pub fn parse(text: &str) -> Result<Self> {
+        let mut raw: schema::RawTopology =
+            toml::from_str(text).map_err(|e| locate::parse_error(text, &e))?;
+        validate::validate(&mut raw)?;
+        let ranks = placement::expand(&raw.processes, &raw.hosts);
+        Ok(Self {
+            run: raw.run,
+            sync: raw.sync,
+            stop: raw.stop,
+            models: raw.models,
+            hosts: raw.hosts,
+            processes: raw.processes,
+            links: raw.links,
+            ranks,
+        })
+    }
+
+    /// Reads and parses a topology file.
+    ///
+    /// # Errors
+    /// [`Error::Path`] when the file cannot be read; otherwise as [`Topology::parse`], with
+    /// the path in the key.
+    pub fn from_path(path: &Path) -> Result<Self> {
+        let text = std::fs::read_to_string(path).map_err(|source| Error::Path {
+            context: "reading topology file",
+            path: path.to_path_buf(),
+            source,
+        })?;
+        Self::parse(&text).map_err(|e| match e {
+            Error::Topology { key, reason } => Error::Topology {
+                key: format!("{}: {key}", path.display()),
+                reason,
+            },
+            other => other,
+        })
+    }
+
+    /// Number of ranks: every process times its replicas.
+    pub fn world_size(&self) -> u32 {
+        u32::try_from(self.ranks.len()).unwrap_or(u32::MAX)
+    }
+
+    /// What rank `r` runs.
+    ///
+    /// # Errors
+    /// [`Error::Launch`] (variable `RANK`) when `r` is not below [`Topology::world_size`].
+    pub fn rank(&self, r: u32) -> Result<RankPlan> {
+        self.ranks
+            .get(r as usize)
+            .cloned()
+            .ok_or_else(|| Error::Launch {
+                var: "RANK",
+                reason: format!(
+                    "{r} is not below the topology's world size {}",
+                    self.world_size()
+                ),
+            })
+    }
+
+    /// Every rank, in order.
+    pub fn ranks(&self) -> &[RankPlan] {
+        &self.ranks
+    }
+
+    /// The ranks that hold the `engine` role, in order.
+    pub fn engine_ranks(&self) -> Vec<u32> {
+        self.ranks_with(Role::Engine)
+    }
+
+    /// The ranks that hold `role`, in order.
+    pub fn ranks_with(&self, role: Role) -> Vec<u32> {
+        self.ranks
+            .iter()
+            .filter(|p| p.has(role))
+            .map(|p| p.rank)
+            .collect()
+    }
+
+    /// The transport weights take from `from_rank` to `to_rank`: the `[links] weights`
+    /// setting, or for `auto` by placement (same rank: in-process; same host: shared memory;
+    /// else TCP). Validation has checked the setting can reach every engine from rank 0; a
+    /// rank outside the topology gets TCP (it works anywhere).
+    pub fn weights_transport(&self, from_rank: u32, to_rank: u32) -> TransportKind {
+        match (
+            self.ranks.get(from_rank as usize),
+            self.ranks.get(to_rank as usize),
+        ) {
+            (Some(from), Some(to)) => placement::resolve(self.links.weights, from, to),
+            _ => TransportKind::Tcp,
+        }
+    }
+
+    /// The model ids, in file order.
+    pub fn model_ids(&self) -> Vec<ModelId> {
+        self.models.iter().map(|m| m.id.clone()).collect()
+    }
+
+    /// The `[[model]]` section of `id`.
+    pub fn model(&self, id: &ModelId) -> Option<&ModelSection> {
+        self.models.iter().find(|m| &m.id == id)
+    }
+
+    /// The deadline of each blocked step (`run.wait_s`).
+    pub fn wait(&self) -> Duration {
+        Duration::from_secs_f64(self.run.wait_s)
+    }
+
+    /// The stop rule.
+    pub fn stop(&self) -> &StopSection {
+        &self.stop
+    }
+
+    /// The host of rank 0 (the trainer and controller, and the rendezvous store).
+    pub fn master(&self) -> &HostSection {
+        &self.ranks[0].host
+    }
+
+    /// The address of rank 0's host: `MASTER_ADDR` for every rank.
+    pub fn master_host(&self) -> &str {
+        &self.master().addr
+    }
+}

@@ -1,0 +1,241 @@
+//! The sections of a topology file, as they are written.
+
+use serde::{Deserialize, Serialize};
+
+use crate::ids::ModelId;
+use crate::sync_policy::SyncConfig;
+
+/// What a rank does when another rank's process dies with a failure.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum OnFailure {
+    /// A dead process ends the whole run (the others are stopped).
+    #[default]
+    Abort,
+    /// A dead engine/rollout process is reported and the others go on; rank 0 dying still
+    /// ends the run.
+    Continue,
+}
+
+impl OnFailure {
+    /// The name used in topology files.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Abort => "abort",
+            Self::Continue => "continue",
+        }
+    }
+}
+
+/// `[run]`: what every rank runs and how the run behaves.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RunSection {
+    /// The program and its arguments, started once per rank (`["prog", "arg", ...]`).
+    pub command: Vec<String>,
+    /// What happens when a process other than rank 0 dies with a failure.
+    #[serde(default)]
+    pub on_failure: OnFailure,
+    /// Seed of the run (each rank derives its own from it).
+    #[serde(default)]
+    pub seed: u64,
+    /// Deadline, in seconds, of each blocked step (a positive number).
+    #[serde(default = "default_wait_s")]
+    pub wait_s: f64,
+}
+
+fn default_wait_s() -> f64 {
+    60.0
+}
+
+/// `[stop]`: when training ends (whichever comes first; all optional).
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct StopSection {
+    /// Stop once the mean evaluation return reaches this.
+    pub target_return: Option<f64>,
+    /// Stop after this many weight updates.
+    pub max_updates: Option<u64>,
+    /// Stop after this many seconds of wall time.
+    pub max_time_s: Option<f64>,
+}
+
+/// One `[[model]]`: a synchronised model, with free-form parameters for the user's roles.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ModelSection {
+    /// The model's id (what weight sets and the controller name it by).
+    pub id: ModelId,
+    /// Free-form table handed to the user's role factory.
+    #[serde(default)]
+    pub params: toml::Table,
+}
+
+/// One `[[host]]`: a machine the run spans.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct HostSection {
+    /// The name processes refer to it by.
+    pub name: String,
+    /// Its address (IP or resolvable host name) as the other hosts reach it.
+    pub addr: String,
+}
+
+impl HostSection {
+    /// The host assumed when the file declares none: `local` at `127.0.0.1`.
+    pub fn local() -> Self {
+        Self {
+            name: "local".into(),
+            addr: "127.0.0.1".into(),
+        }
+    }
+}
+
+/// What an actor does; a process holds one or more roles.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Role {
+    /// Turns batches into new weight versions and publishes them.
+    Trainer,
+    /// The weight-sync controller (sync modes, staleness, eval steps).
+    Controller,
+    /// Runs validation on eval steps.
+    Evaluator,
+    /// An inference engine: loads weights, answers act/generate requests.
+    Engine,
+    /// Rollout/collector workers feeding the trainer through an engine.
+    Rollout,
+}
+
+impl Role {
+    /// The name used in topology files.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Trainer => "trainer",
+            Self::Controller => "controller",
+            Self::Evaluator => "evaluator",
+            Self::Engine => "engine",
+            Self::Rollout => "rollout",
+        }
+    }
+}
+
+impl std::fmt::Display for Role {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+fn one() -> u32 {
+    1
+}
+
+/// One `[[process]]`: a program instance (times `replicas`) holding some roles.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ProcessSection {
+    /// Unique name (shown in the launcher's reports).
+    pub name: String,
+    /// The host it runs on; optional in the file when there is one host, always filled in
+    /// once parsed.
+    #[serde(default)]
+    pub host: String,
+    /// How many copies of this process run (consecutive ranks), at least 1.
+    #[serde(default = "one")]
+    pub replicas: u32,
+    /// What it does.
+    pub roles: Vec<Role>,
+    /// Rollout worker actors per model in each copy (default 1; only with `rollout`).
+    pub rollout_workers: Option<u32>,
+}
+
+impl ProcessSection {
+    /// True when the process holds `role`.
+    pub fn has(&self, role: Role) -> bool {
+        self.roles.contains(&role)
+    }
+}
+
+/// A transport as written in `[links]`: a concrete one or `auto`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum LinkTransport {
+    /// In-process when both ends share a process, shared memory on one host, TCP across hosts.
+    #[default]
+    Auto,
+    /// In-process (both ends in one process).
+    InProc,
+    /// Shared memory (both ends on one host).
+    Shm,
+    /// TCP (anywhere).
+    Tcp,
+}
+
+impl LinkTransport {
+    /// The name used in topology files.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Auto => "auto",
+            Self::InProc => "inproc",
+            Self::Shm => "shm",
+            Self::Tcp => "tcp",
+        }
+    }
+}
+
+/// A concrete transport for one link, once `auto` is resolved.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum TransportKind {
+    /// In-process.
+    InProc,
+    /// Shared memory.
+    Shm,
+    /// TCP.
+    Tcp,
+}
+
+impl TransportKind {
+    /// The transport's name (`inproc`, `shm`, `tcp`).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::InProc => "inproc",
+            Self::Shm => "shm",
+            Self::Tcp => "tcp",
+        }
+    }
+}
+
+impl std::fmt::Display for TransportKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// `[links]`: the transport of each kind of link.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LinksSection {
+    /// Trainer -> engine weights.
+    #[serde(default)]
+    pub weights: LinkTransport,
+}
+
+/// The whole file as written, before validation.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct RawTopology {
+    pub(crate) run: RunSection,
+    #[serde(default)]
+    pub(crate) sync: SyncConfig,
+    #[serde(default)]
+    pub(crate) stop: StopSection,
+    #[serde(default, rename = "model")]
+    pub(crate) models: Vec<ModelSection>,
+    #[serde(default, rename = "host")]
+    pub(crate) hosts: Vec<HostSection>,
+    #[serde(default, rename = "process")]
+    pub(crate) processes: Vec<ProcessSection>,
+    #[serde(default)]
+    pub(crate) links: LinksSection,
+}

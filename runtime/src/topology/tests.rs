@@ -1,0 +1,487 @@
+use super::*;
+use crate::sync_policy::SyncMode;
+
+const BASE: &str = r#"
+[run]
+command = ["prog", "topology"]
+on_failure = "continue"
+seed = 7
+wait_s = 30.0
+
+[sync]
+sync_mode = "batch-async"
+staleness_threshold = 2
+validate_freq = 5
+[sync.timeouts]
+load_s = 10.0
+
+[stop]
+target_return = 475.0
+max_updates = 500
+max_time_s = 300.0
+
+[[model]]
+id = "policy"
+[model.params]
+batch_frames = 2048
+
+[[model]]
+id = "critic"
+
+[[host]]
+name = "a"
+addr = "10.77.0.1"
+
+[[host]]
+name = "b"
+addr = "10.77.0.2"
+
+[[process]]
+name = "learner"
+host = "a"
+roles = ["trainer", "controller", "evaluator"]
+
+[[process]]
+name = "near"
+host = "a"
+roles = ["engine", "rollout"]
+rollout_workers = 3
+
+[[process]]
+name = "far"
+host = "b"
+replicas = 2
+roles = ["engine", "rollout"]
+
+[links]
+weights = "auto"
+"#;
+
+/// A minimal one-host file with `extra` appended.
+fn small(extra: &str) -> String {
+    format!(
+        r#"
+[run]
+command = ["prog"]
+[[model]]
+id = "policy"
+[[process]]
+name = "learner"
+roles = ["trainer", "controller"]
+[[process]]
+name = "actor"
+replicas = 2
+roles = ["engine", "rollout"]
+{extra}"#
+    )
+}
+
+/// The error for `text`, asserting it is a topology error naming `key` and containing
+/// every one of `words`.
+fn refused(text: &str, key: &str, words: &[&str]) -> String {
+    let e = Topology::parse(text).expect_err("the file must be refused");
+    let Error::Topology { key: k, reason } = &e else {
+        panic!("not a topology error: {e}");
+    };
+    assert_eq!(k, key, "{e}");
+    let msg = e.to_string();
+    for w in words {
+        assert!(msg.contains(w), "{w:?} not in: {msg}");
+    }
+    assert!(!reason.is_empty());
+    msg
+}
+
+#[test]
+fn full_file_parses_into_sections_and_ranks() {
+    let t = Topology::parse(BASE).unwrap();
+    assert_eq!(t.run.command, ["prog", "topology"]);
+    assert_eq!(t.run.on_failure, OnFailure::Continue);
+    assert_eq!(t.run.seed, 7);
+    assert_eq!(t.wait(), Duration::from_secs(30));
+    assert_eq!(t.sync.sync_mode, SyncMode::BatchAsync);
+    assert_eq!(t.sync.validate_freq, 5);
+    assert_eq!(t.sync.timeouts.load_s, 10.0);
+    assert_eq!(t.sync.models, t.model_ids());
+    assert_eq!(t.model_ids().len(), 2);
+    assert_eq!(t.model_ids()[0].as_str(), "policy");
+    assert_eq!(t.model_ids()[1].as_str(), "critic");
+    let policy = t.model(&t.model_ids()[0]).unwrap();
+    assert_eq!(policy.params["batch_frames"].as_integer(), Some(2048));
+    assert_eq!(t.stop().target_return, Some(475.0));
+    assert_eq!(t.stop().max_updates, Some(500));
+    assert_eq!(t.world_size(), 4);
+    assert_eq!(t.master_host(), "10.77.0.1");
+    let r0 = t.rank(0).unwrap();
+    assert_eq!(
+        (r0.process.as_str(), r0.replica, r0.host.name.as_str()),
+        ("learner", 0, "a")
+    );
+    assert_eq!(r0.roles, [Role::Trainer, Role::Controller, Role::Evaluator]);
+    assert_eq!(r0.rollout_workers, 0);
+    let r1 = t.rank(1).unwrap();
+    assert_eq!((r1.process.as_str(), r1.rollout_workers), ("near", 3));
+    let r3 = t.rank(3).unwrap();
+    assert_eq!(
+        (r3.process.as_str(), r3.replica, r3.host.addr.as_str()),
+        ("far", 1, "10.77.0.2")
+    );
+    assert_eq!(r3.rollout_workers, 1);
+    assert_eq!(t.engine_ranks(), [1, 2, 3]);
+    assert_eq!(t.ranks_with(Role::Evaluator), [0]);
+    let e = t.rank(4).unwrap_err().to_string();
+    assert!(
+        e.contains("RANK") && e.contains('4') && e.contains("world size 4"),
+        "{e}"
+    );
+}
+
+#[test]
+fn auto_resolves_by_placement() {
+    let t = Topology::parse(BASE).unwrap();
+    assert_eq!(t.weights_transport(0, 0), TransportKind::InProc);
+    assert_eq!(t.weights_transport(0, 1), TransportKind::Shm);
+    assert_eq!(t.weights_transport(0, 2), TransportKind::Tcp);
+    assert_eq!(t.weights_transport(2, 3), TransportKind::Shm);
+    assert_eq!(t.weights_transport(0, 99), TransportKind::Tcp);
+}
+
+#[test]
+fn one_process_resolves_to_inproc_and_explicit_settings_are_kept() {
+    let one = r#"
+[run]
+command = ["prog"]
+[[model]]
+id = "policy"
+[[process]]
+name = "all"
+roles = ["trainer", "controller", "engine", "rollout"]
+"#;
+    let t = Topology::parse(one).unwrap();
+    assert_eq!(t.world_size(), 1);
+    assert_eq!(t.engine_ranks(), [0]);
+    assert_eq!(t.weights_transport(0, 0), TransportKind::InProc);
+    assert_eq!(t.hosts, [HostSection::local()]);
+    assert_eq!(t.master_host(), "127.0.0.1");
+    let t = Topology::parse(&format!("{one}[links]\nweights = \"inproc\"\n")).unwrap();
+    assert_eq!(t.weights_transport(0, 0), TransportKind::InProc);
+    let t = Topology::parse(&small("[links]\nweights = \"tcp\"\n")).unwrap();
+    assert_eq!(t.weights_transport(0, 1), TransportKind::Tcp);
+    let t = Topology::parse(&small("[links]\nweights = \"shm\"\n")).unwrap();
+    assert_eq!(t.weights_transport(0, 2), TransportKind::Shm);
+    // Defaults: one host, processes on it, abort, 60 s.
+    let t = Topology::parse(&small("")).unwrap();
+    assert_eq!(t.processes[1].host, "local");
+    assert_eq!(t.run.on_failure, OnFailure::Abort);
+    assert_eq!(t.wait(), Duration::from_secs(60));
+    assert_eq!(t.weights_transport(0, 1), TransportKind::Shm);
+    assert_eq!(t.sync.sync_mode, SyncMode::Sync);
+}
+
+#[test]
+fn unknown_keys_are_named_with_their_table() {
+    refused(
+        &small("replicaz = 2\n"),
+        "process[actor].replicaz",
+        &["unknown field `replicaz`", "replicas"],
+    );
+    refused(
+        &BASE.replace("seed = 7", "sead = 7"),
+        "run.sead",
+        &["unknown field `sead`"],
+    );
+    refused(
+        &BASE.replace("load_s = 10.0", "load = 10.0"),
+        "sync.timeouts.load",
+        &["unknown field"],
+    );
+    refused(
+        &BASE.replace("validate_freq = 5", "validate_frequency = 5"),
+        "sync.validate_frequency",
+        &["sync_mode"],
+    );
+    refused(
+        &BASE.replace("max_updates", "max_update"),
+        "stop.max_update",
+        &["unknown field"],
+    );
+    refused(
+        &BASE.replace("addr = \"10.77.0.2\"", "address = \"10.77.0.2\""),
+        "host[b].address",
+        &["unknown field"],
+    );
+    refused(
+        &small("[links]\nweight = \"shm\"\n"),
+        "links.weight",
+        &["unknown field"],
+    );
+    refused(
+        &small("[extra]\nx = 1\n"),
+        "extra",
+        &["unknown field `extra`"],
+    );
+    refused(
+        &small("[[model]]\nid = \"v\"\nparam = 1\n"),
+        "model[v].param",
+        &["unknown field"],
+    );
+}
+
+#[test]
+fn unknown_values_are_named() {
+    refused(
+        &small("[links]\nweights = \"rdma\"\n"),
+        "links.weights",
+        &["rdma", "auto", "inproc", "shm", "tcp"],
+    );
+    refused(
+        &small("").replace("[\"engine\", \"rollout\"]", "[\"engine\", \"collector\"]"),
+        "process[actor].roles",
+        &["collector", "rollout"],
+    );
+    refused(
+        &small("").replace(
+            "command = [\"prog\"]",
+            "command = [\"prog\"]\non_failure = \"retry\"",
+        ),
+        "run.on_failure",
+        &["retry", "continue"],
+    );
+    refused(
+        &BASE.replace("\"batch-async\"", "\"eventually\""),
+        "sync.sync_mode",
+        &["eventually"],
+    );
+    refused(
+        &small("").replace("replicas = 2", "replicas = -1"),
+        "process[actor].replicas",
+        &["-1"],
+    );
+    refused("[run\ncommand = 1", "run", &["line"]);
+}
+
+#[test]
+fn missing_sections_are_named() {
+    refused("[[model]]\nid = \"p\"\n", "run", &["missing field `run`"]);
+    refused(
+        &small("").replace("command = [\"prog\"]", "seed = 1"),
+        "run.command",
+        &["missing field `command`"],
+    );
+    refused(
+        &small("").replace("command = [\"prog\"]", "command = []"),
+        "run.command",
+        &["empty"],
+    );
+    refused(
+        &small("").replace("[[model]]\nid = \"policy\"\n", ""),
+        "model",
+        &["no [[model]]"],
+    );
+    refused(
+        "[run]\ncommand = [\"p\"]\n[[model]]\nid = \"p\"\n",
+        "process",
+        &["no [[process]]"],
+    );
+    refused(
+        &small("").replace("id = \"policy\"", "id = \"\""),
+        "model[#1].id",
+        &["empty"],
+    );
+}
+
+#[test]
+fn bad_values_are_named() {
+    refused(
+        &small("").replace("command = [\"prog\"]", "command = [\"prog\"]\nwait_s = 0.0"),
+        "run.wait_s",
+        &["positive"],
+    );
+    refused(
+        &small("[stop]\nmax_time_s = -3.0\n"),
+        "stop.max_time_s",
+        &["-3"],
+    );
+    refused(
+        &small("[stop]\nmax_updates = 0\n"),
+        "stop.max_updates",
+        &["at least 1"],
+    );
+    refused(
+        &small("[sync]\nmodels = [\"x\"]\n"),
+        "sync.models",
+        &["[[model]]"],
+    );
+    refused(
+        &small("[sync]\nsync_mode = \"batch-async\"\nstaleness_threshold = 0\n"),
+        "sync",
+        &["staleness_threshold"],
+    );
+    refused(
+        &small("[sync.timeouts]\neval_s = 0.0\n"),
+        "sync",
+        &["timeouts.eval_s"],
+    );
+}
+
+#[test]
+fn duplicates_are_named() {
+    refused(
+        &small("[[model]]\nid = \"policy\"\n"),
+        "model.id",
+        &["model `policy` is declared twice"],
+    );
+    refused(
+        &small("[[process]]\nname = \"actor\"\nroles = [\"engine\"]\n"),
+        "process.name",
+        &["process `actor` is declared twice"],
+    );
+    refused(
+        &BASE.replace("name = \"b\"", "name = \"a\""),
+        "host.name",
+        &["host `a` is declared twice"],
+    );
+    refused(
+        &small("").replace("[\"engine\", \"rollout\"]", "[\"engine\", \"engine\"]"),
+        "process[actor].roles",
+        &["`actor`", "`engine` twice"],
+    );
+}
+
+#[test]
+fn impossible_placements_are_refused_naming_the_process() {
+    refused(
+        &small("[links]\nweights = \"inproc\"\n"),
+        "links.weights",
+        &["`inproc`", "process `actor`", "another process"],
+    );
+    refused(
+        &BASE.replace("weights = \"auto\"", "weights = \"shm\""),
+        "links.weights",
+        &["`shm`", "process `far`", "host `b`", "another host"],
+    );
+    refused(
+        &small("").replace("[\"trainer\", \"controller\"]", "[\"trainer\"]"),
+        "process[learner].roles",
+        &["rank 0", "`controller` is missing"],
+    );
+    refused(
+        &small("").replace("[\"trainer\", \"controller\"]", "[\"controller\"]"),
+        "process[learner].roles",
+        &["`trainer` is missing"],
+    );
+    refused(
+        &small("").replace(
+            "[\"engine\", \"rollout\"]",
+            "[\"engine\", \"rollout\", \"controller\"]",
+        ),
+        "process[actor].roles",
+        &["process `actor` holds `controller`", "`learner`"],
+    );
+    refused(
+        &small("[[process]]\nname = \"t2\"\nroles = [\"trainer\"]\n"),
+        "process[t2].roles",
+        &["`trainer`", "one process"],
+    );
+    refused(
+        &small("").replace("name = \"learner\"", "name = \"learner\"\nreplicas = 2"),
+        "process[learner].replicas",
+        &["must run once"],
+    );
+    refused(
+        &small("").replace("name = \"actor\"", "name = \"actor\"\nhost = \"gpu9\""),
+        "process[actor].host",
+        &["`actor`", "`gpu9`", "not declared"],
+    );
+    refused(
+        &BASE.replace("host = \"b\"\n", ""),
+        "process[far].host",
+        &["`far`", "names no host", "2 hosts"],
+    );
+    refused(
+        &small("").replace("[\"engine\", \"rollout\"]", "[\"rollout\"]"),
+        "process[actor].roles",
+        &["`actor`", "`rollout` without an `engine`"],
+    );
+    refused(
+        &small("").replace("[\"engine\", \"rollout\"]", "[\"evaluator\"]"),
+        "process.roles",
+        &["no process holds the `engine` role"],
+    );
+    refused(
+        &small("").replace("replicas = 2", "replicas = 0"),
+        "process[actor].replicas",
+        &["`actor`", "replicas = 0"],
+    );
+    refused(
+        &small("").replace("replicas = 2", "replicas = 4000000000"),
+        "process[actor].replicas",
+        &["at most"],
+    );
+    refused(
+        &small("").replace("replicas = 2", "rollout_workers = 0"),
+        "process[actor].rollout_workers",
+        &["`actor`", "rollout_workers = 0"],
+    );
+    refused(
+        &small("").replace(
+            "[\"trainer\", \"controller\"]",
+            "[\"trainer\", \"controller\"]\nrollout_workers = 2",
+        ),
+        "process[learner].rollout_workers",
+        &["without the `rollout` role"],
+    );
+    refused(
+        &small("").replace("[\"trainer\", \"controller\"]", "[]"),
+        "process[learner].roles",
+        &["no roles"],
+    );
+    refused(
+        &BASE.replace("addr = \"10.77.0.2\"", "addr = \"\""),
+        "host[b].addr",
+        &["not an address"],
+    );
+    refused(
+        &small("").replace("name = \"actor\"", "name = \"an actor\""),
+        "process.name",
+        &["\"an actor\""],
+    );
+}
+
+#[test]
+fn file_errors_name_the_path() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = dir.path().join("topo.toml");
+    std::fs::write(&p, small("[links]\nweights = \"rdma\"\n")).unwrap();
+    let e = Topology::from_path(&p).unwrap_err().to_string();
+    assert!(
+        e.contains("topo.toml") && e.contains("links.weights") && e.contains("rdma"),
+        "{e}"
+    );
+    let e = Topology::from_path(&dir.path().join("none.toml"))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("none.toml"), "{e}");
+    std::fs::write(&p, small("")).unwrap();
+    assert_eq!(Topology::from_path(&p).unwrap().world_size(), 3);
+}
+
+#[test]
+fn every_example_topology_parses() {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/topologies");
+    let mut seen = 0;
+    for entry in std::fs::read_dir(&dir).unwrap() {
+        let path = entry.unwrap().path();
+        if path.extension().is_some_and(|e| e == "toml") {
+            let t = Topology::from_path(&path).unwrap_or_else(|e| panic!("{e}"));
+            assert!(t.world_size() >= 1);
+            seen += 1;
+        }
+    }
+    assert!(seen >= 1, "no topology in {}", dir.display());
+    let t = Topology::from_path(&dir.join("reference.toml")).unwrap();
+    assert_eq!(t.world_size(), 4);
+    assert_eq!(t.engine_ranks(), [1, 2, 3]);
+    assert_eq!(t.rank(3).unwrap().process, "judge");
+    assert_eq!(t.weights_transport(0, 1), TransportKind::Shm);
+}

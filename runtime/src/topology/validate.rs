@@ -1,0 +1,306 @@
+//! Checks a parsed file whole, before anything runs: every refusal names the key, the value
+//! and the process (or host, or model) to blame.
+
+use std::collections::BTreeSet;
+
+use super::schema::{
+    HostSection, LinkTransport, ProcessSection, RawTopology, Role, RunSection, StopSection,
+};
+use crate::error::{Error, Result};
+
+fn bad(key: impl Into<String>, reason: impl Into<String>) -> Error {
+    Error::Topology {
+        key: key.into(),
+        reason: reason.into(),
+    }
+}
+
+fn seconds(key: &str, v: f64) -> Result<()> {
+    if v.is_finite() && v > 0.0 && v < 1e9 {
+        Ok(())
+    } else {
+        Err(bad(
+            key,
+            format!("must be a positive number of seconds, not {v}"),
+        ))
+    }
+}
+
+fn name_ok(key: &str, name: &str) -> Result<()> {
+    if name.is_empty() || name.chars().any(|c| c.is_whitespace() || c.is_control()) {
+        return Err(bad(
+            key,
+            format!("{name:?} is not a name (empty, or holds spaces or control characters)"),
+        ));
+    }
+    Ok(())
+}
+
+fn check_run(run: &RunSection) -> Result<()> {
+    match run.command.first() {
+        None => {
+            return Err(bad(
+                "run.command",
+                "is empty; give the program and its arguments",
+            ));
+        }
+        Some(p) if p.trim().is_empty() => {
+            return Err(bad("run.command", "the program (first element) is empty"));
+        }
+        Some(_) => {}
+    }
+    seconds("run.wait_s", run.wait_s)
+}
+
+fn check_stop(stop: &StopSection) -> Result<()> {
+    if let Some(t) = stop.target_return
+        && !t.is_finite()
+    {
+        return Err(bad(
+            "stop.target_return",
+            format!("must be a finite number, not {t}"),
+        ));
+    }
+    if stop.max_updates == Some(0) {
+        return Err(bad("stop.max_updates", "must be at least 1"));
+    }
+    if let Some(t) = stop.max_time_s {
+        seconds("stop.max_time_s", t)?;
+    }
+    Ok(())
+}
+
+fn check_hosts(hosts: &[HostSection]) -> Result<()> {
+    let mut seen = BTreeSet::new();
+    for h in hosts {
+        name_ok("host.name", &h.name)?;
+        let key = format!("host[{}].addr", h.name);
+        if h.addr.trim().is_empty() || h.addr.chars().any(char::is_whitespace) {
+            return Err(bad(key, format!("{:?} is not an address", h.addr)));
+        }
+        if !seen.insert(h.name.as_str()) {
+            return Err(bad(
+                "host.name",
+                format!("host `{}` is declared twice", h.name),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Resolves every process's host (filling `host` in) and checks each process on its own.
+fn check_processes(processes: &mut [ProcessSection], hosts: &[HostSection]) -> Result<()> {
+    if processes.is_empty() {
+        return Err(bad("process", "no [[process]] is declared"));
+    }
+    let mut seen = BTreeSet::new();
+    for p in processes.iter_mut() {
+        name_ok("process.name", &p.name)?;
+        if !seen.insert(p.name.clone()) {
+            return Err(bad(
+                "process.name",
+                format!("process `{}` is declared twice", p.name),
+            ));
+        }
+        let at = |k: &str| format!("process[{}].{k}", p.name);
+        if p.host.is_empty() {
+            match hosts {
+                [only] => p.host = only.name.clone(),
+                _ => {
+                    return Err(bad(
+                        at("host"),
+                        format!(
+                            "process `{}` names no host and the file declares {} hosts",
+                            p.name,
+                            hosts.len()
+                        ),
+                    ));
+                }
+            }
+        } else if !hosts.iter().any(|h| h.name == p.host) {
+            let declared: Vec<&str> = hosts.iter().map(|h| h.name.as_str()).collect();
+            return Err(bad(
+                at("host"),
+                format!(
+                    "process `{}` runs on host `{}`, which is not declared (hosts: {})",
+                    p.name,
+                    p.host,
+                    declared.join(", ")
+                ),
+            ));
+        }
+        if p.replicas == 0 {
+            return Err(bad(
+                at("replicas"),
+                format!(
+                    "process `{}` has replicas = 0; it must run at least once",
+                    p.name
+                ),
+            ));
+        }
+        if p.replicas > super::MAX_WORLD_SIZE {
+            return Err(bad(
+                at("replicas"),
+                format!(
+                    "process `{}` has replicas = {}; a run holds at most {} ranks",
+                    p.name,
+                    p.replicas,
+                    super::MAX_WORLD_SIZE
+                ),
+            ));
+        }
+        if p.roles.is_empty() {
+            return Err(bad(
+                at("roles"),
+                format!("process `{}` has no roles", p.name),
+            ));
+        }
+        let mut roles = BTreeSet::new();
+        for r in &p.roles {
+            if !roles.insert(*r) {
+                return Err(bad(
+                    at("roles"),
+                    format!("process `{}` lists role `{r}` twice", p.name),
+                ));
+            }
+        }
+        if p.has(Role::Rollout) && !p.has(Role::Engine) {
+            return Err(bad(
+                at("roles"),
+                format!(
+                    "process `{}` has `rollout` without an `engine` in the same process",
+                    p.name
+                ),
+            ));
+        }
+        match p.rollout_workers {
+            Some(0) => {
+                return Err(bad(
+                    at("rollout_workers"),
+                    format!("process `{}` has rollout_workers = 0; at least 1", p.name),
+                ));
+            }
+            Some(_) if !p.has(Role::Rollout) => {
+                return Err(bad(
+                    at("rollout_workers"),
+                    format!(
+                        "process `{}` sets rollout_workers without the `rollout` role",
+                        p.name
+                    ),
+                ));
+            }
+            _ => {}
+        }
+    }
+    let world: u64 = processes.iter().map(|p| u64::from(p.replicas)).sum();
+    if world > u64::from(super::MAX_WORLD_SIZE) {
+        return Err(bad(
+            "process.replicas",
+            format!(
+                "the processes add up to {world} ranks; a run holds at most {}",
+                super::MAX_WORLD_SIZE
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// Checks where trainer, controller and engines sit, and that the weights transport can
+/// reach every engine from rank 0.
+fn check_placement(processes: &[ProcessSection], weights: LinkTransport) -> Result<()> {
+    let first = &processes[0];
+    for role in [Role::Trainer, Role::Controller] {
+        if !first.has(role) {
+            return Err(bad(
+                format!("process[{}].roles", first.name),
+                format!(
+                    "process `{}` runs rank 0 and must hold `trainer` and `controller`; `{role}` is missing",
+                    first.name
+                ),
+            ));
+        }
+    }
+    if first.replicas != 1 {
+        return Err(bad(
+            format!("process[{}].replicas", first.name),
+            format!(
+                "process `{}` holds the trainer and controller and must run once, not {} times",
+                first.name, first.replicas
+            ),
+        ));
+    }
+    for p in &processes[1..] {
+        for role in [Role::Trainer, Role::Controller] {
+            if p.has(role) {
+                return Err(bad(
+                    format!("process[{}].roles", p.name),
+                    format!(
+                        "process `{}` holds `{role}`, but trainer and controller must share one process (`{}`, rank 0)",
+                        p.name, first.name
+                    ),
+                ));
+            }
+        }
+    }
+    if !processes.iter().any(|p| p.has(Role::Engine)) {
+        return Err(bad("process.roles", "no process holds the `engine` role"));
+    }
+    for p in processes.iter().filter(|p| p.has(Role::Engine)) {
+        let separate = !std::ptr::eq(p, first);
+        let refused = match weights {
+            LinkTransport::InProc if separate => Some("in another process"),
+            LinkTransport::Shm if p.host != first.host => Some("on another host"),
+            _ => None,
+        };
+        if let Some(why) = refused {
+            return Err(bad(
+                "links.weights",
+                format!(
+                    "`{}` cannot carry weights from the trainer (process `{}`, host `{}`) to the engine in process `{}` (host `{}`), {why}",
+                    weights.as_str(),
+                    first.name,
+                    first.host,
+                    p.name,
+                    p.host
+                ),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Checks `raw` whole; fills in defaults that depend on other sections (the default host,
+/// each process's host, the sync models).
+pub(crate) fn validate(raw: &mut RawTopology) -> Result<()> {
+    check_run(&raw.run)?;
+    if !raw.sync.models.is_empty() {
+        return Err(bad(
+            "sync.models",
+            "is filled from the [[model]] sections; declare the models there",
+        ));
+    }
+    if raw.models.is_empty() {
+        return Err(bad("model", "no [[model]] is declared"));
+    }
+    let mut ids = BTreeSet::new();
+    for m in &raw.models {
+        if !ids.insert(m.id.clone()) {
+            return Err(bad(
+                "model.id",
+                format!("model `{}` is declared twice", m.id),
+            ));
+        }
+    }
+    raw.sync.models = raw.models.iter().map(|m| m.id.clone()).collect();
+    raw.sync.check().map_err(|e| match e {
+        Error::Config(reason) => bad("sync", reason),
+        other => other,
+    })?;
+    check_stop(&raw.stop)?;
+    if raw.hosts.is_empty() {
+        raw.hosts.push(HostSection::local());
+    }
+    check_hosts(&raw.hosts)?;
+    check_processes(&mut raw.processes, &raw.hosts)?;
+    check_placement(&raw.processes, raw.links.weights)
+}
