@@ -10,6 +10,8 @@ use std::process::{Child, Command, Output, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
+mod common;
+
 const TOKEN: &str = "launch-test-token-0123456789abcdef";
 
 /// The `refit` binary with no token and no launch variables in its environment.
@@ -460,4 +462,35 @@ fn sigterm_to_the_launcher_stops_every_rank() {
         all_gone(&pids, Duration::from_secs(10)),
         "orphans: {pids:?}"
     );
+}
+
+#[test]
+fn ranks_meet_at_the_store_rank_0_serves() {
+    // the example, named by a path relative to the directory `refit launch` runs in
+    let exe = common::example("topology_rank");
+    let cwd = exe.parent().unwrap().parent().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let topo = dir.path().join("ranks.toml");
+    let toml = std::fs::read_to_string(
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/topologies/ranks.toml"),
+    )
+    .unwrap()
+    .replace(
+        "target/debug/examples/topology_rank",
+        "examples/topology_rank",
+    );
+    std::fs::write(&topo, toml).unwrap();
+    let mut cmd = refit();
+    cmd.current_dir(cwd).arg("launch").arg(&topo);
+    let out = run_within(cmd, Duration::from_secs(120));
+    let (stdout, stderr) = text(&out);
+    assert!(out.status.success(), "{stdout}\n{stderr}");
+    for (rank, name) in [(0, "learner"), (1, "actor"), (2, "actor"), (3, "judge")] {
+        assert!(
+            stdout.contains(&format!("[rank 0 learner] rank {rank}: {name} checked in")),
+            "{stdout}"
+        );
+    }
+    assert!(stdout.contains("[rank 0 learner] process `learner` copy 0 on host `local` (127.0.0.1), roles trainer+controller+evaluator; weights from rank 0 over inproc"), "{stdout}");
+    assert!(stdout.contains("[rank 2 actor] process `actor` copy 1 on host `local` (127.0.0.1), roles engine+rollout; weights from rank 0 over shm"), "{stdout}");
 }
