@@ -320,6 +320,29 @@ fn a_bad_topology_is_refused_naming_the_key() {
 }
 
 #[test]
+fn a_program_that_cannot_start_is_named() {
+    let dir = tempfile::tempdir().unwrap();
+    let topo = topology(dir.path(), "abort", "exit 0");
+    let bad = dir.path().join("bad.toml");
+    let toml = std::fs::read_to_string(&topo).unwrap().replacen(
+        "[\"sh\", \"-c\",",
+        "[\"./no-such-program\",",
+        1,
+    );
+    std::fs::write(&bad, toml).unwrap();
+    let mut cmd = refit();
+    cmd.current_dir(dir.path()).arg("launch").arg(&bad);
+    let out = run_within(cmd, Duration::from_secs(30));
+    let (_, stderr) = text(&out);
+    assert!(!out.status.success());
+    assert!(
+        stderr.contains("rank 0 (learner): cannot start")
+            && stderr.contains(&format!("{}/./no-such-program", dir.path().display())),
+        "{stderr}"
+    );
+}
+
+#[test]
 fn one_rank_starts_from_torchrun_variables() {
     let dir = tempfile::tempdir().unwrap();
     let topo = topology(dir.path(), "abort", &format!("{ENV_SCRIPT}; exit 4"));

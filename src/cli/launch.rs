@@ -98,6 +98,14 @@ fn launch(args: &LaunchArgs) -> Result<ExitCode> {
                 topo.world_size(),
                 path.display()
             );
+            if topo.hosts.len() > 1 {
+                eprintln!(
+                    "refit launch: the file declares {} hosts, and every rank starts on this machine; \
+                     to start one rank per host, run `refit launch` on each with RANK/WORLD_SIZE, \
+                     Slurm's variables or --rank",
+                    topo.hosts.len()
+                );
+            }
             (0..topo.world_size())
                 .map(|rank| {
                     let env = RankEnv {
