@@ -45,7 +45,43 @@ fn shm_weights_example_refuses_bad_arguments() {
         .output()
         .unwrap();
     assert_eq!(out.status.code(), Some(2));
-    assert!(String::from_utf8_lossy(&out.stderr).contains("usage"));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("invalid value 'zero'") && stderr.contains("VERSIONS"),
+        "{stderr}"
+    );
+}
+
+/// Every example parses its arguments with clap: `--help` succeeds and lists the options,
+/// and an unknown option is refused with exit status 2, named.
+#[test]
+fn every_example_answers_help_and_refuses_an_unknown_option() {
+    let examples = [
+        ("cartpole", "--async-processes"),
+        ("two_models", "--validate-freq"),
+        ("collector_bench", "--frames"),
+        ("file_weights", "[VERSIONS]"),
+        ("shm_weights", "[VERSIONS]"),
+        ("multi_node", "--no-spawn"),
+        ("quick_start", "--help"),
+        ("engine_layout", "--help"),
+    ];
+    for (name, option) in examples {
+        let out = Command::new(example(name)).arg("--help").output().unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(out.status.success(), "{name} --help failed: {stdout}");
+        assert!(
+            stdout.contains("Usage:") && stdout.contains(option),
+            "{name} --help:\n{stdout}"
+        );
+        let out = Command::new(example(name))
+            .arg("--no-such-option")
+            .output()
+            .unwrap();
+        assert_eq!(out.status.code(), Some(2), "{name}");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(stderr.contains("--no-such-option"), "{name}: {stderr}");
+    }
 }
 
 fn run_ok(name: &str, args: &[&str]) -> String {
