@@ -141,6 +141,32 @@ fn cartpole_learns_through_the_actor_topology_in_every_sync_mode() {
     }
 }
 
+/// The real example with asynchronous worker processes (itself re-run as `worker`): batches
+/// stream in, every update is trained on and published, and a spent frame budget is a clear
+/// failure (exit status 1, "NOT solved"), not a hang.
+#[test]
+fn cartpole_runs_asynchronous_worker_processes_until_its_budget() {
+    let out = Command::new(example("cartpole"))
+        .args([
+            "--async-processes",
+            "--total-frames",
+            "4096",
+            "--target",
+            "1000",
+        ])
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stdout}\n{stderr}");
+    assert!(stdout.contains("async worker processes"), "{stdout}");
+    let updates = stdout.lines().filter(|l| l.contains(" -> v")).count();
+    assert!(updates >= 4, "{updates} updates:\n{stdout}");
+    // each batch is one worker's (1024 frames of the 2048 per round)
+    assert!(stdout.contains("frames    1024"), "{stdout}");
+    assert!(stdout.contains("NOT solved"), "{stdout}");
+}
+
 #[test]
 fn two_models_example_keeps_both_models_in_step_at_every_eval() {
     let stdout = run_ok("two_models", &["--updates", "4", "--validate-freq", "2"]);
