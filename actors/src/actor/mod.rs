@@ -9,10 +9,10 @@
 //! - [`RolloutWorker`] steps environments with actions from an engine, asking the controller
 //!   before each rollout fragment; [`TrajectoryPool`] gathers fragments into batches through
 //!   the staleness filter; [`Evaluator`] runs validation episodes.
-//! - [`CollectorWorker`] and [`Trainer`] wrap the plain-Rust collector and PPO trainer on
-//!   their own threads.
+//! - [`CollectorWorker`] and [`Trainer`] wrap the plain-Rust collector and a user's
+//!   [`Learner`](crate::learner::Learner) on their own threads.
 //! - [`topology`] wires them into a training run: one trainer per model, shared engine and
-//!   controller.
+//!   controller, the user's code coming from a [`Roles`](crate::roles::Roles) factory.
 //!
 //! Actix stays inside this module: the rest of the crate, the runtime and the transports are
 //! plain Rust. CPU-heavy actors (collection, training) run on their own threads so they never
