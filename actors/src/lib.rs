@@ -11,6 +11,8 @@
 //! - `actor` (feature `actix`, on by default): the actix actors — inference engine, weight-sync controller (sync modes,
 //!   staleness, validation cadence, multi-model version barrier), rollout workers,
 //!   trajectory pool, evaluator, trainer — and `actor::topology::run`, a training run.
+//! - `remote` (feature `actix`): typed handles to actors in other processes or hosts, over
+//!   the runtime's node layer ([`refit_runtime::node`]).
 //! - [`link`]: type-erased scheme ends ([`WeightInlet`], [`WeightOutlet`]) for actors.
 //! - `ppo` (feature `candle`, on by default): `PpoTrainer`, PPO with candle on CPU,
 //!   exporting the [`MlpPolicy`] layout.
@@ -32,6 +34,8 @@ pub mod policy;
 #[cfg(feature = "candle")]
 pub mod ppo;
 pub mod process;
+#[cfg(feature = "actix")]
+pub mod remote;
 
 pub use batch::{Batch, EpisodeStats, ReplayBuffer, RingBuffer, TrajPool, TrajSpan, Transition};
 pub use collector::{
@@ -40,7 +44,7 @@ pub use collector::{
 };
 pub use device::Device;
 pub use env::{CartPole, Env, StepResult};
-pub use error::{Error, Result};
+pub use error::{Error, RemoteFailure, Result};
 pub use link::{WeightInlet, WeightOutlet};
 pub use multi::{
     MultiAsyncCollector, MultiConfig, MultiSyncCollector, WorkerCommand, WorkerLink, WorkerMessage,
