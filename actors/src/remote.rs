@@ -89,3 +89,6 @@ pub use message::{RemoteMessage, RemoteReply, WireError};
 pub use serve::serve;
 /// Actors are addressed by uuid on their node (re-exported for convenience).
 pub use uuid::Uuid;
+
+#[cfg(test)]
+mod tests;
