@@ -27,7 +27,9 @@
 //! The messages a distributed topology sends (engine loads — `UpdateModel`, named
 //! `_receive_weights_scheme` on the wire —, cancellation, served versions, act requests;
 //! the controller's status checks and notifications; the pool's fragments; validation) are
-//! remote-capable.
+//! remote-capable; [`serve_engine`], [`serve_controller`], [`serve_pool`] and
+//! [`serve_evaluator`] serve each actor's set under one uuid, and [`engine_handle`] makes
+//! the `EngineHandle` of a remote engine.
 //!
 //! ```
 //! use std::time::Duration;
@@ -79,12 +81,14 @@
 //! ```
 
 mod addr;
+mod framework;
 mod impls;
 mod message;
 mod proxy;
 mod serve;
 
 pub use addr::RemoteAddr;
+pub use framework::{engine_handle, serve_controller, serve_engine, serve_evaluator, serve_pool};
 pub use message::{RemoteMessage, RemoteReply, WireError};
 pub use serve::serve;
 /// Actors are addressed by uuid on their node (re-exported for convenience).

@@ -547,10 +547,10 @@ mod framework {
     use actix::prelude::*;
     use refit_actors::MlpPolicy;
     use refit_actors::actor::{
-        ActBatch, AwaitSynced, CancelInFlight, CheckRollout, EngineHandle, GetStatus,
-        InferenceEngine, ServedVersions, UpdateModel, VersionNotifier, WeightSyncController,
+        ActBatch, AwaitSynced, CancelInFlight, CheckRollout, GetStatus, InferenceEngine,
+        ServedVersions, VersionNotifier, WeightSyncController,
     };
-    use refit_actors::remote::{RemoteAddr, serve};
+    use refit_actors::remote::{RemoteAddr, engine_handle, serve_controller, serve_engine};
     use refit_runtime::node::Node;
     use refit_runtime::sync_policy::{Decision, SyncConfig, SyncMode};
     use refit_runtime::{
@@ -605,28 +605,20 @@ mod framework {
                 .unwrap()
                 .start();
             let engine_id = Uuid::new_v4();
-            serve::<UpdateModel>(&engine_node, engine_id, engine.clone().recipient());
-            serve::<CancelInFlight>(&engine_node, engine_id, engine.clone().recipient());
-            serve::<ServedVersions>(&engine_node, engine_id, engine.clone().recipient());
-            serve::<ActBatch>(&engine_node, engine_id, engine.clone().recipient());
+            serve_engine(&engine_node, engine_id, &engine);
 
             let wait = Duration::from_secs(20);
             let remote_engine =
                 RemoteAddr::connect(&ctl_node, engine_node.addr(), engine_id, "engine-0", wait)
                     .await
                     .unwrap();
-            let handle = EngineHandle {
-                update: remote_engine.recipient(),
-                cancel: remote_engine.recipient(),
-                versions: remote_engine.recipient(),
-            };
+            let handle = engine_handle(&remote_engine);
             let cfg = SyncConfig::with_mode(SyncMode::FullyAsync);
             let ctl = WeightSyncController::new(&cfg, vec![m.clone()], vec![handle], None)
                 .unwrap()
                 .start();
             let ctl_id = Uuid::new_v4();
-            serve::<GetStatus>(&ctl_node, ctl_id, ctl.clone().recipient());
-            serve::<CheckRollout>(&ctl_node, ctl_id, ctl.clone().recipient());
+            serve_controller(&ctl_node, ctl_id, &ctl);
 
             let mut notifier = VersionNotifier::new(ctl.clone(), m.clone(), cfg.clone());
             for v in 1..=3 {
