@@ -13,7 +13,8 @@
 //! remote tally (a number over 1000 is refused by the actor: the refusal comes back as a
 //! typed error) and reads the total through a plain `Recipient`. `demo` (the default) runs
 //! `serve` as a child process, calls it, then kills it and shows that a call to the dead
-//! actor fails at once with a typed error instead of hanging.
+//! actor fails at once with a typed error instead of hanging. `bench` prints the median
+//! round trip of a remote send against a local actor's.
 
 use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
@@ -105,6 +106,12 @@ enum Cmd {
     },
     /// Spawn `serve`, call it, kill it, call again (the default).
     Demo,
+    /// Median round trip of a remote send against a local actor's, in one run.
+    Bench {
+        /// Calls timed on each side.
+        #[arg(long, default_value_t = 2000)]
+        calls: usize,
+    },
 }
 
 fn token() -> std::result::Result<ClusterToken, String> {
@@ -170,9 +177,10 @@ fn run_client(
         .map_err(|e| e.to_string())
 }
 
-/// Both sides: the server as a child process of this one.
-fn demo() -> std::result::Result<(), String> {
-    let token = ClusterToken::random();
+/// Starts `serve` as a child process; answers it and the address and uuid it printed.
+fn spawn_server(
+    token: &ClusterToken,
+) -> std::result::Result<(std::process::Child, SocketAddr, Uuid), String> {
     let exe = std::env::current_exe().map_err(|e| e.to_string())?;
     let mut child = Command::new(exe)
         .arg("serve")
@@ -181,7 +189,44 @@ fn demo() -> std::result::Result<(), String> {
         .stdout(Stdio::piped())
         .spawn()
         .map_err(|e| format!("starting the server: {e}"))?;
-    let result = demo_with(&mut child, token);
+    match server_address(&mut child) {
+        Ok((addr, target)) => Ok((child, addr, target)),
+        Err(e) => {
+            let _ = child.kill();
+            let _ = child.wait();
+            Err(e)
+        }
+    }
+}
+
+/// Reads the `serving <addr> <uuid>` line of a server.
+fn server_address(
+    child: &mut std::process::Child,
+) -> std::result::Result<(SocketAddr, Uuid), String> {
+    let stdout = child.stdout.take().ok_or("no server stdout")?;
+    let mut line = String::new();
+    BufReader::new(stdout)
+        .read_line(&mut line)
+        .map_err(|e| format!("reading the server's address: {e}"))?;
+    let mut words = line.split_whitespace().skip(1);
+    match (words.next(), words.next()) {
+        (Some(a), Some(t)) => Ok((
+            a.parse::<SocketAddr>()
+                .map_err(|e| format!("server address {a:?}: {e}"))?,
+            t.parse::<Uuid>()
+                .map_err(|e| format!("server target {t:?}: {e}"))?,
+        )),
+        _ => Err(format!(
+            "the server printed {line:?}, not `serving <addr> <uuid>`"
+        )),
+    }
+}
+
+/// Both sides: the server as a child process of this one.
+fn demo() -> std::result::Result<(), String> {
+    let token = ClusterToken::random();
+    let (mut child, addr, target) = spawn_server(&token)?;
+    let result = demo_with(&mut child, addr, target, token);
     let _ = child.kill();
     let _ = child.wait();
     result
@@ -189,27 +234,10 @@ fn demo() -> std::result::Result<(), String> {
 
 fn demo_with(
     child: &mut std::process::Child,
+    addr: SocketAddr,
+    target: Uuid,
     token: ClusterToken,
 ) -> std::result::Result<(), String> {
-    let stdout = child.stdout.take().ok_or("no server stdout")?;
-    let mut line = String::new();
-    BufReader::new(stdout)
-        .read_line(&mut line)
-        .map_err(|e| format!("reading the server's address: {e}"))?;
-    let mut words = line.split_whitespace().skip(1);
-    let (addr, target) = match (words.next(), words.next()) {
-        (Some(a), Some(t)) => (
-            a.parse::<SocketAddr>()
-                .map_err(|e| format!("server address {a:?}: {e}"))?,
-            t.parse::<Uuid>()
-                .map_err(|e| format!("server target {t:?}: {e}"))?,
-        ),
-        _ => {
-            return Err(format!(
-                "the server printed {line:?}, not `serving <addr> <uuid>`"
-            ));
-        }
-    };
     println!(
         "server pid {} serves the tally at {addr} as {target}",
         child.id()
@@ -237,6 +265,55 @@ fn demo_with(
         .map_err(|e| e.to_string())
 }
 
+/// The median of the durations, in microseconds.
+fn median_us(mut d: Vec<Duration>) -> f64 {
+    d.sort();
+    d.get(d.len() / 2).map_or(0.0, |m| m.as_secs_f64() * 1e6)
+}
+
+/// Times `calls` sends of `Add(0)` to a local actor, then to the same actor type served by
+/// a child process, and prints both medians and their ratio.
+fn bench(calls: usize) -> std::result::Result<(), String> {
+    let token = ClusterToken::random();
+    let (mut child, addr, target) = spawn_server(&token)?;
+    let client = Node::loopback(token).map_err(|e| e.to_string())?;
+    let result = actix::System::new().block_on(async move {
+        let local = Tally::default().start();
+        let remote =
+            RemoteAddr::connect(&client, addr, target, "tally", Duration::from_secs(5)).await?;
+        let proxy: Recipient<Add> = remote.recipient();
+        let mut local_t = Vec::with_capacity(calls);
+        let mut remote_t = Vec::with_capacity(calls);
+        let mut proxy_t = Vec::with_capacity(calls);
+        for _ in 0..calls {
+            let t = Instant::now();
+            local
+                .send(Add(0))
+                .await
+                .map_err(|e| Error::Actor(e.to_string()))??;
+            local_t.push(t.elapsed());
+            let t = Instant::now();
+            remote.send(Add(0)).await??;
+            remote_t.push(t.elapsed());
+            let t = Instant::now();
+            proxy
+                .send(Add(0))
+                .await
+                .map_err(|e| Error::Actor(e.to_string()))??;
+            proxy_t.push(t.elapsed());
+        }
+        let (l, r, p) = (median_us(local_t), median_us(remote_t), median_us(proxy_t));
+        println!("{calls} calls each, medians:");
+        println!("  local actor          {l:8.1} us");
+        println!("  remote send          {r:8.1} us  ({:.1}x local)", r / l);
+        println!("  remote via Recipient {p:8.1} us  ({:.1}x local)", p / l);
+        Ok::<(), Error>(())
+    });
+    let _ = child.kill();
+    let _ = child.wait();
+    result.map_err(|e| e.to_string())
+}
+
 fn main() -> ExitCode {
     let args = Args::parse();
     let r = match args.command.unwrap_or(Cmd::Demo) {
@@ -248,6 +325,7 @@ fn main() -> ExitCode {
             numbers,
         } => run_client(addr, target, Duration::from_millis(deadline_ms), &numbers),
         Cmd::Demo => demo(),
+        Cmd::Bench { calls } => bench(calls.max(1)),
     };
     match r {
         Ok(()) => ExitCode::SUCCESS,

@@ -19,6 +19,11 @@
 //!   (`()`, `u64`, a status) cannot hold an error, so a failed call drops the reply — the
 //!   sender sees `MailboxError::Closed`, as from a stopped local actor — and is logged
 //!   naming the actor and the message. A `do_send` of a `()` message is fire-and-forget.
+//! - Give a handle a deadline above the longest wait the actor itself applies (the
+//!   controller's `AwaitRollout` waits up to `rollout_wait_s`, `NotifyVersion` for the
+//!   version barrier), or such calls their own with [`RemoteAddr::send_within`] /
+//!   [`RemoteAddr::with_deadline`]. A handle does not reconnect: after its peer died, make
+//!   a new one.
 //! - An error the actor answers crosses as text and comes back as `Error::Remote` with
 //!   [`RemoteFailure::Failed`](crate::RemoteFailure::Failed), except
 //!   [`Error::Cancelled`](crate::Error::Cancelled), which keeps its variant (rollouts branch
