@@ -28,17 +28,29 @@ fn remote_actor_demo_calls_a_server_process_then_sees_it_die() {
     }
 }
 
+/// Kills and reaps the server however the test ends.
+struct KillOnDrop(std::process::Child);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
 #[test]
 fn remote_actor_serve_and_call_as_two_processes() {
     let token = "remote-example-test-token";
-    let mut server = Command::new(example("remote_actor"))
-        .args(["serve", "--bind", "127.0.0.1:0"])
-        .env("REFIT_TOKEN", token)
-        .stdout(Stdio::piped())
-        .spawn()
-        .unwrap();
+    let mut server = KillOnDrop(
+        Command::new(example("remote_actor"))
+            .args(["serve", "--bind", "127.0.0.1:0"])
+            .env("REFIT_TOKEN", token)
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap(),
+    );
     let mut line = String::new();
-    BufReader::new(server.stdout.take().unwrap())
+    BufReader::new(server.0.stdout.take().unwrap())
         .read_line(&mut line)
         .unwrap();
     let words: Vec<&str> = line.split_whitespace().collect();
@@ -54,8 +66,7 @@ fn remote_actor_serve_and_call_as_two_processes() {
     let ok = call(token, words[2]);
     let wrong_token = call("not-the-cluster-token", words[2]);
     let wrong_target = call(token, "00000000-0000-4000-8000-000000000000");
-    let _ = server.kill();
-    let _ = server.wait();
+    drop(server);
     let stdout = String::from_utf8_lossy(&ok.stdout);
     assert!(ok.status.success(), "{line}\n{stdout}");
     assert!(stdout.contains("add 4: total 4"), "{stdout}");
