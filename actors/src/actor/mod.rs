@@ -18,6 +18,7 @@
 //! plain Rust. CPU-heavy actors (collection, training) run on their own threads so they never
 //! block an arbiter's event loop.
 
+pub mod cluster;
 pub mod controller;
 pub mod engine;
 pub mod eval;
