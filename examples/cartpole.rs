@@ -26,8 +26,8 @@ use indicatif::{ProgressBar, ProgressStyle};
 use refit_actors::actor::topology::{self, ModelSpec, RunConfig, StopRule};
 use refit_actors::process::{ProcessConfig, ProcessSyncCollector, serve_worker};
 use refit_actors::{
-    Batch, CartPole, Collector, MlpPolicy, MultiAsyncCollector, MultiConfig, MultiSyncCollector,
-    PpoConfig, PpoTrainer, UpdatePolicyWeights,
+    Batch, CartPole, CartPolePpo, Collector, MlpPolicy, MultiAsyncCollector, MultiConfig,
+    MultiSyncCollector, PpoConfig, PpoTrainer, UpdatePolicyWeights,
 };
 use refit_runtime::sync_policy::{SyncConfig, SyncMode};
 use refit_runtime::{Manifests, ReceiverInit, wire};
@@ -370,7 +370,7 @@ fn run_actors(args: &Args) -> Result<(), Box<dyn std::error::Error>> {
         sync.staleness_threshold = t;
     }
     sync.check()?;
-    let mut spec = ModelSpec::cartpole(refit_actors::policy_model_id(), args.seed);
+    let mut spec = ModelSpec::new(refit_actors::policy_model_id(), args.seed);
     spec.workers = args.workers;
     spec.envs_per_worker = args.envs;
     spec.batch_frames = args.frames_per_batch;
@@ -399,7 +399,7 @@ fn run_actors(args: &Args) -> Result<(), Box<dyn std::error::Error>> {
         args.envs,
         args.frames_per_batch
     );
-    let report = actix_rt::System::new().block_on(topology::run(cfg, CartPole::new))?;
+    let report = actix_rt::System::new().block_on(topology::run(cfg, CartPolePpo::new()))?;
     for (model, r) in &report.models {
         for u in &r.updates {
             println!(

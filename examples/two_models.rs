@@ -12,7 +12,7 @@
 
 use std::time::Duration;
 
-use refit_actors::CartPole;
+use refit_actors::CartPolePpo;
 use refit_actors::actor::SyncEventKind;
 use refit_actors::actor::topology::{self, ModelSpec, RunConfig, StopRule};
 use refit_runtime::ModelId;
@@ -88,8 +88,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let cfg = RunConfig {
         sync: sync.clone(),
         models: vec![
-            ModelSpec::cartpole(solver.clone(), args.seed),
-            ModelSpec::cartpole(verifier.clone(), args.seed + 1),
+            ModelSpec::new(solver.clone(), args.seed),
+            ModelSpec::new(verifier.clone(), args.seed + 1),
         ],
         eval_episodes: 8,
         stop: StopRule {
@@ -101,7 +101,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         wrap_inlet: None,
         wait: Duration::from_secs(60),
     };
-    let report = actix_rt::System::new().block_on(topology::run(cfg, CartPole::new))?;
+    let report = actix_rt::System::new().block_on(topology::run(cfg, CartPolePpo::new()))?;
     // ANCHOR_END: config
     println!(
         "two models, sync mode {}, eval every {} versions, {} updates each, {:.1} s",

@@ -60,12 +60,12 @@ pub mod prelude {
 
     #[cfg(feature = "rl")]
     pub use refit_actors::{
-        CartPole, Collector, CollectorConfig, Env, MlpPolicy, MultiAsyncCollector, MultiConfig,
-        MultiSyncCollector, Policy, UpdatePolicyWeights,
+        CartPole, Collector, CollectorConfig, Env, LearnStats, Learner, MlpPolicy,
+        MultiAsyncCollector, MultiConfig, MultiSyncCollector, Policy, Roles, UpdatePolicyWeights,
     };
 
     #[cfg(feature = "candle")]
-    pub use refit_actors::{PpoConfig, PpoTrainer};
+    pub use refit_actors::{CartPolePpo, PpoConfig, PpoTrainer};
 
     /// The actor topology's entry points: build a [`RunConfig`](topology::RunConfig) of
     /// [`ModelSpec`](topology::ModelSpec)s and run it with

@@ -25,6 +25,13 @@ pub trait Policy: HasWeights + Send {
     /// Samples an action for one observation.
     fn act(&mut self, obs: &[f32], rng: &mut SmallRng) -> ActionOut;
 
+    /// Length of the observations it acts on (an engine splits a request's flat
+    /// observations by it).
+    fn obs_dim(&self) -> usize;
+
+    /// Number of discrete actions it chooses from.
+    fn num_actions(&self) -> usize;
+
     /// The most likely action (evaluation); by default a sample.
     fn act_greedy(&mut self, obs: &[f32], rng: &mut SmallRng) -> usize {
         self.act(obs, rng).action
@@ -285,6 +292,14 @@ impl HasWeights for MlpPolicy {
 }
 
 impl Policy for MlpPolicy {
+    fn obs_dim(&self) -> usize {
+        self.sizes.first().copied().unwrap_or(0)
+    }
+
+    fn num_actions(&self) -> usize {
+        MlpPolicy::num_actions(self)
+    }
+
     fn act(&mut self, obs: &[f32], rng: &mut SmallRng) -> ActionOut {
         let n = self.num_actions();
         let mut small = [0.0f32; 16];

@@ -19,6 +19,7 @@ use refit_runtime::{HasWeights, Manifest, ModelId, Version, WeightSet};
 use crate::batch::Batch;
 use crate::collector::policy_model_id;
 use crate::error::{Error, Result};
+use crate::learner::{LearnStats, Learner};
 use crate::policy::MlpPolicy;
 
 /// PPO hyper-parameters.
@@ -489,6 +490,37 @@ impl PpoTrainer {
 }
 
 /// The trainer's actor as a refit model: the [`MlpPolicy`] layout.
+impl PpoStats {
+    /// The stats as generic [`LearnStats`] (`policy_loss`, `value_loss`, `entropy`,
+    /// `approx_kl`, `clip_fraction`, `samples`, `steps`, `elapsed_s`).
+    pub fn to_learn_stats(&self) -> LearnStats {
+        LearnStats::new()
+            .with("policy_loss", f64::from(self.policy_loss))
+            .with("value_loss", f64::from(self.value_loss))
+            .with("entropy", f64::from(self.entropy))
+            .with("approx_kl", f64::from(self.approx_kl))
+            .with("clip_fraction", f64::from(self.clip_fraction))
+            .with("samples", self.samples as f64)
+            .with("steps", self.steps as f64)
+            .with("elapsed_s", self.elapsed.as_secs_f64())
+    }
+}
+
+impl Learner for PpoTrainer {
+    fn update(&mut self, batch: &Batch) -> Result<LearnStats> {
+        Ok(PpoTrainer::update(self, batch)?.to_learn_stats())
+    }
+    fn export(&mut self) -> Result<WeightSet> {
+        PpoTrainer::export(self)
+    }
+    fn manifest(&self) -> Arc<Manifest> {
+        Arc::clone(PpoTrainer::manifest(self))
+    }
+    fn version(&self) -> Version {
+        PpoTrainer::version(self)
+    }
+}
+
 impl HasWeights for PpoTrainer {
     fn weight_manifest(&self) -> refit_runtime::Result<Manifest> {
         Ok((*self.manifest).clone())

@@ -99,7 +99,7 @@ async fn a_collector_worker_and_a_trainer_close_the_loop_through_the_engine() {
     let batch = worker.send(CollectBatch).await.unwrap().unwrap().unwrap();
     assert_eq!(batch.frames, 128);
     let (stats, weights) = trainer.send(Train { batch }).await.unwrap().unwrap();
-    assert_eq!(stats.samples, 128);
+    assert_eq!(stats.get("samples"), Some(128.0));
     assert_eq!(weights.version(), Version(1));
     // the trained weights reach both the worker's policy and the engine
     let v = worker
@@ -212,6 +212,12 @@ impl refit_runtime::HasWeights for SlowToLoad {
 impl refit_actors::Policy for SlowToLoad {
     fn act(&mut self, obs: &[f32], rng: &mut rand::rngs::SmallRng) -> refit_actors::ActionOut {
         self.inner.act(obs, rng)
+    }
+    fn obs_dim(&self) -> usize {
+        refit_actors::Policy::obs_dim(&self.inner)
+    }
+    fn num_actions(&self) -> usize {
+        refit_actors::Policy::num_actions(&self.inner)
     }
 }
 

@@ -52,6 +52,12 @@ impl Policy for TagPolicy {
             log_prob: self.tag,
         }
     }
+    fn obs_dim(&self) -> usize {
+        4
+    }
+    fn num_actions(&self) -> usize {
+        2
+    }
 }
 
 fn tag_weights(v: u64) -> WeightSet {

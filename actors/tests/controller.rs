@@ -14,7 +14,7 @@ use refit_actors::actor::{
     ActBatch, EngineHandle, Evaluator, GetStatus, InferenceEngine, RunEval, ServedVersions,
     SyncEventKind, UpdateModel, VersionNotifier, WeightSyncController,
 };
-use refit_actors::{CartPole, MlpPolicy, WeightInlet};
+use refit_actors::{CartPole, CartPolePpo, MlpPolicy, WeightInlet};
 use refit_runtime::sync_policy::{LeaderStep, SyncConfig, SyncMode, leader_sequence};
 use refit_runtime::{Manifests, ModelId, ReceiverInit, Sender, SenderInit, Version, WeightSet};
 use refit_transports::inproc::{InProc, InProcReceiver, InProcSender};
@@ -48,10 +48,10 @@ fn slow(delay: Duration) -> InletWrapper {
 }
 
 fn spec(name: &str, seed: u64) -> ModelSpec {
-    let mut s = ModelSpec::cartpole(id(name), seed);
-    s.ppo.sizes = vec![4, 32, 2];
-    s.ppo.epochs = 2;
-    s.ppo.minibatch = 128;
+    let mut s = ModelSpec::new(id(name), seed)
+        .with_param("hidden", vec![32])
+        .with_param("epochs", 2)
+        .with_param("minibatch", 128);
     s.workers = 2;
     s.envs_per_worker = 2;
     s.fragment_steps = 16;
@@ -79,7 +79,7 @@ fn run_config(mode: SyncMode, models: Vec<ModelSpec>, updates: u64) -> RunConfig
 }
 
 async fn run(cfg: RunConfig) -> RunReport {
-    topology::run(cfg, CartPole::new).await.unwrap()
+    topology::run(cfg, CartPolePpo::new()).await.unwrap()
 }
 
 /// The last `Landed` version of `model` before event `seq`.
@@ -410,7 +410,7 @@ async fn an_eval_that_sees_a_model_at_an_older_version_is_refused() {
     let evaluator = Evaluator::new(
         engine.clone().recipient(),
         vec![a.clone(), b.clone()],
-        |i| CartPole::new(i as u64),
+        |_: &ModelId, i| Ok(CartPole::new(i as u64)),
         2,
         50,
         0,
@@ -438,7 +438,7 @@ async fn an_eval_step_whose_load_fails_fails_the_round_and_resumes_acquisition()
     let evaluator = Evaluator::new(
         engine.clone().recipient(),
         vec![a.clone(), b.clone()],
-        |i| CartPole::new(i as u64),
+        |_: &ModelId, i| Ok(CartPole::new(i as u64)),
         1,
         20,
         0,

@@ -189,12 +189,12 @@ impl<P: Policy> std::fmt::Debug for InferenceEngine<P> {
 }
 
 fn obs_dim<P: Policy>(policy: &P) -> Result<usize> {
-    let m = refit_runtime::HasWeights::weight_manifest(policy)?;
-    let first = m
-        .tensors()
-        .first()
-        .ok_or_else(|| Error::Config("a policy with no tensors cannot serve".into()))?;
-    Ok(first.shape.last().copied().unwrap_or(1))
+    match policy.obs_dim() {
+        0 => Err(Error::Config(
+            "a policy whose observations have no values cannot serve".into(),
+        )),
+        d => Ok(d),
+    }
 }
 
 impl<P: Policy + Unpin + 'static> InferenceEngine<P> {
@@ -222,7 +222,7 @@ impl<P: Policy + Unpin + 'static> InferenceEngine<P> {
     /// Adds a model, fed through `inlet` when given. The first model added is the default.
     ///
     /// # Errors
-    /// [`Error::Config`] for a model added twice or a policy with no tensors.
+    /// [`Error::Config`] for a model added twice or a policy whose observation length is zero.
     pub fn with_model(
         mut self,
         id: ModelId,

@@ -61,11 +61,14 @@ impl EvalReport {
     }
 }
 
+/// Builds evaluation environment `i` of a model.
+type MakeEnv<E> = dyn Fn(&ModelId, usize) -> Result<E> + Send;
+
 /// Runs greedy validation episodes through an engine for each model.
 pub struct Evaluator<E: Env> {
     engine: Recipient<ActBatch>,
     models: Vec<ModelId>,
-    make_env: Box<dyn Fn(usize) -> E + Send>,
+    make_env: Box<MakeEnv<E>>,
     episodes: usize,
     seed: u64,
     max_steps: usize,
@@ -81,12 +84,12 @@ impl<E: Env> std::fmt::Debug for Evaluator<E> {
 }
 
 impl<E: Env + Unpin + 'static> Evaluator<E> {
-    /// An evaluator running `episodes` episodes (environments from `make_env(i)`) per model,
-    /// each at most `max_steps` steps.
+    /// An evaluator running `episodes` episodes (environments from `make_env(model, i)`)
+    /// per model, each at most `max_steps` steps.
     pub fn new(
         engine: Recipient<ActBatch>,
         models: Vec<ModelId>,
-        make_env: impl Fn(usize) -> E + Send + 'static,
+        make_env: impl Fn(&ModelId, usize) -> Result<E> + Send + 'static,
         episodes: usize,
         max_steps: usize,
         seed: u64,
@@ -110,20 +113,21 @@ impl<E: Env + Unpin + 'static> Handler<RunEval> for Evaluator<E> {
     type Result = ResponseFuture<Result<EvalReport>>;
 
     fn handle(&mut self, msg: RunEval, _: &mut Context<Self>) -> Self::Result {
-        let runs: Vec<(ModelId, Vec<E>)> = self
+        let runs: Result<Vec<(ModelId, Vec<E>)>> = self
             .models
             .iter()
             .map(|m| {
-                (
-                    m.clone(),
-                    (0..self.episodes).map(|i| (self.make_env)(i)).collect(),
-                )
+                let envs = (0..self.episodes)
+                    .map(|i| (self.make_env)(m, i))
+                    .collect::<Result<Vec<E>>>()?;
+                Ok((m.clone(), envs))
             })
             .collect();
         let engine = self.engine.clone();
         let seed = self.seed.wrapping_add(msg.step.0 * 7919);
         let max_steps = self.max_steps;
         Box::pin(async move {
+            let runs = runs?;
             let mut models = BTreeMap::new();
             for (model, envs) in runs {
                 let n = envs.len();

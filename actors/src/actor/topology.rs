@@ -3,6 +3,9 @@
 //! evaluator for eval steps. Weights travel through a real scheme (the in-process transport
 //! by default) from each trainer's outlet to the engine's inlet for that model.
 //!
+//! The topology hosts user code through a [`Roles`] factory (learner, policy, environment);
+//! it names no algorithm, network or environment itself.
+//!
 //! Call [`run`] inside an actix system (`actix_rt::System::new().block_on(..)` or an
 //! `#[actix_rt::test]`).
 
@@ -15,11 +18,11 @@ use refit_runtime::sync_policy::{StalenessStats, SyncConfig, SyncMode};
 use refit_runtime::{Manifests, ModelId, ReceiverInit, SenderInit, Version};
 use refit_transports::inproc::InProc;
 
-use crate::env::Env;
 use crate::error::{Error, Result};
 use crate::link::WeightInlet;
-use crate::policy::MlpPolicy;
-use crate::ppo::{PpoConfig, PpoTrainer};
+use crate::roles::{Roles, check_fit};
+
+pub use crate::roles::ModelSpec;
 
 use super::controller::{
     AwaitDrained, AwaitSynced, ControllerStatus, GetStatus, VersionNotifier, WeightSyncController,
@@ -31,44 +34,6 @@ use super::rollout::{
     StopRollouts, TakeBatch, TrajectoryPool,
 };
 use super::workers::{TrainAndPublish, Trainer};
-
-/// One model of a run, and how it is trained.
-#[derive(Debug, Clone)]
-pub struct ModelSpec {
-    /// The model's id (its trainer publishes under it).
-    pub id: ModelId,
-    /// PPO settings (its `policy_id` is replaced by `id`).
-    pub ppo: PpoConfig,
-    /// Rollout workers for this model (each on its own thread).
-    pub workers: usize,
-    /// Environments per worker.
-    pub envs_per_worker: usize,
-    /// Steps per rollout fragment.
-    pub fragment_steps: usize,
-    /// Frames per training batch (at least).
-    pub batch_frames: usize,
-}
-
-impl ModelSpec {
-    /// CartPole-sized defaults for `id`.
-    pub fn cartpole(id: ModelId, seed: u64) -> Self {
-        Self {
-            ppo: PpoConfig {
-                lr: 1e-3,
-                epochs: 8,
-                minibatch: 512,
-                seed,
-                policy_id: id.clone(),
-                ..PpoConfig::default()
-            },
-            id,
-            workers: 2,
-            envs_per_worker: 4,
-            fragment_steps: 32,
-            batch_frames: 2048,
-        }
-    }
-}
 
 /// When a run stops. Every model stops at the same version, so that the last barrier
 /// round completes.
@@ -200,33 +165,50 @@ impl StopBoard {
     }
 }
 
-/// Runs a training topology until the stop rule fires; `make_env(seed)` builds one
-/// environment.
+/// Runs a training topology until the stop rule fires; `roles` makes each model's learner,
+/// policy and environments.
 ///
 /// # Errors
-/// Configuration errors; the first error of a trainer, pool, controller or engine (named).
-pub async fn run<E, F>(cfg: RunConfig, make_env: F) -> Result<RunReport>
-where
-    E: Env + Unpin + 'static,
-    F: Fn(u64) -> E + Clone + Send + Sync + 'static,
-{
+/// Configuration errors (a policy that does not fit its environment, a learner whose
+/// exports the policy cannot load: named by model); the first error of a trainer, pool,
+/// controller or engine (named).
+pub async fn run<R: Roles>(cfg: RunConfig, roles: R) -> Result<RunReport> {
     let started = Instant::now();
     if cfg.models.is_empty() {
         return Err(Error::Config("a run needs at least one model".into()));
     }
     let ids: Vec<ModelId> = cfg.models.iter().map(|m| m.id.clone()).collect();
+    for spec in &cfg.models {
+        spec.check()?;
+    }
+    let roles = Arc::new(roles);
     let mut sync = cfg.sync.clone();
     sync.models = ids.clone();
     sync.check()?;
 
     // Trainers, their outlets, and the engine's inlets: one in-process scheme per model.
-    let mut engine = InferenceEngine::<MlpPolicy>::empty(cfg.seed);
+    let mut engine = InferenceEngine::<R::Policy>::empty(cfg.seed);
     let mut trainers = Vec::new();
     for spec in &cfg.models {
-        let mut ppo_cfg = spec.ppo.clone();
-        ppo_cfg.policy_id = spec.id.clone();
-        let mut ppo = PpoTrainer::new(ppo_cfg.clone())?;
-        let initial = ppo.export()?;
+        let mut learner = roles.learner(spec)?;
+        let policy = roles.policy(spec)?;
+        check_fit(&spec.id, &roles.env(spec, cfg.seed)?, &policy)?;
+        let served = refit_runtime::HasWeights::weight_manifest(&policy)?;
+        served.check_same_schema(&spec.id, &learner.manifest())?;
+        let initial = learner.export()?;
+        if initial.model() != &spec.id {
+            return Err(Error::ModelMismatch {
+                expected: spec.id.to_string(),
+                found: initial.model().to_string(),
+            });
+        }
+        if initial.version() != Version(1) {
+            return Err(Error::Config(format!(
+                "the learner of model `{}` exported its first weights as v{} (a fresh learner exports v1)",
+                spec.id,
+                initial.version()
+            )));
+        }
         let manifests = Manifests::new([(spec.id.clone(), Arc::clone(initial.manifest()))])?;
         let hub = InProc::new();
         let receiver = ReceiverInit::new(hub.receiver(), Some(manifests.clone()));
@@ -243,23 +225,32 @@ where
         if let Some(wrap) = &cfg.wrap_inlet {
             inlet = wrap(inlet);
         }
-        engine = engine.with_model(
-            spec.id.clone(),
-            MlpPolicy::new(&ppo_cfg.sizes)?,
-            Some(inlet),
-        )?;
-        trainers.push(Trainer::start_with_outlet(ppo, Box::new(sender)));
+        engine = engine.with_model(spec.id.clone(), policy, Some(inlet))?;
+        trainers.push(Trainer::start_with_outlet(learner, Box::new(sender)));
     }
     let engine_arbiter = Arbiter::new();
     let engine = InferenceEngine::start_in_arbiter(&engine_arbiter.handle(), move |_| engine);
 
     let evaluator = {
-        let make_env = make_env.clone();
+        let roles = Arc::clone(&roles);
+        let specs: BTreeMap<ModelId, ModelSpec> = cfg
+            .models
+            .iter()
+            .map(|m| (m.id.clone(), m.clone()))
+            .collect();
         let seed = cfg.seed;
         Evaluator::new(
             engine.clone().recipient(),
             ids.clone(),
-            move |i| make_env(seed.wrapping_mul(31).wrapping_add(1_000_000 + i as u64)),
+            move |model, i| {
+                let spec = specs.get(model).ok_or_else(|| {
+                    Error::Runtime(refit_runtime::Error::UnknownModel(model.clone()))
+                })?;
+                roles.env(
+                    spec,
+                    seed.wrapping_mul(31).wrapping_add(1_000_000 + i as u64),
+                )
+            },
             cfg.eval_episodes,
             10_000,
             cfg.seed,
@@ -288,7 +279,7 @@ where
 
     // Pools and rollout workers.
     let mut pools = Vec::new();
-    let mut workers: Vec<Vec<Addr<RolloutWorker<E>>>> = Vec::new();
+    let mut workers: Vec<Vec<Addr<RolloutWorker<R::Env>>>> = Vec::new();
     let mut arbiters = vec![engine_arbiter];
     for (mi, spec) in cfg.models.iter().enumerate() {
         let pool = TrajectoryPool::new(
@@ -305,9 +296,9 @@ where
                 .seed
                 .wrapping_mul(1000)
                 .wrapping_add((mi * 100 + w) as u64 * 17);
-            let envs: Vec<E> = (0..spec.envs_per_worker)
-                .map(|i| make_env(base.wrapping_add(i as u64)))
-                .collect();
+            let envs = (0..spec.envs_per_worker)
+                .map(|i| roles.env(spec, base.wrapping_add(i as u64)))
+                .collect::<Result<Vec<_>>>()?;
             let worker = RolloutWorker::new(
                 RolloutConfig {
                     model: spec.id.clone(),

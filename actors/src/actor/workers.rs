@@ -1,4 +1,4 @@
-//! Actors that wrap the plain-Rust collector and PPO trainer on their own threads.
+//! Actors that wrap the plain-Rust collector and a [`Learner`] on their own threads.
 
 use std::sync::Arc;
 
@@ -9,9 +9,9 @@ use crate::batch::Batch;
 use crate::collector::{Collector, UpdatePolicyWeights};
 use crate::env::Env;
 use crate::error::{Error, Result};
+use crate::learner::{LearnStats, Learner};
 use crate::link::WeightOutlet;
 use crate::policy::Policy;
-use crate::ppo::{PpoStats, PpoTrainer};
 
 use super::engine::LoadWeights;
 
@@ -63,50 +63,53 @@ impl<E: Env + Unpin + 'static, P: Policy + Unpin + 'static> Handler<LoadWeights>
     }
 }
 
-/// One PPO update on a batch; answers the stats and the new weights.
+/// One update on a batch; answers the learner's stats and the new weights.
 #[derive(Debug, Message)]
-#[rtype(result = "Result<(PpoStats, Arc<WeightSet>)>")]
+#[rtype(result = "Result<(LearnStats, Arc<WeightSet>)>")]
 pub struct Train {
     /// The batch.
     pub batch: Batch,
 }
 
-/// One PPO update, then the new version goes out through the trainer's outlet; answers the
-/// stats and the published version.
+/// One update, then the new version goes out through the trainer's outlet; answers the
+/// learner's stats and the published version.
 #[derive(Debug, Message)]
-#[rtype(result = "Result<(PpoStats, Version)>")]
+#[rtype(result = "Result<(LearnStats, Version)>")]
 pub struct TrainAndPublish {
     /// The batch.
     pub batch: Batch,
 }
 
-/// The trainer actor (PPO with candle), on its own thread, optionally publishing through a
-/// [`WeightOutlet`].
+/// The trainer actor: hosts a [`Learner`] on its own thread, optionally publishing through
+/// a [`WeightOutlet`].
 pub struct Trainer {
-    ppo: Option<PpoTrainer>,
+    learner: Option<Box<dyn Learner>>,
     outlet: Option<Box<dyn WeightOutlet>>,
 }
 
 impl std::fmt::Debug for Trainer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Trainer")
-            .field("version", &self.ppo.as_ref().map(PpoTrainer::version))
+            .field("version", &self.learner.as_ref().map(|l| l.version()))
             .finish()
     }
 }
 
 impl Trainer {
-    /// Starts a trainer on its own thread; `make` builds it there.
-    pub fn start(make: impl Fn() -> PpoTrainer + Send + Sync + 'static) -> Addr<Self> {
+    /// Starts a trainer on its own thread; `make` builds its learner there.
+    pub fn start<L: Learner + 'static>(make: impl Fn() -> L + Send + Sync + 'static) -> Addr<Self> {
         SyncArbiter::start(1, move || Self {
-            ppo: Some(make()),
+            learner: Some(Box::new(make())),
             outlet: None,
         })
     }
 
-    /// Starts a trainer that publishes every version through `outlet`.
-    pub fn start_with_outlet(ppo: PpoTrainer, outlet: Box<dyn WeightOutlet>) -> Addr<Self> {
-        let slot = std::sync::Mutex::new(Some((ppo, outlet)));
+    /// Starts a trainer that publishes every version of `learner` through `outlet`.
+    pub fn start_with_outlet(
+        learner: Box<dyn Learner>,
+        outlet: Box<dyn WeightOutlet>,
+    ) -> Addr<Self> {
+        let slot = std::sync::Mutex::new(Some((learner, outlet)));
         SyncArbiter::start(1, move || {
             let taken = slot
                 .lock()
@@ -114,19 +117,19 @@ impl Trainer {
                 .take();
             // A sync arbiter builds its actor again only if it stopped; the state is gone
             // then, and every request says so.
-            let (ppo, outlet) = taken.map_or((None, None), |(p, o)| (Some(p), Some(o)));
-            Self { ppo, outlet }
+            let (learner, outlet) = taken.map_or((None, None), |(l, o)| (Some(l), Some(o)));
+            Self { learner, outlet }
         })
     }
 
-    fn ppo(&mut self) -> Result<&mut PpoTrainer> {
-        self.ppo.as_mut().ok_or_else(|| {
-            Error::Actor("the trainer actor was restarted and its trainer state is lost".into())
+    fn learner(&mut self) -> Result<&mut Box<dyn Learner>> {
+        self.learner.as_mut().ok_or_else(|| {
+            Error::Actor("the trainer actor was restarted and its learner state is lost".into())
         })
     }
 
     fn publish(&mut self) -> Result<Version> {
-        let weights = Arc::new(self.ppo()?.export()?);
+        let weights = Arc::new(self.learner()?.export()?);
         match &mut self.outlet {
             Some(o) => o.publish(weights),
             None => Err(Error::Config(
@@ -137,9 +140,9 @@ impl Trainer {
 }
 
 impl Handler<TrainAndPublish> for Trainer {
-    type Result = Result<(PpoStats, Version)>;
+    type Result = Result<(LearnStats, Version)>;
     fn handle(&mut self, msg: TrainAndPublish, _: &mut SyncContext<Self>) -> Self::Result {
-        let stats = self.ppo()?.update(&msg.batch)?;
+        let stats = self.learner()?.update(&msg.batch)?;
         Ok((stats, self.publish()?))
     }
 }
@@ -149,10 +152,10 @@ impl Actor for Trainer {
 }
 
 impl Handler<Train> for Trainer {
-    type Result = Result<(PpoStats, Arc<WeightSet>)>;
+    type Result = Result<(LearnStats, Arc<WeightSet>)>;
     fn handle(&mut self, msg: Train, _: &mut SyncContext<Self>) -> Self::Result {
-        let ppo = self.ppo()?;
-        let stats = ppo.update(&msg.batch)?;
-        Ok((stats, Arc::new(ppo.export()?)))
+        let learner = self.learner()?;
+        let stats = learner.update(&msg.batch)?;
+        Ok((stats, Arc::new(learner.export()?)))
     }
 }

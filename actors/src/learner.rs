@@ -1,0 +1,87 @@
+//! The learner role: turns batches into new versions of a model's weights.
+//!
+//! A [`Learner`] is the user code a trainer hosts (the `Trainer` actor holds a
+//! `Box<dyn Learner>`): it trains on a [`Batch`], answers what it measured as [`LearnStats`]
+//! (named numbers, so the framework never needs to know the algorithm), and exports its
+//! policy as a versioned [`WeightSet`] whose layout is its [`manifest`](Learner::manifest).
+//! `PpoTrainer` (feature `candle`) is one implementation.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use refit_runtime::{Manifest, Version, WeightSet};
+use serde::{Deserialize, Serialize};
+
+use crate::batch::Batch;
+use crate::error::Result;
+
+/// What one [`Learner::update`] measured: named values (losses, entropy, samples, seconds),
+/// in name order.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct LearnStats {
+    /// The values, by name.
+    pub values: BTreeMap<String, f64>,
+}
+
+impl LearnStats {
+    /// No values.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Adds (or replaces) `name`, builder style.
+    #[must_use]
+    pub fn with(mut self, name: impl Into<String>, value: f64) -> Self {
+        self.values.insert(name.into(), value);
+        self
+    }
+
+    /// Sets `name` to `value`.
+    pub fn insert(&mut self, name: impl Into<String>, value: f64) {
+        self.values.insert(name.into(), value);
+    }
+
+    /// The value named `name`, if the learner reported it.
+    pub fn get(&self, name: &str) -> Option<f64> {
+        self.values.get(name).copied()
+    }
+}
+
+/// A learner: the trainer role's user code. It owns its model, optimiser and version count;
+/// the framework hands it batches and publishes what it exports.
+pub trait Learner: Send {
+    /// Trains on one batch.
+    ///
+    /// # Errors
+    /// A batch the learner cannot train on, or a failure of its numerics; the learner keeps
+    /// its previous weights.
+    fn update(&mut self, batch: &Batch) -> Result<LearnStats>;
+
+    /// Exports the current policy weights as a new version (the previous plus one).
+    ///
+    /// # Errors
+    /// A failure to write the weights into the manifest's layout.
+    fn export(&mut self) -> Result<WeightSet>;
+
+    /// The layout of the weights [`export`](Learner::export) produces (what engines and
+    /// collectors must be able to load).
+    fn manifest(&self) -> Arc<Manifest>;
+
+    /// The version of the last export (zero before the first).
+    fn version(&self) -> Version;
+}
+
+impl<L: Learner + ?Sized> Learner for Box<L> {
+    fn update(&mut self, batch: &Batch) -> Result<LearnStats> {
+        (**self).update(batch)
+    }
+    fn export(&mut self) -> Result<WeightSet> {
+        (**self).export()
+    }
+    fn manifest(&self) -> Arc<Manifest> {
+        (**self).manifest()
+    }
+    fn version(&self) -> Version {
+        (**self).version()
+    }
+}

@@ -1,0 +1,211 @@
+//! Roles as traits: what a user brings to a topology.
+//!
+//! A topology (`actor::topology::run`) is generic over a [`Roles`] factory: per model it asks
+//! the factory for a [`Learner`] (the trainer's code), a [`Policy`] (what the inference engine
+//! serves, loading the learner's exports) and environments ([`Env`], what rollout workers and
+//! the evaluator step). The framework's settings of a model — rollout workers, environments
+//! per worker, fragment length, batch size — live in [`ModelSpec`]; everything else about a
+//! model is the factory's, handed over as the free-form [`ModelSpec::params`] table (a
+//! topology file's `[model.params]`).
+//!
+//! `cartpole_ppo::CartPolePpo` (feature `candle`) is one implementation: PPO, `MlpPolicy`
+//! and `CartPole`.
+
+use refit_runtime::ModelId;
+
+use crate::env::Env;
+use crate::error::{Error, Result};
+use crate::learner::Learner;
+use crate::policy::Policy;
+
+/// One model of a run: the framework's settings, and the factory's free-form parameters.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ModelSpec {
+    /// The model's id (its trainer publishes under it).
+    pub id: ModelId,
+    /// Rollout workers for this model (each on its own thread).
+    pub workers: usize,
+    /// Environments per worker.
+    pub envs_per_worker: usize,
+    /// Steps per rollout fragment.
+    pub fragment_steps: usize,
+    /// Frames per training batch (at least).
+    pub batch_frames: usize,
+    /// Seed of this model's learner.
+    pub seed: u64,
+    /// Parameters for the role factory (a topology file's `[model.params]`, less the keys
+    /// [`ModelSpec::from_params`] takes for itself).
+    pub params: toml::Table,
+}
+
+impl ModelSpec {
+    /// The keys of a params table that [`ModelSpec::from_params`] reads into the spec.
+    pub const FRAMEWORK_KEYS: [&'static str; 4] = [
+        "workers",
+        "envs_per_worker",
+        "fragment_steps",
+        "batch_frames",
+    ];
+
+    /// `id` with the defaults: 2 workers x 4 environments, fragments of 32 steps, batches of
+    /// 2048 frames, no params.
+    pub fn new(id: ModelId, seed: u64) -> Self {
+        Self {
+            id,
+            workers: 2,
+            envs_per_worker: 4,
+            fragment_steps: 32,
+            batch_frames: 2048,
+            seed,
+            params: toml::Table::new(),
+        }
+    }
+
+    /// `id` with the framework settings found in `params` (`workers`, `envs_per_worker`,
+    /// `fragment_steps`, `batch_frames`: positive integers; the defaults of
+    /// [`ModelSpec::new`] otherwise); the other keys stay in [`ModelSpec::params`] for the
+    /// factory.
+    ///
+    /// # Errors
+    /// [`Error::Config`] naming the model and the key whose value is not a positive integer.
+    pub fn from_params(id: ModelId, seed: u64, params: &toml::Table) -> Result<Self> {
+        let mut spec = Self::new(id, seed);
+        let mut rest = params.clone();
+        for key in Self::FRAMEWORK_KEYS {
+            let Some(v) = rest.remove(key) else { continue };
+            let n = v
+                .as_integer()
+                .filter(|n| *n > 0)
+                .and_then(|n| usize::try_from(n).ok())
+                .ok_or_else(|| {
+                    let found = match v.as_integer() {
+                        Some(n) => n.to_string(),
+                        None => format!("a {}", v.type_str()),
+                    };
+                    Error::Config(format!(
+                        "model `{}`: params.{key} must be a positive integer, not {found}",
+                        spec.id
+                    ))
+                })?;
+            match key {
+                "workers" => spec.workers = n,
+                "envs_per_worker" => spec.envs_per_worker = n,
+                "fragment_steps" => spec.fragment_steps = n,
+                _ => spec.batch_frames = n,
+            }
+        }
+        spec.params = rest;
+        Ok(spec)
+    }
+
+    /// Sets the factory parameter `key`, builder style.
+    #[must_use]
+    pub fn with_param(mut self, key: &str, value: impl Into<toml::Value>) -> Self {
+        self.params.insert(key.to_string(), value.into());
+        self
+    }
+
+    /// Checks the framework settings.
+    ///
+    /// # Errors
+    /// [`Error::Config`] naming the model and the setting that cannot work.
+    pub fn check(&self) -> Result<()> {
+        for (name, v) in [
+            ("workers", self.workers),
+            ("envs_per_worker", self.envs_per_worker),
+            ("fragment_steps", self.fragment_steps),
+            ("batch_frames", self.batch_frames),
+        ] {
+            if v == 0 {
+                return Err(Error::Config(format!(
+                    "model `{}`: {name} must be positive",
+                    self.id
+                )));
+            }
+        }
+        Ok(())
+    }
+}
+
+// ANCHOR: roles
+/// The role factory a topology takes: the user's learner, policy and environment for each
+/// model. It is shared by every actor of a process (hence `Send + Sync`); each method is
+/// called on the thread that will own what it returns.
+pub trait Roles: Send + Sync + 'static {
+    /// The environment rollout workers and the evaluator step.
+    type Env: Env + Unpin + 'static;
+    /// The policy inference engines serve; it loads the weights the learner exports.
+    type Policy: Policy + Unpin + 'static;
+
+    /// A fresh learner for `model` (seeded with `model.seed`); its exports must have the
+    /// layout of [`Roles::policy`]'s weights.
+    ///
+    /// # Errors
+    /// Bad parameters (naming the model and the key) or a learner that cannot start.
+    fn learner(&self, model: &ModelSpec) -> Result<Box<dyn Learner>>;
+
+    /// The policy an engine serves for `model` (its weights are loaded before it acts).
+    ///
+    /// # Errors
+    /// Bad parameters (naming the model and the key).
+    fn policy(&self, model: &ModelSpec) -> Result<Self::Policy>;
+
+    /// One environment for `model`, seeded with `seed`.
+    ///
+    /// # Errors
+    /// An environment that cannot be built.
+    fn env(&self, model: &ModelSpec, seed: u64) -> Result<Self::Env>;
+}
+// ANCHOR_END: roles
+
+/// Checks that `policy` can act on `env`'s observations and that its actions are `env`'s.
+///
+/// # Errors
+/// [`Error::Config`] naming the model and both sizes.
+pub fn check_fit<E: Env + ?Sized, P: Policy + ?Sized>(
+    model: &ModelId,
+    env: &E,
+    policy: &P,
+) -> Result<()> {
+    if env.obs_dim() != policy.obs_dim() || env.num_actions() != policy.num_actions() {
+        return Err(Error::Config(format!(
+            "model `{model}`: the policy takes observations of {} values and has {} actions, \
+             the environment gives {} values and has {} actions",
+            policy.obs_dim(),
+            policy.num_actions(),
+            env.obs_dim(),
+            env.num_actions()
+        )));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn from_params_takes_the_framework_keys_and_leaves_the_rest() {
+        let t: toml::Table =
+            toml::from_str("batch_frames = 512\nworkers = 3\nlr = 0.001\n").unwrap();
+        let s = ModelSpec::from_params(ModelId::new("m").unwrap(), 7, &t).unwrap();
+        assert_eq!((s.workers, s.batch_frames, s.envs_per_worker), (3, 512, 4));
+        assert_eq!(s.params.len(), 1);
+        assert_eq!(s.params["lr"].as_float(), Some(0.001));
+        assert_eq!(s.seed, 7);
+    }
+
+    #[test]
+    fn from_params_names_a_bad_value() {
+        let t: toml::Table = toml::from_str("workers = 0").unwrap();
+        let e = ModelSpec::from_params(ModelId::new("m").unwrap(), 0, &t)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("params.workers") && e.contains("`m`"), "{e}");
+        let t: toml::Table = toml::from_str("batch_frames = \"big\"").unwrap();
+        let e = ModelSpec::from_params(ModelId::new("m").unwrap(), 0, &t)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("params.batch_frames"), "{e}");
+    }
+}
