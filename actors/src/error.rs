@@ -1,5 +1,7 @@
 //! The one error type of the actors crate.
 
+use std::time::Duration;
+
 use crate::device::Device;
 
 /// Result alias used across the actors crate.
@@ -85,6 +87,67 @@ pub enum Error {
     /// A trainer input that cannot be trained on.
     #[error("trainer: {0}")]
     Trainer(String),
+    /// A message to an actor in another process failed (see `remote`, feature `actix`).
+    #[error("remote actor `{actor}`, message `{message}`: {failure}")]
+    Remote {
+        /// The actor, as named when its handle was made.
+        actor: String,
+        /// The message's wire name.
+        message: &'static str,
+        /// What went wrong.
+        failure: RemoteFailure,
+    },
+}
+
+/// How a message to an actor in another process failed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum RemoteFailure {
+    /// The connection to the actor's process is gone (the process died or closed it), or
+    /// could not be made.
+    PeerGone {
+        /// Why we believe so.
+        reason: String,
+    },
+    /// No answer came within the call's deadline.
+    Timeout {
+        /// The deadline.
+        after: Duration,
+    },
+    /// The actor's node refused the call: no such actor or message there, or a request it
+    /// could not decode.
+    Refused {
+        /// What the node said.
+        reason: String,
+    },
+    /// The message could not be encoded, or the answer could not be decoded.
+    Malformed {
+        /// The codec's complaint.
+        reason: String,
+    },
+    /// The actor's process lives but the actor is stopped (its mailbox is closed).
+    ActorStopped {
+        /// What the mailbox said.
+        reason: String,
+    },
+    /// The actor handled the message and answered with an error.
+    Failed {
+        /// The actor's error, as the remote side wrote it.
+        error: String,
+    },
+}
+
+impl std::fmt::Display for RemoteFailure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::PeerGone { reason } => write!(f, "its process is gone: {reason}"),
+            Self::Timeout { after } => write!(f, "no answer within {after:?}"),
+            Self::Refused { reason } => write!(f, "refused by its node: {reason}"),
+            Self::Malformed { reason } => write!(f, "malformed message: {reason}"),
+            Self::ActorStopped { reason } => write!(f, "the actor is stopped: {reason}"),
+            Self::Failed { error } => write!(f, "the actor failed: {error}"),
+        }
+    }
 }
 
 impl Error {
@@ -93,6 +156,14 @@ impl Error {
         Self::Hook {
             hook,
             message: message.into(),
+        }
+    }
+
+    /// The failure of a remote call, if this is one ([`Error::Remote`]).
+    pub fn remote_failure(&self) -> Option<&RemoteFailure> {
+        match self {
+            Self::Remote { failure, .. } => Some(failure),
+            _ => None,
         }
     }
 

@@ -16,6 +16,8 @@
 //! - [`roles`]: the [`Roles`] factory a topology takes (learner, policy and environment per
 //!   model) and [`ModelSpec`]; `cartpole_ppo` (feature `candle`): PPO + [`MlpPolicy`] +
 //!   [`CartPole`] as one implementation of them.
+//! - `remote` (feature `actix`): typed handles to actors in other processes or hosts, over
+//!   the runtime's node layer ([`refit_runtime::node`]).
 //! - [`link`]: type-erased scheme ends ([`WeightInlet`], [`WeightOutlet`]) for actors.
 //! - `ppo` (feature `candle`, on by default): `PpoTrainer`, PPO with candle on CPU,
 //!   exporting the [`MlpPolicy`] layout.
@@ -41,6 +43,8 @@ pub mod policy;
 #[cfg(feature = "candle")]
 pub mod ppo;
 pub mod process;
+#[cfg(feature = "actix")]
+pub mod remote;
 pub mod roles;
 
 pub use batch::{Batch, EpisodeStats, ReplayBuffer, RingBuffer, TrajPool, TrajSpan, Transition};
@@ -52,7 +56,7 @@ pub use collector::{
 };
 pub use device::Device;
 pub use env::{CartPole, Env, StepResult};
-pub use error::{Error, Result};
+pub use error::{Error, RemoteFailure, Result};
 pub use learner::{LearnStats, Learner};
 pub use link::{WeightInlet, WeightOutlet};
 pub use multi::{

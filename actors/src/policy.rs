@@ -10,9 +10,10 @@ use std::sync::Arc;
 use rand::Rng;
 use rand::rngs::SmallRng;
 use refit_runtime::{DType, HasWeights, Manifest, WeightSet};
+use serde::{Deserialize, Serialize};
 
 /// What a policy returns for one observation.
-#[derive(Clone, Copy, Debug, PartialEq)]
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
 pub struct ActionOut {
     /// The chosen discrete action.
     pub action: usize,

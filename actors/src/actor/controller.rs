@@ -20,6 +20,7 @@ use refit_runtime::sync_policy::{
     leader_sequence,
 };
 use refit_runtime::{ModelId, Version};
+use serde::{Deserialize, Serialize};
 use tokio::sync::oneshot;
 
 use crate::error::{Error, Result};
@@ -28,7 +29,7 @@ use super::engine::{CancelInFlight, EngineHandle, UpdateModel};
 use super::eval::{EvalReport, RunEval};
 
 /// The rollout status check: `continue` or `block`, answered at once.
-#[derive(Debug, Message)]
+#[derive(Debug, Message, Serialize, Deserialize)]
 #[rtype(result = "Result<Decision>")]
 pub struct CheckRollout {
     /// The model the rollout uses.
@@ -37,7 +38,7 @@ pub struct CheckRollout {
 
 /// The status check that waits: answers when the rollout may run (or fails at the
 /// configured `rollout_wait_s` deadline, saying why it was blocked).
-#[derive(Debug, Message)]
+#[derive(Debug, Message, Serialize, Deserialize)]
 #[rtype(result = "Result<Admission>")]
 pub struct AwaitRollout {
     /// The model the rollout uses.
@@ -45,7 +46,7 @@ pub struct AwaitRollout {
 }
 
 /// Why a rollout was let through, and when.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Admission {
     /// The controller's event number of the admission (orders it against sync events).
     pub seq: u64,
@@ -61,7 +62,7 @@ pub struct Admission {
 
 /// A rollout admitted by [`AwaitRollout`] is over (its fragment is in the pool, or it was
 /// cancelled).
-#[derive(Debug, Message)]
+#[derive(Debug, Message, Serialize, Deserialize)]
 #[rtype(result = "()")]
 pub struct RolloutDone {
     /// The model.
@@ -89,7 +90,7 @@ pub struct AwaitSynced {
 }
 
 /// The trajectory pool has a batch ready for `model`.
-#[derive(Debug, Message)]
+#[derive(Debug, Message, Serialize, Deserialize)]
 #[rtype(result = "()")]
 pub struct BatchReady {
     /// The model.
@@ -98,7 +99,7 @@ pub struct BatchReady {
 
 /// `model`'s trainer finished `version` and published it. Answers once the version
 /// barrier released the round (and, on eval steps, once validation ran).
-#[derive(Debug, Message)]
+#[derive(Debug, Message, Serialize, Deserialize)]
 #[rtype(result = "Result<NotifyOutcome>")]
 pub struct NotifyVersion {
     /// The model.
@@ -108,7 +109,7 @@ pub struct NotifyVersion {
 }
 
 /// The answer to [`NotifyVersion`].
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct NotifyOutcome {
     /// The round's version.
     pub version: Version,
@@ -125,12 +126,12 @@ pub struct NotifyOutcome {
 pub struct EndValidate;
 
 /// Asks for the controller's state and timeline.
-#[derive(Debug, Message)]
+#[derive(Debug, Message, Serialize, Deserialize)]
 #[rtype(result = "ControllerStatus")]
 pub struct GetStatus;
 
 /// One model as the controller sees it.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct ModelStatus {
     /// The trainer's newest version.
     pub train_version: Version,
@@ -155,7 +156,7 @@ pub struct ModelStatus {
 }
 
 /// The controller's state and its event timeline.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct ControllerStatus {
     /// Per model.
     pub models: BTreeMap<ModelId, ModelStatus>,
@@ -168,7 +169,7 @@ pub struct ControllerStatus {
 }
 
 /// One entry of the controller's timeline.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct SyncEvent {
     /// Event number (strictly increasing).
     pub seq: u64,
@@ -181,7 +182,7 @@ pub struct SyncEvent {
 }
 
 /// What happened.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub enum SyncEventKind {
     /// A batch is ready.
     BatchReady,

@@ -14,6 +14,7 @@ use rand::SeedableRng;
 use rand::rngs::SmallRng;
 use refit_runtime::metrics::{self, Phase};
 use refit_runtime::{ArenaStrategy, ModelId, Strategy, Version, WeightSet};
+use serde::{Deserialize, Serialize};
 use tokio::sync::{Mutex, oneshot};
 
 use crate::collector::policy_model_id;
@@ -42,7 +43,7 @@ pub struct Acted {
 
 /// Asks one model for actions on several observations at once (one rollout step of a
 /// vector of environments).
-#[derive(Debug, Clone, Message)]
+#[derive(Debug, Clone, Message, Serialize, Deserialize)]
 #[rtype(result = "Result<ActedBatch>")]
 pub struct ActBatch {
     /// The model.
@@ -57,7 +58,7 @@ pub struct ActBatch {
 }
 
 /// The answer to [`ActBatch`].
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ActedBatch {
     /// One action per observation.
     pub actions: Vec<ActionOut>,
@@ -90,7 +91,7 @@ pub struct LoadWeights {
 /// Brings one model to at least `version`: fetch through the model's inlet and validate
 /// (staging, generation goes on), then pause that model, apply, continue. Loads of one
 /// model are serialised by a per-model lock; loads of different models overlap.
-#[derive(Debug, Clone, Message)]
+#[derive(Debug, Clone, Message, Serialize, Deserialize)]
 #[rtype(result = "Result<LoadReport>")]
 pub struct UpdateModel {
     /// The model.
@@ -102,7 +103,7 @@ pub struct UpdateModel {
 }
 
 /// What one load did.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct LoadReport {
     /// The model.
     pub model: ModelId,
@@ -116,7 +117,7 @@ pub struct LoadReport {
 
 /// Cancels in-flight episodes: requests of older generations are refused from now on, and
 /// queued ones are answered with [`Error::Cancelled`]. Answers the new generation.
-#[derive(Debug, Message)]
+#[derive(Debug, Message, Serialize, Deserialize)]
 #[rtype(result = "u64")]
 pub struct CancelInFlight;
 
@@ -126,7 +127,7 @@ pub struct CancelInFlight;
 pub struct ServedVersion;
 
 /// Asks which version every model serves.
-#[derive(Debug, Message)]
+#[derive(Debug, Message, Serialize, Deserialize)]
 #[rtype(result = "BTreeMap<ModelId, Version>")]
 pub struct ServedVersions;
 

@@ -6,6 +6,7 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use actix::prelude::*;
 use refit_runtime::{ModelId, Version};
+use serde::{Deserialize, Serialize};
 
 use crate::env::Env;
 use crate::error::{Error, Result};
@@ -14,7 +15,7 @@ use super::engine::ActBatch;
 use super::rollout::VecEnv;
 
 /// Runs validation for the eval step `step`.
-#[derive(Debug, Clone, Message)]
+#[derive(Debug, Clone, Message, Serialize, Deserialize)]
 #[rtype(result = "Result<EvalReport>")]
 pub struct RunEval {
     /// The round's version.
@@ -22,7 +23,7 @@ pub struct RunEval {
 }
 
 /// One model's validation.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ModelEval {
     /// Every version that answered an evaluation request.
     pub versions: BTreeSet<Version>,
@@ -33,7 +34,7 @@ pub struct ModelEval {
 }
 
 /// A validation run.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct EvalReport {
     /// The eval step.
     pub step: Version,

@@ -7,6 +7,7 @@ use std::time::Duration;
 use actix::prelude::*;
 use refit_runtime::sync_policy::StalenessStats;
 use refit_runtime::{ModelId, StalenessFilter, Version};
+use serde::{Deserialize, Serialize};
 use tokio::sync::oneshot;
 
 use crate::batch::{Batch, EpisodeStats, Transition};
@@ -136,7 +137,7 @@ impl<E: Env> VecEnv<E> {
 }
 
 /// A fragment for the pool, with the admission that let it run.
-#[derive(Debug, Message)]
+#[derive(Debug, Message, Serialize, Deserialize)]
 #[rtype(result = "()")]
 pub struct PushFragment {
     /// The fragment's transitions and ended episodes.

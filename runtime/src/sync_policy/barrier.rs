@@ -2,6 +2,8 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
+use serde::{Deserialize, Serialize};
+
 use crate::error::{Error, Result};
 use crate::ids::{ModelId, Version};
 
@@ -141,7 +143,7 @@ impl<W> VersionBarrier<W> {
 }
 
 /// One step of the leader's sequence on an eval step.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum LeaderStep {
     /// Stop handing out rollouts.
     PauseAcquisition,

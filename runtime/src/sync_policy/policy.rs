@@ -2,6 +2,8 @@
 
 use std::collections::BTreeMap;
 
+use serde::{Deserialize, Serialize};
+
 use crate::error::{Error, Result};
 use crate::ids::{ModelId, Version};
 
@@ -31,7 +33,7 @@ impl RolloutState {
 }
 
 /// Why a rollout must wait.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum BlockReason {
     /// `sync` mode: the trainer's next version has not landed yet.
     AwaitingSync,
@@ -47,7 +49,7 @@ pub enum BlockReason {
 }
 
 /// The answer to a rollout status check.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Decision {
     /// Go on; `staleness` is `train_version - rollout_version` now.
     Continue {
