@@ -30,8 +30,8 @@ use refit_runtime::{ModelId, Version};
 
 pub use controller::{
     Admission, AwaitDrained, AwaitRollout, AwaitSynced, BatchReady, CheckRollout, ControllerStatus,
-    EndValidate, GetStatus, ModelStatus, NotifyOutcome, NotifyVersion, RolloutDone, SyncEvent,
-    SyncEventKind, VersionNotifier, WeightSyncController,
+    DropEngine, EndValidate, GetStatus, ModelStatus, NotifyOutcome, NotifyVersion, RolloutDone,
+    SyncEvent, SyncEventKind, VersionNotifier, WeightSyncController,
 };
 pub use engine::{
     Act, ActBatch, Acted, ActedBatch, CancelInFlight, Continue, EngineHandle, EngineStats,
@@ -40,8 +40,8 @@ pub use engine::{
 };
 pub use eval::{EvalReport, Evaluator, ModelEval, RunEval};
 pub use rollout::{
-    AwaitBatch, FragmentInfo, PoolBatch, PushFragment, RolloutConfig, RolloutStats, RolloutWorker,
-    StartRollouts, StopRollouts, TakeBatch, TrajectoryPool,
+    AwaitBatch, ControllerLink, FragmentInfo, PoolBatch, PushFragment, RolloutConfig, RolloutStats,
+    RolloutWorker, StartRollouts, StopRollouts, TakeBatch, TrajectoryPool,
 };
 pub use topology::{ModelSpec, RunConfig, RunReport, StopRule, UpdateRecord};
 pub use workers::{CollectBatch, CollectorWorker, Train, TrainAndPublish, Trainer};

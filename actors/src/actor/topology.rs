@@ -138,7 +138,9 @@ pub struct RunReport {
     pub solved: bool,
 }
 
-struct StopBoard {
+/// The common stop decision of a run's model drivers.
+#[derive(Default)]
+pub(crate) struct StopBoard {
     versions: BTreeMap<ModelId, Version>,
     solved: BTreeMap<ModelId, bool>,
     stop_at: Option<Version>,
@@ -309,7 +311,7 @@ pub async fn run<R: Roles>(cfg: RunConfig, roles: R) -> Result<RunReport> {
                 },
                 envs,
                 engine.clone().recipient(),
-                controller.clone(),
+                &controller,
                 pool.clone().recipient(),
             )?;
             let arbiter = Arbiter::new();
@@ -323,11 +325,7 @@ pub async fn run<R: Roles>(cfg: RunConfig, roles: R) -> Result<RunReport> {
     }
 
     // One driver per model: take a batch, train, publish, notify.
-    let board = Arc::new(Mutex::new(StopBoard {
-        versions: BTreeMap::new(),
-        solved: BTreeMap::new(),
-        stop_at: None,
-    }));
+    let board = Arc::new(Mutex::new(StopBoard::default()));
     let mut drivers = Vec::new();
     for (((spec, trainer), pool), notifier) in cfg
         .models
@@ -405,8 +403,10 @@ pub async fn run<R: Roles>(cfg: RunConfig, roles: R) -> Result<RunReport> {
     })
 }
 
+/// One model's driver: take a batch, train, publish, notify, until the stop board says
+/// the run is over; answers the model's report.
 #[allow(clippy::too_many_arguments)]
-async fn drive(
+pub(crate) async fn drive(
     model: ModelId,
     trainer: Addr<Trainer>,
     pool: Addr<TrajectoryPool>,

@@ -7,7 +7,6 @@
 //! version once into its segments whatever the number of engines on the host; the TCP sender
 //! agent serves (and lets receivers relay) each version to the engines of other hosts.
 
-use std::collections::BTreeSet;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
@@ -33,6 +32,15 @@ pub enum LinkSpec {
     Shm(ShmReceiverSpec),
     /// Register with this TCP sender agent.
     Tcp(TcpEndpoint),
+}
+
+impl std::fmt::Display for LinkSpec {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Shm(s) => write!(f, "shm board {}", s.board.display()),
+            Self::Tcp(e) => write!(f, "tcp sender agent {} at {}", e.agent, e.addr),
+        }
+    }
 }
 
 impl LinkSpec {
@@ -80,7 +88,8 @@ impl std::fmt::Debug for ModelOutlets {
     }
 }
 
-/// Opens the senders of `initial`'s model for `kinds` (shared memory, TCP on `node`) and
+/// Opens the senders of `initial`'s model for `kinds` (shared memory, TCP on `node`; each
+/// once) and
 /// makes `initial` available through them; receivers attach later, whenever they come.
 ///
 /// # Errors
@@ -90,7 +99,7 @@ impl std::fmt::Debug for ModelOutlets {
 pub fn open_outlets(
     node: &Node,
     initial: &WeightSet,
-    kinds: &BTreeSet<TransportKind>,
+    kinds: &[TransportKind],
     wait: Duration,
 ) -> Result<ModelOutlets> {
     let model = initial.model().clone();
@@ -101,7 +110,12 @@ pub fn open_outlets(
     let mut outlets: Vec<Box<dyn WeightOutlet>> = Vec::new();
     let mut specs = Vec::new();
     let mut segments = Vec::new();
+    let mut seen: Vec<TransportKind> = Vec::new();
     for kind in kinds {
+        if seen.contains(kind) {
+            continue;
+        }
+        seen.push(*kind);
         match kind {
             TransportKind::InProc => {
                 return Err(Error::Config(format!(
