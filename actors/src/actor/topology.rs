@@ -17,6 +17,7 @@ use actix::prelude::*;
 use refit_runtime::sync_policy::{StalenessStats, SyncConfig, SyncMode};
 use refit_runtime::{Manifests, ModelId, ReceiverInit, SenderInit, Version};
 use refit_transports::inproc::InProc;
+use tracing::Instrument;
 
 use crate::error::{Error, Result};
 use crate::link::WeightInlet;
@@ -478,10 +479,30 @@ pub(crate) async fn drive(
         report.evicted += pb.evicted;
         let sample_versions = pb.batch.version_range().unwrap_or((version, version));
         let frames = pb.batch.frames;
+        // one span per weight update: training, publishing, and the controller's round
+        let span = tracing::info_span!(
+            "weight_update",
+            model = %model,
+            from = %version,
+            to = tracing::field::Empty
+        );
+        let update_started = Instant::now();
         let (_, published) = trainer
             .send(TrainAndPublish { batch: pb.batch })
+            .instrument(span.clone())
             .await
             .map_err(|e| unreachable("trainer", e))??;
+        span.record("to", tracing::field::display(published));
+        span.in_scope(|| {
+            tracing::info!(
+                frames = report.frames,
+                mean_return = format_args!("{mean:.1}"),
+                max_staleness = pb.max_staleness,
+                dropped = pb.dropped,
+                train_ms = update_started.elapsed().as_millis() as u64,
+                "trained and published"
+            );
+        });
         report.updates.push(UpdateRecord {
             train_version: version,
             published,
@@ -505,7 +526,12 @@ pub(crate) async fn drive(
             solved,
             out_of_budget,
         );
-        if let Some(eval) = notifier.notify(version).await?.and_then(|o| o.eval) {
+        if let Some(eval) = notifier
+            .notify(version)
+            .instrument(span)
+            .await?
+            .and_then(|o| o.eval)
+        {
             report.evals.push(eval);
         }
     }
