@@ -1,6 +1,7 @@
 //! Subcommands of the `refit` tool.
 
 mod bench;
+mod launch;
 mod metrics;
 mod net;
 mod out_file;
@@ -22,6 +23,9 @@ struct Cli {
 enum Command {
     /// Measure every transport against physical baselines (memcpy, loopback TCP) in one run.
     Bench(bench::BenchArgs),
+    /// Start every rank of a topology file here and supervise them, or (with RANK/WORLD_SIZE,
+    /// Slurm's variables or --rank) this machine's rank of a multi-host run.
+    Launch(launch::LaunchArgs),
     /// Start a node: remote calls and a rendezvous store on TCP.
     Node(net::NodeArgs),
     /// Serve a safetensors file as a sender agent.
@@ -43,6 +47,7 @@ pub(crate) fn main() -> ExitCode {
         Command::Bench(args) => bench::run(&args),
         Command::BenchChild(args) => bench::child(&args),
         Command::Probe => probe(),
+        Command::Launch(a) => return launch::run(&a),
         Command::Node(a) => return net::node(a),
         Command::Serve(a) => return net::serve(a),
         Command::Pull(a) => return net::pull(a),

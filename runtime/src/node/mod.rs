@@ -20,6 +20,7 @@ pub mod launch;
 mod message;
 mod peer;
 mod server;
+pub mod slurm;
 pub mod store;
 mod stream;
 mod token;

@@ -99,7 +99,7 @@ impl Topology {
     ///
     /// # Errors
     /// [`Error::Path`] when the file cannot be read; otherwise as [`Topology::parse`], with
-    /// the path in the key.
+    /// the path at the end of the reason.
     pub fn from_path(path: &Path) -> Result<Self> {
         let text = std::fs::read_to_string(path).map_err(|source| Error::Path {
             context: "reading topology file",
@@ -108,8 +108,8 @@ impl Topology {
         })?;
         Self::parse(&text).map_err(|e| match e {
             Error::Topology { key, reason } => Error::Topology {
-                key: format!("{}: {key}", path.display()),
-                reason,
+                key,
+                reason: format!("{reason}, in `{}`", path.display()),
             },
             other => other,
         })

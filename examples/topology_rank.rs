@@ -1,0 +1,122 @@
+//! What one rank of a topology does first, under `refit launch`: read its place from the
+//! launch variables and its plan from the topology file, then meet the other ranks at the
+//! rendezvous store that rank 0 serves.
+//!
+//! ```text
+//! cargo build --example topology_rank
+//! cargo run --bin refit -- launch examples/topologies/ranks.toml
+//! ```
+//!
+//! Each rank prints its process, host, roles and the transport weights take from the
+//! trainer (rank 0) to it; rank 0 then prints the roll call of every rank.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::{Duration, Instant};
+
+use refit::runtime::node::{ClusterToken, LaunchEnv, Node, NodeConfig, Store, StoreClient};
+use refit::runtime::topology::{Role, Topology};
+use refit::runtime::{Error, Result};
+
+fn main() -> ExitCode {
+    if let Err(e) = refit::init() {
+        eprintln!("topology_rank: error: {e}");
+        return ExitCode::FAILURE;
+    }
+    match run() {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("topology_rank: error: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run() -> Result<()> {
+    // ANCHOR: plan
+    // RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT (torchrun's names)
+    let launch = LaunchEnv::from_env()?;
+    // REFIT_TOPOLOGY: the absolute path of the file `refit launch` was given
+    let path = std::env::var_os("REFIT_TOPOLOGY").ok_or(Error::Launch {
+        var: "REFIT_TOPOLOGY",
+        reason: "not set (start this program with `refit launch`)".into(),
+    })?;
+    let topo = Topology::from_path(&PathBuf::from(path))?;
+    let plan = topo.rank(launch.rank)?;
+    let roles: Vec<&str> = plan.roles.iter().map(|r| r.as_str()).collect();
+    println!(
+        "process `{}` copy {} on host `{}` ({}), roles {}; weights from rank 0 over {}",
+        plan.process,
+        plan.replica,
+        plan.host.name,
+        plan.host.addr,
+        roles.join("+"),
+        topo.weights_transport(0, launch.rank),
+    );
+    // ANCHOR_END: plan
+
+    // ANCHOR: rendezvous
+    // REFIT_TOKEN: the cluster token every node presents
+    let token = ClusterToken::from_env()?.ok_or(Error::Launch {
+        var: "REFIT_TOKEN",
+        reason: "not set".into(),
+    })?;
+    let master = launch.master()?;
+    // rank 0 serves the store at MASTER_ADDR:MASTER_PORT; the others listen on their host
+    let bind = if launch.is_master() {
+        master
+    } else {
+        SocketAddr::new(master.ip(), 0)
+    };
+    let node = Node::start(NodeConfig::loopback(token).with_bind(bind))?;
+    if launch.is_master() {
+        Store::serve(&node);
+    }
+    let store = connect(&node, master, topo.wait())?;
+    store.set(&format!("rank/{}", launch.rank), plan.process.as_bytes())?;
+    if plan.has(Role::Controller) {
+        // the controller waits for every rank to check in, then lets them go
+        let keys: Vec<String> = (0..launch.world_size)
+            .map(|r| format!("rank/{r}"))
+            .collect();
+        let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
+        store.wait(&keys, topo.wait())?;
+        for r in 0..launch.world_size {
+            let name = store.get(&format!("rank/{r}"))?.unwrap_or_default();
+            println!("rank {r}: {} checked in", String::from_utf8_lossy(&name));
+        }
+        store.set("go", b"1")?;
+        // and serves the store until every other rank has seen it
+        let others = i64::from(launch.world_size) - 1;
+        let deadline = Instant::now() + topo.wait();
+        while store.add("seen", 0)? < others {
+            if Instant::now() >= deadline {
+                return Err(Error::Timeout {
+                    what: "every rank to see the go".into(),
+                    after: topo.wait(),
+                });
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    } else {
+        store.wait_get("go", topo.wait())?;
+        store.add("seen", 1)?;
+    }
+    // ANCHOR_END: rendezvous
+    Ok(())
+}
+
+/// Connects to the store, retrying while rank 0 is still starting (until `wait`).
+fn connect(node: &Node, master: SocketAddr, wait: Duration) -> Result<StoreClient> {
+    let deadline = Instant::now() + wait;
+    loop {
+        match StoreClient::connect(node, master, wait) {
+            Ok(store) => return Ok(store.with_timeout(wait)),
+            Err(Error::Io { .. }) if Instant::now() < deadline => {
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            Err(e) => return Err(e),
+        }
+    }
+}

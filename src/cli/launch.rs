@@ -1,0 +1,185 @@
+//! `refit launch <topology.toml>`: start every rank of a topology on this machine and
+//! supervise them, or (with `RANK`/`WORLD_SIZE`, Slurm's variables or `--rank`) start just
+//! this machine's rank of a multi-host run.
+//!
+//! Every rank gets `RANK`, `WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT`, `REFIT_TOPOLOGY`
+//! (absolute path of the file) and `REFIT_TOKEN` (the cluster token) in its environment.
+
+mod child;
+mod mode;
+mod supervise;
+
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::Duration;
+
+use refit::runtime::node::ClusterToken;
+use refit::runtime::topology::{OnFailure, Topology};
+use refit::runtime::{Error, Result};
+
+use child::RankSpawn;
+pub(crate) use mode::RankEnv;
+
+/// Arguments of `refit launch`.
+#[derive(Debug, clap::Args)]
+pub(crate) struct LaunchArgs {
+    /// The topology file (TOML): processes, roles, hosts, models, sync policy, stop rule.
+    topology: PathBuf,
+    /// Port of the rendezvous store on rank 0's host. Default: a free port when every rank
+    /// starts here; in a per-rank launch `MASTER_PORT`, else 29500.
+    #[arg(long, value_name = "PORT")]
+    master_port: Option<u16>,
+    /// Start only this rank (a per-rank launch), as if `RANK` were set.
+    #[arg(long, value_name = "N")]
+    rank: Option<u32>,
+    /// Seconds the other ranks get to exit on their own once rank 0 is done, and to exit
+    /// after SIGTERM before SIGKILL.
+    #[arg(long, value_name = "SECONDS", default_value_t = 5.0)]
+    grace_s: f64,
+}
+
+/// Runs `refit launch`.
+pub(crate) fn run(args: &LaunchArgs) -> ExitCode {
+    match launch(args) {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("refit launch: error: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn launch(args: &LaunchArgs) -> Result<ExitCode> {
+    if !(args.grace_s.is_finite() && args.grace_s >= 0.0 && args.grace_s < 1e6) {
+        return Err(Error::Config(format!(
+            "--grace-s must be a non-negative number of seconds, not {}",
+            args.grace_s
+        )));
+    }
+    let grace = Duration::from_secs_f64(args.grace_s);
+    let path = absolute(&args.topology)?;
+    let topo = Topology::from_path(&path)?;
+    let token = ClusterToken::from_env()?.unwrap_or_else(ClusterToken::random);
+    let cwd = std::env::current_dir().map_err(|e| Error::io("reading the current directory", e))?;
+    let program = resolve_program(&cwd, &topo.run.command[0]);
+    let spawn = |rank: u32, env: &RankEnv| -> Result<RankSpawn> {
+        let plan = topo.rank(rank)?;
+        Ok(RankSpawn {
+            rank,
+            name: plan.process,
+            program: program.clone(),
+            args: topo.run.command[1..].to_vec(),
+            env: env.vars(&path, &token),
+        })
+    };
+    let lookup = |k: &str| std::env::var(k).ok();
+    let ranks = match mode::rank_env(args.rank, args.master_port, &topo, &lookup)? {
+        Some(env) => {
+            eprintln!(
+                "refit launch: rank {} of {} ({}) from {}; rendezvous at {}:{}",
+                env.rank,
+                env.world_size,
+                topo.rank(env.rank)?.process,
+                path.display(),
+                env.master_addr,
+                env.master_port
+            );
+            vec![spawn(env.rank, &env)?]
+        }
+        None => {
+            let master_addr = topo.master_host().to_string();
+            let master_port = match args.master_port {
+                Some(p) => p,
+                None => free_port(&master_addr)?,
+            };
+            eprintln!(
+                "refit launch: {} ranks from {}; rendezvous at {master_addr}:{master_port}",
+                topo.world_size(),
+                path.display()
+            );
+            if topo.hosts.len() > 1 {
+                eprintln!(
+                    "refit launch: the file declares {} hosts, and every rank starts on this machine; \
+                     to start one rank per host, run `refit launch` on each with RANK/WORLD_SIZE, \
+                     Slurm's variables or --rank",
+                    topo.hosts.len()
+                );
+            }
+            (0..topo.world_size())
+                .map(|rank| {
+                    let env = RankEnv {
+                        rank,
+                        world_size: topo.world_size(),
+                        master_addr: master_addr.clone(),
+                        master_port,
+                    };
+                    spawn(rank, &env)
+                })
+                .collect::<Result<Vec<_>>>()?
+        }
+    };
+    let on_failure = if ranks.len() == 1 {
+        OnFailure::Abort
+    } else {
+        topo.run.on_failure
+    };
+    let sup = Arc::new(supervise::Supervisor::new(grace, on_failure));
+    Ok(sup.run(&ranks))
+}
+
+/// `path` made absolute against the current directory (the file need not exist yet; reading
+/// it reports a missing one).
+fn absolute(path: &Path) -> Result<PathBuf> {
+    std::path::absolute(path).map_err(|source| Error::Path {
+        context: "resolving the topology file",
+        path: path.to_path_buf(),
+        source,
+    })
+}
+
+/// A relative program path with a `/` is resolved against `cwd`; a bare name is looked up
+/// in `PATH` when started.
+fn resolve_program(cwd: &Path, program: &str) -> PathBuf {
+    let p = Path::new(program);
+    if p.is_relative() && program.contains('/') {
+        cwd.join(p)
+    } else {
+        p.to_path_buf()
+    }
+}
+
+/// A port free right now on `addr` (or on every interface when `addr` is not local).
+fn free_port(addr: &str) -> Result<u16> {
+    let listener = std::net::TcpListener::bind((addr, 0))
+        .or_else(|_| std::net::TcpListener::bind(("0.0.0.0", 0)))
+        .map_err(|e| Error::io("finding a free port for MASTER_PORT", e))?;
+    listener
+        .local_addr()
+        .map(|a| a.port())
+        .map_err(|e| Error::io("finding a free port for MASTER_PORT", e))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn programs_resolve_against_the_current_directory() {
+        let cwd = Path::new("/work/run");
+        assert_eq!(
+            resolve_program(cwd, "target/release/x"),
+            Path::new("/work/run/target/release/x")
+        );
+        assert_eq!(resolve_program(cwd, "./x"), Path::new("/work/run/./x"));
+        assert_eq!(resolve_program(cwd, "sh"), Path::new("sh"));
+        assert_eq!(resolve_program(cwd, "/bin/sh"), Path::new("/bin/sh"));
+    }
+
+    #[test]
+    fn a_free_port_is_found() {
+        assert_ne!(free_port("127.0.0.1").unwrap(), 0);
+        // an address not on this machine falls back to every interface
+        assert_ne!(free_port("192.0.2.1").unwrap(), 0);
+    }
+}

@@ -1,0 +1,519 @@
+//! `refit launch` with real processes: every rank gets the launch variables, a failing rank
+//! is reported (rank, process, status) and the others are stopped or go on as the topology
+//! says, a bad file is refused naming the key, one rank starts alone from torchrun's or
+//! Slurm's variables, and no rank outlives the launcher, even a SIGKILLed one.
+#![allow(clippy::unwrap_used, missing_docs)]
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+mod common;
+
+const TOKEN: &str = "launch-test-token-0123456789abcdef";
+
+/// The `refit` binary with no token and no launch variables in its environment.
+fn refit() -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_refit"));
+    for v in [
+        "REFIT_TOKEN",
+        "REFIT_TOKEN_FILE",
+        "RANK",
+        "WORLD_SIZE",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "SLURM_PROCID",
+        "SLURM_NTASKS",
+        "SLURM_STEP_NODELIST",
+        "SLURM_JOB_NODELIST",
+    ] {
+        c.env_remove(v);
+    }
+    c
+}
+
+/// A topology of three ranks (`learner` rank 0, `actor` ranks 1 and 2), each running
+/// `sh -c script` (with `$D` the directory), written to `dir/topo.toml`.
+fn topology(dir: &Path, on_failure: &str, script: &str) -> PathBuf {
+    let script = format!("D='{}'; {script}", dir.display());
+    let text = format!(
+        r#"
+[run]
+command = ["sh", "-c", {script:?}]
+on_failure = "{on_failure}"
+[[model]]
+id = "policy"
+[[process]]
+name = "learner"
+roles = ["trainer", "controller"]
+[[process]]
+name = "actor"
+replicas = 2
+roles = ["engine", "rollout"]
+"#
+    );
+    let path = dir.join("topo.toml");
+    std::fs::write(&path, text).unwrap();
+    path
+}
+
+fn text(out: &Output) -> (String, String) {
+    (
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+/// Runs `cmd` to the end, failing the test after `limit`.
+fn run_within(mut cmd: Command, limit: Duration) -> Output {
+    let child = cmd
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let pid = child.id();
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        if rx.recv_timeout(limit).is_err() {
+            let _ = Command::new("kill").arg("-9").arg(pid.to_string()).status();
+        }
+    });
+    let out = child.wait_with_output().unwrap();
+    let _ = tx.send(());
+    out
+}
+
+/// True while `pid` is a live (not zombie) process.
+fn alive(pid: u32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Ok(stat) => {
+            // the state follows the parenthesised command name
+            let state = stat.rsplit_once(") ").map(|(_, r)| r.chars().next());
+            !matches!(state, Some(Some('Z' | 'X')))
+        }
+        Err(_) => false,
+    }
+}
+
+/// Waits up to `limit` for `path` to exist; returns its content.
+fn wait_file(path: &Path, limit: Duration) -> String {
+    let start = Instant::now();
+    loop {
+        if let Ok(s) = std::fs::read_to_string(path)
+            && s.ends_with('\n')
+        {
+            return s;
+        }
+        assert!(start.elapsed() < limit, "{} never appeared", path.display());
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+fn pid_in(dir: &Path, rank: u32) -> u32 {
+    wait_file(&dir.join(format!("pid.{rank}")), Duration::from_secs(30))
+        .trim()
+        .parse()
+        .unwrap()
+}
+
+/// Waits up to `limit` for every pid to be gone.
+fn all_gone(pids: &[u32], limit: Duration) -> bool {
+    let start = Instant::now();
+    while start.elapsed() < limit {
+        if pids.iter().all(|p| !alive(*p)) {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    false
+}
+
+const ENV_SCRIPT: &str = r#"echo "$RANK $WORLD_SIZE $MASTER_ADDR $MASTER_PORT $REFIT_TOPOLOGY $REFIT_TOKEN" > "$D/env.tmp.$RANK"; mv "$D/env.tmp.$RANK" "$D/env.$RANK"; echo "hello from $RANK"; echo "warn from $RANK" >&2"#;
+
+#[test]
+fn every_rank_gets_the_launch_variables() {
+    let dir = tempfile::tempdir().unwrap();
+    let topo = topology(dir.path(), "abort", ENV_SCRIPT);
+    let mut cmd = refit();
+    cmd.arg("launch")
+        .arg(&topo)
+        .args(["--master-port", "45123"])
+        .env("REFIT_TOKEN", TOKEN);
+    let out = run_within(cmd, Duration::from_secs(60));
+    let (stdout, stderr) = text(&out);
+    assert!(out.status.success(), "{stdout}\n{stderr}");
+    for rank in 0..3 {
+        let env = std::fs::read_to_string(dir.path().join(format!("env.{rank}"))).unwrap();
+        assert_eq!(
+            env.trim(),
+            format!("{rank} 3 127.0.0.1 45123 {} {TOKEN}", topo.display()),
+            "rank {rank}"
+        );
+        let name = if rank == 0 { "learner" } else { "actor" };
+        assert!(
+            stdout.contains(&format!("[rank {rank} {name}] hello from {rank}\n")),
+            "{stdout}"
+        );
+        assert!(
+            stderr.contains(&format!("[rank {rank} {name}] warn from {rank}\n")),
+            "{stderr}"
+        );
+    }
+    assert!(!stdout.contains(TOKEN) || stdout.matches(TOKEN).count() == 0);
+    assert!(!stderr.contains(TOKEN), "the token was printed: {stderr}");
+
+    // no token given: a random one, the same for every rank; a free port
+    let dir = tempfile::tempdir().unwrap();
+    let topo = topology(dir.path(), "abort", ENV_SCRIPT);
+    let mut cmd = refit();
+    cmd.current_dir(dir.path()).arg("launch").arg("topo.toml");
+    let out = run_within(cmd, Duration::from_secs(60));
+    assert!(out.status.success(), "{:?}", text(&out));
+    let envs: Vec<Vec<String>> = (0..3)
+        .map(|r| {
+            std::fs::read_to_string(dir.path().join(format!("env.{r}")))
+                .unwrap()
+                .split_whitespace()
+                .map(str::to_string)
+                .collect()
+        })
+        .collect();
+    let topo = std::fs::canonicalize(topo).unwrap();
+    for e in &envs {
+        assert_eq!(Path::new(&e[4]), topo, "REFIT_TOPOLOGY is absolute");
+        assert_eq!(e[5], envs[0][5], "one token for every rank");
+        assert_eq!(e[3], envs[0][3], "one port for every rank");
+    }
+    assert!(envs[0][5].len() >= 32);
+    assert_ne!(envs[0][3].parse::<u16>().unwrap(), 0);
+}
+
+#[test]
+fn a_failing_rank_is_reported_and_the_others_are_stopped() {
+    let dir = tempfile::tempdir().unwrap();
+    let topo = topology(
+        dir.path(),
+        "abort",
+        r#"echo $$ > "$D/pid.tmp.$RANK"; mv "$D/pid.tmp.$RANK" "$D/pid.$RANK"; if [ "$RANK" = 2 ]; then while [ ! -e "$D/pid.0" ] || [ ! -e "$D/pid.1" ]; do sleep 0.05; done; exit 3; fi; exec sleep 120"#,
+    );
+    let start = Instant::now();
+    let mut launcher = refit()
+        .arg("launch")
+        .arg(&topo)
+        .args(["--grace-s", "2"])
+        .stderr(Stdio::piped())
+        .stdout(Stdio::null())
+        .spawn()
+        .unwrap();
+    let (tx, rx) = mpsc::channel();
+    let stderr = launcher.stderr.take().unwrap();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stderr).lines() {
+            let _ = tx.send(line.unwrap_or_default());
+        }
+    });
+    let pids = [pid_in(dir.path(), 0), pid_in(dir.path(), 1)];
+    let mut log = String::new();
+    let reported = loop {
+        match rx.recv_timeout(Duration::from_secs(10)) {
+            Ok(line) => {
+                log.push_str(&line);
+                log.push('\n');
+                if line.contains("rank 2 (actor) failed: it exited with status 3") {
+                    break start.elapsed();
+                }
+            }
+            Err(_) => panic!("no report within 10 s: {log}"),
+        }
+    };
+    assert!(reported < Duration::from_secs(30), "{log}");
+    let status = launcher.wait().unwrap();
+    while let Ok(line) = rx.recv_timeout(Duration::from_secs(5)) {
+        log.push_str(&line);
+        log.push('\n');
+    }
+    assert_eq!(status.code(), Some(3), "{log}");
+    assert!(log.contains("on_failure = \"abort\""), "{log}");
+    assert!(
+        all_gone(&pids, Duration::from_secs(10)),
+        "ranks outlived the run: {log}"
+    );
+}
+
+#[test]
+fn continue_keeps_the_others_running_until_rank_0_finishes() {
+    let dir = tempfile::tempdir().unwrap();
+    // rank 1 fails; rank 2 waits for that failure, lives on a second, then writes `alive.2`;
+    // rank 0 finishes once it sees `alive.2`
+    let topo = topology(
+        dir.path(),
+        "continue",
+        r#"echo $$ > "$D/pid.tmp.$RANK"; mv "$D/pid.tmp.$RANK" "$D/pid.$RANK";
+case "$RANK" in
+  0) while [ ! -e "$D/alive.2" ]; do sleep 0.05; done; echo finished; exit 0 ;;
+  1) touch "$D/failing.1"; exit 3 ;;
+  2) while [ ! -e "$D/failing.1" ]; do sleep 0.05; done; sleep 1; touch "$D/alive.2"; exec sleep 120 ;;
+esac"#,
+    );
+    let mut cmd = refit();
+    cmd.arg("launch").arg(&topo).args(["--grace-s", "1"]);
+    let out = run_within(cmd, Duration::from_secs(90));
+    let (stdout, stderr) = text(&out);
+    assert_eq!(out.status.code(), Some(0), "{stdout}\n{stderr}");
+    assert!(
+        stderr.contains("rank 1 (actor) failed: it exited with status 3"),
+        "{stderr}"
+    );
+    assert!(stderr.contains("on_failure = \"continue\""), "{stderr}");
+    assert!(stdout.contains("[rank 0 learner] finished"), "{stdout}");
+    assert!(dir.path().join("alive.2").exists());
+    // rank 2 still ran when rank 0 finished: it is stopped after the grace period
+    assert!(stderr.contains("stopping rank 2 (actor)"), "{stderr}");
+    let pid2 = pid_in(dir.path(), 2);
+    assert!(all_gone(&[pid2], Duration::from_secs(10)));
+}
+
+#[test]
+fn a_bad_topology_is_refused_naming_the_key() {
+    let dir = tempfile::tempdir().unwrap();
+    let topo = topology(dir.path(), "abort", "exit 0");
+    let text_of = |p: &Path| std::fs::read_to_string(p).unwrap();
+    for (from, to, words) in [
+        (
+            "replicas = 2",
+            "replicaz = 2",
+            &["process[actor].replicaz", "unknown field"][..],
+        ),
+        (
+            "on_failure = \"abort\"",
+            "on_failure = \"abort\"\n[links]\nweights = \"rdma\"",
+            &["links.weights", "rdma"][..],
+        ),
+        (
+            "on_failure = \"abort\"",
+            "on_failure = \"abort\"\n[links]\nweights = \"inproc\"",
+            &["links.weights", "process `actor`"][..],
+        ),
+    ] {
+        let bad = dir.path().join("bad.toml");
+        std::fs::write(&bad, text_of(&topo).replace(from, to)).unwrap();
+        let mut cmd = refit();
+        cmd.arg("launch").arg(&bad);
+        let out = run_within(cmd, Duration::from_secs(30));
+        let (_, stderr) = text(&out);
+        assert!(!out.status.success());
+        for w in words {
+            assert!(
+                stderr.contains(w) && stderr.contains("bad.toml"),
+                "{w}: {stderr}"
+            );
+        }
+        assert!(!stderr.contains("started rank"), "{stderr}");
+    }
+    let mut cmd = refit();
+    cmd.arg("launch").arg(dir.path().join("missing.toml"));
+    let out = run_within(cmd, Duration::from_secs(30));
+    assert!(!out.status.success());
+    assert!(text(&out).1.contains("missing.toml"));
+}
+
+#[test]
+fn a_program_that_cannot_start_is_named() {
+    let dir = tempfile::tempdir().unwrap();
+    let topo = topology(dir.path(), "abort", "exit 0");
+    let bad = dir.path().join("bad.toml");
+    let toml = std::fs::read_to_string(&topo).unwrap().replacen(
+        "[\"sh\", \"-c\",",
+        "[\"./no-such-program\",",
+        1,
+    );
+    std::fs::write(&bad, toml).unwrap();
+    let mut cmd = refit();
+    cmd.current_dir(dir.path()).arg("launch").arg(&bad);
+    let out = run_within(cmd, Duration::from_secs(30));
+    let (_, stderr) = text(&out);
+    assert!(!out.status.success());
+    assert!(
+        stderr.contains("rank 0 (learner): cannot start")
+            && stderr.contains(&format!("{}/./no-such-program", dir.path().display())),
+        "{stderr}"
+    );
+}
+
+#[test]
+fn one_rank_starts_from_torchrun_variables() {
+    let dir = tempfile::tempdir().unwrap();
+    let topo = topology(dir.path(), "abort", &format!("{ENV_SCRIPT}; exit 4"));
+    let mut cmd = refit();
+    cmd.arg("launch")
+        .arg(&topo)
+        .env("RANK", "1")
+        .env("WORLD_SIZE", "3")
+        .env("MASTER_ADDR", "10.9.9.9")
+        .env("MASTER_PORT", "4567")
+        .env("REFIT_TOKEN", TOKEN);
+    let out = run_within(cmd, Duration::from_secs(30));
+    let (stdout, stderr) = text(&out);
+    assert_eq!(out.status.code(), Some(4), "the rank's status: {stderr}");
+    assert!(stdout.contains("[rank 1 actor] hello from 1"), "{stdout}");
+    let env = std::fs::read_to_string(dir.path().join("env.1")).unwrap();
+    assert_eq!(
+        env.trim(),
+        format!("1 3 10.9.9.9 4567 {} {TOKEN}", topo.display())
+    );
+    assert!(!dir.path().join("env.0").exists() && !dir.path().join("env.2").exists());
+
+    // a world size that is not the topology's is refused, naming the variable
+    let mut cmd = refit();
+    cmd.arg("launch")
+        .arg(&topo)
+        .env("RANK", "0")
+        .env("WORLD_SIZE", "5");
+    let out = run_within(cmd, Duration::from_secs(30));
+    let (_, stderr) = text(&out);
+    assert!(!out.status.success());
+    assert!(
+        stderr.contains("`WORLD_SIZE`") && stderr.contains("world size 3"),
+        "{stderr}"
+    );
+    assert!(!dir.path().join("env.0").exists());
+
+    // --rank alone
+    let mut cmd = refit();
+    cmd.arg("launch")
+        .arg(&topo)
+        .args(["--rank", "2", "--master-port", "999"]);
+    let out = run_within(cmd, Duration::from_secs(30));
+    assert_eq!(out.status.code(), Some(4));
+    let env = std::fs::read_to_string(dir.path().join("env.2")).unwrap();
+    assert!(env.starts_with("2 3 127.0.0.1 999 "), "{env}");
+}
+
+#[test]
+fn one_rank_starts_from_slurm_variables() {
+    let dir = tempfile::tempdir().unwrap();
+    let topo = topology(dir.path(), "abort", ENV_SCRIPT);
+    let mut cmd = refit();
+    cmd.arg("launch")
+        .arg(&topo)
+        .args(["--master-port", "4000"])
+        .env("SLURM_PROCID", "2")
+        .env("SLURM_NTASKS", "3")
+        .env("SLURM_STEP_NODELIST", "node[07-09],gpu5")
+        .env("REFIT_TOKEN", TOKEN);
+    let out = run_within(cmd, Duration::from_secs(30));
+    assert!(out.status.success(), "{:?}", text(&out));
+    let env = std::fs::read_to_string(dir.path().join("env.2")).unwrap();
+    assert_eq!(
+        env.trim(),
+        format!("2 3 node07 4000 {} {TOKEN}", topo.display())
+    );
+
+    let mut cmd = refit();
+    cmd.arg("launch")
+        .arg(&topo)
+        .env("SLURM_PROCID", "0")
+        .env("SLURM_NTASKS", "3")
+        .env("SLURM_STEP_NODELIST", "node[9-1]");
+    let out = run_within(cmd, Duration::from_secs(30));
+    let (_, stderr) = text(&out);
+    assert!(!out.status.success());
+    assert!(
+        stderr.contains("SLURM_STEP_NODELIST") && stderr.contains("backwards"),
+        "{stderr}"
+    );
+}
+
+/// Starts a launcher whose three ranks write their pid and sleep; returns it and the pids.
+fn sleeping_run(dir: &Path) -> (Child, Vec<u32>) {
+    let topo = topology(
+        dir,
+        "abort",
+        r#"echo $$ > "$D/pid.tmp.$RANK"; mv "$D/pid.tmp.$RANK" "$D/pid.$RANK"; exec sleep 120"#,
+    );
+    let launcher = refit()
+        .arg("launch")
+        .arg(&topo)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let pids = (0..3).map(|r| pid_in(dir, r)).collect::<Vec<_>>();
+    assert!(pids.iter().all(|p| alive(*p)));
+    (launcher, pids)
+}
+
+#[test]
+fn no_rank_outlives_a_sigkilled_launcher() {
+    let dir = tempfile::tempdir().unwrap();
+    let (mut launcher, pids) = sleeping_run(dir.path());
+    launcher.kill().unwrap(); // SIGKILL: no handler runs; the kernel's parent-death signal does
+    launcher.wait().unwrap();
+    assert!(
+        all_gone(&pids, Duration::from_secs(10)),
+        "orphans: {pids:?}"
+    );
+}
+
+#[test]
+fn sigterm_to_the_launcher_stops_every_rank() {
+    let dir = tempfile::tempdir().unwrap();
+    let (mut launcher, pids) = sleeping_run(dir.path());
+    let status = Command::new("kill")
+        .args(["-TERM", &launcher.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let start = Instant::now();
+    let status = loop {
+        if let Some(s) = launcher.try_wait().unwrap() {
+            break s;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(30),
+            "the launcher hangs"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let mut stderr = String::new();
+    std::io::Read::read_to_string(&mut launcher.stderr.take().unwrap(), &mut stderr).unwrap();
+    assert_eq!(status.code(), Some(143), "{stderr}");
+    assert!(stderr.contains("interrupted"), "{stderr}");
+    assert!(
+        all_gone(&pids, Duration::from_secs(10)),
+        "orphans: {pids:?}"
+    );
+}
+
+#[test]
+fn ranks_meet_at_the_store_rank_0_serves() {
+    // the example, named by a path relative to the directory `refit launch` runs in
+    let exe = common::example("topology_rank");
+    let cwd = exe.parent().unwrap().parent().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let topo = dir.path().join("ranks.toml");
+    let toml = std::fs::read_to_string(
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/topologies/ranks.toml"),
+    )
+    .unwrap()
+    .replace(
+        "target/debug/examples/topology_rank",
+        "examples/topology_rank",
+    );
+    std::fs::write(&topo, toml).unwrap();
+    let mut cmd = refit();
+    cmd.current_dir(cwd).arg("launch").arg(&topo);
+    let out = run_within(cmd, Duration::from_secs(120));
+    let (stdout, stderr) = text(&out);
+    assert!(out.status.success(), "{stdout}\n{stderr}");
+    for (rank, name) in [(0, "learner"), (1, "actor"), (2, "actor"), (3, "judge")] {
+        assert!(
+            stdout.contains(&format!("[rank 0 learner] rank {rank}: {name} checked in")),
+            "{stdout}"
+        );
+    }
+    assert!(stdout.contains("[rank 0 learner] process `learner` copy 0 on host `local` (127.0.0.1), roles trainer+controller+evaluator; weights from rank 0 over inproc"), "{stdout}");
+    assert!(stdout.contains("[rank 2 actor] process `actor` copy 1 on host `local` (127.0.0.1), roles engine+rollout; weights from rank 0 over shm"), "{stdout}");
+}
