@@ -19,6 +19,11 @@
 //!   (`()`, `u64`, a status) cannot hold an error, so a failed call drops the reply — the
 //!   sender sees `MailboxError::Closed`, as from a stopped local actor — and is logged
 //!   naming the actor and the message. A `do_send` of a `()` message is fire-and-forget.
+//! - Give a handle a deadline above the longest wait the actor itself applies (the
+//!   controller's `AwaitRollout` waits up to `rollout_wait_s`, `NotifyVersion` for the
+//!   version barrier), or such calls their own with [`RemoteAddr::send_within`] /
+//!   [`RemoteAddr::with_deadline`]. A handle does not reconnect: after its peer died, make
+//!   a new one.
 //! - An error the actor answers crosses as text and comes back as `Error::Remote` with
 //!   [`RemoteFailure::Failed`](crate::RemoteFailure::Failed), except
 //!   [`Error::Cancelled`](crate::Error::Cancelled), which keeps its variant (rollouts branch
@@ -27,7 +32,9 @@
 //! The messages a distributed topology sends (engine loads — `UpdateModel`, named
 //! `_receive_weights_scheme` on the wire —, cancellation, served versions, act requests;
 //! the controller's status checks and notifications; the pool's fragments; validation) are
-//! remote-capable.
+//! remote-capable; [`serve_engine`], [`serve_controller`], [`serve_pool`] and
+//! [`serve_evaluator`] serve each actor's set under one uuid, and [`engine_handle`] makes
+//! the `EngineHandle` of a remote engine.
 //!
 //! ```
 //! use std::time::Duration;
@@ -79,13 +86,18 @@
 //! ```
 
 mod addr;
+mod framework;
 mod impls;
 mod message;
 mod proxy;
 mod serve;
 
 pub use addr::RemoteAddr;
+pub use framework::{engine_handle, serve_controller, serve_engine, serve_evaluator, serve_pool};
 pub use message::{RemoteMessage, RemoteReply, WireError};
 pub use serve::serve;
 /// Actors are addressed by uuid on their node (re-exported for convenience).
 pub use uuid::Uuid;
+
+#[cfg(test)]
+mod tests;

@@ -537,3 +537,151 @@ fn process_recipient_proxy_is_used_like_a_local_actor() {
         assert_eq!(got, expected);
     });
 }
+
+// ---- the framework's actors across nodes ----
+
+mod framework {
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    use actix::prelude::*;
+    use refit_actors::MlpPolicy;
+    use refit_actors::actor::{
+        ActBatch, AwaitSynced, CancelInFlight, CheckRollout, GetStatus, InferenceEngine,
+        ServedVersions, VersionNotifier, WeightSyncController,
+    };
+    use refit_actors::remote::{RemoteAddr, engine_handle, serve_controller, serve_engine};
+    use refit_runtime::node::Node;
+    use refit_runtime::sync_policy::{Decision, SyncConfig, SyncMode};
+    use refit_runtime::{
+        Manifests, ModelId, Receiver, ReceiverInit, Sender, SenderInit, Version, WeightSet,
+    };
+    use refit_transports::inproc::{InProc, InProcReceiver, InProcSender};
+    use uuid::Uuid;
+
+    const SIZES: [usize; 3] = [4, 16, 2];
+
+    fn weights(model: &ModelId, version: u64) -> WeightSet {
+        let m = Arc::new(MlpPolicy::manifest_for(&SIZES).unwrap());
+        let mut ws = WeightSet::zeroed(model.clone(), m.clone());
+        for t in m.tensors() {
+            ws.view_mut::<f32>(&t.name)
+                .unwrap()
+                .fill(version as f32 / 100.0);
+        }
+        ws.set_version(Version(version));
+        ws
+    }
+
+    /// A trainer's sender and the engine's receiver of one model, in process.
+    fn scheme(model: &ModelId) -> (Sender<InProcSender>, Receiver<InProcReceiver>) {
+        let manifest = Arc::new(MlpPolicy::manifest_for(&SIZES).unwrap());
+        let manifests = Manifests::new([(model.clone(), manifest)]).unwrap();
+        let hub = InProc::new();
+        let receiver = ReceiverInit::new(hub.receiver(), Some(manifests.clone()));
+        let r = std::thread::spawn(move || receiver.connect(Duration::from_secs(5)).unwrap());
+        let sender = SenderInit::new(hub.sender().unwrap(), manifests)
+            .connect(vec![weights(model, 1)], Duration::from_secs(5))
+            .unwrap();
+        (sender, r.join().unwrap())
+    }
+
+    /// The controller drives an engine served by another node through an `EngineHandle` of
+    /// proxies (`UpdateModel` is `_receive_weights_scheme` on the wire, then the engine's
+    /// inlet pulls); the controller itself is asked for its status over the network.
+    #[test]
+    fn a_controller_drives_an_engine_on_another_node() {
+        let engine_node = Node::loopback(super::token()).unwrap();
+        let ctl_node = Node::loopback(super::token()).unwrap();
+        actix::System::new().block_on(async move {
+            let m = ModelId::new("policy").unwrap();
+            let (mut sender, receiver) = scheme(&m);
+            let engine = InferenceEngine::empty(1)
+                .with_model(
+                    m.clone(),
+                    MlpPolicy::new(&SIZES).unwrap(),
+                    Some(Box::new(receiver)),
+                )
+                .unwrap()
+                .start();
+            let engine_id = Uuid::new_v4();
+            serve_engine(&engine_node, engine_id, &engine);
+
+            let wait = Duration::from_secs(20);
+            let remote_engine =
+                RemoteAddr::connect(&ctl_node, engine_node.addr(), engine_id, "engine-0", wait)
+                    .await
+                    .unwrap();
+            let handle = engine_handle(&remote_engine);
+            let cfg = SyncConfig::with_mode(SyncMode::FullyAsync);
+            let ctl = WeightSyncController::new(&cfg, vec![m.clone()], vec![handle], None)
+                .unwrap()
+                .start();
+            let ctl_id = Uuid::new_v4();
+            serve_controller(&ctl_node, ctl_id, &ctl);
+
+            let mut notifier = VersionNotifier::new(ctl.clone(), m.clone(), cfg.clone());
+            for v in 1..=3 {
+                if v > 1 {
+                    let _pending = sender.send_async(vec![weights(&m, v)]).unwrap();
+                }
+                notifier.notify(Version(v)).await.unwrap();
+                notifier.flush().await.unwrap();
+                let landed = ctl
+                    .send(AwaitSynced {
+                        model: m.clone(),
+                        version: Version(v),
+                    })
+                    .await
+                    .unwrap()
+                    .unwrap();
+                assert_eq!(landed, Version(v));
+            }
+            // the engine serves v3, as seen over the network ...
+            let served = remote_engine.send(ServedVersions).await.unwrap();
+            assert_eq!(served[&m], Version(3));
+            let acted = remote_engine
+                .send(ActBatch {
+                    model: m.clone(),
+                    obs: vec![0.0; 8],
+                    generation: None,
+                    greedy: true,
+                })
+                .await
+                .unwrap()
+                .unwrap();
+            assert_eq!((acted.actions.len(), acted.version), (2, Version(3)));
+            // ... and by the controller, asked from the engine's node
+            let remote_ctl =
+                RemoteAddr::connect(&engine_node, ctl_node.addr(), ctl_id, "controller", wait)
+                    .await
+                    .unwrap();
+            let status = remote_ctl.send(GetStatus).await.unwrap();
+            let s = &status.models[&m];
+            assert_eq!((s.rollout_version, s.loads), (Version(3), 3), "{s:?}");
+            assert_eq!(s.state, "running");
+            assert_eq!(status.events, ctl.send(GetStatus).await.unwrap().events);
+            let check = remote_ctl
+                .send(CheckRollout { model: m.clone() })
+                .await
+                .unwrap()
+                .unwrap();
+            assert_eq!(check, Decision::Continue { staleness: 0 });
+            // a cancellation crosses too and answers the new generation
+            let generation = remote_engine.send(CancelInFlight).await.unwrap();
+            let stale = remote_engine
+                .send(ActBatch {
+                    model: m.clone(),
+                    obs: vec![0.0; 4],
+                    generation: Some(generation - 1),
+                    greedy: true,
+                })
+                .await
+                .unwrap();
+            assert!(
+                matches!(stale, Err(refit_actors::Error::Cancelled { .. })),
+                "{stale:?}"
+            );
+        });
+    }
+}

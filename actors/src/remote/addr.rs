@@ -38,11 +38,14 @@ impl RemoteAddr {
     }
 
     /// Connects `node` to the node at `addr` (within `deadline`) and makes the handle of
-    /// its actor `target`. The connection is owned by `node`'s runtime.
+    /// its actor `target`. The connection runs on `node`'s runtime: keep `node` alive while
+    /// the handle is used (after it stops, calls fail at their deadline).
     ///
     /// # Errors
-    /// [`Error::Remote`] naming the actor, with [`RemoteFailure::PeerGone`] when the node
-    /// cannot be reached or refuses our token, [`RemoteFailure::Timeout`] past the deadline.
+    /// [`Error::Remote`] naming the actor (message `connect`), with
+    /// [`RemoteFailure::PeerGone`] when the node cannot be reached,
+    /// [`RemoteFailure::Refused`] when it refuses our cluster token,
+    /// [`RemoteFailure::Timeout`] past the deadline.
     pub async fn connect(
         node: &Node,
         addr: SocketAddr,
@@ -175,6 +178,7 @@ fn failure_of(e: refit_runtime::Error) -> RemoteFailure {
         refit_runtime::Error::Remote { message, .. } => RemoteFailure::Refused { reason: message },
         refit_runtime::Error::Wire(reason) => RemoteFailure::Malformed { reason },
         refit_runtime::Error::PeerGone { reason, .. } => RemoteFailure::PeerGone { reason },
+        refit_runtime::Error::Unauthorized { reason, .. } => RemoteFailure::Refused { reason },
         other => RemoteFailure::PeerGone {
             reason: other.to_string(),
         },
