@@ -10,6 +10,11 @@
 //! - [`MultiAsyncCollector`]: workers collect continuously; batches are yielded as they
 //!   arrive (one worker's batch each); a bounded queue keeps workers at most
 //!   `queue_depth` batches ahead.
+//!
+//! The cascade (TorchRL's two-level `update_policy_weights_`): a multi-collector given an
+//! upstream [`WeightSource`] (`attach_weight_source`, e.g. the receiving end of a trainer's
+//! scheme in another process) forwards every update it receives to its workers' own scheme
+//! before the next batch, so one push at the top lands in every worker below.
 
 use std::collections::VecDeque;
 use std::fmt;
@@ -26,7 +31,9 @@ use refit_runtime::{
 };
 
 use crate::batch::{Batch, TrajPool};
-use crate::collector::{Collector, UpdatePolicyWeights, policy_model_id, registered_source};
+use crate::collector::{
+    Collector, UpdatePolicyWeights, WeightSource, policy_model_id, registered_source,
+};
 use crate::env::Env;
 use crate::error::{Error, Result};
 use crate::policy::Policy;
@@ -143,6 +150,30 @@ where
     }
 }
 
+/// Forwards what `source` has that `sender` has not published yet: the source's initial
+/// weights when `initial` (the versions newer than the sender's), else one poll. Answers the
+/// publication, if any.
+pub(crate) fn cascade<T: SenderTransport>(
+    source: &mut dyn WeightSource,
+    sender: &mut Sender<T>,
+    initial: bool,
+) -> Result<Option<PendingSend>> {
+    let group = if initial {
+        let fresh: Vec<Arc<WeightSet>> = source
+            .initial()
+            .into_iter()
+            .filter(|w| w.version() > sender.version(w.model()))
+            .collect();
+        (!fresh.is_empty()).then_some(fresh)
+    } else {
+        source.poll()?
+    };
+    match group {
+        Some(g) => Ok(Some(sender.publish_shared(g)?)),
+        None => Ok(None),
+    }
+}
+
 /// Settings shared by the multi-worker collectors.
 #[derive(Clone, Debug)]
 pub struct MultiConfig {
@@ -184,6 +215,7 @@ struct Core<T: SenderTransport> {
     stop: Arc<AtomicBool>,
     policy_id: ModelId,
     registered: Option<Registered>,
+    upstream: Option<Box<dyn WeightSource>>,
     pending: Option<PendingSend>,
     frames: u64,
     total_frames: Option<u64>,
@@ -245,6 +277,7 @@ impl<T: SenderTransport> Core<T> {
             stop: Arc::clone(&stop),
             policy_id: config.policy_id.clone(),
             registered: None,
+            upstream: None,
             pending: None,
             frames: 0,
             total_frames: config.total_frames,
@@ -365,6 +398,22 @@ impl<T: SenderTransport> Core<T> {
         self.sender.as_mut().ok_or(Error::Closed)
     }
 
+    /// Forwards an update waiting upstream to the workers (the cascade).
+    fn pull_upstream(&mut self, initial: bool) -> Result<()> {
+        let Some(mut source) = self.upstream.take() else {
+            return Ok(());
+        };
+        let sent = match self.sender.as_mut() {
+            Some(sender) => cascade(source.as_mut(), sender, initial),
+            None => Err(Error::Closed),
+        };
+        self.upstream = Some(source);
+        if let Some(p) = sent? {
+            self.pending = Some(p);
+        }
+        Ok(())
+    }
+
     fn shutdown(&mut self) -> Result<()> {
         if self.closed {
             return Ok(());
@@ -454,6 +503,19 @@ macro_rules! common_methods {
                 model: Arc<Mutex<M>>,
             ) {
                 self.core.registered = Some(registered_source(model));
+            }
+
+            /// Takes weights from `source` (an upstream scheme's receiver) from now on: its
+            /// weights in force are forwarded to the workers now if newer than theirs, and
+            /// every update it receives is forwarded to the workers' scheme before the
+            /// next batch (the cascade).
+            ///
+            /// # Errors
+            /// A group the workers' scheme refuses (unknown model, wrong manifest, stale
+            /// version); [`Error::Closed`].
+            pub fn attach_weight_source(&mut self, source: Box<dyn WeightSource>) -> Result<()> {
+                self.core.upstream = Some(source);
+                self.core.pull_upstream(true)
             }
 
             /// Stops every worker, joins the threads and shuts the sender down.
@@ -552,6 +614,7 @@ impl<T: SenderTransport> MultiSyncCollector<T> {
         if self.core.budget_spent() {
             return Ok(None);
         }
+        self.core.pull_upstream(false)?;
         for (worker, c) in self.core.commands.iter().enumerate() {
             c.send(WorkerCommand::Collect)
                 .map_err(|_| Error::WorkerGone {
@@ -652,6 +715,7 @@ impl<T: SenderTransport> MultiAsyncCollector<T> {
         if self.core.budget_spent() {
             return Ok(None);
         }
+        self.core.pull_upstream(false)?;
         let n = self.core.handles.len();
         let (_, batch) = self.core.recv(&|| format!("any of the {n} workers"))?;
         self.core.frames += batch.frames as u64;

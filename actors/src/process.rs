@@ -7,14 +7,24 @@
 //! collected batch on stdout. Weights never travel on these pipes.
 //!
 //! - [`serve_worker`] is the child's loop: connect the receiver (initial weights applied),
-//!   then collect a batch for every `collect` command, polling for new weights first.
+//!   then collect a batch for every `collect` command, or continuously after a `run`
+//!   command until `stop`, polling for new weights before each batch.
 //! - [`ProcessSyncCollector`] is the parent: every worker delivers one batch, the batch is
 //!   their concatenation, workers wait for the next command. A worker that dies or stays
 //!   silent past the deadline is reported ([`Error::WorkerGone`]), never waited on forever.
+//! - [`ProcessAsyncCollector`] is the asynchronous parent (TorchRL's
+//!   `MultiaSyncDataCollector` with processes): workers collect continuously and stream
+//!   their batches; the parent yields whichever arrives first, with the worker's index and
+//!   the policy version that produced it ([`WorkerBatch`]). A worker that dies is reported
+//!   once, with its exit status, and the others go on.
+//!
+//! Both parents take weights from an upstream [`WeightSource`] when one is attached and
+//! forward each update to their workers' scheme (the cascade).
 //!
 //! Trajectory ids stay unique without shared state: worker `w` draws from the block
 //! starting at `w * TRAJ_ID_BLOCK`.
 
+use std::collections::VecDeque;
 use std::io::{BufWriter, ErrorKind, Read, Write};
 use std::process::{Child, ChildStdin, Command, Stdio};
 use std::sync::mpsc;
@@ -26,9 +36,10 @@ use refit_runtime::{
 };
 
 use crate::batch::{Batch, TrajPool};
-use crate::collector::{Collector, UpdatePolicyWeights, policy_model_id};
+use crate::collector::{Collector, UpdatePolicyWeights, WeightSource, policy_model_id};
 use crate::env::Env;
 use crate::error::{Error, Result};
+use crate::multi::cascade;
 use crate::policy::Policy;
 
 /// Written once by a worker before its first batch: whatever the process printed before it
@@ -38,6 +49,7 @@ const MAGIC: &[u8; 8] = b"REFIT-W1";
 const MAX_PREAMBLE: usize = 64 * 1024;
 const COLLECT: u8 = 1;
 const STOP: u8 = 0;
+const RUN: u8 = 2;
 /// Largest batch frame a parent accepts from a worker.
 pub const MAX_BATCH_FRAME: usize = 256 << 20;
 /// Width of each worker process's block of trajectory ids.
@@ -69,20 +81,46 @@ where
     collector.set_total_frames(None);
     let receiver = receiver.connect(connect_timeout)?;
     collector.attach_weight_source(Box::new(receiver))?;
-    let mut stdin = std::io::stdin().lock();
     let mut out = BufWriter::new(std::io::stdout().lock());
     out.write_all(MAGIC)
         .and_then(|()| out.flush())
         .map_err(|e| io("greeting the collector", e))?;
+    // Commands arrive on their own thread, so that a free-running worker sees `stop`
+    // between batches without blocking on its input.
+    let (tx, commands) = mpsc::channel();
+    std::thread::Builder::new()
+        .name("refit-worker-stdin".into())
+        .spawn(move || {
+            let mut stdin = std::io::stdin().lock();
+            loop {
+                let mut cmd = [0u8; 1];
+                let cmd = match stdin.read_exact(&mut cmd) {
+                    Ok(()) => Ok(cmd[0]),
+                    Err(e) if e.kind() == ErrorKind::UnexpectedEof => Ok(STOP),
+                    Err(e) => Err(io("reading a command from the collector", e)),
+                };
+                let last = !matches!(cmd, Ok(COLLECT | RUN));
+                if tx.send(cmd).is_err() || last {
+                    return;
+                }
+            }
+        })
+        .map_err(|e| io("starting the command reader", e))?;
+    let mut free = false;
     loop {
-        let mut cmd = [0u8; 1];
-        match stdin.read_exact(&mut cmd) {
-            Ok(()) => {}
-            Err(e) if e.kind() == ErrorKind::UnexpectedEof => return Ok(()),
-            Err(e) => return Err(io("reading a command from the collector", e)),
-        }
-        if cmd[0] != COLLECT {
-            return Ok(());
+        let cmd = if free {
+            match commands.try_recv() {
+                Err(mpsc::TryRecvError::Empty) => Ok(RUN),
+                Ok(c) => c,
+                Err(mpsc::TryRecvError::Disconnected) => Ok(STOP),
+            }
+        } else {
+            commands.recv().unwrap_or(Ok(STOP))
+        };
+        match cmd? {
+            COLLECT => {}
+            RUN => free = true,
+            _ => return Ok(()),
         }
         let Some(batch) = collector.next_batch()? else {
             return Ok(());
@@ -90,10 +128,17 @@ where
         let bytes = wire::encode(&batch)?;
         let len = u32::try_from(bytes.len())
             .map_err(|_| Error::Config(format!("a batch of {} bytes is too large", bytes.len())))?;
-        out.write_all(&len.to_le_bytes())
+        let sent = out
+            .write_all(&len.to_le_bytes())
             .and_then(|()| out.write_all(&bytes))
-            .and_then(|()| out.flush())
-            .map_err(|e| io("sending a batch to the collector", e))?;
+            .and_then(|()| out.flush());
+        if let Err(e) = sent {
+            // A free-running worker whose collector stopped reading is done, not failed.
+            if free && matches!(commands.try_recv(), Ok(Ok(STOP)) | Err(_)) {
+                return Ok(());
+            }
+            return Err(io("sending a batch to the collector", e));
+        }
     }
 }
 
@@ -110,6 +155,9 @@ pub struct ProcessConfig {
     pub ack_timeout: Duration,
     /// The policy's model id.
     pub policy_id: ModelId,
+    /// Asynchronous collector only: batches each worker may have in flight ahead of the
+    /// consumer (besides what its output pipe holds).
+    pub queue_depth: usize,
 }
 
 impl Default for ProcessConfig {
@@ -120,6 +168,7 @@ impl Default for ProcessConfig {
             batch_timeout: Duration::from_secs(60),
             ack_timeout: Duration::from_secs(30),
             policy_id: policy_model_id(),
+            queue_depth: 1,
         }
     }
 }
@@ -139,6 +188,7 @@ pub struct ProcessSyncCollector<T: SenderTransport> {
     config: ProcessConfig,
     pending: Option<PendingSend>,
     frames: u64,
+    upstream: Upstream,
 }
 
 fn gone(worker: usize, reason: impl Into<String>) -> Error {
@@ -148,21 +198,22 @@ fn gone(worker: usize, reason: impl Into<String>) -> Error {
     }
 }
 
-/// Reads length-prefixed batches from a worker's stdout until it closes.
-fn read_batches(worker: usize, mut from: impl Read, to: mpsc::Sender<Result<Batch>>) {
+/// Reads length-prefixed batches from a worker's stdout until it closes or `to` answers
+/// false (its consumer is gone).
+fn read_batches(worker: usize, mut from: impl Read, to: impl Fn(Result<Batch>) -> bool) {
     if let Err(reason) = skip_to_magic(&mut from) {
-        let _ = to.send(Err(gone(worker, reason)));
+        to(Err(gone(worker, reason)));
         return;
     }
     loop {
         let mut len = [0u8; 4];
         if let Err(e) = from.read_exact(&mut len) {
-            let _ = to.send(Err(gone(worker, format!("its output closed ({e})"))));
+            to(Err(gone(worker, format!("its output closed ({e})"))));
             return;
         }
         let len = u32::from_le_bytes(len) as usize;
         if len > MAX_BATCH_FRAME {
-            let _ = to.send(Err(gone(
+            to(Err(gone(
                 worker,
                 format!("sent a {len}-byte frame (limit {MAX_BATCH_FRAME})"),
             )));
@@ -170,7 +221,7 @@ fn read_batches(worker: usize, mut from: impl Read, to: mpsc::Sender<Result<Batc
         }
         let mut buf = vec![0u8; len];
         if let Err(e) = from.read_exact(&mut buf) {
-            let _ = to.send(Err(gone(
+            to(Err(gone(
                 worker,
                 format!("its output closed mid-batch ({e})"),
             )));
@@ -178,7 +229,7 @@ fn read_batches(worker: usize, mut from: impl Read, to: mpsc::Sender<Result<Batc
         }
         let batch = wire::decode::<Batch>(&buf, MAX_BATCH_FRAME).map_err(Error::Runtime);
         let failed = batch.is_err();
-        if to.send(batch).is_err() || failed {
+        if !to(batch) || failed {
             return;
         }
     }
@@ -235,6 +286,7 @@ impl<T: SenderTransport> ProcessSyncCollector<T> {
             config,
             pending: None,
             frames: 0,
+            upstream: Upstream(None),
         };
         for (worker, mut cmd) in commands.into_iter().enumerate() {
             let mut child = cmd
@@ -250,7 +302,7 @@ impl<T: SenderTransport> ProcessSyncCollector<T> {
             let (tx, rx) = mpsc::channel();
             std::thread::Builder::new()
                 .name(format!("refit-worker-{worker}-out"))
-                .spawn(move || read_batches(worker, stdout, tx))
+                .spawn(move || read_batches(worker, stdout, move |b| tx.send(b).is_ok()))
                 .map_err(|e| gone(worker, format!("reader thread could not start: {e}")))?;
             me.workers.push(WorkerProc {
                 stdin: child.stdin.take(),
@@ -280,6 +332,23 @@ impl<T: SenderTransport> ProcessSyncCollector<T> {
         self.sender.as_ref()
     }
 
+    /// Takes weights from `source` (an upstream scheme's receiver) from now on: forwarded
+    /// to the workers now if newer than theirs, then before each batch (the cascade).
+    ///
+    /// # Errors
+    /// A group the workers' scheme refuses; [`Error::Closed`].
+    pub fn attach_weight_source(&mut self, source: Box<dyn WeightSource>) -> Result<()> {
+        self.upstream = Upstream(Some(source));
+        self.pull_upstream(true)
+    }
+
+    fn pull_upstream(&mut self, initial: bool) -> Result<()> {
+        if let Some(p) = pull(&mut self.upstream.0, self.sender.as_mut(), initial)? {
+            self.pending = Some(p);
+        }
+        Ok(())
+    }
+
     /// Asks every worker for a batch and yields their concatenation (worker order);
     /// `Ok(None)` once the frame budget is spent.
     ///
@@ -290,6 +359,7 @@ impl<T: SenderTransport> ProcessSyncCollector<T> {
         if self.config.total_frames.is_some_and(|t| self.frames >= t) {
             return Ok(None);
         }
+        self.pull_upstream(false)?;
         for (i, w) in self.workers.iter_mut().enumerate() {
             let stdin = w.stdin.as_mut().ok_or_else(|| gone(i, "already stopped"))?;
             stdin
@@ -395,6 +465,383 @@ impl<T: SenderTransport> Iterator for ProcessSyncCollector<T> {
     }
 }
 
+/// An upstream weight source, if attached.
+struct Upstream(Option<Box<dyn WeightSource>>);
+
+impl std::fmt::Debug for Upstream {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(if self.0.is_some() { "attached" } else { "none" })
+    }
+}
+
+/// Forwards an update waiting in `upstream` through `sender` (the cascade).
+fn pull<T: SenderTransport>(
+    upstream: &mut Option<Box<dyn WeightSource>>,
+    sender: Option<&mut Sender<T>>,
+    initial: bool,
+) -> Result<Option<PendingSend>> {
+    let Some(source) = upstream.as_mut() else {
+        return Ok(None);
+    };
+    let sender = sender.ok_or(Error::Closed)?;
+    cascade(source.as_mut(), sender, initial)
+}
+
+/// Waits up to `grace` for `child` to exit; its status, for an error message.
+fn exit_note(child: &mut Child, grace: Duration) -> String {
+    let deadline = Instant::now() + grace;
+    loop {
+        match child.try_wait() {
+            Ok(Some(status)) => return format!("; exit status: {status}"),
+            Ok(None) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(10)),
+            Ok(None) => return "; still running, killed".into(),
+            Err(e) => return format!("; exit status unknown ({e})"),
+        }
+    }
+}
+
+/// One worker's batch, as a [`ProcessAsyncCollector`] yields it.
+#[derive(Debug, Clone)]
+pub struct WorkerBatch {
+    /// The worker that collected it.
+    pub worker: usize,
+    /// The newest policy version that acted in it (the batch's transitions carry each
+    /// step's version; see [`Batch::version_range`]).
+    pub version: Version,
+    /// The batch.
+    pub batch: Batch,
+}
+
+#[derive(Debug)]
+struct AsyncProc {
+    child: Child,
+    stdin: Option<ChildStdin>,
+    alive: bool,
+}
+
+/// Worker processes collect continuously and stream their batches; the next batch is
+/// whichever arrives first (TorchRL's `MultiaSyncDataCollector`, with processes). Weights
+/// reach the workers through the scheme `sender` drives, each worker polling its own
+/// receiver before every batch.
+#[derive(Debug)]
+pub struct ProcessAsyncCollector<T: SenderTransport> {
+    sender: Option<Sender<T>>,
+    workers: Vec<AsyncProc>,
+    batches: Option<mpsc::Receiver<(usize, Result<Batch>)>>,
+    stash: VecDeque<WorkerBatch>,
+    config: ProcessConfig,
+    pending: Option<PendingSend>,
+    frames: u64,
+    upstream: Upstream,
+}
+
+impl<T: SenderTransport> ProcessAsyncCollector<T> {
+    /// Spawns one process per command (stdin and stdout are taken over; stderr is
+    /// inherited), connects the scheme (`sender` delivers `initial`), then sets every
+    /// worker collecting.
+    ///
+    /// # Errors
+    /// [`Error::Config`] without workers; [`Error::WorkerGone`] if a process cannot start;
+    /// the rendez-vous timeout.
+    pub fn spawn(
+        sender: T,
+        commands: Vec<Command>,
+        initial: Vec<WeightSet>,
+        config: ProcessConfig,
+    ) -> Result<Self> {
+        if commands.is_empty() {
+            return Err(Error::Config("a process collector needs workers".into()));
+        }
+        let manifests = Manifests::new(
+            initial
+                .iter()
+                .map(|w| (w.model().clone(), std::sync::Arc::clone(w.manifest()))),
+        )?;
+        manifests.get(&config.policy_id)?;
+        let n = commands.len();
+        let (tx, rx) = mpsc::sync_channel(n * config.queue_depth.max(1));
+        let mut me = Self {
+            sender: None,
+            workers: Vec::with_capacity(n),
+            batches: Some(rx),
+            stash: VecDeque::new(),
+            config,
+            pending: None,
+            frames: 0,
+            upstream: Upstream(None),
+        };
+        for (worker, mut cmd) in commands.into_iter().enumerate() {
+            let mut child = cmd
+                .stdin(Stdio::piped())
+                .stdout(Stdio::piped())
+                .stderr(Stdio::inherit())
+                .spawn()
+                .map_err(|e| gone(worker, format!("could not start: {e}")))?;
+            let stdout = child.stdout.take();
+            me.workers.push(AsyncProc {
+                stdin: child.stdin.take(),
+                child,
+                alive: true,
+            });
+            let stdout = stdout.ok_or_else(|| gone(worker, "no stdout pipe"))?;
+            let tx = tx.clone();
+            std::thread::Builder::new()
+                .name(format!("refit-worker-{worker}-out"))
+                .spawn(move || {
+                    read_batches(worker, stdout, move |b| tx.send((worker, b)).is_ok());
+                })
+                .map_err(|e| gone(worker, format!("reader thread could not start: {e}")))?;
+        }
+        drop(tx);
+        let connected = SenderInit::new(sender, manifests)
+            .with_ack_timeout(me.config.ack_timeout)
+            .connect(initial, me.config.connect_timeout)?;
+        me.sender = Some(connected);
+        for (i, w) in me.workers.iter_mut().enumerate() {
+            let stdin = w.stdin.as_mut().ok_or_else(|| gone(i, "no stdin pipe"))?;
+            stdin
+                .write_all(&[RUN])
+                .and_then(|()| stdin.flush())
+                .map_err(|e| gone(i, format!("its input closed ({e})")))?;
+        }
+        Ok(me)
+    }
+
+    /// Process ids of the workers, in worker order.
+    pub fn worker_pids(&self) -> Vec<u32> {
+        self.workers.iter().map(|w| w.child.id()).collect()
+    }
+
+    /// Indices of the workers not reported dead.
+    pub fn live_workers(&self) -> Vec<usize> {
+        (0..self.workers.len())
+            .filter(|w| self.workers[*w].alive)
+            .collect()
+    }
+
+    /// Frames yielded so far.
+    pub fn frames(&self) -> u64 {
+        self.frames
+    }
+
+    /// The scheme's sender.
+    pub fn sender(&self) -> Option<&Sender<T>> {
+        self.sender.as_ref()
+    }
+
+    /// Takes weights from `source` (an upstream scheme's receiver) from now on: forwarded
+    /// to the workers now if newer than theirs, then before each batch (the cascade).
+    ///
+    /// # Errors
+    /// A group the workers' scheme refuses; [`Error::Closed`].
+    pub fn attach_weight_source(&mut self, source: Box<dyn WeightSource>) -> Result<()> {
+        self.upstream = Upstream(Some(source));
+        self.pull_upstream(true)
+    }
+
+    fn pull_upstream(&mut self, initial: bool) -> Result<()> {
+        if let Some(p) = pull(&mut self.upstream.0, self.sender.as_mut(), initial)? {
+            self.pending = Some(p);
+        }
+        Ok(())
+    }
+
+    /// Takes one message from the workers within `timeout`: `Ok(None)` on timeout.
+    fn recv(&mut self, timeout: Duration) -> Result<Option<WorkerBatch>> {
+        let rx = self.batches.as_ref().ok_or(Error::Closed)?;
+        let (worker, got) = match rx.recv_timeout(timeout) {
+            Ok(m) => m,
+            Err(mpsc::RecvTimeoutError::Timeout) => return Ok(None),
+            Err(mpsc::RecvTimeoutError::Disconnected) => {
+                return Err(gone(
+                    self.workers.len().saturating_sub(1),
+                    "every worker ended",
+                ));
+            }
+        };
+        match got {
+            Ok(batch) => {
+                let version = batch.version_range().map_or(Version::ZERO, |(_, hi)| hi);
+                Ok(Some(WorkerBatch {
+                    worker,
+                    version,
+                    batch,
+                }))
+            }
+            Err(e) => {
+                // Reported once: the worker is dead (or talking nonsense: then stopped).
+                let note = match self.workers.get_mut(worker) {
+                    Some(w) => {
+                        w.alive = false;
+                        w.stdin = None;
+                        let note = exit_note(&mut w.child, Duration::from_secs(2));
+                        let _ = w.child.kill();
+                        let _ = w.child.wait();
+                        note
+                    }
+                    None => String::new(),
+                };
+                Err(match e {
+                    Error::WorkerGone { worker, reason } => gone(worker, format!("{reason}{note}")),
+                    other => Error::Worker {
+                        worker,
+                        source: Box::new(other),
+                    },
+                })
+            }
+        }
+    }
+
+    /// The next batch from whichever worker delivers first, with its worker index and
+    /// policy version; `Ok(None)` once the frame budget is spent.
+    ///
+    /// # Errors
+    /// [`Error::WorkerGone`] for a worker that died (once, with its exit status; the
+    /// others keep collecting and later calls yield their batches);
+    /// [`refit_runtime::Error::Timeout`] when no live worker delivers within
+    /// [`ProcessConfig::batch_timeout`]; [`Error::Closed`].
+    pub fn next_worker_batch(&mut self) -> Result<Option<WorkerBatch>> {
+        if self.config.total_frames.is_some_and(|t| self.frames >= t) {
+            return Ok(None);
+        }
+        self.pull_upstream(false)?;
+        let b = match self.stash.pop_front() {
+            Some(b) => b,
+            None => match self.recv(self.config.batch_timeout)? {
+                Some(b) => b,
+                None => {
+                    return Err(Error::Runtime(refit_runtime::Error::Timeout {
+                        what: format!(
+                            "a batch from any of the live workers {:?}",
+                            self.live_workers()
+                        ),
+                        after: self.config.batch_timeout,
+                    }));
+                }
+            },
+        };
+        self.frames += b.batch.frames as u64;
+        Ok(Some(b))
+    }
+
+    /// [`Self::next_worker_batch`]'s batch alone.
+    ///
+    /// # Errors
+    /// As [`Self::next_worker_batch`].
+    pub fn next_batch(&mut self) -> Result<Option<Batch>> {
+        Ok(self.next_worker_batch()?.map(|b| b.batch))
+    }
+
+    /// Waits until every worker applied the last published update (their acknowledgements).
+    /// Batches that arrive meanwhile are kept and yielded first.
+    ///
+    /// # Errors
+    /// [`refit_runtime::Error::Timeout`] naming the late receivers; a worker's death;
+    /// [`Error::Closed`].
+    pub fn wait_for_workers(&mut self, timeout: Duration) -> Result<()> {
+        let Some(pending) = self.pending.take() else {
+            return Ok(());
+        };
+        let start = Instant::now();
+        loop {
+            let slice = Duration::from_millis(5).min(timeout.saturating_sub(start.elapsed()));
+            let sender = self.sender.as_mut().ok_or(Error::Closed)?;
+            match sender.wait(&pending, slice) {
+                Ok(()) => return Ok(()),
+                Err(e) if e.is_timeout() && start.elapsed() < timeout => {}
+                Err(e) => return Err(e.into()),
+            }
+            while let Some(b) = self.recv(Duration::ZERO)? {
+                self.stash.push_back(b);
+            }
+        }
+    }
+
+    /// Stops every worker (waiting up to 5 s each, then killing it) and shuts the sender down.
+    ///
+    /// # Errors
+    /// Sender shutdown errors.
+    pub fn shutdown(mut self) -> Result<()> {
+        self.stop_workers();
+        match self.sender.take() {
+            Some(s) => Ok(s.shutdown()?),
+            None => Ok(()),
+        }
+    }
+
+    fn stop_workers(&mut self) {
+        for w in &mut self.workers {
+            if let Some(mut stdin) = w.stdin.take() {
+                let _ = stdin.write_all(&[STOP]);
+            }
+        }
+        // Keep reading (and dropping) what workers send, so that one blocked on a full pipe
+        // finishes its batch, sees `stop` and ends cleanly; kill whoever is left at the
+        // deadline.
+        let deadline = Instant::now() + Duration::from_secs(5);
+        loop {
+            if let Some(rx) = &self.batches {
+                while rx.try_recv().is_ok() {}
+            }
+            let mut running = 0;
+            for w in &mut self.workers {
+                if matches!(w.child.try_wait(), Ok(None)) {
+                    running += 1;
+                }
+            }
+            if running == 0 || Instant::now() >= deadline {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        drop(self.batches.take());
+        for w in &mut self.workers {
+            if !matches!(w.child.try_wait(), Ok(Some(_))) {
+                let _ = w.child.kill();
+            }
+            let _ = w.child.wait();
+        }
+    }
+}
+
+impl<T: SenderTransport> Drop for ProcessAsyncCollector<T> {
+    fn drop(&mut self) {
+        self.stop_workers();
+    }
+}
+
+impl<T: SenderTransport> UpdatePolicyWeights for ProcessAsyncCollector<T> {
+    fn policy_id(&self) -> &ModelId {
+        &self.config.policy_id
+    }
+
+    fn version_of(&self, model: &ModelId) -> Version {
+        self.sender
+            .as_ref()
+            .map_or(Version::ZERO, |s| s.version(model))
+    }
+
+    fn registered_policy_weights(&mut self) -> Result<WeightSet> {
+        Err(Error::NoRegisteredPolicy)
+    }
+
+    /// Publishes without waiting: each worker applies it before its next batch
+    /// ([`ProcessAsyncCollector::wait_for_workers`] waits for that).
+    fn update_group(&mut self, group: Vec<WeightSet>) -> Result<()> {
+        let sender = self.sender.as_mut().ok_or(Error::Closed)?;
+        self.pending = Some(sender.send_async(group)?);
+        Ok(())
+    }
+}
+
+impl<T: SenderTransport> Iterator for ProcessAsyncCollector<T> {
+    type Item = Result<Batch>;
+
+    fn next(&mut self) -> Option<Self::Item> {
+        self.next_batch().transpose()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -411,7 +858,7 @@ mod tests {
         stream.extend_from_slice(&(bytes.len() as u32).to_le_bytes());
         stream.extend_from_slice(&bytes);
         let (tx, rx) = mpsc::channel();
-        read_batches(0, &stream[..], tx);
+        read_batches(0, &stream[..], move |b| tx.send(b).is_ok());
         assert_eq!(rx.recv().unwrap().unwrap().frames, 3);
         // then the stream ends: reported as the worker being gone
         assert!(matches!(
@@ -423,13 +870,15 @@ mod tests {
     #[test]
     fn no_greeting_and_oversized_frames_are_refused() {
         let (tx, rx) = mpsc::channel();
-        read_batches(1, &vec![b'x'; MAX_PREAMBLE + 10][..], tx);
+        read_batches(1, &vec![b'x'; MAX_PREAMBLE + 10][..], move |b| {
+            tx.send(b).is_ok()
+        });
         let e = rx.recv().unwrap().unwrap_err().to_string();
         assert!(e.contains("not a refit worker"), "{e}");
         let mut stream = MAGIC.to_vec();
         stream.extend_from_slice(&u32::MAX.to_le_bytes());
         let (tx, rx) = mpsc::channel();
-        read_batches(2, &stream[..], tx);
+        read_batches(2, &stream[..], move |b| tx.send(b).is_ok());
         let e = rx.recv().unwrap().unwrap_err().to_string();
         assert!(e.contains("frame"), "{e}");
     }

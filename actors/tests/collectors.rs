@@ -591,3 +591,90 @@ fn a_live_but_hung_worker_is_a_timeout_naming_it_not_a_hang() {
     *lock.lock().unwrap() = true;
     cv.notify_all();
 }
+
+/// The trainer's end and the parent's end of an upstream in-process scheme for the tag
+/// policy, connected with `initial`.
+fn tag_upstream(
+    initial: WeightSet,
+) -> (
+    refit_runtime::Sender<refit_transports::inproc::InProcSender>,
+    refit_runtime::Receiver<refit_transports::inproc::InProcReceiver>,
+) {
+    let manifests =
+        refit_runtime::Manifests::new([(initial.model().clone(), Arc::new(tag_manifest()))])
+            .unwrap();
+    let hub = refit_transports::inproc::InProc::new();
+    let r = refit_runtime::ReceiverInit::new(hub.receiver(), Some(manifests.clone()));
+    let t = std::thread::spawn(move || r.connect(Duration::from_secs(10)).unwrap());
+    let s = refit_runtime::SenderInit::new(hub.sender().unwrap(), manifests)
+        .connect(vec![initial], Duration::from_secs(10))
+        .unwrap();
+    (s, t.join().unwrap())
+}
+
+#[test]
+fn an_update_pushed_upstream_cascades_through_a_multi_collector_to_every_worker() {
+    let workers = |hub: &refit_transports::inproc::InProc| -> Vec<_> {
+        (0..2)
+            .map(|w| {
+                let c = Collector::builder(short_envs(2, 10 * w, 500), TagPolicy::default())
+                    .frames_per_batch(40)
+                    .build()
+                    .unwrap();
+                (c, hub.receiver())
+            })
+            .collect()
+    };
+    // sync parent: the batch after each push is made by the pushed version, in every worker
+    let hub = refit_transports::inproc::InProc::new();
+    let mut multi = MultiSyncCollector::spawn(
+        hub.sender().unwrap(),
+        workers(&hub),
+        vec![tag_weights(1)],
+        MultiConfig::default(),
+    )
+    .unwrap();
+    let (mut top, parent_end) = tag_upstream(tag_weights(2));
+    multi.attach_weight_source(Box::new(parent_end)).unwrap();
+    for v in 2..5 {
+        let pending = (v > 2).then(|| top.send_async(vec![tag_weights(v)]).unwrap());
+        let b = multi.next_batch().unwrap().unwrap();
+        if let Some(p) = pending {
+            // the parent acknowledged upstream when it forwarded
+            top.wait(&p, Duration::from_secs(10)).unwrap();
+        }
+        assert_eq!(b.version_range(), Some((Version(v), Version(v))));
+        let mut ws: Vec<usize> = b.transitions.iter().map(|t| t.worker).collect();
+        ws.dedup();
+        assert_eq!(ws, vec![0, 1]);
+        assert!(b.transitions.iter().all(|t| t.log_prob == v as f32));
+    }
+    multi.shutdown().unwrap();
+
+    // async parent: every worker reaches the pushed version
+    let hub = refit_transports::inproc::InProc::new();
+    let mut multi = MultiAsyncCollector::spawn(
+        hub.sender().unwrap(),
+        workers(&hub),
+        vec![tag_weights(1)],
+        MultiConfig::default(),
+    )
+    .unwrap();
+    let (mut top, parent_end) = tag_upstream(tag_weights(1));
+    multi.attach_weight_source(Box::new(parent_end)).unwrap();
+    multi.next_batch().unwrap().unwrap();
+    let pending = top.send_async(vec![tag_weights(2)]).unwrap();
+    let mut reached = HashSet::new();
+    for _ in 0..200 {
+        let b = multi.next_batch().unwrap().unwrap();
+        if b.version_range() == Some((Version(2), Version(2))) {
+            reached.insert(b.transitions[0].worker);
+        }
+        if reached.len() == 2 {
+            break;
+        }
+    }
+    assert_eq!(reached.len(), 2, "workers at v2: {reached:?}");
+    top.wait(&pending, Duration::from_secs(10)).unwrap();
+    multi.shutdown().unwrap();
+}
