@@ -13,6 +13,10 @@
 //!   their own threads.
 //! - [`topology`] wires them into a training run: one trainer per model, shared engine and
 //!   controller.
+//! - [`cluster`] spreads a topology over processes and hosts as a topology file places it:
+//!   [`cluster::join`] runs one rank (trainer, controller and evaluator on rank 0; engines
+//!   and rollout workers on the others), weights over shared memory or TCP per link, every
+//!   other message through remote actors.
 //!
 //! Actix stays inside this module: the rest of the crate, the runtime and the transports are
 //! plain Rust. CPU-heavy actors (collection, training) run on their own threads so they never
