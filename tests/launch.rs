@@ -380,11 +380,24 @@ fn one_rank_starts_from_torchrun_variables() {
     );
     assert!(!dir.path().join("env.0").exists());
 
-    // --rank alone
+    // --rank alone (a per-rank launch needs the shared token: refused without it)
     let mut cmd = refit();
     cmd.arg("launch")
         .arg(&topo)
         .args(["--rank", "2", "--master-port", "999"]);
+    let out = run_within(cmd, Duration::from_secs(30));
+    let (_, stderr) = text(&out);
+    assert!(!out.status.success());
+    assert!(
+        stderr.contains("`REFIT_TOKEN`") && stderr.contains("REFIT_TOKEN_FILE"),
+        "{stderr}"
+    );
+    assert!(!dir.path().join("env.2").exists());
+    let mut cmd = refit();
+    cmd.arg("launch")
+        .arg(&topo)
+        .args(["--rank", "2", "--master-port", "999"])
+        .env("REFIT_TOKEN", TOKEN);
     let out = run_within(cmd, Duration::from_secs(30));
     assert_eq!(out.status.code(), Some(4));
     let env = std::fs::read_to_string(dir.path().join("env.2")).unwrap();
