@@ -297,6 +297,22 @@ fn in_process_hung_handler_hits_the_deadline() {
 }
 
 #[test]
+fn in_process_concurrent_calls_each_get_their_own_answer() {
+    in_process(|_server, _actor, remote| async move {
+        let calls: Vec<_> = (0..64u64)
+            .map(|i| {
+                let remote = remote.clone();
+                actix_rt::spawn(async move { (i, remote.send(Add(i, 1000 * i)).await) })
+            })
+            .collect();
+        for call in calls {
+            let (i, answer) = call.await.unwrap();
+            assert_eq!(answer.unwrap().unwrap(), 1001 * i);
+        }
+    });
+}
+
+#[test]
 fn in_process_stopped_actor_is_a_typed_error() {
     in_process(|_server, _actor, remote| async move {
         remote.send(Stop).await.unwrap();

@@ -141,3 +141,56 @@ fn answered_errors_cross_as_wire_errors() {
     assert!(<u64 as RemoteReply>::from_failure(failed()).is_none());
     assert!(<() as RemoteReply>::from_failure(failed()).is_none());
 }
+
+#[test]
+fn a_fragment_and_a_notify_outcome_round_trip() {
+    use crate::actor::{EvalReport, ModelEval, NotifyOutcome};
+    use crate::batch::{Batch, EpisodeStats};
+    let m = ModelId::new("policy").unwrap();
+    let fragment = PushFragment {
+        fragment: Batch {
+            episodes: vec![EpisodeStats {
+                traj_id: Some(3),
+                ret: 16.0,
+                len: 16,
+                worker: 1,
+                env: 0,
+                version: Version(2),
+            }],
+            frames: 16,
+            weight_sync: Duration::from_micros(250),
+            ..Batch::default()
+        },
+        admission: Admission {
+            seq: 1,
+            train_version: Version(2),
+            rollout_version: Version(2),
+            staleness: 0,
+            waited: Duration::ZERO,
+        },
+    };
+    let back: PushFragment =
+        wire::decode(&wire::encode(&fragment).unwrap(), MAX_CONTROL_MESSAGE).unwrap();
+    assert_eq!(back.admission, fragment.admission);
+    assert_eq!(back.fragment.frames, 16);
+    assert_eq!(back.fragment.episodes, fragment.fragment.episodes);
+    let outcome = NotifyOutcome {
+        version: Version(4),
+        leader: true,
+        eval: Some(EvalReport {
+            step: Version(4),
+            models: [(
+                m,
+                ModelEval {
+                    versions: [Version(4)].into(),
+                    mean_return: 21.5,
+                    episodes: 3,
+                },
+            )]
+            .into(),
+        }),
+    };
+    let back: NotifyOutcome =
+        wire::decode(&wire::encode(&outcome).unwrap(), MAX_CONTROL_MESSAGE).unwrap();
+    assert_eq!(back, outcome);
+}
