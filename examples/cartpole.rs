@@ -1,7 +1,9 @@
 //! PPO on CartPole: one trainer and several collector workers, until the mean return of the
 //! last 20 episodes reaches 475. By default the workers are separate processes (this program
 //! re-run as `worker`) fed with weights through shared memory; `--threads` runs them as
-//! threads over the in-process transport, `--async` as asynchronous threads.
+//! threads over the in-process transport, `--async` as asynchronous threads,
+//! `--async-processes` as asynchronous worker processes (batches as they come). `--help`
+//! lists every option.
 //!
 //! `--sync-mode sync|fully-async|batch-async` (or `--sync-config FILE.toml`) runs the actor
 //! topology instead: rollout worker actors act through an inference engine actor, and the
@@ -9,7 +11,8 @@
 //!
 //! ```text
 //! cargo run --release --example cartpole -- [--workers 2] [--envs 4] [--frames-per-batch 2048]
-//!     [--threads | --async | --sync-mode MODE | --sync-config FILE] [--staleness-threshold 2]
+//!     [--threads | --async | --async-processes | --sync-mode MODE | --sync-config FILE]
+//!     [--staleness-threshold 2]
 //!     [--seed 0] [--max-seconds 60] [--target 475] [--total-frames 2000000]
 //! ```
 //!
@@ -25,9 +28,12 @@ use std::process::Command;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use clap::{CommandFactory, Parser, Subcommand};
 use indicatif::{ProgressBar, ProgressStyle};
 use refit_actors::actor::topology::{self, ModelSpec, RunConfig, StopRule};
-use refit_actors::process::{ProcessConfig, ProcessSyncCollector, serve_worker};
+use refit_actors::process::{
+    ProcessAsyncCollector, ProcessConfig, ProcessSyncCollector, serve_worker,
+};
 use refit_actors::{
     Batch, CartPole, CartPolePpo, Collector, MlpPolicy, MultiAsyncCollector, MultiConfig,
     MultiSyncCollector, PpoConfig, PpoTrainer, UpdatePolicyWeights,
@@ -39,89 +45,92 @@ use refit_transports::shm::{ShmConfig, ShmReceiver, ShmReceiverSpec, ShmSender};
 #[path = "support/cartpole_topology.rs"]
 mod cartpole_topology;
 
+/// PPO on CartPole-v1 with collector workers (processes by default), or through the actor
+/// topology with `--sync-mode` / `--sync-config`.
+#[derive(Parser, Debug)]
+#[command(long_about = None, args_conflicts_with_subcommands = true)]
 struct Args {
+    /// Collector workers (or rollout worker actors).
+    #[arg(long, default_value_t = 2)]
     workers: usize,
+    /// Environments per worker.
+    #[arg(long, default_value_t = 4)]
     envs: usize,
+    /// Frames per training batch, all workers together.
+    #[arg(long, default_value_t = 2048)]
     frames_per_batch: usize,
+    /// Asynchronous worker threads over the in-process transport.
+    #[arg(long = "async")]
     asynchronous: bool,
+    /// Synchronous worker threads over the in-process transport.
+    #[arg(long)]
     threads: bool,
+    /// Asynchronous worker processes over shared memory (batches as they come).
+    #[arg(long, conflicts_with_all = ["asynchronous", "threads"])]
+    async_processes: bool,
+    /// Seed of the trainer, the environments and the workers.
+    #[arg(long, default_value_t = 0)]
     seed: u64,
+    /// Time budget in seconds.
+    #[arg(long, default_value_t = 60.0)]
     max_seconds: f64,
+    /// Mean return over the last 20 episodes that counts as solved.
+    #[arg(long, default_value_t = 475.0)]
     target: f64,
+    /// Frame budget.
+    #[arg(long, default_value_t = 2_000_000)]
     total_frames: u64,
+    /// Runs the actor topology in this sync mode: sync, batch-async or fully-async.
+    #[arg(long, value_parser = parse_sync_mode)]
     sync_mode: Option<SyncMode>,
+    /// Runs the actor topology with this sync configuration (TOML).
+    #[arg(long)]
     sync_config: Option<std::path::PathBuf>,
+    /// The actor topology's staleness threshold (overrides the configuration's).
+    #[arg(long)]
     staleness_threshold: Option<u64>,
+    #[command(subcommand)]
+    command: Option<Sub>,
 }
 
-fn parse_args() -> Result<Args, String> {
-    let mut a = Args {
-        workers: 2,
-        envs: 4,
-        frames_per_batch: 2048,
-        asynchronous: false,
-        threads: false,
-        seed: 0,
-        max_seconds: 60.0,
-        target: 475.0,
-        total_frames: 2_000_000,
-        sync_mode: None,
-        sync_config: None,
-        staleness_threshold: None,
-    };
-    let mut it = std::env::args().skip(1);
-    while let Some(flag) = it.next() {
-        let mut value = |name: &str| it.next().ok_or(format!("{name} needs a value"));
-        let bad = |name: &str, e: &dyn std::fmt::Display| format!("{name}: {e}");
-        match flag.as_str() {
-            "--workers" => {
-                a.workers = value("--workers")?
-                    .parse()
-                    .map_err(|e| bad("--workers", &e))?
-            }
-            "--envs" => a.envs = value("--envs")?.parse().map_err(|e| bad("--envs", &e))?,
-            "--frames-per-batch" => {
-                a.frames_per_batch = value("--frames-per-batch")?
-                    .parse()
-                    .map_err(|e| bad("--frames-per-batch", &e))?
-            }
-            "--async" => a.asynchronous = true,
-            "--threads" => a.threads = true,
-            "--seed" => a.seed = value("--seed")?.parse().map_err(|e| bad("--seed", &e))?,
-            "--max-seconds" => {
-                a.max_seconds = value("--max-seconds")?
-                    .parse()
-                    .map_err(|e| bad("--max-seconds", &e))?
-            }
-            "--target" => {
-                a.target = value("--target")?
-                    .parse()
-                    .map_err(|e| bad("--target", &e))?
-            }
-            "--total-frames" => {
-                a.total_frames = value("--total-frames")?
-                    .parse()
-                    .map_err(|e| bad("--total-frames", &e))?
-            }
-            "--sync-mode" => {
-                a.sync_mode =
-                    Some(SyncMode::parse(&value("--sync-mode")?).map_err(|e| e.to_string())?)
-            }
-            "--sync-config" => a.sync_config = Some(value("--sync-config")?.into()),
-            "--staleness-threshold" => {
-                a.staleness_threshold = Some(
-                    value("--staleness-threshold")?
-                        .parse()
-                        .map_err(|e| bad("--staleness-threshold", &e))?,
-                )
-            }
-            other => return Err(format!("unknown argument {other}")),
-        }
+#[derive(Subcommand, Debug)]
+enum Sub {
+    /// One rank of a topology file, as `refit launch` starts it: reads `REFIT_TOPOLOGY` and
+    /// the launch variables (`CARTPOLE_SYNC_MODE` overrides the file's sync mode).
+    Topology,
+    /// A collector worker process (spawned by this program).
+    #[command(hide = true)]
+    Worker {
+        /// Worker index.
+        w: usize,
+        /// The shared-memory receiver's token.
+        token: String,
+        /// Environments.
+        envs: usize,
+        /// Frames per batch.
+        frames: usize,
+        /// Seed.
+        seed: u64,
+    },
+}
+
+fn parse_sync_mode(s: &str) -> Result<SyncMode, String> {
+    SyncMode::parse(s).map_err(|e| e.to_string())
+}
+
+fn parse_args() -> Args {
+    let a = Args::parse();
+    if a.command.is_none()
+        && (a.workers == 0 || a.envs == 0 || a.frames_per_batch < a.workers * a.envs)
+    {
+        Args::command()
+            .error(
+                clap::error::ErrorKind::ValueValidation,
+                "workers, envs and frames per batch must be positive (and frames per batch at least workers x envs)",
+            )
+            .exit();
     }
-    if a.workers == 0 || a.envs == 0 || a.frames_per_batch < a.workers * a.envs {
-        return Err("workers, envs and frames per batch must be positive".into());
-    }
-    Ok(a)
+    a
 }
 
 /// What the loop reports at the end.
@@ -236,14 +245,17 @@ fn worker_collector(
 
 // ANCHOR: process_worker
 /// `cartpole worker W TOKEN ENVS FRAMES SEED`: a collector worker process. Its stdout carries
-/// batches to the trainer; weights arrive through shared memory.
-fn run_worker_process(args: &[String]) -> Result<(), Box<dyn std::error::Error>> {
-    let [w, token, envs, frames, seed] = args else {
-        return Err("usage: cartpole worker W TOKEN ENVS FRAMES SEED".into());
-    };
-    let w: usize = w.parse()?;
+/// batches to the trainer; weights arrive through shared memory. The same worker serves the
+/// synchronous and the asynchronous process collectors.
+fn run_worker_process(
+    w: usize,
+    token: &str,
+    envs: usize,
+    frames: usize,
+    seed: u64,
+) -> Result<(), Box<dyn std::error::Error>> {
     let spec: ShmReceiverSpec = wire::from_token(token)?;
-    let collector = worker_collector(w, envs.parse()?, frames.parse()?, seed.parse()?)?;
+    let collector = worker_collector(w, envs, frames, seed)?;
     let receiver = ReceiverInit::new(ShmReceiver::new(spec), None);
     serve_worker(collector, w, receiver, Duration::from_secs(30))?;
     Ok(())
@@ -251,10 +263,17 @@ fn run_worker_process(args: &[String]) -> Result<(), Box<dyn std::error::Error>>
 // ANCHOR_END: process_worker
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let argv: Vec<String> = std::env::args().collect();
-    if argv.get(1).map(String::as_str) == Some("worker") {
+    let args = parse_args();
+    if let Some(Sub::Worker {
+        w,
+        token,
+        envs,
+        frames,
+        seed,
+    }) = &args.command
+    {
         refit::init()?;
-        return run_worker_process(&argv[2..]);
+        return run_worker_process(*w, token, *envs, *frames, *seed);
     }
     if std::env::var_os("RAYON_NUM_THREADS").is_none() {
         // candle sizes its matmul fan-out from this variable (not from the current rayon
@@ -266,13 +285,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     }
     // logging and SIGINT/SIGTERM handling (starts a thread: after the environment is set)
     refit::init()?;
-    if argv.get(1).map(String::as_str) == Some("topology") {
+    if matches!(args.command, Some(Sub::Topology)) {
         if !cartpole_topology::run_rank()? {
             std::process::exit(1);
         }
         return Ok(());
     }
-    let args = parse_args()?;
     if args.sync_mode.is_some() || args.sync_config.is_some() {
         return run_actors(&args);
     }
@@ -296,7 +314,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         args.workers,
         args.envs,
         per_worker * args.workers,
-        if args.asynchronous {
+        if args.async_processes {
+            "worker batch (async worker processes, shared-memory weights)"
+        } else if args.asynchronous {
             "worker batch (async threads, in-process weights)"
         } else if args.threads {
             "batch (sync threads, in-process weights)"
@@ -316,6 +336,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         }
     }
     let out = if !args.threads && !args.asynchronous {
+        let sync_processes = !args.async_processes;
         // ANCHOR: processes
         let manifests = Manifests::new([(
             initial[0].model().clone(),
@@ -337,9 +358,16 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 c
             })
             .collect();
-        let c = ProcessSyncCollector::spawn(sender, commands, initial, ProcessConfig::default())?;
+        let config = ProcessConfig::default();
+        if sync_processes {
+            let c = ProcessSyncCollector::spawn(sender, commands, initial, config)?;
+            train(c, &mut trainer, &args, start)?
+        } else {
+            // workers collect continuously; each batch is one worker's, as it arrives
+            let c = ProcessAsyncCollector::spawn(sender, commands, initial, config)?;
+            train(c, &mut trainer, &args, start)?
+        }
         // ANCHOR_END: processes
-        train(c, &mut trainer, &args, start)?
     } else if args.asynchronous {
         let c = MultiAsyncCollector::spawn(hub.sender()?, workers, initial, config)?;
         train(c, &mut trainer, &args, start)?

@@ -9,6 +9,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use clap::Parser;
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 use refit_actors::{
@@ -76,18 +77,25 @@ impl Run {
     }
 }
 
+/// CartPole collection speed: one worker, two synchronous and two asynchronous worker
+/// threads, with a weight update after every batch.
+#[derive(Parser, Debug)]
+#[command(long_about = None)]
+struct Args {
+    /// Frames to collect per measurement.
+    #[arg(long, default_value_t = 200_000)]
+    frames: u64,
+    /// Environments per worker.
+    #[arg(long, default_value_t = 1)]
+    envs: usize,
+}
+
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     refit::init()?;
-    let mut total: u64 = 200_000;
-    let mut n_envs = 1usize;
-    let mut args = std::env::args().skip(1);
-    while let Some(a) = args.next() {
-        match a.as_str() {
-            "--frames" => total = args.next().ok_or("--frames needs a value")?.parse()?,
-            "--envs" => n_envs = args.next().ok_or("--envs needs a value")?.parse()?,
-            other => return Err(format!("unknown argument {other}").into()),
-        }
-    }
+    let Args {
+        frames: total,
+        envs: n_envs,
+    } = Args::parse();
     let mut rng = SmallRng::seed_from_u64(1);
     println!(
         "CartPole, MLP 4-64-64-2 tanh, {n_envs} env(s) per worker, weight update after every {BATCH}-frame batch"

@@ -92,7 +92,14 @@ fn engine_rules() -> LayoutRules {
 }
 // ANCHOR_END: rules
 
+/// Adapting a trainer's layout to an engine's: a layout plan (renames, fused tensors,
+/// shards) and a cast plan, applied to real weights.
+#[derive(clap::Parser, Debug)]
+#[command(long_about = None)]
+struct Args {}
+
 fn main() -> Result<()> {
+    <Args as clap::Parser>::parse();
     refit::init()?;
     // ANCHOR: plan
     // At connect: check the rules once, get the engine's manifest.

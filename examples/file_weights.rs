@@ -94,15 +94,18 @@ fn run(versions: u64) -> Result<()> {
     sender.shutdown()
 }
 
+/// Weights through files: a sender publishes versions as safetensors files, a receiver
+/// applies them, a reader holds an old version, a collector keeps what is held.
+#[derive(clap::Parser, Debug)]
+#[command(long_about = None)]
+struct Args {
+    /// Versions to publish (at least 2).
+    #[arg(default_value_t = 5, value_parser = clap::value_parser!(u64).range(2..))]
+    versions: u64,
+}
+
 fn main() -> std::process::ExitCode {
-    let versions = match std::env::args().nth(1).map(|a| a.parse::<u64>()) {
-        None => 5,
-        Some(Ok(n)) if n >= 2 => n,
-        Some(_) => {
-            eprintln!("usage: file_weights [VERSIONS >= 2]");
-            return std::process::ExitCode::from(2);
-        }
-    };
+    let versions = <Args as clap::Parser>::parse().versions;
     match run(versions) {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {

@@ -42,14 +42,34 @@ use refit::transports::tcp::{
 
 const WAIT: Duration = Duration::from_secs(120);
 
+/// Weights across nodes: a trainer node publishes to worker nodes over TCP (spawned on
+/// loopback by default, or started per rank with the launch variables).
+#[derive(clap::Parser, Debug)]
+#[command(long_about = None)]
 struct Args {
+    /// This process's role.
+    #[arg(default_value = "trainer", value_parser = ["trainer", "worker"])]
     role: String,
+    /// Worker nodes.
+    #[arg(long, default_value_t = 2)]
     workers: u32,
+    /// Versions to publish.
+    #[arg(long, default_value_t = 5)]
     versions: u64,
+    /// Address to bind.
+    #[arg(long)]
     bind: Option<SocketAddr>,
+    /// Do not spawn the workers (they are started separately).
+    #[arg(long = "no-spawn", action = clap::ArgAction::SetFalse)]
     spawn: bool,
+    /// Bytes of weights (`4MiB`, `1GiB`, `4096`).
+    #[arg(long, default_value = "4MiB", value_parser = parse_size)]
     size: usize,
+    /// Send every version whole (no deltas).
+    #[arg(long)]
     full: bool,
+    /// Bucket size of a transfer.
+    #[arg(long, default_value_t = DEFAULT_BUCKET_SIZE, value_parser = parse_size)]
     bucket_size: usize,
 }
 
@@ -64,49 +84,6 @@ fn parse_size(s: &str) -> std::result::Result<usize, String> {
         .ok()
         .filter(|_| size.as_u64() != u64::MAX)
         .ok_or(format!("size {s:?} overflows"))
-}
-
-fn parse_args() -> std::result::Result<Args, String> {
-    let mut a = Args {
-        role: "trainer".into(),
-        workers: 2,
-        versions: 5,
-        bind: None,
-        spawn: true,
-        size: 4 << 20,
-        full: false,
-        bucket_size: DEFAULT_BUCKET_SIZE,
-    };
-    let mut it = std::env::args().skip(1);
-    while let Some(arg) = it.next() {
-        let mut value = |name: &str| it.next().ok_or(format!("{name} needs a value"));
-        match arg.as_str() {
-            "trainer" | "worker" => a.role = arg,
-            "--workers" => {
-                a.workers = value("--workers")?
-                    .parse()
-                    .map_err(|e| format!("--workers: {e}"))?
-            }
-            "--versions" => {
-                a.versions = value("--versions")?
-                    .parse()
-                    .map_err(|e| format!("--versions: {e}"))?
-            }
-            "--bind" => {
-                a.bind = Some(
-                    value("--bind")?
-                        .parse()
-                        .map_err(|e| format!("--bind: {e}"))?,
-                )
-            }
-            "--no-spawn" => a.spawn = false,
-            "--size" => a.size = parse_size(&value("--size")?)?,
-            "--bucket-size" => a.bucket_size = parse_size(&value("--bucket-size")?)?,
-            "--full" => a.full = true,
-            other => return Err(format!("unknown argument {other:?}")),
-        }
-    }
-    Ok(a)
 }
 
 // ANCHOR: model
@@ -301,13 +278,7 @@ fn main() -> ExitCode {
         eprintln!("multi_node: {e}");
         return ExitCode::FAILURE;
     }
-    let args = match parse_args() {
-        Ok(a) => a,
-        Err(e) => {
-            eprintln!("multi_node: {e}");
-            return ExitCode::FAILURE;
-        }
-    };
+    let args = <Args as clap::Parser>::parse();
     let result = if args.role == "worker" {
         worker(&args)
     } else {

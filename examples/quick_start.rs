@@ -22,7 +22,14 @@ fn weights_at(manifest: &Arc<Manifest>, version: u64) -> Result<WeightSet> {
     Ok(ws)
 }
 
+/// The quick start: a trainer's sender and an engine's receiver on loopback TCP move three
+/// versions of a small model.
+#[derive(clap::Parser, Debug)]
+#[command(long_about = None)]
+struct Args {}
+
 fn main() -> Result<()> {
+    <Args as clap::Parser>::parse();
     // 1. The model's layout, which both ends agree on when they connect.
     let manifest = Arc::new(
         Manifest::builder()

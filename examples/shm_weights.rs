@@ -115,6 +115,30 @@ fn run_receiver(index: &str, token: &str) -> Result<()> {
 }
 // ANCHOR_END: receiver
 
+/// Weights through shared memory: this process publishes versions to two receiver
+/// processes (itself, re-run as `receiver`).
+#[derive(clap::Parser, Debug)]
+#[command(long_about = None, args_conflicts_with_subcommands = true)]
+struct Args {
+    /// Versions to publish (at least 1).
+    #[arg(default_value_t = 10, value_parser = clap::value_parser!(u64).range(1..))]
+    versions: u64,
+    #[command(subcommand)]
+    command: Option<Sub>,
+}
+
+#[derive(clap::Subcommand, Debug)]
+enum Sub {
+    /// A receiver process (spawned by the sender).
+    #[command(hide = true)]
+    Receiver {
+        /// Receiver index.
+        index: String,
+        /// The shared-memory receiver's token.
+        token: String,
+    },
+}
+
 fn main() -> ExitCode {
     // ANCHOR: init
     // logging (RUST_LOG) and SIGINT/SIGTERM: segments released, exit status 130/143
@@ -123,17 +147,10 @@ fn main() -> ExitCode {
         return ExitCode::FAILURE;
     }
     // ANCHOR_END: init
-    let args: Vec<String> = std::env::args().collect();
-    let result = match args.get(1).map(String::as_str) {
-        Some("receiver") if args.len() == 4 => run_receiver(&args[2], &args[3]),
-        Some(n) => match n.parse::<u64>() {
-            Ok(v) if v >= 1 => run_sender(v),
-            _ => {
-                eprintln!("usage: shm_weights [VERSIONS >= 1]");
-                return ExitCode::from(2);
-            }
-        },
-        None => run_sender(10),
+    let args = <Args as clap::Parser>::parse();
+    let result = match &args.command {
+        Some(Sub::Receiver { index, token }) => run_receiver(index, token),
+        None => run_sender(args.versions),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -12,60 +12,43 @@
 
 use std::time::Duration;
 
+use clap::Parser;
+
 use refit_actors::CartPolePpo;
 use refit_actors::actor::SyncEventKind;
 use refit_actors::actor::topology::{self, ModelSpec, RunConfig, StopRule};
 use refit_runtime::ModelId;
 use refit_runtime::sync_policy::{SyncConfig, SyncMode};
 
+/// Two models (solver and verifier) trained by two trainers and served by one inference
+/// engine, kept in step by the weight-sync controller's version barrier.
+#[derive(Parser, Debug)]
+#[command(long_about = None)]
 struct Args {
+    /// Updates per model.
+    #[arg(long, default_value_t = 20)]
     updates: u64,
+    /// Every K-th version is an eval step (overrides the configuration's).
+    #[arg(long)]
     validate_freq: Option<u64>,
+    /// Sync mode: sync, batch-async or fully-async (overrides the configuration's).
+    #[arg(long = "sync-mode", value_parser = parse_sync_mode)]
     mode: Option<SyncMode>,
+    /// Sync configuration (TOML).
+    #[arg(long)]
     config: Option<std::path::PathBuf>,
+    /// Seed.
+    #[arg(long, default_value_t = 0)]
     seed: u64,
 }
 
-fn parse_args() -> Result<Args, String> {
-    let mut a = Args {
-        updates: 20,
-        validate_freq: None,
-        mode: None,
-        config: None,
-        seed: 0,
-    };
-    let mut it = std::env::args().skip(1);
-    while let Some(flag) = it.next() {
-        let mut value = || it.next().ok_or(format!("{flag} needs a value"));
-        match flag.as_str() {
-            "--updates" => a.updates = value()?.parse().map_err(|e| format!("--updates: {e}"))?,
-            "--validate-freq" => {
-                a.validate_freq = Some(
-                    value()?
-                        .parse()
-                        .map_err(|e| format!("--validate-freq: {e}"))?,
-                )
-            }
-            "--sync-mode" => a.mode = Some(SyncMode::parse(&value()?).map_err(|e| e.to_string())?),
-            "--config" => a.config = Some(value()?.into()),
-            "--seed" => a.seed = value()?.parse().map_err(|e| format!("--seed: {e}"))?,
-            other => return Err(format!("unknown argument {other}")),
-        }
-    }
-    Ok(a)
+fn parse_sync_mode(s: &str) -> Result<SyncMode, String> {
+    SyncMode::parse(s).map_err(|e| e.to_string())
 }
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     refit::init()?;
-    let args = match parse_args() {
-        Ok(a) => a,
-        Err(e) => {
-            eprintln!(
-                "{e}\nusage: two_models [--updates N] [--validate-freq K] [--sync-mode MODE] [--config FILE] [--seed S]"
-            );
-            std::process::exit(2);
-        }
-    };
+    let args = Args::parse();
     // ANCHOR: config
     let mut sync = match &args.config {
         Some(path) => SyncConfig::from_path(path)?,

@@ -45,7 +45,43 @@ fn shm_weights_example_refuses_bad_arguments() {
         .output()
         .unwrap();
     assert_eq!(out.status.code(), Some(2));
-    assert!(String::from_utf8_lossy(&out.stderr).contains("usage"));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("invalid value 'zero'") && stderr.contains("VERSIONS"),
+        "{stderr}"
+    );
+}
+
+/// Every example parses its arguments with clap: `--help` succeeds and lists the options,
+/// and an unknown option is refused with exit status 2, named.
+#[test]
+fn every_example_answers_help_and_refuses_an_unknown_option() {
+    let examples = [
+        ("cartpole", "--async-processes"),
+        ("two_models", "--validate-freq"),
+        ("collector_bench", "--frames"),
+        ("file_weights", "[VERSIONS]"),
+        ("shm_weights", "[VERSIONS]"),
+        ("multi_node", "--no-spawn"),
+        ("quick_start", "--help"),
+        ("engine_layout", "--help"),
+    ];
+    for (name, option) in examples {
+        let out = Command::new(example(name)).arg("--help").output().unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(out.status.success(), "{name} --help failed: {stdout}");
+        assert!(
+            stdout.contains("Usage:") && stdout.contains(option),
+            "{name} --help:\n{stdout}"
+        );
+        let out = Command::new(example(name))
+            .arg("--no-such-option")
+            .output()
+            .unwrap();
+        assert_eq!(out.status.code(), Some(2), "{name}");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(stderr.contains("--no-such-option"), "{name}: {stderr}");
+    }
 }
 
 fn run_ok(name: &str, args: &[&str]) -> String {
@@ -103,6 +139,32 @@ fn cartpole_learns_through_the_actor_topology_in_every_sync_mode() {
             assert!(stdout.contains("blocked 0 (0 ms waiting)"), "{stdout}");
         }
     }
+}
+
+/// The real example with asynchronous worker processes (itself re-run as `worker`): batches
+/// stream in, every update is trained on and published, and a spent frame budget is a clear
+/// failure (exit status 1, "NOT solved"), not a hang.
+#[test]
+fn cartpole_runs_asynchronous_worker_processes_until_its_budget() {
+    let out = Command::new(example("cartpole"))
+        .args([
+            "--async-processes",
+            "--total-frames",
+            "4096",
+            "--target",
+            "1000",
+        ])
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stdout}\n{stderr}");
+    assert!(stdout.contains("async worker processes"), "{stdout}");
+    let updates = stdout.lines().filter(|l| l.contains(" -> v")).count();
+    assert!(updates >= 4, "{updates} updates:\n{stdout}");
+    // each batch is one worker's (1024 frames of the 2048 per round)
+    assert!(stdout.contains("frames    1024"), "{stdout}");
+    assert!(stdout.contains("NOT solved"), "{stdout}");
 }
 
 #[test]

@@ -218,12 +218,11 @@ fn async_worker_processes_stream_batches_and_an_update_reaches_every_worker() {
 #[test]
 fn an_update_pushed_upstream_cascades_through_the_parent_to_every_worker_process() {
     // sync parent: the batch after the push is all v2
+    // ANCHOR: cascade
     let (mut c, mut trainer) = collector(2, Duration::from_secs(30));
-    let (mut top, parent_end) = upstream(&{
-        let mut w = trainer.export().unwrap(); // v2: newer than the workers' v1
-        w.set_version(Version(2));
-        w
-    });
+    // the trainer's scheme reaches the parent; the parent's scheme reaches its workers
+    let v2 = trainer.export().unwrap(); // newer than the workers' v1: forwarded at attach
+    let (mut top, parent_end) = upstream(&v2);
     c.attach_weight_source(Box::new(parent_end)).unwrap();
     let b = c.next_batch().unwrap().unwrap();
     assert_eq!(b.version_range(), Some((Version(2), Version(2))));
@@ -236,6 +235,7 @@ fn an_update_pushed_upstream_cascades_through_the_parent_to_every_worker_process
     assert_eq!(workers, vec![0, 1]);
     // the parent acknowledged upstream once it forwarded
     top.wait(&pending, Duration::from_secs(10)).unwrap();
+    // ANCHOR_END: cascade
     c.shutdown().unwrap();
 
     // async parent

@@ -1,5 +1,5 @@
 //! PPO + [`MlpPolicy`] + [`CartPole`]: one implementation of the role traits
-//! ([`Roles`], [`Learner`](crate::learner::Learner), [`Policy`](crate::policy::Policy),
+//! ([`Roles`], [`Learner`], [`Policy`](crate::policy::Policy),
 //! [`Env`](crate::env::Env)), used by the examples and the tests.
 //!
 //! A model's [`ModelSpec::params`] may set the PPO hyper-parameters and the network:

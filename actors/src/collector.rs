@@ -295,6 +295,14 @@ impl<E: Env, P: Policy + 'static> CollectorBuilder<E, P> {
                 "environments of one collector must share observation and action sizes".into(),
             ));
         }
+        if self.policy.obs_dim() != obs_dim || self.policy.num_actions() != num_actions {
+            return Err(Error::Config(format!(
+                "the policy takes observations of {} values and has {} actions, the \
+                 environments give {obs_dim} values and have {num_actions} actions",
+                self.policy.obs_dim(),
+                self.policy.num_actions()
+            )));
+        }
         let policy_manifest = Arc::new(self.strategy.manifest(&self.policy)?);
         let manifests = Manifests::new(
             std::iter::once((c.policy_id.clone(), Arc::clone(&policy_manifest))).chain(self.aux),

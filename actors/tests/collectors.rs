@@ -428,6 +428,12 @@ fn config_errors_are_typed() {
         b.split_trajs(),
         Err(Error::SplitTrajsWithoutTrajIds)
     ));
+    // a policy that does not fit the environments (6 observation values, 3 actions)
+    let e = Collector::builder(short_envs(1, 0, 5), MlpPolicy::new(&[6, 8, 3]).unwrap())
+        .build()
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("6 values") && e.contains("give 4 values"), "{e}");
 }
 
 #[test]

@@ -9,10 +9,10 @@
 //! - [`RolloutWorker`] steps environments with actions from an engine, asking the controller
 //!   before each rollout fragment; [`TrajectoryPool`] gathers fragments into batches through
 //!   the staleness filter; [`Evaluator`] runs validation episodes.
-//! - [`CollectorWorker`] and [`Trainer`] wrap the plain-Rust collector and PPO trainer on
-//!   their own threads.
+//! - [`CollectorWorker`] and [`Trainer`] wrap the plain-Rust collector and a user's
+//!   [`Learner`](crate::learner::Learner) on their own threads.
 //! - [`topology`] wires them into a training run: one trainer per model, shared engine and
-//!   controller.
+//!   controller, the user's code coming from a [`Roles`](crate::roles::Roles) factory.
 //! - [`cluster`] spreads a topology over processes and hosts as a topology file places it:
 //!   [`cluster::join`] runs one rank (trainer, controller and evaluator on rank 0; engines
 //!   and rollout workers on the others), weights over shared memory or TCP per link, every
