@@ -229,6 +229,24 @@ fn the_cartpole_topology_learns_across_processes_in_every_sync_mode() {
     }
 }
 
+/// The same processes with `[links] weights = "tcp"`: each engine registers with rank 0's
+/// TCP sender agent (on rank 0's node) and pulls every version over loopback sockets.
+#[test]
+fn the_cartpole_topology_learns_with_weights_over_tcp() {
+    let dir = tempfile::tempdir().unwrap();
+    let topo = topology_file(dir.path(), "abort", 150.0, 40);
+    let text = std::fs::read_to_string(&topo)
+        .unwrap()
+        .replace("weights = \"auto\"", "weights = \"tcp\"");
+    std::fs::write(&topo, text).unwrap();
+    let (status, out) = Launch::start(&topo, "fully-async").finish(Duration::from_secs(600));
+    assert!(status.success(), "{status}\n{out}");
+    assert!(out.contains("weights: tcp sender agent"), "{out}");
+    assert_eq!(out.matches("weights over tcp").count(), 2, "{out}");
+    assert!(out.contains("solved: policy (fully-async mode)"), "{out}");
+    assert!(!out.contains("shm board"), "{out}");
+}
+
 fn kill(pid: u32) -> Instant {
     let ok = Command::new("kill")
         .args(["-9", &pid.to_string()])
