@@ -95,3 +95,54 @@ fn an_inlet_of_another_layout_is_refused_naming_the_model() {
     drop(out);
     links::remove_segments(&segments);
 }
+
+fn two_rank_topology(rank0_roles: &str) -> refit_runtime::topology::Topology {
+    refit_runtime::topology::Topology::parse(&format!(
+        r#"
+        [run]
+        command = ["x", "topology"]
+        [[model]]
+        id = "policy"
+        [[process]]
+        name = "learner"
+        roles = [{rank0_roles}]
+        [[process]]
+        name = "actor"
+        roles = ["engine", "rollout"]
+        "#
+    ))
+    .unwrap()
+}
+
+fn launch(rank: u32, world_size: u32) -> refit_runtime::node::LaunchEnv {
+    refit_runtime::node::LaunchEnv {
+        rank,
+        world_size,
+        master_addr: "127.0.0.1".into(),
+        master_port: 29_999,
+    }
+}
+
+#[test]
+fn join_refuses_launch_variables_and_placements_that_do_not_fit_naming_them() {
+    use refit_actors::CartPolePpo;
+    use refit_actors::actor::cluster;
+    let topo = two_rank_topology(r#""trainer", "controller""#);
+    let e = cluster::join(&topo, &launch(0, 3), CartPolePpo::new())
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("WORLD_SIZE is 3") && e.contains("2 ranks"),
+        "{e}"
+    );
+    let e = cluster::join(&topo, &launch(2, 2), CartPolePpo::new())
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("RANK"), "{e}");
+    // an engine beside the trainer while other ranks hold engines too
+    let topo = two_rank_topology(r#""trainer", "controller", "engine", "rollout""#);
+    let e = cluster::join(&topo, &launch(0, 2), CartPolePpo::new())
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("rank 0 (process `learner`"), "{e}");
+}
