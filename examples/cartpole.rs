@@ -16,6 +16,9 @@
 //!     [--seed 0] [--max-seconds 60] [--target 475] [--total-frames 2000000]
 //! ```
 //!
+//! `cartpole topology` runs one rank of a topology file spread over processes and hosts, as
+//! `refit launch` starts it (`refit launch examples/topologies/cartpole-processes.toml`).
+//!
 //! The run stops, solved, once the target is reached; it fails (exit code 1) when the frame
 //! budget (`--total-frames`; in the actor topology it buys `total / frames-per-batch`
 //! updates, rounded up) or the time budget is spent first.
@@ -38,6 +41,9 @@ use refit_actors::{
 use refit_runtime::sync_policy::{SyncConfig, SyncMode};
 use refit_runtime::{Manifests, ReceiverInit, wire};
 use refit_transports::shm::{ShmConfig, ShmReceiver, ShmReceiverSpec, ShmSender};
+
+#[path = "support/cartpole_topology.rs"]
+mod cartpole_topology;
 
 /// PPO on CartPole-v1 with collector workers (processes by default), or through the actor
 /// topology with `--sync-mode` / `--sync-config`.
@@ -89,6 +95,9 @@ struct Args {
 
 #[derive(Subcommand, Debug)]
 enum Sub {
+    /// One rank of a topology file, as `refit launch` starts it: reads `REFIT_TOPOLOGY` and
+    /// the launch variables (`CARTPOLE_SYNC_MODE` overrides the file's sync mode).
+    Topology,
     /// A collector worker process (spawned by this program).
     #[command(hide = true)]
     Worker {
@@ -276,6 +285,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     }
     // logging and SIGINT/SIGTERM handling (starts a thread: after the environment is set)
     refit::init()?;
+    if matches!(args.command, Some(Sub::Topology)) {
+        if !cartpole_topology::run_rank()? {
+            std::process::exit(1);
+        }
+        return Ok(());
+    }
     if args.sync_mode.is_some() || args.sync_config.is_some() {
         return run_actors(&args);
     }

@@ -23,7 +23,7 @@ use refit_runtime::{ModelId, Version};
 use serde::{Deserialize, Serialize};
 use tokio::sync::oneshot;
 
-use crate::error::{Error, Result};
+use crate::error::{Error, RemoteFailure, Result};
 
 use super::engine::{CancelInFlight, EngineHandle, UpdateModel};
 use super::eval::{EvalReport, RunEval};
@@ -281,6 +281,8 @@ pub struct WeightSyncController {
     policy: SyncPolicy,
     barrier: VersionBarrier<NotifyTx>,
     engines: Vec<EngineHandle>,
+    /// The position of each engine in the list the controller was made with.
+    engine_ids: Vec<usize>,
     evaluator: Option<Recipient<RunEval>>,
     blocked: Vec<Blocked>,
     drains: Vec<(u64, ModelId, oneshot::Sender<Result<()>>)>,
@@ -334,6 +336,7 @@ impl WeightSyncController {
         Ok(Self {
             policy,
             barrier,
+            engine_ids: (0..engines.len()).collect(),
             engines,
             evaluator,
             blocked: Vec::new(),
@@ -537,12 +540,20 @@ impl WeightSyncController {
                     .map_err(|e| Error::Actor(format!("controller: {e}")))??;
                 match step {
                     LeaderStep::CancelInFlight => {
-                        for e in &engines {
-                            e.cancel
-                                .send(CancelInFlight)
-                                .timeout(timeouts.load())
-                                .await
-                                .map_err(|e| Error::Actor(format!("engine did not cancel: {e}")))?;
+                        for (i, e) in engines.iter().enumerate() {
+                            match e.cancel.send(CancelInFlight).timeout(timeouts.load()).await {
+                                Ok(_) => {}
+                                // a stopped engine, or one whose process is gone, has nothing
+                                // in flight
+                                Err(MailboxError::Closed) => {
+                                    tracing::warn!(engine = i, "engine gone: nothing to cancel");
+                                }
+                                Err(e) => {
+                                    return Err(Error::Actor(format!(
+                                        "engine {i} did not cancel: {e}"
+                                    )));
+                                }
+                            }
                         }
                     }
                     LeaderStep::Load(model) => {
@@ -607,16 +618,29 @@ async fn load_everywhere(
         })
         .collect();
     let mut served: Option<Version> = None;
+    let mut gone = Vec::new();
     for (i, r) in requests.into_iter().enumerate() {
-        let report = r.await.map_err(|e| {
-            Error::Actor(format!(
-                "engine {i} did not load model `{}` v{}: {e}",
-                order.model, order.version
-            ))
-        })??;
+        let report = match r.await {
+            // an engine in a process that died: it is dropped (see `DropEngine`), the load
+            // lands on the others
+            Ok(Err(e)) if matches!(e.remote_failure(), Some(RemoteFailure::PeerGone { .. })) => {
+                tracing::warn!(engine = i, model = %order.model, version = %order.version, "engine gone: {e}");
+                gone.push(e.to_string());
+                continue;
+            }
+            r => r.map_err(|e| {
+                Error::Actor(format!(
+                    "engine {i} did not load model `{}` v{}: {e}",
+                    order.model, order.version
+                ))
+            })??,
+        };
         served = Some(served.map_or(report.version, |s| s.min(report.version)));
     }
-    served.ok_or_else(|| Error::Config("no engine to load on".into()))
+    served.ok_or_else(|| match gone.first() {
+        Some(e) => Error::Actor(format!("every engine is gone: {e}")),
+        None => Error::Config("no engine to load on".into()),
+    })
 }
 
 #[derive(Debug, Message)]
@@ -863,6 +887,39 @@ impl WeightSyncController {
         } else {
             finish(self, Ok(None));
         }
+    }
+}
+
+/// Stops loading on an engine (its process died): the engine at `index` in the list the
+/// controller was made with. Loads in flight land on the others; the last engine cannot be
+/// dropped.
+#[derive(Debug, Clone, Copy, Message)]
+#[rtype(result = "Result<()>")]
+pub struct DropEngine {
+    /// The engine's position in the list given to [`WeightSyncController::new`].
+    pub index: usize,
+}
+
+impl Handler<DropEngine> for WeightSyncController {
+    type Result = Result<()>;
+    fn handle(&mut self, msg: DropEngine, _: &mut Context<Self>) -> Result<()> {
+        let Some(at) = self.engine_ids.iter().position(|i| *i == msg.index) else {
+            return Ok(());
+        };
+        if self.engines.len() == 1 {
+            return Err(Error::Config(format!(
+                "engine {} is the last one: it cannot be dropped",
+                msg.index
+            )));
+        }
+        self.engines.remove(at);
+        self.engine_ids.remove(at);
+        tracing::warn!(
+            engine = msg.index,
+            left = self.engines.len(),
+            "engine dropped"
+        );
+        Ok(())
     }
 }
 

@@ -13,11 +13,16 @@
 //!   [`Learner`](crate::learner::Learner) on their own threads.
 //! - [`topology`] wires them into a training run: one trainer per model, shared engine and
 //!   controller, the user's code coming from a [`Roles`](crate::roles::Roles) factory.
+//! - [`cluster`] spreads a topology over processes and hosts as a topology file places it:
+//!   [`cluster::join`] runs one rank (trainer, controller and evaluator on rank 0; engines
+//!   and rollout workers on the others), weights over shared memory or TCP per link, every
+//!   other message through remote actors.
 //!
 //! Actix stays inside this module: the rest of the crate, the runtime and the transports are
 //! plain Rust. CPU-heavy actors (collection, training) run on their own threads so they never
 //! block an arbiter's event loop.
 
+pub mod cluster;
 pub mod controller;
 pub mod engine;
 pub mod eval;
@@ -29,8 +34,8 @@ use refit_runtime::{ModelId, Version};
 
 pub use controller::{
     Admission, AwaitDrained, AwaitRollout, AwaitSynced, BatchReady, CheckRollout, ControllerStatus,
-    EndValidate, GetStatus, ModelStatus, NotifyOutcome, NotifyVersion, RolloutDone, SyncEvent,
-    SyncEventKind, VersionNotifier, WeightSyncController,
+    DropEngine, EndValidate, GetStatus, ModelStatus, NotifyOutcome, NotifyVersion, RolloutDone,
+    SyncEvent, SyncEventKind, VersionNotifier, WeightSyncController,
 };
 pub use engine::{
     Act, ActBatch, Acted, ActedBatch, CancelInFlight, Continue, EngineHandle, EngineStats,
@@ -39,8 +44,8 @@ pub use engine::{
 };
 pub use eval::{EvalReport, Evaluator, ModelEval, RunEval};
 pub use rollout::{
-    AwaitBatch, FragmentInfo, PoolBatch, PushFragment, RolloutConfig, RolloutStats, RolloutWorker,
-    StartRollouts, StopRollouts, TakeBatch, TrajectoryPool,
+    AwaitBatch, ControllerLink, FragmentInfo, PoolBatch, PushFragment, RolloutConfig, RolloutStats,
+    RolloutWorker, StartRollouts, StopRollouts, TakeBatch, TrajectoryPool,
 };
 pub use topology::{ModelSpec, RunConfig, RunReport, StopRule, UpdateRecord};
 pub use workers::{CollectBatch, CollectorWorker, Train, TrainAndPublish, Trainer};

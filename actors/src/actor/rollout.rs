@@ -16,6 +16,7 @@ use crate::error::{Error, Result};
 use crate::policy::ActionOut;
 
 use super::controller::{Admission, AwaitRollout, BatchReady, RolloutDone, WeightSyncController};
+
 use super::engine::ActBatch;
 
 /// A vector of environments stepped together, with per-episode bookkeeping.
@@ -188,6 +189,40 @@ pub struct RolloutConfig {
     pub timeout: Duration,
 }
 
+/// How a rollout worker reaches the weight-sync controller: the two messages it sends, as
+/// recipients, so that a controller in another process (through
+/// [`RemoteAddr::recipient`](crate::remote::RemoteAddr::recipient)) fits as well as a local
+/// one.
+#[derive(Debug, Clone)]
+pub struct ControllerLink {
+    /// The status check that waits.
+    pub await_rollout: Recipient<AwaitRollout>,
+    /// The end of an admitted rollout.
+    pub done: Recipient<RolloutDone>,
+}
+
+impl ControllerLink {
+    /// The link to a controller of this process.
+    pub fn of(controller: &Addr<WeightSyncController>) -> Self {
+        Self {
+            await_rollout: controller.clone().recipient(),
+            done: controller.clone().recipient(),
+        }
+    }
+}
+
+impl From<Addr<WeightSyncController>> for ControllerLink {
+    fn from(controller: Addr<WeightSyncController>) -> Self {
+        Self::of(&controller)
+    }
+}
+
+impl From<&Addr<WeightSyncController>> for ControllerLink {
+    fn from(controller: &Addr<WeightSyncController>) -> Self {
+        Self::of(controller)
+    }
+}
+
 /// Steps a vector of environments with actions from an engine: before each fragment it
 /// asks the controller (blocking as the sync mode says), and pushes each finished fragment
 /// to the pool. A fragment whose episode is cancelled is dropped and the environments reset.
@@ -195,7 +230,7 @@ pub struct RolloutWorker<E: Env> {
     cfg: RolloutConfig,
     envs: Option<VecEnv<E>>,
     engine: Recipient<ActBatch>,
-    controller: Addr<WeightSyncController>,
+    controller: ControllerLink,
     pool: Recipient<PushFragment>,
     running: bool,
     stats: RolloutStats,
@@ -212,7 +247,8 @@ impl<E: Env> std::fmt::Debug for RolloutWorker<E> {
 }
 
 impl<E: Env + Unpin + 'static> RolloutWorker<E> {
-    /// A worker over `envs`.
+    /// A worker over `envs`, acting through `engine`, admitted by `controller` (an
+    /// `&Addr<WeightSyncController>` or a [`ControllerLink`]), pushing to `pool`.
     ///
     /// # Errors
     /// [`Error::Config`] with no environments or zero steps per fragment; reset failures.
@@ -220,9 +256,10 @@ impl<E: Env + Unpin + 'static> RolloutWorker<E> {
         cfg: RolloutConfig,
         envs: Vec<E>,
         engine: Recipient<ActBatch>,
-        controller: Addr<WeightSyncController>,
+        controller: impl Into<ControllerLink>,
         pool: Recipient<PushFragment>,
     ) -> Result<Self> {
+        let controller = controller.into();
         if cfg.fragment_steps == 0 {
             return Err(Error::Config("fragment_steps must be at least 1".into()));
         }
@@ -251,7 +288,7 @@ impl<E: Env + Unpin + 'static> RolloutWorker<E> {
         let work = async move {
             let r = run_fragment(&cfg, &mut envs, &engine, &controller, &pool).await;
             // The controller learns the fragment is over only after the pool has it.
-            controller.do_send(RolloutDone {
+            controller.done.do_send(RolloutDone {
                 model: cfg.model.clone(),
             });
             (envs, r)
@@ -288,10 +325,11 @@ async fn run_fragment<E: Env>(
     cfg: &RolloutConfig,
     envs: &mut VecEnv<E>,
     engine: &Recipient<ActBatch>,
-    controller: &Addr<WeightSyncController>,
+    controller: &ControllerLink,
     pool: &Recipient<PushFragment>,
 ) -> Result<Outcome> {
     let admission = controller
+        .await_rollout
         .send(AwaitRollout {
             model: cfg.model.clone(),
         })

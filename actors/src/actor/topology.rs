@@ -17,6 +17,7 @@ use actix::prelude::*;
 use refit_runtime::sync_policy::{StalenessStats, SyncConfig, SyncMode};
 use refit_runtime::{Manifests, ModelId, ReceiverInit, SenderInit, Version};
 use refit_transports::inproc::InProc;
+use tracing::Instrument;
 
 use crate::error::{Error, Result};
 use crate::link::WeightInlet;
@@ -138,7 +139,9 @@ pub struct RunReport {
     pub solved: bool,
 }
 
-struct StopBoard {
+/// The common stop decision of a run's model drivers.
+#[derive(Default)]
+pub(crate) struct StopBoard {
     versions: BTreeMap<ModelId, Version>,
     solved: BTreeMap<ModelId, bool>,
     stop_at: Option<Version>,
@@ -309,7 +312,7 @@ pub async fn run<R: Roles>(cfg: RunConfig, roles: R) -> Result<RunReport> {
                 },
                 envs,
                 engine.clone().recipient(),
-                controller.clone(),
+                &controller,
                 pool.clone().recipient(),
             )?;
             let arbiter = Arbiter::new();
@@ -323,11 +326,7 @@ pub async fn run<R: Roles>(cfg: RunConfig, roles: R) -> Result<RunReport> {
     }
 
     // One driver per model: take a batch, train, publish, notify.
-    let board = Arc::new(Mutex::new(StopBoard {
-        versions: BTreeMap::new(),
-        solved: BTreeMap::new(),
-        stop_at: None,
-    }));
+    let board = Arc::new(Mutex::new(StopBoard::default()));
     let mut drivers = Vec::new();
     for (((spec, trainer), pool), notifier) in cfg
         .models
@@ -405,8 +404,10 @@ pub async fn run<R: Roles>(cfg: RunConfig, roles: R) -> Result<RunReport> {
     })
 }
 
+/// One model's driver: take a batch, train, publish, notify, until the stop board says
+/// the run is over; answers the model's report.
 #[allow(clippy::too_many_arguments)]
-async fn drive(
+pub(crate) async fn drive(
     model: ModelId,
     trainer: Addr<Trainer>,
     pool: Addr<TrajectoryPool>,
@@ -478,10 +479,30 @@ async fn drive(
         report.evicted += pb.evicted;
         let sample_versions = pb.batch.version_range().unwrap_or((version, version));
         let frames = pb.batch.frames;
+        // one span per weight update: training, publishing, and the controller's round
+        let span = tracing::info_span!(
+            "weight_update",
+            model = %model,
+            from = %version,
+            to = tracing::field::Empty
+        );
+        let update_started = Instant::now();
         let (_, published) = trainer
             .send(TrainAndPublish { batch: pb.batch })
+            .instrument(span.clone())
             .await
             .map_err(|e| unreachable("trainer", e))??;
+        span.record("to", tracing::field::display(published));
+        span.in_scope(|| {
+            tracing::info!(
+                frames = report.frames,
+                mean_return = format_args!("{mean:.1}"),
+                max_staleness = pb.max_staleness,
+                dropped = pb.dropped,
+                train_ms = update_started.elapsed().as_millis() as u64,
+                "trained and published"
+            );
+        });
         report.updates.push(UpdateRecord {
             train_version: version,
             published,
@@ -505,7 +526,12 @@ async fn drive(
             solved,
             out_of_budget,
         );
-        if let Some(eval) = notifier.notify(version).await?.and_then(|o| o.eval) {
+        if let Some(eval) = notifier
+            .notify(version)
+            .instrument(span)
+            .await?
+            .and_then(|o| o.eval)
+        {
             report.evals.push(eval);
         }
     }

@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# CartPole-v1 with PPO across three simulated hosts (network namespaces at 10.77.0.1..3):
+# examples/topologies/cartpole-hosts.toml started once per host with `refit launch` in its
+# per-rank mode (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT and one REFIT_TOKEN), as a
+# cluster scheduler would. Rank 0 (the learner, host 1) prints the progress and the report;
+# the engines' output follows it.
+#
+#   examples/scripts/cartpole-hosts-netns.sh [SYNC_MODE]
+#
+# Needs root, ../shared/tools/netns-hosts (NETNS_HOSTS overrides it) and a release build:
+#   cargo build --release --example cartpole --bin refit
+set -euo pipefail
+here=$(cd "$(dirname "$0")/../.." && pwd)
+cd "$here"
+mode=${1:-}
+nh=${NETNS_HOSTS:-$here/../shared/tools/netns-hosts}
+refit=${REFIT:-$here/target/release/refit}
+topo=examples/topologies/cartpole-hosts.toml
+for f in "$refit" target/release/examples/cartpole; do
+  [ -x "$f" ] || { echo "build first: cargo build --release --example cartpole --bin refit" >&2; exit 1; }
+done
+export REFIT_TOKEN=${REFIT_TOKEN:-$(head -c 16 /dev/urandom | od -An -tx1 | tr -d ' \n')}
+[ -n "$mode" ] && export CARTPOLE_SYNC_MODE=$mode
+log=$(mktemp -d)
+pids=()
+cleanup() {
+  for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
+  wait 2>/dev/null || true
+  "$nh" down >/dev/null 2>&1 || true
+  rm -rf "$log"
+}
+trap cleanup EXIT
+"$nh" up 3
+launch() { # rank
+  "$nh" run $(($1 + 1)) env RANK="$1" WORLD_SIZE=3 MASTER_ADDR=10.77.0.1 MASTER_PORT=29500 \
+    "$refit" launch "$topo" >"$log/rank$1" 2>&1
+}
+launch 0 & rank0=$!
+pids+=("$rank0")
+launch 1 & pids+=($!)
+launch 2 & pids+=($!)
+status=0
+wait "$rank0" || status=$?
+for p in "${pids[@]:1}"; do wait "$p" || status=$((status ? status : $?)); done
+for r in 0 1 2; do
+  echo "== rank $r (host 10.77.0.$((r + 1)))"
+  cat "$log/rank$r"
+done
+exit "$status"

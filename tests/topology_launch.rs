@@ -1,0 +1,324 @@
+//! The CartPole topology spread over processes, run as a user runs it: the real `refit
+//! launch` on `examples/topologies/cartpole-processes.toml` (its command pointed at this
+//! build's cartpole example), three processes meeting at rank 0's store on loopback,
+//! weights over shared memory, every other message through remote actors. Also: an engine
+//! process killed mid-run is reported within 10 s, and the run goes on (`on_failure =
+//! "continue"`) or ends (`"abort"`); nothing hangs, no process and no shared-memory segment
+//! is left behind.
+#![allow(clippy::unwrap_used, missing_docs)]
+
+use std::io::{BufRead, BufReader, Read};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+mod common;
+use common::example;
+
+/// `cartpole-processes.toml` as shipped, with the command pointed at this build's example
+/// and the run's policy, target and budget set by the test.
+fn topology_file(dir: &Path, on_failure: &str, target: f64, max_updates: u64) -> PathBuf {
+    let shipped =
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/topologies/cartpole-processes.toml");
+    let exe = example("cartpole");
+    let text: Vec<String> = std::fs::read_to_string(shipped)
+        .unwrap()
+        .lines()
+        .map(|l| {
+            if l.starts_with("command = ") {
+                format!("command = [{:?}, \"topology\"]", exe.display().to_string())
+            } else if l.starts_with("on_failure = ") {
+                format!("on_failure = {on_failure:?}")
+            } else if l.starts_with("target_return = ") {
+                format!("target_return = {target:.1}")
+            } else if l.starts_with("max_updates = ") {
+                format!("max_updates = {max_updates}")
+            } else {
+                l.to_owned()
+            }
+        })
+        .collect();
+    let path = dir.join("cartpole-processes.toml");
+    std::fs::write(&path, text.join("\n")).unwrap();
+    path
+}
+
+/// A running `refit launch`, its output lines timestamped as they arrive.
+struct Launch {
+    child: Child,
+    lines: Arc<Mutex<Vec<(Instant, String)>>>,
+    readers: Vec<std::thread::JoinHandle<()>>,
+}
+
+impl Launch {
+    fn start(topology: &Path, mode: &str) -> Self {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_refit"))
+            .arg("launch")
+            .arg(topology)
+            .env("CARTPOLE_SYNC_MODE", mode)
+            .env_remove("REFIT_TOKEN")
+            .env_remove("RANK")
+            .env_remove("WORLD_SIZE")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let lines = Arc::new(Mutex::new(Vec::new()));
+        let mut readers = Vec::new();
+        let streams: [Box<dyn Read + Send>; 2] = [
+            Box::new(child.stdout.take().unwrap()),
+            Box::new(child.stderr.take().unwrap()),
+        ];
+        for s in streams {
+            let lines = Arc::clone(&lines);
+            readers.push(std::thread::spawn(move || {
+                for l in BufReader::new(s).lines() {
+                    let Ok(l) = l else { break };
+                    lines.lock().unwrap().push((Instant::now(), l));
+                }
+            }));
+        }
+        Self {
+            child,
+            lines,
+            readers,
+        }
+    }
+
+    fn text(&self) -> String {
+        let lines = self.lines.lock().unwrap();
+        lines
+            .iter()
+            .map(|(_, l)| l.as_str())
+            .collect::<Vec<_>>()
+            .join("\n")
+    }
+
+    /// The first line containing every one of `parts`, waiting up to `timeout` for it.
+    fn wait_for(&self, parts: &[&str], timeout: Duration) -> (Instant, String) {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Some(found) = self
+                .lines
+                .lock()
+                .unwrap()
+                .iter()
+                .find(|(_, l)| parts.iter().all(|p| l.contains(p)))
+            {
+                return found.clone();
+            }
+            assert!(
+                Instant::now() < deadline,
+                "no line with {parts:?} within {timeout:?}:\n{}",
+                self.text()
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// Waits for the launcher to exit (killing it past `timeout`, which fails the test).
+    fn finish(mut self, timeout: Duration) -> (ExitStatus, String) {
+        let deadline = Instant::now() + timeout;
+        let status = loop {
+            if let Some(s) = self.child.try_wait().unwrap() {
+                break s;
+            }
+            if Instant::now() >= deadline {
+                let _ = self.child.kill();
+                let _ = self.child.wait();
+                panic!(
+                    "refit launch still running after {timeout:?}:\n{}",
+                    self.text()
+                );
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        };
+        for r in self.readers.drain(..) {
+            r.join().unwrap();
+        }
+        (status, self.text())
+    }
+}
+
+/// The pid a rank printed on `line` (`...: pid N, ...`).
+fn pid_in(line: &str) -> Option<u32> {
+    let rest = line.split(": pid ").nth(1)?;
+    let pid: String = rest.chars().take_while(char::is_ascii_digit).collect();
+    pid.parse().ok()
+}
+
+/// The pids every rank printed, and the shared-memory board rank 0 opened.
+fn pids_and_board(out: &str) -> (Vec<u32>, PathBuf) {
+    let mut pids = Vec::new();
+    let mut board = None;
+    for l in out.lines() {
+        if let Some(pid) = pid_in(l) {
+            pids.push(pid);
+        }
+        if let Some(b) = l.split("shm board ").nth(1) {
+            board = Some(PathBuf::from(b.trim()));
+        }
+    }
+    (
+        pids,
+        board.unwrap_or_else(|| panic!("no shm board in\n{out}")),
+    )
+}
+
+/// No rank outlives the launcher, no segment of the run's scheme is left.
+fn assert_clean(out: &str) {
+    let (pids, board) = pids_and_board(out);
+    assert_eq!(pids.len(), 3, "{out}");
+    for pid in pids {
+        assert!(
+            !Path::new(&format!("/proc/{pid}")).exists()
+                || std::fs::read_to_string(format!("/proc/{pid}/stat"))
+                    .is_ok_and(|s| s.contains(") Z ")),
+            "process {pid} outlived the launcher\n{out}"
+        );
+    }
+    let scheme = board
+        .file_name()
+        .unwrap()
+        .to_string_lossy()
+        .trim_end_matches("-board")
+        .to_owned();
+    let left: Vec<String> = std::fs::read_dir(board.parent().unwrap())
+        .unwrap()
+        .filter_map(|e| e.ok())
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with(&scheme))
+        .collect();
+    assert!(left.is_empty(), "segments left behind: {left:?}\n{out}");
+}
+
+/// Solves CartPole through `refit launch` in every sync mode: `batch-async` to Gymnasium's
+/// threshold (a mean return of 475 over the last 20 episodes), `sync` and `fully-async` to
+/// 200 so that CI stays within minutes in a debug build (the book records full release runs
+/// of every mode to 475). The update budget is about twice what the runs took here.
+#[test]
+fn the_cartpole_topology_learns_across_processes_in_every_sync_mode() {
+    let dir = tempfile::tempdir().unwrap();
+    for (mode, target, budget) in [
+        ("batch-async", 475.0, 80),
+        ("sync", 200.0, 60),
+        ("fully-async", 200.0, 60),
+    ] {
+        let topo = topology_file(dir.path(), "abort", target, budget);
+        let (status, out) = Launch::start(&topo, mode).finish(Duration::from_secs(900));
+        assert!(status.success(), "{mode}: {status}\n{out}");
+        assert!(
+            out.contains(&format!("solved: policy ({mode} mode)")),
+            "{mode}\n{out}"
+        );
+        for r in 1..=2 {
+            assert!(
+                out.contains(&format!("rank {r} (process `actor`, replica {})", r - 1))
+                    && out.contains("weights over shm"),
+                "{out}"
+            );
+        }
+        assert!(out.contains("staleness of trained samples"), "{out}");
+        assert!(out.contains("weight_update{model=policy"), "{out}");
+        if mode == "sync" {
+            // every trained sample came from the version being trained
+            assert!(out.contains("mean 0.00, 0 dropped"), "{out}");
+        }
+        assert_clean(&out);
+    }
+}
+
+/// The same processes with `[links] weights = "tcp"`: each engine registers with rank 0's
+/// TCP sender agent (on rank 0's node) and pulls every version over loopback sockets.
+#[test]
+fn the_cartpole_topology_learns_with_weights_over_tcp() {
+    let dir = tempfile::tempdir().unwrap();
+    let topo = topology_file(dir.path(), "abort", 150.0, 40);
+    let text = std::fs::read_to_string(&topo)
+        .unwrap()
+        .replace("weights = \"auto\"", "weights = \"tcp\"");
+    std::fs::write(&topo, text).unwrap();
+    let (status, out) = Launch::start(&topo, "fully-async").finish(Duration::from_secs(600));
+    assert!(status.success(), "{status}\n{out}");
+    assert!(out.contains("weights: tcp sender agent"), "{out}");
+    assert_eq!(out.matches("weights over tcp").count(), 2, "{out}");
+    assert!(out.contains("solved: policy (fully-async mode)"), "{out}");
+    assert!(!out.contains("shm board"), "{out}");
+}
+
+fn kill(pid: u32) -> Instant {
+    let ok = Command::new("kill")
+        .args(["-9", &pid.to_string()])
+        .status()
+        .unwrap()
+        .success();
+    assert!(ok, "kill -9 {pid}");
+    Instant::now()
+}
+
+/// Kills rank 2's engine process once training is under way; answers when.
+fn kill_rank_2(launch: &Launch) -> Instant {
+    launch.wait_for(&["rollouts start"], Duration::from_secs(180));
+    launch.wait_for(&["trained and published"], Duration::from_secs(180));
+    let (_, line) = launch.wait_for(&["rank 2 (process `actor`", ": pid "], Duration::ZERO);
+    kill(pid_in(&line).unwrap())
+}
+
+#[test]
+fn a_killed_engine_is_reported_and_the_run_goes_on_with_the_other() {
+    let dir = tempfile::tempdir().unwrap();
+    let topo = topology_file(dir.path(), "continue", 200.0, 60);
+    let launch = Launch::start(&topo, "fully-async");
+    let killed = kill_rank_2(&launch);
+    let (seen, _) = launch.wait_for(
+        &["rank 0: rank 2 (process `actor`, replica 1) is gone"],
+        Duration::from_secs(10),
+    );
+    assert!(seen.duration_since(killed) < Duration::from_secs(10));
+    let (status, out) = launch.finish(Duration::from_secs(600));
+    assert!(status.success(), "{status}\n{out}");
+    assert!(out.contains("the run goes on with 1 engines"), "{out}");
+    assert!(out.contains("solved: policy (fully-async mode)"), "{out}");
+    assert!(out.contains("rank 2 (actor) failed"), "{out}");
+    assert_clean(&out);
+}
+
+#[test]
+fn a_killed_engine_ends_the_run_clearly_under_abort() {
+    let dir = tempfile::tempdir().unwrap();
+    let topo = topology_file(dir.path(), "abort", 475.0, 200);
+    let launch = Launch::start(&topo, "batch-async");
+    let killed = kill_rank_2(&launch);
+    let (seen, line) = launch.wait_for(&["rank 2 (actor) failed"], Duration::from_secs(10));
+    assert!(
+        seen.duration_since(killed) < Duration::from_secs(10),
+        "{line}"
+    );
+    let (status, out) = launch.finish(Duration::from_secs(60));
+    assert!(!status.success(), "{out}");
+    assert!(!out.contains("solved: policy"), "{out}");
+    assert!(out.contains("on_failure = \"abort\""), "{out}");
+    assert_clean(&out);
+}
+
+#[test]
+fn the_shipped_cartpole_topologies_place_their_links_by_host() {
+    use refit::runtime::topology::{Role, Topology, TransportKind};
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/topologies");
+    let processes = Topology::from_path(&dir.join("cartpole-processes.toml")).unwrap();
+    let hosts = Topology::from_path(&dir.join("cartpole-hosts.toml")).unwrap();
+    for (t, kind) in [
+        (&processes, TransportKind::Shm),
+        (&hosts, TransportKind::Tcp),
+    ] {
+        assert_eq!(t.world_size(), 3);
+        assert_eq!(t.engine_ranks(), vec![1, 2]);
+        let lead = t.rank(0).unwrap();
+        assert!(lead.has(Role::Trainer) && lead.has(Role::Controller));
+        for r in [1, 2] {
+            assert_eq!(t.weights_transport(0, r), kind);
+        }
+    }
+    assert_eq!(hosts.master_host(), "10.77.0.1");
+}
