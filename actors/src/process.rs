@@ -427,43 +427,55 @@ impl<T: SenderTransport> ProcessSyncCollector<T> {
     }
 }
 
-impl<T: SenderTransport> Drop for ProcessSyncCollector<T> {
-    fn drop(&mut self) {
-        self.stop_workers();
-    }
+/// The parts both process collectors share: stopping the workers when dropped, publishing
+/// through their sender (without waiting: `$publish` says when the workers apply), and
+/// iterating over batches.
+macro_rules! process_collector_common {
+    ($ty:ident, $publish:literal) => {
+        impl<T: SenderTransport> Drop for $ty<T> {
+            fn drop(&mut self) {
+                self.stop_workers();
+            }
+        }
+
+        impl<T: SenderTransport> UpdatePolicyWeights for $ty<T> {
+            fn policy_id(&self) -> &ModelId {
+                &self.config.policy_id
+            }
+
+            fn version_of(&self, model: &ModelId) -> Version {
+                self.sender
+                    .as_ref()
+                    .map_or(Version::ZERO, |s| s.version(model))
+            }
+
+            fn registered_policy_weights(&mut self) -> Result<WeightSet> {
+                Err(Error::NoRegisteredPolicy)
+            }
+
+            #[doc = $publish]
+            fn update_group(&mut self, group: Vec<WeightSet>) -> Result<()> {
+                let sender = self.sender.as_mut().ok_or(Error::Closed)?;
+                self.pending = Some(sender.send_async(group)?);
+                Ok(())
+            }
+        }
+
+        impl<T: SenderTransport> Iterator for $ty<T> {
+            type Item = Result<Batch>;
+
+            fn next(&mut self) -> Option<Self::Item> {
+                self.next_batch().transpose()
+            }
+        }
+    };
 }
 
-impl<T: SenderTransport> UpdatePolicyWeights for ProcessSyncCollector<T> {
-    fn policy_id(&self) -> &ModelId {
-        &self.config.policy_id
-    }
-
-    fn version_of(&self, model: &ModelId) -> Version {
-        self.sender
-            .as_ref()
-            .map_or(Version::ZERO, |s| s.version(model))
-    }
-
-    fn registered_policy_weights(&mut self) -> Result<WeightSet> {
-        Err(Error::NoRegisteredPolicy)
-    }
-
-    /// Publishes without waiting: workers poll before their next batch, which the next
-    /// `collect` command starts after the publication, so that batch uses the new weights.
-    fn update_group(&mut self, group: Vec<WeightSet>) -> Result<()> {
-        let sender = self.sender.as_mut().ok_or(Error::Closed)?;
-        self.pending = Some(sender.send_async(group)?);
-        Ok(())
-    }
-}
-
-impl<T: SenderTransport> Iterator for ProcessSyncCollector<T> {
-    type Item = Result<Batch>;
-
-    fn next(&mut self) -> Option<Self::Item> {
-        self.next_batch().transpose()
-    }
-}
+process_collector_common!(
+    ProcessSyncCollector,
+    "Publishes without waiting: workers poll before their next batch, which the next \
+     `collect` command starts after the publication, so that batch uses the new weights."
+);
 
 /// An upstream weight source, if attached.
 struct Upstream(Option<Box<dyn WeightSource>>);
@@ -804,43 +816,11 @@ impl<T: SenderTransport> ProcessAsyncCollector<T> {
     }
 }
 
-impl<T: SenderTransport> Drop for ProcessAsyncCollector<T> {
-    fn drop(&mut self) {
-        self.stop_workers();
-    }
-}
-
-impl<T: SenderTransport> UpdatePolicyWeights for ProcessAsyncCollector<T> {
-    fn policy_id(&self) -> &ModelId {
-        &self.config.policy_id
-    }
-
-    fn version_of(&self, model: &ModelId) -> Version {
-        self.sender
-            .as_ref()
-            .map_or(Version::ZERO, |s| s.version(model))
-    }
-
-    fn registered_policy_weights(&mut self) -> Result<WeightSet> {
-        Err(Error::NoRegisteredPolicy)
-    }
-
-    /// Publishes without waiting: each worker applies it before its next batch
-    /// ([`ProcessAsyncCollector::wait_for_workers`] waits for that).
-    fn update_group(&mut self, group: Vec<WeightSet>) -> Result<()> {
-        let sender = self.sender.as_mut().ok_or(Error::Closed)?;
-        self.pending = Some(sender.send_async(group)?);
-        Ok(())
-    }
-}
-
-impl<T: SenderTransport> Iterator for ProcessAsyncCollector<T> {
-    type Item = Result<Batch>;
-
-    fn next(&mut self) -> Option<Self::Item> {
-        self.next_batch().transpose()
-    }
-}
+process_collector_common!(
+    ProcessAsyncCollector,
+    "Publishes without waiting: each worker applies it before its next batch \
+     ([`ProcessAsyncCollector::wait_for_workers`] waits for that)."
+);
 
 #[cfg(test)]
 mod tests {

@@ -675,7 +675,7 @@ mod framework {
             let status = remote_ctl.send(GetStatus).await.unwrap();
             let s = &status.models[&m];
             assert_eq!((s.rollout_version, s.loads), (Version(3), 3), "{s:?}");
-            assert_eq!(s.state, "running");
+            assert_eq!(s.state.as_str(), "running");
             assert_eq!(status.events, ctl.send(GetStatus).await.unwrap().events);
             let check = remote_ctl
                 .send(CheckRollout { model: m.clone() })

@@ -16,8 +16,8 @@ use std::time::{Duration, Instant};
 
 use actix::prelude::*;
 use refit_runtime::sync_policy::{
-    BlockReason, Decision, LeaderStep, SyncConfig, SyncOrder, SyncPolicy, VersionBarrier,
-    leader_sequence,
+    BlockReason, Decision, LeaderStep, RolloutState, SyncConfig, SyncOrder, SyncPolicy,
+    VersionBarrier, leader_sequence,
 };
 use refit_runtime::{ModelId, Version};
 use serde::{Deserialize, Serialize};
@@ -131,14 +131,14 @@ pub struct EndValidate;
 pub struct GetStatus;
 
 /// One model as the controller sees it.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ModelStatus {
     /// The trainer's newest version.
     pub train_version: Version,
     /// The version every engine serves.
     pub rollout_version: Version,
     /// `running`, `need_sync` or `syncing`.
-    pub state: &'static str,
+    pub state: RolloutState,
     /// Rollouts admitted.
     pub admissions: u64,
     /// Admissions that had to wait.
@@ -949,7 +949,7 @@ impl Handler<GetStatus> for WeightSyncController {
                     ModelStatus {
                         train_version: s.train_version,
                         rollout_version: s.rollout_version,
-                        state: s.state.as_str(),
+                        state: s.state,
                         admissions: c.admissions,
                         blocked: c.blocked,
                         waited: c.waited,

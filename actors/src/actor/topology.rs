@@ -28,11 +28,12 @@ pub use crate::roles::ModelSpec;
 use super::controller::{
     AwaitDrained, AwaitSynced, ControllerStatus, GetStatus, VersionNotifier, WeightSyncController,
 };
+use super::engine::ActBatch;
 use super::engine::{EngineHandle, EngineStats, GetEngineStats, InferenceEngine};
 use super::eval::{EvalReport, Evaluator};
 use super::rollout::{
-    AwaitBatch, FragmentInfo, RolloutConfig, RolloutStats, RolloutWorker, StartRollouts,
-    StopRollouts, TakeBatch, TrajectoryPool,
+    AwaitBatch, ControllerLink, FragmentInfo, PushFragment, RolloutConfig, RolloutStats,
+    RolloutWorker, StartRollouts, StopRollouts, TakeBatch, TrajectoryPool,
 };
 use super::workers::{TrainAndPublish, Trainer};
 
@@ -299,10 +300,9 @@ pub async fn run<R: Roles>(cfg: RunConfig, roles: R) -> Result<RunReport> {
                 .seed
                 .wrapping_mul(1000)
                 .wrapping_add((mi * 100 + w) as u64 * 17);
-            let envs = (0..spec.envs_per_worker)
-                .map(|i| roles.env(spec, base.wrapping_add(i as u64)))
-                .collect::<Result<Vec<_>>>()?;
-            let worker = RolloutWorker::new(
+            let (arbiter, addr) = start_rollout_worker(
+                &*roles,
+                spec,
                 RolloutConfig {
                     model: spec.id.clone(),
                     worker: w,
@@ -310,13 +310,10 @@ pub async fn run<R: Roles>(cfg: RunConfig, roles: R) -> Result<RunReport> {
                     seed: base,
                     timeout: cfg.wait,
                 },
-                envs,
                 engine.clone().recipient(),
                 &controller,
                 pool.clone().recipient(),
             )?;
-            let arbiter = Arbiter::new();
-            let addr = RolloutWorker::start_in_arbiter(&arbiter.handle(), move |_| worker);
             addr.do_send(StartRollouts);
             arbiters.push(arbiter);
             ws.push(addr);
@@ -545,6 +542,28 @@ pub(crate) async fn drive(
         .await
         .map_err(|e| unreachable("controller", e))??;
     Ok(report)
+}
+
+/// Builds a rollout worker's environments (`spec.envs_per_worker` of them, seeded from
+/// `cfg.seed` on) and starts the worker on an arbiter of its own, not yet rolling out.
+///
+/// # Errors
+/// An environment the roles cannot build; a bad worker configuration.
+pub(crate) fn start_rollout_worker<R: Roles>(
+    roles: &R,
+    spec: &ModelSpec,
+    cfg: RolloutConfig,
+    engine: Recipient<ActBatch>,
+    controller: impl Into<ControllerLink>,
+    pool: Recipient<PushFragment>,
+) -> Result<(Arbiter, Addr<RolloutWorker<R::Env>>)> {
+    let envs = (0..spec.envs_per_worker)
+        .map(|i| roles.env(spec, cfg.seed.wrapping_add(i as u64)))
+        .collect::<Result<Vec<_>>>()?;
+    let worker = RolloutWorker::new(cfg, envs, engine, controller, pool)?;
+    let arbiter = Arbiter::new();
+    let addr = RolloutWorker::start_in_arbiter(&arbiter.handle(), move |_| worker);
+    Ok((arbiter, addr))
 }
 
 /// How long a blocked step may wait, by default.

@@ -1,7 +1,7 @@
 use std::collections::BTreeSet;
 use std::time::Duration;
 
-use refit_runtime::sync_policy::{BlockReason, LeaderStep};
+use refit_runtime::sync_policy::{BlockReason, LeaderStep, RolloutState};
 use refit_runtime::wire::{self, MAX_CONTROL_MESSAGE};
 use refit_runtime::{ModelId, Version};
 
@@ -72,7 +72,14 @@ fn a_controller_status_round_trips_with_its_state_names() {
             },
         ],
     };
-    for (i, state) in ["running", "need_sync", "syncing"].into_iter().enumerate() {
+    for (i, state) in [
+        RolloutState::Running,
+        RolloutState::NeedSync,
+        RolloutState::Syncing,
+    ]
+    .into_iter()
+    .enumerate()
+    {
         status.models.insert(
             ModelId::new(format!("m{i}")).unwrap(),
             ModelStatus {

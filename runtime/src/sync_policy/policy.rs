@@ -10,7 +10,8 @@ use crate::ids::{ModelId, Version};
 use super::config::{SyncConfig, SyncMode};
 
 /// Where a model's rollout service stands.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub enum RolloutState {
     /// Serving; no sync is pending.
     Running,

@@ -53,7 +53,9 @@ use super::rollout::{
     ControllerLink, PushFragment, RolloutConfig, RolloutStats, RolloutWorker, StartRollouts,
     StopRollouts, TrajectoryPool,
 };
-use super::topology::{self, ModelReport, RunConfig, RunReport, StopBoard, StopRule};
+use super::topology::{
+    self, ModelReport, RunConfig, RunReport, StopBoard, StopRule, start_rollout_worker,
+};
 use super::workers::Trainer;
 use gate::{ActRoute, RankGate, RankLost};
 use links::LinkSpec;
@@ -715,10 +717,9 @@ fn follow<R: Roles>(
                     .seed
                     .wrapping_mul(1000)
                     .wrapping_add((mi * 100_000 + index) as u64 * 17);
-                let envs = (0..spec.envs_per_worker)
-                    .map(|i| roles.env(spec, base.wrapping_add(i as u64)))
-                    .collect::<Result<Vec<_>>>()?;
-                let worker = RolloutWorker::new(
+                let (arbiter, addr) = start_rollout_worker(
+                    &**roles,
+                    spec,
                     RolloutConfig {
                         model: spec.id.clone(),
                         worker: index,
@@ -726,13 +727,10 @@ fn follow<R: Roles>(
                         seed: base,
                         timeout: topo.wait(),
                     },
-                    envs,
                     engine.clone().recipient(),
                     link.clone(),
                     pool.recipient::<PushFragment>(),
                 )?;
-                let arbiter = Arbiter::new();
-                let addr = RolloutWorker::start_in_arbiter(&arbiter.handle(), move |_| worker);
                 arbiters.push(arbiter);
                 workers.push((spec.id.clone(), addr));
             }
