@@ -171,6 +171,55 @@ impl VersionGate {
     }
 }
 
+/// Version admission, the one step every end runs on an update: the group is validated whole
+/// against the agreed manifests, its versions are gated (only grow), the caller's `apply` runs,
+/// and only if it succeeds are the versions committed. A refused or failed update changes
+/// nothing, so the previous versions stay in force.
+#[derive(Clone, Debug)]
+pub struct Admission {
+    manifests: Manifests,
+    gate: VersionGate,
+}
+
+impl Admission {
+    /// Admission against `manifests`, nothing applied yet.
+    pub fn new(manifests: Manifests) -> Self {
+        Self {
+            manifests,
+            gate: VersionGate::default(),
+        }
+    }
+
+    /// The agreed manifests.
+    pub fn manifests(&self) -> &Manifests {
+        &self.manifests
+    }
+
+    /// The version in force for a model ([`Version::ZERO`] if none yet).
+    pub fn current(&self, model: &ModelId) -> Version {
+        self.gate.current(model)
+    }
+
+    /// Validates `group` ([`validate_group`]), checks its versions, runs `apply`, and commits
+    /// the versions once `apply` succeeded. Returns the group's entries and `apply`'s value.
+    ///
+    /// # Errors
+    /// The validation or version error naming the model (and tensor); `apply`'s error. In
+    /// every error case nothing is committed.
+    pub fn admit<R>(
+        &mut self,
+        group: &[Arc<WeightSet>],
+        apply: impl FnOnce(&[(ModelId, Version)]) -> Result<R>,
+    ) -> Result<(Vec<(ModelId, Version)>, R)> {
+        validate_group(&self.manifests, group)?;
+        let entries = entries(group);
+        self.gate.check(&entries)?;
+        let r = apply(&entries)?;
+        self.gate.commit(&entries);
+        Ok((entries, r))
+    }
+}
+
 /// The sender's book of what each receiver has acknowledged.
 #[derive(Clone, Debug, Default)]
 pub struct AckBook {
@@ -297,6 +346,55 @@ mod tests {
         assert!(ms.check_agree(&other).is_err());
         assert!(other.check_agree(&ms).is_err());
         assert!(ms.check_agree(&ms.clone()).is_ok());
+    }
+
+    #[test]
+    fn admission_commits_only_what_was_applied() {
+        let a = Arc::new(
+            Manifest::builder()
+                .tensor("x", DType::F32, &[4])
+                .build()
+                .unwrap(),
+        );
+        let b = Arc::new(
+            Manifest::builder()
+                .tensor("x", DType::F16, &[4])
+                .build()
+                .unwrap(),
+        );
+        let p = id("policy");
+        let mut adm = Admission::new(Manifests::new([(p.clone(), a.clone())]).unwrap());
+        let (e, n) = adm.admit(&[ws("policy", &a, 2)], |e| Ok(e.len())).unwrap();
+        assert_eq!((e, n), (vec![(p.clone(), Version(2))], 1));
+        assert_eq!(adm.current(&p), Version(2));
+        // a failed apply commits nothing
+        let err = adm
+            .admit(&[ws("policy", &a, 3)], |_| {
+                Err::<(), _>(Error::State("no room"))
+            })
+            .unwrap_err();
+        assert!(matches!(err, Error::State("no room")));
+        assert_eq!(adm.current(&p), Version(2));
+        // refused before apply: wrong dtype names the tensor, stale version
+        let mut ran = false;
+        let err = adm
+            .admit(&[ws("policy", &b, 4)], |_| {
+                ran = true;
+                Ok(())
+            })
+            .unwrap_err();
+        assert!(err.to_string().contains("tensor `x`"), "{err}");
+        assert!(matches!(
+            adm.admit(&[ws("policy", &a, 2)], |_| {
+                ran = true;
+                Ok(())
+            }),
+            Err(Error::StaleVersion { .. })
+        ));
+        assert!(!ran);
+        assert_eq!(adm.current(&p), Version(2));
+        adm.admit(&[ws("policy", &a, 3)], |_| Ok(())).unwrap();
+        assert_eq!(adm.current(&p), Version(3));
     }
 
     #[test]
