@@ -163,14 +163,7 @@ impl SenderTransport for InProcSender {
         wait_until(
             deadline,
             hub.lock(),
-            |st| {
-                let missing = st.acks.missing(entries);
-                Ok(if missing.is_empty() {
-                    Wait::Done(())
-                } else {
-                    Wait::Pending(missing)
-                })
-            },
+            |st| Ok(st.acks.awaiting(entries)),
             |st, left| hub.park(st, left),
             |missing| format!("in-process receivers {missing:?} to acknowledge {entries:?}"),
         )

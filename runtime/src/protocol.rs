@@ -12,6 +12,7 @@ use serde::{Deserialize, Serialize};
 use crate::error::{Error, Result};
 use crate::ids::{ModelId, Version};
 use crate::manifest::Manifest;
+use crate::wait::Wait;
 use crate::weights::WeightSet;
 
 /// One atomic update: at most one weight set per model, all landing or none.
@@ -251,6 +252,17 @@ impl AckBook {
         }
     }
 
+    /// For [`wait_until`](crate::wait::wait_until): done once every receiver acknowledged
+    /// every entry, else pending on the receivers still missing.
+    pub fn awaiting(&self, entries: &[(ModelId, Version)]) -> Wait<(), Vec<u32>> {
+        let missing = self.missing(entries);
+        if missing.is_empty() {
+            Wait::Done(())
+        } else {
+            Wait::Pending(missing)
+        }
+    }
+
     /// Receivers that have not yet acknowledged every entry.
     pub fn missing(&self, entries: &[(ModelId, Version)]) -> Vec<u32> {
         self.acked
@@ -311,20 +323,20 @@ mod tests {
         );
     }
 
+    /// One tensor `x`.
+    fn one_tensor(dtype: DType, len: usize) -> Arc<Manifest> {
+        Arc::new(
+            Manifest::builder()
+                .tensor("x", dtype, &[len])
+                .build()
+                .unwrap(),
+        )
+    }
+
     #[test]
     fn groups_are_validated_whole() {
-        let a = Arc::new(
-            Manifest::builder()
-                .tensor("x", DType::F32, &[4])
-                .build()
-                .unwrap(),
-        );
-        let b = Arc::new(
-            Manifest::builder()
-                .tensor("x", DType::F32, &[5])
-                .build()
-                .unwrap(),
-        );
+        let a = one_tensor(DType::F32, 4);
+        let b = one_tensor(DType::F32, 5);
         let ms = Manifests::new([(id("actor"), a.clone()), (id("critic"), a.clone())]).unwrap();
         validate_group(&ms, &[ws("actor", &a, 1), ws("critic", &a, 1)]).unwrap();
         let e = validate_group(&ms, &[ws("actor", &a, 1), ws("critic", &b, 1)]).unwrap_err();
@@ -350,18 +362,8 @@ mod tests {
 
     #[test]
     fn admission_commits_only_what_was_applied() {
-        let a = Arc::new(
-            Manifest::builder()
-                .tensor("x", DType::F32, &[4])
-                .build()
-                .unwrap(),
-        );
-        let b = Arc::new(
-            Manifest::builder()
-                .tensor("x", DType::F16, &[4])
-                .build()
-                .unwrap(),
-        );
+        let a = one_tensor(DType::F32, 4);
+        let b = one_tensor(DType::F16, 4);
         let p = id("policy");
         let mut adm = Admission::new(Manifests::new([(p.clone(), a.clone())]).unwrap());
         let (e, n) = adm.admit(&[ws("policy", &a, 2)], |e| Ok(e.len())).unwrap();
@@ -409,6 +411,7 @@ mod tests {
             applied: e.clone(),
         });
         assert_eq!(book.missing(&e), vec![1]);
+        assert_eq!(book.awaiting(&e), Wait::Pending(vec![1]));
         book.record(&Ack {
             receiver: 1,
             applied: vec![(id("p"), Version(4))],
@@ -418,6 +421,7 @@ mod tests {
             applied: vec![(id("p"), Version(2))],
         });
         assert!(book.missing(&e).is_empty());
+        assert_eq!(book.awaiting(&e), Wait::Done(()));
         book.remove(1);
         assert_eq!(book.receivers().collect::<Vec<_>>(), vec![0]);
     }
