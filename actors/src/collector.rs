@@ -26,10 +26,10 @@ use std::time::{Duration, Instant};
 
 use rand::SeedableRng;
 use rand::rngs::SmallRng;
-use refit_runtime::protocol::{Group, validate_group};
+use refit_runtime::protocol::{Admission, Group};
 use refit_runtime::{
     ArenaStrategy, HasWeights, Manifest, Manifests, ModelId, Receiver, ReceiverTransport, Strategy,
-    Version, VersionGate, WeightSet, extract_new,
+    Version, WeightSet, extract_new,
 };
 
 use crate::batch::{Batch, EpisodeStats, ReplayBuffer, TrajPool, Transition};
@@ -318,8 +318,7 @@ impl<E: Env, P: Policy + 'static> CollectorBuilder<E, P> {
             policy: self.policy,
             strategy: self.strategy,
             config: self.config,
-            manifests,
-            gate: VersionGate::default(),
+            admission: Admission::new(manifests),
             aux: BTreeMap::new(),
             carrier: None,
             traj_pool: self.traj_pool,
@@ -354,8 +353,7 @@ pub struct Collector<E: Env, P: Policy> {
     policy: P,
     strategy: Box<dyn Strategy<P>>,
     config: CollectorConfig,
-    manifests: Manifests,
-    gate: VersionGate,
+    admission: Admission,
     aux: BTreeMap<ModelId, Arc<WeightSet>>,
     carrier: Option<Carrier>,
     traj_pool: TrajPool,
@@ -415,7 +413,7 @@ impl<E: Env, P: Policy> Collector<E, P> {
 
     /// The version of the policy weights in force ([`Version::ZERO`] before any update).
     pub fn policy_version(&self) -> Version {
-        self.gate.current(&self.config.policy_id)
+        self.admission.current(&self.config.policy_id)
     }
 
     /// Whether observations are cast to the policy device, and actions to the environment
@@ -492,21 +490,23 @@ impl<E: Env, P: Policy> Collector<E, P> {
     /// # Errors
     /// The first problem found, naming model and tensor; nothing is applied then.
     pub fn apply_group(&mut self, group: &[Arc<WeightSet>]) -> Result<()> {
-        validate_group(&self.manifests, group)?;
-        let entries: Vec<_> = group
-            .iter()
-            .map(|w| (w.model().clone(), w.version()))
-            .collect();
-        self.gate.check(&entries)?;
-        if let Some(w) = group.iter().find(|w| *w.model() == self.config.policy_id) {
-            self.strategy.apply(w, &mut self.policy)?;
-        }
-        for w in group {
-            if *w.model() != self.config.policy_id {
-                self.aux.insert(w.model().clone(), Arc::clone(w));
+        let (policy_id, strategy, policy, aux) = (
+            &self.config.policy_id,
+            &mut self.strategy,
+            &mut self.policy,
+            &mut self.aux,
+        );
+        self.admission.admit(group, |_| {
+            if let Some(w) = group.iter().find(|w| w.model() == policy_id) {
+                strategy.apply(w, policy)?;
             }
-        }
-        self.gate.commit(&entries);
+            for w in group {
+                if w.model() != policy_id {
+                    aux.insert(w.model().clone(), Arc::clone(w));
+                }
+            }
+            Ok(())
+        })?;
         Ok(())
     }
 
@@ -766,7 +766,7 @@ impl<E: Env, P: Policy> UpdatePolicyWeights for Collector<E, P> {
     }
 
     fn version_of(&self, model: &ModelId) -> Version {
-        self.gate.current(model)
+        self.admission.current(model)
     }
 
     fn registered_policy_weights(&mut self) -> Result<WeightSet> {

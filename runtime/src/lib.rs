@@ -32,6 +32,7 @@ pub mod delta;
 pub mod dtype;
 pub mod error;
 pub mod ids;
+pub mod inproc;
 pub mod layout;
 pub mod manifest;
 pub mod metrics;
@@ -45,6 +46,7 @@ pub mod strategy;
 pub mod strategy_bench;
 pub mod sync_policy;
 pub mod topology;
+pub mod wait;
 pub mod weights;
 pub mod wire;
 
@@ -57,7 +59,7 @@ pub use error::{Error, Mismatch, Result};
 pub use ids::{ModelId, Version};
 pub use layout::{LayoutPlan, LayoutRules};
 pub use manifest::{ALIGN, Manifest, ManifestBuilder, TensorSpec};
-pub use protocol::{Ack, AckBook, Group, Manifests, VersionGate};
+pub use protocol::{Ack, AckBook, Admission, Group, Manifests, VersionGate};
 pub use safetensors_io::{
     SafetensorsFilePlan, SafetensorsLayout, inspect_safetensors, temp_sibling, write_atomically,
 };
@@ -70,4 +72,5 @@ pub use strategy::{ArenaStrategy, HasWeights, Strategy, extract_new};
 pub use sync_policy::{
     Decision, StalenessFilter, SyncConfig, SyncMode, SyncOrder, SyncPolicy, VersionBarrier,
 };
+pub use wait::{Wait, poll_until, wait_until};
 pub use weights::{SharedBytes, TensorView, WeightSet};

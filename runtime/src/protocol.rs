@@ -12,6 +12,7 @@ use serde::{Deserialize, Serialize};
 use crate::error::{Error, Result};
 use crate::ids::{ModelId, Version};
 use crate::manifest::Manifest;
+use crate::wait::Wait;
 use crate::weights::WeightSet;
 
 /// One atomic update: at most one weight set per model, all landing or none.
@@ -171,6 +172,55 @@ impl VersionGate {
     }
 }
 
+/// Version admission, the one step every end runs on an update: the group is validated whole
+/// against the agreed manifests, its versions are gated (only grow), the caller's `apply` runs,
+/// and only if it succeeds are the versions committed. A refused or failed update changes
+/// nothing, so the previous versions stay in force.
+#[derive(Clone, Debug)]
+pub struct Admission {
+    manifests: Manifests,
+    gate: VersionGate,
+}
+
+impl Admission {
+    /// Admission against `manifests`, nothing applied yet.
+    pub fn new(manifests: Manifests) -> Self {
+        Self {
+            manifests,
+            gate: VersionGate::default(),
+        }
+    }
+
+    /// The agreed manifests.
+    pub fn manifests(&self) -> &Manifests {
+        &self.manifests
+    }
+
+    /// The version in force for a model ([`Version::ZERO`] if none yet).
+    pub fn current(&self, model: &ModelId) -> Version {
+        self.gate.current(model)
+    }
+
+    /// Validates `group` ([`validate_group`]), checks its versions, runs `apply`, and commits
+    /// the versions once `apply` succeeded. Returns the group's entries and `apply`'s value.
+    ///
+    /// # Errors
+    /// The validation or version error naming the model (and tensor); `apply`'s error. In
+    /// every error case nothing is committed.
+    pub fn admit<R>(
+        &mut self,
+        group: &[Arc<WeightSet>],
+        apply: impl FnOnce(&[(ModelId, Version)]) -> Result<R>,
+    ) -> Result<(Vec<(ModelId, Version)>, R)> {
+        validate_group(&self.manifests, group)?;
+        let entries = entries(group);
+        self.gate.check(&entries)?;
+        let r = apply(&entries)?;
+        self.gate.commit(&entries);
+        Ok((entries, r))
+    }
+}
+
 /// The sender's book of what each receiver has acknowledged.
 #[derive(Clone, Debug, Default)]
 pub struct AckBook {
@@ -199,6 +249,17 @@ impl AckBook {
         for (model, version) in &ack.applied {
             let v = book.entry(model.clone()).or_insert(Version::ZERO);
             *v = (*v).max(*version);
+        }
+    }
+
+    /// For [`wait_until`](crate::wait::wait_until): done once every receiver acknowledged
+    /// every entry, else pending on the receivers still missing.
+    pub fn awaiting(&self, entries: &[(ModelId, Version)]) -> Wait<(), Vec<u32>> {
+        let missing = self.missing(entries);
+        if missing.is_empty() {
+            Wait::Done(())
+        } else {
+            Wait::Pending(missing)
         }
     }
 
@@ -262,20 +323,20 @@ mod tests {
         );
     }
 
+    /// One tensor `x`.
+    fn one_tensor(dtype: DType, len: usize) -> Arc<Manifest> {
+        Arc::new(
+            Manifest::builder()
+                .tensor("x", dtype, &[len])
+                .build()
+                .unwrap(),
+        )
+    }
+
     #[test]
     fn groups_are_validated_whole() {
-        let a = Arc::new(
-            Manifest::builder()
-                .tensor("x", DType::F32, &[4])
-                .build()
-                .unwrap(),
-        );
-        let b = Arc::new(
-            Manifest::builder()
-                .tensor("x", DType::F32, &[5])
-                .build()
-                .unwrap(),
-        );
+        let a = one_tensor(DType::F32, 4);
+        let b = one_tensor(DType::F32, 5);
         let ms = Manifests::new([(id("actor"), a.clone()), (id("critic"), a.clone())]).unwrap();
         validate_group(&ms, &[ws("actor", &a, 1), ws("critic", &a, 1)]).unwrap();
         let e = validate_group(&ms, &[ws("actor", &a, 1), ws("critic", &b, 1)]).unwrap_err();
@@ -300,6 +361,45 @@ mod tests {
     }
 
     #[test]
+    fn admission_commits_only_what_was_applied() {
+        let a = one_tensor(DType::F32, 4);
+        let b = one_tensor(DType::F16, 4);
+        let p = id("policy");
+        let mut adm = Admission::new(Manifests::new([(p.clone(), a.clone())]).unwrap());
+        let (e, n) = adm.admit(&[ws("policy", &a, 2)], |e| Ok(e.len())).unwrap();
+        assert_eq!((e, n), (vec![(p.clone(), Version(2))], 1));
+        assert_eq!(adm.current(&p), Version(2));
+        // a failed apply commits nothing
+        let err = adm
+            .admit(&[ws("policy", &a, 3)], |_| {
+                Err::<(), _>(Error::State("no room"))
+            })
+            .unwrap_err();
+        assert!(matches!(err, Error::State("no room")));
+        assert_eq!(adm.current(&p), Version(2));
+        // refused before apply: wrong dtype names the tensor, stale version
+        let mut ran = false;
+        let err = adm
+            .admit(&[ws("policy", &b, 4)], |_| {
+                ran = true;
+                Ok(())
+            })
+            .unwrap_err();
+        assert!(err.to_string().contains("tensor `x`"), "{err}");
+        assert!(matches!(
+            adm.admit(&[ws("policy", &a, 2)], |_| {
+                ran = true;
+                Ok(())
+            }),
+            Err(Error::StaleVersion { .. })
+        ));
+        assert!(!ran);
+        assert_eq!(adm.current(&p), Version(2));
+        adm.admit(&[ws("policy", &a, 3)], |_| Ok(())).unwrap();
+        assert_eq!(adm.current(&p), Version(3));
+    }
+
+    #[test]
     fn ack_book_tracks_each_receiver() {
         let mut book = AckBook::default();
         book.register(0);
@@ -311,6 +411,7 @@ mod tests {
             applied: e.clone(),
         });
         assert_eq!(book.missing(&e), vec![1]);
+        assert_eq!(book.awaiting(&e), Wait::Pending(vec![1]));
         book.record(&Ack {
             receiver: 1,
             applied: vec![(id("p"), Version(4))],
@@ -320,6 +421,7 @@ mod tests {
             applied: vec![(id("p"), Version(2))],
         });
         assert!(book.missing(&e).is_empty());
+        assert_eq!(book.awaiting(&e), Wait::Done(()));
         book.remove(1);
         assert_eq!(book.receivers().collect::<Vec<_>>(), vec![0]);
     }

@@ -18,7 +18,7 @@ use arc_swap::ArcSwap;
 use crate::error::{Error, Result};
 use crate::ids::{ModelId, Version};
 use crate::metrics::{self, Phase};
-use crate::protocol::{Group, Manifests, VersionGate, entries, validate_group};
+use crate::protocol::{Admission, Group, Manifests, entries};
 use crate::weights::WeightSet;
 
 /// The sending side of a transport.
@@ -118,23 +118,24 @@ impl<T: SenderTransport> SenderInit<T> {
     pub fn connect(mut self, initial: Vec<WeightSet>, timeout: Duration) -> Result<Sender<T>> {
         let deadline = deadline_in(timeout);
         let group: Group = initial.into_iter().map(Arc::new).collect();
-        validate_group(&self.manifests, &group)?;
-        if group.len() != self.manifests.len() {
-            return Err(Error::State(
-                "connect needs initial weights for every model",
-            ));
-        }
-        let mut gate = VersionGate::default();
-        gate.admit(&entries(&group))?;
-        self.transport.connect(&group, deadline)?;
+        let mut admission = Admission::new(self.manifests);
+        let every_model = group.len() == admission.manifests().len();
+        let transport = &mut self.transport;
+        let (entries, ()) = admission.admit(&group, |_| {
+            if !every_model {
+                return Err(Error::State(
+                    "connect needs initial weights for every model",
+                ));
+            }
+            transport.connect(&group, deadline)
+        })?;
         let mut sender = Sender {
             transport: self.transport,
-            manifests: self.manifests,
-            gate,
+            admission,
             ack_timeout: self.ack_timeout,
             closed: false,
         };
-        sender.transport.wait_acks(&entries(&group), deadline)?;
+        sender.transport.wait_acks(&entries, deadline)?;
         Ok(sender)
     }
 }
@@ -143,8 +144,7 @@ impl<T: SenderTransport> SenderInit<T> {
 #[derive(Debug)]
 pub struct Sender<T: SenderTransport> {
     transport: T,
-    manifests: Manifests,
-    gate: VersionGate,
+    admission: Admission,
     ack_timeout: Duration,
     closed: bool,
 }
@@ -198,18 +198,18 @@ impl<T: SenderTransport> Sender<T> {
         if self.closed {
             return Err(Error::State("sender is shut down"));
         }
-        validate_group(&self.manifests, &group)?;
-        let entries = entries(&group);
-        self.gate.check(&entries)?;
-        let timer = metrics::timed_group(
-            Phase::Assemble,
-            self.transport.name(),
-            group.iter().map(|w| w.model().as_str()),
-        );
-        self.transport
-            .publish(&group, deadline_in(self.ack_timeout))?;
-        timer.finish();
-        self.gate.commit(&entries);
+        let transport = &mut self.transport;
+        let deadline = deadline_in(self.ack_timeout);
+        let (entries, ()) = self.admission.admit(&group, |_| {
+            let timer = metrics::timed_group(
+                Phase::Assemble,
+                transport.name(),
+                group.iter().map(|w| w.model().as_str()),
+            );
+            transport.publish(&group, deadline)?;
+            timer.finish();
+            Ok(())
+        })?;
         Ok(PendingSend { entries })
     }
 
@@ -224,7 +224,7 @@ impl<T: SenderTransport> Sender<T> {
 
     /// The version in force for a model.
     pub fn version(&self, model: &ModelId) -> Version {
-        self.gate.current(model)
+        self.admission.current(model)
     }
 
     /// Changes how long `send` waits for buffers and acknowledgements.
@@ -234,7 +234,7 @@ impl<T: SenderTransport> Sender<T> {
 
     /// The agreed manifests.
     pub fn manifests(&self) -> &Manifests {
-        &self.manifests
+        self.admission.manifests()
     }
 
     /// The transport.
@@ -343,8 +343,7 @@ impl<T: ReceiverTransport> ReceiverInit<T> {
         }
         let mut receiver = Receiver {
             transport: self.transport,
-            manifests: announced,
-            gate: VersionGate::default(),
+            admission: Admission::new(announced),
             served: Served::default(),
             closed: false,
         };
@@ -363,8 +362,7 @@ impl<T: ReceiverTransport> ReceiverInit<T> {
 #[derive(Debug)]
 pub struct Receiver<T: ReceiverTransport> {
     transport: T,
-    manifests: Manifests,
-    gate: VersionGate,
+    admission: Admission,
     served: Served,
     closed: bool,
 }
@@ -408,12 +406,11 @@ impl<T: ReceiverTransport> Receiver<T> {
             self.transport.name(),
             group.iter().map(|w| w.model().as_str()),
         );
-        validate_group(&self.manifests, &group)?;
-        let entries = entries(&group);
-        self.gate.check(&entries)?;
-        let snapshot = self.served.load().with(&group);
-        self.served.store(snapshot);
-        self.gate.commit(&entries);
+        let served = &self.served;
+        let (entries, ()) = self.admission.admit(&group, |_| {
+            served.store(served.load().with(&group));
+            Ok(())
+        })?;
         timer.finish();
         self.transport.ack(&entries)?;
         Ok(Some(Update { group }))
@@ -431,12 +428,12 @@ impl<T: ReceiverTransport> Receiver<T> {
 
     /// The version in force for one model.
     pub fn version(&self, model: &ModelId) -> Version {
-        self.gate.current(model)
+        self.admission.current(model)
     }
 
     /// The agreed manifests.
     pub fn manifests(&self) -> &Manifests {
-        &self.manifests
+        self.admission.manifests()
     }
 
     /// Runs `receive` on a background thread until stopped; `on_update` sees every applied
@@ -528,5 +525,188 @@ impl<T: ReceiverTransport> Drop for ReceiverLoop<T> {
         if let Some(h) = self.handle.take() {
             let _ = h.join();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    //! The lifecycle driven through the core's in-memory pair ([`crate::inproc`]), no sockets.
+    use super::*;
+    use crate::DType;
+    use crate::inproc::{InProc, InProcReceiver, InProcSender};
+    use crate::manifest::Manifest;
+
+    const LONG: Duration = Duration::from_secs(30);
+
+    fn id(s: &str) -> ModelId {
+        ModelId::new(s).unwrap()
+    }
+
+    fn manifest(dtype: DType, len: usize) -> Arc<Manifest> {
+        Arc::new(
+            Manifest::builder()
+                .tensor("w", dtype, &[len])
+                .build()
+                .unwrap(),
+        )
+    }
+
+    /// `model` at `version` with every f32 of `w` equal to `fill`.
+    fn weights(model: &str, m: &Arc<Manifest>, version: u64, fill: f32) -> WeightSet {
+        let mut w = WeightSet::zeroed(id(model), Arc::clone(m));
+        if m.tensors()[0].dtype == DType::F32 {
+            w.view_mut::<f32>("w").unwrap().fill(fill);
+        }
+        w.set_version(Version(version));
+        w
+    }
+
+    fn policy_manifests(m: &Arc<Manifest>) -> Manifests {
+        Manifests::new([(id("policy"), Arc::clone(m))]).unwrap()
+    }
+
+    /// A connected sender and one receiver over a fresh hub, policy at version 1 (all 1.0).
+    fn connected(m: &Arc<Manifest>) -> (Sender<InProcSender>, Receiver<InProcReceiver>) {
+        let hub = InProc::new();
+        let rx = hub.receiver();
+        let expected = policy_manifests(m);
+        let joiner =
+            std::thread::spawn(move || ReceiverInit::new(rx, Some(expected)).connect(LONG));
+        let tx = SenderInit::new(hub.sender().unwrap(), policy_manifests(m))
+            .with_ack_timeout(LONG)
+            .connect(vec![weights("policy", m, 1, 1.0)], LONG)
+            .unwrap();
+        let rx = joiner.join().unwrap().unwrap();
+        (tx, rx)
+    }
+
+    fn served_fill(rx: &Receiver<InProcReceiver>) -> (Version, f32) {
+        let snap = rx.served().load();
+        let w = snap.get(&id("policy")).unwrap();
+        (w.version(), w.view::<f32>("w").unwrap()[0])
+    }
+
+    #[test]
+    fn connect_delivers_the_initial_weights_and_acks_them() {
+        let m = manifest(DType::F32, 8);
+        let (tx, rx) = connected(&m);
+        assert_eq!(tx.version(&id("policy")), Version(1));
+        assert_eq!(rx.version(&id("policy")), Version(1));
+        assert_eq!(served_fill(&rx), (Version(1), 1.0));
+        assert!(rx.manifests().check_agree(tx.manifests()).is_ok());
+    }
+
+    #[test]
+    fn publish_receive_and_ack() {
+        let m = manifest(DType::F32, 8);
+        let (mut tx, mut rx) = connected(&m);
+        let pending = tx.send_async(vec![weights("policy", &m, 2, 2.0)]).unwrap();
+        assert_eq!(pending.entries(), &[(id("policy"), Version(2))]);
+        // not applied yet: the ack is owed and a short wait names the late receiver
+        let late = tx.wait(&pending, Duration::from_millis(20)).unwrap_err();
+        assert!(late.is_timeout(), "{late}");
+        assert!(late.to_string().contains("receivers [0]"), "{late}");
+        let update = rx.receive(LONG).unwrap().expect("version 2 arrives");
+        assert_eq!(update.entries(), vec![(id("policy"), Version(2))]);
+        assert_eq!(served_fill(&rx), (Version(2), 2.0));
+        tx.wait(&pending, LONG).unwrap();
+        // nothing new: the deadline passes quietly
+        assert!(rx.receive(Duration::from_millis(10)).unwrap().is_none());
+        // a skipped version is fine, the newest lands
+        let _skipped = tx.send_async(vec![weights("policy", &m, 3, 3.0)]).unwrap();
+        let pending = tx.send_async(vec![weights("policy", &m, 7, 7.0)]).unwrap();
+        let update = rx.receive(LONG).unwrap().unwrap();
+        assert_eq!(update.entries(), vec![(id("policy"), Version(7))]);
+        tx.wait(&pending, LONG).unwrap();
+        assert_eq!(served_fill(&rx), (Version(7), 7.0));
+    }
+
+    #[test]
+    fn the_sender_refuses_before_publishing() {
+        let m = manifest(DType::F32, 8);
+        let (mut tx, mut rx) = connected(&m);
+        let stale = tx
+            .send_async(vec![weights("policy", &m, 1, 9.0)])
+            .unwrap_err();
+        assert!(matches!(stale, Error::StaleVersion { .. }), "{stale}");
+        let shape = tx
+            .send_async(vec![weights("policy", &manifest(DType::F32, 9), 2, 9.0)])
+            .unwrap_err();
+        assert!(shape.to_string().contains("tensor `w`"), "{shape}");
+        let ghost = tx
+            .send_async(vec![weights("ghost", &m, 2, 9.0)])
+            .unwrap_err();
+        assert!(matches!(ghost, Error::UnknownModel(_)), "{ghost}");
+        assert_eq!(tx.version(&id("policy")), Version(1));
+        // nothing reached the receiver
+        assert!(rx.receive(Duration::from_millis(10)).unwrap().is_none());
+        assert_eq!(served_fill(&rx), (Version(1), 1.0));
+    }
+
+    #[test]
+    fn the_receiver_refuses_a_bad_update_and_keeps_the_old_version() {
+        let m = manifest(DType::F32, 8);
+        let (mut tx, mut rx) = connected(&m);
+        // bypass the sender's own checks: publish straight on the transport
+        let raw = |tx: &mut Sender<InProcSender>, w: WeightSet| {
+            tx.transport_mut()
+                .publish(&vec![Arc::new(w)], deadline_in(LONG))
+                .unwrap();
+        };
+        raw(&mut tx, weights("ghost", &m, 2, 9.0));
+        let e = rx.receive(LONG).unwrap_err();
+        assert!(matches!(e, Error::UnknownModel(_)), "{e}");
+        raw(&mut tx, weights("policy", &manifest(DType::F16, 8), 2, 9.0));
+        let e = rx.receive(LONG).unwrap_err();
+        assert!(e.to_string().contains("tensor `w`"), "{e}");
+        raw(&mut tx, weights("policy", &manifest(DType::F32, 4), 3, 9.0));
+        let e = rx.receive(LONG).unwrap_err();
+        assert!(e.to_string().contains("tensor `w`"), "{e}");
+        // the old version stays served and none of them was acknowledged
+        assert_eq!(rx.version(&id("policy")), Version(1));
+        assert_eq!(served_fill(&rx), (Version(1), 1.0));
+        let refused = [(id("policy"), Version(3))];
+        assert!(
+            tx.transport_mut()
+                .wait_acks(&refused, Instant::now())
+                .unwrap_err()
+                .is_timeout()
+        );
+        // a good version after the refusals lands
+        let pending = tx.send_async(vec![weights("policy", &m, 4, 4.0)]).unwrap();
+        assert!(rx.receive(LONG).unwrap().is_some());
+        tx.wait(&pending, LONG).unwrap();
+        assert_eq!(served_fill(&rx), (Version(4), 4.0));
+    }
+
+    #[test]
+    fn a_receiver_refuses_a_sender_with_other_manifests() {
+        let hub = InProc::new();
+        let rx = hub.receiver();
+        let expected = policy_manifests(&manifest(DType::F16, 8));
+        let joiner =
+            std::thread::spawn(move || ReceiverInit::new(rx, Some(expected)).connect(LONG));
+        let m = manifest(DType::F32, 8);
+        let sent = SenderInit::new(hub.sender().unwrap(), policy_manifests(&m)).connect(
+            vec![weights("policy", &m, 1, 1.0)],
+            Duration::from_millis(50),
+        );
+        let refused = joiner.join().unwrap().unwrap_err();
+        assert!(refused.to_string().contains("tensor `w`"), "{refused}");
+        // the refusing receiver left without acking: the sender either times out or, once
+        // the receiver is gone, owes nobody; it never hangs
+        if let Err(e) = sent {
+            assert!(e.is_timeout(), "{e}");
+        }
+    }
+
+    #[test]
+    fn a_dead_sender_is_an_error_not_a_hang() {
+        let m = manifest(DType::F32, 8);
+        let (tx, mut rx) = connected(&m);
+        tx.shutdown().unwrap();
+        let e = rx.receive(LONG).unwrap_err();
+        assert!(matches!(e, Error::PeerGone { .. }), "{e}");
+        assert_eq!(served_fill(&rx), (Version(1), 1.0));
     }
 }

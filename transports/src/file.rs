@@ -39,6 +39,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use refit_runtime::metrics::{self, Phase};
+use refit_runtime::wait::{Wait, backoff, poll_until, wait_until};
 use refit_runtime::{
     Error, Group, Manifest, Manifests, ModelId, ReceiverTransport, Result, SafetensorsLayout,
     SenderTransport, Version, WeightSet, inspect_safetensors, temp_sibling, wire, write_atomically,
@@ -325,15 +326,19 @@ impl FileVersion {
         let path = path.as_ref();
         let deadline = refit_runtime::scheme::deadline_in(timeout);
         let file = File::open(path).map_err(|e| io_err("opening", path, e))?;
-        while !try_flock(&file, libc::LOCK_SH, path)? {
-            if Instant::now() >= deadline {
-                return Err(Error::Timeout {
-                    what: format!("a shared lock on `{}`", path.display()),
-                    after: timeout,
-                });
-            }
-            std::thread::sleep(Duration::from_millis(1));
-        }
+        wait_until(
+            deadline,
+            (),
+            |()| {
+                Ok(if try_flock(&file, libc::LOCK_SH, path)? {
+                    Wait::Done(())
+                } else {
+                    Wait::Pending(())
+                })
+            },
+            |(), left| std::thread::sleep(left.min(Duration::from_millis(1))),
+            |()| format!("a shared lock on `{}`", path.display()),
+        )?;
         // The collector may have removed the file between our open and our lock: then the
         // name no longer leads to our inode and holding it would keep nothing on disk.
         let same = match (file.metadata(), std::fs::metadata(path)) {
@@ -684,24 +689,26 @@ impl SenderTransport for FileSender {
         };
         write_atomically(&self.dir.join(SCHEME), &wire::encode(&scheme)?)?;
         self.publish(initial, deadline)?;
-        let start = Instant::now();
-        loop {
-            let n = self.attached()?;
-            if n >= self.expected_receivers {
-                return Ok(());
-            }
-            if Instant::now() >= deadline {
-                return Err(Error::Timeout {
-                    what: format!(
-                        "{} file receivers to attach to `{}` ({n} did)",
-                        self.expected_receivers,
-                        self.dir.display()
-                    ),
-                    after: start.elapsed(),
-                });
-            }
-            std::thread::sleep(Duration::from_millis(2));
-        }
+        wait_until(
+            deadline,
+            (),
+            |()| {
+                let n = self.attached()?;
+                Ok(if n >= self.expected_receivers {
+                    Wait::Done(())
+                } else {
+                    Wait::Pending(n)
+                })
+            },
+            |(), left| std::thread::sleep(left.min(Duration::from_millis(2))),
+            |n| {
+                format!(
+                    "{} file receivers to attach to `{}` ({n} did)",
+                    self.expected_receivers,
+                    self.dir.display()
+                )
+            },
+        )
     }
 
     fn publish(&mut self, group: &Group, _deadline: Instant) -> Result<()> {
@@ -746,33 +753,31 @@ impl SenderTransport for FileSender {
     }
 
     fn wait_acks(&mut self, entries: &[(ModelId, Version)], deadline: Instant) -> Result<()> {
-        let start = Instant::now();
-        let mut pause = Duration::from_millis(1);
-        loop {
-            let missing: Vec<(u32, PathBuf)> = self
-                .records()?
-                .into_iter()
-                .filter(|(_, rec)| {
-                    entries
-                        .iter()
-                        .any(|(m, v)| !rec.acked.iter().any(|(am, av)| am == m && *av >= v.get()))
+        wait_until(
+            deadline,
+            (),
+            |()| {
+                let missing: Vec<(u32, PathBuf)> = self
+                    .records()?
+                    .into_iter()
+                    .filter(|(_, rec)| {
+                        entries.iter().any(|(m, v)| {
+                            !rec.acked.iter().any(|(am, av)| am == m && *av >= v.get())
+                        })
+                    })
+                    .map(|(path, rec)| (rec.pid, path))
+                    .collect();
+                Ok(if missing.is_empty() {
+                    Wait::Done(())
+                } else {
+                    Wait::Pending(missing)
                 })
-                .map(|(path, rec)| (rec.pid, path))
-                .collect();
-            if missing.is_empty() {
-                return Ok(());
-            }
-            if Instant::now() >= deadline {
-                return Err(Error::Timeout {
-                    what: format!(
-                        "file receivers (pid, record) {missing:?} to acknowledge {entries:?}"
-                    ),
-                    after: start.elapsed(),
-                });
-            }
-            std::thread::sleep(pause);
-            pause = (pause * 2).min(MAX_POLL);
-        }
+            },
+            backoff(MAX_POLL),
+            |missing| {
+                format!("file receivers (pid, record) {missing:?} to acknowledge {entries:?}")
+            },
+        )
     }
 
     fn shutdown(&mut self) -> Result<()> {
@@ -911,22 +916,21 @@ impl ReceiverTransport for FileReceiver {
     }
 
     fn connect(&mut self, deadline: Instant) -> Result<Manifests> {
-        let start = Instant::now();
         let dir = self.spec.dir.clone();
-        let scheme = loop {
-            if let (Some(scheme), Some(pointer)) = (read_scheme(&dir)?, read_pointer(&dir)?)
-                && scheme.scheme == pointer.scheme
-            {
-                break scheme;
-            }
-            if Instant::now() >= deadline {
-                return Err(Error::Timeout {
-                    what: format!("a file sender publishing into `{}`", dir.display()),
-                    after: start.elapsed(),
-                });
-            }
-            std::thread::sleep(Duration::from_millis(2));
-        };
+        let scheme = wait_until(
+            deadline,
+            (),
+            |()| {
+                if let (Some(scheme), Some(pointer)) = (read_scheme(&dir)?, read_pointer(&dir)?)
+                    && scheme.scheme == pointer.scheme
+                {
+                    return Ok(Wait::Done(scheme));
+                }
+                Ok(Wait::Pending(()))
+            },
+            |(), left| std::thread::sleep(left.min(Duration::from_millis(2))),
+            |()| format!("a file sender publishing into `{}`", dir.display()),
+        )?;
         let manifests = Manifests::new(
             scheme
                 .models
@@ -946,54 +950,54 @@ impl ReceiverTransport for FileReceiver {
             .map(|s| s.scheme.clone())
             .ok_or(Error::State("file receiver is not connected"))?;
         let mut last_check = Instant::now();
-        let mut pause = Duration::from_millis(1);
-        loop {
-            let pointer = read_pointer(&self.spec.dir)?.ok_or_else(|| Error::PeerGone {
-                peer: "file sender".into(),
-                reason: format!("{POINTER} was removed from `{}`", self.spec.dir.display()),
-            })?;
-            if pointer.scheme != scheme_id {
-                return Err(Self::gone(
-                    &pointer,
-                    "another sender took the directory over",
-                ));
-            }
-            let fresh: Vec<Entry> = pointer
-                .models
-                .iter()
-                .filter(|e| {
-                    self.seen.get(&e.model).is_none_or(|v| e.version > *v)
-                        && self.refused.get(&e.model) != Some(&e.version)
-                })
-                .cloned()
-                .collect();
-            // a file the pointer names may be gone (`None`): collected under us (the
-            // pointer names a newer one by the next look) or removed for good; either way
-            // the deadline below still holds
-            if !fresh.is_empty()
-                && let Some(group) = self.read_fresh(&fresh)?
-            {
-                for e in &fresh {
-                    self.seen.insert(e.model.clone(), e.version);
+        poll_until(
+            deadline,
+            (),
+            |()| {
+                let pointer = read_pointer(&self.spec.dir)?.ok_or_else(|| Error::PeerGone {
+                    peer: "file sender".into(),
+                    reason: format!("{POINTER} was removed from `{}`", self.spec.dir.display()),
+                })?;
+                if pointer.scheme != scheme_id {
+                    return Err(Self::gone(
+                        &pointer,
+                        "another sender took the directory over",
+                    ));
                 }
-                return Ok(Some(group));
-            }
-            if pointer.state == State::Shutdown {
-                return Err(Self::gone(&pointer, "shut down"));
-            }
-            let now = Instant::now();
-            if now >= deadline {
-                return Ok(None);
-            }
-            if now.duration_since(last_check) >= LIVENESS_EVERY {
-                last_check = now;
-                if !alive_on(pointer.sender(), &pointer.host, &self.host) {
-                    return Err(Self::gone(&pointer, "process exited"));
+                let fresh: Vec<Entry> = pointer
+                    .models
+                    .iter()
+                    .filter(|e| {
+                        self.seen.get(&e.model).is_none_or(|v| e.version > *v)
+                            && self.refused.get(&e.model) != Some(&e.version)
+                    })
+                    .cloned()
+                    .collect();
+                // a file the pointer names may be gone (`None`): collected under us (the
+                // pointer names a newer one by the next look) or removed for good; either way
+                // the deadline below still holds
+                if !fresh.is_empty()
+                    && let Some(group) = self.read_fresh(&fresh)?
+                {
+                    for e in &fresh {
+                        self.seen.insert(e.model.clone(), e.version);
+                    }
+                    return Ok(Wait::Done(group));
                 }
-            }
-            std::thread::sleep(pause.min(deadline - now));
-            pause = (pause * 2).min(MAX_POLL);
-        }
+                if pointer.state == State::Shutdown {
+                    return Err(Self::gone(&pointer, "shut down"));
+                }
+                let now = Instant::now();
+                if now < deadline && now.duration_since(last_check) >= LIVENESS_EVERY {
+                    last_check = now;
+                    if !alive_on(pointer.sender(), &pointer.host, &self.host) {
+                        return Err(Self::gone(&pointer, "process exited"));
+                    }
+                }
+                Ok(Wait::Pending(()))
+            },
+            backoff(MAX_POLL),
+        )
     }
 
     fn ack(&mut self, applied: &[(ModelId, Version)]) -> Result<()> {

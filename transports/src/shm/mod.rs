@@ -54,6 +54,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use refit_runtime::metrics::{self, Phase};
+use refit_runtime::wait::{Wait, poll_until, wait_until};
 use refit_runtime::{
     Error, Group, Manifest, Manifests, ModelId, ReceiverTransport, Result, SenderTransport,
     SharedBytes, Version, WeightSet, wire,
@@ -147,31 +148,41 @@ fn read_board(
 ) -> Result<Vec<(u64, u64)>> {
     let seq = board.u32_at(OFF_COMMIT_SEQ)?;
     let started = Instant::now();
-    loop {
-        let before = seq.load(Ordering::Acquire);
-        if before % 2 == 0 {
-            let mut out = Vec::with_capacity(n_models);
-            for m in 0..n_models {
-                out.push((
-                    board.u64_at(entry_version(m))?.load(Ordering::Relaxed),
-                    board.u64_at(entry_slot(m))?.load(Ordering::Relaxed),
-                ));
+    wait_until(
+        deadline,
+        (),
+        |()| {
+            let before = seq.load(Ordering::Acquire);
+            if before % 2 == 0 {
+                let mut out = Vec::with_capacity(n_models);
+                for m in 0..n_models {
+                    out.push((
+                        board.u64_at(entry_version(m))?.load(Ordering::Relaxed),
+                        board.u64_at(entry_slot(m))?.load(Ordering::Relaxed),
+                    ));
+                }
+                fence(Ordering::Acquire);
+                if seq.load(Ordering::Relaxed) == before {
+                    return Ok(Wait::Done(out));
+                }
+            } else if started.elapsed() > LIVENESS_EVERY
+                && let Some(why) = lease::dead(board, OFF_SENDER, lease)?
+            {
+                return Err(sender_gone(board, format!("died while committing ({why})")));
             }
-            fence(Ordering::Acquire);
-            if seq.load(Ordering::Relaxed) == before {
-                return Ok(out);
-            }
-        } else if started.elapsed() > LIVENESS_EVERY
-            && let Some(why) = lease::dead(board, OFF_SENDER, lease)?
-        {
-            return Err(sender_gone(board, format!("died while committing ({why})")));
-        } else if Instant::now() >= deadline {
-            return Err(Error::Timeout {
-                what: "the shm sender to finish its commit (the board stayed mid-commit)".into(),
-                after: started.elapsed(),
-            });
-        }
-        std::thread::yield_now();
+            Ok(Wait::Pending(()))
+        },
+        |(), _| std::thread::yield_now(),
+        |()| "the shm sender to finish its commit (the board stayed mid-commit)".into(),
+    )
+}
+
+/// The park of [`wait_until`] on a futex word: sleeps until the word moves off the value the
+/// last look saw, at most the time left and never past the next liveness check.
+fn park_on(word: &AtomicU32) -> impl FnMut(u32, Duration) -> u32 + '_ {
+    move |seen, left| {
+        futex::wait(word, seen, left.min(LIVENESS_EVERY));
+        seen
     }
 }
 
@@ -503,31 +514,33 @@ impl ShmSender {
     fn claim_slot(&self, model: usize, deadline: Instant) -> Result<(usize, u64)> {
         let seg = &self.data[model];
         let stride = seg.len() / self.slots;
-        loop {
-            for s in 0..self.slots {
-                if self.current[model] == Some(s) {
-                    continue;
+        wait_until(
+            deadline,
+            (),
+            |()| {
+                for s in 0..self.slots {
+                    if self.current[model] == Some(s) {
+                        continue;
+                    }
+                    let seq = seg.u64_at(s * stride)?;
+                    let was = seq.load(Ordering::SeqCst);
+                    seq.store(was | 1, Ordering::SeqCst);
+                    if !self.pinned(model, s)? {
+                        return Ok(Wait::Done((s, was & !1)));
+                    }
+                    seq.store(was, Ordering::SeqCst);
                 }
-                let seq = seg.u64_at(s * stride)?;
-                let was = seq.load(Ordering::SeqCst);
-                seq.store(was | 1, Ordering::SeqCst);
-                if !self.pinned(model, s)? {
-                    return Ok((s, was & !1));
-                }
-                seq.store(was, Ordering::SeqCst);
-            }
-            self.reap_dead()?;
-            if Instant::now() >= deadline {
-                return Err(Error::Timeout {
-                    what: format!(
-                        "a free shm slot for model #{model}: all {} other slots pinned by readers",
-                        self.slots - 1
-                    ),
-                    after: Duration::ZERO,
-                });
-            }
-            std::thread::sleep(Duration::from_micros(100));
-        }
+                self.reap_dead()?;
+                Ok(Wait::Pending(()))
+            },
+            |(), left| std::thread::sleep(left.min(Duration::from_micros(100))),
+            |()| {
+                format!(
+                    "a free shm slot for model #{model}: all {} other slots pinned by readers",
+                    self.slots - 1
+                )
+            },
+        )
     }
 
     fn missing_acks(&self, entries: &[(ModelId, Version)]) -> Result<Vec<(usize, u32)>> {
@@ -649,25 +662,22 @@ impl SenderTransport for ShmSender {
         state_word(&self.board)?.store(STATE_LIVE, Ordering::SeqCst);
         futex::wake_all(state_word(&self.board)?);
         let ack_seq = self.board.u32_at(OFF_ACK_SEQ)?;
-        let start = Instant::now();
-        loop {
-            let seen = ack_seq.load(Ordering::SeqCst);
-            let n = self.attached()?;
-            if n >= self.expected_receivers {
-                return Ok(());
-            }
-            let now = Instant::now();
-            if now >= deadline {
-                return Err(Error::Timeout {
-                    what: format!(
-                        "{} shm receivers to attach ({n} did)",
-                        self.expected_receivers
-                    ),
-                    after: start.elapsed(),
-                });
-            }
-            futex::wait(ack_seq, seen, (deadline - now).min(LIVENESS_EVERY));
-        }
+        let expected = self.expected_receivers;
+        wait_until(
+            deadline,
+            0,
+            |seen| {
+                *seen = ack_seq.load(Ordering::SeqCst);
+                let n = self.attached()?;
+                Ok(if n >= expected {
+                    Wait::Done(())
+                } else {
+                    Wait::Pending(n)
+                })
+            },
+            park_on(ack_seq),
+            |n| format!("{expected} shm receivers to attach ({n} did)"),
+        )
     }
 
     fn publish(&mut self, group: &Group, deadline: Instant) -> Result<()> {
@@ -721,25 +731,22 @@ impl SenderTransport for ShmSender {
 
     fn wait_acks(&mut self, entries: &[(ModelId, Version)], deadline: Instant) -> Result<()> {
         let ack_seq = self.board.u32_at(OFF_ACK_SEQ)?;
-        let start = Instant::now();
-        loop {
-            let seen = ack_seq.load(Ordering::SeqCst);
-            self.reap_dead()?;
-            let missing = self.missing_acks(entries)?;
-            if missing.is_empty() {
-                return Ok(());
-            }
-            let now = Instant::now();
-            if now >= deadline {
-                return Err(Error::Timeout {
-                    what: format!(
-                        "shm receivers (slot, pid) {missing:?} to acknowledge {entries:?}"
-                    ),
-                    after: start.elapsed(),
-                });
-            }
-            futex::wait(ack_seq, seen, (deadline - now).min(LIVENESS_EVERY));
-        }
+        wait_until(
+            deadline,
+            0,
+            |seen| {
+                *seen = ack_seq.load(Ordering::SeqCst);
+                self.reap_dead()?;
+                let missing = self.missing_acks(entries)?;
+                Ok(if missing.is_empty() {
+                    Wait::Done(())
+                } else {
+                    Wait::Pending(missing)
+                })
+            },
+            park_on(ack_seq),
+            |missing| format!("shm receivers (slot, pid) {missing:?} to acknowledge {entries:?}"),
+        )
     }
 
     fn shutdown(&mut self) -> Result<()> {
@@ -1106,19 +1113,19 @@ impl ReceiverTransport for ShmReceiver {
     }
 
     fn connect(&mut self, deadline: Instant) -> Result<Manifests> {
-        let start = Instant::now();
-        let attached = loop {
-            if let Some(a) = self.attach()? {
-                break a;
-            }
-            if Instant::now() >= deadline {
-                return Err(Error::Timeout {
-                    what: format!("shm sender at {}", self.spec.board.display()),
-                    after: start.elapsed(),
-                });
-            }
-            std::thread::sleep(Duration::from_millis(2));
-        };
+        let board = self.spec.board.clone();
+        let attached = wait_until(
+            deadline,
+            (),
+            |()| {
+                Ok(match self.attach()? {
+                    Some(a) => Wait::Done(a),
+                    None => Wait::Pending(()),
+                })
+            },
+            |(), left| std::thread::sleep(left.min(Duration::from_millis(2))),
+            |()| format!("shm sender at {}", board.display()),
+        )?;
         let manifests = Manifests::new(
             attached
                 .models
@@ -1131,45 +1138,51 @@ impl ReceiverTransport for ShmReceiver {
     }
 
     fn next_group(&mut self, deadline: Instant) -> Result<Option<Group>> {
-        let mut last_check = Instant::now();
-        loop {
-            let (commit_word, state) = {
-                let a = self
+        // the state both steps share: the receiver, the commit word last seen, the last
+        // liveness check of the sender
+        poll_until(
+            deadline,
+            (self, 0u32, Instant::now()),
+            |(me, commit_word, last_check)| {
+                let state = {
+                    let a = me
+                        .attached
+                        .as_ref()
+                        .ok_or(Error::State("shm receiver is not connected"))?;
+                    *commit_word = a.board.u32_at(OFF_COMMIT_SEQ)?.load(Ordering::SeqCst);
+                    state_word(&a.board)?.load(Ordering::SeqCst)
+                };
+                let commit_deadline = deadline.max(Instant::now() + COMMIT_GRACE);
+                if let Some(g) = me.take_fresh(commit_deadline)? {
+                    return Ok(Wait::Done(g));
+                }
+                let a = me
                     .attached
                     .as_ref()
                     .ok_or(Error::State("shm receiver is not connected"))?;
-                (
-                    a.board.u32_at(OFF_COMMIT_SEQ)?.load(Ordering::SeqCst),
-                    state_word(&a.board)?.load(Ordering::SeqCst),
-                )
-            };
-            let commit_deadline = deadline.max(Instant::now() + COMMIT_GRACE);
-            if let Some(g) = self.take_fresh(commit_deadline)? {
-                return Ok(Some(g));
-            }
-            let a = self
-                .attached
-                .as_ref()
-                .ok_or(Error::State("shm receiver is not connected"))?;
-            if state == STATE_SHUTDOWN {
-                return Err(sender_gone(&a.board, "shut down"));
-            }
-            let now = Instant::now();
-            if now >= deadline {
-                return Ok(None);
-            }
-            if now.duration_since(last_check) >= LIVENESS_EVERY {
-                last_check = now;
-                if let Some(why) = lease::dead(&a.board, OFF_SENDER, a.lease_len)? {
-                    return Err(sender_gone(&a.board, why));
+                if state == STATE_SHUTDOWN {
+                    return Err(sender_gone(&a.board, "shut down"));
                 }
-            }
-            futex::wait(
-                a.board.u32_at(OFF_COMMIT_SEQ)?,
-                commit_word,
-                (deadline - now).min(LIVENESS_EVERY),
-            );
-        }
+                let now = Instant::now();
+                if now < deadline && now.duration_since(*last_check) >= LIVENESS_EVERY {
+                    *last_check = now;
+                    if let Some(why) = lease::dead(&a.board, OFF_SENDER, a.lease_len)? {
+                        return Err(sender_gone(&a.board, why));
+                    }
+                }
+                Ok(Wait::Pending(()))
+            },
+            |(me, commit_word, last_check), left| {
+                if let Some(word) = me
+                    .attached
+                    .as_ref()
+                    .and_then(|a| a.board.u32_at(OFF_COMMIT_SEQ).ok())
+                {
+                    futex::wait(word, commit_word, left.min(LIVENESS_EVERY));
+                }
+                (me, commit_word, last_check)
+            },
+        )
     }
 
     fn ack(&mut self, applied: &[(ModelId, Version)]) -> Result<()> {

@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 
 use refit_runtime::metrics::{self, Phase};
 use refit_runtime::node::{ClusterToken, Node, NodeConfig, Peer, open_stream};
+use refit_runtime::wait::{Wait, poll_until};
 use refit_runtime::{
     BucketPlan, Error, Group, Manifest, Manifests, ModelId, ReceiverTransport, Result, Version,
     WeightSet, wire,
@@ -857,36 +858,38 @@ impl ReceiverTransport for TcpReceiver {
 
     fn next_group(&mut self, deadline: Instant) -> Result<Option<Group>> {
         loop {
-            let want: Vec<(ModelId, Version)> = {
-                let mut ib = self.shared.inbox();
-                loop {
+            let want = poll_until(
+                deadline,
+                self.shared.inbox(),
+                |ib| {
                     if ib.closing {
                         return Err(self.gone("shut down"));
                     }
                     if self.ctl()?.is_closed() {
                         return Err(self.gone("the control connection closed"));
                     }
-                    let want: Vec<_> = ib
+                    let want: Vec<(ModelId, Version)> = ib
                         .pending
                         .iter()
                         .filter(|(m, v)| **v > self.shared.held_version(m))
                         .map(|(m, v)| (m.clone(), *v))
                         .collect();
-                    if !want.is_empty() {
-                        break want;
-                    }
-                    let now = Instant::now();
-                    if now >= deadline {
-                        return Ok(None);
-                    }
-                    let slice = (deadline - now).min(Duration::from_millis(50));
-                    ib = self
-                        .shared
+                    Ok(if want.is_empty() {
+                        Wait::Pending(())
+                    } else {
+                        Wait::Done(want)
+                    })
+                },
+                |ib, left| {
+                    self.shared
                         .cv
-                        .wait_timeout(ib, slice)
+                        .wait_timeout(ib, left.min(Duration::from_millis(50)))
                         .unwrap_or_else(|p| p.into_inner())
-                        .0;
-                }
+                        .0
+                },
+            )?;
+            let Some(want) = want else {
+                return Ok(None);
             };
             let mut group: Group = Vec::with_capacity(want.len());
             let mut superseded = false;

@@ -19,6 +19,7 @@ use std::time::{Duration, Instant};
 
 use refit_runtime::metrics::{self, Phase};
 use refit_runtime::node::{CallInfo, ClusterToken, ConnId, Node, NodeConfig, Peer};
+use refit_runtime::wait::{Wait, wait_until};
 use refit_runtime::{
     Ack, AckBook, BucketPlan, Error, Group, Manifests, ModelId, Result, SenderTransport, Version,
     WeightSet, wire,
@@ -142,6 +143,14 @@ impl Agent {
     fn lock(&self) -> MutexGuard<'_, State> {
         // the state is plain bookkeeping; a panicking handler leaves it usable
         self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Waits on the condition variable for at most `left` (the park of `wait_until`).
+    fn park<'a>(&self, st: MutexGuard<'a, State>, left: Duration) -> MutexGuard<'a, State> {
+        self.cv
+            .wait_timeout(st, left)
+            .unwrap_or_else(|p| p.into_inner())
+            .0
     }
 
     fn notify(&self) {
@@ -671,29 +680,27 @@ impl SenderTransport for TcpSender {
     }
 
     fn connect(&mut self, initial: &Group, deadline: Instant) -> Result<()> {
-        let start = Instant::now();
-        let want = self.agent.cfg.expected_receivers;
-        let mut st = self.agent.lock();
-        while st.receivers.len() < want {
-            let now = Instant::now();
-            if now >= deadline {
-                return Err(Error::Timeout {
-                    what: format!(
-                        "{want} tcp receivers to register at {} ({} did)",
-                        self.agent.addr,
-                        st.receivers.len()
-                    ),
-                    after: start.elapsed(),
-                });
-            }
-            st = self
-                .agent
-                .cv
-                .wait_timeout(st, deadline - now)
-                .unwrap_or_else(|p| p.into_inner())
-                .0;
-        }
-        drop(st);
+        let agent = &self.agent;
+        let want = agent.cfg.expected_receivers;
+        wait_until(
+            deadline,
+            agent.lock(),
+            |st| {
+                let n = st.receivers.len();
+                Ok(if n >= want {
+                    Wait::Done(())
+                } else {
+                    Wait::Pending(n)
+                })
+            },
+            |st, left| agent.park(st, left),
+            |n| {
+                format!(
+                    "{want} tcp receivers to register at {} ({n} did)",
+                    agent.addr
+                )
+            },
+        )?;
         self.publish(initial, deadline)
     }
 
@@ -752,27 +759,14 @@ impl SenderTransport for TcpSender {
     }
 
     fn wait_acks(&mut self, entries: &[(ModelId, Version)], deadline: Instant) -> Result<()> {
-        let start = Instant::now();
-        let mut st = self.agent.lock();
-        loop {
-            let missing = st.acks.missing(entries);
-            if missing.is_empty() {
-                return Ok(());
-            }
-            let now = Instant::now();
-            if now >= deadline {
-                return Err(Error::Timeout {
-                    what: format!("tcp receivers {missing:?} to acknowledge {entries:?}"),
-                    after: start.elapsed(),
-                });
-            }
-            st = self
-                .agent
-                .cv
-                .wait_timeout(st, deadline - now)
-                .unwrap_or_else(|p| p.into_inner())
-                .0;
-        }
+        let agent = &self.agent;
+        wait_until(
+            deadline,
+            agent.lock(),
+            |st| Ok(st.acks.awaiting(entries)),
+            |st, left| agent.park(st, left),
+            |missing| format!("tcp receivers {missing:?} to acknowledge {entries:?}"),
+        )
     }
 
     fn shutdown(&mut self) -> Result<()> {
