@@ -380,11 +380,13 @@ fn async_collector_keeps_running_through_an_update() {
     multi.wait_for_workers(Duration::from_secs(10)).unwrap();
     // Both workers must go on delivering under the new weights. How many batches one worker
     // delivers before the other is scheduled again depends on the machine's load, so the
-    // bound is time (10 s), not a batch count.
+    // bound is time (10 s), not a batch count (at least 20 batches are read).
     let mut after = HashSet::new();
     let until = Instant::now() + Duration::from_secs(10);
-    while after.len() < 2 && Instant::now() < until {
+    let mut taken = 0;
+    while (taken < 20 || after.len() < 2) && Instant::now() < until {
         let b = multi.next_batch().unwrap().unwrap();
+        taken += 1;
         let v = b.version_range().unwrap();
         assert_eq!(v.0, v.1, "one version per worker batch");
         for t in &b.transitions {
