@@ -322,33 +322,6 @@ impl<T: SenderTransport> ProcessSyncCollector<T> {
         self.workers.iter().map(|w| w.child.id()).collect()
     }
 
-    /// Frames delivered so far.
-    pub fn frames(&self) -> u64 {
-        self.frames
-    }
-
-    /// The scheme's sender.
-    pub fn sender(&self) -> Option<&Sender<T>> {
-        self.sender.as_ref()
-    }
-
-    /// Takes weights from `source` (an upstream scheme's receiver) from now on: forwarded
-    /// to the workers now if newer than theirs, then before each batch (the cascade).
-    ///
-    /// # Errors
-    /// A group the workers' scheme refuses; [`Error::Closed`].
-    pub fn attach_weight_source(&mut self, source: Box<dyn WeightSource>) -> Result<()> {
-        self.upstream = Upstream(Some(source));
-        self.pull_upstream(true)
-    }
-
-    fn pull_upstream(&mut self, initial: bool) -> Result<()> {
-        if let Some(p) = pull(&mut self.upstream.0, self.sender.as_mut(), initial)? {
-            self.pending = Some(p);
-        }
-        Ok(())
-    }
-
     /// Asks every worker for a batch and yields their concatenation (worker order);
     /// `Ok(None)` once the frame budget is spent.
     ///
@@ -427,11 +400,46 @@ impl<T: SenderTransport> ProcessSyncCollector<T> {
     }
 }
 
-/// The parts both process collectors share: stopping the workers when dropped, publishing
+/// The parts both process collectors share: their counters and sender, the upstream weight
+/// source (the cascade), stopping the workers when dropped, publishing
 /// through their sender (without waiting: `$publish` says when the workers apply), and
 /// iterating over batches.
 macro_rules! process_collector_common {
     ($ty:ident, $publish:literal) => {
+        impl<T: SenderTransport> $ty<T> {
+            /// Frames delivered so far.
+            pub fn frames(&self) -> u64 {
+                self.frames
+            }
+
+            /// The scheme's sender.
+            pub fn sender(&self) -> Option<&Sender<T>> {
+                self.sender.as_ref()
+            }
+
+            /// Takes weights from `source` (an upstream scheme's receiver) from now on:
+            /// forwarded to the workers now if newer than theirs, then before each batch (the
+            /// cascade).
+            ///
+            /// # Errors
+            /// A group the workers' scheme refuses; [`Error::Closed`].
+            pub fn attach_weight_source(&mut self, source: Box<dyn WeightSource>) -> Result<()> {
+                self.upstream = Upstream(Some(source));
+                self.pull_upstream(true)
+            }
+
+            fn pull_upstream(&mut self, initial: bool) -> Result<()> {
+                let Some(source) = self.upstream.0.as_mut() else {
+                    return Ok(());
+                };
+                let sender = self.sender.as_mut().ok_or(Error::Closed)?;
+                if let Some(p) = cascade(source.as_mut(), sender, initial)? {
+                    self.pending = Some(p);
+                }
+                Ok(())
+            }
+        }
+
         impl<T: SenderTransport> Drop for $ty<T> {
             fn drop(&mut self) {
                 self.stop_workers();
@@ -484,19 +492,6 @@ impl std::fmt::Debug for Upstream {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(if self.0.is_some() { "attached" } else { "none" })
     }
-}
-
-/// Forwards an update waiting in `upstream` through `sender` (the cascade).
-fn pull<T: SenderTransport>(
-    upstream: &mut Option<Box<dyn WeightSource>>,
-    sender: Option<&mut Sender<T>>,
-    initial: bool,
-) -> Result<Option<PendingSend>> {
-    let Some(source) = upstream.as_mut() else {
-        return Ok(None);
-    };
-    let sender = sender.ok_or(Error::Closed)?;
-    cascade(source.as_mut(), sender, initial)
 }
 
 /// Waits up to `grace` for `child` to exit; its status, for an error message.
@@ -629,33 +624,6 @@ impl<T: SenderTransport> ProcessAsyncCollector<T> {
         (0..self.workers.len())
             .filter(|w| self.workers[*w].alive)
             .collect()
-    }
-
-    /// Frames yielded so far.
-    pub fn frames(&self) -> u64 {
-        self.frames
-    }
-
-    /// The scheme's sender.
-    pub fn sender(&self) -> Option<&Sender<T>> {
-        self.sender.as_ref()
-    }
-
-    /// Takes weights from `source` (an upstream scheme's receiver) from now on: forwarded
-    /// to the workers now if newer than theirs, then before each batch (the cascade).
-    ///
-    /// # Errors
-    /// A group the workers' scheme refuses; [`Error::Closed`].
-    pub fn attach_weight_source(&mut self, source: Box<dyn WeightSource>) -> Result<()> {
-        self.upstream = Upstream(Some(source));
-        self.pull_upstream(true)
-    }
-
-    fn pull_upstream(&mut self, initial: bool) -> Result<()> {
-        if let Some(p) = pull(&mut self.upstream.0, self.sender.as_mut(), initial)? {
-            self.pending = Some(p);
-        }
-        Ok(())
     }
 
     /// Takes one message from the workers within `timeout`: `Ok(None)` on timeout.

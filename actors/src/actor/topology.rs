@@ -235,32 +235,13 @@ pub async fn run<R: Roles>(cfg: RunConfig, roles: R) -> Result<RunReport> {
     let engine_arbiter = Arbiter::new();
     let engine = InferenceEngine::start_in_arbiter(&engine_arbiter.handle(), move |_| engine);
 
-    let evaluator = {
-        let roles = Arc::clone(&roles);
-        let specs: BTreeMap<ModelId, ModelSpec> = cfg
-            .models
-            .iter()
-            .map(|m| (m.id.clone(), m.clone()))
-            .collect();
-        let seed = cfg.seed;
-        Evaluator::new(
-            engine.clone().recipient(),
-            ids.clone(),
-            move |model, i| {
-                let spec = specs.get(model).ok_or_else(|| {
-                    Error::Runtime(refit_runtime::Error::UnknownModel(model.clone()))
-                })?;
-                roles.env(
-                    spec,
-                    seed.wrapping_mul(31).wrapping_add(1_000_000 + i as u64),
-                )
-            },
-            cfg.eval_episodes,
-            10_000,
-            cfg.seed,
-        )
-        .start()
-    };
+    let evaluator = start_evaluator(
+        Arc::clone(&roles),
+        &cfg.models,
+        engine.clone().recipient(),
+        cfg.eval_episodes,
+        cfg.seed,
+    );
     let controller = WeightSyncController::new(
         &sync,
         ids.clone(),
@@ -542,6 +523,37 @@ pub(crate) async fn drive(
         .await
         .map_err(|e| unreachable("controller", e))??;
     Ok(report)
+}
+
+/// Starts the evaluator: `episodes` validation episodes per model through `engine`, on
+/// environments the roles build with seeds apart from the rollout workers'.
+pub(crate) fn start_evaluator<R: Roles>(
+    roles: Arc<R>,
+    specs: &[ModelSpec],
+    engine: Recipient<ActBatch>,
+    episodes: usize,
+    seed: u64,
+) -> Addr<Evaluator<R::Env>> {
+    let ids = specs.iter().map(|s| s.id.clone()).collect();
+    let by_id: BTreeMap<ModelId, ModelSpec> =
+        specs.iter().map(|s| (s.id.clone(), s.clone())).collect();
+    Evaluator::new(
+        engine,
+        ids,
+        move |model, i| {
+            let spec = by_id
+                .get(model)
+                .ok_or_else(|| Error::Runtime(refit_runtime::Error::UnknownModel(model.clone())))?;
+            roles.env(
+                spec,
+                seed.wrapping_mul(31).wrapping_add(1_000_000 + i as u64),
+            )
+        },
+        episodes,
+        10_000,
+        seed,
+    )
+    .start()
 }
 
 /// Builds a rollout worker's environments (`spec.envs_per_worker` of them, seeded from

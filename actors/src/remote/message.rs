@@ -60,6 +60,20 @@ pub trait RemoteReply: Sized + Send + 'static {
 /// ```
 #[macro_export]
 macro_rules! remote_reply {
+    (@generic [$($gen:tt)*] $ty:ty) => {
+        impl<$($gen)*> $crate::remote::RemoteReply for $ty {
+            type Wire = Self;
+            fn into_wire(self) -> Self {
+                self
+            }
+            fn from_wire(wire: Self, _: &str, _: &'static str) -> Self {
+                wire
+            }
+            fn from_failure(_: $crate::Error) -> Option<Self> {
+                None
+            }
+        }
+    };
     ($($ty:ty),* $(,)?) => {
         $(impl $crate::remote::RemoteReply for $ty {
             type Wire = Self;
@@ -96,48 +110,13 @@ crate::remote_reply!(
     refit_runtime::ModelId,
 );
 
-impl<T: Serialize + DeserializeOwned + Send + 'static> RemoteReply for Option<T> {
-    type Wire = Self;
-    fn into_wire(self) -> Self {
-        self
-    }
-    fn from_wire(wire: Self, _: &str, _: &'static str) -> Self {
-        wire
-    }
-    fn from_failure(_: Error) -> Option<Self> {
-        None
-    }
-}
-
-impl<T: Serialize + DeserializeOwned + Send + 'static> RemoteReply for Vec<T> {
-    type Wire = Self;
-    fn into_wire(self) -> Self {
-        self
-    }
-    fn from_wire(wire: Self, _: &str, _: &'static str) -> Self {
-        wire
-    }
-    fn from_failure(_: Error) -> Option<Self> {
-        None
-    }
-}
-
-impl<K, V> RemoteReply for std::collections::BTreeMap<K, V>
-where
+// Containers of wire values cross as they are.
+crate::remote_reply!(@generic [T: Serialize + DeserializeOwned + Send + 'static] Option<T>);
+crate::remote_reply!(@generic [T: Serialize + DeserializeOwned + Send + 'static] Vec<T>);
+crate::remote_reply!(@generic [
     K: Ord + Serialize + DeserializeOwned + Send + 'static,
-    V: Serialize + DeserializeOwned + Send + 'static,
-{
-    type Wire = Self;
-    fn into_wire(self) -> Self {
-        self
-    }
-    fn from_wire(wire: Self, _: &str, _: &'static str) -> Self {
-        wire
-    }
-    fn from_failure(_: Error) -> Option<Self> {
-        None
-    }
-}
+    V: Serialize + DeserializeOwned + Send + 'static
+] std::collections::BTreeMap<K, V>);
 
 impl<T: Serialize + DeserializeOwned + Send + 'static> RemoteReply for crate::Result<T> {
     type Wire = std::result::Result<T, WireError>;

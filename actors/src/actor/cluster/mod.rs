@@ -48,13 +48,13 @@ use super::engine::{
     ActBatch, CancelInFlight, EngineHandle, EngineStats, GetEngineStats, InferenceEngine,
     ServedVersions, UpdateModel,
 };
-use super::eval::Evaluator;
 use super::rollout::{
     ControllerLink, PushFragment, RolloutConfig, RolloutStats, RolloutWorker, StartRollouts,
     StopRollouts, TrajectoryPool,
 };
 use super::topology::{
-    self, ModelReport, RunConfig, RunReport, StopBoard, StopRule, start_rollout_worker,
+    self, ModelReport, RunConfig, RunReport, StopBoard, StopRule, start_evaluator,
+    start_rollout_worker,
 };
 use super::workers::Trainer;
 use gate::{ActRoute, RankGate, RankLost};
@@ -421,28 +421,14 @@ async fn run_lead<R: Roles>(
     }
     let route = ActRoute::new(act).start();
     let evaluator = if plan.has(Role::Evaluator) {
-        let roles = Arc::clone(roles);
-        let by_id: BTreeMap<ModelId, ModelSpec> =
-            specs.iter().map(|s| (s.id.clone(), s.clone())).collect();
-        let seed = topo.run.seed;
         Some(
-            Evaluator::new(
+            start_evaluator(
+                Arc::clone(roles),
+                specs,
                 route.clone().recipient(),
-                ids.clone(),
-                move |model, i| {
-                    let spec = by_id.get(model).ok_or_else(|| {
-                        Error::Runtime(refit_runtime::Error::UnknownModel(model.clone()))
-                    })?;
-                    roles.env(
-                        spec,
-                        seed.wrapping_mul(31).wrapping_add(1_000_000 + i as u64),
-                    )
-                },
                 10,
-                10_000,
-                seed,
+                topo.run.seed,
             )
-            .start()
             .recipient(),
         )
     } else {
