@@ -286,6 +286,20 @@ pub enum Error {
     /// A sync-policy rule was broken (barrier rounds, notification order).
     #[error("sync policy: {0}")]
     Sync(String),
+    /// A collective call failed (a rank left, the group was aborted, a backend error).
+    #[error("{backend} collective `{group}` (generation {generation}, rank {rank}): {reason}")]
+    Collective {
+        /// The backend (`cpu`, `nccl`).
+        backend: &'static str,
+        /// The group.
+        group: String,
+        /// The membership generation.
+        generation: u64,
+        /// The rank that reports it.
+        rank: usize,
+        /// What happened.
+        reason: String,
+    },
     /// A transport-specific failure.
     #[error("{transport} transport: {message}")]
     Transport {

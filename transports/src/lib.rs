@@ -3,6 +3,8 @@
 //! [`ReceiverTransport`](refit_runtime::ReceiverTransport).
 //!
 //! - [`inproc`]: threads and actors of one process; publishing is a pointer swap.
+//! - [`collective`]: communicators per membership generation (broadcast, send/recv with
+//!   deadlines, abort); backends for CPU (node TCP) and NCCL (feature `cuda`).
 //! - [`gpu`]: the CUDA/NCCL probe (feature `cuda`); GPU transports build on it.
 //! - [`tcp`]: processes on one host or many; a sender agent serves versions that receivers
 //!   pull over parallel streams (full or delta, checksummed, relayed receiver to receiver).
@@ -15,6 +17,7 @@
 //! second enum here would only be converted back.
 #![warn(missing_docs, unreachable_pub, missing_debug_implementations)]
 
+pub mod collective;
 pub mod file;
 pub mod gpu;
 pub mod inproc;
