@@ -400,7 +400,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
 /// decides when each version loads and when rollouts wait.
 fn run_actors(args: &Args) -> Result<(), Box<dyn std::error::Error>> {
     let mut sync = match &args.sync_config {
-        Some(path) => SyncConfig::from_path(path)?,
+        Some(path) => SyncConfig::from_file_text(&refit::read_config(path)?, path)?,
         None => SyncConfig::default(),
     };
     if let Some(mode) = args.sync_mode {

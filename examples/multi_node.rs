@@ -32,8 +32,8 @@ use std::process::{Command, ExitCode};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use refit::node::{ClusterToken, LaunchEnv, Node, NodeConfig, Store, StoreClient};
 use refit::prelude::*;
-use refit::runtime::node::{ClusterToken, LaunchEnv, Node, NodeConfig, Store, StoreClient};
 use refit::runtime::wire;
 use refit::transports::tcp::{
     DEFAULT_BUCKET_SIZE, TcpConfig, TcpEndpoint, TcpReceiver, TcpReceiverConfig, TcpReceiverSpec,
@@ -207,7 +207,7 @@ fn spawn_workers(
             }
             cmd.arg("worker")
                 .envs(launch.vars())
-                .env(refit::runtime::node::TOKEN_ENV, token.expose())
+                .env(refit::node::TOKEN_ENV, token.expose())
                 .spawn()
                 .map_err(|e| Error::io("spawning a worker", e))
         })

@@ -25,7 +25,7 @@ use actix::prelude::*;
 use clap::{Parser, Subcommand};
 use refit::actors::remote::{RemoteAddr, RemoteMessage, Uuid, serve};
 use refit::actors::{Error, Result};
-use refit::runtime::node::{ClusterToken, Node, NodeConfig};
+use refit::node::{ClusterToken, Node, NodeConfig};
 use serde::{Deserialize, Serialize};
 
 // ANCHOR: messages

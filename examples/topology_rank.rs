@@ -15,9 +15,9 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
-use refit::runtime::node::{ClusterToken, LaunchEnv, Node, NodeConfig, Store, StoreClient};
+use refit::node::{ClusterToken, Error, LaunchEnv, Node, NodeConfig, Result, Store, StoreClient};
+use refit::runtime::Error as CoreError;
 use refit::runtime::topology::{Role, Topology};
-use refit::runtime::{Error, Result};
 
 fn main() -> ExitCode {
     if let Err(e) = refit::init() {
@@ -42,7 +42,8 @@ fn run() -> Result<()> {
         var: "REFIT_TOPOLOGY",
         reason: "not set (start this program with `refit launch`)".into(),
     })?;
-    let topo = Topology::from_path(&PathBuf::from(path))?;
+    let path = PathBuf::from(path);
+    let topo = Topology::parse_file(&refit::read_config(&path)?, &path)?;
     let plan = topo.rank(launch.rank)?;
     let roles: Vec<&str> = plan.roles.iter().map(|r| r.as_str()).collect();
     println!(
@@ -92,10 +93,11 @@ fn run() -> Result<()> {
         let deadline = Instant::now() + topo.wait();
         while store.add("seen", 0)? < others {
             if Instant::now() >= deadline {
-                return Err(Error::Timeout {
+                return Err(CoreError::Timeout {
                     what: "every rank to see the go".into(),
                     after: topo.wait(),
-                });
+                }
+                .into());
             }
             std::thread::sleep(Duration::from_millis(20));
         }
@@ -113,7 +115,7 @@ fn connect(node: &Node, master: SocketAddr, wait: Duration) -> Result<StoreClien
     loop {
         match StoreClient::connect(node, master, wait) {
             Ok(store) => return Ok(store.with_timeout(wait)),
-            Err(Error::Io { .. }) if Instant::now() < deadline => {
+            Err(Error::Core(CoreError::Io { .. })) if Instant::now() < deadline => {
                 std::thread::sleep(Duration::from_millis(50));
             }
             Err(e) => return Err(e),

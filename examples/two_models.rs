@@ -51,7 +51,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args = Args::parse();
     // ANCHOR: config
     let mut sync = match &args.config {
-        Some(path) => SyncConfig::from_path(path)?,
+        Some(path) => SyncConfig::from_file_text(&refit::read_config(path)?, path)?,
         None => SyncConfig::from_toml(
             r#"
             sync_mode = "fully-async"

@@ -4,7 +4,9 @@
 //!
 //! This facade re-exports the workspace crates:
 //! - [`runtime`]: weight sets, manifests, versions, strategies, the scheme lifecycle, the
-//!   sans-IO sync protocol, the wire codec and nodes;
+//!   sans-IO sync protocol and the wire codec (no network I/O, no async runtime);
+//! - [`node`]: processes that host handlers on TCP: remote calls, streams, the rendezvous
+//!   store, launch variables, the cluster token, signal-driven cleanup;
 //! - [`transports`]: in-process, shared-memory and TCP transports (and, with feature
 //!   `cuda`, the CUDA/NCCL probe);
 //! - `actors` (features `rl`, `candle`, `actors`): environments, policies, collectors, the
@@ -33,17 +35,20 @@
 
 #[cfg(feature = "rl")]
 pub use refit_actors as actors;
+pub use refit_node as node;
 pub use refit_runtime as runtime;
 pub use refit_transports as transports;
 
+mod config_file;
 mod setup;
+pub use config_file::read_config;
 pub use setup::{DEFAULT_LOG, init, init_logging};
 
 /// The items most programs need: weight sets and their layout, the scheme lifecycle, the
 /// wire codec, the cluster token, every transport's two ends, and (with their features) the
 /// reinforcement-learning pieces and the actor topology's entry points.
 pub mod prelude {
-    pub use refit_runtime::node::ClusterToken;
+    pub use refit_node::ClusterToken;
     pub use refit_runtime::sync_policy::{SyncConfig, SyncMode};
     pub use refit_runtime::{
         ArenaStrategy, DType, Error, HasWeights, Manifest, Manifests, ModelId, Receiver,

@@ -7,7 +7,7 @@ use tracing_subscriber::EnvFilter;
 /// Logging when `RUST_LOG` is not set: warnings and errors from everything, and Refit's
 /// own progress notes.
 pub const DEFAULT_LOG: &str =
-    "warn,refit=info,refit_runtime=info,refit_transports=info,refit_actors=info";
+    "warn,refit=info,refit_runtime=info,refit_node=info,refit_transports=info,refit_actors=info";
 
 /// Installs a `tracing` subscriber writing to stderr (stdout stays free for a program's
 /// output), filtered by `RUST_LOG` (for example `RUST_LOG=debug` or
@@ -29,7 +29,7 @@ pub fn init_logging() {
 }
 
 /// Sets a program up: [`init_logging`], then
-/// [`install_signal_handlers`](crate::runtime::cleanup::install_signal_handlers), so that
+/// [`install_signal_handlers`](crate::node::signals::install_signal_handlers), so that
 /// SIGINT and SIGTERM release shared-memory segments before the process exits (with status
 /// 130 or 143). Every binary and example calls it first thing in `main`.
 ///
@@ -37,5 +37,5 @@ pub fn init_logging() {
 /// If the signal handlers cannot be installed.
 pub fn init() -> crate::runtime::Result<()> {
     init_logging();
-    crate::runtime::cleanup::install_signal_handlers()
+    Ok(crate::node::signals::install_signal_handlers()?)
 }

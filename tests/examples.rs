@@ -209,7 +209,8 @@ fn a_sync_config_with_an_unknown_key_is_refused_by_name() {
 #[test]
 fn the_sample_sync_config_parses_and_drives_two_models() {
     let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("examples/configs/sync.toml");
-    let cfg = refit_runtime::SyncConfig::from_path(&path).unwrap();
+    let cfg = refit_runtime::SyncConfig::from_file_text(&refit::read_config(&path).unwrap(), &path)
+        .unwrap();
     assert_eq!(cfg.sync_mode, refit_runtime::SyncMode::BatchAsync);
     assert_eq!(cfg.validate_freq, 5);
     let stdout = run_ok(

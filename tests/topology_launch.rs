@@ -306,8 +306,12 @@ fn a_killed_engine_ends_the_run_clearly_under_abort() {
 fn the_shipped_cartpole_topologies_place_their_links_by_host() {
     use refit::runtime::topology::{Role, Topology, TransportKind};
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/topologies");
-    let processes = Topology::from_path(&dir.join("cartpole-processes.toml")).unwrap();
-    let hosts = Topology::from_path(&dir.join("cartpole-hosts.toml")).unwrap();
+    let read = |name: &str| {
+        let path = dir.join(name);
+        Topology::parse_file(&refit::read_config(&path).unwrap(), &path).unwrap()
+    };
+    let processes = read("cartpole-processes.toml");
+    let hosts = read("cartpole-hosts.toml");
     for (t, kind) in [
         (&processes, TransportKind::Shm),
         (&hosts, TransportKind::Tcp),

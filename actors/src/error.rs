@@ -4,6 +4,16 @@ use std::time::Duration;
 
 use crate::device::Device;
 
+#[cfg(feature = "actix")]
+impl From<refit_node::Error> for Error {
+    fn from(e: refit_node::Error) -> Self {
+        match e {
+            refit_node::Error::Core(e) => Self::Runtime(e),
+            other => Self::Node(other),
+        }
+    }
+}
+
 /// Result alias used across the actors crate.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
@@ -14,6 +24,11 @@ pub enum Error {
     /// A weight-sync or weight-layout failure reported by the runtime.
     #[error("runtime: {0}")]
     Runtime(#[from] refit_runtime::Error),
+    /// A failure of the node layer (a refused peer, a remote handler's error, a bad launch
+    /// variable); the node's core errors arrive as [`Error::Runtime`].
+    #[cfg(feature = "actix")]
+    #[error("node: {0}")]
+    Node(refit_node::Error),
     /// A failure inside candle (the trainer's tensor library).
     #[cfg(feature = "candle")]
     #[error("candle: {0}")]

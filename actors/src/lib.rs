@@ -17,7 +17,7 @@
 //!   model) and [`ModelSpec`]; `cartpole_ppo` (feature `candle`): PPO + [`MlpPolicy`] +
 //!   [`CartPole`] as one implementation of them.
 //! - `remote` (feature `actix`): typed handles to actors in other processes or hosts, over
-//!   the runtime's node layer ([`refit_runtime::node`]).
+//!   the runtime's node layer ([`refit_node`]).
 //! - [`link`]: type-erased scheme ends ([`WeightInlet`], [`WeightOutlet`]) for actors.
 //! - `ppo` (feature `candle`, on by default): `PpoTrainer`, PPO with candle on CPU,
 //!   exporting the [`MlpPolicy`] layout.

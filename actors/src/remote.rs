@@ -1,6 +1,6 @@
 //! Remote actors: typed handles to actors in other processes or hosts.
 //!
-//! An actor is exposed with [`serve`] on a [`Node`](refit_runtime::node::Node) under a
+//! An actor is exposed with [`serve`] on a [`Node`](refit_node::Node) under a
 //! uuid, once per message type; another process reaches it through a [`RemoteAddr`] (the
 //! connection to that node, the uuid, a name for errors, a default deadline). A message
 //! crossing processes implements [`RemoteMessage`]: it and its answer travel as msgpack of
@@ -41,7 +41,7 @@
 //!
 //! use actix::prelude::*;
 //! use refit_actors::remote::{RemoteAddr, RemoteMessage, serve};
-//! use refit_runtime::node::{ClusterToken, Node};
+//! use refit_node::{ClusterToken, Node};
 //! use serde::{Deserialize, Serialize};
 //! use uuid::Uuid;
 //!

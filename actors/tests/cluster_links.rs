@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use refit_actors::actor::cluster::links::{self, LinkSpec};
 use refit_actors::{MlpPolicy, policy_model_id};
-use refit_runtime::node::{ClusterToken, Node};
+use refit_node::{ClusterToken, Node};
 use refit_runtime::topology::TransportKind;
 use refit_runtime::{Manifests, Version, WeightSet, wire};
 
@@ -114,8 +114,8 @@ fn two_rank_topology(rank0_roles: &str) -> refit_runtime::topology::Topology {
     .unwrap()
 }
 
-fn launch(rank: u32, world_size: u32) -> refit_runtime::node::LaunchEnv {
-    refit_runtime::node::LaunchEnv {
+fn launch(rank: u32, world_size: u32) -> refit_node::LaunchEnv {
+    refit_node::LaunchEnv {
         rank,
         world_size,
         master_addr: "127.0.0.1".into(),

@@ -13,7 +13,7 @@ use refit_actors::actor::{
 };
 use refit_actors::remote::{RemoteAddr, serve};
 use refit_actors::{MlpPolicy, WeightOutlet, policy_model_id};
-use refit_runtime::node::{ClusterToken, Node};
+use refit_node::{ClusterToken, Node};
 use refit_runtime::sync_policy::{SyncConfig, SyncMode};
 use refit_runtime::{Manifests, ReceiverInit, SenderInit, Version, WeightSet};
 use refit_transports::inproc::InProc;

@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 use actix::prelude::*;
 use refit_actors::remote::{RemoteAddr, RemoteMessage, serve};
 use refit_actors::{Error, RemoteFailure, Result};
-use refit_runtime::node::{ClusterToken, Node};
+use refit_node::{ClusterToken, Node};
 use serde::{Deserialize, Serialize};
 use uuid::Uuid;
 
@@ -567,7 +567,7 @@ mod framework {
         ServedVersions, VersionNotifier, WeightSyncController,
     };
     use refit_actors::remote::{RemoteAddr, engine_handle, serve_controller, serve_engine};
-    use refit_runtime::node::Node;
+    use refit_node::Node;
     use refit_runtime::sync_policy::{Decision, SyncConfig, SyncMode};
     use refit_runtime::{
         Manifests, ModelId, Receiver, ReceiverInit, Sender, SenderInit, Version, WeightSet,

@@ -11,7 +11,7 @@ use std::path::PathBuf;
 use refit_actors::CartPolePpo;
 use refit_actors::actor::cluster;
 use refit_actors::actor::topology::RunReport;
-use refit_runtime::node::LaunchEnv;
+use refit_node::LaunchEnv;
 use refit_runtime::sync_policy::SyncMode;
 use refit_runtime::topology::Topology;
 
@@ -22,7 +22,7 @@ pub(crate) fn run_rank() -> Result<bool, Box<dyn std::error::Error>> {
     let path: PathBuf = std::env::var_os("REFIT_TOPOLOGY")
         .ok_or("REFIT_TOPOLOGY is not set: start this through `refit launch FILE.toml`")?
         .into();
-    let mut topology = Topology::from_path(&path)?;
+    let mut topology = Topology::parse_file(&refit::read_config(&path)?, &path)?;
     if let Ok(mode) = std::env::var("CARTPOLE_SYNC_MODE") {
         topology.sync.sync_mode = SyncMode::parse(&mode)?;
     }

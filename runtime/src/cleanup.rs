@@ -3,18 +3,16 @@
 //!
 //! A component registers a release action with [`on_exit_signal`] for as long as it holds
 //! such resources (the returned [`ExitGuard`] deregisters it on drop, when the component
-//! releases them itself). A program opts in once with [`install_signal_handlers`]: a thread
-//! then waits for SIGINT and SIGTERM. The signal handler (tokio's) only wakes that thread;
-//! the thread, ordinary code, runs every registered action and exits with the conventional
-//! status, 128 + the signal number (130 for SIGINT, 143 for SIGTERM).
+//! releases them itself). A program opts in once with `refit_node::signals::install_signal_handlers`
+//! (the signal handling needs an I/O runtime, which the core does not carry): a thread then
+//! waits for SIGINT and SIGTERM, runs every registered action ([`release_all`]) and exits
+//! with the conventional status, 128 + the signal number (130 for SIGINT, 143 for SIGTERM).
 //!
-//! Sockets need no action: the kernel closes them when the process exits. Without
-//! [`install_signal_handlers`] the signals keep their default effect and nothing runs.
+//! Sockets need no action: the kernel closes them when the process exits. Without the signal
+//! handlers installed the signals keep their default effect and nothing runs.
 
 use std::collections::BTreeMap;
 use std::sync::{Mutex, OnceLock};
-
-use crate::{Error, Result};
 
 type Action = Box<dyn Fn() + Send + Sync>;
 
@@ -46,7 +44,7 @@ impl Drop for ExitGuard {
 }
 
 /// Registers `action` to run if SIGINT or SIGTERM ends the process (once
-/// [`install_signal_handlers`] was called). Actions must be quick and idempotent: the
+/// `refit_node::signals::install_signal_handlers` was called). Actions must be quick and idempotent: the
 /// component may be releasing the same resources itself at that moment.
 pub fn on_exit_signal(action: impl Fn() + Send + Sync + 'static) -> ExitGuard {
     let mut r = registry()
@@ -73,56 +71,6 @@ pub fn release_all() -> usize {
     actions.len()
 }
 
-/// Starts the thread that turns SIGINT and SIGTERM into [`release_all`] and an exit with
-/// status 128 + signal. Idempotent; the handlers are in place when this returns.
-///
-/// # Errors
-/// [`Error::Io`] if the signal handlers or the thread cannot be set up.
-pub fn install_signal_handlers() -> Result<()> {
-    static INSTALLED: OnceLock<std::result::Result<(), String>> = OnceLock::new();
-    INSTALLED
-        .get_or_init(|| install().map_err(|e| e.to_string()))
-        .clone()
-        .map_err(|e| Error::io("installing signal handlers", std::io::Error::other(e)))
-}
-
-fn install() -> Result<()> {
-    use tokio::signal::unix::{SignalKind, signal};
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_io()
-        .build()
-        .map_err(|e| Error::io("starting the signal runtime", e))?;
-    // registered here, before returning, so that no signal slips between the call and the
-    // thread's first poll
-    let (mut int, mut term) = rt
-        .block_on(async {
-            Ok::<_, std::io::Error>((
-                signal(SignalKind::interrupt())?,
-                signal(SignalKind::terminate())?,
-            ))
-        })
-        .map_err(|e| Error::io("registering SIGINT and SIGTERM", e))?;
-    std::thread::Builder::new()
-        .name("refit-signals".into())
-        .spawn(move || {
-            let (name, signo) = rt.block_on(async {
-                tokio::select! {
-                    _ = int.recv() => ("SIGINT", 2),
-                    _ = term.recv() => ("SIGTERM", 15),
-                }
-            });
-            tracing::warn!(
-                signal = name,
-                "stopping: releasing shared memory and child processes"
-            );
-            let n = release_all();
-            tracing::info!(released = n, "released; exiting");
-            std::process::exit(128 + signo);
-        })
-        .map_err(|e| Error::io("starting the signal thread", e))?;
-    Ok(())
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -145,7 +93,5 @@ mod tests {
         release_all();
         assert_eq!(ran.load(Ordering::SeqCst), 1, "an action ran twice");
         drop(kept);
-        install_signal_handlers().unwrap();
-        install_signal_handlers().unwrap();
     }
 }

@@ -232,45 +232,6 @@ pub enum Error {
         /// What is wrong.
         reason: String,
     },
-    /// A file holding a secret (the cluster token) that users other than its owner may
-    /// read; the secret is not used.
-    #[error(
-        "secret file `{}` is readable by its group or others (mode {mode:04o}); make it owner-only: chmod 600 `{}`",
-        path.display(),
-        path.display()
-    )]
-    InsecureSecretFile {
-        /// The file.
-        path: PathBuf,
-        /// Its permission bits.
-        mode: u32,
-    },
-    /// A peer presented no cluster token or a wrong one, or refused ours.
-    #[error("peer {peer} refused: {reason}")]
-    Unauthorized {
-        /// Who (address).
-        peer: String,
-        /// Why.
-        reason: String,
-    },
-    /// A remote handler answered with an error.
-    #[error("remote call `{method}` on {peer} failed: {message}")]
-    Remote {
-        /// Who answered.
-        peer: String,
-        /// The method called.
-        method: String,
-        /// The remote error, as the remote side wrote it.
-        message: String,
-    },
-    /// A launch variable (`RANK`, `WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT`) is missing or bad.
-    #[error("launch variable `{var}`: {reason}")]
-    Launch {
-        /// The variable.
-        var: &'static str,
-        /// What is wrong with it.
-        reason: String,
-    },
     /// A topology file that cannot be used (see `topology`): malformed, an unknown key, a
     /// bad value or an impossible placement.
     #[error("topology: `{key}`: {reason}")]
@@ -300,6 +261,11 @@ pub enum Error {
         /// What happened.
         reason: String,
     },
+    /// An error of the node layer (crate `refit-node`: a refused peer, a remote handler's
+    /// error, a bad launch variable), boxed so that the core does not depend on that layer;
+    /// `refit_node::Error::find` gives it back typed.
+    #[error(transparent)]
+    Node(Box<dyn std::error::Error + Send + Sync + 'static>),
     /// A transport-specific failure.
     #[error("{transport} transport: {message}")]
     Transport {

@@ -18,10 +18,10 @@
 //!   rule, transport per link), validated whole, expanded into ranks.
 //! - [`metrics`]: per-update phase timings (assemble, wire, verify, apply, engine pause)
 //!   through the `metrics` facade and as `tracing` spans.
-//! - [`node`]: processes that host handlers on TCP: remote calls with deadlines, streams,
-//!   a rendezvous store, launch variables, the cluster token.
-//! - [`cleanup`]: SIGINT/SIGTERM release shared-memory segments (and whatever else a
-//!   component registers) before the process exits with 130/143.
+//! - [`cleanup`]: what SIGINT/SIGTERM release (shared-memory segments, and whatever else a
+//!   component registers) before the process exits with 130/143; the signal handling itself
+//!   lives in the node crate (`refit-node`), with the remote calls, streams and rendezvous
+//!   store: this crate does no network I/O and needs no async runtime.
 #![warn(missing_docs, unreachable_pub, missing_debug_implementations)]
 
 mod arena;
@@ -36,7 +36,6 @@ pub mod inproc;
 pub mod layout;
 pub mod manifest;
 pub mod metrics;
-pub mod node;
 pub mod protocol;
 mod safetensors_io;
 pub mod scheme;

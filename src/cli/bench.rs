@@ -8,8 +8,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
+use refit::node::{ClusterToken, TOKEN_ENV, TOKEN_FILE_ENV};
 use refit::prelude::*;
-use refit::runtime::node::{ClusterToken, TOKEN_ENV, TOKEN_FILE_ENV};
 use refit::runtime::{ReceiverTransport, SenderTransport, wire};
 use refit::transports::tcp::{
     TcpConfig, TcpReceiver, TcpReceiverConfig, TcpReceiverSpec, TcpSender, TransferMode,

@@ -14,7 +14,7 @@ use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Duration;
 
-use refit::runtime::node::{ClusterToken, TOKEN_ENV, TOKEN_FILE_ENV};
+use refit::node::{ClusterToken, TOKEN_ENV, TOKEN_FILE_ENV};
 use refit::runtime::topology::{OnFailure, Topology};
 use refit::runtime::{Error, Result};
 
@@ -59,7 +59,7 @@ fn launch(args: &LaunchArgs) -> Result<ExitCode> {
     }
     let grace = Duration::from_secs_f64(args.grace_s);
     let path = absolute(&args.topology)?;
-    let topo = Topology::from_path(&path)?;
+    let topo = Topology::parse_file(&refit::read_config(&path)?, &path)?;
     let given = ClusterToken::from_env()?;
     let token = given.clone().unwrap_or_else(ClusterToken::random);
     let cwd = std::env::current_dir().map_err(|e| Error::io("reading the current directory", e))?;
@@ -80,13 +80,13 @@ fn launch(args: &LaunchArgs) -> Result<ExitCode> {
             if given.is_none() && env.world_size > 1 {
                 // each host's launcher would make its own token and the ranks would refuse
                 // each other
-                return Err(Error::Launch {
+                return Err(Error::from(refit::node::Error::Launch {
                     var: TOKEN_ENV,
                     reason: format!(
                         "not set (nor {TOKEN_FILE_ENV}): the ranks of a per-rank launch must share one cluster token; \
                          make one with `refit token FILE` and give it to every rank with {TOKEN_FILE_ENV}"
                     ),
-                });
+                }));
             }
             eprintln!(
                 "refit launch: rank {} of {} ({}) from {}; rendezvous at {}:{}",

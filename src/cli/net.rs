@@ -10,7 +10,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant, SystemTime};
 
 use super::out_file::OutFiles;
-use refit::runtime::node::{ClusterToken, Node, NodeConfig, Store, TOKEN_ENV, TOKEN_FILE_ENV};
+use refit::node::{ClusterToken, Node, NodeConfig, Store, TOKEN_ENV, TOKEN_FILE_ENV};
 use refit::runtime::{
     Error, Manifests, ModelId, ReceiverInit, Result, SenderInit, Version, WeightSet, wire,
 };
@@ -131,7 +131,7 @@ fn exit(r: Result<()>) -> ExitCode {
 /// The cluster token: `--token-file`, else `REFIT_TOKEN` or `REFIT_TOKEN_FILE`.
 fn token(args: &TokenArgs) -> Result<ClusterToken> {
     if let Some(path) = &args.token_file {
-        return ClusterToken::from_file(path);
+        return Ok(ClusterToken::from_file(path)?);
     }
     ClusterToken::from_env()?.ok_or_else(|| {
         Error::Config(format!(

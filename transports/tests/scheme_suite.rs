@@ -62,7 +62,7 @@ impl Make for TcpMake {
     fn make(&self, ms: &Manifests, n: usize) -> (Self::S, Vec<Self::R>) {
         let cfg = TcpConfig {
             expected_receivers: n,
-            token: Some(refit_runtime::node::ClusterToken::random()),
+            token: Some(refit_node::ClusterToken::random()),
             ..TcpConfig::default()
         };
         let s = TcpSender::bind(cfg, ms).unwrap();

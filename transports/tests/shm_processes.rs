@@ -167,7 +167,7 @@ fn child_entry() {
         "hold-slots" => {
             // a sender holding 3 slots per model, with a receiver process of its own, until
             // a signal ends it
-            refit_runtime::cleanup::install_signal_handlers().unwrap();
+            refit_node::signals::install_signal_handlers().unwrap();
             let m = manifest(4096);
             let ms = manifests(&[("policy", &m), ("critic", &m)]);
             let cfg = ShmConfig {

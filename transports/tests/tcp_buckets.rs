@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::*;
-use refit_runtime::node::ClusterToken;
+use refit_node::ClusterToken;
 use refit_runtime::{
     BucketPlan, DType, Error, Manifest, Receiver, ReceiverInit, Sender, SenderInit, Version,
 };

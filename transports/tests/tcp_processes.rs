@@ -12,7 +12,7 @@ use std::sync::mpsc::{Receiver as Lines, channel};
 use std::time::{Duration, Instant};
 
 use common::*;
-use refit_runtime::node::{ClusterToken, TOKEN_ENV};
+use refit_node::{ClusterToken, TOKEN_ENV};
 use refit_runtime::{
     DType, Error, Manifest, ReceiverInit, SenderInit, SenderTransport, Version, WeightSet, wire,
 };

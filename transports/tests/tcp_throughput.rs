@@ -14,7 +14,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::*;
-use refit_runtime::node::ClusterToken;
+use refit_node::ClusterToken;
 use refit_runtime::{DType, Manifest, ReceiverInit, SenderInit, Version, WeightSet};
 use refit_transports::tcp::{TcpConfig, TcpReceiver, TcpReceiverConfig, TcpSender, TransferMode};
 

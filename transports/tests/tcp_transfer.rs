@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::*;
-use refit_runtime::node::{ClusterToken, Node, NodeConfig};
+use refit_node::{ClusterToken, Node, NodeConfig};
 use refit_runtime::{
     DType, Error, Manifest, Mismatch, Receiver, ReceiverInit, Sender, SenderInit, Version,
     WeightSet,
@@ -228,7 +228,13 @@ fn a_peer_without_the_token_is_refused() {
     let err = ReceiverInit::new(TcpReceiver::new(spec), None)
         .connect(Duration::from_secs(5))
         .unwrap_err();
-    assert!(matches!(err, Error::Unauthorized { .. }), "{err}");
+    assert!(
+        matches!(
+            refit_node::Error::find(&err),
+            Some(refit_node::Error::Unauthorized { .. })
+        ),
+        "{err}"
+    );
     assert!(t.elapsed() < Duration::from_secs(2));
     assert_eq!(s.node().refused(), 1);
     assert_eq!(s.receivers(), 0);
@@ -339,7 +345,7 @@ fn garbage_on_the_wire_is_refused_without_a_panic() {
                     .open_stream(addr, agent, "pull", &req, Duration::from_secs(5))
                     .unwrap_err();
                 match &err {
-                    Error::Remote { message, .. } => {
+                    refit_node::Error::Remote { message, .. } => {
                         assert!(message.contains(refusal), "{req:?}: {message}")
                     }
                     other => panic!("{req:?} refused as {other}, not by the pull handler"),

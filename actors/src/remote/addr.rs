@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use actix::{Actor, Recipient};
-use refit_runtime::node::{Node, Peer};
+use refit_node::{Node, Peer};
 use refit_runtime::wire::{self, MAX_CONTROL_MESSAGE};
 use uuid::Uuid;
 
@@ -171,14 +171,16 @@ impl RemoteAddr {
     }
 }
 
-/// The failure of a call, from the runtime's error.
-fn failure_of(e: refit_runtime::Error) -> RemoteFailure {
+/// The failure of a call, from the node's error.
+fn failure_of(e: refit_node::Error) -> RemoteFailure {
+    use refit_node::Error as N;
+    use refit_runtime::Error as C;
     match e {
-        refit_runtime::Error::Timeout { after, .. } => RemoteFailure::Timeout { after },
-        refit_runtime::Error::Remote { message, .. } => RemoteFailure::Refused { reason: message },
-        refit_runtime::Error::Wire(reason) => RemoteFailure::Malformed { reason },
-        refit_runtime::Error::PeerGone { reason, .. } => RemoteFailure::PeerGone { reason },
-        refit_runtime::Error::Unauthorized { reason, .. } => RemoteFailure::Refused { reason },
+        N::Core(C::Timeout { after, .. }) => RemoteFailure::Timeout { after },
+        N::Remote { message, .. } => RemoteFailure::Refused { reason: message },
+        N::Core(C::Wire(reason)) => RemoteFailure::Malformed { reason },
+        N::Core(C::PeerGone { reason, .. }) => RemoteFailure::PeerGone { reason },
+        N::Unauthorized { reason, .. } => RemoteFailure::Refused { reason },
         other => RemoteFailure::PeerGone {
             reason: other.to_string(),
         },

@@ -5,7 +5,7 @@
 
 use actix::dev::ToEnvelope;
 use actix::{Actor, Addr, Handler};
-use refit_runtime::node::Node;
+use refit_node::Node;
 use uuid::Uuid;
 
 use super::addr::RemoteAddr;

@@ -1,7 +1,7 @@
 //! The serving side: a local actor exposed on a node.
 
 use actix::Recipient;
-use refit_runtime::node::Node;
+use refit_node::Node;
 use refit_runtime::wire::{self, MAX_CONTROL_MESSAGE};
 use uuid::Uuid;
 
@@ -37,7 +37,7 @@ pub fn serve<M: RemoteMessage>(node: &Node, target: Uuid, recipient: Recipient<M
                     Answer::TimedOut
                 }
             };
-            wire::encode(&answer)
+            Ok(wire::encode(&answer)?)
         })
     });
 }

@@ -2,7 +2,7 @@
 //! policy, the stop rule and the transport of each link — parsed from TOML and validated
 //! whole before anything starts.
 //!
-//! Plain code: text in, values out (no I/O beyond [`Topology::from_path`], no async).
+//! Plain code: text in, values out (no I/O: the caller reads the file, no async).
 //!
 //! ```
 //! use refit_runtime::topology::{Role, Topology, TransportKind};
@@ -95,18 +95,13 @@ impl Topology {
         })
     }
 
-    /// Reads and parses a topology file.
+    /// Parses and validates the text of the topology file at `path` (which the caller read:
+    /// this crate reads no configuration files).
     ///
     /// # Errors
-    /// [`Error::Path`] when the file cannot be read; otherwise as [`Topology::parse`], with
-    /// the path at the end of the reason.
-    pub fn from_path(path: &Path) -> Result<Self> {
-        let text = std::fs::read_to_string(path).map_err(|source| Error::Path {
-            context: "reading topology file",
-            path: path.to_path_buf(),
-            source,
-        })?;
-        Self::parse(&text).map_err(|e| match e {
+    /// As [`Topology::parse`], with the path at the end of the reason.
+    pub fn parse_file(text: &str, path: &Path) -> Result<Self> {
+        Self::parse(text).map_err(|e| match e {
             Error::Topology { key, reason } => Error::Topology {
                 key,
                 reason: format!("{reason}, in `{}`", path.display()),
@@ -123,13 +118,13 @@ impl Topology {
     /// What rank `r` runs.
     ///
     /// # Errors
-    /// [`Error::Launch`] (variable `RANK`) when `r` is not below [`Topology::world_size`].
+    /// [`Error::Topology`] (key `RANK`) when `r` is not below [`Topology::world_size`].
     pub fn rank(&self, r: u32) -> Result<RankPlan> {
         self.ranks
             .get(r as usize)
             .cloned()
-            .ok_or_else(|| Error::Launch {
-                var: "RANK",
+            .ok_or_else(|| Error::Topology {
+                key: "RANK".into(),
                 reason: format!(
                     "{r} is not below the topology's world size {}",
                     self.world_size()

@@ -7,7 +7,7 @@ use std::path::PathBuf;
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::mpsc;
 
-use refit::runtime::node::TOKEN_FILE_ENV;
+use refit::node::TOKEN_FILE_ENV;
 
 /// What to start for one rank.
 #[derive(Debug, Clone)]

@@ -3,8 +3,8 @@
 
 use std::path::Path;
 
-use refit::runtime::node::slurm;
-use refit::runtime::node::{ClusterToken, TOKEN_ENV};
+use refit::node::slurm;
+use refit::node::{ClusterToken, TOKEN_ENV};
 use refit::runtime::topology::Topology;
 use refit::runtime::{Error, Result};
 
@@ -38,9 +38,11 @@ impl RankEnv {
 }
 
 fn number<T: std::str::FromStr>(var: &'static str, raw: &str) -> Result<T> {
-    raw.trim().parse().map_err(|_| Error::Launch {
-        var,
-        reason: format!("{raw:?} is not a valid number"),
+    raw.trim().parse().map_err(|_| {
+        Error::from(refit::node::Error::Launch {
+            var,
+            reason: format!("{raw:?} is not a valid number"),
+        })
     })
 }
 
@@ -53,7 +55,7 @@ fn number<T: std::str::FromStr>(var: &'static str, raw: &str) -> Result<T> {
 /// `MASTER_PORT` from `--master-port`, else the variable, else 29500.
 ///
 /// # Errors
-/// [`Error::Launch`] naming the variable that is bad, disagrees with the topology, or is
+/// [`refit::node::Error::Launch`] naming the variable that is bad, disagrees with the topology, or is
 /// missing (`WORLD_SIZE` without `RANK` and the reverse).
 pub(crate) fn rank_env(
     flag_rank: Option<u32>,
@@ -76,40 +78,40 @@ pub(crate) fn rank_env(
         (Some(r), _) => r,
         (None, Some(raw)) => number(rank_var, &raw)?,
         (None, None) => {
-            return Err(Error::Launch {
+            return Err(Error::from(refit::node::Error::Launch {
                 var: rank_var,
                 reason: format!("not set, while {world_var} is"),
-            });
+            }));
         }
     };
     let world_size = match get(world_var) {
         Some(raw) => number(world_var, &raw)?,
         None if flag_rank.is_some() => topo.world_size(),
         None => {
-            return Err(Error::Launch {
+            return Err(Error::from(refit::node::Error::Launch {
                 var: world_var,
                 reason: format!("not set, while {rank_var} is"),
-            });
+            }));
         }
     };
     if world_size != topo.world_size() {
-        return Err(Error::Launch {
+        return Err(Error::from(refit::node::Error::Launch {
             var: world_var,
             reason: format!(
                 "{world_size} does not match the topology's world size {} (its processes times their replicas)",
                 topo.world_size()
             ),
-        });
+        }));
     }
     if rank >= world_size {
-        return Err(Error::Launch {
+        return Err(Error::from(refit::node::Error::Launch {
             var: if flag_rank.is_some() {
                 "--rank"
             } else {
                 rank_var
             },
             reason: format!("{rank} is not below the world size {world_size}"),
-        });
+        }));
     }
     let master_addr = match get("MASTER_ADDR") {
         Some(a) => a.trim().to_string(),
@@ -117,10 +119,10 @@ pub(crate) fn rank_env(
             (Some(list), _) => slurm::first_host("SLURM_STEP_NODELIST", &list)?,
             (None, Some(list)) => slurm::first_host("SLURM_JOB_NODELIST", &list)?,
             (None, None) => {
-                return Err(Error::Launch {
+                return Err(Error::from(refit::node::Error::Launch {
                     var: "SLURM_STEP_NODELIST",
                     reason: "not set (nor MASTER_ADDR), so rank 0's host is unknown".into(),
-                });
+                }));
             }
         },
         None => topo.master_host().to_string(),
@@ -131,10 +133,10 @@ pub(crate) fn rank_env(
         (None, None) => DEFAULT_MASTER_PORT,
     };
     if master_port == 0 {
-        return Err(Error::Launch {
+        return Err(Error::from(refit::node::Error::Launch {
             var: "MASTER_PORT",
             reason: "port 0 cannot be reached".into(),
-        });
+        }));
     }
     Ok(Some(RankEnv {
         rank,

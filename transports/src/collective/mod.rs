@@ -96,13 +96,13 @@ pub trait Rendezvous: Send + Sync {
     fn wait_get(&self, key: &str, timeout: Duration) -> Result<Vec<u8>>;
 }
 
-impl Rendezvous for refit_runtime::node::StoreClient {
+impl Rendezvous for refit_node::StoreClient {
     fn set(&self, key: &str, value: &[u8]) -> Result<()> {
-        refit_runtime::node::StoreClient::set(self, key, value)
+        Ok(refit_node::StoreClient::set(self, key, value)?)
     }
 
     fn wait_get(&self, key: &str, timeout: Duration) -> Result<Vec<u8>> {
-        refit_runtime::node::StoreClient::wait_get(self, key, timeout)
+        Ok(refit_node::StoreClient::wait_get(self, key, timeout)?)
     }
 }
 

@@ -19,7 +19,7 @@
 //!   heartbeat older than the lease ([`ShmConfig::lease`]) declares the owner dead.
 //! - Shutdown removes every segment file; mappings that readers still hold stay valid. So
 //!   do SIGINT and SIGTERM once the program installed
-//!   [`refit_runtime::cleanup::install_signal_handlers`]. A sender that dies without
+//!   [`refit_node::signals::install_signal_handlers`]. A sender that dies without
 //!   cleaning up (SIGKILL, the OOM killer) leaves its files; the next sender created in the
 //!   same directory removes them ([`ShmSender::collected`]).
 //!

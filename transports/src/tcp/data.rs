@@ -13,8 +13,8 @@ use std::io::Read;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 
+use refit_node::{OpenStream, StreamHead, frame, write_head};
 use refit_runtime::bucket::BucketSpec;
-use refit_runtime::node::{OpenStream, StreamHead, frame, write_head};
 use refit_runtime::{
     BucketHeader, BucketPlan, Error, Manifest, Mismatch, ModelId, Result, Version, WeightSet, wire,
 };
@@ -224,7 +224,7 @@ pub(crate) async fn serve_pull(
     let checked = src.and_then(|s| check_buckets(&req, &s).map(|t| (s, t)));
     let (src, total) = match checked {
         Ok(v) => v,
-        Err(reason) => return write_head(&mut stream, &StreamHead::Err { reason }).await,
+        Err(reason) => return Ok(write_head(&mut stream, &StreamHead::Err { reason }).await?),
     };
     write_head(&mut stream, &StreamHead::Ok { len: total }).await?;
     let io = |e| Error::io("serving a pull", e);

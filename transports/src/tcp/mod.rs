@@ -1,6 +1,6 @@
 //! The TCP transport, for processes on one host or many.
 //!
-//! - A **sender agent** ([`TcpSender`]) runs on a [node](refit_runtime::node) and serves the
+//! - A **sender agent** ([`TcpSender`]) runs on a [node](refit_node) and serves the
 //!   newest versions of its models (the last [`TcpConfig::keep_versions`] of each) and their
 //!   checksums (the last [`TcpConfig::checksum_history`]): one xxh3 per piece of the bucket
 //!   plan (a tensor a bucket holds whole, or a chunk of a cut one), hashed once at publish in
@@ -54,7 +54,7 @@ mod sender;
 use std::net::SocketAddr;
 use std::time::Duration;
 
-use refit_runtime::node::ClusterToken;
+use refit_node::ClusterToken;
 use refit_runtime::{Error, Result};
 use serde::{Deserialize, Serialize};
 use uuid::Uuid;

@@ -8,8 +8,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
+use refit_node::{ClusterToken, Node, NodeConfig, Peer, open_stream};
 use refit_runtime::metrics::{self, Phase};
-use refit_runtime::node::{ClusterToken, Node, NodeConfig, Peer, open_stream};
 use refit_runtime::wait::{Wait, poll_until};
 use refit_runtime::{
     BucketPlan, Error, Group, Manifest, Manifests, ModelId, ReceiverTransport, Result, Version,
@@ -418,7 +418,7 @@ impl TcpReceiver {
             } else {
                 sh.merge(&a.entries);
             }
-            async { Ok(()) }
+            async { Ok::<_, Error>(()) }
         });
         let sh = Arc::clone(&self.shared);
         node.register_stream(self.me, PULL, move |_, bytes, stream| {
@@ -440,7 +440,7 @@ impl TcpReceiver {
                     }
                     tokio::time::sleep(Duration::from_millis(5)).await;
                 };
-                serve_pull(stream, src, req, &sh.relay).await
+                Ok(serve_pull(stream, src, req, &sh.relay).await?)
             })
         });
     }
@@ -452,9 +452,9 @@ impl TcpReceiver {
             ok,
             reason,
         };
-        let sent = self
-            .ctl()
-            .and_then(|ctl| ctl.call::<_, ()>(self.spec.agent, DONE, &d, self.cfg.call_timeout));
+        let sent = self.ctl().and_then(|ctl| {
+            Ok(ctl.call::<_, ()>(self.spec.agent, DONE, &d, self.cfg.call_timeout)?)
+        });
         if let Err(e) = sent {
             tracing::warn!(error = %e, "could not signal transfer completion");
         }
@@ -943,8 +943,9 @@ impl ReceiverTransport for TcpReceiver {
             receiver: self.id,
             applied: applied.to_vec(),
         };
-        self.ctl()?
-            .call(self.spec.agent, ACK, &req, self.cfg.call_timeout)
+        Ok(self
+            .ctl()?
+            .call(self.spec.agent, ACK, &req, self.cfg.call_timeout)?)
     }
 
     fn shutdown(&mut self) -> Result<()> {

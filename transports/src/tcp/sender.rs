@@ -17,8 +17,8 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
+use refit_node::{CallInfo, ClusterToken, ConnId, Node, NodeConfig, Peer};
 use refit_runtime::metrics::{self, Phase};
-use refit_runtime::node::{CallInfo, ClusterToken, ConnId, Node, NodeConfig, Peer};
 use refit_runtime::wait::{Wait, wait_until};
 use refit_runtime::{
     Ack, AckBook, BucketPlan, Error, Group, Manifests, ModelId, Result, SenderTransport, Version,
@@ -514,7 +514,11 @@ impl TcpSender {
                         return;
                     }
                     tracing::warn!(receiver = id, error = %e, "announcement failed; dropping the receiver");
-                    if matches!(e, Error::PeerGone { .. } | Error::Io { .. } | Error::Unauthorized { .. }) {
+                    if matches!(
+                        e,
+                        refit_node::Error::Core(Error::PeerGone { .. } | Error::Io { .. })
+                            | refit_node::Error::Unauthorized { .. }
+                    ) {
                         agent.lock().remove_receiver(id);
                         agent.notify();
                     }
@@ -625,7 +629,7 @@ fn register_handlers(node: &Node, agent: &Arc<Agent>, manifests: Manifests) {
             }
             drop(st);
             a.notify();
-            Ok(())
+            Ok::<_, Error>(())
         }
     });
     let a = Arc::clone(agent);
@@ -641,7 +645,7 @@ fn register_handlers(node: &Node, agent: &Arc<Agent>, manifests: Manifests) {
             }
             drop(st);
             a.notify();
-            Ok(())
+            Ok::<_, Error>(())
         }
     });
     let a = Arc::clone(agent);
@@ -650,7 +654,7 @@ fn register_handlers(node: &Node, agent: &Arc<Agent>, manifests: Manifests) {
         Box::pin(async move {
             let req: PullReq = wire::decode(&bytes, wire::MAX_CONTROL_MESSAGE)?;
             let ws = a.find(&req.model, req.version).map(Serve::Whole);
-            serve_pull(stream, ws, req, &a.stats).await
+            Ok(serve_pull(stream, ws, req, &a.stats).await?)
         })
     });
     let a = Arc::downgrade(agent);

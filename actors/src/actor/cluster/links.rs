@@ -11,7 +11,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use refit_runtime::node::Node;
+use refit_node::Node;
 use refit_runtime::topology::TransportKind;
 use refit_runtime::{Manifests, ModelId, ReceiverInit, SenderInit, Version, WeightSet};
 use refit_transports::shm::{ShmConfig, ShmReceiver, ShmReceiverSpec, ShmSender};

@@ -31,7 +31,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use actix::prelude::*;
-use refit_runtime::node::{ClusterToken, LaunchEnv, Peer};
+use refit_node::{ClusterToken, LaunchEnv, Peer};
 use refit_runtime::topology::{OnFailure, RankPlan, Role, Topology, TransportKind};
 use refit_runtime::{HasWeights, Manifests, ModelId, Version};
 use serde::{Deserialize, Serialize};
@@ -738,7 +738,7 @@ fn follow<R: Roles>(
                     .wait(&[START_KEY, STOP_KEY], Duration::from_secs(1))
                 {
                     Ok(()) => return true,
-                    Err(refit_runtime::Error::Timeout { .. }) => {
+                    Err(e) if e.is_timeout() => {
                         if rv2.store().get(START_KEY).ok().flatten().is_some() {
                             return true;
                         }

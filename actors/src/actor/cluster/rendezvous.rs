@@ -1,4 +1,4 @@
-//! The rendezvous of a run's ranks: rank 0 serves the store (`refit_runtime::node::Store`)
+//! The rendezvous of a run's ranks: rank 0 serves the store (`refit_node::Store`)
 //! at `MASTER_ADDR:MASTER_PORT` on its node; every rank starts a node on its host's address
 //! (token from `REFIT_TOKEN`), publishes what others need under well-known keys and waits,
 //! with a deadline, for what it needs. Rank 0 also watches every other rank's node: a rank
@@ -8,7 +8,7 @@ use std::net::{SocketAddr, ToSocketAddrs};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use refit_runtime::node::{ClusterToken, LaunchEnv, Node, NodeConfig, Store, StoreClient};
+use refit_node::{ClusterToken, LaunchEnv, Node, NodeConfig, Store, StoreClient};
 use refit_runtime::wire;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
@@ -70,7 +70,9 @@ impl Rendezvous {
                 launch.rank
             ))
         })?;
-        node.register(PING_TARGET, "ping", |_, (): ()| async { Ok(()) });
+        node.register(PING_TARGET, "ping", |_, (): ()| async {
+            Ok::<_, refit_node::Error>(())
+        });
         if launch.is_master() {
             Store::serve(&node);
         }
@@ -79,7 +81,7 @@ impl Rendezvous {
             let left = deadline.saturating_duration_since(Instant::now());
             match StoreClient::connect(&node, master, left.min(Duration::from_secs(5))) {
                 Ok(s) => break s,
-                Err(e @ refit_runtime::Error::Unauthorized { .. }) => return Err(e.into()),
+                Err(e @ refit_node::Error::Unauthorized { .. }) => return Err(e.into()),
                 Err(e) if left.is_zero() => {
                     return Err(Error::Config(format!(
                         "rank {}: the rendezvous store at {master} (MASTER_ADDR:MASTER_PORT) \
@@ -138,7 +140,7 @@ impl Rendezvous {
         loop {
             match self.store.wait(&[STOP_KEY], Duration::from_secs(1)) {
                 Ok(()) => return Ok(true),
-                Err(refit_runtime::Error::Timeout { .. }) if !self.store.peer().is_closed() => {}
+                Err(e) if e.is_timeout() && !self.store.peer().is_closed() => {}
                 Err(e) => {
                     tracing::warn!(rank = self.launch.rank, "rank 0 is gone: {e}");
                     return Ok(false);
@@ -195,7 +197,7 @@ pub fn watch(
                     "its connection closed (the process exited or was killed)".to_string()
                 });
                 if dead.is_none() && tick.is_multiple_of(4) {
-                    let ping: refit_runtime::Result<()> = peer
+                    let ping: refit_node::Result<()> = peer
                         .call_async(PING_TARGET, "ping", &(), Duration::from_secs(3))
                         .await;
                     if let Err(e) = ping {

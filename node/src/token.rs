@@ -7,6 +7,7 @@ use std::path::Path;
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
+use refit_runtime::Error as CoreError;
 
 /// Environment variable holding the cluster token.
 pub const TOKEN_ENV: &str = "REFIT_TOKEN";
@@ -100,14 +101,16 @@ impl ClusterToken {
     ///
     /// # Errors
     /// [`Error::InsecureSecretFile`] naming the file and its mode when its group or others
-    /// have any permission; [`Error::Path`] when it cannot be opened or read; as
+    /// have any permission; [`Path`](refit_runtime::Error::Path) when it cannot be opened or read; as
     /// [`ClusterToken::new`] for what it holds (also when it is not UTF-8).
     pub fn from_file(path: &Path) -> Result<Self> {
         let path_err = |context: &'static str| {
-            move |source: std::io::Error| Error::Path {
-                context,
-                path: path.to_path_buf(),
-                source,
+            move |source: std::io::Error| {
+                Error::from(CoreError::Path {
+                    context,
+                    path: path.to_path_buf(),
+                    source,
+                })
             }
         };
         let mut file = std::fs::File::open(path).map_err(path_err("opening the token file"))?;
@@ -143,7 +146,7 @@ impl ClusterToken {
     /// overwritten.
     ///
     /// # Errors
-    /// [`Error::Path`] when the file exists or cannot be created or written.
+    /// [`Path`](refit_runtime::Error::Path) when the file exists or cannot be created or written.
     pub fn create_file(path: &Path) -> Result<Self> {
         use std::io::Write;
         let token = Self::random();
@@ -154,17 +157,21 @@ impl ClusterToken {
             use std::os::unix::fs::OpenOptionsExt;
             options.mode(0o600);
         }
-        let mut file = options.open(path).map_err(|source| Error::Path {
-            context: "creating the token file",
-            path: path.to_path_buf(),
-            source,
+        let mut file = options.open(path).map_err(|source| {
+            Error::from(CoreError::Path {
+                context: "creating the token file",
+                path: path.to_path_buf(),
+                source,
+            })
         })?;
         writeln!(file, "{}", token.0)
             .and_then(|()| file.sync_all())
-            .map_err(|source| Error::Path {
-                context: "writing the token file",
-                path: path.to_path_buf(),
-                source,
+            .map_err(|source| {
+                Error::from(CoreError::Path {
+                    context: "writing the token file",
+                    path: path.to_path_buf(),
+                    source,
+                })
             })?;
         Ok(token)
     }
@@ -244,7 +251,7 @@ mod tests {
         ));
         assert!(matches!(
             ClusterToken::from_file(&dir.path().join("missing")),
-            Err(Error::Path { .. })
+            Err(Error::Core(CoreError::Path { .. }))
         ));
     }
 
@@ -260,7 +267,7 @@ mod tests {
         assert_eq!(ClusterToken::from_file(&path).unwrap(), t);
         assert!(matches!(
             ClusterToken::create_file(&path),
-            Err(Error::Path { .. })
+            Err(Error::Core(CoreError::Path { .. }))
         ));
         assert_eq!(ClusterToken::from_file(&path).unwrap(), t);
     }

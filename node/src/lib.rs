@@ -1,4 +1,7 @@
-//! Nodes: processes that host handlers and talk over TCP.
+//! Refit nodes: processes that host handlers and talk over TCP.
+//!
+//! This crate is the I/O layer above the sans-IO core (`refit-runtime`): it owns the tokio
+//! runtime, sockets and signal handling, so that the core does not depend on them.
 //!
 //! A [`Node`] listens on one address (loopback unless configured) and serves:
 //! - **remote calls**: a handler is addressed by `(target uuid, method name)`; a call carries a
@@ -11,15 +14,19 @@
 //! structs, with the length checked before anything is allocated ([`frame`]).
 //!
 //! A peer that vanishes turns every pending call on its connection into
-//! [`Error::PeerGone`]; a call whose deadline passes is [`Error::Timeout`]. Async methods
+//! [`PeerGone`](refit_runtime::Error::PeerGone); a call whose deadline passes is [`Timeout`](refit_runtime::Error::Timeout). Async methods
 //! suit tokio code; the `*_blocking`-free names ([`Peer::call`], [`Node::connect`]) block the
 //! calling thread and suit plain threads (never call them from inside an async task).
 
+#![warn(missing_docs, unreachable_pub, missing_debug_implementations)]
+
+pub mod error;
 pub mod frame;
 pub mod launch;
 mod message;
 mod peer;
 mod server;
+pub mod signals;
 pub mod slurm;
 pub mod store;
 mod stream;
@@ -37,8 +44,9 @@ use serde::Serialize;
 use serde::de::DeserializeOwned;
 use uuid::Uuid;
 
-use crate::error::{Error, Result};
-use crate::wire::{self, MAX_CONTROL_MESSAGE};
+pub use crate::error::{Error, Result};
+use refit_runtime::Error as CoreError;
+use refit_runtime::wire::{self, MAX_CONTROL_MESSAGE};
 
 pub use launch::LaunchEnv;
 pub use message::{MAX_HELLO, StreamHead};
@@ -170,7 +178,7 @@ impl Node {
     /// Starts a node: its own tokio runtime, a listener on `config.bind`, an accept loop.
     ///
     /// # Errors
-    /// [`Error::Io`] when the runtime cannot start or the address cannot be bound.
+    /// [`Io`](refit_runtime::Error::Io) when the runtime cannot start or the address cannot be bound.
     pub fn start(config: NodeConfig) -> Result<Self> {
         let runtime = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(config.threads.max(1))
@@ -257,42 +265,49 @@ impl Node {
         write(&self.inner.shared.handlers).insert((target, method.to_owned()), Arc::new(handler));
     }
 
-    /// Registers an async handler of typed requests and responses.
-    pub fn register<Req, Resp, F, Fut>(&self, target: Uuid, method: &str, handler: F)
+    /// Registers an async handler of typed requests and responses. The handler may fail
+    /// with this crate's error or any that converts into it (the core's); the caller gets
+    /// its message as [`Error::Remote`].
+    pub fn register<Req, Resp, E, F, Fut>(&self, target: Uuid, method: &str, handler: F)
     where
         Req: DeserializeOwned + Send + 'static,
         Resp: Serialize + Send + 'static,
+        E: Into<Error> + Send + 'static,
         F: Fn(CallInfo, Req) -> Fut + Send + Sync + 'static,
-        Fut: Future<Output = Result<Resp>> + Send + 'static,
+        Fut: Future<Output = std::result::Result<Resp, E>> + Send + 'static,
     {
         let max = self.inner.shared.max_frame;
         self.register_raw(target, method, move |info, bytes| {
             let req = wire::decode::<Req>(&bytes, max);
             let fut = req.map(|r| handler(info, r));
-            Box::pin(async move { wire::encode(&fut?.await?) })
+            Box::pin(async move {
+                let resp = fut?.await.map_err(Into::into)?;
+                Ok(wire::encode(&resp)?)
+            })
         });
     }
 
     /// Registers a blocking handler: it runs on the runtime's blocking pool, so it may wait
     /// on locks, files or other nodes.
-    pub fn register_blocking<Req, Resp, F>(&self, target: Uuid, method: &str, handler: F)
+    pub fn register_blocking<Req, Resp, E, F>(&self, target: Uuid, method: &str, handler: F)
     where
         Req: DeserializeOwned + Send + 'static,
         Resp: Serialize + Send + 'static,
-        F: Fn(CallInfo, Req) -> Result<Resp> + Send + Sync + 'static,
+        E: Into<Error> + Send + 'static,
+        F: Fn(CallInfo, Req) -> std::result::Result<Resp, E> + Send + Sync + 'static,
     {
         let handler = Arc::new(handler);
         self.register(target, method, move |info, req: Req| {
             let h = Arc::clone(&handler);
             async move {
-                tokio::task::spawn_blocking(move || h(info, req))
+                tokio::task::spawn_blocking(move || h(info, req).map_err(Into::into))
                     .await
                     .map_err(|e| {
-                        Error::State(if e.is_panic() {
+                        Error::from(CoreError::State(if e.is_panic() {
                             "a blocking handler panicked"
                         } else {
                             "a blocking handler was cancelled"
-                        })
+                        }))
                     })?
             }
         });
@@ -327,7 +342,7 @@ impl Node {
     /// Connects to another node for remote calls (async).
     ///
     /// # Errors
-    /// [`Error::Timeout`], [`Error::Io`] when unreachable, [`Error::Unauthorized`] when the
+    /// [`Timeout`](refit_runtime::Error::Timeout), [`Io`](refit_runtime::Error::Io) when unreachable, [`Error::Unauthorized`] when the
     /// other node refuses our token.
     pub async fn connect_async(&self, addr: SocketAddr, timeout: Duration) -> Result<Peer> {
         Peer::connect(
@@ -375,7 +390,7 @@ impl Node {
     /// Runs a future on the node's runtime and waits for it on this thread.
     ///
     /// # Errors
-    /// The future's error, or [`Error::State`] when the node is shut down.
+    /// The future's error, or [`State`](refit_runtime::Error::State) when the node is shut down.
     pub fn block_on<T: Send + 'static>(
         &self,
         fut: impl Future<Output = Result<T>> + Send + 'static,
@@ -385,7 +400,7 @@ impl Node {
             let _ = tx.send(fut.await);
         });
         rx.recv()
-            .map_err(|_| Error::State("the node is shut down"))?
+            .map_err(|_| Error::from(CoreError::State("the node is shut down")))?
     }
 
     /// Stops accepting and drops every connection and task of this node (idempotent; other

@@ -11,7 +11,8 @@ use tokio::sync::mpsc;
 use super::message::{ConnKind, Hello, MAX_HELLO, Outcome, Reply, Request, StreamHead, Welcome};
 use super::{CallInfo, ConnId, Shared, frame, read, stream::write_head};
 use crate::error::{Error, Result};
-use crate::wire;
+use refit_runtime::Error as CoreError;
+use refit_runtime::wire;
 
 pub(super) async fn accept_loop(shared: Arc<Shared>, listener: tokio::net::TcpListener) {
     loop {
@@ -96,7 +97,7 @@ async fn serve_stream(
 ) -> Result<()> {
     let request = frame::read_frame(&mut stream, shared.max_frame)
         .await?
-        .ok_or_else(|| Error::Wire("stream closed before its request".into()))?;
+        .ok_or_else(|| Error::from(CoreError::Wire("stream closed before its request".into())))?;
     let handler = read(&shared.streams)
         .get(&(target, method.clone()))
         .cloned();
@@ -132,7 +133,7 @@ async fn rpc_loop(shared: &Arc<Shared>, stream: TcpStream, info: CallInfo) -> Re
         };
         let req: Request = match wire::decode(&body, shared.max_frame) {
             Ok(r) => r,
-            Err(e) => break Err(e),
+            Err(e) => break Err(e.into()),
         };
         let handler = read(&shared.handlers)
             .get(&(req.target, req.method.clone()))
@@ -140,7 +141,7 @@ async fn rpc_loop(shared: &Arc<Shared>, stream: TcpStream, info: CallInfo) -> Re
         let tx = tx.clone();
         let timeout = Duration::from_millis(req.timeout_ms);
         let info = CallInfo {
-            deadline: crate::scheme::deadline_in(timeout),
+            deadline: refit_runtime::scheme::deadline_in(timeout),
             ..info
         };
         tokio::spawn(async move {

@@ -13,7 +13,8 @@ use super::frame;
 use super::message::{ConnKind, Hello, MAX_HELLO, StreamHead, Welcome};
 use super::token::ClusterToken;
 use crate::error::{Error, Result};
-use crate::wire;
+use refit_runtime::Error as CoreError;
+use refit_runtime::wire;
 
 /// Writes the head of a stream (stream handlers call this first).
 ///
@@ -36,7 +37,7 @@ pub struct OpenStream {
 /// the head. Every step, and every later read on the socket, is bounded by `timeout`.
 ///
 /// # Errors
-/// [`Error::Timeout`]/[`Error::Io`] when unreachable, [`Error::Unauthorized`] when refused,
+/// [`Timeout`](refit_runtime::Error::Timeout)/[`Io`](refit_runtime::Error::Io) when unreachable, [`Error::Unauthorized`] when refused,
 /// [`Error::Remote`] when the handler answers an error head.
 pub fn open_stream<Req: Serialize>(
     addr: SocketAddr,
@@ -50,10 +51,10 @@ pub fn open_stream<Req: Serialize>(
     let started = Instant::now();
     let mut stream = TcpStream::connect_timeout(&addr, timeout).map_err(|e| {
         if e.kind() == std::io::ErrorKind::TimedOut {
-            Error::Timeout {
+            Error::from(CoreError::Timeout {
                 what: format!("connecting to node at {addr}"),
                 after: timeout,
-            }
+            })
         } else {
             Error::io(format!("connecting to node at {addr}"), e)
         }
@@ -71,16 +72,16 @@ pub fn open_stream<Req: Serialize>(
         },
     };
     let timed = |e: Error| match e {
-        Error::Io { source, .. }
+        Error::Core(CoreError::Io { source, .. })
             if matches!(
                 source.kind(),
                 std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
             ) =>
         {
-            Error::Timeout {
+            Error::from(CoreError::Timeout {
                 what: format!("stream `{method}` on node at {addr}"),
                 after: started.elapsed(),
-            }
+            })
         }
         e => e,
     };

@@ -23,13 +23,18 @@ struct Add {
 fn calc_node() -> (Node, Uuid) {
     let node = Node::loopback(token()).unwrap();
     let me = Uuid::new_v4();
-    node.register(me, "add", |_, r: Add| async move { Ok(r.a + r.b) });
+    node.register(
+        me,
+        "add",
+        |_, r: Add| async move { Ok::<_, Error>(r.a + r.b) },
+    );
     node.register(me, "sleep", |_, ms: u64| async move {
         tokio::time::sleep(Duration::from_millis(ms)).await;
-        Ok(ms)
+        Ok::<_, Error>(ms)
     });
-    node.register_blocking(me, "fail", |_, ()| -> Result<()> {
-        Err(Error::State("told to fail"))
+    // a handler may fail with the core's error: it converts
+    node.register_blocking(me, "fail", |_, ()| -> refit_runtime::Result<()> {
+        Err(CoreError::State("told to fail"))
     });
     node.register_stream(me, "count", |_, req, mut s| {
         Box::pin(async move {
@@ -102,13 +107,13 @@ fn a_vanishing_peer_fails_pending_calls_at_once() {
     let t = Instant::now();
     server.shutdown();
     let e = pending.join().unwrap().unwrap_err();
-    assert!(matches!(e, Error::PeerGone { .. }), "{e}");
+    assert!(matches!(e, Error::Core(CoreError::PeerGone { .. })), "{e}");
     assert!(t.elapsed() < Duration::from_secs(2));
     assert!(peer.is_closed());
     let e = peer
         .call::<_, i64>(me, "add", &Add { a: 1, b: 1 }, T)
         .unwrap_err();
-    assert!(matches!(e, Error::PeerGone { .. }), "{e}");
+    assert!(matches!(e, Error::Core(CoreError::PeerGone { .. })), "{e}");
 }
 
 #[test]

@@ -14,6 +14,7 @@ use uuid::Uuid;
 
 use super::{Node, Peer};
 use crate::error::{Error, Result};
+use refit_runtime::Error as CoreError;
 
 /// The handler target of the store on its node.
 pub const STORE_TARGET: Uuid = Uuid::from_u128(0x7265_6669_745f_7374_6f72_6500_0000_0001);
@@ -42,10 +43,10 @@ impl State {
 
 fn check_key(key: &str) -> Result<()> {
     if key.is_empty() || key.len() > MAX_KEY {
-        return Err(Error::Wire(format!(
+        return Err(Error::from(CoreError::Wire(format!(
             "store key of {} bytes (1..={MAX_KEY} accepted)",
             key.len()
-        )));
+        ))));
     }
     Ok(())
 }
@@ -92,13 +93,13 @@ impl Store {
                 check_key(&r.key)?;
                 st.map().insert(r.key, r.value.into_vec());
                 st.bump();
-                Ok(())
+                Ok::<_, Error>(())
             }
         });
         let st = Arc::clone(&state);
         node.register(STORE_TARGET, "get", move |_, r: KeyReq| {
             let v = st.map().get(&r.key).cloned().map(ByteBuf::from);
-            async move { Ok(v) }
+            async move { Ok::<_, Error>(v) }
         });
         let st = Arc::clone(&state);
         node.register(STORE_TARGET, "add", move |_, r: AddReq| {
@@ -113,17 +114,23 @@ impl Store {
                             .ok()
                             .and_then(|s| s.parse::<i64>().ok())
                             .ok_or_else(|| {
-                                Error::Wire(format!("store key `{}` is not a counter", r.key))
+                                Error::from(CoreError::Wire(format!(
+                                    "store key `{}` is not a counter",
+                                    r.key
+                                )))
                             })?,
                     };
                     let next = cur.checked_add(r.delta).ok_or_else(|| {
-                        Error::Wire(format!("store counter `{}` overflows", r.key))
+                        Error::from(CoreError::Wire(format!(
+                            "store counter `{}` overflows",
+                            r.key
+                        )))
                     })?;
                     map.insert(r.key, next.to_string().into_bytes());
                     next
                 };
                 st.bump();
-                Ok(next)
+                Ok::<_, Error>(next)
             }
         });
         let st = Arc::clone(&state);
@@ -131,7 +138,7 @@ impl Store {
             let st = Arc::clone(&st);
             async move {
                 let Some(tx) = &st.changed else {
-                    return Ok(r.keys);
+                    return Ok::<_, Error>(r.keys);
                 };
                 let mut rx = tx.subscribe();
                 let deadline = tokio::time::Instant::from_std(info.deadline)
@@ -197,7 +204,7 @@ impl StoreClient {
     /// Sets `key` to `value`, waking whoever waits for it.
     ///
     /// # Errors
-    /// [`Error::Timeout`], [`Error::PeerGone`], [`Error::Remote`] for a bad key.
+    /// [`Timeout`](refit_runtime::Error::Timeout), [`PeerGone`](refit_runtime::Error::PeerGone), [`Error::Remote`] for a bad key.
     pub fn set(&self, key: &str, value: &[u8]) -> Result<()> {
         let req = SetReq {
             key: key.to_owned(),
@@ -233,7 +240,7 @@ impl StoreClient {
     /// Waits until every key is set.
     ///
     /// # Errors
-    /// [`Error::Timeout`] naming the keys still missing; [`Error::PeerGone`].
+    /// [`Timeout`](refit_runtime::Error::Timeout) naming the keys still missing; [`PeerGone`](refit_runtime::Error::PeerGone).
     pub fn wait(&self, keys: &[&str], timeout: Duration) -> Result<()> {
         let req = WaitReq {
             keys: keys.iter().map(|k| (*k).to_owned()).collect(),
@@ -247,10 +254,10 @@ impl StoreClient {
         if missing.is_empty() {
             Ok(())
         } else {
-            Err(Error::Timeout {
+            Err(Error::from(CoreError::Timeout {
                 what: format!("store keys {missing:?}"),
                 after: timeout,
-            })
+            }))
         }
     }
 
@@ -260,9 +267,11 @@ impl StoreClient {
     /// As [`StoreClient::wait`].
     pub fn wait_get(&self, key: &str, timeout: Duration) -> Result<Vec<u8>> {
         self.wait(&[key], timeout)?;
-        self.get(key)?.ok_or_else(|| Error::Timeout {
-            what: format!("store key {key:?}"),
-            after: timeout,
+        self.get(key)?.ok_or_else(|| {
+            Error::from(CoreError::Timeout {
+                what: format!("store key {key:?}"),
+                after: timeout,
+            })
         })
     }
 

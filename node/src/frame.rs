@@ -11,30 +11,36 @@ use serde::de::DeserializeOwned;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
 use crate::error::{Error, Result};
-use crate::wire;
+use refit_runtime::Error as CoreError;
+use refit_runtime::wire;
 
 /// Bytes of the length prefix.
 pub const PREFIX: usize = 4;
 
 fn check_len(len: u32, max: usize) -> Result<usize> {
-    let len = usize::try_from(len).map_err(|_| Error::Wire("frame length overflows".into()))?;
+    let len = usize::try_from(len)
+        .map_err(|_| Error::from(CoreError::Wire("frame length overflows".into())))?;
     if len > max {
-        return Err(Error::Wire(format!(
+        return Err(Error::from(CoreError::Wire(format!(
             "frame of {len} bytes exceeds the {max}-byte limit"
-        )));
+        ))));
     }
     Ok(len)
 }
 
 fn prefix(len: usize) -> Result<[u8; PREFIX]> {
-    u32::try_from(len)
-        .map(u32::to_be_bytes)
-        .map_err(|_| Error::Wire(format!("frame of {len} bytes is too long to send")))
+    u32::try_from(len).map(u32::to_be_bytes).map_err(|_| {
+        Error::from(CoreError::Wire(format!(
+            "frame of {len} bytes is too long to send"
+        )))
+    })
 }
 
 fn eof_is_truncation(e: std::io::Error, what: &str) -> Error {
     if e.kind() == std::io::ErrorKind::UnexpectedEof {
-        Error::Wire(format!("truncated frame: the peer closed mid-{what}"))
+        Error::from(CoreError::Wire(format!(
+            "truncated frame: the peer closed mid-{what}"
+        )))
     } else {
         Error::io(format!("reading a frame {what}"), e)
     }
@@ -43,7 +49,7 @@ fn eof_is_truncation(e: std::io::Error, what: &str) -> Error {
 /// Reads one frame; `Ok(None)` on a clean end of stream before its first byte.
 ///
 /// # Errors
-/// [`Error::Wire`] for an oversized or truncated frame, [`Error::Io`] for socket errors.
+/// [`Wire`](refit_runtime::Error::Wire) for an oversized or truncated frame, [`Io`](refit_runtime::Error::Io) for socket errors.
 pub async fn read_frame<R: AsyncRead + Unpin>(r: &mut R, max: usize) -> Result<Option<Vec<u8>>> {
     let mut head = [0u8; PREFIX];
     let mut got = 0;
@@ -68,7 +74,7 @@ pub async fn read_frame<R: AsyncRead + Unpin>(r: &mut R, max: usize) -> Result<O
 /// Writes one frame (length prefix and body) and flushes.
 ///
 /// # Errors
-/// [`Error::Wire`] for a body over 4 GiB, [`Error::Io`] for socket errors.
+/// [`Wire`](refit_runtime::Error::Wire) for a body over 4 GiB, [`Io`](refit_runtime::Error::Io) for socket errors.
 pub async fn write_frame<W: AsyncWrite + Unpin>(w: &mut W, body: &[u8]) -> Result<()> {
     let head = prefix(body.len())?;
     let mut buf = Vec::with_capacity(PREFIX + body.len());
@@ -85,11 +91,13 @@ pub async fn write_frame<W: AsyncWrite + Unpin>(w: &mut W, body: &[u8]) -> Resul
 /// Reads one frame and decodes it (async).
 ///
 /// # Errors
-/// As [`read_frame`], plus [`Error::Wire`] for a malformed message or an early end of stream.
+/// As [`read_frame`], plus [`Wire`](refit_runtime::Error::Wire) for a malformed message or an early end of stream.
 pub async fn recv<T: DeserializeOwned, R: AsyncRead + Unpin>(r: &mut R, max: usize) -> Result<T> {
     match read_frame(r, max).await? {
-        Some(body) => wire::decode(&body, max),
-        None => Err(Error::Wire("the peer closed before sending a frame".into())),
+        Some(body) => Ok(wire::decode(&body, max)?),
+        None => Err(Error::from(CoreError::Wire(
+            "the peer closed before sending a frame".into(),
+        ))),
     }
 }
 
@@ -146,8 +154,10 @@ pub fn write_frame_blocking<W: Write>(w: &mut W, body: &[u8]) -> Result<()> {
 /// As [`recv`].
 pub fn recv_blocking<T: DeserializeOwned, R: Read>(r: &mut R, max: usize) -> Result<T> {
     match read_frame_blocking(r, max)? {
-        Some(body) => wire::decode(&body, max),
-        None => Err(Error::Wire("the peer closed before sending a frame".into())),
+        Some(body) => Ok(wire::decode(&body, max)?),
+        None => Err(Error::from(CoreError::Wire(
+            "the peer closed before sending a frame".into(),
+        ))),
     }
 }
 
@@ -165,9 +175,9 @@ fn closed_before_length(got: usize) -> Result<Option<Vec<u8>>> {
     if got == 0 {
         return Ok(None);
     }
-    Err(Error::Wire(
+    Err(Error::from(CoreError::Wire(
         "truncated frame: the peer closed mid-length".into(),
-    ))
+    )))
 }
 
 #[cfg(test)]

@@ -16,7 +16,8 @@ use super::frame;
 use super::message::{ConnKind, Hello, MAX_HELLO, Outcome, Reply, Request, Welcome};
 use super::token::ClusterToken;
 use crate::error::{Error, Result};
-use crate::wire;
+use refit_runtime::Error as CoreError;
+use refit_runtime::wire;
 
 /// State shared by the handles and the connection's tasks.
 struct Conn {
@@ -51,10 +52,10 @@ impl Conn {
             .unwrap_or_else(|p| p.into_inner())
             .clone()
             .unwrap_or_else(|| "connection closed".into());
-        Error::PeerGone {
+        Error::from(CoreError::PeerGone {
             peer: format!("node at {}", self.addr),
             reason: why,
-        }
+        })
     }
 }
 
@@ -102,9 +103,11 @@ impl Peer {
         timeout: Duration,
     ) -> Result<Self> {
         let deadline = tokio::time::Instant::now() + timeout;
-        let timed_out = || Error::Timeout {
-            what: format!("connecting to node at {addr}"),
-            after: timeout,
+        let timed_out = || {
+            Error::from(CoreError::Timeout {
+                what: format!("connecting to node at {addr}"),
+                after: timeout,
+            })
         };
         let mut stream = tokio::time::timeout_at(deadline, TcpStream::connect(addr))
             .await
@@ -197,7 +200,7 @@ impl Peer {
         self.inner.conn.closed.load(Ordering::Acquire)
     }
 
-    /// Closes the connection for every clone; pending calls fail with [`Error::PeerGone`].
+    /// Closes the connection for every clone; pending calls fail with [`PeerGone`](refit_runtime::Error::PeerGone).
     pub fn close(&self) {
         for t in &self.inner.tasks {
             t.abort();
@@ -208,7 +211,7 @@ impl Peer {
     /// Calls a raw handler (async).
     ///
     /// # Errors
-    /// [`Error::Timeout`] when no reply comes within `timeout`; [`Error::PeerGone`] when the
+    /// [`Timeout`](refit_runtime::Error::Timeout) when no reply comes within `timeout`; [`PeerGone`](refit_runtime::Error::PeerGone) when the
     /// connection dies first; [`Error::Remote`] when the handler fails.
     pub async fn call_raw_async(
         &self,
@@ -249,10 +252,10 @@ impl Peer {
             Ok(Err(_)) => Err(conn.gone()),
             Err(_) => {
                 conn.pending().remove(&call);
-                Err(Error::Timeout {
+                Err(Error::from(CoreError::Timeout {
                     what: format!("`{method}` on node at {}", conn.addr),
                     after: timeout,
-                })
+                }))
             }
         }
     }
@@ -260,7 +263,7 @@ impl Peer {
     /// Calls a typed handler (async).
     ///
     /// # Errors
-    /// As [`Peer::call_raw_async`], plus [`Error::Wire`] for a reply of the wrong type.
+    /// As [`Peer::call_raw_async`], plus [`Wire`](refit_runtime::Error::Wire) for a reply of the wrong type.
     pub async fn call_async<Req: Serialize + ?Sized, Resp: DeserializeOwned>(
         &self,
         target: Uuid,
@@ -271,13 +274,13 @@ impl Peer {
         let bytes = self
             .call_raw_async(target, method, wire::encode(request)?, timeout)
             .await?;
-        wire::decode(&bytes, wire::MAX_CONTROL_MESSAGE)
+        Ok(wire::decode(&bytes, wire::MAX_CONTROL_MESSAGE)?)
     }
 
     /// Calls a typed handler, blocking this thread (not for use inside async tasks).
     ///
     /// # Errors
-    /// As [`Peer::call_async`]; [`Error::State`] when the node running the connection is
+    /// As [`Peer::call_async`]; [`State`](refit_runtime::Error::State) when the node running the connection is
     /// shut down.
     pub fn call<Req: Serialize + ?Sized, Resp: DeserializeOwned + Send + 'static>(
         &self,
@@ -294,9 +297,11 @@ impl Peer {
             let r = this.call_raw_async(target, &method, payload, timeout).await;
             let _ = tx.send(r);
         });
-        let bytes = rx
-            .recv()
-            .map_err(|_| Error::State("the node running this connection is shut down"))??;
-        wire::decode(&bytes, wire::MAX_CONTROL_MESSAGE)
+        let bytes = rx.recv().map_err(|_| {
+            Error::from(CoreError::State(
+                "the node running this connection is shut down",
+            ))
+        })??;
+        Ok(wire::decode(&bytes, wire::MAX_CONTROL_MESSAGE)?)
     }
 }
