@@ -9,8 +9,10 @@
 //!   store, launch variables, the cluster token, signal-driven cleanup;
 //! - [`transports`]: in-process, shared-memory and TCP transports (and, with feature
 //!   `cuda`, the CUDA/NCCL probe);
-//! - `actors` (features `rl`, `candle`, `actors`): environments, policies, collectors, the
-//!   PPO trainer and the actix actors.
+//! - `rl` (features `rl`, `candle`): environments, policies, collectors, the PPO trainer,
+//!   in plain Rust;
+//! - `actors` (features `rl`, `candle`, `actors`): the actix actors, and everything of `rl`
+//!   re-exported.
 //!
 //! The most used items are in the [`prelude`]: `use refit::prelude::*;`.
 //!
@@ -19,8 +21,8 @@
 //! | feature | on by default | what it adds | what it pulls in |
 //! | --- | --- | --- | --- |
 //! | (none) | | weight sets, schemes, in-process / shared-memory / TCP transports | tokio, serde, safetensors |
-//! | `rl` | yes | `refit::actors`: environments, policies, collectors | rand |
-//! | `candle` | yes | the PPO trainer (`refit::actors::ppo`); implies `rl` | candle |
+//! | `rl` | yes | `refit::rl` (also re-exported by `refit::actors`): environments, policies, collectors | rand |
+//! | `candle` | yes | the PPO trainer (`refit::rl::ppo`); implies `rl` | candle |
 //! | `actors` | yes | the actix actors and training topology (`refit::actors::actor`); implies `candle` | actix |
 //! | `cli` | yes | the `refit` command-line tool | clap, indicatif, bytesize, notify |
 //! | `cuda` | no | GPU transports' probe (CUDA and NCCL loaded at run time) | cudarc |
@@ -36,6 +38,8 @@
 #[cfg(feature = "rl")]
 pub use refit_actors as actors;
 pub use refit_node as node;
+#[cfg(feature = "rl")]
+pub use refit_rl as rl;
 pub use refit_runtime as runtime;
 pub use refit_transports as transports;
 
@@ -64,13 +68,13 @@ pub mod prelude {
     };
 
     #[cfg(feature = "rl")]
-    pub use refit_actors::{
+    pub use refit_rl::{
         CartPole, Collector, CollectorConfig, Env, LearnStats, Learner, MlpPolicy,
         MultiAsyncCollector, MultiConfig, MultiSyncCollector, Policy, Roles, UpdatePolicyWeights,
     };
 
     #[cfg(feature = "candle")]
-    pub use refit_actors::{CartPolePpo, PpoConfig, PpoTrainer};
+    pub use refit_rl::{CartPolePpo, PpoConfig, PpoTrainer};
 
     /// The actor topology's entry points: build a [`RunConfig`](topology::RunConfig) of
     /// [`ModelSpec`](topology::ModelSpec)s and run it with

@@ -6,8 +6,7 @@ use tracing_subscriber::EnvFilter;
 
 /// Logging when `RUST_LOG` is not set: warnings and errors from everything, and Refit's
 /// own progress notes.
-pub const DEFAULT_LOG: &str =
-    "warn,refit=info,refit_runtime=info,refit_node=info,refit_transports=info,refit_actors=info";
+pub const DEFAULT_LOG: &str = "warn,refit=info,refit_runtime=info,refit_node=info,refit_transports=info,refit_rl=info,refit_actors=info";
 
 /// Installs a `tracing` subscriber writing to stderr (stdout stays free for a program's
 /// output), filtered by `RUST_LOG` (for example `RUST_LOG=debug` or

@@ -211,13 +211,15 @@ pub fn join<R: Roles>(topo: &Topology, launch: &LaunchEnv, roles: R) -> Result<O
             )));
         }
     }
-    let token = ClusterToken::from_env()?.ok_or_else(|| {
-        Error::Config(
-            "REFIT_TOKEN (or REFIT_TOKEN_FILE) is not set: every rank needs the cluster token \
+    let token = ClusterToken::from_env()
+        .map_err(refit_runtime::Error::from)?
+        .ok_or_else(|| {
+            Error::Config(
+                "REFIT_TOKEN (or REFIT_TOKEN_FILE) is not set: every rank needs the cluster token \
              (`refit launch` sets one)"
-                .into(),
-        )
-    })?;
+                    .into(),
+            )
+        })?;
     let rv = Rendezvous::join(launch, &plan.host.addr, token, topo.wait())?;
     let roles = Arc::new(roles);
     if launch.is_master() {

@@ -58,7 +58,7 @@ impl Rendezvous {
         token: ClusterToken,
         wait: Duration,
     ) -> Result<Self> {
-        let master = launch.master()?;
+        let master = launch.master().map_err(refit_runtime::Error::from)?;
         let bind = if launch.is_master() {
             master
         } else {
@@ -81,7 +81,9 @@ impl Rendezvous {
             let left = deadline.saturating_duration_since(Instant::now());
             match StoreClient::connect(&node, master, left.min(Duration::from_secs(5))) {
                 Ok(s) => break s,
-                Err(e @ refit_node::Error::Unauthorized { .. }) => return Err(e.into()),
+                Err(e @ refit_node::Error::Unauthorized { .. }) => {
+                    return Err(refit_runtime::Error::from(e).into());
+                }
                 Err(e) if left.is_zero() => {
                     return Err(Error::Config(format!(
                         "rank {}: the rendezvous store at {master} (MASTER_ADDR:MASTER_PORT) \
@@ -119,7 +121,10 @@ impl Rendezvous {
     /// # Errors
     /// Encoding; the store unreachable.
     pub fn put<T: Serialize + ?Sized>(&self, key: &str, value: &T) -> Result<()> {
-        Ok(self.store.set(key, &wire::encode(value)?)?)
+        Ok(self
+            .store
+            .set(key, &wire::encode(value)?)
+            .map_err(refit_runtime::Error::from)?)
     }
 
     /// Waits (until `wait`) for `key` and decodes it.
@@ -127,7 +132,10 @@ impl Rendezvous {
     /// # Errors
     /// A timeout naming the key; the store unreachable; a malformed value.
     pub fn take<T: DeserializeOwned>(&self, key: &str, wait: Duration) -> Result<T> {
-        let bytes = self.store.wait_get(key, wait)?;
+        let bytes = self
+            .store
+            .wait_get(key, wait)
+            .map_err(refit_runtime::Error::from)?;
         wire::decode(&bytes, wire::MAX_CONTROL_MESSAGE)
             .map_err(|e| Error::Config(format!("store key `{key}` holds a bad value: {e}")))
     }

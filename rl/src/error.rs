@@ -1,34 +1,19 @@
-//! The one error type of the actors crate.
+//! The one error type of the RL crate, which the actors crate (`refit-actors`) shares.
 
 use std::time::Duration;
 
 use crate::device::Device;
 
-#[cfg(feature = "actix")]
-impl From<refit_node::Error> for Error {
-    fn from(e: refit_node::Error) -> Self {
-        match e {
-            refit_node::Error::Core(e) => Self::Runtime(e),
-            other => Self::Node(other),
-        }
-    }
-}
-
-/// Result alias used across the actors crate.
+/// Result alias used across the RL and actors crates.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
-/// Every error the actors crate reports. Messages are lowercase and keep their cause.
+/// Every error the RL crate and the actors built on it report. Messages are lowercase and keep their cause.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {
     /// A weight-sync or weight-layout failure reported by the runtime.
     #[error("runtime: {0}")]
     Runtime(#[from] refit_runtime::Error),
-    /// A failure of the node layer (a refused peer, a remote handler's error, a bad launch
-    /// variable); the node's core errors arrive as [`Error::Runtime`].
-    #[cfg(feature = "actix")]
-    #[error("node: {0}")]
-    Node(refit_node::Error),
     /// A failure inside candle (the trainer's tensor library).
     #[cfg(feature = "candle")]
     #[error("candle: {0}")]

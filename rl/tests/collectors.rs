@@ -6,7 +6,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use rand::rngs::SmallRng;
-use refit_actors::{
+use refit_rl::{
     ActionOut, Batch, CartPole, Collector, Device, Env, Error, MlpPolicy, MultiAsyncCollector,
     MultiConfig, MultiSyncCollector, Policy, PpoConfig, PpoTrainer, ReplayBuffer, RingBuffer,
     StepResult, TrajPool, UpdatePolicyWeights, WeightSource,
@@ -161,10 +161,10 @@ impl Env for Logged {
     fn num_actions(&self) -> usize {
         2
     }
-    fn reset(&mut self, seed: Option<u64>) -> refit_actors::Result<Vec<f32>> {
+    fn reset(&mut self, seed: Option<u64>) -> refit_rl::Result<Vec<f32>> {
         self.inner.reset(seed)
     }
-    fn step(&mut self, action: usize) -> refit_actors::Result<StepResult> {
+    fn step(&mut self, action: usize) -> refit_rl::Result<StepResult> {
         self.log.lock().unwrap().push("step".into());
         self.inner.step(action)
     }
@@ -525,10 +525,10 @@ impl Env for Hanging {
     fn num_actions(&self) -> usize {
         2
     }
-    fn reset(&mut self, seed: Option<u64>) -> refit_actors::Result<Vec<f32>> {
+    fn reset(&mut self, seed: Option<u64>) -> refit_rl::Result<Vec<f32>> {
         self.inner.reset(seed)
     }
-    fn step(&mut self, action: usize) -> refit_actors::Result<StepResult> {
+    fn step(&mut self, action: usize) -> refit_rl::Result<StepResult> {
         self.steps += 1;
         if self.steps > self.hang_after {
             let (lock, cv) = &*self.release;

@@ -1,0 +1,61 @@
+//! Refit RL: the reinforcement-learning loop in plain Rust, on top of the runtime (no actix,
+//! no async runtime; the actix actors that host these pieces are in `refit-actors`).
+//!
+//! - [`mod@env`]: the [`Env`] trait and [`CartPole`] (Gymnasium `CartPole-v1`, exactly).
+//! - [`policy`]: the [`Policy`] trait and [`MlpPolicy`], a tanh MLP whose single-observation
+//!   forward is plain Rust; weights load through a refit [`Strategy`](refit_runtime::Strategy).
+//! - [`collector`]: [`Collector`], the per-step rollout loop with a carrier, trajectory ids,
+//!   hooks, `postproc`, `split_trajs`, direct replay-buffer writes and a frame budget.
+//! - [`multi`]: [`MultiSyncCollector`] and [`MultiAsyncCollector`] on worker threads, fed with
+//!   weights through a refit scheme ([`run_worker`] is generic over the receiving transport;
+//!   `refit_transports::inproc` between threads); [`process`]: the same with worker
+//!   processes.
+//! - [`learner`]: the [`Learner`] trait (batches in, versioned weights out) a trainer hosts.
+//! - [`roles`]: the [`Roles`] factory a topology takes (learner, policy and environment per
+//!   model) and [`ModelSpec`]; `cartpole_ppo` (feature `candle`): PPO + [`MlpPolicy`] +
+//!   [`CartPole`] as one implementation of them.
+//! - [`link`]: type-erased scheme ends ([`WeightInlet`], [`WeightOutlet`]) for actors.
+//! - `ppo` (feature `candle`, on by default): `PpoTrainer`, PPO with candle on CPU,
+//!   exporting the [`MlpPolicy`] layout.
+//! - [`error`]: the one error type of this crate and of the actors built on it.
+//!
+//! Without default features the crate holds the environments, policies, role traits and
+//! collectors only, and builds without candle.
+#![warn(missing_docs, unreachable_pub, missing_debug_implementations)]
+
+pub mod batch;
+#[cfg(feature = "candle")]
+pub mod cartpole_ppo;
+pub mod collector;
+pub mod device;
+pub mod env;
+pub mod error;
+pub mod learner;
+pub mod link;
+pub mod multi;
+pub mod policy;
+#[cfg(feature = "candle")]
+pub mod ppo;
+pub mod process;
+pub mod roles;
+
+pub use batch::{Batch, EpisodeStats, ReplayBuffer, RingBuffer, TrajPool, TrajSpan, Transition};
+#[cfg(feature = "candle")]
+pub use cartpole_ppo::CartPolePpo;
+pub use collector::{
+    Collector, CollectorBuilder, CollectorConfig, UpdatePolicyWeights, WeightSource,
+    policy_model_id,
+};
+pub use device::Device;
+pub use env::{CartPole, Env, StepResult};
+pub use error::{Error, RemoteFailure, Result};
+pub use learner::{LearnStats, Learner};
+pub use link::{WeightInlet, WeightOutlet};
+pub use multi::{
+    MultiAsyncCollector, MultiConfig, MultiSyncCollector, WorkerCommand, WorkerLink, WorkerMessage,
+    WorkerMode, run_worker,
+};
+pub use policy::{ActionOut, MlpPolicy, Policy};
+#[cfg(feature = "candle")]
+pub use ppo::{PpoConfig, PpoStats, PpoTrainer};
+pub use roles::{ModelSpec, Roles};
