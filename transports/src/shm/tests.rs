@@ -62,8 +62,8 @@ fn a_board_left_mid_commit_by_a_live_sender_is_a_timeout() {
     let err = receiver.receive(Duration::ZERO).unwrap_err();
     assert!(err.is_timeout(), "{err}");
     assert!(
-        t.elapsed() >= super::COMMIT_GRACE - Duration::from_millis(10)
-            && t.elapsed() < super::COMMIT_GRACE + Duration::from_secs(2),
+        t.elapsed() >= super::board::COMMIT_GRACE - Duration::from_millis(10)
+            && t.elapsed() < super::board::COMMIT_GRACE + Duration::from_secs(2),
         "{:?}",
         t.elapsed()
     );

@@ -1,0 +1,451 @@
+//! The receiving end: attaches to the board, pins and reads slots (copy or zero-copy),
+//! acknowledges, and holds its table entry for as long as its weight sets live.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::{Duration, Instant};
+
+use refit_runtime::metrics::{self, Phase};
+use refit_runtime::wait::{Wait, poll_until, wait_until};
+use refit_runtime::{
+    Error, Group, Manifest, Manifests, ModelId, ReceiverTransport, Result, SharedBytes, Version,
+    WeightSet, wire,
+};
+
+use super::board::*;
+use super::layout::*;
+use super::lease::{self, Heartbeat, Identity};
+use super::segment::Segment;
+use super::{LIVENESS_EVERY, NAME, ShmReceiverSpec, futex};
+use crate::pool::{BufPool, PooledBuf};
+
+/// How a receiver reads a slot.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ShmReadMode {
+    /// Copy the slot into private memory, pinning it only for the copy (default): the writer
+    /// is never held back by a slow reader.
+    #[default]
+    Copy,
+    /// Serve straight from the slot, pinned while any reader holds the weight set: no copy,
+    /// but the sender needs a free slot beyond those pinned.
+    ZeroCopy,
+}
+
+/// The receiver's claim on its table entry; freed when the receiver and every zero-copy
+/// weight set it handed out are gone.
+#[derive(Debug)]
+pub(super) struct Lease {
+    board: Arc<Segment>,
+    idx: usize,
+    heartbeat: Option<Heartbeat>,
+}
+
+impl Drop for Lease {
+    fn drop(&mut self) {
+        self.heartbeat = None;
+        // free the entry only while it is still ours: a receiver the sender declared dead
+        // (a stall past its lease seen from another pid namespace) may find it reaped and
+        // claimed by another receiver, whose record names another identity
+        let owner = receiver(self.idx) + R_OWNER;
+        if let Ok(state) = self.board.u32_at(receiver(self.idx) + R_STATE)
+            && state
+                .compare_exchange(
+                    RECEIVER_CLAIMED,
+                    RECEIVER_FREEING,
+                    Ordering::SeqCst,
+                    Ordering::SeqCst,
+                )
+                .is_ok()
+        {
+            if lease::record_pid(&self.board, owner) == Identity::current().pid {
+                let _ = lease::clear_record(&self.board, owner);
+                state.store(RECEIVER_FREE, Ordering::SeqCst);
+            } else {
+                state.store(RECEIVER_CLAIMED, Ordering::SeqCst);
+            }
+        }
+        if let Ok(ack) = self.board.u32_at(OFF_ACK_SEQ) {
+            ack.fetch_add(1, Ordering::SeqCst);
+            futex::wake_all(ack);
+        }
+    }
+}
+
+/// A pinned slot served without copying.
+pub(super) struct PinnedSlot {
+    lease: Arc<Lease>,
+    data: Arc<Segment>,
+    pin_off: usize,
+    off: usize,
+    len: usize,
+}
+
+impl SharedBytes for PinnedSlot {
+    fn bytes(&self) -> &[u8] {
+        // Bounds were checked when the slot was pinned (same offsets); an empty slice is the
+        // only fallback and cannot happen for a well-formed directory.
+        self.data.bytes(self.off, self.len).unwrap_or(&[])
+    }
+}
+
+impl Drop for PinnedSlot {
+    fn drop(&mut self) {
+        if let Ok(p) = self.lease.board.u32_at(self.pin_off) {
+            // never below zero: the sender's reaper zeroes the pins of an entry it frees
+            let _ = p.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1));
+        }
+    }
+}
+
+pub(super) struct Attached {
+    board: Arc<Segment>,
+    lease: Arc<Lease>,
+    models: Vec<(ModelId, Arc<Manifest>, Arc<Segment>)>,
+    n_slots: usize,
+    /// The sender's lease.
+    lease_len: Duration,
+}
+
+/// A receiving end.
+pub struct ShmReceiver {
+    spec: ShmReceiverSpec,
+    mode: ShmReadMode,
+    attached: Option<Attached>,
+    seen: Vec<u64>,
+    pool: Arc<BufPool>,
+}
+
+impl std::fmt::Debug for ShmReceiver {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ShmReceiver")
+            .field("spec", &self.spec)
+            .field("mode", &self.mode)
+            .field("attached", &self.attached.is_some())
+            .finish()
+    }
+}
+
+impl ShmReceiver {
+    /// A receiver for `spec` (local only: nothing is opened until `connect`).
+    pub fn new(spec: ShmReceiverSpec) -> Self {
+        Self {
+            spec,
+            mode: ShmReadMode::default(),
+            attached: None,
+            seen: Vec::new(),
+            pool: Arc::default(),
+        }
+    }
+
+    /// Chooses how slots are read.
+    #[must_use]
+    pub fn with_mode(mut self, mode: ShmReadMode) -> Self {
+        self.mode = mode;
+        self
+    }
+
+    fn attach(&self) -> Result<Option<Attached>> {
+        let board = match Segment::open(&self.spec.board, true) {
+            Ok(b) => Arc::new(b),
+            Err(Error::Path { source, .. }) if source.kind() == std::io::ErrorKind::NotFound => {
+                return Ok(None);
+            }
+            Err(e) => return Err(e),
+        };
+        if board.len() < OFF_RECEIVERS || board.u64_at(OFF_MAGIC)?.load(Ordering::Acquire) != MAGIC
+        {
+            return Ok(None);
+        }
+        if board.u32_at(OFF_LAYOUT)?.load(Ordering::Relaxed) != LAYOUT {
+            return Err(shm_err("board was written by another layout version"));
+        }
+        match state_word(&board)?.load(Ordering::SeqCst) {
+            STATE_LIVE => {}
+            STATE_SHUTDOWN => {
+                return Err(sender_gone(&board, "shut down"));
+            }
+            STATE_INIT => return Ok(None),
+            other => return Err(shm_err(format!("board is in unknown state {other}"))),
+        }
+        let max_receivers = board.u32_at(OFF_MAX_RECEIVERS)?.load(Ordering::Relaxed) as usize;
+        let n_slots = board.u32_at(OFF_N_SLOTS)?.load(Ordering::Relaxed) as usize;
+        let dir_len = usize::try_from(board.u64_at(OFF_DIR_LEN)?.load(Ordering::Relaxed))
+            .map_err(|_| shm_err("directory length overflows"))?;
+        let dir: Directory = wire::decode(
+            board.bytes(directory_offset(max_receivers), dir_len)?,
+            wire::MAX_CONTROL_MESSAGE,
+        )?;
+        if dir.models.len() > MAX_MODELS || !(2..=MAX_SLOTS).contains(&n_slots) {
+            return Err(shm_err("board directory is malformed"));
+        }
+        let mut models = Vec::with_capacity(dir.models.len());
+        for m in dir.models {
+            let seg = Arc::new(Segment::open(&m.data, false)?);
+            if seg.len() < slot_stride(m.manifest.total_len()) * n_slots {
+                return Err(shm_err(format!("data segment of `{}` is too small", m.id)));
+            }
+            models.push((m.id, Arc::new(m.manifest), seg));
+        }
+        let lease_len = board_lease(&board)?;
+        let mut idx = None;
+        for r in 0..max_receivers {
+            let state = board.u32_at(receiver(r) + R_STATE)?;
+            if state.load(Ordering::SeqCst) != RECEIVER_FREE {
+                continue;
+            }
+            // a fresh beat before the claim: the sender's reaper, which may look at the
+            // entry before the identity is written, sees a live claimant (and rival
+            // claimants only ever write the same kind of value here)
+            board
+                .u64_at(receiver(r) + R_OWNER + lease::REC_BEAT)?
+                .store(lease::now_ns(), Ordering::SeqCst);
+            if state
+                .compare_exchange(
+                    RECEIVER_FREE,
+                    RECEIVER_CLAIMED,
+                    Ordering::SeqCst,
+                    Ordering::SeqCst,
+                )
+                .is_ok()
+            {
+                idx = Some(r);
+                break;
+            }
+        }
+        let idx =
+            idx.ok_or_else(|| shm_err(format!("all {max_receivers} receiver entries are taken")))?;
+        // from here on the lease frees the entry whatever fails
+        let mut lease = Lease {
+            board: Arc::clone(&board),
+            idx,
+            heartbeat: None,
+        };
+        lease::write_record(&board, receiver(idx) + R_OWNER, Identity::current())?;
+        lease.heartbeat = Some(Heartbeat::start(
+            Arc::clone(&board),
+            receiver(idx) + R_OWNER,
+            lease_len,
+        )?);
+        for m in 0..MAX_MODELS {
+            board.u64_at(acked(idx, m))?.store(0, Ordering::SeqCst);
+        }
+        let lease = Arc::new(lease);
+        let ack = board.u32_at(OFF_ACK_SEQ)?;
+        ack.fetch_add(1, Ordering::SeqCst);
+        futex::wake_all(ack);
+        Ok(Some(Attached {
+            board,
+            lease,
+            models,
+            n_slots,
+            lease_len,
+        }))
+    }
+
+    /// Pins every fresh model's slot, or nothing (a writer raced us: try again).
+    fn try_pin(a: &Attached, fresh: &[(usize, u64, usize)]) -> Result<bool> {
+        let mut pinned: Vec<&AtomicU32> = Vec::with_capacity(fresh.len());
+        for &(m, version, slot) in fresh {
+            let p = a.board.u32_at(pin(a.lease.idx, m, slot))?;
+            p.fetch_add(1, Ordering::SeqCst);
+            pinned.push(p);
+            let seg = &a.models[m].2;
+            let base = slot * (seg.len() / a.n_slots);
+            let seq = seg.u64_at(base)?.load(Ordering::SeqCst);
+            let v = seg.u64_at(base + 8)?.load(Ordering::SeqCst);
+            if seq % 2 == 1 || v != version {
+                for p in pinned {
+                    p.fetch_sub(1, Ordering::SeqCst);
+                }
+                return Ok(false);
+            }
+        }
+        Ok(true)
+    }
+
+    fn take_fresh(&mut self, deadline: Instant) -> Result<Option<Group>> {
+        let Some(a) = &self.attached else {
+            return Err(Error::State("shm receiver is not connected"));
+        };
+        loop {
+            let board = read_board(&a.board, a.models.len(), a.lease_len, deadline)?;
+            let fresh: Vec<(usize, u64, usize)> = board
+                .iter()
+                .enumerate()
+                .filter(|(m, (v, _))| *v > self.seen[*m])
+                .map(|(m, &(v, s))| (m, v, s as usize))
+                .collect();
+            if fresh.is_empty() {
+                return Ok(None);
+            }
+            if fresh.iter().any(|&(_, _, s)| s >= a.n_slots) {
+                return Err(shm_err("board points at a slot that does not exist"));
+            }
+            if !Self::try_pin(a, &fresh)? {
+                std::thread::yield_now();
+                continue;
+            }
+            let mut group = Vec::with_capacity(fresh.len());
+            let mut result = Ok(());
+            for &(m, version, slot) in &fresh {
+                let (id, manifest, seg) = &a.models[m];
+                let base = slot * (seg.len() / a.n_slots);
+                let pin_off = pin(a.lease.idx, m, slot);
+                let ws = match self.mode {
+                    ShmReadMode::Copy => {
+                        let wire = metrics::timed(Phase::Wire, NAME, id.as_str());
+                        let copy = seg.bytes(base + PAGE, manifest.total_len()).and_then(|b| {
+                            let mut buf = self.pool.take(b.len());
+                            buf.as_mut_slice().copy_from_slice(b);
+                            let pooled = PooledBuf::new(buf, &self.pool);
+                            WeightSet::from_shared(
+                                id.clone(),
+                                Version(version),
+                                Arc::clone(manifest),
+                                Arc::new(pooled),
+                            )
+                        });
+                        // the header after the copy proves the slot was stable throughout
+                        let stable = seg.u64_at(base)?.load(Ordering::SeqCst) % 2 == 0
+                            && seg.u64_at(base + 8)?.load(Ordering::SeqCst) == version;
+                        a.board.u32_at(pin_off)?.fetch_sub(1, Ordering::SeqCst);
+                        if !stable {
+                            result = Err(shm_err(format!(
+                                "slot {slot} of `{id}` changed while pinned (protocol violation)"
+                            )));
+                            continue;
+                        }
+                        wire.finish();
+                        copy
+                    }
+                    ShmReadMode::ZeroCopy => WeightSet::from_shared(
+                        id.clone(),
+                        Version(version),
+                        Arc::clone(manifest),
+                        Arc::new(PinnedSlot {
+                            lease: Arc::clone(&a.lease),
+                            data: Arc::clone(seg),
+                            pin_off,
+                            off: base + PAGE,
+                            len: manifest.total_len(),
+                        }),
+                    ),
+                };
+                match ws {
+                    Ok(ws) => group.push(Arc::new(ws)),
+                    Err(e) => result = Err(e),
+                }
+            }
+            result?;
+            for &(m, v, _) in &fresh {
+                self.seen[m] = v;
+            }
+            return Ok(Some(group));
+        }
+    }
+}
+
+impl ReceiverTransport for ShmReceiver {
+    fn name(&self) -> &'static str {
+        NAME
+    }
+
+    fn connect(&mut self, deadline: Instant) -> Result<Manifests> {
+        let board = self.spec.board.clone();
+        let attached = wait_until(
+            deadline,
+            (),
+            |()| {
+                Ok(match self.attach()? {
+                    Some(a) => Wait::Done(a),
+                    None => Wait::Pending(()),
+                })
+            },
+            |(), left| std::thread::sleep(left.min(Duration::from_millis(2))),
+            |()| format!("shm sender at {}", board.display()),
+        )?;
+        let manifests = Manifests::new(
+            attached
+                .models
+                .iter()
+                .map(|(id, m, _)| (id.clone(), Arc::clone(m))),
+        )?;
+        self.seen = vec![0; attached.models.len()];
+        self.attached = Some(attached);
+        Ok(manifests)
+    }
+
+    fn next_group(&mut self, deadline: Instant) -> Result<Option<Group>> {
+        // the state both steps share: the receiver, the commit word last seen, the last
+        // liveness check of the sender
+        poll_until(
+            deadline,
+            (self, 0u32, Instant::now()),
+            |(me, commit_word, last_check)| {
+                let state = {
+                    let a = me
+                        .attached
+                        .as_ref()
+                        .ok_or(Error::State("shm receiver is not connected"))?;
+                    *commit_word = a.board.u32_at(OFF_COMMIT_SEQ)?.load(Ordering::SeqCst);
+                    state_word(&a.board)?.load(Ordering::SeqCst)
+                };
+                let commit_deadline = deadline.max(Instant::now() + COMMIT_GRACE);
+                if let Some(g) = me.take_fresh(commit_deadline)? {
+                    return Ok(Wait::Done(g));
+                }
+                let a = me
+                    .attached
+                    .as_ref()
+                    .ok_or(Error::State("shm receiver is not connected"))?;
+                if state == STATE_SHUTDOWN {
+                    return Err(sender_gone(&a.board, "shut down"));
+                }
+                let now = Instant::now();
+                if now < deadline && now.duration_since(*last_check) >= LIVENESS_EVERY {
+                    *last_check = now;
+                    if let Some(why) = lease::dead(&a.board, OFF_SENDER, a.lease_len)? {
+                        return Err(sender_gone(&a.board, why));
+                    }
+                }
+                Ok(Wait::Pending(()))
+            },
+            |(me, commit_word, last_check), left| {
+                if let Some(word) = me
+                    .attached
+                    .as_ref()
+                    .and_then(|a| a.board.u32_at(OFF_COMMIT_SEQ).ok())
+                {
+                    futex::wait(word, commit_word, left.min(LIVENESS_EVERY));
+                }
+                (me, commit_word, last_check)
+            },
+        )
+    }
+
+    fn ack(&mut self, applied: &[(ModelId, Version)]) -> Result<()> {
+        let a = self
+            .attached
+            .as_ref()
+            .ok_or(Error::State("shm receiver is not connected"))?;
+        for (id, v) in applied {
+            let m = a
+                .models
+                .iter()
+                .position(|(mid, _, _)| mid == id)
+                .ok_or_else(|| Error::UnknownModel(id.clone()))?;
+            a.board
+                .u64_at(acked(a.lease.idx, m))?
+                .store(v.get(), Ordering::SeqCst);
+        }
+        let ack = a.board.u32_at(OFF_ACK_SEQ)?;
+        ack.fetch_add(1, Ordering::SeqCst);
+        futex::wake_all(ack);
+        Ok(())
+    }
+
+    fn shutdown(&mut self) -> Result<()> {
+        self.attached = None;
+        Ok(())
+    }
+}

@@ -1,0 +1,585 @@
+//! The sending end: creates the board and the data segments, writes each version into a
+//! free slot, commits, lends slots for zero-copy publish, frees dead receivers.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use refit_runtime::wait::{Wait, wait_until};
+use refit_runtime::{
+    Error, Group, Manifest, Manifests, ModelId, Result, SenderTransport, SharedBytes, Version,
+    WeightSet, wire,
+};
+
+use super::board::*;
+use super::layout::*;
+use super::lease::{self, Heartbeat, Identity};
+use super::segment::{self, Segment};
+use super::{MAX_DEPARTED, NAME, ShmConfig, ShmReceiverSpec, collect, futex};
+
+/// A receiver the sender found dead and freed (see [`ShmSender::departed`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DepartedReceiver {
+    /// Its entry in the receivers' table.
+    pub entry: usize,
+    /// Its pid, as it saw itself (another pid namespace numbers it differently).
+    pub pid: u32,
+    /// How its death was told (`process exited`, `no heartbeat for ..`).
+    pub reason: String,
+}
+
+/// A slot lent to the caller (see [`ShmSender::loan`]).
+#[derive(Debug)]
+pub(super) struct Loan {
+    slot: usize,
+    seq: u64,
+    off: usize,
+    sealed: Arc<AtomicBool>,
+}
+
+/// The bytes of a lent slot: writable until the version is published.
+pub(super) struct SlotBytes {
+    data: Arc<Segment>,
+    off: usize,
+    len: usize,
+    sealed: Arc<AtomicBool>,
+}
+
+impl SharedBytes for SlotBytes {
+    fn bytes(&self) -> &[u8] {
+        self.data.bytes(self.off, self.len).unwrap_or(&[])
+    }
+
+    fn bytes_mut(&mut self) -> Option<&mut [u8]> {
+        if self.sealed.load(Ordering::Acquire) {
+            return None;
+        }
+        let ptr = self.data.ptr_mut(self.off, self.len).ok()?;
+        // SAFETY: `ptr..ptr+len` lies in the mapping (checked by `ptr_mut`), which the sender
+        // maps writable and `self.data` keeps alive. The slot is claimed (odd sequence) for
+        // this loan, so no reader looks at it and the sender writes nothing else there;
+        // `&mut self` on the only `SlotBytes` of the loan makes this borrow exclusive. Once
+        // published the loan is sealed and no writable borrow is handed out again.
+        Some(unsafe { std::slice::from_raw_parts_mut(ptr, self.len) })
+    }
+}
+
+/// The sending end: owns the segments.
+#[derive(Debug)]
+pub struct ShmSender {
+    pub(super) board: Arc<Segment>,
+    heartbeat: Option<Heartbeat>,
+    exit_guard: Option<refit_runtime::cleanup::ExitGuard>,
+    collected: Vec<PathBuf>,
+    lease: Duration,
+    departed: Mutex<Vec<DepartedReceiver>>,
+    data: Vec<Arc<Segment>>,
+    manifests: Vec<Arc<Manifest>>,
+    loans: Vec<Option<Loan>>,
+    index: BTreeMap<ModelId, usize>,
+    current: Vec<Option<usize>>,
+    slots: usize,
+    max_receivers: usize,
+    expected_receivers: usize,
+    closed: bool,
+}
+
+impl ShmSender {
+    /// Creates the segments for `manifests` (local only: nobody is contacted).
+    ///
+    /// # Errors
+    /// Bad configuration (fewer than 2 or more than [`MAX_SLOTS`] slots, more than
+    /// [`MAX_MODELS`] models, a lease outside 10 ms..=1 h), or the files cannot be created.
+    /// A directory without room for the segments gives, before anything is created, an
+    /// [`Error::Path`] whose source is of kind `StorageFull`, naming the sizes and how to
+    /// enlarge `/dev/shm` (Docker `--shm-size`, a Kubernetes memory `emptyDir`).
+    pub fn create(config: &ShmConfig, manifests: &Manifests) -> Result<Self> {
+        if !(2..=MAX_SLOTS).contains(&config.slots) {
+            return Err(shm_err(format!(
+                "slots must be 2..={MAX_SLOTS}, got {}",
+                config.slots
+            )));
+        }
+        if manifests.is_empty() || manifests.len() > MAX_MODELS {
+            return Err(shm_err(format!(
+                "a scheme carries 1..={MAX_MODELS} models, got {}",
+                manifests.len()
+            )));
+        }
+        if config.max_receivers == 0 || config.max_receivers > 4096 {
+            return Err(shm_err("max_receivers must be 1..=4096"));
+        }
+        let lease_ms = u32::try_from(config.lease.as_millis())
+            .ok()
+            .filter(|ms| (10..=3_600_000).contains(ms))
+            .ok_or_else(|| shm_err(format!("lease must be 10 ms..=1 h, got {:?}", config.lease)))?;
+        let scheme = uuid::Uuid::new_v4().simple().to_string();
+        let mut models = Vec::new();
+        let mut sizes = Vec::new();
+        let mut index = BTreeMap::new();
+        for (i, (id, manifest)) in manifests.iter().enumerate() {
+            let len = slot_stride(manifest.total_len())
+                .checked_mul(config.slots)
+                .ok_or_else(|| shm_err("segment size overflows"))?;
+            sizes.push(len);
+            index.insert(id.clone(), i);
+            models.push(DirModel {
+                id: id.clone(),
+                manifest: (**manifest).clone(),
+                data: config.dir.join(format!("refit-{scheme}-m{i}")),
+            });
+        }
+        let paths: Vec<PathBuf> = models.iter().map(|m| m.data.clone()).collect();
+        let dir_bytes = wire::encode(&Directory { models })?;
+        let dir_off = directory_offset(config.max_receivers);
+        let board_path = config.dir.join(format!("refit-{scheme}-board"));
+        let board_len = dir_off + round_up(dir_bytes.len());
+        let collected = collect::collect_dead(&config.dir);
+        let needed = sizes
+            .iter()
+            .try_fold(board_len, |a, &b| a.checked_add(b))
+            .ok_or_else(|| shm_err("segment size overflows"))?;
+        segment::check_space(&config.dir, &board_path, needed as u64)?;
+        // The board comes first and names its owner at once, so that whatever this sender
+        // leaves behind if it dies is collected by the next one.
+        let board = Arc::new(Segment::create(&board_path, board_len)?);
+        let fail = |data: &[Arc<Segment>], e: Error| {
+            let _ = board.unlink();
+            for d in data {
+                let _ = d.unlink();
+            }
+            e
+        };
+        let init = (|| -> Result<()> {
+            let b = &board;
+            b.u32_at(OFF_LAYOUT)?.store(LAYOUT, Ordering::Relaxed);
+            b.u32_at(OFF_SENDER + lease::REC_LEASE_MS)?
+                .store(lease_ms, Ordering::Relaxed);
+            lease::write_record(b, OFF_SENDER, Identity::current())?;
+            b.write(dir_off, &dir_bytes)?;
+            b.u32_at(OFF_N_MODELS)?
+                .store(manifests.len() as u32, Ordering::Relaxed);
+            b.u32_at(OFF_N_SLOTS)?
+                .store(config.slots as u32, Ordering::Relaxed);
+            b.u32_at(OFF_MAX_RECEIVERS)?
+                .store(config.max_receivers as u32, Ordering::Relaxed);
+            b.u64_at(OFF_DIR_LEN)?
+                .store(dir_bytes.len() as u64, Ordering::Relaxed);
+            Ok(())
+        })();
+        if let Err(e) = init {
+            return Err(fail(&[], e));
+        }
+        let heartbeat = match Heartbeat::start(Arc::clone(&board), OFF_SENDER, config.lease) {
+            Ok(h) => h,
+            Err(e) => return Err(fail(&[], e)),
+        };
+        let mut data = Vec::with_capacity(paths.len());
+        for (path, &len) in paths.iter().zip(&sizes) {
+            match Segment::create(path, len) {
+                Ok(s) => data.push(Arc::new(s)),
+                Err(e) => return Err(fail(&data, e)),
+            }
+        }
+        if let Err(e) = board
+            .u64_at(OFF_MAGIC)
+            .map(|m| m.store(MAGIC, Ordering::Release))
+        {
+            return Err(fail(&data, e));
+        }
+        // SIGINT/SIGTERM (with the handlers installed) release the segments as shutdown does
+        let exit_guard = refit_runtime::cleanup::on_exit_signal({
+            let (board, data) = (Arc::clone(&board), data.clone());
+            move || {
+                let _ = release(&board, &data);
+            }
+        });
+        Ok(Self {
+            board,
+            heartbeat: Some(heartbeat),
+            exit_guard: Some(exit_guard),
+            collected,
+            lease: config.lease,
+            departed: Mutex::new(Vec::new()),
+            data,
+            index,
+            current: vec![None; manifests.len()],
+            manifests: manifests.iter().map(|(_, m)| Arc::clone(m)).collect(),
+            loans: (0..manifests.len()).map(|_| None).collect(),
+            slots: config.slots,
+            max_receivers: config.max_receivers,
+            expected_receivers: config.expected_receivers,
+            closed: false,
+        })
+    }
+
+    /// The description a receiver (in any process of this host) attaches with.
+    pub fn receiver_spec(&self) -> ShmReceiverSpec {
+        ShmReceiverSpec {
+            board: self.board.path().to_path_buf(),
+        }
+    }
+
+    /// Paths of every segment file (board first).
+    pub fn segment_paths(&self) -> Vec<PathBuf> {
+        std::iter::once(&*self.board)
+            .chain(self.data.iter().map(|d| &**d))
+            .map(|s| s.path().to_path_buf())
+            .collect()
+    }
+
+    /// Number of receivers attached now (dead ones are reaped first).
+    ///
+    /// # Errors
+    /// If the board cannot be read.
+    pub fn attached(&self) -> Result<usize> {
+        self.reap_dead()?;
+        let mut n = 0;
+        for r in 0..self.max_receivers {
+            if self
+                .board
+                .u32_at(receiver(r) + R_STATE)?
+                .load(Ordering::SeqCst)
+                == RECEIVER_CLAIMED
+            {
+                n += 1;
+            }
+        }
+        Ok(n)
+    }
+
+    /// Frees the entries (and pins) of receivers whose process is gone.
+    fn reap_dead(&self) -> Result<()> {
+        for r in 0..self.max_receivers {
+            let state = self.board.u32_at(receiver(r) + R_STATE)?;
+            if state.load(Ordering::SeqCst) != RECEIVER_CLAIMED {
+                continue;
+            }
+            let owner = receiver(r) + R_OWNER;
+            if lease::dead(&self.board, owner, self.lease)?.is_none() {
+                continue;
+            }
+            // take the entry, then look again: the owner may have freed it and a new
+            // receiver claimed it (its fresh beat is written before its claim) since the
+            // first look; a live owner gets its entry back untouched
+            if state
+                .compare_exchange(
+                    RECEIVER_CLAIMED,
+                    RECEIVER_FREEING,
+                    Ordering::SeqCst,
+                    Ordering::SeqCst,
+                )
+                .is_err()
+            {
+                continue;
+            }
+            let Some(reason) = lease::dead(&self.board, owner, self.lease)? else {
+                state.store(RECEIVER_CLAIMED, Ordering::SeqCst);
+                continue;
+            };
+            let pid = lease::record_pid(&self.board, owner);
+            tracing::warn!(receiver = r, pid, %reason, "shm receiver died; freeing its pins");
+            for m in 0..self.data.len() {
+                for s in 0..self.slots {
+                    self.board.u32_at(pin(r, m, s))?.store(0, Ordering::SeqCst);
+                }
+            }
+            lease::clear_record(&self.board, owner)?;
+            state.store(RECEIVER_FREE, Ordering::SeqCst);
+            if let Ok(mut departed) = self.departed.lock() {
+                if departed.len() == MAX_DEPARTED {
+                    departed.remove(0);
+                }
+                departed.push(DepartedReceiver {
+                    entry: r,
+                    pid,
+                    reason,
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// Segment files of dead senders this sender removed when it was created (see the
+    /// module docs: a sender killed without cleaning up leaves its segments behind).
+    pub fn collected(&self) -> &[PathBuf] {
+        &self.collected
+    }
+
+    /// Receivers found dead and freed so far (the newest 256): a run's report should say
+    /// that a consumer vanished, not only the log.
+    pub fn departed(&self) -> Vec<DepartedReceiver> {
+        self.departed.lock().map(|d| d.clone()).unwrap_or_default()
+    }
+
+    fn pinned(&self, model: usize, slot: usize) -> Result<bool> {
+        for r in 0..self.max_receivers {
+            if self
+                .board
+                .u32_at(pin(r, model, slot))?
+                .load(Ordering::SeqCst)
+                != 0
+            {
+                return Ok(true);
+            }
+        }
+        Ok(false)
+    }
+
+    /// Claims a slot for writing: leaves its sequence odd and returns it.
+    fn claim_slot(&self, model: usize, deadline: Instant) -> Result<(usize, u64)> {
+        let seg = &self.data[model];
+        let stride = seg.len() / self.slots;
+        wait_until(
+            deadline,
+            (),
+            |()| {
+                for s in 0..self.slots {
+                    if self.current[model] == Some(s) {
+                        continue;
+                    }
+                    let seq = seg.u64_at(s * stride)?;
+                    let was = seq.load(Ordering::SeqCst);
+                    seq.store(was | 1, Ordering::SeqCst);
+                    if !self.pinned(model, s)? {
+                        return Ok(Wait::Done((s, was & !1)));
+                    }
+                    seq.store(was, Ordering::SeqCst);
+                }
+                self.reap_dead()?;
+                Ok(Wait::Pending(()))
+            },
+            |(), left| std::thread::sleep(left.min(Duration::from_micros(100))),
+            |()| {
+                format!(
+                    "a free shm slot for model #{model}: all {} other slots pinned by readers",
+                    self.slots - 1
+                )
+            },
+        )
+    }
+
+    fn missing_acks(&self, entries: &[(ModelId, Version)]) -> Result<Vec<(usize, u32)>> {
+        let mut missing = Vec::new();
+        for r in 0..self.max_receivers {
+            if self
+                .board
+                .u32_at(receiver(r) + R_STATE)?
+                .load(Ordering::SeqCst)
+                != RECEIVER_CLAIMED
+            {
+                continue;
+            }
+            for (id, v) in entries {
+                let m = self.model_index(id)?;
+                if self.board.u64_at(acked(r, m))?.load(Ordering::SeqCst) < v.get() {
+                    missing.push((r, lease::record_pid(&self.board, receiver(r) + R_OWNER)));
+                    break;
+                }
+            }
+        }
+        Ok(missing)
+    }
+
+    /// Lends a free slot of `model` to fill in place (zero-copy publish): the returned weight
+    /// set is writable (`bytes_mut`, `view_mut`) and lives in shared memory; publishing it
+    /// through the scheme (`Sender::publish_shared`) then costs no copy at all. Writing after
+    /// publication is refused (the storage turns read-only). A second loan of the same model
+    /// returns the first slot unused.
+    ///
+    /// # Errors
+    /// [`Error::UnknownModel`]; [`Error::Timeout`] if no slot is free by `deadline`.
+    pub fn loan(
+        &mut self,
+        model: &ModelId,
+        version: Version,
+        deadline: Instant,
+    ) -> Result<WeightSet> {
+        let m = self.model_index(model)?;
+        self.release_loan(m)?;
+        let (slot, seq) = self.claim_slot(m, deadline)?;
+        let data = &self.data[m];
+        let off = slot * (data.len() / self.slots) + PAGE;
+        let manifest = Arc::clone(&self.manifests[m]);
+        let sealed = Arc::new(AtomicBool::new(false));
+        let bytes = SlotBytes {
+            data: Arc::clone(data),
+            off,
+            len: manifest.total_len(),
+            sealed: Arc::clone(&sealed),
+        };
+        self.loans[m] = Some(Loan {
+            slot,
+            seq,
+            off,
+            sealed,
+        });
+        WeightSet::from_shared(model.clone(), version, manifest, Arc::new(bytes))
+    }
+
+    /// Gives an unpublished loan's slot back.
+    fn release_loan(&mut self, m: usize) -> Result<()> {
+        if let Some(loan) = self.loans[m].take() {
+            loan.sealed.store(true, Ordering::Release);
+            let data = &self.data[m];
+            let base = loan.slot * (data.len() / self.slots);
+            data.u64_at(base)?.store(loan.seq, Ordering::SeqCst);
+        }
+        Ok(())
+    }
+
+    fn model_index(&self, id: &ModelId) -> Result<usize> {
+        self.index
+            .get(id)
+            .copied()
+            .ok_or_else(|| Error::UnknownModel(id.clone()))
+    }
+}
+
+impl ShmSender {
+    /// Test hook: claims a slot, writes half of `weights` into it and aborts the process, as a
+    /// crash in the middle of a publish would. Used by the crash tests; never call it otherwise.
+    #[doc(hidden)]
+    pub fn crash_mid_write(&mut self, weights: &WeightSet) -> ! {
+        if let Ok(m) = self.model_index(weights.model())
+            && let Ok((slot, _)) = self.claim_slot(m, Instant::now() + Duration::from_secs(5))
+        {
+            let seg = &self.data[m];
+            let base = slot * (seg.len() / self.slots);
+            let half = weights.bytes().len() / 2;
+            let _ = seg.write(base + PAGE, &weights.bytes()[..half]);
+        }
+        std::process::abort()
+    }
+}
+
+/// Test hook: writes `pid` into the sender's owner record of the board at `spec`, as if the
+/// sender had died and its pid gone to another process. Used by the pid-reuse tests; never
+/// call it otherwise.
+///
+/// # Errors
+/// If the board cannot be opened.
+#[doc(hidden)]
+pub fn overwrite_sender_pid(spec: &ShmReceiverSpec, pid: u32) -> Result<()> {
+    let board = Segment::open(&spec.board, true)?;
+    board
+        .u32_at(OFF_SENDER + lease::REC_PID)?
+        .store(pid, Ordering::SeqCst);
+    Ok(())
+}
+
+impl SenderTransport for ShmSender {
+    fn name(&self) -> &'static str {
+        NAME
+    }
+
+    fn connect(&mut self, initial: &Group, deadline: Instant) -> Result<()> {
+        self.publish(initial, deadline)?;
+        state_word(&self.board)?.store(STATE_LIVE, Ordering::SeqCst);
+        futex::wake_all(state_word(&self.board)?);
+        let ack_seq = self.board.u32_at(OFF_ACK_SEQ)?;
+        let expected = self.expected_receivers;
+        wait_until(
+            deadline,
+            0,
+            |seen| {
+                *seen = ack_seq.load(Ordering::SeqCst);
+                let n = self.attached()?;
+                Ok(if n >= expected {
+                    Wait::Done(())
+                } else {
+                    Wait::Pending(n)
+                })
+            },
+            park_on(ack_seq),
+            |n| format!("{expected} shm receivers to attach ({n} did)"),
+        )
+    }
+
+    fn publish(&mut self, group: &Group, deadline: Instant) -> Result<()> {
+        if self.closed {
+            return Err(Error::State("shm sender is shut down"));
+        }
+        let mut placed = Vec::with_capacity(group.len());
+        for w in group {
+            let m = self.model_index(w.model())?;
+            let seg = Arc::clone(&self.data[m]);
+            let lent = self.loans[m].as_ref().is_some_and(|l| {
+                seg.bytes(l.off, 0)
+                    .is_ok_and(|b| b.as_ptr() == w.bytes().as_ptr())
+            });
+            let (slot, seq) = if lent {
+                // the weights were written in place: seal the loan, no copy
+                let loan = self.loans[m].take().ok_or(Error::State("loan vanished"))?;
+                loan.sealed.store(true, Ordering::Release);
+                (loan.slot, loan.seq)
+            } else {
+                self.release_loan(m)?;
+                let (slot, seq) = self.claim_slot(m, deadline)?;
+                let base = slot * (seg.len() / self.slots);
+                seg.write(base + PAGE, w.bytes())?;
+                (slot, seq)
+            };
+            let base = slot * (seg.len() / self.slots);
+            seg.u64_at(base + 8)?
+                .store(w.version().get(), Ordering::SeqCst);
+            seg.u64_at(base)?.store(seq + 2, Ordering::SeqCst);
+            placed.push((m, slot, w.version().get()));
+        }
+        let commit = self.board.u32_at(OFF_COMMIT_SEQ)?;
+        commit.fetch_add(1, Ordering::SeqCst);
+        for &(m, slot, v) in &placed {
+            self.board
+                .u64_at(entry_version(m))?
+                .store(v, Ordering::Relaxed);
+            self.board
+                .u64_at(entry_slot(m))?
+                .store(slot as u64, Ordering::Relaxed);
+            self.current[m] = Some(slot);
+        }
+        commit.fetch_add(1, Ordering::SeqCst);
+        self.board
+            .u64_at(OFF_GENERATION)?
+            .fetch_add(1, Ordering::SeqCst);
+        futex::wake_all(commit);
+        Ok(())
+    }
+
+    fn wait_acks(&mut self, entries: &[(ModelId, Version)], deadline: Instant) -> Result<()> {
+        let ack_seq = self.board.u32_at(OFF_ACK_SEQ)?;
+        wait_until(
+            deadline,
+            0,
+            |seen| {
+                *seen = ack_seq.load(Ordering::SeqCst);
+                self.reap_dead()?;
+                let missing = self.missing_acks(entries)?;
+                Ok(if missing.is_empty() {
+                    Wait::Done(())
+                } else {
+                    Wait::Pending(missing)
+                })
+            },
+            park_on(ack_seq),
+            |missing| format!("shm receivers (slot, pid) {missing:?} to acknowledge {entries:?}"),
+        )
+    }
+
+    fn shutdown(&mut self) -> Result<()> {
+        if self.closed {
+            return Ok(());
+        }
+        self.closed = true;
+        self.heartbeat = None;
+        self.exit_guard = None;
+        release(&self.board, &self.data)
+    }
+}
+
+impl Drop for ShmSender {
+    fn drop(&mut self) {
+        let _ = self.shutdown();
+    }
+}
