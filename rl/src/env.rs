@@ -29,6 +29,7 @@ impl StepResult {
     }
 }
 
+// ANCHOR: env
 /// An environment with `f32` observations and discrete actions.
 pub trait Env: Send {
     /// Length of an observation.
@@ -46,6 +47,7 @@ pub trait Env: Send {
     /// An invalid action or an environment failure ([`Error::Env`]).
     fn step(&mut self, action: usize) -> Result<StepResult>;
 }
+// ANCHOR_END: env
 
 /// Gymnasium `CartPole-v1`: same constants, same Euler integration, same rules, with the
 /// 500-step time limit of its registration built in.

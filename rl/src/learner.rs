@@ -47,6 +47,7 @@ impl LearnStats {
     }
 }
 
+// ANCHOR: learner
 /// A learner: the trainer role's user code. It owns its model, optimiser and version count;
 /// the framework hands it batches and publishes what it exports.
 pub trait Learner: Send {
@@ -70,6 +71,7 @@ pub trait Learner: Send {
     /// The version of the last export (zero before the first).
     fn version(&self) -> Version;
 }
+// ANCHOR_END: learner
 
 impl<L: Learner + ?Sized> Learner for Box<L> {
     fn update(&mut self, batch: &Batch) -> Result<LearnStats> {

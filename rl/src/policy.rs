@@ -21,6 +21,7 @@ pub struct ActionOut {
     pub log_prob: f32,
 }
 
+// ANCHOR: policy
 /// A stochastic policy over discrete actions whose weights refit can move.
 pub trait Policy: HasWeights + Send {
     /// Samples an action for one observation.
@@ -38,6 +39,7 @@ pub trait Policy: HasWeights + Send {
         self.act(obs, rng).action
     }
 }
+// ANCHOR_END: policy
 
 #[derive(Clone, Debug)]
 struct Layer {

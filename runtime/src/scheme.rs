@@ -21,6 +21,7 @@ use crate::metrics::{self, Phase};
 use crate::protocol::{Admission, Group, Manifests, entries};
 use crate::weights::WeightSet;
 
+// ANCHOR: transport_traits
 /// The sending side of a transport.
 pub trait SenderTransport: Send {
     /// Short name for errors and logs (`"shm"`, `"inproc"`).
@@ -73,6 +74,7 @@ pub trait ReceiverTransport: Send {
     /// Failures releasing resources.
     fn shutdown(&mut self) -> Result<()>;
 }
+// ANCHOR_END: transport_traits
 
 /// Deadline `timeout` from now (saturating).
 pub fn deadline_in(timeout: Duration) -> Instant {
