@@ -28,6 +28,7 @@ enum Down {
 /// The sending end: one channel down, one channel of acknowledgements up.
 #[derive(Debug)]
 struct MailSender {
+    manifests: Manifests,
     down: mpsc::Sender<Down>,
     up: mpsc::Receiver<Vec<(ModelId, Version)>>,
     acked: BTreeSet<(ModelId, Version)>,
@@ -40,11 +41,12 @@ struct MailReceiver {
     up: mpsc::Sender<Vec<(ModelId, Version)>>,
 }
 
-/// A connected pair of ends (`init`: local, nothing is sent yet).
-fn mailbox() -> (MailSender, MailReceiver) {
+/// A connected pair of ends for models of `manifests` (`init`: local, nothing is sent yet).
+fn mailbox(manifests: Manifests) -> (MailSender, MailReceiver) {
     let (down_tx, down_rx) = mpsc::channel();
     let (up_tx, up_rx) = mpsc::channel();
     let sender = MailSender {
+        manifests,
         down: down_tx,
         up: up_rx,
         acked: BTreeSet::new(),
@@ -71,13 +73,8 @@ impl SenderTransport for MailSender {
     }
 
     fn connect(&mut self, initial: &Group, deadline: Instant) -> Result<()> {
-        let manifests = Manifests::new(
-            initial
-                .iter()
-                .map(|w| (w.model().clone(), Arc::clone(w.manifest()))),
-        )?;
         self.down
-            .send(Down::Hello(manifests))
+            .send(Down::Hello(self.manifests.clone()))
             .map_err(|_| gone("receiver"))?;
         self.publish(initial, deadline)
     }
@@ -187,13 +184,7 @@ impl Strategy<Critic> for F32Wire {
 
     fn extract(&self, model: &Critic, out: &mut WeightSet) -> Result<()> {
         let w = out.view_mut::<f32>("w")?;
-        if w.len() != model.w.len() {
-            return Err(Error::Strategy(format!(
-                "tensor `w` holds {} values, the critic {}",
-                w.len(),
-                model.w.len()
-            )));
-        }
+        same_len(w, model)?;
         for (dst, src) in w.iter_mut().zip(&model.w) {
             *dst = *src as f32;
         }
@@ -202,17 +193,22 @@ impl Strategy<Critic> for F32Wire {
 
     fn apply(&self, weights: &WeightSet, model: &mut Critic) -> Result<()> {
         let w = weights.view::<f32>("w")?;
-        if w.len() != model.w.len() {
-            // checked before anything is written: the model stays as it was
-            return Err(Error::Strategy(format!(
-                "tensor `w` holds {} values, the critic {}",
-                w.len(),
-                model.w.len()
-            )));
-        }
+        // checked before anything is written: the model stays as it was
+        same_len(w, model)?;
         model.w = w.iter().map(|x| f64::from(*x)).collect();
         Ok(())
     }
+}
+
+fn same_len(w: &[f32], model: &Critic) -> Result<()> {
+    if w.len() == model.w.len() {
+        return Ok(());
+    }
+    Err(Error::Strategy(format!(
+        "tensor `w` holds {} values, the critic {}",
+        w.len(),
+        model.w.len()
+    )))
 }
 // ANCHOR_END: own_strategy
 
@@ -237,7 +233,7 @@ fn an_own_transport_and_strategy_run_the_whole_lifecycle() {
         Manifests::new([(first.model().clone(), Arc::clone(first.manifest()))]).unwrap();
 
     // init (local) on both ends, then connect: manifests agreed, version 1 delivered and acked
-    let (tx, rx) = mailbox();
+    let (tx, rx) = mailbox(manifests.clone());
     let expected = manifests.clone();
     let engine = std::thread::spawn(move || ReceiverInit::new(rx, Some(expected)).connect(T));
     let mut sender = SenderInit::new(tx, manifests)
@@ -313,7 +309,7 @@ fn an_own_transport_reports_a_missing_ack_as_a_timeout() {
     let first = export(&strategy, &model, 1);
     let manifests =
         Manifests::new([(first.model().clone(), Arc::clone(first.manifest()))]).unwrap();
-    let (tx, rx) = mailbox();
+    let (tx, rx) = mailbox(manifests.clone());
     // the receiver end exists (the channel stays open) but never acknowledges
     let err = SenderInit::new(tx, manifests)
         .connect(vec![first], Duration::from_millis(200))

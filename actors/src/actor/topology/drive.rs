@@ -65,14 +65,6 @@ pub(super) async fn drive_all<R: Roles>(
     spawned: Spawned<R>,
     started: Instant,
 ) -> Result<RunReport> {
-    let Spawned {
-        engine,
-        controller,
-        notifiers,
-        pools,
-        workers,
-        arbiters,
-    } = spawned;
     // One driver per model: take a batch, train, publish, notify.
     let board = Arc::new(Mutex::new(StopBoard::default()));
     let mut drivers = Vec::new();
@@ -80,14 +72,14 @@ pub(super) async fn drive_all<R: Roles>(
         .models
         .iter()
         .zip(trainers)
-        .zip(pools.iter().cloned())
-        .zip(notifiers)
+        .zip(spawned.pools.iter().cloned())
+        .zip(spawned.notifiers)
     {
         let d = drive(
             spec.id.clone(),
             trainer,
             pool,
-            controller.clone(),
+            spawned.controller.clone(),
             notifier,
             sync.sync_mode,
             cfg.stop.clone(),
@@ -114,7 +106,7 @@ pub(super) async fn drive_all<R: Roles>(
             }
         }
     }
-    for (id, ws) in ids.iter().zip(&workers) {
+    for (id, ws) in ids.iter().zip(&spawned.workers) {
         for w in ws {
             let stats = w
                 .send(StopRollouts)
@@ -125,15 +117,17 @@ pub(super) async fn drive_all<R: Roles>(
             }
         }
     }
-    let status = controller
+    let status = spawned
+        .controller
         .send(GetStatus)
         .await
         .map_err(|e| Error::Actor(format!("controller: {e}")))?;
-    let engine_stats = engine
+    let engine_stats = spawned
+        .engine
         .send(GetEngineStats)
         .await
         .map_err(|e| Error::Actor(format!("engine: {e}")))?;
-    for a in arbiters {
+    for a in spawned.arbiters {
         a.stop();
     }
     if let Some(e) = first_error {
