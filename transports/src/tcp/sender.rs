@@ -334,8 +334,8 @@ impl TcpSender {
     /// on it. Local only: nobody is contacted.
     ///
     /// # Errors
-    /// [`Error::Io`] when the address cannot be bound; [`Error::Unauthorized`] for a bad
-    /// `REFIT_TOKEN`.
+    /// [`Error::Io`] when the address cannot be bound; [`refit_node::Error::Unauthorized`]
+    /// (inside [`Error::Node`]) for a bad `REFIT_TOKEN`.
     pub fn bind(config: TcpConfig, manifests: &Manifests) -> Result<Self> {
         super::advertised("the tcp sender", config.bind, config.advertise)?;
         let token = match &config.token {
