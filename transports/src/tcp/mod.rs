@@ -47,6 +47,7 @@
 
 mod data;
 mod inflight;
+mod link;
 mod messages;
 mod receiver;
 mod sender;
@@ -60,6 +61,7 @@ use serde::{Deserialize, Serialize};
 use uuid::Uuid;
 
 pub use data::Sink;
+pub use link::TcpLink;
 pub use messages::{RECEIVE_WEIGHTS, TransferMode};
 pub use receiver::{SinkSource, TcpReceiver, TcpReceiverConfig};
 pub use sender::TcpSender;
