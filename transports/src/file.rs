@@ -1079,8 +1079,8 @@ mod tests {
 
 /// The file transport in the link factory: the spec is the directory
 /// ([`FileReceiverSpec`]); without [`LinkOptions::dir`](crate::link::LinkOptions::dir) the
-/// sender writes into a new directory of the system's temporary folder, a leftover of the
-/// link.
+/// sender writes into a new directory of the system's temporary folder, removed when the
+/// sender end drops (and listed in the link's leftovers).
 #[derive(Debug, Clone, Copy)]
 pub struct FileLink;
 
@@ -1117,7 +1117,7 @@ impl crate::link::LinkFactory for FileLink {
         let about = format!("directory {}", spec.dir.display());
         Ok(crate::link::OpenedLink {
             spec: crate::link::ReceiverSpec::new(self, &spec, about)?,
-            sender: Box::new(sender),
+            sender: Box::new(crate::link::RemoveOnDrop::new(sender, leftovers.clone())),
             leftovers,
         })
     }

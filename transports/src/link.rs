@@ -15,7 +15,7 @@
 //!
 //! ```
 //! use std::sync::Arc;
-//! use std::time::Duration;
+//! use std::time::{Duration, Instant};
 //! use refit_runtime::{DType, Manifest, Manifests, ModelId, ReceiverInit, SenderInit, WeightSet};
 //! use refit_transports::link::{self, LinkOptions};
 //!
@@ -40,7 +40,7 @@
 //! ```
 
 use std::path::PathBuf;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use refit_runtime::node::{ClusterToken, Node};
 use refit_runtime::{Error, Manifests, ReceiverTransport, Result, SenderTransport, wire};
@@ -84,7 +84,7 @@ pub struct LinkOptions {
     pub token: Option<ClusterToken>,
     /// Sender: where the transport's files go (shared-memory segments: default
     /// `/dev/shm`; file transport: default a new directory in the system's temporary
-    /// folder, removed by [`OpenedLink::cleanup`]).
+    /// folder, removed when the sender end drops).
     pub dir: Option<PathBuf>,
     /// Receiver: the deadline of one remote call (TCP; default the transport's own).
     pub call_timeout: Option<Duration>,
@@ -233,6 +233,58 @@ impl OpenedLink {
                 }
             }
         }
+    }
+}
+
+/// A sender end that removes paths it owns (a directory the factory made for it) once it
+/// is dropped, after the end itself.
+pub struct RemoveOnDrop<T: SenderTransport> {
+    inner: T,
+    paths: Vec<PathBuf>,
+}
+
+impl<T: SenderTransport> RemoveOnDrop<T> {
+    /// `inner`, then `paths` removed when this drops.
+    pub fn new(inner: T, paths: Vec<PathBuf>) -> Self {
+        Self { inner, paths }
+    }
+}
+
+impl<T: SenderTransport> std::fmt::Debug for RemoveOnDrop<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RemoveOnDrop")
+            .field("inner", &self.inner.name())
+            .field("paths", &self.paths)
+            .finish()
+    }
+}
+
+impl<T: SenderTransport> Drop for RemoveOnDrop<T> {
+    fn drop(&mut self) {
+        let _ = self.inner.shutdown();
+        OpenedLink::cleanup(&self.paths);
+    }
+}
+
+impl<T: SenderTransport> SenderTransport for RemoveOnDrop<T> {
+    fn name(&self) -> &'static str {
+        self.inner.name()
+    }
+    fn connect(&mut self, initial: &refit_runtime::Group, deadline: Instant) -> Result<()> {
+        self.inner.connect(initial, deadline)
+    }
+    fn publish(&mut self, group: &refit_runtime::Group, deadline: Instant) -> Result<()> {
+        self.inner.publish(group, deadline)
+    }
+    fn wait_acks(
+        &mut self,
+        entries: &[(refit_runtime::ModelId, refit_runtime::Version)],
+        deadline: Instant,
+    ) -> Result<()> {
+        self.inner.wait_acks(entries, deadline)
+    }
+    fn shutdown(&mut self) -> Result<()> {
+        self.inner.shutdown()
     }
 }
 
