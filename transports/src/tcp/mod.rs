@@ -50,7 +50,9 @@ mod inflight;
 mod link;
 mod messages;
 mod receiver;
+mod relay;
 mod sender;
+mod wait;
 
 use std::net::SocketAddr;
 use std::time::Duration;
