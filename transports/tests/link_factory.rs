@@ -24,6 +24,7 @@ fn round_trip(name: &str) {
         token: Some(token.clone()),
         ..LinkOptions::default()
     };
+    // ANCHOR: open_by_name
     let opened = link::open(name, &ms, &options).unwrap();
     assert_eq!(opened.spec.transport(), name);
     let leftovers = opened.leftovers.clone();
@@ -45,6 +46,7 @@ fn round_trip(name: &str) {
         shipped.receiver(&receiver_options).unwrap(),
         Some(ms.clone()),
     );
+    // ANCHOR_END: open_by_name
     let r = std::thread::spawn(move || {
         let mut r = receiver.connect(WAIT).unwrap();
         let policy = common::id("policy");
