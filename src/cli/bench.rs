@@ -143,7 +143,15 @@ pub(crate) fn run(args: &BenchArgs) -> BoxResult<()> {
                 eprintln!("refit bench: {} {} N={n}", l.name(), fmt_bytes(size));
                 rows.extend(bench_link(l, &mut weights, n, args, &base)?);
                 if l.name() == ShmLink.name() {
-                    rows.extend(shm_extras(&mut weights, n, args, &base)?);
+                    // shared memory's extra rows: the sender filling a lent slot in place,
+                    // and (copying receivers hold two private arenas each: up to 512 MiB)
+                    // receivers copying out of the slots
+                    let loaned = (ShmReadMode::ZeroCopy, true);
+                    rows.extend(bench_shm(&mut weights, n, loaned, args, &base)?);
+                    if size <= COPY_MODE_MAX {
+                        let copying = (ShmReadMode::Copy, false);
+                        rows.extend(bench_shm(&mut weights, n, copying, args, &base)?);
+                    }
                 }
             }
         }
@@ -419,22 +427,6 @@ fn bench_link(
     Ok(times.rows(l.name(), size, n, baseline))
 }
 
-/// Shared memory's extra rows: the sender filling a lent slot in place, and (up to 512 MiB:
-/// copying receivers hold two private arenas each) receivers copying out of the slots.
-fn shm_extras(
-    weights: &mut Arc<WeightSet>,
-    n: usize,
-    args: &BenchArgs,
-    base: &Baselines,
-) -> BoxResult<Vec<Row>> {
-    let size = weights.manifest().total_len();
-    let mut rows = bench_shm(weights, n, ShmReadMode::ZeroCopy, true, args, base)?;
-    if size <= COPY_MODE_MAX {
-        rows.extend(bench_shm(weights, n, ShmReadMode::Copy, false, args, base)?);
-    }
-    Ok(rows)
-}
-
 /// The two rows of a transport timed by [`timed_threaded_updates`], against memcpy.
 fn threaded_rows(
     name: &str,
@@ -537,8 +529,7 @@ impl SharedBytes for ArenaBytes {
 fn bench_shm(
     weights: &mut Arc<WeightSet>,
     n: usize,
-    mode: ShmReadMode,
-    loaned: bool,
+    (mode, loaned): (ShmReadMode, bool),
     args: &BenchArgs,
     base: &Baselines,
 ) -> BoxResult<Vec<Row>> {
