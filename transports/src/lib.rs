@@ -8,8 +8,9 @@
 //! - [`gpu`]: the CUDA/NCCL probe (feature `cuda`); GPU transports build on it.
 //! - [`tcp`]: processes on one host or many; a sender agent serves versions that receivers
 //!   pull over parallel streams (full or delta, checksummed, relayed receiver to receiver).
-//! - [`file`]: a directory of safetensors files, one per version (tmp name, fsync, rename),
-//!   a pointer naming the newest; readable by any safetensors reader, checksummed for Refit.
+//! - [`file`](mod@file): a directory of safetensors files, one per version (tmp name, fsync,
+//!   rename), a pointer naming the newest; readable by any safetensors reader, checksummed
+//!   for Refit.
 //! - [`shm`]: processes of one host; a segment per model with N slots, a seqlock header per
 //!   slot, readers pinned to the slot they use, futex wake-ups.
 //!
