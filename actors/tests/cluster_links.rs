@@ -10,7 +10,7 @@ use std::time::Duration;
 use refit_actors::actor::cluster::links;
 use refit_actors::{MlpPolicy, policy_model_id};
 use refit_runtime::node::{ClusterToken, Node};
-use refit_runtime::topology::TransportKind;
+use refit_runtime::topology::{Reach, TransportKind};
 use refit_runtime::{Manifests, Version, WeightSet, wire};
 use refit_transports::link::ReceiverSpec;
 
@@ -33,7 +33,8 @@ fn one_sender_per_transport_serves_every_inlet_and_leaves_no_segment() {
     let engine_node = Node::loopback(token).unwrap();
     let initial = weights(1, 1.0);
     let manifests = Manifests::new([(policy_model_id(), Arc::clone(initial.manifest()))]).unwrap();
-    let kinds = [TransportKind::Shm, TransportKind::Tcp, TransportKind::Shm];
+    let shm = TransportKind::Named("shm".into());
+    let kinds = [shm.clone(), TransportKind::Nearest(Reach::Network), shm];
     let mut out = links::open_outlets(&trainer_node, &initial, &kinds, WAIT).unwrap();
     assert_eq!(out.specs.len(), 2);
     assert!(!out.leftovers.is_empty());
@@ -78,7 +79,7 @@ fn an_inlet_of_another_layout_is_refused_naming_the_model() {
     let token = ClusterToken::new("cluster-links-test-token").unwrap();
     let node = Node::loopback(token).unwrap();
     let initial = weights(1, 1.0);
-    let kinds = [TransportKind::Shm];
+    let kinds = [TransportKind::Nearest(Reach::Host)];
     let out = links::open_outlets(&node, &initial, &kinds, WAIT).unwrap();
     let other = Arc::new(MlpPolicy::manifest_for(&[4, 16, 2]).unwrap());
     let expected = Manifests::new([(policy_model_id(), other)]).unwrap();
@@ -87,7 +88,7 @@ fn an_inlet_of_another_layout_is_refused_naming_the_model() {
         Err(e) => e.to_string(),
     };
     assert!(e.contains("policy") && e.contains("shm"), "{e}");
-    let inproc = [TransportKind::InProc];
+    let inproc = [TransportKind::Named("inproc".into())];
     let e = links::open_outlets(&node, &initial, &inproc, WAIT)
         .unwrap_err()
         .to_string();

@@ -43,6 +43,7 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use refit_runtime::node::{ClusterToken, Node};
+use refit_runtime::topology::TransportKind;
 use refit_runtime::{Error, Manifests, ReceiverTransport, Result, SenderTransport, wire};
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
@@ -58,16 +59,7 @@ pub static LINKS: &[&dyn LinkFactory] = &[
 ];
 // ANCHOR_END: registry
 
-/// How far the two ends of a link may be apart.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
-pub enum Reach {
-    /// Both ends in one process (threads, actors).
-    Process,
-    /// Processes of one host.
-    Host,
-    /// Processes of any hosts that reach each other over the network.
-    Network,
-}
+pub use refit_runtime::topology::Reach;
 
 /// Settings the factory passes to a transport; each transport reads the ones it uses and
 /// ignores the others. `Default` is what a plain `--transports NAME` gets.
@@ -184,6 +176,36 @@ pub fn parse_list(names: &str) -> Result<Vec<&'static dyn LinkFactory>> {
         )));
     }
     Ok(out)
+}
+
+/// The transport of a topology link ([`Topology::weights_transport`]): the one it names,
+/// or for `auto` the first registered transport of exactly the reach the link needs
+/// (in-process, then shared memory, then TCP with today's registry).
+///
+/// [`Topology::weights_transport`]: refit_runtime::topology::Topology::weights_transport
+///
+/// # Errors
+/// As [`find`]; [`Error::Config`] when no transport has the reach.
+pub fn for_kind(kind: &TransportKind) -> Result<&'static dyn LinkFactory> {
+    match kind {
+        TransportKind::Named(name) => find(name),
+        TransportKind::Nearest(reach) => LINKS
+            .iter()
+            .copied()
+            .find(|l| l.reach() == *reach)
+            .ok_or_else(|| {
+                Error::Config(format!("no transport reaches {reach} (known: {})", known()))
+            }),
+    }
+}
+
+/// The reach of the transport called `name`: what
+/// [`Topology::check_links`](refit_runtime::topology::Topology::check_links) asks.
+///
+/// # Errors
+/// As [`find`].
+pub fn reach_of(name: &str) -> Result<Reach> {
+    Ok(find(name)?.reach())
 }
 
 /// Opens the sender end of the transport called `name`.
@@ -437,6 +459,25 @@ mod tests {
             l.iter().map(|l| l.name()).collect::<Vec<_>>(),
             ["tcp", "shm"]
         );
+    }
+
+    #[test]
+    fn topology_links_resolve_by_name_or_nearest_reach() {
+        let named = TransportKind::Named("file".into());
+        assert_eq!(for_kind(&named).unwrap().name(), "file");
+        for (reach, name) in [
+            (Reach::Process, "inproc"),
+            (Reach::Host, "shm"),
+            (Reach::Network, "tcp"),
+        ] {
+            assert_eq!(
+                for_kind(&TransportKind::Nearest(reach)).unwrap().name(),
+                name
+            );
+            assert_eq!(reach_of(name).unwrap(), reach);
+        }
+        let e = for_kind(&TransportKind::Named("rdma".into())).unwrap_err();
+        assert!(e.to_string().contains("known: inproc"), "{e}");
     }
 
     #[test]

@@ -129,3 +129,33 @@ fn an_inproc_spec_whose_sender_is_gone_is_refused() {
         .to_string();
     assert!(e.contains("no sender"), "{e}");
 }
+
+#[test]
+fn topology_files_name_any_registered_transport() {
+    use refit_runtime::topology::{Topology, TransportKind};
+    let file = |weights: &str| {
+        format!(
+            "[run]\ncommand = [\"prog\"]\n[[model]]\nid = \"policy\"\n\
+             [[process]]\nname = \"learner\"\nroles = [\"trainer\", \"controller\"]\n\
+             [[process]]\nname = \"actor\"\nroles = [\"engine\", \"rollout\"]\n\
+             [links]\nweights = \"{weights}\"\n"
+        )
+    };
+    // the file transport was never a topology value before the factory: it is now
+    let t = Topology::parse(&file("file")).unwrap();
+    t.check_links(link::reach_of).unwrap();
+    let kind = t.weights_transport(0, 1);
+    assert_eq!(kind, TransportKind::Named("file".into()));
+    assert_eq!(link::for_kind(&kind).unwrap().name(), "file");
+    // an unknown one is refused on `links.weights`, naming every known transport
+    let t = Topology::parse(&file("rdma")).unwrap();
+    let e = t.check_links(link::reach_of).unwrap_err().to_string();
+    assert!(e.contains("links.weights") && e.contains("`rdma`"), "{e}");
+    for l in LINKS {
+        assert!(e.contains(l.name()), "{e}");
+    }
+    // one that stays in a process cannot reach the engine's
+    let t = Topology::parse(&file("inproc")).unwrap();
+    let e = t.check_links(link::reach_of).unwrap_err().to_string();
+    assert!(e.contains("another process"), "{e}");
+}

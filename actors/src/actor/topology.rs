@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 
 use actix::prelude::*;
 use refit_runtime::sync_policy::{StalenessStats, SyncConfig, SyncMode};
-use refit_runtime::topology::TransportKind;
+use refit_runtime::topology::{Reach, TransportKind};
 use refit_runtime::{Manifests, ModelId, ReceiverInit, SenderInit, Version};
 use refit_transports::link::{self, LinkOptions};
 use tracing::Instrument;
@@ -215,13 +215,9 @@ pub async fn run<R: Roles>(cfg: RunConfig, roles: R) -> Result<RunReport> {
             )));
         }
         let manifests = Manifests::new([(spec.id.clone(), Arc::clone(initial.manifest()))])?;
-        // both ends in this process: the link factory's in-process transport, by the name
-        // the topology resolves for a link inside one rank
-        let opened = link::open(
-            TransportKind::InProc.as_str(),
-            &manifests,
-            &LinkOptions::default(),
-        )?;
+        // both ends in this process: the link factory's nearest transport that stays in one
+        let opened = link::for_kind(&TransportKind::Nearest(Reach::Process))?
+            .open(&manifests, &LinkOptions::default())?;
         let receiver = ReceiverInit::new(
             opened.spec.receiver(&LinkOptions::default())?,
             Some(manifests.clone()),

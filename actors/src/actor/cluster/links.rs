@@ -82,7 +82,7 @@ pub fn open_outlets(
     let mut specs: Vec<ReceiverSpec> = Vec::new();
     let mut leftovers = Vec::new();
     for kind in kinds {
-        let factory = link::find(kind.as_str())?;
+        let factory = link::for_kind(kind)?;
         if specs.iter().any(|s| s.transport() == factory.name()) {
             continue;
         }

@@ -173,7 +173,8 @@ pub fn describe(plan: &RankPlan) -> String {
 /// Blocking: it starts its own actix system (call it from `main`, not from inside one).
 ///
 /// # Errors
-/// Launch variables that do not fit the topology (named); no cluster token; a rank that
+/// Launch variables that do not fit the topology (named); a `[links]` transport the link
+/// factory does not know or that cannot reach an engine; no cluster token; a rank that
 /// does not join in time; a configuration error of the roles (named by model); on rank 0,
 /// the first error of a trainer, pool or controller, or a dead rank under `on_failure =
 /// "abort"`; on another rank, rank 0 going away before the end of the run.
@@ -185,6 +186,8 @@ pub fn join<R: Roles>(topo: &Topology, launch: &LaunchEnv, roles: R) -> Result<O
             topo.world_size()
         )));
     }
+    // the `[links]` transport exists and reaches every engine (the link factory knows)
+    topo.check_links(refit_transports::link::reach_of)?;
     let plan = topo.rank(launch.rank)?;
     let specs = model_specs(topo)?;
     if topo.world_size() == 1 {
@@ -649,9 +652,10 @@ fn follow<R: Roles>(
         let policy = roles.policy(spec)?;
         let expected = Manifests::new([(spec.id.clone(), Arc::new(policy.weight_manifest()?))])?;
         let links: Vec<ReceiverSpec> = rv.take(&weights_key(&spec.id), wait)?;
+        let wanted = refit_transports::link::for_kind(&kind)?.name();
         let link = links
             .iter()
-            .find(|l| l.transport() == kind.as_str())
+            .find(|l| l.transport() == wanted)
             .ok_or_else(|| {
                 Error::Config(format!(
                     "{who}: rank 0 opened no {kind} link for model `{}`",
@@ -661,7 +665,7 @@ fn follow<R: Roles>(
         let inlet = links::connect_inlet(&spec.id, link, rv.node(), expected, wait)?;
         engine = engine.with_model(spec.id.clone(), policy, Some(inlet))?;
         println!(
-            "{who}: pid {}, model `{}` weights over {kind}",
+            "{who}: pid {}, model `{}` weights over {wanted}",
             std::process::id(),
             spec.id
         );
