@@ -46,6 +46,9 @@ fn run() -> Result<()> {
     let topo = Topology::parse_file(&refit::read_config(&path)?, &path)?;
     let plan = topo.rank(launch.rank)?;
     let roles: Vec<&str> = plan.roles.iter().map(|r| r.as_str()).collect();
+    // the link factory turns the file's choice (`auto`: the reach the link needs) into a
+    // transport
+    let link = refit::transports::link::for_kind(&topo.weights_transport(0, launch.rank))?;
     println!(
         "process `{}` copy {} on host `{}` ({}), roles {}; weights from rank 0 over {}",
         plan.process,
@@ -53,7 +56,7 @@ fn run() -> Result<()> {
         plan.host.name,
         plan.host.addr,
         roles.join("+"),
-        topo.weights_transport(0, launch.rank),
+        link.name(),
     );
     // ANCHOR_END: plan
 

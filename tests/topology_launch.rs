@@ -304,7 +304,7 @@ fn a_killed_engine_ends_the_run_clearly_under_abort() {
 
 #[test]
 fn the_shipped_cartpole_topologies_place_their_links_by_host() {
-    use refit::runtime::topology::{Role, Topology, TransportKind};
+    use refit::runtime::topology::{Reach, Role, Topology, TransportKind};
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/topologies");
     let read = |name: &str| {
         let path = dir.join(name);
@@ -313,8 +313,8 @@ fn the_shipped_cartpole_topologies_place_their_links_by_host() {
     let processes = read("cartpole-processes.toml");
     let hosts = read("cartpole-hosts.toml");
     for (t, kind) in [
-        (&processes, TransportKind::Shm),
-        (&hosts, TransportKind::Tcp),
+        (&processes, TransportKind::Nearest(Reach::Host)),
+        (&hosts, TransportKind::Nearest(Reach::Network)),
     ] {
         assert_eq!(t.world_size(), 3);
         assert_eq!(t.engine_ranks(), vec![1, 2]);

@@ -7,11 +7,12 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use refit_actors::actor::cluster::links::{self, LinkSpec};
+use refit_actors::actor::cluster::links;
 use refit_actors::{MlpPolicy, policy_model_id};
 use refit_node::{ClusterToken, Node};
-use refit_runtime::topology::TransportKind;
+use refit_runtime::topology::{Reach, TransportKind};
 use refit_runtime::{Manifests, Version, WeightSet, wire};
+use refit_transports::link::ReceiverSpec;
 
 const WAIT: Duration = Duration::from_secs(20);
 
@@ -32,13 +33,14 @@ fn one_sender_per_transport_serves_every_inlet_and_leaves_no_segment() {
     let engine_node = Node::loopback(token).unwrap();
     let initial = weights(1, 1.0);
     let manifests = Manifests::new([(policy_model_id(), Arc::clone(initial.manifest()))]).unwrap();
-    let kinds = [TransportKind::Shm, TransportKind::Tcp, TransportKind::Shm];
+    let shm = TransportKind::Named("shm".into());
+    let kinds = [shm.clone(), TransportKind::Nearest(Reach::Network), shm];
     let mut out = links::open_outlets(&trainer_node, &initial, &kinds, WAIT).unwrap();
     assert_eq!(out.specs.len(), 2);
-    assert!(!out.segments.is_empty());
-    assert!(out.segments.iter().all(|p| p.exists()));
+    assert!(!out.leftovers.is_empty());
+    assert!(out.leftovers.iter().all(|p| p.exists()));
     // the descriptions travel as bytes (through the rendezvous store in a run)
-    let shipped: Vec<LinkSpec> = wire::decode(
+    let shipped: Vec<ReceiverSpec> = wire::decode(
         &wire::encode(&out.specs).unwrap(),
         wire::MAX_CONTROL_MESSAGE,
     )
@@ -65,10 +67,10 @@ fn one_sender_per_transport_serves_every_inlet_and_leaves_no_segment() {
             assert_eq!(first, v as f32);
         }
     }
-    let segments = out.segments.clone();
+    let segments = out.leftovers.clone();
     drop(inlets);
     drop(out);
-    links::remove_segments(&segments);
+    links::remove_leftovers(&segments);
     assert!(segments.iter().all(|p| !p.exists()), "{segments:?}");
 }
 
@@ -77,7 +79,7 @@ fn an_inlet_of_another_layout_is_refused_naming_the_model() {
     let token = ClusterToken::new("cluster-links-test-token").unwrap();
     let node = Node::loopback(token).unwrap();
     let initial = weights(1, 1.0);
-    let kinds = [TransportKind::Shm];
+    let kinds = [TransportKind::Nearest(Reach::Host)];
     let out = links::open_outlets(&node, &initial, &kinds, WAIT).unwrap();
     let other = Arc::new(MlpPolicy::manifest_for(&[4, 16, 2]).unwrap());
     let expected = Manifests::new([(policy_model_id(), other)]).unwrap();
@@ -86,14 +88,17 @@ fn an_inlet_of_another_layout_is_refused_naming_the_model() {
         Err(e) => e.to_string(),
     };
     assert!(e.contains("policy") && e.contains("shm"), "{e}");
-    let inproc = [TransportKind::InProc];
+    let inproc = [TransportKind::Named("inproc".into())];
     let e = links::open_outlets(&node, &initial, &inproc, WAIT)
         .unwrap_err()
         .to_string();
-    assert!(e.contains("in-process"), "{e}");
-    let segments = out.segments.clone();
+    assert!(
+        e.contains("inproc") && e.contains("cannot cross processes"),
+        "{e}"
+    );
+    let segments = out.leftovers.clone();
     drop(out);
-    links::remove_segments(&segments);
+    links::remove_leftovers(&segments);
 }
 
 fn two_rank_topology(rank0_roles: &str) -> refit_runtime::topology::Topology {

@@ -60,6 +60,15 @@ fn launch(args: &LaunchArgs) -> Result<ExitCode> {
     let grace = Duration::from_secs_f64(args.grace_s);
     let path = absolute(&args.topology)?;
     let topo = Topology::parse_file(&refit::read_config(&path)?, &path)?;
+    // the `[links]` transports are the link factory's: known, and reaching every engine
+    topo.check_links(refit::transports::link::reach_of)
+        .map_err(|e| match e {
+            Error::Topology { key, reason } => Error::Topology {
+                key,
+                reason: format!("{reason}, in `{}`", path.display()),
+            },
+            other => other,
+        })?;
     let given = ClusterToken::from_env()?;
     let token = given.clone().unwrap_or_else(ClusterToken::random);
     let cwd = std::env::current_dir().map_err(|e| Error::io("reading the current directory", e))?;

@@ -13,6 +13,9 @@
 //! - [`shm`]: processes of one host; a segment per model with N slots, a seqlock header per
 //!   slot, readers pinned to the slot they use, futex wake-ups.
 //!
+//! - [`link`]: transports as values: a factory per transport, by name, and the
+//!   [`ReceiverSpec`](link::ReceiverSpec) a sender end ships to its receivers.
+//!
 //! Errors are the runtime's [`refit_runtime::Error`]: the transport traits return it, so a
 //! second enum here would only be converted back.
 #![warn(missing_docs, unreachable_pub, missing_debug_implementations)]
@@ -21,6 +24,7 @@ pub mod collective;
 pub mod file;
 pub mod gpu;
 pub mod inproc;
+pub mod link;
 mod pool;
 pub mod shm;
 pub mod tcp;

@@ -5,7 +5,7 @@
 //! Plain code: text in, values out (no I/O: the caller reads the file, no async).
 //!
 //! ```
-//! use refit_runtime::topology::{Role, Topology, TransportKind};
+//! use refit_runtime::topology::{Reach, Role, Topology, TransportKind};
 //!
 //! let topo = Topology::parse(r#"
 //!     [run]
@@ -24,7 +24,8 @@
 //! assert_eq!(topo.rank(2)?.process, "actor");
 //! assert!(topo.rank(1)?.has(Role::Engine));
 //! assert_eq!(topo.engine_ranks(), vec![1, 2]);
-//! assert_eq!(topo.weights_transport(0, 1), TransportKind::Shm);
+//! // `auto` (the default): the nearest transport that reaches one host
+//! assert_eq!(topo.weights_transport(0, 1), TransportKind::Nearest(Reach::Host));
 //! # Ok::<(), refit_runtime::Error>(())
 //! ```
 
@@ -40,7 +41,7 @@ use std::time::Duration;
 
 pub use placement::RankPlan;
 pub use schema::{
-    HostSection, LinkTransport, LinksSection, ModelSection, OnFailure, ProcessSection, Role,
+    HostSection, LinkTransport, LinksSection, ModelSection, OnFailure, ProcessSection, Reach, Role,
     RunSection, StopSection, TransportKind,
 };
 
@@ -151,18 +152,54 @@ impl Topology {
             .collect()
     }
 
-    /// The transport weights take from `from_rank` to `to_rank`: the `[links] weights`
-    /// setting, or for `auto` by placement (same rank: in-process; same host: shared memory;
-    /// else TCP). Validation has checked the setting can reach every engine from rank 0; a
-    /// rank outside the topology gets TCP (it works anywhere).
+    /// The transport weights take from `from_rank` to `to_rank`: the one `[links] weights`
+    /// names, or for `auto` the reach the link needs (same rank: one process; same host: one
+    /// host; else the network). A rank outside the topology needs the network.
     pub fn weights_transport(&self, from_rank: u32, to_rank: u32) -> TransportKind {
         match (
             self.ranks.get(from_rank as usize),
             self.ranks.get(to_rank as usize),
         ) {
-            (Some(from), Some(to)) => placement::resolve(self.links.weights, from, to),
-            _ => TransportKind::Tcp,
+            (Some(from), Some(to)) => placement::resolve(&self.links.weights, from, to),
+            _ => TransportKind::Nearest(Reach::Network),
         }
+    }
+
+    /// Checks the `[links] weights` transport against what the caller knows of transports
+    /// (`reach_of` gives a name's reach: the link factory's `find(name)?.reach()`): it must
+    /// exist and carry weights from rank 0 to every engine.
+    ///
+    /// # Errors
+    /// [`Error::Topology`] on `links.weights`: a name `reach_of` refuses (with its reason,
+    /// e.g. the known transports), or one that cannot reach an engine, naming its process
+    /// and host.
+    pub fn check_links(&self, reach_of: impl Fn(&str) -> Result<Reach>) -> Result<()> {
+        let LinkTransport::Named(name) = &self.links.weights else {
+            return Ok(());
+        };
+        let blame = |reason: String| Error::Topology {
+            key: "links.weights".into(),
+            reason,
+        };
+        let reach = reach_of(name).map_err(|e| blame(e.to_string()))?;
+        let Some(first) = self.ranks.first() else {
+            return Ok(());
+        };
+        for p in self.ranks.iter().filter(|p| p.has(Role::Engine)) {
+            let refused = match reach {
+                Reach::Process if p.rank != first.rank => Some("in another process"),
+                Reach::Host if p.host.name != first.host.name => Some("on another host"),
+                _ => None,
+            };
+            if let Some(why) = refused {
+                return Err(blame(format!(
+                    "`{name}` cannot carry weights from the trainer (process `{}`, host `{}`) \
+                     to the engine in process `{}` (host `{}`), {why}",
+                    first.process, first.host.name, p.process, p.host.name
+                )));
+            }
+        }
+        Ok(())
     }
 
     /// The model ids, in file order.

@@ -1,6 +1,6 @@
 //! Ranks: processes expanded by their replicas, in file order, and the transport of a link.
 
-use super::schema::{HostSection, LinkTransport, ProcessSection, Role, TransportKind};
+use super::schema::{HostSection, LinkTransport, ProcessSection, Reach, Role, TransportKind};
 
 /// What one rank runs and where.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -54,15 +54,15 @@ pub(crate) fn expand(processes: &[ProcessSection], hosts: &[HostSection]) -> Vec
     ranks
 }
 
-/// The transport between two ranks: the configured one, or by placement for `auto`
-/// (same rank: in-process; same host: shared memory; else TCP).
-pub(crate) fn resolve(setting: LinkTransport, from: &RankPlan, to: &RankPlan) -> TransportKind {
+/// The transport between two ranks: the configured one, or for `auto` the reach the link
+/// needs (same rank: one process; same host: one host; else the network).
+pub(crate) fn resolve(setting: &LinkTransport, from: &RankPlan, to: &RankPlan) -> TransportKind {
     match setting {
-        LinkTransport::InProc => TransportKind::InProc,
-        LinkTransport::Shm => TransportKind::Shm,
-        LinkTransport::Tcp => TransportKind::Tcp,
-        LinkTransport::Auto if from.rank == to.rank => TransportKind::InProc,
-        LinkTransport::Auto if from.host.name == to.host.name => TransportKind::Shm,
-        LinkTransport::Auto => TransportKind::Tcp,
+        LinkTransport::Named(n) => TransportKind::Named(n.clone()),
+        LinkTransport::Auto if from.rank == to.rank => TransportKind::Nearest(Reach::Process),
+        LinkTransport::Auto if from.host.name == to.host.name => {
+            TransportKind::Nearest(Reach::Host)
+        }
+        LinkTransport::Auto => TransportKind::Nearest(Reach::Network),
     }
 }

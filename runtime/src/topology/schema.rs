@@ -156,59 +156,87 @@ impl ProcessSection {
     }
 }
 
-/// A transport as written in `[links]`: a concrete one or `auto`.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+/// How far apart the two ends of a link may be: what a transport reaches, and what `auto`
+/// asks of one (the link factory, `refit_transports::link`, knows which transport reaches
+/// how far).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
+pub enum Reach {
+    /// Both ends in one process (threads, actors).
+    Process,
+    /// Processes of one host.
+    Host,
+    /// Processes of any hosts that reach each other over the network.
+    Network,
+}
+
+impl std::fmt::Display for Reach {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Self::Process => "one process",
+            Self::Host => "one host",
+            Self::Network => "the network",
+        })
+    }
+}
+
+/// A transport as written in `[links]`: `auto` or a transport's name. Names are the link
+/// factory's; whoever opens links checks them ([`Topology::check_links`](super::Topology::check_links)).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(from = "String", into = "String")]
 pub enum LinkTransport {
-    /// In-process when both ends share a process, shared memory on one host, TCP across hosts.
+    /// In-process when both ends share a process, else the nearest transport that reaches
+    /// one host, else one that reaches the network.
     #[default]
     Auto,
-    /// In-process (both ends in one process).
-    InProc,
-    /// Shared memory (both ends on one host).
-    Shm,
-    /// TCP (anywhere).
-    Tcp,
+    /// The transport of this name (lowercase).
+    Named(String),
+}
+
+impl From<String> for LinkTransport {
+    fn from(s: String) -> Self {
+        let s = s.trim().to_ascii_lowercase();
+        if s == "auto" {
+            Self::Auto
+        } else {
+            Self::Named(s)
+        }
+    }
+}
+
+impl From<LinkTransport> for String {
+    fn from(l: LinkTransport) -> Self {
+        l.as_str().to_owned()
+    }
 }
 
 impl LinkTransport {
     /// The name used in topology files.
-    pub fn as_str(self) -> &'static str {
+    pub fn as_str(&self) -> &str {
         match self {
             Self::Auto => "auto",
-            Self::InProc => "inproc",
-            Self::Shm => "shm",
-            Self::Tcp => "tcp",
+            Self::Named(n) => n,
         }
     }
 }
 
-/// A concrete transport for one link, once `auto` is resolved.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+/// The transport of one link once placement is known: a name, or for `auto` the reach the
+/// link needs (the link factory picks the nearest transport of that reach).
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum TransportKind {
-    /// In-process.
-    InProc,
-    /// Shared memory.
-    Shm,
-    /// TCP.
-    Tcp,
-}
-
-impl TransportKind {
-    /// The transport's name (`inproc`, `shm`, `tcp`).
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Self::InProc => "inproc",
-            Self::Shm => "shm",
-            Self::Tcp => "tcp",
-        }
-    }
+    /// The transport `[links]` names.
+    Named(String),
+    /// `auto`: the nearest transport that reaches this far.
+    Nearest(Reach),
 }
 
 impl std::fmt::Display for TransportKind {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.as_str())
+        match self {
+            Self::Named(n) => f.write_str(n),
+            Self::Nearest(r) => write!(f, "auto (within {r})"),
+        }
     }
 }
 

@@ -78,8 +78,28 @@ roles = ["engine", "rollout"]
 
 /// The error for `text`, asserting it is a topology error naming `key` and containing
 /// every one of `words`.
+/// What a caller with a link factory knows of three transports (the real factory lives in
+/// `refit-transports`; the runtime only asks).
+fn reach_of(name: &str) -> Result<Reach> {
+    match name {
+        "inproc" => Ok(Reach::Process),
+        "shm" => Ok(Reach::Host),
+        "tcp" => Ok(Reach::Network),
+        other => Err(Error::Config(format!(
+            "unknown transport `{other}` (known: inproc, shm, tcp)"
+        ))),
+    }
+}
+
+/// Parsed, and its links checked against [`reach_of`].
+fn checked(text: &str) -> Result<Topology> {
+    let t = Topology::parse(text)?;
+    t.check_links(reach_of)?;
+    Ok(t)
+}
+
 fn refused(text: &str, key: &str, words: &[&str]) -> String {
-    let e = Topology::parse(text).expect_err("the file must be refused");
+    let e = checked(text).expect_err("the file must be refused");
     let Error::Topology { key: k, reason } = &e else {
         panic!("not a topology error: {e}");
     };
@@ -139,11 +159,12 @@ fn full_file_parses_into_sections_and_ranks() {
 #[test]
 fn auto_resolves_by_placement() {
     let t = Topology::parse(BASE).unwrap();
-    assert_eq!(t.weights_transport(0, 0), TransportKind::InProc);
-    assert_eq!(t.weights_transport(0, 1), TransportKind::Shm);
-    assert_eq!(t.weights_transport(0, 2), TransportKind::Tcp);
-    assert_eq!(t.weights_transport(2, 3), TransportKind::Shm);
-    assert_eq!(t.weights_transport(0, 99), TransportKind::Tcp);
+    let nearest = TransportKind::Nearest;
+    assert_eq!(t.weights_transport(0, 0), nearest(Reach::Process));
+    assert_eq!(t.weights_transport(0, 1), nearest(Reach::Host));
+    assert_eq!(t.weights_transport(0, 2), nearest(Reach::Network));
+    assert_eq!(t.weights_transport(2, 3), nearest(Reach::Host));
+    assert_eq!(t.weights_transport(0, 99), nearest(Reach::Network));
 }
 
 #[test]
@@ -160,21 +181,29 @@ roles = ["trainer", "controller", "engine", "rollout"]
     let t = Topology::parse(one).unwrap();
     assert_eq!(t.world_size(), 1);
     assert_eq!(t.engine_ranks(), [0]);
-    assert_eq!(t.weights_transport(0, 0), TransportKind::InProc);
+    assert_eq!(
+        t.weights_transport(0, 0),
+        TransportKind::Nearest(Reach::Process)
+    );
     assert_eq!(t.hosts, [HostSection::local()]);
     assert_eq!(t.master_host(), "127.0.0.1");
-    let t = Topology::parse(&format!("{one}[links]\nweights = \"inproc\"\n")).unwrap();
-    assert_eq!(t.weights_transport(0, 0), TransportKind::InProc);
-    let t = Topology::parse(&small("[links]\nweights = \"tcp\"\n")).unwrap();
-    assert_eq!(t.weights_transport(0, 1), TransportKind::Tcp);
-    let t = Topology::parse(&small("[links]\nweights = \"shm\"\n")).unwrap();
-    assert_eq!(t.weights_transport(0, 2), TransportKind::Shm);
+    let named = |n: &str| TransportKind::Named(n.into());
+    let t = checked(&format!("{one}[links]\nweights = \"inproc\"\n")).unwrap();
+    assert_eq!(t.weights_transport(0, 0), named("inproc"));
+    let t = checked(&small("[links]\nweights = \"tcp\"\n")).unwrap();
+    assert_eq!(t.weights_transport(0, 1), named("tcp"));
+    // names are the factory's, any case
+    let t = checked(&small("[links]\nweights = \"SHM\"\n")).unwrap();
+    assert_eq!(t.weights_transport(0, 2), named("shm"));
     // Defaults: one host, processes on it, abort, 60 s.
     let t = Topology::parse(&small("")).unwrap();
     assert_eq!(t.processes[1].host, "local");
     assert_eq!(t.run.on_failure, OnFailure::Abort);
     assert_eq!(t.wait(), Duration::from_secs(60));
-    assert_eq!(t.weights_transport(0, 1), TransportKind::Shm);
+    assert_eq!(
+        t.weights_transport(0, 1),
+        TransportKind::Nearest(Reach::Host)
+    );
     assert_eq!(t.sync.sync_mode, SyncMode::Sync);
 }
 
@@ -232,7 +261,7 @@ fn unknown_values_are_named() {
     refused(
         &small("[links]\nweights = \"rdma\"\n"),
         "links.weights",
-        &["rdma", "auto", "inproc", "shm", "tcp"],
+        &["unknown transport `rdma`", "inproc", "shm", "tcp"],
     );
     refused(
         &small("").replace("[\"engine\", \"rollout\"]", "[\"engine\", \"collector\"]"),
@@ -451,13 +480,10 @@ fn impossible_placements_are_refused_naming_the_process() {
 #[test]
 fn file_errors_name_the_path() {
     let p = std::path::Path::new("conf/topo.toml");
-    let e = Topology::parse_file(&small("[links]\nweights = \"rdma\"\n"), p)
+    let e = Topology::parse_file(&small("[links]\nweights = 5\n"), p)
         .unwrap_err()
         .to_string();
-    assert!(
-        e.contains("conf/topo.toml") && e.contains("links.weights") && e.contains("rdma"),
-        "{e}"
-    );
+    assert!(e.contains("conf/topo.toml") && e.contains("links"), "{e}");
     assert_eq!(Topology::parse_file(&small(""), p).unwrap().world_size(), 3);
 }
 
@@ -479,5 +505,8 @@ fn every_example_topology_parses() {
     assert_eq!(t.world_size(), 4);
     assert_eq!(t.engine_ranks(), [1, 2, 3]);
     assert_eq!(t.rank(3).unwrap().process, "judge");
-    assert_eq!(t.weights_transport(0, 1), TransportKind::Shm);
+    assert_eq!(
+        t.weights_transport(0, 1),
+        TransportKind::Nearest(Reach::Host)
+    );
 }

@@ -3,9 +3,7 @@
 
 use std::collections::BTreeSet;
 
-use super::schema::{
-    HostSection, LinkTransport, ProcessSection, RawTopology, Role, RunSection, StopSection,
-};
+use super::schema::{HostSection, ProcessSection, RawTopology, Role, RunSection, StopSection};
 use crate::error::{Error, Result};
 
 fn bad(key: impl Into<String>, reason: impl Into<String>) -> Error {
@@ -205,9 +203,10 @@ fn check_processes(processes: &mut [ProcessSection], hosts: &[HostSection]) -> R
     Ok(())
 }
 
-/// Checks where trainer, controller and engines sit, and that the weights transport can
-/// reach every engine from rank 0.
-fn check_placement(processes: &[ProcessSection], weights: LinkTransport) -> Result<()> {
+/// Checks where trainer, controller and engines sit (whether the weights transport reaches
+/// every engine is [`Topology::check_links`](super::Topology::check_links)'s, with the
+/// link factory's knowledge).
+fn check_placement(processes: &[ProcessSection]) -> Result<()> {
     let first = &processes[0];
     for role in [Role::Trainer, Role::Controller] {
         if !first.has(role) {
@@ -245,27 +244,6 @@ fn check_placement(processes: &[ProcessSection], weights: LinkTransport) -> Resu
     if !processes.iter().any(|p| p.has(Role::Engine)) {
         return Err(bad("process.roles", "no process holds the `engine` role"));
     }
-    for p in processes.iter().filter(|p| p.has(Role::Engine)) {
-        let separate = !std::ptr::eq(p, first);
-        let refused = match weights {
-            LinkTransport::InProc if separate => Some("in another process"),
-            LinkTransport::Shm if p.host != first.host => Some("on another host"),
-            _ => None,
-        };
-        if let Some(why) = refused {
-            return Err(bad(
-                "links.weights",
-                format!(
-                    "`{}` cannot carry weights from the trainer (process `{}`, host `{}`) to the engine in process `{}` (host `{}`), {why}",
-                    weights.as_str(),
-                    first.name,
-                    first.host,
-                    p.name,
-                    p.host
-                ),
-            ));
-        }
-    }
     Ok(())
 }
 
@@ -302,5 +280,5 @@ pub(crate) fn validate(raw: &mut RawTopology) -> Result<()> {
     }
     check_hosts(&raw.hosts)?;
     check_processes(&mut raw.processes, &raw.hosts)?;
-    check_placement(&raw.processes, raw.links.weights)
+    check_placement(&raw.processes)
 }

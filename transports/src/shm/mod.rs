@@ -44,6 +44,7 @@ mod collect;
 mod futex;
 mod layout;
 pub(crate) mod lease;
+mod link;
 mod receiver;
 mod segment;
 mod sender;
@@ -56,6 +57,7 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 
 pub use layout::{MAX_MODELS, MAX_SLOTS};
+pub use link::ShmLink;
 pub use receiver::{ShmReadMode, ShmReceiver};
 pub use sender::{DepartedReceiver, ShmSender, overwrite_sender_pid};
 

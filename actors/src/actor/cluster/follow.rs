@@ -14,7 +14,7 @@ use crate::remote::{RemoteAddr, serve};
 use crate::roles::{ModelSpec, Roles};
 
 use super::cards::*;
-use super::links::{self, LinkSpec};
+use super::links;
 use super::rendezvous::{Rendezvous, STOP_KEY, rank_key};
 use super::{call_deadline, describe};
 use crate::actor::controller::{AwaitRollout, RolloutDone};
@@ -25,6 +25,7 @@ use crate::actor::rollout::{
     ControllerLink, PushFragment, RolloutConfig, RolloutWorker, StartRollouts, StopRollouts,
 };
 use crate::actor::topology::start_rollout_worker;
+use refit_transports::link::ReceiverSpec;
 
 /// An engine rank.
 pub(super) fn follow<R: Roles>(
@@ -46,17 +47,21 @@ pub(super) fn follow<R: Roles>(
     for spec in specs {
         let policy = roles.policy(spec)?;
         let expected = Manifests::new([(spec.id.clone(), Arc::new(policy.weight_manifest()?))])?;
-        let links: Vec<LinkSpec> = rv.take(&weights_key(&spec.id), wait)?;
-        let link = links.iter().find(|l| l.kind() == kind).ok_or_else(|| {
-            Error::Config(format!(
-                "{who}: rank 0 opened no {kind} link for model `{}`",
-                spec.id
-            ))
-        })?;
+        let links: Vec<ReceiverSpec> = rv.take(&weights_key(&spec.id), wait)?;
+        let wanted = refit_transports::link::for_kind(&kind)?.name();
+        let link = links
+            .iter()
+            .find(|l| l.transport() == wanted)
+            .ok_or_else(|| {
+                Error::Config(format!(
+                    "{who}: rank 0 opened no {kind} link for model `{}`",
+                    spec.id
+                ))
+            })?;
         let inlet = links::connect_inlet(&spec.id, link, rv.node(), expected, wait)?;
         engine = engine.with_model(spec.id.clone(), policy, Some(inlet))?;
         println!(
-            "{who}: pid {}, model `{}` weights over {kind}",
+            "{who}: pid {}, model `{}` weights over {wanted}",
             std::process::id(),
             spec.id
         );

@@ -36,7 +36,7 @@ pub(super) struct Segments(Vec<std::path::PathBuf>);
 
 impl Drop for Segments {
     fn drop(&mut self) {
-        links::remove_segments(&self.0);
+        links::remove_leftovers(&self.0);
     }
 }
 
@@ -94,7 +94,7 @@ pub(super) fn prepare_lead<R: Roles>(
                 spec.id
             );
         }
-        segments.0.extend(out.segments);
+        segments.0.extend(out.leftovers);
         rv.put(&weights_key(&spec.id), &out.specs)?;
         trainers.push(Trainer::start_with_outlet(learner, out.outlet));
     }

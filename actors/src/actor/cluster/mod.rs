@@ -80,7 +80,8 @@ pub fn describe(plan: &RankPlan) -> String {
 /// Blocking: it starts its own actix system (call it from `main`, not from inside one).
 ///
 /// # Errors
-/// Launch variables that do not fit the topology (named); no cluster token; a rank that
+/// Launch variables that do not fit the topology (named); a `[links]` transport the link
+/// factory does not know or that cannot reach an engine; no cluster token; a rank that
 /// does not join in time; a configuration error of the roles (named by model); on rank 0,
 /// the first error of a trainer, pool or controller, or a dead rank under `on_failure =
 /// "abort"`; on another rank, rank 0 going away before the end of the run.
@@ -92,6 +93,8 @@ pub fn join<R: Roles>(topo: &Topology, launch: &LaunchEnv, roles: R) -> Result<O
             topo.world_size()
         )));
     }
+    // the `[links]` transport exists and reaches every engine (the link factory knows)
+    topo.check_links(refit_transports::link::reach_of)?;
     let plan = topo.rank(launch.rank)?;
     let specs = model_specs(topo)?;
     if topo.world_size() == 1 {

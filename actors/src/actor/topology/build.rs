@@ -4,8 +4,9 @@
 
 use std::sync::Arc;
 
+use refit_runtime::topology::{Reach, TransportKind};
 use refit_runtime::{Manifests, ReceiverInit, SenderInit, Version};
-use refit_transports::inproc::InProc;
+use refit_transports::link::{self, LinkOptions};
 
 use crate::error::{Error, Result};
 use crate::link::WeightInlet;
@@ -54,12 +55,17 @@ pub(super) fn build<R: Roles>(cfg: &RunConfig, roles: &R) -> Result<Built<R>> {
             )));
         }
         let manifests = Manifests::new([(spec.id.clone(), Arc::clone(initial.manifest()))])?;
-        let hub = InProc::new();
-        let receiver = ReceiverInit::new(hub.receiver(), Some(manifests.clone()));
+        // both ends in this process: the link factory's nearest transport that stays in one
+        let opened = link::for_kind(&TransportKind::Nearest(Reach::Process))?
+            .open(&manifests, &LinkOptions::default())?;
+        let receiver = ReceiverInit::new(
+            opened.spec.receiver(&LinkOptions::default())?,
+            Some(manifests.clone()),
+        );
         let wait = cfg.wait;
         let (sender, receiver) = std::thread::scope(|s| {
             let r = s.spawn(move || receiver.connect(wait));
-            let sender = SenderInit::new(hub.sender()?, manifests).connect(vec![initial], wait);
+            let sender = SenderInit::new(opened.sender, manifests).connect(vec![initial], wait);
             let receiver = r
                 .join()
                 .map_err(|_| refit_runtime::Error::State("receiver connect thread panicked"))?;
