@@ -120,8 +120,8 @@ impl CpuComm {
         )?;
         let mut links: Vec<Option<TcpStream>> = (0..m.world).map(|_| None).collect();
         // lower ranks connect to higher ones: connect out first, then accept what is owed
-        for peer in m.rank + 1..m.world {
-            links[peer] = Some(connect_to(&m, store, config, peer, deadline)?);
+        for (peer, link) in links.iter_mut().enumerate().skip(m.rank + 1) {
+            *link = Some(connect_to(&m, store, config, peer, deadline)?);
         }
         accept_from(&m, &listener, config, &mut links, deadline)?;
         Ok(Self {
