@@ -29,6 +29,8 @@ pub struct Prepare {
     pub model: ModelId,
     /// The version the bytes belong to.
     pub version: Version,
+    /// Publish number of the group (acks name it).
+    pub seq: u64,
     /// Position of the model in its group (an update of several models lands whole).
     pub model_index: u32,
     /// Models in the group.

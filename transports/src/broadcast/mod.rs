@@ -11,7 +11,7 @@
 //! of every model of it arrived — the scheme's admission then applies it atomically. A
 //! refused version (unknown model, wrong names, dtypes, shapes, a bad checksum) is consumed
 //! and dropped: the previous version stays served. Acks go through the rendezvous store
-//! (`refit/coll/{group}/ack/{member}/{model}/{version}`), so the data plane stays one
+//! (`refit/coll/{group}/ack/{member}/{publish}/{model}/{version}`), so the data plane stays one
 //! broadcast.
 //!
 //! Membership is by generation: the sender names its receivers ([`BroadcastSender::new`]);
@@ -78,9 +78,11 @@ impl BroadcastConfig {
         format!("refit/coll/{}/{generation}/members", self.group)
     }
 
-    fn ack_key(&self, member: &str, model: &ModelId, version: Version) -> String {
+    /// The ack of `model` at `version` by `member` for publish number `seq` (a version sent
+    /// again after a refusal is acked afresh).
+    fn ack_key(&self, member: &str, seq: u64, model: &ModelId, version: Version) -> String {
         format!(
-            "refit/coll/{}/ack/{member}/{model}/{}",
+            "refit/coll/{}/ack/{member}/{seq}/{model}/{}",
             self.group,
             version.get()
         )

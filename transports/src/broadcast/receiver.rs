@@ -3,9 +3,9 @@
 //! over), acks through the store, and rejoins the next generation after a failure.
 
 use std::collections::HashMap;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
+use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -21,6 +21,8 @@ use crate::collective::{Communicator, Membership, Rendezvous};
 /// Largest bucket a receiver accepts (a refused bucket's bytes still have to be consumed).
 const MAX_BUCKET: usize = 1 << 30;
 
+type Seqs = Arc<Mutex<HashMap<(ModelId, Version), u64>>>;
+
 /// Called on the receiver's collective thread with every prepare message, before the
 /// bucket's bytes are received (counting, progress, tests that kill a rank mid-broadcast).
 pub type PrepareHook = Arc<dyn Fn(&Prepare) + Send + Sync>;
@@ -34,6 +36,8 @@ pub struct BroadcastReceiver<K: Connector> {
     hook: Option<PrepareHook>,
     stats: Arc<BroadcastStats>,
     groups: Option<Receiver<Result<Group>>>,
+    /// The publish number each delivered `(model, version)` came in (acks name it).
+    seqs: Seqs,
     stop: Arc<AtomicBool>,
     thread: Option<JoinHandle<()>>,
 }
@@ -69,6 +73,7 @@ impl<K: Connector> BroadcastReceiver<K> {
             hook: None,
             stats: Arc::default(),
             groups: None,
+            seqs: Arc::default(),
             stop: Arc::new(AtomicBool::new(false)),
             thread: None,
         })
@@ -185,6 +190,7 @@ struct Worker<K: Connector> {
     hook: Option<PrepareHook>,
     stats: Arc<BroadcastStats>,
     out: Sender<Result<Group>>,
+    seqs: Seqs,
     stop: Arc<AtomicBool>,
     plans: HashMap<(ModelId, u64), BucketPlan>,
     /// Newest version handed over per model (a regroup re-sends it; it is skipped).
@@ -197,6 +203,7 @@ struct Assembly {
     done: Vec<Arc<WeightSet>>,
     current: Option<WeightSet>,
     entries: Vec<(ModelId, Version)>,
+    seq: u64,
     refused: Option<Error>,
 }
 
@@ -293,7 +300,15 @@ impl<K: Connector> Worker<K> {
         }
         let first = p.model_index == 0 && p.header.index == 0;
         if first {
-            *asm = Assembly::default();
+            *asm = Assembly {
+                seq: p.seq,
+                ..Assembly::default()
+            };
+        } else if p.seq != asm.seq && asm.refused.is_none() {
+            asm.refused = Some(Error::Wire(format!(
+                "bucket of publish {} inside publish {}",
+                p.seq, asm.seq
+            )));
         }
         let deadline = Instant::now() + self.cfg.transfer_timeout;
         let len = p.header.len;
@@ -412,7 +427,7 @@ impl<K: Connector> Worker<K> {
             self.stats.refused.fetch_add(1, Ordering::Relaxed);
             let why = format!("refused: {e}");
             for (model, version) in &asm.entries {
-                let key = self.cfg.ack_key(&self.member, model, *version);
+                let key = self.cfg.ack_key(&self.member, asm.seq, model, *version);
                 if let Err(se) = self.store.set(&key, why.as_bytes()) {
                     tracing::warn!("could not report a refusal: {se}");
                 }
@@ -426,10 +441,21 @@ impl<K: Connector> Worker<K> {
                 .is_some_and(|v| *v >= w.version())
         });
         if stale {
-            return; // a regroup re-sent what this receiver holds already
+            // a regroup re-sent what this receiver holds already: ack it under the new number
+            for (model, version) in &asm.entries {
+                let key = self.cfg.ack_key(&self.member, asm.seq, model, *version);
+                if let Err(e) = self.store.set(&key, b"ok") {
+                    tracing::warn!("could not ack a version held already: {e}");
+                }
+            }
+            return;
         }
-        for w in &asm.done {
-            self.delivered.insert(w.model().clone(), w.version());
+        {
+            let mut seqs = self.seqs.lock().unwrap_or_else(|p| p.into_inner());
+            for w in &asm.done {
+                self.delivered.insert(w.model().clone(), w.version());
+                seqs.insert((w.model().clone(), w.version()), asm.seq);
+            }
         }
         let _ = self.out.send(Ok(asm.done));
     }
@@ -478,6 +504,7 @@ impl<K: Connector> ReceiverTransport for BroadcastReceiver<K> {
             hook: self.hook.clone(),
             stats: Arc::clone(&self.stats),
             out: tx,
+            seqs: Arc::clone(&self.seqs),
             stop: Arc::clone(&self.stop),
             plans: HashMap::new(),
             delivered: HashMap::new(),
@@ -510,8 +537,19 @@ impl<K: Connector> ReceiverTransport for BroadcastReceiver<K> {
 
     fn ack(&mut self, applied: &[(ModelId, Version)]) -> Result<()> {
         for (model, version) in applied {
-            self.store
-                .set(&self.config.ack_key(&self.member, model, *version), b"ok")?;
+            let seq = self
+                .seqs
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .remove(&(model.clone(), *version))
+                .ok_or_else(|| Error::Transport {
+                    transport: "broadcast",
+                    message: format!("{model} version {} was never received", version.get()),
+                })?;
+            self.store.set(
+                &self.config.ack_key(&self.member, seq, model, *version),
+                b"ok",
+            )?;
         }
         Ok(())
     }

@@ -45,6 +45,9 @@ pub struct BroadcastSender<K: Connector> {
     manifests: Vec<(ModelId, refit_runtime::Manifest)>,
     plans: HashMap<(ModelId, u64), BucketPlan>,
     last: Option<Group>,
+    /// Publish number of the last group broadcast, and the one each entry went out in.
+    seq: u64,
+    sent_in: HashMap<(ModelId, Version), u64>,
     stats: Arc<BroadcastStats>,
 }
 
@@ -77,6 +80,8 @@ impl<K: Connector> BroadcastSender<K> {
             manifests: Vec::new(),
             plans: HashMap::new(),
             last: None,
+            seq: 0,
+            sent_in: HashMap::new(),
             stats: Arc::default(),
         })
     }
@@ -210,6 +215,13 @@ impl<K: Connector> BroadcastSender<K> {
     ) -> Result<()> {
         let model_count = u32::try_from(group.len())
             .map_err(|_| Error::Config("too many models in one group".into()))?;
+        self.seq += 1;
+        let seq = self.seq;
+        // acks are awaited for recent publishes only: forget those long past
+        self.sent_in.retain(|_, s| *s + 1024 > seq);
+        for w in group {
+            self.sent_in.insert((w.model().clone(), w.version()), seq);
+        }
         for (i, w) in group.iter().enumerate() {
             let m = w.manifest();
             let key = (w.model().clone(), m.schema_hash());
@@ -233,6 +245,7 @@ impl<K: Connector> BroadcastSender<K> {
                 let prepare = Prepare {
                     model: w.model().clone(),
                     version: w.version(),
+                    seq,
                     model_index: i as u32,
                     model_count,
                     bucket_count,
@@ -326,7 +339,13 @@ impl<K: Connector> SenderTransport for BroadcastSender<K> {
         let mut late = Vec::new();
         for member in &self.members {
             for (model, version) in entries {
-                let key = self.config.ack_key(member, model, *version);
+                let Some(seq) = self.sent_in.get(&(model.clone(), *version)) else {
+                    return Err(Error::Transport {
+                        transport: "broadcast",
+                        message: format!("{model} version {} was never published", version.get()),
+                    });
+                };
+                let key = self.config.ack_key(member, *seq, model, *version);
                 loop {
                     let left = deadline.saturating_duration_since(Instant::now());
                     match self.store.wait_get(&key, left.min(slice)) {
