@@ -18,6 +18,8 @@ use serde::Serialize;
 
 use super::stats::{Summary, fmt_bytes, fmt_secs, parse_bytes};
 
+mod broadcast;
+
 type BoxResult<T> = Result<T, Box<dyn StdError>>;
 
 const SIZES: [usize; 4] = [4 << 20, 64 << 20, 512 << 20, 2 << 30];
@@ -44,7 +46,7 @@ pub(crate) struct BenchArgs {
     /// which the connect rows time apart).
     #[arg(long, default_value_t = 2)]
     warmup: usize,
-    /// Transports to measure (inproc, shm, tcp, file).
+    /// Transports to measure (inproc, shm, tcp, file, broadcast).
     #[arg(long, value_delimiter = ',', default_value = "inproc,shm,tcp,file")]
     transports: Vec<String>,
     /// Size of the model the strategy steps (rename/fuse, casts, delta) are measured on; 0 skips them.
@@ -69,7 +71,7 @@ pub(crate) struct BenchArgs {
 /// Arguments of the hidden child process.
 #[derive(Debug, clap::Args)]
 pub(crate) struct ChildArgs {
-    /// `tcp-sink` or `shm-copy` / `shm-zero`.
+    /// `tcp-sink`, `tcp-recv`, `shm-copy` / `shm-zero` or `bcast-recv`.
     role: String,
     /// Address or receiver token.
     target: String,
@@ -112,8 +114,11 @@ pub(crate) fn run(args: &BenchArgs) -> BoxResult<()> {
         .into());
     }
     for t in &args.transports {
-        if !["inproc", "shm", "tcp", "file"].contains(&t.as_str()) {
-            return Err(format!("unknown transport {t:?} (known: inproc, shm, tcp, file)").into());
+        if !["inproc", "shm", "tcp", "file", "broadcast"].contains(&t.as_str()) {
+            return Err(format!(
+                "unknown transport {t:?} (known: inproc, shm, tcp, file, broadcast)"
+            )
+            .into());
         }
     }
     let mut rows = Vec::new();
@@ -144,6 +149,9 @@ pub(crate) fn run(args: &BenchArgs) -> BoxResult<()> {
                     // would not fit beside the sender in this machine's memory
                     "tcp" if size > TCP_MAX => {}
                     "tcp" => rows.extend(bench_tcp(&mut weights, n, args, &base)?),
+                    // receivers hold two versions each, as over tcp
+                    "broadcast" if size > TCP_MAX => {}
+                    "broadcast" => rows.extend(broadcast::bench(&mut weights, n, args, &base)?),
                     // receivers copy each version into arenas of their own, as over tcp
                     "file" if size > TCP_MAX => {}
                     "file" => rows.extend(bench_file(&weights, n, args, &base)?),
@@ -613,6 +621,7 @@ pub(crate) fn child(args: &ChildArgs) -> BoxResult<()> {
                 }
             }
         }
+        "bcast-recv" => broadcast::child(&args.target),
         other => Err(format!("unknown child role {other:?}").into()),
     }
 }

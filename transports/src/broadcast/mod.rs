@@ -156,6 +156,9 @@ impl std::fmt::Debug for dyn Rendezvous {
     }
 }
 
+#[cfg(test)]
+mod tests;
+
 /// Checks a member name: non-empty, no `/` (it is part of store keys).
 fn check_member(name: &str) -> Result<()> {
     if name.is_empty() || name.contains('/') || name.len() > 128 {

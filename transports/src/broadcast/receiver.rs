@@ -195,7 +195,13 @@ struct Worker<K: Connector> {
     plans: HashMap<(ModelId, u64), BucketPlan>,
     /// Newest version handed over per model (a regroup re-sends it; it is skipped).
     delivered: HashMap<ModelId, Version>,
+    /// The last versions handed over per model: once the application dropped one (only
+    /// this list holds it), its arena receives the next version instead of fresh memory.
+    recent: HashMap<ModelId, Vec<Arc<WeightSet>>>,
 }
+
+/// Versions kept per model for their arenas (the one served, the one before, a spare).
+const RECENT: usize = 3;
 
 /// The group being assembled.
 #[derive(Default)]
@@ -400,7 +406,9 @@ impl<K: Connector> Worker<K> {
                     p.model
                 )));
             }
-            let mut ws = WeightSet::zeroed(p.model.clone(), manifest);
+            let mut ws = self
+                .reusable(&p.model)
+                .unwrap_or_else(|| WeightSet::zeroed(p.model.clone(), manifest));
             ws.set_version(p.version);
             asm.current = Some(ws);
         } else {
@@ -420,6 +428,14 @@ impl<K: Connector> Worker<K> {
             }
         }
         Ok(())
+    }
+
+    /// An arena of `model` that nobody but this receiver holds any more: every byte of it is
+    /// overwritten by the next version's buckets (they cover the arena whole).
+    fn reusable(&mut self, model: &ModelId) -> Option<WeightSet> {
+        let recent = self.recent.get_mut(model)?;
+        let i = recent.iter().position(|w| Arc::strong_count(w) == 1)?;
+        Arc::try_unwrap(recent.remove(i)).ok()
     }
 
     fn hand_over(&mut self, asm: Assembly) {
@@ -455,6 +471,11 @@ impl<K: Connector> Worker<K> {
             for w in &asm.done {
                 self.delivered.insert(w.model().clone(), w.version());
                 seqs.insert((w.model().clone(), w.version()), asm.seq);
+                let recent = self.recent.entry(w.model().clone()).or_default();
+                recent.push(Arc::clone(w));
+                if recent.len() > RECENT {
+                    recent.remove(0);
+                }
             }
         }
         let _ = self.out.send(Ok(asm.done));
@@ -508,6 +529,7 @@ impl<K: Connector> ReceiverTransport for BroadcastReceiver<K> {
             stop: Arc::clone(&self.stop),
             plans: HashMap::new(),
             delivered: HashMap::new(),
+            recent: HashMap::new(),
         };
         self.thread = Some(
             std::thread::Builder::new()

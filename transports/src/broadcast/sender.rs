@@ -236,24 +236,8 @@ impl<K: Connector> BroadcastSender<K> {
                     message: format!("model {} has an empty arena", w.model()),
                 });
             }
-            let bucket_count =
-                u32::try_from(plan.len()).map_err(|_| Error::Config("too many buckets".into()))?;
             for b in 0..plan.len() {
-                let (header, bytes) = plan.bucket(w, b)?;
-                let touched: std::collections::BTreeSet<usize> =
-                    header.pieces.iter().map(|p| p.tensor).collect();
-                let prepare = Prepare {
-                    model: w.model().clone(),
-                    version: w.version(),
-                    seq,
-                    model_index: i as u32,
-                    model_count,
-                    bucket_count,
-                    bucket_size: plan.bucket_size as u64,
-                    schema_hash: m.schema_hash(),
-                    tensors: touched.iter().map(|&t| m.tensors()[t].clone()).collect(),
-                    header,
-                };
+                let (prepare, bytes) = prepare(plan, w, b, (i as u32, model_count), seq)?;
                 messages::send(comm, &Control::Prepare(prepare), deadline)?;
                 self.stats.prepares.fetch_add(1, Ordering::Relaxed);
                 comm.broadcast_send(bytes, deadline)?;
@@ -272,6 +256,36 @@ impl<K: Connector> BroadcastSender<K> {
             .clone()
             .map(|r| self.failed_error(&r))
     }
+}
+
+/// The prepare message of bucket `b` of `w` (model `at.0` of `at.1` in publish `seq`), and
+/// the bytes it announces.
+pub(super) fn prepare<'a>(
+    plan: &BucketPlan,
+    w: &'a refit_runtime::WeightSet,
+    b: usize,
+    at: (u32, u32),
+    seq: u64,
+) -> Result<(Prepare, &'a [u8])> {
+    let m = w.manifest();
+    let bucket_count =
+        u32::try_from(plan.len()).map_err(|_| Error::Config("too many buckets".into()))?;
+    let (header, bytes) = plan.bucket(w, b)?;
+    let touched: std::collections::BTreeSet<usize> =
+        header.pieces.iter().map(|p| p.tensor).collect();
+    let prepare = Prepare {
+        model: w.model().clone(),
+        version: w.version(),
+        seq,
+        model_index: at.0,
+        model_count: at.1,
+        bucket_count,
+        bucket_size: plan.bucket_size as u64,
+        schema_hash: m.schema_hash(),
+        tensors: touched.iter().map(|&t| m.tensors()[t].clone()).collect(),
+        header,
+    };
+    Ok((prepare, bytes))
 }
 
 fn check_members(members: &[String]) -> Result<()> {
