@@ -13,14 +13,8 @@
 set -euo pipefail
 here=$(cd "$(dirname "$0")/../.." && pwd)
 size=${1:-64MiB}; rate=${2:-400mbit}; versions=${3:-3}; bucket=${4:-4MiB}
-nh=${NETNS_HOSTS:-$here/../shared/tools/netns-hosts}
-exe=${BROADCAST_WEIGHTS:-$here/target/release/examples/broadcast_weights}
-[ -x "$exe" ] || { echo "build it first: cargo build --release --example broadcast_weights" >&2; exit 1; }
-export REFIT_TOKEN=${REFIT_TOKEN:-$(head -c 16 /dev/urandom | od -An -tx1 | tr -d ' \n')}
-log=$(mktemp -d)
-cleanup() { jobs -p | xargs -r kill 2>/dev/null || true; "$nh" down >/dev/null 2>&1 || true; rm -rf "$log"; }
-trap cleanup EXIT
-declare -A median
+. "$here/examples/scripts/netns-lib.sh"
+exe=$(example_exe broadcast_weights "${BROADCAST_WEIGHTS:-}")
 for n in 1 2 4; do
   "$nh" up $((n + 1)) "$rate" >/dev/null
   "$nh" run 1 "$exe" trainer --bind 10.77.0.1:29500 --no-spawn --receivers "$n" \
@@ -35,14 +29,8 @@ for n in 1 2 4; do
       --bucket-size "$bucket" >"$log/receiver-$n-$i" 2>&1 &
     pids+=($!)
   done
-  if ! wait "$trainer"; then cat "$log/trainer-$n" "$log"/receiver-$n-* >&2; exit 1; fi
-  for p in "${pids[@]}"; do wait "$p" || { cat "$log"/receiver-$n-* >&2; exit 1; }; done
-  grep -E "acknowledged|median" "$log/trainer-$n" | sed "s/^/N=$n /"
-  median[$n]=$(sed -n 's/^trainer: median \([0-9.]*\) s.*/\1/p' "$log/trainer-$n")
-  "$nh" down >/dev/null
+  wait_round "$n" "$trainer" "${pids[@]}"
+  record_round "$n"
 done
 echo "broadcast of $size, egress $rate per host, buckets of $bucket (median per version):"
-for n in 1 2 4; do
-  awk -v n=$n -v t="${median[$n]}" -v b="${median[1]}" \
-    'BEGIN { printf "  N=%d  %.3f s  %.2fx N=1\n", n, t, t / b }'
-done
+print_medians 1 2 4

@@ -88,16 +88,10 @@ impl Root {
             cmd.env(DIE_AT, d);
         }
         let mut child = cmd.spawn().unwrap();
-        let out = child.stdout.take().unwrap();
+        let lines = std::io::BufReader::new(child.stdout.take().unwrap()).lines();
         let (tx, rx) = channel();
-        std::thread::spawn(move || {
-            for line in std::io::BufReader::new(out).lines() {
-                let Ok(line) = line else { break };
-                if tx.send(line).is_err() {
-                    break;
-                }
-            }
-        });
+        // forwards the child's lines until it exits or the test stops listening
+        std::thread::spawn(move || lines.map_while(Result::ok).try_for_each(|l| tx.send(l)));
         (child, rx)
     }
 }
@@ -105,15 +99,12 @@ impl Root {
 /// Waits for a line containing `want`; returns it.
 fn expect_line(lines: &Lines<String>, want: &str) -> String {
     let deadline = Instant::now() + T;
-    loop {
+    std::iter::from_fn(|| {
         let left = deadline.saturating_duration_since(Instant::now());
-        let line = lines
-            .recv_timeout(left)
-            .unwrap_or_else(|_| panic!("no line with {want:?} within {T:?}"));
-        if line.contains(want) {
-            return line;
-        }
-    }
+        lines.recv_timeout(left).ok()
+    })
+    .find(|line| line.contains(want))
+    .unwrap_or_else(|| panic!("no line with {want:?} within {T:?}"))
 }
 
 /// Entry point of the receiver processes; a no-op in a normal test run.
@@ -245,15 +236,16 @@ fn versions_refusals_and_two_models_across_processes_one_prepare_per_bucket() {
     }
     // a version with a wrong dtype, published straight on the transport (past the sender's
     // own checks): every receiver refuses it naming the tensor, keeps version 6, and says so
-    let wrong = Arc::new(
-        Manifest::builder()
-            .tensor("fc1.weight", DType::F16, &[1024, 4])
-            .tensor("fc1.bias", DType::F32, &[1024])
-            .tensor("head.weight", DType::F32, &[2, 1024])
-            .tensor("steps", DType::I64, &[])
-            .build()
-            .unwrap(),
-    );
+    let mut b = Manifest::builder();
+    for t in ma.tensors() {
+        let half = t.name == "fc1.weight";
+        b.push(
+            t.name.clone(),
+            if half { DType::F16 } else { t.dtype },
+            &t.shape,
+        );
+    }
+    let wrong = Arc::new(b.build().unwrap());
     let mut bad = WeightSet::zeroed(id("actor"), Arc::clone(&wrong));
     bad.set_version(Version(7));
     let bad_group = vec![Arc::new(bad), Arc::new(stamped("critic", &mc, 7))];

@@ -37,8 +37,9 @@ pub(super) fn bench(
     args: &BenchArgs,
     base: &Baselines,
 ) -> BoxResult<Vec<Row>> {
-    let size = weights.manifest().total_len();
-    let manifests = Manifests::new([(weights.model().clone(), Arc::clone(weights.manifest()))])?;
+    let manifest = Arc::clone(weights.manifest());
+    let size = manifest.total_len();
+    let manifests = Manifests::new([(weights.model().clone(), manifest)])?;
     let node = Node::loopback(bench_token().clone())?;
     Store::serve(&node);
     let store: Arc<dyn Rendezvous> = Arc::new(StoreClient::connect(&node, node.addr(), WAIT)?);

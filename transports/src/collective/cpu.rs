@@ -166,13 +166,13 @@ impl CpuComm {
     fn read_from(&mut self, peer: usize, dst: &mut [u8], deadline: Instant) -> Result<()> {
         let who = self.peer_name(peer);
         let stream = self.link(peer)?;
-        read_exact(stream, dst, deadline, &who)
+        transfer(stream, Dir::In(dst), deadline, &who)
     }
 
     fn write_to(&mut self, peer: usize, src: &[u8], deadline: Instant) -> Result<()> {
         let who = self.peer_name(peer);
         let stream = self.link(peer)?;
-        write_all(stream, src, deadline, &who)
+        transfer(stream, Dir::Out(src), deadline, &who)
     }
 
     fn peer_name(&self, peer: usize) -> String {
@@ -303,16 +303,10 @@ impl Communicator for CpuComm {
         })
     }
 
-    fn recv(
-        &mut self,
-        buf: &mut Vec<u8>,
-        len: usize,
-        peer: usize,
-        deadline: Instant,
-    ) -> Result<()> {
+    fn recv(&mut self, b: &mut Vec<u8>, len: usize, peer: usize, deadline: Instant) -> Result<()> {
         self.guarded(|c| {
-            let have = buf.len();
-            let bytes = buf.get_mut(..len).ok_or_else(|| {
+            let have = b.len();
+            let bytes = b.get_mut(..len).ok_or_else(|| {
                 c.membership.error(
                     BACKEND,
                     format!("recv of {len} bytes into a {have}-byte buffer"),
@@ -387,50 +381,43 @@ fn is_gone(e: &std::io::Error) -> bool {
     )
 }
 
-/// Reads exactly `dst.len()` bytes before `deadline`.
-fn read_exact(stream: &mut TcpStream, dst: &mut [u8], deadline: Instant, who: &str) -> Result<()> {
-    let started = Instant::now();
-    let mut at = 0;
-    while at < dst.len() {
-        let Some(left) = remaining(deadline) else {
-            return Err(timed_out(format!("bytes from {who}"), started));
-        };
-        stream
-            .set_read_timeout(Some(left))
-            .map_err(|e| Error::io(format!("setting a read timeout towards {who}"), e))?;
-        match stream.read(&mut dst[at..]) {
-            Ok(0) => {
-                return Err(gone(
-                    who,
-                    format!("closed after {at} of {} bytes", dst.len()),
-                ));
-            }
-            Ok(n) => at += n,
-            Err(e) if e.kind() == ErrorKind::Interrupted || is_wait(&e) => {}
-            Err(e) if is_gone(&e) => return Err(gone(who, e.to_string())),
-            Err(e) => return Err(Error::io(format!("reading from {who}"), e)),
-        }
-    }
-    Ok(())
+/// Which way bytes move on a link.
+enum Dir<'a> {
+    In(&'a mut [u8]),
+    Out(&'a [u8]),
 }
 
-/// Writes all of `src` before `deadline`.
-fn write_all(stream: &mut TcpStream, src: &[u8], deadline: Instant, who: &str) -> Result<()> {
+/// Moves every byte of `dir` over `stream` before `deadline`: a peer that closes is
+/// [`Error::PeerGone`] naming `who`, a deadline that passes [`Error::Timeout`].
+fn transfer(stream: &mut TcpStream, mut dir: Dir<'_>, deadline: Instant, who: &str) -> Result<()> {
     let started = Instant::now();
+    let total = match &dir {
+        Dir::In(b) => b.len(),
+        Dir::Out(b) => b.len(),
+    };
     let mut at = 0;
-    while at < src.len() {
+    while at < total {
         let Some(left) = remaining(deadline) else {
-            return Err(timed_out(format!("sending to {who}"), started));
+            let what = match dir {
+                Dir::In(_) => format!("bytes from {who}"),
+                Dir::Out(_) => format!("sending to {who}"),
+            };
+            return Err(timed_out(what, started));
         };
-        stream
-            .set_write_timeout(Some(left))
-            .map_err(|e| Error::io(format!("setting a write timeout towards {who}"), e))?;
-        match stream.write(&src[at..]) {
-            Ok(0) => return Err(gone(who, "the connection accepts no more bytes")),
+        let step = match &mut dir {
+            Dir::In(b) => stream
+                .set_read_timeout(Some(left))
+                .and_then(|()| stream.read(&mut b[at..])),
+            Dir::Out(b) => stream
+                .set_write_timeout(Some(left))
+                .and_then(|()| stream.write(&b[at..])),
+        };
+        match step {
+            Ok(0) => return Err(gone(who, format!("closed after {at} of {total} bytes"))),
             Ok(n) => at += n,
             Err(e) if e.kind() == ErrorKind::Interrupted || is_wait(&e) => {}
             Err(e) if is_gone(&e) => return Err(gone(who, e.to_string())),
-            Err(e) => return Err(Error::io(format!("writing to {who}"), e)),
+            Err(e) => return Err(Error::io(format!("moving bytes with {who}"), e)),
         }
     }
     Ok(())
@@ -467,16 +454,17 @@ fn connect_to(
             )
         })?;
     let left = remaining(deadline).unwrap_or(Duration::from_millis(1));
-    let mut stream = TcpStream::connect_timeout(&addr, left).map_err(|e| {
-        if is_wait(&e) {
-            Error::Timeout {
-                what: format!("connecting to rank {peer} at {addr}"),
+    let what = || format!("connecting to rank {peer} at {addr}");
+    let mut stream = match TcpStream::connect_timeout(&addr, left) {
+        Ok(s) => s,
+        Err(e) if is_wait(&e) => {
+            return Err(Error::Timeout {
+                what: what(),
                 after: left,
-            }
-        } else {
-            Error::io(format!("connecting to rank {peer} at {addr}"), e)
+            });
         }
-    })?;
+        Err(e) => return Err(Error::io(what(), e)),
+    };
     let _ = stream.set_nodelay(true);
     let io = |e| Error::io(format!("configuring the link to rank {peer}"), e);
     let left = remaining(deadline).unwrap_or(Duration::from_millis(1));
