@@ -25,22 +25,20 @@
 
 use std::collections::VecDeque;
 use std::process::Command;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use clap::{CommandFactory, Parser, Subcommand};
 use indicatif::{ProgressBar, ProgressStyle};
 use refit_actors::actor::topology::{self, ModelSpec, RunConfig, StopRule};
 use refit_actors::process::{
-    ProcessAsyncCollector, ProcessConfig, ProcessSyncCollector, serve_worker,
+    ProcessAsyncCollector, ProcessConfig, ProcessSyncCollector, WorkerLink, serve_worker,
+    worker_receiver,
 };
 use refit_actors::{
     Batch, CartPole, CartPolePpo, Collector, MlpPolicy, MultiAsyncCollector, MultiConfig,
     MultiSyncCollector, PpoConfig, PpoTrainer, UpdatePolicyWeights,
 };
 use refit_runtime::sync_policy::{SyncConfig, SyncMode};
-use refit_runtime::{Manifests, ReceiverInit, wire};
-use refit_transports::shm::{ShmConfig, ShmReceiver, ShmReceiverSpec, ShmSender};
 
 #[path = "support/cartpole_topology.rs"]
 mod cartpole_topology;
@@ -68,6 +66,10 @@ struct Args {
     /// Asynchronous worker processes over shared memory (batches as they come).
     #[arg(long, conflicts_with_all = ["asynchronous", "threads"])]
     async_processes: bool,
+    /// The weight link of worker processes, by name (shm, tcp, file: any transport of the
+    /// link factory that reaches another process).
+    #[arg(long, default_value = "shm")]
+    transport: String,
     /// Seed of the trainer, the environments and the workers.
     #[arg(long, default_value_t = 0)]
     seed: u64,
@@ -103,8 +105,6 @@ enum Sub {
     Worker {
         /// Worker index.
         w: usize,
-        /// The shared-memory receiver's token.
-        token: String,
         /// Environments.
         envs: usize,
         /// Frames per batch.
@@ -244,19 +244,18 @@ fn worker_collector(
 }
 
 // ANCHOR: process_worker
-/// `cartpole worker W TOKEN ENVS FRAMES SEED`: a collector worker process. Its stdout carries
-/// batches to the trainer; weights arrive through shared memory. The same worker serves the
+/// `cartpole worker W ENVS FRAMES SEED`: a collector worker process. Its stdout carries
+/// batches to the trainer; weights arrive over the link its environment names (shared
+/// memory by default), whatever its transport. The same worker serves the
 /// synchronous and the asynchronous process collectors.
 fn run_worker_process(
     w: usize,
-    token: &str,
     envs: usize,
     frames: usize,
     seed: u64,
 ) -> Result<(), Box<dyn std::error::Error>> {
-    let spec: ShmReceiverSpec = wire::from_token(token)?;
     let collector = worker_collector(w, envs, frames, seed)?;
-    let receiver = ReceiverInit::new(ShmReceiver::new(spec), None);
+    let receiver = worker_receiver()?;
     serve_worker(collector, w, receiver, Duration::from_secs(30))?;
     Ok(())
 }
@@ -266,14 +265,13 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args = parse_args();
     if let Some(Sub::Worker {
         w,
-        token,
         envs,
         frames,
         seed,
     }) = &args.command
     {
         refit::init()?;
-        return run_worker_process(*w, token, *envs, *frames, *seed);
+        return run_worker_process(*w, *envs, *frames, *seed);
     }
     if std::env::var_os("RAYON_NUM_THREADS").is_none() {
         // candle sizes its matmul fan-out from this variable (not from the current rayon
@@ -315,13 +313,16 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         args.envs,
         per_worker * args.workers,
         if args.async_processes {
-            "worker batch (async worker processes, shared-memory weights)"
+            format!(
+                "worker batch (async worker processes, {} weights)",
+                args.transport
+            )
         } else if args.asynchronous {
-            "worker batch (async threads, in-process weights)"
+            "worker batch (async threads, in-process weights)".into()
         } else if args.threads {
-            "batch (sync threads, in-process weights)"
+            "batch (sync threads, in-process weights)".into()
         } else {
-            "batch (sync worker processes, shared-memory weights)"
+            format!("batch (sync worker processes, {} weights)", args.transport)
         },
         trainer.config().lr,
         trainer.config().epochs,
@@ -338,33 +339,26 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let out = if !args.threads && !args.asynchronous {
         let sync_processes = !args.async_processes;
         // ANCHOR: processes
-        let manifests = Manifests::new([(
-            initial[0].model().clone(),
-            Arc::clone(initial[0].manifest()),
-        )])?;
-        let shm = ShmConfig {
-            expected_receivers: args.workers,
-            ..ShmConfig::default()
-        };
-        let sender = ShmSender::create(&shm, &manifests)?;
-        let token = wire::to_token(&sender.receiver_spec())?;
+        // the link factory opens the transport named on the command line (shm by default)
+        let link = WorkerLink::open(&args.transport, &initial, args.workers)?;
         let exe = std::env::current_exe()?;
         let commands = (0..args.workers)
             .map(|w| {
                 let mut c = Command::new(&exe);
-                c.arg("worker").arg(w.to_string()).arg(&token);
+                c.arg("worker").arg(w.to_string());
                 c.arg(args.envs.to_string()).arg(per_worker.to_string());
                 c.arg(args.seed.to_string());
-                c
+                link.configure(&mut c)?;
+                Ok(c)
             })
-            .collect();
+            .collect::<refit_actors::Result<Vec<_>>>()?;
         let config = ProcessConfig::default();
         if sync_processes {
-            let c = ProcessSyncCollector::spawn(sender, commands, initial, config)?;
+            let c = ProcessSyncCollector::spawn(link.sender, commands, initial, config)?;
             train(c, &mut trainer, &args, start)?
         } else {
             // workers collect continuously; each batch is one worker's, as it arrives
-            let c = ProcessAsyncCollector::spawn(sender, commands, initial, config)?;
+            let c = ProcessAsyncCollector::spawn(link.sender, commands, initial, config)?;
             train(c, &mut trainer, &args, start)?
         }
         // ANCHOR_END: processes

@@ -1,5 +1,5 @@
 //! Collector workers as real processes (this test binary re-run as the worker), fed with
-//! weights through shared memory: the synchronous and the asynchronous process collectors,
+//! weights through shared memory (opened by name through the link factory): the synchronous and the asynchronous process collectors,
 //! and the cascade (an update pushed to the parent, or to the parent's own upstream scheme,
 //! lands in every worker).
 #![allow(clippy::unwrap_used, missing_docs)]
@@ -10,72 +10,55 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use refit::actors::process::{
-    ProcessAsyncCollector, ProcessConfig, ProcessSyncCollector, serve_worker,
+    ProcessAsyncCollector, ProcessConfig, ProcessSyncCollector, WORKER_LINK_ENV, WorkerLink,
+    serve_worker, worker_receiver,
 };
 use refit::actors::{CartPole, Collector, MlpPolicy, PpoConfig, PpoTrainer, UpdatePolicyWeights};
 use refit::prelude::*;
-use refit::runtime::wire;
 use refit::transports::inproc::{InProcReceiver, InProcSender};
 
-const ROLE: &str = "REFIT_WORKER_TOKEN";
+type Linked = Box<dyn refit::runtime::SenderTransport>;
 
 /// The worker process; a no-op in a normal test run.
 #[test]
 fn worker_entry() {
-    let Ok(token) = std::env::var(ROLE) else {
+    if std::env::var_os(WORKER_LINK_ENV).is_none() {
         return;
-    };
+    }
     let w: usize = std::env::var("REFIT_WORKER_INDEX")
         .unwrap()
         .parse()
         .unwrap();
-    let spec: ShmReceiverSpec = wire::from_token(&token).unwrap();
     let envs = (0..2).map(|i| CartPole::new((w * 2 + i) as u64)).collect();
     let c = Collector::builder(envs, MlpPolicy::cartpole().unwrap())
         .frames_per_batch(200)
         .seed(w as u64)
         .build()
         .unwrap();
-    serve_worker(
-        c,
-        w,
-        ReceiverInit::new(ShmReceiver::new(spec), None),
-        Duration::from_secs(20),
-    )
-    .unwrap();
+    serve_worker(c, w, worker_receiver().unwrap(), Duration::from_secs(20)).unwrap();
 }
 
 /// The shared-memory sender for `workers` worker processes, their commands, and a trainer.
-fn setup(workers: usize) -> (ShmSender, Vec<Command>, PpoTrainer, WeightSet) {
+fn setup(workers: usize) -> (Linked, Vec<Command>, PpoTrainer, WeightSet) {
     let mut trainer = PpoTrainer::new(PpoConfig::default()).unwrap();
     let initial = trainer.export().unwrap();
-    let manifests =
-        Manifests::new([(initial.model().clone(), Arc::clone(initial.manifest()))]).unwrap();
-    let sender = ShmSender::create(
-        &ShmConfig {
-            expected_receivers: workers,
-            ..ShmConfig::default()
-        },
-        &manifests,
-    )
-    .unwrap();
-    let token = wire::to_token(&sender.receiver_spec()).unwrap();
+    let link = WorkerLink::open("shm", std::slice::from_ref(&initial), workers).unwrap();
     let commands = (0..workers)
         .map(|w| {
             let mut c = Command::new(std::env::current_exe().unwrap());
             c.args(["worker_entry", "--exact", "--test-threads=1", "--quiet"])
-                .env(ROLE, &token)
                 .env("REFIT_WORKER_INDEX", w.to_string());
+            link.configure(&mut c).unwrap();
             c
         })
         .collect();
-    (sender, commands, trainer, initial)
+    (link.sender, commands, trainer, initial)
 }
 
 fn collector(
     workers: usize,
     batch_timeout: Duration,
-) -> (ProcessSyncCollector<ShmSender>, PpoTrainer) {
+) -> (ProcessSyncCollector<Linked>, PpoTrainer) {
     let (sender, commands, trainer, initial) = setup(workers);
     let config = ProcessConfig {
         batch_timeout,
@@ -87,7 +70,7 @@ fn collector(
     )
 }
 
-fn async_collector(workers: usize) -> (ProcessAsyncCollector<ShmSender>, PpoTrainer) {
+fn async_collector(workers: usize) -> (ProcessAsyncCollector<Linked>, PpoTrainer) {
     let (sender, commands, trainer, initial) = setup(workers);
     let config = ProcessConfig {
         batch_timeout: Duration::from_secs(30),
@@ -117,7 +100,7 @@ fn upstream(initial: &WeightSet) -> (Sender<InProcSender>, Receiver<InProcReceiv
 /// Reads batches until every worker in `workers` delivered one made by `version` alone;
 /// checks that no worker goes back to an older version afterwards.
 fn until_every_worker_has(
-    c: &mut ProcessAsyncCollector<ShmSender>,
+    c: &mut ProcessAsyncCollector<Linked>,
     workers: &[usize],
     version: Version,
 ) {

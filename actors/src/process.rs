@@ -30,10 +30,12 @@ use std::process::{Child, ChildStdin, Command, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
+use refit_runtime::node::{ClusterToken, TOKEN_ENV, TOKEN_FILE_ENV};
 use refit_runtime::{
     Manifests, ModelId, PendingSend, ReceiverInit, ReceiverTransport, Sender, SenderInit,
     SenderTransport, Version, WeightSet, wire,
 };
+use refit_transports::link::{self, LinkOptions, Reach, ReceiverSpec};
 
 use crate::batch::{Batch, TrajPool};
 use crate::collector::{Collector, UpdatePolicyWeights, WeightSource, policy_model_id};
@@ -58,6 +60,103 @@ pub const TRAJ_ID_BLOCK: u64 = 1 << 40;
 fn io(context: &str, e: std::io::Error) -> Error {
     Error::Runtime(refit_runtime::Error::io(context, e))
 }
+
+// ANCHOR: worker_link
+/// The environment variable a worker process finds its weight link in (a
+/// [`ReceiverSpec::to_token`] text), set by [`WorkerLink::configure`].
+pub const WORKER_LINK_ENV: &str = "REFIT_WORKER_LINK";
+
+/// The weight link of worker processes, opened through the link factory: hand
+/// [`WorkerLink::sender`] to a process collector's `spawn` and [`WorkerLink::configure`]
+/// each worker's command; the worker connects with [`worker_receiver`].
+pub struct WorkerLink {
+    /// The sending end.
+    pub sender: Box<dyn SenderTransport>,
+    /// What the workers connect with.
+    pub spec: ReceiverSpec,
+    token: ClusterToken,
+}
+
+impl std::fmt::Debug for WorkerLink {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("WorkerLink")
+            .field("spec", &self.spec)
+            .finish_non_exhaustive()
+    }
+}
+
+impl WorkerLink {
+    /// Opens the transport called `transport` (`shm`, `tcp`, `file`, ...) for the models of
+    /// `initial`, waiting for `workers` receivers at connect. A transport with a cluster
+    /// token uses the one of this process's environment (`REFIT_TOKEN`,
+    /// `REFIT_TOKEN_FILE`), else a fresh random one.
+    ///
+    /// # Errors
+    /// An unknown transport (the error names the known ones); one that cannot reach another
+    /// process; a bad token in the environment; the transport's own setup errors.
+    pub fn open(transport: &str, initial: &[WeightSet], workers: usize) -> Result<Self> {
+        let factory = link::find(transport)?;
+        if factory.reach() == Reach::Process {
+            return Err(Error::Config(format!(
+                "worker processes cannot receive weights over {} (it stays in one process)",
+                factory.name()
+            )));
+        }
+        let manifests = Manifests::new(
+            initial
+                .iter()
+                .map(|w| (w.model().clone(), std::sync::Arc::clone(w.manifest()))),
+        )?;
+        let token = ClusterToken::from_env_or_random()?;
+        let options = LinkOptions {
+            expected_receivers: workers,
+            token: Some(token.clone()),
+            ..LinkOptions::default()
+        };
+        let opened = factory.open(&manifests, &options)?;
+        if !opened.leftovers.is_empty() {
+            tracing::debug!(leftovers = ?opened.leftovers, "the worker link leaves files behind its sender");
+        }
+        Ok(Self {
+            sender: opened.sender,
+            spec: opened.spec,
+            token,
+        })
+    }
+
+    /// Sets a worker's environment: the link ([`WORKER_LINK_ENV`]) and the cluster token
+    /// (`REFIT_TOKEN`, never on the command line, which `ps` shows).
+    ///
+    /// # Errors
+    /// A spec that cannot be encoded.
+    pub fn configure(&self, cmd: &mut Command) -> Result<()> {
+        cmd.env(WORKER_LINK_ENV, self.spec.to_token()?)
+            .env(TOKEN_ENV, self.token.expose())
+            .env_remove(TOKEN_FILE_ENV);
+        Ok(())
+    }
+}
+
+/// A worker's receiver from the link its parent set in its environment
+/// ([`WorkerLink::configure`]): whatever the transport, made by the link factory.
+///
+/// # Errors
+/// [`Error::Config`] when [`WORKER_LINK_ENV`] is not set; text that is not a spec; an
+/// unknown transport; the transport's refusal.
+pub fn worker_receiver() -> Result<ReceiverInit<Box<dyn ReceiverTransport>>> {
+    let text = std::env::var(WORKER_LINK_ENV).map_err(|e| {
+        Error::Config(format!(
+            "{WORKER_LINK_ENV} does not hold a weight link ({e}): start workers through \
+             WorkerLink::configure"
+        ))
+    })?;
+    let spec = ReceiverSpec::from_token(&text)?;
+    Ok(ReceiverInit::new(
+        spec.receiver(&LinkOptions::default())?,
+        None,
+    ))
+}
+// ANCHOR_END: worker_link
 
 /// The child's loop: serves `collector` as worker `worker` until stdin closes or says stop.
 ///

@@ -7,11 +7,12 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use refit_actors::actor::cluster::links::{self, LinkSpec};
+use refit_actors::actor::cluster::links;
 use refit_actors::{MlpPolicy, policy_model_id};
 use refit_runtime::node::{ClusterToken, Node};
 use refit_runtime::topology::TransportKind;
 use refit_runtime::{Manifests, Version, WeightSet, wire};
+use refit_transports::link::ReceiverSpec;
 
 const WAIT: Duration = Duration::from_secs(20);
 
@@ -35,10 +36,10 @@ fn one_sender_per_transport_serves_every_inlet_and_leaves_no_segment() {
     let kinds = [TransportKind::Shm, TransportKind::Tcp, TransportKind::Shm];
     let mut out = links::open_outlets(&trainer_node, &initial, &kinds, WAIT).unwrap();
     assert_eq!(out.specs.len(), 2);
-    assert!(!out.segments.is_empty());
-    assert!(out.segments.iter().all(|p| p.exists()));
+    assert!(!out.leftovers.is_empty());
+    assert!(out.leftovers.iter().all(|p| p.exists()));
     // the descriptions travel as bytes (through the rendezvous store in a run)
-    let shipped: Vec<LinkSpec> = wire::decode(
+    let shipped: Vec<ReceiverSpec> = wire::decode(
         &wire::encode(&out.specs).unwrap(),
         wire::MAX_CONTROL_MESSAGE,
     )
@@ -65,10 +66,10 @@ fn one_sender_per_transport_serves_every_inlet_and_leaves_no_segment() {
             assert_eq!(first, v as f32);
         }
     }
-    let segments = out.segments.clone();
+    let segments = out.leftovers.clone();
     drop(inlets);
     drop(out);
-    links::remove_segments(&segments);
+    links::remove_leftovers(&segments);
     assert!(segments.iter().all(|p| !p.exists()), "{segments:?}");
 }
 
@@ -90,10 +91,13 @@ fn an_inlet_of_another_layout_is_refused_naming_the_model() {
     let e = links::open_outlets(&node, &initial, &inproc, WAIT)
         .unwrap_err()
         .to_string();
-    assert!(e.contains("in-process"), "{e}");
-    let segments = out.segments.clone();
+    assert!(
+        e.contains("inproc") && e.contains("cannot cross processes"),
+        "{e}"
+    );
+    let segments = out.leftovers.clone();
     drop(out);
-    links::remove_segments(&segments);
+    links::remove_leftovers(&segments);
 }
 
 fn two_rank_topology(rank0_roles: &str) -> refit_runtime::topology::Topology {

@@ -74,6 +74,57 @@ pub trait ReceiverTransport: Send {
     fn shutdown(&mut self) -> Result<()>;
 }
 
+impl std::fmt::Debug for dyn SenderTransport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "SenderTransport({})", self.name())
+    }
+}
+
+impl std::fmt::Debug for dyn ReceiverTransport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "ReceiverTransport({})", self.name())
+    }
+}
+
+/// A boxed sender end is a sender end: what a link factory hands out
+/// (`refit_transports::link`) drives the same scheme as a concrete transport.
+impl<T: SenderTransport + ?Sized> SenderTransport for Box<T> {
+    fn name(&self) -> &'static str {
+        (**self).name()
+    }
+    fn connect(&mut self, initial: &Group, deadline: Instant) -> Result<()> {
+        (**self).connect(initial, deadline)
+    }
+    fn publish(&mut self, group: &Group, deadline: Instant) -> Result<()> {
+        (**self).publish(group, deadline)
+    }
+    fn wait_acks(&mut self, entries: &[(ModelId, Version)], deadline: Instant) -> Result<()> {
+        (**self).wait_acks(entries, deadline)
+    }
+    fn shutdown(&mut self) -> Result<()> {
+        (**self).shutdown()
+    }
+}
+
+/// A boxed receiver end is a receiver end (see the sender's impl).
+impl<T: ReceiverTransport + ?Sized> ReceiverTransport for Box<T> {
+    fn name(&self) -> &'static str {
+        (**self).name()
+    }
+    fn connect(&mut self, deadline: Instant) -> Result<Manifests> {
+        (**self).connect(deadline)
+    }
+    fn next_group(&mut self, deadline: Instant) -> Result<Option<Group>> {
+        (**self).next_group(deadline)
+    }
+    fn ack(&mut self, applied: &[(ModelId, Version)]) -> Result<()> {
+        (**self).ack(applied)
+    }
+    fn shutdown(&mut self) -> Result<()> {
+        (**self).shutdown()
+    }
+}
+
 /// Deadline `timeout` from now (saturating).
 pub fn deadline_in(timeout: Duration) -> Instant {
     let now = Instant::now();

@@ -11,21 +11,19 @@ use std::time::{Duration, Instant};
 use refit::prelude::*;
 use refit::runtime::node::{ClusterToken, TOKEN_ENV, TOKEN_FILE_ENV};
 use refit::runtime::{ReceiverTransport, SenderTransport, wire};
-use refit::transports::tcp::{
-    TcpConfig, TcpReceiver, TcpReceiverConfig, TcpReceiverSpec, TcpSender, TransferMode,
-};
+use refit::transports::link::{self, LinkFactory, LinkOptions, OpenedLink, Reach, ReceiverSpec};
+use refit::transports::shm::ShmLink;
+use refit::transports::tcp::{TcpConfig, TcpLink, TcpSender};
 use serde::Serialize;
 
 use super::stats::{Summary, fmt_bytes, fmt_secs, parse_bytes};
-
-mod broadcast;
 
 type BoxResult<T> = Result<T, Box<dyn StdError>>;
 
 const SIZES: [usize; 4] = [4 << 20, 64 << 20, 512 << 20, 2 << 30];
 const WAIT: Duration = Duration::from_secs(120);
-/// Largest size measured over TCP.
-const TCP_MAX: usize = 512 << 20;
+/// Largest size measured with transports whose receivers keep copies of their own.
+const COPIES_MAX: usize = 512 << 20;
 /// Largest size measured with copying shm receivers.
 const COPY_MODE_MAX: usize = 512 << 20;
 
@@ -46,7 +44,9 @@ pub(crate) struct BenchArgs {
     /// which the connect rows time apart).
     #[arg(long, default_value_t = 2)]
     warmup: usize,
-    /// Transports to measure (inproc, shm, tcp, file, broadcast).
+    /// Transports to measure, by name: any of the link factory's (inproc, shm, tcp, file,
+    /// ...); each gets the same rows, plus extra rows for some (shm read modes and loaned
+    /// slots, `refit pull` over tcp).
     #[arg(long, value_delimiter = ',', default_value = "inproc,shm,tcp,file")]
     transports: Vec<String>,
     /// Size of the model the strategy steps (rename/fuse, casts, delta) are measured on; 0 skips them.
@@ -71,7 +71,7 @@ pub(crate) struct BenchArgs {
 /// Arguments of the hidden child process.
 #[derive(Debug, clap::Args)]
 pub(crate) struct ChildArgs {
-    /// `tcp-sink`, `tcp-recv`, `shm-copy` / `shm-zero` or `bcast-recv`.
+    /// `tcp-sink`, `link` (a receiver of any transport) or `shm-copy` / `shm-zero`.
     role: String,
     /// Address or receiver token.
     target: String,
@@ -113,14 +113,7 @@ pub(crate) fn run(args: &BenchArgs) -> BoxResult<()> {
         )
         .into());
     }
-    for t in &args.transports {
-        if !["inproc", "shm", "tcp", "file", "broadcast"].contains(&t.as_str()) {
-            return Err(format!(
-                "unknown transport {t:?} (known: inproc, shm, tcp, file, broadcast)"
-            )
-            .into());
-        }
-    }
+    let links = link::parse_list(&args.transports.join(","))?;
     let mut rows = Vec::new();
     for &size in &sizes {
         let mut weights = make_weights(size, 16)?;
@@ -140,49 +133,30 @@ pub(crate) fn run(args: &BenchArgs) -> BoxResult<()> {
             memcpy,
             tcp: tcp.median,
         };
-        for t in &args.transports {
+        for &l in &links {
             for &n in &args.receivers {
-                eprintln!("refit bench: {t} {} N={n}", fmt_bytes(size));
-                match t.as_str() {
-                    "inproc" => rows.extend(bench_inproc(&weights, n, args, &base)?),
-                    // receivers keep the versions they pulled: above 512 MiB four of them
-                    // would not fit beside the sender in this machine's memory
-                    "tcp" if size > TCP_MAX => {}
-                    "tcp" => rows.extend(bench_tcp(&mut weights, n, args, &base)?),
-                    // receivers hold two versions each, as over tcp
-                    "broadcast" if size > TCP_MAX => {}
-                    "broadcast" => rows.extend(broadcast::bench(&mut weights, n, args, &base)?),
-                    // receivers copy each version into arenas of their own, as over tcp
-                    "file" if size > TCP_MAX => {}
-                    "file" => rows.extend(bench_file(&weights, n, args, &base)?),
-                    // copying receivers hold two private arenas each: above 512 MiB, four of
-                    // them would not fit beside the slots in this machine's memory
-                    _ if size > COPY_MODE_MAX => {
-                        for loaned in [true, false] {
-                            rows.extend(bench_shm(
-                                &mut weights,
-                                n,
-                                ShmReadMode::ZeroCopy,
-                                loaned,
-                                args,
-                                &base,
-                            )?);
-                        }
-                    }
-                    _ => {
-                        for (mode, loaned) in [
-                            (ShmReadMode::ZeroCopy, true),
-                            (ShmReadMode::ZeroCopy, false),
-                            (ShmReadMode::Copy, false),
-                        ] {
-                            rows.extend(bench_shm(&mut weights, n, mode, loaned, args, &base)?);
-                        }
+                // receivers that keep versions of their own: above 512 MiB four of them
+                // would not fit beside the sender in this machine's memory
+                if l.receivers_copy() && size > COPIES_MAX {
+                    continue;
+                }
+                eprintln!("refit bench: {} {} N={n}", l.name(), fmt_bytes(size));
+                rows.extend(bench_link(l, &mut weights, n, args, &base)?);
+                if l.name() == ShmLink.name() {
+                    // shared memory's extra rows: the sender filling a lent slot in place,
+                    // and (copying receivers hold two private arenas each: up to 512 MiB)
+                    // receivers copying out of the slots
+                    let loaned = (ShmReadMode::ZeroCopy, true);
+                    rows.extend(bench_shm(&mut weights, n, loaned, args, &base)?);
+                    if size <= COPY_MODE_MAX {
+                        let copying = (ShmReadMode::Copy, false);
+                        rows.extend(bench_shm(&mut weights, n, copying, args, &base)?);
                     }
                 }
             }
         }
     }
-    if args.pull_size > 0 && args.transports.iter().any(|t| t == "tcp") {
+    if args.pull_size > 0 && links.iter().any(|l| l.name() == TcpLink.name()) {
         eprintln!(
             "refit bench: refit pull of {} into {}",
             fmt_bytes(args.pull_size),
@@ -355,43 +329,102 @@ fn tcp_baseline(size: usize, iters: usize) -> BoxResult<Summary> {
     Ok(Summary::of(&samples[1..]))
 }
 
-/// Next version of the weights; copies them first (untimed) if a transport still holds the
-/// previous one (the TCP sender keeps recent versions for receivers still pulling).
+/// Next version of the weights, every tensor changed (its first byte: a delta moves every
+/// bucket, as a full transfer does); copies them first (untimed) if a transport still holds
+/// the previous one (the TCP sender keeps recent versions for receivers still pulling).
 fn bump(weights: &mut Arc<WeightSet>) -> BoxResult<()> {
     let ws = Arc::make_mut(weights);
-    ws.set_version(ws.version().next());
+    let next = ws.version().next();
+    let names: Vec<String> = ws
+        .manifest()
+        .tensors()
+        .iter()
+        .map(|t| t.name.clone())
+        .collect();
+    for name in &names {
+        if let Some(first) = ws.view_mut::<u8>(name)?.first_mut() {
+            *first = (next.get() as u8) | 1;
+        }
+    }
+    ws.set_version(next);
     Ok(())
 }
 
-fn bench_inproc(
-    weights: &Arc<WeightSet>,
+/// The rows every transport of the link factory gets, opened by name: its receivers are
+/// threads of this process when it cannot leave one, else processes (fresh ones for each
+/// of `--connect-runs` connects, the timed updates on the last ones); against memcpy, or
+/// raw loopback TCP for a transport that crosses hosts.
+fn bench_link(
+    l: &'static dyn LinkFactory,
+    weights: &mut Arc<WeightSet>,
     n: usize,
     args: &BenchArgs,
     base: &Baselines,
 ) -> BoxResult<Vec<Row>> {
     let size = weights.manifest().total_len();
-    let hub = InProc::new();
     let manifests = Manifests::new([(weights.model().clone(), Arc::clone(weights.manifest()))])?;
-    let receivers = (0..n).map(|_| hub.receiver()).collect();
-    // the weight set travels by pointer: each version shares one arena
-    let arena: Arc<dyn SharedBytes> = Arc::new(ArenaBytes(Arc::clone(weights)));
-    let (publish, e2e) = timed_threaded_updates(
-        hub.sender()?,
-        receivers,
-        manifests,
-        weights,
-        args.warmup + args.iters.max(20),
-        args.warmup,
-        |v| {
-            Ok(Arc::new(WeightSet::from_shared(
-                weights.model().clone(),
-                Version(v),
-                Arc::clone(weights.manifest()),
-                Arc::clone(&arena),
-            )?))
-        },
-    )?;
-    Ok(threaded_rows("inproc", size, n, &publish, &e2e, base))
+    let options = LinkOptions {
+        expected_receivers: n,
+        token: Some(bench_token().clone()),
+        ..LinkOptions::default()
+    };
+    if l.reach() == Reach::Process {
+        let opened = l.open(&manifests, &options)?;
+        let leftovers = opened.leftovers.clone();
+        let receivers = (0..n)
+            .map(|_| opened.spec.receiver(&LinkOptions::default()))
+            .collect::<Result<Vec<_>, _>>()?;
+        // every version shares one arena: what moves is the transport's own work
+        let arena: Arc<dyn SharedBytes> = Arc::new(ArenaBytes(Arc::clone(weights)));
+        let timed = timed_threaded_updates(
+            opened.sender,
+            receivers,
+            manifests,
+            weights,
+            args.warmup + args.iters.max(20),
+            args.warmup,
+            |v| {
+                Ok(Arc::new(WeightSet::from_shared(
+                    weights.model().clone(),
+                    Version(v),
+                    Arc::clone(weights.manifest()),
+                    Arc::clone(&arena),
+                )?))
+            },
+        );
+        OpenedLink::cleanup(&leftovers);
+        let (publish, e2e) = timed?;
+        return Ok(threaded_rows(l.name(), size, n, &publish, &e2e, base));
+    }
+    let runs = args.connect_runs.max(1);
+    let mut connect = Vec::with_capacity(runs);
+    let mut times = Times::default();
+    // fresh receiver processes each run: their connect pulls into memory never used
+    // before, as a user's first pull does; the timed updates run on the last ones
+    for run in 0..runs {
+        let opened = l.open(&manifests, &options)?;
+        let leftovers = opened.leftovers.clone();
+        let spec = opened.spec.to_token()?;
+        let t = with_receiver_processes(
+            opened.sender,
+            manifests.clone(),
+            &["link", &spec],
+            n,
+            weights,
+            false,
+            (run + 1 == runs).then_some(args),
+        );
+        OpenedLink::cleanup(&leftovers);
+        let t = t?;
+        connect.extend(t.connect.iter().copied());
+        times = t;
+    }
+    times.connect = connect;
+    let baseline = match l.reach() {
+        Reach::Network => ("tcp-loopback", base.tcp),
+        Reach::Process | Reach::Host => ("memcpy", base.memcpy.median),
+    };
+    Ok(times.rows(l.name(), size, n, baseline))
 }
 
 /// The two rows of a transport timed by [`timed_threaded_updates`], against memcpy.
@@ -484,43 +517,6 @@ where
     Ok((publish, e2e))
 }
 
-/// The file transport with `n` receiver threads, in a fresh directory of the system's
-/// temporary folder (on disk where that is a disk): publish writes and fsyncs a file.
-fn bench_file(
-    weights: &Arc<WeightSet>,
-    n: usize,
-    args: &BenchArgs,
-    base: &Baselines,
-) -> BoxResult<Vec<Row>> {
-    use refit::transports::file::{FileConfig, FileReceiver, FileSender};
-    let size = weights.manifest().total_len();
-    let dir = std::env::temp_dir().join(format!("refit-bench-file-{}", std::process::id()));
-    let manifests = Manifests::new([(weights.model().clone(), Arc::clone(weights.manifest()))])?;
-    let transport = FileSender::create(&FileConfig {
-        expected_receivers: n,
-        ..FileConfig::new(&dir)
-    })?;
-    let receivers = (0..n)
-        .map(|_| FileReceiver::new(transport.receiver_spec()))
-        .collect();
-    let result = timed_threaded_updates(
-        transport,
-        receivers,
-        manifests,
-        weights,
-        args.warmup + args.iters.max(5),
-        args.warmup,
-        |v| {
-            let mut ws = (**weights).clone();
-            ws.set_version(Version(v));
-            Ok(Arc::new(ws))
-        },
-    );
-    let _ = std::fs::remove_dir_all(&dir);
-    let (publish, e2e) = result?;
-    Ok(threaded_rows("file", size, n, &publish, &e2e, base))
-}
-
 struct ArenaBytes(Arc<WeightSet>);
 impl SharedBytes for ArenaBytes {
     fn bytes(&self) -> &[u8] {
@@ -533,8 +529,7 @@ impl SharedBytes for ArenaBytes {
 fn bench_shm(
     weights: &mut Arc<WeightSet>,
     n: usize,
-    mode: ShmReadMode,
-    loaned: bool,
+    (mode, loaned): (ShmReadMode, bool),
     args: &BenchArgs,
     base: &Baselines,
 ) -> BoxResult<Vec<Row>> {
@@ -586,15 +581,11 @@ pub(crate) fn child(args: &ChildArgs) -> BoxResult<()> {
             }
             Ok(())
         }
-        "tcp-recv" => {
-            let endpoint: TcpEndpoint = wire::from_token(&args.target)?;
-            let token = ClusterToken::from_env()?.ok_or("REFIT_TOKEN is not set")?;
-            let spec = TcpReceiverSpec::new(endpoint, &token);
-            let config = TcpReceiverConfig {
-                mode: TransferMode::Full,
-                ..TcpReceiverConfig::default()
-            };
-            let r = TcpReceiver::new(spec).with_config(config);
+        "link" => {
+            // any transport of the link factory; a tcp receiver presents the token of its
+            // environment (set by `spawn_child`)
+            let spec = ReceiverSpec::from_token(&args.target)?;
+            let r = spec.receiver(&LinkOptions::default())?;
             match ReceiverInit::new(r, None).connect(WAIT) {
                 Ok(r) => drain(r),
                 // a connect-only run: the sender may leave as soon as it has every
@@ -621,7 +612,6 @@ pub(crate) fn child(args: &ChildArgs) -> BoxResult<()> {
                 }
             }
         }
-        "bcast-recv" => broadcast::child(&args.target),
         other => Err(format!("unknown child role {other:?}").into()),
     }
 }
@@ -747,48 +737,10 @@ impl LoanSlots for ShmSender {
     }
 }
 
-impl LoanSlots for TcpSender {
+impl LoanSlots for Box<dyn SenderTransport> {
     fn loan_slot(&mut self, _: &WeightSet, _: Instant) -> BoxResult<WeightSet> {
-        Err("the tcp transport does not lend slots".into())
+        Err(format!("the {} transport does not lend slots here", self.name()).into())
     }
-}
-
-/// TCP with `n` receiver processes pulling full versions over parallel streams.
-fn bench_tcp(
-    weights: &mut Arc<WeightSet>,
-    n: usize,
-    args: &BenchArgs,
-    base: &Baselines,
-) -> BoxResult<Vec<Row>> {
-    let size = weights.manifest().total_len();
-    let manifests = Manifests::new([(weights.model().clone(), Arc::clone(weights.manifest()))])?;
-    let runs = args.connect_runs.max(1);
-    let mut connect = Vec::with_capacity(runs);
-    let mut times = Times::default();
-    // fresh receiver processes each run: their connect pulls into arenas never used before,
-    // as a user's first pull does; the timed updates run on the last one
-    for run in 0..runs {
-        let config = TcpConfig {
-            expected_receivers: n,
-            token: Some(bench_token().clone()),
-            ..TcpConfig::default()
-        };
-        let transport = TcpSender::bind(config, &manifests)?;
-        let token = wire::to_token(&transport.endpoint())?;
-        let t = with_receiver_processes(
-            transport,
-            manifests.clone(),
-            &["tcp-recv", &token],
-            n,
-            weights,
-            false,
-            (run + 1 == runs).then_some(args),
-        )?;
-        connect.extend(t.connect.iter().copied());
-        times = t;
-    }
-    times.connect = connect;
-    Ok(times.rows("tcp (full, 4 streams)", size, n, ("tcp-loopback", base.tcp)))
 }
 
 /// `refit pull` as a user runs it: a sender serves a model of four tensors (each far larger

@@ -1076,3 +1076,58 @@ mod tests {
         assert!(try_flock(&b, libc::LOCK_EX, &p).unwrap());
     }
 }
+
+/// The file transport in the link factory: the spec is the directory
+/// ([`FileReceiverSpec`]); without [`LinkOptions::dir`](crate::link::LinkOptions::dir) the
+/// sender writes into a new directory of the system's temporary folder, removed when the
+/// sender end drops (and listed in the link's leftovers).
+#[derive(Debug, Clone, Copy)]
+pub struct FileLink;
+
+impl crate::link::LinkFactory for FileLink {
+    fn name(&self) -> &'static str {
+        NAME
+    }
+    fn about(&self) -> &'static str {
+        "a directory of safetensors files, one per version, readable by any safetensors reader"
+    }
+    fn reach(&self) -> crate::link::Reach {
+        crate::link::Reach::Host
+    }
+    fn receivers_copy(&self) -> bool {
+        true
+    }
+    fn open(
+        &self,
+        _: &Manifests,
+        options: &crate::link::LinkOptions,
+    ) -> Result<crate::link::OpenedLink> {
+        let (dir, leftovers) = match &options.dir {
+            Some(d) => (d.clone(), Vec::new()),
+            None => {
+                let d = std::env::temp_dir().join(format!("refit-link-{}", uuid::Uuid::new_v4()));
+                (d.clone(), vec![d])
+            }
+        };
+        let sender = FileSender::create(&FileConfig {
+            expected_receivers: options.expected_receivers,
+            ..FileConfig::new(dir)
+        })?;
+        let spec = sender.receiver_spec();
+        let about = format!("directory {}", spec.dir.display());
+        Ok(crate::link::OpenedLink {
+            spec: crate::link::ReceiverSpec::new(self, &spec, about)?,
+            sender: Box::new(crate::link::RemoveOnDrop::new(sender, leftovers.clone())),
+            leftovers,
+        })
+    }
+    fn receiver(
+        &self,
+        spec: &crate::link::ReceiverSpec,
+        _: &crate::link::LinkOptions,
+    ) -> Result<Box<dyn refit_runtime::ReceiverTransport>> {
+        spec.check_transport(self)?;
+        let s: FileReceiverSpec = spec.params()?;
+        Ok(Box::new(FileReceiver::new(s)))
+    }
+}

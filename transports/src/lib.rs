@@ -10,10 +10,14 @@
 //! - [`gpu`]: the CUDA/NCCL probe (feature `cuda`); GPU transports build on it.
 //! - [`tcp`]: processes on one host or many; a sender agent serves versions that receivers
 //!   pull over parallel streams (full or delta, checksummed, relayed receiver to receiver).
-//! - [`file`]: a directory of safetensors files, one per version (tmp name, fsync, rename),
-//!   a pointer naming the newest; readable by any safetensors reader, checksummed for Refit.
+//! - [`file`](mod@file): a directory of safetensors files, one per version (tmp name, fsync,
+//!   rename), a pointer naming the newest; readable by any safetensors reader, checksummed
+//!   for Refit.
 //! - [`shm`]: processes of one host; a segment per model with N slots, a seqlock header per
 //!   slot, readers pinned to the slot they use, futex wake-ups.
+//!
+//! - [`link`]: transports as values: a factory per transport, by name, and the
+//!   [`ReceiverSpec`](link::ReceiverSpec) a sender end ships to its receivers.
 //!
 //! Errors are the runtime's [`refit_runtime::Error`]: the transport traits return it, so a
 //! second enum here would only be converted back.
@@ -24,6 +28,7 @@ pub mod collective;
 pub mod file;
 pub mod gpu;
 pub mod inproc;
+pub mod link;
 mod pool;
 pub mod shm;
 pub mod tcp;

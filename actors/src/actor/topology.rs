@@ -15,8 +15,9 @@ use std::time::{Duration, Instant};
 
 use actix::prelude::*;
 use refit_runtime::sync_policy::{StalenessStats, SyncConfig, SyncMode};
+use refit_runtime::topology::TransportKind;
 use refit_runtime::{Manifests, ModelId, ReceiverInit, SenderInit, Version};
-use refit_transports::inproc::InProc;
+use refit_transports::link::{self, LinkOptions};
 use tracing::Instrument;
 
 use crate::error::{Error, Result};
@@ -214,12 +215,21 @@ pub async fn run<R: Roles>(cfg: RunConfig, roles: R) -> Result<RunReport> {
             )));
         }
         let manifests = Manifests::new([(spec.id.clone(), Arc::clone(initial.manifest()))])?;
-        let hub = InProc::new();
-        let receiver = ReceiverInit::new(hub.receiver(), Some(manifests.clone()));
+        // both ends in this process: the link factory's in-process transport, by the name
+        // the topology resolves for a link inside one rank
+        let opened = link::open(
+            TransportKind::InProc.as_str(),
+            &manifests,
+            &LinkOptions::default(),
+        )?;
+        let receiver = ReceiverInit::new(
+            opened.spec.receiver(&LinkOptions::default())?,
+            Some(manifests.clone()),
+        );
         let wait = cfg.wait;
         let (sender, receiver) = std::thread::scope(|s| {
             let r = s.spawn(move || receiver.connect(wait));
-            let sender = SenderInit::new(hub.sender()?, manifests).connect(vec![initial], wait);
+            let sender = SenderInit::new(opened.sender, manifests).connect(vec![initial], wait);
             let receiver = r
                 .join()
                 .map_err(|_| refit_runtime::Error::State("receiver connect thread panicked"))?;

@@ -26,6 +26,7 @@
 //! [`BroadcastConfig::heartbeat`], and a receiver that hears nothing for
 //! [`BroadcastConfig::idle_timeout`] reports the sender as gone.
 
+mod link;
 mod messages;
 mod receiver;
 mod sender;
@@ -37,6 +38,7 @@ use refit_runtime::{ModelId, Result, Version};
 
 use crate::collective::{Communicator, CpuComm, CpuConfig, Membership, Rendezvous};
 
+pub use link::BroadcastLink;
 pub use messages::Prepare;
 pub use receiver::{BroadcastReceiver, PrepareHook};
 pub use sender::BroadcastSender;

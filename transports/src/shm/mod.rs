@@ -43,6 +43,7 @@ mod collect;
 mod futex;
 mod layout;
 pub(crate) mod lease;
+mod link;
 mod segment;
 #[cfg(test)]
 mod tests;
@@ -64,6 +65,7 @@ use serde::{Deserialize, Serialize};
 use layout::*;
 pub use layout::{MAX_MODELS, MAX_SLOTS};
 use lease::{Heartbeat, Identity};
+pub use link::ShmLink;
 use segment::Segment;
 
 use crate::pool::{BufPool, PooledBuf};

@@ -14,6 +14,7 @@ use std::time::Duration;
 use refit_runtime::{BucketPlan, Error, Result, WeightSet};
 
 use super::NAME;
+use super::wait::wait_changes;
 
 /// Not pulled by this transfer (for a delta: copied from the base before the pull began).
 const ABSENT: u8 = 0;
@@ -210,21 +211,20 @@ impl InFlight {
     /// did not land within the wait.
     pub(crate) async fn landed(&self, i: usize) -> std::result::Result<(&[u8], u64), String> {
         let deadline = tokio::time::Instant::now() + self.wait;
-        loop {
-            let notified = self.notify.notified();
-            tokio::pin!(notified);
-            notified.as_mut().enable();
-            if let Some(done) = self.landed_now(i)? {
-                return Ok(done);
-            }
-            if tokio::time::timeout_at(deadline, notified).await.is_err() {
-                return Err(format!(
+        let arm = || {
+            let mut landing = Box::pin(self.notify.notified());
+            landing.as_mut().enable();
+            landing
+        };
+        wait_changes(deadline, None, arm, || self.landed_now(i))
+            .await?
+            .ok_or_else(|| {
+                format!(
                     "bucket {i} of version {} did not land within {:?}",
                     self.version(),
                     self.wait
-                ));
-            }
-        }
+                )
+            })
     }
 
     /// The weights, once every expected bucket has landed.

@@ -47,9 +47,12 @@
 
 mod data;
 mod inflight;
+mod link;
 mod messages;
 mod receiver;
+mod relay;
 mod sender;
+mod wait;
 
 use std::net::SocketAddr;
 use std::time::Duration;
@@ -60,6 +63,7 @@ use serde::{Deserialize, Serialize};
 use uuid::Uuid;
 
 pub use data::Sink;
+pub use link::TcpLink;
 pub use messages::{RECEIVE_WEIGHTS, TransferMode};
 pub use receiver::{SinkSource, TcpReceiver, TcpReceiverConfig};
 pub use sender::TcpSender;

@@ -11,7 +11,7 @@
 //! register (the scheme checks them against the ones they expect), so one plan per model
 //! serves every receiver and is replayed for every version.
 
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::collections::{BTreeMap, VecDeque};
 use std::net::SocketAddr;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
@@ -29,6 +29,8 @@ use uuid::Uuid;
 
 use super::data::{Serve, ServeStats, Source, Sums, serve_pull};
 use super::messages::*;
+use super::relay::{RelayBook, Src, Want};
+use super::wait::wait_changes;
 use super::{NAME, TcpConfig, TcpEndpoint, TcpReceiverSpec};
 
 #[derive(Debug, Default)]
@@ -45,71 +47,31 @@ struct ModelSlot {
 struct Recv {
     uuid: Uuid,
     node: SocketAddr,
-    relay: bool,
     conn: ConnId,
-    holds: BTreeMap<ModelId, VecDeque<Version>>,
     peer: Option<Peer>,
-    busy: usize,
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Src {
-    Sender,
-    Receiver(u32),
 }
 
 #[derive(Debug)]
-struct Lease {
-    source: Src,
-    puller: u32,
-    model: ModelId,
-    version: Version,
-    /// The buckets the puller pulls (ascending): while it pulls them, it can relay them.
-    buckets: Arc<Vec<u32>>,
-    /// The puller relays the buckets as they land (false: only once it holds the version).
-    relay_in_flight: bool,
-    expires: Instant,
-    /// When the transfer was granted (the sender side of the `wire` phase).
-    granted: Instant,
-}
-
-#[derive(Debug, Default)]
 struct State {
     models: BTreeMap<ModelId, ModelSlot>,
     receivers: BTreeMap<u32, Recv>,
     next_id: u32,
     acks: AckBook,
-    leases: HashMap<u64, Lease>,
-    next_lease: u64,
-    sender_busy: usize,
+    /// Which source serves which pull, and the leases (plain bookkeeping taking `now`).
+    relays: RelayBook,
     closed: bool,
 }
 
 impl State {
-    fn release(&mut self, lease: u64) -> Option<Lease> {
-        let l = self.leases.remove(&lease)?;
-        match l.source {
-            Src::Sender => self.sender_busy = self.sender_busy.saturating_sub(1),
-            Src::Receiver(r) => {
-                if let Some(rc) = self.receivers.get_mut(&r) {
-                    rc.busy = rc.busy.saturating_sub(1);
-                }
-            }
+    fn new(cfg: &TcpConfig) -> Self {
+        Self {
+            models: BTreeMap::new(),
+            receivers: BTreeMap::new(),
+            next_id: 0,
+            acks: AckBook::default(),
+            relays: RelayBook::new(cfg.relay, cfg.relay_fanout, cfg.transfer_timeout),
+            closed: false,
         }
-        Some(l)
-    }
-
-    fn reap(&mut self, now: Instant) -> bool {
-        let expired: Vec<u64> = self
-            .leases
-            .iter()
-            .filter(|(_, l)| l.expires <= now)
-            .map(|(k, _)| *k)
-            .collect();
-        for k in &expired {
-            self.release(*k);
-        }
-        !expired.is_empty()
     }
 
     fn remove_receiver(&mut self, id: u32) {
@@ -117,15 +79,7 @@ impl State {
             return;
         }
         self.acks.remove(id);
-        let gone: Vec<u64> = self
-            .leases
-            .iter()
-            .filter(|(_, l)| l.puller == id || l.source == Src::Receiver(id))
-            .map(|(k, _)| *k)
-            .collect();
-        for k in gone {
-            self.release(k);
-        }
+        self.relays.leave(id);
     }
 }
 
@@ -184,7 +138,6 @@ impl Agent {
 
     /// One attempt at a plan; `None` means "wait for a source to free up".
     fn plan(&self, st: &mut State, req: &TransferReq) -> Option<Result<TransferReply>> {
-        st.reap(Instant::now());
         let Some(slot) = st.models.get_mut(&req.model) else {
             return Some(Err(Error::UnknownModel(req.model.clone())));
         };
@@ -227,69 +180,24 @@ impl Agent {
                 .collect(),
         };
         let full = changed.is_none();
-        let fanout = self.cfg.relay_fanout.max(1);
-        let source = if self.cfg.relay && !buckets.is_empty() {
-            // receivers that hold the version, or pull every bucket asked for right now (they
-            // relay each bucket as it lands, so a chain of them pipelines bucket by bucket)
-            let pulling: Vec<u32> = st
-                .leases
-                .values()
-                .filter(|l| {
-                    l.relay_in_flight
-                        && l.model == req.model
-                        && l.version == req.version
-                        && l.source != Src::Receiver(req.receiver)
-                        && is_subset(&buckets, &l.buckets)
-                })
-                .map(|l| l.puller)
-                .collect();
-            let relays: Vec<(u32, usize)> = st
-                .receivers
-                .iter()
-                .filter(|(id, r)| {
-                    **id != req.receiver
-                        && r.relay
-                        && (pulling.contains(id)
-                            || r.holds
-                                .get(&req.model)
-                                .is_some_and(|h| h.contains(&req.version)))
-                })
-                .map(|(id, r)| (*id, r.busy))
-                .collect();
-            // each byte leaves the sender about once: a free relay goes first
-            match relays.into_iter().min_by_key(|h| h.1) {
-                Some((id, busy)) if busy < fanout => Src::Receiver(id),
-                _ => (st.sender_busy < fanout).then_some(Src::Sender)?,
-            }
-        } else {
-            Src::Sender
+        let want = Want {
+            receiver: req.receiver,
+            model: &req.model,
+            version: req.version,
+            buckets: &buckets,
+            relay_in_flight: req.relay_in_flight,
         };
+        let (lease, source) = st.relays.grant(want, Instant::now())?;
         let (addr, target) = match source {
             Src::Sender => (self.addr, self.id),
-            Src::Receiver(r) => {
-                let rc = st.receivers.get_mut(&r)?;
-                rc.busy += 1;
-                (rc.node, rc.uuid)
-            }
-        };
-        if source == Src::Sender {
-            st.sender_busy += 1;
-        }
-        st.next_lease += 1;
-        let lease = st.next_lease;
-        st.leases.insert(
-            lease,
-            Lease {
-                source,
-                puller: req.receiver,
-                model: req.model.clone(),
-                version: req.version,
-                buckets: Arc::new(buckets.clone()),
-                relay_in_flight: req.relay_in_flight,
-                expires: Instant::now() + self.cfg.transfer_timeout,
-                granted: Instant::now(),
+            Src::Receiver(r) => match st.receivers.get(&r) {
+                Some(rc) => (rc.node, rc.uuid),
+                None => {
+                    st.relays.release(lease);
+                    return None;
+                }
             },
-        );
+        };
         Some(Ok(TransferReply::Plan(Plan {
             lease,
             source: addr,
@@ -302,12 +210,6 @@ impl Agent {
             checksums: sums.pieces.clone(),
         })))
     }
-}
-
-/// True when every element of `small` is in `big` (both strictly ascending).
-fn is_subset(small: &[u32], big: &[u32]) -> bool {
-    let mut it = big.iter();
-    small.iter().all(|x| it.any(|y| y == x))
 }
 
 /// The sending end: a sender agent on a node.
@@ -365,11 +267,12 @@ impl TcpSender {
         }
         let addr = super::advertised("the tcp sender", node.addr(), config.advertise)?;
         let (changed, _) = watch::channel(0);
+        let state = Mutex::new(State::new(&config));
         let agent = Arc::new(Agent {
             id: Uuid::new_v4(),
             addr,
             cfg: config,
-            state: Mutex::new(State::default()),
+            state,
             cv: Condvar::new(),
             changed,
             stats: ServeStats::default(),
@@ -547,13 +450,11 @@ fn register_handlers(node: &Node, agent: &Arc<Agent>, manifests: Manifests) {
                 Recv {
                     uuid: r.receiver,
                     node: r.node,
-                    relay: r.relay,
                     conn: info.conn,
-                    holds: BTreeMap::new(),
                     peer: None,
-                    busy: 0,
                 },
             );
+            st.relays.join(id, r.relay);
             let latest = st
                 .models
                 .iter()
@@ -569,28 +470,29 @@ fn register_handlers(node: &Node, agent: &Arc<Agent>, manifests: Manifests) {
     node.register(target, TRANSFER, move |info: CallInfo, r: TransferReq| {
         let a = Arc::clone(&a);
         async move {
-            let mut rx = a.changed.subscribe();
+            let rx = a.changed.subscribe();
             let deadline = tokio::time::Instant::from_std(info.deadline);
-            loop {
-                {
-                    let mut st = a.lock();
-                    if !st.receivers.contains_key(&r.receiver) {
-                        return Err(Error::State("unknown receiver: register first"));
-                    }
-                    if let Some(reply) = a.plan(&mut st, &r) {
-                        return reply;
-                    }
+            // re-plan on every change; wake now and then too, for leases that expire
+            let arm = || {
+                let mut next = rx.clone();
+                next.borrow_and_update();
+                async move {
+                    let _ = next.changed().await;
                 }
-                // wait for a source to free up; wake now and then to reap expired leases
-                let tick = (tokio::time::Instant::now() + Duration::from_millis(200)).min(deadline);
-                let _ = tokio::time::timeout_at(tick, rx.changed()).await;
-                if tokio::time::Instant::now() >= deadline {
-                    return Err(Error::Timeout {
-                        what: format!("a free source for `{}` version {}", r.model, r.version),
-                        after: Duration::ZERO,
-                    });
+            };
+            let plan = || {
+                let mut st = a.lock();
+                if !st.receivers.contains_key(&r.receiver) {
+                    return Err(Error::State("unknown receiver: register first"));
                 }
-            }
+                a.plan(&mut st, &r).transpose()
+            };
+            wait_changes(deadline, Some(Duration::from_millis(200)), arm, plan)
+                .await?
+                .ok_or_else(|| Error::Timeout {
+                    what: format!("a free source for `{}` version {}", r.model, r.version),
+                    after: Duration::ZERO,
+                })
         }
     });
     let a = Arc::clone(agent);
@@ -598,29 +500,12 @@ fn register_handlers(node: &Node, agent: &Arc<Agent>, manifests: Manifests) {
         let a = Arc::clone(&a);
         async move {
             let mut st = a.lock();
-            if let Some(l) = st.release(d.lease) {
+            if let Some(l) = st.relays.done(d.lease, d.ok) {
                 if d.ok {
-                    let took = l.granted.elapsed();
-                    metrics::record(Phase::Wire, NAME, l.model.as_str(), took);
-                    if let Some(r) = st.receivers.get_mut(&d.receiver) {
-                        let h = r.holds.entry(l.model).or_default();
-                        h.push_back(l.version);
-                        while h.len() > 2 {
-                            h.pop_front();
-                        }
-                    }
+                    metrics::record(Phase::Wire, NAME, l.model.as_str(), l.granted.elapsed());
                 } else {
+                    // a relay that failed is no longer offered this version (the book's rule)
                     tracing::warn!(receiver = d.receiver, reason = %d.reason, "transfer failed");
-                    if let Src::Receiver(src) = l.source {
-                        // the relay failed: stop sending others to it for this version
-                        if let Some(h) = st
-                            .receivers
-                            .get_mut(&src)
-                            .and_then(|r| r.holds.get_mut(&l.model))
-                        {
-                            h.retain(|v| *v != l.version);
-                        }
-                    }
                 }
             }
             drop(st);

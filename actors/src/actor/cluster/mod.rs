@@ -58,7 +58,7 @@ use super::topology::{
 };
 use super::workers::Trainer;
 use gate::{ActRoute, RankGate, RankLost};
-use links::LinkSpec;
+use refit_transports::link::ReceiverSpec;
 use rendezvous::{RankDeath, Rendezvous, STOP_KEY, rank_key};
 
 /// The store key rank 0 sets once every rank joined and version 1 serves everywhere: the
@@ -232,7 +232,7 @@ struct Segments(Vec<std::path::PathBuf>);
 
 impl Drop for Segments {
     fn drop(&mut self) {
-        links::remove_segments(&self.0);
+        links::remove_leftovers(&self.0);
     }
 }
 
@@ -296,7 +296,7 @@ fn prepare_lead<R: Roles>(
                 spec.id
             );
         }
-        segments.0.extend(out.segments);
+        segments.0.extend(out.leftovers);
         rv.put(&weights_key(&spec.id), &out.specs)?;
         trainers.push(Trainer::start_with_outlet(learner, out.outlet));
     }
@@ -648,13 +648,16 @@ fn follow<R: Roles>(
     for spec in specs {
         let policy = roles.policy(spec)?;
         let expected = Manifests::new([(spec.id.clone(), Arc::new(policy.weight_manifest()?))])?;
-        let links: Vec<LinkSpec> = rv.take(&weights_key(&spec.id), wait)?;
-        let link = links.iter().find(|l| l.kind() == kind).ok_or_else(|| {
-            Error::Config(format!(
-                "{who}: rank 0 opened no {kind} link for model `{}`",
-                spec.id
-            ))
-        })?;
+        let links: Vec<ReceiverSpec> = rv.take(&weights_key(&spec.id), wait)?;
+        let link = links
+            .iter()
+            .find(|l| l.transport() == kind.as_str())
+            .ok_or_else(|| {
+                Error::Config(format!(
+                    "{who}: rank 0 opened no {kind} link for model `{}`",
+                    spec.id
+                ))
+            })?;
         let inlet = links::connect_inlet(&spec.id, link, rv.node(), expected, wait)?;
         engine = engine.with_model(spec.id.clone(), policy, Some(inlet))?;
         println!(

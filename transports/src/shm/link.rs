@@ -1,0 +1,48 @@
+//! The shared-memory transport in the link factory.
+
+use refit_runtime::{Manifests, ReceiverTransport, Result};
+
+use super::{ShmConfig, ShmReceiver, ShmReceiverSpec, ShmSender};
+use crate::link::{LinkFactory, LinkOptions, OpenedLink, Reach, ReceiverSpec};
+
+/// Shared memory in the link factory: the spec is the board's path ([`ShmReceiverSpec`]);
+/// the segment files are the link's leftovers.
+#[derive(Debug, Clone, Copy)]
+pub struct ShmLink;
+
+impl LinkFactory for ShmLink {
+    fn name(&self) -> &'static str {
+        super::NAME
+    }
+    fn about(&self) -> &'static str {
+        "processes of one host: slots in shared memory, readers map them in place"
+    }
+    fn reach(&self) -> Reach {
+        Reach::Host
+    }
+    fn receivers_copy(&self) -> bool {
+        false
+    }
+    fn open(&self, manifests: &Manifests, options: &LinkOptions) -> Result<OpenedLink> {
+        let mut config = ShmConfig {
+            expected_receivers: options.expected_receivers,
+            ..ShmConfig::default()
+        };
+        if let Some(dir) = &options.dir {
+            config.dir.clone_from(dir);
+        }
+        let sender = ShmSender::create(&config, manifests)?;
+        let spec = sender.receiver_spec();
+        let about = format!("board {}", spec.board.display());
+        Ok(OpenedLink {
+            spec: ReceiverSpec::new(self, &spec, about)?,
+            leftovers: sender.segment_paths(),
+            sender: Box::new(sender),
+        })
+    }
+    fn receiver(&self, spec: &ReceiverSpec, _: &LinkOptions) -> Result<Box<dyn ReceiverTransport>> {
+        spec.check_transport(self)?;
+        let s: ShmReceiverSpec = spec.params()?;
+        Ok(Box::new(ShmReceiver::new(s)))
+    }
+}

@@ -1,0 +1,71 @@
+//! The TCP transport in the link factory.
+
+use refit_runtime::{Error, Manifests, ReceiverTransport, Result};
+
+use super::{TcpConfig, TcpEndpoint, TcpReceiver, TcpReceiverConfig, TcpReceiverSpec, TcpSender};
+use crate::link::{LinkFactory, LinkOptions, OpenedLink, Reach, ReceiverSpec};
+
+/// TCP in the link factory: the spec is the sender agent's [`TcpEndpoint`] (no token); the
+/// receiver adds the token of its options, its node or its environment.
+#[derive(Debug, Clone, Copy)]
+pub struct TcpLink;
+
+impl LinkFactory for TcpLink {
+    fn name(&self) -> &'static str {
+        super::NAME
+    }
+    fn about(&self) -> &'static str {
+        "processes on any hosts: receivers pull over parallel streams and relay to each other"
+    }
+    fn reach(&self) -> Reach {
+        Reach::Network
+    }
+    fn receivers_copy(&self) -> bool {
+        true
+    }
+    fn open(&self, manifests: &Manifests, options: &LinkOptions) -> Result<OpenedLink> {
+        let config = TcpConfig {
+            expected_receivers: options.expected_receivers,
+            token: options.token.clone(),
+            ..TcpConfig::default()
+        };
+        let sender = match &options.node {
+            Some(node) => TcpSender::on_node(node, config, manifests)?,
+            None => TcpSender::bind(config, manifests)?,
+        };
+        let e = sender.endpoint();
+        let about = format!("sender agent {} at {}", e.agent, e.addr);
+        Ok(OpenedLink {
+            spec: ReceiverSpec::new(self, &e, about)?,
+            sender: Box::new(sender),
+            leftovers: Vec::new(),
+        })
+    }
+    fn receiver(
+        &self,
+        spec: &ReceiverSpec,
+        options: &LinkOptions,
+    ) -> Result<Box<dyn ReceiverTransport>> {
+        spec.check_transport(self)?;
+        let endpoint: TcpEndpoint = spec.params()?;
+        let token = options.token_or_env()?.ok_or_else(|| {
+            Error::Config(format!(
+                "no cluster token to register with the tcp sender at {}: set {} or {}",
+                endpoint.addr,
+                refit_runtime::node::TOKEN_ENV,
+                refit_runtime::node::TOKEN_FILE_ENV
+            ))
+        })?;
+        let mut r = TcpReceiver::new(TcpReceiverSpec::new(endpoint, &token));
+        if let Some(node) = &options.node {
+            r = r.with_node(node.clone());
+        }
+        if let Some(call_timeout) = options.call_timeout {
+            r = r.with_config(TcpReceiverConfig {
+                call_timeout,
+                ..TcpReceiverConfig::default()
+            });
+        }
+        Ok(Box::new(r))
+    }
+}
