@@ -4,12 +4,9 @@
 
 use std::net::{IpAddr, Ipv4Addr, SocketAddr, UdpSocket};
 use std::sync::Arc;
-use std::time::Instant;
 
 use refit_runtime::node::{ClusterToken, Node, NodeConfig, Store, StoreClient};
-use refit_runtime::{
-    Error, Group, Manifests, ModelId, ReceiverTransport, Result, SenderTransport, Version,
-};
+use refit_runtime::{Error, Manifests, ReceiverTransport, Result};
 use serde::{Deserialize, Serialize};
 
 use super::{BroadcastConfig, BroadcastReceiver, BroadcastSender};
@@ -33,15 +30,6 @@ const CONNECT: std::time::Duration = std::time::Duration::from_secs(30);
 impl LinkFactory for BroadcastLink {
     fn name(&self) -> &'static str {
         "broadcast"
-    }
-    fn about(&self) -> &'static str {
-        "processes on any hosts: rank 0 broadcasts every bucket once down a chain of receivers"
-    }
-    fn reach(&self) -> Reach {
-        Reach::Network
-    }
-    fn receivers_copy(&self) -> bool {
-        true
     }
     fn open(&self, _manifests: &Manifests, options: &LinkOptions) -> Result<OpenedLink> {
         if options.expected_receivers == 0 {
@@ -79,54 +67,55 @@ impl LinkFactory for BroadcastLink {
         let about = format!("group {} with its store at {}", params.group, params.store);
         Ok(OpenedLink {
             spec: ReceiverSpec::new(self, &params, about)?,
-            sender: Box::new(WithNode {
-                end: sender,
-                _node: node,
-            }),
+            sender: Box::new(sender.keeping(node)),
             leftovers: Vec::new(),
         })
     }
-    fn receiver(
-        &self,
-        spec: &ReceiverSpec,
-        options: &LinkOptions,
-    ) -> Result<Box<dyn ReceiverTransport>> {
-        spec.check_transport(self)?;
-        let params: Params = spec.params()?;
-        let token = options.token_or_env()?.ok_or_else(|| {
-            Error::Config(format!(
-                "no cluster token to join the broadcast group at {}: set {} or {}",
-                params.store,
-                refit_runtime::node::TOKEN_ENV,
-                refit_runtime::node::TOKEN_FILE_ENV
-            ))
-        })?;
-        let node = match &options.node {
-            Some(n) => n.clone(),
-            None => Node::loopback(token.clone())?,
-        };
-        // listen where the store's host reaches this process
-        let ip = options
-            .node
-            .as_ref()
-            .map_or_else(|| route_to(params.store), |n| n.addr().ip());
-        let client = StoreClient::connect(&node, params.store, CONNECT)?;
-        let k = client.add(&format!("refit/coll/{}/next-member", params.group), 1)?;
-        let config = BroadcastConfig {
-            bucket_size: params.bucket_size,
-            ..BroadcastConfig::new(params.group)
-        };
-        let r = BroadcastReceiver::new(
-            CpuConfig::new(token).with_bind(ip),
-            Arc::new(client),
-            config,
-            format!("b{k}"),
-        )?;
-        Ok(Box::new(WithNode {
-            end: r,
-            _node: node,
-        }))
+    fn about(&self) -> &'static str {
+        "processes on any hosts: rank 0 broadcasts every bucket once down a chain of receivers"
     }
+    fn receiver(&self, spec: &ReceiverSpec, o: &LinkOptions) -> Result<Box<dyn ReceiverTransport>> {
+        spec.check_transport(self)?;
+        Ok(Box::new(join(spec.params()?, o)?))
+    }
+    fn reach(&self) -> Reach {
+        // the chain runs over TCP: ranks on any hosts that reach each other
+        Reach::Network
+    }
+    fn receivers_copy(&self) -> bool {
+        // each receiver assembles versions in arenas of its own
+        true
+    }
+}
+
+/// A receiver end of the group `params` names, under the next free member name.
+fn join(params: Params, options: &LinkOptions) -> Result<BroadcastReceiver<CpuConfig>> {
+    let Some(token) = options.token_or_env()? else {
+        return Err(Error::Config(format!(
+            "no cluster token to join the broadcast group at {}: set {} or {}",
+            params.store,
+            refit_runtime::node::TOKEN_ENV,
+            refit_runtime::node::TOKEN_FILE_ENV
+        )));
+    };
+    // listen where the store's host reaches this process
+    let (node, ip) = match &options.node {
+        Some(n) => (n.clone(), n.addr().ip()),
+        None => (Node::loopback(token.clone())?, route_to(params.store)),
+    };
+    let client = StoreClient::connect(&node, params.store, CONNECT)?;
+    let k = client.add(&format!("refit/coll/{}/next-member", params.group), 1)?;
+    let config = BroadcastConfig {
+        bucket_size: params.bucket_size,
+        ..BroadcastConfig::new(params.group)
+    };
+    let end = BroadcastReceiver::new(
+        CpuConfig::new(token).with_bind(ip),
+        Arc::new(client),
+        config,
+        format!("b{k}"),
+    )?;
+    Ok(end.keeping(node))
 }
 
 /// The local address a packet to `to` would leave from (no packet is sent); loopback when
@@ -136,47 +125,4 @@ fn route_to(to: SocketAddr) -> IpAddr {
     UdpSocket::bind(any)
         .and_then(|s| s.connect(to).and_then(|()| s.local_addr()))
         .map_or(IpAddr::V4(Ipv4Addr::LOCALHOST), |a| a.ip())
-}
-
-/// A transport end and the node its store (client) runs on, dropped after the end.
-#[derive(Debug)]
-struct WithNode<T> {
-    end: T,
-    _node: Node,
-}
-
-impl SenderTransport for WithNode<BroadcastSender<CpuConfig>> {
-    fn name(&self) -> &'static str {
-        self.end.name()
-    }
-    fn connect(&mut self, initial: &Group, deadline: Instant) -> Result<()> {
-        self.end.connect(initial, deadline)
-    }
-    fn publish(&mut self, group: &Group, deadline: Instant) -> Result<()> {
-        self.end.publish(group, deadline)
-    }
-    fn wait_acks(&mut self, entries: &[(ModelId, Version)], deadline: Instant) -> Result<()> {
-        self.end.wait_acks(entries, deadline)
-    }
-    fn shutdown(&mut self) -> Result<()> {
-        self.end.shutdown()
-    }
-}
-
-impl ReceiverTransport for WithNode<BroadcastReceiver<CpuConfig>> {
-    fn name(&self) -> &'static str {
-        self.end.name()
-    }
-    fn connect(&mut self, deadline: Instant) -> Result<Manifests> {
-        self.end.connect(deadline)
-    }
-    fn next_group(&mut self, deadline: Instant) -> Result<Option<Group>> {
-        self.end.next_group(deadline)
-    }
-    fn ack(&mut self, applied: &[(ModelId, Version)]) -> Result<()> {
-        self.end.ack(applied)
-    }
-    fn shutdown(&mut self) -> Result<()> {
-        self.end.shutdown()
-    }
 }

@@ -40,6 +40,8 @@ pub struct BroadcastReceiver<K: Connector> {
     seqs: Seqs,
     stop: Arc<AtomicBool>,
     thread: Option<JoinHandle<()>>,
+    /// A node this end keeps running (the one its store client uses), dropped after it.
+    keep: Option<refit_runtime::node::Node>,
 }
 
 impl<K: Connector> std::fmt::Debug for BroadcastReceiver<K> {
@@ -76,6 +78,7 @@ impl<K: Connector> BroadcastReceiver<K> {
             seqs: Arc::default(),
             stop: Arc::new(AtomicBool::new(false)),
             thread: None,
+            keep: None,
         })
     }
 
@@ -94,6 +97,13 @@ impl<K: Connector> BroadcastReceiver<K> {
     /// This receiver's name.
     pub fn member(&self) -> &str {
         &self.member
+    }
+
+    /// Keeps `node` running as long as this end (the node its store client uses).
+    #[must_use]
+    pub fn keeping(mut self, node: refit_runtime::node::Node) -> Self {
+        self.keep = Some(node);
+        self
     }
 }
 

@@ -49,6 +49,8 @@ pub struct BroadcastSender<K: Connector> {
     seq: u64,
     sent_in: HashMap<(ModelId, Version), u64>,
     stats: Arc<BroadcastStats>,
+    /// A node this end keeps running (the one serving its store), dropped after it.
+    keep: Option<refit_runtime::node::Node>,
 }
 
 impl<K: Connector> BroadcastSender<K> {
@@ -83,6 +85,7 @@ impl<K: Connector> BroadcastSender<K> {
             seq: 0,
             sent_in: HashMap::new(),
             stats: Arc::default(),
+            keep: None,
         })
     }
 
@@ -99,6 +102,13 @@ impl<K: Connector> BroadcastSender<K> {
     /// The current membership generation (0 before `connect`).
     pub fn generation(&self) -> u64 {
         self.generation
+    }
+
+    /// Keeps `node` running as long as this end (the node serving or reaching its store).
+    #[must_use]
+    pub fn keeping(mut self, node: refit_runtime::node::Node) -> Self {
+        self.keep = Some(node);
+        self
     }
 
     /// Starts the next generation with `members` (receivers joining or leaving): the old
