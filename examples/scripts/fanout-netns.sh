@@ -11,14 +11,8 @@
 set -euo pipefail
 here=$(cd "$(dirname "$0")/../.." && pwd)
 size=${1:-256MiB}; rate=${2:-400mbit}; versions=${3:-4}; bucket=${4:-4MiB}
-nh=${NETNS_HOSTS:-$here/../shared/tools/netns-hosts}
-exe=${MULTI_NODE:-$here/target/release/examples/multi_node}
-[ -x "$exe" ] || { echo "build it first: cargo build --release --example multi_node" >&2; exit 1; }
-export REFIT_TOKEN=${REFIT_TOKEN:-$(head -c 16 /dev/urandom | od -An -tx1 | tr -d ' \n')}
-log=$(mktemp -d)
-cleanup() { jobs -p | xargs -r kill 2>/dev/null || true; "$nh" down >/dev/null 2>&1 || true; rm -rf "$log"; }
-trap cleanup EXIT
-declare -A median
+. "$here/examples/scripts/netns-lib.sh"
+exe=$(example_exe multi_node "${MULTI_NODE:-}")
 for n in 1 2 3 4; do
   "$nh" up $((n + 1)) "$rate" >/dev/null
   world=$((n + 1))
@@ -36,14 +30,8 @@ for n in 1 2 3 4; do
       >"$log/worker-$n-$rank" 2>&1 &
     pids+=($!)
   done
-  if ! wait "$trainer"; then cat "$log/trainer-$n" "$log"/worker-$n-* >&2; exit 1; fi
-  for p in "${pids[@]}"; do wait "$p" || { cat "$log"/worker-$n-* >&2; exit 1; }; done
-  grep -E "acknowledged|median" "$log/trainer-$n" | sed "s/^/N=$n /"
-  median[$n]=$(sed -n 's/^trainer: median \([0-9.]*\) s.*/\1/p' "$log/trainer-$n")
-  "$nh" down >/dev/null
+  wait_round "$n" "$trainer" "${pids[@]}"
+  record_round "$n"
 done
 echo "fan-out of $size, egress $rate per host, buckets of $bucket (median per version):"
-for n in 1 2 3 4; do
-  awk -v n=$n -v t="${median[$n]}" -v b="${median[1]}" \
-    'BEGIN { printf "  N=%d  %.3f s  %.2fx N=1\n", n, t, t / b }'
-done
+print_medians 1 2 3 4

@@ -56,6 +56,7 @@ pub static LINKS: &[&dyn LinkFactory] = &[
     &crate::shm::ShmLink,
     &crate::tcp::TcpLink,
     &crate::file::FileLink,
+    &crate::broadcast::BroadcastLink,
 ];
 // ANCHOR_END: registry
 

@@ -1,0 +1,108 @@
+//! Rank 0 driven by hand (a raw CPU communicator), so a test can send what a correct sender
+//! never would: a bucket whose bytes miss their checksum.
+#![allow(clippy::unwrap_used)]
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use refit_node::ClusterToken;
+use refit_runtime::{BucketPlan, DType, Manifest, ModelId, ReceiverInit, Version, WeightSet, wire};
+
+use super::messages::{self, Control};
+use super::sender::prepare;
+use super::*;
+use crate::collective::{CpuComm, LocalRendezvous};
+
+const LONG: Duration = Duration::from_secs(30);
+
+fn weights(m: &Arc<Manifest>, v: u64) -> WeightSet {
+    let bytes = (v as f32).to_le_bytes().repeat(m.total_len() / 4);
+    WeightSet::from_bytes(
+        ModelId::new("policy").unwrap(),
+        Version(v),
+        Arc::clone(m),
+        &bytes,
+    )
+    .unwrap()
+}
+
+/// Broadcasts every bucket of `w` as publish `seq`, flipping a byte of bucket `corrupt`.
+fn send_version(
+    comm: &mut CpuComm,
+    plan: &BucketPlan,
+    w: &WeightSet,
+    seq: u64,
+    corrupt: Option<usize>,
+) {
+    for b in 0..plan.len() {
+        let (p, bytes) = prepare(plan, w, b, (0, 1), seq).unwrap();
+        messages::send(comm, &Control::Prepare(p), Instant::now() + LONG).unwrap();
+        let mut bytes = bytes.to_vec();
+        if corrupt == Some(b) {
+            bytes[3] ^= 0x40;
+        }
+        comm.broadcast_send(&bytes, Instant::now() + LONG).unwrap();
+    }
+}
+
+#[test]
+fn a_bucket_whose_bytes_miss_their_checksum_is_refused_and_the_old_version_kept() {
+    let m = Arc::new(
+        Manifest::builder()
+            .tensor("a", DType::F32, &[4096])
+            .tensor("b", DType::F32, &[4096])
+            .build()
+            .unwrap(),
+    );
+    let store: Arc<dyn Rendezvous> = Arc::new(LocalRendezvous::new());
+    let cpu = CpuConfig::new(ClusterToken::random());
+    let cfg = BroadcastConfig {
+        bucket_size: 16384,
+        ..BroadcastConfig::new("checksum")
+    };
+    store
+        .set(
+            &cfg.members_key(1),
+            &wire::encode(&vec!["r1".to_owned()]).unwrap(),
+        )
+        .unwrap();
+    store.set(&cfg.current_key(), b"1").unwrap();
+    let rx = BroadcastReceiver::new(cpu.clone(), Arc::clone(&store), cfg.clone(), "r1").unwrap();
+    let stats = rx.stats();
+    let joiner = std::thread::spawn(move || ReceiverInit::new(rx, None).connect(LONG));
+    let membership = Membership::new("checksum", 1, 0, 2).unwrap();
+    let mut comm =
+        CpuComm::connect(membership, store.as_ref(), &cpu, Instant::now() + LONG).unwrap();
+    let policy = ModelId::new("policy").unwrap();
+    let list = vec![(policy.clone(), (*m).clone())];
+    messages::send(&mut comm, &Control::Manifests(list), Instant::now() + LONG).unwrap();
+    let plan = BucketPlan::compute(&policy, &m, &m, 16384).unwrap();
+    assert_eq!(plan.len(), 2);
+    send_version(&mut comm, &plan, &weights(&m, 1), 1, None);
+    let mut r = joiner.join().unwrap().unwrap();
+    assert_eq!(r.version(&policy), Version(1));
+    // version 2 with a flipped byte in its second bucket: refused, naming bucket and tensor
+    send_version(&mut comm, &plan, &weights(&m, 2), 2, Some(1));
+    let e = r.receive(LONG).unwrap_err().to_string();
+    assert!(
+        e.contains("bucket 1") && e.contains("checksum") && e.contains("tensors b"),
+        "{e}"
+    );
+    assert_eq!(r.version(&policy), Version(1));
+    let served = r.current(&policy).unwrap();
+    assert!(served.view::<f32>("b").unwrap().iter().all(|&x| x == 1.0));
+    // rank 0 learns it through the store, under that publish's number
+    let key = cfg.ack_key("r1", 2, &policy, Version(2));
+    let said = store.wait_get(&key, LONG).unwrap();
+    assert!(
+        said.starts_with(b"refused: bucket 1"),
+        "{}",
+        String::from_utf8_lossy(&said)
+    );
+    // the same version sent again intact lands
+    send_version(&mut comm, &plan, &weights(&m, 2), 3, None);
+    assert!(r.receive(LONG).unwrap().is_some());
+    assert_eq!(r.version(&policy), Version(2));
+    assert_eq!(stats.prepares(), 6);
+    assert_eq!(stats.refused(), 1);
+}
