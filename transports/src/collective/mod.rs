@@ -24,6 +24,9 @@ use std::time::{Duration, Instant};
 
 use refit_runtime::{Error, Result};
 
+#[cfg(feature = "cuda")]
+pub mod nccl;
+
 /// Who this rank is in which group, and since when.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct Membership {
