@@ -340,7 +340,11 @@ mod with_cuda {
         ///
         /// # Errors
         /// As [`OpenedBuffer::open`]; after an error nothing is open.
-        pub fn get(&mut self, ctx: &Arc<CudaContext>, handle: &IpcHandle) -> Result<&OpenedBuffer> {
+        pub fn get(
+            &mut self,
+            ctx: &Arc<CudaContext>,
+            handle: &IpcHandle,
+        ) -> Result<&mut OpenedBuffer> {
             let same = self.current.as_ref().is_some_and(|b| {
                 b.generation == handle.generation
                     && b.handle == handle.handle
@@ -352,7 +356,7 @@ mod with_cuda {
                 self.opens += 1;
             }
             self.current
-                .as_ref()
+                .as_mut()
                 .ok_or(Error::State("cuda ipc: no buffer open"))
         }
 
