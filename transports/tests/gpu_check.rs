@@ -72,6 +72,13 @@ fn median(mut v: Vec<Duration>) -> Duration {
     v[v.len() / 2]
 }
 
+/// How long `f` takes (it waits for its own device work).
+fn timed(mut f: impl FnMut() -> Check<()>) -> Check<Duration> {
+    let t = Instant::now();
+    f()?;
+    Ok(t.elapsed())
+}
+
 fn gbps(bytes: usize, d: Duration) -> f64 {
     bytes as f64 / d.as_secs_f64() / 1e9
 }
@@ -385,16 +392,14 @@ fn bandwidth(mut comm: NcclCommunicator) -> Check<()> {
     let mut d2d = Vec::new();
     let mut nccl = Vec::new();
     for _ in 0..5 {
-        let t = Instant::now();
-        cuda("dtod", stream.memcpy_dtod(&a, &mut b))?;
-        cuda("sync", stream.synchronize())?;
-        d2d.push(t.elapsed());
-        let t = Instant::now();
-        step(
-            "nccl broadcast",
-            comm.broadcast_into(Some(&a), &mut b, len, 0, deadline(60)),
-        )?;
-        nccl.push(t.elapsed());
+        d2d.push(timed(|| {
+            cuda("dtod", stream.memcpy_dtod(&a, &mut b))?;
+            cuda("sync", stream.synchronize())
+        })?);
+        nccl.push(timed(|| {
+            let r = comm.broadcast_into(Some(&a), &mut b, len, 0, deadline(60));
+            step("nccl broadcast", r)
+        })?);
     }
     let mut back = vec![0u8; len];
     step("download b", comm.download(&b, &mut back, deadline(60)))?;
@@ -416,20 +421,20 @@ fn bandwidth(mut comm: NcclCommunicator) -> Check<()> {
     cuda("pinned view", pinned.as_mut_slice())?.copy_from_slice(&src_host);
     let (mut h2d, mut up, mut d2h, mut down) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     for _ in 0..5 {
-        let t = Instant::now();
-        cuda("htod", stream.memcpy_htod(&pinned, &mut a))?;
-        cuda("sync", stream.synchronize())?;
-        h2d.push(t.elapsed());
-        let t = Instant::now();
-        step("upload", comm.upload(&src_host, &mut a, deadline(60)))?;
-        up.push(t.elapsed());
-        let t = Instant::now();
-        cuda("dtoh", stream.memcpy_dtoh(&a, &mut pinned))?;
-        cuda("sync", stream.synchronize())?;
-        d2h.push(t.elapsed());
-        let t = Instant::now();
-        step("download", comm.download(&a, &mut back, deadline(60)))?;
-        down.push(t.elapsed());
+        h2d.push(timed(|| {
+            cuda("htod", stream.memcpy_htod(&pinned, &mut a))?;
+            cuda("sync", stream.synchronize())
+        })?);
+        up.push(timed(|| {
+            step("upload", comm.upload(&src_host, &mut a, deadline(60)))
+        })?);
+        d2h.push(timed(|| {
+            cuda("dtoh", stream.memcpy_dtoh(&a, &mut pinned))?;
+            cuda("sync", stream.synchronize())
+        })?);
+        down.push(timed(|| {
+            step("download", comm.download(&a, &mut back, deadline(60)))
+        })?);
     }
     compare("staged download", &back, &src_host)?;
     let (h2d, up, d2h, down) = (median(h2d), median(up), median(d2h), median(down));

@@ -420,10 +420,7 @@ impl NcclCommunicator {
     /// work finished, NCCL failed, or `deadline` passed.
     fn finish(&mut self, what: &str, len: usize, deadline: Instant) -> Result<()> {
         let start = Instant::now();
-        self.done.record(&self.stream).map_err(|e| {
-            self.membership
-                .error(BACKEND, format!("recording an event: {}", driver_text(e)))
-        })?;
+        record(&self.membership, &self.done, &self.stream)?;
         let mut polls = 0u32;
         loop {
             match self.done.try_is_complete() {
@@ -517,77 +514,43 @@ impl NcclCommunicator {
         self.check_call(0, 0, root)?;
         self.bind()?;
         self.ensure_ring()?;
-        let cuda = |m: &Membership, doing: &str, e| {
-            m.error(BACKEND, format!("{doing}: {}", driver_text(e)))
-        };
         let chunk = self.staging.chunk();
         let me = self.membership.rank;
         let Some(ring) = self.ring.as_mut() else {
             return Err(Error::State("nccl: broadcast ring missing"));
         };
+        let m = &self.membership;
+        let (comm, nccl_stream, copy) = (&self.comm, &*self.stream, &*self.copy);
         if me == root {
             for (k, part) in bytes.chunks(chunk).enumerate() {
                 let s = k % 2;
-                // The copy into device chunk `s` waits until its previous broadcast is done.
-                self.copy
-                    .wait(&ring.sent[s])
-                    .map_err(|e| cuda(&self.membership, "ordering streams", e))?;
+                // Device chunk `s` is refilled once its previous broadcast is done.
+                wait(m, copy, &ring.sent[s])?;
                 {
-                    let (dptr, _g) = ring.chunks[s].device_ptr_mut(&self.copy);
-                    self.staging.push(k, part, dptr, &self.copy, deadline)?;
+                    let (dptr, _g) = ring.chunks[s].device_ptr_mut(copy);
+                    self.staging.push(k, part, dptr, copy, deadline)?;
                 }
-                ring.copied[s]
-                    .record(&self.copy)
-                    .map_err(|e| cuda(&self.membership, "recording an event", e))?;
-                self.stream
-                    .wait(&ring.copied[s])
-                    .map_err(|e| cuda(&self.membership, "ordering streams", e))?;
-                let (dptr, _g) = ring.chunks[s].device_ptr_mut(&self.stream);
-                enqueue(
-                    &self.membership,
-                    &self.comm,
-                    &self.stream,
-                    dptr,
-                    part.len(),
-                    root,
-                )?;
-                ring.sent[s]
-                    .record(&self.stream)
-                    .map_err(|e| cuda(&self.membership, "recording an event", e))?;
+                handoff(m, &ring.copied[s], copy, nccl_stream)?;
+                let (dptr, _g) = ring.chunks[s].device_ptr_mut(nccl_stream);
+                enqueue(m, comm, nccl_stream, dptr, part.len(), root)?;
+                record(m, &ring.sent[s], nccl_stream)?;
             }
         } else {
             let mut pending: Option<(usize, &mut [u8])> = None;
             for (k, part) in bytes.chunks_mut(chunk).enumerate() {
                 let s = k % 2;
                 // Broadcast into device chunk `s` once its previous host copy is done.
-                self.stream
-                    .wait(&ring.copied[s])
-                    .map_err(|e| cuda(&self.membership, "ordering streams", e))?;
+                wait(m, nccl_stream, &ring.copied[s])?;
                 {
-                    let (dptr, _g) = ring.chunks[s].device_ptr_mut(&self.stream);
-                    enqueue(
-                        &self.membership,
-                        &self.comm,
-                        &self.stream,
-                        dptr,
-                        part.len(),
-                        root,
-                    )?;
+                    let (dptr, _g) = ring.chunks[s].device_ptr_mut(nccl_stream);
+                    enqueue(m, comm, nccl_stream, dptr, part.len(), root)?;
                 }
-                ring.sent[s]
-                    .record(&self.stream)
-                    .map_err(|e| cuda(&self.membership, "recording an event", e))?;
-                self.copy
-                    .wait(&ring.sent[s])
-                    .map_err(|e| cuda(&self.membership, "ordering streams", e))?;
+                handoff(m, &ring.sent[s], nccl_stream, copy)?;
                 {
-                    let (dptr, _g) = ring.chunks[s].device_ptr(&self.copy);
-                    self.staging
-                        .pull(k, dptr, part.len(), &self.copy, deadline)?;
+                    let (dptr, _g) = ring.chunks[s].device_ptr(copy);
+                    self.staging.pull(k, dptr, part.len(), copy, deadline)?;
                 }
-                ring.copied[s]
-                    .record(&self.copy)
-                    .map_err(|e| cuda(&self.membership, "recording an event", e))?;
+                record(m, &ring.copied[s], copy)?;
                 // While chunk k is broadcast and copied, the CPU drains chunk k-1.
                 if let Some((j, prev)) = pending.take() {
                     self.staging.take(j, prev, deadline)?;
@@ -654,6 +617,26 @@ impl NcclCommunicator {
         }
         Ok(())
     }
+}
+
+/// Records `event` on `stream`.
+fn record(m: &Membership, event: &CudaEvent, stream: &CudaStream) -> Result<()> {
+    event
+        .record(stream)
+        .map_err(|e| m.error(BACKEND, format!("recording an event: {}", driver_text(e))))
+}
+
+/// Makes `stream` wait for the work recorded in `event`.
+fn wait(m: &Membership, stream: &CudaStream, event: &CudaEvent) -> Result<()> {
+    stream
+        .wait(event)
+        .map_err(|e| m.error(BACKEND, format!("ordering streams: {}", driver_text(e))))
+}
+
+/// Records `event` on `from` and makes `to` wait for it.
+fn handoff(m: &Membership, event: &CudaEvent, from: &CudaStream, to: &CudaStream) -> Result<()> {
+    record(m, event, from)?;
+    wait(m, to, event)
 }
 
 /// Enqueues an in-place broadcast (a free function so the ring can stay borrowed).

@@ -63,11 +63,12 @@ impl std::fmt::Debug for IpcHandle {
 }
 
 #[cfg(feature = "cuda")]
-pub use with_cuda::{ExportedBuffer, IpcImports, OpenedBuffer};
+pub use with_cuda::{DeviceBytes, ExportedBuffer, IpcImports, OpenedBuffer};
 
 #[cfg(feature = "cuda")]
 mod with_cuda {
     use std::mem::MaybeUninit;
+    use std::ops::{Deref, DerefMut};
     use std::sync::Arc;
     use std::time::Instant;
 
@@ -80,23 +81,80 @@ mod with_cuda {
 
     const WHAT: &str = "cuda-ipc";
 
-    fn check_range(len: usize, offset: usize, n: usize) -> Result<()> {
-        if offset.checked_add(n).is_none_or(|end| end > len) {
-            return Err(Error::Transport {
-                transport: WHAT,
-                message: format!("range {offset}..+{n} is outside a {len}-byte buffer"),
-            });
-        }
-        Ok(())
-    }
-
-    /// Device memory this process allocated and exports to other processes.
+    /// A range of device memory (exported or opened) that host bytes are copied into and
+    /// out of through pinned staging. Reached through [`ExportedBuffer`] and
+    /// [`OpenedBuffer`], which own it.
     #[derive(Debug)]
-    pub struct ExportedBuffer {
+    pub struct DeviceBytes {
         ctx: Arc<CudaContext>,
         ptr: sys::CUdeviceptr,
         len: usize,
     }
+
+    impl DeviceBytes {
+        /// The device address in this process.
+        pub fn device_ptr(&self) -> sys::CUdeviceptr {
+            self.ptr
+        }
+
+        /// Length in bytes.
+        pub fn len(&self) -> usize {
+            self.len
+        }
+
+        /// Always false (empty buffers and handles are refused).
+        pub fn is_empty(&self) -> bool {
+            self.len == 0
+        }
+
+        fn check_range(&self, offset: usize, n: usize) -> Result<u64> {
+            let len = self.len;
+            if offset.checked_add(n).is_none_or(|end| end > len) {
+                return Err(Error::Transport {
+                    transport: WHAT,
+                    message: format!("range {offset}..+{n} is outside a {len}-byte buffer"),
+                });
+            }
+            Ok(self.ptr + offset as u64)
+        }
+
+        /// Copies `bytes` to `offset` through `staging` on `stream`.
+        ///
+        /// # Errors
+        /// The range is outside the buffer; the copy failed or missed `deadline`.
+        pub fn write(
+            &mut self,
+            offset: usize,
+            bytes: &[u8],
+            staging: &mut PinnedStaging,
+            stream: &CudaStream,
+            deadline: Instant,
+        ) -> Result<()> {
+            let at = self.check_range(offset, bytes.len())?;
+            staging.upload(bytes, at, stream, deadline)
+        }
+
+        /// Copies `dst.len()` bytes from `offset` into `dst` through `staging`.
+        ///
+        /// # Errors
+        /// The range is outside the buffer; the copy failed or missed `deadline`.
+        pub fn read(
+            &self,
+            offset: usize,
+            dst: &mut [u8],
+            staging: &mut PinnedStaging,
+            stream: &CudaStream,
+            deadline: Instant,
+        ) -> Result<()> {
+            let at = self.check_range(offset, dst.len())?;
+            staging.download(at, dst, stream, deadline)
+        }
+    }
+
+    /// Device memory this process allocated and exports to other processes; its
+    /// [`DeviceBytes`] methods copy bytes in and out.
+    #[derive(Debug)]
+    pub struct ExportedBuffer(DeviceBytes);
 
     impl ExportedBuffer {
         /// Allocates `len` bytes with `cuMemAlloc` in `ctx` (exportable memory).
@@ -116,26 +174,11 @@ mod with_cuda {
             // address is freed exactly once, in `Drop`.
             let ptr = unsafe { result::malloc_sync(len) }
                 .map_err(|e| driver_error(WHAT, "allocating exportable device memory", e))?;
-            Ok(Self {
+            Ok(Self(DeviceBytes {
                 ctx: ctx.clone(),
                 ptr,
                 len,
-            })
-        }
-
-        /// The device address.
-        pub fn device_ptr(&self) -> sys::CUdeviceptr {
-            self.ptr
-        }
-
-        /// Length in bytes.
-        pub fn len(&self) -> usize {
-            self.len
-        }
-
-        /// Always false (empty buffers are refused).
-        pub fn is_empty(&self) -> bool {
-            self.len == 0
+            }))
         }
 
         /// The handle another process opens, tagged with `generation`.
@@ -143,73 +186,54 @@ mod with_cuda {
         /// # Errors
         /// [`Error::Transport`] when the driver refuses to export the allocation.
         pub fn handle(&self, generation: u64) -> Result<IpcHandle> {
-            self.ctx
+            self.0
+                .ctx
                 .bind_to_thread()
                 .map_err(|e| driver_error(WHAT, "binding the context", e))?;
             let mut raw = MaybeUninit::<sys::CUipcMemHandle>::uninit();
-            // SAFETY: `raw` is a valid out-parameter for one `CUipcMemHandle`; `self.ptr` is
-            // the base of a live `cuMemAlloc` allocation owned by `self`.
-            unsafe { sys::cuIpcGetMemHandle(raw.as_mut_ptr(), self.ptr) }
+            // SAFETY: `raw` is a valid out-parameter for one `CUipcMemHandle`; `self.0.ptr`
+            // is the base of a live `cuMemAlloc` allocation owned by `self`.
+            unsafe { sys::cuIpcGetMemHandle(raw.as_mut_ptr(), self.0.ptr) }
                 .result()
                 .map_err(|e| driver_error(WHAT, "exporting the allocation", e))?;
             // SAFETY: the call above succeeded, so the driver initialised the handle.
             let raw = unsafe { raw.assume_init() };
             Ok(IpcHandle {
                 handle: raw.reserved.iter().map(|&c| c as u8).collect(),
-                len: self.len,
+                len: self.0.len,
                 generation,
             })
         }
+    }
 
-        /// Copies `bytes` to `offset` through `staging` on `stream`.
-        ///
-        /// # Errors
-        /// The range is outside the buffer; the copy failed or missed `deadline`.
-        pub fn write(
-            &mut self,
-            offset: usize,
-            bytes: &[u8],
-            staging: &mut PinnedStaging,
-            stream: &CudaStream,
-            deadline: Instant,
-        ) -> Result<()> {
-            check_range(self.len, offset, bytes.len())?;
-            staging.upload(bytes, self.ptr + offset as u64, stream, deadline)
+    impl Deref for ExportedBuffer {
+        type Target = DeviceBytes;
+        fn deref(&self) -> &DeviceBytes {
+            &self.0
         }
+    }
 
-        /// Copies `dst.len()` bytes from `offset` into `dst` through `staging`.
-        ///
-        /// # Errors
-        /// The range is outside the buffer; the copy failed or missed `deadline`.
-        pub fn read(
-            &self,
-            offset: usize,
-            dst: &mut [u8],
-            staging: &mut PinnedStaging,
-            stream: &CudaStream,
-            deadline: Instant,
-        ) -> Result<()> {
-            check_range(self.len, offset, dst.len())?;
-            staging.download(self.ptr + offset as u64, dst, stream, deadline)
+    impl DerefMut for ExportedBuffer {
+        fn deref_mut(&mut self) -> &mut DeviceBytes {
+            &mut self.0
         }
     }
 
     impl Drop for ExportedBuffer {
         fn drop(&mut self) {
             // Errors cannot be returned from drop; the memory is released once either way.
-            let _ = self.ctx.bind_to_thread();
-            // SAFETY: `self.ptr` came from `cuMemAlloc` in `new` and is freed only here, once
-            // (`cuMemFree` waits for work using it to finish).
-            let _ = unsafe { result::free_sync(self.ptr) };
+            let _ = self.0.ctx.bind_to_thread();
+            // SAFETY: `self.0.ptr` came from `cuMemAlloc` in `new` and is freed only here,
+            // once (`cuMemFree` waits for work using it to finish).
+            let _ = unsafe { result::free_sync(self.0.ptr) };
         }
     }
 
-    /// Device memory of another process, opened from its [`IpcHandle`].
+    /// Device memory of another process, opened from its [`IpcHandle`]; its
+    /// [`DeviceBytes`] methods copy bytes in and out.
     #[derive(Debug)]
     pub struct OpenedBuffer {
-        ctx: Arc<CudaContext>,
-        ptr: sys::CUdeviceptr,
-        len: usize,
+        mem: DeviceBytes,
         generation: u64,
         handle: Vec<u8>,
     }
@@ -252,73 +276,41 @@ mod with_cuda {
                 ),
             })?;
             Ok(Self {
-                ctx: ctx.clone(),
-                ptr,
-                len: handle.len,
+                mem: DeviceBytes {
+                    ctx: ctx.clone(),
+                    ptr,
+                    len: handle.len,
+                },
                 generation: handle.generation,
                 handle: handle.handle.clone(),
             })
-        }
-
-        /// The device address in this process.
-        pub fn device_ptr(&self) -> sys::CUdeviceptr {
-            self.ptr
-        }
-
-        /// Length in bytes.
-        pub fn len(&self) -> usize {
-            self.len
-        }
-
-        /// Always false (empty handles are refused).
-        pub fn is_empty(&self) -> bool {
-            self.len == 0
         }
 
         /// The generation of the handle it was opened from.
         pub fn generation(&self) -> u64 {
             self.generation
         }
+    }
 
-        /// Copies `dst.len()` bytes from `offset` into `dst` through `staging`.
-        ///
-        /// # Errors
-        /// The range is outside the buffer; the copy failed or missed `deadline`.
-        pub fn read(
-            &self,
-            offset: usize,
-            dst: &mut [u8],
-            staging: &mut PinnedStaging,
-            stream: &CudaStream,
-            deadline: Instant,
-        ) -> Result<()> {
-            check_range(self.len, offset, dst.len())?;
-            staging.download(self.ptr + offset as u64, dst, stream, deadline)
+    impl Deref for OpenedBuffer {
+        type Target = DeviceBytes;
+        fn deref(&self) -> &DeviceBytes {
+            &self.mem
         }
+    }
 
-        /// Copies `bytes` to `offset` through `staging`.
-        ///
-        /// # Errors
-        /// The range is outside the buffer; the copy failed or missed `deadline`.
-        pub fn write(
-            &mut self,
-            offset: usize,
-            bytes: &[u8],
-            staging: &mut PinnedStaging,
-            stream: &CudaStream,
-            deadline: Instant,
-        ) -> Result<()> {
-            check_range(self.len, offset, bytes.len())?;
-            staging.upload(bytes, self.ptr + offset as u64, stream, deadline)
+    impl DerefMut for OpenedBuffer {
+        fn deref_mut(&mut self) -> &mut DeviceBytes {
+            &mut self.mem
         }
     }
 
     impl Drop for OpenedBuffer {
         fn drop(&mut self) {
-            let _ = self.ctx.bind_to_thread();
-            // SAFETY: `self.ptr` was returned by `cuIpcOpenMemHandle` in `open` and is closed
-            // only here, once.
-            let _ = unsafe { sys::cuIpcCloseMemHandle(self.ptr) };
+            let _ = self.mem.ctx.bind_to_thread();
+            // SAFETY: `self.mem.ptr` was returned by `cuIpcOpenMemHandle` in `open` and is
+            // closed only here, once.
+            let _ = unsafe { sys::cuIpcCloseMemHandle(self.mem.ptr) };
         }
     }
 
@@ -348,7 +340,7 @@ mod with_cuda {
             let same = self.current.as_ref().is_some_and(|b| {
                 b.generation == handle.generation
                     && b.handle == handle.handle
-                    && b.len == handle.len
+                    && b.mem.len == handle.len
             });
             if !same {
                 self.current = None;

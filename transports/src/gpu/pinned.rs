@@ -72,6 +72,23 @@ impl PinnedStaging {
         self.chunk
     }
 
+    /// Waits (within `deadline`) for slot `i`'s last copy and lends its first `n` bytes
+    /// and its event.
+    fn ready(&mut self, i: usize, n: usize, deadline: Instant) -> Result<(&mut [u8], &CudaEvent)> {
+        let chunk = self.chunk;
+        if n > chunk {
+            return Err(Error::Config(format!(
+                "{n} bytes do not fit a {chunk}-byte staging slot"
+            )));
+        }
+        let Slot { host, done } = &mut self.slots[i % 2];
+        wait_event(done, deadline, "a pinned staging slot")?;
+        let host = host
+            .as_mut_slice()
+            .map_err(|e| driver_error("cuda", "mapping a pinned slot", e))?;
+        Ok((&mut host[..n], done))
+    }
+
     /// Waits (within `deadline`) for slot `i`'s last copy, copies `src` (at most one chunk)
     /// into it, and enqueues its copy to device address `dst` on `stream`.
     ///
@@ -86,31 +103,16 @@ impl PinnedStaging {
         stream: &CudaStream,
         deadline: Instant,
     ) -> Result<()> {
-        let chunk = self.chunk;
-        let slot = &mut self.slots[i % 2];
-        if src.len() > chunk {
-            return Err(Error::Config(format!(
-                "{} bytes do not fit a {chunk}-byte staging slot",
-                src.len()
-            )));
-        }
-        wait_event(&slot.done, deadline, "a pinned staging slot")?;
-        let host = slot
-            .host
-            .as_mut_slice()
-            .map_err(|e| driver_error("cuda", "mapping a pinned slot", e))?;
-        host[..src.len()].copy_from_slice(src);
-        // SAFETY: `host[..src.len()]` is page-locked memory owned by this slot; the CPU does
-        // not touch it again before `slot.done` (recorded right after on the same stream)
-        // completes, and the slot outlives the copy because every later use of the slot,
-        // and `Drop` (`PinnedHostSlice` waits on its event; ours is waited in `drop`), waits
-        // for that event. `dst` is a device address of at least `src.len()` bytes per the
+        let (host, done) = self.ready(i, src.len(), deadline)?;
+        host.copy_from_slice(src);
+        // SAFETY: `host` is page-locked memory owned by this slot; the CPU does not touch it
+        // again before `done` (recorded right after on the same stream) completes, and the
+        // slot outlives the copy because every later use of the slot, and `Drop`, waits for
+        // that event. `dst` is a device address of at least `src.len()` bytes per the
         // caller's contract (checked by every caller in this crate).
-        unsafe { result::memcpy_htod_async(dst, &host[..src.len()], stream.cu_stream()) }
+        unsafe { result::memcpy_htod_async(dst, host, stream.cu_stream()) }
             .map_err(|e| driver_error("cuda", "copying a chunk to the device", e))?;
-        slot.done
-            .record(stream)
-            .map_err(|e| driver_error("cuda", "recording a staging event", e))
+        record(done, stream)
     }
 
     /// Enqueues a copy of `n` bytes (at most one chunk) from device address `src` into slot
@@ -127,26 +129,13 @@ impl PinnedStaging {
         stream: &CudaStream,
         deadline: Instant,
     ) -> Result<()> {
-        let chunk = self.chunk;
-        let slot = &mut self.slots[i % 2];
-        if n > chunk {
-            return Err(Error::Config(format!(
-                "{n} bytes do not fit a {chunk}-byte staging slot"
-            )));
-        }
-        wait_event(&slot.done, deadline, "a pinned staging slot")?;
-        let host = slot
-            .host
-            .as_mut_slice()
-            .map_err(|e| driver_error("cuda", "mapping a pinned slot", e))?;
+        let (host, done) = self.ready(i, n, deadline)?;
         // SAFETY: as in `push`, the page-locked destination stays alive and untouched by the
-        // CPU until `slot.done` completes (`take` waits for it); `src` holds at least `n`
-        // bytes per the caller's contract.
-        unsafe { result::memcpy_dtoh_async(&mut host[..n], src, stream.cu_stream()) }
+        // CPU until `done` completes (`take` waits for it); `src` holds at least `n` bytes
+        // per the caller's contract.
+        unsafe { result::memcpy_dtoh_async(host, src, stream.cu_stream()) }
             .map_err(|e| driver_error("cuda", "copying a chunk from the device", e))?;
-        slot.done
-            .record(stream)
-            .map_err(|e| driver_error("cuda", "recording a staging event", e))
+        record(done, stream)
     }
 
     /// Waits (within `deadline`) for slot `i`'s copy from the device and copies its first
@@ -156,20 +145,8 @@ impl PinnedStaging {
     /// [`Error::Config`] when `dst` exceeds a chunk; [`Error::Timeout`] past `deadline`;
     /// [`Error::Transport`] for a driver failure.
     pub fn take(&mut self, i: usize, dst: &mut [u8], deadline: Instant) -> Result<()> {
-        let chunk = self.chunk;
-        let slot = &mut self.slots[i % 2];
-        if dst.len() > chunk {
-            return Err(Error::Config(format!(
-                "{} bytes do not fit a {chunk}-byte staging slot",
-                dst.len()
-            )));
-        }
-        wait_event(&slot.done, deadline, "a device-to-host copy")?;
-        let host = slot
-            .host
-            .as_slice()
-            .map_err(|e| driver_error("cuda", "mapping a pinned slot", e))?;
-        dst.copy_from_slice(&host[..dst.len()]);
+        let (host, _) = self.ready(i, dst.len(), deadline)?;
+        dst.copy_from_slice(host);
         Ok(())
     }
 
@@ -229,6 +206,11 @@ impl PinnedStaging {
         }
         Ok(())
     }
+}
+
+fn record(done: &CudaEvent, stream: &CudaStream) -> Result<()> {
+    done.record(stream)
+        .map_err(|e| driver_error("cuda", "recording a staging event", e))
 }
 
 impl Drop for PinnedStaging {
