@@ -17,6 +17,7 @@
 use std::process::{Command, ExitCode, Stdio};
 use std::time::{Duration, Instant};
 
+use cudarc::driver::CudaStream;
 use refit_runtime::node::{ClusterToken, Node, Store, StoreClient};
 use refit_transports::collective::nccl::{NcclCommunicator, NcclOptions};
 use refit_transports::collective::{Communicator, Membership};
@@ -77,6 +78,17 @@ fn timed(mut f: impl FnMut() -> Check<()>) -> Check<Duration> {
     let t = Instant::now();
     f()?;
     Ok(t.elapsed())
+}
+
+/// How long the copy `f` enqueues on `stream` takes, until the stream is idle.
+fn device_timed(
+    stream: &CudaStream,
+    mut f: impl FnMut() -> Result<(), cudarc::driver::DriverError>,
+) -> Check<Duration> {
+    timed(|| {
+        cuda("copy", f())?;
+        cuda("sync", stream.synchronize())
+    })
 }
 
 fn gbps(bytes: usize, d: Duration) -> f64 {
@@ -208,10 +220,15 @@ fn ipc_parent(comm: &NcclCommunicator) -> Check<()> {
     let seed = 42u64;
     let want = pattern(GIB, seed);
     // ANCHOR: ipc_export
-    let mut exported = step("export alloc", ExportedBuffer::new(&ctx, GIB))?;
+    let exported = step("export alloc", ExportedBuffer::new(&ctx, GIB))?;
     step(
         "fill",
-        exported.write(0, &want, &mut staging, &stream, deadline(60)),
+        staging.upload(
+            &want,
+            step("range", exported.at(0, GIB))?,
+            &stream,
+            deadline(60),
+        ),
     )?;
     let handle = step("ipc handle", exported.handle(1))?;
     let token = step("handle token", refit_runtime::wire::to_token(&handle))?;
@@ -255,7 +272,12 @@ fn ipc_parent(comm: &NcclCommunicator) -> Check<()> {
     let mut head = vec![0u8; MIB];
     step(
         "read back",
-        exported.read(0, &mut head, &mut staging, &stream, deadline(30)),
+        staging.download(
+            step("range", exported.at(0, MIB))?,
+            &mut head,
+            &stream,
+            deadline(30),
+        ),
     )?;
     compare(
         "ipc write-back from the child",
@@ -282,24 +304,21 @@ fn ipc_child(token: &str, seed: Option<&String>) -> Check<()> {
     let t = Instant::now();
     let opened = step("ipc open", imports.get(&ctx, &handle))?;
     let mut got = vec![0u8; opened.len()];
+    let at = step("range", opened.at(0, got.len()))?;
     step(
         "ipc read",
-        opened.read(0, &mut got, &mut staging, &stream, deadline(60)),
+        staging.download(at, &mut got, &stream, deadline(60)),
     )?;
     let took = t.elapsed();
     // ANCHOR_END: ipc_open
     compare("ipc child read", &got, &want)?;
     // Same generation, same handle: no second open.
     let again = step("ipc open again", imports.get(&ctx, &handle))?;
+    let at = step("range", again.at(0, MIB))?;
+    let mark = pattern(MIB, seed + 1);
     step(
         "ipc write",
-        again.write(
-            0,
-            &pattern(MIB, seed + 1),
-            &mut staging,
-            &stream,
-            deadline(30),
-        ),
+        staging.upload(&mark, at, &stream, deadline(30)),
     )?;
     if imports.opens() != 1 {
         return Err(format!(
@@ -392,10 +411,7 @@ fn bandwidth(mut comm: NcclCommunicator) -> Check<()> {
     let mut d2d = Vec::new();
     let mut nccl = Vec::new();
     for _ in 0..5 {
-        d2d.push(timed(|| {
-            cuda("dtod", stream.memcpy_dtod(&a, &mut b))?;
-            cuda("sync", stream.synchronize())
-        })?);
+        d2d.push(device_timed(&stream, || stream.memcpy_dtod(&a, &mut b))?);
         nccl.push(timed(|| {
             let r = comm.broadcast_into(Some(&a), &mut b, len, 0, deadline(60));
             step("nccl broadcast", r)
@@ -420,18 +436,13 @@ fn bandwidth(mut comm: NcclCommunicator) -> Check<()> {
     })?;
     cuda("pinned view", pinned.as_mut_slice())?.copy_from_slice(&src_host);
     let (mut h2d, mut up, mut d2h, mut down) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let s = &stream;
     for _ in 0..5 {
-        h2d.push(timed(|| {
-            cuda("htod", stream.memcpy_htod(&pinned, &mut a))?;
-            cuda("sync", stream.synchronize())
-        })?);
+        h2d.push(device_timed(s, || s.memcpy_htod(&pinned, &mut a))?);
         up.push(timed(|| {
             step("upload", comm.upload(&src_host, &mut a, deadline(60)))
         })?);
-        d2h.push(timed(|| {
-            cuda("dtoh", stream.memcpy_dtoh(&a, &mut pinned))?;
-            cuda("sync", stream.synchronize())
-        })?);
+        d2h.push(device_timed(s, || s.memcpy_dtoh(&a, &mut pinned))?);
         down.push(timed(|| {
             step("download", comm.download(&a, &mut back, deadline(60)))
         })?);

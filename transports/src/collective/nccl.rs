@@ -303,63 +303,37 @@ impl NcclCommunicator {
         root: usize,
         deadline: Instant,
     ) -> Result<()> {
-        let r = self.broadcast_into_inner(src, dst, len, root, deadline);
+        let r = (|| {
+            self.check_call(len, dst.len(), root)?;
+            let m = &self.membership;
+            let src = match src {
+                Some(s) if s.len() >= len => Some(s),
+                _ if m.rank == root => {
+                    let reason = format!("the root needs a source of at least {len} bytes");
+                    return Err(m.error(BACKEND, reason));
+                }
+                _ => None,
+            };
+            {
+                let stream = &self.stream;
+                let (dptr, _g) = dst.device_ptr_mut(stream);
+                let (sptr, _gs) = match src {
+                    Some(s) => {
+                        let (p, g) = s.device_ptr(stream);
+                        (p, Some(g))
+                    }
+                    None => (dptr, None),
+                };
+                enqueue(m, &self.comm, stream, (sptr, dptr), len, root)?;
+            }
+            self.settle("broadcast enqueue", deadline)?;
+            self.finish("broadcast", len, deadline)
+        })();
         self.guard(r)
     }
 
-    fn broadcast_into_inner(
-        &mut self,
-        src: Option<&CudaSlice<u8>>,
-        dst: &mut CudaSlice<u8>,
-        len: usize,
-        root: usize,
-        deadline: Instant,
-    ) -> Result<()> {
-        self.check_call(len, dst.len(), root)?;
-        let me = self.membership.rank;
-        if me == root && src.is_none_or(|s| s.len() < len) {
-            return Err(self.membership.error(
-                BACKEND,
-                format!("the root needs a source of at least {len} bytes"),
-            ));
-        }
-        self.bind()?;
-        {
-            let stream = &self.stream;
-            let (dptr, _g) = dst.device_ptr_mut(stream);
-            let (sptr, _gs) = match src {
-                Some(s) if me == root => {
-                    let (p, g) = s.device_ptr(stream);
-                    (p, Some(g))
-                }
-                _ => (dptr, None),
-            };
-            // SAFETY: both addresses are live device allocations of at least `len` bytes
-            // (checked above) that stay borrowed until the guards drop after the enqueue;
-            // the stream and communicator are live and belong to the bound context.
-            let r = unsafe {
-                nccl::broadcast(
-                    sptr as *const c_void,
-                    dptr as *mut c_void,
-                    len,
-                    sys::ncclDataType_t::ncclUint8,
-                    root as c_int,
-                    self.comm.comm,
-                    stream.cu_stream() as sys::cudaStream_t,
-                )
-            };
-            r.map_err(|e| {
-                self.membership.error(
-                    BACKEND,
-                    format!("ncclBroadcast: {}", nccl_text(code_of(&e))),
-                )
-            })?;
-        }
-        self.settle("broadcast enqueue", deadline)?;
-        self.finish("broadcast", len, deadline)
-    }
-
-    /// Fails at once when aborted or the arguments cannot work.
+    /// Fails at once when aborted or the arguments cannot work; binds the context to this
+    /// thread.
     fn check_call(&self, len: usize, cap: usize, peer: usize) -> Result<()> {
         if let Some(reason) = &self.aborted {
             return Err(self.membership.error(BACKEND, format!("aborted: {reason}")));
@@ -376,7 +350,7 @@ impl NcclCommunicator {
                 format!("rank {peer} is not in a world of {}", self.membership.world),
             ));
         }
-        Ok(())
+        self.bind()
     }
 
     fn bind(&self) -> Result<()> {
@@ -512,7 +486,6 @@ impl NcclCommunicator {
         deadline: Instant,
     ) -> Result<()> {
         self.check_call(0, 0, root)?;
-        self.bind()?;
         self.ensure_ring()?;
         let chunk = self.staging.chunk();
         let me = self.membership.rank;
@@ -532,7 +505,7 @@ impl NcclCommunicator {
                 }
                 handoff(m, &ring.copied[s], copy, nccl_stream)?;
                 let (dptr, _g) = ring.chunks[s].device_ptr_mut(nccl_stream);
-                enqueue(m, comm, nccl_stream, dptr, part.len(), root)?;
+                enqueue(m, comm, nccl_stream, (dptr, dptr), part.len(), root)?;
                 record(m, &ring.sent[s], nccl_stream)?;
             }
         } else {
@@ -543,7 +516,7 @@ impl NcclCommunicator {
                 wait(m, nccl_stream, &ring.copied[s])?;
                 {
                     let (dptr, _g) = ring.chunks[s].device_ptr_mut(nccl_stream);
-                    enqueue(m, comm, nccl_stream, dptr, part.len(), root)?;
+                    enqueue(m, comm, nccl_stream, (dptr, dptr), part.len(), root)?;
                 }
                 handoff(m, &ring.sent[s], nccl_stream, copy)?;
                 {
@@ -566,39 +539,38 @@ impl NcclCommunicator {
         self.staging.wait_idle(deadline)
     }
 
+    /// Checks, enqueues and waits for one send (`send`) or receive of `len` bytes at `ptr`
+    /// (a buffer of `cap` bytes) with `peer`.
     fn p2p(
         &mut self,
         ptr: u64,
         len: usize,
+        cap: usize,
         peer: usize,
         send: bool,
         deadline: Instant,
     ) -> Result<()> {
+        self.check_call(len, cap, peer)?;
+        if peer == self.membership.rank {
+            return Err(self
+                .membership
+                .error(BACKEND, "send/recv with itself (use a device copy)"));
+        }
         let what = if send { "send" } else { "recv" };
+        let (ty, peer, comm) = (
+            sys::ncclDataType_t::ncclUint8,
+            peer as c_int,
+            self.comm.comm,
+        );
+        let stream = self.stream.cu_stream() as sys::cudaStream_t;
         // SAFETY: `ptr` is a live device allocation of at least `len` bytes borrowed by the
         // caller for the whole call (the call waits for the stream before returning);
         // stream and communicator are live and belong to the bound context.
         let r = unsafe {
             if send {
-                nccl::send(
-                    ptr as *const c_void,
-                    len,
-                    sys::ncclDataType_t::ncclUint8,
-                    peer as c_int,
-                    self.comm.comm,
-                    self.stream.cu_stream() as sys::cudaStream_t,
-                )
-                .map(|_| ())
+                nccl::send(ptr as *const c_void, len, ty, peer, comm, stream).map(drop)
             } else {
-                nccl::recv(
-                    ptr as *mut c_void,
-                    len,
-                    sys::ncclDataType_t::ncclUint8,
-                    peer as c_int,
-                    self.comm.comm,
-                    self.stream.cu_stream() as sys::cudaStream_t,
-                )
-                .map(|_| ())
+                nccl::recv(ptr as *mut c_void, len, ty, peer, comm, stream).map(drop)
             }
         };
         r.map_err(|e| {
@@ -607,15 +579,6 @@ impl NcclCommunicator {
         })?;
         self.settle("p2p enqueue", deadline)?;
         self.finish(what, len, deadline)
-    }
-
-    fn check_peer(&self, peer: usize) -> Result<()> {
-        if peer == self.membership.rank {
-            return Err(self
-                .membership
-                .error(BACKEND, "send/recv with itself (use a device copy)"));
-        }
-        Ok(())
     }
 }
 
@@ -639,27 +602,28 @@ fn handoff(m: &Membership, event: &CudaEvent, from: &CudaStream, to: &CudaStream
     wait(m, to, event)
 }
 
-/// Enqueues an in-place broadcast (a free function so the ring can stay borrowed).
+/// Enqueues a broadcast from `src` (read on the root) into `dst` (in place when equal); a
+/// free function so the ring can stay borrowed.
 fn enqueue(
     m: &Membership,
     comm: &RawComm,
     stream: &CudaStream,
-    ptr: u64,
+    (src, dst): (u64, u64),
     len: usize,
     root: usize,
 ) -> Result<()> {
     if !comm.is_live() {
         return Err(m.error(BACKEND, "aborted"));
     }
-    // SAFETY: `ptr` is a live device allocation of at least `len` bytes (checked by the
-    // callers) that stays alive until the stream passed this broadcast: either the caller
+    // SAFETY: `src` and `dst` are live device allocations of at least `len` bytes (checked
+    // by the callers; `src` is read on the root only) that stays alive until the stream passed this broadcast: either the caller
     // waits for the stream before giving the buffer back, or it is one of the ring's chunks,
     // owned by the communicator, whose drop aborts NCCL before the ring is freed. Stream and
     // communicator are live and belong to the bound context.
     let r = unsafe {
         nccl::broadcast(
-            ptr as *const c_void,
-            ptr as *mut c_void,
+            src as *const c_void,
+            dst as *mut c_void,
             len,
             sys::ncclDataType_t::ncclUint8,
             root as c_int,
@@ -720,7 +684,6 @@ impl Communicator for NcclCommunicator {
     fn alloc(&mut self, len: usize) -> Result<Self::Buf> {
         let r = (|| {
             self.check_call(0, 0, 0)?;
-            self.bind()?;
             self.stream.alloc_zeros::<u8>(len).map_err(|e| {
                 self.membership.error(
                     BACKEND,
@@ -734,7 +697,6 @@ impl Communicator for NcclCommunicator {
     fn upload(&mut self, src: &[u8], dst: &mut Self::Buf, deadline: Instant) -> Result<()> {
         let r = (|| {
             self.check_call(src.len(), dst.len(), 0)?;
-            self.bind()?;
             let (dptr, _g) = dst.device_ptr_mut(&self.stream);
             self.staging.upload(src, dptr, &self.stream, deadline)
         })();
@@ -744,7 +706,6 @@ impl Communicator for NcclCommunicator {
     fn download(&mut self, src: &Self::Buf, dst: &mut [u8], deadline: Instant) -> Result<()> {
         let r = (|| {
             self.check_call(dst.len(), src.len(), 0)?;
-            self.bind()?;
             let (sptr, _g) = src.device_ptr(&self.stream);
             self.staging.download(sptr, dst, &self.stream, deadline)
         })();
@@ -760,10 +721,16 @@ impl Communicator for NcclCommunicator {
     ) -> Result<()> {
         let r = (|| {
             self.check_call(len, buf.len(), root)?;
-            self.bind()?;
             {
                 let (dptr, _g) = buf.device_ptr_mut(&self.stream);
-                enqueue(&self.membership, &self.comm, &self.stream, dptr, len, root)?;
+                enqueue(
+                    &self.membership,
+                    &self.comm,
+                    &self.stream,
+                    (dptr, dptr),
+                    len,
+                    root,
+                )?;
             }
             self.settle("broadcast enqueue", deadline)?;
             self.finish("broadcast", len, deadline)
@@ -772,14 +739,9 @@ impl Communicator for NcclCommunicator {
     }
 
     fn send(&mut self, buf: &Self::Buf, len: usize, peer: usize, deadline: Instant) -> Result<()> {
-        let r = (|| {
-            self.check_call(len, buf.len(), peer)?;
-            self.check_peer(peer)?;
-            self.bind()?;
-            let stream = self.stream.clone();
-            let (ptr, _g) = buf.device_ptr(&stream);
-            self.p2p(ptr, len, peer, true, deadline)
-        })();
+        let stream = self.stream.clone();
+        let (ptr, _g) = buf.device_ptr(&stream);
+        let r = self.p2p(ptr, len, buf.len(), peer, true, deadline);
         self.guard(r)
     }
 
@@ -790,14 +752,10 @@ impl Communicator for NcclCommunicator {
         peer: usize,
         deadline: Instant,
     ) -> Result<()> {
-        let r = (|| {
-            self.check_call(len, buf.len(), peer)?;
-            self.check_peer(peer)?;
-            self.bind()?;
-            let stream = self.stream.clone();
-            let (ptr, _g) = buf.device_ptr_mut(&stream);
-            self.p2p(ptr, len, peer, false, deadline)
-        })();
+        let cap = buf.len();
+        let stream = self.stream.clone();
+        let (ptr, _g) = buf.device_ptr_mut(&stream);
+        let r = self.p2p(ptr, len, cap, peer, false, deadline);
         self.guard(r)
     }
 

@@ -67,22 +67,19 @@ pub use with_cuda::{DeviceBytes, ExportedBuffer, IpcImports, OpenedBuffer};
 
 #[cfg(feature = "cuda")]
 mod with_cuda {
-    use std::mem::MaybeUninit;
-    use std::ops::{Deref, DerefMut};
-    use std::sync::Arc;
-    use std::time::Instant;
-
-    use cudarc::driver::{CudaContext, CudaStream, result, sys};
+    use cudarc::driver::{CudaContext, result, sys};
     use refit_runtime::{Error, Result};
+    use std::mem::MaybeUninit;
+    use std::ops::Deref;
+    use std::sync::Arc;
 
     use super::IpcHandle;
     use crate::gpu::device::{driver_error, driver_text};
-    use crate::gpu::pinned::PinnedStaging;
 
     const WHAT: &str = "cuda-ipc";
 
-    /// A range of device memory (exported or opened) that host bytes are copied into and
-    /// out of through pinned staging. Reached through [`ExportedBuffer`] and
+    /// A range of device memory (exported or opened); host bytes go in and out through
+    /// [`PinnedStaging`](crate::gpu::pinned::PinnedStaging) at the addresses [`DeviceBytes::at`] checks. Reached through [`ExportedBuffer`] and
     /// [`OpenedBuffer`], which own it.
     #[derive(Debug)]
     pub struct DeviceBytes {
@@ -107,7 +104,12 @@ mod with_cuda {
             self.len == 0
         }
 
-        fn check_range(&self, offset: usize, n: usize) -> Result<u64> {
+        /// The device address of bytes `offset..offset + n`, for [`PinnedStaging::upload`](crate::gpu::pinned::PinnedStaging::upload)
+        /// and [`PinnedStaging::download`](crate::gpu::pinned::PinnedStaging::download) (or a device copy).
+        ///
+        /// # Errors
+        /// [`Error::Transport`] when the range is outside the buffer.
+        pub fn at(&self, offset: usize, n: usize) -> Result<sys::CUdeviceptr> {
             let len = self.len;
             if offset.checked_add(n).is_none_or(|end| end > len) {
                 return Err(Error::Transport {
@@ -116,38 +118,6 @@ mod with_cuda {
                 });
             }
             Ok(self.ptr + offset as u64)
-        }
-
-        /// Copies `bytes` to `offset` through `staging` on `stream`.
-        ///
-        /// # Errors
-        /// The range is outside the buffer; the copy failed or missed `deadline`.
-        pub fn write(
-            &mut self,
-            offset: usize,
-            bytes: &[u8],
-            staging: &mut PinnedStaging,
-            stream: &CudaStream,
-            deadline: Instant,
-        ) -> Result<()> {
-            let at = self.check_range(offset, bytes.len())?;
-            staging.upload(bytes, at, stream, deadline)
-        }
-
-        /// Copies `dst.len()` bytes from `offset` into `dst` through `staging`.
-        ///
-        /// # Errors
-        /// The range is outside the buffer; the copy failed or missed `deadline`.
-        pub fn read(
-            &self,
-            offset: usize,
-            dst: &mut [u8],
-            staging: &mut PinnedStaging,
-            stream: &CudaStream,
-            deadline: Instant,
-        ) -> Result<()> {
-            let at = self.check_range(offset, dst.len())?;
-            staging.download(at, dst, stream, deadline)
         }
     }
 
@@ -210,12 +180,6 @@ mod with_cuda {
         type Target = DeviceBytes;
         fn deref(&self) -> &DeviceBytes {
             &self.0
-        }
-    }
-
-    impl DerefMut for ExportedBuffer {
-        fn deref_mut(&mut self) -> &mut DeviceBytes {
-            &mut self.0
         }
     }
 
@@ -299,12 +263,6 @@ mod with_cuda {
         }
     }
 
-    impl DerefMut for OpenedBuffer {
-        fn deref_mut(&mut self) -> &mut DeviceBytes {
-            &mut self.mem
-        }
-    }
-
     impl Drop for OpenedBuffer {
         fn drop(&mut self) {
             let _ = self.mem.ctx.bind_to_thread();
@@ -332,11 +290,7 @@ mod with_cuda {
         ///
         /// # Errors
         /// As [`OpenedBuffer::open`]; after an error nothing is open.
-        pub fn get(
-            &mut self,
-            ctx: &Arc<CudaContext>,
-            handle: &IpcHandle,
-        ) -> Result<&mut OpenedBuffer> {
+        pub fn get(&mut self, ctx: &Arc<CudaContext>, handle: &IpcHandle) -> Result<&OpenedBuffer> {
             let same = self.current.as_ref().is_some_and(|b| {
                 b.generation == handle.generation
                     && b.handle == handle.handle
@@ -348,7 +302,7 @@ mod with_cuda {
                 self.opens += 1;
             }
             self.current
-                .as_mut()
+                .as_ref()
                 .ok_or(Error::State("cuda ipc: no buffer open"))
         }
 
