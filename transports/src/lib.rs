@@ -5,7 +5,8 @@
 //! - [`inproc`]: threads and actors of one process; publishing is a pointer swap.
 //! - [`collective`]: communicators per membership generation (broadcast, send/recv with
 //!   deadlines, abort); backends for CPU (node TCP) and NCCL (feature `cuda`).
-//! - [`gpu`]: the CUDA/NCCL probe (feature `cuda`); GPU transports build on it.
+//! - [`gpu`]: the CUDA/NCCL probe, pinned host staging and CUDA IPC between processes on
+//!   one GPU (feature `cuda`).
 //! - [`tcp`]: processes on one host or many; a sender agent serves versions that receivers
 //!   pull over parallel streams (full or delta, checksummed, relayed receiver to receiver).
 //! - [`file`]: a directory of safetensors files, one per version (tmp name, fsync, rename),
