@@ -5,6 +5,9 @@
 #   scripts/gpu-check.sh                 # build + stage into <repo>/.gpu-check
 #   scripts/gpu-check.sh --fetch-nccl    # also fetch libnccl.so.2 from PyPI's nvidia-nccl-cu12
 #   scripts/gpu-check.sh --run           # build, stage, then run it here (on a GPU machine)
+#   GPU_CHECK_ROOT=/path/to/checkout scripts/gpu-check.sh
+#                                        # stage into another checkout's .gpu-check (the one
+#                                        # the device tool sends)
 #
 # libnccl: cudarc loads `libnccl.so` at run time (not `libnccl.so.2`, NCCL's real name), so
 # the run command links `libnccl.so -> libnccl.so.2` into a directory on LD_LIBRARY_PATH. It
@@ -20,17 +23,19 @@ for a in "$@"; do
   case "$a" in
     --fetch-nccl) fetch_nccl=1 ;;
     --run) run_here=1 ;;
-    -h|--help) sed -n 2,15p "$0"; exit 0 ;;
+    -h|--help) sed -n 2,18p "$0"; exit 0 ;;
     *) echo "gpu-check.sh: unknown argument $a" >&2; exit 2 ;;
   esac
 done
 
 root=$(git rev-parse --show-toplevel)
-stage=${GPU_CHECK_STAGE:-$root/.gpu-check}
+stage_root=$(git -C "${GPU_CHECK_ROOT:-$root}" rev-parse --show-toplevel)
+rel=.gpu-check
+stage=$stage_root/$rel
 cd "$root"
 
 # The stage directory must stay out of git (and be carried explicitly).
-exclude="$(git rev-parse --git-common-dir)/info/exclude"
+exclude="$(cd "$stage_root" && realpath "$(git rev-parse --git-common-dir)")/info/exclude"
 mkdir -p "$(dirname "$exclude")"
 grep -qxF '/.gpu-check/' "$exclude" 2>/dev/null || echo '/.gpu-check/' >>"$exclude"
 
@@ -76,7 +81,6 @@ if (( size > 60 )); then
   echo "gpu-check: note: ${size} MiB is over what a 64 MiB working-tree transfer carries" >&2
 fi
 
-rel=${stage#"$root"/}
 # What runs on the GPU machine, from the repository root.
 remote="chmod +x $rel/gpu_check $rel/unit_tests; d=/tmp/refit-nccl; mkdir -p \$d; n=$rel/libnccl.so.2; [ -f \$n ] || n=\$(find /opt /usr /usr/local -name 'libnccl.so.2*' 2>/dev/null | head -1); echo \"libnccl: \$n\"; ln -sf \"\$(readlink -f \$n)\" \$d/libnccl.so; nvidia-smi -L; export LD_LIBRARY_PATH=\$d:\${LD_LIBRARY_PATH:-}; $rel/unit_tests gpu 2>&1 | tee \${OUT:-/tmp}/unit-tests.log; u=\${PIPESTATUS[0]}; $rel/gpu_check 2>&1 | tee \${OUT:-/tmp}/gpu-check.log; g=\${PIPESTATUS[0]}; echo \"unit tests rc=\$u, gpu check rc=\$g\"; [ \$u = 0 ] && [ \$g = 0 ]"
 
