@@ -3,6 +3,8 @@
 //! [`ReceiverTransport`](refit_runtime::ReceiverTransport).
 //!
 //! - [`inproc`]: threads and actors of one process; publishing is a pointer swap.
+//! - [`broadcast`]: trainer to many receivers through a communicator (CPU chain or NCCL),
+//!   a prepare message per bucket, whole versions applied, generations when ranks change.
 //! - [`collective`]: communicators per membership generation (broadcast, send/recv with
 //!   deadlines, abort); backends for CPU (node TCP) and NCCL (feature `cuda`).
 //! - [`gpu`]: the CUDA/NCCL probe, pinned host staging and CUDA IPC between processes on
@@ -18,6 +20,7 @@
 //! second enum here would only be converted back.
 #![warn(missing_docs, unreachable_pub, missing_debug_implementations)]
 
+pub mod broadcast;
 pub mod collective;
 pub mod file;
 pub mod gpu;

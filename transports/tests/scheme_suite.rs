@@ -12,6 +12,8 @@ use refit_runtime::{
     DType, Error, Manifest, Manifests, ReceiverInit, ReceiverTransport, SenderInit,
     SenderTransport, Version, WeightSet,
 };
+use refit_transports::broadcast::{BroadcastConfig, BroadcastReceiver, BroadcastSender};
+use refit_transports::collective::{CpuConfig, LocalRendezvous, Rendezvous};
 use refit_transports::file::{FileConfig, FileReceiver, FileSender};
 use refit_transports::inproc::InProc;
 use refit_transports::shm::{ShmConfig, ShmReadMode, ShmReceiver, ShmSender};
@@ -98,6 +100,44 @@ impl Make for FileMake {
     }
 }
 
+/// Rank 0 and `n` receivers of a CPU broadcast group (threads here; real processes in
+/// `broadcast_processes.rs`), meeting through an in-memory store.
+struct BroadcastMake;
+impl Make for BroadcastMake {
+    type S = BroadcastSender<CpuConfig>;
+    type R = BroadcastReceiver<CpuConfig>;
+    fn make(&self, _ms: &Manifests, n: usize) -> (Self::S, Vec<Self::R>) {
+        let store: Arc<dyn Rendezvous> = Arc::new(LocalRendezvous::new());
+        let cpu = CpuConfig::new(refit_runtime::node::ClusterToken::random());
+        let cfg = BroadcastConfig {
+            heartbeat: Duration::from_millis(200),
+            ..BroadcastConfig::new(format!("suite-{}", uuid_like()))
+        };
+        let members: Vec<String> = (1..=n).map(|i| format!("r{i}")).collect();
+        let s = BroadcastSender::new(
+            cpu.clone(),
+            Arc::clone(&store),
+            cfg.clone(),
+            members.clone(),
+        )
+        .unwrap();
+        let rs = members
+            .iter()
+            .map(|m| {
+                BroadcastReceiver::new(cpu.clone(), Arc::clone(&store), cfg.clone(), m.as_str())
+                    .unwrap()
+            })
+            .collect();
+        (s, rs)
+    }
+}
+
+fn uuid_like() -> u64 {
+    use std::sync::atomic::AtomicU64;
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    NEXT.fetch_add(1, Ordering::Relaxed)
+}
+
 fn all_makers(f: impl Fn(&dyn Fn() -> Box<dyn Runner>)) {
     f(&|| Box::new(InProcMake));
     f(&|| Box::new(ShmMake(ShmReadMode::Copy)));
@@ -105,6 +145,7 @@ fn all_makers(f: impl Fn(&dyn Fn() -> Box<dyn Runner>)) {
     f(&|| Box::new(TcpMake(TransferMode::Delta)));
     f(&|| Box::new(TcpMake(TransferMode::Full)));
     f(&|| Box::new(FileMake::default()));
+    f(&|| Box::new(BroadcastMake));
 }
 
 /// Object-safe runner so one list covers every transport.

@@ -24,8 +24,13 @@ use std::time::{Duration, Instant};
 
 use refit_runtime::{Error, Result};
 
+pub mod cpu;
+mod local;
 #[cfg(feature = "cuda")]
 pub mod nccl;
+
+pub use cpu::{CpuComm, CpuConfig};
+pub use local::LocalRendezvous;
 
 /// Who this rank is in which group, and since when.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
@@ -193,6 +198,20 @@ pub trait Communicator: Send + std::fmt::Debug {
             self.download(&buf, bytes, deadline)?;
         }
         Ok(())
+    }
+
+    /// The root's side of [`Communicator::broadcast_host`] for bytes it may only read (a
+    /// published weight set shared with readers): this rank is the root. The default stages
+    /// through a buffer from [`Communicator::alloc`]; a host-memory backend overrides it to
+    /// send the caller's bytes without a copy.
+    ///
+    /// # Errors
+    /// As [`Communicator::broadcast`].
+    fn broadcast_send(&mut self, bytes: &[u8], deadline: Instant) -> Result<()> {
+        let mut buf = self.alloc(bytes.len())?;
+        self.upload(bytes, &mut buf, deadline)?;
+        let root = self.membership().rank;
+        self.broadcast(&mut buf, bytes.len(), root, deadline)
     }
 
     /// Aborts: every later call fails at once, and the other ranks' pending calls fail
