@@ -58,6 +58,21 @@ impl Default for NcclOptions {
     }
 }
 
+/// The broadcast transport ([`crate::broadcast`]) forms each generation's communicator
+/// over NCCL with these options.
+impl crate::broadcast::Connector for NcclOptions {
+    type Comm = NcclCommunicator;
+
+    fn connect(
+        &mut self,
+        membership: Membership,
+        store: &dyn Rendezvous,
+        deadline: Instant,
+    ) -> Result<NcclCommunicator> {
+        NcclCommunicator::connect(membership, store, *self, deadline)
+    }
+}
+
 /// The raw NCCL communicator, aborted exactly once (on [`Communicator::abort`] or drop).
 #[derive(Debug)]
 struct RawComm {
@@ -479,64 +494,86 @@ impl NcclCommunicator {
         Ok(())
     }
 
+    /// Checks the call and makes the device ring; returns the chunk size.
+    fn host_setup(&mut self, root: usize) -> Result<usize> {
+        self.check_call(0, 0, root)?;
+        self.ensure_ring()?;
+        Ok(self.staging.chunk())
+    }
+
+    /// Waits for the broadcasts and the staging copies of a host broadcast of `len` bytes.
+    fn host_finish(&mut self, len: usize, deadline: Instant) -> Result<()> {
+        self.settle("broadcast enqueue", deadline)?;
+        self.finish("host broadcast", len, deadline)?;
+        self.staging.wait_idle(deadline)
+    }
+
+    /// The root's side of a host broadcast: chunk k+1 is copied to the device while chunk
+    /// k is broadcast.
+    fn root_send(&mut self, bytes: &[u8], deadline: Instant) -> Result<()> {
+        let root = self.membership.rank;
+        let chunk = self.host_setup(root)?;
+        let Some(ring) = self.ring.as_mut() else {
+            return Err(Error::State("nccl: broadcast ring missing"));
+        };
+        let m = &self.membership;
+        let (comm, nccl_stream, copy) = (&self.comm, &*self.stream, &*self.copy);
+        for (k, part) in bytes.chunks(chunk).enumerate() {
+            let s = k % 2;
+            // Device chunk `s` is refilled once its previous broadcast is done.
+            wait(m, copy, &ring.sent[s])?;
+            {
+                let (dptr, _g) = ring.chunks[s].device_ptr_mut(copy);
+                self.staging.push(k, part, dptr, copy, deadline)?;
+            }
+            handoff(m, &ring.copied[s], copy, nccl_stream)?;
+            let (dptr, _g) = ring.chunks[s].device_ptr_mut(nccl_stream);
+            enqueue(m, comm, nccl_stream, (dptr, dptr), part.len(), root)?;
+            record(m, &ring.sent[s], nccl_stream)?;
+        }
+        self.host_finish(bytes.len(), deadline)
+    }
+
     fn broadcast_host_inner(
         &mut self,
         bytes: &mut [u8],
         root: usize,
         deadline: Instant,
     ) -> Result<()> {
-        self.check_call(0, 0, root)?;
-        self.ensure_ring()?;
-        let chunk = self.staging.chunk();
-        let me = self.membership.rank;
+        if self.membership.rank == root {
+            return self.root_send(bytes, deadline);
+        }
+        let chunk = self.host_setup(root)?;
         let Some(ring) = self.ring.as_mut() else {
             return Err(Error::State("nccl: broadcast ring missing"));
         };
         let m = &self.membership;
         let (comm, nccl_stream, copy) = (&self.comm, &*self.stream, &*self.copy);
-        if me == root {
-            for (k, part) in bytes.chunks(chunk).enumerate() {
-                let s = k % 2;
-                // Device chunk `s` is refilled once its previous broadcast is done.
-                wait(m, copy, &ring.sent[s])?;
-                {
-                    let (dptr, _g) = ring.chunks[s].device_ptr_mut(copy);
-                    self.staging.push(k, part, dptr, copy, deadline)?;
-                }
-                handoff(m, &ring.copied[s], copy, nccl_stream)?;
+        let mut pending: Option<(usize, &mut [u8])> = None;
+        for (k, part) in bytes.chunks_mut(chunk).enumerate() {
+            let s = k % 2;
+            // Broadcast into device chunk `s` once its previous host copy is done.
+            wait(m, nccl_stream, &ring.copied[s])?;
+            {
                 let (dptr, _g) = ring.chunks[s].device_ptr_mut(nccl_stream);
                 enqueue(m, comm, nccl_stream, (dptr, dptr), part.len(), root)?;
-                record(m, &ring.sent[s], nccl_stream)?;
             }
-        } else {
-            let mut pending: Option<(usize, &mut [u8])> = None;
-            for (k, part) in bytes.chunks_mut(chunk).enumerate() {
-                let s = k % 2;
-                // Broadcast into device chunk `s` once its previous host copy is done.
-                wait(m, nccl_stream, &ring.copied[s])?;
-                {
-                    let (dptr, _g) = ring.chunks[s].device_ptr_mut(nccl_stream);
-                    enqueue(m, comm, nccl_stream, (dptr, dptr), part.len(), root)?;
-                }
-                handoff(m, &ring.sent[s], nccl_stream, copy)?;
-                {
-                    let (dptr, _g) = ring.chunks[s].device_ptr(copy);
-                    self.staging.pull(k, dptr, part.len(), copy, deadline)?;
-                }
-                record(m, &ring.copied[s], copy)?;
-                // While chunk k is broadcast and copied, the CPU drains chunk k-1.
-                if let Some((j, prev)) = pending.take() {
-                    self.staging.take(j, prev, deadline)?;
-                }
-                pending = Some((k, part));
+            handoff(m, &ring.sent[s], nccl_stream, copy)?;
+            {
+                let (dptr, _g) = ring.chunks[s].device_ptr(copy);
+                self.staging.pull(k, dptr, part.len(), copy, deadline)?;
             }
-            if let Some((j, prev)) = pending {
+            record(m, &ring.copied[s], copy)?;
+            // While chunk k is broadcast and copied, the CPU drains chunk k-1.
+            if let Some((j, prev)) = pending.take() {
                 self.staging.take(j, prev, deadline)?;
             }
+            pending = Some((k, part));
         }
-        self.settle("broadcast enqueue", deadline)?;
-        self.finish("host broadcast", bytes.len(), deadline)?;
-        self.staging.wait_idle(deadline)
+        if let Some((j, prev)) = pending {
+            self.staging.take(j, prev, deadline)?;
+        }
+        self.host_finish(bytes.len(), deadline)
     }
 
     /// Checks, enqueues and waits for one send (`send`) or receive of `len` bytes at `ptr`
@@ -761,6 +798,11 @@ impl Communicator for NcclCommunicator {
 
     fn broadcast_host(&mut self, bytes: &mut [u8], root: usize, deadline: Instant) -> Result<()> {
         let r = self.broadcast_host_inner(bytes, root, deadline);
+        self.guard(r)
+    }
+
+    fn broadcast_send(&mut self, bytes: &[u8], deadline: Instant) -> Result<()> {
+        let r = self.root_send(bytes, deadline);
         self.guard(r)
     }
 
