@@ -4,7 +4,9 @@
 //! 1. probe (devices, NCCL loadable);
 //! 2. a one-rank NCCL communicator, its unique id exchanged through a real node store;
 //! 3. a bucket broadcast: a 256 MiB model in 64 MiB buckets through `broadcast_host` and
-//!    through device buffers (upload, broadcast, download), bytes compared;
+//!    through device buffers (upload, broadcast, download), bytes compared; then the
+//!    broadcast transport (`BroadcastSender` over NCCL) publishing four versions, one
+//!    prepare message per bucket counted;
 //! 4. CUDA IPC of 1 GiB between two processes (this binary spawns itself), bytes compared
 //!    both ways, the handle opened once per generation;
 //! 5. 100 update cycles (a new generation every 10) with device memory measured before and
