@@ -7,7 +7,8 @@
 //!   a prepare message per bucket, whole versions applied, generations when ranks change.
 //! - [`collective`]: communicators per membership generation (broadcast, send/recv with
 //!   deadlines, abort); backends for CPU (node TCP) and NCCL (feature `cuda`).
-//! - [`gpu`]: the CUDA/NCCL probe (feature `cuda`); GPU transports build on it.
+//! - [`gpu`]: the CUDA/NCCL probe, pinned host staging and CUDA IPC between processes on
+//!   one GPU (feature `cuda`).
 //! - [`tcp`]: processes on one host or many; a sender agent serves versions that receivers
 //!   pull over parallel streams (full or delta, checksummed, relayed receiver to receiver).
 //! - [`mod@file`]: a directory of safetensors files, one per version (tmp name, fsync, rename),

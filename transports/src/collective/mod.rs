@@ -26,6 +26,8 @@ use refit_runtime::{Error, Result};
 
 pub mod cpu;
 mod local;
+#[cfg(feature = "cuda")]
+pub mod nccl;
 
 pub use cpu::{CpuComm, CpuConfig};
 pub use local::LocalRendezvous;

@@ -1,5 +1,7 @@
 //! GPU support: a probe that says, as an error and never a panic, whether the CUDA driver and
-//! NCCL can be loaded, and which devices are present.
+//! NCCL can be loaded, and which devices are present; pinned host staging ([`pinned`]) and
+//! CUDA IPC between processes on one GPU ([`ipc`]). The NCCL communicator is
+//! `collective::nccl`.
 //!
 //! Built with the `cuda` feature, the probe loads the libraries at run time through cudarc
 //! (dynamic loading: the feature compiles on machines without CUDA). Without the feature it
@@ -8,6 +10,11 @@
 
 use serde::{Deserialize, Serialize};
 
+#[cfg(feature = "cuda")]
+pub mod device;
+pub mod ipc;
+#[cfg(feature = "cuda")]
+pub mod pinned;
 #[cfg(feature = "cuda")]
 mod probe_cuda;
 

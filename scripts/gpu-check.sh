@@ -1,0 +1,97 @@
+#!/usr/bin/env bash
+# Builds the GPU check (transports/tests/gpu_check.rs) on this machine, without CUDA, and
+# stages it for a GPU machine; prints the one command to run there.
+#
+#   scripts/gpu-check.sh                 # build + stage into <repo>/.gpu-check
+#   scripts/gpu-check.sh --fetch-nccl    # also fetch libnccl.so.2 from PyPI's nvidia-nccl-cu12
+#   scripts/gpu-check.sh --run           # build, stage, then run it here (on a GPU machine)
+#   GPU_CHECK_ROOT=/path/to/checkout scripts/gpu-check.sh
+#                                        # stage into another checkout's .gpu-check (the one
+#                                        # the device tool sends)
+#
+# libnccl: cudarc loads `libnccl.so` at run time (not `libnccl.so.2`, NCCL's real name), so
+# the run command links `libnccl.so -> libnccl.so.2` into a directory on LD_LIBRARY_PATH. It
+# uses the staged copy when there is one (--fetch-nccl), else the GPU machine's own (the
+# device image ships PyTorch with nvidia-nccl-cu13). The nvidia-nccl-cu12 wheel is 342 MB
+# (2.31.2), far over a 64 MiB working-tree transfer: fetch it only where the stage directory
+# reaches the GPU machine by other means.
+set -euo pipefail
+
+fetch_nccl=0
+run_here=0
+for a in "$@"; do
+  case "$a" in
+    --fetch-nccl) fetch_nccl=1 ;;
+    --run) run_here=1 ;;
+    -h|--help) sed -n 2,18p "$0"; exit 0 ;;
+    *) echo "gpu-check.sh: unknown argument $a" >&2; exit 2 ;;
+  esac
+done
+
+root=$(git rev-parse --show-toplevel)
+stage_root=$(git -C "${GPU_CHECK_ROOT:-$root}" rev-parse --show-toplevel)
+rel=.gpu-check
+stage=$stage_root/$rel
+cd "$root"
+
+# The stage directory must stay out of git (and be carried explicitly).
+exclude="$(cd "$stage_root" && realpath "$(git rev-parse --git-common-dir)")/info/exclude"
+mkdir -p "$(dirname "$exclude")"
+grep -qxF '/.gpu-check/' "$exclude" 2>/dev/null || echo '/.gpu-check/' >>"$exclude"
+
+echo "gpu-check: building the test binaries (release, stripped, feature cuda)" >&2
+log=$(mktemp)
+CARGO_PROFILE_RELEASE_STRIP=true cargo test --release --no-run --locked \
+  -p refit-transports --features cuda --lib --test gpu_check 2>&1 | tee "$log" >&2
+bin=$(grep -o 'target/release/deps/gpu_check-[0-9a-f]*' "$log" | tail -1)
+lib=$(grep -o 'target/release/deps/refit_transports-[0-9a-f]*' "$log" | tail -1)
+rm -f "$log"
+if [[ -z "$bin" || ! -x "$root/$bin" || -z "$lib" || ! -x "$root/$lib" ]]; then
+  echo "gpu-check: cargo did not report the gpu_check and unit-test executables" >&2
+  exit 1
+fi
+
+mkdir -p "$stage"
+cp "$root/$bin" "$stage/gpu_check"
+cp "$root/$lib" "$stage/unit_tests"
+chmod +x "$stage/gpu_check" "$stage/unit_tests"
+
+if [[ $fetch_nccl == 1 ]]; then
+  tmp=$(mktemp -d)
+  echo "gpu-check: fetching nvidia-nccl-cu12 from PyPI" >&2
+  python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+    --implementation cp --platform manylinux_2_18_x86_64 --platform manylinux2014_x86_64 \
+    --platform manylinux_2_17_x86_64 -d "$tmp" nvidia-nccl-cu12 >&2
+  whl=$(ls "$tmp"/nvidia_nccl_cu12-*.whl | head -1)
+  python3 - "$whl" "$stage" <<'EOF'
+import sys, zipfile, shutil, os
+whl, stage = sys.argv[1], sys.argv[2]
+with zipfile.ZipFile(whl) as z:
+    name = next(n for n in z.namelist() if n.endswith("/libnccl.so.2"))
+    with z.open(name) as src, open(os.path.join(stage, "libnccl.so.2"), "wb") as dst:
+        shutil.copyfileobj(src, dst)
+print(f"gpu-check: extracted {name}", file=sys.stderr)
+EOF
+  rm -rf "$tmp"
+fi
+
+size=$(du -sm "$stage" | cut -f1)
+echo "gpu-check: staged $(ls "$stage" | tr '\n' ' ')in $stage (${size} MiB)" >&2
+if (( size > 60 )); then
+  echo "gpu-check: note: ${size} MiB is over what a 64 MiB working-tree transfer carries" >&2
+fi
+
+# What runs on the GPU machine, from the repository root.
+remote="chmod +x $rel/gpu_check $rel/unit_tests; d=/tmp/refit-nccl; mkdir -p \$d; n=$rel/libnccl.so.2; [ -f \$n ] || n=\$(find /opt /usr /usr/local -name 'libnccl.so.2*' 2>/dev/null | head -1); echo \"libnccl: \$n\"; ln -sf \"\$(readlink -f \$n)\" \$d/libnccl.so; nvidia-smi -L; export LD_LIBRARY_PATH=\$d:\${LD_LIBRARY_PATH:-}; $rel/unit_tests gpu 2>&1 | tee \${OUT:-/tmp}/unit-tests.log; u=\${PIPESTATUS[0]}; $rel/gpu_check 2>&1 | tee \${OUT:-/tmp}/gpu-check.log; g=\${PIPESTATUS[0]}; echo \"unit tests rc=\$u, gpu check rc=\$g\"; [ \$u = 0 ] && [ \$g = 0 ]"
+
+if [[ $run_here == 1 ]]; then
+  exec bash -c "$remote"
+fi
+
+cat <<EOF
+Run on the GPU machine (the device tool's run, from the root of the checkout it sends, with
+the stage directory carried; it must sit in that checkout, ignored by git):
+
+  carry: ["$rel"]
+  command: $remote
+EOF
