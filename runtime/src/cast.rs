@@ -141,7 +141,8 @@ impl CastRules {
         Self::default()
     }
 
-    /// Tensors whose name matches `pattern` (see [`Pattern`]) are converted to `to`.
+    /// Tensors whose name matches `pattern` (a name with `{name}` placeholders, as in
+    /// [`LayoutRules`](crate::LayoutRules)) are converted to `to`.
     pub fn tensors(mut self, pattern: &str, to: CastTo) -> Self {
         match Pattern::parse(pattern) {
             Ok(p) => self.rules.push((Select::Name(p), to)),

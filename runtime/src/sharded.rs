@@ -109,15 +109,6 @@ impl ShardedBuffer {
         self.inner.world
     }
 
-    /// The arena byte range rank `rank` writes.
-    ///
-    /// # Errors
-    /// [`Error::Shard`] when `rank` is not below the world size.
-    pub fn shard_range(&self, rank: usize) -> Result<Range<usize>> {
-        self.check_rank(rank)?;
-        Ok(self.inner.range(rank))
-    }
-
     fn check_rank(&self, rank: usize) -> Result<()> {
         if rank >= self.inner.world {
             return Err(shard_error(

@@ -16,7 +16,7 @@ use crate::error::{Error, Result};
 use crate::manifest::{Manifest, TensorSpec};
 use crate::weights::WeightSet;
 
-pub use pattern::{Captures, Pattern};
+pub(crate) use pattern::Pattern;
 pub use rules::LayoutRules;
 use rules::Rule;
 
@@ -193,21 +193,9 @@ impl LayoutPlan {
     /// # Errors
     /// [`Error::Tensor`] / [`Error::Schema`] when `weights` does not have the source manifest.
     pub fn apply(&self, weights: &WeightSet) -> Result<WeightSet> {
-        let mut out = WeightSet::zeroed(weights.model().clone(), Arc::clone(&self.target));
-        self.apply_into(weights, &mut out)?;
-        Ok(out)
-    }
-
-    /// As [`LayoutPlan::apply`], into an existing weight set with the target manifest (no
-    /// allocation); `out` takes the version of `weights`.
-    ///
-    /// # Errors
-    /// As [`LayoutPlan::apply`], a schema error when `out` does not have the target manifest,
-    /// or [`Error::ReadOnly`].
-    pub fn apply_into(&self, weights: &WeightSet, out: &mut WeightSet) -> Result<()> {
         self.source
             .check_same_schema(weights.model(), weights.manifest())?;
-        self.target.check_same_schema(out.model(), out.manifest())?;
+        let mut out = WeightSet::zeroed(weights.model().clone(), Arc::clone(&self.target));
         let src_specs = self.source.tensors();
         let dst_specs = self.target.tensors();
         let src = weights.bytes();
@@ -241,12 +229,7 @@ impl LayoutPlan {
             }
         }
         out.set_version(weights.version());
-        Ok(())
-    }
-
-    /// One line per step: what each source tensor becomes.
-    pub fn mapping(&self) -> Vec<String> {
-        self.to_string().lines().map(str::to_string).collect()
+        Ok(out)
     }
 }
 
