@@ -22,7 +22,7 @@
 //! [`Phase::Convert`] and counted in [`ConvertStats`].
 
 use std::collections::BTreeMap;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use crate::cast::{CastPlan, CastRules};
@@ -83,12 +83,30 @@ impl Wants {
 }
 
 /// One model's checked conversion: a layout plan, then a cast plan.
+///
+/// On the adapters' path ([`Conversions::apply_group`]) arenas are reused: the layout's
+/// intermediate arena, and up to [`RECYCLED`] converted versions that nobody holds any
+/// more, so a version is converted into memory already faulted in (a fresh arena costs
+/// about as much as the conversion itself). Clones share these arenas.
 #[derive(Clone, Debug)]
 pub struct Conversion {
     source: Arc<Manifest>,
     target: Arc<Manifest>,
     layout: Option<LayoutPlan>,
     cast: Option<CastPlan>,
+    scratch: Arc<Mutex<Scratch>>,
+}
+
+/// How many converted versions a [`Conversion`] keeps for reuse once nobody else holds them.
+pub const RECYCLED: usize = 3;
+
+/// Arenas kept for reuse.
+#[derive(Debug, Default)]
+struct Scratch {
+    /// The layout's output, when a cast follows.
+    laid: Option<WeightSet>,
+    /// Converted versions handed out; one is reused once it is the only holder.
+    outputs: Vec<Arc<WeightSet>>,
 }
 
 impl Conversion {
@@ -119,6 +137,7 @@ impl Conversion {
             target,
             layout,
             cast,
+            scratch: Arc::default(),
         })
     }
 
@@ -156,6 +175,46 @@ impl Conversion {
             (None, Some(c)) => c.apply(weights),
             (None, None) => Ok(weights.clone()),
         }
+    }
+
+    /// As [`Conversion::apply`], into a recycled arena when one is free.
+    fn apply_shared(&self, weights: &WeightSet) -> Result<Arc<WeightSet>> {
+        self.source
+            .check_same_schema(weights.model(), weights.manifest())?;
+        if self.layout.is_none() && self.cast.is_none() {
+            return Ok(Arc::new(weights.clone()));
+        }
+        let mut scratch = self.scratch.lock().unwrap_or_else(PoisonError::into_inner);
+        let model = weights.model();
+        let mut out = match scratch
+            .outputs
+            .iter_mut()
+            .position(|a| Arc::get_mut(a).is_some())
+        {
+            Some(i) => scratch.outputs.swap_remove(i),
+            None => Arc::new(WeightSet::zeroed(model.clone(), Arc::clone(&self.target))),
+        };
+        let dst = Arc::get_mut(&mut out).ok_or(Error::State("a recycled arena is shared"))?;
+        match (&self.layout, &self.cast) {
+            (Some(l), Some(c)) => {
+                let mut laid = match scratch.laid.take() {
+                    Some(w) if w.model() == model => w,
+                    _ => WeightSet::zeroed(model.clone(), Arc::clone(l.target())),
+                };
+                let r = l
+                    .apply_into(weights, &mut laid)
+                    .and_then(|()| c.apply_into(&laid, dst));
+                scratch.laid = Some(laid);
+                r?;
+            }
+            (Some(l), None) => l.apply_into(weights, dst)?,
+            (None, Some(c)) => c.apply_into(weights, dst)?,
+            (None, None) => {}
+        }
+        if scratch.outputs.len() < RECYCLED {
+            scratch.outputs.push(Arc::clone(&out));
+        }
+        Ok(out)
     }
 }
 
@@ -213,7 +272,7 @@ impl Conversions {
         group
             .iter()
             .map(|w| match self.plans.get(w.model()) {
-                Some(c) => c.apply(w).map(Arc::new),
+                Some(c) => c.apply_shared(w),
                 None => Ok(Arc::clone(w)),
             })
             .collect()

@@ -203,3 +203,26 @@ fn sender_side_converts_once_and_receivers_see_the_engines_layout() {
 fn target_of(ms: &Manifests) -> Arc<Manifest> {
     Arc::clone(ms.get(&id("policy")).unwrap())
 }
+
+#[test]
+fn recycled_arenas_never_change_a_version_someone_holds() {
+    let m = trainer();
+    let c = Conversions::plan(&manifests(&m), &wants()).unwrap();
+    let convert = |v| {
+        let w = Arc::new(weights(&m, v));
+        c.apply_group(&vec![w]).unwrap().remove(0)
+    };
+    let held = convert(1);
+    for v in 2..=8 {
+        // every other version is dropped at once, so its arena comes back for the next one
+        let w = convert(v);
+        check(&w, &weights(&m, v));
+        check(&held, &weights(&m, 1));
+    }
+    let a = convert(9);
+    let a_ptr = a.bytes().as_ptr();
+    drop(a);
+    let b = convert(10);
+    assert_eq!(b.bytes().as_ptr(), a_ptr, "a free arena is reused");
+    check(&b, &weights(&m, 10));
+}

@@ -193,9 +193,17 @@ impl LayoutPlan {
     /// # Errors
     /// [`Error::Tensor`] / [`Error::Schema`] when `weights` does not have the source manifest.
     pub fn apply(&self, weights: &WeightSet) -> Result<WeightSet> {
+        let mut out = WeightSet::zeroed(weights.model().clone(), Arc::clone(&self.target));
+        self.apply_into(weights, &mut out)?;
+        Ok(out)
+    }
+
+    /// As [`LayoutPlan::apply`], into a weight set of the target manifest (reused by the
+    /// converting adapters, so a version does not fault in a fresh arena).
+    pub(crate) fn apply_into(&self, weights: &WeightSet, out: &mut WeightSet) -> Result<()> {
         self.source
             .check_same_schema(weights.model(), weights.manifest())?;
-        let mut out = WeightSet::zeroed(weights.model().clone(), Arc::clone(&self.target));
+        self.target.check_same_schema(out.model(), out.manifest())?;
         let src_specs = self.source.tensors();
         let dst_specs = self.target.tensors();
         let src = weights.bytes();
@@ -229,7 +237,7 @@ impl LayoutPlan {
             }
         }
         out.set_version(weights.version());
-        Ok(out)
+        Ok(())
     }
 }
 
