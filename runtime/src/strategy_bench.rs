@@ -138,7 +138,7 @@ fn model(bytes: usize) -> Result<Manifest> {
 }
 
 /// The engine's wants: fused q/k/v and gate/up, its names, every tensor cast to `to`.
-fn engine_want(to: CastTo) -> Want {
+pub(crate) fn engine_want(to: CastTo) -> Want {
     Want::new()
         .layout(
             LayoutRules::new()

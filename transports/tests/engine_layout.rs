@@ -8,7 +8,7 @@ mod common;
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::id;
+use common::{id, shm_pair, tcp_pair};
 use half::bf16;
 use refit_runtime::cast::{CastRules, CastTo};
 use refit_runtime::convert::{Conversions, ConvertingReceiver, ConvertingSender, Want, Wants};
@@ -16,8 +16,7 @@ use refit_runtime::{
     DType, LayoutRules, Manifest, Manifests, Receiver, ReceiverInit, ReceiverTransport, Sender,
     SenderInit, SenderTransport, Version, WeightSet,
 };
-use refit_transports::shm::{ShmConfig, ShmReadMode, ShmReceiver, ShmSender};
-use refit_transports::tcp::{TcpConfig, TcpReceiver, TcpSender};
+use refit_transports::shm::{ShmReadMode, ShmReceiver, ShmSender};
 
 const T: Duration = Duration::from_secs(30);
 const LAYERS: usize = 2;
@@ -144,14 +143,10 @@ fn check(engine_w: &WeightSet, trainer_w: &WeightSet) {
                 .flat_map(|p| trainer_w.view::<f32>(p).unwrap().iter())
                 .map(|&x| bf16::from_f32(x).to_bits())
                 .collect();
-            let got: Vec<u16> = engine_w
-                .view::<bf16>(&name)
-                .unwrap()
-                .iter()
-                .map(|x| x.to_bits())
-                .collect();
+            let got = engine_w.view::<bf16>(&name).unwrap();
             assert_eq!(got.len(), want.len(), "{name}");
-            assert!(got == want, "tensor `{name}` differs from the reference");
+            let same = got.iter().zip(&want).all(|(g, w)| g.to_bits() == *w);
+            assert!(same, "tensor `{name}` differs from the reference");
         }
     }
 }
@@ -232,26 +227,7 @@ where
 }
 
 fn shm(mode: ShmReadMode) -> impl FnOnce(&Manifests) -> (ShmSender, ShmReceiver) {
-    move |ms| {
-        let cfg = ShmConfig {
-            expected_receivers: 1,
-            ..ShmConfig::default()
-        };
-        let s = ShmSender::create(&cfg, ms).unwrap();
-        let r = ShmReceiver::new(s.receiver_spec()).with_mode(mode);
-        (s, r)
-    }
-}
-
-fn tcp(ms: &Manifests) -> (TcpSender, TcpReceiver) {
-    let cfg = TcpConfig {
-        expected_receivers: 1,
-        token: Some(refit_runtime::node::ClusterToken::random()),
-        ..TcpConfig::default()
-    };
-    let s = TcpSender::bind(cfg, ms).unwrap();
-    let r = TcpReceiver::new(s.receiver_spec());
-    (s, r)
+    move |ms| shm_pair(ms, mode)
 }
 
 #[test]
@@ -267,19 +243,19 @@ fn shm_trainer_converts_on_the_sender_side() {
 
 #[test]
 fn tcp_engine_converts_on_the_receiver_side() {
-    receiver_side(tcp);
+    receiver_side(tcp_pair);
 }
 
 #[test]
 fn tcp_trainer_converts_on_the_sender_side() {
-    sender_side(tcp);
+    sender_side(tcp_pair);
 }
 
 /// An engine whose wants do not fit the trainer's manifests is refused at connect, naming
 /// the rule; nothing is served.
 #[test]
 fn wants_that_do_not_fit_are_refused_at_connect() {
-    let (s, r) = tcp(&of(&trainer()));
+    let (s, r) = tcp_pair(&of(&trainer()));
     let bad = Wants::new().model(
         id("policy"),
         Want::new().layout(LayoutRules::new().rename("layers.{i}.rope", "x.{i}")),

@@ -9,28 +9,30 @@ mod common;
 use std::sync::{Arc, Barrier};
 use std::time::Duration;
 
-use common::id;
+use common::{id, shm_pair, tcp_pair};
 use refit_runtime::sharded::ShardWriter;
 use refit_runtime::{
     DType, Error, Manifest, Manifests, ReceiverInit, ReceiverTransport, SenderInit,
     SenderTransport, ShardedBuffer, Version,
 };
-use refit_transports::shm::{ShmConfig, ShmReceiver, ShmSender};
-use refit_transports::tcp::{TcpConfig, TcpReceiver, TcpSender};
+use refit_transports::shm::ShmReadMode;
 
 const T: Duration = Duration::from_secs(30);
 const WORLD: usize = 4;
 
+/// A small f32 model; tensor sizes are not multiples of a shard, so shards cut tensors.
 fn manifest() -> Arc<Manifest> {
-    Arc::new(
-        Manifest::builder()
-            .tensor("embed.weight", DType::F32, &[300, 64])
-            .tensor("layers.0.weight", DType::F32, &[64, 64])
-            .tensor("layers.0.bias", DType::F32, &[64])
-            .tensor("head.weight", DType::F32, &[2, 64])
-            .build()
-            .unwrap(),
-    )
+    let mut b = Manifest::builder();
+    let shapes: [(&str, &[usize]); 4] = [
+        ("embed.weight", &[300, 64]),
+        ("layers.0.weight", &[64, 64]),
+        ("layers.0.bias", &[64]),
+        ("head.weight", &[2, 64]),
+    ];
+    for (name, shape) in shapes {
+        b.push(name, DType::F32, shape);
+    }
+    Arc::new(b.build().unwrap())
 }
 
 /// The value of the f32 at arena byte offset `at` in `version` (what the whole model holds).
@@ -126,29 +128,12 @@ where
 
 #[test]
 fn sharded_ranks_publish_over_shm() {
-    ranks_publish(|ms| {
-        let cfg = ShmConfig {
-            expected_receivers: 1,
-            ..ShmConfig::default()
-        };
-        let s = ShmSender::create(&cfg, ms).unwrap();
-        let r = ShmReceiver::new(s.receiver_spec());
-        (s, r)
-    });
+    ranks_publish(|ms| shm_pair(ms, ShmReadMode::ZeroCopy));
 }
 
 #[test]
 fn sharded_ranks_publish_over_tcp() {
-    ranks_publish(|ms| {
-        let cfg = TcpConfig {
-            expected_receivers: 1,
-            token: Some(refit_runtime::node::ClusterToken::random()),
-            ..TcpConfig::default()
-        };
-        let s = TcpSender::bind(cfg, ms).unwrap();
-        let r = TcpReceiver::new(s.receiver_spec());
-        (s, r)
-    });
+    ranks_publish(tcp_pair);
 }
 
 /// A buffer over another manifest than the scheme's is refused before it closes anything.

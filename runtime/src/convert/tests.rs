@@ -13,6 +13,7 @@ use crate::scheme::{ReceiverInit, SenderInit, deadline_in};
 const LONG: Duration = Duration::from_secs(30);
 const H: usize = 8;
 const KV: usize = 4;
+const FF: usize = 16;
 
 fn id(s: &str) -> ModelId {
     ModelId::new(s).unwrap()
@@ -25,23 +26,17 @@ fn trainer() -> Arc<Manifest> {
             .tensor("layers.0.k", DType::F32, &[KV, H])
             .tensor("layers.0.v", DType::F32, &[KV, H])
             .tensor("layers.0.o", DType::F32, &[H, H])
+            .tensor("layers.0.gate", DType::F32, &[FF, H])
+            .tensor("layers.0.up", DType::F32, &[FF, H])
+            .tensor("layers.0.down", DType::F32, &[H, FF])
             .build()
             .unwrap(),
     )
 }
 
+/// The engine's wants of `refit bench`: fused q/k/v and gate/up, its names, bf16.
 fn want() -> Want {
-    Want::new()
-        .layout(
-            LayoutRules::new()
-                .fuse(
-                    ["layers.{i}.q", "layers.{i}.k", "layers.{i}.v"],
-                    "model.layers.{i}.qkv",
-                    0,
-                )
-                .rename("layers.{i}.o", "model.layers.{i}.o"),
-        )
-        .cast(CastRules::new().dtype(DType::F32, CastTo::BF16))
+    crate::strategy_bench::engine_want(CastTo::BF16)
 }
 
 fn wants() -> Wants {
@@ -79,12 +74,17 @@ fn reference(w: &WeightSet) -> Vec<(String, Vec<u16>)> {
             bits(&["layers.0.q", "layers.0.k", "layers.0.v"]),
         ),
         ("model.layers.0.o".into(), bits(&["layers.0.o"])),
+        (
+            "model.layers.0.gate_up".into(),
+            bits(&["layers.0.gate", "layers.0.up"]),
+        ),
+        ("model.layers.0.down".into(), bits(&["layers.0.down"])),
     ]
 }
 
 fn check(engine: &WeightSet, trainer: &WeightSet) {
     assert_eq!(engine.version(), trainer.version());
-    assert_eq!(engine.manifest().len(), 2);
+    assert_eq!(engine.manifest().len(), 4);
     for (name, want) in reference(trainer) {
         let got: Vec<u16> = engine
             .view::<bf16>(&name)
