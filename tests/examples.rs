@@ -278,6 +278,25 @@ fn sigterm_stops_the_shm_weights_sender_cleanly_and_says_so_in_the_log() {
     }
 }
 
+/// A fused-qkv, bf16 engine process receives from an f32 trainer over shm (converting on
+/// its side) and over TCP (the trainer's two ranks publish through a sharded buffer and its
+/// sender converts); each engine checks every version against the reference conversion.
+#[test]
+fn engine_layout_example_serves_the_engines_layout_over_shm_and_tcp() {
+    let stdout = run_ok("engine_layout", &[]);
+    for (link, side) in [("shm", "receiver side"), ("tcp", "sender side")] {
+        for v in 1..=3 {
+            let line = format!("engine ({link}, {side}): v{v} matches the reference conversion");
+            assert!(stdout.contains(&line), "{line}\n{stdout}");
+        }
+    }
+    assert!(
+        stdout.contains("trainer (tcp, sender side): 3 versions converted"),
+        "{stdout}"
+    );
+    assert_eq!(stdout.matches("buckets reassembled").count(), 2, "{stdout}");
+}
+
 #[test]
 fn a_bad_rust_log_is_reported_and_the_default_used() {
     let out = Command::new(example("engine_layout"))

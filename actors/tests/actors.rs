@@ -279,3 +279,62 @@ async fn one_models_apply_does_not_stall_requests_for_another() {
     assert_eq!(stats.loads, 1);
     assert!(stats.paused_max >= Duration::from_secs(2), "{stats:?}");
 }
+
+/// An ack means applied: the engine stages version 2 through its inlet (a real scheme), and
+/// its sender hears of it only once the (slow) apply is over and version 2 is served.
+#[actix_rt::test]
+async fn an_engine_acknowledges_a_version_only_once_it_serves_it() {
+    use actix::Actor;
+    use refit_actors::actor::{ActBatch, ServedVersions, UpdateModel};
+    use refit_runtime::{HasWeights, Manifests, ReceiverInit, SenderInit};
+    use refit_transports::inproc::InProc;
+    const T: Duration = Duration::from_secs(30);
+    let id = policy_model_id();
+    let policy = SlowToLoad {
+        inner: MlpPolicy::new(&[4, 8, 2]).unwrap(),
+        delay: Duration::from_secs(2),
+    };
+    let manifests =
+        Manifests::new([(id.clone(), Arc::new(policy.weight_manifest().unwrap()))]).unwrap();
+    let hub = InProc::new();
+    let rx = ReceiverInit::new(hub.receiver(), Some(manifests.clone()));
+    let joiner = std::thread::spawn(move || rx.connect(T));
+    let mut tx = SenderInit::new(hub.sender().unwrap(), manifests)
+        .connect(vec![(*weights(1, 0.1)).clone()], T)
+        .unwrap();
+    let rx = joiner.join().unwrap().unwrap();
+    let engine = InferenceEngine::empty(5)
+        .with_model(id.clone(), policy, Some(Box::new(rx)))
+        .unwrap()
+        .start();
+    let pending = tx.send_async(vec![(*weights(2, 0.2)).clone()]).unwrap();
+    let load = actix_rt::spawn(engine.send(UpdateModel {
+        model: id.clone(),
+        version: Version(2),
+        timeout: T,
+    }));
+    // the sender waits for the ack on its own thread while the engine stages and applies
+    let acked = actix_rt::task::spawn_blocking(move || {
+        let r = tx.wait(&pending, T);
+        (tx, r)
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    // the apply (2 s) is under way: a request queues, and no ack has been sent
+    let during = engine.send(ActBatch {
+        model: id.clone(),
+        obs: vec![0.0; 4],
+        generation: None,
+        greedy: false,
+    });
+    assert!(!acked.is_finished(), "acknowledged before the apply ended");
+    let (_tx, r) = acked.await.unwrap();
+    r.unwrap();
+    // when the sender sees the ack, the engine serves version 2
+    let served = engine.send(ServedVersions).await.unwrap();
+    assert_eq!(served[&id], Version(2));
+    // the request that queued during the apply was answered with version 2
+    assert_eq!(during.await.unwrap().unwrap().version, Version(2));
+    let report = load.await.unwrap().unwrap().unwrap();
+    assert_eq!(report.version, Version(2));
+    assert!(report.paused >= Duration::from_secs(2), "{report:?}");
+}

@@ -41,6 +41,9 @@ impl WeightInlet for SlowLink {
         std::thread::sleep(self.delay);
         self.inner.fetch(model, at_least, timeout)
     }
+    fn applied(&mut self, model: &ModelId, version: Version) -> refit_actors::Result<()> {
+        self.inner.applied(model, version)
+    }
 }
 
 fn slow(delay: Duration) -> InletWrapper {

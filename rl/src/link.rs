@@ -3,8 +3,9 @@
 //!
 //! [`WeightInlet`] is implemented by every [`Receiver`] (inproc, shm, tcp, ...): an engine
 //! stages a version by fetching it through its inlet — the bytes cross the transport and are
-//! validated whole — before it pauses to apply. [`WeightOutlet`] is implemented by every
-//! [`Sender`]: a trainer publishes through it.
+//! validated whole — before it pauses to apply, and acknowledges it through the inlet once
+//! it serves it (so a sender's ack means applied, not staged). [`WeightOutlet`] is
+//! implemented by every [`Sender`]: a trainer publishes through it.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -19,6 +20,7 @@ use crate::error::{Error, Result};
 pub trait WeightInlet: Send + 'static {
     /// Blocks until `model` is available at `at_least` or newer (validated whole by the
     /// transport and the scheme), and returns it; may return a newer version than asked.
+    /// Nothing is acknowledged to the sender yet: see [`WeightInlet::applied`].
     ///
     /// # Errors
     /// A timeout naming the model and version; a refused update (the previous weights stay
@@ -29,6 +31,13 @@ pub trait WeightInlet: Send + 'static {
         at_least: Version,
         timeout: Duration,
     ) -> Result<Arc<WeightSet>>;
+
+    /// Tells the sender `model` is served at `version` (and so every older version it
+    /// fetched): called by the engine after the swap into the served policy.
+    ///
+    /// # Errors
+    /// The transport failing to deliver the acknowledgement (the sender gone).
+    fn applied(&mut self, model: &ModelId, version: Version) -> Result<()>;
 }
 
 impl<T: ReceiverTransport + 'static> WeightInlet for Receiver<T> {
@@ -55,8 +64,12 @@ impl<T: ReceiverTransport + 'static> WeightInlet for Receiver<T> {
                     after: timeout,
                 }));
             }
-            self.receive(left.min(Duration::from_millis(100)))?;
+            self.stage(left.min(Duration::from_millis(100)))?;
         }
+    }
+
+    fn applied(&mut self, model: &ModelId, version: Version) -> Result<()> {
+        Ok(self.ack(&[(model.clone(), version)])?)
     }
 }
 

@@ -141,7 +141,8 @@ impl CastRules {
         Self::default()
     }
 
-    /// Tensors whose name matches `pattern` (see [`Pattern`]) are converted to `to`.
+    /// Tensors whose name matches `pattern` (a name with `{name}` placeholders, as in
+    /// [`LayoutRules`](crate::LayoutRules)) are converted to `to`.
     pub fn tensors(mut self, pattern: &str, to: CastTo) -> Self {
         match Pattern::parse(pattern) {
             Ok(p) => self.rules.push((Select::Name(p), to)),
@@ -325,9 +326,17 @@ impl CastPlan {
     /// naming the tensor and element when a scaled fp8 tensor holds a NaN or infinity (a
     /// scale cannot be computed from it).
     pub fn apply(&self, weights: &WeightSet) -> Result<WeightSet> {
+        let mut out = WeightSet::zeroed(weights.model().clone(), Arc::clone(&self.target));
+        self.apply_into(weights, &mut out)?;
+        Ok(out)
+    }
+
+    /// As [`CastPlan::apply`], into a weight set of the target manifest whose every tensor
+    /// byte is overwritten (reused by the converting adapters).
+    pub(crate) fn apply_into(&self, weights: &WeightSet, out: &mut WeightSet) -> Result<()> {
         self.source
             .check_same_schema(weights.model(), weights.manifest())?;
-        let mut out = WeightSet::zeroed(weights.model().clone(), Arc::clone(&self.target));
+        self.target.check_same_schema(out.model(), out.manifest())?;
         out.set_version(weights.version());
         let (src_specs, dst_specs) = (self.source.tensors(), self.target.tensors());
         for step in &self.steps {
@@ -344,14 +353,14 @@ impl CastPlan {
                 } => convert(
                     weights,
                     &src_specs[src],
-                    &mut out,
+                    out,
                     &dst_specs[dst],
                     to,
                     scale.map(|s| &dst_specs[s]),
                 )?,
             }
         }
-        Ok(out)
+        Ok(())
     }
 }
 

@@ -11,7 +11,8 @@
 //! - Strategies for inference engines: [`bucket`] (bucket plans and an all-or-nothing
 //!   assembler), [`layout`] (rename, fuse, split, transpose), [`cast`] (bf16, f16, fp8 with
 //!   scales), [`delta`] (changed tensors or blocks only), [`sharded`] (ranks write one
-//!   double-buffered arena).
+//!   double-buffered arena); [`convert`] applies the layout and dtypes an engine wants on
+//!   every update, as an adapter around any sender or receiver transport.
 //! - [`sync_policy`]: when weights move — sync modes, the rollout status check, the
 //!   staleness filter, validation cadence and the multi-model version barrier, as plain code.
 //! - [`topology`]: the topology file (processes, roles, hosts, models, sync policy, stop
@@ -28,6 +29,7 @@ mod arena;
 pub mod bucket;
 pub mod cast;
 pub mod cleanup;
+pub mod convert;
 pub mod delta;
 pub mod dtype;
 pub mod error;
@@ -52,6 +54,9 @@ pub mod wire;
 pub use arena::AlignedBuf;
 pub use bucket::{BucketAssembler, BucketHeader, BucketPlan};
 pub use cast::{CastPlan, CastRules};
+pub use convert::{
+    Conversion, Conversions, ConvertStats, ConvertingReceiver, ConvertingSender, Want, Wants,
+};
 pub use delta::{Delta, DeltaEncoder, DeltaPolicy, DeltaReceiver};
 pub use dtype::{DType, Element};
 pub use error::{Error, Mismatch, Result};

@@ -7,6 +7,7 @@
 //!
 //! | phase | side | what it covers |
 //! | --- | --- | --- |
+//! | `convert` | sender or receiver | converting a version to the layout and dtypes an engine wants ([`crate::convert`]), on the side that converts |
 //! | `assemble` | sender | making the version available: the transport's publish (write a slot, a file, hash and plan buckets, swap a pointer) |
 //! | `wire` | receiver | moving the bytes in, from a version seen to its bytes whole in memory |
 //! | `verify` | receiver | checking content before apply (checksums), where the transport has such a check |
@@ -23,6 +24,8 @@ pub const PHASE_SECONDS: &str = "refit_update_phase_seconds";
 /// One phase of an update.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Phase {
+    /// Sender or receiver: converting a version to an engine's layout and dtypes.
+    Convert,
     /// Sender: making a version available to receivers.
     Assemble,
     /// Receiver: moving the bytes in.
@@ -37,7 +40,8 @@ pub enum Phase {
 
 impl Phase {
     /// Every phase, in update order.
-    pub const ALL: [Phase; 5] = [
+    pub const ALL: [Phase; 6] = [
+        Phase::Convert,
         Phase::Assemble,
         Phase::Wire,
         Phase::Verify,
@@ -48,6 +52,7 @@ impl Phase {
     /// The `phase` label.
     pub fn as_str(self) -> &'static str {
         match self {
+            Phase::Convert => "convert",
             Phase::Assemble => "assemble",
             Phase::Wire => "wire",
             Phase::Verify => "verify",
@@ -152,7 +157,14 @@ mod tests {
         let labels: Vec<&str> = Phase::ALL.iter().map(|p| p.as_str()).collect();
         assert_eq!(
             labels,
-            ["assemble", "wire", "verify", "apply", "engine_pause"]
+            [
+                "convert",
+                "assemble",
+                "wire",
+                "verify",
+                "apply",
+                "engine_pause"
+            ]
         );
         // without a recorder installed, timing is harmless
         let t = timed(Phase::Apply, "inproc", "policy");

@@ -448,6 +448,21 @@ impl<T: ReceiverTransport> Receiver<T> {
     /// A refused update (stale version, wrong manifest, naming the tensor): the previous
     /// weights stay served. [`Error::PeerGone`] if the sender died.
     pub fn receive(&mut self, timeout: Duration) -> Result<Option<Update>> {
+        let Some(update) = self.stage(timeout)? else {
+            return Ok(None);
+        };
+        self.transport.ack(&update.entries())?;
+        Ok(Some(update))
+    }
+
+    /// As [`Receiver::receive`], without the acknowledgement: for a caller whose "applied"
+    /// comes later (an engine that swaps the version into the policy it serves), which then
+    /// calls [`Receiver::ack`]. The version is admitted and becomes this receiver's served
+    /// snapshot; the sender still waits for it.
+    ///
+    /// # Errors
+    /// As [`Receiver::receive`].
+    pub fn stage(&mut self, timeout: Duration) -> Result<Option<Update>> {
         if self.closed {
             return Err(Error::State("receiver is shut down"));
         }
@@ -460,13 +475,24 @@ impl<T: ReceiverTransport> Receiver<T> {
             group.iter().map(|w| w.model().as_str()),
         );
         let served = &self.served;
-        let (entries, ()) = self.admission.admit(&group, |_| {
+        self.admission.admit(&group, |_| {
             served.store(served.load().with(&group));
             Ok(())
         })?;
         timer.finish();
-        self.transport.ack(&entries)?;
         Ok(Some(Update { group }))
+    }
+
+    /// Tells the sender these versions are applied (after [`Receiver::stage`]). Versions
+    /// only grow: acknowledging a version acknowledges the older ones it replaced.
+    ///
+    /// # Errors
+    /// As [`ReceiverTransport::ack`]; [`Error::State`] after shutdown.
+    pub fn ack(&mut self, applied: &[(ModelId, Version)]) -> Result<()> {
+        if self.closed {
+            return Err(Error::State("receiver is shut down"));
+        }
+        self.transport.ack(applied)
     }
 
     /// The snapshot handle readers load from.
@@ -672,6 +698,20 @@ mod tests {
         assert_eq!(update.entries(), vec![(id("policy"), Version(7))]);
         tx.wait(&pending, LONG).unwrap();
         assert_eq!(served_fill(&rx), (Version(7), 7.0));
+    }
+
+    #[test]
+    fn a_staged_version_is_acknowledged_when_the_caller_says() {
+        let m = manifest(DType::F32, 8);
+        let (mut tx, mut rx) = connected(&m);
+        let pending = tx.send_async(vec![weights("policy", &m, 2, 2.0)]).unwrap();
+        let update = rx.stage(LONG).unwrap().expect("version 2 arrives");
+        // admitted and served by the receiver, but not acknowledged
+        assert_eq!(served_fill(&rx), (Version(2), 2.0));
+        let late = tx.wait(&pending, Duration::from_millis(20)).unwrap_err();
+        assert!(late.is_timeout(), "{late}");
+        rx.ack(&update.entries()).unwrap();
+        tx.wait(&pending, LONG).unwrap();
     }
 
     #[test]

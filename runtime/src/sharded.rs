@@ -10,6 +10,9 @@
 //!
 //! Writes are copies under a lock on the back arena (no `unsafe`): ranks' copies of the same
 //! version are serialised, each being one `memcpy` of the rank's bytes.
+//!
+//! [`ShardedBuffer::publish`] closes a version and publishes it through any scheme
+//! [`Sender`] (shm, TCP, ...) without a copy: this is how sharded trainer ranks publish.
 
 use std::ops::Range;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
@@ -20,6 +23,7 @@ use arc_swap::ArcSwapOption;
 use crate::error::{Error, Result};
 use crate::ids::{ModelId, Version};
 use crate::manifest::{ALIGN, Manifest};
+use crate::scheme::{PendingSend, Sender, SenderTransport};
 use crate::weights::WeightSet;
 
 #[derive(Debug)]
@@ -103,15 +107,6 @@ impl ShardedBuffer {
     /// Number of ranks.
     pub fn world(&self) -> usize {
         self.inner.world
-    }
-
-    /// The arena byte range rank `rank` writes.
-    ///
-    /// # Errors
-    /// [`Error::Shard`] when `rank` is not below the world size.
-    pub fn shard_range(&self, rank: usize) -> Result<Range<usize>> {
-        self.check_rank(rank)?;
-        Ok(self.inner.range(rank))
     }
 
     fn check_rank(&self, rank: usize) -> Result<()> {
@@ -201,6 +196,31 @@ impl ShardedBuffer {
         }
         back.arrived.fill(false);
         Ok(closed)
+    }
+
+    /// Closes the version the ranks wrote (as [`ShardedBuffer::close_version`]) and
+    /// publishes it through `sender` without a copy: the closed arena is the `Arc` that
+    /// travels. Returns the update to wait on for acknowledgements.
+    ///
+    /// The sender's manifest for this model is checked first, so a buffer that does not
+    /// fit the scheme closes nothing.
+    ///
+    /// # Errors
+    /// A schema error naming the tensor when the sender's manifest differs;
+    /// [`Error::Shard`] naming a rank that has not finished; [`Error::StaleVersion`];
+    /// whatever the sender's publish reports (the version is then closed and served here,
+    /// but not published).
+    pub fn publish<T: SenderTransport>(
+        &self,
+        version: Version,
+        sender: &mut Sender<T>,
+    ) -> Result<PendingSend> {
+        sender
+            .manifests()
+            .get(&self.inner.model)?
+            .check_same_schema(&self.inner.model, &self.inner.manifest)?;
+        let closed = self.close_version(version)?;
+        sender.publish_shared(vec![closed])
     }
 
     /// The version served now (the last one closed), if any.

@@ -1,6 +1,6 @@
 //! Strategies: how weights are taken out of a model and put back in.
 
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::manifest::Manifest;
 use crate::weights::WeightSet;
 
@@ -19,12 +19,12 @@ pub trait HasWeights {
     /// Copies the model's parameters into `out` (same manifest).
     ///
     /// # Errors
-    /// [`Error::Strategy`] or a tensor error if the model cannot be read.
+    /// [`Error::Strategy`](crate::Error::Strategy) or a tensor error if the model cannot be read.
     fn write_weights(&self, out: &mut WeightSet) -> Result<()>;
     /// Loads parameters from `weights` (same manifest).
     ///
     /// # Errors
-    /// [`Error::Strategy`] or a tensor error if the model cannot be written.
+    /// [`Error::Strategy`](crate::Error::Strategy) or a tensor error if the model cannot be written.
     fn read_weights(&mut self, weights: &WeightSet) -> Result<()>;
 }
 
@@ -92,11 +92,6 @@ pub fn extract_new<M: ?Sized, S: Strategy<M> + ?Sized>(
     let mut ws = WeightSet::zeroed(id, std::sync::Arc::new(manifest));
     strategy.extract(model, &mut ws)?;
     Ok(ws)
-}
-
-/// Wraps a message as a strategy error.
-pub fn strategy_error(message: impl Into<String>) -> Error {
-    Error::Strategy(message.into())
 }
 
 #[cfg(test)]

@@ -1,66 +1,113 @@
-//! Per-GB cost of the engine strategies, for `refit bench` (not a stable API).
+//! The cost of converting to an engine's layout on the real send path, for `refit bench`
+//! (not a stable API).
 //!
 //! A transformer-shaped f32 model of about the requested size is built deterministically;
-//! each operation runs `reps` times and the fastest run counts. Figures are over the source
-//! payload (the f32 bytes read), so they compare directly with a `memcpy` of the same size.
+//! an engine wants q/k/v and gate/up fused, names changed and every tensor in bf16 (or fp8
+//! e4m3 with per-tensor scales). Updates go through a real scheme pair over a transport the
+//! caller supplies (a [`Link`]: shared memory in `refit bench`, the in-process transport in
+//! the unit test), wrapped in [`ConvertingSender`] or [`ConvertingReceiver`], and the
+//! adapter's own clock ([`ConvertStats::last`]) gives the conversion time of each update.
+//! The same updates without a conversion, and a `memcpy` of the payload, are measured in
+//! the same run. Figures are over the trainer's payload (the f32 bytes read).
 
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
-use crate::cast::{CastPlan, CastRules, CastTo};
+use crate::cast::{CastRules, CastTo};
+use crate::convert::{
+    Conversions, ConvertStats, ConvertingReceiver, ConvertingSender, Want, Wants,
+};
 use crate::delta::{Delta, Granularity};
 use crate::dtype::DType;
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::ids::{ModelId, Version};
-use crate::layout::{LayoutPlan, LayoutRules};
+use crate::layout::LayoutRules;
 use crate::manifest::Manifest;
+use crate::protocol::Manifests;
+use crate::scheme::{ReceiverInit, ReceiverTransport, SenderInit, SenderTransport};
 use crate::weights::WeightSet;
 
-/// One measured operation.
+/// How long one connect or update may take.
+const WAIT: Duration = Duration::from_secs(120);
+
+/// Makes one connected-to-be pair of transport ends over the given manifests.
+pub trait Link {
+    /// The sending end.
+    type S: SenderTransport + 'static;
+    /// The receiving end.
+    type R: ReceiverTransport + 'static;
+    /// The transport's name, for the figures.
+    fn name(&self) -> &'static str;
+    /// A fresh sender carrying `manifests`, and one receiver of it.
+    ///
+    /// # Errors
+    /// Whatever creating the transport reports.
+    fn make(&mut self, manifests: &Manifests) -> Result<(Self::S, Self::R)>;
+}
+
+/// One measured operation, one sample per run.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Figure {
     /// What was measured.
-    pub name: &'static str,
+    pub name: String,
     /// Source bytes processed per run.
     pub bytes: usize,
-    /// Seconds of the fastest run.
-    pub seconds: f64,
+    /// Seconds of each run.
+    pub samples: Vec<f64>,
 }
 
 impl Figure {
-    /// Throughput, in GB/s (10^9 bytes).
-    pub fn gb_per_s(&self) -> f64 {
-        self.bytes as f64 / 1e9 / self.seconds
+    /// The median run, in seconds.
+    pub fn median(&self) -> f64 {
+        let mut s = self.samples.clone();
+        s.sort_by(f64::total_cmp);
+        match s.len() {
+            0 => f64::NAN,
+            n if n % 2 == 1 => s[n / 2],
+            n => (s[n / 2 - 1] + s[n / 2]) / 2.0,
+        }
     }
 
-    /// Cost, in seconds per GB.
+    /// Median throughput, in GB/s (10^9 bytes).
+    pub fn gb_per_s(&self) -> f64 {
+        self.bytes as f64 / 1e9 / self.median()
+    }
+
+    /// Median cost, in seconds per GB.
     pub fn s_per_gb(&self) -> f64 {
-        self.seconds / (self.bytes as f64 / 1e9)
+        self.median() / (self.bytes as f64 / 1e9)
     }
 }
 
-/// The figures of one run: memcpy, rename/fuse, f32→bf16, f32→fp8, delta encode.
+/// The figures of one run (see [`run`] for the list).
 #[derive(Clone, Debug, PartialEq)]
 pub struct StrategyBench {
-    /// Payload bytes of the model used.
+    /// Payload bytes of the trainer's model.
     pub bytes: usize,
-    /// The measurements, in the order above.
+    /// The measurements.
     pub figures: Vec<Figure>,
+}
+
+impl StrategyBench {
+    /// The figure named `name`.
+    pub fn figure(&self, name: &str) -> Option<&Figure> {
+        self.figures.iter().find(|f| f.name == name)
+    }
 }
 
 impl std::fmt::Display for StrategyBench {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         writeln!(
             f,
-            "{:<22} {:>10} {:>10} {:>10}",
-            "operation", "ms", "GB/s", "s/GB"
+            "{:<20} {:>10} {:>10} {:>10}",
+            "operation (median)", "ms", "GB/s", "s/GB"
         )?;
         for x in &self.figures {
             writeln!(
                 f,
-                "{:<22} {:>10.2} {:>10.2} {:>10.3}",
+                "{:<20} {:>10.2} {:>10.2} {:>10.3}",
                 x.name,
-                x.seconds * 1e3,
+                x.median() * 1e3,
                 x.gb_per_s(),
                 x.s_per_gb()
             )?;
@@ -90,21 +137,140 @@ fn model(bytes: usize) -> Result<Manifest> {
     b.build()
 }
 
-fn best(reps: usize, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
-    let mut best = f64::INFINITY;
-    for _ in 0..reps.max(1) {
-        let t = Instant::now();
-        f()?;
-        best = best.min(t.elapsed().as_secs_f64());
-    }
-    Ok(best)
+/// The engine's wants: fused q/k/v and gate/up, its names, every tensor cast to `to`.
+pub(crate) fn engine_want(to: CastTo) -> Want {
+    Want::new()
+        .layout(
+            LayoutRules::new()
+                .fuse(
+                    ["layers.{i}.q", "layers.{i}.k", "layers.{i}.v"],
+                    "model.layers.{i}.qkv",
+                    0,
+                )
+                .rename("layers.{i}.o", "model.layers.{i}.o")
+                .fuse(
+                    ["layers.{i}.gate", "layers.{i}.up"],
+                    "model.layers.{i}.gate_up",
+                    0,
+                )
+                .rename("layers.{i}.down", "model.layers.{i}.down"),
+        )
+        .cast(CastRules::new().dtype(DType::F32, to))
 }
 
-/// Measures every strategy on a model of about `bytes` bytes, `reps` runs each.
+/// Where the conversion runs, if anywhere.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Side {
+    None,
+    Sender,
+    Receiver,
+}
+
+/// Times of `reps` updates (after one untimed) through a scheme over `link`: the whole
+/// update (publish, receive, ack) and the adapter's conversion of each.
+fn updates<L: Link>(
+    link: &mut L,
+    versions: &[WeightSet],
+    reps: usize,
+    side: Side,
+    to: CastTo,
+) -> Result<(Vec<f64>, Vec<f64>)> {
+    let id = versions[0].model().clone();
+    let trainer = Manifests::new([(id.clone(), Arc::clone(versions[0].manifest()))])?;
+    let wants = || Wants::new().model(id.clone(), engine_want(to));
+    let conversions = Conversions::plan(&trainer, &wants())?;
+    let carried = match side {
+        Side::Sender => conversions.target(),
+        Side::None | Side::Receiver => &trainer,
+    };
+    let (s, r) = link.make(carried)?;
+    let initial = versions[0].clone();
+    match side {
+        Side::None => drive(
+            SenderInit::new(s, trainer),
+            r,
+            initial,
+            versions,
+            reps,
+            |_, _| None,
+        ),
+        Side::Sender => drive(
+            SenderInit::new(ConvertingSender::new(s, conversions), trainer),
+            r,
+            initial,
+            versions,
+            reps,
+            |s, _| Some(s.stats()),
+        ),
+        Side::Receiver => drive(
+            SenderInit::new(s, trainer),
+            ConvertingReceiver::new(r, wants()),
+            initial,
+            versions,
+            reps,
+            |_, r| Some(r.stats()),
+        ),
+    }
+}
+
+fn drive<S, R>(
+    init: SenderInit<S>,
+    r: R,
+    initial: WeightSet,
+    versions: &[WeightSet],
+    reps: usize,
+    stats: impl Fn(&S, &R) -> Option<ConvertStats>,
+) -> Result<(Vec<f64>, Vec<f64>)>
+where
+    S: SenderTransport + 'static,
+    R: ReceiverTransport + 'static,
+{
+    let joiner = std::thread::spawn(move || ReceiverInit::new(r, None).connect(WAIT));
+    let mut tx = init.with_ack_timeout(WAIT).connect(vec![initial], WAIT)?;
+    let mut rx = joiner
+        .join()
+        .map_err(|_| Error::State("receiver connect thread panicked"))??;
+    let (mut whole, mut converting) = (Vec::new(), Vec::new());
+    for rep in 0..=reps {
+        let mut w = versions[(rep + 1) % versions.len()].clone();
+        w.set_version(Version(rep as u64 + 2));
+        let t = Instant::now();
+        let pending = tx.send_async(vec![w])?;
+        if rx.receive(WAIT)?.is_none() {
+            return Err(Error::Timeout {
+                what: "a benchmark update".into(),
+                after: WAIT,
+            });
+        }
+        tx.wait(&pending, WAIT)?;
+        let took = t.elapsed().as_secs_f64();
+        if rep > 0 {
+            whole.push(took);
+            if let Some(s) = stats(tx.transport(), rx.transport()) {
+                converting.push(s.last.as_secs_f64());
+            }
+        }
+    }
+    rx.shutdown()?;
+    tx.shutdown()?;
+    Ok((whole, converting))
+}
+
+/// Measures, on a model of about `bytes` bytes, `reps` runs each (after one untimed):
+///
+/// | figure | what |
+/// | --- | --- |
+/// | `memcpy` | a copy of the trainer's payload |
+/// | `update plain` | one update over `link` (publish, receive, ack), no conversion |
+/// | `convert bf16 send` / `recv` | the adapter's conversion to fused bf16 on the sender / receiver side |
+/// | `update bf16 send` / `recv` | the whole update with that conversion |
+/// | `convert fp8 recv` | the conversion to fused fp8 e4m3 (per-tensor scales), receiver side |
+/// | `delta encode (3%)` | a delta of 3% changed 64 KiB blocks |
 ///
 /// # Errors
-/// Whatever the strategies report (none are expected on the generated model).
-pub fn run(bytes: usize, reps: usize) -> Result<StrategyBench> {
+/// Whatever the transport or the conversions report (none are expected).
+pub fn run<L: Link>(bytes: usize, reps: usize, link: &mut L) -> Result<StrategyBench> {
+    let reps = reps.max(1);
     let manifest = Arc::new(model(bytes)?);
     let id = ModelId::new("bench")?;
     let mut base = WeightSet::zeroed(id, Arc::clone(&manifest));
@@ -123,62 +289,47 @@ pub fn run(bytes: usize, reps: usize) -> Result<StrategyBench> {
         }
     }
     let payload = manifest.payload_len();
+    let fig = |name: String, samples: Vec<f64>| Figure {
+        name,
+        bytes: payload,
+        samples,
+    };
     let mut figures = Vec::new();
 
     let mut dst = vec![0_u8; base.bytes().len()];
-    let t = best(reps, || {
-        dst.copy_from_slice(base.bytes());
-        Ok(())
-    })?;
-    figures.push(Figure {
-        name: "memcpy",
-        bytes: payload,
-        seconds: t,
-    });
-
-    let rules = LayoutRules::new()
-        .fuse(
-            ["layers.{i}.q", "layers.{i}.k", "layers.{i}.v"],
-            "model.layers.{i}.qkv",
-            0,
-        )
-        .rename("layers.{i}.o", "model.layers.{i}.o")
-        .fuse(
-            ["layers.{i}.gate", "layers.{i}.up"],
-            "model.layers.{i}.gate_up",
-            0,
-        )
-        .rename("layers.{i}.down", "model.layers.{i}.down");
-    let layout = LayoutPlan::new(&manifest, &rules)?;
-    let mut out = WeightSet::zeroed(base.model().clone(), Arc::clone(layout.target()));
-    let t = best(reps, || layout.apply_into(&base, &mut out))?;
-    figures.push(Figure {
-        name: "rename/fuse",
-        bytes: payload,
-        seconds: t,
-    });
-
-    for (name, to) in [
-        ("cast f32->bf16", CastTo::BF16),
-        ("cast f32->fp8 e4m3", CastTo::E4M3_PER_TENSOR),
-    ] {
-        let plan = CastPlan::new(&manifest, &CastRules::new().dtype(DType::F32, to))?;
-        let t = best(reps, || plan.apply(&base).map(drop))?;
-        figures.push(Figure {
-            name,
-            bytes: payload,
-            seconds: t,
-        });
+    let mut copies = Vec::new();
+    for _ in 0..=reps {
+        let t = Instant::now();
+        dst.copy_from_slice(std::hint::black_box(base.bytes()));
+        std::hint::black_box(&mut dst);
+        copies.push(t.elapsed().as_secs_f64());
     }
+    figures.push(fig("memcpy".into(), copies.split_off(1)));
 
-    let t = best(reps, || {
-        Delta::encode(&base, &new, Granularity::Block(64 * 1024)).map(drop)
-    })?;
-    figures.push(Figure {
-        name: "delta encode (3%)",
-        bytes: payload,
-        seconds: t,
-    });
+    let versions = [base.clone(), new.clone()];
+    let (plain, _) = updates(link, &versions, reps, Side::None, CastTo::BF16)?;
+    figures.push(fig("update plain".into(), plain));
+    for (side, label) in [(Side::Sender, "send"), (Side::Receiver, "recv")] {
+        let (whole, conv) = updates(link, &versions, reps, side, CastTo::BF16)?;
+        figures.push(fig(format!("convert bf16 {label}"), conv));
+        figures.push(fig(format!("update bf16 {label}"), whole));
+    }
+    let (_, conv) = updates(
+        link,
+        &versions,
+        reps,
+        Side::Receiver,
+        CastTo::E4M3_PER_TENSOR,
+    )?;
+    figures.push(fig("convert fp8 recv".into(), conv));
+
+    let mut deltas = Vec::new();
+    for _ in 0..=reps {
+        let t = Instant::now();
+        std::hint::black_box(Delta::encode(&base, &new, Granularity::Block(64 * 1024))?);
+        deltas.push(t.elapsed().as_secs_f64());
+    }
+    figures.push(fig("delta encode (3%)".into(), deltas.split_off(1)));
     Ok(StrategyBench {
         bytes: payload,
         figures,
@@ -188,32 +339,52 @@ pub fn run(bytes: usize, reps: usize) -> Result<StrategyBench> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::inproc::{InProc, InProcReceiver, InProcSender};
+
+    struct InProcLink;
+
+    impl Link for InProcLink {
+        type S = InProcSender;
+        type R = InProcReceiver;
+        fn name(&self) -> &'static str {
+            "inproc"
+        }
+        fn make(&mut self, _: &Manifests) -> Result<(InProcSender, InProcReceiver)> {
+            let hub = InProc::new();
+            let r = hub.receiver();
+            Ok((hub.sender()?, r))
+        }
+    }
 
     #[test]
     fn small_run_reports_every_figure() {
-        let b = run(1 << 20, 1).unwrap();
-        let names: Vec<_> = b.figures.iter().map(|f| f.name).collect();
+        let b = run(1 << 20, 2, &mut InProcLink).unwrap();
+        let names: Vec<_> = b.figures.iter().map(|f| f.name.as_str()).collect();
         assert_eq!(
             names,
             [
                 "memcpy",
-                "rename/fuse",
-                "cast f32->bf16",
-                "cast f32->fp8 e4m3",
+                "update plain",
+                "convert bf16 send",
+                "update bf16 send",
+                "convert bf16 recv",
+                "update bf16 recv",
+                "convert fp8 recv",
                 "delta encode (3%)"
             ]
         );
         assert_eq!(b.bytes, (4 * H * H + 6 * H * H) * 4);
         for f in &b.figures {
-            assert!(f.seconds > 0.0 && f.gb_per_s().is_finite(), "{f:?}");
+            assert_eq!(f.samples.len(), 2, "{f:?}");
+            assert!(f.median() > 0.0 && f.gb_per_s().is_finite(), "{f:?}");
         }
-        assert!(b.to_string().contains("rename/fuse"));
+        assert!(b.to_string().contains("convert bf16 recv"));
     }
 
     /// `cargo test --release -p refit-runtime --lib strategy_bench -- --ignored --nocapture`
     #[test]
     #[ignore = "a measurement, not a check"]
     fn print_64_mib() {
-        println!("{}", run(64 << 20, 5).unwrap());
+        println!("{}", run(64 << 20, 5, &mut InProcLink).unwrap());
     }
 }

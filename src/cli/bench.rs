@@ -49,7 +49,9 @@ pub(crate) struct BenchArgs {
     /// slots, `refit pull` over tcp).
     #[arg(long, value_delimiter = ',', default_value = "inproc,shm,tcp,file")]
     transports: Vec<String>,
-    /// Size of the model the strategy steps (rename/fuse, casts, delta) are measured on; 0 skips them.
+    /// Size of the model the conversion to an engine's layout (fused, bf16 / fp8, through
+    /// the converting sender and receiver over shm) and the delta encode are measured on;
+    /// 0 skips them.
     #[arg(long, default_value = "64MiB", value_parser = parse_bytes)]
     strategies_size: usize,
     /// Times each TCP configuration's connect (receiver processes start, register, pull
@@ -166,34 +168,10 @@ pub(crate) fn run(args: &BenchArgs) -> BoxResult<()> {
     }
     if args.strategies_size > 0 {
         eprintln!(
-            "refit bench: strategy steps, {}",
+            "refit bench: conversion to an engine's layout over shm, {}",
             fmt_bytes(args.strategies_size)
         );
-        let sb = refit::runtime::strategy_bench::run(args.strategies_size, 5)?;
-        let memcpy = sb
-            .figures
-            .iter()
-            .find(|f| f.name == "memcpy")
-            .map_or(f64::NAN, |f| f.seconds);
-        for f in &sb.figures {
-            // best of 5 runs: min, median and max are all that best run
-            let s = Summary {
-                min: f.seconds,
-                median: f.seconds,
-                p99: f.seconds,
-                max: f.seconds,
-                samples: 1,
-            };
-            rows.push(row(
-                "strategy (best of 5)",
-                f.name,
-                f.bytes,
-                0,
-                s,
-                "memcpy",
-                memcpy,
-            ));
-        }
+        rows.extend(bench_strategies(args)?);
     }
     if args.json {
         println!("{}", serde_json::to_string_pretty(&rows)?);
@@ -201,6 +179,56 @@ pub(crate) fn run(args: &BenchArgs) -> BoxResult<()> {
         print_table(&rows);
     }
     Ok(())
+}
+
+/// The conversion's link: a shared-memory sender and one receiver, in this process.
+struct ShmPair;
+
+impl refit::runtime::strategy_bench::Link for ShmPair {
+    type S = ShmSender;
+    type R = ShmReceiver;
+    fn name(&self) -> &'static str {
+        "shm"
+    }
+    fn make(&mut self, manifests: &Manifests) -> refit::runtime::Result<(ShmSender, ShmReceiver)> {
+        let config = ShmConfig {
+            expected_receivers: 1,
+            ..ShmConfig::default()
+        };
+        let s = ShmSender::create(&config, manifests)?;
+        let r = ShmReceiver::new(s.receiver_spec()).with_mode(ShmReadMode::Copy);
+        Ok((s, r))
+    }
+}
+
+/// The conversion to an engine's layout on the real path (the converting sender and
+/// receiver around shm), the same updates without it, and the delta encode, each beside
+/// a `memcpy` of the trainer's payload measured in the same run.
+fn bench_strategies(args: &BenchArgs) -> BoxResult<Vec<Row>> {
+    let sb =
+        refit::runtime::strategy_bench::run(args.strategies_size, args.iters.max(3), &mut ShmPair)?;
+    let memcpy = sb.figure("memcpy").map_or(f64::NAN, |f| f.median());
+    Ok(sb
+        .figures
+        .iter()
+        .map(|f| {
+            let samples: Vec<Duration> = f
+                .samples
+                .iter()
+                .map(|&s| Duration::from_secs_f64(s))
+                .collect();
+            let baseline = if f.name == "memcpy" { "-" } else { "memcpy" };
+            row(
+                "strategy (shm)",
+                &f.name,
+                f.bytes,
+                1,
+                Summary::of(&samples),
+                baseline,
+                memcpy,
+            )
+        })
+        .collect())
 }
 
 fn row(

@@ -1,6 +1,11 @@
 //! The inference engine actor: serves actions for one or several models; pauses, loads and
 //! continues one model at a time, with the bytes staged before the pause.
 //!
+//! A version loaded through a model's inlet is acknowledged to its sender only once it is
+//! served: the inlet stages it without an ack ([`WeightInlet::fetch`]), the engine swaps it
+//! into the policy and answers the requests that queued meanwhile, and only then tells the
+//! inlet it is applied ([`WeightInlet::applied`]); the [`LoadReport`] follows the ack.
+//!
 //! The apply itself (copying a version into the policy) runs on a blocking thread, not in
 //! the actor's handler: while one model's weights are applied, that model's requests queue
 //! and every other model's requests are answered.
@@ -89,8 +94,9 @@ pub struct LoadWeights {
 }
 
 /// Brings one model to at least `version`: fetch through the model's inlet and validate
-/// (staging, generation goes on), then pause that model, apply, continue. Loads of one
-/// model are serialised by a per-model lock; loads of different models overlap.
+/// (staging, generation goes on), then pause that model, apply, continue, and acknowledge
+/// the version to its sender (an ack means served). Loads of one model are serialised by a
+/// per-model lock; loads of different models overlap.
 #[derive(Debug, Clone, Message, Serialize, Deserialize)]
 #[rtype(result = "Result<LoadReport>")]
 pub struct UpdateModel {
@@ -565,15 +571,35 @@ impl<P: Policy + Unpin + 'static> Handler<UpdateModel> for InferenceEngine<P> {
                         }
                         (Err(e), _) | (_, Err(e)) => return Box::pin(fut::ready(Err(e))),
                     };
-                    Box::pin(act.apply(weights).map(move |paused, act, _| {
-                        // the per-model lock is held until the apply is over
-                        drop(guard);
-                        Ok(LoadReport {
-                            version: act.slot(&model)?.version,
-                            model,
-                            staged,
-                            paused: paused?,
-                        })
+                    // the per-model lock is held until the apply is over and acknowledged
+                    Box::pin(act.apply(weights).then(move |paused, act, _| {
+                        let served = act.slot(&model).map(|s| s.version);
+                        let (paused, version, mut guard) = match (paused, served, guard) {
+                            (Ok(p), Ok(v), Some(g)) => (p, v, g),
+                            (Err(e), ..) | (_, Err(e), _) => {
+                                return Box::pin(fut::ready(Err(e))) as ResponseActFuture<_, _>;
+                            }
+                            (_, _, None) => {
+                                let e = Error::Actor("the inlet lock was lost".into());
+                                return Box::pin(fut::ready(Err(e)));
+                            }
+                        };
+                        // An ack means applied: the version is served (requests that queued
+                        // during the apply were answered by it) before the sender hears of it.
+                        let acked = model.clone();
+                        let ack =
+                            actix_rt::task::spawn_blocking(move || guard.applied(&acked, version));
+                        Box::pin(ack.into_actor(act).map(move |joined, _, _| {
+                            joined.map_err(|e| {
+                                Error::Actor(format!("weight ack thread failed: {e}"))
+                            })??;
+                            Ok(LoadReport {
+                                model,
+                                version,
+                                staged,
+                                paused,
+                            })
+                        }))
                     }))
                 }),
         )

@@ -16,7 +16,7 @@ use crate::error::{Error, Result};
 use crate::manifest::{Manifest, TensorSpec};
 use crate::weights::WeightSet;
 
-pub use pattern::{Captures, Pattern};
+pub(crate) use pattern::Pattern;
 pub use rules::LayoutRules;
 use rules::Rule;
 
@@ -198,13 +198,9 @@ impl LayoutPlan {
         Ok(out)
     }
 
-    /// As [`LayoutPlan::apply`], into an existing weight set with the target manifest (no
-    /// allocation); `out` takes the version of `weights`.
-    ///
-    /// # Errors
-    /// As [`LayoutPlan::apply`], a schema error when `out` does not have the target manifest,
-    /// or [`Error::ReadOnly`].
-    pub fn apply_into(&self, weights: &WeightSet, out: &mut WeightSet) -> Result<()> {
+    /// As [`LayoutPlan::apply`], into a weight set of the target manifest (reused by the
+    /// converting adapters, so a version does not fault in a fresh arena).
+    pub(crate) fn apply_into(&self, weights: &WeightSet, out: &mut WeightSet) -> Result<()> {
         self.source
             .check_same_schema(weights.model(), weights.manifest())?;
         self.target.check_same_schema(out.model(), out.manifest())?;
@@ -242,11 +238,6 @@ impl LayoutPlan {
         }
         out.set_version(weights.version());
         Ok(())
-    }
-
-    /// One line per step: what each source tensor becomes.
-    pub fn mapping(&self) -> Vec<String> {
-        self.to_string().lines().map(str::to_string).collect()
     }
 }
 

@@ -23,13 +23,13 @@ enum Part {
 /// `.`); a name used twice must capture the same text both times; matching is of the whole
 /// name, with backtracking (`{a}_proj` matches `q_proj` with `a = "q"`).
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Pattern {
+pub(crate) struct Pattern {
     text: String,
     parts: Vec<Part>,
 }
 
 /// What a pattern's placeholders captured, by placeholder name.
-pub type Captures = BTreeMap<String, String>;
+pub(crate) type Captures = BTreeMap<String, String>;
 
 fn is_segment_char(c: char) -> bool {
     c.is_ascii_alphanumeric() || c == '_'
@@ -42,7 +42,7 @@ impl Pattern {
     /// [`Error::Layout`] naming the pattern when it is empty, has an unclosed or empty
     /// `{}`, a placeholder name that is not letters/digits/`_`, or two placeholders side by
     /// side (`{a}{b}`, which cannot be split).
-    pub fn parse(text: &str) -> Result<Self> {
+    pub(crate) fn parse(text: &str) -> Result<Self> {
         let bad = |reason: &str| Error::Layout {
             culprit: format!("pattern `{text}`"),
             reason: reason.into(),
@@ -80,12 +80,12 @@ impl Pattern {
     }
 
     /// The pattern as written.
-    pub fn as_str(&self) -> &str {
+    pub(crate) fn as_str(&self) -> &str {
         &self.text
     }
 
     /// The placeholder names, sorted, without repeats.
-    pub fn placeholders(&self) -> Vec<&str> {
+    pub(crate) fn placeholders(&self) -> Vec<&str> {
         let mut names: Vec<&str> = self
             .parts
             .iter()
@@ -100,7 +100,7 @@ impl Pattern {
     }
 
     /// Matches a whole name; returns the captures when it matches.
-    pub fn matches(&self, name: &str) -> Option<Captures> {
+    pub(crate) fn matches(&self, name: &str) -> Option<Captures> {
         let mut caps = Captures::new();
         match_parts(&self.parts, name, &mut caps).then_some(caps)
     }
@@ -109,7 +109,7 @@ impl Pattern {
     ///
     /// # Errors
     /// [`Error::Layout`] naming the pattern and the placeholder that `caps` lacks.
-    pub fn fill(&self, caps: &Captures) -> Result<String> {
+    pub(crate) fn fill(&self, caps: &Captures) -> Result<String> {
         let mut out = String::with_capacity(self.text.len());
         for p in &self.parts {
             match p {

@@ -107,7 +107,10 @@ impl fmt::Display for Rule {
 
 /// The rules that map a trainer's tensor names and shapes to an engine's.
 ///
-/// Patterns use `{name}` placeholders (see [`Pattern`]); a target may use any placeholder its
+/// A pattern is literal text with `{name}` placeholders. A placeholder matches one non-empty
+/// segment of ASCII letters, digits and `_` (never a `.`); a name used twice in one pattern
+/// must capture the same text both times; matching is of the whole name, with backtracking
+/// (`{a}_proj` matches `q_proj` with `a = "q"`). A target may use any placeholder its
 /// sources capture. Rules are checked when a [`LayoutPlan`](super::LayoutPlan) is made, never
 /// silently skipped: a pattern that does not parse, a rule that matches no tensor, a tensor
 /// matched by two rules and a tensor matched by none (unless [`LayoutRules::keep_unmatched`])

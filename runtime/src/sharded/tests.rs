@@ -50,7 +50,7 @@ fn four_sharded_writers_produce_the_bytes_of_one() {
     let src = source(1);
     let four = ShardedBuffer::new(id(), manifest(), 4).unwrap();
     let total = manifest().total_len();
-    let ranges: Vec<_> = (0..4).map(|r| four.shard_range(r).unwrap()).collect();
+    let ranges: Vec<_> = (0..4).map(|r| four.writer(r).unwrap().range()).collect();
     assert_eq!(ranges[0], 0..total.div_ceil(4).div_ceil(64) * 64);
     assert_eq!(ranges[3].end, total);
     write_all(&four, &src);

@@ -4,6 +4,8 @@
 use std::sync::Arc;
 
 use refit_runtime::{DType, Manifest, Manifests, ModelId, Version, WeightSet};
+use refit_transports::shm::{ShmConfig, ShmReadMode, ShmReceiver, ShmSender};
+use refit_transports::tcp::{TcpConfig, TcpReceiver, TcpSender};
 
 pub fn id(s: &str) -> ModelId {
     ModelId::new(s).unwrap()
@@ -98,4 +100,27 @@ pub fn send_all(
         .collect();
     sender.wait(&pending, timeout).unwrap();
     hs.into_iter().map(|h| h.join().unwrap()).collect()
+}
+
+/// A shared-memory sender of `ms` expecting one receiver, and that receiver.
+pub fn shm_pair(ms: &Manifests, mode: ShmReadMode) -> (ShmSender, ShmReceiver) {
+    let cfg = ShmConfig {
+        expected_receivers: 1,
+        ..ShmConfig::default()
+    };
+    let s = ShmSender::create(&cfg, ms).unwrap();
+    let r = ShmReceiver::new(s.receiver_spec()).with_mode(mode);
+    (s, r)
+}
+
+/// A TCP sender of `ms` (random token) expecting one receiver, and that receiver.
+pub fn tcp_pair(ms: &Manifests) -> (TcpSender, TcpReceiver) {
+    let cfg = TcpConfig {
+        expected_receivers: 1,
+        token: Some(refit_node::ClusterToken::random()),
+        ..TcpConfig::default()
+    };
+    let s = TcpSender::bind(cfg, ms).unwrap();
+    let r = TcpReceiver::new(s.receiver_spec());
+    (s, r)
 }
