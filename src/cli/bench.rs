@@ -792,7 +792,8 @@ fn bench_pull(args: &BenchArgs) -> BoxResult<Vec<Row>> {
     let iters = args.iters.max(3);
     let tcp = tcp_baseline(size, iters)?;
     let file_write = file_write_baseline(size, iters, &args.pull_dir)?;
-    let touch = first_touch_baseline(size, iters);
+    let touch = first_touch_baseline(size, iters, false);
+    let touch_huge = first_touch_baseline(size, iters, true);
     let ws = Arc::unwrap_or_clone(make_weights(size, 4)?);
     let manifests = Manifests::new([(ws.model().clone(), Arc::clone(ws.manifest()))])?;
     let config = TcpConfig {
@@ -807,10 +808,9 @@ fn bench_pull(args: &BenchArgs) -> BoxResult<Vec<Row>> {
         &spec_file,
         wire::to_token(&transport.endpoint())?.as_bytes(),
     )?;
-    let result = (|| -> BoxResult<Vec<Duration>> {
+    let result = (|| -> BoxResult<(Vec<Duration>, Vec<Duration>)> {
         let sender = SenderInit::new(transport, manifests).connect(vec![ws], WAIT)?;
-        let mut samples = Vec::with_capacity(iters);
-        for _ in 0..iters {
+        let pull = |allocate_ahead: bool| -> BoxResult<Duration> {
             let t = Instant::now();
             let done = Command::new(std::env::current_exe()?)
                 .arg("pull")
@@ -818,10 +818,11 @@ fn bench_pull(args: &BenchArgs) -> BoxResult<Vec<Row>> {
                 .env_remove(TOKEN_FILE_ENV)
                 .arg("--spec-file")
                 .arg(&spec_file)
+                .arg(format!("--allocate-ahead={allocate_ahead}"))
                 .arg(&out)
                 .stdin(Stdio::null())
                 .output()?;
-            samples.push(t.elapsed());
+            let took = t.elapsed();
             if !done.status.success() {
                 return Err(format!(
                     "refit pull failed: {}",
@@ -833,13 +834,20 @@ fn bench_pull(args: &BenchArgs) -> BoxResult<Vec<Row>> {
                 return Err("refit pull wrote a short file".into());
             }
             std::fs::remove_file(&out)?;
+            Ok(took)
+        };
+        // alternate, so that both see the same load
+        let (mut ahead, mut inline) = (Vec::with_capacity(iters), Vec::with_capacity(iters));
+        for _ in 0..iters {
+            ahead.push(pull(true)?);
+            inline.push(pull(false)?);
         }
         sender.shutdown()?;
-        Ok(samples)
+        Ok((ahead, inline))
     })();
     let _ = std::fs::remove_file(&spec_file);
     let _ = std::fs::remove_file(&out);
-    let samples = result?;
+    let (samples, inline) = result?;
     let dir = args.pull_dir.display().to_string();
     Ok(vec![
         row("tcp-loopback", "stream", size, 1, tcp, "-", tcp.median),
@@ -862,6 +870,15 @@ fn bench_pull(args: &BenchArgs) -> BoxResult<Vec<Row>> {
             tcp.median,
         ),
         row(
+            "new memory",
+            "  arena (huge pages)",
+            size,
+            1,
+            touch_huge,
+            "tcp-loopback",
+            tcp.median,
+        ),
+        row(
             "refit pull",
             &format!("to {dir}"),
             size,
@@ -870,21 +887,40 @@ fn bench_pull(args: &BenchArgs) -> BoxResult<Vec<Row>> {
             "tcp-loopback",
             tcp.median,
         ),
+        row(
+            "refit pull",
+            "  no allocate-ahead",
+            size,
+            1,
+            Summary::of(&inline),
+            "tcp-loopback",
+            tcp.median,
+        ),
     ])
 }
 
 /// Writing one byte into every page of `size` bytes of memory never used before (what a
-/// fresh arena costs its first transfer before a byte moves).
-fn first_touch_baseline(size: usize, iters: usize) -> Summary {
+/// fresh arena costs its first transfer before a byte moves): a plain heap buffer, or with
+/// `arena` a runtime arena (an anonymous map advised to use transparent huge pages).
+fn first_touch_baseline(size: usize, iters: usize, arena: bool) -> Summary {
     let mut samples = Vec::with_capacity(iters);
     for _ in 0..iters {
-        let mut fresh = vec![0u8; size];
+        let mut heap = Vec::new();
+        let mut mapped = refit::runtime::AlignedBuf::zeroed(0);
+        let fresh = if arena {
+            mapped = refit::runtime::AlignedBuf::zeroed(size);
+            mapped.as_mut_slice()
+        } else {
+            heap = vec![0u8; size];
+            heap.as_mut_slice()
+        };
         let t = Instant::now();
         for page in fresh.chunks_mut(4096) {
             page[0] = 1;
         }
-        std::hint::black_box(&mut fresh);
+        std::hint::black_box(&mut *fresh);
         samples.push(t.elapsed());
+        drop((heap, mapped));
     }
     Summary::of(&samples)
 }

@@ -480,3 +480,95 @@ fn python_safetensors_reads_the_published_bytes() {
     );
     sender.shutdown().unwrap();
 }
+
+/// The path of the file mapped at `addr` in this process (from `/proc/self/maps`).
+#[cfg(target_os = "linux")]
+fn mapped_file_at(addr: usize) -> Option<String> {
+    let maps = std::fs::read_to_string("/proc/self/maps").unwrap();
+    maps.lines().find_map(|line| {
+        let mut fields = line.split_whitespace();
+        let (lo, hi) = fields.next()?.split_once('-')?;
+        let (lo, hi) = (
+            usize::from_str_radix(lo, 16).ok()?,
+            usize::from_str_radix(hi, 16).ok()?,
+        );
+        (lo <= addr && addr < hi).then(|| fields.nth(4).unwrap_or_default().to_string())
+    })
+}
+
+#[cfg(target_os = "linux")]
+#[test]
+fn a_version_is_served_from_its_files_map_and_a_corrupted_one_is_still_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = manifest(64);
+    let cfg = FileConfig {
+        keep: 1,
+        expected_receivers: 1,
+        ..FileConfig::new(dir.path())
+    };
+    let (mut sender, mut r) = connect_one(&cfg, &m);
+    let p = id("policy");
+    let pending = sender.send_async(vec![stamped("policy", &m, 2)]).unwrap();
+    let held = r.receive(T).unwrap().unwrap().group[0].clone();
+    sender.wait(&pending, T).unwrap();
+    check_stamp(&held).unwrap();
+    let v2 = sender.transport().version_path(&p, Version(2));
+
+    // no copy: every tensor's bytes lie in a read-only map of the version file, at the
+    // place the file's header gives them
+    let file = std::fs::read(&v2).unwrap();
+    let layout = refit_runtime::inspect_safetensors(&file, "v2", None, true).unwrap();
+    let base = held.bytes().as_ptr() as usize;
+    let mapped = mapped_file_at(base).unwrap_or_default();
+    assert!(mapped.ends_with("policy.v2.safetensors"), "{mapped:?}");
+    let start = layout.ranges[0].start - m.tensors()[0].offset;
+    for (t, r) in held.tensors().zip(&layout.ranges) {
+        assert_eq!(
+            t.bytes().as_ptr() as usize - base + start,
+            r.start,
+            "{}",
+            t.name()
+        );
+        assert_eq!(t.bytes(), &file[r.clone()]);
+    }
+    assert!(held.is_shared(), "a mapped version belongs to its map");
+
+    // held by the application, the version stays on disk and whole while newer ones come
+    // and go (keep = 1)
+    for v in 3..=5u64 {
+        let pending = sender.send_async(vec![stamped("policy", &m, v)]).unwrap();
+        r.receive(T).unwrap().unwrap();
+        sender.wait(&pending, T).unwrap();
+        assert!(v2.exists(), "served version removed after publishing {v}");
+        check_stamp(&held).unwrap();
+    }
+    assert!(!sender.transport().version_path(&p, Version(3)).exists());
+
+    // a byte flipped in place inside `head.weight` of version 6 is still refused, naming
+    // the file and the tensor, and version 5 stays served
+    let _pending = sender.send_async(vec![stamped("policy", &m, 6)]).unwrap();
+    let v6 = sender.transport().version_path(&p, Version(6));
+    let bytes = std::fs::read(&v6).unwrap();
+    let layout = refit_runtime::inspect_safetensors(&bytes, "v6", None, true).unwrap();
+    let at = layout.ranges[layout.manifest.position("head.weight").unwrap()].start + 5;
+    {
+        use std::os::unix::fs::FileExt;
+        let f = std::fs::OpenOptions::new().write(true).open(&v6).unwrap();
+        f.write_all_at(&[bytes[at] ^ 0x08], at as u64).unwrap();
+    }
+    let err = r.receive(T).unwrap_err().to_string();
+    assert!(
+        err.contains("policy.v6.safetensors") && err.contains("tensor `head.weight`: checksum"),
+        "{err}"
+    );
+    assert_eq!(r.version(&p), Version(5));
+    check_stamp(&r.current(&p).unwrap()).unwrap();
+
+    // once the application lets go, the version is collected
+    drop(held);
+    let pending = sender.send_async(vec![stamped("policy", &m, 7)]).unwrap();
+    r.receive(T).unwrap().unwrap();
+    sender.wait(&pending, T).unwrap();
+    assert!(!v2.exists(), "released version not collected");
+    sender.shutdown().unwrap();
+}
