@@ -36,6 +36,8 @@ pub use refit_actors as actors;
 pub use refit_runtime as runtime;
 pub use refit_transports as transports;
 
+#[cfg(feature = "cli")]
+pub mod metrics_page;
 mod setup;
 pub use setup::{DEFAULT_LOG, init, init_logging};
 
