@@ -808,9 +808,10 @@ fn bench_pull(args: &BenchArgs) -> BoxResult<Vec<Row>> {
         &spec_file,
         wire::to_token(&transport.endpoint())?.as_bytes(),
     )?;
-    let result = (|| -> BoxResult<(Vec<Duration>, Vec<Duration>)> {
+    let result = (|| -> BoxResult<Vec<Duration>> {
         let sender = SenderInit::new(transport, manifests).connect(vec![ws], WAIT)?;
-        let pull = |allocate_ahead: bool| -> BoxResult<Duration> {
+        let mut samples = Vec::with_capacity(iters);
+        for _ in 0..iters {
             let t = Instant::now();
             let done = Command::new(std::env::current_exe()?)
                 .arg("pull")
@@ -818,11 +819,10 @@ fn bench_pull(args: &BenchArgs) -> BoxResult<Vec<Row>> {
                 .env_remove(TOKEN_FILE_ENV)
                 .arg("--spec-file")
                 .arg(&spec_file)
-                .arg(format!("--allocate-ahead={allocate_ahead}"))
                 .arg(&out)
                 .stdin(Stdio::null())
                 .output()?;
-            let took = t.elapsed();
+            samples.push(t.elapsed());
             if !done.status.success() {
                 return Err(format!(
                     "refit pull failed: {}",
@@ -834,20 +834,13 @@ fn bench_pull(args: &BenchArgs) -> BoxResult<Vec<Row>> {
                 return Err("refit pull wrote a short file".into());
             }
             std::fs::remove_file(&out)?;
-            Ok(took)
-        };
-        // alternate, so that both see the same load
-        let (mut ahead, mut inline) = (Vec::with_capacity(iters), Vec::with_capacity(iters));
-        for _ in 0..iters {
-            ahead.push(pull(true)?);
-            inline.push(pull(false)?);
         }
         sender.shutdown()?;
-        Ok((ahead, inline))
+        Ok(samples)
     })();
     let _ = std::fs::remove_file(&spec_file);
     let _ = std::fs::remove_file(&out);
-    let (samples, inline) = result?;
+    let samples = result?;
     let dir = args.pull_dir.display().to_string();
     Ok(vec![
         row("tcp-loopback", "stream", size, 1, tcp, "-", tcp.median),
@@ -884,15 +877,6 @@ fn bench_pull(args: &BenchArgs) -> BoxResult<Vec<Row>> {
             size,
             1,
             Summary::of(&samples),
-            "tcp-loopback",
-            tcp.median,
-        ),
-        row(
-            "refit pull",
-            "  no allocate-ahead",
-            size,
-            1,
-            Summary::of(&inline),
             "tcp-loopback",
             tcp.median,
         ),

@@ -114,10 +114,6 @@ pub(crate) struct PullArgs {
     /// Give up after this many seconds.
     #[arg(long, default_value_t = 300)]
     timeout: u64,
-    /// Allocate the output file's pages on a thread of its own while the bytes arrive
-    /// (`false` allocates them as the bytes are written).
-    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
-    allocate_ahead: bool,
     #[command(flatten)]
     token: TokenArgs,
 }
@@ -385,7 +381,7 @@ pub(crate) fn pull(args: PullArgs) -> ExitCode {
             relay: false,
             ..TcpReceiverConfig::default()
         };
-        let files = OutFiles::new(&args.out, args.allocate_ahead);
+        let files = OutFiles::new(&args.out);
         let receiver = {
             let files = Arc::clone(&files);
             TcpReceiver::new(spec)

@@ -30,7 +30,6 @@ struct Pending {
 pub(crate) struct OutFiles {
     target: PathBuf,
     pending: Mutex<Vec<Pending>>,
-    allocate_ahead: bool,
 }
 
 fn path_err(context: &'static str, path: &Path) -> impl FnOnce(std::io::Error) -> Error {
@@ -48,61 +47,6 @@ struct FileSink {
     tmp: PathBuf,
     start: usize,
     len: usize,
-    ahead: Option<Allocator>,
-}
-
-/// Allocates the file's pages ahead of the transfer on a thread of its own, front to back in
-/// steps of [`Allocator::STEP`], so that the writes as bytes arrive find their pages there
-/// (on tmpfs, a page's allocation and zeroing cost about as much as its copy, and done on
-/// the writing thread they wait for the network). Allocation keeps bytes already written;
-/// a failure to allocate (e.g. a file system without `fallocate`) only ends the thread.
-struct Allocator {
-    stop: Arc<std::sync::atomic::AtomicBool>,
-    thread: Option<std::thread::JoinHandle<()>>,
-}
-
-impl Allocator {
-    const STEP: usize = 8 << 20;
-
-    #[cfg(target_os = "linux")]
-    fn start(file: &Arc<File>, start: usize, len: usize) -> Option<Self> {
-        use std::sync::atomic::{AtomicBool, Ordering};
-        let stop = Arc::new(AtomicBool::new(false));
-        let (file, flag) = (Arc::clone(file), Arc::clone(&stop));
-        let thread = std::thread::Builder::new()
-            .name("refit-fallocate".into())
-            .spawn(move || {
-                let mut at = 0;
-                while at < len && !flag.load(Ordering::Relaxed) {
-                    let n = Self::STEP.min(len - at);
-                    let flags = rustix::fs::FallocateFlags::KEEP_SIZE;
-                    if rustix::fs::fallocate(&*file, flags, (start + at) as u64, n as u64).is_err()
-                    {
-                        return;
-                    }
-                    at += n;
-                }
-            })
-            .ok()?;
-        Some(Self {
-            stop,
-            thread: Some(thread),
-        })
-    }
-
-    #[cfg(not(target_os = "linux"))]
-    fn start(_: &Arc<File>, _: usize, _: usize) -> Option<Self> {
-        None
-    }
-}
-
-impl Drop for Allocator {
-    fn drop(&mut self) {
-        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
-        }
-    }
 }
 
 /// The bytes of the finished file, mapped read-only (nothing reads them in `refit pull`, so
@@ -124,8 +68,7 @@ impl Sink for FileSink {
             .map_err(path_err("writing", &self.tmp))
     }
 
-    fn finish(mut self: Box<Self>) -> Result<Arc<dyn SharedBytes>> {
-        drop(self.ahead.take());
+    fn finish(self: Box<Self>) -> Result<Arc<dyn SharedBytes>> {
         // SAFETY: the file was created by this process under a fresh temporary name
         // (`create_new`) and is only renamed, never resized or written, from now on; the map
         // covers bytes inside it.
@@ -151,13 +94,11 @@ fn write_at(_: &File, _: &[u8], _: u64) -> std::io::Result<()> {
 }
 
 impl OutFiles {
-    /// The temporary files for `target` (none yet); `allocate_ahead` allocates each file's
-    /// pages on a thread of its own while the bytes arrive.
-    pub(crate) fn new(target: &Path, allocate_ahead: bool) -> Arc<Self> {
+    /// The temporary files for `target` (none yet).
+    pub(crate) fn new(target: &Path) -> Arc<Self> {
         Arc::new(Self {
             target: target.to_path_buf(),
             pending: Mutex::new(Vec::new()),
-            allocate_ahead,
         })
     }
 
@@ -198,18 +139,11 @@ impl OutFiles {
         file.set_len(layout.file_len() as u64)
             .map_err(path_err("sizing", &tmp))?;
         write_at(&file, &layout.header, 0).map_err(path_err("writing", &tmp))?;
-        let start = layout.header.len();
-        let ahead = if self.allocate_ahead {
-            Allocator::start(&file, start, layout.data_len)
-        } else {
-            None
-        };
         Ok(Some(Box::new(FileSink {
             file,
             tmp,
-            start,
+            start: layout.header.len(),
             len: layout.data_len,
-            ahead,
         })))
     }
 
