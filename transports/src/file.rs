@@ -523,7 +523,6 @@ impl FileVersion {
         };
         let mapped = MappedVersion {
             _file: self._file,
-            path: self.path,
             map,
             start,
             len: total,
@@ -533,22 +532,13 @@ impl FileVersion {
 }
 
 /// A version served from its file's map: the arena is the map's bytes from `start`.
+#[derive(Debug)]
 struct MappedVersion {
     /// Holds the shared lock (the collector leaves the file on disk).
     _file: File,
-    path: PathBuf,
     map: memmap2::Mmap,
     start: usize,
     len: usize,
-}
-
-impl std::fmt::Debug for MappedVersion {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("MappedVersion")
-            .field("path", &self.path)
-            .field("len", &self.len)
-            .finish()
-    }
 }
 
 impl refit_runtime::SharedBytes for MappedVersion {
