@@ -44,6 +44,8 @@ pub use refit_runtime as runtime;
 pub use refit_transports as transports;
 
 mod config_file;
+#[cfg(feature = "cli")]
+pub mod metrics_page;
 mod setup;
 pub use config_file::read_config;
 pub use setup::{DEFAULT_LOG, init, init_logging};

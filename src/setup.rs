@@ -30,11 +30,19 @@ pub fn init_logging() {
 /// Sets a program up: [`init_logging`], then
 /// [`install_signal_handlers`](crate::node::signals::install_signal_handlers), so that
 /// SIGINT and SIGTERM release shared-memory segments before the process exits (with status
-/// 130 or 143). Every binary and example calls it first thing in `main`.
+/// 130 or 143). Every binary and example calls it first thing in `main`. With feature `cli`
+/// (on by default), a program whose environment names an address in
+/// [`REFIT_METRICS_ADDR`](crate::metrics_page::METRICS_ADDR_ENV) also serves its update
+/// phase timings there ([`serve_from_env`](crate::metrics_page::serve_from_env)); `refit
+/// launch --metrics-addr` sets it for each rank.
 ///
 /// # Errors
-/// If the signal handlers cannot be installed.
+/// If the signal handlers cannot be installed, or the metrics address is bad or taken.
 pub fn init() -> crate::runtime::Result<()> {
     init_logging();
-    Ok(crate::node::signals::install_signal_handlers()?)
+    crate::node::signals::install_signal_handlers()?;
+    // `refit launch --metrics-addr` names each rank's page in its environment
+    #[cfg(feature = "cli")]
+    crate::metrics_page::serve_from_env()?;
+    Ok(())
 }

@@ -4,7 +4,8 @@
 //! weights over shared memory, every other message through remote actors. Also: an engine
 //! process killed mid-run is reported within 10 s, and the run goes on (`on_failure =
 //! "continue"`) or ends (`"abort"`); nothing hangs, no process and no shared-memory segment
-//! is left behind.
+//! is left behind. With `--metrics-addr`, every rank serves its own update phase timings
+//! while the run goes on.
 #![allow(clippy::unwrap_used, missing_docs)]
 
 use std::io::{BufRead, BufReader, Read};
@@ -53,9 +54,15 @@ struct Launch {
 
 impl Launch {
     fn start(topology: &Path, mode: &str) -> Self {
+        Self::start_with(topology, mode, &[])
+    }
+
+    /// As `start`, with more arguments for `refit launch`.
+    fn start_with(topology: &Path, mode: &str, args: &[&str]) -> Self {
         let mut child = Command::new(env!("CARGO_BIN_EXE_refit"))
             .arg("launch")
             .arg(topology)
+            .args(args)
             .env("CARTPOLE_SYNC_MODE", mode)
             .env_remove("REFIT_TOKEN")
             .env_remove("RANK")
@@ -325,4 +332,105 @@ fn the_shipped_cartpole_topologies_place_their_links_by_host() {
         }
     }
     assert_eq!(hosts.master_host(), "10.77.0.1");
+}
+
+/// The first of `n` loopback ports free right now, one after the other.
+fn free_ports(n: u16) -> u16 {
+    for _ in 0..200 {
+        let first = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let base = first.local_addr().unwrap().port();
+        if base.checked_add(n).is_none() {
+            continue;
+        }
+        let rest: Vec<_> = (1..n)
+            .map(|i| std::net::TcpListener::bind(("127.0.0.1", base + i)))
+            .collect();
+        if rest.iter().all(Result::is_ok) {
+            return base;
+        }
+    }
+    panic!("no {n} consecutive free ports");
+}
+
+/// The body of `GET /metrics` at `127.0.0.1:port`, `None` while nothing answers there.
+fn scrape(port: u16) -> Option<String> {
+    use std::io::Write;
+    let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).ok()?;
+    s.set_read_timeout(Some(Duration::from_secs(10))).ok()?;
+    write!(s, "GET /metrics HTTP/1.1\r\nHost: localhost\r\n\r\n").ok()?;
+    let mut out = String::new();
+    s.read_to_string(&mut out).ok()?;
+    out.starts_with("HTTP/1.1 200").then_some(out)
+}
+
+/// `refit launch --metrics-addr 127.0.0.1:P`: rank r serves its own phase timings on P+r
+/// while the run goes on — the trainer's publishes (`assemble`) on rank 0, each engine's
+/// loads (`apply`, `engine_pause`) on ranks 1 and 2 — and the run stops cleanly on SIGTERM.
+#[test]
+fn launch_serves_each_ranks_phase_timings_during_the_run() {
+    let dir = tempfile::tempdir().unwrap();
+    // a run that goes on until it is stopped: the pages are scraped while it runs
+    let topology = topology_file(dir.path(), "abort", 1.0e9, 1_000_000);
+    let base = free_ports(3);
+    let addr = format!("127.0.0.1:{base}");
+    let mut launch = Launch::start_with(&topology, "batch-async", &["--metrics-addr", &addr]);
+    let want: [(u16, &[&str]); 3] = [
+        (0, &["assemble"]),
+        (1, &["apply", "engine_pause"]),
+        (2, &["apply", "engine_pause"]),
+    ];
+    let deadline = Instant::now() + Duration::from_secs(240);
+    let mut pages = vec![String::new(); 3];
+    loop {
+        for (rank, _) in want {
+            pages[rank as usize] = scrape(base + rank).unwrap_or_default();
+        }
+        let seen = want.iter().all(|(rank, phases)| {
+            phases
+                .iter()
+                .all(|p| pages[*rank as usize].contains(&format!("phase=\"{p}\"")))
+        });
+        if seen {
+            break;
+        }
+        assert!(
+            launch.child.try_wait().unwrap().is_none(),
+            "the run ended before every rank's phases showed:\n{pages:#?}\n{}",
+            launch.text()
+        );
+        assert!(
+            Instant::now() < deadline,
+            "phases missing within 240 s:\n{pages:#?}\n{}",
+            launch.text()
+        );
+        std::thread::sleep(Duration::from_millis(250));
+    }
+    for page in &pages {
+        assert!(page.contains("refit_update_phase_seconds"), "{page}");
+    }
+    // each rank announced its own page
+    for rank in 0..3u16 {
+        launch.wait_for(
+            &[&format!(
+                "metrics: http://127.0.0.1:{}/metrics",
+                base + rank
+            )],
+            Duration::from_secs(10),
+        );
+    }
+    // SIGTERM to the launcher stops the run; nothing is left behind
+    let pid = launch.child.id().to_string();
+    assert!(
+        Command::new("kill")
+            .args(["-TERM", &pid])
+            .status()
+            .unwrap()
+            .success()
+    );
+    let (_status, out) = launch.finish(Duration::from_secs(60));
+    assert_clean(&out);
+    assert!(
+        scrape(base + 1).is_none(),
+        "a rank still serves after the run"
+    );
 }

@@ -14,7 +14,7 @@ use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 
-use crate::error::{Error, Result};
+use crate::error::{Error, Mismatch, Result};
 use crate::ids::{ModelId, Version};
 use crate::manifest::{ALIGN, Manifest};
 use crate::weights::WeightSet;
@@ -106,6 +106,140 @@ impl BucketSpec {
     /// The bucket's checksum ([`BucketSpec::checksum_from_pieces`] of its own pieces).
     pub fn checksum(&self, manifest: &Manifest, bytes: &[u8]) -> u64 {
         self.checksum_from_pieces(manifest, bytes, &self.piece_checksums(manifest, bytes))
+    }
+
+    /// Checks a bucket that arrived whole: `found`, the checksums of its pieces (hashed as
+    /// they landed, e.g. by a [`PieceHasher`]), against `expected` (the sender's, when it
+    /// sent them; each mismatch names its tensor), then the bucket's checksum derived from
+    /// them and `bytes` (which also covers the bytes between tensors; `bytes` may be empty
+    /// when the pieces cover the bucket whole) against `header`'s. Returns that checksum.
+    ///
+    /// # Errors
+    /// [`Error::Tensor`] naming the model and tensor whose piece differs from `expected`;
+    /// [`Error::Bucket`] naming the bucket (and its tensors) when the counts do not fit its
+    /// pieces or the bucket's checksum differs.
+    pub fn verify_landed(
+        &self,
+        model: &ModelId,
+        manifest: &Manifest,
+        header: &BucketHeader,
+        bytes: &[u8],
+        expected: Option<&[u64]>,
+        found: &[u64],
+    ) -> Result<u64> {
+        let n = self.pieces.len();
+        if found.len() != n || expected.is_some_and(|e| e.len() != n) {
+            return Err(bucket_error(
+                header.index,
+                "the checksums do not fit the plan's pieces",
+            ));
+        }
+        for (i, (p, &found)) in self.pieces.iter().zip(found).enumerate() {
+            let Some(&expected) = expected.and_then(|e| e.get(i)) else {
+                break;
+            };
+            if found != expected {
+                let name = manifest
+                    .tensors()
+                    .get(p.tensor)
+                    .map_or(p.name.as_str(), |t| t.name.as_str());
+                return Err(Error::tensor(
+                    model,
+                    name,
+                    Mismatch::Checksum { expected, found },
+                ));
+            }
+        }
+        let sum = self.checksum_from_pieces(manifest, bytes, found);
+        if sum != header.checksum {
+            let names: Vec<&str> = self.pieces.iter().map(|p| p.name.as_str()).collect();
+            return Err(bucket_error(
+                header.index,
+                format!(
+                    "checksum {:#018x} declared, bytes hash to {sum:#018x} (tensors {})",
+                    header.checksum,
+                    names.join(", ")
+                ),
+            ));
+        }
+        Ok(sum)
+    }
+}
+
+/// Hashes the pieces of one bucket as its bytes land, in order and in chunks of any size,
+/// while they are still in cache: one pass serves both the tensor checks and the bucket
+/// checksum ([`BucketSpec::verify_landed`]).
+pub struct PieceHasher {
+    ranges: Vec<Range<usize>>,
+    next: usize,
+    hasher: xxhash_rust::xxh3::Xxh3,
+    sums: Vec<u64>,
+}
+
+impl std::fmt::Debug for PieceHasher {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PieceHasher")
+            .field("pieces", &self.ranges.len())
+            .field("done", &self.sums.len())
+            .finish()
+    }
+}
+
+impl PieceHasher {
+    /// A hasher for the pieces of `spec` (bucket `index` of its plan), placed by `manifest`.
+    ///
+    /// # Errors
+    /// [`Error::Bucket`] naming the bucket when a piece lies outside it, or pieces overlap or
+    /// are out of arena order.
+    pub fn new(spec: &BucketSpec, manifest: &Manifest, index: usize) -> Result<Self> {
+        let ranges = spec
+            .pieces
+            .iter()
+            .map(|p| {
+                spec.piece_range(manifest, p).ok_or_else(|| {
+                    bucket_error(
+                        index,
+                        format!("piece of tensor `{}` lies outside the bucket", p.name),
+                    )
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        if ranges.windows(2).any(|w| w[0].end > w[1].start) {
+            return Err(bucket_error(
+                index,
+                "pieces overlap or are out of arena order",
+            ));
+        }
+        Ok(Self {
+            sums: Vec::with_capacity(ranges.len()),
+            ranges,
+            next: 0,
+            hasher: xxhash_rust::xxh3::Xxh3::new(),
+        })
+    }
+
+    /// Feeds `chunk`, the bucket's bytes from offset `at` (they follow every byte fed before).
+    pub fn feed(&mut self, chunk: &[u8], at: usize) {
+        let end = at + chunk.len();
+        while let Some(r) = self.ranges.get(self.next) {
+            let (s, e) = (r.start.max(at), r.end.min(end));
+            if s < e {
+                self.hasher
+                    .update(chunk.get(s - at..e - at).unwrap_or_default());
+            }
+            if r.end > end {
+                break;
+            }
+            self.sums.push(self.hasher.digest());
+            self.hasher.reset();
+            self.next += 1;
+        }
+    }
+
+    /// The checksums of the pieces completed so far (all of them once the whole bucket was
+    /// fed), in piece order.
+    pub fn sums(&self) -> &[u64] {
+        &self.sums
     }
 }
 
@@ -351,19 +485,10 @@ impl BucketPlan {
         header: &BucketHeader,
         bytes: &[u8],
     ) -> Result<()> {
-        let found = self.check_header(header)?.checksum(manifest, bytes);
-        if found == header.checksum {
-            return Ok(());
-        }
-        let names: Vec<&str> = header.pieces.iter().map(|p| p.name.as_str()).collect();
-        Err(bucket_error(
-            header.index,
-            format!(
-                "checksum {:#018x} declared, bytes hash to {found:#018x} (tensors {})",
-                header.checksum,
-                names.join(", ")
-            ),
-        ))
+        let spec = self.check_header(header)?;
+        let pieces = spec.piece_checksums(manifest, bytes);
+        spec.verify_landed(&self.model, manifest, header, bytes, None, &pieces)
+            .map(|_| ())
     }
 
     /// The header and bytes of bucket `index` of `weights`.

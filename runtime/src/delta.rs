@@ -13,6 +13,9 @@ use crate::error::{Error, Mismatch, Result};
 use crate::ids::{ModelId, Version};
 use crate::weights::WeightSet;
 
+mod buckets;
+pub use buckets::BucketDelta;
+
 /// What a change covers.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Granularity {

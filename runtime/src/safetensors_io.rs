@@ -352,11 +352,37 @@ impl SafetensorsFilePlan {
     /// # Errors
     /// [`Error::Safetensors`] when the header cannot be encoded.
     pub fn of(model: &ModelId, version: Version, manifest: &Manifest) -> Result<Self> {
+        Self::with_checksums(model, version, manifest, None)
+    }
+
+    /// The layout of `weights`' own file, whose header also carries the xxh3 of every
+    /// tensor (as [`WeightSet::write_safetensors`] writes it), so a reader can check the
+    /// bytes ([`inspect_safetensors`]). When [`in_place`](Self::in_place), the header
+    /// followed by the arena's first [`data_len`](Self::data_len) bytes is the whole file.
+    ///
+    /// # Errors
+    /// [`Error::Safetensors`] when the header cannot be encoded.
+    pub fn of_weights(weights: &WeightSet) -> Result<Self> {
+        let sums = weights.tensor_checksums();
+        Self::with_checksums(
+            weights.model(),
+            weights.version(),
+            weights.manifest(),
+            Some(&sums),
+        )
+    }
+
+    fn with_checksums(
+        model: &ModelId,
+        version: Version,
+        manifest: &Manifest,
+        sums: Option<&[u64]>,
+    ) -> Result<Self> {
         let mut specs: Vec<&crate::TensorSpec> = manifest.tensors().iter().collect();
         specs.sort_by_key(|t| t.offset);
         let mut json = serde_json::Map::new();
         let order: Vec<&str> = manifest.tensors().iter().map(|t| t.name.as_str()).collect();
-        let meta = HashMap::from([
+        let mut meta = HashMap::from([
             (KEY_MODEL, model.to_string()),
             (KEY_VERSION, version.to_string()),
             (
@@ -364,6 +390,13 @@ impl SafetensorsFilePlan {
                 serde_json::to_string(&order).map_err(|e| refused("<header>", e))?,
             ),
         ]);
+        if let Some(sums) = sums {
+            let hex: Vec<String> = sums.iter().map(|s| format!("{s:016x}")).collect();
+            meta.insert(
+                KEY_XXH3,
+                serde_json::to_string(&hex).map_err(|e| refused("<header>", e))?,
+            );
+        }
         json.insert(
             "__metadata__".into(),
             serde_json::to_value(meta).map_err(|e| refused("<header>", e))?,

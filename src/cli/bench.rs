@@ -781,7 +781,8 @@ fn bench_pull(args: &BenchArgs) -> BoxResult<Vec<Row>> {
     let iters = args.iters.max(3);
     let tcp = tcp_baseline(size, iters)?;
     let file_write = file_write_baseline(size, iters, &args.pull_dir)?;
-    let touch = first_touch_baseline(size, iters);
+    let touch = first_touch_baseline(size, iters, false);
+    let touch_huge = first_touch_baseline(size, iters, true);
     let ws = Arc::unwrap_or_clone(make_weights(size, 4)?);
     let manifests = Manifests::new([(ws.model().clone(), Arc::clone(ws.manifest()))])?;
     let config = TcpConfig {
@@ -851,6 +852,15 @@ fn bench_pull(args: &BenchArgs) -> BoxResult<Vec<Row>> {
             tcp.median,
         ),
         row(
+            "new memory",
+            "  arena (huge pages)",
+            size,
+            1,
+            touch_huge,
+            "tcp-loopback",
+            tcp.median,
+        ),
+        row(
             "refit pull",
             &format!("to {dir}"),
             size,
@@ -863,17 +873,27 @@ fn bench_pull(args: &BenchArgs) -> BoxResult<Vec<Row>> {
 }
 
 /// Writing one byte into every page of `size` bytes of memory never used before (what a
-/// fresh arena costs its first transfer before a byte moves).
-fn first_touch_baseline(size: usize, iters: usize) -> Summary {
+/// fresh arena costs its first transfer before a byte moves): a plain heap buffer, or with
+/// `arena` a runtime arena (an anonymous map advised to use transparent huge pages).
+fn first_touch_baseline(size: usize, iters: usize, arena: bool) -> Summary {
     let mut samples = Vec::with_capacity(iters);
     for _ in 0..iters {
-        let mut fresh = vec![0u8; size];
+        let mut heap = Vec::new();
+        let mut mapped = refit::runtime::AlignedBuf::zeroed(0);
+        let fresh = if arena {
+            mapped = refit::runtime::AlignedBuf::zeroed(size);
+            mapped.as_mut_slice()
+        } else {
+            heap = vec![0u8; size];
+            heap.as_mut_slice()
+        };
         let t = Instant::now();
         for page in fresh.chunks_mut(4096) {
             page[0] = 1;
         }
-        std::hint::black_box(&mut fresh);
+        std::hint::black_box(&mut *fresh);
         samples.push(t.elapsed());
+        drop((heap, mapped));
     }
     Summary::of(&samples)
 }

@@ -3,7 +3,10 @@
 //! this machine's rank of a multi-host run.
 //!
 //! Every rank gets `RANK`, `WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT`, `REFIT_TOPOLOGY`
-//! (absolute path of the file) and `REFIT_TOKEN` (the cluster token) in its environment.
+//! (absolute path of the file) and `REFIT_TOKEN` (the cluster token) in its environment; with
+//! `--metrics-addr HOST:PORT` also `REFIT_METRICS_ADDR=HOST:PORT+RANK`, where the rank serves
+//! its update phase timings (each rank its own page: the engines' phases are recorded where
+//! they run, and no process relays another's).
 
 mod child;
 mod mode;
@@ -37,6 +40,25 @@ pub(crate) struct LaunchArgs {
     /// after SIGTERM before SIGKILL.
     #[arg(long, value_name = "SECONDS", default_value_t = 5.0)]
     grace_s: f64,
+    /// Each rank serves its update phase timings (Prometheus text) at
+    /// `http://HOST:PORT+RANK/metrics`: rank 0 on PORT, rank 1 on PORT+1, and so on (port 0:
+    /// a free port each, printed by every rank as `metrics: http://ADDR/metrics`).
+    #[arg(long, value_name = "HOST:PORT")]
+    metrics_addr: Option<std::net::SocketAddr>,
+}
+
+/// The address rank `rank` serves its metrics on: `base`'s port plus the rank (port 0 stays
+/// 0: any free port).
+fn rank_metrics_addr(base: std::net::SocketAddr, rank: u32) -> Result<std::net::SocketAddr> {
+    if base.port() == 0 {
+        return Ok(base);
+    }
+    let port = u16::try_from(u32::from(base.port()) + rank).map_err(|_| {
+        Error::Config(format!(
+            "--metrics-addr {base}: rank {rank}'s port is past 65535"
+        ))
+    })?;
+    Ok(std::net::SocketAddr::new(base.ip(), port))
 }
 
 /// Runs `refit launch`.
@@ -75,12 +97,20 @@ fn launch(args: &LaunchArgs) -> Result<ExitCode> {
     let program = resolve_program(&cwd, &topo.run.command[0]);
     let spawn = |rank: u32, env: &RankEnv| -> Result<RankSpawn> {
         let plan = topo.rank(rank)?;
+        let mut vars = env.vars(&path, &token);
+        // the ranks get a metrics address only from this flag, never from the launcher's
+        // own environment (they would all ask for the same one)
+        let metrics = match args.metrics_addr {
+            Some(base) => rank_metrics_addr(base, rank)?.to_string(),
+            None => String::new(),
+        };
+        vars.push((refit::metrics_page::METRICS_ADDR_ENV.into(), metrics));
         Ok(RankSpawn {
             rank,
             name: plan.process,
             program: program.clone(),
             args: topo.run.command[1..].to_vec(),
-            env: env.vars(&path, &token),
+            env: vars,
         })
     };
     let lookup = |k: &str| std::env::var(k).ok();
@@ -195,6 +225,20 @@ mod tests {
         assert_eq!(resolve_program(cwd, "./x"), Path::new("/work/run/./x"));
         assert_eq!(resolve_program(cwd, "sh"), Path::new("sh"));
         assert_eq!(resolve_program(cwd, "/bin/sh"), Path::new("/bin/sh"));
+    }
+
+    #[test]
+    fn each_rank_serves_metrics_on_its_own_port() {
+        let base: std::net::SocketAddr = "127.0.0.1:9100".parse().unwrap();
+        assert_eq!(rank_metrics_addr(base, 0).unwrap(), base);
+        assert_eq!(
+            rank_metrics_addr(base, 3).unwrap(),
+            "127.0.0.1:9103".parse().unwrap()
+        );
+        let any: std::net::SocketAddr = "127.0.0.1:0".parse().unwrap();
+        assert_eq!(rank_metrics_addr(any, 5).unwrap(), any);
+        let top: std::net::SocketAddr = "127.0.0.1:65535".parse().unwrap();
+        assert!(rank_metrics_addr(top, 1).is_err());
     }
 
     #[test]

@@ -17,9 +17,14 @@
 //!   per Refit receiver with its process id and the versions it applied (its acknowledgements).
 //!
 //! Receivers poll the pointer. A Refit receiver opens a version file, takes a shared
-//! `flock` on it, maps it, checks every tensor against its checksum and copies it into its
-//! own arena (the file's tensor order is safetensors', not the arena's); a corrupted or
-//! truncated file is refused, naming it, and the previous version stays served. A
+//! `flock` on it, maps it (read-only) and checks every tensor against its checksum; a
+//! corrupted or truncated file is refused, naming it, and the previous version stays served.
+//! The sender writes the tensors in arena order, back to back after a header padded to
+//! [`ALIGN`](refit_runtime::ALIGN), whenever no padding separates them in the arena (tensor
+//! sizes that are multiples of 64 bytes, the last one excepted): the receiver then serves
+//! the version from the map itself, with no copy, and the map, the file and its lock live as
+//! long as anyone holds the weight set. Other files (written by other tools, or with padded
+//! tensors, in safetensors' own order) are copied into an arena. A
 //! [`FileVersion`] keeps a version mapped and locked for as long as it lives: the sender's
 //! collector only removes old files it can lock exclusively, so versions still mapped by a
 //! Refit reader stay on disk. The sender keeps the newest [`FileConfig::keep`] versions of
@@ -41,8 +46,9 @@ use std::time::{Duration, Instant};
 use refit_runtime::metrics::{self, Phase};
 use refit_runtime::wait::{Wait, backoff, poll_until, wait_until};
 use refit_runtime::{
-    Error, Group, Manifest, Manifests, ModelId, ReceiverTransport, Result, SafetensorsLayout,
-    SenderTransport, Version, WeightSet, inspect_safetensors, temp_sibling, wire, write_atomically,
+    Error, Group, Manifest, Manifests, ModelId, ReceiverTransport, Result, SafetensorsFilePlan,
+    SafetensorsLayout, SenderTransport, Version, WeightSet, inspect_safetensors, temp_sibling,
+    wire, write_atomically,
 };
 use serde::{Deserialize, Serialize};
 
@@ -294,6 +300,28 @@ fn sync_dir(dir: &Path) -> Result<()> {
         .map_err(|e| io_err("syncing directory", dir, e))
 }
 
+/// Writes `header` then `data` to `path` atomically (temporary sibling, fsync, rename).
+fn write_in_place(path: &Path, header: &[u8], data: &[u8]) -> Result<()> {
+    use std::io::Write;
+    let tmp = temp_sibling(path);
+    let result = (|| {
+        let mut f = File::options()
+            .write(true)
+            .create_new(true)
+            .open(&tmp)
+            .map_err(|e| io_err("creating", &tmp, e))?;
+        f.write_all(header)
+            .and_then(|()| f.write_all(data))
+            .map_err(|e| io_err("writing", &tmp, e))?;
+        f.sync_all().map_err(|e| io_err("syncing", &tmp, e))?;
+        std::fs::rename(&tmp, path).map_err(|e| io_err("renaming into place", path, e))
+    })();
+    if result.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    result
+}
+
 /// One version file, mapped and held: while this value lives the file keeps a shared lock,
 /// so the sender's collector leaves it on disk, and its bytes are checked once at open.
 pub struct FileVersion {
@@ -433,6 +461,91 @@ impl FileVersion {
     /// Only if the layout and the map disagree (they come from the same file).
     pub fn to_weights(&self) -> Result<WeightSet> {
         WeightSet::from_safetensors_layout(&self.map, &self.layout)
+    }
+
+    /// Where the arena starts in the file when the file holds it as it stands: every tensor
+    /// at the arena's offset from one [`ALIGN`](refit_runtime::ALIGN)-aligned start (as a
+    /// file sender writes versions whose tensors no padding separates). The arena may run
+    /// past the file's end by its trailing padding (less than `ALIGN` bytes).
+    fn arena_start(&self) -> Option<usize> {
+        let m = &self.layout.manifest;
+        let first = m.tensors().iter().min_by_key(|t| t.offset)?;
+        let start = self
+            .layout
+            .ranges
+            .get(m.position(&first.name)?)?
+            .start
+            .checked_sub(first.offset)?;
+        let placed = m
+            .tensors()
+            .iter()
+            .zip(&self.layout.ranges)
+            .all(|(t, r)| r.start == start + t.offset && r.len() == t.len);
+        (placed && start.is_multiple_of(refit_runtime::ALIGN)).then_some(start)
+    }
+
+    /// The version as a weight set. When the file holds the arena as it stands, the weight
+    /// set is served from the map itself (read-only, no copy), and keeps the map, the file
+    /// and its shared lock for as long as it (or any clone of it) lives; otherwise the bytes
+    /// are copied into an arena of its own ([`FileVersion::to_weights`]). Either way the
+    /// checksums were checked when the file was opened.
+    ///
+    /// # Errors
+    /// [`Error::Path`] if the longer map (covering the arena's trailing padding) cannot be
+    /// made; as [`FileVersion::to_weights`].
+    pub fn into_weights(self) -> Result<WeightSet> {
+        /// The bytes past the end of a file's last page cannot be mapped.
+        const PAGE: usize = 4096;
+        let Some(start) = self.arena_start() else {
+            return self.to_weights();
+        };
+        let total = self.layout.manifest.total_len();
+        let end = start + total;
+        let file_len = self.map.len();
+        if end > file_len.next_multiple_of(PAGE) {
+            // the trailing padding would lie on a page past the file's end
+            return self.to_weights();
+        }
+        let (model, version, manifest) = (
+            self.layout.model.clone(),
+            self.layout.version,
+            Arc::clone(&self.layout.manifest),
+        );
+        let map = if end > file_len {
+            // SAFETY: as in `open` (read-only, the file renamed into place whole and locked
+            // shared against the collector). The map runs past the end of the file only
+            // inside its last page, which the kernel fills with zeros there: the arena's
+            // trailing padding reads as the zeros an arena holds.
+            unsafe { memmap2::MmapOptions::new().len(end).map(&self._file) }
+                .map_err(|e| io_err("mapping", &self.path, e))?
+        } else {
+            self.map
+        };
+        let mapped = MappedVersion {
+            _file: self._file,
+            map,
+            start,
+            len: total,
+        };
+        WeightSet::from_shared(model, version, manifest, Arc::new(mapped))
+    }
+}
+
+/// A version served from its file's map: the arena is the map's bytes from `start`.
+#[derive(Debug)]
+struct MappedVersion {
+    /// Holds the shared lock (the collector leaves the file on disk).
+    _file: File,
+    map: memmap2::Mmap,
+    start: usize,
+    len: usize,
+}
+
+impl refit_runtime::SharedBytes for MappedVersion {
+    fn bytes(&self) -> &[u8] {
+        self.map
+            .get(self.start..self.start + self.len)
+            .unwrap_or_default()
     }
 }
 
@@ -639,7 +752,13 @@ impl FileSender {
             .get(w.model())
             .ok_or_else(|| Error::UnknownModel(w.model().clone()))?;
         let name = version_file(stem, w.version());
-        w.write_safetensors(self.dir.join(&name))?;
+        let path = self.dir.join(&name);
+        let plan = SafetensorsFilePlan::of_weights(w)?;
+        match w.bytes().get(..plan.data_len) {
+            // the arena as it stands after the header: receivers serve it from their map
+            Some(data) if plan.in_place() => write_in_place(&path, &plan.header, data)?,
+            _ => w.write_safetensors(&path)?,
+        }
         Ok(name)
     }
 
@@ -777,7 +896,14 @@ impl SenderTransport for FileSender {
             |missing| {
                 format!("file receivers (pid, record) {missing:?} to acknowledge {entries:?}")
             },
-        )
+        )?;
+        // receivers that acknowledged a version have let go of the one before (they serve
+        // versions from their files' maps, which keeps them locked): collect it now rather
+        // than at the next publish
+        if let Err(e) = self.collect() {
+            tracing::warn!("file transport: old versions not collected: {e}");
+        }
+        Ok(())
     }
 
     fn shutdown(&mut self) -> Result<()> {
@@ -903,7 +1029,7 @@ impl FileReceiver {
                 });
             }
             let wire = metrics::timed(Phase::Wire, NAME, e.model.as_str());
-            group.push(Arc::new(v.to_weights()?));
+            group.push(Arc::new(v.into_weights()?));
             wire.finish();
         }
         Ok(Some(group))

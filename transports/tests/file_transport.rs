@@ -62,13 +62,13 @@ fn names(dir: &Path) -> Vec<String> {
     v
 }
 
-fn connect_one(
-    cfg: &FileConfig,
-    m: &std::sync::Arc<refit_runtime::Manifest>,
-) -> (
+/// A file sender and a receiver attached to it.
+type Ends = (
     refit_runtime::Sender<FileSender>,
     refit_runtime::Receiver<FileReceiver>,
-) {
+);
+
+fn connect_one(cfg: &FileConfig, m: &std::sync::Arc<refit_runtime::Manifest>) -> Ends {
     let ms = manifests(&[("policy", m)]);
     let s = FileSender::create(cfg).unwrap();
     let r = FileReceiver::new(s.receiver_spec());
@@ -78,6 +78,57 @@ fn connect_one(
         .connect(vec![stamped("policy", m, 1)], T)
         .unwrap();
     (sender, h.join().unwrap().unwrap())
+}
+
+/// A sender keeping one version on disk and one receiver attached, in `dir`.
+fn connect_keep_one(dir: &Path, m: &std::sync::Arc<refit_runtime::Manifest>) -> Ends {
+    let cfg = FileConfig {
+        keep: 1,
+        expected_receivers: 1,
+        ..FileConfig::new(dir)
+    };
+    connect_one(&cfg, m)
+}
+
+/// Publishes version `v` of `policy`, has `r` receive it and waits for its acknowledgement.
+fn publish_received(
+    sender: &mut refit_runtime::Sender<FileSender>,
+    r: &mut refit_runtime::Receiver<FileReceiver>,
+    m: &std::sync::Arc<refit_runtime::Manifest>,
+    v: u64,
+) {
+    let pending = sender.send_async(vec![stamped("policy", m, v)]).unwrap();
+    r.receive(T).unwrap().unwrap();
+    sender.wait(&pending, T).unwrap();
+}
+
+/// Publishes version `v` of `policy` with one byte inside `head.weight` flipped on disk
+/// after the publish; `r` refuses it, naming the file and the tensor, and still serves
+/// `served`.
+fn refused_with_a_flipped_byte(
+    sender: &mut refit_runtime::Sender<FileSender>,
+    r: &mut refit_runtime::Receiver<FileReceiver>,
+    m: &std::sync::Arc<refit_runtime::Manifest>,
+    v: u64,
+    served: Version,
+) {
+    use std::os::unix::fs::FileExt;
+    let p = id("policy");
+    let _pending = sender.send_async(vec![stamped("policy", m, v)]).unwrap();
+    let path = sender.transport().version_path(&p, Version(v));
+    let bytes = std::fs::read(&path).unwrap();
+    let layout = refit_runtime::inspect_safetensors(&bytes, "file", None, true).unwrap();
+    let at = layout.ranges[layout.manifest.position("head.weight").unwrap()].start + 5;
+    let f = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
+    f.write_all_at(&[bytes[at] ^ 0x08], at as u64).unwrap();
+    let err = r.receive(T).unwrap_err().to_string();
+    let name = format!("policy.v{v}.safetensors");
+    assert!(
+        err.contains(&name) && err.contains("tensor `head.weight`: checksum"),
+        "{err}"
+    );
+    assert_eq!(r.version(&p), served);
+    check_stamp(&r.current(&p).unwrap()).unwrap();
 }
 
 #[test]
@@ -159,20 +210,7 @@ fn truncated_or_corrupted_files_are_refused_naming_them() {
     assert!(r.receive(Duration::from_millis(50)).unwrap().is_none());
 
     // version 3 has one flipped byte inside `head.weight`
-    let _pending = sender.send_async(vec![stamped("policy", &m, 3)]).unwrap();
-    let v3 = sender.transport().version_path(&p, Version(3));
-    let mut bytes = std::fs::read(&v3).unwrap();
-    let layout = refit_runtime::inspect_safetensors(&bytes, "v3", None, true).unwrap();
-    let head = layout.manifest.position("head.weight").unwrap();
-    bytes[layout.ranges[head].start + 5] ^= 0x08;
-    std::fs::write(&v3, &bytes).unwrap();
-    let err = r.receive(T).unwrap_err().to_string();
-    assert!(
-        err.contains("policy.v3.safetensors") && err.contains("tensor `head.weight`: checksum"),
-        "{err}"
-    );
-    assert_eq!(r.version(&p), Version(1));
-    check_stamp(&r.current(&p).unwrap()).unwrap();
+    refused_with_a_flipped_byte(&mut sender, &mut r, &m, 3, Version(1));
 
     // a good version goes through
     let pending = sender.send_async(vec![stamped("policy", &m, 4)]).unwrap();
@@ -187,12 +225,7 @@ fn truncated_or_corrupted_files_are_refused_naming_them() {
 fn a_held_version_stays_whole_and_on_disk() {
     let dir = tempfile::tempdir().unwrap();
     let m = manifest(256);
-    let cfg = FileConfig {
-        keep: 1,
-        expected_receivers: 1,
-        ..FileConfig::new(dir.path())
-    };
-    let (mut sender, mut r) = connect_one(&cfg, &m);
+    let (mut sender, mut r) = connect_keep_one(dir.path(), &m);
     let p = id("policy");
     // a reader maps the newest version (1) and holds it
     let held = FileVersion::open_newest(dir.path(), &p, T).unwrap();
@@ -210,9 +243,7 @@ fn a_held_version_stays_whole_and_on_disk() {
     };
     // the writer publishes 2..=6 while the reader keeps reading version 1
     for v in 2..=6u64 {
-        let pending = sender.send_async(vec![stamped("policy", &m, v)]).unwrap();
-        r.receive(T).unwrap().unwrap();
-        sender.wait(&pending, T).unwrap();
+        publish_received(&mut sender, &mut r, &m, v);
         read_whole(&held, 1.0);
         assert!(v1.exists(), "held version removed after publishing {v}");
     }
@@ -223,9 +254,7 @@ fn a_held_version_stays_whole_and_on_disk() {
         assert!(!sender.transport().version_path(&p, Version(v)).exists());
     }
     drop(held);
-    let pending = sender.send_async(vec![stamped("policy", &m, 7)]).unwrap();
-    r.receive(T).unwrap().unwrap();
-    sender.wait(&pending, T).unwrap();
+    publish_received(&mut sender, &mut r, &m, 7);
     assert!(!v1.exists(), "released version not collected");
     let versions: Vec<String> = names(dir.path())
         .into_iter()
@@ -478,5 +507,72 @@ fn python_safetensors_reads_the_published_bytes() {
         ws.manifest().len(),
         "python saw other tensors than refit wrote"
     );
+    sender.shutdown().unwrap();
+}
+
+/// The path of the file mapped at `addr` in this process (from `/proc/self/maps`).
+#[cfg(target_os = "linux")]
+fn mapped_file_at(addr: usize) -> Option<String> {
+    let maps = std::fs::read_to_string("/proc/self/maps").unwrap();
+    maps.lines().find_map(|line| {
+        let mut fields = line.split_whitespace();
+        let (lo, hi) = fields.next()?.split_once('-')?;
+        let (lo, hi) = (
+            usize::from_str_radix(lo, 16).ok()?,
+            usize::from_str_radix(hi, 16).ok()?,
+        );
+        (lo <= addr && addr < hi).then(|| fields.nth(4).unwrap_or_default().to_string())
+    })
+}
+
+#[cfg(target_os = "linux")]
+#[test]
+fn a_version_is_served_from_its_files_map_and_a_corrupted_one_is_still_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = manifest(64);
+    let (mut sender, mut r) = connect_keep_one(dir.path(), &m);
+    let p = id("policy");
+    let pending = sender.send_async(vec![stamped("policy", &m, 2)]).unwrap();
+    let held = r.receive(T).unwrap().unwrap().group[0].clone();
+    sender.wait(&pending, T).unwrap();
+    check_stamp(&held).unwrap();
+    let v2 = sender.transport().version_path(&p, Version(2));
+
+    // no copy: every tensor's bytes lie in a read-only map of the version file, at the
+    // place the file's header gives them
+    let file = std::fs::read(&v2).unwrap();
+    let layout = refit_runtime::inspect_safetensors(&file, "v2", None, true).unwrap();
+    let base = held.bytes().as_ptr() as usize;
+    let mapped = mapped_file_at(base).unwrap_or_default();
+    assert!(mapped.ends_with("policy.v2.safetensors"), "{mapped:?}");
+    let start = layout.ranges[0].start - m.tensors()[0].offset;
+    for (t, r) in held.tensors().zip(&layout.ranges) {
+        assert_eq!(
+            t.bytes().as_ptr() as usize - base + start,
+            r.start,
+            "{}",
+            t.name()
+        );
+        assert_eq!(t.bytes(), &file[r.clone()]);
+    }
+    assert!(held.is_shared(), "a mapped version belongs to its map");
+
+    // held by the application, the version stays on disk and whole while newer ones come
+    // and go (keep = 1)
+    for v in 3..=5u64 {
+        publish_received(&mut sender, &mut r, &m, v);
+        assert!(v2.exists(), "served version removed after publishing {v}");
+        check_stamp(&held).unwrap();
+    }
+    assert!(!sender.transport().version_path(&p, Version(3)).exists());
+
+    // a byte flipped in place inside `head.weight` of version 6 is still refused, naming
+    // the file and the tensor, and version 5 stays served
+    refused_with_a_flipped_byte(&mut sender, &mut r, &m, 6, Version(5));
+
+    // once the application lets go, the version is collected
+    drop(held);
+    publish_received(&mut sender, &mut r, &m, 7);
+    assert!(!v2.exists(), "released version not collected");
     sender.shutdown().unwrap();
 }

@@ -14,13 +14,11 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 
 use refit_node::{OpenStream, StreamHead, frame, write_head};
-use refit_runtime::bucket::BucketSpec;
+use refit_runtime::bucket::{BucketSpec, PieceHasher};
 use refit_runtime::{
-    BucketHeader, BucketPlan, Error, Manifest, Mismatch, ModelId, Result, Version, WeightSet, wire,
+    BucketHeader, BucketPlan, Error, Manifest, ModelId, Result, Version, WeightSet, wire,
 };
-use std::ops::Range;
 use tokio::io::AsyncWriteExt;
-use xxhash_rust::xxh3::Xxh3;
 
 use super::NAME;
 use super::inflight::InFlight;
@@ -130,25 +128,6 @@ impl Sums {
             pieces,
             buckets,
         }
-    }
-
-    /// The tensors (manifest positions, ascending) with a piece whose checksum differs from
-    /// `base`'s; `None` when `base` was cut by another plan.
-    pub(crate) fn changed_since(&self, base: &Sums, plan: &BucketPlan) -> Option<Vec<usize>> {
-        if base.plan_id != self.plan_id || base.pieces.len() != self.pieces.len() {
-            return None;
-        }
-        let mut changed: Vec<usize> = plan
-            .buckets
-            .iter()
-            .flat_map(|b| &b.pieces)
-            .zip(self.pieces.iter().zip(&base.pieces))
-            .filter(|(_, (a, b))| a != b)
-            .map(|(p, _)| p.tensor)
-            .collect();
-        changed.sort_unstable();
-        changed.dedup();
-        Some(changed)
     }
 }
 
@@ -316,66 +295,11 @@ pub(crate) struct Expect<'a> {
     pub(crate) starts: &'a [usize],
 }
 
-/// Hashes the pieces of one bucket as its bytes land, while they are still in cache: one
-/// pass serves both the tensor checks and the bucket checksum.
-struct Landing {
-    ranges: Vec<Range<usize>>,
-    next: usize,
-    hasher: Xxh3,
-    sums: Vec<u64>,
-}
-
-impl Landing {
-    fn new(exp: &Expect<'_>, spec: &BucketSpec, index: usize) -> Result<Self> {
-        let ranges = spec
-            .pieces
-            .iter()
-            .map(|p| {
-                spec.piece_range(exp.manifest, p)
-                    .ok_or_else(|| Error::Bucket {
-                        index,
-                        reason: format!("piece of tensor `{}` lies outside the bucket", p.name),
-                    })
-            })
-            .collect::<Result<Vec<_>>>()?;
-        if ranges.windows(2).any(|w| w[0].end > w[1].start) {
-            return Err(Error::Bucket {
-                index,
-                reason: "pieces overlap or are out of arena order".into(),
-            });
-        }
-        Ok(Self {
-            sums: Vec::with_capacity(ranges.len()),
-            ranges,
-            next: 0,
-            hasher: Xxh3::new(),
-        })
-    }
-
-    /// Feeds `chunk`, the bytes of the bucket from offset `at` (they just arrived, after
-    /// every byte before them).
-    fn feed(&mut self, chunk: &[u8], at: usize) {
-        let end = at + chunk.len();
-        while let Some(r) = self.ranges.get(self.next) {
-            let (s, e) = (r.start.max(at), r.end.min(end));
-            if s < e {
-                self.hasher
-                    .update(chunk.get(s - at..e - at).unwrap_or_default());
-            }
-            if r.end > end {
-                break;
-            }
-            self.sums.push(self.hasher.digest());
-            self.hasher.reset();
-            self.next += 1;
-        }
-    }
-}
-
 impl Expect<'_> {
     /// Checks a bucket that arrived whole in `dst`, with `found` the checksums of its pieces
-    /// hashed as they landed: every piece against the sender's checksum (naming the tensor),
-    /// then the bucket's own checksum (which also covers the bytes between tensors).
+    /// hashed as they landed, by the runtime's check ([`BucketSpec::verify_landed`]): every
+    /// piece against the sender's checksum (naming the tensor), then the bucket's own
+    /// checksum (which also covers the bytes between tensors).
     fn check_bucket(
         &self,
         spec: &BucketSpec,
@@ -387,38 +311,18 @@ impl Expect<'_> {
             .starts
             .get(header.index..header.index + 2)
             .and_then(|w| self.sums.get(w[0]..w[1]))
-            .filter(|e| e.len() == spec.pieces.len() && found.len() == e.len())
             .ok_or_else(|| Error::Bucket {
                 index: header.index,
                 reason: "the checksums do not fit the plan's pieces".into(),
             })?;
-        for ((p, &expected), &found) in spec.pieces.iter().zip(expected).zip(found) {
-            if found != expected {
-                let name = self
-                    .manifest
-                    .tensors()
-                    .get(p.tensor)
-                    .map_or(p.name.as_str(), |t| t.name.as_str());
-                return Err(Error::tensor(
-                    self.model,
-                    name,
-                    Mismatch::Checksum { expected, found },
-                ));
-            }
-        }
-        let sum = spec.checksum_from_pieces(self.manifest, dst, found);
-        if sum != header.checksum {
-            let names: Vec<&str> = spec.pieces.iter().map(|p| p.name.as_str()).collect();
-            return Err(Error::Bucket {
-                index: header.index,
-                reason: format!(
-                    "checksum {:#018x} declared, bytes hash to {sum:#018x} (tensors {})",
-                    header.checksum,
-                    names.join(", ")
-                ),
-            });
-        }
-        Ok(sum)
+        spec.verify_landed(
+            self.model,
+            self.manifest,
+            header,
+            dst,
+            Some(expected),
+            found,
+        )
     }
 }
 
@@ -546,7 +450,7 @@ fn pull_part(
             });
         }
         let spec = exp.plan.check_header(&header)?;
-        let mut landing = Landing::new(&exp, spec, i as usize)?;
+        let mut landing = PieceHasher::new(spec, exp.manifest, i as usize)?;
         let flight = match dest {
             Dest::Arena(f) => f,
             Dest::Sink(sink) => {
@@ -565,7 +469,7 @@ fn pull_part(
                         .fetch_add((end - at) as u64, Ordering::Relaxed);
                     at = end;
                 }
-                exp.check_bucket(spec, &header, &[], &landing.sums)?;
+                exp.check_bucket(spec, &header, &[], landing.sums())?;
                 continue;
             }
         };
@@ -590,7 +494,7 @@ fn pull_part(
                 .fetch_add((end - at) as u64, Ordering::Relaxed);
             at = end;
         }
-        let sum = exp.check_bucket(spec, &header, &dst, &landing.sums)?;
+        let sum = exp.check_bucket(spec, &header, &dst, landing.sums())?;
         dst.land(sum);
     }
     Ok(want)
@@ -700,20 +604,16 @@ mod tests {
                 .collect();
             assert_eq!(hit.len(), 1);
             assert!(p.buckets[hit[0]].range().contains(&gap));
-            // no change since itself; a changed tensor is found by its pieces
-            assert_eq!(serial.changed_since(&serial, &p), Some(vec![]));
+            // no change since itself; a changed tensor is found by its pieces (the
+            // runtime's bucket delta over these sums)
+            use refit_runtime::delta::BucketDelta;
+            let same = BucketDelta::changed_tensors(&p, &serial.pieces, &serial.pieces);
+            assert_eq!(same, Some(vec![]));
             let mut other = ws.clone();
             other.bytes_mut().unwrap()[m.tensors()[4].offset + 2999] ^= 1;
             let changed = Sums::compute(&p, 7, &other, 2);
-            assert_eq!(changed.changed_since(&serial, &p), Some(vec![4]));
-            assert_eq!(
-                Sums {
-                    plan_id: 8,
-                    ..changed
-                }
-                .changed_since(&serial, &p),
-                None
-            );
+            let found = BucketDelta::changed_tensors(&p, &serial.pieces, &changed.pieces);
+            assert_eq!(found, Some(vec![4]));
         }
     }
 
@@ -742,14 +642,14 @@ mod tests {
         for step in [1, 7, 64, 1000, 1 << 20] {
             for (i, spec) in p.buckets.iter().enumerate() {
                 let bytes = &ws.bytes()[spec.range()];
-                let mut l = Landing::new(&exp, spec, i).unwrap();
+                let mut l = PieceHasher::new(spec, &m, i).unwrap();
                 let mut at = 0;
                 while at < bytes.len() {
                     let end = (at + step).min(bytes.len());
                     l.feed(&bytes[at..end], at);
                     at = end;
                 }
-                assert_eq!(l.sums, sums.pieces[starts[i]..starts[i + 1]]);
+                assert_eq!(l.sums(), &sums.pieces[starts[i]..starts[i + 1]]);
                 let header = BucketHeader {
                     index: i,
                     version: Version(1),
@@ -758,9 +658,9 @@ mod tests {
                     pieces: spec.pieces.clone(),
                     checksum: sums.buckets[i],
                 };
-                exp.check_bucket(spec, &header, bytes, &l.sums).unwrap();
+                exp.check_bucket(spec, &header, bytes, l.sums()).unwrap();
                 // a wrong piece names its tensor
-                let mut bad = l.sums.clone();
+                let mut bad = l.sums().to_vec();
                 bad[0] ^= 1;
                 let e = exp.check_bucket(spec, &header, bytes, &bad).unwrap_err();
                 assert!(matches!(e, Error::Tensor { .. }), "{e}");

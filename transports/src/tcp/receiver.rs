@@ -9,6 +9,7 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use refit_node::{ClusterToken, Node, NodeConfig, Peer, open_stream};
+use refit_runtime::delta::BucketDelta;
 use refit_runtime::metrics::{self, Phase};
 use refit_runtime::wait::{Wait, poll_until};
 use refit_runtime::{
@@ -606,13 +607,8 @@ impl TcpReceiver {
             // the buckets a delta does not pull, from the version held
             let kept: Vec<std::ops::Range<usize>> = match (&base, t.full) {
                 (Some(_), false) => {
-                    let mut pulled = t.buckets.iter().peekable();
-                    plan.buckets
-                        .iter()
-                        .enumerate()
-                        .filter(|(i, _)| pulled.next_if(|&&p| p as usize == *i).is_none())
-                        .map(|(_, spec)| spec.range())
-                        .collect()
+                    let moved: Vec<usize> = t.buckets.iter().map(|&i| i as usize).collect();
+                    BucketDelta::kept(&plan, &moved)
                 }
                 _ => Vec::new(),
             };

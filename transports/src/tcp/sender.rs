@@ -18,6 +18,7 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use refit_node::{CallInfo, ClusterToken, ConnId, Node, NodeConfig, Peer};
+use refit_runtime::delta::BucketDelta;
 use refit_runtime::metrics::{self, Phase};
 use refit_runtime::wait::{Wait, wait_until};
 use refit_runtime::{
@@ -163,23 +164,19 @@ impl Agent {
         let sums = Arc::clone(&entry.1);
         let sums_of = |v: Version| slot.sums.iter().find(|(sv, _)| *sv == v).map(|s| &s.1);
         // a delta moves the buckets holding a byte of a changed tensor, whole
-        let changed = match (req.mode, req.have) {
-            (TransferMode::Delta, Some(have)) => {
-                sums_of(have).and_then(|b| sums.changed_since(b, &bucket_plan))
-            }
+        let base = match (req.mode, req.have) {
+            (TransferMode::Delta, Some(have)) => sums_of(have)
+                .filter(|b| b.plan_id == sums.plan_id)
+                .map(|b| b.pieces.as_slice()),
             _ => None,
         };
-        let buckets: Vec<u32> = match &changed {
-            Some(changed) => bucket_plan
-                .touching(changed)
-                .into_iter()
-                .filter_map(|i| u32::try_from(i).ok())
-                .collect(),
-            None => (0..bucket_plan.len())
-                .filter_map(|i| u32::try_from(i).ok())
-                .collect(),
-        };
-        let full = changed.is_none();
+        let delta = BucketDelta::plan(&bucket_plan, base, &sums.pieces);
+        let buckets: Vec<u32> = delta
+            .buckets
+            .iter()
+            .filter_map(|&i| u32::try_from(i).ok())
+            .collect();
+        let full = delta.full;
         let want = Want {
             receiver: req.receiver,
             model: &req.model,
