@@ -155,7 +155,16 @@ async fn a_users_env_learner_and_policy_sizes_run_in_the_topology() {
         let m = &e.models[&policy_model_id()];
         assert_eq!(m.mean_return, 1.0, "eval at v{}: {m:?}", e.step);
     }
-    assert!(report.engine.loads as usize >= r.updates.len());
+    // The engine loads each version it is told of, once; a notification that finds a newer
+    // version already staged loads that one, so versions published in quick succession
+    // (batch-async) may share one load: at least one load, never more than one per version
+    // (version 1, loaded at start, and each published one).
+    let loads = report.engine.loads as usize;
+    assert!(
+        (1..=r.updates.len() + 1).contains(&loads),
+        "{loads} loads for version 1 and {} published versions",
+        r.updates.len()
+    );
 }
 
 #[actix_rt::test]
