@@ -299,6 +299,67 @@ fn gone(worker: usize, reason: impl Into<String>) -> Error {
 
 /// Reads length-prefixed batches from a worker's stdout until it closes or `to` answers
 /// false (its consumer is gone).
+/// The manifests a process collector's scheme agrees on: one per initial weight set, the
+/// policy's among them; refused without workers.
+fn worker_manifests(
+    commands: &[Command],
+    initial: &[WeightSet],
+    policy: &ModelId,
+) -> Result<Manifests> {
+    if commands.is_empty() {
+        return Err(Error::Config("a process collector needs workers".into()));
+    }
+    let manifests = Manifests::new(
+        initial
+            .iter()
+            .map(|w| (w.model().clone(), std::sync::Arc::clone(w.manifest()))),
+    )?;
+    manifests.get(policy)?;
+    Ok(manifests)
+}
+
+/// Starts worker `worker` with its stdin and stdout piped (stderr inherited) and a thread
+/// that hands each batch it writes to `deliver` (until `deliver` says stop).
+fn start_worker(
+    worker: usize,
+    mut cmd: Command,
+    deliver: impl Fn(Result<Batch>) -> bool + Send + 'static,
+) -> Result<(Child, Option<ChildStdin>)> {
+    let mut child = cmd
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .map_err(|e| gone(worker, format!("could not start: {e}")))?;
+    let stdin = child.stdin.take();
+    let reader = match child.stdout.take() {
+        Some(stdout) => std::thread::Builder::new()
+            .name(format!("refit-worker-{worker}-out"))
+            .spawn(move || read_batches(worker, stdout, deliver))
+            .map_err(|e| gone(worker, format!("reader thread could not start: {e}"))),
+        None => Err(gone(worker, "no stdout pipe")),
+    };
+    if let Err(e) = reader {
+        // not handed to a collector yet, so nothing else would stop it
+        let _ = child.kill();
+        let _ = child.wait();
+        return Err(e);
+    }
+    Ok((child, stdin))
+}
+
+/// Connects the workers' scheme: `initial` delivered and acknowledged by every worker.
+fn connect_workers<T: SenderTransport>(
+    sender: T,
+    manifests: Manifests,
+    initial: Vec<WeightSet>,
+    config: &ProcessConfig,
+) -> Result<Sender<T>> {
+    Ok(SenderInit::new(sender, manifests)
+        .with_ack_timeout(config.ack_timeout)
+        .connect(initial, config.connect_timeout)?)
+}
+
 fn read_batches(worker: usize, mut from: impl Read, to: impl Fn(Result<Batch>) -> bool) {
     if let Err(reason) = skip_to_magic(&mut from) {
         to(Err(gone(worker, reason)));
@@ -370,15 +431,7 @@ impl<T: SenderTransport> ProcessSyncCollector<T> {
         initial: Vec<WeightSet>,
         config: ProcessConfig,
     ) -> Result<Self> {
-        if commands.is_empty() {
-            return Err(Error::Config("a process collector needs workers".into()));
-        }
-        let manifests = Manifests::new(
-            initial
-                .iter()
-                .map(|w| (w.model().clone(), std::sync::Arc::clone(w.manifest()))),
-        )?;
-        manifests.get(&config.policy_id)?;
+        let manifests = worker_manifests(&commands, &initial, &config.policy_id)?;
         let mut me = Self {
             sender: None,
             workers: Vec::with_capacity(commands.len()),
@@ -387,32 +440,16 @@ impl<T: SenderTransport> ProcessSyncCollector<T> {
             frames: 0,
             upstream: Upstream(None),
         };
-        for (worker, mut cmd) in commands.into_iter().enumerate() {
-            let mut child = cmd
-                .stdin(Stdio::piped())
-                .stdout(Stdio::piped())
-                .stderr(Stdio::inherit())
-                .spawn()
-                .map_err(|e| gone(worker, format!("could not start: {e}")))?;
-            let stdout = child
-                .stdout
-                .take()
-                .ok_or_else(|| gone(worker, "no stdout pipe"))?;
+        for (worker, cmd) in commands.into_iter().enumerate() {
             let (tx, rx) = mpsc::channel();
-            std::thread::Builder::new()
-                .name(format!("refit-worker-{worker}-out"))
-                .spawn(move || read_batches(worker, stdout, move |b| tx.send(b).is_ok()))
-                .map_err(|e| gone(worker, format!("reader thread could not start: {e}")))?;
+            let (child, stdin) = start_worker(worker, cmd, move |b| tx.send(b).is_ok())?;
             me.workers.push(WorkerProc {
-                stdin: child.stdin.take(),
+                stdin,
                 child,
                 batches: rx,
             });
         }
-        let connected = SenderInit::new(sender, manifests)
-            .with_ack_timeout(me.config.ack_timeout)
-            .connect(initial, me.config.connect_timeout)?;
-        me.sender = Some(connected);
+        me.sender = Some(connect_workers(sender, manifests, initial, &me.config)?);
         Ok(me)
     }
 
@@ -655,15 +692,7 @@ impl<T: SenderTransport> ProcessAsyncCollector<T> {
         initial: Vec<WeightSet>,
         config: ProcessConfig,
     ) -> Result<Self> {
-        if commands.is_empty() {
-            return Err(Error::Config("a process collector needs workers".into()));
-        }
-        let manifests = Manifests::new(
-            initial
-                .iter()
-                .map(|w| (w.model().clone(), std::sync::Arc::clone(w.manifest()))),
-        )?;
-        manifests.get(&config.policy_id)?;
+        let manifests = worker_manifests(&commands, &initial, &config.policy_id)?;
         let n = commands.len();
         let (tx, rx) = mpsc::sync_channel(n * config.queue_depth.max(1));
         let mut me = Self {
@@ -676,33 +705,17 @@ impl<T: SenderTransport> ProcessAsyncCollector<T> {
             frames: 0,
             upstream: Upstream(None),
         };
-        for (worker, mut cmd) in commands.into_iter().enumerate() {
-            let mut child = cmd
-                .stdin(Stdio::piped())
-                .stdout(Stdio::piped())
-                .stderr(Stdio::inherit())
-                .spawn()
-                .map_err(|e| gone(worker, format!("could not start: {e}")))?;
-            let stdout = child.stdout.take();
+        for (worker, cmd) in commands.into_iter().enumerate() {
+            let tx = tx.clone();
+            let (child, stdin) = start_worker(worker, cmd, move |b| tx.send((worker, b)).is_ok())?;
             me.workers.push(AsyncProc {
-                stdin: child.stdin.take(),
+                stdin,
                 child,
                 alive: true,
             });
-            let stdout = stdout.ok_or_else(|| gone(worker, "no stdout pipe"))?;
-            let tx = tx.clone();
-            std::thread::Builder::new()
-                .name(format!("refit-worker-{worker}-out"))
-                .spawn(move || {
-                    read_batches(worker, stdout, move |b| tx.send((worker, b)).is_ok());
-                })
-                .map_err(|e| gone(worker, format!("reader thread could not start: {e}")))?;
         }
         drop(tx);
-        let connected = SenderInit::new(sender, manifests)
-            .with_ack_timeout(me.config.ack_timeout)
-            .connect(initial, me.config.connect_timeout)?;
-        me.sender = Some(connected);
+        me.sender = Some(connect_workers(sender, manifests, initial, &me.config)?);
         for (i, w) in me.workers.iter_mut().enumerate() {
             let stdin = w.stdin.as_mut().ok_or_else(|| gone(i, "no stdin pipe"))?;
             stdin

@@ -22,13 +22,13 @@ use super::links;
 use super::rendezvous::{self, RankDeath, Rendezvous, STOP_KEY, rank_key};
 use super::{call_deadline, describe, stop_rule};
 use crate::actor::controller::{
-    AwaitRollout, DropEngine, GetStatus, RolloutDone, VersionNotifier, WeightSyncController,
+    AwaitRollout, DropEngine, GetStatus, RolloutDone, WeightSyncController,
 };
 use crate::actor::engine::{
     ActBatch, CancelInFlight, EngineHandle, EngineStats, ServedVersions, UpdateModel,
 };
 use crate::actor::rollout::{PushFragment, RolloutStats, TrajectoryPool};
-use crate::actor::topology::{self, ModelReport, RunReport, StopBoard, start_evaluator};
+use crate::actor::topology::{self, RunReport, StopBoard, start_evaluator};
 use crate::actor::workers::Trainer;
 
 /// Removes rank 0's shared-memory segments on every way out.
@@ -264,16 +264,7 @@ pub(super) async fn run_lead<R: Roles>(
     }
 
     // Version 1 lands everywhere before any rollout runs.
-    let mut notifiers: Vec<VersionNotifier> = ids
-        .iter()
-        .map(|id| VersionNotifier::new(controller.clone(), id.clone(), sync.clone()))
-        .collect();
-    for n in &mut notifiers {
-        n.notify(Version(1)).await?;
-    }
-    for n in &mut notifiers {
-        n.flush().await?;
-    }
+    let notifiers = topology::land_version_one(&controller, &ids, &sync).await?;
 
     // Watch every rank from now on.
     let (tx, mut deaths): (_, Deaths) = tokio::sync::mpsc::unbounded_channel();
@@ -359,23 +350,7 @@ pub(super) async fn run_lead<R: Roles>(
         }
     };
     drop(watch);
-    let mut reports: BTreeMap<ModelId, ModelReport> = BTreeMap::new();
-    let mut first_error = None;
-    for (id, d) in ids.iter().zip(joined) {
-        match d {
-            Ok(Ok(r)) => {
-                reports.insert(id.clone(), r);
-            }
-            Ok(Err(e)) => {
-                first_error.get_or_insert(Error::Actor(format!("trainer of model `{id}`: {e}")));
-            }
-            Err(e) => {
-                first_error.get_or_insert(Error::Actor(format!(
-                    "trainer of model `{id}` panicked: {e}"
-                )));
-            }
-        }
-    }
+    let (mut reports, first_error) = topology::reports_of(&ids, joined);
     if let Some(e) = first_error {
         return Err(e);
     }

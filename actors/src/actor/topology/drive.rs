@@ -89,23 +89,11 @@ pub(super) async fn drive_all<R: Roles>(
         );
         drivers.push(actix_rt::spawn(d));
     }
-    let mut reports = BTreeMap::new();
-    let mut first_error = None;
-    for (id, d) in ids.iter().zip(drivers) {
-        match d.await {
-            Ok(Ok(r)) => {
-                reports.insert(id.clone(), r);
-            }
-            Ok(Err(e)) => {
-                first_error.get_or_insert(Error::Actor(format!("trainer of model `{id}`: {e}")));
-            }
-            Err(e) => {
-                first_error.get_or_insert(Error::Actor(format!(
-                    "trainer of model `{id}` panicked: {e}"
-                )));
-            }
-        }
+    let mut joined = Vec::with_capacity(drivers.len());
+    for d in drivers {
+        joined.push(d.await);
     }
+    let (mut reports, first_error) = reports_of(ids, joined);
     for (id, ws) in ids.iter().zip(&spawned.workers) {
         for w in ws {
             let stats = w
@@ -144,6 +132,32 @@ pub(super) async fn drive_all<R: Roles>(
         elapsed: started.elapsed(),
         solved,
     })
+}
+
+/// Each model's report from its driver's outcome (in `ids` order), and the first error: a
+/// driver that failed or panicked, named by model.
+pub(crate) fn reports_of(
+    ids: &[ModelId],
+    joined: Vec<std::result::Result<Result<ModelReport>, actix_rt::task::JoinError>>,
+) -> (BTreeMap<ModelId, ModelReport>, Option<Error>) {
+    let mut reports = BTreeMap::new();
+    let mut first_error = None;
+    for (id, d) in ids.iter().zip(joined) {
+        match d {
+            Ok(Ok(r)) => {
+                reports.insert(id.clone(), r);
+            }
+            Ok(Err(e)) => {
+                first_error.get_or_insert(Error::Actor(format!("trainer of model `{id}`: {e}")));
+            }
+            Err(e) => {
+                first_error.get_or_insert(Error::Actor(format!(
+                    "trainer of model `{id}` panicked: {e}"
+                )));
+            }
+        }
+    }
+    (reports, first_error)
 }
 
 /// One model's driver: take a batch, train, publish, notify, until the stop board says

@@ -60,16 +60,7 @@ pub(super) async fn spawn<R: Roles>(
     .start();
 
     // Version 1 lands everywhere before any rollout runs.
-    let mut notifiers: Vec<VersionNotifier> = ids
-        .iter()
-        .map(|id| VersionNotifier::new(controller.clone(), id.clone(), sync.clone()))
-        .collect();
-    for n in &mut notifiers {
-        n.notify(Version(1)).await?;
-    }
-    for n in &mut notifiers {
-        n.flush().await?;
-    }
+    let notifiers = land_version_one(&controller, ids, sync).await?;
 
     // Pools and rollout workers.
     let mut pools = Vec::new();
@@ -119,6 +110,29 @@ pub(super) async fn spawn<R: Roles>(
         workers,
         arbiters,
     })
+}
+
+/// Tells the controller that version 1 of every model is out and waits until it landed
+/// everywhere; returns each model's notifier, for the drivers.
+///
+/// # Errors
+/// The controller refused or is gone.
+pub(crate) async fn land_version_one(
+    controller: &Addr<WeightSyncController>,
+    ids: &[ModelId],
+    sync: &SyncConfig,
+) -> Result<Vec<VersionNotifier>> {
+    let mut notifiers: Vec<VersionNotifier> = ids
+        .iter()
+        .map(|id| VersionNotifier::new(controller.clone(), id.clone(), sync.clone()))
+        .collect();
+    for n in &mut notifiers {
+        n.notify(Version(1)).await?;
+    }
+    for n in &mut notifiers {
+        n.flush().await?;
+    }
+    Ok(notifiers)
 }
 
 /// Starts the evaluator: `episodes` validation episodes per model through `engine`, on
