@@ -332,6 +332,16 @@ fn the_shipped_cartpole_topologies_place_their_links_by_host() {
         }
     }
     assert_eq!(hosts.master_host(), "10.77.0.1");
+    let broadcast = read("cartpole-broadcast.toml");
+    broadcast
+        .check_links(refit::transports::link::reach_of)
+        .unwrap();
+    for r in [1, 2] {
+        assert_eq!(
+            broadcast.weights_transport(0, r),
+            TransportKind::Named("broadcast".into())
+        );
+    }
 }
 
 /// The first of `n` loopback ports free right now, one after the other.

@@ -74,6 +74,63 @@ fn one_sender_per_transport_serves_every_inlet_and_leaves_no_segment() {
     assert!(segments.iter().all(|p| !p.exists()), "{segments:?}");
 }
 
+/// A broadcast link waits at connect for the receivers it was opened for: rank 0 ships the
+/// spec first, the inlets join while the sender connects, and each inlet acknowledges what
+/// its engine serves (version 1, already acknowledged at connect, included).
+#[test]
+fn a_broadcast_link_connects_once_its_engines_join_and_serves_them_every_version() {
+    let token = ClusterToken::new("cluster-links-test-token").unwrap();
+    let trainer_node = Node::loopback(token.clone()).unwrap();
+    let initial = weights(1, 1.0);
+    let manifests = Manifests::new([(policy_model_id(), Arc::clone(initial.manifest()))]).unwrap();
+    let kinds = [(TransportKind::Named("broadcast".into()), 2)];
+    let opened = links::open_links(&trainer_node, &initial, &kinds).unwrap();
+    assert_eq!(opened.specs.len(), 1);
+    let shipped: Vec<ReceiverSpec> = wire::decode(
+        &wire::encode(&opened.specs).unwrap(),
+        wire::MAX_CONTROL_MESSAGE,
+    )
+    .unwrap();
+    let model = policy_model_id();
+    let joining: Vec<_> = (0..2)
+        .map(|_| {
+            let (spec, manifests, model) = (shipped[0].clone(), manifests.clone(), model.clone());
+            let node = Node::loopback(token.clone()).unwrap();
+            std::thread::spawn(move || {
+                let inlet = links::connect_inlet(&model, &spec, &node, manifests, WAIT).unwrap();
+                (inlet, node)
+            })
+        })
+        .collect();
+    let mut out = opened.connect(&initial, WAIT).unwrap();
+    let mut inlets: Vec<_> = joining.into_iter().map(|j| j.join().unwrap()).collect();
+    for (inlet, _) in &mut inlets {
+        let w = inlet.fetch(&model, Version(1), WAIT).unwrap();
+        assert_eq!(w.version(), Version(1));
+        inlet.applied(&model, Version(1)).unwrap();
+    }
+    for v in 2..=4 {
+        out.outlet.publish(Arc::new(weights(v, v as f32))).unwrap();
+        for (inlet, _) in &mut inlets {
+            let w = inlet.fetch(&model, Version(v), WAIT).unwrap();
+            assert_eq!(w.version(), Version(v));
+            let first = w.view::<f32>(&w.manifest().tensors()[0].name).unwrap()[0];
+            assert_eq!(first, v as f32);
+            inlet.applied(&model, Version(v)).unwrap();
+        }
+    }
+    // a version never delivered cannot be acknowledged
+    let e = inlets[0]
+        .0
+        .applied(&model, Version(9))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("version 9") && e.contains("never received"),
+        "{e}"
+    );
+}
+
 #[test]
 fn an_inlet_of_another_layout_is_refused_naming_the_model() {
     let token = ClusterToken::new("cluster-links-test-token").unwrap();

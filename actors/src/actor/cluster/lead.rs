@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use actix::prelude::*;
 use refit_node::Peer;
 use refit_runtime::topology::{OnFailure, RankPlan, Role, Topology, TransportKind};
-use refit_runtime::{HasWeights, ModelId, Version};
+use refit_runtime::{HasWeights, ModelId, Version, WeightSet};
 use uuid::Uuid;
 
 use crate::error::{Error, Result};
@@ -41,7 +41,14 @@ impl Drop for Segments {
 }
 
 pub(super) struct Leader {
+    /// Started once the links are connected ([`Leader::start_trainers`]).
     trainers: Vec<Addr<Trainer>>,
+    /// Per model: its learner, its first weights and its links, opened, not connected.
+    pending: Vec<(
+        Box<dyn crate::learner::Learner>,
+        WeightSet,
+        links::OpenedLinks,
+    )>,
     segments: Segments,
     gates: BTreeMap<u32, Uuid>,
     pools: BTreeMap<ModelId, Uuid>,
@@ -60,14 +67,16 @@ pub(super) fn prepare_lead<R: Roles>(
             "the topology has no engine: rollouts need one".into(),
         ));
     }
-    let mut kinds: Vec<TransportKind> = Vec::new();
+    // each transport in use, with the number of engine ranks it serves
+    let mut kinds: Vec<(TransportKind, usize)> = Vec::new();
     for r in &engine_ranks {
         let k = topo.weights_transport(0, *r);
-        if !kinds.contains(&k) {
-            kinds.push(k);
+        match kinds.iter_mut().find(|(kind, _)| *kind == k) {
+            Some((_, n)) => *n += 1,
+            None => kinds.push((k, 1)),
         }
     }
-    let mut trainers = Vec::new();
+    let mut pending = Vec::new();
     let mut segments = Segments(Vec::new());
     for spec in specs {
         let mut learner = roles.learner(spec)?;
@@ -86,7 +95,7 @@ pub(super) fn prepare_lead<R: Roles>(
                 initial.version()
             )));
         }
-        let out = links::open_outlets(rv.node(), &initial, &kinds, topo.wait())?;
+        let out = links::open_links(rv.node(), &initial, &kinds)?;
         for link in &out.specs {
             println!(
                 "rank 0: pid {}, model `{}` weights: {link}",
@@ -94,9 +103,13 @@ pub(super) fn prepare_lead<R: Roles>(
                 spec.id
             );
         }
-        segments.0.extend(out.leftovers);
+        segments.0.extend(out.leftovers.iter().cloned());
         rv.put(&weights_key(&spec.id), &out.specs)?;
-        trainers.push(Trainer::start_with_outlet(learner, out.outlet));
+        pending.push((
+            Box::new(learner) as Box<dyn crate::learner::Learner>,
+            initial,
+            out,
+        ));
     }
     let gates = engine_ranks.iter().map(|r| (*r, Uuid::new_v4())).collect();
     let pools = specs
@@ -104,11 +117,24 @@ pub(super) fn prepare_lead<R: Roles>(
         .map(|s| (s.id.clone(), Uuid::new_v4()))
         .collect();
     Ok(Leader {
-        trainers,
+        trainers: Vec::new(),
+        pending,
         segments,
         gates,
         pools,
     })
+}
+
+impl Leader {
+    /// Connects every model's links with its first weights and starts its trainer.
+    fn start_trainers(&mut self, wait: Duration) -> Result<()> {
+        for (learner, initial, links) in self.pending.drain(..) {
+            let out = links.connect(&initial, wait)?;
+            self.trainers
+                .push(Trainer::start_with_outlet(learner, out.outlet));
+        }
+        Ok(())
+    }
 }
 
 /// Rank 0.
@@ -127,7 +153,7 @@ pub(super) fn lead<R: Roles>(
     sync.check()?;
     // the actix system first: the trainers' threads are sync arbiters
     let system = actix_rt::System::new();
-    let leader = system.block_on(async { prepare_lead(topo, rv, roles.as_ref(), specs) })?;
+    let mut leader = system.block_on(async { prepare_lead(topo, rv, roles.as_ref(), specs) })?;
     rv.put(
         &rank_key(0),
         &LeaderCard {
@@ -135,6 +161,9 @@ pub(super) fn lead<R: Roles>(
             pools: leader.pools.clone(),
         },
     )?;
+    // the engine ranks connect their inlets now; a sender that waits for its receivers at
+    // connect (a broadcast group) finds them coming
+    system.block_on(async { leader.start_trainers(wait) })?;
     // every other rank joins
     let deadline = Instant::now() + wait;
     let mut cards = BTreeMap::new();
@@ -194,6 +223,7 @@ pub(super) async fn run_lead<R: Roles>(
         segments,
         gates,
         pools: pool_ids,
+        ..
     } = leader;
     let _segments = segments;
 

@@ -55,33 +55,48 @@ impl std::fmt::Debug for ModelOutlets {
     }
 }
 
+/// The senders of one model, opened through the link factory but not connected yet: their
+/// receiver specs can be shipped first, so transports whose sender waits for its receivers
+/// at connect (a broadcast group) find them joining.
+pub struct OpenedLinks {
+    model: ModelId,
+    manifests: Manifests,
+    senders: Vec<(&'static str, Box<dyn refit_runtime::SenderTransport>)>,
+    /// One receiver spec per transport, for the engine ranks (they pick theirs by
+    /// [`ReceiverSpec::transport`]).
+    pub specs: Vec<ReceiverSpec>,
+    /// Files the links made (shared-memory segments), removed at the end of the run.
+    pub leftovers: Vec<PathBuf>,
+}
+
+impl std::fmt::Debug for OpenedLinks {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("OpenedLinks")
+            .field("model", &self.model)
+            .field("specs", &self.specs)
+            .finish_non_exhaustive()
+    }
+}
+
 /// Opens the senders of `initial`'s model through the link factory, one per transport of
-/// `kinds` (each once; TCP serves on `node`), and makes `initial` available through them;
-/// receivers attach later, whenever they come.
+/// `kinds` (each once, with the number of engine ranks it serves; TCP serves on `node`),
+/// without connecting them: see [`OpenedLinks::connect`].
 ///
 /// # Errors
 /// [`Error::Config`] for a transport that cannot cross processes (both ends in one process:
 /// no link to ship) or no transport; transport errors (a segment that cannot be created, a
-/// bad bucket size), naming the model.
-pub fn open_outlets(
+/// bad bucket size, a broadcast without receivers), naming the model.
+pub fn open_links(
     node: &Node,
     initial: &WeightSet,
-    kinds: &[TransportKind],
-    wait: Duration,
-) -> Result<ModelOutlets> {
+    kinds: &[(TransportKind, usize)],
+) -> Result<OpenedLinks> {
     let model = initial.model().clone();
     let manifests = Manifests::new([(model.clone(), Arc::clone(initial.manifest()))])?;
-    let named = |e: refit_runtime::Error, name: &str| {
-        Error::Config(format!("opening the {name} sender of model `{model}`: {e}"))
-    };
-    let options = LinkOptions {
-        node: Some(node.clone()),
-        ..LinkOptions::default()
-    };
-    let mut outlets: Vec<Box<dyn WeightOutlet>> = Vec::new();
+    let mut senders = Vec::new();
     let mut specs: Vec<ReceiverSpec> = Vec::new();
     let mut leftovers = Vec::new();
-    for kind in kinds {
+    for (kind, receivers) in kinds {
         let factory = link::for_kind(kind)?;
         if specs.iter().any(|s| s.transport() == factory.name()) {
             continue;
@@ -93,26 +108,73 @@ pub fn open_outlets(
                 factory.name()
             )));
         }
-        let opened = factory
-            .open(&manifests, &options)
-            .map_err(|e| named(e, factory.name()))?;
+        let options = LinkOptions {
+            node: Some(node.clone()),
+            expected_receivers: *receivers,
+            ..LinkOptions::default()
+        };
+        let opened = factory.open(&manifests, &options).map_err(|e| {
+            Error::Config(format!(
+                "opening the {} sender of model `{model}`: {e}",
+                factory.name()
+            ))
+        })?;
         specs.push(opened.spec);
         leftovers.extend(opened.leftovers);
-        let sender = SenderInit::new(opened.sender, manifests.clone())
-            .connect(vec![initial.clone()], wait)
-            .map_err(|e| named(e, factory.name()))?;
-        outlets.push(Box::new(sender));
+        senders.push((factory.name(), opened.sender));
     }
-    if outlets.is_empty() {
+    if senders.is_empty() {
         return Err(Error::Config(format!(
             "model `{model}` has no engine to send weights to"
         )));
     }
-    Ok(ModelOutlets {
-        outlet: Box::new(FanOut { outlets }),
+    Ok(OpenedLinks {
+        model,
+        manifests,
+        senders,
         specs,
         leftovers,
     })
+}
+
+impl OpenedLinks {
+    /// Connects every sender with `initial` (receivers attach whenever they come; a
+    /// broadcast sender waits, until `wait`, for the receivers it was opened for).
+    ///
+    /// # Errors
+    /// A sender failing to connect, naming the transport and the model.
+    pub fn connect(self, initial: &WeightSet, wait: Duration) -> Result<ModelOutlets> {
+        let model = self.model;
+        let mut outlets: Vec<Box<dyn WeightOutlet>> = Vec::new();
+        for (name, sender) in self.senders {
+            let sender = SenderInit::new(sender, self.manifests.clone())
+                .connect(vec![initial.clone()], wait)
+                .map_err(|e| {
+                    Error::Config(format!("opening the {name} sender of model `{model}`: {e}"))
+                })?;
+            outlets.push(Box::new(sender));
+        }
+        Ok(ModelOutlets {
+            outlet: Box::new(FanOut { outlets }),
+            specs: self.specs,
+            leftovers: self.leftovers,
+        })
+    }
+}
+
+/// Opens and connects the senders of `initial`'s model ([`open_links`] then
+/// [`OpenedLinks::connect`]), for transports whose senders need no receiver count.
+///
+/// # Errors
+/// As [`open_links`] and [`OpenedLinks::connect`].
+pub fn open_outlets(
+    node: &Node,
+    initial: &WeightSet,
+    kinds: &[TransportKind],
+    wait: Duration,
+) -> Result<ModelOutlets> {
+    let kinds: Vec<(TransportKind, usize)> = kinds.iter().map(|k| (k.clone(), 0)).collect();
+    open_links(node, initial, &kinds)?.connect(initial, wait)
 }
 
 /// Connects an engine's inlet for `model` from `spec` through the link factory (TCP
