@@ -78,6 +78,9 @@ pub(crate) enum Outcome {
     Ok(#[serde(with = "serde_bytes")] Vec<u8>),
     /// The handler's error, as text.
     Err(String),
+    /// The handler did not finish within the call's timeout (the caller's own deadline,
+    /// reached on the server first): the caller reports a timeout, as when its timer fires.
+    TimedOut,
 }
 
 /// The head of a stream a stream handler writes: how many raw bytes follow, or why none.

@@ -250,7 +250,9 @@ impl Peer {
                 message,
             }),
             Ok(Err(_)) => Err(conn.gone()),
-            Err(_) => {
+            // the server cut the handler at this call's deadline, or our timer fired first:
+            // either way the call timed out
+            Ok(Ok(Outcome::TimedOut)) | Err(_) => {
                 conn.pending().remove(&call);
                 Err(Error::from(CoreError::Timeout {
                     what: format!("`{method}` on node at {}", conn.addr),

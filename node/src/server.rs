@@ -153,7 +153,7 @@ async fn rpc_loop(shared: &Arc<Shared>, stream: TcpStream, info: CallInfo) -> Re
                 Some(h) => match tokio::time::timeout(timeout, h(info, req.payload)).await {
                     Ok(Ok(bytes)) => Outcome::Ok(bytes),
                     Ok(Err(e)) => Outcome::Err(e.to_string()),
-                    Err(_) => Outcome::Err(format!("handler timed out after {timeout:?}")),
+                    Err(_) => Outcome::TimedOut,
                 },
             };
             if let Ok(body) = wire::encode(&Reply {

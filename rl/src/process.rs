@@ -499,18 +499,6 @@ impl<T: SenderTransport> ProcessSyncCollector<T> {
         Ok(Some(batch))
     }
 
-    /// Stops every worker (waiting up to 5 s each, then killing it) and shuts the sender down.
-    ///
-    /// # Errors
-    /// Sender shutdown errors.
-    pub fn shutdown(mut self) -> Result<()> {
-        self.stop_workers();
-        match self.sender.take() {
-            Some(s) => Ok(s.shutdown()?),
-            None => Ok(()),
-        }
-    }
-
     fn stop_workers(&mut self) {
         for w in &mut self.workers {
             if let Some(mut stdin) = w.stdin.take() {
@@ -546,6 +534,19 @@ macro_rules! process_collector_common {
             /// Frames delivered so far.
             pub fn frames(&self) -> u64 {
                 self.frames
+            }
+
+            /// Stops every worker (waiting up to 5 s each, then killing it) and shuts the
+            /// sender down.
+            ///
+            /// # Errors
+            /// Sender shutdown errors.
+            pub fn shutdown(mut self) -> Result<()> {
+                self.stop_workers();
+                match self.sender.take() {
+                    Some(s) => Ok(s.shutdown()?),
+                    None => Ok(()),
+                }
             }
 
             /// The scheme's sender.
@@ -846,18 +847,6 @@ impl<T: SenderTransport> ProcessAsyncCollector<T> {
             while let Some(b) = self.recv(Duration::ZERO)? {
                 self.stash.push_back(b);
             }
-        }
-    }
-
-    /// Stops every worker (waiting up to 5 s each, then killing it) and shuts the sender down.
-    ///
-    /// # Errors
-    /// Sender shutdown errors.
-    pub fn shutdown(mut self) -> Result<()> {
-        self.stop_workers();
-        match self.sender.take() {
-            Some(s) => Ok(s.shutdown()?),
-            None => Ok(()),
         }
     }
 

@@ -27,7 +27,7 @@ use crate::actor::controller::{
 use crate::actor::engine::{
     ActBatch, CancelInFlight, EngineHandle, EngineStats, ServedVersions, UpdateModel,
 };
-use crate::actor::rollout::{PushFragment, RolloutStats, TrajectoryPool};
+use crate::actor::rollout::{PushFragment, RolloutStats};
 use crate::actor::topology::{self, RunReport, StopBoard, start_evaluator};
 use crate::actor::workers::Trainer;
 
@@ -279,14 +279,7 @@ pub(super) async fn run_lead<R: Roles>(
     }
     let mut pools = Vec::new();
     for spec in specs {
-        let pool = TrajectoryPool::new(
-            spec.id.clone(),
-            spec.batch_frames,
-            sync.allowed_staleness(),
-            Some(controller.clone().recipient()),
-        )
-        .with_capacity_batches(sync.max_buffered_batches)
-        .start();
+        let pool = topology::start_pool(spec, &sync, &controller);
         if let Some(id) = pool_ids.get(&spec.id) {
             serve::<PushFragment>(node, *id, pool.clone().recipient());
         }

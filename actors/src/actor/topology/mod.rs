@@ -32,7 +32,7 @@ use crate::roles::Roles;
 pub use crate::roles::ModelSpec;
 
 pub(crate) use drive::{StopBoard, drive, reports_of};
-pub(crate) use spawn::{land_version_one, start_evaluator, start_rollout_worker};
+pub(crate) use spawn::{land_version_one, start_evaluator, start_pool, start_rollout_worker};
 
 use super::controller::ControllerStatus;
 use super::engine::EngineStats;

@@ -67,14 +67,7 @@ pub(super) async fn spawn<R: Roles>(
     let mut workers: Vec<Vec<Addr<RolloutWorker<R::Env>>>> = Vec::new();
     let mut arbiters = vec![engine_arbiter];
     for (mi, spec) in cfg.models.iter().enumerate() {
-        let pool = TrajectoryPool::new(
-            spec.id.clone(),
-            spec.batch_frames,
-            sync.allowed_staleness(),
-            Some(controller.clone().recipient()),
-        )
-        .with_capacity_batches(sync.max_buffered_batches)
-        .start();
+        let pool = start_pool(spec, sync, &controller);
         let mut ws = Vec::new();
         for w in 0..spec.workers {
             let base = cfg
@@ -110,6 +103,24 @@ pub(super) async fn spawn<R: Roles>(
         workers,
         arbiters,
     })
+}
+
+/// The trajectory pool of one model: batches of `spec.batch_frames`, filtered by the sync
+/// policy's staleness, at most `max_buffered_batches` buffered, ready batches told to the
+/// controller.
+pub(crate) fn start_pool(
+    spec: &ModelSpec,
+    sync: &SyncConfig,
+    controller: &Addr<WeightSyncController>,
+) -> Addr<TrajectoryPool> {
+    TrajectoryPool::new(
+        spec.id.clone(),
+        spec.batch_frames,
+        sync.allowed_staleness(),
+        Some(controller.clone().recipient()),
+    )
+    .with_capacity_batches(sync.max_buffered_batches)
+    .start()
 }
 
 /// Tells the controller that version 1 of every model is out and waits until it landed
