@@ -398,6 +398,7 @@ impl<T: ReceiverTransport> ReceiverInit<T> {
             transport: self.transport,
             admission: Admission::new(announced),
             served: Served::default(),
+            acked: BTreeMap::new(),
             closed: false,
         };
         let remaining = deadline.saturating_duration_since(Instant::now());
@@ -417,6 +418,9 @@ pub struct Receiver<T: ReceiverTransport> {
     transport: T,
     admission: Admission,
     served: Served,
+    /// The newest version acknowledged per model: acknowledging it or an older one again
+    /// is a no-op, whatever the transport.
+    acked: BTreeMap<ModelId, Version>,
     closed: bool,
 }
 
@@ -451,7 +455,7 @@ impl<T: ReceiverTransport> Receiver<T> {
         let Some(update) = self.stage(timeout)? else {
             return Ok(None);
         };
-        self.transport.ack(&update.entries())?;
+        self.ack(&update.entries())?;
         Ok(Some(update))
     }
 
@@ -484,7 +488,8 @@ impl<T: ReceiverTransport> Receiver<T> {
     }
 
     /// Tells the sender these versions are applied (after [`Receiver::stage`]). Versions
-    /// only grow: acknowledging a version acknowledges the older ones it replaced.
+    /// only grow: acknowledging a version acknowledges the older ones it replaced, and a
+    /// version already acknowledged (or older) is not acknowledged again.
     ///
     /// # Errors
     /// As [`ReceiverTransport::ack`]; [`Error::State`] after shutdown.
@@ -492,7 +497,20 @@ impl<T: ReceiverTransport> Receiver<T> {
         if self.closed {
             return Err(Error::State("receiver is shut down"));
         }
-        self.transport.ack(applied)
+        let fresh: Vec<(ModelId, Version)> = applied
+            .iter()
+            .filter(|(m, v)| self.acked.get(m).is_none_or(|a| v > a))
+            .cloned()
+            .collect();
+        if fresh.is_empty() {
+            return Ok(());
+        }
+        self.transport.ack(&fresh)?;
+        for (m, v) in fresh {
+            let newest = self.acked.entry(m).or_insert(v);
+            *newest = (*newest).max(v);
+        }
+        Ok(())
     }
 
     /// The snapshot handle readers load from.

@@ -38,10 +38,6 @@ pub struct BroadcastReceiver<K: Connector> {
     groups: Option<Receiver<Result<Group>>>,
     /// The publish number each delivered `(model, version)` came in (acks name it).
     seqs: Seqs,
-    /// The newest version acknowledged per model: acknowledging it (or an older one) again
-    /// is a no-op, as with every transport (an engine acks what it serves, and the version
-    /// delivered at connect was acknowledged then).
-    acked: HashMap<ModelId, Version>,
     stop: Arc<AtomicBool>,
     thread: Option<JoinHandle<()>>,
     /// A node this end keeps running (the one its store client uses), dropped after it.
@@ -80,7 +76,6 @@ impl<K: Connector> BroadcastReceiver<K> {
             stats: Arc::default(),
             groups: None,
             seqs: Arc::default(),
-            acked: HashMap::new(),
             stop: Arc::new(AtomicBool::new(false)),
             thread: None,
             keep: None,
@@ -578,22 +573,15 @@ impl<K: Connector> ReceiverTransport for BroadcastReceiver<K> {
                 .seqs
                 .lock()
                 .unwrap_or_else(|p| p.into_inner())
-                .remove(&(model.clone(), *version));
-            let Some(seq) = seq else {
-                if self.acked.get(model).is_some_and(|a| a >= version) {
-                    continue;
-                }
-                return Err(Error::Transport {
+                .remove(&(model.clone(), *version))
+                .ok_or_else(|| Error::Transport {
                     transport: "broadcast",
                     message: format!("{model} version {} was never received", version.get()),
-                });
-            };
+                })?;
             self.store.set(
                 &self.config.ack_key(&self.member, seq, model, *version),
                 b"ok",
             )?;
-            let newest = self.acked.entry(model.clone()).or_insert(*version);
-            *newest = (*newest).max(*version);
         }
         Ok(())
     }

@@ -105,11 +105,7 @@ pub(super) fn prepare_lead<R: Roles>(
         }
         segments.0.extend(out.leftovers.iter().cloned());
         rv.put(&weights_key(&spec.id), &out.specs)?;
-        pending.push((
-            Box::new(learner) as Box<dyn crate::learner::Learner>,
-            initial,
-            out,
-        ));
+        pending.push((learner, initial, out));
     }
     let gates = engine_ranks.iter().map(|r| (*r, Uuid::new_v4())).collect();
     let pools = specs
