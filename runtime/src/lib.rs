@@ -30,6 +30,7 @@ pub mod bucket;
 pub mod cast;
 pub mod cleanup;
 pub mod convert;
+pub mod copy;
 pub mod delta;
 pub mod dtype;
 pub mod error;

@@ -534,6 +534,47 @@ fn bandwidth(mut comm: NcclCommunicator) -> Check<()> {
         gbps(len, d2h),
         d2h.as_secs_f64() / down.as_secs_f64()
     );
+    // The host side's own limit, in this run: one thread's memcpy of 1 GiB and the split copy
+    // the staging uses, both between pageable buffers already touched.
+    let (mut one, mut split) = (Vec::new(), Vec::new());
+    let threads = refit_runtime::copy::copy_threads();
+    for _ in 0..5 {
+        one.push(timed(|| {
+            back.copy_from_slice(&src_host);
+            Ok(())
+        })?);
+        split.push(timed(|| {
+            refit_runtime::copy::copy_parallel(&mut back, &src_host, threads);
+            Ok(())
+        })?);
+    }
+    println!(
+        "      host memcpy 1 GiB: one thread {:.1} GB/s, {threads} threads {:.1} GB/s",
+        gbps(len, median(one)),
+        gbps(len, median(split))
+    );
+    // Host memory registered in place (page-locked without a copy): what registering 1 GiB
+    // costs once, and a copy straight from it, against the staged upload above.
+    let mut reg = src_host.clone();
+    let t = Instant::now();
+    // SAFETY: `reg` is neither moved, resized nor dropped until it is unregistered below, and
+    // every copy from it has completed (`device_timed` synchronizes the stream) by then.
+    let registered =
+        unsafe { cudarc::driver::sys::cuMemHostRegister_v2(reg.as_mut_ptr().cast(), len, 0) };
+    cuda("registering 1 GiB", registered.result())?;
+    let register = t.elapsed();
+    let mut direct = Vec::new();
+    for _ in 0..5 {
+        direct.push(device_timed(s, || s.memcpy_htod(&reg, &mut a))?);
+    }
+    // SAFETY: `reg` was registered above and no copy from it is in flight.
+    let unregistered = unsafe { cudarc::driver::sys::cuMemHostUnregister(reg.as_mut_ptr().cast()) };
+    cuda("unregistering", unregistered.result())?;
+    println!(
+        "      registered host memory: registering 1 GiB took {:.0} ms, then host-to-device from it {:.1} GB/s",
+        register.as_secs_f64() * 1e3,
+        gbps(len, median(direct))
+    );
     let mut host = src_host.clone();
     let t = Instant::now();
     step(
