@@ -208,7 +208,11 @@ impl WeightSet {
     pub fn copy_from(&mut self, other: &WeightSet) -> Result<()> {
         self.manifest
             .check_same_schema(&self.model, &other.manifest)?;
-        self.bytes_mut()?.copy_from_slice(other.bytes());
+        crate::copy::copy_parallel(
+            self.bytes_mut()?,
+            other.bytes(),
+            crate::copy::copy_threads(),
+        );
         self.version = other.version;
         Ok(())
     }

@@ -119,8 +119,14 @@ pub(crate) fn run(args: &BenchArgs) -> BoxResult<()> {
     let mut rows = Vec::new();
     for &size in &sizes {
         let mut weights = make_weights(size, 16)?;
-        let memcpy = memcpy_baseline(size, args.iters.max(3));
+        let memcpy = memcpy_baseline(size, args.iters.max(3), 1);
         rows.push(row("memcpy", "copy", size, 1, memcpy, "-", memcpy.median));
+        let threads = refit::runtime::copy::copy_threads();
+        if threads > 1 {
+            let split = memcpy_baseline(size, args.iters.max(3), threads);
+            let name = format!("memcpy ({threads} threads)");
+            rows.push(row(&name, "copy", size, 1, split, "memcpy", memcpy.median));
+        }
         let tcp = tcp_baseline(size, args.iters.max(3))?;
         rows.push(row(
             "tcp-loopback",
@@ -294,13 +300,16 @@ fn make_weights(size: usize, tensors: usize) -> BoxResult<Arc<WeightSet>> {
     Ok(Arc::new(ws))
 }
 
-fn memcpy_baseline(size: usize, iters: usize) -> Summary {
+/// A copy of `size` bytes between buffers already touched, on one thread, or split across
+/// `threads` as the shared-memory publish and the pinned staging split theirs
+/// (`refit_runtime::copy`): one core's copy speed, or the machine's memory bandwidth.
+fn memcpy_baseline(size: usize, iters: usize, threads: usize) -> Summary {
     let src = vec![7u8; size];
     let mut dst = vec![1u8; size];
     let mut samples = Vec::with_capacity(iters);
     for _ in 0..iters + 1 {
         let t = Instant::now();
-        dst.copy_from_slice(std::hint::black_box(&src));
+        refit::runtime::copy::copy_parallel(&mut dst, std::hint::black_box(&src), threads);
         std::hint::black_box(&mut dst);
         samples.push(t.elapsed());
     }

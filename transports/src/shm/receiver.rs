@@ -5,6 +5,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
+use refit_runtime::copy::{copy_parallel, copy_threads};
 use refit_runtime::metrics::{self, Phase};
 use refit_runtime::wait::{Wait, poll_until, wait_until};
 use refit_runtime::{
@@ -296,7 +297,7 @@ impl ShmReceiver {
                         let wire = metrics::timed(Phase::Wire, NAME, id.as_str());
                         let copy = seg.bytes(base + PAGE, manifest.total_len()).and_then(|b| {
                             let mut buf = self.pool.take(b.len());
-                            buf.as_mut_slice().copy_from_slice(b);
+                            copy_parallel(buf.as_mut_slice(), b, copy_threads());
                             let pooled = PooledBuf::new(buf, &self.pool);
                             WeightSet::from_shared(
                                 id.clone(),

@@ -6,6 +6,7 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU32, AtomicU64};
 
 use memmap2::MmapRaw;
+use refit_runtime::copy::{copy_parallel, copy_threads};
 use refit_runtime::{Error, Result};
 
 /// One mapped segment.
@@ -226,11 +227,14 @@ impl Segment {
             return Err(Error::State("segment is not mapped"));
         }
         // SAFETY: in bounds (checked); the mapping is writable (writers map with `create` or
-        // `open(.., true)`); no reader looks at a slot in its writing state, so nothing aliases
-        // the destination; `src` is ordinary process memory, so the ranges do not overlap.
-        unsafe {
-            std::ptr::copy_nonoverlapping(src.as_ptr(), self.map.as_mut_ptr().add(off), src.len());
-        }
+        // `open(.., true)`); no reader looks at a slot in its writing state, so nothing else
+        // reads or writes the destination while this slice lives (until the copy below
+        // returns); `src` is ordinary process memory, so the ranges do not overlap.
+        let dst =
+            unsafe { std::slice::from_raw_parts_mut(self.map.as_mut_ptr().add(off), src.len()) };
+        // A large publish is split across threads: one core copies a fraction of what the
+        // memory system takes (see `refit_runtime::copy`).
+        copy_parallel(dst, src, copy_threads());
         Ok(())
     }
 
