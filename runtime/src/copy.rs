@@ -9,13 +9,26 @@
 /// Pieces are never smaller than this (1 MiB): below it a thread costs more than it saves.
 pub const MIN_PIECE: usize = 1 << 20;
 
-/// Threads a copy may use by default: the machine's parallelism, at most 8 (beyond that
-/// the memory system, not the cores, bounds a copy).
+/// The environment variable that sets [`copy_threads`] (1 turns splitting off).
+pub const COPY_THREADS_ENV: &str = "REFIT_COPY_THREADS";
+
+/// Threads a copy may use: `REFIT_COPY_THREADS` when it holds a number from 1 to 64, else
+/// the machine's parallelism, at most 8 (beyond that the memory system, not the cores,
+/// bounds a copy). Read once per process.
 pub fn copy_threads() -> usize {
-    std::thread::available_parallelism()
-        .map(|n| n.get())
-        .unwrap_or(1)
-        .clamp(1, 8)
+    static THREADS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *THREADS.get_or_init(|| {
+        let set = std::env::var(COPY_THREADS_ENV)
+            .ok()
+            .and_then(|v| v.trim().parse::<usize>().ok())
+            .filter(|n| (1..=64).contains(n));
+        set.unwrap_or_else(|| {
+            std::thread::available_parallelism()
+                .map(|n| n.get())
+                .unwrap_or(1)
+                .clamp(1, 8)
+        })
+    })
 }
 
 /// Copies `src` into `dst` (same length) with up to `threads` threads, pieces of at least
@@ -72,6 +85,6 @@ mod tests {
     #[test]
     fn threads_are_bounded() {
         let n = copy_threads();
-        assert!((1..=8).contains(&n));
+        assert!((1..=64).contains(&n));
     }
 }
