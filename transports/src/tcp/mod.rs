@@ -62,7 +62,7 @@ use refit_runtime::{Error, Result};
 use serde::{Deserialize, Serialize};
 use uuid::Uuid;
 
-pub use data::Sink;
+pub use data::{Sink, SinkSlice};
 pub use link::TcpLink;
 pub use messages::{RECEIVE_WEIGHTS, TransferMode};
 pub use receiver::{SinkSource, TcpReceiver, TcpReceiverConfig};
