@@ -4,11 +4,16 @@
 //! The map starts on a 2 MiB boundary, so every 2 MiB of the file can be one huge page.
 //! Before bytes land in a stretch of the file its 2 MiB regions are prepared: collapsed into
 //! huge pages (`MADV_COLLAPSE`, Linux 6.1 and later: tmpfs takes it whatever its `huge=`
-//! mount option, and one huge page costs what a few 4 KiB ones do), or where that fails,
-//! their 4 KiB pages allocated in one call (`MADV_POPULATE_WRITE`). Either way every page
-//! exists before anything writes it: a full file system is an error from the call, never a
-//! `SIGBUS`. Unlike `write(2)`, nothing here takes the file's lock, so the streams of a
-//! transfer fill their parts at once instead of queueing on it.
+//! mount option, and one huge page costs what a few 4 KiB ones do), then whatever is left
+//! allocated in one call (`MADV_POPULATE_WRITE`). Every page exists before anything writes
+//! it: a full file system is an error from the call, never a `SIGBUS`. Unlike `write(2)`,
+//! nothing here takes the file's lock, so the streams of a transfer fill their parts at once
+//! instead of queueing on it.
+//!
+//! Collapsing stops for the rest of the file when the kernel refuses it or when it turns
+//! slow on average (memory a hypervisor took back, which it faults in again 4 KiB at a time
+//! while the huge page is zeroed): [`FileMap::claim`] then answers `None` and the caller
+//! writes with `write(2)`, which on 4 KiB pages costs less than faulting them into a map.
 
 use std::fs::File;
 use std::ops::Range;
