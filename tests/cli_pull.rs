@@ -94,6 +94,19 @@ fn a_pull_of_tensors_four_times_the_bucket_size_is_bit_identical() {
     serve_and_pull(&weights(b.build().unwrap(), 1), dir.path());
 }
 
+#[cfg(target_os = "linux")]
+#[test]
+fn a_pull_into_memory_backed_files_is_received_into_the_map_bit_identical() {
+    // /dev/shm is tmpfs: the pull maps its file and reads the socket straight into it
+    // (huge pages where the kernel gives them, positioned writes where it does not)
+    let mut b = Manifest::builder();
+    for i in 0..4 {
+        b.push(format!("layer{i}.weight"), DType::F32, &[BUCKET + 16 * i]);
+    }
+    let dir = tempfile::tempdir_in("/dev/shm").unwrap();
+    serve_and_pull(&weights(b.build().unwrap(), 3), dir.path());
+}
+
 #[test]
 fn a_pull_of_tensors_the_arena_pads_apart_is_bit_identical() {
     // odd sizes: the arena pads each tensor to 64 bytes, the file packs them together

@@ -1,6 +1,8 @@
 //! Subcommands of the `refit` tool.
 
 mod bench;
+#[cfg(target_os = "linux")]
+mod file_map;
 mod launch;
 mod metrics;
 mod net;

@@ -2,8 +2,10 @@
 //! lie back to back (no padding between them, as for tensors whose sizes are multiples of 64
 //! bytes), the transfer writes its bytes straight into a temporary file beside the target,
 //! at their place after the safetensors header, as they arrive; nothing makes a second pass
-//! over them. The file is then synced and renamed into place. Otherwise the weights land in
-//! memory and are written afterwards.
+//! over them. A file in memory (tmpfs, such as `/dev/shm`, on Linux) is mapped and the
+//! socket read straight into the map ([`FileMap`](super::file_map::FileMap)); a file
+//! elsewhere takes positioned writes. The file is then synced and renamed into place.
+//! Otherwise the weights land in memory and are written afterwards.
 
 use std::fs::File;
 use std::path::{Path, PathBuf};
@@ -13,7 +15,10 @@ use refit::runtime::{
     Error, Manifest, ModelId, Result, SafetensorsFilePlan, SharedBytes, Version, WeightSet,
     temp_sibling,
 };
-use refit::transports::tcp::Sink;
+use refit::transports::tcp::{Sink, SinkSlice};
+
+#[cfg(target_os = "linux")]
+use super::file_map::FileMap;
 
 /// A temporary file a transfer writes.
 #[derive(Debug)]
@@ -47,6 +52,9 @@ struct FileSink {
     tmp: PathBuf,
     start: usize,
     len: usize,
+    /// The file mapped, when it lives in memory: transfers read the socket into it.
+    #[cfg(target_os = "linux")]
+    map: Option<FileMap>,
 }
 
 /// The bytes of the finished file, mapped read-only (nothing reads them in `refit pull`, so
@@ -68,7 +76,25 @@ impl Sink for FileSink {
             .map_err(path_err("writing", &self.tmp))
     }
 
+    fn claim(&self, range: std::ops::Range<usize>) -> Result<Option<SinkSlice<'_>>> {
+        #[cfg(target_os = "linux")]
+        if let Some(map) = &self.map {
+            if range.end > self.len {
+                return Err(Error::State("a write past the end of the weights"));
+            }
+            let at = self.start + range.start..self.start + range.end;
+            return map.claim(at);
+        }
+        let _ = range;
+        Ok(None)
+    }
+
     fn finish(self: Box<Self>) -> Result<Arc<dyn SharedBytes>> {
+        #[cfg(target_os = "linux")]
+        if let Some(map) = self.map {
+            let data = self.start..self.start + self.len;
+            return Ok(Arc::new(map.into_bytes(data)?));
+        }
         // SAFETY: the file was created by this process under a fresh temporary name
         // (`create_new`) and is only renamed, never resized or written, from now on; the map
         // covers bytes inside it.
@@ -139,11 +165,17 @@ impl OutFiles {
         file.set_len(layout.file_len() as u64)
             .map_err(path_err("sizing", &tmp))?;
         write_at(&file, &layout.header, 0).map_err(path_err("writing", &tmp))?;
+        // a file in memory is filled through a map of it; where it cannot be mapped, or
+        // lives elsewhere, positioned writes fill it
+        #[cfg(target_os = "linux")]
+        let map = FileMap::of(&file, layout.file_len()).unwrap_or(None);
         Ok(Some(Box::new(FileSink {
             file,
             tmp,
             start: layout.header.len(),
             len: layout.data_len,
+            #[cfg(target_os = "linux")]
+            map,
         })))
     }
 

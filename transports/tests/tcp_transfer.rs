@@ -14,7 +14,9 @@ use refit_runtime::{
     DType, Error, Manifest, Mismatch, Receiver, ReceiverInit, Sender, SenderInit, Version,
     WeightSet,
 };
-use refit_transports::tcp::{TcpConfig, TcpReceiver, TcpReceiverConfig, TcpSender, TransferMode};
+use refit_transports::tcp::{
+    Sink, SinkSlice, TcpConfig, TcpReceiver, TcpReceiverConfig, TcpSender, TransferMode,
+};
 
 const T: Duration = Duration::from_secs(60);
 
@@ -540,4 +542,135 @@ fn a_pull_stalled_mid_way_is_a_timeout_at_the_callers_deadline() {
     rs.receive(T).unwrap().unwrap();
     sender.wait(&pending, T).unwrap();
     assert!(rs.current(&id("policy")).unwrap().bytes() == random_set(&m, 2, 2).bytes());
+}
+
+/// A sink that lends its own memory (an anonymous map) bucket by bucket, as `refit pull`'s
+/// map of a file in /dev/shm does, counting its claims and finishes.
+struct LendingSink {
+    map: memmap2::MmapRaw,
+    len: usize,
+    claimed: std::sync::Mutex<Vec<std::ops::Range<usize>>>,
+    counts: Arc<LendCounts>,
+}
+
+#[derive(Default)]
+struct LendCounts {
+    claims: std::sync::atomic::AtomicUsize,
+    finished: std::sync::atomic::AtomicUsize,
+}
+
+/// The lent memory once every byte is in.
+struct Lent(memmap2::MmapRaw, usize);
+
+impl refit_runtime::SharedBytes for Lent {
+    fn bytes(&self) -> &[u8] {
+        // SAFETY: the map is `self.1` bytes long and lives as long as `self`; the sink that
+        // lent its slices was consumed by `finish`, so nothing writes it any more.
+        unsafe { std::slice::from_raw_parts(self.0.as_ptr(), self.1) }
+    }
+}
+
+impl Sink for LendingSink {
+    fn write_at(&self, _: usize, _: &[u8]) -> refit_runtime::Result<()> {
+        Err(Error::State("every byte of a full transfer is claimed"))
+    }
+
+    fn claim(&self, range: std::ops::Range<usize>) -> refit_runtime::Result<Option<SinkSlice<'_>>> {
+        let mut claimed = self.claimed.lock().unwrap();
+        assert!(range.end <= self.len, "a claim past the end");
+        assert!(
+            !claimed
+                .iter()
+                .any(|c| c.start < range.end && range.start < c.end),
+            "bytes claimed twice"
+        );
+        claimed.push(range.clone());
+        self.counts
+            .claims
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        // SAFETY: the range lies inside the map (asserted), which lives as long as `self`,
+        // and overlaps no range lent before (asserted): the slice is the only reference to
+        // its bytes.
+        let bytes = unsafe {
+            std::slice::from_raw_parts_mut(self.map.as_mut_ptr().add(range.start), range.len())
+        };
+        Ok(Some(SinkSlice::new(bytes)))
+    }
+
+    fn finish(self: Box<Self>) -> refit_runtime::Result<Arc<dyn refit_runtime::SharedBytes>> {
+        self.counts
+            .finished
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        Ok(Arc::new(Lent(self.map, self.len)))
+    }
+}
+
+#[test]
+fn a_sink_lending_its_memory_refuses_a_corrupt_transfer_whole_then_takes_a_clean_one() {
+    use std::sync::atomic::Ordering::Relaxed;
+    let m = big_manifest(4, 2);
+    let v1 = random_set(&m, 1, 5);
+    let expected1 = v1.bytes().to_vec();
+    let ms = manifests(&[("policy", &m)]);
+    let s = TcpSender::bind(
+        TcpConfig {
+            expected_receivers: 1,
+            token: Some(ClusterToken::random()),
+            // eight buckets, each tensor cut across two
+            bucket_size: 1 << 20,
+            ..TcpConfig::default()
+        },
+        &ms,
+    )
+    .unwrap();
+    let counts = Arc::new(LendCounts::default());
+    let r = {
+        let counts = Arc::clone(&counts);
+        TcpReceiver::new(s.receiver_spec())
+            .with_config(TcpReceiverConfig {
+                mode: TransferMode::Full,
+                relay: false,
+                ..TcpReceiverConfig::default()
+            })
+            .with_sinks(move |_, _, manifest| {
+                let len = manifest.total_len();
+                let map = memmap2::MmapMut::map_anon(len).unwrap();
+                Ok(Some(Box::new(LendingSink {
+                    map: memmap2::MmapRaw::from(map),
+                    len,
+                    claimed: std::sync::Mutex::new(Vec::new()),
+                    counts: Arc::clone(&counts),
+                }) as Box<dyn Sink>))
+            })
+    };
+    let h = std::thread::spawn(move || ReceiverInit::new(r, None).connect(T));
+    let mut sender = SenderInit::new(s, ms)
+        .with_ack_timeout(T)
+        .connect(vec![v1], T)
+        .unwrap();
+    let mut r = h.join().unwrap().unwrap();
+    let p = id("policy");
+    // the initial weights landed in the lent memory, bucket by bucket
+    assert!(r.current(&p).unwrap().bytes() == &expected1[..]);
+    assert!(
+        counts.claims.load(Relaxed) >= 4,
+        "{}",
+        counts.claims.load(Relaxed)
+    );
+    assert_eq!(counts.finished.load(Relaxed), 1);
+    let v2 = random_set(&m, 2, 6);
+    let expected2 = v2.bytes().to_vec();
+    sender.transport().inject_corruption(1);
+    let pending = sender.send_async(vec![v2]).unwrap();
+    let err = r.receive(T).unwrap_err();
+    assert!(err.to_string().contains("checksum"), "{err}");
+    // refused whole: the sink was never finished and version 1 is still served, whole
+    assert_eq!(counts.finished.load(Relaxed), 1);
+    assert_eq!(r.version(&p), Version(1));
+    assert!(r.current(&p).unwrap().bytes() == &expected1[..]);
+    // the next attempt lands a clean copy in a new sink
+    r.receive(T).unwrap().unwrap();
+    sender.wait(&pending, T).unwrap();
+    assert_eq!(counts.finished.load(Relaxed), 2);
+    assert!(r.current(&p).unwrap().bytes() == &expected2[..]);
 }

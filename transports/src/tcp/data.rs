@@ -358,12 +358,51 @@ pub trait Sink: Send + Sync {
     /// An I/O error, which fails the transfer.
     fn write_at(&self, at: usize, bytes: &[u8]) -> Result<()>;
 
+    /// The sink's own memory for the arena's bytes `range` (e.g. a writable map of the
+    /// file), when it has memory a transfer can read the socket straight into: the bytes
+    /// then land once, where they stay, and are hashed there while in cache. Each byte is
+    /// handed out at most once (a range overlapping one claimed before is an error), so the
+    /// slices never alias. `None` (the default): the transfer reads into a small buffer and
+    /// calls [`write_at`](Self::write_at).
+    ///
+    /// # Errors
+    /// An I/O error preparing the memory (e.g. the file system is full), or a range claimed
+    /// twice or past the end, which fails the transfer.
+    fn claim(&self, range: std::ops::Range<usize>) -> Result<Option<SinkSlice<'_>>> {
+        let _ = range;
+        Ok(None)
+    }
+
     /// Every byte is in and verified: the storage of the version (the arena's bytes, e.g. a
     /// read-only map of the file), which must be exactly the arena's length.
     ///
     /// # Errors
     /// An I/O error, which fails the transfer.
     fn finish(self: Box<Self>) -> Result<Arc<dyn refit_runtime::SharedBytes>>;
+}
+
+/// Bytes of a sink's own memory that one transfer stream fills ([`Sink::claim`]).
+#[derive(Debug)]
+pub struct SinkSlice<'a>(&'a mut [u8]);
+
+impl<'a> SinkSlice<'a> {
+    /// Wraps `bytes`, which nothing else reads or writes while the slice lives.
+    pub fn new(bytes: &'a mut [u8]) -> Self {
+        Self(bytes)
+    }
+}
+
+impl std::ops::Deref for SinkSlice<'_> {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        self.0
+    }
+}
+
+impl std::ops::DerefMut for SinkSlice<'_> {
+    fn deref_mut(&mut self) -> &mut [u8] {
+        self.0
+    }
 }
 
 /// True when the pieces of every bucket of `plan` cover it whole (no padding between
@@ -454,9 +493,19 @@ fn pull_part(
         let flight = match dest {
             Dest::Arena(f) => f,
             Dest::Sink(sink) => {
-                // a sink takes the bytes from a small reused buffer, hashed while in cache;
-                // its buckets are covered by their pieces, so no byte of the bucket is read
-                // again
+                if let Some(mut dst) = sink.claim(spec.start..spec.start + spec.len)? {
+                    // straight into the sink's memory: one copy, hashed while in cache
+                    if dst.len() != spec.len {
+                        return Err(Error::State("a sink gave a slice of another length"));
+                    }
+                    read_hashed(&mut s.stream, &mut dst, &mut landing, counters)
+                        .map_err(|e| broke(&e))?;
+                    exp.check_bucket(spec, &header, &[], landing.sums())?;
+                    continue;
+                }
+                // else the sink takes the bytes from a small reused buffer, hashed while in
+                // cache; its buckets are covered by their pieces, so no byte of the bucket
+                // is read again
                 let mut at = 0;
                 while at < spec.len {
                     let end = (at + READ).min(spec.len);
@@ -483,21 +532,33 @@ fn pull_part(
                 reason: "the transfer's plan and the header's disagree on its length".into(),
             });
         }
-        let mut at = 0;
-        while at < dst.len() {
-            let end = (at + READ).min(dst.len());
-            let piece = dst.get_mut(at..end).unwrap_or_default();
-            s.stream.read_exact(piece).map_err(|e| broke(&e))?;
-            landing.feed(piece, at);
-            counters
-                .bytes
-                .fetch_add((end - at) as u64, Ordering::Relaxed);
-            at = end;
-        }
+        read_hashed(&mut s.stream, &mut dst, &mut landing, counters).map_err(|e| broke(&e))?;
         let sum = exp.check_bucket(spec, &header, &dst, landing.sums())?;
         dst.land(sum);
     }
     Ok(want)
+}
+
+/// Reads `dst.len()` bytes of a bucket from `stream` into `dst`, a piece of `READ` bytes at
+/// a time, each hashed as it lands (while in cache) and counted.
+fn read_hashed(
+    stream: &mut impl Read,
+    dst: &mut [u8],
+    landing: &mut PieceHasher,
+    counters: Counters<'_>,
+) -> std::io::Result<()> {
+    let mut at = 0;
+    while at < dst.len() {
+        let end = (at + READ).min(dst.len());
+        let piece = dst.get_mut(at..end).unwrap_or_default();
+        stream.read_exact(piece)?;
+        landing.feed(piece, at);
+        counters
+            .bytes
+            .fetch_add((end - at) as u64, Ordering::Relaxed);
+        at = end;
+    }
+    Ok(())
 }
 
 #[cfg(test)]

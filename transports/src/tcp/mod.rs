@@ -34,7 +34,9 @@
 //!   plus a bucket per hop.
 //! - **Sinks**: a receiver can write a transfer into a [`Sink`] (e.g. the file the weights
 //!   are bound for) instead of an arena, through a small reused buffer, hashed as the bytes
-//!   pass ([`TcpReceiver::with_sinks`]; `refit pull` does this).
+//!   pass, or straight into memory of the sink's own that it hands out bucket by bucket
+//!   ([`Sink::claim`], e.g. a map of the file) ([`TcpReceiver::with_sinks`]; `refit pull`
+//!   does this).
 //! - **Security**: nodes bind loopback unless configured, and a node bound to an
 //!   unspecified address (`0.0.0.0`) must be given the address to advertise; every
 //!   connection presents the cluster token (from the configuration, `REFIT_TOKEN`,
@@ -62,7 +64,7 @@ use refit_runtime::{Error, Result};
 use serde::{Deserialize, Serialize};
 use uuid::Uuid;
 
-pub use data::Sink;
+pub use data::{Sink, SinkSlice};
 pub use link::TcpLink;
 pub use messages::{RECEIVE_WEIGHTS, TransferMode};
 pub use receiver::{SinkSource, TcpReceiver, TcpReceiverConfig};
