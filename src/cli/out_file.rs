@@ -18,7 +18,7 @@ use refit::runtime::{
 use refit::transports::tcp::{Sink, SinkSlice};
 
 #[cfg(target_os = "linux")]
-use super::file_map::FileMap;
+use super::file_map::{FileMap, MapMode};
 
 /// A temporary file a transfer writes.
 #[derive(Debug)]
@@ -168,7 +168,7 @@ impl OutFiles {
         // a file in memory is filled through a map of it; where it cannot be mapped, or
         // lives elsewhere, positioned writes fill it
         #[cfg(target_os = "linux")]
-        let map = FileMap::of(&file, layout.file_len()).unwrap_or(None);
+        let map = FileMap::of(&file, layout.file_len(), MapMode::from_env()).unwrap_or(None);
         Ok(Some(Box::new(FileSink {
             file,
             tmp,
