@@ -15,10 +15,15 @@ impl BufPool {
 
     /// A free arena of `len` bytes (its old contents left in place), or a fresh zeroed one.
     pub(crate) fn take(&self, len: usize) -> AlignedBuf {
+        self.take_marked(len).0
+    }
+
+    /// As [`BufPool::take`], and whether the arena is fresh (its pages never touched yet).
+    pub(crate) fn take_marked(&self, len: usize) -> (AlignedBuf, bool) {
         let mut free = self.0.lock().unwrap_or_else(|p| p.into_inner());
         match free.iter().position(|b| b.len() == len) {
-            Some(i) => free.swap_remove(i),
-            None => AlignedBuf::zeroed(len),
+            Some(i) => (free.swap_remove(i), false),
+            None => (AlignedBuf::zeroed(len), true),
         }
     }
 
