@@ -770,6 +770,11 @@ impl TcpReceiver {
                     self.shared.offer(&ws, sums, self.cfg.keep_versions);
                     self.shared.set_inflight(model, None);
                     self.done(t.lease, true, String::new());
+                    if flight.is_some() {
+                        // the next pulls' arena, faulted in while this version is applied
+                        let steady = self.cfg.keep_versions.max(1) + 1;
+                        self.shared.pool.warm_spare(manifest.total_len(), steady);
+                    }
                     return Ok(Ok(ws));
                 }
                 Err(e) => {
