@@ -891,7 +891,11 @@ fn bench_pull(args: &BenchArgs) -> BoxResult<Vec<Row>> {
         ),
         row(
             "new memory",
-            "  arena (huge pages)",
+            if refit::runtime::AlignedBuf::huge_pages() {
+                "  arena (huge pages)"
+            } else {
+                "  arena (small pages)"
+            },
             size,
             1,
             touch_huge,
@@ -912,7 +916,8 @@ fn bench_pull(args: &BenchArgs) -> BoxResult<Vec<Row>> {
 
 /// Writing one byte into every page of `size` bytes of memory never used before (what a
 /// fresh arena costs its first transfer before a byte moves): a plain heap buffer, or with
-/// `arena` a runtime arena (an anonymous map advised to use transparent huge pages).
+/// `arena` a runtime arena (an anonymous map, advised to use transparent huge pages where
+/// they are not cold: [`refit::runtime::AlignedBuf::huge_pages`]).
 fn first_touch_baseline(size: usize, iters: usize, arena: bool) -> Summary {
     let mut samples = Vec::with_capacity(iters);
     for _ in 0..iters {
