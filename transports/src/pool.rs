@@ -31,6 +31,15 @@ struct Warming {
     thread: std::thread::JoinHandle<(AlignedBuf, bool)>,
 }
 
+impl Drop for Spare {
+    /// A receiver going away stops its spare after the chunk being faulted in.
+    fn drop(&mut self) {
+        if let Some(w) = &self.pending {
+            w.taken.store(true, Ordering::Relaxed);
+        }
+    }
+}
+
 /// Bytes a spare is faulted in by at a time (the longest a pull taking it waits).
 const WARM_CHUNK: usize = 16 << 20;
 

@@ -791,7 +791,8 @@ impl TcpReceiver {
 
     /// A recycled arena for a transfer, as a version in flight: a full transfer overwrites
     /// every byte (the verified plan covers the arena), a delta first copies the `kept`
-    /// ranges from the base. True when the pool had none to recycle and the arena is fresh.
+    /// ranges from the base. True when the pool had none to recycle and the arena is a
+    /// fresh map.
     #[allow(clippy::too_many_arguments)]
     fn arena_flight(
         &self,
@@ -804,6 +805,8 @@ impl TcpReceiver {
         base: &[u8],
     ) -> Result<(Arc<InFlight>, bool)> {
         let (buf, fresh) = self.shared.pool.take_marked(manifest.total_len());
+        // only a large arena (a map of its own) is worth a prefault thread
+        let fresh = fresh && buf.is_mapped();
         let mut ws = WeightSet::from_shared(
             model.clone(),
             version,
