@@ -113,20 +113,22 @@ impl AlignedBuf {
 
     /// As [`AlignedBuf::prefault`], for the pages holding `range` (clamped to the buffer).
     pub fn prefault_range(&mut self, range: std::ops::Range<usize>) -> bool {
-        let end = range.end.min(self.len);
-        if range.start >= end {
-            return true;
-        }
         match &self.lines {
             #[cfg(target_os = "linux")]
-            Lines::Map(m) => m
-                .advise_range(
-                    memmap2::Advice::PopulateWrite,
-                    range.start,
-                    end - range.start,
-                )
-                .is_ok(),
-            _ => false,
+            Lines::Map(m) => {
+                let end = range.end.min(self.len);
+                range.start >= end
+                    || m.advise_range(
+                        memmap2::Advice::PopulateWrite,
+                        range.start,
+                        end - range.start,
+                    )
+                    .is_ok()
+            }
+            _ => {
+                let _ = range;
+                false
+            }
         }
     }
 

@@ -189,7 +189,8 @@ mod tests {
             std::thread::sleep(std::time::Duration::from_millis(5));
         }
         let (b, fresh) = pool.take_marked(len);
-        assert!(!fresh, "a spare made whole is not fresh");
+        // a spare made whole is not fresh (where pages can be populated ahead: Linux)
+        assert_eq!(fresh, !cfg!(target_os = "linux"));
         assert_eq!(b.len(), len);
         assert!(b.as_slice().iter().all(|&x| x == 0));
         // small arenas get no spare; a third arena is the bound
