@@ -54,6 +54,22 @@ fn every_registered_transport_gets_its_rows() {
         assert_eq!(row["bytes"], 4 << 20);
         assert!(row["seconds"]["median"].as_f64().unwrap() > 0.0, "{row}");
     }
+    // receivers in processes: connect+first pull beside a steady update of the same runs,
+    // each with its tail
+    for metric in ["connect+first pull", "  steady update"] {
+        let row = rows
+            .iter()
+            .find(|r| r["transport"] == "tcp" && r["metric"] == metric)
+            .unwrap_or_else(|| panic!("no tcp {metric:?} row: {rows:?}"));
+        let s = &row["seconds"];
+        let (median, p99, max) = (
+            s["median"].as_f64().unwrap(),
+            s["p99"].as_f64().unwrap(),
+            s["max"].as_f64().unwrap(),
+        );
+        assert!(median > 0.0 && median <= p99 && p99 <= max, "{row}");
+        assert_eq!(row["baseline"], "tcp-loopback", "{row}");
+    }
 }
 
 #[test]

@@ -54,9 +54,10 @@ pub(crate) struct BenchArgs {
     /// 0 skips them.
     #[arg(long, default_value = "64MiB", value_parser = parse_bytes)]
     strategies_size: usize,
-    /// Times each TCP configuration's connect (receiver processes start, register, pull
-    /// the initial weights and acknowledge) this many times, each with fresh processes.
-    #[arg(long, default_value_t = 3)]
+    /// Times each process transport's connect (receiver processes start, register, pull
+    /// the initial weights and acknowledge) this many times, each with fresh processes,
+    /// beside a steady update on the same processes after the warm-up.
+    #[arg(long, default_value_t = 5)]
     connect_runs: usize,
     /// Size of the model `refit pull` fetches into --pull-dir (four tensors, each far larger
     /// than a bucket), timed against raw loopback TCP of the same size; 0 skips it.
@@ -369,6 +370,8 @@ fn tcp_baseline(size: usize, iters: usize) -> BoxResult<Summary> {
 /// Next version of the weights, every tensor changed (its first byte: a delta moves every
 /// bucket, as a full transfer does); copies them first (untimed) if a transport still holds
 /// the previous one (the TCP sender keeps recent versions for receivers still pulling).
+/// The byte written, `2v + 1`, differs from the previous version's for every `v` (`v | 1`
+/// did not: versions 2k and 2k+1 were equal, so every other update was an empty delta).
 fn bump(weights: &mut Arc<WeightSet>) -> BoxResult<()> {
     let ws = Arc::make_mut(weights);
     let next = ws.version().next();
@@ -380,7 +383,7 @@ fn bump(weights: &mut Arc<WeightSet>) -> BoxResult<()> {
         .collect();
     for name in &names {
         if let Some(first) = ws.view_mut::<u8>(name)?.first_mut() {
-            *first = (next.get() as u8) | 1;
+            *first = (next.get() as u8).wrapping_mul(2) | 1;
         }
     }
     ws.set_version(next);
@@ -434,11 +437,14 @@ fn bench_link(
         return Ok(threaded_rows(l.name(), size, n, &publish, &e2e, base));
     }
     let runs = args.connect_runs.max(1);
-    let mut connect = Vec::with_capacity(runs);
+    let (mut connect, mut steady) = (Vec::with_capacity(runs), Vec::with_capacity(runs));
     let mut times = Times::default();
     // fresh receiver processes each run: their connect pulls into memory never used
-    // before, as a user's first pull does; the timed updates run on the last ones
+    // before, as a user's first pull does; then, on the same processes, the warm-up updates
+    // and one steady update (into a recycled arena), so that every run gives a first and a
+    // steady figure under the same load; the other timed updates run on the last ones
     for run in 0..runs {
+        let counts = (args.warmup, if run + 1 == runs { args.iters } else { 1 });
         let opened = l.open(&manifests, &options)?;
         let leftovers = opened.leftovers.clone();
         let spec = opened.spec.to_token()?;
@@ -449,14 +455,20 @@ fn bench_link(
             n,
             weights,
             false,
-            (run + 1 == runs).then_some(args),
+            Some(counts),
         );
         OpenedLink::cleanup(&leftovers);
         let t = t?;
         connect.extend(t.connect.iter().copied());
+        steady.extend(t.e2e.first().copied());
         times = t;
     }
     times.connect = connect;
+    times.steady = steady;
+    if l.receivers_copy() {
+        // what the first pull's fresh arena costs on its own: its pages' first touch
+        times.touch = Some(first_touch_baseline(size, 3, true));
+    }
     let baseline = match l.reach() {
         Reach::Network => ("tcp-loopback", base.tcp),
         Reach::Process | Reach::Host => ("memcpy", base.memcpy.median),
@@ -589,7 +601,7 @@ fn bench_shm(
         n,
         weights,
         loaned,
-        Some(args),
+        Some((args.warmup, args.iters)),
     )?;
     let name = match (mode, loaned) {
         (_, true) => "shm (loaned)",
@@ -659,6 +671,10 @@ struct Times {
     /// Receiver processes started until every one has applied and acknowledged the initial
     /// weights.
     connect: Vec<Duration>,
+    /// The first update after the warm-up on the processes of each connect run.
+    steady: Vec<Duration>,
+    /// Writing one byte into every page of a fresh arena of the same size.
+    touch: Option<Summary>,
     e2e: Vec<Duration>,
     write: Vec<Duration>,
     acks: Vec<Duration>,
@@ -698,8 +714,9 @@ impl Times {
             ),
         ];
         if !self.connect.is_empty() {
-            rows.insert(
-                0,
+            // first and steady side by side, each against the baseline; then what a fresh
+            // arena's pages cost alone
+            let mut first = vec![
                 row(
                     name,
                     "connect+first pull",
@@ -709,7 +726,28 @@ impl Times {
                     bname,
                     base,
                 ),
-            );
+                row(
+                    name,
+                    "  steady update",
+                    size,
+                    n,
+                    Summary::of(&self.steady),
+                    bname,
+                    base,
+                ),
+            ];
+            if let Some(touch) = self.touch {
+                first.push(row(
+                    name,
+                    "  (arena first touch)",
+                    size,
+                    1,
+                    touch,
+                    bname,
+                    base,
+                ));
+            }
+            rows.splice(0..0, first);
         }
         if !self.fill.is_empty() {
             rows.push(row(
@@ -732,17 +770,17 @@ fn timed_updates<T: SenderTransport + LoanSlots>(
     sender: &mut Sender<T>,
     weights: &mut Arc<WeightSet>,
     loaned: bool,
-    args: &BenchArgs,
+    (warmup, iters): (usize, usize),
 ) -> BoxResult<Times> {
     let mut t = Times::default();
-    for i in 0..args.warmup + args.iters {
+    for i in 0..warmup + iters {
         bump(weights)?;
         let update = if loaned {
             let far = Instant::now() + WAIT;
             let mut lent = sender.transport_mut().loan_slot(weights, far)?;
             let start = Instant::now();
             lent.bytes_mut()?.copy_from_slice(weights.bytes());
-            if i >= args.warmup {
+            if i >= warmup {
                 t.fill.push(start.elapsed());
             }
             Arc::new(lent)
@@ -754,7 +792,7 @@ fn timed_updates<T: SenderTransport + LoanSlots>(
         let t1 = Instant::now();
         sender.wait(&pending, WAIT)?;
         let t2 = Instant::now();
-        if i >= args.warmup {
+        if i >= warmup {
             t.write.push(t1 - t0);
             t.acks.push(t2 - t1);
             t.e2e.push(t2 - t0);
@@ -862,7 +900,11 @@ fn bench_pull(args: &BenchArgs) -> BoxResult<Vec<Row>> {
         ),
         row(
             "new memory",
-            "  arena (huge pages)",
+            if refit::runtime::AlignedBuf::huge_pages() {
+                "  arena (huge pages)"
+            } else {
+                "  arena (small pages)"
+            },
             size,
             1,
             touch_huge,
@@ -883,7 +925,8 @@ fn bench_pull(args: &BenchArgs) -> BoxResult<Vec<Row>> {
 
 /// Writing one byte into every page of `size` bytes of memory never used before (what a
 /// fresh arena costs its first transfer before a byte moves): a plain heap buffer, or with
-/// `arena` a runtime arena (an anonymous map advised to use transparent huge pages).
+/// `arena` a runtime arena (an anonymous map, advised to use transparent huge pages where
+/// they are not cold: [`refit::runtime::AlignedBuf::huge_pages`]).
 fn first_touch_baseline(size: usize, iters: usize, arena: bool) -> Summary {
     let mut samples = Vec::with_capacity(iters);
     for _ in 0..iters {
@@ -943,7 +986,8 @@ fn drain<T: ReceiverTransport>(mut r: Receiver<T>) -> BoxResult<()> {
 }
 
 /// Starts `n` receiver processes (`child` arguments), connects the scheme (timed, from the
-/// processes' start), times the updates when `timed`,
+/// processes' start), times the updates when `timed` (untimed warm-up updates, then timed
+/// ones),
 /// shuts the sender down (receivers see it leave and exit) and checks every process succeeded.
 fn with_receiver_processes<T: SenderTransport + LoanSlots>(
     transport: T,
@@ -952,7 +996,7 @@ fn with_receiver_processes<T: SenderTransport + LoanSlots>(
     n: usize,
     weights: &mut Arc<WeightSet>,
     loaned: bool,
-    timed: Option<&BenchArgs>,
+    timed: Option<(usize, usize)>,
 ) -> BoxResult<Times> {
     let initial = (**weights).clone();
     let t0 = Instant::now();
@@ -964,7 +1008,7 @@ fn with_receiver_processes<T: SenderTransport + LoanSlots>(
         .connect(vec![initial], WAIT)?;
     let connect = t0.elapsed();
     let mut times = match timed {
-        Some(args) => timed_updates(&mut sender, weights, loaned, args)?,
+        Some(counts) => timed_updates(&mut sender, weights, loaned, counts)?,
         None => Times::default(),
     };
     times.connect.push(connect);

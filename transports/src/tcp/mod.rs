@@ -32,6 +32,11 @@
 //!   its buckets land and verify, so receivers form a pipelined chain: the sender writes each
 //!   byte once however many receivers there are, and N receivers take about the time of one
 //!   plus a bucket per hop.
+//! - **First pulls**: a receiver's first pulls land in arenas it has never used; a thread of
+//!   the pull faults their pages in ahead of the streams (instead of page by page inside
+//!   the socket reads), and after each of its first pulls the receiver makes the next arena
+//!   in the background, up to the arenas steady state keeps (see
+//!   [`AlignedBuf::huge_pages`](refit_runtime::AlignedBuf::huge_pages) for the page size).
 //! - **Sinks**: a receiver can write a transfer into a [`Sink`] (e.g. the file the weights
 //!   are bound for) instead of an arena, through a small reused buffer, hashed as the bytes
 //!   pass, or straight into memory of the sink's own that it hands out bucket by bucket

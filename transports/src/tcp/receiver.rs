@@ -4,7 +4,7 @@
 
 use std::collections::{BTreeMap, VecDeque};
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -624,6 +624,8 @@ impl TcpReceiver {
                     return Err(e);
                 }
             };
+            // a fresh arena (none to recycle): its pages are faulted in beside the streams
+            let mut fresh = false;
             let flight = match &sink {
                 Some(sink) => {
                     let copied = kept.iter().try_for_each(|r| {
@@ -638,7 +640,10 @@ impl TcpReceiver {
                 None => match self
                     .arena_flight(model, version, &manifest, &plan, &t, &kept, base_bytes)
                 {
-                    Ok(f) => Some(f),
+                    Ok((f, new)) => {
+                        fresh = new;
+                        Some(f)
+                    }
                     Err(e) => {
                         self.done(t.lease, false, e.to_string());
                         return Err(e);
@@ -700,8 +705,13 @@ impl TcpReceiver {
                 }
             };
             let (stall, pulled) = (self.cfg.stall_timeout, &*self.shared.pulled);
+            let prefaulted = AtomicBool::new(false);
             let result = std::thread::scope(|scope| {
                 let watch = scope.spawn(|| watchdog.watch(deadline, stall, pulled));
+                let prefault = match &flight {
+                    Some(f) if fresh => Some(scope.spawn(|| f.prefault(&prefaulted))),
+                    _ => None,
+                };
                 let r = match (&flight, sink) {
                     (Some(f), _) => pull_buckets(Dest::Arena(f), &parts, exp, &open, counters)
                         .and_then(|_| f.finish()),
@@ -722,6 +732,10 @@ impl TcpReceiver {
                 };
                 watchdog.finish();
                 let _ = watch.join();
+                prefaulted.store(true, Ordering::Relaxed);
+                if let Some(p) = prefault {
+                    let _ = p.join();
+                }
                 r
             });
             if let Some(f) = &flight
@@ -756,6 +770,11 @@ impl TcpReceiver {
                     self.shared.offer(&ws, sums, self.cfg.keep_versions);
                     self.shared.set_inflight(model, None);
                     self.done(t.lease, true, String::new());
+                    if flight.is_some() {
+                        // the next pulls' arena, faulted in while this version is applied
+                        let steady = self.cfg.keep_versions.max(1) + 1;
+                        self.shared.pool.warm_spare(manifest.total_len(), steady);
+                    }
                     return Ok(Ok(ws));
                 }
                 Err(e) => {
@@ -772,7 +791,8 @@ impl TcpReceiver {
 
     /// A recycled arena for a transfer, as a version in flight: a full transfer overwrites
     /// every byte (the verified plan covers the arena), a delta first copies the `kept`
-    /// ranges from the base.
+    /// ranges from the base. True when the pool had none to recycle and the arena is a
+    /// fresh map.
     #[allow(clippy::too_many_arguments)]
     fn arena_flight(
         &self,
@@ -783,8 +803,10 @@ impl TcpReceiver {
         t: &Plan,
         kept: &[std::ops::Range<usize>],
         base: &[u8],
-    ) -> Result<Arc<InFlight>> {
-        let buf = self.shared.pool.take(manifest.total_len());
+    ) -> Result<(Arc<InFlight>, bool)> {
+        let (buf, fresh) = self.shared.pool.take_marked(manifest.total_len());
+        // only a large arena (a map of its own) is worth a prefault thread
+        let fresh = fresh && buf.is_mapped();
         let mut ws = WeightSet::from_shared(
             model.clone(),
             version,
@@ -797,13 +819,14 @@ impl TcpReceiver {
                 d.copy_from_slice(s);
             }
         }
-        Ok(Arc::new(InFlight::new(
+        let flight = InFlight::new(
             ws,
             Arc::clone(plan),
             t.plan_id,
             &t.buckets,
             self.cfg.stream_timeout,
-        )?))
+        )?;
+        Ok((Arc::new(flight), fresh))
     }
 }
 
