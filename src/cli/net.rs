@@ -6,7 +6,7 @@ use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant, SystemTime};
 
 use super::out_file::OutFiles;
@@ -389,7 +389,6 @@ pub(crate) fn pull(args: PullArgs) -> ExitCode {
                 .with_sinks(move |model, version, manifest| files.sink(model, version, manifest))
         };
         let (pulled, total) = (receiver.progress(), receiver.progress_total());
-        let done = Arc::new(AtomicBool::new(false));
         let bar = indicatif::ProgressBar::new(0);
         bar.set_style(
             indicatif::ProgressStyle::with_template(
@@ -397,19 +396,25 @@ pub(crate) fn pull(args: PullArgs) -> ExitCode {
             )
             .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
         );
+        // the bar is redrawn every 100 ms until `done` is dropped, which wakes the ticker at
+        // once (a plain sleep would hold the pull's exit for up to one more tick)
+        let (done, finished) = std::sync::mpsc::channel::<()>();
         let ticker = {
-            let (bar, done) = (bar.clone(), Arc::clone(&done));
+            let bar = bar.clone();
             std::thread::spawn(move || {
-                while !done.load(Ordering::Acquire) {
+                loop {
                     bar.set_length(total.load(Ordering::Relaxed));
                     bar.set_position(pulled.load(Ordering::Relaxed));
-                    std::thread::sleep(Duration::from_millis(100));
+                    match finished.recv_timeout(Duration::from_millis(100)) {
+                        Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {}
+                        _ => break,
+                    }
                 }
             })
         };
         let started = Instant::now();
         let result = ReceiverInit::new(receiver, None).connect(Duration::from_secs(args.timeout));
-        done.store(true, Ordering::Release);
+        drop(done);
         let _ = ticker.join();
         bar.finish_and_clear();
         let receiver = result?;
