@@ -962,9 +962,24 @@ impl ReceiverTransport for TcpReceiver {
             receiver: self.id,
             applied: applied.to_vec(),
         };
-        Ok(self
+        let acked: Result<()> = self
             .ctl()?
-            .call(self.spec.agent, ACK, &req, self.cfg.call_timeout)?)
+            .call(self.spec.agent, ACK, &req, self.cfg.call_timeout)
+            .map_err(Error::from);
+        match acked {
+            // The sender went away while the acknowledgement was on its way: a sender that
+            // shuts down as soon as its last version is acknowledged closes its node before
+            // the reply is written. The version is applied here either way, and nobody is
+            // left to tell; the next receive reports the sender gone.
+            Err(Error::PeerGone { .. }) => {
+                tracing::debug!(
+                    receiver = self.id,
+                    "the sender left before acknowledging the ack"
+                );
+                Ok(())
+            }
+            other => other,
+        }
     }
 
     fn shutdown(&mut self) -> Result<()> {
