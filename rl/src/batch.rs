@@ -11,6 +11,7 @@ use refit_runtime::Version;
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
+use crate::generation::{Finish, Token};
 
 /// One environment step, with the collector's bookkeeping.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -66,6 +67,39 @@ pub struct EpisodeStats {
     pub version: Version,
 }
 
+/// One generated completion as a training sample: the prompt, what the engine generated,
+/// under which versions, and what the task's reward function made of it.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Sequence {
+    /// The prompt tokens.
+    pub prompt: Vec<Token>,
+    /// The generated tokens.
+    pub tokens: Vec<Token>,
+    /// Log-probability of each token under the behaviour policy (the engine's weights that
+    /// produced it).
+    pub logprobs: Vec<f32>,
+    /// The weight version that produced each token.
+    pub versions: Vec<Version>,
+    /// The completion's reward.
+    pub reward: f32,
+    /// Per-token credit, when the task gives one (one value per generated token).
+    pub token_rewards: Option<Vec<f32>>,
+    /// Completions of one prompt share a group id (GRPO's advantages are relative within a
+    /// group).
+    pub group: u64,
+    /// Why the completion ended.
+    pub finish: Finish,
+    /// Index of the rollout worker that collected it.
+    pub worker: usize,
+}
+
+impl Sequence {
+    /// The oldest version among its tokens (`None` when it has no token).
+    pub fn oldest_version(&self) -> Option<Version> {
+        self.versions.iter().copied().min()
+    }
+}
+
 /// One trajectory's place in a batch whose transitions were grouped by `split_trajs`.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct TrajSpan {
@@ -89,7 +123,10 @@ pub struct Batch {
     pub trajectories: Option<Vec<TrajSpan>>,
     /// Episodes that ended in this batch.
     pub episodes: Vec<EpisodeStats>,
-    /// Frames (environment steps) collected.
+    /// Generated completions (a generating engine's samples; empty for environment steps).
+    #[serde(default)]
+    pub sequences: Vec<Sequence>,
+    /// Frames collected: environment steps, or completions for generated samples.
     pub frames: usize,
     /// Time spent before the batch polling for and applying new weights (the longest of
     /// the workers' for a concatenated batch).
@@ -97,9 +134,14 @@ pub struct Batch {
 }
 
 impl Batch {
-    /// Lowest and highest policy versions of the transitions (`None` when empty).
+    /// Lowest and highest policy versions of the transitions and of every generated token
+    /// (`None` when empty).
     pub fn version_range(&self) -> Option<(Version, Version)> {
-        let mut it = self.transitions.iter().map(|t| t.version);
+        let mut it = self.transitions.iter().map(|t| t.version).chain(
+            self.sequences
+                .iter()
+                .flat_map(|s| s.versions.iter().copied()),
+        );
         let first = it.next()?;
         Some(it.fold((first, first), |(lo, hi), v| (lo.min(v), hi.max(v))))
     }
@@ -153,6 +195,7 @@ impl Batch {
                 }));
             }
             out.transitions.extend(b.transitions);
+            out.sequences.extend(b.sequences);
             out.episodes.extend(b.episodes);
             out.frames += b.frames;
             out.weight_sync = out.weight_sync.max(b.weight_sync);

@@ -84,6 +84,14 @@ pub enum Error {
         /// The engine's generation after the cancellation.
         generation: u64,
     },
+    /// A generation request refused before it ran (the engine keeps serving the others).
+    #[error("bad request: {field} {reason}")]
+    BadRequest {
+        /// The request field at fault (`prompt`, `max_tokens`, `temperature`, ...).
+        field: &'static str,
+        /// What is wrong with it.
+        reason: String,
+    },
     /// A trainer input that cannot be trained on.
     #[error("trainer: {0}")]
     Trainer(String),
@@ -164,6 +172,14 @@ impl Error {
         match self {
             Self::Remote { failure, .. } => Some(failure),
             _ => None,
+        }
+    }
+
+    /// Builds an [`Error::BadRequest`] naming `field`.
+    pub fn bad_request(field: &'static str, reason: impl Into<String>) -> Self {
+        Self::BadRequest {
+            field,
+            reason: reason.into(),
         }
     }
 

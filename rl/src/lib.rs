@@ -10,6 +10,9 @@
 //!   weights through a refit scheme ([`run_worker`] is generic over the receiving transport;
 //!   `refit_transports::inproc` between threads); [`process`]: the same with worker
 //!   processes.
+//! - [`generation`]: what a generating engine is asked and answers ([`SamplingParams`],
+//!   [`Completion`] with per-token versions), and the [`Generator`] backend trait;
+//!   [`task`]: the [`Task`] role (prompts and a verifiable reward).
 //! - [`learner`]: the [`Learner`] trait (batches in, versioned weights out) a trainer hosts.
 //! - [`roles`]: the [`Roles`] factory a topology takes (learner, policy and environment per
 //!   model) and [`ModelSpec`]; `cartpole_ppo` (feature `candle`): PPO + [`MlpPolicy`] +
@@ -30,6 +33,7 @@ pub mod collector;
 pub mod device;
 pub mod env;
 pub mod error;
+pub mod generation;
 pub mod learner;
 pub mod link;
 pub mod multi;
@@ -38,8 +42,11 @@ pub mod policy;
 pub mod ppo;
 pub mod process;
 pub mod roles;
+pub mod task;
 
-pub use batch::{Batch, EpisodeStats, ReplayBuffer, RingBuffer, TrajPool, TrajSpan, Transition};
+pub use batch::{
+    Batch, EpisodeStats, ReplayBuffer, RingBuffer, Sequence, TrajPool, TrajSpan, Transition,
+};
 #[cfg(feature = "candle")]
 pub use cartpole_ppo::CartPolePpo;
 pub use collector::{
@@ -49,6 +56,7 @@ pub use collector::{
 pub use device::Device;
 pub use env::{CartPole, Env, StepResult};
 pub use error::{Error, RemoteFailure, Result};
+pub use generation::{Completion, Finish, Generator, PauseMode, SamplingParams, StepInput, Token};
 pub use learner::{LearnStats, Learner};
 pub use link::{WeightInlet, WeightOutlet};
 pub use multi::{
@@ -58,4 +66,5 @@ pub use multi::{
 pub use policy::{ActionOut, MlpPolicy, Policy};
 #[cfg(feature = "candle")]
 pub use ppo::{PpoConfig, PpoStats, PpoTrainer};
-pub use roles::{ModelSpec, Roles};
+pub use roles::{GenRoles, ModelSpec, Roles};
+pub use task::{Reward, Task};

@@ -15,8 +15,10 @@ use refit_runtime::ModelId;
 
 use crate::env::Env;
 use crate::error::{Error, Result};
+use crate::generation::Generator;
 use crate::learner::Learner;
 use crate::policy::Policy;
+use crate::task::Task;
 
 /// One model of a run: the framework's settings, and the factory's free-form parameters.
 #[derive(Debug, Clone, PartialEq)]
@@ -157,6 +159,36 @@ pub trait Roles: Send + Sync + 'static {
     fn env(&self, model: &ModelSpec, seed: u64) -> Result<Self::Env>;
 }
 // ANCHOR_END: roles
+
+// ANCHOR: gen_roles
+/// The role factory of a generating topology: per model a learner, the generator its
+/// engines serve, and the task its rollout workers draw prompts from and reward with.
+pub trait GenRoles: Send + Sync + 'static {
+    /// The task rollout workers and the evaluator use.
+    type Task: Task + Unpin + 'static;
+    /// The backend generating engines serve; it stages the weights the learner exports
+    /// (converted to its layout on the way).
+    type Generator: Generator + Unpin + 'static;
+
+    /// A fresh learner for `model` (seeded with `model.seed`).
+    ///
+    /// # Errors
+    /// Bad parameters (naming the model and the key) or a learner that cannot start.
+    fn learner(&self, model: &ModelSpec) -> Result<Box<dyn Learner>>;
+
+    /// The backend an engine serves `model` with.
+    ///
+    /// # Errors
+    /// Bad parameters (naming the model and the key).
+    fn generator(&self, model: &ModelSpec) -> Result<Self::Generator>;
+
+    /// The task of `model`, seeded with `seed`.
+    ///
+    /// # Errors
+    /// A task that cannot be built.
+    fn task(&self, model: &ModelSpec, seed: u64) -> Result<Self::Task>;
+}
+// ANCHOR_END: gen_roles
 
 /// Checks that `policy` can act on `env`'s observations and that its actions are `env`'s.
 ///
