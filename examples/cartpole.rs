@@ -29,7 +29,8 @@ use std::time::{Duration, Instant};
 
 use clap::{CommandFactory, Parser, Subcommand};
 use indicatif::{ProgressBar, ProgressStyle};
-use refit_actors::actor::topology::{self, ModelSpec, RunConfig, StopRule};
+use refit_actors::ModelSpec;
+use refit_actors::run::{self, RunConfig, StopRule};
 use refit_actors::process::{
     ProcessAsyncCollector, ProcessConfig, ProcessSyncCollector, WorkerLink, serve_worker,
     worker_receiver,
@@ -413,6 +414,7 @@ fn run_actors(args: &Args) -> Result<(), Box<dyn std::error::Error>> {
         models: vec![spec],
         eval_episodes: 10,
         stop: StopRule {
+            target_eval: None,
             max_updates: args.total_frames.div_ceil(args.frames_per_batch as u64),
             target_return: Some(args.target),
             max_time: Duration::from_secs_f64(args.max_seconds),
@@ -433,7 +435,7 @@ fn run_actors(args: &Args) -> Result<(), Box<dyn std::error::Error>> {
         args.envs,
         args.frames_per_batch
     );
-    let report = actix_rt::System::new().block_on(topology::run(cfg, CartPolePpo::new()))?;
+    let report = actix_rt::System::new().block_on(run::run(cfg, CartPolePpo::new()))?;
     for (model, r) in &report.models {
         for u in &r.updates {
             println!(

@@ -48,9 +48,12 @@ fn run() -> Result<()> {
     let roles: Vec<&str> = plan.roles.iter().map(|r| r.as_str()).collect();
     // the link factory turns the file's choice (`auto`: the reach the link needs) into a
     // transport
-    let link = refit::transports::link::for_kind(&topo.weights_transport(0, launch.rank))?;
+    let model = topo.model_ids()[0].clone();
+    let trainer = topo.trainer_ranks(&model)[0];
+    let link =
+        refit::transports::link::for_kind(&topo.weights_transport(&model, trainer, launch.rank))?;
     println!(
-        "process `{}` copy {} on host `{}` ({}), roles {}; weights from rank 0 over {}",
+        "process `{}` copy {} on host `{}` ({}), roles {}; weights from rank {trainer} over {}",
         plan.process,
         plan.replica,
         plan.host.name,

@@ -16,7 +16,8 @@ use clap::Parser;
 
 use refit_actors::CartPolePpo;
 use refit_actors::actor::SyncEventKind;
-use refit_actors::actor::topology::{self, ModelSpec, RunConfig, StopRule};
+use refit_actors::ModelSpec;
+use refit_actors::run::{self, RunConfig, StopRule};
 use refit_runtime::ModelId;
 use refit_runtime::sync_policy::{SyncConfig, SyncMode};
 
@@ -76,6 +77,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         ],
         eval_episodes: 8,
         stop: StopRule {
+            target_eval: None,
             max_updates: args.updates,
             target_return: None,
             max_time: Duration::from_secs(300),
@@ -84,7 +86,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         wrap_inlet: None,
         wait: Duration::from_secs(60),
     };
-    let report = actix_rt::System::new().block_on(topology::run(cfg, CartPolePpo::new()))?;
+    let report = actix_rt::System::new().block_on(run::run(cfg, CartPolePpo::new()))?;
     // ANCHOR_END: config
     println!(
         "two models, sync mode {}, eval every {} versions, {} updates each, {:.1} s",

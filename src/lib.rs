@@ -23,7 +23,7 @@
 //! | (none) | | weight sets, schemes, in-process / shared-memory / TCP transports | tokio, serde, safetensors |
 //! | `rl` | yes | `refit::rl` (also re-exported by `refit::actors`): environments, policies, collectors | rand |
 //! | `candle` | yes | the PPO trainer (`refit::rl::ppo`); implies `rl` | candle |
-//! | `actors` | yes | the actix actors and training topology (`refit::actors::actor`); implies `candle` | actix |
+//! | `actors` | yes | the actix actors, their protocols and the training run (`refit::actors::{actor, protocol, run}`); implies `candle` | actix |
 //! | `cli` | yes | the `refit` command-line tool | clap, indicatif, bytesize, notify |
 //! | `cuda` | no | GPU transports' probe (CUDA and NCCL loaded at run time) | cudarc |
 //!
@@ -71,20 +71,19 @@ pub mod prelude {
 
     #[cfg(feature = "rl")]
     pub use refit_rl::{
-        CartPole, Collector, CollectorConfig, Env, LearnStats, Learner, MlpPolicy,
-        MultiAsyncCollector, MultiConfig, MultiSyncCollector, Policy, Roles, UpdatePolicyWeights,
+        CartPole, Collector, CollectorConfig, Completion, Env, GenRoles, Generator, LearnStats,
+        Learner, MlpPolicy, ModelSpec, MultiAsyncCollector, MultiConfig, MultiSyncCollector,
+        Policy, Roles, SamplingParams, Task, UpdatePolicyWeights,
     };
 
     #[cfg(feature = "candle")]
     pub use refit_rl::{CartPolePpo, PpoConfig, PpoTrainer};
 
-    /// The actor topology's entry points: build a [`RunConfig`](topology::RunConfig) of
-    /// [`ModelSpec`](topology::ModelSpec)s and run it with
-    /// [`topology::run`](topology::run) on an actix system.
+    /// The run's entry points: [`run::join`](refit_actors::run::join) for one rank of a
+    /// topology file, [`run::run`](refit_actors::run::run) for a [`RunConfig`] of
+    /// [`ModelSpec`]s in one process (on an actix system).
     #[cfg(feature = "actors")]
-    pub use refit_actors::actor::topology;
+    pub use refit_actors::actor::{InferenceEngine, WeightSyncController};
     #[cfg(feature = "actors")]
-    pub use refit_actors::actor::{
-        InferenceEngine, ModelSpec, RunConfig, RunReport, StopRule, WeightSyncController,
-    };
+    pub use refit_actors::run::{self, RunConfig, RunReport, StopRule};
 }

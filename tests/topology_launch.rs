@@ -327,8 +327,9 @@ fn the_shipped_cartpole_topologies_place_their_links_by_host() {
         assert_eq!(t.engine_ranks(), vec![1, 2]);
         let lead = t.rank(0).unwrap();
         assert!(lead.has(Role::Trainer) && lead.has(Role::Controller));
+        let policy = t.model_ids()[0].clone();
         for r in [1, 2] {
-            assert_eq!(t.weights_transport(0, r), kind);
+            assert_eq!(t.weights_transport(&policy, 0, r), kind);
         }
     }
     assert_eq!(hosts.master_host(), "10.77.0.1");
@@ -336,9 +337,10 @@ fn the_shipped_cartpole_topologies_place_their_links_by_host() {
     broadcast
         .check_links(refit::transports::link::reach_of)
         .unwrap();
+    let policy = broadcast.model_ids()[0].clone();
     for r in [1, 2] {
         assert_eq!(
-            broadcast.weights_transport(0, r),
+            broadcast.weights_transport(&policy, 0, r),
             TransportKind::Named("broadcast".into())
         );
     }

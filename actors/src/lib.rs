@@ -20,7 +20,11 @@
 #[cfg(feature = "actix")]
 pub mod actor;
 #[cfg(feature = "actix")]
+pub mod protocol;
+#[cfg(feature = "actix")]
 pub mod remote;
+#[cfg(feature = "actix")]
+pub mod run;
 
 pub use refit_rl::{
     ActionOut, Batch, CartPole, Collector, CollectorBuilder, CollectorConfig, Device, Env,
@@ -33,5 +37,10 @@ pub use refit_rl::{
 #[cfg(feature = "candle")]
 pub use refit_rl::{CartPolePpo, PpoConfig, PpoStats, PpoTrainer, cartpole_ppo, ppo};
 pub use refit_rl::{
-    batch, collector, device, env, error, learner, link, multi, policy, process, roles,
+    Completion, Finish, GenRoles, Generator, PauseMode, Reward, SamplingParams, Sequence, Task,
+    Token,
+};
+pub use refit_rl::{
+    batch, collector, device, env, error, generation, learner, link, multi, policy, process,
+    roles, task,
 };

@@ -29,12 +29,11 @@
 //!   [`Error::Cancelled`](crate::Error::Cancelled), which keeps its variant (rollouts branch
 //!   on it).
 //!
-//! The messages a distributed topology sends (engine loads — `UpdateModel`, named
-//! `_receive_weights_scheme` on the wire —, cancellation, served versions, act requests;
-//! the controller's status checks and notifications; the pool's fragments; validation) are
-//! remote-capable; [`serve_engine`], [`serve_controller`], [`serve_pool`] and
-//! [`serve_evaluator`] serve each actor's set under one uuid, and [`engine_handle`] makes
-//! the `EngineHandle` of a remote engine.
+//! The messages of every role of a topology are remote-capable: each role's protocol module
+//! ([`crate::protocol`]) names them on the wire (an engine load, `UpdateModel`, is
+//! `_receive_weights_scheme`) and gives one typed reference to the role built either from a
+//! local `Addr` or from a [`RemoteAddr`] (`EngineRef::remote(&addr)`), and served with
+//! `EngineRef::serve(node, uuid)`.
 //!
 //! ```
 //! use std::time::Duration;
@@ -86,14 +85,12 @@
 //! ```
 
 mod addr;
-mod framework;
-mod impls;
 mod message;
 mod proxy;
 mod serve;
 
 pub use addr::RemoteAddr;
-pub use framework::{engine_handle, serve_controller, serve_engine, serve_evaluator, serve_pool};
+pub(crate) use message::wire_names;
 pub use message::{RemoteMessage, RemoteReply, WireError};
 pub use serve::serve;
 /// Actors are addressed by uuid on their node (re-exported for convenience).

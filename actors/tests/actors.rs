@@ -128,7 +128,7 @@ async fn a_pause_never_followed_by_continue_stops_rollouts_with_a_timeout() {
     use actix::Actor;
     use refit_actors::CartPole;
     use refit_actors::actor::{
-        EngineHandle, RolloutConfig, RolloutWorker, StartRollouts, StopRollouts, TrajectoryPool,
+        EngineRef, RolloutConfig, RolloutWorker, StartRollouts, StopRollouts, TrajectoryPool,
         WeightSyncController,
     };
     use refit_runtime::sync_policy::{SyncConfig, SyncMode};
@@ -138,7 +138,7 @@ async fn a_pause_never_followed_by_continue_stops_rollouts_with_a_timeout() {
     let controller = WeightSyncController::new(
         &SyncConfig::with_mode(SyncMode::FullyAsync),
         vec![policy_model_id()],
-        vec![EngineHandle::of(&engine)],
+        vec![EngineRef::local(&engine)],
         None,
     )
     .unwrap()

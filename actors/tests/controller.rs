@@ -7,11 +7,12 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use actix::Actor;
-use refit_actors::actor::topology::{
-    self, InletWrapper, ModelSpec, RunConfig, RunReport, StopRule,
+use refit_actors::run::{
+    self as topology, InletWrapper, RunConfig, RunReport, StopRule,
 };
+use refit_actors::ModelSpec;
 use refit_actors::actor::{
-    ActBatch, EngineHandle, Evaluator, GetStatus, InferenceEngine, RunEval, ServedVersions,
+    ActBatch, EngineRef, Evaluator, GetStatus, InferenceEngine, RunEval, ServedVersions,
     SyncEventKind, UpdateModel, VersionNotifier, WeightSyncController,
 };
 use refit_actors::{CartPole, CartPolePpo, MlpPolicy, WeightInlet};
@@ -71,6 +72,7 @@ fn run_config(mode: SyncMode, models: Vec<ModelSpec>, updates: u64) -> RunConfig
         models,
         eval_episodes: 2,
         stop: StopRule {
+            target_eval: None,
             max_updates: updates,
             target_return: None,
             max_time: Duration::from_secs(120),
@@ -453,7 +455,7 @@ async fn an_eval_step_whose_load_fails_fails_the_round_and_resumes_acquisition()
     let ctl = WeightSyncController::new(
         &cfg,
         vec![a.clone(), b.clone()],
-        vec![EngineHandle::of(&engine)],
+        vec![EngineRef::local(&engine)],
         Some(evaluator.recipient()),
     )
     .unwrap()
@@ -496,7 +498,7 @@ async fn without_an_evaluator_rollouts_stay_paused_until_end_validate() {
     let mut cfg = SyncConfig::with_mode(SyncMode::FullyAsync);
     cfg.validate_freq = 2;
     let ctl =
-        WeightSyncController::new(&cfg, vec![m.clone()], vec![EngineHandle::of(&engine)], None)
+        WeightSyncController::new(&cfg, vec![m.clone()], vec![EngineRef::local(&engine)], None)
             .unwrap()
             .start();
     let mut n = VersionNotifier::new(ctl.clone(), m.clone(), cfg.clone());
@@ -545,7 +547,7 @@ async fn a_policy_error_with_no_caller_lands_in_the_status_not_only_the_log() {
     let engine = engine_with(vec![(m.clone(), Box::new(r) as Box<dyn WeightInlet>)]);
     let cfg = SyncConfig::with_mode(SyncMode::BatchAsync);
     let ctl =
-        WeightSyncController::new(&cfg, vec![m.clone()], vec![EngineHandle::of(&engine)], None)
+        WeightSyncController::new(&cfg, vec![m.clone()], vec![EngineRef::local(&engine)], None)
             .unwrap()
             .start();
     // a batch for a model the controller does not run: nobody awaits the answer

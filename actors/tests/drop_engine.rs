@@ -1,6 +1,7 @@
 //! A controller whose engine's process dies: loads land on the engines left (the dead one's
-//! remote call fails with a typed error, it is not waited for), and `DropEngine` takes it
-//! out of the controller for good; the last engine cannot be dropped.
+//! remote call fails with a typed error, it is not waited for), `DropEngine` takes it out
+//! of the controller, and `AddEngine` brings a new engine (a restarted rank) to the version
+//! the others serve before it takes part in loads.
 #![allow(clippy::unwrap_used, missing_docs)]
 
 use std::sync::Arc;
@@ -8,10 +9,10 @@ use std::time::Duration;
 
 use actix::Actor;
 use refit_actors::actor::{
-    AwaitSynced, DropEngine, EngineHandle, GetStatus, InferenceEngine, ServedVersions,
+    AddEngine, AwaitSynced, DropEngine, EngineRef, GetStatus, InferenceEngine, ServedVersions,
     VersionNotifier, WeightSyncController,
 };
-use refit_actors::remote::{RemoteAddr, serve};
+use refit_actors::remote::RemoteAddr;
 use refit_actors::{MlpPolicy, WeightOutlet, policy_model_id};
 use refit_node::{ClusterToken, Node};
 use refit_runtime::sync_policy::{SyncConfig, SyncMode};
@@ -65,19 +66,10 @@ async fn a_dead_engine_is_not_waited_for_and_can_be_dropped() {
         Node::loopback(token).unwrap(),
     );
     let target = Uuid::new_v4();
-    serve::<refit_actors::actor::UpdateModel>(&far, target, engines[1].clone().recipient());
-    serve::<refit_actors::actor::CancelInFlight>(&far, target, engines[1].clone().recipient());
-    serve::<ServedVersions>(&far, target, engines[1].clone().recipient());
+    EngineRef::local(&engines[1]).serve(&far, target);
     let peer = near.connect(far.addr(), WAIT).unwrap();
     let remote = RemoteAddr::new(peer, target, "engine 1", WAIT);
-    let handles = vec![
-        EngineHandle::of(&engines[0]),
-        EngineHandle {
-            update: remote.recipient(),
-            cancel: remote.recipient(),
-            versions: remote.recipient(),
-        },
-    ];
+    let handles = vec![EngineRef::local(&engines[0]), EngineRef::remote(&remote)];
     let sync = SyncConfig::with_mode(SyncMode::FullyAsync);
     let controller = WeightSyncController::new(&sync, vec![model.clone()], handles, None)
         .unwrap()
@@ -115,24 +107,65 @@ async fn a_dead_engine_is_not_waited_for_and_can_be_dropped() {
     let status = controller.send(GetStatus).await.unwrap();
     assert_eq!(status.models[&model].failed_loads, 0, "{status:?}");
 
-    // dropped for good; the last engine stays
+    // dropped; a restarted engine (fresh, serving nothing) is added back under its id:
+    // it is brought to v2 before it joins, then every load lands on it too
     controller
         .send(DropEngine { index: 1 })
         .await
         .unwrap()
         .unwrap();
-    let e = controller
-        .send(DropEngine { index: 0 })
+    let hub = InProc::new();
+    let m3 = Arc::clone(weights(2).manifest());
+    let manifests = Manifests::new([(model.clone(), m3)]).unwrap();
+    let r = ReceiverInit::new(hub.receiver(), Some(manifests.clone()));
+    let r = std::thread::spawn(move || r.connect(WAIT).unwrap());
+    let mut sender2 = SenderInit::new(hub.sender().unwrap(), manifests)
+        .connect(vec![weights(2)], WAIT)
+        .unwrap();
+    let fresh = InferenceEngine::empty(2)
+        .with_model(
+            model.clone(),
+            MlpPolicy::new(&SIZES).unwrap(),
+            Some(Box::new(r.join().unwrap())),
+        )
+        .unwrap()
+        .start();
+    assert_eq!(
+        fresh.send(ServedVersions).await.unwrap()[&model],
+        Version::ZERO
+    );
+    let served = controller
+        .send(AddEngine {
+            index: 1,
+            engine: EngineRef::local(&fresh),
+        })
         .await
         .unwrap()
-        .unwrap_err()
-        .to_string();
-    assert!(e.contains("last"), "{e}");
+        .unwrap();
+    assert_eq!(served[&model], Version(2));
     sender.publish(Arc::new(weights(3))).unwrap();
+    sender2.publish(Arc::new(weights(3))).unwrap();
     notifier.notify(Version(3)).await.unwrap();
     notifier.flush().await.unwrap();
     assert_eq!(
         controller.send(synced(3)).await.unwrap().unwrap(),
         Version(3)
     );
+    for e in [&engines[0], &fresh] {
+        assert_eq!(e.send(ServedVersions).await.unwrap()[&model], Version(3));
+    }
+    // even the last engine can be dropped (it may come back); loads then fail, named
+    for i in [0, 1] {
+        controller
+            .send(DropEngine { index: i })
+            .await
+            .unwrap()
+            .unwrap();
+    }
+    sender.publish(Arc::new(weights(4))).unwrap();
+    notifier.notify(Version(4)).await.unwrap();
+    notifier.flush().await.unwrap();
+    let status = controller.send(GetStatus).await.unwrap();
+    let last = status.models[&model].last_error.clone().unwrap_or_default();
+    assert!(last.contains("no engine"), "{last}");
 }

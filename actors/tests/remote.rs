@@ -566,7 +566,8 @@ mod framework {
         ActBatch, AwaitSynced, CancelInFlight, CheckRollout, GetStatus, InferenceEngine,
         ServedVersions, VersionNotifier, WeightSyncController,
     };
-    use refit_actors::remote::{RemoteAddr, engine_handle, serve_controller, serve_engine};
+    use refit_actors::protocol::{ControllerRef, EngineRef};
+    use refit_actors::remote::RemoteAddr;
     use refit_node::Node;
     use refit_runtime::sync_policy::{Decision, SyncConfig, SyncMode};
     use refit_runtime::{
@@ -602,7 +603,7 @@ mod framework {
         (sender, r.join().unwrap())
     }
 
-    /// The controller drives an engine served by another node through an `EngineHandle` of
+    /// The controller drives an engine served by another node through an `EngineRef` of
     /// proxies (`UpdateModel` is `_receive_weights_scheme` on the wire, then the engine's
     /// inlet pulls); the controller itself is asked for its status over the network.
     #[test]
@@ -621,20 +622,20 @@ mod framework {
                 .unwrap()
                 .start();
             let engine_id = Uuid::new_v4();
-            serve_engine(&engine_node, engine_id, &engine);
+            EngineRef::local(&engine).serve(&engine_node, engine_id);
 
             let wait = Duration::from_secs(20);
             let remote_engine =
                 RemoteAddr::connect(&ctl_node, engine_node.addr(), engine_id, "engine-0", wait)
                     .await
                     .unwrap();
-            let handle = engine_handle(&remote_engine);
+            let handle = EngineRef::remote(&remote_engine);
             let cfg = SyncConfig::with_mode(SyncMode::FullyAsync);
             let ctl = WeightSyncController::new(&cfg, vec![m.clone()], vec![handle], None)
                 .unwrap()
                 .start();
             let ctl_id = Uuid::new_v4();
-            serve_controller(&ctl_node, ctl_id, &ctl);
+            ControllerRef::local(&ctl).serve(&ctl_node, ctl_id);
 
             let mut notifier = VersionNotifier::new(ctl.clone(), m.clone(), cfg.clone());
             for v in 1..=3 {

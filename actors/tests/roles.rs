@@ -6,7 +6,8 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use refit_actors::actor::topology::{self, ModelSpec, RunConfig, StopRule};
+use refit_actors::ModelSpec;
+use refit_actors::run::{self as topology, RunConfig, StopRule};
 use refit_actors::{
     Batch, Env, Error, LearnStats, Learner, MlpPolicy, Roles, StepResult, policy_model_id,
 };
@@ -124,6 +125,7 @@ fn config(updates: u64) -> RunConfig {
         models: vec![spec],
         eval_episodes: 3,
         stop: StopRule {
+            target_eval: None,
             max_updates: updates,
             target_return: None,
             max_time: Duration::from_secs(120),

@@ -9,8 +9,7 @@
 use std::path::PathBuf;
 
 use refit_actors::CartPolePpo;
-use refit_actors::actor::cluster;
-use refit_actors::actor::topology::RunReport;
+use refit_actors::run::{self, RunReport};
 use refit_node::LaunchEnv;
 use refit_runtime::sync_policy::SyncMode;
 use refit_runtime::topology::Topology;
@@ -27,7 +26,7 @@ pub(crate) fn run_rank() -> Result<bool, Box<dyn std::error::Error>> {
         topology.sync.sync_mode = SyncMode::parse(&mode)?;
     }
     let launch = LaunchEnv::from_env()?;
-    match cluster::join(&topology, &launch, CartPolePpo::new())? {
+    match run::join(&topology, &launch, CartPolePpo::new())? {
         Some(report) => {
             print_report(&topology, &report);
             Ok(report.solved)

@@ -127,52 +127,7 @@ impl Completion {
     }
 }
 
-/// What an engine does with sequences in flight when a new version is ready.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum PauseMode {
-    /// In-flight requests end at the swap, answered with [`Finish::Aborted`].
-    Abort,
-    /// No new request starts; the ones in flight finish under the old version; then the
-    /// swap.
-    Wait,
-    /// In-flight sequences continue under the new version (their KV caches kept); their
-    /// per-token versions show the change.
-    #[default]
-    Keep,
-}
-
-impl PauseMode {
-    /// The name used in configuration files.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Self::Abort => "abort",
-            Self::Wait => "wait",
-            Self::Keep => "keep",
-        }
-    }
-
-    /// Parses `abort`, `wait` or `keep`.
-    ///
-    /// # Errors
-    /// [`Error::Config`] naming the accepted values.
-    pub fn parse(s: &str) -> Result<Self> {
-        match s.trim().to_ascii_lowercase().as_str() {
-            "abort" => Ok(Self::Abort),
-            "wait" => Ok(Self::Wait),
-            "keep" => Ok(Self::Keep),
-            other => Err(Error::Config(format!(
-                "pause mode `{other}` is not one of abort, wait, keep"
-            ))),
-        }
-    }
-}
-
-impl std::fmt::Display for PauseMode {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
+pub use refit_runtime::sync_policy::PauseMode;
 
 /// One sequence's input to a decoding step: its cache and the tokens to feed (the whole
 /// prompt on its first step, then the last sampled token).

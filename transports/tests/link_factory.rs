@@ -149,7 +149,8 @@ fn topology_files_name_any_registered_transport() {
     // the file transport was never a topology value before the factory: it is now
     let t = Topology::parse(&file("file")).unwrap();
     t.check_links(link::reach_of).unwrap();
-    let kind = t.weights_transport(0, 1);
+    let policy = t.model_ids()[0].clone();
+    let kind = t.weights_transport(&policy, 0, 1);
     assert_eq!(kind, TransportKind::Named("file".into()));
     assert_eq!(link::for_kind(&kind).unwrap().name(), "file");
     // an unknown one is refused on `links.weights`, naming every known transport

@@ -16,235 +16,20 @@ use std::time::{Duration, Instant};
 
 use actix::prelude::*;
 use refit_runtime::sync_policy::{
-    BlockReason, Decision, LeaderStep, RolloutState, SyncConfig, SyncOrder, SyncPolicy,
-    VersionBarrier, leader_sequence,
+    BlockReason, Decision, LeaderStep, SyncConfig, SyncOrder, SyncPolicy, VersionBarrier,
+    leader_sequence,
 };
 use refit_runtime::{ModelId, Version};
-use serde::{Deserialize, Serialize};
 use tokio::sync::oneshot;
 
 use crate::error::{Error, RemoteFailure, Result};
-
-use super::engine::{CancelInFlight, EngineHandle, UpdateModel};
-use super::eval::{EvalReport, RunEval};
-
-/// The rollout status check: `continue` or `block`, answered at once.
-#[derive(Debug, Message, Serialize, Deserialize)]
-#[rtype(result = "Result<Decision>")]
-pub struct CheckRollout {
-    /// The model the rollout uses.
-    pub model: ModelId,
-}
-
-/// The status check that waits: answers when the rollout may run (or fails at the
-/// configured `rollout_wait_s` deadline, saying why it was blocked).
-#[derive(Debug, Message, Serialize, Deserialize)]
-#[rtype(result = "Result<Admission>")]
-pub struct AwaitRollout {
-    /// The model the rollout uses.
-    pub model: ModelId,
-}
-
-/// Why a rollout was let through, and when.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Admission {
-    /// The controller's event number of the admission (orders it against sync events).
-    pub seq: u64,
-    /// The trainer's version at admission.
-    pub train_version: Version,
-    /// The version every engine served at admission.
-    pub rollout_version: Version,
-    /// `train_version - rollout_version` at admission.
-    pub staleness: u64,
-    /// How long the check waited.
-    pub waited: Duration,
-}
-
-/// A rollout admitted by [`AwaitRollout`] is over (its fragment is in the pool, or it was
-/// cancelled).
-#[derive(Debug, Message, Serialize, Deserialize)]
-#[rtype(result = "()")]
-pub struct RolloutDone {
-    /// The model.
-    pub model: ModelId,
-}
-
-/// Waits until no admitted rollout of `model` is running (`sync` mode gathers every
-/// on-policy fragment before training).
-#[derive(Debug, Message)]
-#[rtype(result = "Result<()>")]
-pub struct AwaitDrained {
-    /// The model.
-    pub model: ModelId,
-}
-
-/// Waits until every engine serves `model` at `version` or newer (a run's last version, or
-/// a test's sync point). Fails at the load deadline, with the last load error.
-#[derive(Debug, Message)]
-#[rtype(result = "Result<Version>")]
-pub struct AwaitSynced {
-    /// The model.
-    pub model: ModelId,
-    /// The least version.
-    pub version: Version,
-}
-
-/// The trajectory pool has a batch ready for `model`.
-#[derive(Debug, Message, Serialize, Deserialize)]
-#[rtype(result = "()")]
-pub struct BatchReady {
-    /// The model.
-    pub model: ModelId,
-}
-
-/// `model`'s trainer finished `version` and published it. Answers once the version
-/// barrier released the round (and, on eval steps, once validation ran).
-#[derive(Debug, Message, Serialize, Deserialize)]
-#[rtype(result = "Result<NotifyOutcome>")]
-pub struct NotifyVersion {
-    /// The model.
-    pub model: ModelId,
-    /// The version the trainer published.
-    pub version: Version,
-}
-
-/// The answer to [`NotifyVersion`].
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct NotifyOutcome {
-    /// The round's version.
-    pub version: Version,
-    /// True for the trainer whose arrival completed the round.
-    pub leader: bool,
-    /// The validation of an eval step (every model at `version`).
-    pub eval: Option<EvalReport>,
-}
-
-/// Ends a validation run by hand (when no evaluator is registered): data acquisition
-/// resumes.
-#[derive(Debug, Message)]
-#[rtype(result = "()")]
-pub struct EndValidate;
-
-/// Asks for the controller's state and timeline.
-#[derive(Debug, Message, Serialize, Deserialize)]
-#[rtype(result = "ControllerStatus")]
-pub struct GetStatus;
-
-/// One model as the controller sees it.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct ModelStatus {
-    /// The trainer's newest version.
-    pub train_version: Version,
-    /// The version every engine serves.
-    pub rollout_version: Version,
-    /// `running`, `need_sync` or `syncing`.
-    pub state: RolloutState,
-    /// Rollouts admitted.
-    pub admissions: u64,
-    /// Admissions that had to wait.
-    pub blocked: u64,
-    /// Total waiting time of admissions.
-    pub waited: Duration,
-    /// Largest staleness at admission.
-    pub max_staleness: u64,
-    /// Loads completed.
-    pub loads: u64,
-    /// Loads that failed (the previous version stayed served).
-    pub failed_loads: u64,
-    /// The last load error, or the last sync-policy error.
-    pub last_error: Option<String>,
-}
-
-/// The controller's state and its event timeline.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct ControllerStatus {
-    /// Per model.
-    pub models: BTreeMap<ModelId, ModelStatus>,
-    /// True while data acquisition is paused.
-    pub acquisition_paused: bool,
-    /// Eval steps completed.
-    pub evals: u64,
-    /// Every event, in order (capped at the newest 100 000).
-    pub events: Vec<SyncEvent>,
-}
-
-/// One entry of the controller's timeline.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct SyncEvent {
-    /// Event number (strictly increasing).
-    pub seq: u64,
-    /// Time since the controller started.
-    pub at: Duration,
-    /// The model it concerns, if one.
-    pub model: Option<ModelId>,
-    /// What happened.
-    pub kind: SyncEventKind,
-}
-
-/// What happened.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub enum SyncEventKind {
-    /// A batch is ready.
-    BatchReady,
-    /// The trainer finished a version.
-    TrainerFinished(Version),
-    /// A load was ordered on every engine.
-    LoadStarted(Version),
-    /// Every engine serves this version: the sync point.
-    Landed(Version),
-    /// A load failed.
-    LoadFailed(Version, String),
-    /// A rollout was admitted.
-    Admitted(Admission),
-    /// A rollout status check answered `block`.
-    Blocked(BlockReason),
-    /// A trainer arrived at the barrier.
-    Arrived(Version),
-    /// A barrier round completed; its leader runs the round.
-    Leader {
-        /// The round's version.
-        version: Version,
-        /// Whether it is an eval step.
-        eval: bool,
-    },
-    /// A step of the leader's eval sequence began.
-    Step(LeaderStep),
-    /// Validation finished.
-    Evaluated(Version),
-    /// Every trainer of the round was released.
-    Released(Version),
-    /// A sync-policy rule refused a step the controller was carrying out (the message
-    /// names it); also the model's `last_error`.
-    PolicyError(String),
-}
-
-impl std::fmt::Display for SyncEventKind {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            Self::BatchReady => f.write_str("batch ready"),
-            Self::TrainerFinished(v) => write!(f, "trainer finished v{v}"),
-            Self::LoadStarted(v) => write!(f, "load v{v} started"),
-            Self::Landed(v) => write!(f, "v{v} landed on every engine"),
-            Self::LoadFailed(v, e) => write!(f, "load v{v} failed: {e}"),
-            Self::Admitted(a) => write!(
-                f,
-                "rollout admitted (train v{}, rollout v{}, waited {:?})",
-                a.train_version, a.rollout_version, a.waited
-            ),
-            Self::Blocked(r) => write!(f, "rollout blocked ({r:?})"),
-            Self::Arrived(v) => write!(f, "arrived at the barrier with v{v}"),
-            Self::Leader { version, eval } => write!(
-                f,
-                "barrier complete at v{version}: leader{}",
-                if *eval { " (eval step)" } else { "" }
-            ),
-            Self::Step(s) => write!(f, "leader: {s}"),
-            Self::Evaluated(v) => write!(f, "validation at v{v} done"),
-            Self::Released(v) => write!(f, "trainers released at v{v}"),
-            Self::PolicyError(e) => write!(f, "sync policy error: {e}"),
-        }
-    }
-}
+use crate::protocol::controller::{
+    AddEngine, Admission, AwaitDrained, AwaitRollout, AwaitSynced, BatchReady, CheckRollout,
+    ControllerStatus, DropEngine, EndValidate, GetStatus, ModelStatus, NotifyOutcome,
+    NotifyVersion, RolloutDone, SyncEvent, SyncEventKind,
+};
+use crate::protocol::engine::{CancelInFlight, EngineRef, ServedVersions, UpdateModel};
+use crate::protocol::eval::{EvalReport, RunEval};
 
 type NotifyTx = oneshot::Sender<Result<NotifyOutcome>>;
 
@@ -280,8 +65,9 @@ const MAX_EVENTS: usize = 100_000;
 pub struct WeightSyncController {
     policy: SyncPolicy,
     barrier: VersionBarrier<NotifyTx>,
-    engines: Vec<EngineHandle>,
-    /// The position of each engine in the list the controller was made with.
+    engines: Vec<EngineRef>,
+    /// The id of each engine: its position in the list the controller was made with, or
+    /// the id it was added under.
     engine_ids: Vec<usize>,
     evaluator: Option<Recipient<RunEval>>,
     blocked: Vec<Blocked>,
@@ -307,14 +93,15 @@ impl std::fmt::Debug for WeightSyncController {
 
 impl WeightSyncController {
     /// A controller for the models of `cfg` (or `models` when the configuration lists
-    /// none), loading on `engines`, validating with `evaluator` on eval steps.
+    /// none), loading on `engines` (more join with [`AddEngine`], as the ranks of a run
+    /// do), validating with `evaluator` on eval steps.
     ///
     /// # Errors
-    /// [`Error::Config`] for no model, no engine, or a configuration that fails its checks.
+    /// [`Error::Config`] for no model, or a configuration that fails its checks.
     pub fn new(
         cfg: &SyncConfig,
         models: Vec<ModelId>,
-        engines: Vec<EngineHandle>,
+        engines: Vec<EngineRef>,
         evaluator: Option<Recipient<RunEval>>,
     ) -> Result<Self> {
         let models = if cfg.models.is_empty() {
@@ -322,11 +109,6 @@ impl WeightSyncController {
         } else {
             cfg.models.clone()
         };
-        if engines.is_empty() {
-            return Err(Error::Config(
-                "a controller needs at least one engine".into(),
-            ));
-        }
         let policy = SyncPolicy::new(cfg, models.iter().cloned())?;
         let barrier = VersionBarrier::new(models.iter().cloned())?;
         let counters = models
@@ -601,7 +383,7 @@ impl WeightSyncController {
 /// Sends one load to every engine at once and waits for all (latency is the slowest
 /// engine's, not the sum); answers the lowest version served.
 async fn load_everywhere(
-    engines: Vec<EngineHandle>,
+    engines: Vec<EngineRef>,
     order: SyncOrder,
     timeout: Duration,
 ) -> Result<Version> {
@@ -890,29 +672,13 @@ impl WeightSyncController {
     }
 }
 
-/// Stops loading on an engine (its process died): the engine at `index` in the list the
-/// controller was made with. Loads in flight land on the others; the last engine cannot be
-/// dropped.
-#[derive(Debug, Clone, Copy, Message)]
-#[rtype(result = "Result<()>")]
-pub struct DropEngine {
-    /// The engine's position in the list given to [`WeightSyncController::new`].
-    pub index: usize,
-}
-
 impl Handler<DropEngine> for WeightSyncController {
     type Result = Result<()>;
     fn handle(&mut self, msg: DropEngine, _: &mut Context<Self>) -> Result<()> {
         let Some(at) = self.engine_ids.iter().position(|i| *i == msg.index) else {
             return Ok(());
         };
-        if self.engines.len() == 1 {
-            return Err(Error::Config(format!(
-                "engine {} is the last one: it cannot be dropped",
-                msg.index
-            )));
-        }
-        self.engines.remove(at);
+self.engines.remove(at);
         self.engine_ids.remove(at);
         tracing::warn!(
             engine = msg.index,
@@ -920,6 +686,46 @@ impl Handler<DropEngine> for WeightSyncController {
             "engine dropped"
         );
         Ok(())
+    }
+}
+
+impl Handler<AddEngine> for WeightSyncController {
+    type Result = ResponseActFuture<Self, Result<BTreeMap<ModelId, Version>>>;
+    fn handle(&mut self, msg: AddEngine, _: &mut Context<Self>) -> Self::Result {
+        // the versions every other engine serves; models still at v0 load nothing
+        let targets: Vec<(ModelId, Version)> = self
+            .policy
+            .models()
+            .filter_map(|m| {
+                let v = self.policy.model(m).ok()?.rollout_version;
+                (v > Version::ZERO).then(|| (m.clone(), v))
+            })
+            .collect();
+        let timeout = self.policy.config().timeouts.load();
+        let engine = msg.engine.clone();
+        let bring_up = async move {
+            for (model, version) in targets {
+                let order = SyncOrder { model, version };
+                load_everywhere(vec![engine.clone()], order, timeout).await?;
+            }
+            engine
+                .versions
+                .send(ServedVersions)
+                .timeout(timeout)
+                .await
+                .map_err(|e| Error::Actor(format!("the added engine: {e}")))
+        };
+        Box::pin(bring_up.into_actor(self).map(move |r, act, _| {
+            let served = r?;
+            if let Some(at) = act.engine_ids.iter().position(|i| *i == msg.index) {
+                act.engines.remove(at);
+                act.engine_ids.remove(at);
+            }
+            act.engines.push(msg.engine);
+            act.engine_ids.push(msg.index);
+            tracing::info!(engine = msg.index, engines = act.engines.len(), "engine added");
+            Ok(served)
+        }))
     }
 }
 
@@ -975,10 +781,11 @@ impl Handler<GetStatus> for WeightSyncController {
 /// the previous notification completed, and waits for the round (and its validation) on
 /// eval steps.
 pub struct VersionNotifier {
-    controller: Addr<WeightSyncController>,
+    controller: Recipient<NotifyVersion>,
     model: ModelId,
     cfg: SyncConfig,
-    pending: Option<actix::dev::Request<WeightSyncController, NotifyVersion>>,
+    deadline: Duration,
+    pending: Option<actix::dev::RecipientRequest<NotifyVersion>>,
 }
 
 impl std::fmt::Debug for VersionNotifier {
@@ -991,14 +798,31 @@ impl std::fmt::Debug for VersionNotifier {
 }
 
 impl VersionNotifier {
-    /// A notifier for `model`'s trainer.
-    pub fn new(controller: Addr<WeightSyncController>, model: ModelId, cfg: SyncConfig) -> Self {
+    /// A notifier for `model`'s trainer, to a controller in this process or another
+    /// (`Addr<WeightSyncController>` or [`ControllerRef::notify`](crate::protocol::ControllerRef)).
+    /// Each notification waits at most the longest round the configuration allows (the
+    /// barrier's deadline plus, on eval steps, the loads and the validation).
+    pub fn new(
+        controller: impl Into<Recipient<NotifyVersion>>,
+        model: ModelId,
+        cfg: SyncConfig,
+    ) -> Self {
+        let t = &cfg.timeouts;
+        let deadline = t.barrier() + t.load() * 2 + t.eval() + Duration::from_secs(5);
         Self {
-            controller,
+            controller: controller.into(),
             model,
             cfg,
+            deadline,
             pending: None,
         }
+    }
+
+    fn late(&self) -> Error {
+        Error::Runtime(refit_runtime::Error::Timeout {
+            what: format!("the controller's round for model `{}`", self.model),
+            after: self.deadline,
+        })
     }
 
     /// Waits for the previous notification's round, if one is pending.
@@ -1008,11 +832,12 @@ impl VersionNotifier {
     pub async fn flush(&mut self) -> Result<Option<NotifyOutcome>> {
         match self.pending.take() {
             None => Ok(None),
-            Some(req) => {
-                Ok(Some(req.await.map_err(|e| {
-                    Error::Actor(format!("weight-sync controller: {e}"))
-                })??))
-            }
+            Some(req) => Ok(Some(
+                tokio::time::timeout(self.deadline, req)
+                    .await
+                    .map_err(|_| self.late())?
+                    .map_err(|e| Error::Actor(format!("weight-sync controller: {e}")))??,
+            )),
         }
     }
 
@@ -1030,9 +855,12 @@ impl VersionNotifier {
             version,
         });
         if self.cfg.is_eval_step(version) {
-            Ok(Some(req.await.map_err(|e| {
-                Error::Actor(format!("weight-sync controller: {e}"))
-            })??))
+            Ok(Some(
+                tokio::time::timeout(self.deadline, req)
+                    .await
+                    .map_err(|_| self.late())?
+                    .map_err(|e| Error::Actor(format!("weight-sync controller: {e}")))??,
+            ))
         } else {
             self.pending = Some(req);
             Ok(None)

@@ -19,143 +19,19 @@ use rand::SeedableRng;
 use rand::rngs::SmallRng;
 use refit_runtime::metrics::{self, Phase};
 use refit_runtime::{ArenaStrategy, ModelId, Strategy, Version, WeightSet};
-use serde::{Deserialize, Serialize};
 use tokio::sync::{Mutex, oneshot};
 
 use crate::collector::policy_model_id;
 use crate::error::{Error, Result};
+use crate::generation::Completion;
 use crate::link::WeightInlet;
 use crate::policy::{ActionOut, Policy};
+use crate::protocol::engine::{
+    Act, ActBatch, Acted, ActedBatch, CancelInFlight, Continue, EngineStats, Generate,
+    GetEngineStats, LoadReport, LoadWeights, Pause, ServedVersion, ServedVersions, UpdateModel,
+};
 
 use super::stale;
-
-/// Asks the engine's default model for an action.
-#[derive(Debug, Message)]
-#[rtype(result = "Result<Acted>")]
-pub struct Act {
-    /// The observation.
-    pub obs: Vec<f32>,
-}
-
-/// An action and the weights version that chose it.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct Acted {
-    /// The action and its log-probability.
-    pub out: ActionOut,
-    /// The version of the weights that acted.
-    pub version: Version,
-}
-
-/// Asks one model for actions on several observations at once (one rollout step of a
-/// vector of environments).
-#[derive(Debug, Clone, Message, Serialize, Deserialize)]
-#[rtype(result = "Result<ActedBatch>")]
-pub struct ActBatch {
-    /// The model.
-    pub model: ModelId,
-    /// Observations, one after the other (`n * obs_dim` values).
-    pub obs: Vec<f32>,
-    /// The cancellation generation the episode started in (`None`: not cancellable). A
-    /// request from an older generation is refused with [`Error::Cancelled`].
-    pub generation: Option<u64>,
-    /// Greedy actions (evaluation) instead of samples.
-    pub greedy: bool,
-}
-
-/// The answer to [`ActBatch`].
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct ActedBatch {
-    /// One action per observation.
-    pub actions: Vec<ActionOut>,
-    /// The version of the weights that acted (one version for the whole request).
-    pub version: Version,
-    /// The engine's cancellation generation.
-    pub generation: u64,
-}
-
-/// Pauses generation of every model: requests queue until [`Continue`].
-#[derive(Debug, Message)]
-#[rtype(result = "()")]
-pub struct Pause;
-
-/// Resumes generation and answers the queued requests.
-#[derive(Debug, Message)]
-#[rtype(result = "()")]
-pub struct Continue;
-
-/// Loads weights pushed by the caller (validated whole first; a refused version leaves the
-/// served one). The model is the one the weight set names; its requests queue during the
-/// apply, other models keep being served.
-#[derive(Debug, Clone, Message)]
-#[rtype(result = "Result<Version>")]
-pub struct LoadWeights {
-    /// The weights.
-    pub weights: Arc<WeightSet>,
-}
-
-/// Brings one model to at least `version`: fetch through the model's inlet and validate
-/// (staging, generation goes on), then pause that model, apply, continue, and acknowledge
-/// the version to its sender (an ack means served). Loads of one model are serialised by a
-/// per-model lock; loads of different models overlap.
-#[derive(Debug, Clone, Message, Serialize, Deserialize)]
-#[rtype(result = "Result<LoadReport>")]
-pub struct UpdateModel {
-    /// The model.
-    pub model: ModelId,
-    /// The least version to serve afterwards.
-    pub version: Version,
-    /// Deadline for the fetch.
-    pub timeout: Duration,
-}
-
-/// What one load did.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct LoadReport {
-    /// The model.
-    pub model: ModelId,
-    /// The version served afterwards.
-    pub version: Version,
-    /// Waiting for the per-model lock plus fetching and validating the bytes.
-    pub staged: Duration,
-    /// How long the model's generation was paused (the apply only).
-    pub paused: Duration,
-}
-
-/// Cancels in-flight episodes: requests of older generations are refused from now on, and
-/// queued ones are answered with [`Error::Cancelled`]. Answers the new generation.
-#[derive(Debug, Message, Serialize, Deserialize)]
-#[rtype(result = "u64")]
-pub struct CancelInFlight;
-
-/// Asks which version the default model serves.
-#[derive(Debug, Message)]
-#[rtype(result = "Version")]
-pub struct ServedVersion;
-
-/// Asks which version every model serves.
-#[derive(Debug, Message, Serialize, Deserialize)]
-#[rtype(result = "BTreeMap<ModelId, Version>")]
-pub struct ServedVersions;
-
-/// Asks for the engine's load statistics.
-#[derive(Debug, Message)]
-#[rtype(result = "EngineStats")]
-pub struct GetEngineStats;
-
-/// Load statistics of an engine.
-#[derive(Debug, Clone, Default, PartialEq)]
-pub struct EngineStats {
-    /// Loads applied.
-    pub loads: u64,
-    /// Total time models were paused for applies.
-    pub paused_total: Duration,
-    /// Longest single pause.
-    pub paused_max: Duration,
-    /// Total staging time (lock wait + fetch + validation), outside any pause.
-    pub staged_total: Duration,
-    /// Requests refused because their episode was cancelled.
-    pub cancelled: u64,
-}
 
 type Waiter = oneshot::Sender<Result<ActedBatch>>;
 type SharedInlet = Arc<Mutex<Box<dyn WeightInlet>>>;
@@ -629,6 +505,17 @@ impl<P: Policy + Unpin + 'static> Handler<ServedVersions> for InferenceEngine<P>
     }
 }
 
+impl<P: Policy + Unpin + 'static> Handler<Generate> for InferenceEngine<P> {
+    type Result = Result<Completion>;
+    fn handle(&mut self, msg: Generate, _: &mut Context<Self>) -> Self::Result {
+        Err(Error::Config(format!(
+            "model `{}`: this engine serves actions for observations (ActBatch), not \
+             completions (Generate); serve a generating model with a generating engine",
+            msg.model
+        )))
+    }
+}
+
 impl<P: Policy + Unpin + 'static> Handler<GetEngineStats> for InferenceEngine<P> {
     type Result = MessageResult<GetEngineStats>;
     fn handle(&mut self, _: GetEngineStats, _: &mut Context<Self>) -> Self::Result {
@@ -636,24 +523,3 @@ impl<P: Policy + Unpin + 'static> Handler<GetEngineStats> for InferenceEngine<P>
     }
 }
 
-/// The engine messages a controller needs, for any policy type.
-#[derive(Debug, Clone)]
-pub struct EngineHandle {
-    /// Loads.
-    pub update: Recipient<UpdateModel>,
-    /// Cancels in-flight episodes.
-    pub cancel: Recipient<CancelInFlight>,
-    /// Versions served.
-    pub versions: Recipient<ServedVersions>,
-}
-
-impl EngineHandle {
-    /// The handle of a started engine.
-    pub fn of<P: Policy + Unpin + 'static>(addr: &Addr<InferenceEngine<P>>) -> Self {
-        Self {
-            update: addr.clone().recipient(),
-            cancel: addr.clone().recipient(),
-            versions: addr.clone().recipient(),
-        }
-    }
-}

@@ -1,4 +1,5 @@
-//! The actix actors of a topology.
+//! The actix actors of a topology, one file per role; what they exchange is in each role's
+//! protocol module ([`crate::protocol`], re-exported here).
 //!
 //! - [`InferenceEngine`] serves actions for one or several models; it pauses, loads and
 //!   continues one model at a time, staging the bytes through the model's inlet before the
@@ -11,44 +12,47 @@
 //!   the staleness filter; [`Evaluator`] runs validation episodes.
 //! - [`CollectorWorker`] and [`Trainer`] wrap the plain-Rust collector and a user's
 //!   [`Learner`](crate::learner::Learner) on their own threads.
-//! - [`topology`] wires them into a training run: one trainer per model, shared engine and
-//!   controller, the user's code coming from a [`Roles`](crate::roles::Roles) factory.
-//! - [`cluster`] spreads a topology over processes and hosts as a topology file places it:
-//!   [`cluster::join`] runs one rank (trainer, controller and evaluator on rank 0; engines
-//!   and rollout workers on the others), weights over shared memory or TCP per link, every
-//!   other message through remote actors.
 //!
-//! Actix stays inside this module: the rest of the crate, the runtime and the transports are
-//! plain Rust. CPU-heavy actors (collection, training) run on their own threads so they never
-//! block an arbiter's event loop.
+//! [`crate::run`] wires them into a training run, in one process or across processes and
+//! hosts, as a topology file places them.
+//!
+//! Actix stays inside this crate: the runtime and the transports are plain Rust. CPU-heavy
+//! actors (collection, training) run on their own threads so they never block an arbiter's
+//! event loop.
 
-pub mod cluster;
 pub mod controller;
 pub mod engine;
 pub mod eval;
+pub mod pool;
 pub mod rollout;
-pub mod topology;
 pub mod workers;
 
 use refit_runtime::{ModelId, Version};
 
-pub use controller::{
-    Admission, AwaitDrained, AwaitRollout, AwaitSynced, BatchReady, CheckRollout, ControllerStatus,
-    DropEngine, EndValidate, GetStatus, ModelStatus, NotifyOutcome, NotifyVersion, RolloutDone,
-    SyncEvent, SyncEventKind, VersionNotifier, WeightSyncController,
+pub use crate::protocol::controller::{
+    AddEngine, Admission, AwaitDrained, AwaitRollout, AwaitSynced, BatchReady, CheckRollout,
+    ControllerLink, ControllerRef, ControllerStatus, DropEngine, EndValidate, GetStatus,
+    ModelStatus, NotifyOutcome, NotifyVersion, RolloutDone, SyncEvent, SyncEventKind,
 };
-pub use engine::{
-    Act, ActBatch, Acted, ActedBatch, CancelInFlight, Continue, EngineHandle, EngineStats,
-    GetEngineStats, InferenceEngine, LoadReport, LoadWeights, Pause, ServedVersion, ServedVersions,
-    UpdateModel,
+pub use crate::protocol::engine::{
+    Act, ActBatch, Acted, ActedBatch, CancelInFlight, Continue, EngineActor, EngineRef,
+    EngineStats, Generate, GetEngineStats, LoadReport, LoadWeights, Pause, ServedVersion,
+    ServedVersions, UpdateModel,
 };
-pub use eval::{EvalReport, Evaluator, ModelEval, RunEval};
-pub use rollout::{
-    AwaitBatch, ControllerLink, FragmentInfo, PoolBatch, PushFragment, RolloutConfig, RolloutStats,
-    RolloutWorker, StartRollouts, StopRollouts, TakeBatch, TrajectoryPool,
+pub use crate::protocol::eval::{EvalReport, ModelEval, RunEval};
+pub use crate::protocol::pool::{
+    AwaitBatch, FragmentInfo, PoolBatch, PoolRef, PushFragment, TakeBatch,
 };
-pub use topology::{ModelSpec, RunConfig, RunReport, StopRule, UpdateRecord};
-pub use workers::{CollectBatch, CollectorWorker, Train, TrainAndPublish, Trainer};
+pub use crate::protocol::rollout::{
+    GetRolloutStats, RolloutRef, RolloutStats, StartRollouts, StopRollouts,
+};
+pub use crate::protocol::trainer::{Train, TrainAndPublish};
+pub use controller::{VersionNotifier, WeightSyncController};
+pub use engine::InferenceEngine;
+pub use eval::Evaluator;
+pub use pool::TrajectoryPool;
+pub use rollout::{RolloutConfig, RolloutWorker};
+pub use workers::{CollectBatch, CollectorWorker, Trainer};
 
 use crate::error::Error;
 

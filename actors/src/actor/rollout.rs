@@ -1,23 +1,18 @@
-//! Rollout workers that act through an engine, and the trajectory pool that batches their
-//! fragments through the staleness filter.
+//! Rollout workers that step environments with actions from an engine.
 
-use std::collections::VecDeque;
 use std::time::Duration;
 
 use actix::prelude::*;
-use refit_runtime::sync_policy::StalenessStats;
-use refit_runtime::{ModelId, StalenessFilter, Version};
-use serde::{Deserialize, Serialize};
-use tokio::sync::oneshot;
+use refit_runtime::{ModelId, Version};
 
 use crate::batch::{Batch, EpisodeStats, Transition};
 use crate::env::Env;
 use crate::error::{Error, Result};
 use crate::policy::ActionOut;
-
-use super::controller::{Admission, AwaitRollout, BatchReady, RolloutDone, WeightSyncController};
-
-use super::engine::ActBatch;
+use crate::protocol::controller::{AwaitRollout, ControllerLink, RolloutDone};
+use crate::protocol::engine::ActBatch;
+use crate::protocol::pool::PushFragment;
+use crate::protocol::rollout::{GetRolloutStats, RolloutStats, StartRollouts, StopRollouts};
 
 /// A vector of environments stepped together, with per-episode bookkeeping.
 #[derive(Debug)]
@@ -137,41 +132,6 @@ impl<E: Env> VecEnv<E> {
     }
 }
 
-/// A fragment for the pool, with the admission that let it run.
-#[derive(Debug, Message, Serialize, Deserialize)]
-#[rtype(result = "()")]
-pub struct PushFragment {
-    /// The fragment's transitions and ended episodes.
-    pub fragment: Batch,
-    /// The controller's answer to the status check that started it.
-    pub admission: Admission,
-}
-
-/// Starts the worker's fragment loop.
-#[derive(Debug, Message)]
-#[rtype(result = "()")]
-pub struct StartRollouts;
-
-/// Stops the worker after its current fragment; answers what it did.
-#[derive(Debug, Message)]
-#[rtype(result = "RolloutStats")]
-pub struct StopRollouts;
-
-/// What a rollout worker did.
-#[derive(Debug, Clone, Default, PartialEq)]
-pub struct RolloutStats {
-    /// Fragments pushed to the pool.
-    pub fragments: u64,
-    /// Fragments abandoned because their episodes were cancelled.
-    pub cancelled: u64,
-    /// Time spent blocked at the status check.
-    pub blocked: Duration,
-    /// Status checks that had to wait.
-    pub blocked_checks: u64,
-    /// The error that stopped the worker, if one did.
-    pub error: Option<String>,
-}
-
 /// Settings of a rollout worker.
 #[derive(Debug, Clone)]
 pub struct RolloutConfig {
@@ -187,40 +147,6 @@ pub struct RolloutConfig {
     /// and of handing a fragment to the pool: past it the worker stops with
     /// [`refit_runtime::Error::Timeout`] in its [`RolloutStats::error`].
     pub timeout: Duration,
-}
-
-/// How a rollout worker reaches the weight-sync controller: the two messages it sends, as
-/// recipients, so that a controller in another process (through
-/// [`RemoteAddr::recipient`](crate::remote::RemoteAddr::recipient)) fits as well as a local
-/// one.
-#[derive(Debug, Clone)]
-pub struct ControllerLink {
-    /// The status check that waits.
-    pub await_rollout: Recipient<AwaitRollout>,
-    /// The end of an admitted rollout.
-    pub done: Recipient<RolloutDone>,
-}
-
-impl ControllerLink {
-    /// The link to a controller of this process.
-    pub fn of(controller: &Addr<WeightSyncController>) -> Self {
-        Self {
-            await_rollout: controller.clone().recipient(),
-            done: controller.clone().recipient(),
-        }
-    }
-}
-
-impl From<Addr<WeightSyncController>> for ControllerLink {
-    fn from(controller: Addr<WeightSyncController>) -> Self {
-        Self::of(&controller)
-    }
-}
-
-impl From<&Addr<WeightSyncController>> for ControllerLink {
-    fn from(controller: &Addr<WeightSyncController>) -> Self {
-        Self::of(controller)
-    }
 }
 
 /// Steps a vector of environments with actions from an engine: before each fragment it
@@ -426,6 +352,13 @@ impl<E: Env + Unpin + 'static> Handler<StartRollouts> for RolloutWorker<E> {
     }
 }
 
+impl<E: Env + Unpin + 'static> Handler<GetRolloutStats> for RolloutWorker<E> {
+    type Result = MessageResult<GetRolloutStats>;
+    fn handle(&mut self, _: GetRolloutStats, _: &mut Context<Self>) -> Self::Result {
+        MessageResult(self.stats.clone())
+    }
+}
+
 impl<E: Env + Unpin + 'static> Handler<StopRollouts> for RolloutWorker<E> {
     type Result = MessageResult<StopRollouts>;
     fn handle(&mut self, _: StopRollouts, _: &mut Context<Self>) -> Self::Result {
@@ -434,329 +367,3 @@ impl<E: Env + Unpin + 'static> Handler<StopRollouts> for RolloutWorker<E> {
     }
 }
 
-/// Waits until the pool holds a batch for a trainer at `train_version`, without taking it.
-#[derive(Debug, Message)]
-#[rtype(result = "Result<usize>")]
-pub struct AwaitBatch {
-    /// The trainer's version (staleness is counted against it).
-    pub train_version: Version,
-    /// Deadline.
-    pub timeout: Duration,
-}
-
-/// Takes fragments, oldest first, once at least a batch is there: whole fragments until
-/// the batch size is reached, or every fragment with `all`.
-#[derive(Debug, Message)]
-#[rtype(result = "Result<PoolBatch>")]
-pub struct TakeBatch {
-    /// The trainer's version (staleness is counted against it).
-    pub train_version: Version,
-    /// Take every fragment (`sync` mode, after draining: all of them are on-policy).
-    pub all: bool,
-    /// Deadline.
-    pub timeout: Duration,
-}
-
-/// A batch out of the pool.
-#[derive(Debug, Clone)]
-pub struct PoolBatch {
-    /// The transitions; each fragment is its own stream (`worker` holds the fragment's
-    /// number in the pool, so advantage estimation never runs across a dropped or
-    /// cancelled fragment).
-    pub batch: Batch,
-    /// Samples dropped as too stale while this batch was gathered.
-    pub dropped: u64,
-    /// Samples evicted because the pool was full while this batch was gathered.
-    pub evicted: u64,
-    /// Largest staleness in this batch.
-    pub max_staleness: u64,
-    /// The fragments of this batch: their admissions and sample versions.
-    pub fragments: Vec<FragmentInfo>,
-    /// Everything the filter saw so far.
-    pub totals: StalenessStats,
-}
-
-/// One fragment of a batch.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct FragmentInfo {
-    /// The controller's admission that started it.
-    pub admission: Admission,
-    /// Lowest and highest version that acted in it.
-    pub versions: (Version, Version),
-    /// Frames it holds.
-    pub frames: usize,
-}
-
-/// A trainer waiting on the pool: to know a batch is there, or to take it.
-enum Want {
-    Ready(oneshot::Sender<Result<usize>>),
-    Take {
-        all: bool,
-        tx: oneshot::Sender<Result<PoolBatch>>,
-    },
-}
-
-struct Waiting {
-    id: u64,
-    want: Want,
-}
-
-/// Gathers fragments into batches for one model's trainer; drops samples older than the
-/// allowed staleness (counted) and tells the controller when a batch is ready.
-pub struct TrajectoryPool {
-    model: ModelId,
-    batch_frames: usize,
-    filter: StalenessFilter,
-    train_version: Version,
-    fragments: VecDeque<(Batch, Admission)>,
-    dropped_since_take: u64,
-    evicted_since_take: u64,
-    evicted_total: u64,
-    capacity: usize,
-    controller: Option<Recipient<BatchReady>>,
-    ready_sent: bool,
-    waiting: Vec<Waiting>,
-    next_id: u64,
-    next_stream: usize,
-}
-
-impl std::fmt::Debug for TrajectoryPool {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("TrajectoryPool")
-            .field("model", &self.model)
-            .field("frames", &self.frames())
-            .field("stats", self.filter.stats())
-            .finish()
-    }
-}
-
-impl TrajectoryPool {
-    /// A pool handing out batches of at least `batch_frames` frames, dropping samples more
-    /// than `max_staleness` versions behind the trainer.
-    pub fn new(
-        model: ModelId,
-        batch_frames: usize,
-        max_staleness: Option<u64>,
-        controller: Option<Recipient<BatchReady>>,
-    ) -> Self {
-        Self {
-            model,
-            batch_frames: batch_frames.max(1),
-            filter: StalenessFilter::new(max_staleness),
-            train_version: Version::ZERO,
-            fragments: VecDeque::new(),
-            dropped_since_take: 0,
-            evicted_since_take: 0,
-            evicted_total: 0,
-            capacity: batch_frames.max(1) * 2,
-            controller,
-            ready_sent: false,
-            waiting: Vec::new(),
-            next_id: 0,
-            next_stream: 0,
-        }
-    }
-
-    /// Holds at most `batches` batches of frames; older fragments are evicted.
-    #[must_use]
-    pub fn with_capacity_batches(mut self, batches: u64) -> Self {
-        let b = usize::try_from(batches.max(1)).unwrap_or(usize::MAX);
-        self.capacity = self.batch_frames.saturating_mul(b);
-        self
-    }
-
-    /// Samples evicted so far because the pool was full.
-    pub fn evicted(&self) -> u64 {
-        self.evicted_total
-    }
-
-    fn evict(&mut self) {
-        let mut frames = self.frames();
-        while frames > self.capacity && self.fragments.len() > 1 {
-            if let Some((b, _)) = self.fragments.pop_front() {
-                frames -= b.frames;
-                self.evicted_since_take += b.frames as u64;
-                self.evicted_total += b.frames as u64;
-            }
-        }
-    }
-
-    fn frames(&self) -> usize {
-        self.fragments.iter().map(|(b, _)| b.frames).sum()
-    }
-
-    /// Drops (and counts) samples too old for the trainer's version.
-    fn prune(&mut self) {
-        let Some(max) = self.filter.max() else {
-            return;
-        };
-        let train = self.train_version;
-        let Self {
-            fragments,
-            filter,
-            dropped_since_take,
-            ..
-        } = self;
-        for (b, _) in fragments.iter_mut() {
-            let before = b.transitions.len();
-            b.transitions.retain(|t| {
-                let keep = StalenessFilter::staleness(t.version, train) <= max;
-                if !keep {
-                    filter.admit(t.version, train, 1);
-                }
-                keep
-            });
-            let dropped = before - b.transitions.len();
-            *dropped_since_take += dropped as u64;
-            b.frames -= dropped;
-        }
-        fragments.retain(|(b, _)| b.frames > 0);
-    }
-
-    /// Tells the controller, once per batch, that a batch is ready.
-    fn announce_ready(&mut self) {
-        if self.frames() >= self.batch_frames && !self.ready_sent {
-            self.ready_sent = true;
-            if let Some(c) = &self.controller {
-                c.do_send(BatchReady {
-                    model: self.model.clone(),
-                });
-            }
-        }
-    }
-
-    fn serve(&mut self) {
-        self.prune();
-        if self.frames() < self.batch_frames {
-            return;
-        }
-        self.announce_ready();
-        for w in std::mem::take(&mut self.waiting) {
-            match w.want {
-                Want::Ready(tx) => {
-                    let _ = tx.send(Ok(self.frames()));
-                }
-                // an earlier take in this loop may have emptied the pool
-                Want::Take { all, tx } if self.frames() >= self.batch_frames => {
-                    let _ = tx.send(Ok(self.take(all)));
-                }
-                want @ Want::Take { .. } => self.waiting.push(Waiting { id: w.id, want }),
-            }
-        }
-    }
-
-    fn take(&mut self, all: bool) -> PoolBatch {
-        let train = self.train_version;
-        let mut parts = Vec::with_capacity(self.fragments.len());
-        let mut fragments = Vec::with_capacity(self.fragments.len());
-        let mut max_staleness = 0;
-        let mut frames = 0;
-        while let Some((mut b, adm)) = self.fragments.pop_front() {
-            if !all && frames >= self.batch_frames {
-                self.fragments.push_front((b, adm));
-                break;
-            }
-            frames += b.frames;
-            let stream = self.next_stream;
-            self.next_stream += 1;
-            for t in &mut b.transitions {
-                let s = StalenessFilter::staleness(t.version, train);
-                max_staleness = max_staleness.max(s);
-                self.filter.admit(t.version, train, 1);
-                t.worker = stream;
-            }
-            if let Some(versions) = b.version_range() {
-                fragments.push(FragmentInfo {
-                    admission: adm,
-                    versions,
-                    frames: b.frames,
-                });
-            }
-            parts.push(b);
-        }
-        self.ready_sent = false;
-        // after a partial take, a full batch may already be waiting
-        self.announce_ready();
-        PoolBatch {
-            batch: Batch::concat(parts),
-            dropped: std::mem::take(&mut self.dropped_since_take),
-            evicted: std::mem::take(&mut self.evicted_since_take),
-            max_staleness,
-            fragments,
-            totals: self.filter.stats().clone(),
-        }
-    }
-
-    /// Queues `want` with a deadline, then serves what can be served now.
-    fn enqueue(
-        &mut self,
-        train_version: Version,
-        want: Want,
-        timeout: Duration,
-        ctx: &mut Context<Self>,
-    ) {
-        self.train_version = self.train_version.max(train_version);
-        let id = self.next_id;
-        self.next_id += 1;
-        self.waiting.push(Waiting { id, want });
-        ctx.run_later(timeout, move |act, _| {
-            let Some(i) = act.waiting.iter().position(|w| w.id == id) else {
-                return;
-            };
-            let w = act.waiting.swap_remove(i);
-            let e = Error::Runtime(refit_runtime::Error::Timeout {
-                what: format!(
-                    "a batch of {} frames for model `{}` (the pool holds {})",
-                    act.batch_frames,
-                    act.model,
-                    act.frames()
-                ),
-                after: timeout,
-            });
-            match w.want {
-                Want::Ready(tx) => drop(tx.send(Err(e))),
-                Want::Take { tx, .. } => drop(tx.send(Err(e))),
-            }
-        });
-        self.serve();
-    }
-}
-
-async fn answer<T>(rx: oneshot::Receiver<Result<T>>) -> Result<T> {
-    rx.await
-        .map_err(|_| Error::Actor("trajectory pool stopped".into()))?
-}
-
-impl Actor for TrajectoryPool {
-    type Context = Context<Self>;
-}
-
-impl Handler<PushFragment> for TrajectoryPool {
-    type Result = ();
-    fn handle(&mut self, msg: PushFragment, _: &mut Context<Self>) {
-        if msg.fragment.frames > 0 {
-            self.fragments.push_back((msg.fragment, msg.admission));
-        }
-        self.evict();
-        self.serve();
-    }
-}
-
-impl Handler<AwaitBatch> for TrajectoryPool {
-    type Result = ResponseFuture<Result<usize>>;
-    fn handle(&mut self, msg: AwaitBatch, ctx: &mut Context<Self>) -> Self::Result {
-        let (tx, rx) = oneshot::channel();
-        self.enqueue(msg.train_version, Want::Ready(tx), msg.timeout, ctx);
-        Box::pin(answer(rx))
-    }
-}
-
-impl Handler<TakeBatch> for TrajectoryPool {
-    type Result = ResponseFuture<Result<PoolBatch>>;
-    fn handle(&mut self, msg: TakeBatch, ctx: &mut Context<Self>) -> Self::Result {
-        let (tx, rx) = oneshot::channel();
-        let want = Want::Take { all: msg.all, tx };
-        self.enqueue(msg.train_version, want, msg.timeout, ctx);
-        Box::pin(answer(rx))
-    }
-}

@@ -13,7 +13,8 @@ use crate::learner::{LearnStats, Learner};
 use crate::link::WeightOutlet;
 use crate::policy::Policy;
 
-use super::engine::LoadWeights;
+use crate::protocol::engine::LoadWeights;
+use crate::protocol::trainer::{Train, TrainAndPublish};
 
 /// Asks a worker for one batch.
 #[derive(Debug, Message)]
@@ -61,23 +62,6 @@ impl<E: Env + Unpin + 'static, P: Policy + Unpin + 'static> Handler<LoadWeights>
         self.collector.update_weights((*msg.weights).clone())?;
         Ok(self.collector.policy_version())
     }
-}
-
-/// One update on a batch; answers the learner's stats and the new weights.
-#[derive(Debug, Message)]
-#[rtype(result = "Result<(LearnStats, Arc<WeightSet>)>")]
-pub struct Train {
-    /// The batch.
-    pub batch: Batch,
-}
-
-/// One update, then the new version goes out through the trainer's outlet; answers the
-/// learner's stats and the published version.
-#[derive(Debug, Message)]
-#[rtype(result = "Result<(LearnStats, Version)>")]
-pub struct TrainAndPublish {
-    /// The batch.
-    pub batch: Batch,
 }
 
 /// The trainer actor: hosts a [`Learner`] on its own thread, optionally publishing through

@@ -76,6 +76,17 @@ impl RemoteAddr {
         Ok(Self::new(peer, target, name, deadline))
     }
 
+    /// Another actor served by the same node, on the same connection, called `name`.
+    #[must_use]
+    pub fn at(&self, target: Uuid, name: impl Into<String>) -> Self {
+        Self {
+            peer: self.peer.clone(),
+            target,
+            name: Arc::from(name.into()),
+            deadline: self.deadline,
+        }
+    }
+
     /// The same handle with another default deadline.
     #[must_use]
     pub fn with_deadline(mut self, deadline: Duration) -> Self {

@@ -45,6 +45,17 @@ pub trait RemoteReply: Sized + Send + 'static {
     fn from_failure(error: Error) -> Option<Self>;
 }
 
+/// Names messages on the wire: `wire_names! { UpdateModel => "_receive_weights_scheme" }`
+/// implements [`RemoteMessage`] for each type (used by the role protocols).
+macro_rules! wire_names {
+    ($($ty:ty => $name:literal),* $(,)?) => {
+        $(impl $crate::remote::RemoteMessage for $ty {
+            const NAME: &'static str = $name;
+        })*
+    };
+}
+pub(crate) use wire_names;
+
 /// Implements [`RemoteReply`](crate::remote::RemoteReply) for answer types that cross
 /// processes as they are (`Serialize + DeserializeOwned`); a failed call through a proxy
 /// drops their reply (see [`RemoteReply`](crate::remote::RemoteReply)).

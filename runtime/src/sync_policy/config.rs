@@ -55,6 +55,55 @@ impl std::fmt::Display for SyncMode {
     }
 }
 
+/// What a generating engine does with the sequences in flight when a new version is ready
+/// (the swap itself happens at a decoding-step boundary, after the version was staged
+/// beside generation).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum PauseMode {
+    /// In-flight requests end at the swap, reported as aborted (with their tokens so far).
+    Abort,
+    /// No new request starts; the ones in flight finish under the old version; then the
+    /// swap.
+    Wait,
+    /// In-flight sequences continue under the new version (their KV caches kept); their
+    /// per-token versions show the change.
+    #[default]
+    Keep,
+}
+
+impl PauseMode {
+    /// The name used in configuration files.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Abort => "abort",
+            Self::Wait => "wait",
+            Self::Keep => "keep",
+        }
+    }
+
+    /// Parses `abort`, `wait` or `keep`.
+    ///
+    /// # Errors
+    /// [`Error::Config`] naming the accepted values.
+    pub fn parse(s: &str) -> Result<Self> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "abort" => Ok(Self::Abort),
+            "wait" => Ok(Self::Wait),
+            "keep" => Ok(Self::Keep),
+            other => Err(Error::Config(format!(
+                "pause mode `{other}` is not one of `abort`, `wait`, `keep`"
+            ))),
+        }
+    }
+}
+
+impl std::fmt::Display for PauseMode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
 /// Deadlines, in seconds, on every wait the controller makes.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -106,6 +155,7 @@ impl Timeouts {
 /// staleness_threshold = 2        # batch-async: block when train - rollout >= 2
 /// max_staleness = 2              # drop samples older than this (default: by mode)
 /// validate_freq = 5              # every 5th version is an eval step (0 = never)
+/// pause_mode = "keep"            # generating engines at a swap: "abort" | "wait" | "keep"
 /// models = ["solver", "verifier"]
 ///
 /// [timeouts]
@@ -131,6 +181,8 @@ pub struct SyncConfig {
     /// The models the controller synchronises (one trainer each); the leader loads them in
     /// this order's sorted order on eval steps. Empty means the single default model.
     pub models: Vec<ModelId>,
+    /// What generating engines do with sequences in flight at a swap.
+    pub pause_mode: PauseMode,
     /// Deadlines.
     pub timeouts: Timeouts,
 }
@@ -144,6 +196,7 @@ impl Default for SyncConfig {
             max_buffered_batches: 2,
             validate_freq: 0,
             models: Vec::new(),
+            pause_mode: PauseMode::default(),
             timeouts: Timeouts::default(),
         }
     }

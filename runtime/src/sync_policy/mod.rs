@@ -21,6 +21,6 @@ mod policy;
 mod staleness;
 
 pub use barrier::{LeaderStep, Round, VersionBarrier, leader_sequence};
-pub use config::{SyncConfig, SyncMode, Timeouts};
+pub use config::{PauseMode, SyncConfig, SyncMode, Timeouts};
 pub use policy::{BlockReason, Decision, ModelSync, RolloutState, SyncOrder, SyncPolicy};
 pub use staleness::{StalenessFilter, StalenessStats};

@@ -25,10 +25,13 @@
 //! assert!(topo.rank(1)?.has(Role::Engine));
 //! assert_eq!(topo.engine_ranks(), vec![1, 2]);
 //! // `auto` (the default): the nearest transport that reaches one host
-//! assert_eq!(topo.weights_transport(0, 1), TransportKind::Nearest(Reach::Host));
+//! let policy = topo.model_ids()[0].clone();
+//! assert_eq!(topo.trainer_ranks(&policy), vec![0]);
+//! assert_eq!(topo.weights_transport(&policy, 0, 1), TransportKind::Nearest(Reach::Host));
 //! # Ok::<(), refit_runtime::Error>(())
 //! ```
 
+mod convert;
 mod locate;
 mod placement;
 mod schema;
@@ -39,6 +42,7 @@ mod validate;
 use std::path::Path;
 use std::time::Duration;
 
+pub use convert::{CastRuleSection, ConvertSection, LayoutRuleSection};
 pub use placement::RankPlan;
 pub use schema::{
     HostSection, LinkTransport, LinksSection, ModelSection, OnFailure, ProcessSection, Reach, Role,
@@ -83,7 +87,7 @@ impl Topology {
         let mut raw: schema::RawTopology =
             toml::from_str(text).map_err(|e| locate::parse_error(text, &e))?;
         validate::validate(&mut raw)?;
-        let ranks = placement::expand(&raw.processes, &raw.hosts);
+        let ranks = placement::expand(&raw.processes, &raw.hosts, &raw.models);
         Ok(Self {
             run: raw.run,
             sync: raw.sync,
@@ -138,7 +142,7 @@ impl Topology {
         &self.ranks
     }
 
-    /// The ranks that hold the `engine` role, in order.
+    /// The ranks that hold the `engine` role (for any model), in order.
     pub fn engine_ranks(&self) -> Vec<u32> {
         self.ranks_with(Role::Engine)
     }
@@ -152,51 +156,113 @@ impl Topology {
             .collect()
     }
 
-    /// The transport weights take from `from_rank` to `to_rank`: the one `[links] weights`
-    /// names, or for `auto` the reach the link needs (same rank: one process; same host: one
-    /// host; else the network). A rank outside the topology needs the network.
-    pub fn weights_transport(&self, from_rank: u32, to_rank: u32) -> TransportKind {
+    /// The ranks that hold `role` for `model`, in order (see [`RankPlan::serves`]).
+    pub fn ranks_serving(&self, role: Role, model: &ModelId) -> Vec<u32> {
+        self.ranks
+            .iter()
+            .filter(|p| p.serves(role, model))
+            .map(|p| p.rank)
+            .collect()
+    }
+
+    /// The ranks of `model`'s trainer, in order: one rank, or the shards of a trainer
+    /// process with replicas (the first one publishes).
+    pub fn trainer_ranks(&self, model: &ModelId) -> Vec<u32> {
+        self.ranks_serving(Role::Trainer, model)
+    }
+
+    /// The rank whose engine serves `model`, in order.
+    pub fn engine_ranks_of(&self, model: &ModelId) -> Vec<u32> {
+        self.ranks_serving(Role::Engine, model)
+    }
+
+    /// The rank that holds the evaluator, if one does.
+    pub fn evaluator_rank(&self) -> Option<u32> {
+        self.ranks_with(Role::Evaluator).first().copied()
+    }
+
+    /// The rollout workers `model` gets on `rank`: the process's `rollout_workers`, else
+    /// the model's `params.workers`, else 1 (0 where the rank holds no rollout role for it).
+    pub fn rollout_workers(&self, rank: u32, model: &ModelId) -> u32 {
+        let Some(plan) = self.ranks.get(rank as usize) else {
+            return 0;
+        };
+        if !plan.serves(Role::Rollout, model) {
+            return 0;
+        }
+        if plan.rollout_workers > 0 {
+            return plan.rollout_workers;
+        }
+        self.model(model)
+            .and_then(|m| m.params.get("workers"))
+            .and_then(toml::Value::as_integer)
+            .and_then(|n| u32::try_from(n).ok())
+            .filter(|n| *n > 0)
+            .unwrap_or(1)
+    }
+
+    /// How `model`'s weights are linked: its `link`, else `[links] weights`.
+    pub fn link_of(&self, model: &ModelId) -> &LinkTransport {
+        self.model(model)
+            .and_then(|m| m.link.as_ref())
+            .unwrap_or(&self.links.weights)
+    }
+
+    /// The transport `model`'s weights take from `from_rank` to `to_rank`: the one its
+    /// link names, or for `auto` the reach the link needs (same rank: one process; same
+    /// host: one host; else the network). A rank outside the topology needs the network.
+    pub fn weights_transport(&self, model: &ModelId, from_rank: u32, to_rank: u32) -> TransportKind {
         match (
             self.ranks.get(from_rank as usize),
             self.ranks.get(to_rank as usize),
         ) {
-            (Some(from), Some(to)) => placement::resolve(&self.links.weights, from, to),
+            (Some(from), Some(to)) => placement::resolve(self.link_of(model), from, to),
             _ => TransportKind::Nearest(Reach::Network),
         }
     }
 
-    /// Checks the `[links] weights` transport against what the caller knows of transports
-    /// (`reach_of` gives a name's reach: the link factory's `find(name)?.reach()`): it must
-    /// exist and carry weights from rank 0 to every engine.
+    /// Checks every model's link against what the caller knows of transports (`reach_of`
+    /// gives a name's reach: the link factory's `find(name)?.reach()`): it must exist and
+    /// carry weights from the model's trainer to every engine that serves it.
     ///
     /// # Errors
-    /// [`Error::Topology`] on `links.weights`: a name `reach_of` refuses (with its reason,
-    /// e.g. the known transports), or one that cannot reach an engine, naming its process
-    /// and host.
+    /// [`Error::Topology`] on `model[ID].link` (or `links.weights` when the model names
+    /// none): a name `reach_of` refuses (with its reason, e.g. the known transports), or one
+    /// that cannot reach an engine, naming its process and host.
     pub fn check_links(&self, reach_of: impl Fn(&str) -> Result<Reach>) -> Result<()> {
-        let LinkTransport::Named(name) = &self.links.weights else {
-            return Ok(());
-        };
-        let blame = |reason: String| Error::Topology {
-            key: "links.weights".into(),
-            reason,
-        };
-        let reach = reach_of(name).map_err(|e| blame(e.to_string()))?;
-        let Some(first) = self.ranks.first() else {
-            return Ok(());
-        };
-        for p in self.ranks.iter().filter(|p| p.has(Role::Engine)) {
-            let refused = match reach {
-                Reach::Process if p.rank != first.rank => Some("in another process"),
-                Reach::Host if p.host.name != first.host.name => Some("on another host"),
-                _ => None,
+        for m in &self.models {
+            let (key, link) = match &m.link {
+                Some(l) => (format!("model[{}].link", m.id), l),
+                None => ("links.weights".to_string(), &self.links.weights),
             };
-            if let Some(why) = refused {
-                return Err(blame(format!(
-                    "`{name}` cannot carry weights from the trainer (process `{}`, host `{}`) \
-                     to the engine in process `{}` (host `{}`), {why}",
-                    first.process, first.host.name, p.process, p.host.name
-                )));
+            let LinkTransport::Named(name) = link else {
+                continue;
+            };
+            let blame = |reason: String| Error::Topology {
+                key: key.clone(),
+                reason,
+            };
+            let reach = reach_of(name).map_err(|e| blame(e.to_string()))?;
+            let Some(trainer) = self
+                .trainer_ranks(&m.id)
+                .first()
+                .and_then(|r| self.ranks.get(*r as usize))
+            else {
+                continue;
+            };
+            for p in self.ranks.iter().filter(|p| p.serves(Role::Engine, &m.id)) {
+                let refused = match reach {
+                    Reach::Process if p.rank != trainer.rank => Some("in another process"),
+                    Reach::Host if p.host.name != trainer.host.name => Some("on another host"),
+                    _ => None,
+                };
+                if let Some(why) = refused {
+                    return Err(blame(format!(
+                        "`{name}` cannot carry model `{}`'s weights from its trainer (process `{}`, \
+                         host `{}`) to the engine in process `{}` (host `{}`), {why}",
+                        m.id, trainer.process, trainer.host.name, p.process, p.host.name
+                    )));
+                }
             }
         }
         Ok(())
@@ -222,7 +288,22 @@ impl Topology {
         &self.stop
     }
 
-    /// The host of rank 0 (the trainer and controller, and the rendezvous store).
+    /// The position of `model` in the file's `[[model]]` list.
+    pub fn model_index(&self, model: &ModelId) -> Option<usize> {
+        self.models.iter().position(|m| &m.id == model)
+    }
+
+    /// How often ranks ping each other (`run.keepalive_s`).
+    pub fn keepalive(&self) -> Duration {
+        Duration::from_secs_f64(self.run.keepalive_s)
+    }
+
+    /// How long a silent rank lives on (`run.dead_after_s`).
+    pub fn dead_after(&self) -> Duration {
+        Duration::from_secs_f64(self.run.dead_after_s)
+    }
+
+    /// The host of rank 0 (the controller, and the rendezvous store).
     pub fn master(&self) -> &HostSection {
         &self.ranks[0].host
     }

@@ -1,6 +1,9 @@
 //! Ranks: processes expanded by their replicas, in file order, and the transport of a link.
 
-use super::schema::{HostSection, LinkTransport, ProcessSection, Reach, Role, TransportKind};
+use super::schema::{
+    HostSection, LinkTransport, ModelSection, ProcessSection, Reach, Role, TransportKind,
+};
+use crate::ids::ModelId;
 
 /// What one rank runs and where.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -15,8 +18,14 @@ pub struct RankPlan {
     pub host: HostSection,
     /// Its roles.
     pub roles: Vec<Role>,
-    /// Rollout worker actors per model (0 without the `rollout` role).
+    /// Rollout worker actors per model as the process sets them (0 when it sets none, or
+    /// without the `rollout` role); [`Topology::rollout_workers`](super::Topology::rollout_workers)
+    /// gives the count a model gets.
     pub rollout_workers: u32,
+    /// The models its trainer, engine and rollout roles serve.
+    pub models: Vec<ModelId>,
+    /// The launcher restarts it after a failure.
+    pub restart: bool,
 }
 
 impl RankPlan {
@@ -24,10 +33,30 @@ impl RankPlan {
     pub fn has(&self, role: Role) -> bool {
         self.roles.contains(&role)
     }
+
+    /// True when the launcher restarts this rank's process after a failure (its process's
+    /// `restart = "on-failure"`).
+    pub fn restarts(&self) -> bool {
+        self.restart
+    }
+
+    /// True when this rank holds `role` for `model` (the trainer, engine and rollout roles
+    /// serve the process's `models`; the controller and evaluator serve every model).
+    pub fn serves(&self, role: Role, model: &ModelId) -> bool {
+        self.has(role)
+            && match role {
+                Role::Trainer | Role::Engine | Role::Rollout => self.models.contains(model),
+                Role::Controller | Role::Evaluator => true,
+            }
+    }
 }
 
 /// Every rank, in order.
-pub(crate) fn expand(processes: &[ProcessSection], hosts: &[HostSection]) -> Vec<RankPlan> {
+pub(crate) fn expand(
+    processes: &[ProcessSection],
+    hosts: &[HostSection],
+    models: &[ModelSection],
+) -> Vec<RankPlan> {
     let mut ranks = Vec::new();
     for p in processes {
         let host = hosts
@@ -36,10 +65,14 @@ pub(crate) fn expand(processes: &[ProcessSection], hosts: &[HostSection]) -> Vec
             .cloned()
             .unwrap_or_else(HostSection::local);
         let rollout_workers = if p.has(Role::Rollout) {
-            p.rollout_workers.unwrap_or(1)
+            p.rollout_workers.unwrap_or(0)
         } else {
             0
         };
+        let served = p
+            .models
+            .clone()
+            .unwrap_or_else(|| models.iter().map(|m| m.id.clone()).collect());
         for replica in 0..p.replicas {
             ranks.push(RankPlan {
                 rank: u32::try_from(ranks.len()).unwrap_or(u32::MAX),
@@ -48,6 +81,8 @@ pub(crate) fn expand(processes: &[ProcessSection], hosts: &[HostSection]) -> Vec
                 host: host.clone(),
                 roles: p.roles.clone(),
                 rollout_workers,
+                models: served.clone(),
+                restart: false,
             });
         }
     }

@@ -42,18 +42,38 @@ pub struct RunSection {
     /// Deadline, in seconds, of each blocked step (a positive number).
     #[serde(default = "default_wait_s")]
     pub wait_s: f64,
+    /// Every rank pings the ranks it depends on this often, in seconds (default 1).
+    #[serde(default = "default_keepalive_s")]
+    pub keepalive_s: f64,
+    /// A rank that answered no ping for this long (or whose connection closed) is dead:
+    /// rank 0 drops or replaces it, the others stop when rank 0 is (default 5; more than
+    /// `keepalive_s`).
+    #[serde(default = "default_dead_after_s")]
+    pub dead_after_s: f64,
 }
 
 fn default_wait_s() -> f64 {
     60.0
 }
 
+fn default_keepalive_s() -> f64 {
+    1.0
+}
+
+fn default_dead_after_s() -> f64 {
+    5.0
+}
+
 /// `[stop]`: when training ends (whichever comes first; all optional).
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct StopSection {
-    /// Stop once the mean evaluation return reaches this.
+    /// Stop once every model's mean return reaches this (its last 20 episodes, or its
+    /// last batch of generated completions).
     pub target_return: Option<f64>,
+    /// Stop once every model's latest validation (mean return or reward on held-out
+    /// episodes or prompts) reaches this.
+    pub target_eval: Option<f64>,
     /// Stop after this many weight updates.
     pub max_updates: Option<u64>,
     /// Stop after this many seconds of wall time.
@@ -69,6 +89,10 @@ pub struct ModelSection {
     /// Free-form table handed to the user's role factory.
     #[serde(default)]
     pub params: toml::Table,
+    /// The transport of this model's weights (default: `[links] weights`).
+    pub link: Option<LinkTransport>,
+    /// The engine's layout and dtypes of this model (default: the roles' own, or none).
+    pub convert: Option<super::convert::ConvertSection>,
 }
 
 /// One `[[host]]`: a machine the run spans.
@@ -145,8 +169,11 @@ pub struct ProcessSection {
     pub replicas: u32,
     /// What it does.
     pub roles: Vec<Role>,
-    /// Rollout worker actors per model in each copy (default 1; only with `rollout`).
+    /// Rollout worker actors per model in each copy (default: the model's
+    /// `params.workers`, else 1; only with `rollout`).
     pub rollout_workers: Option<u32>,
+    /// The models its trainer, engine and rollout roles serve (default: every model).
+    pub models: Option<Vec<ModelId>>,
 }
 
 impl ProcessSection {
@@ -217,6 +244,12 @@ impl LinkTransport {
             Self::Auto => "auto",
             Self::Named(n) => n,
         }
+    }
+}
+
+impl std::fmt::Display for LinkTransport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
     }
 }
 

@@ -3,7 +3,9 @@
 
 use std::collections::BTreeSet;
 
-use super::schema::{HostSection, ProcessSection, RawTopology, Role, RunSection, StopSection};
+use super::schema::{
+    HostSection, ModelSection, ProcessSection, RawTopology, Role, RunSection, StopSection,
+};
 use crate::error::{Error, Result};
 
 fn bad(key: impl Into<String>, reason: impl Into<String>) -> Error {
@@ -47,7 +49,19 @@ fn check_run(run: &RunSection) -> Result<()> {
         }
         Some(_) => {}
     }
-    seconds("run.wait_s", run.wait_s)
+    seconds("run.wait_s", run.wait_s)?;
+    seconds("run.keepalive_s", run.keepalive_s)?;
+    seconds("run.dead_after_s", run.dead_after_s)?;
+    if run.dead_after_s <= run.keepalive_s {
+        return Err(bad(
+            "run.dead_after_s",
+            format!(
+                "{} s must be more than run.keepalive_s ({} s): a rank needs a ping to answer",
+                run.dead_after_s, run.keepalive_s
+            ),
+        ));
+    }
+    Ok(())
 }
 
 fn check_stop(stop: &StopSection) -> Result<()> {
@@ -56,6 +70,14 @@ fn check_stop(stop: &StopSection) -> Result<()> {
     {
         return Err(bad(
             "stop.target_return",
+            format!("must be a finite number, not {t}"),
+        ));
+    }
+    if let Some(t) = stop.target_eval
+        && !t.is_finite()
+    {
+        return Err(bad(
+            "stop.target_eval",
             format!("must be a finite number, not {t}"),
         ));
     }
@@ -203,46 +225,150 @@ fn check_processes(processes: &mut [ProcessSection], hosts: &[HostSection]) -> R
     Ok(())
 }
 
-/// Checks where trainer, controller and engines sit (whether the weights transport reaches
-/// every engine is [`Topology::check_links`](super::Topology::check_links)'s, with the
-/// link factory's knowledge).
-fn check_placement(processes: &[ProcessSection]) -> Result<()> {
-    let first = &processes[0];
-    for role in [Role::Trainer, Role::Controller] {
-        if !first.has(role) {
-            return Err(bad(
-                format!("process[{}].roles", first.name),
-                format!(
-                    "process `{}` runs rank 0 and must hold `trainer` and `controller`; `{role}` is missing",
-                    first.name
-                ),
-            ));
+/// Checks each model's settings: its `link` name and its `[model.convert]` rules.
+fn check_models(models: &[ModelSection]) -> Result<()> {
+    for m in models {
+        if let Some(c) = &m.convert {
+            c.want(&format!("model[{}].convert", m.id))?;
         }
+    }
+    Ok(())
+}
+
+/// Checks where the roles sit: the controller on rank 0 alone; per model exactly one trainer
+/// process (a process with replicas is a sharded trainer) and at least one engine; at most
+/// one evaluator; every `models` entry declared (whether the weights transport reaches every
+/// engine is [`Topology::check_links`](super::Topology::check_links)'s, with the link
+/// factory's knowledge).
+fn check_placement(processes: &[ProcessSection], models: &[ModelSection]) -> Result<()> {
+    let first = &processes[0];
+    if !first.has(Role::Controller) {
+        return Err(bad(
+            format!("process[{}].roles", first.name),
+            format!(
+                "process `{}` runs rank 0 and must hold `controller` (rank 0 leads the run and \
+                 serves the rendezvous store)",
+                first.name
+            ),
+        ));
     }
     if first.replicas != 1 {
         return Err(bad(
             format!("process[{}].replicas", first.name),
             format!(
-                "process `{}` holds the trainer and controller and must run once, not {} times",
+                "process `{}` holds the controller and must run once, not {} times",
                 first.name, first.replicas
             ),
         ));
     }
     for p in &processes[1..] {
-        for role in [Role::Trainer, Role::Controller] {
-            if p.has(role) {
+        if p.has(Role::Controller) {
+            return Err(bad(
+                format!("process[{}].roles", p.name),
+                format!(
+                    "process `{}` holds `controller`, but the controller runs once, in the first \
+                     process (`{}`, rank 0)",
+                    p.name, first.name
+                ),
+            ));
+        }
+    }
+    let evaluators: Vec<&ProcessSection> =
+        processes.iter().filter(|p| p.has(Role::Evaluator)).collect();
+    if let Some(p) = evaluators.get(1) {
+        return Err(bad(
+            format!("process[{}].roles", p.name),
+            format!(
+                "process `{}` holds `evaluator`, and so does `{}`: a run has one evaluator",
+                p.name, evaluators[0].name
+            ),
+        ));
+    }
+    if let Some(p) = evaluators.first()
+        && p.name != first.name
+    {
+        return Err(bad(
+            format!("process[{}].roles", p.name),
+            format!(
+                "process `{}` holds `evaluator`, which runs beside the controller in the first \
+                 process (`{}`, rank 0): the controller's leader calls it on eval steps",
+                p.name, first.name
+            ),
+        ));
+    }
+    for p in processes {
+        let Some(list) = &p.models else { continue };
+        let key = format!("process[{}].models", p.name);
+        if list.is_empty() {
+            return Err(bad(key, format!("process `{}` serves no model", p.name)));
+        }
+        if ![Role::Trainer, Role::Engine, Role::Rollout]
+            .iter()
+            .any(|r| p.has(*r))
+        {
+            return Err(bad(
+                key,
+                format!(
+                    "process `{}` lists models without a trainer, engine or rollout role to serve them",
+                    p.name
+                ),
+            ));
+        }
+        let mut seen = BTreeSet::new();
+        for m in list {
+            if !models.iter().any(|d| &d.id == m) {
+                let declared: Vec<String> = models.iter().map(|d| d.id.to_string()).collect();
                 return Err(bad(
-                    format!("process[{}].roles", p.name),
+                    key,
                     format!(
-                        "process `{}` holds `{role}`, but trainer and controller must share one process (`{}`, rank 0)",
-                        p.name, first.name
+                        "process `{}` serves model `{m}`, which is not declared (models: {})",
+                        p.name,
+                        declared.join(", ")
                     ),
+                ));
+            }
+            if !seen.insert(m) {
+                return Err(bad(
+                    key,
+                    format!("process `{}` lists model `{m}` twice", p.name),
                 ));
             }
         }
     }
-    if !processes.iter().any(|p| p.has(Role::Engine)) {
-        return Err(bad("process.roles", "no process holds the `engine` role"));
+    let serves = |p: &ProcessSection, role: Role, m: &crate::ids::ModelId| {
+        p.has(role) && p.models.as_ref().is_none_or(|l| l.contains(m))
+    };
+    for m in models {
+        let trainers: Vec<&ProcessSection> = processes
+            .iter()
+            .filter(|p| serves(p, Role::Trainer, &m.id))
+            .collect();
+        match trainers.as_slice() {
+            [] => {
+                return Err(bad(
+                    "process.roles",
+                    format!("no process holds the `trainer` role for model `{}`", m.id),
+                ));
+            }
+            [_] => {}
+            [a, b, ..] => {
+                return Err(bad(
+                    format!("process[{}].roles", b.name),
+                    format!(
+                        "model `{}` is trained by processes `{}` and `{}`: one process trains a \
+                         model (give it replicas to shard it; `models = [...]` splits models \
+                         between trainers)",
+                        m.id, a.name, b.name
+                    ),
+                ));
+            }
+        }
+        if !processes.iter().any(|p| serves(p, Role::Engine, &m.id)) {
+            return Err(bad(
+                "process.roles",
+                format!("no process holds the `engine` role for model `{}`", m.id),
+            ));
+        }
     }
     Ok(())
 }
@@ -279,6 +405,7 @@ pub(crate) fn validate(raw: &mut RawTopology) -> Result<()> {
         raw.hosts.push(HostSection::local());
     }
     check_hosts(&raw.hosts)?;
+    check_models(&raw.models)?;
     check_processes(&mut raw.processes, &raw.hosts)?;
-    check_placement(&raw.processes)
+    check_placement(&raw.processes, &raw.models)
 }

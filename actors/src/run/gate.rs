@@ -1,7 +1,8 @@
-//! Rank 0's stand-ins for the other ranks: every engine rank reaches the controller through
-//! its own [`RankGate`], which counts that rank's admitted rollouts, so that a rank that
-//! dies mid-fragment does not leave the controller waiting for fragments that will never
-//! come; the evaluator acts through an [`ActRoute`], which skips engines of dead ranks.
+//! The lead's stand-ins for the engine ranks: every engine rank reaches the controller
+//! through its own [`RankGate`], which counts that rank's admitted rollouts, so that a rank
+//! that dies mid-fragment does not leave the controller waiting for fragments that will
+//! never come; the evaluator asks for actions and completions through an [`EngineRoute`],
+//! which skips engines of dead ranks and takes rejoined ones back.
 
 use std::collections::BTreeMap;
 
@@ -9,9 +10,9 @@ use actix::prelude::*;
 use refit_runtime::ModelId;
 
 use crate::error::{Error, Result};
-
-use super::super::controller::{Admission, AwaitRollout, RolloutDone};
-use super::super::engine::{ActBatch, ActedBatch};
+use crate::generation::Completion;
+use crate::protocol::controller::{Admission, AwaitRollout, RolloutDone};
+use crate::protocol::engine::{ActBatch, ActedBatch, EngineRef, Generate};
 
 /// The rank behind a gate or route died: forget it.
 #[derive(Debug, Clone, Copy, Message)]
@@ -117,36 +118,53 @@ impl Handler<RankLost> for RankGate {
     }
 }
 
-/// Sends act requests to the first engine whose rank is alive.
-pub(crate) struct ActRoute {
-    engines: Vec<(u32, Recipient<ActBatch>)>,
+/// A rank's engine is back (it restarted and rejoined).
+#[derive(Debug, Clone, Message)]
+#[rtype(result = "()")]
+pub(crate) struct RankBack {
+    /// The rank.
+    pub(crate) rank: u32,
+    /// Its engine.
+    pub(crate) engine: EngineRef,
 }
 
-impl std::fmt::Debug for ActRoute {
+/// Sends act and generate requests to the first engine whose rank is alive.
+pub(crate) struct EngineRoute {
+    engines: Vec<(u32, EngineRef)>,
+}
+
+impl std::fmt::Debug for EngineRoute {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let ranks: Vec<u32> = self.engines.iter().map(|e| e.0).collect();
-        f.debug_struct("ActRoute").field("ranks", &ranks).finish()
+        f.debug_struct("EngineRoute").field("ranks", &ranks).finish()
     }
 }
 
-impl ActRoute {
-    pub(crate) fn new(engines: Vec<(u32, Recipient<ActBatch>)>) -> Self {
+impl EngineRoute {
+    pub(crate) fn new(engines: Vec<(u32, EngineRef)>) -> Self {
         Self { engines }
     }
+
+    fn first(&self) -> Result<(u32, EngineRef)> {
+        self.engines
+            .first()
+            .cloned()
+            .ok_or_else(|| Error::Actor("no engine is left to serve the evaluator".into()))
+    }
 }
 
-impl Actor for ActRoute {
+impl Actor for EngineRoute {
     type Context = Context<Self>;
 }
 
-impl Handler<ActBatch> for ActRoute {
+impl Handler<ActBatch> for EngineRoute {
     type Result = ResponseFuture<Result<ActedBatch>>;
     fn handle(&mut self, msg: ActBatch, _: &mut Context<Self>) -> Self::Result {
-        let Some((rank, engine)) = self.engines.first().cloned() else {
-            return Box::pin(async { Err(Error::Actor("no engine is left to act".into())) });
-        };
+        let first = self.first();
         Box::pin(async move {
+            let (rank, engine) = first?;
             engine
+                .act
                 .send(msg)
                 .await
                 .map_err(|e| Error::Actor(format!("the engine of rank {rank}: {e}")))?
@@ -154,9 +172,32 @@ impl Handler<ActBatch> for ActRoute {
     }
 }
 
-impl Handler<RankLost> for ActRoute {
+impl Handler<Generate> for EngineRoute {
+    type Result = ResponseFuture<Result<Completion>>;
+    fn handle(&mut self, msg: Generate, _: &mut Context<Self>) -> Self::Result {
+        let first = self.first();
+        Box::pin(async move {
+            let (rank, engine) = first?;
+            engine
+                .generate
+                .send(msg)
+                .await
+                .map_err(|e| Error::Actor(format!("the engine of rank {rank}: {e}")))?
+        })
+    }
+}
+
+impl Handler<RankLost> for EngineRoute {
     type Result = ();
     fn handle(&mut self, msg: RankLost, _: &mut Context<Self>) {
         self.engines.retain(|(r, _)| *r != msg.rank);
+    }
+}
+
+impl Handler<RankBack> for EngineRoute {
+    type Result = ();
+    fn handle(&mut self, msg: RankBack, _: &mut Context<Self>) {
+        self.engines.retain(|(r, _)| *r != msg.rank);
+        self.engines.push((msg.rank, msg.engine));
     }
 }

@@ -1,20 +1,22 @@
-//! Weight links of a topology spread over processes: on rank 0 one sender per model and
-//! transport (shared memory, TCP) behind one outlet; on each engine rank a receiver,
-//! connected from a description shipped as bytes through the rendezvous store, as the
-//! engine's inlet for that model.
+//! Weight links of a run: on a model's trainer rank one sender per transport in use behind
+//! one outlet (converting to the engines' layout when the model declares a conversion); on
+//! each engine rank a receiver, connected from a spec shipped through the rendezvous store,
+//! as the engine's inlet for that model.
 //!
-//! One sender serves every receiver of its transport: the shared-memory sender writes each
-//! version once into its segments whatever the number of engines on the host; the TCP sender
-//! agent serves (and lets receivers relay) each version to the engines of other hosts.
+//! One sender serves every receiver of its transport: the in-process sender swaps a pointer
+//! for an engine beside the trainer, the shared-memory sender writes each version once for
+//! every engine of the host, the TCP sender agent serves (and lets receivers relay) each
+//! version to the engines of other hosts.
 
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
 use refit_node::Node;
+use refit_runtime::convert::{Conversions, ConvertingSender, Want, Wants};
 use refit_runtime::topology::TransportKind;
 use refit_runtime::{Manifests, ModelId, ReceiverInit, SenderInit, Version, WeightSet};
-use refit_transports::link::{self, LinkOptions, OpenedLink, Reach, ReceiverSpec};
+use refit_transports::link::{self, LinkOptions, OpenedLink, ReceiverSpec};
 
 use crate::error::{Error, Result};
 use crate::link::{WeightInlet, WeightOutlet};
@@ -34,39 +36,19 @@ impl WeightOutlet for FanOut {
     }
 }
 
-/// The sending ends of one model on rank 0.
-pub struct ModelOutlets {
-    /// Publishes to every transport in use (hand it to the model's trainer).
-    pub outlet: Box<dyn WeightOutlet>,
-    /// One receiver spec per transport, for the engine ranks (they pick theirs by
-    /// [`ReceiverSpec::transport`]).
-    pub specs: Vec<ReceiverSpec>,
-    /// Files the links made (shared-memory segments), removed at the end of the run
-    /// whatever happened to the trainer that owns the outlet.
-    pub leftovers: Vec<PathBuf>,
-}
-
-impl std::fmt::Debug for ModelOutlets {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("ModelOutlets")
-            .field("specs", &self.specs)
-            .field("leftovers", &self.leftovers)
-            .finish()
-    }
-}
-
 /// The senders of one model, opened through the link factory but not connected yet: their
 /// receiver specs can be shipped first, so transports whose sender waits for its receivers
 /// at connect (a broadcast group) find them joining.
-pub struct OpenedLinks {
+pub(crate) struct OpenedLinks {
     model: ModelId,
-    manifests: Manifests,
+    /// What the trainer publishes (its own layout).
+    source: Manifests,
     senders: Vec<(&'static str, Box<dyn refit_runtime::SenderTransport>)>,
     /// One receiver spec per transport, for the engine ranks (they pick theirs by
     /// [`ReceiverSpec::transport`]).
-    pub specs: Vec<ReceiverSpec>,
+    pub(crate) specs: Vec<ReceiverSpec>,
     /// Files the links made (shared-memory segments), removed at the end of the run.
-    pub leftovers: Vec<PathBuf>,
+    pub(crate) leftovers: Vec<PathBuf>,
 }
 
 impl std::fmt::Debug for OpenedLinks {
@@ -78,21 +60,48 @@ impl std::fmt::Debug for OpenedLinks {
     }
 }
 
-/// Opens the senders of `initial`'s model through the link factory, one per transport of
-/// `kinds` (each once, with the number of engine ranks it serves; TCP serves on `node`),
-/// without connecting them: see [`OpenedLinks::connect`].
+/// The manifests engines of `initial`'s model load when `want` converts it (its own when
+/// `want` is `None`), with the conversions to apply on the send path.
 ///
 /// # Errors
-/// [`Error::Config`] for a transport that cannot cross processes (both ends in one process:
-/// no link to ship) or no transport; transport errors (a segment that cannot be created, a
-/// bad bucket size, a broadcast without receivers), naming the model.
-pub fn open_links(
+/// A `want` that does not fit the trainer's tensors, naming the rule or tensor.
+pub(crate) fn plan(
+    initial: &WeightSet,
+    want: Option<Want>,
+) -> Result<(Manifests, Option<Conversions>)> {
+    let model = initial.model().clone();
+    let source = Manifests::new([(model.clone(), Arc::clone(initial.manifest()))])?;
+    match want {
+        None => Ok((source, None)),
+        Some(want) => {
+            let conversions = Conversions::plan(&source, &Wants::new().model(model.clone(), want))
+                .map_err(|e| {
+                    Error::Config(format!(
+                        "model `{model}`: the engine's layout does not fit the trainer's: {e}"
+                    ))
+                })?;
+            Ok((conversions.target().clone(), Some(conversions)))
+        }
+    }
+}
+
+/// Opens the senders of `initial`'s model through the link factory, one per transport of
+/// `kinds` (each once, with the number of engine ranks it serves; TCP serves on `node`),
+/// converting to the engines' layout with `conversions`, without connecting them: see
+/// [`OpenedLinks::connect`].
+///
+/// # Errors
+/// No transport; transport errors (a segment that cannot be created, a bad bucket size, a
+/// broadcast without receivers), naming the model.
+pub(crate) fn open_links(
     node: &Node,
     initial: &WeightSet,
+    conversions: Option<&Conversions>,
     kinds: &[(TransportKind, usize)],
 ) -> Result<OpenedLinks> {
     let model = initial.model().clone();
-    let manifests = Manifests::new([(model.clone(), Arc::clone(initial.manifest()))])?;
+    let source = Manifests::new([(model.clone(), Arc::clone(initial.manifest()))])?;
+    let wire = conversions.map_or_else(|| source.clone(), |c| c.target().clone());
     let mut senders = Vec::new();
     let mut specs: Vec<ReceiverSpec> = Vec::new();
     let mut leftovers = Vec::new();
@@ -101,19 +110,12 @@ pub fn open_links(
         if specs.iter().any(|s| s.transport() == factory.name()) {
             continue;
         }
-        if factory.reach() == Reach::Process {
-            return Err(Error::Config(format!(
-                "model `{model}`: an {} weight link cannot cross processes (put the engine \
-                 in the trainer's process, or use a transport that reaches other processes)",
-                factory.name()
-            )));
-        }
         let options = LinkOptions {
             node: Some(node.clone()),
             expected_receivers: *receivers,
             ..LinkOptions::default()
         };
-        let opened = factory.open(&manifests, &options).map_err(|e| {
+        let opened = factory.open(&wire, &options).map_err(|e| {
             Error::Config(format!(
                 "opening the {} sender of model `{model}`: {e}",
                 factory.name()
@@ -121,7 +123,11 @@ pub fn open_links(
         })?;
         specs.push(opened.spec);
         leftovers.extend(opened.leftovers);
-        senders.push((factory.name(), opened.sender));
+        let sender: Box<dyn refit_runtime::SenderTransport> = match conversions {
+            Some(c) => Box::new(ConvertingSender::new(opened.sender, c.clone())),
+            None => opened.sender,
+        };
+        senders.push((factory.name(), sender));
     }
     if senders.is_empty() {
         return Err(Error::Config(format!(
@@ -130,7 +136,7 @@ pub fn open_links(
     }
     Ok(OpenedLinks {
         model,
-        manifests,
+        source,
         senders,
         specs,
         leftovers,
@@ -139,53 +145,38 @@ pub fn open_links(
 
 impl OpenedLinks {
     /// Connects every sender with `initial` (receivers attach whenever they come; a
-    /// broadcast sender waits, until `wait`, for the receivers it was opened for).
+    /// broadcast sender waits, until `wait`, for the receivers it was opened for); answers
+    /// the outlet the model's trainer publishes through.
     ///
     /// # Errors
     /// A sender failing to connect, naming the transport and the model.
-    pub fn connect(self, initial: &WeightSet, wait: Duration) -> Result<ModelOutlets> {
+    pub(crate) fn connect(self, initial: &WeightSet, wait: Duration) -> Result<Box<dyn WeightOutlet>> {
         let model = self.model;
         let mut outlets: Vec<Box<dyn WeightOutlet>> = Vec::new();
         for (name, sender) in self.senders {
-            let sender = SenderInit::new(sender, self.manifests.clone())
+            let sender = SenderInit::new(sender, self.source.clone())
                 .connect(vec![initial.clone()], wait)
                 .map_err(|e| {
-                    Error::Config(format!("opening the {name} sender of model `{model}`: {e}"))
+                    Error::Config(format!("connecting the {name} sender of model `{model}`: {e}"))
                 })?;
             outlets.push(Box::new(sender));
         }
-        Ok(ModelOutlets {
-            outlet: Box::new(FanOut { outlets }),
-            specs: self.specs,
-            leftovers: self.leftovers,
+        Ok(match outlets.len() {
+            1 => outlets.remove(0),
+            _ => Box::new(FanOut { outlets }),
         })
     }
 }
 
-/// Opens and connects the senders of `initial`'s model ([`open_links`] then
-/// [`OpenedLinks::connect`]), for transports whose senders need no receiver count.
-///
-/// # Errors
-/// As [`open_links`] and [`OpenedLinks::connect`].
-pub fn open_outlets(
-    node: &Node,
-    initial: &WeightSet,
-    kinds: &[TransportKind],
-    wait: Duration,
-) -> Result<ModelOutlets> {
-    let kinds: Vec<(TransportKind, usize)> = kinds.iter().map(|k| (k.clone(), 0)).collect();
-    open_links(node, initial, &kinds)?.connect(initial, wait)
-}
-
 /// Connects an engine's inlet for `model` from `spec` through the link factory (TCP
 /// registers from `node`, whose token is the cluster's) and waits (until `wait`) for the
-/// version the sender serves now. `expected` is the layout the engine's policy loads; a
-/// sender of another layout is refused, naming the tensor.
+/// version the sender serves now. `expected` is the layout the engine loads; a sender of
+/// another layout is refused, naming the tensor.
 ///
 /// # Errors
 /// An unknown transport; attaching or registering failing or timing out; a manifest
 /// mismatch.
-pub fn connect_inlet(
+pub(crate) fn connect_inlet(
     model: &ModelId,
     spec: &ReceiverSpec,
     node: &Node,
@@ -211,8 +202,17 @@ pub fn connect_inlet(
     ))
 }
 
-/// Removes the links' leftovers (a trainer thread that has not dropped its sender yet
-/// when the run ends); one already gone is fine.
-pub fn remove_leftovers(paths: &[PathBuf]) {
-    OpenedLink::cleanup(paths);
+/// Removes the links' leftovers when dropped (a trainer thread that has not dropped its
+/// sender yet when the run ends); one already gone is fine.
+#[derive(Debug, Default)]
+pub(crate) struct Leftovers(pub(crate) Vec<PathBuf>);
+
+impl Drop for Leftovers {
+    fn drop(&mut self) {
+        OpenedLink::cleanup(&self.0);
+    }
 }
+
+#[cfg(test)]
+#[path = "weights_tests.rs"]
+mod tests;

@@ -1,8 +1,11 @@
 //! The rendezvous of a run's ranks: rank 0 serves the store (`refit_node::Store`)
 //! at `MASTER_ADDR:MASTER_PORT` on its node; every rank starts a node on its host's address
 //! (token from `REFIT_TOKEN`), publishes what others need under well-known keys and waits,
-//! with a deadline, for what it needs. Rank 0 also watches every other rank's node: a rank
-//! whose connection closes, or that stops answering pings, is reported at once.
+//! with a deadline, for what it needs.
+//!
+//! Keepalive runs both ways: rank 0 watches every other rank's node and every other rank
+//! watches rank 0's ([`watch`]). A peer whose connection closes is dead at once; one that
+//! answers no ping for `dead_after` (a frozen process, a host off the network) is dead then.
 
 use std::net::{SocketAddr, ToSocketAddrs};
 use std::sync::Arc;
@@ -19,20 +22,11 @@ use crate::error::{Error, Result};
 /// The handler target of the liveness ping every rank's node answers.
 pub const PING_TARGET: Uuid = Uuid::from_u128(0x7265_6669_745f_7069_6e67_0000_0000_0001);
 
-/// The store key rank 0 sets when the run is over: the other ranks stop.
-pub const STOP_KEY: &str = "refit/run/stop";
-
-/// The store key of rank `r`'s card.
-pub fn rank_key(r: u32) -> String {
-    format!("refit/rank/{r}")
-}
-
 /// A rank's place in the run: its node, and a connection to the store.
 #[derive(Debug, Clone)]
-pub struct Rendezvous {
+pub(crate) struct Rendezvous {
     node: Node,
     store: StoreClient,
-    launch: LaunchEnv,
 }
 
 /// Resolves `host:port`.
@@ -46,19 +40,20 @@ fn resolve(host: &str, port: u16) -> Result<SocketAddr> {
 
 impl Rendezvous {
     /// Starts this rank's node and joins the store: rank 0 binds `MASTER_ADDR:MASTER_PORT`
-    /// and serves the store there; the others bind `host_addr` (a free port) and connect to
-    /// the store, retrying until `wait` passes (rank 0 may start later).
+    /// (port 0: any free port, for a run of one process) and serves the store there; the
+    /// others bind `host_addr` (a free port) and connect to the store, retrying until `wait`
+    /// passes (rank 0 may start later).
     ///
     /// # Errors
     /// [`Error::Config`] for an address that does not resolve or cannot be bound; a store
     /// that cannot be reached before the deadline (naming it); a refused token.
-    pub fn join(
+    pub(crate) fn join(
         launch: &LaunchEnv,
         host_addr: &str,
         token: ClusterToken,
         wait: Duration,
     ) -> Result<Self> {
-        let master = launch.master().map_err(refit_runtime::Error::from)?;
+        let mut master = launch.master().map_err(refit_runtime::Error::from)?;
         let bind = if launch.is_master() {
             master
         } else {
@@ -75,6 +70,7 @@ impl Rendezvous {
         });
         if launch.is_master() {
             Store::serve(&node);
+            master = node.addr();
         }
         let deadline = Instant::now() + wait;
         let store = loop {
@@ -94,33 +90,24 @@ impl Rendezvous {
                 Err(_) => std::thread::sleep(Duration::from_millis(200)),
             }
         };
-        Ok(Self {
-            node,
-            store,
-            launch: launch.clone(),
-        })
+        Ok(Self { node, store })
     }
 
     /// This rank's node.
-    pub fn node(&self) -> &Node {
+    pub(crate) fn node(&self) -> &Node {
         &self.node
     }
 
     /// The store.
-    pub fn store(&self) -> &StoreClient {
+    pub(crate) fn store(&self) -> &StoreClient {
         &self.store
-    }
-
-    /// This rank's launch variables.
-    pub fn launch(&self) -> &LaunchEnv {
-        &self.launch
     }
 
     /// Sets `key` to `value` (msgpack).
     ///
     /// # Errors
     /// Encoding; the store unreachable.
-    pub fn put<T: Serialize + ?Sized>(&self, key: &str, value: &T) -> Result<()> {
+    pub(crate) fn put<T: Serialize + ?Sized>(&self, key: &str, value: &T) -> Result<()> {
         Ok(self
             .store
             .set(key, &wire::encode(value)?)
@@ -131,7 +118,7 @@ impl Rendezvous {
     ///
     /// # Errors
     /// A timeout naming the key; the store unreachable; a malformed value.
-    pub fn take<T: DeserializeOwned>(&self, key: &str, wait: Duration) -> Result<T> {
+    pub(crate) fn take<T: DeserializeOwned>(&self, key: &str, wait: Duration) -> Result<T> {
         let bytes = self
             .store
             .wait_get(key, wait)
@@ -140,103 +127,91 @@ impl Rendezvous {
             .map_err(|e| Error::Config(format!("store key `{key}` holds a bad value: {e}")))
     }
 
-    /// Blocks until rank 0 sets [`STOP_KEY`] (`Ok(true)`) or goes away (`Ok(false)`).
+    /// The value of `key` now, if set.
     ///
     /// # Errors
-    /// None in practice: every failure of the store means rank 0 is gone.
-    pub fn wait_stop(&self) -> Result<bool> {
-        loop {
-            match self.store.wait(&[STOP_KEY], Duration::from_secs(1)) {
-                Ok(()) => return Ok(true),
-                Err(e) if e.is_timeout() && !self.store.peer().is_closed() => {}
-                Err(e) => {
-                    tracing::warn!(rank = self.launch.rank, "rank 0 is gone: {e}");
-                    return Ok(false);
-                }
-            }
-        }
+    /// The store unreachable; a malformed value.
+    pub(crate) fn peek<T: DeserializeOwned>(&self, key: &str) -> Result<Option<T>> {
+        let Some(bytes) = self.store.get(key).map_err(refit_runtime::Error::from)? else {
+            return Ok(None);
+        };
+        wire::decode(&bytes, wire::MAX_CONTROL_MESSAGE)
+            .map(Some)
+            .map_err(|e| Error::Config(format!("store key `{key}` holds a bad value: {e}")))
     }
 }
 
 /// How a watched rank died.
 #[derive(Debug, Clone)]
-pub struct RankDeath {
+pub(crate) struct RankDeath {
     /// The rank.
-    pub rank: u32,
+    pub(crate) rank: u32,
     /// How its death was told.
-    pub reason: String,
-    /// When it was noticed.
-    pub at: Instant,
+    pub(crate) reason: String,
 }
 
-/// Watches ranks' nodes from rank 0: every 250 ms it checks each connection, and every
-/// second it pings each node (deadline 3 s). The first failure of a rank calls `on_death`
-/// once for it.
-///
-/// # Errors
-/// A rank whose node cannot be reached at the start.
-pub fn watch(
+/// Watches `peers` (rank, node address): one task per peer pings it every `keepalive`
+/// (each ping waits at most `dead_after`); a peer whose connection closes, that cannot be
+/// reached, or that answers no ping for `dead_after` is dead, and `on_death` is called once
+/// for it. Dropping the guard stops watching.
+pub(crate) fn watch(
     node: &Node,
-    ranks: Vec<(u32, SocketAddr)>,
-    wait: Duration,
+    peers: Vec<(u32, SocketAddr)>,
+    keepalive: Duration,
+    dead_after: Duration,
     on_death: impl Fn(RankDeath) + Send + Sync + 'static,
-) -> Result<WatchGuard> {
-    let mut peers = Vec::new();
-    for (rank, addr) in ranks {
-        let peer = node.connect(addr, wait).map_err(|e| {
-            Error::Config(format!(
-                "rank {rank}: its node at {addr} is not reachable: {e}"
-            ))
-        })?;
-        peers.push((rank, peer));
-    }
+) -> WatchGuard {
     let on_death = Arc::new(on_death);
-    let task = node.handle().spawn(async move {
-        let mut alive: Vec<bool> = vec![true; peers.len()];
-        let mut tick: u64 = 0;
-        loop {
-            tokio::time::sleep(Duration::from_millis(250)).await;
-            tick += 1;
-            for (i, (rank, peer)) in peers.iter().enumerate() {
-                if !alive[i] {
-                    continue;
-                }
-                let mut dead = peer.is_closed().then(|| {
-                    "its connection closed (the process exited or was killed)".to_string()
-                });
-                if dead.is_none() && tick.is_multiple_of(4) {
-                    let ping: refit_node::Result<()> = peer
-                        .call_async(PING_TARGET, "ping", &(), Duration::from_secs(3))
-                        .await;
-                    if let Err(e) = ping {
-                        dead = Some(format!("it does not answer pings: {e}"));
-                    }
-                }
-                if let Some(reason) = dead {
-                    alive[i] = false;
-                    on_death(RankDeath {
-                        rank: *rank,
-                        reason,
-                        at: Instant::now(),
-                    });
-                }
-            }
-            if alive.iter().all(|a| !a) {
-                return;
-            }
+    let mut tasks = Vec::new();
+    for (rank, addr) in peers {
+        let handle = node.handle().clone();
+        let node = node.clone();
+        let on_death = Arc::clone(&on_death);
+        tasks.push(handle.spawn(async move {
+            let reason = watch_one(&node, addr, keepalive, dead_after).await;
+            on_death(RankDeath { rank, reason });
+        }));
+    }
+    WatchGuard { tasks }
+}
+
+/// Pings the node at `addr` until it is dead; answers why.
+async fn watch_one(node: &Node, addr: SocketAddr, keepalive: Duration, dead_after: Duration) -> String {
+    let peer = match node.connect_async(addr, dead_after).await {
+        Ok(p) => p,
+        Err(e) => return format!("its node at {addr} cannot be reached: {e}"),
+    };
+    let mut last_ok = Instant::now();
+    loop {
+        if peer.is_closed() {
+            return "its connection closed (the process exited or was killed)".into();
         }
-    });
-    Ok(WatchGuard { task })
+        let left = dead_after.saturating_sub(last_ok.elapsed());
+        if left.is_zero() {
+            return format!("it answered no ping for {dead_after:?}");
+        }
+        let ping: refit_node::Result<()> = peer.call_async(PING_TARGET, "ping", &(), left).await;
+        match ping {
+            Ok(()) => last_ok = Instant::now(),
+            Err(_) if peer.is_closed() => {
+                return "its connection closed (the process exited or was killed)".into();
+            }
+            Err(_) => {}
+        }
+        tokio::time::sleep(keepalive.min(dead_after.saturating_sub(last_ok.elapsed()))).await;
+    }
 }
 
 /// Stops watching when dropped.
 #[derive(Debug)]
-pub struct WatchGuard {
-    task: tokio::task::JoinHandle<()>,
+pub(crate) struct WatchGuard {
+    tasks: Vec<tokio::task::JoinHandle<()>>,
 }
 
 impl Drop for WatchGuard {
     fn drop(&mut self) {
-        self.task.abort();
+        for t in &self.tasks {
+            t.abort();
+        }
     }
 }

@@ -1,0 +1,287 @@
+//! The engine's protocol: what a controller, a rollout worker and an evaluator ask of an
+//! inference engine, the wire names these messages cross processes under, and
+//! [`EngineRef`], one typed reference to an engine whether it runs in this process or in
+//! another.
+//!
+//! Two kinds of engine answer it: an acting engine (`ActBatch`: observations in, actions
+//! out) and a generating engine (`Generate`: prompt tokens in, a completion with per-token
+//! versions out). Each refuses the other kind's request with an error naming it, so one
+//! reference type serves both.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use actix::dev::ToEnvelope;
+use actix::prelude::*;
+use refit_node::Node;
+use refit_runtime::{ModelId, Version, WeightSet};
+use serde::{Deserialize, Serialize};
+use uuid::Uuid;
+
+use crate::error::Result;
+use crate::generation::{Completion, SamplingParams, Token};
+use crate::policy::ActionOut;
+use crate::remote::{RemoteAddr, serve};
+
+/// Asks the engine's default model for an action.
+#[derive(Debug, Message)]
+#[rtype(result = "Result<Acted>")]
+pub struct Act {
+    /// The observation.
+    pub obs: Vec<f32>,
+}
+
+/// An action and the weights version that chose it.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Acted {
+    /// The action and its log-probability.
+    pub out: ActionOut,
+    /// The version of the weights that acted.
+    pub version: Version,
+}
+
+/// Asks one model for actions on several observations at once (one rollout step of a
+/// vector of environments).
+#[derive(Debug, Clone, Message, Serialize, Deserialize)]
+#[rtype(result = "Result<ActedBatch>")]
+pub struct ActBatch {
+    /// The model.
+    pub model: ModelId,
+    /// Observations, one after the other (`n * obs_dim` values).
+    pub obs: Vec<f32>,
+    /// The cancellation generation the episode started in (`None`: not cancellable). A
+    /// request from an older generation is refused with [`Error::Cancelled`].
+    pub generation: Option<u64>,
+    /// Greedy actions (evaluation) instead of samples.
+    pub greedy: bool,
+}
+
+/// The answer to [`ActBatch`].
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ActedBatch {
+    /// One action per observation.
+    pub actions: Vec<ActionOut>,
+    /// The version of the weights that acted (one version for the whole request).
+    pub version: Version,
+    /// The engine's cancellation generation.
+    pub generation: u64,
+}
+
+/// Pauses generation of every model: requests queue until [`Continue`].
+#[derive(Debug, Message)]
+#[rtype(result = "()")]
+pub struct Pause;
+
+/// Resumes generation and answers the queued requests.
+#[derive(Debug, Message)]
+#[rtype(result = "()")]
+pub struct Continue;
+
+/// Loads weights pushed by the caller (validated whole first; a refused version leaves the
+/// served one). The model is the one the weight set names; its requests queue during the
+/// apply, other models keep being served.
+#[derive(Debug, Clone, Message)]
+#[rtype(result = "Result<Version>")]
+pub struct LoadWeights {
+    /// The weights.
+    pub weights: Arc<WeightSet>,
+}
+
+/// Brings one model to at least `version`: fetch through the model's inlet and validate
+/// (staging, generation goes on), then pause that model, apply, continue, and acknowledge
+/// the version to its sender (an ack means served). Loads of one model are serialised by a
+/// per-model lock; loads of different models overlap.
+#[derive(Debug, Clone, Message, Serialize, Deserialize)]
+#[rtype(result = "Result<LoadReport>")]
+pub struct UpdateModel {
+    /// The model.
+    pub model: ModelId,
+    /// The least version to serve afterwards.
+    pub version: Version,
+    /// Deadline for the fetch.
+    pub timeout: Duration,
+}
+
+/// What one load did.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct LoadReport {
+    /// The model.
+    pub model: ModelId,
+    /// The version served afterwards.
+    pub version: Version,
+    /// Waiting for the per-model lock plus fetching and validating the bytes.
+    pub staged: Duration,
+    /// How long the model's generation was paused (the apply only).
+    pub paused: Duration,
+}
+
+/// Cancels in-flight episodes: requests of older generations are refused from now on, and
+/// queued ones are answered with [`Error::Cancelled`]. Answers the new generation.
+#[derive(Debug, Message, Serialize, Deserialize)]
+#[rtype(result = "u64")]
+pub struct CancelInFlight;
+
+/// Asks which version the default model serves.
+#[derive(Debug, Message)]
+#[rtype(result = "Version")]
+pub struct ServedVersion;
+
+/// Asks which version every model serves.
+#[derive(Debug, Message, Serialize, Deserialize)]
+#[rtype(result = "BTreeMap<ModelId, Version>")]
+pub struct ServedVersions;
+
+/// Asks for the engine's load statistics.
+#[derive(Debug, Message, Serialize, Deserialize)]
+#[rtype(result = "EngineStats")]
+pub struct GetEngineStats;
+
+/// Load statistics of an engine.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct EngineStats {
+    /// Loads applied.
+    pub loads: u64,
+    /// Total time models were paused for applies.
+    pub paused_total: Duration,
+    /// Longest single pause.
+    pub paused_max: Duration,
+    /// Total staging time (lock wait + fetch + validation), outside any pause.
+    pub staged_total: Duration,
+    /// Requests refused because their episode was cancelled.
+    pub cancelled: u64,
+}
+
+
+/// Asks a generating engine for one completion of `prompt` with `model`.
+#[derive(Debug, Clone, Message, Serialize, Deserialize)]
+#[rtype(result = "Result<Completion>")]
+pub struct Generate {
+    /// The model.
+    pub model: ModelId,
+    /// The prompt tokens.
+    pub prompt: Vec<Token>,
+    /// How to sample.
+    pub params: SamplingParams,
+    /// The cancellation generation the request's episode started in (`None`: not
+    /// cancellable). A request of an older generation is refused with
+    /// [`Error::Cancelled`](crate::Error::Cancelled).
+    pub generation: Option<u64>,
+}
+
+crate::remote_reply!(EngineStats);
+
+crate::remote::wire_names! {
+    // `UpdateModel` is the call that tells a receiver to pull fresh weights
+    UpdateModel => "_receive_weights_scheme",
+    CancelInFlight => "engine.cancel_in_flight",
+    ServedVersions => "engine.served_versions",
+    GetEngineStats => "engine.stats",
+    ActBatch => "engine.act_batch",
+    Generate => "engine.generate",
+}
+
+/// An actor that answers the whole engine protocol (an acting or a generating engine).
+pub trait EngineActor:
+    Actor
+    + Handler<UpdateModel>
+    + Handler<CancelInFlight>
+    + Handler<ServedVersions>
+    + Handler<GetEngineStats>
+    + Handler<ActBatch>
+    + Handler<Generate>
+where
+    Self::Context: ToEnvelope<Self, UpdateModel>
+        + ToEnvelope<Self, CancelInFlight>
+        + ToEnvelope<Self, ServedVersions>
+        + ToEnvelope<Self, GetEngineStats>
+        + ToEnvelope<Self, ActBatch>
+        + ToEnvelope<Self, Generate>,
+{
+}
+
+impl<A> EngineActor for A
+where
+    A: Actor
+        + Handler<UpdateModel>
+        + Handler<CancelInFlight>
+        + Handler<ServedVersions>
+        + Handler<GetEngineStats>
+        + Handler<ActBatch>
+        + Handler<Generate>,
+    A::Context: ToEnvelope<A, UpdateModel>
+        + ToEnvelope<A, CancelInFlight>
+        + ToEnvelope<A, ServedVersions>
+        + ToEnvelope<A, GetEngineStats>
+        + ToEnvelope<A, ActBatch>
+        + ToEnvelope<A, Generate>,
+{
+}
+
+// ANCHOR: engine_ref
+/// One engine, in this process or another: the same recipients either way.
+#[derive(Debug, Clone)]
+pub struct EngineRef {
+    /// Loads (`_receive_weights_scheme`).
+    pub update: Recipient<UpdateModel>,
+    /// Cancels in-flight episodes.
+    pub cancel: Recipient<CancelInFlight>,
+    /// Versions served.
+    pub versions: Recipient<ServedVersions>,
+    /// Load statistics.
+    pub stats: Recipient<GetEngineStats>,
+    /// Actions for observations (an acting engine).
+    pub act: Recipient<ActBatch>,
+    /// Completions for prompts (a generating engine).
+    pub generate: Recipient<Generate>,
+}
+
+impl EngineRef {
+    /// The reference of an engine started in this process.
+    pub fn local<A>(engine: &Addr<A>) -> Self
+    where
+        A: EngineActor,
+        A::Context: ToEnvelope<A, UpdateModel>
+            + ToEnvelope<A, CancelInFlight>
+            + ToEnvelope<A, ServedVersions>
+            + ToEnvelope<A, GetEngineStats>
+            + ToEnvelope<A, ActBatch>
+            + ToEnvelope<A, Generate>,
+    {
+        Self {
+            update: engine.clone().recipient(),
+            cancel: engine.clone().recipient(),
+            versions: engine.clone().recipient(),
+            stats: engine.clone().recipient(),
+            act: engine.clone().recipient(),
+            generate: engine.clone().recipient(),
+        }
+    }
+
+    /// The reference of an engine another process serves (see [`EngineRef::serve`]):
+    /// every message forwards through `engine`'s connection, with its deadline.
+    ///
+    /// # Panics
+    /// Outside a running actix system (the forwarding proxies are actors).
+    pub fn remote(engine: &RemoteAddr) -> Self {
+        Self {
+            update: engine.recipient(),
+            cancel: engine.recipient(),
+            versions: engine.recipient(),
+            stats: engine.recipient(),
+            act: engine.recipient(),
+            generate: engine.recipient(),
+        }
+    }
+
+    /// Serves this engine's protocol on `node` under `target`, for other processes.
+    pub fn serve(&self, node: &Node, target: Uuid) {
+        serve(node, target, self.update.clone());
+        serve(node, target, self.cancel.clone());
+        serve(node, target, self.versions.clone());
+        serve(node, target, self.stats.clone());
+        serve(node, target, self.act.clone());
+        serve(node, target, self.generate.clone());
+    }
+}
+// ANCHOR_END: engine_ref

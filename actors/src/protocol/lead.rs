@@ -1,0 +1,108 @@
+//! The run lead's protocol (rank 0): each model's driver reports its progress and gets the
+//! common stop decision, hands in its report at the end; a rank that restarted asks to be
+//! taken back.
+
+use std::net::SocketAddr;
+
+use actix::prelude::*;
+use refit_node::Node;
+use refit_runtime::{ModelId, Version};
+use serde::{Deserialize, Serialize};
+use uuid::Uuid;
+
+use crate::error::Result;
+use crate::remote::{RemoteAddr, serve};
+use crate::run::ModelReport;
+
+/// One model's driver finished an update: where it is, whether its model reached the
+/// target, whether it ran out of budget. Answers the version every model stops at, once a
+/// stop rule fired (every model stops at the same version, so the last barrier round
+/// completes).
+#[derive(Debug, Clone, Message, Serialize, Deserialize)]
+#[rtype(result = "Option<Version>")]
+pub struct Progress {
+    /// The model.
+    pub model: ModelId,
+    /// The version it just published.
+    pub version: Version,
+    /// It reached the target.
+    pub solved: bool,
+    /// It spent its update or time budget.
+    pub out_of_budget: bool,
+}
+
+/// One model's driver is over: its report, or why it failed.
+#[derive(Debug, Clone, Message, Serialize, Deserialize)]
+#[rtype(result = "()")]
+pub struct ModelDone {
+    /// The model.
+    pub model: ModelId,
+    /// The model's report, or its driver's error.
+    pub report: std::result::Result<ModelReport, String>,
+}
+
+/// A rank that restarted (a new incarnation) serves again: its engine, its rollout workers.
+/// The lead brings its engine to the versions the others serve, adds it to the controller's
+/// engine set, and answers once its rollout workers may start.
+#[derive(Debug, Clone, Message, Serialize, Deserialize)]
+#[rtype(result = "Result<()>")]
+pub struct Rejoin {
+    /// The rank.
+    pub rank: u32,
+    /// Its incarnation (1 after its first restart).
+    pub incarnation: u32,
+    /// Its node's address.
+    pub node: SocketAddr,
+}
+
+crate::remote_reply!(ModelReport);
+
+crate::remote::wire_names! {
+    Progress => "lead.progress",
+    ModelDone => "lead.model_done",
+    Rejoin => "lead.rejoin",
+}
+
+/// The run's lead, in this process or another.
+#[derive(Debug, Clone)]
+pub struct LeadRef {
+    /// Progress of a driver.
+    pub progress: Recipient<Progress>,
+    /// A driver's end.
+    pub done: Recipient<ModelDone>,
+    /// A restarted rank.
+    pub rejoin: Recipient<Rejoin>,
+}
+
+impl LeadRef {
+    /// The reference of a lead of this process.
+    pub fn local<A>(lead: &Addr<A>) -> Self
+    where
+        A: Actor<Context = Context<A>> + Handler<Progress> + Handler<ModelDone> + Handler<Rejoin>,
+    {
+        Self {
+            progress: lead.clone().recipient(),
+            done: lead.clone().recipient(),
+            rejoin: lead.clone().recipient(),
+        }
+    }
+
+    /// The reference of the lead another process serves.
+    ///
+    /// # Panics
+    /// Outside a running actix system.
+    pub fn remote(lead: &RemoteAddr) -> Self {
+        Self {
+            progress: lead.recipient(),
+            done: lead.recipient(),
+            rejoin: lead.recipient(),
+        }
+    }
+
+    /// Serves the lead's protocol on `node` under `target`.
+    pub fn serve(&self, node: &Node, target: Uuid) {
+        serve(node, target, self.progress.clone());
+        serve(node, target, self.done.clone());
+        serve(node, target, self.rejoin.clone());
+    }
+}

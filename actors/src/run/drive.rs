@@ -1,0 +1,217 @@
+//! One model's driver, on its trainer's rank: take a batch from the model's pool, train,
+//! publish, notify the controller, report progress to the lead, until the lead's common
+//! stop decision; then wait until the last version serves everywhere.
+
+use std::collections::VecDeque;
+use std::time::{Duration, Instant};
+
+use actix::prelude::*;
+use refit_runtime::sync_policy::{StalenessStats, SyncMode};
+use refit_runtime::{ModelId, Version};
+use tracing::Instrument;
+
+use crate::actor::controller::VersionNotifier;
+use crate::actor::workers::Trainer;
+use crate::error::{Error, Result};
+use crate::protocol::controller::{AwaitDrained, AwaitSynced, ControllerRef};
+use crate::protocol::lead::{LeadRef, Progress};
+use crate::protocol::pool::{AwaitBatch, PoolRef, TakeBatch};
+use crate::protocol::trainer::TrainAndPublish;
+
+use super::{ModelReport, StopRule, UpdateRecord};
+
+/// Everything one model's driver talks to.
+pub(crate) struct Driver {
+    pub(crate) model: ModelId,
+    pub(crate) trainer: Addr<Trainer>,
+    pub(crate) pool: PoolRef,
+    pub(crate) controller: ControllerRef,
+    pub(crate) notifier: VersionNotifier,
+    pub(crate) lead: LeadRef,
+    pub(crate) mode: SyncMode,
+    pub(crate) stop: StopRule,
+    /// Deadline of a blocked step (a batch, a drain).
+    pub(crate) wait: Duration,
+    /// Deadline of a call whose answer waits on the controller (a barrier round, a load).
+    pub(crate) call: Duration,
+    pub(crate) started: Instant,
+}
+
+/// A request that got no answer: past its deadline, or to an actor that stopped.
+fn unanswered(model: &ModelId, what: &str, e: MailboxError, after: Duration) -> Error {
+    match e {
+        MailboxError::Timeout => Error::Runtime(refit_runtime::Error::Timeout {
+            what: format!("the {what} of model `{model}`"),
+            after,
+        }),
+        MailboxError::Closed => Error::Actor(format!("the {what} of model `{model}` stopped")),
+    }
+}
+
+/// The mean of the last (up to) 20 values.
+fn mean(values: &VecDeque<f64>) -> f64 {
+    if values.is_empty() {
+        0.0
+    } else {
+        values.iter().sum::<f64>() / values.len() as f64
+    }
+}
+
+impl Driver {
+    /// Runs the driver to the end; answers the model's report.
+    ///
+    /// # Errors
+    /// The first failure of the pool, trainer, controller or lead (named by model), a
+    /// deadline passed.
+    pub(crate) async fn run(mut self) -> Result<ModelReport> {
+        let model = self.model.clone();
+        let mut version = Version(1);
+        let mut last20: VecDeque<f64> = VecDeque::with_capacity(20);
+        let mut report = ModelReport {
+            updates: Vec::new(),
+            frames: 0,
+            episodes: 0,
+            mean_return: 0.0,
+            staleness: StalenessStats::default(),
+            evicted: 0,
+            evals: Vec::new(),
+            workers: Vec::new(),
+        };
+        let (wait, call) = (self.wait, self.call);
+        // a batch waits at most `wait`; the message's own deadline allows for the reply
+        let slack = wait + Duration::from_secs(5);
+        loop {
+            if self.mode == SyncMode::Sync {
+                // Every fragment admitted under this version is on-policy: wait for them all.
+                self.pool
+                    .await_batch
+                    .send(AwaitBatch {
+                        train_version: version,
+                        timeout: wait,
+                    })
+                    .timeout(slack)
+                    .await
+                    .map_err(|e| unanswered(&model, "pool", e, slack))??;
+                self.controller
+                    .await_drained
+                    .send(AwaitDrained {
+                        model: model.clone(),
+                    })
+                    .timeout(call)
+                    .await
+                    .map_err(|e| unanswered(&model, "controller (drain)", e, call))??;
+            }
+            let pb = self
+                .pool
+                .take
+                .send(TakeBatch {
+                    train_version: version,
+                    all: self.mode == SyncMode::Sync,
+                    timeout: wait,
+                })
+                .timeout(slack)
+                .await
+                .map_err(|e| unanswered(&model, "pool", e, slack))??;
+            let generated = !pb.batch.sequences.is_empty();
+            if generated {
+                // a batch of completions: its own mean reward
+                last20.clear();
+            }
+            for e in &pb.batch.episodes {
+                if !generated && last20.len() == 20 {
+                    last20.pop_front();
+                }
+                last20.push_back(e.ret);
+            }
+            report.episodes += pb.batch.episodes.len() as u64;
+            report.frames += pb.batch.frames as u64;
+            let mean_return = mean(&last20);
+            report.mean_return = mean_return;
+            report.staleness = pb.totals.clone();
+            report.evicted += pb.evicted;
+            let sample_versions = pb.batch.version_range().unwrap_or((version, version));
+            let frames = pb.batch.frames;
+            // one span per weight update: training, publishing, and the controller's round
+            let span = tracing::info_span!(
+                "weight_update",
+                model = %model,
+                from = %version,
+                to = tracing::field::Empty
+            );
+            let update_started = Instant::now();
+            let (stats, published) = self
+                .trainer
+                .send(TrainAndPublish { batch: pb.batch })
+                .timeout(wait)
+                .instrument(span.clone())
+                .await
+                .map_err(|e| unanswered(&model, "trainer", e, wait))??;
+            span.record("to", tracing::field::display(published));
+            let train_ms = update_started.elapsed().as_millis() as u64;
+            span.in_scope(|| {
+                tracing::info!(
+                    frames = report.frames,
+                    mean_return = format_args!("{mean_return:.3}"),
+                    max_staleness = pb.max_staleness,
+                    dropped = pb.dropped,
+                    train_ms,
+                    "trained and published"
+                );
+            });
+            report.updates.push(UpdateRecord {
+                train_version: version,
+                published,
+                frames,
+                sample_versions,
+                max_staleness: pb.max_staleness,
+                dropped: pb.dropped,
+                evicted: pb.evicted,
+                fragments: pb.fragments,
+                mean_return,
+                elapsed: self.started.elapsed(),
+                train: Duration::from_millis(train_ms),
+                learn: stats,
+            });
+            version = published;
+            if let Some(eval) = self
+                .notifier
+                .notify(version)
+                .instrument(span)
+                .await?
+                .and_then(|o| o.eval)
+            {
+                report.evals.push(eval);
+            }
+            let solved = self.stop.solved(&model, &last20, generated, &report.evals);
+            let out_of_budget = report.updates.len() as u64 >= self.stop.max_updates
+                || self.started.elapsed() >= self.stop.max_time;
+            let stop_at = self
+                .lead
+                .progress
+                .send(Progress {
+                    model: model.clone(),
+                    version,
+                    solved,
+                    out_of_budget,
+                })
+                .timeout(call)
+                .await
+                .map_err(|e| unanswered(&model, "run's lead", e, call))?;
+            if stop_at.is_some_and(|s| version >= s) {
+                break;
+            }
+        }
+        self.notifier.flush().await?;
+        // The run ends when its last version serves everywhere.
+        self.controller
+            .await_synced
+            .send(AwaitSynced {
+                model: model.clone(),
+                version,
+            })
+            .timeout(call)
+            .await
+            .map_err(|e| unanswered(&model, "controller (last version)", e, call))??;
+        Ok(report)
+    }
+}

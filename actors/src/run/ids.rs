@@ -1,0 +1,88 @@
+//! Where each role of a run is served: every actor's uuid on its rank's node follows from
+//! its role, rank, model and index, so ranks need only each other's node addresses (their
+//! cards in the rendezvous store) to reach any actor; and the store keys ranks meet at.
+
+use std::net::SocketAddr;
+
+use refit_runtime::ModelId;
+use serde::{Deserialize, Serialize};
+use uuid::Uuid;
+
+/// The kinds of actors a rank serves.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
+pub(crate) enum Served {
+    Engine = 1,
+    Controller = 2,
+    Gate = 3,
+    Pool = 4,
+    Rollout = 5,
+    Evaluator = 6,
+    Lead = 7,
+}
+
+/// `refit` in the high bytes: ids no user actor picks by chance.
+const TAG: u128 = 0x7265_6669_7400_0000_u128 << 64;
+
+/// The uuid of an actor: its kind, the rank serving it, the model's position in the file
+/// and an index (a rollout worker's).
+pub(crate) fn actor_id(kind: Served, rank: u32, model: usize, index: usize) -> Uuid {
+    let model = (model as u128) & 0xffff;
+    let index = (index as u128) & 0xffff;
+    Uuid::from_u128(
+        TAG | ((kind as u128) << 56) | (u128::from(rank) << 32) | (model << 16) | index,
+    )
+}
+
+/// The key rank 0 sets once every rank joined and version 1 serves everywhere: rollouts
+/// and drivers start.
+pub(crate) const START_KEY: &str = "refit/run/start";
+
+/// The key rank 0 sets when the run is over: the other ranks stop.
+pub(crate) const STOP_KEY: &str = "refit/run/stop";
+
+/// The key of rank `r`'s card.
+pub(crate) fn rank_key(r: u32) -> String {
+    format!("refit/rank/{r}")
+}
+
+/// The key rank `r` sets once it saw the stop and released its roles (rank 0 waits for it
+/// before it exits, so that the others read the stop rather than a closed connection).
+pub(crate) fn bye_key(r: u32) -> String {
+    format!("refit/rank/{r}/bye")
+}
+
+/// The key of `model`'s receiver specs (one per transport its trainer opened).
+pub(crate) fn weights_key(model: &ModelId) -> String {
+    format!("refit/weights/{model}")
+}
+
+/// What a rank publishes once it serves its roles.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub(crate) struct RankCard {
+    /// Its node, where its actors are served.
+    pub(crate) node: SocketAddr,
+    /// Its process id.
+    pub(crate) pid: u32,
+    /// 0 for the first start, n after the nth restart.
+    pub(crate) incarnation: u32,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ids_differ_by_every_part_and_are_stable() {
+        let a = actor_id(Served::Rollout, 3, 1, 2);
+        assert_eq!(a, actor_id(Served::Rollout, 3, 1, 2));
+        for b in [
+            actor_id(Served::Engine, 3, 1, 2),
+            actor_id(Served::Rollout, 4, 1, 2),
+            actor_id(Served::Rollout, 3, 0, 2),
+            actor_id(Served::Rollout, 3, 1, 3),
+        ] {
+            assert_ne!(a, b);
+        }
+    }
+}

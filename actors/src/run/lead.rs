@@ -1,0 +1,582 @@
+//! The run's lead, on rank 0 beside the controller: the common stop decision of the model
+//! drivers, their reports, what happens when an engine rank dies or comes back, the
+//! statistics of every rank (kept for ranks that died), and the run's report.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use actix::prelude::*;
+use refit_node::Node;
+use refit_runtime::topology::{OnFailure, Role, Topology};
+use refit_runtime::{ModelId, Version};
+use tokio::sync::oneshot;
+
+use crate::actor::controller::WeightSyncController;
+use crate::error::{Error, Result};
+use crate::protocol::controller::{AddEngine, DropEngine, GetStatus};
+use crate::protocol::engine::{EngineRef, EngineStats, GetEngineStats};
+use crate::protocol::lead::{ModelDone, Progress, Rejoin};
+use crate::protocol::rollout::{GetRolloutStats, RolloutRef, RolloutStats, StopRollouts};
+use crate::remote::RemoteAddr;
+
+use super::gate::{EngineRoute, RankBack, RankGate, RankLost};
+use super::ids::{Served, actor_id};
+use super::rendezvous::{RankDeath, WatchGuard, watch};
+use super::{ModelReport, RankEvent, RankEventKind, RankReport, RunReport};
+
+/// The common stop decision of a run's model drivers.
+#[derive(Debug, Default)]
+pub(crate) struct StopBoard {
+    versions: BTreeMap<ModelId, Version>,
+    solved: BTreeMap<ModelId, bool>,
+    stop_at: Option<Version>,
+}
+
+impl StopBoard {
+    /// Records `model` at `version`; decides the common last version once a rule fires:
+    /// every model solved, or one out of budget.
+    pub(crate) fn post(
+        &mut self,
+        model: &ModelId,
+        version: Version,
+        solved: bool,
+        out_of_budget: bool,
+        models: usize,
+    ) -> Option<Version> {
+        self.versions.insert(model.clone(), version);
+        self.solved.insert(model.clone(), solved);
+        let all_solved = self.solved.len() == models && self.solved.values().all(|s| *s);
+        if self.stop_at.is_none() && (out_of_budget || all_solved) {
+            let max = self.versions.values().copied().max().unwrap_or(version);
+            self.stop_at = Some(max);
+        }
+        self.stop_at
+    }
+}
+
+/// One engine rank as the lead sees it.
+struct Slot {
+    incarnation: u32,
+    alive: bool,
+    /// Its id in the controller's engine set.
+    engine_id: usize,
+    engine: EngineRef,
+    gate: Addr<RankGate>,
+    rollouts: Vec<(ModelId, RolloutRef)>,
+    /// The statistics last seen (polled every couple of seconds).
+    last: RankReport,
+    /// Keepalive of a rank that rejoined.
+    watch: Option<WatchGuard>,
+}
+
+/// An engine rank serves: the controller loads on its engine from now on (after bringing
+/// it to the versions the others serve), the evaluator may ask it, its rollouts are counted
+/// at its gate. Answers once that is so.
+#[derive(Debug, Message)]
+#[rtype(result = "Result<()>")]
+pub(crate) struct AddRank {
+    pub(crate) rank: u32,
+    pub(crate) incarnation: u32,
+    pub(crate) engine: EngineRef,
+    pub(crate) rollouts: Vec<(ModelId, RolloutRef)>,
+    /// Keepalive of a rank that rejoined (the first ones are watched together).
+    pub(crate) watch: Option<std::net::SocketAddr>,
+}
+
+/// A rank died (the keepalive told).
+#[derive(Debug, Message)]
+#[rtype(result = "()")]
+pub(crate) struct RankDown(pub(crate) RankDeath);
+
+/// Every driver is done (or one failed): stop the rollouts and gather the report.
+#[derive(Debug, Message)]
+#[rtype(result = "Result<RunReport>")]
+pub(crate) struct Finish;
+
+#[derive(Debug, Message)]
+#[rtype(result = "()")]
+struct Poll;
+
+/// A polled rank's statistics.
+#[derive(Debug, Message)]
+#[rtype(result = "()")]
+struct Polled {
+    rank: u32,
+    incarnation: u32,
+    engine: Option<EngineStats>,
+    workers: Vec<(ModelId, RolloutStats)>,
+}
+
+/// What the lead is made with.
+pub(crate) struct LeadSetup {
+    pub(crate) topo: Arc<Topology>,
+    pub(crate) node: Node,
+    pub(crate) call: Duration,
+    pub(crate) controller: Addr<WeightSyncController>,
+    pub(crate) route: Option<Addr<EngineRoute>>,
+    /// Every engine rank's gate (its way to the controller), served by this rank.
+    pub(crate) gates: BTreeMap<u32, Addr<RankGate>>,
+    /// Answered once every driver is done, or the run must end.
+    pub(crate) done: oneshot::Sender<Result<()>>,
+    pub(crate) started: Instant,
+}
+
+/// The run's lead.
+pub(crate) struct Lead {
+    topo: Arc<Topology>,
+    node: Node,
+    call: Duration,
+    controller: Addr<WeightSyncController>,
+    route: Option<Addr<EngineRoute>>,
+    gates: BTreeMap<u32, Addr<RankGate>>,
+    slots: BTreeMap<u32, Slot>,
+    retired: Vec<RankReport>,
+    board: StopBoard,
+    models: Vec<ModelId>,
+    reports: BTreeMap<ModelId, ModelReport>,
+    done: Option<oneshot::Sender<Result<()>>>,
+    events: Vec<RankEvent>,
+    started: Instant,
+}
+
+impl std::fmt::Debug for Lead {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Lead")
+            .field("engines", &self.slots.keys().collect::<Vec<_>>())
+            .field("reports", &self.reports.keys().collect::<Vec<_>>())
+            .finish_non_exhaustive()
+    }
+}
+
+impl Lead {
+    pub(crate) fn new(setup: LeadSetup) -> Self {
+        Self {
+            models: setup.topo.model_ids(),
+            topo: setup.topo,
+            node: setup.node,
+            call: setup.call,
+            controller: setup.controller,
+            route: setup.route,
+            gates: setup.gates,
+            slots: BTreeMap::new(),
+            retired: Vec::new(),
+            board: StopBoard::default(),
+            reports: BTreeMap::new(),
+            done: Some(setup.done),
+            events: Vec::new(),
+            started: setup.started,
+        }
+    }
+
+    fn event(&mut self, rank: u32, incarnation: u32, kind: RankEventKind) {
+        self.events.push(RankEvent {
+            at: self.started.elapsed(),
+            rank,
+            incarnation,
+            kind,
+        });
+    }
+
+    /// Ends the run with `result` (the first call wins).
+    fn end(&mut self, result: Result<()>) {
+        if let Some(tx) = self.done.take() {
+            let _ = tx.send(result);
+        }
+    }
+
+    fn who(&self, rank: u32) -> String {
+        self.topo.rank(rank).map_or_else(
+            |_| format!("rank {rank}"),
+            |p| format!("rank {rank} (process `{}`)", p.process),
+        )
+    }
+
+    /// True when the rank's process may come back (the launcher restarts it), or the run
+    /// goes on without it (`on_failure = "continue"`).
+    fn survivable(&self, rank: u32) -> bool {
+        let Ok(plan) = self.topo.rank(rank) else {
+            return false;
+        };
+        let only_engine = !plan.has(Role::Trainer)
+            && !plan.has(Role::Controller)
+            && !plan.has(Role::Evaluator);
+        only_engine && (self.topo.run.on_failure == OnFailure::Continue || plan.restarts())
+    }
+}
+
+impl Actor for Lead {
+    type Context = Context<Self>;
+
+    fn started(&mut self, ctx: &mut Context<Self>) {
+        ctx.run_interval(Duration::from_secs(2), |_, ctx| ctx.notify(Poll));
+    }
+}
+
+impl Handler<Progress> for Lead {
+    type Result = MessageResult<Progress>;
+    fn handle(&mut self, p: Progress, _: &mut Context<Self>) -> Self::Result {
+        let n = self.models.len();
+        MessageResult(
+            self.board
+                .post(&p.model, p.version, p.solved, p.out_of_budget, n),
+        )
+    }
+}
+
+impl Handler<ModelDone> for Lead {
+    type Result = ();
+    fn handle(&mut self, msg: ModelDone, _: &mut Context<Self>) {
+        match msg.report {
+            Ok(r) => {
+                self.reports.insert(msg.model, r);
+                if self.reports.len() == self.models.len() {
+                    self.end(Ok(()));
+                }
+            }
+            Err(e) => {
+                self.end(Err(Error::Actor(format!(
+                    "trainer of model `{}`: {e}",
+                    msg.model
+                ))));
+            }
+        }
+    }
+}
+
+impl Handler<RankDown> for Lead {
+    type Result = ();
+    fn handle(&mut self, RankDown(death): RankDown, _: &mut Context<Self>) {
+        let rank = death.rank;
+        let who = self.who(rank);
+        eprintln!("rank 0: {who} is gone: {}", death.reason);
+        let Some(slot) = self.slots.get_mut(&rank) else {
+            // a trainer, evaluator or rollout-less rank: the run cannot go on without it
+            self.event(rank, 0, RankEventKind::Died(death.reason.clone()));
+            self.end(Err(Error::Actor(format!(
+                "{who} is gone ({}); the run cannot go on without it",
+                death.reason
+            ))));
+            return;
+        };
+        if !slot.alive {
+            return;
+        }
+        slot.alive = false;
+        slot.watch = None;
+        let incarnation = slot.incarnation;
+        let mut retired = slot.last.clone();
+        retired.fate = Some(death.reason.clone());
+        self.controller.do_send(DropEngine {
+            index: slot.engine_id,
+        });
+        slot.gate.do_send(RankLost { rank });
+        if let Some(route) = &self.route {
+            route.do_send(RankLost { rank });
+        }
+        self.retired.push(retired);
+        self.event(rank, incarnation, RankEventKind::Died(death.reason.clone()));
+        let alive = self.slots.values().filter(|s| s.alive).count();
+        if !self.survivable(rank) {
+            self.end(Err(Error::Actor(format!(
+                "{who} is gone ({}); on_failure = \"abort\" ends the run (set on_failure = \
+                 \"continue\", or restart = \"on-failure\" on its process, to go on)",
+                death.reason
+            ))));
+        } else if alive == 0 && !self.topo.rank(rank).is_ok_and(|p| p.restarts()) {
+            self.end(Err(Error::Actor(format!(
+                "{who} is gone ({}) and no engine is left",
+                death.reason
+            ))));
+        } else {
+            eprintln!("rank 0: the run goes on with {alive} engines");
+        }
+    }
+}
+
+impl Handler<AddRank> for Lead {
+    type Result = ResponseActFuture<Self, Result<()>>;
+    fn handle(&mut self, msg: AddRank, _: &mut Context<Self>) -> Self::Result {
+        if self.slots.get(&msg.rank).is_some_and(|s| s.alive) {
+            let e = Error::Config(format!(
+                "{} joins as incarnation {}, but an earlier incarnation is still alive",
+                self.who(msg.rank),
+                msg.incarnation
+            ));
+            return Box::pin(fut::ready(Err(e)));
+        }
+        // an engine keeps its id in the controller's set across incarnations
+        let engine_id = msg.rank as usize;
+        let add = self.controller.send(AddEngine {
+            index: engine_id,
+            engine: msg.engine.clone(),
+        });
+        let call = self.call;
+        Box::pin(
+            async move {
+                add.timeout(call)
+                    .await
+                    .map_err(|e| Error::Actor(format!("controller: {e}")))?
+            }
+            .into_actor(self)
+            .map(move |r, act, ctx| {
+                r?;
+                let AddRank {
+                    rank,
+                    incarnation,
+                    engine,
+                    rollouts,
+                    watch: addr,
+                } = msg;
+                let gate = match act.gates.get(&rank) {
+                    Some(g) if incarnation == 0 => g.clone(),
+                    _ => {
+                        // a fresh gate: the old one gave up its rank's rollouts
+                        let g = RankGate::new(
+                            rank,
+                            act.controller.clone().recipient(),
+                            act.controller.clone().recipient(),
+                        )
+                        .start();
+                        crate::protocol::ControllerLink {
+                            await_rollout: g.clone().recipient(),
+                            done: g.clone().recipient(),
+                        }
+                        .serve(&act.node, actor_id(Served::Gate, rank, 0, 0));
+                        act.gates.insert(rank, g.clone());
+                        g
+                    }
+                };
+                if let Some(route) = &act.route {
+                    route.do_send(RankBack {
+                        rank,
+                        engine: engine.clone(),
+                    });
+                }
+                let me = ctx.address();
+                let guard = addr.map(|a| {
+                    watch(
+                        &act.node,
+                        vec![(rank, a)],
+                        act.topo.keepalive(),
+                        act.topo.dead_after(),
+                        move |d| me.do_send(RankDown(d)),
+                    )
+                });
+                act.slots.insert(
+                    rank,
+                    Slot {
+                        incarnation,
+                        alive: true,
+                        engine_id,
+                        engine,
+                        gate,
+                        rollouts,
+                        last: RankReport::empty(rank, incarnation),
+                        watch: guard,
+                    },
+                );
+                if incarnation > 0 {
+                    act.event(rank, incarnation, RankEventKind::Rejoined);
+                    eprintln!(
+                        "rank 0: {} rejoined (incarnation {incarnation})",
+                        act.who(rank)
+                    );
+                }
+                Ok(())
+            }),
+        )
+    }
+}
+
+impl Handler<Rejoin> for Lead {
+    type Result = ResponseActFuture<Self, Result<()>>;
+    fn handle(&mut self, msg: Rejoin, ctx: &mut Context<Self>) -> Self::Result {
+        let serves_engine = self
+            .topo
+            .rank(msg.rank)
+            .is_ok_and(|p| p.has(Role::Engine) && !p.has(Role::Trainer) && !p.has(Role::Controller));
+        if !serves_engine {
+            let e = Error::Config(format!(
+                "{} cannot rejoin: only ranks that hold an engine (and rollouts), no trainer, can",
+                self.who(msg.rank)
+            ));
+            return Box::pin(fut::ready(Err(e)));
+        }
+        let node = self.node.clone();
+        let call = self.call;
+        let topo = Arc::clone(&self.topo);
+        let me = ctx.address();
+        let who = self.who(msg.rank);
+        let join = async move {
+            let Rejoin {
+                rank,
+                incarnation,
+                node: addr,
+            } = msg;
+            let remote = RemoteAddr::connect(
+                &node,
+                addr,
+                actor_id(Served::Engine, rank, 0, 0),
+                format!("engine of {who}"),
+                call,
+            )
+            .await?;
+            let engine = EngineRef::remote(&remote);
+            let rollouts = super::rank::rollout_refs(&topo, rank, &remote);
+            me.send(AddRank {
+                rank,
+                incarnation,
+                engine,
+                rollouts,
+                watch: Some(addr),
+            })
+            .timeout(call * 2)
+            .await
+            .map_err(|e| Error::Actor(format!("the run's lead: {e}")))?
+        };
+        Box::pin(join.into_actor(self))
+    }
+}
+
+impl Handler<Poll> for Lead {
+    type Result = ();
+    fn handle(&mut self, _: Poll, ctx: &mut Context<Self>) {
+        let call = self.call.min(Duration::from_secs(5));
+        for (rank, slot) in &self.slots {
+            if !slot.alive {
+                continue;
+            }
+            let (rank, incarnation) = (*rank, slot.incarnation);
+            let engine = slot.engine.stats.clone();
+            let rollouts = slot.rollouts.clone();
+            let me = ctx.address();
+            ctx.spawn(
+                async move {
+                    let engine = engine.send(GetEngineStats).timeout(call).await.ok();
+                    let mut workers = Vec::new();
+                    for (m, r) in rollouts {
+                        if let Ok(s) = r.stats.send(GetRolloutStats).timeout(call).await {
+                            workers.push((m, s));
+                        }
+                    }
+                    me.do_send(Polled {
+                        rank,
+                        incarnation,
+                        engine,
+                        workers,
+                    });
+                }
+                .into_actor(self),
+            );
+        }
+    }
+}
+
+impl Handler<Polled> for Lead {
+    type Result = ();
+    fn handle(&mut self, p: Polled, _: &mut Context<Self>) {
+        let Some(slot) = self.slots.get_mut(&p.rank) else {
+            return;
+        };
+        if slot.incarnation != p.incarnation || !slot.alive {
+            return;
+        }
+        if let Some(e) = p.engine {
+            slot.last.engine = e;
+        }
+        if !p.workers.is_empty() {
+            slot.last.workers = group(p.workers);
+        }
+    }
+}
+
+fn group(workers: Vec<(ModelId, RolloutStats)>) -> BTreeMap<ModelId, Vec<RolloutStats>> {
+    let mut out: BTreeMap<ModelId, Vec<RolloutStats>> = BTreeMap::new();
+    for (m, s) in workers {
+        out.entry(m).or_default().push(s);
+    }
+    out
+}
+
+impl Handler<Finish> for Lead {
+    type Result = ResponseActFuture<Self, Result<RunReport>>;
+    fn handle(&mut self, _: Finish, _: &mut Context<Self>) -> Self::Result {
+        let call = self.call;
+        let live: Vec<(u32, u32, EngineRef, Vec<(ModelId, RolloutRef)>, RankReport)> = self
+            .slots
+            .iter()
+            .filter(|(_, s)| s.alive)
+            .map(|(r, s)| {
+                (
+                    *r,
+                    s.incarnation,
+                    s.engine.clone(),
+                    s.rollouts.clone(),
+                    s.last.clone(),
+                )
+            })
+            .collect();
+        let controller = self.controller.clone();
+        let gather = async move {
+            let mut ranks = Vec::new();
+            for (rank, incarnation, engine, rollouts, last) in live {
+                let mut report = RankReport::empty(rank, incarnation);
+                let mut workers = Vec::new();
+                for (m, r) in rollouts {
+                    match r.stop.send(StopRollouts).timeout(call).await {
+                        Ok(s) => workers.push((m, s)),
+                        Err(e) => tracing::warn!(rank, "a rollout worker did not stop: {e}"),
+                    }
+                }
+                report.workers = if workers.is_empty() {
+                    last.workers.clone()
+                } else {
+                    group(workers)
+                };
+                report.engine = match engine.stats.send(GetEngineStats).timeout(call).await {
+                    Ok(s) => s,
+                    Err(e) => {
+                        tracing::warn!(rank, "no statistics from the engine: {e}");
+                        last.engine.clone()
+                    }
+                };
+                ranks.push(report);
+            }
+            let status = controller
+                .send(GetStatus)
+                .timeout(call)
+                .await
+                .map_err(|e| Error::Actor(format!("controller: {e}")))?;
+            Ok::<_, Error>((ranks, status))
+        };
+        Box::pin(gather.into_actor(self).map(|r, act, _| {
+            let (mut ranks, controller) = r?;
+            ranks.append(&mut act.retired.clone());
+            ranks.sort_by_key(|r| (r.rank, r.incarnation));
+            let mut models = std::mem::take(&mut act.reports);
+            let mut engine = EngineStats::default();
+            for r in &ranks {
+                engine.loads += r.engine.loads;
+                engine.paused_total += r.engine.paused_total;
+                engine.paused_max = engine.paused_max.max(r.engine.paused_max);
+                engine.staged_total += r.engine.staged_total;
+                engine.cancelled += r.engine.cancelled;
+                for (m, ws) in &r.workers {
+                    if let Some(rep) = models.get_mut(m) {
+                        rep.workers.extend(ws.iter().cloned());
+                    }
+                }
+            }
+            Ok(RunReport {
+                models,
+                controller,
+                engine,
+                ranks,
+                events: act.events.clone(),
+                elapsed: act.started.elapsed(),
+                solved: false,
+            })
+        }))
+    }
+}

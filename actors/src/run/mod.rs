@@ -1,0 +1,432 @@
+//! A training run, in one process or spread over processes and hosts, through one path.
+//!
+//! A run is a topology (a [`Topology`], from a topology file or built by [`run`]) expanded
+//! into ranks; every rank runs [`join`] (or [`join_generating`]) with the same topology and
+//! its launch variables, and hosts the roles its process holds:
+//!
+//! - **rank 0** leads: it serves the rendezvous store, the weight-sync controller, one gate
+//!   per engine rank (counting that rank's admitted rollouts) and the run's lead (the
+//!   common stop decision, rank deaths and rejoins, the report);
+//! - a **trainer** rank (per model; a process with replicas shards it) builds the model's
+//!   learner, opens its weight links (one sender per transport the engines need: in-process
+//!   beside it, shared memory on its host, TCP across hosts; converting to the engines'
+//!   layout when the model declares one), serves the model's trajectory pool and drives
+//!   training;
+//! - an **engine** rank connects one inlet per model it serves and serves its engine (an
+//!   acting or a generating one); with `rollout` it runs rollout workers against it;
+//! - the **evaluator** rank runs validation when the controller asks.
+//!
+//! Roles reach each other through their protocol's typed references ([`crate::protocol`]):
+//! local `Addr`s when they share a process, remote handles otherwise. A run of one process
+//! ([`run`]) is the same path with one rank, where every reference is local.
+//!
+//! Supervision: every rank pings rank 0 and rank 0 pings every rank (`[run] keepalive_s`);
+//! a peer silent for `dead_after_s`, or whose connection closed, is dead. Rank 0 drops a
+//! dead engine rank (its admitted rollouts are given up; the run goes on as `on_failure` or
+//! the process's `restart` says) and takes it back when it restarts ([`RankEvent`]); every
+//! other rank exits when rank 0 is dead. See the book's supervision page for the written
+//! guarantees.
+
+mod drive;
+mod gate;
+mod ids;
+mod lead;
+mod rank;
+mod rendezvous;
+mod weights;
+mod workload;
+
+use std::collections::{BTreeMap, VecDeque};
+use std::sync::Arc;
+use std::time::Duration;
+
+use refit_node::{ClusterToken, LaunchEnv};
+use refit_runtime::sync_policy::{StalenessStats, SyncConfig};
+use refit_runtime::topology::{RankPlan, Topology};
+use refit_runtime::{ModelId, Version};
+use serde::{Deserialize, Serialize};
+
+use crate::protocol::controller::ControllerStatus;
+use crate::error::{Error, Result};
+use crate::learner::LearnStats;
+use crate::link::WeightInlet;
+use crate::protocol::engine::EngineStats;
+use crate::protocol::eval::EvalReport;
+use crate::protocol::pool::FragmentInfo;
+use crate::protocol::rollout::RolloutStats;
+use crate::roles::{ModelSpec, Roles};
+
+pub use rendezvous::PING_TARGET;
+pub use workload::{EngineSetup, Inference, Started, Workload};
+
+/// When a run stops. Every model stops at the same version, so that the last barrier
+/// round completes.
+#[derive(Debug, Clone, PartialEq)]
+pub struct StopRule {
+    /// Stop after this many updates.
+    pub max_updates: u64,
+    /// Stop once every model's mean return reaches this: over its last 20 episodes
+    /// (environment steps), or over the last batch (generated completions).
+    pub target_return: Option<f64>,
+    /// Stop once every model's latest validation (the evaluator's mean return or reward on
+    /// held-out episodes or prompts) reaches this.
+    pub target_eval: Option<f64>,
+    /// Stop once this much time has passed.
+    pub max_time: Duration,
+}
+
+impl StopRule {
+    /// The stop rule of a topology's `[stop]`.
+    pub fn of(topo: &Topology) -> Self {
+        Self {
+            max_updates: topo.stop.max_updates.unwrap_or(u64::MAX),
+            target_return: topo.stop.target_return,
+            target_eval: topo.stop.target_eval,
+            max_time: topo
+                .stop
+                .max_time_s
+                .map_or(Duration::from_secs(86_400 * 365), Duration::from_secs_f64),
+        }
+    }
+
+    /// Whether `model` reached a target: its recent returns (the last 20 episodes, or the
+    /// last batch of completions when `generated`) or its latest validation.
+    pub(crate) fn solved(
+        &self,
+        model: &ModelId,
+        recent: &VecDeque<f64>,
+        generated: bool,
+        evals: &[EvalReport],
+    ) -> bool {
+        let mean = if recent.is_empty() {
+            f64::NEG_INFINITY
+        } else {
+            recent.iter().sum::<f64>() / recent.len() as f64
+        };
+        let by_return = self
+            .target_return
+            .is_some_and(|t| (generated || recent.len() == 20) && mean >= t);
+        let by_eval = self.target_eval.is_some_and(|t| {
+            evals
+                .last()
+                .and_then(|e| e.models.get(model))
+                .is_some_and(|m| m.mean_return >= t)
+        });
+        by_return || by_eval
+    }
+
+    /// Whether `model`'s report ends at a target (what [`RunReport::solved`] says of every
+    /// model).
+    pub fn reached(&self, model: &ModelId, report: &ModelReport) -> bool {
+        let by_return = self
+            .target_return
+            .is_some_and(|t| report.mean_return >= t);
+        let by_eval = self.target_eval.is_some_and(|t| {
+            report
+                .evals
+                .last()
+                .and_then(|e| e.models.get(model))
+                .is_some_and(|m| m.mean_return >= t)
+        });
+        by_return || by_eval
+    }
+}
+
+/// Wraps an engine's inlet (for instance to model a slow link).
+pub type InletWrapper = Arc<dyn Fn(Box<dyn WeightInlet>) -> Box<dyn WeightInlet> + Send + Sync>;
+
+/// A run of one process, set up in code (see [`run`]).
+#[derive(Clone)]
+pub struct RunConfig {
+    /// The controller's settings.
+    pub sync: SyncConfig,
+    /// The models.
+    pub models: Vec<ModelSpec>,
+    /// Validation episodes per model on eval steps.
+    pub eval_episodes: usize,
+    /// When to stop.
+    pub stop: StopRule,
+    /// Seed of the engine and the environments.
+    pub seed: u64,
+    /// Wraps every engine inlet, when set.
+    pub wrap_inlet: Option<InletWrapper>,
+    /// How long a pool may wait for a batch, and a scheme for its rendezvous.
+    pub wait: Duration,
+}
+
+impl std::fmt::Debug for RunConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RunConfig")
+            .field("sync", &self.sync)
+            .field("models", &self.models)
+            .field("stop", &self.stop)
+            .finish()
+    }
+}
+
+/// One training update of one model.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct UpdateRecord {
+    /// The version the trainer was at when it took the batch (trained on it).
+    pub train_version: Version,
+    /// The version it published.
+    pub published: Version,
+    /// Frames trained on.
+    pub frames: usize,
+    /// Lowest and highest sample version in the batch.
+    pub sample_versions: (Version, Version),
+    /// Largest staleness in the batch.
+    pub max_staleness: u64,
+    /// Samples dropped as too stale while gathering it.
+    pub dropped: u64,
+    /// Samples evicted from a full pool while gathering it.
+    pub evicted: u64,
+    /// The batch's fragments: admissions and sample versions.
+    pub fragments: Vec<FragmentInfo>,
+    /// Mean return over the model's last 20 episodes (or its last batch of completions)
+    /// after this batch.
+    pub mean_return: f64,
+    /// Time since the run started, when the version was published.
+    pub elapsed: Duration,
+    /// Training and publishing took this long.
+    pub train: Duration,
+    /// What the learner measured.
+    pub learn: LearnStats,
+}
+
+/// One model's run.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ModelReport {
+    /// Updates.
+    pub updates: Vec<UpdateRecord>,
+    /// Frames trained on.
+    pub frames: u64,
+    /// Episodes (or completions) finished.
+    pub episodes: u64,
+    /// Mean return over the last 20 episodes (or the last batch of completions).
+    pub mean_return: f64,
+    /// What the staleness filter kept and dropped.
+    pub staleness: StalenessStats,
+    /// Samples evicted from a full pool.
+    pub evicted: u64,
+    /// Validation results of the eval steps this trainer waited for.
+    pub evals: Vec<EvalReport>,
+    /// The rollout workers' statistics (of every rank, dead ones included).
+    pub workers: Vec<RolloutStats>,
+}
+
+/// What one incarnation of an engine rank did.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct RankReport {
+    /// The rank.
+    pub rank: u32,
+    /// Which start of it (0, then one more per restart).
+    pub incarnation: u32,
+    /// Its engine's statistics (the last ones seen, for a rank that died).
+    pub engine: EngineStats,
+    /// Its rollout workers' statistics, per model.
+    pub workers: BTreeMap<ModelId, Vec<RolloutStats>>,
+    /// How it ended, when it died during the run.
+    pub fate: Option<String>,
+}
+
+impl RankReport {
+    fn empty(rank: u32, incarnation: u32) -> Self {
+        Self {
+            rank,
+            incarnation,
+            engine: EngineStats::default(),
+            workers: BTreeMap::new(),
+            fate: None,
+        }
+    }
+}
+
+/// Something that happened to a rank during the run.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RankEvent {
+    /// Time since the run started.
+    pub at: Duration,
+    /// The rank.
+    pub rank: u32,
+    /// Its incarnation.
+    pub incarnation: u32,
+    /// What happened.
+    pub kind: RankEventKind,
+}
+
+/// What happened to a rank.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub enum RankEventKind {
+    /// It died (its connection closed, or it answered no ping for `dead_after_s`): why.
+    Died(String),
+    /// A new incarnation rejoined the run.
+    Rejoined,
+}
+
+/// What a run did.
+#[derive(Debug, Clone)]
+pub struct RunReport {
+    /// Per model.
+    pub models: BTreeMap<ModelId, ModelReport>,
+    /// The controller's final state and timeline.
+    pub controller: ControllerStatus,
+    /// The engines' load statistics, summed over every rank and incarnation.
+    pub engine: EngineStats,
+    /// Every engine rank's incarnations.
+    pub ranks: Vec<RankReport>,
+    /// Deaths and rejoins, in order.
+    pub events: Vec<RankEvent>,
+    /// Wall time.
+    pub elapsed: Duration,
+    /// True when every model reached a target.
+    pub solved: bool,
+}
+
+/// Who a rank is, for messages: `rank 2 (process `actor`, replica 1)`.
+pub fn describe(plan: &RankPlan) -> String {
+    format!(
+        "rank {} (process `{}`, replica {})",
+        plan.rank, plan.process, plan.replica
+    )
+}
+
+/// The models of a topology as the roles see them.
+///
+/// # Errors
+/// A framework key of a model's params that is not a positive integer (named).
+pub fn model_specs(topo: &Topology) -> Result<Vec<ModelSpec>> {
+    topo.models
+        .iter()
+        .map(|m| {
+            let spec = ModelSpec::from_params(m.id.clone(), topo.run.seed, &m.params)?;
+            spec.check()?;
+            Ok(spec)
+        })
+        .collect()
+}
+
+/// The incarnation of this process: `REFIT_INCARNATION` (0 when unset: the first start).
+fn incarnation_from_env() -> Result<u32> {
+    match std::env::var("REFIT_INCARNATION") {
+        Err(_) => Ok(0),
+        Ok(v) if v.trim().is_empty() => Ok(0),
+        Ok(v) => v.trim().parse().map_err(|_| {
+            Error::Config(format!(
+                "REFIT_INCARNATION is {v:?}, not a restart count (0, 1, ...)"
+            ))
+        }),
+    }
+}
+
+/// Runs this rank's part of `topo` with the acting roles `roles` (environments, policies):
+/// rank 0 answers the run's report, the other ranks `None` once rank 0 tells them to stop.
+///
+/// Blocking: it starts its own actix system (call it from `main`, not from inside one).
+///
+/// # Errors
+/// Launch variables that do not fit the topology (named); a link transport the link
+/// factory does not know or that cannot reach an engine; no cluster token in a run of
+/// several processes; a rank that does not join in time; a configuration error of the
+/// roles (named by model); on rank 0, the first error of a trainer, pool or controller, or
+/// a dead rank the run cannot go on without; on another rank, rank 0 going away before the
+/// end of the run.
+pub fn join<R: Roles>(topo: &Topology, launch: &LaunchEnv, roles: R) -> Result<Option<RunReport>> {
+    join_workload(topo, launch, Arc::new(workload::Acting(Arc::new(roles))))
+}
+
+/// As [`join`], with any [`Workload`] (what [`join`] and [`join_generating`] build from
+/// their roles).
+///
+/// # Errors
+/// As [`join`].
+pub fn join_workload(
+    topo: &Topology,
+    launch: &LaunchEnv,
+    work: Arc<dyn Workload>,
+) -> Result<Option<RunReport>> {
+    if launch.world_size != topo.world_size() {
+        return Err(Error::Config(format!(
+            "launch variable WORLD_SIZE is {} but the topology has {} ranks",
+            launch.world_size,
+            topo.world_size()
+        )));
+    }
+    topo.rank(launch.rank)?;
+    topo.check_links(refit_transports::link::reach_of)?;
+    let token = match ClusterToken::from_env().map_err(refit_runtime::Error::from)? {
+        Some(t) => t,
+        None if topo.world_size() == 1 => ClusterToken::random(),
+        None => {
+            return Err(Error::Config(
+                "REFIT_TOKEN (or REFIT_TOKEN_FILE) is not set: every rank needs the cluster token \
+                 (`refit launch` sets one)"
+                    .into(),
+            ));
+        }
+    };
+    let setup = rank::RankSetup {
+        topo: Arc::new(topo.clone()),
+        launch: launch.clone(),
+        token,
+        specs: model_specs(topo)?,
+        work,
+        stop: StopRule::of(topo),
+        eval_episodes: 10,
+        wrap_inlet: None,
+        incarnation: incarnation_from_env()?,
+    };
+    actix_rt::System::new().block_on(rank::rank_main(setup))
+}
+
+/// Runs a training topology of one process until the stop rule fires; `roles` makes each
+/// model's learner, policy and environments. Call it inside an actix system
+/// (`actix_rt::System::new().block_on(..)` or an `#[actix_rt::test]`).
+///
+/// It is a run of one rank on the same path as a topology file's: the models' trainers,
+/// pools, the engine (every model), the rollout workers (`spec.workers` per model), the
+/// evaluator and the controller, weights through the in-process transport.
+///
+/// # Errors
+/// Configuration errors (a policy that does not fit its environment, a learner whose
+/// exports the policy cannot load: named by model); the first error of a trainer, pool,
+/// controller or engine (named).
+pub async fn run<R: Roles>(cfg: RunConfig, roles: R) -> Result<RunReport> {
+    run_workload(cfg, Arc::new(workload::Acting(Arc::new(roles)))).await
+}
+
+/// As [`run`], with any [`Workload`].
+///
+/// # Errors
+/// As [`run`].
+pub async fn run_workload(cfg: RunConfig, work: Arc<dyn Workload>) -> Result<RunReport> {
+    if cfg.models.is_empty() {
+        return Err(Error::Config("a run needs at least one model".into()));
+    }
+    for spec in &cfg.models {
+        spec.check()?;
+    }
+    let topo = rank::one_process(&cfg)?;
+    let setup = rank::RankSetup {
+        topo: Arc::new(topo),
+        launch: LaunchEnv {
+            rank: 0,
+            world_size: 1,
+            master_addr: "127.0.0.1".into(),
+            master_port: 0,
+        },
+        token: ClusterToken::random(),
+        specs: cfg.models.clone(),
+        work,
+        stop: cfg.stop.clone(),
+        eval_episodes: cfg.eval_episodes,
+        wrap_inlet: cfg.wrap_inlet.clone(),
+        incarnation: 0,
+    };
+    rank::rank_main(setup)
+        .await?
+        .ok_or_else(|| Error::Actor("a run of one process ended without a report".into()))
+}
+
+/// How long a blocked step may wait, by default.
+pub const DEFAULT_WAIT: Duration = Duration::from_secs(60);

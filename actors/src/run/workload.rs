@@ -1,0 +1,213 @@
+//! What a run hosts, behind one interface: the acting family (a [`Roles`] factory:
+//! environments and policies) and the generating family (a
+//! [`GenRoles`](crate::roles::GenRoles) factory: tasks and generators) plug into the same
+//! rank runtime through [`Workload`]. The runtime never names an engine, a rollout worker
+//! or an evaluator type: it asks the workload to start one and gets a typed reference.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use actix::prelude::*;
+use refit_runtime::convert::Want;
+use refit_runtime::sync_policy::PauseMode;
+use refit_runtime::{HasWeights, Manifest, ModelId};
+
+use crate::actor::engine::InferenceEngine;
+use crate::actor::eval::Evaluator;
+use crate::actor::rollout::{RolloutConfig, RolloutWorker};
+use crate::error::{Error, Result};
+use crate::learner::Learner;
+use crate::link::WeightInlet;
+use crate::protocol::controller::ControllerLink;
+use crate::protocol::engine::{ActBatch, EngineRef, Generate};
+use crate::protocol::eval::RunEval;
+use crate::protocol::pool::PushFragment;
+use crate::protocol::rollout::RolloutRef;
+use crate::roles::{ModelSpec, Roles, check_fit};
+
+/// How an engine is set up.
+#[derive(Debug, Clone)]
+pub struct EngineSetup {
+    /// Seed of its sampling.
+    pub seed: u64,
+    /// What a generating engine does with sequences in flight at a swap.
+    pub pause: PauseMode,
+}
+
+/// Where an evaluator asks for actions or completions (a route over the run's engines).
+#[derive(Debug, Clone)]
+pub struct Inference {
+    /// Actions for observations.
+    pub act: Recipient<ActBatch>,
+    /// Completions for prompts.
+    pub generate: Recipient<Generate>,
+}
+
+/// An actor started on an arbiter of its own (stopped with the run).
+#[derive(Debug)]
+pub struct Started<T> {
+    /// Its typed reference.
+    pub handle: T,
+    /// Its arbiter.
+    pub arbiter: Arbiter,
+}
+
+/// What a run hosts for each model. Implemented for every [`Roles`] factory (acting) and,
+/// through [`Generating`](super::Generating), for every `GenRoles` factory.
+pub trait Workload: Send + Sync + 'static {
+    /// A fresh learner for `model`.
+    ///
+    /// # Errors
+    /// As the roles' learner.
+    fn learner(&self, model: &ModelSpec) -> Result<Box<dyn Learner>>;
+
+    /// The layout the engines of `model` load.
+    ///
+    /// # Errors
+    /// As the roles' policy or generator.
+    fn engine_manifest(&self, model: &ModelSpec) -> Result<Arc<Manifest>>;
+
+    /// The conversion from the learner's layout to the engines' that the roles ask for
+    /// (a topology file's `[model.convert]` takes its place when given).
+    ///
+    /// # Errors
+    /// As the roles.
+    fn want(&self, model: &ModelSpec) -> Result<Option<Want>>;
+
+    /// Checks `model`'s roles against each other before anything starts (a policy that
+    /// does not fit its environment, a task that does not fit its generator).
+    ///
+    /// # Errors
+    /// [`Error::Config`] naming the model and the mismatch.
+    fn check(&self, model: &ModelSpec, seed: u64) -> Result<()>;
+
+    /// Starts an engine serving `models` (each fed through its inlet), on an arbiter of its
+    /// own.
+    ///
+    /// # Errors
+    /// As the roles; a model served twice.
+    fn start_engine(
+        &self,
+        models: Vec<(ModelSpec, Box<dyn WeightInlet>)>,
+        setup: &EngineSetup,
+    ) -> Result<Started<EngineRef>>;
+
+    /// Starts one rollout worker of `model`, acting through `engine`, admitted through
+    /// `controller`, pushing fragments to `pool`; it waits for `StartRollouts`.
+    ///
+    /// # Errors
+    /// As the roles; a bad worker configuration.
+    fn start_rollout(
+        &self,
+        model: &ModelSpec,
+        cfg: RolloutConfig,
+        engine: &EngineRef,
+        controller: ControllerLink,
+        pool: Recipient<PushFragment>,
+    ) -> Result<Started<RolloutRef>>;
+
+    /// Starts the evaluator of `models` (`episodes` validation episodes or prompts each),
+    /// asking `engines`.
+    ///
+    /// # Errors
+    /// As the roles.
+    fn start_evaluator(
+        &self,
+        models: &[ModelSpec],
+        engines: Inference,
+        episodes: usize,
+        seed: u64,
+    ) -> Result<Recipient<RunEval>>;
+}
+
+/// A [`Roles`] factory as a workload: an [`InferenceEngine`] of its policies,
+/// [`RolloutWorker`]s of its environments, an [`Evaluator`].
+#[derive(Debug)]
+pub(crate) struct Acting<R>(pub(crate) Arc<R>);
+
+impl<R: Roles> Workload for Acting<R> {
+    fn learner(&self, model: &ModelSpec) -> Result<Box<dyn Learner>> {
+        self.0.learner(model)
+    }
+
+    fn engine_manifest(&self, model: &ModelSpec) -> Result<Arc<Manifest>> {
+        Ok(Arc::new(self.0.policy(model)?.weight_manifest()?))
+    }
+
+    fn want(&self, _: &ModelSpec) -> Result<Option<Want>> {
+        Ok(None)
+    }
+
+    fn check(&self, model: &ModelSpec, seed: u64) -> Result<()> {
+        check_fit(&model.id, &self.0.env(model, seed)?, &self.0.policy(model)?)
+    }
+
+    fn start_engine(
+        &self,
+        models: Vec<(ModelSpec, Box<dyn WeightInlet>)>,
+        setup: &EngineSetup,
+    ) -> Result<Started<EngineRef>> {
+        let mut engine = InferenceEngine::<R::Policy>::empty(setup.seed);
+        for (spec, inlet) in models {
+            let policy = self.0.policy(&spec)?;
+            engine = engine.with_model(spec.id.clone(), policy, Some(inlet))?;
+        }
+        let arbiter = Arbiter::new();
+        let addr = InferenceEngine::start_in_arbiter(&arbiter.handle(), move |_| engine);
+        Ok(Started {
+            handle: EngineRef::local(&addr),
+            arbiter,
+        })
+    }
+
+    fn start_rollout(
+        &self,
+        model: &ModelSpec,
+        cfg: RolloutConfig,
+        engine: &EngineRef,
+        controller: ControllerLink,
+        pool: Recipient<PushFragment>,
+    ) -> Result<Started<RolloutRef>> {
+        let envs = (0..model.envs_per_worker)
+            .map(|i| self.0.env(model, cfg.seed.wrapping_add(i as u64)))
+            .collect::<Result<Vec<_>>>()?;
+        let worker = RolloutWorker::new(cfg, envs, engine.act.clone(), controller, pool)?;
+        let arbiter = Arbiter::new();
+        let addr = RolloutWorker::start_in_arbiter(&arbiter.handle(), move |_| worker);
+        Ok(Started {
+            handle: RolloutRef::local(&addr),
+            arbiter,
+        })
+    }
+
+    fn start_evaluator(
+        &self,
+        models: &[ModelSpec],
+        engines: Inference,
+        episodes: usize,
+        seed: u64,
+    ) -> Result<Recipient<RunEval>> {
+        let ids = models.iter().map(|s| s.id.clone()).collect();
+        let by_id: BTreeMap<ModelId, ModelSpec> =
+            models.iter().map(|s| (s.id.clone(), s.clone())).collect();
+        let roles = Arc::clone(&self.0);
+        Ok(Evaluator::new(
+            engines.act,
+            ids,
+            move |model, i| {
+                let spec = by_id.get(model).ok_or_else(|| {
+                    Error::Runtime(refit_runtime::Error::UnknownModel(model.clone()))
+                })?;
+                roles.env(
+                    spec,
+                    seed.wrapping_mul(31).wrapping_add(1_000_000 + i as u64),
+                )
+            },
+            episodes,
+            10_000,
+            seed,
+        )
+        .start()
+        .recipient())
+    }
+}
