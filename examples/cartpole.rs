@@ -30,11 +30,11 @@ use std::time::{Duration, Instant};
 use clap::{CommandFactory, Parser, Subcommand};
 use indicatif::{ProgressBar, ProgressStyle};
 use refit_actors::ModelSpec;
-use refit_actors::run::{self, RunConfig, StopRule};
 use refit_actors::process::{
     ProcessAsyncCollector, ProcessConfig, ProcessSyncCollector, WorkerLink, serve_worker,
     worker_receiver,
 };
+use refit_actors::run::{self, RunConfig, StopRule};
 use refit_actors::{
     Batch, CartPole, CartPolePpo, Collector, MlpPolicy, MultiAsyncCollector, MultiConfig,
     MultiSyncCollector, PpoConfig, PpoTrainer, UpdatePolicyWeights,

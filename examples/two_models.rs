@@ -15,8 +15,8 @@ use std::time::Duration;
 use clap::Parser;
 
 use refit_actors::CartPolePpo;
-use refit_actors::actor::SyncEventKind;
 use refit_actors::ModelSpec;
+use refit_actors::actor::SyncEventKind;
 use refit_actors::run::{self, RunConfig, StopRule};
 use refit_runtime::ModelId;
 use refit_runtime::sync_policy::{SyncConfig, SyncMode};

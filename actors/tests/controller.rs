@@ -7,14 +7,12 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use actix::Actor;
-use refit_actors::run::{
-    self as topology, InletWrapper, RunConfig, RunReport, StopRule,
-};
 use refit_actors::ModelSpec;
 use refit_actors::actor::{
     ActBatch, EngineRef, Evaluator, GetStatus, InferenceEngine, RunEval, ServedVersions,
     SyncEventKind, UpdateModel, VersionNotifier, WeightSyncController,
 };
+use refit_actors::run::{self as topology, InletWrapper, RunConfig, RunReport, StopRule};
 use refit_actors::{CartPole, CartPolePpo, MlpPolicy, WeightInlet};
 use refit_runtime::sync_policy::{LeaderStep, SyncConfig, SyncMode, leader_sequence};
 use refit_runtime::{Manifests, ModelId, ReceiverInit, Sender, SenderInit, Version, WeightSet};

@@ -678,7 +678,7 @@ impl Handler<DropEngine> for WeightSyncController {
         let Some(at) = self.engine_ids.iter().position(|i| *i == msg.index) else {
             return Ok(());
         };
-self.engines.remove(at);
+        self.engines.remove(at);
         self.engine_ids.remove(at);
         tracing::warn!(
             engine = msg.index,
@@ -723,7 +723,11 @@ impl Handler<AddEngine> for WeightSyncController {
             }
             act.engines.push(msg.engine);
             act.engine_ids.push(msg.index);
-            tracing::info!(engine = msg.index, engines = act.engines.len(), "engine added");
+            tracing::info!(
+                engine = msg.index,
+                engines = act.engines.len(),
+                "engine added"
+            );
             Ok(served)
         }))
     }

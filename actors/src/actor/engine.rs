@@ -522,4 +522,3 @@ impl<P: Policy + Unpin + 'static> Handler<GetEngineStats> for InferenceEngine<P>
         MessageResult(self.stats.clone())
     }
 }
-

@@ -366,4 +366,3 @@ impl<E: Env + Unpin + 'static> Handler<StopRollouts> for RolloutWorker<E> {
         MessageResult(self.stats.clone())
     }
 }
-

@@ -259,7 +259,6 @@ pub struct AddEngine {
     pub engine: EngineRef,
 }
 
-
 crate::remote_reply!(ControllerStatus);
 
 crate::remote::wire_names! {

@@ -152,7 +152,6 @@ pub struct EngineStats {
     pub cancelled: u64,
 }
 
-
 /// Asks a generating engine for one completion of `prompt` with `model`.
 #[derive(Debug, Clone, Message, Serialize, Deserialize)]
 #[rtype(result = "Result<Completion>")]

@@ -26,4 +26,3 @@ pub struct TrainAndPublish {
     /// The batch.
     pub batch: Batch,
 }
-

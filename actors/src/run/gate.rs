@@ -136,7 +136,9 @@ pub(crate) struct EngineRoute {
 impl std::fmt::Debug for EngineRoute {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let ranks: Vec<u32> = self.engines.iter().map(|e| e.0).collect();
-        f.debug_struct("EngineRoute").field("ranks", &ranks).finish()
+        f.debug_struct("EngineRoute")
+            .field("ranks", &ranks)
+            .finish()
     }
 }
 

@@ -29,9 +29,7 @@ const TAG: u128 = 0x7265_6669_7400_0000_u128 << 64;
 pub(crate) fn actor_id(kind: Served, rank: u32, model: usize, index: usize) -> Uuid {
     let model = (model as u128) & 0xffff;
     let index = (index as u128) & 0xffff;
-    Uuid::from_u128(
-        TAG | ((kind as u128) << 56) | (u128::from(rank) << 32) | (model << 16) | index,
-    )
+    Uuid::from_u128(TAG | ((kind as u128) << 56) | (u128::from(rank) << 32) | (model << 16) | index)
 }
 
 /// The key rank 0 sets once every rank joined and version 1 serves everywhere: rollouts

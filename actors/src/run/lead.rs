@@ -108,6 +108,9 @@ struct Polled {
     workers: Vec<(ModelId, RolloutStats)>,
 }
 
+/// A live engine rank at the end: rank, incarnation, engine, rollout workers, last stats.
+type LiveRank = (u32, u32, EngineRef, Vec<(ModelId, RolloutRef)>, RankReport);
+
 /// What the lead is made with.
 pub(crate) struct LeadSetup {
     pub(crate) topo: Arc<Topology>,
@@ -198,9 +201,8 @@ impl Lead {
         let Ok(plan) = self.topo.rank(rank) else {
             return false;
         };
-        let only_engine = !plan.has(Role::Trainer)
-            && !plan.has(Role::Controller)
-            && !plan.has(Role::Evaluator);
+        let only_engine =
+            !plan.has(Role::Trainer) && !plan.has(Role::Controller) && !plan.has(Role::Evaluator);
         only_engine && (self.topo.run.on_failure == OnFailure::Continue || plan.restarts())
     }
 }
@@ -392,10 +394,9 @@ impl Handler<AddRank> for Lead {
 impl Handler<Rejoin> for Lead {
     type Result = ResponseActFuture<Self, Result<()>>;
     fn handle(&mut self, msg: Rejoin, ctx: &mut Context<Self>) -> Self::Result {
-        let serves_engine = self
-            .topo
-            .rank(msg.rank)
-            .is_ok_and(|p| p.has(Role::Engine) && !p.has(Role::Trainer) && !p.has(Role::Controller));
+        let serves_engine = self.topo.rank(msg.rank).is_ok_and(|p| {
+            p.has(Role::Engine) && !p.has(Role::Trainer) && !p.has(Role::Controller)
+        });
         if !serves_engine {
             let e = Error::Config(format!(
                 "{} cannot rejoin: only ranks that hold an engine (and rollouts), no trainer, can",
@@ -503,7 +504,7 @@ impl Handler<Finish> for Lead {
     type Result = ResponseActFuture<Self, Result<RunReport>>;
     fn handle(&mut self, _: Finish, _: &mut Context<Self>) -> Self::Result {
         let call = self.call;
-        let live: Vec<(u32, u32, EngineRef, Vec<(ModelId, RolloutRef)>, RankReport)> = self
+        let live: Vec<LiveRank> = self
             .slots
             .iter()
             .filter(|(_, s)| s.alive)

@@ -46,10 +46,10 @@ use refit_runtime::topology::{RankPlan, Topology};
 use refit_runtime::{ModelId, Version};
 use serde::{Deserialize, Serialize};
 
-use crate::protocol::controller::ControllerStatus;
 use crate::error::{Error, Result};
 use crate::learner::LearnStats;
 use crate::link::WeightInlet;
+use crate::protocol::controller::ControllerStatus;
 use crate::protocol::engine::EngineStats;
 use crate::protocol::eval::EvalReport;
 use crate::protocol::pool::FragmentInfo;
@@ -118,9 +118,7 @@ impl StopRule {
     /// Whether `model`'s report ends at a target (what [`RunReport::solved`] says of every
     /// model).
     pub fn reached(&self, model: &ModelId, report: &ModelReport) -> bool {
-        let by_return = self
-            .target_return
-            .is_some_and(|t| report.mean_return >= t);
+        let by_return = self.target_return.is_some_and(|t| report.mean_return >= t);
         let by_eval = self.target_eval.is_some_and(|t| {
             report
                 .evals

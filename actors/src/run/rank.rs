@@ -41,9 +41,7 @@ use crate::roles::ModelSpec;
 
 use super::drive::Driver;
 use super::gate::{EngineRoute, RankGate};
-use super::ids::{
-    RankCard, START_KEY, STOP_KEY, Served, actor_id, bye_key, rank_key, weights_key,
-};
+use super::ids::{RankCard, START_KEY, STOP_KEY, Served, actor_id, bye_key, rank_key, weights_key};
 use super::lead::{AddRank, Finish, Lead, LeadSetup, RankDown};
 use super::rendezvous::{Rendezvous, watch};
 use super::weights::{self, Leftovers};
@@ -232,7 +230,8 @@ pub(crate) async fn rank_main(s: RankSetup) -> Result<Option<RunReport>> {
             topo.dead_after(),
             move |d| {
                 tracing::error!("rank 0 is gone: {}", d.reason);
-                *why.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = d.reason;
+                *why.lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner) = d.reason;
                 gone.store(true, Ordering::SeqCst);
             },
         )
@@ -240,7 +239,9 @@ pub(crate) async fn rank_main(s: RankSetup) -> Result<Option<RunReport>> {
     let rejoining = me != 0 && (incarnation > 0 || rv.peek::<()>(START_KEY)?.is_some());
 
     // 2. rank 0: controller, gates, lead; the evaluator where it runs
-    let route = plan.has(Role::Evaluator).then(|| EngineRoute::new(Vec::new()).start());
+    let route = plan
+        .has(Role::Evaluator)
+        .then(|| EngineRoute::new(Vec::new()).start());
     let evaluator = match &route {
         Some(r) => {
             let e = work.start_evaluator(
@@ -436,7 +437,9 @@ pub(crate) async fn rank_main(s: RankSetup) -> Result<Option<RunReport>> {
                 pause: sync.pause_mode,
             },
         )?;
-        started.handle.serve(&node, actor_id(Served::Engine, me, 0, 0));
+        started
+            .handle
+            .serve(&node, actor_id(Served::Engine, me, 0, 0));
         arbiters.push(started.arbiter);
         Some(started.handle)
     };
@@ -545,7 +548,9 @@ pub(crate) async fn rank_main(s: RankSetup) -> Result<Option<RunReport>> {
         for r in topo.engine_ranks() {
             let (engine, rollouts) = if r == me {
                 (
-                    engine.clone().ok_or_else(|| Error::Config(format!("{who}: no engine")))?,
+                    engine
+                        .clone()
+                        .ok_or_else(|| Error::Config(format!("{who}: no engine")))?,
                     rollouts.clone(),
                 )
             } else {
@@ -554,7 +559,9 @@ pub(crate) async fn rank_main(s: RankSetup) -> Result<Option<RunReport>> {
                     .find(|(n, _)| *n == r)
                     .map(|(_, a)| *a)
                     .ok_or_else(|| Error::Config(format!("engine rank {r} did not join")))?;
-                let name = topo.rank(r).map_or_else(|_| format!("rank {r}"), |p| describe(&p));
+                let name = topo
+                    .rank(r)
+                    .map_or_else(|_| format!("rank {r}"), |p| describe(&p));
                 let remote = RemoteAddr::connect(
                     &node,
                     addr,
@@ -760,10 +767,12 @@ async fn peer_of(
     let key = rank_key(r);
     let rv2 = rv.clone();
     let card: RankCard = blocking("waiting for a rank", move || rv2.take(&key, wait)).await?;
-    let peer = node
-        .connect_async(card.node, wait)
-        .await
-        .map_err(|e| Error::Config(format!("rank {r}: its node at {} is not reachable: {e}", card.node)))?;
+    let peer = node.connect_async(card.node, wait).await.map_err(|e| {
+        Error::Config(format!(
+            "rank {r}: its node at {} is not reachable: {e}",
+            card.node
+        ))
+    })?;
     peers.insert(r, peer.clone());
     Ok(peer)
 }

@@ -176,7 +176,12 @@ pub(crate) fn watch(
 }
 
 /// Pings the node at `addr` until it is dead; answers why.
-async fn watch_one(node: &Node, addr: SocketAddr, keepalive: Duration, dead_after: Duration) -> String {
+async fn watch_one(
+    node: &Node,
+    addr: SocketAddr,
+    keepalive: Duration,
+    dead_after: Duration,
+) -> String {
     let peer = match node.connect_async(addr, dead_after).await {
         Ok(p) => p,
         Err(e) => return format!("its node at {addr} cannot be reached: {e}"),

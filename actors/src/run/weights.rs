@@ -150,14 +150,20 @@ impl OpenedLinks {
     ///
     /// # Errors
     /// A sender failing to connect, naming the transport and the model.
-    pub(crate) fn connect(self, initial: &WeightSet, wait: Duration) -> Result<Box<dyn WeightOutlet>> {
+    pub(crate) fn connect(
+        self,
+        initial: &WeightSet,
+        wait: Duration,
+    ) -> Result<Box<dyn WeightOutlet>> {
         let model = self.model;
         let mut outlets: Vec<Box<dyn WeightOutlet>> = Vec::new();
         for (name, sender) in self.senders {
             let sender = SenderInit::new(sender, self.source.clone())
                 .connect(vec![initial.clone()], wait)
                 .map_err(|e| {
-                    Error::Config(format!("connecting the {name} sender of model `{model}`: {e}"))
+                    Error::Config(format!(
+                        "connecting the {name} sender of model `{model}`: {e}"
+                    ))
                 })?;
             outlets.push(Box::new(sender));
         }

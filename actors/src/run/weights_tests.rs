@@ -12,8 +12,8 @@ use refit_runtime::{Manifests, Version, WeightSet, wire};
 use refit_transports::link::ReceiverSpec;
 
 use super::*;
-use crate::policy::MlpPolicy;
 use crate::collector::policy_model_id;
+use crate::policy::MlpPolicy;
 
 /// The opened links of `kinds` (counts of 1), connected: the outlet, the specs, the files.
 fn open(
@@ -54,19 +54,14 @@ fn one_sender_per_transport_serves_every_inlet_and_leaves_no_segment() {
     assert!(!leftovers.0.is_empty());
     assert!(leftovers.0.iter().all(|p| p.exists()));
     // the descriptions travel as bytes (through the rendezvous store in a run)
-    let shipped: Vec<ReceiverSpec> = wire::decode(
-        &wire::encode(&specs).unwrap(),
-        wire::MAX_CONTROL_MESSAGE,
-    )
-    .unwrap();
+    let shipped: Vec<ReceiverSpec> =
+        wire::decode(&wire::encode(&specs).unwrap(), wire::MAX_CONTROL_MESSAGE).unwrap();
     let model = policy_model_id();
     // two inlets per transport: one sender serves them all
     let mut inlets: Vec<_> = shipped
         .iter()
         .flat_map(|spec| [spec.clone(), spec.clone()])
-        .map(|spec| {
-            connect_inlet(&model, &spec, &engine_node, manifests.clone(), WAIT).unwrap()
-        })
+        .map(|spec| connect_inlet(&model, &spec, &engine_node, manifests.clone(), WAIT).unwrap())
         .collect();
     for inlet in &mut inlets {
         let w = inlet.fetch(&model, Version(1), WAIT).unwrap();

@@ -211,7 +211,12 @@ impl Topology {
     /// The transport `model`'s weights take from `from_rank` to `to_rank`: the one its
     /// link names, or for `auto` the reach the link needs (same rank: one process; same
     /// host: one host; else the network). A rank outside the topology needs the network.
-    pub fn weights_transport(&self, model: &ModelId, from_rank: u32, to_rank: u32) -> TransportKind {
+    pub fn weights_transport(
+        &self,
+        model: &ModelId,
+        from_rank: u32,
+        to_rank: u32,
+    ) -> TransportKind {
         match (
             self.ranks.get(from_rank as usize),
             self.ranks.get(to_rank as usize),

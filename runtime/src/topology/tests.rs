@@ -146,7 +146,11 @@ fn full_file_parses_into_sections_and_ranks() {
         (r3.process.as_str(), r3.replica, r3.host.addr.as_str()),
         ("far", 1, "10.77.0.2")
     );
-    assert_eq!(r3.rollout_workers, 1);
+    // no count of its own: the model's `params.workers`, else 1
+    assert_eq!(r3.rollout_workers, 0);
+    assert_eq!(t.rollout_workers(3, &t.model_ids()[0]), 1);
+    assert_eq!(t.rollout_workers(1, &t.model_ids()[0]), 3);
+    assert_eq!(t.rollout_workers(0, &t.model_ids()[0]), 0);
     assert_eq!(t.engine_ranks(), [1, 2, 3]);
     assert_eq!(t.ranks_with(Role::Evaluator), [0]);
     let e = t.rank(4).unwrap_err().to_string();
@@ -160,11 +164,26 @@ fn full_file_parses_into_sections_and_ranks() {
 fn auto_resolves_by_placement() {
     let t = Topology::parse(BASE).unwrap();
     let nearest = TransportKind::Nearest;
-    assert_eq!(t.weights_transport(0, 0), nearest(Reach::Process));
-    assert_eq!(t.weights_transport(0, 1), nearest(Reach::Host));
-    assert_eq!(t.weights_transport(0, 2), nearest(Reach::Network));
-    assert_eq!(t.weights_transport(2, 3), nearest(Reach::Host));
-    assert_eq!(t.weights_transport(0, 99), nearest(Reach::Network));
+    assert_eq!(
+        t.weights_transport(&t.model_ids()[0], 0, 0),
+        nearest(Reach::Process)
+    );
+    assert_eq!(
+        t.weights_transport(&t.model_ids()[0], 0, 1),
+        nearest(Reach::Host)
+    );
+    assert_eq!(
+        t.weights_transport(&t.model_ids()[0], 0, 2),
+        nearest(Reach::Network)
+    );
+    assert_eq!(
+        t.weights_transport(&t.model_ids()[0], 2, 3),
+        nearest(Reach::Host)
+    );
+    assert_eq!(
+        t.weights_transport(&t.model_ids()[0], 0, 99),
+        nearest(Reach::Network)
+    );
 }
 
 #[test]
@@ -182,26 +201,29 @@ roles = ["trainer", "controller", "engine", "rollout"]
     assert_eq!(t.world_size(), 1);
     assert_eq!(t.engine_ranks(), [0]);
     assert_eq!(
-        t.weights_transport(0, 0),
+        t.weights_transport(&t.model_ids()[0], 0, 0),
         TransportKind::Nearest(Reach::Process)
     );
     assert_eq!(t.hosts, [HostSection::local()]);
     assert_eq!(t.master_host(), "127.0.0.1");
     let named = |n: &str| TransportKind::Named(n.into());
     let t = checked(&format!("{one}[links]\nweights = \"inproc\"\n")).unwrap();
-    assert_eq!(t.weights_transport(0, 0), named("inproc"));
+    assert_eq!(
+        t.weights_transport(&t.model_ids()[0], 0, 0),
+        named("inproc")
+    );
     let t = checked(&small("[links]\nweights = \"tcp\"\n")).unwrap();
-    assert_eq!(t.weights_transport(0, 1), named("tcp"));
+    assert_eq!(t.weights_transport(&t.model_ids()[0], 0, 1), named("tcp"));
     // names are the factory's, any case
     let t = checked(&small("[links]\nweights = \"SHM\"\n")).unwrap();
-    assert_eq!(t.weights_transport(0, 2), named("shm"));
+    assert_eq!(t.weights_transport(&t.model_ids()[0], 0, 2), named("shm"));
     // Defaults: one host, processes on it, abort, 60 s.
     let t = Topology::parse(&small("")).unwrap();
     assert_eq!(t.processes[1].host, "local");
     assert_eq!(t.run.on_failure, OnFailure::Abort);
     assert_eq!(t.wait(), Duration::from_secs(60));
     assert_eq!(
-        t.weights_transport(0, 1),
+        t.weights_transport(&t.model_ids()[0], 0, 1),
         TransportKind::Nearest(Reach::Host)
     );
     assert_eq!(t.sync.sync_mode, SyncMode::Sync);
@@ -392,12 +414,12 @@ fn impossible_placements_are_refused_naming_the_process() {
     refused(
         &small("").replace("[\"trainer\", \"controller\"]", "[\"trainer\"]"),
         "process[learner].roles",
-        &["rank 0", "`controller` is missing"],
+        &["rank 0", "must hold `controller`"],
     );
     refused(
         &small("").replace("[\"trainer\", \"controller\"]", "[\"controller\"]"),
-        "process[learner].roles",
-        &["`trainer` is missing"],
+        "process.roles",
+        &["no process holds the `trainer` role for model `policy`"],
     );
     refused(
         &small("").replace(
@@ -410,12 +432,40 @@ fn impossible_placements_are_refused_naming_the_process() {
     refused(
         &small("[[process]]\nname = \"t2\"\nroles = [\"trainer\"]\n"),
         "process[t2].roles",
-        &["`trainer`", "one process"],
+        &["model `policy` is trained by processes `learner` and `t2`"],
     );
     refused(
         &small("").replace("name = \"learner\"", "name = \"learner\"\nreplicas = 2"),
         "process[learner].replicas",
         &["must run once"],
+    );
+    refused(
+        &small("[[process]]\nname = \"judge\"\nroles = [\"evaluator\"]\n"),
+        "process[judge].roles",
+        &["`evaluator`", "rank 0"],
+    );
+    refused(
+        &small("").replace("replicas = 2", "models = [\"critic\"]"),
+        "process[actor].models",
+        &["model `critic`", "not declared", "policy"],
+    );
+    refused(
+        &small("").replace("replicas = 2", "models = []"),
+        "process[actor].models",
+        &["serves no model"],
+    );
+    refused(
+        &small("").replace("replicas = 2", "models = [\"policy\", \"policy\"]"),
+        "process[actor].models",
+        &["twice"],
+    );
+    refused(
+        &small("[[process]]\nname = \"t\"\nroles = [\"trainer\"]\n").replace(
+            "[\"trainer\", \"controller\"]",
+            "[\"controller\"]\nmodels = [\"policy\"]",
+        ),
+        "process[learner].models",
+        &["without a trainer, engine or rollout role"],
     );
     refused(
         &small("").replace("name = \"actor\"", "name = \"actor\"\nhost = \"gpu9\""),
@@ -433,9 +483,20 @@ fn impossible_placements_are_refused_naming_the_process() {
         &["`actor`", "`rollout` without an `engine`"],
     );
     refused(
-        &small("").replace("[\"engine\", \"rollout\"]", "[\"evaluator\"]"),
+        &small("").replace("[\"engine\", \"rollout\"]", "[\"trainer\"]\nmodels = []"),
+        "process[actor].models",
+        &["serves no model"],
+    );
+    refused(
+        &small("")
+            .replace(
+                "\n[[process]]\nname = \"actor\"",
+                "\n[[process]]\nname = \"actor\"\nmodels = [\"policy\"]",
+            )
+            .replace("[\"engine\", \"rollout\"]", "[\"trainer\"]")
+            .replace("[\"trainer\", \"controller\"]", "[\"controller\"]"),
         "process.roles",
-        &["no process holds the `engine` role"],
+        &["no process holds the `engine` role for model `policy`"],
     );
     refused(
         &small("").replace("replicas = 2", "replicas = 0"),
@@ -478,6 +539,145 @@ fn impossible_placements_are_refused_naming_the_process() {
 }
 
 #[test]
+fn placements_beyond_rank_0_parse_as_the_file_says() {
+    // a trainer on a rank of its own, engines on rank 0 and elsewhere
+    let t = checked(
+        r#"
+[run]
+command = ["prog"]
+[[model]]
+id = "policy"
+[[process]]
+name = "lead"
+roles = ["controller", "evaluator", "engine", "rollout"]
+[[process]]
+name = "learner"
+roles = ["trainer"]
+[[process]]
+name = "actor"
+roles = ["engine", "rollout"]
+"#,
+    )
+    .unwrap();
+    let p = t.model_ids()[0].clone();
+    assert_eq!(t.trainer_ranks(&p), [1]);
+    assert_eq!(t.engine_ranks_of(&p), [0, 2]);
+    assert_eq!(
+        t.weights_transport(&p, 1, 0),
+        TransportKind::Nearest(Reach::Host)
+    );
+    // two models, each trained by its own process, one engine set; one model over TCP
+    let t = checked(
+        r#"
+[run]
+command = ["prog"]
+[[model]]
+id = "solver"
+link = "tcp"
+[[model]]
+id = "verifier"
+[[process]]
+name = "lead"
+roles = ["controller", "evaluator"]
+[[process]]
+name = "solver-trainer"
+roles = ["trainer"]
+models = ["solver"]
+[[process]]
+name = "verifier-trainer"
+roles = ["trainer"]
+models = ["verifier"]
+[[process]]
+name = "actor"
+replicas = 2
+roles = ["engine", "rollout"]
+"#,
+    )
+    .unwrap();
+    let (s, v) = (t.model_ids()[0].clone(), t.model_ids()[1].clone());
+    assert_eq!(
+        (t.trainer_ranks(&s), t.trainer_ranks(&v)),
+        (vec![1], vec![2])
+    );
+    assert_eq!(t.engine_ranks_of(&s), [3, 4]);
+    assert_eq!(
+        t.weights_transport(&s, 1, 3),
+        TransportKind::Named("tcp".into())
+    );
+    assert_eq!(
+        t.weights_transport(&v, 2, 3),
+        TransportKind::Nearest(Reach::Host)
+    );
+    assert!(t.rank(1).unwrap().serves(Role::Trainer, &s));
+    assert!(!t.rank(1).unwrap().serves(Role::Trainer, &v));
+    // a trainer process with replicas is a sharded trainer: its ranks, in order
+    let t = checked(&small("").replace(
+        "[\"trainer\", \"controller\"]",
+        "[\"controller\"]\n[[process]]\nname = \"shards\"\nreplicas = 2\nroles = [\"trainer\"]",
+    ))
+    .unwrap();
+    assert_eq!(t.trainer_ranks(&t.model_ids()[0]), [1, 2]);
+    // a per-model link is checked against its own engines, named by its key
+    refused(
+        &small("").replace("id = \"policy\"", "id = \"policy\"\nlink = \"inproc\""),
+        "model[policy].link",
+        &["`inproc`", "model `policy`", "another process"],
+    );
+}
+
+#[test]
+fn conversions_keepalive_and_eval_targets_are_checked() {
+    let convert = |rules: &str| {
+        small("").replace(
+            "id = \"policy\"",
+            &format!("id = \"policy\"\n[model.convert]\n{rules}\n"),
+        )
+    };
+    let t = checked(&convert(
+        "layout = [{ fuse = [\"a.{i}.q\", \"a.{i}.k\"], to = \"a.{i}.qk\", axis = 0 }]\n\
+         keep_unmatched = true\ncast = [{ dtype = \"f32\", to = \"bf16\" }]",
+    ))
+    .unwrap();
+    assert!(t.models[0].convert.is_some());
+    refused(
+        &convert("layout = [{ rename = \"a\", keep = \"b\", to = \"c\" }]"),
+        "model[policy].convert.layout[0]",
+        &["exactly one of"],
+    );
+    refused(
+        &convert("layout = [{ split = \"a\", to = \"b\" }]"),
+        "model[policy].convert.layout[0]",
+        &["list of names"],
+    );
+    refused(
+        &convert("cast = [{ dtype = \"f33\", to = \"bf16\" }]"),
+        "model[policy].convert.cast[0]",
+        &["`f33`"],
+    );
+    refused(
+        &convert("cast = [{ tensors = \"*\", to = \"int4\" }]"),
+        "model[policy].convert.cast[0]",
+        &["`int4`", "bf16"],
+    );
+    refused(
+        &small("").replace(
+            "command = [\"prog\"]",
+            "command = [\"prog\"]\nkeepalive_s = 2.0\ndead_after_s = 1.0",
+        ),
+        "run.dead_after_s",
+        &["more than run.keepalive_s"],
+    );
+    refused(
+        &small("[stop]\ntarget_eval = nan\n"),
+        "stop.target_eval",
+        &["finite"],
+    );
+    let t = checked(&small("")).unwrap();
+    assert_eq!(t.keepalive(), Duration::from_secs(1));
+    assert_eq!(t.dead_after(), Duration::from_secs(5));
+}
+
+#[test]
 fn file_errors_name_the_path() {
     let p = std::path::Path::new("conf/topo.toml");
     let e = Topology::parse_file(&small("[links]\nweights = 5\n"), p)
@@ -506,7 +706,7 @@ fn every_example_topology_parses() {
     assert_eq!(t.engine_ranks(), [1, 2, 3]);
     assert_eq!(t.rank(3).unwrap().process, "judge");
     assert_eq!(
-        t.weights_transport(0, 1),
+        t.weights_transport(&t.model_ids()[0], 0, 1),
         TransportKind::Nearest(Reach::Host)
     );
 }

@@ -273,8 +273,10 @@ fn check_placement(processes: &[ProcessSection], models: &[ModelSection]) -> Res
             ));
         }
     }
-    let evaluators: Vec<&ProcessSection> =
-        processes.iter().filter(|p| p.has(Role::Evaluator)).collect();
+    let evaluators: Vec<&ProcessSection> = processes
+        .iter()
+        .filter(|p| p.has(Role::Evaluator))
+        .collect();
     if let Some(p) = evaluators.get(1) {
         return Err(bad(
             format!("process[{}].roles", p.name),
