@@ -33,5 +33,7 @@ pub use refit_rl::{
 #[cfg(feature = "candle")]
 pub use refit_rl::{CartPolePpo, PpoConfig, PpoStats, PpoTrainer, cartpole_ppo, ppo};
 pub use refit_rl::{
-    batch, collector, device, env, error, learner, link, multi, policy, process, roles,
+    batch, bigram, collector, device, env, error, generation, learner, link, multi, policy,
+    process, roles, scheduler, task,
 };
+pub use refit_rl::{Completion, Finish, GenRoles, Generator, PauseMode, SamplingParams, Task};

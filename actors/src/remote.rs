@@ -93,7 +93,9 @@ mod proxy;
 mod serve;
 
 pub use addr::RemoteAddr;
-pub use framework::{engine_handle, serve_controller, serve_engine, serve_evaluator, serve_pool};
+pub use framework::{
+    engine_handle, serve_controller, serve_engine, serve_evaluator, serve_gen_engine, serve_pool,
+};
 pub use message::{RemoteMessage, RemoteReply, WireError};
 pub use serve::serve;
 /// Actors are addressed by uuid on their node (re-exported for convenience).

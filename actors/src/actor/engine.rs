@@ -153,8 +153,16 @@ pub struct EngineStats {
     pub paused_max: Duration,
     /// Total staging time (lock wait + fetch + validation), outside any pause.
     pub staged_total: Duration,
-    /// Requests refused because their episode was cancelled.
+    /// Requests refused because their episode was cancelled (a generating engine also
+    /// counts the in-flight requests it ended with `Finish::Cancelled`).
     pub cancelled: u64,
+    /// Tokens generated (a generating engine; zero for an action engine).
+    pub tokens: u64,
+    /// Total time generation went on under the old version while a new one waited for its
+    /// boundary (a generating engine's drains in `wait` mode; not a pause).
+    pub drained_total: Duration,
+    /// Sequences ended by an update in `abort` mode (a generating engine).
+    pub aborted: u64,
 }
 
 type Waiter = oneshot::Sender<Result<ActedBatch>>;

@@ -9,6 +9,10 @@
 //! - [`RolloutWorker`] steps environments with actions from an engine, asking the controller
 //!   before each rollout fragment; [`TrajectoryPool`] gathers fragments into batches through
 //!   the staleness filter; [`Evaluator`] runs validation episodes.
+//! - [`GenerationEngine`] serves [`Generate`] requests (LLM-shaped RL) with continuous
+//!   batching, swapping versions at step boundaries as the run's pause mode says;
+//!   [`GenRolloutWorker`] turns a task's prompts into fragments of rewarded sequences
+//!   through it, and [`GenEvaluator`] validates greedily on the task's held-out prompts.
 //! - [`CollectorWorker`] and [`Trainer`] wrap the plain-Rust collector and a user's
 //!   [`Learner`](crate::learner::Learner) on their own threads.
 //! - [`topology`] wires them into a training run: one trainer per model, shared engine and
@@ -26,6 +30,9 @@ pub mod cluster;
 pub mod controller;
 pub mod engine;
 pub mod eval;
+pub mod gen_engine;
+pub mod gen_eval;
+pub mod gen_rollout;
 pub mod rollout;
 pub mod topology;
 pub mod workers;
@@ -43,6 +50,9 @@ pub use engine::{
     UpdateModel,
 };
 pub use eval::{EvalReport, Evaluator, ModelEval, RunEval};
+pub use gen_engine::{GenModel, Generate, GenerationEngine};
+pub use gen_eval::GenEvaluator;
+pub use gen_rollout::{GenRolloutConfig, GenRolloutWorker};
 pub use rollout::{
     AwaitBatch, ControllerLink, FragmentInfo, PoolBatch, PushFragment, RolloutConfig, RolloutStats,
     RolloutWorker, StartRollouts, StopRollouts, TakeBatch, TrajectoryPool,

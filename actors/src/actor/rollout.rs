@@ -394,7 +394,7 @@ async fn run_fragment<E: Env>(
 }
 
 /// A request that got no answer: past its deadline, or to an actor that stopped.
-fn unanswered(e: MailboxError, after: Duration, what: String) -> Error {
+pub(super) fn unanswered(e: MailboxError, after: Duration, what: String) -> Error {
     match e {
         MailboxError::Timeout => Error::Runtime(refit_runtime::Error::Timeout { what, after }),
         MailboxError::Closed => Error::Actor(format!("{what}: it stopped")),
@@ -502,7 +502,9 @@ struct Waiting {
 }
 
 /// Gathers fragments into batches for one model's trainer; drops samples older than the
-/// allowed staleness (counted) and tells the controller when a batch is ready.
+/// allowed staleness (counted) and tells the controller when a batch is ready. A sample is a
+/// transition, or a generated sequence, whose staleness is its oldest token's (a stale
+/// sequence is dropped whole).
 pub struct TrajectoryPool {
     model: ModelId,
     batch_frames: usize,
@@ -606,9 +608,21 @@ impl TrajectoryPool {
                 }
                 keep
             });
-            let dropped = before - b.transitions.len();
+            // a generated sequence is as stale as its oldest token; it goes whole
+            let before_seqs = b.sequences.len();
+            b.sequences.retain(|s| {
+                let Some(oldest) = s.oldest_version() else {
+                    return true;
+                };
+                let keep = StalenessFilter::staleness(oldest, train) <= max;
+                if !keep {
+                    filter.admit(oldest, train, 1);
+                }
+                keep
+            });
+            let dropped = before - b.transitions.len() + before_seqs - b.sequences.len();
             *dropped_since_take += dropped as u64;
-            b.frames -= dropped;
+            b.frames = b.frames.saturating_sub(dropped);
         }
         fragments.retain(|(b, _)| b.frames > 0);
     }
@@ -664,6 +678,14 @@ impl TrajectoryPool {
                 max_staleness = max_staleness.max(s);
                 self.filter.admit(t.version, train, 1);
                 t.worker = stream;
+            }
+            for seq in &mut b.sequences {
+                if let Some(oldest) = seq.oldest_version() {
+                    let s = StalenessFilter::staleness(oldest, train);
+                    max_staleness = max_staleness.max(s);
+                    self.filter.admit(oldest, train, 1);
+                }
+                seq.worker = stream;
             }
             if let Some(versions) = b.version_range() {
                 fragments.push(FragmentInfo {

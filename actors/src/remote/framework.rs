@@ -11,8 +11,8 @@ use uuid::Uuid;
 use super::addr::RemoteAddr;
 use super::serve::serve;
 use crate::actor::{
-    ActBatch, AwaitRollout, BatchReady, CancelInFlight, CheckRollout, EngineHandle, GetStatus,
-    NotifyVersion, PushFragment, RolloutDone, RunEval, ServedVersions, UpdateModel,
+    ActBatch, AwaitRollout, BatchReady, CancelInFlight, CheckRollout, EngineHandle, Generate,
+    GetStatus, NotifyVersion, PushFragment, RolloutDone, RunEval, ServedVersions, UpdateModel,
 };
 
 /// Serves an inference engine's remote messages under `target`: `UpdateModel`
@@ -33,6 +33,27 @@ where
     serve::<CancelInFlight>(node, target, engine.clone().recipient());
     serve::<ServedVersions>(node, target, engine.clone().recipient());
     serve::<ActBatch>(node, target, engine.clone().recipient());
+}
+
+/// Serves a generating engine's remote messages under `target`: `UpdateModel`
+/// (`_receive_weights_scheme`), `CancelInFlight`, `ServedVersions` and `Generate`
+/// (`engine.generate`); [`engine_handle`] makes its `EngineHandle` as for an action engine.
+pub fn serve_gen_engine<A>(node: &Node, target: Uuid, engine: &Addr<A>)
+where
+    A: Actor
+        + Handler<UpdateModel>
+        + Handler<CancelInFlight>
+        + Handler<ServedVersions>
+        + Handler<Generate>,
+    A::Context: ToEnvelope<A, UpdateModel>
+        + ToEnvelope<A, CancelInFlight>
+        + ToEnvelope<A, ServedVersions>
+        + ToEnvelope<A, Generate>,
+{
+    serve::<UpdateModel>(node, target, engine.clone().recipient());
+    serve::<CancelInFlight>(node, target, engine.clone().recipient());
+    serve::<ServedVersions>(node, target, engine.clone().recipient());
+    serve::<Generate>(node, target, engine.clone().recipient());
 }
 
 /// The [`EngineHandle`] of an engine served with [`serve_engine`] by another process: what

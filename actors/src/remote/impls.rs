@@ -2,8 +2,8 @@
 
 use super::message::RemoteMessage;
 use crate::actor::{
-    ActBatch, AwaitRollout, BatchReady, CancelInFlight, CheckRollout, ControllerStatus, GetStatus,
-    NotifyVersion, PushFragment, RolloutDone, RunEval, ServedVersions, UpdateModel,
+    ActBatch, AwaitRollout, BatchReady, CancelInFlight, CheckRollout, ControllerStatus, Generate,
+    GetStatus, NotifyVersion, PushFragment, RolloutDone, RunEval, ServedVersions, UpdateModel,
 };
 
 macro_rules! remote {
@@ -20,6 +20,8 @@ remote! {
     CancelInFlight => "engine.cancel_in_flight",
     ServedVersions => "engine.served_versions",
     ActBatch => "engine.act_batch",
+    // a generating engine (it shares the load, cancel and versions messages above)
+    Generate => "engine.generate",
     // the weight-sync controller
     AwaitRollout => "controller.await_rollout",
     CheckRollout => "controller.check_rollout",
