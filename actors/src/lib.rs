@@ -32,8 +32,8 @@ pub use refit_rl::{
 };
 #[cfg(feature = "candle")]
 pub use refit_rl::{CartPolePpo, PpoConfig, PpoStats, PpoTrainer, cartpole_ppo, ppo};
+pub use refit_rl::{Completion, Finish, GenRoles, Generator, PauseMode, SamplingParams, Task};
 pub use refit_rl::{
     batch, bigram, collector, device, env, error, generation, learner, link, multi, policy,
     process, roles, scheduler, task,
 };
-pub use refit_rl::{Completion, Finish, GenRoles, Generator, PauseMode, SamplingParams, Task};

@@ -104,7 +104,11 @@ async fn evaluate<T: Task>(
             ))
         })??;
         versions.extend(completion.versions.iter().copied());
-        total += f64::from(lock(&model, &task)?.reward(prompt, &completion.tokens)?.total);
+        total += f64::from(
+            lock(&model, &task)?
+                .reward(prompt, &completion.tokens)?
+                .total,
+        );
         episodes += 1;
     }
     Ok(ModelEval {

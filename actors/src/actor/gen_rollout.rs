@@ -273,12 +273,7 @@ async fn run_fragment<T: Task>(
                 },
                 generation: Some(state.generation),
             };
-            let job = generate_whole(
-                engine.clone(),
-                request,
-                cfg.timeout,
-                cfg.max_regenerations,
-            );
+            let job = generate_whole(engine.clone(), request, cfg.timeout, cfg.max_regenerations);
             pending.push((i, group, actix_rt::spawn(job)));
         }
     }

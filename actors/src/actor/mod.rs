@@ -50,7 +50,7 @@ pub use engine::{
     UpdateModel,
 };
 pub use eval::{EvalReport, Evaluator, ModelEval, RunEval};
-pub use gen_engine::{GenModel, Generate, GenerationEngine};
+pub use gen_engine::{GenModel, GenModelStatus, Generate, GenerationEngine, GetGenStatus};
 pub use gen_eval::GenEvaluator;
 pub use gen_rollout::{GenRolloutConfig, GenRolloutWorker};
 pub use rollout::{

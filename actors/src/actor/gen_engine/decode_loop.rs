@@ -14,6 +14,8 @@ use crate::error::{Error, Result};
 use crate::generation::{Completion, Generator, SamplingParams, Token};
 use crate::scheduler::{RequestId, Scheduler, SchedulerStats, Swap};
 
+use super::GenModelStatus;
+
 /// What the engine asks of a decoding thread.
 pub(super) enum Command<W> {
     /// A request; answered when it ends (or at once when refused).
@@ -41,6 +43,13 @@ pub(super) enum Command<W> {
 pub(super) struct View {
     /// The version served (`None` before the first weights).
     pub(super) served: Option<Version>,
+    /// The newest version handed to the thread (set by the load once its offer is in the
+    /// channel).
+    pub(super) offered: Option<Version>,
+    /// Sequences running after the last step.
+    pub(super) running: usize,
+    /// Requests waiting after the last step.
+    pub(super) waiting: usize,
     /// The scheduler's statistics after the last step.
     pub(super) stats: SchedulerStats,
 }
@@ -64,6 +73,24 @@ impl Shared {
     pub(super) fn stats(&self) -> SchedulerStats {
         self.lock().stats.clone()
     }
+
+    /// Records that `version` was handed to the thread.
+    pub(super) fn offered(&self, version: Version) {
+        let mut v = self.lock();
+        v.offered = v.offered.max(Some(version));
+    }
+
+    /// What a status query answers.
+    pub(super) fn status(&self) -> GenModelStatus {
+        let v = self.lock();
+        GenModelStatus {
+            served: v.served,
+            offered: v.offered,
+            running: v.running,
+            waiting: v.waiting,
+            stats: v.stats.clone(),
+        }
+    }
 }
 
 /// Starts the decoding thread of `model`.
@@ -77,6 +104,9 @@ pub(super) fn spawn<G: Generator>(
     let (tx, rx) = mpsc::channel();
     let shared = Arc::new(Shared(Mutex::new(View {
         served: scheduler.served_version(),
+        offered: scheduler.served_version(),
+        running: 0,
+        waiting: 0,
         stats: scheduler.stats().clone(),
     })));
     let view = Arc::clone(&shared);
@@ -127,12 +157,15 @@ impl<G: Generator> Decoder<G> {
             }
             if self.scheduler.has_work() {
                 let report = self.scheduler.step();
+                // whoever hears of this step sees its effects in the view
+                self.publish();
                 for (id, answer) in report.finished {
                     self.answer(id, answer);
                 }
                 if let Some(swap) = report.swap {
                     self.swapped(&swap);
                 }
+            } else {
                 self.publish();
             }
         }
@@ -172,7 +205,6 @@ impl<G: Generator> Decoder<G> {
                 for (id, c) in self.scheduler.cancel(below) {
                     self.answer(id, Ok(c));
                 }
-                self.publish();
             }
         }
     }
@@ -187,7 +219,6 @@ impl<G: Generator> Decoder<G> {
     /// Answers every offer the swap satisfies (its version and the older ones it
     /// superseded).
     fn swapped(&mut self, swap: &Swap) {
-        self.shared.lock().served = Some(swap.to);
         let (done, waiting): (Vec<_>, Vec<_>) = std::mem::take(&mut self.offers)
             .into_iter()
             .partition(|(v, _)| *v <= swap.to);
@@ -198,6 +229,10 @@ impl<G: Generator> Decoder<G> {
     }
 
     fn publish(&self) {
-        self.shared.lock().stats = self.scheduler.stats().clone();
+        let mut v = self.shared.lock();
+        v.served = self.scheduler.served_version();
+        v.stats = self.scheduler.stats().clone();
+        v.running = self.scheduler.running();
+        v.waiting = self.scheduler.waiting();
     }
 }

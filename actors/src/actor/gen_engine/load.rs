@@ -13,7 +13,7 @@ use crate::generation::Generator;
 use crate::scheduler::Swap;
 
 use super::decode_loop::{Command, Shared};
-use super::{Loader, LoadReport, loop_gone};
+use super::{LoadReport, Loader, loop_gone};
 
 /// How long a load that gave up on its swap waits for the decoding thread to confirm the
 /// withdrawal (it is taken at the next step boundary: one decoding step).
@@ -64,15 +64,14 @@ impl<G: Generator> LoadJob<G> {
         let started = Instant::now();
         let deadline = started + timeout;
         let model = self.model.clone();
-        let guard = match actix_rt::time::timeout(timeout, Arc::clone(&self.loader).lock_owned())
-            .await
-        {
-            Ok(g) => g,
-            Err(_) => {
-                let e = timed_out(&model, "waiting for an earlier load of the model", timeout);
-                return (Err(e), started.elapsed());
-            }
-        };
+        let guard =
+            match actix_rt::time::timeout(timeout, Arc::clone(&self.loader).lock_owned()).await {
+                Ok(g) => g,
+                Err(_) => {
+                    let e = timed_out(&model, "waiting for an earlier load of the model", timeout);
+                    return (Err(e), started.elapsed());
+                }
+            };
         let inlet = matches!(source, Source::Inlet { .. });
         let shared = Arc::clone(&self.shared);
         let staging = actix_rt::task::spawn_blocking(move || {
@@ -138,6 +137,7 @@ impl<G: Generator> LoadJob<G> {
                 reply,
             })
             .map_err(|_| loop_gone(model))?;
+        self.shared.offered(version);
         let wait = deadline
             .saturating_duration_since(Instant::now())
             .max(MIN_SWAP_WAIT);

@@ -30,7 +30,7 @@ use tokio::sync::oneshot;
 use crate::error::{Error, Result};
 use crate::generation::{Completion, Generator, PauseMode, SamplingParams, Token};
 use crate::link::WeightInlet;
-use crate::scheduler::{Scheduler, SchedulerConfig};
+use crate::scheduler::{Scheduler, SchedulerConfig, SchedulerStats};
 
 use super::engine::{
     CancelInFlight, EngineHandle, EngineStats, GetEngineStats, LoadReport, LoadWeights,
@@ -54,6 +54,27 @@ pub struct Generate {
     /// [`Error::Cancelled`]; one in flight when its generation is cancelled ends with
     /// [`Finish::Cancelled`](crate::generation::Finish::Cancelled).
     pub generation: Option<u64>,
+}
+
+/// Asks a generating engine where each model's decoding stands.
+#[derive(Debug, Clone, Copy, Message)]
+#[rtype(result = "BTreeMap<ModelId, GenModelStatus>")]
+pub struct GetGenStatus;
+
+/// Where one model's decoding stands (as of its decoding thread's last step).
+#[derive(Debug, Clone, PartialEq)]
+pub struct GenModelStatus {
+    /// The version served (`None` before the first weights).
+    pub served: Option<Version>,
+    /// The newest version handed to the decoding thread; newer than `served` while it
+    /// waits for its step boundary (a `wait`-mode drain).
+    pub offered: Option<Version>,
+    /// Sequences in the running batch.
+    pub running: usize,
+    /// Requests waiting to join.
+    pub waiting: usize,
+    /// The scheduler's counters.
+    pub stats: SchedulerStats,
 }
 
 /// One model of a generating engine, builder style.
@@ -377,6 +398,19 @@ impl<G: Generator> Handler<GetEngineStats> for GenerationEngine<G> {
             out.aborted += s.aborted;
         }
         MessageResult(out)
+    }
+}
+
+impl<G: Generator> Handler<GetGenStatus> for GenerationEngine<G> {
+    type Result = MessageResult<GetGenStatus>;
+
+    fn handle(&mut self, _: GetGenStatus, _: &mut Context<Self>) -> Self::Result {
+        MessageResult(
+            self.models
+                .iter()
+                .map(|(m, s)| (m.clone(), s.shared.status()))
+                .collect(),
+        )
     }
 }
 
