@@ -336,3 +336,39 @@ async fn the_controller_loads_and_validates_a_generating_engine() {
     let stats = within("stats", engine.send(GetEngineStats)).await.unwrap();
     assert_eq!(stats.loads, 2);
 }
+
+#[actix_rt::test]
+async fn a_cancelled_fragment_is_dropped_and_the_next_one_reaches_the_pool() {
+    use refit_actors::actor::CancelInFlight;
+    let gate = Gate::closed();
+    let r = rig(PauseMode::Keep, &gate);
+    within("start", r.worker.send(StartRollouts)).await.unwrap();
+    // the first fragment's requests are in the engine, held at the first pass
+    gate.wait_entered(1).await;
+    let generation = within("cancel", r.engine.send(CancelInFlight))
+        .await
+        .unwrap();
+    assert_eq!(generation, 1);
+    gate.open();
+    let taken = within(
+        "a batch",
+        r.pool.send(TakeBatch {
+            train_version: Version(1),
+            all: false,
+            timeout: DEADLINE,
+        }),
+    )
+    .await
+    .unwrap()
+    .unwrap();
+    let stats = within("stop", r.worker.send(StopRollouts)).await.unwrap();
+    assert!(stats.error.is_none(), "{stats:?}");
+    assert_eq!(stats.cancelled, 1, "{stats:?}");
+    // the first fragment (groups 0 and 1) was dropped; the next one is whole
+    let b = &taken.batch;
+    let mut groups: Vec<u64> = b.sequences.iter().map(|s| s.group & 0xff).collect();
+    groups.dedup();
+    assert_eq!(groups, vec![2, 3]);
+    assert!(b.sequences.iter().all(|s| s.finish == Finish::Length));
+    assert_eq!(b.frames, 4);
+}

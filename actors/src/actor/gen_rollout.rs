@@ -291,25 +291,22 @@ async fn run_fragment<T: Task>(
             answer: answer.and_then(|a| a),
         });
     }
-    // a cancellation anywhere drops the fragment; the engine's generation is learnt from a
-    // refusal, or, for requests ended in flight, known to have moved at least once
-    let mut cancelled = false;
-    let mut learnt = state.generation;
+    // a cancellation anywhere drops the fragment. The engine's generation is learnt from a
+    // refusal (which carries it); requests ended in flight only say it moved on, at least
+    // once: the next fragment tries one more, and a refusal corrects it
+    let mut refused_at: Option<u64> = None;
+    let mut ended_in_flight = false;
     for g in &generated {
         match &g.answer {
             Err(Error::Cancelled { generation }) => {
-                cancelled = true;
-                learnt = learnt.max(*generation);
+                refused_at = refused_at.max(Some(*generation));
             }
-            Ok((c, _)) if c.finish == Finish::Cancelled => {
-                cancelled = true;
-                learnt = learnt.max(state.generation + 1);
-            }
+            Ok((c, _)) if c.finish == Finish::Cancelled => ended_in_flight = true,
             _ => {}
         }
     }
-    if cancelled {
-        state.generation = learnt;
+    if refused_at.is_some() || ended_in_flight {
+        state.generation = refused_at.unwrap_or(state.generation + 1);
         return Ok(Outcome {
             waited,
             cancelled: true,

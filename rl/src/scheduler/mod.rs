@@ -146,6 +146,8 @@ pub struct Scheduler<G: Generator> {
     waiting: VecDeque<Waiting>,
     next_id: u64,
     logits: Vec<f32>,
+    /// Versions swapped out during this step, handed to the reaper at its end.
+    retired: Vec<Arc<G::Weights>>,
     reaper: Reaper,
     stats: SchedulerStats,
 }
@@ -197,6 +199,7 @@ impl<G: Generator> Scheduler<G> {
             waiting: VecDeque::new(),
             next_id: 0,
             logits: Vec::new(),
+            retired: Vec::with_capacity(2),
             reaper,
             stats: SchedulerStats::default(),
             cfg,
@@ -370,6 +373,9 @@ impl<G: Generator> Scheduler<G> {
         if report.swap.is_none() {
             self.boundary(&mut report);
         }
+        for old in self.retired.drain(..) {
+            self.reaper.reap(old);
+        }
         report
     }
 
@@ -402,8 +408,9 @@ impl<G: Generator> Scheduler<G> {
         let from = self.served.replace((p.weights, p.version));
         let from = from.map(|(old, v)| {
             // dropping the old version (maybe the last reference to gigabytes) is the
-            // reaper's job, not the pause's
-            self.reaper.reap(old);
+            // reaper's job, handed over once this step's tokens are out: waking the reaper
+            // here could put its work (on a busy machine) inside the pause
+            self.retired.push(old);
             v
         });
         let paused = started.elapsed();

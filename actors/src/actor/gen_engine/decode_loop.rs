@@ -38,6 +38,9 @@ pub(super) enum Command<W> {
     Cancel { below: u64 },
 }
 
+/// The engine's end of a decoding thread's channel.
+pub(super) type Commands<W> = mpsc::Sender<Command<W>>;
+
 /// What the engine reads of a decoding thread without asking it.
 #[derive(Debug, Default)]
 pub(super) struct View {
@@ -100,7 +103,7 @@ impl Shared {
 pub(super) fn spawn<G: Generator>(
     model: &ModelId,
     scheduler: Scheduler<G>,
-) -> Result<(mpsc::Sender<Command<G::Weights>>, Arc<Shared>)> {
+) -> Result<(Commands<G::Weights>, Arc<Shared>)> {
     let (tx, rx) = mpsc::channel();
     let shared = Arc::new(Shared(Mutex::new(View {
         served: scheduler.served_version(),

@@ -2,7 +2,6 @@
 //! decoding thread, wait for the swap at its step boundary, then acknowledge.
 
 use std::sync::Arc;
-use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use refit_runtime::{ModelId, Version, WeightSet};
@@ -12,7 +11,7 @@ use crate::error::{Error, Result};
 use crate::generation::Generator;
 use crate::scheduler::Swap;
 
-use super::decode_loop::{Command, Shared};
+use super::decode_loop::{Command, Commands, Shared};
 use super::{LoadReport, Loader, loop_gone};
 
 /// How long a load that gave up on its swap waits for the decoding thread to confirm the
@@ -34,7 +33,7 @@ pub(super) enum Source {
 /// What a load needs of the engine, so that it runs without borrowing it.
 pub(super) struct LoadJob<G: Generator> {
     pub(super) model: ModelId,
-    pub(super) commands: mpsc::Sender<Command<G::Weights>>,
+    pub(super) commands: Commands<G::Weights>,
     pub(super) shared: Arc<Shared>,
     pub(super) loader: Arc<tokio::sync::Mutex<Loader<G>>>,
 }

@@ -19,7 +19,6 @@ mod load;
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
-use std::sync::mpsc;
 use std::time::Duration;
 
 use actix::prelude::*;
@@ -36,10 +35,16 @@ use super::engine::{
     CancelInFlight, EngineHandle, EngineStats, GetEngineStats, LoadReport, LoadWeights,
     ServedVersions, UpdateModel,
 };
-use decode_loop::{Command, Shared};
+use decode_loop::{Command, Commands, Shared};
 use load::{LoadJob, Source};
 
 /// Generates a completion of `prompt` with one model of a generating engine.
+///
+/// The request joins the model's running batch at the next step boundary (a model with no
+/// weights yet queues it until its first version is swapped in); a bad request (empty
+/// prompt, a token outside the vocabulary, past the context, bad sampling parameters) is
+/// answered at once with [`Error::BadRequest`] naming the field. The caller's deadline
+/// bounds the wait.
 #[derive(Debug, Clone, PartialEq, Message, Serialize, Deserialize)]
 #[rtype(result = "Result<Completion>")]
 pub struct Generate {
@@ -143,7 +148,7 @@ struct Loader<G> {
 }
 
 struct Slot<G: Generator> {
-    commands: mpsc::Sender<Command<G::Weights>>,
+    commands: Commands<G::Weights>,
     shared: Arc<Shared>,
     loader: Arc<tokio::sync::Mutex<Loader<G>>>,
 }
