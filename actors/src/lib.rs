@@ -9,8 +9,9 @@
 //! - `remote` (feature `actix`): typed handles to actors in other processes or hosts, over
 //!   the node layer (`refit-node`).
 //! - Re-exported from `refit-rl`: [`mod@env`], [`policy`], [`collector`], [`multi`],
-//!   [`process`], [`learner`], [`roles`], [`link`], [`batch`], [`device`], [`error`], and
-//!   with feature `candle` `ppo` and `cartpole_ppo`.
+//!   [`process`], [`learner`], [`roles`], [`link`], [`batch`], [`device`], [`error`],
+//!   [`generation`], [`scheduler`], [`task`], [`bigram`], and with feature `candle` `ppo`
+//!   and `cartpole_ppo`.
 //!
 //! Without default features the crate is the RL re-exports only, and builds without candle
 //! and actix; `actix` alone builds the actors without candle. Cargo enforces that actix

@@ -120,6 +120,7 @@ fn check_fragment(b: &Batch) {
             "a group shares its prompt"
         );
         for s in members {
+            assert_eq!(s.worker, 3);
             assert_eq!(s.tokens.len(), 6);
             assert_eq!((s.logprobs.len(), s.versions.len()), (6, 6));
             let reward = task.reward(&s.prompt, &s.tokens).unwrap();

@@ -679,13 +679,13 @@ impl TrajectoryPool {
                 self.filter.admit(t.version, train, 1);
                 t.worker = stream;
             }
-            for seq in &mut b.sequences {
+            // generated sequences keep their worker index (GRPO groups by `group`)
+            for seq in &b.sequences {
                 if let Some(oldest) = seq.oldest_version() {
                     let s = StalenessFilter::staleness(oldest, train);
                     max_staleness = max_staleness.max(s);
                     self.filter.admit(oldest, train, 1);
                 }
-                seq.worker = stream;
             }
             if let Some(versions) = b.version_range() {
                 fragments.push(FragmentInfo {

@@ -25,9 +25,9 @@
 //!
 //! A step computes every token under one weight version (the forward takes one `&Weights`),
 //! so no sequence mixes layers of two versions; only the version between two tokens of a
-//! sequence may change (keep mode). A swap replaces an `Arc` and hands the old one to a
-//! reaper thread, so freeing a large version never lands in the pause; every swap's pause
-//! and drain are recorded ([`Swap`]).
+//! sequence may change (keep mode). A swap replaces an `Arc`; the old one goes to a reaper
+//! thread once the step's tokens are out, so freeing a large version never lands in the
+//! pause; every swap's pause and drain are recorded ([`Swap`]).
 
 mod reaper;
 mod request;
