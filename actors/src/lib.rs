@@ -41,6 +41,6 @@ pub use refit_rl::{
     Token,
 };
 pub use refit_rl::{
-    batch, collector, device, env, error, generation, learner, link, multi, policy, process, roles,
-    task,
+    batch, bigram, collector, device, env, error, generation, learner, link, multi, policy,
+    process, roles, scheduler, task,
 };

@@ -92,6 +92,15 @@ pub enum Error {
         /// What is wrong with it.
         reason: String,
     },
+    /// A generating backend failed at a decoding step or refused a weight set (the engine
+    /// keeps serving the version it has).
+    #[error("generator of model `{model}`: {reason}")]
+    Generator {
+        /// The model it serves.
+        model: String,
+        /// What went wrong, naming the tensor, request or step.
+        reason: String,
+    },
     /// A trainer input that cannot be trained on.
     #[error("trainer: {0}")]
     Trainer(String),

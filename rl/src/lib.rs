@@ -12,7 +12,10 @@
 //!   processes.
 //! - [`generation`]: what a generating engine is asked and answers ([`SamplingParams`],
 //!   [`Completion`] with per-token versions), and the [`Generator`] backend trait;
-//!   [`task`]: the [`Task`] role (prompts and a verifiable reward).
+//!   [`task`]: the [`Task`] role (prompts and a verifiable reward); [`scheduler`]: the
+//!   continuous-batching [`Scheduler`] a generating engine decodes with (requests join and
+//!   leave between steps, versions swap at step boundaries as the [`PauseMode`] says);
+//!   [`bigram`]: the smallest [`Generator`], a bigram table.
 //! - [`learner`]: the [`Learner`] trait (batches in, versioned weights out) a trainer hosts.
 //! - [`roles`]: the [`Roles`] factory a topology takes (learner, policy and environment per
 //!   model) and [`ModelSpec`]; `cartpole_ppo` (feature `candle`): PPO + [`MlpPolicy`] +
@@ -27,6 +30,7 @@
 #![warn(missing_docs, unreachable_pub, missing_debug_implementations)]
 
 pub mod batch;
+pub mod bigram;
 #[cfg(feature = "candle")]
 pub mod cartpole_ppo;
 pub mod collector;
@@ -42,6 +46,7 @@ pub mod policy;
 pub mod ppo;
 pub mod process;
 pub mod roles;
+pub mod scheduler;
 pub mod task;
 
 pub use batch::{
@@ -67,4 +72,5 @@ pub use policy::{ActionOut, MlpPolicy, Policy};
 #[cfg(feature = "candle")]
 pub use ppo::{PpoConfig, PpoStats, PpoTrainer};
 pub use roles::{GenRoles, ModelSpec, Roles};
+pub use scheduler::{RequestId, Scheduler, SchedulerConfig, SchedulerStats, StepReport, Swap};
 pub use task::{Reward, Task};

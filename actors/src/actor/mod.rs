@@ -10,6 +10,10 @@
 //! - [`RolloutWorker`] steps environments with actions from an engine, asking the controller
 //!   before each rollout fragment; [`TrajectoryPool`] gathers fragments into batches through
 //!   the staleness filter; [`Evaluator`] runs validation episodes.
+//! - [`GenerationEngine`] serves [`Generate`] requests (LLM-shaped RL) with continuous
+//!   batching, swapping versions at step boundaries as the run's pause mode says;
+//!   [`GenRolloutWorker`] turns a task's prompts into fragments of rewarded sequences
+//!   through it, and [`GenEvaluator`] validates greedily on the task's held-out prompts.
 //! - [`CollectorWorker`] and [`Trainer`] wrap the plain-Rust collector and a user's
 //!   [`Learner`](crate::learner::Learner) on their own threads.
 //!
@@ -23,6 +27,9 @@
 pub mod controller;
 pub mod engine;
 pub mod eval;
+pub mod gen_engine;
+pub mod gen_eval;
+pub mod gen_rollout;
 pub mod pool;
 pub mod rollout;
 pub mod workers;
@@ -50,6 +57,9 @@ pub use crate::protocol::trainer::{Train, TrainAndPublish};
 pub use controller::{VersionNotifier, WeightSyncController};
 pub use engine::InferenceEngine;
 pub use eval::Evaluator;
+pub use gen_engine::{GenModel, GenModelStatus, GenerationEngine, GetGenStatus};
+pub use gen_eval::GenEvaluator;
+pub use gen_rollout::{GenRolloutConfig, GenRolloutWorker};
 pub use pool::TrajectoryPool;
 pub use rollout::{RolloutConfig, RolloutWorker};
 pub use workers::{CollectBatch, CollectorWorker, Trainer};

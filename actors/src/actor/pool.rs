@@ -28,7 +28,9 @@ struct Waiting {
 }
 
 /// Gathers fragments into batches for one model's trainer; drops samples older than the
-/// allowed staleness (counted) and tells the controller when a batch is ready.
+/// allowed staleness (counted) and tells the controller when a batch is ready. A sample is a
+/// transition, or a generated sequence, whose staleness is its oldest token's (a stale
+/// sequence is dropped whole).
 pub struct TrajectoryPool {
     model: ModelId,
     batch_frames: usize,
@@ -132,9 +134,21 @@ impl TrajectoryPool {
                 }
                 keep
             });
-            let dropped = before - b.transitions.len();
+            // a generated sequence is as stale as its oldest token; it goes whole
+            let before_seqs = b.sequences.len();
+            b.sequences.retain(|s| {
+                let Some(oldest) = s.oldest_version() else {
+                    return true;
+                };
+                let keep = StalenessFilter::staleness(oldest, train) <= max;
+                if !keep {
+                    filter.admit(oldest, train, 1);
+                }
+                keep
+            });
+            let dropped = before - b.transitions.len() + before_seqs - b.sequences.len();
             *dropped_since_take += dropped as u64;
-            b.frames -= dropped;
+            b.frames = b.frames.saturating_sub(dropped);
         }
         fragments.retain(|(b, _)| b.frames > 0);
     }
@@ -190,6 +204,14 @@ impl TrajectoryPool {
                 max_staleness = max_staleness.max(s);
                 self.filter.admit(t.version, train, 1);
                 t.worker = stream;
+            }
+            // generated sequences keep their worker index (GRPO groups by `group`)
+            for seq in &b.sequences {
+                if let Some(oldest) = seq.oldest_version() {
+                    let s = StalenessFilter::staleness(oldest, train);
+                    max_staleness = max_staleness.max(s);
+                    self.filter.admit(oldest, train, 1);
+                }
             }
             if let Some(versions) = b.version_range() {
                 fragments.push(FragmentInfo {

@@ -320,7 +320,7 @@ async fn run_fragment<E: Env>(
 }
 
 /// A request that got no answer: past its deadline, or to an actor that stopped.
-fn unanswered(e: MailboxError, after: Duration, what: String) -> Error {
+pub(crate) fn unanswered(e: MailboxError, after: Duration, what: String) -> Error {
     match e {
         MailboxError::Timeout => Error::Runtime(refit_runtime::Error::Timeout { what, after }),
         MailboxError::Closed => Error::Actor(format!("{what}: it stopped")),

@@ -148,12 +148,26 @@ pub struct EngineStats {
     pub paused_max: Duration,
     /// Total staging time (lock wait + fetch + validation), outside any pause.
     pub staged_total: Duration,
-    /// Requests refused because their episode was cancelled.
+    /// Requests refused because their episode was cancelled (a generating engine also
+    /// counts the in-flight requests it ended with `Finish::Cancelled`).
     pub cancelled: u64,
+    /// Tokens generated (a generating engine; zero for an acting engine).
+    pub tokens: u64,
+    /// Total time generation went on under the old version while a new one waited for its
+    /// boundary (a generating engine's drains in `wait` mode; not a pause).
+    pub drained_total: Duration,
+    /// Sequences ended by an update in `abort` mode (a generating engine).
+    pub aborted: u64,
 }
 
 /// Asks a generating engine for one completion of `prompt` with `model`.
-#[derive(Debug, Clone, Message, Serialize, Deserialize)]
+///
+/// The request joins the model's running batch at the next step boundary (a model with no
+/// weights yet queues it until its first version is swapped in); a bad request (empty
+/// prompt, a token outside the vocabulary, past the context, bad sampling parameters) is
+/// answered at once with [`Error::BadRequest`](crate::Error::BadRequest) naming the field.
+/// The caller's deadline bounds the wait.
+#[derive(Debug, Clone, PartialEq, Message, Serialize, Deserialize)]
 #[rtype(result = "Result<Completion>")]
 pub struct Generate {
     /// The model.

@@ -1,0 +1,242 @@
+//! One load of a generating engine's model: fetch and stage beside generation, offer to the
+//! decoding thread, wait for the swap at its step boundary, then acknowledge.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use refit_runtime::{ModelId, Version, WeightSet};
+use tokio::sync::{OwnedMutexGuard, oneshot};
+
+use crate::error::{Error, Result};
+use crate::generation::Generator;
+use crate::scheduler::Swap;
+
+use super::decode_loop::{Command, Commands, Shared};
+use super::{LoadReport, Loader, loop_gone};
+
+/// How long a load that gave up on its swap waits for the decoding thread to confirm the
+/// withdrawal (it is taken at the next step boundary: one decoding step).
+const WITHDRAW_WAIT: Duration = Duration::from_secs(30);
+
+/// The least time a staged version is given to reach its boundary, even when staging ate
+/// the load's deadline (one step in keep or abort mode).
+const MIN_SWAP_WAIT: Duration = Duration::from_secs(1);
+
+/// Where the version comes from.
+pub(super) enum Source {
+    /// Fetched through the model's inlet: this version or a newer one.
+    Inlet { version: Version },
+    /// Pushed by the caller.
+    Pushed(Arc<WeightSet>),
+}
+
+/// What a load needs of the engine, so that it runs without borrowing it.
+pub(super) struct LoadJob<G: Generator> {
+    pub(super) model: ModelId,
+    pub(super) commands: Commands<G::Weights>,
+    pub(super) shared: Arc<Shared>,
+    pub(super) loader: Arc<tokio::sync::Mutex<Loader<G>>>,
+}
+
+enum Staged<W> {
+    /// A version newer than the one served, in the backend's form.
+    New(Arc<W>, Version),
+    /// This version (or a newer one) is served already (an earlier load brought it).
+    Served(Version),
+}
+
+type Guard<G> = OwnedMutexGuard<Loader<G>>;
+
+impl<G: Generator> LoadJob<G> {
+    /// Runs the load within `timeout` (lock wait, fetch and the wait for the swap; staging
+    /// itself is not interrupted); answers the report and the staging time (lock wait,
+    /// fetch, stage), which counts even when the load fails.
+    ///
+    /// # Cancel safety
+    /// Not cancel safe: dropped after the offer, the version may still be swapped in, and
+    /// is then not acknowledged.
+    pub(super) async fn run(
+        self,
+        source: Source,
+        timeout: Duration,
+    ) -> (Result<LoadReport>, Duration) {
+        let started = Instant::now();
+        let deadline = started + timeout;
+        let model = self.model.clone();
+        let guard =
+            match actix_rt::time::timeout(timeout, Arc::clone(&self.loader).lock_owned()).await {
+                Ok(g) => g,
+                Err(_) => {
+                    let e = timed_out(&model, "waiting for an earlier load of the model", timeout);
+                    return (Err(e), started.elapsed());
+                }
+            };
+        let inlet = matches!(source, Source::Inlet { .. });
+        let shared = Arc::clone(&self.shared);
+        let staging = actix_rt::task::spawn_blocking(move || {
+            let mut guard = guard;
+            let r = stage(&mut guard, &model, source, &shared, deadline);
+            (guard, r)
+        })
+        .await;
+        let staged = started.elapsed();
+        let (guard, staged_version) = match staging {
+            Ok((guard, Ok(s))) => (guard, s),
+            Ok((_, Err(e))) => return (Err(e), staged),
+            Err(e) => {
+                let e = Error::Actor(format!(
+                    "the staging thread of model `{}` failed: {e}",
+                    self.model
+                ));
+                return (Err(e), staged);
+            }
+        };
+        let (weights, version) = match staged_version {
+            Staged::New(w, v) => (w, v),
+            Staged::Served(current) => {
+                let report = LoadReport {
+                    model: self.model,
+                    version: current,
+                    staged,
+                    paused: Duration::ZERO,
+                };
+                return (Ok(report), staged);
+            }
+        };
+        let swap = match self.swap(weights, version, deadline).await {
+            Ok(s) => s,
+            Err(e) => return (Err(e), staged),
+        };
+        if inlet && let Err(e) = self.ack(guard, swap.to).await {
+            return (Err(e), staged);
+        }
+        let report = LoadReport {
+            model: self.model,
+            version: swap.to,
+            staged,
+            paused: swap.paused,
+        };
+        (Ok(report), staged)
+    }
+
+    /// Offers the staged version and waits for its swap; past the deadline the offer is
+    /// withdrawn (unless the swap won the race, which then counts).
+    async fn swap(
+        &self,
+        weights: Arc<G::Weights>,
+        version: Version,
+        deadline: Instant,
+    ) -> Result<Swap> {
+        let model = &self.model;
+        let (reply, mut swapped) = oneshot::channel();
+        self.commands
+            .send(Command::Offer {
+                weights,
+                version,
+                reply,
+            })
+            .map_err(|_| loop_gone(model))?;
+        self.shared.offered(version);
+        let wait = deadline
+            .saturating_duration_since(Instant::now())
+            .max(MIN_SWAP_WAIT);
+        match actix_rt::time::timeout(wait, &mut swapped).await {
+            Ok(r) => return r.map_err(|_| loop_gone(model))?,
+            Err(_) => {
+                let why = timed_out(
+                    model,
+                    &format!("version {version} waiting for a step boundary to swap in"),
+                    wait,
+                );
+                // a loop that is gone has nothing pending: the wait below says so
+                let _ = self.commands.send(Command::Withdraw { version, why });
+            }
+        }
+        match actix_rt::time::timeout(WITHDRAW_WAIT, swapped).await {
+            Ok(r) => r.map_err(|_| loop_gone(model))?,
+            Err(_) => Err(timed_out(
+                model,
+                &format!("the decoding thread to withdraw version {version}"),
+                WITHDRAW_WAIT,
+            )),
+        }
+    }
+
+    /// Tells the sender the version is served, on a blocking thread.
+    async fn ack(&self, guard: Guard<G>, version: Version) -> Result<()> {
+        let model = self.model.clone();
+        let acked = actix_rt::task::spawn_blocking(move || {
+            let mut guard = guard;
+            match guard.inlet.as_mut() {
+                Some(inlet) => inlet.applied(&model, version),
+                None => Ok(()),
+            }
+        })
+        .await;
+        acked.map_err(|e| {
+            Error::Actor(format!(
+                "the weight ack thread of model `{}` failed: {e}",
+                self.model
+            ))
+        })?
+    }
+}
+
+/// Fetches (inlet) and stages a version, on a blocking thread.
+fn stage<G: Generator>(
+    loader: &mut Loader<G>,
+    model: &ModelId,
+    source: Source,
+    shared: &Shared,
+    deadline: Instant,
+) -> Result<Staged<G::Weights>> {
+    let pushed = matches!(source, Source::Pushed(_));
+    let weights = match source {
+        Source::Inlet { version } => {
+            if let Some(current) = shared.served()
+                && current >= version
+            {
+                return Ok(Staged::Served(current));
+            }
+            let inlet = loader.inlet.as_mut().ok_or_else(|| {
+                Error::Config(format!(
+                    "model `{model}` has no inlet on this engine (push weights with LoadWeights)"
+                ))
+            })?;
+            let left = deadline.saturating_duration_since(Instant::now());
+            inlet.fetch(model, version, left)?
+        }
+        Source::Pushed(ws) => {
+            if ws.model() != model {
+                return Err(Error::ModelMismatch {
+                    expected: model.to_string(),
+                    found: ws.model().to_string(),
+                });
+            }
+            ws
+        }
+    };
+    let version = weights.version();
+    if let Some(current) = shared.served()
+        && current >= version
+    {
+        if pushed {
+            return Err(Error::Runtime(refit_runtime::Error::StaleVersion {
+                model: model.clone(),
+                offered: version,
+                current,
+            }));
+        }
+        // the inlet had nothing newer than what an earlier load brought
+        return Ok(Staged::Served(current));
+    }
+    let staged = loader.stager.stage(&weights)?;
+    Ok(Staged::New(Arc::new(staged), version))
+}
+
+fn timed_out(model: &ModelId, what: &str, after: Duration) -> Error {
+    Error::Runtime(refit_runtime::Error::Timeout {
+        what: format!("model `{model}`: {what}"),
+        after,
+    })
+}

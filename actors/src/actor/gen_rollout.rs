@@ -1,0 +1,410 @@
+//! Rollout workers of a generating topology: prompts from a [`Task`], completions from a
+//! generating engine, rewards from the task, fragments of [`Sequence`]s for the pool.
+
+use std::time::Duration;
+
+use actix::prelude::*;
+use rand::rngs::SmallRng;
+use rand::{Rng, SeedableRng};
+use refit_runtime::ModelId;
+
+use crate::batch::{Batch, EpisodeStats, Sequence};
+use crate::error::{Error, Result};
+use crate::generation::{Completion, Finish, SamplingParams, Token};
+use crate::task::Task;
+
+use super::rollout::unanswered;
+use crate::protocol::controller::{Admission, AwaitRollout, ControllerLink, RolloutDone};
+use crate::protocol::engine::Generate;
+use crate::protocol::pool::PushFragment;
+use crate::protocol::rollout::{GetRolloutStats, RolloutStats, StartRollouts, StopRollouts};
+
+/// Settings of a generating rollout worker.
+#[derive(Debug, Clone, PartialEq)]
+pub struct GenRolloutConfig {
+    /// The model it generates with.
+    pub model: ModelId,
+    /// Its index (stamped on sequences; group ids are unique per worker).
+    pub worker: usize,
+    /// Prompts drawn per fragment.
+    pub prompts_per_fragment: usize,
+    /// Completions generated per prompt (one GRPO group).
+    pub group_size: usize,
+    /// Seed of the prompt draws and of the requests' sampling seeds.
+    pub seed: u64,
+    /// Deadline of each generation request (a regenerated one gets a fresh one) and of
+    /// handing a fragment to the pool: past it the worker stops with
+    /// [`refit_runtime::Error::Timeout`] in its [`RolloutStats::error`].
+    pub timeout: Duration,
+    /// Deadline of the status check before each fragment: above the controller's own
+    /// `rollout_wait_s`, which it answers within.
+    pub admission_timeout: Duration,
+    /// How many times a completion ended by an update (`abort` mode) is generated again
+    /// before the worker gives up (a group must be whole).
+    pub max_regenerations: u32,
+}
+
+impl GenRolloutConfig {
+    /// Worker `worker` of `model`: 4 prompts of 4 completions per fragment, seed 0, 60 s
+    /// per request, 130 s for the status check, 8 regenerations.
+    pub fn new(model: ModelId, worker: usize) -> Self {
+        Self {
+            model,
+            worker,
+            prompts_per_fragment: 4,
+            group_size: 4,
+            seed: 0,
+            timeout: Duration::from_secs(60),
+            admission_timeout: Duration::from_secs(130),
+            max_regenerations: 8,
+        }
+    }
+}
+
+/// Generates `request` through `engine`, again while an update aborts it (at most
+/// `regenerations` more times); each send has the deadline `timeout`. Answers the
+/// completion and how many times it was regenerated.
+///
+/// # Errors
+/// The engine's answer ([`Error::Cancelled`] included); a timeout or a stopped engine; a
+/// completion still aborted after the last regeneration.
+pub(crate) async fn generate_whole(
+    engine: Recipient<Generate>,
+    request: Generate,
+    timeout: Duration,
+    regenerations: u32,
+) -> Result<(Completion, u32)> {
+    let mut again = 0;
+    loop {
+        let answer = engine
+            .send(request.clone())
+            .timeout(timeout)
+            .await
+            .map_err(|e| {
+                unanswered(
+                    e,
+                    timeout,
+                    format!("the engine to generate for model `{}`", request.model),
+                )
+            })??;
+        match answer.finish {
+            Finish::Aborted { by } if again < regenerations => {
+                tracing::debug!(model = %request.model, version = %by, "completion aborted by an update: generated again");
+                again += 1;
+            }
+            Finish::Aborted { by } => {
+                return Err(Error::Actor(format!(
+                    "a completion of model `{}` was aborted by an update {} times (last by \
+                     version {by}); its group cannot be made whole",
+                    request.model,
+                    again + 1
+                )));
+            }
+            _ => return Ok((answer, again)),
+        }
+    }
+}
+
+/// The worker's own state, lent to each fragment.
+struct State<T> {
+    task: T,
+    rng: SmallRng,
+    /// The engine's cancellation generation as last learnt.
+    generation: u64,
+    /// Groups made so far.
+    groups: u64,
+}
+
+/// Generates fragments of sequences: before each fragment it asks the controller (blocking
+/// as the sync mode says), draws `prompts_per_fragment` prompts from its task and sends
+/// `group_size` [`Generate`] requests per prompt at once (the engine batches them), rewards
+/// each completion with the task and pushes the fragment to the pool. A completion aborted
+/// by an update is generated again (a group must be whole); a fragment whose requests are
+/// cancelled is dropped.
+pub struct GenRolloutWorker<T: Task> {
+    cfg: GenRolloutConfig,
+    state: Option<State<T>>,
+    engine: Recipient<Generate>,
+    controller: ControllerLink,
+    pool: Recipient<PushFragment>,
+    running: bool,
+    stats: RolloutStats,
+}
+
+impl<T: Task> std::fmt::Debug for GenRolloutWorker<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GenRolloutWorker")
+            .field("model", &self.cfg.model)
+            .field("worker", &self.cfg.worker)
+            .field("stats", &self.stats)
+            .finish()
+    }
+}
+
+impl<T: Task + Unpin> GenRolloutWorker<T> {
+    /// A worker drawing prompts from `task`, generating through `engine`, admitted by
+    /// `controller` (an `&Addr<WeightSyncController>` or a [`ControllerLink`]), pushing to
+    /// `pool`.
+    ///
+    /// # Errors
+    /// [`Error::Config`] naming the model when a fragment would hold no completion.
+    pub fn new(
+        cfg: GenRolloutConfig,
+        task: T,
+        engine: Recipient<Generate>,
+        controller: impl Into<ControllerLink>,
+        pool: Recipient<PushFragment>,
+    ) -> Result<Self> {
+        if cfg.prompts_per_fragment == 0 || cfg.group_size == 0 {
+            return Err(Error::Config(format!(
+                "model `{}`: prompts_per_fragment and group_size must be at least 1",
+                cfg.model
+            )));
+        }
+        Ok(Self {
+            state: Some(State {
+                task,
+                rng: SmallRng::seed_from_u64(cfg.seed),
+                generation: 0,
+                groups: 0,
+            }),
+            cfg,
+            engine,
+            controller: controller.into(),
+            pool,
+            running: false,
+            stats: RolloutStats::default(),
+        })
+    }
+
+    fn next_fragment(&mut self, ctx: &mut Context<Self>) {
+        if !self.running {
+            return;
+        }
+        let Some(mut state) = self.state.take() else {
+            return;
+        };
+        let cfg = self.cfg.clone();
+        let engine = self.engine.clone();
+        let controller = self.controller.clone();
+        let pool = self.pool.clone();
+        let work = async move {
+            let r = run_fragment(&cfg, &mut state, &engine, &controller, &pool).await;
+            // the controller learns the fragment is over only after the pool has it
+            controller.done.do_send(RolloutDone {
+                model: cfg.model.clone(),
+            });
+            (state, r)
+        };
+        ctx.spawn(work.into_actor(self).map(|(state, r), act, ctx| {
+            act.state = Some(state);
+            match r {
+                Ok(outcome) => {
+                    act.stats.blocked += outcome.waited;
+                    act.stats.blocked_checks += u64::from(!outcome.waited.is_zero());
+                    if outcome.cancelled {
+                        act.stats.cancelled += 1;
+                    } else {
+                        act.stats.fragments += 1;
+                    }
+                    ctx.notify(NextFragment);
+                }
+                Err(e) => {
+                    tracing::error!(worker = act.cfg.worker, model = %act.cfg.model, "generating rollout worker stops: {e}");
+                    act.stats.error = Some(e.to_string());
+                    act.running = false;
+                }
+            }
+        }));
+    }
+}
+
+struct Outcome {
+    waited: Duration,
+    cancelled: bool,
+}
+
+/// One generated completion waiting for its reward.
+struct Generated {
+    prompt: usize,
+    group: u64,
+    answer: Result<(Completion, u32)>,
+}
+
+async fn run_fragment<T: Task>(
+    cfg: &GenRolloutConfig,
+    state: &mut State<T>,
+    engine: &Recipient<Generate>,
+    controller: &ControllerLink,
+    pool: &Recipient<PushFragment>,
+) -> Result<Outcome> {
+    let admission: Admission = controller
+        .await_rollout
+        .send(AwaitRollout {
+            model: cfg.model.clone(),
+        })
+        .timeout(cfg.admission_timeout)
+        .await
+        .map_err(|e| {
+            unanswered(
+                e,
+                cfg.admission_timeout,
+                format!("the controller to admit a rollout of model `{}`", cfg.model),
+            )
+        })??;
+    let waited = admission.waited;
+    let prompts: Vec<Vec<Token>> = (0..cfg.prompts_per_fragment)
+        .map(|_| state.task.prompt(&mut state.rng))
+        .collect();
+    let sampling = state.task.sampling();
+    // every request is in the engine's queue before the first answer is awaited: they are
+    // decoded together
+    let mut pending = Vec::with_capacity(prompts.len() * cfg.group_size);
+    for (i, prompt) in prompts.iter().enumerate() {
+        let group = ((cfg.worker as u64) << 40) | state.groups;
+        state.groups += 1;
+        for _ in 0..cfg.group_size {
+            let request = Generate {
+                model: cfg.model.clone(),
+                prompt: prompt.clone(),
+                params: SamplingParams {
+                    seed: state.rng.random(),
+                    ..sampling
+                },
+                generation: Some(state.generation),
+            };
+            let job = generate_whole(engine.clone(), request, cfg.timeout, cfg.max_regenerations);
+            pending.push((i, group, actix_rt::spawn(job)));
+        }
+    }
+    let mut generated = Vec::with_capacity(pending.len());
+    for (prompt, group, job) in pending {
+        let answer = job.await.map_err(|e| {
+            Error::Actor(format!(
+                "a generation request of model `{}` failed on its task: {e}",
+                cfg.model
+            ))
+        });
+        generated.push(Generated {
+            prompt,
+            group,
+            answer: answer.and_then(|a| a),
+        });
+    }
+    // a cancellation anywhere drops the fragment. The engine's generation is learnt from a
+    // refusal (which carries it); requests ended in flight only say it moved on, at least
+    // once: the next fragment tries one more, and a refusal corrects it
+    let mut refused_at: Option<u64> = None;
+    let mut ended_in_flight = false;
+    for g in &generated {
+        match &g.answer {
+            Err(Error::Cancelled { generation }) => {
+                refused_at = refused_at.max(Some(*generation));
+            }
+            Ok((c, _)) if c.finish == Finish::Cancelled => ended_in_flight = true,
+            _ => {}
+        }
+    }
+    if refused_at.is_some() || ended_in_flight {
+        state.generation = refused_at.unwrap_or(state.generation + 1);
+        return Ok(Outcome {
+            waited,
+            cancelled: true,
+        });
+    }
+    let mut fragment = Batch::default();
+    for (index, g) in generated.into_iter().enumerate() {
+        let (completion, _) = g.answer?;
+        let prompt = &prompts[g.prompt];
+        let reward = state.task.reward(prompt, &completion.tokens)?;
+        if let Some(per_token) = &reward.per_token
+            && per_token.len() != completion.tokens.len()
+        {
+            return Err(Error::Config(format!(
+                "model `{}`: the task gave {} per-token rewards for a completion of {} tokens",
+                cfg.model,
+                per_token.len(),
+                completion.tokens.len()
+            )));
+        }
+        fragment.episodes.push(EpisodeStats {
+            traj_id: None,
+            ret: f64::from(reward.total),
+            len: u32::try_from(completion.tokens.len()).unwrap_or(u32::MAX),
+            worker: cfg.worker,
+            env: index,
+            version: completion
+                .newest_version()
+                .unwrap_or(admission.rollout_version),
+        });
+        fragment.sequences.push(Sequence {
+            prompt: prompt.clone(),
+            tokens: completion.tokens,
+            logprobs: completion.logprobs,
+            versions: completion.versions,
+            reward: reward.total,
+            token_rewards: reward.per_token,
+            group: g.group,
+            finish: completion.finish,
+            worker: cfg.worker,
+        });
+    }
+    fragment.frames = fragment.sequences.len();
+    pool.send(PushFragment {
+        fragment,
+        admission,
+    })
+    .timeout(cfg.timeout)
+    .await
+    .map_err(|e| {
+        unanswered(
+            e,
+            cfg.timeout,
+            format!("the trajectory pool of model `{}`", cfg.model),
+        )
+    })?;
+    Ok(Outcome {
+        waited,
+        cancelled: false,
+    })
+}
+
+#[derive(Debug, Message)]
+#[rtype(result = "()")]
+struct NextFragment;
+
+impl<T: Task + Unpin> Actor for GenRolloutWorker<T> {
+    type Context = Context<Self>;
+}
+
+impl<T: Task + Unpin> Handler<NextFragment> for GenRolloutWorker<T> {
+    type Result = ();
+    fn handle(&mut self, _: NextFragment, ctx: &mut Context<Self>) {
+        self.next_fragment(ctx);
+    }
+}
+
+impl<T: Task + Unpin> Handler<StartRollouts> for GenRolloutWorker<T> {
+    type Result = ();
+    fn handle(&mut self, _: StartRollouts, ctx: &mut Context<Self>) {
+        if !self.running {
+            self.running = true;
+            self.next_fragment(ctx);
+        }
+    }
+}
+
+impl<T: Task + Unpin> Handler<StopRollouts> for GenRolloutWorker<T> {
+    type Result = MessageResult<StopRollouts>;
+    fn handle(&mut self, _: StopRollouts, _: &mut Context<Self>) -> Self::Result {
+        self.running = false;
+        MessageResult(self.stats.clone())
+    }
+}
+
+impl<T: Task + Unpin> Handler<GetRolloutStats> for GenRolloutWorker<T> {
+    type Result = MessageResult<GetRolloutStats>;
+    fn handle(&mut self, _: GetRolloutStats, _: &mut Context<Self>) -> Self::Result {
+        MessageResult(self.stats.clone())
+    }
+}

@@ -1,0 +1,147 @@
+//! One request: checked on arrival, queued, then decoded as a running sequence.
+
+use rand::SeedableRng;
+use rand::rngs::SmallRng;
+use refit_runtime::Version;
+
+use crate::error::{Error, Result};
+use crate::generation::{Completion, Finish, SamplingParams, StepInput, Token};
+
+use super::RequestId;
+
+/// A request waiting to join the running batch.
+#[derive(Debug)]
+pub(super) struct Waiting {
+    pub(super) id: RequestId,
+    pub(super) prompt: Vec<Token>,
+    pub(super) params: SamplingParams,
+    pub(super) generation: Option<u64>,
+}
+
+/// Checks a request against a model of `vocab` tokens and `max_context` positions.
+///
+/// # Errors
+/// [`Error::BadRequest`] naming the field: an empty prompt, a prompt token outside the
+/// vocabulary, a prompt (or prompt plus `max_tokens`) longer than the context, bad sampling
+/// parameters.
+pub(super) fn check(
+    prompt: &[Token],
+    params: &SamplingParams,
+    vocab: usize,
+    max_context: usize,
+) -> Result<()> {
+    if prompt.is_empty() {
+        return Err(Error::bad_request("prompt", "is empty"));
+    }
+    if let Some((at, t)) = prompt
+        .iter()
+        .enumerate()
+        .find(|(_, t)| **t as usize >= vocab)
+    {
+        return Err(Error::bad_request(
+            "prompt",
+            format!("token {t} at position {at} is outside the vocabulary of {vocab} tokens"),
+        ));
+    }
+    if prompt.len() >= max_context {
+        return Err(Error::bad_request(
+            "prompt",
+            format!(
+                "of {} tokens leaves no room in the context of {max_context}",
+                prompt.len()
+            ),
+        ));
+    }
+    params.check(vocab)?;
+    let room = max_context - prompt.len();
+    if params.max_tokens as usize > room {
+        return Err(Error::bad_request(
+            "max_tokens",
+            format!(
+                "{} do not fit: the prompt of {} tokens leaves {room} of the context of {max_context}",
+                params.max_tokens,
+                prompt.len()
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// A sequence in the running batch, with its KV cache.
+#[derive(Debug)]
+pub(super) struct Running<C> {
+    pub(super) id: RequestId,
+    pub(super) prompt: Vec<Token>,
+    pub(super) params: SamplingParams,
+    pub(super) generation: Option<u64>,
+    pub(super) rng: SmallRng,
+    pub(super) cache: C,
+    pub(super) tokens: Vec<Token>,
+    pub(super) logprobs: Vec<f32>,
+    pub(super) versions: Vec<Version>,
+}
+
+impl<C> Running<C> {
+    /// A waiting request joins with an empty cache; its sampling is seeded from its params.
+    pub(super) fn start(w: Waiting, cache: C) -> Self {
+        Self {
+            id: w.id,
+            rng: SmallRng::seed_from_u64(w.params.seed),
+            prompt: w.prompt,
+            params: w.params,
+            generation: w.generation,
+            cache,
+            tokens: Vec::new(),
+            logprobs: Vec::new(),
+            versions: Vec::new(),
+        }
+    }
+
+    /// What this step feeds: the whole prompt first (the prefill), then the last token.
+    pub(super) fn input(&mut self) -> StepInput<'_, C> {
+        let tokens = match self.tokens.len() {
+            0 => &self.prompt[..],
+            n => &self.tokens[n - 1..],
+        };
+        StepInput {
+            cache: &mut self.cache,
+            tokens,
+        }
+    }
+
+    /// Appends one sampled token; answers how the sequence ends, if it does.
+    pub(super) fn push(&mut self, token: Token, logprob: f32, version: Version) -> Option<Finish> {
+        self.tokens.push(token);
+        self.logprobs.push(logprob);
+        self.versions.push(version);
+        if self.params.stop == Some(token) {
+            Some(Finish::Stop)
+        } else if self.tokens.len() >= self.params.max_tokens as usize {
+            Some(Finish::Length)
+        } else {
+            None
+        }
+    }
+
+    /// The answer, with the tokens so far.
+    pub(super) fn finish(self, finish: Finish) -> Completion {
+        Completion {
+            tokens: self.tokens,
+            logprobs: self.logprobs,
+            versions: self.versions,
+            finish,
+        }
+    }
+}
+
+impl Waiting {
+    /// The answer of a request that never ran.
+    pub(super) fn finish(self, finish: Finish) -> Completion {
+        Completion {
+            tokens: Vec::new(),
+            logprobs: Vec::new(),
+            versions: Vec::new(),
+            finish,
+        }
+    }
+}
