@@ -31,8 +31,12 @@ pub struct ModelSpec {
     pub envs_per_worker: usize,
     /// Steps per rollout fragment.
     pub fragment_steps: usize,
-    /// Frames per training batch (at least).
+    /// Frames per training batch (at least): environment steps, or completions.
     pub batch_frames: usize,
+    /// Generated completions per prompt (a generating model's GRPO group).
+    pub group_size: usize,
+    /// Prompts per rollout fragment (a generating model).
+    pub prompts_per_fragment: usize,
     /// Seed of this model's learner.
     pub seed: u64,
     /// Parameters for the role factory (a topology file's `[model.params]`, less the keys
@@ -42,15 +46,17 @@ pub struct ModelSpec {
 
 impl ModelSpec {
     /// The keys of a params table that [`ModelSpec::from_params`] reads into the spec.
-    pub const FRAMEWORK_KEYS: [&'static str; 4] = [
+    pub const FRAMEWORK_KEYS: [&'static str; 6] = [
         "workers",
         "envs_per_worker",
         "fragment_steps",
         "batch_frames",
+        "group_size",
+        "prompts_per_fragment",
     ];
 
     /// `id` with the defaults: 2 workers x 4 environments, fragments of 32 steps, batches of
-    /// 2048 frames, no params.
+    /// 2048 frames (generating: fragments of 4 prompts x 4 completions), no params.
     pub fn new(id: ModelId, seed: u64) -> Self {
         Self {
             id,
@@ -58,6 +64,8 @@ impl ModelSpec {
             envs_per_worker: 4,
             fragment_steps: 32,
             batch_frames: 2048,
+            group_size: 4,
+            prompts_per_fragment: 4,
             seed,
             params: toml::Table::new(),
         }
@@ -93,6 +101,8 @@ impl ModelSpec {
                 "workers" => spec.workers = n,
                 "envs_per_worker" => spec.envs_per_worker = n,
                 "fragment_steps" => spec.fragment_steps = n,
+                "group_size" => spec.group_size = n,
+                "prompts_per_fragment" => spec.prompts_per_fragment = n,
                 _ => spec.batch_frames = n,
             }
         }
@@ -117,6 +127,8 @@ impl ModelSpec {
             ("envs_per_worker", self.envs_per_worker),
             ("fragment_steps", self.fragment_steps),
             ("batch_frames", self.batch_frames),
+            ("group_size", self.group_size),
+            ("prompts_per_fragment", self.prompts_per_fragment),
         ] {
             if v == 0 {
                 return Err(Error::Config(format!(
@@ -187,6 +199,17 @@ pub trait GenRoles: Send + Sync + 'static {
     /// # Errors
     /// A task that cannot be built.
     fn task(&self, model: &ModelSpec, seed: u64) -> Result<Self::Task>;
+
+    /// The conversion from the learner's layout to the generator's (rename, fuse, cast),
+    /// applied on the send path; `None` (the default) when they are the same. A topology
+    /// file's `[model.convert]` takes its place when given.
+    ///
+    /// # Errors
+    /// Bad parameters (naming the model and the key).
+    fn want(&self, model: &ModelSpec) -> Result<Option<refit_runtime::convert::Want>> {
+        let _ = model;
+        Ok(None)
+    }
 }
 // ANCHOR_END: gen_roles
 

@@ -54,7 +54,7 @@ use crate::protocol::engine::EngineStats;
 use crate::protocol::eval::EvalReport;
 use crate::protocol::pool::FragmentInfo;
 use crate::protocol::rollout::RolloutStats;
-use crate::roles::{ModelSpec, Roles};
+use crate::roles::{GenRoles, ModelSpec, Roles};
 
 pub use rendezvous::PING_TARGET;
 pub use workload::{EngineSetup, Inference, Started, Workload};
@@ -333,6 +333,23 @@ pub fn join<R: Roles>(topo: &Topology, launch: &LaunchEnv, roles: R) -> Result<O
     join_workload(topo, launch, Arc::new(workload::Acting(Arc::new(roles))))
 }
 
+/// Runs this rank's part of `topo` with the generating roles `roles` (tasks, generators):
+/// as [`join`], with generating engines, rollout workers and evaluator.
+///
+/// # Errors
+/// As [`join`].
+pub fn join_generating<G: GenRoles>(
+    topo: &Topology,
+    launch: &LaunchEnv,
+    roles: G,
+) -> Result<Option<RunReport>> {
+    join_workload(
+        topo,
+        launch,
+        Arc::new(workload::Generating(Arc::new(roles))),
+    )
+}
+
 /// As [`join`], with any [`Workload`] (what [`join`] and [`join_generating`] build from
 /// their roles).
 ///
@@ -391,6 +408,15 @@ pub fn join_workload(
 /// controller or engine (named).
 pub async fn run<R: Roles>(cfg: RunConfig, roles: R) -> Result<RunReport> {
     run_workload(cfg, Arc::new(workload::Acting(Arc::new(roles)))).await
+}
+
+/// Runs a generating topology of one process (see [`run`]): `roles` makes each model's
+/// learner, generator and task.
+///
+/// # Errors
+/// As [`run`].
+pub async fn run_generating<G: GenRoles>(cfg: RunConfig, roles: G) -> Result<RunReport> {
+    run_workload(cfg, Arc::new(workload::Generating(Arc::new(roles)))).await
 }
 
 /// As [`run`], with any [`Workload`].

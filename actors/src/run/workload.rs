@@ -14,8 +14,12 @@ use refit_runtime::{HasWeights, Manifest, ModelId};
 
 use crate::actor::engine::InferenceEngine;
 use crate::actor::eval::Evaluator;
+use crate::actor::gen_engine::{GenModel, GenerationEngine};
+use crate::actor::gen_eval::GenEvaluator;
+use crate::actor::gen_rollout::{GenRolloutConfig, GenRolloutWorker};
 use crate::actor::rollout::{RolloutConfig, RolloutWorker};
 use crate::error::{Error, Result};
+use crate::generation::Generator;
 use crate::learner::Learner;
 use crate::link::WeightInlet;
 use crate::protocol::controller::ControllerLink;
@@ -23,7 +27,8 @@ use crate::protocol::engine::{ActBatch, EngineRef, Generate};
 use crate::protocol::eval::RunEval;
 use crate::protocol::pool::PushFragment;
 use crate::protocol::rollout::RolloutRef;
-use crate::roles::{ModelSpec, Roles, check_fit};
+use crate::roles::{GenRoles, ModelSpec, Roles, check_fit};
+use crate::task::Task;
 
 /// How an engine is set up.
 #[derive(Debug, Clone)]
@@ -209,5 +214,115 @@ impl<R: Roles> Workload for Acting<R> {
         )
         .start()
         .recipient())
+    }
+}
+
+/// A [`GenRoles`] factory as a workload: a [`GenerationEngine`] of its generators,
+/// [`GenRolloutWorker`]s of its tasks, a [`GenEvaluator`] on their held-out prompts.
+#[derive(Debug)]
+pub(crate) struct Generating<G>(pub(crate) Arc<G>);
+
+impl<G: GenRoles> Workload for Generating<G> {
+    fn learner(&self, model: &ModelSpec) -> Result<Box<dyn Learner>> {
+        self.0.learner(model)
+    }
+
+    fn engine_manifest(&self, model: &ModelSpec) -> Result<Arc<Manifest>> {
+        Ok(self.0.generator(model)?.manifest())
+    }
+
+    fn want(&self, model: &ModelSpec) -> Result<Option<Want>> {
+        self.0.want(model)
+    }
+
+    fn check(&self, model: &ModelSpec, seed: u64) -> Result<()> {
+        let task = self.0.task(model, seed)?;
+        let generator = self.0.generator(model)?;
+        if task.vocab_size() > generator.vocab_size() {
+            return Err(Error::Config(format!(
+                "model `{}`: the task writes in {} tokens, the generator knows {}",
+                model.id,
+                task.vocab_size(),
+                generator.vocab_size()
+            )));
+        }
+        let longest = task
+            .heldout()
+            .iter()
+            .map(Vec::len)
+            .max()
+            .unwrap_or(0)
+            .saturating_add(task.sampling().max_tokens as usize);
+        if longest > generator.max_context() {
+            return Err(Error::Config(format!(
+                "model `{}`: the task's prompts and answers need {longest} tokens of context, \
+                 the generator holds {}",
+                model.id,
+                generator.max_context()
+            )));
+        }
+        Ok(())
+    }
+
+    fn start_engine(
+        &self,
+        models: Vec<(ModelSpec, Box<dyn WeightInlet>)>,
+        setup: &EngineSetup,
+    ) -> Result<Started<EngineRef>> {
+        let mut engine = GenerationEngine::<G::Generator>::new(setup.pause);
+        for (spec, inlet) in models {
+            let generator = self.0.generator(&spec)?;
+            let stager = self.0.generator(&spec)?;
+            engine = engine
+                .with_model(GenModel::new(spec.id.clone(), generator, stager).inlet(inlet))?;
+        }
+        let arbiter = Arbiter::new();
+        let addr = GenerationEngine::start_in_arbiter(&arbiter.handle(), move |_| engine);
+        Ok(Started {
+            handle: EngineRef::local(&addr),
+            arbiter,
+        })
+    }
+
+    fn start_rollout(
+        &self,
+        model: &ModelSpec,
+        cfg: RolloutConfig,
+        engine: &EngineRef,
+        controller: ControllerLink,
+        pool: Recipient<PushFragment>,
+    ) -> Result<Started<RolloutRef>> {
+        let task = self.0.task(model, cfg.seed)?;
+        let mut gen_cfg = GenRolloutConfig::new(cfg.model, cfg.worker);
+        gen_cfg.prompts_per_fragment = model.prompts_per_fragment;
+        gen_cfg.group_size = model.group_size;
+        gen_cfg.seed = cfg.seed;
+        gen_cfg.timeout = cfg.timeout;
+        let worker =
+            GenRolloutWorker::new(gen_cfg, task, engine.generate.clone(), controller, pool)?;
+        let arbiter = Arbiter::new();
+        let addr = GenRolloutWorker::start_in_arbiter(&arbiter.handle(), move |_| worker);
+        Ok(Started {
+            handle: RolloutRef::local(&addr),
+            arbiter,
+        })
+    }
+
+    fn start_evaluator(
+        &self,
+        models: &[ModelSpec],
+        engines: Inference,
+        _episodes: usize,
+        seed: u64,
+    ) -> Result<Recipient<RunEval>> {
+        let tasks = models
+            .iter()
+            .map(|m| Ok((m.id.clone(), self.0.task(m, seed.wrapping_add(7_777))?)))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(
+            GenEvaluator::new(engines.generate, tasks, std::time::Duration::from_secs(300))
+                .start()
+                .recipient(),
+        )
     }
 }
