@@ -1,6 +1,8 @@
 //! What the facade's integration tests share.
 #![allow(clippy::unwrap_used, dead_code)]
 
+pub(crate) mod launch;
+
 use std::path::PathBuf;
 use std::process::Command;
 

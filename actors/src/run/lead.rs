@@ -26,11 +26,20 @@ use super::rendezvous::{RankDeath, WatchGuard, watch};
 use super::{ModelReport, RankEvent, RankEventKind, RankReport, RunReport};
 
 /// The common stop decision of a run's model drivers.
+///
+/// Every model must stop at the same version, so that the last barrier round completes.
+/// A driver posts each version right after it published it, so a model may have published
+/// one version more than it posted when the decision is taken: with several models the
+/// stop version is one past the newest posted, which no published version exceeds (a model
+/// already there stops, the others train up to it); with one model it is the version just
+/// posted.
 #[derive(Debug, Default)]
 pub(crate) struct StopBoard {
     versions: BTreeMap<ModelId, Version>,
     solved: BTreeMap<ModelId, bool>,
     stop_at: Option<Version>,
+    /// True when the stop came from every model reaching its target.
+    all_solved: bool,
 }
 
 impl StopBoard {
@@ -49,9 +58,46 @@ impl StopBoard {
         let all_solved = self.solved.len() == models && self.solved.values().all(|s| *s);
         if self.stop_at.is_none() && (out_of_budget || all_solved) {
             let max = self.versions.values().copied().max().unwrap_or(version);
-            self.stop_at = Some(max);
+            self.stop_at = Some(if models > 1 { Version(max.0 + 1) } else { max });
+            self.all_solved = all_solved;
         }
         self.stop_at
+    }
+
+    /// True when the run stopped because every model reached its target.
+    pub(crate) fn solved(&self) -> bool {
+        self.all_solved
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn one_model_stops_where_it_posted_several_one_past_the_newest() {
+        let p = ModelId::new("p").unwrap();
+        let v = ModelId::new("v").unwrap();
+        let mut one = StopBoard::default();
+        assert_eq!(one.post(&p, Version(3), false, false, 1), None);
+        assert_eq!(one.post(&p, Version(4), true, false, 1), Some(Version(4)));
+        assert!(one.solved());
+        // two models: `v` posted 11 and may already have published 12
+        let mut two = StopBoard::default();
+        assert_eq!(two.post(&v, Version(11), true, false, 2), None);
+        assert_eq!(two.post(&p, Version(11), true, false, 2), Some(Version(12)));
+        assert_eq!(
+            two.post(&v, Version(12), false, false, 2),
+            Some(Version(12))
+        );
+        assert!(two.solved());
+        // out of budget: not solved
+        let mut budget = StopBoard::default();
+        assert_eq!(
+            budget.post(&p, Version(9), false, true, 2),
+            Some(Version(10))
+        );
+        assert!(!budget.solved());
     }
 }
 
@@ -189,10 +235,9 @@ impl Lead {
     }
 
     fn who(&self, rank: u32) -> String {
-        self.topo.rank(rank).map_or_else(
-            |_| format!("rank {rank}"),
-            |p| format!("rank {rank} (process `{}`)", p.process),
-        )
+        self.topo
+            .rank(rank)
+            .map_or_else(|_| format!("rank {rank}"), |p| super::describe(&p))
     }
 
     /// True when the rank's process may come back (the launcher restarts it), or the run
@@ -576,7 +621,7 @@ impl Handler<Finish> for Lead {
                 ranks,
                 events: act.events.clone(),
                 elapsed: act.started.elapsed(),
-                solved: false,
+                solved: act.board.solved(),
             })
         }))
     }

@@ -114,20 +114,6 @@ impl StopRule {
         });
         by_return || by_eval
     }
-
-    /// Whether `model`'s report ends at a target (what [`RunReport::solved`] says of every
-    /// model).
-    pub fn reached(&self, model: &ModelId, report: &ModelReport) -> bool {
-        let by_return = self.target_return.is_some_and(|t| report.mean_return >= t);
-        let by_eval = self.target_eval.is_some_and(|t| {
-            report
-                .evals
-                .last()
-                .and_then(|e| e.models.get(model))
-                .is_some_and(|m| m.mean_return >= t)
-        });
-        by_return || by_eval
-    }
 }
 
 /// Wraps an engine's inlet (for instance to model a slow link).
@@ -277,7 +263,8 @@ pub struct RunReport {
     pub events: Vec<RankEvent>,
     /// Wall time.
     pub elapsed: Duration,
-    /// True when every model reached a target.
+    /// True when the run stopped because every model reached a target (the stop rule's
+    /// `target_return` or `target_eval`), not for its budget.
     pub solved: bool,
 }
 

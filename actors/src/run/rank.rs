@@ -153,19 +153,20 @@ async fn wait_keys(
     keys: &'static [&'static str],
     gone: &Arc<AtomicBool>,
 ) -> Result<Option<&'static str>> {
-    let rv = rv.clone();
+    // short calls: a silent rank 0 must not hold this loop past the keepalive's verdict
+    let store = rv.store().clone().with_timeout(Duration::from_secs(1));
     let gone = Arc::clone(gone);
     blocking("waiting for rank 0", move || {
         loop {
+            if gone.load(Ordering::SeqCst) || store.peer().is_closed() {
+                return Ok(None);
+            }
             for k in keys {
-                if rv.store().get(k).ok().flatten().is_some() {
+                if store.get(k).ok().flatten().is_some() {
                     return Ok(Some(*k));
                 }
             }
-            if gone.load(Ordering::SeqCst) || rv.store().peer().is_closed() {
-                return Ok(None);
-            }
-            match rv.store().wait(keys, Duration::from_millis(500)) {
+            match store.wait(keys, Duration::from_millis(500)) {
                 Ok(()) => {}
                 Err(e) if e.is_timeout() => {}
                 Err(_) => return Ok(None),
@@ -347,7 +348,11 @@ pub(crate) async fn rank_main(s: RankSetup) -> Result<Option<RunReport>> {
         }
         let links = weights::open_links(&node, &initial, conversions.as_ref(), &kinds)?;
         for l in &links.specs {
-            tracing::info!(model = %spec.id, link = %l, "{who}: weights link");
+            tracing::info!(
+                "{who}: pid {}, model `{}` weights: {l}",
+                std::process::id(),
+                spec.id
+            );
         }
         leftovers.0.extend(links.leftovers.iter().cloned());
         rv.put(&weights_key(&spec.id), &links.specs)?;
@@ -386,6 +391,11 @@ pub(crate) async fn rank_main(s: RankSetup) -> Result<Option<RunReport>> {
                     ))
                 })?;
             let inlet = weights::connect_inlet(&spec.id, link, &node, expected, wait)?;
+            tracing::info!(
+                "{who}: pid {}, model `{}` weights over {wanted}",
+                std::process::id(),
+                spec.id
+            );
             Ok::<_, Error>((spec, inlet))
         }));
     }
@@ -696,8 +706,7 @@ pub(crate) async fn rank_main(s: RankSetup) -> Result<Option<RunReport>> {
                 Ok(())
             })
             .await;
-            let mut report = report?;
-            report.solved = report.models.iter().all(|(m, r)| stop.reached(m, r));
+            let report = report?;
             Some(report)
         }
         None => {
