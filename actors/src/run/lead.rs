@@ -27,15 +27,16 @@ use super::{ModelReport, RankEvent, RankEventKind, RankReport, RunReport};
 
 /// The common stop decision of a run's model drivers.
 ///
-/// Every model must stop at the same version, so that the last barrier round completes.
-/// A driver posts each version right after it published it, so a model may have published
-/// one version more than it posted when the decision is taken: with several models the
-/// stop version is one past the newest posted, which no published version exceeds (a model
-/// already there stops, the others train up to it); with one model it is the version just
-/// posted.
-#[derive(Debug, Default)]
+/// Every model must stop at the same version, so that the last barrier round completes. A
+/// driver posts each version right after publishing it, and goes on training the next one
+/// when the answer is "no stop yet": so once a model posted `v` and was told to go on, it
+/// may publish `v + 1` before its next post (before its first post, version 2). The stop
+/// version is the highest version any model may reach: no model ever has to go back, and
+/// a model that is not there yet trains up to it.
+#[derive(Debug)]
 pub(crate) struct StopBoard {
-    versions: BTreeMap<ModelId, Version>,
+    /// Per model: the highest version it may have published.
+    may_reach: BTreeMap<ModelId, Version>,
     solved: BTreeMap<ModelId, bool>,
     stop_at: Option<Version>,
     /// True when the stop came from every model reaching its target.
@@ -43,6 +44,16 @@ pub(crate) struct StopBoard {
 }
 
 impl StopBoard {
+    /// A board for `models`, none posted yet.
+    pub(crate) fn new(models: &[ModelId]) -> Self {
+        Self {
+            may_reach: models.iter().map(|m| (m.clone(), Version(2))).collect(),
+            solved: BTreeMap::new(),
+            stop_at: None,
+            all_solved: false,
+        }
+    }
+
     /// Records `model` at `version`; decides the common last version once a rule fires:
     /// every model solved, or one out of budget.
     pub(crate) fn post(
@@ -51,15 +62,18 @@ impl StopBoard {
         version: Version,
         solved: bool,
         out_of_budget: bool,
-        models: usize,
     ) -> Option<Version> {
-        self.versions.insert(model.clone(), version);
         self.solved.insert(model.clone(), solved);
-        let all_solved = self.solved.len() == models && self.solved.values().all(|s| *s);
+        let all_solved =
+            self.solved.len() == self.may_reach.len() && self.solved.values().all(|s| *s);
         if self.stop_at.is_none() && (out_of_budget || all_solved) {
-            let max = self.versions.values().copied().max().unwrap_or(version);
-            self.stop_at = Some(if models > 1 { Version(max.0 + 1) } else { max });
+            // this model stops here; the others may have gone one past their last post
+            self.may_reach.insert(model.clone(), version);
+            let max = self.may_reach.values().copied().max().unwrap_or(version);
+            self.stop_at = Some(max);
             self.all_solved = all_solved;
+        } else if self.stop_at.is_none() {
+            self.may_reach.insert(model.clone(), Version(version.0 + 1));
         }
         self.stop_at
     }
@@ -75,28 +89,25 @@ mod tests {
     use super::*;
 
     #[test]
-    fn one_model_stops_where_it_posted_several_one_past_the_newest() {
+    fn the_stop_version_is_the_highest_any_model_may_have_published() {
         let p = ModelId::new("p").unwrap();
         let v = ModelId::new("v").unwrap();
-        let mut one = StopBoard::default();
-        assert_eq!(one.post(&p, Version(3), false, false, 1), None);
-        assert_eq!(one.post(&p, Version(4), true, false, 1), Some(Version(4)));
+        let mut one = StopBoard::new(std::slice::from_ref(&p));
+        assert_eq!(one.post(&p, Version(3), false, false), None);
+        assert_eq!(one.post(&p, Version(4), true, false), Some(Version(4)));
         assert!(one.solved());
-        // two models: `v` posted 11 and may already have published 12
-        let mut two = StopBoard::default();
-        assert_eq!(two.post(&v, Version(11), true, false, 2), None);
-        assert_eq!(two.post(&p, Version(11), true, false, 2), Some(Version(12)));
-        assert_eq!(
-            two.post(&v, Version(12), false, false, 2),
-            Some(Version(12))
-        );
+        // `v` posted 11 and was told to go on: it may already have published 12
+        let mut two = StopBoard::new(&[p.clone(), v.clone()]);
+        assert_eq!(two.post(&p, Version(10), false, false), None);
+        assert_eq!(two.post(&v, Version(11), true, false), None);
+        assert_eq!(two.post(&p, Version(11), true, false), Some(Version(12)));
+        assert_eq!(two.post(&v, Version(12), false, false), Some(Version(12)));
         assert!(two.solved());
-        // out of budget: not solved
-        let mut budget = StopBoard::default();
-        assert_eq!(
-            budget.post(&p, Version(9), false, true, 2),
-            Some(Version(10))
-        );
+        // both out of budget at the same version: no extra update
+        let mut budget = StopBoard::new(&[p.clone(), v.clone()]);
+        assert_eq!(budget.post(&p, Version(4), false, false), None);
+        assert_eq!(budget.post(&v, Version(5), false, true), Some(Version(5)));
+        assert_eq!(budget.post(&p, Version(5), false, true), Some(Version(5)));
         assert!(!budget.solved());
     }
 }
@@ -200,8 +211,10 @@ impl std::fmt::Debug for Lead {
 
 impl Lead {
     pub(crate) fn new(setup: LeadSetup) -> Self {
+        let models = setup.topo.model_ids();
         Self {
-            models: setup.topo.model_ids(),
+            board: StopBoard::new(&models),
+            models,
             topo: setup.topo,
             node: setup.node,
             call: setup.call,
@@ -210,7 +223,6 @@ impl Lead {
             gates: setup.gates,
             slots: BTreeMap::new(),
             retired: Vec::new(),
-            board: StopBoard::default(),
             reports: BTreeMap::new(),
             done: Some(setup.done),
             events: Vec::new(),
@@ -263,10 +275,9 @@ impl Actor for Lead {
 impl Handler<Progress> for Lead {
     type Result = MessageResult<Progress>;
     fn handle(&mut self, p: Progress, _: &mut Context<Self>) -> Self::Result {
-        let n = self.models.len();
         MessageResult(
             self.board
-                .post(&p.model, p.version, p.solved, p.out_of_budget, n),
+                .post(&p.model, p.version, p.solved, p.out_of_budget),
         )
     }
 }
