@@ -65,6 +65,22 @@ impl RemoteMessage for Bump {
     const NAME: &'static str = "test.bump";
 }
 
+/// Appends its number to the actor's log (fire and forget).
+#[derive(Debug, Message, Serialize, Deserialize)]
+#[rtype(result = "()")]
+struct Record(u64);
+impl RemoteMessage for Record {
+    const NAME: &'static str = "test.record";
+}
+
+/// Answers the numbers `Record` appended, in the order they were handled.
+#[derive(Debug, Message, Serialize, Deserialize)]
+#[rtype(result = "Vec<u64>")]
+struct Log;
+impl RemoteMessage for Log {
+    const NAME: &'static str = "test.log";
+}
+
 /// Stops the actor.
 #[derive(Debug, Message, Serialize, Deserialize)]
 #[rtype(result = "()")]
@@ -94,6 +110,21 @@ impl RemoteMessage for Unknown {
 #[derive(Default)]
 struct TestActor {
     bumps: u64,
+    log: Vec<u64>,
+}
+
+impl Handler<Record> for TestActor {
+    type Result = ();
+    fn handle(&mut self, Record(n): Record, _: &mut Context<Self>) {
+        self.log.push(n);
+    }
+}
+
+impl Handler<Log> for TestActor {
+    type Result = MessageResult<Log>;
+    fn handle(&mut self, _: Log, _: &mut Context<Self>) -> Self::Result {
+        MessageResult(self.log.clone())
+    }
 }
 
 impl Actor for TestActor {
@@ -154,6 +185,8 @@ fn serve_test_actor(node: &Node, target: Uuid, addr: &Addr<TestActor>) {
     serve::<Hang>(node, target, addr.clone().recipient());
     serve::<Bump>(node, target, addr.clone().recipient());
     serve::<Stop>(node, target, addr.clone().recipient());
+    serve::<Record>(node, target, addr.clone().recipient());
+    serve::<Log>(node, target, addr.clone().recipient());
 }
 
 fn token() -> ClusterToken {
@@ -308,6 +341,34 @@ fn in_process_concurrent_calls_each_get_their_own_answer() {
         for call in calls {
             let (i, answer) = call.await.unwrap();
             assert_eq!(answer.unwrap().unwrap(), 1001 * i);
+        }
+    });
+}
+
+/// One sender's calls reach the actor in the order they were sent, even when none waits
+/// for the previous one's answer (the node decodes each call and puts it in the actor's
+/// mailbox as its frame arrives). Below the mailbox's capacity (16): a call that finds it
+/// full waits for room.
+#[test]
+fn in_process_calls_of_one_sender_are_handled_in_order() {
+    in_process(|_server, _actor, remote| async move {
+        for round in 0..20u64 {
+            let record = remote.recipient::<Record>();
+            for i in 0..12 {
+                record.do_send(Record(round * 100 + i));
+            }
+            // the log is asked on another path: wait until the round is in
+            let deadline = Instant::now() + Duration::from_secs(10);
+            let log = loop {
+                let log = remote.send(Log).await.unwrap();
+                if log.len() as u64 == (round + 1) * 12 {
+                    break log;
+                }
+                assert!(Instant::now() < deadline, "round {round}: {log:?}");
+                actix_rt::time::sleep(Duration::from_millis(5)).await;
+            };
+            let sent: Vec<u64> = (0..12).map(|i| round * 100 + i).collect();
+            assert_eq!(log[log.len() - 12..], sent[..], "round {round}");
         }
     });
 }

@@ -144,13 +144,15 @@ async fn rpc_loop(shared: &Arc<Shared>, stream: TcpStream, info: CallInfo) -> Re
             deadline: refit_runtime::scheme::deadline_in(timeout),
             ..info
         };
+        // the handler is called here, as its frame arrives, so that what it does at once
+        // (an actor handler enqueues the message) happens in the order the calls were sent
+        let call = handler.map(|h| h(info, req.payload));
+        let method = req.method;
+        let target = req.target;
         tokio::spawn(async move {
-            let outcome = match handler {
-                None => Outcome::Err(format!(
-                    "no handler `{}` for target {}",
-                    req.method, req.target
-                )),
-                Some(h) => match tokio::time::timeout(timeout, h(info, req.payload)).await {
+            let outcome = match call {
+                None => Outcome::Err(format!("no handler `{method}` for target {target}")),
+                Some(fut) => match tokio::time::timeout(timeout, fut).await {
                     Ok(Ok(bytes)) => Outcome::Ok(bytes),
                     Ok(Err(e)) => Outcome::Err(e.to_string()),
                     Err(_) => Outcome::TimedOut,

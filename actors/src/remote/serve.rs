@@ -22,13 +22,15 @@ use super::message::{Answer, RemoteMessage, RemoteReply};
 /// [`RemoteFailure::Timeout`]: crate::RemoteFailure::Timeout
 pub fn serve<M: RemoteMessage>(node: &Node, target: Uuid, recipient: Recipient<M>) {
     node.register_raw(target, M::NAME, move |info, bytes| {
-        let recipient = recipient.clone();
+        // decoded and put in the actor's mailbox now, as the call's frame arrives: calls of
+        // one connection reach the mailbox in the order they were sent
+        let request = wire::decode::<M>(&bytes, MAX_CONTROL_MESSAGE)
+            .map(|msg| recipient.send(msg))
+            .map_err(|e| refit_runtime::Error::Wire(format!("message `{}` refused: {e}", M::NAME)));
         Box::pin(async move {
-            let msg: M = wire::decode(&bytes, MAX_CONTROL_MESSAGE).map_err(|e| {
-                refit_runtime::Error::Wire(format!("message `{}` refused: {e}", M::NAME))
-            })?;
+            let request = request?;
             let deadline = tokio::time::Instant::from_std(info.deadline);
-            let answer = match tokio::time::timeout_at(deadline, recipient.send(msg)).await {
+            let answer = match tokio::time::timeout_at(deadline, request).await {
                 Ok(Ok(reply)) => Answer::Reply(reply.into_wire()),
                 Ok(Err(e)) => Answer::Stopped(e.to_string()),
                 Err(_) => {

@@ -57,8 +57,10 @@ pub struct Started<T> {
     pub arbiter: Arbiter,
 }
 
-/// What a run hosts for each model. Implemented for every [`Roles`] factory (acting) and,
-/// through [`Generating`](super::Generating), for every `GenRoles` factory.
+// ANCHOR: workload
+/// What a run hosts for each model: [`join`](super::join) and [`run`](super::run) wrap a
+/// [`Roles`] factory (acting), [`join_generating`](super::join_generating) and
+/// [`run_generating`](super::run_generating) a `GenRoles` factory (generating).
 pub trait Workload: Send + Sync + 'static {
     /// A fresh learner for `model`.
     ///
@@ -124,6 +126,7 @@ pub trait Workload: Send + Sync + 'static {
         seed: u64,
     ) -> Result<Recipient<RunEval>>;
 }
+// ANCHOR_END: workload
 
 /// A [`Roles`] factory as a workload: an [`InferenceEngine`] of its policies,
 /// [`RolloutWorker`]s of its environments, an [`Evaluator`].
