@@ -1,6 +1,12 @@
 //! Ranks: processes expanded by their replicas, in file order, and the transport of a link.
 
-use super::schema::{HostSection, LinkTransport, ProcessSection, Reach, Role, TransportKind};
+use std::collections::BTreeMap;
+use std::net::IpAddr;
+
+use super::schema::{
+    DEFAULT_MAX_RESTARTS, HostSection, LinkTransport, ProcessSection, Reach, Restart, Role,
+    RunSection, TransportKind,
+};
 
 /// What one rank runs and where.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -17,6 +23,22 @@ pub struct RankPlan {
     pub roles: Vec<Role>,
     /// Rollout worker actors per model (0 without the `rollout` role).
     pub rollout_workers: u32,
+    /// Its index among the ranks on its host (`LOCAL_RANK`), in rank order.
+    pub local_rank: u32,
+    /// How many ranks run on its host (`LOCAL_WORLD_SIZE`).
+    pub local_world_size: u32,
+    /// The program and its arguments: its process's `command`, else `[run] command`.
+    pub command: Vec<String>,
+    /// The environment variables its process adds (`env`).
+    pub env: BTreeMap<String, String>,
+    /// Whether the launcher starts it again when it dies with a failure.
+    pub restart: Restart,
+    /// How many times it may be restarted (0 with `restart = "never"`).
+    pub max_restarts: u32,
+    /// The address its node listens on, when not its host's `addr` (`bind`).
+    pub bind: Option<IpAddr>,
+    /// The fixed port of its node (`port + replica`), when its process names one.
+    pub port: Option<u16>,
 }
 
 impl RankPlan {
@@ -27,8 +49,13 @@ impl RankPlan {
 }
 
 /// Every rank, in order.
-pub(crate) fn expand(processes: &[ProcessSection], hosts: &[HostSection]) -> Vec<RankPlan> {
-    let mut ranks = Vec::new();
+pub(crate) fn expand(
+    run: &RunSection,
+    processes: &[ProcessSection],
+    hosts: &[HostSection],
+) -> Vec<RankPlan> {
+    let mut ranks: Vec<RankPlan> = Vec::new();
+    let mut on_host: BTreeMap<&str, u32> = BTreeMap::new();
     for p in processes {
         let host = hosts
             .iter()
@@ -40,7 +67,14 @@ pub(crate) fn expand(processes: &[ProcessSection], hosts: &[HostSection]) -> Vec
         } else {
             0
         };
+        let max_restarts = match p.restart {
+            Restart::Never => 0,
+            Restart::OnFailure => p.max_restarts.unwrap_or(DEFAULT_MAX_RESTARTS),
+        };
         for replica in 0..p.replicas {
+            let local = on_host.entry(p.host.as_str()).or_insert(0);
+            let local_rank = *local;
+            *local += 1;
             ranks.push(RankPlan {
                 rank: u32::try_from(ranks.len()).unwrap_or(u32::MAX),
                 process: p.name.clone(),
@@ -48,8 +82,21 @@ pub(crate) fn expand(processes: &[ProcessSection], hosts: &[HostSection]) -> Vec
                 host: host.clone(),
                 roles: p.roles.clone(),
                 rollout_workers,
+                local_rank,
+                local_world_size: 0,
+                command: p.command.clone().unwrap_or_else(|| run.command.clone()),
+                env: p.env.clone(),
+                restart: p.restart,
+                max_restarts,
+                bind: p.bind.as_deref().and_then(|b| b.trim().parse().ok()),
+                port: p
+                    .port
+                    .and_then(|port| u16::try_from(u32::from(port) + replica).ok()),
             });
         }
+    }
+    for r in &mut ranks {
+        r.local_world_size = on_host.get(r.host.name.as_str()).copied().unwrap_or(1);
     }
     ranks
 }
