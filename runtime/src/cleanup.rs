@@ -12,17 +12,37 @@
 //! handlers installed the signals keep their default effect and nothing runs.
 //!
 //! The release is bounded: the actions run on a thread of their own, and the process exits
-//! once they are done or [`RELEASE_BOUND`] has passed, whichever comes first
-//! ([`release_all_within`]), so an action that blocks (on a lock, a peer, a device) never
-//! keeps a signalled process alive.
+//! once they are done or the bound has passed, whichever comes first ([`release_bound`],
+//! [`RELEASE_BOUND`] unless [`set_release_bound`] changed it; [`release_all_within`]), so an
+//! action that blocks (on a lock, a peer, a device) never keeps a signalled process alive.
 
 use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, OnceLock, mpsc};
 use std::time::Duration;
 
-/// How long SIGINT/SIGTERM wait for the release actions before the process exits anyway
-/// (under `refit launch`'s default grace period of 5 s before SIGKILL).
+/// How long SIGINT/SIGTERM wait for the release actions before the process exits anyway,
+/// unless [`set_release_bound`] says otherwise (under `refit launch`'s default grace period
+/// of 5 s before SIGKILL).
 pub const RELEASE_BOUND: Duration = Duration::from_secs(3);
+
+/// The bound in milliseconds (0: not set, [`RELEASE_BOUND`]).
+static BOUND_MS: AtomicU64 = AtomicU64::new(0);
+
+/// How long SIGINT/SIGTERM wait for the release actions before the process exits anyway.
+pub fn release_bound() -> Duration {
+    match BOUND_MS.load(Ordering::Relaxed) {
+        0 => RELEASE_BOUND,
+        ms => Duration::from_millis(ms),
+    }
+}
+
+/// Sets [`release_bound`] for this process (at least 1 ms): a program whose release takes
+/// longer on purpose (a launcher stopping its ranks with a grace period) says so here.
+pub fn set_release_bound(bound: Duration) {
+    let ms = u64::try_from(bound.as_millis()).unwrap_or(u64::MAX).max(1);
+    BOUND_MS.store(ms, Ordering::Relaxed);
+}
 
 type Action = Box<dyn Fn() + Send + Sync>;
 
