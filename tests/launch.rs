@@ -541,6 +541,23 @@ fn ranks_meet_at_the_store_rank_0_serves() {
     }
     assert!(stdout.contains("[rank 0 learner] process `learner` copy 0 on host `local` (127.0.0.1), roles trainer+controller+evaluator; weights from rank 0 over inproc"), "{stdout}");
     assert!(stdout.contains("[rank 2 actor] process `actor` copy 1 on host `local` (127.0.0.1), roles engine+rollout; weights from rank 0 over shm"), "{stdout}");
+
+    // the ranks load the topology with the launch's overrides: a fifth rank, weights over tcp
+    let mut cmd = refit();
+    cmd.current_dir(cwd).arg("launch").arg(&topo).args([
+        "--set",
+        "process.judge.replicas=2",
+        "--set",
+        "links.weights=tcp",
+    ]);
+    let out = run_within(cmd, Duration::from_secs(120));
+    let (stdout, stderr) = text(&out);
+    assert!(out.status.success(), "{stdout}\n{stderr}");
+    assert!(
+        stdout.contains("[rank 0 learner] rank 4: judge checked in"),
+        "{stdout}"
+    );
+    assert!(stdout.contains("[rank 4 judge] process `judge` copy 1 on host `local` (127.0.0.1), roles engine; weights from rank 0 over tcp"), "{stdout}");
 }
 
 /// Each rank writes `$D/vars.$RANK`: the variables the launcher adds beside the four of
@@ -569,7 +586,10 @@ fn set_overrides_reach_every_rank_and_local_ranks_are_counted() {
     for rank in 0..4 {
         let v = vars(dir.path(), rank);
         assert!(v.contains("WORLD_SIZE=4\n"), "rank {rank}: {v}");
-        assert!(v.contains(&format!("LOCAL_RANK={rank}\n")), "rank {rank}: {v}");
+        assert!(
+            v.contains(&format!("LOCAL_RANK={rank}\n")),
+            "rank {rank}: {v}"
+        );
         assert!(v.contains("LOCAL_WORLD_SIZE=4\n"), "rank {rank}: {v}");
         assert!(v.contains("REFIT_INCARNATION=0\n"), "rank {rank}: {v}");
         assert!(
@@ -588,7 +608,11 @@ fn a_bad_override_is_refused_naming_its_key() {
     for (set, words) in [
         (
             "process.actro.replicas=3",
-            &["process.actro.replicas", "no entry `actro`", "learner, actor"][..],
+            &[
+                "process.actro.replicas",
+                "no entry `actro`",
+                "learner, actor",
+            ][..],
         ),
         (
             "sync.sync_mode=eventually",
@@ -630,7 +654,10 @@ env = {{ GREETING = "hi there" }}"#,
     let out = run_within(cmd, Duration::from_secs(60));
     let (stdout, stderr) = text(&out);
     assert!(out.status.success(), "{stdout}\n{stderr}");
-    assert!(vars(dir.path(), 0).contains("GREETING=\n"), "the env is the actor's only");
+    assert!(
+        vars(dir.path(), 0).contains("GREETING=\n"),
+        "the env is the actor's only"
+    );
     for rank in [1, 2] {
         let own = std::fs::read_to_string(dir.path().join(format!("own.{rank}"))).unwrap();
         assert_eq!(own, "hi there one two\n", "rank {rank}");
@@ -697,7 +724,11 @@ fn a_failed_rank_is_restarted_with_the_next_incarnation() {
     );
     assert!(stdout.contains("[rank 0 learner] finished"), "{stdout}");
     // rank 1 of the same process never failed: started once
-    assert_eq!(stderr.matches("started rank 1 (actor)").count(), 1, "{stderr}");
+    assert_eq!(
+        stderr.matches("started rank 1 (actor)").count(),
+        1,
+        "{stderr}"
+    );
     assert!(!stderr.contains("restarted rank 1"), "{stderr}");
 }
 
