@@ -786,3 +786,37 @@ fn a_per_rank_launch_restarts_its_rank_from_the_schedulers_count() {
         "{stderr}"
     );
 }
+
+#[test]
+fn launch_help_names_every_flag_and_variable() {
+    let out = run_within(
+        {
+            let mut c = refit();
+            c.args(["launch", "--help"]);
+            c
+        },
+        Duration::from_secs(30),
+    );
+    let (stdout, _) = text(&out);
+    assert!(out.status.success());
+    for word in [
+        "--set <KEY=VALUE>",
+        "--master-port",
+        "--rank",
+        "--grace-s",
+        "--metrics-addr",
+        "RANK, WORLD_SIZE",
+        "SLURM_PROCID",
+        "SLURM_STEP_NODELIST",
+        "REFIT_TOKEN_FILE",
+        "SLURM_RESTART_COUNT",
+        "LOCAL_RANK",
+        "LOCAL_WORLD_SIZE",
+        "REFIT_TOPOLOGY",
+        "REFIT_SET",
+        "REFIT_INCARNATION",
+        "REFIT_METRICS_ADDR",
+    ] {
+        assert!(stdout.contains(word), "{word} missing from: {stdout}");
+    }
+}

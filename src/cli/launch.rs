@@ -31,7 +31,7 @@ Environment it reads:
                             a per-rank launch restarted by its scheduler: the first start's
                             incarnation
 
-Environment every rank gets:
+Environment every rank gets (on top of the launcher's own):
   RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT,
   REFIT_TOPOLOGY (the file's absolute path), REFIT_SET (the --set overrides, one per line),
   REFIT_TOKEN, REFIT_INCARNATION (0, then n after the nth restart), the process's `env`,
