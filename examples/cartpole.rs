@@ -98,8 +98,9 @@ struct Args {
 
 #[derive(Subcommand, Debug)]
 enum Sub {
-    /// One rank of a topology file, as `refit launch` starts it: reads `REFIT_TOPOLOGY` and
-    /// the launch variables (`CARTPOLE_SYNC_MODE` overrides the file's sync mode).
+    /// One rank of a topology file, as `refit launch` starts it: reads `REFIT_TOPOLOGY` with
+    /// the launch's overrides (`refit launch FILE --set sync.sync_mode=fully-async`) and the
+    /// launch variables.
     Topology,
     /// A collector worker process (spawned by this program).
     #[command(hide = true)]

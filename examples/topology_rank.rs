@@ -11,13 +11,12 @@
 //! trainer (rank 0) to it; rank 0 then prints the roll call of every rank.
 
 use std::net::SocketAddr;
-use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 use refit::node::{ClusterToken, Error, LaunchEnv, Node, NodeConfig, Result, Store, StoreClient};
 use refit::runtime::Error as CoreError;
-use refit::runtime::topology::{Role, Topology};
+use refit::runtime::topology::Role;
 
 fn main() -> ExitCode {
     if let Err(e) = refit::init() {
@@ -37,13 +36,10 @@ fn run() -> Result<()> {
     // ANCHOR: plan
     // RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT (torchrun's names)
     let launch = LaunchEnv::from_env()?;
-    // REFIT_TOPOLOGY: the absolute path of the file `refit launch` was given
-    let path = std::env::var_os("REFIT_TOPOLOGY").ok_or(Error::Launch {
-        var: "REFIT_TOPOLOGY",
-        reason: "not set (start this program with `refit launch`)".into(),
-    })?;
-    let path = PathBuf::from(path);
-    let topo = Topology::parse_file(&refit::read_config(&path)?, &path)?;
+    // the file REFIT_TOPOLOGY names, with the launch's `--set` overrides (REFIT_SET)
+    // applied: the topology the launcher checked
+    let topo = refit::node::launch::load_topology()?;
+    topo.check_links(refit::transports::link::reach_of)?;
     let plan = topo.rank(launch.rank)?;
     let roles: Vec<&str> = plan.roles.iter().map(|r| r.as_str()).collect();
     // the link factory turns the file's choice (`auto`: the reach the link needs) into a

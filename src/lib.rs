@@ -26,6 +26,7 @@
 //! | `actors` | yes | the actix actors, their protocols and the training run (`refit::actors::{actor, protocol, run}`); implies `candle` | actix |
 //! | `cli` | yes | the `refit` command-line tool | clap, indicatif, bytesize, notify |
 //! | `cuda` | no | GPU transports' probe (CUDA and NCCL loaded at run time) | cudarc |
+//! | `test-util` | no | the transports' test hooks (crash in mid-publish, corrupted chunks, forged bucket plans), for tests only | |
 //!
 //! A program that only moves weights depends on the runtime and the transports alone:
 //!

@@ -22,6 +22,12 @@ fn refit() -> Command {
         "REFIT_TOKEN_FILE",
         "RANK",
         "WORLD_SIZE",
+        "LOCAL_RANK",
+        "LOCAL_WORLD_SIZE",
+        "REFIT_SET",
+        "REFIT_INCARNATION",
+        "SLURM_RESTART_COUNT",
+        "TORCHELASTIC_RESTART_COUNT",
         "MASTER_ADDR",
         "MASTER_PORT",
         "SLURM_PROCID",
@@ -37,6 +43,11 @@ fn refit() -> Command {
 /// A topology of three ranks (`learner` rank 0, `actor` ranks 1 and 2), each running
 /// `sh -c script` (with `$D` the directory), written to `dir/topo.toml`.
 fn topology(dir: &Path, on_failure: &str, script: &str) -> PathBuf {
+    topology_with(dir, on_failure, script, "")
+}
+
+/// As [`topology`], with `actor_keys` added to the `actor` process.
+fn topology_with(dir: &Path, on_failure: &str, script: &str, actor_keys: &str) -> PathBuf {
     let script = format!("D='{}'; {script}", dir.display());
     let text = format!(
         r#"
@@ -52,6 +63,7 @@ roles = ["trainer", "controller"]
 name = "actor"
 replicas = 2
 roles = ["engine", "rollout"]
+{actor_keys}
 "#
     );
     let path = dir.join("topo.toml");
@@ -529,4 +541,282 @@ fn ranks_meet_at_the_store_rank_0_serves() {
     }
     assert!(stdout.contains("[rank 0 learner] process `learner` copy 0 on host `local` (127.0.0.1), roles trainer+controller+evaluator; weights from rank 0 over inproc"), "{stdout}");
     assert!(stdout.contains("[rank 2 actor] process `actor` copy 1 on host `local` (127.0.0.1), roles engine+rollout; weights from rank 0 over shm"), "{stdout}");
+
+    // the ranks load the topology with the launch's overrides: a fifth rank, weights over tcp
+    let mut cmd = refit();
+    cmd.current_dir(cwd).arg("launch").arg(&topo).args([
+        "--set",
+        "process.judge.replicas=2",
+        "--set",
+        "links.weights=tcp",
+    ]);
+    let out = run_within(cmd, Duration::from_secs(120));
+    let (stdout, stderr) = text(&out);
+    assert!(out.status.success(), "{stdout}\n{stderr}");
+    assert!(
+        stdout.contains("[rank 0 learner] rank 4: judge checked in"),
+        "{stdout}"
+    );
+    assert!(stdout.contains("[rank 4 judge] process `judge` copy 1 on host `local` (127.0.0.1), roles engine; weights from rank 0 over tcp"), "{stdout}");
+}
+
+/// Each rank writes `$D/vars.$RANK`: the variables the launcher adds beside the four of
+/// torchrun, one per line, as `NAME=value`.
+const VARS_SCRIPT: &str = r#"{ echo "WORLD_SIZE=$WORLD_SIZE"; echo "LOCAL_RANK=$LOCAL_RANK"; echo "LOCAL_WORLD_SIZE=$LOCAL_WORLD_SIZE"; echo "REFIT_INCARNATION=$REFIT_INCARNATION"; echo "GREETING=$GREETING"; echo "REFIT_SET<<"; printf '%s\n' "$REFIT_SET"; echo ">>"; } > "$D/vars.tmp.$RANK"; mv "$D/vars.tmp.$RANK" "$D/vars.$RANK""#;
+
+fn vars(dir: &Path, rank: u32) -> String {
+    std::fs::read_to_string(dir.join(format!("vars.{rank}"))).unwrap()
+}
+
+#[test]
+fn set_overrides_reach_every_rank_and_local_ranks_are_counted() {
+    let dir = tempfile::tempdir().unwrap();
+    let topo = topology(dir.path(), "abort", VARS_SCRIPT);
+    let mut cmd = refit();
+    cmd.arg("launch")
+        .arg(&topo)
+        .args(["--set", "process.actor.replicas=3"])
+        .args(["--set", "sync.sync_mode = fully-async"])
+        .args(["--set", "stop.max_time_s=30"]);
+    let out = run_within(cmd, Duration::from_secs(60));
+    let (stdout, stderr) = text(&out);
+    assert!(out.status.success(), "{stdout}\n{stderr}");
+    // the override made four ranks out of three
+    assert!(stderr.contains("4 ranks from"), "{stderr}");
+    for rank in 0..4 {
+        let v = vars(dir.path(), rank);
+        assert!(v.contains("WORLD_SIZE=4\n"), "rank {rank}: {v}");
+        assert!(
+            v.contains(&format!("LOCAL_RANK={rank}\n")),
+            "rank {rank}: {v}"
+        );
+        assert!(v.contains("LOCAL_WORLD_SIZE=4\n"), "rank {rank}: {v}");
+        assert!(v.contains("REFIT_INCARNATION=0\n"), "rank {rank}: {v}");
+        assert!(
+            v.contains(
+                "REFIT_SET<<\nprocess.actor.replicas=3\nsync.sync_mode=fully-async\nstop.max_time_s=30\n>>"
+            ),
+            "rank {rank}: {v}"
+        );
+    }
+}
+
+#[test]
+fn a_bad_override_is_refused_naming_its_key() {
+    let dir = tempfile::tempdir().unwrap();
+    let topo = topology(dir.path(), "abort", VARS_SCRIPT);
+    for (set, words) in [
+        (
+            "process.actro.replicas=3",
+            &[
+                "process.actro.replicas",
+                "no entry `actro`",
+                "learner, actor",
+            ][..],
+        ),
+        (
+            "sync.sync_mode=eventually",
+            &["sync.sync_mode", "eventually", "override"][..],
+        ),
+        (
+            "process.actor.replicas=0",
+            &["process[actor].replicas", "replicas = 0", "topo.toml"][..],
+        ),
+        ("links.weights=rdma", &["links.weights", "rdma"][..]),
+        ("replicas", &["`replicas`", "not `key=value`"][..]),
+    ] {
+        let mut cmd = refit();
+        cmd.arg("launch").arg(&topo).args(["--set", set]);
+        let out = run_within(cmd, Duration::from_secs(30));
+        let (_, stderr) = text(&out);
+        assert!(!out.status.success(), "{set}: {stderr}");
+        for w in words {
+            assert!(stderr.contains(w), "{set}: {w}: {stderr}");
+        }
+        assert!(!stderr.contains("started rank"), "{stderr}");
+    }
+    assert!(!dir.path().join("vars.0").exists());
+}
+
+#[test]
+fn a_process_runs_its_own_command_with_its_own_environment() {
+    let dir = tempfile::tempdir().unwrap();
+    // rank 0 runs `[run] command` (VARS_SCRIPT); the actors their own, which writes a
+    // different file
+    let own = format!(
+        r#"command = ["sh", "-c", "echo \"$GREETING $*\" > '{}'/own.$RANK", "sh", "one", "two"]
+env = {{ GREETING = "hi there" }}"#,
+        dir.path().display()
+    );
+    let topo = topology_with(dir.path(), "abort", VARS_SCRIPT, &own);
+    let mut cmd = refit();
+    cmd.arg("launch").arg(&topo);
+    let out = run_within(cmd, Duration::from_secs(60));
+    let (stdout, stderr) = text(&out);
+    assert!(out.status.success(), "{stdout}\n{stderr}");
+    assert!(
+        vars(dir.path(), 0).contains("GREETING=\n"),
+        "the env is the actor's only"
+    );
+    for rank in [1, 2] {
+        let own = std::fs::read_to_string(dir.path().join(format!("own.{rank}"))).unwrap();
+        assert_eq!(own, "hi there one two\n", "rank {rank}");
+        assert!(!dir.path().join(format!("vars.{rank}")).exists());
+    }
+}
+
+/// Rank 2 appends its incarnation to `$D/starts.2` and then does what `$D/plan.2` says for
+/// that incarnation (`kill`: SIGKILL itself, `fail`: exit 3, else exit 0 and mark
+/// `done.2`); rank 1 sleeps; rank 0 waits for `done.2` (or sleeps until stopped).
+const RESTART_SCRIPT: &str = r#"echo $$ > "$D/pid.tmp.$RANK"; mv "$D/pid.tmp.$RANK" "$D/pid.$RANK";
+case "$RANK" in
+  0) while [ ! -e "$D/done.2" ]; do sleep 0.05; done; echo finished; exit 0 ;;
+  1) exec sleep 120 ;;
+  2) echo "$REFIT_INCARNATION" >> "$D/starts.2"
+     what=$(sed -n "$((REFIT_INCARNATION + 1))p" "$D/plan.2")
+     case "$what" in
+       kill) kill -9 $$ ;;
+       fail) exit 3 ;;
+       *) touch "$D/done.2"; exit 0 ;;
+     esac ;;
+esac"#;
+
+fn starts(dir: &Path) -> Vec<u32> {
+    std::fs::read_to_string(dir.join("starts.2"))
+        .unwrap()
+        .lines()
+        .map(|l| l.trim().parse().unwrap())
+        .collect()
+}
+
+#[test]
+fn a_failed_rank_is_restarted_with_the_next_incarnation() {
+    let dir = tempfile::tempdir().unwrap();
+    let topo = topology_with(
+        dir.path(),
+        "abort",
+        RESTART_SCRIPT,
+        "restart = \"on-failure\"\nmax_restarts = 2",
+    );
+    // killed by a signal, then a failing exit, then a success: two restarts
+    std::fs::write(dir.path().join("plan.2"), "kill\nfail\nok\n").unwrap();
+    let mut cmd = refit();
+    cmd.arg("launch").arg(&topo).args(["--grace-s", "1"]);
+    let out = run_within(cmd, Duration::from_secs(90));
+    let (stdout, stderr) = text(&out);
+    assert_eq!(out.status.code(), Some(0), "{stdout}\n{stderr}");
+    assert_eq!(starts(dir.path()), [0, 1, 2], "{stderr}");
+    assert!(
+        stderr.contains("rank 2 (actor) failed: it was killed by signal 9 (SIGKILL)"),
+        "{stderr}"
+    );
+    assert!(
+        stderr.contains("restarted rank 2 (actor) (restart 1 of 2, REFIT_INCARNATION=1"),
+        "{stderr}"
+    );
+    assert!(
+        stderr.contains("rank 2 (actor) failed: it exited with status 3"),
+        "{stderr}"
+    );
+    assert!(
+        stderr.contains("restarted rank 2 (actor) (restart 2 of 2, REFIT_INCARNATION=2"),
+        "{stderr}"
+    );
+    assert!(stdout.contains("[rank 0 learner] finished"), "{stdout}");
+    // rank 1 of the same process never failed: started once
+    assert_eq!(
+        stderr.matches("started rank 1 (actor)").count(),
+        1,
+        "{stderr}"
+    );
+    assert!(!stderr.contains("restarted rank 1"), "{stderr}");
+}
+
+#[test]
+fn restarts_stop_at_the_limit_and_on_failure_decides() {
+    let dir = tempfile::tempdir().unwrap();
+    let topo = topology_with(
+        dir.path(),
+        "abort",
+        RESTART_SCRIPT,
+        "restart = \"on-failure\"\nmax_restarts = 2",
+    );
+    std::fs::write(dir.path().join("plan.2"), "fail\nfail\nfail\nok\n").unwrap();
+    let mut cmd = refit();
+    cmd.arg("launch").arg(&topo).args(["--grace-s", "1"]);
+    let out = run_within(cmd, Duration::from_secs(90));
+    let (stdout, stderr) = text(&out);
+    // the first start and two restarts, no third: the run is aborted with the rank's status
+    assert_eq!(starts(dir.path()), [0, 1, 2], "{stderr}");
+    assert_eq!(out.status.code(), Some(3), "{stdout}\n{stderr}");
+    assert!(
+        stderr.contains("rank 2 (actor) has no restart left (max_restarts = 2)"),
+        "{stderr}"
+    );
+    assert!(stderr.contains("on_failure = \"abort\""), "{stderr}");
+    assert!(!dir.path().join("done.2").exists());
+    let pids = [pid_in(dir.path(), 0), pid_in(dir.path(), 1)];
+    assert!(all_gone(&pids, Duration::from_secs(10)), "{stderr}");
+}
+
+#[test]
+fn a_per_rank_launch_restarts_its_rank_from_the_schedulers_count() {
+    let dir = tempfile::tempdir().unwrap();
+    let topo = topology_with(
+        dir.path(),
+        "abort",
+        RESTART_SCRIPT,
+        "restart = \"on-failure\"\nmax_restarts = 1",
+    );
+    // the scheduler restarted this task 4 times already: the rank starts as incarnation 4
+    std::fs::write(dir.path().join("plan.2"), "\n\n\n\nfail\nok\n").unwrap();
+    let mut cmd = refit();
+    cmd.arg("launch")
+        .arg(&topo)
+        .args(["--rank", "2"])
+        .env("REFIT_TOKEN", TOKEN)
+        .env("SLURM_RESTART_COUNT", "4");
+    let out = run_within(cmd, Duration::from_secs(60));
+    let (stdout, stderr) = text(&out);
+    assert_eq!(out.status.code(), Some(0), "{stdout}\n{stderr}");
+    assert_eq!(starts(dir.path()), [4, 5], "{stderr}");
+    assert!(stderr.contains("incarnation 4"), "{stderr}");
+    assert!(
+        stderr.contains("restarted rank 2 (actor) (restart 1 of 1, REFIT_INCARNATION=5"),
+        "{stderr}"
+    );
+}
+
+#[test]
+fn launch_help_names_every_flag_and_variable() {
+    let out = run_within(
+        {
+            let mut c = refit();
+            c.args(["launch", "--help"]);
+            c
+        },
+        Duration::from_secs(30),
+    );
+    let (stdout, _) = text(&out);
+    assert!(out.status.success());
+    for word in [
+        "--set <KEY=VALUE>",
+        "--master-port",
+        "--rank",
+        "--grace-s",
+        "--metrics-addr",
+        "RANK, WORLD_SIZE",
+        "SLURM_PROCID",
+        "SLURM_STEP_NODELIST",
+        "REFIT_TOKEN_FILE",
+        "SLURM_RESTART_COUNT",
+        "LOCAL_RANK",
+        "LOCAL_WORLD_SIZE",
+        "REFIT_TOPOLOGY",
+        "REFIT_SET",
+        "REFIT_INCARNATION",
+        "REFIT_METRICS_ADDR",
+    ] {
+        assert!(stdout.contains(word), "{word} missing from: {stdout}");
+    }
 }

@@ -20,7 +20,8 @@ for f in "$refit" target/release/examples/cartpole; do
   [ -x "$f" ] || { echo "build first: cargo build --release --example cartpole --bin refit" >&2; exit 1; }
 done
 export REFIT_TOKEN=${REFIT_TOKEN:-$(head -c 16 /dev/urandom | od -An -tx1 | tr -d ' \n')}
-[ -n "$mode" ] && export CARTPOLE_SYNC_MODE=$mode
+set_mode=()
+[ -n "$mode" ] && set_mode=(--set "sync.sync_mode=$mode")
 log=$(mktemp -d)
 pids=()
 cleanup() {
@@ -33,7 +34,7 @@ trap cleanup EXIT
 "$nh" up 3
 launch() { # rank
   "$nh" run $(($1 + 1)) env RANK="$1" WORLD_SIZE=3 MASTER_ADDR=10.77.0.1 MASTER_PORT=29500 \
-    "$refit" launch "$topo" >"$log/rank$1" 2>&1
+    "$refit" launch "$topo" "${set_mode[@]}" >"$log/rank$1" 2>&1
 }
 launch 0 & rank0=$!
 pids+=("$rank0")

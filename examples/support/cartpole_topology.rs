@@ -1,30 +1,23 @@
 //! `cartpole topology`: this program's rank of a topology file, as `refit launch` starts it.
 //!
-//! The launcher sets `REFIT_TOPOLOGY` (the file), `RANK`, `WORLD_SIZE`, `MASTER_ADDR`,
-//! `MASTER_PORT` and `REFIT_TOKEN`; every rank runs this same function with the CartPole/PPO
-//! roles. Rank 0 (trainer, controller, evaluator) logs each weight update as it happens and
-//! prints the report at the end: wall time, frames and the staleness histogram.
-//! `CARTPOLE_SYNC_MODE` overrides the file's `[sync] sync_mode` for one run.
-
-use std::path::PathBuf;
+//! The launcher sets `REFIT_TOPOLOGY` (the file), `REFIT_SET` (its `--set` overrides),
+//! `RANK`, `WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT` and `REFIT_TOKEN`; every rank runs this
+//! same function with the CartPole/PPO roles. Rank 0 (trainer, controller, evaluator) logs
+//! each weight update as it happens and prints the report at the end: wall time, frames and
+//! the staleness histogram. `refit launch FILE --set sync.sync_mode=fully-async` changes the
+//! file's `[sync] sync_mode` for one run (any key: see the topology-file chapter).
 
 use refit_actors::CartPolePpo;
 use refit_actors::run::{self, RunReport};
 use refit_node::LaunchEnv;
-use refit_runtime::sync_policy::SyncMode;
 use refit_runtime::topology::Topology;
 
 // ANCHOR: rank
 /// Runs this process's rank of the topology in `REFIT_TOPOLOGY`; answers whether the run
 /// solved CartPole (rank 0) or ended as told (the other ranks).
 pub(crate) fn run_rank() -> Result<bool, Box<dyn std::error::Error>> {
-    let path: PathBuf = std::env::var_os("REFIT_TOPOLOGY")
-        .ok_or("REFIT_TOPOLOGY is not set: start this through `refit launch FILE.toml`")?
-        .into();
-    let mut topology = Topology::parse_file(&refit::read_config(&path)?, &path)?;
-    if let Ok(mode) = std::env::var("CARTPOLE_SYNC_MODE") {
-        topology.sync.sync_mode = SyncMode::parse(&mode)?;
-    }
+    // the file in REFIT_TOPOLOGY with the overrides in REFIT_SET: what the launcher checked
+    let topology = refit_node::launch::load_topology()?;
     let launch = LaunchEnv::from_env()?;
     match run::join(&topology, &launch, CartPolePpo::new())? {
         Some(report) => {

@@ -2,12 +2,18 @@
 //! [`refit_runtime::cleanup::on_exit_signal`] runs ([`refit_runtime::cleanup::release_all`]),
 //! then the process exits with 128 + the signal number (130 for SIGINT, 143 for SIGTERM).
 //!
-//! The signal handler (tokio's) only wakes a thread; that thread, ordinary code, runs the
-//! actions. Without [`install_signal_handlers`] the signals keep their default effect.
+//! The signal handler (tokio's) only wakes a thread; that thread, ordinary code, starts the
+//! actions on a thread of their own and waits for them at most
+//! [`release_bound`](refit_runtime::cleanup::release_bound) (3 s unless the program set
+//! another). The process then exits whatever they still do: when they are done, when the
+//! bound passes, or at once on a second SIGINT/SIGTERM. If the C library's exit handlers
+//! hang, the process ends without them a second later (`_exit`). A signalled process
+//! always ends. Without [`install_signal_handlers`] the signals keep their default effect.
 
 use std::sync::OnceLock;
+use std::time::Duration;
 
-use refit_runtime::cleanup::release_all;
+use refit_runtime::cleanup::{release_all, release_bound};
 
 use crate::error::{Error, Result};
 
@@ -28,6 +34,7 @@ fn install() -> Result<()> {
     use tokio::signal::unix::{SignalKind, signal};
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_io()
+        .enable_time()
         .build()
         .map_err(|e| Error::io("starting the signal runtime", e))?;
     // registered here, before returning, so that no signal slips between the call and the
@@ -45,20 +52,58 @@ fn install() -> Result<()> {
         .spawn(move || {
             let (name, signo) = rt.block_on(async {
                 tokio::select! {
-                    _ = int.recv() => ("SIGINT", 2),
-                    _ = term.recv() => ("SIGTERM", 15),
+                    _ = int.recv() => ("SIGINT", libc::SIGINT),
+                    _ = term.recv() => ("SIGTERM", libc::SIGTERM),
                 }
             });
+            let bound = release_bound();
             tracing::warn!(
                 signal = name,
-                "stopping: releasing shared memory and child processes"
+                "stopping: releasing shared memory and child processes (at most {bound:?})"
             );
-            let n = release_all();
-            tracing::info!(released = n, "released; exiting");
-            std::process::exit(128 + signo);
+            // the actions run on a thread of their own: one that blocks holds neither this
+            // thread nor the exit
+            let (done, released) = tokio::sync::oneshot::channel();
+            let started = std::thread::Builder::new()
+                .name("refit-release".into())
+                .spawn(move || {
+                    let _ = done.send(release_all());
+                });
+            if let Err(e) = started {
+                tracing::warn!(error = %e, "cannot start the release thread; exiting without it");
+            } else {
+                rt.block_on(async {
+                    tokio::select! {
+                        n = released => {
+                            tracing::info!(released = n.unwrap_or(0), "released; exiting");
+                        }
+                        () = tokio::time::sleep(bound) => {
+                            tracing::warn!("the release still runs after {bound:?}; exiting anyway");
+                        }
+                        _ = int.recv() => tracing::warn!("SIGINT again; exiting now"),
+                        _ = term.recv() => tracing::warn!("SIGTERM again; exiting now"),
+                    }
+                });
+            }
+            exit_within(128 + signo, Duration::from_secs(1));
         })
         .map_err(|e| Error::io("starting the signal thread", e))?;
     Ok(())
+}
+
+/// Exits with `code`; if the exit handlers (the C library's, or ones a library registered)
+/// have not ended the process after `bound`, ends it without them.
+fn exit_within(code: i32, bound: Duration) -> ! {
+    let _ = std::thread::Builder::new()
+        .name("refit-exit".into())
+        .spawn(move || {
+            std::thread::sleep(bound);
+            // SAFETY: `_exit` has no preconditions: it ends the process at once, running no
+            // exit handler and touching no lock, so nothing can hold it (exercised by the
+            // test whose exit handler never returns, node/tests/signals.rs)
+            unsafe { libc::_exit(code) }
+        });
+    std::process::exit(code)
 }
 
 #[cfg(test)]

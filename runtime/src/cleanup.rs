@@ -10,9 +10,39 @@
 //!
 //! Sockets need no action: the kernel closes them when the process exits. Without the signal
 //! handlers installed the signals keep their default effect and nothing runs.
+//!
+//! The release is bounded: the actions run on a thread of their own, and the process exits
+//! once they are done or the bound has passed, whichever comes first ([`release_bound`],
+//! [`RELEASE_BOUND`] unless [`set_release_bound`] changed it; [`release_all_within`]), so an
+//! action that blocks (on a lock, a peer, a device) never keeps a signalled process alive.
 
 use std::collections::BTreeMap;
-use std::sync::{Mutex, OnceLock};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Mutex, OnceLock, mpsc};
+use std::time::Duration;
+
+/// How long SIGINT/SIGTERM wait for the release actions before the process exits anyway,
+/// unless [`set_release_bound`] says otherwise (under `refit launch`'s default grace period
+/// of 5 s before SIGKILL).
+pub const RELEASE_BOUND: Duration = Duration::from_secs(3);
+
+/// The bound in milliseconds (0: not set, [`RELEASE_BOUND`]).
+static BOUND_MS: AtomicU64 = AtomicU64::new(0);
+
+/// How long SIGINT/SIGTERM wait for the release actions before the process exits anyway.
+pub fn release_bound() -> Duration {
+    match BOUND_MS.load(Ordering::Relaxed) {
+        0 => RELEASE_BOUND,
+        ms => Duration::from_millis(ms),
+    }
+}
+
+/// Sets [`release_bound`] for this process (at least 1 ms): a program whose release takes
+/// longer on purpose (a launcher stopping its ranks with a grace period) says so here.
+pub fn set_release_bound(bound: Duration) {
+    let ms = u64::try_from(bound.as_millis()).unwrap_or(u64::MAX).max(1);
+    BOUND_MS.store(ms, Ordering::Relaxed);
+}
 
 type Action = Box<dyn Fn() + Send + Sync>;
 
@@ -44,8 +74,10 @@ impl Drop for ExitGuard {
 }
 
 /// Registers `action` to run if SIGINT or SIGTERM ends the process (once
-/// `refit_node::signals::install_signal_handlers` was called). Actions must be quick and idempotent: the
-/// component may be releasing the same resources itself at that moment.
+/// `refit_node::signals::install_signal_handlers` was called). Actions must be quick and
+/// idempotent: the component may be releasing the same resources itself at that moment.
+/// One that blocks does not keep the process alive: the process exits [`RELEASE_BOUND`]
+/// after the signal whatever the actions still do.
 pub fn on_exit_signal(action: impl Fn() + Send + Sync + 'static) -> ExitGuard {
     let mut r = registry()
         .lock()
@@ -71,14 +103,39 @@ pub fn release_all() -> usize {
     actions.len()
 }
 
+/// [`release_all`] on a thread of its own, waiting for it at most `bound`: answers how many
+/// actions ran, or `None` when they were still running at the deadline (they go on in the
+/// background; the caller is about to exit) or no thread could be started (then none ran).
+pub fn release_all_within(bound: Duration) -> Option<usize> {
+    let (done, finished) = mpsc::channel();
+    let started = std::thread::Builder::new()
+        .name("refit-release".into())
+        .spawn(move || {
+            let _ = done.send(release_all());
+        });
+    match started {
+        Ok(_) => finished.recv_timeout(bound).ok(),
+        Err(e) => {
+            tracing::warn!(error = %e, "cannot start the release thread; releasing nothing");
+            None
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use std::sync::Arc;
     use std::sync::atomic::{AtomicUsize, Ordering};
 
+    /// The tests release every action of the process: one at a time.
+    static SERIAL: Mutex<()> = Mutex::new(());
+
     #[test]
     fn registered_actions_run_once_and_dropped_guards_never() {
+        let _serial = SERIAL
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
         let ran = Arc::new(AtomicUsize::new(0));
         let (a, b) = (Arc::clone(&ran), Arc::clone(&ran));
         let kept = on_exit_signal(move || {
@@ -93,5 +150,38 @@ mod tests {
         release_all();
         assert_eq!(ran.load(Ordering::SeqCst), 1, "an action ran twice");
         drop(kept);
+    }
+
+    #[test]
+    fn a_blocking_action_does_not_hold_the_release_past_its_bound() {
+        let _serial = SERIAL
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        // the blocking action waits on a lock this test holds; the quick one counts
+        let gate = Arc::new(Mutex::new(()));
+        let held = gate.lock().unwrap();
+        let blocked = Arc::clone(&gate);
+        let ran = Arc::new(AtomicUsize::new(0));
+        let counted = Arc::clone(&ran);
+        let _blocking = on_exit_signal(move || {
+            let _wait = blocked.lock();
+        });
+        let _quick = on_exit_signal(move || {
+            counted.fetch_add(1, Ordering::SeqCst);
+        });
+        // the blocking action cannot finish while the lock is held: the deadline answers
+        assert_eq!(release_all_within(Duration::from_millis(200)), None);
+        // the quick one ran (newest first) or runs, on the release thread
+        let start = std::time::Instant::now();
+        while ran.load(Ordering::SeqCst) == 0 {
+            assert!(
+                start.elapsed() < Duration::from_secs(30),
+                "the quick action never ran"
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        drop(held);
+        let _again = on_exit_signal(|| {});
+        assert!(release_all_within(Duration::from_secs(30)).is_some());
     }
 }

@@ -2,35 +2,57 @@
 //! supervise them, or (with `RANK`/`WORLD_SIZE`, Slurm's variables or `--rank`) start just
 //! this machine's rank of a multi-host run.
 //!
-//! Every rank gets `RANK`, `WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT`, `REFIT_TOPOLOGY`
-//! (absolute path of the file) and `REFIT_TOKEN` (the cluster token) in its environment; with
-//! `--metrics-addr HOST:PORT` also `REFIT_METRICS_ADDR=HOST:PORT+RANK`, where the rank serves
-//! its update phase timings (each rank its own page: the engines' phases are recorded where
-//! they run, and no process relays another's).
-
-mod child;
-mod mode;
-mod supervise;
+//! A thin shell over `refit::node::launch`: the file is read and checked here (with the
+//! `--set` overrides and the link factory), [`resolve_rank`] finds which ranks start,
+//! [`LaunchSpec`] gives each its program and environment, and [`Supervisor`] runs them. With
+//! `--metrics-addr HOST:PORT` each rank also gets `REFIT_METRICS_ADDR=HOST:PORT+RANK`, where
+//! it serves its update phase timings (each rank its own page: the engines' phases are
+//! recorded where they run, and no process relays another's).
 
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
-use std::sync::Arc;
 use std::time::Duration;
 
+use refit::node::launch::{LaunchSpec, Supervisor, free_port, resolve_rank, scheduler_incarnation};
 use refit::node::{ClusterToken, TOKEN_ENV, TOKEN_FILE_ENV};
-use refit::runtime::topology::{OnFailure, Topology};
+use refit::runtime::topology::{OnFailure, Override, Topology};
 use refit::runtime::{Error, Result};
 
-use child::RankSpawn;
-pub(crate) use mode::RankEnv;
+/// What `refit launch --help` says after the flags.
+const ENVIRONMENT: &str = "\
+Environment it reads:
+  RANK, WORLD_SIZE          start only this rank (torchrun's names); MASTER_ADDR, MASTER_PORT
+                            say where rank 0's rendezvous store is
+  SLURM_PROCID, SLURM_NTASKS, SLURM_STEP_NODELIST (or SLURM_JOB_NODELIST)
+                            the same under Slurm (MASTER_ADDR: the list's first host)
+  REFIT_TOKEN, REFIT_TOKEN_FILE
+                            the cluster token (required in a per-rank launch; else random)
+  REFIT_INCARNATION, SLURM_RESTART_COUNT, TORCHELASTIC_RESTART_COUNT
+                            a per-rank launch restarted by its scheduler: the first start's
+                            incarnation
+
+Environment every rank gets (on top of the launcher's own):
+  RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT,
+  REFIT_TOPOLOGY (the file's absolute path), REFIT_SET (the --set overrides, one per line),
+  REFIT_TOKEN, REFIT_INCARNATION (0, then n after the nth restart), the process's `env`,
+  and with --metrics-addr REFIT_METRICS_ADDR.
+A rank loads the same topology with refit::node::launch::load_topology().";
 
 /// Arguments of `refit launch`.
 #[derive(Debug, clap::Args)]
+#[command(after_help = ENVIRONMENT)]
 pub(crate) struct LaunchArgs {
     /// The topology file (TOML): processes, roles, hosts, models, sync policy, stop rule.
     topology: PathBuf,
-    /// Port of the rendezvous store on rank 0's host. Default: a free port when every rank
-    /// starts here; in a per-rank launch `MASTER_PORT`, else 29500.
+    /// Override a key of the topology file, before it is checked (repeatable; later ones
+    /// win): `--set sync.sync_mode=fully-async`, `--set process.actor.replicas=3`, `--set
+    /// model.policy.params.lr=0.001`. The value is TOML (`3`, `true`, `["a", "b"]`); a bare
+    /// word is a string. Every rank loads the file with the same overrides.
+    #[arg(long = "set", value_name = "KEY=VALUE")]
+    set: Vec<String>,
+    /// Port of the rendezvous store on rank 0's host. Default: in a per-rank launch
+    /// `MASTER_PORT`, else rank 0's `port`, else 29500; when every rank starts here, rank 0's
+    /// `port`, else a free port.
     #[arg(long, value_name = "PORT")]
     master_port: Option<u16>,
     /// Start only this rank (a per-rank launch), as if `RANK` were set.
@@ -64,7 +86,7 @@ fn rank_metrics_addr(base: std::net::SocketAddr, rank: u32) -> Result<std::net::
 /// Runs `refit launch`.
 pub(crate) fn run(args: &LaunchArgs) -> ExitCode {
     match launch(args) {
-        Ok(code) => code,
+        Ok(code) => ExitCode::from(code),
         Err(e) => {
             eprintln!("refit launch: error: {e}");
             ExitCode::FAILURE
@@ -72,17 +94,10 @@ pub(crate) fn run(args: &LaunchArgs) -> ExitCode {
     }
 }
 
-fn launch(args: &LaunchArgs) -> Result<ExitCode> {
-    if !(args.grace_s.is_finite() && args.grace_s >= 0.0 && args.grace_s < 1e6) {
-        return Err(Error::Config(format!(
-            "--grace-s must be a non-negative number of seconds, not {}",
-            args.grace_s
-        )));
-    }
-    let grace = Duration::from_secs_f64(args.grace_s);
-    let path = absolute(&args.topology)?;
-    let topo = Topology::parse_file(&refit::read_config(&path)?, &path)?;
-    // the `[links]` transports are the link factory's: known, and reaching every engine
+/// The file at `path` with `overrides`, checked whole (links included, with the link
+/// factory's knowledge).
+fn topology(path: &Path, overrides: &[Override]) -> Result<Topology> {
+    let topo = Topology::parse_file_with(&refit::read_config(path)?, path, overrides)?;
     topo.check_links(refit::transports::link::reach_of)
         .map_err(|e| match e {
             Error::Topology { key, reason } => Error::Topology {
@@ -91,32 +106,41 @@ fn launch(args: &LaunchArgs) -> Result<ExitCode> {
             },
             other => other,
         })?;
+    Ok(topo)
+}
+
+fn launch(args: &LaunchArgs) -> Result<u8> {
+    if !(args.grace_s.is_finite() && args.grace_s >= 0.0 && args.grace_s < 1e6) {
+        return Err(Error::Config(format!(
+            "--grace-s must be a non-negative number of seconds, not {}",
+            args.grace_s
+        )));
+    }
+    let grace = Duration::from_secs_f64(args.grace_s);
+    let overrides = args
+        .set
+        .iter()
+        .map(|s| Override::parse(s))
+        .collect::<Result<Vec<_>>>()?;
+    let path = std::path::absolute(&args.topology).map_err(|source| Error::Path {
+        context: "resolving the topology file",
+        path: args.topology.clone(),
+        source,
+    })?;
+    let topo = topology(&path, &overrides)?;
     let given = ClusterToken::from_env()?;
-    let token = given.clone().unwrap_or_else(ClusterToken::random);
-    let cwd = std::env::current_dir().map_err(|e| Error::io("reading the current directory", e))?;
-    let program = resolve_program(&cwd, &topo.run.command[0]);
-    let spawn = |rank: u32, env: &RankEnv| -> Result<RankSpawn> {
-        let plan = topo.rank(rank)?;
-        let mut vars = env.vars(&path, &token);
-        // the ranks get a metrics address only from this flag, never from the launcher's
-        // own environment (they would all ask for the same one)
-        let metrics = match args.metrics_addr {
-            Some(base) => rank_metrics_addr(base, rank)?.to_string(),
-            None => String::new(),
-        };
-        vars.push((refit::metrics_page::METRICS_ADDR_ENV.into(), metrics));
-        Ok(RankSpawn {
-            rank,
-            name: plan.process,
-            program: program.clone(),
-            args: topo.run.command[1..].to_vec(),
-            env: vars,
-        })
+    let spec = LaunchSpec {
+        token: given.clone().unwrap_or_else(ClusterToken::random),
+        cwd: std::env::current_dir().map_err(|e| Error::io("reading the current directory", e))?,
+        topology: topo,
+        path,
+        overrides,
     };
+    let topo = &spec.topology;
     let lookup = |k: &str| std::env::var(k).ok();
-    let ranks = match mode::rank_env(args.rank, args.master_port, &topo, &lookup)? {
-        Some(env) => {
-            if given.is_none() && env.world_size > 1 {
+    let mut ranks = match resolve_rank(args.rank, args.master_port, topo, &lookup)? {
+        Some(place) => {
+            if given.is_none() && place.world_size > 1 {
                 // each host's launcher would make its own token and the ranks would refuse
                 // each other
                 return Err(Error::from(refit::node::Error::Launch {
@@ -127,27 +151,33 @@ fn launch(args: &LaunchArgs) -> Result<ExitCode> {
                     ),
                 }));
             }
+            let incarnation = scheduler_incarnation(&lookup)?;
             eprintln!(
-                "refit launch: rank {} of {} ({}) from {}; rendezvous at {}:{}",
-                env.rank,
-                env.world_size,
-                topo.rank(env.rank)?.process,
-                path.display(),
-                env.master_addr,
-                env.master_port
+                "refit launch: rank {} of {} ({}) from {}; rendezvous at {}:{}{}",
+                place.rank,
+                place.world_size,
+                topo.rank(place.rank)?.process,
+                spec.path.display(),
+                place.master_addr,
+                place.master_port,
+                if incarnation > 0 {
+                    format!("; incarnation {incarnation}")
+                } else {
+                    String::new()
+                }
             );
-            vec![spawn(env.rank, &env)?]
+            vec![spec.rank(&place, incarnation)?]
         }
         None => {
-            let master_addr = topo.master_host().to_string();
-            let master_port = match args.master_port {
+            let master_port = match args.master_port.or(topo.ranks()[0].port) {
                 Some(p) => p,
-                None => free_port(&master_addr)?,
+                None => free_port(topo.master_host())?,
             };
             eprintln!(
-                "refit launch: {} ranks from {}; rendezvous at {master_addr}:{master_port}",
+                "refit launch: {} ranks from {}; rendezvous at {}:{master_port}",
                 topo.world_size(),
-                path.display()
+                spec.path.display(),
+                topo.master_host()
             );
             if topo.hosts.len() > 1 {
                 eprintln!(
@@ -157,75 +187,30 @@ fn launch(args: &LaunchArgs) -> Result<ExitCode> {
                     topo.hosts.len()
                 );
             }
-            (0..topo.world_size())
-                .map(|rank| {
-                    let env = RankEnv {
-                        rank,
-                        world_size: topo.world_size(),
-                        master_addr: master_addr.clone(),
-                        master_port,
-                    };
-                    spawn(rank, &env)
-                })
-                .collect::<Result<Vec<_>>>()?
+            spec.every_rank(master_port)?
         }
     };
+    for r in &mut ranks {
+        // the ranks get a metrics address only from this flag, never from the launcher's
+        // own environment (they would all ask for the same one)
+        let metrics = match args.metrics_addr {
+            Some(base) => rank_metrics_addr(base, r.rank)?.to_string(),
+            None => String::new(),
+        };
+        r.env
+            .push((refit::metrics_page::METRICS_ADDR_ENV.into(), metrics));
+    }
     let on_failure = if ranks.len() == 1 {
         OnFailure::Abort
     } else {
         topo.run.on_failure
     };
-    let sup = Arc::new(supervise::Supervisor::new(grace, on_failure));
-    Ok(sup.run(&ranks))
-}
-
-/// `path` made absolute against the current directory (the file need not exist yet; reading
-/// it reports a missing one).
-fn absolute(path: &Path) -> Result<PathBuf> {
-    std::path::absolute(path).map_err(|source| Error::Path {
-        context: "resolving the topology file",
-        path: path.to_path_buf(),
-        source,
-    })
-}
-
-/// A relative program path with a `/` is resolved against `cwd`; a bare name is looked up
-/// in `PATH` when started.
-fn resolve_program(cwd: &Path, program: &str) -> PathBuf {
-    let p = Path::new(program);
-    if p.is_relative() && program.contains('/') {
-        cwd.join(p)
-    } else {
-        p.to_path_buf()
-    }
-}
-
-/// A port free right now on `addr` (or on every interface when `addr` is not local).
-fn free_port(addr: &str) -> Result<u16> {
-    let listener = std::net::TcpListener::bind((addr, 0))
-        .or_else(|_| std::net::TcpListener::bind(("0.0.0.0", 0)))
-        .map_err(|e| Error::io("finding a free port for MASTER_PORT", e))?;
-    listener
-        .local_addr()
-        .map(|a| a.port())
-        .map_err(|e| Error::io("finding a free port for MASTER_PORT", e))
+    Ok(Supervisor::new(grace, on_failure).run(&ranks))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn programs_resolve_against_the_current_directory() {
-        let cwd = Path::new("/work/run");
-        assert_eq!(
-            resolve_program(cwd, "target/release/x"),
-            Path::new("/work/run/target/release/x")
-        );
-        assert_eq!(resolve_program(cwd, "./x"), Path::new("/work/run/./x"));
-        assert_eq!(resolve_program(cwd, "sh"), Path::new("sh"));
-        assert_eq!(resolve_program(cwd, "/bin/sh"), Path::new("/bin/sh"));
-    }
 
     #[test]
     fn each_rank_serves_metrics_on_its_own_port() {
@@ -239,12 +224,5 @@ mod tests {
         assert_eq!(rank_metrics_addr(any, 5).unwrap(), any);
         let top: std::net::SocketAddr = "127.0.0.1:65535".parse().unwrap();
         assert!(rank_metrics_addr(top, 1).is_err());
-    }
-
-    #[test]
-    fn a_free_port_is_found() {
-        assert_ne!(free_port("127.0.0.1").unwrap(), 0);
-        // an address not on this machine falls back to every interface
-        assert_ne!(free_port("192.0.2.1").unwrap(), 0);
     }
 }

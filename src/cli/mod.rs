@@ -1,12 +1,9 @@
 //! Subcommands of the `refit` tool.
 
 mod bench;
-#[cfg(target_os = "linux")]
-mod file_map;
 mod launch;
 mod metrics;
 mod net;
-mod out_file;
 mod stats;
 
 use std::process::ExitCode;

@@ -9,7 +9,6 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant, SystemTime};
 
-use super::out_file::OutFiles;
 use refit::node::{ClusterToken, Node, NodeConfig, Store, TOKEN_ENV, TOKEN_FILE_ENV};
 use refit::runtime::{
     Error, Manifests, ModelId, ReceiverInit, Result, SenderInit, Version, WeightSet, wire,
@@ -381,7 +380,7 @@ pub(crate) fn pull(args: PullArgs) -> ExitCode {
             relay: false,
             ..TcpReceiverConfig::default()
         };
-        let files = OutFiles::new(&args.out);
+        let files = refit::transports::tcp::PullFile::new(&args.out);
         let receiver = {
             let files = Arc::clone(&files);
             TcpReceiver::new(spec)

@@ -26,7 +26,7 @@ impl Launch {
             .arg("launch")
             .arg(topology)
             .args(args)
-            .env("CARTPOLE_SYNC_MODE", mode)
+            .args(["--set", &format!("sync.sync_mode={mode}")])
             .env_remove("REFIT_TOKEN")
             .env_remove("RANK")
             .env_remove("WORLD_SIZE")

@@ -762,10 +762,11 @@ impl FileSender {
         Ok(name)
     }
 
-    /// Test hook: writes the first half of `weights`' file under its temporary name, as
-    /// [`WeightSet::write_safetensors`] does, and aborts the process, as a crash in the
-    /// middle of a publish would. Used by the crash tests; never call it otherwise.
-    #[doc(hidden)]
+    /// Test hook (feature `test-util`): writes the first half of `weights`' file under its
+    /// temporary name, as [`WeightSet::write_safetensors`] does, and aborts the process, as a
+    /// crash in the middle of a publish would. Used by the crash tests; never call it
+    /// otherwise.
+    #[cfg(feature = "test-util")]
     pub fn crash_mid_write(&mut self, weights: &WeightSet) -> ! {
         if let Ok(bytes) = weights.to_safetensors_bytes() {
             let tmp = temp_sibling(&self.version_path(weights.model(), weights.version()));

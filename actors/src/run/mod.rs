@@ -291,19 +291,6 @@ pub fn model_specs(topo: &Topology) -> Result<Vec<ModelSpec>> {
         .collect()
 }
 
-/// The incarnation of this process: `REFIT_INCARNATION` (0 when unset: the first start).
-fn incarnation_from_env() -> Result<u32> {
-    match std::env::var("REFIT_INCARNATION") {
-        Err(_) => Ok(0),
-        Ok(v) if v.trim().is_empty() => Ok(0),
-        Ok(v) => v.trim().parse().map_err(|_| {
-            Error::Config(format!(
-                "REFIT_INCARNATION is {v:?}, not a restart count (0, 1, ...)"
-            ))
-        }),
-    }
-}
-
 /// Runs this rank's part of `topo` with the acting roles `roles` (environments, policies):
 /// rank 0 answers the run's report, the other ranks `None` once rank 0 tells them to stop.
 ///
@@ -376,7 +363,7 @@ pub fn join_workload(
         stop: StopRule::of(topo),
         eval_episodes: 10,
         wrap_inlet: None,
-        incarnation: incarnation_from_env()?,
+        incarnation: refit_node::launch::incarnation().map_err(refit_runtime::Error::from)?,
     };
     actix_rt::System::new().block_on(rank::rank_main(setup))
 }

@@ -43,7 +43,7 @@ use super::drive::Driver;
 use super::gate::{EngineRoute, RankGate};
 use super::ids::{RankCard, START_KEY, STOP_KEY, Served, actor_id, bye_key, rank_key, weights_key};
 use super::lead::{AddRank, Finish, Lead, LeadSetup, RankDown};
-use super::rendezvous::{Rendezvous, watch};
+use super::rendezvous::{Place, Rendezvous, watch};
 use super::weights::{self, Leftovers};
 use super::workload::{EngineSetup, Inference, Workload};
 use super::{InletWrapper, RunConfig, RunReport, StopRule, describe};
@@ -212,9 +212,14 @@ pub(crate) async fn rank_main(s: RankSetup) -> Result<Option<RunReport>> {
 
     // 1. the rendezvous, and the keepalive on rank 0
     let rv = {
-        let (launch, host) = (launch.clone(), plan.host.addr.clone());
+        let launch = launch.clone();
+        let place = Place {
+            host_addr: plan.host.addr.clone(),
+            bind: plan.bind,
+            port: plan.port,
+        };
         blocking("joining the rendezvous", move || {
-            Rendezvous::join(&launch, &host, token, wait)
+            Rendezvous::join(&launch, &place, token, wait)
         })
         .await?
     };
@@ -456,7 +461,7 @@ pub(crate) async fn rank_main(s: RankSetup) -> Result<Option<RunReport>> {
     rv.put(
         &rank_key(me),
         &RankCard {
-            node: node.addr(),
+            node: rv.advertised(),
             pid: std::process::id(),
             incarnation,
         },
@@ -617,7 +622,7 @@ pub(crate) async fn rank_main(s: RankSetup) -> Result<Option<RunReport>> {
             .send(Rejoin {
                 rank: me,
                 incarnation,
-                node: node.addr(),
+                node: rv.advertised(),
             })
             .timeout(call * 2)
             .await

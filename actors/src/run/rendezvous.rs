@@ -27,6 +27,18 @@ pub const PING_TARGET: Uuid = Uuid::from_u128(0x7265_6669_745f_7069_6e67_0000_00
 pub(crate) struct Rendezvous {
     node: Node,
     store: StoreClient,
+    advertised: SocketAddr,
+}
+
+/// Where a rank's node listens and how the others reach it.
+#[derive(Debug, Clone)]
+pub(crate) struct Place {
+    /// The host's address, as the other hosts reach it.
+    pub(crate) host_addr: String,
+    /// The address to listen on instead of the host's (`[[process]] bind`).
+    pub(crate) bind: Option<std::net::IpAddr>,
+    /// A fixed port (`[[process]] port`); a free one otherwise.
+    pub(crate) port: Option<u16>,
 }
 
 /// Resolves `host:port`.
@@ -49,15 +61,22 @@ impl Rendezvous {
     /// that cannot be reached before the deadline (naming it); a refused token.
     pub(crate) fn join(
         launch: &LaunchEnv,
-        host_addr: &str,
+        place: &Place,
         token: ClusterToken,
         wait: Duration,
     ) -> Result<Self> {
         let mut master = launch.master().map_err(refit_runtime::Error::from)?;
         let bind = if launch.is_master() {
-            master
+            match place.bind {
+                Some(ip) => SocketAddr::new(ip, master.port()),
+                None => master,
+            }
         } else {
-            resolve(host_addr, 0)?
+            let host = resolve(&place.host_addr, place.port.unwrap_or(0))?;
+            match place.bind {
+                Some(ip) => SocketAddr::new(ip, host.port()),
+                None => host,
+            }
         };
         let node = Node::start(NodeConfig::loopback(token).with_bind(bind)).map_err(|e| {
             Error::Config(format!(
@@ -70,7 +89,7 @@ impl Rendezvous {
         });
         if launch.is_master() {
             Store::serve(&node);
-            master = node.addr();
+            master = SocketAddr::new(master.ip(), node.addr().port());
         }
         let deadline = Instant::now() + wait;
         let store = loop {
@@ -90,7 +109,22 @@ impl Rendezvous {
                 Err(_) => std::thread::sleep(Duration::from_millis(200)),
             }
         };
-        Ok(Self { node, store })
+        // others reach this node at its host's address (it may listen on another: `bind`)
+        let advertised = if launch.is_master() {
+            master
+        } else {
+            SocketAddr::new(resolve(&place.host_addr, 0)?.ip(), node.addr().port())
+        };
+        Ok(Self {
+            node,
+            store,
+            advertised,
+        })
+    }
+
+    /// The address the other ranks reach this rank's node at.
+    pub(crate) fn advertised(&self) -> SocketAddr {
+        self.advertised
     }
 
     /// This rank's node.

@@ -2,12 +2,13 @@
 
 use crate::error::Error;
 
-/// The table a byte offset of `text` lies in: `run`, `sync.timeouts`, `process[actor]`
-/// (array-of-tables entries are named by their `name`/`id`, else by their index).
+/// The table a byte offset of `text` lies in: `run`, `sync.timeouts`, `process[actor]`,
+/// `process[actor].env` (array-of-tables entries are named by their `name`/`id`, else by
+/// their index).
 fn table_at(text: &str, offset: usize) -> String {
-    let mut header: Option<(&str, bool, usize)> = None; // (name, is_array, line start)
+    let mut header: Option<(&str, bool)> = None; // (name, is_array)
+    let mut entry: Option<(&str, usize, usize)> = None; // the last [[array]]: name, index, body
     let mut counts: std::collections::HashMap<&str, usize> = Default::default();
-    let mut index = 0;
     let mut pos = 0;
     for line in text.split_inclusive('\n') {
         if pos > offset {
@@ -17,20 +18,27 @@ fn table_at(text: &str, offset: usize) -> String {
         if let Some(inner) = t.strip_prefix("[[").and_then(|r| r.split("]]").next()) {
             let name = inner.trim();
             let n = counts.entry(name).or_insert(0);
-            index = *n;
+            entry = Some((name, *n, pos + line.len()));
             *n += 1;
-            header = Some((name, true, pos + line.len()));
+            header = Some((name, true));
         } else if let Some(inner) = t.strip_prefix('[').and_then(|r| r.split(']').next()) {
-            header = Some((inner.trim(), false, pos + line.len()));
+            header = Some((inner.trim(), false));
         }
         pos += line.len();
     }
-    let Some((name, is_array, body)) = header else {
+    let Some((name, is_array)) = header else {
         return String::new();
     };
-    if !is_array {
-        return name.to_string();
-    }
+    // a table inside the last entry of an array of tables (`[process.env]` after
+    // `[[process]]`) is named through that entry
+    let (array, index, body, rest) = match entry {
+        Some((array, index, body)) if is_array => (array, index, body, ""),
+        Some((array, index, body)) => match name.strip_prefix(array) {
+            Some(rest) if rest.starts_with('.') => (array, index, body, rest),
+            _ => return name.to_string(),
+        },
+        None => return name.to_string(),
+    };
     // Name the entry by its `name = "..."` (or `id = "..."`) line, when it has one.
     let label = text[body.min(text.len())..]
         .lines()
@@ -42,8 +50,8 @@ fn table_at(text: &str, offset: usize) -> String {
         })
         .filter(|l| !l.is_empty());
     match label {
-        Some(l) => format!("{name}[{l}]"),
-        None => format!("{name}[#{}]", index + 1),
+        Some(l) => format!("{array}[{l}]{rest}"),
+        None => format!("{array}[#{}]{rest}", index + 1),
     }
 }
 
@@ -54,8 +62,9 @@ fn quoted_after<'m>(message: &'m str, prefix: &str) -> Option<&'m str> {
     Some(&rest[..rest.find('`')?])
 }
 
-/// An [`Error::Topology`] for a TOML error in `text`, naming the key (with its table).
-pub(crate) fn parse_error(text: &str, err: &toml::de::Error) -> Error {
+/// An [`Error::Topology`] for a TOML error in `text`, naming the key (with its table) and,
+/// when `lines`, the line.
+pub(crate) fn parse_error(text: &str, err: &toml::de::Error, lines: bool) -> Error {
     let message = err.message().trim().to_string();
     let span = err.span();
     // An empty span at the start, or one over the whole document, blames a top-level key.
@@ -88,6 +97,7 @@ pub(crate) fn parse_error(text: &str, err: &toml::de::Error) -> Error {
         (true, None) => "<file>".into(),
     };
     let line = span
+        .filter(|_| lines)
         .map(|s| text[..s.start.min(text.len())].matches('\n').count() + 1)
         .map_or_else(String::new, |l| format!(" (line {l})"));
     Error::Topology {

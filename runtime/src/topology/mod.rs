@@ -33,6 +33,7 @@
 
 mod convert;
 mod locate;
+mod overrides;
 mod placement;
 mod schema;
 #[cfg(test)]
@@ -43,10 +44,11 @@ use std::path::Path;
 use std::time::Duration;
 
 pub use convert::{CastRuleSection, ConvertSection, LayoutRuleSection};
+pub use overrides::Override;
 pub use placement::RankPlan;
 pub use schema::{
-    HostSection, LinkTransport, LinksSection, ModelSection, OnFailure, ProcessSection, Reach, Role,
-    RunSection, StopSection, TransportKind,
+    DEFAULT_MAX_RESTARTS, HostSection, LinkTransport, LinksSection, ModelSection, OnFailure,
+    ProcessSection, RESERVED_ENV, Reach, Restart, Role, RunSection, StopSection, TransportKind,
 };
 
 use crate::error::{Error, Result};
@@ -84,10 +86,37 @@ impl Topology {
     /// process): malformed TOML, an unknown key, a value of the wrong type, an unknown role
     /// or transport, or a placement that cannot work (see the module docs and the book).
     pub fn parse(text: &str) -> Result<Self> {
+        Self::from_text(text, true)
+    }
+
+    /// Parses a topology file's text with `overrides` applied to it first (in order, each
+    /// one replacing what the file or an earlier override set), then validates the result:
+    /// what `refit launch --set key=value` and every rank it starts do.
+    ///
+    /// # Errors
+    /// As [`Topology::parse`]; an override that cannot be applied is named by its key
+    /// ([`Override::apply`]), and an error on a key an override set says so. Errors past
+    /// the overrides name no line: the lines of the file no longer hold the values.
+    pub fn parse_with(text: &str, overrides: &[Override]) -> Result<Self> {
+        if overrides.is_empty() {
+            return Self::parse(text);
+        }
+        let mut doc: toml::Table =
+            toml::from_str(text).map_err(|e| locate::parse_error(text, &e, true))?;
+        let applied = overrides::apply_all(&mut doc, overrides)?;
+        let merged = toml::to_string(&doc).map_err(|e| Error::Topology {
+            key: "<file>".into(),
+            reason: format!("cannot write the document back after the overrides: {e}"),
+        })?;
+        Self::from_text(&merged, false).map_err(|e| overrides::blame(e, &applied))
+    }
+
+    /// Parses and validates `text`; `lines`: errors name the line.
+    fn from_text(text: &str, lines: bool) -> Result<Self> {
         let mut raw: schema::RawTopology =
-            toml::from_str(text).map_err(|e| locate::parse_error(text, &e))?;
+            toml::from_str(text).map_err(|e| locate::parse_error(text, &e, lines))?;
         validate::validate(&mut raw)?;
-        let ranks = placement::expand(&raw.processes, &raw.hosts, &raw.models);
+        let ranks = placement::expand(&raw.run, &raw.processes, &raw.hosts, &raw.models);
         Ok(Self {
             run: raw.run,
             sync: raw.sync,
@@ -106,7 +135,16 @@ impl Topology {
     /// # Errors
     /// As [`Topology::parse`], with the path at the end of the reason.
     pub fn parse_file(text: &str, path: &Path) -> Result<Self> {
-        Self::parse(text).map_err(|e| match e {
+        Self::parse_file_with(text, path, &[])
+    }
+
+    /// As [`Topology::parse_with`], for the text of the file at `path` (named at the end of
+    /// the reason of an error).
+    ///
+    /// # Errors
+    /// As [`Topology::parse_with`], with the path at the end of the reason.
+    pub fn parse_file_with(text: &str, path: &Path, overrides: &[Override]) -> Result<Self> {
+        Self::parse_with(text, overrides).map_err(|e| match e {
             Error::Topology { key, reason } => Error::Topology {
                 key,
                 reason: format!("{reason}, in `{}`", path.display()),

@@ -1,7 +1,11 @@
 //! Ranks: processes expanded by their replicas, in file order, and the transport of a link.
 
+use std::collections::BTreeMap;
+use std::net::IpAddr;
+
 use super::schema::{
-    HostSection, LinkTransport, ModelSection, ProcessSection, Reach, Role, TransportKind,
+    DEFAULT_MAX_RESTARTS, HostSection, LinkTransport, ModelSection, ProcessSection, Reach, Restart,
+    Role, RunSection, TransportKind,
 };
 use crate::ids::ModelId;
 
@@ -24,8 +28,22 @@ pub struct RankPlan {
     pub rollout_workers: u32,
     /// The models its trainer, engine and rollout roles serve.
     pub models: Vec<ModelId>,
-    /// The launcher restarts it after a failure.
-    pub restart: bool,
+    /// Its index among the ranks on its host (`LOCAL_RANK`), in rank order.
+    pub local_rank: u32,
+    /// How many ranks run on its host (`LOCAL_WORLD_SIZE`).
+    pub local_world_size: u32,
+    /// The program and its arguments: its process's `command`, else `[run] command`.
+    pub command: Vec<String>,
+    /// The environment variables its process adds (`env`).
+    pub env: BTreeMap<String, String>,
+    /// Whether the launcher starts it again when it dies with a failure.
+    pub restart: Restart,
+    /// How many times it may be restarted (0 with `restart = "never"`).
+    pub max_restarts: u32,
+    /// The address its node listens on, when not its host's `addr` (`bind`).
+    pub bind: Option<IpAddr>,
+    /// The fixed port of its node (`port + replica`), when its process names one.
+    pub port: Option<u16>,
 }
 
 impl RankPlan {
@@ -37,7 +55,7 @@ impl RankPlan {
     /// True when the launcher restarts this rank's process after a failure (its process's
     /// `restart = "on-failure"`).
     pub fn restarts(&self) -> bool {
-        self.restart
+        self.restart == Restart::OnFailure
     }
 
     /// True when this rank holds `role` for `model` (the trainer, engine and rollout roles
@@ -53,11 +71,13 @@ impl RankPlan {
 
 /// Every rank, in order.
 pub(crate) fn expand(
+    run: &RunSection,
     processes: &[ProcessSection],
     hosts: &[HostSection],
     models: &[ModelSection],
 ) -> Vec<RankPlan> {
-    let mut ranks = Vec::new();
+    let mut ranks: Vec<RankPlan> = Vec::new();
+    let mut on_host: BTreeMap<&str, u32> = BTreeMap::new();
     for p in processes {
         let host = hosts
             .iter()
@@ -73,7 +93,14 @@ pub(crate) fn expand(
             .models
             .clone()
             .unwrap_or_else(|| models.iter().map(|m| m.id.clone()).collect());
+        let max_restarts = match p.restart {
+            Restart::Never => 0,
+            Restart::OnFailure => p.max_restarts.unwrap_or(DEFAULT_MAX_RESTARTS),
+        };
         for replica in 0..p.replicas {
+            let local = on_host.entry(p.host.as_str()).or_insert(0);
+            let local_rank = *local;
+            *local += 1;
             ranks.push(RankPlan {
                 rank: u32::try_from(ranks.len()).unwrap_or(u32::MAX),
                 process: p.name.clone(),
@@ -82,9 +109,21 @@ pub(crate) fn expand(
                 roles: p.roles.clone(),
                 rollout_workers,
                 models: served.clone(),
-                restart: false,
+                local_rank,
+                local_world_size: 0,
+                command: p.command.clone().unwrap_or_else(|| run.command.clone()),
+                env: p.env.clone(),
+                restart: p.restart,
+                max_restarts,
+                bind: p.bind.as_deref().and_then(|b| b.trim().parse().ok()),
+                port: p
+                    .port
+                    .and_then(|port| u16::try_from(u32::from(port) + replica).ok()),
             });
         }
+    }
+    for r in &mut ranks {
+        r.local_world_size = on_host.get(r.host.name.as_str()).copied().unwrap_or(1);
     }
     ranks
 }

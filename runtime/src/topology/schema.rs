@@ -1,5 +1,7 @@
 //! The sections of a topology file, as they are written.
 
+use std::collections::BTreeMap;
+
 use serde::{Deserialize, Serialize};
 
 use crate::ids::ModelId;
@@ -27,11 +29,55 @@ impl OnFailure {
     }
 }
 
+/// Whether the launcher starts a process's rank again when it dies with a failure.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Restart {
+    /// A dead rank stays dead; `[run] on_failure` decides what the run does.
+    #[default]
+    Never,
+    /// A rank that exits with a failure or is killed is started again (same rank, same
+    /// environment, `REFIT_INCARNATION` one higher), up to `max_restarts` times.
+    OnFailure,
+}
+
+impl Restart {
+    /// The name used in topology files.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Never => "never",
+            Self::OnFailure => "on-failure",
+        }
+    }
+}
+
+/// The environment variables `refit launch` sets for every rank itself, which a process's
+/// `env` may not set (the rank would lose its place in the run).
+pub const RESERVED_ENV: &[&str] = &[
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "REFIT_TOPOLOGY",
+    "REFIT_SET",
+    "REFIT_INCARNATION",
+    "REFIT_TOKEN",
+    "REFIT_TOKEN_FILE",
+    "REFIT_METRICS_ADDR",
+];
+
+/// How many restarts `restart = "on-failure"` allows when `max_restarts` is not written.
+pub const DEFAULT_MAX_RESTARTS: u32 = 3;
+
 /// `[run]`: what every rank runs and how the run behaves.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct RunSection {
-    /// The program and its arguments, started once per rank (`["prog", "arg", ...]`).
+    /// The program and its arguments, started once per rank (`["prog", "arg", ...]`);
+    /// may be left out (empty) when every `[[process]]` has a `command` of its own.
+    #[serde(default)]
     pub command: Vec<String>,
     /// What happens when a process other than rank 0 dies with a failure.
     #[serde(default)]
@@ -174,6 +220,24 @@ pub struct ProcessSection {
     pub rollout_workers: Option<u32>,
     /// The models its trainer, engine and rollout roles serve (default: every model).
     pub models: Option<Vec<ModelId>>,
+    /// The program and its arguments for this process's ranks, instead of `[run] command`.
+    pub command: Option<Vec<String>>,
+    /// More environment variables for this process's ranks (not the launcher's own:
+    /// [`RESERVED_ENV`]).
+    #[serde(default)]
+    pub env: BTreeMap<String, String>,
+    /// Whether a rank that dies with a failure is started again (never for rank 0).
+    #[serde(default)]
+    pub restart: Restart,
+    /// How many times each rank may be restarted (only with `restart = "on-failure"`;
+    /// default [`DEFAULT_MAX_RESTARTS`]).
+    pub max_restarts: Option<u32>,
+    /// The address this process's nodes listen on (`0.0.0.0`: every interface), apart from
+    /// the host's `addr`, which the other ranks reach them at. Default: the host's `addr`.
+    pub bind: Option<String>,
+    /// A fixed port for this process's nodes instead of a free one: copy `i` listens on
+    /// `port + i`. For rank 0 it is the rendezvous port (`MASTER_PORT`'s default).
+    pub port: Option<u16>,
 }
 
 impl ProcessSection {

@@ -317,7 +317,7 @@ fn missing_sections_are_named() {
     refused(
         &small("").replace("command = [\"prog\"]", "seed = 1"),
         "run.command",
-        &["missing field `command`"],
+        &["empty", "process `learner` has no `command` of its own"],
     );
     refused(
         &small("").replace("command = [\"prog\"]", "command = []"),
@@ -709,4 +709,166 @@ fn every_example_topology_parses() {
         t.weights_transport(&t.model_ids()[0], 0, 1),
         TransportKind::Nearest(Reach::Host)
     );
+}
+
+#[test]
+fn launch_keys_of_a_process_reach_its_ranks() {
+    let t = Topology::parse(&small(
+        r#"command = ["engine-prog", "--fast"]
+env = { CUDA_VISIBLE_DEVICES = "1", MODE = "x y" }
+restart = "on-failure"
+max_restarts = 5
+bind = "0.0.0.0"
+port = 41000
+[[process]]
+name = "judge"
+roles = ["engine"]
+restart = "on-failure"
+"#,
+    ))
+    .unwrap();
+    let (r0, r1, r2, r3) = (
+        t.rank(0).unwrap(),
+        t.rank(1).unwrap(),
+        t.rank(2).unwrap(),
+        t.rank(3).unwrap(),
+    );
+    // rank 0 keeps the defaults: `[run] command`, no env, never restarted, no bind or port
+    assert_eq!(r0.command, ["prog"]);
+    assert!(r0.env.is_empty());
+    assert_eq!((r0.restart, r0.max_restarts), (Restart::Never, 0));
+    assert_eq!((r0.bind, r0.port), (None, None));
+    for (r, replica) in [(&r1, 0u16), (&r2, 1)] {
+        assert_eq!(r.command, ["engine-prog", "--fast"]);
+        assert_eq!(r.env["CUDA_VISIBLE_DEVICES"], "1");
+        assert_eq!(r.env["MODE"], "x y");
+        assert_eq!((r.restart, r.max_restarts), (Restart::OnFailure, 5));
+        assert_eq!(r.bind, Some(std::net::IpAddr::from([0, 0, 0, 0])));
+        assert_eq!(r.port, Some(41000 + replica), "copy {replica}");
+    }
+    assert_eq!(r3.command, ["prog"]);
+    assert_eq!(
+        (r3.restart, r3.max_restarts),
+        (Restart::OnFailure, DEFAULT_MAX_RESTARTS)
+    );
+    // one host: local ranks are the ranks
+    for r in [&r0, &r1, &r2, &r3] {
+        assert_eq!((r.local_rank, r.local_world_size), (r.rank, 4));
+    }
+}
+
+#[test]
+fn local_ranks_count_within_each_host() {
+    let t = Topology::parse(BASE).unwrap();
+    let local: Vec<(u32, u32)> = t
+        .ranks()
+        .iter()
+        .map(|r| (r.local_rank, r.local_world_size))
+        .collect();
+    // learner and near on `a`, the two copies of far on `b`
+    assert_eq!(local, [(0, 2), (1, 2), (0, 2), (1, 2)]);
+}
+
+#[test]
+fn every_process_may_bring_its_own_command() {
+    let text = small("command = [\"b\"]\n")
+        .replace("command = [\"prog\"]\n", "")
+        .replace(
+            "roles = [\"trainer\", \"controller\"]",
+            "roles = [\"trainer\", \"controller\"]\ncommand = [\"a\", \"1\"]",
+        );
+    let t = Topology::parse(&text).unwrap();
+    assert!(t.run.command.is_empty());
+    assert_eq!(t.rank(0).unwrap().command, ["a", "1"]);
+    assert_eq!(t.rank(2).unwrap().command, ["b"]);
+}
+
+#[test]
+fn bad_launch_keys_are_named() {
+    refused(
+        &small("command = []\n"),
+        "process[actor].command",
+        &["empty"],
+    );
+    refused(
+        &small("command = [\"\"]\n"),
+        "process[actor].command",
+        &["program"],
+    );
+    refused(
+        &small("command = \"prog\"\n"),
+        "process[actor].command",
+        &["expected a sequence"],
+    );
+    refused(
+        &small("env = { RANK = \"1\" }\n"),
+        "process[actor].env.RANK",
+        &["`RANK`", "refit launch"],
+    );
+    refused(
+        &small("env = { \"A=B\" = \"1\" }\n"),
+        "process[actor].env",
+        &["\"A=B\"", "not an environment variable name"],
+    );
+    refused(
+        &small("env = { N = 1 }\n"),
+        "process[actor].env",
+        &["expected a string"],
+    );
+    refused(
+        &small("restart = \"always\"\n"),
+        "process[actor].restart",
+        &["always", "on-failure"],
+    );
+    refused(
+        &small("max_restarts = 2\n"),
+        "process[actor].max_restarts",
+        &["without restart = \"on-failure\""],
+    );
+    refused(
+        &small("restart = \"on-failure\"\nmax_restarts = 0\n"),
+        "process[actor].max_restarts",
+        &["max_restarts = 0"],
+    );
+    refused(
+        &small("restart = \"on-failure\"\nmax_restarts = -1\n"),
+        "process[actor].max_restarts",
+        &["-1"],
+    );
+    refused(
+        &small("").replace(
+            "roles = [\"trainer\", \"controller\"]",
+            "roles = [\"trainer\", \"controller\"]\nrestart = \"on-failure\"",
+        ),
+        "process[learner].restart",
+        &["rank 0", "never restarted"],
+    );
+    refused(
+        &small("bind = \"everywhere\"\n"),
+        "process[actor].bind",
+        &["\"everywhere\"", "not an IP address"],
+    );
+    refused(&small("port = 0\n"), "process[actor].port", &["port = 0"]);
+    refused(&small("port = 70000\n"), "process[actor].port", &["70000"]);
+    refused(
+        &small("port = 65535\n"),
+        "process[actor].port",
+        &["65535", "2 replicas"],
+    );
+    // two processes on one host asking for one port
+    refused(
+        &small("port = 5000\n[[process]]\nname = \"judge\"\nroles = [\"engine\"]\nport = 5001\n"),
+        "process[judge].port",
+        &["`judge`", "`actor`", "5000..=5001", "host `local`"],
+    );
+    // on two hosts, the same port is fine
+    Topology::parse(
+        &BASE
+            .replace("replicas = 2\n", "replicas = 2\nport = 7000\n")
+            .replace(
+                "rollout_workers = 3\n",
+                "rollout_workers = 3\nport = 7000\n",
+            ),
+    )
+    .unwrap();
 }

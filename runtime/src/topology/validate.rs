@@ -4,7 +4,8 @@
 use std::collections::BTreeSet;
 
 use super::schema::{
-    HostSection, ModelSection, ProcessSection, RawTopology, Role, RunSection, StopSection,
+    HostSection, ModelSection, ProcessSection, RESERVED_ENV, RawTopology, Restart, Role,
+    RunSection, StopSection,
 };
 use crate::error::{Error, Result};
 
@@ -36,18 +37,29 @@ fn name_ok(key: &str, name: &str) -> Result<()> {
     Ok(())
 }
 
-fn check_run(run: &RunSection) -> Result<()> {
-    match run.command.first() {
-        None => {
+/// A command as written: a program (first element, not empty) and its arguments.
+fn check_command(key: &str, command: &[String]) -> Result<()> {
+    match command.first() {
+        None => Err(bad(key, "is empty; give the program and its arguments")),
+        Some(p) if p.trim().is_empty() => Err(bad(key, "the program (first element) is empty")),
+        Some(_) => Ok(()),
+    }
+}
+
+fn check_run(run: &RunSection, processes: &[ProcessSection]) -> Result<()> {
+    // `[run] command` may be left out when every process brings its own
+    match processes.iter().find(|p| p.command.is_none()) {
+        Some(p) if run.command.is_empty() => {
             return Err(bad(
                 "run.command",
-                "is empty; give the program and its arguments",
+                format!(
+                    "is empty; give the program and its arguments (process `{}` has no `command` of its own)",
+                    p.name
+                ),
             ));
         }
-        Some(p) if p.trim().is_empty() => {
-            return Err(bad("run.command", "the program (first element) is empty"));
-        }
-        Some(_) => {}
+        _ if !run.command.is_empty() => check_command("run.command", &run.command)?,
+        _ => {}
     }
     seconds("run.wait_s", run.wait_s)?;
     seconds("run.keepalive_s", run.keepalive_s)?;
@@ -211,6 +223,7 @@ fn check_processes(processes: &mut [ProcessSection], hosts: &[HostSection]) -> R
             }
             _ => {}
         }
+        check_launch_keys(p)?;
     }
     let world: u64 = processes.iter().map(|p| u64::from(p.replicas)).sum();
     if world > u64::from(super::MAX_WORLD_SIZE) {
@@ -221,6 +234,118 @@ fn check_processes(processes: &mut [ProcessSection], hosts: &[HostSection]) -> R
                 super::MAX_WORLD_SIZE
             ),
         ));
+    }
+    Ok(())
+}
+
+/// Checks what the launcher does with one process: its command, environment, restarts,
+/// bind address and port.
+fn check_launch_keys(p: &ProcessSection) -> Result<()> {
+    let at = |k: &str| format!("process[{}].{k}", p.name);
+    if let Some(command) = &p.command {
+        check_command(&at("command"), command)?;
+    }
+    for (k, v) in &p.env {
+        if k.is_empty() || k.contains(['=', '\0']) || k.chars().any(char::is_whitespace) {
+            return Err(bad(
+                at("env"),
+                format!(
+                    "process `{}`: {k:?} is not an environment variable name (empty, or holds `=`, a space or NUL)",
+                    p.name
+                ),
+            ));
+        }
+        if v.contains('\0') {
+            return Err(bad(
+                format!("{}.{k}", at("env")),
+                format!("process `{}`: the value holds a NUL byte", p.name),
+            ));
+        }
+        if RESERVED_ENV.contains(&k.as_str()) {
+            return Err(bad(
+                format!("{}.{k}", at("env")),
+                format!(
+                    "process `{}` sets `{k}`, which `refit launch` sets for every rank itself",
+                    p.name
+                ),
+            ));
+        }
+    }
+    match (p.restart, p.max_restarts) {
+        (Restart::Never, Some(_)) => {
+            return Err(bad(
+                at("max_restarts"),
+                format!(
+                    "process `{}` sets max_restarts without restart = \"on-failure\"",
+                    p.name
+                ),
+            ));
+        }
+        (Restart::OnFailure, Some(0)) => {
+            return Err(bad(
+                at("max_restarts"),
+                format!(
+                    "process `{}` has max_restarts = 0; at least 1 (or restart = \"never\")",
+                    p.name
+                ),
+            ));
+        }
+        _ => {}
+    }
+    if let Some(b) = &p.bind
+        && b.trim().parse::<std::net::IpAddr>().is_err()
+    {
+        return Err(bad(
+            at("bind"),
+            format!(
+                "process `{}`: {b:?} is not an IP address (`0.0.0.0` listens on every interface)",
+                p.name
+            ),
+        ));
+    }
+    match p.port {
+        Some(0) => Err(bad(
+            at("port"),
+            format!(
+                "process `{}` has port = 0; leave `port` out for a free port",
+                p.name
+            ),
+        )),
+        Some(port) if u32::from(port) + p.replicas - 1 > u32::from(u16::MAX) => Err(bad(
+            at("port"),
+            format!(
+                "process `{}`: port {port} + {} replicas goes past 65535",
+                p.name, p.replicas
+            ),
+        )),
+        _ => Ok(()),
+    }
+}
+
+/// Checks that no two processes on one host ask for the same fixed port.
+fn check_ports(processes: &[ProcessSection]) -> Result<()> {
+    for (i, p) in processes.iter().enumerate() {
+        let Some(port) = p.port else { continue };
+        let mine = u32::from(port)..u32::from(port) + p.replicas;
+        for q in &processes[..i] {
+            let Some(other) = q.port else { continue };
+            let theirs = u32::from(other)..u32::from(other) + q.replicas;
+            if q.host == p.host && mine.start < theirs.end && theirs.start < mine.end {
+                return Err(bad(
+                    format!("process[{}].port", p.name),
+                    format!(
+                        "process `{}` (ports {}..={}) and process `{}` (ports {}..={}) share host `{}` and a port",
+                        p.name,
+                        mine.start,
+                        mine.end - 1,
+                        q.name,
+                        theirs.start,
+                        theirs.end - 1,
+                        p.host
+                    ),
+                ));
+            }
+        }
     }
     Ok(())
 }
@@ -248,6 +373,15 @@ fn check_placement(processes: &[ProcessSection], models: &[ModelSection]) -> Res
             format!(
                 "process `{}` runs rank 0 and must hold `controller` (rank 0 leads the run and \
                  serves the rendezvous store)",
+                first.name
+            ),
+        ));
+    }
+    if first.restart != Restart::Never {
+        return Err(bad(
+            format!("process[{}].restart", first.name),
+            format!(
+                "process `{}` runs rank 0, which is never restarted (its end ends the run)",
                 first.name
             ),
         ));
@@ -378,7 +512,7 @@ fn check_placement(processes: &[ProcessSection], models: &[ModelSection]) -> Res
 /// Checks `raw` whole; fills in defaults that depend on other sections (the default host,
 /// each process's host, the sync models).
 pub(crate) fn validate(raw: &mut RawTopology) -> Result<()> {
-    check_run(&raw.run)?;
+    check_run(&raw.run, &raw.processes)?;
     if !raw.sync.models.is_empty() {
         return Err(bad(
             "sync.models",
@@ -409,5 +543,6 @@ pub(crate) fn validate(raw: &mut RawTopology) -> Result<()> {
     check_hosts(&raw.hosts)?;
     check_models(&raw.models)?;
     check_processes(&mut raw.processes, &raw.hosts)?;
+    check_ports(&raw.processes)?;
     check_placement(&raw.processes, &raw.models)
 }

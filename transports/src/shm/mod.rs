@@ -59,7 +59,9 @@ use serde::{Deserialize, Serialize};
 pub use layout::{MAX_MODELS, MAX_SLOTS};
 pub use link::ShmLink;
 pub use receiver::{ShmReadMode, ShmReceiver};
-pub use sender::{DepartedReceiver, ShmSender, overwrite_sender_pid};
+#[cfg(feature = "test-util")]
+pub use sender::overwrite_sender_pid;
+pub use sender::{DepartedReceiver, ShmSender};
 
 const NAME: &str = "shm";
 /// How often a waiting party checks the other side's liveness.

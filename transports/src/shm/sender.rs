@@ -438,10 +438,11 @@ impl ShmSender {
     }
 }
 
+#[cfg(feature = "test-util")]
 impl ShmSender {
-    /// Test hook: claims a slot, writes half of `weights` into it and aborts the process, as a
-    /// crash in the middle of a publish would. Used by the crash tests; never call it otherwise.
-    #[doc(hidden)]
+    /// Test hook (feature `test-util`): claims a slot, writes half of `weights` into it and
+    /// aborts the process, as a crash in the middle of a publish would. Used by the crash
+    /// tests; never call it otherwise.
     pub fn crash_mid_write(&mut self, weights: &WeightSet) -> ! {
         if let Ok(m) = self.model_index(weights.model())
             && let Ok((slot, _)) = self.claim_slot(m, Instant::now() + Duration::from_secs(5))
@@ -455,13 +456,13 @@ impl ShmSender {
     }
 }
 
-/// Test hook: writes `pid` into the sender's owner record of the board at `spec`, as if the
-/// sender had died and its pid gone to another process. Used by the pid-reuse tests; never
-/// call it otherwise.
+/// Test hook (feature `test-util`): writes `pid` into the sender's owner record of the board
+/// at `spec`, as if the sender had died and its pid gone to another process. Used by the
+/// pid-reuse tests; never call it otherwise.
 ///
 /// # Errors
 /// If the board cannot be opened.
-#[doc(hidden)]
+#[cfg(feature = "test-util")]
 pub fn overwrite_sender_pid(spec: &ShmReceiverSpec, pid: u32) -> Result<()> {
     let board = Segment::open(&spec.board, true)?;
     board

@@ -40,8 +40,8 @@
 //! - **Sinks**: a receiver can write a transfer into a [`Sink`] (e.g. the file the weights
 //!   are bound for) instead of an arena, through a small reused buffer, hashed as the bytes
 //!   pass, or straight into memory of the sink's own that it hands out bucket by bucket
-//!   ([`Sink::claim`], e.g. a map of the file) ([`TcpReceiver::with_sinks`]; `refit pull`
-//!   does this).
+//!   ([`Sink::claim`], e.g. a map of the file) ([`TcpReceiver::with_sinks`]); [`PullFile`]
+//!   is such a sink for a safetensors file (what `refit pull` writes).
 //! - **Security**: nodes bind loopback unless configured, and a node bound to an
 //!   unspecified address (`0.0.0.0`) must be given the address to advertise; every
 //!   connection presents the cluster token (from the configuration, `REFIT_TOKEN`,
@@ -53,6 +53,7 @@
 //! longer awaited), and a restarted receiver registers anew and gets the newest version.
 
 mod data;
+mod file_sink;
 mod inflight;
 mod link;
 mod messages;
@@ -70,6 +71,7 @@ use serde::{Deserialize, Serialize};
 use uuid::Uuid;
 
 pub use data::{Sink, SinkSlice};
+pub use file_sink::PullFile;
 pub use link::TcpLink;
 pub use messages::{RECEIVE_WEIGHTS, TransferMode};
 pub use receiver::{SinkSource, TcpReceiver, TcpReceiverConfig};

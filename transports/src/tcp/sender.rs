@@ -344,13 +344,13 @@ impl TcpSender {
             .and_then(|s| s.plan.as_ref().map(|p| Arc::clone(&p.1)))
     }
 
-    /// Test hook: replaces the plan this sender ships and serves `plan.model` by, as a
-    /// forged or buggy sender would. Receivers must refuse a plan that does not fit their
-    /// manifest.
+    /// Test hook (feature `test-util`): replaces the plan this sender ships and serves
+    /// `plan.model` by, as a forged or buggy sender would. Receivers must refuse a plan that
+    /// does not fit their manifest.
     ///
     /// # Errors
     /// [`Error::UnknownModel`] when the sender does not serve the plan's model; wire errors.
-    #[doc(hidden)]
+    #[cfg(feature = "test-util")]
     pub fn replace_bucket_plan(&self, plan: BucketPlan) -> Result<()> {
         let id = plan.fingerprint()?;
         let mut st = self.agent.lock();
@@ -362,9 +362,10 @@ impl TcpSender {
         Ok(())
     }
 
-    /// Test hook: flips one byte in each of the next `chunks` chunks (1 MiB) this sender
-    /// serves, as a faulty network or disk would. Receivers must catch it by checksum.
-    #[doc(hidden)]
+    /// Test hook (feature `test-util`): flips one byte in each of the next `chunks` chunks
+    /// (1 MiB) this sender serves, as a faulty network or disk would. Receivers must catch
+    /// it by checksum.
+    #[cfg(feature = "test-util")]
     pub fn inject_corruption(&self, chunks: u32) {
         self.agent
             .stats

@@ -3,30 +3,24 @@
 
 use std::io::{self, BufRead, BufReader, Read, Write};
 use std::os::unix::process::CommandExt;
-use std::path::PathBuf;
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::mpsc;
 
-use refit::node::TOKEN_FILE_ENV;
-
-/// What to start for one rank.
-#[derive(Debug, Clone)]
-pub(crate) struct RankSpawn {
-    pub(crate) rank: u32,
-    pub(crate) name: String,
-    pub(crate) program: PathBuf,
-    pub(crate) args: Vec<String>,
-    pub(crate) env: Vec<(String, String)>,
-}
+use super::{INCARNATION_ENV, RankSpawn};
+use crate::TOKEN_FILE_ENV;
 
 /// A started rank.
 #[derive(Debug)]
 pub(crate) struct Running {
+    /// Which of the supervisor's specs it runs.
+    pub(crate) spec: usize,
     pub(crate) rank: u32,
     pub(crate) name: String,
     pub(crate) child: Child,
     /// Its exit status, once reaped.
     pub(crate) status: Option<ExitStatus>,
+    /// How many times it was restarted so far.
+    pub(crate) restarts: u32,
 }
 
 impl Running {
@@ -53,16 +47,22 @@ impl Running {
     }
 }
 
-/// Starts one rank; its stdout and stderr are copied, line by line and prefixed, to ours by
-/// two threads that report on `done` when their stream closes.
+/// Starts one rank (`incarnation`: its `REFIT_INCARNATION`); its stdout and stderr are
+/// copied, line by line and prefixed, to ours by two threads that report on `done` when
+/// their stream closes.
 ///
 /// # Errors
 /// When the program cannot be started (not found, not executable).
-pub(crate) fn spawn(spec: &RankSpawn, done: &mpsc::Sender<()>) -> io::Result<Running> {
+pub(crate) fn spawn(
+    spec: &RankSpawn,
+    incarnation: u32,
+    done: &mpsc::Sender<()>,
+) -> io::Result<Child> {
     let mut cmd = Command::new(&spec.program);
     cmd.args(&spec.args)
         .env_remove(TOKEN_FILE_ENV)
         .envs(spec.env.iter().map(|(k, v)| (k, v)))
+        .env(INCARNATION_ENV, incarnation.to_string())
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -100,12 +100,7 @@ pub(crate) fn spawn(spec: &RankSpawn, done: &mpsc::Sender<()>) -> io::Result<Run
     if let Some(err) = child.stderr.take() {
         pump(err, prefix, true, done.clone());
     }
-    Ok(Running {
-        rank: spec.rank,
-        name: spec.name.clone(),
-        child,
-        status: None,
-    })
+    Ok(child)
 }
 
 /// Copies `from` to our stdout (or stderr) line by line, each line prefixed and written

@@ -1,26 +1,32 @@
-//! Watching the ranks: a failure is reported at once (rank, process, status or signal) and
-//! ends the run or not as `on_failure` says; rank 0 finishing ends the run; SIGINT/SIGTERM
-//! to the launcher are passed on to every rank.
+//! Watching the ranks: a failure is reported at once (rank, process, status or signal); a
+//! rank whose process says `restart = "on-failure"` is started again while it has restarts
+//! left; otherwise the failure ends the run or not as `on_failure` says. Rank 0 finishing
+//! ends the run; SIGINT/SIGTERM to the launcher are passed on to every rank.
 
-use std::process::ExitCode;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, mpsc};
 use std::time::{Duration, Instant};
 
-use refit::runtime::cleanup;
-use refit::runtime::topology::OnFailure;
+use refit_runtime::cleanup;
+use refit_runtime::topology::OnFailure;
 
-use super::child::{self, RankSpawn, Running};
+use super::RankSpawn;
+use super::child::{self, Running};
 
 const TICK: Duration = Duration::from_millis(25);
 
-/// Runs the ranks to the end.
+/// Starts the ranks of a launch and runs them to the end (what `refit launch` does once it
+/// knows its ranks). Reports go to stderr, prefixed `refit launch:`; each rank's output
+/// lines go to our stdout and stderr, prefixed `[rank N process]`.
 #[derive(Debug)]
-pub(crate) struct Supervisor {
+pub struct Supervisor {
     grace: Duration,
     on_failure: OnFailure,
+    specs: Mutex<Vec<RankSpawn>>,
     ranks: Mutex<Vec<Running>>,
     interrupted: AtomicBool,
+    /// Output streams opened so far (two per start).
+    streams: AtomicUsize,
 }
 
 /// How the run ends.
@@ -33,28 +39,38 @@ enum End {
     AllDone(u8),
 }
 
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
 impl Supervisor {
-    pub(crate) fn new(grace: Duration, on_failure: OnFailure) -> Self {
-        Self {
+    /// A supervisor that gives ranks `grace` to exit (after rank 0 is done, and after
+    /// SIGTERM before SIGKILL) and treats a failure past its restarts as `on_failure` says.
+    pub fn new(grace: Duration, on_failure: OnFailure) -> Arc<Self> {
+        Arc::new(Self {
             grace,
             on_failure,
+            specs: Mutex::new(Vec::new()),
             ranks: Mutex::new(Vec::new()),
             interrupted: AtomicBool::new(false),
-        }
-    }
-
-    fn lock(&self) -> MutexGuard<'_, Vec<Running>> {
-        self.ranks
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            streams: AtomicUsize::new(0),
+        })
     }
 
     /// Starts every rank of `specs` (the first is the lead: the run ends with it) and
-    /// supervises them; returns the launcher's exit status: the lead's, or the failed
-    /// rank's when a failure aborts the run.
-    pub(crate) fn run(self: &Arc<Self>, specs: &[RankSpawn]) -> ExitCode {
-        // SIGINT/SIGTERM to the launcher: pass SIGTERM on, give the grace period, then SIGKILL
-        // (the process then exits with 128 + the signal, see `cleanup`).
+    /// supervises them; answers the launcher's exit status: the lead's, the failed rank's
+    /// when a failure aborts the run, or 1 when a rank cannot be started. SIGINT/SIGTERM to
+    /// this process stop every rank (SIGTERM to each rank's process group, the grace period,
+    /// then SIGKILL) and exit with 128 + the signal (with
+    /// [`install_signal_handlers`](crate::signals::install_signal_handlers)).
+    ///
+    /// Call it from the thread that lives as long as the launcher (the main thread): a
+    /// rank's parent-death signal fires when the thread that started it exits.
+    pub fn run(self: &Arc<Self>, specs: &[RankSpawn]) -> u8 {
+        *lock(&self.specs) = specs.to_vec();
+        // stopping the ranks on SIGINT/SIGTERM takes up to two grace periods (SIGTERM, then
+        // SIGKILL and the reaping): the release must not be cut short before that
+        cleanup::set_release_bound(self.grace * 2 + Duration::from_secs(2));
         let me = Arc::clone(self);
         let _forward = cleanup::on_exit_signal(move || {
             me.interrupted.store(true, Ordering::SeqCst);
@@ -62,32 +78,31 @@ impl Supervisor {
             me.stop_all(false);
         });
         let (done_tx, done_rx) = mpsc::channel();
-        let mut streams = 0;
-        for spec in specs {
-            match child::spawn(spec, &done_tx) {
-                Ok(running) => {
+        for (i, spec) in specs.iter().enumerate() {
+            match self.start(spec, spec.incarnation, &done_tx) {
+                Ok(child) => {
                     eprintln!(
-                        "refit launch: started {} (pid {})",
-                        running.label(),
-                        running.child.id()
-                    );
-                    streams += 2;
-                    self.lock().push(running);
-                }
-                Err(e) => {
-                    eprintln!(
-                        "refit launch: error: rank {} ({}): cannot start `{}`: {e}",
+                        "refit launch: started rank {} ({}) (pid {})",
                         spec.rank,
                         spec.name,
-                        spec.program.display()
+                        child.id()
                     );
+                    lock(&self.ranks).push(Running {
+                        spec: i,
+                        rank: spec.rank,
+                        name: spec.name.clone(),
+                        child,
+                        status: None,
+                        restarts: 0,
+                    });
+                }
+                Err(()) => {
                     self.stop_all(false);
-                    return ExitCode::FAILURE;
+                    return 1;
                 }
             }
         }
-        drop(done_tx);
-        let code = match self.watch() {
+        let code = match self.watch(&done_tx) {
             End::LeadDone(code) => {
                 self.stop_all(true);
                 code
@@ -98,20 +113,89 @@ impl Supervisor {
             }
             End::AllDone(code) => code,
         };
+        drop(done_tx);
         // let the output threads copy what is left (a grandchild holding a pipe open must
         // not keep the launcher waiting)
         let deadline = Instant::now() + Duration::from_secs(2);
-        for _ in 0..streams {
+        for _ in 0..self.streams.load(Ordering::SeqCst) {
             let left = deadline.saturating_duration_since(Instant::now());
             if done_rx.recv_timeout(left).is_err() {
                 break;
             }
         }
-        ExitCode::from(code)
+        code
+    }
+
+    /// Starts one copy of `spec`, reporting a failure to start.
+    fn start(
+        &self,
+        spec: &RankSpawn,
+        incarnation: u32,
+        done: &mpsc::Sender<()>,
+    ) -> Result<std::process::Child, ()> {
+        match child::spawn(spec, incarnation, done) {
+            Ok(c) => {
+                self.streams.fetch_add(2, Ordering::SeqCst);
+                Ok(c)
+            }
+            Err(e) => {
+                eprintln!(
+                    "refit launch: error: rank {} ({}): cannot start `{}`: {e}",
+                    spec.rank,
+                    spec.name,
+                    spec.program.display()
+                );
+                Err(())
+            }
+        }
+    }
+
+    /// Starts the rank at `at` again if its spec allows another restart and the run is not
+    /// being stopped; true when it runs again.
+    fn restart(&self, at: usize, done: &mpsc::Sender<()>) -> bool {
+        let specs = lock(&self.specs);
+        // under the lock of the ranks: a stop that starts now signals the new process too
+        let mut ranks = self.lock();
+        let r = &mut ranks[at];
+        let spec = &specs[r.spec];
+        if spec.rank == 0 || r.restarts >= spec.max_restarts {
+            if spec.max_restarts > 0 {
+                eprintln!(
+                    "refit launch: {} has no restart left (max_restarts = {})",
+                    r.label(),
+                    spec.max_restarts
+                );
+            }
+            return false;
+        }
+        if self.interrupted.load(Ordering::SeqCst) {
+            return false;
+        }
+        let incarnation = spec.incarnation + r.restarts + 1;
+        match self.start(spec, incarnation, done) {
+            Ok(child) => {
+                r.restarts += 1;
+                eprintln!(
+                    "refit launch: restarted {} (restart {} of {}, REFIT_INCARNATION={incarnation}, pid {})",
+                    r.label(),
+                    r.restarts,
+                    spec.max_restarts,
+                    child.id()
+                );
+                r.child = child;
+                r.status = None;
+                true
+            }
+            Err(()) => false,
+        }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Vec<Running>> {
+        lock(&self.ranks)
     }
 
     /// Polls the ranks until the run ends.
-    fn watch(&self) -> End {
+    fn watch(&self, done: &mpsc::Sender<()>) -> End {
         let on_failure = self.on_failure;
         loop {
             let mut ended = Vec::new();
@@ -151,6 +235,9 @@ impl Supervisor {
                     "refit launch: {label} failed: it {}",
                     child::describe(status)
                 );
+                if self.restart(i, done) {
+                    continue;
+                }
                 if i == 0 {
                     if self.lock().len() > 1 {
                         eprintln!("refit launch: rank 0 ended; stopping the other ranks");

@@ -22,8 +22,9 @@ use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-use refit::runtime::{Error, Result, SharedBytes};
-use refit::transports::tcp::SinkSlice;
+use refit_runtime::{Error, Result, SharedBytes};
+
+use crate::tcp::SinkSlice;
 
 /// Bytes of one huge page, the unit regions are prepared in.
 const HUGE: usize = 2 << 20;

@@ -1,68 +1,42 @@
-//! Which ranks this launch starts: all of them (no launch variables), or one, named by
+//! Which ranks a launch starts: all of them (no launch variables), or one, named by
 //! `--rank`, `RANK`/`WORLD_SIZE` (torchrun) or `SLURM_PROCID`/`SLURM_NTASKS` (Slurm).
 
-use std::path::Path;
+use refit_runtime::topology::Topology;
 
-use refit::node::slurm;
-use refit::node::{ClusterToken, TOKEN_ENV};
-use refit::runtime::topology::Topology;
-use refit::runtime::{Error, Result};
+use super::LaunchEnv;
+use crate::error::{Error, Result};
+use crate::slurm;
 
-/// The port of the rendezvous store when nothing names one in a per-rank launch.
-pub(crate) const DEFAULT_MASTER_PORT: u16 = 29500;
-
-/// One rank's place in the run: the launch variables it gets.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) struct RankEnv {
-    pub(crate) rank: u32,
-    pub(crate) world_size: u32,
-    pub(crate) master_addr: String,
-    pub(crate) master_port: u16,
-}
-
-impl RankEnv {
-    /// The child's environment: the launch variables, the topology file and the token.
-    pub(crate) fn vars(&self, topology: &Path, token: &ClusterToken) -> Vec<(String, String)> {
-        vec![
-            ("RANK".into(), self.rank.to_string()),
-            ("WORLD_SIZE".into(), self.world_size.to_string()),
-            ("MASTER_ADDR".into(), self.master_addr.clone()),
-            ("MASTER_PORT".into(), self.master_port.to_string()),
-            (
-                "REFIT_TOPOLOGY".into(),
-                topology.to_string_lossy().into_owned(),
-            ),
-            (TOKEN_ENV.into(), token.expose().to_string()),
-        ]
-    }
-}
+/// The port of the rendezvous store when nothing names one in a per-rank launch (and rank
+/// 0's process has no `port`).
+pub const DEFAULT_MASTER_PORT: u16 = 29500;
 
 fn number<T: std::str::FromStr>(var: &'static str, raw: &str) -> Result<T> {
-    raw.trim().parse().map_err(|_| {
-        Error::from(refit::node::Error::Launch {
-            var,
-            reason: format!("{raw:?} is not a valid number"),
-        })
+    raw.trim().parse().map_err(|_| Error::Launch {
+        var,
+        reason: format!("{raw:?} is not a valid number"),
     })
 }
 
-/// Where this launch stands: `None` to start every rank here, or the one rank to start.
+/// Where a launch stands: `None` to start every rank here, or the one rank to start.
 ///
-/// `--rank` wins over `RANK`, which wins over `SLURM_PROCID`; the world size comes from
-/// `WORLD_SIZE`, else `SLURM_NTASKS`, else the topology, and must equal the topology's.
-/// `MASTER_ADDR` comes from the variable, else (under Slurm) the first host of
+/// `flag_rank` (`--rank`) wins over `RANK`, which wins over `SLURM_PROCID`; the world size
+/// comes from `WORLD_SIZE`, else `SLURM_NTASKS`, else the topology, and must equal the
+/// topology's. `MASTER_ADDR` comes from the variable, else (under Slurm) the first host of
 /// `SLURM_STEP_NODELIST` (or `SLURM_JOB_NODELIST`), else rank 0's host in the file;
-/// `MASTER_PORT` from `--master-port`, else the variable, else 29500.
+/// `MASTER_PORT` from `flag_port` (`--master-port`), else the variable, else rank 0's
+/// `port` in the file, else [`DEFAULT_MASTER_PORT`]. `lookup` reads a variable (empty ones
+/// count as unset).
 ///
 /// # Errors
-/// [`refit::node::Error::Launch`] naming the variable that is bad, disagrees with the topology, or is
+/// [`Error::Launch`] naming the variable that is bad, disagrees with the topology, or is
 /// missing (`WORLD_SIZE` without `RANK` and the reverse).
-pub(crate) fn rank_env(
+pub fn resolve_rank(
     flag_rank: Option<u32>,
     flag_port: Option<u16>,
     topo: &Topology,
     lookup: &impl Fn(&str) -> Option<String>,
-) -> Result<Option<RankEnv>> {
+) -> Result<Option<LaunchEnv>> {
     let get = |k: &str| lookup(k).filter(|v| !v.trim().is_empty());
     let torch = get("RANK").is_some() || get("WORLD_SIZE").is_some();
     let slurm = !torch && get("SLURM_PROCID").is_some();
@@ -78,40 +52,40 @@ pub(crate) fn rank_env(
         (Some(r), _) => r,
         (None, Some(raw)) => number(rank_var, &raw)?,
         (None, None) => {
-            return Err(Error::from(refit::node::Error::Launch {
+            return Err(Error::Launch {
                 var: rank_var,
                 reason: format!("not set, while {world_var} is"),
-            }));
+            });
         }
     };
     let world_size = match get(world_var) {
         Some(raw) => number(world_var, &raw)?,
         None if flag_rank.is_some() => topo.world_size(),
         None => {
-            return Err(Error::from(refit::node::Error::Launch {
+            return Err(Error::Launch {
                 var: world_var,
                 reason: format!("not set, while {rank_var} is"),
-            }));
+            });
         }
     };
     if world_size != topo.world_size() {
-        return Err(Error::from(refit::node::Error::Launch {
+        return Err(Error::Launch {
             var: world_var,
             reason: format!(
                 "{world_size} does not match the topology's world size {} (its processes times their replicas)",
                 topo.world_size()
             ),
-        }));
+        });
     }
     if rank >= world_size {
-        return Err(Error::from(refit::node::Error::Launch {
+        return Err(Error::Launch {
             var: if flag_rank.is_some() {
                 "--rank"
             } else {
                 rank_var
             },
             reason: format!("{rank} is not below the world size {world_size}"),
-        }));
+        });
     }
     let master_addr = match get("MASTER_ADDR") {
         Some(a) => a.trim().to_string(),
@@ -119,10 +93,10 @@ pub(crate) fn rank_env(
             (Some(list), _) => slurm::first_host("SLURM_STEP_NODELIST", &list)?,
             (None, Some(list)) => slurm::first_host("SLURM_JOB_NODELIST", &list)?,
             (None, None) => {
-                return Err(Error::from(refit::node::Error::Launch {
+                return Err(Error::Launch {
                     var: "SLURM_STEP_NODELIST",
                     reason: "not set (nor MASTER_ADDR), so rank 0's host is unknown".into(),
-                }));
+                });
             }
         },
         None => topo.master_host().to_string(),
@@ -130,20 +104,39 @@ pub(crate) fn rank_env(
     let master_port = match (flag_port, get("MASTER_PORT")) {
         (Some(p), _) => p,
         (None, Some(raw)) => number("MASTER_PORT", &raw)?,
-        (None, None) => DEFAULT_MASTER_PORT,
+        (None, None) => topo.ranks()[0].port.unwrap_or(DEFAULT_MASTER_PORT),
     };
     if master_port == 0 {
-        return Err(Error::from(refit::node::Error::Launch {
+        return Err(Error::Launch {
             var: "MASTER_PORT",
             reason: "port 0 cannot be reached".into(),
-        }));
+        });
     }
-    Ok(Some(RankEnv {
+    Ok(Some(LaunchEnv {
         rank,
         world_size,
         master_addr,
         master_port,
     }))
+}
+
+/// The incarnation of a per-rank launch's first start: `REFIT_INCARNATION`,
+/// `SLURM_RESTART_COUNT` (a requeued Slurm job) or `TORCHELASTIC_RESTART_COUNT`, the first
+/// set, else 0 (a scheduler that restarts the task says so through one of them).
+///
+/// # Errors
+/// [`Error::Launch`] naming a variable that is not a number.
+pub fn scheduler_incarnation(lookup: &impl Fn(&str) -> Option<String>) -> Result<u32> {
+    for var in [
+        super::INCARNATION_ENV,
+        "SLURM_RESTART_COUNT",
+        "TORCHELASTIC_RESTART_COUNT",
+    ] {
+        if let Some(raw) = lookup(var).filter(|v| !v.trim().is_empty()) {
+            return number(var, &raw);
+        }
+    }
+    Ok(0)
 }
 
 #[cfg(test)]
@@ -181,18 +174,18 @@ mod tests {
         move |k| map.get(k).cloned()
     }
 
-    fn err(r: Result<Option<RankEnv>>) -> String {
+    fn err(r: Result<Option<LaunchEnv>>) -> String {
         r.unwrap_err().to_string()
     }
 
     #[test]
     fn no_variables_start_every_rank() {
-        assert_eq!(rank_env(None, None, &topo(), &env(&[])).unwrap(), None);
+        assert_eq!(resolve_rank(None, None, &topo(), &env(&[])).unwrap(), None);
     }
 
     #[test]
     fn torchrun_variables_pick_one_rank() {
-        let e = rank_env(
+        let e = resolve_rank(
             None,
             None,
             &topo(),
@@ -207,7 +200,7 @@ mod tests {
         .unwrap();
         assert_eq!(
             e,
-            RankEnv {
+            LaunchEnv {
                 rank: 2,
                 world_size: 3,
                 master_addr: "h0".into(),
@@ -215,7 +208,7 @@ mod tests {
             }
         );
         // defaults: the file's master host, port 29500; the flag wins over the variable
-        let e = rank_env(
+        let e = resolve_rank(
             None,
             None,
             &topo(),
@@ -225,7 +218,7 @@ mod tests {
         .unwrap();
         assert_eq!((e.master_addr.as_str(), e.master_port), ("10.1.0.1", 29500));
         // --rank wins over RANK; the world size then defaults to the topology's
-        let e = rank_env(
+        let e = resolve_rank(
             Some(0),
             Some(7),
             &topo(),
@@ -234,7 +227,7 @@ mod tests {
         .unwrap()
         .unwrap();
         assert_eq!((e.rank, e.world_size, e.master_port), (0, 3, 7));
-        let e = rank_env(Some(2), Some(7), &topo(), &env(&[]))
+        let e = resolve_rank(Some(2), Some(7), &topo(), &env(&[]))
             .unwrap()
             .unwrap();
         assert_eq!((e.rank, e.world_size, e.master_port), (2, 3, 7));
@@ -242,7 +235,7 @@ mod tests {
 
     #[test]
     fn slurm_variables_pick_one_rank_and_the_first_host() {
-        let e = rank_env(
+        let e = resolve_rank(
             None,
             None,
             &topo(),
@@ -256,7 +249,7 @@ mod tests {
         .unwrap();
         assert_eq!((e.rank, e.world_size), (1, 3));
         assert_eq!((e.master_addr.as_str(), e.master_port), ("gpu07", 29500));
-        let e = rank_env(
+        let e = resolve_rank(
             None,
             Some(4000),
             &topo(),
@@ -275,7 +268,7 @@ mod tests {
     #[test]
     fn bad_variables_are_named() {
         let t = topo();
-        let e = err(rank_env(
+        let e = err(resolve_rank(
             None,
             None,
             &t,
@@ -285,30 +278,30 @@ mod tests {
             e.contains("WORLD_SIZE") && e.contains("world size 3"),
             "{e}"
         );
-        let e = err(rank_env(
+        let e = err(resolve_rank(
             None,
             None,
             &t,
             &env(&[("RANK", "x"), ("WORLD_SIZE", "3")]),
         ));
         assert!(e.contains("`RANK`") && e.contains("\"x\""), "{e}");
-        let e = err(rank_env(
+        let e = err(resolve_rank(
             None,
             None,
             &t,
             &env(&[("RANK", "3"), ("WORLD_SIZE", "3")]),
         ));
         assert!(e.contains("`RANK`") && e.contains("not below"), "{e}");
-        let e = err(rank_env(None, None, &t, &env(&[("WORLD_SIZE", "3")])));
+        let e = err(resolve_rank(None, None, &t, &env(&[("WORLD_SIZE", "3")])));
         assert!(e.contains("`RANK`: not set"), "{e}");
-        let e = err(rank_env(
+        let e = err(resolve_rank(
             None,
             None,
             &t,
             &env(&[("RANK", "0"), ("WORLD_SIZE", "3"), ("MASTER_PORT", "http")]),
         ));
         assert!(e.contains("`MASTER_PORT`"), "{e}");
-        let e = err(rank_env(
+        let e = err(resolve_rank(
             None,
             None,
             &t,
@@ -318,14 +311,14 @@ mod tests {
             e.contains("`SLURM_NTASKS`") && e.contains("world size 3"),
             "{e}"
         );
-        let e = err(rank_env(
+        let e = err(resolve_rank(
             None,
             None,
             &t,
             &env(&[("SLURM_PROCID", "0"), ("SLURM_NTASKS", "3")]),
         ));
         assert!(e.contains("SLURM_STEP_NODELIST"), "{e}");
-        let e = err(rank_env(
+        let e = err(resolve_rank(
             None,
             None,
             &t,
@@ -339,7 +332,40 @@ mod tests {
             e.contains("SLURM_STEP_NODELIST") && e.contains("backwards"),
             "{e}"
         );
-        let e = err(rank_env(Some(5), None, &t, &env(&[])));
+        let e = err(resolve_rank(Some(5), None, &t, &env(&[])));
         assert!(e.contains("`--rank`"), "{e}");
+    }
+
+    #[test]
+    fn rank_0s_fixed_port_is_the_default_master_port() {
+        let t = Topology::parse(
+            r#"
+            [run]
+            command = ["p"]
+            [[model]]
+            id = "m"
+            [[process]]
+            name = "learner"
+            roles = ["trainer", "controller"]
+            port = 41234
+            [[process]]
+            name = "actor"
+            roles = ["engine"]
+            "#,
+        )
+        .unwrap();
+        let e = resolve_rank(None, None, &t, &env(&[("RANK", "1"), ("WORLD_SIZE", "2")]))
+            .unwrap()
+            .unwrap();
+        assert_eq!(e.master_port, 41234);
+        let e = resolve_rank(
+            None,
+            None,
+            &t,
+            &env(&[("RANK", "1"), ("WORLD_SIZE", "2"), ("MASTER_PORT", "7")]),
+        )
+        .unwrap()
+        .unwrap();
+        assert_eq!(e.master_port, 7);
     }
 }

@@ -1,24 +1,28 @@
-//! The file `refit pull` writes. Where the platform allows (unix) and the model's tensors
-//! lie back to back (no padding between them, as for tensors whose sizes are multiples of 64
-//! bytes), the transfer writes its bytes straight into a temporary file beside the target,
-//! at their place after the safetensors header, as they arrive; nothing makes a second pass
-//! over them. A file in memory (tmpfs, such as `/dev/shm`, on Linux) is mapped and the
-//! socket read straight into the map ([`FileMap`](super::file_map::FileMap)); a file
-//! elsewhere takes positioned writes. The file is then synced and renamed into place.
-//! Otherwise the weights land in memory and are written afterwards.
+//! A safetensors file a TCP receiver pulls straight into (what `refit pull` writes). Where
+//! the platform allows (unix) and the model's tensors lie back to back (no padding between
+//! them, as for tensors whose sizes are multiples of 64 bytes), the transfer writes its
+//! bytes straight into a temporary file beside the target, at their place after the
+//! safetensors header, as they arrive; nothing makes a second pass over them. A file in
+//! memory (tmpfs, such as `/dev/shm`, on Linux) is mapped and the socket read straight into
+//! the map (`REFIT_PULL_MAP` picks how: `huge`, `map` or `write`); a file elsewhere takes
+//! positioned writes. The file is then synced and renamed into place. Otherwise the weights
+//! land in memory and are written afterwards.
+
+#[cfg(target_os = "linux")]
+mod map;
 
 use std::fs::File;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
-use refit::runtime::{
+use refit_runtime::{
     Error, Manifest, ModelId, Result, SafetensorsFilePlan, SharedBytes, Version, WeightSet,
     temp_sibling,
 };
-use refit::transports::tcp::{Sink, SinkSlice};
 
+use super::{Sink, SinkSlice};
 #[cfg(target_os = "linux")]
-use super::file_map::{FileMap, MapMode};
+use map::{FileMap, MapMode};
 
 /// A temporary file a transfer writes.
 #[derive(Debug)]
@@ -29,10 +33,32 @@ struct Pending {
     file: Arc<File>,
 }
 
-/// The temporary files of one `refit pull`, one per transfer; the one committed is renamed
-/// onto the target, the others are removed when this is dropped.
+/// The temporary files of one pull into the file `target`, one per transfer; the one
+/// committed is renamed onto the target, the others are removed when this is dropped.
+///
+/// ```no_run
+/// use std::sync::Arc;
+/// use std::time::Duration;
+///
+/// use refit_runtime::ReceiverInit;
+/// use refit_transports::tcp::{PullFile, TcpReceiver, TcpReceiverSpec};
+///
+/// # fn pull(spec: TcpReceiverSpec) -> refit_runtime::Result<()> {
+/// let file = PullFile::new("model.safetensors".as_ref());
+/// let sinks = Arc::clone(&file);
+/// let receiver = TcpReceiver::new(spec)
+///     .with_sinks(move |model, version, manifest| sinks.sink(model, version, manifest));
+/// let receiver = ReceiverInit::new(receiver, None).connect(Duration::from_secs(60))?;
+/// let model = receiver.manifests().ids().next().cloned();
+/// if let Some(weights) = model.and_then(|m| receiver.current(&m)) {
+///     // the bytes went into the file as they arrived: synced and renamed into place
+///     file.commit(&weights)?;
+/// }
+/// # Ok(())
+/// # }
+/// ```
 #[derive(Debug)]
-pub(crate) struct OutFiles {
+pub struct PullFile {
     target: PathBuf,
     pending: Mutex<Vec<Pending>>,
 }
@@ -119,9 +145,9 @@ fn write_at(_: &File, _: &[u8], _: u64) -> std::io::Result<()> {
     Err(std::io::Error::other("positioned writes need unix"))
 }
 
-impl OutFiles {
+impl PullFile {
     /// The temporary files for `target` (none yet).
-    pub(crate) fn new(target: &Path) -> Arc<Self> {
+    pub fn new(target: &Path) -> Arc<Self> {
         Arc::new(Self {
             target: target.to_path_buf(),
             pending: Mutex::new(Vec::new()),
@@ -134,11 +160,12 @@ impl OutFiles {
 
     /// A sink into a new temporary file for `model` at `version`, sized and with its header
     /// written; `None` when the platform has no positioned writes or the tensors do not lie
-    /// back to back (the weights then land in memory and [`OutFiles::commit`] writes them).
+    /// back to back (the weights then land in memory and [`PullFile::commit`] writes them).
+    /// What [`TcpReceiver::with_sinks`](super::TcpReceiver::with_sinks) asks for.
     ///
     /// # Errors
     /// [`Error::Path`] when the file cannot be created, sized or written.
-    pub(crate) fn sink(
+    pub fn sink(
         &self,
         model: &ModelId,
         version: Version,
@@ -184,7 +211,7 @@ impl OutFiles {
     ///
     /// # Errors
     /// [`Error::Path`] on I/O failure; [`Error::Safetensors`] when encoding fails.
-    pub(crate) fn commit(&self, weights: &WeightSet) -> Result<()> {
+    pub fn commit(&self, weights: &WeightSet) -> Result<()> {
         let found = {
             let mut pending = self.pending();
             pending
@@ -207,7 +234,7 @@ impl OutFiles {
     }
 }
 
-impl Drop for OutFiles {
+impl Drop for PullFile {
     fn drop(&mut self) {
         for p in self.pending().drain(..) {
             let _ = std::fs::remove_file(&p.tmp);
