@@ -95,6 +95,9 @@ pub enum Error {
     /// A trainer input that cannot be trained on.
     #[error("trainer: {0}")]
     Trainer(String),
+    /// A generator backend that broke its contract or failed in its numerics.
+    #[error("generator: {0}")]
+    Generator(String),
     /// A message to an actor in another process failed (see `remote`, feature `actix`).
     #[error("remote actor `{actor}`, message `{message}`: {failure}")]
     Remote {

@@ -34,6 +34,8 @@ pub mod device;
 pub mod env;
 pub mod error;
 pub mod generation;
+#[cfg(feature = "candle")]
+pub mod grpo;
 pub mod learner;
 pub mod link;
 pub mod multi;
@@ -42,7 +44,11 @@ pub mod policy;
 pub mod ppo;
 pub mod process;
 pub mod roles;
+pub mod sampling;
 pub mod task;
+pub mod tasks;
+#[cfg(feature = "candle")]
+pub mod transformer;
 
 pub use batch::{
     Batch, EpisodeStats, ReplayBuffer, RingBuffer, Sequence, TrajPool, TrajSpan, Transition,
