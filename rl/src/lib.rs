@@ -36,8 +36,11 @@ pub mod error;
 pub mod generation;
 #[cfg(feature = "candle")]
 pub mod grpo;
+#[cfg(feature = "candle")]
+pub mod grpo_roles;
 pub mod learner;
 pub mod link;
+pub mod local_grpo;
 pub mod multi;
 pub mod policy;
 #[cfg(feature = "candle")]

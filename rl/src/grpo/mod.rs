@@ -32,7 +32,7 @@ use std::fmt;
 use std::sync::Arc;
 use std::time::Instant;
 
-use candle_core::{D, DType as CDType, Tensor, Var};
+use candle_core::{DType as CDType, Tensor, Var};
 use candle_nn::optim::{AdamW, Optimizer, ParamsAdamW};
 use rand::SeedableRng;
 use rand::rngs::SmallRng;
@@ -44,6 +44,15 @@ use crate::collector::policy_model_id;
 use crate::error::{Error, Result};
 use crate::learner::{LearnStats, Learner};
 use crate::transformer::{Grad, Transformer, TransformerConfig};
+
+mod advantages;
+mod reference;
+#[cfg(test)]
+mod tests;
+
+pub use advantages::group_advantages;
+use reference::TokenRows;
+pub use reference::{FrozenReference, Reference};
 
 /// How the objective accounts for samples the learner's current policy did not generate.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -185,194 +194,6 @@ impl GrpoConfig {
             );
         }
         Ok(())
-    }
-}
-
-/// Per-token advantages of `seqs` (one vector per sequence, one value per generated token);
-/// see the [module docs](self).
-pub fn group_advantages(
-    seqs: &[Sequence],
-    scale_by_std: bool,
-    token_credit: bool,
-) -> Vec<Vec<f32>> {
-    const EPS: f32 = 1e-6;
-    let mut groups: BTreeMap<u64, Vec<usize>> = BTreeMap::new();
-    for (i, s) in seqs.iter().enumerate() {
-        groups.entry(s.group).or_default().push(i);
-    }
-    let mut adv: Vec<Vec<f32>> = seqs.iter().map(|s| vec![0.0; s.tokens.len()]).collect();
-    let stats = |vals: &[f32]| {
-        let n = vals.len() as f32;
-        let mean = vals.iter().sum::<f32>() / n;
-        let var = vals.iter().map(|v| (v - mean) * (v - mean)).sum::<f32>() / n;
-        (mean, var.sqrt())
-    };
-    let norm = |v: f32, (mean, std): (f32, f32)| {
-        if scale_by_std {
-            (v - mean) / (std + EPS)
-        } else {
-            v - mean
-        }
-    };
-    for members in groups.values() {
-        let per_token = token_credit
-            && members.iter().all(|&i| {
-                seqs[i]
-                    .token_rewards
-                    .as_ref()
-                    .is_some_and(|r| r.len() == seqs[i].tokens.len())
-            });
-        if per_token {
-            let longest = members
-                .iter()
-                .map(|&i| seqs[i].tokens.len())
-                .max()
-                .unwrap_or(0);
-            let mut vals = Vec::with_capacity(members.len());
-            for t in 0..longest {
-                vals.clear();
-                let at: Vec<usize> = members
-                    .iter()
-                    .copied()
-                    .filter(|&i| t < seqs[i].tokens.len())
-                    .collect();
-                vals.extend(at.iter().map(|&i| token_reward(&seqs[i], t)));
-                let st = stats(&vals);
-                for (&i, &v) in at.iter().zip(&vals) {
-                    adv[i][t] = norm(v, st);
-                }
-            }
-        } else {
-            let vals: Vec<f32> = members.iter().map(|&i| seqs[i].reward).collect();
-            let st = stats(&vals);
-            for (&i, &v) in members.iter().zip(&vals) {
-                let a = norm(v, st);
-                adv[i].fill(a);
-            }
-        }
-    }
-    adv
-}
-
-fn token_reward(s: &Sequence, t: usize) -> f32 {
-    s.token_rewards
-        .as_ref()
-        .and_then(|r| r.get(t))
-        .copied()
-        .unwrap_or(0.0)
-}
-
-// ANCHOR: reference
-/// Where the KL term's reference log-probabilities come from: a frozen copy of the policy
-/// ([`FrozenReference`]), or a reference model served elsewhere.
-pub trait Reference: Send {
-    /// The log-probability of every generated token of every sequence (one vector per
-    /// sequence, one value per token), of `softmax(logits / temperature)`.
-    ///
-    /// # Errors
-    /// A reference that cannot score the sequences.
-    fn logprobs(&mut self, seqs: &[&Sequence], temperature: f32) -> Result<Vec<Vec<f32>>>;
-}
-// ANCHOR_END: reference
-
-/// A reference model held by the learner: a transformer whose weights never train.
-#[derive(Debug)]
-pub struct FrozenReference {
-    model: Transformer,
-}
-
-impl FrozenReference {
-    /// A reference with `weights` (trainer layout of `cfg`).
-    ///
-    /// # Errors
-    /// A weight set of another layout, naming the tensor.
-    pub fn new(cfg: TransformerConfig, weights: &WeightSet) -> Result<Self> {
-        Ok(Self {
-            model: Transformer::from_weights(cfg, weights)?,
-        })
-    }
-}
-
-impl Reference for FrozenReference {
-    fn logprobs(&mut self, seqs: &[&Sequence], temperature: f32) -> Result<Vec<Vec<f32>>> {
-        let rows = TokenRows::new(&self.model, seqs)?;
-        let lp = rows.logprobs(&self.model, Grad::Detached, temperature)?.0;
-        Ok(rows.split(&lp.to_vec1::<f32>()?))
-    }
-}
-
-/// The generated tokens of a set of sequences as rows of one padded forward.
-struct TokenRows {
-    ids: Tensor,
-    /// Row of the logits predicting each generated token, flattened over the sequences.
-    rows: Tensor,
-    /// The generated tokens, flattened.
-    targets: Tensor,
-    /// Tokens per sequence.
-    lens: Vec<usize>,
-}
-
-impl TokenRows {
-    fn new(model: &Transformer, seqs: &[&Sequence]) -> Result<Self> {
-        // Each sequence runs on its prompt and all its tokens but the last (nothing is
-        // predicted after it).
-        let inputs: Vec<Vec<u32>> = seqs
-            .iter()
-            .map(|s| {
-                let mut v = s.prompt.clone();
-                v.extend_from_slice(&s.tokens[..s.tokens.len().saturating_sub(1)]);
-                v
-            })
-            .collect();
-        let refs: Vec<&[u32]> = inputs.iter().map(Vec::as_slice).collect();
-        let ids = model.pad(&refs)?;
-        let t = ids.dim(1)?;
-        let mut rows = Vec::new();
-        let mut targets = Vec::new();
-        for (b, s) in seqs.iter().enumerate() {
-            for (k, &tok) in s.tokens.iter().enumerate() {
-                rows.push((b * t + s.prompt.len() - 1 + k) as u32);
-                targets.push(tok);
-            }
-        }
-        let dev = model.device();
-        let n = rows.len();
-        Ok(Self {
-            ids,
-            rows: Tensor::from_vec(rows, n, dev)?,
-            targets: Tensor::from_vec(targets, (n, 1), dev)?,
-            lens: seqs.iter().map(|s| s.tokens.len()).collect(),
-        })
-    }
-
-    /// Log-probabilities of the generated tokens `[n]` and the log-softmax rows `[n, vocab]`.
-    fn logprobs(
-        &self,
-        model: &Transformer,
-        grad: Grad,
-        temperature: f32,
-    ) -> Result<(Tensor, Tensor)> {
-        let logits = model
-            .forward(&self.ids, grad)?
-            .index_select(&self.rows, 0)?;
-        let logits = if temperature == 1.0 {
-            logits
-        } else {
-            (logits / f64::from(temperature))?
-        };
-        let all = candle_nn::ops::log_softmax(&logits, D::Minus1)?;
-        let lp = all.gather(&self.targets, 1)?.squeeze(1)?;
-        Ok((lp, all))
-    }
-
-    fn split(&self, flat: &[f32]) -> Vec<Vec<f32>> {
-        let mut out = Vec::with_capacity(self.lens.len());
-        let mut at = 0;
-        for &n in &self.lens {
-            out.push(flat[at..at + n].to_vec());
-            at += n;
-        }
-        out
     }
 }
 
