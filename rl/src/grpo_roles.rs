@@ -92,7 +92,7 @@ impl GrpoRoles {
     ];
 
     /// The defaults that learn digit reversal from scratch in minutes on two cores: a
-    /// transformer of `d_model` 64, 2 layers, 4 heads, MLP ratio 4, lr `3e-3`, groups of 8,
+    /// transformer of `d_model` 64, 2 layers, 4 heads, MLP ratio 4, lr `1e-3`, groups of 8,
     /// strings of 5 digits.
     pub fn new() -> Self {
         let task = ReverseConfig::default();
@@ -105,10 +105,7 @@ impl GrpoRoles {
             mlp_ratio: 4,
         };
         Self::with_base(GrpoSettings {
-            grpo: GrpoConfig {
-                lr: 3e-3,
-                ..GrpoConfig::new(model)
-            },
+            grpo: GrpoConfig::new(model),
             task,
             group_size: 8,
             generator_threads: 1,

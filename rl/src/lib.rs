@@ -13,6 +13,13 @@
 //! - [`generation`]: what a generating engine is asked and answers ([`SamplingParams`],
 //!   [`Completion`] with per-token versions), and the [`Generator`] backend trait;
 //!   [`task`]: the [`Task`] role (prompts and a verifiable reward).
+//! - [`sampling`]: a plain batched sampling loop over any [`Generator`] (temperature or
+//!   greedy); [`tasks`]: token tasks with verifiable rewards ([`ReverseDigits`]);
+//!   [`local_grpo`]: GRPO in one process (sample, reward, train, evaluate held-out).
+//! - `transformer` (feature `candle`): a GPT-style transformer, trained in candle (`f32`,
+//!   separate `q`/`k`/`v`) and served by `TransformerGenerator` (fused `qkv` in `bf16`,
+//!   reached through refit's conversions, KV caches, continuous batching); `grpo`: the GRPO
+//!   learner; `grpo_roles`: `GrpoRoles`, one implementation of [`GenRoles`].
 //! - [`learner`]: the [`Learner`] trait (batches in, versioned weights out) a trainer hosts.
 //! - [`roles`]: the [`Roles`] factory a topology takes (learner, policy and environment per
 //!   model) and [`ModelSpec`]; `cartpole_ppo` (feature `candle`): PPO + [`MlpPolicy`] +
@@ -66,6 +73,10 @@ pub use device::Device;
 pub use env::{CartPole, Env, StepResult};
 pub use error::{Error, RemoteFailure, Result};
 pub use generation::{Completion, Finish, Generator, PauseMode, SamplingParams, StepInput, Token};
+#[cfg(feature = "candle")]
+pub use grpo::{Correction, GrpoConfig, GrpoLearner};
+#[cfg(feature = "candle")]
+pub use grpo_roles::GrpoRoles;
 pub use learner::{LearnStats, Learner};
 pub use link::{WeightInlet, WeightOutlet};
 pub use multi::{
@@ -77,3 +88,6 @@ pub use policy::{ActionOut, MlpPolicy, Policy};
 pub use ppo::{PpoConfig, PpoStats, PpoTrainer};
 pub use roles::{GenRoles, ModelSpec, Roles};
 pub use task::{Reward, Task};
+pub use tasks::{ReverseConfig, ReverseDigits};
+#[cfg(feature = "candle")]
+pub use transformer::{Transformer, TransformerConfig, TransformerGenerator};

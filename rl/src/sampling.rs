@@ -157,7 +157,104 @@ pub fn generate<G: Generator>(
 
 #[cfg(test)]
 mod tests {
+    use std::sync::Arc;
+
+    use refit_runtime::{Manifest, WeightSet};
+
     use super::*;
+
+    /// A generator whose next token is the last fed one plus 1 (mod 5), certain to 90%; its
+    /// cache counts the tokens fed.
+    struct Count;
+
+    impl Generator for Count {
+        type Weights = ();
+        type Cache = usize;
+        fn manifest(&self) -> Arc<Manifest> {
+            Arc::new(Manifest::builder().build().unwrap())
+        }
+        fn vocab_size(&self) -> usize {
+            5
+        }
+        fn max_context(&self) -> usize {
+            8
+        }
+        fn stage(&self, _: &WeightSet) -> Result<()> {
+            Ok(())
+        }
+        fn new_cache(&self) -> usize {
+            0
+        }
+        fn forward(
+            &mut self,
+            _: &(),
+            inputs: &mut [StepInput<'_, usize>],
+            logits: &mut Vec<f32>,
+        ) -> Result<()> {
+            logits.clear();
+            for inp in inputs.iter_mut() {
+                *inp.cache += inp.tokens.len();
+                let next = (inp.tokens[inp.tokens.len() - 1] + 1) % 5;
+                logits.extend((0..5).map(|t| if t == next { 4.0 } else { 0.0 }));
+            }
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn generate_batches_requests_of_different_lengths_and_stops() {
+        let stop = SamplingParams {
+            stop: Some(4),
+            ..SamplingParams::greedy(5)
+        };
+        let requests = vec![
+            (vec![0, 1], SamplingParams::greedy(3)),
+            (vec![1], stop),
+            (vec![2, 3, 0], SamplingParams::new(4, 7)),
+        ];
+        let out = generate(&mut Count, &(), Version(3), &requests).unwrap();
+        assert_eq!(out[0].tokens, vec![2, 3, 4]);
+        assert_eq!(out[0].finish, Finish::Length);
+        assert_eq!(out[1].tokens, vec![2, 3, 4]);
+        assert_eq!(out[1].finish, Finish::Stop);
+        assert_eq!(out[2].tokens.len(), 4);
+        assert!(
+            out.iter()
+                .all(|c| c.versions.iter().all(|v| *v == Version(3)))
+        );
+        assert!(out.iter().all(|c| c.logprobs.len() == c.tokens.len()));
+        // Greedy log-probabilities are those of the chosen token: 4 against four zeros.
+        let p = 4f32.exp() / (4f32.exp() + 4.0);
+        assert!((out[0].logprobs[0] - p.ln()).abs() < 1e-5);
+        // Sampled ones come from the request's seed: the same seed, the same completion.
+        let again = generate(&mut Count, &(), Version(3), &requests[2..]).unwrap();
+        assert_eq!(again[0], out[2]);
+    }
+
+    #[test]
+    fn generate_refuses_what_cannot_fit() {
+        let e = generate(
+            &mut Count,
+            &(),
+            Version(1),
+            &[(vec![0; 4], SamplingParams::greedy(5))],
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            e.contains("max_tokens") && e.contains("context of 8"),
+            "{e}"
+        );
+        let e = generate(
+            &mut Count,
+            &(),
+            Version(1),
+            &[(vec![], SamplingParams::greedy(1))],
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("prompt"), "{e}");
+    }
 
     #[test]
     fn sampling_follows_the_distribution_and_greedy_takes_the_max() {

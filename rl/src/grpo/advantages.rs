@@ -5,7 +5,7 @@ use std::collections::BTreeMap;
 use crate::batch::Sequence;
 
 /// Per-token advantages of `seqs` (one vector per sequence, one value per generated token);
-/// see the [module docs](self).
+/// see the [module docs](crate::grpo).
 pub fn group_advantages(
     seqs: &[Sequence],
     scale_by_std: bool,
@@ -45,6 +45,8 @@ pub fn group_advantages(
                 .max()
                 .unwrap_or(0);
             let mut vals = Vec::with_capacity(members.len());
+            // `t` is a position in several sequences at once.
+            #[allow(clippy::needless_range_loop)]
             for t in 0..longest {
                 vals.clear();
                 let at: Vec<usize> = members

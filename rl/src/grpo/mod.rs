@@ -9,7 +9,8 @@
 //! [`GrpoConfig::scale_by_std`]). With per-token credit (`token_rewards`, and
 //! [`GrpoConfig::token_credit`]), position `t` of a completion gets `r_t - mean(r_t of the
 //! group's completions that reach t)`, likewise scaled: per-position group-relative
-//! advantages.
+//! advantages. A group whose members do not all carry per-token credit falls back to the
+//! totals.
 //!
 //! **Objective**, per generated token, averaged over the minibatch's tokens:
 //! `-w · min(ρ A, clip(ρ, 1 - ε, 1 + ε_high) A) + β · KL`, where the ratio `ρ` and the weight
@@ -472,6 +473,7 @@ impl GrpoLearner {
         };
         let behav_t = Tensor::from_slice(behav, n, &dev)?;
         let adv_t = Tensor::from_slice(adv, n, &dev)?;
+        // ANCHOR: objective
         // ρ_b = π_prox / π_behaviour: how far the learner is from what generated the tokens.
         let behaviour_ratio = (&prox_t - &behav_t)?.exp()?;
         let (base, weight) = match cfg.correction {
@@ -499,6 +501,7 @@ impl GrpoLearner {
             }
             None => (pg.clone(), None),
         };
+        // ANCHOR_END: objective
         let mut grads = loss.backward()?;
         let grad_norm = clip_gradients(&mut grads, self.model.vars(), cfg.max_grad_norm)?;
         self.opt.step(&grads)?;

@@ -4,7 +4,7 @@ use candle_core::{D, Tensor};
 use refit_runtime::WeightSet;
 
 use crate::batch::Sequence;
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::transformer::{Grad, Transformer, TransformerConfig};
 
 // ANCHOR: reference
@@ -59,6 +59,9 @@ pub(super) struct TokenRows {
 
 impl TokenRows {
     pub(super) fn new(model: &Transformer, seqs: &[&Sequence]) -> Result<Self> {
+        if let Some(i) = seqs.iter().position(|s| s.prompt.is_empty()) {
+            return Err(Error::Trainer(format!("sequence {i} has an empty prompt")));
+        }
         // Each sequence runs on its prompt and all its tokens but the last (nothing is
         // predicted after it).
         let inputs: Vec<Vec<u32>> = seqs

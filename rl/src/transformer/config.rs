@@ -163,6 +163,7 @@ impl TransformerConfig {
         Ok(b.build()?)
     }
 
+    // ANCHOR: want
     /// What a [`TransformerGenerator`](super::TransformerGenerator) wants of the trainer's
     /// layout: `q`, `k` and `v` of each block fused along the output axis into
     /// `blocks.{i}.attn.qkv.weight` `[3d, d]` (layout rules), then every tensor cast to
@@ -184,6 +185,7 @@ impl TransformerConfig {
             )
             .cast(CastRules::new().dtype(DType::F32, CastTo::BF16))
     }
+    // ANCHOR_END: want
 
     /// The conversion from the trainer's layout to the generator's ([`TransformerConfig::want`]
     /// planned against [`TransformerConfig::trainer_manifest`]).
@@ -326,7 +328,7 @@ mod tests {
         assert!(c.check().is_ok());
         let bytes = c.params() * 4;
         assert!(
-            bytes >= 1 << 30 && bytes < (1 << 30) + (60 << 20),
+            ((1 << 30)..(1 << 30) + (60 << 20)).contains(&bytes),
             "{bytes}"
         );
     }

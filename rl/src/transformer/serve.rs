@@ -80,7 +80,9 @@ impl KvCache {
 }
 
 /// A GPT-style transformer served from the engine's layout ([`TransformerConfig::want`] of
-/// the trainer's).
+/// the trainer's). Clones share the thread pool (an engine may stage on a clone beside the
+/// one that decodes).
+#[derive(Clone)]
 pub struct TransformerGenerator {
     cfg: TransformerConfig,
     manifest: Arc<Manifest>,
