@@ -9,6 +9,11 @@
 //! a model parameter of `GrpoRoles` (`lr=0.003`, `group_size=8`, `d_model=64`, `max_len=5`,
 //! `correction="truncated"`, ...). Prints the learning curve: held-out greedy reward against
 //! wall time.
+//!
+//! candle runs element-wise ops on tensors of 64K elements or more on a process-wide pool
+//! whose idle workers spin; on a small shared machine that costs more than it gains (3x the
+//! training time on two cores), so the example runs itself again with `CANDLE_NUM_THREADS=1`
+//! unless the variable is set.
 
 use std::time::Duration;
 
@@ -18,6 +23,13 @@ use refit_rl::{GenRoles, ModelSpec};
 use refit_runtime::{Conversion, ModelId};
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
+    if std::env::var_os("CANDLE_NUM_THREADS").is_none() {
+        let status = std::process::Command::new(std::env::current_exe()?)
+            .args(std::env::args_os().skip(1))
+            .env("CANDLE_NUM_THREADS", "1")
+            .status()?;
+        std::process::exit(status.code().unwrap_or(1));
+    }
     let mut local = LocalConfig::default();
     let mut params = toml::Table::new();
     for arg in std::env::args().skip(1) {
@@ -74,7 +86,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         settings.grpo.lr,
         settings.grpo.correction.name()
     );
-    println!("update  seconds  heldout  train   entropy  clip    grad    train_s");
+    println!("update  seconds  heldout  train   entropy  clip    grad   | sample  train  publish  eval (s)");
     let curve = local_grpo::run(
         learner.as_mut(),
         &conversion,
@@ -84,7 +96,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         |p, stats| {
             let s = |k: &str| stats.and_then(|s| s.get(k)).unwrap_or(f64::NAN);
             println!(
-                "{:>6}  {:>7.1}  {:>7.3}  {:>5.3}  {:>7.3}  {:>6.3}  {:>6.3}  {:>7.3}",
+                "{:>6}  {:>7.1}  {:>7.3}  {:>5.3}  {:>7.3}  {:>6.3}  {:>6.3} | {:>6.1}  {:>5.1}  {:>7.1}  {:>4.1}",
                 p.update,
                 p.seconds,
                 p.heldout_reward,
@@ -92,7 +104,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 s("entropy"),
                 s("clip_fraction"),
                 s("grad_norm"),
-                s("elapsed_s"),
+                p.split.sample,
+                p.split.train,
+                p.split.publish,
+                p.split.eval,
             );
         },
     )?;

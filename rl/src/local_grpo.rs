@@ -66,6 +66,21 @@ pub struct CurvePoint {
     pub heldout_reward: f32,
     /// Mean reward of the last training batch (sampled), `None` before the first.
     pub train_reward: Option<f32>,
+    /// Where the seconds went so far.
+    pub split: TimeSplit,
+}
+
+/// Seconds spent so far in each phase of a local run.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct TimeSplit {
+    /// Sampling training batches (generation and rewards).
+    pub sample: f64,
+    /// Learner updates.
+    pub train: f64,
+    /// Exports, conversions to the engine's layout and staging.
+    pub publish: f64,
+    /// Held-out evaluations.
+    pub eval: f64,
 }
 
 /// Mean reward of greedy completions of the task's held-out prompts.
@@ -173,18 +188,27 @@ pub fn run<G: Generator, T: Task>(
         let engine = conversion.apply(&ws)?;
         Ok((generator.stage(&engine)?, ws.version()))
     };
+    let mut split = TimeSplit::default();
+    let timed = |slot: &mut f64, t: Instant| *slot += t.elapsed().as_secs_f64();
+    let t = Instant::now();
     let (mut weights, mut version) = publish(learner, generator)?;
+    timed(&mut split.publish, t);
+    let t = Instant::now();
+    let heldout_reward = evaluate(generator, &weights, version, task)?;
+    timed(&mut split.eval, t);
     let mut curve = Vec::new();
     let mut point = CurvePoint {
         update: 0,
         seconds: start.elapsed().as_secs_f64(),
-        heldout_reward: evaluate(generator, &weights, version, task)?,
+        heldout_reward,
         train_reward: None,
+        split,
     };
     on_point(&point, None);
     curve.push(point);
     for update in 1..=cfg.max_updates {
         let first_group = (update * cfg.prompts_per_batch) as u64;
+        let t = Instant::now();
         let batch = sample_batch(
             generator,
             &weights,
@@ -194,17 +218,26 @@ pub fn run<G: Generator, T: Task>(
             first_group,
             &mut rng,
         )?;
+        timed(&mut split.sample, t);
+        let t = Instant::now();
         let stats = learner.update(&batch)?;
+        timed(&mut split.train, t);
+        let t = Instant::now();
         (weights, version) = publish(learner, generator)?;
+        timed(&mut split.publish, t);
         let out_of_time = start.elapsed() >= cfg.max_time;
         if update % cfg.eval_every == 0 || out_of_time || update == cfg.max_updates {
             let train = batch.sequences.iter().map(|s| s.reward).sum::<f32>()
                 / batch.sequences.len() as f32;
+            let t = Instant::now();
+            let heldout_reward = evaluate(generator, &weights, version, task)?;
+            timed(&mut split.eval, t);
             point = CurvePoint {
                 update,
                 seconds: start.elapsed().as_secs_f64(),
-                heldout_reward: evaluate(generator, &weights, version, task)?,
+                heldout_reward,
                 train_reward: Some(train),
+                split,
             };
             on_point(&point, Some(&stats));
             let reached = cfg.stop_at.is_some_and(|s| point.heldout_reward >= s);

@@ -118,7 +118,13 @@ pub struct GrpoConfig {
     pub seed: u64,
     /// Model id of the exported weights.
     pub policy_id: ModelId,
-    /// Threads of the learner's own rayon pool, which candle's CPU kernels run on.
+    /// Threads of the learner's own rayon pool, which candle's matrix products run on.
+    ///
+    /// candle's element-wise ops on tensors of 64K elements or more run on a process-wide
+    /// pool of its own, sized by `CANDLE_NUM_THREADS` (by default the physical cores), whose
+    /// idle workers spin: on a small machine shared with other processes set
+    /// `CANDLE_NUM_THREADS=1` in the learner's environment (training took a third of the
+    /// time on two shared cores).
     pub threads: usize,
 }
 

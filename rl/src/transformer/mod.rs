@@ -6,6 +6,7 @@
 //! then cast rules), the same path a trainer takes to an inference engine of another layout.
 
 pub mod config;
+mod ops;
 pub mod serve;
 pub mod train;
 

@@ -17,6 +17,7 @@ use rayon::prelude::*;
 use refit_runtime::{Manifest, WeightSet};
 
 use super::config::{LN_EPS, TransformerConfig};
+use super::ops::gelu;
 use crate::error::{Error, Result};
 use crate::generation::{Generator, StepInput};
 
@@ -330,12 +331,6 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
         s += x * y;
     }
     s
-}
-
-/// GELU, tanh approximation (candle's `gelu`).
-pub(crate) fn gelu(v: f32) -> f32 {
-    const SQRT_TWO_OVER_PI: f32 = 0.797_884_6;
-    0.5 * v * (1.0 + (SQRT_TWO_OVER_PI * v * (1.0 + 0.044_715 * v * v)).tanh())
 }
 
 /// Layer norm of each row of `x` (rows of `d`) into `y`.

@@ -6,10 +6,11 @@ use std::collections::HashMap;
 use std::fmt;
 use std::sync::Arc;
 
-use candle_core::{D, Device as CDevice, Tensor, Var};
+use candle_core::{Device as CDevice, Tensor, Var};
 use refit_runtime::{Manifest, ModelId, WeightSet};
 
 use super::config::{LN_EPS, TransformerConfig};
+use super::ops::{FastGelu, SoftmaxLast};
 use crate::error::{Error, Result};
 use crate::generation::Token;
 
@@ -178,7 +179,7 @@ impl Transformer {
             let k = heads(linear(&y, &w(&blk.k))?)?;
             let v = heads(linear(&y, &w(&blk.v))?)?;
             let att = (q.matmul(&k.t()?.contiguous()?)? * scale)?.broadcast_add(&mask)?;
-            let att = candle_nn::ops::softmax(&att, D::Minus1)?;
+            let att = att.apply_op1(SoftmaxLast)?;
             let y = att
                 .matmul(&v)?
                 .transpose(1, 2)?
@@ -186,7 +187,7 @@ impl Transformer {
                 .reshape((b * t, d))?;
             x = (x + linear(&y, &w(&blk.o))?)?;
             let y = layer_norm(&x, &w(&blk.ln2.0), &w(&blk.ln2.1))?;
-            let y = linear(&linear(&y, &w(&blk.fc))?.gelu()?, &w(&blk.proj))?;
+            let y = linear(&linear(&y, &w(&blk.fc))?.apply_op1(FastGelu)?, &w(&blk.proj))?;
             x = (x + y)?;
         }
         let y = layer_norm(&x, &w(&self.ln_f.0), &w(&self.ln_f.1))?;
