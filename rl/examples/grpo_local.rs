@@ -86,7 +86,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         settings.grpo.lr,
         settings.grpo.correction.name()
     );
-    println!("update  seconds  heldout  train   entropy  clip    grad   | sample  train  publish  eval (s)");
+    println!(
+        "update  seconds  heldout  train   entropy  clip    grad   | sample  train  publish  eval (s)"
+    );
     let curve = local_grpo::run(
         learner.as_mut(),
         &conversion,

@@ -267,6 +267,8 @@ impl GenRoles for GrpoRoles {
         TransformerGenerator::new(s.grpo.model, s.generator_threads)
     }
 
+    /// The task (it draws prompts from the generator a rollout worker passes; `seed` is not
+    /// needed).
     fn task(&self, model: &ModelSpec, _seed: u64) -> Result<ReverseDigits> {
         ReverseDigits::new(self.settings(model)?.task)
     }

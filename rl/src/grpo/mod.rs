@@ -361,6 +361,16 @@ impl GrpoLearner {
 
     /// One GRPO update on the batch's sequences.
     ///
+    /// Reports (token-weighted means over the last epoch's steps unless said): `loss`,
+    /// `pg_loss`, `kl` (to the reference, with `kl_coef > 0`), `approx_kl` (of the ratio the
+    /// objective clips), `clip_fraction` (tokens whose ratio is outside the clip range),
+    /// `entropy`, `behaviour_ratio_mean` and `behaviour_ratio_max` (`π_prox / π_behaviour`:
+    /// how far the learner is from what generated the tokens, stale versions and bf16
+    /// serving included), `truncated_fraction` (tokens whose weight hit the cap),
+    /// `grad_norm` (before clipping), `zero_advantage_fraction`, `tokens`, and per batch
+    /// `mean_reward`, `sequences`, `groups`, `steps`, `staleness_max` (the learner's last
+    /// export minus the oldest token's version), `elapsed_s`.
+    ///
     /// # Errors
     /// [`Error::Trainer`] naming the sequence for a malformed one, or when no sequence has a
     /// generated token; candle errors. The weights are unchanged on error only when the

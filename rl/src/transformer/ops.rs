@@ -55,7 +55,12 @@ impl CustomOp1 for FastGelu {
         Ok((CpuStorage::F32(out), layout.shape().clone()))
     }
 
-    fn bwd(&self, arg: &Tensor, _res: &Tensor, grad: &Tensor) -> candle_core::Result<Option<Tensor>> {
+    fn bwd(
+        &self,
+        arg: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> candle_core::Result<Option<Tensor>> {
         let x = arg.flatten_all()?.to_vec1::<f32>()?;
         let d: Vec<f32> = x.iter().map(|&v| gelu_grad(v)).collect();
         let d = Tensor::from_vec(d, arg.shape(), arg.device())?;
@@ -93,12 +98,21 @@ impl CustomOp1 for SoftmaxLast {
         Ok((CpuStorage::F32(out), layout.shape().clone()))
     }
 
-    fn bwd(&self, _arg: &Tensor, res: &Tensor, grad: &Tensor) -> candle_core::Result<Option<Tensor>> {
+    fn bwd(
+        &self,
+        _arg: &Tensor,
+        res: &Tensor,
+        grad: &Tensor,
+    ) -> candle_core::Result<Option<Tensor>> {
         let n = res.dims().last().copied().unwrap_or(1).max(1);
         let y = res.flatten_all()?.to_vec1::<f32>()?;
         let g = grad.contiguous()?.flatten_all()?.to_vec1::<f32>()?;
         let mut dx = vec![0.0f32; y.len()];
-        for ((yr, gr), dr) in y.chunks_exact(n).zip(g.chunks_exact(n)).zip(dx.chunks_exact_mut(n)) {
+        for ((yr, gr), dr) in y
+            .chunks_exact(n)
+            .zip(g.chunks_exact(n))
+            .zip(dx.chunks_exact_mut(n))
+        {
             let dot: f32 = yr.iter().zip(gr).map(|(a, b)| a * b).sum();
             for ((d, &yv), &gv) in dr.iter_mut().zip(yr).zip(gr) {
                 *d = yv * (gv - dot);
@@ -118,7 +132,12 @@ mod tests {
         let y = f(x.as_tensor());
         let loss = (y * w).unwrap().sum_all().unwrap();
         let g = loss.backward().unwrap();
-        g.get(x.as_tensor()).unwrap().flatten_all().unwrap().to_vec1().unwrap()
+        g.get(x.as_tensor())
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap()
     }
 
     fn close(a: &[f32], b: &[f32], tol: f32) {
@@ -132,16 +151,28 @@ mod tests {
         let dev = Device::Cpu;
         let vals: Vec<f32> = (0..24).map(|i| (i as f32 * 0.37).sin() * 4.0).collect();
         let x = Var::from_vec(vals, (4, 6), &dev).unwrap();
-        let w = Tensor::from_vec((0..24).map(|i| (i as f32 * 0.11).cos()).collect(), (4, 6), &dev)
-            .unwrap();
+        let w = Tensor::from_vec(
+            (0..24).map(|i| (i as f32 * 0.11).cos()).collect(),
+            (4, 6),
+            &dev,
+        )
+        .unwrap();
         let ours = |t: &Tensor| t.apply_op1(FastGelu).unwrap();
         let theirs = |t: &Tensor| t.gelu().unwrap();
         let flat = |t: Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
-        close(&flat(ours(x.as_tensor())), &flat(theirs(x.as_tensor())), 1e-5);
+        close(
+            &flat(ours(x.as_tensor())),
+            &flat(theirs(x.as_tensor())),
+            1e-5,
+        );
         close(&grad_of(&x, ours, &w), &grad_of(&x, theirs, &w), 1e-4);
         let ours = |t: &Tensor| t.apply_op1(SoftmaxLast).unwrap();
         let theirs = |t: &Tensor| candle_nn::ops::softmax(t, D::Minus1).unwrap();
-        close(&flat(ours(x.as_tensor())), &flat(theirs(x.as_tensor())), 1e-6);
+        close(
+            &flat(ours(x.as_tensor())),
+            &flat(theirs(x.as_tensor())),
+            1e-6,
+        );
         close(&grad_of(&x, ours, &w), &grad_of(&x, theirs, &w), 1e-5);
         // Rows masked with -inf get zero weight and zero gradient there.
         let m = Tensor::from_vec(vec![0.0f32, f32::NEG_INFINITY, 0.0], (1, 3), &dev).unwrap();

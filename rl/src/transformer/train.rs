@@ -187,7 +187,10 @@ impl Transformer {
                 .reshape((b * t, d))?;
             x = (x + linear(&y, &w(&blk.o))?)?;
             let y = layer_norm(&x, &w(&blk.ln2.0), &w(&blk.ln2.1))?;
-            let y = linear(&linear(&y, &w(&blk.fc))?.apply_op1(FastGelu)?, &w(&blk.proj))?;
+            let y = linear(
+                &linear(&y, &w(&blk.fc))?.apply_op1(FastGelu)?,
+                &w(&blk.proj),
+            )?;
             x = (x + y)?;
         }
         let y = layer_norm(&x, &w(&self.ln_f.0), &w(&self.ln_f.1))?;
