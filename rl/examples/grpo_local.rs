@@ -87,7 +87,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         settings.grpo.correction.name()
     );
     println!(
-        "update  seconds  heldout  train   entropy  clip    grad   | sample  train  publish  eval (s)"
+        "update  seconds  heldout  train   entropy  clip    grad    ratio_max | sample  train  publish  eval (s)"
     );
     let curve = local_grpo::run(
         learner.as_mut(),
@@ -98,7 +98,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         |p, stats| {
             let s = |k: &str| stats.and_then(|s| s.get(k)).unwrap_or(f64::NAN);
             println!(
-                "{:>6}  {:>7.1}  {:>7.3}  {:>5.3}  {:>7.3}  {:>6.3}  {:>6.3} | {:>6.1}  {:>5.1}  {:>7.1}  {:>4.1}",
+                "{:>6}  {:>7.1}  {:>7.3}  {:>5.3}  {:>7.3}  {:>6.3}  {:>6.3}  {:>9.4} | {:>6.1}  {:>5.1}  {:>7.1}  {:>4.1}",
                 p.update,
                 p.seconds,
                 p.heldout_reward,
@@ -106,6 +106,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 s("entropy"),
                 s("clip_fraction"),
                 s("grad_norm"),
+                s("behaviour_ratio_max"),
                 p.split.sample,
                 p.split.train,
                 p.split.publish,

@@ -27,14 +27,19 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         cfg.params(),
         bytes as f64 / (1u64 << 30) as f64
     );
-    // Baseline: a copy of as many bytes into fresh memory, as the phases below write.
+    // Baselines: a copy of as many bytes into fresh memory (as the phases below write into
+    // fresh arenas), and into memory already touched (memcpy's bandwidth).
     let src = vec![1u8; bytes];
     let t = Instant::now();
-    let dst = src.clone();
+    let mut dst = src.clone();
     let copy = t.elapsed().as_secs_f64();
+    let t = Instant::now();
+    dst.copy_from_slice(&src);
+    let touched = t.elapsed().as_secs_f64();
     std::hint::black_box(&dst);
     drop((src, dst));
     println!("{:<34} {:>8.3} s", "baseline: copy into fresh memory", copy);
+    println!("{:<34} {:>8.3} s", "(copy into touched memory)", touched);
     let row = |name: &str, s: f64| println!("{name:<34} {s:>8.3} s  {:>6.1}x copy", s / copy);
 
     let id = ModelId::new("policy")?;
