@@ -16,6 +16,13 @@
 //!   continuous-batching [`Scheduler`] a generating engine decodes with (requests join and
 //!   leave between steps, versions swap at step boundaries as the [`PauseMode`] says);
 //!   [`bigram`]: the smallest [`Generator`], a bigram table.
+//! - [`sampling`]: a plain batched sampling loop over any [`Generator`] (temperature or
+//!   greedy); [`tasks`]: token tasks with verifiable rewards ([`ReverseDigits`]);
+//!   [`local_grpo`]: GRPO in one process (sample, reward, train, evaluate held-out).
+//! - `transformer` (feature `candle`): a GPT-style transformer, trained in candle (`f32`,
+//!   separate `q`/`k`/`v`) and served by `TransformerGenerator` (fused `qkv` in `bf16`,
+//!   reached through refit's conversions, KV caches, continuous batching); `grpo`: the GRPO
+//!   learner; `grpo_roles`: `GrpoRoles`, one implementation of [`GenRoles`].
 //! - [`learner`]: the [`Learner`] trait (batches in, versioned weights out) a trainer hosts.
 //! - [`roles`]: the [`Roles`] factory a topology takes (learner, policy and environment per
 //!   model) and [`ModelSpec`]; `cartpole_ppo` (feature `candle`): PPO + [`MlpPolicy`] +
@@ -38,16 +45,25 @@ pub mod device;
 pub mod env;
 pub mod error;
 pub mod generation;
+#[cfg(feature = "candle")]
+pub mod grpo;
+#[cfg(feature = "candle")]
+pub mod grpo_roles;
 pub mod learner;
 pub mod link;
+pub mod local_grpo;
 pub mod multi;
 pub mod policy;
 #[cfg(feature = "candle")]
 pub mod ppo;
 pub mod process;
 pub mod roles;
+pub mod sampling;
 pub mod scheduler;
 pub mod task;
+pub mod tasks;
+#[cfg(feature = "candle")]
+pub mod transformer;
 
 pub use batch::{
     Batch, EpisodeStats, ReplayBuffer, RingBuffer, Sequence, TrajPool, TrajSpan, Transition,
@@ -62,6 +78,10 @@ pub use device::Device;
 pub use env::{CartPole, Env, StepResult};
 pub use error::{Error, RemoteFailure, Result};
 pub use generation::{Completion, Finish, Generator, PauseMode, SamplingParams, StepInput, Token};
+#[cfg(feature = "candle")]
+pub use grpo::{Correction, GrpoConfig, GrpoLearner};
+#[cfg(feature = "candle")]
+pub use grpo_roles::GrpoRoles;
 pub use learner::{LearnStats, Learner};
 pub use link::{WeightInlet, WeightOutlet};
 pub use multi::{
@@ -74,3 +94,6 @@ pub use ppo::{PpoConfig, PpoStats, PpoTrainer};
 pub use roles::{GenRoles, ModelSpec, Roles};
 pub use scheduler::{RequestId, Scheduler, SchedulerConfig, SchedulerStats, StepReport, Swap};
 pub use task::{Reward, Task};
+pub use tasks::{ReverseConfig, ReverseDigits};
+#[cfg(feature = "candle")]
+pub use transformer::{Transformer, TransformerConfig, TransformerGenerator};

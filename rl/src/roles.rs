@@ -56,7 +56,7 @@ impl ModelSpec {
     ];
 
     /// `id` with the defaults: 2 workers x 4 environments, fragments of 32 steps, batches of
-    /// 2048 frames (generating: fragments of 4 prompts x 4 completions), no params.
+    /// 2048 frames (generating: fragments of 4 prompts x 8 completions), no params.
     pub fn new(id: ModelId, seed: u64) -> Self {
         Self {
             id,
@@ -64,7 +64,7 @@ impl ModelSpec {
             envs_per_worker: 4,
             fragment_steps: 32,
             batch_frames: 2048,
-            group_size: 4,
+            group_size: 8,
             prompts_per_fragment: 4,
             seed,
             params: toml::Table::new(),

@@ -1,0 +1,349 @@
+//! GRPO + [`Transformer`](crate::transformer::Transformer) + [`ReverseDigits`]: one
+//! implementation of [`GenRoles`], as [`CartPolePpo`](crate::CartPolePpo) is of
+//! [`Roles`](crate::Roles).
+//!
+//! A model's [`ModelSpec::params`] may set:
+//!
+//! | key | type | default |
+//! |---|---|---|
+//! | `d_model`, `layers`, `heads`, `mlp_ratio` | positive integer | see [`GrpoRoles::new`] |
+//! | `lr`, `beta2`, `weight_decay`, `clip`, `clip_high`, `kl_coef` | float | [`GrpoRoles::new`] |
+//! | `correction` | `"behaviour"`, `"truncated"` or `"ignore"` | `"behaviour"` |
+//! | `is_cap` | float >= 1 (the cap of `"truncated"`) | `2.0` |
+//! | `scale_by_std`, `token_credit` | boolean | `false`, `true` |
+//! | `epochs` | positive integer | `1` |
+//! | `minibatch` | integer >= 0 (0: the whole batch) | `0` |
+//! | `max_grad_norm` | float, or `false` for none | `1.0` |
+//! | `threads`, `generator_threads` | positive integer | `1`, `1` |
+//! | `task` | `"reverse"` | `"reverse"` |
+//! | `min_len`, `max_len`, `heldout`, `heldout_every` | positive integer | [`ReverseConfig::default`] |
+//! | `temperature` | float (sampling temperature of rollouts) | `1.0` |
+//!
+//! The vocabulary and the context come from the task. Any other key is refused, named. The
+//! framework's keys of a model ([`ModelSpec::FRAMEWORK_KEYS`]) are read by the framework:
+//! `group_size` (completions per prompt, default 8), `prompts_per_fragment`, and
+//! `batch_frames`, which counts completions: a batch holds `batch_frames / group_size`
+//! prompts.
+
+use refit_runtime::Want;
+
+use crate::error::{Error, Result};
+use crate::grpo::{Correction, GrpoConfig, GrpoLearner};
+use crate::learner::Learner;
+use crate::roles::{GenRoles, ModelSpec};
+use crate::tasks::vocab::VOCAB;
+use crate::tasks::{ReverseConfig, ReverseDigits};
+use crate::transformer::{TransformerConfig, TransformerGenerator};
+
+/// Everything [`GrpoRoles`] reads from a model's params.
+#[derive(Clone, Debug)]
+pub struct GrpoSettings {
+    /// The learner's configuration (its `model` is the policy's shape).
+    pub grpo: GrpoConfig,
+    /// The task's configuration.
+    pub task: ReverseConfig,
+    /// Completions per prompt (the model's `group_size`).
+    pub group_size: usize,
+    /// Threads of each generator's pool.
+    pub generator_threads: usize,
+}
+
+/// The role factory: a [`GrpoLearner`], a [`TransformerGenerator`] and [`ReverseDigits`],
+/// settings per model from [`ModelSpec::params`] over a base.
+#[derive(Clone, Debug)]
+pub struct GrpoRoles {
+    base: GrpoSettings,
+}
+
+impl Default for GrpoRoles {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl GrpoRoles {
+    /// The keys a model's params may hold.
+    pub const KEYS: [&'static str; 25] = [
+        "d_model",
+        "layers",
+        "heads",
+        "mlp_ratio",
+        "lr",
+        "beta2",
+        "weight_decay",
+        "clip",
+        "clip_high",
+        "kl_coef",
+        "correction",
+        "is_cap",
+        "scale_by_std",
+        "token_credit",
+        "epochs",
+        "minibatch",
+        "max_grad_norm",
+        "threads",
+        "generator_threads",
+        "task",
+        "min_len",
+        "max_len",
+        "heldout",
+        "heldout_every",
+        "temperature",
+    ];
+
+    /// The defaults that learn digit reversal from scratch in minutes on two cores: a
+    /// transformer of `d_model` 64, 2 layers, 4 heads, MLP ratio 4, lr `1e-3`, groups of 8,
+    /// strings of 5 digits.
+    pub fn new() -> Self {
+        let task = ReverseConfig::default();
+        let model = TransformerConfig {
+            vocab: VOCAB,
+            context: 2 * task.max_len + 2,
+            d_model: 64,
+            layers: 2,
+            heads: 4,
+            mlp_ratio: 4,
+        };
+        Self::with_base(GrpoSettings {
+            grpo: GrpoConfig::new(model),
+            task,
+            group_size: 8,
+            generator_threads: 1,
+        })
+    }
+
+    /// `base` for every model (its seed and policy id are the model's).
+    pub fn with_base(base: GrpoSettings) -> Self {
+        Self { base }
+    }
+
+    /// The settings of `model`: the base, then its params.
+    ///
+    /// # Errors
+    /// [`Error::Config`] naming the model and the key that is unknown or of the wrong type,
+    /// or the setting that cannot work.
+    pub fn settings(&self, model: &ModelSpec) -> Result<GrpoSettings> {
+        let mut s = self.base.clone();
+        s.group_size = model.group_size;
+        let p = Params(model);
+        let mut cap: Option<f32> = None;
+        let mut correction: Option<String> = None;
+        let g = &mut s.grpo;
+        for (key, value) in &model.params {
+            match key.as_str() {
+                "d_model" => g.model.d_model = p.positive(key, value)?,
+                "layers" => g.model.layers = p.positive(key, value)?,
+                "heads" => g.model.heads = p.positive(key, value)?,
+                "mlp_ratio" => g.model.mlp_ratio = p.positive(key, value)?,
+                "lr" => g.lr = p.float(key, value)?,
+                "beta2" => g.beta2 = p.float(key, value)?,
+                "weight_decay" => g.weight_decay = p.float(key, value)?,
+                "clip" => g.clip = p.float(key, value)? as f32,
+                "clip_high" => g.clip_high = p.float(key, value)? as f32,
+                "kl_coef" => g.kl_coef = p.float(key, value)? as f32,
+                "correction" => {
+                    correction = Some(
+                        value
+                            .as_str()
+                            .ok_or_else(|| p.bad(key, "a string: behaviour, truncated or ignore"))?
+                            .to_string(),
+                    );
+                }
+                "is_cap" => cap = Some(p.float(key, value)? as f32),
+                "scale_by_std" => g.scale_by_std = p.boolean(key, value)?,
+                "token_credit" => g.token_credit = p.boolean(key, value)?,
+                "epochs" => g.epochs = p.positive(key, value)?,
+                "minibatch" => {
+                    g.minibatch = value
+                        .as_integer()
+                        .and_then(|n| usize::try_from(n).ok())
+                        .ok_or_else(|| p.bad(key, "an integer >= 0"))?;
+                }
+                "max_grad_norm" => {
+                    g.max_grad_norm = match value {
+                        toml::Value::Boolean(false) => None,
+                        v => Some(p.float(key, v)? as f32),
+                    }
+                }
+                "threads" => g.threads = p.positive(key, value)?,
+                "generator_threads" => s.generator_threads = p.positive(key, value)?,
+                "task" => {
+                    if value.as_str() != Some("reverse") {
+                        return Err(p.bad(key, "\"reverse\" (the one task this factory knows)"));
+                    }
+                }
+                "min_len" => s.task.min_len = p.positive(key, value)?,
+                "max_len" => s.task.max_len = p.positive(key, value)?,
+                "heldout" => s.task.heldout = p.positive(key, value)?,
+                "heldout_every" => s.task.heldout_every = p.positive(key, value)? as u64,
+                "temperature" => s.task.temperature = p.float(key, value)? as f32,
+                other => {
+                    return Err(Error::Config(format!(
+                        "model `{}`: unknown parameter params.{other} (grpo-reverse knows {})",
+                        model.id,
+                        Self::KEYS.join(", ")
+                    )));
+                }
+            }
+        }
+        let g = &mut s.grpo;
+        g.correction = match correction.as_deref() {
+            None => match (g.correction, cap) {
+                (Correction::Truncated { .. }, Some(cap)) => Correction::Truncated { cap },
+                (c, _) => c,
+            },
+            Some("behaviour") => Correction::Behaviour,
+            Some("ignore") => Correction::Ignore,
+            Some("truncated") => Correction::Truncated {
+                cap: cap.unwrap_or(2.0),
+            },
+            Some(other) => {
+                return Err(p.bad(
+                    "correction",
+                    &format!("behaviour, truncated or ignore, not `{other}`"),
+                ));
+            }
+        };
+        // The task checks its own settings (lengths, held-out split, temperature).
+        let task = ReverseDigits::new(s.task)
+            .map_err(|e| Error::Config(format!("model `{}`: {e}", model.id)))?;
+        g.model.vocab = VOCAB;
+        g.model.context = task.context();
+        g.temperature = s.task.temperature;
+        g.seed = model.seed;
+        g.policy_id = model.id.clone();
+        g.check()
+            .map_err(|e| Error::Config(format!("model `{}`: {e}", model.id)))?;
+        Ok(s)
+    }
+
+    /// What the generator wants of the learner's exports (fused `qkv`, `bf16`): the link
+    /// between them converts with it.
+    pub fn conversion(&self) -> Want {
+        TransformerConfig::want()
+    }
+}
+
+struct Params<'a>(&'a ModelSpec);
+
+impl Params<'_> {
+    fn bad(&self, key: &str, want: &str) -> Error {
+        Error::Config(format!(
+            "model `{}`: params.{key} must be {want}",
+            self.0.id
+        ))
+    }
+
+    fn float(&self, key: &str, v: &toml::Value) -> Result<f64> {
+        match v {
+            toml::Value::Float(f) if f.is_finite() => Ok(*f),
+            toml::Value::Integer(i) => Ok(*i as f64),
+            _ => Err(self.bad(key, "a finite number")),
+        }
+    }
+
+    fn positive(&self, key: &str, v: &toml::Value) -> Result<usize> {
+        v.as_integer()
+            .filter(|n| *n > 0)
+            .and_then(|n| usize::try_from(n).ok())
+            .ok_or_else(|| self.bad(key, "a positive integer"))
+    }
+
+    fn boolean(&self, key: &str, v: &toml::Value) -> Result<bool> {
+        v.as_bool().ok_or_else(|| self.bad(key, "a boolean"))
+    }
+}
+
+impl GenRoles for GrpoRoles {
+    type Task = ReverseDigits;
+    type Generator = TransformerGenerator;
+
+    fn learner(&self, model: &ModelSpec) -> Result<Box<dyn Learner>> {
+        Ok(Box::new(GrpoLearner::new(self.settings(model)?.grpo)?))
+    }
+
+    fn generator(&self, model: &ModelSpec) -> Result<TransformerGenerator> {
+        let s = self.settings(model)?;
+        TransformerGenerator::new(s.grpo.model, s.generator_threads)
+    }
+
+    /// The task (it draws prompts from the generator a rollout worker passes; `seed` is not
+    /// needed).
+    fn task(&self, model: &ModelSpec, _seed: u64) -> Result<ReverseDigits> {
+        ReverseDigits::new(self.settings(model)?.task)
+    }
+
+    fn want(&self, _model: &ModelSpec) -> Result<Option<Want>> {
+        Ok(Some(self.conversion()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use refit_runtime::ModelId;
+
+    use super::*;
+    use crate::generation::Generator;
+    use crate::task::Task;
+
+    fn spec(params: &str) -> ModelSpec {
+        let mut s = ModelSpec::new(ModelId::new("pi").unwrap(), 5);
+        s.params = toml::from_str(params).unwrap();
+        s
+    }
+
+    #[test]
+    fn params_set_the_model_the_learner_and_the_task() {
+        let r = GrpoRoles::new();
+        let s = r
+            .settings(&spec(
+                "d_model = 32\nlayers = 1\nlr = 0.01\ncorrection = \"truncated\"\nis_cap = 3.0\n\
+                 max_len = 4\nmin_len = 2\nmax_grad_norm = false\nminibatch = 0",
+            ))
+            .unwrap();
+        assert_eq!((s.grpo.model.d_model, s.grpo.model.layers), (32, 1));
+        assert_eq!(s.grpo.correction, Correction::Truncated { cap: 3.0 });
+        assert_eq!(
+            (s.grpo.lr, s.grpo.max_grad_norm, s.group_size),
+            (0.01, None, 8)
+        );
+        assert_eq!((s.grpo.seed, s.grpo.policy_id.as_str()), (5, "pi"));
+        let m = spec("max_len = 4\nmin_len = 2\nd_model = 32");
+        let task = r.task(&m, 0).unwrap();
+        let generator = r.generator(&m).unwrap();
+        let mut learner = r.learner(&m).unwrap();
+        assert!(generator.max_context() >= task.context());
+        assert_eq!(generator.vocab_size(), task.vocab_size());
+        // The learner's exports convert into what the generator stages.
+        let ws = learner.export().unwrap();
+        assert_eq!(learner.version().get(), 1);
+        let conv = refit_runtime::Conversion::new(&learner.manifest(), &r.conversion()).unwrap();
+        assert_eq!(conv.target(), &generator.manifest());
+        generator.stage(&conv.apply(&ws).unwrap()).unwrap();
+    }
+
+    #[test]
+    fn an_unknown_or_mistyped_param_is_named() {
+        let r = GrpoRoles::new();
+        for (params, key) in [
+            ("lrr = 0.1", "params.lrr"),
+            ("heads = 0", "params.heads"),
+            ("correction = \"sometimes\"", "params.correction"),
+            ("token_credit = 1", "params.token_credit"),
+            ("task = \"sort\"", "params.task"),
+            ("lr = \"fast\"", "params.lr"),
+        ] {
+            let e = r.learner(&spec(params)).err().unwrap().to_string();
+            assert!(e.contains(key) && e.contains("`pi`"), "{params}: {e}");
+        }
+        let e = r.settings(&spec("heads = 5")).unwrap_err().to_string();
+        assert!(e.contains("heads") && e.contains("`pi`"), "{e}");
+        let e = r.settings(&spec("min_len = 6")).unwrap_err().to_string();
+        assert!(e.contains("min_len"), "{e}");
+        let e = r
+            .settings(&spec("correction = \"truncated\"\nis_cap = 0.5"))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("is_cap"), "{e}");
+    }
+}
