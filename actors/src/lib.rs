@@ -35,7 +35,10 @@ pub use refit_rl::{
     policy_model_id, run_worker,
 };
 #[cfg(feature = "candle")]
-pub use refit_rl::{CartPolePpo, PpoConfig, PpoStats, PpoTrainer, cartpole_ppo, ppo};
+pub use refit_rl::{
+    CartPolePpo, GrpoConfig, GrpoLearner, GrpoRoles, PpoConfig, PpoStats, PpoTrainer, cartpole_ppo,
+    grpo, grpo_roles, ppo, transformer,
+};
 pub use refit_rl::{
     Completion, Finish, GenRoles, Generator, PauseMode, Reward, SamplingParams, Sequence, Task,
     Token,

@@ -29,6 +29,10 @@ pub struct Progress {
     pub solved: bool,
     /// It spent its update or time budget.
     pub out_of_budget: bool,
+    /// Its mean return (reward) after the update.
+    pub mean_return: f64,
+    /// The oldest and newest weight version among the samples it trained on.
+    pub sample_versions: (Version, Version),
 }
 
 /// One model's driver is over: its report, or why it failed.

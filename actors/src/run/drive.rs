@@ -193,6 +193,8 @@ impl Driver {
                     version,
                     solved,
                     out_of_budget,
+                    mean_return,
+                    sample_versions,
                 })
                 .timeout(call)
                 .await

@@ -1,0 +1,198 @@
+//! GRPO on digit reversal: a small transformer learns, from scratch, to write a string of
+//! digits backwards, served by generating engines that stage every new version beside
+//! generation and swap it in at a decoding step's boundary.
+//!
+//! ```text
+//! cargo build --release --example grpo --bin refit
+//! target/release/refit launch examples/topologies/grpo-processes.toml   # 3 processes, shm
+//! cargo run --release --example grpo -- [--sync-mode batch-async] [--max-seconds 600]
+//! ```
+//!
+//! `grpo topology` is one rank of a topology file, as `refit launch` starts it: rank 0
+//! (trainer, controller, evaluator) prints one line per update (mean reward, tokens per
+//! second of the engines, the versions the batch was sampled under, each engine's pause per
+//! load) and at the end the held-out curve, the staleness histogram and a pause summary.
+//! Without `topology` the same run happens in one process (every reference local, weights
+//! through the in-process link).
+//!
+//! The run stops once the mean reward on held-out prompts (greedy) reaches `[stop]
+//! target_eval` (0.9), or its budget is spent (exit status 1).
+
+use std::time::Duration;
+
+use clap::{Parser, Subcommand};
+use refit_actors::run::{self, RunConfig, RunReport, StopRule};
+use refit_actors::{GrpoRoles, ModelSpec, policy_model_id};
+use refit_node::LaunchEnv;
+use refit_runtime::sync_policy::{PauseMode, SyncConfig, SyncMode};
+
+/// GRPO on digit reversal through generating engines (one process, or a topology rank).
+#[derive(Parser, Debug)]
+#[command(long_about = None, args_conflicts_with_subcommands = true)]
+struct Args {
+    /// sync, batch-async or fully-async.
+    #[arg(long, default_value = "batch-async", value_parser = parse_mode)]
+    sync_mode: SyncMode,
+    /// batch-async: rollouts wait while the trainer is this many versions ahead.
+    #[arg(long, default_value_t = 1)]
+    staleness_threshold: u64,
+    /// What engines do with sequences in flight at a swap: abort, wait or keep.
+    #[arg(long, default_value = "keep", value_parser = parse_pause)]
+    pause_mode: PauseMode,
+    /// Rollout workers.
+    #[arg(long, default_value_t = 2)]
+    workers: usize,
+    /// Held-out reward that counts as solved.
+    #[arg(long, default_value_t = 0.9)]
+    target: f64,
+    /// Time budget in seconds.
+    #[arg(long, default_value_t = 600.0)]
+    max_seconds: f64,
+    /// Update budget.
+    #[arg(long, default_value_t = 400)]
+    max_updates: u64,
+    /// Seed.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    #[command(subcommand)]
+    command: Option<Sub>,
+}
+
+#[derive(Subcommand, Debug)]
+enum Sub {
+    /// One rank of a topology file, as `refit launch` starts it (`REFIT_TOPOLOGY`, the
+    /// launch variables, `--set` overrides in `REFIT_SET`).
+    Topology,
+}
+
+fn parse_mode(s: &str) -> Result<SyncMode, String> {
+    SyncMode::parse(s).map_err(|e| e.to_string())
+}
+
+fn parse_pause(s: &str) -> Result<PauseMode, String> {
+    PauseMode::parse(s).map_err(|e| e.to_string())
+}
+
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let args = Args::parse();
+    if std::env::var_os("CANDLE_NUM_THREADS").is_none() {
+        // candle runs element-wise ops of large tensors on a process-wide pool whose idle
+        // workers spin; on a small machine shared by the trainer and the engines that costs
+        // more than it gains (3x the training time on two cores)
+        // SAFETY: no other thread exists yet (nothing has been spawned), so nothing reads
+        // the environment concurrently.
+        unsafe { std::env::set_var("CANDLE_NUM_THREADS", "1") };
+    }
+    // logging and SIGINT/SIGTERM handling (starts a thread: after the environment is set)
+    refit::init()?;
+    let report = match args.command {
+        Some(Sub::Topology) => {
+            let topology = refit_node::launch::load_topology()?;
+            let launch = LaunchEnv::from_env()?;
+            match run::join_generating(&topology, &launch, GrpoRoles::new())? {
+                Some(report) => report,
+                None => return Ok(()),
+            }
+        }
+        None => one_process(&args)?,
+    };
+    print_report(&report);
+    if !report.solved {
+        std::process::exit(1);
+    }
+    Ok(())
+}
+
+// ANCHOR: one_process
+/// The same run in one process: the model's settings as the topology file gives them.
+fn one_process(args: &Args) -> Result<RunReport, Box<dyn std::error::Error>> {
+    let mut spec = ModelSpec::new(policy_model_id(), args.seed);
+    spec.workers = args.workers;
+    spec.batch_frames = 128; // completions: 16 prompts x 8
+    spec.group_size = 8;
+    spec.prompts_per_fragment = 4;
+    let mut sync = SyncConfig::with_mode(args.sync_mode);
+    sync.staleness_threshold = args.staleness_threshold;
+    sync.validate_freq = 5;
+    sync.pause_mode = args.pause_mode;
+    let cfg = RunConfig {
+        sync,
+        models: vec![spec],
+        eval_episodes: 0,
+        stop: StopRule {
+            max_updates: args.max_updates,
+            target_return: None,
+            target_eval: Some(args.target),
+            max_time: Duration::from_secs_f64(args.max_seconds),
+        },
+        seed: args.seed,
+        wrap_inlet: None,
+        wait: Duration::from_secs(120),
+    };
+    Ok(actix_rt::System::new().block_on(run::run_generating(cfg, GrpoRoles::new()))?)
+}
+// ANCHOR_END: one_process
+
+/// The held-out curve, the staleness of the trained samples, and each engine's pauses.
+fn print_report(report: &RunReport) {
+    for (model, r) in &report.models {
+        let first = r.evals.first().and_then(|e| e.models.get(model));
+        let last = r.evals.last().and_then(|e| e.models.get(model));
+        println!(
+            "{}: {model} held-out reward {:.3} -> {:.3} in {} updates, {:.1} s wall",
+            if report.solved {
+                "solved"
+            } else {
+                "NOT solved"
+            },
+            first.map_or(f64::NAN, |m| m.mean_return),
+            last.map_or(f64::NAN, |m| m.mean_return),
+            r.updates.len(),
+            report.elapsed.as_secs_f64(),
+        );
+        let at: Vec<String> = r
+            .evals
+            .iter()
+            .filter_map(|e| {
+                let u = r.updates.iter().find(|u| u.published == e.step)?;
+                let m = e.models.get(model)?;
+                Some(format!(
+                    "{:.1}s:{:.2}",
+                    u.elapsed.as_secs_f64(),
+                    m.mean_return
+                ))
+            })
+            .collect();
+        println!("held-out reward by wall time: {}", at.join(" "));
+        let hist = &r.staleness.histogram;
+        let total: u64 = hist.values().sum();
+        println!(
+            "staleness of trained completions (trainer version - oldest token's version): \
+             mean {:.2}, {} dropped as too stale",
+            r.staleness.mean_kept(),
+            r.staleness.dropped
+        );
+        for (s, n) in hist {
+            println!(
+                "  {s:>2}: {n:>7} completions ({:>5.1}%)",
+                100.0 * *n as f64 / total.max(1) as f64
+            );
+        }
+    }
+    println!("engine pauses (the time no token was produced because of an update):");
+    for r in &report.ranks {
+        let e = &r.engine;
+        println!(
+            "  rank {} (incarnation {}): {} loads, pause mean {:.1} us, max {:.1} us; \
+             staged beside generation {:.1} ms mean; {} tokens; {} sequences aborted",
+            r.rank,
+            r.incarnation,
+            e.loads,
+            e.paused_total.as_secs_f64() * 1e6 / e.loads.max(1) as f64,
+            e.paused_max.as_secs_f64() * 1e6,
+            e.staged_total.as_secs_f64() * 1e3 / e.loads.max(1) as f64,
+            e.tokens,
+            e.aborted
+        );
+    }
+}
