@@ -285,3 +285,60 @@ fn a_frozen_engine_is_dropped_within_dead_after_and_the_run_goes_on() {
     assert!(out.contains("the run goes on with 1 engines"), "{out}");
     assert!(out.contains("solved: policy (fully-async mode)"), "{out}");
 }
+
+/// An engine process with `restart = "on-failure"` that is killed mid-run is started again
+/// by the launcher; its new incarnation rejoins the running job (its inlet gets the current
+/// weights, rank 0 brings its engine to the served version and adds it back, its rollouts
+/// start) and the run solves. Both incarnations are in the report.
+#[test]
+fn a_killed_engine_is_restarted_rejoins_and_the_run_solves() {
+    let dir = tempfile::tempdir().unwrap();
+    let topo = topology(
+        dir.path(),
+        "restart.toml",
+        "on_failure = \"abort\"\nkeepalive_s = 0.5\ndead_after_s = 3.0",
+        "target_return = 150.0\nmax_updates = 200",
+        &format!(
+            "{POLICY}
+[[process]]
+name = \"learner\"
+roles = [\"trainer\", \"controller\", \"evaluator\"]
+
+[[process]]
+name = \"actor\"
+replicas = 2
+roles = [\"engine\", \"rollout\"]
+rollout_workers = 1
+restart = \"on-failure\"
+max_restarts = 2
+"
+        ),
+    );
+    let launch = Launch::start(&topo, "fully-async");
+    launch.wait_for(&["trained and published"], Duration::from_secs(180));
+    let engine = pid_of(&launch, 2);
+    let killed = signal("-KILL", engine);
+    let (seen, _) = launch.wait_for(
+        &["rank 0: rank 2 (process `actor`, replica 1) is gone"],
+        Duration::from_secs(15),
+    );
+    assert!(seen.duration_since(killed) < Duration::from_secs(10));
+    launch.wait_for(
+        &["rank 2 (process `actor`, replica 1) rejoined (incarnation 1)"],
+        Duration::from_secs(120),
+    );
+    let (status, out) = launch.finish(Duration::from_secs(600));
+    assert!(status.success(), "{status}\n{out}");
+    assert!(out.contains("solved: policy (fully-async mode)"), "{out}");
+    // the new incarnation loaded versions and ran rollouts after it came back
+    let after: Vec<&str> = out
+        .lines()
+        .skip_while(|l| !l.contains("rejoined (incarnation 1)"))
+        .collect();
+    assert!(
+        after
+            .iter()
+            .any(|l| l.contains("rank 2 (process `actor`, replica 1): stopped; engine loaded")),
+        "{out}"
+    );
+}

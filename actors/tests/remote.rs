@@ -65,6 +65,14 @@ impl RemoteMessage for Bump {
     const NAME: &'static str = "test.bump";
 }
 
+/// Sleeps this many milliseconds, then counts a call as `Bump` does.
+#[derive(Debug, Message, Serialize, Deserialize)]
+#[rtype(result = "u64")]
+struct SlowBump(u64);
+impl RemoteMessage for SlowBump {
+    const NAME: &'static str = "test.slow_bump";
+}
+
 /// Appends its number to the actor's log (fire and forget).
 #[derive(Debug, Message, Serialize, Deserialize)]
 #[rtype(result = "()")]
@@ -111,6 +119,20 @@ impl RemoteMessage for Unknown {
 struct TestActor {
     bumps: u64,
     log: Vec<u64>,
+}
+
+impl Handler<SlowBump> for TestActor {
+    type Result = ResponseActFuture<Self, u64>;
+    fn handle(&mut self, SlowBump(ms): SlowBump, _: &mut Context<Self>) -> Self::Result {
+        Box::pin(
+            actix_rt::time::sleep(Duration::from_millis(ms))
+                .into_actor(self)
+                .map(|(), act, _| {
+                    act.bumps += 1;
+                    act.bumps
+                }),
+        )
+    }
 }
 
 impl Handler<Record> for TestActor {
@@ -186,6 +208,7 @@ fn serve_test_actor(node: &Node, target: Uuid, addr: &Addr<TestActor>) {
     serve::<Bump>(node, target, addr.clone().recipient());
     serve::<Stop>(node, target, addr.clone().recipient());
     serve::<Record>(node, target, addr.clone().recipient());
+    serve::<SlowBump>(node, target, addr.clone().recipient());
     serve::<Log>(node, target, addr.clone().recipient());
 }
 
@@ -370,6 +393,34 @@ fn in_process_calls_of_one_sender_are_handled_in_order() {
             let sent: Vec<u64> = (0..12).map(|i| round * 100 + i).collect();
             assert_eq!(log[log.len() - 12..], sent[..], "round {round}");
         }
+    });
+}
+
+/// A call is handled at most once: nothing retries it. One whose deadline passes while the
+/// actor works on it fails with a timeout at the caller, and the actor still finishes it,
+/// once: the next count shows exactly one more.
+#[test]
+fn in_process_a_call_past_its_deadline_is_handled_once_not_retried() {
+    in_process(|_server, _actor, remote| async move {
+        let before = remote.send(Bump).await.unwrap();
+        let late = remote
+            .send_within(SlowBump(300), Duration::from_millis(50))
+            .await;
+        assert!(
+            matches!(
+                late.as_ref().map_err(|e| failure_of(e, "test.slow_bump")),
+                Err(RemoteFailure::Timeout { .. })
+            ),
+            "{late:?}"
+        );
+        actix_rt::time::sleep(Duration::from_millis(600)).await;
+        let after = remote.send(Bump).await.unwrap();
+        assert_eq!(
+            after,
+            before + 2,
+            "the late call was handled {} times",
+            after - before - 1
+        );
     });
 }
 

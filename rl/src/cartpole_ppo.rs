@@ -23,7 +23,7 @@ use crate::error::{Error, Result};
 use crate::learner::Learner;
 use crate::policy::MlpPolicy;
 use crate::ppo::{PpoConfig, PpoTrainer};
-use crate::roles::{ModelSpec, Roles};
+use crate::roles::{ModelSpec, Params, Roles};
 
 /// The CartPole role factory: a [`PpoTrainer`] learner, an [`MlpPolicy`] engine policy and
 /// [`CartPole`] environments, with PPO settings per model from [`ModelSpec::params`] over a
@@ -140,32 +140,6 @@ impl CartPolePpo {
         cfg.seed = model.seed;
         cfg.policy_id = model.id.clone();
         Ok(cfg)
-    }
-}
-
-struct Params<'a>(&'a ModelSpec);
-
-impl Params<'_> {
-    fn bad(&self, key: &str, want: &str) -> Error {
-        Error::Config(format!(
-            "model `{}`: params.{key} must be {want}",
-            self.0.id
-        ))
-    }
-
-    fn float(&self, key: &str, v: &toml::Value) -> Result<f64> {
-        match v {
-            toml::Value::Float(f) if f.is_finite() => Ok(*f),
-            toml::Value::Integer(i) => Ok(*i as f64),
-            _ => Err(self.bad(key, "a finite number")),
-        }
-    }
-
-    fn positive(&self, key: &str, v: &toml::Value) -> Result<usize> {
-        v.as_integer()
-            .filter(|n| *n > 0)
-            .and_then(|n| usize::try_from(n).ok())
-            .ok_or_else(|| self.bad(key, "a positive integer"))
     }
 }
 

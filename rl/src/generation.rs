@@ -101,6 +101,7 @@ pub enum Finish {
     Cancelled,
 }
 
+// ANCHOR: completion
 /// What a generating engine answers for one request.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Completion {
@@ -114,6 +115,7 @@ pub struct Completion {
     /// Why it ended.
     pub finish: Finish,
 }
+// ANCHOR_END: completion
 
 impl Completion {
     /// The oldest version among its tokens (`None` when it has no token).

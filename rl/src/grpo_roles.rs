@@ -30,7 +30,7 @@ use refit_runtime::Want;
 use crate::error::{Error, Result};
 use crate::grpo::{Correction, GrpoConfig, GrpoLearner};
 use crate::learner::Learner;
-use crate::roles::{GenRoles, ModelSpec};
+use crate::roles::{GenRoles, ModelSpec, Params};
 use crate::tasks::vocab::VOCAB;
 use crate::tasks::{ReverseConfig, ReverseDigits};
 use crate::transformer::{TransformerConfig, TransformerGenerator};
@@ -221,36 +221,6 @@ impl GrpoRoles {
     /// between them converts with it.
     pub fn conversion(&self) -> Want {
         TransformerConfig::want()
-    }
-}
-
-struct Params<'a>(&'a ModelSpec);
-
-impl Params<'_> {
-    fn bad(&self, key: &str, want: &str) -> Error {
-        Error::Config(format!(
-            "model `{}`: params.{key} must be {want}",
-            self.0.id
-        ))
-    }
-
-    fn float(&self, key: &str, v: &toml::Value) -> Result<f64> {
-        match v {
-            toml::Value::Float(f) if f.is_finite() => Ok(*f),
-            toml::Value::Integer(i) => Ok(*i as f64),
-            _ => Err(self.bad(key, "a finite number")),
-        }
-    }
-
-    fn positive(&self, key: &str, v: &toml::Value) -> Result<usize> {
-        v.as_integer()
-            .filter(|n| *n > 0)
-            .and_then(|n| usize::try_from(n).ok())
-            .ok_or_else(|| self.bad(key, "a positive integer"))
-    }
-
-    fn boolean(&self, key: &str, v: &toml::Value) -> Result<bool> {
-        v.as_bool().ok_or_else(|| self.bad(key, "a boolean"))
     }
 }
 

@@ -141,6 +141,44 @@ impl ModelSpec {
     }
 }
 
+/// Reads a role factory's parameters of one model, naming the model and the key in every
+/// refusal (`model `policy`: params.lr must be a finite number`).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Params<'a>(pub(crate) &'a ModelSpec);
+
+impl Params<'_> {
+    /// The error for `key`, whose value must be `want`.
+    pub(crate) fn bad(&self, key: &str, want: &str) -> Error {
+        Error::Config(format!(
+            "model `{}`: params.{key} must be {want}",
+            self.0.id
+        ))
+    }
+
+    /// A finite number (an integer is taken as one).
+    pub(crate) fn float(&self, key: &str, v: &toml::Value) -> Result<f64> {
+        match v {
+            toml::Value::Float(f) if f.is_finite() => Ok(*f),
+            toml::Value::Integer(i) => Ok(*i as f64),
+            _ => Err(self.bad(key, "a finite number")),
+        }
+    }
+
+    /// A positive integer.
+    pub(crate) fn positive(&self, key: &str, v: &toml::Value) -> Result<usize> {
+        v.as_integer()
+            .filter(|n| *n > 0)
+            .and_then(|n| usize::try_from(n).ok())
+            .ok_or_else(|| self.bad(key, "a positive integer"))
+    }
+
+    /// A boolean.
+    #[cfg_attr(not(feature = "candle"), allow(dead_code))]
+    pub(crate) fn boolean(&self, key: &str, v: &toml::Value) -> Result<bool> {
+        v.as_bool().ok_or_else(|| self.bad(key, "a boolean"))
+    }
+}
+
 // ANCHOR: roles
 /// The role factory a topology takes: the user's learner, policy and environment for each
 /// model. It is shared by every actor of a process (hence `Send + Sync`); each method is

@@ -13,8 +13,8 @@ use crate::error::{Error, Result};
 use crate::generation::{Completion, Finish, SamplingParams, Token};
 use crate::task::Task;
 
-use super::rollout::unanswered;
-use crate::protocol::controller::{Admission, AwaitRollout, ControllerLink, RolloutDone};
+use super::rollout::{Outcome, settle, then_done, unanswered};
+use crate::protocol::controller::{Admission, AwaitRollout, ControllerLink};
 use crate::protocol::engine::Generate;
 use crate::protocol::pool::PushFragment;
 use crate::protocol::rollout::{GetRolloutStats, RolloutStats, StartRollouts, StopRollouts};
@@ -189,39 +189,23 @@ impl<T: Task + Unpin> GenRolloutWorker<T> {
         let controller = self.controller.clone();
         let pool = self.pool.clone();
         let work = async move {
-            let r = run_fragment(&cfg, &mut state, &engine, &controller, &pool).await;
-            // the controller learns the fragment is over only after the pool has it
-            controller.done.do_send(RolloutDone {
-                model: cfg.model.clone(),
-            });
+            let fragment = run_fragment(&cfg, &mut state, &engine, &controller, &pool);
+            let r = then_done(&controller, &cfg.model, fragment).await;
             (state, r)
         };
         ctx.spawn(work.into_actor(self).map(|(state, r), act, ctx| {
             act.state = Some(state);
-            match r {
-                Ok(outcome) => {
-                    act.stats.blocked += outcome.waited;
-                    act.stats.blocked_checks += u64::from(!outcome.waited.is_zero());
-                    if outcome.cancelled {
-                        act.stats.cancelled += 1;
-                    } else {
-                        act.stats.fragments += 1;
-                    }
-                    ctx.notify(NextFragment);
-                }
-                Err(e) => {
-                    tracing::error!(worker = act.cfg.worker, model = %act.cfg.model, "generating rollout worker stops: {e}");
-                    act.stats.error = Some(e.to_string());
-                    act.running = false;
-                }
+            if settle(
+                &mut act.stats,
+                &mut act.running,
+                &act.cfg.model,
+                act.cfg.worker,
+                r,
+            ) {
+                ctx.notify(NextFragment);
             }
         }));
     }
-}
-
-struct Outcome {
-    waited: Duration,
-    cancelled: bool,
 }
 
 /// One generated completion waiting for its reward.

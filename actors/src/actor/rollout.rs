@@ -212,39 +212,74 @@ impl<E: Env + Unpin + 'static> RolloutWorker<E> {
         let controller = self.controller.clone();
         let pool = self.pool.clone();
         let work = async move {
-            let r = run_fragment(&cfg, &mut envs, &engine, &controller, &pool).await;
-            // The controller learns the fragment is over only after the pool has it.
-            controller.done.do_send(RolloutDone {
-                model: cfg.model.clone(),
-            });
+            let fragment = run_fragment(&cfg, &mut envs, &engine, &controller, &pool);
+            let r = then_done(&controller, &cfg.model, fragment).await;
             (envs, r)
         };
         ctx.spawn(work.into_actor(self).map(|(envs, r), act, ctx| {
             act.envs = Some(envs);
-            match r {
-                Ok(outcome) => {
-                    act.stats.blocked += outcome.waited;
-                    act.stats.blocked_checks += u64::from(!outcome.waited.is_zero());
-                    if outcome.cancelled {
-                        act.stats.cancelled += 1;
-                    } else {
-                        act.stats.fragments += 1;
-                    }
-                    ctx.notify(NextFragment);
-                }
-                Err(e) => {
-                    tracing::error!(worker = act.cfg.worker, model = %act.cfg.model, "rollout worker stops: {e}");
-                    act.stats.error = Some(e.to_string());
-                    act.running = false;
-                }
+            if settle(
+                &mut act.stats,
+                &mut act.running,
+                &act.cfg.model,
+                act.cfg.worker,
+                r,
+            ) {
+                ctx.notify(NextFragment);
             }
         }));
     }
 }
 
-struct Outcome {
-    waited: Duration,
-    cancelled: bool,
+/// How one rollout fragment ended (any rollout worker's).
+pub(crate) struct Outcome {
+    /// How long its admission waited.
+    pub(crate) waited: Duration,
+    /// Its episodes were cancelled; nothing went to the pool.
+    pub(crate) cancelled: bool,
+}
+
+/// Runs `fragment`, then tells the controller it is over: only after the pool has it (or
+/// after it failed), so the controller never counts a fragment done that is still coming.
+pub(crate) async fn then_done(
+    controller: &ControllerLink,
+    model: &ModelId,
+    fragment: impl std::future::Future<Output = Result<Outcome>>,
+) -> Result<Outcome> {
+    let r = fragment.await;
+    controller.done.do_send(RolloutDone {
+        model: model.clone(),
+    });
+    r
+}
+
+/// Records how a fragment ended in a worker's statistics; answers whether the worker goes
+/// on (an error stops it, kept in its statistics and logged).
+pub(crate) fn settle(
+    stats: &mut RolloutStats,
+    running: &mut bool,
+    model: &ModelId,
+    worker: usize,
+    r: Result<Outcome>,
+) -> bool {
+    match r {
+        Ok(outcome) => {
+            stats.blocked += outcome.waited;
+            stats.blocked_checks += u64::from(!outcome.waited.is_zero());
+            if outcome.cancelled {
+                stats.cancelled += 1;
+            } else {
+                stats.fragments += 1;
+            }
+            *running
+        }
+        Err(e) => {
+            tracing::error!(worker, model = %model, "rollout worker stops: {e}");
+            stats.error = Some(e.to_string());
+            *running = false;
+            false
+        }
+    }
 }
 
 async fn run_fragment<E: Env>(

@@ -358,21 +358,35 @@ impl Handler<ModelDone> for Lead {
 impl Handler<RankDown> for Lead {
     type Result = ();
     fn handle(&mut self, RankDown(death): RankDown, _: &mut Context<Self>) {
+        self.rank_down(death);
+    }
+}
+
+impl Lead {
+    /// A rank died: drop its engine and give up its rollouts, keep its last statistics,
+    /// and end the run unless it can go on without it (or the rank comes back).
+    fn rank_down(&mut self, death: RankDeath) {
         let rank = death.rank;
         let who = self.who(rank);
-        eprintln!("rank 0: {who} is gone: {}", death.reason);
         let Some(slot) = self.slots.get_mut(&rank) else {
             // a trainer, evaluator or rollout-less rank: the run cannot go on without it
-            self.event(rank, 0, RankEventKind::Died(death.reason.clone()));
+            eprintln!("rank 0: {who} is gone: {}", death.reason);
+            self.event(
+                rank,
+                death.incarnation,
+                RankEventKind::Died(death.reason.clone()),
+            );
             self.end(Err(Error::Actor(format!(
                 "{who} is gone ({}); the run cannot go on without it",
                 death.reason
             ))));
             return;
         };
-        if !slot.alive {
+        if !slot.alive || slot.incarnation != death.incarnation {
+            // already dropped, or the verdict is about an incarnation that was replaced
             return;
         }
+        eprintln!("rank 0: {who} is gone: {}", death.reason);
         slot.alive = false;
         slot.watch = None;
         let incarnation = slot.incarnation;
@@ -408,13 +422,26 @@ impl Handler<RankDown> for Lead {
 impl Handler<AddRank> for Lead {
     type Result = ResponseActFuture<Self, Result<()>>;
     fn handle(&mut self, msg: AddRank, _: &mut Context<Self>) -> Self::Result {
-        if self.slots.get(&msg.rank).is_some_and(|s| s.alive) {
-            let e = Error::Config(format!(
-                "{} joins as incarnation {}, but an earlier incarnation is still alive",
-                self.who(msg.rank),
-                msg.incarnation
-            ));
-            return Box::pin(fut::ready(Err(e)));
+        if let Some(slot) = self.slots.get(&msg.rank)
+            && slot.alive
+        {
+            if slot.incarnation >= msg.incarnation {
+                let e = Error::Config(format!(
+                    "{} joins as incarnation {}, but incarnation {} is alive",
+                    self.who(msg.rank),
+                    msg.incarnation,
+                    slot.incarnation
+                ));
+                return Box::pin(fut::ready(Err(e)));
+            }
+            // a newer start of the rank proves the old one gone, whether or not the
+            // keepalive has told yet (a launcher restarts a killed rank within ~100 ms)
+            let old = slot.incarnation;
+            self.rank_down(RankDeath {
+                rank: msg.rank,
+                incarnation: old,
+                reason: format!("incarnation {} took its place", msg.incarnation),
+            });
         }
         // an engine keeps its id in the controller's set across incarnations
         let engine_id = msg.rank as usize;
@@ -468,7 +495,7 @@ impl Handler<AddRank> for Lead {
                 let guard = addr.map(|a| {
                     watch(
                         &act.node,
-                        vec![(rank, a)],
+                        vec![(rank, incarnation, a)],
                         act.topo.keepalive(),
                         act.topo.dead_after(),
                         move |d| me.do_send(RankDown(d)),

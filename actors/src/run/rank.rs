@@ -231,7 +231,7 @@ pub(crate) async fn rank_main(s: RankSetup) -> Result<Option<RunReport>> {
         let (gone, why) = (Arc::clone(&gone), Arc::clone(&gone_why));
         watch(
             &node,
-            vec![(0, lead_peer.addr())],
+            vec![(0, 0, lead_peer.addr())],
             topo.keepalive(),
             topo.dead_after(),
             move |d| {
@@ -551,7 +551,7 @@ pub(crate) async fn rank_main(s: RankSetup) -> Result<Option<RunReport>> {
                     Error::Config(format!("{} did not join within {wait:?}: {e}", describe(p)))
                 })?;
             tracing::info!(rank = p.rank, pid = card.pid, node = %card.node, "rank joined");
-            nodes.push((p.rank, card.node));
+            nodes.push((p.rank, card.incarnation, card.node));
         }
         if topo.world_size() > 1 {
             tracing::info!(
@@ -571,8 +571,8 @@ pub(crate) async fn rank_main(s: RankSetup) -> Result<Option<RunReport>> {
             } else {
                 let addr = nodes
                     .iter()
-                    .find(|(n, _)| *n == r)
-                    .map(|(_, a)| *a)
+                    .find(|(n, _, _)| *n == r)
+                    .map(|(_, _, a)| *a)
                     .ok_or_else(|| Error::Config(format!("engine rank {r} did not join")))?;
                 let name = topo
                     .rank(r)

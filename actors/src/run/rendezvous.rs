@@ -180,30 +180,36 @@ impl Rendezvous {
 pub(crate) struct RankDeath {
     /// The rank.
     pub(crate) rank: u32,
+    /// Which start of it died (a newer incarnation may already serve).
+    pub(crate) incarnation: u32,
     /// How its death was told.
     pub(crate) reason: String,
 }
 
-/// Watches `peers` (rank, node address): one task per peer pings it every `keepalive`
+/// Watches `peers` (rank, incarnation, node address): one task per peer pings it every `keepalive`
 /// (each ping waits at most `dead_after`); a peer whose connection closes, that cannot be
 /// reached, or that answers no ping for `dead_after` is dead, and `on_death` is called once
 /// for it. Dropping the guard stops watching.
 pub(crate) fn watch(
     node: &Node,
-    peers: Vec<(u32, SocketAddr)>,
+    peers: Vec<(u32, u32, SocketAddr)>,
     keepalive: Duration,
     dead_after: Duration,
     on_death: impl Fn(RankDeath) + Send + Sync + 'static,
 ) -> WatchGuard {
     let on_death = Arc::new(on_death);
     let mut tasks = Vec::new();
-    for (rank, addr) in peers {
+    for (rank, incarnation, addr) in peers {
         let handle = node.handle().clone();
         let node = node.clone();
         let on_death = Arc::clone(&on_death);
         tasks.push(handle.spawn(async move {
             let reason = watch_one(&node, addr, keepalive, dead_after).await;
-            on_death(RankDeath { rank, reason });
+            on_death(RankDeath {
+                rank,
+                incarnation,
+                reason,
+            });
         }));
     }
     WatchGuard { tasks }

@@ -128,6 +128,13 @@ pub trait Workload: Send + Sync + 'static {
 }
 // ANCHOR_END: workload
 
+/// Starts `actor` on an arbiter (a thread) of its own.
+fn on_arbiter<A: Actor<Context = Context<A>> + Send>(actor: A) -> (Addr<A>, Arbiter) {
+    let arbiter = Arbiter::new();
+    let addr = A::start_in_arbiter(&arbiter.handle(), move |_| actor);
+    (addr, arbiter)
+}
+
 /// A [`Roles`] factory as a workload: an [`InferenceEngine`] of its policies,
 /// [`RolloutWorker`]s of its environments, an [`Evaluator`].
 #[derive(Debug)]
@@ -160,8 +167,7 @@ impl<R: Roles> Workload for Acting<R> {
             let policy = self.0.policy(&spec)?;
             engine = engine.with_model(spec.id.clone(), policy, Some(inlet))?;
         }
-        let arbiter = Arbiter::new();
-        let addr = InferenceEngine::start_in_arbiter(&arbiter.handle(), move |_| engine);
+        let (addr, arbiter) = on_arbiter(engine);
         Ok(Started {
             handle: EngineRef::local(&addr),
             arbiter,
@@ -180,8 +186,7 @@ impl<R: Roles> Workload for Acting<R> {
             .map(|i| self.0.env(model, cfg.seed.wrapping_add(i as u64)))
             .collect::<Result<Vec<_>>>()?;
         let worker = RolloutWorker::new(cfg, envs, engine.act.clone(), controller, pool)?;
-        let arbiter = Arbiter::new();
-        let addr = RolloutWorker::start_in_arbiter(&arbiter.handle(), move |_| worker);
+        let (addr, arbiter) = on_arbiter(worker);
         Ok(Started {
             handle: RolloutRef::local(&addr),
             arbiter,
@@ -279,8 +284,7 @@ impl<G: GenRoles> Workload for Generating<G> {
             engine = engine
                 .with_model(GenModel::new(spec.id.clone(), generator, stager).inlet(inlet))?;
         }
-        let arbiter = Arbiter::new();
-        let addr = GenerationEngine::start_in_arbiter(&arbiter.handle(), move |_| engine);
+        let (addr, arbiter) = on_arbiter(engine);
         Ok(Started {
             handle: EngineRef::local(&addr),
             arbiter,
@@ -303,8 +307,7 @@ impl<G: GenRoles> Workload for Generating<G> {
         gen_cfg.timeout = cfg.timeout;
         let worker =
             GenRolloutWorker::new(gen_cfg, task, engine.generate.clone(), controller, pool)?;
-        let arbiter = Arbiter::new();
-        let addr = GenRolloutWorker::start_in_arbiter(&arbiter.handle(), move |_| worker);
+        let (addr, arbiter) = on_arbiter(worker);
         Ok(Started {
             handle: RolloutRef::local(&addr),
             arbiter,

@@ -1,23 +1,26 @@
 #!/usr/bin/env bash
-# CartPole-v1 with PPO across three simulated hosts (network namespaces at 10.77.0.1..3):
-# examples/topologies/cartpole-hosts.toml started once per host with `refit launch` in its
+# A three-host topology on three simulated hosts (network namespaces at 10.77.0.1..3):
+# the file (default examples/topologies/cartpole-hosts.toml; examples/topologies/
+# grpo-hosts.toml is the generating one) started once per host with `refit launch` in its
 # per-rank mode (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT and one REFIT_TOKEN), as a
 # cluster scheduler would. Rank 0 (the learner, host 1) prints the progress and the report;
 # the engines' output follows it.
 #
-#   examples/scripts/cartpole-hosts-netns.sh [SYNC_MODE]
+#   examples/scripts/hosts-netns.sh [TOPOLOGY.toml] [SYNC_MODE]
 #
-# Needs root, ../shared/tools/netns-hosts (NETNS_HOSTS overrides it) and a release build:
-#   cargo build --release --example cartpole --bin refit
+# Needs root, ../shared/tools/netns-hosts (NETNS_HOSTS overrides it) and a release build of
+# the program the file runs and of refit:
+#   cargo build --release --example cartpole --example grpo --bin refit
 set -euo pipefail
 here=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$here"
-mode=${1:-}
+topo=${1:-examples/topologies/cartpole-hosts.toml}
+mode=${2:-}
 nh=${NETNS_HOSTS:-$here/../shared/tools/netns-hosts}
 refit=${REFIT:-$here/target/release/refit}
-topo=examples/topologies/cartpole-hosts.toml
-for f in "$refit" target/release/examples/cartpole; do
-  [ -x "$f" ] || { echo "build first: cargo build --release --example cartpole --bin refit" >&2; exit 1; }
+program=$(sed -n 's/^command = \["\([^"]*\)".*/\1/p' "$topo" | head -1)
+for f in "$refit" "$program"; do
+  [ -x "$f" ] || { echo "build first: $f is missing (cargo build --release --example ... --bin refit)" >&2; exit 1; }
 done
 export REFIT_TOKEN=${REFIT_TOKEN:-$(head -c 16 /dev/urandom | od -An -tx1 | tr -d ' \n')}
 set_mode=()

@@ -1,0 +1,89 @@
+//! GRPO through the shipped generating topology, run as a user runs it: the real `refit
+//! launch` on `examples/topologies/grpo-processes.toml` (its command pointed at this
+//! build's grpo example; a shorter task so that a debug build finishes in about a minute):
+//! a transformer trainer on rank 0 and two generating engines fed over shared memory in
+//! their own layout learn digit reversal from scratch, in each sync mode, and nothing is
+//! left behind.
+#![allow(clippy::unwrap_used, missing_docs)]
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+mod common;
+use common::example;
+use common::launch::{Launch, assert_clean};
+
+/// `grpo-processes.toml` as shipped, with the command pointed at this build's example.
+fn topology_file(dir: &Path) -> PathBuf {
+    let shipped =
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/topologies/grpo-processes.toml");
+    let exe = example("grpo");
+    let text: Vec<String> = std::fs::read_to_string(shipped)
+        .unwrap()
+        .lines()
+        .map(|l| {
+            if l.starts_with("command = ") {
+                format!("command = [{:?}, \"topology\"]", exe.display().to_string())
+            } else {
+                l.to_owned()
+            }
+        })
+        .collect();
+    let path = dir.join("grpo-processes.toml");
+    std::fs::write(&path, text.join("\n")).unwrap();
+    path
+}
+
+#[test]
+fn grpo_learns_through_refit_launch_in_every_sync_mode() {
+    let dir = tempfile::tempdir().unwrap();
+    let topo = topology_file(dir.path());
+    for mode in ["fully-async", "sync", "batch-async"] {
+        let launch = Launch::start_with(
+            &topo,
+            mode,
+            &[
+                "--set",
+                "model.policy.params.min_len=3",
+                "--set",
+                "model.policy.params.max_len=3",
+                "--set",
+                "model.policy.params.heldout=64",
+                "--set",
+                "stop.target_eval=0.6",
+            ],
+        );
+        let (status, out) = launch.finish(Duration::from_secs(900));
+        assert!(status.success(), "{mode}: {status}\n{out}");
+        let solved = out
+            .lines()
+            .find(|l| l.contains("solved: policy held-out reward"))
+            .unwrap_or_else(|| panic!("{mode}: no report\n{out}"));
+        // "held-out reward A -> B in N updates"
+        let rewards: Vec<f64> = solved
+            .split("reward ")
+            .nth(1)
+            .unwrap()
+            .split(" in ")
+            .next()
+            .unwrap()
+            .split(" -> ")
+            .map(|v| v.trim().parse().unwrap())
+            .collect();
+        assert!(rewards[0] <= 0.3 && rewards[1] >= 0.6, "{mode}: {solved}");
+        // each engine loaded versions, swapped in at step boundaries, and generated
+        for r in [1, 2] {
+            assert!(
+                out.contains(&format!("rank {r} (process `engine`, replica {})", r - 1))
+                    && out.contains("model `policy` weights over shm"),
+                "{mode}\n{out}"
+            );
+        }
+        assert!(out.contains("mean reward"), "{mode}\n{out}");
+        assert!(out.contains("engine pauses"), "{mode}\n{out}");
+        if mode == "sync" {
+            assert!(out.contains("mean 0.00, 0 dropped"), "{mode}\n{out}");
+        }
+        assert_clean(&out);
+    }
+}
