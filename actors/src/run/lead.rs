@@ -699,6 +699,9 @@ impl Handler<Finish> for Lead {
                 engine.paused_max = engine.paused_max.max(r.engine.paused_max);
                 engine.staged_total += r.engine.staged_total;
                 engine.cancelled += r.engine.cancelled;
+                engine.tokens += r.engine.tokens;
+                engine.drained_total += r.engine.drained_total;
+                engine.aborted += r.engine.aborted;
                 for (m, ws) in &r.workers {
                     if let Some(rep) = models.get_mut(m) {
                         rep.workers.extend(ws.iter().cloned());
