@@ -2,8 +2,8 @@
 //! launch` on `examples/topologies/grpo-processes.toml` (its command pointed at this
 //! build's grpo example; a shorter task so that a debug build finishes in about a minute):
 //! a transformer trainer on rank 0 and two generating engines fed over shared memory in
-//! their own layout learn digit reversal from scratch, in each sync mode, and nothing is
-//! left behind.
+//! their own layout learn digit reversal from scratch, in each sync mode (one of them with a
+//! KL term to a reference the engines serve), and nothing is left behind.
 #![allow(clippy::unwrap_used, missing_docs)]
 
 use std::path::{Path, PathBuf};
@@ -38,21 +38,31 @@ fn topology_file(dir: &Path) -> PathBuf {
 fn grpo_learns_through_refit_launch_in_every_sync_mode() {
     let dir = tempfile::tempdir().unwrap();
     let topo = topology_file(dir.path());
-    for mode in ["fully-async", "sync", "batch-async"] {
-        let launch = Launch::start_with(
-            &topo,
-            mode,
-            &[
-                "--set",
-                "model.policy.params.min_len=3",
-                "--set",
-                "model.policy.params.max_len=3",
-                "--set",
-                "model.policy.params.heldout=64",
-                "--set",
-                "stop.target_eval=0.6",
-            ],
-        );
+    // the sync run also serves a KL reference on the engines beside the policy (refreshed
+    // every 4 versions), each completion scored under it across the process boundary
+    let reference = [
+        "--set",
+        "model.policy.params.reference_every=4",
+        "--set",
+        "model.policy.params.kl_coef=0.02",
+    ];
+    for (mode, more) in [
+        ("fully-async", &[][..]),
+        ("sync", &reference[..]),
+        ("batch-async", &[][..]),
+    ] {
+        let mut args = vec![
+            "--set",
+            "model.policy.params.min_len=3",
+            "--set",
+            "model.policy.params.max_len=3",
+            "--set",
+            "model.policy.params.heldout=64",
+            "--set",
+            "stop.target_eval=0.6",
+        ];
+        args.extend_from_slice(more);
+        let launch = Launch::start_with(&topo, mode, &args);
         let (status, out) = launch.finish(Duration::from_secs(900));
         assert!(status.success(), "{mode}: {status}\n{out}");
         let solved = out

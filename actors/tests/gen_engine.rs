@@ -11,7 +11,7 @@ use std::time::Duration;
 use actix::prelude::*;
 use refit_actors::actor::{
     CancelInFlight, GenModel, Generate, GenerationEngine, GetEngineStats, GetGenStatus,
-    LoadWeights, ServedVersions, UpdateModel,
+    LoadWeights, Score, ServedVersions, UpdateModel,
 };
 use refit_actors::bigram::Bigram;
 use refit_actors::generation::{Completion, Finish, PauseMode, SamplingParams, Token};
@@ -251,6 +251,115 @@ async fn cancel_ends_cancellable_requests_in_flight_and_refuses_older_generation
 /// refused naming the tensor, not acknowledged, and v1 keeps generating; version 3 loads and
 /// is acknowledged. A second model whose trainer publishes another layout is refused naming
 /// the tensor's shape, its initial version still served.
+/// The served version of every model, once `model` serves `want`.
+async fn serving(engine: &Addr<GenerationEngine<Bigram>>, model: &ModelId, want: Version) {
+    let t = std::time::Instant::now();
+    loop {
+        let served = within("versions", engine.send(ServedVersions))
+            .await
+            .unwrap();
+        if served.get(model) == Some(&want) {
+            return;
+        }
+        assert!(
+            t.elapsed() < DEADLINE,
+            "`{model}` serves {:?}, not {want}",
+            served.get(model)
+        );
+        actix_rt::time::sleep(Duration::from_millis(1)).await;
+    }
+}
+
+#[actix_rt::test]
+async fn a_follower_serves_its_leaders_weights_refreshed_every_k_versions_and_scores() {
+    let (p, r) = (policy(), id("policy.reference"));
+    let g = bigram();
+    let e = GenerationEngine::new(PauseMode::Keep)
+        .with_model(GenModel::follower(r.clone(), g.clone(), p.clone(), 2))
+        .unwrap_err();
+    assert!(e.to_string().contains("does not serve"), "{e}");
+    let engine = GenerationEngine::new(PauseMode::Keep)
+        .with_model(GenModel::new(p.clone(), g.clone(), g.clone()))
+        .unwrap()
+        .with_model(GenModel::follower(r.clone(), g, p.clone(), 2))
+        .unwrap()
+        .start();
+    // refreshed at v1, v3, v5: the first version, then every 2
+    for (v, reference) in [(1, 1), (2, 1), (3, 3), (4, 3), (5, 5)] {
+        let loaded = within(
+            "load",
+            engine.send(LoadWeights {
+                weights: Arc::new(table(&p, v)),
+            }),
+        )
+        .await
+        .unwrap()
+        .unwrap();
+        assert_eq!(loaded, Version(v));
+        serving(&engine, &r, Version(reference)).await;
+        let c = answer("reference", engine.send(generate(&r, &[0], 4))).await;
+        assert_eq!(c.tokens, walk(0, reference, 4), "after v{v}");
+        assert_eq!(c.versions, vec![Version(reference); 4]);
+    }
+    // the reference scores a completion of the policy: its own walk is likely, the
+    // policy's is not
+    let mine = walk(0, 5, 4);
+    let score = |tokens: Vec<Token>| Score {
+        model: r.clone(),
+        prompt: vec![0],
+        tokens,
+        temperature: 1.0,
+        generation: None,
+    };
+    let same = answer("score", engine.send(score(mine.clone()))).await;
+    assert_eq!(same.tokens, mine);
+    let by_policy = answer("policy", engine.send(generate(&p, &[0], 4))).await;
+    assert_eq!(by_policy.tokens, mine);
+    for (a, b) in same.logprobs.iter().zip(&by_policy.logprobs) {
+        assert!(
+            (a - b).abs() < 1e-6,
+            "same weights, same scores: {a} vs {b}"
+        );
+    }
+    let other = answer("score", engine.send(score(walk(0, 1, 4)))).await;
+    assert!(
+        other.logprobs.iter().all(|l| *l < same.logprobs[0] - 1.0),
+        "{other:?}"
+    );
+    // the follower loads nothing itself, and its scoring is no generation in the stats
+    let e = within(
+        "update the follower",
+        engine.send(UpdateModel {
+            model: r.clone(),
+            version: Version(9),
+            timeout: Duration::from_secs(5),
+        }),
+    )
+    .await
+    .unwrap()
+    .unwrap_err();
+    assert!(e.to_string().contains("follows model `policy`"), "{e}");
+    let stats = within("stats", engine.send(GetEngineStats)).await.unwrap();
+    assert_eq!(stats.loads, 5);
+    assert_eq!(stats.tokens, 4);
+    // a bad scoring request is refused naming the field; the engine goes on
+    let e = within("bad score", engine.send(score(vec![0, 42])))
+        .await
+        .unwrap()
+        .unwrap_err();
+    assert!(
+        matches!(
+            e,
+            Error::BadRequest {
+                field: "tokens",
+                ..
+            }
+        ),
+        "{e}"
+    );
+    answer("after", engine.send(score(mine))).await;
+}
+
 #[actix_rt::test]
 async fn a_corrupt_or_wrong_shape_version_is_refused_and_the_old_one_keeps_generating() {
     let (p, r) = (policy(), id("reference"));

@@ -206,6 +206,7 @@ fn sequence(prompt: Token, versions: &[u64]) -> Sequence {
         group: u64::from(prompt),
         finish: Finish::Length,
         worker: 0,
+        ref_logprobs: None,
     }
 }
 

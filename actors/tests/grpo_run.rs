@@ -64,3 +64,74 @@ async fn grpo_learns_reversal_in_one_process_and_sees_per_token_versions() {
         report.engine
     );
 }
+
+#[actix_rt::test]
+async fn grpo_learns_with_a_kl_term_to_a_reference_the_engines_serve() {
+    let mut spec = ModelSpec::new(policy_model_id(), 5);
+    spec.workers = 2;
+    spec.batch_frames = 128;
+    spec.reference_every = Some(4);
+    spec = spec
+        .with_param("min_len", 3)
+        .with_param("max_len", 3)
+        .with_param("heldout", 64)
+        .with_param("kl_coef", 0.02);
+    let mut sync = SyncConfig::with_mode(SyncMode::BatchAsync);
+    sync.validate_freq = 5;
+    let cfg = RunConfig {
+        sync,
+        models: vec![spec],
+        eval_episodes: 0,
+        stop: StopRule {
+            max_updates: 200,
+            target_return: None,
+            target_eval: Some(0.6),
+            max_time: Duration::from_secs(300),
+        },
+        seed: 5,
+        wrap_inlet: None,
+        wait: Duration::from_secs(60),
+    };
+    let report = run::run_generating(cfg, GrpoRoles::new()).await.unwrap();
+    let r = &report.models[&policy_model_id()];
+    let last = r.evals.last().unwrap().models[&policy_model_id()].mean_return;
+    assert!(
+        report.solved,
+        "held-out {last} in {} updates",
+        r.updates.len()
+    );
+    // every batch carried the reference's scores (the learner refuses a batch without);
+    // the policy moved away from the reference between refreshes
+    let kls: Vec<f64> = r.updates.iter().filter_map(|u| u.learn.get("kl")).collect();
+    assert_eq!(kls.len(), r.updates.len(), "every update has a KL term");
+    assert!(kls.iter().all(|k| k.is_finite()), "{kls:?}");
+    assert!(kls.iter().any(|k| *k > 1e-4), "{kls:?}");
+}
+
+#[actix_rt::test]
+async fn a_served_reference_without_a_kl_term_is_refused_naming_both_keys() {
+    let mut spec = ModelSpec::new(policy_model_id(), 5);
+    spec.reference_every = Some(4);
+    let cfg = RunConfig {
+        sync: SyncConfig::with_mode(SyncMode::Sync),
+        models: vec![spec],
+        eval_episodes: 0,
+        stop: StopRule {
+            max_updates: 1,
+            target_return: None,
+            target_eval: None,
+            max_time: Duration::from_secs(60),
+        },
+        seed: 5,
+        wrap_inlet: None,
+        wait: Duration::from_secs(60),
+    };
+    let e = run::run_generating(cfg, GrpoRoles::new())
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("reference_every") && e.contains("kl_coef"),
+        "{e}"
+    );
+}

@@ -91,6 +91,10 @@ pub struct Sequence {
     pub finish: Finish,
     /// Index of the rollout worker that collected it.
     pub worker: usize,
+    /// Log-probability of each token under the reference model the engines serve beside
+    /// the policy (`None` when the run serves none): what a KL term to that reference reads.
+    #[serde(default)]
+    pub ref_logprobs: Option<Vec<f32>>,
 }
 
 impl Sequence {

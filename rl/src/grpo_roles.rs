@@ -21,14 +21,16 @@
 //!
 //! The vocabulary and the context come from the task. Any other key is refused, named. The
 //! framework's keys of a model ([`ModelSpec::FRAMEWORK_KEYS`]) are read by the framework:
-//! `group_size` (completions per prompt, default 8), `prompts_per_fragment`, and
-//! `batch_frames`, which counts completions: a batch holds `batch_frames / group_size`
-//! prompts.
+//! `group_size` (completions per prompt, default 8), `prompts_per_fragment`,
+//! `batch_frames`, which counts completions (a batch holds `batch_frames / group_size`
+//! prompts), and `reference_every`: the engines serve a reference model beside the policy,
+//! refreshed every that many versions, and the KL term (`kl_coef > 0`) is taken to it
+//! instead of to the learner's frozen copy of the first weights.
 
 use refit_runtime::Want;
 
 use crate::error::{Error, Result};
-use crate::grpo::{Correction, GrpoConfig, GrpoLearner};
+use crate::grpo::{Correction, GrpoConfig, GrpoLearner, ServedReference};
 use crate::learner::Learner;
 use crate::roles::{GenRoles, ModelSpec, Params};
 use crate::tasks::vocab::VOCAB;
@@ -228,8 +230,25 @@ impl GenRoles for GrpoRoles {
     type Task = ReverseDigits;
     type Generator = TransformerGenerator;
 
+    /// With `reference_every` set (a reference served by the engines), the KL term reads
+    /// the sequences' reference log-probabilities ([`ServedReference`]), which needs
+    /// `kl_coef > 0`.
     fn learner(&self, model: &ModelSpec) -> Result<Box<dyn Learner>> {
-        Ok(Box::new(GrpoLearner::new(self.settings(model)?.grpo)?))
+        let grpo = self.settings(model)?.grpo;
+        let served = model.reference_every.is_some();
+        if served && grpo.kl_coef <= 0.0 {
+            return Err(Error::Config(format!(
+                "model `{}`: params.reference_every asks the engines to serve a reference for \
+                 the KL term, and params.kl_coef is {} (set it above 0, or drop \
+                 reference_every)",
+                model.id, grpo.kl_coef
+            )));
+        }
+        let mut learner = GrpoLearner::new(grpo)?;
+        if served {
+            learner.set_reference(Box::new(ServedReference));
+        }
+        Ok(Box::new(learner))
     }
 
     fn generator(&self, model: &ModelSpec) -> Result<TransformerGenerator> {

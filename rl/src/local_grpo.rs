@@ -152,6 +152,7 @@ pub fn sample_batch<G: Generator, T: Task>(
             group,
             finish: c.finish,
             worker: 0,
+            ref_logprobs: None,
         });
     }
     Ok(Batch {

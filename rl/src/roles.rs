@@ -37,6 +37,12 @@ pub struct ModelSpec {
     pub group_size: usize,
     /// Prompts per rollout fragment (a generating model).
     pub prompts_per_fragment: usize,
+    /// Every how many versions the engines of a generating model refresh the reference model
+    /// they serve beside it (`None`: they serve none). The reference is its own model,
+    /// [`ModelSpec::reference_id`], holding the policy's version 1, then every
+    /// `reference_every`-th version after; the rollout workers score each completion under
+    /// it, for a KL term that needs no second model in the learner.
+    pub reference_every: Option<usize>,
     /// Seed of this model's learner.
     pub seed: u64,
     /// Parameters for the role factory (a topology file's `[model.params]`, less the keys
@@ -46,13 +52,14 @@ pub struct ModelSpec {
 
 impl ModelSpec {
     /// The keys of a params table that [`ModelSpec::from_params`] reads into the spec.
-    pub const FRAMEWORK_KEYS: [&'static str; 6] = [
+    pub const FRAMEWORK_KEYS: [&'static str; 7] = [
         "workers",
         "envs_per_worker",
         "fragment_steps",
         "batch_frames",
         "group_size",
         "prompts_per_fragment",
+        "reference_every",
     ];
 
     /// `id` with the defaults: 2 workers x 4 environments, fragments of 32 steps, batches of
@@ -66,6 +73,7 @@ impl ModelSpec {
             batch_frames: 2048,
             group_size: 8,
             prompts_per_fragment: 4,
+            reference_every: None,
             seed,
             params: toml::Table::new(),
         }
@@ -103,11 +111,21 @@ impl ModelSpec {
                 "fragment_steps" => spec.fragment_steps = n,
                 "group_size" => spec.group_size = n,
                 "prompts_per_fragment" => spec.prompts_per_fragment = n,
+                "reference_every" => spec.reference_every = Some(n),
                 _ => spec.batch_frames = n,
             }
         }
         spec.params = rest;
         Ok(spec)
+    }
+
+    /// The id of the reference model the engines serve beside this one
+    /// (`<id>.reference`), whether or not [`ModelSpec::reference_every`] asks for it.
+    ///
+    /// # Errors
+    /// An id too long to take the suffix.
+    pub fn reference_id(&self) -> Result<ModelId> {
+        Ok(ModelId::new(format!("{}.reference", self.id))?)
     }
 
     /// Sets the factory parameter `key`, builder style.

@@ -871,3 +871,15 @@ impl VersionNotifier {
         }
     }
 }
+
+impl From<Addr<WeightSyncController>> for crate::protocol::ControllerLink {
+    fn from(controller: Addr<WeightSyncController>) -> Self {
+        Self::of(&controller)
+    }
+}
+
+impl From<&Addr<WeightSyncController>> for crate::protocol::ControllerLink {
+    fn from(controller: &Addr<WeightSyncController>) -> Self {
+        Self::of(controller)
+    }
+}

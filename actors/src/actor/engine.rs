@@ -28,7 +28,8 @@ use crate::link::WeightInlet;
 use crate::policy::{ActionOut, Policy};
 use crate::protocol::engine::{
     Act, ActBatch, Acted, ActedBatch, CancelInFlight, Continue, EngineStats, Generate,
-    GetEngineStats, LoadReport, LoadWeights, Pause, ServedVersion, ServedVersions, UpdateModel,
+    GetEngineStats, LoadReport, LoadWeights, Pause, Score, ServedVersion, ServedVersions,
+    UpdateModel,
 };
 
 use super::stale;
@@ -511,6 +512,17 @@ impl<P: Policy + Unpin + 'static> Handler<Generate> for InferenceEngine<P> {
         Err(Error::Config(format!(
             "model `{}`: this engine serves actions for observations (ActBatch), not \
              completions (Generate); serve a generating model with a generating engine",
+            msg.model
+        )))
+    }
+}
+
+impl<P: Policy + Unpin + 'static> Handler<Score> for InferenceEngine<P> {
+    type Result = Result<Completion>;
+    fn handle(&mut self, msg: Score, _: &mut Context<Self>) -> Self::Result {
+        Err(Error::Config(format!(
+            "model `{}`: this engine serves actions for observations (ActBatch), not \
+             scores of completions (Score); serve a generating model with a generating engine",
             msg.model
         )))
     }

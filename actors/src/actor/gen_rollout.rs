@@ -15,7 +15,7 @@ use crate::task::Task;
 
 use super::rollout::{Outcome, settle, then_done, unanswered};
 use crate::protocol::controller::{Admission, AwaitRollout, ControllerLink};
-use crate::protocol::engine::Generate;
+use crate::protocol::engine::{Generate, Score};
 use crate::protocol::pool::PushFragment;
 use crate::protocol::rollout::{GetRolloutStats, RolloutStats, StartRollouts, StopRollouts};
 
@@ -42,6 +42,9 @@ pub struct GenRolloutConfig {
     /// How many times a completion ended by an update (`abort` mode) is generated again
     /// before the worker gives up (a group must be whole).
     pub max_regenerations: u32,
+    /// The reference model each completion is scored under (its log-probabilities go to
+    /// [`Sequence::ref_logprobs`]); `None`: no scoring.
+    pub reference: Option<ModelId>,
 }
 
 impl GenRolloutConfig {
@@ -57,24 +60,50 @@ impl GenRolloutConfig {
             timeout: Duration::from_secs(60),
             admission_timeout: Duration::from_secs(130),
             max_regenerations: 8,
+            reference: None,
         }
     }
 }
 
-/// Generates `request` through `engine`, again while an update aborts it (at most
-/// `regenerations` more times); each send has the deadline `timeout`. Answers the
-/// completion and how many times it was regenerated.
+/// A request a generating engine answers with a [`Completion`]: [`Generate`] or [`Score`].
+pub(crate) trait CompletionRequest:
+    Message<Result = Result<Completion>> + Clone + Send + 'static
+{
+    /// The model asked.
+    fn model(&self) -> &ModelId;
+    /// What the engine is asked to do (named in errors).
+    const DOING: &'static str;
+}
+
+impl CompletionRequest for Generate {
+    fn model(&self) -> &ModelId {
+        &self.model
+    }
+    const DOING: &'static str = "generate";
+}
+
+impl CompletionRequest for Score {
+    fn model(&self) -> &ModelId {
+        &self.model
+    }
+    const DOING: &'static str = "score";
+}
+
+/// Sends `request` to `engine`, again while an update aborts it (at most `regenerations`
+/// more times); each send has the deadline `timeout`. Answers the completion and how many
+/// times it was asked again.
 ///
 /// # Errors
 /// The engine's answer ([`Error::Cancelled`] included); a timeout or a stopped engine; a
 /// completion still aborted after the last regeneration.
-pub(crate) async fn generate_whole(
-    engine: Recipient<Generate>,
-    request: Generate,
+pub(crate) async fn generate_whole<M: CompletionRequest>(
+    engine: Recipient<M>,
+    request: M,
     timeout: Duration,
     regenerations: u32,
 ) -> Result<(Completion, u32)> {
     let mut again = 0;
+    let model = request.model().clone();
     loop {
         let answer = engine
             .send(request.clone())
@@ -84,20 +113,21 @@ pub(crate) async fn generate_whole(
                 unanswered(
                     e,
                     timeout,
-                    format!("the engine to generate for model `{}`", request.model),
+                    format!("the engine to {} for model `{model}`", M::DOING),
                 )
             })??;
         match answer.finish {
             Finish::Aborted { by } if again < regenerations => {
-                tracing::debug!(model = %request.model, version = %by, "completion aborted by an update: generated again");
+                tracing::debug!(model = %model, version = %by, "{} aborted by an update: asked again", M::DOING);
                 again += 1;
             }
             Finish::Aborted { by } => {
                 return Err(Error::Actor(format!(
-                    "a completion of model `{}` was aborted by an update {} times (last by \
-                     version {by}); its group cannot be made whole",
-                    request.model,
-                    again + 1
+                    "a completion of model `{model}` was aborted by an update {} times (last \
+                     by version {by}) as the engine was asked to {}; its group cannot be \
+                     made whole",
+                    again + 1,
+                    M::DOING
                 )));
             }
             _ => return Ok((answer, again)),
@@ -125,6 +155,7 @@ pub struct GenRolloutWorker<T: Task> {
     cfg: GenRolloutConfig,
     state: Option<State<T>>,
     engine: Recipient<Generate>,
+    scorer: Option<Recipient<Score>>,
     controller: ControllerLink,
     pool: Recipient<PushFragment>,
     running: bool,
@@ -170,11 +201,19 @@ impl<T: Task + Unpin> GenRolloutWorker<T> {
             }),
             cfg,
             engine,
+            scorer: None,
             controller: controller.into(),
             pool,
             running: false,
             stats: RolloutStats::default(),
         })
+    }
+
+    /// Scores through `scorer` (the engine's [`Score`]) when the config names a reference.
+    #[must_use]
+    pub fn scorer(mut self, scorer: Recipient<Score>) -> Self {
+        self.scorer = Some(scorer);
+        self
     }
 
     fn next_fragment(&mut self, ctx: &mut Context<Self>) {
@@ -186,10 +225,11 @@ impl<T: Task + Unpin> GenRolloutWorker<T> {
         };
         let cfg = self.cfg.clone();
         let engine = self.engine.clone();
+        let scorer = self.scorer.clone();
         let controller = self.controller.clone();
         let pool = self.pool.clone();
         let work = async move {
-            let fragment = run_fragment(&cfg, &mut state, &engine, &controller, &pool);
+            let fragment = run_fragment(&cfg, &mut state, &engine, scorer, &controller, &pool);
             let r = then_done(&controller, &cfg.model, fragment).await;
             (state, r)
         };
@@ -219,6 +259,7 @@ async fn run_fragment<T: Task>(
     cfg: &GenRolloutConfig,
     state: &mut State<T>,
     engine: &Recipient<Generate>,
+    scorer: Option<Recipient<Score>>,
     controller: &ControllerLink,
     pool: &Recipient<PushFragment>,
 ) -> Result<Outcome> {
@@ -275,13 +316,21 @@ async fn run_fragment<T: Task>(
             answer: answer.and_then(|a| a),
         });
     }
+    let scores = match &cfg.reference {
+        Some(reference) => Some(score(cfg, reference, scorer, state, &prompts, &generated).await?),
+        None => None,
+    };
     // a cancellation anywhere drops the fragment. The engine's generation is learnt from a
     // refusal (which carries it); requests ended in flight only say it moved on, at least
     // once: the next fragment tries one more, and a refusal corrects it
     let mut refused_at: Option<u64> = None;
     let mut ended_in_flight = false;
-    for g in &generated {
-        match &g.answer {
+    let answers = generated
+        .iter()
+        .map(|g| &g.answer)
+        .chain(scores.iter().flatten());
+    for answer in answers {
+        match answer {
             Err(Error::Cancelled { generation }) => {
                 refused_at = refused_at.max(Some(*generation));
             }
@@ -296,9 +345,14 @@ async fn run_fragment<T: Task>(
             cancelled: true,
         });
     }
+    let mut scores = scores.map(Vec::into_iter);
     let mut fragment = Batch::default();
     for (index, g) in generated.into_iter().enumerate() {
         let (completion, _) = g.answer?;
+        let ref_logprobs = match scores.as_mut().and_then(Iterator::next) {
+            Some(scored) => Some(scored?.0.logprobs),
+            None => None,
+        };
         let prompt = &prompts[g.prompt];
         let reward = state.task.reward(prompt, &completion.tokens)?;
         if let Some(per_token) = &reward.per_token
@@ -331,6 +385,7 @@ async fn run_fragment<T: Task>(
             group: g.group,
             finish: completion.finish,
             worker: cfg.worker,
+            ref_logprobs,
         });
     }
     fragment.frames = fragment.sequences.len();
@@ -351,6 +406,60 @@ async fn run_fragment<T: Task>(
         waited,
         cancelled: false,
     })
+}
+
+/// Scores every generated completion under `reference`, all requests in the engine's queue
+/// at once; one answer per completion, in order (a failed generation's error is repeated).
+///
+/// # Errors
+/// [`Error::Config`] when the worker has no scorer.
+async fn score<T: Task>(
+    cfg: &GenRolloutConfig,
+    reference: &ModelId,
+    scorer: Option<Recipient<Score>>,
+    state: &State<T>,
+    prompts: &[Vec<Token>],
+    generated: &[Generated],
+) -> Result<Vec<Result<(Completion, u32)>>> {
+    let scorer = scorer.ok_or_else(|| {
+        Error::Config(format!(
+            "model `{}`: the worker scores under `{reference}` and was given no scorer",
+            cfg.model
+        ))
+    })?;
+    let temperature = state.task.sampling().temperature;
+    let mut jobs = Vec::with_capacity(generated.len());
+    for g in generated {
+        jobs.push(match &g.answer {
+            // an empty completion has nothing to score
+            Ok((c, _)) if !c.tokens.is_empty() => {
+                let request = Score {
+                    model: reference.clone(),
+                    prompt: prompts[g.prompt].clone(),
+                    tokens: c.tokens.clone(),
+                    temperature,
+                    generation: Some(state.generation),
+                };
+                let job =
+                    generate_whole(scorer.clone(), request, cfg.timeout, cfg.max_regenerations);
+                Some(actix_rt::spawn(job))
+            }
+            _ => None,
+        });
+    }
+    let mut out = Vec::with_capacity(jobs.len());
+    for (job, g) in jobs.into_iter().zip(generated) {
+        out.push(match (job, &g.answer) {
+            (Some(job), _) => job.await.map_err(|e| {
+                Error::Actor(format!(
+                    "a scoring request of model `{reference}` failed on its task: {e}"
+                ))
+            })?,
+            (None, Ok((c, _))) => Ok((c.clone(), 0)),
+            (None, Err(e)) => Err(Error::Actor(format!("not scored: {e}"))),
+        });
+    }
+    Ok(out)
 }
 
 #[derive(Debug, Message)]

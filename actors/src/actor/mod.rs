@@ -43,7 +43,7 @@ pub use crate::protocol::controller::{
 };
 pub use crate::protocol::engine::{
     Act, ActBatch, Acted, ActedBatch, CancelInFlight, Continue, EngineActor, EngineRef,
-    EngineStats, Generate, GetEngineStats, LoadReport, LoadWeights, Pause, ServedVersion,
+    EngineStats, Generate, GetEngineStats, LoadReport, LoadWeights, Pause, Score, ServedVersion,
     ServedVersions, UpdateModel,
 };
 pub use crate::protocol::eval::{EvalReport, ModelEval, RunEval};

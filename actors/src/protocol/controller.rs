@@ -6,6 +6,7 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
+use actix::dev::ToEnvelope;
 use actix::prelude::*;
 use refit_node::Node;
 use refit_runtime::sync_policy::{BlockReason, Decision, LeaderStep, RolloutState};
@@ -13,7 +14,6 @@ use refit_runtime::{ModelId, Version};
 use serde::{Deserialize, Serialize};
 use uuid::Uuid;
 
-use crate::actor::controller::WeightSyncController;
 use crate::error::Result;
 use crate::protocol::engine::EngineRef;
 use crate::protocol::eval::EvalReport;
@@ -292,9 +292,66 @@ pub struct ControllerRef {
     pub await_synced: Recipient<AwaitSynced>,
 }
 
+/// An actor that answers the whole controller protocol (the
+/// [`WeightSyncController`](crate::actor::WeightSyncController), or a stand-in).
+pub trait ControllerActor:
+    Actor
+    + Handler<AwaitRollout>
+    + Handler<RolloutDone>
+    + Handler<CheckRollout>
+    + Handler<BatchReady>
+    + Handler<NotifyVersion>
+    + Handler<GetStatus>
+    + Handler<AwaitDrained>
+    + Handler<AwaitSynced>
+where
+    Self::Context: ToEnvelope<Self, AwaitRollout>
+        + ToEnvelope<Self, RolloutDone>
+        + ToEnvelope<Self, CheckRollout>
+        + ToEnvelope<Self, BatchReady>
+        + ToEnvelope<Self, NotifyVersion>
+        + ToEnvelope<Self, GetStatus>
+        + ToEnvelope<Self, AwaitDrained>
+        + ToEnvelope<Self, AwaitSynced>,
+{
+}
+
+impl<A> ControllerActor for A
+where
+    A: Actor
+        + Handler<AwaitRollout>
+        + Handler<RolloutDone>
+        + Handler<CheckRollout>
+        + Handler<BatchReady>
+        + Handler<NotifyVersion>
+        + Handler<GetStatus>
+        + Handler<AwaitDrained>
+        + Handler<AwaitSynced>,
+    A::Context: ToEnvelope<A, AwaitRollout>
+        + ToEnvelope<A, RolloutDone>
+        + ToEnvelope<A, CheckRollout>
+        + ToEnvelope<A, BatchReady>
+        + ToEnvelope<A, NotifyVersion>
+        + ToEnvelope<A, GetStatus>
+        + ToEnvelope<A, AwaitDrained>
+        + ToEnvelope<A, AwaitSynced>,
+{
+}
+
 impl ControllerRef {
-    /// The reference of the controller of this process.
-    pub fn local(controller: &Addr<WeightSyncController>) -> Self {
+    /// The reference of a controller of this process.
+    pub fn local<A>(controller: &Addr<A>) -> Self
+    where
+        A: ControllerActor,
+        A::Context: ToEnvelope<A, AwaitRollout>
+            + ToEnvelope<A, RolloutDone>
+            + ToEnvelope<A, CheckRollout>
+            + ToEnvelope<A, BatchReady>
+            + ToEnvelope<A, NotifyVersion>
+            + ToEnvelope<A, GetStatus>
+            + ToEnvelope<A, AwaitDrained>
+            + ToEnvelope<A, AwaitSynced>,
+    {
         Self {
             rollouts: ControllerLink::of(controller),
             check: controller.clone().recipient(),
@@ -347,8 +404,12 @@ pub struct ControllerLink {
 // ANCHOR_END: controller_ref
 
 impl ControllerLink {
-    /// The link to a controller of this process.
-    pub fn of(controller: &Addr<WeightSyncController>) -> Self {
+    /// The link to a controller (or a stand-in) of this process.
+    pub fn of<A>(controller: &Addr<A>) -> Self
+    where
+        A: Actor + Handler<AwaitRollout> + Handler<RolloutDone>,
+        A::Context: ToEnvelope<A, AwaitRollout> + ToEnvelope<A, RolloutDone>,
+    {
         Self {
             await_rollout: controller.clone().recipient(),
             done: controller.clone().recipient(),
@@ -370,17 +431,5 @@ impl ControllerLink {
     pub fn serve(&self, node: &Node, target: Uuid) {
         serve(node, target, self.await_rollout.clone());
         serve(node, target, self.done.clone());
-    }
-}
-
-impl From<Addr<WeightSyncController>> for ControllerLink {
-    fn from(controller: Addr<WeightSyncController>) -> Self {
-        Self::of(&controller)
-    }
-}
-
-impl From<&Addr<WeightSyncController>> for ControllerLink {
-    fn from(controller: &Addr<WeightSyncController>) -> Self {
-        Self::of(controller)
     }
 }

@@ -182,6 +182,29 @@ pub struct Generate {
     pub generation: Option<u64>,
 }
 
+/// Asks a generating engine for the log-probability of each of `tokens` after `prompt`
+/// under `model` (teacher forcing: the tokens are fed, not sampled), at `temperature`
+/// (`0`: the model's own distribution). The request is decoded beside the generation
+/// requests, takes the same swaps and cancellations, and is answered as a [`Completion`]
+/// whose `tokens` are the given ones, `logprobs` their scores and `versions` the versions
+/// that scored them. A bad request is refused with
+/// [`Error::BadRequest`](crate::Error::BadRequest) naming the field (`prompt`, `tokens`,
+/// `temperature`).
+#[derive(Debug, Clone, PartialEq, Message, Serialize, Deserialize)]
+#[rtype(result = "Result<Completion>")]
+pub struct Score {
+    /// The model that scores.
+    pub model: ModelId,
+    /// The prompt tokens.
+    pub prompt: Vec<Token>,
+    /// The tokens to score, in order after the prompt.
+    pub tokens: Vec<Token>,
+    /// Softmax temperature of the scores.
+    pub temperature: f32,
+    /// The cancellation generation, as [`Generate::generation`].
+    pub generation: Option<u64>,
+}
+
 crate::remote_reply!(EngineStats);
 
 crate::remote::wire_names! {
@@ -192,6 +215,7 @@ crate::remote::wire_names! {
     GetEngineStats => "engine.stats",
     ActBatch => "engine.act_batch",
     Generate => "engine.generate",
+    Score => "engine.score",
 }
 
 /// An actor that answers the whole engine protocol (an acting or a generating engine).
@@ -203,13 +227,15 @@ pub trait EngineActor:
     + Handler<GetEngineStats>
     + Handler<ActBatch>
     + Handler<Generate>
+    + Handler<Score>
 where
     Self::Context: ToEnvelope<Self, UpdateModel>
         + ToEnvelope<Self, CancelInFlight>
         + ToEnvelope<Self, ServedVersions>
         + ToEnvelope<Self, GetEngineStats>
         + ToEnvelope<Self, ActBatch>
-        + ToEnvelope<Self, Generate>,
+        + ToEnvelope<Self, Generate>
+        + ToEnvelope<Self, Score>,
 {
 }
 
@@ -221,13 +247,15 @@ where
         + Handler<ServedVersions>
         + Handler<GetEngineStats>
         + Handler<ActBatch>
-        + Handler<Generate>,
+        + Handler<Generate>
+        + Handler<Score>,
     A::Context: ToEnvelope<A, UpdateModel>
         + ToEnvelope<A, CancelInFlight>
         + ToEnvelope<A, ServedVersions>
         + ToEnvelope<A, GetEngineStats>
         + ToEnvelope<A, ActBatch>
-        + ToEnvelope<A, Generate>,
+        + ToEnvelope<A, Generate>
+        + ToEnvelope<A, Score>,
 {
 }
 
@@ -247,6 +275,8 @@ pub struct EngineRef {
     pub act: Recipient<ActBatch>,
     /// Completions for prompts (a generating engine).
     pub generate: Recipient<Generate>,
+    /// Scores of given completions (a generating engine).
+    pub score: Recipient<Score>,
 }
 
 impl EngineRef {
@@ -259,7 +289,8 @@ impl EngineRef {
             + ToEnvelope<A, ServedVersions>
             + ToEnvelope<A, GetEngineStats>
             + ToEnvelope<A, ActBatch>
-            + ToEnvelope<A, Generate>,
+            + ToEnvelope<A, Generate>
+            + ToEnvelope<A, Score>,
     {
         Self {
             update: engine.clone().recipient(),
@@ -268,6 +299,7 @@ impl EngineRef {
             stats: engine.clone().recipient(),
             act: engine.clone().recipient(),
             generate: engine.clone().recipient(),
+            score: engine.clone().recipient(),
         }
     }
 
@@ -284,6 +316,7 @@ impl EngineRef {
             stats: engine.recipient(),
             act: engine.recipient(),
             generate: engine.recipient(),
+            score: engine.recipient(),
         }
     }
 
@@ -295,6 +328,7 @@ impl EngineRef {
         serve(node, target, self.stats.clone());
         serve(node, target, self.act.clone());
         serve(node, target, self.generate.clone());
+        serve(node, target, self.score.clone());
     }
 }
 // ANCHOR_END: engine_ref

@@ -1,8 +1,10 @@
-//! The trajectory pool's protocol: rollout workers push fragments, the model's driver
+//! The trajectory pool's protocol (served by the
+//! [`TrajectoryPool`](crate::actor::TrajectoryPool)): rollout workers push fragments, the model's driver
 //! waits for and takes batches; [`PoolRef`] reaches a pool in this process or another.
 
 use std::time::Duration;
 
+use actix::dev::ToEnvelope;
 use actix::prelude::*;
 use refit_node::Node;
 use refit_runtime::Version;
@@ -10,7 +12,6 @@ use refit_runtime::sync_policy::StalenessStats;
 use serde::{Deserialize, Serialize};
 use uuid::Uuid;
 
-use crate::actor::pool::TrajectoryPool;
 use crate::batch::Batch;
 use crate::error::Result;
 use crate::protocol::controller::Admission;
@@ -98,7 +99,12 @@ pub struct PoolRef {
 
 impl PoolRef {
     /// The reference of a pool of this process.
-    pub fn local(pool: &Addr<TrajectoryPool>) -> Self {
+    pub fn local<A>(pool: &Addr<A>) -> Self
+    where
+        A: Actor + Handler<PushFragment> + Handler<AwaitBatch> + Handler<TakeBatch>,
+        A::Context:
+            ToEnvelope<A, PushFragment> + ToEnvelope<A, AwaitBatch> + ToEnvelope<A, TakeBatch>,
+    {
         Self {
             push: pool.clone().recipient(),
             await_batch: pool.clone().recipient(),

@@ -283,6 +283,19 @@ impl<G: GenRoles> Workload for Generating<G> {
             let stager = self.0.generator(&spec)?;
             engine = engine
                 .with_model(GenModel::new(spec.id.clone(), generator, stager).inlet(inlet))?;
+            // ANCHOR: reference
+            // the reference the workers score under: the model's own weights, refreshed
+            // every `reference_every` versions
+            if let Some(every) = spec.reference_every {
+                let reference = GenModel::follower(
+                    spec.reference_id()?,
+                    self.0.generator(&spec)?,
+                    spec.id.clone(),
+                    every as u64,
+                );
+                engine = engine.with_model(reference)?;
+            }
+            // ANCHOR_END: reference
         }
         let (addr, arbiter) = on_arbiter(engine);
         Ok(Started {
@@ -305,8 +318,12 @@ impl<G: GenRoles> Workload for Generating<G> {
         gen_cfg.group_size = model.group_size;
         gen_cfg.seed = cfg.seed;
         gen_cfg.timeout = cfg.timeout;
+        if model.reference_every.is_some() {
+            gen_cfg.reference = Some(model.reference_id()?);
+        }
         let worker =
-            GenRolloutWorker::new(gen_cfg, task, engine.generate.clone(), controller, pool)?;
+            GenRolloutWorker::new(gen_cfg, task, engine.generate.clone(), controller, pool)?
+                .scorer(engine.score.clone());
         let (addr, arbiter) = on_arbiter(worker);
         Ok(Started {
             handle: RolloutRef::local(&addr),

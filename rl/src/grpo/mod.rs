@@ -53,7 +53,7 @@ mod tests;
 
 pub use advantages::group_advantages;
 use reference::TokenRows;
-pub use reference::{FrozenReference, Reference};
+pub use reference::{FrozenReference, Reference, ServedReference};
 
 /// How the objective accounts for samples the learner's current policy did not generate.
 #[derive(Clone, Copy, Debug, PartialEq)]

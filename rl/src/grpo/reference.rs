@@ -46,6 +46,43 @@ impl Reference for FrozenReference {
     }
 }
 
+// ANCHOR: served
+/// A reference model the engines serve beside the policy: its log-probabilities arrive on
+/// the sequences ([`Sequence::ref_logprobs`]), scored by the engine when the completion was
+/// generated, so the learner holds no second model and runs no second forward.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct ServedReference;
+
+impl Reference for ServedReference {
+    /// The sequences' own reference log-probabilities (scored at the sampling temperature,
+    /// which is the learner's: `temperature` is not used).
+    ///
+    /// # Errors
+    /// [`Error::Trainer`] naming the sequence that carries none, or not one per token.
+    fn logprobs(&mut self, seqs: &[&Sequence], _temperature: f32) -> Result<Vec<Vec<f32>>> {
+        seqs.iter()
+            .enumerate()
+            .map(|(i, s)| match &s.ref_logprobs {
+                Some(lp) if lp.len() == s.tokens.len() => Ok(lp.clone()),
+                Some(lp) => Err(Error::Trainer(format!(
+                    "sequence {i} (group {}) carries {} reference log-probabilities for {} \
+                     tokens",
+                    s.group,
+                    lp.len(),
+                    s.tokens.len()
+                ))),
+                None => Err(Error::Trainer(format!(
+                    "sequence {i} (group {}) carries no reference log-probabilities: the KL \
+                     term reads a served reference, and the rollout workers did not score \
+                     under one",
+                    s.group
+                ))),
+            })
+            .collect()
+    }
+}
+// ANCHOR_END: served
+
 /// The generated tokens of a set of sequences as rows of one padded forward.
 pub(super) struct TokenRows {
     ids: Tensor,

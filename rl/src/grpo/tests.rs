@@ -14,6 +14,7 @@ fn seq(group: u64, tokens: &[Token], reward: f32, token_rewards: Option<Vec<f32>
         group,
         finish: Finish::Length,
         worker: 0,
+        ref_logprobs: None,
     }
 }
 
@@ -229,6 +230,50 @@ fn the_kl_term_pulls_toward_the_reference() {
     let mut l = GrpoLearner::new(tiny()).unwrap();
     let seqs = pair(&mut l, 0.0);
     assert_eq!(l.update(&batch(seqs)).unwrap().get("kl"), None);
+}
+
+#[test]
+fn a_served_reference_reads_the_sequences_scores_and_refuses_a_batch_without() {
+    let cfg = GrpoConfig {
+        kl_coef: 1.0,
+        ..tiny()
+    };
+    let mut l = GrpoLearner::new(cfg).unwrap();
+    l.set_reference(Box::new(ServedReference));
+    let mut seqs = pair(&mut l, 0.0);
+    seqs[1].reward = 1.0;
+    // scores equal to the policy's own: no divergence yet
+    let own = current(&mut l, &seqs);
+    for (s, lp) in seqs.iter_mut().zip(&own) {
+        s.ref_logprobs = Some(lp.clone());
+    }
+    let kl = l.update(&batch(seqs.clone())).unwrap().get("kl").unwrap();
+    assert!(kl.abs() < 1e-4, "{kl}");
+    // scores far below the policy's: a positive KL
+    for s in &mut seqs {
+        s.ref_logprobs = Some(
+            s.ref_logprobs
+                .as_ref()
+                .unwrap()
+                .iter()
+                .map(|l| l - 2.0)
+                .collect(),
+        );
+    }
+    let kl = l.update(&batch(seqs.clone())).unwrap().get("kl").unwrap();
+    assert!(kl > 0.5, "{kl}");
+    // a sequence without scores, or with the wrong count, is refused naming it
+    let mut missing = seqs.clone();
+    missing[1].ref_logprobs = None;
+    let e = l.update(&batch(missing)).unwrap_err().to_string();
+    assert!(
+        e.contains("sequence 1") && e.contains("no reference"),
+        "{e}"
+    );
+    let mut short = seqs;
+    short[0].ref_logprobs.as_mut().unwrap().pop();
+    let e = l.update(&batch(short)).unwrap_err().to_string();
+    assert!(e.contains("sequence 0"), "{e}");
 }
 
 #[test]

@@ -278,6 +278,52 @@ impl<G: Generator> Scheduler<G> {
             prompt,
             params,
             generation,
+            forced: None,
+        });
+        Ok(id)
+    }
+
+    /// Queues a scoring request: `tokens` are fed after `prompt` one per step instead of
+    /// sampled (teacher forcing), and the answer carries each one's log-probability under
+    /// the version that scored it, at `temperature` (`0`: the model's own distribution).
+    /// It joins the running batch like any request (it is decoded beside them, takes the
+    /// same swaps and cancellations) and ends with [`Finish::Length`].
+    ///
+    /// # Errors
+    /// [`Error::BadRequest`] naming the field (`prompt` as [`Scheduler::submit`]; `tokens`:
+    /// empty, outside the vocabulary, past the context; `temperature`).
+    pub fn score(
+        &mut self,
+        prompt: Vec<Token>,
+        tokens: Vec<Token>,
+        temperature: f32,
+        generation: Option<u64>,
+    ) -> Result<RequestId> {
+        request::check_forced(&tokens, self.vocab)?;
+        let params = SamplingParams {
+            max_tokens: u32::try_from(tokens.len()).unwrap_or(u32::MAX),
+            temperature,
+            seed: 0,
+            stop: None,
+        };
+        request::check(&prompt, &params, self.vocab, self.max_context).map_err(|e| match e {
+            Error::BadRequest {
+                field: "max_tokens",
+                reason,
+            } => Error::bad_request(
+                "tokens",
+                reason.replacen("do not fit", "tokens do not fit", 1),
+            ),
+            e => e,
+        })?;
+        let id = RequestId(self.next_id);
+        self.next_id += 1;
+        self.waiting.push_back(Waiting {
+            id,
+            prompt,
+            params,
+            generation,
+            forced: Some(tokens),
         });
         Ok(id)
     }
@@ -473,7 +519,8 @@ impl<G: Generator> Scheduler<G> {
             .zip(logits.chunks_exact(vocab))
             .enumerate()
         {
-            match sample::sample(row, s.params.temperature, &mut s.rng) {
+            let forced = s.forced_next();
+            match sample::sample(row, s.params.temperature, &mut s.rng, forced) {
                 Ok(t) => {
                     report.tokens += 1;
                     if let Some(f) = s.push(t.token, t.logprob, version) {

@@ -16,6 +16,29 @@ pub(super) struct Waiting {
     pub(super) prompt: Vec<Token>,
     pub(super) params: SamplingParams,
     pub(super) generation: Option<u64>,
+    /// The tokens to feed instead of sampling (a scoring request), one per step.
+    pub(super) forced: Option<Vec<Token>>,
+}
+
+/// Checks the tokens of a scoring request: at least one, each inside the vocabulary.
+///
+/// # Errors
+/// [`Error::BadRequest`] naming `tokens`.
+pub(super) fn check_forced(tokens: &[Token], vocab: usize) -> Result<()> {
+    if tokens.is_empty() {
+        return Err(Error::bad_request("tokens", "is empty (nothing to score)"));
+    }
+    if let Some((at, t)) = tokens
+        .iter()
+        .enumerate()
+        .find(|(_, t)| **t as usize >= vocab)
+    {
+        return Err(Error::bad_request(
+            "tokens",
+            format!("token {t} at position {at} is outside the vocabulary of {vocab} tokens"),
+        ));
+    }
+    Ok(())
 }
 
 /// Checks a request against a model of `vocab` tokens and `max_context` positions.
@@ -79,6 +102,7 @@ pub(super) struct Running<C> {
     pub(super) tokens: Vec<Token>,
     pub(super) logprobs: Vec<f32>,
     pub(super) versions: Vec<Version>,
+    pub(super) forced: Option<Vec<Token>>,
 }
 
 impl<C> Running<C> {
@@ -94,7 +118,15 @@ impl<C> Running<C> {
             tokens: Vec::new(),
             logprobs: Vec::new(),
             versions: Vec::new(),
+            forced: w.forced,
         }
+    }
+
+    /// The token a scoring request takes next (`None`: sample one).
+    pub(super) fn forced_next(&self) -> Option<Token> {
+        self.forced
+            .as_ref()
+            .and_then(|f| f.get(self.tokens.len()).copied())
     }
 
     /// What this step feeds: the whole prompt first (the prefill), then the last token.

@@ -26,11 +26,16 @@ pub(crate) struct BadLogit {
 /// reported under the model's own distribution, `softmax(logits)`: the greedy policy itself
 /// gives it probability one, which says nothing.
 ///
-/// `logits` is not empty (the scheduler checks the backend's output length first).
+/// With `forced`, that token is taken instead of a draw (scoring a given completion) and
+/// its log-probability reported the same way.
+///
+/// `logits` is not empty (the scheduler checks the backend's output length first), and a
+/// forced token is inside it (checked when the request arrived).
 pub(crate) fn sample(
     logits: &[f32],
     temperature: f32,
     rng: &mut impl Rng,
+    forced: Option<Token>,
 ) -> Result<Sampled, BadLogit> {
     if let Some((index, &value)) = logits.iter().enumerate().find(|(_, l)| !l.is_finite()) {
         return Err(BadLogit { index, value });
@@ -53,7 +58,9 @@ pub(crate) fn sample(
     let z = |l: f32| (f64::from(l) - max) / t;
     let sum: f64 = logits.iter().map(|&l| z(l).exp()).sum();
     let log_sum = sum.ln();
-    let index = if temperature > 0.0 {
+    let index = if let Some(t) = forced {
+        (t as usize).min(logits.len() - 1)
+    } else if temperature > 0.0 {
         let u = rng.random::<f64>() * sum;
         let mut acc = 0.0;
         let mut pick = argmax;
@@ -89,7 +96,7 @@ mod tests {
     #[test]
     fn greedy_takes_the_argmax_and_reports_the_model_logprob() {
         let mut rng = SmallRng::seed_from_u64(0);
-        let s = sample(&[0.0, 2.0, 1.0, 2.0], 0.0, &mut rng).unwrap();
+        let s = sample(&[0.0, 2.0, 1.0, 2.0], 0.0, &mut rng, None).unwrap();
         assert_eq!(s.token, 1, "ties go to the lowest index");
         let z: f64 = [0.0f64, 2.0, 1.0, 2.0].iter().map(|l| l.exp()).sum();
         let expected = (2.0 - z.ln()) as f32;
@@ -104,7 +111,7 @@ mod tests {
             let mut counts = [0usize; 3];
             let n = 20_000;
             for _ in 0..n {
-                let s = sample(&logits, t, &mut rng).unwrap();
+                let s = sample(&logits, t, &mut rng, None).unwrap();
                 counts[s.token as usize] += 1;
                 // the reported logprob is the tempered one
                 let w: Vec<f64> = logits
@@ -131,12 +138,30 @@ mod tests {
     }
 
     #[test]
+    fn a_forced_token_is_taken_with_its_tempered_logprob() {
+        let logits = [0.0f32, 1.0, 2.0];
+        let mut rng = SmallRng::seed_from_u64(1);
+        for (t, at) in [(0.5f32, 0.5f64), (1.0, 1.0), (0.0, 1.0)] {
+            for token in 0..3u32 {
+                let s = sample(&logits, t, &mut rng, Some(token)).unwrap();
+                assert_eq!(s.token, token);
+                let w: Vec<f64> = logits.iter().map(|&l| (f64::from(l) / at).exp()).collect();
+                let p = w[token as usize] / w.iter().sum::<f64>();
+                assert!(
+                    (f64::from(s.logprob) - p.ln()).abs() < 1e-6,
+                    "t={t} token={token}"
+                );
+            }
+        }
+    }
+
+    #[test]
     fn the_same_seed_draws_the_same_tokens() {
         let logits = [0.3f32, 0.1, 0.5, 0.2, 0.0];
         let draw = |seed| {
             let mut rng = SmallRng::seed_from_u64(seed);
             (0..32)
-                .map(|_| sample(&logits, 1.0, &mut rng).unwrap().token)
+                .map(|_| sample(&logits, 1.0, &mut rng, None).unwrap().token)
                 .collect::<Vec<_>>()
         };
         assert_eq!(draw(5), draw(5));
@@ -146,9 +171,9 @@ mod tests {
     #[test]
     fn a_non_finite_logit_is_named() {
         let mut rng = SmallRng::seed_from_u64(0);
-        let e = sample(&[0.0, f32::NAN, 1.0], 1.0, &mut rng).unwrap_err();
+        let e = sample(&[0.0, f32::NAN, 1.0], 1.0, &mut rng, Some(2)).unwrap_err();
         assert_eq!(e.index, 1);
         assert!(e.value.is_nan());
-        assert!(sample(&[f32::INFINITY], 0.0, &mut rng).is_err());
+        assert!(sample(&[f32::INFINITY], 0.0, &mut rng, None).is_err());
     }
 }

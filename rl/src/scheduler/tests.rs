@@ -534,3 +534,78 @@ fn a_swapped_out_version_is_dropped_off_the_decoding_thread() {
         [1, 2, 2, 2].map(Version).to_vec()
     );
 }
+
+#[test]
+fn a_scored_completion_gets_the_logprobs_it_was_sampled_with_beside_other_requests() {
+    let g = Bigram::new(VOCAB, 64).unwrap();
+    let ws = g
+        .weight_set(model(), Version(1), |p, n| {
+            ((p * 7 + n * 3) % 5) as f32 * 0.3
+        })
+        .unwrap();
+    let w = Arc::new(g.stage(&ws).unwrap());
+    let mut s = Scheduler::new(g, SchedulerConfig::new(model(), 8, PauseMode::Keep))
+        .unwrap()
+        .with_weights(w, Version(1));
+    let params = SamplingParams {
+        temperature: 0.7,
+        ..SamplingParams::new(12, 5)
+    };
+    let sampled = s.submit(vec![2, 4], params, None).unwrap();
+    let mut answers = Answers::new();
+    run(&mut s, &mut answers);
+    let c = done(&answers, sampled).clone();
+    // scored beside a generating request, in a batch that differs from the sampling one
+    let other = s.submit(vec![1], SamplingParams::new(20, 9), None).unwrap();
+    let scored = s.score(vec![2, 4], c.tokens.clone(), 0.7, None).unwrap();
+    run(&mut s, &mut answers);
+    let got = done(&answers, scored);
+    assert_eq!(got.tokens, c.tokens);
+    assert_eq!(got.finish, Finish::Length);
+    assert_eq!(got.versions, vec![Version(1); c.tokens.len()]);
+    for (a, b) in got.logprobs.iter().zip(&c.logprobs) {
+        assert!((a - b).abs() < 1e-6, "{a} vs {b}");
+    }
+    assert_eq!(done(&answers, other).tokens.len(), 20);
+}
+
+#[test]
+fn a_scoring_request_with_bad_tokens_is_refused_naming_them() {
+    let mut s = scheduler(PauseMode::Keep, 4);
+    let field = |e: Error| match e {
+        Error::BadRequest { field, reason } => (field, reason),
+        other => panic!("{other}"),
+    };
+    let (f, why) = field(s.score(vec![1], vec![], 1.0, None).unwrap_err());
+    assert_eq!(f, "tokens");
+    assert!(why.contains("empty"), "{why}");
+    let (f, why) = field(s.score(vec![1], vec![2, 99], 1.0, None).unwrap_err());
+    assert_eq!(f, "tokens");
+    assert!(why.contains("99") && why.contains("position 1"), "{why}");
+    let (f, why) = field(s.score(vec![1; 20], vec![1; 20], 1.0, None).unwrap_err());
+    assert_eq!(f, "tokens");
+    assert!(why.contains("do not fit"), "{why}");
+    let (f, _) = field(s.score(vec![1], vec![2], -1.0, None).unwrap_err());
+    assert_eq!(f, "temperature");
+    assert!(!s.has_work(), "nothing was queued");
+}
+
+#[test]
+fn a_scoring_request_under_keep_mode_shows_the_versions_that_scored_it() {
+    let mut s = scheduler(PauseMode::Keep, 4);
+    let g = Bigram::new(VOCAB, 32).unwrap();
+    let tokens = walk(0, 1, 6);
+    let id = s.score(vec![0], tokens.clone(), 0.0, None).unwrap();
+    let mut answers = Answers::new();
+    // prefill plus two tokens under v1, then v2 arrives
+    s.step();
+    s.step();
+    s.offer(staged(&g, 2), Version(2)).unwrap();
+    run(&mut s, &mut answers);
+    let c = done(&answers, id);
+    assert_eq!(c.tokens, tokens, "scored tokens are the given ones");
+    assert_eq!(c.versions[..2], [Version(1); 2]);
+    assert!(c.versions[2..].iter().all(|v| *v == Version(2)));
+    // v1 gives its own walk the high logit; v2 does not
+    assert!(c.logprobs[0] > c.logprobs[3], "{:?}", c.logprobs);
+}

@@ -25,6 +25,14 @@ pub(super) enum Command<W> {
         generation: Option<u64>,
         reply: oneshot::Sender<Result<Completion>>,
     },
+    /// A scoring request; answered when it ends (or at once when refused).
+    Score {
+        prompt: Vec<Token>,
+        tokens: Vec<Token>,
+        temperature: f32,
+        generation: Option<u64>,
+        reply: oneshot::Sender<Result<Completion>>,
+    },
     /// A staged version; answered at its swap (or when refused or withdrawn).
     Offer {
         weights: Arc<W>,
@@ -181,12 +189,22 @@ impl<G: Generator> Decoder<G> {
                 params,
                 generation,
                 reply,
-            } => match self.scheduler.submit(prompt, params, generation) {
-                Ok(id) => {
-                    self.replies.insert(id, reply);
-                }
-                Err(e) => drop(reply.send(Err(e))),
-            },
+            } => {
+                let asked = self.scheduler.submit(prompt, params, generation);
+                self.asked(asked, reply);
+            }
+            Command::Score {
+                prompt,
+                tokens,
+                temperature,
+                generation,
+                reply,
+            } => {
+                let asked = self
+                    .scheduler
+                    .score(prompt, tokens, temperature, generation);
+                self.asked(asked, reply);
+            }
             Command::Offer {
                 weights,
                 version,
@@ -209,6 +227,16 @@ impl<G: Generator> Decoder<G> {
                     self.answer(id, Ok(c));
                 }
             }
+        }
+    }
+
+    /// Keeps the reply of a queued request; answers a refused one at once.
+    fn asked(&mut self, asked: Result<RequestId>, reply: oneshot::Sender<Result<Completion>>) {
+        match asked {
+            Ok(id) => {
+                self.replies.insert(id, reply);
+            }
+            Err(e) => drop(reply.send(Err(e))),
         }
     }
 

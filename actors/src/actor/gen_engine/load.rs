@@ -12,7 +12,7 @@ use crate::generation::Generator;
 use crate::scheduler::Swap;
 
 use super::decode_loop::{Command, Commands, Shared};
-use super::{LoadReport, Loader, loop_gone};
+use super::{Follower, LoadReport, Loader, loop_gone};
 
 /// How long a load that gave up on its swap waits for the decoding thread to confirm the
 /// withdrawal (it is taken at the next step boundary: one decoding step).
@@ -36,6 +36,8 @@ pub(super) struct LoadJob<G: Generator> {
     pub(super) commands: Commands<G::Weights>,
     pub(super) shared: Arc<Shared>,
     pub(super) loader: Arc<tokio::sync::Mutex<Loader<G>>>,
+    /// The models that follow this one (refreshed after its swaps).
+    pub(super) followers: Vec<Follower<G::Weights>>,
 }
 
 enum Staged<W> {
@@ -103,10 +105,20 @@ impl<G: Generator> LoadJob<G> {
                 return (Ok(report), staged);
             }
         };
+        let lead = (!self.followers.is_empty()).then(|| Arc::clone(&weights));
         let swap = match self.swap(weights, version, deadline).await {
             Ok(s) => s,
             Err(e) => return (Err(e), staged),
         };
+        // a swap that went past this version (a newer offer superseded it) refreshes
+        // nobody with this one: the newer load does
+        if let Some(w) = lead
+            && swap.to == version
+        {
+            for f in &self.followers {
+                f.refresh(&w, version);
+            }
+        }
         if inlet && let Err(e) = self.ack(guard, swap.to).await {
             return (Err(e), staged);
         }
@@ -230,7 +242,10 @@ fn stage<G: Generator>(
         // the inlet had nothing newer than what an earlier load brought
         return Ok(Staged::Served(current));
     }
-    let staged = loader.stager.stage(&weights)?;
+    let stager = loader.stager.as_ref().ok_or_else(|| {
+        Error::Config(format!("model `{model}` is a follower and stages nothing"))
+    })?;
+    let staged = stager.stage(&weights)?;
     Ok(Staged::New(Arc::new(staged), version))
 }
 

@@ -33,7 +33,7 @@ use crate::scheduler::{Scheduler, SchedulerConfig, SchedulerStats};
 
 use crate::protocol::engine::{
     ActBatch, ActedBatch, CancelInFlight, EngineStats, Generate, GetEngineStats, LoadReport,
-    LoadWeights, ServedVersions, UpdateModel,
+    LoadWeights, Score, ServedVersions, UpdateModel,
 };
 use decode_loop::{Command, Commands, Shared};
 use load::{LoadJob, Source};
@@ -63,10 +63,11 @@ pub struct GenModelStatus {
 pub struct GenModel<G> {
     id: ModelId,
     generator: G,
-    stager: G,
+    stager: Option<G>,
     inlet: Option<Box<dyn WeightInlet>>,
     initial: Option<Arc<WeightSet>>,
     max_batch: usize,
+    follows: Option<(ModelId, u64)>,
 }
 
 impl<G> std::fmt::Debug for GenModel<G> {
@@ -76,6 +77,7 @@ impl<G> std::fmt::Debug for GenModel<G> {
             .field("inlet", &self.inlet.is_some())
             .field("initial", &self.initial.as_ref().map(|w| w.version()))
             .field("max_batch", &self.max_batch)
+            .field("follows", &self.follows)
             .finish()
     }
 }
@@ -89,10 +91,28 @@ impl<G: Generator> GenModel<G> {
         Self {
             id,
             generator,
-            stager,
+            stager: Some(stager),
             inlet: None,
             initial: None,
             max_batch: 64,
+            follows: None,
+        }
+    }
+
+    /// Model `id`, a reference that follows model `of` of the same engine: it serves `of`'s
+    /// staged weights (the same memory: nothing is fetched or staged again) from `of`'s
+    /// first version on, refreshed at the first of `of`'s versions that is at least `every`
+    /// versions past the one it serves. It has no loads of its own; it answers
+    /// [`Generate`] and [`Score`] like any model (a KL reference scores completions).
+    pub fn follower(id: ModelId, generator: G, of: ModelId, every: u64) -> Self {
+        Self {
+            id,
+            generator,
+            stager: None,
+            inlet: None,
+            initial: None,
+            max_batch: 64,
+            follows: Some((of, every.max(1))),
         }
     }
 
@@ -120,7 +140,8 @@ impl<G: Generator> GenModel<G> {
 
 /// What a load holds while it runs: one at a time per model.
 struct Loader<G> {
-    stager: G,
+    /// `None` for a follower (it never stages).
+    stager: Option<G>,
     inlet: Option<Box<dyn WeightInlet>>,
 }
 
@@ -128,6 +149,10 @@ struct Slot<G: Generator> {
     commands: Commands<G::Weights>,
     shared: Arc<Shared>,
     loader: Arc<tokio::sync::Mutex<Loader<G>>>,
+    /// The model this one follows, if it is a follower.
+    follows: Option<ModelId>,
+    /// The followers this model's loads refresh.
+    followers: Vec<Follower<G::Weights>>,
 }
 
 /// Serves [`Generate`] for one or several models; see the [module documentation](self).
@@ -185,7 +210,8 @@ impl<G: Generator> GenerationEngine<G> {
     /// # Errors
     /// [`Error::Config`] naming the model: added twice, a stager that is not the same model
     /// as the generator (layout, vocabulary, context), a batch size of zero, a thread that
-    /// cannot start; the initial weights' staging error.
+    /// cannot start; a follower of a model the engine does not serve (yet) or of another
+    /// layout; the initial weights' staging error.
     pub fn with_model(mut self, model: GenModel<G>) -> Result<Self> {
         let GenModel {
             id,
@@ -194,25 +220,51 @@ impl<G: Generator> GenerationEngine<G> {
             inlet,
             initial,
             max_batch,
+            follows,
         } = model;
         if self.models.contains_key(&id) {
             return Err(Error::Config(format!(
                 "model `{id}` is served twice by one engine"
             )));
         }
-        let (g, s) = (generator.manifest(), stager.manifest());
-        if g.schema_hash() != s.schema_hash()
-            || generator.vocab_size() != stager.vocab_size()
-            || generator.max_context() != stager.max_context()
+        if let Some(stager) = &stager
+            && !same_model(&generator, stager)
         {
             return Err(Error::Config(format!(
                 "model `{id}`: the stager is not the same model as the generator (layout, \
                  vocabulary or context differ)"
             )));
         }
-        let initial = match initial {
-            Some(ws) => Some((Arc::new(stager.stage(&ws)?), ws.version())),
-            None => None,
+        if let Some((of, _)) = &follows {
+            let leader = self.models.get(of).ok_or_else(|| {
+                Error::Config(format!(
+                    "model `{id}` follows model `{of}`, which this engine does not serve \
+                     (add `{of}` first)"
+                ))
+            })?;
+            let lead = leader
+                .loader
+                .try_lock()
+                .map_err(|_| Error::Config(format!("model `{id}`: model `{of}` is loading")))?;
+            if lead
+                .stager
+                .as_ref()
+                .is_some_and(|s| !same_model(&generator, s))
+            {
+                return Err(Error::Config(format!(
+                    "model `{id}` follows model `{of}` and is not the same model (layout, \
+                     vocabulary or context differ): it serves `{of}`'s weights as they are"
+                )));
+            }
+        }
+        let initial = match (initial, &stager) {
+            (Some(ws), Some(stager)) => Some((Arc::new(stager.stage(&ws)?), ws.version())),
+            (Some(_), None) => {
+                return Err(Error::Config(format!(
+                    "model `{id}` is a follower: it serves its leader's weights, not initial ones"
+                )));
+            }
+            (None, _) => None,
         };
         let cfg = SchedulerConfig::new(id.clone(), max_batch, self.mode);
         let mut scheduler = Scheduler::new(generator, cfg)?;
@@ -220,6 +272,17 @@ impl<G: Generator> GenerationEngine<G> {
             scheduler = scheduler.with_weights(w, v);
         }
         let (commands, shared) = decode_loop::spawn(&id, scheduler)?;
+        if let Some((of, every)) = &follows
+            && let Some(leader) = self.models.get_mut(of)
+        {
+            leader.followers.push(Follower {
+                model: id.clone(),
+                every: *every,
+                commands: commands.clone(),
+                shared: Arc::clone(&shared),
+                last: Arc::new(std::sync::Mutex::new(None)),
+            });
+        }
         let loader = Arc::new(tokio::sync::Mutex::new(Loader { stager, inlet }));
         self.models.insert(
             id,
@@ -227,6 +290,8 @@ impl<G: Generator> GenerationEngine<G> {
                 commands,
                 shared,
                 loader,
+                follows: follows.map(|(of, _)| of),
+                followers: Vec::new(),
             },
         );
         Ok(self)
@@ -240,12 +305,101 @@ impl<G: Generator> GenerationEngine<G> {
 
     fn job(&self, model: &ModelId) -> Result<LoadJob<G>> {
         let slot = self.slot(model)?;
+        if let Some(of) = &slot.follows {
+            return Err(Error::Config(format!(
+                "model `{model}` follows model `{of}` on this engine: it is refreshed by \
+                 `{of}`'s loads and loads nothing itself"
+            )));
+        }
         Ok(LoadJob {
             model: model.clone(),
             commands: slot.commands.clone(),
             shared: Arc::clone(&slot.shared),
             loader: Arc::clone(&slot.loader),
+            followers: slot.followers.clone(),
         })
+    }
+
+    /// Hands a request to `model`'s decoding thread and waits for its answer.
+    fn ask(
+        &mut self,
+        model: ModelId,
+        generation: Option<u64>,
+        command: impl FnOnce(oneshot::Sender<Result<Completion>>) -> Command<G::Weights>,
+    ) -> ResponseFuture<Result<Completion>> {
+        if generation.is_some_and(|g| g != self.generation) {
+            self.stats.cancelled += 1;
+            let generation = self.generation;
+            return Box::pin(async move { Err(Error::Cancelled { generation }) });
+        }
+        let commands = match self.slot(&model) {
+            Ok(s) => s.commands.clone(),
+            Err(e) => return Box::pin(async move { Err(e) }),
+        };
+        let (reply, answer) = oneshot::channel();
+        let sent = commands.send(command(reply));
+        Box::pin(async move {
+            sent.map_err(|_| loop_gone(&model))?;
+            answer.await.map_err(|_| loop_gone(&model))?
+        })
+    }
+}
+
+/// Whether two generators are the same model (layout, vocabulary, context).
+fn same_model<G: Generator>(a: &G, b: &G) -> bool {
+    a.manifest().schema_hash() == b.manifest().schema_hash()
+        && a.vocab_size() == b.vocab_size()
+        && a.max_context() == b.max_context()
+}
+
+/// A follower as its leader's loads see it.
+struct Follower<W> {
+    model: ModelId,
+    every: u64,
+    commands: Commands<W>,
+    shared: Arc<Shared>,
+    /// The leader's version it was last handed.
+    last: Arc<std::sync::Mutex<Option<Version>>>,
+}
+
+impl<W> Clone for Follower<W> {
+    fn clone(&self) -> Self {
+        Self {
+            model: self.model.clone(),
+            every: self.every,
+            commands: self.commands.clone(),
+            shared: Arc::clone(&self.shared),
+            last: Arc::clone(&self.last),
+        }
+    }
+}
+
+impl<W> Follower<W> {
+    /// Hands the leader's freshly swapped `version` to the follower when it is due (its
+    /// first, or `every` past the last one); the follower swaps it in at its own boundary.
+    fn refresh(&self, weights: &Arc<W>, version: Version) {
+        // the mark is one plain value, consistent whatever a panicking writer did
+        let mut last = self
+            .last
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if last.is_some_and(|l| version.get() < l.get().saturating_add(self.every)) {
+            return;
+        }
+        // nobody waits for the follower's swap: its answer goes nowhere
+        let (reply, _) = oneshot::channel();
+        let offer = Command::Offer {
+            weights: Arc::clone(weights),
+            version,
+            reply,
+        };
+        if self.commands.send(offer).is_ok() {
+            self.shared.offered(version);
+            *last = Some(version);
+            tracing::debug!(model = %self.model, %version, "reference refreshed");
+        } else {
+            tracing::warn!(model = %self.model, "refresh: {}", loop_gone(&self.model));
+        }
     }
 }
 
@@ -263,31 +417,38 @@ impl<G: Generator> Handler<Generate> for GenerationEngine<G> {
     type Result = ResponseFuture<Result<Completion>>;
 
     fn handle(&mut self, msg: Generate, _: &mut Context<Self>) -> Self::Result {
-        if msg.generation.is_some_and(|g| g != self.generation) {
-            self.stats.cancelled += 1;
-            let generation = self.generation;
-            return Box::pin(async move { Err(Error::Cancelled { generation }) });
-        }
-        let commands = match self.slot(&msg.model) {
-            Ok(s) => s.commands.clone(),
-            Err(e) => return Box::pin(async move { Err(e) }),
-        };
         let Generate {
             model,
             prompt,
             params,
             generation,
         } = msg;
-        let (reply, answer) = oneshot::channel();
-        let sent = commands.send(Command::Submit {
+        self.ask(model, generation, |reply| Command::Submit {
             prompt,
             params,
             generation,
             reply,
-        });
-        Box::pin(async move {
-            sent.map_err(|_| loop_gone(&model))?;
-            answer.await.map_err(|_| loop_gone(&model))?
+        })
+    }
+}
+
+impl<G: Generator> Handler<Score> for GenerationEngine<G> {
+    type Result = ResponseFuture<Result<Completion>>;
+
+    fn handle(&mut self, msg: Score, _: &mut Context<Self>) -> Self::Result {
+        let Score {
+            model,
+            prompt,
+            tokens,
+            temperature,
+            generation,
+        } = msg;
+        self.ask(model, generation, |reply| Command::Score {
+            prompt,
+            tokens,
+            temperature,
+            generation,
+            reply,
         })
     }
 }
@@ -369,7 +530,8 @@ impl<G: Generator> Handler<GetEngineStats> for GenerationEngine<G> {
 
     fn handle(&mut self, _: GetEngineStats, _: &mut Context<Self>) -> Self::Result {
         let mut out = self.stats.clone();
-        for slot in self.models.values() {
+        // a follower's swaps pause nobody and its scoring is not generation
+        for slot in self.models.values().filter(|s| s.follows.is_none()) {
             let s = slot.shared.stats();
             out.loads += s.swaps;
             out.paused_total += s.paused_total;
