@@ -1,0 +1,131 @@
+//! A sharded trainer as processes (issue #24), run as a user runs it: the real `refit
+//! launch`, the cartpole example's ranks. The trainer process has `replicas = 2`: rank 1
+//! (shard 0) holds the pool and the driver and publishes; rank 2 (shard 1) trains on every
+//! batch too and sends its half of each version to rank 1, which publishes a version only
+//! once both halves are in. The output shows, per published version, both shards' parts.
+#![allow(clippy::unwrap_used, missing_docs)]
+
+use std::collections::BTreeSet;
+use std::time::Duration;
+
+mod common;
+use common::example;
+use common::launch::Launch;
+
+/// The versions rank 1's driver published (`weight_update{model=policy from=1 to=2}:
+/// trained and published`).
+fn published(out: &str) -> BTreeSet<u64> {
+    out.lines()
+        .filter(|l| l.starts_with("[rank 1 learner]") && l.contains("trained and published"))
+        .filter_map(|l| {
+            let to = l.split(" to=").nth(1)?;
+            to.chars()
+                .take_while(char::is_ascii_digit)
+                .collect::<String>()
+                .parse()
+                .ok()
+        })
+        .collect()
+}
+
+#[test]
+fn a_two_process_sharded_trainer_publishes_versions_assembled_from_both() {
+    let dir = tempfile::tempdir().unwrap();
+    let exe = example("cartpole").display().to_string();
+    // the trainer ranks log each shard's part of each version (debug)
+    let log = format!("{},refit_actors::run::shard=debug", refit::DEFAULT_LOG);
+    let text = format!(
+        r#"
+[run]
+command = [{exe:?}, "topology"]
+wait_s = 60.0
+
+[sync]
+sync_mode = "batch-async"
+staleness_threshold = 2
+
+[stop]
+target_return = 100.0
+max_updates = 60
+max_time_s = 600.0
+
+[[model]]
+id = "policy"
+[model.params]
+envs_per_worker = 4
+fragment_steps = 32
+batch_frames = 2048
+
+[[process]]
+name = "lead"
+roles = ["controller", "evaluator"]
+
+[[process]]
+name = "learner"
+replicas = 2
+roles = ["trainer"]
+env = {{ RUST_LOG = {log:?} }}
+
+[[process]]
+name = "actor"
+roles = ["engine", "rollout"]
+rollout_workers = 2
+"#
+    );
+    let path = dir.path().join("sharded.toml");
+    std::fs::write(&path, text).unwrap();
+    let (status, out) = Launch::start(&path, "batch-async").finish(Duration::from_secs(600));
+    assert!(status.success(), "{status}\n{out}");
+    assert!(out.contains("solved: policy (batch-async mode)"), "{out}");
+
+    // rank 1 assembles from both shards; rank 2 is shard 1 of 2
+    let setup = out
+        .lines()
+        .find(|l| l.contains("model `policy` is trained by 2 shards"))
+        .unwrap_or_else(|| panic!("no assembly line\n{out}"));
+    assert!(setup.starts_with("[rank 1 learner]"), "{setup}");
+    let cut: u64 = setup
+        .split("shard 1 (rank 2) bytes ")
+        .nth(1)
+        .and_then(|s| s.split("..").next())
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| panic!("no part of shard 1 in {setup}"));
+    let end: u64 = setup
+        .split("shard 1 (rank 2) bytes ")
+        .nth(1)
+        .and_then(|s| s.split("..").nth(1))
+        .and_then(|s| s.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no end of shard 1 in {setup}"));
+    assert!(cut > 0 && end > cut, "{setup}");
+    assert!(
+        out.lines().any(|l| l.starts_with("[rank 2 learner]")
+            && l.contains("shard 1 of 2 of model `policy`'s trainer (rank 1 assembles")),
+        "{out}"
+    );
+
+    // every version rank 1 published was written by both shards, rank 2's half sent by
+    // rank 2's own process
+    let versions = published(&out);
+    assert!(versions.len() >= 2, "{versions:?}\n{out}");
+    for v in &versions {
+        for (shard, rank, bytes) in [(0, 1, format!("0..{cut}")), (1, 2, format!("{cut}..{end}"))] {
+            let line = format!(
+                "model `policy` v{v}: shard {shard} of 2 (rank {rank}) wrote bytes {bytes}"
+            );
+            assert!(
+                out.lines()
+                    .any(|l| l.starts_with("[rank 1 learner]") && l.contains(&line)),
+                "no `{line}`\n{out}"
+            );
+        }
+        let sent = format!(
+            "model `policy` v{v}: shard 1 of 2 (rank 2) trained and sent its {} bytes",
+            end - cut
+        );
+        assert!(
+            out.lines()
+                .any(|l| l.starts_with("[rank 2 learner]") && l.contains(&sent)),
+            "no `{sent}`\n{out}"
+        );
+    }
+}
