@@ -6,11 +6,13 @@
 #![allow(clippy::unwrap_used, missing_docs)]
 
 use std::collections::BTreeSet;
+use std::path::{Path, PathBuf};
+use std::process::Command;
 use std::time::Duration;
 
 mod common;
 use common::example;
-use common::launch::Launch;
+use common::launch::{Launch, pid_in};
 
 /// The versions rank 1's driver published (`weight_update{model=policy from=1 to=2}:
 /// trained and published`).
@@ -28,9 +30,10 @@ fn published(out: &str) -> BTreeSet<u64> {
         .collect()
 }
 
-#[test]
-fn a_two_process_sharded_trainer_publishes_versions_assembled_from_both() {
-    let dir = tempfile::tempdir().unwrap();
+/// A topology file in `dir`: rank 0 the controller and evaluator, ranks 1 and 2 the two
+/// shards of the trainer (logging each shard's part of each version), rank 3 an engine
+/// with two rollout workers; `run` adds to `[run]`.
+fn topology(dir: &Path, run: &str) -> PathBuf {
     let exe = example("cartpole").display().to_string();
     // the trainer ranks log each shard's part of each version (debug)
     let log = format!("{},refit_actors::run::shard=debug", refit::DEFAULT_LOG);
@@ -38,7 +41,7 @@ fn a_two_process_sharded_trainer_publishes_versions_assembled_from_both() {
         r#"
 [run]
 command = [{exe:?}, "topology"]
-wait_s = 60.0
+{run}
 
 [sync]
 sync_mode = "batch-async"
@@ -72,8 +75,15 @@ roles = ["engine", "rollout"]
 rollout_workers = 2
 "#
     );
-    let path = dir.path().join("sharded.toml");
+    let path = dir.join("sharded.toml");
     std::fs::write(&path, text).unwrap();
+    path
+}
+
+#[test]
+fn a_two_process_sharded_trainer_publishes_versions_assembled_from_both() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = topology(dir.path(), "wait_s = 60.0");
     let (status, out) = Launch::start(&path, "batch-async").finish(Duration::from_secs(600));
     assert!(status.success(), "{status}\n{out}");
     assert!(out.contains("solved: policy (batch-async mode)"), "{out}");
@@ -128,4 +138,71 @@ rollout_workers = 2
             "no `{sent}`\n{out}"
         );
     }
+}
+
+fn signal(sig: &str, pid: u32) {
+    let ok = Command::new("kill")
+        .args([sig, &pid.to_string()])
+        .status()
+        .unwrap()
+        .success();
+    assert!(ok, "kill {sig} {pid}");
+}
+
+/// A frozen shard (its process stopped, its sockets open) misses the deadline of the next
+/// update (`run.wait_s`, well before rank 0's keepalive gives up on it): the update fails
+/// naming the shard, its rank and the version, which is never published; the run ends
+/// with that error.
+#[test]
+fn a_frozen_shard_fails_the_update_naming_it_and_the_version_is_not_published() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = topology(
+        dir.path(),
+        "wait_s = 10.0\nkeepalive_s = 1.0\ndead_after_s = 40.0",
+    );
+    let launch = Launch::start(&path, "batch-async");
+    launch.wait_for(&["trained and published"], Duration::from_secs(180));
+    let (_, line) = launch.wait_for(
+        &["rank 2 (process `learner`, replica 1): pid "],
+        Duration::from_secs(10),
+    );
+    let shard = pid_in(&line).unwrap();
+    signal("-STOP", shard);
+    // shard 0 (rank 1) says so at once
+    let (_, failed) = launch.wait_for(
+        &[
+            "[rank 1 learner]",
+            "shard 1 (rank 2) missed the deadline",
+            "stays the last version published",
+        ],
+        Duration::from_secs(60),
+    );
+    // let it go, so that it reads the stop and the run ends without waiting for it
+    signal("-CONT", shard);
+    let (status, out) = launch.finish(Duration::from_secs(120));
+    assert!(!status.success(), "{out}");
+    assert!(!out.contains("solved: policy"), "{out}");
+    // the run ends with that error
+    assert!(
+        out.lines().any(|l| l.starts_with("[rank 0 lead]")
+            && l.contains("trainer of model `policy`: sharded trainer of model `policy`")
+            && l.contains("shard 1 (rank 2) missed the deadline")),
+        "{out}"
+    );
+    let version: u64 = failed
+        .split("model `policy`, version ")
+        .nth(1)
+        .and_then(|s| s.split(':').next())
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| panic!("no version in {failed}\n{out}"));
+    let versions = published(&out);
+    assert_eq!(
+        versions.last().map(|v| v + 1),
+        Some(version),
+        "the update after the last published one fails\n{out}"
+    );
+    assert!(
+        !out.contains(&format!("model `policy` v{version}: shard 0 of 2")),
+        "v{version} was never assembled\n{out}"
+    );
 }

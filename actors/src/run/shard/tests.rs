@@ -5,10 +5,21 @@
 
 use std::sync::Mutex;
 
-use refit_runtime::{DType, Manifest};
+use std::sync::Arc;
+use std::time::Duration;
 
-use super::*;
+use actix::prelude::*;
+use refit_runtime::{DType, Manifest, ModelId, Version, WeightSet};
+
+use super::assembly::Assembly;
+use super::lead::ShardLead;
+use super::learner::ShardLearner;
+use super::member::{LeadLink, ShardMember};
 use crate::batch::Batch;
+use crate::error::{Error, Result};
+use crate::learner::{LearnStats, Learner};
+use crate::link::WeightOutlet;
+use crate::protocol::trainer::{AssemblyRef, ShardRef, ShardWritten, TrainAndPublish, TrainShard};
 
 fn id() -> ModelId {
     ModelId::new("policy").unwrap()
