@@ -34,9 +34,9 @@ pub(crate) enum LeadLink {
 }
 
 impl LeadLink {
-    async fn resolve(self) -> Result<AssemblyRef> {
+    async fn resolve(&self) -> Result<AssemblyRef> {
         match self {
-            Self::Ready(r) => Ok(r),
+            Self::Ready(r) => Ok(r.clone()),
             Self::Find {
                 rv,
                 node,
@@ -46,9 +46,12 @@ impl LeadLink {
                 wait,
             } => {
                 let peer =
-                    crate::run::rank::peer_of(&rv, &node, &mut BTreeMap::new(), rank, wait).await?;
+                    crate::run::rank::peer_of(rv, node, &mut BTreeMap::new(), *rank, *wait).await?;
                 Ok(AssemblyRef::remote(&RemoteAddr::new(
-                    peer, target, name, wait,
+                    peer,
+                    *target,
+                    name.clone(),
+                    *wait,
                 )))
             }
         }
@@ -124,13 +127,13 @@ impl Handler<TrainShard> for ShardMember {
                     let why = format!("was asked for shard {} of model `{}`", msg.shard, msg.model);
                     return (link, Err(blame(why)));
                 }
-                let lead = match link {
+                let lead = match &link {
                     Some(l) => l.resolve().await,
-                    None => Err(blame("lost its way to shard 0".into())),
+                    None => Err(Error::Actor("no way to shard 0 is known".into())),
                 };
                 let lead = match lead {
                     Ok(l) => l,
-                    Err(e) => return (None, Err(blame(format!("cannot reach shard 0: {e}")))),
+                    Err(e) => return (link, Err(blame(format!("cannot reach shard 0: {e}")))),
                 };
                 let written = train_and_write(&learner, &lead, msg, deadline, &blame).await;
                 if let Ok(w) = &written {
@@ -147,9 +150,7 @@ impl Handler<TrainShard> for ShardMember {
             }
             .into_actor(self)
             .map(|(link, written), act, _| {
-                if link.is_some() {
-                    act.link = link;
-                }
+                act.link = link;
                 written
             }),
         ))
