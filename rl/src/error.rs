@@ -104,6 +104,24 @@ pub enum Error {
     /// A trainer input that cannot be trained on.
     #[error("trainer: {0}")]
     Trainer(String),
+    /// A shard of a sharded trainer failed one update of its model: it died, missed the
+    /// deadline, or wrote a part of another version, layout or size. The version is not
+    /// published; the previous one stays served.
+    #[error(
+        "sharded trainer of model `{model}`, version {version}: shard {shard} (rank {rank}) {reason}"
+    )]
+    Shard {
+        /// The model.
+        model: refit_runtime::ModelId,
+        /// The version being assembled.
+        version: refit_runtime::Version,
+        /// The shard's index among the trainer's ranks (0 publishes).
+        shard: usize,
+        /// The rank of the topology holding that shard.
+        rank: u32,
+        /// What went wrong.
+        reason: String,
+    },
     /// A message to an actor in another process failed (see `remote`, feature `actix`).
     #[error("remote actor `{actor}`, message `{message}`: {failure}")]
     Remote {

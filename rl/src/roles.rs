@@ -164,6 +164,8 @@ impl ModelSpec {
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Params<'a>(pub(crate) &'a ModelSpec);
 
+// Without candle no role factory reads its params; the readers stay for the ones that do.
+#[cfg_attr(not(feature = "candle"), allow(dead_code))]
 impl Params<'_> {
     /// The error for `key`, whose value must be `want`.
     pub(crate) fn bad(&self, key: &str, want: &str) -> Error {
@@ -191,7 +193,6 @@ impl Params<'_> {
     }
 
     /// A boolean.
-    #[cfg_attr(not(feature = "candle"), allow(dead_code))]
     pub(crate) fn boolean(&self, key: &str, v: &toml::Value) -> Result<bool> {
         v.as_bool().ok_or_else(|| self.bad(key, "a boolean"))
     }

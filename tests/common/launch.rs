@@ -87,6 +87,34 @@ impl Launch {
         }
     }
 
+    /// The first line containing every part of one of `alternatives`, waiting up to
+    /// `timeout` for it.
+    #[allow(dead_code)]
+    pub(crate) fn wait_for_any(
+        &self,
+        alternatives: &[&[&str]],
+        timeout: Duration,
+    ) -> (Instant, String) {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Some(found) = self
+                .lines
+                .lock()
+                .unwrap()
+                .iter()
+                .find(|(_, l)| alternatives.iter().any(|a| a.iter().all(|p| l.contains(p))))
+            {
+                return found.clone();
+            }
+            assert!(
+                Instant::now() < deadline,
+                "no line with one of {alternatives:?} within {timeout:?}:\n{}",
+                self.text()
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
     /// Waits for the launcher to exit (killing it past `timeout`, which fails the test).
     pub(crate) fn finish(mut self, timeout: Duration) -> (ExitStatus, String) {
         let deadline = Instant::now() + timeout;

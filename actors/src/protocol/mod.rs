@@ -10,7 +10,7 @@
 //! | trajectory pool | [`pool`] | [`PoolRef`] |
 //! | rollout worker | [`rollout`] | [`RolloutRef`] |
 //! | evaluator | [`eval`] | `Recipient<RunEval>` |
-//! | trainer | [`trainer`] | `Addr<Trainer>` (always beside its driver) |
+//! | trainer | [`trainer`] | `Recipient<TrainAndPublish>` (always beside its driver); a sharded trainer's other shards: [`ShardRef`](trainer::ShardRef), its assembly: [`AssemblyRef`](trainer::AssemblyRef) |
 //! | the run's lead | [`lead`] | [`LeadRef`] |
 //!
 //! Actors import protocols, never each other: a role's implementation can change, or run

@@ -11,7 +11,6 @@ use refit_runtime::{ModelId, Version};
 use tracing::Instrument;
 
 use crate::actor::controller::VersionNotifier;
-use crate::actor::workers::Trainer;
 use crate::error::{Error, Result};
 use crate::protocol::controller::{AwaitDrained, AwaitSynced, ControllerRef};
 use crate::protocol::lead::{LeadRef, Progress};
@@ -23,7 +22,8 @@ use super::{ModelReport, StopRule, UpdateRecord};
 /// Everything one model's driver talks to.
 pub(crate) struct Driver {
     pub(crate) model: ModelId,
-    pub(crate) trainer: Addr<Trainer>,
+    /// The model's trainer (one rank's, or shard 0 of a sharded trainer).
+    pub(crate) trainer: Recipient<TrainAndPublish>,
     pub(crate) pool: PoolRef,
     pub(crate) controller: ControllerRef,
     pub(crate) notifier: VersionNotifier,
@@ -142,10 +142,10 @@ impl Driver {
             let (stats, published) = self
                 .trainer
                 .send(TrainAndPublish { batch: pb.batch })
-                .timeout(wait)
+                .timeout(slack)
                 .instrument(span.clone())
                 .await
-                .map_err(|e| unanswered(&model, "trainer", e, wait))??;
+                .map_err(|e| unanswered(&model, "trainer", e, slack))??;
             span.record("to", tracing::field::display(published));
             let train_ms = update_started.elapsed().as_millis() as u64;
             span.in_scope(|| {

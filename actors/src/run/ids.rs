@@ -19,6 +19,8 @@ pub(crate) enum Served {
     Rollout = 5,
     Evaluator = 6,
     Lead = 7,
+    /// A shard of a sharded trainer (shard 0: its assembly; the others: their updates).
+    Shard = 8,
 }
 
 /// `refit` in the high bytes: ids no user actor picks by chance.

@@ -7,11 +7,12 @@
 //! - **rank 0** leads: it serves the rendezvous store, the weight-sync controller, one gate
 //!   per engine rank (counting that rank's admitted rollouts) and the run's lead (the
 //!   common stop decision, rank deaths and rejoins, the report);
-//! - a **trainer** rank (per model; a process with replicas shards it) builds the model's
-//!   learner, opens its weight links (one sender per transport the engines need: in-process
-//!   beside it, shared memory on its host, TCP across hosts; converting to the engines'
-//!   layout when the model declares one), serves the model's trajectory pool and drives
-//!   training;
+//! - a **trainer** rank (per model) builds the model's learner, opens its weight links (one
+//!   sender per transport the engines need: in-process beside it, shared memory on its
+//!   host, TCP across hosts; converting to the engines' layout when the model declares
+//!   one), serves the model's trajectory pool and drives training; a trainer process with
+//!   replicas is a sharded trainer: each of its ranks trains on every batch and writes its
+//!   part of each version, which the first one assembles and publishes (`shard`);
 //! - an **engine** rank connects one inlet per model it serves and serves its engine (an
 //!   acting or a generating one); with `rollout` it runs rollout workers against it;
 //! - the **evaluator** rank runs validation when the controller asks.
@@ -33,6 +34,7 @@ mod ids;
 mod lead;
 mod rank;
 mod rendezvous;
+mod shard;
 mod weights;
 mod workload;
 

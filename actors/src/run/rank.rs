@@ -44,6 +44,7 @@ use super::gate::{EngineRoute, RankGate};
 use super::ids::{RankCard, START_KEY, STOP_KEY, Served, actor_id, bye_key, rank_key, weights_key};
 use super::lead::{AddRank, Finish, Lead, LeadSetup, RankDown};
 use super::rendezvous::{Place, Rendezvous, watch};
+use super::shard::{self, ShardSite};
 use super::weights::{self, Leftovers};
 use super::workload::{EngineSetup, Inference, Workload};
 use super::{InletWrapper, RunConfig, RunReport, StopRule, describe};
@@ -363,6 +364,16 @@ pub(crate) async fn rank_main(s: RankSetup) -> Result<Option<RunReport>> {
         rv.put(&weights_key(&spec.id), &links.specs)?;
         opened.push((spec.clone(), learner, initial, links));
     }
+    // the other shards of a sharded trainer: a learner each, served for shard 0 to call
+    let shard_site = ShardSite {
+        topo: &topo,
+        me,
+        who: &who,
+        node: &node,
+        rv: &rv,
+        wait,
+    };
+    let _shards = shard::start_members(&shard_site, &specs, &work, rejoining)?;
 
     // 4. senders and inlets connect together
     let mut senders = Vec::new();
@@ -427,7 +438,11 @@ pub(crate) async fn rank_main(s: RankSetup) -> Result<Option<RunReport>> {
     let mut drivers = Vec::new();
     let mut local_pools: BTreeMap<ModelId, PoolRef> = BTreeMap::new();
     for (spec, learner, outlet) in outlets {
-        let trainer = Trainer::start_with_outlet(learner, outlet);
+        let trainer = if topo.trainer_ranks(&spec.id).len() > 1 {
+            shard::start_lead(&shard_site, &spec, learner, outlet).await?
+        } else {
+            Trainer::start_with_outlet(learner, outlet).recipient()
+        };
         let pool = TrajectoryPool::new(
             spec.id.clone(),
             spec.batch_frames,
@@ -768,7 +783,7 @@ fn lead_gone(who: &str, why: &std::sync::Mutex<String>) -> Error {
 }
 
 /// The connection to rank `r`'s node (from its card), made once.
-async fn peer_of(
+pub(super) async fn peer_of(
     rv: &Rendezvous,
     node: &refit_node::Node,
     peers: &mut BTreeMap<u32, Peer>,

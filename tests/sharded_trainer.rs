@@ -1,0 +1,208 @@
+//! A sharded trainer as processes (issue #24), run as a user runs it: the real `refit
+//! launch`, the cartpole example's ranks. The trainer process has `replicas = 2`: rank 1
+//! (shard 0) holds the pool and the driver and publishes; rank 2 (shard 1) trains on every
+//! batch too and sends its half of each version to rank 1, which publishes a version only
+//! once both halves are in. The output shows, per published version, both shards' parts.
+#![allow(clippy::unwrap_used, missing_docs)]
+
+use std::collections::BTreeSet;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Duration;
+
+mod common;
+use common::example;
+use common::launch::{Launch, pid_in};
+
+/// The versions rank 1's driver published (`weight_update{model=policy from=1 to=2}:
+/// trained and published`).
+fn published(out: &str) -> BTreeSet<u64> {
+    out.lines()
+        .filter(|l| l.starts_with("[rank 1 learner]") && l.contains("trained and published"))
+        .filter_map(|l| {
+            let to = l.split(" to=").nth(1)?;
+            to.chars()
+                .take_while(char::is_ascii_digit)
+                .collect::<String>()
+                .parse()
+                .ok()
+        })
+        .collect()
+}
+
+/// A topology file in `dir`: rank 0 the controller and evaluator, ranks 1 and 2 the two
+/// shards of the trainer (logging each shard's part of each version), rank 3 an engine
+/// with two rollout workers; `run` adds to `[run]`.
+fn topology(dir: &Path, run: &str) -> PathBuf {
+    let exe = example("cartpole").display().to_string();
+    // the trainer ranks log each shard's part of each version (debug)
+    let log = format!("{},refit_actors::run::shard=debug", refit::DEFAULT_LOG);
+    let text = format!(
+        r#"
+[run]
+command = [{exe:?}, "topology"]
+{run}
+
+[sync]
+sync_mode = "batch-async"
+staleness_threshold = 2
+
+[stop]
+target_return = 100.0
+max_updates = 60
+max_time_s = 600.0
+
+[[model]]
+id = "policy"
+[model.params]
+envs_per_worker = 4
+fragment_steps = 32
+batch_frames = 2048
+
+[[process]]
+name = "lead"
+roles = ["controller", "evaluator"]
+
+[[process]]
+name = "learner"
+replicas = 2
+roles = ["trainer"]
+env = {{ RUST_LOG = {log:?} }}
+
+[[process]]
+name = "actor"
+roles = ["engine", "rollout"]
+rollout_workers = 2
+"#
+    );
+    let path = dir.join("sharded.toml");
+    std::fs::write(&path, text).unwrap();
+    path
+}
+
+#[test]
+fn a_two_process_sharded_trainer_publishes_versions_assembled_from_both() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = topology(dir.path(), "wait_s = 60.0");
+    let (status, out) = Launch::start(&path, "batch-async").finish(Duration::from_secs(600));
+    assert!(status.success(), "{status}\n{out}");
+    assert!(out.contains("solved: policy (batch-async mode)"), "{out}");
+
+    // rank 1 assembles from both shards; rank 2 is shard 1 of 2
+    let setup = out
+        .lines()
+        .find(|l| l.contains("model `policy` is trained by 2 shards"))
+        .unwrap_or_else(|| panic!("no assembly line\n{out}"));
+    assert!(setup.starts_with("[rank 1 learner]"), "{setup}");
+    let cut: u64 = setup
+        .split("shard 1 (rank 2) bytes ")
+        .nth(1)
+        .and_then(|s| s.split("..").next())
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| panic!("no part of shard 1 in {setup}"));
+    let end: u64 = setup
+        .split("shard 1 (rank 2) bytes ")
+        .nth(1)
+        .and_then(|s| s.split("..").nth(1))
+        .and_then(|s| s.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no end of shard 1 in {setup}"));
+    assert!(cut > 0 && end > cut, "{setup}");
+    assert!(
+        out.lines().any(|l| l.starts_with("[rank 2 learner]")
+            && l.contains("shard 1 of 2 of model `policy`'s trainer (rank 1 assembles")),
+        "{out}"
+    );
+
+    // every version rank 1 published was written by both shards, rank 2's half sent by
+    // rank 2's own process
+    let versions = published(&out);
+    assert!(versions.len() >= 2, "{versions:?}\n{out}");
+    for v in &versions {
+        for (shard, rank, bytes) in [(0, 1, format!("0..{cut}")), (1, 2, format!("{cut}..{end}"))] {
+            let line = format!(
+                "model `policy` v{v}: shard {shard} of 2 (rank {rank}) wrote bytes {bytes}"
+            );
+            assert!(
+                out.lines()
+                    .any(|l| l.starts_with("[rank 1 learner]") && l.contains(&line)),
+                "no `{line}`\n{out}"
+            );
+        }
+        let sent = format!(
+            "model `policy` v{v}: shard 1 of 2 (rank 2) trained and sent its {} bytes",
+            end - cut
+        );
+        assert!(
+            out.lines()
+                .any(|l| l.starts_with("[rank 2 learner]") && l.contains(&sent)),
+            "no `{sent}`\n{out}"
+        );
+    }
+}
+
+fn signal(sig: &str, pid: u32) {
+    let ok = Command::new("kill")
+        .args([sig, &pid.to_string()])
+        .status()
+        .unwrap()
+        .success();
+    assert!(ok, "kill {sig} {pid}");
+}
+
+/// A frozen shard (its process stopped, its sockets open) misses the deadline of the next
+/// update (`run.wait_s`, well before rank 0's keepalive gives up on it): the update fails
+/// naming the shard, its rank and the version, which is never published; the run ends
+/// with that error.
+#[test]
+fn a_frozen_shard_fails_the_update_naming_it_and_the_version_is_not_published() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = topology(
+        dir.path(),
+        "wait_s = 10.0\nkeepalive_s = 1.0\ndead_after_s = 40.0",
+    );
+    let launch = Launch::start(&path, "batch-async");
+    launch.wait_for(&["trained and published"], Duration::from_secs(180));
+    let (_, line) = launch.wait_for(
+        &["rank 2 (process `learner`, replica 1): pid "],
+        Duration::from_secs(10),
+    );
+    let shard = pid_in(&line).unwrap();
+    signal("-STOP", shard);
+    // shard 0 (rank 1) says so at once
+    let (_, failed) = launch.wait_for(
+        &[
+            "[rank 1 learner]",
+            "shard 1 (rank 2) missed the deadline",
+            "stays the last version published",
+        ],
+        Duration::from_secs(60),
+    );
+    // let it go, so that it reads the stop and the run ends without waiting for it
+    signal("-CONT", shard);
+    let (status, out) = launch.finish(Duration::from_secs(120));
+    assert!(!status.success(), "{out}");
+    assert!(!out.contains("solved: policy"), "{out}");
+    // the run ends with that error
+    assert!(
+        out.lines().any(|l| l.starts_with("[rank 0 lead]")
+            && l.contains("trainer of model `policy`: sharded trainer of model `policy`")
+            && l.contains("shard 1 (rank 2) missed the deadline")),
+        "{out}"
+    );
+    let version: u64 = failed
+        .split("model `policy`, version ")
+        .nth(1)
+        .and_then(|s| s.split(':').next())
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| panic!("no version in {failed}\n{out}"));
+    let versions = published(&out);
+    assert_eq!(
+        versions.last().map(|v| v + 1),
+        Some(version),
+        "the update after the last published one fails\n{out}"
+    );
+    assert!(
+        !out.contains(&format!("model `policy` v{version}: shard 0 of 2")),
+        "v{version} was never assembled\n{out}"
+    );
+}
