@@ -246,10 +246,11 @@ fn worker_collector(
 }
 
 // ANCHOR: process_worker
-/// `cartpole worker W ENVS FRAMES SEED`: a collector worker process. Its stdout carries
-/// batches to the trainer; weights arrive over the link its environment names (shared
-/// memory by default), whatever its transport. The same worker serves the
-/// synchronous and the asynchronous process collectors.
+/// `cartpole worker W ENVS FRAMES SEED`: a collector worker process. It delivers its
+/// batches to the trainer's collector as calls to the collector's node (address and cluster
+/// token in its environment); weights arrive over the link its environment names (shared
+/// memory by default), whatever its transport. The same worker serves the synchronous and
+/// the asynchronous process collectors.
 fn run_worker_process(
     w: usize,
     envs: usize,

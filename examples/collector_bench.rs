@@ -1,27 +1,41 @@
 //! Collector throughput: CartPole with the 4-64-64-2 MLP policy, one worker, then two
-//! workers (sync and async), with a weight update after every 1000-frame batch.
+//! worker threads (sync and async), then worker processes (one and two, sync; two, async),
+//! with a weight update after every 1000-frame batch.
 //!
 //! ```text
 //! cargo run --release --example collector_bench -- [--frames 200000] [--envs 1]
 //! ```
-//! (For scale: TorchRL's collectors do about 1.5k frames/s with one worker and 3.2k with two.)
+//!
+//! Each figure is printed with its ratio to a baseline measured in the same run: every
+//! collector against the single in-process collector (what the workers' own stepping costs),
+//! and the worker processes' batch traffic against a loopback TCP socket's throughput (what
+//! moving the batches could cost at most).
 
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::process::Command;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use clap::Parser;
+use clap::{Parser, Subcommand};
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
+use refit_actors::process::{
+    ProcessAsyncCollector, ProcessConfig, ProcessSyncCollector, WorkerLink, serve_worker,
+    worker_receiver,
+};
 use refit_actors::{
-    CartPole, Collector, MlpPolicy, MultiAsyncCollector, MultiConfig, MultiSyncCollector,
+    Batch, CartPole, Collector, MlpPolicy, MultiAsyncCollector, MultiConfig, MultiSyncCollector,
     UpdatePolicyWeights,
 };
-use refit_runtime::{ModelId, Version, WeightSet};
+use refit_runtime::{ModelId, Version, WeightSet, wire};
 
 const BATCH: usize = 1000;
 
+type Res<T> = Result<T, Box<dyn std::error::Error>>;
+
 /// Random weights in the policy layout, stamped `version`.
-fn weights(rng: &mut SmallRng, version: u64) -> Result<WeightSet, Box<dyn std::error::Error>> {
+fn weights(rng: &mut SmallRng, version: u64) -> Res<WeightSet> {
     let manifest = Arc::new(MlpPolicy::manifest_for(&[4, 64, 64, 2])?);
     let mut ws = WeightSet::zeroed(ModelId::new("policy")?, Arc::clone(&manifest));
     for t in manifest.tensors() {
@@ -40,47 +54,106 @@ fn envs(n: usize, seed: u64) -> Vec<CartPole> {
         .collect()
 }
 
-struct Run {
-    name: &'static str,
+/// What one measurement counted.
+#[derive(Default)]
+struct Tally {
     frames: u64,
-    wall: Duration,
+    /// Encoded bytes per frame of the first batch (measured when batches cross processes).
+    bytes_per_frame: f64,
     updates: u64,
     update_time: Duration,
     worker_sync: Duration,
 }
 
-impl Run {
-    fn print(&self) {
-        let fps = self.frames as f64 / self.wall.as_secs_f64();
+struct Baselines {
+    /// Frames per second of the single in-process collector.
+    single: f64,
+    /// Bytes per second through a loopback TCP socket.
+    loopback: f64,
+}
+
+impl Tally {
+    /// Counts one batch; when `bytes` (the batch crossed a process), the first one is also
+    /// encoded to learn the bytes per frame on the wire.
+    fn batch(&mut self, b: &Batch, bytes: bool) -> Res<()> {
+        if bytes && self.frames == 0 && b.frames > 0 {
+            self.bytes_per_frame = wire::encode(b)?.len() as f64 / b.frames as f64;
+        }
+        self.frames += b.frames as u64;
+        self.worker_sync += b.weight_sync;
+        Ok(())
+    }
+
+    fn print(&self, name: &str, wall: Duration, base: &Baselines) -> f64 {
+        let fps = self.frames as f64 / wall.as_secs_f64();
+        let vs_single = if base.single > 0.0 {
+            format!("{:.2}x one in-process collector", fps / base.single)
+        } else {
+            "the baseline".into()
+        };
+        let traffic = if self.bytes_per_frame > 0.0 {
+            let bps = fps * self.bytes_per_frame;
+            format!(
+                "; batches {:.1} MB/s = {:.2}% of loopback TCP",
+                bps / 1e6,
+                100.0 * bps / base.loopback
+            )
+        } else {
+            String::new()
+        };
         println!(
-            "{:<22} {:>9.0} frames/s  ({} frames in {:.2} s; {:>5.1}x TorchRL's {})  \
-             {} updates: {:.2} ms in update calls ({:.1} us each), {:.2} ms polling+applying in workers",
-            self.name,
-            fps,
+            "{name:<26} {fps:>9.0} frames/s ({vs_single}{traffic}); {} frames in {:.2} s, \
+             {} updates: {:.1} us per update call, {:.2} ms polling+applying in workers",
             self.frames,
-            self.wall.as_secs_f64(),
-            fps / if self.name.starts_with("single") {
-                1500.0
-            } else {
-                3200.0
-            },
-            if self.name.starts_with("single") {
-                "1.5k"
-            } else {
-                "3.2k"
-            },
+            wall.as_secs_f64(),
             self.updates,
-            self.update_time.as_secs_f64() * 1e3,
             self.update_time.as_secs_f64() * 1e6 / self.updates.max(1) as f64,
             self.worker_sync.as_secs_f64() * 1e3,
         );
+        fps
     }
 }
 
+/// Bytes per second one thread writes to another through a loopback TCP socket (64 KiB
+/// writes, about 0.5 s).
+fn loopback_throughput() -> Res<f64> {
+    let listener = TcpListener::bind("127.0.0.1:0")?;
+    let addr = listener.local_addr()?;
+    let writer = std::thread::spawn(move || -> std::io::Result<u64> {
+        let mut s = TcpStream::connect(addr)?;
+        let chunk = vec![7u8; 64 << 10];
+        let start = Instant::now();
+        let mut sent = 0u64;
+        while start.elapsed() < Duration::from_millis(500) {
+            s.write_all(&chunk)?;
+            sent += chunk.len() as u64;
+        }
+        Ok(sent)
+    });
+    let (mut s, _) = listener.accept()?;
+    let mut buf = vec![0u8; 64 << 10];
+    let start = Instant::now();
+    let mut got = 0u64;
+    loop {
+        match s.read(&mut buf)? {
+            0 => break,
+            n => got += n as u64,
+        }
+    }
+    let wall = start.elapsed();
+    let sent = writer
+        .join()
+        .map_err(|_| "the loopback writer panicked")??;
+    if sent != got {
+        return Err(format!("loopback: {sent} bytes sent, {got} received").into());
+    }
+    Ok(got as f64 / wall.as_secs_f64())
+}
+
 /// CartPole collection speed: one worker, two synchronous and two asynchronous worker
-/// threads, with a weight update after every batch.
+/// threads, then worker processes, with a weight update after every batch.
 #[derive(Parser, Debug)]
-#[command(long_about = None)]
+#[command(long_about = None, args_conflicts_with_subcommands = true)]
 struct Args {
     /// Frames to collect per measurement.
     #[arg(long, default_value_t = 200_000)]
@@ -88,18 +161,54 @@ struct Args {
     /// Environments per worker.
     #[arg(long, default_value_t = 1)]
     envs: usize,
+    #[command(subcommand)]
+    command: Option<Sub>,
 }
 
-fn main() -> Result<(), Box<dyn std::error::Error>> {
+#[derive(Subcommand, Debug)]
+enum Sub {
+    /// A worker process (started by this program).
+    #[command(hide = true)]
+    Worker {
+        /// Worker index.
+        w: usize,
+        /// Environments.
+        envs: usize,
+        /// Frames per batch.
+        frames: usize,
+    },
+}
+
+fn worker_process(w: usize, n_envs: usize, frames: usize) -> Res<()> {
+    let c = Collector::builder(envs(n_envs, 100 * w as u64), MlpPolicy::cartpole()?)
+        .frames_per_batch(frames)
+        .build()?;
+    serve_worker(c, w, worker_receiver()?, Duration::from_secs(30))?;
+    Ok(())
+}
+
+fn main() -> Res<()> {
+    let args = Args::parse();
     refit::init()?;
+    if let Some(Sub::Worker { w, envs, frames }) = args.command {
+        return worker_process(w, envs, frames);
+    }
     let Args {
         frames: total,
         envs: n_envs,
-    } = Args::parse();
+        ..
+    } = args;
     let mut rng = SmallRng::seed_from_u64(1);
+    let loopback = loopback_throughput()?;
     println!(
-        "CartPole, MLP 4-64-64-2 tanh, {n_envs} env(s) per worker, weight update after every {BATCH}-frame batch"
+        "CartPole, MLP 4-64-64-2 tanh, {n_envs} env(s) per worker, weight update after every \
+         {BATCH}-frame batch; loopback TCP {:.2} GB/s",
+        loopback / 1e9
     );
+    let mut base = Baselines {
+        single: 0.0,
+        loopback,
+    };
 
     // One worker: the collector applies the update itself.
     {
@@ -108,27 +217,19 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             .build()?;
         let mut version = 1;
         c.update_weights(weights(&mut rng, version)?)?;
-        let (mut frames, mut update_time, mut sync) = (0u64, Duration::ZERO, Duration::ZERO);
+        let mut tally = Tally::default();
         let start = Instant::now();
-        while frames < total {
+        while tally.frames < total {
             let Some(b) = c.next_batch()? else { break };
-            frames += b.frames as u64;
-            sync += b.weight_sync;
+            tally.batch(&b, false)?;
             version += 1;
             let ws = weights(&mut rng, version)?;
             let t = Instant::now();
             c.update_weights(ws)?;
-            update_time += t.elapsed();
+            tally.update_time += t.elapsed();
+            tally.updates += 1;
         }
-        Run {
-            name: "single worker",
-            frames,
-            wall: start.elapsed(),
-            updates: version - 1,
-            update_time,
-            worker_sync: sync,
-        }
-        .print();
+        base.single = tally.print("single worker", start.elapsed(), &base);
     }
 
     for asynchronous in [false, true] {
@@ -146,45 +247,81 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             queue_depth: 2,
             ..MultiConfig::default()
         };
-        let (mut frames, mut update_time, mut sync, mut version) =
-            (0u64, Duration::ZERO, Duration::ZERO, 1);
+        let mut tally = Tally::default();
         let start = Instant::now();
-        let mut step = |c: &mut dyn FnMut(WeightSet) -> refit_actors::Result<()>,
-                        b: refit_actors::Batch|
-         -> Result<(), Box<dyn std::error::Error>> {
-            frames += b.frames as u64;
-            sync += b.weight_sync;
-            version += 1;
-            let ws = weights(&mut rng, version)?;
-            let t = Instant::now();
-            c(ws)?;
-            update_time += t.elapsed();
-            Ok(())
-        };
         let name = if asynchronous {
             let mut c = MultiAsyncCollector::spawn(hub.sender()?, workers, initial, cfg)?;
             while let Some(b) = c.next_batch()? {
-                step(&mut |ws| c.update_weights(ws), b)?;
+                tally.batch(&b, false)?;
+                update(&mut c, &mut rng, &mut tally)?;
             }
             c.shutdown()?;
-            "2 workers, async"
+            "2 threads, async"
         } else {
             let mut c = MultiSyncCollector::spawn(hub.sender()?, workers, initial, cfg)?;
             while let Some(b) = c.next_batch()? {
-                step(&mut |ws| c.update_weights(ws), b)?;
+                tally.batch(&b, false)?;
+                update(&mut c, &mut rng, &mut tally)?;
             }
             c.shutdown()?;
-            "2 workers, sync"
+            "2 threads, sync"
         };
-        Run {
-            name,
-            frames,
-            wall: start.elapsed(),
-            updates: version - 1,
-            update_time,
-            worker_sync: sync,
-        }
-        .print();
+        tally.print(name, start.elapsed(), &base);
     }
+
+    for (workers, asynchronous) in [(1, false), (2, false), (2, true)] {
+        let initial = vec![weights(&mut rng, 1)?];
+        let link = WorkerLink::open("shm", &initial, workers)?;
+        let per_worker = if asynchronous { BATCH } else { BATCH / workers };
+        let exe = std::env::current_exe()?;
+        let commands = (0..workers)
+            .map(|w| {
+                let mut c = Command::new(&exe);
+                c.arg("worker").arg(w.to_string());
+                c.arg(n_envs.to_string()).arg(per_worker.to_string());
+                link.configure(&mut c)?;
+                Ok(c)
+            })
+            .collect::<refit_actors::Result<Vec<_>>>()?;
+        let config = ProcessConfig {
+            total_frames: Some(total),
+            queue_depth: 2,
+            ..ProcessConfig::default()
+        };
+        let mut tally = Tally::default();
+        let name = if asynchronous {
+            let mut c = ProcessAsyncCollector::spawn(link.sender, commands, initial, config)?;
+            let start = Instant::now();
+            while let Some(b) = c.next_batch()? {
+                tally.batch(&b, true)?;
+                update(&mut c, &mut rng, &mut tally)?;
+            }
+            let wall = start.elapsed();
+            c.shutdown()?;
+            (format!("{workers} processes, async"), wall)
+        } else {
+            let mut c = ProcessSyncCollector::spawn(link.sender, commands, initial, config)?;
+            let start = Instant::now();
+            while let Some(b) = c.next_batch()? {
+                tally.batch(&b, true)?;
+                update(&mut c, &mut rng, &mut tally)?;
+            }
+            let wall = start.elapsed();
+            c.shutdown()?;
+            let plural = if workers == 1 { "process" } else { "processes" };
+            (format!("{workers} {plural}, sync"), wall)
+        };
+        tally.print(&name.0, name.1, &base);
+    }
+    Ok(())
+}
+
+/// Publishes fresh random weights through `c`, timing the call.
+fn update(c: &mut impl UpdatePolicyWeights, rng: &mut SmallRng, tally: &mut Tally) -> Res<()> {
+    let ws = weights(rng, tally.updates + 2)?;
+    let t = Instant::now();
+    c.update_weights(ws)?;
+    tally.update_time += t.elapsed();
+    tally.updates += 1;
     Ok(())
 }

@@ -2,21 +2,33 @@
 //!
 //! The parent spawns one process per worker (usually its own program, re-run with
 //! arguments that say "worker"), hands each a receiver description for the weight scheme
-//! (shared memory on one host, TCP across hosts) and drives them over their standard input
-//! and output: one byte per command on stdin, one length-prefixed msgpack [`Batch`] per
-//! collected batch on stdout. Weights never travel on these pipes.
+//! (shared memory on one host, TCP across hosts), and talks to it through nodes, Refit's
+//! one mechanism for calls between processes: the collector starts a
+//! [`Node`](refit_node::Node) on loopback and tells each worker its address and the cluster
+//! token in the worker's environment ([`COLLECTOR_ENV`], `REFIT_TOKEN`); the worker
+//! connects and makes every message a call with a deadline (the three calls are described
+//! at [`COLLECTOR_TARGET`]): it introduces itself, long-polls for how many batches it may
+//! make, and delivers each batch (or its failure) as it is made. Weights never travel on
+//! that connection, and the workers' standard input and output are left to them.
 //!
-//! - [`serve_worker`] is the child's loop: connect the receiver (initial weights applied),
-//!   then collect a batch for every `collect` command, or continuously after a `run`
-//!   command until `stop`, polling for new weights before each batch.
+//! - [`serve_worker`] is the child's loop: connect to the collector and the receiver
+//!   (initial weights applied), then make the batches the collector asks for, polling for
+//!   new weights before each.
 //! - [`ProcessSyncCollector`] is the parent: every worker delivers one batch, the batch is
-//!   their concatenation, workers wait for the next command. A worker that dies or stays
-//!   silent past the deadline is reported ([`Error::WorkerGone`]), never waited on forever.
+//!   their concatenation, workers wait for the next request. A worker that dies is
+//!   reported at once (its connection closes), one that stays silent past the deadline
+//!   when it passes ([`Error::WorkerGone`], naming it), never waited on forever.
 //! - [`ProcessAsyncCollector`] is the asynchronous parent (TorchRL's
-//!   `MultiaSyncDataCollector` with processes): workers collect continuously and stream
-//!   their batches; the parent yields whichever arrives first, with the worker's index and
-//!   the policy version that produced it ([`WorkerBatch`]). A worker that dies is reported
-//!   once, with its exit status, and the others go on.
+//!   `MultiaSyncDataCollector` with processes): workers collect continuously, a few batches
+//!   ahead of the consumer; the parent yields whichever arrives first, with the worker's
+//!   index and the policy version that produced it ([`WorkerBatch`]). A worker that dies is
+//!   reported once, with its exit status, and the others go on.
+//!
+//! A worker whose collector dies ends on its own: its connection closes, and its next call
+//! (at once when idle, after the batch it is making otherwise) fails. Calls to the
+//! collector's node without the cluster token are refused by the node; calls that do not
+//! decode, or that speak for a worker other than the caller's connection, are refused
+//! and logged without disturbing the workers.
 //!
 //! Both parents take weights from an upstream [`WeightSource`] when one is attached and
 //! forward each update to their workers' scheme (the cascade).
@@ -24,41 +36,43 @@
 //! Trajectory ids stay unique without shared state: worker `w` draws from the block
 //! starting at `w * TRAJ_ID_BLOCK`.
 
+mod parent;
+mod protocol;
+mod worker;
+
 use std::collections::VecDeque;
-use std::io::{BufWriter, ErrorKind, Read, Write};
-use std::process::{Child, ChildStdin, Command, Stdio};
-use std::sync::mpsc;
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 use refit_node::{ClusterToken, TOKEN_ENV, TOKEN_FILE_ENV};
 use refit_runtime::{
     Manifests, ModelId, PendingSend, ReceiverInit, ReceiverTransport, Sender, SenderInit,
-    SenderTransport, Version, WeightSet, wire,
+    SenderTransport, Version, WeightSet,
 };
 use refit_transports::link::{self, LinkOptions, Reach, ReceiverSpec};
 
-use crate::batch::{Batch, TrajPool};
-use crate::collector::{Collector, UpdatePolicyWeights, WeightSource, policy_model_id};
-use crate::env::Env;
+use crate::batch::Batch;
+use crate::collector::{UpdatePolicyWeights, WeightSource, policy_model_id};
 use crate::error::{Error, Result};
 use crate::multi::cascade;
-use crate::policy::Policy;
 
-/// Written once by a worker before its first batch: whatever the process printed before it
-/// (a banner, a test harness's header) is skipped by the parent, up to [`MAX_PREAMBLE`] bytes.
-const MAGIC: &[u8; 8] = b"REFIT-W1";
-/// Most bytes a parent skips looking for [`MAGIC`].
-const MAX_PREAMBLE: usize = 64 * 1024;
-const COLLECT: u8 = 1;
-const STOP: u8 = 0;
-const RUN: u8 = 2;
-/// Largest batch frame a parent accepts from a worker.
+use parent::{Event, Workers};
+pub use protocol::{COLLECTOR_TARGET, DELIVER, HELLO, POLL};
+pub use worker::serve_worker;
+
+/// The environment variable a worker process finds its collector's node in (its address),
+/// set by the process collectors.
+pub const COLLECTOR_ENV: &str = "REFIT_COLLECTOR_ADDR";
+/// Largest batch a collector accepts from a worker (the largest frame of its node).
 pub const MAX_BATCH_FRAME: usize = 256 << 20;
 /// Width of each worker process's block of trajectory ids.
 pub const TRAJ_ID_BLOCK: u64 = 1 << 40;
 
-fn io(context: &str, e: std::io::Error) -> Error {
-    Error::Runtime(refit_runtime::Error::io(context, e))
+fn gone(worker: usize, reason: impl Into<String>) -> Error {
+    Error::WorkerGone {
+        worker,
+        reason: reason.into(),
+    }
 }
 
 // ANCHOR: worker_link
@@ -158,95 +172,12 @@ pub fn worker_receiver() -> Result<ReceiverInit<Box<dyn ReceiverTransport>>> {
 }
 // ANCHOR_END: worker_link
 
-/// The child's loop: serves `collector` as worker `worker` until stdin closes or says stop.
-///
-/// Nothing else may write to this process's standard output: it carries the batches.
-///
-/// # Errors
-/// Connect failures (the scheme's deadline), collection errors, a broken pipe.
-pub fn serve_worker<E, P, T>(
-    mut collector: Collector<E, P>,
-    worker: usize,
-    receiver: ReceiverInit<T>,
-    connect_timeout: Duration,
-) -> Result<()>
-where
-    E: Env,
-    P: Policy + 'static,
-    T: ReceiverTransport + 'static,
-{
-    collector.set_worker(worker);
-    collector.set_traj_pool(TrajPool::starting_at(worker as u64 * TRAJ_ID_BLOCK))?;
-    collector.set_total_frames(None);
-    let receiver = receiver.connect(connect_timeout)?;
-    collector.attach_weight_source(Box::new(receiver))?;
-    let mut out = BufWriter::new(std::io::stdout().lock());
-    out.write_all(MAGIC)
-        .and_then(|()| out.flush())
-        .map_err(|e| io("greeting the collector", e))?;
-    // Commands arrive on their own thread, so that a free-running worker sees `stop`
-    // between batches without blocking on its input.
-    let (tx, commands) = mpsc::channel();
-    std::thread::Builder::new()
-        .name("refit-worker-stdin".into())
-        .spawn(move || {
-            let mut stdin = std::io::stdin().lock();
-            loop {
-                let mut cmd = [0u8; 1];
-                let cmd = match stdin.read_exact(&mut cmd) {
-                    Ok(()) => Ok(cmd[0]),
-                    Err(e) if e.kind() == ErrorKind::UnexpectedEof => Ok(STOP),
-                    Err(e) => Err(io("reading a command from the collector", e)),
-                };
-                let last = !matches!(cmd, Ok(COLLECT | RUN));
-                if tx.send(cmd).is_err() || last {
-                    return;
-                }
-            }
-        })
-        .map_err(|e| io("starting the command reader", e))?;
-    let mut free = false;
-    loop {
-        let cmd = if free {
-            match commands.try_recv() {
-                Err(mpsc::TryRecvError::Empty) => Ok(RUN),
-                Ok(c) => c,
-                Err(mpsc::TryRecvError::Disconnected) => Ok(STOP),
-            }
-        } else {
-            commands.recv().unwrap_or(Ok(STOP))
-        };
-        match cmd? {
-            COLLECT => {}
-            RUN => free = true,
-            _ => return Ok(()),
-        }
-        let Some(batch) = collector.next_batch()? else {
-            return Ok(());
-        };
-        let bytes = wire::encode(&batch)?;
-        let len = u32::try_from(bytes.len())
-            .map_err(|_| Error::Config(format!("a batch of {} bytes is too large", bytes.len())))?;
-        let sent = out
-            .write_all(&len.to_le_bytes())
-            .and_then(|()| out.write_all(&bytes))
-            .and_then(|()| out.flush());
-        if let Err(e) = sent {
-            // A free-running worker whose collector stopped reading is done, not failed.
-            if free && matches!(commands.try_recv(), Ok(Ok(STOP)) | Err(_)) {
-                return Ok(());
-            }
-            return Err(io("sending a batch to the collector", e));
-        }
-    }
-}
-
-/// Settings of a [`ProcessSyncCollector`].
+/// Settings of a process collector.
 #[derive(Clone, Debug)]
 pub struct ProcessConfig {
     /// Stop after this many frames, all workers together (`None`: never).
     pub total_frames: Option<u64>,
-    /// Deadline of the scheme rendez-vous (workers start and connect).
+    /// Deadline of the start: workers start, reach the collector and connect the scheme.
     pub connect_timeout: Duration,
     /// How long a worker may take to deliver one batch.
     pub batch_timeout: Duration,
@@ -254,8 +185,9 @@ pub struct ProcessConfig {
     pub ack_timeout: Duration,
     /// The policy's model id.
     pub policy_id: ModelId,
-    /// Asynchronous collector only: batches each worker may have in flight ahead of the
-    /// consumer (besides what its output pipe holds).
+    /// Asynchronous collector only: a worker runs at most `queue_depth + 1` batches ahead
+    /// of the consumer (delivered and not yet taken), then waits for it; with the default
+    /// 1, one batch waits while the worker makes the next.
     pub queue_depth: usize,
 }
 
@@ -272,33 +204,6 @@ impl Default for ProcessConfig {
     }
 }
 
-#[derive(Debug)]
-struct WorkerProc {
-    child: Child,
-    stdin: Option<ChildStdin>,
-    batches: mpsc::Receiver<Result<Batch>>,
-}
-
-/// Every worker process delivers one batch; the concatenation is yielded; workers wait.
-#[derive(Debug)]
-pub struct ProcessSyncCollector<T: SenderTransport> {
-    sender: Option<Sender<T>>,
-    workers: Vec<WorkerProc>,
-    config: ProcessConfig,
-    pending: Option<PendingSend>,
-    frames: u64,
-    upstream: Upstream,
-}
-
-fn gone(worker: usize, reason: impl Into<String>) -> Error {
-    Error::WorkerGone {
-        worker,
-        reason: reason.into(),
-    }
-}
-
-/// Reads length-prefixed batches from a worker's stdout until it closes or `to` answers
-/// false (its consumer is gone).
 /// The manifests a process collector's scheme agrees on: one per initial weight set, the
 /// policy's among them; refused without workers.
 fn worker_manifests(
@@ -318,214 +223,118 @@ fn worker_manifests(
     Ok(manifests)
 }
 
-/// Starts worker `worker` with its stdin and stdout piped (stderr inherited) and a thread
-/// that hands each batch it writes to `deliver` (until `deliver` says stop).
-fn start_worker(
-    worker: usize,
-    mut cmd: Command,
-    deliver: impl Fn(Result<Batch>) -> bool + Send + 'static,
-) -> Result<(Child, Option<ChildStdin>)> {
-    let mut child = cmd
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .map_err(|e| gone(worker, format!("could not start: {e}")))?;
-    let stdin = child.stdin.take();
-    let reader = match child.stdout.take() {
-        Some(stdout) => std::thread::Builder::new()
-            .name(format!("refit-worker-{worker}-out"))
-            .spawn(move || read_batches(worker, stdout, deliver))
-            .map_err(|e| gone(worker, format!("reader thread could not start: {e}"))),
-        None => Err(gone(worker, "no stdout pipe")),
-    };
-    if let Err(e) = reader {
-        // not handed to a collector yet, so nothing else would stop it
-        let _ = child.kill();
-        let _ = child.wait();
-        return Err(e);
-    }
-    Ok((child, stdin))
-}
-
-/// Connects the workers' scheme: `initial` delivered and acknowledged by every worker.
-fn connect_workers<T: SenderTransport>(
+/// Starts the workers, connects their scheme (`initial` delivered and acknowledged by
+/// every worker) and waits until every worker reached the collector's node.
+fn start<T: SenderTransport>(
     sender: T,
-    manifests: Manifests,
+    commands: Vec<Command>,
     initial: Vec<WeightSet>,
     config: &ProcessConfig,
-) -> Result<Sender<T>> {
-    Ok(SenderInit::new(sender, manifests)
+) -> Result<(Workers, Sender<T>)> {
+    let manifests = worker_manifests(&commands, &initial, &config.policy_id)?;
+    let deadline = Instant::now() + config.connect_timeout;
+    let mut workers = Workers::spawn(commands)?;
+    let sender = SenderInit::new(sender, manifests)
         .with_ack_timeout(config.ack_timeout)
-        .connect(initial, config.connect_timeout)?)
+        .connect(initial, config.connect_timeout);
+    let sender = match sender {
+        Ok(s) => s,
+        // a worker that failed or died says more than the rendezvous deadline
+        Err(e) => return Err(workers.first_failure().unwrap_or_else(|| e.into())),
+    };
+    workers.await_hellos(deadline)?;
+    Ok((workers, sender))
 }
 
-fn read_batches(worker: usize, mut from: impl Read, to: impl Fn(Result<Batch>) -> bool) {
-    if let Err(reason) = skip_to_magic(&mut from) {
-        to(Err(gone(worker, reason)));
-        return;
-    }
-    loop {
-        let mut len = [0u8; 4];
-        if let Err(e) = from.read_exact(&mut len) {
-            to(Err(gone(worker, format!("its output closed ({e})"))));
-            return;
-        }
-        let len = u32::from_le_bytes(len) as usize;
-        if len > MAX_BATCH_FRAME {
-            to(Err(gone(
-                worker,
-                format!("sent a {len}-byte frame (limit {MAX_BATCH_FRAME})"),
-            )));
-            return;
-        }
-        let mut buf = vec![0u8; len];
-        if let Err(e) = from.read_exact(&mut buf) {
-            to(Err(gone(
-                worker,
-                format!("its output closed mid-batch ({e})"),
-            )));
-            return;
-        }
-        let batch = wire::decode::<Batch>(&buf, MAX_BATCH_FRAME).map_err(Error::Runtime);
-        let failed = batch.is_err();
-        if !to(batch) || failed {
-            return;
-        }
-    }
-}
-
-/// Reads until the worker's greeting; what came before it is discarded.
-fn skip_to_magic(from: &mut impl Read) -> std::result::Result<(), String> {
-    let mut window = [0u8; 8];
-    let mut seen = 0usize;
-    loop {
-        let mut b = [0u8; 1];
-        from.read_exact(&mut b)
-            .map_err(|e| format!("its output closed before it greeted ({e})"))?;
-        window.rotate_left(1);
-        window[7] = b[0];
-        seen += 1;
-        if seen >= MAGIC.len() && &window == MAGIC {
-            return Ok(());
-        }
-        if seen > MAX_PREAMBLE {
-            return Err(format!(
-                "printed {MAX_PREAMBLE} bytes without greeting: not a refit worker"
-            ));
-        }
-    }
+/// Every worker process delivers one batch; the concatenation is yielded; workers wait.
+#[derive(Debug)]
+pub struct ProcessSyncCollector<T: SenderTransport> {
+    // first, so that dropping the collector stops the workers before the sender goes
+    workers: Workers,
+    sender: Option<Sender<T>>,
+    config: ProcessConfig,
+    pending: Option<PendingSend>,
+    frames: u64,
+    upstream: Upstream,
 }
 
 impl<T: SenderTransport> ProcessSyncCollector<T> {
-    /// Spawns one process per command (stdin and stdout are taken over; stderr is
-    /// inherited), connects the scheme (`sender` delivers `initial`) and returns once every
-    /// worker applied the initial weights.
+    /// Spawns one process per command (told where the collector's node is and the cluster
+    /// token, in their environment; their standard streams as the command sets them),
+    /// connects the scheme (`sender` delivers `initial`) and returns once every worker
+    /// applied the initial weights and reached the collector.
+    ///
+    /// The workers' cluster token is the one their commands carry (`REFIT_TOKEN`, as
+    /// [`WorkerLink::configure`] sets it), else this process's, else a fresh one.
     ///
     /// # Errors
-    /// [`Error::Config`] without workers; [`Error::WorkerGone`] if a process cannot start;
-    /// the rendez-vous timeout.
+    /// [`Error::Config`] without workers or with commands carrying different tokens;
+    /// [`Error::WorkerGone`] if a process cannot start, or exits or stays silent during the
+    /// start; a worker's own failure ([`Error::Worker`]); the rendezvous deadline.
     pub fn spawn(
         sender: T,
         commands: Vec<Command>,
         initial: Vec<WeightSet>,
         config: ProcessConfig,
     ) -> Result<Self> {
-        let manifests = worker_manifests(&commands, &initial, &config.policy_id)?;
-        let mut me = Self {
-            sender: None,
-            workers: Vec::with_capacity(commands.len()),
+        let (workers, sender) = start(sender, commands, initial, &config)?;
+        Ok(Self {
+            workers,
+            sender: Some(sender),
             config,
             pending: None,
             frames: 0,
             upstream: Upstream(None),
-        };
-        for (worker, cmd) in commands.into_iter().enumerate() {
-            let (tx, rx) = mpsc::channel();
-            let (child, stdin) = start_worker(worker, cmd, move |b| tx.send(b).is_ok())?;
-            me.workers.push(WorkerProc {
-                stdin,
-                child,
-                batches: rx,
-            });
-        }
-        me.sender = Some(connect_workers(sender, manifests, initial, &me.config)?);
-        Ok(me)
-    }
-
-    /// Process ids of the workers, in worker order.
-    pub fn worker_pids(&self) -> Vec<u32> {
-        self.workers.iter().map(|w| w.child.id()).collect()
+        })
     }
 
     /// Asks every worker for a batch and yields their concatenation (worker order);
     /// `Ok(None)` once the frame budget is spent.
     ///
     /// # Errors
-    /// [`Error::WorkerGone`] for a worker that died, closed its pipe or missed the deadline;
-    /// a worker's own collection error.
+    /// [`Error::WorkerGone`] for a worker that died (at once: its connection closed, with
+    /// its exit status) or missed the deadline, or that was reported before;
+    /// [`Error::Worker`] for a worker's own collection error (the worker stops).
     pub fn next_batch(&mut self) -> Result<Option<Batch>> {
         if self.config.total_frames.is_some_and(|t| self.frames >= t) {
             return Ok(None);
         }
-        self.pull_upstream(false)?;
-        for (i, w) in self.workers.iter_mut().enumerate() {
-            let stdin = w.stdin.as_mut().ok_or_else(|| gone(i, "already stopped"))?;
-            stdin
-                .write_all(&[COLLECT])
-                .and_then(|()| stdin.flush())
-                .map_err(|e| gone(i, format!("its input closed ({e})")))?;
+        if let Some(w) = (0..self.workers.len()).find(|w| self.workers.is_dead(*w)) {
+            return Err(gone(w, "it was reported gone or failed before"));
         }
+        self.pull_upstream(false)?;
+        let n = self.workers.len();
+        let asked: Vec<u64> = (0..n).map(|w| self.workers.ask(w, 1)).collect();
         let deadline = Instant::now() + self.config.batch_timeout;
-        let mut batches = Vec::with_capacity(self.workers.len());
-        for (i, w) in self.workers.iter_mut().enumerate() {
+        let mut batches: Vec<Option<Batch>> = (0..n).map(|_| None).collect();
+        while let Some(missing) = batches.iter().position(Option::is_none) {
             let left = deadline.saturating_duration_since(Instant::now());
-            match w.batches.recv_timeout(left) {
-                Ok(Ok(b)) => batches.push(b),
-                Ok(Err(e)) => return Err(e),
-                Err(mpsc::RecvTimeoutError::Timeout) => {
+            match self.workers.next_event(left)? {
+                // a batch of a round an error cut short is stale: dropped
+                Some((w, Event::Batch { seq, batch })) if asked.get(w) == Some(&seq) => {
+                    batches[w] = Some(batch);
+                }
+                Some((w, Event::Failed(e))) => return Err(self.workers.failed(w, e)),
+                Some((w, Event::Gone)) if !self.workers.is_dead(w) => {
+                    return Err(self.workers.gone(w));
+                }
+                Some(_) => {}
+                None => {
                     return Err(gone(
-                        i,
+                        missing,
                         format!("no batch within {:?}", self.config.batch_timeout),
                     ));
                 }
-                Err(mpsc::RecvTimeoutError::Disconnected) => {
-                    return Err(gone(i, "its reader stopped"));
-                }
             }
         }
-        let batch = Batch::concat(batches);
+        let batch = Batch::concat(batches.into_iter().flatten());
         self.frames += batch.frames as u64;
         Ok(Some(batch))
     }
-
-    fn stop_workers(&mut self) {
-        for w in &mut self.workers {
-            if let Some(mut stdin) = w.stdin.take() {
-                let _ = stdin.write_all(&[STOP]);
-            }
-        }
-        for w in &mut self.workers {
-            let deadline = Instant::now() + Duration::from_secs(5);
-            loop {
-                match w.child.try_wait() {
-                    Ok(Some(_)) => break,
-                    Ok(None) if Instant::now() < deadline => {
-                        std::thread::sleep(Duration::from_millis(5));
-                    }
-                    _ => {
-                        let _ = w.child.kill();
-                        let _ = w.child.wait();
-                        break;
-                    }
-                }
-            }
-        }
-    }
 }
 
-/// The parts both process collectors share: their counters and sender, the upstream weight
-/// source (the cascade), stopping the workers when dropped, publishing
+/// The parts both process collectors share: their counters, sender and workers, the
+/// upstream weight source (the cascade), stopping the workers when dropped, publishing
 /// through their sender (without waiting: `$publish` says when the workers apply), and
 /// iterating over batches.
 macro_rules! process_collector_common {
@@ -536,13 +345,23 @@ macro_rules! process_collector_common {
                 self.frames
             }
 
-            /// Stops every worker (waiting up to 5 s each, then killing it) and shuts the
-            /// sender down.
+            /// Process ids of the workers, in worker order.
+            pub fn worker_pids(&self) -> Vec<u32> {
+                self.workers.pids()
+            }
+
+            /// The address of the collector's node, which its workers call (loopback).
+            pub fn addr(&self) -> std::net::SocketAddr {
+                self.workers.addr()
+            }
+
+            /// Stops every worker (they finish the batch they are making; whoever is left
+            /// after 5 s is killed), stops the collector's node and shuts the sender down.
             ///
             /// # Errors
             /// Sender shutdown errors.
             pub fn shutdown(mut self) -> Result<()> {
-                self.stop_workers();
+                self.workers.stop();
                 match self.sender.take() {
                     Some(s) => Ok(s.shutdown()?),
                     None => Ok(()),
@@ -574,12 +393,6 @@ macro_rules! process_collector_common {
                     self.pending = Some(p);
                 }
                 Ok(())
-            }
-        }
-
-        impl<T: SenderTransport> Drop for $ty<T> {
-            fn drop(&mut self) {
-                self.stop_workers();
             }
         }
 
@@ -619,7 +432,7 @@ macro_rules! process_collector_common {
 process_collector_common!(
     ProcessSyncCollector,
     "Publishes without waiting: workers poll before their next batch, which the next \
-     `collect` command starts after the publication, so that batch uses the new weights."
+     `next_batch` asks for after the publication, so that batch uses the new weights."
 );
 
 /// An upstream weight source, if attached.
@@ -628,19 +441,6 @@ struct Upstream(Option<Box<dyn WeightSource>>);
 impl std::fmt::Debug for Upstream {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(if self.0.is_some() { "attached" } else { "none" })
-    }
-}
-
-/// Waits up to `grace` for `child` to exit; its status, for an error message.
-fn exit_note(child: &mut Child, grace: Duration) -> String {
-    let deadline = Instant::now() + grace;
-    loop {
-        match child.try_wait() {
-            Ok(Some(status)) => return format!("; exit status: {status}"),
-            Ok(None) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(10)),
-            Ok(None) => return "; still running, killed".into(),
-            Err(e) => return format!("; exit status unknown ({e})"),
-        }
     }
 }
 
@@ -656,22 +456,16 @@ pub struct WorkerBatch {
     pub batch: Batch,
 }
 
-#[derive(Debug)]
-struct AsyncProc {
-    child: Child,
-    stdin: Option<ChildStdin>,
-    alive: bool,
-}
-
-/// Worker processes collect continuously and stream their batches; the next batch is
-/// whichever arrives first (TorchRL's `MultiaSyncDataCollector`, with processes). Weights
-/// reach the workers through the scheme `sender` drives, each worker polling its own
-/// receiver before every batch.
+/// Worker processes collect continuously and deliver their batches; the next batch is
+/// whichever arrives first (TorchRL's `MultiaSyncDataCollector`, with processes). Each
+/// worker runs at most [`ProcessConfig::queue_depth`]` + 1` batches ahead of the consumer.
+/// Weights reach the workers through the scheme `sender` drives, each worker polling its
+/// own receiver before every batch.
 #[derive(Debug)]
 pub struct ProcessAsyncCollector<T: SenderTransport> {
+    // first, so that dropping the collector stops the workers before the sender goes
+    workers: Workers,
     sender: Option<Sender<T>>,
-    workers: Vec<AsyncProc>,
-    batches: Option<mpsc::Receiver<(usize, Result<Batch>)>>,
     stash: VecDeque<WorkerBatch>,
     config: ProcessConfig,
     pending: Option<PendingSend>,
@@ -680,80 +474,43 @@ pub struct ProcessAsyncCollector<T: SenderTransport> {
 }
 
 impl<T: SenderTransport> ProcessAsyncCollector<T> {
-    /// Spawns one process per command (stdin and stdout are taken over; stderr is
-    /// inherited), connects the scheme (`sender` delivers `initial`), then sets every
-    /// worker collecting.
+    /// Spawns one process per command (as [`ProcessSyncCollector::spawn`] does), connects
+    /// the scheme (`sender` delivers `initial`), then sets every worker collecting.
     ///
     /// # Errors
-    /// [`Error::Config`] without workers; [`Error::WorkerGone`] if a process cannot start;
-    /// the rendez-vous timeout.
+    /// As [`ProcessSyncCollector::spawn`].
     pub fn spawn(
         sender: T,
         commands: Vec<Command>,
         initial: Vec<WeightSet>,
         config: ProcessConfig,
     ) -> Result<Self> {
-        let manifests = worker_manifests(&commands, &initial, &config.policy_id)?;
-        let n = commands.len();
-        let (tx, rx) = mpsc::sync_channel(n * config.queue_depth.max(1));
-        let mut me = Self {
-            sender: None,
-            workers: Vec::with_capacity(n),
-            batches: Some(rx),
+        let (workers, sender) = start(sender, commands, initial, &config)?;
+        let ahead = config.queue_depth as u64 + 1;
+        for w in 0..workers.len() {
+            workers.ask(w, ahead);
+        }
+        Ok(Self {
+            workers,
+            sender: Some(sender),
             stash: VecDeque::new(),
             config,
             pending: None,
             frames: 0,
             upstream: Upstream(None),
-        };
-        for (worker, cmd) in commands.into_iter().enumerate() {
-            let tx = tx.clone();
-            let (child, stdin) = start_worker(worker, cmd, move |b| tx.send((worker, b)).is_ok())?;
-            me.workers.push(AsyncProc {
-                stdin,
-                child,
-                alive: true,
-            });
-        }
-        drop(tx);
-        me.sender = Some(connect_workers(sender, manifests, initial, &me.config)?);
-        for (i, w) in me.workers.iter_mut().enumerate() {
-            let stdin = w.stdin.as_mut().ok_or_else(|| gone(i, "no stdin pipe"))?;
-            stdin
-                .write_all(&[RUN])
-                .and_then(|()| stdin.flush())
-                .map_err(|e| gone(i, format!("its input closed ({e})")))?;
-        }
-        Ok(me)
-    }
-
-    /// Process ids of the workers, in worker order.
-    pub fn worker_pids(&self) -> Vec<u32> {
-        self.workers.iter().map(|w| w.child.id()).collect()
+        })
     }
 
     /// Indices of the workers not reported dead.
     pub fn live_workers(&self) -> Vec<usize> {
-        (0..self.workers.len())
-            .filter(|w| self.workers[*w].alive)
-            .collect()
+        self.workers.live()
     }
 
-    /// Takes one message from the workers within `timeout`: `Ok(None)` on timeout.
+    /// Takes one message from the workers within `timeout`: `Ok(None)` on timeout or
+    /// when it was not a batch of a live worker.
     fn recv(&mut self, timeout: Duration) -> Result<Option<WorkerBatch>> {
-        let rx = self.batches.as_ref().ok_or(Error::Closed)?;
-        let (worker, got) = match rx.recv_timeout(timeout) {
-            Ok(m) => m,
-            Err(mpsc::RecvTimeoutError::Timeout) => return Ok(None),
-            Err(mpsc::RecvTimeoutError::Disconnected) => {
-                return Err(gone(
-                    self.workers.len().saturating_sub(1),
-                    "every worker ended",
-                ));
-            }
-        };
-        match got {
-            Ok(batch) => {
+        match self.workers.next_event(timeout)? {
+            Some((worker, Event::Batch { batch, .. })) if !self.workers.is_dead(worker) => {
                 let version = batch.version_range().map_or(Version::ZERO, |(_, hi)| hi);
                 Ok(Some(WorkerBatch {
                     worker,
@@ -761,27 +518,12 @@ impl<T: SenderTransport> ProcessAsyncCollector<T> {
                     batch,
                 }))
             }
-            Err(e) => {
-                // Reported once: the worker is dead (or talking nonsense: then stopped).
-                let note = match self.workers.get_mut(worker) {
-                    Some(w) => {
-                        w.alive = false;
-                        w.stdin = None;
-                        let note = exit_note(&mut w.child, Duration::from_secs(2));
-                        let _ = w.child.kill();
-                        let _ = w.child.wait();
-                        note
-                    }
-                    None => String::new(),
-                };
-                Err(match e {
-                    Error::WorkerGone { worker, reason } => gone(worker, format!("{reason}{note}")),
-                    other => Error::Worker {
-                        worker,
-                        source: Box::new(other),
-                    },
-                })
+            // reported once: the worker is then dead to this collector
+            Some((w, Event::Failed(e))) if !self.workers.is_dead(w) => {
+                Err(self.workers.failed(w, e))
             }
+            Some((w, Event::Gone)) if !self.workers.is_dead(w) => Err(self.workers.gone(w)),
+            _ => Ok(None),
         }
     }
 
@@ -790,7 +532,8 @@ impl<T: SenderTransport> ProcessAsyncCollector<T> {
     ///
     /// # Errors
     /// [`Error::WorkerGone`] for a worker that died (once, with its exit status; the
-    /// others keep collecting and later calls yield their batches);
+    /// others keep collecting and later calls yield their batches), and when none is left;
+    /// [`Error::Worker`] for a worker's own collection error (once; the worker stops);
     /// [`refit_runtime::Error::Timeout`] when no live worker delivers within
     /// [`ProcessConfig::batch_timeout`]; [`Error::Closed`].
     pub fn next_worker_batch(&mut self) -> Result<Option<WorkerBatch>> {
@@ -800,21 +543,37 @@ impl<T: SenderTransport> ProcessAsyncCollector<T> {
         self.pull_upstream(false)?;
         let b = match self.stash.pop_front() {
             Some(b) => b,
-            None => match self.recv(self.config.batch_timeout)? {
-                Some(b) => b,
-                None => {
-                    return Err(Error::Runtime(refit_runtime::Error::Timeout {
-                        what: format!(
-                            "a batch from any of the live workers {:?}",
-                            self.live_workers()
-                        ),
-                        after: self.config.batch_timeout,
-                    }));
-                }
-            },
+            None => self.await_batch()?,
         };
+        // the consumer took one: the worker may make one more
+        self.workers.ask(b.worker, 1);
         self.frames += b.batch.frames as u64;
         Ok(Some(b))
+    }
+
+    fn await_batch(&mut self) -> Result<WorkerBatch> {
+        let deadline = Instant::now() + self.config.batch_timeout;
+        loop {
+            if self.workers.live().is_empty() {
+                return Err(gone(
+                    self.workers.len().saturating_sub(1),
+                    "every worker is gone",
+                ));
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if let Some(b) = self.recv(left)? {
+                return Ok(b);
+            }
+            if Instant::now() >= deadline {
+                return Err(Error::Runtime(refit_runtime::Error::Timeout {
+                    what: format!(
+                        "a batch from any of the live workers {:?}",
+                        self.live_workers()
+                    ),
+                    after: self.config.batch_timeout,
+                }));
+            }
+        }
     }
 
     /// [`Self::next_worker_batch`]'s batch alone.
@@ -849,40 +608,6 @@ impl<T: SenderTransport> ProcessAsyncCollector<T> {
             }
         }
     }
-
-    fn stop_workers(&mut self) {
-        for w in &mut self.workers {
-            if let Some(mut stdin) = w.stdin.take() {
-                let _ = stdin.write_all(&[STOP]);
-            }
-        }
-        // Keep reading (and dropping) what workers send, so that one blocked on a full pipe
-        // finishes its batch, sees `stop` and ends cleanly; kill whoever is left at the
-        // deadline.
-        let deadline = Instant::now() + Duration::from_secs(5);
-        loop {
-            if let Some(rx) = &self.batches {
-                while rx.try_recv().is_ok() {}
-            }
-            let mut running = 0;
-            for w in &mut self.workers {
-                if matches!(w.child.try_wait(), Ok(None)) {
-                    running += 1;
-                }
-            }
-            if running == 0 || Instant::now() >= deadline {
-                break;
-            }
-            std::thread::sleep(Duration::from_millis(5));
-        }
-        drop(self.batches.take());
-        for w in &mut self.workers {
-            if !matches!(w.child.try_wait(), Ok(Some(_))) {
-                let _ = w.child.kill();
-            }
-            let _ = w.child.wait();
-        }
-    }
 }
 
 process_collector_common!(
@@ -890,45 +615,3 @@ process_collector_common!(
     "Publishes without waiting: each worker applies it before its next batch \
      ([`ProcessAsyncCollector::wait_for_workers`] waits for that)."
 );
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn noise_before_the_greeting_is_skipped_and_frames_decode() {
-        let batch = Batch {
-            frames: 3,
-            ..Batch::default()
-        };
-        let bytes = wire::encode(&batch).unwrap();
-        let mut stream = b"running 1 test\nREFIT".to_vec();
-        stream.extend_from_slice(MAGIC);
-        stream.extend_from_slice(&(bytes.len() as u32).to_le_bytes());
-        stream.extend_from_slice(&bytes);
-        let (tx, rx) = mpsc::channel();
-        read_batches(0, &stream[..], move |b| tx.send(b).is_ok());
-        assert_eq!(rx.recv().unwrap().unwrap().frames, 3);
-        // then the stream ends: reported as the worker being gone
-        assert!(matches!(
-            rx.recv().unwrap(),
-            Err(Error::WorkerGone { worker: 0, .. })
-        ));
-    }
-
-    #[test]
-    fn no_greeting_and_oversized_frames_are_refused() {
-        let (tx, rx) = mpsc::channel();
-        read_batches(1, &vec![b'x'; MAX_PREAMBLE + 10][..], move |b| {
-            tx.send(b).is_ok()
-        });
-        let e = rx.recv().unwrap().unwrap_err().to_string();
-        assert!(e.contains("not a refit worker"), "{e}");
-        let mut stream = MAGIC.to_vec();
-        stream.extend_from_slice(&u32::MAX.to_le_bytes());
-        let (tx, rx) = mpsc::channel();
-        read_batches(2, &stream[..], move |b| tx.send(b).is_ok());
-        let e = rx.recv().unwrap().unwrap_err().to_string();
-        assert!(e.contains("frame"), "{e}");
-    }
-}
