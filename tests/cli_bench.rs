@@ -85,3 +85,78 @@ fn an_unknown_transport_is_refused_naming_the_known_ones() {
         assert!(stderr.contains(l.name()), "{stderr}");
     }
 }
+
+/// `refit bench --engine-pause` on a small model: for every link and pause mode the rows of
+/// the pause, the staging and a decoding step, over the timed updates, with their ratios to
+/// the step and to the link's own time for the same bytes; the transport-alone rows beside
+/// memcpy; requests decoding when every load was asked.
+#[test]
+fn engine_pause_rows_exist_for_every_link_and_mode() {
+    let out = refit()
+        .args(["bench", "--engine-pause", "--engine-sizes", "256KiB"])
+        .args([
+            "--iters",
+            "2",
+            "--engine-warmup",
+            "0",
+            "--engine-requests",
+            "2",
+        ])
+        .args([
+            "--engine-transports",
+            "shm,inproc",
+            "--engine-modes",
+            "keep,abort",
+        ])
+        .arg("--json")
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let rows = report["rows"].as_array().unwrap();
+    let find = |link: &str, mode: &str, metric: &str| {
+        rows.iter()
+            .find(|r| r["link"] == link && r["mode"] == mode && r["metric"] == metric)
+            .unwrap_or_else(|| panic!("no {link} {mode} {metric:?} row: {rows:?}"))
+    };
+    let ordered = |row: &serde_json::Value| {
+        let s = &row["seconds"];
+        let (min, median, max) = (
+            s["min"].as_f64().unwrap(),
+            s["median"].as_f64().unwrap(),
+            s["max"].as_f64().unwrap(),
+        );
+        assert!(0.0 <= min && min <= median && median <= max, "{row}");
+        assert_eq!(s["samples"], 2, "{row}");
+    };
+    let ratio = |row: &serde_json::Value, to: &str| {
+        row["ratios"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|r| r["to"] == to)
+            .and_then(|r| r["ratio"].as_f64())
+            .unwrap_or_else(|| panic!("no ratio to {to}: {row}"))
+    };
+    for link in ["shm", "inproc"] {
+        let moved = find(link, "-", "transport: moved");
+        ordered(moved);
+        assert!(ratio(moved, "memcpy").is_finite(), "{moved}");
+        for mode in ["keep", "abort"] {
+            let pause = find(link, mode, "pause");
+            ordered(pause);
+            let (step, transport) = (ratio(pause, "step"), ratio(pause, "transport"));
+            assert!(step.is_finite() && transport.is_finite(), "{pause}");
+            ordered(find(link, mode, "staging (fetch+stage)"));
+            ordered(find(link, mode, "decode step"));
+        }
+    }
+    let engines = report["engines"].as_array().unwrap();
+    assert_eq!(engines.len(), 4, "{engines:?}");
+    for e in engines {
+        let running = e["running"].as_array().unwrap();
+        assert_eq!(running.len(), 2, "{e}");
+        assert!(running.iter().all(|n| n.as_u64().unwrap() >= 1), "{e}");
+    }
+}

@@ -38,7 +38,7 @@ pub(crate) struct BenchArgs {
     receivers: Vec<usize>,
     /// Timed updates per configuration.
     #[arg(long, default_value_t = 5)]
-    iters: usize,
+    pub(crate) iters: usize,
     /// Untimed updates first (2: a receiver holds two versions while it pulls a third, so
     /// its third pull is the first into a recycled arena; earlier ones touch new memory,
     /// which the connect rows time apart).
@@ -68,7 +68,44 @@ pub(crate) struct BenchArgs {
     pull_dir: std::path::PathBuf,
     /// Print JSON instead of a table.
     #[arg(long)]
-    json: bool,
+    pub(crate) json: bool,
+    /// Measure a generating engine's pause per update instead of the transports: a
+    /// transformer engine fed through a link of the factory, with the trainer's weights
+    /// converted to the engine's layout on the send path, while requests decode; beside the
+    /// link's own time for the same bytes, a decoding step and memcpy (--iters updates per
+    /// engine; the --engine-* options).
+    #[arg(long)]
+    engine_pause: bool,
+    #[command(flatten)]
+    pub(crate) engine: EngineArgs,
+}
+
+/// The options of `refit bench --engine-pause`.
+#[derive(Debug, clap::Args)]
+#[cfg_attr(not(feature = "actors"), allow(dead_code))]
+pub(crate) struct EngineArgs {
+    /// Model sizes, in bytes of the engine's layout (bf16: what the link moves; the
+    /// trainer's f32 model, and what the engine serves, are twice that).
+    #[arg(long, value_delimiter = ',', default_value = "1MiB,100MiB,1GiB", value_parser = parse_bytes)]
+    pub(crate) engine_sizes: Vec<usize>,
+    /// Links feeding the engine, by name (each also timed alone): shm, inproc, ...
+    #[arg(long, value_delimiter = ',', default_value = "shm")]
+    pub(crate) engine_transports: Vec<String>,
+    /// Pause modes (keep, abort, wait): an engine per link and mode.
+    #[arg(long, value_delimiter = ',', default_value = "keep,abort,wait")]
+    pub(crate) engine_modes: Vec<String>,
+    /// Untimed updates before the timed ones.
+    #[arg(long, default_value_t = 1)]
+    pub(crate) engine_warmup: usize,
+    /// Requests kept decoding during every update.
+    #[arg(long, default_value_t = 4)]
+    pub(crate) engine_requests: usize,
+    /// Tokens each request generates.
+    #[arg(long, default_value_t = 16)]
+    pub(crate) engine_tokens: u32,
+    /// Threads of the engine's decoding generator and of its staging one, each.
+    #[arg(long, default_value_t = 1)]
+    pub(crate) engine_threads: usize,
 }
 
 /// Arguments of the hidden child process.
@@ -107,6 +144,9 @@ struct Baselines {
 pub(crate) fn run(args: &BenchArgs) -> BoxResult<()> {
     if args.iters == 0 {
         return Err("--iters must be at least 1".into());
+    }
+    if args.engine_pause {
+        return engine_pause(args);
     }
     let sizes: Vec<usize> = SIZES.into_iter().filter(|&s| s <= args.max_size).collect();
     if sizes.is_empty() {
@@ -186,6 +226,16 @@ pub(crate) fn run(args: &BenchArgs) -> BoxResult<()> {
         print_table(&rows);
     }
     Ok(())
+}
+
+#[cfg(feature = "actors")]
+fn engine_pause(args: &BenchArgs) -> BoxResult<()> {
+    super::engine_pause::run(args, &args.engine)
+}
+
+#[cfg(not(feature = "actors"))]
+fn engine_pause(_: &BenchArgs) -> BoxResult<()> {
+    Err("--engine-pause needs refit built with the `actors` feature (on by default)".into())
 }
 
 /// The conversion's link: a shared-memory sender and one receiver, in this process.

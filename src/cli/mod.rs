@@ -1,6 +1,8 @@
 //! Subcommands of the `refit` tool.
 
 mod bench;
+#[cfg(feature = "actors")]
+mod engine_pause;
 mod launch;
 mod metrics;
 mod net;
@@ -20,7 +22,8 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Command {
-    /// Measure every transport against physical baselines (memcpy, loopback TCP) in one run.
+    /// Measure every transport against physical baselines (memcpy, loopback TCP) in one run;
+    /// with --engine-pause, a generating engine's pause per update instead.
     Bench(bench::BenchArgs),
     /// Start every rank of a topology file here and supervise them, or (with RANK/WORLD_SIZE,
     /// Slurm's variables or --rank) this machine's rank of a multi-host run.

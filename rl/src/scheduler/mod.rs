@@ -27,7 +27,8 @@
 //! so no sequence mixes layers of two versions; only the version between two tokens of a
 //! sequence may change (keep mode). A swap replaces an `Arc`; the old one goes to a reaper
 //! thread once the step's tokens are out, so freeing a large version never lands in the
-//! pause; every swap's pause and drain are recorded ([`Swap`]).
+//! pause (nor, in abort mode, freeing the KV caches of the sequences the swap ends); every
+//! swap's pause and drain are recorded ([`Swap`]).
 
 mod reaper;
 mod request;
@@ -148,6 +149,9 @@ pub struct Scheduler<G: Generator> {
     logits: Vec<f32>,
     /// Versions swapped out during this step, handed to the reaper at its end.
     retired: Vec<Arc<G::Weights>>,
+    /// Caches of the sequences an abort-mode swap ended during this step, handed to the
+    /// reaper at its end (freeing them inside the swap made the pause grow with the layers).
+    aborted_caches: Vec<G::Cache>,
     reaper: Reaper,
     stats: SchedulerStats,
 }
@@ -200,6 +204,7 @@ impl<G: Generator> Scheduler<G> {
             next_id: 0,
             logits: Vec::new(),
             retired: Vec::with_capacity(2),
+            aborted_caches: Vec::with_capacity(cfg.max_batch),
             reaper,
             stats: SchedulerStats::default(),
             cfg,
@@ -422,6 +427,11 @@ impl<G: Generator> Scheduler<G> {
         for old in self.retired.drain(..) {
             self.reaper.reap(old);
         }
+        if !self.aborted_caches.is_empty() {
+            let fresh = Vec::with_capacity(self.cfg.max_batch);
+            self.reaper
+                .reap(std::mem::replace(&mut self.aborted_caches, fresh));
+        }
         report
     }
 
@@ -445,11 +455,14 @@ impl<G: Generator> Scheduler<G> {
         if self.cfg.mode == PauseMode::Abort {
             let by = p.version;
             aborted = self.running.len();
-            report.finished.extend(
-                self.running
-                    .drain(..)
-                    .map(|s| (s.id, Ok(s.finish(Finish::Aborted { by })))),
-            );
+            report.finished.reserve(aborted);
+            for s in self.running.drain(..) {
+                let id = s.id;
+                let (completion, cache) = s.finish_apart(Finish::Aborted { by });
+                // freed by the reaper once the step's tokens are out, as the old version
+                self.aborted_caches.push(cache);
+                report.finished.push((id, Ok(completion)));
+            }
         }
         let from = self.served.replace((p.weights, p.version));
         let from = from.map(|(old, v)| {

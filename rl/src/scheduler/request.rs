@@ -157,12 +157,19 @@ impl<C> Running<C> {
 
     /// The answer, with the tokens so far.
     pub(super) fn finish(self, finish: Finish) -> Completion {
-        Completion {
+        self.finish_apart(finish).0
+    }
+
+    /// The answer, and the cache for the caller to drop where it likes (a large model's
+    /// cache is many buffers: freeing them is work).
+    pub(super) fn finish_apart(self, finish: Finish) -> (Completion, C) {
+        let completion = Completion {
             tokens: self.tokens,
             logprobs: self.logprobs,
             versions: self.versions,
             finish,
-        }
+        };
+        (completion, self.cache)
     }
 }
 

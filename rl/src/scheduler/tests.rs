@@ -412,12 +412,37 @@ fn requests_queue_until_the_first_version_arrives() {
 
 // ---- a backend that fails, and one whose weights tell where they are dropped ----
 
-/// A bigram model whose forward fails while `fail` holds, and whose staged weights report the
-/// thread they are dropped on.
+/// A bigram model whose forward fails while `fail` holds, and whose staged weights and
+/// caches report the thread they are dropped on.
 struct Probe {
     inner: Bigram,
     fail: bool,
     dropped: mpsc::Sender<(Version, ThreadId)>,
+    caches: Option<mpsc::Sender<ThreadId>>,
+}
+
+impl Probe {
+    fn new(inner: Bigram, fail: bool, dropped: mpsc::Sender<(Version, ThreadId)>) -> Self {
+        Self {
+            inner,
+            fail,
+            dropped,
+            caches: None,
+        }
+    }
+}
+
+struct ProbeCache {
+    inner: BigramCache,
+    dropped: Option<mpsc::Sender<ThreadId>>,
+}
+
+impl Drop for ProbeCache {
+    fn drop(&mut self) {
+        if let Some(tx) = &self.dropped {
+            let _ = tx.send(std::thread::current().id());
+        }
+    }
 }
 
 struct ProbeWeights {
@@ -436,7 +461,7 @@ impl Drop for ProbeWeights {
 
 impl Generator for Probe {
     type Weights = ProbeWeights;
-    type Cache = BigramCache;
+    type Cache = ProbeCache;
     fn manifest(&self) -> Arc<Manifest> {
         self.inner.manifest()
     }
@@ -453,19 +478,29 @@ impl Generator for Probe {
             dropped: self.dropped.clone(),
         })
     }
-    fn new_cache(&self) -> BigramCache {
-        BigramCache::default()
+    fn new_cache(&self) -> ProbeCache {
+        ProbeCache {
+            inner: BigramCache::default(),
+            dropped: self.caches.clone(),
+        }
     }
     fn forward(
         &mut self,
         weights: &ProbeWeights,
-        inputs: &mut [StepInput<'_, BigramCache>],
+        inputs: &mut [StepInput<'_, ProbeCache>],
         logits: &mut Vec<f32>,
     ) -> Result<()> {
         if self.fail {
             return Err(Error::Config("injected backend failure".into()));
         }
-        self.inner.forward(&weights.inner, inputs, logits)
+        let mut inner: Vec<_> = inputs
+            .iter_mut()
+            .map(|i| StepInput {
+                cache: &mut i.cache.inner,
+                tokens: i.tokens,
+            })
+            .collect();
+        self.inner.forward(&weights.inner, &mut inner, logits)
     }
 }
 
@@ -474,11 +509,7 @@ fn a_failed_step_ends_its_sequences_with_the_error_and_later_ones_are_served() {
     let (tx, _rx) = mpsc::channel();
     let inner = Bigram::new(VOCAB, 32).unwrap();
     let w = table(&inner, 1);
-    let g = Probe {
-        inner,
-        fail: true,
-        dropped: tx,
-    };
+    let g = Probe::new(inner, true, tx);
     let w = Arc::new(g.stage(&w).unwrap());
     let mut s = Scheduler::new(g, SchedulerConfig::new(model(), 4, PauseMode::Keep))
         .unwrap()
@@ -507,11 +538,7 @@ fn a_swapped_out_version_is_dropped_off_the_decoding_thread() {
     let (tx, rx) = mpsc::channel();
     let inner = Bigram::new(VOCAB, 32).unwrap();
     let (w1, w2) = (table(&inner, 1), table(&inner, 2));
-    let g = Probe {
-        inner,
-        fail: false,
-        dropped: tx,
-    };
+    let g = Probe::new(inner, false, tx);
     let (w1, w2) = (
         Arc::new(g.stage(&w1).unwrap()),
         Arc::new(g.stage(&w2).unwrap()),
@@ -608,4 +635,32 @@ fn a_scoring_request_under_keep_mode_shows_the_versions_that_scored_it() {
     assert!(c.versions[2..].iter().all(|v| *v == Version(2)));
     // v1 gives its own walk the high logit; v2 does not
     assert!(c.logprobs[0] > c.logprobs[3], "{:?}", c.logprobs);
+}
+
+#[test]
+fn abort_mode_frees_the_aborted_caches_off_the_decoding_thread() {
+    let (tx, _rx) = mpsc::channel();
+    let (ctx, crx) = mpsc::channel();
+    let inner = Bigram::new(VOCAB, 32).unwrap();
+    let (w1, w2) = (table(&inner, 1), table(&inner, 2));
+    let mut g = Probe::new(inner, false, tx);
+    g.caches = Some(ctx);
+    let (w1, w2) = (
+        Arc::new(g.stage(&w1).unwrap()),
+        Arc::new(g.stage(&w2).unwrap()),
+    );
+    let mut s = Scheduler::new(g, SchedulerConfig::new(model(), 4, PauseMode::Abort))
+        .unwrap()
+        .with_weights(w1, Version(1));
+    for p in [0, 1] {
+        s.submit(vec![p], SamplingParams::greedy(8), None).unwrap();
+    }
+    s.step();
+    s.offer(w2, Version(2)).unwrap();
+    let r = s.step();
+    assert_eq!(r.swap.map(|sw| (sw.to, sw.aborted)), Some((Version(2), 2)));
+    for _ in 0..2 {
+        let thread = crx.recv_timeout(Duration::from_secs(10)).unwrap();
+        assert_ne!(thread, std::thread::current().id());
+    }
 }

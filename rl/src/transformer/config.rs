@@ -50,16 +50,22 @@ impl TransformerConfig {
     }
 
     /// A model of about `bytes` bytes of f32 trainer weights (for weight-sync measurements):
-    /// `d_model` 1024 (2048 from 4 GiB), 16 heads, MLP ratio 4, as many layers as it takes
-    /// (at least 1).
+    /// `d_model` 1024 with 16 heads from 64 MiB (2048 from 4 GiB), below that 256 (from
+    /// 8 MiB) or 128 with heads of 64, so that small sizes are reached too (one block of
+    /// width 1024 alone is 50 MB); MLP ratio 4, as many layers as it takes (at least 1).
     pub fn of_bytes(bytes: usize, vocab: usize, context: usize) -> Self {
-        let d_model = if bytes >= 4 << 30 { 2048 } else { 1024 };
+        let (d_model, heads) = match bytes {
+            b if b >= 4 << 30 => (2048, 16),
+            b if b >= 64 << 20 => (1024, 16),
+            b if b >= 8 << 20 => (256, 4),
+            _ => (128, 2),
+        };
         let mut cfg = Self {
             vocab,
             context,
             d_model,
             layers: 1,
-            heads: 16,
+            heads,
             mlp_ratio: 4,
         };
         let fixed = cfg.params() - cfg.block_params();
@@ -331,5 +337,17 @@ mod tests {
             ((1 << 30)..(1 << 30) + (60 << 20)).contains(&bytes),
             "{bytes}"
         );
+        // small sizes too: at least the size, within one block of it
+        for want in [1 << 20, 2 << 20, 16 << 20, 100 << 20] {
+            let c = TransformerConfig::of_bytes(want, 64, 64);
+            assert!(c.check().is_ok(), "{want}: {c:?}");
+            let bytes = c.params() * 4;
+            let block = c.block_params() * 4;
+            assert!(
+                bytes >= want && bytes < want + block,
+                "{want}: {bytes} ({c:?})"
+            );
+            assert!(bytes < want * 2, "{want}: {bytes} ({c:?})");
+        }
     }
 }
