@@ -12,8 +12,8 @@
 # Staleness 0 is `sync` mode (every completion from the version that trains on it). For
 # k > 0 rollouts never wait (`fully-async`), the trajectory pool buffers k + 1 batches and
 # the trainer takes the oldest first, so completions are up to k versions old when they
-# train; older ones are dropped (`max_staleness = k`). The engines outpace the trainer here,
-# so the measured staleness comes close to k.
+# train; older ones are dropped (`max_staleness = k`). The measured staleness is how far
+# behind the completions actually were (the engines' pace against the trainer's sets it).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 seeds=${1:-3}
