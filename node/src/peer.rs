@@ -24,6 +24,8 @@ struct Conn {
     addr: SocketAddr,
     pending: Mutex<HashMap<u64, oneshot::Sender<Outcome>>>,
     closed: AtomicBool,
+    /// Woken when `closed` turns true.
+    on_close: tokio::sync::Notify,
     why: Mutex<Option<String>>,
 }
 
@@ -42,6 +44,7 @@ impl Conn {
             }
         }
         self.closed.store(true, Ordering::Release);
+        self.on_close.notify_waiters();
         self.pending().clear();
     }
 
@@ -142,6 +145,7 @@ impl Peer {
             addr,
             pending: Mutex::default(),
             closed: AtomicBool::new(false),
+            on_close: tokio::sync::Notify::new(),
             why: Mutex::new(None),
         });
         let (mut rd, mut wr) = stream.into_split();
@@ -198,6 +202,22 @@ impl Peer {
     /// True once the connection is known to be dead.
     pub fn is_closed(&self) -> bool {
         self.inner.conn.closed.load(Ordering::Acquire)
+    }
+
+    /// Resolves once the connection is known to be dead (at once if it already is): a
+    /// watcher learns of a closed connection when it happens, not at its next call.
+    ///
+    /// # Cancel safety
+    /// Cancel safe: dropping the future loses nothing.
+    pub async fn closed(&self) {
+        let notified = self.inner.conn.on_close.notified();
+        tokio::pin!(notified);
+        // registered before the check, so a close between the two is not missed
+        notified.as_mut().enable();
+        if self.is_closed() {
+            return;
+        }
+        notified.await;
     }
 
     /// Closes the connection for every clone; pending calls fail with [`PeerGone`](refit_runtime::Error::PeerGone).

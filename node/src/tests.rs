@@ -117,6 +117,37 @@ fn a_vanishing_peer_fails_pending_calls_at_once() {
 }
 
 #[test]
+fn a_watcher_learns_of_a_closed_connection_when_it_closes() {
+    let (server, _) = calc_node();
+    let client = Node::loopback(token()).unwrap();
+    let peer = client.connect(server.addr(), T).unwrap();
+    let p = peer.clone();
+    let waiting = client.handle().spawn(async move {
+        p.closed().await;
+        Instant::now()
+    });
+    std::thread::sleep(Duration::from_millis(200));
+    assert!(
+        !waiting.is_finished(),
+        "closed() resolved on a live connection"
+    );
+    let t = Instant::now();
+    server.shutdown();
+    let woke = client
+        .handle()
+        .block_on(async { tokio::time::timeout(Duration::from_secs(5), waiting).await })
+        .expect("closed() did not resolve within 5 s of the peer going away")
+        .unwrap();
+    assert!(woke.duration_since(t) < Duration::from_secs(2));
+    // on an already closed connection it resolves at once
+    client.handle().block_on(async {
+        tokio::time::timeout(Duration::from_secs(1), peer.closed())
+            .await
+            .expect("closed() on a closed connection waited");
+    });
+}
+
+#[test]
 fn disconnect_hooks_fire() {
     let (server, _me) = calc_node();
     let (tx, rx) = std::sync::mpsc::channel();

@@ -243,7 +243,12 @@ async fn watch_one(
             }
             Err(_) => {}
         }
-        tokio::time::sleep(keepalive.min(dead_after.saturating_sub(last_ok.elapsed()))).await;
+        let pause = keepalive.min(dead_after.saturating_sub(last_ok.elapsed()));
+        // a closed connection is news at once, not at the next ping
+        tokio::select! {
+            () = tokio::time::sleep(pause) => {}
+            () = peer.closed() => {}
+        }
     }
 }
 
