@@ -13,7 +13,7 @@ use crate::error::{Error, Result};
 use crate::generation::{Completion, Finish, SamplingParams, Token};
 use crate::task::Task;
 
-use super::rollout::{Outcome, settle, then_done, unanswered};
+use super::rollout::{Outcome, deliver, settle, then_done, unanswered};
 use crate::protocol::controller::{Admission, AwaitRollout, ControllerLink};
 use crate::protocol::engine::{Generate, Score};
 use crate::protocol::pool::PushFragment;
@@ -389,19 +389,7 @@ async fn run_fragment<T: Task>(
         });
     }
     fragment.frames = fragment.sequences.len();
-    pool.send(PushFragment {
-        fragment,
-        admission,
-    })
-    .timeout(cfg.timeout)
-    .await
-    .map_err(|e| {
-        unanswered(
-            e,
-            cfg.timeout,
-            format!("the trajectory pool of model `{}`", cfg.model),
-        )
-    })?;
+    deliver(pool, fragment, admission, cfg.timeout, &cfg.model).await?;
     Ok(Outcome {
         waited,
         cancelled: false,

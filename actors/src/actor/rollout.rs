@@ -335,22 +335,33 @@ async fn run_fragment<E: Env>(
         )?;
     }
     let waited = admission.waited;
+    deliver(pool, fragment, admission, cfg.timeout, &cfg.model).await?;
+    Ok(Outcome {
+        waited,
+        cancelled: false,
+    })
+}
+
+/// Hands a collected fragment to the model's trajectory pool, within `timeout`.
+pub(crate) async fn deliver(
+    pool: &Recipient<PushFragment>,
+    fragment: Batch,
+    admission: crate::protocol::controller::Admission,
+    timeout: Duration,
+    model: &ModelId,
+) -> Result<()> {
     pool.send(PushFragment {
         fragment,
         admission,
     })
-    .timeout(cfg.timeout)
+    .timeout(timeout)
     .await
     .map_err(|e| {
         unanswered(
             e,
-            cfg.timeout,
-            format!("the trajectory pool of model `{}`", cfg.model),
+            timeout,
+            format!("the trajectory pool of model `{model}`"),
         )
-    })?;
-    Ok(Outcome {
-        waited,
-        cancelled: false,
     })
 }
 
