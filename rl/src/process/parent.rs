@@ -3,7 +3,7 @@
 
 use std::process::{Child, Command};
 use std::sync::mpsc;
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use refit_node::{CallInfo, ClusterToken, ConnId, Node, NodeConfig, TOKEN_ENV, TOKEN_FILE_ENV};
@@ -31,7 +31,9 @@ pub(super) enum Event {
 /// The state the node's handlers share with the collector.
 struct Hub {
     board: Mutex<Board>,
-    changed: Condvar,
+    /// Woken whenever the board changes (a poll waits on it on the node's runtime: no
+    /// thread of its own, no hop between threads when a grant comes).
+    changed: tokio::sync::Notify,
     events: mpsc::Sender<(usize, Event)>,
 }
 
@@ -67,28 +69,28 @@ impl Hub {
 
     /// Answers once the worker may make another batch or must stop, or after half the
     /// caller's deadline with the grant as it stands.
-    fn poll(&self, info: &CallInfo, p: &Poll) -> refit_node::Result<Grant> {
+    async fn poll(self: Arc<Self>, info: CallInfo, p: Poll) -> refit_node::Result<Grant> {
         let now = Instant::now();
         let until = now + info.deadline.saturating_duration_since(now) / 2;
-        let mut board = self.board();
         loop {
-            if board
-                .poll_ready(info.conn, p.worker, p.done)
-                .map_err(|e| refused(info, e))?
+            let notified = self.changed.notified();
+            tokio::pin!(notified);
+            // registered before the board is read, so a change in between is not missed
+            notified.as_mut().enable();
             {
-                break;
+                let board = self.board();
+                if board
+                    .poll_ready(info.conn, p.worker, p.done)
+                    .map_err(|e| refused(&info, e))?
+                {
+                    return Ok(board.grant(p.worker));
+                }
             }
             let left = until.saturating_duration_since(Instant::now());
-            if left.is_zero() {
-                break;
+            if left.is_zero() || tokio::time::timeout(left, notified).await.is_err() {
+                return Ok(self.board().grant(p.worker));
             }
-            board = self
-                .changed
-                .wait_timeout(board, left)
-                .unwrap_or_else(|p| p.into_inner())
-                .0;
         }
-        Ok(board.grant(p.worker))
     }
 
     fn deliver(&self, info: &CallInfo, d: Deliver) -> refit_node::Result<Grant> {
@@ -116,7 +118,7 @@ impl Hub {
 
     fn update(&self, f: impl FnOnce(&mut Board)) {
         f(&mut self.board());
-        self.changed.notify_all();
+        self.changed.notify_waiters();
     }
 }
 
@@ -195,7 +197,7 @@ impl Workers {
         let (tx, events) = mpsc::channel();
         let hub = Arc::new(Hub {
             board: Mutex::new(Board::new(commands.len())),
-            changed: Condvar::new(),
+            changed: tokio::sync::Notify::new(),
             events: tx,
         });
         let h = Arc::clone(&hub);
@@ -203,8 +205,8 @@ impl Workers {
             std::future::ready(h.hello(&info, &hello))
         });
         let h = Arc::clone(&hub);
-        node.register_blocking(COLLECTOR_TARGET, POLL, move |info, poll: Poll| {
-            h.poll(&info, &poll)
+        node.register(COLLECTOR_TARGET, POLL, move |info, poll: Poll| {
+            Arc::clone(&h).poll(info, poll)
         });
         let h = Arc::clone(&hub);
         node.register(COLLECTOR_TARGET, DELIVER, move |info, d: Deliver| {
