@@ -7,6 +7,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use refit_node::{CallInfo, ClusterToken, ConnId, Node, NodeConfig, TOKEN_ENV, TOKEN_FILE_ENV};
+use refit_runtime::wire;
 
 use super::protocol::{
     Board, COLLECTOR_TARGET, DELIVER, Deliver, Grant, HELLO, Hello, POLL, Poll, Refusal, Report,
@@ -70,6 +71,33 @@ impl Hub {
     /// Answers once the worker may make another batch or must stop, or after half the
     /// caller's deadline with the grant as it stands.
     async fn poll(self: Arc<Self>, info: CallInfo, p: Poll) -> refit_node::Result<Grant> {
+        self.grant_after(&info, p.worker, p.done).await
+    }
+
+    /// Records a delivery, then answers as a poll after it would: a worker granted more
+    /// goes on at once, and one that must wait for its next grant gets it in this reply,
+    /// without a poll of its own (one round trip per batch, not two).
+    async fn deliver_and_wait(
+        self: Arc<Self>,
+        info: CallInfo,
+        d: Deliver,
+    ) -> refit_node::Result<Grant> {
+        let (worker, seq, failed) = (d.worker, d.seq, matches!(d.report, Report::Failed(_)));
+        let grant = self.deliver(&info, d)?;
+        if failed {
+            return Ok(grant);
+        }
+        self.grant_after(&info, worker, seq).await
+    }
+
+    /// The worker's grant once it allows more than `done` batches or says stop, or after
+    /// half the caller's deadline as it stands.
+    async fn grant_after(
+        &self,
+        info: &CallInfo,
+        worker: usize,
+        done: u64,
+    ) -> refit_node::Result<Grant> {
         let now = Instant::now();
         let until = now + info.deadline.saturating_duration_since(now) / 2;
         loop {
@@ -80,30 +108,50 @@ impl Hub {
             {
                 let board = self.board();
                 if board
-                    .poll_ready(info.conn, p.worker, p.done)
-                    .map_err(|e| refused(&info, e))?
+                    .poll_ready(info.conn, worker, done)
+                    .map_err(|e| refused(info, e))?
                 {
-                    return Ok(board.grant(p.worker));
+                    return Ok(board.grant(worker));
                 }
             }
             let left = until.saturating_duration_since(Instant::now());
             if left.is_zero() || tokio::time::timeout(left, notified).await.is_err() {
-                return Ok(self.board().grant(p.worker));
+                return Ok(self.board().grant(worker));
             }
         }
     }
 
+    /// Records a delivery and hands its batch to the collector. A worker granted more goes
+    /// on while its batch is decoded on a blocking thread (its answer does not wait for the
+    /// decode); one that must wait for its next grant has its batch decoded here, with no
+    /// hop to another thread before the collector sees it.
     fn deliver(&self, info: &CallInfo, d: Deliver) -> refit_node::Result<Grant> {
         let batch = matches!(d.report, Report::Batch(_));
         let grant = self
             .board()
             .deliver(info.conn, d.worker, d.seq, batch)
             .map_err(|e| refused(info, e))?;
-        let event = match d.report {
-            Report::Batch(batch) => Event::Batch { seq: d.seq, batch },
-            Report::Failed(error) => Event::Failed(error),
-        };
-        let _ = self.events.send((d.worker, event));
+        let (worker, seq) = (d.worker, d.seq);
+        match d.report {
+            Report::Batch(bytes) => {
+                let events = self.events.clone();
+                let hand_over = move || {
+                    let event = match wire::decode::<Batch>(&bytes, MAX_BATCH_FRAME) {
+                        Ok(batch) => Event::Batch { seq, batch },
+                        Err(e) => Event::Failed(format!("its batch {seq} did not decode: {e}")),
+                    };
+                    let _ = events.send((worker, event));
+                };
+                if grant.granted > seq {
+                    tokio::task::spawn_blocking(hand_over);
+                } else {
+                    hand_over();
+                }
+            }
+            Report::Failed(error) => {
+                let _ = self.events.send((worker, Event::Failed(error)));
+            }
+        }
         Ok(grant)
     }
 
@@ -210,7 +258,7 @@ impl Workers {
         });
         let h = Arc::clone(&hub);
         node.register(COLLECTOR_TARGET, DELIVER, move |info, d: Deliver| {
-            std::future::ready(h.deliver(&info, d))
+            Arc::clone(&h).deliver_and_wait(info, d)
         });
         let h = Arc::clone(&hub);
         node.on_disconnect(move |conn| h.disconnected(conn));
@@ -415,5 +463,72 @@ fn exit_note(child: &mut Child, grace: Duration) -> String {
             Ok(None) => return "; still running, killed".into(),
             Err(e) => return format!("; exit status unknown ({e})"),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::batch::Batch;
+
+    fn hub(workers: usize) -> (Hub, mpsc::Receiver<(usize, Event)>) {
+        let (events, rx) = mpsc::channel();
+        let hub = Hub {
+            board: Mutex::new(Board::new(workers)),
+            changed: tokio::sync::Notify::new(),
+            events,
+        };
+        (hub, rx)
+    }
+
+    fn call(conn: u64) -> CallInfo {
+        CallInfo {
+            conn: ConnId(conn),
+            peer: "127.0.0.1:1".parse().unwrap(),
+            node: uuid::Uuid::nil(),
+            deadline: Instant::now() + Duration::from_secs(2),
+        }
+    }
+
+    #[test]
+    fn a_delivered_batch_reaches_the_collector_and_one_that_does_not_decode_is_the_workers_failure()
+    {
+        let (hub, events) = hub(1);
+        hub.hello(&call(7), &Hello { worker: 0 }).unwrap();
+        assert!(matches!(events.recv().unwrap(), (0, Event::Hello)));
+        hub.update(|b| {
+            b.ask(0, 2);
+        });
+        // granted 2: the first is decoded off this thread, the second (the last granted) here
+        let bytes = wire::encode(&Batch::default()).unwrap();
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .unwrap();
+        let d = Deliver {
+            worker: 0,
+            seq: 1,
+            report: Report::Batch(bytes),
+        };
+        let grant = rt.block_on(async { hub.deliver(&call(7), d) }).unwrap();
+        assert_eq!(grant.granted, 2);
+        let (w, e) = events.recv_timeout(Duration::from_secs(5)).unwrap();
+        assert!(matches!((w, e), (0, Event::Batch { seq: 1, .. })));
+        let d = Deliver {
+            worker: 0,
+            seq: 2,
+            report: Report::Batch(vec![0xc1, 0xff, 0x00]),
+        };
+        hub.deliver(&call(7), d).unwrap();
+        match events.recv_timeout(Duration::from_secs(5)).unwrap() {
+            (0, Event::Failed(why)) => assert!(why.contains("batch 2 did not decode"), "{why}"),
+            (w, other) => panic!("worker {w}: {other:?}"),
+        }
+        // a delivery on another connection speaks for nobody
+        let d = Deliver {
+            worker: 0,
+            seq: 3,
+            report: Report::Batch(vec![]),
+        };
+        assert!(hub.deliver(&call(8), d).is_err());
     }
 }

@@ -9,8 +9,9 @@
 //!   it allows more than the `done` batches the worker delivered (or says stop), else after
 //!   half the call's deadline with the grant as it stands; the worker polls again.
 //! - [`DELIVER`] `Deliver { worker, seq, report }`: the worker's batch number `seq` (or its
-//!   failure), answered at once with its grant, so that a worker with batches left to make
-//!   goes on without another round trip.
+//!   failure), answered as a poll after it would be: at once when the worker may make more,
+//!   else when its next grant comes (or after half the call's deadline), so that each batch
+//!   costs one round trip.
 //!
 //! A grant is a count, not a queue of commands: a reply lost to a deadline is answered again
 //! by the next poll, and a batch is never asked for twice. The synchronous collector grants
@@ -21,8 +22,6 @@ use refit_node::ConnId;
 use serde::{Deserialize, Serialize};
 use uuid::Uuid;
 
-use crate::batch::Batch;
-
 /// The id the handlers of a process collector's node are registered under.
 ///
 /// A worker is their only caller, on one connection, every call with a deadline:
@@ -30,8 +29,8 @@ use crate::batch::Batch;
 ///   that does not exist or is already connected);
 /// - [`POLL`] (a long poll): answered once the worker may make more batches than it
 ///   delivered, or must stop, else after half the call's deadline as things stand;
-/// - [`DELIVER`]: the worker's next batch (numbered from 1), or its failure; answered at
-///   once with what it may do next.
+/// - [`DELIVER`]: the worker's next batch (numbered from 1), or its failure; answered, as a
+///   poll is, once the worker may make another batch or must stop (at once after a failure).
 ///
 /// Calls that speak for a worker other than the connection's, deliver out of order or
 /// deliver batches not asked for are refused and logged; the workers do not notice.
@@ -67,8 +66,9 @@ pub(super) struct Deliver {
 /// What a worker delivers.
 #[derive(Debug, Serialize, Deserialize)]
 pub(super) enum Report {
-    /// A collected batch.
-    Batch(Batch),
+    /// A collected batch, encoded on its own ([`wire`](refit_runtime::wire) msgpack of a
+    /// [`Batch`](crate::batch::Batch)): the collector's node answers the call without decoding it.
+    Batch(#[serde(with = "serde_bytes")] Vec<u8>),
     /// The worker failed (its error, as text) and stops.
     Failed(String),
 }

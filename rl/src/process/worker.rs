@@ -45,7 +45,23 @@ struct ToCollector {
     worker: usize,
     addr: SocketAddr,
     /// Runs the connection; dropped last.
-    _node: Node,
+    node: Node,
+}
+
+/// A delivery on its way: its answer (the worker's grant) comes on `answer`.
+struct InFlight {
+    answer: std::sync::mpsc::Receiver<Result<Grant>>,
+}
+
+impl InFlight {
+    /// Waits for the answer (the call has its own deadline, so this wait ends).
+    fn grant(self) -> Result<Grant> {
+        self.answer.recv().unwrap_or_else(|_| {
+            Err(Error::Runtime(refit_runtime::Error::State(
+                "the worker's node stopped before a delivery was answered",
+            )))
+        })
+    }
 }
 
 impl ToCollector {
@@ -84,7 +100,7 @@ impl ToCollector {
             peer,
             worker,
             addr,
-            _node: node,
+            node,
         })
     }
 
@@ -114,14 +130,28 @@ impl ToCollector {
     }
 
     fn deliver(&self, seq: u64, report: Report) -> Result<Grant> {
+        self.start_delivery(seq, report).grant()
+    }
+
+    /// Sends delivery `seq` without waiting for its answer: the worker makes its next batch
+    /// meanwhile. Deliveries stay in order because a worker starts the next one only after
+    /// the answer to this one.
+    fn start_delivery(&self, seq: u64, report: Report) -> InFlight {
         let d = Deliver {
             worker: self.worker,
             seq,
             report,
         };
-        self.peer
-            .call(COLLECTOR_TARGET, DELIVER, &d, DELIVER_TIMEOUT)
-            .map_err(|e| from_collector(self.addr, e))
+        let (tx, answer) = std::sync::mpsc::sync_channel(1);
+        let (peer, addr) = (self.peer.clone(), self.addr);
+        self.node.handle().spawn(async move {
+            let r = peer
+                .call_async(COLLECTOR_TARGET, DELIVER, &d, DELIVER_TIMEOUT)
+                .await
+                .map_err(|e| from_collector(addr, e));
+            let _ = tx.send(r);
+        });
+        InFlight { answer }
     }
 
     /// Reports `error` as this worker's failure (best effort: the worker stops either way).
@@ -173,18 +203,32 @@ where
     }
     let mut done = 0u64;
     let mut grant = Grant::default();
+    // the last delivery, answered while the next batch is made
+    let mut in_flight: Option<InFlight> = None;
     loop {
         if grant.stop {
-            return Ok(());
+            return in_flight.map_or(Ok(()), |d| d.grant().map(drop));
         }
         if done >= grant.granted {
-            grant = parent.poll(done)?;
+            grant = match in_flight.take() {
+                Some(d) => d.grant()?,
+                None => parent.poll(done)?,
+            };
             continue;
         }
-        match collector.next_batch() {
+        let made = collector.next_batch();
+        // the previous delivery is answered before the next one (or a failure) is sent
+        if let Some(d) = in_flight.take() {
+            grant = d.grant()?;
+            if grant.stop {
+                return Ok(());
+            }
+        }
+        match made {
             Ok(Some(batch)) => {
                 done += 1;
-                grant = parent.deliver(done, Report::Batch(batch))?;
+                let bytes = refit_runtime::wire::encode(&batch).map_err(Error::Runtime)?;
+                in_flight = Some(parent.start_delivery(done, Report::Batch(bytes)));
             }
             Ok(None) => return Ok(()),
             Err(e) => {
