@@ -14,7 +14,7 @@ use crate::link::WeightOutlet;
 use crate::policy::Policy;
 
 use crate::protocol::engine::LoadWeights;
-use crate::protocol::trainer::{Train, TrainAndPublish};
+use crate::protocol::trainer::{PublishWeights, Train, TrainAndPublish};
 
 /// Asks a worker for one batch.
 #[derive(Debug, Message)]
@@ -93,6 +93,14 @@ impl Trainer {
         learner: Box<dyn Learner>,
         outlet: Box<dyn WeightOutlet>,
     ) -> Addr<Self> {
+        Self::hosting(learner, Some(outlet))
+    }
+
+    /// Starts `learner` (and `outlet`, if any) on a thread of its own.
+    pub(crate) fn hosting(
+        learner: Box<dyn Learner>,
+        outlet: Option<Box<dyn WeightOutlet>>,
+    ) -> Addr<Self> {
         let slot = std::sync::Mutex::new(Some((learner, outlet)));
         SyncArbiter::start(1, move || {
             let taken = slot
@@ -101,7 +109,7 @@ impl Trainer {
                 .take();
             // A sync arbiter builds its actor again only if it stopped; the state is gone
             // then, and every request says so.
-            let (learner, outlet) = taken.map_or((None, None), |(l, o)| (Some(l), Some(o)));
+            let (learner, outlet) = taken.map_or((None, None), |(l, o)| (Some(l), o));
             Self { learner, outlet }
         })
     }
@@ -114,6 +122,10 @@ impl Trainer {
 
     fn publish(&mut self) -> Result<Version> {
         let weights = Arc::new(self.learner()?.export()?);
+        self.publish_weights(weights)
+    }
+
+    fn publish_weights(&mut self, weights: Arc<WeightSet>) -> Result<Version> {
         match &mut self.outlet {
             Some(o) => o.publish(weights),
             None => Err(Error::Config(
@@ -133,6 +145,13 @@ impl Handler<TrainAndPublish> for Trainer {
 
 impl Actor for Trainer {
     type Context = SyncContext<Self>;
+}
+
+impl Handler<PublishWeights> for Trainer {
+    type Result = Result<Version>;
+    fn handle(&mut self, msg: PublishWeights, _: &mut SyncContext<Self>) -> Result<Version> {
+        self.publish_weights(msg.0)
+    }
 }
 
 impl Handler<Train> for Trainer {

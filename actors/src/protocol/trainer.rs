@@ -29,6 +29,12 @@ pub struct Train {
     pub batch: Batch,
 }
 
+/// Publishes `weights` (built elsewhere: a version assembled from the shards of a sharded
+/// trainer) through the trainer's outlet; answers the published version.
+#[derive(Debug, Message)]
+#[rtype(result = "Result<Version>")]
+pub struct PublishWeights(pub Arc<WeightSet>);
+
 /// One update, then the new version goes out through the trainer's outlet; answers the
 /// learner's stats and the published version.
 #[derive(Debug, Message)]

@@ -14,14 +14,15 @@ use crate::protocol::trainer::{
 };
 
 use super::assembly::{Assembly, Chunk};
-use super::learner::{Publish, ShardLearner};
+use crate::actor::Trainer;
+use crate::protocol::trainer::PublishWeights;
 
 /// Shard 0 of a sharded trainer: the driver's trainer (it answers [`TrainAndPublish`]) and
 /// the assembly the other shards write their parts into ([`WriteShard`]).
 pub(crate) struct ShardLead {
     model: ModelId,
     assembly: Assembly,
-    learner: Addr<ShardLearner>,
+    learner: Addr<Trainer>,
     /// Shards 1.. (shard `i + 1` at `i`).
     members: Vec<ShardRef>,
     published: Version,
@@ -44,7 +45,7 @@ impl ShardLead {
     /// order, the deadline of one update's shards.
     pub(crate) fn new(
         assembly: Assembly,
-        learner: Addr<ShardLearner>,
+        learner: Addr<Trainer>,
         members: Vec<ShardRef>,
         published: Version,
         deadline: Duration,
@@ -200,7 +201,7 @@ impl Handler<TrainAndPublish> for ShardLead {
                 async move {
                     let (stats, weights) = settled?;
                     let published = learner
-                        .send(Publish(weights))
+                        .send(PublishWeights(weights))
                         .timeout(deadline)
                         .await
                         .map_err(|e| {

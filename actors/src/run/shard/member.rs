@@ -14,7 +14,7 @@ use crate::protocol::trainer::{AssemblyRef, ShardWritten, Train, TrainShard, Wri
 use crate::remote::RemoteAddr;
 
 use super::CHUNK_BYTES;
-use super::learner::ShardLearner;
+use crate::actor::Trainer;
 use crate::run::rendezvous::Rendezvous;
 
 /// How a shard reaches shard 0's assembly.
@@ -65,7 +65,7 @@ pub(crate) struct ShardMember {
     shard: usize,
     world: usize,
     rank: u32,
-    learner: Addr<ShardLearner>,
+    learner: Addr<Trainer>,
     link: Option<LeadLink>,
     deadline: Duration,
 }
@@ -85,7 +85,7 @@ impl ShardMember {
     pub(crate) fn new(
         model: ModelId,
         (shard, world, rank): (usize, usize, u32),
-        learner: Addr<ShardLearner>,
+        learner: Addr<Trainer>,
         link: LeadLink,
         deadline: Duration,
     ) -> Self {
@@ -159,7 +159,7 @@ impl Handler<TrainShard> for ShardMember {
 
 /// One update of a shard: train, export, write the part `msg` names in chunks.
 async fn train_and_write(
-    learner: &Addr<ShardLearner>,
+    learner: &Addr<Trainer>,
     lead: &AssemblyRef,
     msg: TrainShard,
     deadline: Duration,

@@ -18,7 +18,6 @@
 
 mod assembly;
 mod lead;
-mod learner;
 mod member;
 
 use std::collections::BTreeMap;
@@ -38,9 +37,9 @@ use crate::protocol::trainer::{AssemblyRef, ShardRef, TrainAndPublish};
 use crate::remote::RemoteAddr;
 use crate::roles::ModelSpec;
 
+use crate::actor::Trainer;
 use assembly::Assembly;
 use lead::ShardLead;
-use learner::ShardLearner;
 use member::{LeadLink, ShardMember};
 
 use super::ids::{Served, actor_id};
@@ -114,7 +113,7 @@ pub(crate) fn start_members(
         let member = ShardMember::new(
             spec.id.clone(),
             (shard, ranks.len(), site.me),
-            ShardLearner::start(learner, None),
+            Trainer::hosting(learner, None),
             link,
             site.wait,
         )
@@ -180,7 +179,7 @@ pub(crate) async fn start_lead(
     let published = learner.version();
     let lead = ShardLead::new(
         assembly,
-        ShardLearner::start(learner, Some(outlet)),
+        Trainer::hosting(learner, Some(outlet)),
         members,
         published,
         site.wait,

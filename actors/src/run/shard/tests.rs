@@ -13,8 +13,8 @@ use refit_runtime::{DType, Manifest, ModelId, Version, WeightSet};
 
 use super::assembly::Assembly;
 use super::lead::ShardLead;
-use super::learner::ShardLearner;
 use super::member::{LeadLink, ShardMember};
+use crate::actor::Trainer;
 use crate::batch::Batch;
 use crate::error::{Error, Result};
 use crate::learner::{LearnStats, Learner};
@@ -143,7 +143,7 @@ fn sharded(
                     &ShardMember::new(
                         id(),
                         (i + 1, world, ranks[i + 1]),
-                        ShardLearner::start(l, None),
+                        Trainer::hosting(l, None),
                         LeadLink::Ready(AssemblyRef::local(&me)),
                         deadline,
                     )
@@ -155,7 +155,7 @@ fn sharded(
         let assembly = Assembly::new(id(), manifest(), ranks, Version(1)).unwrap();
         ShardLead::new(
             assembly,
-            ShardLearner::start(lead, Some(Box::new(outlet))),
+            Trainer::hosting(lead, Some(Box::new(outlet))),
             refs,
             Version(1),
             deadline,
