@@ -436,31 +436,14 @@ impl PpoTrainer {
                 let loss = ((&pg + (&vloss * f64::from(self.cfg.vf_coef))?)?
                     - (&entropy * f64::from(self.cfg.ent_coef))?)?;
                 let mut grads = loss.backward()?;
-                if let Some(max) = self.cfg.max_grad_norm {
+                if self.cfg.max_grad_norm.is_some() {
                     let vars: Vec<Var> = self
                         .actor
                         .vars()
                         .into_iter()
                         .chain(self.critic.vars())
                         .collect();
-                    let mut sq = 0.0f32;
-                    for var in &vars {
-                        if let Some(g) = grads.get(var.as_tensor()) {
-                            // A copy-out and a plain loop beats candle's reduction here.
-                            let v = g.flatten_all()?.to_vec1::<f32>()?;
-                            sq += v.iter().map(|x| x * x).sum::<f32>();
-                        }
-                    }
-                    let norm = sq.sqrt();
-                    if norm > max {
-                        let scale = f64::from(max / (norm + 1e-6));
-                        for var in &vars {
-                            if let Some(g) = grads.get(var.as_tensor()) {
-                                let scaled = (g * scale)?;
-                                grads.insert(var.as_tensor(), scaled);
-                            }
-                        }
-                    }
+                    clip_gradients(&mut grads, &vars, self.cfg.max_grad_norm)?;
                 }
                 self.opt.step(&grads)?;
                 stats.steps += 1;
@@ -574,4 +557,37 @@ fn copy_into(dst: &mut [f32], src: &[f32], layer: usize) -> refit_runtime::Resul
     }
     dst.copy_from_slice(src);
     Ok(())
+}
+
+/// Scales `grads` so their global norm is at most `max` (none: left as they are); answers
+/// the norm before.
+///
+/// # Errors
+/// A candle error reading or scaling a gradient.
+pub(crate) fn clip_gradients(
+    grads: &mut candle_core::backprop::GradStore,
+    vars: &[Var],
+    max: Option<f32>,
+) -> Result<f32> {
+    let mut sq = 0.0f32;
+    for var in vars {
+        if let Some(g) = grads.get(var.as_tensor()) {
+            // A copy-out and a plain loop beats candle's reduction here.
+            let v = g.flatten_all()?.to_vec1::<f32>()?;
+            sq += v.iter().map(|x| x * x).sum::<f32>();
+        }
+    }
+    let norm = sq.sqrt();
+    if let Some(max) = max
+        && norm > max
+    {
+        let scale = f64::from(max / (norm + 1e-6));
+        for var in vars {
+            if let Some(g) = grads.get(var.as_tensor()) {
+                let scaled = (g * scale)?;
+                grads.insert(var.as_tensor(), scaled);
+            }
+        }
+    }
+    Ok(norm)
 }

@@ -33,7 +33,7 @@ use std::fmt;
 use std::sync::Arc;
 use std::time::Instant;
 
-use candle_core::{DType as CDType, Tensor, Var};
+use candle_core::{DType as CDType, Tensor};
 use candle_nn::optim::{AdamW, Optimizer, ParamsAdamW};
 use rand::SeedableRng;
 use rand::rngs::SmallRng;
@@ -44,6 +44,7 @@ use crate::batch::{Batch, Sequence};
 use crate::collector::policy_model_id;
 use crate::error::{Error, Result};
 use crate::learner::{LearnStats, Learner};
+use crate::ppo::clip_gradients;
 use crate::transformer::{Grad, Transformer, TransformerConfig};
 
 mod advantages;
@@ -572,33 +573,6 @@ impl GrpoLearner {
 /// The values of the sequences `chunk` names, one after the other.
 fn gather<'a>(chunk: &[usize], src: impl Fn(usize) -> &'a [f32]) -> Vec<f32> {
     chunk.iter().flat_map(|&i| src(i).iter().copied()).collect()
-}
-
-/// Scales `grads` so their global norm is at most `max`; answers the norm before.
-fn clip_gradients(
-    grads: &mut candle_core::backprop::GradStore,
-    vars: &[Var],
-    max: Option<f32>,
-) -> Result<f32> {
-    let mut sq = 0.0f32;
-    for var in vars {
-        if let Some(g) = grads.get(var.as_tensor()) {
-            sq += g.sqr()?.sum_all()?.to_scalar::<f32>()?;
-        }
-    }
-    let norm = sq.sqrt();
-    if let Some(max) = max
-        && norm > max
-    {
-        let scale = f64::from(max / (norm + 1e-6));
-        for var in vars {
-            if let Some(g) = grads.get(var.as_tensor()) {
-                let scaled = (g * scale)?;
-                grads.insert(var.as_tensor(), scaled);
-            }
-        }
-    }
-    Ok(norm)
 }
 
 struct StepStats {

@@ -184,11 +184,12 @@ impl TransformerGenerator {
         let result = (|| -> Result<()> {
             let scale = 1.0 / (dh as f32).sqrt();
             let mut y = vec![0.0f32; rows * d];
+            // every head of every row is written by `attend`: one buffer serves each layer
+            let mut att = vec![0.0f32; rows * d];
             for (l, blk) in w.blocks.iter().enumerate() {
                 layer_norm_rows(&x, &mut y, d, &blk.ln1.0, &blk.ln1.1);
                 let qkv = matmul(&y, rows, &blk.qkv)?;
                 // Attention, one sequence at a time against its own cache.
-                let mut att = vec![0.0f32; rows * d];
                 let chunks = split_rows(&mut att, &starts, d);
                 inputs
                     .par_iter_mut()
@@ -220,8 +221,7 @@ impl TransformerGenerator {
                 );
             }
             let out = matmul(&last, n, &w.head)?;
-            logits.clear();
-            logits.extend_from_slice(&out);
+            *logits = out;
             Ok(())
         })();
         // All or nothing: a failed step leaves every cache as it was.
