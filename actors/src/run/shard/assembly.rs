@@ -96,6 +96,11 @@ impl Assembly {
         })
     }
 
+    /// The last version closed (the one served).
+    pub(crate) fn closed(&self) -> Version {
+        self.closed
+    }
+
     /// The model.
     pub(crate) fn model(&self) -> &ModelId {
         &self.model

@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use actix::prelude::*;
-use refit_runtime::{ModelId, Version, WeightSet};
+use refit_runtime::{Version, WeightSet};
 
 use crate::error::{Error, RemoteFailure, Result};
 use crate::learner::LearnStats;
@@ -20,12 +20,10 @@ use crate::protocol::trainer::PublishWeights;
 /// Shard 0 of a sharded trainer: the driver's trainer (it answers [`TrainAndPublish`]) and
 /// the assembly the other shards write their parts into ([`WriteShard`]).
 pub(crate) struct ShardLead {
-    model: ModelId,
     assembly: Assembly,
     learner: Addr<Trainer>,
     /// Shards 1.. (shard `i + 1` at `i`).
     members: Vec<ShardRef>,
-    published: Version,
     deadline: Duration,
     busy: bool,
 }
@@ -33,9 +31,9 @@ pub(crate) struct ShardLead {
 impl std::fmt::Debug for ShardLead {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("ShardLead")
-            .field("model", &self.model)
+            .field("model", self.assembly.model())
             .field("world", &self.assembly.world())
-            .field("published", &self.published)
+            .field("published", &self.assembly.closed())
             .finish_non_exhaustive()
     }
 }
@@ -47,15 +45,12 @@ impl ShardLead {
         assembly: Assembly,
         learner: Addr<Trainer>,
         members: Vec<ShardRef>,
-        published: Version,
         deadline: Duration,
     ) -> Self {
         Self {
-            model: assembly.model().clone(),
             assembly,
             learner,
             members,
-            published,
             deadline,
             busy: false,
         }
@@ -101,7 +96,7 @@ impl ShardLead {
             let r = self.assembly.range(s);
             tracing::debug!(
                 "model `{}` v{version}: shard {s} of {world} (rank {}) wrote bytes {}..{}",
-                self.model,
+                self.assembly.model(),
                 self.assembly.rank(s),
                 r.start,
                 r.end
@@ -149,10 +144,10 @@ impl Handler<TrainAndPublish> for ShardLead {
         if self.busy {
             return Box::pin(fut::ready(Err(Error::Actor(format!(
                 "model `{}`: the sharded trainer is already in an update",
-                self.model
+                self.assembly.model()
             )))));
         }
-        let version = self.published.next();
+        let version = self.assembly.closed().next();
         if let Err(e) = self.assembly.open(version) {
             return Box::pin(fut::ready(Err(e)));
         }
@@ -169,7 +164,7 @@ impl Handler<TrainAndPublish> for ShardLead {
                 let call = m
                     .train
                     .send(TrainShard {
-                        model: self.model.clone(),
+                        model: self.assembly.model().clone(),
                         version,
                         shard,
                         offset: r.start as u64,
@@ -197,7 +192,7 @@ impl Handler<TrainAndPublish> for ShardLead {
             .into_actor(self)
             .then(move |(local, remote), act, _| {
                 let settled = act.settle(version, local, remote);
-                let model = act.model.clone();
+                let model = act.assembly.model().clone();
                 async move {
                     let (stats, weights) = settled?;
                     let published = learner
@@ -215,11 +210,11 @@ impl Handler<TrainAndPublish> for ShardLead {
             })
             .map(|res: Result<(LearnStats, Version)>, act, _| {
                 act.busy = false;
-                match &res {
-                    Ok((_, v)) => act.published = *v,
-                    Err(e) => {
-                        tracing::warn!("{e}; v{} stays the last version published", act.published)
-                    }
+                if let Err(e) = &res {
+                    tracing::warn!(
+                        "{e}; v{} stays the last version closed",
+                        act.assembly.closed()
+                    );
                 }
                 res
             }),
@@ -232,7 +227,7 @@ impl Handler<WriteShard> for ShardLead {
 
     fn handle(&mut self, w: WriteShard, _: &mut Context<Self>) -> Result<()> {
         let version = self.assembly.open_version().unwrap_or(w.version);
-        if w.model != self.model {
+        if &w.model != self.assembly.model() {
             return Err(self.assembly.blame(
                 version,
                 w.shard,

@@ -176,12 +176,10 @@ pub(crate) async fn start_lead(
             )
         })
         .collect();
-    let published = learner.version();
     let lead = ShardLead::new(
         assembly,
         Trainer::hosting(learner, Some(outlet)),
         members,
-        published,
         site.wait,
     )
     .start();

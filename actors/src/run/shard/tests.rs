@@ -157,7 +157,6 @@ fn sharded(
             assembly,
             Trainer::hosting(lead, Some(Box::new(outlet))),
             refs,
-            Version(1),
             deadline,
         )
     });
