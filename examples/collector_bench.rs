@@ -73,15 +73,10 @@ struct Baselines {
 }
 
 impl Tally {
-    /// Counts one batch; when `bytes` (the batch crossed a process), the first one is also
-    /// encoded to learn the bytes per frame on the wire.
-    fn batch(&mut self, b: &Batch, bytes: bool) -> Res<()> {
-        if bytes && self.frames == 0 && b.frames > 0 {
-            self.bytes_per_frame = wire::encode(b)?.len() as f64 / b.frames as f64;
-        }
+    /// Counts one batch.
+    fn batch(&mut self, b: &Batch) {
         self.frames += b.frames as u64;
         self.worker_sync += b.weight_sync;
-        Ok(())
     }
 
     fn print(&self, name: &str, wall: Duration, base: &Baselines) -> f64 {
@@ -215,21 +210,10 @@ fn main() -> Res<()> {
         let mut c = Collector::builder(envs(n_envs, 0), MlpPolicy::cartpole()?)
             .frames_per_batch(BATCH)
             .build()?;
-        let mut version = 1;
-        c.update_weights(weights(&mut rng, version)?)?;
+        c.update_weights(weights(&mut rng, 1)?)?;
         let mut tally = Tally::default();
-        let start = Instant::now();
-        while tally.frames < total {
-            let Some(b) = c.next_batch()? else { break };
-            tally.batch(&b, false)?;
-            version += 1;
-            let ws = weights(&mut rng, version)?;
-            let t = Instant::now();
-            c.update_weights(ws)?;
-            tally.update_time += t.elapsed();
-            tally.updates += 1;
-        }
-        base.single = tally.print("single worker", start.elapsed(), &base);
+        let wall = drive(&mut c, total, false, &mut rng, &mut tally)?;
+        base.single = tally.print("single worker", wall, &base);
     }
 
     for asynchronous in [false, true] {
@@ -248,25 +232,18 @@ fn main() -> Res<()> {
             ..MultiConfig::default()
         };
         let mut tally = Tally::default();
-        let start = Instant::now();
-        let name = if asynchronous {
+        let (name, wall) = if asynchronous {
             let mut c = MultiAsyncCollector::spawn(hub.sender()?, workers, initial, cfg)?;
-            while let Some(b) = c.next_batch()? {
-                tally.batch(&b, false)?;
-                update(&mut c, &mut rng, &mut tally)?;
-            }
+            let wall = drive(&mut c, total, false, &mut rng, &mut tally)?;
             c.shutdown()?;
-            "2 threads, async"
+            ("2 threads, async", wall)
         } else {
             let mut c = MultiSyncCollector::spawn(hub.sender()?, workers, initial, cfg)?;
-            while let Some(b) = c.next_batch()? {
-                tally.batch(&b, false)?;
-                update(&mut c, &mut rng, &mut tally)?;
-            }
+            let wall = drive(&mut c, total, false, &mut rng, &mut tally)?;
             c.shutdown()?;
-            "2 threads, sync"
+            ("2 threads, sync", wall)
         };
-        tally.print(name, start.elapsed(), &base);
+        tally.print(name, wall, &base);
     }
 
     for (workers, asynchronous) in [(1, false), (2, false), (2, true)] {
@@ -289,39 +266,56 @@ fn main() -> Res<()> {
             ..ProcessConfig::default()
         };
         let mut tally = Tally::default();
-        let name = if asynchronous {
+        let (name, wall) = if asynchronous {
             let mut c = ProcessAsyncCollector::spawn(link.sender, commands, initial, config)?;
-            let start = Instant::now();
-            while let Some(b) = c.next_batch()? {
-                tally.batch(&b, true)?;
-                update(&mut c, &mut rng, &mut tally)?;
-            }
-            let wall = start.elapsed();
+            let wall = drive(&mut c, total, true, &mut rng, &mut tally)?;
             c.shutdown()?;
             (format!("{workers} processes, async"), wall)
         } else {
             let mut c = ProcessSyncCollector::spawn(link.sender, commands, initial, config)?;
-            let start = Instant::now();
-            while let Some(b) = c.next_batch()? {
-                tally.batch(&b, true)?;
-                update(&mut c, &mut rng, &mut tally)?;
-            }
-            let wall = start.elapsed();
+            let wall = drive(&mut c, total, true, &mut rng, &mut tally)?;
             c.shutdown()?;
             let plural = if workers == 1 { "process" } else { "processes" };
             (format!("{workers} {plural}, sync"), wall)
         };
-        tally.print(&name.0, name.1, &base);
+        tally.print(&name, wall, &base);
     }
     Ok(())
 }
 
-/// Publishes fresh random weights through `c`, timing the call.
-fn update(c: &mut impl UpdatePolicyWeights, rng: &mut SmallRng, tally: &mut Tally) -> Res<()> {
-    let ws = weights(rng, tally.updates + 2)?;
-    let t = Instant::now();
-    c.update_weights(ws)?;
-    tally.update_time += t.elapsed();
-    tally.updates += 1;
-    Ok(())
+/// Takes `total` frames of batches from `c` (or all it yields), publishing fresh random
+/// weights after each; answers the time of that loop alone (starting and stopping the
+/// collector are not in it, whatever the collector). When `crossed` (batches came from
+/// other processes), the first batch is encoded afterwards to learn the bytes per frame.
+fn drive<C>(
+    c: &mut C,
+    total: u64,
+    crossed: bool,
+    rng: &mut SmallRng,
+    tally: &mut Tally,
+) -> Res<Duration>
+where
+    C: Iterator<Item = refit_actors::Result<Batch>> + UpdatePolicyWeights,
+{
+    let mut first: Option<Batch> = None;
+    let start = Instant::now();
+    while tally.frames < total {
+        let Some(b) = c.next().transpose()? else {
+            break;
+        };
+        tally.batch(&b);
+        if crossed && first.is_none() {
+            first = Some(b);
+        }
+        let ws = weights(rng, tally.updates + 2)?;
+        let t = Instant::now();
+        c.update_weights(ws)?;
+        tally.update_time += t.elapsed();
+        tally.updates += 1;
+    }
+    let wall = start.elapsed();
+    if let Some(b) = first.filter(|b| b.frames > 0) {
+        tally.bytes_per_frame = wire::encode(&b)?.len() as f64 / b.frames as f64;
+    }
+    Ok(wall)
 }
