@@ -218,3 +218,9 @@ impl Error {
         }
     }
 }
+
+impl From<refit_node::Error> for Error {
+    fn from(e: refit_node::Error) -> Self {
+        Self::Runtime(e.into())
+    }
+}

@@ -198,7 +198,7 @@ fn worker_token(commands: &[Command]) -> Result<ClusterToken> {
         Some((_, t)) => ClusterToken::new(t),
         None => ClusterToken::from_env_or_random(),
     };
-    token.map_err(|e| Error::Runtime(e.into()))
+    token.map_err(Error::from)
 }
 
 /// A worker process and what became of it.
@@ -227,9 +227,6 @@ impl std::fmt::Debug for Workers {
     }
 }
 
-fn node_error(e: refit_node::Error) -> Error {
-    Error::Runtime(e.into())
-}
 
 impl Workers {
     /// Starts the node (loopback; the workers' token) and one process per command, each
@@ -241,7 +238,7 @@ impl Workers {
             max_frame: MAX_BATCH_FRAME,
             ..NodeConfig::loopback(token.clone())
         };
-        let node = Node::start(config).map_err(node_error)?;
+        let node = Node::start(config)?;
         let (tx, events) = mpsc::channel();
         let hub = Arc::new(Hub {
             board: Mutex::new(Board::new(commands.len())),
@@ -386,7 +383,7 @@ impl Workers {
         };
         Error::Worker {
             worker,
-            source: Box::new(node_error(refit_node::Error::Remote {
+            source: Box::new(Error::from(refit_node::Error::Remote {
                 peer: format!("worker process {pid}"),
                 method: "collect".into(),
                 message: error,

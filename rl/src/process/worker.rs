@@ -21,9 +21,6 @@ const POLL_TIMEOUT: Duration = Duration::from_secs(10);
 /// Deadline of one delivery (the collector answers at once).
 const DELIVER_TIMEOUT: Duration = Duration::from_secs(30);
 
-fn node_error(e: refit_node::Error) -> Error {
-    Error::Runtime(e.into())
-}
 
 /// A node error of a call to the collector at `addr`, a vanished connection named as the
 /// collector's.
@@ -35,7 +32,7 @@ fn from_collector(addr: SocketAddr, e: refit_node::Error) -> Error {
                 reason,
             })
         }
-        e => node_error(e),
+        e => e.into(),
     }
 }
 
@@ -78,7 +75,7 @@ impl ToCollector {
             Error::Config(format!("{COLLECTOR_ENV}={addr:?} is not an address: {e}"))
         })?;
         let token = ClusterToken::from_env()
-            .map_err(node_error)?
+            ?
             .ok_or_else(|| {
                 Error::Config(format!(
                     "{} is not set: a process collector starts its workers with the cluster \
@@ -90,7 +87,7 @@ impl ToCollector {
             threads: 1,
             ..NodeConfig::loopback(token)
         })
-        .map_err(node_error)?;
+        ?;
         let peer = node
             .connect(addr, timeout)
             .map_err(|e| from_collector(addr, e))?;
