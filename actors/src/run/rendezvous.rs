@@ -66,17 +66,15 @@ impl Rendezvous {
         wait: Duration,
     ) -> Result<Self> {
         let mut master = launch.master().map_err(refit_runtime::Error::from)?;
-        let bind = if launch.is_master() {
-            match place.bind {
-                Some(ip) => SocketAddr::new(ip, master.port()),
-                None => master,
-            }
+        // this rank's host, resolved once (rank 0's is the master address)
+        let host = if launch.is_master() {
+            master
         } else {
-            let host = resolve(&place.host_addr, place.port.unwrap_or(0))?;
-            match place.bind {
-                Some(ip) => SocketAddr::new(ip, host.port()),
-                None => host,
-            }
+            resolve(&place.host_addr, place.port.unwrap_or(0))?
+        };
+        let bind = match place.bind {
+            Some(ip) => SocketAddr::new(ip, host.port()),
+            None => host,
         };
         let node = Node::start(NodeConfig::loopback(token).with_bind(bind)).map_err(|e| {
             Error::Config(format!(
@@ -113,7 +111,7 @@ impl Rendezvous {
         let advertised = if launch.is_master() {
             master
         } else {
-            SocketAddr::new(resolve(&place.host_addr, 0)?.ip(), node.addr().port())
+            SocketAddr::new(host.ip(), node.addr().port())
         };
         Ok(Self {
             node,
