@@ -61,7 +61,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let roles = GrpoRoles::new();
     let spec = ModelSpec::from_params(ModelId::new("policy")?, local.seed, &params)?;
     let settings = roles.settings(&spec)?;
-    local.group_size = settings.group_size;
+    local.group_size = spec.group_size;
     let mut learner = roles.learner(&spec)?;
     let mut generator = roles.generator(&spec)?;
     let mut task = roles.task(&spec, local.seed)?;

@@ -44,8 +44,6 @@ pub struct GrpoSettings {
     pub grpo: GrpoConfig,
     /// The task's configuration.
     pub task: ReverseConfig,
-    /// Completions per prompt (the model's `group_size`).
-    pub group_size: usize,
     /// Threads of each generator's pool.
     pub generator_threads: usize,
 }
@@ -109,7 +107,6 @@ impl GrpoRoles {
         Self::with_base(GrpoSettings {
             grpo: GrpoConfig::new(model),
             task,
-            group_size: 8,
             generator_threads: 1,
         })
     }
@@ -126,7 +123,6 @@ impl GrpoRoles {
     /// or the setting that cannot work.
     pub fn settings(&self, model: &ModelSpec) -> Result<GrpoSettings> {
         let mut s = self.base.clone();
-        s.group_size = model.group_size;
         let p = Params(model);
         let mut cap: Option<f32> = None;
         let mut correction: Option<String> = None;
@@ -292,10 +288,7 @@ mod tests {
             .unwrap();
         assert_eq!((s.grpo.model.d_model, s.grpo.model.layers), (32, 1));
         assert_eq!(s.grpo.correction, Correction::Truncated { cap: 3.0 });
-        assert_eq!(
-            (s.grpo.lr, s.grpo.max_grad_norm, s.group_size),
-            (0.01, None, 8)
-        );
+        assert_eq!((s.grpo.lr, s.grpo.max_grad_norm), (0.01, None));
         assert_eq!((s.grpo.seed, s.grpo.policy_id.as_str()), (5, "pi"));
         let m = spec("max_len = 4\nmin_len = 2\nd_model = 32");
         let task = r.task(&m, 0).unwrap();

@@ -227,7 +227,6 @@ impl std::fmt::Debug for Workers {
     }
 }
 
-
 impl Workers {
     /// Starts the node (loopback; the workers' token) and one process per command, each
     /// told where the node is ([`COLLECTOR_ENV`]) and the token (`REFIT_TOKEN`, in its

@@ -21,7 +21,6 @@ const POLL_TIMEOUT: Duration = Duration::from_secs(10);
 /// Deadline of one delivery (the collector answers at once).
 const DELIVER_TIMEOUT: Duration = Duration::from_secs(30);
 
-
 /// A node error of a call to the collector at `addr`, a vanished connection named as the
 /// collector's.
 fn from_collector(addr: SocketAddr, e: refit_node::Error) -> Error {
@@ -74,20 +73,17 @@ impl ToCollector {
         let addr: SocketAddr = addr.parse().map_err(|e| {
             Error::Config(format!("{COLLECTOR_ENV}={addr:?} is not an address: {e}"))
         })?;
-        let token = ClusterToken::from_env()
-            ?
-            .ok_or_else(|| {
-                Error::Config(format!(
-                    "{} is not set: a process collector starts its workers with the cluster \
+        let token = ClusterToken::from_env()?.ok_or_else(|| {
+            Error::Config(format!(
+                "{} is not set: a process collector starts its workers with the cluster \
                      token",
-                    refit_node::TOKEN_ENV
-                ))
-            })?;
+                refit_node::TOKEN_ENV
+            ))
+        })?;
         let node = Node::start(NodeConfig {
             threads: 1,
             ..NodeConfig::loopback(token)
-        })
-        ?;
+        })?;
         let peer = node
             .connect(addr, timeout)
             .map_err(|e| from_collector(addr, e))?;
