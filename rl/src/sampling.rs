@@ -3,73 +3,23 @@
 //! the next token at the request's temperature. What a generating engine does with a
 //! scheduler, here in one call for local runs, evaluation and tests.
 
+use rand::SeedableRng;
 use rand::rngs::SmallRng;
-use rand::{Rng, SeedableRng};
 use refit_runtime::Version;
 
 use crate::error::{Error, Result};
 use crate::generation::{Completion, Finish, Generator, SamplingParams, StepInput, Token};
-
-/// Log-softmax of `logits / temperature` (`temperature` 0 counts as 1) into `out`.
-pub fn log_softmax(logits: &[f32], temperature: f32, out: &mut Vec<f32>) {
-    let inv = if temperature > 0.0 {
-        1.0 / temperature
-    } else {
-        1.0
-    };
-    let max = logits
-        .iter()
-        .fold(f32::NEG_INFINITY, |m, &v| m.max(v * inv));
-    let lse = logits
-        .iter()
-        .map(|&v| (v * inv - max).exp())
-        .sum::<f32>()
-        .ln()
-        + max;
-    out.clear();
-    out.extend(logits.iter().map(|&v| v * inv - lse));
-}
-
-/// Chooses a token from one row of logits: the most likely at temperature 0, else a sample
-/// of `softmax(logits / temperature)`; answers it with its log-probability (at the
-/// temperature; at temperature 1 for greedy choices).
-pub fn sample_token(
-    logits: &[f32],
-    temperature: f32,
-    rng: &mut SmallRng,
-    scratch: &mut Vec<f32>,
-) -> (Token, f32) {
-    log_softmax(logits, temperature, scratch);
-    let pick = if temperature > 0.0 {
-        let u: f32 = rng.random();
-        let mut acc = 0.0;
-        let mut pick = scratch.len() - 1;
-        for (i, lp) in scratch.iter().enumerate() {
-            acc += lp.exp();
-            if u < acc {
-                pick = i;
-                break;
-            }
-        }
-        pick
-    } else {
-        scratch
-            .iter()
-            .enumerate()
-            .fold((0, f32::NEG_INFINITY), |best, (i, &v)| {
-                if v > best.1 { (i, v) } else { best }
-            })
-            .0
-    };
-    (pick as Token, scratch[pick])
-}
+use crate::scheduler::request;
+use crate::scheduler::sample::{Sampled, sample};
 
 /// Generates one completion per request with `generator` under `weights` (stamped `version`),
 /// all requests batched in every step.
 ///
 /// # Errors
-/// [`Error::BadRequest`] for an empty prompt, bad sampling parameters, or a prompt plus
-/// `max_tokens` longer than the generator's context; the generator's errors.
+/// [`Error::BadRequest`] naming the field, as a generating engine refuses the request (an
+/// empty prompt, a token outside the vocabulary, bad sampling parameters, a prompt plus
+/// `max_tokens` longer than the context); the generator's errors, and a logit that is not
+/// finite.
 pub fn generate<G: Generator>(
     generator: &mut G,
     weights: &G::Weights,
@@ -78,22 +28,7 @@ pub fn generate<G: Generator>(
 ) -> Result<Vec<Completion>> {
     let vocab = generator.vocab_size();
     for (prompt, params) in requests {
-        params.check(vocab)?;
-        if prompt.is_empty() {
-            return Err(Error::bad_request("prompt", "is empty"));
-        }
-        let need = prompt.len() + params.max_tokens as usize;
-        if need > generator.max_context() {
-            return Err(Error::bad_request(
-                "max_tokens",
-                format!(
-                    "a prompt of {} tokens plus {} new ones exceed the context of {}",
-                    prompt.len(),
-                    params.max_tokens,
-                    generator.max_context()
-                ),
-            ));
-        }
+        request::check(prompt, params, vocab, generator.max_context())?;
     }
     let mut caches: Vec<G::Cache> = requests.iter().map(|_| generator.new_cache()).collect();
     let mut rngs: Vec<SmallRng> = requests
@@ -111,7 +46,6 @@ pub fn generate<G: Generator>(
         .collect();
     let mut active: Vec<usize> = (0..requests.len()).collect();
     let mut logits = Vec::new();
-    let mut scratch = Vec::with_capacity(vocab);
     while !active.is_empty() {
         {
             // `active` is in increasing order: walk the caches once, taking its members.
@@ -142,10 +76,18 @@ pub fn generate<G: Generator>(
         let mut still = Vec::with_capacity(active.len());
         for (row, &i) in logits.chunks_exact(vocab).zip(&active) {
             let params = &requests[i].1;
-            let (tok, lp) = sample_token(row, params.temperature, &mut rngs[i], &mut scratch);
+            let Sampled {
+                token: tok,
+                logprob,
+            } = sample(row, params.temperature, &mut rngs[i], None).map_err(|b| {
+                Error::Generator {
+                    model: "(sampling loop)".into(),
+                    reason: format!("logit {} of token {} is not finite", b.value, b.index),
+                }
+            })?;
             let c = &mut out[i];
             c.tokens.push(tok);
-            c.logprobs.push(lp);
+            c.logprobs.push(logprob);
             c.versions.push(version);
             if params.stop == Some(tok) {
                 c.finish = Finish::Stop;
@@ -257,27 +199,5 @@ mod tests {
         .unwrap_err()
         .to_string();
         assert!(e.contains("prompt"), "{e}");
-    }
-
-    #[test]
-    fn sampling_follows_the_distribution_and_greedy_takes_the_max() {
-        let logits = [0.0f32, (3.0f32).ln(), f32::NEG_INFINITY];
-        let mut rng = SmallRng::seed_from_u64(3);
-        let mut scratch = Vec::new();
-        let mut counts = [0usize; 3];
-        for _ in 0..4000 {
-            let (t, lp) = sample_token(&logits, 1.0, &mut rng, &mut scratch);
-            counts[t as usize] += 1;
-            let want = if t == 0 { 0.25f32.ln() } else { 0.75f32.ln() };
-            assert!((lp - want).abs() < 1e-5);
-        }
-        assert_eq!(counts[2], 0);
-        assert!((2800..3200).contains(&counts[1]), "{counts:?}");
-        let (t, lp) = sample_token(&logits, 0.0, &mut rng, &mut scratch);
-        assert_eq!(t, 1);
-        assert!((lp - 0.75f32.ln()).abs() < 1e-5);
-        // A low temperature sharpens the distribution it reports.
-        let (_, lp) = sample_token(&logits, 0.5, &mut rng, &mut scratch);
-        assert!(lp < 0.0);
     }
 }

@@ -31,8 +31,8 @@
 //! swap's pause and drain are recorded ([`Swap`]).
 
 mod reaper;
-mod request;
-mod sample;
+pub(crate) mod request;
+pub(crate) mod sample;
 #[cfg(test)]
 mod tests;
 

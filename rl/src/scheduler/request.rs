@@ -47,7 +47,7 @@ pub(super) fn check_forced(tokens: &[Token], vocab: usize) -> Result<()> {
 /// [`Error::BadRequest`] naming the field: an empty prompt, a prompt token outside the
 /// vocabulary, a prompt (or prompt plus `max_tokens`) longer than the context, bad sampling
 /// parameters.
-pub(super) fn check(
+pub(crate) fn check(
     prompt: &[Token],
     params: &SamplingParams,
     vocab: usize,
