@@ -66,9 +66,34 @@ pub fn copy_parallel(dst: &mut [u8], src: &[u8], threads: usize) {
     });
 }
 
+/// Times `rounds` copies of `src` into a buffer already touched, after one untimed copy:
+/// the `memcpy` baseline benchmarks print their figures against (one thread, or split
+/// across `threads` as [`copy_parallel`] splits the transports' copies).
+pub fn time_copy(src: &[u8], rounds: usize, threads: usize) -> Vec<std::time::Duration> {
+    let mut dst = vec![1u8; src.len()];
+    let mut out = Vec::with_capacity(rounds);
+    for i in 0..=rounds {
+        let t = std::time::Instant::now();
+        copy_parallel(&mut dst, std::hint::black_box(src), threads);
+        std::hint::black_box(&mut dst);
+        if i > 0 {
+            out.push(t.elapsed());
+        }
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn time_copy_answers_one_sample_per_timed_round() {
+        let src = vec![3u8; 1 << 16];
+        let t = time_copy(&src, 4, 2);
+        assert_eq!(t.len(), 4);
+        assert!(t.iter().all(|d| *d < std::time::Duration::from_secs(1)));
+    }
 
     fn pattern(len: usize) -> Vec<u8> {
         (0..len).map(|i| (i * 31 % 251) as u8).collect()

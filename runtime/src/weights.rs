@@ -85,6 +85,29 @@ impl WeightSet {
         })
     }
 
+    /// A read-only view of this weight set's arena stamped `version`: the same bytes, no
+    /// copy (the arena lives as long as the view). For benchmarks and tests that publish
+    /// many versions whose content does not matter to what they measure.
+    ///
+    /// # Errors
+    /// None in practice (the arena already fits the manifest); as
+    /// [`WeightSet::from_shared`].
+    pub fn view_as(self: &Arc<Self>, version: Version) -> Result<Self> {
+        /// Another weight set's arena, shared.
+        struct ArenaOf(Arc<WeightSet>);
+        impl SharedBytes for ArenaOf {
+            fn bytes(&self) -> &[u8] {
+                self.0.bytes()
+            }
+        }
+        Self::from_shared(
+            self.model.clone(),
+            version,
+            Arc::clone(&self.manifest),
+            Arc::new(ArenaOf(Arc::clone(self))),
+        )
+    }
+
     /// The model this weight set belongs to.
     pub fn model(&self) -> &ModelId {
         &self.model
@@ -358,6 +381,20 @@ mod tests {
         let copy = ws.clone();
         assert_eq!(copy.bytes(), ws.bytes());
         assert_eq!(copy.tensor_checksums(), ws.tensor_checksums());
+    }
+
+    #[test]
+    fn a_view_shares_the_arena_under_another_version_and_is_read_only() {
+        let mut ws = WeightSet::zeroed(ModelId::new("m").unwrap(), manifest());
+        ws.view_mut::<f32>("w").unwrap()[1] = 7.0;
+        ws.set_version(Version(3));
+        let ws = Arc::new(ws);
+        let mut view = ws.view_as(Version(9)).unwrap();
+        assert_eq!(view.version(), Version(9));
+        assert_eq!(ws.version(), Version(3));
+        assert_eq!(view.bytes().as_ptr(), ws.bytes().as_ptr(), "no copy");
+        assert_eq!(view.view::<f32>("w").unwrap()[1], 7.0);
+        assert!(view.view_mut::<f32>("w").is_err());
     }
 
     #[test]

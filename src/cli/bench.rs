@@ -351,22 +351,6 @@ fn make_weights(size: usize, tensors: usize) -> BoxResult<Arc<WeightSet>> {
     Ok(Arc::new(ws))
 }
 
-/// A copy of `size` bytes between buffers already touched, on one thread, or split across
-/// `threads` as the shared-memory publish and the pinned staging split theirs
-/// (`refit_runtime::copy`): one core's copy speed, or the machine's memory bandwidth.
-fn memcpy_baseline(size: usize, iters: usize, threads: usize) -> Summary {
-    let src = vec![7u8; size];
-    let mut dst = vec![1u8; size];
-    let mut samples = Vec::with_capacity(iters);
-    for _ in 0..iters + 1 {
-        let t = Instant::now();
-        refit::runtime::copy::copy_parallel(&mut dst, std::hint::black_box(&src), threads);
-        std::hint::black_box(&mut dst);
-        samples.push(t.elapsed());
-    }
-    Summary::of(&samples[1..])
-}
-
 /// The cluster token of this run's TCP rows: random, handed to receiver processes in their
 /// environment, never on their command line (which `ps` shows).
 fn bench_token() -> &'static ClusterToken {
@@ -465,7 +449,6 @@ fn bench_link(
             .map(|_| opened.spec.receiver(&LinkOptions::default()))
             .collect::<Result<Vec<_>, _>>()?;
         // every version shares one arena: what moves is the transport's own work
-        let arena: Arc<dyn SharedBytes> = Arc::new(ArenaBytes(Arc::clone(weights)));
         let timed = timed_threaded_updates(
             opened.sender,
             receivers,
@@ -473,14 +456,7 @@ fn bench_link(
             weights,
             args.warmup + args.iters.max(20),
             args.warmup,
-            |v| {
-                Ok(Arc::new(WeightSet::from_shared(
-                    weights.model().clone(),
-                    Version(v),
-                    Arc::clone(weights.manifest()),
-                    Arc::clone(&arena),
-                )?))
-            },
+            |v| Ok(Arc::new(weights.view_as(Version(v))?)),
         );
         OpenedLink::cleanup(&leftovers);
         let (publish, e2e) = timed?;
@@ -614,13 +590,6 @@ where
     joined?;
     sender.shutdown()?;
     Ok((publish, e2e))
-}
-
-struct ArenaBytes(Arc<WeightSet>);
-impl SharedBytes for ArenaBytes {
-    fn bytes(&self) -> &[u8] {
-        self.0.bytes()
-    }
 }
 
 /// Shared memory with `n` receiver processes. `loaned`: the sender fills a lent slot in place
@@ -1070,4 +1039,15 @@ fn with_receiver_processes<T: SenderTransport + LoanSlots>(
         }
     }
     Ok(times)
+}
+
+/// A copy of `size` bytes between buffers already touched, on one thread, or split across
+/// `threads` as the shared-memory publish and the pinned staging split theirs
+/// (`refit_runtime::copy`): one core's copy speed, or the machine's memory bandwidth.
+fn memcpy_baseline(size: usize, iters: usize, threads: usize) -> Summary {
+    Summary::of(&refit::runtime::copy::time_copy(
+        &vec![7u8; size],
+        iters,
+        threads,
+    ))
 }

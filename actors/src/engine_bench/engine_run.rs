@@ -12,7 +12,7 @@ use refit_transports::link::{self, LinkOptions, OpenedLink};
 
 use super::clients::{self, Clients, Engine};
 use super::transport::connect_pair;
-use super::{PauseBenchConfig, VOCAB, WAIT, model_id, view_of};
+use super::{PauseBenchConfig, VOCAB, WAIT, model_id};
 use crate::actor::{GenModel, GenerationEngine};
 use crate::error::{Error, Result};
 use crate::generation::PauseMode;
@@ -117,7 +117,7 @@ impl EngineRun<'_> {
         let source = self.conversions.source().clone();
         let wire: Manifests = self.conversions.target().clone();
         let sender = ConvertingSender::new(opened.sender, self.conversions.clone());
-        let initial = view_of(&trainer, trainer.version())?;
+        let initial = trainer.view_as(trainer.version())?;
         let (link, spec) = (self.link.to_owned(), opened.spec);
         let (sender, receiver) =
             blocking(move || connect_pair(&link, sender, &spec, source, &wire, initial)).await?;
@@ -271,7 +271,7 @@ fn publish_next(
         }
     }
     ws.set_version(next);
-    let version = view_of(&trainer, next)?;
+    let version = trainer.view_as(next)?;
     let t = Instant::now();
     let pending = sender.publish_shared(vec![Arc::new(version)])?;
     let publish = t.elapsed();

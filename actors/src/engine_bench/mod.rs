@@ -27,11 +27,11 @@ mod engine_run;
 mod transport;
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use refit_rl::transformer::TransformerConfig;
 use refit_runtime::convert::{Conversions, Wants};
-use refit_runtime::{Manifests, ModelId, SharedBytes, Version, WeightSet};
+use refit_runtime::{Manifests, ModelId, Version};
 
 use crate::error::{Error, Result};
 use crate::generation::PauseMode;
@@ -147,26 +147,6 @@ fn model_id() -> Result<ModelId> {
     Ok(ModelId::new("policy")?)
 }
 
-/// A weight set's bytes, shared (versions of the bench reuse one arena where the content
-/// does not matter to what is measured).
-struct ArenaOf(Arc<WeightSet>);
-
-impl SharedBytes for ArenaOf {
-    fn bytes(&self) -> &[u8] {
-        self.0.bytes()
-    }
-}
-
-/// A read-only view of `ws`'s arena stamped `version` (no copy).
-fn view_of(ws: &Arc<WeightSet>, version: Version) -> Result<WeightSet> {
-    Ok(WeightSet::from_shared(
-        ws.model().clone(),
-        version,
-        Arc::clone(ws.manifest()),
-        Arc::new(ArenaOf(Arc::clone(ws))),
-    )?)
-}
-
 fn one_size(
     cfg: &PauseBenchConfig,
     size: usize,
@@ -199,9 +179,9 @@ fn one_size(
         wire.set_version(Version(1));
         let wire = Arc::new(wire);
         let rounds = cfg.updates.max(3);
-        let memcpy = memcpy_baseline(wire.bytes(), rounds, 1);
+        let memcpy = refit_runtime::copy::time_copy(wire.bytes(), rounds, 1);
         let split_threads = refit_runtime::copy::copy_threads();
-        let memcpy_split = memcpy_baseline(wire.bytes(), rounds, split_threads);
+        let memcpy_split = refit_runtime::copy::time_copy(wire.bytes(), rounds, split_threads);
         let mut transports = Vec::with_capacity(cfg.links.len());
         for link in &cfg.links {
             progress(&format!("engine pause: the {link} transport alone"));
@@ -251,21 +231,6 @@ fn one_size(
         transports,
         engines,
     })
-}
-
-/// A copy of `src` into a touched buffer, `rounds` times after one untimed copy.
-fn memcpy_baseline(src: &[u8], rounds: usize, threads: usize) -> Vec<Duration> {
-    let mut dst = vec![1u8; src.len()];
-    let mut out = Vec::with_capacity(rounds);
-    for i in 0..=rounds {
-        let t = Instant::now();
-        refit_runtime::copy::copy_parallel(&mut dst, std::hint::black_box(src), threads);
-        std::hint::black_box(&mut dst);
-        if i > 0 {
-            out.push(t.elapsed());
-        }
-    }
-    out
 }
 
 #[cfg(test)]

@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 use refit_runtime::{Manifests, ReceiverInit, SenderInit, WeightSet};
 use refit_transports::link::{self, LinkOptions, OpenedLink};
 
-use super::{WAIT, view_of};
+use super::WAIT;
 use crate::error::{Error, Result};
 use crate::link::WeightInlet;
 
@@ -86,7 +86,7 @@ pub(super) fn measure(
             &opened.spec,
             manifests.clone(),
             manifests,
-            view_of(wire, wire.version())?,
+            wire.view_as(wire.version())?,
         )?;
         let mut figures = TransportFigures {
             link: link_name.to_owned(),
@@ -96,7 +96,7 @@ pub(super) fn measure(
         let mut version = wire.version();
         for i in 0..warmup + updates {
             version = version.next();
-            let ws = Arc::new(view_of(wire, version)?);
+            let ws = Arc::new(wire.view_as(version)?);
             let t0 = Instant::now();
             let pending = sender.publish_shared(vec![ws])?;
             let t1 = Instant::now();
