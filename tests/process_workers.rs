@@ -116,11 +116,17 @@ fn sync_config(batch_timeout: Duration) -> ProcessConfig {
     }
 }
 
+/// A sync collector of `workers` worker processes, each command changed by `tweak` (its
+/// worker index, its command) before it starts.
 fn collector(
     workers: usize,
     batch_timeout: Duration,
+    tweak: impl Fn(usize, &mut Command),
 ) -> (ProcessSyncCollector<Linked>, PpoTrainer) {
-    let (sender, commands, trainer, initial) = setup(workers);
+    let (sender, mut commands, trainer, initial) = setup(workers);
+    for (w, c) in commands.iter_mut().enumerate() {
+        tweak(w, c);
+    }
     (
         ProcessSyncCollector::spawn(sender, commands, vec![initial], sync_config(batch_timeout))
             .unwrap(),
@@ -187,7 +193,7 @@ fn until_every_worker_has(
 
 #[test]
 fn worker_processes_collect_with_fresh_weights_and_unique_trajectories() {
-    let (mut c, mut trainer) = collector(2, Duration::from_secs(30));
+    let (mut c, mut trainer) = collector(2, Duration::from_secs(30), |_, _| {});
     let mut ids = HashSet::new();
     let mut per_worker_ids: Vec<HashSet<u64>> = vec![HashSet::new(); 2];
     for round in 0..4 {
@@ -212,7 +218,7 @@ fn worker_processes_collect_with_fresh_weights_and_unique_trajectories() {
 
 #[test]
 fn a_dead_worker_process_is_reported_not_waited_on() {
-    let (mut c, _trainer) = collector(2, Duration::from_secs(30));
+    let (mut c, _trainer) = collector(2, Duration::from_secs(30), |_, _| {});
     c.next_batch().unwrap().unwrap();
     let pid = c.worker_pids()[1];
     kill(pid);
@@ -259,7 +265,7 @@ fn async_worker_processes_stream_batches_and_an_update_reaches_every_worker() {
 fn an_update_pushed_upstream_cascades_through_the_parent_to_every_worker_process() {
     // sync parent: the batch after the push is all v2
     // ANCHOR: cascade
-    let (mut c, mut trainer) = collector(2, Duration::from_secs(30));
+    let (mut c, mut trainer) = collector(2, Duration::from_secs(30), |_, _| {});
     // the trainer's scheme reaches the parent; the parent's scheme reaches its workers
     let v2 = trainer.export().unwrap(); // newer than the workers' v1: forwarded at attach
     let (mut top, parent_end) = upstream(&v2);
@@ -321,29 +327,12 @@ fn a_killed_async_worker_is_reported_with_its_status_and_the_others_go_on() {
     c.shutdown().unwrap();
 }
 
-/// A sync collector whose worker `slow` sleeps `step_ms` in every step and whose worker
-/// `failing` fails at its step `fail_at`.
-fn special_collector(
-    tweak: impl Fn(usize, &mut Command),
-    batch_timeout: Duration,
-) -> ProcessSyncCollector<Linked> {
-    let (sender, mut commands, _trainer, initial) = setup(2);
-    for (w, c) in commands.iter_mut().enumerate() {
-        tweak(w, c);
-    }
-    ProcessSyncCollector::spawn(sender, commands, vec![initial], sync_config(batch_timeout))
-        .unwrap()
-}
-
 #[test]
 fn a_worker_killed_mid_collection_is_reported_gone_at_once_naming_it() {
     // every step takes 20 ms: a 200-frame batch takes 4 s, so the kill lands inside it
-    let mut c = special_collector(
-        |_, cmd| {
-            cmd.env("REFIT_TEST_STEP_MS", "20");
-        },
-        Duration::from_secs(300),
-    );
+    let (mut c, _trainer) = collector(2, Duration::from_secs(300), |_, cmd| {
+        cmd.env("REFIT_TEST_STEP_MS", "20");
+    });
     let pid = c.worker_pids()[1];
     let killer = std::thread::spawn(move || {
         std::thread::sleep(Duration::from_millis(500));
@@ -370,15 +359,12 @@ fn a_worker_killed_mid_collection_is_reported_gone_at_once_naming_it() {
 
 #[test]
 fn a_worker_error_is_reported_as_that_workers_error() {
-    let mut c = special_collector(
-        |w, cmd| {
-            if w == 1 {
-                // its first batch is fine, its second fails
-                cmd.env("REFIT_TEST_FAIL_AT", "150");
-            }
-        },
-        Duration::from_secs(30),
-    );
+    let (mut c, _trainer) = collector(2, Duration::from_secs(30), |w, cmd| {
+        if w == 1 {
+            // its first batch is fine, its second fails
+            cmd.env("REFIT_TEST_FAIL_AT", "150");
+        }
+    });
     c.next_batch().unwrap().unwrap();
     let err = c.next_batch().unwrap_err();
     match &err {
@@ -418,7 +404,7 @@ fn collector_entry() {
     let Some(out) = std::env::var_os("REFIT_TEST_PIDS") else {
         return;
     };
-    let (mut c, _trainer) = collector(2, Duration::from_secs(30));
+    let (mut c, _trainer) = collector(2, Duration::from_secs(30), |_, _| {});
     c.next_batch().unwrap().unwrap();
     let pids: Vec<String> = c.worker_pids().iter().map(u32::to_string).collect();
     let tmp = std::path::PathBuf::from(&out).with_extension("tmp");

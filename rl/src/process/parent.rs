@@ -215,7 +215,6 @@ pub(super) struct Workers {
     hub: Arc<Hub>,
     events: mpsc::Receiver<(usize, Event)>,
     procs: Vec<Proc>,
-    stopped: bool,
 }
 
 impl std::fmt::Debug for Workers {
@@ -263,7 +262,6 @@ impl Workers {
             hub,
             events,
             procs: Vec::with_capacity(commands.len()),
-            stopped: false,
         };
         for (w, mut cmd) in commands.into_iter().enumerate() {
             cmd.env(COLLECTOR_ENV, me.node.addr().to_string())
@@ -415,10 +413,9 @@ impl Workers {
     /// Tells every worker to stop, waits up to 5 s for them all to exit (killing whoever is
     /// left), then stops the node. Idempotent.
     pub(super) fn stop(&mut self) {
-        if self.stopped {
+        if self.hub.board().stopping() {
             return;
         }
-        self.stopped = true;
         self.hub.update(Board::stop);
         let deadline = Instant::now() + Duration::from_secs(5);
         loop {
