@@ -94,13 +94,9 @@ pub fn incarnation() -> Result<u32> {
 /// # Errors
 /// As [`incarnation`].
 pub fn incarnation_from(lookup: impl Fn(&str) -> Option<String>) -> Result<u32> {
-    match lookup(INCARNATION_ENV).filter(|v| !v.trim().is_empty()) {
-        None => Ok(0),
-        Some(raw) => raw.trim().parse().map_err(|_| Error::Launch {
-            var: INCARNATION_ENV,
-            reason: format!("{raw:?} is not a valid number"),
-        }),
-    }
+    lookup(INCARNATION_ENV)
+        .filter(|v| !v.trim().is_empty())
+        .map_or(Ok(0), |raw| number(INCARNATION_ENV, &raw))
 }
 
 /// Where this process stands in a launched job.
@@ -124,6 +120,11 @@ fn parse<T: std::str::FromStr>(
         var,
         reason: "not set".into(),
     })?;
+    number(var, &raw)
+}
+
+/// `raw` (trimmed) as a number, or an error naming `var`.
+pub(crate) fn number<T: std::str::FromStr>(var: &'static str, raw: &str) -> Result<T> {
     raw.trim().parse().map_err(|_| Error::Launch {
         var,
         reason: format!("{raw:?} is not a valid number"),

@@ -3,20 +3,13 @@
 
 use refit_runtime::topology::Topology;
 
-use super::LaunchEnv;
+use super::{LaunchEnv, number};
 use crate::error::{Error, Result};
 use crate::slurm;
 
 /// The port of the rendezvous store when nothing names one in a per-rank launch (and rank
 /// 0's process has no `port`).
 pub const DEFAULT_MASTER_PORT: u16 = 29500;
-
-fn number<T: std::str::FromStr>(var: &'static str, raw: &str) -> Result<T> {
-    raw.trim().parse().map_err(|_| Error::Launch {
-        var,
-        reason: format!("{raw:?} is not a valid number"),
-    })
-}
 
 /// Where a launch stands: `None` to start every rank here, or the one rank to start.
 ///
