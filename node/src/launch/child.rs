@@ -12,10 +12,8 @@ use crate::TOKEN_FILE_ENV;
 /// A started rank.
 #[derive(Debug)]
 pub(crate) struct Running {
-    /// Which of the supervisor's specs it runs.
-    pub(crate) spec: usize,
-    pub(crate) rank: u32,
-    pub(crate) name: String,
+    /// What it runs (and runs again on a restart).
+    pub(crate) spec: RankSpawn,
     pub(crate) child: Child,
     /// Its exit status, once reaped.
     pub(crate) status: Option<ExitStatus>,
@@ -26,7 +24,7 @@ pub(crate) struct Running {
 impl Running {
     /// `rank N (name)`.
     pub(crate) fn label(&self) -> String {
-        format!("rank {} ({})", self.rank, self.name)
+        format!("rank {} ({})", self.spec.rank, self.spec.name)
     }
 
     /// The process group id (the child's pid: it leads its own group).

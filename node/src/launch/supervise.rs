@@ -22,7 +22,6 @@ const TICK: Duration = Duration::from_millis(25);
 pub struct Supervisor {
     grace: Duration,
     on_failure: OnFailure,
-    specs: Mutex<Vec<RankSpawn>>,
     ranks: Mutex<Vec<Running>>,
     interrupted: AtomicBool,
     /// Output streams opened so far (two per start).
@@ -50,7 +49,6 @@ impl Supervisor {
         Arc::new(Self {
             grace,
             on_failure,
-            specs: Mutex::new(Vec::new()),
             ranks: Mutex::new(Vec::new()),
             interrupted: AtomicBool::new(false),
             streams: AtomicUsize::new(0),
@@ -67,7 +65,6 @@ impl Supervisor {
     /// Call it from the thread that lives as long as the launcher (the main thread): a
     /// rank's parent-death signal fires when the thread that started it exits.
     pub fn run(self: &Arc<Self>, specs: &[RankSpawn]) -> u8 {
-        *lock(&self.specs) = specs.to_vec();
         // stopping the ranks on SIGINT/SIGTERM takes up to two grace periods (SIGTERM, then
         // SIGKILL and the reaping): the release must not be cut short before that
         cleanup::set_release_bound(self.grace * 2 + Duration::from_secs(2));
@@ -78,7 +75,7 @@ impl Supervisor {
             me.stop_all(false);
         });
         let (done_tx, done_rx) = mpsc::channel();
-        for (i, spec) in specs.iter().enumerate() {
+        for spec in specs {
             match self.start(spec, spec.incarnation, &done_tx) {
                 Ok(child) => {
                     eprintln!(
@@ -88,9 +85,7 @@ impl Supervisor {
                         child.id()
                     );
                     lock(&self.ranks).push(Running {
-                        spec: i,
-                        rank: spec.rank,
-                        name: spec.name.clone(),
+                        spec: spec.clone(),
                         child,
                         status: None,
                         restarts: 0,
@@ -153,17 +148,15 @@ impl Supervisor {
     /// Starts the rank at `at` again if its spec allows another restart and the run is not
     /// being stopped; true when it runs again.
     fn restart(&self, at: usize, done: &mpsc::Sender<()>) -> bool {
-        let specs = lock(&self.specs);
         // under the lock of the ranks: a stop that starts now signals the new process too
         let mut ranks = self.lock();
         let r = &mut ranks[at];
-        let spec = &specs[r.spec];
-        if spec.rank == 0 || r.restarts >= spec.max_restarts {
-            if spec.max_restarts > 0 {
+        let max_restarts = r.spec.max_restarts;
+        if r.spec.rank == 0 || r.restarts >= max_restarts {
+            if max_restarts > 0 {
                 eprintln!(
-                    "refit launch: {} has no restart left (max_restarts = {})",
+                    "refit launch: {} has no restart left (max_restarts = {max_restarts})",
                     r.label(),
-                    spec.max_restarts
                 );
             }
             return false;
@@ -171,15 +164,15 @@ impl Supervisor {
         if self.interrupted.load(Ordering::SeqCst) {
             return false;
         }
-        let incarnation = spec.incarnation + r.restarts + 1;
-        match self.start(spec, incarnation, done) {
+        let incarnation = r.spec.incarnation + r.restarts + 1;
+        match self.start(&r.spec, incarnation, done) {
             Ok(child) => {
                 r.restarts += 1;
                 eprintln!(
                     "refit launch: restarted {} (restart {} of {}, REFIT_INCARNATION={incarnation}, pid {})",
                     r.label(),
                     r.restarts,
-                    spec.max_restarts,
+                    max_restarts,
                     child.id()
                 );
                 r.child = child;
