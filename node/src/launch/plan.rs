@@ -285,6 +285,33 @@ max_restarts = 2
     }
 
     #[test]
+    fn every_variable_the_launcher_sets_is_reserved_from_a_process_env() {
+        let spec = spec(&[]);
+        let place = LaunchEnv {
+            rank: 1,
+            world_size: 3,
+            master_addr: "10.0.0.1".into(),
+            master_port: 29500,
+        };
+        let s = spec.rank(&place, 0).unwrap();
+        let own = &spec.topology.rank(1).unwrap().env;
+        let set: Vec<&str> = s
+            .env
+            .iter()
+            .map(|(k, _)| k.as_str())
+            .filter(|k| !own.contains_key(*k))
+            .chain([INCARNATION_ENV, crate::TOKEN_FILE_ENV])
+            .collect();
+        assert!(set.len() > 4, "{set:?}");
+        for k in set {
+            assert!(
+                refit_runtime::topology::RESERVED_ENV.contains(&k),
+                "the launcher sets {k}, which a process env could override"
+            );
+        }
+    }
+
+    #[test]
     fn programs_resolve_against_the_launch_directory() {
         let cwd = Path::new("/work/run");
         assert_eq!(
