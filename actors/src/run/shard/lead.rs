@@ -212,7 +212,7 @@ impl Handler<TrainAndPublish> for ShardLead {
                 act.busy = false;
                 if let Err(e) = &res {
                     tracing::warn!(
-                        "{e}; v{} stays the last version closed",
+                        "{e}; v{} stays the last version published",
                         act.assembly.closed()
                     );
                 }
