@@ -11,10 +11,12 @@ use std::time::{Duration, Instant, SystemTime};
 
 use refit::node::{ClusterToken, Node, NodeConfig, Store, TOKEN_ENV, TOKEN_FILE_ENV};
 use refit::runtime::{
-    Error, Manifests, ModelId, ReceiverInit, Result, SenderInit, Version, WeightSet, wire,
+    Error, Manifests, ModelId, ReceiverInit, Result, SenderInit, SenderTransport, Version,
+    WeightSet, wire,
 };
+use refit::transports::link::{self, LinkFactory, LinkOptions, ReceiverSpec};
 use refit::transports::tcp::{
-    TcpConfig, TcpEndpoint, TcpReceiver, TcpReceiverConfig, TcpReceiverSpec, TcpSender,
+    TcpConfig, TcpEndpoint, TcpLink, TcpReceiver, TcpReceiverConfig, TcpReceiverSpec, TcpSender,
     TransferMode,
 };
 
@@ -59,7 +61,16 @@ pub(crate) struct ServeArgs {
     /// The model id receivers see.
     #[arg(long, default_value = "policy")]
     model: String,
-    /// Address to listen on (loopback unless you say otherwise).
+    /// The transport receivers pull with: `tcp` (any host; the spec `refit pull` reads) or
+    /// any other of the link factory (`shm`, `file`, `broadcast`), whose spec Refit's
+    /// receivers and the Python package (`refit.Receiver`) read.
+    #[arg(long, default_value = "tcp")]
+    link: String,
+    /// Receivers to wait for (up to five minutes) before version 1 is published; the
+    /// broadcast chain needs its count.
+    #[arg(long, default_value_t = 0)]
+    receivers: usize,
+    /// Address to listen on (loopback unless you say otherwise; tcp).
     #[arg(long, default_value = "127.0.0.1:0")]
     bind: SocketAddr,
     /// Address receivers are told to use (default: the bound one; required when binding an
@@ -303,55 +314,84 @@ pub(crate) fn serve(args: ServeArgs) -> ExitCode {
             println!("metrics: http://{bound}/metrics");
         }
         let model = ModelId::new(&args.model)?;
+        // watched from before the first read: a change made while receivers connect is
+        // published once they have
+        let watch = args.watch.then(|| Watch::new(&args.file));
         let mut weights = WeightSet::read_safetensors(&args.file, Some(&model))?;
         weights.set_version(Version(1));
         let manifests = Manifests::new([(model.clone(), Arc::clone(weights.manifest()))])?;
+        let about = format!(
+            "`{model}` ({} tensors, {} bytes) from {}",
+            weights.manifest().len(),
+            weights.manifest().total_len(),
+            args.file.display(),
+        );
+        let factory = link::find(&args.link)?;
+        if factory.name() != TcpLink.name() {
+            let options = LinkOptions {
+                token: Some(token),
+                expected_receivers: args.receivers,
+                ..LinkOptions::default()
+            };
+            let opened = factory.open(&manifests, &options)?;
+            let spec = opened.spec.to_token()?;
+            eprintln!("serving {about} over {}", opened.spec);
+            return publish_file(&args, &spec, opened.sender, manifests, weights, watch);
+        }
         let config = TcpConfig {
             bind: args.bind,
             advertise: args.advertise,
             token: Some(token),
             bucket_size: args.bucket_size,
+            expected_receivers: args.receivers,
             ..TcpConfig::default()
         };
         let transport = TcpSender::bind(config, &manifests)?;
         // the endpoint only: receivers bring their own copy of the token
         let spec = wire::to_token(&transport.endpoint())?;
-        if let Some(path) = &args.spec_file {
-            refit::runtime::write_atomically(path, spec.as_bytes())?;
+        eprintln!("serving {about} at {}", transport.addr());
+        publish_file(&args, &spec, transport, manifests, weights, watch)
+    })())
+}
+
+/// `refit serve`'s loop: writes the spec, publishes the file as version 1, and (`--watch`)
+/// each settled change of it as the next version, until `--seconds` pass.
+fn publish_file<T: SenderTransport>(
+    args: &ServeArgs,
+    spec: &str,
+    transport: T,
+    manifests: Manifests,
+    weights: WeightSet,
+    mut watch: Option<Watch>,
+) -> Result<()> {
+    let model = weights.model().clone();
+    if let Some(path) = &args.spec_file {
+        refit::runtime::write_atomically(path, spec.as_bytes())?;
+    }
+    println!("spec: {spec}");
+    let wait = Duration::from_secs(if args.receivers > 0 { 300 } else { 5 });
+    let mut sender = SenderInit::new(transport, manifests).connect(vec![weights], wait)?;
+    let mut version = Version(1);
+    run_for(args.seconds, || {
+        if !watch.as_mut().is_some_and(|w| w.settled_change(&args.file)) {
+            return Ok(());
         }
-        eprintln!(
-            "serving `{model}` ({} tensors, {} bytes) from {} at {}",
-            weights.manifest().len(),
-            weights.manifest().total_len(),
-            args.file.display(),
-            transport.addr()
-        );
-        println!("spec: {spec}");
-        let mut sender =
-            SenderInit::new(transport, manifests).connect(vec![weights], Duration::from_secs(5))?;
-        let mut watch = args.watch.then(|| Watch::new(&args.file));
-        let mut version = Version(1);
-        run_for(args.seconds, || {
-            if !watch.as_mut().is_some_and(|w| w.settled_change(&args.file)) {
+        let mut next = match WeightSet::read_safetensors(&args.file, Some(&model)) {
+            Ok(w) => w,
+            Err(e) => {
+                eprintln!("refit: not published: {e}");
                 return Ok(());
             }
-            let mut next = match WeightSet::read_safetensors(&args.file, Some(&model)) {
-                Ok(w) => w,
-                Err(e) => {
-                    eprintln!("refit: not published: {e}");
-                    return Ok(());
-                }
-            };
-            version = version.next();
-            next.set_version(version);
-            match sender.send_async(vec![next]) {
-                Ok(_) => eprintln!("published version {version}"),
-                Err(e) => eprintln!("refit: version {version} not published: {e}"),
-            }
-            Ok(())
-        })?;
-        sender.shutdown()
-    })())
+        };
+        version = version.next();
+        next.set_version(version);
+        match sender.send_async(vec![next]) {
+            Ok(_) => eprintln!("published version {version}"),
+            Err(e) => eprintln!("refit: version {version} not published: {e}"),
+        }
+        Ok(())
+    })?;
+    sender.shutdown()
 }
 
 /// `refit pull`: pulls the newest version of a served model into a safetensors file.
@@ -367,8 +407,15 @@ pub(crate) fn pull(args: PullArgs) -> ExitCode {
             })?,
             (None, None) => return Err(Error::State("give --spec or --spec-file")),
         };
-        let endpoint: TcpEndpoint =
-            wire::from_token(spec_text.trim().trim_start_matches("spec:").trim())?;
+        let text = spec_text.trim().trim_start_matches("spec:").trim();
+        // `refit serve`'s endpoint, or a tcp link spec (a Refit or Python sender's `spec`)
+        let endpoint: TcpEndpoint = match ReceiverSpec::from_token(text) {
+            Ok(spec) => {
+                spec.check_transport(&TcpLink)?;
+                spec.params()?
+            }
+            Err(_) => wire::from_token(text)?,
+        };
         let spec = TcpReceiverSpec::new(endpoint, &token);
         let cfg = TcpReceiverConfig {
             streams: args.streams.max(1),

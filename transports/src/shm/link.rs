@@ -10,6 +10,32 @@ use crate::link::{LinkFactory, LinkOptions, OpenedLink, Reach, ReceiverSpec};
 #[derive(Debug, Clone, Copy)]
 pub struct ShmLink;
 
+impl ShmLink {
+    /// As [`LinkFactory::open`], with the sender end as the concrete [`ShmSender`] (for
+    /// callers that fill lent slots in place with [`ShmSender::loan`]).
+    ///
+    /// # Errors
+    /// As [`ShmSender::create`].
+    pub fn open_typed(
+        &self,
+        manifests: &Manifests,
+        options: &LinkOptions,
+    ) -> Result<(ShmSender, ReceiverSpec)> {
+        let mut config = ShmConfig {
+            expected_receivers: options.expected_receivers,
+            ..ShmConfig::default()
+        };
+        if let Some(dir) = &options.dir {
+            config.dir.clone_from(dir);
+        }
+        let sender = ShmSender::create(&config, manifests)?;
+        let spec = sender.receiver_spec();
+        let about = format!("board {}", spec.board.display());
+        let spec = ReceiverSpec::new(self, &spec, about)?;
+        Ok((sender, spec))
+    }
+}
+
 impl LinkFactory for ShmLink {
     fn name(&self) -> &'static str {
         super::NAME
@@ -24,18 +50,9 @@ impl LinkFactory for ShmLink {
         false
     }
     fn open(&self, manifests: &Manifests, options: &LinkOptions) -> Result<OpenedLink> {
-        let mut config = ShmConfig {
-            expected_receivers: options.expected_receivers,
-            ..ShmConfig::default()
-        };
-        if let Some(dir) = &options.dir {
-            config.dir.clone_from(dir);
-        }
-        let sender = ShmSender::create(&config, manifests)?;
-        let spec = sender.receiver_spec();
-        let about = format!("board {}", spec.board.display());
+        let (sender, spec) = self.open_typed(manifests, options)?;
         Ok(OpenedLink {
-            spec: ReceiverSpec::new(self, &spec, about)?,
+            spec,
             leftovers: sender.segment_paths(),
             sender: Box::new(sender),
         })

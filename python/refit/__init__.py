@@ -1,0 +1,436 @@
+"""Refit from Python: receive a trainer's weights in an engine, or publish them from a trainer.
+
+A receiver connects from the spec its sender gave out (text, or a file holding it) and reads
+each version in place: the arrays and tensors it hands out are zero-copy, read-only views of
+the received memory (a shared-memory slot, a mapped file, an arena), valid while the update
+is held::
+
+    import refit
+
+    receiver = refit.Receiver(open("policy.spec").read())   # REFIT_TOKEN for tcp
+    while True:
+        update = receiver.receive(timeout=1.0)           # None when nothing new came
+        if update is not None:
+            model.load_state_dict(update.state_dict())   # torch tensors, no copy
+            update.ack()                                 # the trainer may go on
+
+A sender publishes a dict of arrays (numpy, or torch CPU tensors: a ``state_dict``)::
+
+    sender = refit.Sender("shm", model.state_dict(), receivers=1)
+    print(sender.spec)        # hand it to the engines
+    sender.start()            # waits for them, publishes version 1
+    sender.send(model.state_dict())   # version 2, once every engine acknowledged it
+
+Errors are :mod:`refit.errors` classes.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from . import _native
+from .errors import (
+    Closed,
+    ConfigError,
+    DTypeError,
+    NeedsFullResend,
+    PeerGone,
+    Refused,
+    RefitError,
+    Timeout,
+    TransportError,
+    Unauthorized,
+)
+
+__version__ = _native.__version__
+
+#: Refit dtypes numpy represents, and the numpy dtype of each.
+NUMPY_DTYPES: dict[str, np.dtype] = {
+    "bool": np.dtype(np.bool_),
+    "u8": np.dtype(np.uint8),
+    "i8": np.dtype(np.int8),
+    "i16": np.dtype("<i2"),
+    "u16": np.dtype("<u2"),
+    "i32": np.dtype("<i4"),
+    "u32": np.dtype("<u4"),
+    "i64": np.dtype("<i8"),
+    "u64": np.dtype("<u8"),
+    "f16": np.dtype("<f2"),
+    "f32": np.dtype("<f4"),
+    "f64": np.dtype("<f8"),
+}
+_FROM_NUMPY = {v: k for k, v in NUMPY_DTYPES.items()}
+
+_TORCH_NAMES = {
+    "bool": "bool",
+    "u8": "uint8",
+    "i8": "int8",
+    "i16": "int16",
+    "u16": "uint16",
+    "i32": "int32",
+    "u32": "uint32",
+    "i64": "int64",
+    "u64": "uint64",
+    "f16": "float16",
+    "bf16": "bfloat16",
+    "f32": "float32",
+    "f64": "float64",
+    "f8_e4m3": "float8_e4m3fn",
+    "f8_e5m2": "float8_e5m2",
+}
+
+
+def transports() -> list[str]:
+    """The transports a spec may name (``shm``, ``tcp``, ``file``, ``broadcast``...)."""
+    return list(_native.transports())
+
+
+def _spec_text(spec: str | os.PathLike) -> str:
+    if isinstance(spec, os.PathLike):
+        path = Path(spec)
+    elif isinstance(spec, str) and ("/" in spec or os.path.isfile(spec)):
+        path = Path(spec)
+    else:
+        return str(spec)
+    try:
+        return path.read_text()
+    except OSError as e:
+        raise ConfigError(f"reading the receiver spec {str(path)!r}: {e}") from e
+
+
+def _torch():
+    try:
+        import torch
+    except ImportError as e:  # pragma: no cover - depends on the environment
+        raise DTypeError("torch is not installed: use Update.items() for numpy arrays") from e
+    return torch
+
+
+class Update:
+    """One version (of one or several models published together), held in place.
+
+    The arrays and tensors it gives out are read-only views of the received memory; they
+    keep that memory alive (a shared-memory slot stays pinned, a file mapped) for as long as
+    any of them lives. Copy what must outlive the next few updates.
+    """
+
+    def __init__(self, native: Any) -> None:
+        self._u = native
+
+    @property
+    def entries(self) -> list[tuple[str, int]]:
+        """``(model, version)`` of each model in the update."""
+        return list(self._u.entries)
+
+    @property
+    def models(self) -> list[str]:
+        """The models in the update."""
+        return list(self._u.models)
+
+    def version(self, model: str | None = None) -> int:
+        """The version of ``model`` (default: the only one)."""
+        return self._u.version(model)
+
+    def tensors(self, model: str | None = None) -> list[Any]:
+        """The tensors of ``model`` as Refit describes them (``name``, ``dtype``,
+        ``shape``, ``nbytes``), in the sender's order."""
+        return list(self._u.tensors(model))
+
+    def items(self, model: str | None = None, *, raw: bool = False) -> list[tuple[str, np.ndarray]]:
+        """``(name, array)`` pairs: zero-copy, read-only numpy views. numpy has no bf16 or
+        fp8: such a tensor raises :class:`DTypeError` naming it, unless ``raw`` (then it
+        comes as unsigned integers of the same width)."""
+        out = []
+        for t in self._u.tensors(model):
+            if not raw and t.dtype not in NUMPY_DTYPES:
+                raise DTypeError(
+                    f"tensor `{t.name}` of `{t.model}` (version {t.version}) is {t.dtype}, "
+                    "which numpy cannot represent: use Update.torch(), or items(raw=True) "
+                    "for its bits"
+                )
+            out.append((t.name, np.asarray(t)))
+        return out
+
+    def arrays(self, model: str | None = None, *, raw: bool = False) -> dict[str, np.ndarray]:
+        """:meth:`items` as a dict."""
+        return dict(self.items(model, raw=raw))
+
+    def torch(self, model: str | None = None) -> list[tuple[str, Any]]:
+        """``(name, torch.Tensor)`` pairs on the CPU, zero-copy (``torch.from_numpy`` of the
+        views), every dtype including bf16 and fp8. Read-only memory: copy before writing
+        (``load_state_dict`` and vLLM's ``load_weights`` copy)."""
+        torch = _torch()
+        out = []
+        with warnings.catch_warnings():
+            # the views are read-only on purpose; torch warns that it cannot enforce that
+            warnings.filterwarnings("ignore", message=".*not writable.*")
+            for t in self._u.tensors(model):
+                name = _TORCH_NAMES.get(t.dtype)
+                target = getattr(torch, name, None) if name else None
+                if target is None:
+                    raise DTypeError(f"tensor `{t.name}`: torch has no {t.dtype}")
+                x = torch.from_numpy(np.asarray(t))
+                if x.dtype != target:
+                    x = x.view(target)
+                out.append((t.name, x))
+        return out
+
+    def state_dict(self, model: str | None = None) -> dict[str, Any]:
+        """:meth:`torch` as a dict, for ``module.load_state_dict``."""
+        return dict(self.torch(model))
+
+    def memory(self, model: str | None = None) -> tuple[int, int]:
+        """``(address, length)`` of the memory holding ``model``'s version."""
+        return self._u.memory(model)
+
+    def checksums(self, model: str | None = None) -> list[int]:
+        """xxh3 of each tensor, in order (what the transports verify)."""
+        return list(self._u.checksums(model))
+
+    def ack(self) -> None:
+        """Tells the sender this version is applied. Idempotent."""
+        self._u.ack()
+
+    @property
+    def acked(self) -> bool:
+        """True once acknowledged."""
+        return self._u.acked
+
+    def __repr__(self) -> str:
+        return f"Update({self.entries})"
+
+
+class Receiver:
+    """A receiver end of any Refit transport.
+
+    ``spec`` is the text the sender gave out (``refit serve --spec-file``, a Refit sender's
+    ``spec``, :attr:`Sender.spec`) or a path to a file holding it. The cluster token (TCP and
+    the broadcast chain) comes from ``token``, else ``REFIT_TOKEN`` or the file
+    ``REFIT_TOKEN_FILE`` names. Connecting waits up to ``timeout`` seconds for the sender's
+    first version, which :meth:`current` then gives. Shared memory is read in place unless
+    ``copy=True`` (then each version is copied out of the slot, which the sender may then
+    reuse at once).
+    """
+
+    def __init__(
+        self,
+        spec: str | os.PathLike,
+        *,
+        timeout: float = 30.0,
+        token: str | None = None,
+        copy: bool = False,
+    ) -> None:
+        self._r = _native.Receiver(_spec_text(spec), timeout, token, copy)
+
+    @property
+    def transport(self) -> str:
+        """The transport's name."""
+        return self._r.transport
+
+    @property
+    def models(self) -> list[str]:
+        """The models the sender publishes."""
+        return list(self._r.models)
+
+    def manifest(self, model: str | None = None) -> list[tuple[str, str, list[int]]]:
+        """``(name, dtype, shape)`` of each tensor of ``model`` (default: the only one)."""
+        return list(self._r.manifest(self._one(model)))
+
+    def version(self, model: str | None = None) -> int:
+        """The version in force for ``model`` (default: the only one)."""
+        return self._r.version(self._one(model))
+
+    def current(self) -> Update:
+        """The weights in force (already acknowledged)."""
+        return Update(self._r.current())
+
+    def receive(self, timeout: float = 1.0) -> Update | None:
+        """Waits up to ``timeout`` seconds for the next version; ``None`` if none came.
+
+        The version is checked whole (manifest, checksums, order) before it is handed out;
+        a refused one raises :class:`Refused` and the previous one stays in force. It is not
+        acknowledged: call :meth:`Update.ack` once the engine serves it. The GIL is released
+        while waiting and pulling; Ctrl-C interrupts the wait (a version that arrives
+        meanwhile is given by the next call).
+        """
+        u = self._r.receive(timeout)
+        return None if u is None else Update(u)
+
+    def __iter__(self) -> Iterator[Update]:
+        """Every next version, forever (until the sender is gone: :class:`PeerGone`)."""
+        while True:
+            u = self.receive(1.0)
+            if u is not None:
+                yield u
+
+    def close(self) -> None:
+        """Releases the transport. Idempotent."""
+        self._r.close()
+
+    @property
+    def closed(self) -> bool:
+        """True once closed."""
+        return self._r.closed
+
+    def __enter__(self) -> Receiver:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _one(self, model: str | None) -> str:
+        if model is not None:
+            return model
+        models = self.models
+        if len(models) != 1:
+            raise ConfigError(f"the sender publishes {len(models)} models ({', '.join(models)}): name one")
+        return models[0]
+
+    def __repr__(self) -> str:
+        return f"Receiver({self.transport}, models={self.models})"
+
+
+def _bytes_of(model: str, name: str, value: Any) -> tuple[str, list[int], Any]:
+    """``(refit dtype, shape, flat uint8 buffer)`` of a numpy array or a torch tensor."""
+    mod = type(value).__module__
+    if mod.startswith("torch"):
+        torch = _torch()
+        t = value.detach()
+        if t.device.type != "cpu":
+            t = t.cpu()
+        names = {v: k for k, v in _TORCH_NAMES.items()}
+        dtype = names.get(str(t.dtype).removeprefix("torch."))
+        if dtype is None:
+            raise DTypeError(f"tensor `{name}` of `{model}`: refit has no {t.dtype}")
+        shape = list(t.shape)
+        flat = t.contiguous().reshape(-1)
+        buf = flat.view(torch.uint8).numpy() if flat.numel() else np.zeros(0, np.uint8)
+        return dtype, shape, buf
+    a = np.asarray(value)
+    dtype = _FROM_NUMPY.get(a.dtype.newbyteorder("<") if a.dtype.byteorder == ">" else a.dtype)
+    if dtype is None or a.dtype.byteorder == ">":
+        raise DTypeError(f"tensor `{name}` of `{model}`: refit has no numpy dtype {a.dtype}")
+    return dtype, list(a.shape), np.ascontiguousarray(a).reshape(-1).view(np.uint8)
+
+
+def _by_model(weights: Mapping[str, Any], model: str) -> dict[str, Mapping[str, Any]]:
+    if weights and all(isinstance(v, Mapping) for v in weights.values()):
+        return dict(weights)
+    return {model: weights}
+
+
+class Sender:
+    """A sender end of any Refit transport, publishing a Python trainer's arrays.
+
+    ``weights`` is a ``state_dict`` (name → numpy array or torch CPU tensor) for one model
+    called ``model``, or a dict model → ``state_dict`` for several published together. Its
+    names, dtypes and shapes are the manifest receivers agree to; its values are published
+    as version 1 by :meth:`start`. ``receivers`` is how many receivers :meth:`start` waits
+    for. ``dir``: where shared-memory segments or files go. ``token``: as for
+    :class:`Receiver` (TCP; a sender without one makes a random token, which then must be
+    given to receivers).
+    """
+
+    def __init__(
+        self,
+        transport: str,
+        weights: Mapping[str, Any],
+        *,
+        model: str = "policy",
+        receivers: int = 0,
+        dir: str | os.PathLike | None = None,
+        token: str | None = None,
+    ) -> None:
+        self._initial = _by_model(weights, model)
+        self._model = model
+        manifests = {}
+        for m, sd in self._initial.items():
+            manifests[m] = [(n, *_bytes_of(m, n, v)[:2]) for n, v in sd.items()]
+        self._s = _native.Sender(
+            transport, manifests, receivers, None if dir is None else os.fspath(dir), token
+        )
+        self._started = False
+
+    @property
+    def spec(self) -> str:
+        """The text receivers connect with (no secret in it)."""
+        return self._s.spec
+
+    @property
+    def transport(self) -> str:
+        """The transport's name."""
+        return self._s.transport
+
+    def start(self, timeout: float = 30.0) -> None:
+        """Publishes the weights given at construction as version 1, after waiting up to
+        ``timeout`` seconds for the receivers asked for."""
+        self._s.start(self._flat(self._initial), timeout)
+        self._initial = {}
+        self._started = True
+
+    def publish(self, weights: Mapping[str, Any], timeout: float = 30.0) -> list[tuple[str, int]]:
+        """Publishes ``weights`` (as in the constructor) as the next version, without
+        waiting for acknowledgements; returns ``(model, version)`` of each. Every tensor of
+        the manifest must be given, with its dtype and shape."""
+        if not self._started:
+            self.start(timeout)
+        return list(self._s.publish(self._flat(_by_model(weights, self._model)), timeout))
+
+    def wait(self, timeout: float = 30.0) -> None:
+        """Waits for every receiver to acknowledge the last version published."""
+        self._s.wait(timeout)
+
+    def send(self, weights: Mapping[str, Any], timeout: float = 30.0) -> list[tuple[str, int]]:
+        """:meth:`publish`, then :meth:`wait`."""
+        sent = self.publish(weights, timeout)
+        self.wait(timeout)
+        return sent
+
+    def version(self, model: str | None = None) -> int:
+        """The version in force for ``model`` (0 before :meth:`start`)."""
+        return self._s.version(model or self._model)
+
+    def close(self) -> None:
+        """Releases the transport; receivers see the sender gone."""
+        self._s.close()
+
+    def __enter__(self) -> Sender:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @staticmethod
+    def _flat(by_model: Mapping[str, Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
+        out: dict[str, dict[str, Any]] = {}
+        for m, sd in by_model.items():
+            out[m] = {}
+            for n, v in sd.items():
+                dtype, shape, buf = _bytes_of(m, n, v)
+                out[m][n] = buf
+        return out
+
+
+__all__ = [
+    "Receiver",
+    "Sender",
+    "Update",
+    "transports",
+    "NUMPY_DTYPES",
+    "RefitError",
+    "Timeout",
+    "PeerGone",
+    "Refused",
+    "ConfigError",
+    "Unauthorized",
+    "DTypeError",
+    "TransportError",
+    "Closed",
+    "NeedsFullResend",
+]

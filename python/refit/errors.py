@@ -1,0 +1,63 @@
+"""Refit's exceptions.
+
+Every error Refit raises is a :class:`RefitError`; each kind also derives from the built-in
+exception a caller would already catch (``TimeoutError``, ``ConnectionError``,
+``ValueError``...). Messages come from Refit's Rust errors and name the culprit: the tensor,
+model, version, peer, file or variable.
+"""
+
+
+class RefitError(Exception):
+    """Any error raised by Refit."""
+
+
+class Timeout(RefitError, TimeoutError):
+    """A deadline passed: no sender, no acknowledgement, no free slot in time."""
+
+
+class PeerGone(RefitError, ConnectionError):
+    """The other end died or shut down (the sender of a receiver, a receiver of a sender)."""
+
+
+class Refused(RefitError, ValueError):
+    """An update refused whole (wrong shape, dtype, name, checksum, version, a malformed
+    frame); the previous weights stay in force."""
+
+
+class ConfigError(RefitError, ValueError):
+    """Bad configuration: a spec that does not decode, an unknown transport, a bad token."""
+
+
+class Unauthorized(ConfigError, PermissionError):
+    """The cluster token is missing or was refused by the other end."""
+
+
+class DTypeError(RefitError, TypeError):
+    """A dtype the requested library cannot represent (fp8 or bf16 as numpy)."""
+
+
+class TransportError(RefitError, OSError):
+    """An I/O failure of the transport (a file, a socket, a segment)."""
+
+
+class Closed(RefitError, RuntimeError):
+    """The receiver or sender is closed, or an operation came in the wrong order."""
+
+
+class NeedsFullResend(RefitError):
+    """An update failed part-way through an engine's apply: the engine's weights are mixed
+    and must be replaced whole by the next version before it serves again."""
+
+
+__all__ = [
+    "RefitError",
+    "Timeout",
+    "PeerGone",
+    "Refused",
+    "ConfigError",
+    "Unauthorized",
+    "DTypeError",
+    "TransportError",
+    "Closed",
+    "NeedsFullResend",
+]

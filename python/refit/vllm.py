@@ -1,0 +1,616 @@
+"""Refit as a vLLM weight-transfer backend: vLLM's workers pull each new version of the
+trainer's weights from any Refit sender (``refit serve``, a Rust trainer, a Python
+:class:`refit.Sender`) over shared memory, TCP, files or the broadcast chain.
+
+Installing the ``refit`` package registers the backend in every vLLM process through the
+``vllm.general_plugins`` entry point (:func:`register`). On the inference side::
+
+    llm = LLM(model=..., weight_transfer_config={"backend": "refit"})
+    refit.vllm.init_engine(llm, "/path/to/policy.spec")     # the sender's spec (or its text)
+
+and each time the trainer has published a version::
+
+    refit.vllm.update_weights(llm)          # waits for the next version, loads it, acks it
+
+The cluster token (TCP, broadcast) is never part of the init info: the workers read it from
+``REFIT_TOKEN`` or the file ``REFIT_TOKEN_FILE`` names, in their own environment.
+
+A version lands whole or not at all. A receive that fails (:class:`~refit.errors.Timeout`,
+:class:`~refit.errors.Refused`, :class:`~refit.errors.PeerGone`) applies nothing and vLLM
+keeps serving the previous weights. A version the model refuses before any of it reached
+the model's tensors is refused whole (:class:`~refit.errors.Refused`); one that fails after
+part of it landed leaves mixed weights: the engine raises
+:class:`~refit.errors.NeedsFullResend` and serves the mixture until the next version loads
+completely (every Refit version is complete, so any next version repairs it).
+
+Through vLLM's RPCs the worker's exception reaches the caller as a plain ``Exception``;
+the helpers here (:func:`init_engine`, :func:`update_weights`) raise the
+:mod:`refit.errors` class again, which every message names as ``[refit.errors.Kind]``.
+
+Importing this module imports neither vLLM nor torch: the engine classes
+(``RefitWeightTransferEngine``, ``RefitInitInfo``, ``RefitUpdateInfo``) are built on first
+access. Logs go to the ``vllm.refit`` logger, so vLLM's logging settings apply to them.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import time
+from typing import Any
+
+from . import errors
+
+__all__ = [
+    "BACKEND",
+    "register",
+    "init_engine",
+    "update_weights",
+    "shutdown_engine",
+    "RefitWeightTransferEngine",
+    "RefitInitInfo",
+    "RefitUpdateInfo",
+]
+
+#: The name the backend registers under: ``weight_transfer_config={"backend": BACKEND}``.
+BACKEND = "refit"
+
+_log = logging.getLogger("vllm.refit")
+
+# the engine classes, built by `_build` on first access (they subclass vLLM's)
+_BUILT: dict[str, type] = {}
+_LAZY = ("RefitWeightTransferEngine", "RefitInitInfo", "RefitUpdateInfo")
+
+
+def register() -> None:
+    """Registers the ``refit`` weight-transfer backend with vLLM (the
+    ``vllm.general_plugins`` entry point; vLLM calls it in each of its processes).
+
+    Idempotent. Does nothing, logging why at debug level, when this vLLM has no
+    weight-transfer engines (``vllm.distributed.weight_transfer``, older vLLM). The engine
+    module is registered lazily: vLLM imports the engine class only when a worker builds it.
+    """
+    try:
+        from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+    except ImportError as e:
+        _log.debug("refit: not registering the `%s` weight-transfer backend: %s", BACKEND, e)
+        return
+    registry = getattr(WeightTransferEngineFactory, "_registry", None)
+    if isinstance(registry, dict) and BACKEND in registry:
+        return
+    try:
+        WeightTransferEngineFactory.register_engine(BACKEND, __name__, "RefitWeightTransferEngine")
+    except ValueError as e:  # registered meanwhile (or by another plugin of that name)
+        _log.debug("refit: the `%s` backend is already registered: %s", BACKEND, e)
+
+
+# --- from the caller's side (the process holding the `LLM`) ------------------------------
+
+_TAG = re.compile(r"\[refit\.errors\.([A-Za-z]+)\]\s*")
+# how vLLM's multiprocess executor wraps a worker's error message
+_WRAPPED = re.compile(r"'?,? please check the stack trace above for the root cause\.?\s*$")
+
+
+def _typed(e: BaseException) -> BaseException:
+    """The :mod:`refit.errors` exception a worker raised, from the plain ``Exception``
+    vLLM's RPC turned it into (its message names the class as ``[refit.errors.Kind]``);
+    ``e`` itself when it is one already or names none."""
+    if isinstance(e, errors.RefitError):
+        return e
+    text = str(e)
+    m = _TAG.search(text)
+    cls = getattr(errors, m.group(1), None) if m else None
+    if not (isinstance(cls, type) and issubclass(cls, errors.RefitError)):
+        return e
+    typed = cls(_WRAPPED.sub("", text[m.start() :]))
+    typed.__cause__ = e
+    return typed
+
+
+def _rpc(llm: Any, method: str, rpc_timeout: float | None, **kwargs: Any) -> None:
+    """Calls the worker method ``method`` on every worker of ``llm`` (an ``LLM`` or
+    anything with ``collective_rpc``), or the same-named method of a weight-sync client
+    (``vllm.distributed.weight_transfer.clients``: HTTP, Ray), raising typed errors."""
+    try:
+        if hasattr(llm, "collective_rpc"):
+            llm.collective_rpc(method, timeout=rpc_timeout, kwargs=kwargs or None)
+        elif hasattr(llm, method):
+            getattr(llm, method)(*kwargs.values())
+        else:
+            raise errors.ConfigError(
+                f"{type(llm).__name__} is neither a vLLM `LLM` (collective_rpc) nor a "
+                f"weight-sync client (no `{method}`)"
+            )
+    except errors.RefitError:
+        raise
+    except Exception as e:
+        typed = _typed(e)
+        if typed is e:
+            raise
+        raise typed from e
+
+
+def init_engine(
+    llm: Any,
+    spec: str | os.PathLike,
+    *,
+    timeout: float = 60.0,
+    copy: bool = False,
+    model: str | None = None,
+    load_initial: bool = False,
+) -> None:
+    """Connects every worker of ``llm`` (started with ``weight_transfer_config={"backend":
+    "refit"}``) to the Refit sender ``spec`` describes (its text, or the path of a file
+    holding it, read by the workers). See :class:`RefitInitInfo` for the other fields.
+
+    Raises:
+    :class:`~refit.errors.ConfigError` (a bad spec, an unknown ``model``),
+    :class:`~refit.errors.Unauthorized` (no token in the workers' environment),
+    :class:`~refit.errors.Timeout` (no sender within ``timeout``); with ``load_initial``
+    also what :func:`update_weights` raises.
+    """
+    spec = os.fspath(spec) if isinstance(spec, os.PathLike) else spec
+    info = {"spec": spec, "timeout": timeout, "copy": copy, "model": model, "load_initial": load_initial}
+    _rpc(llm, "init_weight_transfer_engine", None, init_info=info)
+
+
+def update_weights(
+    llm: Any,
+    version: int | None = None,
+    *,
+    timeout: float = 60.0,
+    is_checkpoint_format: bool = True,
+    rpc_margin: float = 300.0,
+) -> None:
+    """Loads the trainer's next version (or the first one ≥ ``version``) into every worker
+    of ``llm``: ``start_weight_update``, ``update_weights``, ``finish_weight_update`` as vLLM
+    requires, then drops vLLM's prefix cache (its KV entries were computed with the previous
+    weights). Each worker waits up to ``timeout`` seconds for the version; the RPC itself
+    may take ``rpc_margin`` seconds more (loading).
+
+    Raises:
+    :class:`~refit.errors.Timeout`, :class:`~refit.errors.PeerGone`,
+    :class:`~refit.errors.Refused`: nothing was applied, the previous weights stay in force.
+    :class:`~refit.errors.NeedsFullResend`: part of the version landed; the next version
+    that loads whole repairs the model.
+    """
+    info = {"version": version, "timeout": timeout, "is_checkpoint_format": is_checkpoint_format}
+    _rpc(llm, "start_weight_update", None)
+    try:
+        _rpc(llm, "update_weights", timeout + rpc_margin, update_info=info)
+    except errors.NeedsFullResend:
+        _reset_caches(llm)
+        raise
+    # a failed update_weights ends vLLM's update session itself (and the engine has put the
+    # previous weights back): finish is only for a success
+    _rpc(llm, "finish_weight_update", rpc_margin)
+    _reset_caches(llm)
+
+
+def shutdown_engine(llm: Any) -> None:
+    """Closes every worker's Refit receiver; vLLM goes on serving the weights in force."""
+    _rpc(llm, "shutdown_weight_transfer_engine", None)
+
+
+def _reset_caches(llm: Any) -> None:
+    """Drops the caches computed with the previous weights (prefix KV, encoder outputs)."""
+    reset = getattr(llm, "reset_prefix_cache", None)
+    if callable(reset):
+        reset()
+    engine = getattr(llm, "llm_engine", None)
+    reset_encoder = getattr(engine, "reset_encoder_cache", None)
+    if callable(reset_encoder):
+        reset_encoder()
+
+
+# --- the engine (in vLLM's workers) -------------------------------------------------------
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        if not _BUILT:
+            _BUILT.update(_build())
+        return _BUILT[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _fail(cls: type[errors.RefitError], message: str) -> errors.RefitError:
+    """``cls`` with ``message`` tagged ``[refit.errors.Kind]`` (the tag survives vLLM's RPC,
+    which keeps only the text)."""
+    return cls(f"[refit.errors.{cls.__name__}] {message}")
+
+
+def _describe_spec(spec: str) -> str:
+    text = spec.strip()
+    if os.path.isfile(text):
+        return text
+    return text if len(text) <= 24 else text[:20] + "…"
+
+
+def _build() -> dict[str, type]:
+    """Defines the engine and its info classes on vLLM's base classes (imports vLLM)."""
+    from dataclasses import dataclass
+
+    import torch
+    from vllm.distributed.weight_transfer.base import (
+        WeightTransferEngine,
+        WeightTransferInitInfo,
+        WeightTransferUpdateInfo,
+    )
+
+    import refit
+
+    @dataclass
+    class RefitInitInfo(WeightTransferInitInfo):
+        """How a worker reaches the Refit sender (``init_weight_transfer_engine``'s dict).
+
+        ``spec``: the sender's spec, its text or the path of a file holding it (required).
+        ``timeout``: seconds to wait for the sender when connecting.
+        ``copy``: copy each version out of shared memory instead of reading it in place.
+        ``model``: which model to load when the sender publishes several.
+        ``load_initial``: also load the sender's version in force at once.
+        No secret: the token comes from the worker's ``REFIT_TOKEN`` / ``REFIT_TOKEN_FILE``.
+        """
+
+        spec: str
+        timeout: float = 60.0
+        copy: bool = False
+        model: str | None = None
+        load_initial: bool = False
+
+        def __post_init__(self) -> None:
+            if not isinstance(self.spec, str) or not self.spec.strip():
+                raise ValueError("refit init_info: `spec` must be the sender's spec text or a path to it")
+            if not self.timeout >= 0:
+                raise ValueError(f"refit init_info: `timeout` must be ≥ 0 seconds, got {self.timeout}")
+
+    @dataclass
+    class RefitUpdateInfo(WeightTransferUpdateInfo):
+        """Which version to load (``update_weights``' dict).
+
+        ``version``: wait for a version ≥ this one (default: the next one to arrive).
+        ``timeout``: seconds to wait for it.
+        ``is_checkpoint_format``: the tensors are in the checkpoint's format (names and
+        layouts of the model's safetensors: loaded through ``load_weights`` inside vLLM's
+        layerwise reload). ``False``: they are already in vLLM's kernel format (its own
+        parameter names and shapes) and are copied into the parameters as they are.
+        """
+
+        version: int | None = None
+        timeout: float = 60.0
+        is_checkpoint_format: bool = True
+
+        def __post_init__(self) -> None:
+            if self.version is not None and (isinstance(self.version, bool) or not isinstance(self.version, int) or self.version < 1):
+                raise ValueError(f"refit update_info: `version` must be a version number ≥ 1, got {self.version!r}")
+            if not self.timeout >= 0:
+                raise ValueError(f"refit update_info: `timeout` must be ≥ 0 seconds, got {self.timeout}")
+
+    class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateInfo]):
+        """vLLM's ``refit`` weight-transfer backend: pulls each version from a Refit sender
+        with a :class:`refit.Receiver` and loads it like a checkpoint (vLLM's layerwise
+        reload: ``start_weight_update`` begins it, ``finish_weight_update`` completes it),
+        acknowledging the version to the sender once it is in force.
+
+        State a caller may read: :attr:`loaded_version` (the Refit version vLLM serves,
+        ``None`` while it serves what it loaded from disk) and :attr:`needs_full_resend`
+        (a version failed part-way; the weights are mixed until one loads whole).
+        """
+
+        init_info_cls = RefitInitInfo
+        update_info_cls = RefitUpdateInfo
+        # one receiver, one model: a draft model would need a sender of its own
+        supports_draft_weight_update = False
+
+        def __init__(self, config: Any, vllm_config: Any, device: torch.device, model: torch.nn.Module) -> None:
+            super().__init__(config, vllm_config, device, model)
+            self._receiver: refit.Receiver | None = None
+            self._init: RefitInitInfo | None = None
+            self._model_id: str | None = None
+            #: the Refit version vLLM serves (None: the weights it loaded from disk)
+            self.loaded_version: int | None = None
+            #: a version failed part-way: the weights are mixed until one loads whole
+            self.needs_full_resend = False
+            self._layerwise = False  # between initialize and finalize of a layerwise reload
+            self._staged: tuple[Any, int, dict[str, float]] | None = None  # loaded, not acked
+
+        # -- lifecycle ---------------------------------------------------------------------
+
+        def init_transfer_engine(self, init_info: RefitInitInfo) -> None:
+            """Connects a :class:`refit.Receiver` to the sender (closing one connected
+            before) and, with ``load_initial``, loads the sender's version in force.
+
+            Raises:
+            ConfigError (bad spec, unknown or ambiguous model), Unauthorized, Timeout;
+            with ``load_initial`` as :meth:`receive_weights`.
+            """
+            if self._layerwise or self._staged is not None:
+                raise _fail(errors.Closed, "cannot reconnect the refit engine during a weight update: finish it first")
+            self._close()
+            where = _describe_spec(init_info.spec)
+            try:
+                receiver = refit.Receiver(init_info.spec, timeout=init_info.timeout, copy=init_info.copy)
+            except errors.RefitError as e:
+                raise _fail(type(e), f"connecting to the refit sender (spec {where}): {e}") from e
+            models = receiver.models
+            model = init_info.model
+            if model is None and len(models) != 1:
+                receiver.close()
+                raise _fail(errors.ConfigError, f"the refit sender (spec {where}) publishes {len(models)} models ({', '.join(models)}): name one as init_info `model`")
+            if model is not None and model not in models:
+                receiver.close()
+                raise _fail(errors.ConfigError, f"the refit sender (spec {where}) publishes no model `{model}` (it publishes {', '.join(models)})")
+            self._receiver, self._init, self._model_id = receiver, init_info, model or models[0]
+            _log.info("refit: connected to the %s sender of `%s` (spec %s), version %d in force there",
+                      receiver.transport, self._model_id, where, receiver.version(self._model_id))
+            if init_info.load_initial:
+                from vllm.config import set_current_vllm_config
+
+                with set_current_vllm_config(self.vllm_config):
+                    self._load(receiver.current(), RefitUpdateInfo(), time.perf_counter())
+                    self._complete()
+
+        def start_weight_update(self) -> None:
+            """Begins vLLM's layerwise reload for the incoming checkpoint-format weights
+            (as vLLM's own checkpoint-format engines do)."""
+            self._begin()
+
+        def update_weights(self, update_info: dict[str, Any]) -> None:
+            """Parses ``update_info`` and receives one version (:meth:`receive_weights`).
+
+            vLLM's base method then synchronizes ``torch.accelerator``, which raises on a
+            machine without one (vLLM's CPU build): this one synchronizes only where there is
+            an accelerator.
+            """
+            self.receive_weights(self.parse_update_info(update_info))
+            if torch.accelerator.is_available():
+                torch.accelerator.synchronize()
+
+        def receive_weights(self, update_info: RefitUpdateInfo) -> None:
+            """Waits (up to ``update_info.timeout``) for the version asked, hands its
+            tensors to the model's ``load_weights`` (CPU views of the received memory,
+            moved to the worker's device when it is not the CPU) and stages it: it is
+            acknowledged to the sender by :meth:`finish_weight_update`, once in force.
+
+            Raises:
+            Timeout, PeerGone, Refused, Closed: nothing was applied, the previous weights
+            were put back. NeedsFullResend: part of the version reached the model.
+            """
+            if self._receiver is None:
+                raise _fail(errors.Closed, "the refit engine is not connected: call init_weight_transfer_engine with the sender's spec first")
+            started = time.perf_counter()
+            try:
+                update = self._wait(update_info)
+            except errors.RefitError:
+                self._abandon()
+                raise
+            if update is None:
+                return
+            if self._staged is not None:
+                # a second version in one update session: complete the first, then begin again
+                self._complete()
+                self._begin()
+            self._load(update, update_info, started)
+
+        def finish_weight_update(self) -> None:
+            """Completes vLLM's layerwise reload and acknowledges the version loaded to the
+            sender (it is in force from now on).
+
+            Raises:
+            NeedsFullResend when completing the reload fails (the weights are mixed).
+            """
+            self._complete()
+
+        def shutdown(self) -> None:
+            """Closes the receiver (vLLM keeps serving the weights in force)."""
+            self._close()
+
+        # -- internals ---------------------------------------------------------------------
+
+        def _what(self, version: int | None = None) -> str:
+            v = "" if version is None else f"version {version} of "
+            spec = _describe_spec(self._init.spec) if self._init is not None else "?"
+            return f"{v}`{self._model_id}` (refit spec {spec})"
+
+        def _in_force(self) -> str:
+            if self.needs_full_resend:
+                return "vLLM's weights are still mixed from a failed version"
+            if self.loaded_version is None:
+                return "vLLM still serves the weights it started with"
+            return f"vLLM still serves version {self.loaded_version}"
+
+        def _wait(self, info: RefitUpdateInfo) -> Any | None:
+            """The update to load (None: the version asked is already in force)."""
+            want = info.version
+            if want is not None and not self.needs_full_resend and self.loaded_version is not None and self.loaded_version >= want:
+                _log.info("refit: version %d ≥ %d already in force: nothing to load", self.loaded_version, want)
+                return None
+            assert self._receiver is not None and self._model_id is not None
+            deadline = time.monotonic() + info.timeout
+            skipped = []
+            while True:
+                left = deadline - time.monotonic()
+                try:
+                    update = self._receiver.receive(max(left, 0.0))
+                except errors.RefitError as e:
+                    raise _fail(type(e), f"receiving the next version of {self._what()}: {e}; nothing was applied: {self._in_force()}") from e
+                if update is None:
+                    asked = f"a version ≥ {want}" if want is not None else "a new version"
+                    seen = f" (skipped older version(s) {', '.join(map(str, skipped))})" if skipped else ""
+                    raise _fail(errors.Timeout, f"{asked} of {self._what()} did not come within {info.timeout:g} s{seen}; nothing was applied: {self._in_force()}")
+                if self._model_id not in update.models:
+                    update.ack()  # nothing in it for this engine
+                    continue
+                version = update.version(self._model_id)
+                if want is not None and version < want:
+                    skipped.append(version)
+                    del update  # not applied: not acknowledged (a newer ack covers it)
+                    continue
+                return update
+
+        def _begin(self) -> None:
+            if self._layerwise:
+                return
+            from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+            initialize_layerwise_reload(self.model)
+            self._layerwise = True
+
+        def _finalize(self) -> None:
+            if not self._layerwise:
+                return
+            from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+            self._layerwise = False
+            finalize_layerwise_reload(self.model, self.model_config)
+
+        def _abandon(self) -> None:
+            """After a failure that applied nothing: puts the previous weights back (a
+            layerwise reload finalized with nothing loaded restores them); a version loaded
+            earlier in the same session is completed."""
+            if self._staged is not None:
+                self._complete()
+            else:
+                self._finalize()
+
+        def _load(self, update: Any, info: RefitUpdateInfo, started: float) -> None:
+            assert self._model_id is not None
+            version = update.version(self._model_id)
+            received = time.perf_counter()
+            try:
+                pairs = update.torch(self._model_id)
+            except errors.RefitError as e:
+                self._abandon()
+                raise _fail(type(e), f"reading {self._what(version)}: {e}; nothing was applied: {self._in_force()}") from e
+            nbytes = sum(t.numel() * t.element_size() for _, t in pairs)
+            if info.is_checkpoint_format:
+                self._load_checkpoint(pairs, version)
+            else:
+                self._load_kernel(pairs, version)
+            loaded = time.perf_counter()
+            timings = {"receive_s": received - started, "load_s": loaded - received, "tensors": len(pairs), "bytes": nbytes}
+            self._staged = (update, version, timings)
+
+        def _device_pairs(self, pairs: list, current: list) -> Any:
+            on_cpu = self.device is None or torch.device(self.device).type == "cpu"
+            for name, t in pairs:
+                current[0] = name
+                yield name, (t if on_cpu else t.to(self.device, non_blocking=True))
+
+        def _load_checkpoint(self, pairs: list, version: int) -> None:
+            """``load_weights`` inside a layerwise reload (begun here if no session is)."""
+            self._begin()
+            fresh = _loadable_layers(self.model)
+            current = [None]
+            try:
+                from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
+            except ImportError:  # pragma: no cover - older vLLM
+                from contextlib import nullcontext as disable_mtp_completeness_check
+            try:
+                with disable_mtp_completeness_check():
+                    self.model.load_weights(self._device_pairs(pairs, current))
+            except Exception as e:
+                touched = _touched(self.model, fresh)
+                cause = f"the model's load_weights failed at tensor `{current[0]}`: {type(e).__name__}: {e}"
+                try:
+                    self._finalize()
+                except Exception as f:  # the model is in an unknown state
+                    touched = True
+                    cause += f"; then completing the reload failed: {type(f).__name__}: {f}"
+                if not touched:
+                    raise _fail(errors.Refused, f"{self._what(version)} refused by vLLM before any of it was applied: {cause}; {self._in_force()}") from e
+                self.needs_full_resend = True
+                self.loaded_version = None
+                raise _fail(errors.NeedsFullResend, f"{self._what(version)} failed part-way into vLLM's weights ({cause}): the weights are mixed until the next version loads whole") from e
+
+        def _load_kernel(self, pairs: list, version: int) -> None:
+            """Copies kernel-format tensors into the parameters of the same names, after
+            checking every name and shape (a mismatch applies nothing)."""
+            from vllm.model_executor.model_loader.reload.inplace import get_parameter_for_reload
+
+            if self._layerwise:
+                self._finalize()  # nothing loaded yet: puts the kernel tensors back
+            targets = []
+            for name, t in pairs:
+                try:
+                    param = get_parameter_for_reload(self.model, name)
+                except AttributeError as e:
+                    raise _fail(errors.Refused, f"{self._what(version)} refused: vLLM has no parameter `{name}` ({e}); nothing was applied: {self._in_force()}") from e
+                if tuple(param.shape) != tuple(t.shape):
+                    raise _fail(errors.Refused, f"{self._what(version)} refused: tensor `{name}` is {list(t.shape)}, vLLM's parameter is {list(param.shape)}; nothing was applied: {self._in_force()}")
+                targets.append((param, t))
+            current = [None]
+            try:
+                with torch.no_grad():
+                    for (param, _), (name, t) in zip(targets, self._device_pairs(pairs, current)):
+                        param.copy_(t)
+            except Exception as e:
+                self.needs_full_resend = True
+                self.loaded_version = None
+                raise _fail(errors.NeedsFullResend, f"{self._what(version)} failed part-way at tensor `{current[0]}`: {type(e).__name__}: {e}: the weights are mixed until the next version loads whole") from e
+
+        def _complete(self) -> None:
+            """Finalizes the reload, then acknowledges the staged version (in force now)."""
+            staged, self._staged = self._staged, None
+            try:
+                self._finalize()
+            except Exception as e:
+                if staged is None:
+                    raise
+                self.needs_full_resend = True
+                self.loaded_version = None
+                raise _fail(errors.NeedsFullResend, f"completing the reload of {self._what(staged[1])} failed: {type(e).__name__}: {e}: the weights are mixed until the next version loads whole") from e
+            if staged is None:
+                return
+            update, version, timings = staged
+            self.loaded_version = version
+            self.needs_full_resend = False
+            try:
+                update.ack()
+            except errors.RefitError as e:
+                # in force all the same; the sender will see this receiver as late or gone
+                _log.warning("refit: %s is in force but acknowledging it failed: %s", self._what(version), e)
+            _log.info("refit: %s in force (%d tensors, %d bytes): received in %.3f s, loaded in %.3f s",
+                      self._what(version), timings["tensors"], timings["bytes"], timings["receive_s"], timings["load_s"])
+
+        def _close(self) -> None:
+            receiver, self._receiver = self._receiver, None
+            if receiver is not None:
+                try:
+                    receiver.close()
+                except errors.RefitError as e:
+                    _log.warning("refit: closing the receiver of %s: %s", self._what(), e)
+
+    def _loadable_layers(model: torch.nn.Module) -> set[int]:
+        """The modules a layerwise reload is waiting to load (before ``load_weights``)."""
+        try:
+            from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
+        except ImportError:  # pragma: no cover - another vLLM layout: assume the worst
+            return set()
+        return {id(m) for m in model.modules() if get_layerwise_info(m).can_load()}
+
+    def _touched(model: torch.nn.Module, fresh: set[int]) -> bool:
+        """Whether a failed ``load_weights`` got any tensor into the model: a layer
+        processed (copied into the served tensors) or holding buffered weights that
+        finalizing would process. Unknown (another vLLM layout): True."""
+        try:
+            from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
+        except ImportError:  # pragma: no cover
+            return True
+        if not fresh:
+            return True
+        for m in model.modules():
+            info = get_layerwise_info(m)
+            if info.load_numel > 0 or (id(m) in fresh and not info.can_load()):
+                return True
+        return False
+
+    for cls in (RefitInitInfo, RefitUpdateInfo, RefitWeightTransferEngine):
+        cls.__module__ = __name__
+        cls.__qualname__ = cls.__name__
+    return {
+        "RefitWeightTransferEngine": RefitWeightTransferEngine,
+        "RefitInitInfo": RefitInitInfo,
+        "RefitUpdateInfo": RefitUpdateInfo,
+    }

@@ -1,0 +1,67 @@
+//! Refit's errors as Python exceptions: each variant of the runtime's error picks a class of
+//! `refit.errors` (defined in Python, so that each also derives from the built-in exception
+//! callers already catch: `TimeoutError`, `ConnectionError`, `ValueError`); the message is
+//! the Rust error's, naming the tensor, version, peer or file.
+
+use pyo3::PyErr;
+use refit_runtime::Error;
+
+pyo3::import_exception!(refit.errors, RefitError);
+pyo3::import_exception!(refit.errors, Timeout);
+pyo3::import_exception!(refit.errors, PeerGone);
+pyo3::import_exception!(refit.errors, Refused);
+pyo3::import_exception!(refit.errors, ConfigError);
+pyo3::import_exception!(refit.errors, TransportError);
+pyo3::import_exception!(refit.errors, Closed);
+pyo3::import_exception!(refit.errors, Unauthorized);
+
+/// The Python exception for `e`.
+pub(crate) fn to_py(e: Error) -> PyErr {
+    let msg = e.to_string();
+    match refit_node::Error::find(&e) {
+        Some(refit_node::Error::Unauthorized { .. }) => return Unauthorized::new_err(msg),
+        Some(n) if n.is_timeout() => return Timeout::new_err(msg),
+        _ => {}
+    }
+    match e {
+        Error::Timeout { .. } => Timeout::new_err(msg),
+        Error::PeerGone { .. } => PeerGone::new_err(msg),
+        Error::Tensor { .. }
+        | Error::Schema { .. }
+        | Error::StaleVersion { .. }
+        | Error::UnknownModel(_)
+        | Error::WrongElement { .. }
+        | Error::NoSuchTensor(_)
+        | Error::Bucket { .. }
+        | Error::Layout { .. }
+        | Error::Cast { .. }
+        | Error::DeltaBase { .. }
+        | Error::Shard { .. }
+        | Error::Safetensors { .. }
+        | Error::InvalidManifest(_)
+        | Error::Wire(_) => Refused::new_err(msg),
+        Error::Config(_)
+        | Error::Topology { .. }
+        | Error::InvalidModelId(..)
+        | Error::DuplicateModel(_)
+        | Error::Strategy(_)
+        | Error::Sync(_) => ConfigError::new_err(msg),
+        Error::State(_) | Error::ReadOnly(_) => Closed::new_err(msg),
+        Error::Io { .. }
+        | Error::Path { .. }
+        | Error::Collective { .. }
+        | Error::Node(_)
+        | Error::Transport { .. } => TransportError::new_err(msg),
+        _ => RefitError::new_err(msg),
+    }
+}
+
+/// A configuration error raised from this crate's own checks.
+pub(crate) fn config(msg: impl Into<String>) -> PyErr {
+    ConfigError::new_err(msg.into())
+}
+
+/// An update refused by this crate's own checks.
+pub(crate) fn refused(msg: impl Into<String>) -> PyErr {
+    Refused::new_err(msg.into())
+}

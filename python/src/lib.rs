@@ -1,0 +1,29 @@
+//! `refit._native`: the Rust half of Refit's Python package.
+//!
+//! Python code imports `refit`, whose modules wrap these classes: [`receiver::Receiver`]
+//! (connect from a spec, `receive` updates, `ack` them), [`update::Update`] and
+//! [`update::Tensor`] (zero-copy views of a received version, through numpy's
+//! `__array_interface__`), and [`sender::Sender`] (publish a trainer's arrays). Errors are
+//! raised as the classes of `refit.errors`, chosen by [`errors::to_py`].
+#![warn(missing_docs, unreachable_pub)]
+
+use pyo3::prelude::*;
+
+mod errors;
+mod receiver;
+mod sender;
+mod spec;
+mod update;
+mod wait;
+
+/// The module `refit._native`.
+#[pymodule]
+fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<receiver::Receiver>()?;
+    m.add_class::<update::Update>()?;
+    m.add_class::<update::Tensor>()?;
+    m.add_class::<sender::Sender>()?;
+    m.add_function(wrap_pyfunction!(spec::transports, m)?)?;
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    Ok(())
+}

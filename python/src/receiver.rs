@@ -1,0 +1,175 @@
+//! `refit.Receiver`: one receiver end of any transport, driven from Python.
+
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use pyo3::prelude::*;
+use pyo3::sync::MutexExt;
+use refit_runtime::{ReceiverInit, ReceiverTransport, WeightSet};
+
+use crate::errors::{Closed, to_py};
+use crate::update::Update;
+use crate::wait::{Stash, collect, in_background, seconds};
+
+type Inner = refit_runtime::Receiver<Box<dyn ReceiverTransport>>;
+
+/// A connected receiver (see `refit.Receiver` for the Python-facing documentation).
+#[pyclass(module = "refit._native", frozen)]
+pub(crate) struct Receiver {
+    inner: Arc<Mutex<Option<Inner>>>,
+    transport: String,
+    /// A `receive` that Ctrl-C interrupted: its result, for the next `receive`.
+    stash: Stash<Staged>,
+}
+
+/// What one `stage` on the receive thread gave.
+type Staged = PyResult<Option<refit_runtime::Update>>;
+
+/// Locks `m` with the GIL released, so a thread waiting for it never holds the GIL that the
+/// holder needs to check signals between two slices of its wait.
+pub(crate) fn lock<'a, T>(py: Python<'_>, m: &'a Mutex<T>) -> MutexGuard<'a, T> {
+    m.lock_py_attached(py)
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+fn closed(transport: &str) -> PyErr {
+    Closed::new_err(format!("the {transport} receiver is closed"))
+}
+
+impl Receiver {
+    fn with<T>(&self, py: Python<'_>, f: impl FnOnce(&mut Inner) -> PyResult<T>) -> PyResult<T> {
+        let mut guard = lock(py, &self.inner);
+        match guard.as_mut() {
+            Some(inner) => f(inner),
+            None => Err(closed(&self.transport)),
+        }
+    }
+
+    /// Acknowledges `entries` (called by `Update.ack`).
+    pub(crate) fn ack_entries(
+        &self,
+        py: Python<'_>,
+        entries: &[(refit_runtime::ModelId, refit_runtime::Version)],
+    ) -> PyResult<()> {
+        self.with(py, |r| py.detach(|| r.ack(entries)).map_err(to_py))
+    }
+}
+
+#[pymethods]
+impl Receiver {
+    /// Connects to the sender `spec` describes (text), waiting up to `timeout` seconds for
+    /// its manifests and first version (which is acknowledged here).
+    #[new]
+    #[pyo3(signature = (spec, timeout = 30.0, token = None, copy = false))]
+    fn new(
+        py: Python<'_>,
+        spec: &str,
+        timeout: f64,
+        token: Option<&str>,
+        copy: bool,
+    ) -> PyResult<Self> {
+        let timeout = seconds("timeout", timeout)?;
+        let (transport, name) = crate::spec::open(spec, token, copy)?;
+        let inner = py
+            .detach(|| ReceiverInit::new(transport, None).connect(timeout))
+            .map_err(to_py)?;
+        Ok(Self {
+            inner: Arc::new(Mutex::new(Some(inner))),
+            transport: name,
+            stash: Mutex::new(None),
+        })
+    }
+
+    /// The transport's name (`"shm"`, `"tcp"`, `"file"`, `"broadcast"`).
+    #[getter]
+    fn transport(&self) -> &str {
+        &self.transport
+    }
+
+    /// The models the sender publishes, in order.
+    #[getter]
+    fn models(&self, py: Python<'_>) -> PyResult<Vec<String>> {
+        self.with(py, |r| {
+            Ok(r.manifests().iter().map(|(id, _)| id.to_string()).collect())
+        })
+    }
+
+    /// Each model's tensors as `(name, dtype, shape)`, in order.
+    fn manifest(
+        &self,
+        py: Python<'_>,
+        model: &str,
+    ) -> PyResult<Vec<(String, &'static str, Vec<usize>)>> {
+        self.with(py, |r| {
+            let id = refit_runtime::ModelId::new(model).map_err(to_py)?;
+            let m = r.manifests().get(&id).map_err(to_py)?;
+            Ok(m.tensors()
+                .iter()
+                .map(|t| (t.name.clone(), t.dtype.name(), t.shape.clone()))
+                .collect())
+        })
+    }
+
+    /// The version in force for `model`.
+    fn version(&self, py: Python<'_>, model: &str) -> PyResult<u64> {
+        self.with(py, |r| {
+            let id = refit_runtime::ModelId::new(model).map_err(to_py)?;
+            Ok(r.version(&id).get())
+        })
+    }
+
+    /// The weights in force for every model (already acknowledged).
+    fn current(slf: &Bound<'_, Self>) -> PyResult<Update> {
+        let py = slf.py();
+        let group: Vec<Arc<WeightSet>> = slf.get().with(py, |r| {
+            Ok(r.served()
+                .load()
+                .iter()
+                .map(|(_, w)| Arc::clone(w))
+                .collect())
+        })?;
+        Ok(Update::new(group, slf.clone().unbind(), true))
+    }
+
+    /// Waits up to `timeout` seconds for the next version; `None` if none came. The update
+    /// is applied to this receiver but not acknowledged: call its `ack()` once the engine
+    /// serves it.
+    #[pyo3(signature = (timeout = 1.0))]
+    fn receive(slf: &Bound<'_, Self>, timeout: f64) -> PyResult<Option<Update>> {
+        let py = slf.py();
+        let timeout = seconds("timeout", timeout)?;
+        let me = slf.get();
+        let staged = match collect(py, &me.stash)? {
+            Some(earlier) => earlier,
+            None => {
+                let inner = Arc::clone(&me.inner);
+                let transport = me.transport.clone();
+                in_background(py, &me.stash, move || {
+                    let mut guard = inner
+                        .lock()
+                        .unwrap_or_else(std::sync::PoisonError::into_inner);
+                    match guard.as_mut() {
+                        Some(r) => r.stage(timeout).map_err(to_py),
+                        None => Err(closed(&transport)),
+                    }
+                })?
+            }
+        };
+        Ok(staged?.map(|u| Update::new(u.group, slf.clone().unbind(), false)))
+    }
+
+    /// Releases the transport (slots, connections, locks). Updates still held keep their
+    /// memory; acknowledging them fails.
+    fn close(&self, py: Python<'_>) -> PyResult<()> {
+        let taken = lock(py, &self.inner).take();
+        match taken {
+            Some(inner) => py.detach(|| inner.shutdown()).map_err(to_py),
+            None => Ok(()),
+        }
+    }
+
+    /// True once closed.
+    #[getter]
+    fn closed(&self, py: Python<'_>) -> bool {
+        lock(py, &self.inner).is_none()
+    }
+}

@@ -1,0 +1,55 @@
+"""The examples the book shows, run as a user runs them: a trainer process and engine
+processes, on every transport."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import TRANSPORTS
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_python_trainer_feeds_two_python_engines(transport, tmp_path):
+    spec = tmp_path / "policy.spec"
+    trainer = subprocess.Popen(
+        [sys.executable, EXAMPLES / "trainer.py", "--transport", transport,
+         "--spec-file", spec, "--engines", "2", "--updates", "3"],
+        stdout=subprocess.PIPE, text=True, cwd=tmp_path,
+    )
+    deadline = time.monotonic() + 60
+    while not spec.exists():
+        assert trainer.poll() is None and time.monotonic() < deadline, "trainer did not start"
+        time.sleep(0.05)
+    engines = [
+        subprocess.Popen([sys.executable, EXAMPLES / "engine.py", spec, "--updates", "3"],
+                         stdout=subprocess.PIPE, text=True, cwd=tmp_path)
+        for _ in range(2)
+    ]
+    outs = [e.communicate(timeout=120)[0] for e in engines]
+    t_out = trainer.communicate(timeout=60)[0]
+    assert trainer.returncode == 0, t_out
+    assert "version 4 acknowledged" in t_out
+    for e, out in zip(engines, outs):
+        assert e.returncode == 0, out
+        # 256*64 + 256 elements; version v adds v-1 to each of them
+        assert f"connected over {transport}: version 1" in out
+        for v in (2, 3, 4):
+            assert f"serving version {v}: sum {expected_sum(v):.1f}" in out, out
+
+
+def expected_sum(version: int) -> float:
+    """What trainer.py's version `version` sums to, computed as the engine computes it."""
+    rng = np.random.default_rng(0)
+    state = {"layer.weight": rng.standard_normal((256, 64), dtype=np.float32),
+             "layer.bias": np.zeros(256, np.float32)}
+    for _ in range(version - 1):
+        state = {name: w + 1.0 for name, w in state.items()}
+    return sum(float(np.sum(w)) for w in state.values())
