@@ -308,8 +308,10 @@ def _build() -> dict[str, type]:
             self._receiver: refit.Receiver | None = None
             self._init: RefitInitInfo | None = None
             self._model_id: str | None = None
-            #: the Refit version vLLM serves (None: the weights it loaded from disk)
+            #: the version of the connected sender that vLLM serves (None: weights from
+            #: elsewhere: the disk, or another sender connected before)
             self.loaded_version: int | None = None
+            self._serving = "the weights it started with"  # for messages
             #: a version failed part-way: the weights are mixed until one loads whole
             self.needs_full_resend = False
             self._layerwise = False  # between initialize and finalize of a layerwise reload
@@ -341,6 +343,10 @@ def _build() -> dict[str, type]:
             if model is not None and model not in models:
                 receiver.close()
                 raise _fail(errors.ConfigError, f"the refit sender (spec {where}) publishes no model `{model}` (it publishes {', '.join(models)})")
+            if self.loaded_version is not None:
+                self._serving = f"{self._serving} (from the sender connected before)"
+            # versions number one sender's updates: none of this sender's is in force yet
+            self.loaded_version = None
             self._receiver, self._init, self._model_id = receiver, init_info, model or models[0]
             _log.info("refit: connected to the %s sender of `%s` (spec %s), version %d in force there",
                       receiver.transport, self._model_id, where, receiver.version(self._model_id))
@@ -414,11 +420,13 @@ def _build() -> dict[str, type]:
             return f"{v}`{self._model_id}` (refit spec {spec})"
 
         def _in_force(self) -> str:
-            if self.needs_full_resend:
-                return "vLLM's weights are still mixed from a failed version"
-            if self.loaded_version is None:
-                return "vLLM still serves the weights it started with"
-            return f"vLLM still serves version {self.loaded_version}"
+            return f"vLLM still serves {self._serving}"
+
+        def _mixed(self, version: int) -> None:
+            """Records that part of ``version`` landed: the next version must load whole."""
+            self.needs_full_resend = True
+            self.loaded_version = None
+            self._serving = f"mixed weights (part of version {version} of `{self._model_id}`, which failed)"
 
         def _wait(self, info: RefitUpdateInfo) -> Any | None:
             """The update to load (None: the version asked is already in force)."""
@@ -472,7 +480,19 @@ def _build() -> dict[str, type]:
             if self._staged is not None:
                 self._complete()
             else:
+                self._restore()
+
+        def _restore(self) -> None:
+            """Finalizes a layerwise reload that loaded nothing: every layer gets its
+            previous tensors back. vLLM warns "Failed to load weights" for each layer then,
+            which is the point here: those warnings are silenced meanwhile."""
+            quiet = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
+            level = quiet.level
+            quiet.setLevel(logging.ERROR)
+            try:
                 self._finalize()
+            finally:
+                quiet.setLevel(level)
 
         def _load(self, update: Any, info: RefitUpdateInfo, started: float) -> None:
             assert self._model_id is not None
@@ -514,14 +534,13 @@ def _build() -> dict[str, type]:
                 touched = _touched(self.model, fresh)
                 cause = f"the model's load_weights failed at tensor `{current[0]}`: {type(e).__name__}: {e}"
                 try:
-                    self._finalize()
+                    (self._finalize if touched else self._restore)()
                 except Exception as f:  # the model is in an unknown state
                     touched = True
                     cause += f"; then completing the reload failed: {type(f).__name__}: {f}"
                 if not touched:
                     raise _fail(errors.Refused, f"{self._what(version)} refused by vLLM before any of it was applied: {cause}; {self._in_force()}") from e
-                self.needs_full_resend = True
-                self.loaded_version = None
+                self._mixed(version)
                 raise _fail(errors.NeedsFullResend, f"{self._what(version)} failed part-way into vLLM's weights ({cause}): the weights are mixed until the next version loads whole") from e
 
         def _load_kernel(self, pairs: list, version: int) -> None:
@@ -530,7 +549,7 @@ def _build() -> dict[str, type]:
             from vllm.model_executor.model_loader.reload.inplace import get_parameter_for_reload
 
             if self._layerwise:
-                self._finalize()  # nothing loaded yet: puts the kernel tensors back
+                self._restore()  # nothing loaded yet: puts the kernel tensors back
             targets = []
             for name, t in pairs:
                 try:
@@ -546,8 +565,7 @@ def _build() -> dict[str, type]:
                     for (param, _), (name, t) in zip(targets, self._device_pairs(pairs, current)):
                         param.copy_(t)
             except Exception as e:
-                self.needs_full_resend = True
-                self.loaded_version = None
+                self._mixed(version)
                 raise _fail(errors.NeedsFullResend, f"{self._what(version)} failed part-way at tensor `{current[0]}`: {type(e).__name__}: {e}: the weights are mixed until the next version loads whole") from e
 
         def _complete(self) -> None:
@@ -558,13 +576,13 @@ def _build() -> dict[str, type]:
             except Exception as e:
                 if staged is None:
                     raise
-                self.needs_full_resend = True
-                self.loaded_version = None
+                self._mixed(staged[1])
                 raise _fail(errors.NeedsFullResend, f"completing the reload of {self._what(staged[1])} failed: {type(e).__name__}: {e}: the weights are mixed until the next version loads whole") from e
             if staged is None:
                 return
             update, version, timings = staged
             self.loaded_version = version
+            self._serving = f"version {version}"
             self.needs_full_resend = False
             try:
                 update.ack()

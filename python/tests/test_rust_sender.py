@@ -73,6 +73,18 @@ def test_python_receives_what_refit_serve_publishes(refit_bin, tmp_path, transpo
         serve.stop()
 
 
+def test_shared_memory_needs_no_token(refit_bin, tmp_path, monkeypatch):
+    monkeypatch.delenv("REFIT_TOKEN")
+    file = tmp_path / "model.safetensors"
+    save_file(weights(1), str(file))
+    serve = Serve(refit_bin, file, "shm", tmp_path / "spec")
+    try:
+        with refit.Receiver(tmp_path / "spec", timeout=30) as r:
+            assert_same(r.current().arrays(), weights(1))
+    finally:
+        serve.stop()
+
+
 def _write_fp8(path: Path, raw: bytes) -> None:
     header = {"w8": {"dtype": "F8_E4M3", "shape": [len(raw)], "data_offsets": [0, len(raw)]}}
     head = json.dumps(header).encode()

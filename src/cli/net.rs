@@ -14,7 +14,7 @@ use refit::runtime::{
     Error, Manifests, ModelId, ReceiverInit, Result, SenderInit, SenderTransport, Version,
     WeightSet, wire,
 };
-use refit::transports::link::{self, LinkFactory, LinkOptions, ReceiverSpec};
+use refit::transports::link::{self, LinkFactory, LinkOptions, Reach, ReceiverSpec};
 use refit::transports::tcp::{
     TcpConfig, TcpEndpoint, TcpLink, TcpReceiver, TcpReceiverConfig, TcpReceiverSpec, TcpSender,
     TransferMode,
@@ -301,7 +301,13 @@ impl Watch {
 /// `refit serve`: a safetensors file served as a sender agent.
 pub(crate) fn serve(args: ServeArgs) -> ExitCode {
     exit((|| {
-        let token = token(&args.token)?;
+        // shared memory and files reach processes of this host only: no token to present
+        let factory = link::find(&args.link)?;
+        let token = match token(&args.token) {
+            Ok(t) => Some(t),
+            Err(_) if factory.reach() != Reach::Network => None,
+            Err(e) => return Err(e),
+        };
         if args.bind.ip().is_unspecified() && args.advertise.is_none() {
             return Err(Error::Config(format!(
                 "--bind {} is an unspecified address, which receivers cannot connect to: give \
@@ -326,10 +332,9 @@ pub(crate) fn serve(args: ServeArgs) -> ExitCode {
             weights.manifest().total_len(),
             args.file.display(),
         );
-        let factory = link::find(&args.link)?;
         if factory.name() != TcpLink.name() {
             let options = LinkOptions {
-                token: Some(token),
+                token,
                 expected_receivers: args.receivers,
                 ..LinkOptions::default()
             };
@@ -341,7 +346,7 @@ pub(crate) fn serve(args: ServeArgs) -> ExitCode {
         let config = TcpConfig {
             bind: args.bind,
             advertise: args.advertise,
-            token: Some(token),
+            token,
             bucket_size: args.bucket_size,
             expected_receivers: args.receivers,
             ..TcpConfig::default()

@@ -1,0 +1,336 @@
+"""End to end: a vLLM engine takes a trainer's new weights through Refit's ``refit``
+weight-transfer backend, and generates exactly what a vLLM freshly loaded with those
+weights generates.
+
+What it does (on a CPU; about four minutes on two cores):
+
+1. writes a tiny random Llama (version 1) and the weights of versions 2 and 3 (other seeds);
+2. starts the trainer side: ``refit serve MODEL.safetensors --watch`` (the real binary);
+3. starts ``LLM(model=DIR, weight_transfer_config={"backend": "refit"})`` and connects its
+   engine to the sender's spec (:func:`refit.vllm.init_engine`);
+4. generates greedy tokens, then for versions 2 and 3: renames the new file over the served
+   one (``refit serve`` publishes it), calls :func:`refit.vllm.update_weights`, generates;
+5. bad updates, each raising a typed :mod:`refit.errors` exception:
+   a file of the wrong shape (``refit serve`` refuses to publish it: the engine's wait ends in
+   ``Timeout``; vLLM still generates version 3's tokens), a version holding a tensor vLLM does
+   not know, first (``Refused`` before anything was applied; still version 3's tokens), and
+   one whose unknown tensor comes after others landed (``NeedsFullResend``), both from a
+   Python ``refit.Sender`` over shared memory; then the repair: reconnecting with
+   ``load_initial`` loads the version in force (version 3's tokens again) and a next
+   published version (version 2's file again) loads whole (version 2's tokens);
+6. shuts that vLLM down and starts a fresh vLLM per version from a directory holding that
+   version's file (in a subprocess each), and checks the tokens are equal version by version,
+   and that versions 1, 2 and 3 generate different tokens (so the check can fail).
+
+Exits 0 when every check passes, 1 otherwise. Run it with the Python that has vLLM and
+``refit`` installed, from anywhere::
+
+    python python/examples/vllm_engine.py [--refit-bin target/release/refit] [--link shm]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+# before vLLM is imported: a small KV cache and no tokenizer (token ids in, token ids out)
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent.parent
+sys.path.insert(0, str(HERE))
+
+PROMPT = [1, 17, 230, 45, 99, 311, 7, 128]
+MODEL_ID = "policy"
+REF_MARK = "REFERENCE-TOKENS: "
+
+
+def llm_for(directory: Path, **extra):
+    """A vLLM on the CPU for the tiny model in ``directory``."""
+    from vllm import LLM
+
+    return LLM(
+        model=str(directory),
+        skip_tokenizer_init=True,
+        dtype="float32",
+        enforce_eager=True,
+        max_model_len=256,
+        max_num_seqs=4,
+        **extra,
+    )
+
+
+def generate(llm, max_tokens: int) -> list[int]:
+    """Greedy tokens for :data:`PROMPT` (temperature 0, every token generated)."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False)
+    out = llm.generate([{"prompt_token_ids": PROMPT}], params, use_tqdm=False)
+    return list(out[0].outputs[0].token_ids)
+
+
+def reference(directory: Path, max_tokens: int) -> int:
+    """The ``--reference`` mode: a fresh vLLM loads ``directory`` and prints its tokens."""
+    llm = llm_for(directory)
+    print(REF_MARK + json.dumps(generate(llm, max_tokens)), flush=True)
+    return 0
+
+
+class Serve:
+    """``refit serve FILE --watch`` as a subprocess, its output in a log file."""
+
+    def __init__(self, binary: Path, served: Path, spec: Path, link: str, log: Path) -> None:
+        self.log = log
+        self._out = open(log, "wb")
+        cmd = [str(binary), "serve", str(served), "--watch", "--spec-file", str(spec), "--model", MODEL_ID]
+        if link != "tcp":
+            cmd += ["--link", link]
+        self.cmd = cmd
+        self.proc = subprocess.Popen(cmd, stdout=self._out, stderr=subprocess.STDOUT)
+        self.wait_for(lambda: spec.exists() and spec.stat().st_size > 0, "its spec file", 30)
+
+    def text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def wait_for(self, ready, what: str, seconds: float) -> float:
+        start = time.monotonic()
+        while not ready():
+            if self.proc.poll() is not None:
+                raise SystemExit(f"refit serve exited ({self.proc.returncode}) before {what}:\n{self.text()}")
+            if time.monotonic() - start > seconds:
+                raise SystemExit(f"refit serve: no {what} within {seconds} s:\n{self.text()}")
+            time.sleep(0.02)
+        return time.monotonic() - start
+
+    def wait_line(self, needle: str, seconds: float = 30) -> float:
+        return self.wait_for(lambda: needle in self.text(), f"`{needle}` in its log", seconds)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        self._out.close()
+
+
+def publish(src: Path, served: Path) -> None:
+    """What a trainer does: the new file under a temporary name, renamed over the served one."""
+    tmp = served.with_name(".incoming.safetensors")
+    shutil.copyfile(src, tmp)
+    os.replace(tmp, served)
+
+
+def state(path: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(str(path))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--refit-bin", type=Path, default=os.environ.get("REFIT_BIN"),
+                        help="the refit binary (default: $REFIT_BIN, else target/release/refit of this repository)")
+    parser.add_argument("--link", default="tcp", help="the transport `refit serve` publishes with (tcp, shm, file...)")
+    parser.add_argument("--workdir", type=Path, help="where to write the models (default: a temporary directory, removed)")
+    parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--timeout", type=float, default=60.0, help="seconds an update waits for its version")
+    parser.add_argument("--reference", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.reference is not None:
+        return reference(args.reference, args.max_tokens)
+
+    binary = Path(args.refit_bin) if args.refit_bin else REPO / "target" / "release" / "refit"
+    if not binary.is_file():
+        print(f"no refit binary at {binary}: build it (cargo build --release --bin refit) or pass --refit-bin", file=sys.stderr)
+        return 2
+    own_dir = args.workdir is None
+    work = Path(tempfile.mkdtemp(prefix="refit-vllm-")) if own_dir else args.workdir
+    work.mkdir(parents=True, exist_ok=True)
+    try:
+        return run(binary, work, args)
+    finally:
+        if own_dir:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+def run(binary: Path, work: Path, args) -> int:
+    import refit
+    import refit.vllm
+    import tiny_llama
+    from refit import errors
+
+    checks: list[tuple[str, bool, str]] = []
+
+    def check(name: str, ok: bool, detail: str = "") -> None:
+        checks.append((name, ok, detail))
+        print(f"  [{'ok' if ok else 'FAILED'}] {name}{': ' + detail if detail else ''}", flush=True)
+
+    # -- the weights, the token, the trainer side ---------------------------------------
+    model_dir = work / "model"
+    tiny_llama.write_model(model_dir, seed=1)
+    versions = {1: work / "v1.safetensors", 2: work / "v2.safetensors", 3: work / "v3.safetensors"}
+    shutil.copyfile(model_dir / "model.safetensors", versions[1])
+    tiny_llama.write_weights(versions[2], seed=2, like=model_dir)
+    tiny_llama.write_weights(versions[3], seed=3, like=model_dir)
+    token = work / "token"
+    subprocess.run([str(binary), "token", str(token)], check=True, capture_output=True)
+    os.environ["REFIT_TOKEN_FILE"] = str(token)  # vLLM's processes inherit it
+    served = model_dir / "model.safetensors"
+    spec = work / "policy.spec"
+    serve = Serve(binary, served, spec, args.link, work / "serve.log")
+    print(f"trainer side: {' '.join(serve.cmd)}", flush=True)
+
+    tokens: dict[str, list[int]] = {}
+    timings: list[tuple[str, float, float]] = []  # (what, publish→published s, update_weights s)
+    llm = None
+    try:
+        t0 = time.perf_counter()
+        llm = llm_for(model_dir, weight_transfer_config={"backend": refit.vllm.BACKEND})
+        startup = time.perf_counter() - t0
+        refit.vllm.init_engine(llm, spec, timeout=args.timeout)
+        tokens["v1"] = generate(llm, args.max_tokens)
+        print(f"vLLM up in {startup:.1f} s; version 1: {tokens['v1']}", flush=True)
+
+        published = 1
+
+        def update_from_file(label: str, src: Path) -> None:
+            nonlocal published
+            publish(src, served)
+            published += 1
+            seen = serve.wait_line(f"published version {published}")
+            t = time.perf_counter()
+            refit.vllm.update_weights(llm, version=published, timeout=args.timeout)
+            took = time.perf_counter() - t
+            timings.append((label, seen, took))
+            tokens[label] = generate(llm, args.max_tokens)
+            print(f"version {published} ({label}): published {seen:.2f} s after the rename, "
+                  f"update_weights {took * 1000:.1f} ms: {tokens[label]}", flush=True)
+
+        update_from_file("v2", versions[2])
+        update_from_file("v3", versions[3])
+
+        # -- bad updates -----------------------------------------------------------------
+        print("bad updates:", flush=True)
+        v3 = state(versions[3])
+
+        # (a) the wrong shape: refit serve refuses to publish it; the engine's wait times out
+        from safetensors.torch import save_file
+
+        wrong = dict(v3)
+        wrong["lm_head.weight"] = wrong["lm_head.weight"][:-1].contiguous()
+        save_file(wrong, str(work / "wrong.safetensors"), metadata={"format": "pt"})
+        publish(work / "wrong.safetensors", served)
+        serve.wait_line("not published")
+        published += 1  # refit serve numbered the refused file
+        try:
+            refit.vllm.update_weights(llm, timeout=3)
+            check("a wrong-shape file is not applied", False, "update_weights returned")
+        except errors.Timeout as e:
+            check("a wrong-shape file is not applied (refit serve refused it; the wait raises refit.errors.Timeout)", True, str(e)[:160])
+        after = generate(llm, args.max_tokens)
+        check("after the refused file vLLM still generates version 3's tokens", after == tokens["v3"], str(after))
+
+        # (b) a version vLLM's model refuses before any of it lands: an unknown tensor first
+        first = refit.Sender("shm", {"bogus.weight": v3["lm_head.weight"], **v3}, model=MODEL_ID)
+        first.start()
+        refit.vllm.init_engine(llm, first.spec, timeout=args.timeout)
+        first.publish({"bogus.weight": v3["lm_head.weight"], **v3})
+        try:
+            refit.vllm.update_weights(llm, version=2, timeout=args.timeout)
+            check("a version with an unknown tensor first is refused", False, "update_weights returned")
+        except errors.Refused as e:
+            check("a version with an unknown tensor first is refused whole (refit.errors.Refused)", True, str(e)[:200])
+        except errors.RefitError as e:
+            check("a version with an unknown tensor first is refused whole", False, f"{type(e).__name__}: {e}")
+        after = generate(llm, args.max_tokens)
+        check("after the refused version vLLM still generates version 3's tokens", after == tokens["v3"], str(after))
+        first.close()
+
+        # (c) a version that fails part-way: its unknown tensor comes after others landed
+        mixed = {(k if k != "model.layers.1.mlp.down_proj.weight" else "model.layers.1.mlp.bogus_proj.weight"): t
+                 for k, t in v3.items()}
+        mixed = {k: (t if k.startswith("model.layers.1") else t * -1.0) for k, t in mixed.items()}
+        part = refit.Sender("shm", mixed, model=MODEL_ID)
+        part.start()
+        refit.vllm.init_engine(llm, part.spec, timeout=args.timeout)
+        part.publish(mixed)
+        try:
+            refit.vllm.update_weights(llm, version=2, timeout=args.timeout)
+            check("a version failing part-way raises NeedsFullResend", False, "update_weights returned")
+        except errors.NeedsFullResend as e:
+            check("a version failing part-way raises refit.errors.NeedsFullResend", True, str(e)[:200])
+        except errors.RefitError as e:
+            check("a version failing part-way raises NeedsFullResend", False, f"{type(e).__name__}: {e}")
+        tokens["mixed"] = generate(llm, args.max_tokens)
+        print(f"  mixed weights generate {tokens['mixed']}", flush=True)
+        part.close()
+
+        # the repair: back to refit serve; the version in force there loads whole
+        t = time.perf_counter()
+        refit.vllm.init_engine(llm, spec, timeout=args.timeout, load_initial=True)
+        timings.append(("reconnect + load_initial (v3)", 0.0, time.perf_counter() - t))
+        again = generate(llm, args.max_tokens)
+        check("reconnecting with load_initial loads version 3 whole again", again == tokens["v3"], str(again))
+        update_from_file("v2 again", versions[2])
+        check("the next published version (version 2's file again) loads whole", tokens["v2 again"] == tokens["v2"], str(tokens["v2 again"]))
+
+        refit.vllm.shutdown_engine(llm)
+    finally:
+        if llm is not None:
+            del llm
+        serve.stop()
+
+    # -- fresh vLLMs, one per version, for comparison ---------------------------------------
+    fresh: dict[str, list[int]] = {}
+    for label in ("v2", "v3"):
+        ref_dir = work / f"ref-{label}"
+        ref_dir.mkdir(exist_ok=True)
+        for name in ("config.json", "generation_config.json"):
+            if (model_dir / name).exists():
+                shutil.copyfile(model_dir / name, ref_dir / name)
+        shutil.copyfile(versions[int(label[1])], ref_dir / "model.safetensors")
+        t = time.perf_counter()
+        done = subprocess.run([sys.executable, __file__, "--reference", str(ref_dir), "--max-tokens", str(args.max_tokens)],
+                              capture_output=True, text=True, timeout=600)
+        lines = [line for line in done.stdout.splitlines() if line.startswith(REF_MARK)]
+        if done.returncode != 0 or not lines:
+            print(done.stdout[-4000:], done.stderr[-4000:], sep="\n", file=sys.stderr)
+            check(f"a fresh vLLM loads {label}", False, f"exit {done.returncode}")
+            continue
+        fresh[label] = json.loads(lines[-1][len(REF_MARK):])
+        print(f"fresh vLLM from {label}'s file ({time.perf_counter() - t:.0f} s): {fresh[label]}", flush=True)
+
+    print("comparison:", flush=True)
+    for label in ("v2", "v3"):
+        if label in fresh:
+            check(f"{label}: the updated engine generates what a fresh vLLM with {label}'s file generates",
+                  tokens[label] == fresh[label])
+    check("v1 and v2 generate different tokens", tokens["v1"] != tokens["v2"])
+    check("v2 and v3 generate different tokens", tokens["v2"] != tokens["v3"])
+
+    print("\nreport", flush=True)
+    print(f"  refit serve --link {args.link}; prompt {PROMPT}; {args.max_tokens} greedy tokens", flush=True)
+    for label, toks in tokens.items():
+        print(f"  {label:>9}: {toks}", flush=True)
+    for label, seen, took in timings:
+        extra = f", published {seen:.2f} s after the rename" if seen else ""
+        print(f"  {label}: update {took * 1000:.1f} ms{extra}", flush=True)
+    failed = [name for name, ok, _ in checks if not ok]
+    print(f"  {len(checks) - len(failed)}/{len(checks)} checks passed", flush=True)
+    for name in failed:
+        print(f"  FAILED: {name}", flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
