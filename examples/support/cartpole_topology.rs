@@ -3,12 +3,13 @@
 //! The launcher sets `REFIT_TOPOLOGY` (the file), `REFIT_SET` (its `--set` overrides),
 //! `RANK`, `WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT` and `REFIT_TOKEN`; every rank runs this
 //! same function with the CartPole/PPO roles. Rank 0 (trainer, controller, evaluator) logs
-//! each weight update as it happens and prints the report at the end: wall time, frames and
-//! the staleness histogram. `refit launch FILE --set sync.sync_mode=fully-async` changes the
+//! each weight update as it happens and prints the report at the end: wall time, frames,
+//! the staleness histogram, and what delivering each version to the engines took beside a
+//! `memcpy` of the same bytes. `refit launch FILE --set sync.sync_mode=fully-async` changes the
 //! file's `[sync] sync_mode` for one run (any key: see the topology-file chapter).
 
-use refit_actors::CartPolePpo;
 use refit_actors::run::{self, RunReport};
+use refit_actors::{CartPolePpo, LearnStats};
 use refit_node::LaunchEnv;
 use refit_runtime::topology::Topology;
 
@@ -22,6 +23,7 @@ pub(crate) fn run_rank() -> Result<bool, Box<dyn std::error::Error>> {
     match run::join(&topology, &launch, CartPolePpo::new())? {
         Some(report) => {
             print_report(&topology, &report);
+            print_delivery(&report);
             Ok(report.solved)
         }
         None => Ok(true),
@@ -65,5 +67,53 @@ fn print_report(topology: &Topology, report: &RunReport) {
                 100.0 * *n as f64 / total.max(1) as f64
             );
         }
+    }
+}
+
+/// Rank 0's weight delivery per update, per model: the trainer's publish through its outlet
+/// (over shared memory: the version written once into a slot and committed, whatever the
+/// number of engines) plus the engines' fetch (mean per load), beside a one-thread `memcpy`
+/// of the same bytes measured here, now; then what the engines did with it (the apply into
+/// their policy, the model paused meanwhile) and the trainer's export, apart.
+fn print_delivery(report: &RunReport) {
+    let loads = report.engine.loads.max(1) as f64;
+    let fetch = report.engine.staged_total.as_secs_f64() / loads;
+    let apply = report.engine.paused_total.as_secs_f64() / loads;
+    for (model, r) in &report.models {
+        let of =
+            |key: &str| -> Vec<f64> { r.updates.iter().filter_map(|u| u.learn.get(key)).collect() };
+        let (publish, export) = (of(LearnStats::PUBLISH_S), of(LearnStats::EXPORT_S));
+        let Some(&bytes) = of(LearnStats::BYTES).last() else {
+            continue;
+        };
+        let bytes = bytes as usize;
+        let copies = refit_runtime::copy::time_copy(&vec![7u8; bytes], 3, 1);
+        let memcpy = median(&copies.iter().map(|d| d.as_secs_f64()).collect::<Vec<_>>());
+        let delivery = median(&publish) + fetch;
+        println!(
+            "weights of {model}: {:.1} MiB per version; delivery per update (median of {}): \
+             publish {:.1} ms + engine fetch {:.2} ms = {:.1} ms, {:.2}x a memcpy of the same \
+             bytes here ({:.1} ms); engine apply {:.1} ms, trainer export {:.1} ms",
+            bytes as f64 / (1 << 20) as f64,
+            publish.len(),
+            median(&publish) * 1e3,
+            fetch * 1e3,
+            delivery * 1e3,
+            delivery / memcpy,
+            memcpy * 1e3,
+            apply * 1e3,
+            median(&export) * 1e3,
+        );
+    }
+}
+
+/// The median of `v` (NaN when empty).
+fn median(v: &[f64]) -> f64 {
+    let mut v = v.to_vec();
+    v.sort_by(f64::total_cmp);
+    match v.len() {
+        0 => f64::NAN,
+        n if n % 2 == 1 => v[n / 2],
+        n => (v[n / 2 - 1] + v[n / 2]) / 2.0,
     }
 }

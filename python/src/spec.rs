@@ -6,7 +6,6 @@ use pyo3::prelude::*;
 use refit_node::ClusterToken;
 use refit_runtime::{ReceiverTransport, wire};
 use refit_transports::link::{self, LinkOptions, ReceiverSpec};
-use refit_transports::shm::{ShmReadMode, ShmReceiver, ShmReceiverSpec};
 use refit_transports::tcp::{TcpEndpoint, TcpLink};
 
 use crate::errors::{config, to_py};
@@ -50,13 +49,9 @@ pub(crate) fn open(
     };
     let options = LinkOptions {
         token,
+        private_copies: copy,
         ..LinkOptions::default()
     };
-    let transport: Box<dyn ReceiverTransport> = if name == "shm" && !copy {
-        let params: ShmReceiverSpec = spec.params().map_err(to_py)?;
-        Box::new(ShmReceiver::new(params).with_mode(ShmReadMode::ZeroCopy))
-    } else {
-        spec.receiver(&options).map_err(to_py)?
-    };
+    let transport = spec.receiver(&options).map_err(to_py)?;
     Ok((transport, name))
 }

@@ -77,20 +77,24 @@ def test_arrays_are_read_only_views_of_the_received_memory(pair, transport):
     assert len(checksums) == len(arrays)
 
 
+def mapping_of(addr: int) -> str:
+    """The file mapped at `addr` in this process ("" for anonymous memory)."""
+    with open("/proc/self/maps") as f:
+        for line in f:
+            parts = line.split()
+            lo, hi = (int(x, 16) for x in parts[0].split("-"))
+            if lo <= addr < hi:
+                return parts[5] if len(parts) > 5 else ""
+    raise AssertionError(f"{addr:#x} is not mapped")
+
+
 def test_shared_memory_arrays_lie_in_the_senders_slot(pair):
     """Zero-copy proof: the array's buffer is inside a mapping of a /dev/shm file."""
     p = pair("shm")
     p.sender.publish(weights(2))
     u = p.receiver.receive(timeout=20)
     addr = u.arrays()["embed.weight"].__array_interface__["data"][0]
-    maps = []
-    with open("/proc/self/maps") as f:
-        for line in f:
-            parts = line.split()
-            lo, hi = (int(x, 16) for x in parts[0].split("-"))
-            maps.append((lo, hi, parts[5] if len(parts) > 5 else ""))
-    owner = [m for m in maps if m[0] <= addr < m[1]]
-    assert owner and owner[0][2].startswith("/dev/shm/"), owner
+    assert mapping_of(addr).startswith("/dev/shm/"), mapping_of(addr)
 
 
 def test_copy_mode_reads_shared_memory_into_private_memory(pair):
@@ -98,6 +102,8 @@ def test_copy_mode_reads_shared_memory_into_private_memory(pair):
     p.sender.publish(weights(2))
     u = p.receiver.receive(timeout=20)
     assert_same(u.arrays(), weights(2))
+    addr = u.arrays()["embed.weight"].__array_interface__["data"][0]
+    assert not mapping_of(addr).startswith("/dev/shm/"), mapping_of(addr)
     u.ack()
     p.sender.wait(timeout=20)
 

@@ -45,6 +45,16 @@ impl LearnStats {
     pub fn get(&self, name: &str) -> Option<f64> {
         self.values.get(name).copied()
     }
+
+    /// Added by the trainer actor after the learner's own values: seconds the learner's
+    /// [`export`](Learner::export) took (its weights into a weight set).
+    pub const EXPORT_S: &'static str = "refit.export_s";
+    /// Added by the trainer actor: seconds the version took to go out through the trainer's
+    /// outlet (the link's publish: a shared-memory slot written and committed, a TCP
+    /// version made available), the engines' loads not included.
+    pub const PUBLISH_S: &'static str = "refit.publish_s";
+    /// Added by the trainer actor: bytes of the exported version.
+    pub const BYTES: &'static str = "refit.bytes";
 }
 
 // ANCHOR: learner

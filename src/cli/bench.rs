@@ -26,6 +26,9 @@ const WAIT: Duration = Duration::from_secs(120);
 const COPIES_MAX: usize = 512 << 20;
 /// Largest size measured with copying shm receivers.
 const COPY_MODE_MAX: usize = 512 << 20;
+/// The name of the shared-memory rows of the link factory's default path (what engines and
+/// `refit launch` use): receivers serve each version from the sender's slot.
+const SHM_DEFAULT: &str = "shm (zero-copy)";
 
 /// Arguments of `refit bench`.
 #[derive(Debug, clap::Args)]
@@ -45,8 +48,9 @@ pub(crate) struct BenchArgs {
     #[arg(long, default_value_t = 2)]
     warmup: usize,
     /// Transports to measure, by name: any of the link factory's (inproc, shm, tcp, file,
-    /// ...); each gets the same rows, plus extra rows for some (shm read modes and loaned
-    /// slots, `refit pull` over tcp).
+    /// ...); each gets the same rows, plus extra rows for some (shm: loaned slots, the
+    /// per-version checksum and copying receivers after the default zero-copy rows; tcp:
+    /// `refit pull`).
     #[arg(long, value_delimiter = ',', default_value = "inproc,shm,tcp,file")]
     transports: Vec<String>,
     /// Size of the model the conversion to an engine's layout (fused, bf16 / fp8, through
@@ -190,17 +194,17 @@ pub(crate) fn run(args: &BenchArgs) -> BoxResult<()> {
                     continue;
                 }
                 eprintln!("refit bench: {} {} N={n}", l.name(), fmt_bytes(size));
-                rows.extend(bench_link(l, &mut weights, n, args, &base)?);
+                let link_rows = bench_link(l, &mut weights, n, args, &base)?;
                 if l.name() == ShmLink.name() {
-                    // shared memory's extra rows: the sender filling a lent slot in place,
-                    // and (copying receivers hold two private arenas each: up to 512 MiB)
-                    // receivers copying out of the slots
-                    let loaned = (ShmReadMode::ZeroCopy, true);
-                    rows.extend(bench_shm(&mut weights, n, loaned, args, &base)?);
-                    if size <= COPY_MODE_MAX {
-                        let copying = (ShmReadMode::Copy, false);
-                        rows.extend(bench_shm(&mut weights, n, copying, args, &base)?);
-                    }
+                    // the default path first, under the name of its read mode, then the
+                    // other modes
+                    rows.extend(link_rows.into_iter().map(|mut r| {
+                        r.transport = SHM_DEFAULT.into();
+                        r
+                    }));
+                    rows.extend(bench_shm_modes(&mut weights, n, size, args, &base)?);
+                } else {
+                    rows.extend(link_rows);
                 }
             }
         }
@@ -592,19 +596,71 @@ where
     Ok((publish, e2e))
 }
 
-/// Shared memory with `n` receiver processes. `loaned`: the sender fills a lent slot in place
-/// (timed apart as `fill`, the trainer's own extraction) and publishes without a copy.
-fn bench_shm(
+/// Shared memory's rows after the default path's: the sender filling a lent slot in place,
+/// the per-version checksum (computed as the sender writes, verified by every receiver), and
+/// (copying receivers hold two private arenas each: up to 512 MiB) receivers copying each
+/// version out of the slot.
+fn bench_shm_modes(
     weights: &mut Arc<WeightSet>,
     n: usize,
-    (mode, loaned): (ShmReadMode, bool),
+    size: usize,
     args: &BenchArgs,
     base: &Baselines,
 ) -> BoxResult<Vec<Row>> {
+    let mut rows = Vec::new();
+    let loaned = ShmRows {
+        mode: ShmReadMode::ZeroCopy,
+        loaned: true,
+        checksum: false,
+    };
+    rows.extend(bench_shm(weights, n, loaned, args, base)?);
+    let checksummed = ShmRows {
+        mode: ShmReadMode::ZeroCopy,
+        loaned: false,
+        checksum: true,
+    };
+    rows.extend(bench_shm(weights, n, checksummed, args, base)?);
+    if size <= COPY_MODE_MAX {
+        let copying = ShmRows {
+            mode: ShmReadMode::Copy,
+            loaned: false,
+            checksum: false,
+        };
+        rows.extend(bench_shm(weights, n, copying, args, base)?);
+    }
+    Ok(rows)
+}
+
+/// One configuration of [`bench_shm`].
+#[derive(Clone, Copy)]
+struct ShmRows {
+    /// How the receivers read.
+    mode: ShmReadMode,
+    /// The sender fills a lent slot in place (timed apart as `fill`, the trainer's own
+    /// extraction) and publishes without a copy.
+    loaned: bool,
+    /// A checksum per version ([`ShmConfig::checksum`]).
+    checksum: bool,
+}
+
+/// Shared memory with `n` receiver processes, read as `rows` says.
+fn bench_shm(
+    weights: &mut Arc<WeightSet>,
+    n: usize,
+    rows: ShmRows,
+    args: &BenchArgs,
+    base: &Baselines,
+) -> BoxResult<Vec<Row>> {
+    let ShmRows {
+        mode,
+        loaned,
+        checksum,
+    } = rows;
     let size = weights.manifest().total_len();
     let manifests = Manifests::new([(weights.model().clone(), Arc::clone(weights.manifest()))])?;
     let config = ShmConfig {
         expected_receivers: n,
+        checksum,
         ..ShmConfig::default()
     };
     let transport = ShmSender::create(&config, &manifests)?;
@@ -622,10 +678,11 @@ fn bench_shm(
         loaned,
         Some((args.warmup, args.iters)),
     )?;
-    let name = match (mode, loaned) {
-        (_, true) => "shm (loaned)",
-        (ShmReadMode::Copy, _) => "shm (copy)",
-        (ShmReadMode::ZeroCopy, _) => "shm (zero-copy)",
+    let name = match (mode, loaned, checksum) {
+        (_, true, _) => "shm (loaned)",
+        (_, _, true) => "shm (checksum)",
+        (ShmReadMode::Copy, _, _) => "shm (copy)",
+        (ShmReadMode::ZeroCopy, _, _) => "shm (zero-copy)",
     };
     Ok(times.rows(name, size, n, ("memcpy", base.memcpy.median)))
 }

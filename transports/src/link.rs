@@ -81,6 +81,15 @@ pub struct LinkOptions {
     pub dir: Option<PathBuf>,
     /// Receiver: the deadline of one remote call (TCP; default the transport's own).
     pub call_timeout: Option<Duration>,
+    /// Receiver: keep every version in memory of its own. By default a shared-memory
+    /// receiver serves each version from the slot the sender wrote it into (one copy for any
+    /// number of receivers, see [`ShmReadMode`](crate::shm::ShmReadMode)); transports whose
+    /// receivers always own their bytes (TCP) ignore it.
+    pub private_copies: bool,
+    /// Sender: a checksum per version, verified by every receiver before it admits the
+    /// version (shared memory: [`ShmConfig::checksum`](crate::shm::ShmConfig::checksum)).
+    /// TCP checks every bucket whatever this says.
+    pub checksum: bool,
 }
 
 impl LinkOptions {
@@ -109,7 +118,8 @@ pub trait LinkFactory: Send + Sync + 'static {
     /// How far apart its two ends may be.
     fn reach(&self) -> Reach;
     /// True when each receiver holds the weights in memory of its own (as opposed to
-    /// sharing the sender's): `refit bench` caps its sizes for such transports.
+    /// sharing the sender's) with default [`LinkOptions`]: `refit bench` caps its sizes for
+    /// such transports.
     fn receivers_copy(&self) -> bool;
     /// Opens the sender end for `manifests`; nothing is published yet.
     ///

@@ -432,45 +432,96 @@ fn sender_with_no_receiver_times_out_on_acks() {
     assert!(paths.iter().all(|p| !p.exists()), "segments left behind");
 }
 
+/// Shared memory with `slots` reserved and room for `max_slots`, read in place.
+struct ShmSlots(usize, usize);
+impl Make for ShmSlots {
+    type S = ShmSender;
+    type R = ShmReceiver;
+    fn make(&self, ms: &Manifests, n: usize) -> (Self::S, Vec<Self::R>) {
+        let cfg = ShmConfig {
+            expected_receivers: n,
+            slots: self.0,
+            max_slots: self.1,
+            ..ShmConfig::default()
+        };
+        let s = ShmSender::create(&cfg, ms).unwrap();
+        let spec = s.receiver_spec();
+        let rs = (0..n).map(|_| ShmReceiver::new(spec.clone())).collect();
+        (s, rs)
+    }
+}
+
+/// Publishes version `v` of `policy` and has the one receiver take it.
+fn publish_and_take(
+    sender: &mut refit_runtime::Sender<ShmSender>,
+    rs: &mut [refit_runtime::Receiver<ShmReceiver>],
+    m: &Arc<Manifest>,
+    v: u64,
+) -> refit_runtime::Result<()> {
+    let pending = sender.send_async(vec![stamped("policy", m, v)])?;
+    let u = rs[0].receive(T)?.expect("the version arrives");
+    check_stamp(&u.group[0]).unwrap();
+    sender.wait(&pending, T)
+}
+
 #[test]
-fn zero_copy_pins_hold_slots_and_writer_uses_free_ones() {
+fn a_reader_holding_an_old_version_costs_a_slot_and_copies_never_a_wait() {
     let m = manifest(64);
     let ms = manifests(&[("policy", &m)]);
-    let (mut sender, mut rs) = connect_all(
-        &ShmMake(ShmReadMode::ZeroCopy),
-        &ms,
-        vec![stamped("policy", &m, 1)],
-        1,
-    );
+    let (mut sender, mut rs) = connect_all(&ShmSlots(3, 4), &ms, vec![stamped("policy", &m, 1)], 1);
     let p = id("policy");
+    // the default read serves the slot in place
     let held = rs[0].current(&p).unwrap();
     assert!(held.is_shared());
-    // publish many versions while the reader keeps an old one pinned: its bytes never change
-    let publish = |sender: &mut refit_runtime::Sender<ShmSender>,
-                   v: u64,
-                   rs: &mut Vec<refit_runtime::Receiver<ShmReceiver>>| {
-        let pending = sender.send_async(vec![stamped("policy", &m, v)])?;
-        rs[0].receive(T)?;
-        sender.wait(&pending, T)
-    };
+    assert_eq!(rs[0].transport().versions_copied(), 0);
+    // publish many versions while the program keeps version 1 (pinned): the sender never
+    // waits; it adds one slot, and marks the receiver behind, which then reads new versions
+    // into private memory instead of pinning more slots
     for v in 2..=20 {
-        publish(&mut sender, v, &mut rs).unwrap();
+        publish_and_take(&mut sender, &mut rs, &m, v).unwrap();
         check_stamp(&held).unwrap();
     }
     assert_eq!(held.version(), Version(1));
-    // pin a second old version; with 3 slots, two pinned old versions plus the one in force
-    // leave the writer no free slot: it says so within its deadline instead of overwriting
+    assert_eq!(sender.transport().slots_in_use(&p).unwrap(), 4);
+    assert!(sender.transport().behind_marks() >= 1);
+    // from version 3 on (version 1 then two behind) every version was copied
+    assert_eq!(rs[0].transport().versions_copied(), 18);
+    // once the old version is let go, versions are read in place again
+    drop(held);
+    for v in 21..=24 {
+        publish_and_take(&mut sender, &mut rs, &m, v).unwrap();
+    }
+    assert_eq!(rs[0].transport().versions_copied(), 18);
+    assert_eq!(sender.transport().slots_in_use(&p).unwrap(), 4);
+    sender.shutdown().unwrap();
+}
+
+#[test]
+fn at_max_slots_a_publish_waits_for_its_deadline_naming_the_holders() {
+    let m = manifest(64);
+    let ms = manifests(&[("policy", &m)]);
+    let (mut sender, mut rs) = connect_all(&ShmSlots(3, 3), &ms, vec![stamped("policy", &m, 1)], 1);
+    let p = id("policy");
+    let held = rs[0].current(&p).unwrap();
+    publish_and_take(&mut sender, &mut rs, &m, 2).unwrap();
     let held2 = rs[0].current(&p).unwrap();
+    publish_and_take(&mut sender, &mut rs, &m, 3).unwrap();
+    // versions 1 and 2 pinned, 3 in force, no room to grow: the writer says so within its
+    // deadline instead of overwriting
     sender.set_ack_timeout(Duration::from_millis(100));
-    publish(&mut sender, 21, &mut rs).unwrap();
-    let err = publish(&mut sender, 22, &mut rs).unwrap_err();
-    assert!(err.to_string().contains("pinned by readers"), "{err}");
+    let err = publish_and_take(&mut sender, &mut rs, &m, 4).unwrap_err();
+    let text = err.to_string();
+    assert!(
+        text.contains("pinned by readers") && text.contains(&std::process::id().to_string()),
+        "{text}"
+    );
     check_stamp(&held).unwrap();
     check_stamp(&held2).unwrap();
-    drop(held);
-    drop(held2);
-    publish(&mut sender, 23, &mut rs).unwrap();
-    assert_eq!(rs[0].version(&p), Version(23));
+    drop((held, held2));
+    sender.set_ack_timeout(T);
+    publish_and_take(&mut sender, &mut rs, &m, 5).unwrap();
+    assert_eq!(rs[0].version(&p), Version(5));
+    assert_eq!(sender.transport().slots_in_use(&p).unwrap(), 3);
 }
 
 #[test]

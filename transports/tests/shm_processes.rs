@@ -134,6 +134,61 @@ fn child_entry() {
                 r.version(&p).get()
             );
         }
+        "reader-hold" => {
+            // reads in place (the default) and keeps each version for a while, the two
+            // newest alive at once, checking their bytes when taken and when let go
+            let mut r = ReceiverInit::new(ShmReceiver::new(spec), None)
+                .connect(T)
+                .unwrap();
+            let p = id("policy");
+            let mut kept = std::collections::VecDeque::new();
+            let mut applied = 1u64;
+            loop {
+                match r.receive(T) {
+                    Ok(Some(u)) => {
+                        let w = std::sync::Arc::clone(&u.group[0]);
+                        check_stamp(&w).unwrap();
+                        applied += 1;
+                        std::thread::sleep(Duration::from_micros(300 * (applied % 4)));
+                        kept.push_back(w);
+                        if kept.len() > 2 {
+                            check_stamp(&kept.pop_front().unwrap()).unwrap();
+                        }
+                        for w in &kept {
+                            check_stamp(w).unwrap();
+                        }
+                    }
+                    Ok(None) => panic!("no update within {T:?}"),
+                    Err(Error::PeerGone { .. }) => break,
+                    Err(e) => panic!("{e}"),
+                }
+            }
+            println!(
+                "applied={applied} copied={} last={}",
+                r.transport().versions_copied(),
+                r.version(&p).get()
+            );
+        }
+        "reader-count" => {
+            // the default read of the link factory; says how many versions it copied
+            let mut r = ReceiverInit::new(ShmReceiver::new(spec), None)
+                .connect(T)
+                .unwrap();
+            let p = id("policy");
+            loop {
+                match r.receive(T) {
+                    Ok(Some(u)) => check_stamp(&u.group[0]).unwrap(),
+                    Ok(None) => panic!("no update within {T:?}"),
+                    Err(Error::PeerGone { .. }) => break,
+                    Err(e) => panic!("{e}"),
+                }
+            }
+            println!(
+                "copied={} last={}",
+                r.transport().versions_copied(),
+                r.version(&p).get()
+            );
+        }
         "crash-sender" => {
             let m = manifest(4096);
             let ms = manifests(&[("policy", &m)]);
@@ -261,6 +316,140 @@ fn no_torn_reads_across_processes() {
     for r in readers {
         let out = finish(r);
         assert!(out.contains(&format!("last={VERSIONS}")), "{out}");
+    }
+}
+
+/// The last `key=` number a child printed.
+fn printed(out: &str, key: &str) -> u64 {
+    out.split_whitespace()
+        .filter_map(|w| w.strip_prefix(key))
+        .next_back()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("no {key} in {out}"))
+}
+
+#[test]
+fn readers_of_pinned_slots_never_see_a_torn_version_while_the_sender_runs_flat_out() {
+    let m = manifest(16 * 1024); // ~400 KiB per version
+    let ms = manifests(&[("policy", &m)]);
+    let cfg = ShmConfig {
+        expected_receivers: 3,
+        ..ShmConfig::default()
+    };
+    let sender = ShmSender::create(&cfg, &ms).unwrap();
+    let spec = sender.receiver_spec();
+    let readers: Vec<Child> = (0..3).map(|_| spawn_child("reader-hold", &spec)).collect();
+    let mut s = SenderInit::new(sender, ms)
+        .with_ack_timeout(T)
+        .connect(vec![stamped("policy", &m, 1)], T)
+        .unwrap();
+    // never waiting for a reader: every version is written while readers hold older ones
+    const VERSIONS: u64 = 1500;
+    let mut last = None;
+    for v in 2..=VERSIONS {
+        last = Some(s.send_async(vec![stamped("policy", &m, v)]).unwrap());
+    }
+    s.wait(&last.unwrap(), T).unwrap();
+    let slots = s.transport().slots_in_use(&id("policy")).unwrap();
+    s.shutdown().unwrap();
+    assert!((3..=5).contains(&slots), "{slots}");
+    let mut in_place = 0;
+    for r in readers {
+        let out = finish(r);
+        assert_eq!(printed(&out, "last="), VERSIONS, "{out}");
+        in_place += printed(&out, "applied=") - printed(&out, "copied=");
+    }
+    assert!(in_place > 0, "no version was read in place");
+}
+
+#[test]
+fn a_reader_holding_its_version_delays_no_other_reader() {
+    let m = manifest(4096);
+    let ms = manifests(&[("policy", &m)]);
+    let cfg = ShmConfig {
+        expected_receivers: 3,
+        ..ShmConfig::default()
+    };
+    let sender = ShmSender::create(&cfg, &ms).unwrap();
+    let spec = sender.receiver_spec();
+    // one reader process takes version 1 and holds it (never receives again); two readers,
+    // threads here, take every version and say so
+    let mut slow = spawn_child("pin-and-hang", &spec);
+    let (tx, rx) = std::sync::mpsc::channel();
+    const LAST: u64 = 30;
+    let fast: Vec<_> = (0..2)
+        .map(|i| {
+            let (spec, tx) = (spec.clone(), tx.clone());
+            std::thread::spawn(move || {
+                let mut r = ReceiverInit::new(ShmReceiver::new(spec), None)
+                    .connect(T)
+                    .unwrap();
+                while r.version(&id("policy")) < Version(LAST) {
+                    if let Some(u) = r.receive(T).unwrap() {
+                        check_stamp(&u.group[0]).unwrap();
+                        tx.send((i, u.group[0].version().get())).unwrap();
+                    }
+                }
+            })
+        })
+        .collect();
+    let mut s = SenderInit::new(sender, ms)
+        .with_ack_timeout(T)
+        .connect(vec![stamped("policy", &m, 1)], T)
+        .unwrap();
+    read_line_where(&mut slow, |l| (l == "pinned").then_some(()));
+    // a publish that waited for the held slot would miss this deadline: the slow reader
+    // never lets version 1 go
+    s.set_ack_timeout(Duration::from_millis(500));
+    let mut longest = Duration::ZERO;
+    for v in 2..=LAST {
+        let t = Instant::now();
+        let _slow_never_acks = s.send_async(vec![stamped("policy", &m, v)]).unwrap();
+        let mut got = [false; 2];
+        while got != [true; 2] {
+            let (i, seen) = rx.recv_timeout(T).expect("a fast reader stalled");
+            assert_eq!(seen, v, "fast reader {i}");
+            got[i] = true;
+        }
+        longest = longest.max(t.elapsed());
+    }
+    for h in fast {
+        h.join().unwrap();
+    }
+    // the held version cost one slot, once; the slow reader was told it is behind
+    assert_eq!(s.transport().slots_in_use(&id("policy")).unwrap(), 4);
+    assert!(s.transport().behind_marks() >= 1);
+    // a liveness bound for a loaded machine, not a speed figure (`refit bench` has those)
+    assert!(longest < Duration::from_secs(5), "{longest:?}");
+    slow.kill().unwrap();
+    slow.wait().unwrap();
+    s.shutdown().unwrap();
+}
+
+#[test]
+fn n_receiver_processes_read_one_copy() {
+    let m = manifest(64 * 1024); // ~1.5 MiB per version
+    let ms = manifests(&[("policy", &m)]);
+    let cfg = ShmConfig {
+        expected_receivers: 4,
+        ..ShmConfig::default()
+    };
+    let sender = ShmSender::create(&cfg, &ms).unwrap();
+    let spec = sender.receiver_spec();
+    let readers: Vec<Child> = (0..4).map(|_| spawn_child("reader-count", &spec)).collect();
+    let mut s = SenderInit::new(sender, ms)
+        .with_ack_timeout(T)
+        .connect(vec![stamped("policy", &m, 1)], T)
+        .unwrap();
+    for v in 2..=10 {
+        s.send(stamped("policy", &m, v)).unwrap();
+    }
+    s.shutdown().unwrap();
+    // the sender wrote each version once; no receiver copied one
+    for r in readers {
+        let out = finish(r);
+        assert_eq!(printed(&out, "last="), 10, "{out}");
+        assert_eq!(printed(&out, "copied="), 0, "{out}");
     }
 }
 

@@ -1,6 +1,7 @@
 //! Actors that wrap the plain-Rust collector and a [`Learner`] on their own threads.
 
 use std::sync::Arc;
+use std::time::Instant;
 
 use actix::prelude::*;
 use refit_runtime::{Version, WeightSet};
@@ -120,11 +121,6 @@ impl Trainer {
         })
     }
 
-    fn publish(&mut self) -> Result<Version> {
-        let weights = Arc::new(self.learner()?.export()?);
-        self.publish_weights(weights)
-    }
-
     fn publish_weights(&mut self, weights: Arc<WeightSet>) -> Result<Version> {
         match &mut self.outlet {
             Some(o) => o.publish(weights),
@@ -137,9 +133,22 @@ impl Trainer {
 
 impl Handler<TrainAndPublish> for Trainer {
     type Result = Result<(LearnStats, Version)>;
+    /// Trains, exports and publishes; the stats carry the learner's values plus the export
+    /// and publish times and the version's size ([`LearnStats::PUBLISH_S`] and the others).
     fn handle(&mut self, msg: TrainAndPublish, _: &mut SyncContext<Self>) -> Self::Result {
-        let stats = self.learner()?.update(&msg.batch)?;
-        Ok((stats, self.publish()?))
+        let mut stats = self.learner()?.update(&msg.batch)?;
+        let started = Instant::now();
+        let weights = Arc::new(self.learner()?.export()?);
+        let exported = started.elapsed();
+        let bytes = weights.bytes().len();
+        let version = self.publish_weights(weights)?;
+        stats.insert(LearnStats::EXPORT_S, exported.as_secs_f64());
+        stats.insert(
+            LearnStats::PUBLISH_S,
+            (started.elapsed() - exported).as_secs_f64(),
+        );
+        stats.insert(LearnStats::BYTES, bytes as f64);
+        Ok((stats, version))
     }
 }
 

@@ -2,11 +2,13 @@
 
 use refit_runtime::{Manifests, ReceiverTransport, Result};
 
-use super::{ShmConfig, ShmReceiver, ShmReceiverSpec, ShmSender};
+use super::{ShmConfig, ShmReadMode, ShmReceiver, ShmReceiverSpec, ShmSender};
 use crate::link::{LinkFactory, LinkOptions, OpenedLink, Reach, ReceiverSpec};
 
 /// Shared memory in the link factory: the spec is the board's path ([`ShmReceiverSpec`]);
-/// the segment files are the link's leftovers.
+/// the segment files are the link's leftovers. Receivers read each version where the sender
+/// wrote it ([`ShmReadMode::ZeroCopy`]) unless [`LinkOptions::private_copies`]; the sender
+/// checksums every version when [`LinkOptions::checksum`].
 #[derive(Debug, Clone, Copy)]
 pub struct ShmLink;
 
@@ -23,6 +25,7 @@ impl ShmLink {
     ) -> Result<(ShmSender, ReceiverSpec)> {
         let mut config = ShmConfig {
             expected_receivers: options.expected_receivers,
+            checksum: options.checksum,
             ..ShmConfig::default()
         };
         if let Some(dir) = &options.dir {
@@ -57,9 +60,18 @@ impl LinkFactory for ShmLink {
             sender: Box::new(sender),
         })
     }
-    fn receiver(&self, spec: &ReceiverSpec, _: &LinkOptions) -> Result<Box<dyn ReceiverTransport>> {
+    fn receiver(
+        &self,
+        spec: &ReceiverSpec,
+        options: &LinkOptions,
+    ) -> Result<Box<dyn ReceiverTransport>> {
         spec.check_transport(self)?;
         let s: ShmReceiverSpec = spec.params()?;
-        Ok(Box::new(ShmReceiver::new(s)))
+        let mode = if options.private_copies {
+            ShmReadMode::Copy
+        } else {
+            ShmReadMode::ZeroCopy
+        };
+        Ok(Box::new(ShmReceiver::new(s).with_mode(mode)))
     }
 }

@@ -6,7 +6,10 @@
 //!
 //! - The sender writes a new version once, into a slot no reader has pinned, whatever the
 //!   number of receivers; then it flips the board in one seqlock step, so models published
-//!   together are seen together.
+//!   together are seen together. Readers serve the version from the slot where it lies
+//!   ([`ShmReadMode::ZeroCopy`], the default): N receivers cost one copy, the sender's. A
+//!   reader that holds a version too long is the sender's business, never the other
+//!   readers' (see [`ShmSender`]'s slot policy).
 //! - A reader pins the slots it reads (a per-reader counter the writer checks, Dekker-style
 //!   with sequentially consistent atomics), checks the slot header (even sequence, expected
 //!   version) before and after, and so proves it saw one whole version.
@@ -28,18 +31,20 @@
 //! TCP moves bytes by a [`BucketPlan`](refit_runtime::BucketPlan), one header per bucket,
 //! because its bytes cross a wire in pieces that can arrive late, damaged, from a relay, or
 //! not at all. Shared memory has none of that: the sender writes the arena once into a slot
-//! and commits the whole slot with one seqlock step; a reader either maps the slot
+//! and commits the whole slot with one seqlock step; a reader either serves the slot in place
 //! (`ShmReadMode::ZeroCopy`) or copies it whole in one `memcpy` (`ShmReadMode::Copy`) and
 //! proves, by the slot's sequence before and after, that it saw one whole version. There is
-//! no channel on which a per-bucket message could travel, nothing for it to checksum that the
-//! seqlock does not already prove, and cutting the copy into buckets would only add
-//! bookkeeping to a copy that runs at memory bandwidth. The manifest (the layout a plan would
+//! no channel on which a per-bucket message could travel, and cutting the copy into buckets
+//! would only add bookkeeping to a copy that runs at memory bandwidth. What the seqlock
+//! cannot prove is that the bytes were not damaged after the write: that is the optional
+//! per-version checksum ([`ShmConfig::checksum`]), one per slot, checked whole. The manifest (the layout a plan would
 //! describe) is read once at attach from the board's manifest directory and checked by the
 //! scheme against the manifests the receiver expects. So the
 //! unit of control here is the version, not the bucket; the same holds for the in-process
 //! transport, which moves no bytes at all.
 
 mod board;
+mod checksum;
 mod collect;
 mod futex;
 mod layout;
@@ -74,8 +79,22 @@ const MAX_DEPARTED: usize = 256;
 pub struct ShmConfig {
     /// Directory of the segment files (default `/dev/shm`, memory-backed on Linux).
     pub dir: PathBuf,
-    /// Slots per model (at least 2; default 3 so a lagging reader never blocks the writer).
+    /// Slots per model reserved (and mapped into the sender) when the sender is created:
+    /// at least 2; default 3, the version in force, the one before it (which receivers read
+    /// until they take the newest) and one to write the next version into.
     pub slots: usize,
+    /// Most slots per model (at most [`MAX_SLOTS`]; default 5; below `slots` it is taken
+    /// as `slots`). While readers hold old versions, the sender adds slots up to this many
+    /// instead of waiting for them (see [`ShmSender`]'s slot policy); each costs one more
+    /// copy of the model in `dir`. Equal to `slots`, the segments never grow and a publish
+    /// waits for a pinned slot to be released.
+    pub max_slots: usize,
+    /// A checksum per version (xxh3-64 over 1 MiB pieces), computed once by the sender as it
+    /// writes the slot and verified by every receiver before it admits the version: memory
+    /// damaged after the write (a stray writer, a bad DIMM) is refused, naming the model and
+    /// version, and the previous version stays served. Off by default: verifying reads every
+    /// byte once more in each receiver (`refit bench` prints what it costs).
+    pub checksum: bool,
     /// Most receivers that can attach at once (default 64).
     pub max_receivers: usize,
     /// Receivers `connect` waits for before returning (default 0: whoever attaches).
@@ -91,6 +110,8 @@ impl Default for ShmConfig {
         Self {
             dir: PathBuf::from("/dev/shm"),
             slots: 3,
+            max_slots: 5,
+            checksum: false,
             max_receivers: 64,
             expected_receivers: 0,
             lease: Duration::from_secs(3),

@@ -1,5 +1,6 @@
-//! The receiving end: attaches to the board, pins and reads slots (copy or zero-copy),
-//! acknowledges, and holds its table entry for as long as its weight sets live.
+//! The receiving end: attaches to the board, pins and reads slots (in place, or copied out
+//! when asked to or when the sender marked it behind), verifies the checksum when the board
+//! carries one, acknowledges, and holds its table entry for as long as its weight sets live.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -14,6 +15,7 @@ use refit_runtime::{
 };
 
 use super::board::*;
+use super::checksum::{checksum, copy_hashed};
 use super::layout::*;
 use super::lease::{self, Heartbeat, Identity};
 use super::segment::Segment;
@@ -23,13 +25,21 @@ use crate::pool::{BufPool, PooledBuf};
 /// How a receiver reads a slot.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum ShmReadMode {
-    /// Copy the slot into private memory, pinning it only for the copy (default): the writer
-    /// is never held back by a slow reader.
+    /// Serve each version from the slot where the sender wrote it, the slot pinned while
+    /// any weight set of it lives (default): N receivers cost one copy, the sender's, and a
+    /// receiver has a version as soon as it is committed. A receiver that holds a version
+    /// while two newer ones are published is marked behind by the sender and reads its next
+    /// version into private memory instead (then pins again); see [`ShmSender`]'s slot
+    /// policy for what the sender does meanwhile. Never torn: the sender does not write
+    /// into a pinned slot.
+    ///
+    /// [`ShmSender`]: super::ShmSender
     #[default]
-    Copy,
-    /// Serve straight from the slot, pinned while any reader holds the weight set: no copy,
-    /// but the sender needs a free slot beyond those pinned.
     ZeroCopy,
+    /// Copy every version into private memory (arenas recycled), the slot pinned only for
+    /// the copy: for a program that keeps many versions alive, or wants its weights in
+    /// memory no other process maps. Costs each receiver one `memcpy` per update.
+    Copy,
 }
 
 /// The receiver's claim on its table entry; freed when the receiver and every zero-copy
@@ -72,7 +82,7 @@ impl Drop for Lease {
     }
 }
 
-/// A pinned slot served without copying.
+/// A pinned slot: served without copying, or held while a copy is taken.
 pub(super) struct PinnedSlot {
     lease: Arc<Lease>,
     data: Arc<Segment>,
@@ -105,6 +115,8 @@ pub(super) struct Attached {
     n_slots: usize,
     /// The sender's lease.
     lease_len: Duration,
+    /// Every version carries a checksum to verify ([`FLAG_CHECKSUM`]).
+    checksum: bool,
 }
 
 /// A receiving end.
@@ -114,6 +126,8 @@ pub struct ShmReceiver {
     attached: Option<Attached>,
     seen: Vec<u64>,
     pool: Arc<BufPool>,
+    /// Versions read into private memory.
+    copied: u64,
 }
 
 impl std::fmt::Debug for ShmReceiver {
@@ -135,7 +149,15 @@ impl ShmReceiver {
             attached: None,
             seen: Vec::new(),
             pool: Arc::default(),
+            copied: 0,
         }
+    }
+
+    /// Versions (one per model per update) this receiver read into private memory: every
+    /// one in [`ShmReadMode::Copy`]; in [`ShmReadMode::ZeroCopy`], those it read while the
+    /// sender had marked it behind.
+    pub fn versions_copied(&self) -> u64 {
+        self.copied
     }
 
     /// Chooses how slots are read.
@@ -170,6 +192,7 @@ impl ShmReceiver {
         }
         let max_receivers = board.u32_at(OFF_MAX_RECEIVERS)?.load(Ordering::Relaxed) as usize;
         let n_slots = board.u32_at(OFF_N_SLOTS)?.load(Ordering::Relaxed) as usize;
+        let checksum = board.u32_at(OFF_FLAGS)?.load(Ordering::Relaxed) & FLAG_CHECKSUM != 0;
         let dir_len = usize::try_from(board.u64_at(OFF_DIR_LEN)?.load(Ordering::Relaxed))
             .map_err(|_| shm_err("directory length overflows"))?;
         let dir: Directory = wire::decode(
@@ -230,6 +253,7 @@ impl ShmReceiver {
         for m in 0..MAX_MODELS {
             board.u64_at(acked(idx, m))?.store(0, Ordering::SeqCst);
         }
+        board.u32_at(behind(idx))?.store(0, Ordering::SeqCst);
         let lease = Arc::new(lease);
         let ack = board.u32_at(OFF_ACK_SEQ)?;
         ack.fetch_add(1, Ordering::SeqCst);
@@ -240,6 +264,7 @@ impl ShmReceiver {
             models,
             n_slots,
             lease_len,
+            checksum,
         }))
     }
 
@@ -286,63 +311,124 @@ impl ShmReceiver {
                 std::thread::yield_now();
                 continue;
             }
+            // every pin is owned from here on: released when its slot is dropped
+            let pinned: Vec<PinnedSlot> = fresh
+                .iter()
+                .map(|&(m, _, slot)| {
+                    let (_, manifest, seg) = &a.models[m];
+                    PinnedSlot {
+                        lease: Arc::clone(&a.lease),
+                        data: Arc::clone(seg),
+                        pin_off: pin(a.lease.idx, m, slot),
+                        off: slot * (seg.len() / a.n_slots) + PAGE,
+                        len: manifest.total_len(),
+                    }
+                })
+                .collect();
+            // a reader the sender marked behind takes this version into private memory,
+            // so that it holds no slot while it lags (the mark is used up here)
+            let marked = a
+                .board
+                .u32_at(behind(a.lease.idx))?
+                .swap(0, Ordering::SeqCst)
+                != 0;
+            let copy = self.mode == ShmReadMode::Copy || marked;
             let mut group = Vec::with_capacity(fresh.len());
             let mut result = Ok(());
-            for &(m, version, slot) in &fresh {
-                let (id, manifest, seg) = &a.models[m];
-                let base = slot * (seg.len() / a.n_slots);
-                let pin_off = pin(a.lease.idx, m, slot);
-                let ws = match self.mode {
-                    ShmReadMode::Copy => {
-                        let wire = metrics::timed(Phase::Wire, NAME, id.as_str());
-                        let copy = seg.bytes(base + PAGE, manifest.total_len()).and_then(|b| {
-                            let mut buf = self.pool.take(b.len());
-                            copy_parallel(buf.as_mut_slice(), b, copy_threads());
-                            let pooled = PooledBuf::new(buf, &self.pool);
-                            WeightSet::from_shared(
-                                id.clone(),
-                                Version(version),
-                                Arc::clone(manifest),
-                                Arc::new(pooled),
-                            )
-                        });
-                        // the header after the copy proves the slot was stable throughout
-                        let stable = seg.u64_at(base)?.load(Ordering::SeqCst) % 2 == 0
-                            && seg.u64_at(base + 8)?.load(Ordering::SeqCst) == version;
-                        a.board.u32_at(pin_off)?.fetch_sub(1, Ordering::SeqCst);
-                        if !stable {
-                            result = Err(shm_err(format!(
-                                "slot {slot} of `{id}` changed while pinned (protocol violation)"
-                            )));
-                            continue;
-                        }
-                        wire.finish();
-                        copy
-                    }
-                    ShmReadMode::ZeroCopy => WeightSet::from_shared(
-                        id.clone(),
-                        Version(version),
-                        Arc::clone(manifest),
-                        Arc::new(PinnedSlot {
-                            lease: Arc::clone(&a.lease),
-                            data: Arc::clone(seg),
-                            pin_off,
-                            off: base + PAGE,
-                            len: manifest.total_len(),
-                        }),
-                    ),
-                };
-                match ws {
+            for (&(m, version, _), slot) in fresh.iter().zip(pinned) {
+                let read = Self::read_slot(a, &self.pool, (m, version), slot, copy);
+                match read {
                     Ok(ws) => group.push(Arc::new(ws)),
                     Err(e) => result = Err(e),
                 }
             }
-            result?;
+            // a refused version is not read again: the next one is awaited
             for &(m, v, _) in &fresh {
                 self.seen[m] = v;
             }
+            result?;
+            if copy {
+                self.copied += group.len() as u64;
+            }
             return Ok(Some(group));
         }
+    }
+
+    /// One model's version from its pinned `slot`: served in place, or (`copy`) copied into
+    /// a pooled arena and the slot released; its checksum verified when the board has them.
+    fn read_slot(
+        a: &Attached,
+        pool: &Arc<BufPool>,
+        (m, version): (usize, u64),
+        slot: PinnedSlot,
+        copy: bool,
+    ) -> Result<WeightSet> {
+        let (id, manifest, seg) = &a.models[m];
+        let base = slot.off - PAGE;
+        let declared = if a.checksum {
+            Some(seg.u64_at(base + SLOT_CHECKSUM)?.load(Ordering::SeqCst))
+        } else {
+            None
+        };
+        let refuse = |found: u64, declared: u64| {
+            shm_err(format!(
+                "version {version} of model `{id}` refused: its bytes hash to {found:#018x}, \
+                 the sender's checksum is {declared:#018x} (the slot was damaged after it was \
+                 written)"
+            ))
+        };
+        if !copy {
+            if let Some(declared) = declared {
+                let verify = metrics::timed(Phase::Verify, NAME, id.as_str());
+                let found = checksum(slot.bytes(), copy_threads());
+                if found != declared {
+                    return Err(refuse(found, declared));
+                }
+                verify.finish();
+            }
+            return WeightSet::from_shared(
+                id.clone(),
+                Version(version),
+                Arc::clone(manifest),
+                Arc::new(slot),
+            );
+        }
+        let wire = metrics::timed(Phase::Wire, NAME, id.as_str());
+        let mut buf = pool.take(slot.len);
+        let found = match declared {
+            Some(_) => Some(copy_hashed(
+                buf.as_mut_slice(),
+                slot.bytes(),
+                copy_threads(),
+            )),
+            None => {
+                copy_parallel(buf.as_mut_slice(), slot.bytes(), copy_threads());
+                None
+            }
+        };
+        // the header after the copy proves the slot was stable throughout
+        let stable = seg.u64_at(base + SLOT_SEQ)?.load(Ordering::SeqCst) % 2 == 0
+            && seg.u64_at(base + SLOT_VERSION)?.load(Ordering::SeqCst) == version;
+        drop(slot);
+        let pooled = PooledBuf::new(buf, pool);
+        if !stable {
+            return Err(shm_err(format!(
+                "a slot of `{id}` changed while pinned, reading version {version} \
+                 (protocol violation)"
+            )));
+        }
+        if let (Some(found), Some(declared)) = (found, declared)
+            && found != declared
+        {
+            return Err(refuse(found, declared));
+        }
+        wire.finish();
+        WeightSet::from_shared(
+            id.clone(),
+            Version(version),
+            Arc::clone(manifest),
+            Arc::new(pooled),
+        )
     }
 }
 

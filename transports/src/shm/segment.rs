@@ -9,10 +9,15 @@ use memmap2::MmapRaw;
 use refit_runtime::copy::{copy_parallel, copy_threads};
 use refit_runtime::{Error, Result};
 
+/// The unit the kernel maps memory in (offsets given to `madvise` are multiples of it).
+const PAGE_SIZE: usize = 4096;
+
 /// One mapped segment.
 #[derive(Debug)]
 pub(crate) struct Segment {
     map: MmapRaw,
+    /// Kept open for [`Segment::reserve`] (the sender's data segments grow).
+    file: File,
     path: PathBuf,
     len: usize,
 }
@@ -25,11 +30,12 @@ fn path_err(context: &'static str, path: &Path, source: std::io::Error) -> Error
     }
 }
 
-/// Reserves the segment's memory now (tmpfs allocates pages lazily otherwise, and the first
-/// updates would pay for it); a full `/dev/shm` is reported here, not as a fault mid-update.
-fn allocate(file: &File, path: &Path, len: usize) -> Result<()> {
+/// Reserves `len` bytes of the segment's memory from `off` now (tmpfs allocates pages lazily
+/// otherwise, and the first updates would pay for it); a full `/dev/shm` is reported here,
+/// not as a fault mid-update.
+fn allocate(file: &File, path: &Path, off: usize, len: usize) -> Result<()> {
     use std::os::fd::AsRawFd;
-    let Ok(len) = libc::off_t::try_from(len) else {
+    let (Ok(off), Ok(len)) = (libc::off_t::try_from(off), libc::off_t::try_from(len)) else {
         return Err(Error::transport(
             "shm",
             format!("segment {} is too large", path.display()),
@@ -40,7 +46,7 @@ fn allocate(file: &File, path: &Path, len: usize) -> Result<()> {
     }
     // SAFETY: the descriptor belongs to `file`, open for writing, for the whole call;
     // posix_fallocate touches no memory of ours.
-    let rc = unsafe { libc::posix_fallocate(file.as_raw_fd(), 0, len) };
+    let rc = unsafe { libc::posix_fallocate(file.as_raw_fd(), off, len) };
     if rc == libc::ENOSPC {
         return Err(no_space(path, len as u64));
     }
@@ -116,8 +122,16 @@ pub(crate) fn check_space(dir: &Path, first: &Path, needed: u64) -> Result<()> {
 }
 
 impl Segment {
-    /// Creates a new zero-filled segment; fails if the file exists.
+    /// Creates a new zero-filled segment, its memory reserved; fails if the file exists.
     pub(crate) fn create(path: &Path, len: usize) -> Result<Self> {
+        let seg = Self::create_sparse(path, len)?;
+        allocate(&seg.file, path, 0, len)?;
+        Ok(seg)
+    }
+
+    /// Creates a new segment of `len` bytes with no memory reserved yet (see
+    /// [`Segment::reserve`]); fails if the file exists.
+    pub(crate) fn create_sparse(path: &Path, len: usize) -> Result<Self> {
         let file = OpenOptions::new()
             .read(true)
             .write(true)
@@ -126,8 +140,36 @@ impl Segment {
             .map_err(|e| path_err("creating shared-memory segment", path, e))?;
         file.set_len(len as u64)
             .map_err(|e| path_err("sizing shared-memory segment", path, e))?;
-        allocate(&file, path, len)?;
         Self::map(file, path, len, true)
+    }
+
+    /// Reserves the memory of `len` bytes at `off` and maps every page of it into this
+    /// (writable) mapping, split across `threads`: what the first write there would
+    /// otherwise pay page by page (a fault per 4 KiB, several times a `memcpy` of the same
+    /// bytes), paid now, before any version is on its way.
+    ///
+    /// # Errors
+    /// Out of bounds; no room left in the directory ([`no_space`]). A kernel without
+    /// `MADV_POPULATE_WRITE` (before Linux 5.14) only loses the prefault.
+    pub(crate) fn reserve(&self, off: usize, len: usize, threads: usize) -> Result<()> {
+        self.check(off, len, 1)?;
+        allocate(&self.file, &self.path, off, len)?;
+        let pieces = threads.clamp(1, len.div_ceil(16 << 20).max(1));
+        let piece = len.div_ceil(pieces).next_multiple_of(PAGE_SIZE);
+        std::thread::scope(|s| {
+            let mut at = off;
+            while at < off + len {
+                let n = piece.min(off + len - at);
+                let map = &self.map;
+                s.spawn(move || {
+                    if let Err(e) = map.advise_range(memmap2::Advice::PopulateWrite, at, n) {
+                        tracing::debug!(error = %e, "shm: prefaulting a segment failed");
+                    }
+                });
+                at += n;
+            }
+        });
+        Ok(())
     }
 
     /// Opens an existing segment.
@@ -158,6 +200,7 @@ impl Segment {
         .map_err(|e| path_err("mapping", path, e))?;
         Ok(Self {
             map,
+            file,
             path: path.to_path_buf(),
             len,
         })
@@ -236,6 +279,21 @@ impl Segment {
         // memory system takes (see `refit_runtime::copy`).
         copy_parallel(dst, src, copy_threads());
         Ok(())
+    }
+
+    /// As [`Segment::write`], answering the checksum of the bytes written
+    /// ([`super::checksum`]), each piece hashed right after it is copied.
+    pub(crate) fn write_hashed(&self, off: usize, src: &[u8]) -> Result<u64> {
+        self.check(off, src.len(), 1)?;
+        if self.map.as_mut_ptr().is_null() {
+            return Err(Error::State("segment is not mapped"));
+        }
+        // SAFETY: as in `write`: in bounds, writable, the slot is in its writing state so
+        // nothing else touches the destination while this slice lives, and `src` is process
+        // memory that does not overlap it.
+        let dst =
+            unsafe { std::slice::from_raw_parts_mut(self.map.as_mut_ptr().add(off), src.len()) };
+        Ok(super::checksum::copy_hashed(dst, src, copy_threads()))
     }
 
     /// Removes the file (mappings stay valid until dropped).

@@ -1,5 +1,25 @@
 //! The sending end: creates the board and the data segments, writes each version into a
 //! free slot, commits, lends slots for zero-copy publish, frees dead receivers.
+//!
+//! # Slot policy: a reader that holds a version never slows the others
+//!
+//! Readers pin the slot of the version they serve (see the receiver's read modes). After
+//! every commit the sender looks at the slots of each model it published:
+//!
+//! - a receiver still pinning a slot older than the one before the version in force (it
+//!   holds a version while two newer ones were published) is marked *behind*: it reads its
+//!   next version into private memory instead of pinning it, so from its next receive on it
+//!   holds no slot (and pins again after that one);
+//! - when no slot is left free beyond the version in force and the one before it (the one
+//!   receivers that have not yet taken the newest version still read), the sender adds a
+//!   slot to the model's segment, up to [`ShmConfig::max_slots`]: the memory is reserved and
+//!   mapped then, after the readers were woken for the version just committed, so the next
+//!   publish finds a free slot and writes at the usual speed.
+//!
+//! So a publish never waits for a reader while the model has fewer than `max_slots` slots
+//! (each version laggards hold costs one slot of memory, once); at `max_slots`, or when the
+//! directory has no room for another slot, a publish waits for a pin to drop, at most until
+//! its deadline, and the timeout names the receivers (pids) holding the slots.
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -14,10 +34,12 @@ use refit_runtime::{
 };
 
 use super::board::*;
+use super::checksum::checksum;
 use super::layout::*;
 use super::lease::{self, Heartbeat, Identity};
 use super::segment::{self, Segment};
 use super::{MAX_DEPARTED, NAME, ShmConfig, ShmReceiverSpec, collect, futex};
+use refit_runtime::copy::copy_threads;
 
 /// A receiver the sender found dead and freed (see [`ShmSender::departed`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -79,8 +101,20 @@ pub struct ShmSender {
     manifests: Vec<Arc<Manifest>>,
     loans: Vec<Option<Loan>>,
     index: BTreeMap<ModelId, usize>,
+    /// The models, by index.
+    ids: Vec<ModelId>,
     current: Vec<Option<usize>>,
-    slots: usize,
+    /// The slot in force before `current`, per model.
+    previous: Vec<Option<usize>>,
+    /// Slots each data segment has room for.
+    capacity: usize,
+    /// Slots allocated per model (the first ones of its segment).
+    active: Vec<usize>,
+    /// Models whose segment could not grow (no room left): they stop trying.
+    cannot_grow: Vec<bool>,
+    /// Times a receiver was marked behind.
+    behind_marks: u64,
+    checksum: bool,
     max_receivers: usize,
     expected_receivers: usize,
     closed: bool,
@@ -89,9 +123,15 @@ pub struct ShmSender {
 impl ShmSender {
     /// Creates the segments for `manifests` (local only: nobody is contacted).
     ///
+    /// The data segments have room for [`ShmConfig::max_slots`] slots and start with
+    /// [`ShmConfig::slots`] of them reserved and mapped into this process (the first write
+    /// into a slot then runs at `memcpy` speed instead of faulting page by page); see the
+    /// module docs for when more are added.
+    ///
     /// # Errors
-    /// Bad configuration (fewer than 2 or more than [`MAX_SLOTS`] slots, more than
-    /// [`MAX_MODELS`] models, a lease outside 10 ms..=1 h), or the files cannot be created.
+    /// Bad configuration (fewer than 2 or more than [`MAX_SLOTS`] slots, `max_slots` above
+    /// [`MAX_SLOTS`], more than [`MAX_MODELS`] models, a lease outside 10 ms..=1 h), or the
+    /// files cannot be created.
     /// A directory without room for the segments gives, before anything is created, an
     /// [`Error::Path`] whose source is of kind `StorageFull`, naming the sizes and how to
     /// enlarge `/dev/shm` (Docker `--shm-size`, a Kubernetes memory `emptyDir`).
@@ -102,6 +142,13 @@ impl ShmSender {
                 config.slots
             )));
         }
+        if config.max_slots > MAX_SLOTS {
+            return Err(shm_err(format!(
+                "max_slots must be at most {MAX_SLOTS}, got {}",
+                config.max_slots
+            )));
+        }
+        let capacity = config.max_slots.max(config.slots);
         if manifests.is_empty() || manifests.len() > MAX_MODELS {
             return Err(shm_err(format!(
                 "a scheme carries 1..={MAX_MODELS} models, got {}",
@@ -120,10 +167,13 @@ impl ShmSender {
         let mut sizes = Vec::new();
         let mut index = BTreeMap::new();
         for (i, (id, manifest)) in manifests.iter().enumerate() {
-            let len = slot_stride(manifest.total_len())
-                .checked_mul(config.slots)
-                .ok_or_else(|| shm_err("segment size overflows"))?;
-            sizes.push(len);
+            let stride = slot_stride(manifest.total_len());
+            let room = stride.checked_mul(capacity);
+            let reserved = stride.checked_mul(config.slots);
+            let (Some(room), Some(reserved)) = (room, reserved) else {
+                return Err(shm_err("segment size overflows"));
+            };
+            sizes.push((room, reserved));
             index.insert(id.clone(), i);
             models.push(DirModel {
                 id: id.clone(),
@@ -139,7 +189,7 @@ impl ShmSender {
         let collected = collect::collect_dead(&config.dir);
         let needed = sizes
             .iter()
-            .try_fold(board_len, |a, &b| a.checked_add(b))
+            .try_fold(board_len, |a, &(_, b)| a.checked_add(b))
             .ok_or_else(|| shm_err("segment size overflows"))?;
         segment::check_space(&config.dir, &board_path, needed as u64)?;
         // The board comes first and names its owner at once, so that whatever this sender
@@ -162,7 +212,11 @@ impl ShmSender {
             b.u32_at(OFF_N_MODELS)?
                 .store(manifests.len() as u32, Ordering::Relaxed);
             b.u32_at(OFF_N_SLOTS)?
-                .store(config.slots as u32, Ordering::Relaxed);
+                .store(capacity as u32, Ordering::Relaxed);
+            b.u32_at(OFF_FLAGS)?.store(
+                if config.checksum { FLAG_CHECKSUM } else { 0 },
+                Ordering::Relaxed,
+            );
             b.u32_at(OFF_MAX_RECEIVERS)?
                 .store(config.max_receivers as u32, Ordering::Relaxed);
             b.u64_at(OFF_DIR_LEN)?
@@ -177,10 +231,15 @@ impl ShmSender {
             Err(e) => return Err(fail(&[], e)),
         };
         let mut data = Vec::with_capacity(paths.len());
-        for (path, &len) in paths.iter().zip(&sizes) {
-            match Segment::create(path, len) {
-                Ok(s) => data.push(Arc::new(s)),
-                Err(e) => return Err(fail(&data, e)),
+        for (path, &(room, reserved)) in paths.iter().zip(&sizes) {
+            // the slots in use from the start are reserved and prefaulted now, before any
+            // version is on its way: a first publish then writes as fast as the next one
+            let made = Segment::create_sparse(path, room).map(Arc::new);
+            if let Ok(s) = &made {
+                data.push(Arc::clone(s));
+            }
+            if let Err(e) = made.and_then(|s| s.reserve(0, reserved, copy_threads())) {
+                return Err(fail(&data, e));
             }
         }
         if let Err(e) = board
@@ -205,10 +264,16 @@ impl ShmSender {
             departed: Mutex::new(Vec::new()),
             data,
             index,
+            ids: manifests.iter().map(|(id, _)| id.clone()).collect(),
             current: vec![None; manifests.len()],
+            previous: vec![None; manifests.len()],
+            capacity,
+            active: vec![config.slots; manifests.len()],
+            cannot_grow: vec![false; manifests.len()],
+            behind_marks: 0,
+            checksum: config.checksum,
             manifests: manifests.iter().map(|(_, m)| Arc::clone(m)).collect(),
             loans: (0..manifests.len()).map(|_| None).collect(),
-            slots: config.slots,
             max_receivers: config.max_receivers,
             expected_receivers: config.expected_receivers,
             closed: false,
@@ -282,7 +347,7 @@ impl ShmSender {
             let pid = lease::record_pid(&self.board, owner);
             tracing::warn!(receiver = r, pid, %reason, "shm receiver died; freeing its pins");
             for m in 0..self.data.len() {
-                for s in 0..self.slots {
+                for s in 0..self.capacity {
                     self.board.u32_at(pin(r, m, s))?.store(0, Ordering::SeqCst);
                 }
             }
@@ -314,6 +379,42 @@ impl ShmSender {
         self.departed.lock().map(|d| d.clone()).unwrap_or_default()
     }
 
+    /// Slots allocated for `model` now: [`ShmConfig::slots`], plus those added because
+    /// readers held old versions (see the module docs), at most [`ShmConfig::max_slots`].
+    ///
+    /// # Errors
+    /// [`Error::UnknownModel`].
+    pub fn slots_in_use(&self, model: &ModelId) -> Result<usize> {
+        Ok(self.active[self.model_index(model)?])
+    }
+
+    /// Times a receiver was marked behind (it held a version while two newer ones were
+    /// published, and reads its next version into private memory).
+    pub fn behind_marks(&self) -> u64 {
+        self.behind_marks
+    }
+
+    /// Byte offset of `slot`'s header in `model`'s data segment.
+    fn slot_base(&self, model: usize, slot: usize) -> usize {
+        slot * (self.data[model].len() / self.capacity)
+    }
+
+    /// The receivers (entry, pid) pinning `slot` of `model`.
+    fn pinners(&self, model: usize, slot: usize) -> Result<Vec<(usize, u32)>> {
+        let mut out = Vec::new();
+        for r in 0..self.max_receivers {
+            if self
+                .board
+                .u32_at(pin(r, model, slot))?
+                .load(Ordering::SeqCst)
+                != 0
+            {
+                out.push((r, lease::record_pid(&self.board, receiver(r) + R_OWNER)));
+            }
+        }
+        Ok(out)
+    }
+
     fn pinned(&self, model: usize, slot: usize) -> Result<bool> {
         for r in 0..self.max_receivers {
             if self
@@ -328,37 +429,108 @@ impl ShmSender {
         Ok(false)
     }
 
-    /// Claims a slot for writing: leaves its sequence odd and returns it.
-    fn claim_slot(&self, model: usize, deadline: Instant) -> Result<(usize, u64)> {
-        let seg = &self.data[model];
-        let stride = seg.len() / self.slots;
+    /// Adds a slot to `model`'s segment (its memory reserved and mapped); false when it has
+    /// `max_slots` already or the directory has no room left (then it stops trying).
+    fn grow(&mut self, model: usize) -> Result<bool> {
+        if self.active[model] >= self.capacity || self.cannot_grow[model] {
+            return Ok(false);
+        }
+        let slot = self.active[model];
+        let base = self.slot_base(model, slot);
+        let stride = self.data[model].len() / self.capacity;
+        match self.data[model].reserve(base, stride, copy_threads()) {
+            Ok(()) => {
+                self.active[model] += 1;
+                tracing::info!(
+                    model = %self.ids[model],
+                    slots = self.active[model],
+                    "shm: readers hold old versions; added a slot"
+                );
+                Ok(true)
+            }
+            Err(e) => {
+                tracing::warn!(
+                    model = %self.ids[model],
+                    "shm: cannot add a slot for readers holding old versions: {e}"
+                );
+                self.cannot_grow[model] = true;
+                Ok(false)
+            }
+        }
+    }
+
+    /// Claims a free slot of `model` for writing, adding one if every slot is pinned and
+    /// the segment has room: leaves its sequence odd and returns it.
+    fn claim_slot(&mut self, model: usize, deadline: Instant) -> Result<(usize, u64)> {
+        let (id, capacity) = (self.ids[model].clone(), self.capacity);
         wait_until(
             deadline,
             (),
             |()| {
-                for s in 0..self.slots {
-                    if self.current[model] == Some(s) {
-                        continue;
+                loop {
+                    for s in 0..self.active[model] {
+                        if self.current[model] == Some(s) {
+                            continue;
+                        }
+                        let seq = self.data[model].u64_at(self.slot_base(model, s) + SLOT_SEQ)?;
+                        let was = seq.load(Ordering::SeqCst);
+                        seq.store(was | 1, Ordering::SeqCst);
+                        if !self.pinned(model, s)? {
+                            return Ok(Wait::Done((s, was & !1)));
+                        }
+                        seq.store(was, Ordering::SeqCst);
                     }
-                    let seq = seg.u64_at(s * stride)?;
-                    let was = seq.load(Ordering::SeqCst);
-                    seq.store(was | 1, Ordering::SeqCst);
-                    if !self.pinned(model, s)? {
-                        return Ok(Wait::Done((s, was & !1)));
+                    // every slot pinned: a slot added now is free (only a slot that was in
+                    // force can be pinned)
+                    if !self.grow(model)? {
+                        break;
                     }
-                    seq.store(was, Ordering::SeqCst);
                 }
                 self.reap_dead()?;
-                Ok(Wait::Pending(()))
+                let mut holders = Vec::new();
+                for s in 0..self.active[model] {
+                    for h in self.pinners(model, s)? {
+                        if !holders.contains(&h) {
+                            holders.push(h);
+                        }
+                    }
+                }
+                Ok(Wait::Pending(holders))
             },
             |(), left| std::thread::sleep(left.min(Duration::from_micros(100))),
-            |()| {
+            |holders| {
                 format!(
-                    "a free shm slot for model #{model}: all {} other slots pinned by readers",
-                    self.slots - 1
+                    "a free shm slot for model `{id}`: all {capacity} slots (max_slots) pinned \
+                     by readers holding old versions, receivers (entry, pid) {holders:?}"
                 )
             },
         )
+    }
+
+    /// After a commit: marks the receivers holding slots older than the one before the
+    /// version in force as behind, and adds a slot when none is left free beyond those two
+    /// (see the module docs).
+    fn after_commit(&mut self, model: usize) -> Result<()> {
+        let keep = [self.current[model], self.previous[model]];
+        let mut spare = false;
+        for s in 0..self.active[model] {
+            if keep.contains(&Some(s)) {
+                continue;
+            }
+            let holders = self.pinners(model, s)?;
+            spare |= holders.is_empty();
+            for (r, pid) in holders {
+                let word = self.board.u32_at(behind(r))?;
+                if word.swap(1, Ordering::SeqCst) == 0 {
+                    self.behind_marks += 1;
+                    tracing::debug!(receiver = r, pid, slot = s, "shm: a receiver is behind");
+                }
+            }
+        }
+        if !spare {
+            self.grow(model)?;
+        }
+        Ok(())
     }
 
     fn missing_acks(&self, entries: &[(ModelId, Version)]) -> Result<Vec<(usize, u32)>> {
@@ -400,8 +572,8 @@ impl ShmSender {
         let m = self.model_index(model)?;
         self.release_loan(m)?;
         let (slot, seq) = self.claim_slot(m, deadline)?;
+        let off = self.slot_base(m, slot) + PAGE;
         let data = &self.data[m];
-        let off = slot * (data.len() / self.slots) + PAGE;
         let manifest = Arc::clone(&self.manifests[m]);
         let sealed = Arc::new(AtomicBool::new(false));
         let bytes = SlotBytes {
@@ -423,9 +595,10 @@ impl ShmSender {
     fn release_loan(&mut self, m: usize) -> Result<()> {
         if let Some(loan) = self.loans[m].take() {
             loan.sealed.store(true, Ordering::Release);
-            let data = &self.data[m];
-            let base = loan.slot * (data.len() / self.slots);
-            data.u64_at(base)?.store(loan.seq, Ordering::SeqCst);
+            let base = self.slot_base(m, loan.slot);
+            self.data[m]
+                .u64_at(base + SLOT_SEQ)?
+                .store(loan.seq, Ordering::SeqCst);
         }
         Ok(())
     }
@@ -438,6 +611,19 @@ impl ShmSender {
     }
 }
 
+#[cfg(test)]
+impl ShmSender {
+    /// Flips one byte in the middle of the version in force of model #`model`, as a stray
+    /// writer would (the checksum tests).
+    pub(super) fn damage_current(&self, model: usize) -> Result<()> {
+        let slot = self.current[model].ok_or(Error::State("nothing published"))?;
+        let len = self.manifests[model].total_len();
+        let at = self.slot_base(model, slot) + PAGE + len / 2;
+        let byte = self.data[model].bytes(at, 1)?[0];
+        self.data[model].write(at, &[byte ^ 0x40])
+    }
+}
+
 #[cfg(feature = "test-util")]
 impl ShmSender {
     /// Test hook (feature `test-util`): claims a slot, writes half of `weights` into it and
@@ -447,8 +633,8 @@ impl ShmSender {
         if let Ok(m) = self.model_index(weights.model())
             && let Ok((slot, _)) = self.claim_slot(m, Instant::now() + Duration::from_secs(5))
         {
+            let base = self.slot_base(m, slot);
             let seg = &self.data[m];
-            let base = slot * (seg.len() / self.slots);
             let half = weights.bytes().len() / 2;
             let _ = seg.write(base + PAGE, &weights.bytes()[..half]);
         }
@@ -511,22 +697,33 @@ impl SenderTransport for ShmSender {
                 seg.bytes(l.off, 0)
                     .is_ok_and(|b| b.as_ptr() == w.bytes().as_ptr())
             });
-            let (slot, seq) = if lent {
+            let (slot, seq, sum) = if lent {
                 // the weights were written in place: seal the loan, no copy
                 let loan = self.loans[m].take().ok_or(Error::State("loan vanished"))?;
                 loan.sealed.store(true, Ordering::Release);
-                (loan.slot, loan.seq)
+                let sum = self.checksum.then(|| checksum(w.bytes(), copy_threads()));
+                (loan.slot, loan.seq, sum)
             } else {
                 self.release_loan(m)?;
                 let (slot, seq) = self.claim_slot(m, deadline)?;
-                let base = slot * (seg.len() / self.slots);
-                seg.write(base + PAGE, w.bytes())?;
-                (slot, seq)
+                let at = self.slot_base(m, slot) + PAGE;
+                let sum = if self.checksum {
+                    Some(seg.write_hashed(at, w.bytes())?)
+                } else {
+                    seg.write(at, w.bytes())?;
+                    None
+                };
+                (slot, seq, sum)
             };
-            let base = slot * (seg.len() / self.slots);
-            seg.u64_at(base + 8)?
+            let base = self.slot_base(m, slot);
+            if let Some(sum) = sum {
+                seg.u64_at(base + SLOT_CHECKSUM)?
+                    .store(sum, Ordering::SeqCst);
+            }
+            seg.u64_at(base + SLOT_VERSION)?
                 .store(w.version().get(), Ordering::SeqCst);
-            seg.u64_at(base)?.store(seq + 2, Ordering::SeqCst);
+            seg.u64_at(base + SLOT_SEQ)?
+                .store(seq + 2, Ordering::SeqCst);
             placed.push((m, slot, w.version().get()));
         }
         let commit = self.board.u32_at(OFF_COMMIT_SEQ)?;
@@ -538,13 +735,17 @@ impl SenderTransport for ShmSender {
             self.board
                 .u64_at(entry_slot(m))?
                 .store(slot as u64, Ordering::Relaxed);
-            self.current[m] = Some(slot);
+            self.previous[m] = self.current[m].replace(slot);
         }
         commit.fetch_add(1, Ordering::SeqCst);
         self.board
             .u64_at(OFF_GENERATION)?
             .fetch_add(1, Ordering::SeqCst);
         futex::wake_all(commit);
+        // the readers are on their way: now the slot policy (laggards, a spare slot)
+        for &(m, _, _) in &placed {
+            self.after_commit(m)?;
+        }
         Ok(())
     }
 

@@ -9,7 +9,7 @@ use refit_runtime::{
 };
 
 use super::layout::OFF_COMMIT_SEQ;
-use super::{ShmConfig, ShmReceiver, ShmSender};
+use super::{ShmConfig, ShmReadMode, ShmReceiver, ShmSender};
 
 const T: Duration = Duration::from_secs(30);
 
@@ -81,4 +81,98 @@ fn a_board_left_mid_commit_by_a_live_sender_is_a_timeout() {
         Version(2)
     );
     sender.shutdown().unwrap();
+}
+
+/// A version damaged in shared memory after the sender wrote it is refused by a checksumming
+/// scheme, naming the model and the version; the previous version stays served, and the next
+/// whole version is taken. Both read modes.
+#[test]
+fn a_damaged_version_is_refused_and_the_previous_kept() {
+    for mode in [ShmReadMode::ZeroCopy, ShmReadMode::Copy] {
+        let dir = tempfile::tempdir().unwrap();
+        let m = Arc::new(
+            Manifest::builder()
+                .tensor("w", DType::F32, &[64 * 1024])
+                .build()
+                .unwrap(),
+        );
+        let p = ModelId::new("policy").unwrap();
+        let ms = Manifests::new([(p.clone(), Arc::clone(&m))]).unwrap();
+        let cfg = ShmConfig {
+            dir: dir.path().to_path_buf(),
+            expected_receivers: 1,
+            checksum: true,
+            ..ShmConfig::default()
+        };
+        let s = ShmSender::create(&cfg, &ms).unwrap();
+        let r = ShmReceiver::new(s.receiver_spec()).with_mode(mode);
+        let h = std::thread::spawn(move || ReceiverInit::new(r, None).connect(T).unwrap());
+        let mut sender = SenderInit::new(s, ms)
+            .with_ack_timeout(T)
+            .connect(vec![weights(&m, 1)], T)
+            .unwrap();
+        let mut receiver = h.join().unwrap();
+        // a whole version passes its check
+        let pending = sender.send_async(vec![weights(&m, 2)]).unwrap();
+        receiver.receive(T).unwrap().unwrap();
+        sender.wait(&pending, T).unwrap();
+        // version 3 is damaged after the write
+        let _never_acked = sender.send_async(vec![weights(&m, 3)]).unwrap();
+        sender.transport().damage_current(0).unwrap();
+        let err = receiver.receive(T).unwrap_err().to_string();
+        assert!(
+            err.contains("version 3 of model `policy` refused") && err.contains("checksum"),
+            "{mode:?}: {err}"
+        );
+        assert_eq!(receiver.version(&p), Version(2), "{mode:?}");
+        let served = receiver.current(&p).unwrap();
+        assert!(
+            served.view::<f32>("w").unwrap().iter().all(|&x| x == 2.0),
+            "{mode:?}"
+        );
+        // it is not offered again; the next whole version lands
+        assert!(
+            receiver
+                .receive(Duration::from_millis(50))
+                .unwrap()
+                .is_none()
+        );
+        let pending = sender.send_async(vec![weights(&m, 4)]).unwrap();
+        receiver.receive(T).unwrap().unwrap();
+        sender.wait(&pending, T).unwrap();
+        assert_eq!(receiver.version(&p), Version(4));
+        sender.shutdown().unwrap();
+    }
+}
+
+/// The slots a sender starts with are reserved in the directory when it is created, the
+/// others only when readers hold old versions.
+#[test]
+fn starting_slots_are_reserved_and_the_rest_sparse() {
+    use std::os::unix::fs::MetadataExt;
+    let dir = tempfile::tempdir().unwrap();
+    let m = Arc::new(
+        Manifest::builder()
+            .tensor("w", DType::F32, &[1 << 20])
+            .build()
+            .unwrap(),
+    );
+    let ms = Manifests::new([(ModelId::new("policy").unwrap(), Arc::clone(&m))]).unwrap();
+    let cfg = ShmConfig {
+        dir: dir.path().to_path_buf(),
+        slots: 2,
+        max_slots: 6,
+        ..ShmConfig::default()
+    };
+    let s = ShmSender::create(&cfg, &ms).unwrap();
+    let data = &s.segment_paths()[1];
+    let meta = std::fs::metadata(data).unwrap();
+    let stride = super::layout::slot_stride(m.total_len()) as u64;
+    assert_eq!(meta.len(), 6 * stride, "room for max_slots");
+    // the file system counts what is allocated (plus its own metadata), in 512 B blocks
+    let allocated = meta.blocks() * 512;
+    assert!(
+        (2 * stride..3 * stride).contains(&allocated),
+        "two slots of {stride} B reserved, found {allocated} B"
+    );
 }
