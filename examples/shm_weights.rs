@@ -6,7 +6,9 @@
 //!
 //! The sender re-runs this program twice as a receiver, handing each the receiver
 //! description as a token; it then publishes `VERSIONS` versions of a small policy and waits
-//! for both receivers to acknowledge each one. Receivers print every version they apply.
+//! for both receivers to acknowledge each one. Every version carries a checksum that the
+//! receivers verify. Receivers print every version they apply, read in place from the
+//! sender's slot (one copy, the sender's, for both).
 
 use std::process::{Command, ExitCode};
 use std::sync::Arc;
@@ -41,9 +43,11 @@ fn weights_at(manifest: &Arc<Manifest>, version: u64) -> Result<WeightSet> {
 fn run_sender(versions: u64) -> Result<()> {
     let manifest = Arc::new(policy_manifest()?);
     let manifests = Manifests::new([(ModelId::new("policy")?, Arc::clone(&manifest))])?;
-    // init: create the segments; nothing is sent yet
+    // init: create the segments; nothing is sent yet. With `checksum`, every version is
+    // hashed as it is written and verified by each receiver before it applies it.
     let config = ShmConfig {
         expected_receivers: 2,
+        checksum: true,
         ..ShmConfig::default()
     };
     let transport = ShmSender::create(&config, &manifests)?;
@@ -104,8 +108,10 @@ fn run_receiver(index: &str, token: &str) -> Result<()> {
             Ok(None) => return Err(Error::State("no update for 10 s")),
             Err(Error::PeerGone { reason, .. }) => {
                 println!(
-                    "receiver {index}: sender left ({reason}); last version {}",
-                    receiver.version(&policy)
+                    "receiver {index}: sender left ({reason}); last version {}, {} versions \
+                     copied (the others were read where the sender wrote them)",
+                    receiver.version(&policy),
+                    receiver.transport().versions_copied()
                 );
                 return Ok(());
             }

@@ -46,13 +46,36 @@ fn every_registered_transport_gets_its_rows() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "{stderr}");
     let rows: Vec<serde_json::Value> = serde_json::from_slice(&out.stdout).unwrap();
+    // a transport's rows carry its name, or its name and a read mode: `shm (zero-copy)`
+    let named = |r: &serde_json::Value, name: &str| {
+        let t = r["transport"].as_str().unwrap_or_default();
+        t == name || t.starts_with(&format!("{name} ("))
+    };
     for name in names {
         let row = rows
             .iter()
-            .find(|r| r["transport"] == name && r["metric"] == "end-to-end")
+            .find(|r| named(r, name) && r["metric"] == "end-to-end")
             .unwrap_or_else(|| panic!("no end-to-end row for {name}: {rows:?}"));
         assert_eq!(row["bytes"], 4 << 20);
         assert!(row["seconds"]["median"].as_f64().unwrap() > 0.0, "{row}");
+    }
+    // shared memory: the default path (the link factory's receivers, zero-copy) first, with
+    // its connect and steady rows, then every other read mode under its own name
+    let shm: Vec<&str> = rows
+        .iter()
+        .filter(|r| named(r, "shm"))
+        .map(|r| r["transport"].as_str().unwrap())
+        .collect();
+    assert_eq!(shm.first(), Some(&"shm (zero-copy)"), "{shm:?}");
+    for mode in ["shm (loaned)", "shm (checksum)", "shm (copy)"] {
+        assert!(shm.contains(&mode), "no {mode} rows: {shm:?}");
+    }
+    for metric in ["connect+first pull", "  steady update", "end-to-end"] {
+        assert!(
+            rows.iter()
+                .any(|r| r["transport"] == "shm (zero-copy)" && r["metric"] == metric),
+            "no shm (zero-copy) {metric:?} row"
+        );
     }
     // receivers in processes: connect+first pull beside a steady update of the same runs,
     // each with its tail

@@ -30,7 +30,7 @@ fn shm_weights_example_runs_sender_and_two_receiver_processes() {
         }
         assert!(
             stdout.contains(&format!(
-                "receiver {r}: sender left (shut down); last version 6"
+                "receiver {r}: sender left (shut down); last version 6, 0 versions copied"
             )),
             "{stdout}"
         );

@@ -73,12 +73,60 @@ fn the_cartpole_topology_learns_across_processes_in_every_sync_mode() {
         }
         assert!(out.contains("staleness of trained samples"), "{out}");
         assert!(out.contains("weight_update{model=policy"), "{out}");
+        assert!(out.contains("delivery per update"), "{out}");
         if mode == "sync" {
             // every trained sample came from the version being trained
             assert!(out.contains("mean 0.00, 0 dropped"), "{out}");
         }
         assert_clean(&out);
     }
+}
+
+/// `cartpole-512mib.toml`, the weight path at size, as shipped but with a small policy
+/// (`--set`, as its comment says any key can be): a run without a target ends well at its
+/// budget, and rank 0 reports each update's delivery (the trainer's publish into shared
+/// memory and the engines' fetch) beside a memcpy of the same bytes.
+#[test]
+fn the_weight_path_topology_reports_delivery_per_update() {
+    let dir = tempfile::tempdir().unwrap();
+    let shipped =
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/topologies/cartpole-512mib.toml");
+    let exe = example("cartpole");
+    let text: Vec<String> = std::fs::read_to_string(shipped)
+        .unwrap()
+        .lines()
+        .map(|l| {
+            if l.starts_with("command = ") {
+                format!("command = [{:?}, \"topology\"]", exe.display().to_string())
+            } else {
+                l.to_owned()
+            }
+        })
+        .collect();
+    let topo = dir.path().join("cartpole-512mib.toml");
+    std::fs::write(&topo, text.join("\n")).unwrap();
+    let small = [
+        "--set",
+        "model.policy.params.hidden=[64, 64]",
+        "--set",
+        "stop.max_updates=3",
+    ];
+    let (status, out) = Launch::start_with(&topo, "sync", &small).finish(Duration::from_secs(300));
+    assert!(status.success(), "{status}\n{out}");
+    assert_eq!(out.matches("weights over shm").count(), 2, "{out}");
+    let line = out
+        .lines()
+        .find(|l| l.contains("weights of policy:"))
+        .unwrap_or_else(|| panic!("no delivery line:\n{out}"));
+    for part in [
+        "delivery per update (median of 3)",
+        "publish",
+        "engine fetch",
+        "memcpy",
+    ] {
+        assert!(line.contains(part), "{line}");
+    }
+    assert_clean(&out);
 }
 
 /// The same processes with `[links] weights = "tcp"`: each engine registers with rank 0's

@@ -1074,7 +1074,11 @@ fn with_receiver_processes<T: SenderTransport + LoanSlots>(
     loaned: bool,
     timed: Option<(usize, usize)>,
 ) -> BoxResult<Times> {
-    let initial = (**weights).clone();
+    // a view of the bench's own arena, not a copy: the connect must not time this program
+    // giving a private copy of the initial weights back to the system (an munmap of the
+    // whole size) once the sender is done with it; the steady updates publish the bench's
+    // arena the same way
+    let initial = weights.view_as(weights.version())?;
     let t0 = Instant::now();
     let children = (0..n)
         .map(|_| spawn_child(child))

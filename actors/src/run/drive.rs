@@ -148,6 +148,10 @@ impl Driver {
                 .map_err(|e| unanswered(&model, "trainer", e, slack))??;
             span.record("to", tracing::field::display(published));
             let train_ms = update_started.elapsed().as_millis() as u64;
+            // the trainer's publish through its outlet (not reported by a sharded trainer)
+            let publish_ms = stats
+                .get(crate::LearnStats::PUBLISH_S)
+                .map_or_else(|| "-".to_owned(), |s| format!("{:.1}", s * 1e3));
             span.in_scope(|| {
                 tracing::info!(
                     frames = report.frames,
@@ -155,6 +159,7 @@ impl Driver {
                     max_staleness = pb.max_staleness,
                     dropped = pb.dropped,
                     train_ms,
+                    publish_ms,
                     "trained and published"
                 );
             });

@@ -1,53 +1,28 @@
 //! The per-version checksum of shared memory ([`ShmConfig::checksum`](super::ShmConfig)):
-//! xxh3-64 of every [`PIECE`] of the arena, then xxh3-64 of those hashes (little-endian, in
+//! xxh3-64 of every [`PIECE`] of the arena (fixed, so that every party finds the same
+//! checksum whatever its thread count), then xxh3-64 of those hashes (little-endian, in
 //! order) seeded with the arena's length. Pieces are hashed on several threads; the sender
 //! hashes each piece right after copying it into the slot, while it is still in cache, so a
 //! checksummed publish reads its bytes once.
 
 use xxhash_rust::xxh3::{xxh3_64, xxh3_64_with_seed};
 
-/// Bytes hashed apart (the last piece may be shorter). Fixed, so that every party finds the
-/// same checksum whatever its thread count.
-pub(crate) const PIECE: usize = 1 << 20;
-
-/// Arenas below this are hashed on one thread (as `refit_runtime::copy` copies them).
-const SPLIT_FROM: usize = refit_runtime::copy::SPLIT_FROM;
+pub(crate) use super::pieces::PIECE;
+use super::pieces::{share, threads_for};
 
 fn combine(len: usize, hashes: &[u64]) -> u64 {
     let bytes: Vec<u8> = hashes.iter().flat_map(|h| h.to_le_bytes()).collect();
     xxh3_64_with_seed(&bytes, len as u64)
 }
 
-/// Pieces per thread for `len` bytes on at most `threads` threads.
-fn per_thread(len: usize, threads: usize) -> usize {
-    let pieces = len.div_ceil(PIECE).max(1);
-    let threads = if len < SPLIT_FROM {
-        1
-    } else {
-        threads.clamp(1, pieces)
-    };
-    pieces.div_ceil(threads)
-}
-
 /// The checksum of `bytes`, hashed on up to `threads` threads.
 pub(crate) fn checksum(bytes: &[u8], threads: usize) -> u64 {
     let mut hashes = vec![0u64; bytes.len().div_ceil(PIECE)];
-    let per = per_thread(bytes.len(), threads);
-    std::thread::scope(|s| {
-        let mut parts = hashes.chunks_mut(per).zip(bytes.chunks(per * PIECE));
-        let first = parts.next();
-        let work = |(out, src): (&mut [u64], &[u8])| {
-            for (h, piece) in out.iter_mut().zip(src.chunks(PIECE)) {
-                *h = xxh3_64(piece);
-            }
-        };
-        for part in parts {
-            s.spawn(move || work(part));
-        }
-        if let Some(part) = first {
-            work(part);
-        }
-    });
+    share(
+        threads_for(bytes.len(), threads),
+        hashes.iter_mut().zip(bytes.chunks(PIECE)),
+        |(h, piece)| *h = xxh3_64(piece),
+    );
     combine(bytes.len(), &hashes)
 }
 
@@ -59,28 +34,16 @@ pub(crate) fn checksum(bytes: &[u8], threads: usize) -> u64 {
 pub(crate) fn copy_hashed(dst: &mut [u8], src: &[u8], threads: usize) -> u64 {
     assert_eq!(dst.len(), src.len(), "copy_hashed: lengths differ");
     let mut hashes = vec![0u64; src.len().div_ceil(PIECE)];
-    let per = per_thread(src.len(), threads);
-    std::thread::scope(|s| {
-        let mut parts = hashes
-            .chunks_mut(per)
-            .zip(dst.chunks_mut(per * PIECE).zip(src.chunks(per * PIECE)));
-        let first = parts.next();
-        let work = |(out, (to, from)): (&mut [u64], (&mut [u8], &[u8]))| {
-            for (h, (d, f)) in out
-                .iter_mut()
-                .zip(to.chunks_mut(PIECE).zip(from.chunks(PIECE)))
-            {
-                d.copy_from_slice(f);
-                *h = xxh3_64(d);
-            }
-        };
-        for part in parts {
-            s.spawn(move || work(part));
-        }
-        if let Some(part) = first {
-            work(part);
-        }
-    });
+    share(
+        threads_for(src.len(), threads),
+        hashes
+            .iter_mut()
+            .zip(dst.chunks_mut(PIECE).zip(src.chunks(PIECE))),
+        |(h, (d, s))| {
+            d.copy_from_slice(s);
+            *h = xxh3_64(d);
+        },
+    );
     combine(src.len(), &hashes)
 }
 
@@ -99,8 +62,8 @@ mod tests {
             17,
             PIECE,
             PIECE + 1,
-            SPLIT_FROM - 1,
-            SPLIT_FROM + 3 * PIECE + 5,
+            refit_runtime::copy::SPLIT_FROM - 1,
+            refit_runtime::copy::SPLIT_FROM + 3 * PIECE + 5,
         ] {
             let src = pattern(len);
             let one = checksum(&src, 1);

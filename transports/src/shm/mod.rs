@@ -50,6 +50,7 @@ mod futex;
 mod layout;
 pub(crate) mod lease;
 mod link;
+mod pieces;
 mod receiver;
 mod segment;
 mod sender;

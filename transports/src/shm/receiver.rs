@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
-use refit_runtime::copy::{copy_parallel, copy_threads};
+use refit_runtime::copy::copy_threads;
 use refit_runtime::metrics::{self, Phase};
 use refit_runtime::wait::{Wait, poll_until, wait_until};
 use refit_runtime::{
@@ -18,6 +18,7 @@ use super::board::*;
 use super::checksum::{checksum, copy_hashed};
 use super::layout::*;
 use super::lease::{self, Heartbeat, Identity};
+use super::pieces;
 use super::segment::Segment;
 use super::{LIVENESS_EVERY, NAME, ShmReceiverSpec, futex};
 use crate::pool::{BufPool, PooledBuf};
@@ -402,7 +403,7 @@ impl ShmReceiver {
                 copy_threads(),
             )),
             None => {
-                copy_parallel(buf.as_mut_slice(), slot.bytes(), copy_threads());
+                pieces::copy(buf.as_mut_slice(), slot.bytes(), copy_threads());
                 None
             }
         };

@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU32, AtomicU64};
 
 use memmap2::MmapRaw;
-use refit_runtime::copy::{copy_parallel, copy_threads};
+use refit_runtime::copy::copy_threads;
 use refit_runtime::{Error, Result};
 
 /// The unit the kernel maps memory in (offsets given to `madvise` are multiples of it).
@@ -276,8 +276,9 @@ impl Segment {
         let dst =
             unsafe { std::slice::from_raw_parts_mut(self.map.as_mut_ptr().add(off), src.len()) };
         // A large publish is split across threads: one core copies a fraction of what the
-        // memory system takes (see `refit_runtime::copy`).
-        copy_parallel(dst, src, copy_threads());
+        // memory system takes (see `refit_runtime::copy`); they take pieces as they go, so a
+        // thread that shares its core with another process holds nobody up.
+        super::pieces::copy(dst, src, copy_threads());
         Ok(())
     }
 
@@ -330,6 +331,24 @@ mod tests {
         s.unlink().unwrap();
         s.unlink().unwrap();
         assert!(!p.exists());
+    }
+
+    #[test]
+    fn a_sparse_segment_reserves_on_demand_and_hashes_what_it_writes() {
+        use std::os::unix::fs::MetadataExt;
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("seg");
+        let s = Segment::create_sparse(&p, 64 * PAGE_SIZE).unwrap();
+        let allocated = || std::fs::metadata(&p).unwrap().blocks() * 512;
+        assert!(allocated() < 16 * PAGE_SIZE as u64, "{}", allocated());
+        s.reserve(16 * PAGE_SIZE, 32 * PAGE_SIZE, 3).unwrap();
+        assert!(allocated() >= 32 * PAGE_SIZE as u64, "{}", allocated());
+        assert!(s.reserve(60 * PAGE_SIZE, 8 * PAGE_SIZE, 1).is_err());
+        let src: Vec<u8> = (0..20_000u32).map(|i| (i % 251) as u8).collect();
+        let sum = s.write_hashed(16 * PAGE_SIZE + 3, &src).unwrap();
+        assert_eq!(s.bytes(16 * PAGE_SIZE + 3, src.len()).unwrap(), &src[..]);
+        assert_eq!(sum, super::super::checksum::checksum(&src, 1));
+        assert!(s.write_hashed(64 * PAGE_SIZE - 1, b"xy").is_err());
     }
 
     #[test]

@@ -663,9 +663,11 @@ impl SenderTransport for ShmSender {
     }
 
     fn connect(&mut self, initial: &Group, deadline: Instant) -> Result<()> {
-        self.publish(initial, deadline)?;
+        // receivers may attach while the first version is written (they wait for its
+        // commit): their setup is off the first delivery's path
         state_word(&self.board)?.store(STATE_LIVE, Ordering::SeqCst);
         futex::wake_all(state_word(&self.board)?);
+        self.publish(initial, deadline)?;
         let ack_seq = self.board.u32_at(OFF_ACK_SEQ)?;
         let expected = self.expected_receivers;
         wait_until(
