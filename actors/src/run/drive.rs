@@ -159,7 +159,7 @@ impl Driver {
                     max_staleness = pb.max_staleness,
                     dropped = pb.dropped,
                     train_ms,
-                    publish_ms,
+                    publish_ms = %publish_ms,
                     "trained and published"
                 );
             });
