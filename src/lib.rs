@@ -80,9 +80,8 @@ pub mod prelude {
     #[cfg(feature = "candle")]
     pub use refit_rl::{CartPolePpo, PpoConfig, PpoTrainer};
 
-    /// The run's entry points: [`run::join`](refit_actors::run::join) for one rank of a
-    /// topology file, [`run::run`](refit_actors::run::run) for a [`RunConfig`] of
-    /// [`ModelSpec`]s in one process (on an actix system).
+    /// The run's entry points: [`run::join`] for one rank of a topology file, [`run::run`]
+    /// for a [`RunConfig`] of [`ModelSpec`]s in one process (on an actix system).
     #[cfg(feature = "actors")]
     pub use refit_actors::actor::{InferenceEngine, WeightSyncController};
     #[cfg(feature = "actors")]

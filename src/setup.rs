@@ -11,7 +11,9 @@ pub const DEFAULT_LOG: &str = "warn,refit=info,refit_runtime=info,refit_node=inf
 /// Installs a `tracing` subscriber writing to stderr (stdout stays free for a program's
 /// output), filtered by `RUST_LOG` (for example `RUST_LOG=debug` or
 /// `RUST_LOG=refit_transports=trace`), else by [`DEFAULT_LOG`]. A `RUST_LOG` that does not
-/// parse is reported on stderr and the default is used. Calling it again does nothing.
+/// parse is reported on stderr and the default is used. Lines are coloured only when
+/// stderr is a terminal and `NO_COLOR` is unset or empty (<https://no-color.org>).
+/// Calling it again does nothing.
 pub fn init_logging() {
     let filter = match std::env::var("RUST_LOG") {
         Ok(spec) if !spec.trim().is_empty() => EnvFilter::try_new(&spec).unwrap_or_else(|e| {
@@ -23,8 +25,16 @@ pub fn init_logging() {
     let _ = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
-        .with_ansi(std::io::stderr().is_terminal())
+        .with_ansi(colour(
+            std::io::stderr().is_terminal(),
+            std::env::var_os("NO_COLOR").as_deref(),
+        ))
         .try_init();
+}
+
+/// Whether log lines are coloured: on a terminal, unless `NO_COLOR` holds anything.
+fn colour(terminal: bool, no_color: Option<&std::ffi::OsStr>) -> bool {
+    terminal && no_color.is_none_or(|v| v.is_empty())
 }
 
 /// Sets a program up: [`init_logging`], then
@@ -45,4 +55,18 @@ pub fn init() -> crate::runtime::Result<()> {
     #[cfg(feature = "cli")]
     crate::metrics_page::serve_from_env()?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::colour;
+    use std::ffi::OsStr;
+
+    #[test]
+    fn colour_only_on_a_terminal_and_without_no_color() {
+        assert!(colour(true, None));
+        assert!(colour(true, Some(OsStr::new(""))));
+        assert!(!colour(true, Some(OsStr::new("1"))));
+        assert!(!colour(false, None));
+    }
 }

@@ -65,7 +65,12 @@ pub(crate) struct LaunchArgs {
     /// Each rank serves its update phase timings (Prometheus text) at
     /// `http://HOST:PORT+RANK/metrics`: rank 0 on PORT, rank 1 on PORT+1, and so on (port 0:
     /// a free port each, printed by every rank as `metrics: http://ADDR/metrics`).
-    #[arg(long, value_name = "HOST:PORT")]
+    #[arg(
+        long,
+        value_name = "HOST:PORT",
+        env = refit::metrics_page::METRICS_ADDR_ENV,
+        hide_env_values = true
+    )]
     metrics_addr: Option<std::net::SocketAddr>,
 }
 
@@ -191,8 +196,9 @@ fn launch(args: &LaunchArgs) -> Result<u8> {
         }
     };
     for r in &mut ranks {
-        // the ranks get a metrics address only from this flag, never from the launcher's
-        // own environment (they would all ask for the same one)
+        // the ranks get a metrics address only from this flag (or the launcher's
+        // REFIT_METRICS_ADDR, its default), each its own: inherited as it is, they would
+        // all ask for the same one
         let metrics = match args.metrics_addr {
             Some(base) => rank_metrics_addr(base, r.rank)?.to_string(),
             None => String::new(),

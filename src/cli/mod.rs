@@ -6,11 +6,12 @@ mod engine_pause;
 mod launch;
 mod metrics;
 mod net;
+mod reference;
 mod stats;
 
 use std::process::ExitCode;
 
-use clap::{Parser, Subcommand};
+use clap::{CommandFactory, Parser, Subcommand};
 
 /// Refit: move fresh model weights from trainers to everything that runs the policy.
 #[derive(Debug, Parser)]
@@ -41,10 +42,27 @@ enum Command {
     /// Internal: a benchmark receiver process (spawned by `refit bench`).
     #[command(name = "__bench-child", hide = true)]
     BenchChild(bench::ChildArgs),
+    /// Internal: print the book's command-line reference page (Markdown).
+    #[command(name = "__cli-reference", hide = true)]
+    CliReference,
 }
 
 pub(crate) fn main() -> ExitCode {
+    // the arguments first: `--help`, `--version` and a bad flag start nothing
     let cli = Cli::parse();
+    if let Command::CliReference = cli.command {
+        print!("{}", reference::page(Cli::command()));
+        return ExitCode::SUCCESS;
+    }
+    // logging (`RUST_LOG`, `NO_COLOR`), and SIGINT/SIGTERM releasing shared memory before
+    // exiting. Not `refit::init()`: a metrics page is served only by the commands that
+    // take `--metrics-addr` (whose default is `REFIT_METRICS_ADDR`), never by the tool
+    // itself
+    refit::init_logging();
+    if let Err(e) = refit::node::signals::install_signal_handlers() {
+        eprintln!("refit: error: {e}");
+        return ExitCode::FAILURE;
+    }
     let result = match cli.command {
         Command::Bench(args) => bench::run(&args),
         Command::BenchChild(args) => bench::child(&args),
@@ -54,6 +72,7 @@ pub(crate) fn main() -> ExitCode {
         Command::Serve(a) => return net::serve(a),
         Command::Pull(a) => return net::pull(a),
         Command::Token(a) => return net::token_file(a),
+        Command::CliReference => Ok(()),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

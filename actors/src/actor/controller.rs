@@ -1,5 +1,5 @@
 //! The weight-sync controller actor: carries out the decisions of
-//! [`SyncPolicy`](refit_runtime::SyncPolicy) and the [`VersionBarrier`].
+//! [`SyncPolicy`] and the [`VersionBarrier`].
 //!
 //! Trainers tell it when they finish a version ([`NotifyVersion`], best through a
 //! [`VersionNotifier`], which lets a trainer run one step ahead while keeping its

@@ -1,7 +1,7 @@
 //! GPU support: a probe that says, as an error and never a panic, whether the CUDA driver and
-//! NCCL can be loaded, and which devices are present; pinned host staging ([`pinned`]) and
-//! CUDA IPC between processes on one GPU ([`ipc`]). The NCCL communicator is
-//! `collective::nccl`.
+//! NCCL can be loaded, and which devices are present; pinned host staging (`pinned`, with
+//! the `cuda` feature) and CUDA IPC between processes on one GPU ([`ipc`]). The NCCL
+//! communicator is `collective::nccl`.
 //!
 //! Built with the `cuda` feature, the probe loads the libraries at run time through cudarc
 //! (dynamic loading: the feature compiles on machines without CUDA). Without the feature it
