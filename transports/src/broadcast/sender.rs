@@ -161,6 +161,10 @@ impl<K: Connector> BroadcastSender<K> {
         let mut comm = self
             .connector
             .connect(membership, self.store.as_ref(), deadline)?;
+        let hello = Control::Hello {
+            protocol: messages::PROTOCOL_VERSION,
+        };
+        messages::send(&mut comm, &hello, deadline)?;
         messages::send(
             &mut comm,
             &Control::Manifests(self.manifests.clone()),

@@ -440,6 +440,13 @@ fn register_handlers(node: &Node, agent: &Arc<Agent>, manifests: Manifests) {
             .map(|(id, m)| (id.clone(), (**m).clone()))
             .collect();
         async move {
+            // a receiver of another version is refused before it joins the book
+            Error::check_protocol(
+                format!("the tcp receiver at {}", r.node),
+                PROTOCOL_NAME,
+                PROTOCOL_VERSION,
+                r.protocol,
+            )?;
             let mut st = a.lock();
             if st.closed {
                 return Err(Error::State("the tcp sender is shut down"));
@@ -465,7 +472,12 @@ fn register_handlers(node: &Node, agent: &Arc<Agent>, manifests: Manifests) {
             drop(st);
             a.notify();
             tracing::debug!(receiver = id, node = %r.node, "receiver registered");
-            Ok(Registered { id, models, latest })
+            Ok(Registered {
+                protocol: PROTOCOL_VERSION,
+                id,
+                models,
+                latest,
+            })
         }
     });
     let a = Arc::clone(agent);
