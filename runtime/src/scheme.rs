@@ -17,7 +17,7 @@ use arc_swap::ArcSwap;
 
 use crate::error::{Error, Result};
 use crate::ids::{ModelId, Version};
-use crate::metrics::{self, Phase};
+use crate::metrics::{self, Phase, Side};
 use crate::protocol::{Admission, Group, Manifests, entries};
 use crate::weights::WeightSet;
 
@@ -168,7 +168,16 @@ impl<T: SenderTransport> SenderInit<T> {
     ///
     /// # Errors
     /// Validation errors for `initial`; [`Error::Timeout`] if receivers do not attach in time.
-    pub fn connect(mut self, initial: Vec<WeightSet>, timeout: Duration) -> Result<Sender<T>> {
+    pub fn connect(self, initial: Vec<WeightSet>, timeout: Duration) -> Result<Sender<T>> {
+        let name = self.transport.name();
+        // shown at zero from the start, so that a page lists it before any failure
+        metrics::failures(Side::Sender, name).increment(0);
+        self.connect_inner(initial, timeout).inspect_err(|_| {
+            metrics::failed(Side::Sender, name);
+        })
+    }
+
+    fn connect_inner(mut self, initial: Vec<WeightSet>, timeout: Duration) -> Result<Sender<T>> {
         let deadline = deadline_in(timeout);
         let group: Group = initial.into_iter().map(Arc::new).collect();
         let mut admission = Admission::new(self.manifests);
@@ -182,6 +191,7 @@ impl<T: SenderTransport> SenderInit<T> {
             }
             transport.connect(&group, deadline)
         })?;
+        count_sent(self.transport.name(), &group);
         let mut sender = Sender {
             transport: self.transport,
             admission,
@@ -190,6 +200,18 @@ impl<T: SenderTransport> SenderInit<T> {
         };
         sender.transport.wait_acks(&entries, deadline)?;
         Ok(sender)
+    }
+}
+
+/// Counts a published group, one model at a time.
+fn count_sent(transport: &'static str, group: &Group) {
+    for w in group {
+        metrics::sent(
+            transport,
+            w.model().as_str(),
+            w.version().0,
+            w.manifest().total_len() as u64,
+        );
     }
 }
 
@@ -253,7 +275,7 @@ impl<T: SenderTransport> Sender<T> {
         }
         let transport = &mut self.transport;
         let deadline = deadline_in(self.ack_timeout);
-        let (entries, ()) = self.admission.admit(&group, |_| {
+        let admitted = self.admission.admit(&group, |_| {
             let timer = metrics::timed_group(
                 Phase::Assemble,
                 transport.name(),
@@ -262,7 +284,10 @@ impl<T: SenderTransport> Sender<T> {
             transport.publish(&group, deadline)?;
             timer.finish();
             Ok(())
-        })?;
+        });
+        let name = self.transport.name();
+        let (entries, ()) = admitted.inspect_err(|_| metrics::failed(Side::Sender, name))?;
+        count_sent(name, &group);
         Ok(PendingSend { entries })
     }
 
@@ -271,8 +296,10 @@ impl<T: SenderTransport> Sender<T> {
     /// # Errors
     /// [`Error::Timeout`] naming late receivers; [`Error::PeerGone`].
     pub fn wait(&mut self, pending: &PendingSend, timeout: Duration) -> Result<()> {
+        let name = self.transport.name();
         self.transport
             .wait_acks(&pending.entries, deadline_in(timeout))
+            .inspect_err(|_| metrics::failed(Side::Sender, name))
     }
 
     /// The version in force for a model.
@@ -389,6 +416,8 @@ impl<T: ReceiverTransport> ReceiverInit<T> {
     /// # Errors
     /// [`Error::Timeout`] when nothing arrives in time; manifest mismatches.
     pub fn connect(mut self, timeout: Duration) -> Result<Receiver<T>> {
+        // shown at zero from the start, so that a page lists it before any failure
+        metrics::failures(Side::Receiver, self.transport.name()).increment(0);
         let deadline = deadline_in(timeout);
         let announced = self.transport.connect(deadline)?;
         if let Some(expected) = &self.expected {
@@ -470,20 +499,35 @@ impl<T: ReceiverTransport> Receiver<T> {
         if self.closed {
             return Err(Error::State("receiver is shut down"));
         }
-        let Some(group) = self.transport.next_group(deadline_in(timeout))? else {
+        let name = self.transport.name();
+        let failed = |e: &Error| {
+            // a sender that is gone is no failed update (every run ends so)
+            if !matches!(e, Error::PeerGone { .. }) {
+                metrics::failed(Side::Receiver, name);
+            }
+        };
+        let next = self.transport.next_group(deadline_in(timeout));
+        let Some(group) = next.inspect_err(failed)? else {
             return Ok(None);
         };
-        let timer = metrics::timed_group(
-            Phase::Apply,
-            self.transport.name(),
-            group.iter().map(|w| w.model().as_str()),
-        );
+        let timer =
+            metrics::timed_group(Phase::Apply, name, group.iter().map(|w| w.model().as_str()));
         let served = &self.served;
-        self.admission.admit(&group, |_| {
-            served.store(served.load().with(&group));
-            Ok(())
-        })?;
+        self.admission
+            .admit(&group, |_| {
+                served.store(served.load().with(&group));
+                Ok(())
+            })
+            .inspect_err(failed)?;
         timer.finish();
+        for w in &group {
+            metrics::received(
+                name,
+                w.model().as_str(),
+                w.version().0,
+                w.manifest().total_len() as u64,
+            );
+        }
         Ok(Some(Update { group }))
     }
 

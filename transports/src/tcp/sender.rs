@@ -81,6 +81,16 @@ impl State {
         }
         self.acks.remove(id);
         self.relays.leave(id);
+        self.count_receivers();
+    }
+
+    /// Sets the receivers gauge of every model served.
+    fn count_receivers(&self) {
+        metrics::receivers_connected(
+            NAME,
+            self.models.keys().map(ModelId::as_str),
+            self.receivers.len(),
+        );
     }
 }
 
@@ -283,6 +293,7 @@ impl TcpSender {
                 };
                 st.models.insert(id, slot);
             }
+            st.count_receivers();
         }
         register_handlers(node, &agent, manifests.clone());
         Ok(Self {
@@ -464,6 +475,7 @@ fn register_handlers(node: &Node, agent: &Arc<Agent>, manifests: Manifests) {
                 },
             );
             st.relays.join(id, r.relay);
+            st.count_receivers();
             let latest = st
                 .models
                 .iter()
@@ -692,6 +704,7 @@ impl SenderTransport for TcpSender {
         {
             let mut st = self.agent.lock();
             st.receivers.clear();
+            st.count_receivers();
             st.models.clear();
         }
         self.agent.notify();
