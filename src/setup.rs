@@ -95,3 +95,17 @@ pub fn init() -> crate::runtime::Result<()> {
     crate::metrics_page::serve_from_env()?;
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn log_formats_parse_in_any_case() {
+        assert_eq!(LogFormat::parse("json"), Some(LogFormat::Json));
+        assert_eq!(LogFormat::parse(" JSON "), Some(LogFormat::Json));
+        assert_eq!(LogFormat::parse("text"), Some(LogFormat::Text));
+        assert_eq!(LogFormat::parse(""), Some(LogFormat::Text));
+        assert_eq!(LogFormat::parse("yaml"), None);
+    }
+}

@@ -820,3 +820,62 @@ fn launch_help_names_every_flag_and_variable() {
         assert!(stdout.contains(word), "{word} missing from: {stdout}");
     }
 }
+
+/// The launcher's reports are `tracing` events: with `REFIT_LOG_FORMAT=json` each is one
+/// JSON object per line (level, target, message), and `RUST_LOG` filters them by target
+/// (at `warn`, the ranks starting and ending well are not reported; a failure still is).
+#[test]
+fn launcher_reports_follow_rust_log_and_the_json_log_format() {
+    let dir = tempfile::tempdir().unwrap();
+    // rank 0 ends last: the run ends with it, after rank 2's failure was reported
+    let topo = topology(
+        dir.path(),
+        "continue",
+        "[ \"$RANK\" = 2 ] && exit 3; [ \"$RANK\" = 0 ] && sleep 1; exit 0",
+    );
+    let launch = |vars: &[(&str, &str)]| {
+        let mut cmd = refit();
+        cmd.arg("launch").arg(&topo).env_remove("RUST_LOG");
+        for (k, v) in vars {
+            cmd.env(k, v);
+        }
+        let out = run_within(cmd, Duration::from_secs(60));
+        text(&out).1
+    };
+    let stderr = launch(&[("REFIT_LOG_FORMAT", "json")]);
+    let started: Vec<&str> = stderr
+        .lines()
+        .filter(|l| l.contains("started rank"))
+        .collect();
+    assert_eq!(started.len(), 3, "{stderr}");
+    for line in started {
+        assert!(
+            line.starts_with('{')
+                && line.ends_with('}')
+                && line.contains(r#""level":"INFO""#)
+                && line.contains(r#""target":"refit_node::launch::supervise""#)
+                && line.contains(r#""message":"started rank "#),
+            "{line}"
+        );
+    }
+    let failed = stderr
+        .lines()
+        .find(|l| l.contains("rank 2 (actor) failed: it exited with status 3"))
+        .unwrap_or_else(|| panic!("{stderr}"));
+    assert!(failed.contains(r#""level":"ERROR""#), "{failed}");
+    // the default format is text; RUST_LOG at warn for the launcher keeps only the failure
+    let stderr = launch(&[("RUST_LOG", "warn,refit_node::launch=warn")]);
+    assert!(!stderr.contains("started rank"), "{stderr}");
+    assert!(
+        stderr.lines().any(|l| l.contains("ERROR")
+            && l.contains("rank 2 (actor) failed: it exited with status 3")
+            && !l.starts_with('{')),
+        "{stderr}"
+    );
+    // a format that is not known is said, and text is used
+    let stderr = launch(&[("REFIT_LOG_FORMAT", "yaml")]);
+    assert!(
+        stderr.contains("ignoring REFIT_LOG_FORMAT=\"yaml\"") && stderr.contains("started rank"),
+        "{stderr}"
+    );
+}
