@@ -122,7 +122,7 @@ pub const METRICS: &[MetricInfo] = &[
         name: UPDATE_FAILURES_TOTAL,
         kind: MetricKind::Counter,
         labels: &["side", "transport"],
-        help: "Updates that failed: a version refused or not published (sender), refused or broken in transit (receiver), a load that failed (side=engine, transport=engine).",
+        help: "Updates that failed: a version refused, not published or not acknowledged in time by send (sender), refused or broken in transit (receiver; a sender gone or a wait that ran out is not counted), a load that failed (side=engine, transport=engine).",
     },
     MetricInfo {
         name: PUBLISHED_VERSION,
