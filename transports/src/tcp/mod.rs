@@ -50,7 +50,7 @@
 //! - **Versions**: the node handshake carries the node protocol version
 //!   ([`refit_node::PROTOCOL_VERSION`]), and a receiver's registration and the sender's
 //!   answer carry this transport's ([`PROTOCOL_VERSION`]); each end refuses another version
-//!   with [`Error::Protocol`](refit_runtime::Error::Protocol), naming both.
+//!   with [`Error::Protocol`], naming both.
 //!
 //! Every wait has a deadline; a vanished sender is [`Error::PeerGone`](refit_runtime::Error),
 //! a vanished receiver is dropped from the sender's book (its leases freed, its acks no
