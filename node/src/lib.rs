@@ -9,8 +9,9 @@
 //! - **streams**: a connection that, after one request frame, carries raw bytes written by a
 //!   stream handler (the data plane of the TCP transport; see [`open_stream`]).
 //!
-//! Every connection starts with a hello frame holding the shared [`ClusterToken`]; a peer
-//! without it is refused and logged. Frames are a `u32` length plus named msgpack of typed
+//! Every connection starts with a hello frame holding the node protocol version
+//! ([`PROTOCOL_VERSION`]) and the shared [`ClusterToken`]; a peer of another version is
+//! refused naming both versions, a peer without the token is refused, and both are logged. Frames are a `u32` length plus named msgpack of typed
 //! structs, with the length checked before anything is allocated ([`frame`]).
 //!
 //! A peer that vanishes turns every pending call on its connection into
@@ -49,7 +50,7 @@ use refit_runtime::Error as CoreError;
 use refit_runtime::wire::{self, MAX_CONTROL_MESSAGE};
 
 pub use launch::LaunchEnv;
-pub use message::{MAX_HELLO, StreamHead};
+pub use message::{MAX_HELLO, PROTOCOL_VERSION, StreamHead};
 pub use peer::Peer;
 pub use store::{Store, StoreClient};
 pub use stream::{OpenStream, open_stream, write_head};

@@ -6,8 +6,9 @@
 //! `--set` overrides and the link factory), [`resolve_rank`] finds which ranks start,
 //! [`LaunchSpec`] gives each its program and environment, and [`Supervisor`] runs them. With
 //! `--metrics-addr HOST:PORT` each rank also gets `REFIT_METRICS_ADDR=HOST:PORT+RANK`, where
-//! it serves its update phase timings (each rank its own page: the engines' phases are
-//! recorded where they run, and no process relays another's).
+//! it serves its metrics (each rank its own page, labelled `rank`: the engines' phases are
+//! recorded where they run, and no process relays another's). With `--status-addr` the
+//! launcher serves the launch's status (see `status.rs`).
 
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
@@ -35,7 +36,8 @@ Environment every rank gets (on top of the launcher's own):
   RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT,
   REFIT_TOPOLOGY (the file's absolute path), REFIT_SET (the --set overrides, one per line),
   REFIT_TOKEN, REFIT_INCARNATION (0, then n after the nth restart), the process's `env`,
-  and with --metrics-addr REFIT_METRICS_ADDR.
+  and with --metrics-addr or --status-addr REFIT_METRICS_ADDR. RUST_LOG and
+  REFIT_LOG_FORMAT (text or json) pass on from the launcher's environment.
 A rank loads the same topology with refit::node::launch::load_topology().";
 
 /// Arguments of `refit launch`.
@@ -62,9 +64,9 @@ pub(crate) struct LaunchArgs {
     /// after SIGTERM before SIGKILL.
     #[arg(long, value_name = "SECONDS", default_value_t = 5.0)]
     grace_s: f64,
-    /// Each rank serves its update phase timings (Prometheus text) at
+    /// Each rank serves its metrics (Prometheus text, every sample labelled `rank`) at
     /// `http://HOST:PORT+RANK/metrics`: rank 0 on PORT, rank 1 on PORT+1, and so on (port 0:
-    /// a free port each, printed by every rank as `metrics: http://ADDR/metrics`).
+    /// a free port each, chosen here; every rank logs `metrics: http://ADDR/metrics`).
     #[arg(
         long,
         value_name = "HOST:PORT",
@@ -72,13 +74,19 @@ pub(crate) struct LaunchArgs {
         hide_env_values = true
     )]
     metrics_addr: Option<std::net::SocketAddr>,
+    /// Serve this launch's status at `http://HOST:PORT/status` (JSON: every rank's process,
+    /// state, restarts, health, versions); `refit status HOST:PORT` prints it. Without
+    /// --metrics-addr, each rank then serves its metrics on a free port of HOST.
+    #[arg(long, value_name = "HOST:PORT")]
+    status_addr: Option<std::net::SocketAddr>,
 }
 
-/// The address rank `rank` serves its metrics on: `base`'s port plus the rank (port 0 stays
-/// 0: any free port).
+/// The address rank `rank` serves its metrics on: `base`'s port plus the rank (port 0: a
+/// port free now on `base`'s address, so that the status page knows where to look).
 fn rank_metrics_addr(base: std::net::SocketAddr, rank: u32) -> Result<std::net::SocketAddr> {
     if base.port() == 0 {
-        return Ok(base);
+        let port = free_port(&base.ip().to_string())?;
+        return Ok(std::net::SocketAddr::new(base.ip(), port));
     }
     let port = u16::try_from(u32::from(base.port()) + rank).map_err(|_| {
         Error::Config(format!(
@@ -195,23 +203,41 @@ fn launch(args: &LaunchArgs) -> Result<u8> {
             spec.every_rank(master_port)?
         }
     };
+    // a status page reads the ranks' metrics: they get an address of its host if not told
+    let metrics_base = args.metrics_addr.or(args
+        .status_addr
+        .map(|a| std::net::SocketAddr::new(a.ip(), 0)));
+    let mut listed = Vec::new();
     for r in &mut ranks {
-        // the ranks get a metrics address only from this flag (or the launcher's
-        // REFIT_METRICS_ADDR, its default), each its own: inherited as it is, they would
-        // all ask for the same one
-        let metrics = match args.metrics_addr {
-            Some(base) => rank_metrics_addr(base, r.rank)?.to_string(),
-            None => String::new(),
+        // the ranks get a metrics address only from these flags (or the launcher's
+        // REFIT_METRICS_ADDR, the default of --metrics-addr), each its own: inherited as
+        // it is, they would all ask for the same one
+        let metrics = match metrics_base {
+            Some(base) => Some(rank_metrics_addr(base, r.rank)?),
+            None => None,
         };
-        r.env
-            .push((refit::metrics_page::METRICS_ADDR_ENV.into(), metrics));
+        r.env.push((
+            refit::metrics_page::METRICS_ADDR_ENV.into(),
+            metrics.map(|a| a.to_string()).unwrap_or_default(),
+        ));
+        listed.push((r.rank, r.name.clone(), metrics));
     }
     let on_failure = if ranks.len() == 1 {
         OnFailure::Abort
     } else {
         topo.run.on_failure
     };
-    Ok(Supervisor::new(grace, on_failure).run(&ranks))
+    let supervisor = Supervisor::new(grace, on_failure);
+    if let Some(addr) = args.status_addr {
+        let info = super::status::LaunchInfo {
+            topology: spec.path.clone(),
+            world_size: topo.world_size(),
+            ranks: listed,
+        };
+        let bound = super::status::serve(addr, std::sync::Arc::clone(&supervisor), info)?;
+        eprintln!("refit launch: status: http://{bound}/status (`refit status {bound}`)");
+    }
+    Ok(supervisor.run(&ranks))
 }
 
 #[cfg(test)]
@@ -226,8 +252,11 @@ mod tests {
             rank_metrics_addr(base, 3).unwrap(),
             "127.0.0.1:9103".parse().unwrap()
         );
+        // port 0: a free port, chosen here (the status page must know it)
         let any: std::net::SocketAddr = "127.0.0.1:0".parse().unwrap();
-        assert_eq!(rank_metrics_addr(any, 5).unwrap(), any);
+        let picked = rank_metrics_addr(any, 5).unwrap();
+        assert_eq!(picked.ip(), any.ip());
+        assert_ne!(picked.port(), 0);
         let top: std::net::SocketAddr = "127.0.0.1:65535".parse().unwrap();
         assert!(rank_metrics_addr(top, 1).is_err());
     }

@@ -8,6 +8,7 @@ mod metrics;
 mod net;
 mod reference;
 mod stats;
+mod status;
 
 use std::process::ExitCode;
 
@@ -39,6 +40,9 @@ enum Command {
     Token(net::TokenFileArgs),
     /// Report whether the CUDA driver and NCCL can be used, and the devices present.
     Probe,
+    /// Print the ranks of a running `refit launch --status-addr`: process, state, restarts,
+    /// health, failed updates and the versions each serves.
+    Status(status::StatusArgs),
     /// Internal: a benchmark receiver process (spawned by `refit bench`).
     #[command(name = "__bench-child", hide = true)]
     BenchChild(bench::ChildArgs),
@@ -67,6 +71,7 @@ pub(crate) fn main() -> ExitCode {
         Command::Bench(args) => bench::run(&args),
         Command::BenchChild(args) => bench::child(&args),
         Command::Probe => probe(),
+        Command::Status(a) => status::run(&a).map_err(Into::into),
         Command::Launch(a) => return launch::run(&a),
         Command::Node(a) => return net::node(a),
         Command::Serve(a) => return net::serve(a),

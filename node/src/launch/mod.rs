@@ -27,7 +27,7 @@ use crate::error::{Error, Result};
 
 pub use plan::{LaunchSpec, RankSpawn, free_port};
 pub use resolve::{DEFAULT_MASTER_PORT, resolve_rank, scheduler_incarnation};
-pub use supervise::Supervisor;
+pub use supervise::{RankState, Supervisor};
 
 /// The absolute path of the topology file, set by `refit launch` for every rank.
 pub const TOPOLOGY_ENV: &str = "REFIT_TOPOLOGY";

@@ -2,7 +2,10 @@
 //! through a [`Communicator`] — the CPU chain over TCP ([`CpuConfig`]) or NCCL — one bucket
 //! at a time.
 //!
-//! Per version, per bucket of the sender's [`BucketPlan`](refit_runtime::BucketPlan), rank 0
+//! Rank 0 opens every generation with a hello carrying its [`PROTOCOL_VERSION`] (a
+//! receiver of another version leaves the generation with
+//! [`Error::Protocol`](refit_runtime::Error::Protocol), naming both), then every model's
+//! manifest. Per version, per bucket of the sender's [`BucketPlan`](refit_runtime::BucketPlan), rank 0
 //! broadcasts a **prepare** message ([`Prepare`]: model, version, the bucket's tensors with
 //! their names, dtypes, shapes and offsets, its index and the bucket count, its checksum),
 //! then the bucket's bytes. Every receiver checks the prepare against the agreed manifest
@@ -39,7 +42,7 @@ use refit_runtime::{ModelId, Result, Version};
 use crate::collective::{Communicator, CpuComm, CpuConfig, Membership, Rendezvous};
 
 pub use link::BroadcastLink;
-pub use messages::Prepare;
+pub use messages::{PROTOCOL_VERSION, Prepare};
 pub use receiver::{BroadcastReceiver, PrepareHook};
 pub use sender::BroadcastSender;
 

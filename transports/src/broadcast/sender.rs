@@ -139,6 +139,15 @@ impl<K: Connector> BroadcastSender<K> {
         }
     }
 
+    /// Sets the receivers gauge of every model to `n`.
+    fn count_receivers(&self, n: usize) {
+        refit_runtime::metrics::receivers_connected(
+            "broadcast",
+            self.manifests.iter().map(|(m, _)| m.as_str()),
+            n,
+        );
+    }
+
     /// Forms the next generation's communicator and sends it the manifests.
     fn form(&mut self, deadline: Instant) -> Result<()> {
         {
@@ -161,12 +170,17 @@ impl<K: Connector> BroadcastSender<K> {
         let mut comm = self
             .connector
             .connect(membership, self.store.as_ref(), deadline)?;
+        let hello = Control::Hello {
+            protocol: messages::PROTOCOL_VERSION,
+        };
+        messages::send(&mut comm, &hello, deadline)?;
         messages::send(
             &mut comm,
             &Control::Manifests(self.manifests.clone()),
             deadline,
         )?;
         self.stats.generation.store(g, Ordering::Relaxed);
+        self.count_receivers(self.members.len());
         let mut link = lock(&self.link);
         link.comm = Some(comm);
         link.last_use = Instant::now();
@@ -424,6 +438,8 @@ impl<K: Connector> SenderTransport for BroadcastSender<K> {
             comm.abort("the sender shut down");
         }
         link.failed = Some("the sender shut down".into());
+        drop(link);
+        self.count_receivers(0);
         Ok(())
     }
 }

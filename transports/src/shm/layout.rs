@@ -18,8 +18,13 @@
 
 /// "REFITSHM".
 pub(crate) const MAGIC: u64 = u64::from_le_bytes(*b"REFITSHM");
-/// 2: owner records with heartbeats (layout 1 kept bare pids).
-pub(crate) const LAYOUT: u32 = 2;
+/// The board's layout version, the shm transport's protocol version: a receiver refuses a
+/// board of another layout naming both versions
+/// ([`Error::Protocol`](refit_runtime::Error::Protocol)). 2: owner records with heartbeats
+/// (layout 1 kept bare pids).
+pub const LAYOUT: u32 = 2;
+/// The name of the layout in errors.
+pub(crate) const LAYOUT_NAME: &str = "shm board layout";
 pub(crate) const PAGE: usize = 4096;
 /// Most models one scheme carries.
 pub const MAX_MODELS: usize = 8;

@@ -38,6 +38,9 @@
 //! scheme against the manifests the receiver expects. So the
 //! unit of control here is the version, not the bucket; the same holds for the in-process
 //! transport, which moves no bytes at all.
+//!
+//! The board's layout is versioned ([`LAYOUT`]): a receiver refuses a board of another
+//! layout with [`Error::Protocol`](refit_runtime::Error::Protocol), naming both versions.
 
 mod board;
 mod collect;
@@ -56,7 +59,7 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
-pub use layout::{MAX_MODELS, MAX_SLOTS};
+pub use layout::{LAYOUT, MAX_MODELS, MAX_SLOTS};
 pub use link::ShmLink;
 pub use receiver::{ShmReadMode, ShmReceiver};
 #[cfg(feature = "test-util")]

@@ -157,9 +157,13 @@ impl ShmReceiver {
         {
             return Ok(None);
         }
-        if board.u32_at(OFF_LAYOUT)?.load(Ordering::Relaxed) != LAYOUT {
-            return Err(shm_err("board was written by another layout version"));
-        }
+        let layout = board.u32_at(OFF_LAYOUT)?.load(Ordering::Relaxed);
+        Error::check_protocol(
+            format!("the shm board {}", self.spec.board.display()),
+            LAYOUT_NAME,
+            LAYOUT,
+            layout,
+        )?;
         match state_word(&board)?.load(Ordering::SeqCst) {
             STATE_LIVE => {}
             STATE_SHUTDOWN => {

@@ -7,6 +7,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use refit_runtime::metrics;
 use refit_runtime::wait::{Wait, wait_until};
 use refit_runtime::{
     Error, Group, Manifest, Manifests, ModelId, Result, SenderTransport, SharedBytes, Version,
@@ -247,6 +248,7 @@ impl ShmSender {
                 n += 1;
             }
         }
+        metrics::receivers_connected(NAME, self.index.keys().map(ModelId::as_str), n);
         Ok(n)
     }
 
@@ -545,6 +547,9 @@ impl SenderTransport for ShmSender {
             .u64_at(OFF_GENERATION)?
             .fetch_add(1, Ordering::SeqCst);
         futex::wake_all(commit);
+        // the receivers gauge follows the board at every publish (receivers attach on
+        // their own, without telling the sender)
+        let _ = self.attached();
         Ok(())
     }
 
@@ -565,7 +570,9 @@ impl SenderTransport for ShmSender {
             },
             park_on(ack_seq),
             |missing| format!("shm receivers (slot, pid) {missing:?} to acknowledge {entries:?}"),
-        )
+        )?;
+        let _ = self.attached();
+        Ok(())
     }
 
     fn shutdown(&mut self) -> Result<()> {
@@ -575,6 +582,7 @@ impl SenderTransport for ShmSender {
         self.closed = true;
         self.heartbeat = None;
         self.exit_guard = None;
+        metrics::receivers_connected(NAME, self.index.keys().map(ModelId::as_str), 0);
         release(&self.board, &self.data)
     }
 }

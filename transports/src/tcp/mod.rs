@@ -47,6 +47,10 @@
 //!   connection presents the cluster token (from the configuration, `REFIT_TOKEN`,
 //!   `REFIT_TOKEN_FILE`, or random); what is shipped to receivers is a [`TcpEndpoint`],
 //!   which holds no token; nothing on the wire is code.
+//! - **Versions**: the node handshake carries the node protocol version
+//!   ([`refit_node::PROTOCOL_VERSION`]), and a receiver's registration and the sender's
+//!   answer carry this transport's ([`PROTOCOL_VERSION`]); each end refuses another version
+//!   with [`Error::Protocol`], naming both.
 //!
 //! Every wait has a deadline; a vanished sender is [`Error::PeerGone`](refit_runtime::Error),
 //! a vanished receiver is dropped from the sender's book (its leases freed, its acks no
@@ -73,7 +77,7 @@ use uuid::Uuid;
 pub use data::{Sink, SinkSlice};
 pub use file_sink::PullFile;
 pub use link::TcpLink;
-pub use messages::{RECEIVE_WEIGHTS, TransferMode};
+pub use messages::{PROTOCOL_VERSION, RECEIVE_WEIGHTS, TransferMode};
 pub use receiver::{SinkSource, TcpReceiver, TcpReceiverConfig};
 pub use sender::TcpSender;
 
@@ -236,6 +240,94 @@ mod tests {
             "10.0.0.1:29600".parse::<SocketAddr>().unwrap()
         );
         assert!(advertised("s", lo, Some(any)).is_err());
+    }
+
+    /// A receiver and a sender of another version of the transport's protocol refuse each
+    /// other, naming both versions: a registration of version 999 forged on a real sender's
+    /// node, and a real receiver registering with a forged sender that answers 999.
+    #[test]
+    fn registrations_of_another_protocol_version_are_refused_naming_both() {
+        use super::messages::{REGISTER, Register, Registered};
+        use refit_node::{Node, NodeConfig};
+        use refit_runtime::{DType, Manifest, Manifests, ModelId, ReceiverInit};
+        use std::sync::Arc;
+        use std::time::Duration;
+        let token = ClusterToken::new("tcp-protocol-test-token-0123456789").unwrap();
+        let policy = ModelId::new("policy").unwrap();
+        let manifest = Arc::new(
+            Manifest::builder()
+                .tensor("w", DType::F32, &[4])
+                .build()
+                .unwrap(),
+        );
+        let manifests = Manifests::new([(policy.clone(), Arc::clone(&manifest))]).unwrap();
+        let config = TcpConfig {
+            token: Some(token.clone()),
+            ..TcpConfig::default()
+        };
+        let sender = TcpSender::bind(config, &manifests).unwrap();
+        let endpoint = sender.endpoint();
+        let client = Node::start(NodeConfig::loopback(token.clone())).unwrap();
+        let ctl = client
+            .connect(endpoint.addr, Duration::from_secs(10))
+            .unwrap();
+        let forged = Register {
+            protocol: 999,
+            receiver: Uuid::new_v4(),
+            node: client.addr(),
+            relay: false,
+        };
+        let e = ctl
+            .call::<_, Registered>(endpoint.agent, REGISTER, &forged, Duration::from_secs(10))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("tcp transport protocol version 999")
+                && e.contains(&format!("speaks version {PROTOCOL_VERSION}")),
+            "{e}"
+        );
+        assert_eq!(sender.receivers(), 0, "a refused receiver joined the book");
+        // a forged sender agent answering with version 999
+        let fake = Node::start(NodeConfig::loopback(token.clone())).unwrap();
+        let agent = Uuid::new_v4();
+        let m = (*manifest).clone();
+        let id = policy.clone();
+        fake.register(agent, REGISTER, move |_, _: Register| {
+            let reply = Registered {
+                protocol: 999,
+                id: 0,
+                models: vec![(id.clone(), m.clone())],
+                latest: vec![],
+            };
+            async move { Ok::<_, Error>(reply) }
+        });
+        let spec = TcpReceiverSpec::new(
+            TcpEndpoint {
+                addr: fake.addr(),
+                agent,
+            },
+            &token,
+        );
+        let e = ReceiverInit::new(TcpReceiver::new(spec), None)
+            .connect(Duration::from_secs(10))
+            .unwrap_err();
+        assert!(
+            matches!(
+                e,
+                Error::Protocol {
+                    ours: PROTOCOL_VERSION,
+                    theirs: 999,
+                    ..
+                }
+            ),
+            "{e}"
+        );
+        let text = e.to_string();
+        assert!(
+            text.contains("tcp transport protocol version 999")
+                && text.contains(&fake.addr().to_string()),
+            "{text}"
+        );
     }
 
     #[test]

@@ -857,11 +857,18 @@ impl ReceiverTransport for TcpReceiver {
         let remaining = || deadline.saturating_duration_since(Instant::now());
         let ctl = node.connect(self.spec.addr, remaining())?;
         let reg = Register {
+            protocol: PROTOCOL_VERSION,
             receiver: self.me,
             node: super::advertised("the tcp receiver", node.addr(), self.cfg.advertise)?,
             relay: self.cfg.relay,
         };
         let registered: Registered = ctl.call(self.spec.agent, REGISTER, &reg, remaining())?;
+        Error::check_protocol(
+            format!("the tcp sender at {}", self.spec.addr),
+            PROTOCOL_NAME,
+            PROTOCOL_VERSION,
+            registered.protocol,
+        )?;
         self.id = registered.id;
         self.ctl = Some(ctl);
         let manifests = Manifests::new(
