@@ -38,7 +38,7 @@ use refit_runtime::{ModelId, Result, Version};
 
 use crate::collective::{Communicator, CpuComm, CpuConfig, Membership, Rendezvous};
 
-pub use link::BroadcastLink;
+pub use link::{BroadcastLink, GroupEnd, join_group, open_group};
 pub use messages::Prepare;
 pub use receiver::{BroadcastReceiver, PrepareHook};
 pub use sender::BroadcastSender;

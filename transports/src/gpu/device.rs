@@ -23,8 +23,14 @@ pub fn open_device(ordinal: usize) -> std::result::Result<Arc<CudaContext>, GpuU
         return Err(GpuUnavailable::NoDriver);
     }
     let count = CudaContext::device_count().map_err(|e| GpuUnavailable::Driver(driver_text(e)))?;
-    if count <= 0 || ordinal >= count as usize {
+    if count <= 0 {
         return Err(GpuUnavailable::NoDevice);
+    }
+    if ordinal >= count as usize {
+        return Err(GpuUnavailable::NoSuchDevice {
+            ordinal,
+            count: count as usize,
+        });
     }
     CudaContext::new(ordinal).map_err(|e| GpuUnavailable::Driver(driver_text(e)))
 }
