@@ -533,6 +533,43 @@ mod tests {
         assert!(e.to_string().contains("known: inproc"), "{e}");
     }
 
+    /// The GPU links resolve by name in every build and are never what `auto` picks; their
+    /// reach is checked, and without `cuda` `reach_of` refuses them with the reason.
+    #[test]
+    fn gpu_links_resolve_by_name_and_auto_never_picks_them() {
+        for (name, reach) in [("nccl", Reach::Network), ("cuda-ipc", Reach::Host)] {
+            let l = find(name).unwrap();
+            assert_eq!(l.reach(), reach);
+            match reach_of(name) {
+                Ok(r) => {
+                    assert!(cfg!(feature = "cuda"));
+                    assert_eq!(r, reach);
+                }
+                Err(e) => {
+                    assert!(!cfg!(feature = "cuda"));
+                    let e = e.to_string();
+                    assert!(e.contains(name) && e.contains("not compiled with CUDA"), "{e}");
+                }
+            }
+            for r in [Reach::Process, Reach::Host, Reach::Network] {
+                assert_ne!(for_kind(&TransportKind::Nearest(r)).unwrap().name(), name);
+            }
+        }
+    }
+
+    #[test]
+    fn the_cuda_device_comes_from_the_options_or_the_environment() {
+        let o = LinkOptions {
+            device: Some(3),
+            ..LinkOptions::default()
+        };
+        assert_eq!(o.cuda_device().unwrap(), 3);
+        // (the variable is not set in the test environment)
+        if std::env::var_os(CUDA_DEVICE_ENV).is_none() {
+            assert_eq!(LinkOptions::default().cuda_device().unwrap(), 0);
+        }
+    }
+
     #[test]
     fn a_spec_for_another_transport_is_refused() {
         let spec = ReceiverSpec::new(&crate::shm::ShmLink, &7u32, "x").unwrap();
