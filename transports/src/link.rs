@@ -139,6 +139,11 @@ pub trait LinkFactory: Send + Sync + 'static {
     /// True when each receiver holds the weights in memory of its own (as opposed to
     /// sharing the sender's): `refit bench` caps its sizes for such transports.
     fn receivers_copy(&self) -> bool;
+    /// True when versions move through GPU memory: `refit bench` sets such a link against a
+    /// device-to-device copy of the same bytes, measured in the same run.
+    fn on_device(&self) -> bool {
+        false
+    }
     /// Whether this build carries the transport. The links behind a cargo feature (`nccl`
     /// and `cuda-ipc` need `cuda`) exist in every build, so names resolve everywhere; without
     /// their feature they answer here with the reason and how to build with it, and
@@ -540,15 +545,16 @@ mod tests {
         for (name, reach) in [("nccl", Reach::Network), ("cuda-ipc", Reach::Host)] {
             let l = find(name).unwrap();
             assert_eq!(l.reach(), reach);
-            match reach_of(name) {
-                Ok(r) => {
-                    assert!(cfg!(feature = "cuda"));
-                    assert_eq!(r, reach);
-                }
+            let checked = reach_of(name);
+            assert_eq!(checked.is_ok(), cfg!(feature = "cuda"), "{checked:?}");
+            match checked {
+                Ok(r) => assert_eq!(r, reach),
                 Err(e) => {
-                    assert!(!cfg!(feature = "cuda"));
                     let e = e.to_string();
-                    assert!(e.contains(name) && e.contains("not compiled with CUDA"), "{e}");
+                    assert!(
+                        e.contains(name) && e.contains("not compiled with CUDA"),
+                        "{e}"
+                    );
                 }
             }
             for r in [Reach::Process, Reach::Host, Reach::Network] {

@@ -85,6 +85,9 @@ impl LinkFactory for NcclLink {
         // each receiver assembles versions in arenas of its own
         true
     }
+    fn on_device(&self) -> bool {
+        true
+    }
     fn built(&self) -> Result<()> {
         with_cuda::built()
     }

@@ -201,7 +201,10 @@ fn gpu_links_refuse_at_open_and_at_receiver_creation_with_the_reason() {
     for (name, spec) in [("nccl", cpu_spec), ("cuda-ipc", host_spec)] {
         let l = link::find(name).unwrap();
         let Err(reason) = l.usable(&options) else {
-            assert!(refit_transports::gpu::probe().is_ok(), "{name} usable without a GPU");
+            assert!(
+                refit_transports::gpu::probe().is_ok(),
+                "{name} usable without a GPU"
+            );
             continue;
         };
         let reason = reason.to_string();
@@ -223,7 +226,15 @@ fn gpu_links_refuse_at_open_and_at_receiver_creation_with_the_reason() {
 
 #[test]
 fn every_registered_transport_is_tested_here() {
-    let tested = ["inproc", "shm", "tcp", "file", "broadcast", "nccl", "cuda-ipc"];
+    let tested = [
+        "inproc",
+        "shm",
+        "tcp",
+        "file",
+        "broadcast",
+        "nccl",
+        "cuda-ipc",
+    ];
     for l in LINKS {
         assert!(
             tested.contains(&l.name()),
@@ -317,7 +328,10 @@ fn topology_files_naming_gpu_links_validate_or_say_why_not() {
     };
     let not_compiled = |e: &str, key: &str, name: &str| {
         assert!(e.contains(key), "{e}");
-        assert!(e.contains(&format!("{name} transport: not compiled with CUDA")), "{e}");
+        assert!(
+            e.contains(&format!("{name} transport: not compiled with CUDA")),
+            "{e}"
+        );
         assert!(e.contains("--features cuda"), "{e}");
     };
     // trainer and engines on one host: both links reach
@@ -335,9 +349,10 @@ fn topology_files_naming_gpu_links_validate_or_say_why_not() {
     }
     // engines on two hosts: nccl reaches the network, cuda-ipc one host only
     let t = Topology::parse(&two_hosts("nccl", "")).unwrap();
-    match t.check_links(link::reach_of) {
-        Ok(()) => assert!(cfg!(feature = "cuda")),
-        Err(e) => not_compiled(&e.to_string(), "links.weights", "nccl"),
+    let checked = t.check_links(link::reach_of);
+    assert_eq!(checked.is_ok(), cfg!(feature = "cuda"), "{checked:?}");
+    if let Err(e) = checked {
+        not_compiled(&e.to_string(), "links.weights", "nccl");
     }
     let t = Topology::parse(&two_hosts("auto", "link = \"cuda-ipc\"\n")).unwrap();
     let e = t.check_links(link::reach_of).unwrap_err().to_string();

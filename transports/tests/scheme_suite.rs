@@ -12,8 +12,8 @@ use refit_runtime::{
     DType, Error, Manifest, Manifests, ReceiverInit, ReceiverTransport, SenderInit,
     SenderTransport, Version, WeightSet,
 };
-use refit_transports::broadcast::{BroadcastConfig, BroadcastReceiver, BroadcastSender};
 use refit_transports::broadcast::GroupEnd;
+use refit_transports::broadcast::{BroadcastConfig, BroadcastReceiver, BroadcastSender};
 use refit_transports::collective::{CpuConfig, LocalRendezvous, Rendezvous};
 use refit_transports::cuda_ipc::{CudaIpcLink, HostSlots};
 use refit_transports::file::{FileConfig, FileReceiver, FileSender};
@@ -141,6 +141,7 @@ fn cpu(end: &GroupEnd) -> CpuConfig {
     CpuConfig::new(end.token.clone()).with_bind(end.ip)
 }
 
+// ANCHOR: nccl_over_cpu
 /// The `nccl` link's own sender and receivers (its prepare/commit protocol, one
 /// communicator per generation, the unique id's store), over the CPU collective instead of
 /// NCCL: what `NcclLink` opens on GPUs, runnable in CI.
@@ -161,7 +162,9 @@ impl Make for NcclOverCpuMake {
         (s, rs)
     }
 }
+// ANCHOR_END: nccl_over_cpu
 
+// ANCHOR: ipc_over_host
 /// The `cuda-ipc` link's own sender and receivers (the shm board, its slots exported by
 /// handle and opened once), over host memory instead of a GPU's.
 struct IpcOverHostMake;
@@ -186,6 +189,7 @@ impl Make for IpcOverHostMake {
         (s, rs)
     }
 }
+// ANCHOR_END: ipc_over_host
 
 fn uuid_like() -> u64 {
     use std::sync::atomic::AtomicU64;
@@ -597,16 +601,17 @@ fn nccl_link_protocol_over_the_cpu_collective_regroups_and_refuses_a_corrupt_buc
         .with_ack_timeout(T)
         .connect(vec![stamped("policy", &m, 1)], T)
         .unwrap();
-    let loop_of = |h: std::thread::JoinHandle<refit_runtime::Result<refit_runtime::Receiver<_>>>| {
-        let errors = Arc::clone(&errors);
-        h.join().unwrap().unwrap().spawn_loop(
-            |_| {},
-            move |e| {
-                errors.lock().unwrap().push(e.to_string());
-                true
-            },
-        )
-    };
+    let loop_of =
+        |h: std::thread::JoinHandle<refit_runtime::Result<refit_runtime::Receiver<_>>>| {
+            let errors = Arc::clone(&errors);
+            h.join().unwrap().unwrap().spawn_loop(
+                |_| {},
+                move |e| {
+                    errors.lock().unwrap().push(e.to_string());
+                    true
+                },
+            )
+        };
     let (l1, l2) = (loop_of(h1), loop_of(h2));
     let at = |l: &refit_runtime::ReceiverLoop<BroadcastReceiver<CpuConfig>>| {
         let w = l.served().load().get(&p).cloned().unwrap();
@@ -622,10 +627,20 @@ fn nccl_link_protocol_over_the_cpu_collective_regroups_and_refuses_a_corrupt_buc
 
     // one bucket damaged after its prepare: both receivers refuse version 5 whole
     sender.transport().inject_corruption(1);
-    let e = sender.send(stamped("policy", &m, 5)).unwrap_err().to_string();
+    let e = sender
+        .send(stamped("policy", &m, 5))
+        .unwrap_err()
+        .to_string();
     assert!(e.contains("refused") && e.contains("checksum"), "{e}");
     let deadline = Instant::now() + T;
-    while errors.lock().unwrap().iter().filter(|e| e.contains("checksum")).count() < 2 {
+    while errors
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|e| e.contains("checksum"))
+        .count()
+        < 2
+    {
         assert!(Instant::now() < deadline, "{:?}", errors.lock().unwrap());
         std::thread::sleep(Duration::from_millis(10));
     }
@@ -633,9 +648,10 @@ fn nccl_link_protocol_over_the_cpu_collective_regroups_and_refuses_a_corrupt_buc
     sender.send(stamped("policy", &m, 6)).unwrap();
     assert_eq!((at(&l1), at(&l2)), (6, 6));
     // one prepare per bucket of every version broadcast (4, 5 and 6 after the baseline)
-    let buckets = refit_runtime::BucketPlan::compute(&p, &m, &m, refit_transports::nccl::BUCKET_SIZE)
-        .unwrap()
-        .len() as u64;
+    let buckets =
+        refit_runtime::BucketPlan::compute(&p, &m, &m, refit_transports::nccl::BUCKET_SIZE)
+            .unwrap()
+            .len() as u64;
     assert_eq!(stats.prepares() - prepares, 2 * buckets);
 
     // a third receiver joins: generation 2, every rank on a new communicator, version 6
@@ -650,7 +666,10 @@ fn nccl_link_protocol_over_the_cpu_collective_regroups_and_refuses_a_corrupt_buc
         .regroup(members(&["b1", "b2", "b3"]), deadline)
         .unwrap();
     assert_eq!(entries, vec![(p.clone(), Version(6))]);
-    sender.transport_mut().wait_acks(&entries, deadline).unwrap();
+    sender
+        .transport_mut()
+        .wait_acks(&entries, deadline)
+        .unwrap();
     let l3 = loop_of(h3);
     assert_eq!(sender.transport().generation(), 2);
     assert_eq!(at(&l3), 6);
@@ -664,7 +683,10 @@ fn nccl_link_protocol_over_the_cpu_collective_regroups_and_refuses_a_corrupt_buc
         .transport_mut()
         .regroup(members(&["b1", "b3"]), deadline)
         .unwrap();
-    sender.transport_mut().wait_acks(&entries, deadline).unwrap();
+    sender
+        .transport_mut()
+        .wait_acks(&entries, deadline)
+        .unwrap();
     assert_eq!(sender.transport().generation(), 3);
     sender.send(stamped("policy", &m, 8)).unwrap();
     assert_eq!((at(&l1), at(&l3)), (8, 8));

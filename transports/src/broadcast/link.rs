@@ -86,7 +86,10 @@ pub fn open_group<K: Connector>(
     };
     let sender = BroadcastSender::new(connector(&GroupEnd { token, ip }), store, config, members)?;
     let about = format!("group {} with its store at {}", params.group, params.store);
-    Ok((sender.keeping(node), ReceiverSpec::new(link, &params, about)?))
+    Ok((
+        sender.keeping(node),
+        ReceiverSpec::new(link, &params, about)?,
+    ))
 }
 
 /// A receiver end of the group `spec` (made by [`open_group`] for `link`) names, under the

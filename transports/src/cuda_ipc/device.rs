@@ -95,13 +95,7 @@ impl ExportSlots for CudaExport {
         Ok(handles)
     }
 
-    fn write(
-        &mut self,
-        model: usize,
-        slot: usize,
-        bytes: &[u8],
-        deadline: Instant,
-    ) -> Result<()> {
+    fn write(&mut self, model: usize, slot: usize, bytes: &[u8], deadline: Instant) -> Result<()> {
         let b = self
             .buffers
             .get(model)
@@ -163,13 +157,7 @@ impl ImportSlots for CudaImport {
         Ok(())
     }
 
-    fn read(
-        &mut self,
-        model: usize,
-        slot: usize,
-        dst: &mut [u8],
-        deadline: Instant,
-    ) -> Result<()> {
+    fn read(&mut self, model: usize, slot: usize, dst: &mut [u8], deadline: Instant) -> Result<()> {
         let b = self
             .opened
             .get(model)

@@ -12,10 +12,12 @@ use super::slots::{ExportSlots, ImportSlots};
 use crate::gpu::ipc::IpcHandle;
 
 type Buffer = Arc<Mutex<Vec<u8>>>;
+/// Exported buffers by handle bytes (weak: dropping the exporter frees them).
+type Registry = Mutex<HashMap<Vec<u8>, Weak<Mutex<Vec<u8>>>>>;
 
 /// Exported buffers of this process, by handle bytes.
-fn registry() -> &'static Mutex<HashMap<Vec<u8>, Weak<Mutex<Vec<u8>>>>> {
-    static REGISTRY: OnceLock<Mutex<HashMap<Vec<u8>, Weak<Mutex<Vec<u8>>>>>> = OnceLock::new();
+fn registry() -> &'static Registry {
+    static REGISTRY: OnceLock<Registry> = OnceLock::new();
     REGISTRY.get_or_init(Mutex::default)
 }
 
@@ -53,7 +55,7 @@ impl HostSlots {
         }
     }
 
-    fn slot<'a>(list: &'a [Vec<Buffer>], model: usize, slot: usize) -> Result<&'a Buffer> {
+    fn slot(list: &[Vec<Buffer>], model: usize, slot: usize) -> Result<&Buffer> {
         list.get(model)
             .and_then(|m| m.get(slot))
             .ok_or_else(|| err(format!("no slot {slot} of model #{model} is open")))
@@ -85,13 +87,7 @@ impl ExportSlots for HostSlots {
         Ok(handles)
     }
 
-    fn write(
-        &mut self,
-        model: usize,
-        slot: usize,
-        bytes: &[u8],
-        _deadline: Instant,
-    ) -> Result<()> {
+    fn write(&mut self, model: usize, slot: usize, bytes: &[u8], _deadline: Instant) -> Result<()> {
         let (_, buf) = self
             .exported
             .get(model)

@@ -81,7 +81,11 @@ impl CudaIpcLink {
     ///
     /// # Errors
     /// A spec of another transport, or one that does not decode.
-    pub fn join_over(&self, spec: &ReceiverSpec, imports: Box<dyn ImportSlots>) -> Result<ShmReceiver> {
+    pub fn join_over(
+        &self,
+        spec: &ReceiverSpec,
+        imports: Box<dyn ImportSlots>,
+    ) -> Result<ShmReceiver> {
         spec.check_transport(self)?;
         let s: ShmReceiverSpec = spec.params()?;
         Ok(ShmReceiver::new(s).with_imports(imports))
@@ -101,6 +105,9 @@ impl LinkFactory for CudaIpcLink {
     }
     fn receivers_copy(&self) -> bool {
         // each receiver copies versions out into host arenas of its own
+        true
+    }
+    fn on_device(&self) -> bool {
         true
     }
     fn built(&self) -> Result<()> {

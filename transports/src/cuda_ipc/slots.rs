@@ -24,8 +24,7 @@ pub trait ExportSlots: Send + std::fmt::Debug {
     ///
     /// # Errors
     /// No such slot, `bytes` longer than it, the copy failed or missed `deadline`.
-    fn write(&mut self, model: usize, slot: usize, bytes: &[u8], deadline: Instant)
-    -> Result<()>;
+    fn write(&mut self, model: usize, slot: usize, bytes: &[u8], deadline: Instant) -> Result<()>;
 }
 
 /// A receiver's side: the sender's buffers, opened once.
@@ -47,6 +46,5 @@ pub trait ImportSlots: Send + std::fmt::Debug {
     /// # Errors
     /// Nothing open there, `dst` longer than the slot, the copy failed or missed
     /// `deadline`.
-    fn read(&mut self, model: usize, slot: usize, dst: &mut [u8], deadline: Instant)
-    -> Result<()>;
+    fn read(&mut self, model: usize, slot: usize, dst: &mut [u8], deadline: Instant) -> Result<()>;
 }

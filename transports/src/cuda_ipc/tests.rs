@@ -31,8 +31,13 @@ fn manifests() -> (Arc<Manifest>, Manifests) {
 
 fn weights(m: &Arc<Manifest>, v: u64) -> WeightSet {
     let bytes = (v as f32).to_le_bytes().repeat(m.total_len() / 4);
-    WeightSet::from_bytes(ModelId::new("policy").unwrap(), Version(v), Arc::clone(m), &bytes)
-        .unwrap()
+    WeightSet::from_bytes(
+        ModelId::new("policy").unwrap(),
+        Version(v),
+        Arc::clone(m),
+        &bytes,
+    )
+    .unwrap()
 }
 
 /// Without a GPU (CI), both ends refuse with the reason, naming the feature (or the probe's
@@ -67,7 +72,10 @@ fn gpu_cuda_ipc_link_refuses_without_a_gpu_and_says_why() {
     let (_sender, spec) = CudaIpcLink
         .open_over(&ms, &options, Box::new(HostSlots::new()))
         .unwrap();
-    let r = CudaIpcLink.receiver(&spec, &options).map(|_| ()).unwrap_err();
+    let r = CudaIpcLink
+        .receiver(&spec, &options)
+        .map(|_| ())
+        .unwrap_err();
     assert_eq!(r.to_string(), e);
 }
 
@@ -138,10 +146,15 @@ fn boards_of_the_other_kind_are_refused() {
     let e = ReceiverInit::new(ShmReceiver::new(board), None)
         .connect(T)
         .unwrap_err();
-    assert!(e.to_string().contains("open it with the cuda-ipc link"), "{e}");
+    assert!(
+        e.to_string().contains("open it with the cuda-ipc link"),
+        "{e}"
+    );
 
     let (shm, shm_spec) = crate::shm::ShmLink.open_typed(&ms, &options).unwrap();
-    let _shm = SenderInit::new(shm, ms).connect(vec![weights(&m, 1)], T).unwrap();
+    let _shm = SenderInit::new(shm, ms)
+        .connect(vec![weights(&m, 1)], T)
+        .unwrap();
     let board: crate::shm::ShmReceiverSpec = shm_spec.params().unwrap();
     let rx = ShmReceiver::new(board).with_imports(Box::new(HostSlots::new()));
     let e = ReceiverInit::new(rx, None).connect(T).unwrap_err();

@@ -88,3 +88,31 @@ pub fn wait_event(event: &CudaEvent, deadline: Instant, what: &str) -> Result<()
         }
     }
 }
+
+/// See [`super::device_copy_times`].
+pub(super) fn copy_times(ordinal: usize, len: usize, iters: usize) -> Result<Vec<Duration>> {
+    let ctx = open_device(ordinal).map_err(|why| Error::transport("cuda", why.to_string()))?;
+    let stream = ctx
+        .new_stream()
+        .map_err(|e| driver_error("cuda", "creating a stream", e))?;
+    let alloc = |what: &str| {
+        stream
+            .alloc_zeros::<u8>(len.max(1))
+            .map_err(|e| driver_error("cuda", &format!("allocating {what} of {len} bytes"), e))
+    };
+    let (a, mut b) = (alloc("a source")?, alloc("a destination")?);
+    let mut times = Vec::with_capacity(iters);
+    for i in 0..=iters {
+        let t = Instant::now();
+        stream
+            .memcpy_dtod(&a, &mut b)
+            .map_err(|e| driver_error("cuda", "copying device to device", e))?;
+        stream
+            .synchronize()
+            .map_err(|e| driver_error("cuda", "waiting for a device copy", e))?;
+        if i > 0 {
+            times.push(t.elapsed());
+        }
+    }
+    Ok(times)
+}

@@ -123,6 +123,32 @@ pub fn check_device(ordinal: usize, nccl: bool) -> Result<(), GpuUnavailable> {
     }
 }
 
+/// Times `iters` device-to-device copies of `len` bytes between two buffers of device
+/// `ordinal` (each until its stream is idle, after one untimed copy): the physical baseline
+/// `refit bench` sets the GPU links against.
+///
+/// # Errors
+/// [`refit_runtime::Error::Transport`] with [`check_device`]'s reason when the device
+/// cannot be used (not compiled with CUDA, no driver, no such device); the driver's errors.
+pub fn device_copy_times(
+    ordinal: usize,
+    len: usize,
+    iters: usize,
+) -> refit_runtime::Result<Vec<std::time::Duration>> {
+    #[cfg(feature = "cuda")]
+    {
+        device::copy_times(ordinal, len, iters)
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = (ordinal, len, iters);
+        Err(refit_runtime::Error::transport(
+            "cuda",
+            GpuUnavailable::NotCompiled.to_string(),
+        ))
+    }
+}
+
 /// The error of GPU link `link` that cannot run here: for [`GpuUnavailable::NotCompiled`],
 /// "not compiled with CUDA" with the feature and how to build with it; otherwise the probe's
 /// reason.

@@ -366,12 +366,9 @@ impl ShmReceiver {
                         let mut buf = self.pool.take(len);
                         let read = match imports {
                             // exported slots (device memory): copied out by their owner
-                            Some(i) => i.read(
-                                m,
-                                slot,
-                                buf.as_mut_slice(),
-                                Instant::now() + EXPORTED_READ,
-                            ),
+                            Some(i) => {
+                                i.read(m, slot, buf.as_mut_slice(), Instant::now() + EXPORTED_READ)
+                            }
                             None => seg.bytes(base + PAGE, len).map(|b| {
                                 copy_parallel(buf.as_mut_slice(), b, copy_threads());
                             }),
