@@ -121,7 +121,7 @@ fn main() -> ExitCode {
     let arg = |i: usize| args.get(i).map_or("", String::as_str);
     let result = match arg(1) {
         "--ipc-child" => ipc_child(arg(2), args.get(3)),
-        "--link-child" => link_child(arg(2)),
+        "--link-child" => link_child(arg(2), arg(3)),
         _ => run(),
     };
     match result {
@@ -284,16 +284,19 @@ fn version_of(m: &Arc<Manifest>, v: u64) -> Check<WeightSet> {
     )
 }
 
-/// A receiver process of `spec` (this binary with `--link-child`), on CUDA device `device`.
+/// A receiver process of `spec` (this binary with `--link-child`), on CUDA device `device`,
+/// that applies every version up to `last`.
 fn spawn_link_child(
     spec: &ReceiverSpec,
     token: &ClusterToken,
     device: usize,
+    last: u64,
 ) -> Check<std::process::Child> {
     let exe = std::env::current_exe().map_err(|e| format!("own path: {e}"))?;
     Command::new(exe)
         .arg("--link-child")
         .arg(step("spec token", spec.to_token())?)
+        .arg(last.to_string())
         .env(refit_node::TOKEN_ENV, token.expose())
         .env(CUDA_DEVICE_ENV, device.to_string())
         .stdout(Stdio::piped())
@@ -328,9 +331,10 @@ fn finish_child(mut child: std::process::Child) -> Check<String> {
     Ok(out)
 }
 
-/// A receiver of any link, in its own process: applies every version until the sender
-/// leaves, checking each one's bytes against [`version_bytes`].
-fn link_child(token: &str) -> Check<()> {
+/// A receiver of any link, in its own process: applies versions until version `last`,
+/// checking each one's bytes against [`version_bytes`].
+fn link_child(token: &str, last: &str) -> Check<()> {
+    let last: u64 = last.parse().map_err(|_| "link child: no last version")?;
     let spec = step("spec", ReceiverSpec::from_token(token))?;
     let transport = step("receiver", spec.receiver(&LinkOptions::default()))?;
     let mut r = step(
@@ -352,14 +356,14 @@ fn link_child(token: &str) -> Check<()> {
             Ok(())
         };
     check(&r)?;
-    loop {
+    while r.version(&policy).get() < last {
         match r.receive(Duration::from_secs(120)) {
             Ok(Some(_)) => check(&r)?,
             Ok(None) => return Err("link child: no version within 120 s".into()),
-            Err(refit_runtime::Error::PeerGone { .. }) => break,
             Err(e) => return Err(format!("link child: {e}")),
         }
     }
+    step("receiver shutdown", r.shutdown())?;
     println!(
         "      {} receiver (another process): {checked} versions applied, every byte as sent",
         spec.transport()
@@ -414,7 +418,7 @@ fn ipc_link(checklist: &mut Checklist) -> Check<()> {
         };
         let opened = step("cuda-ipc open", link::open("cuda-ipc", &ms, &options))?;
         let leftovers = opened.leftovers.clone();
-        let child = spawn_link_child(&opened.spec, &token, 0)?;
+        let child = spawn_link_child(&opened.spec, &token, 0, 4 + versions)?;
         let result = (|| -> Check<IpcRun> {
             let mut sender = step(
                 "cuda-ipc connect",
@@ -438,11 +442,13 @@ fn ipc_link(checklist: &mut Checklist) -> Check<()> {
             })
         })();
         OpenedLink::cleanup(&leftovers);
-        let out = finish_child(child)?;
-        if !out.contains("every byte as sent") {
+        let out = finish_child(child);
+        // the sender's error first: a child left without versions fails after it
+        let result = result?;
+        if !out?.contains("every byte as sent") {
             return Err("cuda-ipc link child did not confirm its bytes".into());
         }
-        result
+        Ok(result)
     };
     let IpcRun { publish, e2e, .. } = run(GIB, 4)?;
     let copy = median(step(
@@ -526,7 +532,7 @@ fn nccl_link(gpus: usize, checklist: &mut Checklist) -> Check<()> {
         ..LinkOptions::default()
     };
     let opened = step("nccl open", link::open("nccl", &ms, &options))?;
-    let child = spawn_link_child(&opened.spec, &token, 1)?;
+    let child = spawn_link_child(&opened.spec, &token, 1, 5)?;
     let result = (|| -> Check<(Duration, Duration)> {
         let mut sender = step(
             "nccl connect",
@@ -538,9 +544,9 @@ fn nccl_link(gpus: usize, checklist: &mut Checklist) -> Check<()> {
         step("shutdown", sender.shutdown())?;
         Ok(out)
     })();
-    let said = finish_child(child)?;
+    let said = finish_child(child);
     let (_, e2e) = result?;
-    if !said.contains("every byte as sent") {
+    if !said?.contains("every byte as sent") {
         return Err("nccl link child did not confirm its bytes".into());
     }
     let copy = median(step(

@@ -575,7 +575,8 @@ fn loaned_slots_publish_without_a_copy_and_seal() {
 /// The `nccl` link's prepare/commit protocol run by its own code over the CPU collective:
 /// two receivers, a bucket damaged on the way refused whole by both (the previous version
 /// kept), a third receiver joining (a new generation, a new communicator, the newest version
-/// re-sent), one leaving (another generation), versions flowing after each.
+/// re-sent), one leaving (another generation), versions flowing after each, and the
+/// sender's goodbye reported by every receiver when it shuts down.
 #[test]
 fn nccl_link_protocol_over_the_cpu_collective_regroups_and_refuses_a_corrupt_bucket() {
     use std::sync::Mutex;
@@ -691,7 +692,22 @@ fn nccl_link_protocol_over_the_cpu_collective_regroups_and_refuses_a_corrupt_buc
     sender.send(stamped("policy", &m, 8)).unwrap();
     assert_eq!((at(&l1), at(&l3)), (8, 8));
     assert_eq!(stats.generation(), 3);
+    // a clean shutdown says goodbye: receivers report the sender gone at once (an NCCL
+    // rank would otherwise only learn it from its idle timeout)
     sender.shutdown().unwrap();
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let goodbyes = || {
+        errors
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|e| e.contains("is gone: the sender shut down"))
+            .count()
+    };
+    while goodbyes() < 2 {
+        assert!(Instant::now() < deadline, "{:?}", errors.lock().unwrap());
+        std::thread::sleep(Duration::from_millis(10));
+    }
     for l in [l1, l3] {
         let r = l.stop().unwrap();
         assert_eq!(r.version(&p), Version(8));

@@ -167,10 +167,10 @@ fn enter<K: Connector>(
     match messages::recv(&mut comm, deadline, deadline)? {
         Some(Control::Manifests(m)) => Ok((comm, m)),
         other => {
-            let what = if other.is_some() {
-                "a prepare"
-            } else {
-                "a heartbeat"
+            let what = match other {
+                Some(Control::Goodbye) => "the sender's goodbye",
+                Some(_) => "a prepare",
+                None => "a heartbeat",
             };
             let e = comm.membership().error(
                 comm.backend(),
@@ -301,6 +301,12 @@ impl<K: Connector> Worker<K> {
                     if let Err(e) = self.bucket(comm, &mut asm, p) {
                         return e;
                     }
+                }
+                Some(Control::Goodbye) => {
+                    return Error::PeerGone {
+                        peer: format!("rank 0 of broadcast group `{}`", self.cfg.group),
+                        reason: "the sender shut down".into(),
+                    };
                 }
             }
         }

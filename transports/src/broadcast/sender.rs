@@ -457,6 +457,13 @@ impl<K: Connector> SenderTransport for BroadcastSender<K> {
         }
         let mut link = lock(&self.link);
         if let Some(mut comm) = link.comm.take() {
+            if link.failed.is_none() {
+                // best effort: a receiver that misses it learns from its idle timeout
+                let bye = Instant::now() + Duration::from_secs(1);
+                if let Err(e) = messages::send(&mut comm, &Control::Goodbye, bye) {
+                    tracing::debug!("broadcast goodbye not sent: {e}");
+                }
+            }
             comm.abort("the sender shut down");
         }
         link.failed = Some("the sender shut down".into());
