@@ -51,18 +51,26 @@ echo "gpu-check: building the test binaries (release, stripped, feature cuda)" >
 log=$(mktemp)
 CARGO_PROFILE_RELEASE_STRIP=true cargo test --release --no-run --locked \
   -p refit-transports --features cuda --lib --test gpu_check 2>&1 | tee "$log" >&2
-bin=$(grep -o 'target/release/deps/gpu_check-[0-9a-f]*' "$log" | tail -1)
-lib=$(grep -o 'target/release/deps/refit_transports-[0-9a-f]*' "$log" | tail -1)
+# cargo names each executable in parentheses, relative to here or absolute (a target
+# directory elsewhere: CARGO_TARGET_DIR)
+exe() {
+  local p
+  p=$(grep -o "([^()]*release/deps/$1-[0-9a-f]*)" "$log" | tail -1 | tr -d '()')
+  [[ -z "$p" || "$p" == /* ]] || p="$root/$p"
+  echo "$p"
+}
+bin=$(exe gpu_check)
+lib=$(exe refit_transports)
 rm -f "$log"
-if [[ -z "$bin" || ! -x "$root/$bin" || -z "$lib" || ! -x "$root/$lib" ]]; then
+if [[ -z "$bin" || ! -x "$bin" || -z "$lib" || ! -x "$lib" ]]; then
   echo "gpu-check: cargo did not report the gpu_check and unit-test executables" >&2
   exit 1
 fi
 
 mkdir -p "$stage"
 rm -f "$stage/refit.gz" "$stage/cartpole.gz" "$stage/cartpole-colocated.toml"
-cp "$root/$bin" "$stage/gpu_check"
-cp "$root/$lib" "$stage/unit_tests"
+cp "$bin" "$stage/gpu_check"
+cp "$lib" "$stage/unit_tests"
 chmod +x "$stage/gpu_check" "$stage/unit_tests"
 
 if [[ $colocated == 1 ]]; then
