@@ -7,8 +7,8 @@
 //!   sans-IO sync protocol and the wire codec (no network I/O, no async runtime);
 //! - [`node`]: processes that host handlers on TCP: remote calls, streams, the rendezvous
 //!   store, launch variables, the cluster token, signal-driven cleanup;
-//! - [`transports`]: in-process, shared-memory and TCP transports (and, with feature
-//!   `cuda`, the CUDA/NCCL probe);
+//! - [`transports`]: in-process, shared-memory, TCP, file and broadcast transports (and,
+//!   with feature `cuda`, the GPU links `nccl` and `cuda-ipc` and the CUDA/NCCL probe);
 //! - `rl` (features `rl`, `candle`): environments, policies, collectors, the PPO trainer,
 //!   in plain Rust;
 //! - `actors` (features `rl`, `candle`, `actors`): the actix actors, and everything of `rl`
@@ -25,7 +25,7 @@
 //! | `candle` | yes | the PPO trainer (`refit::rl::ppo`); implies `rl` | candle |
 //! | `actors` | yes | the actix actors, their protocols and the training run (`refit::actors::{actor, protocol, run}`); implies `candle` | actix |
 //! | `cli` | yes | the `refit` command-line tool | clap, indicatif, bytesize, notify |
-//! | `cuda` | no | GPU transports' probe (CUDA and NCCL loaded at run time) | cudarc |
+//! | `cuda` | no | the GPU links `nccl` and `cuda-ipc` and the CUDA/NCCL probe (CUDA and NCCL loaded at run time; without it the links refuse, saying so) | cudarc |
 //! | `test-util` | no | the transports' test hooks (crash in mid-publish, corrupted chunks, forged bucket plans), for tests only | |
 //!
 //! A program that only moves weights depends on the runtime and the transports alone:

@@ -525,5 +525,41 @@ fn no_color_turns_colour_off_on_a_terminal() {
             "Usage:"
         };
         assert!(plain.contains(expected), "{args:?}:\n{plain}");
+
+/// `refit probe` names every link of the factory and whether this process can open it; the
+/// GPU links give their reason (not compiled with CUDA and how to build, or the probe's).
+/// Without a usable GPU it ends with the probe's error.
+#[test]
+fn probe_says_which_links_this_build_and_machine_can_open() {
+    let out = refit().arg("probe").output().unwrap();
+    let (stdout, stderr) = text(&out);
+    for l in refit::transports::link::LINKS {
+        assert!(
+            stdout.contains(&format!("link {}: ", l.name())),
+            "{}: {stdout}",
+            l.name()
+        );
+    }
+    assert!(stdout.contains("link shm: usable (one host)"), "{stdout}");
+    match refit::transports::gpu::probe() {
+        Ok(_) => assert!(out.status.success(), "{stderr}"),
+        Err(e) => {
+            assert!(!out.status.success());
+            assert!(stderr.contains(&e.to_string()), "{stderr}");
+            for name in ["nccl", "cuda-ipc"] {
+                let line = stdout
+                    .lines()
+                    .find(|l| l.starts_with(&format!("link {name}: not usable: ")))
+                    .unwrap_or_else(|| panic!("no refusal for {name}: {stdout}"));
+                if cfg!(feature = "cuda") {
+                    assert!(line.contains("no usable GPU"), "{line}");
+                } else {
+                    assert!(
+                        line.contains("not compiled with CUDA") && line.contains("--features cuda"),
+                        "{line}"
+                    );
+                }
+            }
+        }
     }
 }

@@ -1,11 +1,13 @@
 //! `refit bench` takes its transports from the link factory: every registered transport,
 //! named on the command line, gets its rows (real receiver processes where the transport
-//! crosses processes), and an unknown name is refused naming the known ones.
+//! crosses processes) or, where this build or machine cannot open it (a GPU link without
+//! `cuda` or a GPU), a line saying why it is skipped; an unknown name is refused naming the
+//! known ones.
 #![allow(clippy::unwrap_used, missing_docs)]
 
 use std::process::Command;
 
-use refit::transports::link::LINKS;
+use refit::transports::link::{LINKS, LinkOptions};
 
 fn refit() -> Command {
     let mut c = Command::new(env!("CARGO_BIN_EXE_refit"));
@@ -46,7 +48,15 @@ fn every_registered_transport_gets_its_rows() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "{stderr}");
     let rows: Vec<serde_json::Value> = serde_json::from_slice(&out.stdout).unwrap();
-    for name in names {
+    for l in LINKS {
+        let name = l.name();
+        if let Err(why) = l.usable(&LinkOptions::default()) {
+            // a GPU link this build or machine cannot open: skipped, saying why
+            let said = format!("refit bench: skipping {name}: {why}");
+            assert!(stderr.contains(&said), "{said}: {stderr}");
+            assert!(!rows.iter().any(|r| r["transport"] == name), "{rows:?}");
+            continue;
+        }
         let row = rows
             .iter()
             .find(|r| r["transport"] == name && r["metric"] == "end-to-end")

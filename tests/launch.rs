@@ -331,6 +331,51 @@ fn a_bad_topology_is_refused_naming_the_key() {
     assert!(text(&out).1.contains("missing.toml"));
 }
 
+/// A topology naming a GPU link (`[links] weights` or a model's `link`) is refused before
+/// any rank starts when the binary has no `cuda` feature, with the reason and how to build
+/// with it; with the feature it validates and the ranks start.
+#[test]
+fn a_topology_naming_a_gpu_link_is_refused_without_cuda_saying_how_to_build() {
+    let dir = tempfile::tempdir().unwrap();
+    let topo = std::fs::read_to_string(topology(dir.path(), "abort", "exit 0")).unwrap();
+    for (from, to, key, name) in [
+        (
+            "on_failure = \"abort\"",
+            "on_failure = \"abort\"\n[links]\nweights = \"nccl\"",
+            "links.weights",
+            "nccl",
+        ),
+        (
+            "id = \"policy\"",
+            "id = \"policy\"\nlink = \"cuda-ipc\"",
+            "model[policy].link",
+            "cuda-ipc",
+        ),
+    ] {
+        let gpu = dir.path().join("gpu.toml");
+        std::fs::write(&gpu, topo.replace(from, to)).unwrap();
+        let mut cmd = refit();
+        cmd.arg("launch").arg(&gpu);
+        let out = run_within(cmd, Duration::from_secs(30));
+        let (_, stderr) = text(&out);
+        if cfg!(feature = "cuda") {
+            assert!(out.status.success(), "{stderr}");
+            assert!(stderr.contains("started rank"), "{stderr}");
+            continue;
+        }
+        assert!(!out.status.success());
+        for w in [
+            key,
+            &format!("{name} transport: not compiled with CUDA"),
+            "--features cuda",
+            "gpu.toml",
+        ] {
+            assert!(stderr.contains(w), "{w}: {stderr}");
+        }
+        assert!(!stderr.contains("started rank"), "{stderr}");
+    }
+}
+
 #[test]
 fn a_program_that_cannot_start_is_named() {
     let dir = tempfile::tempdir().unwrap();

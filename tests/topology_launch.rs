@@ -190,6 +190,19 @@ fn the_shipped_cartpole_topologies_place_their_links_by_host() {
             TransportKind::Named("broadcast".into())
         );
     }
+    // colocated on one GPU: cuda-ipc, which only a build with `cuda` carries
+    let colocated = read("cartpole-colocated.toml");
+    for r in [1, 2] {
+        assert_eq!(
+            colocated.weights_transport(&policy, 0, r),
+            TransportKind::Named("cuda-ipc".into())
+        );
+    }
+    let checked = colocated.check_links(refit::transports::link::reach_of);
+    assert_eq!(checked.is_ok(), cfg!(feature = "cuda"), "{checked:?}");
+    if let Err(e) = checked {
+        assert!(e.to_string().contains("not compiled with CUDA"), "{e}");
+    }
 }
 
 /// The Prometheus configuration the book shows scrapes one target per rank of the shipped

@@ -11,7 +11,10 @@ use std::time::{Duration, Instant};
 use refit::node::{ClusterToken, TOKEN_ENV, TOKEN_FILE_ENV};
 use refit::prelude::*;
 use refit::runtime::{ReceiverTransport, SenderTransport, wire};
-use refit::transports::link::{self, LinkFactory, LinkOptions, OpenedLink, Reach, ReceiverSpec};
+use refit::transports::link::{
+    self, CUDA_DEVICE_ENV, LinkFactory, LinkOptions, OpenedLink, Reach, ReceiverSpec,
+};
+use refit::transports::nccl::NcclLink;
 use refit::transports::shm::ShmLink;
 use refit::transports::tcp::{TcpConfig, TcpLink, TcpSender};
 use serde::Serialize;
@@ -46,7 +49,9 @@ pub(crate) struct BenchArgs {
     warmup: usize,
     /// Transports to measure, by name: any of the link factory's (inproc, shm, tcp, file,
     /// ...); each gets the same rows, plus extra rows for some (shm read modes and loaned
-    /// slots, `refit pull` over tcp).
+    /// slots, `refit pull` over tcp). The GPU links (nccl, cuda-ipc) are set against a
+    /// device-to-device copy measured in the same run; one this build or machine cannot
+    /// open is skipped, with the reason on stderr (nccl needs a GPU per rank).
     #[arg(long, value_delimiter = ',', default_value = "inproc,shm,tcp,file")]
     transports: Vec<String>,
     /// Size of the model the conversion to an engine's layout (fused, bf16 / fp8, through
@@ -139,6 +144,25 @@ struct Row {
 struct Baselines {
     memcpy: Summary,
     tcp: f64,
+    /// A device-to-device copy of the same size, when a GPU link is measured.
+    device: Option<f64>,
+}
+
+/// The links named in `--transports` that this process can open; every other one is named
+/// on stderr with the reason it is skipped (a GPU link without the `cuda` feature or
+/// without a GPU).
+///
+/// # Errors
+/// An unknown name, or no name (as [`link::parse_list`]).
+fn usable_links(names: &[String]) -> BoxResult<Vec<&'static dyn LinkFactory>> {
+    let mut usable = Vec::new();
+    for l in link::parse_list(&names.join(","))? {
+        match l.usable(&LinkOptions::default()) {
+            Ok(()) => usable.push(l),
+            Err(e) => eprintln!("refit bench: skipping {}: {e}", l.name()),
+        }
+    }
+    Ok(usable)
 }
 
 pub(crate) fn run(args: &BenchArgs) -> BoxResult<()> {
@@ -156,7 +180,13 @@ pub(crate) fn run(args: &BenchArgs) -> BoxResult<()> {
         )
         .into());
     }
-    let links = link::parse_list(&args.transports.join(","))?;
+    let links = usable_links(&args.transports)?;
+    let gpus = links
+        .iter()
+        .any(|l| l.on_device())
+        .then(refit::transports::gpu::probe)
+        .and_then(Result::ok)
+        .map_or(0, |r| r.devices.len());
     let mut rows = Vec::new();
     for &size in &sizes {
         let mut weights = make_weights(size, 16)?;
@@ -178,15 +208,33 @@ pub(crate) fn run(args: &BenchArgs) -> BoxResult<()> {
             "memcpy",
             memcpy.median,
         ));
-        let base = Baselines {
+        let mut base = Baselines {
             memcpy,
             tcp: tcp.median,
+            device: None,
         };
+        if links.iter().any(|l| l.on_device()) {
+            // the GPU links' physical baseline: a device-to-device copy of the same bytes
+            let device = LinkOptions::default().cuda_device()?;
+            let copies =
+                refit::transports::gpu::device_copy_times(device, size, args.iters.max(3))?;
+            let copy = Summary::of(&copies);
+            rows.push(row("device-copy", "copy", size, 1, copy, "-", copy.median));
+            base.device = Some(copy.median);
+        }
         for &l in &links {
             for &n in &args.receivers {
                 // receivers that keep versions of their own: above 512 MiB four of them
                 // would not fit beside the sender in this machine's memory
                 if l.receivers_copy() && size > COPIES_MAX {
+                    continue;
+                }
+                if l.name() == NcclLink.name() && n + 1 > gpus {
+                    // NCCL refuses two ranks of one communicator on one GPU
+                    eprintln!(
+                        "refit bench: skipping nccl N={n}: it needs {} GPUs (one per rank), this machine has {gpus}",
+                        n + 1
+                    );
                     continue;
                 }
                 eprintln!("refit bench: {} {} N={n}", l.name(), fmt_bytes(size));
@@ -359,13 +407,21 @@ fn bench_token() -> &'static ClusterToken {
 }
 
 fn spawn_child(args: &[&str]) -> BoxResult<Child> {
-    Ok(Command::new(std::env::current_exe()?)
-        .arg("__bench-child")
+    spawn_child_on(args, None)
+}
+
+/// As [`spawn_child`], its GPU links' ends on CUDA device `device` when given.
+fn spawn_child_on(args: &[&str], device: Option<usize>) -> BoxResult<Child> {
+    let mut cmd = Command::new(std::env::current_exe()?);
+    cmd.arg("__bench-child")
         .args(args)
         .env(TOKEN_ENV, bench_token().expose())
         .env_remove(TOKEN_FILE_ENV)
-        .stdin(Stdio::null())
-        .spawn()?)
+        .stdin(Stdio::null());
+    if let Some(d) = device {
+        cmd.env(CUDA_DEVICE_ENV, d.to_string());
+    }
+    Ok(cmd.spawn()?)
 }
 
 /// Raw loopback TCP between two processes: the time to stream `size` bytes and get one
@@ -480,7 +536,7 @@ fn bench_link(
             &["link", &spec],
             n,
             weights,
-            false,
+            (false, l.name() == NcclLink.name()),
             Some(counts),
         );
         OpenedLink::cleanup(&leftovers);
@@ -495,9 +551,10 @@ fn bench_link(
         // what the first pull's fresh arena costs on its own: its pages' first touch
         times.touch = Some(first_touch_baseline(size, 3, true));
     }
-    let baseline = match l.reach() {
-        Reach::Network => ("tcp-loopback", base.tcp),
-        Reach::Process | Reach::Host => ("memcpy", base.memcpy.median),
+    let baseline = match (l.on_device(), base.device, l.reach()) {
+        (true, Some(copy), _) => ("device-copy", copy),
+        (_, _, Reach::Network) => ("tcp-loopback", base.tcp),
+        (_, _, Reach::Process | Reach::Host) => ("memcpy", base.memcpy.median),
     };
     Ok(times.rows(l.name(), size, n, baseline))
 }
@@ -619,7 +676,7 @@ fn bench_shm(
         &[role, &token],
         n,
         weights,
-        loaned,
+        (loaned, false),
         Some((args.warmup, args.iters)),
     )?;
     let name = match (mode, loaned) {
@@ -1008,19 +1065,21 @@ fn drain<T: ReceiverTransport>(mut r: Receiver<T>) -> BoxResult<()> {
 /// processes' start), times the updates when `timed` (untimed warm-up updates, then timed
 /// ones),
 /// shuts the sender down (receivers see it leave and exit) and checks every process succeeded.
+/// `(loaned, one_gpu_each)`: fill lent slots (see [`timed_updates`]); give receiver `i`
+/// CUDA device `i + 1` (NCCL: one rank per GPU, the sender on device 0).
 fn with_receiver_processes<T: SenderTransport + LoanSlots>(
     transport: T,
     manifests: Manifests,
     child: &[&str],
     n: usize,
     weights: &mut Arc<WeightSet>,
-    loaned: bool,
+    (loaned, one_gpu_each): (bool, bool),
     timed: Option<(usize, usize)>,
 ) -> BoxResult<Times> {
     let initial = (**weights).clone();
     let t0 = Instant::now();
     let children = (0..n)
-        .map(|_| spawn_child(child))
+        .map(|i| spawn_child_on(child, one_gpu_each.then_some(i + 1)))
         .collect::<BoxResult<Vec<_>>>()?;
     let mut sender = SenderInit::new(transport, manifests)
         .with_ack_timeout(WAIT)

@@ -89,22 +89,35 @@ pub(crate) fn main() -> ExitCode {
 }
 
 fn probe() -> Result<(), Box<dyn std::error::Error>> {
-    let report = refit::transports::gpu::probe()?;
-    for d in &report.devices {
+    use refit::transports::link::{LINKS, LinkOptions};
+    let report = refit::transports::gpu::probe();
+    if let Ok(report) = &report {
+        for d in &report.devices {
+            println!(
+                "cuda device {}: {} ({:.1} GiB)",
+                d.ordinal,
+                d.name,
+                d.total_memory as f64 / f64::from(1u32 << 30)
+            );
+        }
         println!(
-            "cuda device {}: {} ({:.1} GiB)",
-            d.ordinal,
-            d.name,
-            d.total_memory as f64 / f64::from(1u32 << 30)
+            "nccl: {}",
+            if report.nccl {
+                "loadable"
+            } else {
+                "not found (libnccl.so)"
+            }
         );
     }
-    println!(
-        "nccl: {}",
-        if report.nccl {
-            "loadable"
-        } else {
-            "not found (libnccl.so)"
+    // every link of the factory, and whether this process can open it (the GPU links
+    // answer with their reason: not compiled with CUDA, or the probe's)
+    let options = LinkOptions::default();
+    for l in LINKS {
+        match l.usable(&options) {
+            Ok(()) => println!("link {}: usable ({})", l.name(), l.reach()),
+            Err(e) => println!("link {}: not usable: {e}", l.name()),
         }
-    );
+    }
+    report?;
     Ok(())
 }

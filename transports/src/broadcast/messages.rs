@@ -34,6 +34,9 @@ pub(super) enum Control {
     Manifests(Vec<(ModelId, Manifest)>),
     /// Announces one bucket; its bytes follow as one broadcast.
     Prepare(Prepare),
+    /// The sender shuts down: receivers report it gone at once (an NCCL peer does not see
+    /// the other ranks leave; only this message, or its idle timeout, tells it).
+    Goodbye,
 }
 
 /// The prepare message of one bucket: what the next broadcast carries.

@@ -27,7 +27,9 @@
 //! Receivers run the collective on a thread of their own, so a broadcast never waits for the
 //! application to call `receive`; while idle, rank 0 broadcasts a heartbeat every
 //! [`BroadcastConfig::heartbeat`], and a receiver that hears nothing for
-//! [`BroadcastConfig::idle_timeout`] reports the sender as gone.
+//! [`BroadcastConfig::idle_timeout`] reports the sender as gone. A sender that shuts down
+//! broadcasts a goodbye first, so its receivers report it gone at once (NCCL ranks do not
+//! see a peer leave; the CPU chain's closed sockets would tell them anyway).
 
 mod link;
 mod messages;
@@ -41,7 +43,7 @@ use refit_runtime::{ModelId, Result, Version};
 
 use crate::collective::{Communicator, CpuComm, CpuConfig, Membership, Rendezvous};
 
-pub use link::BroadcastLink;
+pub use link::{BroadcastLink, GroupEnd, join_group, open_group};
 pub use messages::{PROTOCOL_VERSION, Prepare};
 pub use receiver::{BroadcastReceiver, PrepareHook};
 pub use sender::BroadcastSender;

@@ -174,6 +174,7 @@ fn enter<K: Connector>(
             Some(Control::Hello { .. }) => "a second hello",
             Some(Control::Manifests(_)) => "the manifests",
             Some(Control::Prepare(_)) => "a prepare",
+            Some(Control::Goodbye) => "the sender's goodbye",
             None => "a heartbeat",
         };
         let e = comm.membership().error(
@@ -328,6 +329,12 @@ impl<K: Connector> Worker<K> {
                     if let Err(e) = self.bucket(comm, &mut asm, p) {
                         return e;
                     }
+                }
+                Some(Control::Goodbye) => {
+                    return Error::PeerGone {
+                        peer: format!("rank 0 of broadcast group `{}`", self.cfg.group),
+                        reason: "the sender shut down".into(),
+                    };
                 }
             }
         }

@@ -22,6 +22,10 @@
 //!   [`refit_node::signals::install_signal_handlers`]. A sender that dies without
 //!   cleaning up (SIGKILL, the OOM killer) leaves its files; the next sender created in the
 //!   same directory removes them ([`ShmSender::collected`]).
+//! - The slots' bytes may live outside the data segments, in memory exported by handle
+//!   ([`ShmSender::create_exported`], [`ShmReceiver::with_imports`]): the `cuda-ipc` link
+//!   ([`crate::cuda_ipc`]) keeps them on the GPU. The board, the headers, pins and leases
+//!   stay here, and so does everything above.
 //!
 //! # Why there are no bucket control messages here
 //!

@@ -18,7 +18,13 @@ use super::layout::*;
 use super::lease::{self, Heartbeat, Identity};
 use super::segment::Segment;
 use super::{LIVENESS_EVERY, NAME, ShmReceiverSpec, futex};
+use crate::cuda_ipc::ImportSlots;
+use crate::gpu::ipc::IpcHandle;
 use crate::pool::{BufPool, PooledBuf};
+
+/// The deadline of reading one exported slot into host memory (bounded work: no peer to
+/// wait for), whatever the caller's deadline for the next version.
+const EXPORTED_READ: Duration = Duration::from_secs(60);
 
 /// How a receiver reads a slot.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -105,6 +111,8 @@ pub(super) struct Attached {
     n_slots: usize,
     /// The sender's lease.
     lease_len: Duration,
+    /// Per model, the handles of its exported slots (empty on a plain shm board).
+    exported: Vec<Vec<IpcHandle>>,
 }
 
 /// A receiving end.
@@ -114,6 +122,8 @@ pub struct ShmReceiver {
     attached: Option<Attached>,
     seen: Vec<u64>,
     pool: Arc<BufPool>,
+    /// The exported slots, opened (the `cuda-ipc` link's receiver).
+    imports: Option<Box<dyn ImportSlots>>,
 }
 
 impl std::fmt::Debug for ShmReceiver {
@@ -122,6 +132,7 @@ impl std::fmt::Debug for ShmReceiver {
             .field("spec", &self.spec)
             .field("mode", &self.mode)
             .field("attached", &self.attached.is_some())
+            .field("imports", &self.imports)
             .finish()
     }
 }
@@ -135,7 +146,18 @@ impl ShmReceiver {
             attached: None,
             seen: Vec::new(),
             pool: Arc::default(),
+            imports: None,
         }
+    }
+
+    /// A receiver of a board whose slots live in exported memory (a `cuda-ipc` board, see
+    /// [`ShmSender::create_exported`](super::ShmSender::create_exported)): `imports` opens
+    /// the slots' handles once, at `connect`, and copies each version out of its slot into
+    /// host memory (the read mode is then always [`ShmReadMode::Copy`]).
+    #[must_use]
+    pub fn with_imports(mut self, imports: Box<dyn ImportSlots>) -> Self {
+        self.imports = Some(imports);
+        self
     }
 
     /// Chooses how slots are read.
@@ -183,13 +205,45 @@ impl ShmReceiver {
         if dir.models.len() > MAX_MODELS || !(2..=MAX_SLOTS).contains(&n_slots) {
             return Err(shm_err("board directory is malformed"));
         }
+        let on_device = dir.models.iter().any(|m| !m.exported.is_empty());
+        match (on_device, &self.imports) {
+            (true, None) => {
+                return Err(shm_err(format!(
+                    "the board {} keeps its slots in device memory (a cuda-ipc link): open it with the cuda-ipc link",
+                    self.spec.board.display()
+                )));
+            }
+            (false, Some(i)) => {
+                return Err(shm_err(format!(
+                    "the board {} keeps its slots in shared memory: it is not a {} board",
+                    self.spec.board.display(),
+                    i.name()
+                )));
+            }
+            _ => {}
+        }
         let mut models = Vec::with_capacity(dir.models.len());
+        let mut exported = Vec::with_capacity(dir.models.len());
         for m in dir.models {
             let seg = Arc::new(Segment::open(&m.data, false)?);
-            if seg.len() < slot_stride(m.manifest.total_len()) * n_slots {
+            let stride = if on_device {
+                let fits = m.exported.len() == n_slots
+                    && m.exported.iter().all(|h| h.len >= m.manifest.total_len());
+                if !fits {
+                    return Err(shm_err(format!(
+                        "the exported slots of `{}` do not match its manifest and {n_slots} slots",
+                        m.id
+                    )));
+                }
+                PAGE
+            } else {
+                slot_stride(m.manifest.total_len())
+            };
+            if seg.len() < stride * n_slots {
                 return Err(shm_err(format!("data segment of `{}` is too small", m.id)));
             }
             models.push((m.id, Arc::new(m.manifest), seg));
+            exported.push(m.exported);
         }
         let lease_len = board_lease(&board)?;
         let mut idx = None;
@@ -244,6 +298,7 @@ impl ShmReceiver {
             models,
             n_slots,
             lease_len,
+            exported,
         }))
     }
 
@@ -296,12 +351,33 @@ impl ShmReceiver {
                 let (id, manifest, seg) = &a.models[m];
                 let base = slot * (seg.len() / a.n_slots);
                 let pin_off = pin(a.lease.idx, m, slot);
-                let ws = match self.mode {
-                    ShmReadMode::Copy => {
+                let ws = match (self.mode, self.imports.as_mut()) {
+                    (ShmReadMode::ZeroCopy, None) => WeightSet::from_shared(
+                        id.clone(),
+                        Version(version),
+                        Arc::clone(manifest),
+                        Arc::new(PinnedSlot {
+                            lease: Arc::clone(&a.lease),
+                            data: Arc::clone(seg),
+                            pin_off,
+                            off: base + PAGE,
+                            len: manifest.total_len(),
+                        }),
+                    ),
+                    (_, imports) => {
                         let wire = metrics::timed(Phase::Wire, NAME, id.as_str());
-                        let copy = seg.bytes(base + PAGE, manifest.total_len()).and_then(|b| {
-                            let mut buf = self.pool.take(b.len());
-                            copy_parallel(buf.as_mut_slice(), b, copy_threads());
+                        let len = manifest.total_len();
+                        let mut buf = self.pool.take(len);
+                        let read = match imports {
+                            // exported slots (device memory): copied out by their owner
+                            Some(i) => {
+                                i.read(m, slot, buf.as_mut_slice(), Instant::now() + EXPORTED_READ)
+                            }
+                            None => seg.bytes(base + PAGE, len).map(|b| {
+                                copy_parallel(buf.as_mut_slice(), b, copy_threads());
+                            }),
+                        };
+                        let copy = read.and_then(|()| {
                             let pooled = PooledBuf::new(buf, &self.pool);
                             WeightSet::from_shared(
                                 id.clone(),
@@ -323,18 +399,6 @@ impl ShmReceiver {
                         wire.finish();
                         copy
                     }
-                    ShmReadMode::ZeroCopy => WeightSet::from_shared(
-                        id.clone(),
-                        Version(version),
-                        Arc::clone(manifest),
-                        Arc::new(PinnedSlot {
-                            lease: Arc::clone(&a.lease),
-                            data: Arc::clone(seg),
-                            pin_off,
-                            off: base + PAGE,
-                            len: manifest.total_len(),
-                        }),
-                    ),
                 };
                 match ws {
                     Ok(ws) => group.push(Arc::new(ws)),
@@ -352,7 +416,7 @@ impl ShmReceiver {
 
 impl ReceiverTransport for ShmReceiver {
     fn name(&self) -> &'static str {
-        NAME
+        self.imports.as_ref().map_or(NAME, |i| i.name())
     }
 
     fn connect(&mut self, deadline: Instant) -> Result<Manifests> {
@@ -369,6 +433,11 @@ impl ReceiverTransport for ShmReceiver {
             |(), left| std::thread::sleep(left.min(Duration::from_millis(2))),
             |()| format!("shm sender at {}", board.display()),
         )?;
+        if let Some(imports) = self.imports.as_mut() {
+            // once per generation: the exported slots live as long as their sender
+            // (dropping `attached` on an error frees this receiver's entry)
+            imports.open(&attached.exported)?;
+        }
         let manifests = Manifests::new(
             attached
                 .models

@@ -19,6 +19,7 @@ use super::layout::*;
 use super::lease::{self, Heartbeat, Identity};
 use super::segment::{self, Segment};
 use super::{MAX_DEPARTED, NAME, ShmConfig, ShmReceiverSpec, collect, futex};
+use crate::cuda_ipc::ExportSlots;
 
 /// A receiver the sender found dead and freed (see [`ShmSender::departed`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -85,6 +86,8 @@ pub struct ShmSender {
     max_receivers: usize,
     expected_receivers: usize,
     closed: bool,
+    /// Where the slots' bytes live when not in the data segments (the `cuda-ipc` link).
+    exported: Option<Box<dyn ExportSlots>>,
 }
 
 impl ShmSender {
@@ -97,6 +100,30 @@ impl ShmSender {
     /// [`Error::Path`] whose source is of kind `StorageFull`, naming the sizes and how to
     /// enlarge `/dev/shm` (Docker `--shm-size`, a Kubernetes memory `emptyDir`).
     pub fn create(config: &ShmConfig, manifests: &Manifests) -> Result<Self> {
+        Self::create_with(config, manifests, None)
+    }
+
+    /// As [`ShmSender::create`], with every slot's bytes in memory `slots` exports (one
+    /// buffer per slot and model, handed to receivers by handle in the board's directory):
+    /// the `cuda-ipc` link's sender ([`crate::cuda_ipc`]). The board (commit record, pins,
+    /// leases) and each slot's header stay in shared memory; the data segments hold the
+    /// headers only. Such a sender lends no slots ([`ShmSender::loan`]).
+    ///
+    /// # Errors
+    /// As [`ShmSender::create`]; `slots`' errors exporting the buffers.
+    pub fn create_exported(
+        config: &ShmConfig,
+        manifests: &Manifests,
+        slots: Box<dyn ExportSlots>,
+    ) -> Result<Self> {
+        Self::create_with(config, manifests, Some(slots))
+    }
+
+    fn create_with(
+        config: &ShmConfig,
+        manifests: &Manifests,
+        mut exported: Option<Box<dyn ExportSlots>>,
+    ) -> Result<Self> {
         if !(2..=MAX_SLOTS).contains(&config.slots) {
             return Err(shm_err(format!(
                 "slots must be 2..={MAX_SLOTS}, got {}",
@@ -121,15 +148,25 @@ impl ShmSender {
         let mut sizes = Vec::new();
         let mut index = BTreeMap::new();
         for (i, (id, manifest)) in manifests.iter().enumerate() {
-            let len = slot_stride(manifest.total_len())
+            // exported slots keep their bytes elsewhere: the segment holds their headers
+            let stride = match exported {
+                Some(_) => PAGE,
+                None => slot_stride(manifest.total_len()),
+            };
+            let len = stride
                 .checked_mul(config.slots)
                 .ok_or_else(|| shm_err("segment size overflows"))?;
             sizes.push(len);
             index.insert(id.clone(), i);
+            let handles = match exported.as_mut() {
+                Some(e) => e.export(manifest.total_len(), config.slots)?,
+                None => Vec::new(),
+            };
             models.push(DirModel {
                 id: id.clone(),
                 manifest: (**manifest).clone(),
                 data: config.dir.join(format!("refit-{scheme}-m{i}")),
+                exported: handles,
             });
         }
         let paths: Vec<PathBuf> = models.iter().map(|m| m.data.clone()).collect();
@@ -213,6 +250,7 @@ impl ShmSender {
             max_receivers: config.max_receivers,
             expected_receivers: config.expected_receivers,
             closed: false,
+            exported,
         })
     }
 
@@ -400,6 +438,14 @@ impl ShmSender {
         deadline: Instant,
     ) -> Result<WeightSet> {
         let m = self.model_index(model)?;
+        if let Some(e) = &self.exported {
+            return Err(Error::transport(
+                e.name(),
+                format!(
+                    "the slots of `{model}` live in device memory: they are not lent as host weight sets"
+                ),
+            ));
+        }
         self.release_loan(m)?;
         let (slot, seq) = self.claim_slot(m, deadline)?;
         let data = &self.data[m];
@@ -475,7 +521,7 @@ pub fn overwrite_sender_pid(spec: &ShmReceiverSpec, pid: u32) -> Result<()> {
 
 impl SenderTransport for ShmSender {
     fn name(&self) -> &'static str {
-        NAME
+        self.exported.as_ref().map_or(NAME, |e| e.name())
     }
 
     fn connect(&mut self, initial: &Group, deadline: Instant) -> Result<()> {
@@ -522,7 +568,11 @@ impl SenderTransport for ShmSender {
                 self.release_loan(m)?;
                 let (slot, seq) = self.claim_slot(m, deadline)?;
                 let base = slot * (seg.len() / self.slots);
-                seg.write(base + PAGE, w.bytes())?;
+                match self.exported.as_mut() {
+                    // the slot stays claimed (odd) until the bytes are there
+                    Some(e) => e.write(m, slot, w.bytes(), deadline)?,
+                    None => seg.write(base + PAGE, w.bytes())?,
+                }
                 (slot, seq)
             };
             let base = slot * (seg.len() / self.slots);
