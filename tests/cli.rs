@@ -525,6 +525,8 @@ fn no_color_turns_colour_off_on_a_terminal() {
             "Usage:"
         };
         assert!(plain.contains(expected), "{args:?}:\n{plain}");
+    }
+}
 
 /// `refit probe` names every link of the factory and whether this process can open it; the
 /// GPU links give their reason (not compiled with CUDA and how to build, or the probe's).
