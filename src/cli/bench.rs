@@ -163,6 +163,8 @@ pub(crate) fn run(args: &BenchArgs) -> BoxResult<()> {
         .into());
     }
     let links = link::parse_list(&args.transports.join(","))?;
+    // the raw TCP baseline's chunk sizes, searched once at the largest size streamed
+    tcp::tune(sizes.iter().copied().max().unwrap_or(0).max(args.pull_size))?;
     let mut rows = Vec::new();
     for &size in &sizes {
         let mut weights = make_weights(size, 16)?;

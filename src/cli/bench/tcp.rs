@@ -68,32 +68,38 @@ const CANDIDATES: [Chunks; 6] = [
     Chunks::kib(4096, 4096),
     Chunks::kib(64 << 10, 4096),
 ];
-/// Bytes each candidate streams per round of the search.
+/// Most bytes each candidate streams per round of the search.
 const TUNE_SIZE: usize = 256 << 20;
 /// Rounds of the search (each runs every candidate once, in turn).
 const TUNE_ROUNDS: usize = 5;
 
 /// The search's outcome: every candidate's timings and the fastest (lowest median).
 pub(super) struct Tuning {
+    /// Bytes per stream of the search.
+    size: usize,
     tried: Vec<(Chunks, Summary)>,
     best: Chunks,
 }
 
-/// The tuned chunk sizes, searched on first use (a few seconds) and kept for the run.
-pub(super) fn tuning() -> BoxResult<&'static Tuning> {
-    static TUNING: OnceLock<Tuning> = OnceLock::new();
+static TUNING: OnceLock<Tuning> = OnceLock::new();
+
+/// Searches the chunk sizes once per run with streams of `size` bytes (at most
+/// [`TUNE_SIZE`]), unless that was done already: the largest size the run measures, so the
+/// search costs no more than the run's own streams and small runs stay quick.
+pub(super) fn tune(size: usize) -> BoxResult<&'static Tuning> {
     if let Some(t) = TUNING.get() {
         return Ok(t);
     }
+    let size = size.clamp(1 << 20, TUNE_SIZE);
     eprintln!(
         "refit bench: tuning the raw loopback TCP baseline ({} candidates, {} rounds of {})",
         CANDIDATES.len(),
         TUNE_ROUNDS,
-        fmt_bytes(TUNE_SIZE)
+        fmt_bytes(size)
     );
     let mut streams = CANDIDATES
         .iter()
-        .map(|&c| Stream::start(TUNE_SIZE, TUNE_ROUNDS + 1, c))
+        .map(|&c| Stream::start(size, TUNE_ROUNDS + 1, c))
         .collect::<BoxResult<Vec<_>>>()?;
     let mut samples = vec![Vec::with_capacity(TUNE_ROUNDS); CANDIDATES.len()];
     for s in &mut streams {
@@ -116,13 +122,13 @@ pub(super) fn tuning() -> BoxResult<&'static Tuning> {
         .iter()
         .min_by(|a, b| a.1.median.total_cmp(&b.1.median))
         .map_or(CANDIDATES[0], |(c, _)| *c);
-    Ok(TUNING.get_or_init(|| Tuning { tried, best }))
+    Ok(TUNING.get_or_init(|| Tuning { size, tried, best }))
 }
 
 /// Raw loopback TCP between two processes with the tuned chunk sizes: the time to stream
 /// `size` bytes and get one byte back, `iters` times after one untimed stream.
 pub(super) fn baseline(size: usize, iters: usize) -> BoxResult<Summary> {
-    let mut s = Stream::start(size, iters + 1, tuning()?.best)?;
+    let mut s = Stream::start(size, iters + 1, tune(size)?.best)?;
     s.once()?;
     let samples = (0..iters)
         .map(|_| s.once())
@@ -329,7 +335,7 @@ impl Drop for Iperf3 {
 pub(super) fn bench_pull(args: &BenchArgs) -> BoxResult<Vec<Row>> {
     let size = args.pull_size.next_multiple_of(4 * refit::runtime::ALIGN);
     let iters = args.iters.max(3);
-    let tuning = tuning()?;
+    let tuning = tune(size)?;
     let file_write = file_write_baseline(size, iters, &args.pull_dir)?;
     let touch = first_touch_baseline(size, iters, false);
     let touch_huge = first_touch_baseline(size, iters, true);
@@ -406,7 +412,7 @@ pub(super) fn bench_pull(args: &BenchArgs) -> BoxResult<Vec<Row>> {
         rows.push(row(
             "tcp-loopback",
             &format!("  tried {}", c.name()),
-            TUNE_SIZE,
+            tuning.size,
             1,
             *s,
             "best tried",
