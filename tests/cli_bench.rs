@@ -82,6 +82,79 @@ fn every_registered_transport_gets_its_rows() {
     }
 }
 
+/// The pull rows: the raw TCP baseline with the chunk sizes its search tried (the fastest
+/// kept), `iperf3` where it is installed, a stream into a new file, and `refit pull` of a
+/// model served from memory and of a file served by a `refit serve` process, each against
+/// the baseline measured in the same run.
+#[test]
+fn pull_rows_time_both_paths_against_the_tuned_tcp_baseline() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = refit()
+        .args(["bench", "--max-size", "4MiB", "--receivers", "1"])
+        .args(["--iters", "1", "--warmup", "1", "--connect-runs", "1"])
+        .args(["--strategies-size", "0", "--transports", "tcp", "--json"])
+        .args(["--pull-size", "8MiB", "--pull-dir"])
+        .arg(dir.path())
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    let rows: Vec<serde_json::Value> = serde_json::from_slice(&out.stdout).unwrap();
+    let find = |transport: &str, metric: &str| {
+        rows.iter()
+            .find(|r| {
+                r["transport"] == transport && r["metric"].as_str().unwrap().starts_with(metric)
+            })
+            .unwrap_or_else(|| panic!("no {transport} {metric:?} row: {rows:?}"))
+    };
+    let median = |r: &serde_json::Value| r["seconds"]["median"].as_f64().unwrap();
+    let stream = find("tcp-loopback", "stream writes");
+    assert_eq!(stream["bytes"], 8 << 20, "{stream}");
+    let tried: Vec<_> = rows
+        .iter()
+        .filter(|r| r["metric"].as_str().unwrap().starts_with("  tried writes"))
+        .collect();
+    assert_eq!(tried.len(), 6, "{rows:?}");
+    // the kept chunk sizes are those of the fastest try
+    let best = tried
+        .iter()
+        .min_by(|a, b| median(a).total_cmp(&median(b)))
+        .unwrap();
+    let kept = stream["metric"]
+        .as_str()
+        .unwrap()
+        .trim_start_matches("stream ");
+    assert!(
+        best["metric"].as_str().unwrap().ends_with(kept),
+        "{best} {stream}"
+    );
+    assert!(
+        (best["ratio"].as_f64().unwrap() - 1.0).abs() < 1e-9,
+        "{best}"
+    );
+    for (transport, metric) in [
+        ("tcp-loopback", "  into a new file"),
+        ("refit pull", "to "),
+        ("refit serve FILE+pull", "to "),
+        ("refit serve FILE", "  start"),
+    ] {
+        let r = find(transport, metric);
+        assert!(median(r) > 0.0, "{r}");
+        assert_eq!(r["baseline"], "tcp-loopback", "{r}");
+        assert!(r["ratio"].as_f64().unwrap() > 0.0, "{r}");
+    }
+    assert_eq!(find("refit pull", "  against")["baseline"], "tcp into file");
+    let iperf3 = std::env::split_paths(&std::env::var_os("PATH").unwrap_or_default())
+        .any(|d| d.join("iperf3").is_file());
+    assert_eq!(
+        rows.iter().any(|r| r["transport"] == "iperf3"),
+        iperf3,
+        "an iperf3 row exactly where iperf3 is installed: {rows:?}"
+    );
+    // every file the rows wrote is gone
+    assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0);
+}
+
 #[test]
 fn an_unknown_transport_is_refused_naming_the_known_ones() {
     let out = refit()

@@ -1,8 +1,6 @@
 //! `refit bench`: every transport against physical baselines measured in the same run.
 
 use std::error::Error as StdError;
-use std::io::{Read, Write};
-use std::net::{TcpListener, TcpStream};
 use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -16,10 +14,12 @@ use refit::transports::link::{
 };
 use refit::transports::nccl::NcclLink;
 use refit::transports::shm::ShmLink;
-use refit::transports::tcp::{TcpConfig, TcpLink, TcpSender};
+use refit::transports::tcp::TcpLink;
 use serde::Serialize;
 
 use super::stats::{Summary, fmt_bytes, fmt_secs, parse_bytes};
+
+mod tcp;
 
 type BoxResult<T> = Result<T, Box<dyn StdError>>;
 
@@ -126,6 +126,12 @@ pub(crate) struct ChildArgs {
     /// Rounds (tcp-sink).
     #[arg(default_value_t = 0)]
     rounds: usize,
+    /// Bytes per read (tcp-sink).
+    #[arg(default_value_t = 4 << 20)]
+    chunk: usize,
+    /// Write what is read into a new file at this path, once per round (tcp-sink).
+    #[arg(long)]
+    file: Option<std::path::PathBuf>,
 }
 
 /// One measured figure.
@@ -187,6 +193,8 @@ pub(crate) fn run(args: &BenchArgs) -> BoxResult<()> {
         .then(refit::transports::gpu::probe)
         .and_then(Result::ok)
         .map_or(0, |r| r.devices.len());
+    // the raw TCP baseline's chunk sizes, searched once at the largest size streamed
+    tcp::tune(sizes.iter().copied().max().unwrap_or(0).max(args.pull_size))?;
     let mut rows = Vec::new();
     for &size in &sizes {
         let mut weights = make_weights(size, 16)?;
@@ -259,7 +267,7 @@ pub(crate) fn run(args: &BenchArgs) -> BoxResult<()> {
             fmt_bytes(args.pull_size),
             args.pull_dir.display()
         );
-        rows.extend(bench_pull(args)?);
+        rows.extend(tcp::bench_pull(args)?);
     }
     if args.strategies_size > 0 {
         eprintln!(
@@ -424,37 +432,10 @@ fn spawn_child_on(args: &[&str], device: Option<usize>) -> BoxResult<Child> {
     Ok(cmd.spawn()?)
 }
 
-/// Raw loopback TCP between two processes: the time to stream `size` bytes and get one
-/// byte back.
+/// Raw loopback TCP between two processes, tuned ([`tcp::tuning`]): the time to stream
+/// `size` bytes and get one byte back.
 fn tcp_baseline(size: usize, iters: usize) -> BoxResult<Summary> {
-    let listener = TcpListener::bind("127.0.0.1:0")?;
-    let addr = listener.local_addr()?.to_string();
-    let mut child = spawn_child(&[
-        "tcp-sink",
-        &addr,
-        &size.to_string(),
-        &(iters + 1).to_string(),
-    ])?;
-    let (mut sock, _) = listener.accept()?;
-    sock.set_nodelay(true)?;
-    let buf = vec![3u8; size.min(64 << 20)];
-    let mut samples = Vec::with_capacity(iters);
-    for _ in 0..iters + 1 {
-        let t = Instant::now();
-        let mut left = size;
-        while left > 0 {
-            let n = left.min(buf.len());
-            sock.write_all(&buf[..n])?;
-            left -= n;
-        }
-        let mut ack = [0u8; 1];
-        sock.read_exact(&mut ack)?;
-        samples.push(t.elapsed());
-    }
-    if !child.wait()?.success() {
-        return Err("tcp sink process failed".into());
-    }
-    Ok(Summary::of(&samples[1..]))
+    tcp::baseline(size, iters)
 }
 
 /// Next version of the weights, every tensor changed (its first byte: a delta moves every
@@ -689,23 +670,7 @@ fn bench_shm(
 
 pub(crate) fn child(args: &ChildArgs) -> BoxResult<()> {
     match args.role.as_str() {
-        "tcp-sink" => {
-            let mut sock = TcpStream::connect(&args.target)?;
-            sock.set_nodelay(true)?;
-            let mut buf = vec![0u8; 4 << 20];
-            for _ in 0..args.rounds {
-                let mut left = args.bytes;
-                while left > 0 {
-                    let n = sock.read(&mut buf[..left.min(4 << 20)])?;
-                    if n == 0 {
-                        return Err("sender closed the socket early".into());
-                    }
-                    left -= n;
-                }
-                sock.write_all(&[1])?;
-            }
-            Ok(())
-        }
+        "tcp-sink" => tcp::sink(args),
         "link" => {
             // any transport of the link factory; a tcp receiver presents the token of its
             // environment (set by `spawn_child`)
@@ -894,111 +859,6 @@ impl LoanSlots for Box<dyn SenderTransport> {
     }
 }
 
-/// `refit pull` as a user runs it: a sender serves a model of four tensors (each far larger
-/// than a bucket) and a `refit pull` process fetches it into a new file in `--pull-dir`, timed
-/// from the process start to its exit, against raw loopback TCP of the same bytes and against
-/// writing the same bytes into a new file there (the cost of the file's fresh pages alone),
-/// all in this run.
-fn bench_pull(args: &BenchArgs) -> BoxResult<Vec<Row>> {
-    let size = args.pull_size.next_multiple_of(4 * refit::runtime::ALIGN);
-    let iters = args.iters.max(3);
-    let tcp = tcp_baseline(size, iters)?;
-    let file_write = file_write_baseline(size, iters, &args.pull_dir)?;
-    let touch = first_touch_baseline(size, iters, false);
-    let touch_huge = first_touch_baseline(size, iters, true);
-    let ws = Arc::unwrap_or_clone(make_weights(size, 4)?);
-    let manifests = Manifests::new([(ws.model().clone(), Arc::clone(ws.manifest()))])?;
-    let config = TcpConfig {
-        token: Some(bench_token().clone()),
-        ..TcpConfig::default()
-    };
-    let transport = TcpSender::bind(config, &manifests)?;
-    let pid = std::process::id();
-    let spec_file = args.pull_dir.join(format!(".refit-bench-{pid}.spec"));
-    let out = args.pull_dir.join(format!("refit-bench-{pid}.safetensors"));
-    refit::runtime::write_atomically(
-        &spec_file,
-        wire::to_token(&transport.endpoint())?.as_bytes(),
-    )?;
-    let result = (|| -> BoxResult<Vec<Duration>> {
-        let sender = SenderInit::new(transport, manifests).connect(vec![ws], WAIT)?;
-        let mut samples = Vec::with_capacity(iters);
-        for _ in 0..iters {
-            let t = Instant::now();
-            let done = Command::new(std::env::current_exe()?)
-                .arg("pull")
-                .env(TOKEN_ENV, bench_token().expose())
-                .env_remove(TOKEN_FILE_ENV)
-                .arg("--spec-file")
-                .arg(&spec_file)
-                .arg(&out)
-                .stdin(Stdio::null())
-                .output()?;
-            samples.push(t.elapsed());
-            if !done.status.success() {
-                return Err(format!(
-                    "refit pull failed: {}",
-                    String::from_utf8_lossy(&done.stderr).trim()
-                )
-                .into());
-            }
-            if std::fs::metadata(&out)?.len() < size as u64 {
-                return Err("refit pull wrote a short file".into());
-            }
-            std::fs::remove_file(&out)?;
-        }
-        sender.shutdown()?;
-        Ok(samples)
-    })();
-    let _ = std::fs::remove_file(&spec_file);
-    let _ = std::fs::remove_file(&out);
-    let samples = result?;
-    let dir = args.pull_dir.display().to_string();
-    Ok(vec![
-        row("tcp-loopback", "stream", size, 1, tcp, "-", tcp.median),
-        row(
-            "new file",
-            &format!("write to {dir}"),
-            size,
-            1,
-            file_write,
-            "tcp-loopback",
-            tcp.median,
-        ),
-        row(
-            "new memory",
-            "first touch",
-            size,
-            1,
-            touch,
-            "tcp-loopback",
-            tcp.median,
-        ),
-        row(
-            "new memory",
-            if refit::runtime::AlignedBuf::huge_pages() {
-                "  arena (huge pages)"
-            } else {
-                "  arena (small pages)"
-            },
-            size,
-            1,
-            touch_huge,
-            "tcp-loopback",
-            tcp.median,
-        ),
-        row(
-            "refit pull",
-            &format!("to {dir}"),
-            size,
-            1,
-            Summary::of(&samples),
-            "tcp-loopback",
-            tcp.median,
-        ),
-    ])
-}
-
 /// Writing one byte into every page of `size` bytes of memory never used before (what a
 /// fresh arena costs its first transfer before a byte moves): a plain heap buffer, or with
 /// `arena` a runtime arena (an anonymous map, advised to use transparent huge pages where
@@ -1024,29 +884,6 @@ fn first_touch_baseline(size: usize, iters: usize, arena: bool) -> Summary {
         drop((heap, mapped));
     }
     Summary::of(&samples)
-}
-
-/// Writing `size` bytes into a new file in `dir` (created, written from a reused buffer,
-/// synced, removed): what the file's fresh pages cost without any network.
-fn file_write_baseline(size: usize, iters: usize, dir: &std::path::Path) -> BoxResult<Summary> {
-    let path = dir.join(format!(".refit-bench-{}.write", std::process::id()));
-    let buf = vec![5u8; size.min(16 << 20)];
-    let mut samples = Vec::with_capacity(iters);
-    for _ in 0..iters {
-        let t = Instant::now();
-        let mut f = std::fs::File::create(&path)?;
-        let mut left = size;
-        while left > 0 {
-            let n = left.min(buf.len());
-            f.write_all(&buf[..n])?;
-            left -= n;
-        }
-        f.sync_all()?;
-        drop(f);
-        samples.push(t.elapsed());
-        std::fs::remove_file(&path)?;
-    }
-    Ok(Summary::of(&samples))
 }
 
 /// A benchmark receiver: applies every update until the sender leaves.
