@@ -144,12 +144,14 @@ fn pull_rows_time_both_paths_against_the_tuned_tcp_baseline() {
         assert!(r["ratio"].as_f64().unwrap() > 0.0, "{r}");
     }
     assert_eq!(find("refit pull", "  against")["baseline"], "tcp into file");
+    // iperf3 is a cross-check: a row only where it is installed (and could measure: at
+    // small sizes its report may end before the bytes do, and the bench says so instead)
     let iperf3 = std::env::split_paths(&std::env::var_os("PATH").unwrap_or_default())
         .any(|d| d.join("iperf3").is_file());
-    assert_eq!(
-        rows.iter().any(|r| r["transport"] == "iperf3"),
-        iperf3,
-        "an iperf3 row exactly where iperf3 is installed: {rows:?}"
+    let iperf3_row = rows.iter().any(|r| r["transport"] == "iperf3");
+    assert!(
+        !iperf3_row || iperf3,
+        "an iperf3 row without iperf3 installed: {rows:?}"
     );
     // every file the rows wrote is gone
     assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0);
