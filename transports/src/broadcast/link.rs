@@ -41,10 +41,12 @@ impl LinkFactory for BroadcastLink {
             Some(t) => t,
             None => ClusterToken::random(),
         };
+        // listen where the rank's node is reached (its advertised address: the node itself
+        // may listen on 0.0.0.0)
         let ip = options
             .node
             .as_ref()
-            .map_or(IpAddr::V4(Ipv4Addr::LOCALHOST), |n| n.addr().ip());
+            .map_or(IpAddr::V4(Ipv4Addr::LOCALHOST), |n| n.advertised().ip());
         let node =
             Node::start(NodeConfig::loopback(token.clone()).with_bind(SocketAddr::new(ip, 0)))?;
         Store::serve(&node);
@@ -100,7 +102,7 @@ fn join(params: Params, options: &LinkOptions) -> Result<BroadcastReceiver<CpuCo
     };
     // listen where the store's host reaches this process
     let (node, ip) = match &options.node {
-        Some(n) => (n.clone(), n.addr().ip()),
+        Some(n) => (n.clone(), n.advertised().ip()),
         None => (Node::loopback(token.clone())?, route_to(params.store)),
     };
     let client = StoreClient::connect(&node, params.store, CONNECT)?;
