@@ -259,17 +259,18 @@ pub fn scheduler_hosts(
             continue;
         }
         let Some(addr) = scheduler.host(i) else {
-            let var = match &scheduler {
-                Scheduler::Slurm { var, .. } => *var,
-                Scheduler::Kubernetes { .. } => K8S_SERVICE_ENV,
+            // only a node list ends
+            let (var, nodes) = match &scheduler {
+                Scheduler::Slurm { var, nodes, .. } => (*var, nodes.len()),
+                Scheduler::Kubernetes { .. } => (K8S_SERVICE_ENV, i),
             };
             return Err(Error::Launch {
                 var,
                 reason: format!(
-                    "{} names {} hosts, and the file's host `{}` is its host number {}: ask \
-                     for as many nodes as the file has hosts ({}), in its order",
+                    "{} names {nodes} host{}, and the file's host `{}` is its host number {}: \
+                     ask for as many nodes as the file has hosts ({}), in its order",
                     scheduler.describe(),
-                    i.min(topo.hosts.len()),
+                    if nodes == 1 { "" } else { "s" },
                     h.name,
                     i + 1,
                     topo.hosts.len()
@@ -410,12 +411,12 @@ mod tests {
                 && e.contains("host `a` has no `addr`"),
             "{e}"
         );
-        let e = scheduler_hosts(&topo(), &env(&[("SLURM_STEP_NODELIST", "n[1-2]")]))
+        let e = scheduler_hosts(&topo(), &env(&[("SLURM_STEP_NODELIST", "n1")]))
             .unwrap_err()
             .to_string();
         assert!(
             e.contains("`SLURM_STEP_NODELIST`")
-                && e.contains("names 2 hosts")
+                && e.contains("names 1 host,")
                 && e.contains("host `c`")
                 && e.contains("(3)"),
             "{e}"
