@@ -178,7 +178,25 @@ fn the_shipped_cartpole_topologies_place_their_links_by_host() {
             assert_eq!(t.weights_transport(&policy, 0, r), kind);
         }
     }
-    assert_eq!(hosts.master_host(), "10.77.0.1");
+    assert_eq!(hosts.master_host().unwrap(), "10.77.0.1");
+    // the scheduler files: the same placement, the hosts' addresses left to the scheduler
+    for name in ["cartpole-slurm.toml", "cartpole-k8s.toml"] {
+        let t = read(name);
+        assert_eq!((t.world_size(), t.hosts.len()), (3, 3), "{name}");
+        assert!(t.hosts.iter().all(|h| h.addr.is_none()), "{name}");
+        assert!(t.master_host().is_err(), "{name}");
+        for r in [1, 2] {
+            assert_eq!(
+                t.weights_transport(&t.model_ids()[0], 0, r),
+                TransportKind::Nearest(Reach::Network),
+                "{name}"
+            );
+        }
+    }
+    let pods = read("cartpole-k8s.toml");
+    for r in pods.ranks() {
+        assert_eq!((r.bind, r.port), (Some([0, 0, 0, 0].into()), Some(29500)));
+    }
     let broadcast = read("cartpole-broadcast.toml");
     broadcast
         .check_links(refit::transports::link::reach_of)

@@ -6,7 +6,7 @@
 #   examples/scripts/fanout-netns.sh [SIZE [RATE [VERSIONS [BUCKET]]]]
 #
 # Defaults: SIZE 256MiB, RATE 400mbit, VERSIONS 4 (version 1 is the connect; versions 2.. are
-# timed), BUCKET 4MiB. Needs root and ../shared/tools/netns-hosts (NETNS_HOSTS overrides it),
+# timed), BUCKET 4MiB. Needs root and scripts/netns-hosts (NETNS_HOSTS overrides it),
 # and a release build of the example (cargo build --release --example multi_node).
 set -euo pipefail
 here=$(cd "$(dirname "$0")/../.." && pwd)

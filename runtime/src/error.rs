@@ -261,6 +261,17 @@ pub enum Error {
     /// A configuration that cannot be used (unknown key, bad value), naming the key.
     #[error("invalid configuration: {0}")]
     Config(String),
+    /// A model library's variable could not become a tensor of a weight set, or the
+    /// reverse (see `candle`).
+    #[error("{library} tensor `{tensor}`: {reason}")]
+    Bridge {
+        /// The library (`candle`).
+        library: &'static str,
+        /// The tensor or variable to blame.
+        tensor: String,
+        /// What is wrong.
+        reason: String,
+    },
     /// A sync-policy rule was broken (barrier rounds, notification order).
     #[error("sync policy: {0}")]
     Sync(String),

@@ -14,7 +14,9 @@ use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::time::Duration;
 
-use refit::node::launch::{LaunchSpec, Supervisor, free_port, resolve_rank, scheduler_incarnation};
+use refit::node::launch::{
+    LaunchSpec, Supervisor, free_port, resolve_rank, scheduler_hosts, scheduler_incarnation,
+};
 use refit::node::{ClusterToken, TOKEN_ENV, TOKEN_FILE_ENV};
 use refit::runtime::topology::{OnFailure, Override, Topology};
 use refit::runtime::{Error, Result};
@@ -25,7 +27,11 @@ Environment it reads:
   RANK, WORLD_SIZE          start only this rank (torchrun's names); MASTER_ADDR, MASTER_PORT
                             say where rank 0's rendezvous store is
   SLURM_PROCID, SLURM_NTASKS, SLURM_STEP_NODELIST (or SLURM_JOB_NODELIST)
-                            the same under Slurm (MASTER_ADDR: the list's first host)
+                            the same under Slurm (MASTER_ADDR: the list's first host); hosts
+                            without `addr` take the list's nodes in file order
+  REFIT_K8S_SERVICE, REFIT_K8S_POD (or HOSTNAME), REFIT_K8S_NAMESPACE
+                            a Kubernetes StatefulSet behind that headless Service: pod i is
+                            the file's host i (address POD.SERVICE), and runs its one rank
   REFIT_TOKEN, REFIT_TOKEN_FILE
                             the cluster token (required in a per-rank launch; else random)
   REFIT_INCARNATION, SLURM_RESTART_COUNT, TORCHELASTIC_RESTART_COUNT
@@ -130,7 +136,7 @@ fn launch(args: &LaunchArgs) -> Result<u8> {
         )));
     }
     let grace = Duration::from_secs_f64(args.grace_s);
-    let overrides = args
+    let mut overrides = args
         .set
         .iter()
         .map(|s| Override::parse(s))
@@ -140,7 +146,19 @@ fn launch(args: &LaunchArgs) -> Result<u8> {
         path: args.topology.clone(),
         source,
     })?;
-    let topo = topology(&path, &overrides)?;
+    let lookup = |k: &str| std::env::var(k).ok();
+    let mut topo = topology(&path, &overrides)?;
+    // hosts without `addr`: the scheduler's, as overrides every rank applies too
+    let scheduled = scheduler_hosts(&topo, &lookup).map_err(Error::from)?;
+    if let Some(hosts) = &scheduled {
+        overrides.extend(hosts.overrides().map_err(Error::from)?);
+        topo = topology(&path, &overrides)?;
+        eprintln!(
+            "refit launch: host addresses from {}: {}",
+            hosts.scheduler.describe(),
+            hosts.summary()
+        );
+    }
     let given = ClusterToken::from_env()?;
     let spec = LaunchSpec {
         token: given.clone().unwrap_or_else(ClusterToken::random),
@@ -150,9 +168,11 @@ fn launch(args: &LaunchArgs) -> Result<u8> {
         overrides,
     };
     let topo = &spec.topology;
-    let lookup = |k: &str| std::env::var(k).ok();
     let mut ranks = match resolve_rank(args.rank, args.master_port, topo, &lookup)? {
         Some(place) => {
+            if let Some(hosts) = &scheduled {
+                hosts.check_rank(topo, place.rank).map_err(Error::from)?;
+            }
             if given.is_none() && place.world_size > 1 {
                 // each host's launcher would make its own token and the ranks would refuse
                 // each other
@@ -184,13 +204,13 @@ fn launch(args: &LaunchArgs) -> Result<u8> {
         None => {
             let master_port = match args.master_port.or(topo.ranks()[0].port) {
                 Some(p) => p,
-                None => free_port(topo.master_host())?,
+                None => free_port(topo.master_host()?)?,
             };
             eprintln!(
                 "refit launch: {} ranks from {}; rendezvous at {}:{master_port}",
                 topo.world_size(),
                 spec.path.display(),
-                topo.master_host()
+                topo.master_host()?
             );
             if topo.hosts.len() > 1 {
                 eprintln!(

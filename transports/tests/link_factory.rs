@@ -8,7 +8,7 @@ mod common;
 use std::time::Duration;
 
 use common::{manifest, manifests, stamped};
-use refit_node::ClusterToken;
+use refit_node::{ClusterToken, Node, NodeConfig};
 use refit_runtime::{ReceiverInit, SenderInit, Version};
 use refit_transports::broadcast::GroupEnd;
 use refit_transports::collective::CpuConfig;
@@ -20,12 +20,18 @@ const WAIT: Duration = Duration::from_secs(30);
 
 /// Opens `name`, ships its spec, connects one receiver, delivers v1 and v2.
 fn round_trip(name: &str) {
+    round_trip_on(name, |_| None);
+}
+
+/// As [`round_trip`], each end on the node `node(token)` makes (`None`: no node).
+fn round_trip_on(name: &str, node: impl Fn(&ClusterToken) -> Option<Node>) {
     let m = manifest(8);
     let ms = manifests(&[("policy", &m)]);
     let token = ClusterToken::random();
     let options = LinkOptions {
         expected_receivers: 1,
         token: Some(token.clone()),
+        node: node(&token),
         ..LinkOptions::default()
     };
     // ANCHOR: open_by_name
@@ -38,11 +44,16 @@ fn round_trip(name: &str) {
         !json.contains(token.expose()),
         "a spec holds no secret: {json}"
     );
+    assert!(
+        !json.contains("0.0.0.0"),
+        "a spec names an address peers reach: {json}"
+    );
     let shipped: ReceiverSpec = serde_json::from_str(&json).unwrap();
     assert_eq!(shipped, opened.spec);
     let shipped = ReceiverSpec::from_token(&shipped.to_token().unwrap()).unwrap();
     assert_eq!(shipped, opened.spec);
     let receiver_options = LinkOptions {
+        node: node(&token),
         token: Some(token),
         ..LinkOptions::default()
     };
@@ -222,6 +233,29 @@ fn gpu_links_refuse_at_open_and_at_receiver_creation_with_the_reason() {
         let e = spec.receiver(&options).map(|_| ()).unwrap_err().to_string();
         assert_eq!(e, reason);
     }
+}
+
+/// A node that listens on every interface (a rank with `bind = "0.0.0.0"`, in a container)
+/// and advertises loopback, the address the other end reaches it at.
+fn unspecified_node(token: &ClusterToken) -> Option<Node> {
+    let config = NodeConfig::loopback(token.clone())
+        .with_bind("0.0.0.0:0".parse().unwrap())
+        .with_advertise("127.0.0.1:0".parse().unwrap());
+    let node = Node::start(config).unwrap();
+    assert!(node.addr().ip().is_unspecified());
+    assert_eq!(node.advertised().port(), node.addr().port());
+    Some(node)
+}
+
+#[test]
+fn tcp_links_on_nodes_listening_on_every_interface_advertise_the_nodes_address() {
+    // the sender's endpoint and the receiver's registration carry 127.0.0.1, never 0.0.0.0
+    round_trip_on("tcp", unspecified_node);
+}
+
+#[test]
+fn broadcast_links_on_nodes_listening_on_every_interface_listen_where_they_are_reached() {
+    round_trip_on("broadcast", unspecified_node);
 }
 
 #[test]

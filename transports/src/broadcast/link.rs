@@ -65,10 +65,12 @@ pub fn open_group<K: Connector>(
         Some(t) => t,
         None => ClusterToken::random(),
     };
+    // listen where the rank's node is reached (its advertised address: the node itself
+    // may listen on 0.0.0.0)
     let ip = options
         .node
         .as_ref()
-        .map_or(IpAddr::V4(Ipv4Addr::LOCALHOST), |n| n.addr().ip());
+        .map_or(IpAddr::V4(Ipv4Addr::LOCALHOST), |n| n.advertised().ip());
     let node = Node::start(NodeConfig::loopback(token.clone()).with_bind(SocketAddr::new(ip, 0)))?;
     Store::serve(&node);
     let store: Arc<dyn Rendezvous> = Arc::new(StoreClient::connect(&node, node.addr(), CONNECT)?);
@@ -118,7 +120,7 @@ pub fn join_group<K: Connector>(
     };
     // listen where the store's host reaches this process
     let (node, ip) = match &options.node {
-        Some(n) => (n.clone(), n.addr().ip()),
+        Some(n) => (n.clone(), n.advertised().ip()),
         None => (Node::loopback(token.clone())?, route_to(params.store)),
     };
     let client = StoreClient::connect(&node, params.store, CONNECT)?;

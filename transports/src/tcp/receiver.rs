@@ -859,7 +859,7 @@ impl ReceiverTransport for TcpReceiver {
         let reg = Register {
             protocol: PROTOCOL_VERSION,
             receiver: self.me,
-            node: super::advertised("the tcp receiver", node.addr(), self.cfg.advertise)?,
+            node: super::advertised("the tcp receiver", node.advertised(), self.cfg.advertise)?,
             relay: self.cfg.relay,
         };
         let registered: Registered = ctl.call(self.spec.agent, REGISTER, &reg, remaining())?;

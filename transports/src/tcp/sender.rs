@@ -272,7 +272,7 @@ impl TcpSender {
             let plan = BucketPlan::compute(id, m, m, config.bucket_size)?;
             plans.push((id.clone(), plan.fingerprint()?, Arc::new(plan)));
         }
-        let addr = super::advertised("the tcp sender", node.addr(), config.advertise)?;
+        let addr = super::advertised("the tcp sender", node.advertised(), config.advertise)?;
         let (changed, _) = watch::channel(0);
         let state = Mutex::new(State::new(&config));
         let agent = Arc::new(Agent {
