@@ -6,7 +6,7 @@
 //! and then the bucket's bytes; receivers check the prepare against the agreed manifest,
 //! receive the bytes into the version they assemble, verify the checksum and hand the whole
 //! group to the scheme, which applies it atomically. One NCCL communicator per membership
-//! generation ([`crate::collective::nccl::NcclCommunicator`]), its unique id set by rank 0
+//! generation (`NcclCommunicator`, feature `cuda`), its unique id set by rank 0
 //! in the rendezvous store the sender serves; acks go through the same store.
 //!
 //! [`NcclLink::open_over`] and [`NcclLink::join_over`] are the link's two ends over any

@@ -16,8 +16,8 @@
 //! header again and unpins it. Serving the device slot itself to an engine on the GPU, the
 //! version swapped by a pointer and no copy at all, waits for device-resident weight sets.
 //!
-//! The slot memory is a seam: [`CudaExport`] and [`CudaImport`] (feature `cuda`) keep the
-//! slots in device memory; [`HostSlots`] (feature `test-util`) keeps them in host memory of
+//! The slot memory is a seam: `CudaExport` and `CudaImport` (feature `cuda`) keep the
+//! slots in device memory; `HostSlots` (feature `test-util`) keeps them in host memory of
 //! one process, so the scheme suite runs this link's protocol in CI without a GPU.
 //!
 //! Without the `cuda` feature the link still exists (its name resolves, its reach is one
@@ -50,7 +50,7 @@ pub struct CudaIpcLink;
 
 impl CudaIpcLink {
     /// The sender end over any slot memory: what [`LinkFactory::open`] runs with
-    /// [`CudaExport`]. The spec names `cuda-ipc`; the board's files are the sender's
+    /// `CudaExport`. The spec names `cuda-ipc`; the board's files are the sender's
     /// ([`ShmSender::segment_paths`]).
     ///
     /// # Errors
@@ -76,7 +76,7 @@ impl CudaIpcLink {
     }
 
     /// A receiver end of a `cuda-ipc` spec over any slot memory: what
-    /// [`LinkFactory::receiver`] runs with [`CudaImport`]. Nothing is opened before
+    /// [`LinkFactory::receiver`] runs with `CudaImport`. Nothing is opened before
     /// `connect`.
     ///
     /// # Errors
