@@ -604,7 +604,7 @@ fn a_relay_passes_a_bucket_on_before_it_has_all_of_it() {
             .collect()
     };
     let t = Instant::now();
-    while moved().iter().any(|&m| m == 0) && t.elapsed() < T {
+    while moved().contains(&0) && t.elapsed() < T {
         std::thread::sleep(Duration::from_millis(20));
     }
     std::thread::sleep(Duration::from_millis(200));

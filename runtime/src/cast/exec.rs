@@ -24,7 +24,7 @@ use super::{CastPlan, CastTo, Scaling, Step, as_matrix, cast_error};
 use crate::copy::{SPLIT_FROM, copy_threads};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
-use crate::layout::Segment;
+use crate::layout::{Segment, disjoint_mut};
 use crate::manifest::TensorSpec;
 use crate::weights::WeightSet;
 
@@ -292,20 +292,25 @@ fn threads_for(bytes: usize) -> usize {
 /// [`PIECE`] source bytes each.
 fn pieces(s: &TensorSpec, d: &TensorSpec, runs: &[Segment], work: Work, jobs: &mut Vec<Job>) {
     let (from, to) = (s.dtype.size().max(1), d.dtype.size());
-    let step_bytes = (PIECE / from).max(1) * from;
-    for r in runs {
-        let mut at = 0;
-        while at < r.len {
-            let n = step_bytes.min(r.len - at);
-            let first = (r.at + at) / from;
-            jobs.push(Job {
-                src: r.src + at..r.src + at + n,
-                dst: d.offset + first * to..d.offset + (first + n / from) * to,
-                work,
-            });
-            at += n;
-        }
+    for (r, at, n) in cut(runs, from) {
+        let first = (r.at + at) / from;
+        jobs.push(Job {
+            src: r.src + at..r.src + at + n,
+            dst: d.offset + first * to..d.offset + (first + n / from) * to,
+            work,
+        });
     }
+}
+
+/// The pieces of `runs`: each run cut into pieces of whole `size`-byte elements, at most
+/// [`PIECE`] bytes each, as (run, offset in it, bytes).
+fn cut(runs: &[Segment], size: usize) -> impl Iterator<Item = (Segment, usize, usize)> + '_ {
+    let step = (PIECE / size).max(1) * size;
+    runs.iter().flat_map(move |r| {
+        (0..r.len)
+            .step_by(step)
+            .map(move |at| (*r, at, step.min(r.len - at)))
+    })
 }
 
 /// Runs `write` on each job with its bytes of `out` (jobs sorted, disjoint), on `threads`
@@ -317,21 +322,15 @@ fn write_parallel(
     threads: usize,
     write: impl Fn(&Job, &mut [u8]) -> Result<Option<Found>> + Sync,
 ) -> Result<Vec<Found>> {
-    let mut regions = Vec::with_capacity(threads);
-    let mut rest = out;
-    let mut base = 0;
-    for share in shares(jobs, threads) {
-        let (Some(first), Some(last)) = (share.first(), share.last()) else {
-            continue;
-        };
-        let tail = std::mem::take(&mut rest);
-        let (_, from_start) = tail.split_at_mut(first.dst.start - base);
-        let (region, after) = from_start.split_at_mut(last.dst.end - first.dst.start);
-        regions.push((share, first.dst.start, region));
-        rest = after;
-        base = last.dst.end;
-    }
-    let run_share = |(share, start, region): (&[Job], usize, &mut [u8])| {
+    let shares = shares(jobs, threads);
+    let spans = shares.iter().map(|share| {
+        let start = share.first().map_or(0, |j| j.dst.start);
+        start..share.last().map_or(start, |j| j.dst.end)
+    });
+    let regions = disjoint_mut(out, spans);
+    let work: Vec<_> = shares.into_iter().zip(regions).collect();
+    let found = on_threads(work, |(share, region)| {
+        let start = share.first().map_or(0, |j| j.dst.start);
         let mut found = Vec::new();
         for job in share {
             let dst = region
@@ -340,29 +339,38 @@ fn write_parallel(
             found.extend(write(job, dst)?);
         }
         Ok(found)
-    };
-    if regions.len() <= 1 {
-        return regions
-            .into_iter()
-            .map(run_share)
-            .try_fold(Vec::new(), |mut acc, r| {
-                acc.extend(r?);
-                Ok(acc)
-            });
+    })?;
+    Ok(found.into_iter().flatten().collect())
+}
+
+/// Runs `f` on each item, the first on this thread and each other on a thread of its own;
+/// the answers in order, or the first error in order.
+fn on_threads<T: Send, R: Send>(
+    items: Vec<T>,
+    f: impl Fn(T) -> Result<R> + Sync,
+) -> Result<Vec<R>> {
+    if items.len() <= 1 {
+        return items.into_iter().map(f).collect();
     }
     std::thread::scope(|scope| {
-        let mut regions = regions.into_iter();
-        let first = regions.next();
-        let handles: Vec<_> = regions.map(|r| scope.spawn(move || run_share(r))).collect();
-        let mine: Result<Vec<Found>> = first.map_or(Ok(Vec::new()), run_share);
-        handles.into_iter().fold(mine, |acc, h| {
-            let r = h
-                .join()
-                .unwrap_or(Err(Error::State("a cast thread panicked")));
-            let mut acc = acc?;
-            acc.extend(r?);
-            Ok(acc)
-        })
+        let f = &f;
+        let mut items = items.into_iter();
+        let first = items.next();
+        let handles: Vec<_> = items.map(|i| scope.spawn(move || f(i))).collect();
+        let mut out = Vec::with_capacity(handles.len() + 1);
+        let mut failed = None;
+        for r in first.map(f).into_iter().chain(handles.into_iter().map(|h| {
+            h.join()
+                .unwrap_or(Err(Error::State("a cast thread panicked")))
+        })) {
+            match r {
+                Ok(v) => out.push(v),
+                Err(e) => {
+                    failed.get_or_insert(e);
+                }
+            }
+        }
+        failed.map_or(Ok(out), Err)
     })
 }
 
@@ -594,15 +602,8 @@ fn early_scales(ctx: &Ctx<'_>) -> Result<Vec<Option<f32>>> {
             .segments
             .get(s)
             .ok_or(Error::State("a cast without the runs of a source tensor"))?;
-        let size = spec.dtype.size().max(1);
-        let step_bytes = (PIECE / size).max(1) * size;
-        for r in runs {
-            let mut at = 0;
-            while at < r.len {
-                let n = step_bytes.min(r.len - at);
-                scans.push((k, r.src + at..r.src + at + n));
-                at += n;
-            }
+        for (r, at, n) in cut(runs, spec.dtype.size().max(1)) {
+            scans.push((k, r.src + at..r.src + at + n));
         }
     }
     let mut amax = vec![None; ctx.plan.steps.len()];
@@ -610,7 +611,7 @@ fn early_scales(ctx: &Ctx<'_>) -> Result<Vec<Option<f32>>> {
         return Ok(amax);
     }
     let threads = threads_for(scans.iter().map(|s| s.1.len()).sum());
-    let scan = |share: &[(usize, Range<usize>)]| -> Result<Vec<u32>> {
+    let found = on_threads(shares(&scans, threads), |share| {
         share
             .iter()
             .map(|(k, r)| {
@@ -619,29 +620,9 @@ fn early_scales(ctx: &Ctx<'_>) -> Result<Vec<Option<f32>>> {
                 };
                 amax_of(specs[src].dtype, bytes_at(ctx.src, r.clone())?)
             })
-            .collect()
-    };
-    let parts = shares(&scans, threads);
-    let found: Vec<u32> = if parts.len() <= 1 {
-        scan(&scans)?
-    } else {
-        std::thread::scope(|scope| {
-            let scan = &scan;
-            let handles: Vec<_> = parts
-                .iter()
-                .skip(1)
-                .map(|p| scope.spawn(move || scan(p)))
-                .collect();
-            let mut all = scan(parts[0])?;
-            for h in handles {
-                all.extend(
-                    h.join()
-                        .unwrap_or(Err(Error::State("a scale thread panicked")))?,
-                );
-            }
-            Ok::<_, Error>(all)
-        })?
-    };
+            .collect::<Result<Vec<u32>>>()
+    })?;
+    let found = found.into_iter().flatten();
     let mut bits: Vec<u32> = vec![0; ctx.plan.steps.len()];
     for ((k, _), b) in scans.iter().zip(found) {
         bits[*k] = bits[*k].max(b);

@@ -333,7 +333,7 @@ fn runs<'a>(specs: impl Iterator<Item = &'a TensorSpec>, axis: usize) -> (Vec<us
 }
 
 /// Disjoint mutable slices of `bytes` for ranges in increasing order (as laid out by one plan).
-fn disjoint_mut(
+pub(crate) fn disjoint_mut(
     bytes: &mut [u8],
     ranges: impl Iterator<Item = std::ops::Range<usize>>,
 ) -> Vec<&mut [u8]> {

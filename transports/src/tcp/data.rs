@@ -26,7 +26,7 @@ use super::inflight::{BucketWriter, InFlight};
 use super::messages::PullReq;
 
 /// Bytes written per socket write on the serving side (the unit of injected corruption).
-pub(crate) const CHUNK: usize = 1 << 20;
+pub(crate) const CHUNK: usize = crate::FORWARD_PIECE;
 /// Bytes read per socket read on the pulling side: small enough that the four streams' fresh
 /// bytes stay in the two cores' L2 caches while they are hashed.
 const READ: usize = 256 << 10;
@@ -52,7 +52,7 @@ pub(crate) struct Source {
 }
 
 /// What a pull is served from: a whole version, or one still landing on a relay (served
-/// bucket by bucket as its buckets land).
+/// as its bytes arrive).
 #[derive(Debug, Clone)]
 pub(crate) enum Serve {
     /// A version held whole.
@@ -193,7 +193,7 @@ fn check_buckets(req: &PullReq, src: &Serve) -> std::result::Result<u64, String>
 
 /// Serves one pull: a head, then each requested bucket as its header frame and its bytes (or
 /// an error head when the pull does not fit the source). A version still landing is served
-/// bucket by bucket as its buckets land; a bucket that does not land ends the stream, and the
+/// as its bytes arrive; a bucket whose bytes stop coming ends the stream, and the
 /// puller asks for another source.
 pub(crate) async fn serve_pull(
     mut stream: tokio::net::TcpStream,
@@ -368,7 +368,7 @@ pub(crate) type Opener<'a> = dyn Fn(&[u32]) -> Result<OpenStream> + Sync + 'a;
 /// Where pulled bytes go.
 #[derive(Clone, Copy)]
 pub(crate) enum Dest<'a> {
-    /// Into the arena of a version in flight, bucket by bucket (relayable as they land).
+    /// Into the arena of a version in flight, bucket by bucket (relayable as they arrive).
     Arena(&'a InFlight),
     /// Through a small buffer into a sink (e.g. the file the weights are bound for); every
     /// bucket must be covered by its pieces.

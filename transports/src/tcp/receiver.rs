@@ -102,8 +102,8 @@ struct Shared {
     /// may be before its group is returned; `held` tracks what was returned. Each comes with
     /// its checksums, so relaying hashes nothing.
     relayable: Mutex<BTreeMap<ModelId, VecDeque<Relayable>>>,
-    /// The version of each model being pulled now, served to relayed pulls bucket by bucket
-    /// as its buckets land.
+    /// The version of each model being pulled now, served to relayed pulls as its bytes
+    /// arrive.
     inflight: Mutex<BTreeMap<ModelId, Arc<InFlight>>>,
     relay: ServeStats,
     pulled: Arc<AtomicU64>,
