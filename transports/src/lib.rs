@@ -39,3 +39,8 @@ pub mod nccl;
 mod pool;
 pub mod shm;
 pub mod tcp;
+
+/// Bytes a hop of a chain passes on per write (1 MiB): the CPU broadcast chain's chunk, and
+/// the most a TCP relay (or sender) writes at once. Small enough that a hop delays the chain
+/// by little, large enough that each write costs few system calls.
+pub(crate) const FORWARD_PIECE: usize = 1 << 20;

@@ -51,7 +51,7 @@ impl CpuConfig {
         Self {
             token,
             bind: IpAddr::V4(Ipv4Addr::LOCALHOST),
-            chunk: 1 << 20,
+            chunk: crate::FORWARD_PIECE,
         }
     }
 

@@ -66,7 +66,7 @@ pub(crate) struct TransferReq {
     /// Fingerprint of the bucket plan the receiver holds for the model (none before its
     /// first pull): the sender ships its plan only when this differs.
     pub(crate) plan: Option<u64>,
-    /// The receiver serves the version to others while it pulls it (bucket by bucket);
+    /// The receiver serves the version to others while it pulls it (as its bytes arrive);
     /// false when it relays only versions it holds whole (e.g. it pulls into a sink).
     #[serde(default)]
     pub(crate) relay_in_flight: bool,

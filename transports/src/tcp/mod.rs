@@ -28,15 +28,22 @@
 //!   second plan; the price is granularity (an unchanged tensor sharing a bucket with a
 //!   changed one travels too), so pick a smaller bucket size for sparse updates.
 //! - **Relay**: a receiver that holds a version, or is pulling every bucket asked for right
-//!   now, serves it to the next one; a version still landing is served bucket by bucket as
-//!   its buckets land and verify, so receivers form a pipelined chain: the sender writes each
-//!   byte once however many receivers there are, and N receivers take about the time of one
-//!   plus a bucket per hop.
-//! - **First pulls**: a receiver's first pulls land in arenas it has never used; a thread of
-//!   the pull faults their pages in ahead of the streams (instead of page by page inside
-//!   the socket reads), and after each of its first pulls the receiver makes the next arena
-//!   in the background, up to the arenas steady state keeps (see
-//!   [`AlignedBuf::huge_pages`](refit_runtime::AlignedBuf::huge_pages) for the page size).
+//!   now, serves it to the next one; a version still landing is served as its bytes arrive
+//!   (a socket read, 256 KiB, at a time, before its bucket is complete or verified), so
+//!   receivers form a pipelined chain whatever the bucket size: the sender writes each byte
+//!   once however many receivers there are, and N receivers take about the time of one plus
+//!   a piece per hop. Checksums stay per bucket: every receiver of the chain verifies the
+//!   bytes it got against the sender's checksums itself, so a damaged bucket a relay passed
+//!   on is refused by every receiver that got it (the previous version stays served), and a
+//!   relay whose own pull fails ends the streams it serves at once.
+//! - **First pulls**: a receiver's first pulls land in arenas it has never used. It starts
+//!   faulting the first one in on a thread of its own as soon as it has registered (and
+//!   knows the models' sizes), while the sender publishes and announces the version; a pull
+//!   that finds it not quite ready stops it and a thread of the pull faults the rest in ahead
+//!   of the streams (instead of page by page inside the socket reads). After each of its
+//!   first pulls the receiver makes the next arena in the background, up to the arenas steady
+//!   state keeps (see [`AlignedBuf::huge_pages`](refit_runtime::AlignedBuf::huge_pages) for
+//!   the page size). A receiver writing into sinks makes none.
 //! - **Sinks**: a receiver can write a transfer into a [`Sink`] (e.g. the file the weights
 //!   are bound for) instead of an arena, through a small reused buffer, hashed as the bytes
 //!   pass, or straight into memory of the sink's own that it hands out bucket by bucket
