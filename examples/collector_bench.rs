@@ -3,13 +3,17 @@
 //! with a weight update after every 1000-frame batch.
 //!
 //! ```text
-//! cargo run --release --example collector_bench -- [--frames 200000] [--envs 1]
+//! cargo run --release --example collector_bench -- [--frames 200000] [--envs 1] [--rounds 5]
 //! ```
 //!
-//! Each figure is printed with its ratio to a baseline measured in the same run: every
-//! collector against the single in-process collector (what the workers' own stepping costs),
-//! and the worker processes' batch traffic against a loopback TCP socket's throughput (what
-//! moving the batches could cost at most).
+//! Every figure is printed with its ratio to a baseline measured in the same run: each
+//! collector against a bare loop doing the same work with no framework (the same
+//! environments stepped side by side, the same MLP forward and sampling, each transition
+//! written into flat columns; no collector, no actors, no weight sync), and the worker
+//! processes' batch traffic against a loopback TCP socket's throughput (what moving the
+//! batches could cost at most). The bare loop and the one-worker collector run in alternate
+//! rounds (`--rounds`), so machine load falls on both alike, and their medians are compared
+//! against the goal: one worker at 0.9x the bare loop or better.
 
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
@@ -25,12 +29,14 @@ use refit_actors::process::{
     worker_receiver,
 };
 use refit_actors::{
-    Batch, CartPole, Collector, MlpPolicy, MultiAsyncCollector, MultiConfig, MultiSyncCollector,
-    UpdatePolicyWeights,
+    Batch, CartPole, Collector, Env, MlpPolicy, MultiAsyncCollector, MultiConfig,
+    MultiSyncCollector, Policy, UpdatePolicyWeights,
 };
-use refit_runtime::{ModelId, Version, WeightSet, wire};
+use refit_runtime::{HasWeights, ModelId, Version, WeightSet, wire};
 
 const BATCH: usize = 1000;
+/// The goal for one worker, as a fraction of the bare loop's frames per second.
+const GOAL: f64 = 0.9;
 
 type Res<T> = Result<T, Box<dyn std::error::Error>>;
 
@@ -54,6 +60,120 @@ fn envs(n: usize, seed: u64) -> Vec<CartPole> {
         .collect()
 }
 
+/// One batch of transitions as a hand-written loop keeps them: flat columns, reused.
+#[derive(Default)]
+struct Columns {
+    obs: Vec<f32>,
+    next_obs: Vec<f32>,
+    actions: Vec<u32>,
+    log_probs: Vec<f32>,
+    rewards: Vec<f32>,
+    terminated: Vec<bool>,
+    truncated: Vec<bool>,
+    /// Returns of the episodes that ended.
+    returns: Vec<f64>,
+}
+
+impl Columns {
+    fn clear(&mut self) {
+        self.obs.clear();
+        self.next_obs.clear();
+        self.actions.clear();
+        self.log_probs.clear();
+        self.rewards.clear();
+        self.terminated.clear();
+        self.truncated.clear();
+        self.returns.clear();
+    }
+}
+
+/// The bare loop: what one worker does with no framework. `n_envs` CartPoles stepped side
+/// by side, the same policy (`weights` loaded once) acting on each, every transition
+/// written into [`Columns`], finished environments reset, `BATCH` frames per batch, until
+/// `total` frames. Answers the frames and the loop's time (wall and this thread's CPU).
+fn bare_loop(total: u64, n_envs: usize, weights: &WeightSet) -> Res<(u64, Timed)> {
+    let mut envs = envs(n_envs, 0);
+    let mut policy = MlpPolicy::cartpole()?;
+    policy.read_weights(weights)?;
+    let mut rng = SmallRng::seed_from_u64(0);
+    let mut obs = envs
+        .iter_mut()
+        .enumerate()
+        .map(|(i, e)| e.reset(Some(i as u64)))
+        .collect::<refit_actors::Result<Vec<_>>>()?;
+    let mut ret = vec![0.0f64; n_envs];
+    let steps = BATCH.div_ceil(n_envs);
+    let mut cols = Columns::default();
+    let mut frames = 0u64;
+    let start = Timed::start();
+    while frames < total {
+        cols.clear();
+        for _ in 0..steps {
+            for (i, env) in envs.iter_mut().enumerate() {
+                let out = policy.act(&obs[i], &mut rng);
+                let r = env.step(out.action)?;
+                ret[i] += f64::from(r.reward);
+                cols.obs.extend_from_slice(&obs[i]);
+                cols.next_obs.extend_from_slice(&r.obs);
+                cols.actions.push(out.action as u32);
+                cols.log_probs.push(out.log_prob);
+                cols.rewards.push(r.reward);
+                cols.terminated.push(r.terminated);
+                cols.truncated.push(r.truncated);
+                if r.done() {
+                    cols.returns.push(std::mem::take(&mut ret[i]));
+                    obs[i] = env.reset(None)?;
+                } else {
+                    obs[i] = r.obs;
+                }
+            }
+        }
+        std::hint::black_box(&cols);
+        frames += (steps * n_envs) as u64;
+    }
+    Ok((frames, start.elapsed()))
+}
+
+/// Nanoseconds this thread has run on a CPU (`/proc/thread-self/schedstat`, Linux), or
+/// `None` where that file is missing.
+fn thread_cpu_ns() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/thread-self/schedstat").ok()?;
+    text.split_whitespace().next()?.parse().ok()
+}
+
+/// A loop's wall time and the CPU time of the thread that ran it: on a loaded machine the
+/// wall time counts the time other processes held the core, the CPU time does not, so
+/// single-threaded loops are compared on both.
+#[derive(Clone, Copy, Default)]
+struct Timed {
+    wall: Duration,
+    cpu: Option<Duration>,
+    since: Option<(Instant, Option<u64>)>,
+}
+
+impl Timed {
+    fn start() -> Self {
+        Self {
+            since: Some((Instant::now(), thread_cpu_ns())),
+            ..Self::default()
+        }
+    }
+
+    fn elapsed(&self) -> Self {
+        let Some((t, cpu0)) = self.since else {
+            return *self;
+        };
+        let cpu = cpu0
+            .zip(thread_cpu_ns())
+            .map(|(a, b)| Duration::from_nanos(b.saturating_sub(a)));
+        Self {
+            wall: t.elapsed(),
+            cpu,
+            since: None,
+        }
+    }
+}
+
 /// What one measurement counted.
 #[derive(Default)]
 struct Tally {
@@ -66,8 +186,8 @@ struct Tally {
 }
 
 struct Baselines {
-    /// Frames per second of the single in-process collector.
-    single: f64,
+    /// Frames per second of the bare loop (median of the rounds).
+    bare: f64,
     /// Bytes per second through a loopback TCP socket.
     loopback: f64,
 }
@@ -79,13 +199,12 @@ impl Tally {
         self.worker_sync += b.weight_sync;
     }
 
-    fn print(&self, name: &str, wall: Duration, base: &Baselines) -> f64 {
-        let fps = self.frames as f64 / wall.as_secs_f64();
-        let vs_single = if base.single > 0.0 {
-            format!("{:.2}x one in-process collector", fps / base.single)
-        } else {
-            "the baseline".into()
-        };
+    fn fps(&self, wall: Duration) -> f64 {
+        self.frames as f64 / wall.as_secs_f64()
+    }
+
+    fn print(&self, out: &mut Out, name: &str, wall: Duration, base: &Baselines) {
+        let fps = self.fps(wall);
         let traffic = if self.bytes_per_frame > 0.0 {
             let bps = fps * self.bytes_per_frame;
             format!(
@@ -96,16 +215,128 @@ impl Tally {
         } else {
             String::new()
         };
-        println!(
-            "{name:<26} {fps:>9.0} frames/s ({vs_single}{traffic}); {} frames in {:.2} s, \
+        out.line(format!(
+            "{name:<22} {fps:>9.0} frames/s {:>6.3}x bare loop{traffic}; {} frames in {:.2} s, \
              {} updates: {:.1} us per update call, {:.2} ms polling+applying in workers",
+            fps / base.bare,
             self.frames,
             wall.as_secs_f64(),
             self.updates,
             self.update_time.as_secs_f64() * 1e6 / self.updates.max(1) as f64,
             self.worker_sync.as_secs_f64() * 1e3,
-        );
-        fps
+        ));
+        out.row(name, fps, fps / base.bare, 1, None);
+    }
+}
+
+/// What the run prints: lines of text, or (`--json`) one JSON array of rows at the end.
+struct Out {
+    json: bool,
+    rows: Vec<String>,
+}
+
+impl Out {
+    fn line(&self, text: String) {
+        if !self.json {
+            println!("{text}");
+        }
+    }
+
+    /// One measured configuration: frames per wall second (a median of `rounds`), its ratio
+    /// to the bare loop's, and frames per CPU-second of its thread where measured.
+    fn row(&mut self, name: &str, fps: f64, vs_bare: f64, rounds: usize, cpu: Option<(f64, f64)>) {
+        let num = |v: f64| {
+            if v.is_finite() {
+                format!("{v:.4}")
+            } else {
+                "null".into()
+            }
+        };
+        let cpu = cpu.map_or(String::new(), |(fps, ratio)| {
+            format!(
+                ", \"cpu_frames_per_s\": {}, \"cpu_vs_bare\": {}",
+                num(fps),
+                num(ratio)
+            )
+        });
+        self.rows.push(format!(
+            "{{\"collector\": {name:?}, \"frames_per_s\": {}, \"vs_bare\": {}, \
+             \"rounds\": {rounds}{cpu}}}",
+            num(fps),
+            num(vs_bare)
+        ));
+    }
+
+    fn finish(&self) {
+        if self.json {
+            println!("[\n  {}\n]", self.rows.join(",\n  "));
+        }
+    }
+}
+
+/// Frames per second of several rounds: per wall second, and per second of CPU time of
+/// the thread that ran them.
+#[derive(Default)]
+struct Rates {
+    wall: Samples,
+    cpu: Samples,
+}
+
+impl Rates {
+    fn push(&mut self, frames: u64, t: Timed) {
+        self.wall.0.push(frames as f64 / t.wall.as_secs_f64());
+        if let Some(cpu) = t.cpu.filter(|c| !c.is_zero()) {
+            self.cpu.0.push(frames as f64 / cpu.as_secs_f64());
+        }
+    }
+
+    /// Median against median: wall, and CPU time where both were measured every round.
+    fn ratios(&self, base: &Rates) -> (f64, Option<f64>) {
+        let cpu = (self.cpu.0.len() == self.wall.0.len() && base.cpu.0.len() == base.wall.0.len())
+            .then(|| self.cpu.median() / base.cpu.median());
+        (self.wall.median() / base.wall.median(), cpu)
+    }
+
+    fn print(&self, out: &mut Out, name: &str, base: &Rates, rounds: usize) {
+        let (wall, cpu) = self.ratios(base);
+        let cpu_text = match cpu {
+            Some(r) => format!(
+                "; {:.0} frames per CPU-second {r:.3}x ({})",
+                self.cpu.median(),
+                self.cpu.range()
+            ),
+            None => String::new(),
+        };
+        out.line(format!(
+            "{name:<22} {:>9.0} frames/s {wall:>6.3}x bare loop; median of {rounds} rounds \
+             ({}){cpu_text}",
+            self.wall.median(),
+            self.wall.range(),
+        ));
+        let cpu = cpu.map(|r| (self.cpu.median(), r));
+        out.row(name, self.wall.median(), wall, rounds, cpu);
+    }
+}
+
+/// Figures of several rounds.
+#[derive(Default)]
+struct Samples(Vec<f64>);
+
+impl Samples {
+    fn median(&self) -> f64 {
+        let mut v = self.0.clone();
+        v.sort_by(f64::total_cmp);
+        match v.len() {
+            0 => f64::NAN,
+            n if n % 2 == 1 => v[n / 2],
+            n => (v[n / 2 - 1] + v[n / 2]) / 2.0,
+        }
+    }
+
+    fn range(&self) -> String {
+        let lo = self.0.iter().copied().fold(f64::INFINITY, f64::min);
+        let hi = self.0.iter().copied().fold(0.0, f64::max);
+        format!("{lo:.0}-{hi:.0}")
     }
 }
 
@@ -156,6 +387,13 @@ struct Args {
     /// Environments per worker.
     #[arg(long, default_value_t = 1)]
     envs: usize,
+    /// Rounds of the bare loop and the one-worker collector, alternating (medians compared).
+    #[arg(long, default_value_t = 5)]
+    rounds: usize,
+    /// Print one JSON array of the measured rows (collector, frames_per_s, vs_bare, ...)
+    /// instead of text.
+    #[arg(long)]
+    json: bool,
     #[command(subcommand)]
     command: Option<Sub>,
 }
@@ -191,30 +429,70 @@ fn main() -> Res<()> {
     let Args {
         frames: total,
         envs: n_envs,
+        rounds,
+        json,
         ..
     } = args;
+    if rounds == 0 {
+        return Err("--rounds must be at least 1".into());
+    }
+    let mut out = Out {
+        json,
+        rows: Vec::new(),
+    };
     let mut rng = SmallRng::seed_from_u64(1);
     let loopback = loopback_throughput()?;
-    println!(
-        "CartPole, MLP 4-64-64-2 tanh, {n_envs} env(s) per worker, weight update after every \
-         {BATCH}-frame batch; loopback TCP {:.2} GB/s",
+    out.line(format!(
+        "CartPole, MLP 4-64-64-2 tanh, {n_envs} env(s) per worker, {total} frames per \
+         measurement, weight update after every {BATCH}-frame batch; loopback TCP {:.2} GB/s",
         loopback / 1e9
-    );
-    let mut base = Baselines {
-        single: 0.0,
+    ));
+
+    // The bare loop and one worker (the collector applies each update itself), in
+    // alternate rounds.
+    let bare_weights = weights(&mut rng, 1)?;
+    let mut c = Collector::builder(envs(n_envs, 0), MlpPolicy::cartpole()?)
+        .frames_per_batch(BATCH)
+        .build()?;
+    c.update_weights(weights(&mut rng, 1)?)?;
+    let (mut bare, mut single) = (Rates::default(), Rates::default());
+    let mut last = (Tally::default(), Duration::ZERO);
+    for _ in 0..rounds {
+        let (frames, t) = bare_loop(total, n_envs, &bare_weights)?;
+        bare.push(frames, t);
+        let mut tally = Tally::default();
+        let t = drive(&mut c, total, false, &mut rng, &mut tally)?;
+        single.push(tally.frames, t);
+        last = (tally, t.wall);
+    }
+    drop(c);
+    let base = Baselines {
+        bare: bare.wall.median(),
         loopback,
     };
-
-    // One worker: the collector applies the update itself.
-    {
-        let mut c = Collector::builder(envs(n_envs, 0), MlpPolicy::cartpole()?)
-            .frames_per_batch(BATCH)
-            .build()?;
-        c.update_weights(weights(&mut rng, 1)?)?;
-        let mut tally = Tally::default();
-        let wall = drive(&mut c, total, false, &mut rng, &mut tally)?;
-        base.single = tally.print("single worker", wall, &base);
-    }
+    bare.print(&mut out, "bare loop", &bare, rounds);
+    single.print(&mut out, "1 worker", &bare, rounds);
+    // the last round in detail (not a row of its own)
+    let mut detail = Out {
+        json: out.json,
+        rows: Vec::new(),
+    };
+    last.0
+        .print(&mut detail, "  (its last round)", last.1, &base);
+    let (wall, cpu) = single.ratios(&bare);
+    let verdict = |r: f64| if r >= GOAL { "met" } else { "NOT met" };
+    out.line(match cpu {
+        Some(cpu) => format!(
+            "goal: 1 worker >= {GOAL:.2}x bare loop: {} on CPU time ({cpu:.3}x), {} on wall \
+             time ({wall:.3}x)",
+            verdict(cpu),
+            verdict(wall)
+        ),
+        None => format!(
+            "goal: 1 worker >= {GOAL:.2}x bare loop: {} ({wall:.3}x)",
+            verdict(wall)
+        ),
+    });
 
     for asynchronous in [false, true] {
         let hub = refit_transports::inproc::InProc::new();
@@ -234,16 +512,16 @@ fn main() -> Res<()> {
         let mut tally = Tally::default();
         let (name, wall) = if asynchronous {
             let mut c = MultiAsyncCollector::spawn(hub.sender()?, workers, initial, cfg)?;
-            let wall = drive(&mut c, total, false, &mut rng, &mut tally)?;
+            let wall = drive(&mut c, total, false, &mut rng, &mut tally)?.wall;
             c.shutdown()?;
             ("2 threads, async", wall)
         } else {
             let mut c = MultiSyncCollector::spawn(hub.sender()?, workers, initial, cfg)?;
-            let wall = drive(&mut c, total, false, &mut rng, &mut tally)?;
+            let wall = drive(&mut c, total, false, &mut rng, &mut tally)?.wall;
             c.shutdown()?;
             ("2 threads, sync", wall)
         };
-        tally.print(name, wall, &base);
+        tally.print(&mut out, name, wall, &base);
     }
 
     for (workers, asynchronous) in [(1, false), (2, false), (2, true)] {
@@ -268,24 +546,26 @@ fn main() -> Res<()> {
         let mut tally = Tally::default();
         let (name, wall) = if asynchronous {
             let mut c = ProcessAsyncCollector::spawn(link.sender, commands, initial, config)?;
-            let wall = drive(&mut c, total, true, &mut rng, &mut tally)?;
+            let wall = drive(&mut c, total, true, &mut rng, &mut tally)?.wall;
             c.shutdown()?;
             (format!("{workers} processes, async"), wall)
         } else {
             let mut c = ProcessSyncCollector::spawn(link.sender, commands, initial, config)?;
-            let wall = drive(&mut c, total, true, &mut rng, &mut tally)?;
+            let wall = drive(&mut c, total, true, &mut rng, &mut tally)?.wall;
             c.shutdown()?;
             let plural = if workers == 1 { "process" } else { "processes" };
             (format!("{workers} {plural}, sync"), wall)
         };
-        tally.print(&name, wall, &base);
+        tally.print(&mut out, &name, wall, &base);
     }
+    out.finish();
     Ok(())
 }
 
 /// Takes `total` frames of batches from `c` (or all it yields), publishing fresh random
-/// weights after each; answers the time of that loop alone (starting and stopping the
-/// collector are not in it, whatever the collector). When `crossed` (batches came from
+/// weights after each (made before the loop, as a trainer's would be: what is timed is
+/// handing them over); answers the time of that loop alone, wall and this thread's CPU
+/// (starting and stopping the collector are not in it, whatever the collector). When `crossed` (batches came from
 /// other processes), the first batch is encoded afterwards to learn the bytes per frame.
 fn drive<C>(
     c: &mut C,
@@ -293,12 +573,16 @@ fn drive<C>(
     crossed: bool,
     rng: &mut SmallRng,
     tally: &mut Tally,
-) -> Res<Duration>
+) -> Res<Timed>
 where
     C: Iterator<Item = refit_actors::Result<Batch>> + UpdatePolicyWeights,
 {
     let mut first: Option<Batch> = None;
-    let start = Instant::now();
+    // unstamped: the collector stamps each with the next version
+    let mut fresh = (0..total.div_ceil(BATCH as u64))
+        .map(|_| weights(rng, 0))
+        .collect::<Res<Vec<_>>>()?;
+    let start = Timed::start();
     while tally.frames < total {
         let Some(b) = c.next().transpose()? else {
             break;
@@ -307,15 +591,18 @@ where
         if crossed && first.is_none() {
             first = Some(b);
         }
-        let ws = weights(rng, tally.updates + 2)?;
+        let ws = match fresh.pop() {
+            Some(ws) => ws,
+            None => weights(rng, 0)?,
+        };
         let t = Instant::now();
         c.update_weights(ws)?;
         tally.update_time += t.elapsed();
         tally.updates += 1;
     }
-    let wall = start.elapsed();
+    let took = start.elapsed();
     if let Some(b) = first.filter(|b| b.frames > 0) {
         tally.bytes_per_frame = wire::encode(&b)?.len() as f64 / b.frames as f64;
     }
-    Ok(wall)
+    Ok(took)
 }

@@ -1,5 +1,7 @@
 //! Quick start: a trainer publishes versions of a model over TCP, and an engine applies each
 //! one whole (or not at all), using nothing but `refit::prelude` and no optional feature.
+//! It takes no arguments. The book shows this file whole, and a test builds it as the
+//! `main.rs` of a fresh crate whose only dependency is `refit` with no default features.
 //!
 //! ```text
 //! cargo run --example quick_start
@@ -22,14 +24,7 @@ fn weights_at(manifest: &Arc<Manifest>, version: u64) -> Result<WeightSet> {
     Ok(ws)
 }
 
-/// The quick start: a trainer's sender and an engine's receiver on loopback TCP move three
-/// versions of a small model.
-#[derive(clap::Parser, Debug)]
-#[command(long_about = None)]
-struct Args {}
-
 fn main() -> Result<()> {
-    <Args as clap::Parser>::parse();
     // 1. The model's layout, which both ends agree on when they connect.
     let manifest = Arc::new(
         Manifest::builder()

@@ -53,7 +53,7 @@ fn run() -> Result<()> {
         plan.process,
         plan.replica,
         plan.host.name,
-        plan.host.addr,
+        plan.host.address()?,
         roles.join("+"),
         link.name(),
     );

@@ -1,8 +1,14 @@
 #!/usr/bin/env bash
 # Builds the GPU check (transports/tests/gpu_check.rs) on this machine, without CUDA, and
-# stages it for a GPU machine; prints the one command to run there.
+# stages it for a GPU machine; prints the one command to run there. That command runs the
+# crate's unit tests whose names hold `gpu`, the check (NCCL communicator, pinned staging,
+# CUDA IPC, the cuda-ipc and nccl links with receivers in other processes, bandwidths
+# against a device copy, the checklist), then a colocated CartPole run over cuda-ipc
+# (`refit launch examples/topologies/cartpole-colocated.toml`, trainer and engine processes
+# on one GPU) that must reach its target.
 #
 #   scripts/gpu-check.sh                 # build + stage into <repo>/.gpu-check
+#   scripts/gpu-check.sh --no-colocated  # without the colocated run (no refit/cartpole build)
 #   scripts/gpu-check.sh --fetch-nccl    # also fetch libnccl.so.2 from PyPI's nvidia-nccl-cu12
 #   scripts/gpu-check.sh --run           # build, stage, then run it here (on a GPU machine)
 #   GPU_CHECK_ROOT=/path/to/checkout scripts/gpu-check.sh
@@ -19,11 +25,13 @@ set -euo pipefail
 
 fetch_nccl=0
 run_here=0
+colocated=1
 for a in "$@"; do
   case "$a" in
     --fetch-nccl) fetch_nccl=1 ;;
+    --no-colocated) colocated=0 ;;
     --run) run_here=1 ;;
-    -h|--help) sed -n 2,18p "$0"; exit 0 ;;
+    -h|--help) sed -n 2,25p "$0"; exit 0 ;;
     *) echo "gpu-check.sh: unknown argument $a" >&2; exit 2 ;;
   esac
 done
@@ -43,18 +51,40 @@ echo "gpu-check: building the test binaries (release, stripped, feature cuda)" >
 log=$(mktemp)
 CARGO_PROFILE_RELEASE_STRIP=true cargo test --release --no-run --locked \
   -p refit-transports --features cuda --lib --test gpu_check 2>&1 | tee "$log" >&2
-bin=$(grep -o 'target/release/deps/gpu_check-[0-9a-f]*' "$log" | tail -1)
-lib=$(grep -o 'target/release/deps/refit_transports-[0-9a-f]*' "$log" | tail -1)
+# cargo names each executable in parentheses, relative to here or absolute (a target
+# directory elsewhere: CARGO_TARGET_DIR)
+exe() {
+  local p
+  p=$(grep -o "([^()]*release/deps/$1-[0-9a-f]*)" "$log" | tail -1 | tr -d '()')
+  [[ -z "$p" || "$p" == /* ]] || p="$root/$p"
+  echo "$p"
+}
+bin=$(exe gpu_check)
+lib=$(exe refit_transports)
 rm -f "$log"
-if [[ -z "$bin" || ! -x "$root/$bin" || -z "$lib" || ! -x "$root/$lib" ]]; then
+if [[ -z "$bin" || ! -x "$bin" || -z "$lib" || ! -x "$lib" ]]; then
   echo "gpu-check: cargo did not report the gpu_check and unit-test executables" >&2
   exit 1
 fi
 
 mkdir -p "$stage"
-cp "$root/$bin" "$stage/gpu_check"
-cp "$root/$lib" "$stage/unit_tests"
+rm -f "$stage/refit.gz" "$stage/cartpole.gz" "$stage/cartpole-colocated.toml"
+cp "$bin" "$stage/gpu_check"
+cp "$lib" "$stage/unit_tests"
 chmod +x "$stage/gpu_check" "$stage/unit_tests"
+
+if [[ $colocated == 1 ]]; then
+  # the colocated run: refit (the launcher) and the CartPole example, both with `cuda`,
+  # compressed to fit a small transfer; the topology's command points at the staged example
+  echo "gpu-check: building refit and the cartpole example (release, stripped, feature cuda)" >&2
+  target=$(cargo metadata --format-version 1 --no-deps | python3 -c 'import json,sys; print(json.load(sys.stdin)["target_directory"])')
+  CARGO_PROFILE_RELEASE_STRIP=true cargo build --release --locked --features cuda \
+    --bin refit --example cartpole >&2
+  gzip -9 -c "$target/release/refit" >"$stage/refit.gz"
+  gzip -9 -c "$target/release/examples/cartpole" >"$stage/cartpole.gz"
+  sed -e "s|^command = .*|command = [\"$rel/cartpole\", \"topology\"]|" \
+    examples/topologies/cartpole-colocated.toml >"$stage/cartpole-colocated.toml"
+fi
 
 if [[ $fetch_nccl == 1 ]]; then
   tmp=$(mktemp -d)
@@ -82,7 +112,7 @@ if (( size > 60 )); then
 fi
 
 # What runs on the GPU machine, from the repository root.
-remote="chmod +x $rel/gpu_check $rel/unit_tests; d=/tmp/refit-nccl; mkdir -p \$d; n=$rel/libnccl.so.2; [ -f \$n ] || n=\$(find /opt /usr /usr/local -name 'libnccl.so.2*' 2>/dev/null | head -1); echo \"libnccl: \$n\"; ln -sf \"\$(readlink -f \$n)\" \$d/libnccl.so; nvidia-smi -L; export LD_LIBRARY_PATH=\$d:\${LD_LIBRARY_PATH:-}; $rel/unit_tests gpu 2>&1 | tee \${OUT:-/tmp}/unit-tests.log; u=\${PIPESTATUS[0]}; $rel/gpu_check 2>&1 | tee \${OUT:-/tmp}/gpu-check.log; g=\${PIPESTATUS[0]}; echo \"unit tests rc=\$u, gpu check rc=\$g\"; [ \$u = 0 ] && [ \$g = 0 ]"
+remote="chmod +x $rel/gpu_check $rel/unit_tests; d=/tmp/refit-nccl; mkdir -p \$d; n=$rel/libnccl.so.2; [ -f \$n ] || n=\$(find /opt /usr /usr/local -name 'libnccl.so.2*' 2>/dev/null | head -1); echo \"libnccl: \$n\"; ln -sf \"\$(readlink -f \$n)\" \$d/libnccl.so; nvidia-smi -L; export LD_LIBRARY_PATH=\$d:\${LD_LIBRARY_PATH:-}; $rel/unit_tests gpu 2>&1 | tee \${OUT:-/tmp}/unit-tests.log; u=\${PIPESTATUS[0]}; $rel/gpu_check 2>&1 | tee \${OUT:-/tmp}/gpu-check.log; g=\${PIPESTATUS[0]}; c=skipped; if [ -f $rel/refit.gz ]; then gunzip -f $rel/refit.gz $rel/cartpole.gz; chmod +x $rel/refit $rel/cartpole; timeout 420 $rel/refit launch $rel/cartpole-colocated.toml --set stop.max_time_s=360 2>&1 | tee \${OUT:-/tmp}/colocated.log; c=\${PIPESTATUS[0]}; grep -q '^solved: ' \${OUT:-/tmp}/colocated.log || c=unsolved; fi; echo \"unit tests rc=\$u, gpu check rc=\$g, colocated cuda-ipc run: \$c\"; [ \$u = 0 ] && [ \$g = 0 ] && { [ \$c = 0 ] || [ \$c = skipped ]; }"
 
 if [[ $run_here == 1 ]]; then
   exec bash -c "$remote"
@@ -93,5 +123,6 @@ Run on the GPU machine (the device tool's run, from the root of the checkout it 
 the stage directory carried; it must sit in that checkout, ignored by git):
 
   carry: ["$rel"]
+  timeout_s: 600
   command: $remote
 EOF

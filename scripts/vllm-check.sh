@@ -8,7 +8,10 @@
 #   2. the `refit` Python package of this repository installed into it;
 #   3. the `refit` binary (cargo build --release --bin refit);
 #   4. python/examples/vllm_engine.py, once per transport in $REFIT_LINKS (default
-#      "tcp shm"); extra arguments go to it.
+#      "tcp shm"): an offline `LLM` and a `vllm serve` fed by `refit serve`; extra arguments
+#      go to it;
+#   5. python/examples/hf_engine.py (a Hugging Face model with load_state_dict) over each
+#      of those transports, in float32 and bfloat16.
 #
 # Exits with the first failing step's status (the example's when it fails).
 #
@@ -86,4 +89,18 @@ for link in $LINKS; do
         break
     }
 done
+if [ "$status" = 0 ]; then
+    for link in $LINKS; do
+        for dtype in float32 bfloat16; do
+            say "running python/examples/hf_engine.py --transport $link --dtype $dtype"
+            # the tcp sender and receiver of the example share a token from the environment
+            env -u REFIT_TOKEN_FILE REFIT_TOKEN="$(head -c 16 /dev/urandom | od -An -tx1 | tr -d ' \n')" \
+                "$PY" "$REPO/python/examples/hf_engine.py" --transport "$link" --dtype "$dtype" || {
+                status=$?
+                say "hf_engine.py failed with --transport $link --dtype $dtype (exit $status)"
+                break 2
+            }
+        done
+    done
+fi
 exit "$status"

@@ -7,8 +7,8 @@
 //!   sans-IO sync protocol and the wire codec (no network I/O, no async runtime);
 //! - [`node`]: processes that host handlers on TCP: remote calls, streams, the rendezvous
 //!   store, launch variables, the cluster token, signal-driven cleanup;
-//! - [`transports`]: in-process, shared-memory and TCP transports (and, with feature
-//!   `cuda`, the CUDA/NCCL probe);
+//! - [`transports`]: in-process, shared-memory, TCP, file and broadcast transports (and,
+//!   with feature `cuda`, the GPU links `nccl` and `cuda-ipc` and the CUDA/NCCL probe);
 //! - `rl` (features `rl`, `candle`): environments, policies, collectors, the PPO trainer,
 //!   in plain Rust;
 //! - `actors` (features `rl`, `candle`, `actors`): the actix actors, and everything of `rl`
@@ -22,10 +22,10 @@
 //! | --- | --- | --- | --- |
 //! | (none) | | weight sets, schemes, in-process / shared-memory / TCP transports | tokio, serde, safetensors |
 //! | `rl` | yes | `refit::rl` (also re-exported by `refit::actors`): environments, policies, collectors | rand |
-//! | `candle` | yes | the PPO trainer (`refit::rl::ppo`); implies `rl` | candle |
+//! | `candle` | yes | a candle-nn `VarMap` as a weight set and back (`refit::runtime::candle`), the PPO trainer (`refit::rl::ppo`); implies `rl` | candle |
 //! | `actors` | yes | the actix actors, their protocols and the training run (`refit::actors::{actor, protocol, run}`); implies `candle` | actix |
 //! | `cli` | yes | the `refit` command-line tool | clap, indicatif, bytesize, notify |
-//! | `cuda` | no | GPU transports' probe (CUDA and NCCL loaded at run time) | cudarc |
+//! | `cuda` | no | the GPU links `nccl` and `cuda-ipc` and the CUDA/NCCL probe (CUDA and NCCL loaded at run time; without it the links refuse, saying so) | cudarc |
 //! | `test-util` | no | the transports' test hooks (crash in mid-publish, corrupted chunks, forged bucket plans), for tests only | |
 //!
 //! A program that only moves weights depends on the runtime and the transports alone:
@@ -49,7 +49,7 @@ mod config_file;
 pub mod metrics_page;
 mod setup;
 pub use config_file::read_config;
-pub use setup::{DEFAULT_LOG, init, init_logging};
+pub use setup::{DEFAULT_LOG, LOG_FORMAT_ENV, LogFormat, init, init_logging};
 
 /// The items most programs need: weight sets and their layout, the scheme lifecycle, the
 /// wire codec, the cluster token, every transport's two ends, and (with their features) the
@@ -80,9 +80,8 @@ pub mod prelude {
     #[cfg(feature = "candle")]
     pub use refit_rl::{CartPolePpo, PpoConfig, PpoTrainer};
 
-    /// The run's entry points: [`run::join`](refit_actors::run::join) for one rank of a
-    /// topology file, [`run::run`](refit_actors::run::run) for a [`RunConfig`] of
-    /// [`ModelSpec`]s in one process (on an actix system).
+    /// The run's entry points: [`run::join`] for one rank of a topology file, [`run::run`]
+    /// for a [`RunConfig`] of [`ModelSpec`]s in one process (on an actix system).
     #[cfg(feature = "actors")]
     pub use refit_actors::actor::{InferenceEngine, WeightSyncController};
     #[cfg(feature = "actors")]

@@ -274,3 +274,294 @@ fn serve_prints_no_token_pull_brings_its_own_and_watch_publishes_a_replaced_file
     assert!(!stderr.contains(TOKEN), "{stderr}");
     assert!(rest.iter().all(|l| !l.contains(TOKEN)), "{rest:?}");
 }
+
+/// A port on loopback held by this test: a program that tried to serve there would fail.
+fn held_port() -> (std::net::TcpListener, String) {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = l.local_addr().unwrap().to_string();
+    (l, addr)
+}
+
+#[test]
+fn version_and_help_start_no_metrics_page_whatever_the_environment_says() {
+    // the address is taken: serving it would fail the command
+    let (_held, addr) = held_port();
+    for args in [&["--version"][..], &["--help"], &["serve", "--help"]] {
+        let out = refit()
+            .args(args)
+            .env("REFIT_METRICS_ADDR", &addr)
+            .output()
+            .unwrap();
+        let (stdout, stderr) = text(&out);
+        assert!(out.status.success(), "{args:?}: {stdout}{stderr}");
+        assert!(!stderr.contains("metrics") && !stdout.contains("metrics: http"));
+    }
+    let out = refit()
+        .arg("--version")
+        .env("REFIT_METRICS_ADDR", &addr)
+        .output()
+        .unwrap();
+    assert_eq!(
+        text(&out).0.trim(),
+        format!("refit {}", env!("CARGO_PKG_VERSION"))
+    );
+}
+
+/// `refit serve` for one second over shared memory (no token needed); its stdout.
+fn serve_briefly(model: &Path, args: &[&str], env: &[(&str, &str)]) -> (String, String) {
+    let mut c = refit();
+    c.arg("serve")
+        .arg(model)
+        .args(["--link", "shm", "--seconds", "1"])
+        .args(args);
+    for (k, v) in env {
+        c.env(k, v);
+    }
+    let out = c.output().unwrap();
+    let (stdout, stderr) = text(&out);
+    assert!(out.status.success(), "{args:?} {env:?}: {stdout}{stderr}");
+    (stdout, stderr)
+}
+
+#[test]
+fn serve_metrics_addr_comes_from_the_flag_before_the_environment() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = dir.path().join("m.safetensors");
+    write_model(&model, 1.0);
+    let (_held, taken) = held_port();
+    // the flag wins over the variable (which names a taken port)
+    let (stdout, _) = serve_briefly(
+        &model,
+        &["--metrics-addr", "127.0.0.1:0"],
+        &[("REFIT_METRICS_ADDR", &taken)],
+    );
+    let line = stdout
+        .lines()
+        .find(|l| l.starts_with("metrics: http://127.0.0.1:"))
+        .unwrap_or_else(|| panic!("no metrics line in {stdout}"));
+    assert!(!line.contains(&taken), "{line}");
+    // the variable alone is the flag's default
+    let (free_l, free) = held_port();
+    drop(free_l);
+    let (stdout, _) = serve_briefly(&model, &[], &[("REFIT_METRICS_ADDR", &free)]);
+    assert!(
+        stdout.contains(&format!("metrics: http://{free}/metrics")),
+        "{stdout}"
+    );
+    // neither: no page
+    let (stdout, _) = serve_briefly(&model, &[], &[]);
+    assert!(!stdout.contains("metrics:"), "{stdout}");
+}
+
+#[test]
+fn help_names_each_flags_variable_and_hides_its_value() {
+    let secret_path = "/a/path/that/must/not/show";
+    for (command, vars) in [
+        ("serve", &["REFIT_TOKEN_FILE", "REFIT_METRICS_ADDR"][..]),
+        ("pull", &["REFIT_TOKEN_FILE"]),
+        ("node", &["REFIT_TOKEN_FILE"]),
+        ("launch", &["REFIT_METRICS_ADDR"]),
+    ] {
+        let out = refit()
+            .args([command, "--help"])
+            .env("REFIT_TOKEN_FILE", secret_path)
+            .env("REFIT_METRICS_ADDR", "127.0.0.1:9")
+            .output()
+            .unwrap();
+        let (stdout, stderr) = text(&out);
+        assert!(out.status.success(), "{command}: {stderr}");
+        for var in vars {
+            assert!(
+                stdout.contains(&format!("[env: {var}]")),
+                "{command} --help does not name {var}:\n{stdout}"
+            );
+        }
+        assert!(
+            !stdout.contains(secret_path) && !stdout.contains("127.0.0.1:9"),
+            "{stdout}"
+        );
+    }
+}
+
+#[test]
+fn a_token_file_from_the_environment_beside_a_token_is_refused_and_the_flag_wins() {
+    let dir = tempfile::tempdir().unwrap();
+    let token_file = dir.path().join("token");
+    write_with_mode(&token_file, TOKEN, 0o600);
+    // both variables: refused, naming both
+    let out = refit()
+        .args(["pull", "out.st", "--spec", "00"])
+        .env("REFIT_TOKEN", TOKEN)
+        .env("REFIT_TOKEN_FILE", &token_file)
+        .current_dir(dir.path())
+        .output()
+        .unwrap();
+    let (_, stderr) = text(&out);
+    assert!(!out.status.success());
+    assert!(
+        stderr.contains("both REFIT_TOKEN and REFIT_TOKEN_FILE are set"),
+        "{stderr}"
+    );
+    // --token-file wins over REFIT_TOKEN: the pull gets as far as the spec
+    let out = refit()
+        .args(["pull", "out.st", "--spec", "00", "--token-file"])
+        .arg(&token_file)
+        .env("REFIT_TOKEN", "not-this-one-0123456789abcdef")
+        .current_dir(dir.path())
+        .output()
+        .unwrap();
+    let (_, stderr) = text(&out);
+    assert!(!out.status.success());
+    assert!(
+        !stderr.contains("both REFIT_TOKEN") && !stderr.contains("cluster token"),
+        "{stderr}"
+    );
+}
+
+#[test]
+fn pull_without_a_spec_names_every_way_to_give_one() {
+    let out = refit()
+        .args(["pull", "out.safetensors"])
+        .env("REFIT_TOKEN", TOKEN)
+        .output()
+        .unwrap();
+    let (_, stderr) = text(&out);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(
+        stderr.contains("--spec <SPEC>") && stderr.contains("--spec-file <FILE>"),
+        "{stderr}"
+    );
+    // and both at once are refused
+    let out = refit()
+        .args([
+            "pull",
+            "out.safetensors",
+            "--spec",
+            "00",
+            "--spec-file",
+            "f",
+        ])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+}
+
+/// Runs `refit` with stdout and stderr on a new pseudo-terminal; what it wrote there.
+fn on_a_terminal(args: &[&str], env: &[(&str, &str)]) -> String {
+    use std::io::Read;
+    use std::os::fd::{FromRawFd, OwnedFd};
+    let (mut master, mut slave) = (-1, -1);
+    // SAFETY: openpty writes two new descriptors into `master` and `slave`; the name,
+    // termios and window size pointers may be null.
+    let rc = unsafe {
+        libc::openpty(
+            &mut master,
+            &mut slave,
+            std::ptr::null_mut(),
+            std::ptr::null(),
+            std::ptr::null(),
+        )
+    };
+    assert_eq!(rc, 0, "openpty: {}", std::io::Error::last_os_error());
+    // SAFETY: both descriptors were just opened by openpty and nothing else owns them.
+    let (master, slave) = unsafe { (OwnedFd::from_raw_fd(master), OwnedFd::from_raw_fd(slave)) };
+    let mut c = refit();
+    c.args(args)
+        .env_remove("NO_COLOR")
+        .env_remove("CLICOLOR_FORCE")
+        .env_remove("RUST_LOG")
+        .stdin(Stdio::null())
+        .stdout(Stdio::from(slave.try_clone().unwrap()))
+        .stderr(Stdio::from(slave));
+    for (k, v) in env {
+        c.env(k, v);
+    }
+    let mut child = c.spawn().unwrap();
+    drop(c); // this process's copies of the terminal's end: EOF once the child exits
+    let mut terminal = std::fs::File::from(master);
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        let mut out = Vec::new();
+        let mut buf = [0u8; 4096];
+        // the master reads EIO once every writer is gone
+        while let Ok(n @ 1..) = terminal.read(&mut buf) {
+            out.extend_from_slice(&buf[..n]);
+        }
+        let _ = tx.send(out);
+    });
+    let out = rx.recv_timeout(Duration::from_secs(60)).unwrap();
+    child.wait().unwrap();
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+#[test]
+fn no_color_turns_colour_off_on_a_terminal() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = dir.path().join("m.safetensors");
+    write_model(&model, 1.0);
+    let model = model.to_str().unwrap();
+    // help (clap), and log lines (tracing): the node's debug line as `serve` starts
+    type Case<'a> = (&'a [&'a str], &'a [(&'a str, &'a str)]);
+    let cases: [Case; 2] = [
+        (&["--help"], &[]),
+        (
+            &["serve", model, "--seconds", "1"],
+            &[("RUST_LOG", "refit_node=debug"), ("REFIT_TOKEN", TOKEN)],
+        ),
+    ];
+    for (args, env) in cases {
+        let coloured = on_a_terminal(args, env);
+        assert!(
+            coloured.contains('\x1b'),
+            "{args:?} not coloured:\n{coloured}"
+        );
+        let mut env = env.to_vec();
+        env.push(("NO_COLOR", "1"));
+        let plain = on_a_terminal(args, &env);
+        assert!(!plain.contains('\x1b'), "{args:?} with NO_COLOR:\n{plain}");
+        let expected = if args[0] == "serve" {
+            "node listening"
+        } else {
+            "Usage:"
+        };
+        assert!(plain.contains(expected), "{args:?}:\n{plain}");
+    }
+}
+
+/// `refit probe` names every link of the factory and whether this process can open it; the
+/// GPU links give their reason (not compiled with CUDA and how to build, or the probe's).
+/// Without a usable GPU it ends with the probe's error.
+#[test]
+fn probe_says_which_links_this_build_and_machine_can_open() {
+    let out = refit().arg("probe").output().unwrap();
+    let (stdout, stderr) = text(&out);
+    for l in refit::transports::link::LINKS {
+        assert!(
+            stdout.contains(&format!("link {}: ", l.name())),
+            "{}: {stdout}",
+            l.name()
+        );
+    }
+    assert!(stdout.contains("link shm: usable (one host)"), "{stdout}");
+    match refit::transports::gpu::probe() {
+        Ok(_) => assert!(out.status.success(), "{stderr}"),
+        Err(e) => {
+            assert!(!out.status.success());
+            assert!(stderr.contains(&e.to_string()), "{stderr}");
+            for name in ["nccl", "cuda-ipc"] {
+                let line = stdout
+                    .lines()
+                    .find(|l| l.starts_with(&format!("link {name}: not usable: ")))
+                    .unwrap_or_else(|| panic!("no refusal for {name}: {stdout}"));
+                if cfg!(feature = "cuda") {
+                    assert!(line.contains("no usable GPU"), "{line}");
+                } else {
+                    assert!(
+                        line.contains("not compiled with CUDA") && line.contains("--features cuda"),
+                        "{line}"
+                    );
+                }
+            }
+        }
+    }
+}

@@ -1,11 +1,13 @@
 //! `refit bench` takes its transports from the link factory: every registered transport,
 //! named on the command line, gets its rows (real receiver processes where the transport
-//! crosses processes), and an unknown name is refused naming the known ones.
+//! crosses processes) or, where this build or machine cannot open it (a GPU link without
+//! `cuda` or a GPU), a line saying why it is skipped; an unknown name is refused naming the
+//! known ones.
 #![allow(clippy::unwrap_used, missing_docs)]
 
 use std::process::Command;
 
-use refit::transports::link::LINKS;
+use refit::transports::link::{LINKS, LinkOptions};
 
 fn refit() -> Command {
     let mut c = Command::new(env!("CARGO_BIN_EXE_refit"));
@@ -51,7 +53,15 @@ fn every_registered_transport_gets_its_rows() {
         let t = r["transport"].as_str().unwrap_or_default();
         t == name || t.starts_with(&format!("{name} ("))
     };
-    for name in names {
+    for l in LINKS {
+        let name = l.name();
+        if let Err(why) = l.usable(&LinkOptions::default()) {
+            // a GPU link this build or machine cannot open: skipped, saying why
+            let said = format!("refit bench: skipping {name}: {why}");
+            assert!(stderr.contains(&said), "{said}: {stderr}");
+            assert!(!rows.iter().any(|r| named(r, name)), "{rows:?}");
+            continue;
+        }
         let row = rows
             .iter()
             .find(|r| named(r, name) && r["metric"] == "end-to-end")
@@ -93,6 +103,81 @@ fn every_registered_transport_gets_its_rows() {
         assert!(median > 0.0 && median <= p99 && p99 <= max, "{row}");
         assert_eq!(row["baseline"], "tcp-loopback", "{row}");
     }
+}
+
+/// The pull rows: the raw TCP baseline with the chunk sizes its search tried (the fastest
+/// kept), `iperf3` where it is installed, a stream into a new file, and `refit pull` of a
+/// model served from memory and of a file served by a `refit serve` process, each against
+/// the baseline measured in the same run.
+#[test]
+fn pull_rows_time_both_paths_against_the_tuned_tcp_baseline() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = refit()
+        .args(["bench", "--max-size", "4MiB", "--receivers", "1"])
+        .args(["--iters", "1", "--warmup", "1", "--connect-runs", "1"])
+        .args(["--strategies-size", "0", "--transports", "tcp", "--json"])
+        .args(["--pull-size", "8MiB", "--pull-dir"])
+        .arg(dir.path())
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    let rows: Vec<serde_json::Value> = serde_json::from_slice(&out.stdout).unwrap();
+    let find = |transport: &str, metric: &str| {
+        rows.iter()
+            .find(|r| {
+                r["transport"] == transport && r["metric"].as_str().unwrap().starts_with(metric)
+            })
+            .unwrap_or_else(|| panic!("no {transport} {metric:?} row: {rows:?}"))
+    };
+    let median = |r: &serde_json::Value| r["seconds"]["median"].as_f64().unwrap();
+    let stream = find("tcp-loopback", "stream writes");
+    assert_eq!(stream["bytes"], 8 << 20, "{stream}");
+    let tried: Vec<_> = rows
+        .iter()
+        .filter(|r| r["metric"].as_str().unwrap().starts_with("  tried writes"))
+        .collect();
+    assert_eq!(tried.len(), 6, "{rows:?}");
+    // the kept chunk sizes are those of the fastest try
+    let best = tried
+        .iter()
+        .min_by(|a, b| median(a).total_cmp(&median(b)))
+        .unwrap();
+    let kept = stream["metric"]
+        .as_str()
+        .unwrap()
+        .trim_start_matches("stream ");
+    assert!(
+        best["metric"].as_str().unwrap().ends_with(kept),
+        "{best} {stream}"
+    );
+    assert!(
+        (best["ratio"].as_f64().unwrap() - 1.0).abs() < 1e-9,
+        "{best}"
+    );
+    for (transport, metric) in [
+        ("tcp-loopback", "  into a new file"),
+        ("refit pull", "to "),
+        ("refit serve FILE+pull", "to "),
+        ("refit serve FILE", "  start"),
+    ] {
+        let r = find(transport, metric);
+        assert!(median(r) > 0.0, "{r}");
+        assert_eq!(r["baseline"], "tcp-loopback", "{r}");
+        assert!(r["ratio"].as_f64().unwrap() > 0.0, "{r}");
+    }
+    assert_eq!(find("refit pull", "  against")["baseline"], "tcp into file");
+    // iperf3 is a cross-check: a row only where it is installed (and could measure: at
+    // small sizes its report may end before the bytes do, and the bench says so instead)
+    let iperf3 = std::env::split_paths(&std::env::var_os("PATH").unwrap_or_default())
+        .any(|d| d.join("iperf3").is_file());
+    let iperf3_row = rows.iter().any(|r| r["transport"] == "iperf3");
+    assert!(
+        !iperf3_row || iperf3,
+        "an iperf3 row without iperf3 installed: {rows:?}"
+    );
+    // every file the rows wrote is gone
+    assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0);
 }
 
 #[test]

@@ -52,8 +52,10 @@ fn shm_weights_example_refuses_bad_arguments() {
     );
 }
 
-/// Every example parses its arguments with clap: `--help` succeeds and lists the options,
-/// and an unknown option is refused with exit status 2, named.
+/// Every example that takes arguments parses them with clap: `--help` succeeds and lists
+/// the options, and an unknown option is refused with exit status 2, named. (The quick
+/// start takes none: it is the book's first program, which compiles in a fresh crate
+/// depending on nothing but `refit`.)
 #[test]
 fn every_example_answers_help_and_refuses_an_unknown_option() {
     let examples = [
@@ -63,7 +65,6 @@ fn every_example_answers_help_and_refuses_an_unknown_option() {
         ("file_weights", "[VERSIONS]"),
         ("shm_weights", "[VERSIONS]"),
         ("multi_node", "--no-spawn"),
-        ("quick_start", "--help"),
         ("engine_layout", "--help"),
     ];
     for (name, option) in examples {
@@ -82,6 +83,55 @@ fn every_example_answers_help_and_refuses_an_unknown_option() {
         let stderr = String::from_utf8_lossy(&out.stderr);
         assert!(stderr.contains("--no-such-option"), "{name}: {stderr}");
     }
+}
+
+/// `collector_bench` prints every collector against a bare loop measured in the same run:
+/// the bare loop's own ratio is 1, every other row has frames per second and a ratio, and the
+/// one-worker rows have CPU-time figures as well.
+#[test]
+fn collector_bench_measures_every_collector_against_the_bare_loop() {
+    let stdout = run_ok(
+        "collector_bench",
+        &["--frames", "2000", "--rounds", "1", "--json"],
+    );
+    let rows: Vec<serde_json::Value> = serde_json::from_str(&stdout).unwrap();
+    let names: Vec<&str> = rows
+        .iter()
+        .map(|r| r["collector"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        names,
+        [
+            "bare loop",
+            "1 worker",
+            "2 threads, sync",
+            "2 threads, async",
+            "1 process, sync",
+            "2 processes, sync",
+            "2 processes, async"
+        ]
+    );
+    for r in &rows {
+        let fps = r["frames_per_s"].as_f64().unwrap();
+        let ratio = r["vs_bare"].as_f64().unwrap();
+        assert!(fps > 0.0 && ratio > 0.0, "{r}");
+    }
+    assert_eq!(rows[0]["vs_bare"].as_f64(), Some(1.0));
+    let one = &rows[1];
+    let wall = one["frames_per_s"].as_f64().unwrap() / rows[0]["frames_per_s"].as_f64().unwrap();
+    assert!(
+        (wall - one["vs_bare"].as_f64().unwrap()).abs() < 1e-3,
+        "{one}"
+    );
+    if cfg!(target_os = "linux") {
+        assert!(one["cpu_vs_bare"].as_f64().unwrap() > 0.0, "{one}");
+    }
+    // the text form says how the goal stands
+    let text = run_ok("collector_bench", &["--frames", "2000", "--rounds", "1"]);
+    assert!(
+        text.contains("goal: 1 worker >= 0.90x bare loop:"),
+        "{text}"
+    );
 }
 
 fn run_ok(name: &str, args: &[&str]) -> String {

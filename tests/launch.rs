@@ -331,6 +331,51 @@ fn a_bad_topology_is_refused_naming_the_key() {
     assert!(text(&out).1.contains("missing.toml"));
 }
 
+/// A topology naming a GPU link (`[links] weights` or a model's `link`) is refused before
+/// any rank starts when the binary has no `cuda` feature, with the reason and how to build
+/// with it; with the feature it validates and the ranks start.
+#[test]
+fn a_topology_naming_a_gpu_link_is_refused_without_cuda_saying_how_to_build() {
+    let dir = tempfile::tempdir().unwrap();
+    let topo = std::fs::read_to_string(topology(dir.path(), "abort", "exit 0")).unwrap();
+    for (from, to, key, name) in [
+        (
+            "on_failure = \"abort\"",
+            "on_failure = \"abort\"\n[links]\nweights = \"nccl\"",
+            "links.weights",
+            "nccl",
+        ),
+        (
+            "id = \"policy\"",
+            "id = \"policy\"\nlink = \"cuda-ipc\"",
+            "model[policy].link",
+            "cuda-ipc",
+        ),
+    ] {
+        let gpu = dir.path().join("gpu.toml");
+        std::fs::write(&gpu, topo.replace(from, to)).unwrap();
+        let mut cmd = refit();
+        cmd.arg("launch").arg(&gpu);
+        let out = run_within(cmd, Duration::from_secs(30));
+        let (_, stderr) = text(&out);
+        if cfg!(feature = "cuda") {
+            assert!(out.status.success(), "{stderr}");
+            assert!(stderr.contains("started rank"), "{stderr}");
+            continue;
+        }
+        assert!(!out.status.success());
+        for w in [
+            key,
+            &format!("{name} transport: not compiled with CUDA"),
+            "--features cuda",
+            "gpu.toml",
+        ] {
+            assert!(stderr.contains(w), "{w}: {stderr}");
+        }
+        assert!(!stderr.contains("started rank"), "{stderr}");
+    }
+}
+
 #[test]
 fn a_program_that_cannot_start_is_named() {
     let dir = tempfile::tempdir().unwrap();
@@ -805,6 +850,7 @@ fn launch_help_names_every_flag_and_variable() {
         "--rank",
         "--grace-s",
         "--metrics-addr",
+        "--status-addr",
         "RANK, WORLD_SIZE",
         "SLURM_PROCID",
         "SLURM_STEP_NODELIST",
@@ -816,7 +862,164 @@ fn launch_help_names_every_flag_and_variable() {
         "REFIT_SET",
         "REFIT_INCARNATION",
         "REFIT_METRICS_ADDR",
+        "REFIT_LOG_FORMAT",
     ] {
         assert!(stdout.contains(word), "{word} missing from: {stdout}");
     }
+}
+
+/// The launcher's reports are `tracing` events: with `REFIT_LOG_FORMAT=json` each is one
+/// JSON object per line (level, target, message), and `RUST_LOG` filters them by target
+/// (at `warn`, the ranks starting and ending well are not reported; a failure still is).
+#[test]
+fn launcher_reports_follow_rust_log_and_the_json_log_format() {
+    let dir = tempfile::tempdir().unwrap();
+    // rank 0 ends last: the run ends with it, after rank 2's failure was reported
+    let topo = topology(
+        dir.path(),
+        "continue",
+        "[ \"$RANK\" = 2 ] && exit 3; [ \"$RANK\" = 0 ] && sleep 1; exit 0",
+    );
+    let launch = |vars: &[(&str, &str)]| {
+        let mut cmd = refit();
+        cmd.arg("launch").arg(&topo).env_remove("RUST_LOG");
+        for (k, v) in vars {
+            cmd.env(k, v);
+        }
+        let out = run_within(cmd, Duration::from_secs(60));
+        text(&out).1
+    };
+    let stderr = launch(&[("REFIT_LOG_FORMAT", "json")]);
+    let started: Vec<&str> = stderr
+        .lines()
+        .filter(|l| l.contains("started rank"))
+        .collect();
+    assert_eq!(started.len(), 3, "{stderr}");
+    for line in started {
+        assert!(
+            line.starts_with('{')
+                && line.ends_with('}')
+                && line.contains(r#""level":"INFO""#)
+                && line.contains(r#""target":"refit_node::launch::supervise""#)
+                && line.contains(r#""message":"started rank "#),
+            "{line}"
+        );
+    }
+    let failed = stderr
+        .lines()
+        .find(|l| l.contains("rank 2 (actor) failed: it exited with status 3"))
+        .unwrap_or_else(|| panic!("{stderr}"));
+    assert!(failed.contains(r#""level":"ERROR""#), "{failed}");
+    // the default format is text; RUST_LOG at warn for the launcher keeps only the failure
+    let stderr = launch(&[("RUST_LOG", "warn,refit_node::launch=warn")]);
+    assert!(!stderr.contains("started rank"), "{stderr}");
+    assert!(
+        stderr.lines().any(|l| l.contains("ERROR")
+            && l.contains("rank 2 (actor) failed: it exited with status 3")
+            && !l.starts_with('{')),
+        "{stderr}"
+    );
+    // a format that is not known is said, and text is used
+    let stderr = launch(&[("REFIT_LOG_FORMAT", "yaml")]);
+    assert!(
+        stderr.contains("ignoring REFIT_LOG_FORMAT=\"yaml\"") && stderr.contains("started rank"),
+        "{stderr}"
+    );
+}
+
+/// `refit launch --status-addr`: `refit status` lists every rank with its state — a failed
+/// one with how it ended, running ones whose metrics page does not answer (these ranks
+/// serve none) as unreachable — and names an address where no launch answers.
+#[test]
+fn status_lists_every_rank_with_its_state_and_health() {
+    let dir = tempfile::tempdir().unwrap();
+    let topo = topology(
+        dir.path(),
+        "continue",
+        "[ \"$RANK\" = 2 ] && exit 3; sleep 20",
+    );
+    let mut cmd = refit();
+    cmd.arg("launch")
+        .arg(&topo)
+        .args(["--status-addr", "127.0.0.1:0"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped());
+    let mut child = cmd.spawn().unwrap();
+    let (tx, rx) = mpsc::channel();
+    let stderr = child.stderr.take().unwrap();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stderr).lines() {
+            let Ok(line) = line else { break };
+            let _ = tx.send(line);
+        }
+    });
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let mut addr = None;
+    let mut failed = false;
+    while addr.is_none() || !failed {
+        let left = deadline.saturating_duration_since(Instant::now());
+        let line = rx
+            .recv_timeout(left)
+            .expect("the launcher said where its status is");
+        if let Some(rest) = line.split("status: http://").nth(1) {
+            addr = rest.split('/').next().map(str::to_owned);
+        }
+        failed |= line.contains("rank 2 (actor) failed");
+    }
+    let addr = addr.unwrap();
+    let out = run_within(
+        {
+            let mut c = refit();
+            c.args(["status", &addr]);
+            c
+        },
+        Duration::from_secs(30),
+    );
+    let (table, err) = text(&out);
+    assert!(out.status.success(), "{err}");
+    let rows: Vec<Vec<&str>> = table
+        .lines()
+        .skip(1)
+        .map(|l| l.split_whitespace().collect())
+        .collect();
+    assert_eq!(rows.len(), 3, "{table}");
+    for (rank, row) in rows.iter().enumerate() {
+        assert_eq!(row[0], rank.to_string(), "{table}");
+        let (state, health) = if rank == 2 {
+            ("failed", "failed")
+        } else {
+            ("running", "unreachable")
+        };
+        assert_eq!((row[3], row[5]), (state, health), "{table}");
+    }
+    // how rank 2 ended, in the JSON
+    let out = run_within(
+        {
+            let mut c = refit();
+            c.args(["status", "--json", &addr]);
+            c
+        },
+        Duration::from_secs(30),
+    );
+    let (json, err) = text(&out);
+    assert!(out.status.success(), "{err}");
+    assert!(json.contains("exited with status 3"), "{json}");
+    // the ranks die with their launcher
+    let _ = child.kill();
+    let _ = child.wait();
+    // where nothing answers
+    let out = run_within(
+        {
+            let mut c = refit();
+            c.args(["status", "127.0.0.1:1", "--timeout", "2"]);
+            c
+        },
+        Duration::from_secs(30),
+    );
+    let (_, err) = text(&out);
+    assert!(!out.status.success());
+    assert!(
+        err.contains("no status from 127.0.0.1:1") && err.contains("--status-addr"),
+        "{err}"
+    );
 }

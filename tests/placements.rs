@@ -238,7 +238,7 @@ fn a_frozen_rank_0_ends_every_other_rank_within_dead_after() {
     for r in [1, 2] {
         let own = format!("rank {r} (process `actor`");
         let mine: &[&str] = &[&own, "rank 0 went away before the end of the run"];
-        let stopped: &[&str] = &["refit launch: stopping the run (on_failure = \"abort\")"];
+        let stopped: &[&str] = &["stopping the run (on_failure = \"abort\")"];
         let (seen, line) = launch.wait_for_any(&[mine, stopped], Duration::from_secs(15));
         assert!(
             line.contains("answered no ping") || line.contains("stopping the run"),

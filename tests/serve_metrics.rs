@@ -1,5 +1,6 @@
-//! A real `refit serve` process exposes the update phase timings: after a `refit pull`, its
-//! `/metrics` page holds the phase histogram with the sender's phases.
+//! A real `refit serve` process exposes its metrics: after a `refit pull`, its `/metrics`
+//! page holds the phase histogram (with buckets) with the sender's phases, and the sender's
+//! counters and gauges: version published, updates and bytes, failures, receivers.
 #![allow(clippy::unwrap_used, missing_docs)]
 
 use std::io::{BufRead, BufReader, Read, Write};
@@ -8,7 +9,9 @@ use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use refit::runtime::{DType, Manifest, ModelId, Version, WeightSet};
+use refit::node::ClusterToken;
+use refit::runtime::{DType, Manifest, ModelId, ReceiverInit, Version, WeightSet, wire};
+use refit::transports::tcp::{TcpEndpoint, TcpReceiver, TcpReceiverSpec};
 
 const REFIT: &str = env!("CARGO_BIN_EXE_refit");
 
@@ -119,4 +122,64 @@ fn serve_exposes_phase_timings_after_a_pull() {
             && page.contains(r#"transport="tcp""#),
         "{page}"
     );
+    // a histogram with buckets (which sum across processes), not a summary
+    assert!(
+        page.contains("# TYPE refit_update_phase_seconds histogram")
+            && page.contains(r#"refit_update_phase_seconds_bucket{phase="wire",model="policy",transport="tcp",le="0.001"}"#)
+            && page.contains(r#"le="+Inf""#),
+        "{page}"
+    );
+    // the sender's side: version 1 published once, its bytes, no failure
+    let bytes = ws.bytes().len();
+    for line in [
+        r#"refit_published_version{model="policy",transport="tcp"} 1"#.to_owned(),
+        r#"refit_updates_total{side="sender",model="policy",transport="tcp"} 1"#.to_owned(),
+        format!(
+            r#"refit_update_bytes_total{{side="sender",model="policy",transport="tcp"}} {bytes}"#
+        ),
+        r#"refit_update_failures_total{side="sender",transport="tcp"} 0"#.to_owned(),
+        "# TYPE refit_receivers_connected gauge".to_owned(),
+    ] {
+        assert!(
+            page.lines().any(|l| l == line),
+            "{line} missing from:\n{page}"
+        );
+    }
+    // a receiver that stays attached is counted while it is, and no longer once it left
+    let endpoint: TcpEndpoint =
+        wire::from_token(std::fs::read_to_string(&spec).unwrap().trim()).unwrap();
+    let receiver = ReceiverInit::new(
+        TcpReceiver::new(TcpReceiverSpec::new(
+            endpoint,
+            &ClusterToken::new(token).unwrap(),
+        )),
+        None,
+    )
+    .connect(Duration::from_secs(60))
+    .unwrap();
+    wait_for_line(
+        &metrics_addr,
+        r#"refit_receivers_connected{model="policy",transport="tcp"} 1"#,
+    );
+    receiver.shutdown().unwrap();
+    wait_for_line(
+        &metrics_addr,
+        r#"refit_receivers_connected{model="policy",transport="tcp"} 0"#,
+    );
+}
+
+/// Waits up to 30 s for the metrics page at `addr` to hold `line`.
+fn wait_for_line(addr: &str, line: &str) {
+    let t = Instant::now();
+    loop {
+        let page = get(addr, "/metrics");
+        if page.lines().any(|l| l == line) {
+            return;
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(30),
+            "{line} missing from:\n{page}"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
 }

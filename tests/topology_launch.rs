@@ -4,8 +4,9 @@
 //! weights over shared memory, every other message through remote actors. Also: an engine
 //! process killed mid-run is reported within 10 s, and the run goes on (`on_failure =
 //! "continue"`) or ends (`"abort"`); nothing hangs, no process and no shared-memory segment
-//! is left behind. With `--metrics-addr`, every rank serves its own update phase timings
-//! while the run goes on.
+//! is left behind. With `--metrics-addr` and `--status-addr`, every rank serves its own
+//! metrics (every one Refit defines shows) and `refit status` reports every rank while the
+//! run goes on.
 #![allow(clippy::unwrap_used, missing_docs)]
 
 use std::io::Read;
@@ -225,7 +226,25 @@ fn the_shipped_cartpole_topologies_place_their_links_by_host() {
             assert_eq!(t.weights_transport(&policy, 0, r), kind);
         }
     }
-    assert_eq!(hosts.master_host(), "10.77.0.1");
+    assert_eq!(hosts.master_host().unwrap(), "10.77.0.1");
+    // the scheduler files: the same placement, the hosts' addresses left to the scheduler
+    for name in ["cartpole-slurm.toml", "cartpole-k8s.toml"] {
+        let t = read(name);
+        assert_eq!((t.world_size(), t.hosts.len()), (3, 3), "{name}");
+        assert!(t.hosts.iter().all(|h| h.addr.is_none()), "{name}");
+        assert!(t.master_host().is_err(), "{name}");
+        for r in [1, 2] {
+            assert_eq!(
+                t.weights_transport(&t.model_ids()[0], 0, r),
+                TransportKind::Nearest(Reach::Network),
+                "{name}"
+            );
+        }
+    }
+    let pods = read("cartpole-k8s.toml");
+    for r in pods.ranks() {
+        assert_eq!((r.bind, r.port), (Some([0, 0, 0, 0].into()), Some(29500)));
+    }
     let broadcast = read("cartpole-broadcast.toml");
     broadcast
         .check_links(refit::transports::link::reach_of)
@@ -237,6 +256,43 @@ fn the_shipped_cartpole_topologies_place_their_links_by_host() {
             TransportKind::Named("broadcast".into())
         );
     }
+    // colocated on one GPU: cuda-ipc, which only a build with `cuda` carries
+    let colocated = read("cartpole-colocated.toml");
+    for r in [1, 2] {
+        assert_eq!(
+            colocated.weights_transport(&policy, 0, r),
+            TransportKind::Named("cuda-ipc".into())
+        );
+    }
+    let checked = colocated.check_links(refit::transports::link::reach_of);
+    assert_eq!(checked.is_ok(), cfg!(feature = "cuda"), "{checked:?}");
+    if let Err(e) = checked {
+        assert!(e.to_string().contains("not compiled with CUDA"), "{e}");
+    }
+}
+
+/// The Prometheus configuration the book shows scrapes one target per rank of the shipped
+/// `cartpole-processes.toml` launched with `--metrics-addr 127.0.0.1:9100`: port 9100 + r
+/// for each rank r, and no other.
+#[test]
+fn the_shipped_prometheus_config_scrapes_every_rank_of_the_cartpole_topology() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let topo = refit::runtime::topology::Topology::parse_file_with(
+        &std::fs::read_to_string(root.join("examples/topologies/cartpole-processes.toml")).unwrap(),
+        &root.join("examples/topologies/cartpole-processes.toml"),
+        &[],
+    )
+    .unwrap();
+    let config = std::fs::read_to_string(root.join("examples/configs/prometheus.yml")).unwrap();
+    let targets: Vec<&str> = config
+        .lines()
+        .filter_map(|l| l.trim().strip_prefix("- 127.0.0.1:"))
+        .map(|t| t.split_whitespace().next().unwrap())
+        .collect();
+    let want: Vec<String> = (0..topo.world_size())
+        .map(|r| (9100 + r).to_string())
+        .collect();
+    assert_eq!(targets, want, "{config}");
 }
 
 /// The first of `n` loopback ports free right now, one after the other.
@@ -268,22 +324,36 @@ fn scrape(port: u16) -> Option<String> {
     out.starts_with("HTTP/1.1 200").then_some(out)
 }
 
-/// `refit launch --metrics-addr 127.0.0.1:P`: rank r serves its own phase timings on P+r
-/// while the run goes on — the trainer's publishes (`assemble`) on rank 0, each engine's
-/// loads (`apply`, `engine_pause`) on ranks 1 and 2 — and the run stops cleanly on SIGTERM.
+/// `refit launch --metrics-addr 127.0.0.1:P --status-addr 127.0.0.1:0`: rank r serves its
+/// own metrics on P+r while the run goes on — the trainer's publishes (`assemble`) on rank
+/// 0, each engine's loads (`apply`, `engine_pause`) on ranks 1 and 2 — and between them
+/// every metric Refit defines, each with its type, every sample labelled with its rank;
+/// `refit status` prints every rank running and healthy with the versions it serves; the
+/// run stops cleanly on SIGTERM.
 #[test]
-fn launch_serves_each_ranks_phase_timings_during_the_run() {
+fn launch_serves_every_metric_and_its_status_during_the_run() {
+    use refit::runtime::metrics::METRICS;
     let dir = tempfile::tempdir().unwrap();
     // a run that goes on until it is stopped: the pages are scraped while it runs
     let topology = topology_file(dir.path(), "abort", 1.0e9, 1_000_000);
     let base = free_ports(3);
     let addr = format!("127.0.0.1:{base}");
-    let mut launch = Launch::start_with(&topology, "batch-async", &["--metrics-addr", &addr]);
+    let mut launch = Launch::start_with(
+        &topology,
+        "batch-async",
+        &["--metrics-addr", &addr, "--status-addr", "127.0.0.1:0"],
+    );
     let want: [(u16, &[&str]); 3] = [
         (0, &["assemble"]),
         (1, &["apply", "engine_pause"]),
         (2, &["apply", "engine_pause"]),
     ];
+    let every_metric = |pages: &[String]| {
+        METRICS.iter().all(|m| {
+            let typed = format!("# TYPE {} {}", m.name, m.kind.as_str());
+            pages.iter().any(|p| p.contains(&typed))
+        })
+    };
     let deadline = Instant::now() + Duration::from_secs(240);
     let mut pages = vec![String::new(); 3];
     loop {
@@ -295,7 +365,7 @@ fn launch_serves_each_ranks_phase_timings_during_the_run() {
                 .iter()
                 .all(|p| pages[*rank as usize].contains(&format!("phase=\"{p}\"")))
         });
-        if seen {
+        if seen && every_metric(&pages) {
             break;
         }
         assert!(
@@ -305,13 +375,36 @@ fn launch_serves_each_ranks_phase_timings_during_the_run() {
         );
         assert!(
             Instant::now() < deadline,
-            "phases missing within 240 s:\n{pages:#?}\n{}",
+            "phases or metrics missing within 240 s:\n{pages:#?}\n{}",
             launch.text()
         );
         std::thread::sleep(Duration::from_millis(250));
     }
-    for page in &pages {
-        assert!(page.contains("refit_update_phase_seconds"), "{page}");
+    for (rank, page) in pages.iter().enumerate() {
+        assert!(page.contains("refit_update_phase_seconds_bucket"), "{page}");
+        assert!(page.contains(&format!("rank=\"{rank}\"")), "{page}");
+    }
+    // where each kind of metric comes from: the trainer's sender and controller on rank 0,
+    // a receiver and an engine on ranks 1 and 2
+    for name in [
+        "refit_published_version",
+        "refit_receivers_connected",
+        "refit_staleness_versions",
+    ] {
+        assert!(
+            pages[0].contains(&format!("{name}{{")),
+            "{name}: {}",
+            pages[0]
+        );
+    }
+    for page in &pages[1..] {
+        for name in [
+            "refit_served_version",
+            "refit_engine_version",
+            "refit_engine_pauses_total",
+        ] {
+            assert!(page.contains(&format!("{name}{{")), "{name}: {page}");
+        }
     }
     // each rank announced its own page
     for rank in 0..3u16 {
@@ -323,6 +416,49 @@ fn launch_serves_each_ranks_phase_timings_during_the_run() {
             Duration::from_secs(10),
         );
     }
+    // the launch's status, as `refit status` prints it
+    let (_, line) = launch.wait_for(&["status: http://"], Duration::from_secs(10));
+    let status_addr = line
+        .split("status: http://")
+        .nth(1)
+        .and_then(|s| s.split('/').next())
+        .unwrap()
+        .to_owned();
+    let out = Command::new(env!("CARGO_BIN_EXE_refit"))
+        .args(["status", &status_addr])
+        .output()
+        .unwrap();
+    let table = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status.success(),
+        "{table}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let rows: Vec<&str> = table.lines().collect();
+    assert_eq!(rows.len(), 4, "{table}");
+    assert!(rows[0].starts_with("RANK  PROCESS"), "{table}");
+    for (rank, process, versions) in [
+        (0, "learner", "policy: "),
+        (1, "actor", "engine "),
+        (2, "actor", "engine "),
+    ] {
+        let row = rows[rank + 1];
+        let cells: Vec<&str> = row.split_whitespace().collect();
+        assert_eq!(cells[0], rank.to_string(), "{table}");
+        assert_eq!(cells[1], process, "{table}");
+        assert_eq!((cells[3], cells[5]), ("running", "ok"), "{table}");
+        assert!(row.contains(versions), "{table}");
+    }
+    assert!(rows[1].contains("published"), "{table}");
+    assert!(rows[2].contains("served"), "{table}");
+    // the same as JSON
+    let out = Command::new(env!("CARGO_BIN_EXE_refit"))
+        .args(["status", "--json", &status_addr])
+        .output()
+        .unwrap();
+    let json = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(out.status.success(), "{json}");
+    assert_eq!(json.matches("\"health\": \"ok\"").count(), 3, "{json}");
     // SIGTERM to the launcher stops the run; nothing is left behind
     let pid = launch.child.id().to_string();
     assert!(

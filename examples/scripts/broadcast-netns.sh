@@ -8,7 +8,7 @@
 #   examples/scripts/broadcast-netns.sh [SIZE [RATE [VERSIONS [BUCKET]]]]
 #
 # Defaults: SIZE 64MiB, RATE 400mbit, VERSIONS 3 (timed, after the initial one), BUCKET 4MiB.
-# Needs root and ../shared/tools/netns-hosts (NETNS_HOSTS overrides it), and a release build
+# Needs root and scripts/netns-hosts (NETNS_HOSTS overrides it), and a release build
 # of the example (cargo build --release --example broadcast_weights).
 set -euo pipefail
 here=$(cd "$(dirname "$0")/../.." && pwd)

@@ -6,11 +6,14 @@
 #   examples/scripts/fanout-netns.sh [SIZE [RATE [VERSIONS [BUCKET]]]]
 #
 # Defaults: SIZE 256MiB, RATE 400mbit, VERSIONS 4 (version 1 is the connect; versions 2.. are
-# timed), BUCKET 4MiB. Needs root and ../shared/tools/netns-hosts (NETNS_HOSTS overrides it),
-# and a release build of the example (cargo build --release --example multi_node).
+# timed), BUCKET the transport's default bucket size. Needs root and
+# scripts/netns-hosts (NETNS_HOSTS overrides it), and a release build of the example
+# (cargo build --release --example multi_node).
 set -euo pipefail
 here=$(cd "$(dirname "$0")/../.." && pwd)
-size=${1:-256MiB}; rate=${2:-400mbit}; versions=${3:-4}; bucket=${4:-4MiB}
+size=${1:-256MiB}; rate=${2:-400mbit}; versions=${3:-4}; bucket=${4:-}
+# the transport's default unless a bucket size is given
+bucket_arg=(); [ -z "$bucket" ] || bucket_arg=(--bucket-size "$bucket")
 . "$here/examples/scripts/netns-lib.sh"
 exe=$(example_exe multi_node "${MULTI_NODE:-}")
 for n in 1 2 3 4; do
@@ -18,7 +21,7 @@ for n in 1 2 3 4; do
   world=$((n + 1))
   "$nh" run 1 env RANK=0 WORLD_SIZE=$world MASTER_ADDR=10.77.0.1 MASTER_PORT=29500 \
     "$exe" trainer --bind 10.77.0.1:29500 --no-spawn --workers "$n" --versions "$versions" \
-    --size "$size" --bucket-size "$bucket" >"$log/trainer-$n" 2>&1 &
+    --size "$size" "${bucket_arg[@]}" >"$log/trainer-$n" 2>&1 &
   trainer=$!
   # the workers reach the trainer's store once it listens
   for _ in $(seq 100); do grep -q "serving the store" "$log/trainer-$n" && break; sleep 0.1; done
@@ -26,12 +29,12 @@ for n in 1 2 3 4; do
   for rank in $(seq 1 "$n"); do
     h=$((rank + 1))
     "$nh" run $h env RANK=$rank WORLD_SIZE=$world MASTER_ADDR=10.77.0.1 MASTER_PORT=29500 \
-      "$exe" --full --size "$size" --bucket-size "$bucket" worker --bind 10.77.0.$h:29501 \
+      "$exe" --full --size "$size" "${bucket_arg[@]}" worker --bind 10.77.0.$h:29501 \
       >"$log/worker-$n-$rank" 2>&1 &
     pids+=($!)
   done
   wait_round "$n" "$trainer" "${pids[@]}"
   record_round "$n"
 done
-echo "fan-out of $size, egress $rate per host, buckets of $bucket (median per version):"
+echo "fan-out of $size, egress $rate per host, buckets of ${bucket:-the default size} (median per version):"
 print_medians 1 2 3 4

@@ -8,7 +8,7 @@
 #
 #   examples/scripts/hosts-netns.sh [TOPOLOGY.toml] [SYNC_MODE]
 #
-# Needs root, ../shared/tools/netns-hosts (NETNS_HOSTS overrides it) and a release build of
+# Needs root, scripts/netns-hosts (NETNS_HOSTS overrides it) and a release build of
 # the program the file runs and of refit:
 #   cargo build --release --example cartpole --example grpo --bin refit
 set -euo pipefail
@@ -16,7 +16,7 @@ here=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$here"
 topo=${1:-examples/topologies/cartpole-hosts.toml}
 mode=${2:-}
-nh=${NETNS_HOSTS:-$here/../shared/tools/netns-hosts}
+nh=${NETNS_HOSTS:-$here/scripts/netns-hosts}
 refit=${REFIT:-$here/target/release/refit}
 program=$(sed -n 's/^command = \["\([^"]*\)".*/\1/p' "$topo" | head -1)
 for f in "$refit" "$program"; do

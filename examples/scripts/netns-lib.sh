@@ -1,7 +1,7 @@
 # Shared by the netns scripts (sourced once `here` names the repository root): the
 # netns-hosts tool, a cluster token for every process, a log directory, and a cleanup that
 # stops what the script started and removes the hosts whatever happens.
-nh=${NETNS_HOSTS:-$here/../shared/tools/netns-hosts}
+nh=${NETNS_HOSTS:-$here/scripts/netns-hosts}
 export REFIT_TOKEN=${REFIT_TOKEN:-$(head -c 16 /dev/urandom | od -An -tx1 | tr -d ' \n')}
 log=$(mktemp -d)
 cleanup() { jobs -p | xargs -r kill 2>/dev/null || true; "$nh" down >/dev/null 2>&1 || true; rm -rf "$log"; }

@@ -9,8 +9,9 @@
 //! - **streams**: a connection that, after one request frame, carries raw bytes written by a
 //!   stream handler (the data plane of the TCP transport; see [`open_stream`]).
 //!
-//! Every connection starts with a hello frame holding the shared [`ClusterToken`]; a peer
-//! without it is refused and logged. Frames are a `u32` length plus named msgpack of typed
+//! Every connection starts with a hello frame holding the node protocol version
+//! ([`PROTOCOL_VERSION`]) and the shared [`ClusterToken`]; a peer of another version is
+//! refused naming both versions, a peer without the token is refused, and both are logged. Frames are a `u32` length plus named msgpack of typed
 //! structs, with the length checked before anything is allocated ([`frame`]).
 //!
 //! A peer that vanishes turns every pending call on its connection into
@@ -49,7 +50,7 @@ use refit_runtime::Error as CoreError;
 use refit_runtime::wire::{self, MAX_CONTROL_MESSAGE};
 
 pub use launch::LaunchEnv;
-pub use message::{MAX_HELLO, StreamHead};
+pub use message::{MAX_HELLO, PROTOCOL_VERSION, StreamHead};
 pub use peer::Peer;
 pub use store::{Store, StoreClient};
 pub use stream::{OpenStream, open_stream, write_head};
@@ -93,6 +94,11 @@ pub struct NodeConfig {
     pub hello_timeout: Duration,
     /// Runtime worker threads (default 2).
     pub threads: usize,
+    /// The address other nodes reach this one at, when it is not `bind` (default `None`:
+    /// `bind`, with the port bound). Needed when `bind` is unspecified (`0.0.0.0`, in a
+    /// container or a Kubernetes pod): nobody can connect to `0.0.0.0`. Port 0 here means the
+    /// port bound.
+    pub advertise: Option<SocketAddr>,
 }
 
 impl NodeConfig {
@@ -104,6 +110,7 @@ impl NodeConfig {
             max_frame: MAX_CONTROL_MESSAGE,
             hello_timeout: Duration::from_secs(5),
             threads: 2,
+            advertise: None,
         }
     }
 
@@ -111,6 +118,14 @@ impl NodeConfig {
     #[must_use]
     pub fn with_bind(mut self, bind: SocketAddr) -> Self {
         self.bind = bind;
+        self
+    }
+
+    /// Tells peers to reach it at `advertise` (port 0: the port bound) instead of the
+    /// address it listens on.
+    #[must_use]
+    pub fn with_advertise(mut self, advertise: SocketAddr) -> Self {
+        self.advertise = Some(advertise);
         self
     }
 }
@@ -141,6 +156,7 @@ struct Inner {
     handle: tokio::runtime::Handle,
     runtime: Mutex<Option<tokio::runtime::Runtime>>,
     addr: SocketAddr,
+    advertised: SocketAddr,
 }
 
 impl Drop for Inner {
@@ -170,6 +186,7 @@ impl std::fmt::Debug for Node {
         f.debug_struct("Node")
             .field("id", &self.inner.shared.id)
             .field("addr", &self.inner.addr)
+            .field("advertised", &self.inner.advertised)
             .finish()
     }
 }
@@ -194,6 +211,11 @@ impl Node {
         let addr = listener
             .local_addr()
             .map_err(|e| Error::io("reading the listener address", e))?;
+        let advertised = match config.advertise {
+            Some(a) if a.port() == 0 => SocketAddr::new(a.ip(), addr.port()),
+            Some(a) => a,
+            None => addr,
+        };
         let shared = Arc::new(Shared {
             id: Uuid::new_v4(),
             token: config.token,
@@ -211,13 +233,14 @@ impl Node {
                 .map_err(|e| Error::io("registering the listener", e))?
         };
         runtime.spawn(server::accept_loop(Arc::clone(&shared), listener));
-        tracing::debug!(%addr, node = %shared.id, "node listening");
+        tracing::debug!(%addr, %advertised, node = %shared.id, "node listening");
         Ok(Self {
             inner: Arc::new(Inner {
                 shared,
                 handle: runtime.handle().clone(),
                 runtime: Mutex::new(Some(runtime)),
                 addr,
+                advertised,
             }),
         })
     }
@@ -233,6 +256,12 @@ impl Node {
     /// The address the node listens on.
     pub fn addr(&self) -> SocketAddr {
         self.inner.addr
+    }
+
+    /// The address other nodes reach it at: [`NodeConfig::advertise`] when set, else
+    /// [`Node::addr`]. What a node hands to peers (an endpoint, a rank's card) is this one.
+    pub fn advertised(&self) -> SocketAddr {
+        self.inner.advertised
     }
 
     /// The node's id.

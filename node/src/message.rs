@@ -1,14 +1,29 @@
 //! What nodes say to each other: typed structs in named msgpack, nothing executable.
 
+use std::net::SocketAddr;
+
+use refit_runtime::{Error as CoreError, wire};
 use serde::{Deserialize, Serialize};
 use uuid::Uuid;
+
+use crate::error::{Error, Result};
 
 /// Largest hello frame accepted before the peer has proven it holds the token.
 pub const MAX_HELLO: usize = 4096;
 
+/// The version of the node protocol (the hello, the welcome, remote calls and streams)
+/// this build speaks. Every hello and welcome carries it; a node refuses a peer of another
+/// version, naming both, before it reads anything else. Raised with every change of these
+/// messages that an older peer would misread.
+pub const PROTOCOL_VERSION: u32 = 1;
+
 /// The first frame of every connection.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub(crate) struct Hello {
+    /// The node protocol version the connecting node speaks ([`PROTOCOL_VERSION`]; 0 from
+    /// a node of before protocol versions). Read first, alone.
+    #[serde(default)]
+    pub(crate) protocol: u32,
     /// The cluster token.
     pub(crate) token: String,
     /// The connecting node.
@@ -38,12 +53,88 @@ pub(crate) enum Welcome {
     Ok {
         /// The answering node.
         node: Uuid,
+        /// The node protocol version it speaks (0 from a node of before protocol
+        /// versions); the connecting node checks it too.
+        #[serde(default)]
+        protocol: u32,
     },
     /// Refused, and why (the connection closes).
     Refused {
         /// Why.
         reason: String,
+        /// The refusing node's protocol version, when the refusal is about the version.
+        #[serde(default)]
+        protocol: Option<u32>,
     },
+}
+
+/// The name of the node protocol in errors.
+pub(crate) const PROTOCOL_NAME: &str = "node";
+
+impl Hello {
+    /// Decodes a hello frame, its protocol version first: a peer of another version is
+    /// refused naming both (whatever the rest of its hello holds).
+    ///
+    /// # Errors
+    /// [`CoreError::Protocol`] for another version; [`CoreError::Wire`] for a malformed hello.
+    pub(crate) fn decode(body: &[u8], peer: SocketAddr) -> refit_runtime::Result<Self> {
+        let theirs = wire::peek_protocol(body, MAX_HELLO)?;
+        CoreError::check_protocol(
+            format!("node at {peer}"),
+            PROTOCOL_NAME,
+            PROTOCOL_VERSION,
+            theirs,
+        )?;
+        wire::decode(body, MAX_HELLO)
+    }
+}
+
+impl Welcome {
+    /// The welcome of a node that refuses a hello of another protocol version.
+    pub(crate) fn wrong_protocol(e: &CoreError) -> Self {
+        Self::Refused {
+            reason: e.to_string(),
+            protocol: Some(PROTOCOL_VERSION),
+        }
+    }
+
+    /// What a connecting node makes of the welcome of the node at `addr`: the answering
+    /// node's id.
+    ///
+    /// # Errors
+    /// [`CoreError::Protocol`] naming both versions when the node speaks another protocol
+    /// version (its welcome says so, or it refused ours for it); [`Error::Unauthorized`]
+    /// when it refused us for another reason.
+    pub(crate) fn accepted(self, addr: SocketAddr) -> Result<Uuid> {
+        let check = |theirs| {
+            CoreError::check_protocol(
+                format!("node at {addr}"),
+                PROTOCOL_NAME,
+                PROTOCOL_VERSION,
+                theirs,
+            )
+        };
+        match self {
+            Welcome::Ok { node, protocol } => {
+                check(protocol)?;
+                Ok(node)
+            }
+            Welcome::Refused {
+                reason,
+                protocol: Some(theirs),
+            } => {
+                check(theirs)?;
+                Err(Error::Unauthorized {
+                    peer: addr.to_string(),
+                    reason,
+                })
+            }
+            Welcome::Refused { reason, .. } => Err(Error::Unauthorized {
+                peer: addr.to_string(),
+                reason,
+            }),
+        }
+    }
 }
 
 /// One remote call.

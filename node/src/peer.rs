@@ -13,7 +13,9 @@ use tokio::sync::{mpsc, oneshot};
 use uuid::Uuid;
 
 use super::frame;
-use super::message::{ConnKind, Hello, MAX_HELLO, Outcome, Reply, Request, Welcome};
+use super::message::{
+    ConnKind, Hello, MAX_HELLO, Outcome, PROTOCOL_VERSION, Reply, Request, Welcome,
+};
 use super::token::ClusterToken;
 use crate::error::{Error, Result};
 use refit_runtime::Error as CoreError;
@@ -118,6 +120,7 @@ impl Peer {
             .map_err(|e| Error::io(format!("connecting to node at {addr}"), e))?;
         let _ = stream.set_nodelay(true);
         let hello = Hello {
+            protocol: PROTOCOL_VERSION,
             token: token.expose().to_owned(),
             node: me,
             kind: ConnKind::Rpc,
@@ -132,15 +135,7 @@ impl Peer {
             peer: addr.to_string(),
             reason: format!("no welcome: {e}"),
         })?;
-        let remote = match welcome {
-            Welcome::Ok { node } => node,
-            Welcome::Refused { reason } => {
-                return Err(Error::Unauthorized {
-                    peer: addr.to_string(),
-                    reason,
-                });
-            }
-        };
+        let remote = welcome.accepted(addr)?;
         let conn = Arc::new(Conn {
             addr,
             pending: Mutex::default(),

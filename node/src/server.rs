@@ -8,7 +8,9 @@ use std::time::{Duration, Instant};
 use tokio::net::TcpStream;
 use tokio::sync::mpsc;
 
-use super::message::{ConnKind, Hello, MAX_HELLO, Outcome, Reply, Request, StreamHead, Welcome};
+use super::message::{
+    ConnKind, Hello, MAX_HELLO, Outcome, PROTOCOL_VERSION, Reply, Request, StreamHead, Welcome,
+};
 use super::{CallInfo, ConnId, Shared, frame, read, stream::write_head};
 use crate::error::{Error, Result};
 use refit_runtime::Error as CoreError;
@@ -39,13 +41,23 @@ async fn serve_conn(shared: Arc<Shared>, mut stream: TcpStream, peer: SocketAddr
     let conn = ConnId(shared.next_conn.fetch_add(1, Ordering::Relaxed));
     let hello = tokio::time::timeout(
         shared.hello_timeout,
-        frame::recv::<Hello, _>(&mut stream, MAX_HELLO),
+        frame::read_frame(&mut stream, MAX_HELLO),
     )
     .await;
-    let hello = match hello {
-        Ok(Ok(h)) => h,
+    let body = match hello {
+        Ok(Ok(Some(b))) => b,
+        Ok(Ok(None)) => return refuse(&shared, peer, "closed before its hello"),
         Ok(Err(e)) => return refuse(&shared, peer, &format!("bad hello: {e}")),
         Err(_) => return refuse(&shared, peer, "no hello in time"),
+    };
+    let hello = match Hello::decode(&body, peer) {
+        Ok(h) => h,
+        Err(e @ CoreError::Protocol { .. }) => {
+            refuse(&shared, peer, &e.to_string());
+            let _ = frame::send(&mut stream, &Welcome::wrong_protocol(&e)).await;
+            return;
+        }
+        Err(e) => return refuse(&shared, peer, &format!("bad hello: {e}")),
     };
     if !shared.token.matches(&hello.token) {
         refuse(&shared, peer, "wrong or missing cluster token");
@@ -53,15 +65,17 @@ async fn serve_conn(shared: Arc<Shared>, mut stream: TcpStream, peer: SocketAddr
             &mut stream,
             &Welcome::Refused {
                 reason: "wrong or missing cluster token".into(),
+                protocol: None,
             },
         )
         .await;
         return;
     }
-    if frame::send(&mut stream, &Welcome::Ok { node: shared.id })
-        .await
-        .is_err()
-    {
+    let welcome = Welcome::Ok {
+        node: shared.id,
+        protocol: PROTOCOL_VERSION,
+    };
+    if frame::send(&mut stream, &welcome).await.is_err() {
         return;
     }
     let info = CallInfo {

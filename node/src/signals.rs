@@ -4,7 +4,7 @@
 //!
 //! The signal handler (tokio's) only wakes a thread; that thread, ordinary code, starts the
 //! actions on a thread of their own and waits for them at most
-//! [`release_bound`](refit_runtime::cleanup::release_bound) (3 s unless the program set
+//! `refit_runtime::cleanup::release_bound` (3 s unless the program set
 //! another). The process then exits whatever they still do: when they are done, when the
 //! bound passes, or at once on a second SIGINT/SIGTERM. If the C library's exit handlers
 //! hang, the process ends without them a second later (`_exit`). A signalled process

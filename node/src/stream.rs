@@ -10,7 +10,7 @@ use tokio::io::AsyncWrite;
 use uuid::Uuid;
 
 use super::frame;
-use super::message::{ConnKind, Hello, MAX_HELLO, StreamHead, Welcome};
+use super::message::{ConnKind, Hello, MAX_HELLO, PROTOCOL_VERSION, StreamHead, Welcome};
 use super::token::ClusterToken;
 use crate::error::{Error, Result};
 use refit_runtime::Error as CoreError;
@@ -64,6 +64,7 @@ pub fn open_stream<Req: Serialize>(
     stream.set_write_timeout(Some(timeout)).map_err(io)?;
     let _ = stream.set_nodelay(true);
     let hello = Hello {
+        protocol: PROTOCOL_VERSION,
         token: token.expose().to_owned(),
         node: me,
         kind: ConnKind::Stream {
@@ -87,12 +88,8 @@ pub fn open_stream<Req: Serialize>(
     };
     frame::send_blocking(&mut stream, &hello).map_err(timed)?;
     match frame::recv_blocking::<Welcome, _>(&mut stream, MAX_HELLO) {
-        Ok(Welcome::Ok { .. }) => {}
-        Ok(Welcome::Refused { reason }) => {
-            return Err(Error::Unauthorized {
-                peer: addr.to_string(),
-                reason,
-            });
+        Ok(welcome) => {
+            welcome.accepted(addr)?;
         }
         Err(e) => {
             return Err(Error::Unauthorized {

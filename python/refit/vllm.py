@@ -48,6 +48,7 @@ __all__ = [
     "init_engine",
     "update_weights",
     "shutdown_engine",
+    "Server",
     "RefitWeightTransferEngine",
     "RefitInitInfo",
     "RefitUpdateInfo",
@@ -191,6 +192,91 @@ def update_weights(
 def shutdown_engine(llm: Any) -> None:
     """Closes every worker's Refit receiver; vLLM goes on serving the weights in force."""
     _rpc(llm, "shutdown_weight_transfer_engine", None)
+
+
+class Server:
+    """A running ``vllm serve`` driven over HTTP, for :func:`init_engine`,
+    :func:`update_weights` and :func:`shutdown_engine` in place of an ``LLM``.
+
+    The server must be started with the backend and vLLM's development routes (where the
+    weight-transfer and cache routes live)::
+
+        VLLM_SERVER_DEV_MODE=1 vllm serve MODEL --weight-transfer-config '{"backend": "refit"}'
+
+    then, from the trainer's side or any controller::
+
+        server = refit.vllm.Server("http://127.0.0.1:8000")
+        refit.vllm.init_engine(server, "policy.spec")
+        refit.vllm.update_weights(server)
+
+    A worker's error reaches the caller as the :mod:`refit.errors` class it raised (the
+    server's error body carries its message). ``api_key`` is sent as a bearer token
+    (``vllm serve --api-key``).
+    """
+
+    def __init__(self, url: str, *, api_key: str | None = None, timeout: float = 600.0) -> None:
+        self.url = url.rstrip("/")
+        self.api_key = api_key
+        self.timeout = timeout
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        """``POST /init_weight_transfer_engine``."""
+        self._post("init_weight_transfer_engine", {"init_info": init_info})
+
+    def start_weight_update(self) -> None:
+        """``POST /start_weight_update``."""
+        self._post("start_weight_update")
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        """``POST /update_weights``."""
+        self._post("update_weights", {"update_info": update_info})
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        """``POST /finish_weight_update``."""
+        self._post("finish_weight_update", None if weight_version is None else {"weight_version": weight_version})
+
+    def shutdown_weight_transfer_engine(self) -> None:
+        """``POST /shutdown_weight_transfer_engine``."""
+        self._post("shutdown_weight_transfer_engine")
+
+    def reset_prefix_cache(self) -> None:
+        """``POST /reset_prefix_cache``."""
+        self._post("reset_prefix_cache")
+
+    def _post(self, route: str, body: dict[str, Any] | None = None) -> None:
+        import json
+        import urllib.error
+        import urllib.request
+
+        data = json.dumps(body).encode() if body is not None else b""
+        request = urllib.request.Request(f"{self.url}/{route}", data=data, method="POST",
+                                         headers={"Content-Type": "application/json"})
+        if self.api_key is not None:
+            request.add_header("Authorization", f"Bearer {self.api_key}")
+        try:
+            with urllib.request.urlopen(request, timeout=self.timeout) as r:
+                r.read()
+        except urllib.error.HTTPError as e:
+            text = e.read().decode(errors="replace")
+            try:
+                detail = json.loads(text)
+                detail = detail.get("error", detail).get("message", text) if isinstance(detail, dict) else text
+            except (ValueError, AttributeError):
+                pass
+            else:
+                text = str(detail)
+            if e.code in (401, 403):
+                raise errors.Unauthorized(f"vLLM at {self.url} refused the API key on /{route} (HTTP {e.code})") from e
+            if e.code == 404:
+                raise errors.ConfigError(f"vLLM at {self.url} has no /{route}: start it with VLLM_SERVER_DEV_MODE=1 and --weight-transfer-config '{{\"backend\": \"refit\"}}'") from e
+            raise Exception(f"vLLM at {self.url}: /{route} failed (HTTP {e.code}): {text}") from e
+        except TimeoutError as e:
+            raise errors.Timeout(f"vLLM at {self.url} did not answer /{route} within {self.timeout:g} s") from e
+        except urllib.error.URLError as e:
+            raise errors.PeerGone(f"vLLM at {self.url} cannot be reached (/{route}): {e.reason}") from e
+
+    def __repr__(self) -> str:
+        return f"refit.vllm.Server({self.url!r})"
 
 
 def _reset_caches(llm: Any) -> None:

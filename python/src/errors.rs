@@ -39,6 +39,7 @@ pub(crate) fn to_py(e: Error) -> PyErr {
         | Error::Shard { .. }
         | Error::Safetensors { .. }
         | Error::InvalidManifest(_)
+        | Error::Protocol { .. }
         | Error::Wire(_) => Refused::new_err(msg),
         Error::Config(_)
         | Error::Topology { .. }

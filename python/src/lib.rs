@@ -1,10 +1,10 @@
 //! `refit._native`: the Rust half of Refit's Python package.
 //!
-//! Python code imports `refit`, whose modules wrap these classes: [`receiver::Receiver`]
-//! (connect from a spec, `receive` updates, `ack` them), [`update::Update`] and
-//! [`update::Tensor`] (zero-copy views of a received version, through numpy's
-//! `__array_interface__`), and [`sender::Sender`] (publish a trainer's arrays). Errors are
-//! raised as the classes of `refit.errors`, chosen by [`errors::to_py`].
+//! Python code imports `refit`, whose modules wrap these classes: `receiver::Receiver`
+//! (connect from a spec, `receive` updates, `ack` them), `update::Update` and
+//! `update::Tensor` (zero-copy views of a received version, through numpy's
+//! `__array_interface__`), and `sender::Sender` (publish a trainer's arrays). Errors are
+//! raised as the classes of `refit.errors`, chosen by `errors::to_py`.
 #![warn(missing_docs, unreachable_pub)]
 
 use pyo3::prelude::*;

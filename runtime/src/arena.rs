@@ -66,8 +66,9 @@ pub(crate) fn huge_pages_cold(sys: &std::path::Path) -> bool {
 ///
 /// Large buffers ([`AlignedBuf::zeroed`] of 2 MiB or more) are anonymous maps advised to use
 /// transparent huge pages where the platform offers them (Linux with THP `always` or
-/// `madvise`) and they are not cold ([`huge_pages_cold`]): a fresh arena then costs its
-/// first transfer little more than a reused one.
+/// `madvise`) and they are not cold (as on a virtual machine whose balloon hands huge
+/// pages back to its host): a fresh arena then costs its first transfer little more than a
+/// reused one.
 pub struct AlignedBuf {
     lines: Lines,
     len: usize,
@@ -76,7 +77,7 @@ pub struct AlignedBuf {
 impl AlignedBuf {
     /// A zeroed buffer of `len` bytes (fresh pages come zeroed; no memset pass). A large
     /// one asks for transparent huge pages unless they are cold on this machine
-    /// ([`huge_pages_cold`]; `REFIT_ARENA_PAGES=huge|small` overrides).
+    /// (`REFIT_ARENA_PAGES=huge|small` overrides).
     pub fn zeroed(len: usize) -> Self {
         if len >= HUGE_FROM
             && let Ok(map) = memmap2::MmapMut::map_anon(len)

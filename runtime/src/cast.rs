@@ -11,6 +11,12 @@
 //!   ±57344 by default, NaN as `0x7f` / `0xff`);
 //! - `bf16` / `f16` to `f32` is exact.
 //!
+//! **Speed.** The element loops are branch-free arithmetic the compiler vectorises (with a
+//! copy for AVX2 chosen at run time on x86-64), bit for bit the scalar conversions above, and
+//! a large conversion is cut into pieces spread over the copy threads
+//! ([`copy_threads`](crate::copy::copy_threads)): about one pass over memory per version
+//! (see `exec.rs` for how fp8 scales are found without a second pass over small tensors).
+//!
 //! **Scales.** With [`Scaling::PerTensor`] or [`Scaling::PerBlock`], each scaled tensor
 //! `<name>` is followed in the manifest by an `f32` tensor named **`<name>.scale`** holding
 //! the *dequantisation* multiplier: `scale = amax / max` where `amax` is the largest magnitude
@@ -22,18 +28,17 @@
 //! ceil(C / cols)]` where the tensor is viewed as `R × C` with `C` its last dimension (a
 //! scalar is `1 × 1`, a vector `1 × n`).
 
+mod exec;
 pub mod fp8;
+mod kernels;
 
 use std::fmt;
 use std::sync::Arc;
 
-use half::slice::HalfFloatSliceExt;
-use half::{bf16, f16};
-
 use crate::dtype::DType;
 use crate::error::{Error, Result};
-use crate::layout::Pattern;
-use crate::manifest::{Manifest, TensorSpec};
+use crate::layout::{Pattern, Segment};
+use crate::manifest::Manifest;
 use crate::weights::WeightSet;
 
 pub use fp8::Overflow;
@@ -162,7 +167,7 @@ impl CastRules {
     }
 }
 
-#[derive(Clone, Debug)]
+#[derive(Clone, Copy, Debug)]
 enum Step {
     Copy {
         src: usize,
@@ -336,145 +341,30 @@ impl CastPlan {
     pub(crate) fn apply_into(&self, weights: &WeightSet, out: &mut WeightSet) -> Result<()> {
         self.source
             .check_same_schema(weights.model(), weights.manifest())?;
+        self.apply_runs(weights.bytes(), &exec::whole(self), weights.version(), out)
+    }
+
+    /// Whether [`CastPlan::apply_runs`] can read the source tensors from `runs` (a tensor with
+    /// per-block fp8 scales must lie whole in one run).
+    pub(crate) fn takes_runs(&self, runs: &[Vec<Segment>]) -> bool {
+        exec::direct(self, runs)
+    }
+
+    /// Converts a version whose source tensors lie in `runs` of `src` (one list per source
+    /// tensor, in the tensor's order: e.g. the trainer's bytes a layout would move there)
+    /// into `out`, a weight set of the target manifest whose every tensor byte is
+    /// overwritten; `out` takes `version`.
+    pub(crate) fn apply_runs(
+        &self,
+        src: &[u8],
+        runs: &[Vec<Segment>],
+        version: crate::ids::Version,
+        out: &mut WeightSet,
+    ) -> Result<()> {
         self.target.check_same_schema(out.model(), out.manifest())?;
-        out.set_version(weights.version());
-        let (src_specs, dst_specs) = (self.source.tensors(), self.target.tensors());
-        for step in &self.steps {
-            match *step {
-                Step::Copy { src, dst } => {
-                    let bytes = &weights.bytes()[src_specs[src].range()];
-                    out.bytes_mut()?[dst_specs[dst].range()].copy_from_slice(bytes);
-                }
-                Step::Convert {
-                    src,
-                    dst,
-                    to,
-                    scale,
-                } => convert(
-                    weights,
-                    &src_specs[src],
-                    out,
-                    &dst_specs[dst],
-                    to,
-                    scale.map(|s| &dst_specs[s]),
-                )?,
-            }
-        }
+        exec::run(self, src, runs, out)?;
+        out.set_version(version);
         Ok(())
-    }
-}
-
-/// Source elements, before widening to f32.
-enum Floats<'a> {
-    F32(&'a [f32]),
-    BF16(&'a [bf16]),
-    F16(&'a [f16]),
-}
-
-fn convert(
-    weights: &WeightSet,
-    src: &TensorSpec,
-    out: &mut WeightSet,
-    dst: &TensorSpec,
-    to: CastTo,
-    scale: Option<&TensorSpec>,
-) -> Result<()> {
-    match (src.dtype, to) {
-        (DType::F32, CastTo::BF16) => out
-            .view_mut::<bf16>(&dst.name)?
-            .convert_from_f32_slice(weights.view::<f32>(&src.name)?),
-        (DType::F32, CastTo::F16) => out
-            .view_mut::<f16>(&dst.name)?
-            .convert_from_f32_slice(weights.view::<f32>(&src.name)?),
-        (DType::BF16, CastTo::F32) => weights
-            .view::<bf16>(&src.name)?
-            .convert_to_f32_slice(out.view_mut::<f32>(&dst.name)?),
-        (DType::F16, CastTo::F32) => weights
-            .view::<f16>(&src.name)?
-            .convert_to_f32_slice(out.view_mut::<f32>(&dst.name)?),
-        _ => {
-            let floats = match src.dtype {
-                DType::F32 => Floats::F32(weights.view(&src.name)?),
-                DType::BF16 => Floats::BF16(weights.view(&src.name)?),
-                DType::F16 => Floats::F16(weights.view(&src.name)?),
-                other => return Err(cast_error(&src.name, format!("{other} is not a float"))),
-            };
-            let Some((scaling, overflow, max)) = to.fp8() else {
-                return Err(cast_error(&src.name, "unsupported conversion"));
-            };
-            let (rows, cols) = as_matrix(&src.shape);
-            let (br, bc) = match scaling {
-                Scaling::None | Scaling::PerTensor => (rows.max(1), cols.max(1)),
-                Scaling::PerBlock { rows, cols } => (rows, cols),
-            };
-            // Widened once (exact), so the loops below run over plain f32 rows.
-            let vals: std::borrow::Cow<'_, [f32]> = match floats {
-                Floats::F32(v) => v.into(),
-                Floats::BF16(v) => v.to_f32_vec().into(),
-                Floats::F16(v) => v.to_f32_vec().into(),
-            };
-            let mut scales = Vec::new();
-            let codes = out.tensor_bytes_mut(&dst.name)?;
-            for r0 in (0..rows).step_by(br) {
-                for c0 in (0..cols).step_by(bc) {
-                    let (r1, c1) = ((r0 + br).min(rows), (c0 + bc).min(cols));
-                    let s = if scaling == Scaling::None {
-                        1.0
-                    } else {
-                        let mut amax = 0.0_f32;
-                        let mut finite = true;
-                        for r in r0..r1 {
-                            for &x in &vals[r * cols + c0..r * cols + c1] {
-                                finite &= x.is_finite();
-                                amax = amax.max(x.abs());
-                            }
-                        }
-                        if !finite {
-                            let i = (r0..r1)
-                                .flat_map(|r| (c0..c1).map(move |c| r * cols + c))
-                                .find(|&i| !vals[i].is_finite())
-                                .unwrap_or(0);
-                            return Err(cast_error(
-                                &src.name,
-                                format!("element {i} is {}; a scale needs finite values", vals[i]),
-                            ));
-                        }
-                        if amax == 0.0 { 1.0 } else { amax / max }
-                    };
-                    for r in r0..r1 {
-                        let row = r * cols + c0..r * cols + c1;
-                        let (dst, src) = (&mut codes[row.clone()], &vals[row]);
-                        // Direct calls (not through `encode`'s pointer) so the encoder inlines.
-                        match to {
-                            CastTo::E4M3 { .. } => {
-                                encode_row(dst, src, s, overflow, fp8::f32_to_e4m3)
-                            }
-                            _ => encode_row(dst, src, s, overflow, fp8::f32_to_e5m2),
-                        }
-                    }
-                    scales.push(s);
-                }
-            }
-            if scales.is_empty() && scaling == Scaling::PerTensor {
-                scales.push(1.0); // an empty tensor still ships its one scale
-            }
-            if let Some(spec) = scale {
-                out.view_mut::<f32>(&spec.name)?.copy_from_slice(&scales);
-            }
-        }
-    }
-    Ok(())
-}
-
-fn encode_row(
-    dst: &mut [u8],
-    src: &[f32],
-    scale: f32,
-    overflow: Overflow,
-    encode: impl Fn(f32, Overflow) -> u8,
-) {
-    for (q, &x) in dst.iter_mut().zip(src) {
-        *q = encode(x / scale, overflow);
     }
 }
 

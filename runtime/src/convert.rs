@@ -28,7 +28,7 @@ use std::time::{Duration, Instant};
 use crate::cast::{CastPlan, CastRules};
 use crate::error::{Error, Result};
 use crate::ids::{ModelId, Version};
-use crate::layout::{LayoutPlan, LayoutRules};
+use crate::layout::{LayoutPlan, LayoutRules, Segment};
 use crate::manifest::Manifest;
 use crate::metrics::{self, Phase};
 use crate::protocol::{Group, Manifests};
@@ -84,6 +84,11 @@ impl Wants {
 
 /// One model's checked conversion: a layout plan, then a cast plan.
 ///
+/// With both, the cast reads the trainer's bytes where the layout would take them from (one
+/// pass, no laid-out copy), unless the layout reorders elements (a transpose) or per-block
+/// fp8 scales cover a tensor the layout assembles from several: those go through the
+/// laid-out copy, with the same result.
+///
 /// On the adapters' path ([`Conversions::apply_group`]) arenas are reused: the layout's
 /// intermediate arena, and up to [`RECYCLED`] converted versions that nobody holds any
 /// more, so a version is converted into memory already faulted in (a fresh arena costs
@@ -94,6 +99,10 @@ pub struct Conversion {
     target: Arc<Manifest>,
     layout: Option<LayoutPlan>,
     cast: Option<CastPlan>,
+    /// With both a layout and a cast: where the layout would put each of the trainer's bytes,
+    /// so the cast reads them from the trainer's arena in one pass (none when the layout
+    /// reorders elements, e.g. a transpose: the cast then reads a laid-out copy).
+    runs: Option<Arc<Vec<Vec<Segment>>>>,
     scratch: Arc<Mutex<Scratch>>,
 }
 
@@ -132,11 +141,16 @@ impl Conversion {
         let target = cast
             .as_ref()
             .map_or_else(|| Arc::clone(&laid), |c| Arc::clone(c.target()));
+        let runs = match (&layout, &cast) {
+            (Some(l), Some(c)) => l.segments().filter(|runs| c.takes_runs(runs)).map(Arc::new),
+            _ => None,
+        };
         Ok(Self {
             source: Arc::clone(source),
             target,
             layout,
             cast,
+            runs,
             scratch: Arc::default(),
         })
     }
@@ -170,6 +184,11 @@ impl Conversion {
         self.source
             .check_same_schema(weights.model(), weights.manifest())?;
         match (&self.layout, &self.cast) {
+            (Some(_), Some(c)) if let Some(runs) = &self.runs => {
+                let mut out = WeightSet::zeroed(weights.model().clone(), Arc::clone(&self.target));
+                c.apply_runs(weights.bytes(), runs, weights.version(), &mut out)?;
+                Ok(out)
+            }
             (Some(l), Some(c)) => c.apply(&l.apply(weights)?),
             (Some(l), None) => l.apply(weights),
             (None, Some(c)) => c.apply(weights),
@@ -196,6 +215,9 @@ impl Conversion {
         };
         let dst = Arc::get_mut(&mut out).ok_or(Error::State("a recycled arena is shared"))?;
         match (&self.layout, &self.cast) {
+            (Some(_), Some(c)) if let Some(runs) = &self.runs => {
+                c.apply_runs(weights.bytes(), runs, weights.version(), dst)?;
+            }
             (Some(l), Some(c)) => {
                 let mut laid = match scratch.laid.take() {
                     Some(w) if w.model() == model => w,

@@ -178,6 +178,23 @@ pub enum Error {
     /// A message or description that could not be encoded or decoded.
     #[error("wire: {0}")]
     Wire(String),
+    /// A peer speaks another version of one of Refit's wire protocols (or another layout of
+    /// a shared-memory board): the handshake is refused before anything else is read.
+    #[error(
+        "{peer} speaks {protocol} protocol version {theirs}, this process speaks version {ours}: \
+         run the same Refit release at both ends"
+    )]
+    Protocol {
+        /// Who (an address, a rank, a segment).
+        peer: String,
+        /// Which protocol (`node`, `tcp transport`, `cpu collective`, `broadcast`,
+        /// `shm board layout`).
+        protocol: &'static str,
+        /// The version this process speaks.
+        ours: u32,
+        /// The version the peer speaks (0: a peer from before protocol versions).
+        theirs: u32,
+    },
     /// Something was used after `shutdown` or before `connect`.
     #[error("{0}")]
     State(&'static str),
@@ -244,6 +261,17 @@ pub enum Error {
     /// A configuration that cannot be used (unknown key, bad value), naming the key.
     #[error("invalid configuration: {0}")]
     Config(String),
+    /// A model library's variable could not become a tensor of a weight set, or the
+    /// reverse (see `candle`).
+    #[error("{library} tensor `{tensor}`: {reason}")]
+    Bridge {
+        /// The library (`candle`).
+        library: &'static str,
+        /// The tensor or variable to blame.
+        tensor: String,
+        /// What is wrong.
+        reason: String,
+    },
     /// A sync-policy rule was broken (barrier rounds, notification order).
     #[error("sync policy: {0}")]
     Sync(String),
@@ -300,6 +328,27 @@ impl Error {
             transport,
             message: message.into(),
         }
+    }
+
+    /// Checks the `theirs` protocol version a peer announced against `ours`.
+    ///
+    /// # Errors
+    /// [`Error::Protocol`] naming both versions when they differ.
+    pub fn check_protocol(
+        peer: impl std::fmt::Display,
+        protocol: &'static str,
+        ours: u32,
+        theirs: u32,
+    ) -> Result<()> {
+        if ours == theirs {
+            return Ok(());
+        }
+        Err(Self::Protocol {
+            peer: peer.to_string(),
+            protocol,
+            ours,
+            theirs,
+        })
     }
 
     /// True when this error says a deadline passed.

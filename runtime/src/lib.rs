@@ -17,6 +17,7 @@
 //!   staleness filter, validation cadence and the multi-model version barrier, as plain code.
 //! - [`topology`]: the topology file (processes, roles, hosts, models, sync policy, stop
 //!   rule, transport per link), validated whole, expanded into ranks.
+//! - `candle` (feature `candle`): a candle-nn `VarMap` as a weight set and back.
 //! - [`metrics`]: per-update phase timings (assemble, wire, verify, apply, engine pause)
 //!   through the `metrics` facade and as `tracing` spans.
 //! - [`cleanup`]: what SIGINT/SIGTERM release (shared-memory segments, and whatever else a
@@ -27,6 +28,8 @@
 
 mod arena;
 pub mod bucket;
+#[cfg(feature = "candle")]
+pub mod candle;
 pub mod cast;
 pub mod cleanup;
 pub mod convert;

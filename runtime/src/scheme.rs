@@ -17,7 +17,7 @@ use arc_swap::ArcSwap;
 
 use crate::error::{Error, Result};
 use crate::ids::{ModelId, Version};
-use crate::metrics::{self, Phase};
+use crate::metrics::{self, Phase, Side};
 use crate::protocol::{Admission, Group, Manifests, entries};
 use crate::weights::WeightSet;
 
@@ -168,7 +168,16 @@ impl<T: SenderTransport> SenderInit<T> {
     ///
     /// # Errors
     /// Validation errors for `initial`; [`Error::Timeout`] if receivers do not attach in time.
-    pub fn connect(mut self, initial: Vec<WeightSet>, timeout: Duration) -> Result<Sender<T>> {
+    pub fn connect(self, initial: Vec<WeightSet>, timeout: Duration) -> Result<Sender<T>> {
+        let name = self.transport.name();
+        // shown at zero from the start, so that a page lists it before any failure
+        metrics::failures(Side::Sender, name).increment(0);
+        self.connect_inner(initial, timeout).inspect_err(|_| {
+            metrics::failed(Side::Sender, name);
+        })
+    }
+
+    fn connect_inner(mut self, initial: Vec<WeightSet>, timeout: Duration) -> Result<Sender<T>> {
         let deadline = deadline_in(timeout);
         let group: Group = initial.into_iter().map(Arc::new).collect();
         let mut admission = Admission::new(self.manifests);
@@ -182,6 +191,7 @@ impl<T: SenderTransport> SenderInit<T> {
             }
             transport.connect(&group, deadline)
         })?;
+        count_sent(self.transport.name(), &group);
         let mut sender = Sender {
             transport: self.transport,
             admission,
@@ -190,6 +200,18 @@ impl<T: SenderTransport> SenderInit<T> {
         };
         sender.transport.wait_acks(&entries, deadline)?;
         Ok(sender)
+    }
+}
+
+/// Counts a published group, one model at a time.
+fn count_sent(transport: &'static str, group: &Group) {
+    for w in group {
+        metrics::sent(
+            transport,
+            w.model().as_str(),
+            w.version().0,
+            w.manifest().total_len() as u64,
+        );
     }
 }
 
@@ -231,7 +253,12 @@ impl<T: SenderTransport> Sender<T> {
     /// As [`Sender::send`].
     pub fn send_group(&mut self, weights: Vec<WeightSet>) -> Result<Vec<(ModelId, Version)>> {
         let pending = self.send_async(weights)?;
-        self.wait(&pending, self.ack_timeout)?;
+        let name = self.transport.name();
+        self.wait(&pending, self.ack_timeout).inspect_err(|e| {
+            if e.is_timeout() {
+                metrics::failed(Side::Sender, name);
+            }
+        })?;
         Ok(pending.entries)
     }
 
@@ -253,7 +280,7 @@ impl<T: SenderTransport> Sender<T> {
         }
         let transport = &mut self.transport;
         let deadline = deadline_in(self.ack_timeout);
-        let (entries, ()) = self.admission.admit(&group, |_| {
+        let admitted = self.admission.admit(&group, |_| {
             let timer = metrics::timed_group(
                 Phase::Assemble,
                 transport.name(),
@@ -262,7 +289,10 @@ impl<T: SenderTransport> Sender<T> {
             transport.publish(&group, deadline)?;
             timer.finish();
             Ok(())
-        })?;
+        });
+        let name = self.transport.name();
+        let (entries, ()) = admitted.inspect_err(|_| metrics::failed(Side::Sender, name))?;
+        count_sent(name, &group);
         Ok(PendingSend { entries })
     }
 
@@ -271,8 +301,16 @@ impl<T: SenderTransport> Sender<T> {
     /// # Errors
     /// [`Error::Timeout`] naming late receivers; [`Error::PeerGone`].
     pub fn wait(&mut self, pending: &PendingSend, timeout: Duration) -> Result<()> {
+        let name = self.transport.name();
+        // a timeout is counted by whoever gives up (`send_group`): a caller may wait in
+        // slices
         self.transport
             .wait_acks(&pending.entries, deadline_in(timeout))
+            .inspect_err(|e| {
+                if !e.is_timeout() {
+                    metrics::failed(Side::Sender, name);
+                }
+            })
     }
 
     /// The version in force for a model.
@@ -389,6 +427,8 @@ impl<T: ReceiverTransport> ReceiverInit<T> {
     /// # Errors
     /// [`Error::Timeout`] when nothing arrives in time; manifest mismatches.
     pub fn connect(mut self, timeout: Duration) -> Result<Receiver<T>> {
+        // shown at zero from the start, so that a page lists it before any failure
+        metrics::failures(Side::Receiver, self.transport.name()).increment(0);
         let deadline = deadline_in(timeout);
         let announced = self.transport.connect(deadline)?;
         if let Some(expected) = &self.expected {
@@ -470,20 +510,36 @@ impl<T: ReceiverTransport> Receiver<T> {
         if self.closed {
             return Err(Error::State("receiver is shut down"));
         }
-        let Some(group) = self.transport.next_group(deadline_in(timeout))? else {
+        let name = self.transport.name();
+        let failed = |e: &Error| {
+            // a sender that is gone is no failed update (every run ends so), nor a wait that
+            // ran out (the caller may wait again)
+            if !matches!(e, Error::PeerGone { .. } | Error::Timeout { .. }) {
+                metrics::failed(Side::Receiver, name);
+            }
+        };
+        let next = self.transport.next_group(deadline_in(timeout));
+        let Some(group) = next.inspect_err(failed)? else {
             return Ok(None);
         };
-        let timer = metrics::timed_group(
-            Phase::Apply,
-            self.transport.name(),
-            group.iter().map(|w| w.model().as_str()),
-        );
+        let timer =
+            metrics::timed_group(Phase::Apply, name, group.iter().map(|w| w.model().as_str()));
         let served = &self.served;
-        self.admission.admit(&group, |_| {
-            served.store(served.load().with(&group));
-            Ok(())
-        })?;
+        self.admission
+            .admit(&group, |_| {
+                served.store(served.load().with(&group));
+                Ok(())
+            })
+            .inspect_err(failed)?;
         timer.finish();
+        for w in &group {
+            metrics::received(
+                name,
+                w.model().as_str(),
+                w.version().0,
+                w.manifest().total_len() as u64,
+            );
+        }
         Ok(Some(Update { group }))
     }
 
@@ -809,6 +865,137 @@ mod tests {
         if let Err(e) = sent {
             assert!(e.is_timeout(), "{e}");
         }
+    }
+
+    /// Counters and gauges recorded on this thread, by `name{label=value,...}`.
+    #[derive(Default)]
+    struct Capture(std::sync::Mutex<BTreeMap<String, Arc<std::sync::atomic::AtomicU64>>>);
+
+    impl Capture {
+        fn cell(&self, key: &::metrics::Key) -> Arc<std::sync::atomic::AtomicU64> {
+            let labels: Vec<String> = key
+                .labels()
+                .map(|l| format!("{}={}", l.key(), l.value()))
+                .collect();
+            let name = format!("{}{{{}}}", key.name(), labels.join(","));
+            Arc::clone(self.0.lock().unwrap().entry(name).or_default())
+        }
+
+        /// A counter's value.
+        fn count(&self, name: &str) -> Option<u64> {
+            let cells = self.0.lock().unwrap();
+            cells.get(name).map(|c| c.load(Ordering::Relaxed))
+        }
+
+        /// A gauge's value.
+        fn gauge(&self, name: &str) -> Option<f64> {
+            self.count(name).map(f64::from_bits)
+        }
+    }
+
+    impl ::metrics::Recorder for Capture {
+        fn describe_counter(
+            &self,
+            _: ::metrics::KeyName,
+            _: Option<::metrics::Unit>,
+            _: ::metrics::SharedString,
+        ) {
+        }
+        fn describe_gauge(
+            &self,
+            _: ::metrics::KeyName,
+            _: Option<::metrics::Unit>,
+            _: ::metrics::SharedString,
+        ) {
+        }
+        fn describe_histogram(
+            &self,
+            _: ::metrics::KeyName,
+            _: Option<::metrics::Unit>,
+            _: ::metrics::SharedString,
+        ) {
+        }
+        fn register_counter(
+            &self,
+            key: &::metrics::Key,
+            _: &::metrics::Metadata<'_>,
+        ) -> ::metrics::Counter {
+            ::metrics::Counter::from_arc(self.cell(key))
+        }
+        fn register_gauge(
+            &self,
+            key: &::metrics::Key,
+            _: &::metrics::Metadata<'_>,
+        ) -> ::metrics::Gauge {
+            ::metrics::Gauge::from_arc(self.cell(key))
+        }
+        fn register_histogram(
+            &self,
+            _: &::metrics::Key,
+            _: &::metrics::Metadata<'_>,
+        ) -> ::metrics::Histogram {
+            ::metrics::Histogram::noop()
+        }
+    }
+
+    /// Each end counts its updates (and their bytes) and shows its version; refused
+    /// updates count as failures on the side that refused them; a wait that runs out is no
+    /// failure, a send whose acknowledgements do not come is one.
+    #[test]
+    fn each_end_counts_its_updates_and_failures() {
+        let m = manifest(DType::F32, 8);
+        let (mut tx, mut rx) = connected(&m);
+        let cap = Capture::default();
+        ::metrics::with_local_recorder(&cap, || {
+            let pending = tx.send_async(vec![weights("policy", &m, 2, 2.0)]).unwrap();
+            // a wait in slices: running out is not a failure
+            assert!(tx.wait(&pending, Duration::ZERO).unwrap_err().is_timeout());
+            rx.receive(LONG).unwrap().unwrap();
+            tx.wait(&pending, LONG).unwrap();
+            // refused by the sender: a stale version
+            assert!(tx.send_async(vec![weights("policy", &m, 2, 9.0)]).is_err());
+            // refused by the receiver: a version that reached it past the sender's checks
+            tx.transport_mut()
+                .publish(
+                    &vec![Arc::new(weights("ghost", &m, 3, 9.0))],
+                    deadline_in(LONG),
+                )
+                .unwrap();
+            assert!(rx.receive(LONG).is_err());
+            // a send whose acknowledgement does not come in time fails
+            tx.set_ack_timeout(Duration::from_millis(20));
+            assert!(
+                tx.send(weights("policy", &m, 4, 4.0))
+                    .unwrap_err()
+                    .is_timeout()
+            );
+        });
+        let key =
+            |name: &str, side: &str| format!("{name}{{side={side},model=policy,transport=inproc}}");
+        let bytes = m.total_len() as u64;
+        assert_eq!(cap.count(&key(metrics::UPDATES_TOTAL, "sender")), Some(2));
+        assert_eq!(
+            cap.count(&key(metrics::UPDATE_BYTES_TOTAL, "sender")),
+            Some(2 * bytes)
+        );
+        assert_eq!(cap.count(&key(metrics::UPDATES_TOTAL, "receiver")), Some(1));
+        assert_eq!(
+            cap.count(&key(metrics::UPDATE_BYTES_TOTAL, "receiver")),
+            Some(bytes)
+        );
+        let version = |name: &str| format!("{name}{{model=policy,transport=inproc}}");
+        assert_eq!(cap.gauge(&version(metrics::PUBLISHED_VERSION)), Some(4.0));
+        assert_eq!(cap.gauge(&version(metrics::SERVED_VERSION)), Some(2.0));
+        let failures = |side: &str| {
+            format!(
+                "{}{{side={side},transport=inproc}}",
+                metrics::UPDATE_FAILURES_TOTAL
+            )
+        };
+        // the stale version and the late acknowledgement
+        assert_eq!(cap.count(&failures("sender")), Some(2));
+        // the ghost model
+        assert_eq!(cap.count(&failures("receiver")), Some(1));
     }
 
     #[test]

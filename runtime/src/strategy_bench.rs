@@ -264,6 +264,7 @@ where
 /// | `update plain` | one update over `link` (publish, receive, ack), no conversion |
 /// | `convert bf16 send` / `recv` | the adapter's conversion to fused bf16 on the sender / receiver side |
 /// | `update bf16 send` / `recv` | the whole update with that conversion |
+/// | `convert f16 recv` | the conversion to fused f16, receiver side |
 /// | `convert fp8 recv` | the conversion to fused fp8 e4m3 (per-tensor scales), receiver side |
 /// | `delta encode (3%)` | a delta of 3% changed 64 KiB blocks |
 ///
@@ -314,14 +315,10 @@ pub fn run<L: Link>(bytes: usize, reps: usize, link: &mut L) -> Result<StrategyB
         figures.push(fig(format!("convert bf16 {label}"), conv));
         figures.push(fig(format!("update bf16 {label}"), whole));
     }
-    let (_, conv) = updates(
-        link,
-        &versions,
-        reps,
-        Side::Receiver,
-        CastTo::E4M3_PER_TENSOR,
-    )?;
-    figures.push(fig("convert fp8 recv".into(), conv));
+    for (to, label) in [(CastTo::F16, "f16"), (CastTo::E4M3_PER_TENSOR, "fp8")] {
+        let (_, conv) = updates(link, &versions, reps, Side::Receiver, to)?;
+        figures.push(fig(format!("convert {label} recv"), conv));
+    }
 
     let mut deltas = Vec::new();
     for _ in 0..=reps {
@@ -369,6 +366,7 @@ mod tests {
                 "update bf16 send",
                 "convert bf16 recv",
                 "update bf16 recv",
+                "convert f16 recv",
                 "convert fp8 recv",
                 "delta encode (3%)"
             ]

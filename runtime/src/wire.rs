@@ -31,6 +31,23 @@ pub fn decode<T: DeserializeOwned>(bytes: &[u8], max: usize) -> Result<T> {
     rmp_serde::from_slice(bytes).map_err(|e| Error::Wire(format!("decode: {e}")))
 }
 
+/// The `protocol` field of a message [`encode`] wrote from a struct that has one, read
+/// without the rest of the message: a handshake reads it first, so that a peer of another
+/// version is refused naming both versions (see [`Error::Protocol`]) rather than failing
+/// on a field it does not know. 0 when the message has no such field (a peer from before
+/// protocol versions).
+///
+/// # Errors
+/// [`Error::Wire`] if too long or not a msgpack map.
+pub fn peek_protocol(bytes: &[u8], max: usize) -> Result<u32> {
+    #[derive(serde::Deserialize)]
+    struct Versioned {
+        #[serde(default)]
+        protocol: u32,
+    }
+    Ok(decode::<Versioned>(bytes, max)?.protocol)
+}
+
 /// Encodes a value as a hex token (msgpack inside), for argv or environment variables.
 ///
 /// # Errors
@@ -97,5 +114,35 @@ mod tests {
                 .to_string()
                 .contains("limit")
         );
+    }
+
+    #[test]
+    fn the_protocol_field_is_read_alone() {
+        #[derive(Serialize)]
+        struct Hello {
+            protocol: u32,
+            name: String,
+        }
+        let v7 = encode(&Hello {
+            protocol: 7,
+            name: "x".into(),
+        })
+        .unwrap();
+        assert_eq!(peek_protocol(&v7, 4096).unwrap(), 7);
+        // a message from before protocol versions reads as 0
+        let old = encode(&Msg {
+            id: uuid::Uuid::new_v4(),
+            n: 1,
+            blob: vec![],
+        })
+        .unwrap();
+        assert_eq!(peek_protocol(&old, 4096).unwrap(), 0);
+        let e = Error::check_protocol("peer x", "node", 1, 7).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "peer x speaks node protocol version 7, this process speaks version 1: run the \
+             same Refit release at both ends"
+        );
+        assert!(Error::check_protocol("peer x", "node", 1, 1).is_ok());
     }
 }

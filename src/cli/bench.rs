@@ -1,8 +1,6 @@
 //! `refit bench`: every transport against physical baselines measured in the same run.
 
 use std::error::Error as StdError;
-use std::io::{Read, Write};
-use std::net::{TcpListener, TcpStream};
 use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -11,12 +9,17 @@ use std::time::{Duration, Instant};
 use refit::node::{ClusterToken, TOKEN_ENV, TOKEN_FILE_ENV};
 use refit::prelude::*;
 use refit::runtime::{ReceiverTransport, SenderTransport, wire};
-use refit::transports::link::{self, LinkFactory, LinkOptions, OpenedLink, Reach, ReceiverSpec};
+use refit::transports::link::{
+    self, CUDA_DEVICE_ENV, LinkFactory, LinkOptions, OpenedLink, Reach, ReceiverSpec,
+};
+use refit::transports::nccl::NcclLink;
 use refit::transports::shm::ShmLink;
-use refit::transports::tcp::{TcpConfig, TcpLink, TcpSender};
+use refit::transports::tcp::TcpLink;
 use serde::Serialize;
 
 use super::stats::{Summary, fmt_bytes, fmt_secs, parse_bytes};
+
+mod tcp;
 
 type BoxResult<T> = Result<T, Box<dyn StdError>>;
 
@@ -50,7 +53,9 @@ pub(crate) struct BenchArgs {
     /// Transports to measure, by name: any of the link factory's (inproc, shm, tcp, file,
     /// ...); each gets the same rows, plus extra rows for some (shm: loaned slots, the
     /// per-version checksum and copying receivers after the default zero-copy rows; tcp:
-    /// `refit pull`).
+    /// `refit pull`). The GPU links (nccl, cuda-ipc) are set against a device-to-device copy
+    /// measured in the same run; one this build or machine cannot open is skipped, with the
+    /// reason on stderr (nccl needs a GPU per rank).
     #[arg(long, value_delimiter = ',', default_value = "inproc,shm,tcp,file")]
     transports: Vec<String>,
     /// Size of the model the conversion to an engine's layout (fused, bf16 / fp8, through
@@ -125,6 +130,12 @@ pub(crate) struct ChildArgs {
     /// Rounds (tcp-sink).
     #[arg(default_value_t = 0)]
     rounds: usize,
+    /// Bytes per read (tcp-sink).
+    #[arg(default_value_t = 4 << 20)]
+    chunk: usize,
+    /// Write what is read into a new file at this path, once per round (tcp-sink).
+    #[arg(long)]
+    file: Option<std::path::PathBuf>,
 }
 
 /// One measured figure.
@@ -143,6 +154,25 @@ struct Row {
 struct Baselines {
     memcpy: Summary,
     tcp: f64,
+    /// A device-to-device copy of the same size, when a GPU link is measured.
+    device: Option<f64>,
+}
+
+/// The links named in `--transports` that this process can open; every other one is named
+/// on stderr with the reason it is skipped (a GPU link without the `cuda` feature or
+/// without a GPU).
+///
+/// # Errors
+/// An unknown name, or no name (as [`link::parse_list`]).
+fn usable_links(names: &[String]) -> BoxResult<Vec<&'static dyn LinkFactory>> {
+    let mut usable = Vec::new();
+    for l in link::parse_list(&names.join(","))? {
+        match l.usable(&LinkOptions::default()) {
+            Ok(()) => usable.push(l),
+            Err(e) => eprintln!("refit bench: skipping {}: {e}", l.name()),
+        }
+    }
+    Ok(usable)
 }
 
 pub(crate) fn run(args: &BenchArgs) -> BoxResult<()> {
@@ -160,7 +190,15 @@ pub(crate) fn run(args: &BenchArgs) -> BoxResult<()> {
         )
         .into());
     }
-    let links = link::parse_list(&args.transports.join(","))?;
+    let links = usable_links(&args.transports)?;
+    let gpus = links
+        .iter()
+        .any(|l| l.on_device())
+        .then(refit::transports::gpu::probe)
+        .and_then(Result::ok)
+        .map_or(0, |r| r.devices.len());
+    // the raw TCP baseline's chunk sizes, searched once at the largest size streamed
+    tcp::tune(sizes.iter().copied().max().unwrap_or(0).max(args.pull_size))?;
     let mut rows = Vec::new();
     for &size in &sizes {
         let mut weights = make_weights(size, 16)?;
@@ -182,15 +220,33 @@ pub(crate) fn run(args: &BenchArgs) -> BoxResult<()> {
             "memcpy",
             memcpy.median,
         ));
-        let base = Baselines {
+        let mut base = Baselines {
             memcpy,
             tcp: tcp.median,
+            device: None,
         };
+        if links.iter().any(|l| l.on_device()) {
+            // the GPU links' physical baseline: a device-to-device copy of the same bytes
+            let device = LinkOptions::default().cuda_device()?;
+            let copies =
+                refit::transports::gpu::device_copy_times(device, size, args.iters.max(3))?;
+            let copy = Summary::of(&copies);
+            rows.push(row("device-copy", "copy", size, 1, copy, "-", copy.median));
+            base.device = Some(copy.median);
+        }
         for &l in &links {
             for &n in &args.receivers {
                 // receivers that keep versions of their own: above 512 MiB four of them
                 // would not fit beside the sender in this machine's memory
                 if l.receivers_copy() && size > COPIES_MAX {
+                    continue;
+                }
+                if l.name() == NcclLink.name() && n + 1 > gpus {
+                    // NCCL refuses two ranks of one communicator on one GPU
+                    eprintln!(
+                        "refit bench: skipping nccl N={n}: it needs {} GPUs (one per rank), this machine has {gpus}",
+                        n + 1
+                    );
                     continue;
                 }
                 eprintln!("refit bench: {} {} N={n}", l.name(), fmt_bytes(size));
@@ -215,7 +271,7 @@ pub(crate) fn run(args: &BenchArgs) -> BoxResult<()> {
             fmt_bytes(args.pull_size),
             args.pull_dir.display()
         );
-        rows.extend(bench_pull(args)?);
+        rows.extend(tcp::bench_pull(args)?);
     }
     if args.strategies_size > 0 {
         eprintln!(
@@ -363,46 +419,27 @@ fn bench_token() -> &'static ClusterToken {
 }
 
 fn spawn_child(args: &[&str]) -> BoxResult<Child> {
-    Ok(Command::new(std::env::current_exe()?)
-        .arg("__bench-child")
+    spawn_child_on(args, None)
+}
+
+/// As [`spawn_child`], its GPU links' ends on CUDA device `device` when given.
+fn spawn_child_on(args: &[&str], device: Option<usize>) -> BoxResult<Child> {
+    let mut cmd = Command::new(std::env::current_exe()?);
+    cmd.arg("__bench-child")
         .args(args)
         .env(TOKEN_ENV, bench_token().expose())
         .env_remove(TOKEN_FILE_ENV)
-        .stdin(Stdio::null())
-        .spawn()?)
+        .stdin(Stdio::null());
+    if let Some(d) = device {
+        cmd.env(CUDA_DEVICE_ENV, d.to_string());
+    }
+    Ok(cmd.spawn()?)
 }
 
-/// Raw loopback TCP between two processes: the time to stream `size` bytes and get one
-/// byte back.
+/// Raw loopback TCP between two processes, tuned ([`tcp::tuning`]): the time to stream
+/// `size` bytes and get one byte back.
 fn tcp_baseline(size: usize, iters: usize) -> BoxResult<Summary> {
-    let listener = TcpListener::bind("127.0.0.1:0")?;
-    let addr = listener.local_addr()?.to_string();
-    let mut child = spawn_child(&[
-        "tcp-sink",
-        &addr,
-        &size.to_string(),
-        &(iters + 1).to_string(),
-    ])?;
-    let (mut sock, _) = listener.accept()?;
-    sock.set_nodelay(true)?;
-    let buf = vec![3u8; size.min(64 << 20)];
-    let mut samples = Vec::with_capacity(iters);
-    for _ in 0..iters + 1 {
-        let t = Instant::now();
-        let mut left = size;
-        while left > 0 {
-            let n = left.min(buf.len());
-            sock.write_all(&buf[..n])?;
-            left -= n;
-        }
-        let mut ack = [0u8; 1];
-        sock.read_exact(&mut ack)?;
-        samples.push(t.elapsed());
-    }
-    if !child.wait()?.success() {
-        return Err("tcp sink process failed".into());
-    }
-    Ok(Summary::of(&samples[1..]))
+    tcp::baseline(size, iters)
 }
 
 /// Next version of the weights, every tensor changed (its first byte: a delta moves every
@@ -484,7 +521,7 @@ fn bench_link(
             &["link", &spec],
             n,
             weights,
-            false,
+            (false, l.name() == NcclLink.name()),
             Some(counts),
         );
         OpenedLink::cleanup(&leftovers);
@@ -499,9 +536,10 @@ fn bench_link(
         // what the first pull's fresh arena costs on its own: its pages' first touch
         times.touch = Some(first_touch_baseline(size, 3, true));
     }
-    let baseline = match l.reach() {
-        Reach::Network => ("tcp-loopback", base.tcp),
-        Reach::Process | Reach::Host => ("memcpy", base.memcpy.median),
+    let baseline = match (l.on_device(), base.device, l.reach()) {
+        (true, Some(copy), _) => ("device-copy", copy),
+        (_, _, Reach::Network) => ("tcp-loopback", base.tcp),
+        (_, _, Reach::Process | Reach::Host) => ("memcpy", base.memcpy.median),
     };
     Ok(times.rows(l.name(), size, n, baseline))
 }
@@ -675,7 +713,7 @@ fn bench_shm(
         &[role, &token],
         n,
         weights,
-        loaned,
+        (loaned, false),
         Some((args.warmup, args.iters)),
     )?;
     let name = match (mode, loaned, checksum) {
@@ -689,23 +727,7 @@ fn bench_shm(
 
 pub(crate) fn child(args: &ChildArgs) -> BoxResult<()> {
     match args.role.as_str() {
-        "tcp-sink" => {
-            let mut sock = TcpStream::connect(&args.target)?;
-            sock.set_nodelay(true)?;
-            let mut buf = vec![0u8; 4 << 20];
-            for _ in 0..args.rounds {
-                let mut left = args.bytes;
-                while left > 0 {
-                    let n = sock.read(&mut buf[..left.min(4 << 20)])?;
-                    if n == 0 {
-                        return Err("sender closed the socket early".into());
-                    }
-                    left -= n;
-                }
-                sock.write_all(&[1])?;
-            }
-            Ok(())
-        }
+        "tcp-sink" => tcp::sink(args),
         "link" => {
             // any transport of the link factory; a tcp receiver presents the token of its
             // environment (set by `spawn_child`)
@@ -894,111 +916,6 @@ impl LoanSlots for Box<dyn SenderTransport> {
     }
 }
 
-/// `refit pull` as a user runs it: a sender serves a model of four tensors (each far larger
-/// than a bucket) and a `refit pull` process fetches it into a new file in `--pull-dir`, timed
-/// from the process start to its exit, against raw loopback TCP of the same bytes and against
-/// writing the same bytes into a new file there (the cost of the file's fresh pages alone),
-/// all in this run.
-fn bench_pull(args: &BenchArgs) -> BoxResult<Vec<Row>> {
-    let size = args.pull_size.next_multiple_of(4 * refit::runtime::ALIGN);
-    let iters = args.iters.max(3);
-    let tcp = tcp_baseline(size, iters)?;
-    let file_write = file_write_baseline(size, iters, &args.pull_dir)?;
-    let touch = first_touch_baseline(size, iters, false);
-    let touch_huge = first_touch_baseline(size, iters, true);
-    let ws = Arc::unwrap_or_clone(make_weights(size, 4)?);
-    let manifests = Manifests::new([(ws.model().clone(), Arc::clone(ws.manifest()))])?;
-    let config = TcpConfig {
-        token: Some(bench_token().clone()),
-        ..TcpConfig::default()
-    };
-    let transport = TcpSender::bind(config, &manifests)?;
-    let pid = std::process::id();
-    let spec_file = args.pull_dir.join(format!(".refit-bench-{pid}.spec"));
-    let out = args.pull_dir.join(format!("refit-bench-{pid}.safetensors"));
-    refit::runtime::write_atomically(
-        &spec_file,
-        wire::to_token(&transport.endpoint())?.as_bytes(),
-    )?;
-    let result = (|| -> BoxResult<Vec<Duration>> {
-        let sender = SenderInit::new(transport, manifests).connect(vec![ws], WAIT)?;
-        let mut samples = Vec::with_capacity(iters);
-        for _ in 0..iters {
-            let t = Instant::now();
-            let done = Command::new(std::env::current_exe()?)
-                .arg("pull")
-                .env(TOKEN_ENV, bench_token().expose())
-                .env_remove(TOKEN_FILE_ENV)
-                .arg("--spec-file")
-                .arg(&spec_file)
-                .arg(&out)
-                .stdin(Stdio::null())
-                .output()?;
-            samples.push(t.elapsed());
-            if !done.status.success() {
-                return Err(format!(
-                    "refit pull failed: {}",
-                    String::from_utf8_lossy(&done.stderr).trim()
-                )
-                .into());
-            }
-            if std::fs::metadata(&out)?.len() < size as u64 {
-                return Err("refit pull wrote a short file".into());
-            }
-            std::fs::remove_file(&out)?;
-        }
-        sender.shutdown()?;
-        Ok(samples)
-    })();
-    let _ = std::fs::remove_file(&spec_file);
-    let _ = std::fs::remove_file(&out);
-    let samples = result?;
-    let dir = args.pull_dir.display().to_string();
-    Ok(vec![
-        row("tcp-loopback", "stream", size, 1, tcp, "-", tcp.median),
-        row(
-            "new file",
-            &format!("write to {dir}"),
-            size,
-            1,
-            file_write,
-            "tcp-loopback",
-            tcp.median,
-        ),
-        row(
-            "new memory",
-            "first touch",
-            size,
-            1,
-            touch,
-            "tcp-loopback",
-            tcp.median,
-        ),
-        row(
-            "new memory",
-            if refit::runtime::AlignedBuf::huge_pages() {
-                "  arena (huge pages)"
-            } else {
-                "  arena (small pages)"
-            },
-            size,
-            1,
-            touch_huge,
-            "tcp-loopback",
-            tcp.median,
-        ),
-        row(
-            "refit pull",
-            &format!("to {dir}"),
-            size,
-            1,
-            Summary::of(&samples),
-            "tcp-loopback",
-            tcp.median,
-        ),
-    ])
-}
-
 /// Writing one byte into every page of `size` bytes of memory never used before (what a
 /// fresh arena costs its first transfer before a byte moves): a plain heap buffer, or with
 /// `arena` a runtime arena (an anonymous map, advised to use transparent huge pages where
@@ -1026,29 +943,6 @@ fn first_touch_baseline(size: usize, iters: usize, arena: bool) -> Summary {
     Summary::of(&samples)
 }
 
-/// Writing `size` bytes into a new file in `dir` (created, written from a reused buffer,
-/// synced, removed): what the file's fresh pages cost without any network.
-fn file_write_baseline(size: usize, iters: usize, dir: &std::path::Path) -> BoxResult<Summary> {
-    let path = dir.join(format!(".refit-bench-{}.write", std::process::id()));
-    let buf = vec![5u8; size.min(16 << 20)];
-    let mut samples = Vec::with_capacity(iters);
-    for _ in 0..iters {
-        let t = Instant::now();
-        let mut f = std::fs::File::create(&path)?;
-        let mut left = size;
-        while left > 0 {
-            let n = left.min(buf.len());
-            f.write_all(&buf[..n])?;
-            left -= n;
-        }
-        f.sync_all()?;
-        drop(f);
-        samples.push(t.elapsed());
-        std::fs::remove_file(&path)?;
-    }
-    Ok(Summary::of(&samples))
-}
-
 /// A benchmark receiver: applies every update until the sender leaves.
 fn drain<T: ReceiverTransport>(mut r: Receiver<T>) -> BoxResult<()> {
     loop {
@@ -1065,13 +959,15 @@ fn drain<T: ReceiverTransport>(mut r: Receiver<T>) -> BoxResult<()> {
 /// processes' start), times the updates when `timed` (untimed warm-up updates, then timed
 /// ones),
 /// shuts the sender down (receivers see it leave and exit) and checks every process succeeded.
+/// `(loaned, one_gpu_each)`: fill lent slots (see [`timed_updates`]); give receiver `i`
+/// CUDA device `i + 1` (NCCL: one rank per GPU, the sender on device 0).
 fn with_receiver_processes<T: SenderTransport + LoanSlots>(
     transport: T,
     manifests: Manifests,
     child: &[&str],
     n: usize,
     weights: &mut Arc<WeightSet>,
-    loaned: bool,
+    (loaned, one_gpu_each): (bool, bool),
     timed: Option<(usize, usize)>,
 ) -> BoxResult<Times> {
     // a view of the bench's own arena, not a copy: the connect must not time this program
@@ -1081,7 +977,7 @@ fn with_receiver_processes<T: SenderTransport + LoanSlots>(
     let initial = weights.view_as(weights.version())?;
     let t0 = Instant::now();
     let children = (0..n)
-        .map(|_| spawn_child(child))
+        .map(|i| spawn_child_on(child, one_gpu_each.then_some(i + 1)))
         .collect::<BoxResult<Vec<_>>>()?;
     let mut sender = SenderInit::new(transport, manifests)
         .with_ack_timeout(WAIT)

@@ -6,14 +6,17 @@
 //! `--set` overrides and the link factory), [`resolve_rank`] finds which ranks start,
 //! [`LaunchSpec`] gives each its program and environment, and [`Supervisor`] runs them. With
 //! `--metrics-addr HOST:PORT` each rank also gets `REFIT_METRICS_ADDR=HOST:PORT+RANK`, where
-//! it serves its update phase timings (each rank its own page: the engines' phases are
-//! recorded where they run, and no process relays another's).
+//! it serves its metrics (each rank its own page, labelled `rank`: the engines' phases are
+//! recorded where they run, and no process relays another's). With `--status-addr` the
+//! launcher serves the launch's status (see `status.rs`).
 
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::time::Duration;
 
-use refit::node::launch::{LaunchSpec, Supervisor, free_port, resolve_rank, scheduler_incarnation};
+use refit::node::launch::{
+    LaunchSpec, Supervisor, free_port, resolve_rank, scheduler_hosts, scheduler_incarnation,
+};
 use refit::node::{ClusterToken, TOKEN_ENV, TOKEN_FILE_ENV};
 use refit::runtime::topology::{OnFailure, Override, Topology};
 use refit::runtime::{Error, Result};
@@ -24,7 +27,11 @@ Environment it reads:
   RANK, WORLD_SIZE          start only this rank (torchrun's names); MASTER_ADDR, MASTER_PORT
                             say where rank 0's rendezvous store is
   SLURM_PROCID, SLURM_NTASKS, SLURM_STEP_NODELIST (or SLURM_JOB_NODELIST)
-                            the same under Slurm (MASTER_ADDR: the list's first host)
+                            the same under Slurm (MASTER_ADDR: the list's first host); hosts
+                            without `addr` take the list's nodes in file order
+  REFIT_K8S_SERVICE, REFIT_K8S_POD (or HOSTNAME), REFIT_K8S_NAMESPACE
+                            a Kubernetes StatefulSet behind that headless Service: pod i is
+                            the file's host i (address POD.SERVICE), and runs its one rank
   REFIT_TOKEN, REFIT_TOKEN_FILE
                             the cluster token (required in a per-rank launch; else random)
   REFIT_INCARNATION, SLURM_RESTART_COUNT, TORCHELASTIC_RESTART_COUNT
@@ -35,7 +42,8 @@ Environment every rank gets (on top of the launcher's own):
   RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT,
   REFIT_TOPOLOGY (the file's absolute path), REFIT_SET (the --set overrides, one per line),
   REFIT_TOKEN, REFIT_INCARNATION (0, then n after the nth restart), the process's `env`,
-  and with --metrics-addr REFIT_METRICS_ADDR.
+  and with --metrics-addr or --status-addr REFIT_METRICS_ADDR. RUST_LOG and
+  REFIT_LOG_FORMAT (text or json) pass on from the launcher's environment.
 A rank loads the same topology with refit::node::launch::load_topology().";
 
 /// Arguments of `refit launch`.
@@ -62,18 +70,29 @@ pub(crate) struct LaunchArgs {
     /// after SIGTERM before SIGKILL.
     #[arg(long, value_name = "SECONDS", default_value_t = 5.0)]
     grace_s: f64,
-    /// Each rank serves its update phase timings (Prometheus text) at
+    /// Each rank serves its metrics (Prometheus text, every sample labelled `rank`) at
     /// `http://HOST:PORT+RANK/metrics`: rank 0 on PORT, rank 1 on PORT+1, and so on (port 0:
-    /// a free port each, printed by every rank as `metrics: http://ADDR/metrics`).
-    #[arg(long, value_name = "HOST:PORT")]
+    /// a free port each, chosen here; every rank logs `metrics: http://ADDR/metrics`).
+    #[arg(
+        long,
+        value_name = "HOST:PORT",
+        env = refit::metrics_page::METRICS_ADDR_ENV,
+        hide_env_values = true
+    )]
     metrics_addr: Option<std::net::SocketAddr>,
+    /// Serve this launch's status at `http://HOST:PORT/status` (JSON: every rank's process,
+    /// state, restarts, health, versions); `refit status HOST:PORT` prints it. Without
+    /// --metrics-addr, each rank then serves its metrics on a free port of HOST.
+    #[arg(long, value_name = "HOST:PORT")]
+    status_addr: Option<std::net::SocketAddr>,
 }
 
-/// The address rank `rank` serves its metrics on: `base`'s port plus the rank (port 0 stays
-/// 0: any free port).
+/// The address rank `rank` serves its metrics on: `base`'s port plus the rank (port 0: a
+/// port free now on `base`'s address, so that the status page knows where to look).
 fn rank_metrics_addr(base: std::net::SocketAddr, rank: u32) -> Result<std::net::SocketAddr> {
     if base.port() == 0 {
-        return Ok(base);
+        let port = free_port(&base.ip().to_string())?;
+        return Ok(std::net::SocketAddr::new(base.ip(), port));
     }
     let port = u16::try_from(u32::from(base.port()) + rank).map_err(|_| {
         Error::Config(format!(
@@ -117,7 +136,7 @@ fn launch(args: &LaunchArgs) -> Result<u8> {
         )));
     }
     let grace = Duration::from_secs_f64(args.grace_s);
-    let overrides = args
+    let mut overrides = args
         .set
         .iter()
         .map(|s| Override::parse(s))
@@ -127,7 +146,19 @@ fn launch(args: &LaunchArgs) -> Result<u8> {
         path: args.topology.clone(),
         source,
     })?;
-    let topo = topology(&path, &overrides)?;
+    let lookup = |k: &str| std::env::var(k).ok();
+    let mut topo = topology(&path, &overrides)?;
+    // hosts without `addr`: the scheduler's, as overrides every rank applies too
+    let scheduled = scheduler_hosts(&topo, &lookup).map_err(Error::from)?;
+    if let Some(hosts) = &scheduled {
+        overrides.extend(hosts.overrides().map_err(Error::from)?);
+        topo = topology(&path, &overrides)?;
+        eprintln!(
+            "refit launch: host addresses from {}: {}",
+            hosts.scheduler.describe(),
+            hosts.summary()
+        );
+    }
     let given = ClusterToken::from_env()?;
     let spec = LaunchSpec {
         token: given.clone().unwrap_or_else(ClusterToken::random),
@@ -137,9 +168,11 @@ fn launch(args: &LaunchArgs) -> Result<u8> {
         overrides,
     };
     let topo = &spec.topology;
-    let lookup = |k: &str| std::env::var(k).ok();
     let mut ranks = match resolve_rank(args.rank, args.master_port, topo, &lookup)? {
         Some(place) => {
+            if let Some(hosts) = &scheduled {
+                hosts.check_rank(topo, place.rank).map_err(Error::from)?;
+            }
             if given.is_none() && place.world_size > 1 {
                 // each host's launcher would make its own token and the ranks would refuse
                 // each other
@@ -171,13 +204,13 @@ fn launch(args: &LaunchArgs) -> Result<u8> {
         None => {
             let master_port = match args.master_port.or(topo.ranks()[0].port) {
                 Some(p) => p,
-                None => free_port(topo.master_host())?,
+                None => free_port(topo.master_host()?)?,
             };
             eprintln!(
                 "refit launch: {} ranks from {}; rendezvous at {}:{master_port}",
                 topo.world_size(),
                 spec.path.display(),
-                topo.master_host()
+                topo.master_host()?
             );
             if topo.hosts.len() > 1 {
                 eprintln!(
@@ -190,22 +223,41 @@ fn launch(args: &LaunchArgs) -> Result<u8> {
             spec.every_rank(master_port)?
         }
     };
+    // a status page reads the ranks' metrics: they get an address of its host if not told
+    let metrics_base = args.metrics_addr.or(args
+        .status_addr
+        .map(|a| std::net::SocketAddr::new(a.ip(), 0)));
+    let mut listed = Vec::new();
     for r in &mut ranks {
-        // the ranks get a metrics address only from this flag, never from the launcher's
-        // own environment (they would all ask for the same one)
-        let metrics = match args.metrics_addr {
-            Some(base) => rank_metrics_addr(base, r.rank)?.to_string(),
-            None => String::new(),
+        // the ranks get a metrics address only from these flags (or the launcher's
+        // REFIT_METRICS_ADDR, the default of --metrics-addr), each its own: inherited as
+        // it is, they would all ask for the same one
+        let metrics = match metrics_base {
+            Some(base) => Some(rank_metrics_addr(base, r.rank)?),
+            None => None,
         };
-        r.env
-            .push((refit::metrics_page::METRICS_ADDR_ENV.into(), metrics));
+        r.env.push((
+            refit::metrics_page::METRICS_ADDR_ENV.into(),
+            metrics.map(|a| a.to_string()).unwrap_or_default(),
+        ));
+        listed.push((r.rank, r.name.clone(), metrics));
     }
     let on_failure = if ranks.len() == 1 {
         OnFailure::Abort
     } else {
         topo.run.on_failure
     };
-    Ok(Supervisor::new(grace, on_failure).run(&ranks))
+    let supervisor = Supervisor::new(grace, on_failure);
+    if let Some(addr) = args.status_addr {
+        let info = super::status::LaunchInfo {
+            topology: spec.path.clone(),
+            world_size: topo.world_size(),
+            ranks: listed,
+        };
+        let bound = super::status::serve(addr, std::sync::Arc::clone(&supervisor), info)?;
+        eprintln!("refit launch: status: http://{bound}/status (`refit status {bound}`)");
+    }
+    Ok(supervisor.run(&ranks))
 }
 
 #[cfg(test)]
@@ -220,8 +272,11 @@ mod tests {
             rank_metrics_addr(base, 3).unwrap(),
             "127.0.0.1:9103".parse().unwrap()
         );
+        // port 0: a free port, chosen here (the status page must know it)
         let any: std::net::SocketAddr = "127.0.0.1:0".parse().unwrap();
-        assert_eq!(rank_metrics_addr(any, 5).unwrap(), any);
+        let picked = rank_metrics_addr(any, 5).unwrap();
+        assert_eq!(picked.ip(), any.ip());
+        assert_ne!(picked.port(), 0);
         let top: std::net::SocketAddr = "127.0.0.1:65535".parse().unwrap();
         assert!(rank_metrics_addr(top, 1).is_err());
     }

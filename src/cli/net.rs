@@ -9,6 +9,7 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant, SystemTime};
 
+use refit::metrics_page::METRICS_ADDR_ENV;
 use refit::node::{ClusterToken, Node, NodeConfig, Store, TOKEN_ENV, TOKEN_FILE_ENV};
 use refit::runtime::{
     Error, Manifests, ModelId, ReceiverInit, Result, SenderInit, SenderTransport, Version,
@@ -25,8 +26,9 @@ use refit::transports::tcp::{
 #[derive(Debug, clap::Args)]
 pub(crate) struct TokenArgs {
     /// A file holding the cluster token, readable by its owner only (`refit token FILE`
-    /// makes one). Default: `REFIT_TOKEN`, or the file `REFIT_TOKEN_FILE` names.
-    #[arg(long, value_name = "FILE")]
+    /// makes one). Without it: the token in `REFIT_TOKEN`, or in the file
+    /// `REFIT_TOKEN_FILE` names (setting both is refused).
+    #[arg(long, value_name = "FILE", env = TOKEN_FILE_ENV, hide_env_values = true)]
     token_file: Option<PathBuf>,
 }
 
@@ -41,7 +43,7 @@ pub(crate) struct TokenFileArgs {
 #[derive(Debug, clap::Args)]
 pub(crate) struct NodeArgs {
     /// Address to listen on (loopback unless you say otherwise).
-    #[arg(long, default_value = "127.0.0.1:29500")]
+    #[arg(long, value_name = "HOST:PORT", default_value = "127.0.0.1:29500")]
     bind: SocketAddr,
     /// Serve a rendezvous store on this node (as rank 0 does at MASTER_ADDR:MASTER_PORT).
     #[arg(long)]
@@ -71,14 +73,14 @@ pub(crate) struct ServeArgs {
     #[arg(long, default_value_t = 0)]
     receivers: usize,
     /// Address to listen on (loopback unless you say otherwise; tcp).
-    #[arg(long, default_value = "127.0.0.1:0")]
+    #[arg(long, value_name = "HOST:PORT", default_value = "127.0.0.1:0")]
     bind: SocketAddr,
     /// Address receivers are told to use (default: the bound one; required when binding an
     /// unspecified address such as 0.0.0.0; port 0 means the bound port).
-    #[arg(long)]
+    #[arg(long, value_name = "HOST:PORT")]
     advertise: Option<SocketAddr>,
     /// Also write the spec (the sender's address and id; it holds no token) to this file.
-    #[arg(long)]
+    #[arg(long, value_name = "FILE")]
     spec_file: Option<PathBuf>,
     /// Re-read the file when it changes and publish it as the next version.
     #[arg(long)]
@@ -87,8 +89,9 @@ pub(crate) struct ServeArgs {
     /// are cut across buckets).
     #[arg(long, default_value = "16MiB", value_parser = super::stats::parse_bytes)]
     bucket_size: usize,
-    /// Serve the update phase timings (Prometheus text format) at http://ADDR/metrics.
-    #[arg(long)]
+    /// Serve the update phase timings (Prometheus text format) at http://ADDR/metrics
+    /// (port 0: any free port; the page's address is printed).
+    #[arg(long, value_name = "HOST:PORT", env = METRICS_ADDR_ENV, hide_env_values = true)]
     metrics_addr: Option<SocketAddr>,
     /// Stop after this many seconds (default: run until killed).
     #[arg(long)]
@@ -99,18 +102,19 @@ pub(crate) struct ServeArgs {
 
 /// Arguments of `refit pull`.
 #[derive(Debug, clap::Args)]
+#[command(group(
+    // one way to find the sender, required: a missing one names them all
+    clap::ArgGroup::new("sender").required(true).args(["spec", "spec_file"])
+))]
 pub(crate) struct PullArgs {
     /// Where to write the model (atomically: a temporary file, then a rename).
     out: PathBuf,
-    /// The spec printed by `refit serve` (hex; it holds no token).
-    #[arg(
-        long,
-        conflicts_with = "spec_file",
-        required_unless_present = "spec_file"
-    )]
-    spec: Option<String>,
-    /// A file holding the spec (`refit serve --spec-file`).
+    /// The sender's spec: what `refit serve` prints after `spec:`, or a tcp link's spec
+    /// (a Refit or Python sender's); it holds no token.
     #[arg(long)]
+    spec: Option<String>,
+    /// A file holding the spec (`refit serve --spec-file FILE` writes one).
+    #[arg(long, value_name = "FILE")]
     spec_file: Option<PathBuf>,
     /// The model to write (default: the only one served).
     #[arg(long)]
@@ -140,7 +144,14 @@ fn exit(r: Result<()>) -> ExitCode {
 
 /// The cluster token: `--token-file`, else `REFIT_TOKEN` or `REFIT_TOKEN_FILE`.
 fn token(args: &TokenArgs) -> Result<ClusterToken> {
-    if let Some(path) = &args.token_file {
+    // clap fills `--token-file` from `REFIT_TOKEN_FILE` too; a path that came from there
+    // goes through `from_env`, which refuses it beside `REFIT_TOKEN`
+    let from_env = std::env::var_os(TOKEN_FILE_ENV);
+    let flag = args
+        .token_file
+        .as_ref()
+        .filter(|p| from_env.as_deref() != Some(p.as_os_str()));
+    if let Some(path) = flag {
         return Ok(ClusterToken::from_file(path)?);
     }
     ClusterToken::from_env()?.ok_or_else(|| {
@@ -374,7 +385,10 @@ fn publish_file<T: SenderTransport>(
         refit::runtime::write_atomically(path, spec.as_bytes())?;
     }
     println!("spec: {spec}");
-    let wait = Duration::from_secs(if args.receivers > 0 { 300 } else { 5 });
+    // the receivers asked for, and any that connected meanwhile (the spec is out), load
+    // version 1 before it counts as published: however large the file, a receiver that
+    // came early has as long as one that was waited for
+    let wait = Duration::from_secs(300);
     let mut sender = SenderInit::new(transport, manifests).connect(vec![weights], wait)?;
     let mut version = Version(1);
     run_for(args.seconds, || {

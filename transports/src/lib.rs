@@ -5,6 +5,11 @@
 //! - [`inproc`]: threads and actors of one process; publishing is a pointer swap.
 //! - [`broadcast`]: trainer to many receivers through a communicator (CPU chain or NCCL),
 //!   a prepare message per bucket, whole versions applied, generations when ranks change.
+//! - [`nccl`]: the broadcast transport over NCCL, in the link factory as `nccl`
+//!   (feature `cuda`; a stand-in that says so without it).
+//! - [`cuda_ipc`]: processes on one GPU, the shared-memory transport with its slots in
+//!   exported device memory, in the link factory as `cuda-ipc` (feature `cuda`; a stand-in
+//!   that says so without it).
 //! - [`collective`]: communicators per membership generation (broadcast, send/recv with
 //!   deadlines, abort); backends for CPU (node TCP) and NCCL (feature `cuda`).
 //! - [`gpu`]: the CUDA/NCCL probe, pinned host staging and CUDA IPC between processes on
@@ -25,10 +30,17 @@
 
 pub mod broadcast;
 pub mod collective;
+pub mod cuda_ipc;
 pub mod file;
 pub mod gpu;
 pub mod inproc;
 pub mod link;
+pub mod nccl;
 mod pool;
 pub mod shm;
 pub mod tcp;
+
+/// Bytes a hop of a chain passes on per write (1 MiB): the CPU broadcast chain's chunk, and
+/// the most a TCP relay (or sender) writes at once. Small enough that a hop delays the chain
+/// by little, large enough that each write costs few system calls.
+pub(crate) const FORWARD_PIECE: usize = 1 << 20;

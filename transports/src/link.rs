@@ -57,6 +57,8 @@ pub static LINKS: &[&dyn LinkFactory] = &[
     &crate::tcp::TcpLink,
     &crate::file::FileLink,
     &crate::broadcast::BroadcastLink,
+    &crate::nccl::NcclLink,
+    &crate::cuda_ipc::CudaIpcLink,
 ];
 // ANCHOR_END: registry
 
@@ -90,7 +92,15 @@ pub struct LinkOptions {
     /// version (shared memory: [`ShmConfig::checksum`](crate::shm::ShmConfig::checksum)).
     /// TCP checks every bucket whatever this says.
     pub checksum: bool,
+    /// The CUDA device this end uses (GPU links: `nccl`, `cuda-ipc`). Default:
+    /// [`CUDA_DEVICE_ENV`] when set, else 0 (each process sees the GPUs its
+    /// `CUDA_VISIBLE_DEVICES` lets it see).
+    pub device: Option<usize>,
 }
+
+/// The variable naming the CUDA device of a GPU link's end when [`LinkOptions::device`] is
+/// unset (`REFIT_CUDA_DEVICE=1`).
+pub const CUDA_DEVICE_ENV: &str = "REFIT_CUDA_DEVICE";
 
 impl LinkOptions {
     /// The token of `self.token`, else the node's, else the environment's.
@@ -105,6 +115,24 @@ impl LinkOptions {
             return Ok(Some(n.token().clone()));
         }
         Ok(ClusterToken::from_env()?)
+    }
+
+    /// The CUDA device of this end: [`LinkOptions::device`], else [`CUDA_DEVICE_ENV`], else 0.
+    ///
+    /// # Errors
+    /// [`Error::Config`] when the variable is set but is not a device ordinal.
+    pub fn cuda_device(&self) -> Result<usize> {
+        if let Some(d) = self.device {
+            return Ok(d);
+        }
+        match std::env::var(CUDA_DEVICE_ENV) {
+            Ok(v) => v.trim().parse().map_err(|_| {
+                Error::Config(format!(
+                    "{CUDA_DEVICE_ENV}={v:?} is not a CUDA device ordinal (0, 1, ...)"
+                ))
+            }),
+            Err(_) => Ok(0),
+        }
     }
 }
 
@@ -121,6 +149,31 @@ pub trait LinkFactory: Send + Sync + 'static {
     /// sharing the sender's) with default [`LinkOptions`]: `refit bench` caps its sizes for
     /// such transports.
     fn receivers_copy(&self) -> bool;
+    /// True when versions move through GPU memory: `refit bench` sets such a link against a
+    /// device-to-device copy of the same bytes, measured in the same run.
+    fn on_device(&self) -> bool {
+        false
+    }
+    /// Whether this build carries the transport. The links behind a cargo feature (`nccl`
+    /// and `cuda-ipc` need `cuda`) exist in every build, so names resolve everywhere; without
+    /// their feature they answer here with the reason and how to build with it, and
+    /// [`reach_of`] (what topology validation asks) refuses them with it.
+    ///
+    /// # Errors
+    /// [`Error::Transport`] naming the transport, the missing feature and how to build it.
+    fn built(&self) -> Result<()> {
+        Ok(())
+    }
+    /// Whether this process can open the transport now: [`LinkFactory::built`], and for GPU
+    /// links a usable GPU (the probe's answer). `open` and `receiver` fail with the same
+    /// error; `refit probe` and `refit bench` print it.
+    ///
+    /// # Errors
+    /// As [`LinkFactory::built`]; the probe's reason (no driver, no device, no NCCL).
+    fn usable(&self, options: &LinkOptions) -> Result<()> {
+        let _ = options;
+        self.built()
+    }
     /// Opens the sender end for `manifests`; nothing is published yet.
     ///
     /// # Errors
@@ -211,12 +264,16 @@ pub fn for_kind(kind: &TransportKind) -> Result<&'static dyn LinkFactory> {
 }
 
 /// The reach of the transport called `name`: what
-/// [`Topology::check_links`](refit_runtime::topology::Topology::check_links) asks.
+/// [`Topology::check_links`](refit_runtime::topology::Topology::check_links) asks. A
+/// transport this build does not carry (a GPU link without the `cuda` feature) is refused
+/// with [`LinkFactory::built`]'s reason.
 ///
 /// # Errors
-/// As [`find`].
+/// As [`find`] and [`LinkFactory::built`].
 pub fn reach_of(name: &str) -> Result<Reach> {
-    Ok(find(name)?.reach())
+    let link = find(name)?;
+    link.built()?;
+    Ok(link.reach())
 }
 
 /// Opens the sender end of the transport called `name`.
@@ -489,6 +546,44 @@ mod tests {
         }
         let e = for_kind(&TransportKind::Named("rdma".into())).unwrap_err();
         assert!(e.to_string().contains("known: inproc"), "{e}");
+    }
+
+    /// The GPU links resolve by name in every build and are never what `auto` picks; their
+    /// reach is checked, and without `cuda` `reach_of` refuses them with the reason.
+    #[test]
+    fn gpu_links_resolve_by_name_and_auto_never_picks_them() {
+        for (name, reach) in [("nccl", Reach::Network), ("cuda-ipc", Reach::Host)] {
+            let l = find(name).unwrap();
+            assert_eq!(l.reach(), reach);
+            let checked = reach_of(name);
+            assert_eq!(checked.is_ok(), cfg!(feature = "cuda"), "{checked:?}");
+            match checked {
+                Ok(r) => assert_eq!(r, reach),
+                Err(e) => {
+                    let e = e.to_string();
+                    assert!(
+                        e.contains(name) && e.contains("not compiled with CUDA"),
+                        "{e}"
+                    );
+                }
+            }
+            for r in [Reach::Process, Reach::Host, Reach::Network] {
+                assert_ne!(for_kind(&TransportKind::Nearest(r)).unwrap().name(), name);
+            }
+        }
+    }
+
+    #[test]
+    fn the_cuda_device_comes_from_the_options_or_the_environment() {
+        let o = LinkOptions {
+            device: Some(3),
+            ..LinkOptions::default()
+        };
+        assert_eq!(o.cuda_device().unwrap(), 3);
+        // (the variable is not set in the test environment)
+        if std::env::var_os(CUDA_DEVICE_ENV).is_none() {
+            assert_eq!(LinkOptions::default().cuda_device().unwrap(), 0);
+        }
     }
 
     #[test]

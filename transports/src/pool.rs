@@ -118,6 +118,12 @@ impl BufPool {
         }
     }
 
+    /// Arenas this pool made so far (fresh or spare).
+    #[cfg(test)]
+    pub(crate) fn made(&self) -> usize {
+        self.spare.lock().unwrap_or_else(|p| p.into_inner()).made
+    }
+
     fn give(&self, buf: AlignedBuf) {
         let mut free = self.free.lock().unwrap_or_else(|p| p.into_inner());
         if free.len() < Self::KEEP {

@@ -78,32 +78,35 @@ fn sources(i: usize) -> [(String, Vec<String>); 4] {
 
 fn want() -> Want {
     Want::new()
-        .layout(
-            LayoutRules::new()
-                .fuse(
-                    [
-                        "layers.{i}.q_proj.weight",
-                        "layers.{i}.k_proj.weight",
-                        "layers.{i}.v_proj.weight",
-                    ],
-                    "model.layers.{i}.self_attn.qkv_proj.weight",
-                    0,
-                )
-                .rename(
-                    "layers.{i}.o_proj.weight",
-                    "model.layers.{i}.self_attn.o_proj.weight",
-                )
-                .fuse(
-                    ["layers.{i}.gate_proj.weight", "layers.{i}.up_proj.weight"],
-                    "model.layers.{i}.mlp.gate_up_proj.weight",
-                    0,
-                )
-                .rename(
-                    "layers.{i}.down_proj.weight",
-                    "model.layers.{i}.mlp.down_proj.weight",
-                ),
-        )
+        .layout(layout())
         .cast(CastRules::new().dtype(DType::F32, CastTo::BF16))
+}
+
+/// The engine's names: q/k/v and gate/up fused along their rows.
+fn layout() -> LayoutRules {
+    LayoutRules::new()
+        .fuse(
+            [
+                "layers.{i}.q_proj.weight",
+                "layers.{i}.k_proj.weight",
+                "layers.{i}.v_proj.weight",
+            ],
+            "model.layers.{i}.self_attn.qkv_proj.weight",
+            0,
+        )
+        .rename(
+            "layers.{i}.o_proj.weight",
+            "model.layers.{i}.self_attn.o_proj.weight",
+        )
+        .fuse(
+            ["layers.{i}.gate_proj.weight", "layers.{i}.up_proj.weight"],
+            "model.layers.{i}.mlp.gate_up_proj.weight",
+            0,
+        )
+        .rename(
+            "layers.{i}.down_proj.weight",
+            "model.layers.{i}.mlp.down_proj.weight",
+        )
 }
 
 fn wants() -> Wants {
@@ -276,4 +279,131 @@ fn wants_that_do_not_fit_are_refused_at_connect() {
             "{e}"
         );
     }
+}
+
+/// The engine's layout with 8-bit weights: fused qkv and gate_up in e4m3 with one scale
+/// each, o_proj in e5m2 with blocks of 16 x 32 scales, down_proj in bf16.
+fn fp8_wants() -> Wants {
+    use refit_runtime::cast::{Overflow, Scaling};
+    let e4m3 = CastTo::E4M3_PER_TENSOR;
+    let cast = CastRules::new()
+        .tensors("model.layers.{i}.self_attn.qkv_proj.weight", e4m3)
+        .tensors("model.layers.{i}.mlp.gate_up_proj.weight", e4m3)
+        .tensors(
+            "model.layers.{i}.self_attn.o_proj.weight",
+            CastTo::E5M2 {
+                scaling: Scaling::PerBlock { rows: 16, cols: 32 },
+                overflow: Overflow::Saturate,
+            },
+        )
+        .tensors("model.layers.{i}.mlp.down_proj.weight", CastTo::BF16);
+    Wants::new().model(id("policy"), Want::new().layout(layout()).cast(cast))
+}
+
+/// What a receiver holds against the trainer's weights converted here, byte for byte (the
+/// scales included), and a dequantised fp8 tensor against the trainer's values.
+fn same_as_converted_here(got: &WeightSet, local: &Conversions, v: u64) {
+    let trainer_w = trainer_weights(v);
+    let want = local.get(&id("policy")).unwrap().apply(&trainer_w).unwrap();
+    assert_eq!(got.version(), Version(v));
+    assert_eq!(got.manifest().schema_hash(), want.manifest().schema_hash());
+    assert!(
+        got.bytes() == want.bytes(),
+        "version {v} differs from the local conversion"
+    );
+    // and the conversion is the trainer's weights: e4m3 within 1/16 of each value
+    let name = "model.layers.0.self_attn.qkv_proj.weight";
+    let scale = got.view::<f32>(&format!("{name}.scale")).unwrap()[0];
+    let codes = got.tensor(name).unwrap().bytes();
+    let rows: Vec<f32> = ["q_proj", "k_proj", "v_proj"]
+        .iter()
+        .flat_map(|p| {
+            trainer_w
+                .view::<f32>(&format!("layers.0.{p}.weight"))
+                .unwrap()
+                .to_vec()
+        })
+        .collect();
+    assert_eq!(codes.len(), rows.len());
+    for (&c, &x) in codes.iter().zip(&rows) {
+        let back = refit_runtime::cast::fp8::e4m3_to_f32(c) * scale;
+        assert!(
+            (back - x).abs() <= x.abs() / 16.0 + scale / 512.0,
+            "{x} came back {back}"
+        );
+    }
+}
+
+/// An fp8 version crosses TCP, from the converting sender down a relay chain of three
+/// receivers, and shared memory, converted by the receiver: each receiver holds exactly
+/// the trainer's weights converted here.
+#[test]
+fn fp8_versions_cross_tcp_and_shm_as_the_trainers_weights_converted_here() {
+    use refit_transports::tcp::{TcpConfig, TcpReceiver, TcpSender};
+    let local = Conversions::plan(&of(&trainer()), &fp8_wants()).unwrap();
+    let p = id("policy");
+    // over TCP: the trainer converts once, the wire and the relays carry fp8
+    let cfg = TcpConfig {
+        expected_receivers: 3,
+        token: Some(refit_node::ClusterToken::random()),
+        ..TcpConfig::default()
+    };
+    let s = TcpSender::bind(cfg, local.target()).unwrap();
+    let spec = s.receiver_spec();
+    let joiners: Vec<_> = (0..3)
+        .map(|_| {
+            let r = TcpReceiver::new(spec.clone());
+            let expected = Some(local.target().clone());
+            std::thread::spawn(move || ReceiverInit::new(r, expected).connect(T))
+        })
+        .collect();
+    let mut tx = SenderInit::new(ConvertingSender::new(s, local.clone()), of(&trainer()))
+        .with_ack_timeout(T)
+        .connect(vec![trainer_weights(1)], T)
+        .unwrap();
+    let mut rxs: Vec<_> = joiners
+        .into_iter()
+        .map(|j| j.join().unwrap().unwrap())
+        .collect();
+    for v in 2..=3 {
+        let hs: Vec<_> = rxs
+            .into_iter()
+            .map(|mut rx| {
+                std::thread::spawn(move || {
+                    rx.receive(T).unwrap().expect("a version arrives");
+                    rx
+                })
+            })
+            .collect();
+        tx.send(trainer_weights(v)).unwrap();
+        rxs = hs.into_iter().map(|h| h.join().unwrap()).collect();
+        for rx in &rxs {
+            same_as_converted_here(&rx.current(&p).unwrap(), &local, v);
+        }
+    }
+    let relayed: u64 = rxs.iter().map(|r| r.transport().bytes_relayed()).sum();
+    assert!(relayed > 0, "the receivers relayed the fp8 bytes");
+    for rx in rxs {
+        rx.shutdown().unwrap();
+    }
+    tx.shutdown().unwrap();
+    // over shared memory: the trainer's f32 crosses, the engine converts what it received
+    let (s, r) = shm_pair(&of(&trainer()), ShmReadMode::ZeroCopy);
+    let r = ConvertingReceiver::new(r, fp8_wants());
+    let joiner = std::thread::spawn(move || ReceiverInit::new(r, None).connect(T));
+    let mut tx = SenderInit::new(s, of(&trainer()))
+        .with_ack_timeout(T)
+        .connect(vec![trainer_weights(1)], T)
+        .unwrap();
+    let mut rx = joiner.join().unwrap().unwrap();
+    same_as_converted_here(&rx.current(&p).unwrap(), &local, 1);
+    let engine_side = std::thread::spawn(move || {
+        rx.receive(T).unwrap().expect("a version arrives");
+        rx
+    });
+    tx.send(trainer_weights(2)).unwrap();
+    let rx = engine_side.join().unwrap();
+    same_as_converted_here(&rx.current(&p).unwrap(), &local, 2);
+    rx.shutdown().unwrap();
+    tx.shutdown().unwrap();
 }

@@ -12,9 +12,17 @@
 //! 5. 100 update cycles (a new generation every 10) with device memory measured before and
 //!    after;
 //! 6. bandwidth: NCCL broadcast against a device-to-device copy of the same size, staged
-//!    upload/download against a plain pinned copy, all in this run (medians of 5).
+//!    upload/download against a plain pinned copy, all in this run (medians of 5);
+//! 7. the `cuda-ipc` link from the link factory, its receiver another process on the same
+//!    GPU (this binary again): versions of 1 GiB, bytes compared there, the slots opened
+//!    once; 100 updates with free device memory measured before and after; the hand-over
+//!    of a tiny version (commit, wake-up, pin, ack) beside the 1 GiB end-to-end;
+//! 8. the `nccl` link from the link factory with a receiver process on a second GPU (only
+//!    where two GPUs are present: one GPU cannot hold two ranks of a communicator).
 //!
-//! Without a GPU it fails at step 1 with the probe's reason.
+//! It ends with the checklist of what a GPU machine must show (issue #26), each item
+//! passed, failed, skipped or not measurable yet, with the reason. Without a GPU it fails at
+//! step 1 with the probe's reason.
 
 use std::process::{Command, ExitCode, Stdio};
 use std::time::{Duration, Instant};
@@ -23,13 +31,16 @@ use cudarc::driver::CudaStream;
 use refit_node::{ClusterToken, Node, Store, StoreClient};
 use std::sync::Arc;
 
-use refit_runtime::{DType, Manifest, Manifests, ModelId, SenderInit, Version, WeightSet};
+use refit_runtime::{
+    DType, Manifest, Manifests, ModelId, ReceiverInit, SenderInit, Version, WeightSet,
+};
 use refit_transports::broadcast::{BroadcastConfig, BroadcastSender};
 use refit_transports::collective::nccl::{NcclCommunicator, NcclOptions};
 use refit_transports::collective::{Communicator, Membership, Rendezvous};
 use refit_transports::gpu::device::open_device;
 use refit_transports::gpu::ipc::{ExportedBuffer, IpcHandle, IpcImports};
 use refit_transports::gpu::pinned::{DEFAULT_CHUNK, PinnedStaging};
+use refit_transports::link::{self, CUDA_DEVICE_ENV, LinkOptions, OpenedLink, ReceiverSpec};
 
 const MIB: usize = 1 << 20;
 const GIB: usize = 1 << 30;
@@ -107,10 +118,11 @@ fn deadline(secs: u64) -> Instant {
 
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().collect();
-    let result = if args.get(1).map(String::as_str) == Some("--ipc-child") {
-        ipc_child(args.get(2).map(String::as_str).unwrap_or(""), args.get(3))
-    } else {
-        run()
+    let arg = |i: usize| args.get(i).map_or("", String::as_str);
+    let result = match arg(1) {
+        "--ipc-child" => ipc_child(arg(2), args.get(3)),
+        "--link-child" => link_child(arg(2), arg(3)),
+        _ => run(),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -126,7 +138,7 @@ fn run() -> Check<()> {
     let report = refit_transports::gpu::probe().map_err(|e| format!("probe: {e}"))?;
     for d in &report.devices {
         println!(
-            "[1/6] probe: device {} {} ({} MiB), nccl loadable: {}",
+            "[1/8] probe: device {} {} ({} MiB), nccl loadable: {}",
             d.ordinal,
             d.name,
             d.total_memory / MIB,
@@ -165,7 +177,7 @@ fn run() -> Check<()> {
         return Err("nccl: rank 0 did not publish its unique id".into());
     }
     println!(
-        "[2/6] nccl: one-rank communicator (generation 1) up in {:?}, unique id in the store under {}",
+        "[2/8] nccl: one-rank communicator (generation 1) up in {:?}, unique id in the store under {}",
         t.elapsed(),
         comm.membership().key("nccl-id")
     );
@@ -182,7 +194,376 @@ fn run() -> Check<()> {
 
     // 6. Bandwidth.
     bandwidth(comm)?;
-    println!("gpu check: all steps passed");
+
+    // 7, 8. The links of the factory, receivers in other processes.
+    let mut checklist = Checklist::default();
+    ipc_link(&mut checklist)?;
+    nccl_link(report.devices.len(), &mut checklist)?;
+    checklist.item(
+        Status::Script,
+        "a colocated run (trainer and engine processes on one GPU, cuda-ipc) trains to its target",
+        "scripts/gpu-check.sh runs examples/topologies/cartpole-colocated.toml after this binary"
+            .into(),
+    );
+    checklist.print()
+}
+
+/// How one item of the checklist came out.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Status {
+    Pass,
+    Fail,
+    /// Not measurable with what exists yet.
+    NotYet,
+    /// This machine cannot show it.
+    Skip,
+    /// The GPU check script runs it.
+    Script,
+}
+
+/// What a GPU machine must show, each item with what was seen.
+#[derive(Default)]
+struct Checklist(Vec<(Status, &'static str, String)>);
+
+impl Checklist {
+    fn item(&mut self, status: Status, what: &'static str, seen: String) {
+        self.0.push((status, what, seen));
+    }
+
+    /// Prints the list; fails when an item failed.
+    fn print(&self) -> Check<()> {
+        println!("checklist:");
+        for (status, what, seen) in &self.0 {
+            let tag = match status {
+                Status::Pass => "PASS",
+                Status::Fail => "FAIL",
+                Status::NotYet => "NOT YET",
+                Status::Skip => "SKIP",
+                Status::Script => "SCRIPT",
+            };
+            println!("  [{tag}] {what}: {seen}");
+        }
+        let failed = self.0.iter().filter(|(s, ..)| *s == Status::Fail).count();
+        if failed > 0 {
+            return Err(format!("{failed} checklist item(s) failed"));
+        }
+        println!("gpu check: all steps passed");
+        Ok(())
+    }
+}
+
+/// A model of `len` bytes in 16 tensors.
+fn model_manifest(len: usize) -> Check<Arc<Manifest>> {
+    let mut b = Manifest::builder();
+    for i in 0..16 {
+        b.push(format!("layer{i}.weight"), DType::U8, &[len / 16]);
+    }
+    Ok(Arc::new(step("manifest", b.build())?))
+}
+
+/// Version `v`'s bytes: every 8-byte word is `v << 40 ^ its index` (cheap to make and to
+/// check at 1 GiB, and different in every word from one version to the next).
+fn version_bytes(len: usize, v: u64) -> Vec<u8> {
+    let mut out = vec![0u8; len];
+    for (i, w) in out.chunks_mut(8).enumerate() {
+        w.copy_from_slice(&((v << 40) ^ i as u64).to_le_bytes()[..w.len()]);
+    }
+    out
+}
+
+fn version_of(m: &Arc<Manifest>, v: u64) -> Check<WeightSet> {
+    let model = step("model id", ModelId::new("policy"))?;
+    step(
+        "weights",
+        WeightSet::from_bytes(
+            model,
+            Version(v),
+            Arc::clone(m),
+            &version_bytes(m.total_len(), v),
+        ),
+    )
+}
+
+/// A receiver process of `spec` (this binary with `--link-child`), on CUDA device `device`,
+/// that applies every version up to `last`.
+fn spawn_link_child(
+    spec: &ReceiverSpec,
+    token: &ClusterToken,
+    device: usize,
+    last: u64,
+) -> Check<std::process::Child> {
+    let exe = std::env::current_exe().map_err(|e| format!("own path: {e}"))?;
+    Command::new(exe)
+        .arg("--link-child")
+        .arg(step("spec token", spec.to_token())?)
+        .arg(last.to_string())
+        .env(refit_node::TOKEN_ENV, token.expose())
+        .env(CUDA_DEVICE_ENV, device.to_string())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .map_err(|e| format!("spawning a link child: {e}"))
+}
+
+/// Waits (up to 300 s) for a link child and prints what it said.
+fn finish_child(mut child: std::process::Child) -> Check<String> {
+    let end = deadline(300);
+    let status = loop {
+        match child.try_wait() {
+            Ok(Some(s)) => break s,
+            Ok(None) if Instant::now() < end => std::thread::sleep(Duration::from_millis(50)),
+            Ok(None) => {
+                let _ = child.kill();
+                let _ = child.wait();
+                return Err("link child did not finish within 300 s (killed)".into());
+            }
+            Err(e) => return Err(format!("waiting for a link child: {e}")),
+        }
+    };
+    let mut out = String::new();
+    if let Some(mut o) = child.stdout.take() {
+        let _ = std::io::Read::read_to_string(&mut o, &mut out);
+    }
+    print!("{out}");
+    if !status.success() {
+        return Err(format!("link child failed ({status})"));
+    }
+    Ok(out)
+}
+
+/// A receiver of any link, in its own process: applies versions until version `last`,
+/// checking each one's bytes against [`version_bytes`].
+fn link_child(token: &str, last: &str) -> Check<()> {
+    let last: u64 = last.parse().map_err(|_| "link child: no last version")?;
+    let spec = step("spec", ReceiverSpec::from_token(token))?;
+    let transport = step("receiver", spec.receiver(&LinkOptions::default()))?;
+    let mut r = step(
+        "connect",
+        ReceiverInit::new(transport, None).connect(Duration::from_secs(120)),
+    )?;
+    let policy = step("model id", ModelId::new("policy"))?;
+    let mut checked = 0u64;
+    let mut check =
+        |r: &refit_runtime::Receiver<Box<dyn refit_runtime::ReceiverTransport>>| -> Check<()> {
+            let w = r.current(&policy).ok_or("no weights served")?;
+            let v = w.version().get();
+            compare(
+                &format!("link child, version {v}"),
+                w.bytes(),
+                &version_bytes(w.bytes().len(), v),
+            )?;
+            checked += 1;
+            Ok(())
+        };
+    check(&r)?;
+    while r.version(&policy).get() < last {
+        match r.receive(Duration::from_secs(120)) {
+            Ok(Some(_)) => check(&r)?,
+            Ok(None) => return Err("link child: no version within 120 s".into()),
+            Err(e) => return Err(format!("link child: {e}")),
+        }
+    }
+    step("receiver shutdown", r.shutdown())?;
+    println!(
+        "      {} receiver (another process): {checked} versions applied, every byte as sent",
+        spec.transport()
+    );
+    Ok(())
+}
+
+/// Publishes `versions` through `sender` (version 1 connected first); the publish and
+/// end-to-end (until acked) medians.
+fn publish_versions(
+    sender: &mut refit_runtime::Sender<Box<dyn refit_runtime::SenderTransport>>,
+    m: &Arc<Manifest>,
+    versions: std::ops::RangeInclusive<u64>,
+) -> Check<(Duration, Duration)> {
+    let (mut publish, mut e2e) = (Vec::new(), Vec::new());
+    for v in versions {
+        let w = Arc::new(version_of(m, v)?);
+        let t0 = Instant::now();
+        let pending = step("publish", sender.publish_shared(vec![w]))?;
+        let t1 = Instant::now();
+        step("acks", sender.wait(&pending, Duration::from_secs(120)))?;
+        publish.push(t1 - t0);
+        e2e.push(t0.elapsed());
+    }
+    Ok((median(publish), median(e2e)))
+}
+
+/// One run of the cuda-ipc link: medians of the timed versions, and the device memory free
+/// before and after them (bytes).
+struct IpcRun {
+    publish: Duration,
+    e2e: Duration,
+    free_before: usize,
+    free_after: usize,
+}
+
+/// Step 7: the cuda-ipc link, its receiver another process on this GPU.
+fn ipc_link(checklist: &mut Checklist) -> Check<()> {
+    let ctx = open_device(0).map_err(|e| format!("device 0: {e}"))?;
+    let token = ClusterToken::random();
+    let run = |len: usize, versions: u64| -> Check<IpcRun> {
+        let m = model_manifest(len)?;
+        let ms = step(
+            "manifests",
+            Manifests::new([(step("id", ModelId::new("policy"))?, Arc::clone(&m))]),
+        )?;
+        let options = LinkOptions {
+            expected_receivers: 1,
+            token: Some(token.clone()),
+            device: Some(0),
+            ..LinkOptions::default()
+        };
+        let opened = step("cuda-ipc open", link::open("cuda-ipc", &ms, &options))?;
+        let leftovers = opened.leftovers.clone();
+        let child = spawn_link_child(&opened.spec, &token, 0, 4 + versions)?;
+        let result = (|| -> Check<IpcRun> {
+            let mut sender = step(
+                "cuda-ipc connect",
+                SenderInit::new(opened.sender, ms)
+                    .with_ack_timeout(Duration::from_secs(120))
+                    .connect(vec![version_of(&m, 1)?], Duration::from_secs(120)),
+            )?;
+            // warm-up: every slot written once, the child's arenas made
+            let _ = publish_versions(&mut sender, &m, 2..=4)?;
+            cuda("sync", ctx.synchronize())?;
+            let before = cuda("mem info", ctx.mem_get_info())?.0;
+            let (publish, e2e) = publish_versions(&mut sender, &m, 5..=4 + versions)?;
+            cuda("sync", ctx.synchronize())?;
+            let after = cuda("mem info", ctx.mem_get_info())?.0;
+            step("shutdown", sender.shutdown())?;
+            Ok(IpcRun {
+                publish,
+                e2e,
+                free_before: before,
+                free_after: after,
+            })
+        })();
+        OpenedLink::cleanup(&leftovers);
+        let out = finish_child(child);
+        // the sender's error first: a child left without versions fails after it
+        let result = result?;
+        if !out?.contains("every byte as sent") {
+            return Err("cuda-ipc link child did not confirm its bytes".into());
+        }
+        Ok(result)
+    };
+    let IpcRun { publish, e2e, .. } = run(GIB, 4)?;
+    let copy = median(step(
+        "device copy",
+        refit_transports::gpu::device_copy_times(0, GIB, 5),
+    )?);
+    println!(
+        "[7/8] cuda-ipc link, 1 GiB, medians of 4: publish (host to the slot, commit) {:.1} ms, end-to-end (the receiver's copy to host, apply, ack) {:.1} ms ({:.1} GB/s); device-to-device copy {:.2} ms, ratio {:.2}",
+        publish.as_secs_f64() * 1e3,
+        e2e.as_secs_f64() * 1e3,
+        gbps(GIB, e2e),
+        copy.as_secs_f64() * 1e3,
+        copy.as_secs_f64() / e2e.as_secs_f64()
+    );
+    checklist.item(
+        Status::Pass,
+        "cuda-ipc link between two processes on one GPU",
+        "versions of 1 GiB applied in another process, every byte compared, slots opened once"
+            .into(),
+    );
+    let tiny = run(64 << 10, 20)?.e2e;
+    checklist.item(
+        Status::NotYet,
+        "IPC hand-over of 1 GiB <= 1 ms after the trainer's write",
+        format!(
+            "receivers copy each version to host memory until device weight sets exist; the link's own hand-over (commit, wake-up, pin, copy, ack) of a 64 KiB version took {:.0} us (median of 20), 1 GiB end to end {:.1} ms",
+            tiny.as_secs_f64() * 1e6,
+            e2e.as_secs_f64() * 1e3
+        ),
+    );
+    let IpcRun {
+        free_before: before,
+        free_after: after,
+        ..
+    } = run(64 * MIB, 100)?;
+    let grown = before.saturating_sub(after);
+    println!(
+        "      100 cuda-ipc updates of 64 MiB: device memory free {} MiB before, {} MiB after, grew by {} MiB",
+        before / MIB,
+        after / MIB,
+        grown / MIB
+    );
+    checklist.item(
+        if grown <= 2 * MIB {
+            Status::Pass
+        } else {
+            Status::Fail
+        },
+        "free device memory unchanged over 100 cuda-ipc updates",
+        format!(
+            "{} MiB free before, {} MiB after",
+            before / MIB,
+            after / MIB
+        ),
+    );
+    Ok(())
+}
+
+/// Step 8: the nccl link with a receiver process on a second GPU.
+fn nccl_link(gpus: usize, checklist: &mut Checklist) -> Check<()> {
+    const WHAT: &str = "nccl link with a receiver (two GPUs)";
+    if gpus < 2 {
+        println!("[8/8] nccl link with a receiver: skipped, one GPU cannot hold two NCCL ranks");
+        checklist.item(
+            Status::Skip,
+            WHAT,
+            format!("{gpus} GPU here: NCCL refuses two ranks of one communicator on one GPU"),
+        );
+        return Ok(());
+    }
+    let token = ClusterToken::random();
+    let m = model_manifest(256 * MIB)?;
+    let ms = step(
+        "manifests",
+        Manifests::new([(step("id", ModelId::new("policy"))?, Arc::clone(&m))]),
+    )?;
+    let options = LinkOptions {
+        expected_receivers: 1,
+        token: Some(token.clone()),
+        device: Some(0),
+        ..LinkOptions::default()
+    };
+    let opened = step("nccl open", link::open("nccl", &ms, &options))?;
+    let child = spawn_link_child(&opened.spec, &token, 1, 5)?;
+    let result = (|| -> Check<(Duration, Duration)> {
+        let mut sender = step(
+            "nccl connect",
+            SenderInit::new(opened.sender, ms)
+                .with_ack_timeout(Duration::from_secs(120))
+                .connect(vec![version_of(&m, 1)?], Duration::from_secs(120)),
+        )?;
+        let out = publish_versions(&mut sender, &m, 2..=5)?;
+        step("shutdown", sender.shutdown())?;
+        Ok(out)
+    })();
+    let said = finish_child(child);
+    let (_, e2e) = result?;
+    if !said?.contains("every byte as sent") {
+        return Err("nccl link child did not confirm its bytes".into());
+    }
+    let copy = median(step(
+        "device copy",
+        refit_transports::gpu::device_copy_times(0, 256 * MIB, 5),
+    )?);
+    println!(
+        "[8/8] nccl link, 256 MiB to a receiver on GPU 1, medians of 4: end-to-end {:.1} ms ({:.1} GB/s, host to host through both GPUs); device-to-device copy {:.2} ms",
+        e2e.as_secs_f64() * 1e3,
+        gbps(256 * MIB, e2e),
+        copy.as_secs_f64() * 1e3
+    );
+    checklist.item(
+        Status::Pass,
+        WHAT,
+        "4 versions of 256 MiB, every byte compared in the receiver".into(),
+    );
     Ok(())
 }
 
@@ -224,7 +605,7 @@ fn bucket_broadcast(comm: &mut NcclCommunicator) -> Check<()> {
     }
     // ANCHOR_END: buckets
     println!(
-        "[3/6] bucket broadcast: {buckets} buckets of 64 MiB, host and device paths, bytes equal"
+        "[3/8] bucket broadcast: {buckets} buckets of 64 MiB, host and device paths, bytes equal"
     );
     Ok(())
 }
@@ -281,7 +662,7 @@ fn broadcast_transport(store: &StoreClient) -> Check<()> {
         ));
     }
     println!(
-        "[3/6] broadcast transport over nccl: 4 versions of {} MiB, {} prepare messages (one per bucket), {} MiB broadcast",
+        "[3/8] broadcast transport over nccl: 4 versions of {} MiB, {} prepare messages (one per bucket), {} MiB broadcast",
         m.total_len() / MIB,
         stats.prepares(),
         stats.bytes() / MIB as u64
@@ -361,7 +742,7 @@ fn ipc_parent(comm: &NcclCommunicator) -> Check<()> {
         &pattern(MIB, seed + 1),
     )?;
     println!(
-        "[4/6] cuda ipc: 1 GiB exported, opened and compared by another process, its write seen here"
+        "[4/8] cuda ipc: 1 GiB exported, opened and compared by another process, its write seen here"
     );
     Ok(())
 }
@@ -459,7 +840,7 @@ fn update_cycles(mut comm: NcclCommunicator, store: &StoreClient) -> Check<NcclC
     let (free_after, _) = cuda("mem info", ctx.mem_get_info())?;
     let grown = free_before.saturating_sub(free_after);
     println!(
-        "[5/6] 100 update cycles ({} generations): device memory free {} MiB before, {} MiB after (of {} MiB), grew by {} MiB",
+        "[5/8] 100 update cycles ({} generations): device memory free {} MiB before, {} MiB after (of {} MiB), grew by {} MiB",
         generation,
         free_before / MIB,
         free_after / MIB,
@@ -499,7 +880,7 @@ fn bandwidth(mut comm: NcclCommunicator) -> Check<()> {
     let (d2d, nccl) = (median(d2d), median(nccl));
     let ratio = d2d.as_secs_f64() / nccl.as_secs_f64();
     println!(
-        "[6/6] bandwidth, 1 GiB, medians of 5: nccl broadcast (one rank, out of place) {:.1} GB/s, device-to-device copy {:.1} GB/s, ratio {ratio:.2} (target >= 0.8: {})",
+        "[6/8] bandwidth, 1 GiB, medians of 5: nccl broadcast (one rank, out of place) {:.1} GB/s, device-to-device copy {:.1} GB/s, ratio {ratio:.2} (target >= 0.8: {})",
         gbps(len, nccl),
         gbps(len, d2d),
         if ratio >= 0.8 { "met" } else { "NOT met" }

@@ -12,10 +12,14 @@ use refit_runtime::{
     DType, Error, Manifest, Manifests, ReceiverInit, ReceiverTransport, SenderInit,
     SenderTransport, Version, WeightSet,
 };
+use refit_transports::broadcast::GroupEnd;
 use refit_transports::broadcast::{BroadcastConfig, BroadcastReceiver, BroadcastSender};
 use refit_transports::collective::{CpuConfig, LocalRendezvous, Rendezvous};
+use refit_transports::cuda_ipc::{CudaIpcLink, HostSlots};
 use refit_transports::file::{FileConfig, FileReceiver, FileSender};
 use refit_transports::inproc::InProc;
+use refit_transports::link::{LinkOptions, ReceiverSpec};
+use refit_transports::nccl::NcclLink;
 use refit_transports::shm::{ShmConfig, ShmReadMode, ShmReceiver, ShmSender};
 use refit_transports::tcp::{TcpConfig, TcpReceiver, TcpReceiverConfig, TcpSender, TransferMode};
 
@@ -132,6 +136,61 @@ impl Make for BroadcastMake {
     }
 }
 
+/// The CPU collective's connector for an end of a group.
+fn cpu(end: &GroupEnd) -> CpuConfig {
+    CpuConfig::new(end.token.clone()).with_bind(end.ip)
+}
+
+// ANCHOR: nccl_over_cpu
+/// The `nccl` link's own sender and receivers (its prepare/commit protocol, one
+/// communicator per generation, the unique id's store), over the CPU collective instead of
+/// NCCL: what `NcclLink` opens on GPUs, runnable in CI.
+struct NcclOverCpuMake;
+impl Make for NcclOverCpuMake {
+    type S = BroadcastSender<CpuConfig>;
+    type R = BroadcastReceiver<CpuConfig>;
+    fn make(&self, _ms: &Manifests, n: usize) -> (Self::S, Vec<Self::R>) {
+        let options = LinkOptions {
+            expected_receivers: n,
+            token: Some(refit_node::ClusterToken::random()),
+            ..LinkOptions::default()
+        };
+        let (s, spec) = NcclLink.open_over(&options, cpu).unwrap();
+        let rs = (0..n)
+            .map(|_| NcclLink.join_over(&spec, &options, cpu).unwrap())
+            .collect();
+        (s, rs)
+    }
+}
+// ANCHOR_END: nccl_over_cpu
+
+// ANCHOR: ipc_over_host
+/// The `cuda-ipc` link's own sender and receivers (the shm board, its slots exported by
+/// handle and opened once), over host memory instead of a GPU's.
+struct IpcOverHostMake;
+impl Make for IpcOverHostMake {
+    type S = ShmSender;
+    type R = ShmReceiver;
+    fn make(&self, ms: &Manifests, n: usize) -> (Self::S, Vec<Self::R>) {
+        let options = LinkOptions {
+            expected_receivers: n,
+            ..LinkOptions::default()
+        };
+        let (s, spec) = CudaIpcLink
+            .open_over(ms, &options, Box::new(HostSlots::new()))
+            .unwrap();
+        let rs = (0..n)
+            .map(|_| {
+                CudaIpcLink
+                    .join_over(&spec, Box::new(HostSlots::new()))
+                    .unwrap()
+            })
+            .collect();
+        (s, rs)
+    }
+}
+// ANCHOR_END: ipc_over_host
+
 fn uuid_like() -> u64 {
     use std::sync::atomic::AtomicU64;
     static NEXT: AtomicU64 = AtomicU64::new(0);
@@ -146,6 +205,8 @@ fn all_makers(f: impl Fn(&dyn Fn() -> Box<dyn Runner>)) {
     f(&|| Box::new(TcpMake(TransferMode::Full)));
     f(&|| Box::new(FileMake::default()));
     f(&|| Box::new(BroadcastMake));
+    f(&|| Box::new(NcclOverCpuMake));
+    f(&|| Box::new(IpcOverHostMake));
 }
 
 /// Object-safe runner so one list covers every transport.
@@ -560,4 +621,146 @@ fn loaned_slots_publish_without_a_copy_and_seal() {
     sender.wait(&pending, T).unwrap();
     assert_eq!(rs[0].version(&p), Version(13));
     check_stamp(&rs[0].current(&p).unwrap()).unwrap();
+}
+
+/// The `nccl` link's prepare/commit protocol run by its own code over the CPU collective:
+/// two receivers, a bucket damaged on the way refused whole by both (the previous version
+/// kept), a third receiver joining (a new generation, a new communicator, the newest version
+/// re-sent), one leaving (another generation), versions flowing after each, and the
+/// sender's goodbye reported by every receiver when it shuts down.
+#[test]
+fn nccl_link_protocol_over_the_cpu_collective_regroups_and_refuses_a_corrupt_bucket() {
+    use std::sync::Mutex;
+    let m = manifest(64);
+    let ms = manifests(&[("policy", &m)]);
+    let p = id("policy");
+    let options = LinkOptions {
+        expected_receivers: 2,
+        token: Some(refit_node::ClusterToken::random()),
+        ..LinkOptions::default()
+    };
+    let (transport, spec) = NcclLink.open_over(&options, cpu).unwrap();
+    // the spec travels as text, as it would to another process
+    let spec = ReceiverSpec::from_token(&spec.to_token().unwrap()).unwrap();
+    assert_eq!(spec.transport(), "nccl");
+    let join = || NcclLink.join_over(&spec, &options, cpu).unwrap();
+    let errors: Arc<Mutex<Vec<String>>> = Arc::default();
+    let (b1, b2) = (join(), join());
+    assert_eq!((b1.member(), b2.member()), ("b1", "b2"));
+    let h1 = std::thread::spawn(move || ReceiverInit::new(b1, None).connect(T));
+    let h2 = std::thread::spawn(move || ReceiverInit::new(b2, None).connect(T));
+    let mut sender = SenderInit::new(transport, ms.clone())
+        .with_ack_timeout(T)
+        .connect(vec![stamped("policy", &m, 1)], T)
+        .unwrap();
+    let loop_of =
+        |h: std::thread::JoinHandle<refit_runtime::Result<refit_runtime::Receiver<_>>>| {
+            let errors = Arc::clone(&errors);
+            h.join().unwrap().unwrap().spawn_loop(
+                |_| {},
+                move |e| {
+                    errors.lock().unwrap().push(e.to_string());
+                    true
+                },
+            )
+        };
+    let (l1, l2) = (loop_of(h1), loop_of(h2));
+    let at = |l: &refit_runtime::ReceiverLoop<BroadcastReceiver<CpuConfig>>| {
+        let w = l.served().load().get(&p).cloned().unwrap();
+        check_stamp(&w).unwrap();
+        w.version().get()
+    };
+    for v in 2..=4 {
+        sender.send(stamped("policy", &m, v)).unwrap();
+    }
+    assert_eq!((at(&l1), at(&l2)), (4, 4));
+    let stats = sender.transport().stats();
+    let prepares = stats.prepares();
+
+    // one bucket damaged after its prepare: both receivers refuse version 5 whole
+    sender.transport().inject_corruption(1);
+    let e = sender
+        .send(stamped("policy", &m, 5))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("refused") && e.contains("checksum"), "{e}");
+    let deadline = Instant::now() + T;
+    while errors
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|e| e.contains("checksum"))
+        .count()
+        < 2
+    {
+        assert!(Instant::now() < deadline, "{:?}", errors.lock().unwrap());
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert_eq!((at(&l1), at(&l2)), (4, 4));
+    sender.send(stamped("policy", &m, 6)).unwrap();
+    assert_eq!((at(&l1), at(&l2)), (6, 6));
+    // one prepare per bucket of every version broadcast (4, 5 and 6 after the baseline)
+    let buckets =
+        refit_runtime::BucketPlan::compute(&p, &m, &m, refit_transports::nccl::BUCKET_SIZE)
+            .unwrap()
+            .len() as u64;
+    assert_eq!(stats.prepares() - prepares, 2 * buckets);
+
+    // a third receiver joins: generation 2, every rank on a new communicator, version 6
+    // re-sent (the two holding it ack it again, the newcomer starts from it)
+    let b3 = join();
+    assert_eq!(b3.member(), "b3");
+    let h3 = std::thread::spawn(move || ReceiverInit::new(b3, None).connect(T));
+    let members = |names: &[&str]| names.iter().map(|n| (*n).to_owned()).collect();
+    let deadline = Instant::now() + T;
+    let entries = sender
+        .transport_mut()
+        .regroup(members(&["b1", "b2", "b3"]), deadline)
+        .unwrap();
+    assert_eq!(entries, vec![(p.clone(), Version(6))]);
+    sender
+        .transport_mut()
+        .wait_acks(&entries, deadline)
+        .unwrap();
+    let l3 = loop_of(h3);
+    assert_eq!(sender.transport().generation(), 2);
+    assert_eq!(at(&l3), 6);
+    sender.send(stamped("policy", &m, 7)).unwrap();
+    assert_eq!((at(&l1), at(&l2), at(&l3)), (7, 7, 7));
+
+    // the second one leaves: generation 3 without it, the others go on
+    l2.stop().unwrap().shutdown().unwrap();
+    let deadline = Instant::now() + T;
+    let entries = sender
+        .transport_mut()
+        .regroup(members(&["b1", "b3"]), deadline)
+        .unwrap();
+    sender
+        .transport_mut()
+        .wait_acks(&entries, deadline)
+        .unwrap();
+    assert_eq!(sender.transport().generation(), 3);
+    sender.send(stamped("policy", &m, 8)).unwrap();
+    assert_eq!((at(&l1), at(&l3)), (8, 8));
+    assert_eq!(stats.generation(), 3);
+    // a clean shutdown says goodbye: receivers report the sender gone at once (an NCCL
+    // rank would otherwise only learn it from its idle timeout)
+    sender.shutdown().unwrap();
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let goodbyes = || {
+        errors
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|e| e.contains("is gone: the sender shut down"))
+            .count()
+    };
+    while goodbyes() < 2 {
+        assert!(Instant::now() < deadline, "{:?}", errors.lock().unwrap());
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    for l in [l1, l3] {
+        let r = l.stop().unwrap();
+        assert_eq!(r.version(&p), Version(8));
+    }
 }

@@ -544,6 +544,89 @@ fn a_pull_stalled_mid_way_is_a_timeout_at_the_callers_deadline() {
     assert!(rs.current(&id("policy")).unwrap().bytes() == random_set(&m, 2, 2).bytes());
 }
 
+#[test]
+fn a_relay_passes_a_bucket_on_before_it_has_all_of_it() {
+    use std::sync::atomic::Ordering::SeqCst;
+    // one bucket of 8 MiB (the default bucket size holds it whole)
+    let m = big_manifest(1, 8);
+    let total = m.total_len() as u64;
+    let ms = manifests(&[("policy", &m)]);
+    let (proxy, listener) = Proxy::bind();
+    let s = TcpSender::bind(
+        TcpConfig {
+            token: Some(ClusterToken::random()),
+            expected_receivers: 2,
+            advertise: Some(proxy.addr),
+            ..TcpConfig::default()
+        },
+        &ms,
+    )
+    .unwrap();
+    assert_eq!(s.bucket_plan(&id("policy")).unwrap().len(), 1);
+    proxy.run(listener, s.node().addr(), 3 << 20);
+    let spec = s.receiver_spec();
+    let rcfg = TcpReceiverConfig {
+        mode: TransferMode::Full,
+        ..TcpReceiverConfig::default()
+    };
+    let hs: Vec<_> = (0..2)
+        .map(|_| {
+            let r = TcpReceiver::new(spec.clone()).with_config(rcfg.clone());
+            std::thread::spawn(move || ReceiverInit::new(r, None).connect(T).unwrap())
+        })
+        .collect();
+    let mut sender = SenderInit::new(s, ms)
+        .with_ack_timeout(T)
+        .connect(vec![random_set(&m, 1, 1)], T)
+        .unwrap();
+    let rs: Vec<_> = hs.into_iter().map(|h| h.join().unwrap()).collect();
+    // the sender's bytes stop after 3 of the bucket's 8 MiB: the receiver pulling from it
+    // cannot complete the bucket, yet the one chained behind it gets its bytes
+    proxy.stall.store(true, SeqCst);
+    let progress: Vec<_> = rs.iter().map(|r| r.transport().progress()).collect();
+    let before: Vec<u64> = progress.iter().map(|p| p.load(SeqCst)).collect();
+    let v2 = random_set(&m, 2, 2);
+    let pending = sender.send_async(vec![v2.clone()]).unwrap();
+    let hs: Vec<_> = rs
+        .into_iter()
+        .map(|mut r| {
+            std::thread::spawn(move || {
+                r.receive(T).unwrap().unwrap();
+                r
+            })
+        })
+        .collect();
+    let moved = || -> Vec<u64> {
+        progress
+            .iter()
+            .zip(&before)
+            .map(|(p, b)| p.load(SeqCst) - b)
+            .collect()
+    };
+    let t = Instant::now();
+    while moved().contains(&0) && t.elapsed() < T {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    std::thread::sleep(Duration::from_millis(200));
+    let stalled = moved();
+    assert!(
+        stalled.iter().all(|&m| m > 0 && m < total),
+        "both receivers hold part of the bucket: {stalled:?} of {total}"
+    );
+    proxy.stall.store(false, SeqCst);
+    sender.wait(&pending, T).unwrap();
+    let relayed: u64 = hs
+        .into_iter()
+        .map(|h| {
+            let r = h.join().unwrap();
+            assert!(r.current(&id("policy")).unwrap().bytes() == v2.bytes());
+            r.transport().bytes_relayed()
+        })
+        .sum();
+    // the chain: one receiver relayed the version to the other
+    assert!(relayed >= total, "relayed {relayed}");
+}
+
 /// A sink that lends its own memory (an anonymous map) bucket by bucket, as `refit pull`'s
 /// map of a file in /dev/shm does, counting its claims and finishes.
 struct LendingSink {

@@ -1,5 +1,5 @@
 //! The weight-sync controller actor: carries out the decisions of
-//! [`SyncPolicy`](refit_runtime::SyncPolicy) and the [`VersionBarrier`].
+//! [`SyncPolicy`] and the [`VersionBarrier`].
 //!
 //! Trainers tell it when they finish a version ([`NotifyVersion`], best through a
 //! [`VersionNotifier`], which lets a trainer run one step ahead while keeping its
@@ -15,6 +15,7 @@ use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 use actix::prelude::*;
+use refit_runtime::metrics;
 use refit_runtime::sync_policy::{
     BlockReason, Decision, LeaderStep, SyncConfig, SyncOrder, SyncPolicy, VersionBarrier,
     leader_sequence,
@@ -115,6 +116,11 @@ impl WeightSyncController {
             .iter()
             .map(|m| (m.clone(), Counters::default()))
             .collect();
+        for m in &models {
+            if let Ok(s) = policy.model(m) {
+                metrics::sync_state(m.as_str(), s.train_version.0, s.rollout_version.0);
+            }
+        }
         Ok(Self {
             policy,
             barrier,
@@ -134,6 +140,14 @@ impl WeightSyncController {
     }
 
     fn event(&mut self, model: Option<&ModelId>, kind: SyncEventKind) -> u64 {
+        // every change of a model's versions comes with an event: the gauges follow it
+        if let Some(m) = model.and_then(|m| self.policy.model(m).ok()) {
+            metrics::sync_state(
+                model.map_or("", ModelId::as_str),
+                m.train_version.0,
+                m.rollout_version.0,
+            );
+        }
         self.seq += 1;
         if self.events.len() == MAX_EVENTS {
             self.events.pop_front();

@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 use actix::prelude::*;
 use rand::SeedableRng;
 use rand::rngs::SmallRng;
-use refit_runtime::metrics::{self, Phase};
+use refit_runtime::metrics::{self, Phase, Side};
 use refit_runtime::{ArenaStrategy, ModelId, Strategy, Version, WeightSet};
 use tokio::sync::{Mutex, oneshot};
 
@@ -250,8 +250,6 @@ impl<P: Policy + Unpin + 'static> InferenceEngine<P> {
     ) -> Result<Duration> {
         let model = weights.model().clone();
         let slot = self.slot(&model)?;
-        // the pause spans an await, so it is recorded as a sample, not as an entered span
-        metrics::record(Phase::EnginePause, "engine", model.as_str(), paused);
         slot.applying = false;
         let applied = match joined {
             Ok((policy, r)) => {
@@ -272,6 +270,14 @@ impl<P: Policy + Unpin + 'static> InferenceEngine<P> {
             }
         };
         self.drain(&model);
+        // the pause spans an await, so it is recorded as a sample, not as an entered span
+        match &applied {
+            Ok(()) => metrics::engine_loaded(model.as_str(), weights.version().0, paused),
+            Err(_) => {
+                metrics::record(Phase::EnginePause, "engine", model.as_str(), paused);
+                metrics::failed(Side::Engine, "engine");
+            }
+        }
         applied?;
         self.stats.loads += 1;
         self.stats.paused_total += paused;

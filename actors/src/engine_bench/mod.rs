@@ -10,12 +10,14 @@
 //!   through a link opened by the link factory, and fetched by its receiver through the
 //!   [`WeightInlet`](crate::WeightInlet) an engine uses, with no engine: what the bytes
 //!   cost to move;
-//! - **the engine**, for each link and pause mode: a [`GenerationEngine`] serving a
-//!   [`TransformerGenerator`] (and a second one staging, as a run builds them), fed through
+//! - **the engine**, for each link and pause mode: a [`GenerationEngine`](crate::actor::GenerationEngine) serving a
+//!   [`TransformerGenerator`](refit_rl::transformer::TransformerGenerator) (and a second one staging, as a run builds them), fed through
 //!   the link with the trainer-to-engine conversion on the send path
-//!   ([`ConvertingSender`] with [`TransformerConfig::want`]), while clients keep several
+//!   ([`ConvertingSender`](refit_runtime::convert::ConvertingSender) with
+//!   [`TransformerConfig::want`]), while clients keep several
 //!   requests decoding. Each update: the trainer publishes the next version, the engine is
-//!   asked to load it ([`UpdateModel`]) and answers its [`LoadReport`]: `paused` (the swap
+//!   asked to load it ([`UpdateModel`](crate::protocol::engine::UpdateModel)) and answers its
+//!   [`LoadReport`](crate::protocol::engine::LoadReport): `paused` (the swap
 //!   at a step boundary: the time no token is produced because of the update) and `staged`
 //!   (fetch and stage, beside generation). A decoding step's time is measured between
 //!   updates from the engine's step counter.

@@ -51,7 +51,7 @@ pub struct ActBatch {
     /// Observations, one after the other (`n * obs_dim` values).
     pub obs: Vec<f32>,
     /// The cancellation generation the episode started in (`None`: not cancellable). A
-    /// request from an older generation is refused with [`Error::Cancelled`].
+    /// request from an older generation is refused with [`Error::Cancelled`](crate::Error::Cancelled).
     pub generation: Option<u64>,
     /// Greedy actions (evaluation) instead of samples.
     pub greedy: bool,
@@ -117,7 +117,7 @@ pub struct LoadReport {
 }
 
 /// Cancels in-flight episodes: requests of older generations are refused from now on, and
-/// queued ones are answered with [`Error::Cancelled`]. Answers the new generation.
+/// queued ones are answered with [`Error::Cancelled`](crate::Error::Cancelled). Answers the new generation.
 #[derive(Debug, Message, Serialize, Deserialize)]
 #[rtype(result = "u64")]
 pub struct CancelInFlight;

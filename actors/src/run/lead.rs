@@ -370,7 +370,7 @@ impl Lead {
         let who = self.who(rank);
         let Some(slot) = self.slots.get_mut(&rank) else {
             // a trainer, evaluator or rollout-less rank: the run cannot go on without it
-            eprintln!("rank 0: {who} is gone: {}", death.reason);
+            tracing::warn!("rank 0: {who} is gone: {}", death.reason);
             self.event(
                 rank,
                 death.incarnation,
@@ -386,7 +386,7 @@ impl Lead {
             // already dropped, or the verdict is about an incarnation that was replaced
             return;
         }
-        eprintln!("rank 0: {who} is gone: {}", death.reason);
+        tracing::warn!("rank 0: {who} is gone: {}", death.reason);
         slot.alive = false;
         slot.watch = None;
         let incarnation = slot.incarnation;
@@ -414,7 +414,7 @@ impl Lead {
                 death.reason
             ))));
         } else {
-            eprintln!("rank 0: the run goes on with {alive} engines");
+            tracing::warn!("rank 0: the run goes on with {alive} engines");
         }
     }
 }
@@ -516,7 +516,7 @@ impl Handler<AddRank> for Lead {
                 );
                 if incarnation > 0 {
                     act.event(rank, incarnation, RankEventKind::Rejoined);
-                    eprintln!(
+                    tracing::info!(
                         "rank 0: {} rejoined (incarnation {incarnation})",
                         act.who(rank)
                     );

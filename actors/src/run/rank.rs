@@ -215,7 +215,7 @@ pub(crate) async fn rank_main(s: RankSetup) -> Result<Option<RunReport>> {
     let rv = {
         let launch = launch.clone();
         let place = Place {
-            host_addr: plan.host.addr.clone(),
+            host_addr: plan.host.address()?.to_string(),
             bind: plan.bind,
             port: plan.port,
         };

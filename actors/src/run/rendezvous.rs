@@ -50,33 +50,67 @@ fn resolve(host: &str, port: u16) -> Result<SocketAddr> {
         .ok_or_else(|| Error::Config(format!("host address {host:?} resolves to nothing")))
 }
 
+/// Resolves `host:port`, trying again until `deadline`: a name may resolve only once its
+/// host runs (a Kubernetes pod's DNS record appears when the pod has started). `what` names
+/// the address in the error.
+fn resolve_until(what: &str, host: &str, port: u16, deadline: Instant) -> Result<SocketAddr> {
+    loop {
+        match resolve(host, port) {
+            Ok(a) => return Ok(a),
+            Err(e) if Instant::now() >= deadline => {
+                return Err(Error::Config(format!("{what}: {e}")));
+            }
+            Err(_) => std::thread::sleep(Duration::from_millis(250)),
+        }
+    }
+}
+
 impl Rendezvous {
     /// Starts this rank's node and joins the store: rank 0 binds `MASTER_ADDR:MASTER_PORT`
     /// (port 0: any free port, for a run of one process) and serves the store there; the
-    /// others bind `host_addr` (a free port) and connect to the store, retrying until `wait`
-    /// passes (rank 0 may start later).
+    /// others bind `host_addr` (a free port, or the fixed one) and connect to the store,
+    /// retrying until `wait` passes (rank 0 may start later). A rank with a `bind` address
+    /// listens there and advertises its host's address. Names that do not resolve yet are
+    /// tried again until `wait` passes.
     ///
     /// # Errors
-    /// [`Error::Config`] for an address that does not resolve or cannot be bound; a store
-    /// that cannot be reached before the deadline (naming it); a refused token.
+    /// [`Error::Config`] for an address that does not resolve within `wait` or cannot be
+    /// bound; a store that cannot be reached before the deadline (naming it); a refused
+    /// token.
     pub(crate) fn join(
         launch: &LaunchEnv,
         place: &Place,
         token: ClusterToken,
         wait: Duration,
     ) -> Result<Self> {
-        let mut master = launch.master().map_err(refit_runtime::Error::from)?;
+        let deadline = Instant::now() + wait;
+        let master = resolve_until(
+            &format!("rank {}: MASTER_ADDR", launch.rank),
+            &launch.master_addr,
+            launch.master_port,
+            deadline,
+        )?;
         // this rank's host, resolved once (rank 0's is the master address)
         let host = if launch.is_master() {
             master
         } else {
-            resolve(&place.host_addr, place.port.unwrap_or(0))?
+            resolve_until(
+                &format!("rank {}: its host's address", launch.rank),
+                &place.host_addr,
+                place.port.unwrap_or(0),
+                deadline,
+            )?
         };
-        let bind = match place.bind {
-            Some(ip) => SocketAddr::new(ip, host.port()),
-            None => host,
-        };
-        let node = Node::start(NodeConfig::loopback(token).with_bind(bind)).map_err(|e| {
+        let mut config = NodeConfig::loopback(token);
+        config.bind = host;
+        if let Some(ip) = place.bind {
+            // listen on `bind` (0.0.0.0 in a container), and tell the others the host's
+            // address with the port bound
+            config.bind = SocketAddr::new(ip, host.port());
+            config.advertise = Some(SocketAddr::new(host.ip(), 0));
+        }
+        let bind = config.bind;
+        let node = Node::start(config).map_err(|e| {
             Error::Config(format!(
                 "rank {}: starting its node on {bind}: {e}",
                 launch.rank
@@ -85,11 +119,15 @@ impl Rendezvous {
         node.register(PING_TARGET, "ping", |_, (): ()| async {
             Ok::<_, refit_node::Error>(())
         });
-        if launch.is_master() {
+        // others reach this node at its host's address (it may listen on another: `bind`);
+        // rank 0's is the store's (MASTER_PORT 0: the port bound)
+        let advertised = node.advertised();
+        let master = if launch.is_master() {
             Store::serve(&node);
-            master = SocketAddr::new(master.ip(), node.addr().port());
-        }
-        let deadline = Instant::now() + wait;
+            advertised
+        } else {
+            master
+        };
         let store = loop {
             let left = deadline.saturating_duration_since(Instant::now());
             match StoreClient::connect(&node, master, left.min(Duration::from_secs(5))) {
@@ -106,12 +144,6 @@ impl Rendezvous {
                 }
                 Err(_) => std::thread::sleep(Duration::from_millis(200)),
             }
-        };
-        // others reach this node at its host's address (it may listen on another: `bind`)
-        let advertised = if launch.is_master() {
-            master
-        } else {
-            SocketAddr::new(host.ip(), node.addr().port())
         };
         Ok(Self {
             node,

@@ -132,7 +132,7 @@ fn pump(from: impl Read + Send + 'static, prefix: String, to_err: bool, done: mp
             let _ = done.send(());
         });
     if let Err(e) = spawned {
-        eprintln!("refit launch: cannot copy the output of a rank ({e}); it is dropped");
+        tracing::error!("cannot copy the output of a rank ({e}); it is dropped");
     }
 }
 

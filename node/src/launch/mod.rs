@@ -8,14 +8,16 @@
 //! [`load_topology`] (the file with the launch's overrides applied: every rank parses the
 //! same topology the launcher checked).
 //!
-//! The launcher itself is library code too: [`resolve_rank`] reads torchrun's or Slurm's
-//! variables, [`LaunchSpec`] turns a topology into what to start for each rank
-//! ([`RankSpawn`]), and [`Supervisor`] starts and watches them (restarts, `on_failure`,
-//! signals passed on).
+//! The launcher itself is library code too: [`scheduler_hosts`] gives the hosts a file
+//! leaves without `addr` the addresses of Slurm's nodes or a Kubernetes StatefulSet's pods,
+//! [`resolve_rank`] reads torchrun's, Slurm's or the pod's variables, [`LaunchSpec`] turns a
+//! topology into what to start for each rank ([`RankSpawn`]), and [`Supervisor`] starts and
+//! watches them (restarts, `on_failure`, signals passed on).
 
 mod child;
 mod plan;
 mod resolve;
+mod scheduler;
 mod supervise;
 
 use std::net::{SocketAddr, ToSocketAddrs};
@@ -27,7 +29,10 @@ use crate::error::{Error, Result};
 
 pub use plan::{LaunchSpec, RankSpawn, free_port};
 pub use resolve::{DEFAULT_MASTER_PORT, resolve_rank, scheduler_incarnation};
-pub use supervise::Supervisor;
+pub use scheduler::{
+    K8S_NAMESPACE_ENV, K8S_POD_ENV, K8S_SERVICE_ENV, Scheduler, SchedulerHosts, scheduler_hosts,
+};
+pub use supervise::{RankState, Supervisor};
 
 /// The absolute path of the topology file, set by `refit launch` for every rank.
 pub const TOPOLOGY_ENV: &str = "REFIT_TOPOLOGY";

@@ -140,15 +140,17 @@ impl LaunchSpec {
     /// `master_port`.
     ///
     /// # Errors
-    /// As [`LaunchSpec::rank`].
+    /// As [`LaunchSpec::rank`]; the core's topology error when rank 0's host has no
+    /// address.
     pub fn every_rank(&self, master_port: u16) -> Result<Vec<RankSpawn>> {
         let world_size = self.topology.world_size();
+        let master_addr = self.topology.master_host()?.to_string();
         (0..world_size)
             .map(|rank| {
                 let place = LaunchEnv {
                     rank,
                     world_size,
-                    master_addr: self.topology.master_host().to_string(),
+                    master_addr: master_addr.clone(),
                     master_port,
                 };
                 self.rank(&place, 0)

@@ -1,8 +1,10 @@
 //! Which ranks a launch starts: all of them (no launch variables), or one, named by
-//! `--rank`, `RANK`/`WORLD_SIZE` (torchrun) or `SLURM_PROCID`/`SLURM_NTASKS` (Slurm).
+//! `--rank`, `RANK`/`WORLD_SIZE` (torchrun), `SLURM_PROCID`/`SLURM_NTASKS` (Slurm) or the
+//! pod's ordinal (a Kubernetes StatefulSet, `REFIT_K8S_SERVICE`).
 
 use refit_runtime::topology::Topology;
 
+use super::scheduler::{K8S_SERVICE_ENV, Scheduler};
 use super::{LaunchEnv, number};
 use crate::error::{Error, Result};
 use crate::slurm;
@@ -13,10 +15,12 @@ pub const DEFAULT_MASTER_PORT: u16 = 29500;
 
 /// Where a launch stands: `None` to start every rank here, or the one rank to start.
 ///
-/// `flag_rank` (`--rank`) wins over `RANK`, which wins over `SLURM_PROCID`; the world size
-/// comes from `WORLD_SIZE`, else `SLURM_NTASKS`, else the topology, and must equal the
-/// topology's. `MASTER_ADDR` comes from the variable, else (under Slurm) the first host of
-/// `SLURM_STEP_NODELIST` (or `SLURM_JOB_NODELIST`), else rank 0's host in the file;
+/// `flag_rank` (`--rank`) wins over `RANK`, which wins over `SLURM_PROCID`, which wins over
+/// a Kubernetes pod's ordinal (with `REFIT_K8S_SERVICE` set, pod *i* runs the one rank the
+/// file places on its host *i*); the world size comes from `WORLD_SIZE`, else
+/// `SLURM_NTASKS`, else the topology, and must equal the topology's. `MASTER_ADDR` comes
+/// from the variable, else (under Slurm) the first host of `SLURM_STEP_NODELIST` (or
+/// `SLURM_JOB_NODELIST`), else rank 0's host in the file;
 /// `MASTER_PORT` from `flag_port` (`--master-port`), else the variable, else rank 0's
 /// `port` in the file, else [`DEFAULT_MASTER_PORT`]. `lookup` reads a variable (empty ones
 /// count as unset).
@@ -33,7 +37,8 @@ pub fn resolve_rank(
     let get = |k: &str| lookup(k).filter(|v| !v.trim().is_empty());
     let torch = get("RANK").is_some() || get("WORLD_SIZE").is_some();
     let slurm = !torch && get("SLURM_PROCID").is_some();
-    if flag_rank.is_none() && !torch && !slurm {
+    let kube = get(K8S_SERVICE_ENV).is_some();
+    if flag_rank.is_none() && !torch && !slurm && !kube {
         return Ok(None);
     }
     let (rank_var, world_var) = if slurm {
@@ -41,7 +46,11 @@ pub fn resolve_rank(
     } else {
         ("RANK", "WORLD_SIZE")
     };
-    let rank = match (flag_rank, get(rank_var)) {
+    let pod_rank = match (flag_rank, get(rank_var)) {
+        (None, None) if kube => Some(pod_rank(topo, lookup)?),
+        _ => None,
+    };
+    let rank = match (flag_rank.or(pod_rank), get(rank_var)) {
         (Some(r), _) => r,
         (None, Some(raw)) => number(rank_var, &raw)?,
         (None, None) => {
@@ -53,7 +62,7 @@ pub fn resolve_rank(
     };
     let world_size = match get(world_var) {
         Some(raw) => number(world_var, &raw)?,
-        None if flag_rank.is_some() => topo.world_size(),
+        None if flag_rank.is_some() || kube => topo.world_size(),
         None => {
             return Err(Error::Launch {
                 var: world_var,
@@ -92,7 +101,7 @@ pub fn resolve_rank(
                 });
             }
         },
-        None => topo.master_host().to_string(),
+        None => topo.master_host()?.to_string(),
     };
     let master_port = match (flag_port, get("MASTER_PORT")) {
         (Some(p), _) => p,
@@ -111,6 +120,49 @@ pub fn resolve_rank(
         master_addr,
         master_port,
     }))
+}
+
+/// The rank of this Kubernetes pod: pod *i* runs the one rank the file places on its host
+/// *i* (file order).
+fn pod_rank(topo: &Topology, lookup: &impl Fn(&str) -> Option<String>) -> Result<u32> {
+    let Some(Scheduler::Kubernetes {
+        var, set, ordinal, ..
+    }) = Scheduler::detect(lookup)?
+    else {
+        return Err(Error::Launch {
+            var: K8S_SERVICE_ENV,
+            reason: "set, but this is no Kubernetes pod".into(),
+        });
+    };
+    let pod = format!("{set}-{ordinal}");
+    let Some(host) = topo.hosts.get(ordinal) else {
+        return Err(Error::Launch {
+            var,
+            reason: format!(
+                "pod `{pod}` has no host in the file, which declares {} (give the StatefulSet \
+                 as many replicas as the file has hosts)",
+                topo.hosts.len()
+            ),
+        });
+    };
+    let ranks: Vec<u32> = topo
+        .ranks()
+        .iter()
+        .filter(|r| r.host.name == host.name)
+        .map(|r| r.rank)
+        .collect();
+    match ranks[..] {
+        [rank] => Ok(rank),
+        _ => Err(Error::Launch {
+            var,
+            reason: format!(
+                "pod `{pod}` is host `{}`, where the file places {} ranks ({ranks:?}); in a \
+                 StatefulSet each pod runs one rank: give each rank a host of its own",
+                host.name,
+                ranks.len()
+            ),
+        }),
+    }
 }
 
 /// The incarnation of a per-rank launch's first start: `REFIT_INCARNATION`,
@@ -327,6 +379,78 @@ mod tests {
         );
         let e = err(resolve_rank(Some(5), None, &t, &env(&[])));
         assert!(e.contains("`--rank`"), "{e}");
+    }
+
+    #[test]
+    fn a_kubernetes_pod_runs_the_rank_on_its_host() {
+        let text = r#"
+            [run]
+            command = ["p"]
+            [[model]]
+            id = "m"
+            [[host]]
+            name = "a"
+            [[host]]
+            name = "b"
+            [[host]]
+            name = "c"
+            [[process]]
+            name = "learner"
+            host = "a"
+            roles = ["trainer", "controller"]
+            port = 29400
+            [[process]]
+            name = "actor-c"
+            host = "c"
+            roles = ["engine"]
+            [[process]]
+            name = "actor-b"
+            host = "b"
+            roles = ["engine"]
+            "#;
+        let pod = |name: &str| {
+            let vars = [(K8S_SERVICE_ENV, "refit"), ("HOSTNAME", name)];
+            let raw = Topology::parse(text).unwrap();
+            let hosts = super::super::scheduler_hosts(&raw, &env(&vars))
+                .unwrap()
+                .unwrap();
+            let t = Topology::parse_with(text, &hosts.overrides().unwrap()).unwrap();
+            resolve_rank(None, None, &t, &env(&vars))
+        };
+        // pod 2 is host `c`, where actor-c (rank 1) runs; rank 0's pod is the master
+        assert_eq!(
+            pod("refit-2").unwrap().unwrap(),
+            LaunchEnv {
+                rank: 1,
+                world_size: 3,
+                master_addr: "refit-0.refit".into(),
+                master_port: 29400
+            }
+        );
+        assert_eq!(pod("refit-1").unwrap().unwrap().rank, 2);
+        assert_eq!(pod("refit-0").unwrap().unwrap().rank, 0);
+        let e = err(pod("refit-3"));
+        assert!(
+            e.contains("`HOSTNAME`") && e.contains("`refit-3` has no host") && e.contains("3"),
+            "{e}"
+        );
+        // two ranks on one host cannot share a pod
+        let two = text.replace(
+            "name = \"actor-b\"\n            host = \"b\"",
+            "name = \"actor-b\"\n            host = \"c\"",
+        );
+        assert_ne!(two, text);
+        let vars = [(K8S_SERVICE_ENV, "refit"), ("HOSTNAME", "refit-2")];
+        let raw = Topology::parse(&two).unwrap();
+        let hosts = super::super::scheduler_hosts(&raw, &env(&vars))
+            .unwrap()
+            .unwrap();
+        let t = Topology::parse_with(&two, &hosts.overrides().unwrap()).unwrap();
+        let e = err(resolve_rank(None, None, &t, &env(&vars)));
+        assert!(
+            e.contains("host `c`") && e.contains("2 ranks ([1, 2])") && e.contains("one rank"),
+            "{e}"
+        );
     }
 
     #[test]

@@ -16,8 +16,10 @@ use super::child::{self, Running};
 const TICK: Duration = Duration::from_millis(25);
 
 /// Starts the ranks of a launch and runs them to the end (what `refit launch` does once it
-/// knows its ranks). Reports go to stderr, prefixed `refit launch:`; each rank's output
-/// lines go to our stdout and stderr, prefixed `[rank N process]`.
+/// knows its ranks). Reports (a rank started, failed, restarted, stopped) are `tracing`
+/// events of target `refit_node::launch::supervise`, at `info` for the expected ones and
+/// `warn` or `error` for failures; each rank's output lines go to our stdout and stderr,
+/// prefixed `[rank N process]`.
 #[derive(Debug)]
 pub struct Supervisor {
     grace: Duration,
@@ -42,7 +44,49 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
+/// One rank as its supervisor sees it now ([`Supervisor::ranks`]): what a status page shows.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RankState {
+    /// The rank.
+    pub rank: u32,
+    /// Its process's name.
+    pub name: String,
+    /// The pid of its current (or last) process.
+    pub pid: u32,
+    /// How many times it was restarted so far.
+    pub restarts: u32,
+    /// How many restarts it may have.
+    pub max_restarts: u32,
+    /// The `REFIT_INCARNATION` of its current (or last) process.
+    pub incarnation: u32,
+    /// How it ended (`exited with status 0`, `was killed by signal 9 (SIGKILL)`); `None`
+    /// while it runs.
+    pub ended: Option<String>,
+    /// Whether it ended well (status 0); `None` while it runs.
+    pub succeeded: Option<bool>,
+}
+
 impl Supervisor {
+    /// Every rank started so far, in rank order, as it stands now.
+    pub fn ranks(&self) -> Vec<RankState> {
+        let mut out: Vec<RankState> = self
+            .lock()
+            .iter()
+            .map(|r| RankState {
+                rank: r.spec.rank,
+                name: r.spec.name.clone(),
+                pid: r.child.id(),
+                restarts: r.restarts,
+                max_restarts: r.spec.max_restarts,
+                incarnation: r.spec.incarnation + r.restarts,
+                ended: r.status.map(child::describe),
+                succeeded: r.status.map(|s| s.success()),
+            })
+            .collect();
+        out.sort_by_key(|r| r.rank);
+        out
+    }
+
     /// A supervisor that gives ranks `grace` to exit (after rank 0 is done, and after
     /// SIGTERM before SIGKILL) and treats a failure past its restarts as `on_failure` says.
     pub fn new(grace: Duration, on_failure: OnFailure) -> Arc<Self> {
@@ -71,15 +115,15 @@ impl Supervisor {
         let me = Arc::clone(self);
         let _forward = cleanup::on_exit_signal(move || {
             me.interrupted.store(true, Ordering::SeqCst);
-            eprintln!("refit launch: interrupted; stopping every rank");
+            tracing::warn!("interrupted; stopping every rank");
             me.stop_all(false);
         });
         let (done_tx, done_rx) = mpsc::channel();
         for spec in specs {
             match self.start(spec, spec.incarnation, &done_tx) {
                 Ok(child) => {
-                    eprintln!(
-                        "refit launch: started rank {} ({}) (pid {})",
+                    tracing::info!(
+                        "started rank {} ({}) (pid {})",
                         spec.rank,
                         spec.name,
                         child.id()
@@ -134,8 +178,8 @@ impl Supervisor {
                 Ok(c)
             }
             Err(e) => {
-                eprintln!(
-                    "refit launch: error: rank {} ({}): cannot start `{}`: {e}",
+                tracing::error!(
+                    "rank {} ({}): cannot start `{}`: {e}",
                     spec.rank,
                     spec.name,
                     spec.program.display()
@@ -154,8 +198,8 @@ impl Supervisor {
         let max_restarts = r.spec.max_restarts;
         if r.spec.rank == 0 || r.restarts >= max_restarts {
             if max_restarts > 0 {
-                eprintln!(
-                    "refit launch: {} has no restart left (max_restarts = {max_restarts})",
+                tracing::error!(
+                    "{} has no restart left (max_restarts = {max_restarts})",
                     r.label(),
                 );
             }
@@ -168,8 +212,8 @@ impl Supervisor {
         match self.start(&r.spec, incarnation, done) {
             Ok(child) => {
                 r.restarts += 1;
-                eprintln!(
-                    "refit launch: restarted {} (restart {} of {}, REFIT_INCARNATION={incarnation}, pid {})",
+                tracing::warn!(
+                    "restarted {} (restart {} of {}, REFIT_INCARNATION={incarnation}, pid {})",
                     r.label(),
                     r.restarts,
                     max_restarts,
@@ -205,7 +249,7 @@ impl Supervisor {
                         }
                         Ok(None) => {}
                         Err(e) => {
-                            eprintln!("refit launch: cannot wait for {}: {e}", r.label());
+                            tracing::warn!("cannot wait for {}: {e}", r.label());
                         }
                     }
                 }
@@ -218,34 +262,31 @@ impl Supervisor {
             for (i, label, status) in ended {
                 let code = child::exit_code(status);
                 if status.success() {
-                    eprintln!("refit launch: {label} {}", child::describe(status));
+                    tracing::info!("{label} {}", child::describe(status));
                     if i == 0 {
                         return End::LeadDone(0);
                     }
                     continue;
                 }
-                eprintln!(
-                    "refit launch: {label} failed: it {}",
-                    child::describe(status)
-                );
+                tracing::error!("{label} failed: it {}", child::describe(status));
                 if self.restart(i, done) {
                     continue;
                 }
                 if i == 0 {
                     if self.lock().len() > 1 {
-                        eprintln!("refit launch: rank 0 ended; stopping the other ranks");
+                        tracing::warn!("rank 0 ended; stopping the other ranks");
                     }
                     return End::Abort(code);
                 }
                 match on_failure {
                     OnFailure::Abort => {
-                        eprintln!(
-                            "refit launch: stopping the run (on_failure = \"abort\") after {label} failed"
+                        tracing::error!(
+                            "stopping the run (on_failure = \"abort\") after {label} failed"
                         );
                         return End::Abort(code);
                     }
-                    OnFailure::Continue => eprintln!(
-                        "refit launch: the run goes on without {label} (on_failure = \"continue\")"
+                    OnFailure::Continue => tracing::warn!(
+                        "the run goes on without {label} (on_failure = \"continue\")"
                     ),
                 }
             }
@@ -297,7 +338,7 @@ impl Supervisor {
         {
             let ranks = self.lock();
             for r in ranks.iter().filter(|r| r.status.is_none()) {
-                eprintln!("refit launch: stopping {} (SIGTERM)", r.label());
+                tracing::info!("stopping {} (SIGTERM)", r.label());
                 r.signal_group(libc::SIGTERM);
             }
         }
@@ -306,8 +347,8 @@ impl Supervisor {
         }
         let mut ranks = self.lock();
         for r in ranks.iter_mut().filter(|r| r.status.is_none()) {
-            eprintln!(
-                "refit launch: {} still runs {:?} after SIGTERM; SIGKILL",
+            tracing::warn!(
+                "{} still runs {:?} after SIGTERM; SIGKILL",
                 r.label(),
                 self.grace
             );

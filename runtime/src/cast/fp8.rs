@@ -43,20 +43,23 @@ pub enum Overflow {
     NonFinite,
 }
 
-struct Format {
+/// One 8-bit format's layout.
+pub(crate) struct Format {
     man_bits: u32,
     bias: i32,
     max_code: u32,
     inf: Option<u8>,
 }
 
-const E4M3: Format = Format {
+/// e4m3 (`e4m3fn`).
+pub(crate) const E4M3: Format = Format {
     man_bits: 3,
     bias: 7,
     max_code: 0x7e,
     inf: None,
 };
-const E5M2: Format = Format {
+/// e5m2.
+pub(crate) const E5M2: Format = Format {
     man_bits: 2,
     bias: 15,
     max_code: 0x7b,
@@ -117,6 +120,46 @@ fn encode(x: f32, f: &Format, overflow: Overflow) -> u8 {
         };
     }
     sign | code as u8
+}
+
+impl Format {
+    /// The code a magnitude past the largest finite becomes under `overflow` (sign apart).
+    pub(crate) const fn overflow_code(&self, overflow: Overflow) -> u32 {
+        match (overflow, self.inf) {
+            (Overflow::Saturate, _) => self.max_code,
+            (Overflow::NonFinite, Some(inf)) => inf as u32,
+            (Overflow::NonFinite, None) => 0x7f,
+        }
+    }
+
+    /// [`encode`] without branches, for loops the compiler vectorises (the kernels of
+    /// [`super::kernels`]): the same bits for every input. `over` is
+    /// [`Format::overflow_code`].
+    #[inline(always)]
+    pub(crate) fn encode_lanes(&self, x: f32, over: u32) -> u8 {
+        let bits = x.to_bits();
+        let sign = (bits >> 24) & 0x80;
+        let abs = bits & 0x7fff_ffff;
+        // a normal code: rebias the exponent, round to nearest even at the mantissa's end
+        // (a carry moves to the next exponent, as in `encode`)
+        let shift = 23 - self.man_bits;
+        let rebias = ((127 - self.bias) as u32) << 23;
+        let normal = abs
+            .wrapping_sub(rebias)
+            .wrapping_add((1 << (shift - 1)) - 1 + ((abs >> shift) & 1))
+            >> shift;
+        // below the smallest normal: adding 2^(24 - bias - man), whose ulp is the smallest
+        // subnormal, rounds to nearest even in units of it (f32 subnormals give 0)
+        let magic = f32::from_bits(((127 + 24 - self.bias - self.man_bits as i32) as u32) << 23);
+        let subnormal = (f32::from_bits(abs) + magic)
+            .to_bits()
+            .wrapping_sub(magic.to_bits());
+        let min_normal = ((128 - self.bias) as u32) << 23;
+        let code = if abs < min_normal { subnormal } else { normal };
+        let code = if code > self.max_code { over } else { code };
+        let code = if abs > 0x7f80_0000 { 0x7f } else { code };
+        (sign | code) as u8
+    }
 }
 
 fn decode(b: u8, f: &Format) -> f32 {

@@ -226,3 +226,106 @@ fn recycled_arenas_never_change_a_version_someone_holds() {
     assert_eq!(b.bytes().as_ptr(), a_ptr, "a free arena is reused");
     check(&b, &weights(&m, 10));
 }
+
+/// A layout then a cast: read in one pass from the trainer's bytes where the layout allows
+/// it (renames, fuses and splits along any axis), through a laid-out copy where it does not
+/// (a transpose, per-block scales over a fused tensor); either way the bytes are those of
+/// the layout applied first and the cast applied to its result.
+#[test]
+fn a_layout_then_a_cast_in_one_pass_equals_the_two_steps() {
+    use crate::cast::{CastRules, Overflow, Scaling};
+    let m = Arc::new(
+        Manifest::builder()
+            .tensor("l.0.q", DType::F32, &[6, 10])
+            .tensor("l.0.k", DType::F32, &[3, 10])
+            .tensor("l.0.a", DType::F32, &[4, 3])
+            .tensor("l.0.b", DType::F32, &[4, 5])
+            .tensor("l.0.ab", DType::F32, &[4, 8])
+            .tensor("l.0.t", DType::F32, &[5, 7])
+            .tensor("l.0.n", DType::BF16, &[9])
+            .tensor("steps", DType::I64, &[])
+            .build()
+            .unwrap(),
+    );
+    let mut w = WeightSet::zeroed(id("policy"), Arc::clone(&m));
+    for t in m.tensors() {
+        match t.dtype {
+            DType::F32 => {
+                for (i, x) in w.view_mut::<f32>(&t.name).unwrap().iter_mut().enumerate() {
+                    *x = (i as f32 - 7.5) * (1.0 + t.offset as f32 / 977.0);
+                }
+            }
+            DType::BF16 => {
+                for (i, x) in w.view_mut::<bf16>(&t.name).unwrap().iter_mut().enumerate() {
+                    *x = bf16::from_f32(i as f32 * -0.3);
+                }
+            }
+            _ => w.view_mut::<i64>(&t.name).unwrap()[0] = 77,
+        }
+    }
+    w.set_version(Version(9));
+    let layout = || {
+        LayoutRules::new()
+            .fuse(["l.{i}.q", "l.{i}.k"], "m.{i}.qk", 0)
+            .fuse(["l.{i}.a", "l.{i}.b"], "m.{i}.ab", 1)
+            .split("l.{i}.ab", ["m.{i}.x", "m.{i}.y"], 1)
+            .rename("l.{i}.n", "m.{i}.n")
+            .keep_unmatched()
+    };
+    let e4 = |scaling| CastTo::E4M3 {
+        scaling,
+        overflow: Overflow::Saturate,
+    };
+    let block = Scaling::PerBlock { rows: 2, cols: 3 };
+    let casts: Vec<(CastRules, bool)> = vec![
+        (CastRules::new().dtype(DType::F32, CastTo::BF16), true),
+        (
+            CastRules::new()
+                .dtype(DType::F32, e4(Scaling::PerTensor))
+                .tensors("m.0.n", CastTo::F32),
+            true,
+        ),
+        (
+            CastRules::new()
+                .tensors("m.0.{p}", e4(Scaling::None))
+                .tensors("l.0.t", e4(block)),
+            true,
+        ),
+        // per-block scales over a fused tensor: through the laid-out copy
+        (CastRules::new().tensors("m.0.qk", e4(block)), false),
+    ];
+    for (rules, one_pass) in casts {
+        let want = Want::new().layout(layout()).cast(rules);
+        let c = Conversion::new(&m, &want).unwrap();
+        assert_eq!(c.runs.is_some(), one_pass);
+        let two_steps = c
+            .cast()
+            .unwrap()
+            .apply(&c.layout().unwrap().apply(&w).unwrap())
+            .unwrap();
+        for got in [
+            c.apply(&w).unwrap(),
+            (*c.apply_shared(&w).unwrap()).clone(),
+            (*c.apply_shared(&w).unwrap()).clone(),
+        ] {
+            assert_eq!(got.version(), Version(9));
+            assert!(got.bytes() == two_steps.bytes(), "one pass: {one_pass}");
+        }
+    }
+    // a transpose reorders elements: the laid-out copy again, same bytes
+    let want = Want::new()
+        .layout(
+            LayoutRules::new()
+                .transpose("l.0.t", "m.0.t")
+                .keep_unmatched(),
+        )
+        .cast(CastRules::new().dtype(DType::F32, CastTo::F16));
+    let c = Conversion::new(&m, &want).unwrap();
+    assert!(c.runs.is_none());
+    let two_steps = c
+        .cast()
+        .unwrap()
+        .apply(&c.layout().unwrap().apply(&w).unwrap())
+        .unwrap();
+    assert!(c.apply(&w).unwrap().bytes() == two_steps.bytes());
+}

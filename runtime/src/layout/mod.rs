@@ -241,6 +241,85 @@ impl LayoutPlan {
     }
 }
 
+/// A run of bytes the layout moves unchanged: `len` bytes of the source arena from `src` land
+/// at byte `at` of a target tensor.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Segment {
+    /// Byte offset in the source arena.
+    pub(crate) src: usize,
+    /// Byte offset inside the target tensor.
+    pub(crate) at: usize,
+    /// Bytes.
+    pub(crate) len: usize,
+}
+
+impl Segment {
+    /// The whole tensor `spec`, unmoved.
+    pub(crate) fn whole(spec: &TensorSpec) -> Self {
+        Self {
+            src: spec.offset,
+            at: 0,
+            len: spec.len,
+        }
+    }
+}
+
+impl LayoutPlan {
+    /// Where each target tensor's bytes come from, as runs of the source arena in the
+    /// tensor's order (runs that follow each other on both sides merged): what lets a cast
+    /// read the trainer's bytes straight from their place instead of from a laid-out copy.
+    /// `None` when an op reorders the elements of a run (a transpose).
+    pub(crate) fn segments(&self) -> Option<Vec<Vec<Segment>>> {
+        let src_specs = self.source.tensors();
+        let dst_specs = self.target.tensors();
+        let mut out: Vec<Vec<Segment>> = vec![Vec::new(); dst_specs.len()];
+        let mut push = |d: usize, seg: Segment| {
+            let runs = &mut out[d];
+            match runs.last_mut() {
+                Some(last) if last.src + last.len == seg.src && last.at + last.len == seg.at => {
+                    last.len += seg.len;
+                }
+                _ => runs.push(seg),
+            }
+        };
+        for op in &self.ops {
+            match op {
+                Op::Copy { src, dst } => push(*dst, Segment::whole(&src_specs[*src])),
+                Op::Transpose { .. } => return None,
+                Op::Fuse { srcs, dst, axis } => {
+                    let (runs, outer) = runs(srcs.iter().map(|s| &src_specs[*s]), *axis);
+                    let mut at = 0;
+                    for o in 0..outer {
+                        for (s, &run) in srcs.iter().zip(&runs) {
+                            let src = src_specs[*s].offset + o * run;
+                            push(*dst, Segment { src, at, len: run });
+                            at += run;
+                        }
+                    }
+                }
+                Op::Split { src, dsts, axis } => {
+                    let (runs, outer) = runs(dsts.iter().map(|d| &dst_specs[*d]), *axis);
+                    let mut from = src_specs[*src].offset;
+                    for o in 0..outer {
+                        for (d, &run) in dsts.iter().zip(&runs) {
+                            push(
+                                *d,
+                                Segment {
+                                    src: from,
+                                    at: o * run,
+                                    len: run,
+                                },
+                            );
+                            from += run;
+                        }
+                    }
+                }
+            }
+        }
+        Some(out)
+    }
+}
+
 /// Run lengths along `axis` of each spec, and the shared outer count.
 fn runs<'a>(specs: impl Iterator<Item = &'a TensorSpec>, axis: usize) -> (Vec<usize>, usize) {
     let mut outer_n = 1;
@@ -254,7 +333,7 @@ fn runs<'a>(specs: impl Iterator<Item = &'a TensorSpec>, axis: usize) -> (Vec<us
 }
 
 /// Disjoint mutable slices of `bytes` for ranges in increasing order (as laid out by one plan).
-fn disjoint_mut(
+pub(crate) fn disjoint_mut(
     bytes: &mut [u8],
     ranges: impl Iterator<Item = std::ops::Range<usize>>,
 ) -> Vec<&mut [u8]> {

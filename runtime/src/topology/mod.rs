@@ -352,7 +352,11 @@ impl Topology {
     }
 
     /// The address of rank 0's host: `MASTER_ADDR` for every rank.
-    pub fn master_host(&self) -> &str {
-        &self.master().addr
+    ///
+    /// # Errors
+    /// [`Error::Topology`] naming `host[NAME].addr` when the file leaves it to a scheduler
+    /// and nothing filled it in ([`HostSection::address`]).
+    pub fn master_host(&self) -> Result<&str> {
+        self.master().address()
     }
 }

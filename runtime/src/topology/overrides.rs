@@ -504,7 +504,7 @@ roles = ["engine", "rollout"]
         let params = &t.models[0].params;
         assert_eq!(params["lr"].as_float(), Some(0.001));
         assert_eq!(params["a.b"].as_integer(), Some(2));
-        assert_eq!(t.master_host(), "10.0.0.9");
+        assert_eq!(t.master_host().unwrap(), "10.0.0.9");
         // a bare integer as an environment value is a TOML integer: refused by the schema
         let e = with(&["process.actor.env.N=1"]).unwrap_err().to_string();
         assert!(

@@ -4,6 +4,7 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
+use crate::error::{Error, Result};
 use crate::ids::ModelId;
 use crate::sync_policy::SyncConfig;
 
@@ -147,8 +148,12 @@ pub struct ModelSection {
 pub struct HostSection {
     /// The name processes refer to it by.
     pub name: String,
-    /// Its address (IP or resolvable host name) as the other hosts reach it.
-    pub addr: String,
+    /// Its address (IP or resolvable host name) as the other hosts reach it. Left out, the
+    /// scheduler gives it: `refit launch` fills it from Slurm's node list or a Kubernetes
+    /// StatefulSet's pods (`refit_node::launch::scheduler_hosts`), as an override every
+    /// rank applies.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub addr: Option<String>,
 }
 
 impl HostSection {
@@ -156,8 +161,27 @@ impl HostSection {
     pub fn local() -> Self {
         Self {
             name: "local".into(),
-            addr: "127.0.0.1".into(),
+            addr: Some("127.0.0.1".into()),
         }
+    }
+
+    /// Its address.
+    ///
+    /// # Errors
+    /// [`Error::Topology`] naming `host[NAME].addr` when the file leaves it to a scheduler
+    /// and nothing filled it in.
+    pub fn address(&self) -> Result<&str> {
+        self.addr.as_deref().ok_or_else(|| Error::Topology {
+            key: format!("host[{}].addr", self.name),
+            reason: format!(
+                "host `{}` has no address: the file leaves it to the scheduler, and none gave \
+                 it (`refit launch` under Slurm takes it from SLURM_STEP_NODELIST or \
+                 SLURM_JOB_NODELIST, under Kubernetes from the StatefulSet's pods named by \
+                 REFIT_K8S_SERVICE); elsewhere write it, or set it for one run with \
+                 `--set host.{}.addr=ADDRESS`",
+                self.name, self.name
+            ),
+        })
     }
 }
 

@@ -131,7 +131,7 @@ fn full_file_parses_into_sections_and_ranks() {
     assert_eq!(t.stop().target_return, Some(475.0));
     assert_eq!(t.stop().max_updates, Some(500));
     assert_eq!(t.world_size(), 4);
-    assert_eq!(t.master_host(), "10.77.0.1");
+    assert_eq!(t.master_host().unwrap(), "10.77.0.1");
     let r0 = t.rank(0).unwrap();
     assert_eq!(
         (r0.process.as_str(), r0.replica, r0.host.name.as_str()),
@@ -143,7 +143,7 @@ fn full_file_parses_into_sections_and_ranks() {
     assert_eq!((r1.process.as_str(), r1.rollout_workers), ("near", 3));
     let r3 = t.rank(3).unwrap();
     assert_eq!(
-        (r3.process.as_str(), r3.replica, r3.host.addr.as_str()),
+        (r3.process.as_str(), r3.replica, r3.host.address().unwrap()),
         ("far", 1, "10.77.0.2")
     );
     // no count of its own: the model's `params.workers`, else 1
@@ -205,7 +205,7 @@ roles = ["trainer", "controller", "engine", "rollout"]
         TransportKind::Nearest(Reach::Process)
     );
     assert_eq!(t.hosts, [HostSection::local()]);
-    assert_eq!(t.master_host(), "127.0.0.1");
+    assert_eq!(t.master_host().unwrap(), "127.0.0.1");
     let named = |n: &str| TransportKind::Named(n.into());
     let t = checked(&format!("{one}[links]\nweights = \"inproc\"\n")).unwrap();
     assert_eq!(
@@ -685,6 +685,35 @@ fn file_errors_name_the_path() {
         .to_string();
     assert!(e.contains("conf/topo.toml") && e.contains("links"), "{e}");
     assert_eq!(Topology::parse_file(&small(""), p).unwrap().world_size(), 3);
+}
+
+#[test]
+fn hosts_without_an_address_wait_for_the_scheduler() {
+    let file = BASE.replace("addr = \"10.77.0.2\"\n", "");
+    assert_ne!(file, BASE);
+    let t = Topology::parse(&file).unwrap();
+    let b = t.hosts.iter().find(|h| h.name == "b").unwrap();
+    assert_eq!(b.addr, None);
+    let e = b.address().unwrap_err().to_string();
+    assert!(
+        e.contains("`host[b].addr`")
+            && e.contains("SLURM_STEP_NODELIST")
+            && e.contains("REFIT_K8S_SERVICE")
+            && e.contains("--set host.b.addr=ADDRESS"),
+        "{e}"
+    );
+    // an override fills it, as the launcher's does
+    let t =
+        Topology::parse_with(&file, &[Override::parse("host[b].addr=\"node2\"").unwrap()]).unwrap();
+    assert_eq!(
+        t.hosts
+            .iter()
+            .find(|h| h.name == "b")
+            .unwrap()
+            .address()
+            .unwrap(),
+        "node2"
+    );
 }
 
 #[test]

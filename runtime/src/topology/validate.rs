@@ -107,8 +107,10 @@ fn check_hosts(hosts: &[HostSection]) -> Result<()> {
     for h in hosts {
         name_ok("host.name", &h.name)?;
         let key = format!("host[{}].addr", h.name);
-        if h.addr.trim().is_empty() || h.addr.chars().any(char::is_whitespace) {
-            return Err(bad(key, format!("{:?} is not an address", h.addr)));
+        if let Some(addr) = &h.addr
+            && (addr.trim().is_empty() || addr.chars().any(char::is_whitespace))
+        {
+            return Err(bad(key, format!("{addr:?} is not an address")));
         }
         if !seen.insert(h.name.as_str()) {
             return Err(bad(

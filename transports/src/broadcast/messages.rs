@@ -13,13 +13,30 @@ use crate::collective::Communicator;
 /// Largest control message a receiver accepts.
 const MAX_CONTROL: usize = wire::MAX_CONTROL_MESSAGE;
 
+/// The version of the broadcast transport's protocol (its control messages and the bytes
+/// that follow them) this build speaks: rank 0 opens every generation with it, and a
+/// receiver of another version leaves the generation naming both.
+pub const PROTOCOL_VERSION: u32 = 1;
+
+/// The name of the protocol in errors.
+pub(super) const PROTOCOL_NAME: &str = "broadcast";
+
 /// What rank 0 broadcasts on the control plane.
 #[derive(Debug, Serialize, Deserialize)]
 pub(super) enum Control {
-    /// Sent once per generation, first: every model's manifest.
+    /// Sent once per generation, first of all, whatever the version: rank 0's
+    /// [`PROTOCOL_VERSION`].
+    Hello {
+        /// The sender's protocol version.
+        protocol: u32,
+    },
+    /// Sent once per generation, after the hello: every model's manifest.
     Manifests(Vec<(ModelId, Manifest)>),
     /// Announces one bucket; its bytes follow as one broadcast.
     Prepare(Prepare),
+    /// The sender shuts down: receivers report it gone at once (an NCCL peer does not see
+    /// the other ranks leave; only this message, or its idle timeout, tells it).
+    Goodbye,
 }
 
 /// The prepare message of one bucket: what the next broadcast carries.

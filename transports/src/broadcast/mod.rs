@@ -2,7 +2,10 @@
 //! through a [`Communicator`] — the CPU chain over TCP ([`CpuConfig`]) or NCCL — one bucket
 //! at a time.
 //!
-//! Per version, per bucket of the sender's [`BucketPlan`](refit_runtime::BucketPlan), rank 0
+//! Rank 0 opens every generation with a hello carrying its [`PROTOCOL_VERSION`] (a
+//! receiver of another version leaves the generation with
+//! [`Error::Protocol`](refit_runtime::Error::Protocol), naming both), then every model's
+//! manifest. Per version, per bucket of the sender's [`BucketPlan`](refit_runtime::BucketPlan), rank 0
 //! broadcasts a **prepare** message ([`Prepare`]: model, version, the bucket's tensors with
 //! their names, dtypes, shapes and offsets, its index and the bucket count, its checksum),
 //! then the bucket's bytes. Every receiver checks the prepare against the agreed manifest
@@ -24,7 +27,9 @@
 //! Receivers run the collective on a thread of their own, so a broadcast never waits for the
 //! application to call `receive`; while idle, rank 0 broadcasts a heartbeat every
 //! [`BroadcastConfig::heartbeat`], and a receiver that hears nothing for
-//! [`BroadcastConfig::idle_timeout`] reports the sender as gone.
+//! [`BroadcastConfig::idle_timeout`] reports the sender as gone. A sender that shuts down
+//! broadcasts a goodbye first, so its receivers report it gone at once (NCCL ranks do not
+//! see a peer leave; the CPU chain's closed sockets would tell them anyway).
 
 mod link;
 mod messages;
@@ -38,8 +43,8 @@ use refit_runtime::{ModelId, Result, Version};
 
 use crate::collective::{Communicator, CpuComm, CpuConfig, Membership, Rendezvous};
 
-pub use link::BroadcastLink;
-pub use messages::Prepare;
+pub use link::{BroadcastLink, GroupEnd, join_group, open_group};
+pub use messages::{PROTOCOL_VERSION, Prepare};
 pub use receiver::{BroadcastReceiver, PrepareHook};
 pub use sender::BroadcastSender;
 

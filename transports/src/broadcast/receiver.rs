@@ -155,7 +155,8 @@ fn join(
 /// Every model's manifest, as rank 0 announces them.
 type ManifestList = Vec<(ModelId, Manifest)>;
 
-/// Joins a generation and reads its manifests.
+/// Joins a generation and reads rank 0's hello (its protocol version, checked) and the
+/// manifests.
 fn enter<K: Connector>(
     connector: &mut K,
     cfg: &BroadcastConfig,
@@ -164,21 +165,47 @@ fn enter<K: Connector>(
     deadline: Instant,
 ) -> Result<(K::Comm, ManifestList)> {
     let mut comm = connector.connect(membership, store, deadline)?;
+    let refuse = |comm: &mut K::Comm, e: Error| {
+        comm.abort(&e.to_string());
+        Err(e)
+    };
+    let unexpected = |comm: &mut K::Comm, expected: &str, got: Option<Control>| {
+        let got = match got {
+            Some(Control::Hello { .. }) => "a second hello",
+            Some(Control::Manifests(_)) => "the manifests",
+            Some(Control::Prepare(_)) => "a prepare",
+            Some(Control::Goodbye) => "the sender's goodbye",
+            None => "a heartbeat",
+        };
+        let e = comm.membership().error(
+            comm.backend(),
+            format!("expected {expected} first, got {got}"),
+        );
+        refuse(comm, e)
+    };
+    // the sender's version first: one of another version is left, naming both (a sender of
+    // before protocol versions opens with the manifests: version 0)
+    let theirs = match messages::recv(&mut comm, deadline, deadline)? {
+        Some(Control::Hello { protocol }) => protocol,
+        Some(Control::Manifests(_)) => 0,
+        other => return unexpected(&mut comm, "the hello", other),
+    };
+    let peer = format!(
+        "rank 0 of broadcast group `{}` (generation {})",
+        cfg.group,
+        comm.membership().generation
+    );
+    if let Err(e) = Error::check_protocol(
+        peer,
+        messages::PROTOCOL_NAME,
+        messages::PROTOCOL_VERSION,
+        theirs,
+    ) {
+        return refuse(&mut comm, e);
+    }
     match messages::recv(&mut comm, deadline, deadline)? {
         Some(Control::Manifests(m)) => Ok((comm, m)),
-        other => {
-            let what = if other.is_some() {
-                "a prepare"
-            } else {
-                "a heartbeat"
-            };
-            let e = comm.membership().error(
-                comm.backend(),
-                format!("expected the manifests first, got {what}"),
-            );
-            comm.abort(&e.to_string());
-            Err(e)
-        }
+        other => unexpected(&mut comm, "the manifests", other),
     }
     .map_err(|e| {
         tracing::debug!(group = %cfg.group, "joining failed: {e}");
@@ -292,15 +319,22 @@ impl<K: Connector> Worker<K> {
             };
             match msg {
                 None => {}
-                Some(Control::Manifests(_)) => {
-                    return comm
-                        .membership()
-                        .error(comm.backend(), "manifests in the middle of a generation");
+                Some(Control::Manifests(_) | Control::Hello { .. }) => {
+                    return comm.membership().error(
+                        comm.backend(),
+                        "manifests or a hello in the middle of a generation",
+                    );
                 }
                 Some(Control::Prepare(p)) => {
                     if let Err(e) = self.bucket(comm, &mut asm, p) {
                         return e;
                     }
+                }
+                Some(Control::Goodbye) => {
+                    return Error::PeerGone {
+                        peer: format!("rank 0 of broadcast group `{}`", self.cfg.group),
+                        reason: "the sender shut down".into(),
+                    };
                 }
             }
         }

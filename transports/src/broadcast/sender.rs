@@ -51,6 +51,9 @@ pub struct BroadcastSender<K: Connector> {
     stats: Arc<BroadcastStats>,
     /// A node this end keeps running (the one serving its store), dropped after it.
     keep: Option<refit_node::Node>,
+    /// Test hook: buckets still to corrupt ([`BroadcastSender::inject_corruption`]).
+    #[cfg(feature = "test-util")]
+    corrupt: std::sync::atomic::AtomicU32,
 }
 
 impl<K: Connector> BroadcastSender<K> {
@@ -86,7 +89,40 @@ impl<K: Connector> BroadcastSender<K> {
             sent_in: HashMap::new(),
             stats: Arc::default(),
             keep: None,
+            #[cfg(feature = "test-util")]
+            corrupt: std::sync::atomic::AtomicU32::new(0),
         })
+    }
+
+    /// Test hook (feature `test-util`): flips one byte in each of the next `buckets` buckets
+    /// this sender broadcasts, after their prepare message (which keeps the true checksum),
+    /// as a faulty link or device would. Receivers must refuse the version whole.
+    #[cfg(feature = "test-util")]
+    pub fn inject_corruption(&self, buckets: u32) {
+        self.corrupt.store(buckets, Ordering::Release);
+    }
+
+    /// The bytes that go out for a bucket: `bytes`, or with the test hook a damaged copy.
+    #[cfg(feature = "test-util")]
+    fn outgoing<'a>(&self, bytes: &'a [u8]) -> std::borrow::Cow<'a, [u8]> {
+        let take = |n: u32| n.checked_sub(1);
+        if self
+            .corrupt
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, take)
+            .is_err()
+        {
+            return std::borrow::Cow::Borrowed(bytes);
+        }
+        let mut damaged = bytes.to_vec();
+        if let Some(b) = damaged.get_mut(bytes.len() / 2) {
+            *b ^= 0x40;
+        }
+        std::borrow::Cow::Owned(damaged)
+    }
+
+    #[cfg(not(feature = "test-util"))]
+    fn outgoing<'a>(&self, bytes: &'a [u8]) -> std::borrow::Cow<'a, [u8]> {
+        std::borrow::Cow::Borrowed(bytes)
     }
 
     /// The counters (prepare messages sent, bytes, generation).
@@ -139,6 +175,15 @@ impl<K: Connector> BroadcastSender<K> {
         }
     }
 
+    /// Sets the receivers gauge of every model to `n`.
+    fn count_receivers(&self, n: usize) {
+        refit_runtime::metrics::receivers_connected(
+            "broadcast",
+            self.manifests.iter().map(|(m, _)| m.as_str()),
+            n,
+        );
+    }
+
     /// Forms the next generation's communicator and sends it the manifests.
     fn form(&mut self, deadline: Instant) -> Result<()> {
         {
@@ -161,12 +206,17 @@ impl<K: Connector> BroadcastSender<K> {
         let mut comm = self
             .connector
             .connect(membership, self.store.as_ref(), deadline)?;
+        let hello = Control::Hello {
+            protocol: messages::PROTOCOL_VERSION,
+        };
+        messages::send(&mut comm, &hello, deadline)?;
         messages::send(
             &mut comm,
             &Control::Manifests(self.manifests.clone()),
             deadline,
         )?;
         self.stats.generation.store(g, Ordering::Relaxed);
+        self.count_receivers(self.members.len());
         let mut link = lock(&self.link);
         link.comm = Some(comm);
         link.last_use = Instant::now();
@@ -250,7 +300,7 @@ impl<K: Connector> BroadcastSender<K> {
                 let (prepare, bytes) = prepare(plan, w, b, (i as u32, model_count), seq)?;
                 messages::send(comm, &Control::Prepare(prepare), deadline)?;
                 self.stats.prepares.fetch_add(1, Ordering::Relaxed);
-                comm.broadcast_send(bytes, deadline)?;
+                comm.broadcast_send(&self.outgoing(bytes), deadline)?;
                 self.stats
                     .bytes
                     .fetch_add(bytes.len() as u64, Ordering::Relaxed);
@@ -421,9 +471,18 @@ impl<K: Connector> SenderTransport for BroadcastSender<K> {
         }
         let mut link = lock(&self.link);
         if let Some(mut comm) = link.comm.take() {
+            if link.failed.is_none() {
+                // best effort: a receiver that misses it learns from its idle timeout
+                let bye = Instant::now() + Duration::from_secs(1);
+                if let Err(e) = messages::send(&mut comm, &Control::Goodbye, bye) {
+                    tracing::debug!("broadcast goodbye not sent: {e}");
+                }
+            }
             comm.abort("the sender shut down");
         }
         link.failed = Some("the sender shut down".into());
+        drop(link);
+        self.count_receivers(0);
         Ok(())
     }
 }

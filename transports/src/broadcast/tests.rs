@@ -75,6 +75,10 @@ fn a_bucket_whose_bytes_miss_their_checksum_is_refused_and_the_old_version_kept(
         CpuComm::connect(membership, store.as_ref(), &cpu, Instant::now() + LONG).unwrap();
     let policy = ModelId::new("policy").unwrap();
     let list = vec![(policy.clone(), (*m).clone())];
+    let hello = Control::Hello {
+        protocol: PROTOCOL_VERSION,
+    };
+    messages::send(&mut comm, &hello, Instant::now() + LONG).unwrap();
     messages::send(&mut comm, &Control::Manifests(list), Instant::now() + LONG).unwrap();
     let plan = BucketPlan::compute(&policy, &m, &m, 16384).unwrap();
     assert_eq!(plan.len(), 2);
@@ -105,4 +109,58 @@ fn a_bucket_whose_bytes_miss_their_checksum_is_refused_and_the_old_version_kept(
     assert_eq!(r.version(&policy), Version(2));
     assert_eq!(stats.prepares(), 6);
     assert_eq!(stats.refused(), 1);
+}
+
+/// A rank 0 of another protocol version (999, or one of before versions that opens with the
+/// manifests) is left by the receiver, whose error names both versions.
+#[test]
+fn a_sender_of_another_protocol_version_is_refused_naming_both() {
+    let m = Manifest::builder()
+        .tensor("a", DType::F32, &[16])
+        .build()
+        .unwrap();
+    let policy = ModelId::new("policy").unwrap();
+    for (group, theirs) in [("v999", 999u32), ("v0", 0)] {
+        let store: Arc<dyn Rendezvous> = Arc::new(LocalRendezvous::new());
+        let cpu = CpuConfig::new(ClusterToken::random());
+        let cfg = BroadcastConfig::new(group);
+        store
+            .set(
+                &cfg.members_key(1),
+                &wire::encode(&vec!["r1".to_owned()]).unwrap(),
+            )
+            .unwrap();
+        store.set(&cfg.current_key(), b"1").unwrap();
+        let rx =
+            BroadcastReceiver::new(cpu.clone(), Arc::clone(&store), cfg.clone(), "r1").unwrap();
+        let joiner = std::thread::spawn(move || ReceiverInit::new(rx, None).connect(LONG));
+        let membership = Membership::new(group, 1, 0, 2).unwrap();
+        let mut comm =
+            CpuComm::connect(membership, store.as_ref(), &cpu, Instant::now() + LONG).unwrap();
+        let first = if theirs == 0 {
+            Control::Manifests(vec![(policy.clone(), m.clone())])
+        } else {
+            Control::Hello { protocol: theirs }
+        };
+        // the receiver may have left before the send completes
+        let _ = messages::send(&mut comm, &first, Instant::now() + LONG);
+        let e = joiner.join().unwrap().unwrap_err();
+        assert!(
+            matches!(
+                e,
+                refit_runtime::Error::Protocol {
+                    ours: PROTOCOL_VERSION,
+                    ..
+                }
+            ),
+            "{e}"
+        );
+        let text = e.to_string();
+        assert!(
+            text.contains(&format!("broadcast protocol version {theirs}"))
+                && text.contains(&format!("speaks version {PROTOCOL_VERSION}"))
+                && text.contains(group),
+            "{text}"
+        );
+    }
 }

@@ -5,9 +5,10 @@
 //! under [`Membership::key`]`("addr/{rank}")`, connects to every higher rank and accepts
 //! every lower one (a full mesh, so send/recv reach any peer). Each connection opens with a
 //! hello frame carrying the cluster token (the node runtime's [`ClusterToken`], compared in
-//! constant time, framed with its [`frame`] codec) and the group, generation and ranks; a
-//! connection with a wrong token or from another group is refused and the rank goes on
-//! waiting for the right one.
+//! constant time, framed with its [`frame`] codec), the collective's [`PROTOCOL_VERSION`]
+//! and the group, generation and ranks; a connection with another protocol version, a wrong
+//! token or from another group is refused (the refusal names both versions, or the token,
+//! or both groups) and the rank goes on waiting for the right one.
 //!
 //! Broadcast is a pipelined chain in rank order starting at the root: the root writes its
 //! bytes to the next rank in chunks, every other rank reads a chunk from the previous rank and
@@ -24,7 +25,7 @@ use std::net::{IpAddr, Ipv4Addr, Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::time::{Duration, Instant};
 
 use refit_node::{ClusterToken, frame};
-use refit_runtime::{Error, Result};
+use refit_runtime::{Error, Result, wire};
 use serde::{Deserialize, Serialize};
 
 use super::{Communicator, Membership, Rendezvous};
@@ -50,7 +51,7 @@ impl CpuConfig {
         Self {
             token,
             bind: IpAddr::V4(Ipv4Addr::LOCALHOST),
-            chunk: 1 << 20,
+            chunk: crate::FORWARD_PIECE,
         }
     }
 
@@ -69,9 +70,21 @@ impl CpuConfig {
     }
 }
 
+/// The version of the CPU collective's protocol (the hello, the welcome, the chain's
+/// framing) this build speaks: each connection's hello and welcome carry it, and a rank of
+/// another version is refused naming both.
+pub const PROTOCOL_VERSION: u32 = 1;
+
+/// The name of the protocol in errors.
+const PROTOCOL_NAME: &str = "cpu collective";
+
 /// The first frame of every connection between two ranks.
 #[derive(Serialize, Deserialize)]
 struct Hello {
+    /// [`PROTOCOL_VERSION`] of the connecting rank (0 from a rank of before protocol
+    /// versions); read first, alone.
+    #[serde(default)]
+    protocol: u32,
     token: String,
     group: String,
     generation: u64,
@@ -83,6 +96,19 @@ struct Hello {
 #[derive(Serialize, Deserialize)]
 struct Welcome {
     refused: Option<String>,
+    /// [`PROTOCOL_VERSION`] of the accepting rank (0 from a rank of before protocol
+    /// versions).
+    #[serde(default)]
+    protocol: u32,
+}
+
+impl Welcome {
+    fn refusing(reason: String) -> Self {
+        Self {
+            refused: Some(reason),
+            protocol: PROTOCOL_VERSION,
+        }
+    }
 }
 
 /// One rank's CPU communicator (see the module docs).
@@ -425,6 +451,7 @@ fn transfer(stream: &mut TcpStream, mut dir: Dir<'_>, deadline: Instant, who: &s
 
 fn hello_for(m: &Membership, config: &CpuConfig) -> Hello {
     Hello {
+        protocol: PROTOCOL_VERSION,
         token: config.token.expose().to_owned(),
         group: m.group.clone(),
         generation: m.generation,
@@ -483,6 +510,15 @@ fn connect_to(
             format!("rank {peer} at {addr} refused us: {reason}"),
         ));
     }
+    Error::check_protocol(
+        format!(
+            "rank {peer} at {addr} of collective `{}` (generation {})",
+            m.group, m.generation
+        ),
+        PROTOCOL_NAME,
+        PROTOCOL_VERSION,
+        welcome.protocol,
+    )?;
     Ok(stream)
 }
 
@@ -525,12 +561,7 @@ fn accept_from(
             }
             Err(reason) => {
                 tracing::warn!(%from, group = %m.group, "refused a collective connection: {reason}");
-                let _ = frame::send_blocking(
-                    &mut stream,
-                    &Welcome {
-                        refused: Some(reason),
-                    },
-                );
+                let _ = frame::send_blocking(&mut stream, &Welcome::refusing(reason));
             }
         }
     }
@@ -552,8 +583,17 @@ fn admit(
         .and_then(|()| stream.set_write_timeout(Some(left)))
         .map_err(|e| format!("configuring the connection: {e}"))?;
     let _ = stream.set_nodelay(true);
-    let hello: Hello =
-        frame::recv_blocking(stream, MAX_HELLO).map_err(|e| format!("no hello: {e}"))?;
+    let body = frame::read_frame_blocking(stream, MAX_HELLO)
+        .map_err(|e| format!("no hello: {e}"))?
+        .ok_or_else(|| "no hello: the peer closed".to_owned())?;
+    // the version first, alone: a rank of another version is named as such
+    let theirs = wire::peek_protocol(&body, MAX_HELLO).map_err(|e| format!("bad hello: {e}"))?;
+    let peer = stream
+        .peer_addr()
+        .map_or_else(|_| "a rank".to_owned(), |a| format!("the rank at {a}"));
+    Error::check_protocol(peer, PROTOCOL_NAME, PROTOCOL_VERSION, theirs)
+        .map_err(|e| e.to_string())?;
+    let hello: Hello = wire::decode(&body, MAX_HELLO).map_err(|e| format!("bad hello: {e}"))?;
     if !config.token.matches(&hello.token) {
         return Err("wrong cluster token".into());
     }
@@ -570,8 +610,11 @@ fn admit(
             m.rank
         ));
     }
-    frame::send_blocking(stream, &Welcome { refused: None })
-        .map_err(|e| format!("sending the welcome: {e}"))?;
+    let welcome = Welcome {
+        refused: None,
+        protocol: PROTOCOL_VERSION,
+    };
+    frame::send_blocking(stream, &welcome).map_err(|e| format!("sending the welcome: {e}"))?;
     Ok(rank)
 }
 

@@ -23,8 +23,14 @@ pub fn open_device(ordinal: usize) -> std::result::Result<Arc<CudaContext>, GpuU
         return Err(GpuUnavailable::NoDriver);
     }
     let count = CudaContext::device_count().map_err(|e| GpuUnavailable::Driver(driver_text(e)))?;
-    if count <= 0 || ordinal >= count as usize {
+    if count <= 0 {
         return Err(GpuUnavailable::NoDevice);
+    }
+    if ordinal >= count as usize {
+        return Err(GpuUnavailable::NoSuchDevice {
+            ordinal,
+            count: count as usize,
+        });
     }
     CudaContext::new(ordinal).map_err(|e| GpuUnavailable::Driver(driver_text(e)))
 }
@@ -81,4 +87,32 @@ pub fn wait_event(event: &CudaEvent, deadline: Instant, what: &str) -> Result<()
             std::thread::sleep(Duration::from_micros(50));
         }
     }
+}
+
+/// See [`super::device_copy_times`].
+pub(super) fn copy_times(ordinal: usize, len: usize, iters: usize) -> Result<Vec<Duration>> {
+    let ctx = open_device(ordinal).map_err(|why| Error::transport("cuda", why.to_string()))?;
+    let stream = ctx
+        .new_stream()
+        .map_err(|e| driver_error("cuda", "creating a stream", e))?;
+    let alloc = |what: &str| {
+        stream
+            .alloc_zeros::<u8>(len.max(1))
+            .map_err(|e| driver_error("cuda", &format!("allocating {what} of {len} bytes"), e))
+    };
+    let (a, mut b) = (alloc("a source")?, alloc("a destination")?);
+    let mut times = Vec::with_capacity(iters);
+    for i in 0..=iters {
+        let t = Instant::now();
+        stream
+            .memcpy_dtod(&a, &mut b)
+            .map_err(|e| driver_error("cuda", "copying device to device", e))?;
+        stream
+            .synchronize()
+            .map_err(|e| driver_error("cuda", "waiting for a device copy", e))?;
+        if i > 0 {
+            times.push(t.elapsed());
+        }
+    }
+    Ok(times)
 }

@@ -1,13 +1,14 @@
-//! CUDA IPC: a trainer and an engine on one GPU share device memory without a copy.
+//! CUDA IPC: a trainer and an engine on one GPU share device memory without a copy
+//! (`ExportedBuffer` and `IpcImports` need the `cuda` feature; the handle does not).
 //!
-//! The trainer allocates an [`ExportedBuffer`] (plain `cuMemAlloc` memory: the driver
+//! The trainer allocates an `ExportedBuffer` (plain `cuMemAlloc` memory: the driver
 //! refuses to export stream-ordered pool allocations) and hands out its [`IpcHandle`], 64
 //! opaque bytes plus the length and the membership generation, which travel like any other
 //! control message (serde). The engine, another process on the same GPU, opens the handle
-//! through [`IpcImports`]: once per generation, reusing the mapping for every later version
+//! through `IpcImports`: once per generation, reusing the mapping for every later version
 //! of that generation, and closing it exactly once (when the generation changes or the
 //! imports are dropped). The exported memory is freed exactly once, when the trainer drops
-//! the [`ExportedBuffer`]; the trainer keeps it alive for as long as the generation lasts.
+//! the `ExportedBuffer`; the trainer keeps it alive for as long as the generation lasts.
 //!
 //! Every failure is an [`Error`](refit_runtime::Error): a malformed handle is refused before
 //! any driver call, and driver errors keep their CUDA result code.

@@ -1,7 +1,7 @@
 //! GPU support: a probe that says, as an error and never a panic, whether the CUDA driver and
-//! NCCL can be loaded, and which devices are present; pinned host staging ([`pinned`]) and
-//! CUDA IPC between processes on one GPU ([`ipc`]). The NCCL communicator is
-//! `collective::nccl`.
+//! NCCL can be loaded, and which devices are present; pinned host staging (`pinned`, with
+//! the `cuda` feature) and CUDA IPC between processes on one GPU ([`ipc`]). The NCCL
+//! communicator is `collective::nccl`.
 //!
 //! Built with the `cuda` feature, the probe loads the libraries at run time through cudarc
 //! (dynamic loading: the feature compiles on machines without CUDA). Without the feature it
@@ -30,6 +30,15 @@ pub enum GpuUnavailable {
     Driver(String),
     /// The driver works but there is no device.
     NoDevice,
+    /// The driver has devices, but not this ordinal.
+    NoSuchDevice {
+        /// The ordinal asked for.
+        ordinal: usize,
+        /// Devices present.
+        count: usize,
+    },
+    /// The driver and the device work but `libnccl` cannot be loaded.
+    NoNccl,
 }
 
 impl std::fmt::Display for GpuUnavailable {
@@ -42,6 +51,14 @@ impl std::fmt::Display for GpuUnavailable {
             ),
             Self::Driver(e) => write!(f, "the CUDA driver reported an error: {e}"),
             Self::NoDevice => write!(f, "the CUDA driver found no device"),
+            Self::NoSuchDevice { ordinal, count } => write!(
+                f,
+                "the CUDA driver has no device {ordinal} ({count} present: 0..{count})"
+            ),
+            Self::NoNccl => write!(
+                f,
+                "libnccl cannot be loaded (cudarc looks for libnccl.so: link it to libnccl.so.2 in a directory on LD_LIBRARY_PATH)"
+            ),
         }
     }
 }
@@ -81,6 +98,71 @@ pub fn probe() -> Result<GpuReport, GpuUnavailable> {
     #[cfg(not(feature = "cuda"))]
     {
         Err(GpuUnavailable::NotCompiled)
+    }
+}
+
+/// Checks that device `ordinal` can be used (and NCCL loaded, when `nccl`), never panicking:
+/// what the GPU links ask before they open anything.
+///
+/// # Errors
+/// [`GpuUnavailable`] saying why: [`GpuUnavailable::NotCompiled`] without the `cuda`
+/// feature, [`GpuUnavailable::NoSuchDevice`] for an ordinal the driver does not have.
+pub fn check_device(ordinal: usize, nccl: bool) -> Result<(), GpuUnavailable> {
+    #[cfg(feature = "cuda")]
+    {
+        device::open_device(ordinal)?;
+        if nccl && !device::nccl_present() {
+            return Err(GpuUnavailable::NoNccl);
+        }
+        Ok(())
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = (ordinal, nccl);
+        Err(GpuUnavailable::NotCompiled)
+    }
+}
+
+/// Times `iters` device-to-device copies of `len` bytes between two buffers of device
+/// `ordinal` (each until its stream is idle, after one untimed copy): the physical baseline
+/// `refit bench` sets the GPU links against.
+///
+/// # Errors
+/// [`refit_runtime::Error::Transport`] with [`check_device`]'s reason when the device
+/// cannot be used (not compiled with CUDA, no driver, no such device); the driver's errors.
+pub fn device_copy_times(
+    ordinal: usize,
+    len: usize,
+    iters: usize,
+) -> refit_runtime::Result<Vec<std::time::Duration>> {
+    #[cfg(feature = "cuda")]
+    {
+        device::copy_times(ordinal, len, iters)
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = (ordinal, len, iters);
+        Err(refit_runtime::Error::transport(
+            "cuda",
+            GpuUnavailable::NotCompiled.to_string(),
+        ))
+    }
+}
+
+/// The error of GPU link `link` that cannot run here: for [`GpuUnavailable::NotCompiled`],
+/// "not compiled with CUDA" with the feature and how to build with it; otherwise the probe's
+/// reason.
+pub fn link_unavailable(link: &'static str, why: &GpuUnavailable) -> refit_runtime::Error {
+    let message = match why {
+        GpuUnavailable::NotCompiled => format!(
+            "not compiled with CUDA: {why}; build with `--features cuda` (the refit tool: \
+             `cargo build --release --features cuda --bin refit`)"
+        ),
+        other => format!("no usable GPU: {other}"),
+    };
+    refit_runtime::Error::Transport {
+        transport: link,
+        message,
     }
 }
 

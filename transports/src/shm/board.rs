@@ -25,6 +25,11 @@ pub(super) struct DirModel {
     pub(super) id: ModelId,
     pub(super) manifest: Manifest,
     pub(super) data: PathBuf,
+    /// The handles of the slots' bytes when they live outside the data segment (a
+    /// `cuda-ipc` board: one exported device buffer per slot; the data segment then holds
+    /// the slots' headers only). Empty for a plain shm board.
+    #[serde(default)]
+    pub(super) exported: Vec<crate::gpu::ipc::IpcHandle>,
 }
 
 pub(super) fn shm_err(message: impl Into<String>) -> Error {

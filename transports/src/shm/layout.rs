@@ -21,9 +21,13 @@
 
 /// "REFITSHM".
 pub(crate) const MAGIC: u64 = u64::from_le_bytes(*b"REFITSHM");
-/// 3: growable data segments, a per-version checksum, the receivers' `behind` word (layout 2
-/// had a fixed slot count; layout 1 kept bare pids).
-pub(crate) const LAYOUT: u32 = 3;
+/// The board's layout version, the shm transport's protocol version: a receiver refuses a
+/// board of another layout naming both versions
+/// ([`Error::Protocol`](refit_runtime::Error::Protocol)). 3: growable data segments, a
+/// per-version checksum, the receivers' `behind` word (2: a fixed slot count; 1: bare pids).
+pub const LAYOUT: u32 = 3;
+/// The name of the layout in errors.
+pub(crate) const LAYOUT_NAME: &str = "shm board layout";
 pub(crate) const PAGE: usize = 4096;
 /// Most models one scheme carries.
 pub const MAX_MODELS: usize = 8;

@@ -25,6 +25,10 @@
 //!   [`refit_node::signals::install_signal_handlers`]. A sender that dies without
 //!   cleaning up (SIGKILL, the OOM killer) leaves its files; the next sender created in the
 //!   same directory removes them ([`ShmSender::collected`]).
+//! - The slots' bytes may live outside the data segments, in memory exported by handle
+//!   ([`ShmSender::create_exported`], [`ShmReceiver::with_imports`]): the `cuda-ipc` link
+//!   ([`crate::cuda_ipc`]) keeps them on the GPU. The board, the headers, pins and leases
+//!   stay here, and so does everything above.
 //!
 //! # Why there are no bucket control messages here
 //!
@@ -42,6 +46,9 @@
 //! scheme against the manifests the receiver expects. So the
 //! unit of control here is the version, not the bucket; the same holds for the in-process
 //! transport, which moves no bytes at all.
+//!
+//! The board's layout is versioned ([`LAYOUT`]): a receiver refuses a board of another
+//! layout with [`Error::Protocol`](refit_runtime::Error::Protocol), naming both versions.
 
 mod board;
 mod checksum;
@@ -62,7 +69,7 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
-pub use layout::{MAX_MODELS, MAX_SLOTS};
+pub use layout::{LAYOUT, MAX_MODELS, MAX_SLOTS};
 pub use link::ShmLink;
 pub use receiver::{ShmReadMode, ShmReceiver};
 #[cfg(feature = "test-util")]

@@ -21,7 +21,13 @@ use super::lease::{self, Heartbeat, Identity};
 use super::pieces;
 use super::segment::Segment;
 use super::{LIVENESS_EVERY, NAME, ShmReceiverSpec, futex};
+use crate::cuda_ipc::ImportSlots;
+use crate::gpu::ipc::IpcHandle;
 use crate::pool::{BufPool, PooledBuf};
+
+/// The deadline of reading one exported slot into host memory (bounded work: no peer to
+/// wait for), whatever the caller's deadline for the next version.
+const EXPORTED_READ: Duration = Duration::from_secs(60);
 
 /// How a receiver reads a slot.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -118,6 +124,8 @@ pub(super) struct Attached {
     lease_len: Duration,
     /// Every version carries a checksum to verify ([`FLAG_CHECKSUM`]).
     checksum: bool,
+    /// Per model, the handles of its exported slots (empty on a plain shm board).
+    exported: Vec<Vec<IpcHandle>>,
 }
 
 /// A receiving end.
@@ -129,6 +137,8 @@ pub struct ShmReceiver {
     pool: Arc<BufPool>,
     /// Versions read into private memory.
     copied: u64,
+    /// The exported slots, opened (the `cuda-ipc` link's receiver).
+    imports: Option<Box<dyn ImportSlots>>,
 }
 
 impl std::fmt::Debug for ShmReceiver {
@@ -137,6 +147,7 @@ impl std::fmt::Debug for ShmReceiver {
             .field("spec", &self.spec)
             .field("mode", &self.mode)
             .field("attached", &self.attached.is_some())
+            .field("imports", &self.imports)
             .finish()
     }
 }
@@ -151,14 +162,25 @@ impl ShmReceiver {
             seen: Vec::new(),
             pool: Arc::default(),
             copied: 0,
+            imports: None,
         }
     }
 
     /// Versions (one per model per update) this receiver read into private memory: every
-    /// one in [`ShmReadMode::Copy`]; in [`ShmReadMode::ZeroCopy`], those it read while the
-    /// sender had marked it behind.
+    /// one in [`ShmReadMode::Copy`] or from exported slots; in [`ShmReadMode::ZeroCopy`],
+    /// those it read while the sender had marked it behind.
     pub fn versions_copied(&self) -> u64 {
         self.copied
+    }
+
+    /// A receiver of a board whose slots live in exported memory (a `cuda-ipc` board, see
+    /// [`ShmSender::create_exported`](super::ShmSender::create_exported)): `imports` opens
+    /// the slots' handles once, at `connect`, and copies each version out of its slot into
+    /// host memory (the read mode is then always [`ShmReadMode::Copy`]).
+    #[must_use]
+    pub fn with_imports(mut self, imports: Box<dyn ImportSlots>) -> Self {
+        self.imports = Some(imports);
+        self
     }
 
     /// Chooses how slots are read.
@@ -180,9 +202,13 @@ impl ShmReceiver {
         {
             return Ok(None);
         }
-        if board.u32_at(OFF_LAYOUT)?.load(Ordering::Relaxed) != LAYOUT {
-            return Err(shm_err("board was written by another layout version"));
-        }
+        let layout = board.u32_at(OFF_LAYOUT)?.load(Ordering::Relaxed);
+        Error::check_protocol(
+            format!("the shm board {}", self.spec.board.display()),
+            LAYOUT_NAME,
+            LAYOUT,
+            layout,
+        )?;
         match state_word(&board)?.load(Ordering::SeqCst) {
             STATE_LIVE => {}
             STATE_SHUTDOWN => {
@@ -203,13 +229,45 @@ impl ShmReceiver {
         if dir.models.len() > MAX_MODELS || !(2..=MAX_SLOTS).contains(&n_slots) {
             return Err(shm_err("board directory is malformed"));
         }
+        let on_device = dir.models.iter().any(|m| !m.exported.is_empty());
+        match (on_device, &self.imports) {
+            (true, None) => {
+                return Err(shm_err(format!(
+                    "the board {} keeps its slots in device memory (a cuda-ipc link): open it with the cuda-ipc link",
+                    self.spec.board.display()
+                )));
+            }
+            (false, Some(i)) => {
+                return Err(shm_err(format!(
+                    "the board {} keeps its slots in shared memory: it is not a {} board",
+                    self.spec.board.display(),
+                    i.name()
+                )));
+            }
+            _ => {}
+        }
         let mut models = Vec::with_capacity(dir.models.len());
+        let mut exported = Vec::with_capacity(dir.models.len());
         for m in dir.models {
             let seg = Arc::new(Segment::open(&m.data, false)?);
-            if seg.len() < slot_stride(m.manifest.total_len()) * n_slots {
+            let stride = if on_device {
+                let fits = m.exported.len() == n_slots
+                    && m.exported.iter().all(|h| h.len >= m.manifest.total_len());
+                if !fits {
+                    return Err(shm_err(format!(
+                        "the exported slots of `{}` do not match its manifest and {n_slots} slots",
+                        m.id
+                    )));
+                }
+                PAGE
+            } else {
+                slot_stride(m.manifest.total_len())
+            };
+            if seg.len() < stride * n_slots {
                 return Err(shm_err(format!("data segment of `{}` is too small", m.id)));
             }
             models.push((m.id, Arc::new(m.manifest), seg));
+            exported.push(m.exported);
         }
         let lease_len = board_lease(&board)?;
         let mut idx = None;
@@ -266,6 +324,7 @@ impl ShmReceiver {
             n_slots,
             lease_len,
             checksum,
+            exported,
         }))
     }
 
@@ -336,8 +395,11 @@ impl ShmReceiver {
             let copy = self.mode == ShmReadMode::Copy || marked;
             let mut group = Vec::with_capacity(fresh.len());
             let mut result = Ok(());
-            for (&(m, version, _), slot) in fresh.iter().zip(pinned) {
-                let read = Self::read_slot(a, &self.pool, (m, version), slot, copy);
+            let copy = copy || self.imports.is_some();
+            for (&(m, version, index), slot) in fresh.iter().zip(pinned) {
+                let imports = self.imports.as_deref_mut();
+                let at = (m, version, index);
+                let read = Self::read_slot(a, &self.pool, at, slot, copy, imports);
                 match read {
                     Ok(ws) => group.push(Arc::new(ws)),
                     Err(e) => result = Err(e),
@@ -357,12 +419,14 @@ impl ShmReceiver {
 
     /// One model's version from its pinned `slot`: served in place, or (`copy`) copied into
     /// a pooled arena and the slot released; its checksum verified when the board has them.
+    /// Exported slots (`imports`) are always copied, by their owner.
     fn read_slot(
         a: &Attached,
         pool: &Arc<BufPool>,
-        (m, version): (usize, u64),
+        (m, version, index): (usize, u64, usize),
         slot: PinnedSlot,
         copy: bool,
+        imports: Option<&mut dyn ImportSlots>,
     ) -> Result<WeightSet> {
         let (id, manifest, seg) = &a.models[m];
         let base = slot.off - PAGE;
@@ -396,13 +460,19 @@ impl ShmReceiver {
         }
         let wire = metrics::timed(Phase::Wire, NAME, id.as_str());
         let mut buf = pool.take(slot.len);
-        let found = match declared {
-            Some(_) => Some(copy_hashed(
+        let found = match (imports, declared) {
+            // exported slots (device memory): copied out by their owner, then hashed
+            (Some(i), _) => {
+                let deadline = Instant::now() + EXPORTED_READ;
+                i.read(m, index, buf.as_mut_slice(), deadline)?;
+                declared.map(|_| checksum(buf.as_slice(), copy_threads()))
+            }
+            (None, Some(_)) => Some(copy_hashed(
                 buf.as_mut_slice(),
                 slot.bytes(),
                 copy_threads(),
             )),
-            None => {
+            (None, None) => {
                 pieces::copy(buf.as_mut_slice(), slot.bytes(), copy_threads());
                 None
             }
@@ -435,7 +505,7 @@ impl ShmReceiver {
 
 impl ReceiverTransport for ShmReceiver {
     fn name(&self) -> &'static str {
-        NAME
+        self.imports.as_ref().map_or(NAME, |i| i.name())
     }
 
     fn connect(&mut self, deadline: Instant) -> Result<Manifests> {
@@ -452,6 +522,11 @@ impl ReceiverTransport for ShmReceiver {
             |(), left| std::thread::sleep(left.min(Duration::from_millis(2))),
             |()| format!("shm sender at {}", board.display()),
         )?;
+        if let Some(imports) = self.imports.as_mut() {
+            // once per generation: the exported slots live as long as their sender
+            // (dropping `attached` on an error frees this receiver's entry)
+            imports.open(&attached.exported)?;
+        }
         let manifests = Manifests::new(
             attached
                 .models

@@ -27,6 +27,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use refit_runtime::metrics;
 use refit_runtime::wait::{Wait, wait_until};
 use refit_runtime::{
     Error, Group, Manifest, Manifests, ModelId, Result, SenderTransport, SharedBytes, Version,
@@ -40,6 +41,7 @@ use super::lease::{self, Heartbeat, Identity};
 use super::segment::{self, Segment};
 use super::{MAX_DEPARTED, NAME, ShmConfig, ShmReceiverSpec, collect, futex};
 use refit_runtime::copy::copy_threads;
+use crate::cuda_ipc::ExportSlots;
 
 /// A receiver the sender found dead and freed (see [`ShmSender::departed`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -118,6 +120,8 @@ pub struct ShmSender {
     max_receivers: usize,
     expected_receivers: usize,
     closed: bool,
+    /// Where the slots' bytes live when not in the data segments (the `cuda-ipc` link).
+    exported: Option<Box<dyn ExportSlots>>,
 }
 
 impl ShmSender {
@@ -136,6 +140,30 @@ impl ShmSender {
     /// [`Error::Path`] whose source is of kind `StorageFull`, naming the sizes and how to
     /// enlarge `/dev/shm` (Docker `--shm-size`, a Kubernetes memory `emptyDir`).
     pub fn create(config: &ShmConfig, manifests: &Manifests) -> Result<Self> {
+        Self::create_with(config, manifests, None)
+    }
+
+    /// As [`ShmSender::create`], with every slot's bytes in memory `slots` exports (one
+    /// buffer per slot and model, handed to receivers by handle in the board's directory):
+    /// the `cuda-ipc` link's sender ([`crate::cuda_ipc`]). The board (commit record, pins,
+    /// leases) and each slot's header stay in shared memory; the data segments hold the
+    /// headers only. Such a sender lends no slots ([`ShmSender::loan`]).
+    ///
+    /// # Errors
+    /// As [`ShmSender::create`]; `slots`' errors exporting the buffers.
+    pub fn create_exported(
+        config: &ShmConfig,
+        manifests: &Manifests,
+        slots: Box<dyn ExportSlots>,
+    ) -> Result<Self> {
+        Self::create_with(config, manifests, Some(slots))
+    }
+
+    fn create_with(
+        config: &ShmConfig,
+        manifests: &Manifests,
+        mut exported: Option<Box<dyn ExportSlots>>,
+    ) -> Result<Self> {
         if !(2..=MAX_SLOTS).contains(&config.slots) {
             return Err(shm_err(format!(
                 "slots must be 2..={MAX_SLOTS}, got {}",
@@ -148,7 +176,11 @@ impl ShmSender {
                 config.max_slots
             )));
         }
-        let capacity = config.max_slots.max(config.slots);
+        // exported slots are exported once, at creation: such a board does not grow
+        let capacity = match exported {
+            Some(_) => config.slots,
+            None => config.max_slots.max(config.slots),
+        };
         if manifests.is_empty() || manifests.len() > MAX_MODELS {
             return Err(shm_err(format!(
                 "a scheme carries 1..={MAX_MODELS} models, got {}",
@@ -167,7 +199,11 @@ impl ShmSender {
         let mut sizes = Vec::new();
         let mut index = BTreeMap::new();
         for (i, (id, manifest)) in manifests.iter().enumerate() {
-            let stride = slot_stride(manifest.total_len());
+            // exported slots keep their bytes elsewhere: the segment holds their headers
+            let stride = match exported {
+                Some(_) => PAGE,
+                None => slot_stride(manifest.total_len()),
+            };
             let room = stride.checked_mul(capacity);
             let reserved = stride.checked_mul(config.slots);
             let (Some(room), Some(reserved)) = (room, reserved) else {
@@ -175,10 +211,15 @@ impl ShmSender {
             };
             sizes.push((room, reserved));
             index.insert(id.clone(), i);
+            let handles = match exported.as_mut() {
+                Some(e) => e.export(manifest.total_len(), config.slots)?,
+                None => Vec::new(),
+            };
             models.push(DirModel {
                 id: id.clone(),
                 manifest: (**manifest).clone(),
                 data: config.dir.join(format!("refit-{scheme}-m{i}")),
+                exported: handles,
             });
         }
         let paths: Vec<PathBuf> = models.iter().map(|m| m.data.clone()).collect();
@@ -277,6 +318,7 @@ impl ShmSender {
             max_receivers: config.max_receivers,
             expected_receivers: config.expected_receivers,
             closed: false,
+            exported,
         })
     }
 
@@ -312,6 +354,7 @@ impl ShmSender {
                 n += 1;
             }
         }
+        metrics::receivers_connected(NAME, self.index.keys().map(ModelId::as_str), n);
         Ok(n)
     }
 
@@ -570,6 +613,14 @@ impl ShmSender {
         deadline: Instant,
     ) -> Result<WeightSet> {
         let m = self.model_index(model)?;
+        if let Some(e) = &self.exported {
+            return Err(Error::transport(
+                e.name(),
+                format!(
+                    "the slots of `{model}` live in device memory: they are not lent as host weight sets"
+                ),
+            ));
+        }
         self.release_loan(m)?;
         let (slot, seq) = self.claim_slot(m, deadline)?;
         let off = self.slot_base(m, slot) + PAGE;
@@ -659,7 +710,7 @@ pub fn overwrite_sender_pid(spec: &ShmReceiverSpec, pid: u32) -> Result<()> {
 
 impl SenderTransport for ShmSender {
     fn name(&self) -> &'static str {
-        NAME
+        self.exported.as_ref().map_or(NAME, |e| e.name())
     }
 
     fn connect(&mut self, initial: &Group, deadline: Instant) -> Result<()> {
@@ -709,11 +760,18 @@ impl SenderTransport for ShmSender {
                 self.release_loan(m)?;
                 let (slot, seq) = self.claim_slot(m, deadline)?;
                 let at = self.slot_base(m, slot) + PAGE;
-                let sum = if self.checksum {
-                    Some(seg.write_hashed(at, w.bytes())?)
-                } else {
-                    seg.write(at, w.bytes())?;
-                    None
+                let sum = match self.exported.as_mut() {
+                    // the slot stays claimed (odd) until the bytes are there
+                    Some(e) => {
+                        e.write(m, slot, w.bytes(), deadline)?;
+                        self.checksum
+                            .then(|| checksum(w.bytes(), copy_threads()))
+                    }
+                    None if self.checksum => Some(seg.write_hashed(at, w.bytes())?),
+                    None => {
+                        seg.write(at, w.bytes())?;
+                        None
+                    }
                 };
                 (slot, seq, sum)
             };
@@ -748,6 +806,9 @@ impl SenderTransport for ShmSender {
         for &(m, _, _) in &placed {
             self.after_commit(m)?;
         }
+        // the receivers gauge follows the board at every publish (receivers attach on
+        // their own, without telling the sender)
+        let _ = self.attached();
         Ok(())
     }
 
@@ -768,7 +829,9 @@ impl SenderTransport for ShmSender {
             },
             park_on(ack_seq),
             |missing| format!("shm receivers (slot, pid) {missing:?} to acknowledge {entries:?}"),
-        )
+        )?;
+        let _ = self.attached();
+        Ok(())
     }
 
     fn shutdown(&mut self) -> Result<()> {
@@ -778,6 +841,7 @@ impl SenderTransport for ShmSender {
         self.closed = true;
         self.heartbeat = None;
         self.exit_guard = None;
+        metrics::receivers_connected(NAME, self.index.keys().map(ModelId::as_str), 0);
         release(&self.board, &self.data)
     }
 }

@@ -8,7 +8,7 @@ use refit_runtime::{
     DType, Error, Manifest, Manifests, ModelId, ReceiverInit, SenderInit, Version, WeightSet,
 };
 
-use super::layout::OFF_COMMIT_SEQ;
+use super::layout::{LAYOUT, OFF_COMMIT_SEQ, OFF_LAYOUT};
 use super::{ShmConfig, ShmReadMode, ShmReceiver, ShmSender};
 
 const T: Duration = Duration::from_secs(30);
@@ -81,6 +81,52 @@ fn a_board_left_mid_commit_by_a_live_sender_is_a_timeout() {
         Version(2)
     );
     sender.shutdown().unwrap();
+}
+
+/// A board written by another layout version (forged here by rewriting the layout word) is
+/// refused by a receiver, naming both versions and the board.
+#[test]
+fn a_board_of_another_layout_version_is_refused_naming_both() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = Arc::new(
+        Manifest::builder()
+            .tensor("w", DType::F32, &[16])
+            .build()
+            .unwrap(),
+    );
+    let ms = Manifests::new([(ModelId::new("policy").unwrap(), Arc::clone(&m))]).unwrap();
+    let cfg = ShmConfig {
+        dir: dir.path().to_path_buf(),
+        expected_receivers: 1,
+        ..ShmConfig::default()
+    };
+    let s = ShmSender::create(&cfg, &ms).unwrap();
+    s.board
+        .u32_at(OFF_LAYOUT)
+        .unwrap()
+        .store(99, Ordering::SeqCst);
+    let spec = s.receiver_spec();
+    let e = ReceiverInit::new(ShmReceiver::new(spec.clone()), None)
+        .connect(T)
+        .unwrap_err();
+    assert!(
+        matches!(
+            e,
+            Error::Protocol {
+                ours: LAYOUT,
+                theirs: 99,
+                ..
+            }
+        ),
+        "{e}"
+    );
+    let text = e.to_string();
+    assert!(
+        text.contains("shm board layout protocol version 99")
+            && text.contains(&format!("speaks version {LAYOUT}"))
+            && text.contains(&spec.board.display().to_string()),
+        "{text}"
+    );
 }
 
 /// A version damaged in shared memory after the sender wrote it is refused by a checksumming

@@ -7,7 +7,8 @@
 //! hashes each piece as its bytes land (while they are in cache), then verifies the pieces
 //! and the bucket's checksum (derived from the piece checksums and the gap bytes) as soon as
 //! the bucket is in, in parallel with the other streams. The sender hashes each piece once at
-//! publish; headers are built from those cached checksums.
+//! publish; headers are built from those cached checksums. A relay serves a version it is
+//! still pulling as its bytes arrive, a socket read at a time (see [`InFlight`]).
 
 use std::io::Read;
 use std::sync::Arc;
@@ -21,11 +22,11 @@ use refit_runtime::{
 use tokio::io::AsyncWriteExt;
 
 use super::NAME;
-use super::inflight::InFlight;
+use super::inflight::{BucketWriter, InFlight};
 use super::messages::PullReq;
 
 /// Bytes written per socket write on the serving side (the unit of injected corruption).
-pub(crate) const CHUNK: usize = 1 << 20;
+pub(crate) const CHUNK: usize = crate::FORWARD_PIECE;
 /// Bytes read per socket read on the pulling side: small enough that the four streams' fresh
 /// bytes stay in the two cores' L2 caches while they are hashed.
 const READ: usize = 256 << 10;
@@ -51,7 +52,7 @@ pub(crate) struct Source {
 }
 
 /// What a pull is served from: a whole version, or one still landing on a relay (served
-/// bucket by bucket as its buckets land).
+/// as its bytes arrive).
 #[derive(Debug, Clone)]
 pub(crate) enum Serve {
     /// A version held whole.
@@ -192,7 +193,7 @@ fn check_buckets(req: &PullReq, src: &Serve) -> std::result::Result<u64, String>
 
 /// Serves one pull: a head, then each requested bucket as its header frame and its bytes (or
 /// an error head when the pull does not fit the source). A version still landing is served
-/// bucket by bucket as its buckets land; a bucket that does not land ends the stream, and the
+/// as its bytes arrive; a bucket whose bytes stop coming ends the stream, and the
 /// puller asks for another source.
 pub(crate) async fn serve_pull(
     mut stream: tokio::net::TcpStream,
@@ -206,10 +207,9 @@ pub(crate) async fn serve_pull(
         Err(reason) => return Ok(write_head(&mut stream, &StreamHead::Err { reason }).await?),
     };
     write_head(&mut stream, &StreamHead::Ok { len: total }).await?;
-    let io = |e| Error::io("serving a pull", e);
     for &i in &req.buckets {
         let index = i as usize;
-        let (spec, bytes, checksum, version) = match &src {
+        match &src {
             Serve::Whole(s) => {
                 let all = s.weights.bytes();
                 let (Some(b), Some(&checksum)) =
@@ -224,46 +224,73 @@ pub(crate) async fn serve_pull(
                     index,
                     reason: format!("runs past the arena's {} bytes", all.len()),
                 })?;
-                (b, bytes, checksum, s.weights.version())
+                let header = header_of(index, b, s.weights.version(), checksum);
+                frame::send(&mut stream, &header).await?;
+                write_bytes(&mut stream, bytes, stats).await?;
             }
             Serve::Landing(f) => {
+                // passed on as the bytes arrive, before the bucket is complete or verified:
+                // the header declares the checksum the relay's own source declared, and
+                // every receiver verifies the bytes against the sender's checksums itself
                 let b = f.plan.buckets.get(index).ok_or_else(|| Error::Bucket {
                     index,
                     reason: "not in the plan".into(),
                 })?;
-                let (bytes, checksum) = f
-                    .landed(index)
-                    .await
-                    .map_err(|reason| Error::Bucket { index, reason })?;
-                (b, bytes, checksum, f.version())
+                let gone = |reason| Error::Bucket { index, reason };
+                let checksum = f.started(index).await.map_err(gone)?;
+                let header = header_of(index, b, f.version(), checksum);
+                frame::send(&mut stream, &header).await?;
+                let mut sent = 0;
+                while sent < b.len {
+                    let bytes = f.arrived(index, sent).await.map_err(gone)?;
+                    write_bytes(&mut stream, bytes, stats).await?;
+                    sent += bytes.len();
+                }
             }
-        };
-        let header = BucketHeader {
-            index,
-            version,
-            start: spec.start,
-            len: spec.len,
-            pieces: spec.pieces.clone(),
-            checksum,
-        };
-        frame::send(&mut stream, &header).await?;
-        for chunk in bytes.chunks(CHUNK) {
-            let corrupt = stats
-                .corrupt_chunks
-                .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| n.checked_sub(1))
-                .is_ok();
-            if corrupt {
-                let mut bad = chunk.to_vec();
-                let mid = bad.len() / 2;
-                bad[mid] ^= 0x5a;
-                stream.write_all(&bad).await.map_err(io)?;
-            } else {
-                stream.write_all(chunk).await.map_err(io)?;
-            }
-            stats.bytes.fetch_add(chunk.len() as u64, Ordering::Relaxed);
         }
     }
-    stream.flush().await.map_err(io)
+    stream
+        .flush()
+        .await
+        .map_err(|e| Error::io("serving a pull", e))
+}
+
+/// The header of bucket `index` (`spec`) of `version`, declaring `checksum`.
+fn header_of(index: usize, spec: &BucketSpec, version: Version, checksum: u64) -> BucketHeader {
+    BucketHeader {
+        index,
+        version,
+        start: spec.start,
+        len: spec.len,
+        pieces: spec.pieces.clone(),
+        checksum,
+    }
+}
+
+/// Writes `bytes` to a pull's stream, [`CHUNK`] bytes per write (each counted, and damaged
+/// when the corruption hook asks for it).
+async fn write_bytes(
+    stream: &mut tokio::net::TcpStream,
+    bytes: &[u8],
+    stats: &ServeStats,
+) -> Result<()> {
+    let io = |e| Error::io("serving a pull", e);
+    for chunk in bytes.chunks(CHUNK) {
+        let corrupt = stats
+            .corrupt_chunks
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| n.checked_sub(1))
+            .is_ok();
+        if corrupt {
+            let mut bad = chunk.to_vec();
+            let mid = bad.len() / 2;
+            bad[mid] ^= 0x5a;
+            stream.write_all(&bad).await.map_err(io)?;
+        } else {
+            stream.write_all(chunk).await.map_err(io)?;
+        }
+        stats.bytes.fetch_add(chunk.len() as u64, Ordering::Relaxed);
+    }
+    Ok(())
 }
 
 /// Spreads `buckets` (ascending) over at most `streams` streams: each bucket goes whole to
@@ -341,7 +368,7 @@ pub(crate) type Opener<'a> = dyn Fn(&[u32]) -> Result<OpenStream> + Sync + 'a;
 /// Where pulled bytes go.
 #[derive(Clone, Copy)]
 pub(crate) enum Dest<'a> {
-    /// Into the arena of a version in flight, bucket by bucket (relayable as they land).
+    /// Into the arena of a version in flight, bucket by bucket (relayable as they arrive).
     Arena(&'a InFlight),
     /// Through a small buffer into a sink (e.g. the file the weights are bound for); every
     /// bucket must be covered by its pieces.
@@ -428,7 +455,16 @@ pub(crate) fn pull_buckets(
     std::thread::scope(|scope| {
         let handles: Vec<_> = parts
             .iter()
-            .map(|part| scope.spawn(move || pull_part(part, dest, exp, open, counters)))
+            .map(|part| {
+                scope.spawn(move || {
+                    let r = pull_part(part, dest, exp, open, counters);
+                    if let (Err(_), Dest::Arena(f)) = (&r, dest) {
+                        // relayed pulls stop passing on this version's bytes at once
+                        f.fail();
+                    }
+                    r
+                })
+            })
             .collect();
         let mut total = 0;
         let mut first_err = None;
@@ -472,9 +508,6 @@ fn pull_part(
             format!("source announced {} bytes, {want} requested", s.len),
         ));
     }
-    let broke = |e: &dyn std::fmt::Display| {
-        Error::transport(NAME, format!("stream broke mid-transfer: {e}"))
-    };
     for &i in part {
         let header: BucketHeader = frame::recv_blocking(&mut s.stream, wire::MAX_CONTROL_MESSAGE)
             .map_err(|e| broke(&e))?;
@@ -498,8 +531,7 @@ fn pull_part(
                     if dst.len() != spec.len {
                         return Err(Error::State("a sink gave a slice of another length"));
                     }
-                    read_hashed(&mut s.stream, &mut dst, &mut landing, counters)
-                        .map_err(|e| broke(&e))?;
+                    read_hashed(&mut s.stream, &mut dst, &mut landing, counters)?;
                     exp.check_bucket(spec, &header, &[], landing.sums())?;
                     continue;
                 }
@@ -522,37 +554,84 @@ fn pull_part(
                 continue;
             }
         };
-        let mut dst = flight.claim(i as usize).ok_or_else(|| Error::Bucket {
-            index: i as usize,
-            reason: "pulled twice or not part of the transfer".into(),
-        })?;
+        let mut dst = flight
+            .claim(i as usize, header.checksum)
+            .ok_or_else(|| Error::Bucket {
+                index: i as usize,
+                reason: "pulled twice or not part of the transfer".into(),
+            })?;
         if dst.len() != spec.len {
             return Err(Error::Bucket {
                 index: i as usize,
                 reason: "the transfer's plan and the header's disagree on its length".into(),
             });
         }
-        read_hashed(&mut s.stream, &mut dst, &mut landing, counters).map_err(|e| broke(&e))?;
-        let sum = exp.check_bucket(spec, &header, &dst, landing.sums())?;
-        dst.land(sum);
+        read_hashed(&mut s.stream, &mut dst, &mut landing, counters)?;
+        exp.check_bucket(spec, &header, dst.written(), landing.sums())?;
+        dst.land();
     }
     Ok(want)
 }
 
-/// Reads `dst.len()` bytes of a bucket from `stream` into `dst`, a piece of `READ` bytes at
-/// a time, each hashed as it lands (while in cache) and counted.
+/// A data stream that failed part-way.
+fn broke(e: &dyn std::fmt::Display) -> Error {
+    Error::transport(NAME, format!("stream broke mid-transfer: {e}"))
+}
+
+/// Memory a bucket's bytes are read into, one piece (a socket read) at a time.
+trait Fill {
+    /// The bucket's length.
+    fn len(&self) -> usize;
+    /// The bytes `at..end` to fill next.
+    fn piece(&mut self, at: usize, end: usize) -> Result<&mut [u8]>;
+    /// The bytes up to `end` are in (a relay serves them on from here).
+    fn arrived(&mut self, end: usize) {
+        let _ = end;
+    }
+}
+
+impl Fill for SinkSlice<'_> {
+    fn len(&self) -> usize {
+        self.0.len()
+    }
+
+    fn piece(&mut self, at: usize, end: usize) -> Result<&mut [u8]> {
+        self.0
+            .get_mut(at..end)
+            .ok_or(Error::State("a piece past the end of a sink's slice"))
+    }
+}
+
+impl Fill for BucketWriter<'_> {
+    fn len(&self) -> usize {
+        BucketWriter::len(self)
+    }
+
+    fn piece(&mut self, at: usize, end: usize) -> Result<&mut [u8]> {
+        BucketWriter::piece(self, at, end)
+    }
+
+    fn arrived(&mut self, end: usize) {
+        BucketWriter::arrived(self, end);
+    }
+}
+
+/// Reads a bucket's bytes from `stream` into `dst`, a piece of `READ` bytes at a time,
+/// each hashed as it lands (while in cache), counted, and published to relayed pulls.
 fn read_hashed(
     stream: &mut impl Read,
-    dst: &mut [u8],
+    dst: &mut impl Fill,
     landing: &mut PieceHasher,
     counters: Counters<'_>,
-) -> std::io::Result<()> {
+) -> Result<()> {
+    let len = dst.len();
     let mut at = 0;
-    while at < dst.len() {
-        let end = (at + READ).min(dst.len());
-        let piece = dst.get_mut(at..end).unwrap_or_default();
-        stream.read_exact(piece)?;
+    while at < len {
+        let end = (at + READ).min(len);
+        let piece = dst.piece(at, end)?;
+        stream.read_exact(piece).map_err(|e| broke(&e))?;
         landing.feed(piece, at);
+        dst.arrived(end);
         counters
             .bytes
             .fetch_add((end - at) as u64, Ordering::Relaxed);
@@ -565,6 +644,7 @@ fn read_hashed(
 mod tests {
     use super::*;
     use refit_runtime::DType;
+    use std::time::Duration;
 
     fn plan(sizes: &[usize], bucket: usize) -> BucketPlan {
         let mut b = Manifest::builder();
@@ -573,6 +653,99 @@ mod tests {
         }
         let m = b.build().unwrap();
         BucketPlan::compute(&ModelId::new("m").unwrap(), &m, &m, bucket).unwrap()
+    }
+
+    /// A relay passes on a bucket's bytes before it has verified them; the receiver it
+    /// serves verifies them against the sender's checksums itself, so a damaged byte it got
+    /// that way is refused, naming the tensor, and the version never completes.
+    #[test]
+    fn a_relay_passes_on_unverified_bytes_and_the_next_receiver_refuses_a_damaged_bucket() {
+        use refit_node::{ClusterToken, Node, NodeConfig};
+        let mut b = Manifest::builder();
+        for (i, n) in [700_000usize, 900_000, 300_000].iter().enumerate() {
+            b.push(format!("t{i}"), DType::U8, &[*n]);
+        }
+        let m = Arc::new(b.build().unwrap());
+        let model = ModelId::new("m").unwrap();
+        let plan = Arc::new(BucketPlan::compute(&model, &m, &m, 1 << 20).unwrap());
+        let plan_id = plan.fingerprint().unwrap();
+        let mut good = WeightSet::zeroed(model.clone(), Arc::clone(&m));
+        for (i, x) in good.bytes_mut().unwrap().iter_mut().enumerate() {
+            *x = (i * 7 % 253) as u8;
+        }
+        good.set_version(Version(3));
+        let sums = Sums::compute(&plan, plan_id, &good, 1);
+        let all: Vec<u32> = (0..u32::try_from(plan.len()).unwrap()).collect();
+        assert!(all.len() >= 2);
+        let flight = |ws: WeightSet| {
+            Arc::new(
+                InFlight::new(ws, Arc::clone(&plan), plan_id, &all, Duration::from_secs(5))
+                    .unwrap(),
+            )
+        };
+        // the relay: every byte arrived, one of bucket 0 damaged, nothing verified yet
+        let mut zero = WeightSet::zeroed(model.clone(), Arc::clone(&m));
+        zero.set_version(Version(3));
+        let relay = flight(zero.clone());
+        let damaged = m.tensors()[0].offset + 1234;
+        for (i, spec) in plan.buckets.iter().enumerate() {
+            let mut w = relay.claim(i, sums.buckets[i]).unwrap();
+            let dst = w.piece(0, spec.len).unwrap();
+            dst.copy_from_slice(&good.bytes()[spec.range()]);
+            if spec.range().contains(&damaged) {
+                dst[damaged - spec.start] ^= 0x10;
+            }
+            w.arrived(spec.len);
+        }
+        assert!(relay.finish().is_err(), "the relay verified nothing");
+        let node = Node::start(NodeConfig::loopback(ClusterToken::random())).unwrap();
+        let target = uuid::Uuid::new_v4();
+        let stats = Arc::new(ServeStats::default());
+        let (f, st) = (Arc::clone(&relay), Arc::clone(&stats));
+        node.register_stream(target, "pull", move |_, bytes, stream| {
+            let (f, st) = (Arc::clone(&f), Arc::clone(&st));
+            Box::pin(async move {
+                let req: PullReq = wire::decode(&bytes, wire::MAX_CONTROL_MESSAGE)?;
+                Ok(serve_pull(stream, Ok(Serve::Landing(f)), req, &st).await?)
+            })
+        });
+        let next = flight(zero);
+        let starts = piece_starts(&plan);
+        let exp = Expect {
+            model: &model,
+            version: Version(3),
+            manifest: &m,
+            plan: &plan,
+            sums: &sums.pieces,
+            starts: &starts,
+        };
+        let (bytes, headers) = (AtomicU64::new(0), AtomicU64::new(0));
+        let counters = Counters {
+            bytes: &bytes,
+            headers: &headers,
+        };
+        let open = |part: &[u32]| {
+            let req = PullReq {
+                model: model.clone(),
+                version: Version(3),
+                plan: plan_id,
+                buckets: part.to_vec(),
+            };
+            node.open_stream(node.addr(), target, "pull", &req, Duration::from_secs(10))
+                .map_err(Into::into)
+        };
+        // one stream per bucket: every bucket but the damaged one lands whole
+        let parts: Vec<Vec<u32>> = all.iter().map(|&i| vec![i]).collect();
+        let e = pull_buckets(Dest::Arena(&next), &parts, exp, &open, counters).unwrap_err();
+        assert!(
+            matches!(&e, Error::Tensor { name, problem: refit_runtime::Mismatch::Checksum { .. }, .. } if name == "t0"),
+            "{e}"
+        );
+        assert!(e.to_string().contains("checksum"), "{e}");
+        assert!(next.finish().is_err(), "a damaged version never completes");
+        // every byte went on before the relay verified any
+        assert_eq!(stats.bytes.load(Ordering::Relaxed), m.total_len() as u64);
+        node.shutdown();
     }
 
     #[test]

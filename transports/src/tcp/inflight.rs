@@ -1,14 +1,21 @@
 //! A version while it is being pulled, shared between the threads that pull it and the relay
-//! that serves it on: each pulling thread claims the buckets of its stream one at a time,
-//! writes and verifies one, then marks it landed; a relayed pull serves a bucket as soon as it
-//! has landed. Relays therefore pipeline bucket by bucket instead of storing and forwarding
-//! whole versions, and a chain of receivers moves a version in about the time of one hop.
+//! that serves it on: each pulling thread claims the buckets of its stream one at a time and
+//! writes one piece after another (a socket read each), publishing how far it got; a relayed
+//! pull serves those bytes as soon as they are there, before the bucket is complete or
+//! verified. Relays therefore pipeline piece by piece, whatever the bucket size, and a chain
+//! of receivers moves a version in about the time of one hop.
 //!
-//! Nobody holds a reference to the whole arena until every bucket has landed: writers get the
-//! one bucket they claimed, readers one bucket that landed (never written again).
+//! Checksums stay per bucket: each receiver of a chain hashes the bytes it gets and verifies
+//! them against the sender's checksums itself, so a damaged bucket that a relay already
+//! passed on is refused by every receiver that got it (and the relay's own failure ends the
+//! streams it serves).
+//!
+//! Nobody holds a reference to the whole arena until every bucket has landed: a writer gets
+//! the one piece it is about to read into, readers the bytes of a bucket written so far
+//! (never written again).
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU64, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use refit_runtime::{BucketPlan, Error, Result, WeightSet};
@@ -20,10 +27,13 @@ use super::wait::wait_changes;
 const ABSENT: u8 = 0;
 /// To be pulled, not claimed yet.
 const EXPECTED: u8 = 1;
-/// Claimed by one pulling thread, being written.
-const WRITING: u8 = 2;
+/// Claimed by one pulling thread; its header's checksum not published yet.
+const CLAIMED: u8 = 2;
+/// Being written, its header's checksum published: the bytes up to its progress can be
+/// served.
+const WRITING: u8 = 3;
 /// Written and verified; read-only from now on.
-const LANDED: u8 = 3;
+const LANDED: u8 = 4;
 
 /// A version being pulled into its arena.
 pub(crate) struct InFlight {
@@ -35,18 +45,22 @@ pub(crate) struct InFlight {
     pub(crate) plan: Arc<BucketPlan>,
     pub(crate) plan_id: u64,
     state: Vec<AtomicU8>,
+    /// The checksum each bucket's header declared (set when its writer starts).
     sums: Vec<AtomicU64>,
+    /// Bytes of each bucket written so far, from its start.
+    progress: Vec<AtomicUsize>,
     failed: AtomicBool,
     notify: tokio::sync::Notify,
-    /// Longest wait of a relayed pull for one bucket to land.
+    /// Longest wait of a relayed pull for the next bytes of a bucket.
     wait: Duration,
 }
 
 // SAFETY: `ptr` points into the arena that `weights` owns (kept alive as long as `self`), and
-// every access through it is to one bucket at a time under the claim protocol: a bucket is
-// written only by the one thread whose `claim` moved it from EXPECTED to WRITING (through the
-// `BucketWriter` it got, consumed by `land`), and read only after it reached LANDED (a
-// Release store paired with the readers' Acquire load), after which nobody writes it.
+// every access through it follows the claim protocol: a bucket is written only by the one
+// thread whose `claim` moved it from EXPECTED to CLAIMED (through the `BucketWriter` it got),
+// one piece past its published progress at a time; readers only read the bytes below the
+// progress they loaded (a Release store paired with their Acquire load), which nobody
+// writes again.
 unsafe impl Send for InFlight {}
 // SAFETY: as for `Send`: shared access follows the same claim protocol.
 unsafe impl Sync for InFlight {}
@@ -61,37 +75,66 @@ impl std::fmt::Debug for InFlight {
     }
 }
 
-/// The one writable view of a claimed bucket; [`BucketWriter::land`] gives it up.
+/// The writing end of a claimed bucket: hands out the next piece to fill, publishes each
+/// filled piece to relayed pulls ([`BucketWriter::arrived`]), and gives the bucket up once
+/// verified ([`BucketWriter::land`]).
 pub(crate) struct BucketWriter<'a> {
     owner: &'a InFlight,
     index: usize,
-    bytes: &'a mut [u8],
-}
-
-impl std::ops::Deref for BucketWriter<'_> {
-    type Target = [u8];
-    fn deref(&self) -> &[u8] {
-        self.bytes
-    }
-}
-
-impl std::ops::DerefMut for BucketWriter<'_> {
-    fn deref_mut(&mut self) -> &mut [u8] {
-        self.bytes
-    }
+    start: *mut u8,
+    len: usize,
+    /// Bytes published so far.
+    written: usize,
 }
 
 impl BucketWriter<'_> {
-    /// The bucket is written and verified (its checksum `sum`): relayed pulls may serve it.
-    pub(crate) fn land(self, sum: u64) {
-        let Self { owner, index, .. } = self;
-        if let Some(s) = owner.sums.get(index) {
-            s.store(sum, Ordering::Relaxed);
+    /// The bucket's length.
+    pub(crate) fn len(&self) -> usize {
+        self.len
+    }
+
+    /// The bytes `at..end` of the bucket, to be filled: `at` must be the bytes published
+    /// so far (the next piece), `end` at most the bucket's length.
+    ///
+    /// # Errors
+    /// [`Error::State`] for a piece that is not the next one or runs past the bucket.
+    pub(crate) fn piece(&mut self, at: usize, end: usize) -> Result<&mut [u8]> {
+        if at != self.written || end < at || end > self.len {
+            return Err(Error::State(
+                "a bucket written out of order or past its end",
+            ));
         }
-        if let Some(s) = owner.state.get(index) {
+        // SAFETY: `claim` made this writer the only one of bucket `index`, whose `len` bytes
+        // at `start` lie inside the arena (alive as long as `owner`). Readers only read below
+        // the published progress, `written` <= `at`, so the bytes `at..end` are touched by
+        // nobody else; the `&mut self` borrow keeps a second piece from being handed out
+        // while this one lives.
+        Ok(unsafe { std::slice::from_raw_parts_mut(self.start.add(at), end - at) })
+    }
+
+    /// The bytes up to `end` are written: relayed pulls may serve them.
+    pub(crate) fn arrived(&mut self, end: usize) {
+        self.written = end.clamp(self.written, self.len);
+        if let Some(p) = self.owner.progress.get(self.index) {
+            p.store(self.written, Ordering::Release);
+        }
+        self.owner.notify.notify_waiters();
+    }
+
+    /// The bytes written so far (all of the bucket once every piece arrived).
+    pub(crate) fn written(&self) -> &[u8] {
+        // SAFETY: the first `written` bytes were filled through `piece` and published; no
+        // `&mut` to them exists any more (`piece`'s borrow of `self` ended), and nobody
+        // writes them again, so sharing them with readers is sound.
+        unsafe { std::slice::from_raw_parts(self.start, self.written) }
+    }
+
+    /// The bucket is written and verified.
+    pub(crate) fn land(self) {
+        if let Some(s) = self.owner.state.get(self.index) {
             s.store(LANDED, Ordering::Release);
         }
-        owner.notify.notify_waiters();
+        self.owner.notify.notify_waiters();
     }
 }
 
@@ -134,6 +177,7 @@ impl InFlight {
         }
         Ok(Self {
             sums: (0..plan.len()).map(|_| AtomicU64::new(0)).collect(),
+            progress: (0..plan.len()).map(|_| AtomicUsize::new(0)).collect(),
             weights: Arc::new(weights),
             ptr,
             len,
@@ -151,23 +195,28 @@ impl InFlight {
         self.weights.version()
     }
 
-    /// Claims bucket `i` for writing: `None` when it is not expected or already claimed.
-    pub(crate) fn claim(&self, i: usize) -> Option<BucketWriter<'_>> {
+    /// Claims bucket `i` for writing, its header declaring `checksum` (what a relayed pull
+    /// passes on with the bytes): `None` when it is not expected or already claimed.
+    pub(crate) fn claim(&self, i: usize, checksum: u64) -> Option<BucketWriter<'_>> {
         let b = self.plan.buckets.get(i)?;
-        self.state
-            .get(i)?
-            .compare_exchange(EXPECTED, WRITING, Ordering::AcqRel, Ordering::Acquire)
+        let state = self.state.get(i)?;
+        state
+            .compare_exchange(EXPECTED, CLAIMED, Ordering::AcqRel, Ordering::Acquire)
             .ok()?;
         debug_assert!(b.start + b.len <= self.len);
-        // SAFETY: `new` checked that the bucket lies inside the arena (`len` bytes at
-        // `ptr`, alive as long as `self.weights`) and overlaps no other expected bucket; the
-        // compare-exchange above lets exactly one caller reach here for bucket `i`, and no
-        // reader touches it before it is LANDED, which only this writer's `land` sets.
-        let bytes = unsafe { std::slice::from_raw_parts_mut(self.ptr.add(b.start), b.len) };
+        if let Some(s) = self.sums.get(i) {
+            s.store(checksum, Ordering::Relaxed);
+        }
+        state.store(WRITING, Ordering::Release);
+        self.notify.notify_waiters();
         Some(BucketWriter {
             owner: self,
             index: i,
-            bytes,
+            // SAFETY: `new` checked that the bucket lies inside the arena (`len` bytes at
+            // `ptr`), so the offset stays inside the same allocation.
+            start: unsafe { self.ptr.add(b.start) },
+            len: b.len,
+            written: 0,
         })
     }
 
@@ -226,54 +275,108 @@ impl InFlight {
         self.notify.notify_waiters();
     }
 
-    fn landed_now(&self, i: usize) -> std::result::Result<Option<(&[u8], u64)>, String> {
+    /// The checksum bucket `i`'s header declared, once its writer started (`None` before).
+    fn started_now(&self, i: usize) -> std::result::Result<Option<u64>, String> {
+        match self.state(i)? {
+            WRITING | LANDED => Ok(self.sums.get(i).map(|s| s.load(Ordering::Relaxed))),
+            _ => Ok(None),
+        }
+    }
+
+    /// The bytes of bucket `i` from `from` up to what has arrived, once past `from`.
+    fn arrived_now(&self, i: usize, from: usize) -> std::result::Result<Option<&[u8]>, String> {
+        let state = self.state(i)?;
+        let Some(b) = self.plan.buckets.get(i) else {
+            return Err(format!("bucket {i} is not in the plan"));
+        };
+        if state != WRITING && state != LANDED {
+            return Ok(None);
+        }
+        let upto = self
+            .progress
+            .get(i)
+            .map_or(0, |p| p.load(Ordering::Acquire))
+            .min(b.len);
+        if upto <= from {
+            return Ok(None);
+        }
+        // SAFETY: the bytes below `upto` were written by the bucket's only writer and
+        // published with a Release store of its progress, loaded here with Acquire; nobody
+        // writes them again. `new` checked the bucket lies inside the arena, alive as long
+        // as `self`.
+        Ok(Some(unsafe {
+            std::slice::from_raw_parts(self.ptr.add(b.start + from), upto - from)
+        }))
+    }
+
+    /// Bucket `i`'s state; an error when it is not part of the transfer, or (unless it has
+    /// landed) when the pull failed.
+    fn state(&self, i: usize) -> std::result::Result<u8, String> {
         let state = self
             .state
             .get(i)
             .map(|s| s.load(Ordering::Acquire))
             .unwrap_or(ABSENT);
-        match (state, self.plan.buckets.get(i)) {
-            (LANDED, Some(b)) => {
-                // SAFETY: LANDED is stored (Release) after the bucket's only writer is done,
-                // and loaded here with Acquire; nobody writes a landed bucket again. `new`
-                // checked the range lies inside the arena, alive as long as `self`.
-                let bytes = unsafe { std::slice::from_raw_parts(self.ptr.add(b.start), b.len) };
-                let sum = self.sums.get(i).map_or(0, |s| s.load(Ordering::Relaxed));
-                Ok(Some((bytes, sum)))
-            }
-            (ABSENT, _) | (_, None) => Err(format!(
+        if state == ABSENT {
+            return Err(format!(
                 "bucket {i} is not part of this relay's transfer of version {}",
                 self.version()
-            )),
-            _ if self.failed.load(Ordering::Acquire) => Err(format!(
+            ));
+        }
+        if state != LANDED && self.failed.load(Ordering::Acquire) {
+            return Err(format!(
                 "this relay's own pull of version {} failed",
                 self.version()
-            )),
-            _ => Ok(None),
+            ));
         }
+        Ok(state)
     }
 
-    /// Waits until bucket `i` has landed; its bytes and checksum.
-    ///
-    /// # Errors
-    /// A reason when the bucket is not part of this transfer, the pull failed, or the bucket
-    /// did not land within the wait.
-    pub(crate) async fn landed(&self, i: usize) -> std::result::Result<(&[u8], u64), String> {
+    /// Waits until `check` answers, each landing, piece or failure waking it.
+    async fn wait_for<T>(
+        &self,
+        what: impl FnOnce() -> String,
+        mut check: impl FnMut() -> std::result::Result<Option<T>, String>,
+    ) -> std::result::Result<T, String> {
         let deadline = tokio::time::Instant::now() + self.wait;
         let arm = || {
-            let mut landing = Box::pin(self.notify.notified());
-            landing.as_mut().enable();
-            landing
+            let mut change = Box::pin(self.notify.notified());
+            change.as_mut().enable();
+            change
         };
-        wait_changes(deadline, None, arm, || self.landed_now(i))
+        wait_changes(deadline, None, arm, &mut check)
             .await?
-            .ok_or_else(|| {
-                format!(
-                    "bucket {i} of version {} did not land within {:?}",
-                    self.version(),
-                    self.wait
-                )
-            })
+            .ok_or_else(|| format!("{} within {:?}", what(), self.wait))
+    }
+
+    /// Waits until bucket `i`'s writer has started; the checksum its header declared.
+    ///
+    /// # Errors
+    /// A reason when the bucket is not part of this transfer, the pull failed, or no writer
+    /// started within the wait.
+    pub(crate) async fn started(&self, i: usize) -> std::result::Result<u64, String> {
+        let what = || format!("bucket {i} of version {} did not start", self.version());
+        self.wait_for(what, || self.started_now(i)).await
+    }
+
+    /// Waits until bytes of bucket `i` past `from` have arrived; those bytes (up to what has
+    /// arrived so far).
+    ///
+    /// # Errors
+    /// A reason when the bucket is not part of this transfer, the pull failed, or no byte
+    /// arrived within the wait.
+    pub(crate) async fn arrived(
+        &self,
+        i: usize,
+        from: usize,
+    ) -> std::result::Result<&[u8], String> {
+        let what = || {
+            format!(
+                "no byte of bucket {i} of version {} past {from} arrived",
+                self.version()
+            )
+        };
+        self.wait_for(what, || self.arrived_now(i, from)).await
     }
 
     /// The weights, once every expected bucket has landed.
@@ -283,7 +386,7 @@ impl InFlight {
     pub(crate) fn finish(&self) -> Result<Arc<WeightSet>> {
         if let Some(i) = self.state.iter().position(|s| {
             let s = s.load(Ordering::Acquire);
-            s == EXPECTED || s == WRITING
+            s != ABSENT && s != LANDED
         }) {
             return Err(Error::transport(
                 NAME,
@@ -314,40 +417,85 @@ mod tests {
         InFlight::new(ws, plan, 1, buckets, Duration::from_secs(5)).unwrap()
     }
 
-    #[test]
-    fn buckets_are_written_once_and_served_once_landed() {
-        let f = flight(&[0, 2, 3]);
-        // a bucket outside the transfer can be neither claimed nor served
-        assert!(f.claim(1).is_none());
-        assert!(f.landed_now(1).is_err());
-        let mut w = f.claim(2).unwrap();
-        assert!(f.claim(2).is_none(), "claimed twice");
-        w.fill(9);
-        assert_eq!(f.landed_now(2), Ok(None));
-        w.land(42);
-        let (bytes, sum) = f.landed_now(2).unwrap().unwrap();
-        assert!(bytes.iter().all(|&b| b == 9));
-        assert_eq!((bytes.len(), sum), (256, 42));
-        assert!(f.finish().is_err(), "buckets 0 and 3 are missing");
-        // a waiting reader is woken by the landing of another thread
-        let rt = tokio::runtime::Builder::new_current_thread()
+    /// Writes all of `w` with `byte`, in pieces of `step` bytes, publishing each.
+    fn fill(w: &mut BucketWriter<'_>, byte: u8, step: usize) {
+        let mut at = 0;
+        while at < w.len() {
+            let end = (at + step).min(w.len());
+            w.piece(at, end).unwrap().fill(byte);
+            w.arrived(end);
+            at = end;
+        }
+    }
+
+    fn rt() -> tokio::runtime::Runtime {
+        tokio::runtime::Builder::new_current_thread()
             .enable_time()
             .build()
-            .unwrap();
+            .unwrap()
+    }
+
+    #[test]
+    fn buckets_are_written_once_and_served_as_their_pieces_arrive() {
+        let f = flight(&[0, 2, 3]);
+        // a bucket outside the transfer can be neither claimed nor served
+        assert!(f.claim(1, 0).is_none());
+        assert!(f.started_now(1).is_err());
+        assert!(f.arrived_now(1, 0).is_err());
+        assert_eq!(f.started_now(2), Ok(None), "not claimed yet");
+        let mut w = f.claim(2, 42).unwrap();
+        assert!(f.claim(2, 42).is_none(), "claimed twice");
+        // the header's checksum is known as soon as the writer starts, before any byte
+        assert_eq!(f.started_now(2), Ok(Some(42)));
+        assert_eq!(f.arrived_now(2, 0), Ok(None));
+        // pieces are handed out in order only
+        assert!(w.piece(10, 20).is_err());
+        assert!(w.piece(0, 257).is_err());
+        w.piece(0, 100).unwrap().fill(9);
+        // written but not published: nothing to serve yet
+        assert_eq!(f.arrived_now(2, 0), Ok(None));
+        w.arrived(100);
+        assert_eq!(f.arrived_now(2, 0).unwrap().unwrap(), &[9u8; 100][..]);
+        assert_eq!(f.arrived_now(2, 100), Ok(None));
+        assert!(
+            w.piece(0, 10).is_err(),
+            "a published piece is not handed out again"
+        );
+        w.piece(100, 256).unwrap().fill(8);
+        w.arrived(256);
+        let rest = f.arrived_now(2, 100).unwrap().unwrap();
+        assert_eq!(rest.len(), 156);
+        assert!(rest.iter().all(|&b| b == 8));
+        assert_eq!(w.written().len(), 256);
+        assert!(f.finish().is_err(), "bucket 2 is not verified yet");
+        w.land();
+        assert!(f.finish().is_err(), "buckets 0 and 3 are missing");
+        // a waiting reader is woken by each piece another thread publishes
         std::thread::scope(|s| {
             let f = &f;
             s.spawn(move || {
                 std::thread::sleep(Duration::from_millis(50));
-                let mut w = f.claim(3).unwrap();
-                w.fill(3);
-                w.land(3);
+                let mut w = f.claim(3, 3).unwrap();
+                std::thread::sleep(Duration::from_millis(20));
+                fill(&mut w, 3, 64);
+                w.land();
             });
-            let (bytes, _) = rt.block_on(f.landed(3)).unwrap();
-            assert!(bytes.iter().all(|&b| b == 3));
+            let rt = rt();
+            assert_eq!(rt.block_on(f.started(3)), Ok(3));
+            let mut got = Vec::new();
+            while got.len() < 256 {
+                let bytes = rt.block_on(f.arrived(3, got.len())).unwrap();
+                assert!(!bytes.is_empty());
+                got.extend_from_slice(bytes);
+            }
+            assert_eq!(got, [3u8; 256]);
         });
-        f.claim(0).unwrap().land(0);
+        let mut w = f.claim(0, 0).unwrap();
+        fill(&mut w, 1, 256);
+        w.land();
         let ws = f.finish().unwrap();
-        assert_eq!(ws.bytes()[2 * 256..3 * 256], [9u8; 256]);
+        assert_eq!(ws.bytes()[2 * 256..2 * 256 + 100], [9u8; 100]);
+        assert_eq!(ws.bytes()[2 * 256 + 100..3 * 256], [8u8; 156]);
         assert_eq!(ws.version(), Version(7));
     }
 
@@ -376,15 +524,15 @@ mod tests {
                 // the writers race the prefault from both ends
                 s.spawn(move || {
                     for i in (0..n).rev().step_by(2) {
-                        let mut w = f.claim(i).unwrap();
-                        w.fill(i as u8 | 1);
-                        w.land(0);
+                        let mut w = f.claim(i, 0).unwrap();
+                        fill(&mut w, i as u8 | 1, 4096);
+                        w.land();
                     }
                 });
                 for i in (0..n).filter(|i| (n - 1 - i) % 2 == 1) {
-                    let mut w = f.claim(i).unwrap();
-                    w.fill(i as u8 | 1);
-                    w.land(0);
+                    let mut w = f.claim(i, 0).unwrap();
+                    fill(&mut w, i as u8 | 1, 4096);
+                    w.land();
                 }
                 if round == 2 {
                     stop.store(true, Ordering::Relaxed);
@@ -403,19 +551,25 @@ mod tests {
     #[test]
     fn a_failed_pull_releases_waiting_readers() {
         let f = flight(&[0, 1]);
-        let rt = tokio::runtime::Builder::new_current_thread()
-            .enable_time()
-            .build()
-            .unwrap();
+        // a reader waiting for a bucket to start, and one part-way through a bucket whose
+        // bytes a relay passed on before its pull failed
+        let mut w = f.claim(0, 5).unwrap();
+        w.piece(0, 128).unwrap().fill(1);
+        w.arrived(128);
         std::thread::scope(|s| {
             let f = &f;
             s.spawn(move || {
                 std::thread::sleep(Duration::from_millis(50));
                 f.fail();
             });
-            let e = rt.block_on(f.landed(1)).unwrap_err();
+            let rt = rt();
+            let e = rt.block_on(f.started(1)).unwrap_err();
+            assert!(e.contains("failed"), "{e}");
+            let e = rt.block_on(f.arrived(0, 128)).unwrap_err();
             assert!(e.contains("failed"), "{e}");
         });
+        // nothing of a failed pull is served any more
+        assert!(f.arrived_now(0, 0).is_err());
     }
 
     #[test]

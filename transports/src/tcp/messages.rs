@@ -27,8 +27,19 @@ pub enum TransferMode {
     Delta,
 }
 
+/// The version of the tcp transport's protocol (these messages, the bucket frames of the
+/// data streams) this build speaks: a receiver registers with it, the sender answers with
+/// its own, and each refuses another version naming both.
+pub const PROTOCOL_VERSION: u32 = 1;
+
+/// The name of the protocol in errors.
+pub(crate) const PROTOCOL_NAME: &str = "tcp transport";
+
 #[derive(Debug, Serialize, Deserialize)]
 pub(crate) struct Register {
+    /// The receiver's [`PROTOCOL_VERSION`] (0 from a receiver of before protocol versions).
+    #[serde(default)]
+    pub(crate) protocol: u32,
     pub(crate) receiver: Uuid,
     /// Where the receiver's node listens (for announcements and relaying).
     pub(crate) node: SocketAddr,
@@ -37,6 +48,9 @@ pub(crate) struct Register {
 
 #[derive(Debug, Serialize, Deserialize)]
 pub(crate) struct Registered {
+    /// The sender's [`PROTOCOL_VERSION`] (0 from a sender of before protocol versions).
+    #[serde(default)]
+    pub(crate) protocol: u32,
     pub(crate) id: u32,
     pub(crate) models: Vec<(ModelId, Manifest)>,
     pub(crate) latest: Vec<(ModelId, Version)>,
@@ -52,7 +66,7 @@ pub(crate) struct TransferReq {
     /// Fingerprint of the bucket plan the receiver holds for the model (none before its
     /// first pull): the sender ships its plan only when this differs.
     pub(crate) plan: Option<u64>,
-    /// The receiver serves the version to others while it pulls it (bucket by bucket);
+    /// The receiver serves the version to others while it pulls it (as its bytes arrive);
     /// false when it relays only versions it holds whole (e.g. it pulls into a sink).
     #[serde(default)]
     pub(crate) relay_in_flight: bool,

@@ -28,15 +28,22 @@
 //!   second plan; the price is granularity (an unchanged tensor sharing a bucket with a
 //!   changed one travels too), so pick a smaller bucket size for sparse updates.
 //! - **Relay**: a receiver that holds a version, or is pulling every bucket asked for right
-//!   now, serves it to the next one; a version still landing is served bucket by bucket as
-//!   its buckets land and verify, so receivers form a pipelined chain: the sender writes each
-//!   byte once however many receivers there are, and N receivers take about the time of one
-//!   plus a bucket per hop.
-//! - **First pulls**: a receiver's first pulls land in arenas it has never used; a thread of
-//!   the pull faults their pages in ahead of the streams (instead of page by page inside
-//!   the socket reads), and after each of its first pulls the receiver makes the next arena
-//!   in the background, up to the arenas steady state keeps (see
-//!   [`AlignedBuf::huge_pages`](refit_runtime::AlignedBuf::huge_pages) for the page size).
+//!   now, serves it to the next one; a version still landing is served as its bytes arrive
+//!   (a socket read, 256 KiB, at a time, before its bucket is complete or verified), so
+//!   receivers form a pipelined chain whatever the bucket size: the sender writes each byte
+//!   once however many receivers there are, and N receivers take about the time of one plus
+//!   a piece per hop. Checksums stay per bucket: every receiver of the chain verifies the
+//!   bytes it got against the sender's checksums itself, so a damaged bucket a relay passed
+//!   on is refused by every receiver that got it (the previous version stays served), and a
+//!   relay whose own pull fails ends the streams it serves at once.
+//! - **First pulls**: a receiver's first pulls land in arenas it has never used. It starts
+//!   faulting the first one in on a thread of its own as soon as it has registered (and
+//!   knows the models' sizes), while the sender publishes and announces the version; a pull
+//!   that finds it not quite ready stops it and a thread of the pull faults the rest in ahead
+//!   of the streams (instead of page by page inside the socket reads). After each of its
+//!   first pulls the receiver makes the next arena in the background, up to the arenas steady
+//!   state keeps (see [`AlignedBuf::huge_pages`](refit_runtime::AlignedBuf::huge_pages) for
+//!   the page size). A receiver writing into sinks makes none.
 //! - **Sinks**: a receiver can write a transfer into a [`Sink`] (e.g. the file the weights
 //!   are bound for) instead of an arena, through a small reused buffer, hashed as the bytes
 //!   pass, or straight into memory of the sink's own that it hands out bucket by bucket
@@ -47,6 +54,10 @@
 //!   connection presents the cluster token (from the configuration, `REFIT_TOKEN`,
 //!   `REFIT_TOKEN_FILE`, or random); what is shipped to receivers is a [`TcpEndpoint`],
 //!   which holds no token; nothing on the wire is code.
+//! - **Versions**: the node handshake carries the node protocol version
+//!   ([`refit_node::PROTOCOL_VERSION`]), and a receiver's registration and the sender's
+//!   answer carry this transport's ([`PROTOCOL_VERSION`]); each end refuses another version
+//!   with [`Error::Protocol`], naming both.
 //!
 //! Every wait has a deadline; a vanished sender is [`Error::PeerGone`](refit_runtime::Error),
 //! a vanished receiver is dropped from the sender's book (its leases freed, its acks no
@@ -73,7 +84,7 @@ use uuid::Uuid;
 pub use data::{Sink, SinkSlice};
 pub use file_sink::PullFile;
 pub use link::TcpLink;
-pub use messages::{RECEIVE_WEIGHTS, TransferMode};
+pub use messages::{PROTOCOL_VERSION, RECEIVE_WEIGHTS, TransferMode};
 pub use receiver::{SinkSource, TcpReceiver, TcpReceiverConfig};
 pub use sender::TcpSender;
 
@@ -236,6 +247,94 @@ mod tests {
             "10.0.0.1:29600".parse::<SocketAddr>().unwrap()
         );
         assert!(advertised("s", lo, Some(any)).is_err());
+    }
+
+    /// A receiver and a sender of another version of the transport's protocol refuse each
+    /// other, naming both versions: a registration of version 999 forged on a real sender's
+    /// node, and a real receiver registering with a forged sender that answers 999.
+    #[test]
+    fn registrations_of_another_protocol_version_are_refused_naming_both() {
+        use super::messages::{REGISTER, Register, Registered};
+        use refit_node::{Node, NodeConfig};
+        use refit_runtime::{DType, Manifest, Manifests, ModelId, ReceiverInit};
+        use std::sync::Arc;
+        use std::time::Duration;
+        let token = ClusterToken::new("tcp-protocol-test-token-0123456789").unwrap();
+        let policy = ModelId::new("policy").unwrap();
+        let manifest = Arc::new(
+            Manifest::builder()
+                .tensor("w", DType::F32, &[4])
+                .build()
+                .unwrap(),
+        );
+        let manifests = Manifests::new([(policy.clone(), Arc::clone(&manifest))]).unwrap();
+        let config = TcpConfig {
+            token: Some(token.clone()),
+            ..TcpConfig::default()
+        };
+        let sender = TcpSender::bind(config, &manifests).unwrap();
+        let endpoint = sender.endpoint();
+        let client = Node::start(NodeConfig::loopback(token.clone())).unwrap();
+        let ctl = client
+            .connect(endpoint.addr, Duration::from_secs(10))
+            .unwrap();
+        let forged = Register {
+            protocol: 999,
+            receiver: Uuid::new_v4(),
+            node: client.addr(),
+            relay: false,
+        };
+        let e = ctl
+            .call::<_, Registered>(endpoint.agent, REGISTER, &forged, Duration::from_secs(10))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("tcp transport protocol version 999")
+                && e.contains(&format!("speaks version {PROTOCOL_VERSION}")),
+            "{e}"
+        );
+        assert_eq!(sender.receivers(), 0, "a refused receiver joined the book");
+        // a forged sender agent answering with version 999
+        let fake = Node::start(NodeConfig::loopback(token.clone())).unwrap();
+        let agent = Uuid::new_v4();
+        let m = (*manifest).clone();
+        let id = policy.clone();
+        fake.register(agent, REGISTER, move |_, _: Register| {
+            let reply = Registered {
+                protocol: 999,
+                id: 0,
+                models: vec![(id.clone(), m.clone())],
+                latest: vec![],
+            };
+            async move { Ok::<_, Error>(reply) }
+        });
+        let spec = TcpReceiverSpec::new(
+            TcpEndpoint {
+                addr: fake.addr(),
+                agent,
+            },
+            &token,
+        );
+        let e = ReceiverInit::new(TcpReceiver::new(spec), None)
+            .connect(Duration::from_secs(10))
+            .unwrap_err();
+        assert!(
+            matches!(
+                e,
+                Error::Protocol {
+                    ours: PROTOCOL_VERSION,
+                    theirs: 999,
+                    ..
+                }
+            ),
+            "{e}"
+        );
+        let text = e.to_string();
+        assert!(
+            text.contains("tcp transport protocol version 999")
+                && text.contains(&fake.addr().to_string()),
+            "{text}"
+        );
     }
 
     #[test]

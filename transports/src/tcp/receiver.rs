@@ -102,8 +102,8 @@ struct Shared {
     /// may be before its group is returned; `held` tracks what was returned. Each comes with
     /// its checksums, so relaying hashes nothing.
     relayable: Mutex<BTreeMap<ModelId, VecDeque<Relayable>>>,
-    /// The version of each model being pulled now, served to relayed pulls bucket by bucket
-    /// as its buckets land.
+    /// The version of each model being pulled now, served to relayed pulls as its bytes
+    /// arrive.
     inflight: Mutex<BTreeMap<ModelId, Arc<InFlight>>>,
     relay: ServeStats,
     pulled: Arc<AtomicU64>,
@@ -857,11 +857,18 @@ impl ReceiverTransport for TcpReceiver {
         let remaining = || deadline.saturating_duration_since(Instant::now());
         let ctl = node.connect(self.spec.addr, remaining())?;
         let reg = Register {
+            protocol: PROTOCOL_VERSION,
             receiver: self.me,
-            node: super::advertised("the tcp receiver", node.addr(), self.cfg.advertise)?,
+            node: super::advertised("the tcp receiver", node.advertised(), self.cfg.advertise)?,
             relay: self.cfg.relay,
         };
         let registered: Registered = ctl.call(self.spec.agent, REGISTER, &reg, remaining())?;
+        Error::check_protocol(
+            format!("the tcp sender at {}", self.spec.addr),
+            PROTOCOL_NAME,
+            PROTOCOL_VERSION,
+            registered.protocol,
+        )?;
         self.id = registered.id;
         self.ctl = Some(ctl);
         let manifests = Manifests::new(
@@ -871,6 +878,14 @@ impl ReceiverTransport for TcpReceiver {
                 .map(|(id, m)| (id, Arc::new(m))),
         )?;
         self.manifests = Some(manifests.clone());
+        if self.sinks.is_none() {
+            // the first pull's arena, faulted in on a thread of its own from now on: while
+            // the sender publishes (or announces) the version, not while its bytes arrive
+            let steady = self.cfg.keep_versions.max(1) + 1;
+            for (_, m) in manifests.iter() {
+                self.shared.pool.warm_spare(m.total_len(), steady);
+            }
+        }
         self.shared.merge(&registered.latest);
         Ok(manifests)
     }
@@ -1003,5 +1018,39 @@ impl ReceiverTransport for TcpReceiver {
 impl Drop for TcpReceiver {
     fn drop(&mut self) {
         let _ = self.shutdown();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::tcp::{TcpConfig, TcpSender};
+    use refit_runtime::DType;
+
+    #[test]
+    fn connect_starts_making_the_first_pulls_arena() {
+        let m = Manifest::builder()
+            .tensor("w", DType::F32, &[1 << 20])
+            .build()
+            .unwrap();
+        let ms = Manifests::new([(ModelId::new("policy").unwrap(), Arc::new(m))]).unwrap();
+        let cfg = TcpConfig {
+            token: Some(ClusterToken::random()),
+            ..TcpConfig::default()
+        };
+        let sender = TcpSender::bind(cfg, &ms).unwrap();
+        let deadline = Instant::now() + Duration::from_secs(30);
+        // registered, before any version: its arena is on its way
+        let mut r = TcpReceiver::new(sender.receiver_spec());
+        r.connect(deadline).unwrap();
+        assert_eq!(r.shared.pool.made(), 1);
+        let (buf, fresh) = r.shared.pool.take_marked(4 << 20);
+        assert_eq!(buf.len(), 4 << 20);
+        assert!(buf.as_slice().iter().all(|&b| b == 0));
+        assert_eq!(r.shared.pool.made(), 1, "the pull took the spare: {fresh}");
+        // a receiver writing into sinks needs none
+        let mut s = TcpReceiver::new(sender.receiver_spec()).with_sinks(|_, _, _| Ok(None));
+        s.connect(deadline).unwrap();
+        assert_eq!(s.shared.pool.made(), 0);
     }
 }

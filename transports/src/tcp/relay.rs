@@ -6,7 +6,7 @@
 //!
 //! Rules:
 //! - a receiver that relays may serve a version it holds, or one it is pulling right now
-//!   with every bucket the new pull wants, relaying each bucket as it lands: receivers form a
+//!   with every bucket the new pull wants, relaying its bytes as they arrive: receivers form a
 //!   chain that moves a version in about the time of one hop;
 //! - each source serves at most `fanout` pulls at once; a free relay goes before the sender
 //!   (each byte leaves the sender about once); with every source busy the pull waits;
@@ -41,7 +41,8 @@ pub(crate) struct Lease {
     pub(crate) version: Version,
     /// The buckets the puller pulls (ascending): while it pulls them, it can relay them.
     pub(crate) buckets: Arc<Vec<u32>>,
-    /// The puller relays the buckets as they land (false: only once it holds the version).
+    /// The puller relays the buckets as their bytes arrive (false: only once it holds the
+    /// version).
     pub(crate) relay_in_flight: bool,
     pub(crate) expires: Instant,
     /// When the pull was granted (the sender side of the `wire` phase).

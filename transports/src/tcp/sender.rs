@@ -81,6 +81,16 @@ impl State {
         }
         self.acks.remove(id);
         self.relays.leave(id);
+        self.count_receivers();
+    }
+
+    /// Sets the receivers gauge of every model served.
+    fn count_receivers(&self) {
+        metrics::receivers_connected(
+            NAME,
+            self.models.keys().map(ModelId::as_str),
+            self.receivers.len(),
+        );
     }
 }
 
@@ -262,7 +272,7 @@ impl TcpSender {
             let plan = BucketPlan::compute(id, m, m, config.bucket_size)?;
             plans.push((id.clone(), plan.fingerprint()?, Arc::new(plan)));
         }
-        let addr = super::advertised("the tcp sender", node.addr(), config.advertise)?;
+        let addr = super::advertised("the tcp sender", node.advertised(), config.advertise)?;
         let (changed, _) = watch::channel(0);
         let state = Mutex::new(State::new(&config));
         let agent = Arc::new(Agent {
@@ -283,6 +293,7 @@ impl TcpSender {
                 };
                 st.models.insert(id, slot);
             }
+            st.count_receivers();
         }
         register_handlers(node, &agent, manifests.clone());
         Ok(Self {
@@ -440,6 +451,13 @@ fn register_handlers(node: &Node, agent: &Arc<Agent>, manifests: Manifests) {
             .map(|(id, m)| (id.clone(), (**m).clone()))
             .collect();
         async move {
+            // a receiver of another version is refused before it joins the book
+            Error::check_protocol(
+                format!("the tcp receiver at {}", r.node),
+                PROTOCOL_NAME,
+                PROTOCOL_VERSION,
+                r.protocol,
+            )?;
             let mut st = a.lock();
             if st.closed {
                 return Err(Error::State("the tcp sender is shut down"));
@@ -457,6 +475,7 @@ fn register_handlers(node: &Node, agent: &Arc<Agent>, manifests: Manifests) {
                 },
             );
             st.relays.join(id, r.relay);
+            st.count_receivers();
             let latest = st
                 .models
                 .iter()
@@ -465,7 +484,12 @@ fn register_handlers(node: &Node, agent: &Arc<Agent>, manifests: Manifests) {
             drop(st);
             a.notify();
             tracing::debug!(receiver = id, node = %r.node, "receiver registered");
-            Ok(Registered { id, models, latest })
+            Ok(Registered {
+                protocol: PROTOCOL_VERSION,
+                id,
+                models,
+                latest,
+            })
         }
     });
     let a = Arc::clone(agent);
@@ -680,6 +704,7 @@ impl SenderTransport for TcpSender {
         {
             let mut st = self.agent.lock();
             st.receivers.clear();
+            st.count_receivers();
             st.models.clear();
         }
         self.agent.notify();

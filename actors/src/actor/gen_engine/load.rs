@@ -4,6 +4,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use refit_runtime::metrics::{self, Side};
 use refit_runtime::{ModelId, Version, WeightSet};
 use tokio::sync::{OwnedMutexGuard, oneshot};
 
@@ -62,6 +63,15 @@ impl<G: Generator> LoadJob<G> {
         source: Source,
         timeout: Duration,
     ) -> (Result<LoadReport>, Duration) {
+        let (report, staged) = self.load(source, timeout).await;
+        if report.is_err() {
+            metrics::failed(Side::Engine, "engine");
+        }
+        (report, staged)
+    }
+
+    /// [`LoadJob::run`], without counting its failures.
+    async fn load(self, source: Source, timeout: Duration) -> (Result<LoadReport>, Duration) {
         let started = Instant::now();
         let deadline = started + timeout;
         let model = self.model.clone();
@@ -122,6 +132,7 @@ impl<G: Generator> LoadJob<G> {
         if inlet && let Err(e) = self.ack(guard, swap.to).await {
             return (Err(e), staged);
         }
+        metrics::engine_loaded(self.model.as_str(), swap.to.0, swap.paused);
         let report = LoadReport {
             model: self.model,
             version: swap.to,

@@ -110,6 +110,74 @@ fn a_wrong_token_is_refused_and_named() {
     assert!(e.to_string().contains("ranks [0]"), "{e}");
 }
 
+/// A forged rank of protocol version 999 is refused by a real one naming both versions,
+/// whichever side it takes: connecting with a hello of 999, or accepting with a welcome of
+/// 999.
+#[test]
+fn a_rank_of_another_protocol_version_is_refused_naming_both() {
+    let ours = PROTOCOL_VERSION;
+    let names_both = |e: &str| {
+        e.contains("cpu collective protocol version 999")
+            && e.contains(&format!("speaks version {ours}"))
+    };
+    // a real rank 1 accepts from rank 0: the forged rank 0 presents version 999
+    let store = Arc::new(LocalRendezvous::new());
+    let s = Arc::clone(&store);
+    let real = std::thread::spawn(move || {
+        let m = Membership::new("ver", 1, 1, 2).unwrap();
+        CpuComm::connect(
+            m,
+            s.as_ref(),
+            &CpuConfig::new(token()),
+            deadline(Duration::from_millis(1500)),
+        )
+    });
+    let m = Membership::new("ver", 1, 0, 2).unwrap();
+    let raw = store.wait_get(&m.key("addr/1"), LONG).unwrap();
+    let addr: SocketAddr = std::str::from_utf8(&raw).unwrap().parse().unwrap();
+    let mut stream = TcpStream::connect(addr).unwrap();
+    stream.set_read_timeout(Some(LONG)).unwrap();
+    let mut hello = hello_for(&m, &CpuConfig::new(token()));
+    hello.protocol = 999;
+    frame::send_blocking(&mut stream, &hello).unwrap();
+    let welcome: Welcome = frame::recv_blocking(&mut stream, MAX_HELLO).unwrap();
+    let reason = welcome
+        .refused
+        .expect("a hello of version 999 was welcomed");
+    assert!(names_both(&reason), "{reason}");
+    assert_eq!(welcome.protocol, ours);
+    // the real rank went on waiting for a rank 0 of its version, and says so at its deadline
+    let e = real.join().unwrap().unwrap_err();
+    assert!(e.is_timeout(), "{e}");
+    // a real rank 0 connects to a forged rank 1 that welcomes it with version 999
+    let store = Arc::new(LocalRendezvous::new());
+    let fake = TcpListener::bind("127.0.0.1:0").unwrap();
+    let m1 = Membership::new("ver2", 1, 1, 2).unwrap();
+    store
+        .set(
+            &m1.key("addr/1"),
+            fake.local_addr().unwrap().to_string().as_bytes(),
+        )
+        .unwrap();
+    let answering = std::thread::spawn(move || {
+        let (mut s, _) = fake.accept().unwrap();
+        let _ = frame::read_frame_blocking(&mut s, MAX_HELLO);
+        let welcome = Welcome {
+            refused: None,
+            protocol: 999,
+        };
+        frame::send_blocking(&mut s, &welcome).unwrap();
+    });
+    let m0 = Membership::new("ver2", 1, 0, 2).unwrap();
+    let e =
+        CpuComm::connect(m0, store.as_ref(), &CpuConfig::new(token()), deadline(LONG)).unwrap_err();
+    assert!(
+        matches!(e, Error::Protocol { theirs: 999, .. }) && names_both(&e.to_string()),
+        "{e}"
+    );
+    answering.join().unwrap();
+}
+
 #[test]
 fn a_rank_that_leaves_fails_the_broadcast_on_every_rank_with_its_name() {
     let len = 64 << 20;

@@ -1,0 +1,613 @@
+//! The raw loopback TCP baseline of `refit bench`, and the `refit pull` rows timed against it.
+//!
+//! The baseline is the fastest of a few simple programs that stream the same bytes from one
+//! process to another over loopback (a reused source buffer written in chunks of one size,
+//! read into a reused buffer of another), tried against each other in alternate rounds once
+//! per run; the rows of that search are printed with the `refit pull` rows, and `iperf3`,
+//! where it is installed, is timed beside them as a cross-check no figure of Refit's divides
+//! by.
+
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, OnceLock};
+use std::time::{Duration, Instant};
+
+use refit::node::{TOKEN_ENV, TOKEN_FILE_ENV};
+use refit::prelude::*;
+use refit::runtime::wire;
+use refit::transports::tcp::{TcpConfig, TcpSender};
+
+use super::{
+    BenchArgs, BoxResult, ChildArgs, Row, WAIT, bench_token, first_touch_baseline, make_weights,
+    row, spawn_child,
+};
+use crate::cli::stats::{Summary, fmt_bytes};
+
+/// Bytes per `write` and per `read` of one stream.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) struct Chunks {
+    write: usize,
+    read: usize,
+}
+
+impl Chunks {
+    const fn kib(write: usize, read: usize) -> Self {
+        Self {
+            write: write << 10,
+            read: read << 10,
+        }
+    }
+
+    fn name(self) -> String {
+        format!(
+            "writes {}/reads {}",
+            fmt_chunk(self.write),
+            fmt_chunk(self.read)
+        )
+    }
+}
+
+fn fmt_chunk(n: usize) -> String {
+    if n >= 1 << 20 {
+        format!("{}M", n >> 20)
+    } else {
+        format!("{}K", n >> 10)
+    }
+}
+
+/// The simple programs tried: `iperf3`'s default (128 KiB both ways), small writes into large
+/// reads, `sendall`/`recv_into` of 4 MiB (what a plain Python loop does), and writes of a
+/// buffer larger than the last-level cache (what this baseline did before it was tuned).
+const CANDIDATES: [Chunks; 6] = [
+    Chunks::kib(128, 128),
+    Chunks::kib(128, 4096),
+    Chunks::kib(1024, 1024),
+    Chunks::kib(1024, 4096),
+    Chunks::kib(4096, 4096),
+    Chunks::kib(64 << 10, 4096),
+];
+/// Most bytes each candidate streams per round of the search.
+const TUNE_SIZE: usize = 256 << 20;
+/// Rounds of the search (each runs every candidate once, in turn).
+const TUNE_ROUNDS: usize = 5;
+
+/// The search's outcome: every candidate's timings and the fastest (lowest median).
+pub(super) struct Tuning {
+    /// Bytes per stream of the search.
+    size: usize,
+    tried: Vec<(Chunks, Summary)>,
+    best: Chunks,
+}
+
+static TUNING: OnceLock<Tuning> = OnceLock::new();
+
+/// Searches the chunk sizes once per run with streams of `size` bytes (at most
+/// [`TUNE_SIZE`]), unless that was done already: the largest size the run measures, so the
+/// search costs no more than the run's own streams and small runs stay quick.
+pub(super) fn tune(size: usize) -> BoxResult<&'static Tuning> {
+    if let Some(t) = TUNING.get() {
+        return Ok(t);
+    }
+    let size = size.clamp(1 << 20, TUNE_SIZE);
+    eprintln!(
+        "refit bench: tuning the raw loopback TCP baseline ({} candidates, {} rounds of {})",
+        CANDIDATES.len(),
+        TUNE_ROUNDS,
+        fmt_bytes(size)
+    );
+    let mut streams = CANDIDATES
+        .iter()
+        .map(|&c| Stream::start(size, TUNE_ROUNDS + 1, c))
+        .collect::<BoxResult<Vec<_>>>()?;
+    let mut samples = vec![Vec::with_capacity(TUNE_ROUNDS); CANDIDATES.len()];
+    for s in &mut streams {
+        s.once()?; // warm-up
+    }
+    for _ in 0..TUNE_ROUNDS {
+        for (s, times) in streams.iter_mut().zip(&mut samples) {
+            times.push(s.once()?);
+        }
+    }
+    for s in streams {
+        s.finish()?;
+    }
+    let tried: Vec<(Chunks, Summary)> = CANDIDATES
+        .iter()
+        .zip(&samples)
+        .map(|(&c, t)| (c, Summary::of(t)))
+        .collect();
+    let best = tried
+        .iter()
+        .min_by(|a, b| a.1.median.total_cmp(&b.1.median))
+        .map_or(CANDIDATES[0], |(c, _)| *c);
+    Ok(TUNING.get_or_init(|| Tuning { size, tried, best }))
+}
+
+/// Raw loopback TCP between two processes with the tuned chunk sizes: the time to stream
+/// `size` bytes and get one byte back, `iters` times after one untimed stream.
+pub(super) fn baseline(size: usize, iters: usize) -> BoxResult<Summary> {
+    let mut s = Stream::start(size, iters + 1, tune(size)?.best)?;
+    s.once()?;
+    let samples = (0..iters)
+        .map(|_| s.once())
+        .collect::<BoxResult<Vec<_>>>()?;
+    s.finish()?;
+    Ok(Summary::of(&samples))
+}
+
+/// One stream of the baseline: this process writes, a child process (`tcp-sink`) reads.
+struct Stream {
+    child: Child,
+    sock: TcpStream,
+    buf: Vec<u8>,
+    size: usize,
+}
+
+impl Stream {
+    /// Starts the reading process, which expects `rounds` streams of `size` bytes.
+    fn start(size: usize, rounds: usize, chunks: Chunks) -> BoxResult<Self> {
+        Self::start_into(size, rounds, chunks, None)
+    }
+
+    /// As [`Stream::start`]; with `file`, the reader writes each stream into a new file
+    /// there (removed after the stream is timed).
+    fn start_into(
+        size: usize,
+        rounds: usize,
+        chunks: Chunks,
+        file: Option<&Path>,
+    ) -> BoxResult<Self> {
+        let listener = TcpListener::bind("127.0.0.1:0")?;
+        let addr = listener.local_addr()?.to_string();
+        let (size_arg, rounds_arg, read_arg) = (
+            size.to_string(),
+            rounds.to_string(),
+            chunks.read.to_string(),
+        );
+        let mut child_args = vec!["tcp-sink", &addr, &size_arg, &rounds_arg, &read_arg];
+        let file_arg;
+        if let Some(f) = file {
+            file_arg = f.display().to_string();
+            child_args.extend(["--file", &file_arg]);
+        }
+        let child = spawn_child(&child_args)?;
+        let (sock, _) = listener.accept()?;
+        sock.set_nodelay(true)?;
+        Ok(Self {
+            child,
+            sock,
+            buf: vec![3u8; chunks.write.min(size.max(1))],
+            size,
+        })
+    }
+
+    /// Streams `size` bytes and waits for the reader's byte: the time it took. Then waits
+    /// (untimed) for the reader to be ready for the next stream.
+    fn once(&mut self) -> BoxResult<Duration> {
+        let t = Instant::now();
+        let mut left = self.size;
+        while left > 0 {
+            let n = left.min(self.buf.len());
+            self.sock.write_all(&self.buf[..n])?;
+            left -= n;
+        }
+        let mut ack = [0u8; 1];
+        self.sock.read_exact(&mut ack)?;
+        let took = t.elapsed();
+        self.sock.read_exact(&mut ack)?;
+        Ok(took)
+    }
+
+    fn finish(mut self) -> BoxResult<()> {
+        drop(self.sock);
+        if !self.child.wait()?.success() {
+            return Err("the tcp sink process failed".into());
+        }
+        Ok(())
+    }
+}
+
+/// The reading end of [`Stream`]: reads `rounds` streams of `bytes` bytes into a buffer of
+/// `chunk` bytes (with `--file`, writing each into a new file, synced), answering one byte
+/// after each, and one more once ready for the next (the file removed).
+pub(super) fn sink(args: &ChildArgs) -> BoxResult<()> {
+    let mut sock = TcpStream::connect(&args.target)?;
+    sock.set_nodelay(true)?;
+    let chunk = args.chunk.max(1);
+    let mut buf = vec![0u8; chunk];
+    for _ in 0..args.rounds {
+        let mut file = match &args.file {
+            Some(path) => Some(
+                std::fs::File::options()
+                    .write(true)
+                    .create_new(true)
+                    .open(path)
+                    .map_err(|e| format!("creating {}: {e}", path.display()))?,
+            ),
+            None => None,
+        };
+        let mut left = args.bytes;
+        while left > 0 {
+            let n = sock.read(&mut buf[..left.min(chunk)])?;
+            if n == 0 {
+                return Err("the sender closed the socket early".into());
+            }
+            if let Some(f) = file.as_mut() {
+                f.write_all(&buf[..n])?;
+            }
+            left -= n;
+        }
+        if let Some(f) = file.take() {
+            f.sync_all()?;
+        }
+        sock.write_all(&[1])?;
+        if let Some(path) = &args.file {
+            std::fs::remove_file(path)?;
+        }
+        sock.write_all(&[2])?;
+    }
+    Ok(())
+}
+
+/// `iperf3`'s path, where it is installed.
+fn iperf3() -> Option<PathBuf> {
+    let path = std::env::var_os("PATH")?;
+    std::env::split_paths(&path)
+        .map(|d| d.join("iperf3"))
+        .find(|p| p.is_file())
+}
+
+/// An `iperf3` server on loopback (a process), for streams timed one at a time.
+struct Iperf3 {
+    exe: PathBuf,
+    server: Child,
+    port: u16,
+}
+
+impl Iperf3 {
+    fn start(exe: PathBuf) -> BoxResult<Self> {
+        // a free port, released just before the server binds it
+        let port = TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
+        let server = Command::new(&exe)
+            .args(["-s", "-B", "127.0.0.1", "-p", &port.to_string()])
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()?;
+        Ok(Self { exe, server, port })
+    }
+
+    /// One stream of `size` bytes from a client process (128 KiB writes and reads, iperf3's
+    /// default): the time the server took to receive them at the rate the client's JSON report
+    /// gives.
+    /// Retried while the server is not listening yet (up to 10 s).
+    fn once(&mut self, size: usize) -> BoxResult<Duration> {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let out = Command::new(&self.exe)
+                .args(["-c", "127.0.0.1", "-p", &self.port.to_string(), "-J", "-n"])
+                .arg(size.to_string())
+                .stdin(Stdio::null())
+                .stderr(Stdio::null())
+                .output()?;
+            let report: serde_json::Value = serde_json::from_slice(&out.stdout)
+                .map_err(|e| format!("iperf3 -c printed no JSON report ({e})"))?;
+            if let Some(err) = report.get("error").and_then(|e| e.as_str()) {
+                if err.contains("unable to connect") && Instant::now() < deadline {
+                    std::thread::sleep(Duration::from_millis(50));
+                    continue;
+                }
+                return Err(format!("iperf3: {err}").into());
+            }
+            // the server's count stops at the client's end of test, a few hundred KiB short
+            // of what was sent: its rate, over the whole size
+            let received = &report["end"]["sum_received"];
+            let bytes = received["bytes"].as_u64().unwrap_or(0);
+            if bytes < (size as u64) / 2 {
+                return Err(format!("iperf3 received {bytes} of {size} bytes").into());
+            }
+            let secs = received["seconds"]
+                .as_f64()
+                .ok_or("iperf3's report has no end.sum_received.seconds")?
+                * size as f64
+                / bytes as f64;
+            return Ok(Duration::from_secs_f64(secs));
+        }
+    }
+}
+
+impl Drop for Iperf3 {
+    fn drop(&mut self) {
+        let _ = self.server.kill();
+        let _ = self.server.wait();
+    }
+}
+
+/// `refit pull` as a user runs it, against the tuned raw TCP baseline of the same bytes and
+/// the cost of a new file's pages, all in this run. Two paths, each timed from the `refit
+/// pull` process's start to its exit (connect, transfer, the file synced and renamed): a
+/// model served from this process's memory, and a safetensors file served by a `refit serve`
+/// process started for each pull (its start, which reads the file, timed apart). The
+/// baseline streams, `iperf3` (where installed) and the pulls run in alternate rounds, so
+/// machine load falls on all of them alike.
+pub(super) fn bench_pull(args: &BenchArgs) -> BoxResult<Vec<Row>> {
+    let size = args.pull_size.next_multiple_of(4 * refit::runtime::ALIGN);
+    let iters = args.iters.max(3);
+    let tuning = tune(size)?;
+    let file_write = file_write_baseline(size, iters, &args.pull_dir)?;
+    let touch = first_touch_baseline(size, iters, false);
+    let touch_huge = first_touch_baseline(size, iters, true);
+    let ws = Arc::unwrap_or_clone(make_weights(size, 4)?);
+    let pid = std::process::id();
+    let files = PullFiles {
+        source: std::env::temp_dir().join(format!("refit-bench-{pid}-model.safetensors")),
+        spec: args.pull_dir.join(format!(".refit-bench-{pid}.spec")),
+        serve_spec: args.pull_dir.join(format!(".refit-bench-{pid}-serve.spec")),
+        out: args.pull_dir.join(format!("refit-bench-{pid}.safetensors")),
+        sink: args.pull_dir.join(format!(".refit-bench-{pid}.sink")),
+    };
+    let result = (|| -> BoxResult<Times> {
+        ws.write_safetensors(&files.source)?;
+        let manifests = Manifests::new([(ws.model().clone(), Arc::clone(ws.manifest()))])?;
+        let config = TcpConfig {
+            token: Some(bench_token().clone()),
+            ..TcpConfig::default()
+        };
+        let transport = TcpSender::bind(config, &manifests)?;
+        refit::runtime::write_atomically(
+            &files.spec,
+            wire::to_token(&transport.endpoint())?.as_bytes(),
+        )?;
+        let sender = SenderInit::new(transport, manifests).connect(vec![ws], WAIT)?;
+        let mut tcp = Stream::start(size, iters + 1, tuning.best)?;
+        tcp.once()?;
+        let mut into_file = Stream::start_into(size, iters, tuning.best, Some(&files.sink))?;
+        let mut iperf = iperf3().map(Iperf3::start).transpose()?;
+        let mut t = Times::default();
+        for _ in 0..iters {
+            t.tcp.push(tcp.once()?);
+            t.into_file.push(into_file.once()?);
+            if let Some(i) = iperf.as_mut() {
+                // a cross-check only: one that cannot measure (small sizes end before
+                // iperf3's report counts them) drops its row, not the run
+                match i.once(size) {
+                    Ok(d) => t.iperf3.push(d),
+                    Err(e) => {
+                        eprintln!("refit bench: no iperf3 row: {e}");
+                        iperf = None;
+                        t.iperf3.clear();
+                    }
+                }
+            }
+            t.pull.push(pull_once(&files.spec, &files.out, size)?);
+            let (start, pulled) = serve_and_pull(&files, size)?;
+            t.serve_start.push(start);
+            t.serve_pull.push(pulled);
+        }
+        tcp.finish()?;
+        into_file.finish()?;
+        sender.shutdown()?;
+        Ok(t)
+    })();
+    for f in [
+        &files.source,
+        &files.spec,
+        &files.serve_spec,
+        &files.out,
+        &files.sink,
+    ] {
+        let _ = std::fs::remove_file(f);
+    }
+    let t = result?;
+    let tcp = Summary::of(&t.tcp);
+    let dir = args.pull_dir.display().to_string();
+    let best_try = tuning
+        .tried
+        .iter()
+        .find(|(c, _)| *c == tuning.best)
+        .map_or(f64::NAN, |(_, s)| s.median);
+    let mut rows = vec![row(
+        "tcp-loopback",
+        &format!("stream {}", tuning.best.name()),
+        size,
+        1,
+        tcp,
+        "-",
+        tcp.median,
+    )];
+    for (c, s) in &tuning.tried {
+        rows.push(row(
+            "tcp-loopback",
+            &format!("  tried {}", c.name()),
+            tuning.size,
+            1,
+            *s,
+            "best tried",
+            best_try,
+        ));
+    }
+    if !t.iperf3.is_empty() {
+        let s = Summary::of(&t.iperf3);
+        rows.push(row(
+            "iperf3",
+            "stream 128K/128K",
+            size,
+            1,
+            s,
+            "tcp-loopback",
+            tcp.median,
+        ));
+    }
+    let against_tcp = |name: &str, metric: &str, s: Summary| {
+        row(name, metric, size, 1, s, "tcp-loopback", tcp.median)
+    };
+    rows.push(against_tcp(
+        "new file",
+        &format!("write to {dir}"),
+        file_write,
+    ));
+    rows.push(against_tcp("new memory", "first touch", touch));
+    rows.push(against_tcp(
+        "new memory",
+        if refit::runtime::AlignedBuf::huge_pages() {
+            "  arena (huge pages)"
+        } else {
+            "  arena (small pages)"
+        },
+        touch_huge,
+    ));
+    // the same job as `refit pull` done by a simple program: the tuned stream, its reader
+    // writing what it reads into a new file there
+    let into_file = Summary::of(&t.into_file);
+    rows.push(against_tcp(
+        "tcp-loopback",
+        &format!("  into a new file in {dir}"),
+        into_file,
+    ));
+    let floor = |name: &str, s: Summary| {
+        row(
+            name,
+            "  against tcp into file",
+            size,
+            1,
+            s,
+            "tcp into file",
+            into_file.median,
+        )
+    };
+    let pull = Summary::of(&t.pull);
+    rows.push(against_tcp("refit pull", &format!("to {dir}"), pull));
+    rows.push(floor("refit pull", pull));
+    let served = Summary::of(&t.serve_pull);
+    rows.push(against_tcp(
+        "refit serve FILE+pull",
+        &format!("to {dir}"),
+        served,
+    ));
+    rows.push(floor("refit serve FILE+pull", served));
+    rows.push(against_tcp(
+        "refit serve FILE",
+        "  start (reads FILE)",
+        Summary::of(&t.serve_start),
+    ));
+    Ok(rows)
+}
+
+/// The files of the pull rows (all removed at the end).
+struct PullFiles {
+    /// The model as a safetensors file, for `refit serve`.
+    source: PathBuf,
+    /// The spec of the sender in this process.
+    spec: PathBuf,
+    /// The spec `refit serve` writes.
+    serve_spec: PathBuf,
+    /// What `refit pull` writes (removed after each pull).
+    out: PathBuf,
+    /// What the baseline stream into a file writes.
+    sink: PathBuf,
+}
+
+/// Timings of the pull rows, one per round.
+#[derive(Default)]
+struct Times {
+    tcp: Vec<Duration>,
+    into_file: Vec<Duration>,
+    iperf3: Vec<Duration>,
+    pull: Vec<Duration>,
+    serve_start: Vec<Duration>,
+    serve_pull: Vec<Duration>,
+}
+
+/// Runs `refit pull --spec-file SPEC OUT` and checks it wrote at least `size` bytes (then
+/// removes the file): the time from the process's start to its exit.
+fn pull_once(spec: &Path, out: &Path, size: usize) -> BoxResult<Duration> {
+    let t = Instant::now();
+    let done = Command::new(std::env::current_exe()?)
+        .arg("pull")
+        .env(TOKEN_ENV, bench_token().expose())
+        .env_remove(TOKEN_FILE_ENV)
+        .arg("--spec-file")
+        .arg(spec)
+        .arg(out)
+        .stdin(Stdio::null())
+        .output()?;
+    let took = t.elapsed();
+    if !done.status.success() {
+        return Err(format!(
+            "refit pull failed: {}",
+            String::from_utf8_lossy(&done.stderr).trim()
+        )
+        .into());
+    }
+    if std::fs::metadata(out)?.len() < size as u64 {
+        return Err("refit pull wrote a short file".into());
+    }
+    std::fs::remove_file(out)?;
+    Ok(took)
+}
+
+/// Starts `refit serve SOURCE --spec-file SPEC` (a process), waits for its spec (the time
+/// that took: starting and reading the file), then pulls from it ([`pull_once`]) and stops
+/// it.
+fn serve_and_pull(files: &PullFiles, size: usize) -> BoxResult<(Duration, Duration)> {
+    let _ = std::fs::remove_file(&files.serve_spec);
+    let t = Instant::now();
+    let mut serve = Command::new(std::env::current_exe()?)
+        .arg("serve")
+        .arg(&files.source)
+        .arg("--spec-file")
+        .arg(&files.serve_spec)
+        .env(TOKEN_ENV, bench_token().expose())
+        .env_remove(TOKEN_FILE_ENV)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()?;
+    let result = (|| -> BoxResult<(Duration, Duration)> {
+        let deadline = t + WAIT;
+        while !files.serve_spec.exists() {
+            if let Some(status) = serve.try_wait()? {
+                let mut err = String::new();
+                if let Some(mut e) = serve.stderr.take() {
+                    let _ = e.read_to_string(&mut err);
+                }
+                return Err(format!("refit serve exited ({status}): {}", err.trim()).into());
+            }
+            if Instant::now() > deadline {
+                return Err("refit serve wrote no spec within the deadline".into());
+            }
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        let started = t.elapsed();
+        Ok((started, pull_once(&files.serve_spec, &files.out, size)?))
+    })();
+    // the process this function started, by its handle
+    let _ = serve.kill();
+    let _ = serve.wait();
+    result
+}
+
+/// Writing `size` bytes into a new file in `dir` (created, written from a reused buffer,
+/// synced, removed): what the file's fresh pages cost without any network.
+fn file_write_baseline(size: usize, iters: usize, dir: &Path) -> BoxResult<Summary> {
+    let path = dir.join(format!(".refit-bench-{}.write", std::process::id()));
+    let buf = vec![5u8; size.min(16 << 20)];
+    let mut samples = Vec::with_capacity(iters);
+    for _ in 0..iters {
+        let t = Instant::now();
+        let mut f = std::fs::File::create(&path)?;
+        let mut left = size;
+        while left > 0 {
+            let n = left.min(buf.len());
+            f.write_all(&buf[..n])?;
+            left -= n;
+        }
+        f.sync_all()?;
+        drop(f);
+        samples.push(t.elapsed());
+        std::fs::remove_file(&path)?;
+    }
+    Ok(Summary::of(&samples))
+}

@@ -1,0 +1,277 @@
+//! The book's reference pages say what the code does: the command-line page is what the
+//! `refit` tool prints for it, the environment page lists every `REFIT_*` variable the
+//! code reads, the topology page every key the parser accepts. And what users read holds
+//! no development history.
+#![allow(clippy::unwrap_used, missing_docs)]
+
+use std::collections::BTreeSet;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+fn root() -> &'static Path {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+}
+
+fn read(path: &Path) -> String {
+    std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+}
+
+#[test]
+fn the_command_line_page_is_what_the_tool_says() {
+    let out = Command::new(env!("CARGO_BIN_EXE_refit"))
+        .arg("__cli-reference")
+        .env_remove("REFIT_TOKEN_FILE")
+        .env_remove("REFIT_METRICS_ADDR")
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    let generated = String::from_utf8(out.stdout).unwrap();
+    let page = read(&root().join("book/src/reference/cli.md"));
+    if generated != page {
+        let line = generated
+            .lines()
+            .zip(page.lines())
+            .position(|(a, b)| a != b)
+            .unwrap_or_else(|| generated.lines().count().min(page.lines().count()));
+        panic!(
+            "book/src/reference/cli.md differs from the tool's definitions from line {}:\n  \
+             page: {:?}\n  tool: {:?}\nregenerate it: cargo run --bin refit -- __cli-reference \
+             > book/src/reference/cli.md",
+            line + 1,
+            page.lines().nth(line).unwrap_or("(end)"),
+            generated.lines().nth(line).unwrap_or("(end)"),
+        );
+    }
+}
+
+/// Every file under `dir` whose name ends with one of `exts`, skipping build outputs.
+fn files(dir: &Path, exts: &[&str], out: &mut Vec<PathBuf>) {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
+    for e in entries.flatten() {
+        let path = e.path();
+        let name = e.file_name().to_string_lossy().into_owned();
+        if path.is_dir() {
+            if !matches!(name.as_str(), "target" | "tests" | "__pycache__")
+                && !name.starts_with('.')
+            {
+                files(&path, exts, out);
+            }
+        } else if exts.iter().any(|x| name.ends_with(x)) {
+            out.push(path);
+        }
+    }
+}
+
+/// The `REFIT_*` names in `text`.
+fn refit_vars(text: &str) -> BTreeSet<String> {
+    let mut vars = BTreeSet::new();
+    let mut rest = text;
+    while let Some(i) = rest.find("REFIT_") {
+        let name: String = rest[i..]
+            .chars()
+            .take_while(|c| c.is_ascii_uppercase() || c.is_ascii_digit() || *c == '_')
+            .collect();
+        let name = name.trim_end_matches('_').to_owned();
+        rest = &rest[i + name.len().max(6)..];
+        if name.len() > "REFIT_".len() {
+            vars.insert(name);
+        }
+    }
+    vars
+}
+
+#[test]
+fn the_environment_page_lists_every_variable_the_code_reads() {
+    // what programs read: the crates' sources, the tool, the examples, the Python package
+    // and the scripts (not the test suites, whose variables are their own)
+    let mut sources = Vec::new();
+    for dir in [
+        "src",
+        "runtime/src",
+        "node/src",
+        "transports/src",
+        "rl/src",
+        "actors/src",
+        "python/src",
+        "python/refit",
+        "python/examples",
+        "examples",
+        "scripts",
+    ] {
+        files(&root().join(dir), &[".rs", ".py", ".sh"], &mut sources);
+    }
+    assert!(sources.len() > 50, "{} source files", sources.len());
+    let page = read(&root().join("book/src/reference/environment.md"));
+    let mut missing = Vec::new();
+    for file in &sources {
+        for var in refit_vars(&read(file)) {
+            if !page.contains(&format!("`{var}`")) {
+                missing.push(format!("{var} (read in {})", file.display()));
+            }
+        }
+    }
+    assert!(
+        missing.is_empty(),
+        "book/src/reference/environment.md does not list: {missing:#?}"
+    );
+}
+
+/// The smallest file the parser accepts, with `extra` added at the end and `first` at the top.
+fn topology(first: &str, extra: &str) -> String {
+    format!(
+        "{first}\n[run]\ncommand = [\"prog\"]\n[[model]]\nid = \"policy\"\n[[process]]\n\
+         name = \"learner\"\nroles = [\"trainer\", \"controller\", \"engine\"]\n{extra}\n"
+    )
+}
+
+/// The keys the parser names when it refuses `zz_unknown` in a table of `text`.
+fn accepted_keys(text: &str) -> Vec<String> {
+    let err = refit::runtime::topology::Topology::parse(text)
+        .map(|_| ())
+        .expect_err("an unknown key must be refused")
+        .to_string();
+    assert!(err.contains("zz_unknown"), "{err}");
+    let expected = err
+        .split_once("expected")
+        .unwrap_or_else(|| panic!("no list of keys in {err:?}"))
+        .1;
+    let expected = expected.split(" (line").next().unwrap();
+    expected
+        .split('`')
+        .skip(1)
+        .step_by(2)
+        .map(str::to_owned)
+        .collect()
+}
+
+#[test]
+fn the_topology_page_lists_every_key_the_parser_accepts() {
+    let base_model = "[[model]]\nid = \"m2\"\n";
+    let cases: [(&str, String); 12] = [
+        ("", topology("zz_unknown = 1", "")),
+        (
+            "run.",
+            topology("", "").replace("[run]\n", "[run]\nzz_unknown = 1\n"),
+        ),
+        ("sync.", topology("", "[sync]\nzz_unknown = 1")),
+        (
+            "sync.timeouts.",
+            topology("", "[sync.timeouts]\nzz_unknown = 1"),
+        ),
+        ("stop.", topology("", "[stop]\nzz_unknown = 1")),
+        ("links.", topology("", "[links]\nzz_unknown = 1")),
+        (
+            "host.",
+            topology(
+                "",
+                "[[host]]\nname = \"local\"\naddr = \"127.0.0.1\"\nzz_unknown = 1",
+            ),
+        ),
+        (
+            "process.",
+            topology(
+                "",
+                "[[process]]\nname = \"x\"\nroles = [\"engine\"]\nzz_unknown = 1",
+            ),
+        ),
+        (
+            "model.",
+            topology("", &format!("{base_model}zz_unknown = 1")),
+        ),
+        (
+            "model.convert.",
+            topology("", &format!("{base_model}[model.convert]\nzz_unknown = 1")),
+        ),
+        (
+            "model.convert.layout.",
+            topology(
+                "",
+                &format!("{base_model}[model.convert]\nlayout = [{{ zz_unknown = 1 }}]"),
+            ),
+        ),
+        (
+            "model.convert.cast.",
+            topology(
+                "",
+                &format!(
+                    "{base_model}[model.convert]\ncast = [{{ to = \"bf16\", zz_unknown = 1 }}]"
+                ),
+            ),
+        ),
+    ];
+    let page = read(&root().join("book/src/reference/topology.md"));
+    let mut missing = Vec::new();
+    for (prefix, text) in cases {
+        let keys = accepted_keys(&text);
+        assert!(!keys.is_empty(), "{prefix}: no keys named");
+        for key in keys {
+            let written = format!("`{prefix}{key}`");
+            if !page.contains(&written) {
+                missing.push(written);
+            }
+        }
+    }
+    assert!(
+        missing.is_empty(),
+        "book/src/reference/topology.md does not describe: {missing:?}"
+    );
+}
+
+#[test]
+fn the_book_and_readme_hold_no_development_history() {
+    let mut pages = vec![root().join("README.md")];
+    files(&root().join("book/src"), &[".md"], &mut pages);
+    let mut found = Vec::new();
+    for page in &pages {
+        for (n, line) in read(page).lines().enumerate() {
+            let lower = line.to_lowercase();
+            let phrases = ["/work/", "worktree", "this session", "first session", "wt-"];
+            if phrases.iter().any(|p| lower.contains(p)) {
+                found.push(format!("{}:{}: {line}", page.display(), n + 1));
+            }
+        }
+    }
+    assert!(found.is_empty(), "history in what users read: {found:#?}");
+}
+
+#[test]
+fn the_python_package_carries_the_same_licence_files() {
+    for name in ["LICENSE-MIT", "LICENSE-APACHE"] {
+        let top = read(&root().join(name));
+        assert_eq!(
+            read(&root().join("python").join(name)),
+            top,
+            "python/{name}"
+        );
+    }
+    let cargo = read(&root().join("Cargo.toml"));
+    assert!(cargo.contains("license = \"MIT OR Apache-2.0\""));
+}
+
+/// The first fenced block of `page`'s text.
+fn first_block(page: &str) -> String {
+    let mut lines = page.lines().skip_while(|l| !l.starts_with("```"));
+    lines.next();
+    lines
+        .take_while(|l| !l.starts_with("```"))
+        .map(|l| format!("{l}\n"))
+        .collect()
+}
+
+#[test]
+fn the_readme_and_the_introduction_start_with_the_main_job_and_the_tests() {
+    let expected = "cargo build --release --example cartpole --bin refit && target/release/refit \
+                    launch examples/topologies/cartpole-processes.toml\ncargo test --workspace\n";
+    for page in ["README.md", "book/src/introduction.md"] {
+        assert_eq!(first_block(&read(&root().join(page))), expected, "{page}");
+    }
+    assert!(
+        root()
+            .join("examples/topologies/cartpole-processes.toml")
+            .is_file()
+    );
+    let cargo = read(&root().join("Cargo.toml"));
+    assert!(cargo.contains("name = \"cartpole\"") && cargo.contains("name = \"refit\""));
+}
