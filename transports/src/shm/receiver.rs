@@ -397,7 +397,7 @@ impl ShmReceiver {
             let mut result = Ok(());
             let copy = copy || self.imports.is_some();
             for (&(m, version, index), slot) in fresh.iter().zip(pinned) {
-                let imports = self.imports.as_deref_mut();
+                let imports = self.imports.as_mut();
                 let at = (m, version, index);
                 let read = Self::read_slot(a, &self.pool, at, slot, copy, imports);
                 match read {
@@ -426,7 +426,7 @@ impl ShmReceiver {
         (m, version, index): (usize, u64, usize),
         slot: PinnedSlot,
         copy: bool,
-        imports: Option<&mut dyn ImportSlots>,
+        imports: Option<&mut Box<dyn ImportSlots>>,
     ) -> Result<WeightSet> {
         let (id, manifest, seg) = &a.models[m];
         let base = slot.off - PAGE;

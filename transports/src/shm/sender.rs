@@ -40,8 +40,8 @@ use super::layout::*;
 use super::lease::{self, Heartbeat, Identity};
 use super::segment::{self, Segment};
 use super::{MAX_DEPARTED, NAME, ShmConfig, ShmReceiverSpec, collect, futex};
-use refit_runtime::copy::copy_threads;
 use crate::cuda_ipc::ExportSlots;
+use refit_runtime::copy::copy_threads;
 
 /// A receiver the sender found dead and freed (see [`ShmSender::departed`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -764,8 +764,7 @@ impl SenderTransport for ShmSender {
                     // the slot stays claimed (odd) until the bytes are there
                     Some(e) => {
                         e.write(m, slot, w.bytes(), deadline)?;
-                        self.checksum
-                            .then(|| checksum(w.bytes(), copy_threads()))
+                        self.checksum.then(|| checksum(w.bytes(), copy_threads()))
                     }
                     None if self.checksum => Some(seg.write_hashed(at, w.bytes())?),
                     None => {
