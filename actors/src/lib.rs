@@ -31,9 +31,9 @@ pub mod run;
 pub use refit_rl::{
     ActionOut, Batch, CartPole, Collector, CollectorBuilder, CollectorConfig, Device, Env,
     EpisodeStats, Error, LearnStats, Learner, MlpPolicy, ModelSpec, MultiAsyncCollector,
-    MultiConfig, MultiSyncCollector, Policy, RemoteFailure, ReplayBuffer, Result, RingBuffer,
-    Roles, StepResult, TrajPool, TrajSpan, Transition, UpdatePolicyWeights, WeightInlet,
-    WeightOutlet, WeightSource, WorkerCommand, WorkerLink, WorkerMessage, WorkerMode,
+    MultiConfig, MultiSyncCollector, Observation, Policy, RemoteFailure, ReplayBuffer, Result,
+    RingBuffer, Roles, StepResult, TrajPool, TrajSpan, Transition, UpdatePolicyWeights,
+    WeightInlet, WeightOutlet, WeightSource, WorkerCommand, WorkerLink, WorkerMessage, WorkerMode,
     policy_model_id, run_worker,
 };
 #[cfg(feature = "candle")]

@@ -13,11 +13,69 @@ use serde::{Deserialize, Serialize};
 use crate::error::{Error, Result};
 use crate::generation::{Finish, Token};
 
+/// An observation as a transition holds it: up to [`Observation::INLINE`] values live in
+/// the transition itself, so that collecting a step of a small environment (CartPole's
+/// four values) allocates nothing beyond what the environment's step did; longer ones live
+/// on the heap. It reads as a `[f32]` and crosses the wire as a sequence, as a `Vec<f32>`
+/// does.
+#[derive(Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(transparent)]
+pub struct Observation(smallvec::SmallVec<[f32; Observation::INLINE]>);
+
+impl Observation {
+    /// Values kept inline, without a heap allocation.
+    pub const INLINE: usize = 8;
+
+    /// A copy of `values`.
+    pub fn from_slice(values: &[f32]) -> Self {
+        Self(smallvec::SmallVec::from_slice(values))
+    }
+}
+
+impl std::ops::Deref for Observation {
+    type Target = [f32];
+
+    fn deref(&self) -> &[f32] {
+        &self.0
+    }
+}
+
+impl std::fmt::Debug for Observation {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_list().entries(self.iter()).finish()
+    }
+}
+
+impl From<Vec<f32>> for Observation {
+    /// Takes the values of `values` (inline when they fit, freeing the vector).
+    fn from(values: Vec<f32>) -> Self {
+        Self(smallvec::SmallVec::from_vec(values))
+    }
+}
+
+impl From<&[f32]> for Observation {
+    fn from(values: &[f32]) -> Self {
+        Self::from_slice(values)
+    }
+}
+
+impl PartialEq<Vec<f32>> for Observation {
+    fn eq(&self, other: &Vec<f32>) -> bool {
+        **self == **other
+    }
+}
+
+impl PartialEq<[f32]> for Observation {
+    fn eq(&self, other: &[f32]) -> bool {
+        **self == *other
+    }
+}
+
 /// One environment step, with the collector's bookkeeping.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Transition {
     /// Observation the policy acted on.
-    pub obs: Vec<f32>,
+    pub obs: Observation,
     /// The action taken.
     pub action: usize,
     /// Log-probability of `action` under the policy that acted (version `version`).
@@ -26,7 +84,7 @@ pub struct Transition {
     pub reward: f32,
     /// Observation after the step (terminal observation when the episode ended; the env
     /// was then reset and the reset observation went to the carrier, not here).
-    pub next_obs: Vec<f32>,
+    pub next_obs: Observation,
     /// The episode reached a terminal state.
     pub terminated: bool,
     /// The episode was cut by a time limit.
@@ -347,5 +405,32 @@ impl ReplayBuffer for RingBuffer {
         (0..n)
             .map(|_| r.items[rng.random_range(0..r.items.len())].clone())
             .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Observation;
+    use refit_runtime::wire;
+
+    #[test]
+    fn an_observation_reads_and_crosses_the_wire_as_a_vector() {
+        for len in [0, 4, Observation::INLINE, Observation::INLINE + 1, 100] {
+            let values: Vec<f32> = (0..len).map(|i| i as f32 * 0.5 - 3.0).collect();
+            let obs = Observation::from(values.clone());
+            assert_eq!(&*obs, values.as_slice());
+            assert_eq!(obs, values);
+            assert_eq!(Observation::from_slice(&values), obs);
+            // inline up to INLINE values, on the heap beyond
+            assert_eq!(obs.0.spilled(), len > Observation::INLINE, "{len}");
+            // the same bytes as a Vec<f32> on the wire, both ways
+            let bytes = wire::encode(&obs).unwrap();
+            assert_eq!(bytes, wire::encode(&values).unwrap());
+            let back: Observation = wire::decode(&bytes, 1 << 20).unwrap();
+            assert_eq!(back, obs);
+            let as_vec: Vec<f32> = wire::decode(&bytes, 1 << 20).unwrap();
+            assert_eq!(as_vec, values);
+            assert_eq!(format!("{obs:?}"), format!("{values:?}"));
+        }
     }
 }

@@ -32,7 +32,7 @@ use refit_runtime::{
     Version, WeightSet, extract_new,
 };
 
-use crate::batch::{Batch, EpisodeStats, ReplayBuffer, TrajPool, Transition};
+use crate::batch::{Batch, EpisodeStats, Observation, ReplayBuffer, TrajPool, Transition};
 use crate::device::Device;
 use crate::env::Env;
 use crate::error::{Error, Result};
@@ -604,20 +604,23 @@ impl<E: Env, P: Policy> Collector<E, P> {
                 carrier.ep_return[i] += f64::from(r.reward);
                 carrier.ep_len[i] += 1;
                 let done = r.done();
+                // the transition copies the observation after the step (inline: no
+                // allocation for small ones); the carrier takes the env's vector itself
+                let next_obs = Observation::from_slice(&r.obs);
                 let carried = if done {
                     let o = env.reset(None)?;
                     check_obs(i, &o, self.obs_dim)?;
                     o
                 } else {
-                    r.obs.clone()
+                    r.obs
                 };
                 let traj_id = track.then(|| carrier.traj_ids[i]);
                 let t = Transition {
-                    obs: std::mem::replace(&mut carrier.obs[i], carried),
+                    obs: Observation::from(std::mem::replace(&mut carrier.obs[i], carried)),
                     action: out.action,
                     log_prob: out.log_prob,
                     reward: r.reward,
-                    next_obs: r.obs,
+                    next_obs,
                     terminated: r.terminated,
                     truncated: r.truncated,
                     traj_id,

@@ -66,7 +66,8 @@ pub mod tasks;
 pub mod transformer;
 
 pub use batch::{
-    Batch, EpisodeStats, ReplayBuffer, RingBuffer, Sequence, TrajPool, TrajSpan, Transition,
+    Batch, EpisodeStats, Observation, ReplayBuffer, RingBuffer, Sequence, TrajPool, TrajSpan,
+    Transition,
 };
 #[cfg(feature = "candle")]
 pub use cartpole_ppo::CartPolePpo;

@@ -5,7 +5,7 @@ use std::time::Duration;
 use actix::prelude::*;
 use refit_runtime::{ModelId, Version};
 
-use crate::batch::{Batch, EpisodeStats, Transition};
+use crate::batch::{Batch, EpisodeStats, Observation, Transition};
 use crate::env::Env;
 use crate::error::{Error, Result};
 use crate::policy::ActionOut;
@@ -94,11 +94,11 @@ impl<E: Env> VecEnv<E> {
             let done = r.done();
             if let Some(out) = out.as_deref_mut() {
                 out.transitions.push(Transition {
-                    obs: std::mem::take(&mut self.obs[i]),
+                    obs: Observation::from_slice(&self.obs[i]),
                     action: a.action,
                     log_prob: a.log_prob,
                     reward: r.reward,
-                    next_obs: r.obs.clone(),
+                    next_obs: Observation::from_slice(&r.obs),
                     terminated: r.terminated,
                     truncated: r.truncated,
                     traj_id: None,
