@@ -89,12 +89,10 @@ impl LinkFactory for NcclLink {
         true
     }
     fn built(&self) -> Result<()> {
-        with_cuda::built()
+        crate::gpu::link_built(NAME)
     }
     fn usable(&self, options: &LinkOptions) -> Result<()> {
-        self.built()?;
-        crate::gpu::check_device(options.cuda_device()?, true)
-            .map_err(|why| crate::gpu::link_unavailable(NAME, &why))
+        crate::gpu::link_usable(NAME, options, true)
     }
     fn open(&self, _manifests: &Manifests, options: &LinkOptions) -> Result<OpenedLink> {
         self.usable(options)?;
@@ -118,10 +116,6 @@ mod with_cuda {
     use super::NcclLink;
     use crate::collective::nccl::NcclOptions;
     use crate::link::{LinkOptions, OpenedLink, ReceiverSpec};
-
-    pub(super) fn built() -> Result<()> {
-        Ok(())
-    }
 
     fn options_of(options: &LinkOptions) -> Result<NcclOptions> {
         Ok(NcclOptions {
@@ -158,10 +152,6 @@ mod with_cuda {
     use super::{NAME, NcclLink};
     use crate::gpu::{GpuUnavailable, link_unavailable};
     use crate::link::{LinkOptions, OpenedLink, ReceiverSpec};
-
-    pub(super) fn built() -> Result<()> {
-        Err(link_unavailable(NAME, &GpuUnavailable::NotCompiled))
-    }
 
     pub(super) fn open(_: &NcclLink, _: &LinkOptions) -> Result<OpenedLink> {
         Err(link_unavailable(NAME, &GpuUnavailable::NotCompiled))

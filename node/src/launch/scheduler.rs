@@ -296,9 +296,7 @@ mod tests {
     }
 
     /// Three hosts, the middle one with its address written; one rank on each.
-    fn topo() -> Topology {
-        Topology::parse(
-            r#"
+    const TOPO: &str = r#"
             [run]
             command = ["p"]
             [[model]]
@@ -322,9 +320,10 @@ mod tests {
             name = "actor-b"
             host = "b"
             roles = ["engine"]
-            "#,
-        )
-        .unwrap()
+            "#;
+
+    fn topo() -> Topology {
+        Topology::parse(TOPO).unwrap()
     }
 
     fn filled(h: &SchedulerHosts) -> Vec<(&str, &str)> {
@@ -352,32 +351,7 @@ mod tests {
         let over = h.overrides().unwrap();
         assert_eq!(over[0].to_string(), "host[a].addr=\"node07\"");
         // applied, every host has its address
-        let text = r#"
-            [run]
-            command = ["p"]
-            [[model]]
-            id = "m"
-            [[host]]
-            name = "a"
-            [[host]]
-            name = "b"
-            addr = "10.9.0.2"
-            [[host]]
-            name = "c"
-            [[process]]
-            name = "learner"
-            host = "a"
-            roles = ["trainer", "controller"]
-            [[process]]
-            name = "actor-c"
-            host = "c"
-            roles = ["engine"]
-            [[process]]
-            name = "actor-b"
-            host = "b"
-            roles = ["engine"]
-            "#;
-        let t2 = Topology::parse_with(text, &over).unwrap();
+        let t2 = Topology::parse_with(TOPO, &over).unwrap();
         let addrs: Vec<&str> = t2.hosts.iter().map(|h| h.address().unwrap()).collect();
         assert_eq!(addrs, ["node07", "10.9.0.2", "login1"]);
         assert_eq!(t2.master_host().unwrap(), "node07");
@@ -385,7 +359,7 @@ mod tests {
         let h = scheduler_hosts(&t, &env(&[("SLURM_JOB_NODELIST", "[1000-1002]")]))
             .unwrap()
             .unwrap();
-        let t3 = Topology::parse_with(text, &h.overrides().unwrap()).unwrap();
+        let t3 = Topology::parse_with(TOPO, &h.overrides().unwrap()).unwrap();
         assert_eq!(t3.master_host().unwrap(), "1000");
     }
 

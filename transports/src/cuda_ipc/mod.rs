@@ -111,12 +111,10 @@ impl LinkFactory for CudaIpcLink {
         true
     }
     fn built(&self) -> Result<()> {
-        with_cuda::built()
+        crate::gpu::link_built(NAME)
     }
     fn usable(&self, options: &LinkOptions) -> Result<()> {
-        self.built()?;
-        crate::gpu::check_device(options.cuda_device()?, false)
-            .map_err(|why| crate::gpu::link_unavailable(NAME, &why))
+        crate::gpu::link_usable(NAME, options, false)
     }
     fn open(&self, manifests: &Manifests, options: &LinkOptions) -> Result<OpenedLink> {
         self.usable(options)?;
@@ -145,10 +143,6 @@ mod with_cuda {
     use super::{CudaExport, CudaImport, ExportSlots, ImportSlots};
     use crate::link::LinkOptions;
 
-    pub(super) fn built() -> Result<()> {
-        Ok(())
-    }
-
     pub(super) fn export(options: &LinkOptions) -> Result<Box<dyn ExportSlots>> {
         Ok(Box::new(CudaExport::new(options.cuda_device()?)?))
     }
@@ -166,10 +160,6 @@ mod with_cuda {
     use super::{ExportSlots, ImportSlots, NAME};
     use crate::gpu::{GpuUnavailable, link_unavailable};
     use crate::link::LinkOptions;
-
-    pub(super) fn built() -> Result<()> {
-        Err(link_unavailable(NAME, &GpuUnavailable::NotCompiled))
-    }
 
     pub(super) fn export(_: &LinkOptions) -> Result<Box<dyn ExportSlots>> {
         Err(link_unavailable(NAME, &GpuUnavailable::NotCompiled))

@@ -166,6 +166,27 @@ pub fn link_unavailable(link: &'static str, why: &GpuUnavailable) -> refit_runti
     }
 }
 
+/// [`crate::LinkFactory::built`] of GPU link `link`: fine with the `cuda` feature, else
+/// [`link_unavailable`] with [`GpuUnavailable::NotCompiled`].
+pub(crate) fn link_built(link: &'static str) -> refit_runtime::Result<()> {
+    if cfg!(feature = "cuda") {
+        Ok(())
+    } else {
+        Err(link_unavailable(link, &GpuUnavailable::NotCompiled))
+    }
+}
+
+/// [`crate::LinkFactory::usable`] of GPU link `link`: built, and the options' device usable
+/// ([`check_device`], NCCL loaded too when `nccl`).
+pub(crate) fn link_usable(
+    link: &'static str,
+    options: &crate::link::LinkOptions,
+    nccl: bool,
+) -> refit_runtime::Result<()> {
+    link_built(link)?;
+    check_device(options.cuda_device()?, nccl).map_err(|why| link_unavailable(link, &why))
+}
+
 /// An NCCL unique id as it travels between processes (128 bytes; `c_char` is signed on
 /// x86-64 and unsigned on aarch64, so the wire form is plain bytes).
 #[derive(Clone, PartialEq, Eq, Serialize, Deserialize)]
