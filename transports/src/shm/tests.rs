@@ -20,16 +20,22 @@ fn weights(m: &Arc<Manifest>, v: u64) -> WeightSet {
     ws
 }
 
-#[test]
-fn a_board_left_mid_commit_by_a_live_sender_is_a_timeout() {
-    let dir = tempfile::tempdir().unwrap();
+/// The model `policy` of one f32 tensor `w` of `floats` values, and its scheme's manifests.
+fn policy(floats: usize) -> (Arc<Manifest>, Manifests) {
     let m = Arc::new(
         Manifest::builder()
-            .tensor("w", DType::F32, &[16])
+            .tensor("w", DType::F32, &[floats])
             .build()
             .unwrap(),
     );
     let ms = Manifests::new([(ModelId::new("policy").unwrap(), Arc::clone(&m))]).unwrap();
+    (m, ms)
+}
+
+#[test]
+fn a_board_left_mid_commit_by_a_live_sender_is_a_timeout() {
+    let dir = tempfile::tempdir().unwrap();
+    let (m, ms) = policy(16);
     let cfg = ShmConfig {
         dir: dir.path().to_path_buf(),
         expected_receivers: 1,
@@ -88,13 +94,7 @@ fn a_board_left_mid_commit_by_a_live_sender_is_a_timeout() {
 #[test]
 fn a_board_of_another_layout_version_is_refused_naming_both() {
     let dir = tempfile::tempdir().unwrap();
-    let m = Arc::new(
-        Manifest::builder()
-            .tensor("w", DType::F32, &[16])
-            .build()
-            .unwrap(),
-    );
-    let ms = Manifests::new([(ModelId::new("policy").unwrap(), Arc::clone(&m))]).unwrap();
+    let (_, ms) = policy(16);
     let cfg = ShmConfig {
         dir: dir.path().to_path_buf(),
         expected_receivers: 1,
@@ -136,14 +136,8 @@ fn a_board_of_another_layout_version_is_refused_naming_both() {
 fn a_damaged_version_is_refused_and_the_previous_kept() {
     for mode in [ShmReadMode::ZeroCopy, ShmReadMode::Copy] {
         let dir = tempfile::tempdir().unwrap();
-        let m = Arc::new(
-            Manifest::builder()
-                .tensor("w", DType::F32, &[64 * 1024])
-                .build()
-                .unwrap(),
-        );
+        let (m, ms) = policy(64 * 1024);
         let p = ModelId::new("policy").unwrap();
-        let ms = Manifests::new([(p.clone(), Arc::clone(&m))]).unwrap();
         let cfg = ShmConfig {
             dir: dir.path().to_path_buf(),
             expected_receivers: 1,
@@ -197,13 +191,7 @@ fn a_damaged_version_is_refused_and_the_previous_kept() {
 fn starting_slots_are_reserved_and_the_rest_sparse() {
     use std::os::unix::fs::MetadataExt;
     let dir = tempfile::tempdir().unwrap();
-    let m = Arc::new(
-        Manifest::builder()
-            .tensor("w", DType::F32, &[1 << 20])
-            .build()
-            .unwrap(),
-    );
-    let ms = Manifests::new([(ModelId::new("policy").unwrap(), Arc::clone(&m))]).unwrap();
+    let (m, ms) = policy(1 << 20);
     let cfg = ShmConfig {
         dir: dir.path().to_path_buf(),
         slots: 2,
