@@ -10,28 +10,11 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 mod common;
-use common::example;
-use common::launch::{Launch, assert_clean};
+use common::launch::{Launch, assert_clean, shipped_topology};
 
 /// `grpo-processes.toml` as shipped, with the command pointed at this build's example.
 fn topology_file(dir: &Path) -> PathBuf {
-    let shipped =
-        Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/topologies/grpo-processes.toml");
-    let exe = example("grpo");
-    let text: Vec<String> = std::fs::read_to_string(shipped)
-        .unwrap()
-        .lines()
-        .map(|l| {
-            if l.starts_with("command = ") {
-                format!("command = [{:?}, \"topology\"]", exe.display().to_string())
-            } else {
-                l.to_owned()
-            }
-        })
-        .collect();
-    let path = dir.join("grpo-processes.toml");
-    std::fs::write(&path, text.join("\n")).unwrap();
-    path
+    shipped_topology(dir, "grpo-processes.toml", "grpo", &[])
 }
 
 #[test]

@@ -15,35 +15,21 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 mod common;
-use common::example;
-use common::launch::{Launch, assert_clean, pid_in};
+use common::launch::{Launch, assert_clean, pid_in, shipped_topology};
 
 /// `cartpole-processes.toml` as shipped, with the command pointed at this build's example
 /// and the run's policy, target and budget set by the test.
 fn topology_file(dir: &Path, on_failure: &str, target: f64, max_updates: u64) -> PathBuf {
-    let shipped =
-        Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/topologies/cartpole-processes.toml");
-    let exe = example("cartpole");
-    let text: Vec<String> = std::fs::read_to_string(shipped)
-        .unwrap()
-        .lines()
-        .map(|l| {
-            if l.starts_with("command = ") {
-                format!("command = [{:?}, \"topology\"]", exe.display().to_string())
-            } else if l.starts_with("on_failure = ") {
-                format!("on_failure = {on_failure:?}")
-            } else if l.starts_with("target_return = ") {
-                format!("target_return = {target:.1}")
-            } else if l.starts_with("max_updates = ") {
-                format!("max_updates = {max_updates}")
-            } else {
-                l.to_owned()
-            }
-        })
-        .collect();
-    let path = dir.join("cartpole-processes.toml");
-    std::fs::write(&path, text.join("\n")).unwrap();
-    path
+    shipped_topology(
+        dir,
+        "cartpole-processes.toml",
+        "cartpole",
+        &[
+            ("on_failure", format!("{on_failure:?}")),
+            ("target_return", format!("{target:.1}")),
+            ("max_updates", max_updates.to_string()),
+        ],
+    )
 }
 
 /// Solves CartPole through `refit launch` in every sync mode: `batch-async` to Gymnasium's
@@ -90,22 +76,7 @@ fn the_cartpole_topology_learns_across_processes_in_every_sync_mode() {
 #[test]
 fn the_weight_path_topology_reports_delivery_per_update() {
     let dir = tempfile::tempdir().unwrap();
-    let shipped =
-        Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/topologies/cartpole-512mib.toml");
-    let exe = example("cartpole");
-    let text: Vec<String> = std::fs::read_to_string(shipped)
-        .unwrap()
-        .lines()
-        .map(|l| {
-            if l.starts_with("command = ") {
-                format!("command = [{:?}, \"topology\"]", exe.display().to_string())
-            } else {
-                l.to_owned()
-            }
-        })
-        .collect();
-    let topo = dir.path().join("cartpole-512mib.toml");
-    std::fs::write(&topo, text.join("\n")).unwrap();
+    let topo = shipped_topology(dir.path(), "cartpole-512mib.toml", "cartpole", &[]);
     let small = [
         "--set",
         "model.policy.params.hidden=[64, 64]",

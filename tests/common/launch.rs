@@ -190,3 +190,34 @@ pub(crate) fn assert_clean(out: &str) {
         .collect();
     assert!(left.is_empty(), "segments left behind: {left:?}\n{out}");
 }
+
+/// `examples/topologies/NAME` as shipped, written into `dir` with its `command` pointed at
+/// this build's example `example`, and each line that sets a key of `set` setting it to the
+/// value given (written as TOML: quote strings yourself).
+pub(crate) fn shipped_topology(
+    dir: &Path,
+    name: &str,
+    example: &str,
+    set: &[(&str, String)],
+) -> PathBuf {
+    let shipped = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("examples/topologies")
+        .join(name);
+    let exe = super::example(example);
+    let text: Vec<String> = std::fs::read_to_string(shipped)
+        .unwrap()
+        .lines()
+        .map(|l| {
+            if l.starts_with("command = ") {
+                return format!("command = [{:?}, \"topology\"]", exe.display().to_string());
+            }
+            match set.iter().find(|(k, _)| l.starts_with(&format!("{k} = "))) {
+                Some((k, v)) => format!("{k} = {v}"),
+                None => l.to_owned(),
+            }
+        })
+        .collect();
+    let path = dir.join(name);
+    std::fs::write(&path, text.join("\n")).unwrap();
+    path
+}

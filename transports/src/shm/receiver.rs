@@ -392,10 +392,10 @@ impl ShmReceiver {
                 .u32_at(behind(a.lease.idx))?
                 .swap(0, Ordering::SeqCst)
                 != 0;
-            let copy = self.mode == ShmReadMode::Copy || marked;
+            // exported slots are always copied out, by their owner
+            let copy = self.mode == ShmReadMode::Copy || marked || self.imports.is_some();
             let mut group = Vec::with_capacity(fresh.len());
             let mut result = Ok(());
-            let copy = copy || self.imports.is_some();
             for (&(m, version, index), slot) in fresh.iter().zip(pinned) {
                 let imports = self.imports.as_mut();
                 let at = (m, version, index);
