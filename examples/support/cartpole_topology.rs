@@ -75,8 +75,8 @@ fn print_report(topology: &Topology, report: &RunReport) {
 
 /// Rank 0's weight delivery per update, per model: the trainer's publish through its outlet
 /// (over shared memory: the version written once into a slot and committed, whatever the
-/// number of engines) plus the engines' fetch (mean per load), beside a one-thread `memcpy`
-/// of the same bytes measured here, now; then what the engines did with it (the apply into
+/// number of engines) plus the engines' fetch (mean per load), beside the fastest one-thread
+/// simple copy of the same bytes measured here, now (`memcpy` or streaming stores); then what the engines did with it (the apply into
 /// their policy, the model paused meanwhile) and the trainer's export, apart.
 fn print_delivery(report: &RunReport) {
     let loads = report.engine.loads.max(1) as f64;
@@ -90,19 +90,26 @@ fn print_delivery(report: &RunReport) {
             continue;
         };
         let bytes = bytes as usize;
-        let copies = refit_runtime::copy::time_copy(&vec![7u8; bytes], 3, 1);
-        let memcpy = median(&copies.iter().map(|d| d.as_secs_f64()).collect::<Vec<_>>());
+        let copies = refit_runtime::copy::fastest_copy(&vec![7u8; bytes], 3, 1);
+        let memcpy = median(
+            &copies
+                .times()
+                .iter()
+                .map(|d| d.as_secs_f64())
+                .collect::<Vec<_>>(),
+        );
         let delivery = median(&publish) + fetch;
         println!(
             "weights of {model}: {:.1} MiB per version; delivery per update (median of {}): \
-             publish {:.1} ms + engine fetch {:.2} ms = {:.1} ms, {:.2}x a memcpy of the same \
-             bytes here ({:.1} ms); engine apply {:.1} ms, trainer export {:.1} ms",
+             publish {:.1} ms + engine fetch {:.2} ms = {:.1} ms, {:.2}x the fastest simple copy \
+             of the same bytes here ({}, {:.1} ms); engine apply {:.1} ms, trainer export {:.1} ms",
             bytes as f64 / (1 << 20) as f64,
             publish.len(),
             median(&publish) * 1e3,
             fetch * 1e3,
             delivery * 1e3,
             delivery / memcpy,
+            copies.best.name(),
             memcpy * 1e3,
             apply * 1e3,
             median(&export) * 1e3,

@@ -260,7 +260,7 @@ where
 ///
 /// | figure | what |
 /// | --- | --- |
-/// | `memcpy` | a copy of the trainer's payload |
+/// | `memcpy` | the fastest simple copy of the trainer's payload, one thread ([`crate::copy::fastest_copy`]) |
 /// | `update plain` | one update over `link` (publish, receive, ack), no conversion |
 /// | `convert bf16 send` / `recv` | the adapter's conversion to fused bf16 on the sender / receiver side |
 /// | `update bf16 send` / `recv` | the whole update with that conversion |
@@ -297,15 +297,9 @@ pub fn run<L: Link>(bytes: usize, reps: usize, link: &mut L) -> Result<StrategyB
     };
     let mut figures = Vec::new();
 
-    let mut dst = vec![0_u8; base.bytes().len()];
-    let mut copies = Vec::new();
-    for _ in 0..=reps {
-        let t = Instant::now();
-        dst.copy_from_slice(std::hint::black_box(base.bytes()));
-        std::hint::black_box(&mut dst);
-        copies.push(t.elapsed().as_secs_f64());
-    }
-    figures.push(fig("memcpy".into(), copies.split_off(1)));
+    let copies = crate::copy::fastest_copy(base.bytes(), reps, 1);
+    let copies = copies.times().iter().map(Duration::as_secs_f64).collect();
+    figures.push(fig("memcpy".into(), copies));
 
     let versions = [base.clone(), new.clone()];
     let (plain, _) = updates(link, &versions, reps, Side::None, CastTo::BF16)?;

@@ -136,6 +136,9 @@ pub(crate) struct ChildArgs {
     /// Write what is read into a new file at this path, once per round (tcp-sink).
     #[arg(long)]
     file: Option<std::path::PathBuf>,
+    /// Read each round into new memory, a buffer of the round's size (tcp-sink).
+    #[arg(long)]
+    new_memory: bool,
 }
 
 /// One measured figure.
@@ -202,13 +205,12 @@ pub(crate) fn run(args: &BenchArgs) -> BoxResult<()> {
     let mut rows = Vec::new();
     for &size in &sizes {
         let mut weights = make_weights(size, 16)?;
-        let memcpy = memcpy_baseline(size, args.iters.max(3), 1);
-        rows.push(row("memcpy", "copy", size, 1, memcpy, "-", memcpy.median));
+        let (memcpy, copy_rows) = memcpy_baseline(size, args.iters.max(3), 1, None);
+        rows.extend(copy_rows);
         let threads = refit::runtime::copy::copy_threads();
         if threads > 1 {
-            let split = memcpy_baseline(size, args.iters.max(3), threads);
-            let name = format!("memcpy ({threads} threads)");
-            rows.push(row(&name, "copy", size, 1, split, "memcpy", memcpy.median));
+            let (_, split) = memcpy_baseline(size, args.iters.max(3), threads, Some(memcpy));
+            rows.extend(split);
         }
         let tcp = tcp_baseline(size, args.iters.max(3))?;
         rows.push(row(
@@ -536,6 +538,9 @@ fn bench_link(
         // what the first pull's fresh arena costs on its own: its pages' first touch
         times.touch = Some(first_touch_baseline(size, 3, true));
     }
+    if l.reach() == Reach::Network {
+        times.into_new_memory = Some(tcp::baseline_into_new_memory(size, 3)?);
+    }
     let baseline = match (l.on_device(), base.device, l.reach()) {
         (true, Some(copy), _) => ("device-copy", copy),
         (_, _, Reach::Network) => ("tcp-loopback", base.tcp),
@@ -773,6 +778,9 @@ struct Times {
     steady: Vec<Duration>,
     /// Writing one byte into every page of a fresh arena of the same size.
     touch: Option<Summary>,
+    /// Raw loopback TCP of the same size read into new memory: a simple program's first
+    /// receive (links that reach the network).
+    into_new_memory: Option<Summary>,
     e2e: Vec<Duration>,
     write: Vec<Duration>,
     acks: Vec<Duration>,
@@ -844,6 +852,15 @@ impl Times {
                     bname,
                     base,
                 ));
+            }
+            if let Some(fresh) = self.into_new_memory {
+                // the same stream into new memory, and the first pull against it
+                let floor = "raw into new memory";
+                let metric = "  (raw, new memory)";
+                first.push(row(name, metric, size, 1, fresh, bname, base));
+                let connect = Summary::of(&self.connect);
+                let metric = "  connect+first pull";
+                first.push(row(name, metric, size, n, connect, floor, fresh.median));
             }
             rows.splice(0..0, first);
         }
@@ -998,13 +1015,31 @@ fn with_receiver_processes<T: SenderTransport + LoanSlots>(
     Ok(times)
 }
 
-/// A copy of `size` bytes between buffers already touched, on one thread, or split across
-/// `threads` as the shared-memory publish and the pinned staging split theirs
-/// (`refit_runtime::copy`): one core's copy speed, or the machine's memory bandwidth.
-fn memcpy_baseline(size: usize, iters: usize, threads: usize) -> Summary {
-    Summary::of(&refit::runtime::copy::time_copy(
-        &vec![7u8; size],
-        iters,
-        threads,
-    ))
+/// The `memcpy` baseline: the fastest simple copy of `size` bytes between buffers already
+/// touched (the C library's `memcpy` or streaming stores, `refit_runtime::copy`), on one
+/// thread or split in contiguous parts across `threads`; with its rows: the best (against
+/// `one`, the one-thread baseline, when given) and each copy tried against the best.
+fn memcpy_baseline(
+    size: usize,
+    iters: usize,
+    threads: usize,
+    one: Option<Summary>,
+) -> (Summary, Vec<Row>) {
+    let copies = refit::runtime::copy::fastest_copy(&vec![7u8; size], iters, threads);
+    let best = Summary::of(copies.times());
+    let name = match threads {
+        1 => "memcpy".to_string(),
+        n => format!("memcpy ({n} threads)"),
+    };
+    let metric = format!("copy ({})", copies.best.name());
+    let mut rows = vec![match one {
+        Some(one) => row(&name, &metric, size, 1, best, "memcpy", one.median),
+        None => row(&name, &metric, size, 1, best, "-", best.median),
+    }];
+    for (c, times) in &copies.tried {
+        let s = Summary::of(times);
+        let tried = format!("  tried {}", c.name());
+        rows.push(row(&name, &tried, size, 1, s, "best tried", best.median));
+    }
+    (best, rows)
 }

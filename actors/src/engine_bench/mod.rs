@@ -118,9 +118,11 @@ pub struct SizeFigures {
     pub wire_bytes: usize,
     /// Bytes of the trainer's layout (f32); the engine serves as many (staged f32).
     pub trainer_bytes: usize,
-    /// `memcpy` of `wire_bytes` between touched buffers, one thread.
+    /// The fastest simple copy (`memcpy` or streaming stores,
+    /// [`refit_runtime::copy::fastest_copy`]) of `wire_bytes` between touched buffers, one
+    /// thread.
     pub memcpy: Vec<Duration>,
-    /// The same copy split across `split_threads` threads.
+    /// The fastest simple copy split across `split_threads` threads.
     pub memcpy_split: Vec<Duration>,
     /// Threads of `memcpy_split`.
     pub split_threads: usize,
@@ -181,9 +183,14 @@ fn one_size(
         wire.set_version(Version(1));
         let wire = Arc::new(wire);
         let rounds = cfg.updates.max(3);
-        let memcpy = refit_runtime::copy::time_copy(wire.bytes(), rounds, 1);
+        let copy = |threads| {
+            refit_runtime::copy::fastest_copy(wire.bytes(), rounds, threads)
+                .times()
+                .to_vec()
+        };
+        let memcpy = copy(1);
         let split_threads = refit_runtime::copy::copy_threads();
-        let memcpy_split = refit_runtime::copy::time_copy(wire.bytes(), rounds, split_threads);
+        let memcpy_split = copy(split_threads);
         let mut transports = Vec::with_capacity(cfg.links.len());
         for link in &cfg.links {
             progress(&format!("engine pause: the {link} transport alone"));

@@ -137,6 +137,31 @@ pub(super) fn baseline(size: usize, iters: usize) -> BoxResult<Summary> {
     Ok(Summary::of(&samples))
 }
 
+/// Raw loopback TCP as [`baseline`], the reader reading each stream into new memory (a
+/// buffer of the whole size, allocated for the stream and freed after it): what a simple
+/// program's first receive of a version costs, where fresh memory is dear.
+pub(super) fn baseline_into_new_memory(size: usize, iters: usize) -> BoxResult<Summary> {
+    let mut s = Stream::start_into(size, iters + 1, tune(size)?.best, Into::NewMemory)?;
+    s.once()?;
+    let samples = (0..iters)
+        .map(|_| s.once())
+        .collect::<BoxResult<Vec<_>>>()?;
+    s.finish()?;
+    Ok(Summary::of(&samples))
+}
+
+/// Where the reader of a [`Stream`] puts what it reads.
+#[derive(Clone, Copy)]
+enum Into<'a> {
+    /// A buffer of one read's size, reused.
+    Buffer,
+    /// A new buffer of the whole stream's size per stream.
+    NewMemory,
+    /// A new file at this path per stream (written through a reused buffer, synced,
+    /// removed after the stream is timed).
+    NewFile(&'a Path),
+}
+
 /// One stream of the baseline: this process writes, a child process (`tcp-sink`) reads.
 struct Stream {
     child: Child,
@@ -148,17 +173,11 @@ struct Stream {
 impl Stream {
     /// Starts the reading process, which expects `rounds` streams of `size` bytes.
     fn start(size: usize, rounds: usize, chunks: Chunks) -> BoxResult<Self> {
-        Self::start_into(size, rounds, chunks, None)
+        Self::start_into(size, rounds, chunks, Into::Buffer)
     }
 
-    /// As [`Stream::start`]; with `file`, the reader writes each stream into a new file
-    /// there (removed after the stream is timed).
-    fn start_into(
-        size: usize,
-        rounds: usize,
-        chunks: Chunks,
-        file: Option<&Path>,
-    ) -> BoxResult<Self> {
+    /// As [`Stream::start`], the reader putting each stream where `into` says.
+    fn start_into(size: usize, rounds: usize, chunks: Chunks, into: Into<'_>) -> BoxResult<Self> {
         let listener = TcpListener::bind("127.0.0.1:0")?;
         let addr = listener.local_addr()?.to_string();
         let (size_arg, rounds_arg, read_arg) = (
@@ -168,9 +187,13 @@ impl Stream {
         );
         let mut child_args = vec!["tcp-sink", &addr, &size_arg, &rounds_arg, &read_arg];
         let file_arg;
-        if let Some(f) = file {
-            file_arg = f.display().to_string();
-            child_args.extend(["--file", &file_arg]);
+        match into {
+            Into::Buffer => {}
+            Into::NewMemory => child_args.push("--new-memory"),
+            Into::NewFile(f) => {
+                file_arg = f.display().to_string();
+                child_args.extend(["--file", &file_arg]);
+            }
         }
         let child = spawn_child(&child_args)?;
         let (sock, _) = listener.accept()?;
@@ -209,15 +232,34 @@ impl Stream {
     }
 }
 
-/// The reading end of [`Stream`]: reads `rounds` streams of `bytes` bytes into a buffer of
-/// `chunk` bytes (with `--file`, writing each into a new file, synced), answering one byte
-/// after each, and one more once ready for the next (the file removed).
+/// The reading end of [`Stream`]: reads `rounds` streams of `bytes` bytes, `chunk` bytes
+/// at most per read, into a reused buffer (with `--new-memory`, into a new buffer of
+/// `bytes` per stream; with `--file`, writing each into a new file, synced), answering one
+/// byte after each, and one more once ready for the next (the file removed).
 pub(super) fn sink(args: &ChildArgs) -> BoxResult<()> {
     let mut sock = TcpStream::connect(&args.target)?;
     sock.set_nodelay(true)?;
     let chunk = args.chunk.max(1);
     let mut buf = vec![0u8; chunk];
     for _ in 0..args.rounds {
+        if args.new_memory {
+            // calloc: pages the kernel hands out as the reads first write them
+            let mut whole = vec![0u8; args.bytes];
+            let mut at = 0;
+            while at < args.bytes {
+                let end = args.bytes.min(at + chunk);
+                let n = sock.read(&mut whole[at..end])?;
+                if n == 0 {
+                    return Err("the sender closed the socket early".into());
+                }
+                at += n;
+            }
+            std::hint::black_box(&mut whole);
+            sock.write_all(&[1])?;
+            drop(whole);
+            sock.write_all(&[2])?;
+            continue;
+        }
         let mut file = match &args.file {
             Some(path) => Some(
                 std::fs::File::options()
@@ -363,7 +405,8 @@ pub(super) fn bench_pull(args: &BenchArgs) -> BoxResult<Vec<Row>> {
         let sender = SenderInit::new(transport, manifests).connect(vec![ws], WAIT)?;
         let mut tcp = Stream::start(size, iters + 1, tuning.best)?;
         tcp.once()?;
-        let mut into_file = Stream::start_into(size, iters, tuning.best, Some(&files.sink))?;
+        let mut into_file =
+            Stream::start_into(size, iters, tuning.best, Into::NewFile(&files.sink))?;
         let mut iperf = iperf3().map(Iperf3::start).transpose()?;
         let mut t = Times::default();
         for _ in 0..iters {

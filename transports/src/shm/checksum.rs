@@ -2,13 +2,13 @@
 //! xxh3-64 of every [`PIECE`] of the arena (fixed, so that every party finds the same
 //! checksum whatever its thread count), then xxh3-64 of those hashes (little-endian, in
 //! order) seeded with the arena's length. Pieces are hashed on several threads; the sender
-//! hashes each piece right after copying it into the slot, while it is still in cache, so a
-//! checksummed publish reads its bytes once.
+//! hashes each piece of the trainer's bytes and copies it into the slot right after, while
+//! it is still in cache, so a checksummed publish reads its bytes from memory once.
 
 use xxhash_rust::xxh3::{xxh3_64, xxh3_64_with_seed};
 
-pub(crate) use super::pieces::PIECE;
-use super::pieces::{share, threads_for};
+pub(crate) use refit_runtime::copy::PIECE;
+use refit_runtime::copy::{STREAM_FROM, copy_streaming, share, threads_for};
 
 fn combine(len: usize, hashes: &[u64]) -> u64 {
     let bytes: Vec<u8> = hashes.iter().flat_map(|h| h.to_le_bytes()).collect();
@@ -27,12 +27,14 @@ pub(crate) fn checksum(bytes: &[u8], threads: usize) -> u64 {
 }
 
 /// Copies `src` into `dst` (same length) on up to `threads` threads and answers the
-/// checksum of what was written, each piece hashed right after it is copied.
+/// checksum of the bytes copied, each piece hashed right before it is copied (with
+/// streaming stores from [`STREAM_FROM`] bytes, as `refit_runtime::copy::copy_parallel`).
 ///
 /// # Panics
 /// If the lengths differ (a caller's bug: every caller sizes both from one manifest).
 pub(crate) fn copy_hashed(dst: &mut [u8], src: &[u8], threads: usize) -> u64 {
     assert_eq!(dst.len(), src.len(), "copy_hashed: lengths differ");
+    let stream = src.len() >= STREAM_FROM;
     let mut hashes = vec![0u64; src.len().div_ceil(PIECE)];
     share(
         threads_for(src.len(), threads),
@@ -40,8 +42,12 @@ pub(crate) fn copy_hashed(dst: &mut [u8], src: &[u8], threads: usize) -> u64 {
             .iter_mut()
             .zip(dst.chunks_mut(PIECE).zip(src.chunks(PIECE))),
         |(h, (d, s))| {
-            d.copy_from_slice(s);
-            *h = xxh3_64(d);
+            *h = xxh3_64(s);
+            if stream {
+                copy_streaming(d, s);
+            } else {
+                d.copy_from_slice(s);
+            }
         },
     );
     combine(src.len(), &hashes)
@@ -64,6 +70,7 @@ mod tests {
             PIECE + 1,
             refit_runtime::copy::SPLIT_FROM - 1,
             refit_runtime::copy::SPLIT_FROM + 3 * PIECE + 5,
+            STREAM_FROM + PIECE + 3,
         ] {
             let src = pattern(len);
             let one = checksum(&src, 1);

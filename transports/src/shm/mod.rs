@@ -57,7 +57,6 @@ mod futex;
 mod layout;
 pub(crate) mod lease;
 mod link;
-mod pieces;
 mod receiver;
 mod segment;
 mod sender;

@@ -18,7 +18,6 @@ use super::board::*;
 use super::checksum::{checksum, copy_hashed};
 use super::layout::*;
 use super::lease::{self, Heartbeat, Identity};
-use super::pieces;
 use super::segment::Segment;
 use super::{LIVENESS_EVERY, NAME, ShmReceiverSpec, futex};
 use crate::cuda_ipc::ImportSlots;
@@ -473,7 +472,11 @@ impl ShmReceiver {
                 copy_threads(),
             )),
             (None, None) => {
-                pieces::copy(buf.as_mut_slice(), slot.bytes(), copy_threads());
+                refit_runtime::copy::copy_parallel(
+                    buf.as_mut_slice(),
+                    slot.bytes(),
+                    copy_threads(),
+                );
                 None
             }
         };

@@ -275,10 +275,9 @@ impl Segment {
         // returns); `src` is ordinary process memory, so the ranges do not overlap.
         let dst =
             unsafe { std::slice::from_raw_parts_mut(self.map.as_mut_ptr().add(off), src.len()) };
-        // A large publish is split across threads: one core copies a fraction of what the
-        // memory system takes (see `refit_runtime::copy`); they take pieces as they go, so a
-        // thread that shares its core with another process holds nobody up.
-        super::pieces::copy(dst, src, copy_threads());
+        // A large publish is split across threads taking pieces as they go, with streaming
+        // stores (see `refit_runtime::copy`).
+        refit_runtime::copy::copy_parallel(dst, src, copy_threads());
         Ok(())
     }
 
