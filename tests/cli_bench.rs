@@ -103,6 +103,44 @@ fn every_registered_transport_gets_its_rows() {
         assert!(median > 0.0 && median <= p99 && p99 <= max, "{row}");
         assert_eq!(row["baseline"], "tcp-loopback", "{row}");
     }
+    // and against a simple program's first receive: the raw stream into new memory
+    let floor = rows
+        .iter()
+        .find(|r| r["transport"] == "tcp" && r["metric"] == "  (raw, new memory)")
+        .unwrap_or_else(|| panic!("no raw-into-new-memory row: {rows:?}"));
+    let against = rows
+        .iter()
+        .find(|r| r["transport"] == "tcp" && r["baseline"] == "raw into new memory")
+        .unwrap_or_else(|| panic!("no first pull against new memory: {rows:?}"));
+    assert_eq!(against["metric"], "  connect+first pull");
+    assert_eq!(against["baseline_median"], floor["seconds"]["median"]);
+    // the memcpy baseline is the faster of the simple copies tried, each shown against it
+    let copies: Vec<_> = rows
+        .iter()
+        .filter(|r| r["transport"] == "memcpy" && r["bytes"] == 4 << 20)
+        .collect();
+    let best = copies
+        .iter()
+        .find(|r| r["baseline"] == "-")
+        .unwrap_or_else(|| panic!("no memcpy baseline row: {copies:?}"));
+    let median = best["seconds"]["median"].as_f64().unwrap();
+    let tried: Vec<_> = copies
+        .iter()
+        .filter(|r| r["metric"].as_str().unwrap().starts_with("  tried "))
+        .collect();
+    assert_eq!(tried.len(), 2, "{copies:?}");
+    for t in &tried {
+        assert_eq!(t["baseline_median"].as_f64(), Some(median), "{t}");
+        assert!(t["seconds"]["median"].as_f64().unwrap() >= median, "{t}");
+    }
+    let name = best["metric"].as_str().unwrap();
+    assert!(
+        tried
+            .iter()
+            .any(|t| t["metric"].as_str().unwrap()["  tried ".len()..]
+                == name["copy (".len()..name.len() - 1]),
+        "{name} is not among {tried:?}"
+    );
 }
 
 /// The pull rows: the raw TCP baseline with the chunk sizes its search tried (the fastest

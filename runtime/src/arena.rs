@@ -133,10 +133,11 @@ impl AlignedBuf {
         }
     }
 
-    /// A buffer holding a copy of `bytes`.
+    /// A buffer holding a copy of `bytes` (a large one copied as
+    /// [`copy_parallel`](crate::copy::copy_parallel) copies: across threads, streaming).
     pub fn copy_from(bytes: &[u8]) -> Self {
         let mut buf = Self::zeroed(bytes.len());
-        buf.as_mut_slice().copy_from_slice(bytes);
+        crate::copy::copy_parallel(buf.as_mut_slice(), bytes, crate::copy::copy_threads());
         buf
     }
 

@@ -261,6 +261,7 @@ where
 /// | figure | what |
 /// | --- | --- |
 /// | `memcpy` | the fastest simple copy of the trainer's payload, one thread ([`crate::copy::fastest_copy`]) |
+/// | `  tried memcpy` / `  tried streaming` | each simple copy tried |
 /// | `update plain` | one update over `link` (publish, receive, ack), no conversion |
 /// | `convert bf16 send` / `recv` | the adapter's conversion to fused bf16 on the sender / receiver side |
 /// | `update bf16 send` / `recv` | the whole update with that conversion |
@@ -298,8 +299,11 @@ pub fn run<L: Link>(bytes: usize, reps: usize, link: &mut L) -> Result<StrategyB
     let mut figures = Vec::new();
 
     let copies = crate::copy::fastest_copy(base.bytes(), reps, 1);
-    let copies = copies.times().iter().map(Duration::as_secs_f64).collect();
-    figures.push(fig("memcpy".into(), copies));
+    let secs = |t: &[Duration]| t.iter().map(Duration::as_secs_f64).collect();
+    figures.push(fig("memcpy".into(), secs(copies.times())));
+    for (c, times) in &copies.tried {
+        figures.push(fig(format!("  tried {}", c.name()), secs(times)));
+    }
 
     let versions = [base.clone(), new.clone()];
     let (plain, _) = updates(link, &versions, reps, Side::None, CastTo::BF16)?;
@@ -355,6 +359,8 @@ mod tests {
             names,
             [
                 "memcpy",
+                "  tried memcpy",
+                "  tried streaming",
                 "update plain",
                 "convert bf16 send",
                 "update bf16 send",
