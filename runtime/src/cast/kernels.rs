@@ -159,15 +159,11 @@ kernel! {
     /// `*out = max(*out, |src[i]|)` as `f32` bits with the sign cleared: ordered as the
     /// magnitudes are; `>= 0x7f80_0000` when a value is infinite or NaN.
     pub(crate) fn f32_amax(src: &[f32], out: &mut u32) {
-        let mut lanes = [0u32; 16];
-        let mut chunks = src.chunks_exact(16);
-        for c in &mut chunks {
-            for (l, x) in lanes.iter_mut().zip(c) {
-                *l = (*l).max(x.to_bits() & 0x7fff_ffff);
-            }
-        }
-        let tail = chunks.remainder().iter().map(|x| x.to_bits() & 0x7fff_ffff);
-        *out = lanes.into_iter().chain(tail).fold(*out, u32::max);
+        // a plain fold: integer max reorders freely, so the compiler keeps one vector of
+        // maxima and reads the slice in order
+        *out = src
+            .iter()
+            .fold(*out, |m, x| m.max(x.to_bits() & 0x7fff_ffff));
     }
 }
 
@@ -175,15 +171,7 @@ kernel! {
     /// `*out = max(*out, |src[i]|)` over 16-bit floats (`bf16` or `f16`) as their bits
     /// with the sign cleared: ordered as the magnitudes are.
     pub(crate) fn half_amax(src: &[u16], out: &mut u16) {
-        let mut lanes = [0u16; 32];
-        let mut chunks = src.chunks_exact(32);
-        for c in &mut chunks {
-            for (l, &x) in lanes.iter_mut().zip(c) {
-                *l = (*l).max(x & 0x7fff);
-            }
-        }
-        let tail = chunks.remainder().iter().map(|&x| x & 0x7fff);
-        *out = lanes.into_iter().chain(tail).fold(*out, u16::max);
+        *out = src.iter().fold(*out, |m, &x| m.max(x & 0x7fff));
     }
 }
 
