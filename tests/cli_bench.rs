@@ -89,7 +89,11 @@ fn every_registered_transport_gets_its_rows() {
     }
     // receivers in processes: connect+first pull beside a steady update of the same runs,
     // each with its tail
-    for metric in ["connect+first pull", "  steady update"] {
+    for metric in [
+        "connect+first pull",
+        "  steady update",
+        "  (process start+)",
+    ] {
         let row = rows
             .iter()
             .find(|r| r["transport"] == "tcp" && r["metric"] == metric)

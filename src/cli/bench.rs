@@ -63,9 +63,10 @@ pub(crate) struct BenchArgs {
     /// 0 skips them.
     #[arg(long, default_value = "64MiB", value_parser = parse_bytes)]
     strategies_size: usize,
-    /// Times each process transport's connect (receiver processes start, register, pull
-    /// the initial weights and acknowledge) this many times, each with fresh processes,
-    /// beside a steady update on the same processes after the warm-up.
+    /// Times each process transport's connect (receiver processes, once started, register,
+    /// pull the initial weights and acknowledge; also timed from their start) this many
+    /// times, each with fresh processes, beside a steady update on the same processes after
+    /// the warm-up.
     #[arg(long, default_value_t = 5)]
     connect_runs: usize,
     /// Size of the model `refit pull` fetches into --pull-dir (four tensors, each far larger
@@ -424,8 +425,65 @@ fn spawn_child(args: &[&str]) -> BoxResult<Child> {
     spawn_child_on(args, None)
 }
 
+/// A receiver process's first line once it has started, before it connects: then it waits
+/// for a line on its standard input ([`wait_for_go`]).
+const READY: &str = "ready";
+
+/// In a receiver process: says it has started ([`READY`] on standard output) and waits
+/// until this bench writes a line to its standard input, so that connect rows time the
+/// connect and not the start of a process.
+fn wait_for_go() -> BoxResult<()> {
+    use std::io::{BufRead, Write};
+    let mut out = std::io::stdout().lock();
+    writeln!(out, "{READY}")?;
+    out.flush()?;
+    let mut go = String::new();
+    if std::io::stdin().lock().read_line(&mut go)? == 0 {
+        return Err("the bench closed this receiver's input before it could connect".into());
+    }
+    Ok(())
+}
+
+/// Starts receiver processes (`child` arguments; receiver `i` on CUDA device `i + 1` when
+/// `one_gpu_each`) and waits until each says it has started ([`wait_for_go`]).
+fn start_receivers(child: &[&str], n: usize, one_gpu_each: bool) -> BoxResult<Vec<Child>> {
+    use std::io::BufRead;
+    let mut children = Vec::with_capacity(n);
+    for i in 0..n {
+        let mut cmd = child_command(child, one_gpu_each.then_some(i + 1))?;
+        children.push(cmd.stdin(Stdio::piped()).stdout(Stdio::piped()).spawn()?);
+    }
+    for c in &mut children {
+        let mut line = String::new();
+        if let Some(out) = c.stdout.as_mut() {
+            // a process that fails before it is ready closes its output: an empty line
+            std::io::BufReader::new(out).read_line(&mut line)?;
+        }
+        if line.trim_end() != READY {
+            return Err(format!("a {} receiver process did not start", child[0]).into());
+        }
+    }
+    Ok(children)
+}
+
+/// Tells started receivers to connect ([`wait_for_go`]).
+fn tell_receivers_to_connect(children: &mut [Child]) -> BoxResult<()> {
+    use std::io::Write;
+    for c in children {
+        let input = c.stdin.as_mut().ok_or("a receiver process without input")?;
+        writeln!(input, "go")?;
+        input.flush()?;
+    }
+    Ok(())
+}
+
 /// As [`spawn_child`], its GPU links' ends on CUDA device `device` when given.
 fn spawn_child_on(args: &[&str], device: Option<usize>) -> BoxResult<Child> {
+    Ok(child_command(args, device)?.spawn()?)
+}
+
+/// The command of a bench child process (see [`spawn_child_on`]).
+fn child_command(args: &[&str], device: Option<usize>) -> BoxResult<Command> {
     let mut cmd = Command::new(std::env::current_exe()?);
     cmd.arg("__bench-child")
         .args(args)
@@ -435,7 +493,7 @@ fn spawn_child_on(args: &[&str], device: Option<usize>) -> BoxResult<Child> {
     if let Some(d) = device {
         cmd.env(CUDA_DEVICE_ENV, d.to_string());
     }
-    Ok(cmd.spawn()?)
+    Ok(cmd)
 }
 
 /// Raw loopback TCP between two processes, tuned ([`tcp::tuning`]): the time to stream
@@ -507,6 +565,7 @@ fn bench_link(
     }
     let runs = args.connect_runs.max(1);
     let (mut connect, mut steady) = (Vec::with_capacity(runs), Vec::with_capacity(runs));
+    let mut with_start = Vec::with_capacity(runs);
     let mut times = Times::default();
     // fresh receiver processes each run: their connect pulls into memory never used
     // before, as a user's first pull does; then, on the same processes, the warm-up updates
@@ -529,10 +588,12 @@ fn bench_link(
         OpenedLink::cleanup(&leftovers);
         let t = t?;
         connect.extend(t.connect.iter().copied());
+        with_start.extend(t.with_start.iter().copied());
         steady.extend(t.e2e.first().copied());
         times = t;
     }
     times.connect = connect;
+    times.with_start = with_start;
     times.steady = steady;
     if l.receivers_copy() {
         // what the first pull's fresh arena costs on its own: its pages' first touch
@@ -737,6 +798,7 @@ pub(crate) fn child(args: &ChildArgs) -> BoxResult<()> {
             // any transport of the link factory; a tcp receiver presents the token of its
             // environment (set by `spawn_child`)
             let spec = ReceiverSpec::from_token(&args.target)?;
+            wait_for_go()?;
             let r = spec.receiver(&LinkOptions::default())?;
             match ReceiverInit::new(r, None).connect(WAIT) {
                 Ok(r) => drain(r),
@@ -753,6 +815,7 @@ pub(crate) fn child(args: &ChildArgs) -> BoxResult<()> {
                 ShmReadMode::ZeroCopy
             };
             let spec: ShmReceiverSpec = wire::from_token(&args.target)?;
+            wait_for_go()?;
             let mut r =
                 ReceiverInit::new(ShmReceiver::new(spec).with_mode(mode), None).connect(WAIT)?;
             loop {
@@ -771,9 +834,11 @@ pub(crate) fn child(args: &ChildArgs) -> BoxResult<()> {
 /// Timings of the updates of one configuration, by phase.
 #[derive(Default)]
 struct Times {
-    /// Receiver processes started until every one has applied and acknowledged the initial
-    /// weights.
+    /// Receiver processes, started and waiting, told to connect until every one has applied
+    /// and acknowledged the initial weights.
     connect: Vec<Duration>,
+    /// The same from the start of the processes.
+    with_start: Vec<Duration>,
     /// The first update after the warm-up on the processes of each connect run.
     steady: Vec<Duration>,
     /// Writing one byte into every page of a fresh arena of the same size.
@@ -838,6 +903,15 @@ impl Times {
                     size,
                     n,
                     Summary::of(&self.steady),
+                    bname,
+                    base,
+                ),
+                row(
+                    name,
+                    "  (process start+)",
+                    size,
+                    n,
+                    Summary::of(&self.with_start),
                     bname,
                     base,
                 ),
@@ -972,9 +1046,9 @@ fn drain<T: ReceiverTransport>(mut r: Receiver<T>) -> BoxResult<()> {
     }
 }
 
-/// Starts `n` receiver processes (`child` arguments), connects the scheme (timed, from the
-/// processes' start), times the updates when `timed` (untimed warm-up updates, then timed
-/// ones),
+/// Starts `n` receiver processes (`child` arguments), connects the scheme (timed from the
+/// moment the started processes are told to connect, and from their start), times the
+/// updates when `timed` (untimed warm-up updates, then timed ones),
 /// shuts the sender down (receivers see it leave and exit) and checks every process succeeded.
 /// `(loaned, one_gpu_each)`: fill lent slots (see [`timed_updates`]); give receiver `i`
 /// CUDA device `i + 1` (NCCL: one rank per GPU, the sender on device 0).
@@ -992,19 +1066,20 @@ fn with_receiver_processes<T: SenderTransport + LoanSlots>(
     // whole size) once the sender is done with it; the steady updates publish the bench's
     // arena the same way
     let initial = weights.view_as(weights.version())?;
+    let started = Instant::now();
+    let mut children = start_receivers(child, n, one_gpu_each)?;
     let t0 = Instant::now();
-    let children = (0..n)
-        .map(|i| spawn_child_on(child, one_gpu_each.then_some(i + 1)))
-        .collect::<BoxResult<Vec<_>>>()?;
+    tell_receivers_to_connect(&mut children)?;
     let mut sender = SenderInit::new(transport, manifests)
         .with_ack_timeout(WAIT)
         .connect(vec![initial], WAIT)?;
-    let connect = t0.elapsed();
+    let (connect, with_start) = (t0.elapsed(), started.elapsed());
     let mut times = match timed {
         Some(counts) => timed_updates(&mut sender, weights, loaned, counts)?,
         None => Times::default(),
     };
     times.connect.push(connect);
+    times.with_start.push(with_start);
     sender.transport_mut().shutdown()?;
     drop(sender);
     for mut c in children {
