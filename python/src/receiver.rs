@@ -35,6 +35,16 @@ fn closed(transport: &str) -> PyErr {
     Closed::new_err(format!("the {transport} receiver is closed"))
 }
 
+impl Drop for Receiver {
+    /// A receiver Python lets go of without `close()` lets go of its transport with the GIL
+    /// released (without locking it: a receive that Ctrl-C interrupted may still hold it,
+    /// until its own deadline), so that no other Python thread waits for its shutdown.
+    fn drop(&mut self) {
+        let inner = std::mem::replace(&mut self.inner, Arc::new(Mutex::new(None)));
+        Python::attach(|py| py.detach(move || drop(inner)));
+    }
+}
+
 impl Receiver {
     fn with<T>(&self, py: Python<'_>, f: impl FnOnce(&mut Inner) -> PyResult<T>) -> PyResult<T> {
         let mut guard = lock(py, &self.inner);

@@ -49,6 +49,21 @@ pub(crate) struct Sender {
     spec: String,
 }
 
+impl Drop for Sender {
+    /// A sender Python lets go of without `close()` shuts its transport down with the GIL
+    /// released: a shutdown may wait (for a node's threads, say), and other Python threads
+    /// must not wait with it.
+    fn drop(&mut self) {
+        let state = std::mem::replace(
+            self.state
+                .get_mut()
+                .unwrap_or_else(std::sync::PoisonError::into_inner),
+            (State::Closed, None),
+        );
+        Python::attach(|py| py.detach(move || drop(state)));
+    }
+}
+
 /// The bytes of `obj` (a C-contiguous buffer of bytes) copied into `dst`, which must have
 /// the same length; errors name the tensor.
 fn copy_in(

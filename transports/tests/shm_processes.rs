@@ -330,7 +330,24 @@ fn printed(out: &str, key: &str) -> u64 {
 
 #[test]
 fn readers_of_pinned_slots_never_see_a_torn_version_while_the_sender_runs_flat_out() {
-    let m = manifest(16 * 1024); // ~400 KiB per version
+    readers_never_see_a_torn_version(16 * 1024, 1500); // ~400 KiB per version
+}
+
+/// As above with versions of ~8.8 MiB, which the sender writes with streaming stores across
+/// its copy threads (`refit_runtime::copy::STREAM_FROM`): they too are whole when a reader
+/// takes them.
+#[test]
+fn readers_never_see_a_torn_version_of_a_streamed_copy() {
+    let hidden = 320 * 1024;
+    assert!(28 * hidden >= refit_runtime::copy::STREAM_FROM);
+    readers_never_see_a_torn_version(hidden, 60);
+}
+
+/// Three readers hold versions while the sender publishes `versions` of a model of
+/// `hidden` units as fast as it can; each reader checks every version it holds, when it
+/// takes it and when it lets it go.
+fn readers_never_see_a_torn_version(hidden: usize, versions: u64) {
+    let m = manifest(hidden);
     let ms = manifests(&[("policy", &m)]);
     let cfg = ShmConfig {
         expected_receivers: 3,
@@ -344,9 +361,8 @@ fn readers_of_pinned_slots_never_see_a_torn_version_while_the_sender_runs_flat_o
         .connect(vec![stamped("policy", &m, 1)], T)
         .unwrap();
     // never waiting for a reader: every version is written while readers hold older ones
-    const VERSIONS: u64 = 1500;
     let mut last = None;
-    for v in 2..=VERSIONS {
+    for v in 2..=versions {
         last = Some(s.send_async(vec![stamped("policy", &m, v)]).unwrap());
     }
     s.wait(&last.unwrap(), T).unwrap();
@@ -356,7 +372,7 @@ fn readers_of_pinned_slots_never_see_a_torn_version_while_the_sender_runs_flat_o
     let mut in_place = 0;
     for r in readers {
         let out = finish(r);
-        assert_eq!(printed(&out, "last="), VERSIONS, "{out}");
+        assert_eq!(printed(&out, "last="), versions, "{out}");
         in_place += printed(&out, "applied=") - printed(&out, "copied=");
     }
     assert!(in_place > 0, "no version was read in place");
