@@ -94,10 +94,15 @@ fn the_weight_path_topology_reports_delivery_per_update() {
         "delivery per update (median of 3)",
         "publish",
         "engine fetch",
-        "memcpy",
+        "the fastest simple copy",
     ] {
         assert!(line.contains(part), "{line}");
     }
+    // and which copy that was
+    assert!(
+        line.contains("(memcpy, ") || line.contains("(streaming, "),
+        "{line}"
+    );
     assert_clean(&out);
 }
 

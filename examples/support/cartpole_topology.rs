@@ -76,8 +76,9 @@ fn print_report(topology: &Topology, report: &RunReport) {
 /// Rank 0's weight delivery per update, per model: the trainer's publish through its outlet
 /// (over shared memory: the version written once into a slot and committed, whatever the
 /// number of engines) plus the engines' fetch (mean per load), beside the fastest one-thread
-/// simple copy of the same bytes measured here, now (`memcpy` or streaming stores); then what the engines did with it (the apply into
-/// their policy, the model paused meanwhile) and the trainer's export, apart.
+/// simple copy of the same bytes measured here, now (`memcpy` or streaming stores); then
+/// what the engines did with it (the apply into their policy, the model paused meanwhile)
+/// and the trainer's export, apart.
 fn print_delivery(report: &RunReport) {
     let loads = report.engine.loads.max(1) as f64;
     let fetch = report.engine.staged_total.as_secs_f64() / loads;

@@ -40,7 +40,7 @@ impl Drop for Receiver {
     /// released (without locking it: a receive that Ctrl-C interrupted may still hold it,
     /// until its own deadline), so that no other Python thread waits for its shutdown.
     fn drop(&mut self) {
-        let inner = std::mem::replace(&mut self.inner, Arc::new(Mutex::new(None)));
+        let inner = std::mem::take(&mut self.inner);
         Python::attach(|py| py.detach(move || drop(inner)));
     }
 }

@@ -104,24 +104,30 @@ where
 /// When `dst` and `src` differ in length (as `copy_from_slice`).
 pub fn copy_parallel(dst: &mut [u8], src: &[u8], threads: usize) {
     assert_eq!(dst.len(), src.len(), "copy_parallel: lengths differ");
-    let stream = src.len() >= STREAM_FROM;
-    let piece = |d: &mut [u8], s: &[u8]| {
-        if stream {
-            copy_streaming(d, s)
-        } else {
-            d.copy_from_slice(s)
-        }
-    };
-    let threads = threads_for(src.len(), threads);
+    let whole = src.len();
+    let threads = threads_for(whole, threads);
     if threads == 1 {
-        piece(dst, src);
+        copy_piece(dst, src, whole);
         return;
     }
     share(
         threads,
         dst.chunks_mut(PIECE).zip(src.chunks(PIECE)),
-        |(d, s)| piece(d, s),
+        |(d, s)| copy_piece(d, s, whole),
     );
+}
+
+/// Copies one piece of a copy of `whole` bytes: with streaming stores when `whole` is
+/// [`STREAM_FROM`] or more ([`copy_streaming`]), else with ordinary ones.
+///
+/// # Panics
+/// When `dst` and `src` differ in length (as `copy_from_slice`).
+pub fn copy_piece(dst: &mut [u8], src: &[u8], whole: usize) {
+    if whole >= STREAM_FROM {
+        copy_streaming(dst, src);
+    } else {
+        dst.copy_from_slice(src);
+    }
 }
 
 /// Copies `src` into `dst` (same length) on this thread with streaming (non-temporal)

@@ -94,7 +94,7 @@ impl<E: Env> VecEnv<E> {
             let done = r.done();
             if let Some(out) = out.as_deref_mut() {
                 out.transitions.push(Transition {
-                    obs: Observation::from_slice(&self.obs[i]),
+                    obs: Observation::from(std::mem::take(&mut self.obs[i])),
                     action: a.action,
                     log_prob: a.log_prob,
                     reward: r.reward,

@@ -128,20 +128,20 @@ pub(super) fn tune(size: usize) -> BoxResult<&'static Tuning> {
 /// Raw loopback TCP between two processes with the tuned chunk sizes: the time to stream
 /// `size` bytes and get one byte back, `iters` times after one untimed stream.
 pub(super) fn baseline(size: usize, iters: usize) -> BoxResult<Summary> {
-    let mut s = Stream::start(size, iters + 1, tune(size)?.best)?;
-    s.once()?;
-    let samples = (0..iters)
-        .map(|_| s.once())
-        .collect::<BoxResult<Vec<_>>>()?;
-    s.finish()?;
-    Ok(Summary::of(&samples))
+    timed_streams(size, iters, ReadInto::Buffer)
 }
 
 /// Raw loopback TCP as [`baseline`], the reader reading each stream into new memory (a
 /// buffer of the whole size, allocated for the stream and freed after it): what a simple
 /// program's first receive of a version costs, where fresh memory is dear.
 pub(super) fn baseline_into_new_memory(size: usize, iters: usize) -> BoxResult<Summary> {
-    let mut s = Stream::start_into(size, iters + 1, tune(size)?.best, Into::NewMemory)?;
+    timed_streams(size, iters, ReadInto::NewMemory)
+}
+
+/// `iters` timed streams of `size` bytes with the tuned chunk sizes, after one untimed, the
+/// reader putting them where `into` says.
+fn timed_streams(size: usize, iters: usize, into: ReadInto<'_>) -> BoxResult<Summary> {
+    let mut s = Stream::start_into(size, iters + 1, tune(size)?.best, into)?;
     s.once()?;
     let samples = (0..iters)
         .map(|_| s.once())
@@ -152,7 +152,7 @@ pub(super) fn baseline_into_new_memory(size: usize, iters: usize) -> BoxResult<S
 
 /// Where the reader of a [`Stream`] puts what it reads.
 #[derive(Clone, Copy)]
-enum Into<'a> {
+enum ReadInto<'a> {
     /// A buffer of one read's size, reused.
     Buffer,
     /// A new buffer of the whole stream's size per stream.
@@ -173,11 +173,16 @@ struct Stream {
 impl Stream {
     /// Starts the reading process, which expects `rounds` streams of `size` bytes.
     fn start(size: usize, rounds: usize, chunks: Chunks) -> BoxResult<Self> {
-        Self::start_into(size, rounds, chunks, Into::Buffer)
+        Self::start_into(size, rounds, chunks, ReadInto::Buffer)
     }
 
     /// As [`Stream::start`], the reader putting each stream where `into` says.
-    fn start_into(size: usize, rounds: usize, chunks: Chunks, into: Into<'_>) -> BoxResult<Self> {
+    fn start_into(
+        size: usize,
+        rounds: usize,
+        chunks: Chunks,
+        into: ReadInto<'_>,
+    ) -> BoxResult<Self> {
         let listener = TcpListener::bind("127.0.0.1:0")?;
         let addr = listener.local_addr()?.to_string();
         let (size_arg, rounds_arg, read_arg) = (
@@ -188,9 +193,9 @@ impl Stream {
         let mut child_args = vec!["tcp-sink", &addr, &size_arg, &rounds_arg, &read_arg];
         let file_arg;
         match into {
-            Into::Buffer => {}
-            Into::NewMemory => child_args.push("--new-memory"),
-            Into::NewFile(f) => {
+            ReadInto::Buffer => {}
+            ReadInto::NewMemory => child_args.push("--new-memory"),
+            ReadInto::NewFile(f) => {
                 file_arg = f.display().to_string();
                 child_args.extend(["--file", &file_arg]);
             }
@@ -406,7 +411,7 @@ pub(super) fn bench_pull(args: &BenchArgs) -> BoxResult<Vec<Row>> {
         let mut tcp = Stream::start(size, iters + 1, tuning.best)?;
         tcp.once()?;
         let mut into_file =
-            Stream::start_into(size, iters, tuning.best, Into::NewFile(&files.sink))?;
+            Stream::start_into(size, iters, tuning.best, ReadInto::NewFile(&files.sink))?;
         let mut iperf = iperf3().map(Iperf3::start).transpose()?;
         let mut t = Times::default();
         for _ in 0..iters {

@@ -8,7 +8,7 @@
 use xxhash_rust::xxh3::{xxh3_64, xxh3_64_with_seed};
 
 pub(crate) use refit_runtime::copy::PIECE;
-use refit_runtime::copy::{STREAM_FROM, copy_streaming, share, threads_for};
+use refit_runtime::copy::{copy_piece, share, threads_for};
 
 fn combine(len: usize, hashes: &[u64]) -> u64 {
     let bytes: Vec<u8> = hashes.iter().flat_map(|h| h.to_le_bytes()).collect();
@@ -28,13 +28,13 @@ pub(crate) fn checksum(bytes: &[u8], threads: usize) -> u64 {
 
 /// Copies `src` into `dst` (same length) on up to `threads` threads and answers the
 /// checksum of the bytes copied, each piece hashed right before it is copied (with
-/// streaming stores from [`STREAM_FROM`] bytes, as `refit_runtime::copy::copy_parallel`).
+/// streaming stores for a large copy, as `refit_runtime::copy::copy_parallel`).
 ///
 /// # Panics
 /// If the lengths differ (a caller's bug: every caller sizes both from one manifest).
 pub(crate) fn copy_hashed(dst: &mut [u8], src: &[u8], threads: usize) -> u64 {
     assert_eq!(dst.len(), src.len(), "copy_hashed: lengths differ");
-    let stream = src.len() >= STREAM_FROM;
+    let whole = src.len();
     let mut hashes = vec![0u64; src.len().div_ceil(PIECE)];
     share(
         threads_for(src.len(), threads),
@@ -43,11 +43,7 @@ pub(crate) fn copy_hashed(dst: &mut [u8], src: &[u8], threads: usize) -> u64 {
             .zip(dst.chunks_mut(PIECE).zip(src.chunks(PIECE))),
         |(h, (d, s))| {
             *h = xxh3_64(s);
-            if stream {
-                copy_streaming(d, s);
-            } else {
-                d.copy_from_slice(s);
-            }
+            copy_piece(d, s, whole);
         },
     );
     combine(src.len(), &hashes)
@@ -70,7 +66,7 @@ mod tests {
             PIECE + 1,
             refit_runtime::copy::SPLIT_FROM - 1,
             refit_runtime::copy::SPLIT_FROM + 3 * PIECE + 5,
-            STREAM_FROM + PIECE + 3,
+            refit_runtime::copy::STREAM_FROM + PIECE + 3,
         ] {
             let src = pattern(len);
             let one = checksum(&src, 1);
