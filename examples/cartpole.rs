@@ -264,7 +264,18 @@ fn run_worker_process(
 }
 // ANCHOR_END: process_worker
 
-fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// Runs [`run`], printing its error (if any) as one `error: ...` line.
+fn main() -> std::process::ExitCode {
+    match run() {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+fn run() -> Result<(), Box<dyn std::error::Error>> {
     let args = parse_args();
     if let Some(Sub::Worker {
         w,

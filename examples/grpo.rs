@@ -73,7 +73,18 @@ fn parse_pause(s: &str) -> Result<PauseMode, String> {
     PauseMode::parse(s).map_err(|e| e.to_string())
 }
 
-fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// Runs [`run`], printing its error (if any) as one `error: ...` line.
+fn main() -> std::process::ExitCode {
+    match run() {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+fn run() -> Result<(), Box<dyn std::error::Error>> {
     let args = Args::parse();
     if std::env::var_os("CANDLE_NUM_THREADS").is_none() {
         // candle runs element-wise ops of large tensors on a process-wide pool whose idle

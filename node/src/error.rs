@@ -40,6 +40,10 @@ pub enum Error {
         /// What is wrong with it.
         reason: String,
     },
+    /// A rank's program cannot be started, or its check before the launch refused the file
+    /// (the message names the rank, the program and what to do).
+    #[error("{0}")]
+    Start(String),
     /// A file holding a secret (the cluster token) that users other than its owner may
     /// read; the secret is not used.
     #[error(

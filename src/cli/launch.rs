@@ -15,7 +15,8 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use refit::node::launch::{
-    LaunchSpec, Supervisor, free_port, resolve_rank, scheduler_hosts, scheduler_incarnation,
+    LaunchSpec, RankSpawn, Supervisor, Verdict, check_rank, free_port, resolve_rank,
+    scheduler_hosts, scheduler_incarnation,
 };
 use refit::node::{ClusterToken, TOKEN_ENV, TOKEN_FILE_ENV};
 use refit::runtime::topology::{OnFailure, Override, Topology};
@@ -85,6 +86,15 @@ pub(crate) struct LaunchArgs {
     /// --metrics-addr, each rank then serves its metrics on a free port of HOST.
     #[arg(long, value_name = "HOST:PORT")]
     status_addr: Option<std::net::SocketAddr>,
+    /// Check the file, print the ranks it expands to (program, roles, host, links) and
+    /// start nothing.
+    #[arg(long)]
+    dry_run: bool,
+    /// Also write each rank's output, as the rank printed it, to `DIR/rank-N-NAME.log`
+    /// (created if needed; a restarted rank's lines are appended). The output still goes to
+    /// the terminal, prefixed `[rank N NAME]`.
+    #[arg(long, value_name = "DIR")]
+    log_dir: Option<PathBuf>,
 }
 
 /// The address rank `rank` serves its metrics on: `base`'s port plus the rank (port 0: a
@@ -125,7 +135,102 @@ fn topology(path: &Path, overrides: &[Override]) -> Result<Topology> {
             },
             other => other,
         })?;
+    // the framework's keys of each model's params (`workers`, `batch_frames`, ...)
+    #[cfg(feature = "actors")]
+    refit::actors::run::model_specs(&topo).map_err(|e| {
+        refused(format!(
+            "{}, in `{}`",
+            plain(&e.to_string()),
+            path.display()
+        ))
+    })?;
     Ok(topo)
+}
+
+/// A refusal of the file, said as it is (no category before it).
+fn refused(what: String) -> Error {
+    Error::from(refit::node::Error::Start(what))
+}
+
+/// `model ...: ...` out of `invalid configuration: model ...: ...` (what a rank's roles
+/// say): the file's key is the news, not the category.
+fn plain(cause: &str) -> &str {
+    let mut c = cause.trim();
+    while let Some(rest) = c.strip_prefix("invalid configuration: ") {
+        c = rest;
+    }
+    c
+}
+
+/// Runs each distinct rank program of `ranks` once as a check (`REFIT_CHECK=1`), before
+/// any rank starts: the first refusal is the launch's error.
+fn check_programs(ranks: &[RankSpawn], wait: Duration, cwd: &Path) -> Result<()> {
+    let mut checked: Vec<(&Path, &[String])> = Vec::new();
+    for r in ranks {
+        let key = (r.program.as_path(), r.args.as_slice());
+        if checked.contains(&key) {
+            continue;
+        }
+        checked.push(key);
+        match check_rank(r, wait).map_err(Error::from)? {
+            Verdict::Passed => {
+                tracing::debug!("rank {} ({}): its program checked the file", r.rank, r.name);
+            }
+            Verdict::NotSpoken => tracing::debug!(
+                "rank {} ({}): `{}` does not check the file before the launch",
+                r.rank,
+                r.name,
+                r.program.display()
+            ),
+            Verdict::Refused(cause) => {
+                let program = r.program.strip_prefix(cwd).unwrap_or(&r.program);
+                return Err(refused(format!(
+                    "{} (found by `{}`, the program of rank {} ({}), before any rank started)",
+                    plain(&cause),
+                    program.display(),
+                    r.rank,
+                    r.name,
+                )));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// `--dry-run`: what each rank would run, one block per rank.
+fn print_ranks(topo: &Topology, ranks: &[RankSpawn], cwd: &Path) -> Result<()> {
+    for r in ranks {
+        let plan = topo.rank(r.rank)?;
+        let roles: Vec<String> = plan.roles.iter().map(ToString::to_string).collect();
+        let program = r.program.strip_prefix(cwd).unwrap_or(&r.program);
+        let mut command = vec![program.display().to_string()];
+        command.extend(r.args.iter().cloned());
+        println!(
+            "rank {} ({}, replica {}): host {} ({})",
+            r.rank,
+            r.name,
+            plan.replica,
+            plan.host.name,
+            plan.host.address().unwrap_or("address from the scheduler")
+        );
+        println!("  command: {}", command.join(" "));
+        println!("  roles: {}", roles.join(", "));
+        if r.max_restarts > 0 {
+            println!("  restarts: up to {}", r.max_restarts);
+        }
+    }
+    for model in topo.model_ids() {
+        for from in topo.trainer_ranks(&model) {
+            for to in topo.engine_ranks_of(&model) {
+                let kind = topo.weights_transport(&model, from, to);
+                let link = refit::transports::link::for_kind(&kind)
+                    .map_or_else(|e| format!("{kind} ({e})"), |l| l.name().to_string());
+                println!("model {model}: weights from rank {from} to rank {to} over {link}");
+            }
+        }
+    }
+    println!("dry run: nothing started");
+    Ok(())
 }
 
 fn launch(args: &LaunchArgs) -> Result<u8> {
@@ -242,12 +347,25 @@ fn launch(args: &LaunchArgs) -> Result<u8> {
         ));
         listed.push((r.rank, r.name.clone(), metrics));
     }
+    if args.dry_run {
+        print_ranks(topo, &ranks, &spec.cwd)?;
+        return Ok(0);
+    }
+    if topo.run.check {
+        check_programs(&ranks, topo.wait(), &spec.cwd)?;
+    }
     let on_failure = if ranks.len() == 1 {
         OnFailure::Abort
     } else {
         topo.run.on_failure
     };
-    let supervisor = Supervisor::new(grace, on_failure);
+    let supervisor = Supervisor::with_log_dir(grace, on_failure, args.log_dir.clone());
+    if let Some(dir) = &args.log_dir {
+        eprintln!(
+            "refit launch: each rank's output also goes to {}/rank-N-NAME.log",
+            dir.display()
+        );
+    }
     if let Some(addr) = args.status_addr {
         let info = super::status::LaunchInfo {
             topology: spec.path.clone(),
@@ -257,7 +375,13 @@ fn launch(args: &LaunchArgs) -> Result<u8> {
         let bound = super::status::serve(addr, std::sync::Arc::clone(&supervisor), info)?;
         eprintln!("refit launch: status: http://{bound}/status (`refit status {bound}`)");
     }
-    Ok(supervisor.run(&ranks))
+    let code = supervisor.run(&ranks);
+    if code != 0
+        && let Some(failure) = supervisor.failure()
+    {
+        eprintln!("refit launch: error: {failure}");
+    }
+    Ok(code)
 }
 
 #[cfg(test)]

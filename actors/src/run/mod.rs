@@ -345,6 +345,11 @@ pub fn join_workload(
     }
     topo.rank(launch.rank)?;
     topo.check_links(refit_transports::link::reach_of)?;
+    if refit_node::launch::checking() {
+        check_roles(topo, work.as_ref())?;
+        refit_node::launch::announce_passed();
+        return Ok(None);
+    }
     let token = match ClusterToken::from_env().map_err(refit_runtime::Error::from)? {
         Some(t) => t,
         None if topo.world_size() == 1 => ClusterToken::random(),
@@ -367,7 +372,35 @@ pub fn join_workload(
         wrap_inlet: None,
         incarnation: refit_node::launch::incarnation().map_err(refit_runtime::Error::from)?,
     };
-    actix_rt::System::new().block_on(rank::rank_main(setup))
+    let system = actix_rt::System::new();
+    let answer = system.block_on(rank::rank_main(setup));
+    // an error may end the rank right after it started actors on this thread (the lead,
+    // on rank 0): they are polled once here, so that they have started before the
+    // runtime is dropped (an actor first polled in the drop starts without a reactor, and
+    // its timers panic)
+    system.block_on(async {
+        for _ in 0..4 {
+            actix_rt::task::yield_now().await;
+        }
+    });
+    answer
+}
+
+/// What a rank run as a check (`REFIT_CHECK`, before `refit launch` starts any rank)
+/// checks: every model's framework params, and its roles built once (the learner, the
+/// engines' layout, the conversion between them, the roles against each other), so that
+/// a bad value in `params` is refused before anything starts.
+///
+/// # Errors
+/// The first refusal, naming the model and the key.
+pub fn check_roles(topo: &Topology, work: &dyn Workload) -> Result<()> {
+    for spec in model_specs(topo)? {
+        work.check(&spec, topo.run.seed)?;
+        drop(work.learner(&spec)?);
+        work.engine_manifest(&spec)?;
+        work.want(&spec)?;
+    }
+    Ok(())
 }
 
 /// Runs a training topology of one process until the stop rule fires; `roles` makes each

@@ -1,10 +1,12 @@
 //! One rank's process: started in its own process group, killed by the kernel when the
 //! launcher dies (`PR_SET_PDEATHSIG`), its output lines prefixed with `[rank N name]`.
 
+use std::fs::File;
 use std::io::{self, BufRead, BufReader, Read, Write};
 use std::os::unix::process::CommandExt;
+use std::path::Path;
 use std::process::{Child, Command, ExitStatus, Stdio};
-use std::sync::mpsc;
+use std::sync::{Arc, Mutex, mpsc};
 
 use super::{INCARNATION_ENV, RankSpawn};
 use crate::TOKEN_FILE_ENV;
@@ -19,7 +21,12 @@ pub(crate) struct Running {
     pub(crate) status: Option<ExitStatus>,
     /// How many times it was restarted so far.
     pub(crate) restarts: u32,
+    /// The first cause its current process printed (`error: ...`, or an `ERROR` log line).
+    pub(crate) cause: Cause,
 }
+
+/// The first failure cause a rank's process printed, shared with its output threads.
+pub(crate) type Cause = Arc<Mutex<Option<String>>>;
 
 impl Running {
     /// `rank N (name)`.
@@ -47,15 +54,23 @@ impl Running {
 
 /// Starts one rank (`incarnation`: its `REFIT_INCARNATION`); its stdout and stderr are
 /// copied, line by line and prefixed, to ours by two threads that report on `done` when
-/// their stream closes.
+/// their stream closes, and that keep the first cause it prints in `cause`. With
+/// `log_dir`, its lines are also appended, unprefixed, to `log_dir/rank-N-NAME.log`.
 ///
 /// # Errors
-/// When the program cannot be started (not found, not executable).
+/// When the program cannot be started (not found, not executable), or its log file cannot
+/// be opened.
 pub(crate) fn spawn(
     spec: &RankSpawn,
     incarnation: u32,
     done: &mpsc::Sender<()>,
+    cause: &Cause,
+    log_dir: Option<&Path>,
 ) -> io::Result<Child> {
+    let log = match log_dir {
+        Some(dir) => Some(Arc::new(Mutex::new(open_log(dir, spec, incarnation)?))),
+        None => None,
+    };
     let mut cmd = Command::new(&spec.program);
     cmd.args(&spec.args)
         .env_remove(TOKEN_FILE_ENV)
@@ -92,48 +107,116 @@ pub(crate) fn spawn(
     }
     let mut child = cmd.spawn()?;
     let prefix = format!("[rank {} {}] ", spec.rank, spec.name);
+    let copy = |to_err| Pump {
+        prefix: prefix.clone(),
+        to_err,
+        done: done.clone(),
+        cause: Arc::clone(cause),
+        log: log.clone(),
+    };
     if let Some(out) = child.stdout.take() {
-        pump(out, prefix.clone(), false, done.clone());
+        copy(false).run(out);
     }
     if let Some(err) = child.stderr.take() {
-        pump(err, prefix, true, done.clone());
+        copy(true).run(err);
     }
     Ok(child)
 }
 
-/// Copies `from` to our stdout (or stderr) line by line, each line prefixed and written
-/// whole, so lines of different ranks never mix. Keeps draining after a write error, so the
-/// child never blocks on a full pipe.
-fn pump(from: impl Read + Send + 'static, prefix: String, to_err: bool, done: mpsc::Sender<()>) {
-    let spawned = std::thread::Builder::new()
-        .name("refit-launch-output".into())
-        .spawn(move || {
-            let mut reader = BufReader::new(from);
-            let mut line = Vec::new();
-            loop {
-                line.clear();
-                match reader.read_until(b'\n', &mut line) {
-                    Ok(0) | Err(_) => break,
-                    Ok(_) => {}
-                }
-                if !line.ends_with(b"\n") {
-                    line.push(b'\n');
-                }
-                let mut buf = Vec::with_capacity(prefix.len() + line.len());
-                buf.extend_from_slice(prefix.as_bytes());
-                buf.extend_from_slice(&line);
-                let _ = if to_err {
-                    io::stderr().lock().write_all(&buf)
-                } else {
-                    let mut out = io::stdout().lock();
-                    out.write_all(&buf).and_then(|()| out.flush())
-                };
-            }
-            let _ = done.send(());
-        });
-    if let Err(e) = spawned {
-        tracing::error!("cannot copy the output of a rank ({e}); it is dropped");
+/// The log file of one rank (`rank-N-NAME.log` in `dir`, created with `dir`), opened for
+/// appending: a restarted rank's lines follow its first start's, after a line saying so.
+fn open_log(dir: &Path, spec: &RankSpawn, incarnation: u32) -> io::Result<File> {
+    std::fs::create_dir_all(dir)?;
+    let path = dir.join(log_name(spec.rank, &spec.name));
+    let mut file = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(&path)
+        .map_err(|e| io::Error::new(e.kind(), format!("{}: {e}", path.display())))?;
+    if incarnation > spec.incarnation {
+        writeln!(file, "--- restarted: REFIT_INCARNATION={incarnation}")?;
     }
+    Ok(file)
+}
+
+/// `rank-3-actor.log`: the log file name of rank `rank` of process `name`.
+pub(crate) fn log_name(rank: u32, name: &str) -> String {
+    let safe: String = name
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || c == '-' || c == '_' {
+                c
+            } else {
+                '_'
+            }
+        })
+        .collect();
+    format!("rank-{rank}-{safe}.log")
+}
+
+/// Where one output stream of a rank goes.
+struct Pump {
+    prefix: String,
+    to_err: bool,
+    done: mpsc::Sender<()>,
+    cause: Cause,
+    log: Option<Arc<Mutex<File>>>,
+}
+
+impl Pump {
+    /// Copies `from` to our stdout (or stderr) line by line, each line prefixed and written
+    /// whole, so lines of different ranks never mix (and to the rank's log file, as it
+    /// came). Keeps draining after a write error, so the child never blocks on a full pipe.
+    fn run(self, from: impl Read + Send + 'static) {
+        let spawned = std::thread::Builder::new()
+            .name("refit-launch-output".into())
+            .spawn(move || {
+                let mut reader = BufReader::new(from);
+                let mut line = Vec::new();
+                loop {
+                    line.clear();
+                    match reader.read_until(b'\n', &mut line) {
+                        Ok(0) | Err(_) => break,
+                        Ok(_) => {}
+                    }
+                    if !line.ends_with(b"\n") {
+                        line.push(b'\n');
+                    }
+                    self.keep_cause(&line);
+                    if let Some(log) = &self.log {
+                        let _ = lock(log).write_all(&line);
+                    }
+                    let mut buf = Vec::with_capacity(self.prefix.len() + line.len());
+                    buf.extend_from_slice(self.prefix.as_bytes());
+                    buf.extend_from_slice(&line);
+                    let _ = if self.to_err {
+                        io::stderr().lock().write_all(&buf)
+                    } else {
+                        let mut out = io::stdout().lock();
+                        out.write_all(&buf).and_then(|()| out.flush())
+                    };
+                }
+                let _ = self.done.send(());
+            });
+        if let Err(e) = spawned {
+            tracing::error!("cannot copy the output of a rank ({e}); it is dropped");
+        }
+    }
+
+    /// Keeps the first cause the rank printed.
+    fn keep_cause(&self, line: &[u8]) {
+        let text = String::from_utf8_lossy(line);
+        if let Some(cause) = super::check::error_cause(&text) {
+            let mut first = lock(&self.cause);
+            if first.is_none() {
+                *first = Some(cause.to_string());
+            }
+        }
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
 /// `exited with status 3` / `was killed by signal 9 (SIGKILL)`.

@@ -14,6 +14,7 @@
 //! topology into what to start for each rank ([`RankSpawn`]), and [`Supervisor`] starts and
 //! watches them (restarts, `on_failure`, signals passed on).
 
+mod check;
 mod child;
 mod plan;
 mod resolve;
@@ -27,6 +28,10 @@ use refit_runtime::topology::{Override, Topology};
 
 use crate::error::{Error, Result};
 
+pub use check::{
+    ANSWER_WITHIN, CHECK_ENV, CHECK_PASSED, CHECK_STARTED, Verdict, announce_check,
+    announce_passed, build_hint, cannot_start, check_rank, checking, error_cause,
+};
 pub use plan::{LaunchSpec, RankSpawn, free_port};
 pub use resolve::{DEFAULT_MASTER_PORT, resolve_rank, scheduler_incarnation};
 pub use scheduler::{
@@ -64,6 +69,9 @@ pub fn load_topology() -> Result<Topology> {
 /// # Errors
 /// As [`load_topology`].
 pub fn load_topology_from(lookup: impl Fn(&str) -> Option<String>) -> Result<Topology> {
+    if lookup(CHECK_ENV).is_some_and(|v| !v.is_empty() && v != "0") {
+        announce_check();
+    }
     let path: PathBuf = lookup(TOPOLOGY_ENV)
         .filter(|p| !p.trim().is_empty())
         .ok_or_else(|| Error::Launch {

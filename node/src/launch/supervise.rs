@@ -3,6 +3,7 @@
 //! left; otherwise the failure ends the run or not as `on_failure` says. Rank 0 finishing
 //! ends the run; SIGINT/SIGTERM to the launcher are passed on to every rank.
 
+use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, mpsc};
 use std::time::{Duration, Instant};
@@ -28,6 +29,10 @@ pub struct Supervisor {
     interrupted: AtomicBool,
     /// Output streams opened so far (two per start).
     streams: AtomicUsize,
+    /// Where each rank's output is also written (`rank-N-NAME.log`), if anywhere.
+    log_dir: Option<PathBuf>,
+    /// The first failure that ended or marred the run: who, and its cause.
+    failure: Mutex<Option<String>>,
 }
 
 /// How the run ends.
@@ -90,13 +95,40 @@ impl Supervisor {
     /// A supervisor that gives ranks `grace` to exit (after rank 0 is done, and after
     /// SIGTERM before SIGKILL) and treats a failure past its restarts as `on_failure` says.
     pub fn new(grace: Duration, on_failure: OnFailure) -> Arc<Self> {
+        Self::with_log_dir(grace, on_failure, None)
+    }
+
+    /// As [`new`](Self::new), each rank's output also appended (unprefixed, as the rank
+    /// printed it) to `log_dir/rank-N-NAME.log` (torchrun's `--log-dir` with `--tee`).
+    pub fn with_log_dir(
+        grace: Duration,
+        on_failure: OnFailure,
+        log_dir: Option<PathBuf>,
+    ) -> Arc<Self> {
         Arc::new(Self {
             grace,
             on_failure,
             ranks: Mutex::new(Vec::new()),
             interrupted: AtomicBool::new(false),
             streams: AtomicUsize::new(0),
+            log_dir,
+            failure: Mutex::new(None),
         })
+    }
+
+    /// The first failure of the run, once [`run`](Self::run) returned: `rank 1 (actor)
+    /// failed: CAUSE`, with the first `error:` line the rank printed as its cause (or how
+    /// it ended, when it printed none). `None` when no rank failed.
+    pub fn failure(&self) -> Option<String> {
+        lock(&self.failure).clone()
+    }
+
+    /// Keeps `what` as the run's failure unless one came first.
+    fn note_failure(&self, what: String) {
+        let mut first = lock(&self.failure);
+        if first.is_none() {
+            *first = Some(what);
+        }
     }
 
     /// Starts every rank of `specs` (the first is the lead: the run ends with it) and
@@ -126,13 +158,14 @@ impl Supervisor {
                         "started rank {} ({}) (pid {})",
                         spec.rank,
                         spec.name,
-                        child.id()
+                        child.0.id()
                     );
                     lock(&self.ranks).push(Running {
                         spec: spec.clone(),
-                        child,
+                        child: child.0,
                         status: None,
                         restarts: 0,
+                        cause: child.1,
                     });
                 }
                 Err(()) => {
@@ -171,19 +204,17 @@ impl Supervisor {
         spec: &RankSpawn,
         incarnation: u32,
         done: &mpsc::Sender<()>,
-    ) -> Result<std::process::Child, ()> {
-        match child::spawn(spec, incarnation, done) {
+    ) -> Result<(std::process::Child, child::Cause), ()> {
+        let cause = child::Cause::default();
+        match child::spawn(spec, incarnation, done, &cause, self.log_dir.as_deref()) {
             Ok(c) => {
                 self.streams.fetch_add(2, Ordering::SeqCst);
-                Ok(c)
+                Ok((c, cause))
             }
             Err(e) => {
-                tracing::error!(
-                    "rank {} ({}): cannot start `{}`: {e}",
-                    spec.rank,
-                    spec.name,
-                    spec.program.display()
-                );
+                let why = super::check::cannot_start(spec, &e).to_string();
+                tracing::error!("{why}");
+                self.note_failure(why);
                 Err(())
             }
         }
@@ -210,8 +241,9 @@ impl Supervisor {
         }
         let incarnation = r.spec.incarnation + r.restarts + 1;
         match self.start(&r.spec, incarnation, done) {
-            Ok(child) => {
+            Ok((child, cause)) => {
                 r.restarts += 1;
+                r.cause = cause;
                 tracing::warn!(
                     "restarted {} (restart {} of {}, REFIT_INCARNATION={incarnation}, pid {})",
                     r.label(),
@@ -269,6 +301,7 @@ impl Supervisor {
                     continue;
                 }
                 tracing::error!("{label} failed: it {}", child::describe(status));
+                self.note_failure(self.failure_of(i, &label, status));
                 if self.restart(i, done) {
                     continue;
                 }
@@ -301,6 +334,23 @@ impl Supervisor {
             }
             drop(ranks);
             std::thread::sleep(TICK);
+        }
+    }
+
+    /// `rank 1 (actor) failed: CAUSE` for the rank at `at`, which ended with `status`: the
+    /// first cause it printed, else how it ended. The output threads may still be copying
+    /// its last lines: they get a moment to.
+    fn failure_of(&self, at: usize, label: &str, status: std::process::ExitStatus) -> String {
+        let cause = Arc::clone(&self.lock()[at].cause);
+        let deadline = Instant::now() + Duration::from_millis(200);
+        loop {
+            if let Some(c) = lock(&cause).clone() {
+                return format!("{label} failed: {c}");
+            }
+            if Instant::now() >= deadline {
+                return format!("{label} failed: it {}", child::describe(status));
+            }
+            std::thread::sleep(Duration::from_millis(10));
         }
     }
 

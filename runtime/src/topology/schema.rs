@@ -97,6 +97,16 @@ pub struct RunSection {
     /// `keepalive_s`).
     #[serde(default = "default_dead_after_s")]
     pub dead_after_s: f64,
+    /// Before any rank starts, `refit launch` runs each rank program once as a check
+    /// (`REFIT_CHECK=1`): a program built on Refit checks its roles' params and exits
+    /// (default true). `false` for programs that cannot check quickly or must not run
+    /// twice.
+    #[serde(default = "default_check")]
+    pub check: bool,
+}
+
+fn default_check() -> bool {
+    true
 }
 
 fn default_wait_s() -> f64 {
