@@ -191,7 +191,7 @@ fn check_framing(bytes: &[u8], source: &str) -> Result<()> {
     let n = u64::from_le_bytes(*prefix);
     // a header is a JSON object: its first byte is `{` (a text file's is not, or its length
     // is absurd)
-    if n > MAX_HEADER || n < 2 || bytes.get(8).is_some_and(|b| *b != b'{') {
+    if !(2..=MAX_HEADER).contains(&n) || bytes.get(8).is_some_and(|b| *b != b'{') {
         return Err(not_safetensors(
             "it does not begin with a header's length and a JSON header".into(),
         ));
@@ -427,7 +427,7 @@ impl WeightSet {
             ));
         };
         // each shard once, in file-name order, with one tensor it should hold (for errors)
-        let mut shards: std::collections::BTreeMap<&str, &str> = Default::default();
+        let mut shards: std::collections::BTreeMap<&str, (&str, usize)> = Default::default();
         for (tensor, shard) in map {
             let shard = shard.as_str().ok_or_else(|| {
                 refused(
@@ -441,7 +441,7 @@ impl WeightSet {
                     format!("tensor `{tensor}`: shard `{shard}` is not a file in the folder"),
                 ));
             }
-            shards.entry(shard).or_insert(tensor.as_str());
+            shards.entry(shard).or_insert((tensor.as_str(), 0)).1 += 1;
         }
         if shards.is_empty() {
             return Err(refused(&index_name, "its `weight_map` lists no tensor"));
@@ -452,14 +452,18 @@ impl WeightSet {
         let mut read = Vec::with_capacity(shards.len());
         let mut model = model.cloned();
         let mut version = Version::ZERO;
-        for (shard, some_tensor) in &shards {
+        for (shard, (some_tensor, listed)) in &shards {
             let path = dir.join(shard);
             if !path.is_file() {
                 return Err(refused(
                     &index_name,
                     format!(
-                        "shard `{shard}` (holding tensor `{some_tensor}`, among others) is \
-                         missing from the folder"
+                        "shard `{shard}` (holding tensor `{some_tensor}`{}) is missing from \
+                         the folder",
+                        match listed - 1 {
+                            0 => String::new(),
+                            n => format!(" and {n} more"),
+                        }
                     ),
                 ));
             }

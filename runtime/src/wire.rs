@@ -118,7 +118,10 @@ pub fn from_text<T: DeserializeOwned>(text: &str, what: &str) -> Result<T> {
         .map(|p| nib(p[0]) << 4 | nib(p[1]))
         .collect();
     decode(&bytes, MAX_CONTROL_MESSAGE).map_err(|e| match e {
-        Error::Wire(reason) => Error::Wire(format!("{what} does not decode: {reason}")),
+        Error::Wire(reason) => Error::Wire(format!(
+            "{what} does not decode: {}",
+            reason.strip_prefix("decode: ").unwrap_or(&reason)
+        )),
         other => other,
     })
 }
