@@ -24,6 +24,18 @@ fn refit() -> Command {
     c
 }
 
+/// A spec in `refit serve`'s form whose sender is gone (port 9 of loopback, where nothing
+/// listens): the inputs of a pull are good, so it gets as far as the token and the connect.
+fn dead_spec() -> String {
+    let node = refit::node::Node::loopback(refit::node::ClusterToken::random()).unwrap();
+    let endpoint = TcpEndpoint {
+        addr: "127.0.0.1:9".parse().unwrap(),
+        agent: node.id(),
+    };
+    node.shutdown();
+    refit::runtime::wire::to_token(&endpoint).unwrap()
+}
+
 fn text(out: &Output) -> (String, String) {
     (
         String::from_utf8_lossy(&out.stdout).into_owned(),
@@ -68,11 +80,18 @@ fn a_token_file_others_can_read_is_refused_by_name_and_mode() {
             .arg(&model)
             .arg("--token-file")
             .arg(&token)
-            .args(["--seconds", "1"])
+            .args(["--for-s", "1"])
             .output()
             .unwrap();
         let pull = refit()
-            .args(["pull", "out.safetensors", "--spec", "00"])
+            .args([
+                "pull",
+                "out.safetensors",
+                "--timeout-s",
+                "2",
+                "--spec",
+                &dead_spec(),
+            ])
             .env("REFIT_TOKEN_FILE", &token)
             .current_dir(dir.path())
             .output()
@@ -98,11 +117,11 @@ fn without_a_token_serve_and_pull_say_where_to_put_one() {
     let serve = refit()
         .arg("serve")
         .arg(&model)
-        .args(["--seconds", "1"])
+        .args(["--for-s", "1"])
         .output()
         .unwrap();
     let pull = refit()
-        .args(["pull", "out.safetensors", "--spec", "00"])
+        .args(["pull", "out.safetensors", "--spec", &dead_spec()])
         .current_dir(dir.path())
         .output()
         .unwrap();
@@ -149,7 +168,7 @@ fn serving_an_unspecified_address_needs_advertise() {
     let out = refit()
         .arg("serve")
         .arg(&model)
-        .args(["--bind", "0.0.0.0:0", "--seconds", "1"])
+        .args(["--bind", "0.0.0.0:0", "--for-s", "1"])
         .env("REFIT_TOKEN", TOKEN)
         .output()
         .unwrap();
@@ -168,7 +187,7 @@ fn pull(dir: &Path, spec_args: &[&str], env: (&str, &str), out: &str) -> Output 
         .arg("pull")
         .arg(out)
         .args(spec_args)
-        .args(["--mode", "full", "--timeout", "60"])
+        .args(["--timeout-s", "60"])
         .env(env.0, env.1)
         .current_dir(dir)
         .output()
@@ -186,7 +205,7 @@ fn serve_prints_no_token_pull_brings_its_own_and_watch_publishes_a_replaced_file
         .arg(&model)
         .arg("--token-file")
         .arg(&token_file)
-        .args(["--spec-file", "spec.txt", "--watch", "--seconds", "120"])
+        .args(["--spec-file", "spec.txt", "--watch", "--for-s", "120"])
         .current_dir(dir.path())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -312,7 +331,7 @@ fn serve_briefly(model: &Path, args: &[&str], env: &[(&str, &str)]) -> (String, 
     let mut c = refit();
     c.arg("serve")
         .arg(model)
-        .args(["--link", "shm", "--seconds", "1"])
+        .args(["--link", "shm", "--for-s", "1"])
         .args(args);
     for (k, v) in env {
         c.env(k, v);
@@ -388,9 +407,10 @@ fn a_token_file_from_the_environment_beside_a_token_is_refused_and_the_flag_wins
     let dir = tempfile::tempdir().unwrap();
     let token_file = dir.path().join("token");
     write_with_mode(&token_file, TOKEN, 0o600);
+    let spec = dead_spec();
     // both variables: refused, naming both
     let out = refit()
-        .args(["pull", "out.st", "--spec", "00"])
+        .args(["pull", "out.st", "--timeout-s", "2", "--spec", &spec])
         .env("REFIT_TOKEN", TOKEN)
         .env("REFIT_TOKEN_FILE", &token_file)
         .current_dir(dir.path())
@@ -402,9 +422,17 @@ fn a_token_file_from_the_environment_beside_a_token_is_refused_and_the_flag_wins
         stderr.contains("both REFIT_TOKEN and REFIT_TOKEN_FILE are set"),
         "{stderr}"
     );
-    // --token-file wins over REFIT_TOKEN: the pull gets as far as the spec
+    // --token-file wins over REFIT_TOKEN: the pull gets as far as the connect
     let out = refit()
-        .args(["pull", "out.st", "--spec", "00", "--token-file"])
+        .args([
+            "pull",
+            "out.st",
+            "--timeout-s",
+            "2",
+            "--spec",
+            &spec,
+            "--token-file",
+        ])
         .arg(&token_file)
         .env("REFIT_TOKEN", "not-this-one-0123456789abcdef")
         .current_dir(dir.path())
@@ -505,7 +533,7 @@ fn no_color_turns_colour_off_on_a_terminal() {
     let cases: [Case; 2] = [
         (&["--help"], &[]),
         (
-            &["serve", model, "--seconds", "1"],
+            &["serve", model, "--for-s", "1"],
             &[("RUST_LOG", "refit_node=debug"), ("REFIT_TOKEN", TOKEN)],
         ),
     ];

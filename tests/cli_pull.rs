@@ -46,7 +46,7 @@ fn serve_and_pull(ws: &WeightSet, dir: &Path) {
         Command::new(env!("CARGO_BIN_EXE_refit"))
             .arg("serve")
             .arg(&model)
-            .args(["--bucket-size", "1MiB", "--seconds", "120", "--spec-file"])
+            .args(["--bucket-size", "1MiB", "--for-s", "120", "--spec-file"])
             .arg(&spec)
             .env("REFIT_TOKEN", token)
             .stdout(Stdio::null())
@@ -67,7 +67,7 @@ fn serve_and_pull(ws: &WeightSet, dir: &Path) {
         .arg("--spec-file")
         .arg(&spec)
         .arg(&out)
-        .args(["--timeout", "60"])
+        .args(["--timeout-s", "60"])
         .env("REFIT_TOKEN", token)
         .output()
         .unwrap();

@@ -1019,7 +1019,8 @@ fn status_lists_every_rank_with_its_state_and_health() {
     let (_, err) = text(&out);
     assert!(!out.status.success());
     assert!(
-        err.contains("no status from 127.0.0.1:1") && err.contains("--status-addr"),
+        err.contains("cannot reach the launch's status at 127.0.0.1:1 (connection refused)")
+            && err.contains("--status-addr"),
         "{err}"
     );
 }

@@ -22,6 +22,16 @@ pub enum Error {
         /// Why.
         reason: String,
     },
+    /// A cluster token from this process's configuration that cannot be used: its length
+    /// or characters, a token file too large, or both token variables set. Names where the
+    /// token came from and what a token must be; never shows the token.
+    #[error("{source_name} {reason}")]
+    BadToken {
+        /// Where the token came from (`REFIT_TOKEN`, a file's path, `cluster token`).
+        source_name: String,
+        /// What is wrong (a predicate: `is 5 bytes long`), and what a token must be.
+        reason: String,
+    },
     /// A remote handler answered with an error.
     #[error("remote call `{method}` on {peer} failed: {message}")]
     Remote {

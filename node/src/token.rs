@@ -38,22 +38,30 @@ impl ClusterToken {
     /// A token from configuration.
     ///
     /// # Errors
-    /// [`Error::Unauthorized`] when shorter than [`Self::MIN_LEN`], longer than
+    /// [`Error::BadToken`] when shorter than [`Self::MIN_LEN`], longer than
     /// [`Self::MAX_LEN`], or holding whitespace or control characters.
     pub fn new(token: impl Into<String>) -> Result<Self> {
-        let token = token.into();
-        let bad = |reason: &str| Error::Unauthorized {
-            peer: "local configuration".into(),
-            reason: format!("cluster token {reason}"),
+        Self::checked(token.into(), "the cluster token")
+    }
+
+    /// What a token must be, for errors about one.
+    const RULE: &str = "a cluster token is 16 to 256 bytes with no whitespace or control \
+                        characters (`refit token FILE` makes one in a new owner-only file)";
+
+    /// `token`, checked; errors name `source` (a variable, a file) and never the token.
+    fn checked(token: String, source: &str) -> Result<Self> {
+        let bad = |what: String| Error::BadToken {
+            source_name: source.into(),
+            reason: format!("{what}: {}", Self::RULE),
         };
-        if token.len() < Self::MIN_LEN {
-            return Err(bad(&format!("shorter than {} bytes", Self::MIN_LEN)));
+        if token.is_empty() {
+            return Err(bad("is empty".into()));
         }
-        if token.len() > Self::MAX_LEN {
-            return Err(bad(&format!("longer than {} bytes", Self::MAX_LEN)));
+        if token.len() < Self::MIN_LEN || token.len() > Self::MAX_LEN {
+            return Err(bad(format!("is {} bytes long", token.len())));
         }
         if token.chars().any(|c| c.is_whitespace() || c.is_control()) {
-            return Err(bad("holds whitespace or control characters"));
+            return Err(bad("holds whitespace or control characters".into()));
         }
         Ok(Self(token))
     }
@@ -62,24 +70,41 @@ impl ClusterToken {
     /// ([`ClusterToken::from_file`]), if either is set.
     ///
     /// # Errors
-    /// As [`ClusterToken::new`] when the variable holds a bad token or is not UTF-8; as
-    /// [`ClusterToken::from_file`] for the file; [`Error::Unauthorized`] when both are set.
+    /// As [`ClusterToken::new`] (naming the variable) when the variable holds a bad token or
+    /// is not UTF-8; as [`ClusterToken::from_file`] for the file; [`Error::BadToken`] when
+    /// both are set, or `REFIT_TOKEN_FILE` is set but empty.
     pub fn from_env() -> Result<Option<Self>> {
-        let not_utf8 = |var: &str| Error::Unauthorized {
-            peer: "local configuration".into(),
-            reason: format!("{var} is not UTF-8"),
+        let bad = |var: &str, reason: String| Error::BadToken {
+            source_name: var.into(),
+            reason,
         };
-        let file = match std::env::var_os(TOKEN_FILE_ENV) {
-            Some(f) if !f.is_empty() => Some(f),
-            _ => None,
+        let file = std::env::var_os(TOKEN_FILE_ENV);
+        let token = std::env::var(TOKEN_ENV);
+        // an empty REFIT_TOKEN_FILE beside REFIT_TOKEN is ignored (a variable cleared that
+        // way); alone it is a mistake, told as one
+        let file = match file {
+            Some(f) if f.is_empty() => {
+                if matches!(token, Err(std::env::VarError::NotPresent)) {
+                    return Err(bad(
+                        TOKEN_FILE_ENV,
+                        "is set but empty: name a file holding the cluster token (`refit token \
+                         FILE` makes one), or unset it"
+                            .into(),
+                    ));
+                }
+                None
+            }
+            other => other,
         };
-        match (std::env::var(TOKEN_ENV), file) {
-            (Ok(_) | Err(std::env::VarError::NotUnicode(_)), Some(_)) => Err(Error::Unauthorized {
-                peer: "local configuration".into(),
-                reason: format!("both {TOKEN_ENV} and {TOKEN_FILE_ENV} are set; keep one"),
-            }),
-            (Ok(v), None) => Self::new(v).map(Some),
-            (Err(std::env::VarError::NotUnicode(_)), None) => Err(not_utf8(TOKEN_ENV)),
+        match (token, file) {
+            (Ok(_) | Err(std::env::VarError::NotUnicode(_)), Some(_)) => Err(bad(
+                &format!("both {TOKEN_ENV} and {TOKEN_FILE_ENV}"),
+                "are set; keep one".into(),
+            )),
+            (Ok(v), None) => Self::checked(v, TOKEN_ENV).map(Some),
+            (Err(std::env::VarError::NotUnicode(_)), None) => {
+                Err(bad(TOKEN_ENV, format!("is not UTF-8: {}", Self::RULE)))
+            }
             (Err(std::env::VarError::NotPresent), Some(f)) => {
                 Self::from_file(Path::new(&f)).map(Some)
             }
@@ -129,16 +154,17 @@ impl ClusterToken {
                 });
             }
         }
+        let source = format!("token file `{}`", path.display());
         if meta.len() > 4096 {
-            return Err(Error::Unauthorized {
-                peer: "local configuration".into(),
-                reason: format!("token file `{}` is larger than 4 KiB", path.display()),
+            return Err(Error::BadToken {
+                source_name: source,
+                reason: format!("is larger than 4 KiB: {}", Self::RULE),
             });
         }
         let mut text = String::new();
         file.read_to_string(&mut text)
             .map_err(path_err("reading the token file"))?;
-        Self::new(text.trim())
+        Self::checked(text.trim().to_owned(), &source)
     }
 
     /// Writes a fresh random token to a new file that only its owner can read and write
@@ -245,10 +271,15 @@ mod tests {
             }
         }
         write_with_mode(&path, "short\n", 0o600);
-        assert!(matches!(
-            ClusterToken::from_file(&path),
-            Err(Error::Unauthorized { .. })
-        ));
+        let e = ClusterToken::from_file(&path).unwrap_err();
+        assert!(matches!(e, Error::BadToken { .. }), "{e}");
+        let msg = e.to_string();
+        assert!(
+            msg.contains("is 5 bytes long: a cluster token is 16 to 256 bytes")
+                && msg.contains(&path.display().to_string())
+                && !msg.contains("short"),
+            "{msg}"
+        );
         assert!(matches!(
             ClusterToken::from_file(&dir.path().join("missing")),
             Err(Error::Core(CoreError::Path { .. }))

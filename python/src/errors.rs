@@ -20,6 +20,8 @@ pub(crate) fn to_py(e: Error) -> PyErr {
     let msg = e.to_string();
     match refit_node::Error::find(&e) {
         Some(refit_node::Error::Unauthorized { .. }) => return Unauthorized::new_err(msg),
+        // a token of this process's own configuration (its length, both variables set)
+        Some(refit_node::Error::BadToken { .. }) => return ConfigError::new_err(msg),
         Some(n) if n.is_timeout() => return Timeout::new_err(msg),
         _ => {}
     }

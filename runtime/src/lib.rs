@@ -69,7 +69,8 @@ pub use layout::{LayoutPlan, LayoutRules};
 pub use manifest::{ALIGN, Manifest, ManifestBuilder, TensorSpec};
 pub use protocol::{Ack, AckBook, Admission, Group, Manifests, VersionGate};
 pub use safetensors_io::{
-    SafetensorsFilePlan, SafetensorsLayout, inspect_safetensors, temp_sibling, write_atomically,
+    HF_INDEX, HF_SINGLE, SafetensorsFilePlan, SafetensorsLayout, inspect_safetensors, temp_sibling,
+    write_atomically,
 };
 pub use scheme::{
     PendingSend, Receiver, ReceiverInit, ReceiverLoop, ReceiverTransport, Sender, SenderInit,

@@ -67,6 +67,7 @@ pub fn inspect_safetensors(
     require_checksums: bool,
 ) -> Result<SafetensorsLayout> {
     let source = source_name;
+    check_framing(bytes, source)?;
     let st = safetensors::SafeTensors::deserialize(bytes).map_err(|e| refused(source, e))?;
     let (_, meta) =
         safetensors::SafeTensors::read_metadata(bytes).map_err(|e| refused(source, e))?;
@@ -167,6 +168,109 @@ pub fn inspect_safetensors(
     })
 }
 
+/// The safetensors crate's limit on a header's length (it refuses longer ones).
+const MAX_HEADER: u64 = 100_000_000;
+
+/// Checks the frame of a safetensors buffer before the `safetensors` crate reads it, so that
+/// the two commonest wrong inputs are told in the user's words: a file that is not
+/// safetensors at all (a text file's first 8 bytes read as a huge header length, which the
+/// crate calls "header too large") and a truncated one (the crate: "incomplete metadata,
+/// file not fully covered"), which names the bytes the header promises and the bytes there.
+fn check_framing(bytes: &[u8], source: &str) -> Result<()> {
+    let len = bytes.len();
+    let not_safetensors = |why: String| refused(source, format!("not a safetensors file ({why})"));
+    let Some(prefix) = bytes.first_chunk::<8>() else {
+        return Err(if len == 0 {
+            refused(source, "file is empty")
+        } else {
+            not_safetensors(format!(
+                "{len} bytes, fewer than the 8 of a header's length"
+            ))
+        });
+    };
+    let n = u64::from_le_bytes(*prefix);
+    // a header is a JSON object: its first byte is `{` (a text file's is not, or its length
+    // is absurd)
+    if !(2..=MAX_HEADER).contains(&n) || bytes.get(8).is_some_and(|b| *b != b'{') {
+        return Err(not_safetensors(
+            "it does not begin with a header's length and a JSON header".into(),
+        ));
+    }
+    let header_end = 8 + n as usize;
+    let Some(header) = bytes.get(8..header_end) else {
+        return Err(refused(
+            source,
+            format!("truncated: header promises at least {header_end} bytes, file has {len}"),
+        ));
+    };
+    let json: serde_json::Map<String, serde_json::Value> = serde_json::from_slice(header)
+        .map_err(|e| not_safetensors(format!("its header is not a JSON object: {e}")))?;
+    // the data's end: the largest end offset any tensor declares (the crate checks the rest)
+    let data_end = json
+        .iter()
+        .filter(|(k, _)| k.as_str() != "__metadata__")
+        .filter_map(|(_, v)| v.get("data_offsets")?.get(1)?.as_u64())
+        .max()
+        .unwrap_or(0);
+    let promised = (header_end as u64).saturating_add(data_end);
+    if promised > len as u64 {
+        return Err(refused(
+            source,
+            format!("truncated: header promises {promised} bytes, file has {len}"),
+        ));
+    }
+    if promised < len as u64 {
+        return Err(refused(
+            source,
+            format!(
+                "its header describes {promised} bytes, the file has {len}: {} bytes at the end \
+                 belong to no tensor",
+                len as u64 - promised
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// The index of a sharded Hugging Face model folder.
+pub const HF_INDEX: &str = "model.safetensors.index.json";
+/// The one file of an unsharded Hugging Face model folder.
+pub const HF_SINGLE: &str = "model.safetensors";
+
+/// `path` mapped read-only; a folder, an empty file and a file that cannot be opened are
+/// refused naming the path.
+fn map_file(path: &Path) -> Result<memmap2::Mmap> {
+    let file = File::open(path).map_err(|source| Error::Path {
+        context: "opening",
+        path: path.to_path_buf(),
+        source,
+    })?;
+    let meta = file.metadata().map_err(|source| Error::Path {
+        context: "reading the metadata of",
+        path: path.to_path_buf(),
+        source,
+    })?;
+    if meta.is_dir() {
+        return Err(refused(
+            &path.display().to_string(),
+            "a folder, not a file (a Hugging Face model folder is read by \
+             `WeightSet::read_model_path`; `refit serve` takes one)",
+        ));
+    }
+    if meta.len() == 0 {
+        return Err(refused(&path.display().to_string(), "file is empty"));
+    }
+    // SAFETY: the map is read-only and private to its reader; refit writes safetensors by
+    // rename, never in place, so the file under the map does not change while we copy out
+    // of it. A foreign writer truncating the file could still fault the copy; that is the
+    // documented contract of reading mapped files.
+    unsafe { memmap2::Mmap::map(&file) }.map_err(|source| Error::Path {
+        context: "mapping",
+        path: path.to_path_buf(),
+        source,
+    })
+}
+
 fn refused(source_name: &str, reason: impl std::fmt::Display) -> Error {
     Error::Safetensors {
         source_name: source_name.to_string(),
@@ -248,24 +352,194 @@ impl WeightSet {
     /// bad header, truncated data or an unsupported dtype.
     pub fn read_safetensors(path: impl AsRef<Path>, model: Option<&ModelId>) -> Result<Self> {
         let path = path.as_ref();
-        let file = File::open(path).map_err(|source| Error::Path {
-            context: "opening",
-            path: path.to_path_buf(),
-            source,
-        })?;
-        if file.metadata().map(|m| m.len()).unwrap_or(0) == 0 {
-            return Err(refused(&path.display().to_string(), "file is empty"));
-        }
-        // SAFETY: the map is read-only and private to this call; refit writes safetensors by
-        // rename, never in place, so the file under the map does not change while we copy
-        // out of it. A foreign writer truncating the file could still fault the copy; that is
-        // the documented contract of reading mapped files.
-        let map = unsafe { memmap2::Mmap::map(&file) }.map_err(|source| Error::Path {
-            context: "mapping",
-            path: path.to_path_buf(),
-            source,
-        })?;
+        let map = map_file(path)?;
         Self::parse_safetensors(&map, &path.display().to_string(), model)
+    }
+
+    /// Reads a model from `path`: a safetensors file ([`WeightSet::read_safetensors`]) or a
+    /// Hugging Face model folder ([`WeightSet::read_safetensors_dir`]), what `vllm serve`
+    /// takes.
+    ///
+    /// # Errors
+    /// As those two; [`Error::Path`] when `path` does not exist.
+    pub fn read_model_path(path: impl AsRef<Path>, model: Option<&ModelId>) -> Result<Self> {
+        let path = path.as_ref();
+        let meta = std::fs::metadata(path).map_err(|source| Error::Path {
+            context: "reading the model",
+            path: path.to_path_buf(),
+            source,
+        })?;
+        if meta.is_dir() {
+            Self::read_safetensors_dir(path, model)
+        } else {
+            Self::read_safetensors(path, model)
+        }
+    }
+
+    /// Reads a Hugging Face model folder as one weight set: the shards its
+    /// `model.safetensors.index.json` names (its `weight_map`, tensor name to shard file),
+    /// or, without an index, its single `model.safetensors`.
+    ///
+    /// The manifest lists the shards' tensors shard by shard, the shards in file-name order
+    /// (`model-00001-of-00002.safetensors` first), each shard's tensors in its file's order,
+    /// as [`WeightSet::read_safetensors`] orders one file. The model id comes from `model`,
+    /// else from the first shard's header; the version is 0 unless that header says
+    /// otherwise.
+    ///
+    /// # Errors
+    /// [`Error::Safetensors`] naming the index for an index that is not JSON, has no
+    /// `weight_map`, or names a shard outside the folder; naming the shard and a tensor for
+    /// a shard the index names that is missing, a tensor the index puts in a shard that
+    /// does not hold it, or a tensor the index does not list; naming the tensor and both
+    /// shards for a tensor held by two shards; as [`WeightSet::read_safetensors`] for each
+    /// shard; [`Error::Path`] for a folder with neither an index nor `model.safetensors`.
+    pub fn read_safetensors_dir(dir: impl AsRef<Path>, model: Option<&ModelId>) -> Result<Self> {
+        let dir = dir.as_ref();
+        let index_path = dir.join(HF_INDEX);
+        if !index_path.exists() {
+            let single = dir.join(HF_SINGLE);
+            if single.is_file() {
+                return Self::read_safetensors(&single, model);
+            }
+            return Err(refused(
+                &dir.display().to_string(),
+                format!(
+                    "a folder holding neither {HF_INDEX} nor {HF_SINGLE}: give a safetensors \
+                     file, or a Hugging Face model folder"
+                ),
+            ));
+        }
+        let index_name = index_path.display().to_string();
+        let text = std::fs::read(&index_path).map_err(|source| Error::Path {
+            context: "reading",
+            path: index_path.clone(),
+            source,
+        })?;
+        let index: serde_json::Value = serde_json::from_slice(&text)
+            .map_err(|e| refused(&index_name, format!("not JSON: {e}")))?;
+        let Some(map) = index
+            .get("weight_map")
+            .and_then(serde_json::Value::as_object)
+        else {
+            return Err(refused(
+                &index_name,
+                "no `weight_map` object (tensor name to shard file)",
+            ));
+        };
+        // each shard once, in file-name order, with one tensor it should hold (for errors)
+        let mut shards: std::collections::BTreeMap<&str, (&str, usize)> = Default::default();
+        for (tensor, shard) in map {
+            let shard = shard.as_str().ok_or_else(|| {
+                refused(
+                    &index_name,
+                    format!("tensor `{tensor}`: its shard is not a file name"),
+                )
+            })?;
+            if shard.is_empty() || shard.contains(['/', '\\']) || shard == ".." || shard == "." {
+                return Err(refused(
+                    &index_name,
+                    format!("tensor `{tensor}`: shard `{shard}` is not a file in the folder"),
+                ));
+            }
+            shards.entry(shard).or_insert((tensor.as_str(), 0)).1 += 1;
+        }
+        if shards.is_empty() {
+            return Err(refused(&index_name, "its `weight_map` lists no tensor"));
+        }
+        let mut builder = Manifest::builder();
+        // per tensor: its shard, and the shard's bytes and layout to copy it from
+        let mut found: HashMap<String, &str> = HashMap::new();
+        let mut read = Vec::with_capacity(shards.len());
+        let mut model = model.cloned();
+        let mut version = Version::ZERO;
+        for (shard, (some_tensor, listed)) in &shards {
+            let path = dir.join(shard);
+            if !path.is_file() {
+                return Err(refused(
+                    &index_name,
+                    format!(
+                        "shard `{shard}` (holding tensor `{some_tensor}`{}) is missing from \
+                         the folder",
+                        match listed - 1 {
+                            0 => String::new(),
+                            n => format!(" and {n} more"),
+                        }
+                    ),
+                ));
+            }
+            let bytes = map_file(&path)?;
+            let name = path.display().to_string();
+            let layout = inspect_safetensors(&bytes, &name, model.as_ref(), false)?;
+            if model.is_none() {
+                version = layout.version;
+                model = Some(layout.model.clone());
+            }
+            read.push((*shard, bytes, layout));
+        }
+        // every tensor once, then each where the index puts it
+        for (shard, _, layout) in &read {
+            for t in layout.manifest.tensors() {
+                if let Some(first) = found.insert(t.name.clone(), *shard) {
+                    return Err(refused(
+                        &index_name,
+                        format!(
+                            "tensor `{}` is in two shards: `{first}` and `{shard}`",
+                            t.name
+                        ),
+                    ));
+                }
+            }
+        }
+        for (shard, _, layout) in &read {
+            for t in layout.manifest.tensors() {
+                match map.get(&t.name).and_then(serde_json::Value::as_str) {
+                    None => {
+                        return Err(refused(
+                            &index_name,
+                            format!(
+                                "shard `{shard}` holds tensor `{}`, which it does not list",
+                                t.name
+                            ),
+                        ));
+                    }
+                    Some(listed) if listed != *shard => {
+                        return Err(refused(
+                            &index_name,
+                            format!(
+                                "tensor `{}` is in shard `{shard}`, not in `{listed}` where it \
+                                 is listed",
+                                t.name
+                            ),
+                        ));
+                    }
+                    Some(_) => builder.push(t.name.clone(), t.dtype, &t.shape),
+                }
+            }
+        }
+        if let Some((tensor, shard)) = map.iter().find(|(t, _)| !found.contains_key(t.as_str())) {
+            return Err(refused(
+                &index_name,
+                format!(
+                    "tensor `{tensor}` is not in shard `{}`, where the index puts it",
+                    shard.as_str().unwrap_or_default()
+                ),
+            ));
+        }
+        let model = model.ok_or_else(|| refused(&index_name, "no model id"))?;
+        let mut ws = WeightSet::zeroed(model, Arc::new(builder.build()?));
+        ws.set_version(version);
+        for (_, bytes, layout) in &read {
+            for (spec, range) in layout.manifest.tensors().iter().zip(&layout.ranges) {
+                let src = bytes.get(range.clone()).ok_or_else(|| {
+                    refused(
+                        &index_name,
+                        format!("tensor `{}` lies outside its shard", spec.name),
+                    )
+                })?;
+                ws.tensor_bytes_mut(&spec.name)?.copy_from_slice(src);
+            }
+        }
+        Ok(ws)
     }
 
     /// Decodes a safetensors byte buffer into a new weight set.
@@ -652,6 +926,154 @@ mod tests {
             }
             assert!(layout.pack(&mut file[start..start + 1]).is_err());
         }
+    }
+
+    #[test]
+    fn wrong_files_are_told_in_the_users_words() {
+        let dir = tempfile::tempdir().unwrap();
+        let text = dir.path().join("notes.safetensors");
+        std::fs::write(&text, "hello, these are notes, not weights\n").unwrap();
+        let err = WeightSet::read_safetensors(&text, None)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains(&format!("{}: not a safetensors file (", text.display())),
+            "{err}"
+        );
+        let good = sample().to_safetensors_bytes().unwrap();
+        let cut = dir.path().join("cut.safetensors");
+        std::fs::write(&cut, &good[..good.len() - 10]).unwrap();
+        let err = WeightSet::read_safetensors(&cut, None)
+            .unwrap_err()
+            .to_string();
+        let says = format!(
+            "{}: truncated: header promises {} bytes, file has {}",
+            cut.display(),
+            good.len(),
+            good.len() - 10
+        );
+        assert!(err.contains(&says), "{err}");
+        // cut inside the header itself
+        std::fs::write(&cut, &good[..20]).unwrap();
+        let err = WeightSet::read_safetensors(&cut, None)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("truncated: header promises at least"), "{err}");
+        // bytes past the last tensor
+        let mut long = good.clone();
+        long.extend_from_slice(&[0; 3]);
+        let err = WeightSet::from_safetensors_bytes(&long, None)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("3 bytes at the end belong to no tensor"),
+            "{err}"
+        );
+        // a folder handed to the file reader
+        let err = WeightSet::read_safetensors(dir.path(), None)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("a folder, not a file"), "{err}");
+    }
+
+    /// Writes a Hugging Face folder: `ws`'s tensors cut into shards at `cuts` (tensor
+    /// indices), each a plain safetensors file, and the index naming them.
+    fn hf_folder(dir: &Path, ws: &WeightSet, cuts: &[usize]) -> Vec<String> {
+        let tensors: Vec<TensorView<'_>> = ws.tensors().collect();
+        let mut bounds = vec![0];
+        bounds.extend_from_slice(cuts);
+        bounds.push(tensors.len());
+        let n = bounds.len() - 1;
+        let mut map = serde_json::Map::new();
+        let mut names = Vec::new();
+        for (i, w) in bounds.windows(2).enumerate() {
+            let shard = format!("model-{:05}-of-{n:05}.safetensors", i + 1);
+            let part = &tensors[w[0]..w[1]];
+            let bytes = safetensors::serialize(part.iter().map(|t| (t.name(), *t)), None).unwrap();
+            std::fs::write(dir.join(&shard), bytes).unwrap();
+            for t in part {
+                map.insert(t.name().into(), shard.clone().into());
+            }
+            names.push(shard);
+        }
+        let index =
+            serde_json::json!({"metadata": {"total_size": ws.bytes().len()}, "weight_map": map});
+        std::fs::write(dir.join(HF_INDEX), index.to_string()).unwrap();
+        names
+    }
+
+    #[test]
+    fn a_hugging_face_folder_reads_as_one_model() {
+        let ws = sample();
+        let id = ModelId::new("hf").unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let shards = hf_folder(dir.path(), &ws, &[2]);
+        let back = WeightSet::read_model_path(dir.path(), Some(&id)).unwrap();
+        assert_eq!(back.model(), &id);
+        assert_eq!(back.manifest().len(), ws.manifest().len());
+        for t in ws.tensors() {
+            let b = back.tensor(t.name()).unwrap();
+            assert_eq!(
+                (b.bytes(), b.shape(), b.dtype()),
+                (t.bytes(), t.shape(), t.dtype())
+            );
+        }
+        // shard by shard, each in its file's order: the same order every time
+        let again = WeightSet::read_safetensors_dir(dir.path(), Some(&id)).unwrap();
+        assert_eq!(**again.manifest(), **back.manifest());
+        let mut first: Vec<&str> = back.manifest().tensors()[..2]
+            .iter()
+            .map(|t| t.name.as_str())
+            .collect();
+        first.sort_unstable();
+        assert_eq!(
+            first,
+            ["a.first", "z.last"],
+            "the first shard's tensors come first"
+        );
+        // a foreign folder needs a model id
+        assert!(WeightSet::read_model_path(dir.path(), None).is_err());
+
+        // a shard the index names is missing: named with one of its tensors
+        std::fs::remove_file(dir.path().join(&shards[1])).unwrap();
+        let err = WeightSet::read_model_path(dir.path(), Some(&id))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains(&format!("shard `{}` (holding tensor `", shards[1]))
+                && err.contains("missing"),
+            "{err}"
+        );
+
+        // a tensor in two shards
+        let dir = tempfile::tempdir().unwrap();
+        let shards = hf_folder(dir.path(), &ws, &[2]);
+        let first = ws.tensors().next().unwrap();
+        let mut both: Vec<TensorView<'_>> = ws.tensors().skip(2).collect();
+        both.push(first);
+        let bytes = safetensors::serialize(both.iter().map(|t| (t.name(), *t)), None).unwrap();
+        std::fs::write(dir.path().join(&shards[1]), bytes).unwrap();
+        let err = WeightSet::read_model_path(dir.path(), Some(&id))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains(&format!("tensor `{}` is in two shards", first.name())),
+            "{err}"
+        );
+
+        // one model.safetensors, no index
+        let dir = tempfile::tempdir().unwrap();
+        ws.write_safetensors(dir.path().join(HF_SINGLE)).unwrap();
+        let back = WeightSet::read_model_path(dir.path(), None).unwrap();
+        assert_eq!(**back.manifest(), **ws.manifest());
+        // neither
+        std::fs::remove_file(dir.path().join(HF_SINGLE)).unwrap();
+        let err = WeightSet::read_model_path(dir.path(), None)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("neither"), "{err}");
+        let err = WeightSet::read_model_path(dir.path().join("nope"), None).unwrap_err();
+        assert!(matches!(err, Error::Path { .. }), "{err}");
     }
 
     #[test]

@@ -62,25 +62,68 @@ pub fn to_token<T: Serialize + ?Sized>(value: &T) -> Result<String> {
     Ok(s)
 }
 
-/// Decodes a token written by [`to_token`].
+/// Decodes a token written by [`to_token`]; errors call it "the text" (see [`from_text`] to
+/// name what it should be).
 ///
 /// # Errors
-/// [`Error::Wire`] on bad hex, an oversized token or a malformed message.
+/// As [`from_text`].
 pub fn from_token<T: DeserializeOwned>(token: &str) -> Result<T> {
-    let t = token.trim().as_bytes();
-    if !t.len().is_multiple_of(2) || t.len() / 2 > MAX_CONTROL_MESSAGE {
-        return Err(Error::Wire("token has an odd or excessive length".into()));
+    from_text(token, "the text")
+}
+
+/// Decodes a token written by [`to_token`], calling it `what` in errors (`"receiver spec"`:
+/// a user who pasted the wrong line reads what was expected, not the word "token", which
+/// they take for the cluster token).
+///
+/// # Errors
+/// [`Error::Wire`] naming `what` on bad hex, an odd or oversized length or a malformed
+/// message.
+pub fn from_text<T: DeserializeOwned>(text: &str, what: &str) -> Result<T> {
+    let t = text.trim().as_bytes();
+    if t.is_empty() {
+        return Err(Error::Wire(format!("{what} is empty")));
     }
-    let nib = |c: u8| match c {
-        b'0'..=b'9' => Ok(c - b'0'),
-        b'a'..=b'f' => Ok(c - b'a' + 10),
-        _ => Err(Error::Wire(format!("token holds a non-hex byte {c:#04x}"))),
+    if t.len() / 2 > MAX_CONTROL_MESSAGE {
+        return Err(Error::Wire(format!(
+            "{what} is too long ({} characters; at most {})",
+            t.len(),
+            2 * MAX_CONTROL_MESSAGE
+        )));
+    }
+    if let Some(&c) = t.iter().find(|c| !matches!(c, b'0'..=b'9' | b'a'..=b'f')) {
+        let shown = if c.is_ascii_graphic() {
+            format!("`{}`", char::from(c))
+        } else {
+            format!("the byte {c:#04x}")
+        };
+        return Err(Error::Wire(format!(
+            "{what} is not Refit's hex text: it holds {shown}"
+        )));
+    }
+    if !t.len().is_multiple_of(2) {
+        return Err(Error::Wire(format!(
+            "{what} is cut short: an odd number of hex digits ({})",
+            t.len()
+        )));
+    }
+    let nib = |c: u8| {
+        if c.is_ascii_digit() {
+            c - b'0'
+        } else {
+            c - b'a' + 10
+        }
     };
-    let bytes = t
+    let bytes: Vec<u8> = t
         .chunks_exact(2)
-        .map(|p| Ok(nib(p[0])? << 4 | nib(p[1])?))
-        .collect::<Result<Vec<u8>>>()?;
-    decode(&bytes, MAX_CONTROL_MESSAGE)
+        .map(|p| nib(p[0]) << 4 | nib(p[1]))
+        .collect();
+    decode(&bytes, MAX_CONTROL_MESSAGE).map_err(|e| match e {
+        Error::Wire(reason) => Error::Wire(format!(
+            "{what} does not decode: {}",
+            reason.strip_prefix("decode: ").unwrap_or(&reason)
+        )),
+        other => other,
+    })
 }
 
 #[cfg(test)]
@@ -108,6 +151,24 @@ mod tests {
         assert!(from_token::<Msg>("zz").is_err());
         assert!(from_token::<Msg>("abc").is_err());
         assert!(from_token::<Msg>("00").is_err());
+        // errors name what was being decoded, never "token"
+        for (text, says) in [
+            (
+                "127.0.0.1:29611",
+                "receiver spec is not Refit's hex text: it holds `.`",
+            ),
+            (
+                "abc",
+                "receiver spec is cut short: an odd number of hex digits (3)",
+            ),
+            ("", "receiver spec is empty"),
+            ("00", "receiver spec does not decode"),
+        ] {
+            let e = from_text::<Msg>(text, "receiver spec")
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains(says) && !e.contains("token"), "{text}: {e}");
+        }
         assert!(
             decode::<Msg>(&encode(&m).unwrap(), 3)
                 .unwrap_err()

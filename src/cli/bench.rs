@@ -183,6 +183,15 @@ pub(crate) fn run(args: &BenchArgs) -> BoxResult<()> {
     if args.iters == 0 {
         return Err("--iters must be at least 1".into());
     }
+    if args.warmup == 0 {
+        // the steady rows time the update after the warm-up, into an arena a receiver has
+        // used before: with none, there is no such update to time
+        return Err(
+            "--warmup must be at least 1: the steady rows time an update after the \
+                    warm-up (the default, 2, makes it the first into a recycled arena)"
+                .into(),
+        );
+    }
     if args.engine_pause {
         return engine_pause(args);
     }
@@ -378,9 +387,15 @@ fn print_table(rows: &[Row]) {
         "transport", "metric", "size", "N", "min", "median", "p99", "max", "GB/s", "x base"
     );
     for r in rows {
+        // a row without samples has no median: "-", never NaN
         let gbps = r.bytes as f64 / r.seconds.median / 1e9;
+        let gbps = if gbps.is_finite() {
+            format!("{gbps:.2}")
+        } else {
+            "-".to_owned()
+        };
         println!(
-            "{:<22} {:<20} {:>8} {:>2} {:>11} {:>11} {:>11} {:>11} {:>10.2} {:>9}",
+            "{:<22} {:<20} {:>8} {:>2} {:>11} {:>11} {:>11} {:>11} {:>10} {:>9}",
             r.transport,
             r.metric,
             fmt_bytes(r.bytes),
@@ -390,7 +405,7 @@ fn print_table(rows: &[Row]) {
             fmt_secs(r.seconds.p99),
             fmt_secs(r.seconds.max),
             gbps,
-            if r.baseline == "-" {
+            if r.baseline == "-" || !r.ratio.is_finite() {
                 "-".to_string()
             } else {
                 format!("{:.3} {}", r.ratio, r.baseline)

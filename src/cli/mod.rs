@@ -32,7 +32,7 @@ enum Command {
     Launch(launch::LaunchArgs),
     /// Start a node: remote calls and a rendezvous store on TCP.
     Node(net::NodeArgs),
-    /// Serve a safetensors file as a sender agent.
+    /// Serve a safetensors file, or a Hugging Face model folder, as a sender agent.
     Serve(net::ServeArgs),
     /// Pull a model from a sender agent into a safetensors file (written atomically).
     Pull(net::PullArgs),
@@ -71,7 +71,7 @@ pub(crate) fn main() -> ExitCode {
         Command::Bench(args) => bench::run(&args),
         Command::BenchChild(args) => bench::child(&args),
         Command::Probe => probe(),
-        Command::Status(a) => status::run(&a).map_err(Into::into),
+        Command::Status(a) => status::run(&a),
         Command::Launch(a) => return launch::run(&a),
         Command::Node(a) => return net::node(a),
         Command::Serve(a) => return net::serve(a),

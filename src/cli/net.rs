@@ -1,5 +1,10 @@
-//! `refit node`, `refit serve`, `refit pull`: nodes, a safetensors file served as a sender
-//! agent, and a model pulled to a safetensors file over the TCP transport.
+//! `refit node`, `refit serve`, `refit pull`: nodes, a safetensors file (or a Hugging Face
+//! model folder) served as a sender agent, and a model pulled to a safetensors file over the
+//! TCP transport.
+//!
+//! Every input (files, folders, specs, flags) is checked before the cluster token is asked
+//! for: a user who typed a wrong path hears about the path, not about a token. Each refusal
+//! is one line, `refit: error: ...`, and exit code 1.
 
 use std::ffi::OsString;
 use std::net::SocketAddr;
@@ -12,14 +17,17 @@ use std::time::{Duration, Instant, SystemTime};
 use refit::metrics_page::METRICS_ADDR_ENV;
 use refit::node::{ClusterToken, Node, NodeConfig, Store, TOKEN_ENV, TOKEN_FILE_ENV};
 use refit::runtime::{
-    Error, Manifests, ModelId, ReceiverInit, Result, SenderInit, SenderTransport, Version,
-    WeightSet, wire,
+    Error, Manifests, ModelId, ReceiverInit, SenderInit, SenderTransport, Version, WeightSet, wire,
 };
-use refit::transports::link::{self, LinkFactory, LinkOptions, Reach, ReceiverSpec};
+use refit::transports::link::{self, LINKS, LinkFactory, LinkOptions, Reach, ReceiverSpec};
 use refit::transports::tcp::{
     TcpConfig, TcpEndpoint, TcpLink, TcpReceiver, TcpReceiverConfig, TcpReceiverSpec, TcpSender,
     TransferMode,
 };
+
+/// A command's result: a library error, or a refusal of the user's input worded for them
+/// (a `String`), printed alike as one line.
+type Result<T, E = Box<dyn std::error::Error>> = std::result::Result<T, E>;
 
 /// Where the cluster token comes from: the environment or an owner-only file, never the
 /// command line (which `ps` and shell history show).
@@ -27,9 +35,18 @@ use refit::transports::tcp::{
 pub(crate) struct TokenArgs {
     /// A file holding the cluster token, readable by its owner only (`refit token FILE`
     /// makes one). Without it: the token in `REFIT_TOKEN`, or in the file
-    /// `REFIT_TOKEN_FILE` names (setting both is refused).
-    #[arg(long, value_name = "FILE", env = TOKEN_FILE_ENV, hide_env_values = true)]
-    token_file: Option<PathBuf>,
+    /// `REFIT_TOKEN_FILE` names (setting both is refused). Asked for only once every other
+    /// input has been checked.
+    #[arg(
+        long,
+        value_name = "FILE",
+        env = TOKEN_FILE_ENV,
+        hide_env_values = true,
+        // an empty value is let through, to be told as such (clap's path parser calls it a
+        // missing value of --token-file, which a user who set a variable does not recognise)
+        value_parser = clap::builder::OsStringValueParser::new()
+    )]
+    token_file: Option<OsString>,
 }
 
 /// Arguments of `refit token`.
@@ -49,8 +66,8 @@ pub(crate) struct NodeArgs {
     #[arg(long)]
     store: bool,
     /// Stop after this many seconds (default: run until killed).
-    #[arg(long)]
-    seconds: Option<u64>,
+    #[arg(long = "for-s", visible_alias = "seconds", value_name = "SECONDS")]
+    for_s: Option<u64>,
     #[command(flatten)]
     token: TokenArgs,
 }
@@ -58,18 +75,22 @@ pub(crate) struct NodeArgs {
 /// Arguments of `refit serve`.
 #[derive(Debug, clap::Args)]
 pub(crate) struct ServeArgs {
-    /// The safetensors file to serve.
+    /// The model to serve: a safetensors file, or a Hugging Face model folder (its
+    /// `model.safetensors.index.json` and the shards it names, served as one model; or its
+    /// single `model.safetensors`), what `vllm serve` takes.
+    #[arg(value_name = "FILE|FOLDER")]
     file: PathBuf,
     /// The model id receivers see.
     #[arg(long, default_value = "policy")]
     model: String,
     /// The transport receivers pull with: `tcp` (any host; the spec `refit pull` reads) or
-    /// any other of the link factory (`shm`, `file`, `broadcast`), whose spec Refit's
-    /// receivers and the Python package (`refit.Receiver`) read.
+    /// any other of the link factory that reaches other processes (`shm`, `file`,
+    /// `broadcast`), whose spec Refit's receivers and the Python package (`refit.Receiver`)
+    /// read. `inproc` reaches only the serving process and is refused.
     #[arg(long, default_value = "tcp")]
     link: String,
     /// Receivers to wait for (up to five minutes) before version 1 is published; the
-    /// broadcast chain needs its count.
+    /// broadcast chain needs its count (`--link broadcast --receivers N`).
     #[arg(long, default_value_t = 0)]
     receivers: usize,
     /// Address to listen on (loopback unless you say otherwise; tcp).
@@ -82,7 +103,8 @@ pub(crate) struct ServeArgs {
     /// Also write the spec (the sender's address and id; it holds no token) to this file.
     #[arg(long, value_name = "FILE")]
     spec_file: Option<PathBuf>,
-    /// Re-read the file when it changes and publish it as the next version.
+    /// Re-read the file when it changes and publish it as the next version (a file only:
+    /// a folder's shards change one by one, so a folder is refused with --watch).
     #[arg(long)]
     watch: bool,
     /// Bytes per bucket of the transfer plan (a multiple of 64; tensors larger than a bucket
@@ -94,8 +116,8 @@ pub(crate) struct ServeArgs {
     #[arg(long, value_name = "HOST:PORT", env = METRICS_ADDR_ENV, hide_env_values = true)]
     metrics_addr: Option<SocketAddr>,
     /// Stop after this many seconds (default: run until killed).
-    #[arg(long)]
-    seconds: Option<u64>,
+    #[arg(long = "for-s", visible_alias = "seconds", value_name = "SECONDS")]
+    for_s: Option<u64>,
     #[command(flatten)]
     token: TokenArgs,
 }
@@ -122,12 +144,14 @@ pub(crate) struct PullArgs {
     /// Parallel streams.
     #[arg(long, default_value_t = 4)]
     streams: usize,
-    /// Pull every byte (`full`) or only what changed (`delta`; the same for a first pull).
-    #[arg(long, default_value = "full", value_parser = ["full", "delta"])]
-    mode: String,
     /// Give up after this many seconds.
-    #[arg(long, default_value_t = 300)]
-    timeout: u64,
+    #[arg(
+        long = "timeout-s",
+        visible_alias = "timeout",
+        value_name = "SECONDS",
+        default_value_t = 300
+    )]
+    timeout_s: u64,
     #[command(flatten)]
     token: TokenArgs,
 }
@@ -145,21 +169,29 @@ fn exit(r: Result<()>) -> ExitCode {
 /// The cluster token: `--token-file`, else `REFIT_TOKEN` or `REFIT_TOKEN_FILE`.
 fn token(args: &TokenArgs) -> Result<ClusterToken> {
     // clap fills `--token-file` from `REFIT_TOKEN_FILE` too; a path that came from there
-    // goes through `from_env`, which refuses it beside `REFIT_TOKEN`
+    // goes through `from_env`, which refuses it beside `REFIT_TOKEN` and tells an empty one
     let from_env = std::env::var_os(TOKEN_FILE_ENV);
     let flag = args
         .token_file
         .as_ref()
         .filter(|p| from_env.as_deref() != Some(p.as_os_str()));
     if let Some(path) = flag {
-        return Ok(ClusterToken::from_file(path)?);
+        if path.is_empty() {
+            return Err(
+                "--token-file is empty: give the file holding the cluster token \
+                        (`refit token FILE` makes one)"
+                    .into(),
+            );
+        }
+        return Ok(ClusterToken::from_file(Path::new(path))?);
     }
     ClusterToken::from_env()?.ok_or_else(|| {
-        Error::Config(format!(
+        format!(
             "no cluster token: set {TOKEN_ENV}, or give --token-file FILE (or set \
              {TOKEN_FILE_ENV}) naming a file only its owner can read; `refit token FILE` \
              makes one"
-        ))
+        )
+        .into()
     })
 }
 
@@ -205,7 +237,7 @@ pub(crate) fn node(args: NodeArgs) -> ExitCode {
                 ""
             }
         );
-        run_for(args.seconds, || Ok(()))?;
+        run_for(args.for_s, || Ok(()))?;
         node.shutdown();
         Ok(())
     })())
@@ -309,33 +341,69 @@ impl Watch {
     }
 }
 
-/// `refit serve`: a safetensors file served as a sender agent.
+/// The links of the factory that reach processes other than the serving one, by name.
+fn links_beyond_this_process() -> String {
+    LINKS
+        .iter()
+        .filter(|l| l.reach() != Reach::Process)
+        .map(|l| format!("{} ({})", l.name(), l.reach()))
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+/// `refit serve`: a safetensors file or a Hugging Face model folder served as a sender agent.
 pub(crate) fn serve(args: ServeArgs) -> ExitCode {
     exit((|| {
-        // shared memory and files reach processes of this host only: no token to present
+        // every input first, the token last: a wrong path or flag is told as that
         let factory = link::find(&args.link)?;
+        if factory.reach() == Reach::Process {
+            return Err(format!(
+                "--link {} reaches only the serving process, so no receiver could use its \
+                 spec; links that serve other processes: {}",
+                factory.name(),
+                links_beyond_this_process()
+            )
+            .into());
+        }
+        if args.receivers == 0 && matches!(factory.name(), "broadcast" | "nccl") {
+            return Err(format!(
+                "--link {} needs --receivers N (the chain's length)",
+                factory.name()
+            )
+            .into());
+        }
+        if args.bind.ip().is_unspecified() && args.advertise.is_none() {
+            return Err(format!(
+                "--bind {} is an unspecified address, which receivers cannot connect to: give \
+                 --advertise HOST:PORT, the address they reach this host at",
+                args.bind
+            )
+            .into());
+        }
+        let model = ModelId::new(&args.model)?;
+        if args.watch && args.file.is_dir() {
+            return Err(format!(
+                "--watch follows one file, and `{}` is a folder (its shards change one by one): \
+                 serve the folder without --watch, or one safetensors file with it",
+                args.file.display()
+            )
+            .into());
+        }
+        // watched from before the first read: a change made while receivers connect is
+        // published once they have
+        let watch = args.watch.then(|| Watch::new(&args.file));
+        let mut weights = WeightSet::read_model_path(&args.file, Some(&model))?;
+        weights.set_version(Version(1));
+        // shared memory and files reach processes of this host only: no token to present
         let token = match token(&args.token) {
             Ok(t) => Some(t),
             Err(_) if factory.reach() != Reach::Network => None,
             Err(e) => return Err(e),
         };
-        if args.bind.ip().is_unspecified() && args.advertise.is_none() {
-            return Err(Error::Config(format!(
-                "--bind {} is an unspecified address, which receivers cannot connect to: give \
-                 --advertise HOST:PORT, the address they reach this host at",
-                args.bind
-            )));
-        }
         if let Some(addr) = args.metrics_addr {
             let bound = super::metrics::serve(addr)?;
             println!("metrics: http://{bound}/metrics");
         }
-        let model = ModelId::new(&args.model)?;
-        // watched from before the first read: a change made while receivers connect is
-        // published once they have
-        let watch = args.watch.then(|| Watch::new(&args.file));
-        let mut weights = WeightSet::read_safetensors(&args.file, Some(&model))?;
-        weights.set_version(Version(1));
         let manifests = Manifests::new([(model.clone(), Arc::clone(weights.manifest()))])?;
         let about = format!(
             "`{model}` ({} tensors, {} bytes) from {}",
@@ -371,7 +439,7 @@ pub(crate) fn serve(args: ServeArgs) -> ExitCode {
 }
 
 /// `refit serve`'s loop: writes the spec, publishes the file as version 1, and (`--watch`)
-/// each settled change of it as the next version, until `--seconds` pass.
+/// each settled change of it as the next version, until `--for-s` seconds pass.
 fn publish_file<T: SenderTransport>(
     args: &ServeArgs,
     spec: &str,
@@ -391,7 +459,7 @@ fn publish_file<T: SenderTransport>(
     let wait = Duration::from_secs(300);
     let mut sender = SenderInit::new(transport, manifests).connect(vec![weights], wait)?;
     let mut version = Version(1);
-    run_for(args.seconds, || {
+    run_for(args.for_s, || {
         if !watch.as_mut().is_some_and(|w| w.settled_change(&args.file)) {
             return Ok(());
         }
@@ -410,39 +478,90 @@ fn publish_file<T: SenderTransport>(
         }
         Ok(())
     })?;
-    sender.shutdown()
+    Ok(sender.shutdown()?)
+}
+
+/// What a spec is and where to find it, for errors about one.
+const SPEC_IS: &str = "a spec is the line `refit serve` prints after `spec:` (or writes with \
+                       --spec-file); give it with --spec or --spec-file";
+
+/// The sender's endpoint from a spec's text: `refit serve`'s endpoint, or a tcp link spec (a
+/// Refit or Python sender's `spec`). An address, or any other line, is refused saying what
+/// a spec is.
+fn endpoint_of(spec_text: &str) -> Result<TcpEndpoint> {
+    let text = spec_text.trim();
+    let text = text.strip_prefix("spec:").unwrap_or(text).trim();
+    // a spec is hex: `HOST:PORT` is an address, which receivers do not connect by
+    let address = text
+        .rsplit_once(':')
+        .is_some_and(|(host, port)| !host.is_empty() && port.parse::<u16>().is_ok());
+    if address {
+        return Err(format!("`{text}` is an address, not a spec: {SPEC_IS}").into());
+    }
+    match ReceiverSpec::from_token(text) {
+        Ok(spec) => {
+            spec.check_transport(&TcpLink)?;
+            Ok(spec.params()?)
+        }
+        Err(first) => wire::from_text::<TcpEndpoint>(text, "spec").map_err(|_| {
+            let shown: String = text.chars().take(40).collect();
+            let more = if shown.len() < text.len() { "..." } else { "" };
+            let why = match first {
+                Error::Wire(reason) => reason,
+                other => other.to_string(),
+            };
+            format!("`{shown}{more}` is not a spec ({why}): {SPEC_IS}").into()
+        }),
+    }
+}
+
+/// Refuses an output path `refit pull` cannot write before anything is pulled: a folder, or
+/// a path whose folder does not exist.
+fn check_out(out: &Path) -> Result<()> {
+    if out.is_dir() {
+        return Err(format!(
+            "`{}` is a folder: give the file to write the model to (FOLDER/model.safetensors)",
+            out.display()
+        )
+        .into());
+    }
+    let parent = match out.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p,
+        _ => Path::new("."),
+    };
+    if !parent.is_dir() {
+        return Err(format!(
+            "cannot write `{}`: its folder `{}` does not exist",
+            out.display(),
+            parent.display()
+        )
+        .into());
+    }
+    Ok(())
 }
 
 /// `refit pull`: pulls the newest version of a served model into a safetensors file.
 pub(crate) fn pull(args: PullArgs) -> ExitCode {
     exit((|| {
-        let token = token(&args.token)?;
+        // every input first, the token last
         let spec_text = match (&args.spec, &args.spec_file) {
             (Some(s), _) => s.clone(),
             (None, Some(p)) => std::fs::read_to_string(p).map_err(|e| Error::Path {
-                context: "reading the receiver spec",
+                context: "reading the spec file",
                 path: p.clone(),
                 source: e,
             })?,
-            (None, None) => return Err(Error::State("give --spec or --spec-file")),
+            (None, None) => return Err("give --spec or --spec-file".into()),
         };
-        let text = spec_text.trim().trim_start_matches("spec:").trim();
-        // `refit serve`'s endpoint, or a tcp link spec (a Refit or Python sender's `spec`)
-        let endpoint: TcpEndpoint = match ReceiverSpec::from_token(text) {
-            Ok(spec) => {
-                spec.check_transport(&TcpLink)?;
-                spec.params()?
-            }
-            Err(_) => wire::from_token(text)?,
-        };
+        let endpoint = endpoint_of(&spec_text)?;
+        check_out(&args.out)?;
+        let wanted = args.model.as_deref().map(ModelId::new).transpose()?;
+        let token = token(&args.token)?;
         let spec = TcpReceiverSpec::new(endpoint, &token);
+        // a one-shot pull has no version to diff against: every byte is pulled
         let cfg = TcpReceiverConfig {
             streams: args.streams.max(1),
-            mode: if args.mode == "delta" {
-                TransferMode::Delta
-            } else {
-                TransferMode::Full
-            },
+            mode: TransferMode::Full,
             relay: false,
             ..TcpReceiverConfig::default()
         };
@@ -478,13 +597,13 @@ pub(crate) fn pull(args: PullArgs) -> ExitCode {
             })
         };
         let started = Instant::now();
-        let result = ReceiverInit::new(receiver, None).connect(Duration::from_secs(args.timeout));
+        let result = ReceiverInit::new(receiver, None).connect(Duration::from_secs(args.timeout_s));
         drop(done);
         let _ = ticker.join();
         bar.finish_and_clear();
         let receiver = result?;
-        let model = match &args.model {
-            Some(m) => ModelId::new(m)?,
+        let model = match wanted {
+            Some(m) => m,
             None => receiver
                 .manifests()
                 .ids()

@@ -75,6 +75,18 @@ fn command(out: &mut String, cmd: &Command, parents: &[&str]) {
             } else {
                 format!("{help} One of {}.", choices.join(", "))
             };
+            // a flag renamed keeps its old name as a visible alias: the page says so
+            let aliases: Vec<String> = a
+                .get_visible_aliases()
+                .unwrap_or_default()
+                .iter()
+                .map(|n| format!("`--{n}`"))
+                .collect();
+            let help = if aliases.is_empty() {
+                help
+            } else {
+                format!("{help} Also spelled {}.", aliases.join(", "))
+            };
             out.push_str(&format!(
                 "| `{}` | {} | {} | {} |\n",
                 spelling(a),

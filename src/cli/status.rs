@@ -36,8 +36,13 @@ pub(crate) struct StatusArgs {
     #[arg(long)]
     json: bool,
     /// Give up on an address after this many seconds.
-    #[arg(long, default_value_t = 10.0, value_name = "SECONDS")]
-    timeout: f64,
+    #[arg(
+        long = "timeout-s",
+        visible_alias = "timeout",
+        default_value_t = 10.0,
+        value_name = "SECONDS"
+    )]
+    timeout_s: f64,
 }
 
 /// What the status page knows of a launch besides its supervisor.
@@ -238,15 +243,39 @@ fn get(addr: SocketAddr, path: &str, timeout: Duration) -> Result<String> {
     Ok(body.to_owned())
 }
 
+/// Why `refit status` got no status page from `raw`, in the user's words.
+fn unreachable(raw: &str, timeout: Duration, e: &Error) -> String {
+    use std::io::ErrorKind;
+    let why = match e {
+        Error::Io { source, .. } => match source.kind() {
+            ErrorKind::ConnectionRefused => "connection refused".to_owned(),
+            ErrorKind::TimedOut | ErrorKind::WouldBlock => {
+                format!("no answer within {:.1} s", timeout.as_secs_f64())
+            }
+            _ => source.to_string(),
+        },
+        other => other.to_string(),
+    };
+    format!(
+        "cannot reach the launch's status at {raw} ({why}): is `refit launch --status-addr` \
+         running there?"
+    )
+}
+
 /// `refit status`: reads every address's status page and prints the ranks.
-pub(crate) fn run(args: &StatusArgs) -> Result<()> {
-    if !(args.timeout.is_finite() && args.timeout > 0.0 && args.timeout < 1e6) {
-        return Err(Error::Config(format!(
-            "--timeout must be a positive number of seconds, not {}",
-            args.timeout
-        )));
+///
+/// # Errors
+/// A refusal worded for the user: a bad `--timeout-s`, an address that is not one, a
+/// launch that cannot be reached, a page that is not JSON.
+pub(crate) fn run(args: &StatusArgs) -> std::result::Result<(), Box<dyn std::error::Error>> {
+    if !(args.timeout_s.is_finite() && args.timeout_s > 0.0 && args.timeout_s < 1e6) {
+        return Err(format!(
+            "--timeout-s must be a positive number of seconds, not {}",
+            args.timeout_s
+        )
+        .into());
     }
-    let timeout = Duration::from_secs_f64(args.timeout);
+    let timeout = Duration::from_secs_f64(args.timeout_s);
     let mut ranks = Vec::new();
     let mut launches = Vec::new();
     for raw in &args.addrs {
@@ -254,14 +283,10 @@ pub(crate) fn run(args: &StatusArgs) -> Result<()> {
             .to_socket_addrs()
             .ok()
             .and_then(|mut a| a.next())
-            .ok_or_else(|| Error::Config(format!("`{raw}` is not an address (HOST:PORT)")))?;
-        let body = get(addr, "/status", timeout).map_err(|e| {
-            Error::Config(format!(
-                "no status from {raw} (is `refit launch --status-addr {raw}` running?): {e}"
-            ))
-        })?;
+            .ok_or_else(|| format!("`{raw}` is not an address (HOST:PORT)"))?;
+        let body = get(addr, "/status", timeout).map_err(|e| unreachable(raw, timeout, &e))?;
         let mut page: Value = serde_json::from_str(&body)
-            .map_err(|e| Error::Config(format!("the status page of {raw} is not JSON: {e}")))?;
+            .map_err(|e| format!("the status page of {raw} is not JSON: {e}"))?;
         // the ranks of every launch in one list; each launch keeps the rest
         if let Some(Value::Array(list)) = page.as_object_mut().and_then(|p| p.remove("ranks")) {
             ranks.extend(list);

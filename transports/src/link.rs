@@ -467,9 +467,9 @@ impl ReceiverSpec {
     /// The spec from [`ReceiverSpec::to_token`]'s text.
     ///
     /// # Errors
-    /// [`Error::Wire`] for text that is not such a token.
+    /// [`Error::Wire`] for text that is not such a line, calling it a receiver spec.
     pub fn from_token(token: &str) -> Result<Self> {
-        wire::from_token(token)
+        wire::from_text(token, "receiver spec")
     }
 
     /// Refuses a spec made by another factory than `link`.
