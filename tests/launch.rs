@@ -54,6 +54,7 @@ fn topology_with(dir: &Path, on_failure: &str, script: &str, actor_keys: &str) -
 [run]
 command = ["sh", "-c", {script:?}]
 on_failure = "{on_failure}"
+check = false
 [[model]]
 id = "policy"
 [[process]]
