@@ -477,3 +477,47 @@ fn the_pages_show_the_code_of_the_files_they_include() {
         "{stale:#?}\npaste the code again: REFIT_BLESS=1 cargo test --test reference_pages"
     );
 }
+
+/// What mdBook 0.5.4 printed for these includes of this file (`{{#include f.rs}}`,
+/// `{{#include f.rs:foo}}`, `{{#include f.rs:bar}}`).
+#[test]
+fn the_include_markers_read_anchors_as_mdbook_does() {
+    let text = "l1\n  // ANCHOR: foo\n  l3\n  // ANCHOR: bar\n  l5\n  // ANCHOR_END: bar\n  \
+                l7\n// ANCHOR_END: foo\nl9\n\n";
+    assert_eq!(
+        included(text, None).unwrap(),
+        text.lines().collect::<Vec<_>>()
+    );
+    assert_eq!(
+        included(text, Some("foo")).unwrap(),
+        ["  l3", "  l5", "  l7"]
+    );
+    assert_eq!(included(text, Some("bar")).unwrap(), ["  l5"]);
+    assert_eq!(included(text, Some("fo")), None);
+    assert_eq!(anchor_name("# ANCHOR:links", "ANCHOR:"), Some("links"));
+    assert_eq!(anchor_name("x ANCHOR: a-b_c1 y", "ANCHOR:"), Some("a-b_c1"));
+    assert_eq!(anchor_name("// ANCHOR_END: foo", "ANCHOR:"), None);
+
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("f.rs"), text).unwrap();
+    let page = "- item\n\n  <!-- include: f.rs:foo -->\n  ```rust\n  stale\n  ```\n  \
+                <!-- /include -->\n";
+    let (expected, problems) = with_includes("page.md", page, dir.path());
+    assert!(problems.is_empty(), "{problems:?}");
+    assert_eq!(
+        expected,
+        "- item\n\n  <!-- include: f.rs:foo -->\n  ```rust\n    l3\n    l5\n    l7\n  ```\n  \
+         <!-- /include -->\n"
+    );
+    let (_, problems) = with_includes(
+        "page.md",
+        "<!-- include: f.rs:nope -->\n```\n```\n<!-- /include -->\n",
+        dir.path(),
+    );
+    assert!(problems[0].contains("no `ANCHOR: nope`"), "{problems:?}");
+    let (_, problems) = with_includes("page.md", "```\n{{#include f.rs}}\n```\n", dir.path());
+    assert!(
+        problems[0].contains("shows as that line on GitHub"),
+        "{problems:?}"
+    );
+}
