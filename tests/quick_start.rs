@@ -29,51 +29,19 @@ fn quick_start_delivers_every_version_to_the_engine() {
     );
 }
 
-/// The lines of `text` between `ANCHOR: name` and `ANCHOR_END: name`, other anchor lines
-/// left out: what mdBook's `{{#include file:name}}` shows.
-fn anchored(text: &str, name: &str) -> String {
-    let marks = |l: &str, marker: &str| {
-        l.split(marker)
-            .nth(1)
-            .is_some_and(|rest| rest.trim() == name)
-    };
-    let mut lines = text.lines().skip_while(|l| !marks(l, "ANCHOR:"));
-    assert!(lines.next().is_some(), "no anchor {name}");
-    lines
-        .take_while(|l| !marks(l, "ANCHOR_END:"))
-        .filter(|l| !l.contains("ANCHOR:") && !l.contains("ANCHOR_END:"))
-        .map(|l| format!("{l}\n"))
-        .collect()
-}
-
-/// The fenced blocks of `page` whose info string starts with `lang`, includes resolved
-/// against `dir` as mdBook resolves them.
-fn blocks(page: &str, lang: &str, dir: &Path) -> Vec<String> {
+/// The fenced blocks of `page` whose info string starts with `lang`: the code is pasted into
+/// the page (`tests/reference_pages.rs` checks that it is its file's).
+fn blocks(page: &str, lang: &str) -> Vec<String> {
     let mut out = Vec::new();
     let mut current: Option<String> = None;
     for line in page.lines() {
         match (&mut current, line.strip_prefix("```")) {
             (None, Some(info)) if info.starts_with(lang) => current = Some(String::new()),
             (Some(_), Some("")) => out.extend(current.take()),
-            (Some(block), _) => match line
-                .trim()
-                .strip_prefix("{{#include ")
-                .and_then(|l| l.strip_suffix("}}"))
-            {
-                Some(target) => {
-                    let (file, anchor) = target.split_once(':').unwrap_or((target, ""));
-                    let text = std::fs::read_to_string(dir.join(file)).unwrap();
-                    block.push_str(&if anchor.is_empty() {
-                        text
-                    } else {
-                        anchored(&text, anchor)
-                    });
-                }
-                None => {
-                    block.push_str(line);
-                    block.push('\n');
-                }
-            },
+            (Some(block), _) => {
+                block.push_str(line);
+                block.push('\n');
+            }
             _ => {}
         }
     }
@@ -105,12 +73,11 @@ fn profiles(manifest: &str) -> String {
 #[test]
 fn the_quick_start_page_compiles_as_a_fresh_crate() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
-    let book = root.join("book/src");
-    let page = std::fs::read_to_string(book.join("quick-start.md")).unwrap();
-    let [dependency] = &blocks(&page, "toml", &book)[..] else {
+    let page = std::fs::read_to_string(root.join("book/src/quick-start.md")).unwrap();
+    let [dependency] = &blocks(&page, "toml")[..] else {
         panic!("the quick start should show one Cargo.toml block");
     };
-    let [program] = &blocks(&page, "rust", &book)[..] else {
+    let [program] = &blocks(&page, "rust")[..] else {
         panic!("the quick start should show one program");
     };
     assert!(program.contains("fn main()"), "{program}");

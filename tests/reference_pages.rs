@@ -275,3 +275,249 @@ fn the_readme_and_the_introduction_start_with_the_main_job_and_the_tests() {
     let cargo = read(&root().join("Cargo.toml"));
     assert!(cargo.contains("name = \"cartpole\"") && cargo.contains("name = \"refit\""));
 }
+
+/// The name in the first `marker` of `line` that is followed by one (`ANCHOR: name`), as
+/// mdBook reads `ANCHOR:\s*([\w_-]+)`.
+fn anchor_name<'a>(line: &'a str, marker: &str) -> Option<&'a str> {
+    line.match_indices(marker).find_map(|(i, _)| {
+        let rest = line[i + marker.len()..].trim_start();
+        let end = rest
+            .find(|c: char| !(c.is_alphanumeric() || c == '_' || c == '-'))
+            .unwrap_or(rest.len());
+        (end > 0).then(|| &rest[..end])
+    })
+}
+
+/// What mdBook's `{{#include file}}` puts in a page for `text`, the file's contents: every
+/// line; with an anchor (`{{#include file:name}}`), the lines between the line holding
+/// `ANCHOR: name` and the one holding `ANCHOR_END: name`, other anchor lines left out. No
+/// line is dedented. `None` when the anchor is not in the file.
+fn included<'a>(text: &'a str, anchor: Option<&str>) -> Option<Vec<&'a str>> {
+    let Some(anchor) = anchor else {
+        return Some(text.lines().collect());
+    };
+    let mut lines = text.lines();
+    lines.find(|l| anchor_name(l, "ANCHOR:") == Some(anchor))?;
+    let mut kept = Vec::new();
+    for line in lines {
+        match anchor_name(line, "ANCHOR_END:") {
+            Some(name) if name == anchor => return Some(kept),
+            Some(_) => {}
+            None if anchor_name(line, "ANCHOR:").is_some() => {}
+            None => kept.push(line),
+        }
+    }
+    Some(kept)
+}
+
+const INCLUDE: &str = "<!-- include: ";
+const INCLUDE_END: &str = "<!-- /include -->";
+
+/// `page` (its text `text`, in `dir`) with the code of every include marker pasted again
+/// from its file, and the problems that pasting cannot mend.
+///
+/// A marker is the fenced block of the code mdBook's `{{#include path:anchor}}` would show,
+/// between two HTML comments that neither mdBook nor GitHub shows, all at the indentation
+/// of the first:
+///
+/// ````text
+/// <!-- include: ../../examples/quick_start.rs:all -->
+/// ```rust,ignore
+/// (the lines of the file between `ANCHOR: all` and `ANCHOR_END: all`)
+/// ```
+/// <!-- /include -->
+/// ````
+///
+/// The path is relative to the page, as mdBook's is; without `:anchor`, the whole file.
+/// The opening fence (its language and attributes) is the page's own; every line of code is
+/// indented as the marker is, so that a block inside a list item shows the file's lines as
+/// they are.
+fn with_includes(page: &str, text: &str, dir: &Path) -> (String, Vec<String>) {
+    let mut out = String::new();
+    let mut problems = Vec::new();
+    let mut lines = text.lines().enumerate();
+    while let Some((n, line)) = lines.next() {
+        out.push_str(line);
+        out.push('\n');
+        if line.contains("{{#include") {
+            problems.push(format!(
+                "{page}:{}: `{{{{#include}}}}` shows as that line on GitHub: write the include \
+                 marker instead (see CONTRIBUTING.md)",
+                n + 1
+            ));
+            continue;
+        }
+        let indent = &line[..line.len() - line.trim_start().len()];
+        let Some(target) = line
+            .trim_start()
+            .strip_prefix(INCLUDE)
+            .and_then(|t| t.strip_suffix(" -->"))
+        else {
+            continue;
+        };
+        let here = format!("{page}:{} ({target})", n + 1);
+        let (file, anchor) = match target.split_once(':') {
+            Some((file, anchor)) => (file, Some(anchor)),
+            None => (target, None),
+        };
+        let Some((_, fence)) = lines.next() else {
+            problems.push(format!("{here}: no fenced block after the marker"));
+            break;
+        };
+        let ticks = fence.trim_start().len() - fence.trim_start().trim_start_matches('`').len();
+        if !fence.starts_with(indent) || ticks < 3 {
+            problems.push(format!(
+                "{here}: the marker's next line should open a fenced block"
+            ));
+            continue;
+        }
+        out.push_str(fence);
+        out.push('\n');
+        if !lines.any(|(_, l)| l.trim_start() == INCLUDE_END) {
+            problems.push(format!("{here}: no `{INCLUDE_END}` after the marker"));
+            break;
+        }
+        if anchor.is_some_and(|a| a.parse::<usize>().is_ok()) {
+            problems.push(format!("{here}: name an anchor, not line numbers"));
+            continue;
+        }
+        let source = match std::fs::read_to_string(dir.join(file)) {
+            Ok(source) => source,
+            Err(e) => {
+                problems.push(format!("{here}: {e}"));
+                continue;
+            }
+        };
+        let Some(code) = included(&source, anchor) else {
+            problems.push(format!(
+                "{here}: no `ANCHOR: {}` in {file}",
+                anchor.unwrap()
+            ));
+            continue;
+        };
+        for l in code {
+            if l.trim_start().starts_with(&"`".repeat(ticks)) {
+                problems.push(format!(
+                    "{here}: a line would end the block: open it with more backticks"
+                ));
+            }
+            if !l.is_empty() {
+                out.push_str(indent);
+            }
+            out.push_str(l);
+            out.push('\n');
+        }
+        out.push_str(&format!(
+            "{indent}{}\n{indent}{INCLUDE_END}\n",
+            &"`".repeat(ticks)
+        ));
+    }
+    if !text.ends_with('\n') {
+        out.pop();
+    }
+    (out, problems)
+}
+
+/// The code that README.md and the book show is the code of the files it is taken from,
+/// pasted into the page (GitHub shows no `{{#include}}`) between include markers; with
+/// `REFIT_BLESS=1`, this test pastes it again.
+#[test]
+fn the_pages_show_the_code_of_the_files_they_include() {
+    let bless = std::env::var_os("REFIT_BLESS").is_some_and(|v| v == "1");
+    let mut pages = vec![root().join("README.md")];
+    files(&root().join("book/src"), &[".md"], &mut pages);
+    pages.sort();
+    let mut markers = 0;
+    let (mut problems, mut stale) = (Vec::new(), Vec::new());
+    for path in &pages {
+        let name = path.strip_prefix(root()).unwrap().display().to_string();
+        let text = read(path);
+        markers += text
+            .lines()
+            .filter(|l| l.trim_start().starts_with(INCLUDE))
+            .count();
+        let (expected, mut found) = with_includes(&name, &text, path.parent().unwrap());
+        if !found.is_empty() {
+            // nothing is written over a page whose markers cannot be read
+            problems.append(&mut found);
+            continue;
+        }
+        if expected == text {
+            continue;
+        }
+        if bless {
+            std::fs::write(path, &expected).unwrap();
+            eprintln!("pasted the code again into {name}");
+            continue;
+        }
+        // the first line that differs, and the marker above it
+        let (page_lines, file_lines): (Vec<_>, Vec<_>) =
+            (text.lines().collect(), expected.lines().collect());
+        let n = (0..page_lines.len().max(file_lines.len()))
+            .find(|&i| page_lines.get(i) != file_lines.get(i))
+            .unwrap_or(0);
+        let marker = (0..n.min(page_lines.len()))
+            .rev()
+            .find(|&i| page_lines[i].trim_start().starts_with(INCLUDE))
+            .map_or("(no marker)".to_owned(), |i| {
+                format!("`{}` (line {})", page_lines[i].trim(), i + 1)
+            });
+        stale.push(format!(
+            "{name}:{}: the code under {marker} is not its file's now:\n    page: {:?}\n    \
+             file: {:?}",
+            n + 1,
+            page_lines.get(n).unwrap_or(&"(end)"),
+            file_lines.get(n).unwrap_or(&"(end)"),
+        ));
+    }
+    assert!(markers > 100, "{markers} include markers");
+    assert!(problems.is_empty(), "{problems:#?}");
+    assert!(
+        stale.is_empty(),
+        "{stale:#?}\npaste the code again: REFIT_BLESS=1 cargo test --test reference_pages"
+    );
+}
+
+/// What mdBook 0.5.4 printed for these includes of this file (`{{#include f.rs}}`,
+/// `{{#include f.rs:foo}}`, `{{#include f.rs:bar}}`).
+#[test]
+fn the_include_markers_read_anchors_as_mdbook_does() {
+    let text = "l1\n  // ANCHOR: foo\n  l3\n  // ANCHOR: bar\n  l5\n  // ANCHOR_END: bar\n  \
+                l7\n// ANCHOR_END: foo\nl9\n\n";
+    assert_eq!(
+        included(text, None).unwrap(),
+        text.lines().collect::<Vec<_>>()
+    );
+    assert_eq!(
+        included(text, Some("foo")).unwrap(),
+        ["  l3", "  l5", "  l7"]
+    );
+    assert_eq!(included(text, Some("bar")).unwrap(), ["  l5"]);
+    assert_eq!(included(text, Some("fo")), None);
+    assert_eq!(anchor_name("# ANCHOR:links", "ANCHOR:"), Some("links"));
+    assert_eq!(anchor_name("x ANCHOR: a-b_c1 y", "ANCHOR:"), Some("a-b_c1"));
+    assert_eq!(anchor_name("// ANCHOR_END: foo", "ANCHOR:"), None);
+
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("f.rs"), text).unwrap();
+    let page = "- item\n\n  <!-- include: f.rs:foo -->\n  ```rust\n  stale\n  ```\n  \
+                <!-- /include -->\n";
+    let (expected, problems) = with_includes("page.md", page, dir.path());
+    assert!(problems.is_empty(), "{problems:?}");
+    assert_eq!(
+        expected,
+        "- item\n\n  <!-- include: f.rs:foo -->\n  ```rust\n    l3\n    l5\n    l7\n  ```\n  \
+         <!-- /include -->\n"
+    );
+    let (_, problems) = with_includes(
+        "page.md",
+        "<!-- include: f.rs:nope -->\n```\n```\n<!-- /include -->\n",
+        dir.path(),
+    );
+    assert!(problems[0].contains("no `ANCHOR: nope`"), "{problems:?}");
+    let (_, problems) = with_includes("page.md", "```\n{{#include f.rs}}\n```\n", dir.path());
+    assert!(
+        problems[0].contains("shows as that line on GitHub"),
+        "{problems:?}"
+    );
+}
