@@ -96,18 +96,23 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     }
     // logging and SIGINT/SIGTERM handling (starts a thread: after the environment is set)
     refit::init()?;
-    let report = match args.command {
+    // the staleness the pool allows, to say why samples were dropped
+    let (report, allowed) = match args.command {
         Some(Sub::Topology) => {
             let topology = refit_node::launch::load_topology()?;
             let launch = LaunchEnv::from_env()?;
             match run::join_generating(&topology, &launch, GrpoRoles::new())? {
-                Some(report) => report,
+                Some(report) => (report, topology.sync.allowed_staleness()),
                 None => return Ok(()),
             }
         }
-        None => one_process(&args)?,
+        None => {
+            let mut sync = SyncConfig::with_mode(args.sync_mode);
+            sync.staleness_threshold = args.staleness_threshold;
+            (one_process(&args)?, sync.allowed_staleness())
+        }
     };
-    print_report(&report);
+    print_report(&report, allowed);
     if !report.solved {
         std::process::exit(1);
     }
@@ -145,12 +150,12 @@ fn one_process(args: &Args) -> Result<RunReport, Box<dyn std::error::Error>> {
 // ANCHOR_END: one_process
 
 /// The held-out curve, the staleness of the trained samples, and each engine's pauses.
-fn print_report(report: &RunReport) {
+fn print_report(report: &RunReport, allowed: Option<u64>) {
     for (model, r) in &report.models {
         let first = r.evals.first().and_then(|e| e.models.get(model));
         let last = r.evals.last().and_then(|e| e.models.get(model));
         println!(
-            "{}: {model} held-out reward {:.3} -> {:.3} in {} updates, {:.1} s wall",
+            "{}: {model} held-out reward (greedy) {:.3} -> {:.3} in {} updates, {:.1} s wall",
             if report.solved {
                 "solved"
             } else {
@@ -174,14 +179,21 @@ fn print_report(report: &RunReport) {
                 ))
             })
             .collect();
-        println!("held-out reward by wall time: {}", at.join(" "));
+        println!("held-out reward (greedy) by wall time: {}", at.join(" "));
         let hist = &r.staleness.histogram;
         let total: u64 = hist.values().sum();
         println!(
             "staleness of trained completions (trainer version - oldest token's version): \
-             mean {:.2}, {} dropped as too stale",
+             mean {:.2}, {}",
             r.staleness.mean_kept(),
-            r.staleness.dropped
+            match allowed {
+                Some(bound) if r.staleness.dropped > 0 => format!(
+                    "{} dropped as staler than {bound} versions (sync.max_staleness, by default \
+                     the mode's: 0 in sync, staleness_threshold in batch-async)",
+                    r.staleness.dropped
+                ),
+                _ => format!("{} dropped", r.staleness.dropped),
+            }
         );
         for (s, n) in hist {
             println!(

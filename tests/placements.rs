@@ -230,7 +230,7 @@ fn a_frozen_rank_0_ends_every_other_rank_within_dead_after() {
     let dir = tempfile::tempdir().unwrap();
     let topo = three_ranks(dir.path(), "abort");
     let launch = Launch::start(&topo, "fully-async");
-    launch.wait_for(&["trained and published"], Duration::from_secs(180));
+    launch.wait_for(&[" frames, mean return "], Duration::from_secs(180));
     let lead = pid_of(&launch, 0);
     let frozen = signal("-STOP", lead);
     // each other rank ends within the bound: it finds rank 0 silent itself, or the launcher
@@ -277,7 +277,7 @@ fn a_frozen_engine_is_dropped_within_dead_after_and_the_run_goes_on() {
     let dir = tempfile::tempdir().unwrap();
     let topo = three_ranks(dir.path(), "continue");
     let launch = Launch::start(&topo, "fully-async");
-    launch.wait_for(&["trained and published"], Duration::from_secs(180));
+    launch.wait_for(&[" frames, mean return "], Duration::from_secs(180));
     let engine = pid_of(&launch, 2);
     let frozen = signal("-STOP", engine);
     let (seen, line) = launch.wait_for(
@@ -325,7 +325,7 @@ max_restarts = 2
         ),
     );
     let launch = Launch::start(&topo, "fully-async");
-    launch.wait_for(&["trained and published"], Duration::from_secs(180));
+    launch.wait_for(&[" frames, mean return "], Duration::from_secs(180));
     let engine = pid_of(&launch, 2);
     let killed = signal("-KILL", engine);
     let (seen, _) = launch.wait_for(

@@ -35,8 +35,12 @@ fn published(out: &str) -> BTreeSet<u64> {
 /// with two rollout workers; `run` adds to `[run]`.
 fn topology(dir: &Path, run: &str) -> PathBuf {
     let exe = example("cartpole").display().to_string();
-    // the trainer ranks log each shard's part of each version (debug)
-    let log = format!("{},refit_actors::run::shard=debug", refit::DEFAULT_LOG);
+    // the trainer ranks log each shard's part of each version,
+    // and the driver each update it trained and published (debug)
+    let log = format!(
+        "{},refit_actors::run::shard=debug,refit_actors::run::drive=debug",
+        refit::DEFAULT_LOG
+    );
     let text = format!(
         r#"
 [run]
@@ -161,7 +165,7 @@ fn a_frozen_shard_fails_the_update_naming_it_and_the_version_is_not_published() 
         "wait_s = 10.0\nkeepalive_s = 1.0\ndead_after_s = 40.0",
     );
     let launch = Launch::start(&path, "batch-async");
-    launch.wait_for(&["trained and published"], Duration::from_secs(180));
+    launch.wait_for(&[" frames, mean return "], Duration::from_secs(180));
     let (_, line) = launch.wait_for(
         &["rank 2 (process `learner`, replica 1): pid "],
         Duration::from_secs(10),

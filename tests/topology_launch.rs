@@ -137,7 +137,7 @@ fn kill(pid: u32) -> Instant {
 /// Kills rank 2's engine process once training is under way; answers when.
 fn kill_rank_2(launch: &Launch) -> Instant {
     launch.wait_for(&["rollouts start"], Duration::from_secs(180));
-    launch.wait_for(&["trained and published"], Duration::from_secs(180));
+    launch.wait_for(&[" frames, mean return "], Duration::from_secs(180));
     let (_, line) = launch.wait_for(&["rank 2 (process `actor`", ": pid "], Duration::ZERO);
     kill(pid_in(&line).unwrap())
 }

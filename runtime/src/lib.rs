@@ -51,6 +51,7 @@ pub mod strategy;
 pub mod strategy_bench;
 pub mod sync_policy;
 pub mod topology;
+pub mod units;
 pub mod wait;
 pub mod weights;
 pub mod wire;

@@ -33,6 +33,29 @@ pub struct Progress {
     pub mean_return: f64,
     /// The oldest and newest weight version among the samples it trained on.
     pub sample_versions: (Version, Version),
+    /// What the update trained on, and what it took (the update's line in the log).
+    pub update: UpdateLine,
+}
+
+/// What one update trained on and took, as its line in rank 0's log says it.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct UpdateLine {
+    /// The batch was generated completions (else environment steps).
+    pub generated: bool,
+    /// Samples in the batch: completions, or environment steps (frames).
+    pub samples: u64,
+    /// The largest staleness among them (trainer version - acting version).
+    pub max_staleness: u64,
+    /// Samples the pool dropped as older than the staleness it allows, while gathering it.
+    pub dropped: u64,
+    /// The staleness the pool allows (`None`: any, in `fully-async`).
+    pub allowed_staleness: Option<u64>,
+    /// Training and publishing, in milliseconds.
+    pub train_ms: u64,
+    /// The trainer's publish alone, in milliseconds (not reported by a sharded trainer).
+    pub publish_ms: Option<f64>,
+    /// The held-out validation (greedy) that ran at this version, if one did.
+    pub held_out: Option<f64>,
 }
 
 /// One model's driver is over: its report, or why it failed.

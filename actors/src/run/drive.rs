@@ -13,7 +13,7 @@ use tracing::Instrument;
 use crate::actor::controller::VersionNotifier;
 use crate::error::{Error, Result};
 use crate::protocol::controller::{AwaitDrained, AwaitSynced, ControllerRef};
-use crate::protocol::lead::{LeadRef, Progress};
+use crate::protocol::lead::{LeadRef, Progress, UpdateLine};
 use crate::protocol::pool::{AwaitBatch, PoolRef, TakeBatch};
 use crate::protocol::trainer::TrainAndPublish;
 
@@ -29,6 +29,8 @@ pub(crate) struct Driver {
     pub(crate) notifier: VersionNotifier,
     pub(crate) lead: LeadRef,
     pub(crate) mode: SyncMode,
+    /// The staleness the model's pool allows (for the update's line).
+    pub(crate) allowed_staleness: Option<u64>,
     pub(crate) stop: StopRule,
     /// Deadline of a blocked step (a batch, a drain).
     pub(crate) wait: Duration,
@@ -149,17 +151,14 @@ impl Driver {
             span.record("to", tracing::field::display(published));
             let train_ms = update_started.elapsed().as_millis() as u64;
             // the trainer's publish through its outlet (not reported by a sharded trainer)
-            let publish_ms = stats
-                .get(crate::LearnStats::PUBLISH_S)
-                .map_or_else(|| "-".to_owned(), |s| format!("{:.1}", s * 1e3));
+            let publish_ms = stats.get(crate::LearnStats::PUBLISH_S).map(|s| s * 1e3);
             span.in_scope(|| {
-                tracing::info!(
+                tracing::debug!(
                     frames = report.frames,
                     mean_return = format_args!("{mean_return:.3}"),
                     max_staleness = pb.max_staleness,
                     dropped = pb.dropped,
                     train_ms,
-                    publish_ms = %publish_ms,
                     "trained and published"
                 );
             });
@@ -178,6 +177,7 @@ impl Driver {
                 learn: stats,
             });
             version = published;
+            let mut held_out = None;
             if let Some(eval) = self
                 .notifier
                 .notify(version)
@@ -185,8 +185,19 @@ impl Driver {
                 .await?
                 .and_then(|o| o.eval)
             {
+                held_out = eval.models.get(&model).map(|m| m.mean_return);
                 report.evals.push(eval);
             }
+            let update = UpdateLine {
+                generated,
+                samples: frames as u64,
+                max_staleness: pb.max_staleness,
+                dropped: pb.dropped,
+                allowed_staleness: self.allowed_staleness,
+                train_ms,
+                publish_ms,
+                held_out,
+            };
             let solved = self.stop.solved(&model, &last20, generated, &report.evals);
             let out_of_budget = report.updates.len() as u64 >= self.stop.max_updates
                 || self.started.elapsed() >= self.stop.max_time;
@@ -200,6 +211,7 @@ impl Driver {
                     out_of_budget,
                     mean_return,
                     sample_versions,
+                    update,
                 })
                 .timeout(call)
                 .await

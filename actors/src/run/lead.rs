@@ -276,9 +276,10 @@ impl Actor for Lead {
 }
 
 impl Lead {
-    /// One line per update of a generating run: the model's mean reward, the tokens per
-    /// second of every engine since the last line, the versions the batch was sampled
-    /// under, and each engine's pause per load (from the statistics last polled).
+    /// One line per update, in the words of the model's role: completions, reward and
+    /// tokens per second for a generating model; frames and return for an acting one; the
+    /// versions the batch was sampled under and its staleness, the update's time, the
+    /// held-out score when validation ran, and each engine's pause per load.
     fn progress_line(&mut self, p: &Progress) {
         let tokens: u64 = self
             .slots
@@ -286,15 +287,12 @@ impl Lead {
             .filter(|s| s.alive)
             .map(|s| s.last.engine.tokens)
             .sum();
-        if tokens == 0 {
-            return;
-        }
         let now = Instant::now();
         let rate = match self.tokens_seen {
             Some((before, at)) if now > at && tokens >= before => {
-                (tokens - before) as f64 / now.duration_since(at).as_secs_f64()
+                Some((tokens - before) as f64 / now.duration_since(at).as_secs_f64())
             }
-            _ => 0.0,
+            _ => None,
         };
         self.tokens_seen = Some((tokens, now));
         let pauses: Vec<String> = self
@@ -304,21 +302,105 @@ impl Lead {
             .map(|(r, s)| {
                 let e = &s.last.engine;
                 format!(
-                    "rank {r} {:.1} us (max {:.1})",
-                    e.paused_total.as_secs_f64() * 1e6 / e.loads as f64,
-                    e.paused_max.as_secs_f64() * 1e6
+                    "rank {r} {}",
+                    refit_runtime::units::duration(e.paused_total / e.loads.max(1) as u32)
                 )
             })
             .collect();
-        tracing::info!(
-            "{} v{}: mean reward {:.3}; {:.0} tokens/s; sampled under v{}..v{}; pause per load: {}",
-            p.model,
-            p.version,
-            p.mean_return,
-            rate,
-            p.sample_versions.0,
-            p.sample_versions.1,
-            pauses.join(", ")
+        tracing::info!("{}", update_line(p, rate, &pauses));
+    }
+}
+
+/// The log line of one update (see [`Lead::progress_line`]): `rate` is the engines' tokens
+/// per second since the last line (`None` before the second), `pauses` each engine's mean
+/// pause per load.
+pub(crate) fn update_line(p: &Progress, rate: Option<f64>, pauses: &[String]) -> String {
+    let u = &p.update;
+    let (from, to) = p.sample_versions;
+    let sampled = if from == to {
+        format!("v{from}")
+    } else {
+        format!("v{from}..v{to}")
+    };
+    let mut line = if u.generated {
+        let rate = rate.map_or_else(String::new, |r| format!(", {r:.0} tokens/s"));
+        format!(
+            "{} v{}: {} completions, mean reward {:.3}{rate}",
+            p.model, p.version, u.samples, p.mean_return
+        )
+    } else {
+        format!(
+            "{} v{}: {} frames, mean return {:.1} (last 20 episodes)",
+            p.model, p.version, u.samples, p.mean_return
+        )
+    };
+    line.push_str(&format!(
+        "; sampled under {sampled}, staleness up to {}",
+        u.max_staleness
+    ));
+    if u.dropped > 0 {
+        let bound = u
+            .allowed_staleness
+            .map_or_else(|| "the bound".to_string(), |b| b.to_string());
+        line.push_str(&format!(
+            ", {} dropped as staler than {bound} (sync.max_staleness)",
+            u.dropped
+        ));
+    }
+    line.push_str(&format!("; trained in {} ms", u.train_ms));
+    if let Some(ms) = u.publish_ms {
+        line.push_str(&format!(", published in {ms:.1} ms"));
+    }
+    if let Some(score) = u.held_out {
+        let what = if u.generated { "reward" } else { "return" };
+        line.push_str(&format!("; held-out {what} (greedy) {score:.3}"));
+    }
+    if !pauses.is_empty() {
+        line.push_str(&format!("; engine pause per load: {}", pauses.join(", ")));
+    }
+    line
+}
+
+#[cfg(test)]
+mod line_tests {
+    use super::*;
+    use crate::protocol::lead::UpdateLine;
+
+    fn progress(generated: bool, dropped: u64, held_out: Option<f64>) -> Progress {
+        Progress {
+            model: ModelId::new("policy").unwrap(),
+            version: Version(7),
+            solved: false,
+            out_of_budget: false,
+            mean_return: 0.25,
+            sample_versions: (Version(5), Version(6)),
+            update: UpdateLine {
+                generated,
+                samples: 128,
+                max_staleness: 2,
+                dropped,
+                allowed_staleness: Some(2),
+                train_ms: 70,
+                publish_ms: Some(0.2),
+                held_out,
+            },
+        }
+    }
+
+    #[test]
+    fn an_update_is_one_line_in_the_words_of_its_role() {
+        let pauses = vec!["rank 1 0.3 us".to_string()];
+        assert_eq!(
+            update_line(&progress(true, 0, Some(0.9)), Some(41_000.0), &pauses),
+            "policy v7: 128 completions, mean reward 0.250, 41000 tokens/s; sampled under \
+             v5..v6, staleness up to 2; trained in 70 ms, published in 0.2 ms; held-out reward \
+             (greedy) 0.900; engine pause per load: rank 1 0.3 us"
+        );
+        assert_eq!(
+            update_line(&progress(false, 3, None), None, &[]),
+            "policy v7: 128 frames, mean return 0.2 (last 20 episodes); sampled under v5..v6, \
+             staleness up to 2, 3 dropped as staler than 2 (sync.max_staleness); trained in 70 \
+             ms, published in 0.2 ms"
         );
     }
 }

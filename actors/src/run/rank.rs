@@ -668,6 +668,7 @@ pub(crate) async fn rank_main(s: RankSetup) -> Result<Option<RunReport>> {
             notifier: VersionNotifier::new(controller.notify.clone(), model.clone(), sync.clone()),
             lead: lead.clone(),
             mode: sync.sync_mode,
+            allowed_staleness: sync.allowed_staleness(),
             stop: stop.clone(),
             wait,
             call,
