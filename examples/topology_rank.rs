@@ -59,6 +59,16 @@ fn run() -> Result<()> {
     );
     // ANCHOR_END: plan
 
+    // ANCHOR: check
+    // `refit launch` runs each rank program once with REFIT_CHECK=1 before any rank starts
+    // (`load_topology` said `refit-check: started`): a program that does not go on to
+    // `run::join` says the file passed once it checked what it needs, and starts nothing
+    if refit::node::launch::checking() {
+        refit::node::launch::announce_passed();
+        return Ok(());
+    }
+    // ANCHOR_END: check
+
     // ANCHOR: rendezvous
     // REFIT_TOKEN: the cluster token every node presents
     let token = ClusterToken::from_env()?.ok_or(Error::Launch {

@@ -10,7 +10,7 @@ use std::process::{Command, Output};
 use std::time::{Duration, Instant};
 
 mod common;
-use common::launch::shipped_topology;
+use common::launch::{Launch, shipped_topology};
 
 /// `refit launch FILE ARGS...` run to its end (at most two minutes), from `cwd`.
 fn launch(cwd: &Path, file: &Path, args: &[&str]) -> Output {
@@ -219,4 +219,38 @@ roles = ["engine", "rollout"]
         String::from_utf8_lossy(&out.stdout).contains("[rank 1 actor] out of 1"),
         "{stderr}"
     );
+}
+
+#[test]
+fn ctrl_c_stops_the_run_quietly_with_the_summary_so_far() {
+    let dir = tempfile::tempdir().unwrap();
+    // a run that would go on for minutes
+    let topo = shipped_topology(
+        dir.path(),
+        "cartpole-processes.toml",
+        "cartpole",
+        &[
+            ("target_return", "100000.0".into()),
+            ("max_updates", "100000".into()),
+        ],
+    );
+    let launch = Launch::start(&topo, "batch-async");
+    launch.wait_for(&["policy v3: "], Duration::from_secs(180));
+    // what a terminal's Ctrl-C sends to the launcher
+    // SAFETY: kill has no memory-safety preconditions; the pid is our unreaped child's.
+    let sent = unsafe { libc::kill(launch.child.id() as libc::pid_t, libc::SIGINT) };
+    assert_eq!(sent, 0);
+    let (status, out) = launch.finish(Duration::from_secs(30));
+    assert_eq!(status.code(), Some(130), "{out}");
+    let summary = out
+        .lines()
+        .find(|l| l.starts_with("[rank 0 learner] interrupted after "))
+        .unwrap_or_else(|| panic!("no summary so far:\n{out}"));
+    assert!(
+        summary.contains("policy at v") && summary.contains("mean return"),
+        "{summary}"
+    );
+    for noisy in [" WARN ", " ERROR ", "panicked", "error:"] {
+        assert!(!out.contains(noisy), "`{noisy}` in:\n{out}");
+    }
 }

@@ -52,9 +52,9 @@ fn grpo_learns_through_refit_launch_in_every_sync_mode() {
             .lines()
             .find(|l| l.contains("solved: policy held-out reward"))
             .unwrap_or_else(|| panic!("{mode}: no report\n{out}"));
-        // "held-out reward A -> B in N updates"
+        // "held-out reward (greedy) A -> B in N updates"
         let rewards: Vec<f64> = solved
-            .split("reward ")
+            .split("reward (greedy) ")
             .nth(1)
             .unwrap()
             .split(" in ")

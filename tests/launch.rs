@@ -53,8 +53,8 @@ fn topology_with(dir: &Path, on_failure: &str, script: &str, actor_keys: &str) -
         r#"
 [run]
 command = ["sh", "-c", {script:?}]
-on_failure = "{on_failure}"
 check = false
+on_failure = "{on_failure}"
 [[model]]
 id = "policy"
 [[process]]

@@ -119,7 +119,7 @@ rollout_workers = 1
             "{who}\n{out}"
         );
     }
-    assert!(out.contains("weight_update{model=policy"), "{out}");
+    assert!(out.contains("refit_actors::run::lead: policy v"), "{out}");
     assert_clean(&out);
 }
 
@@ -174,7 +174,7 @@ rollout_workers = 1
             "{m}\n{out}"
         );
         assert!(
-            out.contains(&format!("weight_update{{model={m}")),
+            out.contains(&format!("refit_actors::run::lead: {m} v")),
             "{m}\n{out}"
         );
     }

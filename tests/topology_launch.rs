@@ -59,7 +59,7 @@ fn the_cartpole_topology_learns_across_processes_in_every_sync_mode() {
             );
         }
         assert!(out.contains("staleness of trained samples"), "{out}");
-        assert!(out.contains("weight_update{model=policy"), "{out}");
+        assert!(out.contains("refit_actors::run::lead: policy v"), "{out}");
         assert!(out.contains("delivery per update"), "{out}");
         if mode == "sync" {
             // every trained sample came from the version being trained
@@ -91,18 +91,15 @@ fn the_weight_path_topology_reports_delivery_per_update() {
         .find(|l| l.contains("weights of policy:"))
         .unwrap_or_else(|| panic!("no delivery line:\n{out}"));
     for part in [
+        "KiB per version",
         "delivery per update (median of 3)",
         "publish",
         "engine fetch",
-        "the fastest simple copy",
     ] {
         assert!(line.contains(part), "{line}");
     }
-    // and which copy that was
-    assert!(
-        line.contains("(memcpy, ") || line.contains("(streaming, "),
-        "{line}"
-    );
+    // a copy of a few KiB is too short to time: no ratio is said against it
+    assert!(!line.contains("the fastest simple copy"), "{line}");
     assert_clean(&out);
 }
 

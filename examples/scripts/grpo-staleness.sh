@@ -38,14 +38,14 @@ for k in 0 1 2 4; do
     for seed in $(seq 0 $((seeds - 1))); do
       "$refit" launch "$topo" "${mode[@]}" --set "run.seed=$seed" \
         --set "model.policy.params.correction=$correction" >"$log" 2>&1 || true
-      solved=$(grep -o 'held-out reward [0-9.]* -> [0-9.]* in [0-9]* updates, [0-9.]* s wall' "$log" | tail -1 || true)
-      curve=$(grep -o 'held-out reward by wall time: .*' "$log" | tail -1 | sed 's/held-out reward by wall time: //' || true)
+      solved=$(grep -o 'held-out reward (greedy) [0-9.]* -> [0-9.]* in [0-9]* updates, [0-9.]* s wall' "$log" | tail -1 || true)
+      curve=$(grep -o 'held-out reward (greedy) by wall time: .*' "$log" | tail -1 | sed 's/held-out reward (greedy) by wall time: //' || true)
       stale=$(grep -o 'oldest token.s version): mean [0-9.]*' "$log" | tail -1 | grep -o '[0-9.]*$' || true)
       if [ -z "$solved" ]; then
         echo "| $k | $correction | $seed | (no report: see a run's output) | | | | |"
         continue
       fi
-      read -r start end updates wall <<<"$(echo "$solved" | sed -E 's/held-out reward ([0-9.]*) -> ([0-9.]*) in ([0-9]*) updates, ([0-9.]*) s wall/\1 \2 \3 \4/')"
+      read -r start end updates wall <<<"$(echo "$solved" | sed -E 's/held-out reward \(greedy\) ([0-9.]*) -> ([0-9.]*) in ([0-9]*) updates, ([0-9.]*) s wall/\1 \2 \3 \4/')"
       echo "| $k | $correction | $seed | $start -> $end | $updates | $wall | $stale | $curve |"
     done
   done

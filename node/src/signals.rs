@@ -56,8 +56,10 @@ fn install() -> Result<()> {
                     _ = term.recv() => ("SIGTERM", libc::SIGTERM),
                 }
             });
+            refit_runtime::cleanup::mark_stopping();
             let bound = release_bound();
-            tracing::warn!(
+            // told, not warned: a signal is how a user or a scheduler ends a run
+            tracing::info!(
                 signal = name,
                 "stopping: releasing shared memory and child processes (at most {bound:?})"
             );
@@ -75,7 +77,7 @@ fn install() -> Result<()> {
                 rt.block_on(async {
                     tokio::select! {
                         n = released => {
-                            tracing::info!(released = n.unwrap_or(0), "released; exiting");
+                            tracing::debug!(released = n.unwrap_or(0), "released; exiting");
                         }
                         () = tokio::time::sleep(bound) => {
                             tracing::warn!("the release still runs after {bound:?}; exiting anyway");

@@ -17,7 +17,7 @@
 //! action that blocks (on a lock, a peer, a device) never keeps a signalled process alive.
 
 use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Mutex, OnceLock, mpsc};
 use std::time::Duration;
 
@@ -42,6 +42,36 @@ pub fn release_bound() -> Duration {
 pub fn set_release_bound(bound: Duration) {
     let ms = u64::try_from(bound.as_millis()).unwrap_or(u64::MAX).max(1);
     BOUND_MS.store(ms, Ordering::Relaxed);
+}
+
+/// Set once a signal asked this process to stop.
+static STOPPING: AtomicBool = AtomicBool::new(false);
+
+/// Marks this process as stopping because it was asked to (SIGINT/SIGTERM: a user's Ctrl-C
+/// on the launcher, a scheduler ending the job). What then happens around it (peers
+/// closing their connections, ranks leaving) is expected, and is logged at debug level by
+/// [`warn_unless_stopping!`](crate::warn_unless_stopping).
+pub fn mark_stopping() {
+    STOPPING.store(true, Ordering::SeqCst);
+}
+
+/// True once [`mark_stopping`] was called.
+pub fn stopping() -> bool {
+    STOPPING.load(Ordering::SeqCst)
+}
+
+/// A `tracing` warning, or a debug event once the process was asked to stop
+/// ([`cleanup::stopping`](crate::cleanup::stopping)): a peer that goes away while everyone
+/// is being stopped is no news. The calling crate must depend on `tracing`.
+#[macro_export]
+macro_rules! warn_unless_stopping {
+    ($($arg:tt)+) => {
+        if $crate::cleanup::stopping() {
+            ::tracing::debug!($($arg)+)
+        } else {
+            ::tracing::warn!($($arg)+)
+        }
+    };
 }
 
 type Action = Box<dyn Fn() + Send + Sync>;

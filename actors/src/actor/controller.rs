@@ -694,7 +694,7 @@ impl Handler<DropEngine> for WeightSyncController {
         };
         self.engines.remove(at);
         self.engine_ids.remove(at);
-        tracing::warn!(
+        refit_runtime::warn_unless_stopping!(
             engine = msg.index,
             left = self.engines.len(),
             "engine dropped"

@@ -107,7 +107,12 @@ impl Verdict {
                 let cause = lines.iter().find_map(|l| error_cause(l)).map_or_else(
                     || match status {
                         Some(s) => format!("it {}", super::child::describe(s)),
-                        None => "it did not finish its check in time".to_string(),
+                        None => "it said `refit-check: started` but no verdict in time (a \
+                                 program that reads the file with `load_topology` and does not \
+                                 call refit's `run::join` answers the check itself: \
+                                 `announce_passed()` when `checking()`; or set `[run] check = \
+                                 false`)"
+                            .to_string(),
                     },
                     str::to_string,
                 );

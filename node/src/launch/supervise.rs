@@ -147,7 +147,7 @@ impl Supervisor {
         let me = Arc::clone(self);
         let _forward = cleanup::on_exit_signal(move || {
             me.interrupted.store(true, Ordering::SeqCst);
-            tracing::warn!("interrupted; stopping every rank");
+            tracing::info!("interrupted; stopping every rank");
             me.stop_all(false);
         });
         let (done_tx, done_rx) = mpsc::channel();
@@ -387,8 +387,13 @@ impl Supervisor {
         }
         {
             let ranks = self.lock();
+            let asked = self.interrupted.load(Ordering::SeqCst);
             for r in ranks.iter().filter(|r| r.status.is_none()) {
-                tracing::info!("stopping {} (SIGTERM)", r.label());
+                if asked {
+                    tracing::debug!("stopping {} (SIGTERM)", r.label());
+                } else {
+                    tracing::info!("stopping {} (SIGTERM)", r.label());
+                }
                 r.signal_group(libc::SIGTERM);
             }
         }
