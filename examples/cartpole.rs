@@ -13,7 +13,7 @@
 //! cargo run --release --example cartpole -- [--workers 2] [--envs 4] [--frames-per-batch 2048]
 //!     [--threads | --async | --async-processes | --sync-mode MODE | --sync-config FILE]
 //!     [--staleness-threshold 2]
-//!     [--seed 0] [--max-seconds 60] [--target 475] [--total-frames 2000000]
+//!     [--seed 0] [--max-time-s 60] [--target 475] [--total-frames 2000000]
 //! ```
 //!
 //! `cartpole topology` runs one rank of a topology file spread over processes and hosts, as
@@ -74,9 +74,13 @@ struct Args {
     /// Seed of the trainer, the environments and the workers.
     #[arg(long, default_value_t = 0)]
     seed: u64,
-    /// Time budget in seconds.
-    #[arg(long, default_value_t = 60.0)]
-    max_seconds: f64,
+    /// Time budget in seconds (`[stop] max_time_s` of a topology file).
+    #[arg(
+        long = "max-time-s",
+        visible_alias = "max-seconds",
+        default_value_t = 60.0
+    )]
+    max_time_s: f64,
     /// Mean return over the last 20 episodes that counts as solved.
     #[arg(long, default_value_t = 475.0)]
     target: f64,
@@ -221,7 +225,7 @@ where
             stats.approx_kl,
             stats.entropy,
         ));
-        if start.elapsed().as_secs_f64() > args.max_seconds || out.frames >= args.total_frames {
+        if start.elapsed().as_secs_f64() > args.max_time_s || out.frames >= args.total_frames {
             break;
         }
     }
@@ -264,15 +268,9 @@ fn run_worker_process(
 }
 // ANCHOR_END: process_worker
 
-/// Runs [`run`], printing its error (if any) as one `error: ...` line.
+/// Runs [`run`]; an error is one `error: ...` line (what `refit launch` repeats).
 fn main() -> std::process::ExitCode {
-    match run() {
-        Ok(()) => std::process::ExitCode::SUCCESS,
-        Err(e) => {
-            eprintln!("error: {e}");
-            std::process::ExitCode::FAILURE
-        }
-    }
+    refit::exit_code(run())
 }
 
 fn run() -> Result<(), Box<dyn std::error::Error>> {
@@ -430,7 +428,7 @@ fn run_actors(args: &Args) -> Result<(), Box<dyn std::error::Error>> {
             target_eval: None,
             max_updates: args.total_frames.div_ceil(args.frames_per_batch as u64),
             target_return: Some(args.target),
-            max_time: Duration::from_secs_f64(args.max_seconds),
+            max_time: Duration::from_secs_f64(args.max_time_s),
         },
         seed: args.seed,
         wrap_inlet: None,

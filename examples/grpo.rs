@@ -5,7 +5,7 @@
 //! ```text
 //! cargo build --release --example grpo --bin refit
 //! target/release/refit launch examples/topologies/grpo-processes.toml   # 3 processes, shm
-//! cargo run --release --example grpo -- [--sync-mode batch-async] [--max-seconds 600]
+//! cargo run --release --example grpo -- [--sync-mode batch-async] [--max-time-s 600]
 //! ```
 //!
 //! `grpo topology` is one rank of a topology file, as `refit launch` starts it: rank 0
@@ -45,9 +45,13 @@ struct Args {
     /// Held-out reward that counts as solved.
     #[arg(long, default_value_t = 0.9)]
     target: f64,
-    /// Time budget in seconds.
-    #[arg(long, default_value_t = 600.0)]
-    max_seconds: f64,
+    /// Time budget in seconds (`[stop] max_time_s` of a topology file).
+    #[arg(
+        long = "max-time-s",
+        visible_alias = "max-seconds",
+        default_value_t = 600.0
+    )]
+    max_time_s: f64,
     /// Update budget.
     #[arg(long, default_value_t = 400)]
     max_updates: u64,
@@ -73,15 +77,9 @@ fn parse_pause(s: &str) -> Result<PauseMode, String> {
     PauseMode::parse(s).map_err(|e| e.to_string())
 }
 
-/// Runs [`run`], printing its error (if any) as one `error: ...` line.
+/// Runs [`run`]; an error is one `error: ...` line (what `refit launch` repeats).
 fn main() -> std::process::ExitCode {
-    match run() {
-        Ok(()) => std::process::ExitCode::SUCCESS,
-        Err(e) => {
-            eprintln!("error: {e}");
-            std::process::ExitCode::FAILURE
-        }
-    }
+    refit::exit_code(run())
 }
 
 fn run() -> Result<(), Box<dyn std::error::Error>> {
@@ -139,7 +137,7 @@ fn one_process(args: &Args) -> Result<RunReport, Box<dyn std::error::Error>> {
             max_updates: args.max_updates,
             target_return: None,
             target_eval: Some(args.target),
-            max_time: Duration::from_secs_f64(args.max_seconds),
+            max_time: Duration::from_secs_f64(args.max_time_s),
         },
         seed: args.seed,
         wrap_inlet: None,

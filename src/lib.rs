@@ -49,7 +49,7 @@ mod config_file;
 pub mod metrics_page;
 mod setup;
 pub use config_file::read_config;
-pub use setup::{DEFAULT_LOG, LOG_FORMAT_ENV, LogFormat, init, init_logging};
+pub use setup::{DEFAULT_LOG, LOG_FORMAT_ENV, LogFormat, exit_code, init, init_logging};
 
 /// The items most programs need: weight sets and their layout, the scheme lifecycle, the
 /// wire codec, the cluster token, every transport's two ends, and (with their features) the

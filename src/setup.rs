@@ -105,6 +105,31 @@ pub fn init() -> crate::runtime::Result<()> {
     Ok(())
 }
 
+/// The exit code of a program's `main` for `result`: success, or failure after printing the
+/// error as one `error: ...` line on stderr (its Display form, never Rust's `Error: Debug`
+/// form). Under `refit launch` that line is what the launcher repeats as the rank's cause.
+///
+/// ```no_run
+/// fn run() -> Result<(), Box<dyn std::error::Error>> {
+///     Ok(())
+/// }
+///
+/// fn main() -> std::process::ExitCode {
+///     refit::exit_code(run())
+/// }
+/// ```
+pub fn exit_code<E: std::fmt::Display>(
+    result: std::result::Result<(), E>,
+) -> std::process::ExitCode {
+    match result {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -161,7 +161,7 @@ fn cartpole_learns_through_the_actor_topology_in_every_sync_mode() {
                 "475",
                 "--total-frames",
                 "150000",
-                "--max-seconds",
+                "--max-time-s",
                 "900",
             ],
         );
