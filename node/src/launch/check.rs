@@ -173,10 +173,13 @@ pub fn check_rank(spec: &RankSpawn, deadline: Duration) -> Result<Verdict> {
         }
         std::thread::sleep(Duration::from_millis(10));
     };
-    for r in readers {
-        let _ = r.join();
+    // the last lines, until both streams close; a process the program left behind holding
+    // them open gets a second, then is not waited for (its reader thread ends with it)
+    drop(readers);
+    let drained = Instant::now() + Duration::from_secs(1);
+    while let Ok(line) = lines.recv_timeout(drained.saturating_duration_since(Instant::now())) {
+        seen.push(line);
     }
-    seen.extend(lines.try_iter());
     Ok(Verdict::of(&seen, status))
 }
 
@@ -347,6 +350,32 @@ mod tests {
                 && e.contains("resolved against the folder `refit launch` runs in")
                 && e.contains("cargo build --release --example cartpole"),
             "{e}"
+        );
+    }
+
+    #[test]
+    fn a_process_left_holding_the_output_open_does_not_hold_the_check() {
+        let spec = RankSpawn {
+            rank: 0,
+            name: "learner".into(),
+            program: "sh".into(),
+            args: vec![
+                "-c".into(),
+                format!("echo '{CHECK_STARTED}'; echo '{CHECK_PASSED}'; sleep 5 & exit 0"),
+            ],
+            env: vec![],
+            max_restarts: 0,
+            incarnation: 0,
+        };
+        let started = Instant::now();
+        assert_eq!(
+            check_rank(&spec, Duration::from_secs(10)).unwrap(),
+            Verdict::Passed
+        );
+        assert!(
+            started.elapsed() < Duration::from_secs(4),
+            "{:?}",
+            started.elapsed()
         );
     }
 
