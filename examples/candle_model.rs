@@ -72,7 +72,12 @@ struct Args {
     steps: usize,
 }
 
-fn main() -> Result<()> {
+/// Runs [`run`]; an error is one `error: ...` line.
+fn main() -> std::process::ExitCode {
+    refit::exit_code(run())
+}
+
+fn run() -> Result<()> {
     let args = <Args as clap::Parser>::parse();
     let (x, y, probe) = data().map_err(candle)?;
 

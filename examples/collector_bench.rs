@@ -420,7 +420,12 @@ fn worker_process(w: usize, n_envs: usize, frames: usize) -> Res<()> {
     Ok(())
 }
 
-fn main() -> Res<()> {
+/// Runs [`run`]; an error is one `error: ...` line.
+fn main() -> std::process::ExitCode {
+    refit::exit_code(run())
+}
+
+fn run() -> Res<()> {
     let args = Args::parse();
     refit::init()?;
     if let Some(Sub::Worker { w, envs, frames }) = args.command {

@@ -150,7 +150,12 @@ struct Args {
     role: Vec<String>,
 }
 
-fn main() -> Result<()> {
+/// Runs [`run`]; an error is one `error: ...` line.
+fn main() -> std::process::ExitCode {
+    refit::exit_code(run())
+}
+
+fn run() -> Result<()> {
     let args = <Args as clap::Parser>::parse();
     refit::init()?;
     match args.role.as_slice() {

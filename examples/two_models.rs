@@ -47,7 +47,12 @@ fn parse_sync_mode(s: &str) -> Result<SyncMode, String> {
     SyncMode::parse(s).map_err(|e| e.to_string())
 }
 
-fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// Runs [`run`]; an error is one `error: ...` line.
+fn main() -> std::process::ExitCode {
+    refit::exit_code(run())
+}
+
+fn run() -> Result<(), Box<dyn std::error::Error>> {
     refit::init()?;
     let args = Args::parse();
     // ANCHOR: config
