@@ -24,7 +24,7 @@ use clap::{Parser, Subcommand};
 use refit_actors::run::{self, RunConfig, RunReport, StopRule};
 use refit_actors::{GrpoRoles, ModelSpec, policy_model_id};
 use refit_node::LaunchEnv;
-use refit_runtime::sync_policy::{PauseMode, SyncConfig, SyncMode};
+use refit_runtime::sync_policy::{PauseMode, StalenessStats, SyncConfig, SyncMode};
 
 /// GRPO on digit reversal through generating engines (one process, or a topology rank).
 #[derive(Parser, Debug)]
@@ -184,14 +184,7 @@ fn print_report(report: &RunReport, allowed: Option<u64>) {
             "staleness of trained completions (trainer version - oldest token's version): \
              mean {:.2}, {}",
             r.staleness.mean_kept(),
-            match allowed {
-                Some(bound) if r.staleness.dropped > 0 => format!(
-                    "{} dropped as staler than {bound} versions (sync.max_staleness, by default \
-                     the mode's: 0 in sync, staleness_threshold in batch-async)",
-                    r.staleness.dropped
-                ),
-                _ => format!("{} dropped", r.staleness.dropped),
-            }
+            StalenessStats::dropped_words(r.staleness.dropped, allowed)
         );
         for (s, n) in hist {
             println!(

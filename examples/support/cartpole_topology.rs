@@ -11,6 +11,7 @@
 use refit_actors::run::{self, RunReport};
 use refit_actors::{CartPolePpo, LearnStats};
 use refit_node::LaunchEnv;
+use refit_runtime::sync_policy::StalenessStats;
 use refit_runtime::topology::Topology;
 
 // ANCHOR: rank
@@ -62,7 +63,7 @@ fn print_report(topology: &Topology, report: &RunReport) {
             "staleness of trained samples (trainer version - acting version): mean {:.2}, \
              {}",
             r.staleness.mean_kept(),
-            dropped(topology, r.staleness.dropped)
+            StalenessStats::dropped_words(r.staleness.dropped, topology.sync.allowed_staleness())
         );
         for (s, n) in hist {
             println!(
@@ -70,17 +71,6 @@ fn print_report(topology: &Topology, report: &RunReport) {
                 100.0 * *n as f64 / total.max(1) as f64
             );
         }
-    }
-}
-
-/// `0 dropped`, or how many samples the pool dropped and the bound they passed.
-pub(crate) fn dropped(topology: &Topology, n: u64) -> String {
-    match topology.sync.allowed_staleness() {
-        Some(bound) if n > 0 => format!(
-            "{n} dropped as staler than {bound} versions (sync.max_staleness, by default the \
-             mode's: 0 in sync, staleness_threshold in batch-async)"
-        ),
-        _ => format!("{n} dropped"),
     }
 }
 

@@ -87,7 +87,7 @@ async fn serve_conn(shared: Arc<Shared>, mut stream: TcpStream, peer: SocketAddr
     match hello.kind {
         ConnKind::Rpc => {
             if let Err(e) = rpc_loop(&shared, stream, info).await {
-                refit_runtime::warn_unless_stopping!(%peer, error = %e, "remote-call connection closed on error");
+                refit_runtime::unless_stopping!(warn, %peer, error = %e, "remote-call connection closed on error");
             }
             let hooks = read(&shared.hooks).clone();
             for hook in hooks {

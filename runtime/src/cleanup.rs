@@ -50,7 +50,7 @@ static STOPPING: AtomicBool = AtomicBool::new(false);
 /// Marks this process as stopping because it was asked to (SIGINT/SIGTERM: a user's Ctrl-C
 /// on the launcher, a scheduler ending the job). What then happens around it (peers
 /// closing their connections, ranks leaving) is expected, and is logged at debug level by
-/// [`warn_unless_stopping!`](crate::warn_unless_stopping).
+/// [`unless_stopping!`](crate::unless_stopping).
 pub fn mark_stopping() {
     STOPPING.store(true, Ordering::SeqCst);
 }
@@ -60,16 +60,17 @@ pub fn stopping() -> bool {
     STOPPING.load(Ordering::SeqCst)
 }
 
-/// A `tracing` warning, or a debug event once the process was asked to stop
-/// ([`cleanup::stopping`](crate::cleanup::stopping)): a peer that goes away while everyone
-/// is being stopped is no news. The calling crate must depend on `tracing`.
+/// A `tracing` event at `level` (`warn`, `error`, ...), or at debug level once the process
+/// was asked to stop ([`cleanup::stopping`](crate::cleanup::stopping)): a peer that goes
+/// away while everyone is being stopped is no news. `unless_stopping!(warn, "{peer} left")`.
+/// The calling crate must depend on `tracing`.
 #[macro_export]
-macro_rules! warn_unless_stopping {
-    ($($arg:tt)+) => {
+macro_rules! unless_stopping {
+    ($level:ident, $($arg:tt)+) => {
         if $crate::cleanup::stopping() {
             ::tracing::debug!($($arg)+)
         } else {
-            ::tracing::warn!($($arg)+)
+            ::tracing::$level!($($arg)+)
         }
     };
 }
@@ -160,6 +161,14 @@ mod tests {
 
     /// The tests release every action of the process: one at a time.
     static SERIAL: Mutex<()> = Mutex::new(());
+
+    #[test]
+    fn a_process_is_stopping_only_once_marked() {
+        // nothing in this crate's tests marks it but this test, which looks before and after
+        assert!(!stopping());
+        mark_stopping();
+        assert!(stopping());
+    }
 
     #[test]
     fn registered_actions_run_once_and_dropped_guards_never() {

@@ -67,8 +67,12 @@ pub fn inspect_safetensors(
     require_checksums: bool,
 ) -> Result<SafetensorsLayout> {
     let source = source_name;
-    check_framing(bytes, source)?;
-    let st = safetensors::SafeTensors::deserialize(bytes).map_err(|e| refused(source, e))?;
+    // the crate's refusal, told in the user's words where the frame says why
+    let st = safetensors::SafeTensors::deserialize(bytes).map_err(|e| {
+        check_framing(bytes, source)
+            .err()
+            .unwrap_or_else(|| refused(source, e))
+    })?;
     let (_, meta) =
         safetensors::SafeTensors::read_metadata(bytes).map_err(|e| refused(source, e))?;
     let extra = meta.metadata().clone().unwrap_or_default();
@@ -171,8 +175,9 @@ pub fn inspect_safetensors(
 /// The safetensors crate's limit on a header's length (it refuses longer ones).
 const MAX_HEADER: u64 = 100_000_000;
 
-/// Checks the frame of a safetensors buffer before the `safetensors` crate reads it, so that
-/// the two commonest wrong inputs are told in the user's words: a file that is not
+/// Checks the frame of a safetensors buffer the `safetensors` crate refused, so that the two
+/// commonest wrong inputs are told in the user's words (a good file is parsed once, by the
+/// crate): a file that is not
 /// safetensors at all (a text file's first 8 bytes read as a huge header length, which the
 /// crate calls "header too large") and a truncated one (the crate: "incomplete metadata,
 /// file not fully covered"), which names the bytes the header promises and the bytes there.

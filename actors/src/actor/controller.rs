@@ -694,7 +694,8 @@ impl Handler<DropEngine> for WeightSyncController {
         };
         self.engines.remove(at);
         self.engine_ids.remove(at);
-        refit_runtime::warn_unless_stopping!(
+        refit_runtime::unless_stopping!(
+            warn,
             engine = msg.index,
             left = self.engines.len(),
             "engine dropped"

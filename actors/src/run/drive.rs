@@ -50,6 +50,25 @@ fn unanswered(model: &ModelId, what: &str, e: MailboxError, after: Duration) -> 
     }
 }
 
+/// What rank 0's log line says of the update `record` (its held-out score is added once
+/// validation answered).
+fn update_line(record: &UpdateRecord, generated: bool, allowed: Option<u64>) -> UpdateLine {
+    UpdateLine {
+        generated,
+        samples: record.frames as u64,
+        max_staleness: record.max_staleness,
+        dropped: record.dropped,
+        allowed_staleness: allowed,
+        train_ms: record.train.as_millis() as u64,
+        // the trainer's publish through its outlet (not reported by a sharded trainer)
+        publish_ms: record
+            .learn
+            .get(crate::LearnStats::PUBLISH_S)
+            .map(|s| s * 1e3),
+        held_out: None,
+    }
+}
+
 /// The mean of the last (up to) 20 values.
 fn mean(values: &VecDeque<f64>) -> f64 {
     if values.is_empty() {
@@ -150,8 +169,6 @@ impl Driver {
                 .map_err(|e| unanswered(&model, "trainer", e, slack))??;
             span.record("to", tracing::field::display(published));
             let train_ms = update_started.elapsed().as_millis() as u64;
-            // the trainer's publish through its outlet (not reported by a sharded trainer)
-            let publish_ms = stats.get(crate::LearnStats::PUBLISH_S).map(|s| s * 1e3);
             span.in_scope(|| {
                 tracing::debug!(
                     frames = report.frames,
@@ -162,7 +179,7 @@ impl Driver {
                     "trained and published"
                 );
             });
-            report.updates.push(UpdateRecord {
+            let record = UpdateRecord {
                 train_version: version,
                 published,
                 frames,
@@ -175,9 +192,10 @@ impl Driver {
                 elapsed: self.started.elapsed(),
                 train: Duration::from_millis(train_ms),
                 learn: stats,
-            });
+            };
+            let mut update = update_line(&record, generated, self.allowed_staleness);
+            report.updates.push(record);
             version = published;
-            let mut held_out = None;
             if let Some(eval) = self
                 .notifier
                 .notify(version)
@@ -185,19 +203,9 @@ impl Driver {
                 .await?
                 .and_then(|o| o.eval)
             {
-                held_out = eval.models.get(&model).map(|m| m.mean_return);
+                update.held_out = eval.models.get(&model).map(|m| m.mean_return);
                 report.evals.push(eval);
             }
-            let update = UpdateLine {
-                generated,
-                samples: frames as u64,
-                max_staleness: pb.max_staleness,
-                dropped: pb.dropped,
-                allowed_staleness: self.allowed_staleness,
-                train_ms,
-                publish_ms,
-                held_out,
-            };
             let solved = self.stop.solved(&model, &last20, generated, &report.evals);
             let out_of_budget = report.updates.len() as u64 >= self.stop.max_updates
                 || self.started.elapsed() >= self.stop.max_time;

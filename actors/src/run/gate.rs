@@ -107,7 +107,7 @@ impl Handler<RankLost> for RankGate {
         let in_flight = std::mem::take(&mut self.in_flight);
         for (model, n) in in_flight {
             if n > 0 {
-                refit_runtime::warn_unless_stopping!(rank = self.rank, %model, "{n} rollouts of a lost rank are given up");
+                refit_runtime::unless_stopping!(warn, rank = self.rank, %model, "{n} rollouts of a lost rank are given up");
             }
             for _ in 0..n {
                 self.done.do_send(RolloutDone {

@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 
 use actix::prelude::*;
 use refit_node::Node;
+use refit_runtime::sync_policy::StalenessStats;
 use refit_runtime::topology::{OnFailure, Role, Topology};
 use refit_runtime::{ModelId, Version};
 use tokio::sync::oneshot;
@@ -376,12 +377,10 @@ pub(crate) fn update_line(p: &Progress, rate: Option<f64>, pauses: &[String]) ->
         u.max_staleness
     ));
     if u.dropped > 0 {
-        let bound = u
-            .allowed_staleness
-            .map_or_else(|| "the bound".to_string(), |b| b.to_string());
-        line.push_str(&format!(
-            ", {} dropped as staler than {bound} (sync.max_staleness)",
-            u.dropped
+        line.push_str(", ");
+        line.push_str(&StalenessStats::dropped_words(
+            u.dropped,
+            u.allowed_staleness,
         ));
     }
     line.push_str(&format!("; trained in {} ms", u.train_ms));
@@ -436,7 +435,8 @@ mod line_tests {
         assert_eq!(
             update_line(&progress(false, 3, None), None, &[]),
             "policy v7: 128 frames, mean return 0.2 (last 20 episodes); sampled under v5..v6, \
-             staleness up to 2, 3 dropped as staler than 2 (sync.max_staleness); trained in 70 \
+             staleness up to 2, 3 dropped as staler than 2 versions (sync.max_staleness, by \
+             default the mode's: 0 in sync, staleness_threshold in batch-async); trained in 70 \
              ms, published in 0.2 ms"
         );
     }
@@ -489,7 +489,7 @@ impl Lead {
         let who = self.who(rank);
         let Some(slot) = self.slots.get_mut(&rank) else {
             // a trainer, evaluator or rollout-less rank: the run cannot go on without it
-            refit_runtime::warn_unless_stopping!("rank 0: {who} is gone: {}", death.reason);
+            refit_runtime::unless_stopping!(warn, "rank 0: {who} is gone: {}", death.reason);
             self.event(
                 rank,
                 death.incarnation,
@@ -505,7 +505,7 @@ impl Lead {
             // already dropped, or the verdict is about an incarnation that was replaced
             return;
         }
-        refit_runtime::warn_unless_stopping!("rank 0: {who} is gone: {}", death.reason);
+        refit_runtime::unless_stopping!(warn, "rank 0: {who} is gone: {}", death.reason);
         slot.alive = false;
         slot.watch = None;
         let incarnation = slot.incarnation;
@@ -533,7 +533,7 @@ impl Lead {
                 death.reason
             ))));
         } else {
-            refit_runtime::warn_unless_stopping!("rank 0: the run goes on with {alive} engines");
+            refit_runtime::unless_stopping!(warn, "rank 0: the run goes on with {alive} engines");
         }
     }
 }

@@ -236,11 +236,7 @@ pub(crate) async fn rank_main(s: RankSetup) -> Result<Option<RunReport>> {
             topo.keepalive(),
             topo.dead_after(),
             move |d| {
-                if refit_runtime::cleanup::stopping() {
-                    tracing::debug!("rank 0 is gone: {}", d.reason);
-                } else {
-                    tracing::error!("rank 0 is gone: {}", d.reason);
-                }
+                refit_runtime::unless_stopping!(error, "rank 0 is gone: {}", d.reason);
                 *why.lock()
                     .unwrap_or_else(std::sync::PoisonError::into_inner) = d.reason;
                 gone.store(true, Ordering::SeqCst);

@@ -141,12 +141,12 @@ pub fn check_rank(spec: &RankSpawn, deadline: Duration) -> Result<Verdict> {
         .process_group(0);
     let mut child = cmd.spawn().map_err(|e| cannot_start(spec, &e))?;
     let (tx, lines) = mpsc::channel();
-    let mut readers = Vec::new();
+    // the readers end with their streams: they are not joined (see below)
     if let Some(out) = child.stdout.take() {
-        readers.push(read_lines(out, tx.clone()));
+        read_lines(out, tx.clone());
     }
     if let Some(err) = child.stderr.take() {
-        readers.push(read_lines(err, tx));
+        read_lines(err, tx);
     } else {
         drop(tx);
     }
@@ -175,7 +175,6 @@ pub fn check_rank(spec: &RankSpawn, deadline: Duration) -> Result<Verdict> {
     };
     // the last lines, until both streams close; a process the program left behind holding
     // them open gets a second, then is not waited for (its reader thread ends with it)
-    drop(readers);
     let drained = Instant::now() + Duration::from_secs(1);
     while let Ok(line) = lines.recv_timeout(drained.saturating_duration_since(Instant::now())) {
         seen.push(line);
@@ -195,10 +194,8 @@ fn stop(child: &mut std::process::Child) {
     let _ = child.wait();
 }
 
-fn read_lines(
-    from: impl Read + Send + 'static,
-    to: mpsc::Sender<String>,
-) -> std::thread::JoinHandle<()> {
+/// Sends each line of `from` to `to`, on a thread of its own, until either closes.
+fn read_lines(from: impl Read + Send + 'static, to: mpsc::Sender<String>) {
     std::thread::spawn(move || {
         for line in BufReader::new(from).lines() {
             let Ok(line) = line else { break };
@@ -206,7 +203,7 @@ fn read_lines(
                 break;
             }
         }
-    })
+    });
 }
 
 /// The error for a rank program that cannot be started: what was tried, how a relative

@@ -28,6 +28,20 @@ impl StalenessStats {
         let sum: u64 = self.histogram.iter().map(|(s, n)| s * n).sum();
         sum as f64 / self.kept as f64
     }
+
+    /// `0 dropped`, or how many samples were dropped and the bound they passed (`allowed`:
+    /// [`SyncConfig::allowed_staleness`](super::SyncConfig::allowed_staleness)), as reports
+    /// say it.
+    pub fn dropped_words(dropped: u64, allowed: Option<u64>) -> String {
+        match allowed {
+            Some(bound) if dropped > 0 => format!(
+                "{dropped} dropped as staler than {bound} version{} (sync.max_staleness, by \
+                 default the mode's: 0 in sync, staleness_threshold in batch-async)",
+                if bound == 1 { "" } else { "s" }
+            ),
+            _ => format!("{dropped} dropped"),
+        }
+    }
 }
 
 /// Drops samples whose version is more than `max` behind the version about to train on them.
