@@ -24,6 +24,15 @@ class Refused(RefitError, ValueError):
     frame); the previous weights stay in force."""
 
 
+class ManifestMismatch(Refused):
+    """Weights whose names, dtypes or shapes differ from the manifest both ends agreed on;
+    ``tensor`` names the first tensor that differs."""
+
+    def __init__(self, message: str, *, tensor: str | None = None) -> None:
+        super().__init__(message)
+        self.tensor = tensor
+
+
 class ConfigError(RefitError, ValueError):
     """Bad configuration: a spec that does not decode, an unknown transport, a bad token."""
 
@@ -44,6 +53,23 @@ class Closed(RefitError, RuntimeError):
     """The receiver or sender is closed, or an operation came in the wrong order."""
 
 
+class ReceiversLate(Timeout):
+    """Some receivers did not apply a version in time; ``receivers`` names them (TorchRL
+    worker indices, Ray actor names)."""
+
+    def __init__(self, message: str, *, receivers: list | None = None) -> None:
+        super().__init__(message)
+        self.receivers = list(receivers or [])
+
+
+class ReceiversGone(PeerGone):
+    """Some receivers died or shut down; ``receivers`` names them."""
+
+    def __init__(self, message: str, *, receivers: list | None = None) -> None:
+        super().__init__(message)
+        self.receivers = list(receivers or [])
+
+
 class NeedsFullResend(RefitError):
     """An update failed part-way through an engine's apply: the engine's weights are mixed
     and must be replaced whole by the next version before it serves again."""
@@ -54,10 +80,14 @@ __all__ = [
     "Timeout",
     "PeerGone",
     "Refused",
+    "ManifestMismatch",
     "ConfigError",
     "Unauthorized",
     "DTypeError",
     "TransportError",
     "Closed",
     "NeedsFullResend",
+    "ReceiversLate",
+    "ReceiversGone",
 ]
+

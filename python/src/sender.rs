@@ -65,7 +65,10 @@ impl Drop for Sender {
 }
 
 /// The bytes of `obj` (a C-contiguous buffer of bytes) copied into `dst`, which must have
-/// the same length; errors name the tensor.
+/// the same length; errors name the tensor. The copy runs with the GIL released, split
+/// across threads and with streaming stores for a large tensor
+/// ([`refit_runtime::copy::copy_parallel`]): a trainer's publish into a shared-memory slot
+/// runs at the memory system's speed, not one core's.
 fn copy_in(
     py: Python<'_>,
     model: &ModelId,
@@ -85,8 +88,24 @@ fn copy_in(
             dst.len()
         )));
     }
-    buf.copy_to_slice(py, dst)
-        .map_err(|e| refused(format!("tensor `{name}` of `{model}`: {e}")))
+    if dst.is_empty() {
+        return Ok(());
+    }
+    if !buf.is_c_contiguous() {
+        return buf
+            .copy_to_slice(py, dst)
+            .map_err(|e| refused(format!("tensor `{name}` of `{model}`: {e}")));
+    }
+    // SAFETY: `buf` is a C-contiguous buffer of `len_bytes() == dst.len()` bytes (checked
+    // above) that the exporter keeps valid and in place while `buf` (held until this function
+    // returns, past the copy) lives; `u8` has no alignment or validity requirement. `dst` is
+    // memory of ours (a lent slot or a weight set's arena), so the two cannot overlap. A
+    // Python thread writing the tensor during the copy (the GIL is released) changes which
+    // bytes are published, not the memory safety of the copy: the reads are of plain bytes.
+    let src = unsafe { std::slice::from_raw_parts(buf.buf_ptr().cast::<u8>(), dst.len()) };
+    let threads = refit_runtime::copy::copy_threads();
+    py.detach(|| refit_runtime::copy::copy_parallel(dst, src, threads));
+    Ok(())
 }
 
 /// Fills `ws` from `arrays` (every tensor of its manifest, and nothing else).

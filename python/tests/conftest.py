@@ -37,6 +37,15 @@ def refit_bin() -> Path:
     return path
 
 
+def require(module: str):
+    """Imports ``module`` (torch, torchrl, ray): a test module that needs it is skipped where
+    it is not installed, except under ``REFIT_REQUIRE_EXTRAS=1`` (CI's Python environment has
+    them all), where its absence fails the run."""
+    if os.environ.get("REFIT_REQUIRE_EXTRAS") == "1":
+        return __import__(module)
+    return pytest.importorskip(module)
+
+
 def weights(seed: int) -> dict[str, np.ndarray]:
     """A small model with tensors of several dtypes and odd sizes."""
     rng = np.random.default_rng(seed)
