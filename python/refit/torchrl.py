@@ -280,8 +280,11 @@ class RefitWeightSyncScheme(WeightSyncScheme):
             f"worker {self.worker_idx}'s module against the sender's `{self.model_id}`",
         )
         self._receiver = Receiver(self._spec, timeout=self.timeout, token=self._token)
-        first = self._receiver.current()
-        self._apply(first)
+        # the first version is copied: TorchRL connects the policy it built before its
+        # collector exists, and may keep that object after it made the collector's own; a
+        # view held there would pin its slot for good (the sender would then mark this
+        # worker behind and it would copy every later version)
+        self._apply(self._receiver.current(), private=True)
         self._start_background_receiver()
 
     def send(self, weights: Any = None, worker_ids: int | list[int] | None = None) -> None:
@@ -362,11 +365,17 @@ class RefitWeightSyncScheme(WeightSyncScheme):
 
     # -- receiver ----------------------------------------------------------------------------
 
-    def _apply(self, update: Any) -> None:
+    def _apply(self, update: Any, private: bool = False) -> None:
         flat = _weights.received(update, self.model_id)
         model = self.model
-        on_cpu = all(t.device.type in ("cpu", "meta") for t in _weights.flatten(model).values())
-        if self.copy or not on_cpu:
+        devices = {t.device.type for t in _weights.flatten(model).values()}
+        if "meta" in devices:
+            # a stateless policy (TorchRL ships one to its workers): it gets tensors of its
+            # own, on the CPU; the collector moves them where it runs the policy
+            private = True
+        if private:
+            flat = {n: t.clone() for n, t in flat.items()}
+        if not private and (self.copy or devices != {"cpu"}):
             _weights.copy_into(model, flat)
         else:
             _weights.alias_into(model, flat, self._strategy)

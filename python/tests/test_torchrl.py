@@ -120,6 +120,39 @@ def test_workers_do_not_see_the_trainers_edits_until_published():
         c.shutdown()
 
 
+def test_torchrls_cpu_shared_scheme_shows_unpublished_edits_and_refits_does_not():
+    # what the book says of TorchRL's own scheme: the workers read the trainer's storage
+    from torchrl.weight_update import SharedMemWeightSyncScheme
+
+    for scheme, isolated in ((SharedMemWeightSyncScheme(), False), (RefitWeightSyncScheme("shm"), True)):
+        p = policy()
+        c = collector(p, scheme)
+        try:
+            it = iter(c)
+            before = round(wsum(p), 4)
+            next(it)
+            with torch.no_grad():
+                p.module.lin.weight.add_(5.0)  # an optimizer step, not published
+            assert (served(next(it)) == {before}) is isolated, type(scheme).__name__
+        finally:
+            c.shutdown()
+
+
+def test_copy_mode_serves_each_version_from_the_workers_own_memory():
+    p = policy()
+    c = collector(p, RefitWeightSyncScheme("shm", timeout=20, copy=True))
+    try:
+        it = iter(c)
+        next(it)
+        for _ in range(3):
+            with torch.no_grad():
+                p.module.lin.bias.add_(0.5)
+            c.update_policy_weights_()
+            assert served(next(it)) == {round(wsum(p), 4)}
+    finally:
+        c.shutdown()
+
+
 def test_weights_unlike_the_manifest_are_refused_naming_the_tensor():
     p = policy()
     c = collector(p, RefitWeightSyncScheme("shm", timeout=20))
