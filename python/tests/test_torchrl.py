@@ -5,6 +5,7 @@ that learns exactly as with TorchRL's own scheme."""
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import re
@@ -71,14 +72,23 @@ def served(batch) -> set[float]:
     return {round(x, 4) for x in batch["wsum"].flatten().tolist()}
 
 
-@pytest.mark.parametrize("strategy", ["tensordict", "state_dict"])
-def test_every_calling_convention_reaches_every_worker(strategy):
+@contextlib.contextmanager
+def running(scheme):
+    """A probe policy, its collector under ``scheme`` and the collector's iterator, the
+    first batch taken; the collector shut down after."""
     p = policy()
-    scheme = RefitWeightSyncScheme("shm", strategy, timeout=20)
     c = collector(p, scheme)
     try:
         it = iter(c)
         first = next(it)
+        yield p, c, it, first
+    finally:
+        c.shutdown()
+
+
+@pytest.mark.parametrize("strategy", ["tensordict", "state_dict"])
+def test_every_calling_convention_reaches_every_worker(strategy):
+    with running(RefitWeightSyncScheme("shm", strategy, timeout=20)) as (p, c, it, first):
         assert served(first) == {round(wsum(p), 4)}
         assert first["policy_version"].max().item() == 1
         calls = [
@@ -100,24 +110,6 @@ def test_every_calling_convention_reaches_every_worker(strategy):
             assert served(batch) == {round(wsum(p), 4)}, k
             # the frames after the first of each worker's batch carry the new version
             assert batch["policy_version"][:, 1:].unique().tolist() == [k], k
-    finally:
-        c.shutdown()
-
-
-def test_workers_do_not_see_the_trainers_edits_until_published():
-    p = policy()
-    c = collector(p, RefitWeightSyncScheme("shm", timeout=20))
-    try:
-        it = iter(c)
-        before = round(wsum(p), 4)
-        next(it)
-        with torch.no_grad():
-            p.module.lin.weight.add_(5.0)  # an optimizer step, not published
-        assert served(next(it)) == {before}
-        c.update_policy_weights_()
-        assert served(next(it)) == {round(wsum(p), 4)}
-    finally:
-        c.shutdown()
 
 
 def test_torchrls_cpu_shared_scheme_shows_unpublished_edits_and_refits_does_not():
@@ -125,40 +117,30 @@ def test_torchrls_cpu_shared_scheme_shows_unpublished_edits_and_refits_does_not(
     from torchrl.weight_update import SharedMemWeightSyncScheme
 
     for scheme, isolated in ((SharedMemWeightSyncScheme(), False), (RefitWeightSyncScheme("shm"), True)):
-        p = policy()
-        c = collector(p, scheme)
-        try:
-            it = iter(c)
-            before = round(wsum(p), 4)
-            next(it)
+        with running(scheme) as (p, c, it, first):
+            assert served(first) == {round(wsum(p), 4)}
             with torch.no_grad():
                 p.module.lin.weight.add_(5.0)  # an optimizer step, not published
-            assert (served(next(it)) == {before}) is isolated, type(scheme).__name__
-        finally:
-            c.shutdown()
+            assert (served(next(it)) == served(first)) is isolated, type(scheme).__name__
+            if isolated:
+                c.update_policy_weights_()
+                assert served(next(it)) == {round(wsum(p), 4)}
 
 
-def test_copy_mode_serves_each_version_from_the_workers_own_memory():
-    p = policy()
-    c = collector(p, RefitWeightSyncScheme("shm", timeout=20, copy=True))
-    try:
-        it = iter(c)
-        next(it)
+@pytest.mark.parametrize("transport,copy", [("shm", True), ("tcp", False)])
+def test_copy_mode_and_tcp_serve_each_version(transport, copy, monkeypatch):
+    # tcp: no REFIT_TOKEN, the scheme makes one and hands it to the workers
+    monkeypatch.delenv("REFIT_TOKEN", raising=False)
+    with running(RefitWeightSyncScheme(transport, timeout=20, copy=copy)) as (p, c, it, _):
         for _ in range(3):
             with torch.no_grad():
                 p.module.lin.bias.add_(0.5)
             c.update_policy_weights_()
             assert served(next(it)) == {round(wsum(p), 4)}
-    finally:
-        c.shutdown()
 
 
 def test_weights_unlike_the_manifest_are_refused_naming_the_tensor():
-    p = policy()
-    c = collector(p, RefitWeightSyncScheme("shm", timeout=20))
-    try:
-        it = iter(c)
-        next(it)
+    with running(RefitWeightSyncScheme("shm", timeout=20)) as (p, c, it, first):
         good = round(wsum(p), 4)
         bad = TensorDict.from_module(p).clone()
         bad["module", "lin", "weight"] = torch.zeros(3, 4)
@@ -179,8 +161,6 @@ def test_weights_unlike_the_manifest_are_refused_naming_the_tensor():
             p.module.lin.bias.add_(1.0)
         c.update_policy_weights_()
         assert served(next(it)) == {round(wsum(p), 4)}
-    finally:
-        c.shutdown()
 
 
 # -- standalone use (TorchRL's documented two-phase pattern), with processes we control ------
@@ -265,21 +245,6 @@ def test_a_worker_that_never_connects_fails_connect_naming_it():
         assert e.value.receivers == [1], e.value
     finally:
         _stop(scheme, procs, hold)
-
-
-def test_tcp_transport_with_its_own_token(monkeypatch):
-    monkeypatch.delenv("REFIT_TOKEN", raising=False)
-    p = policy()
-    c = collector(p, RefitWeightSyncScheme("tcp", timeout=20))
-    try:
-        it = iter(c)
-        next(it)
-        with torch.no_grad():
-            p.module.lin.weight.sub_(2.0)
-        c.update_policy_weights_()
-        assert served(next(it)) == {round(wsum(p), 4)}
-    finally:
-        c.shutdown()
 
 
 def _solve(scheme: str) -> list[str]:
