@@ -334,7 +334,10 @@ class Sender:
     as version 1 by :meth:`start`. ``receivers`` is how many receivers :meth:`start` waits
     for. ``dir``: where shared-memory segments or files go. ``token``: as for
     :class:`Receiver` (TCP; a sender without one makes a random token, which then must be
-    given to receivers).
+    given to receivers). ``checksum``: the sender computes a checksum of each version as it
+    writes it, and every receiver verifies it before it admits the version (shared memory,
+    where it is off by default: a damaged version is then refused whole; TCP checks every
+    bucket whatever this says).
     """
 
     def __init__(
@@ -346,6 +349,7 @@ class Sender:
         receivers: int = 0,
         dir: str | os.PathLike | None = None,
         token: str | None = None,
+        checksum: bool = False,
     ) -> None:
         self._initial = _by_model(weights, model)
         self._model = model
@@ -353,7 +357,12 @@ class Sender:
         for m, sd in self._initial.items():
             manifests[m] = [(n, *_bytes_of(m, n, v)[:2]) for n, v in sd.items()]
         self._s = _native.Sender(
-            transport, manifests, receivers, None if dir is None else os.fspath(dir), token
+            transport,
+            manifests,
+            receivers,
+            None if dir is None else os.fspath(dir),
+            token,
+            checksum,
         )
         self._started = False
 

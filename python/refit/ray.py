@@ -121,6 +121,8 @@ class RaySender:
         token: cluster token for ``tcp`` / ``broadcast`` (else ``REFIT_TOKEN``, else a random
             one, handed to the receivers by their Ray call).
         dir: where shared-memory segments or files go.
+        checksum: a checksum per version, verified by every receiver before it loads it
+            (shared memory; TCP checks every bucket whatever this says).
     """
 
     def __init__(
@@ -133,6 +135,7 @@ class RaySender:
         timeout: float = 30.0,
         token: str | None = None,
         dir: str | os.PathLike | None = None,
+        checksum: bool = False,
     ) -> None:
         if timeout <= 0:
             raise ConfigError(f"timeout must be positive seconds, got {timeout}")
@@ -145,7 +148,13 @@ class RaySender:
             token = os.environ.get("REFIT_TOKEN") or secrets.token_hex(16)
         self._token = token
         self._sender = Sender(
-            transport, weights, model=model, receivers=len(self.receivers), dir=dir, token=token
+            transport,
+            weights,
+            model=model,
+            receivers=len(self.receivers),
+            dir=dir,
+            token=token,
+            checksum=checksum,
         )
         self.transport = transport
         self.version = 0

@@ -107,6 +107,9 @@ class RefitWeightSyncScheme(WeightSyncScheme):
         copy: ``True`` copies each version into the workers' own tensors instead of making
             their parameters views of the received memory (the default for a worker whose
             module lives on a GPU).
+        checksum: the trainer checksums each version and every worker verifies it before
+            serving it (shared memory; a damaged version is refused whole, and the workers
+            keep the previous one).
     """
 
     def __init__(
@@ -119,6 +122,7 @@ class RefitWeightSyncScheme(WeightSyncScheme):
         dir: str | os.PathLike | None = None,
         token: str | None = None,
         copy: bool = False,
+        checksum: bool = False,
     ) -> None:
         super().__init__(strategy)
         if timeout <= 0:
@@ -128,6 +132,7 @@ class RefitWeightSyncScheme(WeightSyncScheme):
         self.timeout = float(timeout)
         self.dir = None if dir is None else os.fspath(dir)
         self.copy = copy
+        self.checksum = checksum
         self._token = token
         self._spec: str | None = None
         self._manifest: list[_weights.Entry] = []
@@ -198,6 +203,7 @@ class RefitWeightSyncScheme(WeightSyncScheme):
             receivers=self._num_workers,
             dir=self.dir,
             token=self._token,
+            checksum=self.checksum,
         )
         self._spec = self._sender.spec
         self._register_worker_sender(worker_idx=0)

@@ -147,9 +147,10 @@ impl Sender {
 #[pymethods]
 impl Sender {
     /// Opens the sender end of `transport` for `manifests` (model → list of
-    /// `(name, dtype, shape)`); nothing is published until `start`.
+    /// `(name, dtype, shape)`); nothing is published until `start`. `checksum`: a checksum
+    /// per version that every receiver verifies (shared memory; TCP checks every bucket).
     #[new]
-    #[pyo3(signature = (transport, manifests, receivers = 0, dir = None, token = None))]
+    #[pyo3(signature = (transport, manifests, receivers = 0, dir = None, token = None, checksum = false))]
     fn new(
         py: Python<'_>,
         transport: &str,
@@ -157,6 +158,7 @@ impl Sender {
         receivers: usize,
         dir: Option<std::path::PathBuf>,
         token: Option<&str>,
+        checksum: bool,
     ) -> PyResult<Self> {
         let mut models = Vec::with_capacity(manifests.len());
         for (model, tensors) in manifests {
@@ -181,6 +183,7 @@ impl Sender {
             expected_receivers: receivers,
             token,
             dir,
+            checksum,
             ..LinkOptions::default()
         };
         let factory = link::find(transport).map_err(to_py)?;

@@ -199,3 +199,42 @@ def test_ctrl_c_interrupts_a_wait_and_loses_nothing(pair):
     u = p.receiver.receive(timeout=20)
     assert u is not None and u.version() == 2
     assert_same(u.arrays(), weights(2))
+
+
+@pytest.mark.parametrize("checksum", [True, False])
+def test_a_shm_version_damaged_in_its_slot_is_refused_when_the_sender_checksums(tmp_path, checksum):
+    # a version whose bytes change in shared memory after the sender wrote them (a stray
+    # write, a bad page) is refused whole with `checksum=True`; without it, it is served
+    # as it is (what makes this test able to fail)
+    import threading
+
+    pattern = np.full(4096, 0x5A, np.uint8)
+    sender = refit.Sender(
+        "shm", {"w": np.zeros(4096, np.uint8)}, receivers=1, dir=tmp_path, checksum=checksum
+    )
+    got = {}
+    t = threading.Thread(target=lambda: got.setdefault("r", refit.Receiver(sender.spec, timeout=10)))
+    t.start()
+    sender.start(10)
+    t.join()
+    receiver = got["r"]
+    try:
+        sender.publish({"w": pattern})
+        segment = next(p for p in tmp_path.iterdir() if p.name.endswith("-m0"))
+        at = segment.read_bytes().find(pattern.tobytes())
+        assert at > 0
+        with open(segment, "r+b") as f:
+            f.seek(at + 100)
+            f.write(b"\x00")
+        if checksum:
+            with pytest.raises(refit.TransportError, match="sender's checksum .* damaged"):
+                receiver.receive(5)
+            assert receiver.version() == 1
+            assert receiver.current().arrays()["w"].max() == 0  # the previous version, whole
+        else:
+            update = receiver.receive(5)
+            assert update.version() == 2
+            assert update.arrays()["w"][100] == 0  # the damage, served
+    finally:
+        receiver.close()
+        sender.close()

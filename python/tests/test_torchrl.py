@@ -127,11 +127,12 @@ def test_torchrls_cpu_shared_scheme_shows_unpublished_edits_and_refits_does_not(
                 assert served(next(it)) == {round(wsum(p), 4)}
 
 
-@pytest.mark.parametrize("transport,copy", [("shm", True), ("tcp", False)])
-def test_copy_mode_and_tcp_serve_each_version(transport, copy, monkeypatch):
+@pytest.mark.parametrize("transport,copy,checksum", [("shm", True, False), ("shm", False, True), ("tcp", False, False)])
+def test_copy_mode_checksums_and_tcp_serve_each_version(transport, copy, checksum, monkeypatch):
     # tcp: no REFIT_TOKEN, the scheme makes one and hands it to the workers
     monkeypatch.delenv("REFIT_TOKEN", raising=False)
-    with running(RefitWeightSyncScheme(transport, timeout=20, copy=copy)) as (p, c, it, _):
+    scheme = RefitWeightSyncScheme(transport, timeout=20, copy=copy, checksum=checksum)
+    with running(scheme) as (p, c, it, _):
         for _ in range(3):
             with torch.no_grad():
                 p.module.lin.bias.add_(0.5)
