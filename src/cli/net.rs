@@ -93,6 +93,11 @@ pub(crate) struct ServeArgs {
     /// broadcast chain needs its count (`--link broadcast --receivers N`).
     #[arg(long, default_value_t = 0)]
     receivers: usize,
+    /// A checksum per version, verified by every receiver before it admits the version
+    /// (shm: a version damaged in its slot after the write is refused whole; tcp, file and
+    /// broadcast check theirs whatever this says).
+    #[arg(long)]
+    checksum: bool,
     /// Address to listen on (loopback unless you say otherwise; tcp).
     #[arg(long, value_name = "HOST:PORT", default_value = "127.0.0.1:0")]
     bind: SocketAddr,
@@ -415,6 +420,7 @@ pub(crate) fn serve(args: ServeArgs) -> ExitCode {
             let options = LinkOptions {
                 token,
                 expected_receivers: args.receivers,
+                checksum: args.checksum,
                 ..LinkOptions::default()
             };
             let opened = factory.open(&manifests, &options)?;

@@ -352,7 +352,13 @@ pub(crate) async fn rank_main(s: RankSetup) -> Result<Option<RunReport>> {
                 None => kinds.push((k, 1)),
             }
         }
-        let links = weights::open_links(&node, &initial, conversions.as_ref(), &kinds)?;
+        let links = weights::open_links(
+            &node,
+            &initial,
+            conversions.as_ref(),
+            &kinds,
+            topo.links.checksum,
+        )?;
         for l in &links.specs {
             tracing::info!(
                 "{who}: pid {}, model `{}` weights: {l}",

@@ -88,7 +88,8 @@ pub(crate) fn plan(
 /// Opens the senders of `initial`'s model through the link factory, one per transport of
 /// `kinds` (each once, with the number of engine ranks it serves; TCP serves on `node`),
 /// converting to the engines' layout with `conversions`, without connecting them: see
-/// [`OpenedLinks::connect`].
+/// [`OpenedLinks::connect`]. `checksum` (`[links] checksum`) has every sender checksum each
+/// version for its receivers to verify.
 ///
 /// # Errors
 /// No transport; transport errors (a segment that cannot be created, a bad bucket size, a
@@ -98,6 +99,7 @@ pub(crate) fn open_links(
     initial: &WeightSet,
     conversions: Option<&Conversions>,
     kinds: &[(TransportKind, usize)],
+    checksum: bool,
 ) -> Result<OpenedLinks> {
     let model = initial.model().clone();
     let source = Manifests::new([(model.clone(), Arc::clone(initial.manifest()))])?;
@@ -113,6 +115,7 @@ pub(crate) fn open_links(
         let options = LinkOptions {
             node: Some(node.clone()),
             expected_receivers: *receivers,
+            checksum,
             ..LinkOptions::default()
         };
         let opened = factory.open(&wire, &options).map_err(|e| {

@@ -22,7 +22,7 @@ fn open(
     kinds: &[TransportKind],
 ) -> (Box<dyn WeightOutlet>, Vec<ReceiverSpec>, Leftovers) {
     let kinds: Vec<(TransportKind, usize)> = kinds.iter().map(|k| (k.clone(), 0)).collect();
-    let opened = open_links(node, initial, None, &kinds).unwrap();
+    let opened = open_links(node, initial, None, &kinds, false).unwrap();
     let specs = opened.specs.clone();
     let leftovers = Leftovers(opened.leftovers.clone());
     (opened.connect(initial, WAIT).unwrap(), specs, leftovers)
@@ -93,7 +93,7 @@ fn a_broadcast_link_connects_once_its_engines_join_and_serves_them_every_version
     let initial = weights(1, 1.0);
     let manifests = Manifests::new([(policy_model_id(), Arc::clone(initial.manifest()))]).unwrap();
     let kinds = [(TransportKind::Named("broadcast".into()), 2)];
-    let opened = open_links(&trainer_node, &initial, None, &kinds).unwrap();
+    let opened = open_links(&trainer_node, &initial, None, &kinds, false).unwrap();
     assert_eq!(opened.specs.len(), 1);
     let shipped: Vec<ReceiverSpec> = wire::decode(
         &wire::encode(&opened.specs).unwrap(),
@@ -165,7 +165,7 @@ fn an_inproc_link_feeds_an_inlet_of_the_same_process() {
     let initial = weights(1, 1.0);
     let manifests = Manifests::new([(policy_model_id(), Arc::clone(initial.manifest()))]).unwrap();
     let kinds = vec![(TransportKind::Nearest(Reach::Process), 1)];
-    let opened = open_links(&node, &initial, None, &kinds).unwrap();
+    let opened = open_links(&node, &initial, None, &kinds, false).unwrap();
     let spec = opened.specs[0].clone();
     assert_eq!(spec.transport(), "inproc");
     let model = policy_model_id();
@@ -200,7 +200,7 @@ fn a_wanted_layout_is_converted_on_the_send_path() {
     let fused = m.get("pi.biases").unwrap();
     assert_eq!((fused.dtype, fused.shape.clone()), (DType::BF16, vec![10]));
     let kinds = vec![(TransportKind::Named("shm".into()), 0)];
-    let opened = open_links(&node, &initial, conversions.as_ref(), &kinds).unwrap();
+    let opened = open_links(&node, &initial, conversions.as_ref(), &kinds, false).unwrap();
     let spec = opened.specs[0].clone();
     let leftovers = Leftovers(opened.leftovers.clone());
     let mut outlet = opened.connect(&initial, WAIT).unwrap();
@@ -215,4 +215,55 @@ fn a_wanted_layout_is_converted_on_the_send_path() {
     let e = plan(&initial, Some(bad)).unwrap_err().to_string();
     assert!(e.contains("`policy`") && e.contains("nope.weight"), "{e}");
     drop((inlet, outlet, leftovers));
+}
+
+/// `[links] checksum = true`: a version damaged in shared memory after the trainer wrote it
+/// is refused by the engine's inlet, naming the checksum; without it the damage is served
+/// (what makes this test able to fail).
+#[test]
+fn a_checksummed_shm_link_refuses_a_version_damaged_in_its_slot() {
+    use std::io::{Seek, SeekFrom, Write};
+    for checksum in [true, false] {
+        let token = ClusterToken::new("cluster-links-test-token").unwrap();
+        let node = Node::loopback(token).unwrap();
+        let initial = weights(1, 1.0);
+        let manifests =
+            Manifests::new([(policy_model_id(), Arc::clone(initial.manifest()))]).unwrap();
+        let kinds = vec![(TransportKind::Named("shm".into()), 1)];
+        let opened = open_links(&node, &initial, None, &kinds, checksum).unwrap();
+        let spec = opened.specs[0].clone();
+        let data = opened
+            .leftovers
+            .iter()
+            .find(|p| p.to_string_lossy().ends_with("-m0"))
+            .cloned()
+            .unwrap();
+        let model = policy_model_id();
+        let (m2, node2) = (model.clone(), node.clone());
+        let joining =
+            std::thread::spawn(move || connect_inlet(&m2, &spec, &node2, manifests, WAIT));
+        let mut outlet = opened.connect(&initial, WAIT).unwrap();
+        let mut inlet = joining.join().unwrap().unwrap();
+        inlet.fetch(&model, Version(1), WAIT).unwrap();
+        outlet.publish(Arc::new(weights(2, 7.0))).unwrap();
+        // the first bytes of version 2 (every value 7.0), changed in the slot
+        let pattern = 7.0f32.to_le_bytes().repeat(8);
+        let bytes = std::fs::read(&data).unwrap();
+        let at = bytes
+            .windows(pattern.len())
+            .position(|w| w == pattern)
+            .unwrap();
+        let mut f = std::fs::OpenOptions::new().write(true).open(&data).unwrap();
+        f.seek(SeekFrom::Start(at as u64 + 1)).unwrap();
+        f.write_all(&[0x55]).unwrap();
+        let got = inlet.fetch(&model, Version(2), Duration::from_secs(2));
+        if checksum {
+            let e = got.err().map(|e| e.to_string()).unwrap_or_default();
+            assert!(e.contains("checksum"), "{e}");
+        } else {
+            let w = got.unwrap();
+            let first = w.view::<f32>(&w.manifest().tensors()[0].name).unwrap()[0];
+            assert_ne!(first, 7.0);
+        }
+    }
 }

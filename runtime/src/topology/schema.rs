@@ -378,6 +378,11 @@ pub struct LinksSection {
     /// Trainer -> engine weights.
     #[serde(default)]
     pub weights: LinkTransport,
+    /// A checksum per version of every weight link, verified by each receiver before it
+    /// admits the version (shared memory, where it is off by default; TCP, file and
+    /// broadcast check theirs whatever this says).
+    #[serde(default)]
+    pub checksum: bool,
 }
 
 /// The whole file as written, before validation.

@@ -217,6 +217,9 @@ roles = ["trainer", "controller", "engine", "rollout"]
     // names are the factory's, any case
     let t = checked(&small("[links]\nweights = \"SHM\"\n")).unwrap();
     assert_eq!(t.weights_transport(&t.model_ids()[0], 0, 2), named("shm"));
+    assert!(!t.links.checksum, "the checksum is off unless asked for");
+    let t = checked(&small("[links]\nweights = \"shm\"\nchecksum = true\n")).unwrap();
+    assert!(t.links.checksum);
     // Defaults: one host, processes on it, abort, 60 s.
     let t = Topology::parse(&small("")).unwrap();
     assert_eq!(t.processes[1].host, "local");
