@@ -376,9 +376,12 @@ class Sender:
         """The transport's name."""
         return self._s.transport
 
-    def start(self, timeout: float = 30.0) -> None:
-        """Publishes the weights given at construction as version 1, after waiting up to
-        ``timeout`` seconds for the receivers asked for."""
+    def start(self, timeout: float = 30.0, weights: Mapping[str, Any] | None = None) -> None:
+        """Publishes version 1, after waiting up to ``timeout`` seconds for the receivers
+        asked for: ``weights`` (as in the constructor) when given, else the weights given at
+        construction."""
+        if weights is not None:
+            self._initial = _by_model(weights, self._model)
         self._s.start(self._flat(self._initial), timeout)
         self._initial = {}
         self._started = True

@@ -53,8 +53,8 @@ class Closed(RefitError, RuntimeError):
     """The receiver or sender is closed, or an operation came in the wrong order."""
 
 
-class ReceiversLate(Timeout):
-    """Some receivers did not apply a version in time; ``receivers`` names them (TorchRL
+class _NamesReceivers(RefitError):
+    """An error about some of a sender's receivers: ``receivers`` names them (TorchRL
     worker indices, Ray actor names)."""
 
     def __init__(self, message: str, *, receivers: list | None = None) -> None:
@@ -62,12 +62,13 @@ class ReceiversLate(Timeout):
         self.receivers = list(receivers or [])
 
 
-class ReceiversGone(PeerGone):
-    """Some receivers died or shut down; ``receivers`` names them."""
+class ReceiversLate(_NamesReceivers, Timeout):
+    """Some receivers did not apply a version in time; ``receivers`` names them (TorchRL
+    worker indices, Ray actor names)."""
 
-    def __init__(self, message: str, *, receivers: list | None = None) -> None:
-        super().__init__(message)
-        self.receivers = list(receivers or [])
+
+class ReceiversGone(_NamesReceivers, PeerGone):
+    """Some receivers died or shut down; ``receivers`` names them."""
 
 
 class NeedsFullResend(RefitError):

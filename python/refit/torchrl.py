@@ -142,6 +142,7 @@ class RefitWeightSyncScheme(WeightSyncScheme):
         self._receiver: Receiver | None = None
         self._published = 0
         self._served: tuple[int, dict[str, Any]] | None = None
+        self._devices: tuple[Any, set[str]] | None = None  # (module, its device types)
         self.setup_seconds: float | None = None
 
     # -- TorchRL's hooks ---------------------------------------------------------------------
@@ -258,11 +259,11 @@ class RefitWeightSyncScheme(WeightSyncScheme):
     ) -> None:
         t0 = time.perf_counter()
         sender = self._sender_or_raise()
+        first = None
         if weights is not None:
-            first = self._flat_checked(weights, "connect(weights=...)")
-            sender._initial = {self.model_id: first}
+            first = {self.model_id: self._flat_checked(weights, "connect(weights=...)")}
         try:
-            sender.start(self.timeout)
+            sender.start(self.timeout, first)
         except (Timeout, PeerGone) as e:
             raise self._late(e, 1, "connect to the workers") from e
         self._published = 1
@@ -374,11 +375,12 @@ class RefitWeightSyncScheme(WeightSyncScheme):
     def _apply(self, update: Any, private: bool = False) -> None:
         flat = _weights.received(update, self.model_id)
         model = self.model
-        devices = {t.device.type for t in _weights.flatten(model).values()}
+        devices = self._devices_of(model)
         if "meta" in devices:
             # a stateless policy (TorchRL ships one to its workers): it gets tensors of its
             # own, on the CPU; the collector moves them where it runs the policy
             private = True
+            self._devices = None  # on the CPU from now on: looked at again next time
         if private:
             flat = {n: t.clone() for n, t in flat.items()}
         if not private and (self.copy or devices != {"cpu"}):
@@ -390,6 +392,16 @@ class RefitWeightSyncScheme(WeightSyncScheme):
             self._applied[self.worker_idx] = version
         self._served = (version, flat)
         self._bump(version, flat)
+
+    def _devices_of(self, model: Any) -> set[str]:
+        """The device types of the worker's module, looked at once per module object (the
+        weights Refit swaps in stay on the devices they replace)."""
+        cached = self._devices
+        if cached is not None and cached[0] is model:
+            return cached[1]
+        devices = {t.device.type for t in _weights.flatten(model).values()}
+        self._devices = (model, devices)
+        return devices
 
     def _bump(self, version: int, flat: dict[str, Any]) -> None:
         """Tells the worker's collector which version it serves: sub-collectors of its own get
@@ -441,6 +453,7 @@ class RefitWeightSyncScheme(WeightSyncScheme):
         state["_sender"] = None
         state["_receiver"] = None
         state["_served"] = None
+        state["_devices"] = None
         return state
 
     def shutdown(self) -> None:

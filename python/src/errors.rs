@@ -38,6 +38,7 @@ pub(crate) fn to_py(e: Error) -> PyErr {
         | Error::Layout { .. }
         | Error::Cast { .. }
         | Error::DeltaBase { .. }
+        | Error::Damaged { .. }
         | Error::Shard { .. }
         | Error::Safetensors { .. }
         | Error::InvalidManifest(_)

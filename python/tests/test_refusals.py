@@ -227,7 +227,7 @@ def test_a_shm_version_damaged_in_its_slot_is_refused_when_the_sender_checksums(
             f.seek(at + 100)
             f.write(b"\x00")
         if checksum:
-            with pytest.raises(refit.TransportError, match="sender's checksum .* damaged"):
+            with pytest.raises(refit.Refused, match="version 2 of model `policy` refused: .*sender's checksum .* damaged"):
                 receiver.receive(5)
             assert receiver.version() == 1
             assert receiver.current().arrays()["w"].max() == 0  # the previous version, whole

@@ -225,6 +225,17 @@ pub enum Error {
         /// What is wrong.
         reason: String,
     },
+    /// A version whose bytes do not hash to the checksum its sender computed (damaged in
+    /// flight or where it was stored): refused whole, the previous version stays served.
+    #[error("version {version} of model `{model}` refused: {reason}")]
+    Damaged {
+        /// The model.
+        model: ModelId,
+        /// The version refused.
+        version: Version,
+        /// What differs, and where the damage happened.
+        reason: String,
+    },
     /// A delta update whose base version this receiver does not hold.
     #[error(
         "model `{model}`: delta from base version {base} to {version} refused, this receiver holds {}",

@@ -434,12 +434,13 @@ impl ShmReceiver {
         } else {
             None
         };
-        let refuse = |found: u64, declared: u64| {
-            shm_err(format!(
-                "version {version} of model `{id}` refused: its bytes hash to {found:#018x}, \
-                 the sender's checksum is {declared:#018x} (the slot was damaged after it was \
-                 written)"
-            ))
+        let refuse = |found: u64, declared: u64| Error::Damaged {
+            model: id.clone(),
+            version: Version(version),
+            reason: format!(
+                "its bytes hash to {found:#018x}, the sender's checksum is {declared:#018x} \
+                 (the shared-memory slot was damaged after it was written)"
+            ),
         };
         if !copy {
             if let Some(declared) = declared {

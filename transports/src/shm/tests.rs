@@ -159,7 +159,18 @@ fn a_damaged_version_is_refused_and_the_previous_kept() {
         // version 3 is damaged after the write
         let _never_acked = sender.send_async(vec![weights(&m, 3)]).unwrap();
         sender.transport().damage_current(0).unwrap();
-        let err = receiver.receive(T).unwrap_err().to_string();
+        let err = receiver.receive(T).unwrap_err();
+        assert!(
+            matches!(
+                err,
+                Error::Damaged {
+                    version: Version(3),
+                    ..
+                }
+            ),
+            "{mode:?}: a refusal, not an i/o failure: {err:?}"
+        );
+        let err = err.to_string();
         assert!(
             err.contains("version 3 of model `policy` refused") && err.contains("checksum"),
             "{mode:?}: {err}"
