@@ -5,8 +5,10 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use refit_actors::actor::{Act, Continue, InferenceEngine, LoadWeights, Pause, ServedVersion};
-use refit_actors::{MlpPolicy, policy_model_id};
+use refit_actors::actor::{
+    Act, Continue, Evaluator, InferenceEngine, LoadWeights, Pause, RunEval, ServedVersion,
+};
+use refit_actors::{CartPole, MlpPolicy, policy_model_id};
 use refit_runtime::{DType, Manifest, Version, WeightSet};
 
 fn weights(version: u64, fill: f32) -> Arc<WeightSet> {
@@ -337,4 +339,86 @@ async fn an_engine_acknowledges_a_version_only_once_it_serves_it() {
     let report = load.await.unwrap().unwrap().unwrap();
     assert_eq!(report.version, Version(2));
     assert!(report.paused >= Duration::from_secs(2), "{report:?}");
+}
+
+/// A request queued on a paused engine whose pause never ends (its controller gone) is
+/// answered with a timeout at the engine's queue deadline; the engine lives, and serves the
+/// next request once it continues.
+#[actix_rt::test]
+async fn a_request_queued_on_a_paused_engine_times_out_at_its_deadline() {
+    let deadline = Duration::from_millis(300);
+    let engine = actix::Actor::start(
+        InferenceEngine::new(MlpPolicy::new(&[4, 8, 2]).unwrap(), 7)
+            .unwrap()
+            .with_queue_deadline(deadline),
+    );
+    let obs = vec![0.1, -0.2, 0.3, 0.0];
+    engine.send(Pause).await.unwrap();
+    let started = std::time::Instant::now();
+    // the outer bound only keeps a failing test from hanging: without the deadline the
+    // request waits for a Continue that never comes
+    let err = tokio::time::timeout(
+        Duration::from_secs(10),
+        engine.send(Act { obs: obs.clone() }),
+    )
+    .await
+    .expect("a queued request must be answered by its deadline")
+    .unwrap()
+    .unwrap_err();
+    let waited = started.elapsed();
+    assert!(waited >= deadline, "answered after {waited:?}");
+    let msg = err.to_string();
+    assert!(
+        msg.contains("timed out") && msg.contains("model `policy`") && msg.contains("paused"),
+        "{msg}"
+    );
+    engine.send(Continue).await.unwrap();
+    let acted = engine.send(Act { obs }).await.unwrap().unwrap();
+    assert_eq!(acted.version, Version::ZERO);
+}
+
+/// An evaluator whose engine never answers (paused for good) fails its eval step at its
+/// request deadline, naming the model, instead of holding the step for good; it then runs
+/// the next step once the engine serves again.
+#[actix_rt::test]
+async fn an_eval_step_whose_engine_never_answers_fails_at_the_request_deadline() {
+    let engine =
+        actix::Actor::start(InferenceEngine::new(MlpPolicy::new(&[4, 8, 2]).unwrap(), 7).unwrap());
+    engine.send(Pause).await.unwrap();
+    let deadline = Duration::from_millis(300);
+    let evaluator = actix::Actor::start(
+        Evaluator::new(
+            engine.clone().recipient(),
+            vec![policy_model_id()],
+            |_, i| Ok(CartPole::new(i as u64)),
+            2,
+            50,
+            0,
+        )
+        .with_request_deadline(deadline),
+    );
+    let started = std::time::Instant::now();
+    // the outer bound only keeps a failing test from hanging (the engine's own queue
+    // deadline is minutes)
+    let err = tokio::time::timeout(
+        Duration::from_secs(10),
+        evaluator.send(RunEval { step: Version(3) }),
+    )
+    .await
+    .expect("the eval step must end at the evaluator's request deadline")
+    .unwrap()
+    .unwrap_err();
+    assert!(started.elapsed() >= deadline);
+    let msg = err.to_string();
+    assert!(
+        msg.contains("timed out") && msg.contains("model `policy` (step 3)"),
+        "{msg}"
+    );
+    engine.send(Continue).await.unwrap();
+    let report = evaluator
+        .send(RunEval { step: Version(4) })
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(report.models[&policy_model_id()].episodes, 2);
 }

@@ -90,7 +90,8 @@ pub struct NodeConfig {
     pub token: ClusterToken,
     /// Largest frame accepted after the hello (default [`MAX_CONTROL_MESSAGE`], 16 MiB).
     pub max_frame: usize,
-    /// How long a new connection has to send its hello (default 5 s).
+    /// How long a new connection has to send its hello, to read the welcome, and (a stream)
+    /// to send its request after it (default 5 s).
     pub hello_timeout: Duration,
     /// Runtime worker threads (default 2).
     pub threads: usize,

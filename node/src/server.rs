@@ -54,14 +54,15 @@ async fn serve_conn(shared: Arc<Shared>, mut stream: TcpStream, peer: SocketAddr
         Ok(h) => h,
         Err(e @ CoreError::Protocol { .. }) => {
             refuse(&shared, peer, &e.to_string());
-            let _ = frame::send(&mut stream, &Welcome::wrong_protocol(&e)).await;
+            let _ = handshake_send(&shared, &mut stream, &Welcome::wrong_protocol(&e)).await;
             return;
         }
         Err(e) => return refuse(&shared, peer, &format!("bad hello: {e}")),
     };
     if !shared.token.matches(&hello.token) {
         refuse(&shared, peer, "wrong or missing cluster token");
-        let _ = frame::send(
+        let _ = handshake_send(
+            &shared,
             &mut stream,
             &Welcome::Refused {
                 reason: "wrong or missing cluster token".into(),
@@ -75,7 +76,10 @@ async fn serve_conn(shared: Arc<Shared>, mut stream: TcpStream, peer: SocketAddr
         node: shared.id,
         protocol: PROTOCOL_VERSION,
     };
-    if frame::send(&mut stream, &welcome).await.is_err() {
+    if handshake_send(&shared, &mut stream, &welcome)
+        .await
+        .is_err()
+    {
         return;
     }
     let info = CallInfo {
@@ -102,6 +106,18 @@ async fn serve_conn(shared: Arc<Shared>, mut stream: TcpStream, peer: SocketAddr
     }
 }
 
+/// Writes a handshake answer within the hello deadline: a peer that does not read it does
+/// not hold the connection's task.
+async fn handshake_send(shared: &Shared, stream: &mut TcpStream, welcome: &Welcome) -> Result<()> {
+    match tokio::time::timeout(shared.hello_timeout, frame::send(stream, welcome)).await {
+        Ok(sent) => sent,
+        Err(_) => Err(Error::from(CoreError::Timeout {
+            what: "the peer to read its welcome".into(),
+            after: shared.hello_timeout,
+        })),
+    }
+}
+
 async fn serve_stream(
     shared: &Shared,
     mut stream: TcpStream,
@@ -109,9 +125,25 @@ async fn serve_stream(
     target: uuid::Uuid,
     method: String,
 ) -> Result<()> {
-    let request = frame::read_frame(&mut stream, shared.max_frame)
-        .await?
-        .ok_or_else(|| Error::from(CoreError::Wire("stream closed before its request".into())))?;
+    // the request follows the hello at once: a peer that holds it back is dropped at the
+    // hello deadline, not kept (with its task and descriptor) for good
+    let request = tokio::time::timeout(
+        shared.hello_timeout,
+        frame::read_frame(&mut stream, shared.max_frame),
+    )
+    .await;
+    let request = match request {
+        Ok(read) => read?.ok_or_else(|| {
+            Error::from(CoreError::Wire("stream closed before its request".into()))
+        })?,
+        Err(_) => {
+            refuse(shared, info.peer, "no stream request in time");
+            return Err(Error::from(CoreError::Timeout {
+                what: format!("the request of stream `{method}`"),
+                after: shared.hello_timeout,
+            }));
+        }
+    };
     let handler = read(&shared.streams)
         .get(&(target, method.clone()))
         .cloned();

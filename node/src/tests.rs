@@ -183,6 +183,47 @@ fn a_peer_without_the_token_is_refused() {
     assert_eq!(quick.refused(), 1);
 }
 
+/// A stream connection that is welcomed but never sends its request is dropped at the hello
+/// deadline (counted as refused), not kept with its task and descriptor.
+#[test]
+fn a_stream_that_never_sends_its_request_is_dropped_at_the_hello_deadline() {
+    let mut cfg = NodeConfig::loopback(token());
+    cfg.hello_timeout = Duration::from_millis(200);
+    let quick = Node::start(cfg).unwrap();
+    let body = wire::encode(&message::Hello {
+        protocol: PROTOCOL_VERSION,
+        token: token().expose().into(),
+        node: Uuid::new_v4(),
+        kind: message::ConnKind::Stream {
+            target: Uuid::new_v4(),
+            method: "count".into(),
+        },
+    })
+    .unwrap();
+    let mut s = std::net::TcpStream::connect(quick.addr()).unwrap();
+    frame::write_frame_blocking(&mut s, &body).unwrap();
+    // the outer bound (T) only keeps a failing test from hanging
+    s.set_read_timeout(Some(T)).unwrap();
+    let welcome: message::Welcome = frame::recv_blocking(&mut s, MAX_HELLO).unwrap();
+    assert!(
+        matches!(welcome, message::Welcome::Ok { .. }),
+        "{welcome:?}"
+    );
+    let started = Instant::now();
+    let mut buf = [0u8; 1];
+    let read = s.read(&mut buf);
+    assert!(
+        matches!(read, Ok(0)),
+        "the server must close the stream at its deadline: {read:?}"
+    );
+    assert!(
+        started.elapsed() < T,
+        "closed after {:?}",
+        started.elapsed()
+    );
+    assert_eq!(quick.refused(), 1);
+}
+
 /// A hello of protocol version `protocol` with the right token, as a frame.
 fn forged_hello(protocol: u32) -> Vec<u8> {
     let body = wire::encode(&message::Hello {

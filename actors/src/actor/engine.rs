@@ -56,10 +56,17 @@ pub struct InferenceEngine<P: Policy> {
     models: BTreeMap<ModelId, Slot<P>>,
     default: ModelId,
     paused: bool,
+    /// How long a request may queue (engine paused, or its model's weights applied) before
+    /// it is answered with a timeout.
+    queue_deadline: Duration,
     generation: u64,
     rng: SmallRng,
     stats: EngineStats,
 }
+
+/// How long a request queues on a paused engine by default before it is answered with a
+/// timeout: longer than any pause the controller makes with its default deadlines.
+pub const DEFAULT_QUEUE_DEADLINE: Duration = Duration::from_secs(120);
 
 impl<P: Policy> std::fmt::Debug for InferenceEngine<P> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -97,10 +104,20 @@ impl<P: Policy + Unpin + 'static> InferenceEngine<P> {
             models: BTreeMap::new(),
             default: policy_model_id(),
             paused: false,
+            queue_deadline: DEFAULT_QUEUE_DEADLINE,
             generation: 0,
             rng: SmallRng::seed_from_u64(seed),
             stats: EngineStats::default(),
         }
+    }
+
+    /// Sets how long a request may queue while the engine is paused (or its model's weights
+    /// are applied) before it is answered with a timeout ([`DEFAULT_QUEUE_DEADLINE`] unless
+    /// set): a pause that never ends (its controller gone) does not hold a caller for good.
+    #[must_use]
+    pub fn with_queue_deadline(mut self, deadline: Duration) -> Self {
+        self.queue_deadline = deadline;
+        self
     }
 
     /// Adds a model, fed through `inlet` when given. The first model added is the default.
@@ -194,7 +211,10 @@ impl<P: Policy + Unpin + 'static> InferenceEngine<P> {
             _ => return,
         };
         for (req, tx) in queued {
-            let _ = tx.send(self.act_now(&req));
+            // a request whose caller stopped waiting (its deadline passed) is not served
+            if !tx.is_closed() {
+                let _ = tx.send(self.act_now(&req));
+            }
         }
     }
 
@@ -306,14 +326,26 @@ impl<P: Policy + Unpin + 'static> Handler<ActBatch> for InferenceEngine<P> {
             Err(e) => return Box::pin(async move { Err(e) }),
         };
         if paused || applying {
+            let msg_model = msg.model.clone();
             let (tx, rx) = oneshot::channel();
             match self.slot(&msg.model) {
                 Ok(slot) => slot.queued.push_back((msg, tx)),
                 Err(e) => return Box::pin(async move { Err(e) }),
             }
+            let (deadline, model) = (self.queue_deadline, msg_model);
             return Box::pin(async move {
-                rx.await
-                    .map_err(|_| Error::Actor("inference engine stopped".into()))?
+                match tokio::time::timeout(deadline, rx).await {
+                    Ok(answer) => {
+                        answer.map_err(|_| Error::Actor("inference engine stopped".into()))?
+                    }
+                    Err(_) => Err(Error::Runtime(refit_runtime::Error::Timeout {
+                        what: format!(
+                            "the inference engine to serve model `{model}` (its requests queue \
+                             while it is paused or its weights are applied)"
+                        ),
+                        after: deadline,
+                    })),
+                }
             });
         }
         let r = self.act_now(&msg);

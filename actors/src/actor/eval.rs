@@ -3,6 +3,7 @@
 //! at the round's version.
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::time::Duration;
 
 use actix::prelude::*;
 use refit_runtime::ModelId;
@@ -17,9 +18,14 @@ use super::rollout::VecEnv;
 /// Builds evaluation environment `i` of a model.
 type MakeEnv<E> = dyn Fn(&ModelId, usize) -> Result<E> + Send;
 
+/// How long an evaluator waits for one answer of its engine by default (an acting
+/// evaluator's batch of actions, a generating evaluator's completion).
+pub const DEFAULT_EVAL_REQUEST_DEADLINE: Duration = Duration::from_secs(300);
+
 /// Runs greedy validation episodes through an engine for each model.
 pub struct Evaluator<E: Env> {
     engine: Recipient<ActBatch>,
+    request_deadline: Duration,
     models: Vec<ModelId>,
     make_env: Box<MakeEnv<E>>,
     episodes: usize,
@@ -49,12 +55,24 @@ impl<E: Env + Unpin + 'static> Evaluator<E> {
     ) -> Self {
         Self {
             engine,
+            request_deadline: DEFAULT_EVAL_REQUEST_DEADLINE,
             models,
             make_env: Box::new(make_env),
             episodes: episodes.max(1),
             seed,
             max_steps: max_steps.max(1),
         }
+    }
+}
+
+impl<E: Env> Evaluator<E> {
+    /// Sets how long the evaluator waits for each batch of actions from its engine
+    /// ([`DEFAULT_EVAL_REQUEST_DEADLINE`] unless set); past it the eval step fails with a
+    /// timeout naming the model, and the evaluator takes the next step.
+    #[must_use]
+    pub fn with_request_deadline(mut self, deadline: Duration) -> Self {
+        self.request_deadline = deadline;
+        self
     }
 }
 
@@ -79,6 +97,7 @@ impl<E: Env + Unpin + 'static> Handler<RunEval> for Evaluator<E> {
         let engine = self.engine.clone();
         let seed = self.seed.wrapping_add(msg.step.0 * 7919);
         let max_steps = self.max_steps;
+        let deadline = self.request_deadline;
         Box::pin(async move {
             let runs = runs?;
             let mut models = BTreeMap::new();
@@ -95,8 +114,23 @@ impl<E: Env + Unpin + 'static> Handler<RunEval> for Evaluator<E> {
                             generation: None,
                             greedy: true,
                         })
+                        .timeout(deadline)
                         .await
-                        .map_err(|e| Error::Actor(format!("engine unreachable: {e}")))??;
+                        .map_err(|e| match e {
+                            MailboxError::Timeout => {
+                                Error::Runtime(refit_runtime::Error::Timeout {
+                                    what: format!(
+                                        "the engine to act for the evaluation of model `{model}` \
+                                     (step {})",
+                                        msg.step
+                                    ),
+                                    after: deadline,
+                                })
+                            }
+                            MailboxError::Closed => {
+                                Error::Actor(format!("engine unreachable: {e}"))
+                            }
+                        })??;
                     versions.insert(acted.version);
                     for ep in venv.step(&acted.actions, acted.version, 0, None)? {
                         if returns[ep.env].is_none() {

@@ -55,8 +55,8 @@ pub use crate::protocol::rollout::{
 };
 pub use crate::protocol::trainer::{Train, TrainAndPublish};
 pub use controller::{VersionNotifier, WeightSyncController};
-pub use engine::InferenceEngine;
-pub use eval::Evaluator;
+pub use engine::{DEFAULT_QUEUE_DEADLINE, InferenceEngine};
+pub use eval::{DEFAULT_EVAL_REQUEST_DEADLINE, Evaluator};
 pub use gen_engine::{GenModel, GenModelStatus, GenerationEngine, GetGenStatus};
 pub use gen_eval::GenEvaluator;
 pub use gen_rollout::{GenRolloutConfig, GenRolloutWorker};

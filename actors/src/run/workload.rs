@@ -13,7 +13,7 @@ use refit_runtime::sync_policy::PauseMode;
 use refit_runtime::{HasWeights, Manifest, ModelId};
 
 use crate::actor::engine::InferenceEngine;
-use crate::actor::eval::Evaluator;
+use crate::actor::eval::{DEFAULT_EVAL_REQUEST_DEADLINE, Evaluator};
 use crate::actor::gen_engine::{GenModel, GenerationEngine};
 use crate::actor::gen_eval::GenEvaluator;
 use crate::actor::gen_rollout::{GenRolloutConfig, GenRolloutWorker};
@@ -343,7 +343,7 @@ impl<G: GenRoles> Workload for Generating<G> {
             .map(|m| Ok((m.id.clone(), self.0.task(m, seed.wrapping_add(7_777))?)))
             .collect::<Result<Vec<_>>>()?;
         Ok(
-            GenEvaluator::new(engines.generate, tasks, std::time::Duration::from_secs(300))
+            GenEvaluator::new(engines.generate, tasks, DEFAULT_EVAL_REQUEST_DEADLINE)
                 .start()
                 .recipient(),
         )
