@@ -13,7 +13,7 @@ use refit_actors::actor::{
     SyncEventKind, UpdateModel, VersionNotifier, WeightSyncController,
 };
 use refit_actors::run::{self as topology, InletWrapper, RunConfig, RunReport, StopRule};
-use refit_actors::{CartPole, CartPolePpo, MlpPolicy, WeightInlet};
+use refit_actors::{CartPole, CartPolePpo, MlpPolicy, WeightInlet, policy_model_id};
 use refit_runtime::sync_policy::{LeaderStep, SyncConfig, SyncMode, leader_sequence};
 use refit_runtime::{Manifests, ModelId, ReceiverInit, Sender, SenderInit, Version, WeightSet};
 use refit_transports::inproc::{InProc, InProcReceiver, InProcSender};
@@ -627,4 +627,146 @@ async fn under_async_notify_the_trainer_runs_one_version_ahead_of_the_engine() {
             .any(|f| f.admission.train_version.0 == f.admission.rollout_version.0 + 1),
         "no fragment admitted while the trainer led by one"
     );
+}
+
+/// A whole run whose engines verify what they serve (`verify = "hashes"`): every load
+/// checks the apply and the weights served before it, and finds nothing to report.
+#[actix_rt::test]
+async fn a_run_that_verifies_what_it_serves_reports_no_damage() {
+    let m = id("policy");
+    let mut model = spec("policy", 1);
+    model.verify = refit_runtime::topology::Verify::Hashes;
+    let report = run(run_config(SyncMode::Sync, vec![model], 4)).await;
+    let status = &report.controller.models[&m];
+    assert!(status.loads >= 4, "{status:?}");
+    assert_eq!((status.damaged, status.failed_loads), (0, 0), "{status:?}");
+}
+
+/// An MLP whose served weights a test can damage: the first request after `damage` is set
+/// flips one bit of its last tensor, in the policy itself (as a stray write would).
+struct Damageable {
+    inner: MlpPolicy,
+    damage: Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl refit_runtime::HasWeights for Damageable {
+    fn weight_manifest(&self) -> refit_runtime::Result<refit_runtime::Manifest> {
+        self.inner.weight_manifest()
+    }
+    fn write_weights(&self, out: &mut WeightSet) -> refit_runtime::Result<()> {
+        self.inner.write_weights(out)
+    }
+    fn read_weights(&mut self, weights: &WeightSet) -> refit_runtime::Result<()> {
+        self.inner.read_weights(weights)
+    }
+}
+
+impl refit_actors::Policy for Damageable {
+    fn act(&mut self, obs: &[f32], rng: &mut rand::rngs::SmallRng) -> refit_actors::ActionOut {
+        use refit_runtime::HasWeights;
+        if self.damage.swap(false, std::sync::atomic::Ordering::SeqCst) {
+            let manifest = Arc::new(self.inner.weight_manifest().unwrap());
+            let last = manifest.tensors().last().unwrap().name.clone();
+            let mut ws = WeightSet::zeroed(policy_model_id(), manifest);
+            self.inner.write_weights(&mut ws).unwrap();
+            let v = &mut ws.view_mut::<f32>(&last).unwrap()[0];
+            *v = f32::from_bits(v.to_bits() ^ 1);
+            self.inner.read_weights(&ws).unwrap();
+        }
+        self.inner.act(obs, rng)
+    }
+    fn obs_dim(&self) -> usize {
+        self.inner.obs_dim()
+    }
+    fn num_actions(&self) -> usize {
+        self.inner.num_actions()
+    }
+}
+
+/// `verify = "hashes"`: one bit of an engine's served weights flipped after the apply of v1
+/// is reported by the load of v2, naming the engine, the model, the version and the tensor;
+/// v2 replaces the weights whole (v3 finds nothing). Without verification the same flip
+/// goes unseen (what makes the test able to fail).
+#[actix_rt::test]
+async fn a_bit_flipped_in_served_weights_is_reported_by_the_next_update() {
+    use refit_actors::actor::AwaitSynced;
+    for verify in [true, false] {
+        let m = id("policy");
+        let (mut s, r) = scheme(&m);
+        let damage = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let policy = Damageable {
+            inner: MlpPolicy::new(&SIZES).unwrap(),
+            damage: Arc::clone(&damage),
+        };
+        let mut engine = InferenceEngine::empty(1)
+            .with_model(m.clone(), policy, Some(Box::new(r) as Box<dyn WeightInlet>))
+            .unwrap();
+        if verify {
+            engine = engine.verify_served(&m).unwrap();
+        }
+        let engine = engine.start();
+        let cfg = SyncConfig::with_mode(SyncMode::FullyAsync);
+        let ctl =
+            WeightSyncController::new(&cfg, vec![m.clone()], vec![EngineRef::local(&engine)], None)
+                .unwrap()
+                .start();
+        let mut n = VersionNotifier::new(ctl.clone(), m.clone(), cfg.clone());
+        let synced = |v: u64| {
+            ctl.send(AwaitSynced {
+                model: m.clone(),
+                version: Version(v),
+            })
+        };
+        n.notify(Version(1)).await.unwrap();
+        n.flush().await.unwrap();
+        synced(1).await.unwrap().unwrap();
+        // a stray write into the served weights, then a request served by them
+        damage.store(true, std::sync::atomic::Ordering::SeqCst);
+        let obs = vec![0.0; SIZES[0]];
+        let acted = engine
+            .send(ActBatch {
+                model: m.clone(),
+                obs: obs.clone(),
+                generation: None,
+                greedy: true,
+            })
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(acted.version, Version(1));
+        assert!(!damage.load(std::sync::atomic::Ordering::SeqCst));
+        for v in [2, 3] {
+            mock_publish(&mut s, &m, v).unwrap();
+            n.notify(Version(v)).await.unwrap();
+            n.flush().await.unwrap();
+            synced(v).await.unwrap().unwrap();
+        }
+        let status = ctl.send(GetStatus).await.unwrap();
+        let model = &status.models[&m];
+        assert_eq!(model.rollout_version, Version(3), "verify={verify}");
+        let damaged: Vec<&String> = status
+            .events
+            .iter()
+            .filter_map(|e| match &e.kind {
+                SyncEventKind::Damaged(d) => Some(d),
+                _ => None,
+            })
+            .collect();
+        if verify {
+            assert_eq!(model.damaged, 1, "{damaged:?}");
+            let last = MlpPolicy::bias_name(SIZES.len() - 2);
+            let d = damaged[0];
+            assert!(
+                d.contains("engine 0")
+                    && d.contains("model `policy` v1")
+                    && d.contains(&format!("tensor `{last}`"))
+                    && d.contains("v2 replaced them whole"),
+                "{d}"
+            );
+            assert_eq!(model.last_error.as_deref(), Some(d.as_str()));
+        } else {
+            assert_eq!(model.damaged, 0);
+            assert!(damaged.is_empty(), "{damaged:?}");
+        }
+    }
 }

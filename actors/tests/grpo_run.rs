@@ -135,3 +135,33 @@ async fn a_served_reference_without_a_kl_term_is_refused_naming_both_keys() {
         "{e}"
     );
 }
+
+/// A generating model asking its engines to verify what they serve is refused before the
+/// run starts, naming the model and the setting (generating engines do not verify).
+#[actix_rt::test]
+async fn a_generating_model_that_asks_to_verify_is_refused_naming_it() {
+    let mut spec = ModelSpec::new(policy_model_id(), 3);
+    spec.verify = refit_runtime::topology::Verify::Hashes;
+    let cfg = RunConfig {
+        sync: SyncConfig::with_mode(SyncMode::Sync),
+        models: vec![spec],
+        eval_episodes: 0,
+        stop: StopRule {
+            max_updates: 1,
+            target_return: None,
+            target_eval: None,
+            max_time: Duration::from_secs(30),
+        },
+        seed: 3,
+        wrap_inlet: None,
+        wait: Duration::from_secs(10),
+    };
+    let e = run::run_generating(cfg, GrpoRoles::new())
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("model `policy`") && e.contains("verify = \"hashes\""),
+        "{e}"
+    );
+}

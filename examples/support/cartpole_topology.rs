@@ -58,6 +58,14 @@ fn print_report(topology: &Topology, report: &RunReport) {
             c.blocked,
             report.engine.loads,
         );
+        if c.damaged > 0 {
+            println!(
+                "{model}: {} loads found an engine serving weights changed after it applied \
+                 them (verify = \"hashes\"); the last: {}",
+                c.damaged,
+                c.last_error.as_deref().unwrap_or("")
+            );
+        }
         let total: u64 = hist.values().sum();
         println!(
             "staleness of trained samples (trainer version - acting version): mean {:.2}, \

@@ -43,6 +43,8 @@ pub struct ModelSpec {
     /// `reference_every`-th version after; the rollout workers score each completion under
     /// it, for a KL term that needs no second model in the learner.
     pub reference_every: Option<usize>,
+    /// What its engines verify of the weights they serve (a topology's `verify`).
+    pub verify: refit_runtime::topology::Verify,
     /// Seed of this model's learner.
     pub seed: u64,
     /// Parameters for the role factory (a topology file's `[model.params]`, less the keys
@@ -74,6 +76,7 @@ impl ModelSpec {
             group_size: 8,
             prompts_per_fragment: 4,
             reference_every: None,
+            verify: refit_runtime::topology::Verify::Off,
             seed,
             params: toml::Table::new(),
         }

@@ -56,6 +56,7 @@ struct Counters {
     max_staleness: u64,
     loads: u64,
     failed_loads: u64,
+    damaged: u64,
     last_error: Option<String>,
     in_flight: u64,
 }
@@ -223,7 +224,7 @@ impl WeightSyncController {
             SyncEventKind::LoadStarted(order.version),
         );
         let load = load_everywhere(
-            self.engines.clone(),
+            self.fleet(),
             order.clone(),
             self.policy.config().timeouts.load(),
         );
@@ -232,17 +233,34 @@ impl WeightSyncController {
         }));
     }
 
+    /// Every engine, with the id it is named by.
+    fn fleet(&self) -> Vec<(usize, EngineRef)> {
+        self.engine_ids
+            .iter()
+            .copied()
+            .zip(self.engines.iter().cloned())
+            .collect()
+    }
+
     fn load_finished(
         &mut self,
         order: &SyncOrder,
-        result: Result<Version>,
+        result: Result<Landed>,
         ctx: &mut Context<Self>,
     ) {
         let next = match result {
-            Ok(served) => {
-                self.event(Some(&order.model), SyncEventKind::Landed(served));
+            Ok(landed) => {
+                for d in landed.damaged {
+                    tracing::error!(model = %order.model, version = %order.version, "{d}");
+                    self.event(Some(&order.model), SyncEventKind::Damaged(d.clone()));
+                    let c = self.counters(&order.model);
+                    c.damaged += 1;
+                    c.last_error = Some(d);
+                }
+                self.event(Some(&order.model), SyncEventKind::Landed(landed.served));
                 self.counters(&order.model).loads += 1;
-                self.policy.sync_done(&order.model, order.version, served)
+                self.policy
+                    .sync_done(&order.model, order.version, landed.served)
             }
             Err(e) => {
                 let msg = e.to_string();
@@ -324,6 +342,7 @@ impl WeightSyncController {
         ctx: &mut Context<Self>,
     ) -> ResponseActFuture<Self, Result<Option<EvalReport>>> {
         let me = ctx.address();
+        let fleet = self.fleet();
         let engines = self.engines.clone();
         let evaluator = self.evaluator.clone();
         let steps = leader_sequence(self.policy.models(), true);
@@ -358,9 +377,8 @@ impl WeightSyncController {
                             .await
                             .map_err(|e| Error::Actor(format!("controller: {e}")))??;
                         if let Some(order) = order {
-                            let r =
-                                load_everywhere(engines.clone(), order.clone(), timeouts.load())
-                                    .await;
+                            let r = load_everywhere(fleet.clone(), order.clone(), timeouts.load())
+                                .await;
                             let failed = r.as_ref().err().map(ToString::to_string);
                             me.send(Internal::Loaded(order.clone(), r))
                                 .await
@@ -394,16 +412,27 @@ impl WeightSyncController {
     }
 }
 
+/// What a load across the fleet found.
+#[derive(Debug)]
+struct Landed {
+    /// The lowest version served.
+    served: Version,
+    /// Engines that served weights changed since they were applied (`verify = "hashes"`),
+    /// each named with what differed.
+    damaged: Vec<String>,
+}
+
 /// Sends one load to every engine at once and waits for all (latency is the slowest
-/// engine's, not the sum); answers the lowest version served.
+/// engine's, not the sum); answers the lowest version served, and the engines whose served
+/// weights had changed since they were applied.
 async fn load_everywhere(
-    engines: Vec<EngineRef>,
+    engines: Vec<(usize, EngineRef)>,
     order: SyncOrder,
     timeout: Duration,
-) -> Result<Version> {
+) -> Result<Landed> {
     let requests: Vec<_> = engines
         .iter()
-        .map(|e| {
+        .map(|(_, e)| {
             e.update
                 .send(UpdateModel {
                     model: order.model.clone(),
@@ -415,7 +444,8 @@ async fn load_everywhere(
         .collect();
     let mut served: Option<Version> = None;
     let mut gone = Vec::new();
-    for (i, r) in requests.into_iter().enumerate() {
+    let mut damaged = Vec::new();
+    for ((i, _), r) in engines.iter().zip(requests) {
         let report = match r.await {
             // an engine in a process that died: it is dropped (see `DropEngine`), the load
             // lands on the others
@@ -431,12 +461,19 @@ async fn load_everywhere(
                 ))
             })??,
         };
+        if let Some(d) = report.damaged {
+            damaged.push(format!(
+                "engine {i} served weights that changed after it applied them: {d} (v{} replaced them whole)",
+                report.version
+            ));
+        }
         served = Some(served.map_or(report.version, |s| s.min(report.version)));
     }
-    served.ok_or_else(|| match gone.first() {
+    let served = served.ok_or_else(|| match gone.first() {
         Some(e) => Error::Actor(format!("every engine is gone: {e}")),
         None => Error::Config("no engine to load on".into()),
-    })
+    })?;
+    Ok(Landed { served, damaged })
 }
 
 #[derive(Debug, Message)]
@@ -444,7 +481,7 @@ async fn load_everywhere(
 enum Internal {
     Step(LeaderStep),
     TakeDeferred(ModelId),
-    Loaded(SyncOrder, Result<Version>),
+    Loaded(SyncOrder, Result<Landed>),
 }
 
 impl Actor for WeightSyncController {
@@ -718,10 +755,14 @@ impl Handler<AddEngine> for WeightSyncController {
             .collect();
         let timeout = self.policy.config().timeouts.load();
         let engine = msg.engine.clone();
+        let index = msg.index;
         let bring_up = async move {
             for (model, version) in targets {
                 let order = SyncOrder { model, version };
-                load_everywhere(vec![engine.clone()], order, timeout).await?;
+                let landed = load_everywhere(vec![(index, engine.clone())], order, timeout).await?;
+                if let Some(d) = landed.damaged.first() {
+                    tracing::error!("{d}");
+                }
             }
             engine
                 .versions
@@ -781,6 +822,7 @@ impl Handler<GetStatus> for WeightSyncController {
                         max_staleness: c.max_staleness,
                         loads: c.loads,
                         failed_loads: c.failed_loads,
+                        damaged: c.damaged,
                         last_error: c.last_error,
                     },
                 ))

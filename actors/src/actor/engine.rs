@@ -33,6 +33,7 @@ use crate::protocol::engine::{
 };
 
 use super::stale;
+use super::verify::{Damage, ServedHashes};
 
 type Waiter = oneshot::Sender<Result<ActedBatch>>;
 type SharedInlet = Arc<Mutex<Box<dyn WeightInlet>>>;
@@ -47,6 +48,9 @@ struct Slot<P> {
     obs_dim: usize,
     inlet: Option<SharedInlet>,
     queued: VecDeque<(ActBatch, Waiter)>,
+    /// With `verify = "hashes"`: the hashes of the version served (lent to the apply thread
+    /// with the policy).
+    verify: Option<ServedHashes>,
     /// Serialises the applies of this model (a load through the inlet and pushed loads).
     apply_lock: Arc<Mutex<()>>,
 }
@@ -120,6 +124,21 @@ impl<P: Policy + Unpin + 'static> InferenceEngine<P> {
         self
     }
 
+    /// Verifies what `model` serves (a topology's `verify = "hashes"`): after each apply the
+    /// policy's weights are hashed and compared with the version applied (an apply that did
+    /// not land whole fails), and again at the next update (weights changed while served are
+    /// reported by that update's [`LoadReport::damaged`], naming the tensor).
+    ///
+    /// # Errors
+    /// An unknown model; a policy whose weights have no manifest.
+    pub fn verify_served(mut self, model: &ModelId) -> Result<Self> {
+        let slot = self.slot(model)?;
+        let policy = slot.policy.as_ref().ok_or_else(|| lost(model))?;
+        let manifest = Arc::new(policy.weight_manifest()?);
+        slot.verify = Some(ServedHashes::new(model.clone(), manifest));
+        Ok(self)
+    }
+
     /// Adds a model, fed through `inlet` when given. The first model added is the default.
     ///
     /// # Errors
@@ -145,6 +164,7 @@ impl<P: Policy + Unpin + 'static> InferenceEngine<P> {
             version: Version::ZERO,
             inlet: inlet.map(|i| Arc::new(Mutex::new(i))),
             queued: VecDeque::new(),
+            verify: None,
             apply_lock: Arc::default(),
         };
         self.models.insert(id, slot);
@@ -221,25 +241,22 @@ impl<P: Policy + Unpin + 'static> InferenceEngine<P> {
     /// Applies `weights` to their model off the actor's thread: waits for the model's apply
     /// lock, checks the version, lends the policy to a blocking thread (the model's requests
     /// queue meanwhile; other models are served), takes it back and answers the queued
-    /// requests. Answers how long the model was paused.
-    fn apply(&mut self, weights: Arc<WeightSet>) -> ResponseActFuture<Self, Result<Duration>> {
+    /// requests. Answers how long the model was paused, and (`verify = "hashes"`) the damage
+    /// found in the version served before this one.
+    fn apply(&mut self, weights: Arc<WeightSet>) -> ResponseActFuture<Self, Result<Applied>> {
         let lock = match self.slot(weights.model()) {
             Ok(s) => Arc::clone(&s.apply_lock),
             Err(e) => return Box::pin(fut::ready(Err(e))),
         };
         let locked = async move { lock.lock_owned().await };
         Box::pin(locked.into_actor(self).then(move |guard, act, _| {
-            let policy = match act.begin_apply(&weights) {
+            let (policy, verify) = match act.begin_apply(&weights) {
                 Ok(p) => p,
                 Err(e) => return Box::pin(fut::ready(Err(e))) as ResponseActFuture<_, _>,
             };
             let paused_at = Instant::now();
             let w = Arc::clone(&weights);
-            let job = actix_rt::task::spawn_blocking(move || {
-                let mut policy = policy;
-                let applied = ArenaStrategy.apply(&w, &mut policy);
-                (policy, applied)
-            });
+            let job = actix_rt::task::spawn_blocking(move || apply_verified(policy, verify, &w));
             Box::pin(job.into_actor(act).map(move |joined, act, _| {
                 let r = act.end_apply(&weights, joined, paused_at.elapsed());
                 drop(guard);
@@ -248,8 +265,9 @@ impl<P: Policy + Unpin + 'static> InferenceEngine<P> {
         }))
     }
 
-    /// Takes the model's policy for an apply (its requests queue until [`Self::end_apply`]).
-    fn begin_apply(&mut self, weights: &WeightSet) -> Result<P> {
+    /// Takes the model's policy (and its verification) for an apply (its requests queue
+    /// until [`Self::end_apply`]).
+    fn begin_apply(&mut self, weights: &WeightSet) -> Result<(P, Option<ServedHashes>)> {
         let model = weights.model();
         let slot = self.slot(model)?;
         if weights.version() <= slot.version {
@@ -257,7 +275,7 @@ impl<P: Policy + Unpin + 'static> InferenceEngine<P> {
         }
         let policy = slot.policy.take().ok_or_else(|| lost(model))?;
         slot.applying = true;
-        Ok(policy)
+        Ok((policy, slot.verify.take()))
     }
 
     /// Gives the policy back, records the version when the apply succeeded, and answers the
@@ -265,19 +283,22 @@ impl<P: Policy + Unpin + 'static> InferenceEngine<P> {
     fn end_apply(
         &mut self,
         weights: &WeightSet,
-        joined: std::result::Result<(P, refit_runtime::Result<()>), actix_rt::task::JoinError>,
+        joined: std::result::Result<ApplyJob<P>, actix_rt::task::JoinError>,
         paused: Duration,
-    ) -> Result<Duration> {
+    ) -> Result<Applied> {
         let model = weights.model().clone();
         let slot = self.slot(&model)?;
         slot.applying = false;
+        let mut damaged = None;
         let applied = match joined {
-            Ok((policy, r)) => {
-                slot.policy = Some(policy);
-                if r.is_ok() {
+            Ok(job) => {
+                slot.policy = Some(job.policy);
+                slot.verify = job.verify;
+                damaged = job.damaged.map(|d| d.to_string());
+                if job.applied.is_ok() {
                     slot.version = weights.version();
                 }
-                r.map_err(Error::Runtime)
+                job.applied
             }
             Err(e) => {
                 // the policy went down with the thread: the model cannot serve any more
@@ -298,11 +319,57 @@ impl<P: Policy + Unpin + 'static> InferenceEngine<P> {
                 metrics::failed(Side::Engine, "engine");
             }
         }
+        if let Some(d) = &damaged {
+            tracing::error!(model = %model, "the weights served before v{} changed since they were applied: {d}", weights.version());
+        }
         applied?;
         self.stats.loads += 1;
         self.stats.paused_total += paused;
         self.stats.paused_max = self.stats.paused_max.max(paused);
-        Ok(paused)
+        Ok(Applied { paused, damaged })
+    }
+}
+
+/// What an apply answers.
+#[derive(Debug)]
+struct Applied {
+    /// How long the model was paused.
+    paused: Duration,
+    /// `verify = "hashes"`: how the weights served before this version differed from the
+    /// version applied (the apply replaced them whole).
+    damaged: Option<String>,
+}
+
+/// What the apply thread gives back.
+struct ApplyJob<P> {
+    policy: P,
+    verify: Option<ServedHashes>,
+    applied: Result<()>,
+    damaged: Option<Damage>,
+}
+
+/// Applies `weights` to `policy` on the apply thread; with `verify`, hashes what it served
+/// before (damage is reported, the apply goes on: it replaces the weights whole) and what it
+/// serves after (an apply that did not land whole fails).
+fn apply_verified<P: Policy>(
+    mut policy: P,
+    mut verify: Option<ServedHashes>,
+    weights: &WeightSet,
+) -> ApplyJob<P> {
+    let damaged = verify.as_mut().and_then(|v| v.check(&policy).err());
+    let mut applied = ArenaStrategy
+        .apply(weights, &mut policy)
+        .map_err(Error::Runtime);
+    if let (Ok(()), Some(v)) = (&applied, verify.as_mut()) {
+        applied = v
+            .applied(weights, &policy)
+            .map_err(|d| Error::Actor(format!("the apply did not land whole: {d}")));
+    }
+    ApplyJob {
+        policy,
+        verify,
+        applied,
+        damaged,
     }
 }
 
@@ -420,10 +487,17 @@ impl<P: Policy + Unpin + 'static> Handler<LoadWeights> for InferenceEngine<P> {
     type Result = ResponseActFuture<Self, Result<Version>>;
     fn handle(&mut self, msg: LoadWeights, _: &mut Context<Self>) -> Self::Result {
         let version = msg.weights.version();
-        Box::pin(
-            self.apply(msg.weights)
-                .map(move |r, _, _| r.map(|_| version)),
-        )
+        Box::pin(self.apply(msg.weights).map(move |r, _, _| {
+            let applied = r?;
+            match applied.damaged {
+                // the version is served whole now; what was served before it was not
+                Some(d) => Err(Error::Actor(format!(
+                    "v{version} applied, but the weights served before it had changed since \
+                     they were applied: {d}"
+                ))),
+                None => Ok(version),
+            }
+        }))
     }
 }
 
@@ -482,6 +556,7 @@ impl<P: Policy + Unpin + 'static> Handler<UpdateModel> for InferenceEngine<P> {
                                 version: current,
                                 staged,
                                 paused: Duration::ZERO,
+                                damaged: None,
                             }))) as ResponseActFuture<_, _>;
                         }
                         (Err(e), _) | (_, Err(e)) => return Box::pin(fut::ready(Err(e))),
@@ -489,8 +564,8 @@ impl<P: Policy + Unpin + 'static> Handler<UpdateModel> for InferenceEngine<P> {
                     // the per-model lock is held until the apply is over and acknowledged
                     Box::pin(act.apply(weights).then(move |paused, act, _| {
                         let served = act.slot(&model).map(|s| s.version);
-                        let (paused, version, mut guard) = match (paused, served, guard) {
-                            (Ok(p), Ok(v), Some(g)) => (p, v, g),
+                        let (applied, version, mut guard) = match (paused, served, guard) {
+                            (Ok(a), Ok(v), Some(g)) => (a, v, g),
                             (Err(e), ..) | (_, Err(e), _) => {
                                 return Box::pin(fut::ready(Err(e))) as ResponseActFuture<_, _>;
                             }
@@ -512,7 +587,8 @@ impl<P: Policy + Unpin + 'static> Handler<UpdateModel> for InferenceEngine<P> {
                                 model,
                                 version,
                                 staged,
-                                paused,
+                                paused: applied.paused,
+                                damaged: applied.damaged,
                             })
                         }))
                     }))

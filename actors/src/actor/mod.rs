@@ -32,6 +32,7 @@ pub mod gen_eval;
 pub mod gen_rollout;
 pub mod pool;
 pub mod rollout;
+pub mod verify;
 pub mod workers;
 
 use refit_runtime::{ModelId, Version};

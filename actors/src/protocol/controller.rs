@@ -142,6 +142,9 @@ pub struct ModelStatus {
     pub loads: u64,
     /// Loads that failed (the previous version stayed served).
     pub failed_loads: u64,
+    /// Loads that found an engine serving weights changed since it applied them
+    /// (`verify = "hashes"`; the load replaced them whole).
+    pub damaged: u64,
     /// The last load error, or the last sync-policy error.
     pub last_error: Option<String>,
 }
@@ -185,6 +188,9 @@ pub enum SyncEventKind {
     Landed(Version),
     /// A load failed.
     LoadFailed(Version, String),
+    /// A load found an engine serving weights changed since it applied them (named, with
+    /// the tensor); the load replaced them whole.
+    Damaged(String),
     /// A rollout was admitted.
     Admitted(Admission),
     /// A rollout status check answered `block`.
@@ -217,6 +223,7 @@ impl std::fmt::Display for SyncEventKind {
             Self::LoadStarted(v) => write!(f, "load v{v} started"),
             Self::Landed(v) => write!(f, "v{v} landed on every engine"),
             Self::LoadFailed(v, e) => write!(f, "load v{v} failed: {e}"),
+            Self::Damaged(e) => write!(f, "served weights damaged: {e}"),
             Self::Admitted(a) => write!(
                 f,
                 "rollout admitted (train v{}, rollout v{}, waited {:?})",

@@ -114,6 +114,10 @@ pub struct LoadReport {
     pub staged: Duration,
     /// How long the model's generation was paused (the apply only).
     pub paused: Duration,
+    /// With `verify = "hashes"`: how the weights this engine served before this version
+    /// differed from the version it had applied (changed while served), naming the tensor.
+    /// This version replaced them whole.
+    pub damaged: Option<String>,
 }
 
 /// Cancels in-flight episodes: requests of older generations are refused from now on, and

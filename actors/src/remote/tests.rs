@@ -70,6 +70,12 @@ fn a_controller_status_round_trips_with_its_state_names() {
                 model: None,
                 kind: SyncEventKind::Step(LeaderStep::Load(m.clone())),
             },
+            SyncEvent {
+                seq: 4,
+                at: Duration::from_millis(11),
+                model: Some(m.clone()),
+                kind: SyncEventKind::Damaged("engine 1: tensor `w` differs".into()),
+            },
         ],
     };
     for (i, state) in [
@@ -92,6 +98,7 @@ fn a_controller_status_round_trips_with_its_state_names() {
                 max_staleness: 1,
                 loads: 2,
                 failed_loads: 0,
+                damaged: 1,
                 last_error: Some("a load failed".into()),
             },
         );

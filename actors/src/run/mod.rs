@@ -286,7 +286,8 @@ pub fn model_specs(topo: &Topology) -> Result<Vec<ModelSpec>> {
     topo.models
         .iter()
         .map(|m| {
-            let spec = ModelSpec::from_params(m.id.clone(), topo.run.seed, &m.params)?;
+            let mut spec = ModelSpec::from_params(m.id.clone(), topo.run.seed, &m.params)?;
+            spec.verify = m.verify;
             spec.check()?;
             Ok(spec)
         })

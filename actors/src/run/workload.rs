@@ -10,6 +10,7 @@ use std::sync::Arc;
 use actix::prelude::*;
 use refit_runtime::convert::Want;
 use refit_runtime::sync_policy::PauseMode;
+use refit_runtime::topology::Verify;
 use refit_runtime::{HasWeights, Manifest, ModelId};
 
 use crate::actor::engine::InferenceEngine;
@@ -166,6 +167,9 @@ impl<R: Roles> Workload for Acting<R> {
         for (spec, inlet) in models {
             let policy = self.0.policy(&spec)?;
             engine = engine.with_model(spec.id.clone(), policy, Some(inlet))?;
+            if spec.verify == Verify::Hashes {
+                engine = engine.verify_served(&spec.id)?;
+            }
         }
         let (addr, arbiter) = on_arbiter(engine);
         Ok(Started {
@@ -244,6 +248,14 @@ impl<G: GenRoles> Workload for Generating<G> {
     }
 
     fn check(&self, model: &ModelSpec, seed: u64) -> Result<()> {
+        if model.verify != Verify::Off {
+            return Err(Error::Config(format!(
+                "model `{}`: verify = \"{}\" is served by acting engines; a generating \
+                 engine does not verify the weights it serves (leave verify out, or \"off\")",
+                model.id,
+                model.verify.as_str()
+            )));
+        }
         let task = self.0.task(model, seed)?;
         let generator = self.0.generator(model)?;
         if task.vocab_size() > generator.vocab_size() {

@@ -49,6 +49,7 @@ pub use placement::RankPlan;
 pub use schema::{
     DEFAULT_MAX_RESTARTS, HostSection, LinkTransport, LinksSection, ModelSection, OnFailure,
     ProcessSection, RESERVED_ENV, Reach, Restart, Role, RunSection, StopSection, TransportKind,
+    Verify,
 };
 
 use crate::error::{Error, Result};

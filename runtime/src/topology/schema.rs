@@ -150,6 +150,33 @@ pub struct ModelSection {
     pub link: Option<LinkTransport>,
     /// The engine's layout and dtypes of this model (default: the roles' own, or none).
     pub convert: Option<super::convert::ConvertSection>,
+    /// What engines verify of the weights they serve (default `off`).
+    #[serde(default)]
+    pub verify: Verify,
+}
+
+/// What an engine verifies of the weights it serves, per model.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Verify {
+    /// Nothing past the transport's own checks of the bytes in flight.
+    #[default]
+    Off,
+    /// After each apply the engine hashes what its policy serves, tensor by tensor, against
+    /// the version applied (an apply that did not land whole fails), and again at the next
+    /// update: weights changed while served are reported by that update, naming the engine,
+    /// the model and the tensor.
+    Hashes,
+}
+
+impl Verify {
+    /// The name used in topology files.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Off => "off",
+            Self::Hashes => "hashes",
+        }
+    }
 }
 
 /// One `[[host]]`: a machine the run spans.

@@ -220,6 +220,18 @@ roles = ["trainer", "controller", "engine", "rollout"]
     assert!(!t.links.checksum, "the checksum is off unless asked for");
     let t = checked(&small("[links]\nweights = \"shm\"\nchecksum = true\n")).unwrap();
     assert!(t.links.checksum);
+    // what engines verify of the weights they serve: off unless asked for
+    assert_eq!(t.models[0].verify, Verify::Off);
+    let with = |v: &str| {
+        small("").replace(
+            "id = \"policy\"\n",
+            &format!("id = \"policy\"\nverify = {v}\n"),
+        )
+    };
+    let t = checked(&with("\"hashes\"")).unwrap();
+    assert_eq!(t.models[0].verify, Verify::Hashes);
+    let e = checked(&with("\"names\"")).unwrap_err().to_string();
+    assert!(e.contains("names") && e.contains("hashes"), "{e}");
     // Defaults: one host, processes on it, abort, 60 s.
     let t = Topology::parse(&small("")).unwrap();
     assert_eq!(t.processes[1].host, "local");

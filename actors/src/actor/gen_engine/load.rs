@@ -111,6 +111,7 @@ impl<G: Generator> LoadJob<G> {
                     version: current,
                     staged,
                     paused: Duration::ZERO,
+                    damaged: None,
                 };
                 return (Ok(report), staged);
             }
@@ -138,6 +139,7 @@ impl<G: Generator> LoadJob<G> {
             version: swap.to,
             staged,
             paused: swap.paused,
+            damaged: None,
         };
         (Ok(report), staged)
     }
