@@ -12,7 +12,7 @@ use uuid::Uuid;
 
 use crate::error::Result;
 use crate::remote::{RemoteAddr, serve};
-use crate::run::ModelReport;
+use crate::run::report::ModelReport;
 
 /// One model's driver finished an update: where it is, whether its model reached the
 /// target, whether it ran out of budget. Answers the version every model stops at, once a

@@ -4,13 +4,11 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use actix::{Actor, Recipient};
 use refit_node::{Node, Peer};
 use refit_runtime::wire::{self, MAX_CONTROL_MESSAGE};
 use uuid::Uuid;
 
 use super::message::{Answer, RemoteMessage, RemoteReply};
-use super::proxy::Proxy;
 use crate::error::{Error, RemoteFailure, Result};
 
 /// A handle to an actor served (see [`serve`](super::serve)) by another process: the
@@ -166,19 +164,6 @@ impl RemoteAddr {
             Answer::Stopped(reason) => Err(fail(RemoteFailure::ActorStopped { reason })),
             Answer::TimedOut => Err(fail(RemoteFailure::Timeout { after: deadline })),
         }
-    }
-
-    /// A local `Recipient<M>` that forwards to the remote actor (with the default deadline):
-    /// code holding a `Recipient<M>` cannot tell it from a local actor's. A failed call
-    /// answers as [`RemoteReply`] says: `Err(Error::Remote { .. })` for `crate::Result`
-    /// answers, otherwise a dropped reply (`MailboxError::Closed`), logged with the actor
-    /// and message names. Calls through one recipient run concurrently.
-    ///
-    /// # Panics
-    /// Outside a running actix system (the proxy is an actor on the current arbiter), like
-    /// [`Actor::start`].
-    pub fn recipient<M: RemoteMessage>(&self) -> Recipient<M> {
-        Proxy::new(self.clone()).start().recipient()
     }
 }
 

@@ -4,7 +4,7 @@ use std::future::Future;
 use std::pin::Pin;
 
 use actix::dev::{MessageResponse, OneshotSender};
-use actix::{Actor, Context, Handler};
+use actix::{Actor, Context, Handler, Recipient};
 
 use super::addr::RemoteAddr;
 use super::message::{RemoteMessage, RemoteReply};
@@ -17,6 +17,21 @@ pub(super) struct Proxy {
 impl Proxy {
     pub(super) fn new(addr: RemoteAddr) -> Self {
         Self { addr }
+    }
+}
+
+impl RemoteAddr {
+    /// A local `Recipient<M>` that forwards to the remote actor (with the default deadline):
+    /// code holding a `Recipient<M>` cannot tell it from a local actor's. A failed call
+    /// answers as [`RemoteReply`] says: `Err(Error::Remote { .. })` for `crate::Result`
+    /// answers, otherwise a dropped reply (`MailboxError::Closed`), logged with the actor
+    /// and message names. Calls through one recipient run concurrently.
+    ///
+    /// # Panics
+    /// Outside a running actix system (the proxy is an actor on the current arbiter), like
+    /// [`Actor::start`].
+    pub fn recipient<M: RemoteMessage>(&self) -> Recipient<M> {
+        Proxy::new(self.clone()).start().recipient()
     }
 }
 

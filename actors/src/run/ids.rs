@@ -1,6 +1,7 @@
 //! Where each role of a run is served: every actor's uuid on its rank's node follows from
 //! its role, rank, model and index, so ranks need only each other's node addresses (their
-//! cards in the rendezvous store) to reach any actor; and the store keys ranks meet at.
+//! cards in the rendezvous store) to reach any actor; the store keys ranks meet at; and
+//! the target of a rank's log lines.
 
 use std::net::SocketAddr;
 
@@ -33,6 +34,10 @@ pub(crate) fn actor_id(kind: Served, rank: u32, model: usize, index: usize) -> U
     let index = (index as u128) & 0xffff;
     Uuid::from_u128(TAG | ((kind as u128) << 56) | (u128::from(rank) << 32) | (model << 16) | index)
 }
+
+/// The target of a rank's log lines, wherever in `run` they are written (the one its
+/// users filter on: `RUST_LOG=refit_actors::run::rank=debug`).
+pub(crate) const RANK_LOG: &str = "refit_actors::run::rank";
 
 /// The key rank 0 sets once every rank joined and version 1 serves everywhere: rollouts
 /// and drivers start.

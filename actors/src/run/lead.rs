@@ -679,7 +679,7 @@ impl Handler<Rejoin> for Lead {
             )
             .await?;
             let engine = EngineRef::remote(&remote);
-            let rollouts = super::rank::rollout_refs(&topo, rank, &remote);
+            let rollouts = super::peers::rollout_refs(&topo, rank, &remote);
             me.send(AddRank {
                 rank,
                 incarnation,

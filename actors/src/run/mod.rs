@@ -28,37 +28,38 @@
 //! other rank exits when rank 0 is dead. See the book's supervision page for the written
 //! guarantees.
 
+mod begin;
 mod drive;
+mod end;
 mod gate;
 mod ids;
+mod keepalive;
 mod lead;
+mod peers;
 mod rank;
 mod rendezvous;
+pub(crate) mod report;
 mod shard;
+mod start;
 mod weights;
 mod workload;
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::Duration;
 
 use refit_node::{ClusterToken, LaunchEnv};
-use refit_runtime::sync_policy::{StalenessStats, SyncConfig};
+use refit_runtime::ModelId;
+use refit_runtime::sync_policy::SyncConfig;
 use refit_runtime::topology::{RankPlan, Topology};
-use refit_runtime::{ModelId, Version};
-use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
-use crate::learner::LearnStats;
 use crate::link::WeightInlet;
-use crate::protocol::controller::ControllerStatus;
-use crate::protocol::engine::EngineStats;
 use crate::protocol::eval::EvalReport;
-use crate::protocol::pool::FragmentInfo;
-use crate::protocol::rollout::RolloutStats;
 use crate::roles::{GenRoles, ModelSpec, Roles};
 
 pub use rendezvous::PING_TARGET;
+pub use report::{ModelReport, RankEvent, RankEventKind, RankReport, RunReport, UpdateRecord};
 pub use workload::{EngineSetup, Inference, Started, Workload};
 
 /// When a run stops. Every model stops at the same version, so that the last barrier
@@ -148,126 +149,6 @@ impl std::fmt::Debug for RunConfig {
             .field("stop", &self.stop)
             .finish()
     }
-}
-
-/// One training update of one model.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct UpdateRecord {
-    /// The version the trainer was at when it took the batch (trained on it).
-    pub train_version: Version,
-    /// The version it published.
-    pub published: Version,
-    /// Frames trained on.
-    pub frames: usize,
-    /// Lowest and highest sample version in the batch.
-    pub sample_versions: (Version, Version),
-    /// Largest staleness in the batch.
-    pub max_staleness: u64,
-    /// Samples dropped as too stale while gathering it.
-    pub dropped: u64,
-    /// Samples evicted from a full pool while gathering it.
-    pub evicted: u64,
-    /// The batch's fragments: admissions and sample versions.
-    pub fragments: Vec<FragmentInfo>,
-    /// Mean return over the model's last 20 episodes (or its last batch of completions)
-    /// after this batch.
-    pub mean_return: f64,
-    /// Time since the run started, when the version was published.
-    pub elapsed: Duration,
-    /// Training and publishing took this long.
-    pub train: Duration,
-    /// What the learner measured.
-    pub learn: LearnStats,
-}
-
-/// One model's run.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct ModelReport {
-    /// Updates.
-    pub updates: Vec<UpdateRecord>,
-    /// Frames trained on.
-    pub frames: u64,
-    /// Episodes (or completions) finished.
-    pub episodes: u64,
-    /// Mean return over the last 20 episodes (or the last batch of completions).
-    pub mean_return: f64,
-    /// What the staleness filter kept and dropped.
-    pub staleness: StalenessStats,
-    /// Samples evicted from a full pool.
-    pub evicted: u64,
-    /// Validation results of the eval steps this trainer waited for.
-    pub evals: Vec<EvalReport>,
-    /// The rollout workers' statistics (of every rank, dead ones included).
-    pub workers: Vec<RolloutStats>,
-}
-
-/// What one incarnation of an engine rank did.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct RankReport {
-    /// The rank.
-    pub rank: u32,
-    /// Which start of it (0, then one more per restart).
-    pub incarnation: u32,
-    /// Its engine's statistics (the last ones seen, for a rank that died).
-    pub engine: EngineStats,
-    /// Its rollout workers' statistics, per model.
-    pub workers: BTreeMap<ModelId, Vec<RolloutStats>>,
-    /// How it ended, when it died during the run.
-    pub fate: Option<String>,
-}
-
-impl RankReport {
-    fn empty(rank: u32, incarnation: u32) -> Self {
-        Self {
-            rank,
-            incarnation,
-            engine: EngineStats::default(),
-            workers: BTreeMap::new(),
-            fate: None,
-        }
-    }
-}
-
-/// Something that happened to a rank during the run.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct RankEvent {
-    /// Time since the run started.
-    pub at: Duration,
-    /// The rank.
-    pub rank: u32,
-    /// Its incarnation.
-    pub incarnation: u32,
-    /// What happened.
-    pub kind: RankEventKind,
-}
-
-/// What happened to a rank.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub enum RankEventKind {
-    /// It died (its connection closed, or it answered no ping for `dead_after_s`): why.
-    Died(String),
-    /// A new incarnation rejoined the run.
-    Rejoined,
-}
-
-/// What a run did.
-#[derive(Debug, Clone)]
-pub struct RunReport {
-    /// Per model.
-    pub models: BTreeMap<ModelId, ModelReport>,
-    /// The controller's final state and timeline.
-    pub controller: ControllerStatus,
-    /// The engines' load statistics, summed over every rank and incarnation.
-    pub engine: EngineStats,
-    /// Every engine rank's incarnations.
-    pub ranks: Vec<RankReport>,
-    /// Deaths and rejoins, in order.
-    pub events: Vec<RankEvent>,
-    /// Wall time.
-    pub elapsed: Duration,
-    /// True when the run stopped because every model reached a target (the stop rule's
-    /// `target_return` or `target_eval`), not for its budget.
-    pub solved: bool,
 }
 
 /// Who a rank is, for messages: `rank 2 (process `actor`, replica 1)`.

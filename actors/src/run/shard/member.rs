@@ -45,8 +45,8 @@ impl LeadLink {
                 name,
                 wait,
             } => {
-                let peer =
-                    crate::run::rank::peer_of(rv, node, &mut BTreeMap::new(), *rank, *wait).await?;
+                let peer = crate::run::peers::peer_of(rv, node, &mut BTreeMap::new(), *rank, *wait)
+                    .await?;
                 Ok(AssemblyRef::remote(&RemoteAddr::new(
                     peer,
                     *target,

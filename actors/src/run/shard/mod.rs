@@ -156,7 +156,7 @@ pub(crate) async fn start_lead(
     let mut peers = BTreeMap::new();
     let mut members = Vec::new();
     for (shard, r) in ranks.iter().enumerate().skip(1) {
-        let peer = super::rank::peer_of(site.rv, site.node, &mut peers, *r, site.wait).await?;
+        let peer = super::peers::peer_of(site.rv, site.node, &mut peers, *r, site.wait).await?;
         let addr = RemoteAddr::new(
             peer,
             actor_id(Served::Shard, *r, mi, 0),

@@ -1,0 +1,193 @@
+//! The start of a run, once a rank's roles are started: rank 0 takes every other rank's
+//! card, adds every engine rank to the lead, lands version 1 everywhere, watches every
+//! rank and says start ([`admit`]); a restarted rank asks rank 0 to take it back, the
+//! others wait for the start ([`await_start`]).
+
+use std::net::SocketAddr;
+use std::time::Instant;
+
+use actix::prelude::*;
+use refit_runtime::sync_policy::SyncConfig;
+use refit_runtime::{ModelId, Version};
+
+use crate::actor::controller::{VersionNotifier, WeightSyncController};
+use crate::error::{Error, Result};
+use crate::protocol::engine::EngineRef;
+use crate::protocol::lead::{LeadRef, Rejoin};
+use crate::protocol::rollout::RolloutRef;
+use crate::remote::RemoteAddr;
+
+use super::describe;
+use super::ids::{RANK_LOG, RankCard, START_KEY, STOP_KEY, Served, actor_id, rank_key};
+use super::keepalive::LeadWatch;
+use super::lead::{AddRank, RankDown};
+use super::peers::{blocking, rollout_refs};
+use super::rendezvous::{WatchGuard, watch};
+use super::start::{Leading, RankCtx};
+
+/// Tells the controller that version 1 of every model is out and waits until it landed
+/// everywhere.
+///
+/// # Errors
+/// The controller refused or is gone.
+pub(crate) async fn land_version_one(
+    controller: &Addr<WeightSyncController>,
+    ids: &[ModelId],
+    sync: &SyncConfig,
+) -> Result<()> {
+    let mut notifiers: Vec<VersionNotifier> = ids
+        .iter()
+        .map(|id| VersionNotifier::new(controller.clone(), id.clone(), sync.clone()))
+        .collect();
+    for n in &mut notifiers {
+        n.notify(Version(1)).await?;
+    }
+    for n in &mut notifiers {
+        n.flush().await?;
+    }
+    Ok(())
+}
+
+/// Rank 0: waits for every rank's card, adds every engine rank (its own `engine` and
+/// `rollouts` among them), lands version 1, watches every rank and says start. Keep the
+/// answer (the watch) until the run ends.
+///
+/// # Errors
+/// A rank that does not join within `run.wait_s`; the lead or the controller refusing.
+pub(crate) async fn admit(
+    ctx: &RankCtx,
+    l: &Leading,
+    engine: Option<&EngineRef>,
+    rollouts: &[(ModelId, RolloutRef)],
+) -> Result<WatchGuard> {
+    let nodes = take_cards(ctx).await?;
+    add_engine_ranks(ctx, l, &nodes, engine, rollouts).await?;
+    land_version_one(&l.controller, &ctx.ids, &ctx.sync).await?;
+    let lead = l.lead.clone();
+    let watching = watch(
+        &ctx.node,
+        nodes,
+        ctx.topo.keepalive(),
+        ctx.topo.dead_after(),
+        move |d| lead.do_send(RankDown(d)),
+    );
+    ctx.rv.put(START_KEY, &())?;
+    tracing::info!(target: RANK_LOG,
+        "rank 0: version 1 serves on {} engines; rollouts start ({} mode)",
+        ctx.topo.engine_ranks().len(),
+        ctx.sync.sync_mode
+    );
+    Ok(watching)
+}
+
+/// Every other rank's card, within `run.wait_s` in all: (rank, incarnation, node).
+async fn take_cards(ctx: &RankCtx) -> Result<Vec<(u32, u32, SocketAddr)>> {
+    let (topo, wait) = (&ctx.topo, ctx.wait);
+    let deadline = Instant::now() + wait;
+    let mut nodes = Vec::new();
+    for p in topo.ranks().iter().skip(1) {
+        let left = deadline.saturating_duration_since(Instant::now());
+        let key = rank_key(p.rank);
+        let rv2 = ctx.rv.clone();
+        let card: RankCard = blocking("waiting for a rank", move || rv2.take(&key, left))
+            .await
+            .map_err(|e| {
+                Error::Config(format!("{} did not join within {wait:?}: {e}", describe(p)))
+            })?;
+        tracing::info!(target: RANK_LOG, rank = p.rank, pid = card.pid, node = %card.node, "rank joined");
+        nodes.push((p.rank, card.incarnation, card.node));
+    }
+    if topo.world_size() > 1 {
+        tracing::info!(target: RANK_LOG,
+            "rank 0: {} ranks joined in {:.1} s",
+            topo.world_size(),
+            ctx.started.elapsed().as_secs_f64()
+        );
+    }
+    Ok(nodes)
+}
+
+/// Adds every engine rank to the lead: rank 0's own engine and rollout workers, the
+/// others' reached on their nodes.
+async fn add_engine_ranks(
+    ctx: &RankCtx,
+    l: &Leading,
+    nodes: &[(u32, u32, SocketAddr)],
+    engine: Option<&EngineRef>,
+    rollouts: &[(ModelId, RolloutRef)],
+) -> Result<()> {
+    let topo = &ctx.topo;
+    for r in topo.engine_ranks() {
+        let (engine, rollouts) = if r == ctx.me {
+            (
+                engine
+                    .cloned()
+                    .ok_or_else(|| Error::Config(format!("{}: no engine", ctx.who)))?,
+                rollouts.to_vec(),
+            )
+        } else {
+            let addr = nodes
+                .iter()
+                .find(|(n, _, _)| *n == r)
+                .map(|(_, _, a)| *a)
+                .ok_or_else(|| Error::Config(format!("engine rank {r} did not join")))?;
+            let name = topo
+                .rank(r)
+                .map_or_else(|_| format!("rank {r}"), |p| describe(&p));
+            let remote = RemoteAddr::connect(
+                &ctx.node,
+                addr,
+                actor_id(Served::Engine, r, 0, 0),
+                format!("engine of {name}"),
+                ctx.call,
+            )
+            .await?;
+            (EngineRef::remote(&remote), rollout_refs(topo, r, &remote))
+        };
+        l.lead
+            .send(AddRank {
+                rank: r,
+                incarnation: 0,
+                engine,
+                rollouts,
+                watch: None,
+            })
+            .timeout(ctx.call)
+            .await
+            .map_err(|e| Error::Actor(format!("the run's lead: {e}")))??;
+    }
+    Ok(())
+}
+
+/// A rank other than 0: a restarted one asks `lead` to take it back; the others wait for
+/// rank 0's start. Answers `false` when the run is already over (the rank stops).
+///
+/// # Errors
+/// The lead refusing the rejoin; rank 0 gone before the start.
+pub(crate) async fn await_start(ctx: &RankCtx, lead: &LeadRef, watch: &LeadWatch) -> Result<bool> {
+    if ctx.rejoining {
+        if ctx.rv.peek::<()>(STOP_KEY)?.is_some() {
+            return Ok(false);
+        }
+        lead.rejoin
+            .send(Rejoin {
+                rank: ctx.me,
+                incarnation: ctx.incarnation,
+                node: ctx.rv.advertised(),
+            })
+            .timeout(ctx.call * 2)
+            .await
+            .map_err(|e| Error::Actor(format!("{}: rejoining: {e}", ctx.who)))??;
+        tracing::info!(target: RANK_LOG,
+            "{}: rejoined the run (incarnation {})",
+            ctx.who,
+            ctx.incarnation
+        );
+        return Ok(true);
+    }
+    match watch.wait_keys(&ctx.rv, &[START_KEY, STOP_KEY]).await? {
+        Some(START_KEY) => Ok(true),
+        Some(_) => Ok(false),
+        None => Err(watch.lead_gone(&ctx.who)),
+    }
+}

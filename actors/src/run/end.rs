@@ -1,0 +1,179 @@
+//! The run itself and its end: rollouts and drivers run ([`run`]) until rank 0's lead
+//! says the run is done; rank 0 gathers the report, says stop and waits (bounded) for
+//! the others to acknowledge ([`finish_lead`]); the others stop their rollouts and
+//! acknowledge ([`finish_member`]).
+
+use std::time::{Duration, Instant};
+
+use actix::prelude::*;
+
+use crate::actor::controller::VersionNotifier;
+use crate::error::{Error, Result};
+use crate::protocol::engine::{EngineRef, GetEngineStats};
+use crate::protocol::lead::ModelDone;
+use crate::protocol::pool::PoolRef;
+use crate::protocol::rollout::{RolloutRef, StartRollouts, StopRollouts};
+use crate::protocol::trainer::TrainAndPublish;
+use crate::roles::ModelSpec;
+use refit_runtime::ModelId;
+
+use super::drive::Driver;
+use super::ids::{RANK_LOG, STOP_KEY, bye_key};
+use super::keepalive::LeadWatch;
+use super::lead::Finish;
+use super::peers::blocking;
+use super::rendezvous::WatchGuard;
+use super::start::{Heads, Leading, RankCtx};
+use super::{RankEventKind, RunReport};
+
+/// Starts this rank's rollout workers and a driver per model it trains (each hands its
+/// report to the lead when done).
+pub(crate) fn run(
+    ctx: &RankCtx,
+    heads: &Heads,
+    rollouts: &[(ModelId, RolloutRef)],
+    drivers: Vec<(ModelSpec, Recipient<TrainAndPublish>, PoolRef)>,
+) {
+    for (_, r) in rollouts {
+        r.start.do_send(StartRollouts);
+    }
+    if !rollouts.is_empty() {
+        tracing::info!(target: RANK_LOG, "{}: {} rollout workers running", ctx.who, rollouts.len());
+    }
+    let (sync, call) = (&ctx.sync, ctx.call);
+    for (spec, trainer, pool) in drivers {
+        let model = spec.id.clone();
+        let driver = Driver {
+            model: model.clone(),
+            trainer,
+            pool,
+            controller: heads.controller.clone(),
+            notifier: VersionNotifier::new(
+                heads.controller.notify.clone(),
+                model.clone(),
+                sync.clone(),
+            ),
+            lead: heads.lead.clone(),
+            mode: sync.sync_mode,
+            allowed_staleness: sync.allowed_staleness(),
+            stop: ctx.stop.clone(),
+            wait: ctx.wait,
+            call,
+            started: ctx.started,
+        };
+        let done = heads.lead.done.clone();
+        actix_rt::spawn(async move {
+            let report = driver.run().await.map_err(|e| e.to_string());
+            if let Err(e) = done.send(ModelDone { model, report }).timeout(call).await {
+                tracing::error!(target: RANK_LOG, "a driver could not hand in its report: {e}");
+            }
+        });
+    }
+}
+
+/// Rank 0: waits until the lead says the run is done, gathers the report, tells the other
+/// ranks to stop and waits (bounded) for the live ones to acknowledge.
+///
+/// # Errors
+/// The first error of a trainer, pool or controller, or a dead rank the run cannot go on
+/// without.
+pub(crate) async fn finish_lead(
+    ctx: &RankCtx,
+    l: Leading,
+    watching: Option<WatchGuard>,
+) -> Result<RunReport> {
+    let ended = match l.done.await {
+        Ok(r) => r,
+        Err(_) => Err(Error::Actor("the run's lead stopped".into())),
+    };
+    drop(watching);
+    let report = match ended {
+        Ok(()) => l
+            .lead
+            .send(Finish)
+            .timeout(ctx.call)
+            .await
+            .map_err(|e| Error::Actor(format!("the run's lead: {e}")))?,
+        Err(e) => Err(e),
+    };
+    if let Err(e) = ctx.rv.put(STOP_KEY, &()) {
+        tracing::warn!(target: RANK_LOG, "telling the other ranks to stop: {e}");
+    }
+    // the others read the stop before this node goes away (bounded: a dead or partitioned
+    // rank is not waited for long)
+    await_byes(ctx, alive_ranks(ctx, &report)).await;
+    report
+}
+
+/// The ranks other than 0 still alive at the end (all of them when the run failed).
+fn alive_ranks(ctx: &RankCtx, report: &Result<RunReport>) -> Vec<u32> {
+    let world = ctx.topo.world_size();
+    match report {
+        Ok(r) => (1..world)
+            .filter(|n| {
+                !r.events
+                    .iter()
+                    .any(|e| e.rank == *n && matches!(e.kind, RankEventKind::Died(_)))
+                    || r.ranks.iter().any(|x| x.rank == *n && x.fate.is_none())
+            })
+            .collect(),
+        Err(_) => (1..world).collect(),
+    }
+}
+
+/// Waits, for `dead_after_s` (2 s at least) in all, until each of `alive` acknowledged
+/// the stop.
+async fn await_byes(ctx: &RankCtx, alive: Vec<u32>) {
+    let rv2 = ctx.rv.clone();
+    let grace = ctx.topo.dead_after().max(Duration::from_secs(2));
+    let _ = blocking("waiting for the ranks to stop", move || {
+        let deadline = Instant::now() + grace;
+        for r in alive {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if rv2.store().wait_get(&bye_key(r), left).is_err() {
+                tracing::warn!(target: RANK_LOG, rank = r, "the rank did not acknowledge the stop");
+            }
+        }
+        Ok(())
+    })
+    .await;
+}
+
+/// A rank other than 0: waits until rank 0 says stop, stops its rollout workers and
+/// acknowledges the stop.
+///
+/// # Errors
+/// Rank 0 gone before the end of the run (the rank's arbiters are stopped first).
+pub(crate) async fn finish_member(
+    ctx: &mut RankCtx,
+    watch: &LeadWatch,
+    rollouts: &[(ModelId, RolloutRef)],
+    engine: Option<&EngineRef>,
+) -> Result<()> {
+    let stopped = watch.wait_keys(&ctx.rv, &[STOP_KEY]).await?;
+    for (_, r) in rollouts {
+        let _ = r.stop.send(StopRollouts).await;
+    }
+    if stopped.is_none() {
+        ctx.stop_arbiters();
+        return Err(watch.lead_gone(&ctx.who));
+    }
+    if let Some(e) = engine
+        && let Ok(s) = e
+            .stats
+            .send(GetEngineStats)
+            .timeout(Duration::from_secs(5))
+            .await
+    {
+        tracing::info!(target: RANK_LOG,
+            "{}: stopped; engine loaded {} versions (paused {:.2} ms in total)",
+            ctx.who,
+            s.loads,
+            s.paused_total.as_secs_f64() * 1e3
+        );
+    }
+    if let Err(e) = ctx.rv.put(&bye_key(ctx.me), &()) {
+        tracing::warn!(target: RANK_LOG, "{}: acknowledging the stop: {e}", ctx.who);
+    }
+    Ok(())
+}

@@ -1,0 +1,107 @@
+//! The weight links' starter: the trainers' senders and the engines' inlets connect
+//! together (a broadcast sender waits for its receivers), each on a blocking thread.
+
+use refit_runtime::Manifests;
+use refit_transports::link::{self, ReceiverSpec};
+
+use crate::error::{Error, Result};
+use crate::learner::Learner;
+use crate::link::{WeightInlet, WeightOutlet};
+use crate::roles::ModelSpec;
+use crate::run::ids::{RANK_LOG, weights_key};
+use crate::run::weights;
+
+use super::RankCtx;
+use super::trainer::OpenedModel;
+
+/// A model this rank trains, connected: its learner and its outlet.
+pub(crate) type ModelOutlet = (ModelSpec, Box<dyn Learner>, Box<dyn WeightOutlet>);
+
+/// A model this rank's engine serves, connected: its inlet.
+pub(crate) type ModelInlet = (ModelSpec, Box<dyn WeightInlet>);
+
+/// The connected links of a rank.
+pub(crate) struct Links {
+    /// Per model this rank trains: its learner and its outlet.
+    pub(crate) outlets: Vec<ModelOutlet>,
+    /// Per model this rank's engine serves: its inlet (wrapped, when the run wraps them).
+    pub(crate) inlets: Vec<ModelInlet>,
+}
+
+/// Connects the senders of `opened` and an inlet for every model this rank's engine
+/// serves (from the receiver specs its trainer published), all at once.
+///
+/// # Errors
+/// The roles' engine layout; a transport the trainer did not open; a link that does not
+/// connect within `run.wait_s`.
+pub(crate) async fn connect(ctx: &RankCtx, opened: Vec<OpenedModel>) -> Result<Links> {
+    let wait = ctx.wait;
+    let mut senders = Vec::new();
+    for m in opened {
+        senders.push(actix_rt::task::spawn_blocking(move || {
+            m.links
+                .connect(&m.initial, wait)
+                .map(|outlet| (m.spec, m.learner, outlet))
+        }));
+    }
+    let receivers = spawn_inlets(ctx)?;
+    let mut outlets = Vec::new();
+    for t in senders {
+        outlets.push(
+            t.await
+                .map_err(|e| Error::Actor(format!("{}: connecting a sender: {e}", ctx.who)))??,
+        );
+    }
+    let mut inlets = Vec::new();
+    for t in receivers {
+        let (spec, inlet) = t
+            .await
+            .map_err(|e| Error::Actor(format!("{}: connecting an inlet: {e}", ctx.who)))??;
+        let inlet = match &ctx.wrap_inlet {
+            Some(w) => w(inlet),
+            None => inlet,
+        };
+        inlets.push((spec, inlet));
+    }
+    Ok(Links { outlets, inlets })
+}
+
+/// A connect in flight, on a blocking thread.
+type Connecting<T> = actix_rt::task::JoinHandle<Result<T>>;
+
+/// Starts connecting an inlet for every model this rank's engine serves.
+fn spawn_inlets(ctx: &RankCtx) -> Result<Vec<Connecting<ModelInlet>>> {
+    let (topo, me, wait) = (&ctx.topo, ctx.me, ctx.wait);
+    let engines = ctx.specs.iter().filter(|s| {
+        ctx.plan
+            .serves(refit_runtime::topology::Role::Engine, &s.id)
+    });
+    let mut receivers = Vec::new();
+    for spec in engines {
+        let expected = Manifests::new([(spec.id.clone(), ctx.work.engine_manifest(spec)?)])?;
+        let trainer = topo.trainer_ranks(&spec.id).first().copied().unwrap_or(0);
+        let wanted = link::for_kind(&topo.weights_transport(&spec.id, trainer, me))?.name();
+        let (rv, node) = (ctx.rv.clone(), ctx.node.clone());
+        let (spec, who) = (spec.clone(), ctx.who.clone());
+        receivers.push(actix_rt::task::spawn_blocking(move || {
+            let links: Vec<ReceiverSpec> = rv.take(&weights_key(&spec.id), wait)?;
+            let link = links
+                .iter()
+                .find(|l| l.transport() == wanted)
+                .ok_or_else(|| {
+                    Error::Config(format!(
+                        "{who}: the trainer of model `{}` opened no {wanted} link",
+                        spec.id
+                    ))
+                })?;
+            let inlet = weights::connect_inlet(&spec.id, link, &node, expected, wait)?;
+            tracing::info!(target: RANK_LOG,
+                "{who}: pid {}, model `{}` weights over {wanted}",
+                std::process::id(),
+                spec.id
+            );
+            Ok::<_, Error>((spec, inlet))
+        }));
+    }
+    Ok(receivers)
+}

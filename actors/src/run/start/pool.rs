@@ -1,0 +1,64 @@
+//! The trainer's starter, second half: per model this rank trains, its trainer actor
+//! (shard 0's assembling lead, for a sharded trainer) and its trajectory pool, served for
+//! the rollout workers.
+
+use std::collections::BTreeMap;
+
+use actix::prelude::*;
+use refit_runtime::ModelId;
+
+use crate::actor::pool::TrajectoryPool;
+use crate::actor::workers::Trainer;
+use crate::error::Result;
+use crate::protocol::controller::ControllerRef;
+use crate::protocol::pool::PoolRef;
+use crate::protocol::trainer::TrainAndPublish;
+use crate::roles::ModelSpec;
+use crate::run::ids::{Served, actor_id};
+use crate::run::shard;
+
+use super::RankCtx;
+use super::links::ModelOutlet;
+
+/// The trainers and pools of a rank.
+#[derive(Default)]
+pub(crate) struct Training {
+    /// Per model it trains: its trainer and pool, for its driver.
+    pub(crate) drivers: Vec<(ModelSpec, Recipient<TrainAndPublish>, PoolRef)>,
+    /// Its pools, for its own rollout workers.
+    pub(crate) pools: BTreeMap<ModelId, PoolRef>,
+}
+
+/// Starts a trainer and a pool (reporting its batches to `controller`) for every model in
+/// `outlets`.
+///
+/// # Errors
+/// A sharded trainer whose shards do not join in time or cannot be reached.
+pub(crate) async fn start(
+    ctx: &RankCtx,
+    outlets: Vec<ModelOutlet>,
+    controller: &ControllerRef,
+) -> Result<Training> {
+    let mut out = Training::default();
+    for (spec, learner, outlet) in outlets {
+        let trainer = if ctx.topo.trainer_ranks(&spec.id).len() > 1 {
+            shard::start_lead(&ctx.shard_site(), &spec, learner, outlet).await?
+        } else {
+            Trainer::start_with_outlet(learner, outlet).recipient()
+        };
+        let pool = TrajectoryPool::new(
+            spec.id.clone(),
+            spec.batch_frames,
+            ctx.sync.allowed_staleness(),
+            Some(controller.batch_ready.clone()),
+        )
+        .with_capacity_batches(ctx.sync.max_buffered_batches)
+        .start();
+        let pref = PoolRef::local(&pool);
+        let mi = ctx.topo.model_index(&spec.id).unwrap_or(0);
+        pref.serve(&ctx.node, actor_id(Served::Pool, ctx.me, mi, 0));
+        out.pools.insert(spec.id.clone(), pref.clone());
+        out.drivers.push((spec, trainer, pref));
+    }
+    Ok(out)
+}

@@ -1,0 +1,122 @@
+//! The trainer's starter, first half: on the first trainer rank of each model, the
+//! learner, its first version and its weight links (one sender per transport the engines
+//! need), whose receiver specs go to the store for the engine ranks.
+
+use refit_runtime::topology::TransportKind;
+use refit_runtime::{Version, WeightSet};
+
+use crate::error::{Error, Result};
+use crate::learner::Learner;
+use crate::roles::ModelSpec;
+use crate::run::ids::{RANK_LOG, weights_key};
+use crate::run::weights::{self, Leftovers, OpenedLinks};
+
+use super::RankCtx;
+
+/// One model this rank trains: its learner, first version and weight links (not
+/// connected yet).
+pub(crate) struct OpenedModel {
+    /// The model.
+    pub(crate) spec: ModelSpec,
+    /// Its learner.
+    pub(crate) learner: Box<dyn Learner>,
+    /// Version 1, as the learner exported it.
+    pub(crate) initial: WeightSet,
+    /// Its senders, opened.
+    pub(crate) links: OpenedLinks,
+}
+
+/// What [`open`] opened.
+#[derive(Default)]
+pub(crate) struct Opened {
+    /// The models this rank trains (shard 0 of a sharded trainer included).
+    pub(crate) models: Vec<OpenedModel>,
+    /// Files the links made, removed at the end of the run.
+    pub(crate) leftovers: Leftovers,
+}
+
+/// Opens every model this rank is the (first) trainer of, and publishes its receiver
+/// specs in the store.
+///
+/// # Errors
+/// A restarted rank that holds a trainer; the roles refusing the model; a learner whose
+/// first export is not v1 of its own model; a conversion the engines' layout does not
+/// fit; a link that cannot be opened.
+pub(crate) fn open(ctx: &RankCtx) -> Result<Opened> {
+    let trains: Vec<&ModelSpec> = ctx
+        .specs
+        .iter()
+        .filter(|s| ctx.topo.trainer_ranks(&s.id).first() == Some(&ctx.me))
+        .collect();
+    if ctx.rejoining && !trains.is_empty() {
+        return Err(Error::Config(format!(
+            "{} holds a trainer and cannot rejoin a running run (incarnation {})",
+            ctx.who, ctx.incarnation
+        )));
+    }
+    let mut opened = Opened::default();
+    for spec in trains {
+        let model = open_model(ctx, spec)?;
+        opened
+            .leftovers
+            .0
+            .extend(model.links.leftovers.iter().cloned());
+        ctx.rv.put(&weights_key(&spec.id), &model.links.specs)?;
+        opened.models.push(model);
+    }
+    Ok(opened)
+}
+
+/// The learner of `spec`, its first version, and its links to every engine rank of it.
+fn open_model(ctx: &RankCtx, spec: &ModelSpec) -> Result<OpenedModel> {
+    let topo = &ctx.topo;
+    ctx.work.check(spec, topo.run.seed)?;
+    let mut learner = ctx.work.learner(spec)?;
+    let initial = learner.export()?;
+    if initial.model() != &spec.id || initial.version() != Version(1) {
+        return Err(Error::Config(format!(
+            "the learner of model `{}` exported its first weights as model `{}` v{} \
+             (a fresh learner exports v1 of its own model)",
+            spec.id,
+            initial.model(),
+            initial.version()
+        )));
+    }
+    let want = match topo.model(&spec.id).and_then(|m| m.convert.as_ref()) {
+        Some(c) => Some(c.want(&format!("model[{}].convert", spec.id))?),
+        None => ctx.work.want(spec)?,
+    };
+    let (wire, conversions) = weights::plan(&initial, want)?;
+    ctx.work
+        .engine_manifest(spec)?
+        .check_same_schema(&spec.id, wire.get(&spec.id)?)?;
+    let mut kinds: Vec<(TransportKind, usize)> = Vec::new();
+    for r in topo.engine_ranks_of(&spec.id) {
+        let k = topo.weights_transport(&spec.id, ctx.me, r);
+        match kinds.iter_mut().find(|(kind, _)| *kind == k) {
+            Some((_, n)) => *n += 1,
+            None => kinds.push((k, 1)),
+        }
+    }
+    let links = weights::open_links(
+        &ctx.node,
+        &initial,
+        conversions.as_ref(),
+        &kinds,
+        topo.links.checksum,
+    )?;
+    for l in &links.specs {
+        tracing::info!(target: RANK_LOG,
+            "{}: pid {}, model `{}` weights: {l}",
+            ctx.who,
+            std::process::id(),
+            spec.id
+        );
+    }
+    Ok(OpenedModel {
+        spec: spec.clone(),
+        learner,
+        initial,
+        links,
+    })
+}
