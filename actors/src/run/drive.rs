@@ -14,7 +14,7 @@ use crate::actor::controller::VersionNotifier;
 use crate::error::{Error, Result};
 use crate::protocol::controller::{AwaitDrained, AwaitSynced, ControllerRef};
 use crate::protocol::lead::{LeadRef, Progress, UpdateLine};
-use crate::protocol::pool::{AwaitBatch, PoolRef, TakeBatch};
+use crate::protocol::pool::{AwaitBatch, PoolBatch, PoolRef, TakeBatch};
 use crate::protocol::trainer::TrainAndPublish;
 
 use super::{ModelReport, StopRule, UpdateRecord};
@@ -69,6 +69,34 @@ fn update_line(record: &UpdateRecord, generated: bool, allowed: Option<u64>) -> 
     }
 }
 
+/// Counts a batch into the report (its episodes and frames, the staleness totals, the
+/// fragments evicted) and its returns into `last20`, the returns the mean is taken over (a
+/// batch of completions, `generated`, is its own); answers that mean.
+fn tally(
+    report: &mut ModelReport,
+    last20: &mut VecDeque<f64>,
+    pb: &PoolBatch,
+    generated: bool,
+) -> f64 {
+    if generated {
+        // a batch of completions: its own mean reward
+        last20.clear();
+    }
+    for e in &pb.batch.episodes {
+        if !generated && last20.len() == 20 {
+            last20.pop_front();
+        }
+        last20.push_back(e.ret);
+    }
+    report.episodes += pb.batch.episodes.len() as u64;
+    report.frames += pb.batch.frames as u64;
+    let mean_return = mean(last20);
+    report.mean_return = mean_return;
+    report.staleness = pb.totals.clone();
+    report.evicted += pb.evicted;
+    mean_return
+}
+
 /// The mean of the last (up to) 20 values.
 fn mean(values: &VecDeque<f64>) -> f64 {
     if values.is_empty() {
@@ -98,60 +126,14 @@ impl Driver {
             evals: Vec::new(),
             workers: Vec::new(),
         };
-        let (wait, call) = (self.wait, self.call);
-        // a batch waits at most `wait`; the message's own deadline allows for the reply
-        let slack = wait + Duration::from_secs(5);
+        let call = self.call;
         loop {
             if self.mode == SyncMode::Sync {
-                // Every fragment admitted under this version is on-policy: wait for them all.
-                self.pool
-                    .await_batch
-                    .send(AwaitBatch {
-                        train_version: version,
-                        timeout: wait,
-                    })
-                    .timeout(slack)
-                    .await
-                    .map_err(|e| unanswered(&model, "pool", e, slack))??;
-                self.controller
-                    .await_drained
-                    .send(AwaitDrained {
-                        model: model.clone(),
-                    })
-                    .timeout(call)
-                    .await
-                    .map_err(|e| unanswered(&model, "controller (drain)", e, call))??;
+                self.await_on_policy(version).await?;
             }
-            let pb = self
-                .pool
-                .take
-                .send(TakeBatch {
-                    train_version: version,
-                    all: self.mode == SyncMode::Sync,
-                    timeout: wait,
-                })
-                .timeout(slack)
-                .await
-                .map_err(|e| unanswered(&model, "pool", e, slack))??;
+            let pb = self.take_batch(version).await?;
             let generated = !pb.batch.sequences.is_empty();
-            if generated {
-                // a batch of completions: its own mean reward
-                last20.clear();
-            }
-            for e in &pb.batch.episodes {
-                if !generated && last20.len() == 20 {
-                    last20.pop_front();
-                }
-                last20.push_back(e.ret);
-            }
-            report.episodes += pb.batch.episodes.len() as u64;
-            report.frames += pb.batch.frames as u64;
-            let mean_return = mean(&last20);
-            report.mean_return = mean_return;
-            report.staleness = pb.totals.clone();
-            report.evicted += pb.evicted;
-            let sample_versions = pb.batch.version_range().unwrap_or((version, version));
-            let frames = pb.batch.frames;
+            let mean_return = tally(&mut report, &mut last20, &pb, generated);
             // one span per weight update: training, publishing, and the controller's round
             let span = tracing::info_span!(
                 "weight_update",
@@ -159,43 +141,13 @@ impl Driver {
                 from = %version,
                 to = tracing::field::Empty
             );
-            let update_started = Instant::now();
-            let (stats, published) = self
-                .trainer
-                .send(TrainAndPublish { batch: pb.batch })
-                .timeout(slack)
-                .instrument(span.clone())
-                .await
-                .map_err(|e| unanswered(&model, "trainer", e, slack))??;
-            span.record("to", tracing::field::display(published));
-            let train_ms = update_started.elapsed().as_millis() as u64;
-            span.in_scope(|| {
-                tracing::debug!(
-                    frames = report.frames,
-                    mean_return = format_args!("{mean_return:.3}"),
-                    max_staleness = pb.max_staleness,
-                    dropped = pb.dropped,
-                    train_ms,
-                    "trained and published"
-                );
-            });
-            let record = UpdateRecord {
-                train_version: version,
-                published,
-                frames,
-                sample_versions,
-                max_staleness: pb.max_staleness,
-                dropped: pb.dropped,
-                evicted: pb.evicted,
-                fragments: pb.fragments,
-                mean_return,
-                elapsed: self.started.elapsed(),
-                train: Duration::from_millis(train_ms),
-                learn: stats,
-            };
+            let record = self
+                .train(pb, version, &span, report.frames, mean_return)
+                .await?;
             let mut update = update_line(&record, generated, self.allowed_staleness);
+            let sample_versions = record.sample_versions;
+            version = record.published;
             report.updates.push(record);
-            version = published;
             if let Some(eval) = self
                 .notifier
                 .notify(version)
@@ -240,5 +192,101 @@ impl Driver {
             .await
             .map_err(|e| unanswered(&model, "controller (last version)", e, call))??;
         Ok(report)
+    }
+
+    /// How long a message that waits for a batch may go unanswered: a batch waits at most
+    /// `wait`; the message's own deadline allows for the reply.
+    fn slack(&self) -> Duration {
+        self.wait + Duration::from_secs(5)
+    }
+
+    /// Sync mode, before each batch: waits for every fragment admitted under `version`, then
+    /// for the controller to drain the model.
+    async fn await_on_policy(&self, version: Version) -> Result<()> {
+        let (model, wait, call, slack) = (&self.model, self.wait, self.call, self.slack());
+        // Every fragment admitted under this version is on-policy: wait for them all.
+        self.pool
+            .await_batch
+            .send(AwaitBatch {
+                train_version: version,
+                timeout: wait,
+            })
+            .timeout(slack)
+            .await
+            .map_err(|e| unanswered(model, "pool", e, slack))??;
+        self.controller
+            .await_drained
+            .send(AwaitDrained {
+                model: model.clone(),
+            })
+            .timeout(call)
+            .await
+            .map_err(|e| unanswered(model, "controller (drain)", e, call))??;
+        Ok(())
+    }
+
+    /// The next batch from the pool to train `version` on (in sync mode, all it holds).
+    async fn take_batch(&self, version: Version) -> Result<PoolBatch> {
+        let slack = self.slack();
+        self.pool
+            .take
+            .send(TakeBatch {
+                train_version: version,
+                all: self.mode == SyncMode::Sync,
+                timeout: self.wait,
+            })
+            .timeout(slack)
+            .await
+            .map_err(|e| unanswered(&self.model, "pool", e, slack))?
+    }
+
+    /// Trains `version` on the batch and publishes the next, in `span` (which records the
+    /// version published); answers the update's record. `frames` (the run's so far) and
+    /// `mean_return` go to the debug line.
+    async fn train(
+        &self,
+        pb: PoolBatch,
+        version: Version,
+        span: &tracing::Span,
+        frames: u64,
+        mean_return: f64,
+    ) -> Result<UpdateRecord> {
+        let slack = self.slack();
+        let sample_versions = pb.batch.version_range().unwrap_or((version, version));
+        let batch_frames = pb.batch.frames;
+        let update_started = Instant::now();
+        let (stats, published) = self
+            .trainer
+            .send(TrainAndPublish { batch: pb.batch })
+            .timeout(slack)
+            .instrument(span.clone())
+            .await
+            .map_err(|e| unanswered(&self.model, "trainer", e, slack))??;
+        span.record("to", tracing::field::display(published));
+        let train_ms = update_started.elapsed().as_millis() as u64;
+        span.in_scope(|| {
+            tracing::debug!(
+                frames,
+                mean_return = format_args!("{mean_return:.3}"),
+                max_staleness = pb.max_staleness,
+                dropped = pb.dropped,
+                train_ms,
+                "trained and published"
+            );
+        });
+        Ok(UpdateRecord {
+            train_version: version,
+            published,
+            frames: batch_frames,
+            sample_versions,
+            max_staleness: pb.max_staleness,
+            dropped: pb.dropped,
+            evicted: pb.evicted,
+            fragments: pb.fragments,
+            mean_return,
+            elapsed: self.started.elapsed(),
+            train: Duration::from_millis(train_ms),
+            learn: stats,
+        })
     }
 }

@@ -383,74 +383,89 @@ pub(super) fn bench_pull(args: &BenchArgs) -> BoxResult<Vec<Row>> {
     let size = args.pull_size.next_multiple_of(4 * refit::runtime::ALIGN);
     let iters = args.iters.max(3);
     let tuning = tune(size)?;
-    let file_write = file_write_baseline(size, iters, &args.pull_dir)?;
-    let touch = first_touch_baseline(size, iters, false);
-    let touch_huge = first_touch_baseline(size, iters, true);
-    let ws = Arc::unwrap_or_clone(make_weights(size, 4)?);
-    let pid = std::process::id();
-    let files = PullFiles {
-        source: std::env::temp_dir().join(format!("refit-bench-{pid}-model.safetensors")),
-        spec: args.pull_dir.join(format!(".refit-bench-{pid}.spec")),
-        serve_spec: args.pull_dir.join(format!(".refit-bench-{pid}-serve.spec")),
-        out: args.pull_dir.join(format!("refit-bench-{pid}.safetensors")),
-        sink: args.pull_dir.join(format!(".refit-bench-{pid}.sink")),
+    let baselines = Baselines {
+        file_write: file_write_baseline(size, iters, &args.pull_dir)?,
+        touch: first_touch_baseline(size, iters, false),
+        touch_huge: first_touch_baseline(size, iters, true),
     };
-    let result = (|| -> BoxResult<Times> {
-        ws.write_safetensors(&files.source)?;
-        let manifests = Manifests::new([(ws.model().clone(), Arc::clone(ws.manifest()))])?;
-        let config = TcpConfig {
-            token: Some(bench_token().clone()),
-            ..TcpConfig::default()
-        };
-        let transport = TcpSender::bind(config, &manifests)?;
-        refit::runtime::write_atomically(
-            &files.spec,
-            wire::to_token(&transport.endpoint())?.as_bytes(),
-        )?;
-        let sender = SenderInit::new(transport, manifests).connect(vec![ws], WAIT)?;
-        let mut tcp = Stream::start(size, iters + 1, tuning.best)?;
-        tcp.once()?;
-        let mut into_file =
-            Stream::start_into(size, iters, tuning.best, ReadInto::NewFile(&files.sink))?;
-        let mut iperf = iperf3().map(Iperf3::start).transpose()?;
-        let mut t = Times::default();
-        for _ in 0..iters {
-            t.tcp.push(tcp.once()?);
-            t.into_file.push(into_file.once()?);
-            if let Some(i) = iperf.as_mut() {
-                // a cross-check only: one that cannot measure (small sizes end before
-                // iperf3's report counts them) drops its row, not the run
-                match i.once(size) {
-                    Ok(d) => t.iperf3.push(d),
-                    Err(e) => {
-                        eprintln!("refit bench: no iperf3 row: {e}");
-                        iperf = None;
-                        t.iperf3.clear();
-                    }
+    let ws = Arc::unwrap_or_clone(make_weights(size, 4)?);
+    let files = PullFiles::new(&args.pull_dir);
+    let result = time_pulls(ws, &files, size, iters, tuning);
+    files.remove();
+    let t = result?;
+    let dir = args.pull_dir.display().to_string();
+    Ok(pull_rows(&t, tuning, &baselines, size, &dir))
+}
+
+/// The rounds of the pull rows: a sender in this process serves `ws` for `refit pull`, and
+/// each round times the tuned stream, the stream into a new file, `iperf3` (where
+/// installed), a `refit pull` and a `refit serve FILE` with its pull.
+fn time_pulls(
+    ws: WeightSet,
+    files: &PullFiles,
+    size: usize,
+    iters: usize,
+    tuning: &Tuning,
+) -> BoxResult<Times> {
+    ws.write_safetensors(&files.source)?;
+    let manifests = Manifests::new([(ws.model().clone(), Arc::clone(ws.manifest()))])?;
+    let config = TcpConfig {
+        token: Some(bench_token().clone()),
+        ..TcpConfig::default()
+    };
+    let transport = TcpSender::bind(config, &manifests)?;
+    refit::runtime::write_atomically(
+        &files.spec,
+        wire::to_token(&transport.endpoint())?.as_bytes(),
+    )?;
+    let sender = SenderInit::new(transport, manifests).connect(vec![ws], WAIT)?;
+    let mut tcp = Stream::start(size, iters + 1, tuning.best)?;
+    tcp.once()?;
+    let mut into_file =
+        Stream::start_into(size, iters, tuning.best, ReadInto::NewFile(&files.sink))?;
+    let mut iperf = iperf3().map(Iperf3::start).transpose()?;
+    let mut t = Times::default();
+    for _ in 0..iters {
+        t.tcp.push(tcp.once()?);
+        t.into_file.push(into_file.once()?);
+        if let Some(i) = iperf.as_mut() {
+            // a cross-check only: one that cannot measure (small sizes end before
+            // iperf3's report counts them) drops its row, not the run
+            match i.once(size) {
+                Ok(d) => t.iperf3.push(d),
+                Err(e) => {
+                    eprintln!("refit bench: no iperf3 row: {e}");
+                    iperf = None;
+                    t.iperf3.clear();
                 }
             }
-            t.pull.push(pull_once(&files.spec, &files.out, size)?);
-            let (start, pulled) = serve_and_pull(&files, size)?;
-            t.serve_start.push(start);
-            t.serve_pull.push(pulled);
         }
-        tcp.finish()?;
-        into_file.finish()?;
-        sender.shutdown()?;
-        Ok(t)
-    })();
-    for f in [
-        &files.source,
-        &files.spec,
-        &files.serve_spec,
-        &files.out,
-        &files.sink,
-    ] {
-        let _ = std::fs::remove_file(f);
+        t.pull.push(pull_once(&files.spec, &files.out, size)?);
+        let (start, pulled) = serve_and_pull(files, size)?;
+        t.serve_start.push(start);
+        t.serve_pull.push(pulled);
     }
-    let t = result?;
+    tcp.finish()?;
+    into_file.finish()?;
+    sender.shutdown()?;
+    Ok(t)
+}
+
+/// The costs of new memory and a new file that the pull rows are read against.
+struct Baselines {
+    /// Writing the pulled size into a new file in the pull directory.
+    file_write: Summary,
+    /// The first touch of new memory: on the heap, and in an arena (huge pages where the
+    /// system has them).
+    touch: Summary,
+    touch_huge: Summary,
+}
+
+/// The rows of the pull comparison: the tuned stream (and each tuning tried, and
+/// `iperf3`), the new file's and new memory's costs, the stream into a new file, and the
+/// pulls against both the stream and the stream into a file.
+fn pull_rows(t: &Times, tuning: &Tuning, base: &Baselines, size: usize, dir: &str) -> Vec<Row> {
     let tcp = Summary::of(&t.tcp);
-    let dir = args.pull_dir.display().to_string();
     let best_try = tuning
         .tried
         .iter()
@@ -494,9 +509,9 @@ pub(super) fn bench_pull(args: &BenchArgs) -> BoxResult<Vec<Row>> {
     rows.push(against_tcp(
         "new file",
         &format!("write to {dir}"),
-        file_write,
+        base.file_write,
     ));
-    rows.push(against_tcp("new memory", "first touch", touch));
+    rows.push(against_tcp("new memory", "first touch", base.touch));
     rows.push(against_tcp(
         "new memory",
         if refit::runtime::AlignedBuf::huge_pages() {
@@ -504,7 +519,7 @@ pub(super) fn bench_pull(args: &BenchArgs) -> BoxResult<Vec<Row>> {
         } else {
             "  arena (small pages)"
         },
-        touch_huge,
+        base.touch_huge,
     ));
     // the same job as `refit pull` done by a simple program: the tuned stream, its reader
     // writing what it reads into a new file there
@@ -540,7 +555,7 @@ pub(super) fn bench_pull(args: &BenchArgs) -> BoxResult<Vec<Row>> {
         "  start (reads FILE)",
         Summary::of(&t.serve_start),
     ));
-    Ok(rows)
+    rows
 }
 
 /// The files of the pull rows (all removed at the end).
@@ -555,6 +570,33 @@ struct PullFiles {
     out: PathBuf,
     /// What the baseline stream into a file writes.
     sink: PathBuf,
+}
+
+impl PullFiles {
+    /// This process's files: the model in the temporary folder, the others in `dir`.
+    fn new(dir: &Path) -> Self {
+        let pid = std::process::id();
+        Self {
+            source: std::env::temp_dir().join(format!("refit-bench-{pid}-model.safetensors")),
+            spec: dir.join(format!(".refit-bench-{pid}.spec")),
+            serve_spec: dir.join(format!(".refit-bench-{pid}-serve.spec")),
+            out: dir.join(format!("refit-bench-{pid}.safetensors")),
+            sink: dir.join(format!(".refit-bench-{pid}.sink")),
+        }
+    }
+
+    /// Removes every one of the files (those not there are no error).
+    fn remove(&self) {
+        for f in [
+            &self.source,
+            &self.spec,
+            &self.serve_spec,
+            &self.out,
+            &self.sink,
+        ] {
+            let _ = std::fs::remove_file(f);
+        }
+    }
 }
 
 /// Timings of the pull rows, one per round.

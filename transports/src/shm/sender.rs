@@ -124,6 +124,53 @@ pub struct ShmSender {
     exported: Option<Box<dyn ExportSlots>>,
 }
 
+/// The models of a new board ([`ShmSender::directory`]).
+struct ModelSegments {
+    /// The directory's entries, each naming its data segment (and its exported buffers).
+    models: Vec<DirModel>,
+    /// Each data segment's size: its room for every slot, and the part reserved now.
+    sizes: Vec<(usize, usize)>,
+    /// Each model's place in the lists.
+    index: BTreeMap<ModelId, usize>,
+}
+
+/// What a new board's header holds besides the config ([`BoardHeader::write`]).
+struct BoardHeader<'a> {
+    lease_ms: u32,
+    /// Where the directory starts, and its bytes.
+    dir_off: usize,
+    dir_bytes: &'a [u8],
+    /// The models, and the slots each one's segment has room for.
+    models: usize,
+    capacity: usize,
+}
+
+impl BoardHeader<'_> {
+    /// Writes the header of a new board: its layout, the sender's lease record, the
+    /// directory, the counts and the flags (not the magic: that comes once the data segments
+    /// exist).
+    fn write(&self, b: &Segment, config: &ShmConfig) -> Result<()> {
+        b.u32_at(OFF_LAYOUT)?.store(LAYOUT, Ordering::Relaxed);
+        b.u32_at(OFF_SENDER + lease::REC_LEASE_MS)?
+            .store(self.lease_ms, Ordering::Relaxed);
+        lease::write_record(b, OFF_SENDER, Identity::current())?;
+        b.write(self.dir_off, self.dir_bytes)?;
+        b.u32_at(OFF_N_MODELS)?
+            .store(self.models as u32, Ordering::Relaxed);
+        b.u32_at(OFF_N_SLOTS)?
+            .store(self.capacity as u32, Ordering::Relaxed);
+        b.u32_at(OFF_FLAGS)?.store(
+            if config.checksum { FLAG_CHECKSUM } else { 0 },
+            Ordering::Relaxed,
+        );
+        b.u32_at(OFF_MAX_RECEIVERS)?
+            .store(config.max_receivers as u32, Ordering::Relaxed);
+        b.u64_at(OFF_DIR_LEN)?
+            .store(self.dir_bytes.len() as u64, Ordering::Relaxed);
+        Ok(())
+    }
+}
+
 impl ShmSender {
     /// Creates the segments for `manifests` (local only: nobody is contacted).
     ///
@@ -164,64 +211,19 @@ impl ShmSender {
         manifests: &Manifests,
         mut exported: Option<Box<dyn ExportSlots>>,
     ) -> Result<Self> {
-        if !(2..=MAX_SLOTS).contains(&config.slots) {
-            return Err(shm_err(format!(
-                "slots must be 2..={MAX_SLOTS}, got {}",
-                config.slots
-            )));
-        }
-        if config.max_slots > MAX_SLOTS {
-            return Err(shm_err(format!(
-                "max_slots must be at most {MAX_SLOTS}, got {}",
-                config.max_slots
-            )));
-        }
-        // exported slots are exported once, at creation: such a board does not grow
-        let capacity = match exported {
-            Some(_) => config.slots,
-            None => config.max_slots.max(config.slots),
-        };
-        if manifests.is_empty() || manifests.len() > MAX_MODELS {
-            return Err(shm_err(format!(
-                "a scheme carries 1..={MAX_MODELS} models, got {}",
-                manifests.len()
-            )));
-        }
-        if config.max_receivers == 0 || config.max_receivers > 4096 {
-            return Err(shm_err("max_receivers must be 1..=4096"));
-        }
-        let lease_ms = u32::try_from(config.lease.as_millis())
-            .ok()
-            .filter(|ms| (10..=3_600_000).contains(ms))
-            .ok_or_else(|| shm_err(format!("lease must be 10 ms..=1 h, got {:?}", config.lease)))?;
+        let (capacity, lease_ms) = Self::check_config(config, manifests, exported.is_some())?;
         let scheme = uuid::Uuid::new_v4().simple().to_string();
-        let mut models = Vec::new();
-        let mut sizes = Vec::new();
-        let mut index = BTreeMap::new();
-        for (i, (id, manifest)) in manifests.iter().enumerate() {
-            // exported slots keep their bytes elsewhere: the segment holds their headers
-            let stride = match exported {
-                Some(_) => PAGE,
-                None => slot_stride(manifest.total_len()),
-            };
-            let room = stride.checked_mul(capacity);
-            let reserved = stride.checked_mul(config.slots);
-            let (Some(room), Some(reserved)) = (room, reserved) else {
-                return Err(shm_err("segment size overflows"));
-            };
-            sizes.push((room, reserved));
-            index.insert(id.clone(), i);
-            let handles = match exported.as_mut() {
-                Some(e) => e.export(manifest.total_len(), config.slots)?,
-                None => Vec::new(),
-            };
-            models.push(DirModel {
-                id: id.clone(),
-                manifest: (**manifest).clone(),
-                data: config.dir.join(format!("refit-{scheme}-m{i}")),
-                exported: handles,
-            });
-        }
+        let ModelSegments {
+            models,
+            sizes,
+            index,
+        } = Self::directory(
+            config,
+            manifests,
+            capacity,
+            &scheme,
+            exported.as_deref_mut(),
+        )?;
         let paths: Vec<PathBuf> = models.iter().map(|m| m.data.clone()).collect();
         let dir_bytes = wire::encode(&Directory { models })?;
         let dir_off = directory_offset(config.max_receivers);
@@ -243,28 +245,14 @@ impl ShmSender {
             }
             e
         };
-        let init = (|| -> Result<()> {
-            let b = &board;
-            b.u32_at(OFF_LAYOUT)?.store(LAYOUT, Ordering::Relaxed);
-            b.u32_at(OFF_SENDER + lease::REC_LEASE_MS)?
-                .store(lease_ms, Ordering::Relaxed);
-            lease::write_record(b, OFF_SENDER, Identity::current())?;
-            b.write(dir_off, &dir_bytes)?;
-            b.u32_at(OFF_N_MODELS)?
-                .store(manifests.len() as u32, Ordering::Relaxed);
-            b.u32_at(OFF_N_SLOTS)?
-                .store(capacity as u32, Ordering::Relaxed);
-            b.u32_at(OFF_FLAGS)?.store(
-                if config.checksum { FLAG_CHECKSUM } else { 0 },
-                Ordering::Relaxed,
-            );
-            b.u32_at(OFF_MAX_RECEIVERS)?
-                .store(config.max_receivers as u32, Ordering::Relaxed);
-            b.u64_at(OFF_DIR_LEN)?
-                .store(dir_bytes.len() as u64, Ordering::Relaxed);
-            Ok(())
-        })();
-        if let Err(e) = init {
+        let header = BoardHeader {
+            lease_ms,
+            dir_off,
+            dir_bytes: &dir_bytes,
+            models: manifests.len(),
+            capacity,
+        };
+        if let Err(e) = header.write(&board, config) {
             return Err(fail(&[], e));
         }
         let heartbeat = match Heartbeat::start(Arc::clone(&board), OFF_SENDER, config.lease) {
@@ -272,16 +260,8 @@ impl ShmSender {
             Err(e) => return Err(fail(&[], e)),
         };
         let mut data = Vec::with_capacity(paths.len());
-        for (path, &(room, reserved)) in paths.iter().zip(&sizes) {
-            // the slots in use from the start are reserved and prefaulted now, before any
-            // version is on its way: a first publish then writes as fast as the next one
-            let made = Segment::create_sparse(path, room).map(Arc::new);
-            if let Ok(s) = &made {
-                data.push(Arc::clone(s));
-            }
-            if let Err(e) = made.and_then(|s| s.reserve(0, reserved, copy_threads())) {
-                return Err(fail(&data, e));
-            }
+        if let Err(e) = Self::create_data(&paths, &sizes, &mut data) {
+            return Err(fail(&data, e));
         }
         if let Err(e) = board
             .u64_at(OFF_MAGIC)
@@ -320,6 +300,112 @@ impl ShmSender {
             closed: false,
             exported,
         })
+    }
+
+    /// Checks a sender's config against the limits of the board: returns the slots each
+    /// model's segment has room for and the lease in milliseconds.
+    fn check_config(
+        config: &ShmConfig,
+        manifests: &Manifests,
+        exported: bool,
+    ) -> Result<(usize, u32)> {
+        if !(2..=MAX_SLOTS).contains(&config.slots) {
+            return Err(shm_err(format!(
+                "slots must be 2..={MAX_SLOTS}, got {}",
+                config.slots
+            )));
+        }
+        if config.max_slots > MAX_SLOTS {
+            return Err(shm_err(format!(
+                "max_slots must be at most {MAX_SLOTS}, got {}",
+                config.max_slots
+            )));
+        }
+        // exported slots are exported once, at creation: such a board does not grow
+        let capacity = if exported {
+            config.slots
+        } else {
+            config.max_slots.max(config.slots)
+        };
+        if manifests.is_empty() || manifests.len() > MAX_MODELS {
+            return Err(shm_err(format!(
+                "a scheme carries 1..={MAX_MODELS} models, got {}",
+                manifests.len()
+            )));
+        }
+        if config.max_receivers == 0 || config.max_receivers > 4096 {
+            return Err(shm_err("max_receivers must be 1..=4096"));
+        }
+        let lease_ms = u32::try_from(config.lease.as_millis())
+            .ok()
+            .filter(|ms| (10..=3_600_000).contains(ms))
+            .ok_or_else(|| shm_err(format!("lease must be 10 ms..=1 h, got {:?}", config.lease)))?;
+        Ok((capacity, lease_ms))
+    }
+
+    /// The board's directory of models (each one's data segment and, for exported slots,
+    /// the buffers `exported` exports now), each segment's size (its room for `capacity`
+    /// slots, and the part reserved for the slots in use from the start), and each model's
+    /// index.
+    fn directory(
+        config: &ShmConfig,
+        manifests: &Manifests,
+        capacity: usize,
+        scheme: &str,
+        mut exported: Option<&mut (dyn ExportSlots + 'static)>,
+    ) -> Result<ModelSegments> {
+        let mut models = Vec::new();
+        let mut sizes = Vec::new();
+        let mut index = BTreeMap::new();
+        for (i, (id, manifest)) in manifests.iter().enumerate() {
+            // exported slots keep their bytes elsewhere: the segment holds their headers
+            let stride = match exported {
+                Some(_) => PAGE,
+                None => slot_stride(manifest.total_len()),
+            };
+            let room = stride.checked_mul(capacity);
+            let reserved = stride.checked_mul(config.slots);
+            let (Some(room), Some(reserved)) = (room, reserved) else {
+                return Err(shm_err("segment size overflows"));
+            };
+            sizes.push((room, reserved));
+            index.insert(id.clone(), i);
+            let handles = match exported.as_mut() {
+                Some(e) => e.export(manifest.total_len(), config.slots)?,
+                None => Vec::new(),
+            };
+            models.push(DirModel {
+                id: id.clone(),
+                manifest: (**manifest).clone(),
+                data: config.dir.join(format!("refit-{scheme}-m{i}")),
+                exported: handles,
+            });
+        }
+        Ok(ModelSegments {
+            models,
+            sizes,
+            index,
+        })
+    }
+
+    /// Creates the data segments at `paths`, each with room for `sizes`' first and the
+    /// slots in use from the start (the second) reserved and prefaulted; `data` holds every
+    /// segment created, for the caller to unlink on failure.
+    fn create_data(
+        paths: &[PathBuf],
+        sizes: &[(usize, usize)],
+        data: &mut Vec<Arc<Segment>>,
+    ) -> Result<()> {
+        for (path, &(room, reserved)) in paths.iter().zip(sizes) {
+            // the slots in use from the start are reserved and prefaulted now, before any
+            // version is on its way: a first publish then writes as fast as the next one
+            let made = Segment::create_sparse(path, room).map(Arc::new);
+            if let Ok(s) = &made {
+                data.push(Arc::clone(s));
+            }
+            made.and_then(|s| s.reserve(0, reserved, copy_threads()))?;
+        }
+        Ok(())
     }
 
     /// The description a receiver (in any process of this host) attaches with.

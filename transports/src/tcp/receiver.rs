@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use refit_node::{ClusterToken, Node, NodeConfig, Peer, open_stream};
+use refit_node::{ClusterToken, Node, NodeConfig, OpenStream, Peer, open_stream};
 use refit_runtime::delta::BucketDelta;
 use refit_runtime::metrics::{self, Phase};
 use refit_runtime::wait::{Wait, poll_until};
@@ -209,6 +209,43 @@ impl Shared {
             .get(model)
             .and_then(|q| q.back())
             .map_or(Version::ZERO, |w| w.version())
+    }
+}
+
+/// Where one transfer writes ([`TcpReceiver::prepare_target`]).
+struct Target {
+    /// An arena of the pool, as the version in flight (none when a sink takes the bytes).
+    flight: Option<Arc<InFlight>>,
+    sink: Option<Box<dyn Sink>>,
+    /// The arena is a fresh map (none to recycle): its pages are faulted in beside the
+    /// streams.
+    fresh: bool,
+}
+
+/// One transfer under way: what is pulled, on which terms, and by when.
+struct Job<'a> {
+    model: &'a ModelId,
+    version: Version,
+    manifest: &'a Arc<Manifest>,
+    plan: &'a Arc<BucketPlan>,
+    t: &'a Plan,
+    starts: &'a [usize],
+    token: &'a ClusterToken,
+    deadline: Instant,
+    /// When the pull began (its first attempt).
+    started: Instant,
+}
+
+impl Job<'_> {
+    /// The error of a pull the watchdog abandoned.
+    fn expired(&self) -> Error {
+        Error::Timeout {
+            what: format!(
+                "`{}` v{} from {} (bytes stopped arriving past the deadline)",
+                self.model, self.version, self.t.source
+            ),
+            after: self.started.elapsed(),
+        }
     }
 }
 
@@ -538,231 +575,44 @@ impl TcpReceiver {
         let mut attempt = 0;
         loop {
             attempt += 1;
-            let req = TransferReq {
-                receiver: self.id,
-                model: model.clone(),
-                version,
-                have: base.as_ref().map(|b| b.version()),
-                mode: self.cfg.mode,
-                plan: self.shared.plan(model).map(|p| p.0),
-                relay_in_flight: self.cfg.relay && self.sinks.is_none(),
-            };
-            let reply: TransferReply = self.ctl()?.call(
-                self.spec.agent,
-                TRANSFER,
-                &req,
-                self.within(deadline, self.cfg.call_timeout),
-            )?;
-            let t = match reply {
+            let t = match self.request_transfer(model, version, base.as_deref(), deadline)? {
                 TransferReply::Superseded { latest } => return Ok(Err(latest)),
                 TransferReply::Plan(p) => p,
             };
-            let plan = match self.accept_plan(model, &manifest, &t) {
-                Ok(p) => p,
-                Err(e) => {
-                    self.done(t.lease, false, format!("bucket plan refused: {e}"));
-                    return Err(e);
-                }
-            };
-            let starts = piece_starts(&plan);
-            let pieces = starts.last().copied().unwrap_or(0);
-            if t.checksums.len() != pieces {
-                self.done(t.lease, false, "checksum count".into());
-                return Err(Error::transport(
-                    NAME,
-                    format!(
-                        "{} checksums for the plan's {pieces} pieces",
-                        t.checksums.len()
-                    ),
-                ));
-            }
-            if t.full && t.buckets.len() != plan.len() {
-                self.done(
-                    t.lease,
-                    false,
-                    "a full transfer without every bucket".into(),
-                );
-                return Err(Error::transport(
-                    NAME,
-                    format!(
-                        "a full transfer lists {} of the plan's {} buckets",
-                        t.buckets.len(),
-                        plan.len()
-                    ),
-                ));
-            }
+            let (plan, starts) = self.verify_transfer(model, &manifest, &t, base.is_some())?;
             let planned: u64 = t
                 .buckets
                 .iter()
                 .filter_map(|&i| plan.buckets.get(i as usize))
                 .map(|b| b.len as u64)
                 .sum();
-            if !t.full && base.is_none() {
-                self.done(t.lease, false, "delta plan without a base".into());
-                return Err(Error::transport(
-                    NAME,
-                    "sender planned a delta but this receiver holds no base",
-                ));
-            }
-            // the buckets a delta does not pull, from the version held
-            let kept: Vec<std::ops::Range<usize>> = match (&base, t.full) {
-                (Some(_), false) => {
-                    let moved: Vec<usize> = t.buckets.iter().map(|&i| i as usize).collect();
-                    BucketDelta::kept(&plan, &moved)
-                }
-                _ => Vec::new(),
-            };
-            let base_bytes = base.as_ref().map_or(&[][..], |b| b.bytes());
-            let sink = match &self.sinks {
-                Some(source) if covered(&plan) => source(model, version, &manifest),
-                _ => Ok(None),
-            };
-            let sink = match sink {
-                Ok(s) => s,
-                Err(e) => {
-                    self.done(t.lease, false, format!("no sink: {e}"));
-                    return Err(e);
-                }
-            };
-            // a fresh arena (none to recycle): its pages are faulted in beside the streams
-            let mut fresh = false;
-            let flight = match &sink {
-                Some(sink) => {
-                    let copied = kept.iter().try_for_each(|r| {
-                        sink.write_at(r.start, base_bytes.get(r.clone()).unwrap_or_default())
-                    });
-                    if let Err(e) = copied {
-                        self.done(t.lease, false, e.to_string());
-                        return Err(e);
-                    }
-                    None
-                }
-                None => match self
-                    .arena_flight(model, version, &manifest, &plan, &t, &kept, base_bytes)
-                {
-                    Ok((f, new)) => {
-                        fresh = new;
-                        Some(f)
-                    }
-                    Err(e) => {
-                        self.done(t.lease, false, e.to_string());
-                        return Err(e);
-                    }
-                },
-            };
+            let Target {
+                flight,
+                sink,
+                fresh,
+            } = self.prepare_target(model, version, &manifest, &plan, &t, base.as_deref())?;
             self.shared.planned.fetch_add(planned, Ordering::Relaxed);
             if let Some(f) = &flight
                 && self.cfg.relay
             {
                 self.shared.set_inflight(model, Some(f));
             }
-            let parts = assign(&plan, &t.buckets, self.cfg.streams.max(1));
-            let exp = Expect {
+            let job = Job {
                 model,
                 version,
                 manifest: &manifest,
                 plan: &plan,
-                sums: &t.checksums,
+                t: &t,
                 starts: &starts,
+                token: &token,
+                deadline,
+                started,
             };
-            let counters = Counters {
-                bytes: &self.shared.pulled,
-                headers: &self.shared.headers,
-            };
-            let me = self.node.as_ref().map_or_else(Uuid::nil, Node::id);
             let watchdog = Watchdog::default();
-            let expired = || Error::Timeout {
-                what: format!(
-                    "`{model}` v{version} from {} (bytes stopped arriving past the deadline)",
-                    t.source
-                ),
-                after: started.elapsed(),
-            };
-            let open = |part: &[u32]| {
-                let req = PullReq {
-                    model: model.clone(),
-                    version,
-                    plan: t.plan_id,
-                    buckets: part.to_vec(),
-                };
-                let s = open_stream(
-                    t.source,
-                    &token,
-                    me,
-                    t.target,
-                    PULL,
-                    &req,
-                    self.within(deadline, self.cfg.stream_timeout),
-                )?;
-                // reads wait as long as the config says: the watchdog enforces the deadline
-                s.stream
-                    .set_read_timeout(Some(self.cfg.stream_timeout))
-                    .map_err(|e| Error::io("setting a pull stream's read timeout", e))?;
-                if watchdog.register(&s.stream) {
-                    Ok(s)
-                } else {
-                    Err(expired())
-                }
-            };
-            let (stall, pulled) = (self.cfg.stall_timeout, &*self.shared.pulled);
-            let prefaulted = AtomicBool::new(false);
-            let result = std::thread::scope(|scope| {
-                let watch = scope.spawn(|| watchdog.watch(deadline, stall, pulled));
-                let prefault = match &flight {
-                    Some(f) if fresh => Some(scope.spawn(|| f.prefault(&prefaulted))),
-                    _ => None,
-                };
-                let r = match (&flight, sink) {
-                    (Some(f), _) => pull_buckets(Dest::Arena(f), &parts, exp, &open, counters)
-                        .and_then(|_| f.finish()),
-                    (None, Some(sink)) => {
-                        pull_buckets(Dest::Sink(&*sink), &parts, exp, &open, counters)
-                            .and_then(|_| sink.finish())
-                            .and_then(|storage| {
-                                WeightSet::from_shared(
-                                    model.clone(),
-                                    version,
-                                    Arc::clone(&manifest),
-                                    storage,
-                                )
-                            })
-                            .map(Arc::new)
-                    }
-                    (None, None) => Err(Error::State("a transfer with neither arena nor sink")),
-                };
-                watchdog.finish();
-                let _ = watch.join();
-                prefaulted.store(true, Ordering::Relaxed);
-                if let Some(p) = prefault {
-                    let _ = p.join();
-                }
-                r
-            });
-            if let Some(f) = &flight
-                && result.is_err()
-            {
-                f.fail();
-            }
+            let result = self.receive(&job, flight.as_ref(), sink, fresh, &watchdog);
             if result.is_err() && watchdog.expired() {
-                self.shared.set_inflight(model, None);
-                // tell the sender without waiting on it: it may be the one that hangs
-                if let Ok(ctl) = self.ctl() {
-                    // a short-lived thread: the report waits one stall window at most (a
-                    // sender that misses it frees the lease on its own timeout)
-                    let (ctl, agent, timeout) = (
-                        ctl.clone(),
-                        self.spec.agent,
-                        self.cfg.stall_timeout.min(self.cfg.call_timeout),
-                    );
-                    let d = Done {
-                        receiver: self.id,
-                        lease: t.lease,
-                        ok: false,
-                        reason: "the pull timed out".into(),
-                    };
-                    std::thread::spawn(move || ctl.call::<_, ()>(agent, DONE, &d, timeout));
-                }
-                return Err(expired());
+                self.abandon(model, t.lease);
+                return Err(job.expired());
             }
             match result {
                 Ok(ws) => {
@@ -786,6 +636,280 @@ impl TcpReceiver {
                     tracing::warn!(source = %t.source, error = %e, "relay pull failed; asking for another source");
                 }
             }
+        }
+    }
+
+    /// Asks the sender for a transfer of `version` (a delta from `base` when one is held and
+    /// the mode allows): its plan, or word that a later version superseded it.
+    fn request_transfer(
+        &self,
+        model: &ModelId,
+        version: Version,
+        base: Option<&WeightSet>,
+        deadline: Instant,
+    ) -> Result<TransferReply> {
+        let req = TransferReq {
+            receiver: self.id,
+            model: model.clone(),
+            version,
+            have: base.map(|b| b.version()),
+            mode: self.cfg.mode,
+            plan: self.shared.plan(model).map(|p| p.0),
+            relay_in_flight: self.cfg.relay && self.sinks.is_none(),
+        };
+        Ok(self.ctl()?.call(
+            self.spec.agent,
+            TRANSFER,
+            &req,
+            self.within(deadline, self.cfg.call_timeout),
+        )?)
+    }
+
+    /// Checks a transfer's terms before a byte is pulled: its bucket plan (accepted as
+    /// [`Self::accept_plan`] says), a checksum per piece, every bucket for a full transfer, a
+    /// base held for a delta. Returns the plan and where each bucket's pieces start; a refused
+    /// transfer is reported to the sender as failed.
+    fn verify_transfer(
+        &self,
+        model: &ModelId,
+        manifest: &Manifest,
+        t: &Plan,
+        has_base: bool,
+    ) -> Result<(Arc<BucketPlan>, Vec<usize>)> {
+        let plan = match self.accept_plan(model, manifest, t) {
+            Ok(p) => p,
+            Err(e) => {
+                self.done(t.lease, false, format!("bucket plan refused: {e}"));
+                return Err(e);
+            }
+        };
+        let starts = piece_starts(&plan);
+        let pieces = starts.last().copied().unwrap_or(0);
+        if t.checksums.len() != pieces {
+            self.done(t.lease, false, "checksum count".into());
+            return Err(Error::transport(
+                NAME,
+                format!(
+                    "{} checksums for the plan's {pieces} pieces",
+                    t.checksums.len()
+                ),
+            ));
+        }
+        if t.full && t.buckets.len() != plan.len() {
+            self.done(
+                t.lease,
+                false,
+                "a full transfer without every bucket".into(),
+            );
+            return Err(Error::transport(
+                NAME,
+                format!(
+                    "a full transfer lists {} of the plan's {} buckets",
+                    t.buckets.len(),
+                    plan.len()
+                ),
+            ));
+        }
+        if !t.full && !has_base {
+            self.done(t.lease, false, "delta plan without a base".into());
+            return Err(Error::transport(
+                NAME,
+                "sender planned a delta but this receiver holds no base",
+            ));
+        }
+        Ok((plan, starts))
+    }
+
+    /// Where a transfer's bytes go: a sink of the caller's (when one is given and the plan
+    /// covers the arena) or an arena of the pool as a version in flight, either holding the
+    /// buckets a delta does not pull already copied from `base`. A failure is reported to
+    /// the sender.
+    fn prepare_target(
+        &self,
+        model: &ModelId,
+        version: Version,
+        manifest: &Arc<Manifest>,
+        plan: &Arc<BucketPlan>,
+        t: &Plan,
+        base: Option<&WeightSet>,
+    ) -> Result<Target> {
+        // the buckets a delta does not pull, from the version held
+        let kept: Vec<std::ops::Range<usize>> = match (base, t.full) {
+            (Some(_), false) => {
+                let moved: Vec<usize> = t.buckets.iter().map(|&i| i as usize).collect();
+                BucketDelta::kept(plan, &moved)
+            }
+            _ => Vec::new(),
+        };
+        let base_bytes = base.map_or(&[][..], |b| b.bytes());
+        let sink = match &self.sinks {
+            Some(source) if covered(plan) => source(model, version, manifest),
+            _ => Ok(None),
+        };
+        let sink = match sink {
+            Ok(s) => s,
+            Err(e) => {
+                self.done(t.lease, false, format!("no sink: {e}"));
+                return Err(e);
+            }
+        };
+        // a fresh arena (none to recycle): its pages are faulted in beside the streams
+        let mut fresh = false;
+        let flight = match &sink {
+            Some(sink) => {
+                let copied = kept.iter().try_for_each(|r| {
+                    sink.write_at(r.start, base_bytes.get(r.clone()).unwrap_or_default())
+                });
+                if let Err(e) = copied {
+                    self.done(t.lease, false, e.to_string());
+                    return Err(e);
+                }
+                None
+            }
+            None => match self.arena_flight(model, version, manifest, plan, t, &kept, base_bytes) {
+                Ok((f, new)) => {
+                    fresh = new;
+                    Some(f)
+                }
+                Err(e) => {
+                    self.done(t.lease, false, e.to_string());
+                    return Err(e);
+                }
+            },
+        };
+        Ok(Target {
+            flight,
+            sink,
+            fresh,
+        })
+    }
+
+    /// Pulls the transfer's buckets over parallel streams into `flight` (an arena) or `sink`,
+    /// under a watchdog that abandons the pull once bytes stop arriving past the deadline; a
+    /// `fresh` arena is faulted in on a thread of its own meanwhile. A version in flight that
+    /// failed is marked so.
+    fn receive(
+        &self,
+        job: &Job<'_>,
+        flight: Option<&Arc<InFlight>>,
+        sink: Option<Box<dyn Sink>>,
+        fresh: bool,
+        watchdog: &Watchdog,
+    ) -> Result<Arc<WeightSet>> {
+        let (model, version, manifest) = (job.model, job.version, job.manifest);
+        let parts = assign(job.plan, &job.t.buckets, self.cfg.streams.max(1));
+        let exp = Expect {
+            model,
+            version,
+            manifest,
+            plan: job.plan,
+            sums: &job.t.checksums,
+            starts: job.starts,
+        };
+        let counters = Counters {
+            bytes: &self.shared.pulled,
+            headers: &self.shared.headers,
+        };
+        let me = self.node.as_ref().map_or_else(Uuid::nil, Node::id);
+        let open = |part: &[u32]| self.open_pull(job, me, part, watchdog);
+        let (stall, pulled) = (self.cfg.stall_timeout, &*self.shared.pulled);
+        let prefaulted = AtomicBool::new(false);
+        let result = std::thread::scope(|scope| {
+            let watch = scope.spawn(|| watchdog.watch(job.deadline, stall, pulled));
+            let prefault = match flight {
+                Some(f) if fresh => Some(scope.spawn(|| f.prefault(&prefaulted))),
+                _ => None,
+            };
+            let r = match (flight, sink) {
+                (Some(f), _) => pull_buckets(Dest::Arena(f), &parts, exp, &open, counters)
+                    .and_then(|_| f.finish()),
+                (None, Some(sink)) => {
+                    pull_buckets(Dest::Sink(&*sink), &parts, exp, &open, counters)
+                        .and_then(|_| sink.finish())
+                        .and_then(|storage| {
+                            WeightSet::from_shared(
+                                model.clone(),
+                                version,
+                                Arc::clone(manifest),
+                                storage,
+                            )
+                        })
+                        .map(Arc::new)
+                }
+                (None, None) => Err(Error::State("a transfer with neither arena nor sink")),
+            };
+            watchdog.finish();
+            let _ = watch.join();
+            prefaulted.store(true, Ordering::Relaxed);
+            if let Some(p) = prefault {
+                let _ = p.join();
+            }
+            r
+        });
+        if let Some(f) = flight
+            && result.is_err()
+        {
+            f.fail();
+        }
+        result
+    }
+
+    /// Opens one stream of a pull, for the buckets of `part`: its reads wait as long as the
+    /// config says, and `watchdog` holds it (refused once the pull expired).
+    fn open_pull(
+        &self,
+        job: &Job<'_>,
+        me: Uuid,
+        part: &[u32],
+        watchdog: &Watchdog,
+    ) -> Result<OpenStream> {
+        let t = job.t;
+        let req = PullReq {
+            model: job.model.clone(),
+            version: job.version,
+            plan: t.plan_id,
+            buckets: part.to_vec(),
+        };
+        let s = open_stream(
+            t.source,
+            job.token,
+            me,
+            t.target,
+            PULL,
+            &req,
+            self.within(job.deadline, self.cfg.stream_timeout),
+        )?;
+        // reads wait as long as the config says: the watchdog enforces the deadline
+        s.stream
+            .set_read_timeout(Some(self.cfg.stream_timeout))
+            .map_err(|e| Error::io("setting a pull stream's read timeout", e))?;
+        if watchdog.register(&s.stream) {
+            Ok(s)
+        } else {
+            Err(job.expired())
+        }
+    }
+
+    /// Gives up a pull the watchdog expired: the version is no longer in flight, and the
+    /// sender hears the pull failed.
+    fn abandon(&self, model: &ModelId, lease: u64) {
+        self.shared.set_inflight(model, None);
+        // tell the sender without waiting on it: it may be the one that hangs
+        if let Ok(ctl) = self.ctl() {
+            // a short-lived thread: the report waits one stall window at most (a
+            // sender that misses it frees the lease on its own timeout)
+            let (ctl, agent, timeout) = (
+                ctl.clone(),
+                self.spec.agent,
+                self.cfg.stall_timeout.min(self.cfg.call_timeout),
+            );
+            let d = Done {
+                receiver: self.id,
+                lease,
+                ok: false,
+                reason: "the pull timed out".into(),
+            };
+            std::thread::spawn(move || ctl.call::<_, ()>(agent, DONE, &d, timeout));
         }
     }
 
