@@ -151,8 +151,13 @@ pub(crate) async fn finish_member(
     engine: Option<&EngineRef>,
 ) -> Result<()> {
     let stopped = watch.wait_keys(&ctx.rv, &[STOP_KEY]).await?;
-    for (_, r) in rollouts {
-        let _ = r.stop.send(StopRollouts).await;
+    for model in stop_rollouts(rollouts, ctx.call).await {
+        tracing::warn!(target: RANK_LOG,
+            "{}: a rollout worker of model `{model}` did not stop within {:?}; its arbiter is \
+             stopped with the rank",
+            ctx.who,
+            ctx.call
+        );
     }
     if stopped.is_none() {
         ctx.stop_arbiters();
@@ -176,4 +181,83 @@ pub(crate) async fn finish_member(
         tracing::warn!(target: RANK_LOG, "{}: acknowledging the stop: {e}", ctx.who);
     }
     Ok(())
+}
+
+/// Asks every rollout worker of this rank to stop, all at once, each answering within
+/// `deadline`; answers the models of the workers that did not (a worker wedged in its
+/// fragment does not hold the rank's exit; its arbiter stops with the rank).
+pub(crate) async fn stop_rollouts(
+    rollouts: &[(ModelId, RolloutRef)],
+    deadline: Duration,
+) -> Vec<ModelId> {
+    // every stop is sent (and its deadline set) before the first answer is awaited
+    let asks: Vec<_> = rollouts
+        .iter()
+        .map(|(model, r)| (model, r.stop.send(StopRollouts).timeout(deadline)))
+        .collect();
+    let mut late = Vec::new();
+    for (model, ask) in asks {
+        match ask.await {
+            Err(MailboxError::Timeout) => late.push(model.clone()),
+            // stopped, or already gone: nothing left to stop
+            Ok(_) | Err(MailboxError::Closed) => {}
+        }
+    }
+    late
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use std::time::Instant;
+
+    use actix::prelude::*;
+
+    use super::*;
+    use crate::protocol::rollout::{GetRolloutStats, RolloutStats};
+
+    /// A rollout worker wedged in its fragment: it never answers a stop.
+    struct Wedged;
+
+    impl Actor for Wedged {
+        type Context = Context<Self>;
+    }
+
+    impl Handler<StartRollouts> for Wedged {
+        type Result = ();
+        fn handle(&mut self, _: StartRollouts, _: &mut Context<Self>) {}
+    }
+
+    impl Handler<StopRollouts> for Wedged {
+        type Result = ResponseFuture<RolloutStats>;
+        fn handle(&mut self, _: StopRollouts, _: &mut Context<Self>) -> Self::Result {
+            Box::pin(std::future::pending())
+        }
+    }
+
+    impl Handler<GetRolloutStats> for Wedged {
+        type Result = MessageResult<GetRolloutStats>;
+        fn handle(&mut self, _: GetRolloutStats, _: &mut Context<Self>) -> Self::Result {
+            MessageResult(RolloutStats::default())
+        }
+    }
+
+    #[actix_rt::test]
+    async fn a_rollout_worker_that_never_answers_its_stop_is_named_at_the_deadline() {
+        let wedged = RolloutRef::local(&Wedged.start());
+        let model = ModelId::new("policy").unwrap();
+        let deadline = Duration::from_millis(200);
+        let started = Instant::now();
+        // the outer bound only keeps a failing test from hanging
+        let late = tokio::time::timeout(
+            Duration::from_secs(10),
+            stop_rollouts(&[(model.clone(), wedged)], deadline),
+        )
+        .await
+        .expect("the stop must end at its deadline");
+        assert_eq!(late, [model]);
+        assert!(started.elapsed() >= deadline);
+        assert!(started.elapsed() < Duration::from_secs(5));
+    }
 }

@@ -6,6 +6,7 @@
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
+use std::time::Duration;
 
 use actix::prelude::*;
 use refit_runtime::convert::Want;
@@ -14,7 +15,7 @@ use refit_runtime::topology::Verify;
 use refit_runtime::{HasWeights, Manifest, ModelId};
 
 use crate::actor::engine::InferenceEngine;
-use crate::actor::eval::{DEFAULT_EVAL_REQUEST_DEADLINE, Evaluator};
+use crate::actor::eval::Evaluator;
 use crate::actor::gen_engine::{GenModel, GenerationEngine};
 use crate::actor::gen_eval::GenEvaluator;
 use crate::actor::gen_rollout::{GenRolloutConfig, GenRolloutWorker};
@@ -38,6 +39,9 @@ pub struct EngineSetup {
     pub seed: u64,
     /// What a generating engine does with sequences in flight at a swap.
     pub pause: PauseMode,
+    /// How long a request may queue on an acting engine that is paused or applying weights
+    /// before it is answered with a timeout.
+    pub queue_deadline: Duration,
 }
 
 /// Where an evaluator asks for actions or completions (a route over the run's engines).
@@ -47,6 +51,8 @@ pub struct Inference {
     pub act: Recipient<ActBatch>,
     /// Completions for prompts.
     pub generate: Recipient<Generate>,
+    /// How long the evaluator waits for each answer (a run gives its eval timeout).
+    pub deadline: Duration,
 }
 
 /// An actor started on an arbiter of its own (stopped with the run).
@@ -163,7 +169,8 @@ impl<R: Roles> Workload for Acting<R> {
         models: Vec<(ModelSpec, Box<dyn WeightInlet>)>,
         setup: &EngineSetup,
     ) -> Result<Started<EngineRef>> {
-        let mut engine = InferenceEngine::<R::Policy>::empty(setup.seed);
+        let mut engine = InferenceEngine::<R::Policy>::empty(setup.seed)
+            .with_queue_deadline(setup.queue_deadline);
         for (spec, inlet) in models {
             let policy = self.0.policy(&spec)?;
             engine = engine.with_model(spec.id.clone(), policy, Some(inlet))?;
@@ -224,6 +231,7 @@ impl<R: Roles> Workload for Acting<R> {
             10_000,
             seed,
         )
+        .with_request_deadline(engines.deadline)
         .start()
         .recipient())
     }
@@ -354,10 +362,8 @@ impl<G: GenRoles> Workload for Generating<G> {
             .iter()
             .map(|m| Ok((m.id.clone(), self.0.task(m, seed.wrapping_add(7_777))?)))
             .collect::<Result<Vec<_>>>()?;
-        Ok(
-            GenEvaluator::new(engines.generate, tasks, DEFAULT_EVAL_REQUEST_DEADLINE)
-                .start()
-                .recipient(),
-        )
+        Ok(GenEvaluator::new(engines.generate, tasks, engines.deadline)
+            .start()
+            .recipient())
     }
 }

@@ -22,6 +22,7 @@ pub(crate) fn start(ctx: &mut RankCtx, inlets: Vec<ModelInlet>) -> Result<Option
         &EngineSetup {
             seed: ctx.topo.run.seed.wrapping_add(u64::from(ctx.me)),
             pause: ctx.sync.pause_mode,
+            queue_deadline: ctx.call,
         },
     )?;
     started

@@ -36,6 +36,7 @@ pub(crate) fn start(ctx: &RankCtx) -> Result<Evaluating> {
         Inference {
             act: route.clone().recipient(),
             generate: route.clone().recipient(),
+            deadline: ctx.sync.timeouts.eval(),
         },
         ctx.eval_episodes,
         ctx.topo.run.seed,
