@@ -112,6 +112,28 @@ async fn grpo_learns_with_a_kl_term_to_a_reference_the_engines_serve() {
 async fn a_served_reference_without_a_kl_term_is_refused_naming_both_keys() {
     let mut spec = ModelSpec::new(policy_model_id(), 5);
     spec.reference_every = Some(4);
+    let e = refusal(spec).await;
+    assert!(
+        e.contains("reference_every") && e.contains("kl_coef"),
+        "{e}"
+    );
+}
+
+/// A generating model asking its engines to verify what they serve is refused before the
+/// run starts, naming the model and the setting (generating engines do not verify).
+#[actix_rt::test]
+async fn a_generating_model_that_asks_to_verify_is_refused_naming_it() {
+    let mut spec = ModelSpec::new(policy_model_id(), 3);
+    spec.verify = refit_runtime::topology::Verify::Hashes;
+    let e = refusal(spec).await;
+    assert!(
+        e.contains("model `policy`") && e.contains("verify = \"hashes\""),
+        "{e}"
+    );
+}
+
+/// The error of a one-update generating run of `spec` that must be refused before it starts.
+async fn refusal(spec: ModelSpec) -> String {
     let cfg = RunConfig {
         sync: SyncConfig::with_mode(SyncMode::Sync),
         models: vec![spec],
@@ -126,42 +148,8 @@ async fn a_served_reference_without_a_kl_term_is_refused_naming_both_keys() {
         wrap_inlet: None,
         wait: Duration::from_secs(60),
     };
-    let e = run::run_generating(cfg, GrpoRoles::new())
+    run::run_generating(cfg, GrpoRoles::new())
         .await
         .unwrap_err()
-        .to_string();
-    assert!(
-        e.contains("reference_every") && e.contains("kl_coef"),
-        "{e}"
-    );
-}
-
-/// A generating model asking its engines to verify what they serve is refused before the
-/// run starts, naming the model and the setting (generating engines do not verify).
-#[actix_rt::test]
-async fn a_generating_model_that_asks_to_verify_is_refused_naming_it() {
-    let mut spec = ModelSpec::new(policy_model_id(), 3);
-    spec.verify = refit_runtime::topology::Verify::Hashes;
-    let cfg = RunConfig {
-        sync: SyncConfig::with_mode(SyncMode::Sync),
-        models: vec![spec],
-        eval_episodes: 0,
-        stop: StopRule {
-            max_updates: 1,
-            target_return: None,
-            target_eval: None,
-            max_time: Duration::from_secs(30),
-        },
-        seed: 3,
-        wrap_inlet: None,
-        wait: Duration::from_secs(10),
-    };
-    let e = run::run_generating(cfg, GrpoRoles::new())
-        .await
-        .unwrap_err()
-        .to_string();
-    assert!(
-        e.contains("model `policy`") && e.contains("verify = \"hashes\""),
-        "{e}"
-    );
+        .to_string()
 }
