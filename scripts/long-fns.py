@@ -1,9 +1,10 @@
 #!/usr/bin/env python3
-"""Lists the longest non-test functions of the workspace crates (issue #34).
+"""Lists the longest non-test functions of the workspace crates, or fails when one is too long.
 
-    scripts/long-fns.py              # the 20 longest, longest first
+    scripts/long-fns.py                              # the 20 longest, longest first
     scripts/long-fns.py --top 50
-    scripts/long-fns.py --max 150    # exits 1, listing each one over 150 lines
+    scripts/long-fns.py --max 150                    # exits 1, listing each one over 150 lines
+    scripts/long-fns.py --under actors/src --max 120 # only the files under actors/src
 
 Each line reads `LINES  path:line  name`. LINES counts the function's lines from the one
 holding `fn` to the one holding its closing brace, both included (doc comments and
@@ -14,7 +15,9 @@ functions (which are then counted inside their parent as well).
 Test code is left out: files named `tests.rs` or `*_tests.rs`, `tests/` folders, items
 under `#[cfg(test)]` (a `mod x { .. }` block, or `mod x;` and its file), and functions
 marked `#[test]` (or `#[tokio::test]` and the like). The workspace crates are the members
-of the root Cargo.toml; `target/` and hidden folders are skipped.
+of the root Cargo.toml; `target/` and hidden folders are skipped. `--under PATH` (relative
+to the repository root, repeatable) keeps only the files under one of those paths (a
+folder, or a single file).
 
 Brace matching runs on the source with comments (nested block comments too), string
 literals (escaped, byte, C and raw ones with any number of `#`) and char literals such as
@@ -308,11 +311,30 @@ def main() -> int:
     ap.add_argument(
         "--max", type=int, help="exit 1, listing every non-test function over MAX lines"
     )
+    ap.add_argument(
+        "--under",
+        action="append",
+        default=[],
+        metavar="PATH",
+        help="only the files under PATH (relative to the repository root; repeatable)",
+    )
     args = ap.parse_args()
+
+    unders = []
+    for u in args.under:
+        path = (ROOT / u).resolve()
+        if not path.exists():
+            ap.error(f"--under {u}: no such file or folder under {ROOT}")
+        unders.append(path)
+
+    def wanted(f: Path) -> bool:
+        f = f.resolve()
+        return not unders or any(f == u or u in f.parents for u in unders)
 
     found = []
     for f in crate_files():
-        found += functions(f, f.relative_to(ROOT).as_posix())
+        if wanted(f):
+            found += functions(f, f.relative_to(ROOT).as_posix())
     found.sort(key=lambda x: (-x[0], x[1]))
 
     def show(rows):

@@ -4,9 +4,10 @@
 use std::time::Duration;
 
 use actix::prelude::*;
+use actix_rt::task::JoinHandle;
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
-use refit_runtime::ModelId;
+use refit_runtime::{ModelId, Version};
 
 use crate::batch::{Batch, EpisodeStats, Sequence};
 use crate::error::{Error, Result};
@@ -255,6 +256,11 @@ struct Generated {
     answer: Result<(Completion, u32)>,
 }
 
+/// A generation request in flight: the index of its prompt, its group and its task.
+type PendingGeneration = (usize, u64, JoinHandle<Result<(Completion, u32)>>);
+
+/// One fragment: admitted by the controller, generated (and scored), dropped when cancelled,
+/// else rewarded and pushed to the pool.
 async fn run_fragment<T: Task>(
     cfg: &GenRolloutConfig,
     state: &mut State<T>,
@@ -263,7 +269,46 @@ async fn run_fragment<T: Task>(
     controller: &ControllerLink,
     pool: &Recipient<PushFragment>,
 ) -> Result<Outcome> {
-    let admission: Admission = controller
+    let admission = admit(cfg, controller).await?;
+    let waited = admission.waited;
+    let prompts: Vec<Vec<Token>> = (0..cfg.prompts_per_fragment)
+        .map(|_| state.task.prompt(&mut state.rng))
+        .collect();
+    let pending = spawn_generations(cfg, state, engine, &prompts);
+    let generated = await_generations(cfg, pending).await;
+    let scores = match &cfg.reference {
+        Some(reference) => Some(score(cfg, reference, scorer, state, &prompts, &generated).await?),
+        None => None,
+    };
+    if let Some(generation) = cancelled_generation(state.generation, &generated, scores.as_deref())
+    {
+        state.generation = generation;
+        return Ok(Outcome {
+            waited,
+            cancelled: true,
+        });
+    }
+    let fragment = reward_fragment(
+        cfg,
+        state,
+        &prompts,
+        generated,
+        scores,
+        admission.rollout_version,
+    )?;
+    deliver(pool, fragment, admission, cfg.timeout, &cfg.model).await?;
+    Ok(Outcome {
+        waited,
+        cancelled: false,
+    })
+}
+
+/// Asks the controller to admit a rollout of the model (blocking as the sync mode says).
+///
+/// # Errors
+/// The controller's refusal; a timeout or a stopped controller.
+async fn admit(cfg: &GenRolloutConfig, controller: &ControllerLink) -> Result<Admission> {
+    controller
         .await_rollout
         .send(AwaitRollout {
             model: cfg.model.clone(),
@@ -276,14 +321,19 @@ async fn run_fragment<T: Task>(
                 cfg.admission_timeout,
                 format!("the controller to admit a rollout of model `{}`", cfg.model),
             )
-        })??;
-    let waited = admission.waited;
-    let prompts: Vec<Vec<Token>> = (0..cfg.prompts_per_fragment)
-        .map(|_| state.task.prompt(&mut state.rng))
-        .collect();
+        })?
+}
+
+/// Spawns `group_size` [`Generate`] requests per prompt, one new group per prompt, each with
+/// its own sampling seed. Every request is in the engine's queue before the first answer is
+/// awaited: they are decoded together.
+fn spawn_generations<T: Task>(
+    cfg: &GenRolloutConfig,
+    state: &mut State<T>,
+    engine: &Recipient<Generate>,
+    prompts: &[Vec<Token>],
+) -> Vec<PendingGeneration> {
     let sampling = state.task.sampling();
-    // every request is in the engine's queue before the first answer is awaited: they are
-    // decoded together
     let mut pending = Vec::with_capacity(prompts.len() * cfg.group_size);
     for (i, prompt) in prompts.iter().enumerate() {
         let group = ((cfg.worker as u64) << 40) | state.groups;
@@ -302,6 +352,15 @@ async fn run_fragment<T: Task>(
             pending.push((i, group, actix_rt::spawn(job)));
         }
     }
+    pending
+}
+
+/// The answers of the spawned requests, in order (a request whose task failed answers
+/// [`Error::Actor`]).
+async fn await_generations(
+    cfg: &GenRolloutConfig,
+    pending: Vec<PendingGeneration>,
+) -> Vec<Generated> {
     let mut generated = Vec::with_capacity(pending.len());
     for (prompt, group, job) in pending {
         let answer = job.await.map_err(|e| {
@@ -316,19 +375,26 @@ async fn run_fragment<T: Task>(
             answer: answer.and_then(|a| a),
         });
     }
-    let scores = match &cfg.reference {
-        Some(reference) => Some(score(cfg, reference, scorer, state, &prompts, &generated).await?),
-        None => None,
-    };
-    // a cancellation anywhere drops the fragment. The engine's generation is learnt from a
-    // refusal (which carries it); requests ended in flight only say it moved on, at least
-    // once: the next fragment tries one more, and a refusal corrects it
+    generated
+}
+
+/// The engine's cancellation generation to learn when any generation or scoring was
+/// cancelled (the fragment is then dropped); `None` when none was.
+///
+/// The generation is learnt from a refusal (which carries it); requests ended in flight
+/// only say it moved on from `known`, at least once: the next fragment tries one more, and
+/// a refusal corrects it.
+fn cancelled_generation(
+    known: u64,
+    generated: &[Generated],
+    scores: Option<&[Result<(Completion, u32)>]>,
+) -> Option<u64> {
     let mut refused_at: Option<u64> = None;
     let mut ended_in_flight = false;
     let answers = generated
         .iter()
         .map(|g| &g.answer)
-        .chain(scores.iter().flatten());
+        .chain(scores.into_iter().flatten());
     for answer in answers {
         match answer {
             Err(Error::Cancelled { generation }) => {
@@ -339,12 +405,27 @@ async fn run_fragment<T: Task>(
         }
     }
     if refused_at.is_some() || ended_in_flight {
-        state.generation = refused_at.unwrap_or(state.generation + 1);
-        return Ok(Outcome {
-            waited,
-            cancelled: true,
-        });
+        Some(refused_at.unwrap_or(known + 1))
+    } else {
+        None
     }
+}
+
+/// The fragment of the generated completions, each rewarded by the task (and given its
+/// reference log-probabilities when scored); episodes not tagged by the engine are stamped
+/// with `rollout_version`.
+///
+/// # Errors
+/// The first failed generation or scoring; the task's reward error; [`Error::Config`] when
+/// the task's per-token rewards do not match a completion's length.
+fn reward_fragment<T: Task>(
+    cfg: &GenRolloutConfig,
+    state: &mut State<T>,
+    prompts: &[Vec<Token>],
+    generated: Vec<Generated>,
+    scores: Option<Vec<Result<(Completion, u32)>>>,
+    rollout_version: Version,
+) -> Result<Batch> {
     let mut scores = scores.map(Vec::into_iter);
     let mut fragment = Batch::default();
     for (index, g) in generated.into_iter().enumerate() {
@@ -371,9 +452,7 @@ async fn run_fragment<T: Task>(
             len: u32::try_from(completion.tokens.len()).unwrap_or(u32::MAX),
             worker: cfg.worker,
             env: index,
-            version: completion
-                .newest_version()
-                .unwrap_or(admission.rollout_version),
+            version: completion.newest_version().unwrap_or(rollout_version),
         });
         fragment.sequences.push(Sequence {
             prompt: prompt.clone(),
@@ -389,11 +468,7 @@ async fn run_fragment<T: Task>(
         });
     }
     fragment.frames = fragment.sequences.len();
-    deliver(pool, fragment, admission, cfg.timeout, &cfg.model).await?;
-    Ok(Outcome {
-        waited,
-        cancelled: false,
-    })
+    Ok(fragment)
 }
 
 /// Scores every generated completion under `reference`, all requests in the engine's queue
