@@ -20,57 +20,10 @@ import os
 import re
 import sys
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from rust_source import blank as strip  # noqa: E402
+
 IDENT = r"[A-Za-z_][A-Za-z0-9_]*"
-
-
-def strip(text):
-    """The code with comments, strings and char literals blanked (lines kept)."""
-    out = []
-    i, n = 0, len(text)
-    while i < n:
-        c = text[i]
-        if text.startswith("//", i):
-            j = text.find("\n", i)
-            j = n if j < 0 else j
-            i = j
-        elif text.startswith("/*", i):
-            depth, j = 1, i + 2
-            while j < n and depth:
-                if text.startswith("/*", j):
-                    depth, j = depth + 1, j + 2
-                elif text.startswith("*/", j):
-                    depth, j = depth - 1, j + 2
-                else:
-                    j += 1
-            out.append("\n" * text.count("\n", i, j))
-            i = j
-        elif c == "r" and re.match(r'r#*"', text[i:i + 260]) and (
-            i == 0 or not (text[i - 1].isalnum() or text[i - 1] == "_")
-        ):
-            hashes = re.match(r'r(#*)"', text[i:]).group(1)
-            end = text.find('"' + hashes, i + 2 + len(hashes))
-            end = n if end < 0 else end + 1 + len(hashes)
-            out.append(' ""' + "\n" * text.count("\n", i, end))
-            i = end
-        elif c == '"':
-            j = i + 1
-            while j < n and text[j] != '"':
-                j += 2 if text[j] == "\\" else 1
-            out.append(' ""' + "\n" * text.count("\n", i, j))
-            i = j + 1
-        elif c == "'":
-            # a char literal ('a', '\n', '\u{..}'); a lifetime ('a) is left as is
-            m = re.match(r"'(\\u\{[0-9a-fA-F]+\}|\\.|[^\\'])'", text[i:i + 12])
-            if m:
-                out.append("' '")
-                i += len(m.group(0))
-            else:
-                out.append(c)
-                i += 1
-        else:
-            out.append(c)
-            i += 1
-    return "".join(out)
 
 
 def expand_use(tree):
