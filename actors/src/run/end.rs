@@ -20,7 +20,7 @@ use refit_runtime::ModelId;
 use super::drive::Driver;
 use super::ids::{RANK_LOG, STOP_KEY, bye_key};
 use super::keepalive::LeadWatch;
-use super::lead::Finish;
+use super::lead::{Finish, GoneRanks};
 use super::peers::blocking;
 use super::rendezvous::WatchGuard;
 use super::start::{Heads, Leading, RankCtx};
@@ -100,25 +100,29 @@ pub(crate) async fn finish_lead(
         tracing::warn!(target: RANK_LOG, "telling the other ranks to stop: {e}");
     }
     // the others read the stop before this node goes away (bounded: a dead or partitioned
-    // rank is not waited for long)
-    await_byes(ctx, alive_ranks(ctx, &report)).await;
+    // rank is not waited for at all)
+    let alive = match &report {
+        Ok(r) => alive_ranks(ctx, r),
+        Err(_) => {
+            // a failed run: the lead knows which ranks died
+            let gone = l.lead.send(GoneRanks).timeout(ctx.call).await.unwrap_or_default();
+            (1..ctx.topo.world_size()).filter(|n| !gone.contains(n)).collect()
+        }
+    };
+    await_byes(ctx, alive).await;
     report
 }
 
-/// The ranks other than 0 still alive at the end (all of them when the run failed).
-fn alive_ranks(ctx: &RankCtx, report: &Result<RunReport>) -> Vec<u32> {
-    let world = ctx.topo.world_size();
-    match report {
-        Ok(r) => (1..world)
-            .filter(|n| {
-                !r.events
-                    .iter()
-                    .any(|e| e.rank == *n && matches!(e.kind, RankEventKind::Died(_)))
-                    || r.ranks.iter().any(|x| x.rank == *n && x.fate.is_none())
-            })
-            .collect(),
-        Err(_) => (1..world).collect(),
-    }
+/// The ranks other than 0 still alive at the end of a run that ended well.
+fn alive_ranks(ctx: &RankCtx, r: &RunReport) -> Vec<u32> {
+    (1..ctx.topo.world_size())
+        .filter(|n| {
+            !r.events
+                .iter()
+                .any(|e| e.rank == *n && matches!(e.kind, RankEventKind::Died(_)))
+                || r.ranks.iter().any(|x| x.rank == *n && x.fate.is_none())
+        })
+        .collect()
 }
 
 /// Waits, for `dead_after_s` (2 s at least) in all, until each of `alive` acknowledged

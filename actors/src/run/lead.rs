@@ -152,6 +152,19 @@ pub(crate) struct RankDown(pub(crate) RankDeath);
 #[rtype(result = "Result<RunReport>")]
 pub(crate) struct Finish;
 
+/// Which ranks died and did not come back (asked at the end of a run that failed, so
+/// rank 0 does not wait for their goodbyes).
+#[derive(Debug, Message)]
+#[rtype(result = "std::collections::BTreeSet<u32>")]
+pub(crate) struct GoneRanks;
+
+impl Handler<GoneRanks> for Lead {
+    type Result = MessageResult<GoneRanks>;
+    fn handle(&mut self, _: GoneRanks, _: &mut Context<Self>) -> Self::Result {
+        MessageResult(super::report::gone_ranks(&self.events))
+    }
+}
+
 #[derive(Debug, Message)]
 #[rtype(result = "()")]
 struct Poll;

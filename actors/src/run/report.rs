@@ -117,6 +117,18 @@ pub enum RankEventKind {
     Rejoined,
 }
 
+/// The ranks whose last event is a death (they did not come back).
+pub(crate) fn gone_ranks(events: &[RankEvent]) -> std::collections::BTreeSet<u32> {
+    let mut gone = std::collections::BTreeSet::new();
+    for e in events {
+        match e.kind {
+            RankEventKind::Died(_) => gone.insert(e.rank),
+            RankEventKind::Rejoined => gone.remove(&e.rank),
+        };
+    }
+    gone
+}
+
 /// What a run did.
 #[derive(Debug, Clone)]
 pub struct RunReport {
@@ -135,4 +147,31 @@ pub struct RunReport {
     /// True when the run stopped because every model reached a target (the stop rule's
     /// `target_return` or `target_eval`), not for its budget.
     pub solved: bool,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn event(rank: u32, kind: RankEventKind) -> RankEvent {
+        RankEvent {
+            at: Duration::ZERO,
+            rank,
+            incarnation: 0,
+            kind,
+        }
+    }
+
+    #[test]
+    fn a_rank_is_gone_when_its_last_event_is_a_death() {
+        let died = || RankEventKind::Died("it answered no ping for 5s".into());
+        let events = [
+            event(1, died()),
+            event(2, died()),
+            event(1, RankEventKind::Rejoined),
+            event(3, RankEventKind::Rejoined),
+        ];
+        assert_eq!(gone_ranks(&events).into_iter().collect::<Vec<_>>(), [2]);
+        assert!(gone_ranks(&[]).is_empty());
+    }
 }
