@@ -44,6 +44,10 @@ impl RemoteAddr {
     /// [`RemoteFailure::PeerGone`] when the node cannot be reached,
     /// [`RemoteFailure::Refused`] when it refuses our cluster token,
     /// [`RemoteFailure::Timeout`] past the deadline.
+    ///
+    /// # Cancel safety
+    /// Dropping the future does not stop the connect: it runs on `node`'s runtime to its
+    /// end (within `deadline`) and its outcome is dropped; no handle is made. Connect again.
     pub async fn connect(
         node: &Node,
         addr: SocketAddr,
@@ -121,6 +125,9 @@ impl RemoteAddr {
     /// peer is gone, the deadline passed, the node refused the call, the message or answer
     /// is malformed, or the actor is stopped. An error *answered* by the actor is inside
     /// `Ok` (for `crate::Result` answers: `Ok(Err(..))`).
+    ///
+    /// # Cancel safety
+    /// As [`RemoteAddr::send_within`].
     pub async fn send<M: RemoteMessage>(&self, msg: M) -> Result<M::Result> {
         self.send_within(msg, self.deadline).await
     }
@@ -129,6 +136,11 @@ impl RemoteAddr {
     ///
     /// # Errors
     /// As [`RemoteAddr::send`].
+    ///
+    /// # Cancel safety
+    /// Not cancel-safe: dropped before its first poll, nothing is sent; dropped after, the
+    /// call is already on its way and the actor may still handle `msg`, but the answer is
+    /// lost. Send again only what may be handled twice.
     pub async fn send_within<M: RemoteMessage>(
         &self,
         msg: M,

@@ -297,6 +297,11 @@ pub fn check_roles(topo: &Topology, work: &dyn Workload) -> Result<()> {
 /// Configuration errors (a policy that does not fit its environment, a learner whose
 /// exports the policy cannot load: named by model); the first error of a trainer, pool,
 /// controller or engine (named).
+///
+/// # Cancel safety
+/// Not cancel-safe: dropping the future abandons the run without a report, and does not
+/// stop the actors and threads it started (they end as their addresses drop, or with the
+/// actix system). Stop a run through its stop rule instead.
 pub async fn run<R: Roles>(cfg: RunConfig, roles: R) -> Result<RunReport> {
     run_workload(cfg, Arc::new(workload::Acting(Arc::new(roles)))).await
 }
@@ -306,6 +311,9 @@ pub async fn run<R: Roles>(cfg: RunConfig, roles: R) -> Result<RunReport> {
 ///
 /// # Errors
 /// As [`run`].
+///
+/// # Cancel safety
+/// As [`run`].
 pub async fn run_generating<G: GenRoles>(cfg: RunConfig, roles: G) -> Result<RunReport> {
     run_workload(cfg, Arc::new(workload::Generating(Arc::new(roles)))).await
 }
@@ -313,6 +321,9 @@ pub async fn run_generating<G: GenRoles>(cfg: RunConfig, roles: G) -> Result<Run
 /// As [`run`], with any [`Workload`].
 ///
 /// # Errors
+/// As [`run`].
+///
+/// # Cancel safety
 /// As [`run`].
 pub async fn run_workload(cfg: RunConfig, work: Arc<dyn Workload>) -> Result<RunReport> {
     if cfg.models.is_empty() {
