@@ -8,16 +8,13 @@ use std::time::Duration;
 
 use actix::dev::ToEnvelope;
 use actix::prelude::*;
-use refit_node::Node;
 use refit_runtime::sync_policy::{BlockReason, Decision, LeaderStep, RolloutState};
 use refit_runtime::{ModelId, Version};
 use serde::{Deserialize, Serialize};
-use uuid::Uuid;
 
 use crate::error::Result;
 use crate::protocol::engine::EngineRef;
 use crate::protocol::eval::EvalReport;
-use crate::remote::{RemoteAddr, serve};
 
 /// The rollout status check: `continue` or `block`, answered at once.
 #[derive(Debug, Message, Serialize, Deserialize)]
@@ -280,24 +277,56 @@ crate::remote::wire_names! {
 }
 
 // ANCHOR: controller_ref
-/// The weight-sync controller, in this process or another.
-#[derive(Debug, Clone)]
-pub struct ControllerRef {
-    /// What a rollout worker needs.
-    pub rollouts: ControllerLink,
-    /// The status check that answers at once.
-    pub check: Recipient<CheckRollout>,
-    /// A trajectory pool's ready batch.
-    pub batch_ready: Recipient<BatchReady>,
-    /// A trainer's new version.
-    pub notify: Recipient<NotifyVersion>,
-    /// The controller's state and timeline.
-    pub status: Recipient<GetStatus>,
-    /// `sync` mode: the on-policy rollouts are over.
-    pub await_drained: Recipient<AwaitDrained>,
-    /// A version serves on every engine.
-    pub await_synced: Recipient<AwaitSynced>,
+crate::protocol::role_ref! {
+    /// The weight-sync controller, in this process or another.
+    pub struct ControllerRef {
+        /// What a rollout worker needs.
+        rollouts: ControllerLink::of(AwaitRollout, RolloutDone),
+        /// The status check that answers at once.
+        check: CheckRollout,
+        /// A trajectory pool's ready batch.
+        batch_ready: BatchReady,
+        /// A trainer's new version.
+        notify: NotifyVersion,
+        /// The controller's state and timeline.
+        status: GetStatus,
+        /// `sync` mode: the on-policy rollouts are over.
+        await_drained: AwaitDrained,
+        /// A version serves on every engine.
+        await_synced: AwaitSynced,
+    }
+    /// The reference of a controller of this process.
+    pub fn local(controller);
+    /// The reference of a controller another process serves ([`ControllerRef::serve`]).
+    ///
+    /// # Panics
+    /// Outside a running actix system (the forwarding proxies are actors).
+    pub fn remote(controller);
+    /// Serves the controller's protocol on `node` under `target`.
+    pub fn serve;
 }
+
+crate::protocol::role_ref! {
+    /// How a rollout worker reaches the weight-sync controller: the two messages it sends, so
+    /// that a controller in another process (or a stand-in that counts a rank's rollouts) fits
+    /// as well as a local one.
+    pub struct ControllerLink {
+        /// The status check that waits.
+        await_rollout: AwaitRollout,
+        /// The end of an admitted rollout.
+        done: RolloutDone,
+    }
+    /// The link to a controller (or a stand-in) of this process.
+    pub fn of(controller);
+    /// The link to a controller (or a stand-in) another process serves.
+    ///
+    /// # Panics
+    /// Outside a running actix system.
+    pub fn remote(controller);
+    /// Serves these two messages on `node` under `target`.
+    pub fn serve;
+}
+// ANCHOR_END: controller_ref
 
 /// An actor that answers the whole controller protocol (the
 /// [`WeightSyncController`](crate::actor::WeightSyncController), or a stand-in).
@@ -343,100 +372,4 @@ where
         + ToEnvelope<A, AwaitDrained>
         + ToEnvelope<A, AwaitSynced>,
 {
-}
-
-impl ControllerRef {
-    /// The reference of a controller of this process.
-    pub fn local<A>(controller: &Addr<A>) -> Self
-    where
-        A: ControllerActor,
-        A::Context: ToEnvelope<A, AwaitRollout>
-            + ToEnvelope<A, RolloutDone>
-            + ToEnvelope<A, CheckRollout>
-            + ToEnvelope<A, BatchReady>
-            + ToEnvelope<A, NotifyVersion>
-            + ToEnvelope<A, GetStatus>
-            + ToEnvelope<A, AwaitDrained>
-            + ToEnvelope<A, AwaitSynced>,
-    {
-        Self {
-            rollouts: ControllerLink::of(controller),
-            check: controller.clone().recipient(),
-            batch_ready: controller.clone().recipient(),
-            notify: controller.clone().recipient(),
-            status: controller.clone().recipient(),
-            await_drained: controller.clone().recipient(),
-            await_synced: controller.clone().recipient(),
-        }
-    }
-
-    /// The reference of a controller another process serves ([`ControllerRef::serve`]).
-    ///
-    /// # Panics
-    /// Outside a running actix system (the forwarding proxies are actors).
-    pub fn remote(controller: &RemoteAddr) -> Self {
-        Self {
-            rollouts: ControllerLink::remote(controller),
-            check: controller.recipient(),
-            batch_ready: controller.recipient(),
-            notify: controller.recipient(),
-            status: controller.recipient(),
-            await_drained: controller.recipient(),
-            await_synced: controller.recipient(),
-        }
-    }
-
-    /// Serves the controller's protocol on `node` under `target`.
-    pub fn serve(&self, node: &Node, target: Uuid) {
-        self.rollouts.serve(node, target);
-        serve(node, target, self.check.clone());
-        serve(node, target, self.batch_ready.clone());
-        serve(node, target, self.notify.clone());
-        serve(node, target, self.status.clone());
-        serve(node, target, self.await_drained.clone());
-        serve(node, target, self.await_synced.clone());
-    }
-}
-
-/// How a rollout worker reaches the weight-sync controller: the two messages it sends, so
-/// that a controller in another process (or a stand-in that counts a rank's rollouts) fits
-/// as well as a local one.
-#[derive(Debug, Clone)]
-pub struct ControllerLink {
-    /// The status check that waits.
-    pub await_rollout: Recipient<AwaitRollout>,
-    /// The end of an admitted rollout.
-    pub done: Recipient<RolloutDone>,
-}
-// ANCHOR_END: controller_ref
-
-impl ControllerLink {
-    /// The link to a controller (or a stand-in) of this process.
-    pub fn of<A>(controller: &Addr<A>) -> Self
-    where
-        A: Actor + Handler<AwaitRollout> + Handler<RolloutDone>,
-        A::Context: ToEnvelope<A, AwaitRollout> + ToEnvelope<A, RolloutDone>,
-    {
-        Self {
-            await_rollout: controller.clone().recipient(),
-            done: controller.clone().recipient(),
-        }
-    }
-
-    /// The link to a controller (or a stand-in) another process serves.
-    ///
-    /// # Panics
-    /// Outside a running actix system.
-    pub fn remote(controller: &RemoteAddr) -> Self {
-        Self {
-            await_rollout: controller.recipient(),
-            done: controller.recipient(),
-        }
-    }
-
-    /// Serves these two messages on `node` under `target`.
-    pub fn serve(&self, node: &Node, target: Uuid) {
-        serve(node, target, self.await_rollout.clone());
-        serve(node, target, self.done.clone());
-    }
 }

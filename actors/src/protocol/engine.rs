@@ -14,15 +14,12 @@ use std::time::Duration;
 
 use actix::dev::ToEnvelope;
 use actix::prelude::*;
-use refit_node::Node;
 use refit_runtime::{ModelId, Version, WeightSet};
 use serde::{Deserialize, Serialize};
-use uuid::Uuid;
 
 use crate::error::Result;
 use crate::generation::{Completion, SamplingParams, Token};
 use crate::policy::ActionOut;
-use crate::remote::{RemoteAddr, serve};
 
 /// Asks the engine's default model for an action.
 #[derive(Debug, Message)]
@@ -264,75 +261,33 @@ where
 }
 
 // ANCHOR: engine_ref
-/// One engine, in this process or another: the same recipients either way.
-#[derive(Debug, Clone)]
-pub struct EngineRef {
-    /// Loads (`_receive_weights_scheme`).
-    pub update: Recipient<UpdateModel>,
-    /// Cancels in-flight episodes.
-    pub cancel: Recipient<CancelInFlight>,
-    /// Versions served.
-    pub versions: Recipient<ServedVersions>,
-    /// Load statistics.
-    pub stats: Recipient<GetEngineStats>,
-    /// Actions for observations (an acting engine).
-    pub act: Recipient<ActBatch>,
-    /// Completions for prompts (a generating engine).
-    pub generate: Recipient<Generate>,
-    /// Scores of given completions (a generating engine).
-    pub score: Recipient<Score>,
-}
-
-impl EngineRef {
-    /// The reference of an engine started in this process.
-    pub fn local<A>(engine: &Addr<A>) -> Self
-    where
-        A: EngineActor,
-        A::Context: ToEnvelope<A, UpdateModel>
-            + ToEnvelope<A, CancelInFlight>
-            + ToEnvelope<A, ServedVersions>
-            + ToEnvelope<A, GetEngineStats>
-            + ToEnvelope<A, ActBatch>
-            + ToEnvelope<A, Generate>
-            + ToEnvelope<A, Score>,
-    {
-        Self {
-            update: engine.clone().recipient(),
-            cancel: engine.clone().recipient(),
-            versions: engine.clone().recipient(),
-            stats: engine.clone().recipient(),
-            act: engine.clone().recipient(),
-            generate: engine.clone().recipient(),
-            score: engine.clone().recipient(),
-        }
+crate::protocol::role_ref! {
+    /// One engine, in this process or another: the same recipients either way.
+    pub struct EngineRef {
+        /// Loads (`_receive_weights_scheme`).
+        update: UpdateModel,
+        /// Cancels in-flight episodes.
+        cancel: CancelInFlight,
+        /// Versions served.
+        versions: ServedVersions,
+        /// Load statistics.
+        stats: GetEngineStats,
+        /// Actions for observations (an acting engine).
+        act: ActBatch,
+        /// Completions for prompts (a generating engine).
+        generate: Generate,
+        /// Scores of given completions (a generating engine).
+        score: Score,
     }
-
+    /// The reference of an engine started in this process.
+    pub fn local(engine);
     /// The reference of an engine another process serves (see [`EngineRef::serve`]):
     /// every message forwards through `engine`'s connection, with its deadline.
     ///
     /// # Panics
     /// Outside a running actix system (the forwarding proxies are actors).
-    pub fn remote(engine: &RemoteAddr) -> Self {
-        Self {
-            update: engine.recipient(),
-            cancel: engine.recipient(),
-            versions: engine.recipient(),
-            stats: engine.recipient(),
-            act: engine.recipient(),
-            generate: engine.recipient(),
-            score: engine.recipient(),
-        }
-    }
-
+    pub fn remote(engine);
     /// Serves this engine's protocol on `node` under `target`, for other processes.
-    pub fn serve(&self, node: &Node, target: Uuid) {
-        serve(node, target, self.update.clone());
-        serve(node, target, self.cancel.clone());
-        serve(node, target, self.versions.clone());
-        serve(node, target, self.stats.clone());
-        serve(node, target, self.act.clone());
-        serve(node, target, self.generate.clone());
-        serve(node, target, self.score.clone());
-    }
+    pub fn serve;
 }
 // ANCHOR_END: engine_ref

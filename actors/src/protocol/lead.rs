@@ -5,13 +5,10 @@
 use std::net::SocketAddr;
 
 use actix::prelude::*;
-use refit_node::Node;
 use refit_runtime::{ModelId, Version};
 use serde::{Deserialize, Serialize};
-use uuid::Uuid;
 
 use crate::error::Result;
-use crate::remote::{RemoteAddr, serve};
 use crate::run::report::ModelReport;
 
 /// One model's driver finished an update: where it is, whether its model reached the
@@ -90,46 +87,23 @@ crate::remote::wire_names! {
     Rejoin => "lead.rejoin",
 }
 
-/// The run's lead, in this process or another.
-#[derive(Debug, Clone)]
-pub struct LeadRef {
-    /// Progress of a driver.
-    pub progress: Recipient<Progress>,
-    /// A driver's end.
-    pub done: Recipient<ModelDone>,
-    /// A restarted rank.
-    pub rejoin: Recipient<Rejoin>,
-}
-
-impl LeadRef {
-    /// The reference of a lead of this process.
-    pub fn local<A>(lead: &Addr<A>) -> Self
-    where
-        A: Actor<Context = Context<A>> + Handler<Progress> + Handler<ModelDone> + Handler<Rejoin>,
-    {
-        Self {
-            progress: lead.clone().recipient(),
-            done: lead.clone().recipient(),
-            rejoin: lead.clone().recipient(),
-        }
+crate::protocol::role_ref! {
+    /// The run's lead, in this process or another.
+    pub struct LeadRef {
+        /// Progress of a driver.
+        progress: Progress,
+        /// A driver's end.
+        done: ModelDone,
+        /// A restarted rank.
+        rejoin: Rejoin,
     }
-
+    /// The reference of a lead of this process.
+    pub fn local(lead);
     /// The reference of the lead another process serves.
     ///
     /// # Panics
     /// Outside a running actix system.
-    pub fn remote(lead: &RemoteAddr) -> Self {
-        Self {
-            progress: lead.recipient(),
-            done: lead.recipient(),
-            rejoin: lead.recipient(),
-        }
-    }
-
+    pub fn remote(lead);
     /// Serves the lead's protocol on `node` under `target`.
-    pub fn serve(&self, node: &Node, target: Uuid) {
-        serve(node, target, self.progress.clone());
-        serve(node, target, self.done.clone());
-        serve(node, target, self.rejoin.clone());
-    }
+    pub fn serve;
 }

@@ -1,7 +1,8 @@
 //! Role protocols: one module per role of a topology, holding the role's messages, the
 //! names they cross processes under, and one typed reference to the role that is built from
 //! a local `Addr` or from a remote handle ([`RemoteAddr`](crate::remote::RemoteAddr)) and
-//! used the same way.
+//! used the same way. Each reference is declared once (`role_ref!`): one recipient per
+//! message, from which its `local` and `remote` constructors and `serve` follow.
 //!
 //! | role | module | reference |
 //! | --- | --- | --- |
@@ -21,8 +22,11 @@ pub mod engine;
 pub mod eval;
 pub mod lead;
 pub mod pool;
+mod role_ref;
 pub mod rollout;
 pub mod trainer;
+
+pub(crate) use role_ref::role_ref;
 
 pub use controller::{ControllerLink, ControllerRef};
 pub use engine::{EngineActor, EngineRef};

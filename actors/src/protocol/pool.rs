@@ -4,18 +4,14 @@
 
 use std::time::Duration;
 
-use actix::dev::ToEnvelope;
 use actix::prelude::*;
-use refit_node::Node;
 use refit_runtime::Version;
 use refit_runtime::sync_policy::StalenessStats;
 use serde::{Deserialize, Serialize};
-use uuid::Uuid;
 
 use crate::batch::Batch;
 use crate::error::Result;
 use crate::protocol::controller::Admission;
-use crate::remote::{RemoteAddr, serve};
 
 /// A fragment for the pool, with the admission that let it run.
 #[derive(Debug, Message, Serialize, Deserialize)]
@@ -86,48 +82,23 @@ crate::remote::wire_names! {
     TakeBatch => "pool.take_batch",
 }
 
-/// One model's trajectory pool, in this process or another.
-#[derive(Debug, Clone)]
-pub struct PoolRef {
-    /// Fragments in.
-    pub push: Recipient<PushFragment>,
-    /// Waits for a batch.
-    pub await_batch: Recipient<AwaitBatch>,
-    /// Takes a batch.
-    pub take: Recipient<TakeBatch>,
-}
-
-impl PoolRef {
-    /// The reference of a pool of this process.
-    pub fn local<A>(pool: &Addr<A>) -> Self
-    where
-        A: Actor + Handler<PushFragment> + Handler<AwaitBatch> + Handler<TakeBatch>,
-        A::Context:
-            ToEnvelope<A, PushFragment> + ToEnvelope<A, AwaitBatch> + ToEnvelope<A, TakeBatch>,
-    {
-        Self {
-            push: pool.clone().recipient(),
-            await_batch: pool.clone().recipient(),
-            take: pool.clone().recipient(),
-        }
+crate::protocol::role_ref! {
+    /// One model's trajectory pool, in this process or another.
+    pub struct PoolRef {
+        /// Fragments in.
+        push: PushFragment,
+        /// Waits for a batch.
+        await_batch: AwaitBatch,
+        /// Takes a batch.
+        take: TakeBatch,
     }
-
+    /// The reference of a pool of this process.
+    pub fn local(pool);
     /// The reference of a pool another process serves ([`PoolRef::serve`]).
     ///
     /// # Panics
     /// Outside a running actix system.
-    pub fn remote(pool: &RemoteAddr) -> Self {
-        Self {
-            push: pool.recipient(),
-            await_batch: pool.recipient(),
-            take: pool.recipient(),
-        }
-    }
-
+    pub fn remote(pool);
     /// Serves the pool's protocol on `node` under `target`.
-    pub fn serve(&self, node: &Node, target: Uuid) {
-        serve(node, target, self.push.clone());
-        serve(node, target, self.await_batch.clone());
-        serve(node, target, self.take.clone());
-    }
+    pub fn serve;
 }

@@ -3,13 +3,8 @@
 
 use std::time::Duration;
 
-use actix::dev::ToEnvelope;
 use actix::prelude::*;
-use refit_node::Node;
 use serde::{Deserialize, Serialize};
-use uuid::Uuid;
-
-use crate::remote::{RemoteAddr, serve};
 
 /// Starts the worker's fragment loop.
 #[derive(Debug, Message, Serialize, Deserialize)]
@@ -49,49 +44,23 @@ crate::remote::wire_names! {
     GetRolloutStats => "rollout.stats",
 }
 
-/// One rollout worker, in this process or another.
-#[derive(Debug, Clone)]
-pub struct RolloutRef {
-    /// Starts its fragment loop.
-    pub start: Recipient<StartRollouts>,
-    /// Stops it after its current fragment; answers its statistics.
-    pub stop: Recipient<StopRollouts>,
-    /// Its statistics so far.
-    pub stats: Recipient<GetRolloutStats>,
-}
-
-impl RolloutRef {
-    /// The reference of a worker of this process.
-    pub fn local<A>(worker: &Addr<A>) -> Self
-    where
-        A: Actor + Handler<StartRollouts> + Handler<StopRollouts> + Handler<GetRolloutStats>,
-        A::Context: ToEnvelope<A, StartRollouts>
-            + ToEnvelope<A, StopRollouts>
-            + ToEnvelope<A, GetRolloutStats>,
-    {
-        Self {
-            start: worker.clone().recipient(),
-            stop: worker.clone().recipient(),
-            stats: worker.clone().recipient(),
-        }
+crate::protocol::role_ref! {
+    /// One rollout worker, in this process or another.
+    pub struct RolloutRef {
+        /// Starts its fragment loop.
+        start: StartRollouts,
+        /// Stops it after its current fragment; answers its statistics.
+        stop: StopRollouts,
+        /// Its statistics so far.
+        stats: GetRolloutStats,
     }
-
+    /// The reference of a worker of this process.
+    pub fn local(worker);
     /// The reference of a worker another process serves ([`RolloutRef::serve`]).
     ///
     /// # Panics
     /// Outside a running actix system.
-    pub fn remote(worker: &RemoteAddr) -> Self {
-        Self {
-            start: worker.recipient(),
-            stop: worker.recipient(),
-            stats: worker.recipient(),
-        }
-    }
-
+    pub fn remote(worker);
     /// Serves the worker's protocol on `node` under `target`.
-    pub fn serve(&self, node: &Node, target: Uuid) {
-        serve(node, target, self.start.clone());
-        serve(node, target, self.stop.clone());
-        serve(node, target, self.stats.clone());
-    }
+    pub fn serve;
 }

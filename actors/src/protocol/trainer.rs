@@ -9,17 +9,13 @@
 
 use std::sync::Arc;
 
-use actix::dev::ToEnvelope;
 use actix::prelude::*;
-use refit_node::Node;
 use refit_runtime::{ModelId, Version, WeightSet};
 use serde::{Deserialize, Serialize};
-use uuid::Uuid;
 
 use crate::batch::Batch;
 use crate::error::Result;
 use crate::learner::LearnStats;
-use crate::remote::{RemoteAddr, serve};
 
 /// One update on a batch; answers the learner's stats and the new weights.
 #[derive(Debug, Message)]
@@ -106,72 +102,36 @@ crate::remote::wire_names! {
     WriteShard => "trainer.write_shard",
 }
 
-/// A shard of a sharded trainer other than shard 0, in this process or another.
-#[derive(Debug, Clone)]
-pub struct ShardRef {
-    /// One update.
-    pub train: Recipient<TrainShard>,
-}
-
-impl ShardRef {
-    /// The reference of a shard of this process.
-    pub fn local<A>(shard: &Addr<A>) -> Self
-    where
-        A: Actor + Handler<TrainShard>,
-        A::Context: ToEnvelope<A, TrainShard>,
-    {
-        Self {
-            train: shard.clone().recipient(),
-        }
+crate::protocol::role_ref! {
+    /// A shard of a sharded trainer other than shard 0, in this process or another.
+    pub struct ShardRef {
+        /// One update.
+        train: TrainShard,
     }
-
+    /// The reference of a shard of this process.
+    pub fn local(shard);
     /// The reference of a shard another process serves ([`ShardRef::serve`]).
     ///
     /// # Panics
     /// Outside a running actix system.
-    pub fn remote(shard: &RemoteAddr) -> Self {
-        Self {
-            train: shard.recipient(),
-        }
-    }
-
+    pub fn remote(shard);
     /// Serves the shard's protocol on `node` under `target`.
-    pub fn serve(&self, node: &Node, target: Uuid) {
-        serve(node, target, self.train.clone());
+    pub fn serve;
+}
+
+crate::protocol::role_ref! {
+    /// Shard 0's assembly of a sharded trainer's versions, in this process or another.
+    pub struct AssemblyRef {
+        /// A chunk of a shard's part.
+        write: WriteShard,
     }
-}
-
-/// Shard 0's assembly of a sharded trainer's versions, in this process or another.
-#[derive(Debug, Clone)]
-pub struct AssemblyRef {
-    /// A chunk of a shard's part.
-    pub write: Recipient<WriteShard>,
-}
-
-impl AssemblyRef {
     /// The reference of an assembly of this process.
-    pub fn local<A>(assembly: &Addr<A>) -> Self
-    where
-        A: Actor + Handler<WriteShard>,
-        A::Context: ToEnvelope<A, WriteShard>,
-    {
-        Self {
-            write: assembly.clone().recipient(),
-        }
-    }
-
+    pub fn local(assembly);
     /// The reference of an assembly another process serves ([`AssemblyRef::serve`]).
     ///
     /// # Panics
     /// Outside a running actix system.
-    pub fn remote(assembly: &RemoteAddr) -> Self {
-        Self {
-            write: assembly.recipient(),
-        }
-    }
-
+    pub fn remote(assembly);
     /// Serves the assembly's protocol on `node` under `target`.
-    pub fn serve(&self, node: &Node, target: Uuid) {
-        serve(node, target, self.write.clone());
-    }
+    pub fn serve;
 }
