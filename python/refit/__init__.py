@@ -38,6 +38,7 @@ from . import _native
 from .errors import (
     Closed,
     ConfigError,
+    Damaged,
     DTypeError,
     NeedsFullResend,
     PeerGone,
@@ -319,6 +320,41 @@ def _bytes_of(model: str, name: str, value: Any) -> tuple[str, list[int], Any]:
     return dtype, list(a.shape), np.ascontiguousarray(a).reshape(-1).view(np.uint8)
 
 
+def checksums(weights: Mapping[str, Any]) -> dict[str, int]:
+    """The checksum (xxh3-64) of each tensor of ``weights`` (name → numpy array or torch
+    tensor, on any device), as :meth:`Update.checksums` computes a version's: an engine hashes
+    what it serves and compares (see :func:`verify_served`)."""
+    bufs = {n: _bytes_of("served", n, v)[2] for n, v in weights.items()}
+    return dict(zip(bufs, _native.checksums(list(bufs.values()))))
+
+
+def verify_served(update: Update, served: Mapping[str, Any], model: str | None = None) -> None:
+    """Checks that ``served`` (name → array or tensor: what the engine serves, in the
+    version's names) holds exactly the bytes of ``update``'s version of ``model`` (the only
+    model when left out), tensor by tensor. Run after an apply, it proves the apply landed
+    whole; run again before the next one, that nothing changed the weights while they were
+    served.
+
+    Raises :class:`~refit.errors.Damaged` naming the first tensor whose bytes differ, or that
+    is missing from ``served``."""
+    names = [t.name for t in update.tensors(model)]
+    expected = dict(zip(names, update.checksums(model)))
+    which = update.models[0] if model is None else model
+    version = update.version(model)
+    missing = [n for n in names if n not in served]
+    if missing:
+        raise Damaged(f"model `{which}` v{version}: tensor `{missing[0]}` is not served", tensor=missing[0])
+    found = checksums({n: served[n] for n in names})
+    bad = [n for n in names if found[n] != expected[n]]
+    if bad:
+        more = f" ({len(bad)} tensors differ)" if len(bad) > 1 else ""
+        raise Damaged(
+            f"model `{which}` v{version}: tensor `{bad[0]}` as served hashes to "
+            f"{found[bad[0]]:#018x}, as applied to {expected[bad[0]]:#018x}{more}",
+            tensor=bad[0],
+        )
+
+
 def _by_model(weights: Mapping[str, Any], model: str) -> dict[str, Mapping[str, Any]]:
     if weights and all(isinstance(v, Mapping) for v in weights.values()):
         return dict(weights)
@@ -445,4 +481,7 @@ __all__ = [
     "TransportError",
     "Closed",
     "NeedsFullResend",
+    "Damaged",
+    "checksums",
+    "verify_served",
 ]

@@ -71,6 +71,15 @@ class ReceiversGone(_NamesReceivers, PeerGone):
     """Some receivers died or shut down; ``receivers`` names them."""
 
 
+class Damaged(RefitError):
+    """What an engine serves differs from the version it applied (a stray write, a bad page,
+    an apply that did not land whole); ``tensor`` names the first tensor that differs."""
+
+    def __init__(self, message: str, *, tensor: str | None = None) -> None:
+        super().__init__(message)
+        self.tensor = tensor
+
+
 class NeedsFullResend(RefitError):
     """An update failed part-way through an engine's apply: the engine's weights are mixed
     and must be replaced whole by the next version before it serves again."""
@@ -88,6 +97,7 @@ __all__ = [
     "TransportError",
     "Closed",
     "NeedsFullResend",
+    "Damaged",
     "ReceiversLate",
     "ReceiversGone",
 ]

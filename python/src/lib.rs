@@ -14,6 +14,7 @@ mod receiver;
 mod sender;
 mod spec;
 mod update;
+mod verify;
 mod wait;
 
 /// The module `refit._native`.
@@ -24,6 +25,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<update::Tensor>()?;
     m.add_class::<sender::Sender>()?;
     m.add_function(wrap_pyfunction!(spec::transports, m)?)?;
+    m.add_function(wrap_pyfunction!(verify::checksums, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

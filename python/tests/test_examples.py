@@ -28,10 +28,11 @@ def test_a_python_trainer_feeds_two_python_engines(transport, tmp_path):
     while not spec.exists():
         assert trainer.poll() is None and time.monotonic() < deadline, "trainer did not start"
         time.sleep(0.05)
+    # the second engine serves verified copies (refit.verify_served)
     engines = [
-        subprocess.Popen([sys.executable, EXAMPLES / "engine.py", spec, "--updates", "3"],
+        subprocess.Popen([sys.executable, EXAMPLES / "engine.py", spec, "--updates", "3", *flags],
                          stdout=subprocess.PIPE, text=True, cwd=tmp_path)
-        for _ in range(2)
+        for flags in ([], ["--verify"])
     ]
     outs = [e.communicate(timeout=120)[0] for e in engines]
     t_out = trainer.communicate(timeout=60)[0]

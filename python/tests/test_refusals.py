@@ -238,3 +238,38 @@ def test_a_shm_version_damaged_in_its_slot_is_refused_when_the_sender_checksums(
     finally:
         receiver.close()
         sender.close()
+
+
+def test_an_engine_verifies_what_it_serves_and_a_flipped_bit_is_named(pair):
+    # an engine serving its own copy of a received version: refit.verify_served proves the
+    # copy whole, then names the tensor once one bit of it changes while served
+    p = pair("shm")
+    p.sender.publish(weights(2))
+    u = p.receiver.receive(timeout=20)
+    served = {n: a.copy() for n, a in u.arrays().items()}
+    refit.verify_served(u, served)
+    assert refit.checksums(served) == dict(zip(served, u.checksums()))
+    served["embed.weight"].view(np.uint32)[7, 3] ^= 1
+    with pytest.raises(refit.Damaged, match=r"model `policy` v2: tensor `embed\.weight` as served hashes to") as e:
+        refit.verify_served(u, served)
+    assert e.value.tensor == "embed.weight"
+    # a tensor the engine does not serve is named too
+    del served["ids"]
+    with pytest.raises(refit.Damaged, match="tensor `ids` is not served"):
+        refit.verify_served(u, {n: a for n, a in served.items() if n != "embed.weight"} | {"embed.weight": u.arrays()["embed.weight"]})
+    u.ack()
+
+
+def test_checksums_of_torch_tensors_match_the_versions_they_were_sent_as(pair):
+    # bf16 has no numpy dtype: refit.checksums reads torch tensors' bytes as they are
+    from conftest import require
+
+    torch = require("torch")
+    sd = {"w": torch.randn(5, 3).to(torch.bfloat16), "b": torch.arange(4, dtype=torch.int32)}
+    p = pair("inproc" if "inproc" in refit.transports() else "shm", initial=sd)
+    p.sender.publish({k: v + 1 for k, v in sd.items()})
+    u = p.receiver.receive(timeout=20)
+    served = {n: t.clone() for n, t in u.torch()}
+    assert refit.checksums(served) == dict(zip(served, u.checksums()))
+    refit.verify_served(u, served)
+    u.ack()

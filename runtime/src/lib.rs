@@ -83,4 +83,4 @@ pub use sync_policy::{
     Decision, StalenessFilter, SyncConfig, SyncMode, SyncOrder, SyncPolicy, VersionBarrier,
 };
 pub use wait::{Wait, poll_until, wait_until};
-pub use weights::{SharedBytes, TensorView, WeightSet};
+pub use weights::{SharedBytes, TensorView, WeightSet, tensor_checksum};

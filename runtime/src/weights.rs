@@ -333,8 +333,15 @@ impl<'a> TensorView<'a> {
 
     /// xxh3-64 of the bytes.
     pub fn checksum(&self) -> u64 {
-        xxhash_rust::xxh3::xxh3_64(self.bytes)
+        tensor_checksum(self.bytes)
     }
+}
+
+/// The checksum of one tensor's bytes, as [`WeightSet::tensor_checksums`] computes it
+/// (xxh3-64): what a receiver verifies before apply, and what an engine compares what it
+/// serves with.
+pub fn tensor_checksum(bytes: &[u8]) -> u64 {
+    xxhash_rust::xxh3::xxh3_64(bytes)
 }
 
 #[cfg(test)]

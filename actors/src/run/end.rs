@@ -105,8 +105,15 @@ pub(crate) async fn finish_lead(
         Ok(r) => alive_ranks(ctx, r),
         Err(_) => {
             // a failed run: the lead knows which ranks died
-            let gone = l.lead.send(GoneRanks).timeout(ctx.call).await.unwrap_or_default();
-            (1..ctx.topo.world_size()).filter(|n| !gone.contains(n)).collect()
+            let gone = l
+                .lead
+                .send(GoneRanks)
+                .timeout(ctx.call)
+                .await
+                .unwrap_or_default();
+            (1..ctx.topo.world_size())
+                .filter(|n| !gone.contains(n))
+                .collect()
         }
     };
     await_byes(ctx, alive).await;
