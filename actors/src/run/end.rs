@@ -20,7 +20,7 @@ use refit_runtime::ModelId;
 use super::drive::Driver;
 use super::ids::{RANK_LOG, STOP_KEY, bye_key};
 use super::keepalive::LeadWatch;
-use super::lead::{Finish, GoneRanks};
+use super::lead::{Finish, GoneRanks, Lead};
 use super::peers::blocking;
 use super::rendezvous::WatchGuard;
 use super::start::{Heads, Leading, RankCtx};
@@ -86,7 +86,15 @@ pub(crate) async fn finish_lead(
         Ok(r) => r,
         Err(_) => Err(Error::Actor("the run's lead stopped".into())),
     };
-    drop(watching);
+    // a run that ended well stops watching the ranks now (they leave once told to stop); a
+    // failed one keeps watching while it waits for their goodbyes, so a rank found dead
+    // meanwhile (a partition seen from both sides at once) is not waited for
+    let watching = if ended.is_ok() {
+        drop(watching);
+        None
+    } else {
+        watching
+    };
     let report = match ended {
         Ok(()) => l
             .lead
@@ -101,22 +109,14 @@ pub(crate) async fn finish_lead(
     }
     // the others read the stop before this node goes away (bounded: a dead or partitioned
     // rank is not waited for at all)
-    let alive = match &report {
-        Ok(r) => alive_ranks(ctx, r),
+    match &report {
+        Ok(r) => await_byes(ctx, alive_ranks(ctx, r), None).await,
         Err(_) => {
-            // a failed run: the lead knows which ranks died
-            let gone = l
-                .lead
-                .send(GoneRanks)
-                .timeout(ctx.call)
-                .await
-                .unwrap_or_default();
-            (1..ctx.topo.world_size())
-                .filter(|n| !gone.contains(n))
-                .collect()
+            let all = (1..ctx.topo.world_size()).collect();
+            await_byes(ctx, all, Some(&l.lead)).await;
         }
-    };
-    await_byes(ctx, alive).await;
+    }
+    drop(watching);
     report
 }
 
@@ -133,21 +133,38 @@ fn alive_ranks(ctx: &RankCtx, r: &RunReport) -> Vec<u32> {
 }
 
 /// Waits, for `dead_after_s` (2 s at least) in all, until each of `alive` acknowledged
-/// the stop.
-async fn await_byes(ctx: &RankCtx, alive: Vec<u32>) {
-    let rv2 = ctx.rv.clone();
+/// the stop or (`lead` given: a failed run) the lead found it dead.
+async fn await_byes(ctx: &RankCtx, mut alive: Vec<u32>, lead: Option<&Addr<Lead>>) {
     let grace = ctx.topo.dead_after().max(Duration::from_secs(2));
-    let _ = blocking("waiting for the ranks to stop", move || {
-        let deadline = Instant::now() + grace;
-        for r in alive {
-            let left = deadline.saturating_duration_since(Instant::now());
-            if rv2.store().wait_get(&bye_key(r), left).is_err() {
-                tracing::warn!(target: RANK_LOG, rank = r, "the rank did not acknowledge the stop");
-            }
+    let deadline = Instant::now() + grace;
+    loop {
+        let rv = ctx.rv.clone();
+        let pending = alive.clone();
+        let acked: Vec<u32> = blocking("waiting for the ranks to stop", move || {
+            Ok(pending
+                .into_iter()
+                .filter(|r| rv.peek::<()>(&bye_key(*r)).ok().flatten().is_some())
+                .collect())
+        })
+        .await
+        .unwrap_or_default();
+        alive.retain(|r| !acked.contains(r));
+        if let Some(lead) = lead {
+            let gone = lead
+                .send(GoneRanks)
+                .timeout(ctx.call)
+                .await
+                .unwrap_or_default();
+            alive.retain(|r| !gone.contains(r));
         }
-        Ok(())
-    })
-    .await;
+        if alive.is_empty() || Instant::now() >= deadline {
+            break;
+        }
+        actix_rt::time::sleep(Duration::from_millis(50)).await;
+    }
+    for r in alive {
+        tracing::warn!(target: RANK_LOG, rank = r, "the rank did not acknowledge the stop");
+    }
 }
 
 /// A rank other than 0: waits until rank 0 says stop, stops its rollout workers and
