@@ -12,7 +12,7 @@ use actix::prelude::*;
 use refit_runtime::convert::Want;
 use refit_runtime::sync_policy::PauseMode;
 use refit_runtime::topology::Verify;
-use refit_runtime::{HasWeights, Manifest, ModelId};
+use refit_runtime::{HasWeights, Manifest, ModelId, Version, WeightSet};
 
 use crate::actor::engine::InferenceEngine;
 use crate::actor::eval::Evaluator;
@@ -366,4 +366,22 @@ impl<G: GenRoles> Workload for Generating<G> {
             .start()
             .recipient())
     }
+}
+
+/// The first weights of a fresh learner of `spec`: version 1 of its own model.
+///
+/// # Errors
+/// The learner's export; weights of another model or version, naming both.
+pub(crate) fn first_export(learner: &mut dyn Learner, spec: &ModelSpec) -> Result<WeightSet> {
+    let first = learner.export()?;
+    if first.model() != &spec.id || first.version() != Version(1) {
+        return Err(Error::Config(format!(
+            "the learner of model `{}` exported its first weights as model `{}` v{} \
+             (a fresh learner exports v1 of its own model)",
+            spec.id,
+            first.model(),
+            first.version()
+        )));
+    }
+    Ok(first)
 }

@@ -26,7 +26,6 @@ use std::time::Duration;
 
 use actix::prelude::*;
 use refit_node::Node;
-use refit_runtime::Version;
 use refit_runtime::topology::Topology;
 use refit_runtime::wire::MAX_CONTROL_MESSAGE;
 
@@ -90,16 +89,7 @@ pub(crate) fn start_members(
             )));
         }
         let mut learner = work.learner(spec)?;
-        let first = learner.export()?;
-        if first.model() != &spec.id || first.version() != Version(1) {
-            return Err(Error::Config(format!(
-                "the learner of model `{}` exported its first weights as model `{}` v{} \
-                 (a fresh learner exports v1 of its own model)",
-                spec.id,
-                first.model(),
-                first.version()
-            )));
-        }
+        crate::run::workload::first_export(learner.as_mut(), spec)?;
         let mi = site.topo.model_index(&spec.id).unwrap_or(0);
         let lead = ranks[0];
         let link = LeadLink::Find {

@@ -2,8 +2,8 @@
 //! learner, its first version and its weight links (one sender per transport the engines
 //! need), whose receiver specs go to the store for the engine ranks.
 
+use refit_runtime::WeightSet;
 use refit_runtime::topology::TransportKind;
-use refit_runtime::{Version, WeightSet};
 
 use crate::error::{Error, Result};
 use crate::learner::Learner;
@@ -72,16 +72,7 @@ fn open_model(ctx: &RankCtx, spec: &ModelSpec) -> Result<OpenedModel> {
     let topo = &ctx.topo;
     ctx.work.check(spec, topo.run.seed)?;
     let mut learner = ctx.work.learner(spec)?;
-    let initial = learner.export()?;
-    if initial.model() != &spec.id || initial.version() != Version(1) {
-        return Err(Error::Config(format!(
-            "the learner of model `{}` exported its first weights as model `{}` v{} \
-             (a fresh learner exports v1 of its own model)",
-            spec.id,
-            initial.model(),
-            initial.version()
-        )));
-    }
+    let initial = crate::run::workload::first_export(learner.as_mut(), spec)?;
     let want = match topo.model(&spec.id).and_then(|m| m.convert.as_ref()) {
         Some(c) => Some(c.want(&format!("model[{}].convert", spec.id))?),
         None => ctx.work.want(spec)?,
