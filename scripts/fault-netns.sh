@@ -18,7 +18,6 @@ set -euo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
 cd "$here"
 fault=${1:?partition-lead or partition-engine}
-nh=${NETNS_HOSTS:-$here/scripts/netns-hosts}
 refit=${REFIT:-$here/target/debug/refit}
 program=${PROGRAM:-$here/target/debug/examples/cartpole}
 bound=${BOUND_S:-30}
@@ -31,16 +30,9 @@ esac
 for f in "$refit" "$program"; do
   [ -x "$f" ] || { echo "fault-netns: build first: $f is missing (cargo build --example cartpole --bin refit)" >&2; exit 1; }
 done
-export REFIT_TOKEN=${REFIT_TOKEN:-$(head -c 16 /dev/urandom | od -An -tx1 | tr -d ' \n')}
-log=$(mktemp -d)
-pids=()
-cleanup() {
-  for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
-  wait 2>/dev/null || true
-  "$nh" down >/dev/null 2>&1 || true
-  rm -rf "$log"
-}
-trap cleanup EXIT
+# netns-hosts, a cluster token, a log directory and a cleanup that removes the hosts
+# shellcheck source=../examples/scripts/netns-lib.sh
+source "$here/examples/scripts/netns-lib.sh"
 "$nh" up 3 >/dev/null
 launch() { # rank: runs it, then writes its status and end time
   local status=0
@@ -52,7 +44,6 @@ launch() { # rank: runs it, then writes its status and end time
 }
 for r in 0 1 2; do
   launch "$r" &
-  pids+=($!)
 done
 # a few updates first: the run is under way when the link goes down
 for _ in $(seq 1 600); do
