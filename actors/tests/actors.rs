@@ -13,12 +13,12 @@ use refit_runtime::{DType, Manifest, Version, WeightSet};
 
 fn weights(version: u64, fill: f32) -> Arc<WeightSet> {
     let m = Arc::new(MlpPolicy::manifest_for(&[4, 8, 2]).unwrap());
-    let mut ws = WeightSet::zeroed(policy_model_id(), m.clone());
-    for t in m.tensors() {
-        ws.view_mut::<f32>(&t.name).unwrap().fill(fill);
-    }
-    ws.set_version(Version(version));
-    Arc::new(ws)
+    Arc::new(refit_runtime::testing::filled(
+        &policy_model_id(),
+        &m,
+        version,
+        fill,
+    ))
 }
 
 #[actix_rt::test]

@@ -307,12 +307,7 @@ fn engine_with(
 
 fn weights(model: &ModelId, version: u64, fill: f32) -> WeightSet {
     let m = Arc::new(MlpPolicy::manifest_for(&SIZES).unwrap());
-    let mut ws = WeightSet::zeroed(model.clone(), m.clone());
-    for t in m.tensors() {
-        ws.view_mut::<f32>(&t.name).unwrap().fill(fill);
-    }
-    ws.set_version(Version(version));
-    ws
+    refit_runtime::testing::filled(model, &m, version, fill)
 }
 
 #[actix_rt::test]

@@ -25,12 +25,7 @@ const WAIT: Duration = Duration::from_secs(10);
 
 fn weights(version: u64) -> WeightSet {
     let m = Arc::new(MlpPolicy::manifest_for(&SIZES).unwrap());
-    let mut ws = WeightSet::zeroed(policy_model_id(), m.clone());
-    for t in m.tensors() {
-        ws.view_mut::<f32>(&t.name).unwrap().fill(version as f32);
-    }
-    ws.set_version(Version(version));
-    ws
+    refit_runtime::testing::filled(&policy_model_id(), &m, version, version as f32)
 }
 
 #[actix_rt::test]

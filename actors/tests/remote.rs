@@ -692,14 +692,7 @@ mod framework {
 
     fn weights(model: &ModelId, version: u64) -> WeightSet {
         let m = Arc::new(MlpPolicy::manifest_for(&SIZES).unwrap());
-        let mut ws = WeightSet::zeroed(model.clone(), m.clone());
-        for t in m.tensors() {
-            ws.view_mut::<f32>(&t.name)
-                .unwrap()
-                .fill(version as f32 / 100.0);
-        }
-        ws.set_version(Version(version));
-        ws
+        refit_runtime::testing::filled(model, &m, version, version as f32 / 100.0)
     }
 
     /// A trainer's sender and the engine's receiver of one model, in process.

@@ -24,6 +24,8 @@
 //!   component registers) before the process exits with 130/143; the signal handling itself
 //!   lives in the node crate (`refit-node`), with the remote calls, streams and rendezvous
 //!   store: this crate does no network I/O and needs no async runtime.
+//! - `testing` (feature `test-util`, for tests only): shared fixtures, small manifests and
+//!   filled weight sets.
 #![warn(missing_docs, unreachable_pub, missing_debug_implementations)]
 
 mod arena;
@@ -50,6 +52,8 @@ pub mod strategy;
 #[doc(hidden)]
 pub mod strategy_bench;
 pub mod sync_policy;
+#[cfg(any(test, feature = "test-util"))]
+pub mod testing;
 pub mod topology;
 pub mod units;
 pub mod wait;

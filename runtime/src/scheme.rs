@@ -688,34 +688,21 @@ mod tests {
     use crate::DType;
     use crate::inproc::{InProc, InProcReceiver, InProcSender};
     use crate::manifest::Manifest;
+    use crate::testing::{self, id};
 
     const LONG: Duration = Duration::from_secs(30);
 
-    fn id(s: &str) -> ModelId {
-        ModelId::new(s).unwrap()
-    }
-
     fn manifest(dtype: DType, len: usize) -> Arc<Manifest> {
-        Arc::new(
-            Manifest::builder()
-                .tensor("w", dtype, &[len])
-                .build()
-                .unwrap(),
-        )
+        testing::manifest(&[("w", dtype, &[len])])
     }
 
     /// `model` at `version` with every f32 of `w` equal to `fill`.
     fn weights(model: &str, m: &Arc<Manifest>, version: u64, fill: f32) -> WeightSet {
-        let mut w = WeightSet::zeroed(id(model), Arc::clone(m));
-        if m.tensors()[0].dtype == DType::F32 {
-            w.view_mut::<f32>("w").unwrap().fill(fill);
-        }
-        w.set_version(Version(version));
-        w
+        testing::filled(&id(model), m, version, fill)
     }
 
     fn policy_manifests(m: &Arc<Manifest>) -> Manifests {
-        Manifests::new([(id("policy"), Arc::clone(m))]).unwrap()
+        testing::manifests(&[("policy", m)])
     }
 
     /// A connected sender and one receiver over a fresh hub, policy at version 1 (all 1.0).

@@ -349,13 +349,7 @@ mod tests {
     use super::*;
 
     fn manifest() -> Arc<Manifest> {
-        Arc::new(
-            Manifest::builder()
-                .tensor("w", DType::F32, &[2, 3])
-                .tensor("b", DType::F64, &[3])
-                .build()
-                .unwrap(),
-        )
+        crate::testing::manifest(&[("w", DType::F32, &[2, 3]), ("b", DType::F64, &[3])])
     }
 
     struct Fixed(Vec<u8>);

@@ -22,17 +22,12 @@ const WORLD: usize = 4;
 
 /// A small f32 model; tensor sizes are not multiples of a shard, so shards cut tensors.
 fn manifest() -> Arc<Manifest> {
-    let mut b = Manifest::builder();
-    let shapes: [(&str, &[usize]); 4] = [
-        ("embed.weight", &[300, 64]),
-        ("layers.0.weight", &[64, 64]),
-        ("layers.0.bias", &[64]),
-        ("head.weight", &[2, 64]),
-    ];
-    for (name, shape) in shapes {
-        b.push(name, DType::F32, shape);
-    }
-    Arc::new(b.build().unwrap())
+    refit_runtime::testing::manifest(&[
+        ("embed.weight", DType::F32, &[300, 64]),
+        ("layers.0.weight", DType::F32, &[64, 64]),
+        ("layers.0.bias", DType::F32, &[64]),
+        ("head.weight", DType::F32, &[2, 64]),
+    ])
 }
 
 /// The value of the f32 at arena byte offset `at` in `version` (what the whole model holds).

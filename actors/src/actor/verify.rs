@@ -131,27 +131,16 @@ fn compare(
 mod tests {
     #![allow(clippy::unwrap_used)]
 
-    use refit_runtime::DType;
+    use refit_runtime::{DType, testing};
 
     use super::*;
 
     fn manifest() -> Arc<Manifest> {
-        let m = Manifest::builder()
-            .tensor("a", DType::F32, &[4])
-            .tensor("b", DType::F32, &[2, 2])
-            .build()
-            .unwrap();
-        Arc::new(m)
+        testing::manifest(&[("a", DType::F32, &[4]), ("b", DType::F32, &[2, 2])])
     }
 
     fn version(v: u64, fill: f32) -> WeightSet {
-        let m = manifest();
-        let mut ws = WeightSet::zeroed(ModelId::new("policy").unwrap(), m);
-        for name in ["a", "b"] {
-            ws.view_mut::<f32>(name).unwrap().fill(fill);
-        }
-        ws.set_version(Version(v));
-        ws
+        testing::filled(&testing::id("policy"), &manifest(), v, fill)
     }
 
     #[test]

@@ -32,12 +32,7 @@ const WAIT: Duration = Duration::from_secs(20);
 
 fn weights(version: u64, fill: f32) -> WeightSet {
     let m = Arc::new(MlpPolicy::manifest_for(&[4, 8, 2]).unwrap());
-    let mut ws = WeightSet::zeroed(policy_model_id(), m.clone());
-    for t in m.tensors() {
-        ws.view_mut::<f32>(&t.name).unwrap().fill(fill);
-    }
-    ws.set_version(Version(version));
-    ws
+    refit_runtime::testing::filled(&policy_model_id(), &m, version, fill)
 }
 
 #[test]

@@ -2,15 +2,12 @@ use super::*;
 use crate::DType;
 
 fn manifest() -> Arc<Manifest> {
-    Arc::new(
-        Manifest::builder()
-            .tensor("a", DType::U8, &[100]) // 0..100
-            .tensor("b", DType::U8, &[10]) // 128..138
-            .tensor("big", DType::U8, &[1000]) // 192..1192
-            .tensor("c", DType::U8, &[20]) // 1216..1236, arena 1280
-            .build()
-            .unwrap(),
-    )
+    crate::testing::manifest(&[
+        ("a", DType::U8, &[100]),    // 0..100
+        ("b", DType::U8, &[10]),     // 128..138
+        ("big", DType::U8, &[1000]), // 192..1192
+        ("c", DType::U8, &[20]),     // 1216..1236, arena 1280
+    ])
 }
 
 fn id() -> ModelId {

@@ -44,7 +44,7 @@ fn wants() -> Wants {
 }
 
 fn manifests(m: &Arc<Manifest>) -> Manifests {
-    Manifests::new([(id("policy"), Arc::clone(m))]).unwrap()
+    crate::testing::manifests(&[("policy", m)])
 }
 
 /// Trainer weights whose every element differs (and needs rounding to bf16).

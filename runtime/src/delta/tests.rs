@@ -2,14 +2,11 @@ use super::*;
 use crate::{DType, Manifest};
 
 fn manifest() -> Arc<Manifest> {
-    Arc::new(
-        Manifest::builder()
-            .tensor("embed", DType::F32, &[64, 16]) // 4096 bytes
-            .tensor("w", DType::F32, &[32, 32]) // 4096 bytes
-            .tensor("b", DType::F32, &[32])
-            .build()
-            .unwrap(),
-    )
+    crate::testing::manifest(&[
+        ("embed", DType::F32, &[64, 16]), // 4096 bytes
+        ("w", DType::F32, &[32, 32]),     // 4096 bytes
+        ("b", DType::F32, &[32]),
+    ])
 }
 
 fn version(v: u64) -> WeightSet {

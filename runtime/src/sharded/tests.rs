@@ -2,14 +2,11 @@ use super::*;
 use crate::DType;
 
 fn manifest() -> Arc<Manifest> {
-    Arc::new(
-        Manifest::builder()
-            .tensor("embed", DType::F32, &[100, 7])
-            .tensor("w", DType::BF16, &[33, 9])
-            .tensor("b", DType::F32, &[5])
-            .build()
-            .unwrap(),
-    )
+    crate::testing::manifest(&[
+        ("embed", DType::F32, &[100, 7]),
+        ("w", DType::BF16, &[33, 9]),
+        ("b", DType::F32, &[5]),
+    ])
 }
 
 fn id() -> ModelId {

@@ -15,15 +15,9 @@ use crate::collective::{CpuComm, LocalRendezvous};
 
 const LONG: Duration = Duration::from_secs(30);
 
+/// Every f32 equal to the version (the arenas here have no padding).
 fn weights(m: &Arc<Manifest>, v: u64) -> WeightSet {
-    let bytes = (v as f32).to_le_bytes().repeat(m.total_len() / 4);
-    WeightSet::from_bytes(
-        ModelId::new("policy").unwrap(),
-        Version(v),
-        Arc::clone(m),
-        &bytes,
-    )
-    .unwrap()
+    refit_runtime::testing::filled(&refit_runtime::testing::id("policy"), m, v, v as f32)
 }
 
 /// Broadcasts every bucket of `w` as publish `seq`, flipping a byte of bucket `corrupt`.

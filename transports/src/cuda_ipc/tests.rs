@@ -14,30 +14,19 @@ use refit_runtime::{
 
 use super::*;
 use crate::link::LinkOptions;
+use refit_runtime::testing;
 
 const T: Duration = Duration::from_secs(10);
 
 fn manifests() -> (Arc<Manifest>, Manifests) {
-    let m = Arc::new(
-        Manifest::builder()
-            .tensor("w", DType::F32, &[1024])
-            .tensor("b", DType::F32, &[16])
-            .build()
-            .unwrap(),
-    );
-    let ms = Manifests::new([(ModelId::new("policy").unwrap(), Arc::clone(&m))]).unwrap();
+    let m = testing::manifest(&[("w", DType::F32, &[1024]), ("b", DType::F32, &[16])]);
+    let ms = testing::manifests(&[("policy", &m)]);
     (m, ms)
 }
 
+/// Every f32 equal to the version (the arena has no padding).
 fn weights(m: &Arc<Manifest>, v: u64) -> WeightSet {
-    let bytes = (v as f32).to_le_bytes().repeat(m.total_len() / 4);
-    WeightSet::from_bytes(
-        ModelId::new("policy").unwrap(),
-        Version(v),
-        Arc::clone(m),
-        &bytes,
-    )
-    .unwrap()
+    testing::filled(&testing::id("policy"), m, v, v as f32)
 }
 
 /// Without a GPU (CI), both ends refuse with the reason, naming the feature (or the probe's

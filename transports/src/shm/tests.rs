@@ -8,27 +8,21 @@ use refit_runtime::{
     DType, Error, Manifest, Manifests, ModelId, ReceiverInit, SenderInit, Version, WeightSet,
 };
 
+use refit_runtime::testing;
+
 use super::layout::{LAYOUT, OFF_COMMIT_SEQ, OFF_LAYOUT};
 use super::{ShmConfig, ShmReadMode, ShmReceiver, ShmSender};
 
 const T: Duration = Duration::from_secs(30);
 
 fn weights(m: &Arc<Manifest>, v: u64) -> WeightSet {
-    let mut ws = WeightSet::zeroed(ModelId::new("policy").unwrap(), Arc::clone(m));
-    ws.view_mut::<f32>("w").unwrap().fill(v as f32);
-    ws.set_version(Version(v));
-    ws
+    testing::filled(&testing::id("policy"), m, v, v as f32)
 }
 
 /// The model `policy` of one f32 tensor `w` of `floats` values, and its scheme's manifests.
 fn policy(floats: usize) -> (Arc<Manifest>, Manifests) {
-    let m = Arc::new(
-        Manifest::builder()
-            .tensor("w", DType::F32, &[floats])
-            .build()
-            .unwrap(),
-    );
-    let ms = Manifests::new([(ModelId::new("policy").unwrap(), Arc::clone(&m))]).unwrap();
+    let m = testing::manifest(&[("w", DType::F32, &[floats])]);
+    let ms = testing::manifests(&[("policy", &m)]);
     (m, ms)
 }
 

@@ -3,28 +3,24 @@
 
 use std::sync::Arc;
 
-use refit_runtime::{DType, Manifest, Manifests, ModelId, Version, WeightSet};
+use refit_runtime::{DType, Manifest, Manifests, Version, WeightSet};
 use refit_transports::shm::{ShmConfig, ShmReadMode, ShmReceiver, ShmSender};
 use refit_transports::tcp::{TcpConfig, TcpReceiver, TcpSender};
 
-pub fn id(s: &str) -> ModelId {
-    ModelId::new(s).unwrap()
-}
+// not every test uses every helper
+#[allow(unused_imports)]
+pub use refit_runtime::testing::id;
+
+#[allow(unused_imports)]
+pub use refit_runtime::testing::manifests;
 
 pub fn manifest(hidden: usize) -> Arc<Manifest> {
-    Arc::new(
-        Manifest::builder()
-            .tensor("fc1.weight", DType::F32, &[hidden, 4])
-            .tensor("fc1.bias", DType::F32, &[hidden])
-            .tensor("head.weight", DType::F32, &[2, hidden])
-            .tensor("steps", DType::I64, &[])
-            .build()
-            .unwrap(),
-    )
-}
-
-pub fn manifests(models: &[(&str, &Arc<Manifest>)]) -> Manifests {
-    Manifests::new(models.iter().map(|(n, m)| (id(n), Arc::clone(m)))).unwrap()
+    refit_runtime::testing::manifest(&[
+        ("fc1.weight", DType::F32, &[hidden, 4]),
+        ("fc1.bias", DType::F32, &[hidden]),
+        ("head.weight", DType::F32, &[2, hidden]),
+        ("steps", DType::I64, &[]),
+    ])
 }
 
 /// A weight set whose every f32 equals the version and whose `steps` is the version.

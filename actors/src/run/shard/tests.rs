@@ -26,14 +26,11 @@ fn id() -> ModelId {
 }
 
 fn manifest() -> Arc<Manifest> {
-    Arc::new(
-        Manifest::builder()
-            .tensor("w1", DType::F32, &[4, 64])
-            .tensor("b1", DType::F32, &[64])
-            .tensor("w2", DType::F32, &[64, 2])
-            .build()
-            .unwrap(),
-    )
+    refit_runtime::testing::manifest(&[
+        ("w1", DType::F32, &[4, 64]),
+        ("b1", DType::F32, &[64]),
+        ("w2", DType::F32, &[64, 2]),
+    ])
 }
 
 /// A learner whose every exported byte depends on its shard and version.
