@@ -246,7 +246,7 @@ async fn one_models_apply_does_not_stall_requests_for_another() {
         engine.send(ActBatch {
             model: model.clone(),
             obs: vec![0.0; 8],
-            generation: None,
+            epoch: None,
             greedy: false,
         })
     };
@@ -325,7 +325,7 @@ async fn an_engine_acknowledges_a_version_only_once_it_serves_it() {
     let during = engine.send(ActBatch {
         model: id.clone(),
         obs: vec![0.0; 4],
-        generation: None,
+        epoch: None,
         greedy: false,
     });
     assert!(!acked.is_finished(), "acknowledged before the apply ended");

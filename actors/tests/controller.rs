@@ -340,7 +340,7 @@ async fn the_pause_covers_only_the_apply_and_models_load_independently() {
         .send(ActBatch {
             model: b.clone(),
             obs: vec![0.0; 8],
-            generation: None,
+            epoch: None,
             greedy: false,
         })
         .await
@@ -722,7 +722,7 @@ async fn a_bit_flipped_in_served_weights_is_reported_by_the_next_update() {
             .send(ActBatch {
                 model: m.clone(),
                 obs: obs.clone(),
-                generation: None,
+                epoch: None,
                 greedy: true,
             })
             .await

@@ -25,7 +25,7 @@ fn generate(model: &ModelId, prompt: &[Token], max_tokens: u32) -> Generate {
         model: model.clone(),
         prompt: prompt.to_vec(),
         params: SamplingParams::greedy(max_tokens),
-        generation: None,
+        epoch: None,
     }
 }
 
@@ -189,7 +189,7 @@ async fn bad_requests_get_a_typed_error_naming_the_field_while_others_are_served
                 model: policy(),
                 prompt: prompt.clone(),
                 params: *params,
-                generation: None,
+                epoch: None,
             })
         })
         .collect();
@@ -215,22 +215,22 @@ async fn bad_requests_get_a_typed_error_naming_the_field_while_others_are_served
 async fn cancel_ends_cancellable_requests_in_flight_and_refuses_older_generations() {
     let gate = Gate::closed();
     let engine = gated_engine(PauseMode::Keep, &gate);
-    let cancellable = |prompt: Token, generation| Generate {
-        generation: Some(generation),
+    let cancellable = |prompt: Token, epoch| Generate {
+        epoch: Some(epoch),
         ..generate(&policy(), &[prompt], 10)
     };
     let old = engine.send(cancellable(0, 0));
     let free = engine.send(generate(&policy(), &[1], 10));
     gate.allow(2);
     gate.wait_entered(3).await;
-    let generation = within("cancel", engine.send(CancelInFlight)).await.unwrap();
-    assert_eq!(generation, 1);
+    let epoch = within("cancel", engine.send(CancelInFlight)).await.unwrap();
+    assert_eq!(epoch, 1);
     let refused = within("an old request", engine.send(cancellable(2, 0)))
         .await
         .unwrap()
         .unwrap_err();
     assert!(
-        matches!(refused, Error::Cancelled { generation: 1 }),
+        matches!(refused, Error::Cancelled { epoch: 1 }),
         "{refused}"
     );
     let current = engine.send(cancellable(3, 1));
@@ -241,7 +241,7 @@ async fn cancel_ends_cancellable_requests_in_flight_and_refuses_older_generation
     assert_eq!(old.tokens, walk(0, 1, 3));
     let free = answer("the request that is not cancellable", free).await;
     assert_eq!((free.finish, free.tokens.len()), (Finish::Length, 10));
-    let current = answer("a request of the new generation", current).await;
+    let current = answer("a request of the new epoch", current).await;
     assert_eq!(current.tokens, walk(3, 1, 10));
     let stats = within("stats", engine.send(GetEngineStats)).await.unwrap();
     assert_eq!(stats.cancelled, 2, "one refused, one ended in flight");
@@ -309,7 +309,7 @@ async fn a_follower_serves_its_leaders_weights_refreshed_every_k_versions_and_sc
         prompt: vec![0],
         tokens,
         temperature: 1.0,
-        generation: None,
+        epoch: None,
     };
     let same = answer("score", engine.send(score(mine.clone()))).await;
     assert_eq!(same.tokens, mine);
@@ -508,10 +508,10 @@ fn generate_across_nodes() {
         let r: Recipient<Generate> = remote.recipient();
         let c = r.send(generate(&policy(), &[3], 2)).await.unwrap().unwrap();
         assert_eq!(c.tokens, walk(3, 2, 2));
-        let generation = remote.send(CancelInFlight).await.unwrap();
+        let epoch = remote.send(CancelInFlight).await.unwrap();
         let refused = remote
             .send(Generate {
-                generation: Some(generation - 1),
+                epoch: Some(epoch - 1),
                 ..generate(&policy(), &[1], 2)
             })
             .await

@@ -347,10 +347,10 @@ async fn a_cancelled_fragment_is_dropped_and_the_next_one_reaches_the_pool() {
     within("start", r.worker.send(StartRollouts)).await.unwrap();
     // the first fragment's requests are in the engine, held at the first pass
     gate.wait_entered(1).await;
-    let generation = within("cancel", r.engine.send(CancelInFlight))
+    let epoch = within("cancel", r.engine.send(CancelInFlight))
         .await
         .unwrap();
-    assert_eq!(generation, 1);
+    assert_eq!(epoch, 1);
     gate.open();
     let taken = within(
         "a batch",

@@ -169,8 +169,8 @@ impl Handler<Fail> for TestActor {
 
 impl Handler<Cancel> for TestActor {
     type Result = Result<u64>;
-    fn handle(&mut self, Cancel(generation): Cancel, _: &mut Context<Self>) -> Result<u64> {
-        Err(Error::Cancelled { generation })
+    fn handle(&mut self, Cancel(epoch): Cancel, _: &mut Context<Self>) -> Result<u64> {
+        Err(Error::Cancelled { epoch })
     }
 }
 
@@ -251,7 +251,7 @@ async fn check_calls(remote: &RemoteAddr) {
     }
     // `Cancelled` keeps its variant (rollouts branch on it)
     let e = remote.send(Cancel(7)).await.unwrap().unwrap_err();
-    assert!(matches!(e, Error::Cancelled { generation: 7 }), "{e}");
+    assert!(matches!(e, Error::Cancelled { epoch: 7 }), "{e}");
 
     // a message the node does not serve, and one it cannot decode, are refused...
     let e = remote.send(Unknown).await.unwrap_err();
@@ -766,7 +766,7 @@ mod framework {
                 .send(ActBatch {
                     model: m.clone(),
                     obs: vec![0.0; 8],
-                    generation: None,
+                    epoch: None,
                     greedy: true,
                 })
                 .await
@@ -790,12 +790,12 @@ mod framework {
                 .unwrap();
             assert_eq!(check, Decision::Continue { staleness: 0 });
             // a cancellation crosses too and answers the new generation
-            let generation = remote_engine.send(CancelInFlight).await.unwrap();
+            let epoch = remote_engine.send(CancelInFlight).await.unwrap();
             let stale = remote_engine
                 .send(ActBatch {
                     model: m.clone(),
                     obs: vec![0.0; 4],
-                    generation: Some(generation - 1),
+                    epoch: Some(epoch - 1),
                     greedy: true,
                 })
                 .await

@@ -79,10 +79,10 @@ pub enum Error {
     Actor(String),
     /// A request of an episode that was cancelled (an eval step's leader cancels in-flight
     /// episodes so that pause and load are not contended).
-    #[error("episode cancelled (engine generation is now {generation})")]
+    #[error("episode cancelled (the engine's cancellation epoch is now {epoch})")]
     Cancelled {
-        /// The engine's generation after the cancellation.
-        generation: u64,
+        /// The engine's cancellation epoch after the cancellation.
+        epoch: u64,
     },
     /// A generation request refused before it ran (the engine keeps serving the others).
     #[error("bad request: {field} {reason}")]

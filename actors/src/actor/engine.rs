@@ -63,7 +63,7 @@ pub struct InferenceEngine<P: Policy> {
     /// How long a request may queue (engine paused, or its model's weights applied) before
     /// it is answered with a timeout.
     queue_deadline: Duration,
-    generation: u64,
+    epoch: u64,
     rng: SmallRng,
     stats: EngineStats,
 }
@@ -78,7 +78,7 @@ impl<P: Policy> std::fmt::Debug for InferenceEngine<P> {
         f.debug_struct("InferenceEngine")
             .field("versions", &versions)
             .field("paused", &self.paused)
-            .field("generation", &self.generation)
+            .field("epoch", &self.epoch)
             .finish()
     }
 }
@@ -109,7 +109,7 @@ impl<P: Policy + Unpin + 'static> InferenceEngine<P> {
             default: policy_model_id(),
             paused: false,
             queue_deadline: DEFAULT_QUEUE_DEADLINE,
-            generation: 0,
+            epoch: 0,
             rng: SmallRng::seed_from_u64(seed),
             stats: EngineStats::default(),
         }
@@ -178,13 +178,11 @@ impl<P: Policy + Unpin + 'static> InferenceEngine<P> {
     }
 
     fn act_now(&mut self, req: &ActBatch) -> Result<ActedBatch> {
-        if req.generation.is_some_and(|g| g != self.generation) {
+        if req.epoch.is_some_and(|g| g != self.epoch) {
             self.stats.cancelled += 1;
-            return Err(Error::Cancelled {
-                generation: self.generation,
-            });
+            return Err(Error::Cancelled { epoch: self.epoch });
         }
-        let generation = self.generation;
+        let epoch = self.epoch;
         let Self { models, rng, .. } = self;
         let slot = models
             .get_mut(&req.model)
@@ -218,7 +216,7 @@ impl<P: Policy + Unpin + 'static> InferenceEngine<P> {
         Ok(ActedBatch {
             actions,
             version: slot.version,
-            generation,
+            epoch,
         })
     }
 
@@ -427,7 +425,7 @@ impl<P: Policy + Unpin + 'static> Handler<Act> for InferenceEngine<P> {
         let req = ActBatch {
             model: self.default.clone(),
             obs: msg.obs,
-            generation: None,
+            epoch: None,
             greedy: false,
         };
         let fut = <Self as Handler<ActBatch>>::handle(self, req, ctx);
@@ -467,19 +465,19 @@ impl<P: Policy + Unpin + 'static> Handler<Continue> for InferenceEngine<P> {
 impl<P: Policy + Unpin + 'static> Handler<CancelInFlight> for InferenceEngine<P> {
     type Result = u64;
     fn handle(&mut self, _: CancelInFlight, _: &mut Context<Self>) -> u64 {
-        self.generation += 1;
-        let generation = self.generation;
+        self.epoch += 1;
+        let epoch = self.epoch;
         for slot in self.models.values_mut() {
             for (req, tx) in std::mem::take(&mut slot.queued) {
-                if req.generation.is_some() {
+                if req.epoch.is_some() {
                     self.stats.cancelled += 1;
-                    let _ = tx.send(Err(Error::Cancelled { generation }));
+                    let _ = tx.send(Err(Error::Cancelled { epoch }));
                 } else {
                     slot.queued.push_back((req, tx));
                 }
             }
         }
-        generation
+        epoch
     }
 }
 

@@ -111,7 +111,7 @@ impl<E: Env + Unpin + 'static> Handler<RunEval> for Evaluator<E> {
                         .send(ActBatch {
                             model: model.clone(),
                             obs: venv.obs_flat(),
-                            generation: None,
+                            epoch: None,
                             greedy: true,
                         })
                         .timeout(deadline)

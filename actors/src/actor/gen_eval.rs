@@ -84,7 +84,7 @@ async fn evaluate<T: Task>(
                 model: model.clone(),
                 prompt: prompt.clone(),
                 params,
-                generation: None,
+                epoch: None,
             };
             actix_rt::spawn(generate_whole(
                 engine.clone(),

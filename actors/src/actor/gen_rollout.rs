@@ -140,8 +140,8 @@ pub(crate) async fn generate_whole<M: CompletionRequest>(
 struct State<T> {
     task: T,
     rng: SmallRng,
-    /// The engine's cancellation generation as last learnt.
-    generation: u64,
+    /// The engine's cancellation epoch as last learnt.
+    epoch: u64,
     /// Groups made so far.
     groups: u64,
 }
@@ -197,7 +197,7 @@ impl<T: Task + Unpin> GenRolloutWorker<T> {
             state: Some(State {
                 task,
                 rng: SmallRng::seed_from_u64(cfg.seed),
-                generation: 0,
+                epoch: 0,
                 groups: 0,
             }),
             cfg,
@@ -280,9 +280,8 @@ async fn run_fragment<T: Task>(
         Some(reference) => Some(score(cfg, reference, scorer, state, &prompts, &generated).await?),
         None => None,
     };
-    if let Some(generation) = cancelled_generation(state.generation, &generated, scores.as_deref())
-    {
-        state.generation = generation;
+    if let Some(epoch) = cancelled_epoch(state.epoch, &generated, scores.as_deref()) {
+        state.epoch = epoch;
         return Ok(Outcome {
             waited,
             cancelled: true,
@@ -346,7 +345,7 @@ fn spawn_generations<T: Task>(
                     seed: state.rng.random(),
                     ..sampling
                 },
-                generation: Some(state.generation),
+                epoch: Some(state.epoch),
             };
             let job = generate_whole(engine.clone(), request, cfg.timeout, cfg.max_regenerations);
             pending.push((i, group, actix_rt::spawn(job)));
@@ -365,7 +364,7 @@ async fn await_generations(
     for (prompt, group, job) in pending {
         let answer = job.await.map_err(|e| {
             Error::Actor(format!(
-                "a generation request of model `{}` failed on its task: {e}",
+                "a epoch request of model `{}` failed on its task: {e}",
                 cfg.model
             ))
         });
@@ -378,13 +377,13 @@ async fn await_generations(
     generated
 }
 
-/// The engine's cancellation generation to learn when any generation or scoring was
+/// The engine's cancellation epoch to learn when any generation or scoring was
 /// cancelled (the fragment is then dropped); `None` when none was.
 ///
-/// The generation is learnt from a refusal (which carries it); requests ended in flight
+/// The epoch is learnt from a refusal (which carries it); requests ended in flight
 /// only say it moved on from `known`, at least once: the next fragment tries one more, and
 /// a refusal corrects it.
-fn cancelled_generation(
+fn cancelled_epoch(
     known: u64,
     generated: &[Generated],
     scores: Option<&[Result<(Completion, u32)>]>,
@@ -397,8 +396,8 @@ fn cancelled_generation(
         .chain(scores.into_iter().flatten());
     for answer in answers {
         match answer {
-            Err(Error::Cancelled { generation }) => {
-                refused_at = refused_at.max(Some(*generation));
+            Err(Error::Cancelled { epoch }) => {
+                refused_at = refused_at.max(Some(*epoch));
             }
             Ok((c, _)) if c.finish == Finish::Cancelled => ended_in_flight = true,
             _ => {}
@@ -501,7 +500,7 @@ async fn score<T: Task>(
                     prompt: prompts[g.prompt].clone(),
                     tokens: c.tokens.clone(),
                     temperature,
-                    generation: Some(state.generation),
+                    epoch: Some(state.epoch),
                 };
                 let job =
                     generate_whole(scorer.clone(), request, cfg.timeout, cfg.max_regenerations);

@@ -297,13 +297,13 @@ async fn run_fragment<E: Env>(
         .await
         .map_err(|e| Error::Actor(format!("controller unreachable: {e}")))??;
     let mut fragment = Batch::default();
-    let mut generation = None;
+    let mut epoch = None;
     for _ in 0..cfg.fragment_steps {
         let asked = engine
             .send(ActBatch {
                 model: cfg.model.clone(),
                 obs: envs.obs_flat(),
-                generation,
+                epoch,
                 greedy: false,
             })
             .timeout(cfg.timeout)
@@ -326,7 +326,7 @@ async fn run_fragment<E: Env>(
             }
             Err(e) => return Err(e),
         };
-        generation = Some(acted.generation);
+        epoch = Some(acted.epoch);
         envs.step(
             &acted.actions,
             acted.version,

@@ -101,11 +101,11 @@ async fn client(
             model: model.clone(),
             prompt,
             params: SamplingParams::new(tokens, i * 1_000_003 + done),
-            generation: Some(0),
+            epoch: Some(0),
         };
         match within("a bench request", engine.send(ask)).await? {
             Ok(_) => done += 1,
-            // the bench is stopping: CancelInFlight refuses this generation from now on
+            // the bench is stopping: CancelInFlight refuses this epoch from now on
             Err(Error::Cancelled { .. }) => break,
             Err(e) => return Err(e),
         }

@@ -47,9 +47,9 @@ pub struct ActBatch {
     pub model: ModelId,
     /// Observations, one after the other (`n * obs_dim` values).
     pub obs: Vec<f32>,
-    /// The cancellation generation the episode started in (`None`: not cancellable). A
-    /// request from an older generation is refused with [`Error::Cancelled`](crate::Error::Cancelled).
-    pub generation: Option<u64>,
+    /// The cancellation epoch the episode started in (`None`: not cancellable). A
+    /// request from an older epoch is refused with [`Error::Cancelled`](crate::Error::Cancelled).
+    pub epoch: Option<u64>,
     /// Greedy actions (evaluation) instead of samples.
     pub greedy: bool,
 }
@@ -61,8 +61,8 @@ pub struct ActedBatch {
     pub actions: Vec<ActionOut>,
     /// The version of the weights that acted (one version for the whole request).
     pub version: Version,
-    /// The engine's cancellation generation.
-    pub generation: u64,
+    /// The engine's cancellation epoch.
+    pub epoch: u64,
 }
 
 /// Pauses generation of every model: requests queue until [`Continue`].
@@ -117,8 +117,8 @@ pub struct LoadReport {
     pub damaged: Option<String>,
 }
 
-/// Cancels in-flight episodes: requests of older generations are refused from now on, and
-/// queued ones are answered with [`Error::Cancelled`](crate::Error::Cancelled). Answers the new generation.
+/// Cancels in-flight episodes: requests of older cancellation epochs are refused from now on, and
+/// queued ones are answered with [`Error::Cancelled`](crate::Error::Cancelled). Answers the new epoch.
 #[derive(Debug, Message, Serialize, Deserialize)]
 #[rtype(result = "u64")]
 pub struct CancelInFlight;
@@ -177,10 +177,10 @@ pub struct Generate {
     pub prompt: Vec<Token>,
     /// How to sample.
     pub params: SamplingParams,
-    /// The cancellation generation the request's episode started in (`None`: not
-    /// cancellable). A request of an older generation is refused with
+    /// The cancellation epoch the request's episode started in (`None`: not
+    /// cancellable). A request of an older epoch is refused with
     /// [`Error::Cancelled`](crate::Error::Cancelled).
-    pub generation: Option<u64>,
+    pub epoch: Option<u64>,
 }
 
 /// Asks a generating engine for the log-probability of each of `tokens` after `prompt`
@@ -202,8 +202,8 @@ pub struct Score {
     pub tokens: Vec<Token>,
     /// Softmax temperature of the scores.
     pub temperature: f32,
-    /// The cancellation generation, as [`Generate::generation`].
-    pub generation: Option<u64>,
+    /// The cancellation epoch, as [`Generate::epoch`].
+    pub epoch: Option<u64>,
 }
 
 crate::remote_reply!(EngineStats);

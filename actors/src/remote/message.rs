@@ -146,7 +146,7 @@ impl<T: Serialize + DeserializeOwned + Send + 'static> RemoteReply for crate::Re
 /// other error travels as its message.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct WireError {
-    /// The generation of an [`Error::Cancelled`].
+    /// The epoch of an [`Error::Cancelled`].
     cancelled: Option<u64>,
     /// The error's message.
     message: String,
@@ -155,7 +155,7 @@ pub struct WireError {
 impl From<Error> for WireError {
     fn from(e: Error) -> Self {
         let cancelled = match e {
-            Error::Cancelled { generation } => Some(generation),
+            Error::Cancelled { epoch } => Some(epoch),
             _ => None,
         };
         Self {
@@ -169,7 +169,7 @@ impl WireError {
     /// The error on the calling side.
     fn into_error(self, actor: &str, message: &'static str) -> Error {
         match self.cancelled {
-            Some(generation) => Error::Cancelled { generation },
+            Some(epoch) => Error::Cancelled { epoch },
             None => Error::Remote {
                 actor: actor.to_owned(),
                 message,

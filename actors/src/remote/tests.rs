@@ -136,12 +136,8 @@ fn answered_errors_cross_as_wire_errors() {
         other => panic!("{other:?}"),
     }
     // `Cancelled` keeps its variant; values pass through
-    let back = R::from_wire(
-        R::Err(Error::Cancelled { generation: 3 }).into_wire(),
-        "e",
-        "m",
-    );
-    assert!(matches!(back, Err(Error::Cancelled { generation: 3 })));
+    let back = R::from_wire(R::Err(Error::Cancelled { epoch: 3 }).into_wire(), "e", "m");
+    assert!(matches!(back, Err(Error::Cancelled { epoch: 3 })));
     assert_eq!(R::from_wire(R::Ok(9).into_wire(), "e", "m").unwrap(), 9);
     // a failed call is an answer for `Result`s, nothing for plain types
     let failed = || Error::Remote {

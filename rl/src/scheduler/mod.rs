@@ -20,7 +20,7 @@
 //!   ([`PauseMode::Keep`]: at once, sequences continue with their caches; `Abort`: running
 //!   sequences end with [`Finish::Aborted`]; `Wait`: no sequence joins until the running
 //!   ones finished under the old version);
-//! - [`Scheduler::cancel`]: requests of older cancellation generations end with
+//! - [`Scheduler::cancel`]: requests of older cancellation epochs end with
 //!   [`Finish::Cancelled`].
 //!
 //! A step computes every token under one weight version (the forward takes one `&Weights`),
@@ -262,7 +262,7 @@ impl<G: Generator> Scheduler<G> {
             || (self.served.is_some() && !(self.running.is_empty() && self.waiting.is_empty()))
     }
 
-    /// Queues a request; `generation` is its cancellation generation (`None`: not
+    /// Queues a request; `epoch` is its cancellation epoch (`None`: not
     /// cancellable, see [`Scheduler::cancel`]).
     ///
     /// # Errors
@@ -273,7 +273,7 @@ impl<G: Generator> Scheduler<G> {
         &mut self,
         prompt: Vec<Token>,
         params: SamplingParams,
-        generation: Option<u64>,
+        epoch: Option<u64>,
     ) -> Result<RequestId> {
         request::check(&prompt, &params, self.vocab, self.max_context)?;
         let id = RequestId(self.next_id);
@@ -282,7 +282,7 @@ impl<G: Generator> Scheduler<G> {
             id,
             prompt,
             params,
-            generation,
+            epoch,
             forced: None,
         });
         Ok(id)
@@ -302,7 +302,7 @@ impl<G: Generator> Scheduler<G> {
         prompt: Vec<Token>,
         tokens: Vec<Token>,
         temperature: f32,
-        generation: Option<u64>,
+        epoch: Option<u64>,
     ) -> Result<RequestId> {
         request::check_forced(&tokens, self.vocab)?;
         let params = SamplingParams {
@@ -327,7 +327,7 @@ impl<G: Generator> Scheduler<G> {
             id,
             prompt,
             params,
-            generation,
+            epoch,
             forced: Some(tokens),
         });
         Ok(id)
@@ -374,14 +374,14 @@ impl<G: Generator> Scheduler<G> {
         true
     }
 
-    /// Ends every running and waiting request whose cancellation generation is older than
+    /// Ends every running and waiting request whose cancellation epoch is older than
     /// `below` with [`Finish::Cancelled`] (running ones keep their tokens so far).
     pub fn cancel(&mut self, below: u64) -> Vec<(RequestId, Completion)> {
         let hit = |g: Option<u64>| g.is_some_and(|g| g < below);
         let mut out = Vec::new();
         let mut i = 0;
         while i < self.running.len() {
-            if hit(self.running[i].generation) {
+            if hit(self.running[i].epoch) {
                 let s = self.running.swap_remove(i);
                 out.push((s.id, s.finish(Finish::Cancelled)));
             } else {
@@ -389,7 +389,7 @@ impl<G: Generator> Scheduler<G> {
             }
         }
         let (cancelled, kept): (Vec<_>, Vec<_>) =
-            self.waiting.drain(..).partition(|w| hit(w.generation));
+            self.waiting.drain(..).partition(|w| hit(w.epoch));
         self.waiting = kept.into();
         out.extend(
             cancelled

@@ -15,7 +15,7 @@ pub(super) struct Waiting {
     pub(super) id: RequestId,
     pub(super) prompt: Vec<Token>,
     pub(super) params: SamplingParams,
-    pub(super) generation: Option<u64>,
+    pub(super) epoch: Option<u64>,
     /// The tokens to feed instead of sampling (a scoring request), one per step.
     pub(super) forced: Option<Vec<Token>>,
 }
@@ -96,7 +96,7 @@ pub(super) struct Running<C> {
     pub(super) id: RequestId,
     pub(super) prompt: Vec<Token>,
     pub(super) params: SamplingParams,
-    pub(super) generation: Option<u64>,
+    pub(super) epoch: Option<u64>,
     pub(super) rng: SmallRng,
     pub(super) cache: C,
     pub(super) tokens: Vec<Token>,
@@ -113,7 +113,7 @@ impl<C> Running<C> {
             rng: SmallRng::seed_from_u64(w.params.seed),
             prompt: w.prompt,
             params: w.params,
-            generation: w.generation,
+            epoch: w.epoch,
             cache,
             tokens: Vec::new(),
             logprobs: Vec::new(),

@@ -22,7 +22,7 @@ pub(super) enum Command<W> {
     Submit {
         prompt: Vec<Token>,
         params: SamplingParams,
-        generation: Option<u64>,
+        epoch: Option<u64>,
         reply: oneshot::Sender<Result<Completion>>,
     },
     /// A scoring request; answered when it ends (or at once when refused).
@@ -30,7 +30,7 @@ pub(super) enum Command<W> {
         prompt: Vec<Token>,
         tokens: Vec<Token>,
         temperature: f32,
-        generation: Option<u64>,
+        epoch: Option<u64>,
         reply: oneshot::Sender<Result<Completion>>,
     },
     /// A staged version; answered at its swap (or when refused or withdrawn).
@@ -42,7 +42,7 @@ pub(super) enum Command<W> {
     /// Gives up on an offered version that has not been swapped in; its offer is answered
     /// with `why`.
     Withdraw { version: Version, why: Error },
-    /// Ends the requests of cancellation generations older than `below`.
+    /// Ends the requests of cancellation epochs older than `below`.
     Cancel { below: u64 },
 }
 
@@ -187,22 +187,20 @@ impl<G: Generator> Decoder<G> {
             Command::Submit {
                 prompt,
                 params,
-                generation,
+                epoch,
                 reply,
             } => {
-                let asked = self.scheduler.submit(prompt, params, generation);
+                let asked = self.scheduler.submit(prompt, params, epoch);
                 self.asked(asked, reply);
             }
             Command::Score {
                 prompt,
                 tokens,
                 temperature,
-                generation,
+                epoch,
                 reply,
             } => {
-                let asked = self
-                    .scheduler
-                    .score(prompt, tokens, temperature, generation);
+                let asked = self.scheduler.score(prompt, tokens, temperature, epoch);
                 self.asked(asked, reply);
             }
             Command::Offer {

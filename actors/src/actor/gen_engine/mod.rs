@@ -159,7 +159,7 @@ struct Slot<G: Generator> {
 pub struct GenerationEngine<G: Generator> {
     models: BTreeMap<ModelId, Slot<G>>,
     mode: PauseMode,
-    generation: u64,
+    epoch: u64,
     push_timeout: Duration,
     /// Staging time and refused requests (the decoding threads count the rest).
     stats: EngineStats,
@@ -175,7 +175,7 @@ impl<G: Generator> std::fmt::Debug for GenerationEngine<G> {
         f.debug_struct("GenerationEngine")
             .field("mode", &self.mode)
             .field("versions", &versions)
-            .field("generation", &self.generation)
+            .field("epoch", &self.epoch)
             .finish()
     }
 }
@@ -186,7 +186,7 @@ impl<G: Generator> GenerationEngine<G> {
         Self {
             models: BTreeMap::new(),
             mode,
-            generation: 0,
+            epoch: 0,
             push_timeout: Duration::from_secs(60),
             stats: EngineStats::default(),
         }
@@ -324,13 +324,13 @@ impl<G: Generator> GenerationEngine<G> {
     fn ask(
         &mut self,
         model: ModelId,
-        generation: Option<u64>,
+        epoch: Option<u64>,
         command: impl FnOnce(oneshot::Sender<Result<Completion>>) -> Command<G::Weights>,
     ) -> ResponseFuture<Result<Completion>> {
-        if generation.is_some_and(|g| g != self.generation) {
+        if epoch.is_some_and(|g| g != self.epoch) {
             self.stats.cancelled += 1;
-            let generation = self.generation;
-            return Box::pin(async move { Err(Error::Cancelled { generation }) });
+            let epoch = self.epoch;
+            return Box::pin(async move { Err(Error::Cancelled { epoch }) });
         }
         let commands = match self.slot(&model) {
             Ok(s) => s.commands.clone(),
@@ -421,12 +421,12 @@ impl<G: Generator> Handler<Generate> for GenerationEngine<G> {
             model,
             prompt,
             params,
-            generation,
+            epoch,
         } = msg;
-        self.ask(model, generation, |reply| Command::Submit {
+        self.ask(model, epoch, |reply| Command::Submit {
             prompt,
             params,
-            generation,
+            epoch,
             reply,
         })
     }
@@ -441,13 +441,13 @@ impl<G: Generator> Handler<Score> for GenerationEngine<G> {
             prompt,
             tokens,
             temperature,
-            generation,
+            epoch,
         } = msg;
-        self.ask(model, generation, |reply| Command::Score {
+        self.ask(model, epoch, |reply| Command::Score {
             prompt,
             tokens,
             temperature,
-            generation,
+            epoch,
             reply,
         })
     }
@@ -497,17 +497,17 @@ impl<G: Generator> Handler<LoadWeights> for GenerationEngine<G> {
 impl<G: Generator> Handler<CancelInFlight> for GenerationEngine<G> {
     type Result = u64;
 
-    /// Requests of older generations are refused from now on; the decoding threads end the
+    /// Requests of older cancellation epochs are refused from now on; the decoding threads end the
     /// ones they hold at their next step boundary (before any load sent after this).
     fn handle(&mut self, _: CancelInFlight, _: &mut Context<Self>) -> u64 {
-        self.generation += 1;
+        self.epoch += 1;
         for (model, slot) in &self.models {
-            let below = self.generation;
+            let below = self.epoch;
             if slot.commands.send(Command::Cancel { below }).is_err() {
                 tracing::warn!(model = %model, "cancel: {}", loop_gone(model));
             }
         }
-        self.generation
+        self.epoch
     }
 }
 
