@@ -15,7 +15,10 @@ What it does (on a CPU; about four minutes on two cores):
    ``Timeout``; vLLM still generates version 3's tokens), a version holding a tensor vLLM does
    not know, first (``Refused`` before anything was applied; still version 3's tokens), and
    one whose unknown tensor comes after others landed (``NeedsFullResend``), both from a
-   Python ``refit.Sender`` over shared memory; then the repair: reconnecting with
+   Python ``refit.Sender`` over shared memory; a version lacking one tensor, which the model's
+   ``load_weights`` takes without error (``NeedsFullResend`` naming the parameter not loaded,
+   from the engine's names check; with ``verify="off"`` it loads without a word); then the
+   repair: reconnecting with
    ``load_initial`` loads the version in force (version 3's tokens again) and a next
    published version (version 2's file again) loads whole (version 2's tokens);
 6. shuts that vLLM down and starts a fresh vLLM per version from a directory holding that
@@ -393,6 +396,30 @@ def run(binary: Path, work: Path, args) -> int:
         tokens["mixed"] = generate(llm, args.max_tokens)
         print(f"  mixed weights generate {tokens['mixed']}", flush=True)
         part.close()
+
+        # (d) a version lacking one tensor: load_weights takes the rest without an error;
+        # the engine's names check (verify="names", the default) finds the parameter not loaded
+        gone = "model.layers.1.mlp.down_proj.weight"
+        short = {k: t for k, t in v3.items() if k != gone}
+        lacking = refit.Sender("shm", short, model=MODEL_ID)
+        lacking.start()
+        refit.vllm.init_engine(llm, lacking.spec, timeout=args.timeout)
+        lacking.publish(short)
+        try:
+            refit.vllm.update_weights(llm, version=2, timeout=args.timeout)
+            check("a version lacking a tensor raises NeedsFullResend", False, "update_weights returned")
+        except errors.NeedsFullResend as e:
+            check(f"a version lacking a tensor raises refit.errors.NeedsFullResend naming `{gone}`",
+                  f"`{gone}`" in str(e), str(e)[:300])
+        except errors.RefitError as e:
+            check("a version lacking a tensor raises NeedsFullResend", False, f"{type(e).__name__}: {e}")
+        # the same version with verify="off": nothing checks, it loads without a word
+        try:
+            refit.vllm.init_engine(llm, lacking.spec, timeout=args.timeout, load_initial=True, verify="off")
+            check('with verify="off" the version lacking a tensor loads without an error', True)
+        except errors.RefitError as e:
+            check('with verify="off" the version lacking a tensor loads without an error', False, f"{type(e).__name__}: {e}")
+        lacking.close()
 
         # the repair: back to refit serve; the version in force there loads whole
         t = time.perf_counter()

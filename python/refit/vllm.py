@@ -23,6 +23,13 @@ part of it landed leaves mixed weights: the engine raises
 :class:`~refit.errors.NeedsFullResend` and serves the mixture until the next version loads
 completely (every Refit version is complete, so any next version repairs it).
 
+A version that ``load_weights`` took without error but that left some of the model's
+parameters unfilled (a tensor missing from the version, or one the model skipped) is caught
+too: by default (init info ``verify="names"``) the engine compares the parameter names
+``load_weights`` returns with the model's own and raises
+:class:`~refit.errors.NeedsFullResend` naming the first parameter not loaded, since the rest
+of the version did land.
+
 Through vLLM's RPCs the worker's exception reaches the caller as a plain ``Exception``;
 the helpers here (:func:`init_engine`, :func:`update_weights`) raise the
 :mod:`refit.errors` class again, which every message names as ``[refit.errors.Kind]``.
@@ -140,6 +147,7 @@ def init_engine(
     copy: bool = False,
     model: str | None = None,
     load_initial: bool = False,
+    verify: str = "names",
 ) -> None:
     """Connects every worker of ``llm`` (started with ``weight_transfer_config={"backend":
     "refit"}``) to the Refit sender ``spec`` describes (its text, or the path of a file
@@ -152,7 +160,8 @@ def init_engine(
     also what :func:`update_weights` raises.
     """
     spec = os.fspath(spec) if isinstance(spec, os.PathLike) else spec
-    info = {"spec": spec, "timeout": timeout, "copy": copy, "model": model, "load_initial": load_initial}
+    info = {"spec": spec, "timeout": timeout, "copy": copy, "model": model, "load_initial": load_initial,
+            "verify": verify}
     _rpc(llm, "init_weight_transfer_engine", None, init_info=info)
 
 
@@ -314,6 +323,32 @@ def _describe_spec(spec: str) -> str:
     return text if len(text) <= 24 else text[:20] + "…"
 
 
+#: ``verify`` values of the init info: ``names`` checks after each checkpoint-format load
+#: that ``load_weights`` filled every parameter of the model; ``off`` does not.
+VERIFY = ("names", "off")
+
+
+def _param_groups(named: Any, skip: Any = ()) -> list[tuple[str, ...]]:
+    """The model's parameters a full version must fill, each as the tuple of its names (a
+    tensor registered under several names, tied weights such as ``lm_head.weight`` tied to
+    the input embedding, is one entry), in the model's order. ``named`` is
+    ``named_parameters(remove_duplicate=False)``; names in ``skip`` (parameters no
+    checkpoint carries) are left out. A parameter's size does not matter: a kernel may keep
+    a weight elsewhere and leave its parameter empty (vLLM's CPU GEMMs), yet the checkpoint
+    tensor fills it."""
+    groups: dict[int, list[str]] = {}
+    for name, param in named:
+        groups.setdefault(id(param), []).append(name)
+    return [tuple(names) for names in groups.values() if not all(n in skip for n in names)]
+
+
+def _not_loaded(groups: list[tuple[str, ...]], loaded: Any) -> list[str]:
+    """The first name of each group of :func:`_param_groups` none of whose names is in
+    ``loaded`` (the names ``load_weights`` returned: the model's parameter names, fused
+    ones such as ``qkv_proj`` included), in the model's order."""
+    return [names[0] for names in groups if not any(n in loaded for n in names)]
+
+
 def _build() -> dict[str, type]:
     """Defines the engine and its info classes on vLLM's base classes (imports vLLM)."""
     from dataclasses import dataclass
@@ -336,6 +371,9 @@ def _build() -> dict[str, type]:
         ``copy``: copy each version out of shared memory instead of reading it in place.
         ``model``: which model to load when the sender publishes several.
         ``load_initial``: also load the sender's version in force at once.
+        ``verify``: ``"names"`` (default): after a checkpoint-format version is loaded,
+        check that ``load_weights`` filled every parameter of the model (a parameter it
+        did not is named by a ``NeedsFullResend``); ``"off"``: no check.
         No secret: the token comes from the worker's ``REFIT_TOKEN`` / ``REFIT_TOKEN_FILE``.
         """
 
@@ -344,10 +382,13 @@ def _build() -> dict[str, type]:
         copy: bool = False
         model: str | None = None
         load_initial: bool = False
+        verify: str = "names"
 
         def __post_init__(self) -> None:
             if not isinstance(self.spec, str) or not self.spec.strip():
                 raise ValueError("refit init_info: `spec` must be the sender's spec text or a path to it")
+            if self.verify not in VERIFY:
+                raise ValueError(f"refit init_info: `verify` must be one of {', '.join(map(repr, VERIFY))}, got {self.verify!r}")
             if not self.timeout >= 0:
                 raise ValueError(f"refit init_info: `timeout` must be ≥ 0 seconds, got {self.timeout}")
 
@@ -402,6 +443,10 @@ def _build() -> dict[str, type]:
             self.needs_full_resend = False
             self._layerwise = False  # between initialize and finalize of a layerwise reload
             self._staged: tuple[Any, int, dict[str, float]] | None = None  # loaded, not acked
+            # the parameters a full version fills (names per tensor), taken before the first
+            # layerwise reload (which swaps the layers' tensors meanwhile); None: not yet
+            self._expected: list[tuple[str, ...]] | None = None
+            self._unchecked_said = False  # warned once that names cannot be checked
 
         # -- lifecycle ---------------------------------------------------------------------
 
@@ -548,6 +593,8 @@ def _build() -> dict[str, type]:
                 return
             from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
+            if self._expected is None:
+                self._expected = _expected_params(self.model, self.model_config)
             initialize_layerwise_reload(self.model)
             self._layerwise = True
 
@@ -615,7 +662,7 @@ def _build() -> dict[str, type]:
                 from contextlib import nullcontext as disable_mtp_completeness_check
             try:
                 with disable_mtp_completeness_check():
-                    self.model.load_weights(self._device_pairs(pairs, current))
+                    loaded = self.model.load_weights(self._device_pairs(pairs, current))
             except Exception as e:
                 touched = _touched(self.model, fresh)
                 cause = f"the model's load_weights failed at tensor `{current[0]}`: {type(e).__name__}: {e}"
@@ -628,6 +675,44 @@ def _build() -> dict[str, type]:
                     raise _fail(errors.Refused, f"{self._what(version)} refused by vLLM before any of it was applied: {cause}; {self._in_force()}") from e
                 self._mixed(version)
                 raise _fail(errors.NeedsFullResend, f"{self._what(version)} failed part-way into vLLM's weights ({cause}): the weights are mixed until the next version loads whole") from e
+            if self._init is None or self._init.verify == "names":
+                self._check_names(loaded, version, fresh)
+
+        def _check_names(self, loaded: Any, version: int, fresh: set[int]) -> None:
+            """Checks that ``load_weights``, which returned ``loaded`` (the names of the
+            parameters it filled), filled every parameter a full version fills. A parameter
+            it did not is stale while the rest of the version landed: NeedsFullResend
+            (Refused when none of the version reached the model)."""
+            if self.model_config is not None and getattr(self.model_config, "quantization", None) is not None:
+                why = f"the model is quantized ({self.model_config.quantization}): some of its parameters come from no checkpoint"
+            elif loaded is None:
+                why = f"{type(self.model).__name__}.load_weights returns no set of the parameters it loaded"
+            elif self._expected is None:
+                why = "the model's parameters were not recorded before the reload"
+            else:
+                why = None
+            if why is not None:
+                if not self._unchecked_said:
+                    self._unchecked_said = True
+                    _log.warning("refit: not checking that each version fills every parameter of `%s` (verify=\"names\"): %s", self._model_id, why)
+                return
+            assert self._expected is not None
+            missing = _not_loaded(self._expected, loaded)
+            if not missing:
+                return
+            cause = (f"load_weights filled {len(self._expected) - len(missing)} of the model's {len(self._expected)} parameters: "
+                     f"not `{missing[0]}`" + (f" nor {len(missing) - 1} more" if len(missing) > 1 else "")
+                     + " (a tensor missing from the version, or one the model skipped)")
+            touched = _touched(self.model, fresh)
+            try:
+                (self._finalize if touched else self._restore)()
+            except Exception as f:  # the model is in an unknown state
+                touched = True
+                cause += f"; then completing the reload failed: {type(f).__name__}: {f}"
+            if not touched:
+                raise _fail(errors.Refused, f"{self._what(version)} refused: {cause}; nothing was applied: {self._in_force()}")
+            self._mixed(version)
+            raise _fail(errors.NeedsFullResend, f"{self._what(version)} did not load whole: {cause} while the rest of the version landed: the weights are mixed until the next version loads whole")
 
         def _load_kernel(self, pairs: list, version: int) -> None:
             """Copies kernel-format tensors into the parameters of the same names, after
@@ -685,6 +770,26 @@ def _build() -> dict[str, type]:
                     receiver.close()
                 except errors.RefitError as e:
                     _log.warning("refit: closing the receiver of %s: %s", self._what(), e)
+
+    def _expected_params(model: torch.nn.Module, model_config: Any) -> list[tuple[str, ...]]:
+        """:func:`_param_groups` of ``model`` as vLLM built it, less what no checkpoint
+        carries: the KV-cache scales of a KV-cache quantization method, the parameters of
+        online quantization, and ``lm_head`` when the config ties it to the embedding."""
+        try:
+            from vllm.model_executor.layers.quantization.kv_cache import BaseKVCacheMethod
+        except ImportError:  # pragma: no cover - another vLLM layout
+            BaseKVCacheMethod = ()
+        skip = set()
+        for prefix, module in model.named_modules():
+            method = getattr(module, "quant_method", None)
+            if (BaseKVCacheMethod and isinstance(method, BaseKVCacheMethod)) or getattr(method, "uses_meta_device", False):
+                skip.update(f"{prefix}.{n}" if prefix else n for n, _ in module.named_parameters(remove_duplicate=False))
+        named = list(model.named_parameters(remove_duplicate=False))
+        hf = getattr(model_config, "hf_config", None)
+        text = hf.get_text_config() if hf is not None and hasattr(hf, "get_text_config") else hf
+        if getattr(text, "tie_word_embeddings", False):
+            skip.update(n for n, _ in named if "lm_head" in n.split("."))
+        return _param_groups(named, skip)
 
     def _loadable_layers(model: torch.nn.Module) -> set[int]:
         """The modules a layerwise reload is waiting to load (before ``load_weights``)."""
