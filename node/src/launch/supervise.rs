@@ -291,6 +291,12 @@ impl Supervisor {
                 std::thread::sleep(TICK);
                 continue;
             }
+            if ended.iter().any(|(i, _, s)| *i == 0 && !s.success()) {
+                // a lead that failed often failed because another rank died a moment before
+                // (it ends the run at once): that rank, already gone, is reported first
+                self.sweep(&mut ended);
+                ended.sort_by_key(|(i, ..)| *i == 0);
+            }
             for (i, label, status) in ended {
                 let code = child::exit_code(status);
                 if status.success() {
@@ -334,6 +340,19 @@ impl Supervisor {
             }
             drop(ranks);
             std::thread::sleep(TICK);
+        }
+    }
+
+    /// Adds to `ended` every rank other than 0 that has exited and was not seen yet.
+    fn sweep(&self, ended: &mut Vec<(usize, String, std::process::ExitStatus)>) {
+        let mut ranks = self.lock();
+        for (i, r) in ranks.iter_mut().enumerate().skip(1) {
+            if r.status.is_none()
+                && let Ok(Some(status)) = r.child.try_wait()
+            {
+                r.status = Some(status);
+                ended.push((i, r.label(), status));
+            }
         }
     }
 
