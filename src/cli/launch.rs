@@ -15,10 +15,10 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use refit::node::launch::{
-    LaunchSpec, RankSpawn, Supervisor, Verdict, check_rank, free_port, resolve_rank,
-    scheduler_hosts, scheduler_incarnation,
+    LaunchSpec, RankSpawn, SchedulerHosts, Supervisor, Verdict, check_rank, free_port,
+    resolve_rank, scheduler_hosts, scheduler_incarnation,
 };
-use refit::node::{ClusterToken, TOKEN_ENV, TOKEN_FILE_ENV};
+use refit::node::{ClusterToken, LaunchEnv, TOKEN_ENV, TOKEN_FILE_ENV};
 use refit::runtime::topology::{OnFailure, Override, Topology};
 use refit::runtime::{Error, Result};
 
@@ -275,78 +275,18 @@ fn launch(args: &LaunchArgs) -> Result<u8> {
     let topo = &spec.topology;
     let mut ranks = match resolve_rank(args.rank, args.master_port, topo, &lookup)? {
         Some(place) => {
-            if let Some(hosts) = &scheduled {
-                hosts.check_rank(topo, place.rank).map_err(Error::from)?;
-            }
-            if given.is_none() && place.world_size > 1 {
-                // each host's launcher would make its own token and the ranks would refuse
-                // each other
-                return Err(Error::from(refit::node::Error::Launch {
-                    var: TOKEN_ENV,
-                    reason: format!(
-                        "not set (nor {TOKEN_FILE_ENV}): the ranks of a per-rank launch must share one cluster token; \
-                         make one with `refit token FILE` and give it to every rank with {TOKEN_FILE_ENV}"
-                    ),
-                }));
-            }
-            let incarnation = scheduler_incarnation(&lookup)?;
-            eprintln!(
-                "refit launch: rank {} of {} ({}) from {}; rendezvous at {}:{}{}",
-                place.rank,
-                place.world_size,
-                topo.rank(place.rank)?.process,
-                spec.path.display(),
-                place.master_addr,
-                place.master_port,
-                if incarnation > 0 {
-                    format!("; incarnation {incarnation}")
-                } else {
-                    String::new()
-                }
-            );
-            vec![spec.rank(&place, incarnation)?]
+            let unshared = given.is_none();
+            vec![one_rank(
+                &spec,
+                &place,
+                scheduled.as_ref(),
+                unshared,
+                &lookup,
+            )?]
         }
-        None => {
-            let master_port = match args.master_port.or(topo.ranks()[0].port) {
-                Some(p) => p,
-                None => free_port(topo.master_host()?)?,
-            };
-            eprintln!(
-                "refit launch: {} ranks from {}; rendezvous at {}:{master_port}",
-                topo.world_size(),
-                spec.path.display(),
-                topo.master_host()?
-            );
-            if topo.hosts.len() > 1 {
-                eprintln!(
-                    "refit launch: the file declares {} hosts, and every rank starts on this machine; \
-                     to start one rank per host, run `refit launch` on each with RANK/WORLD_SIZE, \
-                     Slurm's variables or --rank",
-                    topo.hosts.len()
-                );
-            }
-            spec.every_rank(master_port)?
-        }
+        None => every_rank(&spec, args.master_port)?,
     };
-    // a status page reads the ranks' metrics: they get an address of its host if not told
-    let metrics_base = args.metrics_addr.or(args
-        .status_addr
-        .map(|a| std::net::SocketAddr::new(a.ip(), 0)));
-    let mut listed = Vec::new();
-    for r in &mut ranks {
-        // the ranks get a metrics address only from these flags (or the launcher's
-        // REFIT_METRICS_ADDR, the default of --metrics-addr), each its own: inherited as
-        // it is, they would all ask for the same one
-        let metrics = match metrics_base {
-            Some(base) => Some(rank_metrics_addr(base, r.rank)?),
-            None => None,
-        };
-        r.env.push((
-            refit::metrics_page::METRICS_ADDR_ENV.into(),
-            metrics.map(|a| a.to_string()).unwrap_or_default(),
-        ));
-        listed.push((r.rank, r.name.clone(), metrics));
-    }
+    let listed = give_metrics_addrs(args, &mut ranks)?;
     if args.dry_run {
         print_ranks(topo, &ranks, &spec.cwd)?;
         return Ok(0);
@@ -382,6 +322,100 @@ fn launch(args: &LaunchArgs) -> Result<u8> {
         eprintln!("refit launch: error: {failure}");
     }
     Ok(code)
+}
+
+/// The one rank of a per-rank launch (a scheduler's task, or `--rank`): checked against the
+/// scheduler's hosts, with the shared token a per-rank launch needs (`unshared`: none was
+/// given) and its incarnation.
+fn one_rank(
+    spec: &LaunchSpec,
+    place: &LaunchEnv,
+    scheduled: Option<&SchedulerHosts>,
+    unshared: bool,
+    lookup: &impl Fn(&str) -> Option<String>,
+) -> Result<RankSpawn> {
+    let topo = &spec.topology;
+    if let Some(hosts) = scheduled {
+        hosts.check_rank(topo, place.rank).map_err(Error::from)?;
+    }
+    if unshared && place.world_size > 1 {
+        // each host's launcher would make its own token and the ranks would refuse
+        // each other
+        return Err(Error::from(refit::node::Error::Launch {
+            var: TOKEN_ENV,
+            reason: format!(
+                "not set (nor {TOKEN_FILE_ENV}): the ranks of a per-rank launch must share one cluster token; \
+                 make one with `refit token FILE` and give it to every rank with {TOKEN_FILE_ENV}"
+            ),
+        }));
+    }
+    let incarnation = scheduler_incarnation(lookup)?;
+    eprintln!(
+        "refit launch: rank {} of {} ({}) from {}; rendezvous at {}:{}{}",
+        place.rank,
+        place.world_size,
+        topo.rank(place.rank)?.process,
+        spec.path.display(),
+        place.master_addr,
+        place.master_port,
+        if incarnation > 0 {
+            format!("; incarnation {incarnation}")
+        } else {
+            String::new()
+        }
+    );
+    spec.rank(place, incarnation).map_err(Error::from)
+}
+
+/// Every rank of the file, on this machine.
+fn every_rank(spec: &LaunchSpec, master_port: Option<u16>) -> Result<Vec<RankSpawn>> {
+    let topo = &spec.topology;
+    let master_port = match master_port.or(topo.ranks()[0].port) {
+        Some(p) => p,
+        None => free_port(topo.master_host()?)?,
+    };
+    eprintln!(
+        "refit launch: {} ranks from {}; rendezvous at {}:{master_port}",
+        topo.world_size(),
+        spec.path.display(),
+        topo.master_host()?
+    );
+    if topo.hosts.len() > 1 {
+        eprintln!(
+            "refit launch: the file declares {} hosts, and every rank starts on this machine; \
+             to start one rank per host, run `refit launch` on each with RANK/WORLD_SIZE, \
+             Slurm's variables or --rank",
+            topo.hosts.len()
+        );
+    }
+    spec.every_rank(master_port).map_err(Error::from)
+}
+
+/// Gives each rank its metrics address (or none) and answers the list the status page shows.
+fn give_metrics_addrs(
+    args: &LaunchArgs,
+    ranks: &mut [RankSpawn],
+) -> Result<Vec<(u32, String, Option<std::net::SocketAddr>)>> {
+    // a status page reads the ranks' metrics: they get an address of its host if not told
+    let metrics_base = args.metrics_addr.or(args
+        .status_addr
+        .map(|a| std::net::SocketAddr::new(a.ip(), 0)));
+    let mut listed = Vec::new();
+    for r in ranks.iter_mut() {
+        // the ranks get a metrics address only from these flags (or the launcher's
+        // REFIT_METRICS_ADDR, the default of --metrics-addr), each its own: inherited as
+        // it is, they would all ask for the same one
+        let metrics = match metrics_base {
+            Some(base) => Some(rank_metrics_addr(base, r.rank)?),
+            None => None,
+        };
+        r.env.push((
+            refit::metrics_page::METRICS_ADDR_ENV.into(),
+            metrics.map(|a| a.to_string()).unwrap_or_default(),
+        ));
+        listed.push((r.rank, r.name.clone(), metrics));
+    }
+    Ok(listed)
 }
 
 #[cfg(test)]

@@ -291,11 +291,18 @@ impl Supervisor {
                 std::thread::sleep(TICK);
                 continue;
             }
+            let mut told = Vec::new();
             if ended.iter().any(|(i, _, s)| *i == 0 && !s.success()) {
-                // a lead that failed often failed because another rank died a moment before
-                // (it ends the run at once): that rank, already gone, is reported first
+                // a lead that failed may have failed because another rank died a moment
+                // before (it ends the run at once): every other rank already gone is named
+                // before it (the lead's failure stays the run's)
                 self.sweep(&mut ended);
-                ended.sort_by_key(|(i, ..)| *i == 0);
+                for (i, label, status) in &ended {
+                    if *i != 0 && !status.success() {
+                        tracing::error!("{label} failed: it {}", child::describe(*status));
+                        told.push(*i);
+                    }
+                }
             }
             for (i, label, status) in ended {
                 let code = child::exit_code(status);
@@ -306,7 +313,9 @@ impl Supervisor {
                     }
                     continue;
                 }
-                tracing::error!("{label} failed: it {}", child::describe(status));
+                if !told.contains(&i) {
+                    tracing::error!("{label} failed: it {}", child::describe(status));
+                }
                 self.note_failure(self.failure_of(i, &label, status));
                 if self.restart(i, done) {
                     continue;
