@@ -178,6 +178,14 @@ fn print_report(report: &RunReport, allowed: Option<u64>) {
             })
             .collect();
         println!("held-out reward (greedy) by wall time: {}", at.join(" "));
+        if let Some(line) = report
+            .controller
+            .models
+            .get(model)
+            .and_then(|c| c.fences_line())
+        {
+            println!("{model}: {line}");
+        }
         let hist = &r.staleness.histogram;
         let total: u64 = hist.values().sum();
         println!(

@@ -368,6 +368,83 @@ async fn the_pause_covers_only_the_apply_and_models_load_independently() {
     assert_eq!(served[&b], Version::ZERO);
 }
 
+/// The acting engine's stage and commit: a staged version is not served (requests answer
+/// with the old one) until its commit; aborted or held past its deadline, it is dropped and
+/// the model's lock given back (the next load goes through).
+#[actix_rt::test]
+async fn an_acting_engine_serves_a_staged_version_only_once_committed() {
+    use refit_actors::actor::{AbortStage, CommitModel, StageModel};
+    let m = id("policy");
+    let (mut s, r) = scheme(&m);
+    let engine = engine_with(vec![(m.clone(), Box::new(r) as Box<dyn WeightInlet>)]);
+    let stage = |v, hold| StageModel {
+        model: m.clone(),
+        version: Version(v),
+        timeout: Duration::from_secs(5),
+        hold,
+    };
+    let commit = |v| CommitModel {
+        model: m.clone(),
+        version: Version(v),
+        timeout: Duration::from_secs(5),
+    };
+    let act = || ActBatch {
+        model: m.clone(),
+        obs: vec![0.0; SIZES[0]],
+        epoch: None,
+        greedy: true,
+    };
+    let long = Duration::from_secs(30);
+    let staged = engine.send(stage(1, long)).await.unwrap().unwrap();
+    assert_eq!((staged.version, staged.fresh), (Version(1), true));
+    assert_eq!(
+        engine.send(act()).await.unwrap().unwrap().version,
+        Version(0)
+    );
+    let loaded = engine.send(commit(1)).await.unwrap().unwrap();
+    assert_eq!(loaded.version, Version(1));
+    assert_eq!(
+        engine.send(act()).await.unwrap().unwrap().version,
+        Version(1)
+    );
+    // aborted
+    mock_publish(&mut s, &m, 2).unwrap();
+    engine.send(stage(2, long)).await.unwrap().unwrap();
+    engine.send(AbortStage { model: m.clone() }).await.unwrap();
+    let e = engine
+        .send(commit(2))
+        .await
+        .unwrap()
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("nothing is staged") && e.contains("v1 is served"),
+        "{e}"
+    );
+    // held past its deadline
+    engine
+        .send(stage(2, Duration::from_millis(50)))
+        .await
+        .unwrap()
+        .unwrap();
+    actix_rt::time::sleep(Duration::from_millis(300)).await;
+    assert!(engine.send(commit(2)).await.unwrap().is_err());
+    // the lock is free: a load goes through
+    let loaded = engine
+        .send(UpdateModel {
+            model: m.clone(),
+            version: Version(2),
+            timeout: Duration::from_secs(5),
+        })
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(loaded.version, Version(2));
+    // nothing newer: the stage says what is served, and holds nothing
+    let staged = engine.send(stage(2, long)).await.unwrap().unwrap();
+    assert_eq!((staged.version, staged.fresh), (Version(2), false));
+}
+
 fn mock_publish(s: &mut Sender<InProcSender>, m: &ModelId, v: u64) -> refit_runtime::Result<()> {
     s.send_async(vec![weights(m, v, v as f32 / 100.0)])
         .map(|_| ())
@@ -764,4 +841,223 @@ async fn a_bit_flipped_in_served_weights_is_reported_by_the_next_update() {
             assert!(damaged.is_empty(), "{damaged:?}");
         }
     }
+}
+
+/// A link that fails its next `fails` fetches (an engine that cannot take a version).
+struct FailingLink {
+    inner: Box<dyn WeightInlet>,
+    fails: Arc<std::sync::atomic::AtomicU32>,
+}
+
+impl WeightInlet for FailingLink {
+    fn fetch(
+        &mut self,
+        model: &ModelId,
+        at_least: Version,
+        timeout: Duration,
+    ) -> refit_actors::Result<Arc<WeightSet>> {
+        use std::sync::atomic::Ordering;
+        if self
+            .fails
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+            .is_ok()
+        {
+            return Err(refit_actors::Error::Actor(format!(
+                "injected: v{at_least} cannot be fetched"
+            )));
+        }
+        self.inner.fetch(model, at_least, timeout)
+    }
+    fn applied(&mut self, model: &ModelId, version: Version) -> refit_actors::Result<()> {
+        self.inner.applied(model, version)
+    }
+}
+
+/// Two engines fed by one sender; engine 1's link fails as many fetches as `fails` says.
+/// Answers the sender, the engines, and a controller committing by `rule`.
+fn two_engine_fleet(
+    m: &ModelId,
+    fails: &Arc<std::sync::atomic::AtomicU32>,
+    rule: refit_runtime::topology::Commit,
+) -> (
+    Sender<InProcSender>,
+    Vec<actix::Addr<InferenceEngine<MlpPolicy>>>,
+    actix::Addr<WeightSyncController>,
+) {
+    let manifest = Arc::new(MlpPolicy::manifest_for(&SIZES).unwrap());
+    let manifests = Manifests::new([(m.clone(), manifest)]).unwrap();
+    let hub = InProc::new();
+    let inits: Vec<_> = (0..2)
+        .map(|_| ReceiverInit::new(hub.receiver(), Some(manifests.clone())))
+        .collect();
+    let joins: Vec<_> = inits
+        .into_iter()
+        .map(|r| std::thread::spawn(move || r.connect(Duration::from_secs(5)).unwrap()))
+        .collect();
+    let sender = SenderInit::new(hub.sender().unwrap(), manifests)
+        .connect(vec![weights(m, 1, 0.0)], Duration::from_secs(5))
+        .unwrap();
+    let mut receivers = joins.into_iter().map(|j| j.join().unwrap());
+    let ok = Box::new(receivers.next().unwrap()) as Box<dyn WeightInlet>;
+    let failing = Box::new(FailingLink {
+        inner: Box::new(receivers.next().unwrap()),
+        fails: Arc::clone(fails),
+    }) as Box<dyn WeightInlet>;
+    let engines = vec![
+        engine_with(vec![(m.clone(), ok)]),
+        engine_with(vec![(m.clone(), failing)]),
+    ];
+    let cfg = SyncConfig::with_mode(SyncMode::FullyAsync);
+    let ctl = WeightSyncController::new(
+        &cfg,
+        vec![m.clone()],
+        engines.iter().map(EngineRef::local).collect(),
+        None,
+    )
+    .unwrap()
+    .with_commit(m.clone(), rule)
+    .start();
+    (sender, engines, ctl)
+}
+
+/// The version each engine serves.
+async fn served_by(engines: &[actix::Addr<InferenceEngine<MlpPolicy>>], m: &ModelId) -> Vec<u64> {
+    let mut out = Vec::new();
+    for e in engines {
+        out.push(e.send(ServedVersions).await.unwrap()[m].0);
+    }
+    out
+}
+
+/// `commit = "all"`: one of two engines fails to stage v2, so v2 is committed nowhere: both
+/// engines keep serving v1 (never a mix), the failure names the engine; v3 lands on both.
+#[actix_rt::test]
+async fn under_commit_all_a_version_one_engine_cannot_stage_is_served_by_none() {
+    use refit_actors::actor::AwaitSynced;
+    let m = id("policy");
+    let fails = Arc::new(std::sync::atomic::AtomicU32::new(0));
+    let (mut s, engines, ctl) = two_engine_fleet(&m, &fails, refit_runtime::topology::Commit::All);
+    let mut n = VersionNotifier::new(ctl.clone(), m.clone(), SyncConfig::default());
+    let synced = |v: u64| {
+        ctl.send(AwaitSynced {
+            model: m.clone(),
+            version: Version(v),
+        })
+    };
+    n.notify(Version(1)).await.unwrap();
+    n.flush().await.unwrap();
+    synced(1).await.unwrap().unwrap();
+    assert_eq!(served_by(&engines, &m).await, [1, 1]);
+    fails.store(1, std::sync::atomic::Ordering::SeqCst);
+    mock_publish(&mut s, &m, 2).unwrap();
+    n.notify(Version(2)).await.unwrap();
+    n.flush().await.unwrap();
+    // the load of v2 ends (failed): wait for it on the status
+    let status = loop {
+        let st = ctl.send(GetStatus).await.unwrap();
+        if st.models[&m].failed_loads > 0 {
+            break st;
+        }
+        actix_rt::time::sleep(Duration::from_millis(10)).await;
+    };
+    assert_eq!(served_by(&engines, &m).await, [1, 1], "a mix was served");
+    let model = &status.models[&m];
+    assert_eq!(model.rollout_version, Version(1));
+    let e = model.last_error.as_deref().unwrap();
+    assert!(
+        e.contains("committed on no engine")
+            && e.contains("engine 1: actor: injected: v2 cannot be fetched"),
+        "{e}"
+    );
+    assert!(model.fenced.is_empty(), "{model:?}");
+    mock_publish(&mut s, &m, 3).unwrap();
+    n.notify(Version(3)).await.unwrap();
+    n.flush().await.unwrap();
+    synced(3).await.unwrap().unwrap();
+    assert_eq!(served_by(&engines, &m).await, [3, 3]);
+}
+
+/// `commit = { quorum = 1 }`: one of two engines fails to stage a version; the other serves
+/// it, the failing one is fenced (its rollouts wait, the other's are admitted), repaired by a
+/// full load of the fleet's version, and takes rollouts again. Failing the repair too, it
+/// stays fenced until it commits the next version with the fleet.
+#[actix_rt::test]
+async fn under_a_quorum_an_engine_that_cannot_stage_is_fenced_repaired_and_returns() {
+    use refit_actors::actor::{AwaitRollout, AwaitSynced};
+    let m = id("policy");
+    let fails = Arc::new(std::sync::atomic::AtomicU32::new(0));
+    let (mut s, engines, ctl) =
+        two_engine_fleet(&m, &fails, refit_runtime::topology::Commit::Quorum(1));
+    let mut n = VersionNotifier::new(ctl.clone(), m.clone(), SyncConfig::default());
+    let mut publish = async |v: u64| {
+        mock_publish(&mut s, &m, v).unwrap();
+        n.notify(Version(v)).await.unwrap();
+        n.flush().await.unwrap();
+        ctl.send(AwaitSynced {
+            model: m.clone(),
+            version: Version(v),
+        })
+        .await
+        .unwrap()
+        .unwrap();
+    };
+    let status = async || ctl.send(GetStatus).await.unwrap().models[&m].clone();
+    let admit = |engine: usize| {
+        ctl.send(AwaitRollout {
+            model: m.clone(),
+            engine: Some(engine),
+        })
+    };
+    // v2: the stage fails once, the repair brings it
+    fails.store(1, std::sync::atomic::Ordering::SeqCst);
+    publish(2).await;
+    let back = Instant::now();
+    while !status().await.fenced.is_empty() {
+        assert!(back.elapsed() < Duration::from_secs(10), "never repaired");
+        actix_rt::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(served_by(&engines, &m).await, [2, 2]);
+    assert_eq!(status().await.fences, 1);
+    // ANCHOR: fenced
+    // v3: stage and repair fail; engine 1 serves v2 while the fleet serves v3, and gets no
+    // rollouts
+    fails.store(2, std::sync::atomic::Ordering::SeqCst);
+    publish(3).await;
+    while fails.load(std::sync::atomic::Ordering::SeqCst) > 0 {
+        actix_rt::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(served_by(&engines, &m).await, [3, 2]);
+    let st = status().await;
+    assert_eq!((st.fenced.as_slice(), st.fences), (&[1][..], 2), "{st:?}");
+    let a0 = admit(0).await.unwrap().unwrap();
+    assert_eq!(a0.rollout_version, Version(3));
+    let mut a1 = Box::pin(admit(1));
+    assert!(
+        actix_rt::time::timeout(Duration::from_millis(300), &mut a1)
+            .await
+            .is_err(),
+        "a fenced engine's rollout was admitted"
+    );
+    // v4 stages and commits on both: engine 1 is back, its rollout admitted
+    publish(4).await;
+    let a1 = a1.await.unwrap().unwrap();
+    assert_eq!(a1.rollout_version, Version(4));
+    assert_eq!(served_by(&engines, &m).await, [4, 4]);
+    // ANCHOR_END: fenced
+    let st = status().await;
+    assert!(
+        st.fenced.is_empty() && st.fenced_for > Duration::from_millis(300),
+        "{st:?}"
+    );
+    let events = ctl.send(GetStatus).await.unwrap().events;
+    let fenced: Vec<String> = events
+        .iter()
+        .filter(|e| matches!(e.kind, SyncEventKind::Fenced { .. }))
+        .map(|e| e.kind.to_string())
+        .collect();
+    assert_eq!(fenced.len(), 2, "{fenced:?}");
+    assert!(
+        fenced[1].contains("engine 1 fenced: actor: injected: v3"),
+        "{fenced:?}"
+    );
 }

@@ -10,8 +10,8 @@ use std::time::Duration;
 
 use actix::prelude::*;
 use refit_actors::actor::{
-    CancelInFlight, GenModel, Generate, GenerationEngine, GetEngineStats, GetGenStatus,
-    LoadWeights, Score, ServedVersions, UpdateModel,
+    AbortStage, CancelInFlight, CommitModel, GenModel, Generate, GenerationEngine, GetEngineStats,
+    GetGenStatus, LoadWeights, Score, ServedVersions, StageModel, UpdateModel,
 };
 use refit_actors::bigram::Bigram;
 use refit_actors::generation::{Completion, Finish, PauseMode, SamplingParams, Token};
@@ -457,6 +457,120 @@ async fn a_corrupt_or_wrong_shape_version_is_refused_and_the_old_one_keeps_gener
     .unwrap()
     .unwrap_err();
     assert!(e.to_string().contains("version 3 refused"), "{e}");
+}
+
+/// Stage, then commit: a staged version is neither served nor acknowledged until its
+/// commit; an aborted one is dropped and its lock given back; one held past its deadline is
+/// dropped too; a commit of a version not staged is refused, naming both versions.
+#[actix_rt::test]
+async fn a_staged_version_is_served_only_once_committed() {
+    let p = policy();
+    let (mut sender, receiver) = scheme(&p, &bigram(), table(&p, 1));
+    let g = bigram();
+    let engine = GenerationEngine::new(PauseMode::Keep)
+        .with_model(
+            GenModel::new(p.clone(), g.clone(), g)
+                .inlet(Box::new(receiver) as Box<dyn WeightInlet>)
+                .initial(Arc::new(table(&p, 1))),
+        )
+        .unwrap()
+        .start();
+    let stage = |v, hold| StageModel {
+        model: p.clone(),
+        version: Version(v),
+        timeout: Duration::from_secs(10),
+        hold,
+    };
+    let commit = |v| CommitModel {
+        model: p.clone(),
+        version: Version(v),
+        timeout: Duration::from_secs(10),
+    };
+    let long = Duration::from_secs(30);
+    let pending = sender.send_async(vec![table(&p, 2)]).unwrap();
+    let staged = within("stage v2", engine.send(stage(2, long)))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!((staged.version, staged.fresh), (Version(2), true));
+    let c = answer("staged", engine.send(generate(&p, &[0], 4))).await;
+    assert_eq!(
+        c.versions,
+        vec![Version(1); 4],
+        "a staged version was served"
+    );
+    assert!(sender.wait(&pending, Duration::from_millis(100)).is_err());
+    let loaded = within("commit v2", engine.send(commit(2)))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(loaded.version, Version(2));
+    sender.wait(&pending, Duration::from_secs(5)).unwrap();
+    let c = answer("committed", engine.send(generate(&p, &[0], 4))).await;
+    assert_eq!((c.tokens, c.versions), (walk(0, 2, 4), vec![Version(2); 4]));
+    // committed twice: it is served, nothing to do
+    let again = within("commit v2 again", engine.send(commit(2)))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!((again.version, again.paused), (Version(2), Duration::ZERO));
+    // aborted: dropped, the lock given back to the next load
+    let _pending = sender.send_async(vec![table(&p, 3)]).unwrap();
+    within("stage v3", engine.send(stage(3, long)))
+        .await
+        .unwrap()
+        .unwrap();
+    within("abort", engine.send(AbortStage { model: p.clone() }))
+        .await
+        .unwrap();
+    let e = within("commit aborted", engine.send(commit(3)))
+        .await
+        .unwrap()
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("nothing is staged") && e.contains("v2 is served"),
+        "{e}"
+    );
+    // held past its deadline: dropped the same way
+    let _pending = sender.send_async(vec![table(&p, 4)]).unwrap();
+    within("stage v4", engine.send(stage(4, Duration::from_millis(50))))
+        .await
+        .unwrap()
+        .unwrap();
+    actix_rt::time::sleep(Duration::from_millis(300)).await;
+    let e = within("commit expired", engine.send(commit(4)))
+        .await
+        .unwrap()
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("commit of v4 refused"), "{e}");
+    let update = UpdateModel {
+        model: p.clone(),
+        version: Version(4),
+        timeout: Duration::from_secs(10),
+    };
+    let loaded = within("load v4", engine.send(update))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(loaded.version, Version(4));
+    // a commit of another version than the one staged is refused
+    let _pending = sender.send_async(vec![table(&p, 5)]).unwrap();
+    within("stage v5", engine.send(stage(5, long)))
+        .await
+        .unwrap()
+        .unwrap();
+    let e = within("commit v6", engine.send(commit(6)))
+        .await
+        .unwrap()
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("v5 is staged"), "{e}");
+    let served = within("versions", engine.send(ServedVersions))
+        .await
+        .unwrap();
+    assert_eq!(served[&p], Version(4));
 }
 
 /// A Generate between two nodes of this process, through the remote machinery: the

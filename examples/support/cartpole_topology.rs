@@ -66,6 +66,9 @@ fn print_report(topology: &Topology, report: &RunReport) {
                 c.last_error.as_deref().unwrap_or("")
             );
         }
+        if let Some(line) = c.fences_line() {
+            println!("{model}: {line}");
+        }
         let total: u64 = hist.values().sum();
         println!(
             "staleness of trained samples (trainer version - acting version): mean {:.2}, \

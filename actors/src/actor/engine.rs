@@ -27,16 +27,35 @@ use crate::generation::Completion;
 use crate::link::WeightInlet;
 use crate::policy::{ActionOut, Policy};
 use crate::protocol::engine::{
-    Act, ActBatch, Acted, ActedBatch, CancelInFlight, Continue, EngineStats, Generate,
-    GetEngineStats, LoadReport, LoadWeights, Pause, Score, ServedVersion, ServedVersions,
-    UpdateModel,
+    AbortStage, Act, ActBatch, Acted, ActedBatch, CancelInFlight, CommitModel, Continue,
+    EngineStats, Generate, GetEngineStats, LoadReport, LoadWeights, Pause, Score, ServedVersion,
+    ServedVersions, StageModel, StageReport, UpdateModel,
 };
 
-use super::stale;
 use super::verify::{Damage, ServedHashes};
+use super::{commit_refused, stale};
 
 type Waiter = oneshot::Sender<Result<ActedBatch>>;
 type SharedInlet = Arc<Mutex<Box<dyn WeightInlet>>>;
+type InletGuard = tokio::sync::OwnedMutexGuard<Box<dyn WeightInlet>>;
+
+/// What a fetch under the inlet lock brought.
+enum Fetched {
+    /// A version newer than the one served, with the lock (held until it is acknowledged).
+    New(InletGuard, Arc<WeightSet>),
+    /// Nothing newer than this version, which is served.
+    Served(Version),
+}
+
+/// A version staged for a commit ([`StageModel`]), holding the model's inlet lock.
+struct Held {
+    weights: Arc<WeightSet>,
+    guard: InletGuard,
+    /// Lock wait and fetch.
+    staged: Duration,
+    /// Drops it when no commit comes in time.
+    expiry: SpawnHandle,
+}
 
 struct Slot<P> {
     /// `None` while its weights are applied on a blocking thread (or after an apply that
@@ -53,6 +72,8 @@ struct Slot<P> {
     verify: Option<ServedHashes>,
     /// Serialises the applies of this model (a load through the inlet and pushed loads).
     apply_lock: Arc<Mutex<()>>,
+    /// A version staged for a fleet-wide commit.
+    held: Option<Held>,
 }
 
 /// Serves actions for one or several models; pauses, loads weights and continues.
@@ -166,6 +187,7 @@ impl<P: Policy + Unpin + 'static> InferenceEngine<P> {
             queued: VecDeque::new(),
             verify: None,
             apply_lock: Arc::default(),
+            held: None,
         };
         self.models.insert(id, slot);
         Ok(self)
@@ -499,99 +521,214 @@ impl<P: Policy + Unpin + 'static> Handler<LoadWeights> for InferenceEngine<P> {
     }
 }
 
-impl<P: Policy + Unpin + 'static> Handler<UpdateModel> for InferenceEngine<P> {
-    type Result = ResponseActFuture<Self, Result<LoadReport>>;
-
-    fn handle(&mut self, msg: UpdateModel, _: &mut Context<Self>) -> Self::Result {
-        let inlet = match self.slot(&msg.model) {
-            Ok(slot) => slot.inlet.clone(),
-            Err(e) => return Box::pin(fut::ready(Err(e))),
-        };
-        let Some(inlet) = inlet else {
-            let e = Error::Config(format!(
-                "model `{}` has no inlet on this engine (push weights with LoadWeights)",
-                msg.model
-            ));
-            return Box::pin(fut::ready(Err(e)));
+impl<P: Policy + Unpin + 'static> InferenceEngine<P> {
+    /// Fetches `version` (or newer) of `model` through its inlet on a blocking thread,
+    /// under the model's inlet lock (`held`: the lock a staged version holds, else taken
+    /// here, FIFO). Answers what was fetched and the staging time (lock wait and fetch).
+    fn fetch_locked(
+        &mut self,
+        model: ModelId,
+        version: Version,
+        timeout: Duration,
+        held: Option<InletGuard>,
+    ) -> ResponseActFuture<Self, (Result<Fetched>, Duration)> {
+        let inlet = match self.slot(&model).map(|s| s.inlet.clone()) {
+            Ok(Some(inlet)) => inlet,
+            Ok(None) => {
+                let e = Error::Config(format!(
+                    "model `{model}` has no inlet on this engine (push weights with LoadWeights)"
+                ));
+                return Box::pin(fut::ready((Err(e), Duration::ZERO)));
+            }
+            Err(e) => return Box::pin(fut::ready((Err(e), Duration::ZERO))),
         };
         let started = Instant::now();
-        let UpdateModel {
-            model,
-            version,
-            timeout,
-        } = msg;
+        let fetch_model = model.clone();
         let stage = async move {
             // The per-model lock: loads of one model are serialised, FIFO.
-            let mut guard = inlet.lock_owned().await;
-            let fetch_model = model.clone();
+            let mut guard = match held {
+                Some(g) => g,
+                None => inlet.lock_owned().await,
+            };
             let fetched = actix_rt::task::spawn_blocking(move || {
                 let r = guard.fetch(&fetch_model, version, timeout);
                 (guard, r)
             })
             .await;
-            match fetched {
-                Ok((guard, r)) => (Some(guard), model, r),
-                Err(e) => (
-                    None,
-                    model,
-                    Err(Error::Actor(format!("weight fetch thread failed: {e}"))),
-                ),
-            }
+            fetched.map_err(|e| Error::Actor(format!("weight fetch thread failed: {e}")))
         };
+        Box::pin(stage.into_actor(self).map(move |fetched, act, _| {
+            let staged = started.elapsed();
+            act.stats.staged_total += staged;
+            let current = act.slot(&model).map(|s| s.version);
+            let r = match (fetched, current) {
+                (Ok((guard, Ok(w))), Ok(current)) if w.version() > current => {
+                    Ok(Fetched::New(guard, w))
+                }
+                // a newer version already landed through an earlier load
+                (Ok((_, Ok(_))), Ok(current)) => Ok(Fetched::Served(current)),
+                (Ok((_, Err(e))), _) | (Err(e), _) | (_, Err(e)) => Err(e),
+            };
+            (r, staged)
+        }))
+    }
+
+    /// Serves fetched `weights`: applies them (the model paused), then acknowledges them to
+    /// the sender under the inlet lock `guard` (an ack means served: the requests that
+    /// queued during the apply were answered by it first).
+    fn commit_fetched(
+        &mut self,
+        guard: InletGuard,
+        weights: Arc<WeightSet>,
+        staged: Duration,
+    ) -> ResponseActFuture<Self, Result<LoadReport>> {
+        let model = weights.model().clone();
+        Box::pin(self.apply(weights).then(move |paused, act, _| {
+            let served = act.slot(&model).map(|s| s.version);
+            let (applied, version, mut guard) = match (paused, served) {
+                (Ok(a), Ok(v)) => (a, v, guard),
+                (Err(e), _) | (_, Err(e)) => {
+                    return Box::pin(fut::ready(Err(e))) as ResponseActFuture<_, _>;
+                }
+            };
+            let acked = model.clone();
+            let ack = actix_rt::task::spawn_blocking(move || guard.applied(&acked, version));
+            Box::pin(ack.into_actor(act).map(move |joined, _, _| {
+                joined.map_err(|e| Error::Actor(format!("weight ack thread failed: {e}")))??;
+                Ok(LoadReport {
+                    model,
+                    version,
+                    staged,
+                    paused: applied.paused,
+                    damaged: applied.damaged,
+                })
+            }))
+        }))
+    }
+
+    /// Takes what a stage holds of `model` (its expiry disarmed).
+    fn take_held(&mut self, model: &ModelId, ctx: &mut Context<Self>) -> Option<Held> {
+        let held = self.models.get_mut(model)?.held.take()?;
+        ctx.cancel_future(held.expiry);
+        Some(held)
+    }
+}
+
+/// A served version's report for a load that found it served already.
+fn already_served(model: ModelId, version: Version, staged: Duration) -> LoadReport {
+    LoadReport {
+        model,
+        version,
+        staged,
+        paused: Duration::ZERO,
+        damaged: None,
+    }
+}
+
+impl<P: Policy + Unpin + 'static> Handler<UpdateModel> for InferenceEngine<P> {
+    type Result = ResponseActFuture<Self, Result<LoadReport>>;
+
+    fn handle(&mut self, msg: UpdateModel, ctx: &mut Context<Self>) -> Self::Result {
+        let UpdateModel {
+            model,
+            version,
+            timeout,
+        } = msg;
+        // a version staged for a commit that never came gives its lock to this load
+        let held = self.take_held(&model, ctx).map(|h| h.guard);
         Box::pin(
-            stage
-                .into_actor(self)
-                .then(move |(guard, model, fetched), act, _| {
-                    let staged = started.elapsed();
-                    act.stats.staged_total += staged;
-                    let current = act.slot(&model).map(|s| s.version);
-                    let weights = match (fetched, current) {
-                        (Ok(w), Ok(current)) if w.version() > current => w,
-                        // a newer version already landed through an earlier load
-                        (Ok(_), Ok(current)) => {
-                            return Box::pin(fut::ready(Ok(LoadReport {
-                                model,
-                                version: current,
-                                staged,
-                                paused: Duration::ZERO,
-                                damaged: None,
-                            }))) as ResponseActFuture<_, _>;
-                        }
-                        (Err(e), _) | (_, Err(e)) => return Box::pin(fut::ready(Err(e))),
-                    };
-                    // the per-model lock is held until the apply is over and acknowledged
-                    Box::pin(act.apply(weights).then(move |paused, act, _| {
-                        let served = act.slot(&model).map(|s| s.version);
-                        let (applied, version, mut guard) = match (paused, served, guard) {
-                            (Ok(a), Ok(v), Some(g)) => (a, v, g),
-                            (Err(e), ..) | (_, Err(e), _) => {
-                                return Box::pin(fut::ready(Err(e))) as ResponseActFuture<_, _>;
-                            }
-                            (_, _, None) => {
-                                let e = Error::Actor("the inlet lock was lost".into());
-                                return Box::pin(fut::ready(Err(e)));
-                            }
-                        };
-                        // An ack means applied: the version is served (requests that queued
-                        // during the apply were answered by it) before the sender hears of it.
-                        let acked = model.clone();
-                        let ack =
-                            actix_rt::task::spawn_blocking(move || guard.applied(&acked, version));
-                        Box::pin(ack.into_actor(act).map(move |joined, _, _| {
-                            joined.map_err(|e| {
-                                Error::Actor(format!("weight ack thread failed: {e}"))
-                            })??;
-                            Ok(LoadReport {
-                                model,
-                                version,
-                                staged,
-                                paused: applied.paused,
-                                damaged: applied.damaged,
-                            })
-                        }))
-                    }))
+            self.fetch_locked(model.clone(), version, timeout, held)
+                .then(move |(fetched, staged), act, _| match fetched {
+                    Ok(Fetched::New(guard, weights)) => act.commit_fetched(guard, weights, staged),
+                    Ok(Fetched::Served(current)) => {
+                        Box::pin(fut::ready(Ok(already_served(model, current, staged))))
+                    }
+                    Err(e) => Box::pin(fut::ready(Err(e))),
                 }),
         )
+    }
+}
+
+impl<P: Policy + Unpin + 'static> Handler<StageModel> for InferenceEngine<P> {
+    type Result = ResponseActFuture<Self, Result<StageReport>>;
+
+    fn handle(&mut self, msg: StageModel, ctx: &mut Context<Self>) -> Self::Result {
+        let StageModel {
+            model,
+            version,
+            timeout,
+            hold,
+        } = msg;
+        let held = self.take_held(&model, ctx).map(|h| h.guard);
+        Box::pin(
+            self.fetch_locked(model.clone(), version, timeout, held)
+                .map(move |(fetched, staged), act, ctx| {
+                    let (version, fresh) = match fetched? {
+                        Fetched::Served(current) => (current, false),
+                        Fetched::New(guard, weights) => {
+                            let v = weights.version();
+                            let m = model.clone();
+                            let expiry = ctx.run_later(hold, move |act, _| {
+                                if let Some(slot) = act.models.get_mut(&m)
+                                    && slot.held.as_ref().is_some_and(|h| h.weights.version() == v)
+                                {
+                                    slot.held = None;
+                                    tracing::warn!(model = %m, "v{v} was staged but neither committed nor aborted within {hold:?}: dropped");
+                                }
+                            });
+                            act.slot(&model)?.held = Some(Held {
+                                weights,
+                                guard,
+                                staged,
+                                expiry,
+                            });
+                            (v, true)
+                        }
+                    };
+                    Ok(StageReport {
+                        model,
+                        version,
+                        fresh,
+                        staged,
+                    })
+                }),
+        )
+    }
+}
+
+impl<P: Policy + Unpin + 'static> Handler<CommitModel> for InferenceEngine<P> {
+    type Result = ResponseActFuture<Self, Result<LoadReport>>;
+
+    fn handle(&mut self, msg: CommitModel, ctx: &mut Context<Self>) -> Self::Result {
+        let CommitModel { model, version, .. } = msg;
+        let served = match self.slot(&model) {
+            Ok(s) => s.version,
+            Err(e) => return Box::pin(fut::ready(Err(e))),
+        };
+        match self.take_held(&model, ctx) {
+            Some(h) if h.weights.version() == version => {
+                self.commit_fetched(h.guard, h.weights, h.staged)
+            }
+            None if served >= version => Box::pin(fut::ready(Ok(already_served(
+                model,
+                served,
+                Duration::ZERO,
+            )))),
+            held => {
+                let staged = held.map(|h| h.weights.version());
+                Box::pin(fut::ready(Err(commit_refused(
+                    &model, version, staged, served,
+                ))))
+            }
+        }
+    }
+}
+
+impl<P: Policy + Unpin + 'static> Handler<AbortStage> for InferenceEngine<P> {
+    type Result = ();
+
+    fn handle(&mut self, msg: AbortStage, ctx: &mut Context<Self>) {
+        drop(self.take_held(&msg.model, ctx));
     }
 }
 

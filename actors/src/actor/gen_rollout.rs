@@ -311,6 +311,7 @@ async fn admit(cfg: &GenRolloutConfig, controller: &ControllerLink) -> Result<Ad
         .await_rollout
         .send(AwaitRollout {
             model: cfg.model.clone(),
+            engine: None,
         })
         .timeout(cfg.admission_timeout)
         .await

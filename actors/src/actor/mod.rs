@@ -43,9 +43,9 @@ pub use crate::protocol::controller::{
     ModelStatus, NotifyOutcome, NotifyVersion, RolloutDone, SyncEvent, SyncEventKind,
 };
 pub use crate::protocol::engine::{
-    Act, ActBatch, Acted, ActedBatch, CancelInFlight, Continue, EngineActor, EngineRef,
-    EngineStats, Generate, GetEngineStats, LoadReport, LoadWeights, Pause, Score, ServedVersion,
-    ServedVersions, UpdateModel,
+    AbortStage, Act, ActBatch, Acted, ActedBatch, CancelInFlight, CommitModel, Continue,
+    EngineActor, EngineRef, EngineStats, Generate, GetEngineStats, LoadReport, LoadWeights, Pause,
+    Score, ServedVersion, ServedVersions, StageModel, StageReport, UpdateModel,
 };
 pub use crate::protocol::eval::{EvalReport, ModelEval, RunEval};
 pub use crate::protocol::pool::{
@@ -73,4 +73,21 @@ fn stale(model: &ModelId, offered: Version, current: Version) -> Error {
         offered,
         current,
     })
+}
+
+/// A commit of `version` of `model` refused: `staged` is what was staged (now dropped), if
+/// anything, and `served` the version served.
+fn commit_refused(
+    model: &ModelId,
+    version: Version,
+    staged: Option<Version>,
+    served: Version,
+) -> Error {
+    let staged = staged.map_or_else(
+        || "nothing is staged".to_string(),
+        |v| format!("v{v} is staged (now dropped)"),
+    );
+    Error::Actor(format!(
+        "model `{model}`: commit of v{version} refused: {staged} and v{served} is served"
+    ))
 }

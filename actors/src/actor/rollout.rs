@@ -293,6 +293,7 @@ async fn run_fragment<E: Env>(
         .await_rollout
         .send(AwaitRollout {
             model: cfg.model.clone(),
+            engine: None,
         })
         .await
         .map_err(|e| Error::Actor(format!("controller unreachable: {e}")))??;

@@ -31,6 +31,9 @@ pub struct CheckRollout {
 pub struct AwaitRollout {
     /// The model the rollout uses.
     pub model: ModelId,
+    /// The engine it acts through, by its id in the controller's set (a run's engine rank):
+    /// while that engine is fenced, the rollout waits. `None`: not engine-aware.
+    pub engine: Option<usize>,
 }
 
 /// Why a rollout was let through, and when.
@@ -142,8 +145,31 @@ pub struct ModelStatus {
     /// Loads that found an engine serving weights changed since it applied them
     /// (`verify = "hashes"`; the load replaced them whole).
     pub damaged: u64,
+    /// Times an engine was fenced (it could not stage or commit a version the fleet
+    /// committed: no rollouts were admitted from it until it served the fleet's version).
+    pub fences: u64,
+    /// Total time engines spent fenced (fences that ended).
+    pub fenced_for: Duration,
+    /// The engines fenced now.
+    pub fenced: Vec<usize>,
     /// The last load error, or the last sync-policy error.
     pub last_error: Option<String>,
+}
+
+impl ModelStatus {
+    /// One line on the engines fenced during the run (`None` when none was): how often, how
+    /// long in all, and which are fenced now.
+    pub fn fences_line(&self) -> Option<String> {
+        (self.fences > 0).then(|| {
+            format!(
+                "an engine was fenced {} times (it could not take a version the others \
+                 committed; no rollouts from it meanwhile), {:.1} s in all; fenced now: {:?}",
+                self.fences,
+                self.fenced_for.as_secs_f64(),
+                self.fenced
+            )
+        })
+    }
 }
 
 /// The controller's state and its event timeline.
@@ -210,6 +236,21 @@ pub enum SyncEventKind {
     /// A sync-policy rule refused a step the controller was carrying out (the message
     /// names it); also the model's `last_error`.
     PolicyError(String),
+    /// An engine could not stage or commit a version the fleet committed: no rollouts are
+    /// admitted from it until it serves the fleet's version again.
+    Fenced {
+        /// The engine's id.
+        engine: usize,
+        /// Why.
+        reason: String,
+    },
+    /// A fenced engine serves the fleet's version again.
+    Unfenced {
+        /// The engine's id.
+        engine: usize,
+        /// How long it was fenced.
+        after: Duration,
+    },
 }
 
 impl std::fmt::Display for SyncEventKind {
@@ -221,6 +262,10 @@ impl std::fmt::Display for SyncEventKind {
             Self::Landed(v) => write!(f, "v{v} landed on every engine"),
             Self::LoadFailed(v, e) => write!(f, "load v{v} failed: {e}"),
             Self::Damaged(e) => write!(f, "served weights damaged: {e}"),
+            Self::Fenced { engine, reason } => write!(f, "engine {engine} fenced: {reason}"),
+            Self::Unfenced { engine, after } => {
+                write!(f, "engine {engine} back after {after:?} fenced")
+            }
             Self::Admitted(a) => write!(
                 f,
                 "rollout admitted (train v{}, rollout v{}, waited {:?})",

@@ -100,6 +100,62 @@ pub struct UpdateModel {
     pub timeout: Duration,
 }
 
+/// Stages a version of one model without serving it (the first half of [`UpdateModel`]):
+/// fetch through the model's inlet and validate, beside generation. The staged version is
+/// held, with the model's load lock, until [`CommitModel`] serves it, [`AbortStage`] drops
+/// it, or `hold` passes (then it is dropped: a controller that went away holds nothing for
+/// good). A second stage of the same model replaces what is held. This is how a controller
+/// commits a version across a fleet: stage everywhere, then commit everywhere, or nowhere.
+#[derive(Debug, Clone, Message, Serialize, Deserialize)]
+#[rtype(result = "Result<StageReport>")]
+pub struct StageModel {
+    /// The model.
+    pub model: ModelId,
+    /// The least version to stage (the inlet may bring a newer one).
+    pub version: Version,
+    /// Deadline for the fetch.
+    pub timeout: Duration,
+    /// How long the staged version is held before it is dropped uncommitted.
+    pub hold: Duration,
+}
+
+/// What a [`StageModel`] holds.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StageReport {
+    /// The model.
+    pub model: ModelId,
+    /// The version staged, or (`fresh` false) the version already served, when the inlet
+    /// had nothing newer.
+    pub version: Version,
+    /// Whether a new version is held for a commit.
+    pub fresh: bool,
+    /// Lock wait, fetch and validation.
+    pub staged: Duration,
+}
+
+/// Serves the version a [`StageModel`] staged: pause the model, apply, continue, and
+/// acknowledge to its sender (the second half of [`UpdateModel`]). A version already served
+/// answers at once; one neither staged nor served is refused.
+#[derive(Debug, Clone, Message, Serialize, Deserialize)]
+#[rtype(result = "Result<LoadReport>")]
+pub struct CommitModel {
+    /// The model.
+    pub model: ModelId,
+    /// The version staged.
+    pub version: Version,
+    /// Deadline for the swap (a generating engine in `wait` mode drains first).
+    pub timeout: Duration,
+}
+
+/// Drops what a [`StageModel`] holds of a model, serving nothing new (the fleet did not
+/// commit); nothing held is not an error.
+#[derive(Debug, Clone, Message, Serialize, Deserialize)]
+#[rtype(result = "()")]
+pub struct AbortStage {
+    /// The model.
+    pub model: ModelId,
+}
+
 /// What one load did.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct LoadReport {
@@ -211,6 +267,9 @@ crate::remote_reply!(EngineStats);
 crate::remote::wire_names! {
     // `UpdateModel` is the call that tells a receiver to pull fresh weights
     UpdateModel => "_receive_weights_scheme",
+    StageModel => "engine.stage",
+    CommitModel => "engine.commit",
+    AbortStage => "engine.abort_stage",
     CancelInFlight => "engine.cancel_in_flight",
     ServedVersions => "engine.served_versions",
     GetEngineStats => "engine.stats",
@@ -223,6 +282,9 @@ crate::remote::wire_names! {
 pub trait EngineActor:
     Actor
     + Handler<UpdateModel>
+    + Handler<StageModel>
+    + Handler<CommitModel>
+    + Handler<AbortStage>
     + Handler<CancelInFlight>
     + Handler<ServedVersions>
     + Handler<GetEngineStats>
@@ -231,6 +293,9 @@ pub trait EngineActor:
     + Handler<Score>
 where
     Self::Context: ToEnvelope<Self, UpdateModel>
+        + ToEnvelope<Self, StageModel>
+        + ToEnvelope<Self, CommitModel>
+        + ToEnvelope<Self, AbortStage>
         + ToEnvelope<Self, CancelInFlight>
         + ToEnvelope<Self, ServedVersions>
         + ToEnvelope<Self, GetEngineStats>
@@ -244,6 +309,9 @@ impl<A> EngineActor for A
 where
     A: Actor
         + Handler<UpdateModel>
+        + Handler<StageModel>
+        + Handler<CommitModel>
+        + Handler<AbortStage>
         + Handler<CancelInFlight>
         + Handler<ServedVersions>
         + Handler<GetEngineStats>
@@ -251,6 +319,9 @@ where
         + Handler<Generate>
         + Handler<Score>,
     A::Context: ToEnvelope<A, UpdateModel>
+        + ToEnvelope<A, StageModel>
+        + ToEnvelope<A, CommitModel>
+        + ToEnvelope<A, AbortStage>
         + ToEnvelope<A, CancelInFlight>
         + ToEnvelope<A, ServedVersions>
         + ToEnvelope<A, GetEngineStats>
@@ -266,6 +337,12 @@ crate::protocol::role_ref! {
     pub struct EngineRef {
         /// Loads (`_receive_weights_scheme`).
         update: UpdateModel,
+        /// Stages a version for a fleet-wide commit.
+        stage: StageModel,
+        /// Serves the staged version.
+        commit: CommitModel,
+        /// Drops the staged version.
+        abort: AbortStage,
         /// Cancels in-flight episodes.
         cancel: CancelInFlight,
         /// Versions served.

@@ -99,6 +99,9 @@ fn a_controller_status_round_trips_with_its_state_names() {
                 loads: 2,
                 failed_loads: 0,
                 damaged: 1,
+                fences: 1,
+                fenced_for: Duration::from_millis(300),
+                fenced: vec![2],
                 last_error: Some("a load failed".into()),
             },
         );

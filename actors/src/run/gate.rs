@@ -77,7 +77,12 @@ impl Handler<AwaitRollout> for RankGate {
             return Box::pin(fut::ready(Err(e)));
         }
         let model = msg.model.clone();
-        let ask = self.await_rollout.send(msg);
+        // the rank's engine is named by its rank in the controller's set: a fenced engine's
+        // rollouts wait
+        let ask = self.await_rollout.send(AwaitRollout {
+            engine: Some(self.rank as usize),
+            ..msg
+        });
         Box::pin(ask.into_actor(self).map(move |r, act, _| {
             let admission = r.map_err(|e| Error::Actor(format!("controller: {e}")))??;
             *act.in_flight.entry(model.clone()).or_default() += 1;

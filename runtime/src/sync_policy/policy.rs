@@ -47,6 +47,9 @@ pub enum BlockReason {
     },
     /// Data acquisition is paused for an eval step or a validation.
     Validation,
+    /// The rollout's engine is fenced: it could not stage or commit the version the fleet
+    /// serves (decided by the controller, not by this policy).
+    Fenced,
 }
 
 /// The answer to a rollout status check.

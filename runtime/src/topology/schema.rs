@@ -153,6 +153,34 @@ pub struct ModelSection {
     /// What engines verify of the weights they serve (default `off`).
     #[serde(default)]
     pub verify: Verify,
+    /// How a version is committed across the model's engines (default `all`).
+    #[serde(default)]
+    pub commit: Commit,
+}
+
+/// How the controller commits a model's version across its engines: every engine stages
+/// the version first (fetched and validated, nothing served yet), then the controller
+/// commits it (each engine serves it) or aborts it everywhere.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase", deny_unknown_fields)]
+pub enum Commit {
+    /// `commit = "all"`: committed only when every engine staged it; otherwise aborted
+    /// everywhere and the fleet keeps serving the previous version, whole.
+    #[default]
+    All,
+    /// `commit = { quorum = N }`: committed when at least N engines staged it; the others
+    /// are fenced (no rollouts are admitted from them) until they serve the fleet's version
+    /// again, which the controller reloads on them.
+    Quorum(u32),
+}
+
+impl std::fmt::Display for Commit {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::All => f.write_str("all"),
+            Self::Quorum(n) => write!(f, "quorum {n}"),
+        }
+    }
 }
 
 /// What an engine verifies of the weights it serves, per model.

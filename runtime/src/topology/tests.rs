@@ -232,6 +232,24 @@ roles = ["trainer", "controller", "engine", "rollout"]
     assert_eq!(t.models[0].verify, Verify::Hashes);
     let e = checked(&with("\"names\"")).unwrap_err().to_string();
     assert!(e.contains("names") && e.contains("hashes"), "{e}");
+    // how a version is committed across the engines: all, unless a quorum is asked for
+    assert_eq!(t.models[0].commit, Commit::All);
+    let commit = |v: &str| {
+        small("").replace(
+            "id = \"policy\"\n",
+            &format!("id = \"policy\"\ncommit = {v}\n"),
+        )
+    };
+    let t = checked(&commit("{ quorum = 1 }")).unwrap();
+    assert_eq!(t.models[0].commit, Commit::Quorum(1));
+    for (bad, says) in [
+        ("{ quorum = 0 }", "model[policy].commit"),
+        ("{ quorum = 9 }", "a quorum of 9 engines, but the model has"),
+        ("\"most\"", "most"),
+    ] {
+        let e = checked(&commit(bad)).unwrap_err().to_string();
+        assert!(e.contains(says), "{bad}: {e}");
+    }
     // Defaults: one host, processes on it, abort, 60 s.
     let t = Topology::parse(&small("")).unwrap();
     assert_eq!(t.processes[1].host, "local");

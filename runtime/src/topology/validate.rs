@@ -4,7 +4,7 @@
 use std::collections::BTreeSet;
 
 use super::schema::{
-    HostSection, ModelSection, ProcessSection, RESERVED_ENV, RawTopology, Restart, Role,
+    Commit, HostSection, ModelSection, ProcessSection, RESERVED_ENV, RawTopology, Restart, Role,
     RunSection, StopSection,
 };
 use crate::error::{Error, Result};
@@ -501,10 +501,25 @@ fn check_placement(processes: &[ProcessSection], models: &[ModelSection]) -> Res
                 ));
             }
         }
-        if !processes.iter().any(|p| serves(p, Role::Engine, &m.id)) {
+        let engines: u32 = processes
+            .iter()
+            .filter(|p| serves(p, Role::Engine, &m.id))
+            .map(|p| p.replicas.max(1))
+            .sum();
+        if engines == 0 {
             return Err(bad(
                 "process.roles",
                 format!("no process holds the `engine` role for model `{}`", m.id),
+            ));
+        }
+        if let Commit::Quorum(n) = m.commit
+            && (n == 0 || n > engines)
+        {
+            return Err(bad(
+                format!("model[{}].commit", m.id),
+                format!(
+                    "a quorum of {n} engines, but the model has {engines} (from 1 to {engines})"
+                ),
             ));
         }
     }

@@ -5,7 +5,7 @@
 //! queued as an [`Action`] for [`SyncCore::poll_action`]; the actor owns the reply
 //! channels, the engines and the timers, and arms one timer per deadline the core names.
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::time::{Duration, Instant};
 
 use refit_runtime::metrics;
@@ -15,6 +15,7 @@ use refit_runtime::sync_policy::{
 };
 use refit_runtime::{ModelId, Version};
 
+pub(crate) use super::commit::EngineId;
 use crate::error::{Error, Result};
 use crate::protocol::controller::{
     Admission, ControllerStatus, ModelStatus, NotifyOutcome, SyncEvent, SyncEventKind,
@@ -25,13 +26,24 @@ use crate::protocol::eval::EvalReport;
 pub(crate) type WaiterId = u64;
 
 /// What a load across the fleet found.
-#[derive(Debug)]
+#[derive(Debug, Default)]
 pub(crate) struct Landed {
-    /// The lowest version served.
+    /// The version the fleet serves now (committed on `committed`).
     pub(crate) served: Version,
     /// Engines that served weights changed since they were applied (`verify = "hashes"`),
     /// each named with what differed.
     pub(crate) damaged: Vec<String>,
+    /// The engines that serve `served` now.
+    pub(crate) committed: Vec<EngineId>,
+    /// The engines that could not stage or commit it, with why: they are fenced.
+    pub(crate) fenced: Vec<(EngineId, String)>,
+}
+
+/// An engine fenced from rollouts: since when, and why.
+#[derive(Debug, Clone)]
+struct Fence {
+    since: Instant,
+    reason: String,
 }
 
 /// The answer to a rollout asking to start.
@@ -64,11 +76,20 @@ pub(crate) enum Action {
     /// Run the leader's eval-step sequence ([`SyncCore::eval_steps`]) for this round, then
     /// call [`SyncCore::round_finished`].
     LeadEval(Version),
+    /// Bring the fenced `engines` to `version` of `model` (a full load on each), then call
+    /// [`SyncCore::repaired`] for each.
+    Repair {
+        model: ModelId,
+        version: Version,
+        engines: Vec<EngineId>,
+    },
 }
 
 struct Blocked {
     id: WaiterId,
     model: ModelId,
+    /// The engine the rollout acts through, when the caller said.
+    engine: Option<EngineId>,
     since: Instant,
     deadline: Instant,
     reason: BlockReason,
@@ -83,6 +104,8 @@ struct Counters {
     loads: u64,
     failed_loads: u64,
     damaged: u64,
+    fences: u64,
+    fenced_for: Duration,
     last_error: Option<String>,
     in_flight: u64,
 }
@@ -107,6 +130,8 @@ pub(crate) struct SyncCore {
     /// Barrier arrivals still waiting, with their deadlines.
     arrivals: Vec<(ModelId, Version, Instant)>,
     leads: BTreeMap<Version, Lead>,
+    /// Per model, the engines fenced from its rollouts.
+    fences: BTreeMap<ModelId, BTreeMap<EngineId, Fence>>,
     counters: BTreeMap<ModelId, Counters>,
     events: VecDeque<SyncEvent>,
     actions: VecDeque<Action>,
@@ -162,6 +187,7 @@ impl SyncCore {
             synced: Vec::new(),
             arrivals: Vec::new(),
             leads: BTreeMap::new(),
+            fences: BTreeMap::new(),
             counters,
             events: VecDeque::new(),
             actions: VecDeque::new(),
@@ -248,8 +274,13 @@ impl SyncCore {
     ///
     /// # Errors
     /// An unknown model.
-    pub(crate) fn admit(&mut self, model: &ModelId, now: Instant) -> Result<Admit> {
-        match self.policy.check_rollout(model)? {
+    pub(crate) fn admit(
+        &mut self,
+        model: &ModelId,
+        engine: Option<EngineId>,
+        now: Instant,
+    ) -> Result<Admit> {
+        match self.check_engine(model, engine)? {
             Decision::Continue { .. } => {
                 Ok(Admit::Now(self.admitted(model, Duration::ZERO, now)?))
             }
@@ -260,6 +291,7 @@ impl SyncCore {
                 self.blocked.push(Blocked {
                     id,
                     model: model.clone(),
+                    engine,
                     since: now,
                     deadline,
                     reason,
@@ -294,7 +326,7 @@ impl SyncCore {
     fn wake(&mut self, now: Instant) {
         let blocked = std::mem::take(&mut self.blocked);
         for b in blocked {
-            match self.policy.check_rollout(&b.model) {
+            match self.check_engine(&b.model, b.engine) {
                 Ok(Decision::Continue { .. }) => {
                     let waited = now
                         .saturating_duration_since(b.since)
@@ -310,9 +342,91 @@ impl SyncCore {
                 Err(e) => self.actions.push_back(Action::Admitted {
                     id: b.id,
                     model: b.model,
-                    result: Err(e.into()),
+                    result: Err(e),
                 }),
             }
+        }
+    }
+
+    /// The policy's decision for a rollout of `model` through `engine`: blocked while that
+    /// engine is fenced.
+    fn check_engine(&self, model: &ModelId, engine: Option<EngineId>) -> Result<Decision> {
+        if let Some(e) = engine
+            && self.fences.get(model).is_some_and(|f| f.contains_key(&e))
+        {
+            return Ok(Decision::Block(BlockReason::Fenced));
+        }
+        Ok(self.policy.check_rollout(model)?)
+    }
+
+    /// The engines fenced from `model`'s rollouts.
+    pub(crate) fn fenced(&self, model: &ModelId) -> BTreeSet<EngineId> {
+        self.fences
+            .get(model)
+            .map(|f| f.keys().copied().collect())
+            .unwrap_or_default()
+    }
+
+    fn fence(&mut self, model: &ModelId, engine: EngineId, reason: String, now: Instant) {
+        let fences = self.fences.entry(model.clone()).or_default();
+        if fences.contains_key(&engine) {
+            return;
+        }
+        tracing::warn!(model = %model, engine, "engine fenced: no rollouts from it until it serves the fleet's version: {reason}");
+        fences.insert(
+            engine,
+            Fence {
+                since: now,
+                reason: reason.clone(),
+            },
+        );
+        self.event(Some(model), SyncEventKind::Fenced { engine, reason }, now);
+        self.counters(model).fences += 1;
+    }
+
+    fn unfence(&mut self, model: &ModelId, engine: EngineId, now: Instant) {
+        let Some(fence) = self.fences.get_mut(model).and_then(|f| f.remove(&engine)) else {
+            return;
+        };
+        let after = now.saturating_duration_since(fence.since);
+        tracing::info!(model = %model, engine, "engine back in the fleet after {after:?} fenced ({})", fence.reason);
+        self.event(Some(model), SyncEventKind::Unfenced { engine, after }, now);
+        self.counters(model).fenced_for += after;
+        self.wake(now);
+    }
+
+    /// A repair ordered through [`Action::Repair`] finished on `engine`: the engine serves
+    /// `result`'s version. Serving the fleet's version, it is back; otherwise it stays fenced
+    /// (the next load of the model stages on it again).
+    pub(crate) fn repaired(
+        &mut self,
+        model: &ModelId,
+        engine: EngineId,
+        result: Result<Version>,
+        now: Instant,
+    ) {
+        let fleet = self
+            .policy
+            .model(model)
+            .map(|s| s.rollout_version)
+            .map_err(Error::from);
+        match (result, fleet) {
+            (Ok(v), Ok(fleet)) if v == fleet => self.unfence(model, engine, now),
+            (Ok(v), Ok(fleet)) => {
+                tracing::warn!(model = %model, engine, "repair brought v{v}, the fleet serves v{fleet}: still fenced")
+            }
+            (Err(e), _) | (_, Err(e)) => {
+                tracing::warn!(model = %model, engine, "repair failed, still fenced: {e}")
+            }
+        }
+    }
+
+    /// `engine` left the fleet (its process died) or rejoined it at the fleet's versions:
+    /// it is fenced no more.
+    pub(crate) fn engine_replaced(&mut self, engine: EngineId, now: Instant) {
+        let models: Vec<ModelId> = self.fences.keys().cloned().collect();
+        for m in models {
+            self.unfence(&m, engine, now);
         }
     }
 
@@ -413,8 +527,16 @@ impl SyncCore {
                     now,
                 );
                 self.counters(&order.model).loads += 1;
-                self.policy
-                    .sync_done(&order.model, order.version, landed.served)
+                for (engine, why) in landed.fenced {
+                    self.fence(&order.model, engine, why, now);
+                }
+                let done = self
+                    .policy
+                    .sync_done(&order.model, order.version, landed.served);
+                for engine in landed.committed {
+                    self.unfence(&order.model, engine, now);
+                }
+                done
             }
             Err(e) => {
                 let msg = e.to_string();
@@ -432,11 +554,26 @@ impl SyncCore {
         };
         match next {
             Ok(Some(next)) => self.start_load(next, now),
-            Ok(None) => {}
+            // no load follows to stage on the fenced engines: repair them now
+            Ok(None) => self.order_repair(&order.model),
             Err(e) => self.policy_error(&order.model, e.to_string(), now),
         }
         self.wake(now);
         self.wake_synced();
+    }
+
+    fn order_repair(&mut self, model: &ModelId) {
+        let engines: Vec<EngineId> = self.fenced(model).into_iter().collect();
+        let Ok(s) = self.policy.model(model) else {
+            return;
+        };
+        if !engines.is_empty() && s.rollout_version > Version::ZERO {
+            self.actions.push_back(Action::Repair {
+                model: model.clone(),
+                version: s.rollout_version,
+                engines,
+            });
+        }
     }
 
     /// A policy error with no caller to answer: logged, put on the timeline and kept as the
@@ -695,6 +832,13 @@ impl SyncCore {
                         loads: c.loads,
                         failed_loads: c.failed_loads,
                         damaged: c.damaged,
+                        fences: c.fences,
+                        fenced_for: c.fenced_for,
+                        fenced: self
+                            .fences
+                            .get(m)
+                            .map(|f| f.keys().copied().collect())
+                            .unwrap_or_default(),
                         last_error: c.last_error,
                     },
                 ))

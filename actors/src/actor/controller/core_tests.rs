@@ -70,7 +70,7 @@ fn notified(actions: &[Action]) -> Vec<(WaiterId, &Result<NotifyOutcome>)> {
 fn landed(v: u64) -> Result<Landed> {
     Ok(Landed {
         served: Version(v),
-        damaged: Vec::new(),
+        ..Landed::default()
     })
 }
 
@@ -79,14 +79,14 @@ fn sync_mode_blocks_after_a_batch_until_the_new_version_lands() {
     let t0 = Instant::now();
     let mut c = core(SyncMode::Sync, &["policy"], t0);
     let m = id("policy");
-    let Admit::Now(first) = c.admit(&m, t0).unwrap() else {
+    let Admit::Now(first) = c.admit(&m, None, t0).unwrap() else {
         panic!("the first rollout waits")
     };
     assert_eq!(first.waited, Duration::ZERO);
     c.rollout_done(&m);
     // a batch is ready: rollouts wait for the version trained on it
     c.batch_ready(&m, t0);
-    let Admit::Wait(w, deadline) = c.admit(&m, t0).unwrap() else {
+    let Admit::Wait(w, deadline) = c.admit(&m, None, t0).unwrap() else {
         panic!("admitted before the sync")
     };
     assert_eq!(deadline, t0 + c.config().timeouts.rollout_wait());
@@ -134,11 +134,11 @@ fn batch_async_blocks_at_the_staleness_threshold() {
     let m = id("policy");
     // a batch does not block this mode
     c.batch_ready(&m, t0);
-    assert!(matches!(c.admit(&m, t0).unwrap(), Admit::Now(_)));
+    assert!(matches!(c.admit(&m, None, t0).unwrap(), Admit::Now(_)));
     // v1 trained, v0 served: staleness 1 reaches the threshold
     c.notify(&m, Version(1), t0).unwrap();
     let order = load_order(&mut c);
-    let Admit::Wait(w, _) = c.admit(&m, t0).unwrap() else {
+    let Admit::Wait(w, _) = c.admit(&m, None, t0).unwrap() else {
         panic!("admitted at the staleness threshold")
     };
     let t1 = t0 + Duration::from_millis(300);
@@ -157,7 +157,7 @@ fn a_blocked_admission_times_out_at_its_deadline() {
     let mut c = core(SyncMode::Sync, &["policy"], t0);
     let m = id("policy");
     c.batch_ready(&m, t0);
-    let Admit::Wait(w, deadline) = c.admit(&m, t0).unwrap() else {
+    let Admit::Wait(w, deadline) = c.admit(&m, None, t0).unwrap() else {
         panic!("admitted before the sync")
     };
     c.expire(deadline - Duration::from_millis(1));
@@ -227,6 +227,7 @@ fn damaged_weights_are_reported() {
     let landed = Landed {
         served: Version(1),
         damaged: vec![damage.clone()],
+        ..Landed::default()
     };
     c.load_finished(&order, Ok(landed), t0 + Duration::from_secs(3));
     let s = status(&c, "policy");
@@ -240,6 +241,84 @@ fn damaged_weights_are_reported() {
         .expect("a Damaged event");
     assert_eq!(d.at, Duration::from_secs(3));
     assert!(matches!(events.last().unwrap().kind, SyncEventKind::Landed(v) if v == Version(1)));
+}
+
+#[test]
+fn a_fenced_engine_gets_no_rollouts_until_it_is_repaired() {
+    let t0 = Instant::now();
+    let mut c = core(SyncMode::FullyAsync, &["policy"], t0);
+    let m = id("policy");
+    c.notify(&m, Version(1), t0).unwrap();
+    let order = load_order(&mut c);
+    // v1 committed on engine 0; engine 1 could not stage it
+    let landed = Landed {
+        served: Version(1),
+        committed: vec![0],
+        fenced: vec![(1, "fetch timed out".into())],
+        ..Landed::default()
+    };
+    c.load_finished(&order, Ok(landed), t0);
+    let acts = actions(&mut c);
+    let [
+        Action::Repair {
+            version, engines, ..
+        },
+    ] = &acts[..]
+    else {
+        panic!("{acts:?}")
+    };
+    assert_eq!((*version, engines.as_slice()), (Version(1), &[1][..]));
+    assert_eq!(status(&c, "policy").fenced, vec![1]);
+    // engine 0's rollouts go on, engine 1's wait; an engine-blind caller is let through
+    assert!(matches!(c.admit(&m, Some(0), t0).unwrap(), Admit::Now(_)));
+    assert!(matches!(c.admit(&m, None, t0).unwrap(), Admit::Now(_)));
+    let Admit::Wait(w, _) = c.admit(&m, Some(1), t0).unwrap() else {
+        panic!("a fenced engine's rollout was admitted")
+    };
+    assert!(kinds(&c).iter().any(|k| matches!(
+        k,
+        SyncEventKind::Blocked(refit_runtime::sync_policy::BlockReason::Fenced)
+    )));
+    // a repair that brings another version leaves it fenced
+    c.repaired(&m, 1, Ok(Version(2)), t0);
+    assert!(actions(&mut c).is_empty());
+    // the fleet's version brings it back, and its waiting rollout through
+    let back = t0 + Duration::from_millis(700);
+    c.repaired(&m, 1, Ok(Version(1)), back);
+    let admits = admitted(actions(&mut c));
+    assert!(
+        matches!(&admits[..], [(id, Ok(_))] if *id == w),
+        "{admits:?}"
+    );
+    let s = status(&c, "policy");
+    assert!(s.fenced.is_empty());
+    assert_eq!((s.fences, s.fenced_for), (1, Duration::from_millis(700)));
+    assert!(kinds(&c).iter().any(|k| matches!(
+        k,
+        SyncEventKind::Unfenced { engine: 1, after } if *after == Duration::from_millis(700)
+    )));
+    // fenced again at v2, then it commits v3 with the fleet: unfenced by the commit
+    c.notify(&m, Version(2), t0).unwrap();
+    let order = load_order(&mut c);
+    let landed = Landed {
+        served: Version(2),
+        committed: vec![0],
+        fenced: vec![(1, "commit of v2 failed".into())],
+        ..Landed::default()
+    };
+    c.load_finished(&order, Ok(landed), back);
+    actions(&mut c);
+    c.notify(&m, Version(3), back).unwrap();
+    let order = load_order(&mut c);
+    let landed = Landed {
+        served: Version(3),
+        committed: vec![0, 1],
+        ..Landed::default()
+    };
+    c.load_finished(&order, Ok(landed), back + Duration::from_secs(1));
+    let s = status(&c, "policy");
+    assert!(s.fenced.is_empty());
+    assert_eq!(s.fences, 2);
 }
 
 #[test]
@@ -277,8 +356,8 @@ fn drains_answer_when_the_last_rollout_finishes() {
     let mut c = core(SyncMode::FullyAsync, &["policy"], t0);
     let m = id("policy");
     assert!(c.await_drained(&m, t0).is_none());
-    c.admit(&m, t0).unwrap();
-    c.admit(&m, t0).unwrap();
+    c.admit(&m, None, t0).unwrap();
+    c.admit(&m, None, t0).unwrap();
     let (w, _) = c.await_drained(&m, t0).unwrap();
     c.rollout_done(&m);
     assert!(actions(&mut c).is_empty());

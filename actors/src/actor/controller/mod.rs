@@ -18,7 +18,7 @@
 //! core asks for. `notifier` holds [`VersionNotifier`], the trainer's client.
 
 use std::collections::BTreeMap;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use actix::prelude::*;
 use refit_runtime::sync_policy::{Decision, LeaderStep, SyncConfig, SyncOrder};
@@ -26,15 +26,19 @@ use refit_runtime::{ModelId, Version};
 use tokio::sync::oneshot;
 
 use self::core::{Action, Admit, Landed, SyncCore, WaiterId};
-use crate::error::{Error, RemoteFailure, Result};
+use self::fleet::{Fleet, load_one};
+use crate::error::{Error, Result};
 use crate::protocol::controller::{
     AddEngine, Admission, AwaitDrained, AwaitRollout, AwaitSynced, BatchReady, CheckRollout,
     DropEngine, EndValidate, GetStatus, NotifyOutcome, NotifyVersion, RolloutDone,
 };
-use crate::protocol::engine::{CancelInFlight, EngineRef, ServedVersions, UpdateModel};
+use crate::protocol::engine::{CancelInFlight, EngineRef, ServedVersions};
 use crate::protocol::eval::{EvalReport, RunEval};
+use refit_runtime::topology::Commit;
 
+mod commit;
 mod core;
+mod fleet;
 mod notifier;
 
 pub use notifier::VersionNotifier;
@@ -64,6 +68,8 @@ pub struct WeightSyncController {
     engine_ids: Vec<usize>,
     evaluator: Option<Recipient<RunEval>>,
     replies: BTreeMap<WaiterId, Reply>,
+    /// How each model's versions are committed across the engines (`all` unless set).
+    commit: BTreeMap<ModelId, Commit>,
 }
 
 impl std::fmt::Debug for WeightSyncController {
@@ -96,7 +102,33 @@ impl WeightSyncController {
             engines,
             evaluator,
             replies: BTreeMap::new(),
+            commit: BTreeMap::new(),
         })
+    }
+
+    /// Commits `model`'s versions by `rule` (a topology's `[[model]] commit`): every engine
+    /// stages a version first, then it is committed on the engines that staged it when the
+    /// rule is met (the others are fenced from rollouts until they serve it), or nowhere.
+    #[must_use]
+    pub fn with_commit(mut self, model: ModelId, rule: Commit) -> Self {
+        self.commit.insert(model, rule);
+        self
+    }
+
+    /// The engines of a load of `model`, its commit rule and fences.
+    fn fleet(&self, model: &ModelId) -> Fleet {
+        Fleet {
+            model: model.clone(),
+            engines: self
+                .engine_ids
+                .iter()
+                .copied()
+                .zip(self.engines.iter().cloned())
+                .collect(),
+            rule: self.commit.get(model).copied().unwrap_or_default(),
+            fenced: self.core.fenced(model),
+            timeout: self.core.config().timeouts.load(),
+        }
     }
 
     /// Carries out what the core asks: answers waiters, starts loads and eval steps.
@@ -127,6 +159,11 @@ impl WeightSyncController {
                     }
                 }
                 Action::Load(order) => self.start_load(order, ctx),
+                Action::Repair {
+                    model,
+                    version,
+                    engines,
+                } => self.repair(SyncOrder { model, version }, &engines, ctx),
                 Action::LeadEval(version) => {
                     let lead = self.lead_eval(version, ctx);
                     ctx.spawn(lead.map(move |result, act, ctx| {
@@ -162,24 +199,28 @@ impl WeightSyncController {
     }
 
     fn start_load(&mut self, order: SyncOrder, ctx: &mut Context<Self>) {
-        let load = load_everywhere(
-            self.fleet(),
-            order.clone(),
-            self.core.config().timeouts.load(),
-        );
+        let load = self.fleet(&order.model).load(order.clone());
         ctx.spawn(load.into_actor(self).map(move |result, act, ctx| {
             act.core.load_finished(&order, result, Instant::now());
             act.apply(ctx);
         }));
     }
 
-    /// Every engine, with the id it is named by.
-    fn fleet(&self) -> Vec<(usize, EngineRef)> {
-        self.engine_ids
-            .iter()
-            .copied()
-            .zip(self.engines.iter().cloned())
-            .collect()
+    /// Loads `order` on each of the fenced `engines`, one at a time.
+    fn repair(&mut self, order: SyncOrder, engines: &[usize], ctx: &mut Context<Self>) {
+        let timeout = self.core.config().timeouts.load();
+        for (i, engine) in self.fleet(&order.model).engines {
+            if !engines.contains(&i) {
+                continue;
+            }
+            let model = order.model.clone();
+            let order = order.clone();
+            let load = async move { load_one(&engine, &order, timeout).await.map(|r| r.version) };
+            ctx.spawn(load.into_actor(self).map(move |result, act, ctx| {
+                act.core.repaired(&model, i, result, Instant::now());
+                act.apply(ctx);
+            }));
+        }
     }
 
     /// The leader's eval-step sequence, run as a future that drives this actor through
@@ -190,7 +231,6 @@ impl WeightSyncController {
         ctx: &mut Context<Self>,
     ) -> ResponseActFuture<Self, Result<Option<EvalReport>>> {
         let me = ctx.address();
-        let fleet = self.fleet();
         let engines = self.engines.clone();
         let evaluator = self.evaluator.clone();
         let steps = self.core.eval_steps();
@@ -224,9 +264,8 @@ impl WeightSyncController {
                             .send(Internal::TakeDeferred(model.clone()))
                             .await
                             .map_err(|e| Error::Actor(format!("controller: {e}")))??;
-                        if let Some(order) = order {
-                            let r = load_everywhere(fleet.clone(), order.clone(), timeouts.load())
-                                .await;
+                        if let Some((order, fleet)) = order {
+                            let r = fleet.load(order.clone()).await;
                             let failed = r.as_ref().err().map(ToString::to_string);
                             me.send(Internal::Loaded(order.clone(), r))
                                 .await
@@ -260,62 +299,8 @@ impl WeightSyncController {
     }
 }
 
-/// Sends one load to every engine at once and waits for all (latency is the slowest
-/// engine's, not the sum); answers the lowest version served, and the engines whose served
-/// weights had changed since they were applied.
-async fn load_everywhere(
-    engines: Vec<(usize, EngineRef)>,
-    order: SyncOrder,
-    timeout: Duration,
-) -> Result<Landed> {
-    let requests: Vec<_> = engines
-        .iter()
-        .map(|(_, e)| {
-            e.update
-                .send(UpdateModel {
-                    model: order.model.clone(),
-                    version: order.version,
-                    timeout,
-                })
-                .timeout(timeout + Duration::from_secs(1))
-        })
-        .collect();
-    let mut served: Option<Version> = None;
-    let mut gone = Vec::new();
-    let mut damaged = Vec::new();
-    for ((i, _), r) in engines.iter().zip(requests) {
-        let report = match r.await {
-            // an engine in a process that died: it is dropped (see `DropEngine`), the load
-            // lands on the others
-            Ok(Err(e)) if matches!(e.remote_failure(), Some(RemoteFailure::PeerGone { .. })) => {
-                tracing::warn!(engine = i, model = %order.model, version = %order.version, "engine gone: {e}");
-                gone.push(e.to_string());
-                continue;
-            }
-            r => r.map_err(|e| {
-                Error::Actor(format!(
-                    "engine {i} did not load model `{}` v{}: {e}",
-                    order.model, order.version
-                ))
-            })??,
-        };
-        if let Some(d) = report.damaged {
-            damaged.push(format!(
-                "engine {i} served weights that changed after it applied them: {d} (v{} replaced them whole)",
-                report.version
-            ));
-        }
-        served = Some(served.map_or(report.version, |s| s.min(report.version)));
-    }
-    let served = served.ok_or_else(|| match gone.first() {
-        Some(e) => Error::Actor(format!("every engine is gone: {e}")),
-        None => Error::Config("no engine to load on".into()),
-    })?;
-    Ok(Landed { served, damaged })
-}
-
 #[derive(Debug, Message)]
-#[rtype(result = "Result<Option<SyncOrder>>")]
+#[rtype(result = "Result<Option<(SyncOrder, Fleet)>>")]
 enum Internal {
     Step(LeaderStep),
     TakeDeferred(ModelId),
@@ -327,7 +312,7 @@ impl Actor for WeightSyncController {
 }
 
 impl Handler<Internal> for WeightSyncController {
-    type Result = Result<Option<SyncOrder>>;
+    type Result = Result<Option<(SyncOrder, Fleet)>>;
     fn handle(&mut self, msg: Internal, ctx: &mut Context<Self>) -> Self::Result {
         let now = Instant::now();
         let r = match msg {
@@ -335,7 +320,10 @@ impl Handler<Internal> for WeightSyncController {
                 self.core.step(&step, now);
                 Ok(None)
             }
-            Internal::TakeDeferred(model) => self.core.take_deferred(&model, now),
+            Internal::TakeDeferred(model) => self
+                .core
+                .take_deferred(&model, now)
+                .map(|o| o.map(|o| (o, self.fleet(&model)))),
             Internal::Loaded(order, result) => {
                 self.core.load_finished(&order, result, now);
                 Ok(None)
@@ -356,7 +344,7 @@ impl Handler<CheckRollout> for WeightSyncController {
 impl Handler<AwaitRollout> for WeightSyncController {
     type Result = ResponseFuture<Result<Admission>>;
     fn handle(&mut self, msg: AwaitRollout, ctx: &mut Context<Self>) -> Self::Result {
-        match self.core.admit(&msg.model, Instant::now()) {
+        match self.core.admit(&msg.model, msg.engine, Instant::now()) {
             Err(e) => Box::pin(async move { Err(e) }),
             Ok(Admit::Now(admission)) => Box::pin(async move { Ok(admission) }),
             Ok(Admit::Wait(id, deadline)) => {
@@ -426,12 +414,14 @@ impl Handler<NotifyVersion> for WeightSyncController {
 
 impl Handler<DropEngine> for WeightSyncController {
     type Result = Result<()>;
-    fn handle(&mut self, msg: DropEngine, _: &mut Context<Self>) -> Result<()> {
+    fn handle(&mut self, msg: DropEngine, ctx: &mut Context<Self>) -> Result<()> {
         let Some(at) = self.engine_ids.iter().position(|i| *i == msg.index) else {
             return Ok(());
         };
         self.engines.remove(at);
         self.engine_ids.remove(at);
+        self.core.engine_replaced(msg.index, Instant::now());
+        self.apply(ctx);
         refit_runtime::unless_stopping!(
             warn,
             engine = msg.index,
@@ -453,7 +443,9 @@ impl Handler<AddEngine> for WeightSyncController {
         let bring_up = async move {
             for (model, version) in targets {
                 let order = SyncOrder { model, version };
-                let landed = load_everywhere(vec![(index, engine.clone())], order, timeout).await?;
+                let report = load_one(&engine, &order, timeout).await?;
+                let mut landed = Landed::default();
+                fleet::damage(&mut landed, index, &report);
                 if let Some(d) = landed.damaged.first() {
                     tracing::error!("{d}");
                 }
@@ -465,8 +457,10 @@ impl Handler<AddEngine> for WeightSyncController {
                 .await
                 .map_err(|e| Error::Actor(format!("the added engine: {e}")))
         };
-        Box::pin(bring_up.into_actor(self).map(move |r, act, _| {
+        Box::pin(bring_up.into_actor(self).map(move |r, act, ctx| {
             let served = r?;
+            act.core.engine_replaced(msg.index, Instant::now());
+            act.apply(ctx);
             if let Some(at) = act.engine_ids.iter().position(|i| *i == msg.index) {
                 act.engines.remove(at);
                 act.engine_ids.remove(at);

@@ -48,12 +48,39 @@ enum Staged<W> {
     Served(Version),
 }
 
-type Guard<G> = OwnedMutexGuard<Loader<G>>;
+pub(super) type Guard<G> = OwnedMutexGuard<Loader<G>>;
+
+/// A version staged and held for its swap, with the model's load lock.
+pub(super) struct Held<G: Generator> {
+    guard: Guard<G>,
+    weights: Arc<G::Weights>,
+    pub(super) version: Version,
+    /// Lock wait, fetch and stage.
+    pub(super) staged: Duration,
+    /// Whether the version came through the inlet (it is acknowledged once served).
+    inlet: bool,
+}
+
+impl<G: Generator> Held<G> {
+    /// Gives up the version, keeping the lock for another load.
+    pub(super) fn into_guard(self) -> Guard<G> {
+        self.guard
+    }
+}
+
+/// What staging found.
+pub(super) enum Staging<G: Generator> {
+    /// A new version, held for its swap.
+    New(Held<G>),
+    /// This version (or a newer one) is served already.
+    Served(Version),
+}
 
 impl<G: Generator> LoadJob<G> {
     /// Runs the load within `timeout` (lock wait, fetch and the wait for the swap; staging
-    /// itself is not interrupted); answers the report and the staging time (lock wait,
-    /// fetch, stage), which counts even when the load fails.
+    /// itself is not interrupted); `held` is the lock of a version staged earlier, given up
+    /// to this load. Answers the report and the staging time (lock wait, fetch, stage),
+    /// which counts even when the load fails.
     ///
     /// # Cancel safety
     /// Not cancel safe: dropped after the offer, the version may still be swapped in, and
@@ -62,27 +89,54 @@ impl<G: Generator> LoadJob<G> {
         self,
         source: Source,
         timeout: Duration,
+        held: Option<Guard<G>>,
     ) -> (Result<LoadReport>, Duration) {
-        let (report, staged) = self.load(source, timeout).await;
+        let deadline = Instant::now() + timeout;
+        let (staging, staged) = self.stage(source, deadline, held).await;
+        let report = match staging {
+            Ok(Staging::New(h)) => self.commit(h, deadline).await,
+            Ok(Staging::Served(current)) => Ok(LoadReport {
+                model: self.model,
+                version: current,
+                staged,
+                paused: Duration::ZERO,
+                damaged: None,
+            }),
+            Err(e) => Err(e),
+        };
         if report.is_err() {
             metrics::failed(Side::Engine, "engine");
         }
         (report, staged)
     }
 
-    /// [`LoadJob::run`], without counting its failures.
-    async fn load(self, source: Source, timeout: Duration) -> (Result<LoadReport>, Duration) {
+    /// Takes the model's load lock (or `held`, the lock a staged version holds) and stages
+    /// `source` on a blocking thread, by `deadline` (lock wait and fetch; staging itself is
+    /// not interrupted). Answers what was staged and the staging time.
+    ///
+    /// # Cancel safety
+    /// Cancel safe: dropped, the lock and anything staged are let go.
+    pub(super) async fn stage(
+        &self,
+        source: Source,
+        deadline: Instant,
+        held: Option<Guard<G>>,
+    ) -> (Result<Staging<G>>, Duration) {
         let started = Instant::now();
-        let deadline = started + timeout;
         let model = self.model.clone();
-        let guard =
-            match actix_rt::time::timeout(timeout, Arc::clone(&self.loader).lock_owned()).await {
-                Ok(g) => g,
-                Err(_) => {
-                    let e = timed_out(&model, "waiting for an earlier load of the model", timeout);
-                    return (Err(e), started.elapsed());
+        let guard = match held {
+            Some(g) => g,
+            None => {
+                let wait = deadline.saturating_duration_since(started);
+                match actix_rt::time::timeout(wait, Arc::clone(&self.loader).lock_owned()).await {
+                    Ok(g) => g,
+                    Err(_) => {
+                        let e = timed_out(&model, "waiting for an earlier load of the model", wait);
+                        return (Err(e), started.elapsed());
+                    }
                 }
-            };
+            }
+        };
         let inlet = matches!(source, Source::Inlet { .. });
         let shared = Arc::clone(&self.shared);
         let staging = actix_rt::task::spawn_blocking(move || {
@@ -92,35 +146,40 @@ impl<G: Generator> LoadJob<G> {
         })
         .await;
         let staged = started.elapsed();
-        let (guard, staged_version) = match staging {
-            Ok((guard, Ok(s))) => (guard, s),
-            Ok((_, Err(e))) => return (Err(e), staged),
-            Err(e) => {
-                let e = Error::Actor(format!(
-                    "the staging thread of model `{}` failed: {e}",
-                    self.model
-                ));
-                return (Err(e), staged);
-            }
+        let r = match staging {
+            Ok((guard, Ok(Staged::New(weights, version)))) => Ok(Staging::New(Held {
+                guard,
+                weights,
+                version,
+                staged,
+                inlet,
+            })),
+            Ok((_, Ok(Staged::Served(current)))) => Ok(Staging::Served(current)),
+            Ok((_, Err(e))) => Err(e),
+            Err(e) => Err(Error::Actor(format!(
+                "the staging thread of model `{}` failed: {e}",
+                self.model
+            ))),
         };
-        let (weights, version) = match staged_version {
-            Staged::New(w, v) => (w, v),
-            Staged::Served(current) => {
-                let report = LoadReport {
-                    model: self.model,
-                    version: current,
-                    staged,
-                    paused: Duration::ZERO,
-                    damaged: None,
-                };
-                return (Ok(report), staged);
-            }
-        };
+        (r, staged)
+    }
+
+    /// Offers a staged version to the decoding thread, waits for its swap (by `deadline`,
+    /// at least [`MIN_SWAP_WAIT`]), refreshes the followers and acknowledges the version.
+    ///
+    /// # Cancel safety
+    /// Not cancel safe: dropped after the offer, the version may still be swapped in, and
+    /// is then not acknowledged.
+    pub(super) async fn commit(&self, held: Held<G>, deadline: Instant) -> Result<LoadReport> {
+        let Held {
+            guard,
+            weights,
+            version,
+            staged,
+            inlet,
+        } = held;
         let lead = (!self.followers.is_empty()).then(|| Arc::clone(&weights));
-        let swap = match self.swap(weights, version, deadline).await {
-            Ok(s) => s,
-            Err(e) => return (Err(e), staged),
-        };
+        let swap = self.swap(weights, version, deadline).await?;
         // a swap that went past this version (a newer offer superseded it) refreshes
         // nobody with this one: the newer load does
         if let Some(w) = lead
@@ -130,18 +189,22 @@ impl<G: Generator> LoadJob<G> {
                 f.refresh(&w, version);
             }
         }
-        if inlet && let Err(e) = self.ack(guard, swap.to).await {
-            return (Err(e), staged);
+        if inlet {
+            self.ack(guard, swap.to).await?;
         }
         metrics::engine_loaded(self.model.as_str(), swap.to.0, swap.paused);
-        let report = LoadReport {
-            model: self.model,
+        Ok(LoadReport {
+            model: self.model.clone(),
             version: swap.to,
             staged,
             paused: swap.paused,
             damaged: None,
-        };
-        (Ok(report), staged)
+        })
+    }
+
+    /// The version served (`None` before the first weights).
+    pub(super) fn served(&self) -> Option<Version> {
+        self.shared.served()
     }
 
     /// Offers the staged version and waits for its swap; past the deadline the offer is

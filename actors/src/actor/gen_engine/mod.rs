@@ -32,11 +32,12 @@ use crate::link::WeightInlet;
 use crate::scheduler::{Scheduler, SchedulerConfig, SchedulerStats};
 
 use crate::protocol::engine::{
-    ActBatch, ActedBatch, CancelInFlight, EngineStats, Generate, GetEngineStats, LoadReport,
-    LoadWeights, Score, ServedVersions, UpdateModel,
+    AbortStage, ActBatch, ActedBatch, CancelInFlight, CommitModel, EngineStats, Generate,
+    GetEngineStats, LoadReport, LoadWeights, Score, ServedVersions, StageModel, StageReport,
+    UpdateModel,
 };
 use decode_loop::{Command, Commands, Shared};
-use load::{LoadJob, Source};
+use load::{Held, LoadJob, Source, Staging};
 
 /// Asks a generating engine where each model's decoding stands.
 #[derive(Debug, Clone, Copy, Message)]
@@ -153,6 +154,9 @@ struct Slot<G: Generator> {
     follows: Option<ModelId>,
     /// The followers this model's loads refresh.
     followers: Vec<Follower<G::Weights>>,
+    /// A version staged for a fleet-wide commit ([`StageModel`]), and what drops it when no
+    /// commit comes in time.
+    held: Option<(Held<G>, SpawnHandle)>,
 }
 
 /// Serves [`Generate`] for one or several models; see the [module documentation](self).
@@ -292,6 +296,7 @@ impl<G: Generator> GenerationEngine<G> {
                 loader,
                 follows: follows.map(|(of, _)| of),
                 followers: Vec::new(),
+                held: None,
             },
         );
         Ok(self)
@@ -318,6 +323,13 @@ impl<G: Generator> GenerationEngine<G> {
             loader: Arc::clone(&slot.loader),
             followers: slot.followers.clone(),
         })
+    }
+
+    /// Takes what a stage holds of `model` (its expiry disarmed).
+    fn take_held(&mut self, model: &ModelId, ctx: &mut Context<Self>) -> Option<Held<G>> {
+        let (held, expiry) = self.models.get_mut(model)?.held.take()?;
+        ctx.cancel_future(expiry);
+        Some(held)
     }
 
     /// Hands a request to `model`'s decoding thread and waits for its answer.
@@ -456,22 +468,125 @@ impl<G: Generator> Handler<Score> for GenerationEngine<G> {
 impl<G: Generator> Handler<UpdateModel> for GenerationEngine<G> {
     type Result = ResponseActFuture<Self, Result<LoadReport>>;
 
-    fn handle(&mut self, msg: UpdateModel, _: &mut Context<Self>) -> Self::Result {
+    fn handle(&mut self, msg: UpdateModel, ctx: &mut Context<Self>) -> Self::Result {
         let job = match self.job(&msg.model) {
             Ok(j) => j,
             Err(e) => return Box::pin(fut::ready(Err(e))),
         };
+        // a version staged for a commit that never came gives its lock to this load
+        let held = self.take_held(&msg.model, ctx).map(Held::into_guard);
         let source = Source::Inlet {
             version: msg.version,
         };
-        Box::pin(
-            job.run(source, msg.timeout)
-                .into_actor(self)
-                .map(|(report, staged), act, _| {
-                    act.stats.staged_total += staged;
-                    report
-                }),
-        )
+        Box::pin(job.run(source, msg.timeout, held).into_actor(self).map(
+            |(report, staged), act, _| {
+                act.stats.staged_total += staged;
+                report
+            },
+        ))
+    }
+}
+
+impl<G: Generator> Handler<StageModel> for GenerationEngine<G> {
+    type Result = ResponseActFuture<Self, Result<StageReport>>;
+
+    fn handle(&mut self, msg: StageModel, ctx: &mut Context<Self>) -> Self::Result {
+        let job = match self.job(&msg.model) {
+            Ok(j) => j,
+            Err(e) => return Box::pin(fut::ready(Err(e))),
+        };
+        let held = self.take_held(&msg.model, ctx).map(Held::into_guard);
+        let StageModel {
+            model,
+            version,
+            timeout,
+            hold,
+        } = msg;
+        let source = Source::Inlet { version };
+        let deadline = std::time::Instant::now() + timeout;
+        let staging = async move { job.stage(source, deadline, held).await };
+        Box::pin(staging.into_actor(self).map(move |(r, staged), act, ctx| {
+            act.stats.staged_total += staged;
+            let (version, fresh) = match r? {
+                Staging::Served(current) => (current, false),
+                Staging::New(held) => {
+                    let v = held.version;
+                    let m = model.clone();
+                    let expiry = ctx.run_later(hold, move |act, _| {
+                        if let Some(slot) = act.models.get_mut(&m)
+                            && slot.held.as_ref().is_some_and(|(h, _)| h.version == v)
+                        {
+                            slot.held = None;
+                            tracing::warn!(model = %m, "v{v} was staged but neither committed nor aborted within {hold:?}: dropped");
+                        }
+                    });
+                    match act.models.get_mut(&model) {
+                        Some(slot) => slot.held = Some((held, expiry)),
+                        None => return Err(Error::Runtime(refit_runtime::Error::UnknownModel(model))),
+                    }
+                    (v, true)
+                }
+            };
+            Ok(StageReport {
+                model,
+                version,
+                fresh,
+                staged,
+            })
+        }))
+    }
+}
+
+impl<G: Generator> Handler<CommitModel> for GenerationEngine<G> {
+    type Result = ResponseActFuture<Self, Result<LoadReport>>;
+
+    fn handle(&mut self, msg: CommitModel, ctx: &mut Context<Self>) -> Self::Result {
+        let CommitModel {
+            model,
+            version,
+            timeout,
+        } = msg;
+        let job = match self.job(&model) {
+            Ok(j) => j,
+            Err(e) => return Box::pin(fut::ready(Err(e))),
+        };
+        let served = job.served().unwrap_or(Version::ZERO);
+        let held = match self.take_held(&model, ctx) {
+            Some(h) if h.version == version => h,
+            None if served >= version => {
+                let report = LoadReport {
+                    model,
+                    version: served,
+                    staged: Duration::ZERO,
+                    paused: Duration::ZERO,
+                    damaged: None,
+                };
+                return Box::pin(fut::ready(Ok(report)));
+            }
+            held => {
+                let staged = held.map(|h| h.version);
+                return Box::pin(fut::ready(Err(super::commit_refused(
+                    &model, version, staged, served,
+                ))));
+            }
+        };
+        let deadline = std::time::Instant::now() + timeout;
+        let commit = async move {
+            let r = job.commit(held, deadline).await;
+            if r.is_err() {
+                refit_runtime::metrics::failed(refit_runtime::metrics::Side::Engine, "engine");
+            }
+            r
+        };
+        Box::pin(commit.into_actor(self))
+    }
+}
+
+impl<G: Generator> Handler<AbortStage> for GenerationEngine<G> {
+    type Result = ();
+
+    fn handle(&mut self, msg: AbortStage, ctx: &mut Context<Self>) {
+        drop(self.take_held(&msg.model, ctx));
     }
 }
 
@@ -484,7 +599,7 @@ impl<G: Generator> Handler<LoadWeights> for GenerationEngine<G> {
             Err(e) => return Box::pin(fut::ready(Err(e))),
         };
         Box::pin(
-            job.run(Source::Pushed(msg.weights), self.push_timeout)
+            job.run(Source::Pushed(msg.weights), self.push_timeout, None)
                 .into_actor(self)
                 .map(|(report, staged), act, _| {
                     act.stats.staged_total += staged;

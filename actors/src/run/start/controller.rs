@@ -68,8 +68,15 @@ pub(crate) fn start(ctx: &RankCtx, eval: Evaluating) -> Result<Heads> {
         });
     }
     let node = &ctx.node;
-    let c =
-        WeightSyncController::new(&ctx.sync, ctx.ids.clone(), Vec::new(), eval.evaluator)?.start();
+    let c = ctx
+        .topo
+        .models
+        .iter()
+        .fold(
+            WeightSyncController::new(&ctx.sync, ctx.ids.clone(), Vec::new(), eval.evaluator)?,
+            |c, m| c.with_commit(m.id.clone(), m.commit),
+        )
+        .start();
     let cref = ControllerRef::local(&c);
     cref.serve(node, actor_id(Served::Controller, 0, 0, 0));
     let mut gates = BTreeMap::new();
