@@ -56,7 +56,7 @@ pub(crate) fn run(
             lead: heads.lead.clone(),
             mode: sync.sync_mode,
             allowed_staleness: sync.allowed_staleness(),
-            stop: ctx.stop.clone(),
+            stop: ctx.setup.stop.clone(),
             wait: ctx.wait,
             call,
             started: ctx.started,
@@ -112,7 +112,7 @@ pub(crate) async fn finish_lead(
     match &report {
         Ok(r) => await_byes(ctx, alive_ranks(ctx, r), None).await,
         Err(_) => {
-            let all = (1..ctx.topo.world_size()).collect();
+            let all = (1..ctx.setup.topo.world_size()).collect();
             await_byes(ctx, all, Some(&l.lead)).await;
         }
     }
@@ -122,7 +122,7 @@ pub(crate) async fn finish_lead(
 
 /// The ranks other than 0 still alive at the end of a run that ended well.
 fn alive_ranks(ctx: &RankCtx, r: &RunReport) -> Vec<u32> {
-    (1..ctx.topo.world_size())
+    (1..ctx.setup.topo.world_size())
         .filter(|n| {
             !r.events
                 .iter()
@@ -135,7 +135,7 @@ fn alive_ranks(ctx: &RankCtx, r: &RunReport) -> Vec<u32> {
 /// Waits, for `dead_after_s` (2 s at least) in all, until each of `alive` acknowledged
 /// the stop or (`lead` given: a failed run) the lead found it dead.
 async fn await_byes(ctx: &RankCtx, mut alive: Vec<u32>, lead: Option<&Addr<Lead>>) {
-    let grace = ctx.topo.dead_after().max(Duration::from_secs(2));
+    let grace = ctx.setup.topo.dead_after().max(Duration::from_secs(2));
     let deadline = Instant::now() + grace;
     loop {
         let rv = ctx.rv.clone();
