@@ -378,21 +378,30 @@ def run(binary: Path, work: Path, args) -> int:
         check("after the refused version vLLM still generates version 3's tokens", after == tokens["v3"], str(after))
         first.close()
 
+        def expect_resend(what: str, weights: dict, naming: str | None = None):
+            """Points the engine at a sender of ``weights`` of their own and checks that loading
+            them raises NeedsFullResend (naming the parameter ``naming``, when given). Answers
+            the sender, still open."""
+            sender = refit.Sender("shm", weights, model=MODEL_ID)
+            sender.start()
+            refit.vllm.init_engine(llm, sender.spec, timeout=args.timeout)
+            sender.publish(weights)
+            try:
+                refit.vllm.update_weights(llm, version=2, timeout=args.timeout)
+                check(f"{what} raises NeedsFullResend", False, "update_weights returned")
+            except errors.NeedsFullResend as e:
+                named = f" naming `{naming}`" if naming is not None else ""
+                ok = naming is None or f"`{naming}`" in str(e)
+                check(f"{what} raises refit.errors.NeedsFullResend{named}", ok, str(e)[:300])
+            except errors.RefitError as e:
+                check(f"{what} raises NeedsFullResend", False, f"{type(e).__name__}: {e}")
+            return sender
+
         # (c) a version that fails part-way: its unknown tensor comes after others landed
         mixed = {(k if k != "model.layers.1.mlp.down_proj.weight" else "model.layers.1.mlp.bogus_proj.weight"): t
                  for k, t in v3.items()}
         mixed = {k: (t if k.startswith("model.layers.1") else t * -1.0) for k, t in mixed.items()}
-        part = refit.Sender("shm", mixed, model=MODEL_ID)
-        part.start()
-        refit.vllm.init_engine(llm, part.spec, timeout=args.timeout)
-        part.publish(mixed)
-        try:
-            refit.vllm.update_weights(llm, version=2, timeout=args.timeout)
-            check("a version failing part-way raises NeedsFullResend", False, "update_weights returned")
-        except errors.NeedsFullResend as e:
-            check("a version failing part-way raises refit.errors.NeedsFullResend", True, str(e)[:200])
-        except errors.RefitError as e:
-            check("a version failing part-way raises NeedsFullResend", False, f"{type(e).__name__}: {e}")
+        part = expect_resend("a version failing part-way", mixed)
         tokens["mixed"] = generate(llm, args.max_tokens)
         print(f"  mixed weights generate {tokens['mixed']}", flush=True)
         part.close()
@@ -401,18 +410,7 @@ def run(binary: Path, work: Path, args) -> int:
         # the engine's names check (verify="names", the default) finds the parameter not loaded
         gone = "model.layers.1.mlp.down_proj.weight"
         short = {k: t for k, t in v3.items() if k != gone}
-        lacking = refit.Sender("shm", short, model=MODEL_ID)
-        lacking.start()
-        refit.vllm.init_engine(llm, lacking.spec, timeout=args.timeout)
-        lacking.publish(short)
-        try:
-            refit.vllm.update_weights(llm, version=2, timeout=args.timeout)
-            check("a version lacking a tensor raises NeedsFullResend", False, "update_weights returned")
-        except errors.NeedsFullResend as e:
-            check(f"a version lacking a tensor raises refit.errors.NeedsFullResend naming `{gone}`",
-                  f"`{gone}`" in str(e), str(e)[:300])
-        except errors.RefitError as e:
-            check("a version lacking a tensor raises NeedsFullResend", False, f"{type(e).__name__}: {e}")
+        lacking = expect_resend("a version lacking a tensor", short, naming=gone)
         # the same version with verify="off": nothing checks, it loads without a word
         try:
             refit.vllm.init_engine(llm, lacking.spec, timeout=args.timeout, load_initial=True, verify="off")

@@ -664,17 +664,12 @@ def _build() -> dict[str, type]:
                 with disable_mtp_completeness_check():
                     loaded = self.model.load_weights(self._device_pairs(pairs, current))
             except Exception as e:
-                touched = _touched(self.model, fresh)
                 cause = f"the model's load_weights failed at tensor `{current[0]}`: {type(e).__name__}: {e}"
-                try:
-                    (self._finalize if touched else self._restore)()
-                except Exception as f:  # the model is in an unknown state
-                    touched = True
-                    cause += f"; then completing the reload failed: {type(f).__name__}: {f}"
-                if not touched:
-                    raise _fail(errors.Refused, f"{self._what(version)} refused by vLLM before any of it was applied: {cause}; {self._in_force()}") from e
-                self._mixed(version)
-                raise _fail(errors.NeedsFullResend, f"{self._what(version)} failed part-way into vLLM's weights ({cause}): the weights are mixed until the next version loads whole") from e
+                raise self._failed(
+                    version, fresh, cause,
+                    refused="{what} refused by vLLM before any of it was applied: {cause}; {in_force}",
+                    mixed="{what} failed part-way into vLLM's weights ({cause}): the weights are mixed until the next version loads whole",
+                ) from e
             if self._init is None or self._init.verify == "names":
                 self._check_names(loaded, version, fresh)
 
@@ -703,6 +698,19 @@ def _build() -> dict[str, type]:
             cause = (f"load_weights filled {len(self._expected) - len(missing)} of the model's {len(self._expected)} parameters: "
                      f"not `{missing[0]}`" + (f" nor {len(missing) - 1} more" if len(missing) > 1 else "")
                      + " (a tensor missing from the version, or one the model skipped)")
+            raise self._failed(
+                version, fresh, cause,
+                refused="{what} refused: {cause}; nothing was applied: {in_force}",
+                mixed="{what} did not load whole: {cause} while the rest of the version landed: the weights are mixed until the next version loads whole",
+            )
+
+        def _failed(self, version: int, fresh: set[int], cause: str, *, refused: str, mixed: str) -> errors.RefitError:
+            """Ends a ``load_weights`` of ``version`` that failed for ``cause`` and answers the
+            exception to raise. A reload that touched no layer (of those ``fresh`` before
+            it) is undone and answers Refused, worded by ``refused``; one that touched some
+            is completed, the weights are recorded as mixed and it answers NeedsFullResend,
+            worded by ``mixed``. A reload that cannot be completed counts as touched. Both
+            wordings are ``str.format`` templates of ``what``, ``cause`` and ``in_force``."""
             touched = _touched(self.model, fresh)
             try:
                 (self._finalize if touched else self._restore)()
@@ -710,9 +718,9 @@ def _build() -> dict[str, type]:
                 touched = True
                 cause += f"; then completing the reload failed: {type(f).__name__}: {f}"
             if not touched:
-                raise _fail(errors.Refused, f"{self._what(version)} refused: {cause}; nothing was applied: {self._in_force()}")
+                return _fail(errors.Refused, refused.format(what=self._what(version), cause=cause, in_force=self._in_force()))
             self._mixed(version)
-            raise _fail(errors.NeedsFullResend, f"{self._what(version)} did not load whole: {cause} while the rest of the version landed: the weights are mixed until the next version loads whole")
+            return _fail(errors.NeedsFullResend, mixed.format(what=self._what(version), cause=cause, in_force=self._in_force()))
 
         def _load_kernel(self, pairs: list, version: int) -> None:
             """Copies kernel-format tensors into the parameters of the same names, after

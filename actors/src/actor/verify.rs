@@ -66,14 +66,11 @@ impl ServedHashes {
     /// The [`Damage`] found; a policy that cannot export its weights is reported as damage
     /// of its first tensor.
     pub fn check(&mut self, policy: &impl HasWeights) -> Result<(), Damage> {
-        if self.served.is_none() {
+        let Some((version, expected)) = &self.served else {
             return Ok(());
-        }
-        let found = self.hash(policy);
-        match &self.served {
-            Some((version, expected)) => compare(&self.scratch, *version, expected, &found),
-            None => Ok(()),
-        }
+        };
+        let found = hash(&mut self.scratch, policy);
+        compare(&self.scratch, *version, expected, &found)
     }
 
     /// After `weights` were applied to `policy`: the policy must serve exactly them. Their
@@ -84,21 +81,22 @@ impl ServedHashes {
     /// The [`Damage`] found.
     pub fn applied(&mut self, weights: &WeightSet, policy: &impl HasWeights) -> Result<(), Damage> {
         let expected = weights.tensor_checksums();
-        let found = self.hash(policy);
+        let found = hash(&mut self.scratch, policy);
         let r = compare(&self.scratch, weights.version(), &expected, &found);
         self.served = Some((weights.version(), expected));
         r
     }
+}
 
-    /// The per-tensor hashes of what `policy` serves (empty when it cannot export: every
-    /// comparison then fails, naming the first tensor).
-    fn hash(&mut self, policy: &impl HasWeights) -> Vec<u64> {
-        match policy.write_weights(&mut self.scratch) {
-            Ok(()) => self.scratch.tensor_checksums(),
-            Err(e) => {
-                tracing::error!(model = %self.scratch.model(), "cannot export the served weights to verify them: {e}");
-                Vec::new()
-            }
+/// The per-tensor hashes of what `policy` serves, exported into `scratch` (empty when it
+/// cannot export: every comparison then fails, naming the first tensor). A free function, so
+/// that [`ServedHashes::check`] can hold its recorded hashes while the scratch is written.
+fn hash(scratch: &mut WeightSet, policy: &impl HasWeights) -> Vec<u64> {
+    match policy.write_weights(scratch) {
+        Ok(()) => scratch.tensor_checksums(),
+        Err(e) => {
+            tracing::error!(model = %scratch.model(), "cannot export the served weights to verify them: {e}");
+            Vec::new()
         }
     }
 }

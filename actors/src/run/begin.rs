@@ -67,14 +67,14 @@ pub(crate) async fn admit(
     let watching = watch(
         &ctx.node,
         nodes,
-        ctx.topo.keepalive(),
-        ctx.topo.dead_after(),
+        ctx.setup.topo.keepalive(),
+        ctx.setup.topo.dead_after(),
         move |d| lead.do_send(RankDown(d)),
     );
     ctx.rv.put(START_KEY, &())?;
     tracing::info!(target: RANK_LOG,
         "rank 0: version 1 serves on {} engines; rollouts start ({} mode)",
-        ctx.topo.engine_ranks().len(),
+        ctx.setup.topo.engine_ranks().len(),
         ctx.sync.sync_mode
     );
     Ok(watching)
@@ -82,7 +82,7 @@ pub(crate) async fn admit(
 
 /// Every other rank's card, within `run.wait_s` in all: (rank, incarnation, node).
 async fn take_cards(ctx: &RankCtx) -> Result<Vec<(u32, u32, SocketAddr)>> {
-    let (topo, wait) = (&ctx.topo, ctx.wait);
+    let (topo, wait) = (&ctx.setup.topo, ctx.wait);
     let deadline = Instant::now() + wait;
     let mut nodes = Vec::new();
     for p in topo.ranks().iter().skip(1) {
@@ -116,7 +116,7 @@ async fn add_engine_ranks(
     engine: Option<&EngineRef>,
     rollouts: &[(ModelId, RolloutRef)],
 ) -> Result<()> {
-    let topo = &ctx.topo;
+    let topo = &ctx.setup.topo;
     for r in topo.engine_ranks() {
         let (engine, rollouts) = if r == ctx.me {
             (
@@ -172,7 +172,7 @@ pub(crate) async fn await_start(ctx: &RankCtx, lead: &LeadRef, watch: &LeadWatch
         lead.rejoin
             .send(Rejoin {
                 rank: ctx.me,
-                incarnation: ctx.incarnation,
+                incarnation: ctx.setup.incarnation,
                 node: ctx.rv.advertised(),
             })
             .timeout(ctx.call * 2)
@@ -181,7 +181,7 @@ pub(crate) async fn await_start(ctx: &RankCtx, lead: &LeadRef, watch: &LeadWatch
         tracing::info!(target: RANK_LOG,
             "{}: rejoined the run (incarnation {})",
             ctx.who,
-            ctx.incarnation
+            ctx.setup.incarnation
         );
         return Ok(true);
     }

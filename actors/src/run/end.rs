@@ -56,7 +56,7 @@ pub(crate) fn run(
             lead: heads.lead.clone(),
             mode: sync.sync_mode,
             allowed_staleness: sync.allowed_staleness(),
-            stop: ctx.stop.clone(),
+            stop: ctx.setup.stop.clone(),
             wait: ctx.wait,
             call,
             started: ctx.started,
@@ -112,7 +112,7 @@ pub(crate) async fn finish_lead(
     match &report {
         Ok(r) => await_byes(ctx, alive_ranks(ctx, r), None).await,
         Err(_) => {
-            let all = (1..ctx.topo.world_size()).collect();
+            let all = (1..ctx.setup.topo.world_size()).collect();
             await_byes(ctx, all, Some(&l.lead)).await;
         }
     }
@@ -122,7 +122,7 @@ pub(crate) async fn finish_lead(
 
 /// The ranks other than 0 still alive at the end of a run that ended well.
 fn alive_ranks(ctx: &RankCtx, r: &RunReport) -> Vec<u32> {
-    (1..ctx.topo.world_size())
+    (1..ctx.setup.topo.world_size())
         .filter(|n| {
             !r.events
                 .iter()
@@ -132,15 +132,36 @@ fn alive_ranks(ctx: &RankCtx, r: &RunReport) -> Vec<u32> {
         .collect()
 }
 
+/// How often a failed run's end asks the lead which ranks it found dead.
+const GONE_POLL: Duration = Duration::from_millis(50);
+
 /// Waits, for `dead_after_s` (2 s at least) in all, until each of `alive` acknowledged
 /// the stop or (`lead` given: a failed run) the lead found it dead.
+///
+/// The store's wait wakes at each key set, so the byes are awaited rather than polled:
+/// a run that ended well waits once, for all of them; a failed run waits at most
+/// [`GONE_POLL`] at a time, between which it asks the lead (a dead rank says no bye).
 async fn await_byes(ctx: &RankCtx, mut alive: Vec<u32>, lead: Option<&Addr<Lead>>) {
-    let grace = ctx.topo.dead_after().max(Duration::from_secs(2));
+    let grace = ctx.setup.topo.dead_after().max(Duration::from_secs(2));
     let deadline = Instant::now() + grace;
     loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        let slice = if lead.is_some() {
+            left.min(GONE_POLL)
+        } else {
+            left
+        };
         let rv = ctx.rv.clone();
         let pending = alive.clone();
         let acked: Vec<u32> = blocking("waiting for the ranks to stop", move || {
+            let keys: Vec<String> = pending.iter().map(|r| bye_key(*r)).collect();
+            let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
+            let waited = Instant::now();
+            // a timeout is the usual answer while some rank has not said bye; any other
+            // error must not turn this loop into a busy one
+            if rv.store().wait(&keys, slice).is_err() {
+                std::thread::sleep(slice.saturating_sub(waited.elapsed()));
+            }
             Ok(pending
                 .into_iter()
                 .filter(|r| rv.peek::<()>(&bye_key(*r)).ok().flatten().is_some())
@@ -160,7 +181,6 @@ async fn await_byes(ctx: &RankCtx, mut alive: Vec<u32>, lead: Option<&Addr<Lead>
         if alive.is_empty() || Instant::now() >= deadline {
             break;
         }
-        actix_rt::time::sleep(Duration::from_millis(50)).await;
     }
     for r in alive {
         tracing::warn!(target: RANK_LOG, rank = r, "the rank did not acknowledge the stop");

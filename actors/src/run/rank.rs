@@ -32,16 +32,25 @@ use super::start::{self, RankCtx};
 use super::workload::Workload;
 use super::{InletWrapper, RunConfig, RunReport, StopRule, describe};
 
-/// What a rank is started with.
+/// What a rank is started with; kept whole in its context ([`RankCtx::setup`]).
 pub(crate) struct RankSetup {
+    /// The run's topology.
     pub(crate) topo: Arc<Topology>,
+    /// Where this process stands in the launched job.
     pub(crate) launch: LaunchEnv,
+    /// The cluster's token.
     pub(crate) token: ClusterToken,
+    /// The run's models as the roles see them.
     pub(crate) specs: Vec<ModelSpec>,
+    /// What the run hosts for each model.
     pub(crate) work: Arc<dyn Workload>,
+    /// When the run stops.
     pub(crate) stop: StopRule,
+    /// Validation episodes per model on eval steps.
     pub(crate) eval_episodes: usize,
+    /// Wraps every engine inlet, when set.
     pub(crate) wrap_inlet: Option<InletWrapper>,
+    /// Which start of this rank (0, then one more per restart).
     pub(crate) incarnation: u32,
 }
 
@@ -84,7 +93,12 @@ pub(crate) async fn rank_main(s: RankSetup) -> Result<Option<RunReport>> {
     let eval = start::evaluator::start(&ctx)?;
     let heads = start::controller::start(&ctx, eval)?;
     let opened = start::trainer::open(&ctx)?;
-    let _shards = shard::start_members(&ctx.shard_site(), &ctx.specs, &ctx.work, ctx.rejoining)?;
+    let _shards = shard::start_members(
+        &ctx.shard_site(),
+        &ctx.setup.specs,
+        &ctx.setup.work,
+        ctx.rejoining,
+    )?;
     let links = start::links::connect(&ctx, opened.models).await?;
     let training = start::pool::start(&ctx, links.outlets, &heads.controller).await?;
     let engine = start::engine::start(&mut ctx, links.inlets)?;
@@ -117,52 +131,36 @@ pub(crate) async fn rank_main(s: RankSetup) -> Result<Option<RunReport>> {
 /// watching rank 0: the rank's context and its watch on rank 0.
 async fn join(s: RankSetup) -> Result<(RankCtx, LeadWatch)> {
     let started = Instant::now();
-    let RankSetup {
-        topo,
-        launch,
-        token,
-        specs,
-        work,
-        stop,
-        eval_episodes,
-        wrap_inlet,
-        incarnation,
-    } = s;
-    let me = launch.rank;
-    let plan = topo.rank(me)?;
-    let wait = topo.wait();
-    let mut sync = topo.sync.clone();
-    sync.models = specs.iter().map(|s| s.id.clone()).collect();
+    let me = s.launch.rank;
+    let plan = s.topo.rank(me)?;
+    let wait = s.topo.wait();
+    let mut sync = s.topo.sync.clone();
+    sync.models = s.specs.iter().map(|s| s.id.clone()).collect();
     sync.check()?;
     let place = Place {
         host_addr: plan.host.address()?.to_string(),
         bind: plan.bind,
         port: plan.port,
     };
+    let (launch, token) = (s.launch.clone(), s.token.clone());
     let rv = blocking("joining the rendezvous", move || {
         Rendezvous::join(&launch, &place, token, wait)
     })
     .await?;
     let node = rv.node().clone();
-    let watch = LeadWatch::start(me, &rv, &node, &topo);
-    let rejoining = me != 0 && (incarnation > 0 || rv.peek::<()>(START_KEY)?.is_some());
+    let watch = LeadWatch::start(me, &rv, &node, &s.topo);
+    let rejoining = me != 0 && (s.incarnation > 0 || rv.peek::<()>(START_KEY)?.is_some());
     let ctx = RankCtx {
         who: describe(&plan),
-        call: call_deadline(&topo),
+        call: call_deadline(&s.topo),
         ids: sync.models.clone(),
         lead_peer: rv.store().peer().clone(),
-        topo,
+        setup: s,
         plan,
         me,
         wait,
         started,
         sync,
-        specs,
-        work,
-        stop,
-        eval_episodes,
-        wrap_inlet,
-        incarnation,
         rejoining,
         rv,
         node,
@@ -178,7 +176,7 @@ fn publish_card(ctx: &RankCtx) -> Result<()> {
         &RankCard {
             node: ctx.rv.advertised(),
             pid: std::process::id(),
-            incarnation: ctx.incarnation,
+            incarnation: ctx.setup.incarnation,
         },
     )
 }

@@ -586,17 +586,6 @@ impl TcpReceiver {
                 .filter_map(|&i| plan.buckets.get(i as usize))
                 .map(|b| b.len as u64)
                 .sum();
-            let Target {
-                flight,
-                sink,
-                fresh,
-            } = self.prepare_target(model, version, &manifest, &plan, &t, base.as_deref())?;
-            self.shared.planned.fetch_add(planned, Ordering::Relaxed);
-            if let Some(f) = &flight
-                && self.cfg.relay
-            {
-                self.shared.set_inflight(model, Some(f));
-            }
             let job = Job {
                 model,
                 version,
@@ -608,6 +597,17 @@ impl TcpReceiver {
                 deadline,
                 started,
             };
+            let Target {
+                flight,
+                sink,
+                fresh,
+            } = self.prepare_target(&job, base.as_deref())?;
+            self.shared.planned.fetch_add(planned, Ordering::Relaxed);
+            if let Some(f) = &flight
+                && self.cfg.relay
+            {
+                self.shared.set_inflight(model, Some(f));
+            }
             let watchdog = Watchdog::default();
             let result = self.receive(&job, flight.as_ref(), sink, fresh, &watchdog);
             if result.is_err() && watchdog.expired() {
@@ -720,19 +720,13 @@ impl TcpReceiver {
         Ok((plan, starts))
     }
 
-    /// Where a transfer's bytes go: a sink of the caller's (when one is given and the plan
+    /// Where `job`'s bytes go: a sink of the caller's (when one is given and the plan
     /// covers the arena) or an arena of the pool as a version in flight, either holding the
     /// buckets a delta does not pull already copied from `base`. A failure is reported to
     /// the sender.
-    fn prepare_target(
-        &self,
-        model: &ModelId,
-        version: Version,
-        manifest: &Arc<Manifest>,
-        plan: &Arc<BucketPlan>,
-        t: &Plan,
-        base: Option<&WeightSet>,
-    ) -> Result<Target> {
+    fn prepare_target(&self, job: &Job<'_>, base: Option<&WeightSet>) -> Result<Target> {
+        let (model, version, manifest, plan, t) =
+            (job.model, job.version, job.manifest, job.plan, job.t);
         // the buckets a delta does not pull, from the version held
         let kept: Vec<std::ops::Range<usize>> = match (base, t.full) {
             (Some(_), false) => {
@@ -766,7 +760,7 @@ impl TcpReceiver {
                 }
                 None
             }
-            None => match self.arena_flight(model, version, manifest, plan, t, &kept, base_bytes) {
+            None => match self.arena_flight(job, &kept, base_bytes) {
                 Ok((f, new)) => {
                     fresh = new;
                     Some(f)
@@ -913,21 +907,18 @@ impl TcpReceiver {
         }
     }
 
-    /// A recycled arena for a transfer, as a version in flight: a full transfer overwrites
+    /// A recycled arena for `job`, as a version in flight: a full transfer overwrites
     /// every byte (the verified plan covers the arena), a delta first copies the `kept`
     /// ranges from the base. True when the pool had none to recycle and the arena is a
     /// fresh map.
-    #[allow(clippy::too_many_arguments)]
     fn arena_flight(
         &self,
-        model: &ModelId,
-        version: Version,
-        manifest: &Arc<Manifest>,
-        plan: &Arc<BucketPlan>,
-        t: &Plan,
+        job: &Job<'_>,
         kept: &[std::ops::Range<usize>],
         base: &[u8],
     ) -> Result<(Arc<InFlight>, bool)> {
+        let (model, version, manifest, plan, t) =
+            (job.model, job.version, job.manifest, job.plan, job.t);
         let (buf, fresh) = self.shared.pool.take_marked(manifest.total_len());
         // only a large arena (a map of its own) is worth a prefault thread
         let fresh = fresh && buf.is_mapped();

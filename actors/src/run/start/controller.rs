@@ -80,7 +80,7 @@ pub(crate) fn start(ctx: &RankCtx, eval: Evaluating) -> Result<Heads> {
     let cref = ControllerRef::local(&c);
     cref.serve(node, actor_id(Served::Controller, 0, 0, 0));
     let mut gates = BTreeMap::new();
-    for r in ctx.topo.engine_ranks() {
+    for r in ctx.setup.topo.engine_ranks() {
         let g = RankGate::new(r, c.clone().recipient(), c.clone().recipient()).start();
         ControllerLink {
             await_rollout: g.clone().recipient(),
@@ -91,7 +91,7 @@ pub(crate) fn start(ctx: &RankCtx, eval: Evaluating) -> Result<Heads> {
     }
     let (done_tx, done_rx) = oneshot::channel();
     let l = Lead::new(LeadSetup {
-        topo: Arc::clone(&ctx.topo),
+        topo: Arc::clone(&ctx.setup.topo),
         node: node.clone(),
         call: ctx.call,
         controller: c.clone(),

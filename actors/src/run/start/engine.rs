@@ -17,10 +17,10 @@ pub(crate) fn start(ctx: &mut RankCtx, inlets: Vec<ModelInlet>) -> Result<Option
     if inlets.is_empty() {
         return Ok(None);
     }
-    let started = ctx.work.start_engine(
+    let started = ctx.setup.work.start_engine(
         inlets,
         &EngineSetup {
-            seed: ctx.topo.run.seed.wrapping_add(u64::from(ctx.me)),
+            seed: ctx.setup.topo.run.seed.wrapping_add(u64::from(ctx.me)),
             pause: ctx.sync.pause_mode,
             queue_deadline: ctx.call,
         },

@@ -31,15 +31,15 @@ pub(crate) fn start(ctx: &RankCtx) -> Result<Evaluating> {
         return Ok(Evaluating::default());
     }
     let route = EngineRoute::new(Vec::new()).start();
-    let evaluator = ctx.work.start_evaluator(
-        &ctx.specs,
+    let evaluator = ctx.setup.work.start_evaluator(
+        &ctx.setup.specs,
         Inference {
             act: route.clone().recipient(),
             generate: route.clone().recipient(),
             deadline: ctx.sync.timeouts.eval(),
         },
-        ctx.eval_episodes,
-        ctx.topo.run.seed,
+        ctx.setup.eval_episodes,
+        ctx.setup.topo.run.seed,
     )?;
     serve(
         &ctx.node,

@@ -57,7 +57,7 @@ pub(crate) async fn connect(ctx: &RankCtx, opened: Vec<OpenedModel>) -> Result<L
         let (spec, inlet) = t
             .await
             .map_err(|e| Error::Actor(format!("{}: connecting an inlet: {e}", ctx.who)))??;
-        let inlet = match &ctx.wrap_inlet {
+        let inlet = match &ctx.setup.wrap_inlet {
             Some(w) => w(inlet),
             None => inlet,
         };
@@ -71,14 +71,14 @@ type Connecting<T> = actix_rt::task::JoinHandle<Result<T>>;
 
 /// Starts connecting an inlet for every model this rank's engine serves.
 fn spawn_inlets(ctx: &RankCtx) -> Result<Vec<Connecting<ModelInlet>>> {
-    let (topo, me, wait) = (&ctx.topo, ctx.me, ctx.wait);
-    let engines = ctx.specs.iter().filter(|s| {
+    let (topo, me, wait) = (&ctx.setup.topo, ctx.me, ctx.wait);
+    let engines = ctx.setup.specs.iter().filter(|s| {
         ctx.plan
             .serves(refit_runtime::topology::Role::Engine, &s.id)
     });
     let mut receivers = Vec::new();
     for spec in engines {
-        let expected = Manifests::new([(spec.id.clone(), ctx.work.engine_manifest(spec)?)])?;
+        let expected = Manifests::new([(spec.id.clone(), ctx.setup.work.engine_manifest(spec)?)])?;
         let trainer = topo.trainer_ranks(&spec.id).first().copied().unwrap_or(0);
         let wanted = link::for_kind(&topo.weights_transport(&spec.id, trainer, me))?.name();
         let (rv, node) = (ctx.rv.clone(), ctx.node.clone());

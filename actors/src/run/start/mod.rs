@@ -21,21 +21,17 @@ pub(crate) mod pool;
 pub(crate) mod rollout;
 pub(crate) mod trainer;
 
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use actix::Arbiter;
 use refit_node::{Node, Peer};
 use refit_runtime::ModelId;
 use refit_runtime::sync_policy::SyncConfig;
-use refit_runtime::topology::{RankPlan, Topology};
+use refit_runtime::topology::RankPlan;
 
-use crate::roles::ModelSpec;
-
+use super::rank::RankSetup;
 use super::rendezvous::Rendezvous;
 use super::shard::ShardSite;
-use super::workload::Workload;
-use super::{InletWrapper, StopRule};
 
 pub(crate) use controller::{Heads, Leading};
 pub(crate) use evaluator::Evaluating;
@@ -44,9 +40,10 @@ pub(crate) use evaluator::Evaluating;
 /// store; and the arbiters of the actors started on threads of their own (stopped with
 /// the rank).
 pub(crate) struct RankCtx {
-    /// The run's topology.
-    pub(crate) topo: Arc<Topology>,
-    /// This rank's place in it.
+    /// What the rank was started with: the topology, models, workload, stop rule and the
+    /// rest, as given.
+    pub(crate) setup: RankSetup,
+    /// This rank's place in the topology.
     pub(crate) plan: RankPlan,
     /// This rank.
     pub(crate) me: u32,
@@ -62,18 +59,6 @@ pub(crate) struct RankCtx {
     pub(crate) sync: SyncConfig,
     /// The run's models, in order.
     pub(crate) ids: Vec<ModelId>,
-    /// The run's models as the roles see them.
-    pub(crate) specs: Vec<ModelSpec>,
-    /// What the run hosts for each model.
-    pub(crate) work: Arc<dyn Workload>,
-    /// When the run stops.
-    pub(crate) stop: StopRule,
-    /// Validation episodes per model on eval steps.
-    pub(crate) eval_episodes: usize,
-    /// Wraps every engine inlet, when set.
-    pub(crate) wrap_inlet: Option<InletWrapper>,
-    /// Which start of this rank (0, then one more per restart).
-    pub(crate) incarnation: u32,
     /// A restarted rank, or one that joins a run already started: it asks rank 0 to take
     /// it back instead of waiting for the start.
     pub(crate) rejoining: bool,
@@ -91,7 +76,7 @@ impl RankCtx {
     /// Where this rank sets its trainer shards up.
     pub(crate) fn shard_site(&self) -> ShardSite<'_> {
         ShardSite {
-            topo: &self.topo,
+            topo: &self.setup.topo,
             me: self.me,
             who: &self.who,
             node: &self.node,

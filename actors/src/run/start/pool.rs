@@ -41,7 +41,7 @@ pub(crate) async fn start(
 ) -> Result<Training> {
     let mut out = Training::default();
     for (spec, learner, outlet) in outlets {
-        let trainer = if ctx.topo.trainer_ranks(&spec.id).len() > 1 {
+        let trainer = if ctx.setup.topo.trainer_ranks(&spec.id).len() > 1 {
             shard::start_lead(&ctx.shard_site(), &spec, learner, outlet).await?
         } else {
             Trainer::start_with_outlet(learner, outlet).recipient()
@@ -55,7 +55,7 @@ pub(crate) async fn start(
         .with_capacity_batches(ctx.sync.max_buffered_batches)
         .start();
         let pref = PoolRef::local(&pool);
-        let mi = ctx.topo.model_index(&spec.id).unwrap_or(0);
+        let mi = ctx.setup.topo.model_index(&spec.id).unwrap_or(0);
         pref.serve(&ctx.node, actor_id(Served::Pool, ctx.me, mi, 0));
         out.pools.insert(spec.id.clone(), pref.clone());
         out.drivers.push((spec, trainer, pref));

@@ -41,6 +41,7 @@ pub(crate) async fn start(
     peers.insert(0, ctx.lead_peer.clone());
     let mut rollouts = Vec::new();
     let specs: Vec<ModelSpec> = ctx
+        .setup
         .specs
         .iter()
         .filter(|s| ctx.plan.serves(Role::Rollout, &s.id))
@@ -66,8 +67,9 @@ async fn push_of(
     if let Some(p) = pools.get(model) {
         return Ok(p.push.clone());
     }
-    let mi = ctx.topo.model_index(model).unwrap_or(0);
-    let trainer = ctx.topo.trainer_ranks(model).first().copied().unwrap_or(0);
+    let topo = &ctx.setup.topo;
+    let mi = topo.model_index(model).unwrap_or(0);
+    let trainer = topo.trainer_ranks(model).first().copied().unwrap_or(0);
     let peer = peer_of(&ctx.rv, &ctx.node, peers, trainer, ctx.wait).await?;
     let pool = RemoteAddr::new(
         peer,
@@ -108,16 +110,16 @@ fn start_workers(
 ) -> Result<()> {
     let model = &spec.id;
     let me = ctx.me;
-    let mi = ctx.topo.model_index(model).unwrap_or(0);
-    for w in 0..ctx.topo.rollout_workers(me, model) as usize {
+    let topo = &ctx.setup.topo;
+    let mi = topo.model_index(model).unwrap_or(0);
+    for w in 0..topo.rollout_workers(me, model) as usize {
         let index = (me as usize) * 1000 + w;
-        let seed = ctx
-            .topo
+        let seed = topo
             .run
             .seed
             .wrapping_mul(1000)
             .wrapping_add((mi * 100_000 + index) as u64 * 17);
-        let started = ctx.work.start_rollout(
+        let started = ctx.setup.work.start_rollout(
             spec,
             RolloutConfig {
                 model: model.clone(),

@@ -44,14 +44,15 @@ pub(crate) struct Opened {
 /// fit; a link that cannot be opened.
 pub(crate) fn open(ctx: &RankCtx) -> Result<Opened> {
     let trains: Vec<&ModelSpec> = ctx
+        .setup
         .specs
         .iter()
-        .filter(|s| ctx.topo.trainer_ranks(&s.id).first() == Some(&ctx.me))
+        .filter(|s| ctx.setup.topo.trainer_ranks(&s.id).first() == Some(&ctx.me))
         .collect();
     if ctx.rejoining && !trains.is_empty() {
         return Err(Error::Config(format!(
             "{} holds a trainer and cannot rejoin a running run (incarnation {})",
-            ctx.who, ctx.incarnation
+            ctx.who, ctx.setup.incarnation
         )));
     }
     let mut opened = Opened::default();
@@ -69,16 +70,17 @@ pub(crate) fn open(ctx: &RankCtx) -> Result<Opened> {
 
 /// The learner of `spec`, its first version, and its links to every engine rank of it.
 fn open_model(ctx: &RankCtx, spec: &ModelSpec) -> Result<OpenedModel> {
-    let topo = &ctx.topo;
-    ctx.work.check(spec, topo.run.seed)?;
-    let mut learner = ctx.work.learner(spec)?;
+    let topo = &ctx.setup.topo;
+    ctx.setup.work.check(spec, topo.run.seed)?;
+    let mut learner = ctx.setup.work.learner(spec)?;
     let initial = crate::run::workload::first_export(learner.as_mut(), spec)?;
     let want = match topo.model(&spec.id).and_then(|m| m.convert.as_ref()) {
         Some(c) => Some(c.want(&format!("model[{}].convert", spec.id))?),
-        None => ctx.work.want(spec)?,
+        None => ctx.setup.work.want(spec)?,
     };
     let (wire, conversions) = weights::plan(&initial, want)?;
-    ctx.work
+    ctx.setup
+        .work
         .engine_manifest(spec)?
         .check_same_schema(&spec.id, wire.get(&spec.id)?)?;
     let mut kinds: Vec<(TransportKind, usize)> = Vec::new();
