@@ -37,6 +37,15 @@ fn install() -> Result<()> {
         .enable_time()
         .build()
         .map_err(|e| Error::io("starting the signal runtime", e))?;
+    // The run is stopping the moment a signal arrives, not when the thread below gets to
+    // run: a peer that closes its connection meanwhile (the launcher signals every rank at
+    // once) is then logged as expected, not as a fault.
+    for signo in [libc::SIGINT, libc::SIGTERM] {
+        // SAFETY: the action only stores to an atomic (`mark_stopping`), which is
+        // async-signal-safe; it allocates, locks and logs nothing.
+        unsafe { signal_hook_registry::register(signo, refit_runtime::cleanup::mark_stopping) }
+            .map_err(|e| Error::io("registering SIGINT and SIGTERM", e))?;
+    }
     // registered here, before returning, so that no signal slips between the call and the
     // thread's first poll
     let (mut int, mut term) = rt

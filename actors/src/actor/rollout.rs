@@ -274,7 +274,7 @@ pub(crate) fn settle(
             *running
         }
         Err(e) => {
-            tracing::error!(worker, model = %model, "rollout worker stops: {e}");
+            refit_runtime::unless_stopping!(error, worker, model = %model, "rollout worker stops: {e}");
             stats.error = Some(e.to_string());
             *running = false;
             false

@@ -62,8 +62,8 @@ impl<M: RemoteMessage> Handler<M> for Proxy {
             match addr.send(msg).await {
                 Ok(reply) => Some(reply),
                 Err(e) => {
-                    tracing::warn!(actor = addr.name(), message = M::NAME, error = %e,
-                        "a message to a remote actor failed");
+                    refit_runtime::unless_stopping!(warn, actor = addr.name(), message = M::NAME,
+                        error = %e, "a message to a remote actor failed");
                     <M::Result as RemoteReply>::from_failure(e)
                 }
             }

@@ -69,6 +69,7 @@ pub(crate) fn start(ctx: &RankCtx, eval: Evaluating) -> Result<Heads> {
     }
     let node = &ctx.node;
     let c = ctx
+        .setup
         .topo
         .models
         .iter()
