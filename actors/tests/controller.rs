@@ -445,6 +445,25 @@ async fn an_acting_engine_serves_a_staged_version_only_once_committed() {
     assert_eq!((staged.version, staged.fresh), (Version(2), false));
 }
 
+/// Tells the controller `model`'s trainer finished `v` and waits until it serves everywhere
+/// (or the load failed: the error).
+async fn land(
+    ctl: &actix::Addr<WeightSyncController>,
+    n: &mut VersionNotifier,
+    model: &ModelId,
+    v: u64,
+) -> refit_actors::Result<Version> {
+    use refit_actors::actor::AwaitSynced;
+    n.notify(Version(v)).await?;
+    n.flush().await?;
+    ctl.send(AwaitSynced {
+        model: model.clone(),
+        version: Version(v),
+    })
+    .await
+    .unwrap()
+}
+
 fn mock_publish(s: &mut Sender<InProcSender>, m: &ModelId, v: u64) -> refit_runtime::Result<()> {
     s.send_async(vec![weights(m, v, v as f32 / 100.0)])
         .map(|_| ())
@@ -761,7 +780,6 @@ impl refit_actors::Policy for Damageable {
 /// goes unseen (what makes the test able to fail).
 #[actix_rt::test]
 async fn a_bit_flipped_in_served_weights_is_reported_by_the_next_update() {
-    use refit_actors::actor::AwaitSynced;
     for verify in [true, false] {
         let m = id("policy");
         let (mut s, r) = scheme(&m);
@@ -783,15 +801,7 @@ async fn a_bit_flipped_in_served_weights_is_reported_by_the_next_update() {
                 .unwrap()
                 .start();
         let mut n = VersionNotifier::new(ctl.clone(), m.clone(), cfg.clone());
-        let synced = |v: u64| {
-            ctl.send(AwaitSynced {
-                model: m.clone(),
-                version: Version(v),
-            })
-        };
-        n.notify(Version(1)).await.unwrap();
-        n.flush().await.unwrap();
-        synced(1).await.unwrap().unwrap();
+        land(&ctl, &mut n, &m, 1).await.unwrap();
         // a stray write into the served weights, then a request served by them
         damage.store(true, std::sync::atomic::Ordering::SeqCst);
         let obs = vec![0.0; SIZES[0]];
@@ -809,9 +819,7 @@ async fn a_bit_flipped_in_served_weights_is_reported_by_the_next_update() {
         assert!(!damage.load(std::sync::atomic::Ordering::SeqCst));
         for v in [2, 3] {
             mock_publish(&mut s, &m, v).unwrap();
-            n.notify(Version(v)).await.unwrap();
-            n.flush().await.unwrap();
-            synced(v).await.unwrap().unwrap();
+            land(&ctl, &mut n, &m, v).await.unwrap();
         }
         let status = ctl.send(GetStatus).await.unwrap();
         let model = &status.models[&m];
@@ -933,20 +941,11 @@ async fn served_by(engines: &[actix::Addr<InferenceEngine<MlpPolicy>>], m: &Mode
 /// engines keep serving v1 (never a mix), the failure names the engine; v3 lands on both.
 #[actix_rt::test]
 async fn under_commit_all_a_version_one_engine_cannot_stage_is_served_by_none() {
-    use refit_actors::actor::AwaitSynced;
     let m = id("policy");
     let fails = Arc::new(std::sync::atomic::AtomicU32::new(0));
     let (mut s, engines, ctl) = two_engine_fleet(&m, &fails, refit_runtime::topology::Commit::All);
     let mut n = VersionNotifier::new(ctl.clone(), m.clone(), SyncConfig::default());
-    let synced = |v: u64| {
-        ctl.send(AwaitSynced {
-            model: m.clone(),
-            version: Version(v),
-        })
-    };
-    n.notify(Version(1)).await.unwrap();
-    n.flush().await.unwrap();
-    synced(1).await.unwrap().unwrap();
+    land(&ctl, &mut n, &m, 1).await.unwrap();
     assert_eq!(served_by(&engines, &m).await, [1, 1]);
     fails.store(1, std::sync::atomic::Ordering::SeqCst);
     mock_publish(&mut s, &m, 2).unwrap();
@@ -971,9 +970,7 @@ async fn under_commit_all_a_version_one_engine_cannot_stage_is_served_by_none() 
     );
     assert!(model.fenced.is_empty(), "{model:?}");
     mock_publish(&mut s, &m, 3).unwrap();
-    n.notify(Version(3)).await.unwrap();
-    n.flush().await.unwrap();
-    synced(3).await.unwrap().unwrap();
+    land(&ctl, &mut n, &m, 3).await.unwrap();
     assert_eq!(served_by(&engines, &m).await, [3, 3]);
 }
 
@@ -983,7 +980,7 @@ async fn under_commit_all_a_version_one_engine_cannot_stage_is_served_by_none() 
 /// stays fenced until it commits the next version with the fleet.
 #[actix_rt::test]
 async fn under_a_quorum_an_engine_that_cannot_stage_is_fenced_repaired_and_returns() {
-    use refit_actors::actor::{AwaitRollout, AwaitSynced};
+    use refit_actors::actor::AwaitRollout;
     let m = id("policy");
     let fails = Arc::new(std::sync::atomic::AtomicU32::new(0));
     let (mut s, engines, ctl) =
@@ -991,15 +988,7 @@ async fn under_a_quorum_an_engine_that_cannot_stage_is_fenced_repaired_and_retur
     let mut n = VersionNotifier::new(ctl.clone(), m.clone(), SyncConfig::default());
     let mut publish = async |v: u64| {
         mock_publish(&mut s, &m, v).unwrap();
-        n.notify(Version(v)).await.unwrap();
-        n.flush().await.unwrap();
-        ctl.send(AwaitSynced {
-            model: m.clone(),
-            version: Version(v),
-        })
-        .await
-        .unwrap()
-        .unwrap();
+        land(&ctl, &mut n, &m, v).await.unwrap();
     };
     let status = async || ctl.send(GetStatus).await.unwrap().models[&m].clone();
     let admit = |engine: usize| {

@@ -13,7 +13,7 @@ use refit_runtime::{Manifest, Version, WeightSet};
 use serde::{Deserialize, Serialize};
 
 use crate::batch::Batch;
-use crate::error::Result;
+use crate::error::{Error, Result};
 
 /// What one [`Learner::update`] measured: named values (losses, entropy, samples, seconds),
 /// in name order.
@@ -80,6 +80,36 @@ pub trait Learner: Send {
 
     /// The version of the last export (zero before the first).
     fn version(&self) -> Version;
+
+    /// The learner's whole state for a checkpoint, as a weight set of its model at its
+    /// [`version`](Learner::version): every tensor it trains or keeps (the policy, a critic,
+    /// the optimiser's moments and step), under names of its choosing. A learner that
+    /// cannot be checkpointed refuses (the default).
+    ///
+    /// # Errors
+    /// [`Error::Config`] for a learner without checkpoints; a failure reading its tensors.
+    fn save(&self) -> Result<WeightSet> {
+        Err(Error::Config(
+            "this learner cannot be checkpointed (its Learner::save is not implemented)".into(),
+        ))
+    }
+
+    /// Takes back a state [`save`](Learner::save) made, read from `source` (a file, named
+    /// in errors): afterwards [`version`](Learner::version) is the state's version, and the
+    /// next export is the version after it, holding the saved policy.
+    ///
+    /// # Errors
+    /// A state of another model or configuration (a tensor missing or of another shape,
+    /// named); a learner without checkpoints (the default). The learner is unusable after a
+    /// failed restore: make a fresh one.
+    fn restore(&mut self, state: &WeightSet, source: &str) -> Result<()> {
+        let _ = (state, source);
+        Err(Error::Config(
+            "this learner cannot be restored from a checkpoint (its Learner::restore is not \
+             implemented)"
+                .into(),
+        ))
+    }
 }
 // ANCHOR_END: learner
 
@@ -95,5 +125,11 @@ impl<L: Learner + ?Sized> Learner for Box<L> {
     }
     fn version(&self) -> Version {
         (**self).version()
+    }
+    fn save(&self) -> Result<WeightSet> {
+        (**self).save()
+    }
+    fn restore(&mut self, state: &WeightSet, source: &str) -> Result<()> {
+        (**self).restore(state, source)
     }
 }

@@ -53,6 +53,8 @@ pub mod learner;
 pub mod link;
 pub mod local_grpo;
 pub mod multi;
+#[cfg(feature = "candle")]
+pub mod optim;
 pub mod policy;
 #[cfg(feature = "candle")]
 pub mod ppo;
@@ -60,6 +62,8 @@ pub mod process;
 pub mod roles;
 pub mod sampling;
 pub mod scheduler;
+#[cfg(feature = "candle")]
+pub mod state;
 pub mod task;
 pub mod tasks;
 #[cfg(feature = "candle")]

@@ -9,8 +9,9 @@ use std::fmt;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use crate::optim::{AdamW, AdamWParams};
+use crate::state::{LearnerState, StateWriter};
 use candle_core::{D, DType as CDType, Device as CDevice, Tensor, Var};
-use candle_nn::optim::{AdamW, Optimizer, ParamsAdamW};
 use rand::rngs::SmallRng;
 use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
@@ -243,7 +244,7 @@ impl PpoTrainer {
         vars.extend(critic.vars());
         let opt = AdamW::new(
             vars,
-            ParamsAdamW {
+            AdamWParams {
                 lr: cfg.lr,
                 beta1: 0.9,
                 beta2: 0.999,
@@ -501,6 +502,33 @@ impl Learner for PpoTrainer {
     }
     fn version(&self) -> Version {
         PpoTrainer::version(self)
+    }
+    fn save(&self) -> Result<WeightSet> {
+        let mut out = StateWriter::new();
+        for (net, mlp) in [("actor", &self.actor), ("critic", &self.critic)] {
+            for (i, (w, b)) in mlp.layers.iter().enumerate() {
+                out.tensor(format!("{net}.{i}.weight"), w.as_tensor())?;
+                out.tensor(format!("{net}.{i}.bias"), b.as_tensor())?;
+            }
+        }
+        self.opt.save("adam", &mut out)?;
+        out.finish(self.cfg.policy_id.clone(), self.version)
+    }
+    fn restore(&mut self, state: &WeightSet, source: &str) -> Result<()> {
+        let st = LearnerState::open(state, source, &self.cfg.policy_id)?;
+        let mut vars = Vec::new();
+        for (net, mlp) in [("actor", &self.actor), ("critic", &self.critic)] {
+            for (i, (w, b)) in mlp.layers.iter().enumerate() {
+                vars.push((format!("{net}.{i}.weight"), w));
+                vars.push((format!("{net}.{i}.bias"), b));
+            }
+        }
+        st.restore_vars(vars)?;
+        self.opt.restore("adam", &st)?;
+        self.version = st.version();
+        // the shuffles go on from a seed of their own, not the run's first ones again
+        self.rng = SmallRng::seed_from_u64(self.cfg.seed ^ st.version().0.rotate_left(32));
+        Ok(())
     }
 }
 

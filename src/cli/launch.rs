@@ -86,6 +86,13 @@ pub(crate) struct LaunchArgs {
     /// --metrics-addr, each rank then serves its metrics on a free port of HOST.
     #[arg(long, value_name = "HOST:PORT")]
     status_addr: Option<std::net::SocketAddr>,
+    /// Resume from the newest checkpoint every model has (the file's `[checkpoint]`: its
+    /// `dir`, or DIR when given): every trainer restores its learner and the run goes on
+    /// from the version after it. A run told to resume that finds no usable checkpoint
+    /// fails, naming why; it never starts from zero silently.
+    #[arg(long, value_name = "DIR", num_args = 0..=1)]
+    #[allow(clippy::option_option)]
+    resume: Option<Option<PathBuf>>,
     /// Check the file, print the ranks it expands to (program, roles, host, links) and
     /// start nothing.
     #[arg(long)]
@@ -110,6 +117,21 @@ fn rank_metrics_addr(base: std::net::SocketAddr, rank: u32) -> Result<std::net::
         ))
     })?;
     Ok(std::net::SocketAddr::new(base.ip(), port))
+}
+
+/// The overrides `--resume [DIR]` stands for: `checkpoint.resume = true`, and the folder
+/// when given.
+fn resume_overrides(dir: Option<&Path>) -> Result<Vec<Override>> {
+    let mut out = vec![Override::parse("checkpoint.resume=true")?];
+    if let Some(dir) = dir {
+        let dir = std::path::absolute(dir).map_err(|source| Error::Path {
+            context: "resolving the --resume folder",
+            path: dir.to_path_buf(),
+            source,
+        })?;
+        out.push(Override::new("checkpoint.dir", &dir.display().to_string())?);
+    }
+    Ok(out)
 }
 
 /// Runs `refit launch`.
@@ -246,6 +268,7 @@ fn launch(args: &LaunchArgs) -> Result<u8> {
         .iter()
         .map(|s| Override::parse(s))
         .collect::<Result<Vec<_>>>()?;
+
     let path = std::path::absolute(&args.topology).map_err(|source| Error::Path {
         context: "resolving the topology file",
         path: args.topology.clone(),
@@ -253,6 +276,17 @@ fn launch(args: &LaunchArgs) -> Result<u8> {
     })?;
     let lookup = |k: &str| std::env::var(k).ok();
     let mut topo = topology(&path, &overrides)?;
+    if let Some(dir) = &args.resume {
+        if topo.checkpoint.is_none() {
+            return Err(Error::Config(format!(
+                "--resume: {} has no [checkpoint] section (dir, every): there is nothing to \
+                 resume from",
+                path.display()
+            )));
+        }
+        overrides.extend(resume_overrides(dir.as_deref())?);
+        topo = topology(&path, &overrides)?;
+    }
     // hosts without `addr`: the scheduler's, as overrides every rank applies too
     let scheduled = scheduler_hosts(&topo, &lookup).map_err(Error::from)?;
     if let Some(hosts) = &scheduled {

@@ -15,7 +15,7 @@ use crate::link::WeightOutlet;
 use crate::policy::Policy;
 
 use crate::protocol::engine::LoadWeights;
-use crate::protocol::trainer::{PublishWeights, Train, TrainAndPublish};
+use crate::protocol::trainer::{PublishWeights, SaveState, Train, TrainAndPublish};
 
 /// Asks a worker for one batch.
 #[derive(Debug, Message)]
@@ -172,5 +172,12 @@ impl Handler<Train> for Trainer {
         let learner = self.learner()?;
         let stats = learner.update(&msg.batch)?;
         Ok((stats, Arc::new(learner.export()?)))
+    }
+}
+
+impl Handler<SaveState> for Trainer {
+    type Result = Result<WeightSet>;
+    fn handle(&mut self, _: SaveState, _: &mut SyncContext<Self>) -> Self::Result {
+        self.learner()?.save()
     }
 }

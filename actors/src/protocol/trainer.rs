@@ -31,6 +31,12 @@ pub struct Train {
 #[rtype(result = "Result<Version>")]
 pub struct PublishWeights(pub Arc<WeightSet>);
 
+/// The learner's whole state now ([`Learner::save`](crate::learner::Learner::save)), for a
+/// checkpoint: a weight set of its model at its version.
+#[derive(Debug, Message)]
+#[rtype(result = "Result<WeightSet>")]
+pub struct SaveState;
+
 /// One update, then the new version goes out through the trainer's outlet; answers the
 /// learner's stats and the published version.
 #[derive(Debug, Message)]

@@ -1,5 +1,5 @@
 //! The start of a run, once a rank's roles are started: rank 0 takes every other rank's
-//! card, adds every engine rank to the lead, lands version 1 everywhere, watches every
+//! card, adds every engine rank to the lead, lands every model's first version everywhere, watches every
 //! rank and says start ([`admit`]); a restarted rank asks rank 0 to take it back, the
 //! others wait for the start ([`await_start`]).
 
@@ -18,34 +18,62 @@ use crate::protocol::rollout::RolloutRef;
 use crate::remote::RemoteAddr;
 
 use super::describe;
-use super::ids::{RANK_LOG, RankCard, START_KEY, STOP_KEY, Served, actor_id, rank_key};
+use super::ids::{
+    RANK_LOG, RankCard, START_KEY, STOP_KEY, Served, actor_id, first_version_key, rank_key,
+};
 use super::keepalive::LeadWatch;
 use super::lead::{AddRank, RankDown};
 use super::peers::{blocking, rollout_refs};
 use super::rendezvous::{WatchGuard, watch};
 use super::start::{Leading, RankCtx};
 
-/// Tells the controller that version 1 of every model is out and waits until it landed
-/// everywhere.
+/// Tells the controller that every model's first version (`firsts`: 1, or the one after a
+/// resumed checkpoint) is out and waits until it landed everywhere.
 ///
 /// # Errors
 /// The controller refused or is gone.
-pub(crate) async fn land_version_one(
+pub(crate) async fn land_first(
     controller: &Addr<WeightSyncController>,
-    ids: &[ModelId],
+    firsts: &[(ModelId, Version)],
     sync: &SyncConfig,
 ) -> Result<()> {
-    let mut notifiers: Vec<VersionNotifier> = ids
+    let mut notifiers: Vec<(VersionNotifier, Version)> = firsts
         .iter()
-        .map(|id| VersionNotifier::new(controller.clone(), id.clone(), sync.clone()))
+        .map(|(id, v)| {
+            (
+                VersionNotifier::new(controller.clone(), id.clone(), sync.clone()),
+                *v,
+            )
+        })
         .collect();
-    for n in &mut notifiers {
-        n.notify(Version(1)).await?;
+    for (n, v) in &mut notifiers {
+        n.notify(*v).await?;
     }
-    for n in &mut notifiers {
+    for (n, _) in &mut notifiers {
         n.flush().await?;
     }
     Ok(())
+}
+
+/// Every model's first version, as its trainer rank set it in the store before its card.
+///
+/// # Errors
+/// A model whose trainer rank set none; the store unreachable.
+fn first_versions(ctx: &RankCtx) -> Result<Vec<(ModelId, Version)>> {
+    ctx.ids
+        .iter()
+        .map(|m| {
+            let v = ctx
+                .rv
+                .peek::<Version>(&first_version_key(m))?
+                .ok_or_else(|| {
+                    Error::Config(format!(
+                        "model `{m}`: its trainer rank set no first version"
+                    ))
+                })?;
+            Ok((m.clone(), v))
+        })
+        .collect()
 }
 
 /// Rank 0: waits for every rank's card, adds every engine rank (its own `engine` and
@@ -62,7 +90,8 @@ pub(crate) async fn admit(
 ) -> Result<WatchGuard> {
     let nodes = take_cards(ctx).await?;
     add_engine_ranks(ctx, l, &nodes, engine, rollouts).await?;
-    land_version_one(&l.controller, &ctx.ids, &ctx.sync).await?;
+    let firsts = first_versions(ctx)?;
+    land_first(&l.controller, &firsts, &ctx.sync).await?;
     let lead = l.lead.clone();
     let watching = watch(
         &ctx.node,
@@ -72,8 +101,14 @@ pub(crate) async fn admit(
         move |d| lead.do_send(RankDown(d)),
     );
     ctx.rv.put(START_KEY, &())?;
+    let first = firsts.first().map_or(Version(1), |(_, v)| *v);
+    let resumed = if first > Version(1) {
+        format!(" (resumed from version {})", first.0 - 1)
+    } else {
+        String::new()
+    };
     tracing::info!(target: RANK_LOG,
-        "rank 0: version 1 serves on {} engines; rollouts start ({} mode)",
+        "rank 0: version {first} serves on {} engines{resumed}; rollouts start ({} mode)",
         ctx.setup.topo.engine_ranks().len(),
         ctx.sync.sync_mode
     );

@@ -15,8 +15,11 @@ use crate::error::{Error, Result};
 use crate::protocol::controller::{AwaitDrained, AwaitSynced, ControllerRef};
 use crate::protocol::lead::{LeadRef, Progress, UpdateLine};
 use crate::protocol::pool::{AwaitBatch, PoolBatch, PoolRef, TakeBatch};
-use crate::protocol::trainer::TrainAndPublish;
+use crate::protocol::trainer::{SaveState, TrainAndPublish};
+use refit_runtime::topology::CheckpointSection;
 
+use super::checkpoint;
+use super::ids::RANK_LOG;
 use super::{ModelReport, StopRule, UpdateRecord};
 
 /// Everything one model's driver talks to.
@@ -24,6 +27,11 @@ pub(crate) struct Driver {
     pub(crate) model: ModelId,
     /// The model's trainer (one rank's, or shard 0 of a sharded trainer).
     pub(crate) trainer: Recipient<TrainAndPublish>,
+    /// The version the trainer published first (the run's version 1, or the one after the
+    /// checkpoint it resumed from).
+    pub(crate) first: Version,
+    /// Where and how often the trainer's state is saved (`[checkpoint]`).
+    pub(crate) checkpoints: Option<Checkpoints>,
     pub(crate) pool: PoolRef,
     pub(crate) controller: ControllerRef,
     pub(crate) notifier: VersionNotifier,
@@ -37,6 +45,14 @@ pub(crate) struct Driver {
     /// Deadline of a call whose answer waits on the controller (a barrier round, a load).
     pub(crate) call: Duration,
     pub(crate) started: Instant,
+}
+
+/// A run's checkpoints of one model: the section, and the trainer's state.
+pub(crate) struct Checkpoints {
+    /// `[checkpoint]`.
+    pub(crate) cfg: CheckpointSection,
+    /// The trainer's whole state.
+    pub(crate) save: Recipient<SaveState>,
 }
 
 /// A request that got no answer: past its deadline, or to an actor that stopped.
@@ -114,7 +130,7 @@ impl Driver {
     /// deadline passed.
     pub(crate) async fn run(mut self) -> Result<ModelReport> {
         let model = self.model.clone();
-        let mut version = Version(1);
+        let mut version = self.first;
         let mut last20: VecDeque<f64> = VecDeque::with_capacity(20);
         let mut report = ModelReport {
             updates: Vec::new(),
@@ -158,6 +174,7 @@ impl Driver {
                 update.held_out = eval.models.get(&model).map(|m| m.mean_return);
                 report.evals.push(eval);
             }
+            self.checkpoint(version).await?;
             let solved = self.stop.solved(&model, &last20, generated, &report.evals);
             let out_of_budget = report.updates.len() as u64 >= self.stop.max_updates
                 || self.started.elapsed() >= self.stop.max_time;
@@ -192,6 +209,41 @@ impl Driver {
             .await
             .map_err(|e| unanswered(&model, "controller (last version)", e, call))??;
         Ok(report)
+    }
+
+    /// Saves the trainer's state as `version`'s checkpoint when `[checkpoint] every`
+    /// divides it (the file written on a blocking thread, the older ones pruned).
+    ///
+    /// # Errors
+    /// The trainer's refusal (a learner without checkpoints), a file that cannot be
+    /// written: the run stops rather than go on without the checkpoints it was told to keep.
+    async fn checkpoint(&self, version: Version) -> Result<()> {
+        let Some(c) = &self.checkpoints else {
+            return Ok(());
+        };
+        if !version.0.is_multiple_of(c.cfg.every) {
+            return Ok(());
+        }
+        let started = Instant::now();
+        let state = c
+            .save
+            .send(SaveState)
+            .timeout(self.call)
+            .await
+            .map_err(|e| unanswered(&self.model, "trainer (its state)", e, self.call))??;
+        let (cfg, model) = (c.cfg.clone(), self.model.clone());
+        let bytes = state.bytes().len();
+        let path = actix_rt::task::spawn_blocking(move || checkpoint::write(&cfg, &model, &state))
+            .await
+            .map_err(|e| Error::Actor(format!("the checkpoint thread failed: {e}")))??;
+        tracing::info!(target: RANK_LOG,
+            "model `{}` v{version}: checkpoint {} ({}) in {:.0} ms",
+            self.model,
+            path.display(),
+            refit_runtime::units::bytes(bytes as u64),
+            started.elapsed().as_secs_f64() * 1e3
+        );
+        Ok(())
     }
 
     /// How long a message that waits for a batch may go unanswered: a batch waits at most

@@ -11,18 +11,16 @@ use crate::actor::controller::VersionNotifier;
 use crate::error::{Error, Result};
 use crate::protocol::engine::{EngineRef, GetEngineStats};
 use crate::protocol::lead::ModelDone;
-use crate::protocol::pool::PoolRef;
 use crate::protocol::rollout::{RolloutRef, StartRollouts, StopRollouts};
-use crate::protocol::trainer::TrainAndPublish;
-use crate::roles::ModelSpec;
 use refit_runtime::ModelId;
 
-use super::drive::Driver;
+use super::drive::{Checkpoints, Driver};
 use super::ids::{RANK_LOG, STOP_KEY, bye_key};
 use super::keepalive::LeadWatch;
 use super::lead::{Finish, GoneRanks, Lead};
 use super::peers::blocking;
 use super::rendezvous::WatchGuard;
+use super::start::pool::Driven;
 use super::start::{Heads, Leading, RankCtx};
 use super::{RankEventKind, RunReport};
 
@@ -32,7 +30,7 @@ pub(crate) fn run(
     ctx: &RankCtx,
     heads: &Heads,
     rollouts: &[(ModelId, RolloutRef)],
-    drivers: Vec<(ModelSpec, Recipient<TrainAndPublish>, PoolRef)>,
+    drivers: Vec<Driven>,
 ) {
     for (_, r) in rollouts {
         r.start.do_send(StartRollouts);
@@ -41,12 +39,21 @@ pub(crate) fn run(
         tracing::info!(target: RANK_LOG, "{}: {} rollout workers running", ctx.who, rollouts.len());
     }
     let (sync, call) = (&ctx.sync, ctx.call);
-    for (spec, trainer, pool) in drivers {
-        let model = spec.id.clone();
+    for d in drivers {
+        let model = d.spec.id.clone();
+        let checkpoints = ctx
+            .setup
+            .topo
+            .checkpoint
+            .clone()
+            .zip(d.save)
+            .map(|(cfg, save)| Checkpoints { cfg, save });
         let driver = Driver {
             model: model.clone(),
-            trainer,
-            pool,
+            trainer: d.trainer,
+            pool: d.pool,
+            first: d.first,
+            checkpoints,
             controller: heads.controller.clone(),
             notifier: VersionNotifier::new(
                 heads.controller.notify.clone(),

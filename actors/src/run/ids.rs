@@ -62,6 +62,12 @@ pub(crate) fn weights_key(model: &ModelId) -> String {
     format!("refit/weights/{model}")
 }
 
+/// The store key of `model`'s first version in this run (1, or the one after the
+/// checkpoint it resumed from), set by its trainer rank before its card.
+pub(crate) fn first_version_key(model: &ModelId) -> String {
+    format!("refit/first-version/{model}")
+}
+
 /// What a rank publishes once it serves its roles.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub(crate) struct RankCard {

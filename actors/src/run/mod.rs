@@ -29,6 +29,7 @@
 //! guarantees.
 
 mod begin;
+mod checkpoint;
 mod drive;
 mod end;
 mod gate;
@@ -39,6 +40,7 @@ mod peers;
 mod rank;
 mod rendezvous;
 pub(crate) mod report;
+mod setup;
 mod shard;
 mod start;
 mod weights;
@@ -243,7 +245,7 @@ pub fn join_workload(
             ));
         }
     };
-    let setup = rank::RankSetup {
+    let setup = setup::RankSetup {
         topo: Arc::new(topo.clone()),
         launch: launch.clone(),
         token,
@@ -333,7 +335,7 @@ pub async fn run_workload(cfg: RunConfig, work: Arc<dyn Workload>) -> Result<Run
         spec.check()?;
     }
     let topo = rank::one_process(&cfg)?;
-    let setup = rank::RankSetup {
+    let setup = setup::RankSetup {
         topo: Arc::new(topo),
         launch: LaunchEnv {
             rank: 0,

@@ -12,14 +12,11 @@
 //! 4. rollouts and drivers run until rank 0 gathers the report and says stop (or dies)
 //!    ([`super::end`]).
 
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use refit_node::{ClusterToken, LaunchEnv};
 use refit_runtime::topology::Topology;
 
 use crate::error::Result;
-use crate::roles::ModelSpec;
 
 use super::begin::{admit, await_start};
 use super::end::{finish_lead, finish_member, run};
@@ -27,32 +24,10 @@ use super::ids::{RankCard, START_KEY, rank_key};
 use super::keepalive::LeadWatch;
 use super::peers::blocking;
 use super::rendezvous::{Place, Rendezvous};
+use super::setup::RankSetup;
 use super::shard;
 use super::start::{self, RankCtx};
-use super::workload::Workload;
-use super::{InletWrapper, RunConfig, RunReport, StopRule, describe};
-
-/// What a rank is started with; kept whole in its context ([`RankCtx::setup`]).
-pub(crate) struct RankSetup {
-    /// The run's topology.
-    pub(crate) topo: Arc<Topology>,
-    /// Where this process stands in the launched job.
-    pub(crate) launch: LaunchEnv,
-    /// The cluster's token.
-    pub(crate) token: ClusterToken,
-    /// The run's models as the roles see them.
-    pub(crate) specs: Vec<ModelSpec>,
-    /// What the run hosts for each model.
-    pub(crate) work: Arc<dyn Workload>,
-    /// When the run stops.
-    pub(crate) stop: StopRule,
-    /// Validation episodes per model on eval steps.
-    pub(crate) eval_episodes: usize,
-    /// Wraps every engine inlet, when set.
-    pub(crate) wrap_inlet: Option<InletWrapper>,
-    /// Which start of this rank (0, then one more per restart).
-    pub(crate) incarnation: u32,
-}
+use super::{RunConfig, RunReport, describe};
 
 /// The topology of a run of one process: every role in one rank.
 pub(crate) fn one_process(cfg: &RunConfig) -> Result<Topology> {

@@ -368,19 +368,28 @@ impl<G: GenRoles> Workload for Generating<G> {
     }
 }
 
-/// The first weights of a fresh learner of `spec`: version 1 of its own model.
+/// The first weights of a learner of `spec`: version 1 of its own model when it is fresh,
+/// the version after `resumed` when it was restored from a checkpoint of that version.
 ///
 /// # Errors
 /// The learner's export; weights of another model or version, naming both.
-pub(crate) fn first_export(learner: &mut dyn Learner, spec: &ModelSpec) -> Result<WeightSet> {
+pub(crate) fn first_export(
+    learner: &mut dyn Learner,
+    spec: &ModelSpec,
+    resumed: Option<Version>,
+) -> Result<WeightSet> {
+    let want = resumed.map_or(Version(1), Version::next);
     let first = learner.export()?;
-    if first.model() != &spec.id || first.version() != Version(1) {
+    if first.model() != &spec.id || first.version() != want {
+        let what = match resumed {
+            None => "a fresh learner exports v1 of its own model".to_string(),
+            Some(v) => format!("a learner restored at v{v} exports v{want} of its own model"),
+        };
         return Err(Error::Config(format!(
-            "the learner of model `{}` exported its first weights as model `{}` v{} \
-             (a fresh learner exports v1 of its own model)",
+            "the learner of model `{}` exported its first weights as model `{}` v{} ({what})",
             spec.id,
             first.model(),
-            first.version()
+            first.version(),
         )));
     }
     Ok(first)

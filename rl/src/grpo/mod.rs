@@ -33,8 +33,9 @@ use std::fmt;
 use std::sync::Arc;
 use std::time::Instant;
 
+use crate::optim::{AdamW, AdamWParams};
+use crate::state::{LearnerState, StateWriter};
 use candle_core::{DType as CDType, Tensor};
-use candle_nn::optim::{AdamW, Optimizer, ParamsAdamW};
 use rand::SeedableRng;
 use rand::rngs::SmallRng;
 use rand::seq::SliceRandom;
@@ -248,7 +249,7 @@ impl GrpoLearner {
         let model = Transformer::from_weights(cfg.model, weights)?;
         let opt = AdamW::new(
             model.vars().to_vec(),
-            ParamsAdamW {
+            AdamWParams {
                 lr: cfg.lr,
                 beta1: 0.9,
                 beta2: cfg.beta2,
@@ -648,5 +649,36 @@ impl Learner for GrpoLearner {
     }
     fn version(&self) -> Version {
         self.version
+    }
+    /// The policy's parameters (`policy.NAME`) and the optimiser's state; the KL reference
+    /// is not saved: a frozen one is the initial weights, made again from the seed.
+    fn save(&self) -> Result<WeightSet> {
+        let mut out = StateWriter::new();
+        for (spec, var) in self
+            .model
+            .manifest()
+            .tensors()
+            .iter()
+            .zip(self.model.vars())
+        {
+            out.tensor(format!("policy.{}", spec.name), var.as_tensor())?;
+        }
+        self.opt.save("adam", &mut out)?;
+        out.finish(self.cfg.policy_id.clone(), self.version)
+    }
+    fn restore(&mut self, state: &WeightSet, source: &str) -> Result<()> {
+        let st = LearnerState::open(state, source, &self.cfg.policy_id)?;
+        let names = self.model.manifest().tensors().iter();
+        st.restore_vars(
+            names
+                .zip(self.model.vars())
+                .map(|(spec, var)| (format!("policy.{}", spec.name), var)),
+        )?;
+        self.opt.restore("adam", &st)?;
+        self.version = st.version();
+        // the shuffles go on from a seed of their own, not the run's first ones again
+        self.rng =
+            SmallRng::seed_from_u64(self.cfg.seed ^ 0x6770_6f00 ^ st.version().0.rotate_left(32));
+        Ok(())
     }
 }

@@ -47,9 +47,9 @@ pub use convert::{CastRuleSection, ConvertSection, LayoutRuleSection};
 pub use overrides::Override;
 pub use placement::RankPlan;
 pub use schema::{
-    Commit, DEFAULT_MAX_RESTARTS, HostSection, LinkTransport, LinksSection, ModelSection,
-    OnFailure, ProcessSection, RESERVED_ENV, Reach, Restart, Role, RunSection, StopSection,
-    TransportKind, Verify,
+    CheckpointSection, Commit, DEFAULT_MAX_RESTARTS, HostSection, LinkTransport, LinksSection,
+    ModelSection, OnFailure, ProcessSection, RESERVED_ENV, Reach, Restart, Role, RunSection,
+    StopSection, TransportKind, Verify,
 };
 
 use crate::error::{Error, Result};
@@ -76,6 +76,8 @@ pub struct Topology {
     pub processes: Vec<ProcessSection>,
     /// `[links]`.
     pub links: LinksSection,
+    /// `[checkpoint]`, when the run saves its trainers' state.
+    pub checkpoint: Option<CheckpointSection>,
     ranks: Vec<RankPlan>,
 }
 
@@ -126,6 +128,7 @@ impl Topology {
             hosts: raw.hosts,
             processes: raw.processes,
             links: raw.links,
+            checkpoint: raw.checkpoint,
             ranks,
         })
     }

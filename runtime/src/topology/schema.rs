@@ -137,6 +137,29 @@ pub struct StopSection {
     pub max_time_s: Option<f64>,
 }
 
+/// `[checkpoint]`: the trainers' state saved every `every` versions, to resume a run from.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CheckpointSection {
+    /// Where checkpoints go: `DIR/MODEL/vVERSION.safetensors` (relative paths from each
+    /// rank's working directory; a folder every trainer rank and rank 0 reach).
+    pub dir: std::path::PathBuf,
+    /// Save every this many versions (>= 1): at each version divisible by it.
+    pub every: u64,
+    /// How many checkpoints of each model are kept (>= 1; older ones are removed).
+    #[serde(default = "default_keep")]
+    pub keep: u32,
+    /// Start from the newest checkpoint every model has (`refit launch --resume` sets it).
+    /// A run told to resume that finds no usable checkpoint fails, naming why: it never
+    /// starts from zero silently.
+    #[serde(default)]
+    pub resume: bool,
+}
+
+fn default_keep() -> u32 {
+    2
+}
+
 /// One `[[model]]`: a synchronised model, with free-form parameters for the user's roles.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -457,4 +480,6 @@ pub(crate) struct RawTopology {
     pub(crate) processes: Vec<ProcessSection>,
     #[serde(default)]
     pub(crate) links: LinksSection,
+    #[serde(default)]
+    pub(crate) checkpoint: Option<CheckpointSection>,
 }

@@ -352,6 +352,75 @@ fn check_ports(processes: &[ProcessSection]) -> Result<()> {
     Ok(())
 }
 
+/// How many engine ranks serve `model` (every replica of a process that holds the role).
+fn engine_count(processes: &[ProcessSection], model: &crate::ids::ModelId) -> u32 {
+    processes
+        .iter()
+        .filter(|p| p.has(Role::Engine) && p.models.as_ref().is_none_or(|l| l.contains(model)))
+        .map(|p| p.replicas.max(1))
+        .sum()
+}
+
+/// Checks that `m` has an engine, and that its commit quorum is one its `engines` can meet.
+fn check_commit(m: &ModelSection, engines: u32) -> Result<()> {
+    if engines == 0 {
+        return Err(bad(
+            "process.roles",
+            format!("no process holds the `engine` role for model `{}`", m.id),
+        ));
+    }
+    if let Commit::Quorum(n) = m.commit
+        && (n == 0 || n > engines)
+    {
+        return Err(bad(
+            format!("model[{}].commit", m.id),
+            format!("a quorum of {n} engines, but the model has {engines} (from 1 to {engines})"),
+        ));
+    }
+    Ok(())
+}
+
+/// Checks `[checkpoint]`: its numbers, and that every trainer can be checkpointed whole (a
+/// sharded trainer's shards each hold part of the state: not yet).
+fn check_checkpoint(raw: &RawTopology) -> Result<()> {
+    let Some(c) = &raw.checkpoint else {
+        return Ok(());
+    };
+    if c.every == 0 {
+        return Err(bad(
+            "checkpoint.every",
+            "must be at least 1 (versions between checkpoints)",
+        ));
+    }
+    if c.keep == 0 {
+        return Err(bad(
+            "checkpoint.keep",
+            "must be at least 1 (checkpoints kept per model)",
+        ));
+    }
+    if c.dir.as_os_str().is_empty() {
+        return Err(bad(
+            "checkpoint.dir",
+            "is empty: name the folder checkpoints go to",
+        ));
+    }
+    if let Some(p) = raw
+        .processes
+        .iter()
+        .find(|p| p.has(Role::Trainer) && p.replicas > 1)
+    {
+        return Err(bad(
+            "checkpoint",
+            format!(
+                "process `{}` is a sharded trainer ({} replicas): checkpoints of sharded \
+                 trainers are not supported yet",
+                p.name, p.replicas
+            ),
+        ));
+    }
+    Ok(())
+}
+
 /// Checks each model's settings: its `link` name and its `[model.convert]` rules.
 fn check_models(models: &[ModelSection]) -> Result<()> {
     for m in models {
@@ -501,27 +570,7 @@ fn check_placement(processes: &[ProcessSection], models: &[ModelSection]) -> Res
                 ));
             }
         }
-        let engines: u32 = processes
-            .iter()
-            .filter(|p| serves(p, Role::Engine, &m.id))
-            .map(|p| p.replicas.max(1))
-            .sum();
-        if engines == 0 {
-            return Err(bad(
-                "process.roles",
-                format!("no process holds the `engine` role for model `{}`", m.id),
-            ));
-        }
-        if let Commit::Quorum(n) = m.commit
-            && (n == 0 || n > engines)
-        {
-            return Err(bad(
-                format!("model[{}].commit", m.id),
-                format!(
-                    "a quorum of {n} engines, but the model has {engines} (from 1 to {engines})"
-                ),
-            ));
-        }
+        check_commit(m, engine_count(processes, &m.id))?;
     }
     Ok(())
 }
@@ -559,6 +608,7 @@ pub(crate) fn validate(raw: &mut RawTopology) -> Result<()> {
     }
     check_hosts(&raw.hosts)?;
     check_models(&raw.models)?;
+    check_checkpoint(raw)?;
     check_processes(&mut raw.processes, &raw.hosts)?;
     check_ports(&raw.processes)?;
     check_placement(&raw.processes, &raw.models)

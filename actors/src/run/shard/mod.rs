@@ -89,7 +89,7 @@ pub(crate) fn start_members(
             )));
         }
         let mut learner = work.learner(spec)?;
-        crate::run::workload::first_export(learner.as_mut(), spec)?;
+        crate::run::workload::first_export(learner.as_mut(), spec, None)?;
         let mi = site.topo.model_index(&spec.id).unwrap_or(0);
         let lead = ranks[0];
         let link = LeadLink::Find {

@@ -29,8 +29,8 @@ use refit_runtime::ModelId;
 use refit_runtime::sync_policy::SyncConfig;
 use refit_runtime::topology::RankPlan;
 
-use super::rank::RankSetup;
 use super::rendezvous::Rendezvous;
+use super::setup::RankSetup;
 use super::shard::ShardSite;
 
 pub(crate) use controller::{Heads, Leading};

@@ -2,13 +2,14 @@
 //! learner, its first version and its weight links (one sender per transport the engines
 //! need), whose receiver specs go to the store for the engine ranks.
 
-use refit_runtime::WeightSet;
 use refit_runtime::topology::TransportKind;
+use refit_runtime::{Version, WeightSet};
 
 use crate::error::{Error, Result};
 use crate::learner::Learner;
 use crate::roles::ModelSpec;
-use crate::run::ids::{RANK_LOG, weights_key};
+use crate::run::checkpoint;
+use crate::run::ids::{RANK_LOG, first_version_key, weights_key};
 use crate::run::weights::{self, Leftovers, OpenedLinks};
 
 use super::RankCtx;
@@ -63,6 +64,8 @@ pub(crate) fn open(ctx: &RankCtx) -> Result<Opened> {
             .0
             .extend(model.links.leftovers.iter().cloned());
         ctx.rv.put(&weights_key(&spec.id), &model.links.specs)?;
+        ctx.rv
+            .put(&first_version_key(&spec.id), &model.initial.version())?;
         opened.models.push(model);
     }
     Ok(opened)
@@ -73,7 +76,8 @@ fn open_model(ctx: &RankCtx, spec: &ModelSpec) -> Result<OpenedModel> {
     let topo = &ctx.setup.topo;
     ctx.setup.work.check(spec, topo.run.seed)?;
     let mut learner = ctx.setup.work.learner(spec)?;
-    let initial = crate::run::workload::first_export(learner.as_mut(), spec)?;
+    let resumed = resume(ctx, spec, learner.as_mut())?;
+    let initial = crate::run::workload::first_export(learner.as_mut(), spec, resumed)?;
     let want = match topo.model(&spec.id).and_then(|m| m.convert.as_ref()) {
         Some(c) => Some(c.want(&format!("model[{}].convert", spec.id))?),
         None => ctx.setup.work.want(spec)?,
@@ -112,4 +116,26 @@ fn open_model(ctx: &RankCtx, spec: &ModelSpec) -> Result<OpenedModel> {
         initial,
         links,
     })
+}
+
+/// With `[checkpoint] resume`: restores `learner` from the newest checkpoint every model of
+/// the run has, and answers its version; `None` for a fresh run.
+///
+/// # Errors
+/// No usable checkpoint (a run told to resume never starts from zero); a damaged file or
+/// one of another model or configuration, naming the file and what differs.
+fn resume(ctx: &RankCtx, spec: &ModelSpec, learner: &mut dyn Learner) -> Result<Option<Version>> {
+    let Some(cfg) = ctx.setup.topo.checkpoint.as_ref().filter(|c| c.resume) else {
+        return Ok(None);
+    };
+    let at = checkpoint::resume_version(cfg, &ctx.ids)?;
+    let (state, path) = checkpoint::read(&cfg.dir, &spec.id, at)?;
+    learner.restore(&state, &path.display().to_string())?;
+    tracing::info!(target: RANK_LOG,
+        "{}: model `{}` resumed from version {at} ({})",
+        ctx.who,
+        spec.id,
+        path.display()
+    );
+    Ok(Some(at))
 }
