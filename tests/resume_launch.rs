@@ -11,9 +11,10 @@ use std::time::{Duration, Instant};
 mod common;
 use common::launch::{Launch, shipped_topology};
 
-/// The shipped file, checkpointing every 3 versions into `dir/ckpt`, stopping after
-/// `updates` updates.
-fn topology_file(dir: &Path, updates: u64) -> (PathBuf, PathBuf) {
+/// The shipped file, checkpointing every 3 versions into `dir/ckpt`, stopping at version
+/// `last` (its `max_updates` is `last - 1`: counted from the run's version 1), with no
+/// target return (a finished run exits 0); without `restart`, no process restarts.
+fn topology_file(dir: &Path, last: u64, restart: bool) -> (PathBuf, PathBuf) {
     let ckpt = dir.join("ckpt");
     let topo = shipped_topology(
         dir,
@@ -22,17 +23,48 @@ fn topology_file(dir: &Path, updates: u64) -> (PathBuf, PathBuf) {
         &[
             ("dir", format!("{:?}", ckpt.display().to_string())),
             ("every", "3".into()),
-            ("target_return", "100000.0".into()),
-            ("max_updates", updates.to_string()),
+            ("max_updates", (last - 1).to_string()),
         ],
     );
+    // as shipped, every process restarts on failure
+    let text: String = std::fs::read_to_string(&topo)
+        .unwrap()
+        .lines()
+        .filter(|l| !l.starts_with("target_return = "))
+        .filter(|l| restart || !l.starts_with("restart = "))
+        .map(|l| format!("{l}\n"))
+        .collect();
+    std::fs::write(&topo, text).unwrap();
     (topo, ckpt)
 }
 
-/// Whether the run ended by its stop rule: the summary printed (CartPole is not solved in a
-/// few updates, and the example says so with status 1).
-fn ended_by_its_stop_rule(status: std::process::ExitStatus, out: &str) -> bool {
-    (status.success() || status.code() == Some(1)) && out.contains("solved: policy (")
+/// The newest checkpoint version of `policy` in `ckpt`, and how many files are kept.
+fn newest_checkpoint(ckpt: &Path) -> (u64, usize) {
+    let saved: Vec<u64> = std::fs::read_dir(ckpt.join("policy"))
+        .unwrap()
+        .filter_map(|e| {
+            let name = e.unwrap().file_name().to_string_lossy().into_owned();
+            name.strip_prefix('v')?
+                .strip_suffix(".safetensors")?
+                .parse()
+                .ok()
+        })
+        .collect();
+    (saved.iter().copied().max().unwrap_or(0), saved.len())
+}
+
+/// SIGKILLs rank 0 of `launch` (its pid from the launcher's `started rank 0` line).
+fn kill_rank_0(launch: &Launch) -> Instant {
+    let (_, started) = launch.wait_for(&["started rank 0"], Duration::from_secs(1));
+    let pid = started
+        .split("(pid ")
+        .nth(1)
+        .and_then(|p| p.trim_end_matches(')').parse::<i32>().ok())
+        .unwrap();
+    // SAFETY: kill has no memory-safety preconditions; the pid is rank 0's, a child of the
+    // launcher we started and still running.
+    assert_eq!(unsafe { libc::kill(pid, libc::SIGKILL) }, 0);
+    Instant::now()
 }
 
 /// The version of the last `policy vN: ` update line in `out`.
@@ -46,47 +78,25 @@ fn last_version(out: &str) -> u64 {
 #[test]
 fn a_run_whose_rank_0_is_killed_resumes_from_its_last_checkpoint() {
     let dir = tempfile::tempdir().unwrap();
-    let (topo, ckpt) = topology_file(dir.path(), 1000);
+    let (topo, ckpt) = topology_file(dir.path(), 1000, false);
     let launch = Launch::start(&topo, "batch-async");
     // checkpoints at v3 and v6 are written before v7 is published
     launch.wait_for(&["policy v7: "], Duration::from_secs(300));
-    let (_, started) = launch.wait_for(&["started rank 0"], Duration::from_secs(1));
-    let pid = started
-        .split("(pid ")
-        .nth(1)
-        .and_then(|p| p.trim_end_matches(')').parse::<i32>().ok())
-        .unwrap();
-    // SAFETY: kill has no memory-safety preconditions; the pid is rank 0's, a child of the
-    // launcher we started and still running.
-    assert_eq!(unsafe { libc::kill(pid, libc::SIGKILL) }, 0);
-    let killed_at = Instant::now();
+    let killed_at = kill_rank_0(&launch);
     let (status, out) = launch.finish(Duration::from_secs(60));
     assert!(!status.success(), "{out}");
     let reached = last_version(&out);
-    let saved: Vec<String> = std::fs::read_dir(ckpt.join("policy"))
-        .unwrap()
-        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
-        .collect();
-    let newest = saved
-        .iter()
-        .filter_map(|n| {
-            n.strip_prefix('v')?
-                .strip_suffix(".safetensors")?
-                .parse()
-                .ok()
-        })
-        .max()
-        .unwrap_or(0u64);
-    assert!(saved.len() <= 2, "keep = 2: {saved:?}");
-    assert!(newest >= 6 && newest % 3 == 0, "{saved:?}\n{out}");
+    let (newest, kept) = newest_checkpoint(&ckpt);
+    assert!(kept <= 2, "keep = 2: {kept} files");
+    assert!(newest >= 6 && newest % 3 == 0, "v{newest}\n{out}");
     // at most one interval lost
     assert!(
         reached - newest < 3 + 1,
         "reached v{reached}, newest checkpoint v{newest}"
     );
 
-    // the same command with --resume: the run goes on from there, and stops 3 updates on
-    let (topo, _) = topology_file(dir.path(), 3);
+    // the same command with --resume: the run goes on from there to its stop rule
+    let (topo, _) = topology_file(dir.path(), newest + 4, false);
     let launch = Launch::start_with(&topo, "batch-async", &["--resume"]);
     let want = format!(
         "version {} serves on 2 engines (resumed from version {newest})",
@@ -95,7 +105,7 @@ fn a_run_whose_rank_0_is_killed_resumes_from_its_last_checkpoint() {
     launch.wait_for(&[&want], Duration::from_secs(120));
     let back = killed_at.elapsed();
     let (status, out) = launch.finish(Duration::from_secs(300));
-    assert!(ended_by_its_stop_rule(status, &out), "{status}\n{out}");
+    assert!(status.success(), "{status}\n{out}");
     assert!(
         out.contains(&format!("model `policy` resumed from version {newest}")),
         "{out}"
@@ -112,10 +122,39 @@ fn a_run_whose_rank_0_is_killed_resumes_from_its_last_checkpoint() {
     );
 }
 
+/// Rank 0's process says `restart = "on-failure"`: the launcher starts every rank again,
+/// resumed from the last checkpoint, and the run goes on to its stop rule by itself.
+#[test]
+fn the_launcher_restarts_a_run_whose_rank_0_died_from_its_last_checkpoint() {
+    let dir = tempfile::tempdir().unwrap();
+    let (topo, ckpt) = topology_file(dir.path(), 12, true);
+    let launch = Launch::start(&topo, "batch-async");
+    launch.wait_for(&["policy v7: "], Duration::from_secs(300));
+    let killed_at = kill_rank_0(&launch);
+    let (_, restart) = launch.wait_for(&["starting every rank again"], Duration::from_secs(60));
+    let (newest, _) = newest_checkpoint(&ckpt);
+    assert!(
+        restart.contains(&format!(
+            "from the checkpoint of version {newest} (run restart 1 of 3)"
+        )),
+        "{restart}"
+    );
+    let want = format!("(resumed from version {newest})");
+    let (served_at, _) = launch.wait_for(&[&want], Duration::from_secs(120));
+    let (status, out) = launch.finish(Duration::from_secs(300));
+    assert!(status.success(), "{status}\n{out}");
+    assert_eq!(last_version(&out), 12, "{out}");
+    println!(
+        "rank 0 killed after v7; every rank started again from v{newest}, serving {:.1} s after \
+         the kill",
+        served_at.duration_since(killed_at).as_secs_f64()
+    );
+}
+
 #[test]
 fn resume_refuses_a_damaged_or_missing_checkpoint_naming_it() {
     let dir = tempfile::tempdir().unwrap();
-    let (topo, ckpt) = topology_file(dir.path(), 3);
+    let (topo, ckpt) = topology_file(dir.path(), 4, false);
     // nothing to resume from: refused, not a fresh start
     let (status, out) =
         Launch::start_with(&topo, "batch-async", &["--resume"]).finish(Duration::from_secs(120));
@@ -131,7 +170,7 @@ fn resume_refuses_a_damaged_or_missing_checkpoint_naming_it() {
     );
     // a run that checkpoints v3, then a truncated v3
     let (status, out) = Launch::start(&topo, "batch-async").finish(Duration::from_secs(300));
-    assert!(ended_by_its_stop_rule(status, &out), "{status}\n{out}");
+    assert!(status.success(), "{status}\n{out}");
     let file = ckpt.join("policy").join("v3.safetensors");
     let bytes = std::fs::read(&file).unwrap();
     std::fs::write(&file, &bytes[..bytes.len() / 2]).unwrap();

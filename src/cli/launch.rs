@@ -19,7 +19,7 @@ use refit::node::launch::{
     resolve_rank, scheduler_hosts, scheduler_incarnation,
 };
 use refit::node::{ClusterToken, LaunchEnv, TOKEN_ENV, TOKEN_FILE_ENV};
-use refit::runtime::topology::{OnFailure, Override, Topology};
+use refit::runtime::topology::{DEFAULT_MAX_RESTARTS, OnFailure, Override, Restart, Topology};
 use refit::runtime::{Error, Result};
 
 /// What `refit launch --help` says after the flags.
@@ -349,13 +349,69 @@ fn launch(args: &LaunchArgs) -> Result<u8> {
         let bound = super::status::serve(addr, std::sync::Arc::clone(&supervisor), info)?;
         eprintln!("refit launch: status: http://{bound}/status (`refit status {bound}`)");
     }
-    let code = supervisor.run(&ranks);
+    let mut code = supervisor.run(&ranks);
+    let most = run_restarts(&spec, ranks.len());
+    let mut restarts = 0;
+    while code != 0 && !supervisor.interrupted() && restarts < most {
+        restarts += 1;
+        if let Some(failure) = supervisor.failure() {
+            eprintln!("refit launch: error: {failure}");
+        }
+        let (again, from) = restarted(&spec)?;
+        eprintln!(
+            "refit launch: starting every rank again {from} (run restart {restarts} of {most})"
+        );
+        supervisor.clear();
+        let mut ranks = every_rank(&again, None)?;
+        give_metrics_addrs(args, &mut ranks)?;
+        code = supervisor.run(&ranks);
+    }
     if code != 0
         && let Some(failure) = supervisor.failure()
     {
         eprintln!("refit launch: error: {failure}");
     }
     Ok(code)
+}
+
+/// How many times a failed run starts again whole: rank 0's `max_restarts` when its process
+/// says `restart = "on-failure"` in a run with `[checkpoint]` launched whole here (a
+/// per-rank launch is its scheduler's to requeue, with `--resume`); else 0.
+fn run_restarts(spec: &LaunchSpec, ranks_here: usize) -> u32 {
+    let topo = &spec.topology;
+    let first = &topo.processes[0];
+    let whole = ranks_here == topo.world_size() as usize;
+    if whole && topo.checkpoint.is_some() && first.restart == Restart::OnFailure {
+        first.max_restarts.unwrap_or(DEFAULT_MAX_RESTARTS)
+    } else {
+        0
+    }
+}
+
+/// The launch again after a failed run: resumed from the newest checkpoint every model has
+/// (`checkpoint.resume`), or from zero when none was written yet; answers it and which.
+fn restarted(spec: &LaunchSpec) -> Result<(LaunchSpec, String)> {
+    let topo = &spec.topology;
+    let Some(cfg) = &topo.checkpoint else {
+        return Err(Error::Config("a run restart needs [checkpoint]".into()));
+    };
+    let mut overrides = spec.overrides.clone();
+    let from = match refit::actors::run::resume_version(cfg, &topo.model_ids()) {
+        Ok(v) => {
+            overrides.extend(resume_overrides(None)?);
+            format!("from the checkpoint of version {v}")
+        }
+        Err(e) => format!("from zero ({e})"),
+    };
+    let topology = topology(&spec.path, &overrides)?;
+    let again = LaunchSpec {
+        token: spec.token.clone(),
+        cwd: spec.cwd.clone(),
+        topology,
+        path: spec.path.clone(),
+        overrides,
+    };
+    Ok((again, from))
 }
 
 /// The one rank of a per-rank launch (a scheduler's task, or `--rank`): checked against the

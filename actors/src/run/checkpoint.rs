@@ -56,7 +56,7 @@ pub(crate) fn versions(dir: &Path, model: &ModelId) -> Result<Vec<Version>> {
 /// # Errors
 /// No version common to every model (what each has is named): a run told to resume never
 /// starts from zero silently; a folder that cannot be listed.
-pub(crate) fn resume_version(cfg: &CheckpointSection, models: &[ModelId]) -> Result<Version> {
+pub fn resume_version(cfg: &CheckpointSection, models: &[ModelId]) -> Result<Version> {
     let mut common: Option<Vec<Version>> = None;
     let mut seen = Vec::new();
     for m in models {

@@ -176,7 +176,8 @@ impl Driver {
             }
             self.checkpoint(version).await?;
             let solved = self.stop.solved(&model, &last20, generated, &report.evals);
-            let out_of_budget = report.updates.len() as u64 >= self.stop.max_updates
+            // counted from the run's version 1: a resumed run goes on to the same budget
+            let out_of_budget = version.0.saturating_sub(1) >= self.stop.max_updates
                 || self.started.elapsed() >= self.stop.max_time;
             let stop_at = self
                 .lead

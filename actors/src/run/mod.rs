@@ -60,6 +60,7 @@ use crate::link::WeightInlet;
 use crate::protocol::eval::EvalReport;
 use crate::roles::{GenRoles, ModelSpec, Roles};
 
+pub use checkpoint::resume_version;
 pub use rendezvous::PING_TARGET;
 pub use report::{ModelReport, RankEvent, RankEventKind, RankReport, RunReport, UpdateRecord};
 pub use workload::{EngineSetup, Inference, Started, Workload};

@@ -123,6 +123,20 @@ impl Supervisor {
         lock(&self.failure).clone()
     }
 
+    /// Whether a signal (SIGINT, SIGTERM) stopped the last [`run`](Self::run).
+    pub fn interrupted(&self) -> bool {
+        self.interrupted.load(Ordering::SeqCst)
+    }
+
+    /// Forgets the last [`run`](Self::run)'s ranks and failure, for the next: a run started
+    /// again whole (its ranks' restarts and statuses begin anew; the status page shows the
+    /// new ranks).
+    pub fn clear(&self) {
+        self.lock().clear();
+        *lock(&self.failure) = None;
+        self.streams.store(0, Ordering::SeqCst);
+    }
+
     /// Keeps `what` as the run's failure unless one came first.
     fn note_failure(&self, what: String) {
         let mut first = lock(&self.failure);

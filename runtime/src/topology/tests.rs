@@ -903,7 +903,21 @@ fn bad_launch_keys_are_named() {
             "roles = [\"trainer\", \"controller\"]\nrestart = \"on-failure\"",
         ),
         "process[learner].restart",
-        &["rank 0", "never restarted"],
+        &["rank 0", "only with a [checkpoint] section"],
+    );
+    // with checkpoints, rank 0's failure restarts the run from the last one
+    let t = checked(&format!(
+        "{}[checkpoint]\ndir = \"ckpt\"\nevery = 5\n",
+        small("").replace(
+            "roles = [\"trainer\", \"controller\"]",
+            "roles = [\"trainer\", \"controller\"]\nrestart = \"on-failure\"",
+        )
+    ))
+    .unwrap();
+    assert_eq!(t.processes[0].restart, Restart::OnFailure);
+    assert_eq!(
+        t.checkpoint.as_ref().map(|c| (c.every, c.keep)),
+        Some((5, 2))
     );
     refused(
         &small("bind = \"everywhere\"\n"),

@@ -352,6 +352,27 @@ fn check_ports(processes: &[ProcessSection]) -> Result<()> {
     Ok(())
 }
 
+/// Rank 0's process may say `restart = "on-failure"` only in a run with `[checkpoint]`: its
+/// failure then restarts every rank, resumed from the last checkpoint (rank 0 alone cannot
+/// come back: the store and the controller's state go with it).
+fn check_lead_restart(raw: &RawTopology) -> Result<()> {
+    let Some(first) = raw.processes.first() else {
+        return Ok(());
+    };
+    if first.restart != Restart::Never && raw.checkpoint.is_none() {
+        return Err(bad(
+            format!("process[{}].restart", first.name),
+            format!(
+                "process `{}` runs rank 0, whose end ends the run: it is restarted only with \
+                 a [checkpoint] section (every rank then starts again from the last \
+                 checkpoint)",
+                first.name
+            ),
+        ));
+    }
+    Ok(())
+}
+
 /// How many engine ranks serve `model` (every replica of a process that holds the role).
 fn engine_count(processes: &[ProcessSection], model: &crate::ids::ModelId) -> u32 {
     processes
@@ -444,15 +465,6 @@ fn check_placement(processes: &[ProcessSection], models: &[ModelSection]) -> Res
             format!(
                 "process `{}` runs rank 0 and must hold `controller` (rank 0 leads the run and \
                  serves the rendezvous store)",
-                first.name
-            ),
-        ));
-    }
-    if first.restart != Restart::Never {
-        return Err(bad(
-            format!("process[{}].restart", first.name),
-            format!(
-                "process `{}` runs rank 0, which is never restarted (its end ends the run)",
                 first.name
             ),
         ));
@@ -609,6 +621,7 @@ pub(crate) fn validate(raw: &mut RawTopology) -> Result<()> {
     check_hosts(&raw.hosts)?;
     check_models(&raw.models)?;
     check_checkpoint(raw)?;
+    check_lead_restart(raw)?;
     check_processes(&mut raw.processes, &raw.hosts)?;
     check_ports(&raw.processes)?;
     check_placement(&raw.processes, &raw.models)
