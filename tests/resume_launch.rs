@@ -188,3 +188,49 @@ fn resume_refuses_a_damaged_or_missing_checkpoint_naming_it() {
     assert!(!status.success(), "{out}");
     assert!(out.contains("has no [checkpoint] section"), "{out}");
 }
+
+/// The generating topology resumes the same way: the GRPO learner's policy and optimiser
+/// come back, the generating engines serve the version after the checkpoint.
+#[test]
+fn the_grpo_topology_resumes_from_its_last_checkpoint() {
+    let dir = tempfile::tempdir().unwrap();
+    let topo = shipped_topology(dir.path(), "grpo-processes.toml", "grpo", &[]);
+    let ckpt = dir.path().join("ckpt");
+    let args = |updates: &str| -> Vec<String> {
+        [
+            "--set",
+            &format!("checkpoint.dir={}", ckpt.display()),
+            "--set",
+            "checkpoint.every=2",
+            "--set",
+            &format!("stop.max_updates={updates}"),
+            "--set",
+            "model.policy.params.min_len=3",
+            "--set",
+            "model.policy.params.max_len=3",
+            "--set",
+            "model.policy.params.heldout=16",
+        ]
+        .map(String::from)
+        .to_vec()
+    };
+    let first = args("3");
+    let first: Vec<&str> = first.iter().map(String::as_str).collect();
+    let (_, out) =
+        Launch::start_with(&topo, "batch-async", &first).finish(Duration::from_secs(300));
+    // not solved in 3 updates (the example then exits 1), but ended by its stop rule
+    assert!(out.contains("solved: policy held-out reward"), "{out}");
+    assert!(out.contains("policy/v4.safetensors"), "{out}");
+    let mut again = args("6");
+    again.push("--resume".into());
+    let again: Vec<&str> = again.iter().map(String::as_str).collect();
+    let (_, out) =
+        Launch::start_with(&topo, "batch-async", &again).finish(Duration::from_secs(300));
+    assert!(
+        out.contains("version 5 serves on 2 engines (resumed from version 4)"),
+        "{out}"
+    );
+    assert!(out.contains("policy v7: "), "{out}");
+    assert!(!out.contains("policy v2: "), "{out}");
+    assert_eq!(last_version(&out), 7, "{out}");
+}
