@@ -108,6 +108,8 @@ pub fn init() -> crate::runtime::Result<()> {
 /// The exit code of a program's `main` for `result`: success, or failure after printing the
 /// error as one `error: ...` line on stderr (its Display form, never Rust's `Error: Debug`
 /// form). Under `refit launch` that line is what the launcher repeats as the rank's cause.
+/// In a process a signal is stopping, it waits for the signal's release actions instead
+/// (the signal's thread then exits the process with 128 + the signal).
 ///
 /// ```no_run
 /// fn run() -> Result<(), Box<dyn std::error::Error>> {
@@ -121,6 +123,18 @@ pub fn init() -> crate::runtime::Result<()> {
 pub fn exit_code<E: std::fmt::Display>(
     result: std::result::Result<(), E>,
 ) -> std::process::ExitCode {
+    if crate::runtime::cleanup::stopping() {
+        // A signal is stopping this process: its thread runs the release actions (a
+        // checkpoint on the way out, shared memory) and then exits with 128 + the signal.
+        // Returning now would end the process under them; what the run answered is the
+        // stop's consequence, not a failure of its own.
+        if let Err(e) = &result {
+            eprintln!("stopping on a signal; the run ended with: {e}");
+        }
+        std::thread::sleep(
+            crate::runtime::cleanup::release_bound() + std::time::Duration::from_secs(2),
+        );
+    }
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {

@@ -234,3 +234,37 @@ fn the_grpo_topology_resumes_from_its_last_checkpoint() {
     assert!(!out.contains("policy v2: "), "{out}");
     assert_eq!(last_version(&out), 7, "{out}");
 }
+
+/// SIGTERM (what a scheduler sends before preempting a job) saves the trainer's state on
+/// the way out, whatever `every` says: the run resumes from the version it had reached.
+#[test]
+fn sigterm_saves_a_checkpoint_on_the_way_out() {
+    let dir = tempfile::tempdir().unwrap();
+    let (topo, ckpt) = topology_file(dir.path(), 1000, false);
+    let text = std::fs::read_to_string(&topo)
+        .unwrap()
+        .replace("every = 3", "every = 1000");
+    std::fs::write(&topo, text).unwrap();
+    let launch = Launch::start(&topo, "batch-async");
+    launch.wait_for(&["policy v5: "], Duration::from_secs(300));
+    // SAFETY: kill has no memory-safety preconditions; the pid is our unreaped child's.
+    let sent = unsafe { libc::kill(launch.child.id() as libc::pid_t, libc::SIGTERM) };
+    assert_eq!(sent, 0);
+    let (_, out) = launch.finish(Duration::from_secs(60));
+    let (_, line) = out
+        .lines()
+        .enumerate()
+        .find(|(_, l)| l.contains("on the way out"))
+        .unwrap_or_else(|| panic!("no checkpoint on the way out:\n{out}"));
+    let (saved, _) = newest_checkpoint(&ckpt);
+    assert!(saved >= 5, "{line}");
+    assert!(line.contains(&format!("v{saved}.safetensors")), "{line}");
+    let (topo, _) = topology_file(dir.path(), saved + 2, false);
+    let (status, out) =
+        Launch::start_with(&topo, "batch-async", &["--resume"]).finish(Duration::from_secs(300));
+    assert!(status.success(), "{status}\n{out}");
+    assert!(
+        out.contains(&format!("(resumed from version {saved})")),
+        "{out}"
+    );
+}

@@ -55,6 +55,31 @@ pub(crate) struct Checkpoints {
     pub(crate) save: Recipient<SaveState>,
 }
 
+/// How long a signal's checkpoint waits for the trainer's state (within the release
+/// bound of a signalled process).
+const SIGNAL_SAVE_WAIT: Duration = Duration::from_secs(2);
+
+/// Asks the trainer for its state from a plain thread (the signal's), and writes it.
+fn save_now(
+    cfg: &CheckpointSection,
+    save: &Recipient<SaveState>,
+    model: &ModelId,
+) -> Result<std::path::PathBuf> {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_time()
+        .build()
+        .map_err(|e| Error::Actor(format!("a runtime to save the checkpoint: {e}")))?;
+    let state = rt
+        .block_on(async { tokio::time::timeout(SIGNAL_SAVE_WAIT, save.send(SaveState)).await })
+        .map_err(|_| {
+            Error::Actor(format!(
+                "the trainer gave no state within {SIGNAL_SAVE_WAIT:?}"
+            ))
+        })?
+        .map_err(|e| Error::Actor(format!("the trainer: {e}")))??;
+    checkpoint::write(cfg, model, &state)
+}
+
 /// A request that got no answer: past its deadline, or to an actor that stopped.
 fn unanswered(model: &ModelId, what: &str, e: MailboxError, after: Duration) -> Error {
     match e {
@@ -131,6 +156,8 @@ impl Driver {
     pub(crate) async fn run(mut self) -> Result<ModelReport> {
         let model = self.model.clone();
         let mut version = self.first;
+        // SIGTERM (a preempted job, a scheduler's stop) saves the state first
+        let _on_signal = self.checkpoint_on_signal();
         let mut last20: VecDeque<f64> = VecDeque::with_capacity(20);
         let mut report = ModelReport {
             updates: Vec::new(),
@@ -245,6 +272,22 @@ impl Driver {
             started.elapsed().as_secs_f64() * 1e3
         );
         Ok(())
+    }
+
+    /// With checkpoints: an action that saves the trainer's state as its version's
+    /// checkpoint when SIGINT or SIGTERM ends the process (after the update in progress:
+    /// the trainer takes messages one at a time), within [`SIGNAL_SAVE_WAIT`].
+    fn checkpoint_on_signal(&self) -> Option<refit_runtime::cleanup::ExitGuard> {
+        let c = self.checkpoints.as_ref()?;
+        let (cfg, save, model) = (c.cfg.clone(), c.save.clone(), self.model.clone());
+        Some(refit_runtime::cleanup::on_exit_signal(
+            move || match save_now(&cfg, &save, &model) {
+                Ok(path) => tracing::info!(target: RANK_LOG,
+                    "model `{model}`: checkpoint {} on the way out", path.display()),
+                Err(e) => tracing::warn!(target: RANK_LOG,
+                    "model `{model}`: no checkpoint on the way out: {e}"),
+            },
+        ))
     }
 
     /// How long a message that waits for a batch may go unanswered: a batch waits at most
