@@ -6,9 +6,11 @@
 //! [`VersionNotifier`], which lets a trainer run one step ahead while keeping its
 //! notifications in order); the trajectory pool tells it when a batch is ready
 //! ([`BatchReady`]); rollout workers ask it before each fragment ([`AwaitRollout`]) and say
-//! when the fragment is over ([`RolloutDone`]). It orders loads on every engine
-//! ([`UpdateModel`]) and, on eval steps, the barrier's leader pauses data acquisition,
-//! cancels in-flight episodes, loads every model in sorted order, runs the evaluator,
+//! when the fragment is over ([`RolloutDone`]). It loads each version on every engine in
+//! two rounds, stage then commit ([`StageModel`](crate::protocol::engine::StageModel),
+//! [`CommitModel`](crate::protocol::engine::CommitModel); `fleet` sends them, `commit`
+//! decides, by the model's `commit` rule), and, on eval steps, the barrier's leader pauses
+//! data acquisition, cancels in-flight episodes, loads every model in sorted order, runs the evaluator,
 //! checks that every model was evaluated at the round's version, resumes and wakes the
 //! other trainers.
 //!
