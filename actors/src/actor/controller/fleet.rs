@@ -52,7 +52,7 @@ impl Fleet {
     pub(super) async fn load(self, order: SyncOrder) -> Result<Landed> {
         let mut staged = self.stage(&self.engines, order.version).await;
         let mut rounds = RESTAGE_ROUNDS;
-        let verdict = loop {
+        let (version, commit, fence) = loop {
             match decide(self.rule, &staged, &self.fenced, rounds) {
                 Verdict::Restage { version, engines } => {
                     rounds -= 1;
@@ -68,24 +68,20 @@ impl Fleet {
                         }
                     }
                 }
-                v => break v,
+                Verdict::Commit {
+                    version,
+                    commit,
+                    fence,
+                } => break (version, commit, fence),
+                Verdict::Abort(why) => {
+                    self.abort(&staged, &[]);
+                    return Err(Error::Actor(format!(
+                        "model `{}` v{} was committed on no engine: {why}; the fleet keeps \
+                         serving its version",
+                        order.model, order.version
+                    )));
+                }
             }
-        };
-        let (version, commit, fence) = match verdict {
-            Verdict::Commit {
-                version,
-                commit,
-                fence,
-            } => (version, commit, fence),
-            Verdict::Abort(why) => {
-                self.abort(&staged, &[]);
-                return Err(Error::Actor(format!(
-                    "model `{}` v{} was committed on no engine: {why}; the fleet keeps serving \
-                     its version",
-                    order.model, order.version
-                )));
-            }
-            Verdict::Restage { .. } => unreachable!("restaging loops above"),
         };
         // the engines fenced with a version staged drop it
         self.abort(&staged, &commit);
