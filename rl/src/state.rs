@@ -8,7 +8,7 @@
 
 use std::sync::Arc;
 
-use candle_core::{Device, Tensor};
+use candle_core::Tensor;
 use refit_runtime::{DType, Manifest, ModelId, Version, WeightSet};
 
 use crate::error::{Error, Result};
@@ -140,25 +140,6 @@ impl<'a> LearnerState<'a> {
         }
         let values = self.state.view::<f32>(name)?.to_vec();
         Ok(Tensor::from_vec(values, like.dims(), like.device())?.to_dtype(like.dtype())?)
-    }
-
-    /// Tensor `name` as a new CPU tensor of its saved shape.
-    ///
-    /// # Errors
-    /// [`Error::Config`] naming the source and the tensor when it is missing or not `f32`.
-    pub fn tensor_as_saved(&self, name: &str) -> Result<Tensor> {
-        let spec = self.spec(name)?;
-        let values = self.state.view::<f32>(name).map_err(|_| {
-            Error::Config(format!(
-                "{}: tensor `{name}` is {}, not f32",
-                self.source, spec.dtype
-            ))
-        })?;
-        Ok(Tensor::from_vec(
-            values.to_vec(),
-            spec.shape.as_slice(),
-            &Device::Cpu,
-        )?)
     }
 
     /// Scalar `name`.

@@ -614,17 +614,6 @@ impl<P: Policy + Unpin + 'static> InferenceEngine<P> {
     }
 }
 
-/// A served version's report for a load that found it served already.
-fn already_served(model: ModelId, version: Version, staged: Duration) -> LoadReport {
-    LoadReport {
-        model,
-        version,
-        staged,
-        paused: Duration::ZERO,
-        damaged: None,
-    }
-}
-
 impl<P: Policy + Unpin + 'static> Handler<UpdateModel> for InferenceEngine<P> {
     type Result = ResponseActFuture<Self, Result<LoadReport>>;
 
@@ -640,9 +629,9 @@ impl<P: Policy + Unpin + 'static> Handler<UpdateModel> for InferenceEngine<P> {
             self.fetch_locked(model.clone(), version, timeout, held)
                 .then(move |(fetched, staged), act, _| match fetched {
                     Ok(Fetched::New(guard, weights)) => act.commit_fetched(guard, weights, staged),
-                    Ok(Fetched::Served(current)) => {
-                        Box::pin(fut::ready(Ok(already_served(model, current, staged))))
-                    }
+                    Ok(Fetched::Served(current)) => Box::pin(fut::ready(Ok(
+                        LoadReport::already_served(model, current, staged),
+                    ))),
                     Err(e) => Box::pin(fut::ready(Err(e))),
                 }),
         )
@@ -709,7 +698,7 @@ impl<P: Policy + Unpin + 'static> Handler<CommitModel> for InferenceEngine<P> {
             Some(h) if h.weights.version() == version => {
                 self.commit_fetched(h.guard, h.weights, h.staged)
             }
-            None if served >= version => Box::pin(fut::ready(Ok(already_served(
+            None if served >= version => Box::pin(fut::ready(Ok(LoadReport::already_served(
                 model,
                 served,
                 Duration::ZERO,

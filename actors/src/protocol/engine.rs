@@ -173,6 +173,20 @@ pub struct LoadReport {
     pub damaged: Option<String>,
 }
 
+impl LoadReport {
+    /// A load that found `version` served already (an earlier load brought it): nothing
+    /// applied, no pause.
+    pub fn already_served(model: ModelId, version: Version, staged: Duration) -> Self {
+        Self {
+            model,
+            version,
+            staged,
+            paused: Duration::ZERO,
+            damaged: None,
+        }
+    }
+}
+
 /// Cancels in-flight episodes: requests of older cancellation epochs are refused from now on, and
 /// queued ones are answered with [`Error::Cancelled`](crate::Error::Cancelled). Answers the new epoch.
 #[derive(Debug, Message, Serialize, Deserialize)]

@@ -95,13 +95,9 @@ impl<G: Generator> LoadJob<G> {
         let (staging, staged) = self.stage(source, deadline, held).await;
         let report = match staging {
             Ok(Staging::New(h)) => self.commit(h, deadline).await,
-            Ok(Staging::Served(current)) => Ok(LoadReport {
-                model: self.model,
-                version: current,
-                staged,
-                paused: Duration::ZERO,
-                damaged: None,
-            }),
+            Ok(Staging::Served(current)) => {
+                Ok(LoadReport::already_served(self.model, current, staged))
+            }
             Err(e) => Err(e),
         };
         if report.is_err() {

@@ -554,13 +554,7 @@ impl<G: Generator> Handler<CommitModel> for GenerationEngine<G> {
         let held = match self.take_held(&model, ctx) {
             Some(h) if h.version == version => h,
             None if served >= version => {
-                let report = LoadReport {
-                    model,
-                    version: served,
-                    staged: Duration::ZERO,
-                    paused: Duration::ZERO,
-                    damaged: None,
-                };
+                let report = LoadReport::already_served(model, served, Duration::ZERO);
                 return Box::pin(fut::ready(Ok(report)));
             }
             held => {
