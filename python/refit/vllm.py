@@ -30,6 +30,17 @@ too: by default (init info ``verify="names"``) the engine compares the parameter
 :class:`~refit.errors.NeedsFullResend` naming the first parameter not loaded, since the rest
 of the version did land.
 
+``verify`` is a ladder, each value including the ones before it: ``"off"``, ``"names"``,
+``"startup"``, ``"hashes"``. With ``"startup"`` the first version the engine loads is
+loaded twice more, over zeros and over ones, and digested each time: a parameter the update
+path does not write digests differently (it serves what was there before), and the engine
+raises :class:`~refit.errors.NeedsFullResend` naming it. With ``"hashes"`` the engine also
+records, after each load, the digests of what it serves, in vLLM's weight-checker format
+(:func:`weight_checksums` returns them, to compare with vLLM's own
+``compute_weight_checksums``), and digests again at the start of the next update: weights
+changed while served raise :class:`~refit.errors.Damaged` naming the parameter, before
+anything is loaded (vLLM serves them still; the next version loaded replaces them).
+
 Through vLLM's RPCs the worker's exception reaches the caller as a plain ``Exception``;
 the helpers here (:func:`init_engine`, :func:`update_weights`) raise the
 :mod:`refit.errors` class again, which every message names as ``[refit.errors.Kind]``.
@@ -54,6 +65,7 @@ __all__ = [
     "register",
     "init_engine",
     "update_weights",
+    "weight_checksums",
     "shutdown_engine",
     "Server",
     "RefitWeightTransferEngine",
@@ -183,7 +195,9 @@ def update_weights(
     :class:`~refit.errors.Timeout`, :class:`~refit.errors.PeerGone`,
     :class:`~refit.errors.Refused`: nothing was applied, the previous weights stay in force.
     :class:`~refit.errors.NeedsFullResend`: part of the version landed; the next version
-    that loads whole repairs the model.
+    that loads whole repairs the model (also a failed startup self-test, ``verify="startup"``).
+    :class:`~refit.errors.Damaged` (``verify="hashes"``): the weights served changed since
+    the last load; nothing was loaded, and the next update loads a version whole.
     """
     info = {"version": version, "timeout": timeout, "is_checkpoint_format": is_checkpoint_format}
     _rpc(llm, "start_weight_update", None)
@@ -323,9 +337,13 @@ def _describe_spec(spec: str) -> str:
     return text if len(text) <= 24 else text[:20] + "…"
 
 
-#: ``verify`` values of the init info: ``names`` checks after each checkpoint-format load
-#: that ``load_weights`` filled every parameter of the model; ``off`` does not.
-VERIFY = ("names", "off")
+#: ``verify`` values of the init info, a ladder (each includes the ones before it):
+#: ``off``: no check; ``names``: after each checkpoint-format load, ``load_weights`` must
+#: have filled every parameter of the model; ``startup``: also the corrupt-then-restore
+#: self-test at the first version the engine loads (:func:`_self_test`); ``hashes``: also
+#: the digests of what the engine serves, recorded after each load and compared at the start
+#: of the next update (weights changed while served raise :class:`~refit.errors.Damaged`).
+VERIFY = ("off", "names", "startup", "hashes")
 
 
 def _param_groups(named: Any, skip: Any = ()) -> list[tuple[str, ...]]:
@@ -347,6 +365,193 @@ def _not_loaded(groups: list[tuple[str, ...]], loaded: Any) -> list[str]:
     ``loaded`` (the names ``load_weights`` returned: the model's parameter names, fused
     ones such as ``qkv_proj`` included), in the model's order."""
     return [names[0] for names in groups if not any(n in loaded for n in names)]
+
+
+# --- what an engine serves, digested as vLLM's weight checker does ------------------------
+#
+# vLLM 0.32's weight checker (``POST /weight_checker {"action": "checksum"}``,
+# ``collective_rpc("compute_weight_checksums")``) keys each digest by the worker's place in
+# the parallel layout and the parameter's name, ``dp{dp}:pp{pp}:pcp{pcp}:tp{tp}:{name}``,
+# and digests a parameter as the SHA-256 (hex) of its raw bytes, on the CPU, contiguous; a
+# tensor subclass (TorchAO) or a ``SharedWeightParameter`` is digested as its inner tensors
+# (``{name}.{attr}``, ``{name}.{index}``). The functions here do the same without vLLM's
+# private helpers (which older or newer vLLMs may lack), so that a user can cross-check
+# what this backend recorded with what vLLM computes.
+
+
+def _checksum_prefix(dp: int, pp: int, pcp: int, tp: int) -> str:
+    """The key prefix of a worker's digests (``gpu_worker._weight_checksum_prefix``)."""
+    return f"dp{dp}:pp{pp}:pcp{pcp}:tp{tp}:"
+
+
+def _inner_tensors(name: str, tensor: Any):
+    """``(name, tensor)`` for each plain tensor holding the bytes of parameter ``name``."""
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    try:
+        from vllm.model_executor.parameter import SharedWeightParameter
+    except ImportError:  # no vLLM (tests), or another layout
+        SharedWeightParameter = ()
+    if SharedWeightParameter and isinstance(tensor, SharedWeightParameter):
+        for index, partition in tensor.partitions.items():
+            yield from _inner_tensors(f"{name}.{index}", partition)
+    elif is_traceable_wrapper_subclass(tensor):
+        for attr in tensor.__tensor_flatten__()[0]:
+            yield from _inner_tensors(f"{name}.{attr}", getattr(tensor, attr))
+    else:
+        yield name, tensor
+
+
+def _served_tensors(model: Any):
+    """The plain tensors a model serves, named as vLLM's weight checker names them (its
+    ``named_parameters()``: a tied parameter once, under its first name)."""
+    for name, param in model.named_parameters():
+        yield from _inner_tensors(name, param)
+
+
+def _digest(tensor: Any) -> str:
+    """SHA-256 (hex) of ``tensor``'s raw bytes, as vLLM's ``compute_tensor_digests``."""
+    import hashlib
+
+    import torch
+
+    data = tensor.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy()
+    return hashlib.sha256(data).hexdigest()
+
+
+def _digests(model: Any, prefix: str = "") -> dict[str, str]:
+    """``{prefix + name: digest}`` of every tensor ``model`` serves (vLLM's weight-checker
+    format when ``prefix`` is :func:`_checksum_prefix`'s)."""
+    return {prefix + name: _digest(t) for name, t in _served_tensors(model)}
+
+
+def _changed(recorded: dict[str, str], now: dict[str, str]) -> list[str]:
+    """The keys whose digest differs between ``recorded`` and ``now`` (a key in only one of
+    them included), in ``recorded``'s order, then the new ones."""
+    return [k for k in recorded if now.get(k) != recorded[k]] + [k for k in now if k not in recorded]
+
+
+def _served_damage(recorded: dict[str, str], now: dict[str, str], what: str) -> tuple[str, str] | None:
+    """Compares the digests ``recorded`` after ``what`` (a version of a model, as messages
+    name it) was loaded with those of what the engine serves ``now``: ``None`` when they are
+    equal, else the first key that differs and the message that names it."""
+    changed = _changed(recorded, now)
+    if not changed:
+        return None
+    key = changed[0]
+    was, found = recorded.get(key), now.get(key)
+    how = (f"`{key}` now digests to {found[:16]}…, as loaded to {was[:16]}…" if was is not None and found is not None
+           else f"`{key}` is {'no longer served' if found is None else 'served but was not when loaded'}")
+    more = f" ({len(changed)} tensors differ)" if len(changed) > 1 else ""
+    return key, f"{what}: weights changed while served: {how}{more}"
+
+
+def _fill(model: Any, pattern: int) -> None:
+    """Overwrites every tensor ``model`` serves: ``0``: zeros (vLLM's ``zero_weights``);
+    ``1``: ones (each element's bytes differ from zero's, whatever the dtype)."""
+    import torch
+
+    with torch.no_grad():
+        for _, t in _served_tensors(model):
+            data = t.detach()
+            if pattern == 0:
+                data.zero_()
+                continue
+            try:
+                data.fill_(1)
+            except (RuntimeError, TypeError):  # a dtype without arithmetic (fp8, packed)
+                data.view(torch.uint8).fill_(0x01)
+
+
+def _self_test(model: Any, load: Any) -> tuple[list[str], dict[str, float]]:
+    """The corrupt-then-restore self-test of an update path: every tensor the model serves
+    is filled with zeros, ``load()`` loads a version (all of it), the model is digested; then
+    filled with ones, the same version loaded again, digested again. A tensor whose digests
+    differ is one the path does not fully write: what it serves depends on what was there
+    before. Answers those tensors' names (none: the path writes everything the model serves)
+    and what each step cost (``fill_s``, ``load_s``, ``digest_s``, seconds, both rounds).
+
+    A tensor a kernel keeps outside the model's parameters (vLLM's CPU GEMMs leave the
+    parameter empty) is not covered: its digest is that of no bytes, as in vLLM's checker."""
+    costs = {"fill_s": 0.0, "load_s": 0.0, "digest_s": 0.0}
+    rounds = []
+    for pattern in (0, 1):
+        t0 = time.perf_counter()
+        _fill(model, pattern)
+        t1 = time.perf_counter()
+        load()
+        t2 = time.perf_counter()
+        rounds.append(_digests(model))
+        t3 = time.perf_counter()
+        costs["fill_s"] += t1 - t0
+        costs["load_s"] += t2 - t1
+        costs["digest_s"] += t3 - t2
+    return _changed(rounds[0], rounds[1]), costs
+
+
+def _worker_checksums(worker: Any) -> dict[str, str]:
+    """In a vLLM worker (through ``collective_rpc``): the digests the refit engine recorded
+    after its last load (``verify="hashes"``), else the digests of what it serves now."""
+    engine = getattr(worker, "weight_transfer_engine", None)
+    recorded = getattr(engine, "served_checksums", None)
+    if callable(recorded):
+        found = recorded()
+        if found is not None:
+            return found
+    model = worker.model_runner.get_model()
+    return _digests(model, _worker_prefix(getattr(worker, "parallel_config", None)))
+
+
+def _worker_prefix(parallel_config: Any) -> str:
+    """:func:`_checksum_prefix` of this process's place in vLLM's parallel groups."""
+    from vllm.distributed import parallel_state as ps
+
+    def rank(group: str) -> int:
+        get = getattr(ps, f"get_{group}_group", None)
+        return 0 if get is None else get().rank_in_group
+
+    dp = getattr(parallel_config, "data_parallel_index", None)
+    if dp is None:
+        dp = getattr(parallel_config, "data_parallel_rank", 0) or 0
+    return _checksum_prefix(dp, rank("pp"), rank("pcp"), rank("tp"))
+
+
+def weight_checksums(llm: Any) -> dict[str, str]:
+    """The digests of the weights every worker of ``llm`` (an ``LLM``, or anything with
+    ``collective_rpc``) serves, merged, in vLLM's weight-checker format: the key
+    ``dp{dp}:pp{pp}:pcp{pcp}:tp{tp}:{name}``, the SHA-256 hex of the parameter's raw bytes.
+    Where the engine runs with ``verify="hashes"`` these are the digests it recorded after
+    its last load (what it compares at the next update); elsewhere, those of what it serves
+    now. Compare them with vLLM's own ``llm.collective_rpc("compute_weight_checksums")`` (or
+    a server's ``POST /weight_checker {"action": "checksum"}``): a key that differs is a
+    parameter changed since the engine loaded it.
+
+    A multiprocess ``LLM`` runs the function in its workers only with
+    ``VLLM_ALLOW_INSECURE_SERIALIZATION=1`` in its environment (vLLM's rule for a callable
+    sent to ``collective_rpc``).
+
+    Raises :class:`~refit.errors.ConfigError` for an ``llm`` without ``collective_rpc`` (a
+    :class:`Server`: use its ``/weight_checker`` route), a callable vLLM refuses to send, or
+    two workers answering the same key."""
+    if not hasattr(llm, "collective_rpc"):
+        raise errors.ConfigError(
+            f"{type(llm).__name__} has no collective_rpc: ask a vLLM server for its digests with "
+            "POST /weight_checker {\"action\": \"checksum\"}")
+    try:
+        answers = llm.collective_rpc(_worker_checksums)
+    except TypeError as e:
+        if "INSECURE_SERIALIZATION" not in str(e):
+            raise
+        raise errors.ConfigError(
+            "refit.vllm.weight_checksums runs a function in vLLM's workers: start vLLM with "
+            f"VLLM_ALLOW_INSECURE_SERIALIZATION=1 in its environment ({e})") from e
+    merged: dict[str, str] = {}
+    for answer in answers:
+        twice = merged.keys() & answer.keys()
+        if twice:
+            raise errors.ConfigError(f"two of vLLM's workers digest the same keys: {sorted(twice)[:3]}")
+        merged.update(answer)
+    return merged
 
 
 def _build() -> dict[str, type]:
@@ -371,9 +576,18 @@ def _build() -> dict[str, type]:
         ``copy``: copy each version out of shared memory instead of reading it in place.
         ``model``: which model to load when the sender publishes several.
         ``load_initial``: also load the sender's version in force at once.
-        ``verify``: ``"names"`` (default): after a checkpoint-format version is loaded,
-        check that ``load_weights`` filled every parameter of the model (a parameter it
-        did not is named by a ``NeedsFullResend``); ``"off"``: no check.
+        ``verify``: one of :data:`VERIFY`, each including the ones before it.
+        ``"off"``: no check. ``"names"`` (default): after a checkpoint-format version is
+        loaded, check that ``load_weights`` filled every parameter of the model (a
+        parameter it did not is named by a ``NeedsFullResend``). ``"startup"``: also, at
+        the first version the engine loads, the corrupt-then-restore self-test (every
+        parameter zeroed, the version loaded, digested; every parameter set to ones, the
+        same version loaded again, digested: a parameter whose digests differ is one the
+        update path does not write: ``NeedsFullResend`` naming it). ``"hashes"``: also,
+        after each load, record the digests of what the engine serves (vLLM's
+        weight-checker format, :func:`weight_checksums`) and compare them at the start of
+        the next update: weights changed while served raise ``Damaged`` naming the
+        parameter, before anything is loaded.
         No secret: the token comes from the worker's ``REFIT_TOKEN`` / ``REFIT_TOKEN_FILE``.
         """
 
@@ -447,6 +661,15 @@ def _build() -> dict[str, type]:
             # layerwise reload (which swaps the layers' tensors meanwhile); None: not yet
             self._expected: list[tuple[str, ...]] | None = None
             self._unchecked_said = False  # warned once that names cannot be checked
+            self._tested = False  # the startup self-test passed (verify ≥ "startup")
+            # (version, digests) of what vLLM served after the last load (verify="hashes")
+            self._served: tuple[int, dict[str, str]] | None = None
+            self._prefix: str | None = None  # the weight-checker key prefix of this worker
+            #: what the last verification steps cost, in seconds: ``self_test_s`` (the
+            #: whole self-test, at the first load), ``self_test_load_s``, ``self_test_fill_s``,
+            #: ``self_test_digest_s``, ``hash_s`` (the digests after a load), ``check_s`` (the
+            #: digests compared at the start of an update)
+            self.verify_costs: dict[str, float] = {}
 
         # -- lifecycle ---------------------------------------------------------------------
 
@@ -460,6 +683,8 @@ def _build() -> dict[str, type]:
             """
             if self._layerwise or self._staged is not None:
                 raise _fail(errors.Closed, "cannot reconnect the refit engine during a weight update: finish it first")
+            if init_info.load_initial:
+                self._check_served()  # before anything changes: the weights served as loaded
             self._close()
             where = _describe_spec(init_info.spec)
             try:
@@ -490,8 +715,21 @@ def _build() -> dict[str, type]:
 
         def start_weight_update(self) -> None:
             """Begins vLLM's layerwise reload for the incoming checkpoint-format weights
-            (as vLLM's own checkpoint-format engines do)."""
+            (as vLLM's own checkpoint-format engines do). With ``verify="hashes"`` first
+            digests what vLLM serves and compares it with the digests recorded after the last
+            load.
+
+            Raises:
+            Damaged when the weights changed while served (naming the parameter): nothing
+            was loaded, vLLM serves them still; the next version loaded replaces them.
+            """
+            self._check_served()
             self._begin()
+
+        def served_checksums(self) -> dict[str, str] | None:
+            """The digests of what vLLM served after the last load, in vLLM's weight-checker
+            format (``verify="hashes"``; ``None`` otherwise, or after damage was found)."""
+            return None if self._served is None else dict(self._served[1])
 
         def update_weights(self, update_info: dict[str, Any]) -> None:
             """Parses ``update_info`` and receives one version (:meth:`receive_weights`).
@@ -552,6 +790,85 @@ def _build() -> dict[str, type]:
 
         def _in_force(self) -> str:
             return f"vLLM still serves {self._serving}"
+
+        def _at_least(self, level: str) -> bool:
+            """Whether the init info's ``verify`` includes ``level`` (:data:`VERIFY`'s order)."""
+            verify = self._init.verify if self._init is not None else "names"
+            return VERIFY.index(verify) >= VERIFY.index(level)
+
+        def _digests_now(self) -> dict[str, str]:
+            """Digests of what vLLM serves, keyed as vLLM's weight checker keys them."""
+            if self._prefix is None:
+                try:
+                    self._prefix = _worker_prefix(self.vllm_config.parallel_config)
+                except Exception as e:  # no parallel groups (a bare model): one worker
+                    _log.debug("refit: no vLLM parallel groups (%s): weight-checker prefix of worker 0", e)
+                    self._prefix = _checksum_prefix(0, 0, 0, 0)
+            return _digests(self.model, self._prefix)
+
+        def _check_served(self) -> None:
+            """Before an update loads anything: what vLLM serves must digest as it did after
+            the last load (recorded with ``verify="hashes"``). A difference is logged at error
+            level and raised as Damaged; the weights are then treated as mixed (the next
+            version must load whole) and the record dropped, so the next update loads."""
+            if self._served is None or self.needs_full_resend:
+                return
+            version, recorded = self._served
+            t = time.perf_counter()
+            now = self._digests_now()
+            self.verify_costs["check_s"] = time.perf_counter() - t
+            found = _served_damage(recorded, now, self._what(version))
+            if found is None:
+                return
+            key, message = found
+            self._served = None
+            self.needs_full_resend = True
+            self.loaded_version = None
+            self._serving = f"weights that changed while served (version {version} of `{self._model_id}` as loaded, `{key}` changed since)"
+            message += "; nothing was loaded: vLLM still serves them, and the next version loaded replaces them"
+            _log.error("refit: %s", message)
+            raise _fail(errors.Damaged, message)
+
+        def _run_self_test(self, pairs: list, version: int, checkpoint: bool) -> None:
+            """The startup self-test (:func:`_self_test`) on ``version``, just loaded (its
+            reload completed first): loaded twice more from ``pairs`` (the tensors already
+            received), over zeros then over ones. Passes with the version in force; a
+            parameter it finds unwritten, or a load that fails, leaves the weights mixed:
+            NeedsFullResend naming the parameters, the model and the version."""
+            t = time.perf_counter()
+
+            def load() -> None:
+                if checkpoint:
+                    self._load_checkpoint(pairs, version)
+                    self._finalize()
+                else:
+                    self._load_kernel(pairs, version)
+
+            try:
+                self._finalize()  # the version's own load, completed
+                bad, costs = _self_test(self.model, load)
+            except Exception as e:
+                try:
+                    self._finalize()
+                except Exception:  # pragma: no cover - already failing
+                    self._layerwise = False
+                self._mixed(version)
+                raise _fail(errors.NeedsFullResend, f"the self-test at the first update (verify=\"{self._init.verify}\") of {self._what(version)} failed loading it: {type(e).__name__}: {e}: the weights are mixed until a version loads whole") from e
+            took = time.perf_counter() - t
+            self.verify_costs.update({"self_test_s": took, "self_test_load_s": costs["load_s"],
+                                      "self_test_fill_s": costs["fill_s"], "self_test_digest_s": costs["digest_s"]})
+            if bad:
+                self._mixed(version)
+                named = ", ".join(f"`{n}`" for n in bad[:5]) + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
+                raise _fail(errors.NeedsFullResend,
+                            f"the self-test at the first update (verify=\"{self._init.verify}\") of {self._what(version)} found "
+                            f"{len(bad)} parameter(s) the update path does not fully write: {named} (loaded over zeros, then over ones, "
+                            f"the same version digests differently there): the weights are not the version (those parameters hold "
+                            f"the test's pattern) until a version loads whole")
+            self._tested = True
+            _log.info("refit: self-test of the update path passed at %s: loaded over zeros and over ones, every parameter "
+                      "written, in %.3f s (loads %.3f s, fills %.3f s, digests %.3f s)", self._what(version), took,
+                      costs["load_s"], costs["fill_s"], costs["digest_s"])
 
         def _mixed(self, version: int) -> None:
             """Records that part of ``version`` landed: the next version must load whole."""
@@ -641,6 +958,8 @@ def _build() -> dict[str, type]:
                 self._load_checkpoint(pairs, version)
             else:
                 self._load_kernel(pairs, version)
+            if self._at_least("startup") and not self._tested:
+                self._run_self_test(pairs, version, info.is_checkpoint_format)
             loaded = time.perf_counter()
             timings = {"receive_s": received - started, "load_s": loaded - received, "tensors": len(pairs), "bytes": nbytes}
             self._staged = (update, version, timings)
@@ -670,7 +989,7 @@ def _build() -> dict[str, type]:
                     refused="{what} refused by vLLM before any of it was applied: {cause}; {in_force}",
                     mixed="{what} failed part-way into vLLM's weights ({cause}): the weights are mixed until the next version loads whole",
                 ) from e
-            if self._init is None or self._init.verify == "names":
+            if self._at_least("names"):
                 self._check_names(loaded, version, fresh)
 
         def _check_names(self, loaded: Any, version: int, fresh: set[int]) -> None:
@@ -760,6 +1079,15 @@ def _build() -> dict[str, type]:
             if staged is None:
                 return
             update, version, timings = staged
+            self._served = None
+            if self._at_least("hashes"):
+                t = time.perf_counter()
+                try:
+                    self._served = (version, self._digests_now())
+                except Exception as e:  # pragma: no cover - digests need only the parameters
+                    _log.warning("refit: %s is in force but digesting it failed (verify=\"hashes\" checks nothing until the next load): %s: %s",
+                                 self._what(version), type(e).__name__, e)
+                self.verify_costs["hash_s"] = timings["hash_s"] = time.perf_counter() - t
             self.loaded_version = version
             self._serving = f"version {version}"
             self.needs_full_resend = False
@@ -768,8 +1096,9 @@ def _build() -> dict[str, type]:
             except errors.RefitError as e:
                 # in force all the same; the sender will see this receiver as late or gone
                 _log.warning("refit: %s is in force but acknowledging it failed: %s", self._what(version), e)
-            _log.info("refit: %s in force (%d tensors, %d bytes): received in %.3f s, loaded in %.3f s",
-                      self._what(version), timings["tensors"], timings["bytes"], timings["receive_s"], timings["load_s"])
+            hashed = f", digested in {timings['hash_s']:.3f} s" if "hash_s" in timings else ""
+            _log.info("refit: %s in force (%d tensors, %d bytes): received in %.3f s, loaded in %.3f s%s",
+                      self._what(version), timings["tensors"], timings["bytes"], timings["receive_s"], timings["load_s"], hashed)
 
         def _close(self) -> None:
             receiver, self._receiver = self._receiver, None
