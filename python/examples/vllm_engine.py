@@ -21,7 +21,15 @@ What it does (on a CPU; about four minutes on two cores):
    repair: reconnecting with
    ``load_initial`` loads the version in force (version 3's tokens again) and a next
    published version (version 2's file again) loads whole (version 2's tokens);
-6. shuts that vLLM down and starts a fresh vLLM per version from a directory holding that
+6. verification (init info ``verify``): reconnecting with ``verify="hashes"`` and
+   ``load_initial`` runs the startup self-test on the version in force (loaded over zeros,
+   then over ones: every parameter must be written; its cost is printed); after that load and
+   the next, :func:`refit.vllm.weight_checksums` equals vLLM's own
+   ``compute_weight_checksums``; a parameter changed inside the worker while served (one
+   element of ``model.norm.weight`` plus 1) differs there from vLLM's digest, and the next
+   update raises ``refit.errors.Damaged`` naming it, loading nothing; the update after that
+   loads the version whole;
+7. shuts that vLLM down and starts a fresh vLLM per version from a directory holding that
    version's file (in a subprocess each), and checks the tokens are equal version by version,
    and that versions 1, 2 and 3 generate different tokens (so the check can fail).
 
@@ -34,6 +42,7 @@ Exits 0 when every check passes, 1 otherwise. Run it with the Python that has vL
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import shutil
@@ -45,6 +54,9 @@ from pathlib import Path
 
 # before vLLM is imported: a small KV cache and no tokenizer (token ids in, token ids out)
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+# functions sent to vLLM's workers through collective_rpc (refit.vllm.weight_checksums, the
+# checks' own) travel pickled only with this set
+os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
@@ -88,6 +100,48 @@ def generate(llm, max_tokens: int) -> list[int]:
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False)
     out = llm.generate([{"prompt_token_ids": PROMPT}], params, use_tqdm=False)
     return list(out[0].outputs[0].token_ids)
+
+
+FLIPPED = "model.norm.weight"  # a parameter vLLM's CPU kernels keep in place (a linear's is empty)
+
+
+def flip_one_element(worker) -> None:
+    """In a vLLM worker (``collective_rpc``): adds 1 to one element of :data:`FLIPPED`, as a
+    stray write to the served weights would."""
+    import torch
+
+    param = dict(worker.model_runner.get_model().named_parameters())[FLIPPED]
+    with torch.no_grad():
+        param.view(-1)[3] += 1
+
+
+def skip_on_load(worker, skip: bool) -> None:
+    """In a vLLM worker: makes the model's ``load_weights`` drop :data:`FLIPPED` from what it
+    is given while answering it loaded (an update path that skips a parameter and says it did
+    not: the names check cannot see it); ``skip=False`` puts the real one back."""
+    model = worker.model_runner.get_model()
+    if not skip:
+        model.__dict__.pop("load_weights", None)
+        return
+    real = type(model).load_weights.__get__(model)
+
+    def load_weights(weights):
+        return set(real((n, t) for n, t in weights if n != FLIPPED)) | {FLIPPED}
+
+    model.load_weights = load_weights
+
+
+def verify_costs(worker) -> dict:
+    """In a vLLM worker: what the refit engine's verification cost last (seconds)."""
+    return dict(worker.weight_transfer_engine.verify_costs)
+
+
+def vllm_checksums(llm) -> dict:
+    """vLLM's own weight-checker digests, merged over the workers (as ``/weight_checker``)."""
+    merged = {}
+    for worker in llm.collective_rpc("compute_weight_checksums"):
+        merged.update(worker)
+    return merged
 
 
 def close(llm) -> None:
@@ -427,6 +481,79 @@ def run(binary: Path, work: Path, args) -> int:
         check("reconnecting with load_initial loads version 3 whole again", again == tokens["v3"], str(again))
         update_from_file("v2 again", versions[2])
         check("the next published version (version 2's file again) loads whole", tokens["v2 again"] == tokens["v2"], str(tokens["v2 again"]))
+
+        # -- verification: the startup self-test, the served hashes ----------------------
+        print("verification:", flush=True)
+        # an update path that skips a parameter (and says it loaded it): the self-test names it
+        llm.collective_rpc(skip_on_load, args=(True,))
+        try:
+            refit.vllm.init_engine(llm, spec, timeout=args.timeout, load_initial=True, verify="startup")
+            check('verify="startup": the self-test finds a parameter the update path skips', False, "init_engine returned")
+        except errors.NeedsFullResend as e:
+            check(f'verify="startup": the self-test names `{FLIPPED}`, which the update path skips (NeedsFullResend)',
+                  f"`{FLIPPED}`" in str(e) and "self-test" in str(e), str(e)[:300])
+        except errors.RefitError as e:
+            check('verify="startup": the self-test finds a parameter the update path skips', False, f"{type(e).__name__}: {e}")
+        llm.collective_rpc(skip_on_load, args=(False,))
+        t = time.perf_counter()
+        ours, theirs = {}, {}
+        try:
+            # ANCHOR: verify
+            refit.vllm.init_engine(llm, spec, timeout=args.timeout, load_initial=True,
+                                   verify="hashes")  # the startup self-test runs on this load
+            ours = refit.vllm.weight_checksums(llm)  # the digests the engine recorded after it
+            theirs = vllm_checksums(llm)  # vLLM's: llm.collective_rpc("compute_weight_checksums")
+            # ANCHOR_END: verify
+            ok, detail = True, ""
+        except errors.RefitError as e:
+            ok, detail = False, f"{type(e).__name__}: {e}"
+        took = time.perf_counter() - t
+        check('reconnecting with verify="hashes" and load_initial: the startup self-test passes on the Llama', ok, detail[:400])
+        costs = llm.collective_rpc(verify_costs)[0]
+        timings.append(("reconnect + load_initial with the self-test (v2)", 0.0, took))
+        print(f"  self-test {costs.get('self_test_s', float('nan')) * 1000:.1f} ms (two loads "
+              f"{costs.get('self_test_load_s', float('nan')) * 1000:.1f} ms, fills {costs.get('self_test_fill_s', float('nan')) * 1000:.1f} ms, "
+              f"digests {costs.get('self_test_digest_s', float('nan')) * 1000:.1f} ms); digests after the load "
+              f"{costs.get('hash_s', float('nan')) * 1000:.1f} ms", flush=True)
+        again = generate(llm, args.max_tokens)
+        check("after the self-test vLLM generates version 2's tokens", again == tokens["v2"], str(again))
+        empty = sum(d == hashlib.sha256(b"").hexdigest() for d in ours.values())  # kept by a kernel
+        check("refit.vllm.weight_checksums equals vLLM's compute_weight_checksums after the load",
+              ours == theirs and len(ours) > 0,
+              f"{len(ours)} keys ({empty} of them empty parameters), e.g. {next(iter(ours), '?')}")
+        update_from_file("v3 hashed", versions[3])
+        costs = llm.collective_rpc(verify_costs)[0]
+        print(f"  verify=\"hashes\" per update: digests compared at the start {costs.get('check_s', float('nan')) * 1000:.1f} ms, "
+              f"recorded after the load {costs.get('hash_s', float('nan')) * 1000:.1f} ms", flush=True)
+        check("with verify=\"hashes\" the next version loads (version 3's tokens)", tokens["v3 hashed"] == tokens["v3"], str(tokens["v3 hashed"]))
+        ours, theirs = refit.vllm.weight_checksums(llm), vllm_checksums(llm)
+        check("refit.vllm.weight_checksums equals vLLM's compute_weight_checksums after an update", ours == theirs)
+        # a stray write into the served weights, inside the worker
+        llm.collective_rpc(flip_one_element)
+        ours, theirs = refit.vllm.weight_checksums(llm), vllm_checksums(llm)
+        differ = sorted(k for k in ours if ours[k] != theirs.get(k))
+        check(f"after one element of `{FLIPPED}` changed, the recorded digests differ from vLLM's there only",
+              len(differ) == 1 and differ[0].endswith(":" + FLIPPED), str(differ))
+        publish(versions[2], served)
+        published += 1
+        serve.wait_line(f"published version {published}")
+        try:
+            refit.vllm.update_weights(llm, version=published, timeout=args.timeout)
+            check("weights changed while served raise Damaged at the next update", False, "update_weights returned")
+        except errors.Damaged as e:
+            check(f"weights changed while served raise refit.errors.Damaged at the next update naming `{FLIPPED}`",
+                  f":{FLIPPED}`" in str(e) and "changed while served" in str(e), str(e)[:300])
+        except errors.RefitError as e:
+            check("weights changed while served raise Damaged at the next update", False, f"{type(e).__name__}: {e}")
+        after = generate(llm, args.max_tokens)
+        check("nothing was loaded: vLLM still serves the changed version 3", after != tokens["v2"], str(after))
+        t = time.perf_counter()
+        refit.vllm.update_weights(llm, version=published, timeout=args.timeout)
+        timings.append(("v2 after the damage (hashes)", 0.0, time.perf_counter() - t))
+        after = generate(llm, args.max_tokens)
+        check("the update after the damage loads version 2's file whole", after == tokens["v2"], str(after))
+        ours, theirs = refit.vllm.weight_checksums(llm), vllm_checksums(llm)
+        check("and the digests agree with vLLM's again", ours == theirs)
 
         refit.vllm.shutdown_engine(llm)
     finally:
