@@ -792,7 +792,9 @@ async fn a_bit_flipped_in_served_weights_is_reported_by_the_next_update() {
             .with_model(m.clone(), policy, Some(Box::new(r) as Box<dyn WeightInlet>))
             .unwrap();
         if verify {
-            engine = engine.verify_served(&m).unwrap();
+            engine = engine
+                .verify_served(&m, refit_runtime::topology::Verify::Hashes)
+                .unwrap();
         }
         let engine = engine.start();
         let cfg = SyncConfig::with_mode(SyncMode::FullyAsync);

@@ -119,27 +119,30 @@ async fn a_served_reference_without_a_kl_term_is_refused_naming_both_keys() {
     );
 }
 
-/// A generating model asking its engines to verify what they serve is refused before the
-/// run starts, naming the model and the setting (generating engines do not verify).
+/// A generating model whose engines verify what they serve (`verify = "hashes"`): the
+/// self-test at the first version passes on the transformer, every later version is read
+/// back against its bytes and the weights served are read again at the next version, and
+/// nothing is reported damaged.
 #[actix_rt::test]
-async fn a_generating_model_that_asks_to_verify_is_refused_naming_it() {
+async fn a_generating_run_that_verifies_what_it_serves_reports_no_damage() {
     let mut spec = ModelSpec::new(policy_model_id(), 3);
     spec.verify = refit_runtime::topology::Verify::Hashes;
-    let e = refusal(spec).await;
-    assert!(
-        e.contains("model `policy`") && e.contains("verify = \"hashes\""),
-        "{e}"
-    );
+    let report = run::run_generating(config(spec, 4), GrpoRoles::new())
+        .await
+        .unwrap();
+    let status = &report.controller.models[&policy_model_id()];
+    assert!(status.loads >= 4, "{status:?}");
+    assert_eq!((status.damaged, status.failed_loads), (0, 0), "{status:?}");
 }
 
-/// The error of a one-update generating run of `spec` that must be refused before it starts.
-async fn refusal(spec: ModelSpec) -> String {
-    let cfg = RunConfig {
+/// A sync run of `spec` stopping after `updates` updates.
+fn config(spec: ModelSpec, updates: u64) -> RunConfig {
+    RunConfig {
         sync: SyncConfig::with_mode(SyncMode::Sync),
         models: vec![spec],
         eval_episodes: 0,
         stop: StopRule {
-            max_updates: 1,
+            max_updates: updates,
             target_return: None,
             target_eval: None,
             max_time: Duration::from_secs(60),
@@ -147,8 +150,12 @@ async fn refusal(spec: ModelSpec) -> String {
         seed: 5,
         wrap_inlet: None,
         wait: Duration::from_secs(60),
-    };
-    run::run_generating(cfg, GrpoRoles::new())
+    }
+}
+
+/// The error of a one-update generating run of `spec` that must be refused before it starts.
+async fn refusal(spec: ModelSpec) -> String {
+    run::run_generating(config(spec, 1), GrpoRoles::new())
         .await
         .unwrap_err()
         .to_string()

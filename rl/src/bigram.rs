@@ -127,6 +127,21 @@ impl Generator for Bigram {
         })
     }
 
+    fn export(&self, weights: &BigramWeights, out: &mut WeightSet) -> Result<()> {
+        self.manifest
+            .check_same_schema(out.model(), out.manifest())?;
+        let table = out.view_mut::<f32>(TABLE)?;
+        if table.len() != weights.table.len() {
+            return Err(Error::Config(format!(
+                "tensor `{TABLE}`: {} values served, {} in the layout",
+                weights.table.len(),
+                table.len()
+            )));
+        }
+        table.copy_from_slice(&weights.table);
+        Ok(())
+    }
+
     fn new_cache(&self) -> BigramCache {
         BigramCache::default()
     }

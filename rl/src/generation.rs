@@ -173,6 +173,23 @@ pub trait Generator: Send + 'static {
     /// naming the tensor; the engine keeps serving the version it has.
     fn stage(&self, weights: &WeightSet) -> Result<Self::Weights>;
 
+    /// Writes what `weights` serve back into `out` (a weight set of
+    /// [`Generator::manifest`]'s layout), so that an engine can verify them (a topology's
+    /// `verify = "startup"` or `"hashes"`): staged from a version, they must export as its
+    /// bytes. The default cannot.
+    ///
+    /// # Errors
+    /// A backend that cannot read its serving form back (the default), or `out` of another
+    /// layout.
+    fn export(&self, weights: &Self::Weights, out: &mut WeightSet) -> Result<()> {
+        let _ = (weights, out);
+        Err(Error::Config(
+            "this generator cannot read its serving weights back (Generator::export), so its \
+             engine cannot verify them"
+                .into(),
+        ))
+    }
+
     /// An empty cache for a new sequence.
     fn new_cache(&self) -> Self::Cache;
 

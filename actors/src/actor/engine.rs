@@ -18,6 +18,7 @@ use actix::prelude::*;
 use rand::SeedableRng;
 use rand::rngs::SmallRng;
 use refit_runtime::metrics::{self, Phase, Side};
+use refit_runtime::topology::Verify;
 use refit_runtime::{ArenaStrategy, ModelId, Strategy, Version, WeightSet};
 use tokio::sync::{Mutex, oneshot};
 
@@ -32,7 +33,7 @@ use crate::protocol::engine::{
     ServedVersions, StageModel, StageReport, UpdateModel,
 };
 
-use super::verify::{Damage, ServedHashes};
+use super::verify::{Damage, ServedHashes, Unverified};
 use super::{commit_refused, stale};
 
 type Waiter = oneshot::Sender<Result<ActedBatch>>;
@@ -145,18 +146,22 @@ impl<P: Policy + Unpin + 'static> InferenceEngine<P> {
         self
     }
 
-    /// Verifies what `model` serves (a topology's `verify = "hashes"`): after each apply the
-    /// policy's weights are hashed and compared with the version applied (an apply that did
-    /// not land whole fails), and again at the next update (weights changed while served are
-    /// reported by that update's [`LoadReport::damaged`], naming the tensor).
+    /// Verifies what `model` serves, at `level` (a topology's `verify`): from `startup`, a
+    /// corrupt-then-restore self-test at the first apply (a tensor the update path does not
+    /// carry fails that load, naming it); at `hashes`, also after each apply the policy's
+    /// weights are hashed and compared with the version applied (an apply that did not land
+    /// whole fails), and again at the next update (weights changed while served are reported
+    /// by that update's [`LoadReport::damaged`], naming the tensor). `off` and `names` ask
+    /// nothing more of this engine: a version whose tensors are not the policy's is refused
+    /// before it is applied, always.
     ///
     /// # Errors
     /// An unknown model; a policy whose weights have no manifest.
-    pub fn verify_served(mut self, model: &ModelId) -> Result<Self> {
+    pub fn verify_served(mut self, model: &ModelId, level: Verify) -> Result<Self> {
         let slot = self.slot(model)?;
         let policy = slot.policy.as_ref().ok_or_else(|| lost(model))?;
         let manifest = Arc::new(policy.weight_manifest()?);
-        slot.verify = Some(ServedHashes::new(model.clone(), manifest));
+        slot.verify = ServedHashes::new(model.clone(), manifest, level);
         Ok(self)
     }
 
@@ -377,14 +382,14 @@ fn apply_verified<P: Policy>(
     weights: &WeightSet,
 ) -> ApplyJob<P> {
     let damaged = verify.as_mut().and_then(|v| v.check(&policy).err());
-    let mut applied = ArenaStrategy
-        .apply(weights, &mut policy)
-        .map_err(Error::Runtime);
-    if let (Ok(()), Some(v)) = (&applied, verify.as_mut()) {
-        applied = v
-            .applied(weights, &policy)
-            .map_err(|d| Error::Actor(format!("the apply did not land whole: {d}")));
-    }
+    let apply = |w: &WeightSet, p: &mut P| ArenaStrategy.apply(w, p).map_err(Error::Runtime);
+    let applied = match verify.as_mut() {
+        None => apply(weights, &mut policy),
+        Some(v) => v.apply(weights, &mut policy, apply).map_err(|e| match e {
+            Unverified::Apply(e) => e,
+            e => Error::Actor(e.to_string()),
+        }),
+    };
     ApplyJob {
         policy,
         verify,

@@ -174,9 +174,7 @@ impl<R: Roles> Workload for Acting<R> {
         for (spec, inlet) in models {
             let policy = self.0.policy(&spec)?;
             engine = engine.with_model(spec.id.clone(), policy, Some(inlet))?;
-            if spec.verify == Verify::Hashes {
-                engine = engine.verify_served(&spec.id)?;
-            }
+            engine = engine.verify_served(&spec.id, spec.verify)?;
         }
         let (addr, arbiter) = on_arbiter(engine);
         Ok(Started {
@@ -256,13 +254,8 @@ impl<G: GenRoles> Workload for Generating<G> {
     }
 
     fn check(&self, model: &ModelSpec, seed: u64) -> Result<()> {
-        if model.verify != Verify::Off {
-            return Err(Error::Config(format!(
-                "model `{}`: verify = \"{}\" is served by acting engines; a generating \
-                 engine does not verify the weights it serves (leave verify out, or \"off\")",
-                model.id,
-                model.verify.as_str()
-            )));
+        if model.verify >= Verify::Startup {
+            can_read_back(model, &self.0.generator(model)?)?;
         }
         let task = self.0.task(model, seed)?;
         let generator = self.0.generator(model)?;
@@ -301,8 +294,11 @@ impl<G: GenRoles> Workload for Generating<G> {
         for (spec, inlet) in models {
             let generator = self.0.generator(&spec)?;
             let stager = self.0.generator(&spec)?;
-            engine = engine
-                .with_model(GenModel::new(spec.id.clone(), generator, stager).inlet(inlet))?;
+            engine = engine.with_model(
+                GenModel::new(spec.id.clone(), generator, stager)
+                    .inlet(inlet)
+                    .verify(spec.verify),
+            )?;
             // ANCHOR: reference
             // the reference the workers score under: the model's own weights, refreshed
             // every `reference_every` versions
@@ -393,4 +389,18 @@ pub(crate) fn first_export(
         )));
     }
     Ok(first)
+}
+
+/// Refuses a `verify` the generator cannot serve: it must read its serving weights back
+/// ([`Generator::export`]), tried on a staged copy of zeros.
+fn can_read_back<G: Generator>(model: &ModelSpec, generator: &G) -> Result<()> {
+    let zeros = WeightSet::zeroed(model.id.clone(), generator.manifest());
+    let staged = generator.stage(&zeros)?;
+    generator.export(&staged, &mut zeros.clone()).map_err(|e| {
+        Error::Config(format!(
+            "model `{}`: verify = \"{}\" reads the weights served back, and {e}",
+            model.id,
+            model.verify.as_str()
+        ))
+    })
 }

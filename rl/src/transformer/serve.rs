@@ -422,6 +422,42 @@ impl Generator for TransformerGenerator {
         })
     }
 
+    fn export(&self, weights: &ServingWeights, out: &mut WeightSet) -> Result<()> {
+        self.manifest
+            .check_same_schema(out.model(), out.manifest())?;
+        let mut put = |name: &str, values: &[f32]| -> Result<()> {
+            let dst = out.view_mut::<bf16>(name)?;
+            if dst.len() != values.len() {
+                return Err(Error::Config(format!(
+                    "tensor `{name}`: {} values served, {} in the layout",
+                    values.len(),
+                    dst.len()
+                )));
+            }
+            for (d, v) in dst.iter_mut().zip(values) {
+                *d = bf16::from_f32(*v);
+            }
+            Ok(())
+        };
+        let flat = |t: &Tensor| -> Result<Vec<f32>> { Ok(t.flatten_all()?.to_vec1::<f32>()?) };
+        put("tok_emb.weight", &weights.tok_emb)?;
+        put("pos_emb.weight", &weights.pos_emb)?;
+        for (i, b) in weights.blocks.iter().enumerate() {
+            let n = |s: &str| format!("blocks.{i}.{s}");
+            put(&n("ln1.weight"), &b.ln1.0)?;
+            put(&n("ln1.bias"), &b.ln1.1)?;
+            put(&n("attn.qkv.weight"), &flat(&b.qkv)?)?;
+            put(&n("attn.o.weight"), &flat(&b.o)?)?;
+            put(&n("ln2.weight"), &b.ln2.0)?;
+            put(&n("ln2.bias"), &b.ln2.1)?;
+            put(&n("mlp.fc.weight"), &flat(&b.fc)?)?;
+            put(&n("mlp.proj.weight"), &flat(&b.proj)?)?;
+        }
+        put("ln_f.weight", &weights.ln_f.0)?;
+        put("ln_f.bias", &weights.ln_f.1)?;
+        put("head.weight", &flat(&weights.head)?)
+    }
+
     fn new_cache(&self) -> KvCache {
         KvCache::default()
     }

@@ -289,3 +289,19 @@ fn export_and_load_round_trip() {
             .contains("tok_emb.weight")
     );
 }
+
+/// What a version stages into reads back as the version's bytes, tensor by tensor (what
+/// an engine's `verify` compares); a layout of another model is refused.
+#[test]
+fn staged_weights_export_as_the_version_staged() {
+    let c = cfg();
+    let ws = weights(&c, 3);
+    let generator = TransformerGenerator::new(c, 1).unwrap();
+    let engine_ws = c.conversion().unwrap().apply(&ws).unwrap();
+    let staged = generator.stage(&engine_ws).unwrap();
+    let mut out = WeightSet::zeroed(engine_ws.model().clone(), generator.manifest());
+    generator.export(&staged, &mut out).unwrap();
+    assert_eq!(out.tensor_checksums(), engine_ws.tensor_checksums());
+    let e = generator.export(&staged, &mut ws.clone()).unwrap_err();
+    assert!(e.to_string().contains("tok_emb.weight"), "{e}");
+}

@@ -206,17 +206,27 @@ impl std::fmt::Display for Commit {
     }
 }
 
-/// What an engine verifies of the weights it serves, per model.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+/// What an engine verifies of the weights it serves, per model. The values form a ladder:
+/// each does what the ones before it do.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Verify {
     /// Nothing past the transport's own checks of the bytes in flight.
     #[default]
     Off,
-    /// After each apply the engine hashes what its policy serves, tensor by tensor, against
-    /// the version applied (an apply that did not land whole fails), and again at the next
-    /// update: weights changed while served are reported by that update, naming the engine,
-    /// the model and the tensor.
+    /// Every tensor sent was applied. Refit's own engines do this always (a version whose
+    /// tensors are not the policy's is refused before anything is applied); the vLLM backend
+    /// checks the names `load_weights` reports loaded.
+    Names,
+    /// A corrupt-then-restore self-test at the engine's first update: a copy of the version
+    /// with every element changed is loaded and read back, then the version itself. A tensor
+    /// the update path does not carry fails that first load, naming it (however equal the
+    /// engine's initial weights and the version were).
+    Startup,
+    /// The self-test, and after each apply the engine hashes what it serves, tensor by
+    /// tensor, against the version applied (an apply that did not land whole fails), and
+    /// again at the next update: weights changed while served are reported by that update,
+    /// naming the engine, the model and the tensor.
     Hashes,
 }
 
@@ -225,6 +235,8 @@ impl Verify {
     pub fn as_str(self) -> &'static str {
         match self {
             Self::Off => "off",
+            Self::Names => "names",
+            Self::Startup => "startup",
             Self::Hashes => "hashes",
         }
     }

@@ -228,10 +228,16 @@ roles = ["trainer", "controller", "engine", "rollout"]
             &format!("id = \"policy\"\nverify = {v}\n"),
         )
     };
+    for v in [Verify::Names, Verify::Startup, Verify::Hashes] {
+        let t = checked(&with(&format!("\"{}\"", v.as_str()))).unwrap();
+        assert_eq!(t.models[0].verify, v);
+    }
     let t = checked(&with("\"hashes\"")).unwrap();
-    assert_eq!(t.models[0].verify, Verify::Hashes);
-    let e = checked(&with("\"names\"")).unwrap_err().to_string();
-    assert!(e.contains("names") && e.contains("hashes"), "{e}");
+    // a ladder: each value does what the ones before it do
+    assert!(Verify::Off < Verify::Names && Verify::Names < Verify::Startup);
+    assert!(Verify::Startup < Verify::Hashes);
+    let e = checked(&with("\"sha\"")).unwrap_err().to_string();
+    assert!(e.contains("startup") && e.contains("hashes"), "{e}");
     // how a version is committed across the engines: all, unless a quorum is asked for
     assert_eq!(t.models[0].commit, Commit::All);
     let commit = |v: &str| {

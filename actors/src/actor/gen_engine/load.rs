@@ -13,6 +13,7 @@ use crate::generation::Generator;
 use crate::scheduler::Swap;
 
 use super::decode_loop::{Command, Commands, Shared};
+use super::verify;
 use super::{Follower, LoadReport, Loader, loop_gone};
 
 /// How long a load that gave up on its swap waits for the decoding thread to confirm the
@@ -174,8 +175,14 @@ impl<G: Generator> LoadJob<G> {
             staged,
             inlet,
         } = held;
-        let lead = (!self.followers.is_empty()).then(|| Arc::clone(&weights));
+        let mut guard = guard;
+        let lead =
+            (!self.followers.is_empty() || guard.verify.is_some()).then(|| Arc::clone(&weights));
         let swap = self.swap(weights, version, deadline).await?;
+        let damaged = guard.damaged.take().map(|d| d.to_string());
+        if let Some(d) = &damaged {
+            tracing::error!(model = %self.model, "the weights served before v{version} changed since they were staged: {d}");
+        }
         // a swap that went past this version (a newer offer superseded it) refreshes
         // nobody with this one: the newer load does
         if let Some(w) = lead
@@ -183,6 +190,9 @@ impl<G: Generator> LoadJob<G> {
         {
             for f in &self.followers {
                 f.refresh(&w, version);
+            }
+            if guard.verify.is_some() {
+                guard.served = Some((w, version));
             }
         }
         if inlet {
@@ -194,7 +204,7 @@ impl<G: Generator> LoadJob<G> {
             version: swap.to,
             staged,
             paused: swap.paused,
-            damaged: None,
+            damaged,
         })
     }
 
@@ -317,8 +327,14 @@ fn stage<G: Generator>(
     let stager = loader.stager.as_ref().ok_or_else(|| {
         Error::Config(format!("model `{model}` is a follower and stages nothing"))
     })?;
-    let staged = stager.stage(&weights)?;
-    Ok(Staged::New(Arc::new(staged), version))
+    let staged = match loader.verify.as_mut() {
+        None => Arc::new(stager.stage(&weights)?),
+        Some(v) => {
+            loader.damaged = verify::check_served(v, stager, loader.served.as_ref());
+            verify::stage_verified(v, stager, &weights)?
+        }
+    };
+    Ok(Staged::New(staged, version))
 }
 
 fn timed_out(model: &ModelId, what: &str, after: Duration) -> Error {

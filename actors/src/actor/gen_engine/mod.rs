@@ -17,15 +17,18 @@
 
 mod decode_loop;
 mod load;
+mod verify;
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
 use actix::prelude::*;
+use refit_runtime::topology::Verify;
 use refit_runtime::{ModelId, Version, WeightSet};
 use tokio::sync::oneshot;
 
+use crate::actor::verify::{Damage, ServedHashes};
 use crate::error::{Error, Result};
 use crate::generation::{Completion, Generator, PauseMode};
 use crate::link::WeightInlet;
@@ -69,6 +72,7 @@ pub struct GenModel<G> {
     initial: Option<Arc<WeightSet>>,
     max_batch: usize,
     follows: Option<(ModelId, u64)>,
+    verify: Verify,
 }
 
 impl<G> std::fmt::Debug for GenModel<G> {
@@ -97,6 +101,7 @@ impl<G: Generator> GenModel<G> {
             initial: None,
             max_batch: 64,
             follows: None,
+            verify: Verify::Off,
         }
     }
 
@@ -114,6 +119,7 @@ impl<G: Generator> GenModel<G> {
             initial: None,
             max_batch: 64,
             follows: Some((of, every.max(1))),
+            verify: Verify::Off,
         }
     }
 
@@ -131,6 +137,20 @@ impl<G: Generator> GenModel<G> {
         self
     }
 
+    /// Verifies what the model serves at `level` (a topology's `verify`): from `startup`, a
+    /// corrupt-then-restore self-test at its first version (a copy with every element
+    /// changed is staged and read back through [`Generator::export`], then the version:
+    /// a tensor the staging does not carry fails that load, naming it); at `hashes`, each
+    /// version staged is read back against its bytes (a staging that did not land whole
+    /// fails), and the weights served are read back again at the next version (a change is
+    /// reported by that load's [`LoadReport::damaged`]). A follower serves its leader's
+    /// weights and verifies nothing of its own.
+    #[must_use]
+    pub fn verify(mut self, level: Verify) -> Self {
+        self.verify = level;
+        self
+    }
+
     /// Decodes at most `n` sequences per step.
     #[must_use]
     pub fn max_batch(mut self, n: usize) -> Self {
@@ -140,10 +160,17 @@ impl<G: Generator> GenModel<G> {
 }
 
 /// What a load holds while it runs: one at a time per model.
-struct Loader<G> {
+struct Loader<G: Generator> {
     /// `None` for a follower (it never stages).
     stager: Option<G>,
     inlet: Option<Box<dyn WeightInlet>>,
+    /// The model's `verify` from `startup` on.
+    verify: Option<ServedHashes>,
+    /// With `verify`: the weights served (swapped in by the last load).
+    served: Option<(Arc<G::Weights>, Version)>,
+    /// With `verify = "hashes"`: how the weights served differed from their version,
+    /// found by this load's staging and reported by its commit.
+    damaged: Option<Damage>,
 }
 
 struct Slot<G: Generator> {
@@ -225,6 +252,7 @@ impl<G: Generator> GenerationEngine<G> {
             initial,
             max_batch,
             follows,
+            verify,
         } = model;
         if self.models.contains_key(&id) {
             return Err(Error::Config(format!(
@@ -287,7 +315,16 @@ impl<G: Generator> GenerationEngine<G> {
                 last: Arc::new(std::sync::Mutex::new(None)),
             });
         }
-        let loader = Arc::new(tokio::sync::Mutex::new(Loader { stager, inlet }));
+        let loader = Loader {
+            verify: stager
+                .as_ref()
+                .and_then(|s| ServedHashes::new(id.clone(), s.manifest(), verify)),
+            served: None,
+            damaged: None,
+            stager,
+            inlet,
+        };
+        let loader = Arc::new(tokio::sync::Mutex::new(loader));
         self.models.insert(
             id,
             Slot {
