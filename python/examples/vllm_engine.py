@@ -21,9 +21,11 @@ What it does (on a CPU; about four minutes on two cores):
    repair: reconnecting with
    ``load_initial`` loads the version in force (version 3's tokens again) and a next
    published version (version 2's file again) loads whole (version 2's tokens);
-6. verification (init info ``verify``): reconnecting with ``verify="hashes"`` and
-   ``load_initial`` runs the startup self-test on the version in force (loaded over zeros,
-   then over ones: every parameter must be written; its cost is printed); after that load and
+6. verification (init info ``verify``): with ``verify="startup"``, a ``load_weights`` that
+   drops ``model.norm.weight`` while reporting it loaded fails the startup self-test
+   (``NeedsFullResend`` naming it); with the real one, reconnecting with ``verify="hashes"``
+   and ``load_initial`` runs the self-test on the version in force (loaded over zeros, then
+   over ones: every parameter must be written; its cost is printed); after that load and
    the next, :func:`refit.vllm.weight_checksums` equals vLLM's own
    ``compute_weight_checksums``; a parameter changed inside the worker while served (one
    element of ``model.norm.weight`` plus 1) differs there from vLLM's digest, and the next
