@@ -210,3 +210,65 @@ fn a_frozen_shard_fails_the_update_naming_it_and_the_version_is_not_published() 
         "v{version} was never assembled\n{out}"
     );
 }
+
+/// The version of the last `policy vN: ` update line in `out`.
+fn last_version(out: &str) -> u64 {
+    out.lines()
+        .filter_map(|l| l.split("policy v").nth(1)?.split(':').next()?.parse().ok())
+        .max()
+        .unwrap_or(0)
+}
+
+/// A sharded trainer checkpoints (shard 0 saves; every shard holds the whole state, so each
+/// restores the same file). A shard's rank killed mid-run ends the run, naming it; rank 0's
+/// `restart = "on-failure"` has the launcher start every rank again from the last
+/// checkpoint; both shards resume from it and the run goes on to its stop rule.
+#[test]
+fn a_sharded_trainer_whose_shard_dies_resumes_from_its_last_checkpoint() {
+    let dir = tempfile::tempdir().unwrap();
+    let ckpt = dir.path().join("ckpt");
+    let path = topology(dir.path(), "wait_s = 60.0");
+    let text = std::fs::read_to_string(&path)
+        .unwrap()
+        .replace("target_return = 100.0\nmax_updates = 60", "max_updates = 9")
+        .replace(
+            "roles = [\"controller\", \"evaluator\"]",
+            "roles = [\"controller\", \"evaluator\"]\nrestart = \"on-failure\"",
+        )
+        + &format!(
+            "\n[checkpoint]\ndir = {:?}\nevery = 2\n",
+            ckpt.display().to_string()
+        );
+    std::fs::write(&path, text).unwrap();
+    let launch = Launch::start(&path, "batch-async");
+    launch.wait_for(&["policy v6: "], Duration::from_secs(300));
+    let (_, line) = launch.wait_for(
+        &["rank 2 (process `learner`, replica 1): pid "],
+        Duration::from_secs(10),
+    );
+    signal("-KILL", pid_in(&line).unwrap());
+    let (_, restart) = launch.wait_for(&["starting every rank again"], Duration::from_secs(60));
+    let from: u64 = restart
+        .split("from the checkpoint of version ")
+        .nth(1)
+        .and_then(|s| s.split(' ').next())
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| panic!("not resumed from a checkpoint: {restart}"));
+    assert!(from >= 4 && from.is_multiple_of(2), "{restart}");
+    let (status, out) = launch.finish(Duration::from_secs(300));
+    assert!(status.success(), "{status}\n{out}");
+    // both shards restored the same checkpoint, and rank 0 served the version after it
+    for (rank, process) in [(1, "learner"), (2, "learner")] {
+        let said = format!("model `policy` resumed from version {from}");
+        assert!(
+            out.lines()
+                .any(|l| l.starts_with(&format!("[rank {rank} {process}]")) && l.contains(&said)),
+            "rank {rank} did not say `{said}`\n{out}"
+        );
+    }
+    assert!(
+        out.contains(&format!("(resumed from version {from})")),
+        "{out}"
+    );
+    assert_eq!(last_version(&out), 10, "{out}");
+}

@@ -8,10 +8,13 @@
 
 use std::path::{Path, PathBuf};
 
-use refit_runtime::topology::CheckpointSection;
+use refit_runtime::topology::{CheckpointSection, Topology};
 use refit_runtime::{ModelId, Version, WeightSet};
 
 use crate::error::{Error, Result};
+use crate::learner::Learner;
+use crate::roles::ModelSpec;
+use crate::run::ids::RANK_LOG;
 
 /// The file of `model`'s checkpoint at `version` under `dir`.
 pub(crate) fn path_of(dir: &Path, model: &ModelId, version: Version) -> PathBuf {
@@ -48,6 +51,34 @@ pub(crate) fn versions(dir: &Path, model: &ModelId) -> Result<Vec<Version>> {
         .collect();
     out.sort();
     Ok(out)
+}
+
+/// With `[checkpoint] resume`: restores `learner` of `spec` from the newest checkpoint every
+/// model of the run has, and answers its version; `None` for a fresh run. Every trainer
+/// rank of the model restores the same file (the shards of a sharded trainer each hold the
+/// whole state: they train the same batches from the same seed).
+///
+/// # Errors
+/// No usable checkpoint (a run told to resume never starts from zero); a damaged file or
+/// one of another model or configuration, naming the file and what differs.
+pub(crate) fn restore(
+    topo: &Topology,
+    who: &str,
+    spec: &ModelSpec,
+    learner: &mut dyn Learner,
+) -> Result<Option<Version>> {
+    let Some(cfg) = topo.checkpoint.as_ref().filter(|c| c.resume) else {
+        return Ok(None);
+    };
+    let at = resume_version(cfg, &topo.model_ids())?;
+    let (state, path) = read(&cfg.dir, &spec.id, at)?;
+    learner.restore(&state, &path.display().to_string())?;
+    tracing::info!(target: RANK_LOG,
+        "{who}: model `{}` resumed from version {at} ({})",
+        spec.id,
+        path.display()
+    );
+    Ok(Some(at))
 }
 
 /// The newest version every one of `models` has a checkpoint of (the version barrier keeps

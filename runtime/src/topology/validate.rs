@@ -401,8 +401,7 @@ fn check_commit(m: &ModelSection, engines: u32) -> Result<()> {
     Ok(())
 }
 
-/// Checks `[checkpoint]`: its numbers, and that every trainer can be checkpointed whole (a
-/// sharded trainer's shards each hold part of the state: not yet).
+/// Checks `[checkpoint]`: its numbers and its folder.
 fn check_checkpoint(raw: &RawTopology) -> Result<()> {
     let Some(c) = &raw.checkpoint else {
         return Ok(());
@@ -423,20 +422,6 @@ fn check_checkpoint(raw: &RawTopology) -> Result<()> {
         return Err(bad(
             "checkpoint.dir",
             "is empty: name the folder checkpoints go to",
-        ));
-    }
-    if let Some(p) = raw
-        .processes
-        .iter()
-        .find(|p| p.has(Role::Trainer) && p.replicas > 1)
-    {
-        return Err(bad(
-            "checkpoint",
-            format!(
-                "process `{}` is a sharded trainer ({} replicas): checkpoints of sharded \
-                 trainers are not supported yet",
-                p.name, p.replicas
-            ),
         ));
     }
     Ok(())

@@ -32,7 +32,7 @@ use refit_runtime::wire::MAX_CONTROL_MESSAGE;
 use crate::error::{Error, Result};
 use crate::learner::Learner;
 use crate::link::WeightOutlet;
-use crate::protocol::trainer::{AssemblyRef, ShardRef, TrainAndPublish};
+use crate::protocol::trainer::{AssemblyRef, SaveState, ShardRef, TrainAndPublish};
 use crate::remote::RemoteAddr;
 use crate::roles::ModelSpec;
 
@@ -41,6 +41,7 @@ use assembly::Assembly;
 use lead::ShardLead;
 use member::{LeadLink, ShardMember};
 
+use super::checkpoint;
 use super::ids::{Served, actor_id};
 use super::rendezvous::Rendezvous;
 use super::workload::Workload;
@@ -69,7 +70,8 @@ pub(crate) struct ShardSite<'a> {
 ///
 /// # Errors
 /// A rank that restarted (a shard's learner state cannot be rebuilt); the roles' learner
-/// failing, or exporting anything but version 1 of its model.
+/// failing, or exporting anything but the run's first version of its model; with
+/// `[checkpoint] resume`, a checkpoint that cannot be restored.
 pub(crate) fn start_members(
     site: &ShardSite<'_>,
     specs: &[ModelSpec],
@@ -89,7 +91,8 @@ pub(crate) fn start_members(
             )));
         }
         let mut learner = work.learner(spec)?;
-        crate::run::workload::first_export(learner.as_mut(), spec, None)?;
+        let resumed = checkpoint::restore(site.topo, site.who, spec, learner.as_mut())?;
+        crate::run::workload::first_export(learner.as_mut(), spec, resumed)?;
         let mi = site.topo.model_index(&spec.id).unwrap_or(0);
         let lead = ranks[0];
         let link = LeadLink::Find {
@@ -124,7 +127,8 @@ pub(crate) fn start_members(
 
 /// Shard 0 of `spec`'s sharded trainer on `site`'s rank: connects to the other shards
 /// (waiting, until `site.wait`, for their ranks' cards), serves the assembly as
-/// `Served::Shard`, and answers the trainer its driver calls.
+/// `Served::Shard`, and answers the trainer its driver calls and what saves the
+/// trainer's state (shard 0's: every shard holds the same).
 ///
 /// # Errors
 /// A shard's rank that does not join in time or cannot be reached; a learner whose layout
@@ -134,7 +138,7 @@ pub(crate) async fn start_lead(
     spec: &ModelSpec,
     learner: Box<dyn Learner>,
     outlet: Box<dyn WeightOutlet>,
-) -> Result<Recipient<TrainAndPublish>> {
+) -> Result<(Recipient<TrainAndPublish>, Recipient<SaveState>)> {
     let ranks = site.topo.trainer_ranks(&spec.id);
     let mi = site.topo.model_index(&spec.id).unwrap_or(0);
     let assembly = Assembly::new(
@@ -166,13 +170,9 @@ pub(crate) async fn start_lead(
             )
         })
         .collect();
-    let lead = ShardLead::new(
-        assembly,
-        Trainer::hosting(learner, Some(outlet)),
-        members,
-        site.wait,
-    )
-    .start();
+    let trainer = Trainer::hosting(learner, Some(outlet));
+    let save = trainer.clone().recipient();
+    let lead = ShardLead::new(assembly, trainer, members, site.wait).start();
     AssemblyRef::local(&lead).serve(site.node, actor_id(Served::Shard, site.me, mi, 0));
     tracing::info!(
         "{}: model `{}` is trained by {} shards, each version assembled here from {}",
@@ -181,7 +181,7 @@ pub(crate) async fn start_lead(
         ranks.len(),
         parts.join(", ")
     );
-    Ok(lead.recipient())
+    Ok((lead.recipient(), save))
 }
 
 #[cfg(test)]

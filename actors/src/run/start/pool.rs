@@ -57,8 +57,8 @@ pub(crate) async fn start(
     for (spec, learner, outlet) in outlets {
         let first = learner.version();
         let (trainer, save) = if ctx.setup.topo.trainer_ranks(&spec.id).len() > 1 {
-            let lead = shard::start_lead(&ctx.shard_site(), &spec, learner, outlet).await?;
-            (lead, None)
+            let (lead, save) = shard::start_lead(&ctx.shard_site(), &spec, learner, outlet).await?;
+            (lead, Some(save))
         } else {
             let t = Trainer::start_with_outlet(learner, outlet);
             (t.clone().recipient(), Some(t.recipient()))

@@ -2,8 +2,8 @@
 //! learner, its first version and its weight links (one sender per transport the engines
 //! need), whose receiver specs go to the store for the engine ranks.
 
+use refit_runtime::WeightSet;
 use refit_runtime::topology::TransportKind;
-use refit_runtime::{Version, WeightSet};
 
 use crate::error::{Error, Result};
 use crate::learner::Learner;
@@ -76,7 +76,7 @@ fn open_model(ctx: &RankCtx, spec: &ModelSpec) -> Result<OpenedModel> {
     let topo = &ctx.setup.topo;
     ctx.setup.work.check(spec, topo.run.seed)?;
     let mut learner = ctx.setup.work.learner(spec)?;
-    let resumed = resume(ctx, spec, learner.as_mut())?;
+    let resumed = checkpoint::restore(topo, &ctx.who, spec, learner.as_mut())?;
     let initial = crate::run::workload::first_export(learner.as_mut(), spec, resumed)?;
     let want = match topo.model(&spec.id).and_then(|m| m.convert.as_ref()) {
         Some(c) => Some(c.want(&format!("model[{}].convert", spec.id))?),
@@ -116,26 +116,4 @@ fn open_model(ctx: &RankCtx, spec: &ModelSpec) -> Result<OpenedModel> {
         initial,
         links,
     })
-}
-
-/// With `[checkpoint] resume`: restores `learner` from the newest checkpoint every model of
-/// the run has, and answers its version; `None` for a fresh run.
-///
-/// # Errors
-/// No usable checkpoint (a run told to resume never starts from zero); a damaged file or
-/// one of another model or configuration, naming the file and what differs.
-fn resume(ctx: &RankCtx, spec: &ModelSpec, learner: &mut dyn Learner) -> Result<Option<Version>> {
-    let Some(cfg) = ctx.setup.topo.checkpoint.as_ref().filter(|c| c.resume) else {
-        return Ok(None);
-    };
-    let at = checkpoint::resume_version(cfg, &ctx.ids)?;
-    let (state, path) = checkpoint::read(&cfg.dir, &spec.id, at)?;
-    learner.restore(&state, &path.display().to_string())?;
-    tracing::info!(target: RANK_LOG,
-        "{}: model `{}` resumed from version {at} ({})",
-        ctx.who,
-        spec.id,
-        path.display()
-    );
-    Ok(Some(at))
 }
