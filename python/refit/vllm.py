@@ -109,6 +109,8 @@ def register() -> None:
 
 _TAG = re.compile(r"\[refit\.errors\.([A-Za-z]+)\]\s*")
 # how vLLM's multiprocess executor wraps a worker's error message
+# the parameter key a Damaged message names first (refit.errors.Damaged.tensor)
+_DAMAGED = re.compile(r"changed while served: `([^`]+)`")
 _WRAPPED = re.compile(r"'?,? please check the stack trace above for the root cause\.?\s*$")
 
 
@@ -124,6 +126,9 @@ def _typed(e: BaseException) -> BaseException:
     if not (isinstance(cls, type) and issubclass(cls, errors.RefitError)):
         return e
     typed = cls(_WRAPPED.sub("", text[m.start() :]))
+    if isinstance(typed, errors.Damaged):
+        named = _DAMAGED.search(text)
+        typed.tensor = named.group(1) if named else None
     typed.__cause__ = e
     return typed
 
@@ -384,20 +389,16 @@ def _checksum_prefix(dp: int, pp: int, pcp: int, tp: int) -> str:
     return f"dp{dp}:pp{pp}:pcp{pcp}:tp{tp}:"
 
 
-def _inner_tensors(name: str, tensor: Any):
-    """``(name, tensor)`` for each plain tensor holding the bytes of parameter ``name``."""
-    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
-
-    try:
-        from vllm.model_executor.parameter import SharedWeightParameter
-    except ImportError:  # no vLLM (tests), or another layout
-        SharedWeightParameter = ()
-    if SharedWeightParameter and isinstance(tensor, SharedWeightParameter):
+def _inner_tensors(name: str, tensor: Any, shared: Any, wrapper: Any):
+    """``(name, tensor)`` for each plain tensor holding the bytes of parameter ``name``
+    (``shared``: vLLM's ``SharedWeightParameter`` class, or ``()``; ``wrapper``: torch's
+    ``is_traceable_wrapper_subclass``)."""
+    if shared and isinstance(tensor, shared):
         for index, partition in tensor.partitions.items():
-            yield from _inner_tensors(f"{name}.{index}", partition)
-    elif is_traceable_wrapper_subclass(tensor):
+            yield from _inner_tensors(f"{name}.{index}", partition, shared, wrapper)
+    elif wrapper(tensor):
         for attr in tensor.__tensor_flatten__()[0]:
-            yield from _inner_tensors(f"{name}.{attr}", getattr(tensor, attr))
+            yield from _inner_tensors(f"{name}.{attr}", getattr(tensor, attr), shared, wrapper)
     else:
         yield name, tensor
 
@@ -405,8 +406,14 @@ def _inner_tensors(name: str, tensor: Any):
 def _served_tensors(model: Any):
     """The plain tensors a model serves, named as vLLM's weight checker names them (its
     ``named_parameters()``: a tied parameter once, under its first name)."""
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    try:
+        from vllm.model_executor.parameter import SharedWeightParameter
+    except ImportError:  # no vLLM (tests), or another layout
+        SharedWeightParameter = ()
     for name, param in model.named_parameters():
-        yield from _inner_tensors(name, param)
+        yield from _inner_tensors(name, param, SharedWeightParameter, is_traceable_wrapper_subclass)
 
 
 def _digest(tensor: Any) -> str:

@@ -202,3 +202,4 @@ def test_a_damaged_error_crosses_vllms_rpc_typed():
                         "please check the stack trace above for the root cause")
     typed = refit.vllm._typed(wrapped)
     assert isinstance(typed, errors.Damaged) and "weights changed while served: `k`" in str(typed)
+    assert typed.tensor == "k"
