@@ -108,9 +108,9 @@ def register() -> None:
 # --- from the caller's side (the process holding the `LLM`) ------------------------------
 
 _TAG = re.compile(r"\[refit\.errors\.([A-Za-z]+)\]\s*")
-# how vLLM's multiprocess executor wraps a worker's error message
 # the parameter key a Damaged message names first (refit.errors.Damaged.tensor)
 _DAMAGED = re.compile(r"changed while served: `([^`]+)`")
+# how vLLM's multiprocess executor wraps a worker's error message
 _WRAPPED = re.compile(r"'?,? please check the stack trace above for the root cause\.?\s*$")
 
 
