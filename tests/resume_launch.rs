@@ -67,6 +67,14 @@ fn kill_rank_0(launch: &Launch) -> Instant {
     Instant::now()
 }
 
+/// The integer `key = N` of a run state file.
+fn counted(state: &str, key: &str) -> u64 {
+    state
+        .lines()
+        .find_map(|l| l.strip_prefix(&format!("{key} = "))?.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no `{key}` in {state}"))
+}
+
 /// The version of the last `policy vN: ` update line in `out`.
 fn last_version(out: &str) -> u64 {
     out.lines()
@@ -95,6 +103,12 @@ fn a_run_whose_rank_0_is_killed_resumes_from_its_last_checkpoint() {
         "reached v{reached}, newest checkpoint v{newest}"
     );
 
+    // beside it, what the controller had counted by then
+    let state = std::fs::read_to_string(ckpt.join(format!("policy/v{newest}.state.toml")))
+        .unwrap_or_else(|e| panic!("no run state beside v{newest}: {e}"));
+    let admitted = counted(&state, "admissions");
+    assert!(admitted > 0, "{state}");
+
     // the same command with --resume: the run goes on from there to its stop rule
     let (topo, _) = topology_file(dir.path(), newest + 4, false);
     let launch = Launch::start_with(&topo, "batch-async", &["--resume"]);
@@ -114,6 +128,23 @@ fn a_run_whose_rank_0_is_killed_resumes_from_its_last_checkpoint() {
     assert!(out.contains(&format!("policy v{}: ", newest + 2)), "{out}");
     assert!(!out.contains("policy v2: "), "{out}");
     assert_eq!(last_version(&out), newest + 4, "{out}");
+    // the controller's counts went on from the checkpoint's
+    assert!(
+        out.contains(&format!(
+            "the controller's counts go on from version {newest}'s: {admitted} rollouts admitted"
+        )),
+        "{out}"
+    );
+    let total: u64 = out
+        .split("rollouts admitted ")
+        .nth(1)
+        .and_then(|s| s.split(',').next())
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| panic!("no summary\n{out}"));
+    assert!(
+        total > admitted,
+        "{total} admitted in all, {admitted} before the kill"
+    );
     println!(
         "killed at v{reached}; resumed from v{newest} ({} versions lost); serving again {:.1} s \
          after the kill",

@@ -4,15 +4,20 @@
 //! newest version every model has a checkpoint of; a damaged file (truncated, a checksum
 //! that does not match) or one of another model is refused naming it, never skipped.
 //!
+//! Beside each, `vVERSION.state.toml` carries what the controller had counted of the model
+//! by then ([`RunState`]), so that a resumed run's counts go on from them.
+//!
 //! [`Learner::save`]: crate::learner::Learner::save
 
 use std::path::{Path, PathBuf};
 
 use refit_runtime::topology::{CheckpointSection, Topology};
 use refit_runtime::{ModelId, Version, WeightSet};
+use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
 use crate::learner::Learner;
+use crate::protocol::controller::ModelStatus;
 use crate::roles::ModelSpec;
 use crate::run::ids::RANK_LOG;
 
@@ -20,6 +25,89 @@ use crate::run::ids::RANK_LOG;
 pub(crate) fn path_of(dir: &Path, model: &ModelId, version: Version) -> PathBuf {
     dir.join(model.as_str())
         .join(format!("v{}.safetensors", version.0))
+}
+
+/// The run's state beside `model`'s checkpoint at `version` under `dir`.
+pub(crate) fn state_path_of(dir: &Path, model: &ModelId, version: Version) -> PathBuf {
+    dir.join(model.as_str())
+        .join(format!("v{}.state.toml", version.0))
+}
+
+/// What a checkpoint carries of the run besides the learner: the controller's counts of the
+/// model ([`ModelStatus`]: admissions, loads, fences...) and the eval steps run, a small
+/// versioned TOML file.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub(crate) struct RunState {
+    /// The file's format ([`RunState::FORMAT`]).
+    pub(crate) format: u32,
+    /// The model.
+    pub(crate) model: String,
+    /// The version of the checkpoint it sits beside.
+    pub(crate) version: u64,
+    /// The controller's eval steps by then.
+    pub(crate) evals: u64,
+    /// What the controller said of the model.
+    pub(crate) status: ModelStatus,
+}
+
+impl RunState {
+    /// The format this build writes and reads.
+    pub(crate) const FORMAT: u32 = 1;
+}
+
+/// Writes `state` beside its checkpoint (atomically: a temporary file, then a rename).
+///
+/// # Errors
+/// A file that cannot be written.
+pub(crate) fn write_state(dir: &Path, model: &ModelId, state: &RunState) -> Result<PathBuf> {
+    let path = state_path_of(dir, model, Version(state.version));
+    let text = toml::to_string(state)
+        .map_err(|e| Error::Config(format!("the run state of model `{model}`: {e}")))?;
+    let tmp = path.with_extension("toml.tmp");
+    std::fs::write(&tmp, text)
+        .and_then(|()| std::fs::rename(&tmp, &path))
+        .map_err(|e| Error::Config(format!("cannot write {}: {e}", path.display())))?;
+    Ok(path)
+}
+
+/// Reads the run state beside `model`'s checkpoint at `version`; `None` when there is none
+/// (a checkpoint written on a signal carries none: the counts start from zero).
+///
+/// # Errors
+/// A file that cannot be read or parsed, of another format, model or version, naming it.
+pub(crate) fn read_state(
+    dir: &Path,
+    model: &ModelId,
+    version: Version,
+) -> Result<Option<RunState>> {
+    let path = state_path_of(dir, model, version);
+    let text = match std::fs::read_to_string(&path) {
+        Ok(t) => t,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => {
+            return Err(Error::Config(format!(
+                "resume: cannot read {}: {e}",
+                path.display()
+            )));
+        }
+    };
+    let state: RunState = toml::from_str(&text)
+        .map_err(|e| Error::Config(format!("resume: {} is unusable: {e}", path.display())))?;
+    if state.format != RunState::FORMAT
+        || state.model != model.as_str()
+        || state.version != version.0
+    {
+        return Err(Error::Config(format!(
+            "resume: {} holds format {} of model `{}` v{}, not format {} of `{model}` v{}",
+            path.display(),
+            state.format,
+            state.model,
+            state.version,
+            RunState::FORMAT,
+            version.0
+        )));
+    }
+    Ok(Some(state))
 }
 
 /// The versions `model` has a checkpoint file of under `dir`, oldest first (names only:
@@ -172,6 +260,8 @@ pub(crate) fn write(
         if let Err(e) = std::fs::remove_file(&p) {
             tracing::warn!(model = %model, "cannot remove the old checkpoint {}: {e}", p.display());
         }
+        // its run state, when it has one
+        let _ = std::fs::remove_file(state_path_of(&cfg.dir, model, *old));
     }
     Ok(path)
 }
@@ -265,5 +355,59 @@ mod tests {
         std::fs::write(&path, state("b", 2).to_safetensors_bytes().unwrap()).unwrap();
         let e = read(&c.dir, &a, Version(2)).unwrap_err().to_string();
         assert!(e.contains("holds model `b` v2, not `a` v2"), "{e}");
+    }
+
+    /// The run state round-trips through its file; one of another model, version or format
+    /// is refused naming the file; none is `None`.
+    #[test]
+    fn the_run_state_round_trips_and_refuses_another_models() {
+        let dir = tempfile::tempdir().unwrap();
+        let m = id("policy");
+        std::fs::create_dir_all(dir.path().join("policy")).unwrap();
+        assert_eq!(read_state(dir.path(), &m, Version(4)).unwrap(), None);
+        let status = ModelStatus {
+            train_version: Version(4),
+            rollout_version: Version(4),
+            state: refit_runtime::sync_policy::RolloutState::Running,
+            admissions: 17,
+            blocked: 3,
+            waited: std::time::Duration::from_millis(1500),
+            max_staleness: 2,
+            loads: 8,
+            failed_loads: 1,
+            damaged: 0,
+            fences: 1,
+            fenced_for: std::time::Duration::from_millis(20),
+            fenced: vec![1],
+            last_error: None,
+        };
+        let state = RunState {
+            format: RunState::FORMAT,
+            model: "policy".into(),
+            version: 4,
+            evals: 2,
+            status,
+        };
+        write_state(dir.path(), &m, &state).unwrap();
+        assert_eq!(
+            read_state(dir.path(), &m, Version(4)).unwrap(),
+            Some(state.clone())
+        );
+        // a file of another model
+        let other = RunState {
+            model: "critic".into(),
+            ..state
+        };
+        let text = toml::to_string(&other).unwrap();
+        std::fs::write(state_path_of(dir.path(), &m, Version(4)), text).unwrap();
+        let e = read_state(dir.path(), &m, Version(4))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("v4.state.toml") && e.contains("`critic`"), "{e}");
+        std::fs::write(state_path_of(dir.path(), &m, Version(4)), "format = ").unwrap();
+        let e = read_state(dir.path(), &m, Version(4))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("unusable"), "{e}");
     }
 }

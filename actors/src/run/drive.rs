@@ -12,13 +12,13 @@ use tracing::Instrument;
 
 use crate::actor::controller::VersionNotifier;
 use crate::error::{Error, Result};
-use crate::protocol::controller::{AwaitDrained, AwaitSynced, ControllerRef};
+use crate::protocol::controller::{AwaitDrained, AwaitSynced, ControllerRef, GetStatus};
 use crate::protocol::lead::{LeadRef, Progress, UpdateLine};
 use crate::protocol::pool::{AwaitBatch, PoolBatch, PoolRef, TakeBatch};
 use crate::protocol::trainer::{SaveState, TrainAndPublish};
 use refit_runtime::topology::CheckpointSection;
 
-use super::checkpoint;
+use super::checkpoint::{self, RunState};
 use super::ids::RANK_LOG;
 use super::{ModelReport, StopRule, UpdateRecord};
 
@@ -264,6 +264,7 @@ impl Driver {
         let path = actix_rt::task::spawn_blocking(move || checkpoint::write(&cfg, &model, &state))
             .await
             .map_err(|e| Error::Actor(format!("the checkpoint thread failed: {e}")))??;
+        self.save_run_state(&c.cfg, version).await;
         tracing::info!(target: RANK_LOG,
             "model `{}` v{version}: checkpoint {} ({}) in {:.0} ms",
             self.model,
@@ -272,6 +273,41 @@ impl Driver {
             started.elapsed().as_secs_f64() * 1e3
         );
         Ok(())
+    }
+
+    /// Writes what the controller counted of the model beside `version`'s checkpoint (a
+    /// resumed run's counts go on from it). A controller that does not answer, or a file
+    /// that cannot be written, is logged: the checkpoint stays usable, its counts start
+    /// from zero when resumed.
+    async fn save_run_state(&self, cfg: &CheckpointSection, version: Version) {
+        let status = match self
+            .controller
+            .status
+            .send(GetStatus)
+            .timeout(self.call)
+            .await
+        {
+            Ok(s) => s,
+            Err(e) => {
+                tracing::warn!(target: RANK_LOG,
+                    "model `{}` v{version}: no run state beside the checkpoint: the controller: {e}",
+                    self.model);
+                return;
+            }
+        };
+        let Some(model) = status.models.get(&self.model) else {
+            return;
+        };
+        let state = RunState {
+            format: RunState::FORMAT,
+            model: self.model.to_string(),
+            version: version.0,
+            evals: status.evals,
+            status: model.clone(),
+        };
+        if let Err(e) = checkpoint::write_state(&cfg.dir, &self.model, &state) {
+            tracing::warn!(target: RANK_LOG, "model `{}` v{version}: {e}", self.model);
+        }
     }
 
     /// With checkpoints: an action that saves the trainer's state as its version's

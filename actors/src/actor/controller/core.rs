@@ -198,6 +198,27 @@ impl SyncCore {
         })
     }
 
+    /// Carries `model`'s counters over from a run this one resumes (its `status` at the
+    /// checkpoint, and the eval steps it had run): later counts add to them. The versions
+    /// and the timeline are not carried: the versions come from the checkpoint itself, the
+    /// timeline starts with this run.
+    pub(crate) fn carry(&mut self, model: &ModelId, status: &ModelStatus, evals: u64) {
+        let c = self.counters.entry(model.clone()).or_default();
+        c.admissions += status.admissions;
+        c.blocked += status.blocked;
+        c.waited += status.waited;
+        c.max_staleness = c.max_staleness.max(status.max_staleness);
+        c.loads += status.loads;
+        c.failed_loads += status.failed_loads;
+        c.damaged += status.damaged;
+        c.fences += status.fences;
+        c.fenced_for += status.fenced_for;
+        if c.last_error.is_none() {
+            c.last_error.clone_from(&status.last_error);
+        }
+        self.evals = self.evals.max(evals);
+    }
+
     /// The configuration.
     pub(crate) fn config(&self) -> &SyncConfig {
         self.policy.config()

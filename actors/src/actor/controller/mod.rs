@@ -32,7 +32,7 @@ use self::fleet::{Fleet, load_one};
 use crate::error::{Error, Result};
 use crate::protocol::controller::{
     AddEngine, Admission, AwaitDrained, AwaitRollout, AwaitSynced, BatchReady, CheckRollout,
-    DropEngine, EndValidate, GetStatus, NotifyOutcome, NotifyVersion, RolloutDone,
+    DropEngine, EndValidate, GetStatus, ModelStatus, NotifyOutcome, NotifyVersion, RolloutDone,
 };
 use crate::protocol::engine::{CancelInFlight, EngineRef, ServedVersions};
 use crate::protocol::eval::{EvalReport, RunEval};
@@ -114,6 +114,15 @@ impl WeightSyncController {
     #[must_use]
     pub fn with_commit(mut self, model: ModelId, rule: Commit) -> Self {
         self.commit.insert(model, rule);
+        self
+    }
+
+    /// Carries `model`'s counters over from the run this one resumes: `status` is what the
+    /// controller said of it at the checkpoint, `evals` the eval steps run by then; the
+    /// counts of this run add to them.
+    #[must_use]
+    pub fn carrying(mut self, model: &ModelId, status: &ModelStatus, evals: u64) -> Self {
+        self.core.carry(model, status, evals);
         self
     }
 

@@ -13,8 +13,9 @@ use crate::error::Result;
 use crate::protocol::controller::{ControllerLink, ControllerRef};
 use crate::protocol::lead::LeadRef;
 use crate::remote::RemoteAddr;
+use crate::run::checkpoint;
 use crate::run::gate::RankGate;
-use crate::run::ids::{Served, actor_id};
+use crate::run::ids::{RANK_LOG, Served, actor_id};
 use crate::run::lead::{Lead, LeadSetup};
 
 use super::{Evaluating, RankCtx};
@@ -68,16 +69,11 @@ pub(crate) fn start(ctx: &RankCtx, eval: Evaluating) -> Result<Heads> {
         });
     }
     let node = &ctx.node;
-    let c = ctx
-        .setup
-        .topo
-        .models
-        .iter()
-        .fold(
-            WeightSyncController::new(&ctx.sync, ctx.ids.clone(), Vec::new(), eval.evaluator)?,
-            |c, m| c.with_commit(m.id.clone(), m.commit),
-        )
-        .start();
+    let c = ctx.setup.topo.models.iter().fold(
+        WeightSyncController::new(&ctx.sync, ctx.ids.clone(), Vec::new(), eval.evaluator)?,
+        |c, m| c.with_commit(m.id.clone(), m.commit),
+    );
+    let c = carried(ctx, c)?.start();
     let cref = ControllerRef::local(&c);
     cref.serve(node, actor_id(Served::Controller, 0, 0, 0));
     let mut gates = BTreeMap::new();
@@ -115,4 +111,32 @@ pub(crate) fn start(ctx: &RankCtx, eval: Evaluating) -> Result<Heads> {
         }),
         _evaluating: None,
     })
+}
+
+/// With `[checkpoint] resume`: the controller carrying each model's counts from the run
+/// state beside the checkpoint it resumes (a checkpoint without one, written on a signal,
+/// starts them from zero, said in the log).
+///
+/// # Errors
+/// A run state that cannot be read, or of another model, version or format, naming it.
+fn carried(ctx: &RankCtx, mut c: WeightSyncController) -> Result<WeightSyncController> {
+    let Some(cfg) = ctx.setup.topo.checkpoint.as_ref().filter(|c| c.resume) else {
+        return Ok(c);
+    };
+    let at = checkpoint::resume_version(cfg, &ctx.ids)?;
+    for m in &ctx.ids {
+        match checkpoint::read_state(&cfg.dir, m, at)? {
+            Some(state) => {
+                tracing::info!(target: RANK_LOG,
+                    "{}: model `{m}`: the controller's counts go on from version {at}'s: {} \
+                     rollouts admitted, {} loads, {} eval steps",
+                    ctx.who, state.status.admissions, state.status.loads, state.evals);
+                c = c.carrying(m, &state.status, state.evals);
+            }
+            None => tracing::info!(target: RANK_LOG,
+                "{}: model `{m}`: version {at}'s checkpoint carries no run state; the \
+                 controller's counts start from zero", ctx.who),
+        }
+    }
+    Ok(c)
 }
