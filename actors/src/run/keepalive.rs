@@ -14,6 +14,9 @@ use super::ids::RANK_LOG;
 use super::peers::blocking;
 use super::rendezvous::{Rendezvous, WatchGuard, watch};
 
+/// How often a wait on the store looks whether the keepalive found rank 0 gone.
+const GONE_POLL: Duration = Duration::from_millis(50);
+
 /// What a rank knows of rank 0's life: set once its keepalive found rank 0 gone, and why.
 pub(crate) struct LeadWatch {
     gone: Arc<AtomicBool>,
@@ -49,14 +52,37 @@ impl LeadWatch {
     }
 
     /// Waits (on a blocking thread) until one of `keys` is set in the store, or rank 0 is
-    /// gone: answers the key that was set, `None` when rank 0 is gone.
+    /// gone: answers the key that was set, `None` when rank 0 is gone (within
+    /// [`GONE_POLL`] of the keepalive's verdict: a store call to a silent rank 0 in flight
+    /// then is left to end on its thread).
+    ///
+    /// # Cancel safety
+    /// Cancel safe: dropped, the store calls in flight end on their thread within their
+    /// own deadline.
     pub(crate) async fn wait_keys(
         &self,
         rv: &Rendezvous,
         keys: &'static [&'static str],
     ) -> Result<Option<&'static str>> {
-        // short calls: a silent rank 0 must not hold this loop past the keepalive's verdict
+        // short calls: a silent rank 0 must not hold the thread long past the verdict
         let store = rv.store().clone().with_timeout(Duration::from_secs(1));
+        let gone = Arc::clone(&self.gone);
+        let mut waiting = std::pin::pin!(self.poll_keys(store, keys));
+        loop {
+            match actix_rt::time::timeout(GONE_POLL, &mut waiting).await {
+                Ok(r) => return r,
+                Err(_) if gone.load(Ordering::SeqCst) => return Ok(None),
+                Err(_) => {}
+            }
+        }
+    }
+
+    /// The store loop of [`LeadWatch::wait_keys`], on a blocking thread.
+    async fn poll_keys(
+        &self,
+        store: refit_node::StoreClient,
+        keys: &'static [&'static str],
+    ) -> Result<Option<&'static str>> {
         let gone = Arc::clone(&self.gone);
         blocking("waiting for rank 0", move || {
             loop {
