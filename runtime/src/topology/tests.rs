@@ -921,6 +921,15 @@ fn bad_launch_keys_are_named() {
     ))
     .unwrap();
     assert_eq!(t.processes[0].restart, Restart::OnFailure);
+    // a trainer rank other than rank 0 cannot restart alone: rank 0's restart covers it
+    refused(
+        &format!(
+            "{}[[process]]\nname = \"shards\"\nreplicas = 2\nroles = [\"trainer\"]\nrestart = \"on-failure\"\n",
+            small("")
+        ),
+        "process[shards].restart",
+        &["`shards` holds a trainer", "rank 0's process (`learner`)"],
+    );
     assert_eq!(
         t.checkpoint.as_ref().map(|c| (c.every, c.keep)),
         Some((5, 2))

@@ -354,7 +354,8 @@ fn check_ports(processes: &[ProcessSection]) -> Result<()> {
 
 /// Rank 0's process may say `restart = "on-failure"` only in a run with `[checkpoint]`: its
 /// failure then restarts every rank, resumed from the last checkpoint (rank 0 alone cannot
-/// come back: the store and the controller's state go with it).
+/// come back: the store and the controller's state go with it). Another trainer process
+/// may not say it: a trainer rank's failure ends the run, which rank 0's restart covers.
 fn check_lead_restart(raw: &RawTopology) -> Result<()> {
     let Some(first) = raw.processes.first() else {
         return Ok(());
@@ -367,6 +368,24 @@ fn check_lead_restart(raw: &RawTopology) -> Result<()> {
                  a [checkpoint] section (every rank then starts again from the last \
                  checkpoint)",
                 first.name
+            ),
+        ));
+    }
+    // a trainer rank cannot come back alone either: the run restarts whole, by rank 0's
+    if let Some(p) = raw
+        .processes
+        .iter()
+        .skip(1)
+        .find(|p| p.has(Role::Trainer) && p.restart != Restart::Never)
+    {
+        return Err(bad(
+            format!("process[{}].restart", p.name),
+            format!(
+                "process `{}` holds a trainer, which cannot rejoin a running run alone: its \
+                 failure ends the run. To go on from the last checkpoint, say restart = \
+                 \"on-failure\" on rank 0's process (`{}`) with a [checkpoint] section: \
+                 every rank then starts again",
+                p.name, first.name
             ),
         ));
     }
