@@ -33,8 +33,9 @@ use crate::protocol::engine::{
     ServedVersions, StageModel, StageReport, UpdateModel,
 };
 
+use super::staging::{Committing, Holds, StagedVersion};
+use super::stale;
 use super::verify::{Damage, ServedHashes, Unverified};
-use super::{commit_refused, stale};
 
 type Waiter = oneshot::Sender<Result<ActedBatch>>;
 type SharedInlet = Arc<Mutex<Box<dyn WeightInlet>>>;
@@ -54,8 +55,12 @@ struct Held {
     guard: InletGuard,
     /// Lock wait and fetch.
     staged: Duration,
-    /// Drops it when no commit comes in time.
-    expiry: SpawnHandle,
+}
+
+impl StagedVersion for Held {
+    fn version(&self) -> Version {
+        self.weights.version()
+    }
 }
 
 struct Slot<P> {
@@ -73,8 +78,6 @@ struct Slot<P> {
     verify: Option<ServedHashes>,
     /// Serialises the applies of this model (a load through the inlet and pushed loads).
     apply_lock: Arc<Mutex<()>>,
-    /// A version staged for a fleet-wide commit.
-    held: Option<Held>,
 }
 
 /// Serves actions for one or several models; pauses, loads weights and continues.
@@ -88,6 +91,8 @@ pub struct InferenceEngine<P: Policy> {
     epoch: u64,
     rng: SmallRng,
     stats: EngineStats,
+    /// The versions staged for fleet-wide commits.
+    holds: Holds<Held>,
 }
 
 /// How long a request queues on a paused engine by default before it is answered with a
@@ -134,6 +139,7 @@ impl<P: Policy + Unpin + 'static> InferenceEngine<P> {
             epoch: 0,
             rng: SmallRng::seed_from_u64(seed),
             stats: EngineStats::default(),
+            holds: Holds::default(),
         }
     }
 
@@ -192,7 +198,6 @@ impl<P: Policy + Unpin + 'static> InferenceEngine<P> {
             queued: VecDeque::new(),
             verify: None,
             apply_lock: Arc::default(),
-            held: None,
         };
         self.models.insert(id, slot);
         Ok(self)
@@ -610,13 +615,6 @@ impl<P: Policy + Unpin + 'static> InferenceEngine<P> {
             }))
         }))
     }
-
-    /// Takes what a stage holds of `model` (its expiry disarmed).
-    fn take_held(&mut self, model: &ModelId, ctx: &mut Context<Self>) -> Option<Held> {
-        let held = self.models.get_mut(model)?.held.take()?;
-        ctx.cancel_future(held.expiry);
-        Some(held)
-    }
 }
 
 impl<P: Policy + Unpin + 'static> Handler<UpdateModel> for InferenceEngine<P> {
@@ -629,7 +627,7 @@ impl<P: Policy + Unpin + 'static> Handler<UpdateModel> for InferenceEngine<P> {
             timeout,
         } = msg;
         // a version staged for a commit that never came gives its lock to this load
-        let held = self.take_held(&model, ctx).map(|h| h.guard);
+        let held = self.holds.take(&model, ctx).map(|h| h.guard);
         Box::pin(
             self.fetch_locked(model.clone(), version, timeout, held)
                 .then(move |(fetched, staged), act, _| match fetched {
@@ -653,7 +651,7 @@ impl<P: Policy + Unpin + 'static> Handler<StageModel> for InferenceEngine<P> {
             timeout,
             hold,
         } = msg;
-        let held = self.take_held(&model, ctx).map(|h| h.guard);
+        let held = self.holds.take(&model, ctx).map(|h| h.guard);
         Box::pin(
             self.fetch_locked(model.clone(), version, timeout, held)
                 .map(move |(fetched, staged), act, ctx| {
@@ -661,21 +659,13 @@ impl<P: Policy + Unpin + 'static> Handler<StageModel> for InferenceEngine<P> {
                         Fetched::Served(current) => (current, false),
                         Fetched::New(guard, weights) => {
                             let v = weights.version();
-                            let m = model.clone();
-                            let expiry = ctx.run_later(hold, move |act, _| {
-                                if let Some(slot) = act.models.get_mut(&m)
-                                    && slot.held.as_ref().is_some_and(|h| h.weights.version() == v)
-                                {
-                                    slot.held = None;
-                                    tracing::warn!(model = %m, "v{v} was staged but neither committed nor aborted within {hold:?}: dropped");
-                                }
-                            });
-                            act.slot(&model)?.held = Some(Held {
+                            let held = Held {
                                 weights,
                                 guard,
                                 staged,
-                                expiry,
-                            });
+                            };
+                            act.holds
+                                .hold(model.clone(), held, hold, ctx, |a| &mut a.holds);
                             (v, true)
                         }
                     };
@@ -699,21 +689,10 @@ impl<P: Policy + Unpin + 'static> Handler<CommitModel> for InferenceEngine<P> {
             Ok(s) => s.version,
             Err(e) => return Box::pin(fut::ready(Err(e))),
         };
-        match self.take_held(&model, ctx) {
-            Some(h) if h.weights.version() == version => {
-                self.commit_fetched(h.guard, h.weights, h.staged)
-            }
-            None if served >= version => Box::pin(fut::ready(Ok(LoadReport::already_served(
-                model,
-                served,
-                Duration::ZERO,
-            )))),
-            held => {
-                let staged = held.map(|h| h.weights.version());
-                Box::pin(fut::ready(Err(commit_refused(
-                    &model, version, staged, served,
-                ))))
-            }
+        match self.holds.commit(&model, version, served, ctx) {
+            Ok(Committing::Apply(h)) => self.commit_fetched(h.guard, h.weights, h.staged),
+            Ok(Committing::Served(report)) => Box::pin(fut::ready(Ok(report))),
+            Err(e) => Box::pin(fut::ready(Err(e))),
         }
     }
 }
@@ -722,7 +701,7 @@ impl<P: Policy + Unpin + 'static> Handler<AbortStage> for InferenceEngine<P> {
     type Result = ();
 
     fn handle(&mut self, msg: AbortStage, ctx: &mut Context<Self>) {
-        drop(self.take_held(&msg.model, ctx));
+        drop(self.holds.take(&msg.model, ctx));
     }
 }
 

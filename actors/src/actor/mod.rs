@@ -32,6 +32,7 @@ pub mod gen_eval;
 pub mod gen_rollout;
 pub mod pool;
 pub mod rollout;
+mod staging;
 pub mod verify;
 pub mod workers;
 
@@ -73,21 +74,4 @@ fn stale(model: &ModelId, offered: Version, current: Version) -> Error {
         offered,
         current,
     })
-}
-
-/// A commit of `version` of `model` refused: `staged` is what was staged (now dropped), if
-/// anything, and `served` the version served.
-fn commit_refused(
-    model: &ModelId,
-    version: Version,
-    staged: Option<Version>,
-    served: Version,
-) -> Error {
-    let staged = staged.map_or_else(
-        || "nothing is staged".to_string(),
-        |v| format!("v{v} is staged (now dropped)"),
-    );
-    Error::Actor(format!(
-        "model `{model}`: commit of v{version} refused: {staged} and v{served} is served"
-    ))
 }

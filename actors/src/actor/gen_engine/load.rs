@@ -8,6 +8,7 @@ use refit_runtime::metrics::{self, Side};
 use refit_runtime::{ModelId, Version, WeightSet};
 use tokio::sync::{OwnedMutexGuard, oneshot};
 
+use crate::actor::staging::StagedVersion;
 use crate::error::{Error, Result};
 use crate::generation::Generator;
 use crate::scheduler::Swap;
@@ -60,6 +61,12 @@ pub(super) struct Held<G: Generator> {
     pub(super) staged: Duration,
     /// Whether the version came through the inlet (it is acknowledged once served).
     inlet: bool,
+}
+
+impl<G: Generator> StagedVersion for Held<G> {
+    fn version(&self) -> Version {
+        self.version
+    }
 }
 
 impl<G: Generator> Held<G> {

@@ -34,6 +34,7 @@ use crate::generation::{Completion, Generator, PauseMode};
 use crate::link::WeightInlet;
 use crate::scheduler::{Scheduler, SchedulerConfig, SchedulerStats};
 
+use super::staging::{Committing, Holds};
 use crate::protocol::engine::{
     AbortStage, ActBatch, ActedBatch, CancelInFlight, CommitModel, EngineStats, Generate,
     GetEngineStats, LoadReport, LoadWeights, Score, ServedVersions, StageModel, StageReport,
@@ -181,9 +182,6 @@ struct Slot<G: Generator> {
     follows: Option<ModelId>,
     /// The followers this model's loads refresh.
     followers: Vec<Follower<G::Weights>>,
-    /// A version staged for a fleet-wide commit ([`StageModel`]), and what drops it when no
-    /// commit comes in time.
-    held: Option<(Held<G>, SpawnHandle)>,
 }
 
 /// Serves [`Generate`] for one or several models; see the [module documentation](self).
@@ -194,6 +192,8 @@ pub struct GenerationEngine<G: Generator> {
     push_timeout: Duration,
     /// Staging time and refused requests (the decoding threads count the rest).
     stats: EngineStats,
+    /// The versions staged for fleet-wide commits ([`StageModel`]).
+    holds: Holds<Held<G>>,
 }
 
 impl<G: Generator> std::fmt::Debug for GenerationEngine<G> {
@@ -220,6 +220,7 @@ impl<G: Generator> GenerationEngine<G> {
             epoch: 0,
             push_timeout: Duration::from_secs(60),
             stats: EngineStats::default(),
+            holds: Holds::default(),
         }
     }
 
@@ -333,7 +334,6 @@ impl<G: Generator> GenerationEngine<G> {
                 loader,
                 follows: follows.map(|(of, _)| of),
                 followers: Vec::new(),
-                held: None,
             },
         );
         Ok(self)
@@ -360,13 +360,6 @@ impl<G: Generator> GenerationEngine<G> {
             loader: Arc::clone(&slot.loader),
             followers: slot.followers.clone(),
         })
-    }
-
-    /// Takes what a stage holds of `model` (its expiry disarmed).
-    fn take_held(&mut self, model: &ModelId, ctx: &mut Context<Self>) -> Option<Held<G>> {
-        let (held, expiry) = self.models.get_mut(model)?.held.take()?;
-        ctx.cancel_future(expiry);
-        Some(held)
     }
 
     /// Hands a request to `model`'s decoding thread and waits for its answer.
@@ -511,7 +504,7 @@ impl<G: Generator> Handler<UpdateModel> for GenerationEngine<G> {
             Err(e) => return Box::pin(fut::ready(Err(e))),
         };
         // a version staged for a commit that never came gives its lock to this load
-        let held = self.take_held(&msg.model, ctx).map(Held::into_guard);
+        let held = self.holds.take(&msg.model, ctx).map(Held::into_guard);
         let source = Source::Inlet {
             version: msg.version,
         };
@@ -532,7 +525,7 @@ impl<G: Generator> Handler<StageModel> for GenerationEngine<G> {
             Ok(j) => j,
             Err(e) => return Box::pin(fut::ready(Err(e))),
         };
-        let held = self.take_held(&msg.model, ctx).map(Held::into_guard);
+        let held = self.holds.take(&msg.model, ctx).map(Held::into_guard);
         let StageModel {
             model,
             version,
@@ -548,19 +541,8 @@ impl<G: Generator> Handler<StageModel> for GenerationEngine<G> {
                 Staging::Served(current) => (current, false),
                 Staging::New(held) => {
                     let v = held.version;
-                    let m = model.clone();
-                    let expiry = ctx.run_later(hold, move |act, _| {
-                        if let Some(slot) = act.models.get_mut(&m)
-                            && slot.held.as_ref().is_some_and(|(h, _)| h.version == v)
-                        {
-                            slot.held = None;
-                            tracing::warn!(model = %m, "v{v} was staged but neither committed nor aborted within {hold:?}: dropped");
-                        }
-                    });
-                    match act.models.get_mut(&model) {
-                        Some(slot) => slot.held = Some((held, expiry)),
-                        None => return Err(Error::Runtime(refit_runtime::Error::UnknownModel(model))),
-                    }
+                    act.holds
+                        .hold(model.clone(), held, hold, ctx, |a| &mut a.holds);
                     (v, true)
                 }
             };
@@ -588,18 +570,10 @@ impl<G: Generator> Handler<CommitModel> for GenerationEngine<G> {
             Err(e) => return Box::pin(fut::ready(Err(e))),
         };
         let served = job.served().unwrap_or(Version::ZERO);
-        let held = match self.take_held(&model, ctx) {
-            Some(h) if h.version == version => h,
-            None if served >= version => {
-                let report = LoadReport::already_served(model, served, Duration::ZERO);
-                return Box::pin(fut::ready(Ok(report)));
-            }
-            held => {
-                let staged = held.map(|h| h.version);
-                return Box::pin(fut::ready(Err(super::commit_refused(
-                    &model, version, staged, served,
-                ))));
-            }
+        let held = match self.holds.commit(&model, version, served, ctx) {
+            Ok(Committing::Apply(h)) => h,
+            Ok(Committing::Served(report)) => return Box::pin(fut::ready(Ok(report))),
+            Err(e) => return Box::pin(fut::ready(Err(e))),
         };
         let deadline = std::time::Instant::now() + timeout;
         let commit = async move {
@@ -617,7 +591,7 @@ impl<G: Generator> Handler<AbortStage> for GenerationEngine<G> {
     type Result = ();
 
     fn handle(&mut self, msg: AbortStage, ctx: &mut Context<Self>) {
-        drop(self.take_held(&msg.model, ctx));
+        drop(self.holds.take(&msg.model, ctx));
     }
 }
 

@@ -1,0 +1,131 @@
+//! The stage-then-commit life-cycle both engine families share: a version staged for a
+//! fleet-wide commit is held (with its model's load lock) until the controller commits or
+//! aborts it, or its hold runs out; a commit applies the version held, finds it served
+//! already, or is refused naming both versions. What differs between the families is how a
+//! version is staged and applied, not this bookkeeping.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use actix::prelude::*;
+use refit_runtime::{ModelId, Version};
+
+use crate::error::{Error, Result};
+use crate::protocol::engine::LoadReport;
+
+/// A version staged and held for its commit.
+pub(crate) trait StagedVersion {
+    /// The version staged.
+    fn version(&self) -> Version;
+}
+
+/// The versions an engine holds for their commits, one per model, each with what drops it
+/// when no commit comes in time.
+pub(crate) struct Holds<H> {
+    held: BTreeMap<ModelId, (H, SpawnHandle)>,
+}
+
+impl<H> Default for Holds<H> {
+    fn default() -> Self {
+        Self {
+            held: BTreeMap::new(),
+        }
+    }
+}
+
+/// What a commit does.
+pub(crate) enum Committing<H> {
+    /// Applies the version held.
+    Apply(H),
+    /// Nothing: the version (or a newer one) is served already.
+    Served(LoadReport),
+}
+
+impl<H: StagedVersion + 'static> Holds<H> {
+    /// Holds `staged` for `model` until its commit, its abort, or `hold` passes (then it is
+    /// dropped, with a warning, unless another version took its place); `holds` finds these
+    /// holds in the actor when the time comes. A version held before is dropped.
+    pub(crate) fn hold<A>(
+        &mut self,
+        model: ModelId,
+        staged: H,
+        hold: Duration,
+        ctx: &mut Context<A>,
+        holds: fn(&mut A) -> &mut Self,
+    ) where
+        A: Actor<Context = Context<A>>,
+    {
+        let v = staged.version();
+        let m = model.clone();
+        let expiry = ctx.run_later(hold, move |act, _| {
+            let held = &mut holds(act).held;
+            if held.get(&m).is_some_and(|(h, _)| h.version() == v) {
+                held.remove(&m);
+                tracing::warn!(model = %m, "v{v} was staged but neither committed nor aborted within {hold:?}: dropped");
+            }
+        });
+        if let Some((_, old)) = self.held.insert(model, (staged, expiry)) {
+            ctx.cancel_future(old);
+        }
+    }
+
+    /// Takes what is held for `model` (its expiry disarmed): for its commit, or to drop it
+    /// (an abort), or to give its lock to a load that does not wait for a commit.
+    pub(crate) fn take<A>(&mut self, model: &ModelId, ctx: &mut Context<A>) -> Option<H>
+    where
+        A: Actor<Context = Context<A>>,
+    {
+        let (staged, expiry) = self.held.remove(model)?;
+        ctx.cancel_future(expiry);
+        Some(staged)
+    }
+
+    /// The commit of `version` of `model`, whose engine serves `served`: the version held
+    /// is applied; with nothing held, a version served already answers at once.
+    ///
+    /// # Errors
+    /// A commit of another version than the one held (which is dropped), or of a version
+    /// neither held nor served, naming both.
+    pub(crate) fn commit<A>(
+        &mut self,
+        model: &ModelId,
+        version: Version,
+        served: Version,
+        ctx: &mut Context<A>,
+    ) -> Result<Committing<H>>
+    where
+        A: Actor<Context = Context<A>>,
+    {
+        match self.take(model, ctx) {
+            Some(h) if h.version() == version => Ok(Committing::Apply(h)),
+            None if served >= version => Ok(Committing::Served(LoadReport::already_served(
+                model.clone(),
+                served,
+                Duration::ZERO,
+            ))),
+            held => Err(commit_refused(
+                model,
+                version,
+                held.map(|h| h.version()),
+                served,
+            )),
+        }
+    }
+}
+
+/// A commit of `version` of `model` refused: `staged` is what was staged (now dropped), if
+/// anything, and `served` the version served.
+fn commit_refused(
+    model: &ModelId,
+    version: Version,
+    staged: Option<Version>,
+    served: Version,
+) -> Error {
+    let staged = staged.map_or_else(
+        || "nothing is staged".to_string(),
+        |v| format!("v{v} is staged (now dropped)"),
+    );
+    Error::Actor(format!(
+        "model `{model}`: commit of v{version} refused: {staged} and v{served} is served"
+    ))
+}
