@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 mod common;
-use common::launch::{Launch, shipped_topology};
+use common::launch::{Launch, last_version, shipped_topology};
 
 /// The shipped file, checkpointing every 3 versions into `dir/ckpt`, stopping at version
 /// `last` (its `max_updates` is `last - 1`: counted from the run's version 1), with no
@@ -73,14 +73,6 @@ fn counted(state: &str, key: &str) -> u64 {
         .lines()
         .find_map(|l| l.strip_prefix(&format!("{key} = "))?.trim().parse().ok())
         .unwrap_or_else(|| panic!("no `{key}` in {state}"))
-}
-
-/// The version of the last `policy vN: ` update line in `out`.
-fn last_version(out: &str) -> u64 {
-    out.lines()
-        .filter_map(|l| l.split("policy v").nth(1)?.split(':').next()?.parse().ok())
-        .max()
-        .unwrap_or(0)
 }
 
 #[test]

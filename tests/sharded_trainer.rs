@@ -12,7 +12,7 @@ use std::time::Duration;
 
 mod common;
 use common::example;
-use common::launch::{Launch, pid_in};
+use common::launch::{Launch, last_version, pid_in};
 
 /// The versions rank 1's driver published (`weight_update{model=policy from=1 to=2}:
 /// trained and published`).
@@ -209,14 +209,6 @@ fn a_frozen_shard_fails_the_update_naming_it_and_the_version_is_not_published() 
         !out.contains(&format!("model `policy` v{version}: shard 0 of 2")),
         "v{version} was never assembled\n{out}"
     );
-}
-
-/// The version of the last `policy vN: ` update line in `out`.
-fn last_version(out: &str) -> u64 {
-    out.lines()
-        .filter_map(|l| l.split("policy v").nth(1)?.split(':').next()?.parse().ok())
-        .max()
-        .unwrap_or(0)
 }
 
 /// A sharded trainer checkpoints (shard 0 saves; every shard holds the whole state, so each

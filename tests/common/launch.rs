@@ -221,3 +221,11 @@ pub(crate) fn shipped_topology(
     std::fs::write(&path, text.join("\n")).unwrap();
     path
 }
+
+/// The version of the last `policy vN: ` update line in `out`.
+pub(crate) fn last_version(out: &str) -> u64 {
+    out.lines()
+        .filter_map(|l| l.split("policy v").nth(1)?.split(':').next()?.parse().ok())
+        .max()
+        .unwrap_or(0)
+}
