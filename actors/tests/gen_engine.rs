@@ -578,7 +578,7 @@ async fn a_staged_version_is_served_only_once_committed() {
 /// crosses and an old generation is refused with its variant.
 #[test]
 fn generate_across_nodes() {
-    use refit_actors::protocol::EngineRef;
+    use refit_actors::protocol::engine::EngineHandle;
     use refit_actors::remote::RemoteAddr;
     use refit_node::{ClusterToken, Node};
     use uuid::Uuid;
@@ -595,7 +595,8 @@ fn generate_across_nodes() {
             .unwrap()
             .start();
         let target = Uuid::new_v4();
-        EngineRef::local(&engine).serve(&server, target);
+        // the weight plane and the generating engine's requests, under one target
+        EngineHandle::generating(&engine).serve(&server, target);
         let remote = RemoteAddr::connect(&client, server.addr(), target, "gen-engine", DEADLINE)
             .await
             .unwrap();

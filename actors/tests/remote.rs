@@ -727,7 +727,9 @@ mod framework {
                 .unwrap()
                 .start();
             let engine_id = Uuid::new_v4();
-            EngineRef::local(&engine).serve(&engine_node, engine_id);
+            // its weight plane and its actions, under one target
+            refit_actors::protocol::engine::EngineHandle::acting(&engine)
+                .serve(&engine_node, engine_id);
 
             let wait = Duration::from_secs(20);
             let remote_engine =

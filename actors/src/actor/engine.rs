@@ -24,13 +24,12 @@ use tokio::sync::{Mutex, oneshot};
 
 use crate::collector::policy_model_id;
 use crate::error::{Error, Result};
-use crate::generation::Completion;
 use crate::link::WeightInlet;
 use crate::policy::{ActionOut, Policy};
 use crate::protocol::engine::{
     AbortStage, Act, ActBatch, Acted, ActedBatch, CancelInFlight, CommitModel, Continue,
-    EngineStats, Generate, GetEngineStats, LoadReport, LoadWeights, Pause, Score, ServedVersion,
-    ServedVersions, StageModel, StageReport, UpdateModel,
+    EngineStats, GetEngineStats, LoadReport, LoadWeights, Pause, ServedVersion, ServedVersions,
+    StageModel, StageReport, UpdateModel,
 };
 
 use super::staging::{Committing, Holds, StagedVersion};
@@ -725,28 +724,6 @@ impl<P: Policy + Unpin + 'static> Handler<ServedVersions> for InferenceEngine<P>
                 .map(|(m, s)| (m.clone(), s.version))
                 .collect(),
         )
-    }
-}
-
-impl<P: Policy + Unpin + 'static> Handler<Generate> for InferenceEngine<P> {
-    type Result = Result<Completion>;
-    fn handle(&mut self, msg: Generate, _: &mut Context<Self>) -> Self::Result {
-        Err(Error::Config(format!(
-            "model `{}`: this engine serves actions for observations (ActBatch), not \
-             completions (Generate); serve a generating model with a generating engine",
-            msg.model
-        )))
-    }
-}
-
-impl<P: Policy + Unpin + 'static> Handler<Score> for InferenceEngine<P> {
-    type Result = Result<Completion>;
-    fn handle(&mut self, msg: Score, _: &mut Context<Self>) -> Self::Result {
-        Err(Error::Config(format!(
-            "model `{}`: this engine serves actions for observations (ActBatch), not \
-             scores of completions (Score); serve a generating model with a generating engine",
-            msg.model
-        )))
     }
 }
 

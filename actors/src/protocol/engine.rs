@@ -17,9 +17,10 @@ use actix::prelude::*;
 use refit_runtime::{ModelId, Version, WeightSet};
 use serde::{Deserialize, Serialize};
 
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::generation::{Completion, SamplingParams, Token};
 use crate::policy::ActionOut;
+use crate::remote::RemoteAddr;
 
 /// Asks the engine's default model for an action.
 #[derive(Debug, Message)]
@@ -292,7 +293,8 @@ crate::remote::wire_names! {
     Score => "engine.score",
 }
 
-/// An actor that answers the whole engine protocol (an acting or a generating engine).
+/// An actor that answers the engine's weight plane (an acting or a generating engine): the
+/// calls the controller makes. What it serves beside is [`Requests`].
 pub trait EngineActor:
     Actor
     + Handler<UpdateModel>
@@ -302,9 +304,6 @@ pub trait EngineActor:
     + Handler<CancelInFlight>
     + Handler<ServedVersions>
     + Handler<GetEngineStats>
-    + Handler<ActBatch>
-    + Handler<Generate>
-    + Handler<Score>
 where
     Self::Context: ToEnvelope<Self, UpdateModel>
         + ToEnvelope<Self, StageModel>
@@ -312,10 +311,7 @@ where
         + ToEnvelope<Self, AbortStage>
         + ToEnvelope<Self, CancelInFlight>
         + ToEnvelope<Self, ServedVersions>
-        + ToEnvelope<Self, GetEngineStats>
-        + ToEnvelope<Self, ActBatch>
-        + ToEnvelope<Self, Generate>
-        + ToEnvelope<Self, Score>,
+        + ToEnvelope<Self, GetEngineStats>,
 {
 }
 
@@ -328,26 +324,21 @@ where
         + Handler<AbortStage>
         + Handler<CancelInFlight>
         + Handler<ServedVersions>
-        + Handler<GetEngineStats>
-        + Handler<ActBatch>
-        + Handler<Generate>
-        + Handler<Score>,
+        + Handler<GetEngineStats>,
     A::Context: ToEnvelope<A, UpdateModel>
         + ToEnvelope<A, StageModel>
         + ToEnvelope<A, CommitModel>
         + ToEnvelope<A, AbortStage>
         + ToEnvelope<A, CancelInFlight>
         + ToEnvelope<A, ServedVersions>
-        + ToEnvelope<A, GetEngineStats>
-        + ToEnvelope<A, ActBatch>
-        + ToEnvelope<A, Generate>
-        + ToEnvelope<A, Score>,
+        + ToEnvelope<A, GetEngineStats>,
 {
 }
 
 // ANCHOR: engine_ref
 crate::protocol::role_ref! {
-    /// One engine, in this process or another: the same recipients either way.
+    /// One engine's weight plane, in this process or another: what the controller drives
+    /// (the same recipients either way). What the engine serves beside is [`Requests`].
     pub struct EngineRef {
         /// Loads (`_receive_weights_scheme`).
         update: UpdateModel,
@@ -363,12 +354,6 @@ crate::protocol::role_ref! {
         versions: ServedVersions,
         /// Load statistics.
         stats: GetEngineStats,
-        /// Actions for observations (an acting engine).
-        act: ActBatch,
-        /// Completions for prompts (a generating engine).
-        generate: Generate,
-        /// Scores of given completions (a generating engine).
-        score: Score,
     }
     /// The reference of an engine started in this process.
     pub fn local(engine);
@@ -378,7 +363,163 @@ crate::protocol::role_ref! {
     /// # Panics
     /// Outside a running actix system (the forwarding proxies are actors).
     pub fn remote(engine);
-    /// Serves this engine's protocol on `node` under `target`, for other processes.
+    /// Serves this engine's weight plane on `node` under `target`, for other processes.
     pub fn serve;
+}
+
+crate::protocol::role_ref! {
+    /// What an acting engine serves: actions for observations.
+    pub struct ActRef {
+        /// Actions for a batch of observations.
+        act: ActBatch,
+    }
+    /// The reference of an acting engine started in this process.
+    pub fn local(engine);
+    /// The reference of an acting engine another process serves.
+    ///
+    /// # Panics
+    /// Outside a running actix system.
+    pub fn remote(engine);
+    /// Serves the engine's actions on `node` under `target`.
+    pub fn serve;
+}
+
+crate::protocol::role_ref! {
+    /// What a generating engine serves: completions for prompts, and scores of given
+    /// completions.
+    pub struct GenerateRef {
+        /// Completions for prompts.
+        generate: Generate,
+        /// Scores of given completions (a KL reference's log-probabilities).
+        score: Score,
+    }
+    /// The reference of a generating engine started in this process.
+    pub fn local(engine);
+    /// The reference of a generating engine another process serves.
+    ///
+    /// # Panics
+    /// Outside a running actix system.
+    pub fn remote(engine);
+    /// Serves the engine's completions and scores on `node` under `target`.
+    pub fn serve;
+}
+// ANCHOR_END: engine_ref
+
+/// Which requests an engine serves beside its weight plane.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Family {
+    /// Actions for observations ([`ActRef`]).
+    Acting,
+    /// Completions and scores ([`GenerateRef`]).
+    Generating,
+}
+
+/// The requests one engine serves: an acting engine's actions, or a generating engine's
+/// completions and scores. No engine carries a request it would refuse.
+#[derive(Debug, Clone)]
+pub enum Requests {
+    /// An acting engine.
+    Act(ActRef),
+    /// A generating engine.
+    Generate(GenerateRef),
+}
+
+/// One engine: the weight plane the controller drives, and the requests it serves.
+#[derive(Debug, Clone)]
+pub struct EngineHandle {
+    /// Its weight plane.
+    pub weights: EngineRef,
+    /// What it serves.
+    pub requests: Requests,
+}
+
+impl EngineHandle {
+    /// An acting engine of this process.
+    pub fn acting<A>(engine: &Addr<A>) -> Self
+    where
+        A: EngineActor + Handler<ActBatch>,
+        A::Context: ToEnvelope<A, UpdateModel>
+            + ToEnvelope<A, StageModel>
+            + ToEnvelope<A, CommitModel>
+            + ToEnvelope<A, AbortStage>
+            + ToEnvelope<A, CancelInFlight>
+            + ToEnvelope<A, ServedVersions>
+            + ToEnvelope<A, GetEngineStats>
+            + ToEnvelope<A, ActBatch>,
+    {
+        Self {
+            weights: EngineRef::local(engine),
+            requests: Requests::Act(ActRef::local(engine)),
+        }
+    }
+
+    /// A generating engine of this process.
+    pub fn generating<A>(engine: &Addr<A>) -> Self
+    where
+        A: EngineActor + Handler<Generate> + Handler<Score>,
+        A::Context: ToEnvelope<A, UpdateModel>
+            + ToEnvelope<A, StageModel>
+            + ToEnvelope<A, CommitModel>
+            + ToEnvelope<A, AbortStage>
+            + ToEnvelope<A, CancelInFlight>
+            + ToEnvelope<A, ServedVersions>
+            + ToEnvelope<A, GetEngineStats>
+            + ToEnvelope<A, Generate>
+            + ToEnvelope<A, Score>,
+    {
+        Self {
+            weights: EngineRef::local(engine),
+            requests: Requests::Generate(GenerateRef::local(engine)),
+        }
+    }
+
+    /// An engine of `family` another process serves ([`EngineHandle::serve`]).
+    ///
+    /// # Panics
+    /// Outside a running actix system.
+    pub fn remote(engine: &RemoteAddr, family: Family) -> Self {
+        Self {
+            weights: EngineRef::remote(engine),
+            requests: match family {
+                Family::Acting => Requests::Act(ActRef::remote(engine)),
+                Family::Generating => Requests::Generate(GenerateRef::remote(engine)),
+            },
+        }
+    }
+
+    /// Serves the engine's weight plane and requests on `node` under `target`.
+    pub fn serve(&self, node: &refit_node::Node, target: uuid::Uuid) {
+        self.weights.serve(node, target);
+        match &self.requests {
+            Requests::Act(a) => a.serve(node, target),
+            Requests::Generate(g) => g.serve(node, target),
+        }
+    }
+
+    /// Its actions.
+    ///
+    /// # Errors
+    /// [`Error::Config`] for a generating engine.
+    pub fn act(&self) -> Result<&ActRef> {
+        match &self.requests {
+            Requests::Act(a) => Ok(a),
+            Requests::Generate(_) => Err(Error::Config(
+                "a generating engine serves completions, not actions".into(),
+            )),
+        }
+    }
+
+    /// Its completions and scores.
+    ///
+    /// # Errors
+    /// [`Error::Config`] for an acting engine.
+    pub fn generate(&self) -> Result<&GenerateRef> {
+        match &self.requests {
+            Requests::Generate(g) => Ok(g),
+            Requests::Act(_) => Err(Error::Config(
+                "an acting engine serves actions, not completions".into(),
+            )),
+        }
+    }
 }
 // ANCHOR_END: engine_ref

@@ -12,7 +12,7 @@ use refit_runtime::{ModelId, Version};
 
 use crate::actor::controller::{VersionNotifier, WeightSyncController};
 use crate::error::{Error, Result};
-use crate::protocol::engine::EngineRef;
+use crate::protocol::engine::EngineHandle;
 use crate::protocol::lead::{LeadRef, Rejoin};
 use crate::protocol::rollout::RolloutRef;
 use crate::remote::RemoteAddr;
@@ -85,7 +85,7 @@ fn first_versions(ctx: &RankCtx) -> Result<Vec<(ModelId, Version)>> {
 pub(crate) async fn admit(
     ctx: &RankCtx,
     l: &Leading,
-    engine: Option<&EngineRef>,
+    engine: Option<&EngineHandle>,
     rollouts: &[(ModelId, RolloutRef)],
 ) -> Result<WatchGuard> {
     let nodes = take_cards(ctx).await?;
@@ -148,7 +148,7 @@ async fn add_engine_ranks(
     ctx: &RankCtx,
     l: &Leading,
     nodes: &[(u32, u32, SocketAddr)],
-    engine: Option<&EngineRef>,
+    engine: Option<&EngineHandle>,
     rollouts: &[(ModelId, RolloutRef)],
 ) -> Result<()> {
     let topo = &ctx.setup.topo;
@@ -177,7 +177,10 @@ async fn add_engine_ranks(
                 ctx.call,
             )
             .await?;
-            (EngineRef::remote(&remote), rollout_refs(topo, r, &remote))
+            (
+                EngineHandle::remote(&remote, ctx.setup.work.family()),
+                rollout_refs(topo, r, &remote),
+            )
         };
         l.lead
             .send(AddRank {

@@ -9,7 +9,7 @@ use actix::prelude::*;
 
 use crate::actor::controller::VersionNotifier;
 use crate::error::{Error, Result};
-use crate::protocol::engine::{EngineRef, GetEngineStats};
+use crate::protocol::engine::{EngineHandle, GetEngineStats};
 use crate::protocol::lead::ModelDone;
 use crate::protocol::rollout::{RolloutRef, StartRollouts, StopRollouts};
 use refit_runtime::ModelId;
@@ -203,7 +203,7 @@ pub(crate) async fn finish_member(
     ctx: &mut RankCtx,
     watch: &LeadWatch,
     rollouts: &[(ModelId, RolloutRef)],
-    engine: Option<&EngineRef>,
+    engine: Option<&EngineHandle>,
 ) -> Result<()> {
     let stopped = watch.wait_keys(&ctx.rv, &[STOP_KEY]).await?;
     for model in stop_rollouts(rollouts, ctx.call).await {
@@ -220,6 +220,7 @@ pub(crate) async fn finish_member(
     }
     if let Some(e) = engine
         && let Ok(s) = e
+            .weights
             .stats
             .send(GetEngineStats)
             .timeout(Duration::from_secs(5))

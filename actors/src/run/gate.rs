@@ -12,7 +12,7 @@ use refit_runtime::ModelId;
 use crate::error::{Error, Result};
 use crate::generation::Completion;
 use crate::protocol::controller::{Admission, AwaitRollout, RolloutDone};
-use crate::protocol::engine::{ActBatch, ActedBatch, EngineRef, Generate};
+use crate::protocol::engine::{ActBatch, ActedBatch, EngineHandle, Generate};
 
 /// The rank behind a gate or route died: forget it.
 #[derive(Debug, Clone, Copy, Message)]
@@ -130,12 +130,12 @@ pub(crate) struct RankBack {
     /// The rank.
     pub(crate) rank: u32,
     /// Its engine.
-    pub(crate) engine: EngineRef,
+    pub(crate) engine: EngineHandle,
 }
 
 /// Sends act and generate requests to the first engine whose rank is alive.
 pub(crate) struct EngineRoute {
-    engines: Vec<(u32, EngineRef)>,
+    engines: Vec<(u32, EngineHandle)>,
 }
 
 impl std::fmt::Debug for EngineRoute {
@@ -148,11 +148,11 @@ impl std::fmt::Debug for EngineRoute {
 }
 
 impl EngineRoute {
-    pub(crate) fn new(engines: Vec<(u32, EngineRef)>) -> Self {
+    pub(crate) fn new(engines: Vec<(u32, EngineHandle)>) -> Self {
         Self { engines }
     }
 
-    fn first(&self) -> Result<(u32, EngineRef)> {
+    fn first(&self) -> Result<(u32, EngineHandle)> {
         self.engines
             .first()
             .cloned()
@@ -171,6 +171,7 @@ impl Handler<ActBatch> for EngineRoute {
         Box::pin(async move {
             let (rank, engine) = first?;
             engine
+                .act()?
                 .act
                 .send(msg)
                 .await
@@ -186,6 +187,7 @@ impl Handler<Generate> for EngineRoute {
         Box::pin(async move {
             let (rank, engine) = first?;
             engine
+                .generate()?
                 .generate
                 .send(msg)
                 .await

@@ -16,7 +16,7 @@ use tokio::sync::oneshot;
 use crate::actor::controller::WeightSyncController;
 use crate::error::{Error, Result};
 use crate::protocol::controller::{AddEngine, DropEngine, GetStatus};
-use crate::protocol::engine::{EngineRef, EngineStats, GetEngineStats};
+use crate::protocol::engine::{EngineHandle, EngineRef, EngineStats, Family, GetEngineStats};
 use crate::protocol::lead::{ModelDone, Progress, Rejoin};
 use crate::protocol::rollout::{GetRolloutStats, RolloutRef, RolloutStats, StopRollouts};
 use crate::remote::RemoteAddr;
@@ -136,7 +136,7 @@ struct Slot {
 pub(crate) struct AddRank {
     pub(crate) rank: u32,
     pub(crate) incarnation: u32,
-    pub(crate) engine: EngineRef,
+    pub(crate) engine: EngineHandle,
     pub(crate) rollouts: Vec<(ModelId, RolloutRef)>,
     /// Keepalive of a rank that rejoined (the first ones are watched together).
     pub(crate) watch: Option<std::net::SocketAddr>,
@@ -194,6 +194,8 @@ pub(crate) struct LeadSetup {
     /// Answered once every driver is done, or the run must end.
     pub(crate) done: oneshot::Sender<Result<()>>,
     pub(crate) started: Instant,
+    /// Which requests the run's engines serve (how a rejoining rank's engine is reached).
+    pub(crate) family: Family,
 }
 
 /// The run's lead.
@@ -204,6 +206,7 @@ pub(crate) struct Lead {
     controller: Addr<WeightSyncController>,
     route: Option<Addr<EngineRoute>>,
     gates: BTreeMap<u32, Addr<RankGate>>,
+    family: Family,
     slots: BTreeMap<u32, Slot>,
     retired: Vec<RankReport>,
     board: StopBoard,
@@ -256,6 +259,7 @@ impl Lead {
             _on_signal: on_signal,
             board: StopBoard::new(&models),
             models,
+            family: setup.family,
             topo: setup.topo,
             node: setup.node,
             call: setup.call,
@@ -579,7 +583,7 @@ impl Handler<AddRank> for Lead {
         let engine_id = msg.rank as usize;
         let add = self.controller.send(AddEngine {
             index: engine_id,
-            engine: msg.engine.clone(),
+            engine: msg.engine.weights.clone(),
         });
         let call = self.call;
         Box::pin(
@@ -639,7 +643,7 @@ impl Handler<AddRank> for Lead {
                         incarnation,
                         alive: true,
                         engine_id,
-                        engine,
+                        engine: engine.weights,
                         gate,
                         rollouts,
                         last: RankReport::empty(rank, incarnation),
@@ -677,6 +681,7 @@ impl Handler<Rejoin> for Lead {
         let topo = Arc::clone(&self.topo);
         let me = ctx.address();
         let who = self.who(msg.rank);
+        let family = self.family;
         let join = async move {
             let Rejoin {
                 rank,
@@ -691,7 +696,7 @@ impl Handler<Rejoin> for Lead {
                 call,
             )
             .await?;
-            let engine = EngineRef::remote(&remote);
+            let engine = EngineHandle::remote(&remote, family);
             let rollouts = super::peers::rollout_refs(&topo, rank, &remote);
             me.send(AddRank {
                 rank,

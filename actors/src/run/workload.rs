@@ -25,7 +25,7 @@ use crate::generation::Generator;
 use crate::learner::Learner;
 use crate::link::WeightInlet;
 use crate::protocol::controller::ControllerLink;
-use crate::protocol::engine::{ActBatch, EngineRef, Generate};
+use crate::protocol::engine::{ActBatch, EngineHandle, Family, Generate};
 use crate::protocol::eval::RunEval;
 use crate::protocol::pool::PushFragment;
 use crate::protocol::rollout::RolloutRef;
@@ -104,7 +104,10 @@ pub trait Workload: Send + Sync + 'static {
         &self,
         models: Vec<(ModelSpec, Box<dyn WeightInlet>)>,
         setup: &EngineSetup,
-    ) -> Result<Started<EngineRef>>;
+    ) -> Result<Started<EngineHandle>>;
+
+    /// Which requests its engines serve (how other ranks reach them).
+    fn family(&self) -> Family;
 
     /// Starts one rollout worker of `model`, acting through `engine`, admitted through
     /// `controller`, pushing fragments to `pool`; it waits for `StartRollouts`.
@@ -115,7 +118,7 @@ pub trait Workload: Send + Sync + 'static {
         &self,
         model: &ModelSpec,
         cfg: RolloutConfig,
-        engine: &EngineRef,
+        engine: &EngineHandle,
         controller: ControllerLink,
         pool: Recipient<PushFragment>,
     ) -> Result<Started<RolloutRef>>;
@@ -168,7 +171,7 @@ impl<R: Roles> Workload for Acting<R> {
         &self,
         models: Vec<(ModelSpec, Box<dyn WeightInlet>)>,
         setup: &EngineSetup,
-    ) -> Result<Started<EngineRef>> {
+    ) -> Result<Started<EngineHandle>> {
         let mut engine = InferenceEngine::<R::Policy>::empty(setup.seed)
             .with_queue_deadline(setup.queue_deadline);
         for (spec, inlet) in models {
@@ -178,23 +181,28 @@ impl<R: Roles> Workload for Acting<R> {
         }
         let (addr, arbiter) = on_arbiter(engine);
         Ok(Started {
-            handle: EngineRef::local(&addr),
+            handle: EngineHandle::acting(&addr),
             arbiter,
         })
+    }
+
+    fn family(&self) -> Family {
+        Family::Acting
     }
 
     fn start_rollout(
         &self,
         model: &ModelSpec,
         cfg: RolloutConfig,
-        engine: &EngineRef,
+        engine: &EngineHandle,
         controller: ControllerLink,
         pool: Recipient<PushFragment>,
     ) -> Result<Started<RolloutRef>> {
         let envs = (0..model.envs_per_worker)
             .map(|i| self.0.env(model, cfg.seed.wrapping_add(i as u64)))
             .collect::<Result<Vec<_>>>()?;
-        let worker = RolloutWorker::new(cfg, envs, engine.act.clone(), controller, pool)?;
+        let act = engine.act()?.act.clone();
+        let worker = RolloutWorker::new(cfg, envs, act, controller, pool)?;
         let (addr, arbiter) = on_arbiter(worker);
         Ok(Started {
             handle: RolloutRef::local(&addr),
@@ -289,7 +297,7 @@ impl<G: GenRoles> Workload for Generating<G> {
         &self,
         models: Vec<(ModelSpec, Box<dyn WeightInlet>)>,
         setup: &EngineSetup,
-    ) -> Result<Started<EngineRef>> {
+    ) -> Result<Started<EngineHandle>> {
         let mut engine = GenerationEngine::<G::Generator>::new(setup.pause);
         for (spec, inlet) in models {
             let generator = self.0.generator(&spec)?;
@@ -315,16 +323,20 @@ impl<G: GenRoles> Workload for Generating<G> {
         }
         let (addr, arbiter) = on_arbiter(engine);
         Ok(Started {
-            handle: EngineRef::local(&addr),
+            handle: EngineHandle::generating(&addr),
             arbiter,
         })
+    }
+
+    fn family(&self) -> Family {
+        Family::Generating
     }
 
     fn start_rollout(
         &self,
         model: &ModelSpec,
         cfg: RolloutConfig,
-        engine: &EngineRef,
+        engine: &EngineHandle,
         controller: ControllerLink,
         pool: Recipient<PushFragment>,
     ) -> Result<Started<RolloutRef>> {
@@ -337,9 +349,10 @@ impl<G: GenRoles> Workload for Generating<G> {
         if model.reference_every.is_some() {
             gen_cfg.reference = Some(model.reference_id()?);
         }
+        let requests = engine.generate()?;
         let worker =
-            GenRolloutWorker::new(gen_cfg, task, engine.generate.clone(), controller, pool)?
-                .scorer(engine.score.clone());
+            GenRolloutWorker::new(gen_cfg, task, requests.generate.clone(), controller, pool)?
+                .scorer(requests.score.clone());
         let (addr, arbiter) = on_arbiter(worker);
         Ok(Started {
             handle: RolloutRef::local(&addr),

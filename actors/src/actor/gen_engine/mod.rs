@@ -36,9 +36,8 @@ use crate::scheduler::{Scheduler, SchedulerConfig, SchedulerStats};
 
 use super::staging::{Committing, Holds};
 use crate::protocol::engine::{
-    AbortStage, ActBatch, ActedBatch, CancelInFlight, CommitModel, EngineStats, Generate,
-    GetEngineStats, LoadReport, LoadWeights, Score, ServedVersions, StageModel, StageReport,
-    UpdateModel,
+    AbortStage, CancelInFlight, CommitModel, EngineStats, Generate, GetEngineStats, LoadReport,
+    LoadWeights, Score, ServedVersions, StageModel, StageReport, UpdateModel,
 };
 use decode_loop::{Command, Commands, Shared};
 use load::{Held, LoadJob, Source, Staging};
@@ -675,17 +674,5 @@ impl<G: Generator> Handler<GetGenStatus> for GenerationEngine<G> {
                 .map(|(m, s)| (m.clone(), s.shared.status()))
                 .collect(),
         )
-    }
-}
-
-impl<G: Generator> Handler<ActBatch> for GenerationEngine<G> {
-    type Result = Result<ActedBatch>;
-
-    fn handle(&mut self, msg: ActBatch, _: &mut Context<Self>) -> Self::Result {
-        Err(Error::Config(format!(
-            "model `{}`: this engine generates completions for prompts (Generate), not \
-             actions for observations (ActBatch); serve an acting model with an acting engine",
-            msg.model
-        )))
     }
 }

@@ -96,6 +96,7 @@ pub(crate) fn start(ctx: &RankCtx, eval: Evaluating) -> Result<Heads> {
         gates: gates.clone(),
         done: done_tx,
         started: ctx.started,
+        family: ctx.setup.work.family(),
     })
     .start();
     let lref = LeadRef::local(&l);

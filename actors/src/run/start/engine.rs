@@ -2,7 +2,7 @@
 //! connected inlets, on an arbiter of its own and served for rank 0 and the evaluator.
 
 use crate::error::Result;
-use crate::protocol::engine::EngineRef;
+use crate::protocol::engine::EngineHandle;
 use crate::run::ids::{Served, actor_id};
 use crate::run::workload::EngineSetup;
 
@@ -13,7 +13,7 @@ use super::links::ModelInlet;
 ///
 /// # Errors
 /// As the roles' engine; a model served twice.
-pub(crate) fn start(ctx: &mut RankCtx, inlets: Vec<ModelInlet>) -> Result<Option<EngineRef>> {
+pub(crate) fn start(ctx: &mut RankCtx, inlets: Vec<ModelInlet>) -> Result<Option<EngineHandle>> {
     if inlets.is_empty() {
         return Ok(None);
     }

@@ -13,7 +13,7 @@ use refit_runtime::topology::Role;
 use crate::actor::rollout::RolloutConfig;
 use crate::error::{Error, Result};
 use crate::protocol::controller::ControllerLink;
-use crate::protocol::engine::EngineRef;
+use crate::protocol::engine::EngineHandle;
 use crate::protocol::pool::{PoolRef, PushFragment};
 use crate::protocol::rollout::RolloutRef;
 use crate::remote::RemoteAddr;
@@ -34,7 +34,7 @@ pub(crate) async fn start(
     ctx: &mut RankCtx,
     pools: &BTreeMap<ModelId, PoolRef>,
     gates: Option<&BTreeMap<u32, Addr<RankGate>>>,
-    engine: Option<&EngineRef>,
+    engine: Option<&EngineHandle>,
 ) -> Result<Vec<(ModelId, RolloutRef)>> {
     // the nodes of the other ranks this one calls (rank 0's is the store's)
     let mut peers: BTreeMap<u32, Peer> = BTreeMap::new();
@@ -103,7 +103,7 @@ fn gate_of(ctx: &RankCtx, gates: Option<&BTreeMap<u32, Addr<RankGate>>>) -> Resu
 fn start_workers(
     ctx: &mut RankCtx,
     spec: &ModelSpec,
-    engine: &EngineRef,
+    engine: &EngineHandle,
     gate: &ControllerLink,
     push: &Recipient<PushFragment>,
     rollouts: &mut Vec<(ModelId, RolloutRef)>,
