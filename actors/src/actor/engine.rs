@@ -32,7 +32,7 @@ use crate::protocol::engine::{
     StageModel, StageReport, UpdateModel,
 };
 
-use super::staging::{Committing, Holds, StagedVersion};
+use super::staging::{Committing, Holds, Stage, StagedVersion};
 use super::stale;
 use super::verify::{Damage, ServedHashes, Unverified};
 
@@ -654,26 +654,17 @@ impl<P: Policy + Unpin + 'static> Handler<StageModel> for InferenceEngine<P> {
         Box::pin(
             self.fetch_locked(model.clone(), version, timeout, held)
                 .map(move |(fetched, staged), act, ctx| {
-                    let (version, fresh) = match fetched? {
-                        Fetched::Served(current) => (current, false),
-                        Fetched::New(guard, weights) => {
-                            let v = weights.version();
-                            let held = Held {
-                                weights,
-                                guard,
-                                staged,
-                            };
-                            act.holds
-                                .hold(model.clone(), held, hold, ctx, |a| &mut a.holds);
-                            (v, true)
-                        }
+                    let stage = match fetched? {
+                        Fetched::Served(current) => Stage::Served(current),
+                        Fetched::New(guard, weights) => Stage::New(Held {
+                            weights,
+                            guard,
+                            staged,
+                        }),
                     };
-                    Ok(StageReport {
-                        model,
-                        version,
-                        fresh,
-                        staged,
-                    })
+                    Ok(act
+                        .holds
+                        .staged(model, stage, staged, hold, ctx, |a| &mut a.holds))
                 }),
         )
     }

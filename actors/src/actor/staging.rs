@@ -11,7 +11,7 @@ use actix::prelude::*;
 use refit_runtime::{ModelId, Version};
 
 use crate::error::{Error, Result};
-use crate::protocol::engine::LoadReport;
+use crate::protocol::engine::{LoadReport, StageReport};
 
 /// A version staged and held for its commit.
 pub(crate) trait StagedVersion {
@@ -31,6 +31,14 @@ impl<H> Default for Holds<H> {
             held: BTreeMap::new(),
         }
     }
+}
+
+/// What staging found.
+pub(crate) enum Stage<H> {
+    /// A version newer than the one served, to hold for its commit.
+    New(H),
+    /// This version (or a newer one) is served already.
+    Served(Version),
 }
 
 /// What a commit does.
@@ -66,6 +74,36 @@ impl<H: StagedVersion + 'static> Holds<H> {
         });
         if let Some((_, old)) = self.held.insert(model, (staged, expiry)) {
             ctx.cancel_future(old);
+        }
+    }
+
+    /// Holds what staging found for `model` ([`Holds::hold`]) and answers the stage's
+    /// report (`staged`: how long the lock wait, fetch and staging took).
+    pub(crate) fn staged<A>(
+        &mut self,
+        model: ModelId,
+        stage: Stage<H>,
+        staged: Duration,
+        hold: Duration,
+        ctx: &mut Context<A>,
+        holds: fn(&mut A) -> &mut Self,
+    ) -> StageReport
+    where
+        A: Actor<Context = Context<A>>,
+    {
+        let (version, fresh) = match stage {
+            Stage::Served(current) => (current, false),
+            Stage::New(h) => {
+                let v = h.version();
+                self.hold(model.clone(), h, hold, ctx, holds);
+                (v, true)
+            }
+        };
+        StageReport {
+            model,
+            version,
+            fresh,
+            staged,
         }
     }
 

@@ -8,7 +8,7 @@ use refit_runtime::metrics::{self, Side};
 use refit_runtime::{ModelId, Version, WeightSet};
 use tokio::sync::{OwnedMutexGuard, oneshot};
 
-use crate::actor::staging::StagedVersion;
+use crate::actor::staging::{Stage, StagedVersion};
 use crate::error::{Error, Result};
 use crate::generation::Generator;
 use crate::scheduler::Swap;
@@ -76,13 +76,8 @@ impl<G: Generator> Held<G> {
     }
 }
 
-/// What staging found.
-pub(super) enum Staging<G: Generator> {
-    /// A new version, held for its swap.
-    New(Held<G>),
-    /// This version (or a newer one) is served already.
-    Served(Version),
-}
+/// What staging found: a new version held for its swap, or the version served already.
+pub(super) type Staging<G> = Stage<Held<G>>;
 
 impl<G: Generator> LoadJob<G> {
     /// Runs the load within `timeout` (lock wait, fetch and the wait for the swap; staging
@@ -102,8 +97,8 @@ impl<G: Generator> LoadJob<G> {
         let deadline = Instant::now() + timeout;
         let (staging, staged) = self.stage(source, deadline, held).await;
         let report = match staging {
-            Ok(Staging::New(h)) => self.commit(h, deadline).await,
-            Ok(Staging::Served(current)) => {
+            Ok(Stage::New(h)) => self.commit(h, deadline).await,
+            Ok(Stage::Served(current)) => {
                 Ok(LoadReport::already_served(self.model, current, staged))
             }
             Err(e) => Err(e),
@@ -151,14 +146,14 @@ impl<G: Generator> LoadJob<G> {
         .await;
         let staged = started.elapsed();
         let r = match staging {
-            Ok((guard, Ok(Staged::New(weights, version)))) => Ok(Staging::New(Held {
+            Ok((guard, Ok(Staged::New(weights, version)))) => Ok(Stage::New(Held {
                 guard,
                 weights,
                 version,
                 staged,
                 inlet,
             })),
-            Ok((_, Ok(Staged::Served(current)))) => Ok(Staging::Served(current)),
+            Ok((_, Ok(Staged::Served(current)))) => Ok(Stage::Served(current)),
             Ok((_, Err(e))) => Err(e),
             Err(e) => Err(Error::Actor(format!(
                 "the staging thread of model `{}` failed: {e}",

@@ -40,7 +40,7 @@ use crate::protocol::engine::{
     LoadWeights, Score, ServedVersions, StageModel, StageReport, UpdateModel,
 };
 use decode_loop::{Command, Commands, Shared};
-use load::{Held, LoadJob, Source, Staging};
+use load::{Held, LoadJob, Source};
 
 /// Asks a generating engine where each model's decoding stands.
 #[derive(Debug, Clone, Copy, Message)]
@@ -536,21 +536,10 @@ impl<G: Generator> Handler<StageModel> for GenerationEngine<G> {
         let staging = async move { job.stage(source, deadline, held).await };
         Box::pin(staging.into_actor(self).map(move |(r, staged), act, ctx| {
             act.stats.staged_total += staged;
-            let (version, fresh) = match r? {
-                Staging::Served(current) => (current, false),
-                Staging::New(held) => {
-                    let v = held.version;
-                    act.holds
-                        .hold(model.clone(), held, hold, ctx, |a| &mut a.holds);
-                    (v, true)
-                }
-            };
-            Ok(StageReport {
-                model,
-                version,
-                fresh,
-                staged,
-            })
+            let stage = r?;
+            Ok(act
+                .holds
+                .staged(model, stage, staged, hold, ctx, |a| &mut a.holds))
         }))
     }
 }
