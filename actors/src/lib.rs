@@ -19,6 +19,8 @@
 
 #[cfg(feature = "actix")]
 pub mod actor;
+#[cfg(feature = "actix")]
+pub mod conformance;
 #[cfg(all(feature = "actix", feature = "candle"))]
 pub mod engine_bench;
 #[cfg(feature = "actix")]

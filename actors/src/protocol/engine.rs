@@ -49,7 +49,7 @@ pub struct ActBatch {
     /// Observations, one after the other (`n * obs_dim` values).
     pub obs: Vec<f32>,
     /// The cancellation epoch the episode started in (`None`: not cancellable). A
-    /// request from an older epoch is refused with [`Error::Cancelled`](crate::Error::Cancelled).
+    /// request from an older epoch is refused with [`Error::Cancelled`].
     pub epoch: Option<u64>,
     /// Greedy actions (evaluation) instead of samples.
     pub greedy: bool,
@@ -189,7 +189,7 @@ impl LoadReport {
 }
 
 /// Cancels in-flight episodes: requests of older cancellation epochs are refused from now on, and
-/// queued ones are answered with [`Error::Cancelled`](crate::Error::Cancelled). Answers the new epoch.
+/// queued ones are answered with [`Error::Cancelled`]. Answers the new epoch.
 #[derive(Debug, Message, Serialize, Deserialize)]
 #[rtype(result = "u64")]
 pub struct CancelInFlight;
@@ -237,7 +237,7 @@ pub struct EngineStats {
 /// The request joins the model's running batch at the next step boundary (a model with no
 /// weights yet queues it until its first version is swapped in); a bad request (empty
 /// prompt, a token outside the vocabulary, past the context, bad sampling parameters) is
-/// answered at once with [`Error::BadRequest`](crate::Error::BadRequest) naming the field.
+/// answered at once with [`Error::BadRequest`] naming the field.
 /// The caller's deadline bounds the wait.
 #[derive(Debug, Clone, PartialEq, Message, Serialize, Deserialize)]
 #[rtype(result = "Result<Completion>")]
@@ -250,7 +250,7 @@ pub struct Generate {
     pub params: SamplingParams,
     /// The cancellation epoch the request's episode started in (`None`: not
     /// cancellable). A request of an older epoch is refused with
-    /// [`Error::Cancelled`](crate::Error::Cancelled).
+    /// [`Error::Cancelled`].
     pub epoch: Option<u64>,
 }
 
@@ -260,7 +260,7 @@ pub struct Generate {
 /// requests, takes the same swaps and cancellations, and is answered as a [`Completion`]
 /// whose `tokens` are the given ones, `logprobs` their scores and `versions` the versions
 /// that scored them. A bad request is refused with
-/// [`Error::BadRequest`](crate::Error::BadRequest) naming the field (`prompt`, `tokens`,
+/// [`Error::BadRequest`] naming the field (`prompt`, `tokens`,
 /// `temperature`).
 #[derive(Debug, Clone, PartialEq, Message, Serialize, Deserialize)]
 #[rtype(result = "Result<Completion>")]
@@ -279,6 +279,7 @@ pub struct Score {
 
 crate::remote_reply!(EngineStats);
 
+// ANCHOR: wire_names
 crate::remote::wire_names! {
     // `UpdateModel` is the call that tells a receiver to pull fresh weights
     UpdateModel => "_receive_weights_scheme",
@@ -292,6 +293,7 @@ crate::remote::wire_names! {
     Generate => "engine.generate",
     Score => "engine.score",
 }
+// ANCHOR_END: wire_names
 
 /// An actor that answers the engine's weight plane (an acting or a generating engine): the
 /// calls the controller makes. What it serves beside is [`Requests`].
