@@ -1,6 +1,7 @@
 //! Rollout workers of a generating topology: prompts from a [`Task`], completions from a
 //! generating engine, rewards from the task, fragments of [`Sequence`]s for the pool.
 
+use std::future::Future;
 use std::time::Duration;
 
 use actix::prelude::*;
@@ -14,11 +15,10 @@ use crate::error::{Error, Result};
 use crate::generation::{Completion, Finish, SamplingParams, Token};
 use crate::task::Task;
 
-use super::rollout::{Outcome, deliver, settle, then_done, unanswered};
+use super::fragments::{FragmentLoop, Fragments, Outcome, deliver, unanswered};
 use crate::protocol::controller::{Admission, AwaitRollout, ControllerLink};
 use crate::protocol::engine::{Generate, Score};
 use crate::protocol::pool::PushFragment;
-use crate::protocol::rollout::{GetRolloutStats, RolloutStats, StartRollouts, StopRollouts};
 
 /// Settings of a generating rollout worker.
 #[derive(Debug, Clone, PartialEq)]
@@ -136,8 +136,8 @@ pub(crate) async fn generate_whole<M: CompletionRequest>(
     }
 }
 
-/// The worker's own state, lent to each fragment.
-struct State<T> {
+/// A generating worker's own state, lent to each fragment.
+pub struct GenState<T> {
     task: T,
     rng: SmallRng,
     /// The engine's cancellation epoch as last learnt.
@@ -146,34 +146,81 @@ struct State<T> {
     groups: u64,
 }
 
-/// Generates fragments of sequences: before each fragment it asks the controller (blocking
-/// as the sync mode says), draws `prompts_per_fragment` prompts from its task and sends
-/// `group_size` [`Generate`] requests per prompt at once (the engine batches them), rewards
-/// each completion with the task and pushes the fragment to the pool. A completion aborted
-/// by an update is generated again (a group must be whole); a fragment whose requests are
-/// cancelled is dropped.
-pub struct GenRolloutWorker<T: Task> {
+/// What a generating rollout worker collects: fragments of sequences. Before each fragment
+/// it asks the controller (blocking as the sync mode says), draws `prompts_per_fragment`
+/// prompts from its task and sends `group_size` [`Generate`] requests per prompt at once
+/// (the engine batches them), rewards each completion with the task and pushes the fragment
+/// to the pool. A completion aborted by an update is generated again (a group must be
+/// whole); a fragment whose requests are cancelled is dropped.
+pub struct GenFragments<T> {
     cfg: GenRolloutConfig,
-    state: Option<State<T>>,
     engine: Recipient<Generate>,
     scorer: Option<Recipient<Score>>,
-    controller: ControllerLink,
-    pool: Recipient<PushFragment>,
-    running: bool,
-    stats: RolloutStats,
+    _task: std::marker::PhantomData<fn() -> T>,
 }
 
-impl<T: Task> std::fmt::Debug for GenRolloutWorker<T> {
+impl<T> std::fmt::Debug for GenState<T> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("GenRolloutWorker")
-            .field("model", &self.cfg.model)
-            .field("worker", &self.cfg.worker)
-            .field("stats", &self.stats)
-            .finish()
+        f.debug_struct("GenState")
+            .field("epoch", &self.epoch)
+            .field("groups", &self.groups)
+            .finish_non_exhaustive()
     }
 }
 
-impl<T: Task + Unpin> GenRolloutWorker<T> {
+impl<T> std::fmt::Debug for GenFragments<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GenFragments")
+            .field("cfg", &self.cfg)
+            .field("scorer", &self.scorer.is_some())
+            .finish_non_exhaustive()
+    }
+}
+
+impl<T> Clone for GenFragments<T> {
+    fn clone(&self) -> Self {
+        Self {
+            cfg: self.cfg.clone(),
+            engine: self.engine.clone(),
+            scorer: self.scorer.clone(),
+            _task: std::marker::PhantomData,
+        }
+    }
+}
+
+impl<T: Task + Unpin> Fragments for GenFragments<T> {
+    type State = GenState<T>;
+    const KIND: &'static str = "GenRolloutWorker";
+
+    fn model(&self) -> &ModelId {
+        &self.cfg.model
+    }
+
+    fn worker(&self) -> usize {
+        self.cfg.worker
+    }
+
+    fn run(
+        &self,
+        state: &mut GenState<T>,
+        controller: &ControllerLink,
+        pool: &Recipient<PushFragment>,
+    ) -> impl Future<Output = Result<Outcome>> {
+        run_fragment(
+            &self.cfg,
+            state,
+            &self.engine,
+            self.scorer.clone(),
+            controller,
+            pool,
+        )
+    }
+}
+
+/// Generates fragments of sequences through a generating engine ([`GenFragments`]).
+pub type GenRolloutWorker<T> = FragmentLoop<GenFragments<T>>;
+
+impl<T: Task + Unpin> FragmentLoop<GenFragments<T>> {
     /// A worker drawing prompts from `task`, generating through `engine`, admitted by
     /// `controller` (an `&Addr<WeightSyncController>` or a [`ControllerLink`]), pushing to
     /// `pool`.
@@ -193,59 +240,26 @@ impl<T: Task + Unpin> GenRolloutWorker<T> {
                 cfg.model
             )));
         }
-        Ok(Self {
-            state: Some(State {
-                task,
-                rng: SmallRng::seed_from_u64(cfg.seed),
-                epoch: 0,
-                groups: 0,
-            }),
+        let state = GenState {
+            task,
+            rng: SmallRng::seed_from_u64(cfg.seed),
+            epoch: 0,
+            groups: 0,
+        };
+        let fragments = GenFragments {
             cfg,
             engine,
             scorer: None,
-            controller: controller.into(),
-            pool,
-            running: false,
-            stats: RolloutStats::default(),
-        })
+            _task: std::marker::PhantomData,
+        };
+        Ok(Self::with(fragments, state, controller.into(), pool))
     }
 
     /// Scores through `scorer` (the engine's [`Score`]) when the config names a reference.
     #[must_use]
     pub fn scorer(mut self, scorer: Recipient<Score>) -> Self {
-        self.scorer = Some(scorer);
+        self.fragments_mut().scorer = Some(scorer);
         self
-    }
-
-    fn next_fragment(&mut self, ctx: &mut Context<Self>) {
-        if !self.running {
-            return;
-        }
-        let Some(mut state) = self.state.take() else {
-            return;
-        };
-        let cfg = self.cfg.clone();
-        let engine = self.engine.clone();
-        let scorer = self.scorer.clone();
-        let controller = self.controller.clone();
-        let pool = self.pool.clone();
-        let work = async move {
-            let fragment = run_fragment(&cfg, &mut state, &engine, scorer, &controller, &pool);
-            let r = then_done(&controller, &cfg.model, fragment).await;
-            (state, r)
-        };
-        ctx.spawn(work.into_actor(self).map(|(state, r), act, ctx| {
-            act.state = Some(state);
-            if settle(
-                &mut act.stats,
-                &mut act.running,
-                &act.cfg.model,
-                act.cfg.worker,
-                r,
-            ) {
-                ctx.notify(NextFragment);
-            }
-        }));
     }
 }
 
@@ -263,7 +277,7 @@ type PendingGeneration = (usize, u64, JoinHandle<Result<(Completion, u32)>>);
 /// else rewarded and pushed to the pool.
 async fn run_fragment<T: Task>(
     cfg: &GenRolloutConfig,
-    state: &mut State<T>,
+    state: &mut GenState<T>,
     engine: &Recipient<Generate>,
     scorer: Option<Recipient<Score>>,
     controller: &ControllerLink,
@@ -329,7 +343,7 @@ async fn admit(cfg: &GenRolloutConfig, controller: &ControllerLink) -> Result<Ad
 /// awaited: they are decoded together.
 fn spawn_generations<T: Task>(
     cfg: &GenRolloutConfig,
-    state: &mut State<T>,
+    state: &mut GenState<T>,
     engine: &Recipient<Generate>,
     prompts: &[Vec<Token>],
 ) -> Vec<PendingGeneration> {
@@ -420,7 +434,7 @@ fn cancelled_epoch(
 /// the task's per-token rewards do not match a completion's length.
 fn reward_fragment<T: Task>(
     cfg: &GenRolloutConfig,
-    state: &mut State<T>,
+    state: &mut GenState<T>,
     prompts: &[Vec<Token>],
     generated: Vec<Generated>,
     scores: Option<Vec<Result<(Completion, u32)>>>,
@@ -480,7 +494,7 @@ async fn score<T: Task>(
     cfg: &GenRolloutConfig,
     reference: &ModelId,
     scorer: Option<Recipient<Score>>,
-    state: &State<T>,
+    state: &GenState<T>,
     prompts: &[Vec<Token>],
     generated: &[Generated],
 ) -> Result<Vec<Result<(Completion, u32)>>> {
@@ -523,44 +537,4 @@ async fn score<T: Task>(
         });
     }
     Ok(out)
-}
-
-#[derive(Debug, Message)]
-#[rtype(result = "()")]
-struct NextFragment;
-
-impl<T: Task + Unpin> Actor for GenRolloutWorker<T> {
-    type Context = Context<Self>;
-}
-
-impl<T: Task + Unpin> Handler<NextFragment> for GenRolloutWorker<T> {
-    type Result = ();
-    fn handle(&mut self, _: NextFragment, ctx: &mut Context<Self>) {
-        self.next_fragment(ctx);
-    }
-}
-
-impl<T: Task + Unpin> Handler<StartRollouts> for GenRolloutWorker<T> {
-    type Result = ();
-    fn handle(&mut self, _: StartRollouts, ctx: &mut Context<Self>) {
-        if !self.running {
-            self.running = true;
-            self.next_fragment(ctx);
-        }
-    }
-}
-
-impl<T: Task + Unpin> Handler<StopRollouts> for GenRolloutWorker<T> {
-    type Result = MessageResult<StopRollouts>;
-    fn handle(&mut self, _: StopRollouts, _: &mut Context<Self>) -> Self::Result {
-        self.running = false;
-        MessageResult(self.stats.clone())
-    }
-}
-
-impl<T: Task + Unpin> Handler<GetRolloutStats> for GenRolloutWorker<T> {
-    type Result = MessageResult<GetRolloutStats>;
-    fn handle(&mut self, _: GetRolloutStats, _: &mut Context<Self>) -> Self::Result {
-        MessageResult(self.stats.clone())
-    }
 }

@@ -27,6 +27,7 @@
 pub mod controller;
 pub mod engine;
 pub mod eval;
+pub mod fragments;
 pub mod gen_engine;
 pub mod gen_eval;
 pub mod gen_rollout;
@@ -59,11 +60,12 @@ pub use crate::protocol::trainer::{Train, TrainAndPublish};
 pub use controller::{VersionNotifier, WeightSyncController};
 pub use engine::{DEFAULT_QUEUE_DEADLINE, InferenceEngine};
 pub use eval::{DEFAULT_EVAL_REQUEST_DEADLINE, Evaluator};
+pub use fragments::{FragmentLoop, Fragments};
 pub use gen_engine::{GenModel, GenModelStatus, GenerationEngine, GetGenStatus};
 pub use gen_eval::GenEvaluator;
-pub use gen_rollout::{GenRolloutConfig, GenRolloutWorker};
+pub use gen_rollout::{GenFragments, GenRolloutConfig, GenRolloutWorker};
 pub use pool::TrajectoryPool;
-pub use rollout::{RolloutConfig, RolloutWorker};
+pub use rollout::{ActingFragments, RolloutConfig, RolloutWorker};
 pub use workers::{CollectBatch, CollectorWorker, Trainer};
 
 use crate::error::Error;

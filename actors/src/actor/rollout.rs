@@ -1,5 +1,6 @@
 //! Rollout workers that step environments with actions from an engine.
 
+use std::future::Future;
 use std::time::Duration;
 
 use actix::prelude::*;
@@ -9,14 +10,16 @@ use crate::batch::{Batch, EpisodeStats, Observation, Transition};
 use crate::env::Env;
 use crate::error::{Error, Result};
 use crate::policy::ActionOut;
-use crate::protocol::controller::{AwaitRollout, ControllerLink, RolloutDone};
+use crate::protocol::controller::{AwaitRollout, ControllerLink};
 use crate::protocol::engine::ActBatch;
 use crate::protocol::pool::PushFragment;
-use crate::protocol::rollout::{GetRolloutStats, RolloutStats, StartRollouts, StopRollouts};
 
-/// A vector of environments stepped together, with per-episode bookkeeping.
+use super::fragments::{FragmentLoop, Fragments, Outcome, deliver, unanswered};
+
+/// A vector of environments stepped together, with per-episode bookkeeping (an acting
+/// rollout worker's state).
 #[derive(Debug)]
-pub(crate) struct VecEnv<E: Env> {
+pub struct VecEnv<E: Env> {
     envs: Vec<E>,
     obs: Vec<Vec<f32>>,
     ret: Vec<f64>,
@@ -149,30 +152,60 @@ pub struct RolloutConfig {
     pub timeout: Duration,
 }
 
-/// Steps a vector of environments with actions from an engine: before each fragment it
-/// asks the controller (blocking as the sync mode says), and pushes each finished fragment
-/// to the pool. A fragment whose episode is cancelled is dropped and the environments reset.
-pub struct RolloutWorker<E: Env> {
+/// What an acting rollout worker collects: steps of a vector of environments with actions
+/// from an engine. Before each fragment it asks the controller (blocking as the sync mode
+/// says), and pushes each finished fragment to the pool. A fragment whose episode is
+/// cancelled is dropped and the environments reset.
+pub struct ActingFragments<E> {
     cfg: RolloutConfig,
-    envs: Option<VecEnv<E>>,
     engine: Recipient<ActBatch>,
-    controller: ControllerLink,
-    pool: Recipient<PushFragment>,
-    running: bool,
-    stats: RolloutStats,
+    _envs: std::marker::PhantomData<fn() -> E>,
 }
 
-impl<E: Env> std::fmt::Debug for RolloutWorker<E> {
+impl<E> std::fmt::Debug for ActingFragments<E> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("RolloutWorker")
-            .field("model", &self.cfg.model)
-            .field("worker", &self.cfg.worker)
-            .field("stats", &self.stats)
-            .finish()
+        f.debug_struct("ActingFragments")
+            .field("cfg", &self.cfg)
+            .finish_non_exhaustive()
     }
 }
 
-impl<E: Env + Unpin + 'static> RolloutWorker<E> {
+impl<E> Clone for ActingFragments<E> {
+    fn clone(&self) -> Self {
+        Self {
+            cfg: self.cfg.clone(),
+            engine: self.engine.clone(),
+            _envs: std::marker::PhantomData,
+        }
+    }
+}
+
+impl<E: Env + Unpin + 'static> Fragments for ActingFragments<E> {
+    type State = VecEnv<E>;
+    const KIND: &'static str = "RolloutWorker";
+
+    fn model(&self) -> &ModelId {
+        &self.cfg.model
+    }
+
+    fn worker(&self) -> usize {
+        self.cfg.worker
+    }
+
+    fn run(
+        &self,
+        envs: &mut VecEnv<E>,
+        controller: &ControllerLink,
+        pool: &Recipient<PushFragment>,
+    ) -> impl Future<Output = Result<Outcome>> {
+        run_fragment(&self.cfg, envs, &self.engine, controller, pool)
+    }
+}
+
+/// Steps a vector of environments with actions from an engine ([`ActingFragments`]).
+pub type RolloutWorker<E> = FragmentLoop<ActingFragments<E>>;
+
+impl<E: Env + Unpin + 'static> FragmentLoop<ActingFragments<E>> {
     /// A worker over `envs`, acting through `engine`, admitted by `controller` (an
     /// `&Addr<WeightSyncController>` or a [`ControllerLink`]), pushing to `pool`.
     ///
@@ -185,100 +218,16 @@ impl<E: Env + Unpin + 'static> RolloutWorker<E> {
         controller: impl Into<ControllerLink>,
         pool: Recipient<PushFragment>,
     ) -> Result<Self> {
-        let controller = controller.into();
         if cfg.fragment_steps == 0 {
             return Err(Error::Config("fragment_steps must be at least 1".into()));
         }
-        Ok(Self {
-            envs: Some(VecEnv::new(envs, cfg.seed)?),
+        let envs = VecEnv::new(envs, cfg.seed)?;
+        let fragments = ActingFragments {
             cfg,
             engine,
-            controller,
-            pool,
-            running: false,
-            stats: RolloutStats::default(),
-        })
-    }
-
-    fn next_fragment(&mut self, ctx: &mut Context<Self>) {
-        if !self.running {
-            return;
-        }
-        let Some(mut envs) = self.envs.take() else {
-            return;
+            _envs: std::marker::PhantomData,
         };
-        let cfg = self.cfg.clone();
-        let engine = self.engine.clone();
-        let controller = self.controller.clone();
-        let pool = self.pool.clone();
-        let work = async move {
-            let fragment = run_fragment(&cfg, &mut envs, &engine, &controller, &pool);
-            let r = then_done(&controller, &cfg.model, fragment).await;
-            (envs, r)
-        };
-        ctx.spawn(work.into_actor(self).map(|(envs, r), act, ctx| {
-            act.envs = Some(envs);
-            if settle(
-                &mut act.stats,
-                &mut act.running,
-                &act.cfg.model,
-                act.cfg.worker,
-                r,
-            ) {
-                ctx.notify(NextFragment);
-            }
-        }));
-    }
-}
-
-/// How one rollout fragment ended (any rollout worker's).
-pub(crate) struct Outcome {
-    /// How long its admission waited.
-    pub(crate) waited: Duration,
-    /// Its episodes were cancelled; nothing went to the pool.
-    pub(crate) cancelled: bool,
-}
-
-/// Runs `fragment`, then tells the controller it is over: only after the pool has it (or
-/// after it failed), so the controller never counts a fragment done that is still coming.
-pub(crate) async fn then_done(
-    controller: &ControllerLink,
-    model: &ModelId,
-    fragment: impl std::future::Future<Output = Result<Outcome>>,
-) -> Result<Outcome> {
-    let r = fragment.await;
-    controller.done.do_send(RolloutDone {
-        model: model.clone(),
-    });
-    r
-}
-
-/// Records how a fragment ended in a worker's statistics; answers whether the worker goes
-/// on (an error stops it, kept in its statistics and logged).
-pub(crate) fn settle(
-    stats: &mut RolloutStats,
-    running: &mut bool,
-    model: &ModelId,
-    worker: usize,
-    r: Result<Outcome>,
-) -> bool {
-    match r {
-        Ok(outcome) => {
-            stats.blocked += outcome.waited;
-            stats.blocked_checks += u64::from(!outcome.waited.is_zero());
-            if outcome.cancelled {
-                stats.cancelled += 1;
-            } else {
-                stats.fragments += 1;
-            }
-            *running
-        }
-        Err(e) => {
-            refit_runtime::unless_stopping!(error, worker, model = %model, "rollout worker stops: {e}");
-            stats.error = Some(e.to_string());
-            *running = false;
-            false
-        }
+        Ok(Self::with(fragments, envs, controller.into(), pool))
     }
 }
 
@@ -341,75 +290,4 @@ async fn run_fragment<E: Env>(
         waited,
         cancelled: false,
     })
-}
-
-/// Hands a collected fragment to the model's trajectory pool, within `timeout`.
-pub(crate) async fn deliver(
-    pool: &Recipient<PushFragment>,
-    fragment: Batch,
-    admission: crate::protocol::controller::Admission,
-    timeout: Duration,
-    model: &ModelId,
-) -> Result<()> {
-    pool.send(PushFragment {
-        fragment,
-        admission,
-    })
-    .timeout(timeout)
-    .await
-    .map_err(|e| {
-        unanswered(
-            e,
-            timeout,
-            format!("the trajectory pool of model `{model}`"),
-        )
-    })
-}
-
-/// A request that got no answer: past its deadline, or to an actor that stopped.
-pub(crate) fn unanswered(e: MailboxError, after: Duration, what: String) -> Error {
-    match e {
-        MailboxError::Timeout => Error::Runtime(refit_runtime::Error::Timeout { what, after }),
-        MailboxError::Closed => Error::Actor(format!("{what}: it stopped")),
-    }
-}
-
-#[derive(Debug, Message)]
-#[rtype(result = "()")]
-struct NextFragment;
-
-impl<E: Env + Unpin + 'static> Actor for RolloutWorker<E> {
-    type Context = Context<Self>;
-}
-
-impl<E: Env + Unpin + 'static> Handler<NextFragment> for RolloutWorker<E> {
-    type Result = ();
-    fn handle(&mut self, _: NextFragment, ctx: &mut Context<Self>) {
-        self.next_fragment(ctx);
-    }
-}
-
-impl<E: Env + Unpin + 'static> Handler<StartRollouts> for RolloutWorker<E> {
-    type Result = ();
-    fn handle(&mut self, _: StartRollouts, ctx: &mut Context<Self>) {
-        if !self.running {
-            self.running = true;
-            self.next_fragment(ctx);
-        }
-    }
-}
-
-impl<E: Env + Unpin + 'static> Handler<GetRolloutStats> for RolloutWorker<E> {
-    type Result = MessageResult<GetRolloutStats>;
-    fn handle(&mut self, _: GetRolloutStats, _: &mut Context<Self>) -> Self::Result {
-        MessageResult(self.stats.clone())
-    }
-}
-
-impl<E: Env + Unpin + 'static> Handler<StopRollouts> for RolloutWorker<E> {
-    type Result = MessageResult<StopRollouts>;
-    fn handle(&mut self, _: StopRollouts, _: &mut Context<Self>) -> Self::Result {
-        self.running = false;
-        MessageResult(self.stats.clone())
-    }
 }
