@@ -36,11 +36,11 @@ impl WeightInlet for SlowLink {
         model: &ModelId,
         at_least: Version,
         timeout: Duration,
-    ) -> refit_actors::Result<Arc<WeightSet>> {
+    ) -> refit_runtime::Result<Arc<WeightSet>> {
         std::thread::sleep(self.delay);
         self.inner.fetch(model, at_least, timeout)
     }
-    fn applied(&mut self, model: &ModelId, version: Version) -> refit_actors::Result<()> {
+    fn applied(&mut self, model: &ModelId, version: Version) -> refit_runtime::Result<()> {
         self.inner.applied(model, version)
     }
 }
@@ -865,20 +865,20 @@ impl WeightInlet for FailingLink {
         model: &ModelId,
         at_least: Version,
         timeout: Duration,
-    ) -> refit_actors::Result<Arc<WeightSet>> {
+    ) -> refit_runtime::Result<Arc<WeightSet>> {
         use std::sync::atomic::Ordering;
         if self
             .fails
             .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
             .is_ok()
         {
-            return Err(refit_actors::Error::Actor(format!(
+            return Err(refit_runtime::Error::Wire(format!(
                 "injected: v{at_least} cannot be fetched"
             )));
         }
         self.inner.fetch(model, at_least, timeout)
     }
-    fn applied(&mut self, model: &ModelId, version: Version) -> refit_actors::Result<()> {
+    fn applied(&mut self, model: &ModelId, version: Version) -> refit_runtime::Result<()> {
         self.inner.applied(model, version)
     }
 }
@@ -967,7 +967,7 @@ async fn under_commit_all_a_version_one_engine_cannot_stage_is_served_by_none() 
     let e = model.last_error.as_deref().unwrap();
     assert!(
         e.contains("committed on no engine")
-            && e.contains("engine 1: actor: injected: v2 cannot be fetched"),
+            && e.contains("engine 1: runtime: wire: injected: v2 cannot be fetched"),
         "{e}"
     );
     assert!(model.fenced.is_empty(), "{model:?}");
@@ -1048,7 +1048,7 @@ async fn under_a_quorum_an_engine_that_cannot_stage_is_fenced_repaired_and_retur
         .collect();
     assert_eq!(fenced.len(), 2, "{fenced:?}");
     assert!(
-        fenced[1].contains("engine 1 fenced: actor: injected: v3"),
+        fenced[1].contains("engine 1 fenced: runtime: wire: injected: v3"),
         "{fenced:?}"
     );
 }

@@ -42,6 +42,7 @@ pub mod error;
 pub mod ids;
 pub mod inproc;
 pub mod layout;
+pub mod link;
 pub mod manifest;
 pub mod metrics;
 pub mod protocol;

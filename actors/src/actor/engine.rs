@@ -560,7 +560,9 @@ impl<P: Policy + Unpin + 'static> InferenceEngine<P> {
                 None => inlet.lock_owned().await,
             };
             let fetched = actix_rt::task::spawn_blocking(move || {
-                let r = guard.fetch(&fetch_model, version, timeout);
+                let r = guard
+                    .fetch(&fetch_model, version, timeout)
+                    .map_err(Error::from);
                 (guard, r)
             })
             .await;

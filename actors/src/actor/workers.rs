@@ -123,7 +123,7 @@ impl Trainer {
 
     fn publish_weights(&mut self, weights: Arc<WeightSet>) -> Result<Version> {
         match &mut self.outlet {
-            Some(o) => o.publish(weights),
+            Some(o) => Ok(o.publish(weights)?),
             None => Err(Error::Config(
                 "this trainer has no outlet (start it with start_with_outlet)".into(),
             )),

@@ -27,7 +27,7 @@ struct FanOut {
 }
 
 impl WeightOutlet for FanOut {
-    fn publish(&mut self, weights: Arc<WeightSet>) -> Result<Version> {
+    fn publish(&mut self, weights: Arc<WeightSet>) -> refit_runtime::Result<Version> {
         let mut version = weights.version();
         for o in &mut self.outlets {
             version = o.publish(Arc::clone(&weights))?;

@@ -269,12 +269,13 @@ impl<G: Generator> LoadJob<G> {
             }
         })
         .await;
-        acked.map_err(|e| {
+        let acked = acked.map_err(|e| {
             Error::Actor(format!(
                 "the weight ack thread of model `{}` failed: {e}",
                 self.model
             ))
-        })?
+        })?;
+        Ok(acked?)
     }
 }
 

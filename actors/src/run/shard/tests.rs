@@ -89,7 +89,7 @@ impl Learner for Fake {
 struct Published(Arc<Mutex<Vec<Arc<WeightSet>>>>);
 
 impl WeightOutlet for Published {
-    fn publish(&mut self, weights: Arc<WeightSet>) -> Result<Version> {
+    fn publish(&mut self, weights: Arc<WeightSet>) -> refit_runtime::Result<Version> {
         let v = weights.version();
         self.0.lock().unwrap().push(weights);
         Ok(v)
