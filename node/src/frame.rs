@@ -50,6 +50,10 @@ fn eof_is_truncation(e: std::io::Error, what: &str) -> Error {
 ///
 /// # Errors
 /// [`Wire`](refit_runtime::Error::Wire) for an oversized or truncated frame, [`Io`](refit_runtime::Error::Io) for socket errors.
+///
+/// # Cancel safety
+/// Not cancel safe: dropped mid-frame, the bytes read so far are lost and the stream is
+/// out of step. Read a stream's frames from one task that awaits each to the end.
 pub async fn read_frame<R: AsyncRead + Unpin>(r: &mut R, max: usize) -> Result<Option<Vec<u8>>> {
     let mut head = [0u8; PREFIX];
     let mut got = 0;
@@ -75,6 +79,10 @@ pub async fn read_frame<R: AsyncRead + Unpin>(r: &mut R, max: usize) -> Result<O
 ///
 /// # Errors
 /// [`Wire`](refit_runtime::Error::Wire) for a body over 4 GiB, [`Io`](refit_runtime::Error::Io) for socket errors.
+///
+/// # Cancel safety
+/// Not cancel safe: dropped mid-write, part of the frame may be on the wire and the peer
+/// reads a corrupt stream. Write a stream's frames from one task that awaits each.
 pub async fn write_frame<W: AsyncWrite + Unpin>(w: &mut W, body: &[u8]) -> Result<()> {
     let head = prefix(body.len())?;
     let mut buf = Vec::with_capacity(PREFIX + body.len());
@@ -92,6 +100,9 @@ pub async fn write_frame<W: AsyncWrite + Unpin>(w: &mut W, body: &[u8]) -> Resul
 ///
 /// # Errors
 /// As [`read_frame`], plus [`Wire`](refit_runtime::Error::Wire) for a malformed message or an early end of stream.
+///
+/// # Cancel safety
+/// As [`read_frame`].
 pub async fn recv<T: DeserializeOwned, R: AsyncRead + Unpin>(r: &mut R, max: usize) -> Result<T> {
     match read_frame(r, max).await? {
         Some(body) => Ok(wire::decode(&body, max)?),
@@ -104,6 +115,9 @@ pub async fn recv<T: DeserializeOwned, R: AsyncRead + Unpin>(r: &mut R, max: usi
 /// Encodes a message and writes it as one frame (async).
 ///
 /// # Errors
+/// As [`write_frame`].
+///
+/// # Cancel safety
 /// As [`write_frame`].
 pub async fn send<T: Serialize, W: AsyncWrite + Unpin>(w: &mut W, msg: &T) -> Result<()> {
     write_frame(w, &wire::encode(msg)?).await

@@ -374,6 +374,10 @@ impl Node {
     /// # Errors
     /// [`Timeout`](refit_runtime::Error::Timeout), [`Io`](refit_runtime::Error::Io) when unreachable, [`Error::Unauthorized`] when the
     /// other node refuses our token.
+    ///
+    /// # Cancel safety
+    /// Cancel safe: dropped before it answers, the half-made connection is closed with it
+    /// and nothing stays registered.
     pub async fn connect_async(&self, addr: SocketAddr, timeout: Duration) -> Result<Peer> {
         Peer::connect(
             self.inner.shared.id,

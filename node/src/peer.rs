@@ -228,6 +228,11 @@ impl Peer {
     /// # Errors
     /// [`Timeout`](refit_runtime::Error::Timeout) when no reply comes within `timeout`; [`PeerGone`](refit_runtime::Error::PeerGone) when the
     /// connection dies first; [`Error::Remote`] when the handler fails.
+    ///
+    /// # Cancel safety
+    /// Cancel safe for the connection: dropped after the request left, the handler may
+    /// still run on the peer and its answer is discarded when it comes; the call's pending
+    /// slot is freed then, or when the connection closes.
     pub async fn call_raw_async(
         &self,
         target: Uuid,
@@ -281,6 +286,9 @@ impl Peer {
     ///
     /// # Errors
     /// As [`Peer::call_raw_async`], plus [`Wire`](refit_runtime::Error::Wire) for a reply of the wrong type.
+    ///
+    /// # Cancel safety
+    /// As [`Peer::call_raw_async`].
     pub async fn call_async<Req: Serialize + ?Sized, Resp: DeserializeOwned>(
         &self,
         target: Uuid,

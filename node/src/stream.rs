@@ -20,6 +20,9 @@ use refit_runtime::wire;
 ///
 /// # Errors
 /// Socket errors.
+///
+/// # Cancel safety
+/// As [`frame::write_frame`](crate::frame::write_frame): not cancel safe.
 pub async fn write_head<W: AsyncWrite + Unpin>(w: &mut W, head: &StreamHead) -> Result<()> {
     frame::send(w, head).await
 }
