@@ -35,7 +35,8 @@ pub struct GenRolloutConfig {
     pub seed: u64,
     /// Deadline of each generation request (a regenerated one gets a fresh one) and of
     /// handing a fragment to the pool: past it the worker stops with
-    /// [`refit_runtime::Error::Timeout`] in its [`RolloutStats::error`].
+    /// [`refit_runtime::Error::Timeout`] in its
+    /// [`RolloutStats::error`](crate::protocol::rollout::RolloutStats::error).
     pub timeout: Duration,
     /// Deadline of the status check before each fragment: above the controller's own
     /// `rollout_wait_s`, which it answers within.

@@ -31,6 +31,7 @@ pub mod fragments;
 pub mod gen_engine;
 pub mod gen_eval;
 pub mod gen_rollout;
+pub mod notifier;
 pub mod pool;
 pub mod rollout;
 mod staging;
@@ -57,13 +58,14 @@ pub use crate::protocol::rollout::{
     GetRolloutStats, RolloutRef, RolloutStats, StartRollouts, StopRollouts,
 };
 pub use crate::protocol::trainer::{Train, TrainAndPublish};
-pub use controller::{VersionNotifier, WeightSyncController};
+pub use controller::WeightSyncController;
 pub use engine::{DEFAULT_QUEUE_DEADLINE, InferenceEngine};
 pub use eval::{DEFAULT_EVAL_REQUEST_DEADLINE, Evaluator};
 pub use fragments::{FragmentLoop, Fragments};
 pub use gen_engine::{GenModel, GenModelStatus, GenerationEngine, GetGenStatus};
 pub use gen_eval::GenEvaluator;
 pub use gen_rollout::{GenFragments, GenRolloutConfig, GenRolloutWorker};
+pub use notifier::VersionNotifier;
 pub use pool::TrajectoryPool;
 pub use rollout::{ActingFragments, RolloutConfig, RolloutWorker};
 pub use workers::{CollectBatch, CollectorWorker, Trainer};

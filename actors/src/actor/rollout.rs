@@ -148,7 +148,8 @@ pub struct RolloutConfig {
     pub seed: u64,
     /// Deadline of each engine request (a `Pause` never followed by `Continue` shows here)
     /// and of handing a fragment to the pool: past it the worker stops with
-    /// [`refit_runtime::Error::Timeout`] in its [`RolloutStats::error`].
+    /// [`refit_runtime::Error::Timeout`] in its
+    /// [`RolloutStats::error`](crate::protocol::rollout::RolloutStats::error).
     pub timeout: Duration,
 }
 

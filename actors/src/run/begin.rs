@@ -10,7 +10,8 @@ use actix::prelude::*;
 use refit_runtime::sync_policy::SyncConfig;
 use refit_runtime::{ModelId, Version};
 
-use crate::actor::controller::{VersionNotifier, WeightSyncController};
+use crate::actor::controller::WeightSyncController;
+use crate::actor::notifier::VersionNotifier;
 use crate::error::{Error, Result};
 use crate::protocol::engine::EngineHandle;
 use crate::protocol::lead::{LeadRef, Rejoin};

@@ -10,7 +10,7 @@ use refit_runtime::sync_policy::{StalenessStats, SyncMode};
 use refit_runtime::{ModelId, Version};
 use tracing::Instrument;
 
-use crate::actor::controller::VersionNotifier;
+use crate::actor::notifier::VersionNotifier;
 use crate::error::{Error, Result};
 use crate::protocol::controller::{AwaitDrained, AwaitSynced, ControllerRef, GetStatus};
 use crate::protocol::lead::{LeadRef, Progress, UpdateLine};

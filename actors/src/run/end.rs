@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use actix::prelude::*;
 
-use crate::actor::controller::VersionNotifier;
+use crate::actor::notifier::VersionNotifier;
 use crate::error::{Error, Result};
 use crate::protocol::engine::{EngineHandle, GetEngineStats};
 use crate::protocol::lead::ModelDone;

@@ -3,7 +3,7 @@
 //! [`VersionBarrier`](refit_runtime::sync_policy::VersionBarrier).
 //!
 //! Trainers tell it when they finish a version ([`NotifyVersion`], best through a
-//! [`VersionNotifier`], which lets a trainer run one step ahead while keeping its
+//! [`VersionNotifier`](crate::actor::VersionNotifier), which lets a trainer run one step ahead while keeping its
 //! notifications in order); the trajectory pool tells it when a batch is ready
 //! ([`BatchReady`]); rollout workers ask it before each fragment ([`AwaitRollout`]) and say
 //! when the fragment is over ([`RolloutDone`]). It loads each version on every engine in
@@ -17,7 +17,8 @@
 //! The decisions, the waiters and their deadlines, the counters and the timeline are a
 //! plain core (`core`: no actix, no tokio, time passed in); this actor does the IO:
 //! receives messages, sends loads, runs the leader's sequence and arms the timers the
-//! core asks for. `notifier` holds [`VersionNotifier`], the trainer's client.
+//! core asks for. The trainer's client of the controller, `VersionNotifier`, lives on the
+//! trainer's side (`actor::notifier`).
 
 use std::collections::BTreeMap;
 use std::time::Instant;
@@ -41,9 +42,6 @@ use refit_runtime::topology::Commit;
 mod commit;
 mod core;
 mod fleet;
-mod notifier;
-
-pub use notifier::VersionNotifier;
 
 /// Awaits an answer the controller sends later.
 async fn answer<T>(rx: oneshot::Receiver<Result<T>>) -> Result<T> {
