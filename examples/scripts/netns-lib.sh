@@ -4,7 +4,17 @@
 nh=${NETNS_HOSTS:-$here/scripts/netns-hosts}
 export REFIT_TOKEN=${REFIT_TOKEN:-$(head -c 16 /dev/urandom | od -An -tx1 | tr -d ' \n')}
 log=$(mktemp -d)
-cleanup() { jobs -p | xargs -r kill 2>/dev/null || true; "$nh" down >/dev/null 2>&1 || true; rm -rf "$log"; }
+# Every process still inside one of the hosts (a rank the script's jobs started outlives
+# them: deleting a namespace does not stop what runs in it).
+host_pids() { ip netns list 2>/dev/null | awk '/^rfh[0-9]/ {print $1}' | while read -r h; do ip netns pids "$h" 2>/dev/null; done; }
+cleanup() {
+  jobs -p | xargs -r kill 2>/dev/null || true
+  host_pids | xargs -r kill 2>/dev/null || true
+  for _ in 1 2 3 4 5 6 7 8 9 10; do [ -z "$(host_pids)" ] && break; sleep 0.2; done
+  host_pids | xargs -r kill -9 2>/dev/null || true
+  "$nh" down >/dev/null 2>&1 || true
+  rm -rf "$log"
+}
 trap cleanup EXIT
 # The release build of example $1 (or the path in $2 when set); fails saying how to build it.
 example_exe() {
