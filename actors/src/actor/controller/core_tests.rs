@@ -365,3 +365,38 @@ fn drains_answer_when_the_last_rollout_finishes() {
     let acts = actions(&mut c);
     assert!(matches!(&acts[..], [Action::Drained(id, Ok(()))] if *id == w));
 }
+
+/// A resumed run's counts go on from the ones its checkpoint carried: later admissions and
+/// loads add to them, the largest staleness and the eval steps are kept, and another
+/// model's counts are untouched.
+#[test]
+fn carried_counts_are_the_base_later_counts_add_to() {
+    let t0 = Instant::now();
+    let mut c = core(SyncMode::FullyAsync, &["policy", "critic"], t0);
+    let m = id("policy");
+    let mut carried = status(&c, "policy");
+    carried.admissions = 40;
+    carried.blocked = 3;
+    carried.waited = Duration::from_secs(5);
+    carried.max_staleness = 2;
+    carried.loads = 12;
+    carried.fences = 1;
+    c.carry(&m, &carried, 4);
+    let Admit::Now(_) = c.admit(&m, None, t0).unwrap() else {
+        panic!("a fully-async rollout waits")
+    };
+    c.load_finished(
+        &SyncOrder {
+            model: m.clone(),
+            version: Version(1),
+        },
+        landed(1),
+        t0,
+    );
+    let s = status(&c, "policy");
+    assert_eq!((s.admissions, s.blocked, s.loads, s.fences), (41, 3, 13, 1));
+    assert_eq!((s.waited, s.max_staleness), (Duration::from_secs(5), 2));
+    assert_eq!(c.status().evals, 4);
+    let other = status(&c, "critic");
+    assert_eq!((other.admissions, other.loads), (0, 0));
+}
