@@ -121,6 +121,12 @@ pub struct EndValidate;
 #[rtype(result = "ControllerStatus")]
 pub struct GetStatus;
 
+/// Asks for the controller's state without its timeline (whose events can number 100 000):
+/// what a checkpoint carries, asked at every one.
+#[derive(Debug, Message, Serialize, Deserialize)]
+#[rtype(result = "ControllerStatus")]
+pub struct GetCounts;
+
 /// One model as the controller sees it.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ModelStatus {
@@ -317,6 +323,7 @@ crate::remote::wire_names! {
     BatchReady => "controller.batch_ready",
     NotifyVersion => "controller.notify_version",
     GetStatus => "controller.get_status",
+    GetCounts => "controller.get_counts",
     AwaitDrained => "controller.await_drained",
     AwaitSynced => "controller.await_synced",
 }
@@ -335,6 +342,8 @@ crate::protocol::role_ref! {
         notify: NotifyVersion,
         /// The controller's state and timeline.
         status: GetStatus,
+        /// The controller's state without its timeline.
+        counts: GetCounts,
         /// `sync` mode: the on-policy rollouts are over.
         await_drained: AwaitDrained,
         /// A version serves on every engine.
@@ -383,6 +392,7 @@ pub trait ControllerActor:
     + Handler<BatchReady>
     + Handler<NotifyVersion>
     + Handler<GetStatus>
+    + Handler<GetCounts>
     + Handler<AwaitDrained>
     + Handler<AwaitSynced>
 where
@@ -392,6 +402,7 @@ where
         + ToEnvelope<Self, BatchReady>
         + ToEnvelope<Self, NotifyVersion>
         + ToEnvelope<Self, GetStatus>
+        + ToEnvelope<Self, GetCounts>
         + ToEnvelope<Self, AwaitDrained>
         + ToEnvelope<Self, AwaitSynced>,
 {
@@ -406,6 +417,7 @@ where
         + Handler<BatchReady>
         + Handler<NotifyVersion>
         + Handler<GetStatus>
+        + Handler<GetCounts>
         + Handler<AwaitDrained>
         + Handler<AwaitSynced>,
     A::Context: ToEnvelope<A, AwaitRollout>
@@ -414,6 +426,7 @@ where
         + ToEnvelope<A, BatchReady>
         + ToEnvelope<A, NotifyVersion>
         + ToEnvelope<A, GetStatus>
+        + ToEnvelope<A, GetCounts>
         + ToEnvelope<A, AwaitDrained>
         + ToEnvelope<A, AwaitSynced>,
 {

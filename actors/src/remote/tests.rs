@@ -26,6 +26,7 @@ fn framework_messages_have_distinct_wire_names() {
         BatchReady::NAME,
         NotifyVersion::NAME,
         GetStatus::NAME,
+        crate::protocol::controller::GetCounts::NAME,
         PushFragment::NAME,
         RunEval::NAME,
     ];

@@ -12,7 +12,7 @@ use tracing::Instrument;
 
 use crate::actor::notifier::VersionNotifier;
 use crate::error::{Error, Result};
-use crate::protocol::controller::{AwaitDrained, AwaitSynced, ControllerRef, GetStatus};
+use crate::protocol::controller::{AwaitDrained, AwaitSynced, ControllerRef, GetCounts};
 use crate::protocol::lead::{LeadRef, Progress, UpdateLine};
 use crate::protocol::pool::{AwaitBatch, PoolBatch, PoolRef, TakeBatch};
 use crate::protocol::trainer::{SaveState, TrainAndPublish};
@@ -282,8 +282,8 @@ impl Driver {
     async fn save_run_state(&self, cfg: &CheckpointSection, version: Version) {
         let status = match self
             .controller
-            .status
-            .send(GetStatus)
+            .counts
+            .send(GetCounts)
             .timeout(self.call)
             .await
         {

@@ -832,8 +832,8 @@ impl SyncCore {
         }
     }
 
-    /// Every model's versions, state and counters, and the timeline.
-    pub(crate) fn status(&self) -> ControllerStatus {
+    /// Every model's versions, state and counters, without the timeline.
+    pub(crate) fn counts(&self) -> ControllerStatus {
         let models = self
             .policy
             .models()
@@ -869,7 +869,15 @@ impl SyncCore {
             models,
             acquisition_paused: self.policy.acquisition_paused(),
             evals: self.evals,
+            events: Vec::new(),
+        }
+    }
+
+    /// Every model's versions, state and counters, and the timeline.
+    pub(crate) fn status(&self) -> ControllerStatus {
+        ControllerStatus {
             events: self.events.iter().cloned().collect(),
+            ..self.counts()
         }
     }
 }

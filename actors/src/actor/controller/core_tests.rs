@@ -399,4 +399,8 @@ fn carried_counts_are_the_base_later_counts_add_to() {
     assert_eq!(c.status().evals, 4);
     let other = status(&c, "critic");
     assert_eq!((other.admissions, other.loads), (0, 0));
+    // what a checkpoint asks for: the same counts, without the timeline
+    let (counts, full) = (c.counts(), c.status());
+    assert!(counts.events.is_empty() && !full.events.is_empty());
+    assert_eq!((counts.models, counts.evals), (full.models, full.evals));
 }

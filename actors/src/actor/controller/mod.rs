@@ -33,7 +33,8 @@ use self::fleet::{Fleet, load_one};
 use crate::error::{Error, Result};
 use crate::protocol::controller::{
     AddEngine, Admission, AwaitDrained, AwaitRollout, AwaitSynced, BatchReady, CheckRollout,
-    DropEngine, EndValidate, GetStatus, ModelStatus, NotifyOutcome, NotifyVersion, RolloutDone,
+    DropEngine, EndValidate, GetCounts, GetStatus, ModelStatus, NotifyOutcome, NotifyVersion,
+    RolloutDone,
 };
 use crate::protocol::engine::{CancelInFlight, EngineRef, ServedVersions};
 use crate::protocol::eval::{EvalReport, RunEval};
@@ -498,6 +499,13 @@ impl Handler<GetStatus> for WeightSyncController {
     type Result = MessageResult<GetStatus>;
     fn handle(&mut self, _: GetStatus, _: &mut Context<Self>) -> Self::Result {
         MessageResult(self.core.status())
+    }
+}
+
+impl Handler<GetCounts> for WeightSyncController {
+    type Result = MessageResult<GetCounts>;
+    fn handle(&mut self, _: GetCounts, _: &mut Context<Self>) -> Self::Result {
+        MessageResult(self.core.counts())
     }
 }
 
