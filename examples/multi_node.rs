@@ -1,12 +1,14 @@
 //! A trainer node and worker nodes as separate processes, weights moving over TCP.
 //!
 //! ```text
-//! cargo run --release --example multi_node [-- --workers 2 --versions 5 --size 64MiB --full]
+//! cargo run --release --example multi_node [-- --workers 2 --versions 5 --size 64MiB --delta off]
 //! ```
 //!
-//! `--size` sets the weight bytes (default 4 MiB), `--full` pulls every byte of every version
-//! (default: only the buckets whose tensors changed), `--bucket-size` the bytes per bucket;
-//! the trainer prints, per version, the time until every worker acknowledged it.
+//! `--size` sets the weight bytes (default 4 MiB), `--delta` what a version after the first
+//! carries (`buckets`, the default: only the buckets whose tensors changed; `elements`: those
+//! buckets as element-level deltas; `off`: every byte), `--sparse` makes each version change
+//! 2% of the elements of every tensor (instead of whole tensors), `--bucket-size` the bytes
+//! per bucket; the trainer prints, per version, the time until every worker acknowledged it.
 //!
 //! Run as is, the trainer (rank 0) starts its workers itself on loopback. Across hosts, start
 //! each process with the usual launch variables and one shared token:
@@ -65,9 +67,14 @@ struct Args {
     /// Bytes of weights (`4MiB`, `1GiB`, `4096`).
     #[arg(long, default_value = "4MiB", value_parser = parse_size)]
     size: usize,
-    /// Send every version whole (no deltas).
+    /// What a version after the first carries: every byte (`off`), the buckets holding a
+    /// changed tensor (`buckets`), or those as element-level deltas (`elements`).
+    #[arg(long, default_value = "buckets", value_parser = ["off", "buckets", "elements"])]
+    delta: String,
+    /// Each version changes 2% of the elements of every tensor (default: the head every
+    /// version, the encoder every other one, whole).
     #[arg(long)]
-    full: bool,
+    sparse: bool,
     /// Bucket size of a transfer.
     #[arg(long, default_value_t = DEFAULT_BUCKET_SIZE, value_parser = parse_size)]
     bucket_size: usize,
@@ -111,6 +118,25 @@ fn weights_at(manifest: &Arc<Manifest>, version: u64) -> Result<WeightSet> {
 }
 // ANCHOR_END: model
 
+/// Version `version` of the policy: [`weights_at`], or with `sparse` one where 2% of the
+/// elements of every tensor changed since the version before (element `i` steps up at the
+/// versions `v` where `v + 31 i` is a multiple of 50).
+fn version_at(manifest: &Arc<Manifest>, version: u64, sparse: bool) -> Result<WeightSet> {
+    if !sparse {
+        return weights_at(manifest, version);
+    }
+    let mut ws = WeightSet::zeroed(ModelId::new("policy")?, Arc::clone(manifest));
+    for t in manifest.tensors() {
+        for (i, x) in ws.view_mut::<f32>(&t.name)?.iter_mut().enumerate() {
+            let i = i as u64;
+            let base = (i.wrapping_mul(2_654_435_761) % 1000) as f32 * 1e-3;
+            *x = base + ((version + (31 * i) % 50) / 50) as f32 * 1e-3;
+        }
+    }
+    ws.set_version(Version(version));
+    Ok(ws)
+}
+
 // ANCHOR: trainer
 fn trainer(args: &Args) -> Result<()> {
     let token = ClusterToken::from_env_or_random()?;
@@ -147,11 +173,11 @@ fn trainer(args: &Args) -> Result<()> {
     // connect: wait for every worker to register, deliver version 1, wait for their acks
     let mut sender = SenderInit::new(transport, manifests)
         .with_ack_timeout(WAIT)
-        .connect(vec![weights_at(&manifest, 1)?], WAIT)?;
+        .connect(vec![version_at(&manifest, 1, args.sparse)?], WAIT)?;
     let mut took = Vec::new();
     for v in 2..=args.versions {
         // ... a training step would go here ...
-        let next = weights_at(&manifest, v)?;
+        let next = version_at(&manifest, v, args.sparse)?;
         let start = Instant::now();
         sender.send(next)?;
         let t = start.elapsed();
@@ -202,9 +228,7 @@ fn spawn_workers(
                 master_port: master.port(),
             };
             let mut cmd = Command::new(&exe);
-            if args.full {
-                cmd.arg("--full");
-            }
+            cmd.args(["--delta", &args.delta]);
             cmd.arg("worker")
                 .envs(launch.vars())
                 .env(refit::node::TOKEN_ENV, token.expose())
@@ -234,10 +258,10 @@ fn worker(args: &Args) -> Result<()> {
     let spec = TcpReceiverSpec::new(endpoint, &token);
     let config = TcpReceiverConfig {
         advertise: args.bind.filter(|b| b.port() != 0),
-        mode: if args.full {
-            TransferMode::Full
-        } else {
-            TransferMode::Delta
+        mode: match args.delta.as_str() {
+            "off" => TransferMode::Full,
+            "elements" => TransferMode::Elements,
+            _ => TransferMode::Delta,
         },
         ..TcpReceiverConfig::default()
     };

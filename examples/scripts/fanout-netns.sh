@@ -29,7 +29,7 @@ for n in 1 2 3 4; do
   for rank in $(seq 1 "$n"); do
     h=$((rank + 1))
     "$nh" run $h env RANK=$rank WORLD_SIZE=$world MASTER_ADDR=10.77.0.1 MASTER_PORT=29500 \
-      "$exe" --full --size "$size" "${bucket_arg[@]}" worker --bind 10.77.0.$h:29501 \
+      "$exe" --delta off --size "$size" "${bucket_arg[@]}" worker --bind 10.77.0.$h:29501 \
       >"$log/worker-$n-$rank" 2>&1 &
     pids+=($!)
   done

@@ -216,7 +216,10 @@ class Receiver:
     ``REFIT_TOKEN_FILE`` names. Connecting waits up to ``timeout`` seconds for the sender's
     first version, which :meth:`current` then gives. Shared memory is read in place unless
     ``copy=True`` (then each version is copied out of the slot, which the sender may then
-    reuse at once).
+    reuse at once). ``delta`` says what a version after the first carries over TCP:
+    ``"buckets"`` (default: the buckets holding a changed tensor), ``"elements"`` (those
+    buckets as their element-level difference against the version held, compressed) or
+    ``"off"`` (every byte); other transports ignore it.
     """
 
     def __init__(
@@ -226,8 +229,16 @@ class Receiver:
         timeout: float = 30.0,
         token: str | None = None,
         copy: bool = False,
+        delta: str = "buckets",
     ) -> None:
-        self._r = _native.Receiver(_spec_text(spec), timeout, token, copy)
+        self._r = _native.Receiver(_spec_text(spec), timeout, token, copy, delta)
+
+    @property
+    def wire(self) -> tuple[int, int] | None:
+        """``(landed, on_wire)``: the weight bytes this receiver's transfers landed and the
+        bytes they read off the wire (fewer with ``delta="elements"``), where the transport
+        counts them (TCP); ``None`` elsewhere."""
+        return self._r.wire
 
     @property
     def transport(self) -> str:

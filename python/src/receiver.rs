@@ -16,6 +16,8 @@ type Inner = refit_runtime::Receiver<Box<dyn ReceiverTransport>>;
 #[pyclass(module = "refit._native", frozen)]
 pub(crate) struct Receiver {
     inner: Arc<Mutex<Option<Inner>>>,
+    /// What the transfers landed and read off the wire, where the transport counts it.
+    meter: Option<Arc<dyn refit_runtime::WireMeter>>,
     transport: String,
     /// A `receive` that Ctrl-C interrupted: its result, for the next `receive`.
     stash: Stash<Staged>,
@@ -69,24 +71,34 @@ impl Receiver {
     /// Connects to the sender `spec` describes (text), waiting up to `timeout` seconds for
     /// its manifests and first version (which is acknowledged here).
     #[new]
-    #[pyo3(signature = (spec, timeout = 30.0, token = None, copy = false))]
+    #[pyo3(signature = (spec, timeout = 30.0, token = None, copy = false, delta = "buckets"))]
     fn new(
         py: Python<'_>,
         spec: &str,
         timeout: f64,
         token: Option<&str>,
         copy: bool,
+        delta: &str,
     ) -> PyResult<Self> {
         let timeout = seconds("timeout", timeout)?;
-        let (transport, name) = crate::spec::open(spec, token, copy)?;
+        let (transport, name) = crate::spec::open(spec, token, copy, delta)?;
+        let meter = transport.meter();
         let inner = py
             .detach(|| ReceiverInit::new(transport, None).connect(timeout))
             .map_err(to_py)?;
         Ok(Self {
             inner: Arc::new(Mutex::new(Some(inner))),
+            meter,
             transport: name,
             stash: Mutex::new(None),
         })
+    }
+
+    /// `(landed, on_wire)`: the weight bytes the transfers landed and the bytes they read
+    /// off the wire, where the transport counts them (TCP); `None` elsewhere.
+    #[getter]
+    fn wire(&self) -> Option<(u64, u64)> {
+        self.meter.as_ref().map(|m| (m.landed(), m.on_wire()))
     }
 
     /// The transport's name (`"shm"`, `"tcp"`, `"file"`, `"broadcast"`).

@@ -5,7 +5,7 @@
 use pyo3::prelude::*;
 use refit_node::ClusterToken;
 use refit_runtime::{ReceiverTransport, wire};
-use refit_transports::link::{self, LinkOptions, ReceiverSpec};
+use refit_transports::link::{self, Deltas, LinkOptions, ReceiverSpec};
 use refit_transports::tcp::{TcpEndpoint, TcpLink};
 
 use crate::errors::{config, to_py};
@@ -22,7 +22,18 @@ pub(crate) fn open(
     text: &str,
     token: Option<&str>,
     copy: bool,
+    delta: &str,
 ) -> PyResult<(Box<dyn ReceiverTransport>, String)> {
+    let deltas = match delta {
+        "off" => Deltas::Off,
+        "buckets" => Deltas::Buckets,
+        "elements" => Deltas::Elements,
+        other => {
+            return Err(config(format!(
+                "delta = {other:?}: expected \"off\", \"buckets\" or \"elements\""
+            )));
+        }
+    };
     let text = text.trim();
     let text = text.strip_prefix("spec:").unwrap_or(text).trim();
     if text.is_empty() {
@@ -50,6 +61,7 @@ pub(crate) fn open(
     let options = LinkOptions {
         token,
         private_copies: copy,
+        deltas,
         ..LinkOptions::default()
     };
     let transport = spec.receiver(&options).map_err(to_py)?;

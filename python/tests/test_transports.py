@@ -133,3 +133,28 @@ def test_several_models_land_together(tmp_path):
     finally:
         r.close()
         s.close()
+
+
+def test_element_deltas_put_what_changed_on_the_wire(pair):
+    base = {"w": np.random.default_rng(0).standard_normal(1 << 18).astype(np.float32)}
+    p = pair("tcp", base, delta="elements")
+    landed0, wire0 = p.receiver.wire
+    assert landed0 == wire0 == base["w"].nbytes, "the first version travels whole"
+    new = {"w": base["w"].copy()}
+    new["w"][::50] += 1.0  # 2% of the elements
+    p.sender.publish(new)
+    u = p.receiver.receive(timeout=20)
+    assert u is not None
+    assert_same(u.arrays(), new)
+    u.ack()
+    p.sender.wait(timeout=20)
+    landed, wire = p.receiver.wire
+    assert landed - landed0 == new["w"].nbytes
+    assert (wire - wire0) * 20 < new["w"].nbytes, f"{wire - wire0} bytes on the wire"
+
+
+def test_an_unknown_delta_mode_is_refused_naming_the_choices(pair):
+    p = pair("tcp")
+    with pytest.raises(refit.ConfigError, match='"elements"'):
+        refit.Receiver(p.sender.spec, timeout=2, delta="xor")
+    assert refit.Receiver is not None and p.receiver.wire is not None

@@ -273,6 +273,11 @@ pub struct BucketHeader {
     pub pieces: Vec<Piece>,
     /// xxh3-64 of the bucket's bytes.
     pub checksum: u64,
+    /// When the bytes travel as an element-level delta against a base version the
+    /// receiver holds ([`crate::delta::elements`]): the encoding's length, which is what
+    /// follows the header instead of `len` raw bytes. `None`: the raw bytes follow.
+    #[serde(default)]
+    pub encoded: Option<usize>,
 }
 
 fn bucket_error(index: usize, reason: impl Into<String>) -> Error {
@@ -520,6 +525,7 @@ impl BucketPlan {
                 len: b.len,
                 pieces: b.pieces.clone(),
                 checksum: b.checksum(weights.manifest(), bytes),
+                encoded: None,
             },
             bytes,
         ))

@@ -486,6 +486,10 @@ impl<T: ReceiverTransport> ReceiverTransport for ConvertingReceiver<T> {
         self.inner.ack(applied)
     }
 
+    fn meter(&self) -> Option<Arc<dyn crate::WireMeter>> {
+        self.inner.meter()
+    }
+
     fn shutdown(&mut self) -> Result<()> {
         self.inner.shutdown()
     }

@@ -14,6 +14,7 @@ use crate::ids::{ModelId, Version};
 use crate::weights::WeightSet;
 
 mod buckets;
+pub mod elements;
 pub use buckets::BucketDelta;
 
 /// What a change covers.

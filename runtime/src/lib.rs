@@ -80,7 +80,7 @@ pub use safetensors_io::{
 };
 pub use scheme::{
     PendingSend, Receiver, ReceiverInit, ReceiverLoop, ReceiverTransport, Sender, SenderInit,
-    SenderTransport, Served, Snapshot, Update,
+    SenderTransport, Served, Snapshot, Update, WireMeter,
 };
 pub use sharded::ShardedBuffer;
 pub use strategy::{ArenaStrategy, HasWeights, Strategy, extract_new};

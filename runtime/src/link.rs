@@ -37,6 +37,12 @@ pub trait WeightInlet: Send + 'static {
     /// # Errors
     /// The transport failing to deliver the acknowledgement (the sender gone).
     fn applied(&mut self, model: &ModelId, version: Version) -> Result<()>;
+
+    /// What the inlet's transfers landed and read off the wire, where its transport counts
+    /// it (default: not counted).
+    fn meter(&self) -> Option<Arc<dyn crate::WireMeter>> {
+        None
+    }
 }
 
 impl<T: ReceiverTransport + 'static> WeightInlet for Receiver<T> {
@@ -69,6 +75,10 @@ impl<T: ReceiverTransport + 'static> WeightInlet for Receiver<T> {
 
     fn applied(&mut self, model: &ModelId, version: Version) -> Result<()> {
         self.ack(&[(model.clone(), version)])
+    }
+
+    fn meter(&self) -> Option<Arc<dyn crate::WireMeter>> {
+        self.transport().meter()
     }
 }
 

@@ -73,8 +73,22 @@ pub trait ReceiverTransport: Send {
     /// # Errors
     /// Failures releasing resources.
     fn shutdown(&mut self) -> Result<()>;
+    /// What this receiver's transfers landed and read off the wire, where the transport
+    /// counts it (default: not counted).
+    fn meter(&self) -> Option<Arc<dyn WireMeter>> {
+        None
+    }
 }
 // ANCHOR_END: transport_traits
+
+/// Counts, readable from any thread, of the weight bytes a receiver's transfers landed and
+/// of the bytes they read off the wire for them (fewer where deltas encode what changed).
+pub trait WireMeter: Send + Sync {
+    /// Weight bytes landed so far.
+    fn landed(&self) -> u64;
+    /// Bytes of weights read off the wire so far.
+    fn on_wire(&self) -> u64;
+}
 
 impl std::fmt::Debug for dyn SenderTransport {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -124,6 +138,9 @@ impl<T: ReceiverTransport + ?Sized> ReceiverTransport for Box<T> {
     }
     fn shutdown(&mut self) -> Result<()> {
         (**self).shutdown()
+    }
+    fn meter(&self) -> Option<Arc<dyn WireMeter>> {
+        (**self).meter()
     }
 }
 

@@ -268,6 +268,7 @@ where
 /// | `convert f16 recv` | the conversion to fused f16, receiver side |
 /// | `convert fp8 recv` | the conversion to fused fp8 e4m3 (per-tensor scales), receiver side |
 /// | `delta encode (3%)` | a delta of 3% changed 64 KiB blocks |
+/// | `elements encode (2%)` / `apply` | an element-level delta of 2% changed elements |
 ///
 /// # Errors
 /// Whatever the transport or the conversions report (none are expected).
@@ -325,10 +326,50 @@ pub fn run<L: Link>(bytes: usize, reps: usize, link: &mut L) -> Result<StrategyB
         deltas.push(t.elapsed().as_secs_f64());
     }
     figures.push(fig("delta encode (3%)".into(), deltas.split_off(1)));
+    figures.extend(
+        element_deltas(&base, reps)?
+            .into_iter()
+            .map(|(n, t)| fig(n, t)),
+    );
     Ok(StrategyBench {
         bytes: payload,
         figures,
     })
+}
+
+/// Element-level deltas ([`crate::delta::elements`]) of `base` against a version with
+/// every 50th element nudged (2%): the encode and the apply, timed `reps` times after one
+/// untimed run each.
+fn element_deltas(base: &WeightSet, reps: usize) -> Result<Vec<(String, Vec<f64>)>> {
+    use crate::delta::elements;
+    let mut new = base.clone();
+    for x in bytemuck::cast_slice_mut::<u8, f32>(new.bytes_mut()?)
+        .iter_mut()
+        .step_by(50)
+    {
+        *x += 1e-3;
+    }
+    let (mut enc, mut encodes, mut applies) = (Vec::new(), Vec::new(), Vec::new());
+    let mut dst = base.bytes().to_vec();
+    for _ in 0..=reps {
+        enc.clear();
+        let t = Instant::now();
+        elements::encode(base.bytes(), new.bytes(), 4, &mut enc)?;
+        encodes.push(t.elapsed().as_secs_f64());
+        dst.copy_from_slice(base.bytes());
+        let t = Instant::now();
+        elements::apply(&mut dst, &enc)?;
+        applies.push(t.elapsed().as_secs_f64());
+    }
+    if dst != new.bytes() {
+        return Err(Error::Strategy(
+            "an element delta applied to other bytes".into(),
+        ));
+    }
+    Ok(vec![
+        ("elements encode (2%)".into(), encodes.split_off(1)),
+        ("elements apply (2%)".into(), applies.split_off(1)),
+    ])
 }
 
 #[cfg(test)]
@@ -368,7 +409,9 @@ mod tests {
                 "update bf16 recv",
                 "convert f16 recv",
                 "convert fp8 recv",
-                "delta encode (3%)"
+                "delta encode (3%)",
+                "elements encode (2%)",
+                "elements apply (2%)"
             ]
         );
         assert_eq!(b.bytes, (4 * H * H + 6 * H * H) * 4);

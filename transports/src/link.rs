@@ -62,7 +62,7 @@ pub static LINKS: &[&dyn LinkFactory] = &[
 ];
 // ANCHOR_END: registry
 
-pub use refit_runtime::topology::Reach;
+pub use refit_runtime::topology::{Deltas, Reach};
 
 /// Settings the factory passes to a transport; each transport reads the ones it uses and
 /// ignores the others. `Default` is what a plain `--transports NAME` gets.
@@ -92,6 +92,11 @@ pub struct LinkOptions {
     /// version (shared memory: [`ShmConfig::checksum`](crate::shm::ShmConfig::checksum)).
     /// TCP checks every bucket whatever this says.
     pub checksum: bool,
+    /// Receiver: what a version after the first carries when the receiver holds an earlier
+    /// one (TCP: `Off` pulls every byte, `Buckets` the buckets of changed tensors,
+    /// `Elements` those as element-level deltas). Transports that move every byte ignore
+    /// it.
+    pub deltas: Deltas,
     /// The CUDA device this end uses (GPU links: `nccl`, `cuda-ipc`). Default:
     /// [`CUDA_DEVICE_ENV`] when set, else 0 (each process sees the GPUs its
     /// `CUDA_VISIBLE_DEVICES` lets it see).

@@ -137,6 +137,112 @@ fn delta_mode_sends_only_the_buckets_of_changed_tensors() {
     assert_eq!(sender.transport().bytes_sent() - full, 2 << 20);
 }
 
+/// Adds `step` to every `every`-th element of every tensor of `ws`, as version `version`.
+fn nudged(ws: &WeightSet, version: u64, every: usize, step: f32) -> WeightSet {
+    let mut out = ws.clone();
+    out.set_version(Version(version));
+    let names: Vec<String> = ws
+        .manifest()
+        .tensors()
+        .iter()
+        .map(|t| t.name.clone())
+        .collect();
+    for name in names {
+        for x in out
+            .view_mut::<f32>(&name)
+            .unwrap()
+            .iter_mut()
+            .step_by(every)
+        {
+            *x += step;
+        }
+    }
+    out
+}
+
+#[test]
+fn elements_mode_sends_what_changed_and_lands_bit_identical() {
+    let m = big_manifest(8, 1);
+    let size = m.total_len() as u64;
+    let v1 = random_set(&m, 1, 7);
+    let rcfg = TcpReceiverConfig {
+        mode: TransferMode::Elements,
+        ..TcpReceiverConfig::default()
+    };
+    let (mut sender, rs) = pair(&m, v1.clone(), 1, TcpConfig::default(), rcfg.clone());
+    assert_eq!(sender.transport().bytes_sent(), size, "no base yet: full");
+    // 2% of the elements of every tensor changed: every bucket moves, a fraction of it
+    // travels
+    let v2 = nudged(&v1, 2, 50, 0.25);
+    let expected = v2.bytes().to_vec();
+    let rs = send_all(&mut sender, rs, v2.clone(), T);
+    let sent = sender.transport().bytes_sent() - size;
+    let st = rs[0].transport().stats();
+    assert!(
+        sent * 20 < size,
+        "2% changed: {sent} bytes sent of {size}, {st:?}"
+    );
+    assert!(rs[0].current(&id("policy")).unwrap().bytes() == &expected[..]);
+    let st = rs[0].transport().stats();
+    assert_eq!((st.full, st.elements, st.delta), (1, 1, 0), "{st:?}");
+    assert_eq!(st.bytes_landed, 2 * size, "{st:?}");
+    assert_eq!(st.bytes_on_wire, size + sent, "{st:?}");
+    // a small step of every element: less than the model, bit-identical
+    let mut v3 = v2.clone();
+    v3.set_version(Version(3));
+    for t in 0..8 {
+        for x in v3.view_mut::<f32>(&format!("layer{t}.weight")).unwrap() {
+            *x *= 1.0 + 1e-4;
+        }
+    }
+    let expected = v3.bytes().to_vec();
+    let before = sender.transport().bytes_sent();
+    let rs = send_all(&mut sender, rs, v3, T);
+    let dense = sender.transport().bytes_sent() - before;
+    assert!(dense < size, "a dense small step sent {dense} of {size}");
+    eprintln!("elements: 2% changed sent {sent} of {size} bytes, a dense small step {dense}");
+    assert!(rs[0].current(&id("policy")).unwrap().bytes() == &expected[..]);
+    // a damaged encoding is refused whole, version 3 stays served, and the retry lands
+    let v4 = nudged(&random_set(&m, 4, 7), 4, 50, 0.5);
+    let mut rs = rs;
+    sender.transport().inject_corruption(1);
+    let pending = sender.send_async(vec![v4.clone()]).unwrap();
+    let err = rs[0].receive(T).unwrap_err();
+    assert!(
+        err.to_string().contains("bucket") || err.to_string().contains("checksum"),
+        "{err}"
+    );
+    assert_eq!(rs[0].version(&id("policy")), Version(3));
+    rs[0].receive(T).unwrap().unwrap();
+    sender.wait(&pending, T).unwrap();
+    assert!(rs[0].current(&id("policy")).unwrap().bytes() == v4.bytes());
+}
+
+#[test]
+fn a_receiver_whose_base_the_sender_forgot_gets_every_byte_and_says_so() {
+    let m = big_manifest(2, 1);
+    let size = m.total_len() as u64;
+    let v1 = random_set(&m, 1, 9);
+    let cfg = TcpConfig {
+        keep_versions: 1,
+        checksum_history: 1,
+        ..TcpConfig::default()
+    };
+    let rcfg = TcpReceiverConfig {
+        mode: TransferMode::Elements,
+        ..TcpReceiverConfig::default()
+    };
+    let (mut sender, rs) = pair(&m, v1.clone(), 1, cfg, rcfg);
+    let rs = send_all(&mut sender, rs, nudged(&v1, 2, 50, 1.0), T);
+    assert_eq!(sender.transport().bytes_sent(), 2 * size);
+    let st = rs[0].transport().stats();
+    assert_eq!(
+        (st.full, st.full_instead_of_delta, st.elements),
+        (2, 1, 0),
+        "{st:?}"
+    );
+}
+
 #[test]
 fn a_corrupted_chunk_is_caught_and_the_version_not_applied() {
     let m = big_manifest(4, 2);

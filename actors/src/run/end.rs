@@ -3,6 +3,7 @@
 //! the others to acknowledge ([`finish_lead`]); the others stop their rollouts and
 //! acknowledge ([`finish_member`]).
 
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use actix::prelude::*;
@@ -227,16 +228,33 @@ pub(crate) async fn finish_member(
             .await
     {
         tracing::info!(target: RANK_LOG,
-            "{}: stopped; engine loaded {} versions (paused {:.2} ms in total)",
+            "{}: stopped; engine loaded {} versions (paused {:.2} ms in total){}",
             ctx.who,
             s.loads,
-            s.paused_total.as_secs_f64() * 1e3
+            s.paused_total.as_secs_f64() * 1e3,
+            wire_line(&ctx.meters)
         );
     }
     if let Err(e) = ctx.rv.put(&bye_key(ctx.me), &()) {
         tracing::warn!(target: RANK_LOG, "{}: acknowledging the stop: {e}", ctx.who);
     }
     Ok(())
+}
+
+/// What the engine's inlets landed and read off the wire, for the rank's last line: `""`
+/// when no transport counted it.
+fn wire_line(meters: &[(ModelId, Arc<dyn refit_runtime::WireMeter>)]) -> String {
+    meters
+        .iter()
+        .filter(|(_, m)| m.landed() > 0)
+        .map(|(model, m)| {
+            let (landed, wire) = (m.landed(), m.on_wire());
+            format!(
+                "; `{model}` weights: {landed} bytes landed, {wire} on the wire ({:.1}%)",
+                100.0 * wire as f64 / landed as f64
+            )
+        })
+        .collect()
 }
 
 /// Asks every rollout worker of this rank to stop, all at once, each answering within

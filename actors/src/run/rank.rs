@@ -76,6 +76,7 @@ pub(crate) async fn rank_main(s: RankSetup) -> Result<Option<RunReport>> {
     )?;
     let links = start::links::connect(&ctx, opened.models).await?;
     let training = start::pool::start(&ctx, links.outlets, &heads.controller).await?;
+    ctx.meters = links.meters;
     let engine = start::engine::start(&mut ctx, links.inlets)?;
     publish_card(&ctx)?;
     let gates = heads.leading.as_ref().map(|l| &l.gates);
@@ -140,6 +141,7 @@ async fn join(s: RankSetup) -> Result<(RankCtx, LeadWatch)> {
         rv,
         node,
         arbiters: Vec::new(),
+        meters: Vec::new(),
     };
     Ok((ctx, watch))
 }

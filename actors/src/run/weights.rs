@@ -14,7 +14,7 @@ use std::time::Duration;
 
 use refit_node::Node;
 use refit_runtime::convert::{Conversions, ConvertingSender, Want, Wants};
-use refit_runtime::topology::TransportKind;
+use refit_runtime::topology::{Deltas, TransportKind};
 use refit_runtime::{Manifests, ModelId, ReceiverInit, SenderInit, Version, WeightSet};
 use refit_transports::link::{self, LinkOptions, OpenedLink, ReceiverSpec};
 
@@ -191,6 +191,7 @@ pub(crate) fn connect_inlet(
     node: &Node,
     expected: Manifests,
     wait: Duration,
+    deltas: Deltas,
 ) -> Result<Box<dyn WeightInlet>> {
     let named = |e: refit_runtime::Error| {
         Error::Config(format!(
@@ -201,6 +202,7 @@ pub(crate) fn connect_inlet(
     let options = LinkOptions {
         node: Some(node.clone()),
         call_timeout: Some(wait),
+        deltas,
         ..LinkOptions::default()
     };
     let transport = spec.receiver(&options).map_err(named)?;

@@ -56,7 +56,17 @@ fn one_sender_per_transport_serves_every_inlet_and_leaves_no_segment() {
     let mut inlets: Vec<_> = shipped
         .iter()
         .flat_map(|spec| [spec.clone(), spec.clone()])
-        .map(|spec| connect_inlet(&model, &spec, &engine_node, manifests.clone(), WAIT).unwrap())
+        .map(|spec| {
+            connect_inlet(
+                &model,
+                &spec,
+                &engine_node,
+                manifests.clone(),
+                WAIT,
+                Deltas::default(),
+            )
+            .unwrap()
+        })
         .collect();
     for inlet in &mut inlets {
         let w = inlet.fetch(&model, Version(1), WAIT).unwrap();
@@ -101,7 +111,8 @@ fn a_broadcast_link_connects_once_its_engines_join_and_serves_them_every_version
             let (spec, manifests, model) = (shipped[0].clone(), manifests.clone(), model.clone());
             let node = Node::loopback(token.clone()).unwrap();
             std::thread::spawn(move || {
-                let inlet = connect_inlet(&model, &spec, &node, manifests, WAIT).unwrap();
+                let inlet = connect_inlet(&model, &spec, &node, manifests, WAIT, Deltas::default())
+                    .unwrap();
                 (inlet, node)
             })
         })
@@ -144,7 +155,14 @@ fn an_inlet_of_another_layout_is_refused_naming_the_model() {
     let (_outlet, specs, _leftovers) = open(&node, &initial, &kinds);
     let other = Arc::new(MlpPolicy::manifest_for(&[4, 16, 2]).unwrap());
     let expected = Manifests::new([(policy_model_id(), other)]).unwrap();
-    let e = match connect_inlet(&policy_model_id(), &specs[0], &node, expected, WAIT) {
+    let e = match connect_inlet(
+        &policy_model_id(),
+        &specs[0],
+        &node,
+        expected,
+        WAIT,
+        Deltas::default(),
+    ) {
         Ok(_) => panic!("a sender of another layout was accepted"),
         Err(e) => e.to_string(),
     };
@@ -165,7 +183,9 @@ fn an_inproc_link_feeds_an_inlet_of_the_same_process() {
     assert_eq!(spec.transport(), "inproc");
     let model = policy_model_id();
     let (m2, node2) = (model.clone(), node.clone());
-    let joining = std::thread::spawn(move || connect_inlet(&m2, &spec, &node2, manifests, WAIT));
+    let joining = std::thread::spawn(move || {
+        connect_inlet(&m2, &spec, &node2, manifests, WAIT, Deltas::default())
+    });
     let mut outlet = opened.connect(&initial, WAIT).unwrap();
     let mut inlet = joining.join().unwrap().unwrap();
     let published = Arc::new(weights(2, 2.0));
@@ -200,7 +220,15 @@ fn a_wanted_layout_is_converted_on_the_send_path() {
     let leftovers = Leftovers(opened.leftovers.clone());
     let mut outlet = opened.connect(&initial, WAIT).unwrap();
     let model = policy_model_id();
-    let mut inlet = connect_inlet(&model, &spec, &node, engine_side.clone(), WAIT).unwrap();
+    let mut inlet = connect_inlet(
+        &model,
+        &spec,
+        &node,
+        engine_side.clone(),
+        WAIT,
+        Deltas::default(),
+    )
+    .unwrap();
     outlet.publish(Arc::new(weights(2, 2.5))).unwrap();
     let got = inlet.fetch(&model, Version(2), WAIT).unwrap();
     let v = got.view::<half::bf16>("pi.biases").unwrap();
@@ -235,8 +263,9 @@ fn a_checksummed_shm_link_refuses_a_version_damaged_in_its_slot() {
             .unwrap();
         let model = policy_model_id();
         let (m2, node2) = (model.clone(), node.clone());
-        let joining =
-            std::thread::spawn(move || connect_inlet(&m2, &spec, &node2, manifests, WAIT));
+        let joining = std::thread::spawn(move || {
+            connect_inlet(&m2, &spec, &node2, manifests, WAIT, Deltas::default())
+        });
         let mut outlet = opened.connect(&initial, WAIT).unwrap();
         let mut inlet = joining.join().unwrap().unwrap();
         inlet.fetch(&model, Version(1), WAIT).unwrap();

@@ -47,9 +47,9 @@ pub use convert::{CastRuleSection, ConvertSection, LayoutRuleSection};
 pub use overrides::Override;
 pub use placement::RankPlan;
 pub use schema::{
-    CheckpointSection, Commit, DEFAULT_MAX_RESTARTS, HostSection, LinkTransport, LinksSection,
-    ModelSection, OnFailure, ProcessSection, RESERVED_ENV, Reach, Restart, Role, RunSection,
-    StopSection, TransportKind, Verify,
+    CheckpointSection, Commit, DEFAULT_MAX_RESTARTS, Deltas, HostSection, LinkTransport,
+    LinksSection, ModelSection, OnFailure, ProcessSection, RESERVED_ENV, Reach, Restart, Role,
+    RunSection, StopSection, TransportKind, Verify,
 };
 
 use crate::error::{Error, Result};

@@ -473,6 +473,28 @@ pub struct LinksSection {
     /// broadcast check theirs whatever this says).
     #[serde(default)]
     pub checksum: bool,
+    /// What a version after the first carries over links that pull from a version the
+    /// receiver holds (TCP): every byte, the buckets holding a changed tensor, or those
+    /// buckets as element-level deltas.
+    #[serde(default)]
+    pub delta: Deltas,
+}
+
+/// `links.delta`: what a version after the first carries to a receiver that holds an
+/// earlier one.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Deltas {
+    /// Every byte of every version.
+    Off,
+    /// The buckets holding a tensor that changed, whole (unchanged tensors stay behind).
+    #[default]
+    Buckets,
+    /// Those buckets as their element-level difference against the version the receiver
+    /// holds (the changed bytes, compressed): bytes on the wire follow what changed, at
+    /// the cost of encoding on the sender and copying the held version on the receiver.
+    /// For links where bytes are dear (across hosts, across regions).
+    Elements,
 }
 
 /// The whole file as written, before validation.

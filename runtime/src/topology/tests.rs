@@ -220,6 +220,17 @@ roles = ["trainer", "controller", "engine", "rollout"]
     assert!(!t.links.checksum, "the checksum is off unless asked for");
     let t = checked(&small("[links]\nweights = \"shm\"\nchecksum = true\n")).unwrap();
     assert!(t.links.checksum);
+    assert_eq!(
+        t.links.delta,
+        Deltas::Buckets,
+        "bucket deltas unless asked otherwise"
+    );
+    let t = checked(&small("[links]\ndelta = \"elements\"\n")).unwrap();
+    assert_eq!(t.links.delta, Deltas::Elements);
+    let e = checked(&small("[links]\ndelta = \"xor\"\n"))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("xor") && e.contains("elements"), "{e}");
     // what engines verify of the weights they serve: off unless asked for
     assert_eq!(t.models[0].verify, Verify::Off);
     let with = |v: &str| {

@@ -22,6 +22,7 @@ use refit_runtime::{
 use tokio::io::AsyncWriteExt;
 
 use super::NAME;
+use super::encoded::{Encodings, max_encoded};
 use super::inflight::{BucketWriter, InFlight};
 use super::messages::PullReq;
 
@@ -49,6 +50,9 @@ pub(crate) struct Source {
     /// The version's checksums, cut by `plan`: headers are built from them, so serving
     /// hashes nothing.
     pub(crate) sums: Arc<Sums>,
+    /// The buckets' encodings against the base version the pull names, when it names one
+    /// ([`TransferMode::Elements`](super::TransferMode::Elements)).
+    pub(crate) encoded: Option<Arc<Encodings>>,
 }
 
 /// What a pull is served from: a whole version, or one still landing on a relay (served
@@ -224,9 +228,14 @@ pub(crate) async fn serve_pull(
                     index,
                     reason: format!("runs past the arena's {} bytes", all.len()),
                 })?;
-                let header = header_of(index, b, s.weights.version(), checksum);
+                let encoded = match &s.encoded {
+                    Some(e) => encode_bucket(e, index, b, &s.weights).await?,
+                    None => None,
+                };
+                let mut header = header_of(index, b, s.weights.version(), checksum);
+                header.encoded = encoded.as_ref().map(|e| e.len());
                 frame::send(&mut stream, &header).await?;
-                write_bytes(&mut stream, bytes, stats).await?;
+                write_bytes(&mut stream, encoded.as_deref().unwrap_or(bytes), stats).await?;
             }
             Serve::Landing(f) => {
                 // passed on as the bytes arrive, before the bucket is complete or verified:
@@ -255,6 +264,20 @@ pub(crate) async fn serve_pull(
         .map_err(|e| Error::io("serving a pull", e))
 }
 
+/// Bucket `index` (`spec`) of `ws` encoded by `enc` (made on a blocking thread unless an
+/// earlier pull made it): `None` where the raw bytes are sent.
+async fn encode_bucket(
+    enc: &Arc<Encodings>,
+    index: usize,
+    spec: &BucketSpec,
+    ws: &Arc<WeightSet>,
+) -> Result<Option<Arc<[u8]>>> {
+    let (enc, spec, ws) = (Arc::clone(enc), spec.clone(), Arc::clone(ws));
+    tokio::task::spawn_blocking(move || enc.bucket(index, &spec, &ws))
+        .await
+        .map_err(|e| Error::transport(NAME, format!("encoding bucket {index} failed: {e}")))?
+}
+
 /// The header of bucket `index` (`spec`) of `version`, declaring `checksum`.
 fn header_of(index: usize, spec: &BucketSpec, version: Version, checksum: u64) -> BucketHeader {
     BucketHeader {
@@ -264,6 +287,7 @@ fn header_of(index: usize, spec: &BucketSpec, version: Version, checksum: u64) -
         len: spec.len,
         pieces: spec.pieces.clone(),
         checksum,
+        encoded: None,
     }
 }
 
@@ -356,8 +380,10 @@ impl Expect<'_> {
 /// Counters a pull updates as buckets arrive.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Counters<'a> {
-    /// Weight bytes read.
+    /// Weight bytes landed (a bucket sent encoded counts its whole length).
     pub(crate) bytes: &'a AtomicU64,
+    /// Bytes of weights read off the sockets (an encoded bucket counts its encoding).
+    pub(crate) wire: &'a AtomicU64,
     /// Bucket control messages (headers) received.
     pub(crate) headers: &'a AtomicU64,
 }
@@ -523,6 +549,26 @@ fn pull_part(
         }
         let spec = exp.plan.check_header(&header)?;
         let mut landing = PieceHasher::new(spec, exp.manifest, i as usize)?;
+        if let Some(n) = header.encoded {
+            let Dest::Arena(flight) = dest else {
+                return Err(Error::Bucket {
+                    index: i as usize,
+                    reason: "sent encoded to a sink, which takes raw bytes".into(),
+                });
+            };
+            let mut dst = claim(flight, &header, spec)?;
+            read_encoded(
+                &mut s.stream,
+                n,
+                &mut scratch,
+                &mut dst,
+                &mut landing,
+                counters,
+            )?;
+            exp.check_bucket(spec, &header, dst.written(), landing.sums())?;
+            dst.land();
+            continue;
+        }
         let flight = match dest {
             Dest::Arena(f) => f,
             Dest::Sink(sink) => {
@@ -548,29 +594,72 @@ fn pull_part(
                     counters
                         .bytes
                         .fetch_add((end - at) as u64, Ordering::Relaxed);
+                    counters
+                        .wire
+                        .fetch_add((end - at) as u64, Ordering::Relaxed);
                     at = end;
                 }
                 exp.check_bucket(spec, &header, &[], landing.sums())?;
                 continue;
             }
         };
-        let mut dst = flight
-            .claim(i as usize, header.checksum)
-            .ok_or_else(|| Error::Bucket {
-                index: i as usize,
-                reason: "pulled twice or not part of the transfer".into(),
-            })?;
-        if dst.len() != spec.len {
-            return Err(Error::Bucket {
-                index: i as usize,
-                reason: "the transfer's plan and the header's disagree on its length".into(),
-            });
-        }
+        let mut dst = claim(flight, &header, spec)?;
         read_hashed(&mut s.stream, &mut dst, &mut landing, counters)?;
         exp.check_bucket(spec, &header, dst.written(), landing.sums())?;
         dst.land();
     }
     Ok(want)
+}
+
+/// The writer of the bucket `header` announces (`spec` in the plan), for this stream alone.
+fn claim<'f>(
+    flight: &'f InFlight,
+    header: &BucketHeader,
+    spec: &BucketSpec,
+) -> Result<BucketWriter<'f>> {
+    let index = header.index;
+    let dst = flight
+        .claim(index, header.checksum)
+        .ok_or_else(|| Error::Bucket {
+            index,
+            reason: "pulled twice or not part of the transfer".into(),
+        })?;
+    if dst.len() != spec.len {
+        return Err(Error::Bucket {
+            index,
+            reason: "the transfer's plan and the header's disagree on its length".into(),
+        });
+    }
+    Ok(dst)
+}
+
+/// Reads a bucket sent as an element-level delta (`n` bytes of encoding) into `buf` and
+/// applies it to `dst`, which holds the base's bytes of the bucket; then hashes the
+/// result (in cache), counts it, and publishes it to relayed pulls whole.
+fn read_encoded(
+    stream: &mut impl Read,
+    n: usize,
+    buf: &mut Vec<u8>,
+    dst: &mut BucketWriter<'_>,
+    landing: &mut PieceHasher,
+    counters: Counters<'_>,
+) -> Result<()> {
+    let (index, len) = (dst.index(), dst.len());
+    let bad = |reason: String| Error::Bucket { index, reason };
+    if n > max_encoded(len) {
+        return Err(bad(format!(
+            "an encoding of {n} bytes for a bucket of {len}"
+        )));
+    }
+    buf.resize(n, 0);
+    stream.read_exact(buf).map_err(|e| broke(&e))?;
+    counters.wire.fetch_add(n as u64, Ordering::Relaxed);
+    let piece = dst.piece(0, len)?;
+    refit_runtime::delta::elements::apply(piece, buf).map_err(|e| bad(e.to_string()))?;
+    landing.feed(piece, 0);
+    dst.arrived(len);
+    counters.bytes.fetch_add(len as u64, Ordering::Relaxed);
+    Ok(())
 }
 
 /// A data stream that failed part-way.
@@ -634,6 +723,9 @@ fn read_hashed(
         dst.arrived(end);
         counters
             .bytes
+            .fetch_add((end - at) as u64, Ordering::Relaxed);
+        counters
+            .wire
             .fetch_add((end - at) as u64, Ordering::Relaxed);
         at = end;
     }
@@ -720,8 +812,10 @@ mod tests {
             starts: &starts,
         };
         let (bytes, headers) = (AtomicU64::new(0), AtomicU64::new(0));
+        let wire = AtomicU64::new(0);
         let counters = Counters {
             bytes: &bytes,
+            wire: &wire,
             headers: &headers,
         };
         let open = |part: &[u32]| {
@@ -730,6 +824,7 @@ mod tests {
                 version: Version(3),
                 plan: plan_id,
                 buckets: part.to_vec(),
+                base: None,
             };
             node.open_stream(node.addr(), target, "pull", &req, Duration::from_secs(10))
                 .map_err(Into::into)
@@ -803,12 +898,14 @@ mod tests {
             weights: Arc::new(weights),
             plan: Arc::clone(&p),
             plan_id,
+            encoded: None,
         };
         let req = |plan, buckets| PullReq {
             model: ModelId::new("m").unwrap(),
             version: Version(1),
             plan,
             buckets,
+            base: None,
         };
         let id = src.plan_id;
         let src = Serve::Whole(src);
@@ -914,6 +1011,7 @@ mod tests {
                     len: spec.len,
                     pieces: spec.pieces.clone(),
                     checksum: sums.buckets[i],
+                    encoded: None,
                 };
                 exp.check_bucket(spec, &header, bytes, l.sums()).unwrap();
                 // a wrong piece names its tensor

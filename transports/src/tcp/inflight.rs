@@ -88,6 +88,11 @@ pub(crate) struct BucketWriter<'a> {
 }
 
 impl BucketWriter<'_> {
+    /// The bucket's index in the plan.
+    pub(crate) fn index(&self) -> usize {
+        self.index
+    }
+
     /// The bucket's length.
     pub(crate) fn len(&self) -> usize {
         self.len

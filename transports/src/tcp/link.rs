@@ -2,8 +2,9 @@
 
 use refit_runtime::{Error, Manifests, ReceiverTransport, Result};
 
+use super::TransferMode;
 use super::{TcpConfig, TcpEndpoint, TcpReceiver, TcpReceiverConfig, TcpReceiverSpec, TcpSender};
-use crate::link::{LinkFactory, LinkOptions, OpenedLink, Reach, ReceiverSpec};
+use crate::link::{Deltas, LinkFactory, LinkOptions, OpenedLink, Reach, ReceiverSpec};
 
 /// TCP in the link factory: the spec is the sender agent's [`TcpEndpoint`] (no token); the
 /// receiver adds the token of its options, its node or its environment.
@@ -60,12 +61,16 @@ impl LinkFactory for TcpLink {
         if let Some(node) = &options.node {
             r = r.with_node(node.clone());
         }
-        if let Some(call_timeout) = options.call_timeout {
-            r = r.with_config(TcpReceiverConfig {
-                call_timeout,
-                ..TcpReceiverConfig::default()
-            });
-        }
+        let defaults = TcpReceiverConfig::default();
+        r = r.with_config(TcpReceiverConfig {
+            call_timeout: options.call_timeout.unwrap_or(defaults.call_timeout),
+            mode: match options.deltas {
+                Deltas::Off => TransferMode::Full,
+                Deltas::Buckets => TransferMode::Delta,
+                Deltas::Elements => TransferMode::Elements,
+            },
+            ..defaults
+        });
         Ok(Box::new(r))
     }
 }

@@ -25,6 +25,16 @@ pub enum TransferMode {
     /// longer knows that version's checksums).
     #[default]
     Delta,
+    /// As [`TransferMode::Delta`], each bucket that moves sent as its element-level
+    /// difference against the version the receiver holds
+    /// ([`refit_runtime::delta::elements`]: the changed bytes, or the changed byte planes,
+    /// else the raw bytes, whichever is smallest), so the bytes on the wire follow what
+    /// changed. The sender encodes each bucket once per pair of versions, however many
+    /// receivers pull it. Served by the sender only while it keeps the receiver's version
+    /// ([`TcpConfig::keep_versions`](super::TcpConfig::keep_versions)); a relay, or a
+    /// sender that no longer keeps it, sends the buckets as `Delta` does, and a receiver
+    /// writing into sinks asks for `Delta`.
+    Elements,
 }
 
 /// The version of the tcp transport's protocol (these messages, the bucket frames of the
@@ -101,6 +111,11 @@ pub(crate) struct Plan {
     pub(crate) full: bool,
     /// xxh3-64 of every tensor of the version, verified before apply.
     pub(crate) checksums: Vec<u64>,
+    /// For [`TransferMode::Elements`]: the version the buckets are encoded against (the
+    /// one the receiver holds, which it copies whole into the new arena first); `None`:
+    /// every bucket's raw bytes.
+    #[serde(default)]
+    pub(crate) encoded_base: Option<Version>,
 }
 
 #[derive(Debug, Serialize, Deserialize)]
@@ -137,4 +152,8 @@ pub(crate) struct PullReq {
     pub(crate) plan: u64,
     /// Bucket indices, strictly ascending.
     pub(crate) buckets: Vec<u32>,
+    /// Encode each bucket against this version, which the source keeps (the plan's
+    /// `encoded_base`); `None`: raw bytes.
+    #[serde(default)]
+    pub(crate) base: Option<Version>,
 }

@@ -64,6 +64,7 @@
 //! longer awaited), and a restarted receiver registers anew and gets the newest version.
 
 mod data;
+mod encoded;
 mod file_sink;
 mod inflight;
 mod link;
@@ -85,7 +86,7 @@ pub use data::{Sink, SinkSlice};
 pub use file_sink::PullFile;
 pub use link::TcpLink;
 pub use messages::{PROTOCOL_VERSION, RECEIVE_WEIGHTS, TransferMode};
-pub use receiver::{SinkSource, TcpReceiver, TcpReceiverConfig};
+pub use receiver::{SinkSource, TcpReceiver, TcpReceiverConfig, TransferStats};
 pub use sender::TcpSender;
 
 const NAME: &str = "tcp";

@@ -33,8 +33,9 @@ pub struct TcpReceiverConfig {
     /// Parallel streams per transfer, each pulling whole buckets (default 4; never more
     /// than the buckets to pull).
     pub streams: usize,
-    /// `Full` or `Delta` (default `Delta`: once a version is held, only the buckets holding
-    /// a changed tensor).
+    /// `Full`, `Delta` or `Elements` (default `Delta`: once a version is held, only the
+    /// buckets holding a changed tensor; `Elements`: those buckets as element-level deltas
+    /// against the version held, for links where bytes are dear).
     pub mode: TransferMode,
     /// Serve held versions to other receivers (default true).
     pub relay: bool,
@@ -74,6 +75,34 @@ impl Default for TcpReceiverConfig {
     }
 }
 
+/// How this receiver's transfers went, counted since it started ([`TcpReceiver::stats`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct TransferStats {
+    /// Transfers of every byte of a version.
+    pub full: u64,
+    /// Of those, transfers where this receiver asked for a delta from a version it held and
+    /// the sender sent every byte instead (it no longer knew that version, or its plan
+    /// changed).
+    pub full_instead_of_delta: u64,
+    /// Transfers of the buckets holding a changed tensor, raw.
+    pub delta: u64,
+    /// Transfers of those buckets as element-level deltas against the version held.
+    pub elements: u64,
+    /// Weight bytes the transfers landed (each bucket's whole length).
+    pub bytes_landed: u64,
+    /// Bytes of weights read off the data streams: the landed bytes, less what the
+    /// element-level encodings saved.
+    pub bytes_on_wire: u64,
+}
+
+#[derive(Debug, Default)]
+struct TransferCounts {
+    full: AtomicU64,
+    full_instead_of_delta: AtomicU64,
+    delta: AtomicU64,
+    elements: AtomicU64,
+}
+
 #[derive(Debug, Default)]
 struct Inbox {
     pending: BTreeMap<ModelId, Version>,
@@ -111,6 +140,10 @@ struct Shared {
     planned: Arc<AtomicU64>,
     /// Bucket headers received (one control message per bucket pulled).
     headers: Arc<AtomicU64>,
+    /// Weight bytes read off the data streams (encodings counted as sent).
+    wire: AtomicU64,
+    /// Transfers by kind.
+    kinds: TransferCounts,
     /// Arenas of dropped versions, reused by the next pulls.
     pool: Arc<BufPool>,
     /// The verified bucket plan of each model (and its fingerprint).
@@ -176,6 +209,7 @@ impl Shared {
                 plan,
                 plan_id,
                 sums,
+                encoded: None,
             })));
         }
         self.inflight
@@ -429,6 +463,21 @@ impl TcpReceiver {
         self.shared.plan(model).map(|p| p.1)
     }
 
+    /// How this receiver's transfers went: how many were full, deltas or element-level
+    /// deltas, and the bytes landed against the bytes read off the wire.
+    pub fn stats(&self) -> TransferStats {
+        let k = &self.shared.kinds;
+        let n = |c: &AtomicU64| c.load(Ordering::Relaxed);
+        TransferStats {
+            full: n(&k.full),
+            full_instead_of_delta: n(&k.full_instead_of_delta),
+            delta: n(&k.delta),
+            elements: n(&k.elements),
+            bytes_landed: n(&self.shared.pulled),
+            bytes_on_wire: n(&self.shared.wire),
+        }
+    }
+
     /// Bytes this receiver served to other receivers as a relay.
     pub fn bytes_relayed(&self) -> u64 {
         self.shared.relay.bytes.load(Ordering::Relaxed)
@@ -579,7 +628,9 @@ impl TcpReceiver {
                 TransferReply::Superseded { latest } => return Ok(Err(latest)),
                 TransferReply::Plan(p) => p,
             };
-            let (plan, starts) = self.verify_transfer(model, &manifest, &t, base.is_some())?;
+            let held = base.as_ref().map(|b| b.version());
+            let (plan, starts) = self.verify_transfer(model, &manifest, &t, held)?;
+            self.count(&t, held);
             let planned: u64 = t
                 .buckets
                 .iter()
@@ -653,7 +704,11 @@ impl TcpReceiver {
             model: model.clone(),
             version,
             have: base.map(|b| b.version()),
-            mode: self.cfg.mode,
+            // a sink takes raw bytes
+            mode: match self.cfg.mode {
+                TransferMode::Elements if self.sinks.is_some() => TransferMode::Delta,
+                m => m,
+            },
             plan: self.shared.plan(model).map(|p| p.0),
             relay_in_flight: self.cfg.relay && self.sinks.is_none(),
         };
@@ -674,7 +729,7 @@ impl TcpReceiver {
         model: &ModelId,
         manifest: &Manifest,
         t: &Plan,
-        has_base: bool,
+        held: Option<Version>,
     ) -> Result<(Arc<BucketPlan>, Vec<usize>)> {
         let plan = match self.accept_plan(model, manifest, t) {
             Ok(p) => p,
@@ -710,7 +765,19 @@ impl TcpReceiver {
                 ),
             ));
         }
-        if !t.full && !has_base {
+        if let Some(b) = t.encoded_base
+            && held != Some(b)
+        {
+            self.done(t.lease, false, "encoded against a version not held".into());
+            return Err(Error::transport(
+                NAME,
+                format!(
+                    "sender encoded the buckets against version {b}, this receiver holds {}",
+                    held.map_or_else(|| "none".into(), |v| v.to_string())
+                ),
+            ));
+        }
+        if !t.full && held.is_none() {
             self.done(t.lease, false, "delta plan without a base".into());
             return Err(Error::transport(
                 NAME,
@@ -718,6 +785,26 @@ impl TcpReceiver {
             ));
         }
         Ok((plan, starts))
+    }
+
+    /// Counts a transfer about to be pulled by its kind.
+    fn count(&self, t: &Plan, held: Option<Version>) {
+        let k = &self.shared.kinds;
+        let kind = match (t.full, t.encoded_base) {
+            (true, _) => {
+                if held.is_some() && self.cfg.mode != TransferMode::Full {
+                    k.full_instead_of_delta.fetch_add(1, Ordering::Relaxed);
+                    tracing::info!(
+                        held = ?held,
+                        "asked for a delta, the sender sends every byte (it no longer knows the version held)"
+                    );
+                }
+                &k.full
+            }
+            (false, Some(_)) => &k.elements,
+            (false, None) => &k.delta,
+        };
+        kind.fetch_add(1, Ordering::Relaxed);
     }
 
     /// Where `job`'s bytes go: a sink of the caller's (when one is given and the plan
@@ -802,6 +889,7 @@ impl TcpReceiver {
         };
         let counters = Counters {
             bytes: &self.shared.pulled,
+            wire: &self.shared.wire,
             headers: &self.shared.headers,
         };
         let me = self.node.as_ref().map_or_else(Uuid::nil, Node::id);
@@ -863,6 +951,7 @@ impl TcpReceiver {
             version: job.version,
             plan: t.plan_id,
             buckets: part.to_vec(),
+            base: t.encoded_base,
         };
         let s = open_stream(
             t.source,
@@ -929,9 +1018,14 @@ impl TcpReceiver {
             Arc::new(PooledBuf::new(buf, &self.shared.pool)),
         )?;
         let dst = ws.bytes_mut()?;
-        for r in kept {
-            if let (Some(d), Some(s)) = (dst.get_mut(r.clone()), base.get(r.clone())) {
-                d.copy_from_slice(s);
+        if t.encoded_base.is_some() && dst.len() == base.len() {
+            // encoded buckets apply to the base's bytes: the whole version held first
+            dst.copy_from_slice(base);
+        } else {
+            for r in kept {
+                if let (Some(d), Some(s)) = (dst.get_mut(r.clone()), base.get(r.clone())) {
+                    d.copy_from_slice(s);
+                }
             }
         }
         let flight = InFlight::new(
@@ -945,9 +1039,23 @@ impl TcpReceiver {
     }
 }
 
+impl refit_runtime::WireMeter for Shared {
+    fn landed(&self) -> u64 {
+        self.pulled.load(Ordering::Relaxed)
+    }
+
+    fn on_wire(&self) -> u64 {
+        self.wire.load(Ordering::Relaxed)
+    }
+}
+
 impl ReceiverTransport for TcpReceiver {
     fn name(&self) -> &'static str {
         NAME
+    }
+
+    fn meter(&self) -> Option<Arc<dyn refit_runtime::WireMeter>> {
+        Some(Arc::clone(&self.shared) as Arc<dyn refit_runtime::WireMeter>)
     }
 
     fn connect(&mut self, deadline: Instant) -> Result<Manifests> {

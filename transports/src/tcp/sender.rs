@@ -29,6 +29,7 @@ use tokio::sync::watch;
 use uuid::Uuid;
 
 use super::data::{Serve, ServeStats, Source, Sums, serve_pull};
+use super::encoded::Encodings;
 use super::messages::*;
 use super::relay::{RelayBook, Src, Want};
 use super::wait::wait_changes;
@@ -42,7 +43,13 @@ struct ModelSlot {
     sums: VecDeque<(Version, Arc<Sums>)>,
     /// The bucket plan (and its fingerprint) every version of the model travels by.
     plan: Option<(u64, Arc<BucketPlan>)>,
+    /// Element-level encodings of recent versions against their bases, bucket by bucket,
+    /// made as pulls ask for them (the newest few pairs).
+    encodings: VecDeque<Arc<Encodings>>,
 }
+
+/// Pairs of versions whose encodings a model keeps.
+const KEPT_ENCODINGS: usize = 4;
 
 #[derive(Debug)]
 struct Recv {
@@ -123,8 +130,19 @@ impl Agent {
         self.changed.send_modify(|n| *n = n.wrapping_add(1));
     }
 
-    fn find(&self, model: &ModelId, version: Version) -> std::result::Result<Source, String> {
-        let st = self.lock();
+    /// The source of a pull of `version` of `model`, its buckets encoded against `base`
+    /// when one is named (an error when it is no longer kept).
+    fn find(
+        &self,
+        model: &ModelId,
+        version: Version,
+        base: Option<Version>,
+    ) -> std::result::Result<Source, String> {
+        let mut st = self.lock();
+        let encoded = match base {
+            Some(b) => Some(encodings(&mut st, model, b, version)?),
+            None => None,
+        };
         let slot = st.models.get(model);
         let weights = slot
             .and_then(|s| s.versions.iter().find(|w| w.version() == version))
@@ -144,6 +162,7 @@ impl Agent {
             plan,
             plan_id,
             sums,
+            encoded,
         })
     }
 
@@ -175,12 +194,18 @@ impl Agent {
         let sums_of = |v: Version| slot.sums.iter().find(|(sv, _)| *sv == v).map(|s| &s.1);
         // a delta moves the buckets holding a byte of a changed tensor, whole
         let base = match (req.mode, req.have) {
-            (TransferMode::Delta, Some(have)) => sums_of(have)
+            (TransferMode::Delta | TransferMode::Elements, Some(have)) => sums_of(have)
                 .filter(|b| b.plan_id == sums.plan_id)
                 .map(|b| b.pieces.as_slice()),
             _ => None,
         };
         let delta = BucketDelta::plan(&bucket_plan, base, &sums.pieces);
+        // element-level deltas, from the sender only, against a version it still keeps
+        let keeps = |v: Version| slot.versions.iter().any(|w| w.version() == v);
+        let encode_against = match (req.mode, req.have) {
+            (TransferMode::Elements, Some(have)) if !delta.full && keeps(have) => Some(have),
+            _ => None,
+        };
         let buckets: Vec<u32> = delta
             .buckets
             .iter()
@@ -215,8 +240,44 @@ impl Agent {
             buckets,
             full,
             checksums: sums.pieces.clone(),
+            encoded_base: encode_against.filter(|_| source == Src::Sender),
         })))
     }
+}
+
+/// The encodings of `version` of `model` against `base`, kept in the model's slot (made
+/// empty now unless a pull made them already); an error when either version is no longer
+/// kept.
+fn encodings(
+    st: &mut State,
+    model: &ModelId,
+    base: Version,
+    version: Version,
+) -> std::result::Result<Arc<Encodings>, String> {
+    let slot = st
+        .models
+        .get_mut(model)
+        .ok_or_else(|| format!("model `{model}` is not served"))?;
+    if let Some(e) = slot.encodings.iter().find(|e| e.is(base, version)) {
+        return Ok(Arc::clone(e));
+    }
+    let base_ws = slot
+        .versions
+        .iter()
+        .find(|w| w.version() == base)
+        .cloned()
+        .ok_or_else(|| {
+            format!(
+                "model `{model}` version {base}, the delta's base, is no longer kept by the sender"
+            )
+        })?;
+    let buckets = slot.plan.as_ref().map_or(0, |p| p.1.len());
+    let e = Arc::new(Encodings::new(base_ws, version, buckets));
+    slot.encodings.push_back(Arc::clone(&e));
+    while slot.encodings.len() > KEPT_ENCODINGS {
+        slot.encodings.pop_front();
+    }
+    Ok(e)
 }
 
 /// The sending end: a sender agent on a node.
@@ -560,7 +621,7 @@ fn register_handlers(node: &Node, agent: &Arc<Agent>, manifests: Manifests) {
         let a = Arc::clone(&a);
         Box::pin(async move {
             let req: PullReq = wire::decode(&bytes, wire::MAX_CONTROL_MESSAGE)?;
-            let ws = a.find(&req.model, req.version).map(Serve::Whole);
+            let ws = a.find(&req.model, req.version, req.base).map(Serve::Whole);
             Ok(serve_pull(stream, ws, req, &a.stats).await?)
         })
     });
@@ -648,6 +709,10 @@ impl SenderTransport for TcpSender {
                 while slot.versions.len() > keep {
                     retired.extend(slot.versions.pop_front());
                 }
+                // encodings against a retired base go with it (they hold its arena)
+                let kept = &slot.versions;
+                slot.encodings
+                    .retain(|e| kept.iter().any(|w| w.version() == e.base_version()));
                 slot.sums.push_back((w.version(), s));
                 while slot.sums.len() > history {
                     slot.sums.pop_front();

@@ -26,6 +26,12 @@ pub(crate) struct Links {
     pub(crate) outlets: Vec<ModelOutlet>,
     /// Per model this rank's engine serves: its inlet (wrapped, when the run wraps them).
     pub(crate) inlets: Vec<ModelInlet>,
+    /// Per model this rank's engine serves: what its inlet lands and reads off the wire,
+    /// where the transport counts it.
+    pub(crate) meters: Vec<(
+        refit_runtime::ModelId,
+        std::sync::Arc<dyn refit_runtime::WireMeter>,
+    )>,
 }
 
 /// Connects the senders of `opened` and an inlet for every model this rank's engine
@@ -52,18 +58,23 @@ pub(crate) async fn connect(ctx: &RankCtx, opened: Vec<OpenedModel>) -> Result<L
                 .map_err(|e| Error::Actor(format!("{}: connecting a sender: {e}", ctx.who)))??,
         );
     }
-    let mut inlets = Vec::new();
+    let (mut inlets, mut meters) = (Vec::new(), Vec::new());
     for t in receivers {
         let (spec, inlet) = t
             .await
             .map_err(|e| Error::Actor(format!("{}: connecting an inlet: {e}", ctx.who)))??;
+        meters.extend(inlet.meter().map(|m| (spec.id.clone(), m)));
         let inlet = match &ctx.setup.wrap_inlet {
             Some(w) => w(inlet),
             None => inlet,
         };
         inlets.push((spec, inlet));
     }
-    Ok(Links { outlets, inlets })
+    Ok(Links {
+        outlets,
+        inlets,
+        meters,
+    })
 }
 
 /// A connect in flight, on a blocking thread.
@@ -82,7 +93,7 @@ fn spawn_inlets(ctx: &RankCtx) -> Result<Vec<Connecting<ModelInlet>>> {
         let trainer = topo.trainer_ranks(&spec.id).first().copied().unwrap_or(0);
         let wanted = link::for_kind(&topo.weights_transport(&spec.id, trainer, me))?.name();
         let (rv, node) = (ctx.rv.clone(), ctx.node.clone());
-        let (spec, who) = (spec.clone(), ctx.who.clone());
+        let (spec, who, deltas) = (spec.clone(), ctx.who.clone(), topo.links.delta);
         receivers.push(actix_rt::task::spawn_blocking(move || {
             let links: Vec<ReceiverSpec> = rv.take(&weights_key(&spec.id), wait)?;
             let link = links
@@ -94,7 +105,7 @@ fn spawn_inlets(ctx: &RankCtx) -> Result<Vec<Connecting<ModelInlet>>> {
                         spec.id
                     ))
                 })?;
-            let inlet = weights::connect_inlet(&spec.id, link, &node, expected, wait)?;
+            let inlet = weights::connect_inlet(&spec.id, link, &node, expected, wait, deltas)?;
             tracing::info!(target: RANK_LOG,
                 "{who}: pid {}, model `{}` weights over {wanted}",
                 std::process::id(),

@@ -21,6 +21,7 @@ pub(crate) mod pool;
 pub(crate) mod rollout;
 pub(crate) mod trainer;
 
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use actix::Arbiter;
@@ -70,6 +71,9 @@ pub(crate) struct RankCtx {
     pub(crate) lead_peer: Peer,
     /// The arbiters of the engine and rollout workers started so far.
     pub(crate) arbiters: Vec<Arbiter>,
+    /// What the engine's inlets landed and read off the wire, per model (inlets whose
+    /// transport counts it).
+    pub(crate) meters: Vec<(ModelId, Arc<dyn refit_runtime::WireMeter>)>,
 }
 
 impl RankCtx {
