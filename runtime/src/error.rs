@@ -217,6 +217,14 @@ pub enum Error {
         /// What is wrong.
         reason: String,
     },
+    /// A transfer plan of many senders and receivers was refused (see `mesh`).
+    #[error("transfer plan, tensor `{tensor}`: {reason}")]
+    Mesh {
+        /// The tensor to blame.
+        tensor: String,
+        /// What is wrong: the element range and the senders where there are some.
+        reason: String,
+    },
     /// A dtype conversion was refused (see `cast`).
     #[error("cast of tensor `{tensor}`: {reason}")]
     Cast {

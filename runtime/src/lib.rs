@@ -44,6 +44,7 @@ pub mod inproc;
 pub mod layout;
 pub mod link;
 pub mod manifest;
+pub mod mesh;
 pub mod metrics;
 pub mod protocol;
 mod safetensors_io;
