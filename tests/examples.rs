@@ -65,6 +65,7 @@ fn every_example_answers_help_and_refuses_an_unknown_option() {
         ("file_weights", "[VERSIONS]"),
         ("shm_weights", "[VERSIONS]"),
         ("multi_node", "--no-spawn"),
+        ("mesh", "--receivers"),
         ("engine_layout", "--help"),
     ];
     for (name, option) in examples {

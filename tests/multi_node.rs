@@ -52,3 +52,44 @@ fn trainer_and_two_workers_agree_on_every_version() {
     }
     assert!(stdout.contains("trainer: done"), "{stdout}");
 }
+
+/// Runs the `mesh` example (two trainer-shard processes and three engine processes on
+/// loopback): every engine pulls its third of the columns of every version from both
+/// shards.
+#[test]
+fn two_shards_feed_three_column_engines_every_version() {
+    let out = Command::new(example("mesh"))
+        .args([
+            "--senders",
+            "2",
+            "--receivers",
+            "3",
+            "--size",
+            "6MiB",
+            "--versions",
+            "3",
+        ])
+        .env_remove("REFIT_TOKEN")
+        .env_remove("RANK")
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    for v in 1..=3 {
+        assert!(
+            stdout.contains(&format!("mesh: version {v} held by every receiver")),
+            "{stdout}"
+        );
+    }
+    assert!(stdout.contains("2 senders -> 3 receivers"), "{stdout}");
+    // each engine reads a third of the model, plus a checksum per shard
+    let lines: Vec<&str> = stdout
+        .lines()
+        .filter(|l| l.starts_with("mesh receiver"))
+        .collect();
+    assert_eq!(lines.len(), 3, "{stdout}");
+}

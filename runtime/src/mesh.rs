@@ -21,11 +21,13 @@
 use std::collections::BTreeMap;
 use std::ops::Range;
 
+use serde::{Deserialize, Serialize};
+
 use crate::error::{Error, Result};
 use crate::manifest::{Manifest, TensorSpec};
 
 /// A part of one tensor.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Part {
     /// Every element.
     Whole,
@@ -152,6 +154,43 @@ impl MeshPlan {
             .map(|p| p.len)
             .sum()
     }
+}
+
+/// Bytes of `part` of tensor `name` of `manifest` (what an end holding it keeps).
+///
+/// # Errors
+/// [`Error::Mesh`] naming the tensor: not in the manifest, or a part that does not fit it.
+pub fn part_bytes(manifest: &Manifest, name: &str, part: &Part) -> Result<usize> {
+    let spec = manifest
+        .get(name)
+        .ok_or_else(|| mesh(name, "not in the manifest"))?;
+    let elements: usize = runs(spec, part)?.iter().map(ExactSizeIterator::len).sum();
+    Ok(elements * spec.dtype.size())
+}
+
+/// The bytes of `part` of tensor `name`, cut from the whole tensor's bytes `whole` (what a
+/// trainer holding the whole tensor publishes as one shard's part, or what an engine's part
+/// should hold).
+///
+/// # Errors
+/// [`Error::Mesh`] naming the tensor: not in the manifest, a part that does not fit it, or
+/// `whole` not the tensor's length.
+pub fn extract(manifest: &Manifest, name: &str, part: &Part, whole: &[u8]) -> Result<Vec<u8>> {
+    let spec = manifest
+        .get(name)
+        .ok_or_else(|| mesh(name, "not in the manifest"))?;
+    if whole.len() != spec.len {
+        return Err(mesh(
+            name,
+            format!("{} bytes given for a tensor of {}", whole.len(), spec.len),
+        ));
+    }
+    let el = spec.dtype.size();
+    let mut out = Vec::with_capacity(part_bytes(manifest, name, part)?);
+    for r in runs(spec, part)? {
+        out.extend_from_slice(&whole[r.start * el..r.end * el]);
+    }
+    Ok(out)
 }
 
 /// One run of a sender's part: elements of the flattened tensor, and where they start in

@@ -35,6 +35,7 @@ pub mod file;
 pub mod gpu;
 pub mod inproc;
 pub mod link;
+pub mod mesh;
 pub mod nccl;
 mod pool;
 pub mod shm;

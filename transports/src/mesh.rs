@@ -1,0 +1,453 @@
+//! Many senders to many receivers over TCP: each trainer shard publishes the part of a
+//! version it holds, with no gather, and each engine pulls the part it serves straight from
+//! every shard holding a piece of it, all shards at once.
+//!
+//! - A [`MeshSender`] runs on a [node](refit_node) and serves its parts of the tensors (a
+//!   [`Part`] each: whole, a slice along a dimension, a flat range) for the newest versions
+//!   it published ([`MeshSender::publish`]).
+//! - A [`MeshReceiver`] is told every sender's endpoint and parts and what it wants. At
+//!   construction it plans its pieces with [`MeshPlan`] (checked whole: a gap, an overlap or
+//!   a slice that does not divide is refused, naming the tensor and the elements), and
+//!   replays that plan for every version: [`MeshReceiver::pull`] opens one stream per
+//!   sender that holds a piece it needs, in parallel, and reads the pieces straight into its
+//!   own parts.
+//! - A version is pulled only once every sender holding a piece of it published it (a sender
+//!   asked for a version it has not published yet waits for it, up to the pull's deadline),
+//!   and it is handed out only whole: every stream ends with the xxh3 of the bytes it
+//!   carried, hashed by the sender as it writes them and by the receiver as they land; a
+//!   stream that breaks, a sender that no longer keeps the version, or a checksum that
+//!   differs fails the pull naming the sender, and nothing of the version is returned.
+//!
+//! Each byte crosses the wire once per receiver that wants it, and only to a receiver that
+//! wants it: engines that each serve a tensor-parallel slice get that slice alone.
+
+use std::collections::VecDeque;
+use std::io::Read;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use refit_node::{ClusterToken, Node, StreamHead, open_stream, write_head};
+pub use refit_runtime::mesh::{MeshPlan, Part, Parts, Piece};
+use refit_runtime::{Error, Manifest, Result, Version, wire};
+use serde::{Deserialize, Serialize};
+use tokio::io::AsyncWriteExt;
+use uuid::Uuid;
+
+const NAME: &str = "mesh";
+/// The stream method a sender serves pulls under.
+const PULL: &str = "mesh.pull";
+/// Versions a sender keeps for receivers still pulling them.
+const KEEP: usize = 2;
+/// Bytes per socket read and write.
+const CHUNK: usize = 256 << 10;
+
+/// Where a mesh sender is: its node's address and its id on that node (no secret).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MeshEndpoint {
+    /// The sender's node.
+    pub addr: SocketAddr,
+    /// The sender on that node.
+    pub agent: Uuid,
+}
+
+/// The request of one pull stream: these pieces of this version, in order.
+#[derive(Debug, Serialize, Deserialize)]
+struct Pull {
+    version: Version,
+    /// `(part, offset, bytes)`: the sender's part (its index in the sender's parts), the
+    /// offset in it, the byte count.
+    pieces: Vec<(u32, u64, u64)>,
+    /// How long the sender may wait for the version to be published.
+    wait: Duration,
+}
+
+/// One version of a sender's parts.
+#[derive(Debug)]
+struct Held {
+    version: Version,
+    parts: Vec<Arc<[u8]>>,
+}
+
+#[derive(Debug)]
+struct Shared {
+    /// Byte length of each part.
+    lens: Vec<usize>,
+    held: Mutex<VecDeque<Held>>,
+    published: tokio::sync::watch::Sender<Version>,
+}
+
+impl Shared {
+    fn find(&self, version: Version) -> Option<Vec<Arc<[u8]>>> {
+        let held = self.held.lock().unwrap_or_else(|p| p.into_inner());
+        held.iter()
+            .find(|h| h.version == version)
+            .map(|h| h.parts.clone())
+    }
+}
+
+/// A trainer shard's end: serves its parts of each version it publishes.
+#[derive(Debug)]
+pub struct MeshSender {
+    node: Node,
+    agent: Uuid,
+    parts: Parts,
+    shared: Arc<Shared>,
+}
+
+impl MeshSender {
+    /// A sender on `node` holding `parts` of the tensors of `manifest` (each checked against
+    /// it: a name, a slice or a range that does not fit is refused).
+    ///
+    /// # Errors
+    /// [`Error::Mesh`] naming the tensor.
+    pub fn on_node(node: &Node, manifest: &Manifest, parts: Parts) -> Result<Self> {
+        let lens = parts
+            .iter()
+            .map(|(name, part)| refit_runtime::mesh::part_bytes(manifest, name, part))
+            .collect::<Result<Vec<_>>>()?;
+        let (published, _) = tokio::sync::watch::channel(Version::ZERO);
+        let shared = Arc::new(Shared {
+            lens,
+            held: Mutex::new(VecDeque::new()),
+            published,
+        });
+        let agent = Uuid::new_v4();
+        let s = Arc::clone(&shared);
+        node.register_stream(agent, PULL, move |_, bytes, stream| {
+            let s = Arc::clone(&s);
+            Box::pin(async move {
+                let req: Pull = wire::decode(&bytes, wire::MAX_CONTROL_MESSAGE)?;
+                Ok(serve(stream, &s, req).await?)
+            })
+        });
+        Ok(Self {
+            node: node.clone(),
+            agent,
+            parts,
+            shared,
+        })
+    }
+
+    /// Where receivers find this sender.
+    pub fn endpoint(&self) -> MeshEndpoint {
+        MeshEndpoint {
+            addr: self.node.advertised(),
+            agent: self.agent,
+        }
+    }
+
+    /// The parts this sender holds.
+    pub fn parts(&self) -> &Parts {
+        &self.parts
+    }
+
+    /// Publishes `version` of this sender's parts: `data` holds one buffer per part, in the
+    /// order of [`MeshSender::parts`], each the part's bytes in its row-major layout. The
+    /// newest versions are kept for receivers still pulling them.
+    ///
+    /// # Errors
+    /// [`Error::Mesh`] naming the tensor when a buffer is not its part's length;
+    /// [`Error::StaleVersion`]-like [`Error::Mesh`] when `version` is not newer than the
+    /// last one published.
+    pub fn publish(&self, version: Version, data: Vec<Arc<[u8]>>) -> Result<()> {
+        if data.len() != self.parts.len() {
+            return Err(Error::Mesh {
+                tensor: "<all>".into(),
+                reason: format!("{} buffers for {} parts", data.len(), self.parts.len()),
+            });
+        }
+        for ((d, len), (name, _)) in data.iter().zip(&self.shared.lens).zip(&self.parts) {
+            if d.len() != *len {
+                return Err(Error::Mesh {
+                    tensor: name.clone(),
+                    reason: format!("a part of {} bytes published, it holds {len}", d.len()),
+                });
+            }
+        }
+        let mut held = self.shared.held.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(last) = held.back()
+            && last.version >= version
+        {
+            return Err(Error::Mesh {
+                tensor: "<all>".into(),
+                reason: format!("version {version} published after {}", last.version),
+            });
+        }
+        held.push_back(Held {
+            version,
+            parts: data,
+        });
+        while held.len() > KEEP {
+            held.pop_front();
+        }
+        drop(held);
+        self.shared.published.send_replace(version);
+        Ok(())
+    }
+}
+
+impl Drop for MeshSender {
+    fn drop(&mut self) {
+        self.node.unregister(self.agent);
+    }
+}
+
+/// Serves one pull: waits (up to the request's wait) for the version, then writes each
+/// piece, then the xxh3 of every byte written.
+async fn serve(mut stream: tokio::net::TcpStream, s: &Shared, req: Pull) -> Result<()> {
+    let parts = match held_when_published(s, req.version, req.wait).await {
+        Ok(p) => p,
+        Err(reason) => return Ok(write_head(&mut stream, &StreamHead::Err { reason }).await?),
+    };
+    let mut slices = Vec::with_capacity(req.pieces.len());
+    for &(part, at, len) in &req.pieces {
+        let bytes = parts.get(part as usize).and_then(|p| {
+            let (at, len) = (usize::try_from(at).ok()?, usize::try_from(len).ok()?);
+            p.get(at..at.checked_add(len)?)
+        });
+        match bytes {
+            Some(b) => slices.push(b),
+            None => {
+                let reason = format!("piece {at}+{len} of part {part} is not held here");
+                return Ok(write_head(&mut stream, &StreamHead::Err { reason }).await?);
+            }
+        }
+    }
+    let total: u64 = slices.iter().map(|b| b.len() as u64).sum();
+    write_head(&mut stream, &StreamHead::Ok { len: total + 8 }).await?;
+    let io = |e| Error::io("serving a mesh pull", e);
+    let mut hasher = xxhash_rust::xxh3::Xxh3::new();
+    for b in slices {
+        for chunk in b.chunks(CHUNK) {
+            hasher.update(chunk);
+            stream.write_all(chunk).await.map_err(io)?;
+        }
+    }
+    stream
+        .write_all(&hasher.digest().to_le_bytes())
+        .await
+        .map_err(io)?;
+    stream.flush().await.map_err(io)
+}
+
+/// The parts of `version` once published (waiting up to `wait`); why not otherwise.
+async fn held_when_published(
+    s: &Shared,
+    version: Version,
+    wait: Duration,
+) -> std::result::Result<Vec<Arc<[u8]>>, String> {
+    let mut published = s.published.subscribe();
+    let waited = tokio::time::timeout(wait, published.wait_for(|&v| v >= version)).await;
+    match waited {
+        Err(_) => Err(format!(
+            "version {version} was not published within {wait:?}"
+        )),
+        Ok(Err(_)) => Err("the sender is gone".into()),
+        Ok(Ok(_)) => s.find(version).ok_or_else(|| {
+            format!("version {version} is no longer kept (a newer one replaced it)")
+        }),
+    }
+}
+
+/// What a receiver pulls from one sender each version.
+#[derive(Debug)]
+struct Stream {
+    /// The sender (its index in the senders given).
+    sender: usize,
+    /// The pull request's pieces: `(part, offset, bytes)` in the sender's parts.
+    pieces: Vec<(u32, u64, u64)>,
+    /// Where each piece lands: `(part, offset)` in the receiver's parts.
+    lands: Vec<(usize, usize)>,
+}
+
+/// One version of a receiver's parts, pulled whole.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Pulled {
+    /// The version.
+    pub version: Version,
+    /// One buffer per wanted part, in the order of the receiver's wants, each the part's
+    /// bytes in its row-major layout.
+    pub parts: Vec<Vec<u8>>,
+}
+
+/// An engine's end: pulls the parts it wants of each version from every sender holding a
+/// piece of them.
+#[derive(Debug)]
+pub struct MeshReceiver {
+    token: ClusterToken,
+    senders: Vec<MeshEndpoint>,
+    /// One stream per sender holding a piece this receiver wants.
+    streams: Vec<Stream>,
+    lens: Vec<usize>,
+    pulled: u64,
+}
+
+impl MeshReceiver {
+    /// A receiver of `wants` (parts of the tensors of `manifest`) from `senders`, each
+    /// with the parts it holds. Plans the pieces once ([`MeshPlan::compute`]).
+    ///
+    /// # Errors
+    /// [`Error::Mesh`] naming the tensor: a want that does not fit the manifest, or senders
+    /// whose parts leave a gap or overlap in a wanted tensor.
+    pub fn new(
+        manifest: &Manifest,
+        senders: Vec<(MeshEndpoint, Parts)>,
+        wants: Parts,
+        token: ClusterToken,
+    ) -> Result<Self> {
+        let held: Vec<Parts> = senders.iter().map(|(_, p)| p.clone()).collect();
+        let plan = MeshPlan::compute(manifest, &held, std::slice::from_ref(&wants))?;
+        let lens = wants
+            .iter()
+            .map(|(name, part)| refit_runtime::mesh::part_bytes(manifest, name, part))
+            .collect::<Result<Vec<_>>>()?;
+        let index_of = |parts: &Parts, tensor: usize| {
+            let name = &manifest.tensors()[tensor].name;
+            parts.iter().position(|(n, _)| n == name)
+        };
+        let mut streams: Vec<Stream> = (0..senders.len())
+            .map(|sender| Stream {
+                sender,
+                pieces: Vec::new(),
+                lands: Vec::new(),
+            })
+            .collect();
+        for p in plan.receivers.into_iter().flatten() {
+            let (Some(src), Some(dst)) = (
+                index_of(&held[p.sender], p.tensor),
+                index_of(&wants, p.tensor),
+            ) else {
+                return Err(Error::State("a planned piece outside both ends' parts"));
+            };
+            let s = &mut streams[p.sender];
+            s.pieces.push((src as u32, p.src as u64, p.len as u64));
+            s.lands.push((dst, p.dst));
+        }
+        streams.retain(|s| !s.pieces.is_empty());
+        Ok(Self {
+            token,
+            senders: senders.into_iter().map(|(e, _)| e).collect(),
+            streams,
+            lens,
+            pulled: 0,
+        })
+    }
+
+    /// Bytes each pull reads (the wanted parts, plus 8 bytes of checksum per sender).
+    pub fn bytes_per_pull(&self) -> u64 {
+        self.streams
+            .iter()
+            .map(|s| s.pieces.iter().map(|p| p.2).sum::<u64>() + 8)
+            .sum()
+    }
+
+    /// Bytes pulled so far.
+    pub fn bytes_pulled(&self) -> u64 {
+        self.pulled
+    }
+
+    /// Pulls `version` of the wanted parts from every sender holding a piece of them, in
+    /// parallel, waiting for each sender to publish it until `timeout` passes.
+    ///
+    /// # Errors
+    /// [`Error::Transport`] naming the sender: it cannot be reached, it refused (the
+    /// version not published in time, or no longer kept), its stream broke, or the bytes
+    /// it sent do not hash to the checksum it sent. Nothing of the version is returned then.
+    pub fn pull(&mut self, version: Version, timeout: Duration) -> Result<Pulled> {
+        let deadline = Instant::now() + timeout;
+        let mut parts: Vec<Vec<u8>> = self.lens.iter().map(|&n| vec![0u8; n]).collect();
+        let results: Vec<Result<Vec<u8>>> = std::thread::scope(|scope| {
+            let handles: Vec<_> = self
+                .streams
+                .iter()
+                .map(|Stream { sender, pieces, .. }| {
+                    let (addr, agent) = (self.senders[*sender].addr, self.senders[*sender].agent);
+                    let token = &self.token;
+                    scope.spawn(move || pull_one(addr, agent, token, version, pieces, deadline))
+                })
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| {
+                    h.join()
+                        .unwrap_or_else(|_| Err(Error::State("a mesh pull thread panicked")))
+                })
+                .collect()
+        });
+        let mut total = 0;
+        for (Stream { pieces, lands, .. }, r) in self.streams.iter().zip(results) {
+            let bytes = r?;
+            let mut at = 0;
+            for (&(_, _, len), &(part, dst)) in pieces.iter().zip(lands) {
+                let len = len as usize;
+                let (Some(d), Some(src)) = (
+                    parts.get_mut(part).and_then(|p| p.get_mut(dst..dst + len)),
+                    bytes.get(at..at + len),
+                ) else {
+                    return Err(Error::State("a mesh piece outside its buffers"));
+                };
+                d.copy_from_slice(src);
+                at += len;
+            }
+            total += bytes.len() as u64 + 8;
+        }
+        self.pulled += total;
+        Ok(Pulled { version, parts })
+    }
+}
+
+/// One stream: `pieces` of `version` from the sender at `addr`, checked against the
+/// checksum it ends with.
+fn pull_one(
+    addr: SocketAddr,
+    agent: Uuid,
+    token: &ClusterToken,
+    version: Version,
+    pieces: &[(u32, u64, u64)],
+    deadline: Instant,
+) -> Result<Vec<u8>> {
+    let named = |what: String| Error::transport(NAME, format!("sender at {addr}: {what}"));
+    let left = deadline.saturating_duration_since(Instant::now());
+    let req = Pull {
+        version,
+        pieces: pieces.to_vec(),
+        wait: left,
+    };
+    let mut s = open_stream(
+        addr,
+        token,
+        Uuid::new_v4(),
+        agent,
+        PULL,
+        &req,
+        left + Duration::from_secs(5),
+    )
+    .map_err(|e| named(e.to_string()))?;
+    let want: u64 = pieces.iter().map(|p| p.2).sum();
+    if s.len != want + 8 {
+        return Err(named(format!(
+            "announced {} bytes, {} asked",
+            s.len,
+            want + 8
+        )));
+    }
+    let mut bytes = vec![0u8; want as usize];
+    let mut hasher = xxhash_rust::xxh3::Xxh3::new();
+    for chunk in bytes.chunks_mut(CHUNK) {
+        s.stream
+            .read_exact(chunk)
+            .map_err(|e| named(format!("stream broke mid-transfer: {e}")))?;
+        hasher.update(chunk);
+    }
+    let mut sum = [0u8; 8];
+    s.stream
+        .read_exact(&mut sum)
+        .map_err(|e| named(format!("stream broke before its checksum: {e}")))?;
+    if u64::from_le_bytes(sum) != hasher.digest() {
+        return Err(named(format!(
+            "version {version}: the bytes do not hash to the checksum the sender sent"
+        )));
+    }
+    Ok(bytes)
+}
