@@ -476,7 +476,111 @@ class Sender:
         return out
 
 
+def _part_shape(shape: list[int], part: Any) -> list[int]:
+    """The shape of ``part`` of a tensor of ``shape`` (a slice keeps its rank, a flat range
+    is one-dimensional)."""
+    if part == "whole":
+        return list(shape)
+    if isinstance(part, tuple) and len(part) == 4 and part[0] == "slice":
+        _, dim, _, world = part
+        out = list(shape)
+        if 0 <= dim < len(out) and world > 0:
+            out[dim] //= world
+        return out
+    if isinstance(part, tuple) and len(part) == 3 and part[0] == "flat":
+        return [part[2] - part[1]]
+    raise ConfigError(f'a part is "whole", ("slice", dim, rank, world) or ("flat", start, end), not {part!r}')
+
+
+class MeshSender:
+    """A trainer shard's end of a mesh: it holds ``parts`` of the tensors of ``manifest``
+    (the whole model, ``(name, dtype, shape)`` per tensor, dtypes as Refit names them:
+    ``"f32"``, ``"bf16"``, ...) and serves them, for each version it publishes, to every
+    :class:`MeshReceiver` that wants a piece of them; no shard gathers the others' parts.
+    A part is ``"whole"``, ``("slice", dim, rank, world)`` (a tensor-parallel shard) or
+    ``("flat", start, end)`` (elements of the flattened tensor: an FSDP flat shard).
+    :attr:`card` is what receivers are given (address and parts, no secret); the cluster
+    token comes from ``token``, else ``REFIT_TOKEN``, else a random one. ``bind``: the
+    address of its node (default loopback, any port).
+    """
+
+    def __init__(
+        self,
+        manifest: list[tuple[str, str, list[int]]],
+        parts: list[tuple[str, Any]],
+        *,
+        token: str | None = None,
+        bind: str | None = None,
+    ) -> None:
+        self._parts = list(parts)
+        self._s = _native.MeshSender(list(manifest), self._parts, token, bind)
+
+    @property
+    def card(self) -> str:
+        """What receivers are given to find this sender and know what it holds."""
+        return self._s.card
+
+    def publish(self, version: int, arrays: Mapping[str, Any]) -> None:
+        """Publishes ``version``: ``arrays`` maps each part's tensor name to that part (a
+        numpy array or torch CPU tensor holding the part in row-major order). A buffer of
+        the wrong size is refused naming the tensor; the version must be newer than the
+        last one."""
+        missing = [n for n, _ in self._parts if n not in arrays]
+        if missing:
+            raise Refused(f"publish of version {version}: no array for {', '.join(missing)}")
+        self._s.publish(version, [_bytes_of("mesh", n, arrays[n])[2] for n, _ in self._parts])
+
+
+class MeshReceiver:
+    """An engine's end of a mesh: it wants ``wants`` (parts, as for :class:`MeshSender`, in
+    its own layout: a tensor-parallel worker wants its slice) of the tensors of
+    ``manifest`` from the senders whose :attr:`MeshSender.card` are in ``senders``. The
+    plan of which bytes come from which sender is made and checked once, here: senders
+    whose parts leave a gap or overlap in a wanted tensor, or a slice that does not divide
+    its dimension, raise :class:`ConfigError` naming the tensor and the elements.
+    """
+
+    def __init__(
+        self,
+        manifest: list[tuple[str, str, list[int]]],
+        senders: list[str],
+        wants: list[tuple[str, Any]],
+        *,
+        token: str | None = None,
+    ) -> None:
+        self._shapes = {n: (d, s) for n, d, s in manifest}
+        self._wants = list(wants)
+        self._r = _native.MeshReceiver(list(manifest), list(senders), self._wants, token)
+
+    @property
+    def bytes_per_pull(self) -> int:
+        """Bytes each pull reads: the wanted parts, plus an 8-byte checksum per sender."""
+        return self._r.bytes_per_pull
+
+    def pull(self, version: int, timeout: float = 30.0, *, raw: bool = False) -> dict[str, np.ndarray]:
+        """Pulls ``version`` of the wanted parts from every sender holding a piece of them
+        at once, waiting up to ``timeout`` seconds for each to publish it; answers each
+        wanted part as an array of its shape. The version comes whole or not at all: a
+        sender that does not publish in time, no longer keeps it, or sends bytes that do
+        not hash to its checksum raises, naming the sender. numpy has no bf16 or fp8: such
+        a part raises :class:`DTypeError` unless ``raw`` (then unsigned integers of the
+        same width)."""
+        out = {}
+        for (name, part), data in zip(self._wants, self._r.pull(version, timeout)):
+            dtype, shape = self._shapes[name]
+            np_dtype = NUMPY_DTYPES.get(dtype)
+            if np_dtype is None:
+                if not raw:
+                    raise DTypeError(f"tensor `{name}` is {dtype}, which numpy cannot represent: pull(raw=True)")
+                count = max(1, int(np.prod(_part_shape(shape, part))))
+                np_dtype = np.dtype(f"<u{max(1, len(data) // count)}")
+            out[name] = np.frombuffer(data, dtype=np_dtype).reshape(_part_shape(shape, part))
+        return out
+
+
 __all__ = [
+    "MeshReceiver",
+    "MeshSender",
     "Receiver",
     "Sender",
     "Update",

@@ -49,6 +49,7 @@ pub(crate) fn to_py(e: Error) -> PyErr {
         | Error::InvalidModelId(..)
         | Error::DuplicateModel(_)
         | Error::Strategy(_)
+        | Error::Mesh { .. }
         | Error::Sync(_) => ConfigError::new_err(msg),
         Error::State(_) | Error::ReadOnly(_) => Closed::new_err(msg),
         Error::Io { .. }

@@ -10,6 +10,7 @@
 use pyo3::prelude::*;
 
 mod errors;
+mod mesh;
 mod receiver;
 mod sender;
 mod spec;
@@ -24,6 +25,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<update::Update>()?;
     m.add_class::<update::Tensor>()?;
     m.add_class::<sender::Sender>()?;
+    m.add_class::<mesh::MeshSender>()?;
+    m.add_class::<mesh::MeshReceiver>()?;
     m.add_function(wrap_pyfunction!(spec::transports, m)?)?;
     m.add_function(wrap_pyfunction!(verify::checksums, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;

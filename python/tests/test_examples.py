@@ -54,3 +54,11 @@ def expected_sum(version: int) -> float:
     for _ in range(version - 1):
         state = {name: w + 1.0 for name, w in state.items()}
     return sum(float(np.sum(w)) for w in state.values())
+
+
+def test_two_trainer_shards_feed_two_tensor_parallel_engines(tmp_path):
+    out = subprocess.run([sys.executable, EXAMPLES / "mesh.py", "--versions", "2"],
+                         capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert out.returncode == 0, out.stderr
+    # half the weight and the whole bias, plus a checksum per shard
+    assert "version 2: each engine pulled 528400 bytes of a 1052672-byte model" in out.stdout, out.stdout

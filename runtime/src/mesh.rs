@@ -9,9 +9,9 @@
 //! row-major order (a slice's rows one after the other).
 //!
 //! [`MeshPlan::compute`] checks the whole of it before a byte moves: the senders' parts of
-//! every wanted tensor cover it exactly once (a gap or an overlap is refused naming the
-//! tensor, the element range and the senders), every slice divides its dimension, every
-//! name is the manifest's. It then cuts each receiver's runs by the senders' runs into
+//! every wanted tensor do not overlap, and cover every element wanted of it (a gap or an
+//! overlap is refused naming the tensor, the element range and the senders), every slice
+//! divides its dimension, every name is the manifest's. It then cuts each receiver's runs by the senders' runs into
 //! pieces (sender, offset in the sender's part, offset in the receiver's part, bytes),
 //! merged where they continue each other. The plan depends on the layouts alone, so it is
 //! computed once and replayed for every version.
@@ -86,8 +86,8 @@ impl MeshPlan {
     /// # Errors
     /// [`Error::Mesh`] naming the tensor: a name not in the manifest, named twice by one
     /// end, a slice of a dimension it does not have or that does not divide it, a flat range
-    /// past the tensor; a tensor some receiver wants whose senders' parts leave a gap or
-    /// overlap (naming the element range and the senders).
+    /// past the tensor; a tensor some receiver wants whose senders' parts overlap, or leave
+    /// out an element wanted (naming the element range and the senders).
     pub fn compute(manifest: &Manifest, senders: &[Parts], receivers: &[Parts]) -> Result<Self> {
         let tensors = manifest.tensors();
         let index = |name: &str| {
@@ -113,8 +113,9 @@ impl MeshPlan {
                 }
             }
         }
-        // the senders' parts of each wanted tensor must cover it exactly once
-        let mut covered = std::collections::BTreeSet::new();
+        // the senders' parts of each wanted tensor may not overlap, and must cover what is
+        // wanted of it
+        let mut checked = std::collections::BTreeSet::new();
         let mut plans = Vec::with_capacity(receivers.len());
         for parts in receivers {
             let mut wanted = named_once(parts, &index)?;
@@ -125,10 +126,10 @@ impl MeshPlan {
                 let h = held
                     .get_mut(&t)
                     .ok_or_else(|| mesh(&spec.name, "wanted, and held by no sender"))?;
-                if covered.insert(t) {
-                    check_cover(spec, h)?;
+                if checked.insert(t) {
+                    check_disjoint(spec, h)?;
                 }
-                cut(t, spec, &runs(spec, part)?, h, &mut pieces);
+                cut(t, spec, &runs(spec, part)?, h, &mut pieces)?;
             }
             plans.push(pieces);
         }
@@ -272,18 +273,13 @@ fn runs(spec: &TensorSpec, part: &Part) -> Result<Vec<Range<usize>>> {
     }
 }
 
-/// Refuses senders' runs of `spec` that leave a gap or overlap (sorting them by start).
-fn check_cover(spec: &TensorSpec, held: &mut [Held]) -> Result<()> {
+/// Refuses senders' runs of `spec` that overlap (sorting them by start): two shards may not
+/// both hold an element.
+fn check_disjoint(spec: &TensorSpec, held: &mut [Held]) -> Result<()> {
     held.sort_by_key(|h| (h.run.start, h.run.end));
     let mut end = 0;
     let mut last: Option<usize> = None;
     for h in held.iter().filter(|h| !h.run.is_empty()) {
-        if h.run.start > end {
-            return Err(mesh(
-                &spec.name,
-                format!("elements {end}..{} are held by no sender", h.run.start),
-            ));
-        }
         if h.run.start < end {
             return Err(mesh(
                 &spec.name,
@@ -299,25 +295,38 @@ fn check_cover(spec: &TensorSpec, held: &mut [Held]) -> Result<()> {
         end = h.run.end;
         last = Some(h.sender);
     }
-    if end < spec.numel() {
-        return Err(mesh(
-            &spec.name,
-            format!("elements {end}..{} are held by no sender", spec.numel()),
-        ));
-    }
     Ok(())
 }
 
-/// Cuts the receiver's `wanted` runs of tensor `t` by the senders' runs `held` (sorted, a
-/// partition), appending the pieces, merged where they continue each other.
-fn cut(t: usize, spec: &TensorSpec, wanted: &[Range<usize>], held: &[Held], out: &mut Vec<Piece>) {
+/// Cuts the receiver's `wanted` runs of tensor `t` by the senders' runs `held` (sorted,
+/// disjoint), appending the pieces, merged where they continue each other.
+///
+/// # Errors
+/// [`Error::Mesh`] naming the tensor and the elements when a wanted element is held by no
+/// sender.
+fn cut(
+    t: usize,
+    spec: &TensorSpec,
+    wanted: &[Range<usize>],
+    held: &[Held],
+    out: &mut Vec<Piece>,
+) -> Result<()> {
     let el = spec.dtype.size();
     let mut local = 0;
     for w in wanted {
         let mut i = held.partition_point(|h| h.run.end <= w.start);
         let mut at = w.start;
         while at < w.end {
-            let Some(h) = held.get(i) else { break };
+            let h = match held.get(i) {
+                Some(h) if h.run.start <= at => h,
+                next => {
+                    let gap_end = next.map_or(w.end, |h| h.run.start.min(w.end));
+                    return Err(mesh(
+                        &spec.name,
+                        format!("elements {at}..{gap_end} are held by no sender"),
+                    ));
+                }
+            };
             let end = w.end.min(h.run.end);
             let piece = Piece {
                 sender: h.sender,
@@ -342,6 +351,7 @@ fn cut(t: usize, spec: &TensorSpec, wanted: &[Range<usize>], held: &[Held], out:
         }
         local += w.len();
     }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -583,6 +593,14 @@ mod tests {
         .unwrap_err()
         .to_string();
         assert!(e.contains("3..99"), "{e}");
+        // a receiver wanting only what the senders hold of a tensor needs no more
+        let top = vec![vec![slice("w", 0, 0, 2)]];
+        let plan = MeshPlan::compute(&m, &top, &[vec![slice("w", 0, 0, 2)]]).unwrap();
+        assert_eq!(plan.bytes_to(0), 48);
+        let e = MeshPlan::compute(&m, &top, &[vec![slice("w", 1, 0, 2)]])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("elements 12..15 are held by no sender"), "{e}");
         // a tensor nobody wants need not be covered
         assert!(
             MeshPlan::compute(

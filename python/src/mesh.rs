@@ -1,0 +1,200 @@
+//! `refit.MeshSender` and `refit.MeshReceiver`: trainer shards publish the parts they hold,
+//! engines pull the parts they serve from every shard at once (see
+//! `refit_transports::mesh`).
+
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+
+use pyo3::buffer::PyBuffer;
+use pyo3::prelude::*;
+use refit_node::{ClusterToken, Node, NodeConfig};
+use refit_runtime::{DType, Manifest, Version, wire};
+use refit_transports::mesh::{self, MeshEndpoint, Part, Parts};
+
+use crate::errors::{config, refused, to_py};
+use crate::receiver::lock;
+use crate::wait::seconds;
+
+/// A part as Python gives it: `"whole"`, `("slice", dim, rank, world)` or
+/// `("flat", start, end)`.
+fn part_of(name: &str, obj: &Bound<'_, PyAny>) -> PyResult<Part> {
+    if let Ok(s) = obj.extract::<String>() {
+        if s == "whole" {
+            return Ok(Part::Whole);
+        }
+    } else if let Ok((kind, a, b, c)) = obj.extract::<(String, usize, usize, usize)>() {
+        if kind == "slice" {
+            return Ok(Part::Slice {
+                dim: a,
+                rank: b,
+                world: c,
+            });
+        }
+    } else if let Ok((kind, start, end)) = obj.extract::<(String, usize, usize)>()
+        && kind == "flat"
+    {
+        return Ok(Part::Flat { start, end });
+    }
+    Err(config(format!(
+        "tensor `{name}`: a part is \"whole\", (\"slice\", dim, rank, world) or (\"flat\", \
+         start, end), not {obj}"
+    )))
+}
+
+fn parts_of(parts: Vec<(String, Bound<'_, PyAny>)>) -> PyResult<Parts> {
+    parts
+        .into_iter()
+        .map(|(name, p)| part_of(&name, &p).map(|p| (name, p)))
+        .collect()
+}
+
+fn manifest_of(tensors: Vec<(String, String, Vec<usize>)>) -> PyResult<Manifest> {
+    let mut b = Manifest::builder();
+    for (name, dtype, shape) in tensors {
+        let d = DType::from_name(&dtype)
+            .ok_or_else(|| config(format!("tensor `{name}`: unknown dtype `{dtype}`")))?;
+        b = b.tensor(name, d, &shape);
+    }
+    b.build().map_err(to_py)
+}
+
+/// A trainer shard's end (see `refit.MeshSender`).
+#[pyclass(module = "refit._native", frozen)]
+pub(crate) struct MeshSender {
+    sender: mesh::MeshSender,
+    card: String,
+    /// Keeps the node serving while the sender lives.
+    _node: Node,
+}
+
+#[pymethods]
+impl MeshSender {
+    /// A sender of `parts` of the tensors of `manifest` (`(name, dtype, shape)` each) on a
+    /// node of its own, bound to `bind` (default loopback, any port).
+    #[new]
+    #[pyo3(signature = (manifest, parts, token = None, bind = None))]
+    fn new(
+        manifest: Vec<(String, String, Vec<usize>)>,
+        parts: Vec<(String, Bound<'_, PyAny>)>,
+        token: Option<&str>,
+        bind: Option<&str>,
+    ) -> PyResult<Self> {
+        let m = manifest_of(manifest)?;
+        let parts = parts_of(parts)?;
+        let token = match token {
+            Some(t) => ClusterToken::new(t).map_err(|e| config(e.to_string()))?,
+            None => ClusterToken::from_env_or_random().map_err(|e| to_py(e.into()))?,
+        };
+        let mut cfg = NodeConfig::loopback(token);
+        if let Some(b) = bind {
+            let addr: SocketAddr = b
+                .parse()
+                .map_err(|e| config(format!("bind address `{b}`: {e}")))?;
+            cfg = cfg.with_bind(addr);
+        }
+        let node = Node::start(cfg).map_err(|e| to_py(e.into()))?;
+        let sender = mesh::MeshSender::on_node(&node, &m, parts).map_err(to_py)?;
+        let card = wire::to_token(&(sender.endpoint(), sender.parts().clone())).map_err(to_py)?;
+        Ok(Self {
+            sender,
+            card,
+            _node: node,
+        })
+    }
+
+    /// What receivers are given to find this sender and know what it holds (no secret).
+    #[getter]
+    fn card(&self) -> &str {
+        &self.card
+    }
+
+    /// Publishes `version`: one contiguous byte buffer per part, in the order of the parts.
+    fn publish(
+        &self,
+        py: Python<'_>,
+        version: u64,
+        buffers: Vec<Bound<'_, PyAny>>,
+    ) -> PyResult<()> {
+        let mut data: Vec<Arc<[u8]>> = Vec::with_capacity(buffers.len());
+        for (i, obj) in buffers.iter().enumerate() {
+            let buf = PyBuffer::<u8>::get(obj)
+                .map_err(|e| refused(format!("part {i}: not a contiguous byte buffer ({e})")))?;
+            let mut bytes = vec![0u8; buf.len_bytes()];
+            buf.copy_to_slice(py, &mut bytes)
+                .map_err(|e| refused(format!("part {i}: {e}")))?;
+            data.push(Arc::from(bytes));
+        }
+        // a buffer of another size, or a version not newer: this version is refused
+        py.detach(|| self.sender.publish(Version(version), data))
+            .map_err(|e| match e {
+                refit_runtime::Error::Mesh { .. } => refused(e.to_string()),
+                e => to_py(e),
+            })
+    }
+}
+
+/// An engine's end (see `refit.MeshReceiver`).
+#[pyclass(module = "refit._native", frozen)]
+pub(crate) struct MeshReceiver {
+    receiver: Mutex<mesh::MeshReceiver>,
+}
+
+#[pymethods]
+impl MeshReceiver {
+    /// A receiver of `wants` (parts of the tensors of `manifest`) from the senders whose
+    /// cards are given; plans its pieces once.
+    #[new]
+    #[pyo3(signature = (manifest, senders, wants, token = None))]
+    fn new(
+        manifest: Vec<(String, String, Vec<usize>)>,
+        senders: Vec<String>,
+        wants: Vec<(String, Bound<'_, PyAny>)>,
+        token: Option<&str>,
+    ) -> PyResult<Self> {
+        let m = manifest_of(manifest)?;
+        let wants = parts_of(wants)?;
+        let book = senders
+            .iter()
+            .map(|c| wire::from_token::<(MeshEndpoint, Parts)>(c.trim()))
+            .collect::<refit_runtime::Result<Vec<_>>>()
+            .map_err(|e| config(format!("not a mesh sender's card: {e}")))?;
+        let token = match token {
+            Some(t) => ClusterToken::new(t).map_err(|e| config(e.to_string()))?,
+            None => ClusterToken::from_env()
+                .map_err(|e| to_py(e.into()))?
+                .ok_or_else(|| config("no cluster token: pass token= or set REFIT_TOKEN"))?,
+        };
+        let receiver = mesh::MeshReceiver::new(&m, book, wants, token).map_err(to_py)?;
+        Ok(Self {
+            receiver: Mutex::new(receiver),
+        })
+    }
+
+    /// Pulls `version` of the wanted parts (waiting up to `timeout` seconds for every
+    /// sender to publish it): one `bytes` per wanted part, in the order of the wants.
+    #[pyo3(signature = (version, timeout = 30.0))]
+    fn pull<'py>(
+        &self,
+        py: Python<'py>,
+        version: u64,
+        timeout: f64,
+    ) -> PyResult<Vec<Bound<'py, pyo3::types::PyBytes>>> {
+        let timeout = seconds("timeout", timeout)?;
+        let mut guard = lock(py, &self.receiver);
+        let receiver: &mut mesh::MeshReceiver = &mut guard;
+        let pulled = py
+            .detach(|| receiver.pull(Version(version), timeout))
+            .map_err(to_py)?;
+        Ok(pulled
+            .parts
+            .iter()
+            .map(|p| pyo3::types::PyBytes::new(py, p))
+            .collect())
+    }
+
+    /// Bytes each pull reads: the wanted parts, plus 8 bytes of checksum per sender.
+    #[getter]
+    fn bytes_per_pull(&self, py: Python<'_>) -> u64 {
+        lock(py, &self.receiver).bytes_per_pull()
+    }
+}
