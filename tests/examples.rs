@@ -383,3 +383,35 @@ fn file_weights_example_publishes_holds_and_collects() {
     );
     assert!(stdout.contains("policy.safetensors: version 6"), "{stdout}");
 }
+
+/// Runs the `mesh` example (two trainer-shard processes and three engine processes on
+/// loopback): every engine pulls its third of the columns of every version from both
+/// shards.
+#[test]
+fn two_shards_feed_three_column_engines_every_version() {
+    let stdout = run_ok(
+        "mesh",
+        &[
+            "--senders",
+            "2",
+            "--receivers",
+            "3",
+            "--size",
+            "6MiB",
+            "--versions",
+            "3",
+        ],
+    );
+    for v in 1..=3 {
+        assert!(
+            stdout.contains(&format!("mesh: version {v} held by every receiver")),
+            "{stdout}"
+        );
+    }
+    assert!(stdout.contains("2 senders -> 3 receivers"), "{stdout}");
+    let engines = stdout
+        .lines()
+        .filter(|l| l.starts_with("mesh receiver"))
+        .count();
+    assert_eq!(engines, 3, "{stdout}");
+}
