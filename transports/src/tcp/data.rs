@@ -652,8 +652,12 @@ fn read_encoded(
         )));
     }
     buf.resize(n, 0);
-    stream.read_exact(buf).map_err(|e| broke(&e))?;
-    counters.wire.fetch_add(n as u64, Ordering::Relaxed);
+    for chunk in buf.chunks_mut(READ) {
+        stream.read_exact(chunk).map_err(|e| broke(&e))?;
+        counters
+            .wire
+            .fetch_add(chunk.len() as u64, Ordering::Relaxed);
+    }
     let piece = dst.piece(0, len)?;
     refit_runtime::delta::elements::apply(piece, buf).map_err(|e| bad(e.to_string()))?;
     landing.feed(piece, 0);

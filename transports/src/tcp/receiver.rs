@@ -894,7 +894,9 @@ impl TcpReceiver {
         };
         let me = self.node.as_ref().map_or_else(Uuid::nil, Node::id);
         let open = |part: &[u32]| self.open_pull(job, me, part, watchdog);
-        let (stall, pulled) = (self.cfg.stall_timeout, &*self.shared.pulled);
+        // progress is bytes off the wire: an encoded bucket lands whole only once its
+        // encoding is in
+        let (stall, pulled) = (self.cfg.stall_timeout, &self.shared.wire);
         let prefaulted = AtomicBool::new(false);
         let result = std::thread::scope(|scope| {
             let watch = scope.spawn(|| watchdog.watch(job.deadline, stall, pulled));
