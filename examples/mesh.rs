@@ -22,7 +22,7 @@ use std::time::{Duration, Instant};
 
 use clap::Parser;
 use refit::node::{ClusterToken, LaunchEnv, Node, NodeConfig, Store, StoreClient};
-use refit::prelude::{DType, Error, Manifest, Result, Version};
+use refit::prelude::{DType, Error, Manifest, ModelId, Result, Version};
 use refit::runtime::mesh::extract;
 use refit::runtime::wire;
 use refit::transports::mesh::{MeshEndpoint, MeshReceiver, MeshSender, Part, Parts};
@@ -117,7 +117,7 @@ fn whole(m: &Manifest, name: &str, version: u64) -> Vec<u8> {
 fn sender(args: &Args, rank: usize, node: &Node, store: &StoreClient, m: &Manifest) -> Result<()> {
     // ANCHOR: sender
     let parts = held(m, rank, args.senders);
-    let sender = MeshSender::on_node(node, m, parts.clone())?;
+    let sender = MeshSender::on_node(node, ModelId::new("policy")?, m, parts.clone())?;
     store.set(
         &format!("mesh/sender/{rank}"),
         wire::to_token(&(sender.endpoint(), parts))?.as_bytes(),

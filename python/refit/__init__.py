@@ -501,7 +501,7 @@ class MeshSender:
     ``("flat", start, end)`` (elements of the flattened tensor: an FSDP flat shard).
     :attr:`card` is what receivers are given (address and parts, no secret); the cluster
     token comes from ``token``, else ``REFIT_TOKEN``, else a random one. ``bind``: the
-    address of its node (default loopback, any port).
+    address of its node (default loopback, any port). ``model`` names the model in errors.
     """
 
     def __init__(
@@ -511,9 +511,10 @@ class MeshSender:
         *,
         token: str | None = None,
         bind: str | None = None,
+        model: str = "policy",
     ) -> None:
         self._parts = list(parts)
-        self._s = _native.MeshSender(list(manifest), self._parts, token, bind)
+        self._s = _native.MeshSender(list(manifest), self._parts, token, bind, model)
 
     @property
     def card(self) -> str:

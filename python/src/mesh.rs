@@ -8,7 +8,7 @@ use std::sync::{Arc, Mutex};
 use pyo3::buffer::PyBuffer;
 use pyo3::prelude::*;
 use refit_node::{ClusterToken, Node, NodeConfig};
-use refit_runtime::{DType, Manifest, Version, wire};
+use refit_runtime::{DType, Manifest, ModelId, Version, wire};
 use refit_transports::mesh::{self, MeshEndpoint, Part, Parts};
 
 use crate::errors::{config, refused, to_py};
@@ -72,13 +72,15 @@ impl MeshSender {
     /// A sender of `parts` of the tensors of `manifest` (`(name, dtype, shape)` each) on a
     /// node of its own, bound to `bind` (default loopback, any port).
     #[new]
-    #[pyo3(signature = (manifest, parts, token = None, bind = None))]
+    #[pyo3(signature = (manifest, parts, token = None, bind = None, model = "policy"))]
     fn new(
         manifest: Vec<(String, String, Vec<usize>)>,
         parts: Vec<(String, Bound<'_, PyAny>)>,
         token: Option<&str>,
         bind: Option<&str>,
+        model: &str,
     ) -> PyResult<Self> {
+        let model = ModelId::new(model).map_err(to_py)?;
         let m = manifest_of(manifest)?;
         let parts = parts_of(parts)?;
         let token = match token {
@@ -93,7 +95,7 @@ impl MeshSender {
             cfg = cfg.with_bind(addr);
         }
         let node = Node::start(cfg).map_err(|e| to_py(e.into()))?;
-        let sender = mesh::MeshSender::on_node(&node, &m, parts).map_err(to_py)?;
+        let sender = mesh::MeshSender::on_node(&node, model, &m, parts).map_err(to_py)?;
         let card = wire::to_token(&(sender.endpoint(), sender.parts().clone())).map_err(to_py)?;
         Ok(Self {
             sender,
@@ -119,17 +121,16 @@ impl MeshSender {
         for (i, obj) in buffers.iter().enumerate() {
             let buf = PyBuffer::<u8>::get(obj)
                 .map_err(|e| refused(format!("part {i}: not a contiguous byte buffer ({e})")))?;
-            let mut bytes = vec![0u8; buf.len_bytes()];
-            buf.copy_to_slice(py, &mut bytes)
+            // made in place (an `Arc` of a `Vec` would copy the part once more)
+            let mut part: Arc<[u8]> = std::iter::repeat_n(0u8, buf.len_bytes()).collect();
+            let dst = Arc::get_mut(&mut part)
+                .ok_or_else(|| refused(format!("part {i}: its buffer is shared")))?;
+            buf.copy_to_slice(py, dst)
                 .map_err(|e| refused(format!("part {i}: {e}")))?;
-            data.push(Arc::from(bytes));
+            data.push(part);
         }
-        // a buffer of another size, or a version not newer: this version is refused
         py.detach(|| self.sender.publish(Version(version), data))
-            .map_err(|e| match e {
-                refit_runtime::Error::Mesh { .. } => refused(e.to_string()),
-                e => to_py(e),
-            })
+            .map_err(to_py)
     }
 }
 

@@ -29,7 +29,7 @@ use std::time::{Duration, Instant};
 
 use refit_node::{ClusterToken, Node, StreamHead, open_stream, write_head};
 pub use refit_runtime::mesh::{MeshPlan, Part, Parts, Piece};
-use refit_runtime::{Error, Manifest, Result, Version, wire};
+use refit_runtime::{Error, Manifest, Mismatch, ModelId, Result, Version, wire};
 use serde::{Deserialize, Serialize};
 use tokio::io::AsyncWriteExt;
 use uuid::Uuid;
@@ -90,18 +90,20 @@ impl Shared {
 #[derive(Debug)]
 pub struct MeshSender {
     node: Node,
+    model: ModelId,
     agent: Uuid,
     parts: Parts,
     shared: Arc<Shared>,
 }
 
 impl MeshSender {
-    /// A sender on `node` holding `parts` of the tensors of `manifest` (each checked against
-    /// it: a name, a slice or a range that does not fit is refused).
+    /// A sender on `node` holding `parts` of the tensors of `manifest`, the layout of
+    /// `model` (each part checked against it: a name, a slice or a range that does not fit
+    /// is refused).
     ///
     /// # Errors
     /// [`Error::Mesh`] naming the tensor.
-    pub fn on_node(node: &Node, manifest: &Manifest, parts: Parts) -> Result<Self> {
+    pub fn on_node(node: &Node, model: ModelId, manifest: &Manifest, parts: Parts) -> Result<Self> {
         let lens = parts
             .iter()
             .map(|(name, part)| refit_runtime::mesh::part_bytes(manifest, name, part))
@@ -123,6 +125,7 @@ impl MeshSender {
         });
         Ok(Self {
             node: node.clone(),
+            model,
             agent,
             parts,
             shared,
@@ -147,31 +150,34 @@ impl MeshSender {
     /// newest versions are kept for receivers still pulling them.
     ///
     /// # Errors
-    /// [`Error::Mesh`] naming the tensor when a buffer is not its part's length;
-    /// [`Error::StaleVersion`]-like [`Error::Mesh`] when `version` is not newer than the
-    /// last one published.
+    /// [`Error::Tensor`] naming the tensor when a part has no buffer, or a buffer is not
+    /// its part's length (or has no part); [`Error::StaleVersion`] when `version` is not
+    /// newer than the last one published. Nothing is published then.
     pub fn publish(&self, version: Version, data: Vec<Arc<[u8]>>) -> Result<()> {
-        if data.len() != self.parts.len() {
-            return Err(Error::Mesh {
-                tensor: "<all>".into(),
-                reason: format!("{} buffers for {} parts", data.len(), self.parts.len()),
-            });
+        let refused = |name: &str, problem| Error::tensor(&self.model, name, problem);
+        if let Some((name, _)) = self.parts.get(data.len()) {
+            return Err(refused(name, Mismatch::Missing));
         }
-        for ((d, len), (name, _)) in data.iter().zip(&self.shared.lens).zip(&self.parts) {
-            if d.len() != *len {
-                return Err(Error::Mesh {
-                    tensor: name.clone(),
-                    reason: format!("a part of {} bytes published, it holds {len}", d.len()),
-                });
+        if data.len() > self.parts.len() {
+            return Err(refused(
+                &format!("<buffer {}>", self.parts.len()),
+                Mismatch::Unexpected,
+            ));
+        }
+        for ((d, &expected), (name, _)) in data.iter().zip(&self.shared.lens).zip(&self.parts) {
+            if d.len() != expected {
+                let found = d.len();
+                return Err(refused(name, Mismatch::Size { expected, found }));
             }
         }
         let mut held = self.shared.held.lock().unwrap_or_else(|p| p.into_inner());
         if let Some(last) = held.back()
             && last.version >= version
         {
-            return Err(Error::Mesh {
-                tensor: "<all>".into(),
-                reason: format!("version {version} published after {}", last.version),
+            return Err(Error::StaleVersion {
+                model: self.model.clone(),
+                offered: version,
+                current: last.version,
             });
         }
         held.push_back(Held {
@@ -357,14 +363,17 @@ impl MeshReceiver {
     pub fn pull(&mut self, version: Version, timeout: Duration) -> Result<Pulled> {
         let deadline = Instant::now() + timeout;
         let mut parts: Vec<Vec<u8>> = self.lens.iter().map(|&n| vec![0u8; n]).collect();
-        let results: Vec<Result<Vec<u8>>> = std::thread::scope(|scope| {
+        let dests = destinations(&mut parts, &self.streams)?;
+        let results: Vec<Result<u64>> = std::thread::scope(|scope| {
             let handles: Vec<_> = self
                 .streams
                 .iter()
-                .map(|Stream { sender, pieces, .. }| {
+                .zip(dests)
+                .map(|(Stream { sender, pieces, .. }, dst)| {
                     let (addr, agent) = (self.senders[*sender].addr, self.senders[*sender].agent);
                     let token = &self.token;
-                    scope.spawn(move || pull_one(addr, agent, token, version, pieces, deadline))
+                    scope
+                        .spawn(move || pull_one(addr, agent, token, version, pieces, dst, deadline))
                 })
                 .collect();
             handles
@@ -376,25 +385,51 @@ impl MeshReceiver {
                 .collect()
         });
         let mut total = 0;
-        for (Stream { pieces, lands, .. }, r) in self.streams.iter().zip(results) {
-            let bytes = r?;
-            let mut at = 0;
-            for (&(_, _, len), &(part, dst)) in pieces.iter().zip(lands) {
-                let len = len as usize;
-                let (Some(d), Some(src)) = (
-                    parts.get_mut(part).and_then(|p| p.get_mut(dst..dst + len)),
-                    bytes.get(at..at + len),
-                ) else {
-                    return Err(Error::State("a mesh piece outside its buffers"));
-                };
-                d.copy_from_slice(src);
-                at += len;
-            }
-            total += bytes.len() as u64 + 8;
+        for r in results {
+            total += r?;
         }
         self.pulled += total;
         Ok(Pulled { version, parts })
     }
+}
+
+/// Where each stream's pieces land: per stream, in its pieces' order, the slice of the
+/// receiver's parts each fills (the plan gives every wanted byte one piece, so the slices
+/// are disjoint and the streams fill them straight from their sockets, in parallel).
+fn destinations<'a>(
+    parts: &'a mut [Vec<u8>],
+    streams: &[Stream],
+) -> Result<Vec<Vec<&'a mut [u8]>>> {
+    let outside = || Error::State("a mesh piece outside its part, or overlapping another");
+    // every piece, by where it lands
+    let mut order: Vec<(usize, usize, usize, usize, usize)> = Vec::new();
+    for (si, st) in streams.iter().enumerate() {
+        for (pi, (&(_, _, len), &(part, dst))) in st.pieces.iter().zip(&st.lands).enumerate() {
+            let len = usize::try_from(len).map_err(|_| outside())?;
+            order.push((part, dst, len, si, pi));
+        }
+    }
+    order.sort_unstable();
+    let mut slots: Vec<Vec<Option<&mut [u8]>>> = streams
+        .iter()
+        .map(|st| st.pieces.iter().map(|_| None).collect())
+        .collect();
+    let mut rests: Vec<(usize, &mut [u8])> =
+        parts.iter_mut().map(|p| (0, p.as_mut_slice())).collect();
+    for (part, dst, len, si, pi) in order {
+        let (at, rest) = rests.get_mut(part).ok_or_else(outside)?;
+        let skip = dst.checked_sub(*at).ok_or_else(outside)?;
+        let (_, tail) = std::mem::take(rest)
+            .split_at_mut_checked(skip)
+            .ok_or_else(outside)?;
+        let (piece, tail) = tail.split_at_mut_checked(len).ok_or_else(outside)?;
+        (*at, *rest) = (dst + len, tail);
+        slots[si][pi] = Some(piece);
+    }
+    slots
+        .into_iter()
+        .map(|s| s.into_iter().map(|d| d.ok_or_else(outside)).collect())
+        .collect()
 }
 
 /// One stream: `pieces` of `version` from the sender at `addr`, checked against the
@@ -405,8 +440,9 @@ fn pull_one(
     token: &ClusterToken,
     version: Version,
     pieces: &[(u32, u64, u64)],
+    dst: Vec<&mut [u8]>,
     deadline: Instant,
-) -> Result<Vec<u8>> {
+) -> Result<u64> {
     let named = |what: String| Error::transport(NAME, format!("sender at {addr}: {what}"));
     let left = deadline.saturating_duration_since(Instant::now());
     let req = Pull {
@@ -432,13 +468,14 @@ fn pull_one(
             want + 8
         )));
     }
-    let mut bytes = vec![0u8; want as usize];
     let mut hasher = xxhash_rust::xxh3::Xxh3::new();
-    for chunk in bytes.chunks_mut(CHUNK) {
-        s.stream
-            .read_exact(chunk)
-            .map_err(|e| named(format!("stream broke mid-transfer: {e}")))?;
-        hasher.update(chunk);
+    for piece in dst {
+        for chunk in piece.chunks_mut(CHUNK) {
+            s.stream
+                .read_exact(chunk)
+                .map_err(|e| named(format!("stream broke mid-transfer: {e}")))?;
+            hasher.update(chunk);
+        }
     }
     let mut sum = [0u8; 8];
     s.stream
@@ -449,5 +486,5 @@ fn pull_one(
             "version {version}: the bytes do not hash to the checksum the sender sent"
         )));
     }
-    Ok(bytes)
+    Ok(want + 8)
 }

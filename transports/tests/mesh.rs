@@ -72,7 +72,7 @@ fn row_shards_publish_and_column_engines_pull_their_halves() {
     let senders: Vec<MeshSender> = nodes
         .iter()
         .zip(&held)
-        .map(|(n, p)| MeshSender::on_node(n, &m, p.clone()).unwrap())
+        .map(|(n, p)| MeshSender::on_node(n, policy(), &m, p.clone()).unwrap())
         .collect();
     let book: Vec<_> = senders
         .iter()
@@ -140,7 +140,7 @@ fn bad_plans_and_bad_buffers_are_refused_naming_the_tensor() {
     let token = ClusterToken::random();
     let node = Node::start(NodeConfig::loopback(token.clone())).unwrap();
     // a shard holding only the first rows of `w`: an engine wanting all of it is refused
-    let s = MeshSender::on_node(&node, &m, vec![slice("w", 0, 0, 2)]).unwrap();
+    let s = MeshSender::on_node(&node, policy(), &m, vec![slice("w", 0, 0, 2)]).unwrap();
     let book = vec![(s.endpoint(), s.parts().clone())];
     let e = MeshReceiver::new(
         &m,
@@ -155,7 +155,7 @@ fn bad_plans_and_bad_buffers_are_refused_naming_the_tensor() {
         "{e}"
     );
     // a slice that does not divide its dimension
-    let all = MeshSender::on_node(&node, &m, vec![("w".into(), Part::Whole)]).unwrap();
+    let all = MeshSender::on_node(&node, policy(), &m, vec![("w".into(), Part::Whole)]).unwrap();
     let book = vec![(all.endpoint(), all.parts().clone())];
     let e = MeshReceiver::new(&m, book, vec![slice("w", 1, 0, 3)], token)
         .unwrap_err()
@@ -166,14 +166,14 @@ fn bad_plans_and_bad_buffers_are_refused_naming_the_tensor() {
         .publish(Version(1), vec![Arc::from(vec![0u8; 7])])
         .unwrap_err()
         .to_string();
-    assert!(e.contains("`w`") && e.contains("7 bytes"), "{e}");
+    assert!(e.contains("`w`") && e.contains("found 7"), "{e}");
     s.publish(Version(2), vec![Arc::from(vec![0u8; 32 * 32 * 4])])
         .unwrap();
     assert!(
         s.publish(Version(2), vec![Arc::from(vec![0u8; 32 * 32 * 4])])
             .is_err()
     );
-    assert!(MeshSender::on_node(&node, &m, vec![("x".into(), Part::Whole)]).is_err());
+    assert!(MeshSender::on_node(&node, policy(), &m, vec![("x".into(), Part::Whole)]).is_err());
 
     // a stream whose bytes do not hash to the checksum it ends with: refused, naming the
     // sender (a node that answers pulls with zeros and a wrong checksum)
@@ -211,6 +211,10 @@ fn bad_plans_and_bad_buffers_are_refused_naming_the_tensor() {
         0,
         "nothing of a refused version counts as pulled"
     );
+}
+
+fn policy() -> refit_runtime::ModelId {
+    refit_runtime::ModelId::new("policy").unwrap()
 }
 
 fn token_of(node: &Node) -> ClusterToken {

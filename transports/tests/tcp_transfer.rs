@@ -141,15 +141,10 @@ fn delta_mode_sends_only_the_buckets_of_changed_tensors() {
 fn nudged(ws: &WeightSet, version: u64, every: usize, step: f32) -> WeightSet {
     let mut out = ws.clone();
     out.set_version(Version(version));
-    let names: Vec<String> = ws
-        .manifest()
-        .tensors()
-        .iter()
-        .map(|t| t.name.clone())
-        .collect();
-    for name in names {
+    let m = Arc::clone(ws.manifest());
+    for t in m.tensors() {
         for x in out
-            .view_mut::<f32>(&name)
+            .view_mut::<f32>(&t.name)
             .unwrap()
             .iter_mut()
             .step_by(every)

@@ -59,7 +59,7 @@ pub fn encode(base: &[u8], new: &[u8], width: usize, out: &mut Vec<u8>) -> Resul
         .ok_or_else(|| Error::Wire(format!("element delta of width {width}")))?;
     put_varint(out, CHUNK as u64);
     let mut xor = vec![0u8; CHUNK.min(new.len())];
-    let mut scratch = Vec::with_capacity(CHUNK);
+    let mut scratch = Scratch::default();
     for (b, n) in base.chunks(CHUNK).zip(new.chunks(CHUNK)) {
         let x = xor.get_mut(..n.len()).unwrap_or_default();
         for ((x, b), n) in x.iter_mut().zip(b).zip(n) {
@@ -70,20 +70,36 @@ pub fn encode(base: &[u8], new: &[u8], width: usize, out: &mut Vec<u8>) -> Resul
     Ok(())
 }
 
+/// Buffers the encoder reuses from chunk to chunk.
+#[derive(Default)]
+struct Scratch {
+    /// The chunk's runs.
+    runs: Vec<u8>,
+    /// One byte plane of the chunk.
+    plane: Vec<u8>,
+    /// That plane's runs.
+    plane_runs: Vec<u8>,
+}
+
+/// Writes a runs frame (tag, length, runs).
+fn put_runs(out: &mut Vec<u8>, runs: &[u8]) {
+    out.push(RUNS);
+    put_varint(out, runs.len() as u64);
+    out.extend_from_slice(runs);
+}
+
 /// Encodes one chunk whose XOR is `x` and whose new bytes are `new`.
-fn encode_chunk(x: &[u8], new: &[u8], width: u8, scratch: &mut Vec<u8>, out: &mut Vec<u8>) {
+fn encode_chunk(x: &[u8], new: &[u8], width: u8, scratch: &mut Scratch, out: &mut Vec<u8>) {
     if x.iter().all(|&b| b == 0) {
         out.push(SAME);
         return;
     }
     let len = x.len();
-    scratch.clear();
-    let runs = runs(x, len, scratch);
+    scratch.runs.clear();
+    let runs = runs(x, len, &mut scratch.runs);
     // a sparse chunk: runs win, and the planes are not worth trying
     if runs.is_some_and(|n| n <= len / 16) {
-        out.push(RUNS);
-        put_varint(out, scratch.len() as u64);
-        out.extend_from_slice(scratch);
+        put_runs(out, &scratch.runs);
         return;
     }
     // the frames' sizes, tag and length included
@@ -91,7 +107,7 @@ fn encode_chunk(x: &[u8], new: &[u8], width: u8, scratch: &mut Vec<u8>, out: &mu
     let at = out.len();
     if width > 1 && len >= usize::from(width) {
         out.push(PLANES);
-        planes(x, width, out);
+        planes(x, width, scratch, out);
         let planes_len = out.len() - at;
         if planes_len <= len && runs_len.is_none_or(|r| planes_len <= r) {
             return;
@@ -99,11 +115,7 @@ fn encode_chunk(x: &[u8], new: &[u8], width: u8, scratch: &mut Vec<u8>, out: &mu
         out.truncate(at);
     }
     match runs_len {
-        Some(r) if r <= len => {
-            out.push(RUNS);
-            put_varint(out, scratch.len() as u64);
-            out.extend_from_slice(scratch);
-        }
+        Some(r) if r <= len => put_runs(out, &scratch.runs),
         _ => {
             out.push(RAW);
             out.extend_from_slice(new);
@@ -155,26 +167,24 @@ fn skip_zeros(x: &[u8], mut i: usize) -> usize {
 }
 
 /// Writes `x` split into `width` byte planes (each as runs or raw), then its tail.
-fn planes(x: &[u8], width: u8, out: &mut Vec<u8>) {
+fn planes(x: &[u8], width: u8, scratch: &mut Scratch, out: &mut Vec<u8>) {
     let w = usize::from(width);
     let n = x.len() / w;
     out.push(width);
-    let mut plane = vec![0u8; n];
-    let mut scratch = Vec::with_capacity(n);
+    let Scratch {
+        plane, plane_runs, ..
+    } = scratch;
+    plane.resize(n, 0);
     for p in 0..w {
         for (i, b) in plane.iter_mut().enumerate() {
             *b = x[i * w + p];
         }
-        scratch.clear();
-        match runs(&plane, n.saturating_sub(4), &mut scratch) {
-            Some(_) => {
-                out.push(RUNS);
-                put_varint(out, scratch.len() as u64);
-                out.extend_from_slice(&scratch);
-            }
+        plane_runs.clear();
+        match runs(plane, n.saturating_sub(4), plane_runs) {
+            Some(_) => put_runs(out, plane_runs),
             None => {
                 out.push(RAW);
-                out.extend_from_slice(&plane);
+                out.extend_from_slice(plane);
             }
         }
     }

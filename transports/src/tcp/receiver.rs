@@ -630,7 +630,6 @@ impl TcpReceiver {
             };
             let held = base.as_ref().map(|b| b.version());
             let (plan, starts) = self.verify_transfer(model, &manifest, &t, held)?;
-            self.count(&t, held);
             let planned: u64 = t
                 .buckets
                 .iter()
@@ -667,6 +666,7 @@ impl TcpReceiver {
             }
             match result {
                 Ok(ws) => {
+                    self.count(&t, held);
                     let sums = Sums::of_arena(&plan, t.plan_id, &manifest, ws.bytes(), t.checksums);
                     self.shared.offer(&ws, sums, self.cfg.keep_versions);
                     self.shared.set_inflight(model, None);
@@ -787,7 +787,7 @@ impl TcpReceiver {
         Ok((plan, starts))
     }
 
-    /// Counts a transfer about to be pulled by its kind.
+    /// Counts a transfer that landed, by its kind.
     fn count(&self, t: &Plan, held: Option<Version>) {
         let k = &self.shared.kinds;
         let kind = match (t.full, t.encoded_base) {
