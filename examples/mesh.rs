@@ -23,9 +23,9 @@ use std::time::{Duration, Instant};
 use clap::Parser;
 use refit::node::{ClusterToken, LaunchEnv, Node, NodeConfig, Store, StoreClient};
 use refit::prelude::{DType, Error, Manifest, ModelId, Result, Version};
-use refit::runtime::mesh::extract;
+use refit::runtime::mesh::{extract, slices};
 use refit::runtime::wire;
-use refit::transports::mesh::{MeshEndpoint, MeshReceiver, MeshSender, Part, Parts};
+use refit::transports::mesh::{MeshEndpoint, MeshReceiver, MeshSender, Parts};
 
 const WAIT: Duration = Duration::from_secs(120);
 
@@ -74,36 +74,6 @@ fn model(size: usize, senders: usize, receivers: usize) -> Result<Manifest> {
     }
     b.build()
 }
-
-/// What shard `rank` of `world` holds: its rows of every tensor.
-fn held(m: &Manifest, rank: usize, world: usize) -> Parts {
-    let rows = |name: &str| {
-        (
-            name.to_owned(),
-            Part::Slice {
-                dim: 0,
-                rank,
-                world,
-            },
-        )
-    };
-    m.tensors().iter().map(|t| rows(&t.name)).collect()
-}
-
-/// What engine `rank` of `world` serves: its columns of every tensor.
-fn wanted(m: &Manifest, rank: usize, world: usize) -> Parts {
-    let cols = |name: &str| {
-        (
-            name.to_owned(),
-            Part::Slice {
-                dim: 1,
-                rank,
-                world,
-            },
-        )
-    };
-    m.tensors().iter().map(|t| cols(&t.name)).collect()
-}
 // ANCHOR_END: parts
 
 /// Tensor `name` at `version`, whole (what a trainer step would produce).
@@ -116,7 +86,8 @@ fn whole(m: &Manifest, name: &str, version: u64) -> Vec<u8> {
 
 fn sender(args: &Args, rank: usize, node: &Node, store: &StoreClient, m: &Manifest) -> Result<()> {
     // ANCHOR: sender
-    let parts = held(m, rank, args.senders);
+    // this shard's rows of every tensor
+    let parts = slices(m, 0, rank, args.senders);
     let sender = MeshSender::on_node(node, ModelId::new("policy")?, m, parts.clone())?;
     store.set(
         &format!("mesh/sender/{rank}"),
@@ -184,7 +155,7 @@ fn receiver(
             .map_err(|_| Error::Wire("a sender's card is not text".into()))?;
         book.push(wire::from_token(text)?);
     }
-    let mut receiver = MeshReceiver::new(m, book, wanted(m, r, args.receivers), token.clone())?;
+    let mut receiver = MeshReceiver::new(m, book, slices(m, 1, r, args.receivers), token.clone())?;
     for v in 1..=args.versions {
         let got = receiver.pull(Version(v), WAIT)?;
         // ANCHOR_END: receiver
@@ -198,6 +169,8 @@ fn receiver(
                 m.payload_len()
             );
         }
+        // an engine done with a version hands its buffers back for the next pull
+        receiver.recycle(got);
     }
     Ok(())
 }

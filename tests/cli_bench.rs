@@ -222,6 +222,45 @@ fn pull_rows_time_both_paths_against_the_tuned_tcp_baseline() {
     assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0);
 }
 
+/// The mesh rows: per shape, M shards publishing to N engines that each pull their 1/N,
+/// timed against the raw stream of the same bytes measured beside them; a shape that is
+/// not `MxN` is refused.
+#[test]
+fn mesh_rows_time_each_shape_against_the_raw_stream_beside_them() {
+    let out = refit()
+        .args(["bench", "--max-size", "4MiB", "--receivers", "1"])
+        .args(["--iters", "2", "--warmup", "1", "--connect-runs", "1"])
+        .args(["--strategies-size", "0", "--pull-size", "0"])
+        .args(["--transports", "inproc", "--mesh", "1x1,2x2", "--json"])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    let rows: Vec<serde_json::Value> = serde_json::from_slice(&out.stdout).unwrap();
+    let stream = rows
+        .iter()
+        .find(|r| r["metric"] == "stream (beside the mesh)")
+        .unwrap_or_else(|| panic!("no raw stream beside the mesh: {rows:?}"));
+    let base = stream["seconds"]["median"].as_f64().unwrap();
+    assert!(base > 0.0, "{stream}");
+    let mesh: Vec<_> = rows.iter().filter(|r| r["transport"] == "mesh").collect();
+    assert_eq!(mesh.len(), 2, "{rows:?}");
+    for (r, (n, each)) in mesh.iter().zip([(1, "4 MiB"), (2, "2 MiB")]) {
+        assert_eq!(r["metric"], format!("{n}->{n}, {each} each"), "{r}");
+        assert_eq!(r["receivers"], n, "{r}");
+        assert_eq!(r["bytes"], stream["bytes"], "{r}");
+        assert_eq!(r["baseline"], "tcp-loopback", "{r}");
+        assert_eq!(r["seconds"]["samples"], 2, "{r}");
+        let ratio = r["ratio"].as_f64().unwrap();
+        let median = r["seconds"]["median"].as_f64().unwrap();
+        assert!((ratio - median / base).abs() < 1e-9, "{r}");
+    }
+    let out = refit().args(["bench", "--mesh", "2x0"]).output().unwrap();
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("bad mesh shape \"2x0\""), "{stderr}");
+}
+
 #[test]
 fn an_unknown_transport_is_refused_naming_the_known_ones() {
     let out = refit()

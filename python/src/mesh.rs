@@ -186,11 +186,14 @@ impl MeshReceiver {
         let pulled = py
             .detach(|| receiver.pull(Version(version), timeout))
             .map_err(to_py)?;
-        Ok(pulled
+        let out = pulled
             .parts
             .iter()
             .map(|p| pyo3::types::PyBytes::new(py, p))
-            .collect())
+            .collect();
+        // the bytes are Python's now: the next pull lands in these buffers, not new memory
+        receiver.recycle(pulled);
+        Ok(out)
     }
 
     /// Bytes each pull reads: the wanted parts, plus 8 bytes of checksum per sender.

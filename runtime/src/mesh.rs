@@ -157,6 +157,18 @@ impl MeshPlan {
     }
 }
 
+/// Every tensor of `manifest`, slice `rank` of `world` along dimension `dim`: what a
+/// tensor-parallel rank holds (a trainer shard, `dim` 0: its rows) or serves (an engine,
+/// `dim` 1: its columns) of a model whose tensors are all cut the same way. Checked where
+/// it is used ([`MeshPlan::compute`], a mesh end's construction).
+pub fn slices(manifest: &Manifest, dim: usize, rank: usize, world: usize) -> Parts {
+    manifest
+        .tensors()
+        .iter()
+        .map(|t| (t.name.clone(), Part::Slice { dim, rank, world }))
+        .collect()
+}
+
 /// Bytes of `part` of tensor `name` of `manifest` (what an end holding it keeps).
 ///
 /// # Errors
@@ -637,5 +649,23 @@ mod tests {
         );
         assert_eq!(plan.receivers[1].len(), 4);
         assert!(plan.receivers[1].iter().all(|p| p.len == 12));
+    }
+
+    #[test]
+    fn row_shards_to_column_engines_by_slices_move_each_byte_once() {
+        let m =
+            crate::testing::manifest(&[("a", DType::F32, &[4, 6]), ("b", DType::BF16, &[2, 8])])
+                .as_ref()
+                .clone();
+        let senders: Vec<Parts> = (0..2).map(|r| slices(&m, 0, r, 2)).collect();
+        let receivers: Vec<Parts> = (0..2).map(|r| slices(&m, 1, r, 2)).collect();
+        assert_eq!(senders[1], vec![slice("a", 0, 1, 2), slice("b", 0, 1, 2)]);
+        let plan = check_delivers(&m, &senders, &receivers);
+        // each engine gets its half, each shard sends its half: the model once in all
+        assert_eq!(plan.bytes_to(0), m.payload_len() / 2);
+        assert_eq!(plan.bytes_to(1), m.payload_len() / 2);
+        assert_eq!(plan.bytes_from(0) + plan.bytes_from(1), m.payload_len());
+        // a slice that does not divide is refused where it is planned
+        assert!(MeshPlan::compute(&m, &[slices(&m, 1, 0, 4)], &receivers).is_err());
     }
 }

@@ -19,6 +19,7 @@ use serde::Serialize;
 
 use super::stats::{Summary, fmt_bytes, fmt_secs, parse_bytes};
 
+mod mesh;
 mod tcp;
 
 type BoxResult<T> = Result<T, Box<dyn StdError>>;
@@ -76,6 +77,14 @@ pub(crate) struct BenchArgs {
     /// Where the `refit pull` rows write their file.
     #[arg(long, default_value = "/dev/shm")]
     pull_dir: std::path::PathBuf,
+    /// Mesh shapes timed, `MxN` each: M trainer shards (each its rows of every tensor)
+    /// publishing to N engines (each pulling its columns from every shard at once), all in
+    /// this process over loopback, against the raw stream of the same bytes in the same run.
+    #[arg(long, value_delimiter = ',', default_value = "1x1,2x2,4x4")]
+    mesh: Vec<mesh::Shape>,
+    /// Size of the mesh rows' model (at most --max-size); 0 skips them.
+    #[arg(long, default_value = "512MiB", value_parser = parse_bytes)]
+    mesh_size: usize,
     /// Print JSON instead of a table.
     #[arg(long)]
     pub(crate) json: bool,
@@ -284,6 +293,10 @@ pub(crate) fn run(args: &BenchArgs) -> BoxResult<()> {
             args.pull_dir.display()
         );
         rows.extend(tcp::bench_pull(args)?);
+    }
+    let mesh_size = args.mesh_size.min(args.max_size);
+    if mesh_size > 0 && !args.mesh.is_empty() {
+        rows.extend(mesh::rows(&args.mesh, mesh_size, args.warmup, args.iters)?);
     }
     if args.strategies_size > 0 {
         eprintln!(

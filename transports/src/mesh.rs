@@ -224,6 +224,9 @@ async fn serve(mut stream: tokio::net::TcpStream, s: &Shared, req: Pull) -> Resu
     write_head(&mut stream, &StreamHead::Ok { len: total + 8 }).await?;
     let io = |e| Error::io("serving a mesh pull", e);
     let mut hasher = xxhash_rust::xxh3::Xxh3::new();
+    // small pieces (a column slice of a row-major tensor is one piece per row) are
+    // gathered into writes of up to CHUNK bytes; a chunk of CHUNK goes straight out
+    let mut stream = tokio::io::BufWriter::with_capacity(CHUNK, stream);
     for b in slices {
         for chunk in b.chunks(CHUNK) {
             hasher.update(chunk);
@@ -287,6 +290,10 @@ pub struct MeshReceiver {
     streams: Vec<Stream>,
     lens: Vec<usize>,
     pulled: u64,
+    /// Buffers of a version handed back ([`MeshReceiver::recycle`]) or of a failed pull,
+    /// which the next pull reads into: memory already touched, so a steady pull pays no
+    /// page faults (a fresh buffer of the model's size costs more than the transfer).
+    spare: Option<Vec<Vec<u8>>>,
 }
 
 impl MeshReceiver {
@@ -337,6 +344,7 @@ impl MeshReceiver {
             streams,
             lens,
             pulled: 0,
+            spare: None,
         })
     }
 
@@ -353,17 +361,54 @@ impl MeshReceiver {
         self.pulled
     }
 
+    /// Hands back the buffers of a version no longer needed: the next pull reads into them
+    /// instead of into new memory. Buffers of another receiver's layout are dropped.
+    pub fn recycle(&mut self, pulled: Pulled) {
+        let fits = pulled.parts.len() == self.lens.len()
+            && pulled
+                .parts
+                .iter()
+                .zip(&self.lens)
+                .all(|(p, &n)| p.len() == n);
+        if fits {
+            self.spare = Some(pulled.parts);
+        }
+    }
+
     /// Pulls `version` of the wanted parts from every sender holding a piece of them, in
-    /// parallel, waiting for each sender to publish it until `timeout` passes.
+    /// parallel, waiting for each sender to publish it until `timeout` passes. The parts
+    /// land in the buffers last handed to [`MeshReceiver::recycle`], else in new ones;
+    /// every byte of them is overwritten (the plan covers each wanted byte once).
     ///
     /// # Errors
     /// [`Error::Transport`] naming the sender: it cannot be reached, it refused (the
     /// version not published in time, or no longer kept), its stream broke, or the bytes
     /// it sent do not hash to the checksum it sent. Nothing of the version is returned then.
+    ///
+    /// # Cancel safety
+    /// Not async; a pull that fails keeps its buffers for the next one.
     pub fn pull(&mut self, version: Version, timeout: Duration) -> Result<Pulled> {
         let deadline = Instant::now() + timeout;
-        let mut parts: Vec<Vec<u8>> = self.lens.iter().map(|&n| vec![0u8; n]).collect();
-        let dests = destinations(&mut parts, &self.streams)?;
+        let mut parts = self
+            .spare
+            .take()
+            .unwrap_or_else(|| self.lens.iter().map(|&n| vec![0u8; n]).collect());
+        let landed = self.pull_into(&mut parts, version, deadline);
+        match landed {
+            Ok(total) => {
+                self.pulled += total;
+                Ok(Pulled { version, parts })
+            }
+            Err(e) => {
+                self.spare = Some(parts);
+                Err(e)
+            }
+        }
+    }
+
+    /// Pulls every stream of `version` into `parts` in parallel: the bytes read.
+    fn pull_into(&self, parts: &mut [Vec<u8>], version: Version, deadline: Instant) -> Result<u64> {
+        let dests = destinations(parts, &self.streams)?;
         let results: Vec<Result<u64>> = std::thread::scope(|scope| {
             let handles: Vec<_> = self
                 .streams
@@ -384,12 +429,7 @@ impl MeshReceiver {
                 })
                 .collect()
         });
-        let mut total = 0;
-        for r in results {
-            total += r?;
-        }
-        self.pulled += total;
-        Ok(Pulled { version, parts })
+        results.into_iter().sum()
     }
 }
 
@@ -432,6 +472,28 @@ fn destinations<'a>(
         .collect()
 }
 
+/// Most buffers one vectored read is given (Linux's `IOV_MAX`).
+const MAX_IOV: usize = 1024;
+
+/// Fills every buffer of `group`, in order, from `stream` with vectored reads.
+fn read_vectored_exact(stream: &mut impl Read, group: &mut [&mut [u8]]) -> std::io::Result<()> {
+    let mut iov: Vec<std::io::IoSliceMut<'_>> = group
+        .iter_mut()
+        .map(|c| std::io::IoSliceMut::new(c))
+        .collect();
+    let mut left: &mut [std::io::IoSliceMut<'_>] = &mut iov;
+    std::io::IoSliceMut::advance_slices(&mut left, 0);
+    while !left.is_empty() {
+        match stream.read_vectored(left) {
+            Ok(0) => return Err(std::io::ErrorKind::UnexpectedEof.into()),
+            Ok(n) => std::io::IoSliceMut::advance_slices(&mut left, n),
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
 /// One stream: `pieces` of `version` from the sender at `addr`, checked against the
 /// checksum it ends with.
 fn pull_one(
@@ -469,12 +531,21 @@ fn pull_one(
         )));
     }
     let mut hasher = xxhash_rust::xxh3::Xxh3::new();
-    for piece in dst {
-        for chunk in piece.chunks_mut(CHUNK) {
-            s.stream
-                .read_exact(chunk)
-                .map_err(|e| named(format!("stream broke mid-transfer: {e}")))?;
-            hasher.update(chunk);
+    let mut chunks = dst.into_iter().flat_map(|p| p.chunks_mut(CHUNK)).peekable();
+    let mut group: Vec<&mut [u8]> = Vec::new();
+    while chunks.peek().is_some() {
+        // up to CHUNK bytes of pieces, read in one vectored read where the socket has them
+        // (a column slice of a row-major tensor is one small piece per row): the bytes land
+        // straight in their parts, and are hashed while in cache
+        let mut bytes = 0;
+        while let Some(c) = chunks.next_if(|_| bytes < CHUNK && group.len() < MAX_IOV) {
+            bytes += c.len();
+            group.push(c);
+        }
+        read_vectored_exact(&mut s.stream, &mut group)
+            .map_err(|e| named(format!("stream broke mid-transfer: {e}")))?;
+        for c in group.drain(..) {
+            hasher.update(c);
         }
     }
     let mut sum = [0u8; 8];

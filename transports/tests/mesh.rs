@@ -96,6 +96,7 @@ fn row_shards_publish_and_column_engines_pull_their_halves() {
     for r in &receivers {
         assert_eq!(r.bytes_per_pull(), half as u64 + 2 * 8);
     }
+    let mut last: Vec<*const u8> = Vec::new();
     for v in 1..=3 {
         // the engines start pulling before the shards publish: each waits for its senders
         let pulled: Vec<_> = std::thread::scope(|scope| {
@@ -113,6 +114,16 @@ fn row_shards_publish_and_column_engines_pull_their_halves() {
                 let expected = extract(&m, name, part, &whole(&m, name, v)).unwrap();
                 assert!(bytes == &expected, "version {v}, tensor {name}, {part:?}");
             }
+        }
+        // versions 2 and 3 land in the buffers of the version before, handed back: every
+        // byte overwritten (the checks above), no new memory
+        let now: Vec<*const u8> = pulled.iter().map(|p| p.parts[0].as_ptr()).collect();
+        if v > 1 {
+            assert_eq!(now, last, "version {v} did not reuse the recycled buffers");
+        }
+        last = now;
+        for (r, got) in receivers.iter_mut().zip(pulled) {
+            r.recycle(got);
         }
     }
     assert_eq!(receivers[0].bytes_pulled(), 3 * (half as u64 + 16));
