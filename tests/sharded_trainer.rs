@@ -84,6 +84,44 @@ rollout_workers = 2
     path
 }
 
+/// `refit launch --dry-run` says where a sharded trainer's weights go: to shard 0, then
+/// through its link, or from every shard to the engine over the mesh.
+#[test]
+fn a_dry_run_says_how_each_shard_publishes() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = topology(dir.path(), "");
+    let dry = |set: &[&str]| {
+        let out = Command::new(env!("CARGO_BIN_EXE_refit"))
+            .arg("launch")
+            .arg(&path)
+            .args(set)
+            .arg("--dry-run")
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{out:?}");
+        String::from_utf8(out.stdout).unwrap()
+    };
+    let gather = dry(&[]);
+    assert!(
+        gather.contains(
+            "model policy: the shard on rank 2 sends its part to rank 1, which publishes"
+        ),
+        "{gather}"
+    );
+    assert!(
+        gather.contains("model policy: weights from rank 1 to rank 3 over"),
+        "{gather}"
+    );
+    assert!(!gather.contains("from rank 2 to rank 3"), "{gather}");
+    let mesh = dry(&["--set", "links.sharded=mesh"]);
+    assert!(
+        mesh.contains(
+            "model policy: weights from ranks 1, 2 (each its part) to rank 3 over the mesh (tcp)"
+        ),
+        "{mesh}"
+    );
+}
+
 #[test]
 fn a_two_process_sharded_trainer_publishes_versions_assembled_from_both() {
     let dir = tempfile::tempdir().unwrap();
@@ -144,6 +182,54 @@ fn a_two_process_sharded_trainer_publishes_versions_assembled_from_both() {
     }
 }
 
+/// `links.sharded = "mesh"`: each shard publishes its own part of every version from its
+/// own process, and the engine pulls each version from both shards at once; nothing is
+/// gathered at shard 0 (no part is sent to it, none is written there), and the run learns
+/// as the gathering one does.
+#[test]
+fn a_mesh_sharded_trainer_publishes_from_every_shard_with_no_gather() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = topology(dir.path(), "wait_s = 60.0\n\n[links]\nsharded = \"mesh\"");
+    let (status, out) = Launch::start(&path, "batch-async").finish(Duration::from_secs(600));
+    assert!(status.success(), "{status}\n{out}");
+    assert!(out.contains("solved: policy (batch-async mode)"), "{out}");
+    let said = |rank: &str, what: &str| {
+        out.lines()
+            .any(|l| l.starts_with(&format!("[rank {rank}")) && l.contains(what))
+    };
+    assert!(
+        said(
+            "1 learner",
+            "each publishing its own part of every version over the mesh"
+        ),
+        "{out}"
+    );
+    assert!(
+        said(
+            "2 learner",
+            "shard 1 of 2 of model `policy`'s trainer (publishes its part over the mesh)"
+        ),
+        "{out}"
+    );
+    assert!(
+        said(
+            "3 actor",
+            "model `policy` weights over the mesh, from all 2 trainer shards"
+        ),
+        "{out}"
+    );
+    // every version rank 1 published, rank 2 published its own part of; nothing was sent
+    // to rank 1 or written there
+    let versions = published(&out);
+    assert!(versions.len() >= 2, "{versions:?}\n{out}");
+    for v in &versions {
+        let line = format!("model `policy` v{v}: shard 1 of 2 (rank 2) trained and published its ");
+        assert!(said("2 learner", &line), "no `{line}`\n{out}");
+    }
+    assert!(!out.contains("trained and sent its"), "{out}");
+    assert!(!out.contains(") wrote bytes "), "{out}");
+}
+
 fn signal(sig: &str, pid: u32) {
     let ok = Command::new("kill")
         .args([sig, &pid.to_string()])
@@ -159,10 +245,22 @@ fn signal(sig: &str, pid: u32) {
 /// with that error.
 #[test]
 fn a_frozen_shard_fails_the_update_naming_it_and_the_version_is_not_published() {
+    frozen_shard("");
+}
+
+/// The same under a mesh: the frozen shard fails the update at shard 0, which publishes
+/// nothing of it, so no engine is asked to pull a version one shard never published.
+#[test]
+fn a_frozen_mesh_shard_fails_the_update_naming_it_and_the_version_is_not_published() {
+    frozen_shard("\n[links]\nsharded = \"mesh\"");
+}
+
+/// Freezes shard 1 (rank 2) mid-run, with `links` added to the file's `[run]`.
+fn frozen_shard(links: &str) {
     let dir = tempfile::tempdir().unwrap();
     let path = topology(
         dir.path(),
-        "wait_s = 10.0\nkeepalive_s = 1.0\ndead_after_s = 40.0",
+        &format!("wait_s = 10.0\nkeepalive_s = 1.0\ndead_after_s = 40.0{links}"),
     );
     let launch = Launch::start(&path, "batch-async");
     launch.wait_for(&[" frames, mean return "], Duration::from_secs(180));

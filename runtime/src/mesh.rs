@@ -169,6 +169,47 @@ pub fn slices(manifest: &Manifest, dim: usize, rank: usize, world: usize) -> Par
         .collect()
 }
 
+/// Every tensor of `manifest`, whole: what an engine serving the whole model wants.
+pub fn wholes(manifest: &Manifest) -> Parts {
+    manifest
+        .tensors()
+        .iter()
+        .map(|t| (t.name.clone(), Part::Whole))
+        .collect()
+}
+
+/// The model's elements, in manifest order, cut into `world` contiguous runs of about
+/// equal bytes, one per shard (FSDP's flat sharding): shard `s` holds the tensors its run
+/// covers, each whole or as a [`Part::Flat`] range. Together the shards hold every element
+/// once; a shard whose run is empty (more shards than elements) holds nothing.
+pub fn flat_shards(manifest: &Manifest, world: usize) -> Vec<Parts> {
+    let world = world.max(1);
+    let total = manifest.payload_len();
+    let mut shards: Vec<Parts> = vec![Vec::new(); world];
+    // byte position of each tensor's first element in the manifest-order concatenation
+    let mut at = 0usize;
+    for t in manifest.tensors() {
+        let el = t.dtype.size().max(1);
+        let n = t.numel();
+        for (s, parts) in shards.iter_mut().enumerate() {
+            // the shard's byte run, cut at element boundaries of this tensor
+            let (lo, hi) = (total * s / world, total * (s + 1) / world);
+            let start = lo.saturating_sub(at).div_ceil(el).min(n);
+            let end = hi.saturating_sub(at).div_ceil(el).min(n);
+            if start < end {
+                let part = if start == 0 && end == n {
+                    Part::Whole
+                } else {
+                    Part::Flat { start, end }
+                };
+                parts.push((t.name.clone(), part));
+            }
+        }
+        at += t.len;
+    }
+    shards
+}
+
 /// Bytes of `part` of tensor `name` of `manifest` (what an end holding it keeps).
 ///
 /// # Errors
@@ -667,5 +708,27 @@ mod tests {
         assert_eq!(plan.bytes_from(0) + plan.bytes_from(1), m.payload_len());
         // a slice that does not divide is refused where it is planned
         assert!(MeshPlan::compute(&m, &[slices(&m, 1, 0, 4)], &receivers).is_err());
+    }
+
+    #[test]
+    fn flat_shards_cover_every_element_once_in_about_equal_bytes() {
+        let m = manifest();
+        for world in 1..=7 {
+            let shards = flat_shards(&m, world);
+            assert_eq!(shards.len(), world);
+            // an engine wanting the whole model is planned from them: no gap, no overlap
+            let plan = check_delivers(&m, &shards, &[wholes(&m)]);
+            assert_eq!(plan.bytes_to(0), m.payload_len(), "world {world}");
+            let most = (0..world).map(|s| plan.bytes_from(s)).max().unwrap();
+            // each within one element of the largest dtype of an equal share
+            assert!(most <= m.payload_len().div_ceil(world) + 4, "world {world}");
+        }
+        // more shards than elements: the last ones hold nothing
+        let tiny = crate::testing::manifest(&[("x", DType::F32, &[2])])
+            .as_ref()
+            .clone();
+        let shards = flat_shards(&tiny, 4);
+        assert_eq!(shards.iter().filter(|p| p.is_empty()).count(), 2);
+        check_delivers(&tiny, &shards, &[wholes(&tiny)]);
     }
 }

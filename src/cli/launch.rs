@@ -19,7 +19,9 @@ use refit::node::launch::{
     resolve_rank, scheduler_hosts, scheduler_incarnation,
 };
 use refit::node::{ClusterToken, LaunchEnv, TOKEN_ENV, TOKEN_FILE_ENV};
-use refit::runtime::topology::{DEFAULT_MAX_RESTARTS, OnFailure, Override, Restart, Topology};
+use refit::runtime::topology::{
+    DEFAULT_MAX_RESTARTS, OnFailure, Override, Restart, Sharded, Topology,
+};
 use refit::runtime::{Error, Result};
 
 /// What `refit launch --help` says after the flags.
@@ -242,9 +244,33 @@ fn print_ranks(topo: &Topology, ranks: &[RankSpawn], cwd: &Path) -> Result<()> {
         }
     }
     for model in topo.model_ids() {
-        for from in topo.trainer_ranks(&model) {
+        let shards = topo.trainer_ranks(&model);
+        if let [lead, rest @ ..] = shards.as_slice()
+            && !rest.is_empty()
+        {
+            let ranks = |rs: &[u32]| rs.iter().map(u32::to_string).collect::<Vec<_>>().join(", ");
+            if topo.links.sharded == Sharded::Mesh {
+                for to in topo.engine_ranks_of(&model) {
+                    println!(
+                        "model {model}: weights from ranks {} (each its part) to rank {to} over \
+                         the mesh (tcp)",
+                        ranks(&shards)
+                    );
+                }
+                continue;
+            }
+            let (who, send) = match rest {
+                [one] => (format!("the shard on rank {one}"), "sends its part"),
+                _ => (
+                    format!("the shards on ranks {}", ranks(rest)),
+                    "send their parts",
+                ),
+            };
+            println!("model {model}: {who} {send} to rank {lead}, which publishes");
+        }
+        for from in shards.iter().take(1) {
             for to in topo.engine_ranks_of(&model) {
-                let kind = topo.weights_transport(&model, from, to);
+                let kind = topo.weights_transport(&model, *from, to);
                 let link = refit::transports::link::for_kind(&kind)
                     .map_or_else(|e| format!("{kind} ({e})"), |l| l.name().to_string());
                 println!("model {model}: weights from rank {from} to rank {to} over {link}");

@@ -29,7 +29,7 @@ use std::time::{Duration, Instant};
 
 use refit_node::{ClusterToken, Node, StreamHead, open_stream, write_head};
 pub use refit_runtime::mesh::{MeshPlan, Part, Parts, Piece};
-use refit_runtime::{Error, Manifest, Mismatch, ModelId, Result, Version, wire};
+use refit_runtime::{Error, Manifest, Mismatch, ModelId, Result, Version, WeightSet, wire};
 use serde::{Deserialize, Serialize};
 use tokio::io::AsyncWriteExt;
 use uuid::Uuid;
@@ -289,6 +289,8 @@ pub struct MeshReceiver {
     /// One stream per sender holding a piece this receiver wants.
     streams: Vec<Stream>,
     lens: Vec<usize>,
+    /// What this receiver wants, as given.
+    wants: Parts,
     pulled: u64,
     /// Buffers of a version handed back ([`MeshReceiver::recycle`]) or of a failed pull,
     /// which the next pull reads into: memory already touched, so a steady pull pays no
@@ -343,6 +345,7 @@ impl MeshReceiver {
             senders: senders.into_iter().map(|(e, _)| e).collect(),
             streams,
             lens,
+            wants,
             pulled: 0,
             spare: None,
         })
@@ -393,7 +396,8 @@ impl MeshReceiver {
             .spare
             .take()
             .unwrap_or_else(|| self.lens.iter().map(|&n| vec![0u8; n]).collect());
-        let landed = self.pull_into(&mut parts, version, deadline);
+        let mut views: Vec<&mut [u8]> = parts.iter_mut().map(Vec::as_mut_slice).collect();
+        let landed = self.pull_into(&mut views, version, deadline);
         match landed {
             Ok(total) => {
                 self.pulled += total;
@@ -406,8 +410,57 @@ impl MeshReceiver {
         }
     }
 
+    /// Pulls `version` of the whole model into `weights`, each tensor straight into its
+    /// place in the arena: the receiver must want every tensor of `weights`' manifest
+    /// whole ([`wholes`](refit_runtime::mesh::wholes)). On success `weights` carries
+    /// `version`; on failure its bytes are a mix of versions and must not be served.
+    ///
+    /// # Errors
+    /// As [`MeshReceiver::pull`]; [`Error::Mesh`] when the receiver's wants are not the
+    /// whole of `weights`' tensors; a shared arena ([`WeightSet::bytes_mut`]).
+    ///
+    /// # Cancel safety
+    /// Not async.
+    pub fn pull_weights(
+        &mut self,
+        weights: &mut WeightSet,
+        version: Version,
+        timeout: Duration,
+    ) -> Result<()> {
+        let deadline = Instant::now() + timeout;
+        let manifest = Arc::clone(weights.manifest());
+        let not_whole = |tensor: String, reason: &str| Error::Mesh {
+            tensor,
+            reason: format!("pulled into a weight set, {reason}"),
+        };
+        // each wanted part's byte range in the arena, in the order of the wants
+        let mut ranges = Vec::with_capacity(self.wants.len());
+        for (name, part) in &self.wants {
+            let spec = manifest.get(name).filter(|_| *part == Part::Whole);
+            let spec = spec.ok_or_else(|| not_whole(name.clone(), "it must be wanted whole"))?;
+            ranges.push(spec.range());
+        }
+        if let Some(t) = manifest
+            .tensors()
+            .iter()
+            .find(|t| !self.wants.iter().any(|(n, _)| *n == t.name))
+        {
+            return Err(not_whole(t.name.clone(), "every tensor must be wanted"));
+        }
+        let mut views = split_ranges(weights.bytes_mut()?, &ranges)?;
+        let total = self.pull_into(&mut views, version, deadline)?;
+        self.pulled += total;
+        weights.set_version(version);
+        Ok(())
+    }
+
     /// Pulls every stream of `version` into `parts` in parallel: the bytes read.
-    fn pull_into(&self, parts: &mut [Vec<u8>], version: Version, deadline: Instant) -> Result<u64> {
+    fn pull_into(
+        &self,
+        parts: &mut [&mut [u8]],
+        version: Version,
+        deadline: Instant,
+    ) -> Result<u64> {
         let dests = destinations(parts, &self.streams)?;
         let results: Vec<Result<u64>> = std::thread::scope(|scope| {
             let handles: Vec<_> = self
@@ -433,11 +486,32 @@ impl MeshReceiver {
     }
 }
 
+/// Disjoint slices of `arena`, one per range, in the order of `ranges`.
+fn split_ranges<'a>(
+    arena: &'a mut [u8],
+    ranges: &[std::ops::Range<usize>],
+) -> Result<Vec<&'a mut [u8]>> {
+    let overlap = || Error::State("tensors of a manifest overlap in its arena");
+    let mut order: Vec<usize> = (0..ranges.len()).collect();
+    order.sort_unstable_by_key(|&i| ranges[i].start);
+    let mut slots: Vec<Option<&'a mut [u8]>> = (0..ranges.len()).map(|_| None).collect();
+    let (mut at, mut rest) = (0usize, arena);
+    for i in order {
+        let r = &ranges[i];
+        let skip = r.start.checked_sub(at).ok_or_else(overlap)?;
+        let (_, tail) = rest.split_at_mut_checked(skip).ok_or_else(overlap)?;
+        let (piece, tail) = tail.split_at_mut_checked(r.len()).ok_or_else(overlap)?;
+        slots[i] = Some(piece);
+        (at, rest) = (r.end, tail);
+    }
+    slots.into_iter().map(|s| s.ok_or_else(overlap)).collect()
+}
+
 /// Where each stream's pieces land: per stream, in its pieces' order, the slice of the
 /// receiver's parts each fills (the plan gives every wanted byte one piece, so the slices
 /// are disjoint and the streams fill them straight from their sockets, in parallel).
 fn destinations<'a>(
-    parts: &'a mut [Vec<u8>],
+    parts: &'a mut [&mut [u8]],
     streams: &[Stream],
 ) -> Result<Vec<Vec<&'a mut [u8]>>> {
     let outside = || Error::State("a mesh piece outside its part, or overlapping another");
@@ -454,8 +528,7 @@ fn destinations<'a>(
         .iter()
         .map(|st| st.pieces.iter().map(|_| None).collect())
         .collect();
-    let mut rests: Vec<(usize, &mut [u8])> =
-        parts.iter_mut().map(|p| (0, p.as_mut_slice())).collect();
+    let mut rests: Vec<(usize, &mut [u8])> = parts.iter_mut().map(|p| (0, &mut **p)).collect();
     for (part, dst, len, si, pi) in order {
         let (at, rest) = rests.get_mut(part).ok_or_else(outside)?;
         let skip = dst.checked_sub(*at).ok_or_else(outside)?;

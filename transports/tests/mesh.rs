@@ -231,3 +231,50 @@ fn policy() -> refit_runtime::ModelId {
 fn token_of(node: &Node) -> ClusterToken {
     node.token().clone()
 }
+
+/// An FSDP-sharded trainer (each shard a flat run of the model's elements) feeds an engine
+/// that serves the whole model: the engine pulls every shard's run at once, straight into
+/// its weight set's arena, bit for bit; a receiver wanting slices cannot pull into one.
+#[test]
+fn flat_shards_land_in_a_whole_weight_set() {
+    let m = Arc::new(manifest());
+    let token = ClusterToken::random();
+    let nodes: Vec<Node> = (0..3)
+        .map(|_| Node::start(NodeConfig::loopback(token.clone())).unwrap())
+        .collect();
+    let senders: Vec<MeshSender> = nodes
+        .iter()
+        .zip(refit_runtime::mesh::flat_shards(&m, 3))
+        .map(|(n, p)| MeshSender::on_node(n, policy(), &m, p).unwrap())
+        .collect();
+    let book: Vec<_> = senders
+        .iter()
+        .map(|s| (s.endpoint(), s.parts().clone()))
+        .collect();
+    let wholes = refit_runtime::mesh::wholes(&m);
+    let mut r = MeshReceiver::new(&m, book.clone(), wholes, token.clone()).unwrap();
+    let mut ws = refit_runtime::WeightSet::zeroed(policy(), Arc::clone(&m));
+    for v in 1..=2 {
+        publish(&m, &senders, v);
+        r.pull_weights(&mut ws, Version(v), T).unwrap();
+        assert_eq!(ws.version(), Version(v));
+        for t in m.tensors() {
+            let got = ws.tensor(&t.name).unwrap().bytes().to_vec();
+            assert!(
+                got == whole(&m, &t.name, v),
+                "version {v}, tensor {}",
+                t.name
+            );
+        }
+    }
+    let halves = vec![slice("w", 1, 0, 2)];
+    let mut r = MeshReceiver::new(&m, book, halves, token).unwrap();
+    let e = r
+        .pull_weights(&mut ws, Version(2), T)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("`w`") || e.contains("w:") || e.contains("wanted whole"),
+        "{e}"
+    );
+}

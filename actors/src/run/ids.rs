@@ -68,6 +68,12 @@ pub(crate) fn first_version_key(model: &ModelId) -> String {
     format!("refit/first-version/{model}")
 }
 
+/// The store key of shard `shard`'s mesh card for `model` (`links.sharded = "mesh"`):
+/// where its part is served and what it holds, for the engine ranks.
+pub(crate) fn mesh_card_key(model: &ModelId, shard: usize) -> String {
+    format!("refit/mesh/{model}/{shard}")
+}
+
 /// What a rank publishes once it serves its roles.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub(crate) struct RankCard {

@@ -36,6 +36,7 @@ mod gate;
 mod ids;
 mod keepalive;
 mod lead;
+mod mesh;
 mod peers;
 mod rank;
 mod rendezvous;

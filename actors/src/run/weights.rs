@@ -49,6 +49,8 @@ pub(crate) struct OpenedLinks {
     pub(crate) specs: Vec<ReceiverSpec>,
     /// Files the links made (shared-memory segments), removed at the end of the run.
     pub(crate) leftovers: Vec<PathBuf>,
+    /// An outlet that needs no connect (a sharded trainer's mesh part).
+    direct: Option<Box<dyn WeightOutlet>>,
 }
 
 impl std::fmt::Debug for OpenedLinks {
@@ -143,10 +145,24 @@ pub(crate) fn open_links(
         senders,
         specs,
         leftovers,
+        direct: None,
     })
 }
 
 impl OpenedLinks {
+    /// The links of a model its engines pull from elsewhere (the shards of a mesh): no
+    /// sender, no receiver spec; `outlet` is what the trainer publishes through.
+    pub(crate) fn direct(model: ModelId, source: Manifests, outlet: Box<dyn WeightOutlet>) -> Self {
+        Self {
+            model,
+            source,
+            senders: Vec::new(),
+            specs: Vec::new(),
+            leftovers: Vec::new(),
+            direct: Some(outlet),
+        }
+    }
+
     /// Connects every sender with `initial` (receivers attach whenever they come; a
     /// broadcast sender waits, until `wait`, for the receivers it was opened for); answers
     /// the outlet the model's trainer publishes through.
@@ -170,6 +186,7 @@ impl OpenedLinks {
                 })?;
             outlets.push(Box::new(sender));
         }
+        outlets.extend(self.direct);
         Ok(match outlets.len() {
             1 => outlets.remove(0),
             _ => Box::new(FanOut { outlets }),

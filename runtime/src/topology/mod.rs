@@ -49,7 +49,7 @@ pub use placement::RankPlan;
 pub use schema::{
     CheckpointSection, Commit, DEFAULT_MAX_RESTARTS, Deltas, HostSection, LinkTransport,
     LinksSection, ModelSection, OnFailure, ProcessSection, RESERVED_ENV, Reach, Restart, Role,
-    RunSection, StopSection, TransportKind, Verify,
+    RunSection, Sharded, StopSection, TransportKind, Verify,
 };
 
 use crate::error::{Error, Result};

@@ -478,6 +478,25 @@ pub struct LinksSection {
     /// buckets as element-level deltas.
     #[serde(default)]
     pub delta: Deltas,
+    /// How the versions of a sharded trainer (a trainer process with `replicas > 1`) reach
+    /// its engines.
+    #[serde(default)]
+    pub sharded: Sharded,
+}
+
+/// `links.sharded`: how a sharded trainer's versions reach its engines.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Sharded {
+    /// Every shard sends its part to shard 0, which assembles each version and publishes
+    /// it through the weight links (any transport, conversions to the engines' layout).
+    #[default]
+    Gather,
+    /// Every shard publishes its own part (a flat run of the model's elements) over TCP
+    /// and every engine pulls each version from all shards at once: no gather at shard
+    /// 0, each shard's uplink carries its part only. The engines serve the trainer's
+    /// layout (no conversion).
+    Mesh,
 }
 
 /// `links.delta`: what a version after the first carries to a receiver that holds an

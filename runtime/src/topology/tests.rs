@@ -225,8 +225,19 @@ roles = ["trainer", "controller", "engine", "rollout"]
         Deltas::Buckets,
         "bucket deltas unless asked otherwise"
     );
+    assert_eq!(
+        t.links.sharded,
+        Sharded::Gather,
+        "shard 0 gathers unless asked"
+    );
     let t = checked(&small("[links]\ndelta = \"elements\"\n")).unwrap();
     assert_eq!(t.links.delta, Deltas::Elements);
+    let t = checked(&small("[links]\nsharded = \"mesh\"\n")).unwrap();
+    assert_eq!(t.links.sharded, Sharded::Mesh);
+    let e = checked(&small("[links]\nsharded = \"scatter\"\n"))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("scatter") && e.contains("mesh"), "{e}");
     let e = checked(&small("[links]\ndelta = \"xor\"\n"))
         .unwrap_err()
         .to_string();

@@ -287,6 +287,35 @@ impl Assembly {
         self.open.is_some() && self.parts.iter().all(|p| *p == Part::Written)
     }
 
+    /// Records that shard `shard` published its part of `version` itself (over the mesh:
+    /// nothing of it is written here); a part of another version is refused.
+    pub(crate) fn published(&mut self, shard: usize, version: Version) {
+        let Some(open) = self.open else { return };
+        if let Some(p) = self.parts.get_mut(shard)
+            && !matches!(p, Part::Refused(_))
+        {
+            *p = if version == open {
+                Part::Written
+            } else {
+                Part::Refused(format!(
+                    "published version {version} (every shard publishes version {open})"
+                ))
+            };
+        }
+    }
+
+    /// Closes the open version once every shard published its part itself
+    /// ([`Assembly::published`]): it is served from the shards, not from here.
+    ///
+    /// # Errors
+    /// As [`Assembly::close`].
+    pub(crate) fn close_published(&mut self) -> Result<Version> {
+        let open = self.check_whole()?;
+        self.closed = open;
+        self.open = None;
+        Ok(open)
+    }
+
     /// Closes the open version once every shard wrote its whole part; answers it (served
     /// from now on, until the next one closes).
     ///
@@ -294,6 +323,21 @@ impl Assembly {
     /// [`Error::Shard`] naming the first shard refused, else the first one whose part is
     /// not whole (the version stays open, nothing is served in its place); no version open.
     pub(crate) fn close(&mut self) -> Result<Arc<WeightSet>> {
+        let open = self.check_whole()?;
+        for w in &self.writers {
+            w.finish();
+        }
+        let closed = self.buffer.close_version(open)?;
+        self.closed = open;
+        self.open = None;
+        Ok(closed)
+    }
+
+    /// The open version, once every shard's part of it is whole.
+    ///
+    /// # Errors
+    /// As [`Assembly::close`].
+    pub(crate) fn check_whole(&self) -> Result<Version> {
         let Some(open) = self.open else {
             return Err(Error::Config(format!(
                 "model `{}`: no version is being assembled",
@@ -325,13 +369,7 @@ impl Assembly {
             };
             return Err(self.blame(open, s, why));
         }
-        for w in &self.writers {
-            w.finish();
-        }
-        let closed = self.buffer.close_version(open)?;
-        self.closed = open;
-        self.open = None;
-        Ok(closed)
+        Ok(open)
     }
 
     /// The version served now (the last one closed), if any.

@@ -296,3 +296,32 @@ fn a_shard_with_an_empty_part_still_reports_its_version() {
     .unwrap();
     assert_eq!(a.close().unwrap().version(), Version(3));
 }
+
+/// Under a mesh the shards publish their own parts: the assembly only keeps count, closes
+/// a version once every shard published it, and names a shard that published another
+/// version or none (the last version closed stays the one served).
+#[test]
+fn a_mesh_version_closes_once_every_shard_published_it() {
+    let mut a = Assembly::new(id(), manifest(), vec![3, 4, 5], Version(1)).unwrap();
+    a.open(Version(2)).unwrap();
+    a.published(0, Version(2));
+    a.published(2, Version(2));
+    let e = a.close_published().unwrap_err();
+    let (v, shard, rank, why) = shard_err(&e);
+    assert_eq!((v, shard, rank), (Version(2), 1, 4));
+    assert!(why.contains("wrote nothing"), "{why}");
+    assert_eq!(a.closed(), Version(1));
+    a.published(1, Version(2));
+    assert_eq!(a.close_published().unwrap(), Version(2));
+    assert_eq!(a.closed(), Version(2));
+    // a shard that published another version fails the next one, named
+    a.open(Version(3)).unwrap();
+    for s in [0, 1] {
+        a.published(s, Version(3));
+    }
+    a.published(2, Version(4));
+    let (v, shard, _, why) = shard_err(&a.close_published().unwrap_err());
+    assert_eq!((v, shard), (Version(3), 2));
+    assert!(why.contains("published version 4"), "{why}");
+    assert_eq!(a.closed(), Version(2));
+}

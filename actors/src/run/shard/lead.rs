@@ -26,6 +26,9 @@ pub(crate) struct ShardLead {
     members: Vec<ShardRef>,
     deadline: Duration,
     busy: bool,
+    /// Every shard publishes its own part (`links.sharded = "mesh"`): nothing is written
+    /// into the assembly, which only keeps count.
+    mesh: bool,
 }
 
 impl std::fmt::Debug for ShardLead {
@@ -45,7 +48,7 @@ impl ShardLead {
         assembly: Assembly,
         learner: Addr<Trainer>,
         members: Vec<ShardRef>,
-        deadline: Duration,
+        (deadline, mesh): (Duration, bool),
     ) -> Self {
         Self {
             assembly,
@@ -53,6 +56,7 @@ impl ShardLead {
             members,
             deadline,
             busy: false,
+            mesh,
         }
     }
 
@@ -68,7 +72,14 @@ impl ShardLead {
         )>,
     ) -> Result<(LearnStats, Arc<WeightSet>)> {
         let deadline = self.deadline;
+        let mut own = None;
         let stats = match local {
+            Ok(Ok((stats, export))) if self.mesh => {
+                // shard 0's part goes out through its outlet once the version closes
+                self.assembly.published(0, export.version());
+                own = Some(export);
+                Some(stats)
+            }
             Ok(Ok((stats, export))) => {
                 // a refusal is kept in the assembly, which names it at the close
                 let _ = self.assembly.write_export(0, &export);
@@ -85,14 +96,29 @@ impl ShardLead {
         };
         for (shard, answer) in remote {
             match answer {
+                Ok(Ok(w)) if self.mesh => self.assembly.published(shard, w.version),
                 Ok(Ok(_)) => {}
                 Ok(Err(e)) => self.assembly.fail(shard, remote_failed(&e)),
                 Err(e) => self.assembly.fail(shard, unanswered(e, deadline)),
             }
         }
-        let closed = self.assembly.close()?;
+        let closed = match own {
+            Some(export) => {
+                self.assembly.close_published()?;
+                export
+            }
+            None if self.mesh => {
+                // shard 0 failed (recorded above): the check names the first shard at fault
+                let named = self.assembly.check_whole().err();
+                return Err(named.unwrap_or_else(|| {
+                    self.assembly
+                        .blame(version, 0, "has no export of its update")
+                }));
+            }
+            None => self.assembly.close()?,
+        };
         let world = self.assembly.world();
-        for s in 0..world {
+        for s in (0..world).filter(|_| !self.mesh) {
             let r = self.assembly.range(s);
             tracing::debug!(
                 "model `{}` v{version}: shard {s} of {world} (rank {}) wrote bytes {}..{}",

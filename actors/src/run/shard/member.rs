@@ -2,6 +2,7 @@
 //! of the export into shard 0's assembly, in chunks.
 
 use std::collections::BTreeMap;
+use std::sync::Arc;
 use std::time::Duration;
 
 use actix::prelude::*;
@@ -15,6 +16,7 @@ use crate::remote::RemoteAddr;
 
 use super::CHUNK_BYTES;
 use crate::actor::Trainer;
+use crate::run::mesh::MeshPart;
 use crate::run::rendezvous::Rendezvous;
 
 /// How a shard reaches shard 0's assembly.
@@ -58,15 +60,23 @@ impl LeadLink {
     }
 }
 
+/// Where a shard's part of each version goes.
+pub(crate) enum Publish {
+    /// Into shard 0's assembly (`links.sharded = "gather"`).
+    Lead(LeadLink),
+    /// Out of this rank's own mesh sender, for the engines to pull (`"mesh"`).
+    Mesh(Arc<MeshPart>),
+}
+
 /// A shard other than shard 0: trains on each batch shard 0 hands it and writes its part
-/// of the export into shard 0's assembly.
+/// of the export into shard 0's assembly, or publishes it over the mesh.
 pub(crate) struct ShardMember {
     model: ModelId,
     shard: usize,
     world: usize,
     rank: u32,
     learner: Addr<Trainer>,
-    link: Option<LeadLink>,
+    publish: Option<Publish>,
     deadline: Duration,
 }
 
@@ -86,7 +96,7 @@ impl ShardMember {
         model: ModelId,
         (shard, world, rank): (usize, usize, u32),
         learner: Addr<Trainer>,
-        link: LeadLink,
+        publish: Publish,
         deadline: Duration,
     ) -> Self {
         Self {
@@ -95,7 +105,7 @@ impl ShardMember {
             world,
             rank,
             learner,
-            link: Some(link),
+            publish: Some(publish),
             deadline,
         }
     }
@@ -109,7 +119,7 @@ impl Handler<TrainShard> for ShardMember {
     type Result = AtomicResponse<Self, Result<ShardWritten>>;
 
     fn handle(&mut self, msg: TrainShard, _: &mut Context<Self>) -> Self::Result {
-        let link = self.link.take();
+        let publish = self.publish.take();
         let learner = self.learner.clone();
         let deadline = self.deadline;
         let (model, shard, world, rank) = (self.model.clone(), self.shard, self.world, self.rank);
@@ -125,15 +135,35 @@ impl Handler<TrainShard> for ShardMember {
                 };
                 if msg.model != model || msg.shard != shard {
                     let why = format!("was asked for shard {} of model `{}`", msg.shard, msg.model);
-                    return (link, Err(blame(why)));
+                    return (publish, Err(blame(why)));
                 }
+                let link = match publish {
+                    Some(Publish::Mesh(part)) => {
+                        let published =
+                            train_and_publish(&learner, &part, msg, deadline, &blame).await;
+                        if let Ok(w) = &published {
+                            tracing::debug!(
+                                "model `{model}` v{}: shard {shard} of {world} (rank {rank}) \
+                                 trained and published its {} bytes over the mesh",
+                                w.version,
+                                w.bytes
+                            );
+                        }
+                        return (Some(Publish::Mesh(part)), published);
+                    }
+                    Some(Publish::Lead(link)) => Some(link),
+                    None => None,
+                };
                 let lead = match &link {
                     Some(l) => l.resolve().await,
                     None => Err(Error::Actor("no way to shard 0 is known".into())),
                 };
                 let lead = match lead {
                     Ok(l) => l,
-                    Err(e) => return (link, Err(blame(format!("cannot reach shard 0: {e}")))),
+                    Err(e) => {
+                        let why = format!("cannot reach shard 0: {e}");
+                        return (link.map(Publish::Lead), Err(blame(why)));
+                    }
                 };
                 let written = train_and_write(&learner, &lead, msg, deadline, &blame).await;
                 if let Ok(w) = &written {
@@ -146,15 +176,39 @@ impl Handler<TrainShard> for ShardMember {
                         if w.chunks == 1 { "" } else { "s" }
                     );
                 }
-                (Some(LeadLink::Ready(lead)), written)
+                (Some(Publish::Lead(LeadLink::Ready(lead))), written)
             }
             .into_actor(self)
-            .map(|(link, written), act, _| {
-                act.link = link;
+            .map(|(publish, written), act, _| {
+                act.publish = publish;
                 written
             }),
         ))
     }
+}
+
+/// One update of a shard under a mesh: train, export, publish this shard's part.
+async fn train_and_publish(
+    learner: &Addr<Trainer>,
+    part: &MeshPart,
+    msg: TrainShard,
+    deadline: Duration,
+    blame: &impl Fn(String) -> Error,
+) -> Result<ShardWritten> {
+    let (_, export) = learner
+        .send(Train { batch: msg.batch })
+        .timeout(deadline)
+        .await
+        .map_err(|e| blame(format!("its learner did not answer: {e}")))?
+        .map_err(|e| blame(format!("its learner failed: {e}")))?;
+    let bytes = part
+        .publish(&export)
+        .map_err(|e| blame(format!("could not publish its part: {e}")))?;
+    Ok(ShardWritten {
+        version: export.version(),
+        bytes,
+        chunks: 0,
+    })
 }
 
 /// One update of a shard: train, export, write the part `msg` names in chunks.

@@ -26,7 +26,7 @@ use std::time::Duration;
 
 use actix::prelude::*;
 use refit_node::Node;
-use refit_runtime::topology::Topology;
+use refit_runtime::topology::{Sharded, Topology};
 use refit_runtime::wire::MAX_CONTROL_MESSAGE;
 
 use crate::error::{Error, Result};
@@ -35,11 +35,12 @@ use crate::link::WeightOutlet;
 use crate::protocol::trainer::{AssemblyRef, SaveState, ShardRef, TrainAndPublish};
 use crate::remote::RemoteAddr;
 use crate::roles::ModelSpec;
+use crate::run::mesh::MeshPart;
 
 use crate::actor::Trainer;
 use assembly::Assembly;
 use lead::ShardLead;
-use member::{LeadLink, ShardMember};
+use member::{LeadLink, Publish, ShardMember};
 
 use super::checkpoint;
 use super::ids::{Served, actor_id};
@@ -92,7 +93,21 @@ pub(crate) fn start_members(
         }
         let mut learner = work.learner(spec)?;
         let resumed = checkpoint::restore(site.topo, site.who, spec, learner.as_mut())?;
-        crate::run::workload::first_export(learner.as_mut(), spec, resumed)?;
+        let first = crate::run::workload::first_export(learner.as_mut(), spec, resumed)?;
+        // under a mesh this shard publishes its own part of every version, the first now
+        let mesh = if site.topo.links.sharded == Sharded::Mesh {
+            let part = MeshPart::open(
+                site.node,
+                site.rv,
+                &spec.id,
+                Arc::clone(first.manifest()),
+                (shard, ranks.len()),
+            )?;
+            part.publish(&first)?;
+            Some(Arc::new(part))
+        } else {
+            None
+        };
         let mi = site.topo.model_index(&spec.id).unwrap_or(0);
         let lead = ranks[0];
         let link = LeadLink::Find {
@@ -107,14 +122,20 @@ pub(crate) fn start_members(
             spec.id.clone(),
             (shard, ranks.len(), site.me),
             Trainer::hosting(learner, None),
-            link,
+            match mesh {
+                Some(part) => Publish::Mesh(part),
+                None => Publish::Lead(link),
+            },
             site.wait,
         )
         .start();
         ShardRef::local(&member).serve(site.node, actor_id(Served::Shard, site.me, mi, 0));
+        let publishes = match site.topo.links.sharded {
+            Sharded::Mesh => "publishes its part over the mesh".to_string(),
+            Sharded::Gather => format!("rank {lead} assembles and publishes"),
+        };
         tracing::info!(
-            "{}: pid {}, shard {shard} of {} of model `{}`'s trainer (rank {lead} assembles and \
-             publishes)",
+            "{}: pid {}, shard {shard} of {} of model `{}`'s trainer ({publishes})",
             site.who,
             std::process::id(),
             ranks.len(),
@@ -172,15 +193,26 @@ pub(crate) async fn start_lead(
         .collect();
     let trainer = Trainer::hosting(learner, Some(outlet));
     let save = trainer.clone().recipient();
-    let lead = ShardLead::new(assembly, trainer, members, site.wait).start();
+    let mesh = site.topo.links.sharded == Sharded::Mesh;
+    let lead = ShardLead::new(assembly, trainer, members, (site.wait, mesh)).start();
     AssemblyRef::local(&lead).serve(site.node, actor_id(Served::Shard, site.me, mi, 0));
-    tracing::info!(
-        "{}: model `{}` is trained by {} shards, each version assembled here from {}",
-        site.who,
-        spec.id,
-        ranks.len(),
-        parts.join(", ")
-    );
+    if mesh {
+        tracing::info!(
+            "{}: model `{}` is trained by {} shards, each publishing its own part of every \
+             version over the mesh (nothing is gathered here)",
+            site.who,
+            spec.id,
+            ranks.len()
+        );
+    } else {
+        tracing::info!(
+            "{}: model `{}` is trained by {} shards, each version assembled here from {}",
+            site.who,
+            spec.id,
+            ranks.len(),
+            parts.join(", ")
+        );
+    }
     Ok((lead.recipient(), save))
 }
 

@@ -13,7 +13,7 @@ use refit_runtime::{DType, Manifest, ModelId, Version, WeightSet};
 
 use super::assembly::Assembly;
 use super::lead::ShardLead;
-use super::member::{LeadLink, ShardMember};
+use super::member::{LeadLink, Publish, ShardMember};
 use crate::actor::Trainer;
 use crate::batch::Batch;
 use crate::error::{Error, Result};
@@ -141,7 +141,7 @@ fn sharded(
                         id(),
                         (i + 1, world, ranks[i + 1]),
                         Trainer::hosting(l, None),
-                        LeadLink::Ready(AssemblyRef::local(&me)),
+                        Publish::Lead(LeadLink::Ready(AssemblyRef::local(&me))),
                         deadline,
                     )
                     .start(),
@@ -154,7 +154,7 @@ fn sharded(
             assembly,
             Trainer::hosting(lead, Some(Box::new(outlet))),
             refs,
-            deadline,
+            (deadline, false),
         )
     });
     (addr, published)

@@ -1,7 +1,10 @@
 //! The weight links' starter: the trainers' senders and the engines' inlets connect
 //! together (a broadcast sender waits for its receivers), each on a blocking thread.
 
-use refit_runtime::Manifests;
+use std::sync::Arc;
+
+use refit_runtime::topology::Sharded;
+use refit_runtime::{Manifest, Manifests};
 use refit_transports::link::{self, ReceiverSpec};
 
 use crate::error::{Error, Result};
@@ -9,6 +12,7 @@ use crate::learner::Learner;
 use crate::link::{WeightInlet, WeightOutlet};
 use crate::roles::ModelSpec;
 use crate::run::ids::{RANK_LOG, weights_key};
+use crate::run::mesh::MeshInlet;
 use crate::run::weights;
 
 use super::RankCtx;
@@ -89,7 +93,13 @@ fn spawn_inlets(ctx: &RankCtx) -> Result<Vec<Connecting<ModelInlet>>> {
     });
     let mut receivers = Vec::new();
     for spec in engines {
-        let expected = Manifests::new([(spec.id.clone(), ctx.setup.work.engine_manifest(spec)?)])?;
+        let layout = ctx.setup.work.engine_manifest(spec)?;
+        let shards = topo.trainer_ranks(&spec.id).len();
+        if shards > 1 && topo.links.sharded == Sharded::Mesh {
+            receivers.push(spawn_mesh_inlet(ctx, spec, layout, shards));
+            continue;
+        }
+        let expected = Manifests::new([(spec.id.clone(), layout)])?;
         let trainer = topo.trainer_ranks(&spec.id).first().copied().unwrap_or(0);
         let wanted = link::for_kind(&topo.weights_transport(&spec.id, trainer, me))?.name();
         let (rv, node) = (ctx.rv.clone(), ctx.node.clone());
@@ -115,4 +125,25 @@ fn spawn_inlets(ctx: &RankCtx) -> Result<Vec<Connecting<ModelInlet>>> {
         }));
     }
     Ok(receivers)
+}
+
+/// Starts connecting the mesh inlet of `spec`, published by its `shards` shards.
+fn spawn_mesh_inlet(
+    ctx: &RankCtx,
+    spec: &ModelSpec,
+    layout: Arc<Manifest>,
+    shards: usize,
+) -> Connecting<ModelInlet> {
+    let (rv, node, wait) = (ctx.rv.clone(), ctx.node.clone(), ctx.wait);
+    let (spec, who) = (spec.clone(), ctx.who.clone());
+    actix_rt::task::spawn_blocking(move || {
+        let inlet = MeshInlet::connect(&rv, &node, &spec.id, layout, shards, wait)?;
+        tracing::info!(target: RANK_LOG,
+            "{who}: pid {}, model `{}` weights over the mesh, from all {shards} trainer shards at \
+             once",
+            std::process::id(),
+            spec.id
+        );
+        Ok::<_, Error>((spec, Box::new(inlet) as Box<dyn WeightInlet>))
+    })
 }

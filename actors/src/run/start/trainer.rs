@@ -2,14 +2,17 @@
 //! learner, its first version and its weight links (one sender per transport the engines
 //! need), whose receiver specs go to the store for the engine ranks.
 
+use std::sync::Arc;
+
 use refit_runtime::WeightSet;
-use refit_runtime::topology::TransportKind;
+use refit_runtime::topology::{Sharded, TransportKind};
 
 use crate::error::{Error, Result};
 use crate::learner::Learner;
 use crate::roles::ModelSpec;
 use crate::run::checkpoint;
 use crate::run::ids::{RANK_LOG, first_version_key, weights_key};
+use crate::run::mesh::{MeshOutlet, MeshPart};
 use crate::run::weights::{self, Leftovers, OpenedLinks};
 
 use super::RankCtx;
@@ -87,6 +90,23 @@ fn open_model(ctx: &RankCtx, spec: &ModelSpec) -> Result<OpenedModel> {
         .work
         .engine_manifest(spec)?
         .check_same_schema(&spec.id, wire.get(&spec.id)?)?;
+    let shards = topo.trainer_ranks(&spec.id).len();
+    if shards > 1 && topo.links.sharded == Sharded::Mesh {
+        if conversions.is_some() {
+            return Err(Error::Config(format!(
+                "model `{}`: links.sharded = \"mesh\" serves the trainer's layout, and its \
+                 engines want another (a conversion); use links.sharded = \"gather\"",
+                spec.id
+            )));
+        }
+        let links = mesh_links(ctx, spec, &initial, wire, shards)?;
+        return Ok(OpenedModel {
+            spec: spec.clone(),
+            learner,
+            initial,
+            links,
+        });
+    }
     let mut kinds: Vec<(TransportKind, usize)> = Vec::new();
     for r in topo.engine_ranks_of(&spec.id) {
         let k = topo.weights_transport(&spec.id, ctx.me, r);
@@ -116,4 +136,30 @@ fn open_model(ctx: &RankCtx, spec: &ModelSpec) -> Result<OpenedModel> {
         initial,
         links,
     })
+}
+
+/// Shard 0's links of `spec` under a mesh: its own part of the model, published now (the
+/// first version) and by every later publish of the trainer; no sender, no receiver spec.
+fn mesh_links(
+    ctx: &RankCtx,
+    spec: &ModelSpec,
+    initial: &WeightSet,
+    wire: refit_runtime::Manifests,
+    shards: usize,
+) -> Result<OpenedLinks> {
+    let manifest = Arc::clone(initial.manifest());
+    let part = MeshPart::open(&ctx.node, &ctx.rv, &spec.id, manifest, (0, shards))?;
+    part.publish(initial)?;
+    tracing::info!(target: RANK_LOG,
+        "{}: pid {}, model `{}` weights: shard 0 of {shards} publishes its part over the mesh; \
+         engines pull every version from all {shards} shards",
+        ctx.who,
+        std::process::id(),
+        spec.id
+    );
+    Ok(OpenedLinks::direct(
+        spec.id.clone(),
+        wire,
+        Box::new(MeshOutlet(part)),
+    ))
 }
