@@ -187,6 +187,22 @@ impl Handler<TrainShard> for ShardMember {
     }
 }
 
+/// Trains this shard's learner on `batch` and answers its export, or why not (blamed).
+async fn train(
+    learner: &Addr<Trainer>,
+    batch: crate::batch::Batch,
+    deadline: Duration,
+    blame: &impl Fn(String) -> Error,
+) -> Result<Arc<refit_runtime::WeightSet>> {
+    let (_, export) = learner
+        .send(Train { batch })
+        .timeout(deadline)
+        .await
+        .map_err(|e| blame(format!("its learner did not answer: {e}")))?
+        .map_err(|e| blame(format!("its learner failed: {e}")))?;
+    Ok(export)
+}
+
 /// One update of a shard under a mesh: train, export, publish this shard's part.
 async fn train_and_publish(
     learner: &Addr<Trainer>,
@@ -195,12 +211,7 @@ async fn train_and_publish(
     deadline: Duration,
     blame: &impl Fn(String) -> Error,
 ) -> Result<ShardWritten> {
-    let (_, export) = learner
-        .send(Train { batch: msg.batch })
-        .timeout(deadline)
-        .await
-        .map_err(|e| blame(format!("its learner did not answer: {e}")))?
-        .map_err(|e| blame(format!("its learner failed: {e}")))?;
+    let export = train(learner, msg.batch, deadline, blame).await?;
     let bytes = part
         .publish(&export)
         .map_err(|e| blame(format!("could not publish its part: {e}")))?;
@@ -219,12 +230,7 @@ async fn train_and_write(
     deadline: Duration,
     blame: &impl Fn(String) -> Error,
 ) -> Result<ShardWritten> {
-    let (_, export) = learner
-        .send(Train { batch: msg.batch })
-        .timeout(deadline)
-        .await
-        .map_err(|e| blame(format!("its learner did not answer: {e}")))?
-        .map_err(|e| blame(format!("its learner failed: {e}")))?;
+    let export = train(learner, msg.batch, deadline, blame).await?;
     let start = usize::try_from(msg.offset).unwrap_or(usize::MAX);
     let len = usize::try_from(msg.len).unwrap_or(usize::MAX);
     let bytes = start
