@@ -200,6 +200,19 @@ fn the_shipped_cartpole_topologies_place_their_links_by_host() {
         }
     }
     assert_eq!(hosts.master_host().unwrap(), "10.77.0.1");
+    // the trainer sharded across hosts: a shard on each of `b` and `c`, over the mesh
+    let sharded = read("cartpole-sharded-hosts.toml");
+    let on: Vec<&str> = sharded
+        .ranks()
+        .iter()
+        .map(|r| r.host.name.as_str())
+        .collect();
+    assert_eq!(on, ["a", "b", "c", "d"]);
+    assert_eq!(sharded.trainer_ranks(&sharded.model_ids()[0]), vec![1, 2]);
+    assert_eq!(
+        sharded.links.sharded,
+        refit::runtime::topology::Sharded::Mesh
+    );
     // the scheduler files: the same placement, the hosts' addresses left to the scheduler
     for name in ["cartpole-slurm.toml", "cartpole-k8s.toml"] {
         let t = read(name);

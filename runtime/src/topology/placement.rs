@@ -79,11 +79,13 @@ pub(crate) fn expand(
     let mut ranks: Vec<RankPlan> = Vec::new();
     let mut on_host: BTreeMap<&str, u32> = BTreeMap::new();
     for p in processes {
-        let host = hosts
-            .iter()
-            .find(|h| h.name == p.host)
-            .cloned()
-            .unwrap_or_else(HostSection::local);
+        let host_of = |replica: u32| {
+            hosts
+                .iter()
+                .find(|h| h.name == p.host_of(replica))
+                .cloned()
+                .unwrap_or_else(HostSection::local)
+        };
         let rollout_workers = if p.has(Role::Rollout) {
             p.rollout_workers.unwrap_or(0)
         } else {
@@ -98,14 +100,15 @@ pub(crate) fn expand(
             Restart::OnFailure => p.max_restarts.unwrap_or(DEFAULT_MAX_RESTARTS),
         };
         for replica in 0..p.replicas {
-            let local = on_host.entry(p.host.as_str()).or_insert(0);
+            let host = host_of(replica);
+            let local = on_host.entry(p.host_of(replica)).or_insert(0);
             let local_rank = *local;
             *local += 1;
             ranks.push(RankPlan {
                 rank: u32::try_from(ranks.len()).unwrap_or(u32::MAX),
                 process: p.name.clone(),
                 replica,
-                host: host.clone(),
+                host,
                 roles: p.roles.clone(),
                 rollout_workers,
                 models: served.clone(),

@@ -334,6 +334,11 @@ pub struct ProcessSection {
     /// once parsed.
     #[serde(default)]
     pub host: String,
+    /// The host of each copy, in order (copy `i` on `hosts[i]`), instead of `host`: a
+    /// process whose copies span machines (a trainer sharded across hosts). As many as
+    /// `replicas`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub hosts: Vec<String>,
     /// How many copies of this process run (consecutive ranks), at least 1.
     #[serde(default = "one")]
     pub replicas: u32,
@@ -368,6 +373,15 @@ impl ProcessSection {
     /// True when the process holds `role`.
     pub fn has(&self, role: Role) -> bool {
         self.roles.contains(&role)
+    }
+
+    /// The host copy `replica` runs on: `hosts[replica]` when the file names the host of
+    /// each copy, else `host`.
+    pub fn host_of(&self, replica: u32) -> &str {
+        usize::try_from(replica)
+            .ok()
+            .and_then(|r| self.hosts.get(r))
+            .unwrap_or(&self.host)
     }
 }
 

@@ -859,6 +859,62 @@ fn local_ranks_count_within_each_host() {
     assert_eq!(local, [(0, 2), (1, 2), (0, 2), (1, 2)]);
 }
 
+/// `hosts` places each copy of a process on its own host (a trainer sharded across
+/// machines): ranks, local ranks and the links' reach follow; a count that is not the
+/// copies', an undeclared host, `host` beside it or one `bind` for several hosts is refused.
+#[test]
+fn hosts_place_each_copy_of_a_process_on_its_own_host() {
+    let spread = BASE.replace(
+        "name = \"far\"\nhost = \"b\"\nreplicas = 2",
+        "name = \"far\"\nhosts = [\"a\", \"b\"]\nreplicas = 2",
+    );
+    assert_ne!(spread, BASE);
+    let t = Topology::parse(&spread).unwrap();
+    let hosts: Vec<(&str, u32, u32)> = t
+        .ranks()
+        .iter()
+        .map(|r| (r.host.name.as_str(), r.local_rank, r.local_world_size))
+        .collect();
+    // learner, near and far's copy 0 on `a`; far's copy 1 alone on `b`
+    assert_eq!(hosts, [("a", 0, 3), ("a", 1, 3), ("a", 2, 3), ("b", 0, 1)]);
+    let policy = ModelId::new("policy").unwrap();
+    assert_eq!(
+        t.weights_transport(&policy, 0, 2),
+        TransportKind::Nearest(Reach::Host)
+    );
+    assert_eq!(
+        t.weights_transport(&policy, 0, 3),
+        TransportKind::Nearest(Reach::Network)
+    );
+    for (from, to, says) in [
+        (
+            "hosts = [\"a\", \"b\"]",
+            "hosts = [\"a\"]",
+            "names 1 hosts for 2 copies",
+        ),
+        (
+            "hosts = [\"a\", \"b\"]",
+            "hosts = [\"a\", \"z\"]",
+            "host `z`, which is not declared",
+        ),
+        (
+            "hosts = [\"a\", \"b\"]",
+            "host = \"a\"\nhosts = [\"a\", \"b\"]",
+            "both `host` and `hosts`",
+        ),
+        (
+            "replicas = 2",
+            "replicas = 2\nbind = \"0.0.0.0\"",
+            "one `bind` address cannot",
+        ),
+    ] {
+        let text = spread.replacen(from, to, 1);
+        assert_ne!(text, spread, "{to}");
+        let e = Topology::parse(&text).unwrap_err().to_string();
+        assert!(e.contains("process[far]") && e.contains(says), "{to}: {e}");
+    }
+}
+
 #[test]
 fn every_process_may_bring_its_own_command() {
     let text = small("command = [\"b\"]\n")

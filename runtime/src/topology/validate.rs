@@ -136,6 +136,9 @@ fn check_processes(processes: &mut [ProcessSection], hosts: &[HostSection]) -> R
                 format!("process `{}` is declared twice", p.name),
             ));
         }
+        if !p.hosts.is_empty() {
+            check_copy_hosts(p, hosts)?;
+        }
         let at = |k: &str| format!("process[{}].{k}", p.name);
         if p.host.is_empty() {
             match hosts {
@@ -324,6 +327,59 @@ fn check_launch_keys(p: &ProcessSection) -> Result<()> {
     }
 }
 
+/// A process naming the host of each copy (`hosts`): as many as its copies, each
+/// declared, and no `host` or `bind` beside them (`host` is set to the first copy's).
+fn check_copy_hosts(p: &mut ProcessSection, hosts: &[HostSection]) -> Result<()> {
+    let at = |k: &str| format!("process[{}].{k}", p.name);
+    if !p.host.is_empty() {
+        return Err(bad(
+            at("hosts"),
+            format!(
+                "process `{}` names both `host` and `hosts`: `hosts` places each copy, \
+                 leave `host` out",
+                p.name
+            ),
+        ));
+    }
+    if p.hosts.len() != p.replicas as usize {
+        return Err(bad(
+            at("hosts"),
+            format!(
+                "process `{}` names {} hosts for {} copies (replicas): one host per copy",
+                p.name,
+                p.hosts.len(),
+                p.replicas
+            ),
+        ));
+    }
+    if let Some(h) = p
+        .hosts
+        .iter()
+        .find(|h| !hosts.iter().any(|d| d.name == **h))
+    {
+        let declared: Vec<&str> = hosts.iter().map(|h| h.name.as_str()).collect();
+        return Err(bad(
+            at("hosts"),
+            format!(
+                "process `{}` runs a copy on host `{h}`, which is not declared (hosts: {})",
+                p.name,
+                declared.join(", ")
+            ),
+        ));
+    }
+    if p.bind.is_some() && p.hosts.iter().any(|h| *h != p.hosts[0]) {
+        return Err(bad(
+            at("bind"),
+            format!(
+                "process `{}` runs on several hosts: one `bind` address cannot serve them all",
+                p.name
+            ),
+        ));
+    }
+    p.host = p.hosts[0].clone();
+    Ok(())
+}
+
 /// Checks that no two processes on one host ask for the same fixed port.
 fn check_ports(processes: &[ProcessSection]) -> Result<()> {
     for (i, p) in processes.iter().enumerate() {
@@ -332,7 +388,9 @@ fn check_ports(processes: &[ProcessSection]) -> Result<()> {
         for q in &processes[..i] {
             let Some(other) = q.port else { continue };
             let theirs = u32::from(other)..u32::from(other) + q.replicas;
-            if q.host == p.host && mine.start < theirs.end && theirs.start < mine.end {
+            let shared =
+                (0..p.replicas).any(|i| (0..q.replicas).any(|j| p.host_of(i) == q.host_of(j)));
+            if shared && mine.start < theirs.end && theirs.start < mine.end {
                 return Err(bad(
                     format!("process[{}].port", p.name),
                     format!(
