@@ -48,11 +48,16 @@ fn parts_of(parts: Vec<(String, Bound<'_, PyAny>)>) -> PyResult<Parts> {
         .collect()
 }
 
-fn manifest_of(tensors: Vec<(String, String, Vec<usize>)>) -> PyResult<Manifest> {
+/// A manifest of `(name, dtype, shape)` tensors; `of` follows a tensor's name in errors
+/// (`" of `policy`"`, or empty).
+pub(crate) fn manifest_of(
+    tensors: Vec<(String, String, Vec<usize>)>,
+    of: &str,
+) -> PyResult<Manifest> {
     let mut b = Manifest::builder();
     for (name, dtype, shape) in tensors {
         let d = DType::from_name(&dtype)
-            .ok_or_else(|| config(format!("tensor `{name}`: unknown dtype `{dtype}`")))?;
+            .ok_or_else(|| config(format!("tensor `{name}`{of}: unknown dtype `{dtype}`")))?;
         b = b.tensor(name, d, &shape);
     }
     b.build().map_err(to_py)
@@ -63,8 +68,6 @@ fn manifest_of(tensors: Vec<(String, String, Vec<usize>)>) -> PyResult<Manifest>
 pub(crate) struct MeshSender {
     sender: mesh::MeshSender,
     card: String,
-    /// Keeps the node serving while the sender lives.
-    _node: Node,
 }
 
 #[pymethods]
@@ -81,7 +84,7 @@ impl MeshSender {
         model: &str,
     ) -> PyResult<Self> {
         let model = ModelId::new(model).map_err(to_py)?;
-        let m = manifest_of(manifest)?;
+        let m = manifest_of(manifest, "")?;
         let parts = parts_of(parts)?;
         let token = match token {
             Some(t) => ClusterToken::new(t).map_err(|e| config(e.to_string()))?,
@@ -97,11 +100,8 @@ impl MeshSender {
         let node = Node::start(cfg).map_err(|e| to_py(e.into()))?;
         let sender = mesh::MeshSender::on_node(&node, model, &m, parts).map_err(to_py)?;
         let card = wire::to_token(&(sender.endpoint(), sender.parts().clone())).map_err(to_py)?;
-        Ok(Self {
-            sender,
-            card,
-            _node: node,
-        })
+        // the sender keeps its node (a handle of it) serving for as long as it lives
+        Ok(Self { sender, card })
     }
 
     /// What receivers are given to find this sender and know what it holds (no secret).
@@ -152,7 +152,7 @@ impl MeshReceiver {
         wants: Vec<(String, Bound<'_, PyAny>)>,
         token: Option<&str>,
     ) -> PyResult<Self> {
-        let m = manifest_of(manifest)?;
+        let m = manifest_of(manifest, "")?;
         let wants = parts_of(wants)?;
         let book = senders
             .iter()
@@ -191,7 +191,8 @@ impl MeshReceiver {
             .iter()
             .map(|p| pyo3::types::PyBytes::new(py, p))
             .collect();
-        // the bytes are Python's now: the next pull lands in these buffers, not new memory
+        // copied into Python's bytes: the next pull lands in these buffers, not new memory
+        // (the bytes objects themselves are new each pull)
         receiver.recycle(pulled);
         Ok(out)
     }

@@ -8,8 +8,7 @@ use pyo3::buffer::PyBuffer;
 use pyo3::prelude::*;
 use refit_node::ClusterToken;
 use refit_runtime::{
-    DType, Manifest, Manifests, ModelId, PendingSend, SenderInit, SenderTransport, Version,
-    WeightSet,
+    Manifest, Manifests, ModelId, PendingSend, SenderInit, SenderTransport, Version, WeightSet,
 };
 use refit_transports::link::{self, LinkFactory, LinkOptions};
 use refit_transports::shm::{ShmLink, ShmSender};
@@ -163,16 +162,8 @@ impl Sender {
         let mut models = Vec::with_capacity(manifests.len());
         for (model, tensors) in manifests {
             let id = ModelId::new(&model).map_err(to_py)?;
-            let mut b = Manifest::builder();
-            for (name, dtype, shape) in tensors {
-                let d = DType::from_name(&dtype).ok_or_else(|| {
-                    config(format!(
-                        "tensor `{name}` of `{model}`: unknown dtype `{dtype}`"
-                    ))
-                })?;
-                b = b.tensor(name, d, &shape);
-            }
-            models.push((id, Arc::new(b.build().map_err(to_py)?)));
+            let m = crate::mesh::manifest_of(tensors, &format!(" of `{model}`"))?;
+            models.push((id, Arc::new(m)));
         }
         let manifests = Manifests::new(models).map_err(to_py)?;
         let token = match token {

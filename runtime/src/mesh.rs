@@ -20,6 +20,7 @@
 
 use std::collections::BTreeMap;
 use std::ops::Range;
+use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 
@@ -224,12 +225,12 @@ pub fn part_bytes(manifest: &Manifest, name: &str, part: &Part) -> Result<usize>
 
 /// The bytes of `part` of tensor `name`, cut from the whole tensor's bytes `whole` (what a
 /// trainer holding the whole tensor publishes as one shard's part, or what an engine's part
-/// should hold).
+/// should hold), in one shared buffer made in place: what a mesh sender publishes.
 ///
 /// # Errors
 /// [`Error::Mesh`] naming the tensor: not in the manifest, a part that does not fit it, or
 /// `whole` not the tensor's length.
-pub fn extract(manifest: &Manifest, name: &str, part: &Part, whole: &[u8]) -> Result<Vec<u8>> {
+pub fn extract(manifest: &Manifest, name: &str, part: &Part, whole: &[u8]) -> Result<Arc<[u8]>> {
     let spec = manifest
         .get(name)
         .ok_or_else(|| mesh(name, "not in the manifest"))?;
@@ -240,9 +241,14 @@ pub fn extract(manifest: &Manifest, name: &str, part: &Part, whole: &[u8]) -> Re
         ));
     }
     let el = spec.dtype.size();
-    let mut out = Vec::with_capacity(part_bytes(manifest, name, part)?);
+    // allocated once, as an `Arc` (an `Arc` of a `Vec` would copy the part once more)
+    let mut out: Arc<[u8]> = std::iter::repeat_n(0u8, part_bytes(manifest, name, part)?).collect();
+    let dst = Arc::get_mut(&mut out).ok_or(Error::State("a new buffer is shared"))?;
+    let mut at = 0;
     for r in runs(spec, part)? {
-        out.extend_from_slice(&whole[r.start * el..r.end * el]);
+        let bytes = &whole[r.start * el..r.end * el];
+        dst[at..at + bytes.len()].copy_from_slice(bytes);
+        at += bytes.len();
     }
     Ok(out)
 }

@@ -19,9 +19,7 @@ use refit::node::launch::{
     resolve_rank, scheduler_hosts, scheduler_incarnation,
 };
 use refit::node::{ClusterToken, LaunchEnv, TOKEN_ENV, TOKEN_FILE_ENV};
-use refit::runtime::topology::{
-    DEFAULT_MAX_RESTARTS, OnFailure, Override, Restart, Sharded, Topology,
-};
+use refit::runtime::topology::{DEFAULT_MAX_RESTARTS, OnFailure, Override, Restart, Topology};
 use refit::runtime::{Error, Result};
 
 /// What `refit launch --help` says after the flags.
@@ -249,7 +247,7 @@ fn print_ranks(topo: &Topology, ranks: &[RankSpawn], cwd: &Path) -> Result<()> {
             && !rest.is_empty()
         {
             let ranks = |rs: &[u32]| rs.iter().map(u32::to_string).collect::<Vec<_>>().join(", ");
-            if topo.links.sharded == Sharded::Mesh {
+            if topo.publishes_over_mesh(&model) {
                 for to in topo.engine_ranks_of(&model) {
                     println!(
                         "model {model}: weights from ranks {} (each its part) to rank {to} over \

@@ -51,13 +51,72 @@ pub struct MeshEndpoint {
     pub agent: Uuid,
 }
 
+/// Pieces of one part of a sender, `count` of them, each `len` bytes, the first at
+/// `offset` and each next one `stride` bytes further: the pieces of a slice (a column
+/// slice of a row-major tensor is one piece per row) go in a few of these, so a request
+/// stays small whatever the model's size.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+struct Run {
+    part: u32,
+    offset: u64,
+    len: u64,
+    stride: u64,
+    count: u64,
+}
+
+impl Run {
+    /// The runs of `pieces` (`(part, offset, bytes)` each, in order): consecutive pieces of
+    /// one part and one length, evenly spaced, are one run.
+    fn of(pieces: &[(u32, u64, u64)]) -> Vec<Run> {
+        let mut runs: Vec<Run> = Vec::new();
+        for &(part, offset, len) in pieces {
+            if let Some(r) = runs.last_mut()
+                && r.part == part
+                && r.len == len
+                && match r.count {
+                    1 => offset > r.offset,
+                    _ => Some(offset) == r.offset.checked_add(r.stride * r.count),
+                }
+            {
+                if r.count == 1 {
+                    r.stride = offset - r.offset;
+                }
+                r.count += 1;
+                continue;
+            }
+            runs.push(Run {
+                part,
+                offset,
+                len,
+                stride: len,
+                count: 1,
+            });
+        }
+        runs
+    }
+
+    /// The byte ranges of this run in a part of `held` bytes, in order; `None` when one
+    /// falls outside it.
+    fn ranges(self, held: usize) -> Option<impl Iterator<Item = std::ops::Range<usize>>> {
+        let (offset, len, stride, count) = (
+            usize::try_from(self.offset).ok()?,
+            usize::try_from(self.len).ok()?,
+            usize::try_from(self.stride).ok()?,
+            usize::try_from(self.count).ok()?,
+        );
+        let last = offset.checked_add(stride.checked_mul(count.checked_sub(1)?)?)?;
+        (len > 0 && last.checked_add(len)? <= held)
+            .then(|| (0..count).map(move |i| offset + i * stride..offset + i * stride + len))
+    }
+}
+
 /// The request of one pull stream: these pieces of this version, in order.
 #[derive(Debug, Serialize, Deserialize)]
 struct Pull {
     version: Version,
-    /// `(part, offset, bytes)`: the sender's part (its index in the sender's parts), the
-    /// offset in it, the byte count.
-    pieces: Vec<(u32, u64, u64)>,
+    /// The pieces, as runs of the sender's parts (a part is its index in the sender's
+    /// parts).
+    pieces: Vec<Run>,
     /// How long the sender may wait for the version to be published.
     wait: Duration,
 }
@@ -206,31 +265,41 @@ async fn serve(mut stream: tokio::net::TcpStream, s: &Shared, req: Pull) -> Resu
         Ok(p) => p,
         Err(reason) => return Ok(write_head(&mut stream, &StreamHead::Err { reason }).await?),
     };
-    let mut slices = Vec::with_capacity(req.pieces.len());
-    for &(part, at, len) in &req.pieces {
-        let bytes = parts.get(part as usize).and_then(|p| {
-            let (at, len) = (usize::try_from(at).ok()?, usize::try_from(len).ok()?);
-            p.get(at..at.checked_add(len)?)
-        });
-        match bytes {
-            Some(b) => slices.push(b),
-            None => {
-                let reason = format!("piece {at}+{len} of part {part} is not held here");
+    // every run checked before a byte goes: inside its part, and no more bytes in all than
+    // the parts hold (each wanted byte is asked for once)
+    let held: u64 = parts.iter().map(|p| p.len() as u64).sum();
+    let mut total = 0u64;
+    for r in &req.pieces {
+        let inside = parts.get(r.part as usize).and_then(|p| r.ranges(p.len()));
+        let bytes = r.len.checked_mul(r.count);
+        total = match (inside, bytes) {
+            (Some(_), Some(b)) => total.saturating_add(b),
+            _ => {
+                let reason = format!(
+                    "pieces {}+{} (every {} bytes, {} of them) of part {} are not held here",
+                    r.offset, r.len, r.stride, r.count, r.part
+                );
                 return Ok(write_head(&mut stream, &StreamHead::Err { reason }).await?);
             }
-        }
+        };
     }
-    let total: u64 = slices.iter().map(|b| b.len() as u64).sum();
+    if total > held {
+        let reason = format!("{total} bytes asked of a sender holding {held}");
+        return Ok(write_head(&mut stream, &StreamHead::Err { reason }).await?);
+    }
     write_head(&mut stream, &StreamHead::Ok { len: total + 8 }).await?;
     let io = |e| Error::io("serving a mesh pull", e);
     let mut hasher = xxhash_rust::xxh3::Xxh3::new();
     // small pieces (a column slice of a row-major tensor is one piece per row) are
     // gathered into writes of up to CHUNK bytes; a chunk of CHUNK goes straight out
     let mut stream = tokio::io::BufWriter::with_capacity(CHUNK, stream);
-    for b in slices {
-        for chunk in b.chunks(CHUNK) {
-            hasher.update(chunk);
-            stream.write_all(chunk).await.map_err(io)?;
+    for r in &req.pieces {
+        let part = &parts[r.part as usize];
+        for range in r.ranges(part.len()).into_iter().flatten() {
+            for chunk in part[range].chunks(CHUNK) {
+                hasher.update(chunk);
+                stream.write_all(chunk).await.map_err(io)?;
+            }
         }
     }
     stream
@@ -266,6 +335,8 @@ struct Stream {
     sender: usize,
     /// The pull request's pieces: `(part, offset, bytes)` in the sender's parts.
     pieces: Vec<(u32, u64, u64)>,
+    /// The same as runs, what each pull sends ([`Run::of`]).
+    request: Vec<Run>,
     /// Where each piece lands: `(part, offset)` in the receiver's parts.
     lands: Vec<(usize, usize)>,
 }
@@ -291,6 +362,8 @@ pub struct MeshReceiver {
     lens: Vec<usize>,
     /// What this receiver wants, as given.
     wants: Parts,
+    /// Every piece by where it lands ([`landing_order`]), sorted once.
+    landing: Vec<Landing>,
     pulled: u64,
     /// Buffers of a version handed back ([`MeshReceiver::recycle`]) or of a failed pull,
     /// which the next pull reads into: memory already touched, so a steady pull pays no
@@ -325,6 +398,7 @@ impl MeshReceiver {
             .map(|sender| Stream {
                 sender,
                 pieces: Vec::new(),
+                request: Vec::new(),
                 lands: Vec::new(),
             })
             .collect();
@@ -340,12 +414,17 @@ impl MeshReceiver {
             s.lands.push((dst, p.dst));
         }
         streams.retain(|s| !s.pieces.is_empty());
+        for s in &mut streams {
+            s.request = Run::of(&s.pieces);
+        }
+        let landing = landing_order(&streams)?;
         Ok(Self {
             token,
             senders: senders.into_iter().map(|(e, _)| e).collect(),
             streams,
             lens,
             wants,
+            landing,
             pulled: 0,
             spare: None,
         })
@@ -379,14 +458,16 @@ impl MeshReceiver {
     }
 
     /// Pulls `version` of the wanted parts from every sender holding a piece of them, in
-    /// parallel, waiting for each sender to publish it until `timeout` passes. The parts
+    /// parallel, within `timeout`: each sender's publish and every byte of the version
+    /// (a sender that has not published waits for it, up to the deadline). The parts
     /// land in the buffers last handed to [`MeshReceiver::recycle`], else in new ones;
     /// every byte of them is overwritten (the plan covers each wanted byte once).
     ///
     /// # Errors
     /// [`Error::Transport`] naming the sender: it cannot be reached, it refused (the
-    /// version not published in time, or no longer kept), its stream broke, or the bytes
-    /// it sent do not hash to the checksum it sent. Nothing of the version is returned then.
+    /// version not published in time, or no longer kept), its stream broke or did not
+    /// finish by the deadline, or the bytes it sent do not hash to the checksum it sent.
+    /// Nothing of the version is returned then.
     ///
     /// # Cancel safety
     /// Not async; a pull that fails keeps its buffers for the next one.
@@ -461,18 +542,27 @@ impl MeshReceiver {
         version: Version,
         deadline: Instant,
     ) -> Result<u64> {
-        let dests = destinations(parts, &self.streams)?;
+        let dests = destinations(parts, &self.streams, &self.landing)?;
         let results: Vec<Result<u64>> = std::thread::scope(|scope| {
             let handles: Vec<_> = self
                 .streams
                 .iter()
                 .zip(dests)
-                .map(|(Stream { sender, pieces, .. }, dst)| {
-                    let (addr, agent) = (self.senders[*sender].addr, self.senders[*sender].agent);
-                    let token = &self.token;
-                    scope
-                        .spawn(move || pull_one(addr, agent, token, version, pieces, dst, deadline))
-                })
+                .map(
+                    |(
+                        Stream {
+                            sender, request, ..
+                        },
+                        dst,
+                    )| {
+                        let (addr, agent) =
+                            (self.senders[*sender].addr, self.senders[*sender].agent);
+                        let token = &self.token;
+                        scope.spawn(move || {
+                            pull_one(addr, agent, token, version, request, dst, deadline)
+                        })
+                    },
+                )
                 .collect();
             handles
                 .into_iter()
@@ -507,16 +597,17 @@ fn split_ranges<'a>(
     slots.into_iter().map(|s| s.ok_or_else(overlap)).collect()
 }
 
-/// Where each stream's pieces land: per stream, in its pieces' order, the slice of the
-/// receiver's parts each fills (the plan gives every wanted byte one piece, so the slices
-/// are disjoint and the streams fill them straight from their sockets, in parallel).
-fn destinations<'a>(
-    parts: &'a mut [&mut [u8]],
-    streams: &[Stream],
-) -> Result<Vec<Vec<&'a mut [u8]>>> {
-    let outside = || Error::State("a mesh piece outside its part, or overlapping another");
-    // every piece, by where it lands
-    let mut order: Vec<(usize, usize, usize, usize, usize)> = Vec::new();
+/// One piece by where it lands: `(part, offset, bytes, stream, piece)`.
+type Landing = (usize, usize, usize, usize, usize);
+
+fn outside() -> Error {
+    Error::State("a mesh piece outside its part, or overlapping another")
+}
+
+/// Every piece of `streams`, in the order they lie in the receiver's parts (made once per
+/// receiver, replayed by every pull).
+fn landing_order(streams: &[Stream]) -> Result<Vec<Landing>> {
+    let mut order = Vec::new();
     for (si, st) in streams.iter().enumerate() {
         for (pi, (&(_, _, len), &(part, dst))) in st.pieces.iter().zip(&st.lands).enumerate() {
             let len = usize::try_from(len).map_err(|_| outside())?;
@@ -524,12 +615,24 @@ fn destinations<'a>(
         }
     }
     order.sort_unstable();
+    Ok(order)
+}
+
+/// Where each stream's pieces land: per stream, in its pieces' order, the slice of the
+/// receiver's parts each fills (the plan gives every wanted byte one piece, so the slices
+/// are disjoint and the streams fill them straight from their sockets, in parallel).
+/// `order` is [`landing_order`]'s.
+fn destinations<'a>(
+    parts: &'a mut [&mut [u8]],
+    streams: &[Stream],
+    order: &[Landing],
+) -> Result<Vec<Vec<&'a mut [u8]>>> {
     let mut slots: Vec<Vec<Option<&mut [u8]>>> = streams
         .iter()
         .map(|st| st.pieces.iter().map(|_| None).collect())
         .collect();
     let mut rests: Vec<(usize, &mut [u8])> = parts.iter_mut().map(|p| (0, &mut **p)).collect();
-    for (part, dst, len, si, pi) in order {
+    for &(part, dst, len, si, pi) in order {
         let (at, rest) = rests.get_mut(part).ok_or_else(outside)?;
         let skip = dst.checked_sub(*at).ok_or_else(outside)?;
         let (_, tail) = std::mem::take(rest)
@@ -567,14 +670,14 @@ fn read_vectored_exact(stream: &mut impl Read, group: &mut [&mut [u8]]) -> std::
     Ok(())
 }
 
-/// One stream: `pieces` of `version` from the sender at `addr`, checked against the
+/// One stream: the pieces `request` names, of `version`, from the sender at `addr`, checked against the
 /// checksum it ends with.
 fn pull_one(
     addr: SocketAddr,
     agent: Uuid,
     token: &ClusterToken,
     version: Version,
-    pieces: &[(u32, u64, u64)],
+    request: &[Run],
     dst: Vec<&mut [u8]>,
     deadline: Instant,
 ) -> Result<u64> {
@@ -582,7 +685,7 @@ fn pull_one(
     let left = deadline.saturating_duration_since(Instant::now());
     let req = Pull {
         version,
-        pieces: pieces.to_vec(),
+        pieces: request.to_vec(),
         wait: left,
     };
     let mut s = open_stream(
@@ -595,7 +698,7 @@ fn pull_one(
         left + Duration::from_secs(5),
     )
     .map_err(|e| named(e.to_string()))?;
-    let want: u64 = pieces.iter().map(|p| p.2).sum();
+    let want: u64 = request.iter().map(|r| r.len * r.count).sum();
     if s.len != want + 8 {
         return Err(named(format!(
             "announced {} bytes, {} asked",
@@ -615,6 +718,16 @@ fn pull_one(
             bytes += c.len();
             group.push(c);
         }
+        // the pull's deadline holds for the bytes too, not only for the sender's publish
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(named(format!(
+                "version {version}: not pulled whole within the pull's deadline"
+            )));
+        }
+        s.stream
+            .set_read_timeout(Some(left))
+            .map_err(|e| named(e.to_string()))?;
         read_vectored_exact(&mut s.stream, &mut group)
             .map_err(|e| named(format!("stream broke mid-transfer: {e}")))?;
         for c in group.drain(..) {
@@ -631,4 +744,47 @@ fn pull_one(
         )));
     }
     Ok(want + 8)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn expand(runs: &[Run], held: usize) -> Vec<(u32, u64, u64)> {
+        runs.iter()
+            .flat_map(|r| {
+                let part = r.part;
+                r.ranges(held)
+                    .unwrap()
+                    .map(move |x| (part, x.start as u64, x.len() as u64))
+            })
+            .collect()
+    }
+
+    #[test]
+    fn evenly_spaced_pieces_go_as_one_run_and_come_back_the_same() {
+        // a column slice: one 16-byte piece per row of 64 bytes, rows 0..1000
+        let mut pieces: Vec<(u32, u64, u64)> = (0..1000).map(|r| (0, r * 64 + 16, 16)).collect();
+        // then a whole part, then two pieces of another length, then a gap in the spacing
+        pieces.extend([(1, 0, 4096), (2, 0, 8), (2, 8, 8), (2, 100, 8)]);
+        let runs = Run::of(&pieces);
+        assert_eq!(runs.len(), 4, "{runs:?}");
+        assert_eq!((runs[0].count, runs[0].stride), (1000, 64));
+        assert_eq!((runs[2].count, runs[2].stride), (2, 8));
+        assert_eq!(expand(&runs, 64_000), pieces);
+        // whatever falls outside the part it names is refused, and so are empty runs
+        let r = runs[0];
+        assert!(r.ranges(999 * 64 + 31).is_none());
+        assert!(r.ranges(999 * 64 + 32).is_some());
+        assert!(Run { len: 0, ..r }.ranges(usize::MAX).is_none());
+        assert!(Run { count: 0, ..r }.ranges(usize::MAX).is_none());
+        assert!(
+            Run {
+                stride: u64::MAX,
+                ..r
+            }
+            .ranges(usize::MAX)
+            .is_none()
+        );
+    }
 }

@@ -236,6 +236,27 @@ fn a_receiver_whose_base_the_sender_forgot_gets_every_byte_and_says_so() {
         (2, 1, 0),
         "{st:?}"
     );
+    // the base's checksums still known (the default history) but its bytes retired: the
+    // sender cannot encode against it, and sends the changed buckets raw, as a delta
+    let cfg = TcpConfig {
+        keep_versions: 1,
+        ..TcpConfig::default()
+    };
+    let rcfg = TcpReceiverConfig {
+        mode: TransferMode::Elements,
+        ..TcpReceiverConfig::default()
+    };
+    let v2 = nudged(&v1, 2, 50, 1.0);
+    let (mut sender, rs) = pair(&m, v1, 1, cfg, rcfg);
+    let rs = send_all(&mut sender, rs, v2.clone(), T);
+    assert_eq!(
+        sender.transport().bytes_sent(),
+        2 * size,
+        "every bucket changed"
+    );
+    let st = rs[0].transport().stats();
+    assert_eq!((st.full, st.delta, st.elements), (1, 1, 0), "{st:?}");
+    assert!(rs[0].current(&id("policy")).unwrap().bytes() == v2.bytes());
 }
 
 #[test]

@@ -2,7 +2,7 @@
 //! publishes its own part of each version (a flat run of the model's elements,
 //! [`flat_shards`]) on a [`MeshSender`] of its rank's node, and every engine pulls each
 //! version from all shards at once, straight into its arena ([`MeshInlet`]). Nothing is
-//! gathered at shard 0: its outlet ([`MeshOutlet`]) publishes shard 0's own part, after
+//! gathered at shard 0: its outlet (its [`MeshPart`]) publishes shard 0's own part, after
 //! every other shard published theirs.
 //!
 //! A shard's card (its endpoint and parts) goes to the store under
@@ -73,7 +73,7 @@ impl MeshPart {
         let mut bytes = 0u64;
         for (name, part) in self.sender.parts() {
             let whole = export.tensor(name)?.bytes();
-            let cut: Arc<[u8]> = extract(&self.manifest, name, part, whole)?.into();
+            let cut = extract(&self.manifest, name, part, whole)?;
             bytes += cut.len() as u64;
             data.push(cut);
         }
@@ -82,14 +82,11 @@ impl MeshPart {
     }
 }
 
-/// Shard 0's outlet: publishes shard 0's part of each version (the other shards published
-/// theirs before shard 0 closes the version).
-#[derive(Debug)]
-pub(crate) struct MeshOutlet(pub(crate) MeshPart);
-
-impl WeightOutlet for MeshOutlet {
+/// Shard 0's outlet is its part: it publishes shard 0's part of each version (the other
+/// shards published theirs before shard 0 closes the version).
+impl WeightOutlet for MeshPart {
     fn publish(&mut self, weights: Arc<WeightSet>) -> refit_runtime::Result<Version> {
-        self.0.publish(&weights)?;
+        MeshPart::publish(self, &weights)?;
         Ok(weights.version())
     }
 }

@@ -3,7 +3,8 @@
 //! changed rather than which tensors or buckets did.
 //!
 //! The span is cut into chunks of [`CHUNK`] bytes; each chunk is written in whichever of
-//! four forms is smallest:
+//! four forms is smallest (a chunk whose runs take at most a sixteenth of it goes as runs
+//! without the planes being tried):
 //!
 //! - **same**: no byte changed (one byte on the wire);
 //! - **runs**: the changed bytes, as runs of XOR bytes with the gaps between them (a sparse

@@ -213,6 +213,12 @@ impl Topology {
         self.ranks_serving(Role::Trainer, model)
     }
 
+    /// True when `model`'s trainer is sharded (several ranks) and its shards publish their
+    /// own parts to the engines (`links.sharded = "mesh"`) instead of gathering at shard 0.
+    pub fn publishes_over_mesh(&self, model: &ModelId) -> bool {
+        self.links.sharded == Sharded::Mesh && self.trainer_ranks(model).len() > 1
+    }
+
     /// The rank whose engine serves `model`, in order.
     pub fn engine_ranks_of(&self, model: &ModelId) -> Vec<u32> {
         self.ranks_serving(Role::Engine, model)

@@ -147,7 +147,7 @@ fn time_shape(
         for (s, held) in senders.iter().zip(&mut data) {
             let part = s.parts().iter().find(|(n, _)| *n == t.name);
             if let Some((name, part)) = part {
-                held.push(extract(m, name, part, &whole)?.into());
+                held.push(extract(m, name, part, &whole)?);
             }
         }
     }

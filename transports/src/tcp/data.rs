@@ -635,7 +635,8 @@ fn claim<'f>(
 
 /// Reads a bucket sent as an element-level delta (`n` bytes of encoding) into `buf` and
 /// applies it to `dst`, which holds the base's bytes of the bucket; then hashes the
-/// result (in cache), counts it, and publishes it to relayed pulls whole.
+/// result (a second pass over the bucket: the apply does not hash as it goes), counts it,
+/// and publishes it to relayed pulls whole.
 fn read_encoded(
     stream: &mut impl Read,
     n: usize,

@@ -34,13 +34,19 @@ impl Encodings {
         self.base.version()
     }
 
+    /// The version encoded.
+    pub(crate) fn version(&self) -> Version {
+        self.version
+    }
+
     /// True for the encodings of `version` against `base`.
     pub(crate) fn is(&self, base: Version, version: Version) -> bool {
         self.base.version() == base && self.version == version
     }
 
     /// The encoding of bucket `index` (`spec`) of `new`, made now unless it was already;
-    /// `None` when it is no smaller than the raw bytes (then they are sent).
+    /// `None` when it is no smaller than the raw bytes (then they are sent). Pulls of the
+    /// same bucket at once wait for the one encoding it: it is made once.
     ///
     /// # Errors
     /// [`refit_runtime::Error::Wire`] when the bucket runs past either arena.
@@ -70,10 +76,15 @@ impl Encodings {
             .first()
             .and_then(|p| new.manifest().tensors().get(p.tensor))
             .map_or(1, |t| t.dtype.size());
-        let mut out = Vec::with_capacity(n.len() / 4);
-        elements::encode(b, n, width, &mut out)?;
-        let made = (out.len() < n.len()).then(|| Arc::from(out));
-        Ok(slot.get_or_init(|| made).clone())
+        let made = slot.get_or_init(|| {
+            let mut out = Vec::with_capacity(n.len() / 4);
+            // the spans are of one length (checked above) and the width a dtype's size, all
+            // that `encode` refuses:
+            // were it to refuse, the raw bytes go, as for an encoding that does not shrink
+            let encoded = elements::encode(b, n, width, &mut out).is_ok();
+            (encoded && out.len() < n.len()).then(|| Arc::from(out))
+        });
+        Ok(made.clone())
     }
 }
 

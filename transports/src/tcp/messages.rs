@@ -39,8 +39,10 @@ pub enum TransferMode {
 
 /// The version of the tcp transport's protocol (these messages, the bucket frames of the
 /// data streams) this build speaks: a receiver registers with it, the sender answers with
-/// its own, and each refuses another version naming both.
-pub const PROTOCOL_VERSION: u32 = 1;
+/// its own, and each refuses another version naming both. Version 2 added element-level
+/// deltas ([`TransferMode::Elements`], an encoded bucket's length in its header, the base a
+/// pull names): a version-1 peer could not decode them, so it is refused at registration.
+pub const PROTOCOL_VERSION: u32 = 2;
 
 /// The name of the protocol in errors.
 pub(crate) const PROTOCOL_NAME: &str = "tcp transport";

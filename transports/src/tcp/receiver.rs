@@ -1020,8 +1020,19 @@ impl TcpReceiver {
             Arc::new(PooledBuf::new(buf, &self.shared.pool)),
         )?;
         let dst = ws.bytes_mut()?;
-        if t.encoded_base.is_some() && dst.len() == base.len() {
+        if t.encoded_base.is_some() {
             // encoded buckets apply to the base's bytes: the whole version held first
+            if dst.len() != base.len() {
+                return Err(Error::transport(
+                    NAME,
+                    format!(
+                        "model `{model}` version {version} is encoded against a base of {} \
+                         bytes; the version held has {}",
+                        dst.len(),
+                        base.len()
+                    ),
+                ));
+            }
             dst.copy_from_slice(base);
         } else {
             for r in kept {

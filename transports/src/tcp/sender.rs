@@ -139,17 +139,21 @@ impl Agent {
         base: Option<Version>,
     ) -> std::result::Result<Source, String> {
         let mut st = self.lock();
-        let encoded = match base {
-            Some(b) => Some(encodings(&mut st, model, b, version)?),
-            None => None,
-        };
-        let slot = st.models.get(model);
-        let weights = slot
+        // the version first: a pull of one no longer kept makes no encodings (which would
+        // push out a pair still in use)
+        let weights = st
+            .models
+            .get(model)
             .and_then(|s| s.versions.iter().find(|w| w.version() == version))
             .cloned()
             .ok_or_else(|| {
                 format!("model `{model}` version {version} is not kept by the sender")
             })?;
+        let encoded = match base {
+            Some(b) => Some(encodings(&mut st, model, b, version)?),
+            None => None,
+        };
+        let slot = st.models.get(model);
         let (plan_id, plan) = slot
             .and_then(|s| s.plan.clone())
             .ok_or_else(|| format!("model `{model}` has no bucket plan"))?;
@@ -246,8 +250,8 @@ impl Agent {
 }
 
 /// The encodings of `version` of `model` against `base`, kept in the model's slot (made
-/// empty now unless a pull made them already); an error when either version is no longer
-/// kept.
+/// empty now unless a pull made them already); an error when the base is no longer kept
+/// (the caller found `version`).
 fn encodings(
     st: &mut State,
     model: &ModelId,
@@ -709,10 +713,11 @@ impl SenderTransport for TcpSender {
                 while slot.versions.len() > keep {
                     retired.extend(slot.versions.pop_front());
                 }
-                // encodings against a retired base go with it (they hold its arena)
-                let kept = &slot.versions;
+                // encodings of or against a retired version go with it (they hold the
+                // base's arena and can be served no more)
+                let kept = |v: Version| slot.versions.iter().any(|w| w.version() == v);
                 slot.encodings
-                    .retain(|e| kept.iter().any(|w| w.version() == e.base_version()));
+                    .retain(|e| kept(e.base_version()) && kept(e.version()));
                 slot.sums.push_back((w.version(), s));
                 while slot.sums.len() > history {
                     slot.sums.pop_front();

@@ -118,15 +118,18 @@ impl ShardLead {
             None => self.assembly.close()?,
         };
         let world = self.assembly.world();
-        for s in (0..world).filter(|_| !self.mesh) {
-            let r = self.assembly.range(s);
-            tracing::debug!(
-                "model `{}` v{version}: shard {s} of {world} (rank {}) wrote bytes {}..{}",
-                self.assembly.model(),
-                self.assembly.rank(s),
-                r.start,
-                r.end
-            );
+        // under a mesh nothing was written here: the shards said what they published
+        if !self.mesh {
+            for s in 0..world {
+                let r = self.assembly.range(s);
+                tracing::debug!(
+                    "model `{}` v{version}: shard {s} of {world} (rank {}) wrote bytes {}..{}",
+                    self.assembly.model(),
+                    self.assembly.rank(s),
+                    r.start,
+                    r.end
+                );
+            }
         }
         let stats = stats.ok_or_else(|| {
             self.assembly

@@ -26,7 +26,7 @@ use std::time::Duration;
 
 use actix::prelude::*;
 use refit_node::Node;
-use refit_runtime::topology::{Sharded, Topology};
+use refit_runtime::topology::Topology;
 use refit_runtime::wire::MAX_CONTROL_MESSAGE;
 
 use crate::error::{Error, Result};
@@ -95,7 +95,7 @@ pub(crate) fn start_members(
         let resumed = checkpoint::restore(site.topo, site.who, spec, learner.as_mut())?;
         let first = crate::run::workload::first_export(learner.as_mut(), spec, resumed)?;
         // under a mesh this shard publishes its own part of every version, the first now
-        let mesh = if site.topo.links.sharded == Sharded::Mesh {
+        let mesh = if site.topo.publishes_over_mesh(&spec.id) {
             let part = MeshPart::open(
                 site.node,
                 site.rv,
@@ -118,6 +118,10 @@ pub(crate) fn start_members(
             name: format!("assembly of model `{}` on rank {lead}", spec.id),
             wait: site.wait,
         };
+        let publishes = match &mesh {
+            Some(_) => "publishes its part over the mesh".to_string(),
+            None => format!("rank {lead} assembles and publishes"),
+        };
         let member = ShardMember::new(
             spec.id.clone(),
             (shard, ranks.len(), site.me),
@@ -130,10 +134,6 @@ pub(crate) fn start_members(
         )
         .start();
         ShardRef::local(&member).serve(site.node, actor_id(Served::Shard, site.me, mi, 0));
-        let publishes = match site.topo.links.sharded {
-            Sharded::Mesh => "publishes its part over the mesh".to_string(),
-            Sharded::Gather => format!("rank {lead} assembles and publishes"),
-        };
         tracing::info!(
             "{}: pid {}, shard {shard} of {} of model `{}`'s trainer ({publishes})",
             site.who,
@@ -193,7 +193,7 @@ pub(crate) async fn start_lead(
         .collect();
     let trainer = Trainer::hosting(learner, Some(outlet));
     let save = trainer.clone().recipient();
-    let mesh = site.topo.links.sharded == Sharded::Mesh;
+    let mesh = site.topo.publishes_over_mesh(&spec.id);
     let lead = ShardLead::new(assembly, trainer, members, (site.wait, mesh)).start();
     AssemblyRef::local(&lead).serve(site.node, actor_id(Served::Shard, site.me, mi, 0));
     if mesh {

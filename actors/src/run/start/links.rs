@@ -3,7 +3,6 @@
 
 use std::sync::Arc;
 
-use refit_runtime::topology::Sharded;
 use refit_runtime::{Manifest, Manifests};
 use refit_transports::link::{self, ReceiverSpec};
 
@@ -94,8 +93,8 @@ fn spawn_inlets(ctx: &RankCtx) -> Result<Vec<Connecting<ModelInlet>>> {
     let mut receivers = Vec::new();
     for spec in engines {
         let layout = ctx.setup.work.engine_manifest(spec)?;
-        let shards = topo.trainer_ranks(&spec.id).len();
-        if shards > 1 && topo.links.sharded == Sharded::Mesh {
+        if topo.publishes_over_mesh(&spec.id) {
+            let shards = topo.trainer_ranks(&spec.id).len();
             receivers.push(spawn_mesh_inlet(ctx, spec, layout, shards));
             continue;
         }

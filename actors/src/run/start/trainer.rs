@@ -5,14 +5,14 @@
 use std::sync::Arc;
 
 use refit_runtime::WeightSet;
-use refit_runtime::topology::{Sharded, TransportKind};
+use refit_runtime::topology::TransportKind;
 
 use crate::error::{Error, Result};
 use crate::learner::Learner;
 use crate::roles::ModelSpec;
 use crate::run::checkpoint;
 use crate::run::ids::{RANK_LOG, first_version_key, weights_key};
-use crate::run::mesh::{MeshOutlet, MeshPart};
+use crate::run::mesh::MeshPart;
 use crate::run::weights::{self, Leftovers, OpenedLinks};
 
 use super::RankCtx;
@@ -90,8 +90,7 @@ fn open_model(ctx: &RankCtx, spec: &ModelSpec) -> Result<OpenedModel> {
         .work
         .engine_manifest(spec)?
         .check_same_schema(&spec.id, wire.get(&spec.id)?)?;
-    let shards = topo.trainer_ranks(&spec.id).len();
-    if shards > 1 && topo.links.sharded == Sharded::Mesh {
+    if topo.publishes_over_mesh(&spec.id) {
         if conversions.is_some() {
             return Err(Error::Config(format!(
                 "model `{}`: links.sharded = \"mesh\" serves the trainer's layout, and its \
@@ -99,6 +98,7 @@ fn open_model(ctx: &RankCtx, spec: &ModelSpec) -> Result<OpenedModel> {
                 spec.id
             )));
         }
+        let shards = topo.trainer_ranks(&spec.id).len();
         let links = mesh_links(ctx, spec, &initial, wire, shards)?;
         return Ok(OpenedModel {
             spec: spec.clone(),
@@ -157,9 +157,5 @@ fn mesh_links(
         std::process::id(),
         spec.id
     );
-    Ok(OpenedLinks::direct(
-        spec.id.clone(),
-        wire,
-        Box::new(MeshOutlet(part)),
-    ))
+    Ok(OpenedLinks::direct(spec.id.clone(), wire, Box::new(part)))
 }
