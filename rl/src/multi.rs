@@ -8,8 +8,9 @@
 //! - [`MultiSyncCollector`]: every worker collects one batch, the batches are concatenated
 //!   (worker order) and yielded; workers then wait for the next request.
 //! - [`MultiAsyncCollector`]: workers collect continuously; batches are yielded as they
-//!   arrive (one worker's batch each); a bounded queue keeps workers at most
-//!   `queue_depth` batches ahead.
+//!   arrive (one worker's batch each); each worker has at most `queue_depth` batches queued
+//!   ahead of the consumer (its own [`Backlog`] count, so a fast worker cannot take the
+//!   queue from a slow one).
 //!
 //! The cascade (TorchRL's two-level `update_policy_weights_`): a multi-collector given an
 //! upstream [`WeightSource`] (`attach_weight_source`, e.g. the receiving end of a trainer's
@@ -20,7 +21,7 @@ use std::collections::VecDeque;
 use std::fmt;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{self, RecvTimeoutError};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Condvar, Mutex, PoisonError};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -90,6 +91,78 @@ pub struct WorkerLink {
     pub stop: Arc<AtomicBool>,
     /// Deadline of the scheme rendez-vous.
     pub connect_timeout: Duration,
+    /// Batches each worker has queued ahead of the consumer; a worker waits for room in
+    /// its own count before it sends.
+    pub backlog: Arc<Backlog>,
+}
+
+/// Per-worker counts of batches sent but not yet taken by the consumer, each bounded by
+/// one depth.
+///
+/// One shared bounded channel is not enough: when it is full, a worker that is running
+/// refills a freed slot before a woken one is scheduled, so on a busy machine one worker
+/// can hold the whole queue for hundreds of batches while another waits with its batch
+/// (made by an old version) in hand. With a count per worker, a worker only ever waits
+/// for the consumer to take its own batches.
+#[derive(Debug)]
+pub struct Backlog {
+    queued: Mutex<Vec<usize>>,
+    taken: Condvar,
+    depth: usize,
+}
+
+impl Backlog {
+    /// Counts for `workers` workers, each allowed `depth` (at least 1) queued batches.
+    #[must_use]
+    pub fn new(workers: usize, depth: usize) -> Self {
+        Self {
+            queued: Mutex::new(vec![0; workers]),
+            taken: Condvar::new(),
+            depth: depth.max(1),
+        }
+    }
+
+    /// Waits until `worker` has room, then counts one more batch queued for it. Answers
+    /// `false` (nothing counted) once `stop` is raised.
+    ///
+    /// # Cancel safety
+    /// Blocking; wakes at least every 50 ms to look at `stop`.
+    pub fn reserve(&self, worker: usize, stop: &AtomicBool) -> bool {
+        let mut queued = self.queued.lock().unwrap_or_else(PoisonError::into_inner);
+        loop {
+            if stop.load(Ordering::Acquire) {
+                return false;
+            }
+            match queued.get_mut(worker) {
+                None => return true, // a worker the counts do not know is not held back
+                Some(n) if *n < self.depth => {
+                    *n += 1;
+                    return true;
+                }
+                Some(_) => {}
+            }
+            queued = self
+                .taken
+                .wait_timeout(queued, Duration::from_millis(50))
+                .unwrap_or_else(PoisonError::into_inner)
+                .0;
+        }
+    }
+
+    /// The consumer took one of `worker`'s batches.
+    pub fn release(&self, worker: usize) {
+        let mut queued = self.queued.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(n) = queued.get_mut(worker) {
+            *n = n.saturating_sub(1);
+        }
+        drop(queued);
+        self.taken.notify_all();
+    }
+
+    /// Wakes every waiting worker (shutdown).
+    fn wake_all(&self) {
+        self.taken.notify_all();
+    }
 }
 
 /// The worker loop, generic over the receiving transport: connect the receiver (initial
@@ -121,6 +194,7 @@ where
     P: Policy,
     T: ReceiverTransport + 'static,
 {
+    let worker = link.worker;
     let receiver = receiver.connect(link.connect_timeout)?;
     collector.attach_weight_source(Box::new(receiver))?;
     loop {
@@ -140,10 +214,10 @@ where
         let Some(batch) = collector.next_batch()? else {
             return Ok(());
         };
-        let msg = WorkerMessage::Batch {
-            worker: link.worker,
-            batch,
-        };
+        if !link.backlog.reserve(worker, &link.stop) {
+            return Ok(()); // the collector is shutting down
+        }
+        let msg = WorkerMessage::Batch { worker, batch };
         if link.out.send(msg).is_err() {
             return Ok(()); // the collector is gone
         }
@@ -213,6 +287,7 @@ struct Core<T: SenderTransport> {
     commands: Vec<mpsc::Sender<WorkerCommand>>,
     out: Option<mpsc::Receiver<WorkerMessage>>,
     stop: Arc<AtomicBool>,
+    backlog: Arc<Backlog>,
     policy_id: ModelId,
     registered: Option<Registered>,
     upstream: Option<Box<dyn WeightSource>>,
@@ -263,10 +338,12 @@ impl<T: SenderTransport> Core<T> {
         manifests.get(&config.policy_id)?;
         let n = workers.len();
         let depth = match mode {
-            WorkerMode::Sync => n,
-            WorkerMode::Async => n * config.queue_depth.max(1),
+            WorkerMode::Sync => 1,
+            WorkerMode::Async => config.queue_depth.max(1),
         };
-        let (out_tx, out_rx) = mpsc::sync_channel(depth);
+        let backlog = Arc::new(Backlog::new(n, depth));
+        // the backlog bounds what is queued; a failure message has its own room
+        let (out_tx, out_rx) = mpsc::sync_channel(n * (depth + 1));
         let stop = Arc::new(AtomicBool::new(false));
         let traj_pool = TrajPool::new();
         let mut core = Self {
@@ -275,6 +352,7 @@ impl<T: SenderTransport> Core<T> {
             commands: Vec::with_capacity(n),
             out: Some(out_rx),
             stop: Arc::clone(&stop),
+            backlog: Arc::clone(&backlog),
             policy_id: config.policy_id.clone(),
             registered: None,
             upstream: None,
@@ -298,6 +376,7 @@ impl<T: SenderTransport> Core<T> {
                 out: out_tx.clone(),
                 stop: Arc::clone(&stop),
                 connect_timeout: config.connect_timeout,
+                backlog: Arc::clone(&backlog),
             };
             let receiver = ReceiverInit::new(transport, Some(manifests.clone()));
             let handle = std::thread::Builder::new()
@@ -385,7 +464,10 @@ impl<T: SenderTransport> Core<T> {
                 }
             };
             return match msg {
-                WorkerMessage::Batch { worker, batch } => Ok((worker, batch)),
+                WorkerMessage::Batch { worker, batch } => {
+                    self.backlog.release(worker);
+                    Ok((worker, batch))
+                }
                 WorkerMessage::Failed { worker, error } => Err(Error::Worker {
                     worker,
                     source: Box::new(error),
@@ -420,6 +502,7 @@ impl<T: SenderTransport> Core<T> {
         }
         self.closed = true;
         self.stop.store(true, Ordering::Release);
+        self.backlog.wake_all();
         for c in self.commands.drain(..) {
             let _ = c.send(WorkerCommand::Stop);
         }
@@ -688,7 +771,8 @@ impl<T: SenderTransport> MultiAsyncCollector<T> {
             while let Ok(msg) = out.try_recv() {
                 match msg {
                     WorkerMessage::Batch { worker, batch } => {
-                        self.core.stash.push_back((worker, batch))
+                        self.core.backlog.release(worker);
+                        self.core.stash.push_back((worker, batch));
                     }
                     WorkerMessage::Failed { worker, error } => {
                         return Err(Error::Worker {
@@ -725,3 +809,42 @@ impl<T: SenderTransport> MultiAsyncCollector<T> {
 
 common_methods!(MultiSyncCollector);
 common_methods!(MultiAsyncCollector);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_worker_waits_only_for_its_own_queued_batches() {
+        let backlog = Arc::new(Backlog::new(2, 1));
+        let stop = Arc::new(AtomicBool::new(false));
+        assert!(backlog.reserve(0, &stop));
+        // worker 0 is full; worker 1 still has room
+        assert!(backlog.reserve(1, &stop));
+        let (b, s) = (Arc::clone(&backlog), Arc::clone(&stop));
+        let (tx, rx) = mpsc::channel();
+        let waiter = std::thread::spawn(move || tx.send(b.reserve(0, &s)));
+        assert!(rx.recv_timeout(Duration::from_millis(200)).is_err(), "held");
+        backlog.release(1); // another worker's batch taken: worker 0 still waits
+        assert!(rx.recv_timeout(Duration::from_millis(200)).is_err(), "held");
+        backlog.release(0);
+        assert_eq!(rx.recv_timeout(Duration::from_secs(5)), Ok(true));
+        waiter.join().unwrap().unwrap();
+    }
+
+    #[test]
+    fn a_waiting_worker_is_let_go_at_shutdown() {
+        let backlog = Arc::new(Backlog::new(1, 2));
+        let stop = Arc::new(AtomicBool::new(false));
+        assert!(backlog.reserve(0, &stop));
+        assert!(backlog.reserve(0, &stop));
+        let (b, s) = (Arc::clone(&backlog), Arc::clone(&stop));
+        let waiter = std::thread::spawn(move || b.reserve(0, &s));
+        std::thread::sleep(Duration::from_millis(100));
+        stop.store(true, Ordering::Release);
+        backlog.wake_all();
+        assert!(!waiter.join().unwrap(), "nothing counted after stop");
+        // a worker index the counts do not know is never held
+        assert!(Backlog::new(1, 1).reserve(7, &AtomicBool::new(false)));
+    }
+}
