@@ -9,7 +9,7 @@ use std::time::Duration;
 use refit_node::{ClusterToken, Node, NodeConfig};
 use refit_runtime::mesh::extract;
 use refit_runtime::{DType, Manifest, Version};
-use refit_transports::mesh::{MeshReceiver, MeshSender, Part, Parts};
+use refit_transports::mesh::{MeshEndpoint, MeshReceiver, MeshSender, Part, Parts};
 
 const T: Duration = Duration::from_secs(20);
 
@@ -280,4 +280,88 @@ fn flat_shards_land_in_a_whole_weight_set() {
         e.contains("`w`") || e.contains("w:") || e.contains("wanted whole"),
         "{e}"
     );
+}
+
+/// How a fake sender misbehaves once it has written half of what it announced.
+#[derive(Clone, Copy)]
+enum Halfway {
+    /// The process dies: the stream closes.
+    Dies,
+    /// The process hangs: the stream stays open, silent.
+    Stalls,
+}
+
+/// A sender on `node` that holds the whole model, announces every byte asked of it, sends
+/// half and then misbehaves.
+fn sender_breaking_halfway(node: &Node, m: &Manifest, how: Halfway) -> (MeshEndpoint, Parts) {
+    use tokio::io::AsyncWriteExt;
+    let agent = uuid::Uuid::new_v4();
+    let total: u64 = m.tensors().iter().map(|t| t.len as u64).sum();
+    node.register_stream(agent, "mesh.pull", move |_, _, mut stream| {
+        Box::pin(async move {
+            let head = refit_node::StreamHead::Ok { len: total + 8 };
+            refit_node::write_head(&mut stream, &head).await?;
+            let half = vec![7u8; (total / 2) as usize];
+            stream
+                .write_all(&half)
+                .await
+                .map_err(|e| refit_node::Error::io("fake sender", e))?;
+            stream
+                .flush()
+                .await
+                .map_err(|e| refit_node::Error::io("fake sender", e))?;
+            if let Halfway::Stalls = how {
+                tokio::time::sleep(Duration::from_secs(30)).await;
+            }
+            Ok(())
+        })
+    });
+    let endpoint = MeshEndpoint {
+        addr: node.advertised(),
+        agent,
+    };
+    (endpoint, refit_runtime::mesh::wholes(m))
+}
+
+/// The bad input: a shard that dies or hangs in the middle of a version fails that
+/// version, naming the shard, within the pull's deadline; the version the receiver held
+/// before is still the one its weight set says it holds.
+#[test]
+fn a_shard_that_dies_or_hangs_mid_version_fails_it_naming_the_shard() {
+    let m = Arc::new(manifest());
+    for how in [Halfway::Dies, Halfway::Stalls] {
+        let node = Node::start(NodeConfig::loopback(ClusterToken::random())).unwrap();
+        let (endpoint, parts) = sender_breaking_halfway(&node, &m, how);
+        let wholes = refit_runtime::mesh::wholes(&m);
+        let mut r =
+            MeshReceiver::new(&m, vec![(endpoint, parts)], wholes, token_of(&node)).unwrap();
+        let mut ws = refit_runtime::WeightSet::zeroed(policy(), Arc::clone(&m));
+        let deadline = Duration::from_secs(2);
+        let started = std::time::Instant::now();
+        let e = r
+            .pull_weights(&mut ws, Version(1), deadline)
+            .unwrap_err()
+            .to_string();
+        let took = started.elapsed();
+        assert!(
+            e.contains(&endpoint.addr.to_string()),
+            "names the shard: {e}"
+        );
+        assert!(
+            e.contains("mid-transfer") || e.contains("deadline"),
+            "says the stream broke: {e}"
+        );
+        assert!(
+            took < deadline + Duration::from_secs(3),
+            "took {took:?}: {e}"
+        );
+        assert_eq!(
+            ws.version(),
+            Version::ZERO,
+            "the failed version is not taken"
+        );
+        assert_eq!(r.bytes_pulled(), 0, "nothing of it counts as pulled");
+        let e = r.pull(Version(1), deadline).unwrap_err().to_string();
+        assert!(e.contains(&endpoint.addr.to_string()), "{e}");
+    }
 }
