@@ -13,7 +13,9 @@
 //! second of the engines, the versions the batch was sampled under, each engine's pause per
 //! load) and at the end the held-out curve, the staleness histogram and a pause summary.
 //! Without `topology` the same run happens in one process (every reference local, weights
-//! through the in-process link).
+//! through the in-process link). `grpo topology --backend` runs an engine rank's generator
+//! behind the backend contract (`refit_actors::actor::EngineBackend`), the path a vLLM or
+//! Python engine takes (`examples/topologies/grpo-backend.toml`).
 //!
 //! The run stops once the mean reward on held-out prompts (greedy) reaches `[stop]
 //! target_eval` (0.9), or its budget is spent (exit status 1).
@@ -21,8 +23,9 @@
 use std::time::Duration;
 
 use clap::{Parser, Subcommand};
+use refit_actors::actor::GeneratorBackend;
 use refit_actors::run::{self, RunConfig, RunReport, StopRule};
-use refit_actors::{GrpoRoles, ModelSpec, policy_model_id};
+use refit_actors::{GenRoles, GrpoRoles, ModelSpec, policy_model_id};
 use refit_node::LaunchEnv;
 use refit_runtime::sync_policy::{PauseMode, StalenessStats, SyncConfig, SyncMode};
 
@@ -66,7 +69,12 @@ struct Args {
 enum Sub {
     /// One rank of a topology file, as `refit launch` starts it (`REFIT_TOPOLOGY`, the
     /// launch variables, `--set` overrides in `REFIT_SET`).
-    Topology,
+    Topology {
+        /// Serve this rank's engine through the backend contract (a `BackendEngine` of
+        /// the generator) instead of Refit's generating engine.
+        #[arg(long)]
+        backend: bool,
+    },
 }
 
 fn parse_mode(s: &str) -> Result<SyncMode, String> {
@@ -96,10 +104,23 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     refit::init()?;
     // the staleness the pool allows, to say why samples were dropped
     let (report, allowed) = match args.command {
-        Some(Sub::Topology) => {
+        Some(Sub::Topology { backend }) => {
             let topology = refit_node::launch::load_topology()?;
             let launch = LaunchEnv::from_env()?;
-            match run::join_generating(&topology, &launch, GrpoRoles::new())? {
+            let joined = if backend {
+                // ANCHOR: backend
+                let roles = GrpoRoles::new();
+                let mut engine = GeneratorBackend::new();
+                for spec in run::model_specs(&topology)? {
+                    let (generator, stager) = (roles.generator(&spec)?, roles.generator(&spec)?);
+                    engine = engine.with_model(spec.id.clone(), generator, stager, 64)?;
+                }
+                run::join_backend(&topology, &launch, roles, engine)?
+                // ANCHOR_END: backend
+            } else {
+                run::join_generating(&topology, &launch, GrpoRoles::new())?
+            };
+            match joined {
                 Some(report) => (report, topology.sync.allowed_staleness()),
                 None => return Ok(()),
             }

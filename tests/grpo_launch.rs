@@ -80,3 +80,31 @@ fn grpo_learns_through_refit_launch_in_every_sync_mode() {
         assert_clean(&out);
     }
 }
+
+/// The engines behind the backend contract (`grpo-backend.toml`: the path a vLLM or Python
+/// engine takes): the run learns as with Refit's own generating engines, every completion
+/// labelled with the versions that made it, each engine's pause reported.
+#[test]
+fn grpo_learns_with_backend_engines_under_refit_launch() {
+    let dir = tempfile::tempdir().unwrap();
+    let topo = shipped_topology(dir.path(), "grpo-backend.toml", "grpo", &[]);
+    let text = std::fs::read_to_string(&topo).unwrap();
+    assert!(text.contains("\"topology\", \"--backend\"]"), "{text}");
+    let args = [
+        "--set",
+        "model.policy.params.min_len=3",
+        "--set",
+        "model.policy.params.max_len=3",
+        "--set",
+        "model.policy.params.heldout=64",
+        "--set",
+        "stop.target_eval=0.6",
+    ];
+    let launch = Launch::start_with(&topo, "batch-async", &args);
+    let (status, out) = launch.finish(Duration::from_secs(900));
+    assert!(status.success(), "{status}\n{out}");
+    assert!(out.contains("solved: policy held-out reward"), "{out}");
+    assert!(out.contains("engine pauses"), "{out}");
+    assert!(out.contains("mean reward"), "{out}");
+    assert_clean(&out);
+}

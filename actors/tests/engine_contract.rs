@@ -10,7 +10,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use actix::prelude::*;
-use refit_actors::actor::{GenModel, GenerationEngine, InferenceEngine};
+use refit_actors::actor::{
+    BackendEngine, GenModel, GenerationEngine, GeneratorBackend, InferenceEngine,
+};
 use refit_actors::conformance::{self, CHECKS, Publish};
 use refit_actors::generation::PauseMode;
 use refit_actors::protocol::EngineRef;
@@ -27,6 +29,7 @@ use refit_runtime::{
 use refit_transports::inproc::{InProc, InProcSender};
 
 use generating::{bigram, policy, table};
+use refit_actors::bigram::Bigram;
 
 const SIZES: [usize; 3] = [4, 16, 2];
 
@@ -102,6 +105,21 @@ fn generating() -> (
     (engine, publisher)
 }
 
+/// A backend engine (the engine of vLLM or a Python object) over the bigram generator,
+/// and its publisher.
+fn backed() -> (Addr<BackendEngine<GeneratorBackend<Bigram>>>, Publisher) {
+    let m = policy();
+    let mm = m.clone();
+    let (publisher, inlet) = scheme(&m, move |v| table(&mm, v));
+    let backend = GeneratorBackend::new()
+        .with_model(m.clone(), bigram(), bigram(), 16)
+        .unwrap();
+    let engine = BackendEngine::new(Arc::new(backend), vec![(m, inlet)])
+        .unwrap()
+        .start();
+    (engine, publisher)
+}
+
 #[actix_rt::test]
 async fn both_engine_families_pass_the_suite_in_this_process() {
     let (engine, mut publisher) = acting();
@@ -110,6 +128,11 @@ async fn both_engine_families_pass_the_suite_in_this_process() {
         .unwrap();
     assert_eq!(passed, CHECKS);
     let (engine, mut publisher) = generating();
+    let passed = conformance::weight_plane(&EngineRef::local(&engine), &policy(), &mut publisher)
+        .await
+        .unwrap();
+    assert_eq!(passed, CHECKS);
+    let (engine, mut publisher) = backed();
     let passed = conformance::weight_plane(&EngineRef::local(&engine), &policy(), &mut publisher)
         .await
         .unwrap();
@@ -142,6 +165,15 @@ fn both_engine_families_pass_the_suite_across_nodes() {
         assert_eq!(passed, CHECKS);
 
         let (engine, mut publisher) = generating();
+        let target = uuid::Uuid::new_v4();
+        EngineHandle::generating(&engine).serve(&server, target);
+        let remote = EngineRef::remote(&connect(target).await.unwrap());
+        let passed = conformance::weight_plane(&remote, &policy(), &mut publisher)
+            .await
+            .unwrap();
+        assert_eq!(passed, CHECKS);
+
+        let (engine, mut publisher) = backed();
         let target = uuid::Uuid::new_v4();
         EngineHandle::generating(&engine).serve(&server, target);
         let remote = EngineRef::remote(&connect(target).await.unwrap());

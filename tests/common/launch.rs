@@ -208,8 +208,10 @@ pub(crate) fn shipped_topology(
         .unwrap()
         .lines()
         .map(|l| {
-            if l.starts_with("command = ") {
-                return format!("command = [{:?}, \"topology\"]", exe.display().to_string());
+            // the program (the first string) is this build's example; its arguments stay
+            if let Some(rest) = l.strip_prefix("command = [") {
+                let args = rest.splitn(3, '"').nth(2).unwrap_or("]");
+                return format!("command = [{:?}{args}", exe.display().to_string());
             }
             match set.iter().find(|(k, _)| l.starts_with(&format!("{k} = "))) {
                 Some((k, v)) => format!("{k} = {v}"),

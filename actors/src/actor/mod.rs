@@ -24,6 +24,7 @@
 //! actors (collection, training) run on their own threads so they never block an arbiter's
 //! event loop.
 
+pub mod backend;
 pub mod controller;
 pub mod engine;
 pub mod eval;
@@ -58,6 +59,7 @@ pub use crate::protocol::rollout::{
     GetRolloutStats, RolloutRef, RolloutStats, StartRollouts, StopRollouts,
 };
 pub use crate::protocol::trainer::{Train, TrainAndPublish};
+pub use backend::{BackendEngine, EngineBackend, GeneratorBackend};
 pub use controller::WeightSyncController;
 pub use engine::{DEFAULT_QUEUE_DEADLINE, InferenceEngine};
 pub use eval::{DEFAULT_EVAL_REQUEST_DEADLINE, Evaluator};

@@ -28,6 +28,7 @@
 //! other rank exits when rank 0 is dead. See the book's supervision page for the written
 //! guarantees.
 
+mod backend;
 mod begin;
 mod checkpoint;
 mod drive;
@@ -61,6 +62,7 @@ use crate::link::WeightInlet;
 use crate::protocol::eval::EvalReport;
 use crate::roles::{GenRoles, ModelSpec, Roles};
 
+pub use backend::join_backend;
 pub use checkpoint::resume_version;
 pub use rendezvous::PING_TARGET;
 pub use report::{ModelReport, RankEvent, RankEventKind, RankReport, RunReport, UpdateRecord};

@@ -1,0 +1,295 @@
+//! The requests a backend engine holds for its next batch, the batch, and the answers: plain
+//! code, no actor.
+
+use std::collections::{BTreeMap, VecDeque};
+
+use refit_runtime::{ModelId, Version};
+use tokio::sync::oneshot;
+
+use crate::error::{Error, Result};
+use crate::generation::Completion;
+use crate::protocol::engine::{Generate, Score};
+
+use super::EngineBackend;
+
+/// A request for a batch.
+#[derive(Debug)]
+pub(super) enum Request {
+    /// Completions.
+    Generate(Generate),
+    /// Scores.
+    Score(Score),
+}
+
+impl Request {
+    fn model(&self) -> &ModelId {
+        match self {
+            Self::Generate(g) => &g.model,
+            Self::Score(s) => &s.model,
+        }
+    }
+
+    fn epoch(&self) -> Option<u64> {
+        match self {
+            Self::Generate(g) => g.epoch,
+            Self::Score(s) => s.epoch,
+        }
+    }
+}
+
+type Reply = oneshot::Sender<Result<Completion>>;
+
+/// Requests waiting for a batch, in their order of arrival.
+#[derive(Debug, Default)]
+pub(super) struct Pending {
+    waiting: VecDeque<(Request, Reply)>,
+}
+
+impl Pending {
+    pub(super) fn push(&mut self, req: Request, reply: Reply) {
+        self.waiting.push_back((req, reply));
+    }
+
+    /// Answers every waiting request of an epoch older than `epoch` as cancelled: how many.
+    pub(super) fn cancel_below(&mut self, epoch: u64) -> u64 {
+        let mut cancelled = 0;
+        let mut kept = VecDeque::with_capacity(self.waiting.len());
+        for (req, reply) in self.waiting.drain(..) {
+            if req.epoch().is_some_and(|e| e < epoch) {
+                let _ = reply.send(Err(Error::Cancelled { epoch }));
+                cancelled += 1;
+            } else {
+                kept.push_back((req, reply));
+            }
+        }
+        self.waiting = kept;
+        cancelled
+    }
+
+    /// Takes the requests whose model serves a version (a model with none yet keeps its
+    /// requests until its first version is served).
+    pub(super) fn take_ready(&mut self, served: &BTreeMap<ModelId, Version>) -> Batch {
+        let mut batch = Batch::default();
+        let mut kept = VecDeque::new();
+        for (req, reply) in self.waiting.drain(..) {
+            if served.get(req.model()).copied().unwrap_or(Version::ZERO) == Version::ZERO {
+                kept.push_back((req, reply));
+                continue;
+            }
+            match req {
+                Request::Generate(g) => batch.generate.push((g, reply)),
+                Request::Score(s) => batch.score.push((s, reply)),
+            }
+        }
+        self.waiting = kept;
+        batch
+    }
+}
+
+/// One batch: the completions and the scores asked, each with where its answer goes.
+#[derive(Debug, Default)]
+pub(super) struct Batch {
+    generate: Vec<(Generate, Reply)>,
+    score: Vec<(Score, Reply)>,
+}
+
+impl Batch {
+    pub(super) fn is_empty(&self) -> bool {
+        self.generate.is_empty() && self.score.is_empty()
+    }
+
+    /// Runs the batch on `backend` (blocking): one call for the completions, one for the
+    /// scores, each answer checked and given its versions.
+    pub(super) fn run<B: EngineBackend>(
+        self,
+        backend: &B,
+        served: &BTreeMap<ModelId, Version>,
+    ) -> Answered {
+        let mut out = Answered::default();
+        if !self.generate.is_empty() {
+            let (reqs, replies): (Vec<Generate>, Vec<Reply>) = self.generate.into_iter().unzip();
+            let answers = backend.generate(&reqs, served);
+            let models = reqs.iter().map(|r| (&r.model, r.epoch));
+            out.take(&backend.name(), models, replies, answers, served);
+        }
+        if !self.score.is_empty() {
+            let (reqs, replies): (Vec<Score>, Vec<Reply>) = self.score.into_iter().unzip();
+            let answers = backend.score(&reqs, served);
+            let models = reqs.iter().map(|r| (&r.model, r.epoch));
+            out.take(&backend.name(), models, replies, answers, served);
+        }
+        out
+    }
+}
+
+/// A batch's answers, each with where it goes and its request's epoch.
+#[derive(Debug, Default)]
+pub(super) struct Answered {
+    answers: Vec<(Reply, Option<u64>, Result<Completion>)>,
+}
+
+impl Answered {
+    fn take<'a>(
+        &mut self,
+        backend: &str,
+        requests: impl ExactSizeIterator<Item = (&'a ModelId, Option<u64>)>,
+        replies: Vec<Reply>,
+        answers: Vec<Result<Completion>>,
+        served: &BTreeMap<ModelId, Version>,
+    ) {
+        let (asked, answered) = (requests.len(), answers.len());
+        let mut answers = answers.into_iter();
+        for ((model, epoch), reply) in requests.zip(replies) {
+            let version = served.get(model).copied().unwrap_or(Version::ZERO);
+            let answer = match answers.next() {
+                Some(a) => a.and_then(|c| fill_versions(c, version)),
+                None => Err(Error::Generator {
+                    model: model.to_string(),
+                    reason: format!(
+                        "the {backend} backend answered {answered} of {asked} requests"
+                    ),
+                }),
+            };
+            self.answers.push((reply, epoch, answer));
+        }
+    }
+
+    /// Sends every answer (a request of an epoch older than `epoch` is answered as
+    /// cancelled): the tokens generated and the requests cancelled.
+    pub(super) fn answer(self, epoch: u64) -> (u64, u64) {
+        let (mut tokens, mut cancelled) = (0, 0);
+        for (reply, asked, answer) in self.answers {
+            let answer = if asked.is_some_and(|e| e < epoch) {
+                cancelled += 1;
+                Err(Error::Cancelled { epoch })
+            } else {
+                answer
+            };
+            if let Ok(c) = &answer {
+                tokens += c.tokens.len() as u64;
+            }
+            let _ = reply.send(answer);
+        }
+        (tokens, cancelled)
+    }
+}
+
+/// Checks a backend's completion and gives each token its version: a completion with no
+/// versions gets `served` for every token.
+///
+/// # Errors
+/// [`Error::BadRequest`] naming the field when `logprobs` or `versions` is not one per token
+/// (a behaviour log-probability missing would be learned from as zero).
+pub(super) fn fill_versions(mut c: Completion, served: Version) -> Result<Completion> {
+    if c.versions.is_empty() {
+        c.versions = vec![served; c.tokens.len()];
+    }
+    for (field, len) in [
+        ("logprobs", c.logprobs.len()),
+        ("versions", c.versions.len()),
+    ] {
+        if len != c.tokens.len() {
+            return Err(Error::bad_request(
+                field,
+                format!(
+                    "the backend answered {len} for {} tokens (one per token)",
+                    c.tokens.len()
+                ),
+            ));
+        }
+    }
+    Ok(c)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::generation::{Finish, SamplingParams};
+
+    fn model() -> ModelId {
+        ModelId::new("policy").unwrap()
+    }
+
+    fn gen_req(epoch: Option<u64>) -> Request {
+        Request::Generate(Generate {
+            model: model(),
+            prompt: vec![1, 2],
+            params: SamplingParams::greedy(4),
+            epoch,
+        })
+    }
+
+    fn completion(n: usize) -> Completion {
+        Completion {
+            tokens: vec![3; n],
+            logprobs: vec![-0.5; n],
+            versions: Vec::new(),
+            finish: Finish::Length,
+        }
+    }
+
+    #[test]
+    fn requests_wait_for_their_models_first_version_and_cancels_answer_the_old() {
+        let mut p = Pending::default();
+        let (tx0, mut rx0) = oneshot::channel();
+        let (tx1, _rx1) = oneshot::channel();
+        p.push(gen_req(Some(0)), tx0);
+        p.push(gen_req(None), tx1);
+        let none = BTreeMap::from([(model(), Version::ZERO)]);
+        assert!(p.take_ready(&none).is_empty(), "no version served yet");
+        assert_eq!(p.cancel_below(1), 1);
+        assert!(matches!(
+            rx0.try_recv(),
+            Ok(Err(Error::Cancelled { epoch: 1 }))
+        ));
+        let one = BTreeMap::from([(model(), Version(1))]);
+        let b = p.take_ready(&one);
+        assert_eq!((b.generate.len(), b.score.len()), (1, 0));
+        assert!(p.waiting.is_empty());
+    }
+
+    #[test]
+    fn completions_get_their_versions_and_bad_ones_are_refused_naming_the_field() {
+        let c = fill_versions(completion(3), Version(4)).unwrap();
+        assert_eq!(c.versions, vec![Version(4); 3]);
+        // a backend's own versions are kept (a keep-mode update inside a sequence)
+        let mut two = completion(2);
+        two.versions = vec![Version(1), Version(2)];
+        let c = fill_versions(two, Version(2)).unwrap();
+        assert_eq!(c.versions, vec![Version(1), Version(2)]);
+        let mut bad = completion(2);
+        bad.logprobs.clear();
+        let e = fill_versions(bad, Version(1)).unwrap_err().to_string();
+        assert!(e.contains("logprobs"), "{e}");
+        let mut bad = completion(2);
+        bad.versions = vec![Version(1)];
+        let e = fill_versions(bad, Version(1)).unwrap_err().to_string();
+        assert!(e.contains("versions"), "{e}");
+    }
+
+    #[test]
+    fn a_backend_answering_too_few_fails_the_rest_and_old_epochs_are_cancelled() {
+        let mut a = Answered::default();
+        let (tx0, mut rx0) = oneshot::channel();
+        let (tx1, mut rx1) = oneshot::channel();
+        let (tx2, mut rx2) = oneshot::channel();
+        let m = model();
+        let served = BTreeMap::from([(m.clone(), Version(2))]);
+        let reqs = [(&m, None), (&m, Some(0)), (&m, None)];
+        a.take(
+            "test",
+            reqs.into_iter(),
+            vec![tx0, tx1, tx2],
+            vec![Ok(completion(2)), Ok(completion(1))],
+            &served,
+        );
+        assert_eq!(a.answer(1), (2, 1));
+        assert_eq!(
+            rx0.try_recv().unwrap().unwrap().versions,
+            vec![Version(2); 2]
+        );
+        assert!(matches!(rx1.try_recv(), Ok(Err(Error::Cancelled { .. }))));
+        let e = rx2.try_recv().unwrap().unwrap_err().to_string();
+        assert!(e.contains("answered 2 of 3"), "{e}");
+    }
+}

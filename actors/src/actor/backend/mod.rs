@@ -1,0 +1,631 @@
+//! An engine whose model runs in a backend of its own: vLLM, SGLang, a Python object, any
+//! program that generates tokens and takes weights in its own way. The [`BackendEngine`]
+//! actor answers the engine contract for it (the weight plane the controller drives, and
+//! completions and scores); the backend implements [`EngineBackend`], a handful of
+//! blocking calls, and never sees an actor, a socket or a deadline.
+//!
+//! An update is split the way the contract wants it:
+//!
+//! 1. **fetch and stage, beside generation**: the version comes through the model's inlet
+//!    (pulled, checked whole), then [`EngineBackend::stage`] takes it into the backend's own
+//!    staging form (pinned buffers, a copy per tensor-parallel worker), on a blocking thread
+//!    while batches keep running;
+//! 2. **commit, the only pause**: once the batch running now ends, no new one starts until
+//!    [`EngineBackend::commit`] returned; the pause reported is that call alone, and the
+//!    wait for the running batch is reported as drained time, not pause;
+//! 3. **acknowledge** the version to its sender: it is served.
+//!
+//! Requests are batched: those that arrive while a batch runs go together into the next
+//! [`EngineBackend::generate`] call, so a backend with its own continuous batching (vLLM's
+//! `LLM.generate`) sees many prompts at once. Each completion's tokens carry the version
+//! that made them: the backend may say so itself (vLLM's `weight_versions`), otherwise
+//! every token carries the version served when its batch started (no commit lands inside a
+//! batch). A request of a cancelled episode is refused, or answered cancelled when its
+//! batch ends after the cancellation.
+
+mod batches;
+mod generator;
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, Instant};
+
+use actix::prelude::*;
+use refit_runtime::{Manifest, ModelId, Version, WeightSet};
+use tokio::sync::{OwnedMutexGuard, oneshot};
+
+use crate::actor::staging::{Committing, Holds, Stage, StagedVersion};
+use crate::error::{Error, Result};
+use crate::generation::Completion;
+use crate::link::WeightInlet;
+use crate::protocol::engine::{
+    AbortStage, CancelInFlight, CommitModel, EngineStats, Generate, GetEngineStats, LoadReport,
+    Score, ServedVersions, StageModel, StageReport, UpdateModel,
+};
+
+use batches::{Pending, Request};
+pub use generator::GeneratorBackend;
+
+// ANCHOR: backend
+/// What a backend does for a [`BackendEngine`]: blocking calls, each on a thread of its
+/// own beside the actor. Stages of one model never overlap; commits and batches never
+/// overlap (a commit waits for the running batch, and no batch starts until it returns).
+pub trait EngineBackend: Send + Sync + 'static {
+    /// A name for messages (`"vllm"`, `"python engine"`).
+    fn name(&self) -> String;
+
+    /// The layout `model`'s weights come in (the names, dtypes and shapes the backend
+    /// loads; the link converts the trainer's layout to it).
+    ///
+    /// # Errors
+    /// A model the backend does not serve, naming it.
+    fn manifest(&self, model: &ModelId) -> Result<Arc<Manifest>>;
+
+    /// Takes `weights` (fetched and checked whole against [`EngineBackend::manifest`]) into
+    /// the backend's staging form, beside generation. A second stage of a model replaces
+    /// what the first staged.
+    ///
+    /// # Errors
+    /// A version the backend refuses (an unknown name, a wrong shape, values it cannot
+    /// take), naming the tensor; the version served stays served.
+    fn stage(&self, weights: Arc<WeightSet>) -> Result<()>;
+
+    /// Serves what was staged last of `model`, `version`: the only part of an update that
+    /// may stop the backend's generation of the model.
+    ///
+    /// # Errors
+    /// A load that failed; the engine then serves no new version (and says so).
+    fn commit(&self, model: &ModelId, version: Version) -> Result<()>;
+
+    /// Drops what was staged of `model`, serving nothing new (default: nothing to drop).
+    fn abort(&self, model: &ModelId) {
+        let _ = model;
+    }
+
+    /// Completions of `batch`, one answer per request, in order; `served` is the version
+    /// of each model served for this batch. A completion whose `versions` is empty gets
+    /// the served version for each of its tokens.
+    fn generate(
+        &self,
+        batch: &[Generate],
+        served: &BTreeMap<ModelId, Version>,
+    ) -> Vec<Result<Completion>>;
+
+    /// Scores of `batch` (teacher forcing), as [`EngineBackend::generate`]. The default
+    /// refuses every request: a backend that cannot score serves no KL reference.
+    fn score(
+        &self,
+        batch: &[Score],
+        served: &BTreeMap<ModelId, Version>,
+    ) -> Vec<Result<Completion>> {
+        let _ = served;
+        batch
+            .iter()
+            .map(|_| {
+                Err(Error::bad_request(
+                    "model",
+                    format!("the {} backend does not score", self.name()),
+                ))
+            })
+            .collect()
+    }
+}
+// ANCHOR_END: backend
+
+/// One model's inlet, behind its load lock (a staged version holds the lock until its
+/// commit).
+struct Slot {
+    inlet: Box<dyn WeightInlet>,
+}
+
+/// A version staged and held for its commit, with its model's load lock.
+struct Held {
+    guard: OwnedMutexGuard<Slot>,
+    version: Version,
+    staged: Duration,
+}
+
+impl StagedVersion for Held {
+    fn version(&self) -> Version {
+        self.version
+    }
+}
+
+/// The versions served, per model (read by staging threads, written after commits).
+type Served = Arc<Mutex<BTreeMap<ModelId, Version>>>;
+
+fn served_of(served: &Served, model: &ModelId) -> Version {
+    served
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner)
+        .get(model)
+        .copied()
+        .unwrap_or(Version::ZERO)
+}
+
+/// The engine actor of a backend: see the [module](self).
+pub struct BackendEngine<B: EngineBackend> {
+    backend: Arc<B>,
+    slots: BTreeMap<ModelId, Arc<tokio::sync::Mutex<Slot>>>,
+    served: Served,
+    holds: Holds<Held>,
+    /// Commits and batches take turns on this lock (tokio's is fair: a commit waiting for
+    /// the running batch goes before the next batch).
+    turn: Arc<tokio::sync::Mutex<()>>,
+    pending: Pending,
+    running: bool,
+    epoch: u64,
+    stats: EngineStats,
+}
+
+impl<B: EngineBackend> std::fmt::Debug for BackendEngine<B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("BackendEngine")
+            .field("backend", &self.backend.name())
+            .field("models", &self.slots.keys().collect::<Vec<_>>())
+            .field("epoch", &self.epoch)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<B: EngineBackend> BackendEngine<B> {
+    /// An engine of `backend` serving `models`, each fed through its inlet; nothing is
+    /// served before the first load.
+    ///
+    /// # Errors
+    /// [`Error::Config`] for a model given twice or one the backend has no layout for.
+    pub fn new(backend: Arc<B>, models: Vec<(ModelId, Box<dyn WeightInlet>)>) -> Result<Self> {
+        let mut slots = BTreeMap::new();
+        let mut served = BTreeMap::new();
+        for (model, inlet) in models {
+            backend.manifest(&model)?;
+            if slots.contains_key(&model) {
+                return Err(Error::Config(format!(
+                    "model `{model}` is given twice to the {} engine",
+                    backend.name()
+                )));
+            }
+            served.insert(model.clone(), Version::ZERO);
+            let slot = Arc::new(tokio::sync::Mutex::new(Slot { inlet }));
+            slots.insert(model, slot);
+        }
+        Ok(Self {
+            backend,
+            slots,
+            served: Arc::new(Mutex::new(served)),
+            holds: Holds::default(),
+            turn: Arc::new(tokio::sync::Mutex::new(())),
+            pending: Pending::default(),
+            running: false,
+            epoch: 0,
+            stats: EngineStats::default(),
+        })
+    }
+
+    fn slot(&self, model: &ModelId) -> Result<Arc<tokio::sync::Mutex<Slot>>> {
+        self.slots.get(model).cloned().ok_or_else(|| {
+            Error::Config(format!(
+                "model `{model}` is not served by this {} engine",
+                self.backend.name()
+            ))
+        })
+    }
+
+    fn job(&self, model: &ModelId) -> Result<Job<B>> {
+        Ok(Job {
+            model: model.clone(),
+            slot: self.slot(model)?,
+            backend: Arc::clone(&self.backend),
+            served: Arc::clone(&self.served),
+            turn: Arc::clone(&self.turn),
+        })
+    }
+}
+
+impl<B: EngineBackend> Actor for BackendEngine<B> {
+    type Context = Context<Self>;
+}
+
+/// What one load needs of the engine, so that it runs without borrowing it.
+struct Job<B: EngineBackend> {
+    model: ModelId,
+    slot: Arc<tokio::sync::Mutex<Slot>>,
+    backend: Arc<B>,
+    served: Served,
+    turn: Arc<tokio::sync::Mutex<()>>,
+}
+
+/// What a commit did, for the report and the statistics.
+struct Committed {
+    version: Version,
+    paused: Duration,
+    drained: Duration,
+}
+
+impl<B: EngineBackend> Job<B> {
+    /// Takes the model's load lock (or `held`, a staged version's) by `deadline`, then
+    /// fetches at least `version` and stages it on a blocking thread. Answers what was
+    /// staged and how long the lock wait, fetch and stage took.
+    ///
+    /// # Cancel safety
+    /// Cancel safe: dropped, the lock and anything staged are let go.
+    async fn stage(
+        &self,
+        version: Version,
+        deadline: Instant,
+        held: Option<OwnedMutexGuard<Slot>>,
+    ) -> (Result<Stage<Held>>, Duration) {
+        let started = Instant::now();
+        let guard = match held {
+            Some(g) => g,
+            None => {
+                let wait = deadline.saturating_duration_since(started);
+                let lock = Arc::clone(&self.slot).lock_owned();
+                match actix_rt::time::timeout(wait, lock).await {
+                    Ok(g) => g,
+                    Err(_) => {
+                        let what = "waiting for an earlier load of the model";
+                        return (Err(timed_out(&self.model, what, wait)), started.elapsed());
+                    }
+                }
+            }
+        };
+        let (model, backend, served) = (
+            self.model.clone(),
+            Arc::clone(&self.backend),
+            Arc::clone(&self.served),
+        );
+        let staging = actix_rt::task::spawn_blocking(move || {
+            let mut guard = guard;
+            let current = served_of(&served, &model);
+            if current >= version {
+                return (guard, Ok(None));
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            let fetched = guard
+                .inlet
+                .fetch(&model, version, left)
+                .map_err(Error::from);
+            let r = fetched.and_then(|w| {
+                let v = w.version();
+                if v <= served_of(&served, &model) {
+                    return Ok(None);
+                }
+                backend.stage(w).map(|()| Some(v))
+            });
+            (guard, r)
+        })
+        .await;
+        let staged = started.elapsed();
+        let r = match staging {
+            Ok((guard, Ok(Some(version)))) => Ok(Stage::New(Held {
+                guard,
+                version,
+                staged,
+            })),
+            Ok((_, Ok(None))) => Ok(Stage::Served(served_of(&self.served, &self.model))),
+            Ok((_, Err(e))) => Err(e),
+            Err(e) => Err(Error::Actor(format!(
+                "the staging thread of model `{}` failed: {e}",
+                self.model
+            ))),
+        };
+        (r, staged)
+    }
+
+    /// Serves the staged version: waits for the running batch (drained), commits on a
+    /// blocking thread with no batch running (the pause), then acknowledges the version.
+    ///
+    /// # Cancel safety
+    /// Not cancel safe: dropped after the commit started, the version may be served and
+    /// not acknowledged.
+    async fn commit(&self, held: Held, deadline: Instant) -> Result<Committed> {
+        let Held { guard, version, .. } = held;
+        let asked = Instant::now();
+        let wait = deadline.saturating_duration_since(asked);
+        let turn = actix_rt::time::timeout(wait, Arc::clone(&self.turn).lock_owned())
+            .await
+            .map_err(|_| timed_out(&self.model, "waiting for the running batch to end", wait))?;
+        let drained = asked.elapsed();
+        let (model, backend, served) = (
+            self.model.clone(),
+            Arc::clone(&self.backend),
+            Arc::clone(&self.served),
+        );
+        let done = actix_rt::task::spawn_blocking(move || {
+            let mut guard = guard;
+            let started = Instant::now();
+            backend.commit(&model, version)?;
+            let paused = started.elapsed();
+            // the next batch, which waits for the turn, sees the version it runs under
+            served
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .insert(model.clone(), version);
+            drop(turn);
+            guard.inlet.applied(&model, version)?;
+            Ok(paused)
+        })
+        .await
+        .map_err(|e| {
+            Error::Actor(format!(
+                "the commit thread of model `{}` failed: {e}",
+                self.model
+            ))
+        })?;
+        let paused = done.map_err(|e: Error| {
+            tracing::error!(model = %self.model, "v{version} did not load: {e}");
+            e
+        })?;
+        Ok(Committed {
+            version,
+            paused,
+            drained,
+        })
+    }
+}
+
+fn timed_out(model: &ModelId, what: &str, after: Duration) -> Error {
+    Error::Runtime(refit_runtime::Error::Timeout {
+        what: format!("model `{model}`: {what}"),
+        after,
+    })
+}
+
+impl<B: EngineBackend> BackendEngine<B> {
+    /// Counts a commit and answers its report.
+    fn committed(&mut self, model: ModelId, staged: Duration, c: Committed) -> LoadReport {
+        self.stats.loads += 1;
+        self.stats.paused_total += c.paused;
+        self.stats.paused_max = self.stats.paused_max.max(c.paused);
+        self.stats.drained_total += c.drained;
+        refit_runtime::metrics::engine_loaded(model.as_str(), c.version.0, c.paused);
+        LoadReport {
+            model,
+            version: c.version,
+            staged,
+            paused: c.paused,
+            damaged: None,
+        }
+    }
+}
+
+impl<B: EngineBackend> Handler<UpdateModel> for BackendEngine<B> {
+    type Result = ResponseActFuture<Self, Result<LoadReport>>;
+
+    fn handle(&mut self, msg: UpdateModel, ctx: &mut Context<Self>) -> Self::Result {
+        let job = match self.job(&msg.model) {
+            Ok(j) => j,
+            Err(e) => return Box::pin(fut::ready(Err(e))),
+        };
+        // a version staged for a commit that never came gives its lock to this load
+        let held = self.holds.take(&msg.model, ctx).map(|h| {
+            self.backend.abort(&msg.model);
+            h.guard
+        });
+        let deadline = Instant::now() + msg.timeout;
+        let load = async move {
+            let (staging, staged) = job.stage(msg.version, deadline, held).await;
+            let r = match staging {
+                Ok(Stage::New(h)) => job.commit(h, deadline).await.map(Some),
+                Ok(Stage::Served(_)) => Ok(None),
+                Err(e) => Err(e),
+            };
+            (r, staged, job)
+        };
+        Box::pin(
+            load.into_actor(self)
+                .map(move |(r, staged, job), act, ctx| {
+                    act.stats.staged_total += staged;
+                    act.start_batch(ctx);
+                    match r {
+                        Ok(Some(c)) => Ok(act.committed(job.model, staged, c)),
+                        Ok(None) => Ok(LoadReport::already_served(
+                            job.model.clone(),
+                            served_of(&act.served, &job.model),
+                            staged,
+                        )),
+                        Err(e) => Err(e),
+                    }
+                }),
+        )
+    }
+}
+
+impl<B: EngineBackend> Handler<StageModel> for BackendEngine<B> {
+    type Result = ResponseActFuture<Self, Result<StageReport>>;
+
+    fn handle(&mut self, msg: StageModel, ctx: &mut Context<Self>) -> Self::Result {
+        let job = match self.job(&msg.model) {
+            Ok(j) => j,
+            Err(e) => return Box::pin(fut::ready(Err(e))),
+        };
+        let held = self.holds.take(&msg.model, ctx).map(|h| h.guard);
+        let StageModel {
+            model,
+            version,
+            timeout,
+            hold,
+        } = msg;
+        let deadline = Instant::now() + timeout;
+        let staging = async move { job.stage(version, deadline, held).await };
+        Box::pin(staging.into_actor(self).map(move |(r, staged), act, ctx| {
+            act.stats.staged_total += staged;
+            let stage = r?;
+            Ok(act
+                .holds
+                .staged(model, stage, staged, hold, ctx, |a| &mut a.holds))
+        }))
+    }
+}
+
+impl<B: EngineBackend> Handler<CommitModel> for BackendEngine<B> {
+    type Result = ResponseActFuture<Self, Result<LoadReport>>;
+
+    fn handle(&mut self, msg: CommitModel, ctx: &mut Context<Self>) -> Self::Result {
+        let CommitModel {
+            model,
+            version,
+            timeout,
+        } = msg;
+        let job = match self.job(&model) {
+            Ok(j) => j,
+            Err(e) => return Box::pin(fut::ready(Err(e))),
+        };
+        let served = served_of(&self.served, &model);
+        let held = match self.holds.commit(&model, version, served, ctx) {
+            Ok(Committing::Apply(h)) => h,
+            Ok(Committing::Served(report)) => return Box::pin(fut::ready(Ok(report))),
+            Err(e) => {
+                self.backend.abort(&model);
+                return Box::pin(fut::ready(Err(e)));
+            }
+        };
+        let staged = held.staged;
+        let deadline = Instant::now() + timeout;
+        let commit = async move { job.commit(held, deadline).await };
+        Box::pin(commit.into_actor(self).map(move |r, act, ctx| {
+            act.start_batch(ctx);
+            Ok(act.committed(model, staged, r?))
+        }))
+    }
+}
+
+impl<B: EngineBackend> Handler<AbortStage> for BackendEngine<B> {
+    type Result = ();
+
+    fn handle(&mut self, msg: AbortStage, ctx: &mut Context<Self>) {
+        if self.holds.take(&msg.model, ctx).is_some() {
+            self.backend.abort(&msg.model);
+        }
+    }
+}
+
+impl<B: EngineBackend> Handler<CancelInFlight> for BackendEngine<B> {
+    type Result = u64;
+
+    /// Requests of older epochs are refused from now on: those waiting are answered at
+    /// once, those in the running batch when it ends.
+    fn handle(&mut self, _: CancelInFlight, _: &mut Context<Self>) -> u64 {
+        self.epoch += 1;
+        self.stats.cancelled += self.pending.cancel_below(self.epoch);
+        self.epoch
+    }
+}
+
+impl<B: EngineBackend> Handler<ServedVersions> for BackendEngine<B> {
+    type Result = MessageResult<ServedVersions>;
+
+    fn handle(&mut self, _: ServedVersions, _: &mut Context<Self>) -> Self::Result {
+        MessageResult(
+            self.served
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .clone(),
+        )
+    }
+}
+
+impl<B: EngineBackend> Handler<GetEngineStats> for BackendEngine<B> {
+    type Result = MessageResult<GetEngineStats>;
+
+    fn handle(&mut self, _: GetEngineStats, _: &mut Context<Self>) -> Self::Result {
+        MessageResult(self.stats.clone())
+    }
+}
+
+impl<B: EngineBackend> Handler<Generate> for BackendEngine<B> {
+    type Result = ResponseFuture<Result<Completion>>;
+
+    fn handle(&mut self, msg: Generate, ctx: &mut Context<Self>) -> Self::Result {
+        let (epoch, model) = (msg.epoch, msg.model.clone());
+        self.request(Request::Generate(msg), &model, epoch, ctx)
+    }
+}
+
+impl<B: EngineBackend> Handler<Score> for BackendEngine<B> {
+    type Result = ResponseFuture<Result<Completion>>;
+
+    fn handle(&mut self, msg: Score, ctx: &mut Context<Self>) -> Self::Result {
+        let (epoch, model) = (msg.epoch, msg.model.clone());
+        self.request(Request::Score(msg), &model, epoch, ctx)
+    }
+}
+
+impl<B: EngineBackend> BackendEngine<B> {
+    /// Queues a request for the next batch (refused at once for an unknown model or a
+    /// cancelled episode) and answers it when its batch ends.
+    fn request(
+        &mut self,
+        req: Request,
+        model: &ModelId,
+        epoch: Option<u64>,
+        ctx: &mut Context<Self>,
+    ) -> ResponseFuture<Result<Completion>> {
+        if let Err(e) = self.slot(model) {
+            return Box::pin(async move { Err(e) });
+        }
+        if epoch.is_some_and(|e| e < self.epoch) {
+            self.stats.cancelled += 1;
+            let epoch = self.epoch;
+            return Box::pin(async move { Err(Error::Cancelled { epoch }) });
+        }
+        let (tx, rx) = oneshot::channel();
+        self.pending.push(req, tx);
+        self.start_batch(ctx);
+        let backend = self.backend.name();
+        Box::pin(async move {
+            rx.await.unwrap_or_else(|_| {
+                Err(Error::Actor(format!(
+                    "the {backend} engine stopped before answering"
+                )))
+            })
+        })
+    }
+
+    /// Starts the next batch when none runs: the requests waiting whose model serves a
+    /// version, in one backend call each for completions and for scores, after any commit
+    /// waiting for its turn.
+    fn start_batch(&mut self, ctx: &mut Context<Self>) {
+        if self.running {
+            return;
+        }
+        let served = self
+            .served
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone();
+        let batch = self.pending.take_ready(&served);
+        if batch.is_empty() {
+            return;
+        }
+        self.running = true;
+        let (backend, turn) = (Arc::clone(&self.backend), Arc::clone(&self.turn));
+        let served = Arc::clone(&self.served);
+        let run = async move {
+            let turn = turn.lock_owned().await;
+            let answered = actix_rt::task::spawn_blocking(move || {
+                // the versions served once the batch has its turn: no commit lands
+                // before it ends
+                let served = served
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .clone();
+                let answered = batch.run(backend.as_ref(), &served);
+                drop(turn);
+                answered
+            })
+            .await;
+            answered.ok()
+        };
+        ctx.spawn(run.into_actor(self).map(|answered, act, ctx| {
+            act.running = false;
+            if let Some(a) = answered {
+                let (tokens, cancelled) = a.answer(act.epoch);
+                act.stats.tokens += tokens;
+                act.stats.cancelled += cancelled;
+            }
+            act.start_batch(ctx);
+        }));
+    }
+}

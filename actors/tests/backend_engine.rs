@@ -1,0 +1,256 @@
+//! The backend engine (the engine of vLLM or a Python object): requests batched and answered
+//! with the versions that made their tokens, a commit that waits for the running batch and
+//! pauses for its load alone, a version the backend refuses leaving the previous one
+//! served, a backend's bad answers refused naming the field, cancelled episodes.
+#![allow(clippy::unwrap_used, clippy::expect_used, missing_docs)]
+
+mod generating;
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use actix::prelude::*;
+use refit_actors::actor::{BackendEngine, EngineBackend, GeneratorBackend};
+use refit_actors::generation::{Completion, SamplingParams};
+use refit_actors::protocol::engine::{
+    CancelInFlight, Generate, GetEngineStats, Score, ServedVersions, UpdateModel,
+};
+use refit_actors::{Error, Result};
+use refit_runtime::{Manifest, ModelId, Version, WeightSet};
+
+use generating::{Gate, Gated, bigram, policy, table, walk, within};
+
+/// A backend that can refuse a version's stage and drop its answers' log-probabilities.
+struct Faulty<B> {
+    inner: B,
+    refuse: Option<Version>,
+    drop_logprobs: AtomicBool,
+}
+
+impl<B: EngineBackend> EngineBackend for Faulty<B> {
+    fn name(&self) -> String {
+        "faulty".into()
+    }
+    fn manifest(&self, model: &ModelId) -> Result<Arc<Manifest>> {
+        self.inner.manifest(model)
+    }
+    fn stage(&self, weights: Arc<WeightSet>) -> Result<()> {
+        if Some(weights.version()) == self.refuse {
+            return Err(Error::Generator {
+                model: weights.model().to_string(),
+                reason: "tensor `table`: shape refused by the backend".into(),
+            });
+        }
+        self.inner.stage(weights)
+    }
+    fn commit(&self, model: &ModelId, version: Version) -> Result<()> {
+        self.inner.commit(model, version)
+    }
+    fn generate(
+        &self,
+        batch: &[Generate],
+        served: &BTreeMap<ModelId, Version>,
+    ) -> Vec<Result<Completion>> {
+        let mut out = self.inner.generate(batch, served);
+        if self.drop_logprobs.load(Ordering::Relaxed) {
+            for c in out.iter_mut().flatten() {
+                c.logprobs.clear();
+            }
+        }
+        out
+    }
+    fn score(
+        &self,
+        batch: &[Score],
+        served: &BTreeMap<ModelId, Version>,
+    ) -> Vec<Result<Completion>> {
+        self.inner.score(batch, served)
+    }
+}
+
+/// A sender of the bigram's versions and an engine of `backend` fed by it.
+fn engine<B: EngineBackend>(
+    backend: B,
+) -> (
+    Addr<BackendEngine<B>>,
+    refit_runtime::Sender<refit_transports::inproc::InProcSender>,
+) {
+    let m = policy();
+    let (sender, receiver) = generating::scheme(&m, &bigram(), table(&m, 1));
+    let inlet: Box<dyn refit_actors::WeightInlet> = Box::new(receiver);
+    let addr = BackendEngine::new(Arc::new(backend), vec![(m, inlet)])
+        .unwrap()
+        .start();
+    (addr, sender)
+}
+
+fn ask(last: u32, epoch: Option<u64>) -> Generate {
+    Generate {
+        model: policy(),
+        prompt: vec![last],
+        params: SamplingParams::greedy(3),
+        epoch,
+    }
+}
+
+async fn update<B: EngineBackend>(e: &Addr<BackendEngine<B>>, v: u64) -> Result<Version> {
+    let msg = UpdateModel {
+        model: policy(),
+        version: Version(v),
+        timeout: Duration::from_secs(10),
+    };
+    within("an update", e.send(msg))
+        .await
+        .unwrap()
+        .map(|r| r.version)
+}
+
+#[actix_rt::test]
+async fn completions_carry_the_version_that_made_them() {
+    let backend = GeneratorBackend::new()
+        .with_model(policy(), bigram(), bigram(), 8)
+        .unwrap();
+    let (e, mut sender) = engine(backend);
+    // a request before any version waits for the first one
+    let early = e.send(ask(2, None));
+    actix_rt::time::sleep(Duration::from_millis(100)).await;
+    assert_eq!(update(&e, 1).await.unwrap(), Version(1));
+    let c = within("the early request", early).await.unwrap().unwrap();
+    assert_eq!((c.tokens, c.versions), (walk(2, 1, 3), vec![Version(1); 3]));
+    let _ = sender.send_async(vec![table(&policy(), 2)]).unwrap();
+    assert_eq!(update(&e, 2).await.unwrap(), Version(2));
+    // many requests at once go in batches; each answered under v2
+    let asks: Vec<_> = (0..6).map(|t| e.send(ask(t, None))).collect();
+    for (t, a) in asks.into_iter().enumerate() {
+        let c = within("a request", a).await.unwrap().unwrap();
+        assert_eq!(c.tokens, walk(t as u32, 2, 3));
+        assert_eq!(c.versions, vec![Version(2); 3]);
+        assert_eq!(c.logprobs.len(), 3);
+    }
+    let served = e.send(ServedVersions).await.unwrap();
+    assert_eq!(served.get(&policy()), Some(&Version(2)));
+    let stats = e.send(GetEngineStats).await.unwrap();
+    assert_eq!((stats.loads, stats.tokens), (2, 21));
+}
+
+#[actix_rt::test]
+async fn a_commit_waits_for_the_running_batch_and_pauses_only_for_its_load() {
+    let gate = Gate::closed();
+    let backend = GeneratorBackend::new()
+        .with_model(policy(), Gated::new(&gate), Gated::new(&gate), 8)
+        .unwrap();
+    let (e, mut sender) = engine(backend);
+    assert_eq!(update(&e, 1).await.unwrap(), Version(1));
+    // a batch runs (held at its first forward pass), then v2 arrives
+    let running = e.send(ask(0, None));
+    gate.wait_entered(1).await;
+    let _ = sender.send_async(vec![table(&policy(), 2)]).unwrap();
+    let load = e.send(UpdateModel {
+        model: policy(),
+        version: Version(2),
+        timeout: Duration::from_secs(20),
+    });
+    let load = actix_rt::spawn(load);
+    actix_rt::time::sleep(Duration::from_millis(300)).await;
+    let served = e.send(ServedVersions).await.unwrap();
+    assert_eq!(
+        served.get(&policy()),
+        Some(&Version(1)),
+        "no commit inside a batch"
+    );
+    gate.open();
+    let c = within("the running batch", running).await.unwrap().unwrap();
+    assert_eq!(c.versions, vec![Version(1); 3], "{c:?}");
+    let report = within("the load", load).await.unwrap().unwrap().unwrap();
+    assert_eq!(report.version, Version(2));
+    assert!(report.paused < Duration::from_millis(250), "{report:?}");
+    let stats = e.send(GetEngineStats).await.unwrap();
+    assert!(
+        stats.drained_total >= Duration::from_millis(250),
+        "{stats:?}"
+    );
+    let c = within("a request after", e.send(ask(0, None)))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!((c.tokens, c.versions), (walk(0, 2, 3), vec![Version(2); 3]));
+}
+
+#[actix_rt::test]
+async fn refused_versions_and_bad_answers_are_typed_errors_and_v1_stays_served() {
+    let inner = GeneratorBackend::new()
+        .with_model(policy(), bigram(), bigram(), 8)
+        .unwrap();
+    let backend = Faulty {
+        inner,
+        refuse: Some(Version(2)),
+        drop_logprobs: AtomicBool::new(false),
+    };
+    let (e, mut sender) = engine(backend);
+    // a request of an episode cancelled while it waits for the first version
+    let doomed = e.send(ask(1, Some(0)));
+    actix_rt::time::sleep(Duration::from_millis(50)).await;
+    assert_eq!(e.send(CancelInFlight).await.unwrap(), 1);
+    let err = within("the cancelled request", doomed)
+        .await
+        .unwrap()
+        .unwrap_err();
+    assert!(matches!(err, Error::Cancelled { epoch: 1 }), "{err}");
+    let err = within("a late request", e.send(ask(1, Some(0))))
+        .await
+        .unwrap()
+        .unwrap_err();
+    assert!(matches!(err, Error::Cancelled { .. }), "{err}");
+
+    assert_eq!(update(&e, 1).await.unwrap(), Version(1));
+    let _ = sender.send_async(vec![table(&policy(), 2)]).unwrap();
+    let err = update(&e, 2).await.unwrap_err().to_string();
+    assert!(err.contains("table") && err.contains("refused"), "{err}");
+    let served = e.send(ServedVersions).await.unwrap();
+    assert_eq!(served.get(&policy()), Some(&Version(1)));
+    let c = within("a request", e.send(ask(4, Some(1))))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(c.tokens, walk(4, 1, 3), "v1 still serves");
+    // the next version loads whole
+    let _ = sender.send_async(vec![table(&policy(), 3)]).unwrap();
+    assert_eq!(update(&e, 3).await.unwrap(), Version(3));
+    let c = within("a request", e.send(ask(0, None)))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!((c.tokens, c.versions), (walk(0, 3, 3), vec![Version(3); 3]));
+}
+
+/// An engine whose backend drops every log-probability: the request is refused naming the
+/// field (a learner would otherwise learn from zeros).
+#[actix_rt::test]
+async fn a_completion_without_logprobs_is_refused_naming_the_field() {
+    let inner = GeneratorBackend::new()
+        .with_model(policy(), bigram(), bigram(), 8)
+        .unwrap();
+    let backend = Faulty {
+        inner,
+        refuse: None,
+        drop_logprobs: AtomicBool::new(true),
+    };
+    let (e, _sender) = engine(backend);
+    assert_eq!(update(&e, 1).await.unwrap(), Version(1));
+    let err = within("a request", e.send(ask(0, None)))
+        .await
+        .unwrap()
+        .unwrap_err();
+    assert!(
+        matches!(
+            err,
+            Error::BadRequest {
+                field: "logprobs",
+                ..
+            }
+        ),
+        "{err}"
+    );
+}
