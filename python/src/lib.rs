@@ -3,12 +3,14 @@
 //! Python code imports `refit`, whose modules wrap these classes: `receiver::Receiver`
 //! (connect from a spec, `receive` updates, `ack` them), `update::Update` and
 //! `update::Tensor` (zero-copy views of a received version, through numpy's
-//! `__array_interface__`), and `sender::Sender` (publish a trainer's arrays). Errors are
+//! `__array_interface__`), `sender::Sender` (publish a trainer's arrays), and
+//! `engine::join_engine` (this process as an engine rank of a topology). Errors are
 //! raised as the classes of `refit.errors`, chosen by `errors::to_py`.
 #![warn(missing_docs, unreachable_pub)]
 
 use pyo3::prelude::*;
 
+mod engine;
 mod errors;
 mod mesh;
 mod receiver;
@@ -28,6 +30,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<mesh::MeshSender>()?;
     m.add_class::<mesh::MeshReceiver>()?;
     m.add_function(wrap_pyfunction!(spec::transports, m)?)?;
+    m.add_function(wrap_pyfunction!(engine::join_engine, m)?)?;
     m.add_function(wrap_pyfunction!(verify::checksums, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())

@@ -15,7 +15,9 @@ use crate::receiver::Receiver;
 #[pyclass(module = "refit._native", frozen)]
 pub(crate) struct Update {
     group: Vec<Arc<WeightSet>>,
-    receiver: Py<Receiver>,
+    /// The receiver that acknowledges it (`None`: one handed to a Python engine, which the
+    /// engine acknowledges once it serves it).
+    receiver: Option<Py<Receiver>>,
     acked: std::sync::atomic::AtomicBool,
 }
 
@@ -23,8 +25,18 @@ impl Update {
     pub(crate) fn new(group: Vec<Arc<WeightSet>>, receiver: Py<Receiver>, acked: bool) -> Self {
         Self {
             group,
-            receiver,
+            receiver: Some(receiver),
             acked: std::sync::atomic::AtomicBool::new(acked),
+        }
+    }
+
+    /// A version a Python engine stages (the engine acknowledges it after its commit:
+    /// `ack` does nothing).
+    pub(crate) fn held(weights: Arc<WeightSet>) -> Self {
+        Self {
+            group: vec![weights],
+            receiver: None,
+            acked: std::sync::atomic::AtomicBool::new(true),
         }
     }
 
@@ -118,7 +130,9 @@ impl Update {
             .iter()
             .map(|w| (w.model().clone(), w.version()))
             .collect();
-        self.receiver.get().ack_entries(py, &entries)?;
+        if let Some(r) = &self.receiver {
+            r.get().ack_entries(py, &entries)?;
+        }
         self.acked.store(true, std::sync::atomic::Ordering::Release);
         Ok(())
     }

@@ -32,7 +32,7 @@ pub use check::{
     ANSWER_WITHIN, CHECK_ENV, CHECK_PASSED, CHECK_STARTED, Verdict, announce_check,
     announce_passed, build_hint, cannot_start, check_rank, checking, error_cause,
 };
-pub use plan::{LaunchSpec, RankSpawn, free_port};
+pub use plan::{LaunchSpec, PYTHON_ENV, RankSpawn, free_port, interpreter};
 pub use resolve::{DEFAULT_MASTER_PORT, resolve_rank, scheduler_incarnation};
 pub use scheduler::{
     K8S_NAMESPACE_ENV, K8S_POD_ENV, K8S_SERVICE_ENV, Scheduler, SchedulerHosts, scheduler_hosts,

@@ -73,6 +73,20 @@ pub struct LaunchSpec {
     pub cwd: PathBuf,
 }
 
+/// The variable naming the interpreter of Python ranks: a command whose program is
+/// `python3` or `python` runs it instead (a virtual environment's, say), so a topology file
+/// need not name one machine's path.
+pub const PYTHON_ENV: &str = "REFIT_PYTHON";
+
+/// The program a rank runs for the command's `program`: `python` (the value of
+/// [`PYTHON_ENV`], when set and not empty) for `python3` and `python`, else `program`.
+pub fn interpreter<'a>(program: &'a str, python: Option<&'a str>) -> &'a str {
+    match python.filter(|p| !p.trim().is_empty()) {
+        Some(p) if program == "python3" || program == "python" => p,
+        _ => program,
+    }
+}
+
 /// A relative program path with a `/` is resolved against `cwd`; a bare name is looked up
 /// in `PATH` when started.
 fn resolve_program(cwd: &Path, program: &str) -> PathBuf {
@@ -124,7 +138,10 @@ impl LaunchSpec {
         Ok(RankSpawn {
             rank: place.rank,
             name: plan.process.clone(),
-            program: resolve_program(&self.cwd, program),
+            program: resolve_program(
+                &self.cwd,
+                interpreter(program, std::env::var(PYTHON_ENV).ok().as_deref()),
+            ),
             args: args.to_vec(),
             env,
             max_restarts: if place.rank == 0 {
@@ -176,6 +193,21 @@ pub fn free_port(addr: &str) -> Result<u16> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn python_ranks_run_the_interpreter_refit_python_names() {
+        let venv = Some("/venv/bin/python");
+        assert_eq!(interpreter("python3", venv), "/venv/bin/python");
+        assert_eq!(interpreter("python", venv), "/venv/bin/python");
+        assert_eq!(interpreter("python3", None), "python3");
+        assert_eq!(interpreter("python3", Some(" ")), "python3");
+        // only the bare names: a path or another program is the file's own choice
+        assert_eq!(interpreter("/usr/bin/python3", venv), "/usr/bin/python3");
+        assert_eq!(
+            interpreter("target/release/examples/grpo", venv),
+            "target/release/examples/grpo"
+        );
+    }
 
     const FILE: &str = r#"
 [run]

@@ -1,0 +1,187 @@
+"""A Python engine as a rank of a topology ``refit launch`` starts.
+
+The rank is Refit's own, run through the binding: the rendezvous with rank 0's store, the
+cluster token from the environment, keepalive both ways, exit when rank 0 is gone, restart
+and rejoin, the rollout workers and evaluator of the rank's roles, the report. Only the
+engine's model is Python: an :class:`Engine` whose methods Refit calls, each on a thread of
+its own, never two commits or a commit and a batch at once::
+
+    import refit.engine
+
+    class MyEngine(refit.engine.Engine):
+        name = "my engine"
+
+        def stage(self, model, version, update):      # beside generation
+            self.next = {k: v.float().clone() for k, v in update.torch(model)}
+
+        def commit(self, model, version):              # the only pause
+            self.weights = self.next
+
+        def generate(self, requests):                  # one call per batch
+            return [refit.engine.Completion(tokens=[...], logprobs=[...]) for r in requests]
+
+    refit.engine.join(MyEngine(), roles="grpo")
+
+An update goes: the version is pulled and checked whole (by Refit, beside generation), then
+:meth:`Engine.stage` takes it into the engine's own form (still beside generation), then,
+once the batch running ends, :meth:`Engine.commit` serves it (the pause the report shows),
+then Refit acknowledges it to the trainer. A version ``stage`` refuses (raise) is not
+served: the engine keeps the one it has, and the controller fences the engine from
+rollouts until a version loads whole.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from . import Update, _native
+
+
+@dataclass
+class Request:
+    """One completion asked of the engine."""
+
+    model: str
+    #: The prompt's token ids.
+    prompt: list[int]
+    #: Tokens to generate at most.
+    max_tokens: int
+    #: Softmax temperature; ``0.0`` is greedy (the log-probability is then at temperature 1).
+    temperature: float
+    #: Seed of this request's sampling.
+    seed: int
+    #: A token that ends the completion when sampled (kept as its last token).
+    stop: int | None
+    #: The version of ``model`` served for this batch.
+    served: int
+
+
+@dataclass
+class ScoreRequest:
+    """The log-probabilities of ``tokens`` after ``prompt`` (teacher forcing)."""
+
+    model: str
+    prompt: list[int]
+    tokens: list[int]
+    temperature: float
+    served: int
+
+
+@dataclass
+class Completion:
+    """What the engine answers for one request."""
+
+    #: The generated tokens (the prompt not included).
+    tokens: list[int]
+    #: The behaviour log-probability of each token, at the request's temperature.
+    logprobs: list[float]
+    #: The version that made each token (``None``: every token is the served version's).
+    versions: list[int] | None = None
+    #: ``"length"`` (``max_tokens`` reached) or ``"stop"`` (the stop token sampled).
+    finish: str = "length"
+
+
+class Engine:
+    """The model side of an engine rank: subclass it and override what your engine does."""
+
+    #: A name for messages.
+    name: str = "python engine"
+
+    def manifest(self, model: str, layout: list[tuple[str, str, list[int]]],
+                 params: dict[str, Any]) -> list[tuple[str, str, list[int]]]:
+        """The layout the engine loads for ``model``, as ``(name, dtype, shape)`` triples.
+        ``layout`` is the one the rank's roles serve (what the trainer's link converts to)
+        and ``params`` the model's ``[model.params]`` of the topology file. The default
+        takes ``layout``; an engine that answers another one is refused before the run
+        starts, naming the first tensor that differs."""
+        return layout
+
+    def stage(self, model: str, version: int, update: Update) -> None:
+        """Takes ``version`` of ``model`` (checked whole) into the engine's own form, beside
+        generation. ``update``'s arrays are read-only views valid during this call: copy
+        what the engine keeps. Raise to refuse the version (the served one stays)."""
+        raise NotImplementedError
+
+    def commit(self, model: str, version: int) -> None:
+        """Serves the version :meth:`stage` took last: the pause. No batch runs meanwhile."""
+        raise NotImplementedError
+
+    def abort(self, model: str) -> None:
+        """Drops what :meth:`stage` took of ``model`` (the fleet did not commit it)."""
+
+    def generate(self, requests: list[Request]) -> list[Completion | BaseException]:
+        """One :class:`Completion` per request, in order (or the exception that request
+        raised). Requests that arrive while a batch runs come in the next call."""
+        raise NotImplementedError
+
+    def score(self, requests: list[ScoreRequest]) -> list[Completion | BaseException]:
+        """Scores (a KL reference): the default refuses."""
+        raise NotImplementedError(f"the {self.name} engine does not score")
+
+
+class _Adapter:
+    """What the binding calls: plain values in, plain values out."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    def name(self) -> str:
+        return str(getattr(self.engine, "name", type(self.engine).__name__))
+
+    def manifest(self, model: str, layout: list, params: str) -> list:
+        triples = [(n, d, list(s)) for n, d, s in layout]
+        answer = self.engine.manifest(model, triples, json.loads(params))
+        return [(str(n), str(d), [int(x) for x in s]) for n, d, s in answer]
+
+    def stage(self, native: Any) -> None:
+        update = Update(native)
+        (model, version), = update.entries
+        self.engine.stage(model, version, update)
+
+    def commit(self, model: str, version: int) -> None:
+        self.engine.commit(model, version)
+
+    def abort(self, model: str) -> None:
+        self.engine.abort(model)
+
+    def generate(self, requests: list, served: dict[str, int]) -> list:
+        asked = [Request(m, list(p), n, t, s, stop, served.get(m, 0))
+                 for m, p, n, t, s, stop in requests]
+        return self._answers(self.engine.generate(asked), len(asked))
+
+    def score(self, requests: list, served: dict[str, int]) -> list:
+        asked = [ScoreRequest(m, list(p), list(toks), t, served.get(m, 0))
+                 for m, p, toks, t in requests]
+        return self._answers(self.engine.score(asked), len(asked))
+
+    @staticmethod
+    def _answers(answers: list, asked: int) -> list:
+        out: list = []
+        for a in list(answers)[:asked]:
+            if isinstance(a, BaseException):
+                out.append(f"{type(a).__name__}: {a}")
+            elif isinstance(a, Completion):
+                versions = None if a.versions is None else [int(v) for v in a.versions]
+                out.append(([int(t) for t in a.tokens], [float(x) for x in a.logprobs],
+                             versions, str(a.finish)))
+            else:
+                out.append(f"TypeError: the engine answered {type(a).__name__}, "
+                           "not a refit.engine.Completion")
+        return out
+
+
+def join(engine: Engine, roles: str = "grpo") -> dict[str, Any] | None:
+    """Runs this process as its rank of the topology ``refit launch`` started, its engine
+    being ``engine`` and its other roles (rollout workers, evaluator) those of ``roles``
+    (``"grpo"``: Refit's GRPO on digit reversal). Blocks until the run ends. Returns the
+    run's report (``solved``, ``elapsed_s``) on rank 0, ``None`` on the others and when
+    ``refit launch`` runs the program as a check.
+
+    Raises :class:`refit.errors.ConfigError` for a topology, launch variable or layout
+    that does not fit, and the rank's error otherwise (rank 0 gone, a timeout)."""
+    return _native.join_engine(_Adapter(engine), roles)
+
+
+__all__ = ["Completion", "Engine", "Request", "ScoreRequest", "join"]

@@ -1,0 +1,473 @@
+//! `refit.engine.join`: a Python process as an engine rank of a topology. The rank is Refit's
+//! own (`refit_actors::run::join_backend`: the rendezvous with rank 0's store, keepalive
+//! both ways, orphan exit, restart and rejoin, the rollout workers of its models, the report);
+//! only the engine's model is Python: a [`PyBackend`] calls the object `refit.engine` wraps
+//! around the user's engine (`_Adapter`), with the GIL held for each call and released
+//! everywhere else.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+use refit_actors::actor::EngineBackend;
+use refit_actors::generation::{Completion, Finish, Generator};
+use refit_actors::protocol::engine::{Generate, Score};
+use refit_actors::{GenRoles, GrpoRoles, run};
+use refit_runtime::{DType, Manifest, ModelId, Version, WeightSet};
+
+use crate::errors::{RefitError, config, to_py};
+use crate::update::Update;
+
+/// The roles a Python engine rank can host beside its engine (the rollout workers' tasks,
+/// the evaluator's), by the name `join` takes.
+const ROLES: [&str; 1] = ["grpo"];
+
+/// A Python engine behind the backend contract: every call goes to the adapter's method of
+/// the same name ([`Calls`]), on one of two threads of the process's life ([`Lane`]): one
+/// for the weights (stage, commit, abort), one for the requests, so a stage runs beside a
+/// batch as the contract wants.
+struct PyBackend {
+    calls: Arc<Calls>,
+    weights: Arc<Lane>,
+    requests: Arc<Lane>,
+    name: String,
+    manifests: BTreeMap<ModelId, Arc<Manifest>>,
+}
+
+/// The adapter's methods, called with the GIL held.
+struct Calls {
+    adapter: Py<PyAny>,
+}
+
+type Job = Box<dyn FnOnce() + Send>;
+
+/// A thread that runs the Python calls sent to it, for the life of the process: it never
+/// ends, because a thread that called into an extension such as torch aborts the process
+/// in that extension's thread-local teardown when it exits (the runtime's blocking threads
+/// end with the rank).
+///
+/// Nor may a call be running when the interpreter finalizes (a thread taking the GIL then is
+/// ended by Python under its Rust frames): [`Lane::close`] lets the calls in flight finish
+/// and refuses later ones before `join` returns.
+struct Lane {
+    jobs: std::sync::Mutex<std::sync::mpsc::Sender<Job>>,
+    closed: std::sync::atomic::AtomicBool,
+}
+
+impl Lane {
+    fn start(name: &str) -> PyResult<Self> {
+        let (tx, rx) = std::sync::mpsc::channel::<Job>();
+        std::thread::Builder::new()
+            .name(name.to_owned())
+            .spawn(move || {
+                for job in rx {
+                    job();
+                }
+                // kept, not ended: see the type's documentation
+                loop {
+                    std::thread::park();
+                }
+            })
+            .map_err(|e| RefitError::new_err(format!("starting the thread `{name}`: {e}")))?;
+        Ok(Self {
+            jobs: std::sync::Mutex::new(tx),
+            closed: std::sync::atomic::AtomicBool::new(false),
+        })
+    }
+
+    /// Runs `f` on the lane and answers what it returned (`None`: the lane is gone or
+    /// closed).
+    fn run<T: Send + 'static>(&self, f: impl FnOnce() -> T + Send + 'static) -> Option<T> {
+        if self.closed.load(std::sync::atomic::Ordering::Acquire) {
+            return None;
+        }
+        let (tx, rx) = std::sync::mpsc::sync_channel(1);
+        let job: Job = Box::new(move || {
+            let _ = tx.send(f());
+        });
+        let jobs = self
+            .jobs
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        jobs.send(job).ok()?;
+        drop(jobs);
+        rx.recv().ok()
+    }
+}
+
+impl Lane {
+    /// Refuses calls from now on and waits until the ones sent before have run. Call it
+    /// without the GIL: they need it.
+    fn close(&self) {
+        self.closed
+            .store(true, std::sync::atomic::Ordering::Release);
+        let (tx, rx) = std::sync::mpsc::sync_channel(1);
+        let jobs = self
+            .jobs
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let sent = jobs.send(Box::new(move || {
+            let _ = tx.send(());
+        }));
+        drop(jobs);
+        if sent.is_ok() {
+            let _ = rx.recv();
+        }
+    }
+}
+
+/// The error of a call whose lane is gone.
+fn lane_gone(model: &str, call: &str) -> refit_actors::Error {
+    refit_actors::Error::Generator {
+        model: model.to_owned(),
+        reason: format!("the thread of the Python engine's {call} is gone"),
+    }
+}
+
+/// A Python exception as the engine's error, naming the model and the call.
+fn failed(model: &str, call: &str, e: &PyErr) -> refit_actors::Error {
+    refit_actors::Error::Generator {
+        model: model.to_owned(),
+        reason: format!("the Python engine's {call} raised {e}"),
+    }
+}
+
+/// A layout as Python sees it: `(name, dtype, shape)` per tensor.
+fn layout_of(m: &Manifest) -> Vec<(String, &'static str, Vec<usize>)> {
+    m.tensors()
+        .iter()
+        .map(|t| (t.name.clone(), t.dtype.name(), t.shape.clone()))
+        .collect()
+}
+
+/// A layout from Python's `(name, dtype, shape)` triples.
+fn manifest_of(model: &ModelId, layout: Vec<(String, String, Vec<usize>)>) -> PyResult<Manifest> {
+    let mut b = Manifest::builder();
+    for (name, dtype, shape) in layout {
+        let d = DType::from_name(&dtype).ok_or_else(|| {
+            config(format!(
+                "model `{model}`: the engine's layout gives tensor `{name}` the dtype \
+                 `{dtype}`, which Refit does not know"
+            ))
+        })?;
+        b = b.tensor(name, d, &shape);
+    }
+    b.build().map_err(to_py)
+}
+
+impl Calls {
+    /// Calls `method` with `args`; an exception becomes the engine's error for `model`.
+    fn call<'py, A>(
+        &self,
+        py: Python<'py>,
+        model: &str,
+        method: &str,
+        args: A,
+    ) -> refit_actors::Result<Bound<'py, PyAny>>
+    where
+        A: pyo3::call::PyCallArgs<'py>,
+    {
+        self.adapter
+            .bind(py)
+            .call_method1(method, args)
+            .map_err(|e| failed(model, method, &e))
+    }
+
+    /// One batch call of `method` (`generate`, `score`): the requests as `request` makes
+    /// them, then one answer each (a call that fails whole fails every request, naming
+    /// what it raised).
+    fn batch<R>(
+        &self,
+        method: &str,
+        batch: &[R],
+        model_of: fn(&R) -> &ModelId,
+        request: impl for<'py> Fn(Python<'py>, &R) -> PyResult<Bound<'py, PyAny>>,
+        served: &BTreeMap<ModelId, Version>,
+    ) -> Vec<refit_actors::Result<Completion>> {
+        Python::attach(|py| {
+            let all_failed = |e: PyErr| -> Vec<refit_actors::Result<Completion>> {
+                batch
+                    .iter()
+                    .map(|r| Err(failed(model_of(r).as_str(), method, &e)))
+                    .collect()
+            };
+            let requests: PyResult<Vec<Bound<'_, PyAny>>> =
+                batch.iter().map(|r| request(py, r)).collect();
+            let requests = match requests {
+                Ok(r) => r,
+                Err(e) => return all_failed(e),
+            };
+            let served: BTreeMap<String, u64> = served
+                .iter()
+                .map(|(m, v)| (m.to_string(), v.get()))
+                .collect();
+            let answers = self
+                .adapter
+                .bind(py)
+                .call_method1(method, (requests, served))
+                .and_then(|out| out.extract::<Vec<Bound<'_, PyAny>>>());
+            match answers {
+                Ok(list) => list
+                    .iter()
+                    .zip(batch)
+                    .map(|(a, r)| completion(model_of(r).as_str(), method, a))
+                    .collect(),
+                Err(e) => all_failed(e),
+            }
+        })
+    }
+}
+
+/// One answer of the adapter: a completion `(tokens, logprobs, versions, finish)`, or the
+/// message of what the request raised.
+fn completion(model: &str, method: &str, a: &Bound<'_, PyAny>) -> refit_actors::Result<Completion> {
+    if let Ok(message) = a.extract::<String>() {
+        return Err(refit_actors::Error::Generator {
+            model: model.to_owned(),
+            reason: format!("the Python engine's {method} raised {message}"),
+        });
+    }
+    type Answer = (Vec<u32>, Vec<f32>, Option<Vec<u64>>, String);
+    let (tokens, logprobs, versions, finish): Answer =
+        a.extract().map_err(|e| failed(model, method, &e))?;
+    let finish = match finish.as_str() {
+        "length" => Finish::Length,
+        "stop" => Finish::Stop,
+        other => {
+            return Err(refit_actors::Error::bad_request(
+                "finish",
+                format!("the Python engine answered `{other}` (length or stop)"),
+            ));
+        }
+    };
+    let versions = versions
+        .unwrap_or_default()
+        .into_iter()
+        .map(Version)
+        .collect();
+    Ok(Completion {
+        tokens,
+        logprobs,
+        versions,
+        finish,
+    })
+}
+
+impl Calls {
+    fn stage(&self, weights: Arc<WeightSet>) -> refit_actors::Result<()> {
+        let model = weights.model().to_string();
+        Python::attach(|py| {
+            let update =
+                Py::new(py, Update::held(weights)).map_err(|e| failed(&model, "stage", &e))?;
+            self.call(py, &model, "stage", (update,)).map(drop)
+        })
+    }
+
+    fn commit(&self, model: &ModelId, version: Version) -> refit_actors::Result<()> {
+        Python::attach(|py| {
+            self.call(
+                py,
+                model.as_str(),
+                "commit",
+                (model.as_str(), version.get()),
+            )
+            .map(drop)
+        })
+    }
+
+    fn abort(&self, model: &ModelId) {
+        Python::attach(|py| {
+            if let Err(e) = self.call(py, model.as_str(), "abort", (model.as_str(),)) {
+                tracing::warn!(model = %model, "{e}");
+            }
+        });
+    }
+
+    fn generate(
+        &self,
+        batch: &[Generate],
+        served: &BTreeMap<ModelId, Version>,
+    ) -> Vec<refit_actors::Result<Completion>> {
+        self.batch("generate", batch, |g| &g.model, generate_request, served)
+    }
+
+    fn score(
+        &self,
+        batch: &[Score],
+        served: &BTreeMap<ModelId, Version>,
+    ) -> Vec<refit_actors::Result<Completion>> {
+        self.batch("score", batch, |s| &s.model, score_request, served)
+    }
+}
+
+impl EngineBackend for PyBackend {
+    fn name(&self) -> String {
+        self.name.clone()
+    }
+
+    fn manifest(&self, model: &ModelId) -> refit_actors::Result<Arc<Manifest>> {
+        self.manifests.get(model).cloned().ok_or_else(|| {
+            refit_actors::Error::Config(format!("model `{model}` is not served by {}", self.name))
+        })
+    }
+
+    fn stage(&self, weights: Arc<WeightSet>) -> refit_actors::Result<()> {
+        let (calls, model) = (Arc::clone(&self.calls), weights.model().to_string());
+        let done = self.weights.run(move || calls.stage(weights));
+        done.unwrap_or_else(|| Err(lane_gone(&model, "stage")))
+    }
+
+    fn commit(&self, model: &ModelId, version: Version) -> refit_actors::Result<()> {
+        let (calls, m) = (Arc::clone(&self.calls), model.clone());
+        let done = self.weights.run(move || calls.commit(&m, version));
+        done.unwrap_or_else(|| Err(lane_gone(model.as_str(), "commit")))
+    }
+
+    fn abort(&self, model: &ModelId) {
+        let (calls, m) = (Arc::clone(&self.calls), model.clone());
+        if self.weights.run(move || calls.abort(&m)).is_none() {
+            tracing::warn!(model = %model, "{}", lane_gone(model.as_str(), "abort"));
+        }
+    }
+
+    fn generate(
+        &self,
+        batch: &[Generate],
+        served: &BTreeMap<ModelId, Version>,
+    ) -> Vec<refit_actors::Result<Completion>> {
+        let (calls, asked, at) = (Arc::clone(&self.calls), batch.to_vec(), served.clone());
+        let done = self.requests.run(move || calls.generate(&asked, &at));
+        done.unwrap_or_else(|| {
+            batch
+                .iter()
+                .map(|g| Err(lane_gone(g.model.as_str(), "generate")))
+                .collect()
+        })
+    }
+
+    fn score(
+        &self,
+        batch: &[Score],
+        served: &BTreeMap<ModelId, Version>,
+    ) -> Vec<refit_actors::Result<Completion>> {
+        let (calls, asked, at) = (Arc::clone(&self.calls), batch.to_vec(), served.clone());
+        let done = self.requests.run(move || calls.score(&asked, &at));
+        done.unwrap_or_else(|| {
+            batch
+                .iter()
+                .map(|s| Err(lane_gone(s.model.as_str(), "score")))
+                .collect()
+        })
+    }
+}
+
+/// A completion request as the adapter takes it: `(model, prompt, max_tokens, temperature,
+/// seed, stop)`.
+fn generate_request<'py>(py: Python<'py>, g: &Generate) -> PyResult<Bound<'py, PyAny>> {
+    let p = &g.params;
+    let r = (
+        g.model.as_str(),
+        g.prompt.clone(),
+        p.max_tokens,
+        p.temperature,
+        p.seed,
+        p.stop,
+    );
+    r.into_pyobject(py).map(Bound::into_any)
+}
+
+/// A score request as the adapter takes it: `(model, prompt, tokens, temperature)`.
+fn score_request<'py>(py: Python<'py>, s: &Score) -> PyResult<Bound<'py, PyAny>> {
+    let r = (
+        s.model.as_str(),
+        s.prompt.clone(),
+        s.tokens.clone(),
+        s.temperature,
+    );
+    r.into_pyobject(py).map(Bound::into_any)
+}
+
+/// A rank's failure as a Python exception: the runtime's as `to_py` maps them, a
+/// configuration error as `ConfigError`, anything else as `RefitError`.
+fn rank_error(e: refit_actors::Error) -> PyErr {
+    match e {
+        refit_actors::Error::Runtime(r) => to_py(r),
+        refit_actors::Error::Config(m) => config(m),
+        other => RefitError::new_err(other.to_string()),
+    }
+}
+
+/// Runs this process as its rank of the topology `refit launch` started (the launch
+/// variables, `REFIT_TOPOLOGY`, the cluster token from the environment), its engine being
+/// `adapter` (`refit.engine._Adapter`) and its other roles `roles`' (`"grpo"`). Answers
+/// the run's report as a dict on rank 0, `None` on the others and in a check.
+#[pyfunction]
+pub(crate) fn join_engine(
+    py: Python<'_>,
+    adapter: Py<PyAny>,
+    roles: &str,
+) -> PyResult<Option<Py<PyDict>>> {
+    if !ROLES.contains(&roles) {
+        return Err(config(format!(
+            "roles `{roles}` are not known to the refit package (known: {})",
+            ROLES.join(", ")
+        )));
+    }
+    let topo = refit_node::launch::load_topology().map_err(|e| to_py(e.into()))?;
+    let launch = refit_node::LaunchEnv::from_env().map_err(|e| to_py(e.into()))?;
+    // a rank from here on: its log lines, and SIGINT / SIGTERM releasing what it holds
+    init_logging();
+    refit_node::signals::install_signal_handlers().map_err(|e| to_py(e.into()))?;
+    let grpo = GrpoRoles::new();
+    let name: String = adapter.bind(py).call_method0("name")?.extract()?;
+    let mut manifests = BTreeMap::new();
+    for spec in run::model_specs(&topo).map_err(rank_error)? {
+        let theirs = grpo.generator(&spec).map_err(rank_error)?.manifest();
+        let params = serde_json::to_string(&spec.params)
+            .map_err(|e| config(format!("model `{}`: params: {e}", spec.id)))?;
+        let layout: Vec<(String, String, Vec<usize>)> = adapter
+            .bind(py)
+            .call_method1("manifest", (spec.id.as_str(), layout_of(&theirs), params))?
+            .extract()?;
+        manifests.insert(spec.id.clone(), Arc::new(manifest_of(&spec.id, layout)?));
+    }
+    let lanes = [
+        Arc::new(Lane::start("refit-py-weights")?),
+        Arc::new(Lane::start("refit-py-requests")?),
+    ];
+    let backend = PyBackend {
+        calls: Arc::new(Calls { adapter }),
+        weights: Arc::clone(&lanes[0]),
+        requests: Arc::clone(&lanes[1]),
+        name,
+        manifests,
+    };
+    let report = py
+        .detach(|| {
+            let report = run::join_backend(&topo, &launch, grpo, backend);
+            // a batch may still run in Python for a request nobody waits for any more
+            lanes.iter().for_each(|l| l.close());
+            report
+        })
+        .map_err(rank_error)?;
+    let Some(report) = report else {
+        return Ok(None);
+    };
+    let d = PyDict::new(py);
+    d.set_item("solved", report.solved)?;
+    d.set_item("elapsed_s", report.elapsed.as_secs_f64())?;
+    Ok(Some(d.unbind()))
+}
+
+/// Log lines on stderr (what `refit launch` prefixes with the rank), at `RUST_LOG`'s level
+/// or `info`.
+fn init_logging() {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_ansi(false)
+        .try_init();
+}
