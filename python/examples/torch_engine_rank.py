@@ -53,6 +53,7 @@ class TorchTransformer(refit.engine.Engine):
         self.heads[model] = int(params.get("heads", 4))
         return layout
 
+    # ANCHOR: weights
     def stage(self, model: str, version: int, update: refit.Update) -> None:
         weights = {name: t.float().clone() for name, t in update.torch(model)}
         for name, t in weights.items():
@@ -68,6 +69,8 @@ class TorchTransformer(refit.engine.Engine):
 
     def abort(self, model: str) -> None:
         self.staged.pop(model, None)
+
+    # ANCHOR_END: weights
 
     @torch.no_grad()
     def logits(self, model: str, tokens: list[int]) -> torch.Tensor:
@@ -126,6 +129,7 @@ class TorchTransformer(refit.engine.Engine):
         return out
 
 
+# ANCHOR: main
 def main() -> int:
     torch.set_num_threads(1)
     try:
@@ -134,6 +138,7 @@ def main() -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     return 0
+# ANCHOR_END: main
 
 
 if __name__ == "__main__":
