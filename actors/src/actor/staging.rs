@@ -107,6 +107,27 @@ impl<H: StagedVersion + 'static> Holds<H> {
         }
     }
 
+    /// Answers a [`StageModel`](crate::protocol::engine::StageModel) once `staging` (what
+    /// staging found, and how long it took) ends: the time counted in `staged_total`, a new
+    /// version held for its commit ([`Holds::staged`]).
+    pub(crate) fn answer_stage<A>(
+        staging: impl std::future::Future<Output = (Result<Stage<H>>, Duration)> + 'static,
+        model: ModelId,
+        hold: Duration,
+        act: &A,
+        holds: fn(&mut A) -> &mut Self,
+        staged_total: fn(&mut A) -> &mut Duration,
+    ) -> ResponseActFuture<A, Result<StageReport>>
+    where
+        A: Actor<Context = Context<A>>,
+    {
+        Box::pin(staging.into_actor(act).map(move |(r, staged), act, ctx| {
+            *staged_total(act) += staged;
+            let stage = r?;
+            Ok(holds(act).staged(model, stage, staged, hold, ctx, holds))
+        }))
+    }
+
     /// Takes what is held for `model` (its expiry disarmed): for its commit, or to drop it
     /// (an abort), or to give its lock to a load that does not wait for a commit.
     pub(crate) fn take<A>(&mut self, model: &ModelId, ctx: &mut Context<A>) -> Option<H>

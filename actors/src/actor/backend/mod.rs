@@ -449,13 +449,14 @@ impl<B: EngineBackend> Handler<StageModel> for BackendEngine<B> {
         } = msg;
         let deadline = Instant::now() + timeout;
         let staging = async move { job.stage(version, deadline, held).await };
-        Box::pin(staging.into_actor(self).map(move |(r, staged), act, ctx| {
-            act.stats.staged_total += staged;
-            let stage = r?;
-            Ok(act
-                .holds
-                .staged(model, stage, staged, hold, ctx, |a| &mut a.holds))
-        }))
+        Holds::answer_stage(
+            staging,
+            model,
+            hold,
+            self,
+            |a| &mut a.holds,
+            |a| &mut a.stats.staged_total,
+        )
     }
 }
 

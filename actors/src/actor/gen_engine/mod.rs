@@ -534,13 +534,14 @@ impl<G: Generator> Handler<StageModel> for GenerationEngine<G> {
         let source = Source::Inlet { version };
         let deadline = std::time::Instant::now() + timeout;
         let staging = async move { job.stage(source, deadline, held).await };
-        Box::pin(staging.into_actor(self).map(move |(r, staged), act, ctx| {
-            act.stats.staged_total += staged;
-            let stage = r?;
-            Ok(act
-                .holds
-                .staged(model, stage, staged, hold, ctx, |a| &mut a.holds))
-        }))
+        Holds::answer_stage(
+            staging,
+            model,
+            hold,
+            self,
+            |a| &mut a.holds,
+            |a| &mut a.stats.staged_total,
+        )
     }
 }
 
