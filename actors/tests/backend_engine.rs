@@ -8,14 +8,15 @@ mod generating;
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
 use actix::prelude::*;
 use refit_actors::actor::{BackendEngine, EngineBackend, GeneratorBackend};
 use refit_actors::generation::{Completion, SamplingParams};
 use refit_actors::protocol::engine::{
-    CancelInFlight, Generate, GetEngineStats, Score, ServedVersions, UpdateModel,
+    AbortStage, CancelInFlight, CommitModel, Generate, GetEngineStats, Score, ServedVersions,
+    StageModel, UpdateModel,
 };
 use refit_actors::{Error, Result};
 use refit_runtime::{Manifest, ModelId, Version, WeightSet};
@@ -27,6 +28,7 @@ struct Faulty<B> {
     inner: B,
     refuse: Option<Version>,
     drop_logprobs: AtomicBool,
+    aborts: Arc<AtomicU64>,
 }
 
 impl<B: EngineBackend> EngineBackend for Faulty<B> {
@@ -47,6 +49,10 @@ impl<B: EngineBackend> EngineBackend for Faulty<B> {
     }
     fn commit(&self, model: &ModelId, version: Version) -> Result<()> {
         self.inner.commit(model, version)
+    }
+    fn abort(&self, model: &ModelId) {
+        self.aborts.fetch_add(1, Ordering::Relaxed);
+        self.inner.abort(model);
     }
     fn generate(
         &self,
@@ -187,6 +193,7 @@ async fn refused_versions_and_bad_answers_are_typed_errors_and_v1_stays_served()
         inner,
         refuse: Some(Version(2)),
         drop_logprobs: AtomicBool::new(false),
+        aborts: Arc::default(),
     };
     let (e, mut sender) = engine(backend);
     // a request of an episode cancelled while it waits for the first version
@@ -236,6 +243,7 @@ async fn a_completion_without_logprobs_is_refused_naming_the_field() {
         inner,
         refuse: None,
         drop_logprobs: AtomicBool::new(true),
+        aborts: Arc::default(),
     };
     let (e, _sender) = engine(backend);
     assert_eq!(update(&e, 1).await.unwrap(), Version(1));
@@ -253,4 +261,68 @@ async fn a_completion_without_logprobs_is_refused_naming_the_field() {
         ),
         "{err}"
     );
+}
+
+/// Whatever way a staged version goes uncommitted (an abort, its hold running out, a load
+/// taking its place, a commit of another version), the backend is told to drop it, and
+/// what it serves does not change.
+#[actix_rt::test]
+async fn every_version_left_uncommitted_is_dropped_by_the_backend() {
+    let inner = GeneratorBackend::new()
+        .with_model(policy(), bigram(), bigram(), 8)
+        .unwrap();
+    let aborts = Arc::new(AtomicU64::new(0));
+    let backend = Faulty {
+        inner,
+        refuse: None,
+        drop_logprobs: AtomicBool::new(false),
+        aborts: Arc::clone(&aborts),
+    };
+    let (e, mut sender) = engine(backend);
+    assert_eq!(update(&e, 1).await.unwrap(), Version(1));
+    let stage = |v: u64, hold: Duration| StageModel {
+        model: policy(),
+        version: Version(v),
+        timeout: Duration::from_secs(10),
+        hold,
+    };
+    let long = Duration::from_secs(30);
+    let _ = sender.send_async(vec![table(&policy(), 2)]).unwrap();
+    // an abort
+    let st = within("a stage", e.send(stage(2, long)))
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(st.fresh);
+    e.send(AbortStage { model: policy() }).await.unwrap();
+    assert_eq!(aborts.load(Ordering::Relaxed), 1);
+    // a hold running out
+    within("a stage", e.send(stage(2, Duration::from_millis(100))))
+        .await
+        .unwrap()
+        .unwrap();
+    actix_rt::time::sleep(Duration::from_millis(400)).await;
+    assert_eq!(aborts.load(Ordering::Relaxed), 2);
+    // a commit of another version than the one staged
+    within("a stage", e.send(stage(2, long)))
+        .await
+        .unwrap()
+        .unwrap();
+    let wrong = CommitModel {
+        model: policy(),
+        version: Version(3),
+        timeout: Duration::from_secs(10),
+    };
+    let err = e.send(wrong).await.unwrap().unwrap_err().to_string();
+    assert!(err.contains("v3") && err.contains("v2"), "{err}");
+    assert_eq!(aborts.load(Ordering::Relaxed), 3);
+    // a load taking a staged version's place: dropped first, then the load goes through
+    within("a stage", e.send(stage(2, long)))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(update(&e, 2).await.unwrap(), Version(2));
+    assert_eq!(aborts.load(Ordering::Relaxed), 4);
+    let served = e.send(ServedVersions).await.unwrap();
+    assert_eq!(served.get(&policy()), Some(&Version(2)));
 }

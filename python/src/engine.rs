@@ -76,6 +76,19 @@ impl Lane {
         })
     }
 
+    /// Queues `job` on the lane without waiting for it: false when the lane is gone or
+    /// closed.
+    fn post(&self, job: Job) -> bool {
+        if self.closed.load(std::sync::atomic::Ordering::Acquire) {
+            return false;
+        }
+        let jobs = self
+            .jobs
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        jobs.send(job).is_ok()
+    }
+
     /// Runs `f` on the lane and answers what it returned (`None`: the lane is gone or
     /// closed).
     fn run<T: Send + 'static>(&self, f: impl FnOnce() -> T + Send + 'static) -> Option<T> {
@@ -324,9 +337,11 @@ impl EngineBackend for PyBackend {
         done.unwrap_or_else(|| Err(lane_gone(model.as_str(), "commit")))
     }
 
+    /// Queued on the weights' thread, not waited for (the engine's thread calls it):
+    /// later stages and commits run after it.
     fn abort(&self, model: &ModelId) {
         let (calls, m) = (Arc::clone(&self.calls), model.clone());
-        if self.weights.run(move || calls.abort(&m)).is_none() {
+        if !self.weights.post(Box::new(move || calls.abort(&m))) {
             tracing::warn!(model = %model, "{}", lane_gone(model.as_str(), "abort"));
         }
     }

@@ -6,8 +6,10 @@ reversal; and what the adapter between the binding and an engine does with its a
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -26,8 +28,14 @@ def grpo_example() -> Path:
     return path
 
 
-def test_python_engine_ranks_learn_grpo_under_refit_launch(refit_bin, tmp_path):
-    require("torch")
+#: The shorter task of the launch tests (a debug build learns it in seconds).
+SHORT = ["model.policy.params.min_len=3", "model.policy.params.max_len=3",
+         "model.policy.params.heldout=64", "stop.target_eval=0.6"]
+
+
+def launch_command(refit_bin: Path, tmp_path: Path, sets: list[str]) -> tuple[list[str], dict]:
+    """``refit launch`` of the shipped grpo-python.toml (rank 0 from this build's GRPO
+    example, the engine script by its path), run with this interpreter as REFIT_PYTHON."""
     text = (REPO / "examples/topologies/grpo-python.toml").read_text()
     assert 'command = ["python3", "python/examples/torch_engine_rank.py"]' in text
     text = text.replace('"target/release/examples/grpo"', f'"{grpo_example()}"')
@@ -37,11 +45,15 @@ def test_python_engine_ranks_learn_grpo_under_refit_launch(refit_bin, tmp_path):
     topo.write_text(text)
     env = dict(os.environ, REFIT_PYTHON=sys.executable)
     env.pop("REFIT_TOKEN", None)  # refit launch makes the run's token
-    sets = ["model.policy.params.min_len=3", "model.policy.params.max_len=3",
-            "model.policy.params.heldout=64", "stop.target_eval=0.6"]
     cmd = [str(refit_bin), "launch", str(topo)]
     for s in sets:
         cmd += ["--set", s]
+    return cmd, env
+
+
+def test_python_engine_ranks_learn_grpo_under_refit_launch(refit_bin, tmp_path):
+    require("torch")
+    cmd, env = launch_command(refit_bin, tmp_path, SHORT)
     done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True,
                           timeout=900)
     out = done.stdout + done.stderr
@@ -56,6 +68,41 @@ def test_python_engine_ranks_learn_grpo_under_refit_launch(refit_bin, tmp_path):
     assert "engine pauses" in out
     # the Python ranks end cleanly (no call left running in Python when it finalizes)
     assert "terminate called" not in out and "Fatal Python error" not in out, out[-6000:]
+
+
+def test_a_killed_python_engine_rank_is_restarted_and_rejoins(refit_bin, tmp_path):
+    """``kill -9`` of a Python engine rank with ``restart = "on-failure"``: the launcher
+    starts it again, its new incarnation rejoins the running job with the current weights
+    (through the same Rust rank code as a Rust engine's), and the run solves."""
+    require("torch")
+    sets = SHORT + ["process.engine.restart=on-failure", "process.engine.max_restarts=2",
+                    "run.keepalive_s=0.5", "run.dead_after_s=3.0", "stop.target_eval=0.7"]
+    cmd, env = launch_command(refit_bin, tmp_path, sets)
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+    killed = None
+    deadline = time.monotonic() + 600
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            if killed is None and "rank 2 (process `engine`, replica 1): pid " in line:
+                pid = int(line.split(": pid ")[1].split(",")[0])
+            if killed is None and "policy v4:" in line:
+                os.kill(pid, signal.SIGKILL)
+                killed = pid
+            assert time.monotonic() < deadline, "".join(lines[-40:])
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    out = "".join(lines)
+    assert killed is not None, out[-6000:]
+    assert proc.returncode == 0, out[-6000:]
+    assert "rank 2 (process `engine`, replica 1) rejoined (incarnation 1)" in out, out[-6000:]
+    assert "solved: policy held-out reward" in out, out[-6000:]
+    after = out.split("rejoined (incarnation 1)", 1)[1]
+    assert "rank 2 (process `engine`, replica 1): stopped; engine loaded" in after, out[-6000:]
 
 
 def test_the_adapter_hands_answers_over_and_names_what_is_wrong():

@@ -77,7 +77,10 @@ pub trait EngineBackend: Send + Sync + 'static {
     /// A load that failed; the engine then serves no new version (and says so).
     fn commit(&self, model: &ModelId, version: Version) -> Result<()>;
 
-    /// Drops what was staged of `model`, serving nothing new (default: nothing to drop).
+    /// Drops what was staged of `model`, serving nothing new: the fleet did not commit it,
+    /// its hold ran out, or a newer load took its place (default: nothing to drop). Called
+    /// on the engine's own thread: it must not wait long (a backend may queue it, in order
+    /// with its later calls, as the Python engine does).
     fn abort(&self, model: &ModelId) {
         let _ = model;
     }
@@ -120,9 +123,21 @@ struct Slot {
 
 /// A version staged and held for its commit, with its model's load lock.
 struct Held {
-    guard: OwnedMutexGuard<Slot>,
+    /// The lock (taken by its commit, or by the load that takes its place).
+    guard: Option<OwnedMutexGuard<Slot>>,
     version: Version,
     staged: Duration,
+    /// Drops what the backend staged when the version goes uncommitted (an abort, its hold
+    /// running out, a load taking its place, a commit refused); disarmed by its commit.
+    abort: Option<Box<dyn FnOnce() + Send>>,
+}
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        if let Some(abort) = self.abort.take() {
+            abort();
+        }
+    }
 }
 
 impl StagedVersion for Held {
@@ -298,11 +313,15 @@ impl<B: EngineBackend> Job<B> {
         .await;
         let staged = started.elapsed();
         let r = match staging {
-            Ok((guard, Ok(Some(version)))) => Ok(Stage::New(Held {
-                guard,
-                version,
-                staged,
-            })),
+            Ok((guard, Ok(Some(version)))) => {
+                let (backend, model) = (Arc::clone(&self.backend), self.model.clone());
+                Ok(Stage::New(Held {
+                    guard: Some(guard),
+                    version,
+                    staged,
+                    abort: Some(Box::new(move || backend.abort(&model))),
+                }))
+            }
             Ok((_, Ok(None))) => Ok(Stage::Served(served_of(&self.served, &self.model))),
             Ok((_, Err(e))) => Err(e),
             Err(e) => Err(Error::Actor(format!(
@@ -320,7 +339,15 @@ impl<B: EngineBackend> Job<B> {
     /// Not cancel safe: dropped after the commit started, the version may be served and
     /// not acknowledged.
     async fn commit(&self, held: Held, deadline: Instant) -> Result<Committed> {
-        let Held { guard, version, .. } = held;
+        let mut held = held;
+        held.abort = None; // committed, not dropped
+        let version = held.version;
+        let guard = held.guard.take().ok_or_else(|| {
+            Error::Actor(format!(
+                "model `{}`: v{version} was staged without its load lock",
+                self.model
+            ))
+        })?;
         let asked = Instant::now();
         let wait = deadline.saturating_duration_since(asked);
         let turn = actix_rt::time::timeout(wait, Arc::clone(&self.turn).lock_owned())
@@ -398,11 +425,12 @@ impl<B: EngineBackend> Handler<UpdateModel> for BackendEngine<B> {
             Ok(j) => j,
             Err(e) => return Box::pin(fut::ready(Err(e))),
         };
-        // a version staged for a commit that never came gives its lock to this load
-        let held = self.holds.take(&msg.model, ctx).map(|h| {
-            self.backend.abort(&msg.model);
-            h.guard
-        });
+        // a version staged for a commit that never came gives its lock to this load (and
+        // is dropped by the backend first)
+        let held = self
+            .holds
+            .take(&msg.model, ctx)
+            .and_then(|mut h| h.guard.take());
         let deadline = Instant::now() + msg.timeout;
         let load = async move {
             let (staging, staged) = job.stage(msg.version, deadline, held).await;
@@ -440,7 +468,10 @@ impl<B: EngineBackend> Handler<StageModel> for BackendEngine<B> {
             Ok(j) => j,
             Err(e) => return Box::pin(fut::ready(Err(e))),
         };
-        let held = self.holds.take(&msg.model, ctx).map(|h| h.guard);
+        let held = self
+            .holds
+            .take(&msg.model, ctx)
+            .and_then(|mut h| h.guard.take());
         let StageModel {
             model,
             version,
@@ -477,10 +508,8 @@ impl<B: EngineBackend> Handler<CommitModel> for BackendEngine<B> {
         let held = match self.holds.commit(&model, version, served, ctx) {
             Ok(Committing::Apply(h)) => h,
             Ok(Committing::Served(report)) => return Box::pin(fut::ready(Ok(report))),
-            Err(e) => {
-                self.backend.abort(&model);
-                return Box::pin(fut::ready(Err(e)));
-            }
+            // what was staged is dropped with its hold
+            Err(e) => return Box::pin(fut::ready(Err(e))),
         };
         let staged = held.staged;
         let deadline = Instant::now() + timeout;
@@ -495,10 +524,9 @@ impl<B: EngineBackend> Handler<CommitModel> for BackendEngine<B> {
 impl<B: EngineBackend> Handler<AbortStage> for BackendEngine<B> {
     type Result = ();
 
+    /// What was staged is dropped with its hold (the backend's `abort`).
     fn handle(&mut self, msg: AbortStage, ctx: &mut Context<Self>) {
-        if self.holds.take(&msg.model, ctx).is_some() {
-            self.backend.abort(&msg.model);
-        }
+        drop(self.holds.take(&msg.model, ctx));
     }
 }
 
