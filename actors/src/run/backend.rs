@@ -24,7 +24,7 @@ use crate::protocol::pool::PushFragment;
 use crate::protocol::rollout::RolloutRef;
 use crate::roles::{GenRoles, ModelSpec};
 
-use super::workload::{EngineSetup, Generating, Inference, Started, Workload};
+use super::workload::{EngineSetup, Generating, Inference, Started, Workload, on_arbiter};
 use super::{RunReport, join_workload};
 
 /// Runs this rank's part of `topo` as [`join_generating`](super::join_generating) does,
@@ -112,8 +112,7 @@ impl<G: GenRoles, B: EngineBackend> Workload for Backed<G, B> {
         let inlets: Vec<(ModelId, Box<dyn WeightInlet>)> =
             models.into_iter().map(|(s, i)| (s.id, i)).collect();
         let engine = BackendEngine::new(Arc::clone(&self.backend), inlets)?;
-        let arbiter = Arbiter::new();
-        let addr = BackendEngine::start_in_arbiter(&arbiter.handle(), move |_| engine);
+        let (addr, arbiter) = on_arbiter(engine);
         Ok(Started {
             handle: EngineHandle::generating(&addr),
             arbiter,

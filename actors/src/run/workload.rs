@@ -139,7 +139,7 @@ pub trait Workload: Send + Sync + 'static {
 // ANCHOR_END: workload
 
 /// Starts `actor` on an arbiter (a thread) of its own.
-fn on_arbiter<A: Actor<Context = Context<A>> + Send>(actor: A) -> (Addr<A>, Arbiter) {
+pub(crate) fn on_arbiter<A: Actor<Context = Context<A>> + Send>(actor: A) -> (Addr<A>, Arbiter) {
     let arbiter = Arbiter::new();
     let addr = A::start_in_arbiter(&arbiter.handle(), move |_| actor);
     (addr, arbiter)
