@@ -27,6 +27,8 @@ use generating::{Gate, Gated, bigram, policy, table, walk, within};
 struct Faulty<B> {
     inner: B,
     refuse: Option<Version>,
+    /// A version whose commit fails.
+    fail_commit: Option<Version>,
     drop_logprobs: AtomicBool,
     aborts: Arc<AtomicU64>,
 }
@@ -48,6 +50,12 @@ impl<B: EngineBackend> EngineBackend for Faulty<B> {
         self.inner.stage(weights)
     }
     fn commit(&self, model: &ModelId, version: Version) -> Result<()> {
+        if Some(version) == self.fail_commit {
+            return Err(Error::Generator {
+                model: model.to_string(),
+                reason: "the load failed".into(),
+            });
+        }
         self.inner.commit(model, version)
     }
     fn abort(&self, model: &ModelId) {
@@ -192,6 +200,7 @@ async fn refused_versions_and_bad_answers_are_typed_errors_and_v1_stays_served()
     let backend = Faulty {
         inner,
         refuse: Some(Version(2)),
+        fail_commit: None,
         drop_logprobs: AtomicBool::new(false),
         aborts: Arc::default(),
     };
@@ -242,6 +251,7 @@ async fn a_completion_without_logprobs_is_refused_naming_the_field() {
     let backend = Faulty {
         inner,
         refuse: None,
+        fail_commit: None,
         drop_logprobs: AtomicBool::new(true),
         aborts: Arc::default(),
     };
@@ -251,15 +261,12 @@ async fn a_completion_without_logprobs_is_refused_naming_the_field() {
         .await
         .unwrap()
         .unwrap_err();
+    let text = err.to_string();
     assert!(
-        matches!(
-            err,
-            Error::BadRequest {
-                field: "logprobs",
-                ..
-            }
-        ),
-        "{err}"
+        matches!(err, Error::Generator { .. })
+            && text.contains("0 logprobs for 3 tokens")
+            && text.contains("faulty"),
+        "{text}"
     );
 }
 
@@ -275,6 +282,7 @@ async fn every_version_left_uncommitted_is_dropped_by_the_backend() {
     let backend = Faulty {
         inner,
         refuse: None,
+        fail_commit: None,
         drop_logprobs: AtomicBool::new(false),
         aborts: Arc::clone(&aborts),
     };
@@ -325,4 +333,52 @@ async fn every_version_left_uncommitted_is_dropped_by_the_backend() {
     assert_eq!(aborts.load(Ordering::Relaxed), 4);
     let served = e.send(ServedVersions).await.unwrap();
     assert_eq!(served.get(&policy()), Some(&Version(2)));
+}
+
+/// A commit the backend fails: the version is dropped by the backend, the one served before
+/// stays served and keeps answering; a request cancelled while its batch runs is answered
+/// cancelled when the batch ends.
+#[actix_rt::test]
+async fn a_failed_commit_leaves_the_served_version_and_a_running_cancelled_request_ends() {
+    let gate = Gate::closed();
+    let inner = GeneratorBackend::new()
+        .with_model(policy(), Gated::new(&gate), Gated::new(&gate), 8)
+        .unwrap();
+    let aborts = Arc::new(AtomicU64::new(0));
+    let backend = Faulty {
+        inner,
+        refuse: None,
+        fail_commit: Some(Version(2)),
+        drop_logprobs: AtomicBool::new(false),
+        aborts: Arc::clone(&aborts),
+    };
+    let (e, mut sender) = engine(backend);
+    assert_eq!(update(&e, 1).await.unwrap(), Version(1));
+    let _ = sender.send_async(vec![table(&policy(), 2)]).unwrap();
+    let err = update(&e, 2).await.unwrap_err().to_string();
+    assert!(err.contains("the load failed"), "{err}");
+    assert_eq!(
+        aborts.load(Ordering::Relaxed),
+        1,
+        "the staged version is dropped"
+    );
+    let served = e.send(ServedVersions).await.unwrap();
+    assert_eq!(served.get(&policy()), Some(&Version(1)));
+    // a request of epoch 0 runs (held at the gate); the episode is cancelled meanwhile
+    let running = e.send(ask(5, Some(0)));
+    gate.wait_entered(1).await;
+    assert_eq!(e.send(CancelInFlight).await.unwrap(), 1);
+    gate.open();
+    let err = within("the cancelled request", running)
+        .await
+        .unwrap()
+        .unwrap_err();
+    assert!(matches!(err, Error::Cancelled { epoch: 1 }), "{err}");
+    let c = within("a request", e.send(ask(5, Some(1))))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(c.tokens, walk(5, 1, 3), "v1 still serves");
+    let stats = e.send(GetEngineStats).await.unwrap();
+    assert_eq!(stats.cancelled, 1, "{stats:?}");
 }

@@ -49,8 +49,13 @@ class TorchTransformer(refit.engine.Engine):
         self.served: dict[str, dict[str, torch.Tensor]] = {}
 
     def manifest(self, model: str, layout: list, params: dict[str, Any]) -> list:
-        # the shapes give every size but the number of heads: the model's params do
-        self.heads[model] = int(params.get("heads", 4))
+        # the shapes give every size but the number of heads: the model's params do (4 is
+        # the GRPO roles' default, `GrpoRoles::new`)
+        heads = int(params.get("heads", 4))
+        d = dict((name, shape) for name, _, shape in layout)["tok_emb.weight"][1]
+        if heads < 1 or d % heads:
+            raise ValueError(f"model `{model}`: params.heads = {heads} does not divide d_model {d}")
+        self.heads[model] = heads
         return layout
 
     # ANCHOR: weights
@@ -134,7 +139,7 @@ def main() -> int:
     torch.set_num_threads(1)
     try:
         refit.engine.join(TorchTransformer(), roles="grpo")
-    except refit.RefitError as e:
+    except Exception as e:  # one `error: ...` line: what `refit launch` repeats as the cause
         print(f"error: {e}", file=sys.stderr)
         return 1
     return 0

@@ -3,8 +3,9 @@
 The rank is Refit's own, run through the binding: the rendezvous with rank 0's store, the
 cluster token from the environment, keepalive both ways, exit when rank 0 is gone, restart
 and rejoin, the rollout workers and evaluator of the rank's roles, the report. Only the
-engine's model is Python: an :class:`Engine` whose methods Refit calls, each on a thread of
-its own, never two commits or a commit and a batch at once::
+engine's model is Python: an :class:`Engine` whose methods Refit calls on two threads of
+its own (one for the weights, one for the requests, so a stage overlaps a batch), never a
+commit and a batch at once::
 
     import refit.engine
 
@@ -25,9 +26,13 @@ its own, never two commits or a commit and a batch at once::
 An update goes: the version is pulled and checked whole (by Refit, beside generation), then
 :meth:`Engine.stage` takes it into the engine's own form (still beside generation), then,
 once the batch running ends, :meth:`Engine.commit` serves it (the pause the report shows),
-then Refit acknowledges it to the trainer. A version ``stage`` refuses (raise) is not
-served: the engine keeps the one it has, and the controller fences the engine from
-rollouts until a version loads whole.
+then Refit acknowledges it to the trainer. A version ``stage`` or ``commit`` refuses
+(raise) is not served: the engine keeps the one it has, and the controller handles the
+failed load as it does any engine's (with ``commit = "all"`` the version is aborted
+everywhere; with a quorum the engine is fenced from rollouts until a version loads whole).
+
+Importing this module answers ``refit launch``'s check at once (``refit-check: started``),
+so a program may import heavy modules (torch) before :func:`join`.
 """
 
 from __future__ import annotations
@@ -37,6 +42,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import Update, _native
+
+# `refit launch` runs every rank program once as a check before it starts any, and waits a
+# few seconds for it to say so: say it now, before the program imports torch
+_native.check_started()
 
 
 @dataclass
@@ -75,7 +84,8 @@ class Completion:
 
     #: The generated tokens (the prompt not included).
     tokens: list[int]
-    #: The behaviour log-probability of each token, at the request's temperature.
+    #: The behaviour log-probability of each token: at the request's temperature, or at
+    #: temperature 1 for a greedy request (temperature 0). Finite, at most 0.
     logprobs: list[float]
     #: The version that made each token (``None``: every token is the served version's).
     versions: list[int] | None = None
@@ -100,8 +110,11 @@ class Engine:
 
     def stage(self, model: str, version: int, update: Update) -> None:
         """Takes ``version`` of ``model`` (checked whole) into the engine's own form, beside
-        generation. ``update``'s arrays are read-only views valid during this call: copy
-        what the engine keeps. Raise to refuse the version (the served one stays)."""
+        generation. ``update``'s arrays are read-only views of the received memory, valid
+        while held; holding them keeps that memory (a shared-memory slot, an arena) from
+        the next versions, so copy what the engine keeps. ``update.ack()`` does nothing:
+        Refit acknowledges the version once :meth:`commit` served it. Raise to refuse the
+        version (the served one stays)."""
         raise NotImplementedError
 
     def commit(self, model: str, version: int) -> None:
@@ -109,7 +122,8 @@ class Engine:
         raise NotImplementedError
 
     def abort(self, model: str) -> None:
-        """Drops what :meth:`stage` took of ``model`` (the fleet did not commit it)."""
+        """Drops what :meth:`stage` took of ``model``: the fleet did not commit it, its hold
+        ran out, a newer load took its place, or a commit named another version."""
 
     def generate(self, requests: list[Request]) -> list[Completion | BaseException]:
         """One :class:`Completion` per request, in order (or the exception that request
@@ -118,7 +132,7 @@ class Engine:
 
     def score(self, requests: list[ScoreRequest]) -> list[Completion | BaseException]:
         """Scores (a KL reference): the default refuses."""
-        raise NotImplementedError(f"the {self.name} engine does not score")
+        raise NotImplementedError(f"{self.name} does not score")
 
 
 class _Adapter:
@@ -149,23 +163,28 @@ class _Adapter:
     def generate(self, requests: list, served: dict[str, int]) -> list:
         asked = [Request(m, list(p), n, t, s, stop, served.get(m, 0))
                  for m, p, n, t, s, stop in requests]
-        return self._answers(self.engine.generate(asked), len(asked))
+        return self._answers(self.engine.generate(asked))
 
     def score(self, requests: list, served: dict[str, int]) -> list:
         asked = [ScoreRequest(m, list(p), list(toks), t, served.get(m, 0))
                  for m, p, toks, t in requests]
-        return self._answers(self.engine.score(asked), len(asked))
+        return self._answers(self.engine.score(asked))
 
     @staticmethod
-    def _answers(answers: list, asked: int) -> list:
+    def _answers(answers: list) -> list:
+        # one answer that does not convert fails alone; more answers than requests are
+        # passed on, and refused by the engine
         out: list = []
-        for a in list(answers)[:asked]:
+        for a in list(answers):
             if isinstance(a, BaseException):
                 out.append(f"{type(a).__name__}: {a}")
             elif isinstance(a, Completion):
-                versions = None if a.versions is None else [int(v) for v in a.versions]
-                out.append(([int(t) for t in a.tokens], [float(x) for x in a.logprobs],
-                             versions, str(a.finish)))
+                try:
+                    versions = None if a.versions is None else [int(v) for v in a.versions]
+                    out.append(([int(t) for t in a.tokens], [float(x) for x in a.logprobs],
+                                 versions, str(a.finish)))
+                except (TypeError, ValueError) as e:
+                    out.append(f"TypeError: a Completion that does not convert: {e}")
             else:
                 out.append(f"TypeError: the engine answered {type(a).__name__}, "
                            "not a refit.engine.Completion")
@@ -180,7 +199,10 @@ def join(engine: Engine, roles: str = "grpo") -> dict[str, Any] | None:
     ``refit launch`` runs the program as a check.
 
     Raises :class:`refit.errors.ConfigError` for a topology, launch variable or layout
-    that does not fit, and the rank's error otherwise (rank 0 gone, a timeout)."""
+    that does not fit, and the rank's error otherwise (rank 0 gone, a timeout). From the
+    run's start on, SIGINT and SIGTERM end the process through Refit's handlers (which
+    release shared memory), as in any Refit rank; Python's own handling of them does not
+    come back after the run."""
     return _native.join_engine(_Adapter(engine), roles)
 
 

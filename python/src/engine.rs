@@ -6,7 +6,7 @@
 //! everywhere else.
 
 use std::collections::BTreeMap;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError, mpsc};
 
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
@@ -51,18 +51,21 @@ type Job = Box<dyn FnOnce() + Send>;
 /// ended by Python under its Rust frames): [`Lane::close`] lets the calls in flight finish
 /// and refuses later ones before `join` returns.
 struct Lane {
-    jobs: std::sync::Mutex<std::sync::mpsc::Sender<Job>>,
-    closed: std::sync::atomic::AtomicBool,
+    /// Where jobs go; `None` once closed (taken under the lock, so no job is sent after
+    /// the close's own).
+    jobs: Mutex<Option<mpsc::Sender<Job>>>,
 }
 
 impl Lane {
     fn start(name: &str) -> PyResult<Self> {
-        let (tx, rx) = std::sync::mpsc::channel::<Job>();
+        let (tx, rx) = mpsc::channel::<Job>();
         std::thread::Builder::new()
             .name(name.to_owned())
             .spawn(move || {
                 for job in rx {
-                    job();
+                    // a job that panics must not end the thread (see the type's doc); its
+                    // caller hears the lane is gone
+                    let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(job));
                 }
                 // kept, not ended: see the type's documentation
                 loop {
@@ -71,60 +74,42 @@ impl Lane {
             })
             .map_err(|e| RefitError::new_err(format!("starting the thread `{name}`: {e}")))?;
         Ok(Self {
-            jobs: std::sync::Mutex::new(tx),
-            closed: std::sync::atomic::AtomicBool::new(false),
+            jobs: Mutex::new(Some(tx)),
         })
     }
 
     /// Queues `job` on the lane without waiting for it: false when the lane is gone or
     /// closed.
     fn post(&self, job: Job) -> bool {
-        if self.closed.load(std::sync::atomic::Ordering::Acquire) {
-            return false;
-        }
-        let jobs = self
-            .jobs
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        jobs.send(job).is_ok()
+        let jobs = self.jobs.lock().unwrap_or_else(PoisonError::into_inner);
+        jobs.as_ref().is_some_and(|tx| tx.send(job).is_ok())
     }
 
     /// Runs `f` on the lane and answers what it returned (`None`: the lane is gone or
-    /// closed).
+    /// closed, or `f` panicked).
     fn run<T: Send + 'static>(&self, f: impl FnOnce() -> T + Send + 'static) -> Option<T> {
-        if self.closed.load(std::sync::atomic::Ordering::Acquire) {
-            return None;
-        }
-        let (tx, rx) = std::sync::mpsc::sync_channel(1);
+        let (tx, rx) = mpsc::sync_channel(1);
         let job: Job = Box::new(move || {
             let _ = tx.send(f());
         });
-        let jobs = self
-            .jobs
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        jobs.send(job).ok()?;
-        drop(jobs);
+        if !self.post(job) {
+            return None;
+        }
         rx.recv().ok()
     }
-}
 
-impl Lane {
     /// Refuses calls from now on and waits until the ones sent before have run. Call it
     /// without the GIL: they need it.
     fn close(&self) {
-        self.closed
-            .store(true, std::sync::atomic::Ordering::Release);
-        let (tx, rx) = std::sync::mpsc::sync_channel(1);
-        let jobs = self
-            .jobs
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        let sent = jobs.send(Box::new(move || {
+        let (tx, rx) = mpsc::sync_channel(1);
+        let last: Job = Box::new(move || {
             let _ = tx.send(());
-        }));
-        drop(jobs);
-        if sent.is_ok() {
+        });
+        let sent = {
+            let mut jobs = self.jobs.lock().unwrap_or_else(PoisonError::into_inner);
+            jobs.take().is_some_and(|j| j.send(last).is_ok())
+        };
+        if sent {
             let _ = rx.recv();
         }
     }
@@ -139,10 +124,34 @@ fn lane_gone(model: &str, call: &str) -> refit_actors::Error {
 }
 
 /// A Python exception as the engine's error, naming the model and the call.
+/// Its traceback is logged: the message alone rarely says where a user's engine failed.
 fn failed(model: &str, call: &str, e: &PyErr) -> refit_actors::Error {
+    let trace = Python::attach(|py| e.traceback(py).and_then(|t| t.format().ok()));
+    if let Some(t) = trace {
+        tracing::warn!(model, "the Python engine's {call} raised {e}\n{t}");
+    }
     refit_actors::Error::Generator {
         model: model.to_owned(),
         reason: format!("the Python engine's {call} raised {e}"),
+    }
+}
+
+/// A launch variable or topology that does not fit: the runtime's error, as `ConfigError`
+/// when it is the launch's own (a variable missing or bad, the file).
+fn launch_error(e: refit_node::Error) -> PyErr {
+    match e {
+        refit_node::Error::Launch { .. } => config(e.to_string()),
+        e => to_py(e.into()),
+    }
+}
+
+/// Says `refit-check: started` when `refit launch` runs this program as a check, so that
+/// a Python program that imports heavy modules (torch) before `join` still answers the
+/// check in time (`refit.engine` calls it when imported).
+#[pyfunction]
+pub(crate) fn check_started() {
+    if refit_node::launch::checking() {
+        refit_node::launch::announce_check();
     }
 }
 
@@ -235,23 +244,28 @@ impl Calls {
 /// One answer of the adapter: a completion `(tokens, logprobs, versions, finish)`, or the
 /// message of what the request raised.
 fn completion(model: &str, method: &str, a: &Bound<'_, PyAny>) -> refit_actors::Result<Completion> {
+    let refused = |reason: String| refit_actors::Error::Generator {
+        model: model.to_owned(),
+        reason,
+    };
     if let Ok(message) = a.extract::<String>() {
-        return Err(refit_actors::Error::Generator {
-            model: model.to_owned(),
-            reason: format!("the Python engine's {method} raised {message}"),
-        });
+        return Err(refused(format!(
+            "the Python engine's {method} raised {message}"
+        )));
     }
     type Answer = (Vec<u32>, Vec<f32>, Option<Vec<u64>>, String);
-    let (tokens, logprobs, versions, finish): Answer =
-        a.extract().map_err(|e| failed(model, method, &e))?;
+    let (tokens, logprobs, versions, finish): Answer = a.extract().map_err(|e| {
+        refused(format!(
+            "the Python engine's {method} answered something that is not a completion: {e}"
+        ))
+    })?;
     let finish = match finish.as_str() {
         "length" => Finish::Length,
         "stop" => Finish::Stop,
         other => {
-            return Err(refit_actors::Error::bad_request(
-                "finish",
-                format!("the Python engine answered `{other}` (length or stop)"),
-            ));
+            return Err(refused(format!(
+                "the Python engine's {method} answered finish `{other}` (length or stop)"
+            )));
         }
     };
     let versions = versions
@@ -429,11 +443,9 @@ pub(crate) fn join_engine(
             ROLES.join(", ")
         )));
     }
-    let topo = refit_node::launch::load_topology().map_err(|e| to_py(e.into()))?;
-    let launch = refit_node::LaunchEnv::from_env().map_err(|e| to_py(e.into()))?;
-    // a rank from here on: its log lines, and SIGINT / SIGTERM releasing what it holds
+    let topo = refit_node::launch::load_topology().map_err(launch_error)?;
+    let launch = refit_node::LaunchEnv::from_env().map_err(launch_error)?;
     init_logging();
-    refit_node::signals::install_signal_handlers().map_err(|e| to_py(e.into()))?;
     let grpo = GrpoRoles::new();
     let name: String = adapter.bind(py).call_method0("name")?.extract()?;
     let mut manifests = BTreeMap::new();
@@ -458,6 +470,9 @@ pub(crate) fn join_engine(
         name,
         manifests,
     };
+    // a rank from here on: SIGINT and SIGTERM release what it holds and end the process
+    // (for good: Python's own handling of them does not come back after the run)
+    refit_node::signals::install_signal_handlers().map_err(|e| to_py(e.into()))?;
     let report = py
         .detach(|| {
             let report = run::join_backend(&topo, &launch, grpo, backend);

@@ -31,6 +31,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<mesh::MeshReceiver>()?;
     m.add_function(wrap_pyfunction!(spec::transports, m)?)?;
     m.add_function(wrap_pyfunction!(engine::join_engine, m)?)?;
+    m.add_function(wrap_pyfunction!(engine::check_started, m)?)?;
     m.add_function(wrap_pyfunction!(verify::checksums, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())

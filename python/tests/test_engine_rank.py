@@ -6,9 +6,11 @@ reversal; and what the adapter between the binding and an engine does with its a
 from __future__ import annotations
 
 import os
+import queue
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -80,23 +82,32 @@ def test_a_killed_python_engine_rank_is_restarted_and_rejoins(refit_bin, tmp_pat
     cmd, env = launch_command(refit_bin, tmp_path, sets)
     proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
-    lines: list[str] = []
-    killed = None
+    # lines come through a reader thread, so a silent run cannot hang the test past its
+    # deadline
+    lines: queue.Queue = queue.Queue()
+    reader = threading.Thread(target=lambda: [lines.put(l) for l in proc.stdout], daemon=True)
+    reader.start()
+    seen: list[str] = []
+    pid = killed = None
     deadline = time.monotonic() + 600
     try:
-        for line in proc.stdout:
-            lines.append(line)
-            if killed is None and "rank 2 (process `engine`, replica 1): pid " in line:
+        while reader.is_alive() or not lines.empty():
+            assert time.monotonic() < deadline, "".join(seen[-40:])
+            try:
+                line = lines.get(timeout=1)
+            except queue.Empty:
+                continue
+            seen.append(line)
+            if pid is None and "rank 2 (process `engine`, replica 1): pid " in line:
                 pid = int(line.split(": pid ")[1].split(",")[0])
-            if killed is None and "policy v4:" in line:
+            if killed is None and pid is not None and "policy v4:" in line:
                 os.kill(pid, signal.SIGKILL)
                 killed = pid
-            assert time.monotonic() < deadline, "".join(lines[-40:])
         proc.wait(timeout=60)
     finally:
         if proc.poll() is None:
             proc.kill()
-    out = "".join(lines)
+    out = "".join(seen)
     assert killed is not None, out[-6000:]
     assert proc.returncode == 0, out[-6000:]
     assert "rank 2 (process `engine`, replica 1) rejoined (incarnation 1)" in out, out[-6000:]
@@ -116,6 +127,8 @@ def test_the_adapter_hands_answers_over_and_names_what_is_wrong():
                     out.append(ValueError("no nines"))
                 elif r.prompt == [8]:
                     out.append({"tokens": [1]})
+                elif r.prompt == [7]:
+                    out.append(Completion(tokens=None, logprobs=[]))
                 else:
                     out.append(Completion(tokens=[r.prompt[-1]] * r.max_tokens,
                                           logprobs=[-0.5] * r.max_tokens,
@@ -125,21 +138,23 @@ def test_the_adapter_hands_answers_over_and_names_what_is_wrong():
     a = _Adapter(Echo())
     assert a.name() == "echo"
     asked = [("policy", [3], 2, 0.0, 7, None), ("policy", [9], 2, 1.0, 7, 4),
-             ("policy", [8], 1, 1.0, 7, None)]
-    ok, bad, wrong = a.generate(asked, {"policy": 5})
+             ("policy", [8], 1, 1.0, 7, None), ("policy", [7], 1, 1.0, 7, None)]
+    ok, bad, wrong, broken = a.generate(asked, {"policy": 5})
     assert ok == ([3, 3], [-0.5, -0.5], [5, 5], "length")
     assert bad == "ValueError: no nines"
     assert wrong.startswith("TypeError:") and "Completion" in wrong
+    # one completion that does not convert fails alone
+    assert broken.startswith("TypeError: a Completion that does not convert")
     # the default layout is the roles' own; scores are refused by default
     layout = [("w", "bf16", [2, 3])]
     assert a.manifest("policy", layout, '{"heads": 2}') == [("w", "bf16", [2, 3])]
-    with pytest.raises(NotImplementedError, match="echo engine does not score"):
+    with pytest.raises(NotImplementedError, match="echo does not score"):
         a.score([("policy", [1], [2], 1.0)], {"policy": 1})
 
 
 def test_join_outside_refit_launch_says_what_is_missing(monkeypatch):
     monkeypatch.delenv("REFIT_TOPOLOGY", raising=False)
-    with pytest.raises(refit.RefitError, match="REFIT_TOPOLOGY"):
+    with pytest.raises(refit.ConfigError, match="REFIT_TOPOLOGY"):
         refit.engine.join(refit.engine.Engine())
     with pytest.raises(refit.ConfigError, match="roles `ppo`"):
         refit.engine.join(refit.engine.Engine(), roles="ppo")

@@ -123,10 +123,8 @@ impl Backlog {
     }
 
     /// Waits until `worker` has room, then counts one more batch queued for it. Answers
-    /// `false` (nothing counted) once `stop` is raised.
-    ///
-    /// # Cancel safety
-    /// Blocking; wakes at least every 50 ms to look at `stop`.
+    /// `false` (nothing counted) once `stop` is raised: it blocks, looking at `stop` at
+    /// least every 50 ms.
     pub fn reserve(&self, worker: usize, stop: &AtomicBool) -> bool {
         let mut queued = self.queued.lock().unwrap_or_else(PoisonError::into_inner);
         loop {

@@ -323,7 +323,7 @@ fn sender_breaking_halfway(node: &Node, m: &Manifest, how: Halfway) -> (MeshEndp
     (endpoint, refit_runtime::mesh::wholes(m))
 }
 
-/// The bad input: a shard that dies or hangs in the middle of a version fails that
+/// A shard that dies or hangs in the middle of a version fails that
 /// version, naming the shard, within the pull's deadline; the version the receiver held
 /// before is still the one its weight set says it holds.
 #[test]

@@ -77,8 +77,9 @@ impl<G: GenRoles, B: EngineBackend> Workload for Backed<G, B> {
         let refused = |what: String| Err(Error::Config(format!("model `{}`: {what}", model.id)));
         if model.reference_every.is_some() {
             return refused(format!(
-                "params.reference_every asks the engines to serve a KL reference, which the \
-                 {name} engine does not (drop it, or use Refit's generating engine)"
+                "params.reference_every asks the engines to serve a KL reference, and an engine \
+                 of the {name} backend hosts no reference model yet (drop it, or use Refit's \
+                 generating engine)"
             ));
         }
         if model.verify > Verify::Names {

@@ -81,7 +81,7 @@ pub const PYTHON_ENV: &str = "REFIT_PYTHON";
 /// The program a rank runs for the command's `program`: `python` (the value of
 /// [`PYTHON_ENV`], when set and not empty) for `python3` and `python`, else `program`.
 pub fn interpreter<'a>(program: &'a str, python: Option<&'a str>) -> &'a str {
-    match python.filter(|p| !p.trim().is_empty()) {
+    match python.map(str::trim).filter(|p| !p.is_empty()) {
         Some(p) if program == "python3" || program == "python" => p,
         _ => program,
     }
@@ -201,6 +201,10 @@ mod tests {
         assert_eq!(interpreter("python", venv), "/venv/bin/python");
         assert_eq!(interpreter("python3", None), "python3");
         assert_eq!(interpreter("python3", Some(" ")), "python3");
+        assert_eq!(
+            interpreter("python", Some(" /venv/bin/python ")),
+            "/venv/bin/python"
+        );
         // only the bare names: a path or another program is the file's own choice
         assert_eq!(interpreter("/usr/bin/python3", venv), "/usr/bin/python3");
         assert_eq!(

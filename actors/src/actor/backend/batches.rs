@@ -39,6 +39,11 @@ impl Request {
 
 type Reply = oneshot::Sender<Result<Completion>>;
 
+/// A request of an episode cancelled since (its epoch is not the engine's).
+fn stale(asked: Option<u64>, epoch: u64) -> bool {
+    asked.is_some_and(|e| e != epoch)
+}
+
 /// Requests waiting for a batch, in their order of arrival.
 #[derive(Debug, Default)]
 pub(super) struct Pending {
@@ -50,12 +55,12 @@ impl Pending {
         self.waiting.push_back((req, reply));
     }
 
-    /// Answers every waiting request of an epoch older than `epoch` as cancelled: how many.
-    pub(super) fn cancel_below(&mut self, epoch: u64) -> u64 {
+    /// Answers every waiting request of another epoch than `epoch` as cancelled: how many.
+    pub(super) fn cancel_other_than(&mut self, epoch: u64) -> u64 {
         let mut cancelled = 0;
         let mut kept = VecDeque::with_capacity(self.waiting.len());
         for (req, reply) in self.waiting.drain(..) {
-            if req.epoch().is_some_and(|e| e < epoch) {
+            if stale(req.epoch(), epoch) {
                 let _ = reply.send(Err(Error::Cancelled { epoch }));
                 cancelled += 1;
             } else {
@@ -99,13 +104,24 @@ impl Batch {
     }
 
     /// Runs the batch on `backend` (blocking): one call for the completions, one for the
-    /// scores, each answer checked and given its versions.
+    /// scores, each answer checked and given its versions. Requests of another epoch than
+    /// `epoch` (cancelled while they waited for their turn) are not run: they are answered
+    /// cancelled.
     pub(super) fn run<B: EngineBackend>(
-        self,
+        mut self,
         backend: &B,
         served: &BTreeMap<ModelId, Version>,
+        epoch: u64,
     ) -> Answered {
         let mut out = Answered::default();
+        for (g, reply) in self.generate.extract_if(.., |(g, _)| stale(g.epoch, epoch)) {
+            out.answers
+                .push((reply, g.epoch, Err(Error::Cancelled { epoch })));
+        }
+        for (s, reply) in self.score.extract_if(.., |(s, _)| stale(s.epoch, epoch)) {
+            out.answers
+                .push((reply, s.epoch, Err(Error::Cancelled { epoch })));
+        }
         if !self.generate.is_empty() {
             let (reqs, replies): (Vec<Generate>, Vec<Reply>) = self.generate.into_iter().unzip();
             let answers = backend.generate(&reqs, served);
@@ -142,8 +158,11 @@ impl Answered {
         for ((model, epoch), reply) in requests.zip(replies) {
             let version = served.get(model).copied().unwrap_or(Version::ZERO);
             let answer = match answers.next() {
-                Some(a) => a.and_then(|c| fill_versions(c, version)),
-                None => Err(Error::Generator {
+                // a backend that answers more than it was asked cannot be held to any
+                Some(a) if answered <= asked => {
+                    a.and_then(|c| fill_versions(c, version, backend, model))
+                }
+                _ => Err(Error::Generator {
                     model: model.to_string(),
                     reason: format!(
                         "the {backend} backend answered {answered} of {asked} requests"
@@ -154,12 +173,12 @@ impl Answered {
         }
     }
 
-    /// Sends every answer (a request of an epoch older than `epoch` is answered as
+    /// Sends every answer (a request of another epoch than `epoch` is answered as
     /// cancelled): the tokens generated and the requests cancelled.
     pub(super) fn answer(self, epoch: u64) -> (u64, u64) {
         let (mut tokens, mut cancelled) = (0, 0);
         for (reply, asked, answer) in self.answers {
-            let answer = if asked.is_some_and(|e| e < epoch) {
+            let answer = if stale(asked, epoch) {
                 cancelled += 1;
                 Err(Error::Cancelled { epoch })
             } else {
@@ -178,25 +197,40 @@ impl Answered {
 /// versions gets `served` for every token.
 ///
 /// # Errors
-/// [`Error::BadRequest`] naming the field when `logprobs` or `versions` is not one per token
-/// (a behaviour log-probability missing would be learned from as zero).
-pub(super) fn fill_versions(mut c: Completion, served: Version) -> Result<Completion> {
+/// [`Error::Generator`] naming the model, the backend and the field when `logprobs` or
+/// `versions` is not one per token, or a log-probability is not finite or above 0 (a
+/// learner would learn from it as a behaviour probability).
+pub(super) fn fill_versions(
+    mut c: Completion,
+    served: Version,
+    backend: &str,
+    model: &ModelId,
+) -> Result<Completion> {
+    let refused = |what: String| Error::Generator {
+        model: model.to_string(),
+        reason: format!("the {backend} backend answered {what}"),
+    };
     if c.versions.is_empty() {
         c.versions = vec![served; c.tokens.len()];
     }
+    let n = c.tokens.len();
     for (field, len) in [
         ("logprobs", c.logprobs.len()),
         ("versions", c.versions.len()),
     ] {
-        if len != c.tokens.len() {
-            return Err(Error::bad_request(
-                field,
-                format!(
-                    "the backend answered {len} for {} tokens (one per token)",
-                    c.tokens.len()
-                ),
-            ));
+        if len != n {
+            return Err(refused(format!(
+                "{len} {field} for {n} tokens (one per token)"
+            )));
         }
+    }
+    // a little above 0 is rounding (a probability of 1 in float32)
+    let bad = c.logprobs.iter().position(|p| !p.is_finite() || *p > 1e-4);
+    if let Some(i) = bad {
+        let p = c.logprobs[i];
+        return Err(refused(format!(
+            "logprobs[{i}] = {p}, not a log-probability"
+        )));
     }
     Ok(c)
 }
@@ -237,7 +271,7 @@ mod tests {
         p.push(gen_req(None), tx1);
         let none = BTreeMap::from([(model(), Version::ZERO)]);
         assert!(p.take_ready(&none).is_empty(), "no version served yet");
-        assert_eq!(p.cancel_below(1), 1);
+        assert_eq!(p.cancel_other_than(1), 1);
         assert!(matches!(
             rx0.try_recv(),
             Ok(Err(Error::Cancelled { epoch: 1 }))
@@ -250,21 +284,32 @@ mod tests {
 
     #[test]
     fn completions_get_their_versions_and_bad_ones_are_refused_naming_the_field() {
-        let c = fill_versions(completion(3), Version(4)).unwrap();
+        let m = model();
+        let fill = |c, v| fill_versions(c, v, "test", &m);
+        let c = fill(completion(3), Version(4)).unwrap();
         assert_eq!(c.versions, vec![Version(4); 3]);
         // a backend's own versions are kept (a keep-mode update inside a sequence)
         let mut two = completion(2);
         two.versions = vec![Version(1), Version(2)];
-        let c = fill_versions(two, Version(2)).unwrap();
+        let c = fill(two, Version(2)).unwrap();
         assert_eq!(c.versions, vec![Version(1), Version(2)]);
         let mut bad = completion(2);
         bad.logprobs.clear();
-        let e = fill_versions(bad, Version(1)).unwrap_err().to_string();
-        assert!(e.contains("logprobs"), "{e}");
+        let e = fill(bad, Version(1)).unwrap_err().to_string();
+        assert!(
+            e.contains("logprobs") && e.contains("`policy`") && e.contains("test"),
+            "{e}"
+        );
         let mut bad = completion(2);
         bad.versions = vec![Version(1)];
-        let e = fill_versions(bad, Version(1)).unwrap_err().to_string();
+        let e = fill(bad, Version(1)).unwrap_err().to_string();
         assert!(e.contains("versions"), "{e}");
+        for p in [f32::NAN, 0.5] {
+            let mut bad = completion(2);
+            bad.logprobs[1] = p;
+            let e = fill(bad, Version(1)).unwrap_err().to_string();
+            assert!(e.contains("logprobs[1]"), "{e}");
+        }
     }
 
     #[test]
@@ -284,6 +329,7 @@ mod tests {
             &served,
         );
         assert_eq!(a.answer(1), (2, 1));
+        // (a request of epoch 0 when the engine is at 1 is answered cancelled)
         assert_eq!(
             rx0.try_recv().unwrap().unwrap().versions,
             vec![Version(2); 2]

@@ -27,10 +27,12 @@ mod batches;
 mod generator;
 
 use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use actix::prelude::*;
+use refit_runtime::metrics::Side;
 use refit_runtime::{Manifest, ModelId, Version, WeightSet};
 use tokio::sync::{OwnedMutexGuard, oneshot};
 
@@ -47,9 +49,13 @@ use batches::{Pending, Request};
 pub use generator::GeneratorBackend;
 
 // ANCHOR: backend
-/// What a backend does for a [`BackendEngine`]: blocking calls, each on a thread of its
-/// own beside the actor. Stages of one model never overlap; commits and batches never
-/// overlap (a commit waits for the running batch, and no batch starts until it returns).
+/// What a backend does for a [`BackendEngine`]: blocking calls. `stage`, `commit`,
+/// `generate` and `score` run on blocking threads beside the actor; `name`, `manifest` and
+/// `abort` run on the actor's own thread and must be quick. Stages of one model never
+/// overlap; commits and batches never overlap: a commit waits for the running batch, and
+/// no batch starts until it returns, so a commit pauses every model the engine serves (the
+/// topology's `pause_mode` does not apply: a backend engine swaps between batches, as
+/// `wait` does).
 pub trait EngineBackend: Send + Sync + 'static {
     /// A name for messages (`"vllm"`, `"python engine"`).
     fn name(&self) -> String;
@@ -170,6 +176,8 @@ pub struct BackendEngine<B: EngineBackend> {
     pending: Pending,
     running: bool,
     epoch: u64,
+    /// The epoch, for a batch that waited for its turn to look at before it runs.
+    epoch_now: Arc<AtomicU64>,
     stats: EngineStats,
 }
 
@@ -213,17 +221,16 @@ impl<B: EngineBackend> BackendEngine<B> {
             pending: Pending::default(),
             running: false,
             epoch: 0,
+            epoch_now: Arc::new(AtomicU64::new(0)),
             stats: EngineStats::default(),
         })
     }
 
     fn slot(&self, model: &ModelId) -> Result<Arc<tokio::sync::Mutex<Slot>>> {
-        self.slots.get(model).cloned().ok_or_else(|| {
-            Error::Config(format!(
-                "model `{model}` is not served by this {} engine",
-                self.backend.name()
-            ))
-        })
+        self.slots
+            .get(model)
+            .cloned()
+            .ok_or_else(|| Error::Runtime(refit_runtime::Error::UnknownModel(model.clone())))
     }
 
     fn job(&self, model: &ModelId) -> Result<Job<B>> {
@@ -263,7 +270,9 @@ impl<B: EngineBackend> Job<B> {
     /// staged and how long the lock wait, fetch and stage took.
     ///
     /// # Cancel safety
-    /// Cancel safe: dropped, the lock and anything staged are let go.
+    /// Cancel safe for the engine: dropped, the lock is let go once the staging thread
+    /// ends; what that thread staged in the backend stays there until the next stage of
+    /// the model replaces it.
     async fn stage(
         &self,
         version: Version,
@@ -306,6 +315,19 @@ impl<B: EngineBackend> Job<B> {
                 if v <= served_of(&served, &model) {
                     return Ok(None);
                 }
+                // the layout the backend loads, whatever inlet it was given
+                let loads = backend.manifest(&model)?;
+                if w.manifest().schema_hash() != loads.schema_hash() {
+                    return Err(Error::Generator {
+                        model: model.to_string(),
+                        reason: format!(
+                            "v{v} came in a layout of {} tensors, not the {} backend's ({})",
+                            w.manifest().tensors().len(),
+                            backend.name(),
+                            loads.tensors().len()
+                        ),
+                    });
+                }
                 backend.stage(w).map(|()| Some(v))
             });
             (guard, r)
@@ -340,7 +362,8 @@ impl<B: EngineBackend> Job<B> {
     /// not acknowledged.
     async fn commit(&self, held: Held, deadline: Instant) -> Result<Committed> {
         let mut held = held;
-        held.abort = None; // committed, not dropped
+        // the backend drops what it staged if the commit does not happen
+        let abort = held.abort.take();
         let version = held.version;
         let guard = held.guard.take().ok_or_else(|| {
             Error::Actor(format!(
@@ -349,10 +372,15 @@ impl<B: EngineBackend> Job<B> {
             ))
         })?;
         let asked = Instant::now();
-        let wait = deadline.saturating_duration_since(asked);
-        let turn = actix_rt::time::timeout(wait, Arc::clone(&self.turn).lock_owned())
-            .await
-            .map_err(|_| timed_out(&self.model, "waiting for the running batch to end", wait))?;
+        let wait = deadline.saturating_duration_since(asked).max(MIN_TURN_WAIT);
+        let Ok(turn) = actix_rt::time::timeout(wait, Arc::clone(&self.turn).lock_owned()).await
+        else {
+            if let Some(abort) = abort {
+                abort();
+            }
+            let what = "waiting for the running batch to end";
+            return Err(timed_out(&self.model, what, wait));
+        };
         let drained = asked.elapsed();
         let (model, backend, served) = (
             self.model.clone(),
@@ -362,7 +390,12 @@ impl<B: EngineBackend> Job<B> {
         let done = actix_rt::task::spawn_blocking(move || {
             let mut guard = guard;
             let started = Instant::now();
-            backend.commit(&model, version)?;
+            if let Err(e) = backend.commit(&model, version) {
+                if let Some(abort) = abort {
+                    abort();
+                }
+                return Err(e);
+            }
             let paused = started.elapsed();
             // the next batch, which waits for the turn, sees the version it runs under
             served
@@ -391,6 +424,10 @@ impl<B: EngineBackend> Job<B> {
         })
     }
 }
+
+/// The least time a staged version waits for the running batch to end, even when the fetch
+/// and the stage ate the load's deadline (a backend's batch has no bound of its own).
+const MIN_TURN_WAIT: Duration = Duration::from_secs(5);
 
 fn timed_out(model: &ModelId, what: &str, after: Duration) -> Error {
     Error::Runtime(refit_runtime::Error::Timeout {
@@ -446,6 +483,9 @@ impl<B: EngineBackend> Handler<UpdateModel> for BackendEngine<B> {
                 .map(move |(r, staged, job), act, ctx| {
                     act.stats.staged_total += staged;
                     act.start_batch(ctx);
+                    if r.is_err() {
+                        refit_runtime::metrics::failed(Side::Engine, "engine");
+                    }
                     match r {
                         Ok(Some(c)) => Ok(act.committed(job.model, staged, c)),
                         Ok(None) => Ok(LoadReport::already_served(
@@ -516,6 +556,9 @@ impl<B: EngineBackend> Handler<CommitModel> for BackendEngine<B> {
         let commit = async move { job.commit(held, deadline).await };
         Box::pin(commit.into_actor(self).map(move |r, act, ctx| {
             act.start_batch(ctx);
+            if r.is_err() {
+                refit_runtime::metrics::failed(Side::Engine, "engine");
+            }
             Ok(act.committed(model, staged, r?))
         }))
     }
@@ -537,7 +580,8 @@ impl<B: EngineBackend> Handler<CancelInFlight> for BackendEngine<B> {
     /// once, those in the running batch when it ends.
     fn handle(&mut self, _: CancelInFlight, _: &mut Context<Self>) -> u64 {
         self.epoch += 1;
-        self.stats.cancelled += self.pending.cancel_below(self.epoch);
+        self.epoch_now.store(self.epoch, Ordering::Release);
+        self.stats.cancelled += self.pending.cancel_other_than(self.epoch);
         self.epoch
     }
 }
@@ -594,7 +638,7 @@ impl<B: EngineBackend> BackendEngine<B> {
         if let Err(e) = self.slot(model) {
             return Box::pin(async move { Err(e) });
         }
-        if epoch.is_some_and(|e| e < self.epoch) {
+        if epoch.is_some_and(|e| e != self.epoch) {
             self.stats.cancelled += 1;
             let epoch = self.epoch;
             return Box::pin(async move { Err(Error::Cancelled { epoch }) });
@@ -630,7 +674,8 @@ impl<B: EngineBackend> BackendEngine<B> {
         }
         self.running = true;
         let (backend, turn) = (Arc::clone(&self.backend), Arc::clone(&self.turn));
-        let served = Arc::clone(&self.served);
+        let (served, epoch) = (Arc::clone(&self.served), Arc::clone(&self.epoch_now));
+        let name = self.backend.name();
         let run = async move {
             let turn = turn.lock_owned().await;
             let answered = actix_rt::task::spawn_blocking(move || {
@@ -640,12 +685,16 @@ impl<B: EngineBackend> BackendEngine<B> {
                     .lock()
                     .unwrap_or_else(PoisonError::into_inner)
                     .clone();
-                let answered = batch.run(backend.as_ref(), &served);
+                let epoch = epoch.load(Ordering::Acquire);
+                let answered = batch.run(backend.as_ref(), &served, epoch);
                 drop(turn);
                 answered
             })
             .await;
-            answered.ok()
+            // a backend that panicked answers nobody: its callers hear the engine is gone
+            answered
+                .map_err(|e| tracing::error!("a batch of the {name} engine failed: {e}"))
+                .ok()
         };
         ctx.spawn(run.into_actor(self).map(|answered, act, ctx| {
             act.running = false;
