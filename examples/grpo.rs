@@ -15,7 +15,9 @@
 //! Without `topology` the same run happens in one process (every reference local, weights
 //! through the in-process link). `grpo topology --backend` runs an engine rank's generator
 //! behind the backend contract (`refit_actors::actor::EngineBackend`), the path a vLLM or
-//! Python engine takes (`examples/topologies/grpo-backend.toml`).
+//! Python engine takes (`examples/topologies/grpo-backend.toml`). `grpo scores DIR` writes a
+//! version in the engines' layout and the scores Refit's generator gives a few sequences,
+//! which an engine written elsewhere is checked against.
 //!
 //! The run stops once the mean reward on held-out prompts (greedy) reaches `[stop]
 //! target_eval` (0.9), or its budget is spent (exit status 1).
@@ -75,6 +77,14 @@ enum Sub {
         #[arg(long)]
         backend: bool,
     },
+    /// Writes a version of the policy in the engines' layout (`DIR/engine.safetensors`) and
+    /// the log-probability Refit's generator gives each token of a few sequences after its
+    /// prefix (`DIR/scores.json`): what an engine of the same model written elsewhere
+    /// (PyTorch, vLLM) is checked against.
+    Scores {
+        /// Where the two files go.
+        dir: std::path::PathBuf,
+    },
 }
 
 fn parse_mode(s: &str) -> Result<SyncMode, String> {
@@ -125,6 +135,7 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
                 None => return Ok(()),
             }
         }
+        Some(Sub::Scores { dir }) => return write_scores(&dir, args.seed),
         None => {
             let mut sync = SyncConfig::with_mode(args.sync_mode);
             sync.staleness_threshold = args.staleness_threshold;
@@ -167,6 +178,81 @@ fn one_process(args: &Args) -> Result<RunReport, Box<dyn std::error::Error>> {
     Ok(actix_rt::System::new().block_on(run::run_generating(cfg, GrpoRoles::new()))?)
 }
 // ANCHOR_END: one_process
+
+/// `grpo scores DIR`: see [`Sub::Scores`]. The learner's first version, its matrices scaled
+/// up (a fresh model's logits are nearly flat: an engine computing something else would
+/// still score close to them), converted to the engines' layout, staged in Refit's
+/// generator, which scores a few sequences.
+fn write_scores(dir: &std::path::Path, seed: u64) -> Result<(), Box<dyn std::error::Error>> {
+    use refit_actors::actor::EngineBackend;
+    use refit_actors::generation::Generator;
+    use refit_actors::protocol::engine::Score;
+
+    let roles = GrpoRoles::new();
+    let spec = ModelSpec::new(policy_model_id(), seed);
+    let mut weights = roles.learner(&spec)?.export()?;
+    let manifest = std::sync::Arc::clone(weights.manifest());
+    for t in manifest.tensors().iter().filter(|t| t.shape.len() == 2) {
+        weights
+            .view_mut::<f32>(&t.name)?
+            .iter_mut()
+            .for_each(|w| *w *= 25.0);
+    }
+    let want = roles
+        .want(&spec)?
+        .ok_or("the GRPO roles convert to the engines' layout")?;
+    let engine = refit_runtime::convert::Conversion::new(&manifest, &want)?.apply(&weights)?;
+    std::fs::create_dir_all(dir)?;
+    engine.write_safetensors(dir.join("engine.safetensors"))?;
+
+    let generator = roles.generator(&spec)?;
+    let vocab = u32::try_from(generator.vocab_size())?;
+    let model = spec.id.clone();
+    let backend = GeneratorBackend::new().with_model(
+        model.clone(),
+        generator,
+        roles.generator(&spec)?,
+        16,
+    )?;
+    let version = engine.version();
+    backend.stage(std::sync::Arc::new(engine))?;
+    backend.commit(&model, version)?;
+    let batch: Vec<Score> = (0..4u32)
+        .map(|s| Score {
+            model: model.clone(),
+            prompt: (0..3).map(|i| (s * 5 + i * 3 + 1) % vocab).collect(),
+            tokens: (0..5).map(|i| (s * 7 + i * 2 + 2) % vocab).collect(),
+            temperature: 1.0,
+            epoch: None,
+        })
+        .collect();
+    let served = std::collections::BTreeMap::from([(model.clone(), version)]);
+    let mut sequences = Vec::new();
+    for (req, answer) in batch.iter().zip(backend.score(&batch, &served)) {
+        let scored = answer?;
+        let list = |v: &[String]| v.join(", ");
+        let ints = |v: &[u32]| list(&v.iter().map(u32::to_string).collect::<Vec<_>>());
+        let floats: Vec<String> = scored.logprobs.iter().map(|p| format!("{p:.7}")).collect();
+        sequences.push(format!(
+            "{{\"prompt\": [{}], \"tokens\": [{}], \"logprobs\": [{}]}}",
+            ints(&req.prompt),
+            ints(&req.tokens),
+            list(&floats)
+        ));
+    }
+    let json = format!(
+        "{{\"model\": \"{model}\", \"version\": {}, \"sequences\": [\n  {}\n]}}\n",
+        version.get(),
+        sequences.join(",\n  ")
+    );
+    std::fs::write(dir.join("scores.json"), json)?;
+    println!(
+        "wrote {} and {}",
+        dir.join("engine.safetensors").display(),
+        dir.join("scores.json").display()
+    );
+    Ok(())
+}
 
 /// The held-out curve, the staleness of the trained samples, and each engine's pauses.
 fn print_report(report: &RunReport, allowed: Option<u64>) {

@@ -5,6 +5,7 @@ reversal; and what the adapter between the binding and an engine does with its a
 
 from __future__ import annotations
 
+import json
 import os
 import queue
 import signal
@@ -114,6 +115,42 @@ def test_a_killed_python_engine_rank_is_restarted_and_rejoins(refit_bin, tmp_pat
     assert "solved: policy held-out reward" in out, out[-6000:]
     after = out.split("rejoined (incarnation 1)", 1)[1]
     assert "rank 2 (process `engine`, replica 1): stopped; engine loaded" in after, out[-6000:]
+
+
+def test_the_torch_engine_scores_as_refits_own_generator(tmp_path):
+    """The PyTorch engine of the launch test computes what Refit's generator computes: the
+    same version (``grpo scores``: the learner's first version, sharpened, in the engines'
+    layout) gives each token of a few sequences the same log-probability after its prefix,
+    within float rounding. The scores spread over several nats, so a forward that differs
+    (a head split, a norm, the GELU) would not pass."""
+    torch = require("torch")
+    from safetensors.torch import load_file
+
+    subprocess.run([str(grpo_example()), "scores", str(tmp_path)], check=True,
+                   capture_output=True, timeout=300)
+    golden = json.loads((tmp_path / "scores.json").read_text())
+    sys.path.insert(0, str(REPO / "python/examples"))
+    try:
+        from torch_engine_rank import TorchTransformer
+    finally:
+        sys.path.pop(0)
+    engine = TorchTransformer()
+    model = golden["model"]
+    weights = load_file(str(tmp_path / "engine.safetensors"))
+    layout = [(n, "bf16", list(t.shape)) for n, t in weights.items()]
+    assert engine.manifest(model, layout, {}) == layout  # the roles' default heads
+    engine.served[model] = {n: t.float() for n, t in weights.items()}
+    want_all, worst = [], 0.0
+    for s in golden["sequences"]:
+        seq = list(s["prompt"])
+        for token, want in zip(s["tokens"], s["logprobs"]):
+            got = float(engine.logits(model, seq).double().log_softmax(-1)[token])
+            worst = max(worst, abs(got - want))
+            want_all.append(want)
+            seq.append(token)
+    assert max(want_all) - min(want_all) > 5.0, want_all  # the check can fail
+    assert worst < 2e-3, f"log-probabilities differ by up to {worst}"
+    assert torch.isfinite(torch.tensor(want_all)).all()
 
 
 def test_the_adapter_hands_answers_over_and_names_what_is_wrong():
