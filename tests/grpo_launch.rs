@@ -12,6 +12,18 @@ use std::time::Duration;
 mod common;
 use common::launch::{Launch, assert_clean, shipped_topology};
 
+/// A shorter task, so that a debug build learns it in about a minute.
+const SHORT: [&str; 8] = [
+    "--set",
+    "model.policy.params.min_len=3",
+    "--set",
+    "model.policy.params.max_len=3",
+    "--set",
+    "model.policy.params.heldout=64",
+    "--set",
+    "stop.target_eval=0.6",
+];
+
 /// `grpo-processes.toml` as shipped, with the command pointed at this build's example.
 fn topology_file(dir: &Path) -> PathBuf {
     shipped_topology(dir, "grpo-processes.toml", "grpo", &[])
@@ -34,16 +46,7 @@ fn grpo_learns_through_refit_launch_in_every_sync_mode() {
         ("sync", &reference[..]),
         ("batch-async", &[][..]),
     ] {
-        let mut args = vec![
-            "--set",
-            "model.policy.params.min_len=3",
-            "--set",
-            "model.policy.params.max_len=3",
-            "--set",
-            "model.policy.params.heldout=64",
-            "--set",
-            "stop.target_eval=0.6",
-        ];
+        let mut args = SHORT.to_vec();
         args.extend_from_slice(more);
         let launch = Launch::start_with(&topo, mode, &args);
         let (status, out) = launch.finish(Duration::from_secs(900));
@@ -90,17 +93,7 @@ fn grpo_learns_with_backend_engines_under_refit_launch() {
     let topo = shipped_topology(dir.path(), "grpo-backend.toml", "grpo", &[]);
     let text = std::fs::read_to_string(&topo).unwrap();
     assert!(text.contains("\"topology\", \"--backend\"]"), "{text}");
-    let args = [
-        "--set",
-        "model.policy.params.min_len=3",
-        "--set",
-        "model.policy.params.max_len=3",
-        "--set",
-        "model.policy.params.heldout=64",
-        "--set",
-        "stop.target_eval=0.6",
-    ];
-    let launch = Launch::start_with(&topo, "batch-async", &args);
+    let launch = Launch::start_with(&topo, "batch-async", &SHORT);
     let (status, out) = launch.finish(Duration::from_secs(900));
     assert!(status.success(), "{status}\n{out}");
     assert!(out.contains("solved: policy held-out reward"), "{out}");

@@ -155,32 +155,24 @@ fn both_engine_families_pass_the_suite_across_nodes() {
                 Duration::from_secs(10),
             )
         };
-        let (engine, mut publisher) = acting();
-        let target = uuid::Uuid::new_v4();
-        EngineHandle::acting(&engine).serve(&server, target);
-        let remote = EngineRef::remote(&connect(target).await.unwrap());
-        let passed = conformance::weight_plane(&remote, &policy(), &mut publisher)
-            .await
-            .unwrap();
-        assert_eq!(passed, CHECKS);
-
-        let (engine, mut publisher) = generating();
-        let target = uuid::Uuid::new_v4();
-        EngineHandle::generating(&engine).serve(&server, target);
-        let remote = EngineRef::remote(&connect(target).await.unwrap());
-        let passed = conformance::weight_plane(&remote, &policy(), &mut publisher)
-            .await
-            .unwrap();
-        assert_eq!(passed, CHECKS);
-
-        let (engine, mut publisher) = backed();
-        let target = uuid::Uuid::new_v4();
-        EngineHandle::generating(&engine).serve(&server, target);
-        let remote = EngineRef::remote(&connect(target).await.unwrap());
-        let passed = conformance::weight_plane(&remote, &policy(), &mut publisher)
-            .await
-            .unwrap();
-        assert_eq!(passed, CHECKS);
+        // each engine served on one node, the suite driven from the other
+        let (a, pa) = acting();
+        let (g, pg) = generating();
+        let (b, pb) = backed();
+        let engines = [
+            (EngineHandle::acting(&a), pa),
+            (EngineHandle::generating(&g), pg),
+            (EngineHandle::generating(&b), pb),
+        ];
+        for (handle, mut publisher) in engines {
+            let target = uuid::Uuid::new_v4();
+            handle.serve(&server, target);
+            let remote = EngineRef::remote(&connect(target).await.unwrap());
+            let passed = conformance::weight_plane(&remote, &policy(), &mut publisher)
+                .await
+                .unwrap();
+            assert_eq!(passed, CHECKS);
+        }
     });
 }
 

@@ -14,9 +14,10 @@ use refit_actors::actor::EngineBackend;
 use refit_actors::generation::{Completion, Finish, Generator};
 use refit_actors::protocol::engine::{Generate, Score};
 use refit_actors::{GenRoles, GrpoRoles, run};
-use refit_runtime::{DType, Manifest, ModelId, Version, WeightSet};
+use refit_runtime::{Manifest, ModelId, Version, WeightSet};
 
 use crate::errors::{RefitError, config, to_py};
+use crate::mesh::manifest_of;
 use crate::update::Update;
 
 /// The roles a Python engine rank can host beside its engine (the rollout workers' tasks,
@@ -161,21 +162,6 @@ fn layout_of(m: &Manifest) -> Vec<(String, &'static str, Vec<usize>)> {
         .iter()
         .map(|t| (t.name.clone(), t.dtype.name(), t.shape.clone()))
         .collect()
-}
-
-/// A layout from Python's `(name, dtype, shape)` triples.
-fn manifest_of(model: &ModelId, layout: Vec<(String, String, Vec<usize>)>) -> PyResult<Manifest> {
-    let mut b = Manifest::builder();
-    for (name, dtype, shape) in layout {
-        let d = DType::from_name(&dtype).ok_or_else(|| {
-            config(format!(
-                "model `{model}`: the engine's layout gives tensor `{name}` the dtype \
-                 `{dtype}`, which Refit does not know"
-            ))
-        })?;
-        b = b.tensor(name, d, &shape);
-    }
-    b.build().map_err(to_py)
 }
 
 impl Calls {
@@ -457,7 +443,8 @@ pub(crate) fn join_engine(
             .bind(py)
             .call_method1("manifest", (spec.id.as_str(), layout_of(&theirs), params))?
             .extract()?;
-        manifests.insert(spec.id.clone(), Arc::new(manifest_of(&spec.id, layout)?));
+        let of = format!(" of the engine's layout of `{}`", spec.id);
+        manifests.insert(spec.id.clone(), Arc::new(manifest_of(layout, &of)?));
     }
     let lanes = [
         Arc::new(Lane::start("refit-py-weights")?),

@@ -233,6 +233,16 @@ impl<B: EngineBackend> BackendEngine<B> {
             .ok_or_else(|| Error::Runtime(refit_runtime::Error::UnknownModel(model.clone())))
     }
 
+    /// The load lock of a version staged for a commit that never came, for the load or
+    /// stage that takes its place (the backend drops that version first, with its hold).
+    fn take_lock(
+        &mut self,
+        model: &ModelId,
+        ctx: &mut Context<Self>,
+    ) -> Option<OwnedMutexGuard<Slot>> {
+        self.holds.take(model, ctx).and_then(|mut h| h.guard.take())
+    }
+
     fn job(&self, model: &ModelId) -> Result<Job<B>> {
         Ok(Job {
             model: model.clone(),
@@ -462,12 +472,7 @@ impl<B: EngineBackend> Handler<UpdateModel> for BackendEngine<B> {
             Ok(j) => j,
             Err(e) => return Box::pin(fut::ready(Err(e))),
         };
-        // a version staged for a commit that never came gives its lock to this load (and
-        // is dropped by the backend first)
-        let held = self
-            .holds
-            .take(&msg.model, ctx)
-            .and_then(|mut h| h.guard.take());
+        let held = self.take_lock(&msg.model, ctx);
         let deadline = Instant::now() + msg.timeout;
         let load = async move {
             let (staging, staged) = job.stage(msg.version, deadline, held).await;
@@ -508,10 +513,7 @@ impl<B: EngineBackend> Handler<StageModel> for BackendEngine<B> {
             Ok(j) => j,
             Err(e) => return Box::pin(fut::ready(Err(e))),
         };
-        let held = self
-            .holds
-            .take(&msg.model, ctx)
-            .and_then(|mut h| h.guard.take());
+        let held = self.take_lock(&msg.model, ctx);
         let StageModel {
             model,
             version,
