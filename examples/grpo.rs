@@ -29,7 +29,7 @@ use refit_actors::actor::GeneratorBackend;
 use refit_actors::run::{self, RunConfig, RunReport, StopRule};
 use refit_actors::{GenRoles, GrpoRoles, ModelSpec, policy_model_id};
 use refit_node::LaunchEnv;
-use refit_runtime::sync_policy::{PauseMode, StalenessStats, SyncConfig, SyncMode};
+use refit_runtime::sync_policy::{PauseMode, SyncConfig, SyncMode};
 
 /// GRPO on digit reversal through generating engines (one process, or a topology rank).
 #[derive(Parser, Debug)]
@@ -84,6 +84,10 @@ enum Sub {
     Scores {
         /// Where the two files go.
         dir: std::path::PathBuf,
+        /// A key of the model's params (`heads=2`), as a topology's `[model.params]`;
+        /// repeated for several.
+        #[arg(long = "param", value_name = "KEY=VALUE")]
+        params: Vec<String>,
     },
 }
 
@@ -135,14 +139,14 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
                 None => return Ok(()),
             }
         }
-        Some(Sub::Scores { dir }) => return write_scores(&dir, args.seed),
+        Some(Sub::Scores { dir, params }) => return write_scores(&dir, &params, args.seed),
         None => {
             let mut sync = SyncConfig::with_mode(args.sync_mode);
             sync.staleness_threshold = args.staleness_threshold;
             (one_process(&args)?, sync.allowed_staleness())
         }
     };
-    print_report(&report, allowed);
+    print!("{}", report.summary(allowed));
     if !report.solved {
         std::process::exit(1);
     }
@@ -183,13 +187,28 @@ fn one_process(args: &Args) -> Result<RunReport, Box<dyn std::error::Error>> {
 /// up (a fresh model's logits are nearly flat: an engine computing something else would
 /// still score close to them), converted to the engines' layout, staged in Refit's
 /// generator, which scores a few sequences.
-fn write_scores(dir: &std::path::Path, seed: u64) -> Result<(), Box<dyn std::error::Error>> {
+fn write_scores(
+    dir: &std::path::Path,
+    params: &[String],
+    seed: u64,
+) -> Result<(), Box<dyn std::error::Error>> {
     use refit_actors::actor::EngineBackend;
     use refit_actors::generation::Generator;
     use refit_actors::protocol::engine::Score;
 
     let roles = GrpoRoles::new();
-    let spec = ModelSpec::new(policy_model_id(), seed);
+    let mut spec = ModelSpec::new(policy_model_id(), seed);
+    for param in params {
+        // `KEY=VALUE`, the value read as TOML (`heads=2`, `correction="ignore"`)
+        let (key, value) = param
+            .split_once('=')
+            .ok_or_else(|| format!("--param `{param}`: expected KEY=VALUE"))?;
+        let value: toml::Value = toml::from_str::<toml::Table>(&format!("v = {value}"))
+            .map_err(|e| format!("--param `{param}`: the value is not TOML: {e}"))?
+            .remove("v")
+            .ok_or_else(|| format!("--param `{param}`: no value"))?;
+        spec.params.insert(key.trim().to_owned(), value);
+    }
     let mut weights = roles.learner(&spec)?.export()?;
     let manifest = std::sync::Arc::clone(weights.manifest());
     for t in manifest.tensors().iter().filter(|t| t.shape.len() == 2) {
@@ -252,76 +271,4 @@ fn write_scores(dir: &std::path::Path, seed: u64) -> Result<(), Box<dyn std::err
         dir.join("scores.json").display()
     );
     Ok(())
-}
-
-/// The held-out curve, the staleness of the trained samples, and each engine's pauses.
-fn print_report(report: &RunReport, allowed: Option<u64>) {
-    for (model, r) in &report.models {
-        let first = r.evals.first().and_then(|e| e.models.get(model));
-        let last = r.evals.last().and_then(|e| e.models.get(model));
-        println!(
-            "{}: {model} held-out reward (greedy) {:.3} -> {:.3} in {} updates, {:.1} s wall",
-            if report.solved {
-                "solved"
-            } else {
-                "NOT solved"
-            },
-            first.map_or(f64::NAN, |m| m.mean_return),
-            last.map_or(f64::NAN, |m| m.mean_return),
-            r.updates.len(),
-            report.elapsed.as_secs_f64(),
-        );
-        let at: Vec<String> = r
-            .evals
-            .iter()
-            .filter_map(|e| {
-                let u = r.updates.iter().find(|u| u.published == e.step)?;
-                let m = e.models.get(model)?;
-                Some(format!(
-                    "{:.1}s:{:.2}",
-                    u.elapsed.as_secs_f64(),
-                    m.mean_return
-                ))
-            })
-            .collect();
-        println!("held-out reward (greedy) by wall time: {}", at.join(" "));
-        if let Some(line) = report
-            .controller
-            .models
-            .get(model)
-            .and_then(|c| c.fences_line())
-        {
-            println!("{model}: {line}");
-        }
-        let hist = &r.staleness.histogram;
-        let total: u64 = hist.values().sum();
-        println!(
-            "staleness of trained completions (trainer version - oldest token's version): \
-             mean {:.2}, {}",
-            r.staleness.mean_kept(),
-            StalenessStats::dropped_words(r.staleness.dropped, allowed)
-        );
-        for (s, n) in hist {
-            println!(
-                "  {s:>2}: {n:>7} completions ({:>5.1}%)",
-                100.0 * *n as f64 / total.max(1) as f64
-            );
-        }
-    }
-    println!("engine pauses (the time no token was produced because of an update):");
-    for r in &report.ranks {
-        let e = &r.engine;
-        println!(
-            "  rank {} (incarnation {}): {} loads, pause mean {:.1} us, max {:.1} us; \
-             staged beside generation {:.1} ms mean; {} tokens; {} sequences aborted",
-            r.rank,
-            r.incarnation,
-            e.loads,
-            e.paused_total.as_secs_f64() * 1e6 / e.loads.max(1) as f64,
-            e.paused_max.as_secs_f64() * 1e6,
-            e.staged_total.as_secs_f64() * 1e3 / e.loads.max(1) as f64,
-            e.tokens,
-            e.aborted
-        );
-    }
 }

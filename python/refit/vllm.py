@@ -372,6 +372,27 @@ def _not_loaded(groups: list[tuple[str, ...]], loaded: Any) -> list[str]:
     return [names[0] for names in groups if not any(n in loaded for n in names)]
 
 
+def _expected_params(model: Any, model_config: Any) -> list[tuple[str, ...]]:
+    """:func:`_param_groups` of ``model`` as vLLM built it, less what no checkpoint
+    carries: the KV-cache scales of a KV-cache quantization method, the parameters of
+    online quantization, and ``lm_head`` when the config ties it to the embedding."""
+    try:
+        from vllm.model_executor.layers.quantization.kv_cache import BaseKVCacheMethod
+    except ImportError:  # pragma: no cover - another vLLM layout
+        BaseKVCacheMethod = ()
+    skip = set()
+    for prefix, module in model.named_modules():
+        method = getattr(module, "quant_method", None)
+        if (BaseKVCacheMethod and isinstance(method, BaseKVCacheMethod)) or getattr(method, "uses_meta_device", False):
+            skip.update(f"{prefix}.{n}" if prefix else n for n, _ in module.named_parameters(remove_duplicate=False))
+    named = list(model.named_parameters(remove_duplicate=False))
+    hf = getattr(model_config, "hf_config", None)
+    text = hf.get_text_config() if hf is not None and hasattr(hf, "get_text_config") else hf
+    if getattr(text, "tie_word_embeddings", False):
+        skip.update(n for n, _ in named if "lm_head" in n.split("."))
+    return _param_groups(named, skip)
+
+
 # --- what an engine serves, digested as vLLM's weight checker does ------------------------
 #
 # vLLM 0.32's weight checker (``POST /weight_checker {"action": "checksum"}``,
@@ -1114,26 +1135,6 @@ def _build() -> dict[str, type]:
                     receiver.close()
                 except errors.RefitError as e:
                     _log.warning("refit: closing the receiver of %s: %s", self._what(), e)
-
-    def _expected_params(model: torch.nn.Module, model_config: Any) -> list[tuple[str, ...]]:
-        """:func:`_param_groups` of ``model`` as vLLM built it, less what no checkpoint
-        carries: the KV-cache scales of a KV-cache quantization method, the parameters of
-        online quantization, and ``lm_head`` when the config ties it to the embedding."""
-        try:
-            from vllm.model_executor.layers.quantization.kv_cache import BaseKVCacheMethod
-        except ImportError:  # pragma: no cover - another vLLM layout
-            BaseKVCacheMethod = ()
-        skip = set()
-        for prefix, module in model.named_modules():
-            method = getattr(module, "quant_method", None)
-            if (BaseKVCacheMethod and isinstance(method, BaseKVCacheMethod)) or getattr(method, "uses_meta_device", False):
-                skip.update(f"{prefix}.{n}" if prefix else n for n, _ in module.named_parameters(remove_duplicate=False))
-        named = list(model.named_parameters(remove_duplicate=False))
-        hf = getattr(model_config, "hf_config", None)
-        text = hf.get_text_config() if hf is not None and hasattr(hf, "get_text_config") else hf
-        if getattr(text, "tie_word_embeddings", False):
-            skip.update(n for n, _ in named if "lm_head" in n.split("."))
-        return _param_groups(named, skip)
 
     def _loadable_layers(model: torch.nn.Module) -> set[int]:
         """The modules a layerwise reload is waiting to load (before ``load_weights``)."""

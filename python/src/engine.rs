@@ -6,7 +6,7 @@
 //! everywhere else.
 
 use std::collections::BTreeMap;
-use std::sync::{Arc, Mutex, PoisonError, mpsc};
+use std::sync::Arc;
 
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
@@ -17,12 +17,24 @@ use refit_actors::{GenRoles, GrpoRoles, run};
 use refit_runtime::{Manifest, ModelId, Version, WeightSet};
 
 use crate::errors::{RefitError, config, to_py};
+use crate::lane::Lane;
 use crate::mesh::manifest_of;
 use crate::update::Update;
 
 /// The roles a Python engine rank can host beside its engine (the rollout workers' tasks,
 /// the evaluator's), by the name `join` takes.
 const ROLES: [&str; 1] = ["grpo"];
+
+/// Refuses roles the package does not know, naming the ones it does.
+pub(crate) fn check_roles(roles: &str) -> PyResult<()> {
+    if ROLES.contains(&roles) {
+        return Ok(());
+    }
+    Err(config(format!(
+        "roles `{roles}` are not known to the refit package (known: {})",
+        ROLES.join(", ")
+    )))
+}
 
 /// A Python engine behind the backend contract: every call goes to the adapter's method of
 /// the same name ([`Calls`]), on one of two threads of the process's life ([`Lane`]): one
@@ -39,81 +51,6 @@ struct PyBackend {
 /// The adapter's methods, called with the GIL held.
 struct Calls {
     adapter: Py<PyAny>,
-}
-
-type Job = Box<dyn FnOnce() + Send>;
-
-/// A thread that runs the Python calls sent to it, for the life of the process: it never
-/// ends, because a thread that called into an extension such as torch aborts the process
-/// in that extension's thread-local teardown when it exits (the runtime's blocking threads
-/// end with the rank).
-///
-/// Nor may a call be running when the interpreter finalizes (a thread taking the GIL then is
-/// ended by Python under its Rust frames): [`Lane::close`] lets the calls in flight finish
-/// and refuses later ones before `join` returns.
-struct Lane {
-    /// Where jobs go; `None` once closed (taken under the lock, so no job is sent after
-    /// the close's own).
-    jobs: Mutex<Option<mpsc::Sender<Job>>>,
-}
-
-impl Lane {
-    fn start(name: &str) -> PyResult<Self> {
-        let (tx, rx) = mpsc::channel::<Job>();
-        std::thread::Builder::new()
-            .name(name.to_owned())
-            .spawn(move || {
-                for job in rx {
-                    // a job that panics must not end the thread (see the type's doc); its
-                    // caller hears the lane is gone
-                    let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(job));
-                }
-                // kept, not ended: see the type's documentation
-                loop {
-                    std::thread::park();
-                }
-            })
-            .map_err(|e| RefitError::new_err(format!("starting the thread `{name}`: {e}")))?;
-        Ok(Self {
-            jobs: Mutex::new(Some(tx)),
-        })
-    }
-
-    /// Queues `job` on the lane without waiting for it: false when the lane is gone or
-    /// closed.
-    fn post(&self, job: Job) -> bool {
-        let jobs = self.jobs.lock().unwrap_or_else(PoisonError::into_inner);
-        jobs.as_ref().is_some_and(|tx| tx.send(job).is_ok())
-    }
-
-    /// Runs `f` on the lane and answers what it returned (`None`: the lane is gone or
-    /// closed, or `f` panicked).
-    fn run<T: Send + 'static>(&self, f: impl FnOnce() -> T + Send + 'static) -> Option<T> {
-        let (tx, rx) = mpsc::sync_channel(1);
-        let job: Job = Box::new(move || {
-            let _ = tx.send(f());
-        });
-        if !self.post(job) {
-            return None;
-        }
-        rx.recv().ok()
-    }
-
-    /// Refuses calls from now on and waits until the ones sent before have run. Call it
-    /// without the GIL: they need it.
-    fn close(&self) {
-        let (tx, rx) = mpsc::sync_channel(1);
-        let last: Job = Box::new(move || {
-            let _ = tx.send(());
-        });
-        let sent = {
-            let mut jobs = self.jobs.lock().unwrap_or_else(PoisonError::into_inner);
-            jobs.take().is_some_and(|j| j.send(last).is_ok())
-        };
-        if sent {
-            let _ = rx.recv();
-        }
-    }
 }
 
 /// The error of a call whose lane is gone.
@@ -139,7 +76,7 @@ fn failed(model: &str, call: &str, e: &PyErr) -> refit_actors::Error {
 
 /// A launch variable or topology that does not fit: the runtime's error, as `ConfigError`
 /// when it is the launch's own (a variable missing or bad, the file).
-fn launch_error(e: refit_node::Error) -> PyErr {
+pub(crate) fn launch_error(e: refit_node::Error) -> PyErr {
     match e {
         refit_node::Error::Launch { .. } => config(e.to_string()),
         e => to_py(e.into()),
@@ -157,7 +94,7 @@ pub(crate) fn check_started() {
 }
 
 /// A layout as Python sees it: `(name, dtype, shape)` per tensor.
-fn layout_of(m: &Manifest) -> Vec<(String, &'static str, Vec<usize>)> {
+pub(crate) fn layout_of(m: &Manifest) -> Vec<(String, &'static str, Vec<usize>)> {
     m.tensors()
         .iter()
         .map(|t| (t.name.clone(), t.dtype.name(), t.shape.clone()))
@@ -405,7 +342,7 @@ fn score_request<'py>(py: Python<'py>, s: &Score) -> PyResult<Bound<'py, PyAny>>
 
 /// A rank's failure as a Python exception: the runtime's as `to_py` maps them, a
 /// configuration error as `ConfigError`, anything else as `RefitError`.
-fn rank_error(e: refit_actors::Error) -> PyErr {
+pub(crate) fn rank_error(e: refit_actors::Error) -> PyErr {
     match e {
         refit_actors::Error::Runtime(r) => to_py(r),
         refit_actors::Error::Config(m) => config(m),
@@ -423,12 +360,7 @@ pub(crate) fn join_engine(
     adapter: Py<PyAny>,
     roles: &str,
 ) -> PyResult<Option<Py<PyDict>>> {
-    if !ROLES.contains(&roles) {
-        return Err(config(format!(
-            "roles `{roles}` are not known to the refit package (known: {})",
-            ROLES.join(", ")
-        )));
-    }
+    check_roles(roles)?;
     let topo = refit_node::launch::load_topology().map_err(launch_error)?;
     let launch = refit_node::LaunchEnv::from_env().map_err(launch_error)?;
     init_logging();
@@ -468,18 +400,20 @@ pub(crate) fn join_engine(
             report
         })
         .map_err(rank_error)?;
-    let Some(report) = report else {
-        return Ok(None);
-    };
+    report.map(|r| report_dict(py, &r)).transpose()
+}
+
+/// The run's report as rank 0's `join` answers it: `solved`, `elapsed_s`.
+pub(crate) fn report_dict(py: Python<'_>, report: &run::RunReport) -> PyResult<Py<PyDict>> {
     let d = PyDict::new(py);
     d.set_item("solved", report.solved)?;
     d.set_item("elapsed_s", report.elapsed.as_secs_f64())?;
-    Ok(Some(d.unbind()))
+    Ok(d.unbind())
 }
 
 /// Log lines on stderr (what `refit launch` prefixes with the rank), at `RUST_LOG`'s level
 /// or `info`.
-fn init_logging() {
+pub(crate) fn init_logging() {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
     let _ = tracing_subscriber::fmt()

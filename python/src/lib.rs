@@ -12,10 +12,12 @@ use pyo3::prelude::*;
 
 mod engine;
 mod errors;
+mod lane;
 mod mesh;
 mod receiver;
 mod sender;
 mod spec;
+mod trainer;
 mod update;
 mod verify;
 mod wait;
@@ -32,6 +34,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(spec::transports, m)?)?;
     m.add_function(wrap_pyfunction!(engine::join_engine, m)?)?;
     m.add_function(wrap_pyfunction!(engine::check_started, m)?)?;
+    m.add_function(wrap_pyfunction!(trainer::join_trainer, m)?)?;
     m.add_function(wrap_pyfunction!(verify::checksums, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())

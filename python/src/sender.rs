@@ -108,7 +108,7 @@ fn copy_in(
 }
 
 /// Fills `ws` from `arrays` (every tensor of its manifest, and nothing else).
-fn fill(
+pub(crate) fn fill(
     py: Python<'_>,
     ws: &mut WeightSet,
     arrays: &BTreeMap<String, Bound<'_, PyAny>>,

@@ -4,7 +4,9 @@ binary (built by cargo beside the package), and a sender/receiver pair on any tr
 from __future__ import annotations
 
 import os
+import re
 import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -37,6 +39,38 @@ def refit_bin() -> Path:
     return path
 
 
+def grpo_example() -> Path:
+    """The GRPO example of the workspace's debug build (built if missing)."""
+    path = REPO / "target" / "debug" / "examples" / "grpo"
+    if not path.exists():
+        subprocess.run(["cargo", "build", "--example", "grpo"], cwd=REPO, check=True)
+    return path
+
+
+#: The shorter task of the launch tests (a debug build learns it in seconds).
+SHORT = ["model.policy.params.min_len=3", "model.policy.params.max_len=3",
+         "model.policy.params.heldout=64", "stop.target_eval=0.6"]
+
+
+def launch_command(refit_bin: Path, tmp_path: Path, sets: list[str], topology: str = "grpo-python.toml",
+                   script: str = "torch_engine_rank.py") -> tuple[list[str], dict]:
+    """``refit launch`` of a shipped topology whose ranks run Python examples (``script``
+    among them), run as this build's: the GRPO example of this build, every example by its
+    path, this interpreter as REFIT_PYTHON."""
+    text = (REPO / "examples/topologies" / topology).read_text()
+    assert f'"python/examples/{script}"' in text
+    text = text.replace('"target/release/examples/grpo"', f'"{grpo_example()}"')
+    text = re.sub(r'"python/examples/([a-z_]+\.py)"', lambda m: f'"{REPO / "python/examples" / m.group(1)}"', text)
+    topo = tmp_path / topology
+    topo.write_text(text)
+    env = dict(os.environ, REFIT_PYTHON=sys.executable)
+    env.pop("REFIT_TOKEN", None)  # refit launch makes the run's token
+    cmd = [str(refit_bin), "launch", str(topo)]
+    for s in sets:
+        cmd += ["--set", s]
+    return cmd, env
+
+
 def require(module: str):
     """Imports ``module`` (torch, torchrl, ray): a test module that needs it is skipped where
     it is not installed, except under ``REFIT_REQUIRE_EXTRAS=1`` (CI's Python environment has
@@ -44,6 +78,16 @@ def require(module: str):
     if os.environ.get("REFIT_REQUIRE_EXTRAS") == "1":
         return __import__(module)
     return pytest.importorskip(module)
+
+
+def require_vllm():
+    """Imports vLLM: a test module that needs it is skipped where it is not installed (CI's
+    main Python environment: vLLM's CPU build pins another torch), except under
+    ``REFIT_REQUIRE_VLLM=1`` (CI's vLLM environment, ``scripts/vllm-env.sh``), where its
+    absence fails the run."""
+    if os.environ.get("REFIT_REQUIRE_VLLM") == "1":
+        return __import__("vllm")
+    return pytest.importorskip("vllm")
 
 
 def weights(seed: int) -> dict[str, np.ndarray]:

@@ -17,41 +17,10 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, require
+from conftest import REPO, SHORT, grpo_example, launch_command, require
 
 import refit.engine
 from refit.engine import Completion, _Adapter
-
-
-def grpo_example() -> Path:
-    """The GRPO example of the workspace's debug build (built if missing)."""
-    path = REPO / "target" / "debug" / "examples" / "grpo"
-    if not path.exists():
-        subprocess.run(["cargo", "build", "--example", "grpo"], cwd=REPO, check=True)
-    return path
-
-
-#: The shorter task of the launch tests (a debug build learns it in seconds).
-SHORT = ["model.policy.params.min_len=3", "model.policy.params.max_len=3",
-         "model.policy.params.heldout=64", "stop.target_eval=0.6"]
-
-
-def launch_command(refit_bin: Path, tmp_path: Path, sets: list[str]) -> tuple[list[str], dict]:
-    """``refit launch`` of the shipped grpo-python.toml (rank 0 from this build's GRPO
-    example, the engine script by its path), run with this interpreter as REFIT_PYTHON."""
-    text = (REPO / "examples/topologies/grpo-python.toml").read_text()
-    assert 'command = ["python3", "python/examples/torch_engine_rank.py"]' in text
-    text = text.replace('"target/release/examples/grpo"', f'"{grpo_example()}"')
-    text = text.replace('"python/examples/torch_engine_rank.py"',
-                        f'"{REPO / "python/examples/torch_engine_rank.py"}"')
-    topo = tmp_path / "grpo-python.toml"
-    topo.write_text(text)
-    env = dict(os.environ, REFIT_PYTHON=sys.executable)
-    env.pop("REFIT_TOKEN", None)  # refit launch makes the run's token
-    cmd = [str(refit_bin), "launch", str(topo)]
-    for s in sets:
-        cmd += ["--set", s]
-    return cmd, env
 
 
 def test_python_engine_ranks_learn_grpo_under_refit_launch(refit_bin, tmp_path):

@@ -235,6 +235,7 @@ pub(crate) async fn finish_member(
             wire_line(&ctx.meters)
         );
     }
+    watch.end(); // rank 0 may exit once it has every rank's acknowledgement
     if let Err(e) = ctx.rv.put(&bye_key(ctx.me), &()) {
         tracing::warn!(target: RANK_LOG, "{}: acknowledging the stop: {e}", ctx.who);
     }

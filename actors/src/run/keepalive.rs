@@ -21,6 +21,9 @@ const GONE_POLL: Duration = Duration::from_millis(50);
 pub(crate) struct LeadWatch {
     gone: Arc<AtomicBool>,
     why: Arc<Mutex<String>>,
+    // set once the rank acknowledged rank 0's stop: rank 0 leaving is then the run's end,
+    // not a fault, and is logged at debug level
+    ended: Arc<AtomicBool>,
     _watch: Option<WatchGuard>,
 }
 
@@ -30,15 +33,20 @@ impl LeadWatch {
     pub(crate) fn start(me: u32, rv: &Rendezvous, node: &Node, topo: &Topology) -> Self {
         let gone = Arc::new(AtomicBool::new(false));
         let why = Arc::new(Mutex::new(String::new()));
+        let ended = Arc::new(AtomicBool::new(false));
         let guard = (me != 0).then(|| {
-            let (gone, why) = (Arc::clone(&gone), Arc::clone(&why));
+            let (gone, why, ended) = (Arc::clone(&gone), Arc::clone(&why), Arc::clone(&ended));
             watch(
                 node,
                 vec![(0, 0, rv.store().peer().addr())],
                 topo.keepalive(),
                 topo.dead_after(),
                 move |d| {
-                    refit_runtime::unless_stopping!(error, target: RANK_LOG, "rank 0 is gone: {}", d.reason);
+                    if ended.load(Ordering::SeqCst) {
+                        tracing::debug!(target: RANK_LOG, "rank 0 left after the run: {}", d.reason);
+                    } else {
+                        refit_runtime::unless_stopping!(error, target: RANK_LOG, "rank 0 is gone: {}", d.reason);
+                    }
                     *why.lock().unwrap_or_else(PoisonError::into_inner) = d.reason;
                     gone.store(true, Ordering::SeqCst);
                 },
@@ -47,8 +55,15 @@ impl LeadWatch {
         Self {
             gone,
             why,
+            ended,
             _watch: guard,
         }
+    }
+
+    /// Says the run ended for this rank (it acknowledges rank 0's stop): rank 0 leaving
+    /// from now on is logged at debug level, not as an error.
+    pub(crate) fn end(&self) {
+        self.ended.store(true, Ordering::SeqCst);
     }
 
     /// Waits (on a blocking thread) until one of `keys` is set in the store, or rank 0 is

@@ -45,6 +45,7 @@ pub(crate) mod report;
 mod setup;
 mod shard;
 mod start;
+mod summary;
 mod weights;
 mod workload;
 

@@ -1,0 +1,123 @@
+"""A vLLM engine as a rank of ``refit launch``: Refit's GRPO transformer served by vLLM.
+
+``examples/topologies/grpo-vllm.toml`` starts rank 0 (Refit's GRPO trainer, the controller,
+the evaluator) from the Rust example, and two engine ranks from this file. Each engine rank
+is Refit's own rank run through the binding (:func:`refit.engine.join`); its model is an
+in-process ``vllm.LLM`` driven by :class:`refit.vllm_engine.VllmEngine`:
+
+- Refit's transformer is GPT-2's architecture (learned positions, pre-norm blocks, tanh-GELU,
+  layer norms with biases) without biases in its linear layers and with an untied head, so
+  vLLM serves it as ``GPT2LMHeadModel``: :func:`gpt2_config` writes the config from the
+  roles' layout (no weights: vLLM starts with dummy ones, the trainer's first version
+  replaces them), and :func:`checkpoint` names each tensor as GPT-2's checkpoint does
+  (``Conv1D`` weights transposed, zero biases beside the linear layers);
+- updates are staged beside generation and loaded in the pause; completions carry vLLM's
+  per-token versions.
+
+vLLM's CPU attention takes head sizes of 32 and more: the topology sets ``heads = 2`` for
+``d_model = 64``. Run it under ``refit launch`` (``REFIT_PYTHON`` names an interpreter with
+vLLM and ``refit``, such as the one ``scripts/vllm-check.sh`` makes)::
+
+    cargo build --release --example grpo --bin refit
+    REFIT_PYTHON=/tmp/refit-vllm-env/bin/python target/release/refit launch examples/topologies/grpo-vllm.toml
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+from typing import Any
+
+import refit.engine  # answers refit launch's check before vLLM is imported
+from refit.vllm_engine import VllmEngine, in_process_llm
+
+# a small KV cache (the completions are a dozen tokens); the ranks share the machine's
+# cores, so vLLM does not pin its threads to them, and uses one
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # vLLM says only its errors
+
+#: Refit's block tensor → GPT-2's, and whether it is a linear layer (``Conv1D``: stored
+#: transposed, with a bias).
+BLOCK = {
+    "ln1.weight": ("ln_1.weight", False),
+    "ln1.bias": ("ln_1.bias", False),
+    "ln2.weight": ("ln_2.weight", False),
+    "ln2.bias": ("ln_2.bias", False),
+    "attn.qkv.weight": ("attn.c_attn.weight", True),
+    "attn.o.weight": ("attn.c_proj.weight", True),
+    "mlp.fc.weight": ("mlp.c_fc.weight", True),
+    "mlp.proj.weight": ("mlp.c_proj.weight", True),
+}
+TOP = {
+    "tok_emb.weight": "transformer.wte.weight",
+    "pos_emb.weight": "transformer.wpe.weight",
+    "ln_f.weight": "transformer.ln_f.weight",
+    "ln_f.bias": "transformer.ln_f.bias",
+    "head.weight": "lm_head.weight",
+}
+
+
+def gpt2_config(layout: list, params: dict[str, Any]) -> dict[str, Any]:
+    """The GPT-2 ``config.json`` of the transformer whose layout is ``layout``: the shapes
+    give every size but the heads, which the model's params give (4 by default)."""
+    shapes = {name: shape for name, _, shape in layout}
+    vocab, d = shapes["tok_emb.weight"]
+    heads = int(params.get("heads", 4))
+    if heads < 1 or d % heads:
+        raise ValueError(f"params.heads = {heads} does not divide d_model {d}")
+    return {
+        "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
+        "vocab_size": vocab, "n_positions": shapes["pos_emb.weight"][0], "n_embd": d,
+        "n_layer": sum(1 for n in shapes if n.endswith(".attn.qkv.weight")), "n_head": heads,
+        "n_inner": shapes["blocks.0.mlp.fc.weight"][0], "activation_function": "gelu_new",
+        "layer_norm_epsilon": 1e-5, "tie_word_embeddings": False, "torch_dtype": "float32",
+        "scale_attn_by_inverse_layer_idx": False, "reorder_and_upcast_attn": False,
+        "bos_token_id": None, "eos_token_id": None,  # the task's stop token is per request
+    }
+
+
+# ANCHOR: checkpoint
+def checkpoint(name: str, tensor: Any):
+    """GPT-2's checkpoint tensors for one tensor of Refit's layout."""
+    import torch
+
+    if name in TOP:
+        return [(TOP[name], tensor)]
+    _, layer, rest = name.split(".", 2)  # blocks.{i}.{rest}
+    gpt2, linear = BLOCK[rest]
+    key = f"transformer.h.{layer}.{gpt2}"
+    if not linear:
+        return [(key, tensor)]
+    # Conv1D stores [in, out]: vLLM's loader transposes it back; Refit has no biases
+    return [(key, tensor.t()), (key[: -len("weight")] + "bias", torch.zeros(tensor.shape[0]))]
+# ANCHOR_END: checkpoint
+
+
+def build(model: str, layout: list, params: dict[str, Any]) -> Any:
+    """The in-process LLM of ``model``: its config written to a fresh directory, dummy
+    weights until the trainer's first version."""
+    config = gpt2_config(layout, params)
+    directory = tempfile.mkdtemp(prefix=f"refit-vllm-{model}-")
+    with open(os.path.join(directory, "config.json"), "w") as f:
+        json.dump(config, f)
+    return in_process_llm(model=directory, load_format="dummy", dtype="float32",
+                          max_model_len=config["n_positions"], seed=0)
+
+
+# ANCHOR: main
+def main() -> int:
+    try:
+        refit.engine.join(VllmEngine(build, checkpoint=checkpoint), roles="grpo")
+    except Exception as e:  # one `error: ...` line: what `refit launch` repeats as the cause
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
+# ANCHOR_END: main
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,311 @@
+"""A vLLM engine as a rank of a topology ``refit launch`` starts: the controller drives an
+in-process ``vllm.LLM`` through the engine contract of :mod:`refit.engine`.
+
+The rank is Refit's (rendezvous, keepalive, restarts, its rollout workers, the report); the
+model is vLLM's::
+
+    import refit.engine                       # answers refit launch's check at once
+    from refit.vllm_engine import VllmEngine, in_process_llm
+
+    def build(model, layout, params):         # once per model, before the run
+        return in_process_llm(model="/path/to/model", dtype="float32")
+
+    refit.engine.join(VllmEngine(build), roles="grpo")
+
+An update goes:
+
+1. Refit pulls the version and checks it whole, beside generation;
+2. :meth:`VllmEngine.stage` copies it into tensors of the model's dtype under the
+   checkpoint's names (``checkpoint`` maps Refit's names to them), still beside generation;
+3. :meth:`VllmEngine.commit`, once the batch running ended, loads the staged tensors into
+   the model through vLLM's layerwise reload (``load_weights``, as a checkpoint): the only
+   pause. It checks that every parameter of the model was written, labels vLLM's outputs
+   with the version (``set_weight_version``) and drops the prefix cache.
+
+Each completion's per-token versions come from vLLM's ``weight_versions`` spans, so the
+pool's staleness filter and the learner see the version that sampled each token.
+
+vLLM must run its engine in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, which
+:func:`in_process_llm` sets) with one worker (no tensor parallelism), and report the
+log-probabilities of the sampled distribution (``logprobs_mode="processed_logprobs"``): the
+behaviour log-probability of a token at the request's temperature. Importing this module
+imports neither vLLM nor torch.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import refit.engine
+from refit.engine import Completion, Request
+
+from .vllm import _expected_params, _not_loaded
+
+_log = logging.getLogger("refit.vllm_engine")
+
+#: ``(name, tensor)`` → the checkpoint tensors ``load_weights`` takes for it.
+Checkpoint = Callable[[str, Any], Iterable[tuple[str, Any]]]
+
+
+def in_process_llm(**kwargs: Any) -> Any:
+    """A ``vllm.LLM`` that :class:`VllmEngine` can drive: its engine in this process, the
+    sampled distribution's log-probabilities, token ids in and out (no tokenizer needed).
+    ``kwargs`` go to ``LLM`` and override those defaults (``skip_tokenizer_init=True``,
+    ``logprobs_mode="processed_logprobs"``, ``enforce_eager=True``)."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    from vllm import LLM
+
+    args = {"skip_tokenizer_init": True, "logprobs_mode": "processed_logprobs", "enforce_eager": True}
+    args.update(kwargs)
+    return LLM(**args)
+
+
+def _load(worker: Any, pairs: list[tuple[str, Any]], expected: list[tuple[str, ...]]) -> list[str]:
+    """In vLLM's worker: ``pairs`` loaded as a checkpoint through the layerwise reload;
+    answers the parameters (first names) no pair wrote."""
+    from vllm.model_executor.model_loader.reload import (
+        finalize_layerwise_reload,
+        initialize_layerwise_reload,
+    )
+
+    model = worker.model_runner.model
+    initialize_layerwise_reload(model)
+    try:
+        loaded = model.load_weights(iter(pairs))
+    finally:
+        # also after a failure: layers that got nothing are given their tensors back
+        finalize_layerwise_reload(model, worker.model_runner.model_config)
+    return _not_loaded(expected, set(loaded or ()))
+
+
+def _expected(worker: Any) -> list[tuple[str, ...]]:
+    """In vLLM's worker: the parameters a whole version must write."""
+    return _expected_params(worker.model_runner.model, worker.model_runner.model_config)
+
+
+def token_versions(spans: Any, tokens: int) -> list[int] | None:
+    """Each token's version from vLLM's ``weight_versions`` spans (labels ``str(version)``,
+    contiguous from token 0); ``None`` when vLLM gave none.
+
+    Raises ``ValueError`` for spans that are not contiguous over the tokens or a label that
+    is not a Refit version (weights vLLM loaded from disk are labelled ``default``)."""
+    if spans is None:
+        return None
+    versions: list[int] = []
+    for span in spans:
+        if span.start != len(versions) or span.end < span.start:
+            raise ValueError(f"vLLM's weight_versions spans are not contiguous at token {len(versions)}: {spans}")
+        try:
+            v = int(span.version)
+        except ValueError:
+            raise ValueError(f"tokens {span.start}..{span.end} were sampled by weights labelled "
+                             f"`{span.version}`, not a Refit version") from None
+        versions.extend([v] * (span.end - span.start))
+    if len(versions) != tokens:
+        raise ValueError(f"vLLM's weight_versions spans cover {len(versions)} of {tokens} tokens")
+    return versions
+
+
+class VllmEngine(refit.engine.Engine):
+    """An engine rank whose model is an in-process ``vllm.LLM`` per model.
+
+    ``llm``: the ``LLM`` (for a topology of one model), or ``build(model, layout, params)``
+    answering one per model (called before the run, and in ``refit launch``'s check, so a
+    model vLLM cannot build fails the check). ``checkpoint(name, tensor)``: the checkpoint
+    tensors (name, tensor) vLLM's ``load_weights`` takes for a tensor of the roles' layout;
+    by default the tensor under its own name (a trainer that publishes Hugging Face names).
+    """
+
+    name = "vllm"
+
+    def __init__(self, llm: Any, checkpoint: Checkpoint | None = None) -> None:
+        self._build = llm if callable(llm) else None  # an LLM is not callable
+        self._given = None if self._build is not None else llm
+        self._checkpoint = checkpoint or (lambda name, t: [(name, t)])
+        self._llms: dict[str, Any] = {}
+        self._expected: dict[str, list[tuple[str, ...]]] = {}
+        self._staged: dict[str, tuple[int, list[tuple[str, Any]]]] = {}
+        # each model's staging tensors, by checkpoint name, reused from version to version
+        self._buffers: dict[str, dict[str, Any]] = {}
+        # models whose last load failed part-way: they serve mixed weights until a version
+        # loads whole, and generate nothing meanwhile
+        self._mixed: dict[str, str] = {}
+        #: seconds each model's last commit took (the pause), by model
+        self.commit_s: dict[str, float] = {}
+
+    # -- the weights ---------------------------------------------------------------------
+
+    def manifest(self, model: str, layout: list, params: dict[str, Any]) -> list:
+        if self._build is not None:
+            llm = self._build(model, layout, params)
+        elif self._llms:
+            raise ValueError(f"one vLLM LLM was given, for `{next(iter(self._llms))}`: "
+                             f"give `build(model, layout, params)` to serve `{model}` too")
+        else:
+            llm = self._given
+        client = type(llm.llm_engine.engine_core).__name__
+        if client != "InprocClient":
+            raise ValueError(f"model `{model}`: vLLM runs its engine in another process ({client}): "
+                             "build the LLM with refit.vllm_engine.in_process_llm "
+                             "(VLLM_ENABLE_V1_MULTIPROCESSING=0)")
+        mode = getattr(llm.llm_engine.model_config, "logprobs_mode", "processed_logprobs")
+        if str(getattr(mode, "value", mode)) != "processed_logprobs":
+            raise ValueError(f"model `{model}`: vLLM reports `{mode}` log-probabilities: the behaviour "
+                             "log-probability is the sampled distribution's "
+                             "(LLM(..., logprobs_mode=\"processed_logprobs\"))")
+        (expected,) = llm.collective_rpc(_expected)
+        self._llms[model], self._expected[model] = llm, expected
+        return layout
+
+    def stage(self, model: str, version: int, update: refit.Update) -> None:
+        llm = self._llm(model)
+        dtype = llm.llm_engine.model_config.dtype
+        import torch
+
+        # what was staged is replaced (a failure below leaves nothing staged); the buffers
+        # are the model's from one version to the next: the commit copied them into vLLM
+        self._staged.pop(model, None)
+        buffers = self._buffers.setdefault(model, {})
+        staged: list[tuple[str, Any]] = []
+        for name, tensor in update.torch(model):
+            for key, t in self._checkpoint(name, tensor):
+                buf = buffers.get(key)
+                if buf is None or buf.shape != t.shape or buf.stride() != t.stride() or buf.dtype != dtype:
+                    buf = buffers[key] = torch.empty_like(t, dtype=dtype)
+                buf.copy_(t)
+                # a sum is finite when every value is (5x cheaper than isfinite per value);
+                # one that is not may be an overflow of finite values: then each is looked at
+                if buf.is_floating_point() and not torch.isfinite(buf.sum()) and not torch.isfinite(buf).all():
+                    raise ValueError(f"tensor `{name}` of v{version} holds a value that is not finite")
+                staged.append((key, buf))
+        self._staged[model] = (version, staged)
+
+    def commit(self, model: str, version: int) -> None:
+        staged = self._staged.pop(model, None)
+        if staged is None or staged[0] != version:
+            raise RuntimeError(f"v{version} of `{model}` is not the version staged "
+                               f"({'none' if staged is None else f'v{staged[0]}'})")
+        llm = self._llm(model)
+        started = time.perf_counter()
+        try:
+            (missing,) = llm.collective_rpc(_load, kwargs={"pairs": staged[1], "expected": self._expected[model]})
+        except Exception as e:
+            self._mixed[model] = f"v{version} failed to load part-way ({type(e).__name__}: {e})"
+            raise RuntimeError(f"loading v{version} of `{model}` into vLLM failed: {e}; "
+                               "it serves mixed weights until a version loads whole") from e
+        if missing:
+            self._mixed[model] = f"v{version} left {len(missing)} parameter(s) unwritten"
+            named = ", ".join(f"`{n}`" for n in missing[:5])
+            raise RuntimeError(f"v{version} of `{model}` wrote no tensor into {len(missing)} parameter(s) of "
+                               f"vLLM's model ({named}): the checkpoint names do not cover the model")
+        self._mixed.pop(model, None)
+        llm.llm_engine.set_weight_version(str(version))
+        llm.reset_prefix_cache()  # its KV entries were computed with the previous weights
+        self.commit_s[model] = time.perf_counter() - started
+
+    def abort(self, model: str) -> None:
+        self._staged.pop(model, None)
+
+    def _llm(self, model: str) -> Any:
+        try:
+            return self._llms[model]
+        except KeyError:
+            raise KeyError(f"this vLLM engine serves no model `{model}`") from None
+
+    # -- the requests --------------------------------------------------------------------
+
+    def generate(self, requests: list[Request]) -> list[Completion | BaseException]:
+        out: list[Completion | BaseException | None] = [None] * len(requests)
+        by_model: dict[str, list[int]] = {}
+        for i, r in enumerate(requests):
+            by_model.setdefault(r.model, []).append(i)
+        for model, idx in by_model.items():
+            try:
+                answers = self._generate(model, [requests[i] for i in idx])
+            except Exception as e:  # the model's batch fails as a whole
+                answers = [e] * len(idx)
+            for i, a in zip(idx, answers):
+                out[i] = a
+        return out  # type: ignore[return-value]
+
+    def _generate(self, model: str, requests: list[Request]) -> list[Completion | BaseException]:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        llm = self._llm(model)
+        if model in self._mixed:
+            raise RuntimeError(f"`{model}` serves mixed weights ({self._mixed[model]}): "
+                               "no completion until a version loads whole")
+        answers: list[Completion | BaseException | None] = [None] * len(requests)
+        prompts, params, where = [], [], []
+        for i, r in enumerate(requests):
+            try:
+                params.append(SamplingParams(
+                    max_tokens=r.max_tokens, temperature=r.temperature, seed=r.seed, logprobs=0,
+                    stop_token_ids=[] if r.stop is None else [r.stop], ignore_eos=True, detokenize=False))
+            except Exception as e:  # a request vLLM refuses fails alone
+                answers[i] = e
+                continue
+            prompts.append(TokensPrompt(prompt_token_ids=list(r.prompt)))
+            where.append(i)
+        if prompts:
+            for i, o in zip(where, llm.generate(prompts, params, use_tqdm=False)):
+                try:
+                    answers[i] = self._completion(o)
+                except Exception as e:
+                    answers[i] = e
+        return answers  # type: ignore[return-value]
+
+    def score(self, requests: list[refit.engine.ScoreRequest]) -> list[Completion | BaseException]:
+        """The log-probability of each of ``tokens`` after ``prompt`` and the tokens before
+        it, from vLLM's prompt log-probabilities: at temperature 1 only (vLLM does not apply
+        a temperature to them), another is refused."""
+        out: list[Completion | BaseException] = []
+        for r in requests:
+            try:
+                out.append(self._score(r))
+            except Exception as e:  # one request fails alone
+                out.append(e)
+        return out
+
+    def _score(self, r: refit.engine.ScoreRequest) -> Completion:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        if r.temperature != 1.0:
+            raise ValueError(f"vLLM scores at temperature 1 only, asked {r.temperature}")
+        if not r.prompt or not r.tokens:
+            raise ValueError("a score needs a prompt and at least one token")
+        if r.model in self._mixed:
+            raise RuntimeError(f"`{r.model}` serves mixed weights ({self._mixed[r.model]})")
+        params = SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False)
+        (o,) = self._llm(r.model).generate([TokensPrompt(prompt_token_ids=list(r.prompt) + list(r.tokens))],
+                                           params, use_tqdm=False)
+        steps = o.prompt_logprobs[len(r.prompt):]
+        logprobs = [float(step[t].logprob) for step, t in zip(steps, r.tokens)]
+        return Completion(tokens=list(r.tokens), logprobs=logprobs)
+
+    @staticmethod
+    def _completion(output: Any) -> Completion:
+        c = output.outputs[0]
+        tokens = [int(t) for t in c.token_ids]
+        if c.logprobs is None or len(c.logprobs) != len(tokens):
+            raise ValueError(f"vLLM gave {0 if c.logprobs is None else len(c.logprobs)} logprobs "
+                             f"for {len(tokens)} tokens")
+        logprobs = []
+        for step, token in zip(c.logprobs, tokens):
+            lp = float(step[token].logprob)
+            if not math.isfinite(lp):  # -inf: a token the sampled distribution excluded
+                raise ValueError(f"vLLM gave token {token} a log-probability of {lp}")
+            logprobs.append(lp)
+        finish = "stop" if c.finish_reason == "stop" else "length"
+        return Completion(tokens=tokens, logprobs=logprobs,
+                          versions=token_versions(c.weight_versions, len(tokens)), finish=finish)
+
+
+__all__ = ["Checkpoint", "VllmEngine", "in_process_llm", "token_versions"]

@@ -1,0 +1,134 @@
+"""A PyTorch trainer as rank 0 of ``refit launch`` (:mod:`refit.trainer`,
+``python/examples/torch_trainer_rank.py``): ``examples/topologies/grpo-torch.toml`` run as a
+user runs it (the real binary, Refit's generating engines on ranks 1 and 2), learning digit
+reversal; what the adapter checks of an export; GRPO's group advantages in torch."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from conftest import REPO, SHORT, launch_command, require
+
+torch = require("torch")
+
+import refit  # noqa: E402
+import refit.trainer  # noqa: E402
+from refit.trainer import Sequence, _Adapter  # noqa: E402
+
+sys.path.insert(0, str(REPO / "python/examples"))
+import torch_trainer_rank as example  # noqa: E402
+
+sys.path.pop(0)
+
+LAYOUT = [("w", "f32", [2, 3]), ("b", "f32", [3])]
+
+
+def run(cmd: list[str], env: dict, tmp_path) -> str:
+    done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out[-6000:]
+    return out
+
+
+def test_a_pytorch_trainer_rank_learns_grpo_with_refits_engines(refit_bin, tmp_path):
+    """Rank 0 is the torch learner (controller, pool, evaluator: Refit's rank code through
+    the binding); each export is converted to the Rust engines' layout and served; the run
+    solves and rank 0 prints the run's summary as the Rust trainer does."""
+    cmd, env = launch_command(refit_bin, tmp_path, SHORT, topology="grpo-torch.toml",
+                              script="torch_trainer_rank.py")
+    out = run(cmd, env, tmp_path)
+    solved = [l for l in out.splitlines() if "solved: policy held-out reward" in l]
+    assert solved, out[-6000:]
+    first, last = (float(x) for x in solved[0].split("(greedy) ")[1].split(" in ")[0].split(" -> "))
+    assert first <= 0.3 and last >= 0.6, solved[0]
+    assert "[rank 0 learner] engine pauses" in out, out[-6000:]
+    for r in (1, 2):
+        assert f"rank {r} (process `engine`, replica {r - 1}): stopped; engine loaded" in out, out[-6000:]
+    assert "Traceback" not in out, out[-6000:]
+
+
+def test_an_export_that_does_not_fit_the_layout_ends_the_run_naming_the_tensor(refit_bin, tmp_path):
+    """A learner whose export lacks a tensor: rank 0 fails at the first export, the launch
+    ends and says which tensor, of which model."""
+    script = tmp_path / "lacking.py"
+    script.write_text(
+        "import sys\n"
+        f"sys.path.insert(0, {str(REPO / 'python/examples')!r})\n"
+        "import refit.trainer\n"
+        "import torch_trainer_rank as ex\n"
+        "class Lacking(ex.TorchGrpo):\n"
+        "    def export(self, model):\n"
+        "        out = super().export(model)\n"
+        "        del out['head.weight']\n"
+        "        return out\n"
+        "refit.trainer.join(Lacking())\n")
+    cmd, env = launch_command(refit_bin, tmp_path, SHORT + [f'process.learner.command=["python3", "{script}"]'],
+                              topology="grpo-torch.toml", script="torch_trainer_rank.py")
+    done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    out = done.stdout + done.stderr
+    assert done.returncode != 0, out[-4000:]
+    assert "tensor `head.weight` of `policy` is missing" in out, out[-4000:]
+
+
+def test_the_adapter_checks_each_exported_tensor_against_the_layout():
+    class Fixed(refit.trainer.Learner):
+        def start(self, model, layout, params, seed):
+            self.started = (model, layout, params, seed)
+
+        def update(self, model, batch):
+            self.batch = batch
+            return {"loss": torch.tensor(0.5)}
+
+        def export(self, model):
+            return self.weights
+
+    learner = Fixed()
+    a = _Adapter(learner)
+    a.start("pi", LAYOUT, '{"lr": 0.1}', 7)
+    assert learner.started == ("pi", [("w", "f32", [2, 3]), ("b", "f32", [3])], {"lr": 0.1}, 7)
+    learner.weights = {"w": torch.ones(2, 3), "b": np.zeros(3, np.float32)}
+    out = a.export("pi")
+    assert out["w"].nbytes == 24 and out["b"].nbytes == 12
+    learner.weights = {"w": torch.ones(3, 2), "b": np.zeros(3, np.float32)}
+    with pytest.raises(ValueError, match=r"tensor `w` of `pi` is f32 \[3, 2\], the layout says f32 \[2, 3\]"):
+        a.export("pi")
+    learner.weights = {"w": torch.ones(2, 3, dtype=torch.float64), "b": np.zeros(3, np.float32)}
+    with pytest.raises(ValueError, match="is f64"):
+        a.export("pi")
+    stats = a.update("pi", [([1, 2], [3], [-0.5], [4], 1.0, None, 9, "stop", None)])
+    assert stats == {"loss": 0.5}
+    (s,) = learner.batch
+    assert s == Sequence([1, 2], [3], [-0.5], [4], 1.0, None, 9, "stop", None)
+
+
+def seq(group: int, reward: float, tokens: int, credit: list[float] | None = None) -> Sequence:
+    return Sequence([1], [2] * tokens, [-0.1] * tokens, [1] * tokens, reward, credit, group, "length")
+
+
+def test_group_advantages_are_relative_within_each_group():
+    """As the Rust learner computes them: a sequence's reward less its group's mean (every
+    token), or, when every member has per-token credit, each position's credit less the
+    mean at that position over the members that reach it; divided by the standard deviation
+    when asked."""
+    batch = [seq(0, 1.0, 2), seq(0, 0.0, 3), seq(1, 0.5, 1), seq(1, 0.5, 1)]
+    adv = example.group_advantages(batch, scale_by_std=False, token_credit=True)
+    assert [a.tolist() for a in adv] == [[0.5, 0.5], [-0.5, -0.5, -0.5], [0.0], [0.0]]
+    scaled = example.group_advantages(batch, scale_by_std=True, token_credit=True)
+    assert scaled[0].tolist() == pytest.approx([1.0, 1.0], rel=1e-5)
+    credit = [seq(0, 0.0, 2, [1.0, 0.0]), seq(0, 0.0, 3, [0.0, 0.0, 1.0])]
+    per_token = example.group_advantages(credit, scale_by_std=False, token_credit=True)
+    assert [a.tolist() for a in per_token] == [[0.5, 0.0], [-0.5, 0.0, 0.0]]
+    # credit off: the (equal) rewards decide, so nothing is learned from this group
+    assert [a.tolist() for a in example.group_advantages(credit, False, False)] == [[0.0, 0.0], [0.0, 0.0, 0.0]]
+
+
+def test_join_outside_refit_launch_says_what_is_missing(monkeypatch):
+    monkeypatch.delenv("REFIT_TOPOLOGY", raising=False)
+    with pytest.raises(refit.ConfigError, match="REFIT_TOPOLOGY"):
+        refit.trainer.join(refit.trainer.Learner())
+    with pytest.raises(refit.ConfigError, match="roles `ppo`"):
+        refit.trainer.join(refit.trainer.Learner(), roles="ppo")

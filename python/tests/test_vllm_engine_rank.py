@@ -1,0 +1,197 @@
+"""vLLM as an engine rank (:mod:`refit.vllm_engine`, ``python/examples/vllm_engine_rank.py``):
+a real vLLM (the CPU build) computes what Refit's generator computes, labels each token with
+the version that sampled it, refuses a version that leaves a parameter unwritten, and learns
+GRPO under ``refit launch`` (``examples/topologies/grpo-vllm.toml``) behind the PyTorch
+trainer in both sync modes, and behind the Rust one."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+
+from conftest import REPO, SHORT, grpo_example, launch_command, require_vllm
+
+require_vllm()
+torch = pytest.importorskip("torch")  # vLLM's own dependency
+from safetensors.torch import load_file  # noqa: E402
+
+from refit.engine import Request, ScoreRequest  # noqa: E402
+from refit.vllm_engine import VllmEngine, token_versions  # noqa: E402
+
+sys.path.insert(0, str(REPO / "python/examples"))
+import vllm_engine_rank as example  # noqa: E402
+
+sys.path.pop(0)
+
+MODEL = "policy"
+PARAMS = {"heads": 2}  # head size 32: vLLM's CPU attention takes 32 and more
+
+
+class Held:
+    """What :meth:`VllmEngine.stage` reads of a :class:`refit.Update`."""
+
+    def __init__(self, weights: dict):
+        self.weights = weights
+
+    def torch(self, model: str):
+        assert model == MODEL
+        return list(self.weights.items())
+
+
+@pytest.fixture(scope="module")
+def golden(tmp_path_factory):
+    """``grpo scores --param heads=2``: a version in the engines' layout and the scores Refit's
+    generator gives a few sequences."""
+    d = tmp_path_factory.mktemp("scores")
+    subprocess.run([str(grpo_example()), "scores", str(d), "--param", "heads=2"], check=True,
+                   capture_output=True, timeout=300)
+    weights = load_file(str(d / "engine.safetensors"))
+    return weights, json.loads((d / "scores.json").read_text())
+
+
+def layout_of(weights: dict) -> list:
+    return [(n, "bf16", list(t.shape)) for n, t in weights.items()]
+
+
+@pytest.fixture(scope="module")
+def engine(golden):
+    weights, _ = golden
+    e = VllmEngine(example.build, checkpoint=example.checkpoint)
+    assert e.manifest(MODEL, layout_of(weights), PARAMS) == layout_of(weights)
+    e.stage(MODEL, 1, Held(weights))
+    e.commit(MODEL, 1)
+    return e
+
+
+def test_the_vllm_engine_scores_as_refits_own_generator(engine, golden):
+    """vLLM's GPT-2, loaded through the example's checkpoint names, gives each token the
+    log-probability Refit's generator gives it; the scores spread over several nats, so a
+    name, a transpose or a head split gone wrong would not pass."""
+    _, scores = golden
+    asked = [ScoreRequest(MODEL, s["prompt"], s["tokens"], 1.0, 1) for s in scores["sequences"]]
+    answers = engine.score(asked)
+    worst, want_all = 0.0, []
+    for a, s in zip(answers, scores["sequences"]):
+        assert not isinstance(a, BaseException), a
+        for got, want in zip(a.logprobs, s["logprobs"]):
+            worst = max(worst, abs(got - want))
+            want_all.append(want)
+    assert max(want_all) - min(want_all) > 5.0, want_all
+    assert worst < 2e-3, f"log-probabilities differ by up to {worst}"
+    # another temperature is refused by name, alone
+    (hot,) = engine.score([ScoreRequest(MODEL, [1, 2], [3], 0.5, 1)])
+    assert isinstance(hot, ValueError) and "temperature 1 only" in str(hot)
+
+
+def test_completions_carry_vllms_versions_stop_tokens_and_behaviour_logprobs(engine, golden):
+    """After a commit of v2, every token is labelled v2 (from vLLM's weight_versions spans);
+    a sampled stop token ends the completion and is kept; a greedy completion's
+    log-probabilities are the temperature-1 scores of its tokens."""
+    weights, _ = golden
+    engine.stage(MODEL, 2, Held(weights))
+    engine.commit(MODEL, 2)
+    stop = 4
+    asked = [Request(MODEL, [1, 2, 3], 6, 1.0, seed, stop, 2) for seed in range(16)]
+    asked.append(Request(MODEL, [5, 6, 7], 5, 0.0, 0, None, 2))
+    answers = engine.generate(asked)
+    assert all(not isinstance(a, BaseException) for a in answers), answers
+    for r, a in zip(asked, answers):
+        assert a.versions == [2] * len(a.tokens)
+        assert all(lp <= 0.0 for lp in a.logprobs) and len(a.logprobs) == len(a.tokens)
+        if a.finish == "stop":
+            assert a.tokens[-1] == stop and stop not in a.tokens[:-1]
+        else:
+            assert len(a.tokens) == r.max_tokens and (r.stop is None or r.stop not in a.tokens)
+    assert any(a.finish == "stop" for a in answers[:-1]), answers  # the check can fail
+    greedy = answers[-1]
+    (scored,) = engine.score([ScoreRequest(MODEL, [5, 6, 7], greedy.tokens, 1.0, 2)])
+    assert max(abs(a - b) for a, b in zip(greedy.logprobs, scored.logprobs)) < 1e-4
+    assert engine.commit_s[MODEL] > 0
+    # a seed gives the same completion again
+    again = engine.generate(asked[:2])
+    assert [a.tokens for a in again] == [a.tokens for a in answers[:2]]
+
+
+def test_a_version_that_leaves_a_parameter_unwritten_is_refused_naming_it(golden):
+    """A checkpoint mapping that misses a tensor: the commit raises naming vLLM's parameter,
+    the engine generates nothing on the mixed weights, and the next version that loads whole
+    serves again."""
+    weights, _ = golden
+    dropped: set[str] = set()
+
+    def partial(name, tensor):
+        return [] if name in dropped else example.checkpoint(name, tensor)
+
+    e = VllmEngine(example.build, checkpoint=partial)
+    e.manifest(MODEL, layout_of(weights), PARAMS)
+    e.stage(MODEL, 1, Held(weights))
+    e.commit(MODEL, 1)
+    dropped.add("head.weight")
+    e.stage(MODEL, 2, Held(weights))
+    with pytest.raises(RuntimeError, match=r"v2 of `policy` wrote no tensor into 1 parameter.*`lm_head.weight`"):
+        e.commit(MODEL, 2)
+    (refused,) = e.generate([Request(MODEL, [1, 2], 3, 1.0, 0, None, 1)])
+    assert isinstance(refused, RuntimeError) and "mixed weights" in str(refused)
+    dropped.clear()
+    e.stage(MODEL, 3, Held(weights))
+    e.commit(MODEL, 3)
+    (served,) = e.generate([Request(MODEL, [1, 2], 3, 1.0, 0, None, 3)])
+    assert served.versions == [3, 3, 3], served
+    # a commit of a version not staged is refused, and a non-finite version at the stage
+    with pytest.raises(RuntimeError, match="not the version staged"):
+        e.commit(MODEL, 4)
+    bad = dict(weights)
+    bad["ln_f.weight"] = torch.full_like(bad["ln_f.weight"], float("nan"))
+    with pytest.raises(ValueError, match="`ln_f.weight` of v5 holds a value that is not finite"):
+        e.stage(MODEL, 5, Held(bad))
+
+
+def test_token_versions_read_vllms_spans_and_refuse_what_does_not_fit():
+    span = lambda v, s, e: SimpleNamespace(version=v, start=s, end=e)  # noqa: E731
+    assert token_versions(None, 3) is None
+    assert token_versions([span("4", 0, 2), span("5", 2, 3)], 3) == [4, 4, 5]
+    with pytest.raises(ValueError, match="not contiguous at token 2"):
+        token_versions([span("4", 0, 2), span("5", 3, 4)], 4)
+    with pytest.raises(ValueError, match="labelled `default`, not a Refit version"):
+        token_versions([span("default", 0, 2)], 2)
+    with pytest.raises(ValueError, match="cover 2 of 3 tokens"):
+        token_versions([span("4", 0, 2)], 3)
+
+
+@pytest.mark.parametrize(("mode", "trainer"), [("batch-async", "torch"), ("sync", "torch"), ("batch-async", "rust")])
+def test_vllm_engine_ranks_learn_grpo_under_refit_launch(refit_bin, tmp_path, mode, trainer):
+    """The shipped grpo-vllm.toml as a user runs it: rank 0 the PyTorch GRPO trainer (or,
+    with its command set to Refit's GRPO example, the Rust one), two ranks each with an
+    in-process vLLM, learning digit reversal in either sync mode; the pool trained on
+    tokens whose versions vLLM gave."""
+    sets = SHORT + [f"sync.sync_mode={mode}"]
+    if trainer == "rust":
+        sets.append(f'process.learner.command=["{grpo_example()}", "topology"]')
+    cmd, env = launch_command(refit_bin, tmp_path, sets, topology="grpo-vllm.toml", script="vllm_engine_rank.py")
+    done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out[-6000:]
+    solved = [l for l in out.splitlines() if "solved: policy held-out reward" in l]
+    assert solved, out[-6000:]
+    first, last = (float(x) for x in solved[0].split("(greedy) ")[1].split(" in ")[0].split(" -> "))
+    assert first <= 0.3 and last >= 0.6, solved[0]
+    for r in (1, 2):
+        assert f"rank {r} (process `engine`, replica {r - 1}): stopped; engine loaded" in out, out[-6000:]
+    assert "engine pauses" in out and "Traceback" not in out, out[-6000:]
+
+
+def test_the_update_cost_benchmark_runs_and_reports_against_the_copy():
+    """``bench_vllm_engine.py`` (the book's figures) on the tiny Llama: each phase with its
+    ratio to the copy of the same bytes measured in the same run."""
+    done = subprocess.run([sys.executable, str(REPO / "python/examples/bench_vllm_engine.py"), "--iters", "3"],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    lines = done.stdout.splitlines()
+    assert any(l.startswith("vLLM engine rank, a Llama of 1.8 MiB") for l in lines), done.stdout
+    for phase in ("transfer (shm", "stage (beside generation)", "pause (vLLM's load)"):
+        (line,) = [l for l in lines if phase in l]
+        assert float(line.split("ms")[1].split("x")[0]) > 0, line
