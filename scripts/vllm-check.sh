@@ -24,7 +24,7 @@ LINKS="${REFIT_LINKS:-tcp shm}"
 say() { printf 'vllm-check: %s\n' "$*" >&2; }
 
 # the environment (made when missing) with this checkout's refit package installed
-PY="$(VLLM_ENV="$ENV_DIR" "$REPO/scripts/vllm-env.sh" | tail -n 1)"
+PY="$(VLLM_ENV="$ENV_DIR" "$REPO/scripts/vllm-env.sh")"
 
 say "building target/release/refit"
 (cd "$REPO" && cargo build --release --bin refit)

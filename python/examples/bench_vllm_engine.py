@@ -5,7 +5,8 @@ A random-init Llama (``tiny_llama.py``: the 1.8 MB default, or ``--hidden 512 --
 vLLM through :class:`refit.vllm_engine.VllmEngine`, as an engine rank runs it. Each
 version goes as a rank's does: a Refit sender publishes it over shared memory, a
 :class:`refit.Receiver` takes it (the *transfer*), :meth:`VllmEngine.stage` copies it into
-the model's dtype beside generation (the *stage*), :meth:`VllmEngine.commit` loads it
+the model's dtype (the *stage*, which a rank runs beside generation; here nothing
+generates meanwhile), :meth:`VllmEngine.commit` loads it
 through vLLM's layerwise reload (the *pause*). The baseline is the fastest simple program
 for the bytes: one ``copy_`` of every tensor into tensors already allocated. Figures are
 medians of ``--iters`` versions.
@@ -99,7 +100,7 @@ def main() -> int:
     copy = statistics.median(copy_s)
     print(f"vLLM engine rank, a Llama of {size / 2**20:.1f} MiB (float32), medians of {args.iters} versions:")
     print(f"  copy of the bytes (baseline)   {copy * 1e3:9.2f} ms")
-    for what, xs in (("transfer (shm, publish->received)", transfer_s), ("stage (beside generation)", stage_s),
+    for what, xs in (("transfer (shm, publish->received)", transfer_s), ("stage (copy to the model's dtype)", stage_s),
                      ("pause (vLLM's load)", pause_s)):
         m = statistics.median(xs)
         print(f"  {what:<33}{m * 1e3:9.2f} ms  {m / copy:6.1f}x the copy")

@@ -137,12 +137,8 @@ class TorchTransformer(refit.engine.Engine):
 # ANCHOR: main
 def main() -> int:
     torch.set_num_threads(1)
-    try:
-        refit.engine.join(TorchTransformer(), roles="grpo")
-    except Exception as e:  # one `error: ...` line: what `refit launch` repeats as the cause
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    return 0
+    # join, with an error as one `error: ...` line (what `refit launch` repeats) and status 1
+    return refit.engine.main(TorchTransformer(), roles="grpo")
 # ANCHOR_END: main
 
 

@@ -3,7 +3,7 @@
 ``examples/topologies/grpo-torch.toml`` starts rank 0 from this file (the trainer, with the
 weight-sync controller, the trajectory pool and the evaluator, all Refit's own rank code
 run through the binding: :func:`refit.trainer.join`) and two engine ranks of Refit's
-generating engine; ``grpo-torch-vllm.toml`` puts vLLM engine ranks behind the same trainer.
+generating engine; ``grpo-vllm.toml`` puts two vLLM engine ranks behind the same trainer.
 Only the learner is here, in torch:
 
 - :class:`Transformer` is Refit's GPT-style transformer (learned token and position
@@ -117,9 +117,11 @@ def group_advantages(batch: list[Sequence], scale_by_std: bool, token_credit: bo
 
 
 class TorchGrpo(refit.trainer.Learner):
-    """GRPO in torch, with the Rust learner's params (`lr`, `beta2`, `weight_decay`, `clip`,
-    `clip_high`, `correction`, `is_cap`, `scale_by_std`, `token_credit`, `max_grad_norm`,
-    `temperature`, `heads`); one gradient step per batch."""
+    """GRPO in torch, with the Rust learner's params and defaults (`lr`, `beta2`,
+    `weight_decay`, `clip`, `clip_high`, `correction`, `is_cap`, `scale_by_std`,
+    `token_credit`, `max_grad_norm`, `temperature`, `heads`); one gradient step per batch.
+    What it does not do is refused by name: a KL term (`kl_coef`), several epochs or
+    minibatches."""
 
     name = "torch grpo"
 
@@ -132,6 +134,10 @@ class TorchGrpo(refit.trainer.Learner):
         self.correction = str(params.get("correction", "behaviour"))
         if self.correction not in ("behaviour", "truncated", "ignore"):
             raise ValueError(f"params.correction = {self.correction!r}: behaviour, truncated or ignore")
+        for key, default in (("kl_coef", 0.0), ("epochs", 1), ("minibatch", 0)):
+            if params.get(key, default) != default:
+                raise ValueError(f"model `{model}`: params.{key} = {params[key]}: the torch learner takes "
+                                 f"only {key} = {default} (one step per batch, no KL term)")
 
     # ANCHOR: update
     def update(self, model: str, batch: list[Sequence]) -> dict[str, float]:
@@ -149,7 +155,7 @@ class TorchGrpo(refit.trainer.Learner):
         elif self.correction == "ignore":
             base = prox
         ratio = (logp - base).exp()
-        clip, clip_high = float(self.p.get("clip", 0.2)), float(self.p.get("clip_high", self.p.get("clip", 0.2)))
+        clip, clip_high = float(self.p.get("clip", 0.2)), float(self.p.get("clip_high", 0.2))
         per_token = -torch.minimum(ratio * adv, ratio.clamp(1 - clip, 1 + clip_high) * adv)
         loss = (per_token * weight if weight is not None else per_token).mean()
         self.opt.zero_grad()
@@ -159,7 +165,7 @@ class TorchGrpo(refit.trainer.Learner):
         self.opt.step()
         rewards = [s.reward for s in batch]
         return {"loss": loss.item(), "grad_norm": float(norm), "mean_reward": sum(rewards) / len(rewards),
-                "ratio_mean": float((prox - behaviour).exp().mean()), "sequences": float(len(batch))}
+                "behaviour_ratio_mean": float((prox - behaviour).exp().mean()), "sequences": float(len(batch))}
     # ANCHOR_END: update
 
     def logprobs(self, seqs: list[Sequence]) -> torch.Tensor:
@@ -186,12 +192,7 @@ class TorchGrpo(refit.trainer.Learner):
 def main() -> int:
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    try:
-        refit.trainer.join(TorchGrpo(), roles="grpo")
-    except Exception as e:  # one `error: ...` line: what `refit launch` repeats as the cause
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    return 0
+    return refit.trainer.main(TorchGrpo(), roles="grpo")
 # ANCHOR_END: main
 
 

@@ -1,7 +1,8 @@
 """A vLLM engine as a rank of ``refit launch``: Refit's GRPO transformer served by vLLM.
 
-``examples/topologies/grpo-vllm.toml`` starts rank 0 (Refit's GRPO trainer, the controller,
-the evaluator) from the Rust example, and two engine ranks from this file. Each engine rank
+``examples/topologies/grpo-vllm.toml`` starts rank 0 (the PyTorch GRPO trainer of
+``torch_trainer_rank.py``, the controller, the evaluator) and two engine ranks from this
+file. Each engine rank
 is Refit's own rank run through the binding (:func:`refit.engine.join`); its model is an
 in-process ``vllm.LLM`` driven by :class:`refit.vllm_engine.VllmEngine`:
 
@@ -16,10 +17,10 @@ in-process ``vllm.LLM`` driven by :class:`refit.vllm_engine.VllmEngine`:
 
 vLLM's CPU attention takes head sizes of 32 and more: the topology sets ``heads = 2`` for
 ``d_model = 64``. Run it under ``refit launch`` (``REFIT_PYTHON`` names an interpreter with
-vLLM and ``refit``, such as the one ``scripts/vllm-check.sh`` makes)::
+vLLM, torch and ``refit``, such as the one ``scripts/vllm-env.sh`` makes)::
 
     cargo build --release --example grpo --bin refit
-    REFIT_PYTHON=/tmp/refit-vllm-env/bin/python target/release/refit launch examples/topologies/grpo-vllm.toml
+    REFIT_PYTHON=$(scripts/vllm-env.sh) target/release/refit launch examples/topologies/grpo-vllm.toml
 """
 
 from __future__ import annotations
@@ -110,12 +111,7 @@ def build(model: str, layout: list, params: dict[str, Any]) -> Any:
 
 # ANCHOR: main
 def main() -> int:
-    try:
-        refit.engine.join(VllmEngine(build, checkpoint=checkpoint), roles="grpo")
-    except Exception as e:  # one `error: ...` line: what `refit launch` repeats as the cause
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    return 0
+    return refit.engine.main(VllmEngine(build, checkpoint=checkpoint), roles="grpo")
 # ANCHOR_END: main
 
 

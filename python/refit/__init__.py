@@ -331,6 +331,19 @@ def _bytes_of(model: str, name: str, value: Any) -> tuple[str, list[int], Any]:
     return dtype, list(a.shape), np.ascontiguousarray(a).reshape(-1).view(np.uint8)
 
 
+def _program(join: Any, part: Any, roles: str) -> int:
+    """``join(part, roles)`` as a rank program's body: 0 when the run ends well, 1 after one
+    ``error: ...`` line on stderr (what ``refit launch`` repeats as the rank's cause)."""
+    import sys
+
+    try:
+        join(part, roles)
+    except Exception as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def checksums(weights: Mapping[str, Any]) -> dict[str, int]:
     """The checksum (xxh3-64) of each tensor of ``weights`` (name → numpy array or torch
     tensor, on any device), as :meth:`Update.checksums` computes a version's: an engine hashes

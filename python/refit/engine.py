@@ -41,7 +41,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from . import Update, _native
+from . import Update, _native, _program
 
 # `refit launch` runs every rank program once as a check before it starts any, and waits a
 # few seconds for it to say so: say it now, before the program imports torch
@@ -206,4 +206,11 @@ def join(engine: Engine, roles: str = "grpo") -> dict[str, Any] | None:
     return _native.join_engine(_Adapter(engine), roles)
 
 
-__all__ = ["Completion", "Engine", "Request", "ScoreRequest", "join"]
+def main(engine: Engine, roles: str = "grpo") -> int:
+    """:func:`join` as a rank program's body (``sys.exit(refit.engine.main(MyEngine()))``):
+    0 when the run ends well; 1 after one ``error: ...`` line on stderr when it raised
+    (what ``refit launch`` repeats as the rank's cause)."""
+    return _program(join, engine, roles)
+
+
+__all__ = ["Completion", "Engine", "Request", "ScoreRequest", "join", "main"]

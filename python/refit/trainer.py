@@ -38,7 +38,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from . import _bytes_of, _native
+from . import _bytes_of, _native, _program
 
 # `refit launch` runs every rank program once as a check and waits a few seconds for it to
 # say so: say it now, before the program imports torch
@@ -143,4 +143,11 @@ def join(learner: Learner, roles: str = "grpo") -> dict[str, Any] | None:
     return _native.join_trainer(_Adapter(learner), roles)
 
 
-__all__ = ["Learner", "Sequence", "join"]
+def main(learner: Learner, roles: str = "grpo") -> int:
+    """:func:`join` as a rank program's body (``sys.exit(refit.trainer.main(MyLearner()))``):
+    0 when the run ends well; 1 after one ``error: ...`` line on stderr when it raised
+    (what ``refit launch`` repeats as the rank's cause)."""
+    return _program(join, learner, roles)
+
+
+__all__ = ["Learner", "Sequence", "join", "main"]

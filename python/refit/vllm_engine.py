@@ -103,8 +103,10 @@ def token_versions(spans: Any, tokens: int) -> list[int] | None:
         try:
             v = int(span.version)
         except ValueError:
+            v = 0
+        if v < 1:
             raise ValueError(f"tokens {span.start}..{span.end} were sampled by weights labelled "
-                             f"`{span.version}`, not a Refit version") from None
+                             f"`{span.version}`, not a Refit version")
         versions.extend([v] * (span.end - span.start))
     if len(versions) != tokens:
         raise ValueError(f"vLLM's weight_versions spans cover {len(versions)} of {tokens} tokens")
@@ -175,13 +177,14 @@ class VllmEngine(refit.engine.Engine):
         for name, tensor in update.torch(model):
             for key, t in self._checkpoint(name, tensor):
                 buf = buffers.get(key)
-                if buf is None or buf.shape != t.shape or buf.stride() != t.stride() or buf.dtype != dtype:
+                if buf is None or buf.shape != t.shape or buf.dtype != dtype:
                     buf = buffers[key] = torch.empty_like(t, dtype=dtype)
                 buf.copy_(t)
                 # a sum is finite when every value is (5x cheaper than isfinite per value);
                 # one that is not may be an overflow of finite values: then each is looked at
                 if buf.is_floating_point() and not torch.isfinite(buf.sum()) and not torch.isfinite(buf).all():
-                    raise ValueError(f"tensor `{name}` of v{version} holds a value that is not finite")
+                    raise ValueError(f"tensor `{name}` of v{version} holds a value that is not finite "
+                                     f"(in the model's dtype, {dtype})")
                 staged.append((key, buf))
         self._staged[model] = (version, staged)
 
@@ -204,11 +207,16 @@ class VllmEngine(refit.engine.Engine):
             raise RuntimeError(f"v{version} of `{model}` wrote no tensor into {len(missing)} parameter(s) of "
                                f"vLLM's model ({named}): the checkpoint names do not cover the model")
         self._mixed.pop(model, None)
+        # the prefix cache's KV entries were computed with the previous weights
+        if not llm.reset_prefix_cache():
+            self._mixed[model] = f"v{version} loaded, but vLLM kept KV entries of the previous weights"
+            raise RuntimeError(f"v{version} of `{model}` loaded, but vLLM did not drop its prefix cache")
         llm.llm_engine.set_weight_version(str(version))
-        llm.reset_prefix_cache()  # its KV entries were computed with the previous weights
         self.commit_s[model] = time.perf_counter() - started
 
     def abort(self, model: str) -> None:
+        # stage, commit and abort come one after another on the rank's weights thread, an
+        # abort before the next stage: what is staged now is the version aborted
         self._staged.pop(model, None)
 
     def _llm(self, model: str) -> Any:
@@ -243,7 +251,17 @@ class VllmEngine(refit.engine.Engine):
                                "no completion until a version loads whole")
         answers: list[Completion | BaseException | None] = [None] * len(requests)
         prompts, params, where = [], [], []
+        config = llm.llm_engine.model_config
+        context, vocab = config.max_model_len, config.get_vocab_size()
         for i, r in enumerate(requests):
+            # what vLLM would refuse for the whole call fails the request alone
+            if not r.prompt or len(r.prompt) + r.max_tokens > context:
+                answers[i] = ValueError(f"a prompt of {len(r.prompt)} tokens and {r.max_tokens} more do not fit "
+                                        f"`{model}`'s context of {context}")
+                continue
+            if any(t < 0 or t >= vocab for t in r.prompt):
+                answers[i] = ValueError(f"a prompt token is outside `{model}`'s vocabulary of {vocab}")
+                continue
             try:
                 params.append(SamplingParams(
                     max_tokens=r.max_tokens, temperature=r.temperature, seed=r.seed, logprobs=0,
@@ -303,7 +321,9 @@ class VllmEngine(refit.engine.Engine):
             if not math.isfinite(lp):  # -inf: a token the sampled distribution excluded
                 raise ValueError(f"vLLM gave token {token} a log-probability of {lp}")
             logprobs.append(lp)
-        finish = "stop" if c.finish_reason == "stop" else "length"
+        if c.finish_reason not in ("stop", "length"):
+            raise ValueError(f"vLLM ended the completion with `{c.finish_reason}`, neither stop nor length")
+        finish = str(c.finish_reason)
         return Completion(tokens=tokens, logprobs=logprobs,
                           versions=token_versions(c.weight_versions, len(tokens)), finish=finish)
 

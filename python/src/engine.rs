@@ -16,7 +16,7 @@ use refit_actors::protocol::engine::{Generate, Score};
 use refit_actors::{GenRoles, GrpoRoles, run};
 use refit_runtime::{Manifest, ModelId, Version, WeightSet};
 
-use crate::errors::{RefitError, config, to_py};
+use crate::errors::{RefitError, config, log_raised, to_py};
 use crate::lane::Lane;
 use crate::mesh::manifest_of;
 use crate::update::Update;
@@ -25,15 +25,22 @@ use crate::update::Update;
 /// the evaluator's), by the name `join` takes.
 const ROLES: [&str; 1] = ["grpo"];
 
-/// Refuses roles the package does not know, naming the ones it does.
-pub(crate) fn check_roles(roles: &str) -> PyResult<()> {
-    if ROLES.contains(&roles) {
-        return Ok(());
+/// What every Python rank starts from: `roles` checked (the package's, named when not),
+/// the topology `refit launch` gave (with its `--set` overrides) and the launch variables,
+/// the rank's log lines set up.
+pub(crate) fn rank_setup(
+    roles: &str,
+) -> PyResult<(refit_runtime::topology::Topology, refit_node::LaunchEnv)> {
+    if !ROLES.contains(&roles) {
+        return Err(config(format!(
+            "roles `{roles}` are not known to the refit package (known: {})",
+            ROLES.join(", ")
+        )));
     }
-    Err(config(format!(
-        "roles `{roles}` are not known to the refit package (known: {})",
-        ROLES.join(", ")
-    )))
+    let topo = refit_node::launch::load_topology().map_err(launch_error)?;
+    let launch = refit_node::LaunchEnv::from_env().map_err(launch_error)?;
+    init_logging();
+    Ok((topo, launch))
 }
 
 /// A Python engine behind the backend contract: every call goes to the adapter's method of
@@ -64,10 +71,7 @@ fn lane_gone(model: &str, call: &str) -> refit_actors::Error {
 /// A Python exception as the engine's error, naming the model and the call.
 /// Its traceback is logged: the message alone rarely says where a user's engine failed.
 fn failed(model: &str, call: &str, e: &PyErr) -> refit_actors::Error {
-    let trace = Python::attach(|py| e.traceback(py).and_then(|t| t.format().ok()));
-    if let Some(t) = trace {
-        tracing::warn!(model, "the Python engine's {call} raised {e}\n{t}");
-    }
+    log_raised(&format!("the Python engine's {call} (model `{model}`)"), e);
     refit_actors::Error::Generator {
         model: model.to_owned(),
         reason: format!("the Python engine's {call} raised {e}"),
@@ -76,7 +80,7 @@ fn failed(model: &str, call: &str, e: &PyErr) -> refit_actors::Error {
 
 /// A launch variable or topology that does not fit: the runtime's error, as `ConfigError`
 /// when it is the launch's own (a variable missing or bad, the file).
-pub(crate) fn launch_error(e: refit_node::Error) -> PyErr {
+fn launch_error(e: refit_node::Error) -> PyErr {
     match e {
         refit_node::Error::Launch { .. } => config(e.to_string()),
         e => to_py(e.into()),
@@ -360,10 +364,7 @@ pub(crate) fn join_engine(
     adapter: Py<PyAny>,
     roles: &str,
 ) -> PyResult<Option<Py<PyDict>>> {
-    check_roles(roles)?;
-    let topo = refit_node::launch::load_topology().map_err(launch_error)?;
-    let launch = refit_node::LaunchEnv::from_env().map_err(launch_error)?;
-    init_logging();
+    let (topo, launch) = rank_setup(roles)?;
     let grpo = GrpoRoles::new();
     let name: String = adapter.bind(py).call_method0("name")?.extract()?;
     let mut manifests = BTreeMap::new();
@@ -413,7 +414,7 @@ pub(crate) fn report_dict(py: Python<'_>, report: &run::RunReport) -> PyResult<P
 
 /// Log lines on stderr (what `refit launch` prefixes with the rank), at `RUST_LOG`'s level
 /// or `info`.
-pub(crate) fn init_logging() {
+fn init_logging() {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
     let _ = tracing_subscriber::fmt()

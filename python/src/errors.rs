@@ -4,6 +4,7 @@
 //! the Rust error's, naming the tensor, version, peer or file.
 
 use pyo3::PyErr;
+use pyo3::types::PyTracebackMethods;
 use refit_runtime::Error;
 
 pyo3::import_exception!(refit.errors, RefitError);
@@ -62,6 +63,15 @@ pub(crate) fn to_py(e: Error) -> PyErr {
 }
 
 /// A configuration error raised from this crate's own checks.
+/// Logs `e`, which a user's Python code raised in `what` ("the Python engine's commit"),
+/// with its traceback: the message alone rarely says where it failed. Takes the GIL.
+pub(crate) fn log_raised(what: &str, e: &PyErr) {
+    let trace = pyo3::Python::attach(|py| e.traceback(py).and_then(|t| t.format().ok()));
+    if let Some(t) = trace {
+        tracing::warn!("{what} raised {e}\n{t}");
+    }
+}
+
 pub(crate) fn config(msg: impl Into<String>) -> PyErr {
     ConfigError::new_err(msg.into())
 }

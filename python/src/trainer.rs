@@ -16,8 +16,8 @@ use refit_actors::{
 };
 use refit_runtime::{Manifest, ModelId, Version, WeightSet};
 
-use crate::engine::{check_roles, init_logging, launch_error, layout_of, rank_error, report_dict};
-use crate::errors::to_py;
+use crate::engine::{layout_of, rank_error, rank_setup, report_dict};
+use crate::errors::{log_raised, to_py};
 use crate::lane::Lane;
 use crate::sender::fill;
 
@@ -47,6 +47,13 @@ impl GenRoles for PyRoles {
     /// Asks the Python learner to start `model` in GRPO's learner layout (its params and
     /// seed given), the layout every export must have.
     fn learner(&self, model: &ModelSpec) -> Result<Box<dyn Learner>> {
+        if model.reference_every.is_some() {
+            return Err(Error::Config(format!(
+                "model `{}`: params.reference_every asks for a KL term to a reference the \
+                 engines serve, which a Python learner does not take",
+                model.id
+            )));
+        }
         let settings = self.grpo.settings(model)?;
         let manifest = Arc::new(settings.grpo.model.trainer_manifest()?);
         let params = serde_json::to_string(&model.params)
@@ -59,7 +66,7 @@ impl GenRoles for PyRoles {
                     .bind(py)
                     .call_method1("start", (id, layout, params, seed))
                     .map(drop)
-                    .map_err(|e| failed(py, "start", &e))
+                    .map_err(|e| failed("start", &e))
             })
         });
         started.unwrap_or_else(|| Err(lane_gone("start")))?;
@@ -86,10 +93,8 @@ impl GenRoles for PyRoles {
 }
 
 /// A Python exception as the learner's error, its traceback logged.
-fn failed(py: Python<'_>, call: &str, e: &PyErr) -> Error {
-    if let Some(t) = e.traceback(py).and_then(|t| t.format().ok()) {
-        tracing::warn!("the Python learner's {call} raised {e}\n{t}");
-    }
+fn failed(call: &str, e: &PyErr) -> Error {
+    log_raised(&format!("the Python learner's {call}"), e);
     Error::Trainer(format!("the Python learner's {call} raised {e}"))
 }
 
@@ -141,7 +146,7 @@ impl Learner for PyLearner {
                     .bind(py)
                     .call_method1("update", (model, seqs))
                     .and_then(|d| d.extract::<BTreeMap<String, f64>>())
-                    .map_err(|e| failed(py, "update", &e))
+                    .map_err(|e| failed("update", &e))
             })
         });
         let values = answer.unwrap_or_else(|| Err(lane_gone("update")))?;
@@ -162,7 +167,7 @@ impl Learner for PyLearner {
                     .and_then(|d| d.extract::<BTreeMap<String, Bound<'_, PyAny>>>())
                     .and_then(|arrays| fill(py, &mut ws, &arrays))
                     .map(|()| ws)
-                    .map_err(|e| failed(py, "export", &e))
+                    .map_err(|e| failed("export", &e))
             })
         });
         let mut ws = exported.unwrap_or_else(|| Err(lane_gone("export")))?;
@@ -189,10 +194,7 @@ pub(crate) fn join_trainer(
     adapter: Py<PyAny>,
     roles: &str,
 ) -> PyResult<Option<Py<PyDict>>> {
-    check_roles(roles)?;
-    let topo = refit_node::launch::load_topology().map_err(launch_error)?;
-    let launch = refit_node::LaunchEnv::from_env().map_err(launch_error)?;
-    init_logging();
+    let (topo, launch) = rank_setup(roles)?;
     let lane = Arc::new(Lane::start("refit-py-learner")?);
     let roles = PyRoles {
         grpo: GrpoRoles::new(),

@@ -71,6 +71,24 @@ def launch_command(refit_bin: Path, tmp_path: Path, sets: list[str], topology: s
     return cmd, env
 
 
+def launch_solves(cmd: list[str], env: dict, cwd: Path, low: float = 0.3, high: float = 0.6) -> str:
+    """Runs a GRPO launch to its end and checks that it solved: held-out reward from at most
+    ``low`` to at least ``high``, both engine ranks stopped after loading versions, the
+    report's pauses printed, no Python traceback. Answers the launch's output."""
+    done = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=900)
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out[-6000:]
+    solved = [l for l in out.splitlines() if "solved: policy held-out reward" in l]
+    assert solved, out[-6000:]
+    # "held-out reward (greedy) A -> B in N updates"
+    first, last = (float(x) for x in solved[0].split("(greedy) ")[1].split(" in ")[0].split(" -> "))
+    assert first <= low and last >= high, solved[0]
+    for r in (1, 2):
+        assert f"rank {r} (process `engine`, replica {r - 1}): stopped; engine loaded" in out, out[-6000:]
+    assert "engine pauses" in out and "Traceback" not in out, out[-6000:]
+    return out
+
+
 def require(module: str):
     """Imports ``module`` (torch, torchrl, ray): a test module that needs it is skipped where
     it is not installed, except under ``REFIT_REQUIRE_EXTRAS=1`` (CI's Python environment has

@@ -13,11 +13,10 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
 
-from conftest import REPO, SHORT, grpo_example, launch_command, require
+from conftest import REPO, SHORT, grpo_example, launch_command, launch_solves, require
 
 import refit.engine
 from refit.engine import Completion, _Adapter
@@ -26,18 +25,7 @@ from refit.engine import Completion, _Adapter
 def test_python_engine_ranks_learn_grpo_under_refit_launch(refit_bin, tmp_path):
     require("torch")
     cmd, env = launch_command(refit_bin, tmp_path, SHORT)
-    done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=900)
-    out = done.stdout + done.stderr
-    assert done.returncode == 0, out[-6000:]
-    solved = [l for l in out.splitlines() if "solved: policy held-out reward" in l]
-    assert solved, out[-6000:]
-    # "held-out reward (greedy) A -> B in N updates"
-    first, last = (float(x) for x in solved[0].split("(greedy) ")[1].split(" in ")[0].split(" -> "))
-    assert first <= 0.3 and last >= 0.6, solved[0]
-    for r in (1, 2):
-        assert f"rank {r} (process `engine`, replica {r - 1}): stopped; engine loaded" in out, out[-6000:]
-    assert "engine pauses" in out
+    out = launch_solves(cmd, env, tmp_path)
     # the Python ranks end cleanly (no call left running in Python when it finalizes)
     assert "terminate called" not in out and "Fatal Python error" not in out, out[-6000:]
 
@@ -158,9 +146,12 @@ def test_the_adapter_hands_answers_over_and_names_what_is_wrong():
         a.score([("policy", [1], [2], 1.0)], {"policy": 1})
 
 
-def test_join_outside_refit_launch_says_what_is_missing(monkeypatch):
+def test_join_outside_refit_launch_says_what_is_missing(monkeypatch, capsys):
     monkeypatch.delenv("REFIT_TOPOLOGY", raising=False)
     with pytest.raises(refit.ConfigError, match="REFIT_TOPOLOGY"):
         refit.engine.join(refit.engine.Engine())
+    # as a program's body: one `error: ...` line naming the cause, and status 1
+    assert refit.engine.main(refit.engine.Engine()) == 1
+    assert "REFIT_TOPOLOGY" in capsys.readouterr().err
     with pytest.raises(refit.ConfigError, match="roles `ppo`"):
         refit.engine.join(refit.engine.Engine(), roles="ppo")

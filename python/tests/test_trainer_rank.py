@@ -5,13 +5,14 @@ reversal; what the adapter checks of an export; GRPO's group advantages in torch
 
 from __future__ import annotations
 
+import math
 import subprocess
 import sys
 
 import numpy as np
 import pytest
 
-from conftest import REPO, SHORT, launch_command, require
+from conftest import REPO, SHORT, launch_command, launch_solves, require
 
 torch = require("torch")
 
@@ -27,28 +28,14 @@ sys.path.pop(0)
 LAYOUT = [("w", "f32", [2, 3]), ("b", "f32", [3])]
 
 
-def run(cmd: list[str], env: dict, tmp_path) -> str:
-    done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
-    out = done.stdout + done.stderr
-    assert done.returncode == 0, out[-6000:]
-    return out
-
-
 def test_a_pytorch_trainer_rank_learns_grpo_with_refits_engines(refit_bin, tmp_path):
     """Rank 0 is the torch learner (controller, pool, evaluator: Refit's rank code through
     the binding); each export is converted to the Rust engines' layout and served; the run
     solves and rank 0 prints the run's summary as the Rust trainer does."""
     cmd, env = launch_command(refit_bin, tmp_path, SHORT, topology="grpo-torch.toml",
                               script="torch_trainer_rank.py")
-    out = run(cmd, env, tmp_path)
-    solved = [l for l in out.splitlines() if "solved: policy held-out reward" in l]
-    assert solved, out[-6000:]
-    first, last = (float(x) for x in solved[0].split("(greedy) ")[1].split(" in ")[0].split(" -> "))
-    assert first <= 0.3 and last >= 0.6, solved[0]
+    out = launch_solves(cmd, env, tmp_path)
     assert "[rank 0 learner] engine pauses" in out, out[-6000:]
-    for r in (1, 2):
-        assert f"rank {r} (process `engine`, replica {r - 1}): stopped; engine loaded" in out, out[-6000:]
-    assert "Traceback" not in out, out[-6000:]
 
 
 def test_an_export_that_does_not_fit_the_layout_ends_the_run_naming_the_tensor(refit_bin, tmp_path):
@@ -126,9 +113,59 @@ def test_group_advantages_are_relative_within_each_group():
     assert [a.tolist() for a in example.group_advantages(credit, False, False)] == [[0.0, 0.0], [0.0, 0.0, 0.0]]
 
 
-def test_join_outside_refit_launch_says_what_is_missing(monkeypatch):
+def test_join_outside_refit_launch_says_what_is_missing(monkeypatch, capsys):
     monkeypatch.delenv("REFIT_TOPOLOGY", raising=False)
     with pytest.raises(refit.ConfigError, match="REFIT_TOPOLOGY"):
         refit.trainer.join(refit.trainer.Learner())
+    # as a program's body: one `error: ...` line and status 1
+    assert refit.trainer.main(refit.trainer.Learner()) == 1
+    assert capsys.readouterr().err.startswith("error: ")
     with pytest.raises(refit.ConfigError, match="roles `ppo`"):
         refit.trainer.join(refit.trainer.Learner(), roles="ppo")
+
+
+def tiny_layout(vocab: int = 5, d: int = 8, ctx: int = 6, mlp: int = 32) -> list:
+    """The learner layout of a one-block transformer (as Refit's learner names it)."""
+    b = "blocks.0."
+    shapes = [("tok_emb.weight", [vocab, d]), ("pos_emb.weight", [ctx, d]), (b + "ln1.weight", [d]),
+              (b + "ln1.bias", [d])] + [(b + f"attn.{p}.weight", [d, d]) for p in "qkvo"] + [
+        (b + "ln2.weight", [d]), (b + "ln2.bias", [d]), (b + "mlp.fc.weight", [mlp, d]),
+        (b + "mlp.proj.weight", [d, mlp]), ("ln_f.weight", [d]), ("ln_f.bias", [d]), ("head.weight", [vocab, d])]
+    return [(n, "f32", s) for n, s in shapes]
+
+
+@pytest.mark.parametrize("correction", ["behaviour", "truncated", "ignore"])
+def test_the_torch_objective_is_the_clipped_ratio_of_the_rust_learner(correction):
+    """One update's loss, from the policy's own log-probabilities: behaviour samples e times
+    less likely than the policy (ratio e) are clipped at 1 + clip_high for a positive
+    advantage and not for a negative one (``behaviour``); against the learner's own policy
+    the ratio is 1, weighted by min(e, is_cap) with ``truncated``; the step changes the
+    weights."""
+    learner = example.TorchGrpo()
+    learner.start("pi", tiny_layout(), {"heads": 2, "correction": correction, "is_cap": 2.0,
+                                         "token_credit": False}, 3)
+    seqs = [Sequence([1, 2], [3, 4], [0.0, 0.0], [1, 1], 1.0, None, 0, "length"),
+            Sequence([1, 2], [4, 0, 1], [0.0] * 3, [1] * 3, 0.0, None, 0, "length")]
+    with torch.no_grad():
+        logp = learner.logprobs(seqs)
+    behaviour = logp - 1.0  # each token e times less likely under the behaviour policy
+    at = 0
+    for s in seqs:
+        s.logprobs = behaviour[at: at + len(s.tokens)].tolist()
+        at += len(s.tokens)
+    adv = torch.tensor([0.5, 0.5, -0.5, -0.5, -0.5])
+    e = math.e
+    if correction == "behaviour":
+        per_token = torch.minimum(e * adv, torch.clamp(torch.tensor(e), 0.8, 1.2) * adv)
+    elif correction == "truncated":
+        per_token = adv * min(e, 2.0)
+    else:
+        per_token = adv
+    before = {n: t.clone() for n, t in learner.export("pi").items()}
+    stats = learner.update("pi", seqs)
+    assert stats["loss"] == pytest.approx(float(-per_token.mean()), rel=1e-4)
+    assert stats["behaviour_ratio_mean"] == pytest.approx(e, rel=1e-4)
+    after = learner.export("pi")
+    assert any(not torch.equal(before[n], after[n]) for n in before)
+    with pytest.raises(ValueError, match="params.kl_coef = 0.1"):
+        example.TorchGrpo().start("pi", tiny_layout(), {"heads": 2, "kl_coef": 0.1}, 0)
