@@ -25,8 +25,10 @@ vLLM, torch and ``refit``, such as the one ``scripts/vllm-env.sh`` makes)::
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import shutil
 import sys
 import tempfile
 from typing import Any
@@ -103,6 +105,7 @@ def build(model: str, layout: list, params: dict[str, Any]) -> Any:
     weights until the trainer's first version."""
     config = gpt2_config(layout, params)
     directory = tempfile.mkdtemp(prefix=f"refit-vllm-{model}-")
+    atexit.register(shutil.rmtree, directory, True)  # vLLM may read it again: kept until exit
     with open(os.path.join(directory, "config.json"), "w") as f:
         json.dump(config, f)
     return in_process_llm(model=directory, load_format="dummy", dtype="float32",

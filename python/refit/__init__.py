@@ -332,16 +332,17 @@ def _bytes_of(model: str, name: str, value: Any) -> tuple[str, list[int], Any]:
 
 
 def _program(join: Any, part: Any, roles: str) -> int:
-    """``join(part, roles)`` as a rank program's body: 0 when the run ends well, 1 after one
-    ``error: ...`` line on stderr (what ``refit launch`` repeats as the rank's cause)."""
+    """``join(part, roles)`` as a rank program's body: 0 when the run ends well; 1 after one
+    ``error: ...`` line on stderr (what ``refit launch`` repeats as the rank's cause), or
+    when rank 0's run ended unsolved (as Refit's own trainer programs do)."""
     import sys
 
     try:
-        join(part, roles)
+        report = join(part, roles)
     except Exception as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    return 0
+    return 1 if report is not None and not report.get("solved", True) else 0
 
 
 def checksums(weights: Mapping[str, Any]) -> dict[str, int]:

@@ -209,7 +209,8 @@ def join(engine: Engine, roles: str = "grpo") -> dict[str, Any] | None:
 def main(engine: Engine, roles: str = "grpo") -> int:
     """:func:`join` as a rank program's body (``sys.exit(refit.engine.main(MyEngine()))``):
     0 when the run ends well; 1 after one ``error: ...`` line on stderr when it raised
-    (what ``refit launch`` repeats as the rank's cause)."""
+    (what ``refit launch`` repeats as the rank's cause), or when rank 0's run ended
+    unsolved."""
     return _program(join, engine, roles)
 
 

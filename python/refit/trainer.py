@@ -66,8 +66,9 @@ class Sequence:
     group: int
     #: ``"length"``, ``"stop"``, ``"aborted"`` (a weight update ended it) or ``"cancelled"``.
     finish: str
-    #: Each token's log-probability under the reference model the engines serve (``None``
-    #: when they serve none).
+    #: Each token's log-probability under a reference model the engines serve: ``None``
+    #: (a Python trainer rank does not take a served reference yet: ``reference_every`` is
+    #: refused).
     ref_logprobs: list[float] | None = None
 
 
@@ -83,11 +84,14 @@ class Learner:
         :meth:`export` must answer, as ``(name, dtype, shape)`` triples (the layout of
         GRPO's own learner, which the engines' link converts from), ``params`` the model's
         ``[model.params]`` of the topology file, ``seed`` the model's seed. Raise to refuse
-        the topology (the run does not start)."""
+        the topology (the run does not start: a configuration error naming what was
+        raised). A Python learner is not checkpointed: a topology with ``[checkpoint]`` is
+        refused."""
         raise NotImplementedError
 
-    def update(self, model: str, batch: list[Sequence]) -> Mapping[str, float]:
-        """Trains on one batch; answers what to report of it (a loss, an entropy), by name.
+    def update(self, model: str, batch: list[Sequence]) -> Mapping[str, float] | None:
+        """Trains on one batch; answers what to report of it (a loss, an entropy), by name
+        (numbers; ``None`` for nothing).
         Raise to refuse the batch (the run ends with the error)."""
         raise NotImplementedError
 
@@ -113,7 +117,13 @@ class _Adapter:
         seqs = [Sequence(list(p), list(t), list(lp), list(v), float(r), None if tr is None else list(tr),
                          int(g), str(f), None if rl is None else list(rl))
                 for p, t, lp, v, r, tr, g, f, rl in batch]
-        return {str(k): float(v) for k, v in dict(self.learner.update(model, seqs)).items()}
+        stats: dict[str, float] = {}
+        for k, v in dict(self.learner.update(model, seqs) or {}).items():
+            try:
+                stats[str(k)] = float(v)
+            except (TypeError, ValueError) as e:
+                raise TypeError(f"the learner's update reported `{k}` = {v!r}, not a number") from e
+        return stats
 
     def export(self, model: str) -> dict[str, Any]:
         """The exported tensors as flat byte buffers, each checked against the layout
@@ -146,7 +156,8 @@ def join(learner: Learner, roles: str = "grpo") -> dict[str, Any] | None:
 def main(learner: Learner, roles: str = "grpo") -> int:
     """:func:`join` as a rank program's body (``sys.exit(refit.trainer.main(MyLearner()))``):
     0 when the run ends well; 1 after one ``error: ...`` line on stderr when it raised
-    (what ``refit launch`` repeats as the rank's cause)."""
+    (what ``refit launch`` repeats as the rank's cause), or when rank 0's run ended
+    unsolved."""
     return _program(join, learner, roles)
 
 

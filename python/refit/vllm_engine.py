@@ -19,8 +19,8 @@ An update goes:
    checkpoint's names (``checkpoint`` maps Refit's names to them), still beside generation;
 3. :meth:`VllmEngine.commit`, once the batch running ended, loads the staged tensors into
    the model through vLLM's layerwise reload (``load_weights``, as a checkpoint): the only
-   pause. It checks that every parameter of the model was written, labels vLLM's outputs
-   with the version (``set_weight_version``) and drops the prefix cache.
+   pause. It checks that every parameter of the model was written, drops the prefix cache
+   and labels vLLM's outputs with the version (``set_weight_version``).
 
 Each completion's per-token versions come from vLLM's ``weight_versions`` spans, so the
 pool's staleness filter and the learner see the version that sampled each token.
@@ -150,6 +150,10 @@ class VllmEngine(refit.engine.Engine):
                              f"give `build(model, layout, params)` to serve `{model}` too")
         else:
             llm = self._given
+        workers = llm.llm_engine.vllm_config.parallel_config.world_size
+        if workers != 1:
+            raise ValueError(f"model `{model}`: vLLM runs {workers} workers (tensor or pipeline parallel): "
+                             "this engine loads through one, in this process")
         client = type(llm.llm_engine.engine_core).__name__
         if client != "InprocClient":
             raise ValueError(f"model `{model}`: vLLM runs its engine in another process ({client}): "

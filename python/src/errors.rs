@@ -62,7 +62,6 @@ pub(crate) fn to_py(e: Error) -> PyErr {
     }
 }
 
-/// A configuration error raised from this crate's own checks.
 /// Logs `e`, which a user's Python code raised in `what` ("the Python engine's commit"),
 /// with its traceback: the message alone rarely says where it failed. Takes the GIL.
 pub(crate) fn log_raised(what: &str, e: &PyErr) {
@@ -72,6 +71,7 @@ pub(crate) fn log_raised(what: &str, e: &PyErr) {
     }
 }
 
+/// A configuration error raised from this crate's own checks.
 pub(crate) fn config(msg: impl Into<String>) -> PyErr {
     ConfigError::new_err(msg.into())
 }

@@ -17,7 +17,7 @@ use refit_actors::{
 use refit_runtime::{Manifest, ModelId, Version, WeightSet};
 
 use crate::engine::{layout_of, rank_error, rank_setup, report_dict};
-use crate::errors::{log_raised, to_py};
+use crate::errors::{config, log_raised, to_py};
 use crate::lane::Lane;
 use crate::sender::fill;
 
@@ -69,7 +69,10 @@ impl GenRoles for PyRoles {
                     .map_err(|e| failed("start", &e))
             })
         });
-        started.unwrap_or_else(|| Err(lane_gone("start")))?;
+        // what the learner refuses at the start is the topology's fault: a configuration error
+        started
+            .unwrap_or_else(|| Err(lane_gone("start")))
+            .map_err(|e| Error::Config(format!("model `{}`: {e}", model.id)))?;
         Ok(Box::new(PyLearner {
             model: model.id.clone(),
             manifest,
@@ -195,6 +198,12 @@ pub(crate) fn join_trainer(
     roles: &str,
 ) -> PyResult<Option<Py<PyDict>>> {
     let (topo, launch) = rank_setup(roles)?;
+    if topo.checkpoint.is_some() {
+        return Err(config(
+            "the topology has a [checkpoint] section: a Python learner is not checkpointed \
+             (its state is Python's); drop the section or train with a Rust learner",
+        ));
+    }
     let lane = Arc::new(Lane::start("refit-py-learner")?);
     let roles = PyRoles {
         grpo: GrpoRoles::new(),

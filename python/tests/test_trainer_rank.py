@@ -61,6 +61,20 @@ def test_an_export_that_does_not_fit_the_layout_ends_the_run_naming_the_tensor(r
     assert "tensor `head.weight` of `policy` is missing" in out, out[-4000:]
 
 
+def test_a_topology_the_python_learner_cannot_serve_is_refused_before_the_run(refit_bin, tmp_path):
+    """A ``[checkpoint]`` (a Python learner's state is not Refit's to save) and a param the
+    torch learner does not take are refused at ``refit launch``'s check, naming them; no
+    rank starts."""
+    for extra, cause in ((['checkpoint.dir="ckpt"', "checkpoint.every=5"], "a Python learner is not checkpointed"),
+                         (["model.policy.params.kl_coef=0.1"], "params.kl_coef = 0.1")):
+        cmd, env = launch_command(refit_bin, tmp_path, SHORT + extra, topology="grpo-torch.toml",
+                                  script="torch_trainer_rank.py")
+        done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+        out = done.stdout + done.stderr
+        assert done.returncode != 0 and cause in out, out[-4000:]
+        assert "before any rank started" in out, out[-4000:]
+
+
 def test_the_adapter_checks_each_exported_tensor_against_the_layout():
     class Fixed(refit.trainer.Learner):
         def start(self, model, layout, params, seed):
@@ -88,6 +102,11 @@ def test_the_adapter_checks_each_exported_tensor_against_the_layout():
         a.export("pi")
     stats = a.update("pi", [([1, 2], [3], [-0.5], [4], 1.0, None, 9, "stop", None)])
     assert stats == {"loss": 0.5}
+    learner.update = lambda model, batch: {"loss": "high"}
+    with pytest.raises(TypeError, match="reported `loss` = 'high', not a number"):
+        a.update("pi", [])
+    learner.update = lambda model, batch: None
+    assert a.update("pi", []) == {}
     (s,) = learner.batch
     assert s == Sequence([1, 2], [3], [-0.5], [4], 1.0, None, 9, "stop", None)
 
