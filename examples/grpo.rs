@@ -84,8 +84,8 @@ enum Sub {
     Scores {
         /// Where the two files go.
         dir: std::path::PathBuf,
-        /// A key of the model's params (`heads=2`), as a topology's `[model.params]`;
-        /// repeated for several.
+        /// A key of the model's params (`heads=2`), as a topology's `[model.params]` and
+        /// read as `--set` reads a value; repeated for several.
         #[arg(long = "param", value_name = "KEY=VALUE")]
         params: Vec<String>,
     },
@@ -199,15 +199,10 @@ fn write_scores(
     let roles = GrpoRoles::new();
     let mut spec = ModelSpec::new(policy_model_id(), seed);
     for param in params {
-        // `KEY=VALUE`, the value read as TOML (`heads=2`, `correction="ignore"`)
-        let (key, value) = param
-            .split_once('=')
-            .ok_or_else(|| format!("--param `{param}`: expected KEY=VALUE"))?;
-        let value: toml::Value = toml::from_str::<toml::Table>(&format!("v = {value}"))
-            .map_err(|e| format!("--param `{param}`: the value is not TOML: {e}"))?
-            .remove("v")
-            .ok_or_else(|| format!("--param `{param}`: no value"))?;
-        spec.params.insert(key.trim().to_owned(), value);
+        // `KEY=VALUE` read as `--set` reads it (TOML, or a string for a bare word)
+        let set = refit_runtime::topology::Override::parse(param)?;
+        spec.params
+            .insert(set.key().to_owned(), set.value().clone());
     }
     let mut weights = roles.learner(&spec)?.export()?;
     let manifest = std::sync::Arc::clone(weights.manifest());

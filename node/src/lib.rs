@@ -24,6 +24,7 @@
 pub mod error;
 pub mod frame;
 pub mod launch;
+pub mod logging;
 mod message;
 mod peer;
 mod server;

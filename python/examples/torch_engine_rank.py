@@ -60,7 +60,8 @@ class TorchTransformer(refit.engine.Engine):
 
     # ANCHOR: weights
     def stage(self, model: str, version: int, update: refit.Update) -> None:
-        weights = {name: t.float().clone() for name, t in update.torch(model)}
+        # one copy (a view of the received memory is not kept)
+        weights = {name: t.to(torch.float32, copy=True) for name, t in update.torch(model)}
         for name, t in weights.items():
             if not torch.isfinite(t).all():
                 raise ValueError(f"tensor `{name}` of v{version} holds a value that is not finite")

@@ -26,6 +26,7 @@ vLLM, torch and ``refit``, such as the one ``scripts/vllm-env.sh`` makes)::
 from __future__ import annotations
 
 import atexit
+import functools
 import json
 import os
 import shutil
@@ -83,11 +84,17 @@ def gpt2_config(layout: list, params: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+@functools.cache
+def zeros(n: int) -> Any:
+    """A bias of `n` zeros, made once per size (read, never written, by the loads)."""
+    import torch
+
+    return torch.zeros(n)
+
+
 # ANCHOR: checkpoint
 def checkpoint(name: str, tensor: Any):
     """GPT-2's checkpoint tensors for one tensor of Refit's layout."""
-    import torch
-
     if name in TOP:
         return [(TOP[name], tensor)]
     _, layer, rest = name.split(".", 2)  # blocks.{i}.{rest}
@@ -96,7 +103,7 @@ def checkpoint(name: str, tensor: Any):
     if not linear:
         return [(key, tensor)]
     # Conv1D stores [in, out]: vLLM's loader transposes it back; Refit has no biases
-    return [(key, tensor.t()), (key[: -len("weight")] + "bias", torch.zeros(tensor.shape[0]))]
+    return [(key, tensor.t()), (key[: -len("weight")] + "bias", zeros(tensor.shape[0]))]
 # ANCHOR_END: checkpoint
 
 

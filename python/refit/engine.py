@@ -13,7 +13,7 @@ commit and a batch at once::
         name = "my engine"
 
         def stage(self, model, version, update):      # beside generation
-            self.next = {k: v.float().clone() for k, v in update.torch(model)}
+            self.next = {k: v.to(torch.float32, copy=True) for k, v in update.torch(model)}
 
         def commit(self, model, version):              # the only pause
             self.weights = self.next

@@ -307,15 +307,16 @@ class Server:
         return f"refit.vllm.Server({self.url!r})"
 
 
-def _reset_caches(llm: Any) -> None:
-    """Drops the caches computed with the previous weights (prefix KV, encoder outputs)."""
+def _reset_caches(llm: Any) -> bool:
+    """Drops the caches computed with the previous weights (prefix KV, encoder outputs);
+    answers whether vLLM dropped the prefix cache (``True`` where it has none)."""
     reset = getattr(llm, "reset_prefix_cache", None)
-    if callable(reset):
-        reset()
+    dropped = reset() is not False if callable(reset) else True
     engine = getattr(llm, "llm_engine", None)
     reset_encoder = getattr(engine, "reset_encoder_cache", None)
     if callable(reset_encoder):
         reset_encoder()
+    return dropped
 
 
 # --- the engine (in vLLM's workers) -------------------------------------------------------

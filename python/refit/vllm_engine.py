@@ -34,19 +34,15 @@ imports neither vLLM nor torch.
 
 from __future__ import annotations
 
-import logging
 import math
 import os
-import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import refit.engine
 from refit.engine import Completion, Request
 
-from .vllm import _expected_params, _not_loaded
-
-_log = logging.getLogger("refit.vllm_engine")
+from .vllm import _expected_params, _not_loaded, _reset_caches
 
 #: ``(name, tensor)`` → the checkpoint tensors ``load_weights`` takes for it.
 Checkpoint = Callable[[str, Any], Iterable[tuple[str, Any]]]
@@ -137,8 +133,6 @@ class VllmEngine(refit.engine.Engine):
         # models whose last load failed part-way: they serve mixed weights until a version
         # loads whole, and generate nothing meanwhile
         self._mixed: dict[str, str] = {}
-        #: seconds each model's last commit took (the pause), by model
-        self.commit_s: dict[str, float] = {}
 
     # -- the weights ---------------------------------------------------------------------
 
@@ -198,7 +192,6 @@ class VllmEngine(refit.engine.Engine):
             raise RuntimeError(f"v{version} of `{model}` is not the version staged "
                                f"({'none' if staged is None else f'v{staged[0]}'})")
         llm = self._llm(model)
-        started = time.perf_counter()
         try:
             (missing,) = llm.collective_rpc(_load, kwargs={"pairs": staged[1], "expected": self._expected[model]})
         except Exception as e:
@@ -211,12 +204,11 @@ class VllmEngine(refit.engine.Engine):
             raise RuntimeError(f"v{version} of `{model}` wrote no tensor into {len(missing)} parameter(s) of "
                                f"vLLM's model ({named}): the checkpoint names do not cover the model")
         self._mixed.pop(model, None)
-        # the prefix cache's KV entries were computed with the previous weights
-        if not llm.reset_prefix_cache():
+        # the prefix cache's KV entries (and encoder outputs) came from the previous weights
+        if not _reset_caches(llm):
             self._mixed[model] = f"v{version} loaded, but vLLM kept KV entries of the previous weights"
             raise RuntimeError(f"v{version} of `{model}` loaded, but vLLM did not drop its prefix cache")
         llm.llm_engine.set_weight_version(str(version))
-        self.commit_s[model] = time.perf_counter() - started
 
     def abort(self, model: str) -> None:
         # stage, commit and abort come one after another on the rank's weights thread, an

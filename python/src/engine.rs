@@ -39,7 +39,8 @@ pub(crate) fn rank_setup(
     }
     let topo = refit_node::launch::load_topology().map_err(launch_error)?;
     let launch = refit_node::LaunchEnv::from_env().map_err(launch_error)?;
-    init_logging();
+    // the same log lines as a Rust rank's (`RUST_LOG`, `REFIT_LOG_FORMAT`)
+    refit_node::logging::init_logging();
     Ok((topo, launch))
 }
 
@@ -237,22 +238,6 @@ impl Calls {
             }
         });
     }
-
-    fn generate(
-        &self,
-        batch: &[Generate],
-        served: &BTreeMap<ModelId, Version>,
-    ) -> Vec<refit_actors::Result<Completion>> {
-        self.batch("generate", batch, |g| &g.model, generate_request, served)
-    }
-
-    fn score(
-        &self,
-        batch: &[Score],
-        served: &BTreeMap<ModelId, Version>,
-    ) -> Vec<refit_actors::Result<Completion>> {
-        self.batch("score", batch, |s| &s.model, score_request, served)
-    }
 }
 
 impl EngineBackend for PyBackend {
@@ -292,14 +277,7 @@ impl EngineBackend for PyBackend {
         batch: &[Generate],
         served: &BTreeMap<ModelId, Version>,
     ) -> Vec<refit_actors::Result<Completion>> {
-        let (calls, asked, at) = (Arc::clone(&self.calls), batch.to_vec(), served.clone());
-        let done = self.requests.run(move || calls.generate(&asked, &at));
-        done.unwrap_or_else(|| {
-            batch
-                .iter()
-                .map(|g| Err(lane_gone(g.model.as_str(), "generate")))
-                .collect()
-        })
+        self.on_requests("generate", batch, served, |g| &g.model, generate_request)
     }
 
     fn score(
@@ -307,12 +285,29 @@ impl EngineBackend for PyBackend {
         batch: &[Score],
         served: &BTreeMap<ModelId, Version>,
     ) -> Vec<refit_actors::Result<Completion>> {
+        self.on_requests("score", batch, served, |s| &s.model, score_request)
+    }
+}
+
+impl PyBackend {
+    /// The adapter's `method` on `batch` (each request made by `request`), on the
+    /// requests' thread; every request fails naming `method` when that thread is gone.
+    fn on_requests<R: Clone + Send + 'static>(
+        &self,
+        method: &'static str,
+        batch: &[R],
+        served: &BTreeMap<ModelId, Version>,
+        model_of: fn(&R) -> &ModelId,
+        request: for<'py> fn(Python<'py>, &R) -> PyResult<Bound<'py, PyAny>>,
+    ) -> Vec<refit_actors::Result<Completion>> {
         let (calls, asked, at) = (Arc::clone(&self.calls), batch.to_vec(), served.clone());
-        let done = self.requests.run(move || calls.score(&asked, &at));
+        let done = self
+            .requests
+            .run(move || calls.batch(method, &asked, model_of, request, &at));
         done.unwrap_or_else(|| {
             batch
                 .iter()
-                .map(|s| Err(lane_gone(s.model.as_str(), "score")))
+                .map(|r| Err(lane_gone(model_of(r).as_str(), method)))
                 .collect()
         })
     }
@@ -410,16 +405,4 @@ pub(crate) fn report_dict(py: Python<'_>, report: &run::RunReport) -> PyResult<P
     d.set_item("solved", report.solved)?;
     d.set_item("elapsed_s", report.elapsed.as_secs_f64())?;
     Ok(d.unbind())
-}
-
-/// Log lines on stderr (what `refit launch` prefixes with the rank), at `RUST_LOG`'s level
-/// or `info`.
-fn init_logging() {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .with_ansi(false)
-        .try_init();
 }
