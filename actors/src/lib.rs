@@ -44,10 +44,10 @@ pub use refit_rl::{
     grpo, grpo_roles, ppo, transformer,
 };
 pub use refit_rl::{
-    Completion, Finish, GenRoles, Generator, PauseMode, Reward, SamplingParams, Sequence, Task,
-    Token,
+    Completion, EngineShape, Finish, GenRoles, Generator, LlamaShape, PauseMode, Reward,
+    SamplingParams, Sequence, Task, Token,
 };
 pub use refit_rl::{
-    batch, bigram, collector, device, env, error, generation, learner, link, multi, policy,
+    batch, bigram, collector, device, env, error, generation, learner, link, llama, multi, policy,
     process, roles, scheduler, task,
 };

@@ -10,6 +10,10 @@ Only the learner is here, in torch:
   embeddings, pre-norm blocks of causal self-attention and a tanh-GELU MLP, no biases in
   the linear layers, an untied head), its tensors named as Refit's learner names them, so
   the engines' link converts its exports as it converts the Rust learner's;
+- :class:`HfLlama` is Hugging Face's ``LlamaForCausalLM`` of random initialisation (no
+  download), for a model of ``params.arch = "llama"`` (``grpo-vllm.toml``): Refit gives its
+  layout, :func:`refit.models.llama_config` its config, and the vLLM engines load its
+  tensors under the names they have;
 - :class:`TorchGrpo` is GRPO as Refit's Rust learner does it: group-relative advantages
   (per token when the task gives per-token credit), the clipped ratio against the behaviour
   log-probabilities (or against the learner's own, with ``correction = "truncated"`` or
@@ -29,6 +33,7 @@ import sys
 from typing import Any
 
 import refit.trainer  # answers refit launch's check before torch is imported
+from refit.models import llama_config
 from refit.trainer import Sequence
 
 import torch  # noqa: E402
@@ -88,6 +93,25 @@ class Transformer(torch.nn.Module):
         return x @ self.p("head.weight").T
 
 
+class HfLlama(torch.nn.Module):
+    """Hugging Face's ``LlamaForCausalLM`` of the layout Refit gives, initialised at random
+    (``transformers``' own initialisation, seeded)."""
+
+    def __init__(self, layout: list, params: dict[str, Any], seed: int) -> None:
+        super().__init__()
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        torch.manual_seed(seed)
+        self.model = LlamaForCausalLM(LlamaConfig(**llama_config(layout, params)))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=ids, use_cache=False).logits
+
+    def named(self) -> dict[str, torch.Tensor]:
+        # the state dict's names are the layout's: LlamaForCausalLM's own
+        return self.model.state_dict()
+
+
 def group_advantages(batch: list[Sequence], scale_by_std: bool, token_credit: bool) -> list[torch.Tensor]:
     """Each sequence's per-token advantage: its reward (or, when every member of its group
     has per-token credit, each position's credit) less the group's mean at that position,
@@ -127,7 +151,11 @@ class TorchGrpo(refit.trainer.Learner):
 
     def start(self, model: str, layout: list, params: dict[str, Any], seed: int) -> None:
         self.p = params
-        self.policy = Transformer(layout, int(params.get("heads", 4)), seed)
+        arch = str(params.get("arch", "transformer"))
+        if arch == "llama":
+            self.policy: torch.nn.Module = HfLlama(layout, params, seed)
+        else:
+            self.policy = Transformer(layout, int(params.get("heads", 4)), seed)
         self.opt = torch.optim.AdamW(self.policy.parameters(), lr=float(params.get("lr", 1e-3)),
                                      betas=(0.9, float(params.get("beta2", 0.99))), eps=1e-8,
                                      weight_decay=float(params.get("weight_decay", 0.0)))

@@ -12,6 +12,9 @@ in-process ``vllm.LLM`` driven by :class:`refit.vllm_engine.VllmEngine`:
   roles' layout (no weights: vLLM starts with dummy ones, the trainer's first version
   replaces them), and :func:`checkpoint` names each tensor as GPT-2's checkpoint does
   (``Conv1D`` weights transposed, zero biases beside the linear layers);
+- a model of ``params.arch = "llama"`` is Hugging Face's ``LlamaForCausalLM``: vLLM serves
+  it from the config :func:`refit.models.llama_config` writes, its tensors under the names
+  they come with;
 - updates are staged beside generation and loaded in the pause; completions carry vLLM's
   per-token versions.
 
@@ -35,6 +38,7 @@ import tempfile
 from typing import Any
 
 import refit.engine  # answers refit launch's check before vLLM is imported
+from refit.models import llama_config
 from refit.vllm_engine import VllmEngine, in_process_llm
 
 # a small KV cache (the completions are a dozen tokens); the ranks share the machine's
@@ -94,9 +98,12 @@ def zeros(n: int) -> Any:
 
 # ANCHOR: checkpoint
 def checkpoint(name: str, tensor: Any):
-    """GPT-2's checkpoint tensors for one tensor of Refit's layout."""
+    """GPT-2's checkpoint tensors for one tensor of Refit's layout (a Llama's tensors
+    already have their checkpoint names)."""
     if name in TOP:
         return [(TOP[name], tensor)]
+    if not name.startswith("blocks."):  # a Llama's
+        return [(name, tensor)]
     _, layer, rest = name.split(".", 2)  # blocks.{i}.{rest}
     gpt2, linear = BLOCK[rest]
     key = f"transformer.h.{layer}.{gpt2}"
@@ -110,13 +117,14 @@ def checkpoint(name: str, tensor: Any):
 def build(model: str, layout: list, params: dict[str, Any]) -> Any:
     """The in-process LLM of ``model``: its config written to a fresh directory, dummy
     weights until the trainer's first version."""
-    config = gpt2_config(layout, params)
+    llama = params.get("arch") == "llama"
+    config = llama_config(layout, params) if llama else gpt2_config(layout, params)
     directory = tempfile.mkdtemp(prefix=f"refit-vllm-{model}-")
     atexit.register(shutil.rmtree, directory, True)  # vLLM may read it again: kept until exit
     with open(os.path.join(directory, "config.json"), "w") as f:
         json.dump(config, f)
     return in_process_llm(model=directory, load_format="dummy", dtype="float32",
-                          max_model_len=config["n_positions"], seed=0)
+                          max_model_len=config["max_position_embeddings" if llama else "n_positions"], seed=0)
 
 
 # ANCHOR: main

@@ -5,7 +5,8 @@ cluster token from the environment, keepalive both ways, exit when rank 0 is gon
 and rejoin, the rollout workers and evaluator of the rank's roles, the report. Only the
 engine's model is Python: an :class:`Engine` whose methods Refit calls on two threads of
 its own (one for the weights, one for the requests, so a stage overlaps a batch), never a
-commit and a batch at once::
+commit and a batch at once (unless the engine commits in flight:
+:attr:`Engine.commits_in_flight`)::
 
     import refit.engine
 
@@ -99,6 +100,13 @@ class Engine:
     #: A name for messages.
     name: str = "python engine"
 
+    #: True when :meth:`commit` may be called while :meth:`generate` runs (under the
+    #: topology's ``pause_mode = "keep"``, the default): the engine serves the version at
+    #: its next step boundary, the running sequences going on under it, and labels each
+    #: token with the version that made it (:attr:`Completion.versions`; a completion
+    #: without versions is then refused). False: a commit waits for the running batch.
+    commits_in_flight: bool = False
+
     def manifest(self, model: str, layout: list[tuple[str, str, list[int]]],
                  params: dict[str, Any]) -> list[tuple[str, str, list[int]]]:
         """The layout the engine loads for ``model``, as ``(name, dtype, shape)`` triples.
@@ -118,7 +126,8 @@ class Engine:
         raise NotImplementedError
 
     def commit(self, model: str, version: int) -> None:
-        """Serves the version :meth:`stage` took last: the pause. No batch runs meanwhile."""
+        """Serves the version :meth:`stage` took last: the pause. No batch runs meanwhile,
+        unless :attr:`commits_in_flight`."""
         raise NotImplementedError
 
     def abort(self, model: str) -> None:
@@ -143,6 +152,9 @@ class _Adapter:
 
     def name(self) -> str:
         return str(getattr(self.engine, "name", type(self.engine).__name__))
+
+    def commits_in_flight(self) -> bool:
+        return bool(getattr(self.engine, "commits_in_flight", False))
 
     def manifest(self, model: str, layout: list, params: str) -> list:
         triples = [(n, d, list(s)) for n, d, s in layout]

@@ -307,11 +307,15 @@ class Server:
         return f"refit.vllm.Server({self.url!r})"
 
 
-def _reset_caches(llm: Any) -> bool:
+def _reset_caches(llm: Any, running: bool = False) -> bool:
     """Drops the caches computed with the previous weights (prefix KV, encoder outputs);
-    answers whether vLLM dropped the prefix cache (``True`` where it has none)."""
+    answers whether vLLM dropped the prefix cache (``True`` where it has none). ``running``:
+    requests are in flight, and go back to vLLM's queue to be recomputed."""
     reset = getattr(llm, "reset_prefix_cache", None)
-    dropped = reset() is not False if callable(reset) else True
+    if not callable(reset):
+        dropped = True
+    else:
+        dropped = (reset(reset_running_requests=True) if running else reset()) is not False
     engine = getattr(llm, "llm_engine", None)
     reset_encoder = getattr(engine, "reset_encoder_cache", None)
     if callable(reset_encoder):

@@ -17,10 +17,19 @@ An update goes:
 1. Refit pulls the version and checks it whole, beside generation;
 2. :meth:`VllmEngine.stage` copies it into tensors of the model's dtype under the
    checkpoint's names (``checkpoint`` maps Refit's names to them), still beside generation;
-3. :meth:`VllmEngine.commit`, once the batch running ended, loads the staged tensors into
-   the model through vLLM's layerwise reload (``load_weights``, as a checkpoint): the only
-   pause. It checks that every parameter of the model was written, drops the prefix cache
-   and labels vLLM's outputs with the version (``set_weight_version``).
+3. :meth:`VllmEngine.commit` loads the staged tensors into the model through vLLM's
+   layerwise reload (``load_weights``, as a checkpoint): the only pause. It checks that
+   every parameter of the model was written, drops the prefix cache and labels vLLM's
+   outputs with the version (``set_weight_version``).
+
+The engine commits in flight (:attr:`refit.engine.Engine.commits_in_flight`): under the
+topology's ``pause_mode = "keep"`` (the default) a commit lands between two of vLLM's steps
+while a batch runs, as vLLM's ``pause_generation(mode="keep")`` does: the running sequences
+go on under the new weights (their KV entries recomputed with them, vLLM's cache being
+cleared), so a sequence may carry two versions. Under ``"wait"`` (and ``"abort"``) a commit
+waits for the running batch to end. The engine drives vLLM's steps itself to do so
+(``LLMEngine.add_request`` / ``step``), with vLLM's asynchronous scheduling off, so that
+each step's tokens are labelled with the weights that sampled them.
 
 Each completion's per-token versions come from vLLM's ``weight_versions`` spans, so the
 pool's staleness filter and the learner see the version that sampled each token.
@@ -34,8 +43,10 @@ imports neither vLLM nor torch.
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
+import threading
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -52,11 +63,14 @@ def in_process_llm(**kwargs: Any) -> Any:
     """A ``vllm.LLM`` that :class:`VllmEngine` can drive: its engine in this process, the
     sampled distribution's log-probabilities, token ids in and out (no tokenizer needed).
     ``kwargs`` go to ``LLM`` and override those defaults (``skip_tokenizer_init=True``,
-    ``logprobs_mode="processed_logprobs"``, ``enforce_eager=True``)."""
+    ``logprobs_mode="processed_logprobs"``, ``enforce_eager=True``, ``async_scheduling=False``:
+    with it on, the tokens of the step in flight at a commit are labelled with the new
+    version)."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from vllm import LLM
 
-    args = {"skip_tokenizer_init": True, "logprobs_mode": "processed_logprobs", "enforce_eager": True}
+    args = {"skip_tokenizer_init": True, "logprobs_mode": "processed_logprobs", "enforce_eager": True,
+            "async_scheduling": False}
     args.update(kwargs)
     return LLM(**args)
 
@@ -120,6 +134,7 @@ class VllmEngine(refit.engine.Engine):
     """
 
     name = "vllm"
+    commits_in_flight = True
 
     def __init__(self, llm: Any, checkpoint: Checkpoint | None = None) -> None:
         self._build = llm if callable(llm) else None  # an LLM is not callable
@@ -133,6 +148,12 @@ class VllmEngine(refit.engine.Engine):
         # models whose last load failed part-way: they serve mixed weights until a version
         # loads whole, and generate nothing meanwhile
         self._mixed: dict[str, str] = {}
+        # who drives vLLM now: the requests' step loop (one step at a time) or a commit;
+        # a commit waiting goes before the loop's next step
+        self._turn = threading.Condition()
+        self._driving = False
+        self._commits_waiting = 0
+        self._ids = itertools.count()
 
     # -- the weights ---------------------------------------------------------------------
 
@@ -187,6 +208,23 @@ class VllmEngine(refit.engine.Engine):
         self._staged[model] = (version, staged)
 
     def commit(self, model: str, version: int) -> None:
+        """Serves the staged ``version``: between two of vLLM's steps when a batch runs (its
+        sequences go on under it), at once otherwise."""
+        with self._turn:
+            self._commits_waiting += 1
+            try:
+                self._turn.wait_for(lambda: not self._driving)
+            finally:
+                self._commits_waiting -= 1
+            self._driving = True
+        try:
+            self._commit(model, version)
+        finally:
+            with self._turn:
+                self._driving = False
+                self._turn.notify_all()
+
+    def _commit(self, model: str, version: int) -> None:
         staged = self._staged.pop(model, None)
         if staged is None or staged[0] != version:
             raise RuntimeError(f"v{version} of `{model}` is not the version staged "
@@ -204,8 +242,9 @@ class VllmEngine(refit.engine.Engine):
             raise RuntimeError(f"v{version} of `{model}` wrote no tensor into {len(missing)} parameter(s) of "
                                f"vLLM's model ({named}): the checkpoint names do not cover the model")
         self._mixed.pop(model, None)
-        # the prefix cache's KV entries (and encoder outputs) came from the previous weights
-        if not _reset_caches(llm):
+        # the KV entries of the prefix cache (and encoder outputs) came from the previous
+        # weights; sequences running go back to vLLM's queue and are recomputed under these
+        if not _reset_caches(llm, running=llm.llm_engine.has_unfinished_requests()):
             self._mixed[model] = f"v{version} loaded, but vLLM kept KV entries of the previous weights"
             raise RuntimeError(f"v{version} of `{model}` loaded, but vLLM did not drop its prefix cache")
         llm.llm_engine.set_weight_version(str(version))
@@ -268,12 +307,57 @@ class VllmEngine(refit.engine.Engine):
             prompts.append(TokensPrompt(prompt_token_ids=list(r.prompt)))
             where.append(i)
         if prompts:
-            for i, o in zip(where, llm.generate(prompts, params, use_tqdm=False)):
+            for i, o in zip(where, self._run(model, prompts, params)):
                 try:
                     answers[i] = self._completion(o)
                 except Exception as e:
                     answers[i] = e
         return answers  # type: ignore[return-value]
+
+    def _run(self, model: str, prompts: list, params: list) -> list:
+        """vLLM's outputs of ``prompts``, in order: the requests added and stepped to their
+        end one step at a time, a commit waiting taking its turn between two steps. A
+        commit that leaves the model's weights mixed ends the batch (its requests
+        aborted)."""
+        from vllm.sampling_params import RequestOutputKind
+
+        engine = self._llm(model).llm_engine
+        ids = [f"refit-{next(self._ids)}" for _ in prompts]
+        done: dict[str, Any] = {}
+        added: list[str] = []
+        try:
+            while True:
+                with self._turn:  # a commit waiting goes first
+                    self._turn.wait_for(lambda: not self._driving and not self._commits_waiting)
+                    self._driving = True
+                try:
+                    if model in self._mixed:
+                        raise RuntimeError(f"`{model}` serves mixed weights ({self._mixed[model]}): "
+                                           "the batch is ended")
+                    if not added:
+                        for rid, prompt, p in zip(ids, prompts, params):
+                            p.output_kind = RequestOutputKind.FINAL_ONLY
+                            engine.add_request(rid, prompt, p)
+                            added.append(rid)
+                    elif not engine.has_unfinished_requests():
+                        break
+                    else:
+                        done.update((o.request_id, o) for o in engine.step() if o.finished)
+                finally:
+                    with self._turn:
+                        self._driving = False
+                        self._turn.notify_all()
+        except BaseException:
+            left = [rid for rid in added if rid not in done]
+            if left:
+                with self._turn:
+                    self._turn.wait_for(lambda: not self._driving)
+                    engine.abort_request(left)
+            raise
+        missing = [rid for rid in ids if rid not in done]
+        if missing:
+            raise RuntimeError(f"vLLM finished {len(done)} of {len(ids)} requests")
+        return [done[rid] for rid in ids]
 
     def score(self, requests: list[refit.engine.ScoreRequest]) -> list[Completion | BaseException]:
         """The log-probability of each of ``tokens`` after ``prompt`` and the tokens before
@@ -298,8 +382,7 @@ class VllmEngine(refit.engine.Engine):
         if r.model in self._mixed:
             raise RuntimeError(f"`{r.model}` serves mixed weights ({self._mixed[r.model]})")
         params = SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False)
-        (o,) = self._llm(r.model).generate([TokensPrompt(prompt_token_ids=list(r.prompt) + list(r.tokens))],
-                                           params, use_tqdm=False)
+        (o,) = self._run(r.model, [TokensPrompt(prompt_token_ids=list(r.prompt) + list(r.tokens))], [params])
         steps = o.prompt_logprobs[len(r.prompt):]
         logprobs = [float(step[t].logprob) for step, t in zip(steps, r.tokens)]
         return Completion(tokens=list(r.tokens), logprobs=logprobs)

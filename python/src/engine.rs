@@ -11,7 +11,7 @@ use std::sync::Arc;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 use refit_actors::actor::EngineBackend;
-use refit_actors::generation::{Completion, Finish, Generator};
+use refit_actors::generation::{Completion, Finish};
 use refit_actors::protocol::engine::{Generate, Score};
 use refit_actors::{GenRoles, GrpoRoles, run};
 use refit_runtime::{Manifest, ModelId, Version, WeightSet};
@@ -54,6 +54,8 @@ struct PyBackend {
     requests: Arc<Lane>,
     name: String,
     manifests: BTreeMap<ModelId, Arc<Manifest>>,
+    /// The engine's `commits_in_flight`.
+    in_flight: bool,
 }
 
 /// The adapter's methods, called with the GIL held.
@@ -245,6 +247,10 @@ impl EngineBackend for PyBackend {
         self.name.clone()
     }
 
+    fn commits_in_flight(&self) -> bool {
+        self.in_flight
+    }
+
     fn manifest(&self, model: &ModelId) -> refit_actors::Result<Arc<Manifest>> {
         self.manifests.get(model).cloned().ok_or_else(|| {
             refit_actors::Error::Config(format!("model `{model}` is not served by {}", self.name))
@@ -362,9 +368,13 @@ pub(crate) fn join_engine(
     let (topo, launch) = rank_setup(roles)?;
     let grpo = GrpoRoles::new();
     let name: String = adapter.bind(py).call_method0("name")?.extract()?;
+    let in_flight: bool = adapter
+        .bind(py)
+        .call_method0("commits_in_flight")?
+        .extract()?;
     let mut manifests = BTreeMap::new();
     for spec in run::model_specs(&topo).map_err(rank_error)? {
-        let theirs = grpo.generator(&spec).map_err(rank_error)?.manifest();
+        let theirs = grpo.engine_shape(&spec).map_err(rank_error)?.manifest;
         let params = serde_json::to_string(&spec.params)
             .map_err(|e| config(format!("model `{}`: params: {e}", spec.id)))?;
         let layout: Vec<(String, String, Vec<usize>)> = adapter
@@ -384,6 +394,7 @@ pub(crate) fn join_engine(
         requests: Arc::clone(&lanes[1]),
         name,
         manifests,
+        in_flight,
     };
     // a rank from here on: SIGINT and SIGTERM release what it holds and end the process
     // (for good: Python's own handling of them does not come back after the run)

@@ -12,7 +12,8 @@ use pyo3::prelude::*;
 use pyo3::types::PyDict;
 use refit_actors::generation::Finish;
 use refit_actors::{
-    Batch, Error, GenRoles, GrpoRoles, LearnStats, Learner, ModelSpec, Result, Sequence, run,
+    Batch, EngineShape, Error, GenRoles, GrpoRoles, LearnStats, Learner, ModelSpec, Result,
+    Sequence, run,
 };
 use refit_runtime::{Manifest, ModelId, Version, WeightSet};
 
@@ -23,7 +24,9 @@ use crate::sender::fill;
 
 /// The roles of a trainer rank whose learner is Python: GRPO on digit reversal
 /// ([`GrpoRoles`]: the task, the engines' generator and the conversion to their layout),
-/// the learner of each model a [`PyLearner`] exporting the layout GRPO's own learner does.
+/// the learner of each model a [`PyLearner`] exporting the layout GRPO's own learner does
+/// (Refit's transformer), or Hugging Face's `LlamaForCausalLM` (`params.arch = "llama"`,
+/// served as it is).
 struct PyRoles {
     grpo: GrpoRoles,
     adapter: Arc<Py<PyAny>>,
@@ -54,8 +57,7 @@ impl GenRoles for PyRoles {
                 model.id
             )));
         }
-        let settings = self.grpo.settings(model)?;
-        let manifest = Arc::new(settings.grpo.model.trainer_manifest()?);
+        let manifest = Arc::new(self.grpo.learner_manifest(model)?);
         let params = serde_json::to_string(&model.params)
             .map_err(|e| Error::Config(format!("model `{}`: params: {e}", model.id)))?;
         let (id, layout, seed) = (model.id.to_string(), layout_of(&manifest), model.seed);
@@ -88,6 +90,10 @@ impl GenRoles for PyRoles {
 
     fn task(&self, model: &ModelSpec, seed: u64) -> Result<Self::Task> {
         self.grpo.task(model, seed)
+    }
+
+    fn engine_shape(&self, model: &ModelSpec) -> Result<EngineShape> {
+        self.grpo.engine_shape(model)
     }
 
     fn want(&self, model: &ModelSpec) -> Result<Option<refit_runtime::convert::Want>> {
@@ -140,7 +146,17 @@ fn py_sequence(s: &Sequence) -> PySequence {
 }
 
 impl Learner for PyLearner {
+    /// Refuses a sequence no learner can train on (a behaviour log-probability or a
+    /// version missing per token, naming the field) before Python sees the batch.
     fn update(&mut self, batch: &Batch) -> Result<LearnStats> {
+        for (i, s) in batch.sequences.iter().enumerate() {
+            s.check_fields().map_err(|why| {
+                Error::Trainer(format!(
+                    "model `{}`: sequence {i} (group {}) of the batch: {why}",
+                    self.model, s.group
+                ))
+            })?;
+        }
         let seqs: Vec<PySequence> = batch.sequences.iter().map(py_sequence).collect();
         let (model, adapter) = (self.model.to_string(), Arc::clone(&self.adapter));
         let answer = self.lane.run(move || {

@@ -74,7 +74,8 @@ def launch_command(refit_bin: Path, tmp_path: Path, sets: list[str], topology: s
 def launch_solves(cmd: list[str], env: dict, cwd: Path, low: float = 0.3, high: float = 0.6) -> str:
     """Runs a GRPO launch to its end and checks that it solved: held-out reward from at most
     ``low`` to at least ``high``, both engine ranks stopped after loading versions, the
-    report's pauses printed, no Python traceback. Answers the launch's output."""
+    update lines naming what each engine rank serves, the report's pauses printed, no
+    Python traceback. Answers the launch's output."""
     done = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=900)
     out = done.stdout + done.stderr
     assert done.returncode == 0, out[-6000:]
@@ -86,6 +87,9 @@ def launch_solves(cmd: list[str], env: dict, cwd: Path, low: float = 0.3, high: 
     for r in (1, 2):
         assert f"rank {r} (process `engine`, replica {r - 1}): stopped; engine loaded" in out, out[-6000:]
     assert "engine pauses" in out and "Traceback" not in out, out[-6000:]
+    # each update's line names the version each engine rank serves and its pause per load
+    served = r"engines serve rank 1 v\d+ \(pause [\d.]+ (us|ms|s) per load\), rank 2 v\d+ \(pause"
+    assert re.search(served, out), out[-6000:]
     return out
 
 

@@ -178,6 +178,103 @@ def test_a_version_that_leaves_a_parameter_unwritten_is_refused_naming_it(golden
     assert fine.tokens == served.tokens
 
 
+def test_a_commit_during_a_batch_lands_between_steps_and_its_sequence_carries_two_versions(golden):
+    """Keep mode (``commits_in_flight``): a commit made while a sequence is being generated
+    waits for the next step boundary only; the sequence goes on under the new weights. Its
+    tokens carry v1 then v2 (vLLM's spans), and each token's behaviour log-probability is
+    the one the weights of its label give it (scored afterwards under each version), so the
+    learner sees which policy sampled what."""
+    import threading
+    import time
+
+    weights, _ = golden
+    other = {n: t * 0.5 if t.dim() == 2 else t for n, t in weights.items()}
+    e = VllmEngine(example.build, checkpoint=example.checkpoint)
+    assert e.commits_in_flight
+    e.manifest(MODEL, layout_of(weights), PARAMS)
+    e.stage(MODEL, 1, Held(weights))
+    e.commit(MODEL, 1)
+    e.stage(MODEL, 2, Held(other))
+    engine = e._llm(MODEL).llm_engine
+    step, steps, midway = engine.step, [], threading.Event()
+
+    def slow_step():  # from the third step on, slow enough for the commit to queue
+        out = step()
+        steps.append(len(out))
+        if len(steps) >= 3:
+            midway.set()
+            time.sleep(0.05)
+        return out
+
+    engine.step = slow_step
+    prompt = [1, 2, 3]
+    answer: list = []
+    asked = Request(MODEL, prompt, 8, 1.0, 7, None, 1)
+    runner = threading.Thread(target=lambda: answer.extend(e.generate([asked])))
+    runner.start()
+    assert midway.wait(60)
+    e.commit(MODEL, 2)  # returns once loaded, between two steps
+    runner.join(60)
+    engine.step = step
+    (c,) = answer
+    assert not isinstance(c, BaseException), c
+    assert len(c.tokens) == 8, c
+    ones = c.versions.count(1)
+    assert c.versions == [1] * ones + [2] * (8 - ones) and 3 <= ones < 8, c.versions
+    # each token's log-probability is its own version's: scored under v2 now, under v1 again
+    (under2,) = e.score([ScoreRequest(MODEL, prompt, c.tokens, 1.0, 2)])
+    e.stage(MODEL, 3, Held(weights))
+    e.commit(MODEL, 3)
+    (under1,) = e.score([ScoreRequest(MODEL, prompt, c.tokens, 1.0, 3)])
+    want = under1.logprobs[:ones] + under2.logprobs[ones:]
+    worst = max(abs(a - b) for a, b in zip(c.logprobs, want))
+    assert worst < 1e-4, (c.logprobs, want)
+    # the other version's scores differ: the check can fail
+    assert max(abs(a - b) for a, b in zip(c.logprobs[ones:], under1.logprobs[ones:])) > 1e-3
+
+
+def test_vllm_serves_the_trainers_llama_as_transformers_computes_it():
+    """``params.arch = "llama"``: the torch learner's ``transformers`` LlamaForCausalLM
+    (random, seeded) exported as it is, loaded by vLLM's Llama built from the config
+    :func:`refit.models.llama_config` derives from the layout, scores every token as
+    ``transformers`` does. The config round-trips the sizes (grouped key/value heads
+    included), and a layout that is not a Llama's is refused by name."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from refit.models import llama_config
+
+    params = {"arch": "llama", "heads": 2}
+    torch.manual_seed(3)
+    hf = LlamaForCausalLM(LlamaConfig(vocab_size=14, hidden_size=64, intermediate_size=256, num_hidden_layers=2,
+                                      num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=False,
+                                      rms_norm_eps=1e-5, rope_theta=10000.0))
+    weights = hf.state_dict()
+    layout = [(n, "f32", list(t.shape)) for n, t in weights.items()]
+    config = llama_config(layout, params)
+    for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads"):
+        assert config[key] == getattr(hf.config, key), key
+    with pytest.raises(ValueError, match="not a LlamaForCausalLM's"):
+        llama_config([("tok_emb.weight", "f32", [14, 64])], params)
+    e = VllmEngine(example.build, checkpoint=example.checkpoint)
+    assert e.manifest(MODEL, layout, params) == layout
+    e.stage(MODEL, 1, Held(weights))
+    e.commit(MODEL, 1)
+    prompts = [([1, 2, 3, 4], [5, 6, 7]), ([9, 8], [7, 6, 5, 4, 3])]
+    answers = e.score([ScoreRequest(MODEL, p, t, 1.0, 1) for p, t in prompts])
+    worst, spread = 0.0, []
+    with torch.no_grad():
+        for (p, t), a in zip(prompts, answers):
+            assert not isinstance(a, BaseException), a
+            logp = hf(input_ids=torch.tensor([p + t])).logits[0].log_softmax(-1)
+            want = [float(logp[len(p) - 1 + i, tok]) for i, tok in enumerate(t)]
+            worst = max([worst] + [abs(x - y) for x, y in zip(a.logprobs, want)])
+            spread += want
+    print(f"vLLM's Llama differs from transformers' by up to {worst:.1e}")
+    assert max(spread) - min(spread) > 0.05, spread  # random weights: the scores differ
+    assert worst < 1e-4, f"log-probabilities differ by up to {worst}"
+
+
 def test_token_versions_read_vllms_spans_and_refuse_what_does_not_fit():
     span = lambda v, s, e: SimpleNamespace(version=v, start=s, end=e)  # noqa: E731
     assert token_versions(None, 3) is None
@@ -201,6 +298,23 @@ def test_vllm_engine_ranks_learn_grpo_under_refit_launch(refit_bin, tmp_path, mo
         sets.append(f'process.learner.command=["{grpo_example()}", "topology"]')
     cmd, env = launch_command(refit_bin, tmp_path, sets, topology="grpo-vllm.toml", script="vllm_engine_rank.py")
     launch_solves(cmd, env, tmp_path)
+
+
+def test_a_hugging_face_llama_learns_behind_vllm_engine_ranks(refit_bin, tmp_path):
+    """``params.arch = "llama"``: the torch learner trains a ``transformers``
+    LlamaForCausalLM and the vLLM engines serve it under its own names (no conversion), from
+    the layout Refit derives on every rank. It learns the shorter task past 0.55 from at most
+    0.35 (it learns digit reversal more slowly than Refit's transformer with learned
+    positions: the book gives its figures). Refit's own learner refuses the architecture
+    before any rank starts."""
+    sets = SHORT + ['model.policy.params.arch="llama"', "stop.target_eval=0.55"]
+    cmd, env = launch_command(refit_bin, tmp_path, sets, topology="grpo-vllm.toml", script="vllm_engine_rank.py")
+    launch_solves(cmd, env, tmp_path, low=0.35, high=0.55)
+    rust = sets + [f'process.learner.command=["{grpo_example()}", "topology"]']
+    cmd, env = launch_command(refit_bin, tmp_path, rust, topology="grpo-vllm.toml", script="vllm_engine_rank.py")
+    done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0 and 'params.arch = "llama" is trained by a Python learner' in done.stderr, done.stderr[-3000:]
+    assert "before any rank started" in done.stderr, done.stderr[-3000:]
 
 
 def test_the_update_cost_benchmark_runs_and_reports_against_the_copy():

@@ -160,6 +160,51 @@ impl Sequence {
     pub fn oldest_version(&self) -> Option<Version> {
         self.versions.iter().copied().min()
     }
+
+    /// True when its tokens came from more than one version (an update landed inside it).
+    pub fn spans_versions(&self) -> bool {
+        self.versions.windows(2).any(|w| w[0] != w[1])
+    }
+
+    /// What any learner needs of a sequence, its fault named by field: a prompt; one
+    /// behaviour log-probability, one version (and one token reward, when given) per
+    /// token; log-probabilities finite and at most 0; a finite reward.
+    ///
+    /// # Errors
+    /// The field at fault and what it holds, as a message.
+    pub fn check_fields(&self) -> std::result::Result<(), String> {
+        if self.prompt.is_empty() {
+            return Err("empty prompt".into());
+        }
+        let n = self.tokens.len();
+        let per_token = [
+            ("logprobs", Some(self.logprobs.len())),
+            ("versions", Some(self.versions.len())),
+            ("token_rewards", self.token_rewards.as_ref().map(Vec::len)),
+            ("ref_logprobs", self.ref_logprobs.as_ref().map(Vec::len)),
+        ];
+        for (field, len) in per_token {
+            if let Some(len) = len
+                && len != n
+            {
+                return Err(format!("{n} tokens with {len} {field} (one per token)"));
+            }
+        }
+        if let Some(i) = self
+            .logprobs
+            .iter()
+            .position(|lp| !(lp.is_finite() && *lp <= 0.0))
+        {
+            return Err(format!(
+                "logprobs[{i}] = {} is not a finite log-probability (behaviour)",
+                self.logprobs[i]
+            ));
+        }
+        if !self.reward.is_finite() {
+            return Err(format!("reward {} is not finite", self.reward));
+        }
+        Ok(())
+    }
 }
 
 /// One trajectory's place in a batch whose transitions were grouped by `split_trajs`.
@@ -410,8 +455,88 @@ impl ReplayBuffer for RingBuffer {
 
 #[cfg(test)]
 mod tests {
-    use super::Observation;
-    use refit_runtime::wire;
+    use super::{Observation, Sequence};
+    use crate::generation::Finish;
+    use refit_runtime::{Version, wire};
+
+    #[test]
+    fn a_sequence_a_learner_cannot_train_on_is_named_by_field() {
+        let good = Sequence {
+            prompt: vec![1, 2],
+            tokens: vec![3, 4],
+            logprobs: vec![-0.5, -1.0],
+            versions: vec![Version(1), Version(2)],
+            reward: 1.0,
+            token_rewards: None,
+            group: 0,
+            finish: Finish::Stop,
+            worker: 0,
+            ref_logprobs: None,
+        };
+        assert_eq!(good.check_fields(), Ok(()));
+        let cases = [
+            (
+                Sequence {
+                    logprobs: vec![],
+                    ..good.clone()
+                },
+                "2 tokens with 0 logprobs",
+            ),
+            (
+                Sequence {
+                    versions: vec![Version(1)],
+                    ..good.clone()
+                },
+                "with 1 versions",
+            ),
+            (
+                Sequence {
+                    token_rewards: Some(vec![1.0]),
+                    ..good.clone()
+                },
+                "1 token_rewards",
+            ),
+            (
+                Sequence {
+                    ref_logprobs: Some(vec![]),
+                    ..good.clone()
+                },
+                "0 ref_logprobs",
+            ),
+            (
+                Sequence {
+                    logprobs: vec![-0.5, f32::NAN],
+                    ..good.clone()
+                },
+                "logprobs[1] = NaN",
+            ),
+            (
+                Sequence {
+                    logprobs: vec![0.5, -1.0],
+                    ..good.clone()
+                },
+                "logprobs[0] = 0.5",
+            ),
+            (
+                Sequence {
+                    reward: f32::INFINITY,
+                    ..good.clone()
+                },
+                "reward inf",
+            ),
+            (
+                Sequence {
+                    prompt: vec![],
+                    ..good.clone()
+                },
+                "empty prompt",
+            ),
+        ];
+        for (s, says) in cases {
+            let e = s.check_fields().unwrap_err();
+            assert!(e.contains(says), "{says}: {e}");
+        }
+    }
 
     #[test]
     fn an_observation_reads_and_crosses_the_wire_as_a_vector() {

@@ -6,7 +6,9 @@
 //!
 //! | key | type | default |
 //! |---|---|---|
+//! | `arch` | `"transformer"` or `"llama"` | `"transformer"` |
 //! | `d_model`, `layers`, `heads`, `mlp_ratio` | positive integer | see [`GrpoRoles::new`] |
+//! | `kv_heads` (`arch = "llama"`) | positive integer dividing `heads` | `heads` |
 //! | `lr`, `beta2`, `weight_decay`, `clip`, `clip_high`, `kl_coef` | float | [`GrpoRoles::new`] |
 //! | `correction` | `"behaviour"`, `"truncated"` or `"ignore"` | `"behaviour"` |
 //! | `is_cap` | float >= 1 (the cap of `"truncated"`) | `2.0` |
@@ -19,6 +21,12 @@
 //! | `min_len`, `max_len`, `heldout`, `heldout_every` | positive integer | [`ReverseConfig::default`] |
 //! | `temperature` | float (sampling temperature of rollouts) | `1.0` |
 //!
+//! `arch = "transformer"` is Refit's [`Transformer`](crate::transformer::Transformer),
+//! trained and served in Rust (or by any learner and engine of its layout). `arch = "llama"`
+//! is Hugging Face's `LlamaForCausalLM` of the same sizes (its MLP `mlp_ratio * d_model`
+//! wide), in the layout [`LlamaShape`] gives: a Python learner trains it and Python
+//! engines serve it, so Refit's own learner and generator refuse it by name.
+//!
 //! The vocabulary and the context come from the task. Any other key is refused, named. The
 //! framework's keys of a model ([`ModelSpec::FRAMEWORK_KEYS`]) are read by the framework:
 //! `group_size` (completions per prompt, default 8), `prompts_per_fragment`,
@@ -30,9 +38,11 @@
 use refit_runtime::Want;
 
 use crate::error::{Error, Result};
+use crate::generation::Generator;
 use crate::grpo::{Correction, GrpoConfig, GrpoLearner, ServedReference};
 use crate::learner::Learner;
-use crate::roles::{GenRoles, ModelSpec, Params};
+use crate::llama::LlamaShape;
+use crate::roles::{EngineShape, GenRoles, ModelSpec, Params};
 use crate::tasks::vocab::VOCAB;
 use crate::tasks::{ReverseConfig, ReverseDigits};
 use crate::transformer::{TransformerConfig, TransformerGenerator};
@@ -46,6 +56,36 @@ pub struct GrpoSettings {
     pub task: ReverseConfig,
     /// Threads of each generator's pool.
     pub generator_threads: usize,
+    /// The architecture the model is trained and served in.
+    pub arch: Arch,
+    /// Key and value heads of a Llama (`None`: as many as `heads`).
+    pub kv_heads: Option<usize>,
+}
+
+/// The architecture of a GRPO model (`params.arch`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Arch {
+    /// Refit's transformer: Refit's learner and generator, or any of its layout.
+    Transformer,
+    /// Hugging Face's `LlamaForCausalLM`: a Python learner and Python engines.
+    Llama,
+}
+
+impl GrpoSettings {
+    /// The Llama of these settings ([`Arch::Llama`]): the transformer's sizes, the MLP
+    /// `mlp_ratio * d_model` wide.
+    pub fn llama(&self) -> LlamaShape {
+        let m = &self.grpo.model;
+        LlamaShape {
+            vocab: m.vocab,
+            context: m.context,
+            d_model: m.d_model,
+            layers: m.layers,
+            heads: m.heads,
+            kv_heads: self.kv_heads.unwrap_or(m.heads),
+            intermediate: m.mlp_ratio * m.d_model,
+        }
+    }
 }
 
 /// The role factory: a [`GrpoLearner`], a [`TransformerGenerator`] and [`ReverseDigits`],
@@ -63,8 +103,10 @@ impl Default for GrpoRoles {
 
 impl GrpoRoles {
     /// The keys a model's params may hold.
-    pub const KEYS: [&'static str; 25] = [
+    pub const KEYS: [&'static str; 27] = [
+        "arch",
         "d_model",
+        "kv_heads",
         "layers",
         "heads",
         "mlp_ratio",
@@ -108,6 +150,8 @@ impl GrpoRoles {
             grpo: GrpoConfig::new(model),
             task,
             generator_threads: 1,
+            arch: Arch::Transformer,
+            kv_heads: None,
         })
     }
 
@@ -129,6 +173,14 @@ impl GrpoRoles {
         let g = &mut s.grpo;
         for (key, value) in &model.params {
             match key.as_str() {
+                "arch" => {
+                    s.arch = match value.as_str() {
+                        Some("transformer") => Arch::Transformer,
+                        Some("llama") => Arch::Llama,
+                        _ => return Err(p.bad(key, "\"transformer\" or \"llama\"")),
+                    };
+                }
+                "kv_heads" => s.kv_heads = Some(p.positive(key, value)?),
                 "d_model" => g.model.d_model = p.positive(key, value)?,
                 "layers" => g.model.layers = p.positive(key, value)?,
                 "heads" => g.model.heads = p.positive(key, value)?,
@@ -212,6 +264,48 @@ impl GrpoRoles {
         g.policy_id = model.id.clone();
         g.check()
             .map_err(|e| Error::Config(format!("model `{}`: {e}", model.id)))?;
+        match s.arch {
+            Arch::Llama => {
+                s.llama()
+                    .check()
+                    .map_err(|e| Error::Config(format!("model `{}`: {e}", model.id)))?;
+            }
+            Arch::Transformer if s.kv_heads.is_some_and(|k| k != s.grpo.model.heads) => {
+                return Err(p.bad(
+                    "kv_heads",
+                    "unset or equal to heads (Refit's transformer has one key and value \
+                     head per query head; grouped heads are arch = \"llama\"'s)",
+                ));
+            }
+            Arch::Transformer => {}
+        }
+        Ok(s)
+    }
+
+    /// The layout a learner of `model` exports: the trainer layout of Refit's transformer
+    /// (converted on the way to the engines), or the Llama's (served as it is).
+    ///
+    /// # Errors
+    /// As [`GrpoRoles::settings`].
+    pub fn learner_manifest(&self, model: &ModelSpec) -> Result<refit_runtime::Manifest> {
+        let s = self.settings(model)?;
+        match s.arch {
+            Arch::Transformer => s.grpo.model.trainer_manifest(),
+            Arch::Llama => s.llama().manifest(),
+        }
+    }
+
+    /// The settings of `model`, refused naming `what` (Refit's learner or generator) when
+    /// its architecture is one Refit does not run.
+    fn rust_settings(&self, model: &ModelSpec, what: &str) -> Result<GrpoSettings> {
+        let s = self.settings(model)?;
+        if s.arch == Arch::Llama {
+            return Err(Error::Config(format!(
+                "model `{}`: params.arch = \"llama\" is trained by a Python learner \
+                 (refit.trainer) and served by Python engines (refit.engine), not by {what}",
+                model.id
+            )));
+        }
         Ok(s)
     }
 
@@ -230,7 +324,7 @@ impl GenRoles for GrpoRoles {
     /// the sequences' reference log-probabilities ([`ServedReference`]), which needs
     /// `kl_coef > 0`.
     fn learner(&self, model: &ModelSpec) -> Result<Box<dyn Learner>> {
-        let grpo = self.settings(model)?.grpo;
+        let grpo = self.rust_settings(model, "Refit's GRPO learner")?.grpo;
         let served = model.reference_every.is_some();
         if served && grpo.kl_coef <= 0.0 {
             return Err(Error::Config(format!(
@@ -248,7 +342,7 @@ impl GenRoles for GrpoRoles {
     }
 
     fn generator(&self, model: &ModelSpec) -> Result<TransformerGenerator> {
-        let s = self.settings(model)?;
+        let s = self.rust_settings(model, "Refit's generating engine")?;
         TransformerGenerator::new(s.grpo.model, s.generator_threads)
     }
 
@@ -258,8 +352,33 @@ impl GenRoles for GrpoRoles {
         ReverseDigits::new(self.settings(model)?.task)
     }
 
-    fn want(&self, _model: &ModelSpec) -> Result<Option<Want>> {
-        Ok(Some(self.conversion()))
+    /// A Llama's engines hold the layout [`LlamaShape`] gives, the task's vocabulary and
+    /// context; a transformer's are the generator's.
+    fn engine_shape(&self, model: &ModelSpec) -> Result<EngineShape> {
+        let s = self.settings(model)?;
+        if s.arch == Arch::Transformer {
+            let g = self.generator(model)?;
+            return Ok(EngineShape {
+                manifest: g.manifest(),
+                vocab: g.vocab_size(),
+                context: g.max_context(),
+            });
+        }
+        let llama = s.llama();
+        Ok(EngineShape {
+            manifest: std::sync::Arc::new(llama.manifest()?),
+            vocab: llama.vocab,
+            context: llama.context,
+        })
+    }
+
+    /// A transformer's exports are fused and cast on the way ([`GrpoRoles::conversion`]);
+    /// a Llama is served in the layout it is trained in.
+    fn want(&self, model: &ModelSpec) -> Result<Option<Want>> {
+        Ok(match self.settings(model)?.arch {
+            Arch::Transformer => Some(self.conversion()),
+            Arch::Llama => None,
+        })
     }
 }
 
@@ -305,6 +424,41 @@ mod tests {
     }
 
     #[test]
+    fn a_llama_is_served_in_its_own_layout_and_refused_by_the_rust_roles() {
+        let r = GrpoRoles::new();
+        let m = spec("arch = \"llama\"\nheads = 2\nkv_heads = 1");
+        let shape = r.engine_shape(&m).unwrap();
+        // the learner's layout is the engines': nothing converts it on the way
+        assert_eq!(*shape.manifest, r.learner_manifest(&m).unwrap());
+        assert!(r.want(&m).unwrap().is_none());
+        let k = shape.manifest.tensors().iter();
+        let k = k.filter(|t| t.name == "model.layers.1.self_attn.k_proj.weight");
+        assert_eq!(
+            k.map(|t| t.shape.clone()).collect::<Vec<_>>(),
+            [vec![32, 64]]
+        );
+        let task = r.task(&m, 0).unwrap();
+        assert_eq!(shape.vocab, task.vocab_size());
+        assert!(shape.context >= task.context());
+        for e in [
+            r.learner(&m).err().unwrap().to_string(),
+            r.generator(&m).err().unwrap().to_string(),
+        ] {
+            assert!(
+                e.contains("arch = \"llama\"") && e.contains("Python"),
+                "{e}"
+            );
+        }
+        // a transformer is what it was: converted on the way, its generator's layout
+        let t = spec("");
+        assert!(r.want(&t).unwrap().is_some());
+        assert_eq!(
+            r.engine_shape(&t).unwrap().manifest,
+            r.generator(&t).unwrap().manifest()
+        );
+    }
+
+    #[test]
     fn an_unknown_or_mistyped_param_is_named() {
         let r = GrpoRoles::new();
         for (params, key) in [
@@ -314,6 +468,9 @@ mod tests {
             ("token_credit = 1", "params.token_credit"),
             ("task = \"sort\"", "params.task"),
             ("lr = \"fast\"", "params.lr"),
+            ("arch = \"mamba\"", "params.arch"),
+            ("kv_heads = 2", "params.kv_heads"),
+            ("arch = \"llama\"\nkv_heads = 3", "kv_heads (3)"),
         ] {
             let e = r.learner(&spec(params)).err().unwrap().to_string();
             assert!(e.contains(key) && e.contains("`pi`"), "{params}: {e}");

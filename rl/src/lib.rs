@@ -24,6 +24,9 @@
 //!   reached through refit's conversions, KV caches, continuous batching); `grpo`: the GRPO
 //!   learner; `grpo_roles`: `GrpoRoles`, one implementation of [`GenRoles`].
 //! - [`learner`]: the [`Learner`] trait (batches in, versioned weights out) a trainer hosts.
+//! - [`llama`]: [`LlamaShape`], the layout of Hugging Face's `LlamaForCausalLM`, which a
+//!   model of `arch = "llama"` is trained (by a Python learner) and served (by Python
+//!   engines) in.
 //! - [`roles`]: the [`Roles`] factory a topology takes (learner, policy and environment per
 //!   model) and [`ModelSpec`]; `cartpole_ppo` (feature `candle`): PPO + [`MlpPolicy`] +
 //!   [`CartPole`] as one implementation of them.
@@ -51,6 +54,7 @@ pub mod grpo;
 pub mod grpo_roles;
 pub mod learner;
 pub mod link;
+pub mod llama;
 pub mod local_grpo;
 pub mod multi;
 #[cfg(feature = "candle")]
@@ -89,6 +93,7 @@ pub use grpo::{Correction, GrpoConfig, GrpoLearner};
 pub use grpo_roles::GrpoRoles;
 pub use learner::{LearnStats, Learner};
 pub use link::{WeightInlet, WeightOutlet};
+pub use llama::LlamaShape;
 pub use multi::{
     MultiAsyncCollector, MultiConfig, MultiSyncCollector, WorkerCommand, WorkerLink, WorkerMessage,
     WorkerMode, run_worker,
@@ -96,7 +101,7 @@ pub use multi::{
 pub use policy::{ActionOut, MlpPolicy, Policy};
 #[cfg(feature = "candle")]
 pub use ppo::{PpoConfig, PpoStats, PpoTrainer};
-pub use roles::{GenRoles, ModelSpec, Roles};
+pub use roles::{EngineShape, GenRoles, ModelSpec, Roles};
 pub use scheduler::{RequestId, Scheduler, SchedulerConfig, SchedulerStats, StepReport, Swap};
 pub use task::{Reward, Task};
 pub use tasks::{ReverseConfig, ReverseDigits};

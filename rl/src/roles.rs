@@ -260,6 +260,21 @@ pub trait GenRoles: Send + Sync + 'static {
     /// A task that cannot be built.
     fn task(&self, model: &ModelSpec, seed: u64) -> Result<Self::Task>;
 
+    /// What the engines of `model` load and hold: by default the generator's layout,
+    /// vocabulary and context. Roles whose models Refit's generating engine does not serve
+    /// (a model trained and served in Python) answer it without a generator.
+    ///
+    /// # Errors
+    /// Bad parameters (naming the model and the key).
+    fn engine_shape(&self, model: &ModelSpec) -> Result<EngineShape> {
+        let g = self.generator(model)?;
+        Ok(EngineShape {
+            manifest: g.manifest(),
+            vocab: g.vocab_size(),
+            context: g.max_context(),
+        })
+    }
+
     /// The conversion from the learner's layout to the generator's (rename, fuse, cast),
     /// applied on the send path; `None` (the default) when they are the same. A topology
     /// file's `[model.convert]` takes its place when given.
@@ -272,6 +287,17 @@ pub trait GenRoles: Send + Sync + 'static {
     }
 }
 // ANCHOR_END: gen_roles
+
+/// What the engines of a generating model load and hold ([`GenRoles::engine_shape`]).
+#[derive(Clone, Debug)]
+pub struct EngineShape {
+    /// The layout they load (what the learner's exports are converted to).
+    pub manifest: std::sync::Arc<refit_runtime::Manifest>,
+    /// Tokens they know.
+    pub vocab: usize,
+    /// The longest sequence (prompt and completion) they hold.
+    pub context: usize,
+}
 
 /// Checks that `policy` can act on `env`'s observations and that its actions are `env`'s.
 ///

@@ -77,6 +77,10 @@ pub struct Rejoin {
     pub incarnation: u32,
     /// Its node's address.
     pub node: SocketAddr,
+    /// The rank contract it speaks ([`CONTRACT_VERSION`](super::CONTRACT_VERSION); 0 from
+    /// a build of before contract versions): the lead refuses another, naming both.
+    #[serde(default)]
+    pub contract: u32,
 }
 
 crate::remote_reply!(ModelReport);

@@ -28,6 +28,15 @@ pub mod trainer;
 
 pub(crate) use role_ref::role_ref;
 
+/// The version of the rank contract this build speaks: the messages of every role above,
+/// under their wire names, and what ranks publish to the rendezvous. Each rank's card
+/// carries it and rank 0 refuses a rank of another version, naming both, before it sends
+/// that rank anything (a `refit` Python package and a `refit` binary of different builds).
+/// Raised with every change of these messages that a rank of the previous build would
+/// misread. The node protocol below it has its own version
+/// ([`refit_node::PROTOCOL_VERSION`]).
+pub const CONTRACT_VERSION: u32 = 1;
+
 pub use controller::{ControllerLink, ControllerRef};
 pub use engine::{EngineActor, EngineRef};
 pub use lead::LeadRef;

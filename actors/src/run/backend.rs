@@ -71,8 +71,9 @@ impl<G: GenRoles, B: EngineBackend> Workload for Backed<G, B> {
         self.roles.want(model)
     }
 
+    /// The backend's own refusals first (they name what the backend does not do), then
+    /// the roles' checks, then the layouts.
     fn check(&self, model: &ModelSpec, seed: u64) -> Result<()> {
-        self.roles.check(model, seed)?;
         let name = self.backend.name();
         let refused = |what: String| Err(Error::Config(format!("model `{}`: {what}", model.id)));
         if model.reference_every.is_some() {
@@ -89,6 +90,7 @@ impl<G: GenRoles, B: EngineBackend> Workload for Backed<G, B> {
                 model.verify.as_str()
             ));
         }
+        self.roles.check(model, seed)?;
         let (theirs, ours) = (
             self.backend.manifest(&model.id)?,
             self.roles.engine_manifest(model)?,
@@ -108,11 +110,11 @@ impl<G: GenRoles, B: EngineBackend> Workload for Backed<G, B> {
     fn start_engine(
         &self,
         models: Vec<(ModelSpec, Box<dyn WeightInlet>)>,
-        _: &EngineSetup,
+        setup: &EngineSetup,
     ) -> Result<Started<EngineHandle>> {
         let inlets: Vec<(ModelId, Box<dyn WeightInlet>)> =
             models.into_iter().map(|(s, i)| (s.id, i)).collect();
-        let engine = BackendEngine::new(Arc::clone(&self.backend), inlets)?;
+        let engine = BackendEngine::new(Arc::clone(&self.backend), inlets)?.pause_mode(setup.pause);
         let (addr, arbiter) = on_arbiter(engine);
         Ok(Started {
             handle: EngineHandle::generating(&addr),

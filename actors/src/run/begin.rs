@@ -130,6 +130,7 @@ async fn take_cards(ctx: &RankCtx) -> Result<Vec<(u32, u32, SocketAddr)>> {
             .map_err(|e| {
                 Error::Config(format!("{} did not join within {wait:?}: {e}", describe(p)))
             })?;
+        let card = card.checked(p.rank)?;
         tracing::info!(target: RANK_LOG, rank = p.rank, pid = card.pid, node = %card.node, "rank joined");
         nodes.push((p.rank, card.incarnation, card.node));
     }
@@ -213,6 +214,7 @@ pub(crate) async fn await_start(ctx: &RankCtx, lead: &LeadRef, watch: &LeadWatch
                 rank: ctx.me,
                 incarnation: ctx.setup.incarnation,
                 node: ctx.rv.advertised(),
+                contract: crate::protocol::CONTRACT_VERSION,
             })
             .timeout(ctx.call * 2)
             .await

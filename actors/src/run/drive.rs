@@ -386,6 +386,12 @@ impl Driver {
         let slack = self.slack();
         let sample_versions = pb.batch.version_range().unwrap_or((version, version));
         let batch_frames = pb.batch.frames;
+        let mixed = pb
+            .batch
+            .sequences
+            .iter()
+            .filter(|s| s.spans_versions())
+            .count();
         let update_started = Instant::now();
         let (stats, published) = self
             .trainer
@@ -419,6 +425,7 @@ impl Driver {
             elapsed: self.started.elapsed(),
             train: Duration::from_millis(train_ms),
             learn: stats,
+            mixed,
         })
     }
 }

@@ -9,6 +9,9 @@ use refit_runtime::ModelId;
 use serde::{Deserialize, Serialize};
 use uuid::Uuid;
 
+use crate::error::{Error, Result};
+use crate::protocol::CONTRACT_VERSION;
+
 /// The kinds of actors a rank serves.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[repr(u8)]
@@ -83,11 +86,87 @@ pub(crate) struct RankCard {
     pub(crate) pid: u32,
     /// 0 for the first start, n after the nth restart.
     pub(crate) incarnation: u32,
+    /// The rank contract it speaks ([`CONTRACT_VERSION`]; 0 from a build of before
+    /// contract versions).
+    #[serde(default)]
+    pub(crate) contract: u32,
+}
+
+impl RankCard {
+    /// This process's card.
+    pub(crate) fn ours(node: SocketAddr, incarnation: u32) -> Self {
+        Self {
+            node,
+            pid: std::process::id(),
+            incarnation,
+            contract: CONTRACT_VERSION,
+        }
+    }
+
+    /// The card of rank `rank`, refused when it speaks another rank contract than this
+    /// build ([`check_contract`]).
+    ///
+    /// # Errors
+    /// [`Error::Config`] naming the rank and both versions.
+    pub(crate) fn checked(self, rank: u32) -> Result<Self> {
+        check_contract(rank, self.contract)?;
+        Ok(self)
+    }
+}
+
+/// Refuses rank `rank` when it speaks rank contract `theirs`, not this build's, naming both.
+///
+/// # Errors
+/// [`Error::Config`] naming the rank and both versions.
+pub(crate) fn check_contract(rank: u32, theirs: u32) -> Result<()> {
+    if theirs == CONTRACT_VERSION {
+        return Ok(());
+    }
+    Err(Error::Config(format!(
+        "rank {rank} speaks Refit's rank contract v{theirs}, this rank v{CONTRACT_VERSION}: \
+         every rank's program must come from one Refit build (the refit binary, the \
+         examples, the refit Python package)"
+    )))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_card_of_another_contract_is_refused_naming_both() {
+        let addr: SocketAddr = "127.0.0.1:9".parse().unwrap();
+        let ours = RankCard::ours(addr, 2);
+        assert_eq!(ours.incarnation, 2);
+        assert!(ours.clone().checked(1).is_ok());
+        let theirs = RankCard {
+            contract: CONTRACT_VERSION + 1,
+            ..ours
+        };
+        let e = theirs.checked(3).unwrap_err().to_string();
+        let (v, w) = (CONTRACT_VERSION + 1, CONTRACT_VERSION);
+        assert!(
+            e.contains(&format!("rank 3 speaks Refit's rank contract v{v}"))
+                && e.contains(&format!("this rank v{w}")),
+            "{e}"
+        );
+        // a card of a build before contract versions reads as v0, and is refused
+        #[derive(Serialize)]
+        struct Old {
+            node: SocketAddr,
+            pid: u32,
+            incarnation: u32,
+        }
+        let old = Old {
+            node: addr,
+            pid: 7,
+            incarnation: 0,
+        };
+        let bytes = refit_runtime::wire::encode(&old).unwrap();
+        let card: RankCard = refit_runtime::wire::decode(&bytes, 1 << 10).unwrap();
+        let e = card.checked(1).unwrap_err().to_string();
+        assert!(e.contains("rank contract v0"), "{e}");
+    }
 
     #[test]
     fn ids_differ_by_every_part_and_are_stable() {

@@ -16,7 +16,9 @@ use tokio::sync::oneshot;
 use crate::actor::controller::WeightSyncController;
 use crate::error::{Error, Result};
 use crate::protocol::controller::{AddEngine, DropEngine, GetStatus};
-use crate::protocol::engine::{EngineHandle, EngineRef, EngineStats, Family, GetEngineStats};
+use crate::protocol::engine::{
+    EngineHandle, EngineRef, EngineStats, Family, GetEngineStats, ServedVersions,
+};
 use crate::protocol::lead::{ModelDone, Progress, Rejoin};
 use crate::protocol::rollout::{GetRolloutStats, RolloutRef, RolloutStats, StopRollouts};
 use crate::remote::RemoteAddr;
@@ -322,8 +324,9 @@ impl Lead {
     /// One line per update, in the words of the model's role: completions, reward and
     /// tokens per second for a generating model; frames and return for an acting one; the
     /// versions the batch was sampled under and its staleness, the update's time, the
-    /// held-out score when validation ran, and each engine's pause per load.
-    fn progress_line(&mut self, p: &Progress) {
+    /// held-out score when validation ran, and the version each engine serves of the model
+    /// (asked of it now) with its pause per load.
+    fn progress_line(&mut self, p: &Progress, ctx: &mut Context<Self>) {
         let tokens: u64 = self
             .slots
             .values()
@@ -338,19 +341,40 @@ impl Lead {
             _ => None,
         };
         self.tokens_seen = Some((tokens, now));
-        let pauses: Vec<String> = self
+        let asked: Vec<_> = self
             .slots
             .iter()
-            .filter(|(_, s)| s.alive && s.last.engine.loads > 0)
+            .filter(|(_, s)| s.alive)
             .map(|(r, s)| {
                 let e = &s.last.engine;
-                format!(
-                    "rank {r} {}",
-                    refit_runtime::units::duration(e.paused_total / e.loads.max(1) as u32)
-                )
+                let pause = (e.loads > 0).then(|| e.paused_total / e.loads.max(1) as u32);
+                (*r, s.engine.versions.clone(), pause)
             })
             .collect();
-        tracing::info!("{}", update_line(p, rate, &pauses));
+        let (progress, wait) = (p.clone(), self.call.min(Duration::from_secs(1)));
+        ctx.spawn(
+            async move {
+                let mut engines = Vec::new();
+                for (rank, versions, pause) in asked {
+                    let served = versions.send(ServedVersions).timeout(wait).await;
+                    let served = match served {
+                        // an engine that does not serve the model is not named
+                        Ok(v) => match v.get(&progress.model) {
+                            Some(v) => Some(*v),
+                            None => continue,
+                        },
+                        Err(_) => None,
+                    };
+                    engines.push(EngineLine {
+                        rank,
+                        served,
+                        pause,
+                    });
+                }
+                tracing::info!("{}", update_line(&progress, rate, &engines));
+            }
+            .into_actor(self),
+        );
         let what = if p.update.generated {
             format!("mean reward {:.3} (last batch)", p.mean_return)
         } else {
@@ -366,10 +390,36 @@ impl Lead {
     }
 }
 
+/// One engine rank in an update's line: the version it serves of the model (`None`: it did
+/// not answer in time) and its mean pause per load (`None`: no load yet).
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct EngineLine {
+    pub(crate) rank: u32,
+    pub(crate) served: Option<Version>,
+    pub(crate) pause: Option<Duration>,
+}
+
+impl std::fmt::Display for EngineLine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.served {
+            Some(v) => write!(f, "rank {} v{v}", self.rank)?,
+            None => write!(f, "rank {} v? (no answer)", self.rank)?,
+        }
+        if let Some(pause) = self.pause {
+            write!(
+                f,
+                " (pause {} per load)",
+                refit_runtime::units::duration(pause)
+            )?;
+        }
+        Ok(())
+    }
+}
+
 /// The log line of one update (see [`Lead::progress_line`]): `rate` is the engines' tokens
-/// per second since the last line (`None` before the second), `pauses` each engine's mean
-/// pause per load.
-pub(crate) fn update_line(p: &Progress, rate: Option<f64>, pauses: &[String]) -> String {
+/// per second since the last line (`None` before the second), `engines` what each engine
+/// rank serves of the model and its pause per load.
+pub(crate) fn update_line(p: &Progress, rate: Option<f64>, engines: &[EngineLine]) -> String {
     let u = &p.update;
     let (from, to) = p.sample_versions;
     let sampled = if from == to {
@@ -408,8 +458,9 @@ pub(crate) fn update_line(p: &Progress, rate: Option<f64>, pauses: &[String]) ->
         let what = if u.generated { "reward" } else { "return" };
         line.push_str(&format!("; held-out {what} (greedy) {score:.3}"));
     }
-    if !pauses.is_empty() {
-        line.push_str(&format!("; engine pause per load: {}", pauses.join(", ")));
+    if !engines.is_empty() {
+        let each: Vec<String> = engines.iter().map(ToString::to_string).collect();
+        line.push_str(&format!("; engines serve {}", each.join(", ")));
     }
     line
 }
@@ -442,12 +493,29 @@ mod line_tests {
 
     #[test]
     fn an_update_is_one_line_in_the_words_of_its_role() {
-        let pauses = vec!["rank 1 0.3 us".to_string()];
+        let engines = [
+            EngineLine {
+                rank: 1,
+                served: Some(Version(7)),
+                pause: Some(Duration::from_micros(300)),
+            },
+            EngineLine {
+                rank: 2,
+                served: Some(Version(6)),
+                pause: None,
+            },
+            EngineLine {
+                rank: 3,
+                served: None,
+                pause: None,
+            },
+        ];
         assert_eq!(
-            update_line(&progress(true, 0, Some(0.9)), Some(41_000.0), &pauses),
+            update_line(&progress(true, 0, Some(0.9)), Some(41_000.0), &engines),
             "policy v7: 128 completions, mean reward 0.250, 41000 tokens/s; sampled under \
              v5..v6, staleness up to 2; trained in 70 ms, published in 0.2 ms; held-out reward \
-             (greedy) 0.900; engine pause per load: rank 1 0.3 us"
+             (greedy) 0.900; engines serve rank 1 v7 (pause 300.0 us per load), rank 2 v6, \
+             rank 3 v? (no answer)"
         );
         assert_eq!(
             update_line(&progress(false, 3, None), None, &[]),
@@ -462,7 +530,7 @@ mod line_tests {
 impl Handler<Progress> for Lead {
     type Result = MessageResult<Progress>;
     fn handle(&mut self, p: Progress, ctx: &mut Context<Self>) -> Self::Result {
-        self.progress_line(&p);
+        self.progress_line(&p, ctx);
         ctx.notify(Poll);
         MessageResult(
             self.board
@@ -676,6 +744,9 @@ impl Handler<Rejoin> for Lead {
             ));
             return Box::pin(fut::ready(Err(e)));
         }
+        if let Err(e) = super::ids::check_contract(msg.rank, msg.contract) {
+            return Box::pin(fut::ready(Err(e)));
+        }
         let node = self.node.clone();
         let call = self.call;
         let topo = Arc::clone(&self.topo);
@@ -687,6 +758,7 @@ impl Handler<Rejoin> for Lead {
                 rank,
                 incarnation,
                 node: addr,
+                ..
             } = msg;
             let remote = RemoteAddr::connect(
                 &node,

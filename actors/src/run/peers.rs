@@ -61,6 +61,7 @@ pub(crate) async fn peer_of(
     let key = rank_key(r);
     let rv2 = rv.clone();
     let card: RankCard = blocking("waiting for a rank", move || rv2.take(&key, wait)).await?;
+    let card = card.checked(r)?;
     let peer = node.connect_async(card.node, wait).await.map_err(|e| {
         Error::Config(format!(
             "rank {r}: its node at {} is not reachable: {e}",

@@ -150,10 +150,6 @@ async fn join(s: RankSetup) -> Result<(RankCtx, LeadWatch)> {
 fn publish_card(ctx: &RankCtx) -> Result<()> {
     ctx.rv.put(
         &rank_key(ctx.me),
-        &RankCard {
-            node: ctx.rv.advertised(),
-            pid: std::process::id(),
-            incarnation: ctx.setup.incarnation,
-        },
+        &RankCard::ours(ctx.rv.advertised(), ctx.setup.incarnation),
     )
 }

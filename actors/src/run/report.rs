@@ -44,6 +44,10 @@ pub struct UpdateRecord {
     pub train: Duration,
     /// What the learner measured.
     pub learn: LearnStats,
+    /// Completions of the batch whose tokens came from more than one version (an update
+    /// landed inside them: `pause_mode = "keep"`).
+    #[serde(default)]
+    pub mixed: usize,
 }
 
 /// One model's run.

@@ -71,6 +71,14 @@ impl RunReport {
                     100.0 * *n as f64 / total.max(1) as f64
                 );
             }
+            let mixed: usize = r.updates.iter().map(|u| u.mixed).sum();
+            if mixed > 0 {
+                let _ = writeln!(
+                    out,
+                    "{model}: {mixed} trained completions carried two or more versions (an \
+                     update landed inside them)"
+                );
+            }
         }
         let _ = writeln!(
             out,

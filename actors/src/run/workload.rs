@@ -254,7 +254,7 @@ impl<G: GenRoles> Workload for Generating<G> {
     }
 
     fn engine_manifest(&self, model: &ModelSpec) -> Result<Arc<Manifest>> {
-        Ok(self.0.generator(model)?.manifest())
+        Ok(self.0.engine_shape(model)?.manifest)
     }
 
     fn want(&self, model: &ModelSpec) -> Result<Option<Want>> {
@@ -266,13 +266,13 @@ impl<G: GenRoles> Workload for Generating<G> {
             can_read_back(model, &self.0.generator(model)?)?;
         }
         let task = self.0.task(model, seed)?;
-        let generator = self.0.generator(model)?;
-        if task.vocab_size() > generator.vocab_size() {
+        let engines = self.0.engine_shape(model)?;
+        if task.vocab_size() > engines.vocab {
             return Err(Error::Config(format!(
-                "model `{}`: the task writes in {} tokens, the generator knows {}",
+                "model `{}`: the task writes in {} tokens, the engines' model knows {}",
                 model.id,
                 task.vocab_size(),
-                generator.vocab_size()
+                engines.vocab
             )));
         }
         let longest = task
@@ -282,12 +282,11 @@ impl<G: GenRoles> Workload for Generating<G> {
             .max()
             .unwrap_or(0)
             .saturating_add(task.sampling().max_tokens as usize);
-        if longest > generator.max_context() {
+        if longest > engines.context {
             return Err(Error::Config(format!(
                 "model `{}`: the task's prompts and answers need {longest} tokens of context, \
-                 the generator holds {}",
-                model.id,
-                generator.max_context()
+                 the engines' model holds {}",
+                model.id, engines.context
             )));
         }
         Ok(())

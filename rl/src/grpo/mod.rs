@@ -307,26 +307,7 @@ impl GrpoLearner {
                     s.group
                 )))
             };
-            if s.prompt.is_empty() {
-                return bad("empty prompt".into());
-            }
-            if s.logprobs.len() != s.tokens.len() || s.versions.len() != s.tokens.len() {
-                return bad(format!(
-                    "{} tokens with {} logprobs and {} versions",
-                    s.tokens.len(),
-                    s.logprobs.len(),
-                    s.versions.len()
-                ));
-            }
-            if let Some(r) = &s.token_rewards
-                && r.len() != s.tokens.len()
-            {
-                return bad(format!(
-                    "{} token_rewards for {} tokens",
-                    r.len(),
-                    s.tokens.len()
-                ));
-            }
+            s.check_fields().or_else(bad)?;
             let fed = s.prompt.len() + s.tokens.len().saturating_sub(1);
             if fed > m.context {
                 return bad(format!(
@@ -344,18 +325,6 @@ impl GrpoLearner {
                     "token {t} is outside the vocabulary of {}",
                     m.vocab
                 ));
-            }
-            if let Some(lp) = s
-                .logprobs
-                .iter()
-                .find(|lp| !(lp.is_finite() && **lp <= 0.0))
-            {
-                return bad(format!(
-                    "behaviour logprob {lp} is not a finite log-probability"
-                ));
-            }
-            if !s.reward.is_finite() {
-                return bad(format!("reward {} is not finite", s.reward));
             }
         }
         Ok(())

@@ -104,14 +104,17 @@ impl Batch {
     }
 
     /// Runs the batch on `backend` (blocking): one call for the completions, one for the
-    /// scores, each answer checked and given its versions. Requests of another epoch than
-    /// `epoch` (cancelled while they waited for their turn) are not run: they are answered
-    /// cancelled.
+    /// scores, each answer checked and given its versions (the version `served` at the
+    /// batch's start for each token the backend left unlabelled, unless `in_flight`: a
+    /// version may be committed during the batch, and the backend must label every token).
+    /// Requests of another epoch than `epoch` (cancelled while they waited for their turn)
+    /// are not run: they are answered cancelled.
     pub(super) fn run<B: EngineBackend>(
         mut self,
         backend: &B,
         served: &BTreeMap<ModelId, Version>,
         epoch: u64,
+        in_flight: bool,
     ) -> Answered {
         let mut out = Answered::default();
         for (g, reply) in self.generate.extract_if(.., |(g, _)| stale(g.epoch, epoch)) {
@@ -126,13 +129,25 @@ impl Batch {
             let (reqs, replies): (Vec<Generate>, Vec<Reply>) = self.generate.into_iter().unzip();
             let answers = backend.generate(&reqs, served);
             let models = reqs.iter().map(|r| (&r.model, r.epoch));
-            out.take(&backend.name(), models, replies, answers, served);
+            out.take(
+                &backend.name(),
+                models,
+                replies,
+                answers,
+                (served, in_flight),
+            );
         }
         if !self.score.is_empty() {
             let (reqs, replies): (Vec<Score>, Vec<Reply>) = self.score.into_iter().unzip();
             let answers = backend.score(&reqs, served);
             let models = reqs.iter().map(|r| (&r.model, r.epoch));
-            out.take(&backend.name(), models, replies, answers, served);
+            out.take(
+                &backend.name(),
+                models,
+                replies,
+                answers,
+                (served, in_flight),
+            );
         }
         out
     }
@@ -151,12 +166,12 @@ impl Answered {
         requests: impl ExactSizeIterator<Item = (&'a ModelId, Option<u64>)>,
         replies: Vec<Reply>,
         answers: Vec<Result<Completion>>,
-        served: &BTreeMap<ModelId, Version>,
+        (served, in_flight): (&BTreeMap<ModelId, Version>, bool),
     ) {
         let (asked, answered) = (requests.len(), answers.len());
         let mut answers = answers.into_iter();
         for ((model, epoch), reply) in requests.zip(replies) {
-            let version = served.get(model).copied().unwrap_or(Version::ZERO);
+            let version = (!in_flight).then(|| served.get(model).copied().unwrap_or(Version::ZERO));
             let answer = match answers.next() {
                 // a backend that answers more than it was asked cannot be held to any
                 Some(a) if answered <= asked => {
@@ -198,11 +213,12 @@ impl Answered {
 ///
 /// # Errors
 /// [`Error::Generator`] naming the model, the backend and the field when `logprobs` or
-/// `versions` is not one per token, or a log-probability is not finite or above 0 (a
-/// learner would learn from it as a behaviour probability).
+/// `versions` is not one per token (no versions at all where `served` is `None`: a commit
+/// may have landed inside the batch, so only the backend knows), or a log-probability is
+/// not finite or above 0 (a learner would learn from it as a behaviour probability).
 pub(super) fn fill_versions(
     mut c: Completion,
-    served: Version,
+    served: Option<Version>,
     backend: &str,
     model: &ModelId,
 ) -> Result<Completion> {
@@ -211,6 +227,13 @@ pub(super) fn fill_versions(
         reason: format!("the {backend} backend answered {what}"),
     };
     if c.versions.is_empty() {
+        let Some(served) = served else {
+            return Err(refused(
+                "no versions: it commits versions during a batch (keep mode), so it must \
+                 label each token with the version that made it"
+                    .into(),
+            ));
+        };
         c.versions = vec![served; c.tokens.len()];
     }
     let n = c.tokens.len();
@@ -285,7 +308,7 @@ mod tests {
     #[test]
     fn completions_get_their_versions_and_bad_ones_are_refused_naming_the_field() {
         let m = model();
-        let fill = |c, v| fill_versions(c, v, "test", &m);
+        let fill = |c, v| fill_versions(c, Some(v), "test", &m);
         let c = fill(completion(3), Version(4)).unwrap();
         assert_eq!(c.versions, vec![Version(4); 3]);
         // a backend's own versions are kept (a keep-mode update inside a sequence)
@@ -304,6 +327,12 @@ mod tests {
         bad.versions = vec![Version(1)];
         let e = fill(bad, Version(1)).unwrap_err().to_string();
         assert!(e.contains("versions"), "{e}");
+        // a backend that commits during its batches labels its tokens itself
+        let e = fill_versions(completion(2), None, "test", &m).unwrap_err();
+        assert!(e.to_string().contains("no versions"), "{e}");
+        let mut labelled = completion(2);
+        labelled.versions = vec![Version(3), Version(4)];
+        assert!(fill_versions(labelled, None, "test", &m).is_ok());
         for p in [f32::NAN, 0.5] {
             let mut bad = completion(2);
             bad.logprobs[1] = p;
@@ -326,7 +355,7 @@ mod tests {
             reqs.into_iter(),
             vec![tx0, tx1, tx2],
             vec![Ok(completion(2)), Ok(completion(1))],
-            &served,
+            (&served, false),
         );
         assert_eq!(a.answer(1), (2, 1));
         // (a request of epoch 0 when the engine is at 1 is answered cancelled)

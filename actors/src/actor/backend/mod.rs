@@ -12,7 +12,10 @@
 //!    while batches keep running;
 //! 2. **commit, the only pause**: once the batch running now ends, no new one starts until
 //!    [`EngineBackend::commit`] returned; the pause reported is that call alone, and the
-//!    wait for the running batch is reported as drained time, not pause;
+//!    wait for the running batch is reported as drained time, not pause. A backend that
+//!    commits in flight ([`EngineBackend::commits_in_flight`], vLLM between its steps) is
+//!    committed during the running batch under `pause_mode = "keep"`: its sequences go on
+//!    under the new version, and their tokens say which version made each;
 //! 3. **acknowledge** the version to its sender: it is served.
 //!
 //! Requests are batched: those that arrive while a batch runs go together into the next
@@ -20,8 +23,8 @@
 //! `LLM.generate`) sees many prompts at once. Each completion's tokens carry the version
 //! that made them: the backend may say so itself (vLLM's `weight_versions`), otherwise
 //! every token carries the version served when its batch started (no commit lands inside a
-//! batch). A request of a cancelled episode is refused, or answered cancelled when its
-//! batch ends after the cancellation.
+//! batch; a backend that commits in flight must say so itself). A request of a cancelled
+//! episode is refused, or answered cancelled when its batch ends after the cancellation.
 
 mod batches;
 mod generator;
@@ -38,7 +41,7 @@ use tokio::sync::{OwnedMutexGuard, oneshot};
 
 use crate::actor::staging::{Committing, Holds, Stage, StagedVersion};
 use crate::error::{Error, Result};
-use crate::generation::Completion;
+use crate::generation::{Completion, PauseMode};
 use crate::link::WeightInlet;
 use crate::protocol::engine::{
     AbortStage, CancelInFlight, CommitModel, EngineStats, Generate, GetEngineStats, LoadReport,
@@ -52,13 +55,24 @@ pub use generator::GeneratorBackend;
 /// What a backend does for a [`BackendEngine`]: blocking calls. `stage`, `commit`,
 /// `generate` and `score` run on blocking threads beside the actor; `name`, `manifest` and
 /// `abort` run on the actor's own thread and must be quick. Stages of one model never
-/// overlap; commits and batches never overlap: a commit waits for the running batch, and
-/// no batch starts until it returns, so a commit pauses every model the engine serves (the
-/// topology's `pause_mode` does not apply: a backend engine swaps between batches, as
-/// `wait` does).
+/// overlap. Commits and batches never overlap (a commit waits for the running batch, and
+/// no batch starts until it returns, so a commit pauses every model the engine serves, as
+/// `pause_mode = "wait"` does; `abort` is taken as `wait`), unless the backend commits in
+/// flight ([`EngineBackend::commits_in_flight`]) and the topology's `pause_mode` is
+/// `keep`.
 pub trait EngineBackend: Send + Sync + 'static {
     /// A name for messages (`"vllm"`, `"python engine"`).
     fn name(&self) -> String;
+
+    /// True when the backend can serve a version committed while a batch runs: it loads it
+    /// at its next step boundary and the batch's sequences go on under it (vLLM's `keep`;
+    /// their KV entries kept, or recomputed under the new weights, as the backend does),
+    /// and it labels each token with the version that made it. Under `pause_mode =
+    /// "keep"`, the engine then commits without waiting for the running batch (default:
+    /// false).
+    fn commits_in_flight(&self) -> bool {
+        false
+    }
 
     /// The layout `model`'s weights come in (the names, dtypes and shapes the backend
     /// loads; the link converts the trainer's layout to it).
@@ -178,6 +192,8 @@ pub struct BackendEngine<B: EngineBackend> {
     epoch: u64,
     /// The epoch, for a batch that waited for its turn to look at before it runs.
     epoch_now: Arc<AtomicU64>,
+    /// Commits land during batches (`keep`, a backend that commits in flight).
+    in_flight: bool,
     stats: EngineStats,
 }
 
@@ -222,8 +238,18 @@ impl<B: EngineBackend> BackendEngine<B> {
             running: false,
             epoch: 0,
             epoch_now: Arc::new(AtomicU64::new(0)),
+            in_flight: false,
             stats: EngineStats::default(),
         })
+    }
+
+    /// What the engine does with a running batch at a commit: with `keep`, a backend that
+    /// commits in flight ([`EngineBackend::commits_in_flight`]) is committed during the
+    /// batch; otherwise (and with `wait` or `abort`) the commit waits for the batch to end.
+    #[must_use]
+    pub fn pause_mode(mut self, mode: PauseMode) -> Self {
+        self.in_flight = mode == PauseMode::Keep && self.backend.commits_in_flight();
+        self
     }
 
     fn slot(&self, model: &ModelId) -> Result<Arc<tokio::sync::Mutex<Slot>>> {
@@ -250,6 +276,7 @@ impl<B: EngineBackend> BackendEngine<B> {
             backend: Arc::clone(&self.backend),
             served: Arc::clone(&self.served),
             turn: Arc::clone(&self.turn),
+            in_flight: self.in_flight,
         })
     }
 }
@@ -265,6 +292,8 @@ struct Job<B: EngineBackend> {
     backend: Arc<B>,
     served: Served,
     turn: Arc<tokio::sync::Mutex<()>>,
+    /// The commit does not wait for the running batch.
+    in_flight: bool,
 }
 
 /// What a commit did, for the report and the statistics.
@@ -364,8 +393,9 @@ impl<B: EngineBackend> Job<B> {
         (r, staged)
     }
 
-    /// Serves the staged version: waits for the running batch (drained), commits on a
-    /// blocking thread with no batch running (the pause), then acknowledges the version.
+    /// Serves the staged version: waits for the running batch (drained; not when the
+    /// backend commits in flight), commits on a blocking thread (the pause), then
+    /// acknowledges the version.
     ///
     /// # Cancel safety
     /// Not cancel safe: dropped after the commit started, the version may be served and
@@ -383,13 +413,18 @@ impl<B: EngineBackend> Job<B> {
         })?;
         let asked = Instant::now();
         let wait = deadline.saturating_duration_since(asked).max(MIN_TURN_WAIT);
-        let Ok(turn) = actix_rt::time::timeout(wait, Arc::clone(&self.turn).lock_owned()).await
-        else {
-            if let Some(abort) = abort {
-                abort();
-            }
-            let what = "waiting for the running batch to end";
-            return Err(timed_out(&self.model, what, wait));
+        let turn = if self.in_flight {
+            None
+        } else {
+            let lock = Arc::clone(&self.turn).lock_owned();
+            let Ok(turn) = actix_rt::time::timeout(wait, lock).await else {
+                if let Some(abort) = abort {
+                    abort();
+                }
+                let what = "waiting for the running batch to end";
+                return Err(timed_out(&self.model, what, wait));
+            };
+            Some(turn)
         };
         let drained = asked.elapsed();
         let (model, backend, served) = (
@@ -677,7 +712,7 @@ impl<B: EngineBackend> BackendEngine<B> {
         self.running = true;
         let (backend, turn) = (Arc::clone(&self.backend), Arc::clone(&self.turn));
         let (served, epoch) = (Arc::clone(&self.served), Arc::clone(&self.epoch_now));
-        let name = self.backend.name();
+        let (name, in_flight) = (self.backend.name(), self.in_flight);
         let run = async move {
             let turn = turn.lock_owned().await;
             let answered = actix_rt::task::spawn_blocking(move || {
@@ -688,7 +723,7 @@ impl<B: EngineBackend> BackendEngine<B> {
                     .unwrap_or_else(PoisonError::into_inner)
                     .clone();
                 let epoch = epoch.load(Ordering::Acquire);
-                let answered = batch.run(backend.as_ref(), &served, epoch);
+                let answered = batch.run(backend.as_ref(), &served, epoch, in_flight);
                 drop(turn);
                 answered
             })
