@@ -382,3 +382,115 @@ async fn a_failed_commit_leaves_the_served_version_and_a_running_cancelled_reque
     let stats = e.send(GetEngineStats).await.unwrap();
     assert_eq!(stats.cancelled, 1, "{stats:?}");
 }
+
+/// A backend that commits in flight: each token of a request takes 40 ms and carries the
+/// version served when it was made (or none, when it does not label its tokens).
+struct Stepping {
+    manifest: Arc<Manifest>,
+    served: AtomicU64,
+    staged: std::sync::Mutex<Option<Version>>,
+    labels: bool,
+}
+
+impl Stepping {
+    fn new(labels: bool) -> Self {
+        use refit_actors::Generator;
+        Self {
+            manifest: bigram().manifest(),
+            served: AtomicU64::new(0),
+            staged: std::sync::Mutex::new(None),
+            labels,
+        }
+    }
+}
+
+impl EngineBackend for Stepping {
+    fn name(&self) -> String {
+        "stepping".into()
+    }
+    fn commits_in_flight(&self) -> bool {
+        true
+    }
+    fn manifest(&self, _: &ModelId) -> Result<Arc<Manifest>> {
+        Ok(Arc::clone(&self.manifest))
+    }
+    fn stage(&self, weights: Arc<WeightSet>) -> Result<()> {
+        *self.staged.lock().unwrap() = Some(weights.version());
+        Ok(())
+    }
+    fn commit(&self, _: &ModelId, version: Version) -> Result<()> {
+        assert_eq!(self.staged.lock().unwrap().take(), Some(version));
+        self.served.store(version.get(), Ordering::SeqCst);
+        Ok(())
+    }
+    fn generate(
+        &self,
+        batch: &[Generate],
+        _: &BTreeMap<ModelId, Version>,
+    ) -> Vec<Result<Completion>> {
+        batch
+            .iter()
+            .map(|g| {
+                let n = g.params.max_tokens as usize;
+                let mut versions = Vec::new();
+                for _ in 0..n {
+                    std::thread::sleep(Duration::from_millis(40));
+                    versions.push(Version(self.served.load(Ordering::SeqCst)));
+                }
+                Ok(Completion {
+                    tokens: vec![1; n],
+                    logprobs: vec![-0.5; n],
+                    versions: if self.labels { versions } else { Vec::new() },
+                    finish: refit_actors::Finish::Length,
+                })
+            })
+            .collect()
+    }
+}
+
+/// Under `keep`, a backend that commits in flight serves a version during the running
+/// batch: the load returns before the batch ends and the sequence carries both versions;
+/// under `wait` the same backend's commit waits for the batch. A backend that commits in
+/// flight and leaves its tokens unlabelled is refused, naming the versions.
+#[actix_rt::test]
+async fn a_backend_that_commits_in_flight_is_committed_during_the_batch_under_keep() {
+    use refit_runtime::sync_policy::PauseMode;
+    for (mode, labels) in [
+        (PauseMode::Keep, true),
+        (PauseMode::Wait, true),
+        (PauseMode::Keep, false),
+    ] {
+        let m = policy();
+        let (mut sender, receiver) = generating::scheme(&m, &bigram(), table(&m, 1));
+        let inlet: Box<dyn refit_actors::WeightInlet> = Box::new(receiver);
+        let e = BackendEngine::new(Arc::new(Stepping::new(labels)), vec![(m, inlet)])
+            .unwrap()
+            .pause_mode(mode)
+            .start();
+        assert_eq!(update(&e, 1).await.unwrap(), Version(1));
+        let mut long = ask(0, None);
+        long.params = SamplingParams::greedy(10); // 400 ms
+        let running = e.send(long);
+        actix_rt::time::sleep(Duration::from_millis(100)).await;
+        let _ = sender.send_async(vec![table(&policy(), 2)]).unwrap();
+        let e2 = e.clone();
+        let loaded = actix_rt::spawn(async move { update(&e2, 2).await });
+        let c = within("the running batch", running).await.unwrap();
+        let v = within("the load", loaded).await.unwrap();
+        assert_eq!(v.unwrap(), Version(2));
+        match (mode, labels) {
+            (PauseMode::Keep, true) => {
+                let c = c.unwrap();
+                let ones = c.versions.iter().filter(|v| **v == Version(1)).count();
+                assert!((1..10).contains(&ones), "{:?}", c.versions);
+                assert_eq!(c.versions[..ones], vec![Version(1); ones]);
+                assert_eq!(c.versions[ones..], vec![Version(2); 10 - ones]);
+            }
+            (PauseMode::Wait, _) => assert_eq!(c.unwrap().versions, vec![Version(1); 10]),
+            _ => {
+                let e = c.unwrap_err().to_string();
+                assert!(e.contains("no versions") && e.contains("stepping"), "{e}");
+            }
+        }
+    }
+}

@@ -88,7 +88,8 @@ class Completion:
     #: The behaviour log-probability of each token: at the request's temperature, or at
     #: temperature 1 for a greedy request (temperature 0). Finite, at most 0.
     logprobs: list[float]
-    #: The version that made each token (``None``: every token is the served version's).
+    #: The version that made each token (``None``: every token is the version served when
+    #: the batch started; refused from an engine that commits in flight).
     versions: list[int] | None = None
     #: ``"length"`` (``max_tokens`` reached) or ``"stop"`` (the stop token sampled).
     finish: str = "length"

@@ -37,14 +37,17 @@ def llama_config(layout: list[tuple[str, str, list[int]]], params: dict[str, Any
     except (KeyError, ValueError) as e:
         raise ValueError(f"the layout is not a LlamaForCausalLM's (params.arch = \"llama\"): {e}") from e
     heads = int(params.get("heads", 4))
-    if heads < 1 or d % heads or kv_rows % (d // heads):
-        raise ValueError(f"params.heads = {heads} does not divide the Llama's width {d} "
-                         f"and key/value rows {kv_rows}")
+    if heads < 1 or d % heads:
+        raise ValueError(f"params.heads = {heads} does not divide the Llama's width {d}")
+    kv_heads, rest = divmod(kv_rows, d // heads)
+    if rest or kv_heads < 1 or heads % kv_heads:
+        raise ValueError(f"the Llama's key/value rows {kv_rows} are not a number of heads of size "
+                         f"{d // heads} that divides params.heads = {heads}")
     return {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama",
         "vocab_size": vocab, "hidden_size": d, "intermediate_size": intermediate,
         "num_hidden_layers": sum(1 for n in shapes if n.endswith(".self_attn.q_proj.weight")),
-        "num_attention_heads": heads, "num_key_value_heads": kv_rows // (d // heads),
+        "num_attention_heads": heads, "num_key_value_heads": kv_heads,
         "hidden_act": "silu", "max_position_embeddings": POSITIONS, "rms_norm_eps": RMS_EPS,
         "rope_theta": ROPE_THETA, "tie_word_embeddings": False, "attention_bias": False,
         "mlp_bias": False, "torch_dtype": "float32",

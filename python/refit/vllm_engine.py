@@ -44,6 +44,7 @@ imports neither vLLM nor torch.
 from __future__ import annotations
 
 import itertools
+import logging
 import math
 import os
 import threading
@@ -54,6 +55,8 @@ import refit.engine
 from refit.engine import Completion, Request
 
 from .vllm import _expected_params, _not_loaded, _reset_caches
+
+_log = logging.getLogger(__name__)
 
 #: ``(name, tensor)`` → the checkpoint tensors ``load_weights`` takes for it.
 Checkpoint = Callable[[str, Any], Iterable[tuple[str, Any]]]
@@ -135,6 +138,8 @@ class VllmEngine(refit.engine.Engine):
 
     name = "vllm"
     commits_in_flight = True
+    #: How long a commit waits for the step vLLM is running to end.
+    step_deadline_s: float = 60.0
 
     def __init__(self, llm: Any, checkpoint: Checkpoint | None = None) -> None:
         self._build = llm if callable(llm) else None  # an LLM is not callable
@@ -174,6 +179,10 @@ class VllmEngine(refit.engine.Engine):
             raise ValueError(f"model `{model}`: vLLM runs its engine in another process ({client}): "
                              "build the LLM with refit.vllm_engine.in_process_llm "
                              "(VLLM_ENABLE_V1_MULTIPROCESSING=0)")
+        if getattr(llm.llm_engine.vllm_config.scheduler_config, "async_scheduling", False):
+            raise ValueError(f"model `{model}`: vLLM schedules asynchronously: the tokens of the step in flight "
+                             "at a commit would be labelled with the new version "
+                             "(LLM(..., async_scheduling=False), as in_process_llm builds it)")
         mode = getattr(llm.llm_engine.model_config, "logprobs_mode", "processed_logprobs")
         if str(getattr(mode, "value", mode)) != "processed_logprobs":
             raise ValueError(f"model `{model}`: vLLM reports `{mode}` log-probabilities: the behaviour "
@@ -209,13 +218,18 @@ class VllmEngine(refit.engine.Engine):
 
     def commit(self, model: str, version: int) -> None:
         """Serves the staged ``version``: between two of vLLM's steps when a batch runs (its
-        sequences go on under it), at once otherwise."""
+        sequences go on under it), at once otherwise. Raises ``TimeoutError`` when vLLM's
+        running step does not end within :attr:`step_deadline_s` (the staged version is
+        not served)."""
         with self._turn:
             self._commits_waiting += 1
             try:
-                self._turn.wait_for(lambda: not self._driving)
+                turned = self._turn.wait_for(lambda: not self._driving, timeout=self.step_deadline_s)
             finally:
                 self._commits_waiting -= 1
+            if not turned:
+                raise TimeoutError(f"v{version} of `{model}` waited {self.step_deadline_s} s for vLLM's "
+                                   "running step to end")
             self._driving = True
         try:
             self._commit(model, version)
@@ -318,7 +332,8 @@ class VllmEngine(refit.engine.Engine):
         """vLLM's outputs of ``prompts``, in order: the requests added and stepped to their
         end one step at a time, a commit waiting taking its turn between two steps. A
         commit that leaves the model's weights mixed ends the batch (its requests
-        aborted)."""
+        aborted). One thread at a time runs requests (the rank's requests thread): the
+        engine's other requests are this call's."""
         from vllm.sampling_params import RequestOutputKind
 
         engine = self._llm(model).llm_engine
@@ -326,7 +341,7 @@ class VllmEngine(refit.engine.Engine):
         done: dict[str, Any] = {}
         added: list[str] = []
         try:
-            while True:
+            while len(done) < len(ids):
                 with self._turn:  # a commit waiting goes first
                     self._turn.wait_for(lambda: not self._driving and not self._commits_waiting)
                     self._driving = True
@@ -340,9 +355,9 @@ class VllmEngine(refit.engine.Engine):
                             engine.add_request(rid, prompt, p)
                             added.append(rid)
                     elif not engine.has_unfinished_requests():
-                        break
+                        raise RuntimeError(f"vLLM finished {len(done)} of {len(ids)} requests")
                     else:
-                        done.update((o.request_id, o) for o in engine.step() if o.finished)
+                        done.update((o.request_id, o) for o in engine.step() if o.finished and o.request_id in ids)
                 finally:
                     with self._turn:
                         self._driving = False
@@ -352,11 +367,11 @@ class VllmEngine(refit.engine.Engine):
             if left:
                 with self._turn:
                     self._turn.wait_for(lambda: not self._driving)
-                    engine.abort_request(left)
+                    try:
+                        engine.abort_request(left)
+                    except Exception as e:  # the original error is the one to report
+                        _log.warning("aborting %d requests of `%s` failed: %s", len(left), model, e)
             raise
-        missing = [rid for rid in ids if rid not in done]
-        if missing:
-            raise RuntimeError(f"vLLM finished {len(done)} of {len(ids)} requests")
         return [done[rid] for rid in ids]
 
     def score(self, requests: list[refit.engine.ScoreRequest]) -> list[Completion | BaseException]:

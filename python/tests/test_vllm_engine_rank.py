@@ -196,17 +196,30 @@ def test_a_commit_during_a_batch_lands_between_steps_and_its_sequence_carries_tw
     e.commit(MODEL, 1)
     e.stage(MODEL, 2, Held(other))
     engine = e._llm(MODEL).llm_engine
-    step, steps, midway = engine.step, [], threading.Event()
+    step, steps, midway, stepping, overlaps = engine.step, [], threading.Event(), threading.Event(), []
+    commit = e._commit
 
-    def slow_step():  # from the third step on, slow enough for the commit to queue
-        out = step()
-        steps.append(len(out))
-        if len(steps) >= 3:
+    def counted_step():
+        # after the third step, the fourth waits until the commit has queued for its turn
+        # (so it lands mid-sequence); a load during a step would be an overlap
+        if len(steps) == 3:
             midway.set()
-            time.sleep(0.05)
+            deadline = time.monotonic() + 30
+            while not e._commits_waiting and time.monotonic() < deadline:
+                time.sleep(0.001)
+        stepping.set()
+        try:
+            out = step()
+        finally:
+            stepping.clear()
+        steps.append(len(out))
         return out
 
-    engine.step = slow_step
+    def watched_commit(model, version):
+        overlaps.append(stepping.is_set())
+        return commit(model, version)
+
+    engine.step, e._commit = counted_step, watched_commit
     prompt = [1, 2, 3]
     answer: list = []
     asked = Request(MODEL, prompt, 8, 1.0, 7, None, 1)
@@ -215,7 +228,9 @@ def test_a_commit_during_a_batch_lands_between_steps_and_its_sequence_carries_tw
     assert midway.wait(60)
     e.commit(MODEL, 2)  # returns once loaded, between two steps
     runner.join(60)
-    engine.step = step
+    assert not runner.is_alive(), "the batch did not end"
+    engine.step, e._commit = step, commit
+    assert overlaps == [False], "a commit ran during one of vLLM's steps"
     (c,) = answer
     assert not isinstance(c, BaseException), c
     assert len(c.tokens) == 8, c

@@ -474,6 +474,12 @@ mod tests {
             ref_logprobs: None,
         };
         assert_eq!(good.check_fields(), Ok(()));
+        assert!(good.spans_versions());
+        let one = Sequence {
+            versions: vec![Version(2); 2],
+            ..good.clone()
+        };
+        assert!(!one.spans_versions());
         let cases = [
             (
                 Sequence {

@@ -186,6 +186,18 @@ impl std::fmt::Display for RemoteFailure {
 }
 
 impl Error {
+    /// Checks a model's sizes: [`Error::Config`] naming the first of `sizes` that is zero,
+    /// as `{kind} {name} must be positive`.
+    ///
+    /// # Errors
+    /// As said.
+    pub(crate) fn check_positive(kind: &str, sizes: &[(&str, usize)]) -> Result<()> {
+        match sizes.iter().find(|(_, v)| *v == 0) {
+            Some((name, _)) => Err(Self::Config(format!("{kind} {name} must be positive"))),
+            None => Ok(()),
+        }
+    }
+
     /// Builds an [`Error::Hook`], for hooks that fail.
     pub fn hook(hook: &'static str, message: impl Into<String>) -> Self {
         Self::Hook {

@@ -16,7 +16,8 @@ use crate::error::{Error, Result};
 pub struct LlamaShape {
     /// Vocabulary size.
     pub vocab: usize,
-    /// Longest sequence (`max_position_embeddings`).
+    /// Longest sequence the task needs (prompt and answer); the engines' config may allow
+    /// longer ones (rotary positions need no table).
     pub context: usize,
     /// Width of the residual stream (`hidden_size`).
     pub d_model: usize,
@@ -36,19 +37,18 @@ impl LlamaShape {
     /// # Errors
     /// [`Error::Config`] naming the size that is zero, or the heads that do not divide.
     pub fn check(&self) -> Result<()> {
-        for (name, v) in [
-            ("vocab", self.vocab),
-            ("context", self.context),
-            ("d_model", self.d_model),
-            ("layers", self.layers),
-            ("heads", self.heads),
-            ("kv_heads", self.kv_heads),
-            ("intermediate", self.intermediate),
-        ] {
-            if v == 0 {
-                return Err(Error::Config(format!("llama {name} must be positive")));
-            }
-        }
+        Error::check_positive(
+            "llama",
+            &[
+                ("vocab", self.vocab),
+                ("context", self.context),
+                ("d_model", self.d_model),
+                ("layers", self.layers),
+                ("heads", self.heads),
+                ("kv_heads", self.kv_heads),
+                ("intermediate", self.intermediate),
+            ],
+        )?;
         if !self.d_model.is_multiple_of(self.heads) {
             return Err(Error::Config(format!(
                 "llama heads ({}) must divide d_model ({})",

@@ -63,6 +63,12 @@ impl<G: GenRoles, B: EngineBackend> Workload for Backed<G, B> {
         self.roles.learner(model)
     }
 
+    /// A backend's program is an engine rank's: the model's learner is another program's
+    /// (a Python learner's, or Refit's trainer), checked by that program.
+    fn hosts_learner(&self) -> bool {
+        false
+    }
+
     fn engine_manifest(&self, model: &ModelSpec) -> Result<Arc<Manifest>> {
         self.backend.manifest(&model.id)
     }

@@ -123,7 +123,7 @@ pub(crate) fn check_contract(rank: u32, theirs: u32) -> Result<()> {
         return Ok(());
     }
     Err(Error::Config(format!(
-        "rank {rank} speaks Refit's rank contract v{theirs}, this rank v{CONTRACT_VERSION}: \
+        "rank {rank} speaks Refit's rank contract v{theirs}, this build v{CONTRACT_VERSION}: \
          every rank's program must come from one Refit build (the refit binary, the \
          examples, the refit Python package)"
     )))
@@ -147,7 +147,7 @@ mod tests {
         let (v, w) = (CONTRACT_VERSION + 1, CONTRACT_VERSION);
         assert!(
             e.contains(&format!("rank 3 speaks Refit's rank contract v{v}"))
-                && e.contains(&format!("this rank v{w}")),
+                && e.contains(&format!("this build v{w}")),
             "{e}"
         );
         // a card of a build before contract versions reads as v0, and is refused

@@ -235,7 +235,7 @@ pub fn join_workload(
     topo.rank(launch.rank)?;
     topo.check_links(refit_transports::link::reach_of)?;
     if refit_node::launch::checking() {
-        check_roles(topo, work.as_ref(), launch.rank)?;
+        check_roles(topo, work.as_ref())?;
         refit_node::launch::announce_passed();
         return Ok(None);
     }
@@ -275,18 +275,18 @@ pub fn join_workload(
     answer
 }
 
-/// What rank `rank` run as a check (`REFIT_CHECK`, before `refit launch` starts any rank)
-/// checks: every model's framework params, and its roles built once (the learner, where
-/// the rank trains the model: another rank's learner may be another program's, a Python
-/// one; the engines' layout, the conversion between them, the roles against each other),
-/// so that a bad value in `params` is refused before anything starts.
+/// What a rank run as a check (`REFIT_CHECK`, before `refit launch` starts any rank)
+/// checks: every model's framework params, and its roles built once (the learner, unless
+/// the program hosts none: an engine rank of a backend, whose trainer is another program's;
+/// the engines' layout, the conversion between them, the roles against each other), so
+/// that a bad value in `params` is refused before anything starts.
 ///
 /// # Errors
 /// The first refusal, naming the model and the key.
-pub fn check_roles(topo: &Topology, work: &dyn Workload, rank: u32) -> Result<()> {
+pub fn check_roles(topo: &Topology, work: &dyn Workload) -> Result<()> {
     for spec in model_specs(topo)? {
         work.check(&spec, topo.run.seed)?;
-        if topo.trainer_ranks(&spec.id).contains(&rank) {
+        if work.hosts_learner() {
             drop(work.learner(&spec)?);
         }
         work.engine_manifest(&spec)?;

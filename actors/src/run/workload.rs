@@ -75,6 +75,12 @@ pub trait Workload: Send + Sync + 'static {
     /// As the roles' learner.
     fn learner(&self, model: &ModelSpec) -> Result<Box<dyn Learner>>;
 
+    /// False when this program never trains: its learner is another program's (an engine
+    /// rank whose engine is a backend), so the launch check does not build one.
+    fn hosts_learner(&self) -> bool {
+        true
+    }
+
     /// The layout the engines of `model` load.
     ///
     /// # Errors
@@ -263,7 +269,14 @@ impl<G: GenRoles> Workload for Generating<G> {
 
     fn check(&self, model: &ModelSpec, seed: u64) -> Result<()> {
         if model.verify >= Verify::Startup {
-            can_read_back(model, &self.0.generator(model)?)?;
+            let generator = self.0.generator(model).map_err(|e| {
+                Error::Config(format!(
+                    "verify = \"{}\" reads the weights served back through Refit's \
+                     generator: {e}",
+                    model.verify.as_str()
+                ))
+            })?;
+            can_read_back(model, &generator)?;
         }
         let task = self.0.task(model, seed)?;
         let engines = self.0.engine_shape(model)?;

@@ -80,20 +80,17 @@ impl TransformerConfig {
     /// [`Error::Config`] naming the field that is zero, or `heads` when it does not divide
     /// `d_model`.
     pub fn check(&self) -> Result<()> {
-        for (name, v) in [
-            ("vocab", self.vocab),
-            ("context", self.context),
-            ("d_model", self.d_model),
-            ("layers", self.layers),
-            ("heads", self.heads),
-            ("mlp_ratio", self.mlp_ratio),
-        ] {
-            if v == 0 {
-                return Err(Error::Config(format!(
-                    "transformer {name} must be positive"
-                )));
-            }
-        }
+        Error::check_positive(
+            "transformer",
+            &[
+                ("vocab", self.vocab),
+                ("context", self.context),
+                ("d_model", self.d_model),
+                ("layers", self.layers),
+                ("heads", self.heads),
+                ("mlp_ratio", self.mlp_ratio),
+            ],
+        )?;
         if !self.d_model.is_multiple_of(self.heads) {
             return Err(Error::Config(format!(
                 "transformer heads ({}) must divide d_model ({})",

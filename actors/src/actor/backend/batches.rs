@@ -105,10 +105,10 @@ impl Batch {
 
     /// Runs the batch on `backend` (blocking): one call for the completions, one for the
     /// scores, each answer checked and given its versions (the version `served` at the
-    /// batch's start for each token the backend left unlabelled, unless `in_flight`: a
-    /// version may be committed during the batch, and the backend must label every token).
-    /// Requests of another epoch than `epoch` (cancelled while they waited for their turn)
-    /// are not run: they are answered cancelled.
+    /// batch's start for each token the backend left unlabelled; unless `in_flight` for
+    /// completions: a version may be committed during the batch, and the backend must label
+    /// every token it generates). Requests of another epoch than `epoch` (cancelled while
+    /// they waited for their turn) are not run: they are answered cancelled.
     pub(super) fn run<B: EngineBackend>(
         mut self,
         backend: &B,
@@ -125,29 +125,19 @@ impl Batch {
             out.answers
                 .push((reply, s.epoch, Err(Error::Cancelled { epoch })));
         }
+        // a score is one pass over given tokens: the version served at the batch's start
+        let (name, labels) = (backend.name(), (!in_flight).then_some(served));
         if !self.generate.is_empty() {
             let (reqs, replies): (Vec<Generate>, Vec<Reply>) = self.generate.into_iter().unzip();
             let answers = backend.generate(&reqs, served);
             let models = reqs.iter().map(|r| (&r.model, r.epoch));
-            out.take(
-                &backend.name(),
-                models,
-                replies,
-                answers,
-                (served, in_flight),
-            );
+            out.take(&name, models, replies, answers, labels);
         }
         if !self.score.is_empty() {
             let (reqs, replies): (Vec<Score>, Vec<Reply>) = self.score.into_iter().unzip();
             let answers = backend.score(&reqs, served);
             let models = reqs.iter().map(|r| (&r.model, r.epoch));
-            out.take(
-                &backend.name(),
-                models,
-                replies,
-                answers,
-                (served, in_flight),
-            );
+            out.take(&name, models, replies, answers, Some(served));
         }
         out
     }
@@ -166,12 +156,12 @@ impl Answered {
         requests: impl ExactSizeIterator<Item = (&'a ModelId, Option<u64>)>,
         replies: Vec<Reply>,
         answers: Vec<Result<Completion>>,
-        (served, in_flight): (&BTreeMap<ModelId, Version>, bool),
+        served: Option<&BTreeMap<ModelId, Version>>,
     ) {
         let (asked, answered) = (requests.len(), answers.len());
         let mut answers = answers.into_iter();
         for ((model, epoch), reply) in requests.zip(replies) {
-            let version = (!in_flight).then(|| served.get(model).copied().unwrap_or(Version::ZERO));
+            let version = served.map(|s| s.get(model).copied().unwrap_or(Version::ZERO));
             let answer = match answers.next() {
                 // a backend that answers more than it was asked cannot be held to any
                 Some(a) if answered <= asked => {
@@ -247,7 +237,8 @@ pub(super) fn fill_versions(
             )));
         }
     }
-    // a little above 0 is rounding (a probability of 1 in float32)
+    // a little above 0 is rounding (a probability of 1 in float32): taken as 0, as every
+    // learner wants it
     let bad = c.logprobs.iter().position(|p| !p.is_finite() || *p > 1e-4);
     if let Some(i) = bad {
         let p = c.logprobs[i];
@@ -255,6 +246,7 @@ pub(super) fn fill_versions(
             "logprobs[{i}] = {p}, not a log-probability"
         )));
     }
+    c.logprobs.iter_mut().for_each(|p| *p = p.min(0.0));
     Ok(c)
 }
 
@@ -333,6 +325,10 @@ mod tests {
         let mut labelled = completion(2);
         labelled.versions = vec![Version(3), Version(4)];
         assert!(fill_versions(labelled, None, "test", &m).is_ok());
+        // rounding above 0 is taken as 0, what every learner takes
+        let mut round = completion(2);
+        round.logprobs[0] = 5e-5;
+        assert_eq!(fill(round, Version(1)).unwrap().logprobs[0], 0.0);
         for p in [f32::NAN, 0.5] {
             let mut bad = completion(2);
             bad.logprobs[1] = p;
@@ -355,7 +351,7 @@ mod tests {
             reqs.into_iter(),
             vec![tx0, tx1, tx2],
             vec![Ok(completion(2)), Ok(completion(1))],
-            (&served, false),
+            Some(&served),
         );
         assert_eq!(a.answer(1), (2, 1));
         // (a request of epoch 0 when the engine is at 1 is answered cancelled)

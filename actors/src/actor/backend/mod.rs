@@ -67,9 +67,11 @@ pub trait EngineBackend: Send + Sync + 'static {
     /// True when the backend can serve a version committed while a batch runs: it loads it
     /// at its next step boundary and the batch's sequences go on under it (vLLM's `keep`;
     /// their KV entries kept, or recomputed under the new weights, as the backend does),
-    /// and it labels each token with the version that made it. Under `pause_mode =
-    /// "keep"`, the engine then commits without waiting for the running batch (default:
-    /// false).
+    /// and it labels each token it generates with the version that made it. Under
+    /// `pause_mode = "keep"`, the engine then commits without waiting for the running
+    /// batch: the pause reported includes the backend's wait for its step boundary, and
+    /// commits of different models may run at once (the backend orders them as it needs).
+    /// Default: false.
     fn commits_in_flight(&self) -> bool {
         false
     }
@@ -106,7 +108,8 @@ pub trait EngineBackend: Send + Sync + 'static {
     }
 
     /// Completions of `batch`, one answer per request, in order; `served` is the version
-    /// of each model served for this batch. A completion whose `versions` is empty gets
+    /// of each model served when this batch started. A completion whose `versions` is
+    /// empty gets
     /// the served version for each of its tokens.
     fn generate(
         &self,
@@ -184,7 +187,8 @@ pub struct BackendEngine<B: EngineBackend> {
     slots: BTreeMap<ModelId, Arc<tokio::sync::Mutex<Slot>>>,
     served: Served,
     holds: Holds<Held>,
-    /// Commits and batches take turns on this lock (tokio's is fair: a commit waiting for
+    /// Commits and batches take turns on this lock, but a commit in flight (tokio's is
+    /// fair: a commit waiting for
     /// the running batch goes before the next batch).
     turn: Arc<tokio::sync::Mutex<()>>,
     pending: Pending,
@@ -717,7 +721,7 @@ impl<B: EngineBackend> BackendEngine<B> {
             let turn = turn.lock_owned().await;
             let answered = actix_rt::task::spawn_blocking(move || {
                 // the versions served once the batch has its turn: no commit lands
-                // before it ends
+                // before it ends (but one in flight, whose backend labels its tokens)
                 let served = served
                     .lock()
                     .unwrap_or_else(PoisonError::into_inner)
