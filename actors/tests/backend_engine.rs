@@ -383,23 +383,32 @@ async fn a_failed_commit_leaves_the_served_version_and_a_running_cancelled_reque
     assert_eq!(stats.cancelled, 1, "{stats:?}");
 }
 
-/// A backend that commits in flight: each token of a request takes 40 ms and carries the
-/// version served when it was made (or none, when it does not label its tokens).
+/// A backend that commits in flight: each token of a request takes 20 ms and carries the
+/// version served when it was made (or none, when it does not label its tokens). Its
+/// fourth token waits (`hold` at most) for a commit to land, so one lands mid-sequence
+/// however loaded the machine is, where the engine lets it.
 struct Stepping {
     manifest: Arc<Manifest>,
     served: AtomicU64,
     staged: std::sync::Mutex<Option<Version>>,
     labels: bool,
+    hold: Duration,
+    generating: AtomicBool,
+    /// A commit came while a batch ran.
+    overlapped: Arc<AtomicBool>,
 }
 
 impl Stepping {
-    fn new(labels: bool) -> Self {
+    fn new(labels: bool, hold: Duration) -> Self {
         use refit_actors::Generator;
         Self {
             manifest: bigram().manifest(),
             served: AtomicU64::new(0),
             staged: std::sync::Mutex::new(None),
             labels,
+            hold,
+            generating: AtomicBool::new(false),
+            overlapped: Arc::new(AtomicBool::new(false)),
         }
     }
 }
@@ -420,6 +429,9 @@ impl EngineBackend for Stepping {
     }
     fn commit(&self, _: &ModelId, version: Version) -> Result<()> {
         assert_eq!(self.staged.lock().unwrap().take(), Some(version));
+        if self.generating.load(Ordering::SeqCst) {
+            self.overlapped.store(true, Ordering::SeqCst);
+        }
         self.served.store(version.get(), Ordering::SeqCst);
         Ok(())
     }
@@ -428,13 +440,23 @@ impl EngineBackend for Stepping {
         batch: &[Generate],
         _: &BTreeMap<ModelId, Version>,
     ) -> Vec<Result<Completion>> {
-        batch
+        self.generating.store(true, Ordering::SeqCst);
+        let out = batch
             .iter()
             .map(|g| {
                 let n = g.params.max_tokens as usize;
                 let mut versions = Vec::new();
-                for _ in 0..n {
-                    std::thread::sleep(Duration::from_millis(40));
+                let at = self.served.load(Ordering::SeqCst);
+                for i in 0..n {
+                    if i == 3 {
+                        let deadline = std::time::Instant::now() + self.hold;
+                        while self.served.load(Ordering::SeqCst) == at
+                            && std::time::Instant::now() < deadline
+                        {
+                            std::thread::sleep(Duration::from_millis(2));
+                        }
+                    }
+                    std::thread::sleep(Duration::from_millis(20));
                     versions.push(Version(self.served.load(Ordering::SeqCst)));
                 }
                 Ok(Completion {
@@ -444,40 +466,52 @@ impl EngineBackend for Stepping {
                     finish: refit_actors::Finish::Length,
                 })
             })
-            .collect()
+            .collect();
+        self.generating.store(false, Ordering::SeqCst);
+        out
     }
 }
 
-/// Under `keep`, a backend that commits in flight serves a version during the running
-/// batch: the load returns before the batch ends and the sequence carries both versions;
-/// under `wait` the same backend's commit waits for the batch. A backend that commits in
-/// flight and leaves its tokens unlabelled is refused, naming the versions.
+/// Under `keep`, a backend that commits in flight is committed during the running batch
+/// (the commit lands while it generates) and the sequence carries both versions; under
+/// `wait` the same backend's commit waits for the batch (held 300 ms for a commit that
+/// does not come: drained, never during it). A
+/// backend that commits in flight and leaves its tokens unlabelled is refused, naming the
+/// versions.
 #[actix_rt::test]
 async fn a_backend_that_commits_in_flight_is_committed_during_the_batch_under_keep() {
     use refit_runtime::sync_policy::PauseMode;
-    for (mode, labels) in [
+    let cases = [
         (PauseMode::Keep, true),
         (PauseMode::Wait, true),
         (PauseMode::Keep, false),
-    ] {
+    ];
+    for (mode, labels) in cases {
         let m = policy();
         let (mut sender, receiver) = generating::scheme(&m, &bigram(), table(&m, 1));
         let inlet: Box<dyn refit_actors::WeightInlet> = Box::new(receiver);
-        let e = BackendEngine::new(Arc::new(Stepping::new(labels)), vec![(m, inlet)])
+        let hold = match mode {
+            PauseMode::Keep => Duration::from_secs(10),
+            _ => Duration::from_millis(300),
+        };
+        let backend = Stepping::new(labels, hold);
+        let overlapped = Arc::clone(&backend.overlapped);
+        let e = BackendEngine::new(Arc::new(backend), vec![(m, inlet)])
             .unwrap()
             .pause_mode(mode)
             .start();
         assert_eq!(update(&e, 1).await.unwrap(), Version(1));
         let mut long = ask(0, None);
-        long.params = SamplingParams::greedy(10); // 400 ms
+        long.params = SamplingParams::greedy(10);
         let running = e.send(long);
-        actix_rt::time::sleep(Duration::from_millis(100)).await;
+        actix_rt::time::sleep(Duration::from_millis(30)).await;
         let _ = sender.send_async(vec![table(&policy(), 2)]).unwrap();
         let e2 = e.clone();
         let loaded = actix_rt::spawn(async move { update(&e2, 2).await });
         let c = within("the running batch", running).await.unwrap();
         let v = within("the load", loaded).await.unwrap();
         assert_eq!(v.unwrap(), Version(2));
+        assert_eq!(overlapped.load(Ordering::SeqCst), mode == PauseMode::Keep);
         match (mode, labels) {
             (PauseMode::Keep, true) => {
                 let c = c.unwrap();
@@ -486,7 +520,14 @@ async fn a_backend_that_commits_in_flight_is_committed_during_the_batch_under_ke
                 assert_eq!(c.versions[..ones], vec![Version(1); ones]);
                 assert_eq!(c.versions[ones..], vec![Version(2); 10 - ones]);
             }
-            (PauseMode::Wait, _) => assert_eq!(c.unwrap().versions, vec![Version(1); 10]),
+            (PauseMode::Wait, _) => {
+                assert_eq!(c.unwrap().versions, vec![Version(1); 10]);
+                let stats = e.send(GetEngineStats).await.unwrap();
+                assert!(
+                    stats.drained_total >= Duration::from_millis(100),
+                    "{stats:?}"
+                );
+            }
             _ => {
                 let e = c.unwrap_err().to_string();
                 assert!(e.contains("no versions") && e.contains("stepping"), "{e}");

@@ -104,8 +104,9 @@ class Engine:
     #: True when :meth:`commit` may be called while :meth:`generate` runs (under the
     #: topology's ``pause_mode = "keep"``, the default): the engine serves the version at
     #: its next step boundary, the running sequences going on under it, and labels each
-    #: token with the version that made it (:attr:`Completion.versions`; a completion
-    #: without versions is then refused). False: a commit waits for the running batch.
+    #: token it generates or scores with the version that made it
+    #: (:attr:`Completion.versions`; an answer without versions is then refused). False: a
+    #: commit waits for the running batch.
     commits_in_flight: bool = False
 
     def manifest(self, model: str, layout: list[tuple[str, str, list[int]]],

@@ -159,6 +159,8 @@ class VllmEngine(refit.engine.Engine):
         self._driving = False
         self._commits_waiting = 0
         self._ids = itertools.count()
+        # the version each model serves (what its scores are labelled with)
+        self._versions: dict[str, int] = {}
 
     # -- the weights ---------------------------------------------------------------------
 
@@ -262,6 +264,7 @@ class VllmEngine(refit.engine.Engine):
             self._mixed[model] = f"v{version} loaded, but vLLM kept KV entries of the previous weights"
             raise RuntimeError(f"v{version} of `{model}` loaded, but vLLM did not drop its prefix cache")
         llm.llm_engine.set_weight_version(str(version))
+        self._versions[model] = version
 
     def abort(self, model: str) -> None:
         # stage, commit and abort come one after another on the rank's weights thread, an
@@ -328,23 +331,35 @@ class VllmEngine(refit.engine.Engine):
                     answers[i] = e
         return answers  # type: ignore[return-value]
 
-    def _run(self, model: str, prompts: list, params: list) -> list:
+    def _take_turn(self) -> None:
+        with self._turn:  # a commit waiting goes first
+            self._turn.wait_for(lambda: not self._driving and not self._commits_waiting)
+            self._driving = True
+
+    def _give_turn(self) -> None:
+        with self._turn:
+            self._driving = False
+            self._turn.notify_all()
+
+    def _run(self, model: str, prompts: list, params: list, whole: bool = False) -> list:
         """vLLM's outputs of ``prompts``, in order: the requests added and stepped to their
-        end one step at a time, a commit waiting taking its turn between two steps. A
-        commit that leaves the model's weights mixed ends the batch (its requests
-        aborted). One thread at a time runs requests (the rank's requests thread): the
-        engine's other requests are this call's."""
+        end one step at a time, a commit waiting taking its turn between two steps (none
+        while the run is ``whole``: a score is of one version). A commit that leaves the
+        model's weights mixed ends the batch (its requests aborted). One thread at a time
+        runs requests (the rank's requests thread): the engine's other requests are this
+        call's."""
         from vllm.sampling_params import RequestOutputKind
 
         engine = self._llm(model).llm_engine
         ids = [f"refit-{next(self._ids)}" for _ in prompts]
         done: dict[str, Any] = {}
         added: list[str] = []
+        if whole:
+            self._take_turn()
         try:
             while len(done) < len(ids):
-                with self._turn:  # a commit waiting goes first
-                    self._turn.wait_for(lambda: not self._driving and not self._commits_waiting)
-                    self._driving = True
+                if not whole:
+                    self._take_turn()
                 try:
                     if model in self._mixed:
                         raise RuntimeError(f"`{model}` serves mixed weights ({self._mixed[model]}): "
@@ -359,19 +374,21 @@ class VllmEngine(refit.engine.Engine):
                     else:
                         done.update((o.request_id, o) for o in engine.step() if o.finished and o.request_id in ids)
                 finally:
-                    with self._turn:
-                        self._driving = False
-                        self._turn.notify_all()
+                    if not whole:
+                        self._give_turn()
         except BaseException:
             left = [rid for rid in added if rid not in done]
             if left:
                 with self._turn:
-                    self._turn.wait_for(lambda: not self._driving)
+                    self._turn.wait_for(lambda: whole or not self._driving)
                     try:
                         engine.abort_request(left)
                     except Exception as e:  # the original error is the one to report
                         _log.warning("aborting %d requests of `%s` failed: %s", len(left), model, e)
             raise
+        finally:
+            if whole:
+                self._give_turn()
         return [done[rid] for rid in ids]
 
     def score(self, requests: list[refit.engine.ScoreRequest]) -> list[Completion | BaseException]:
@@ -397,10 +414,15 @@ class VllmEngine(refit.engine.Engine):
         if r.model in self._mixed:
             raise RuntimeError(f"`{r.model}` serves mixed weights ({self._mixed[r.model]})")
         params = SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False)
-        (o,) = self._run(r.model, [TokensPrompt(prompt_token_ids=list(r.prompt) + list(r.tokens))], [params])
+        # scored whole, under one version (no commit lands inside), labelled with it
+        version = self._versions.get(r.model, 0)
+        (o,) = self._run(r.model, [TokensPrompt(prompt_token_ids=list(r.prompt) + list(r.tokens))], [params],
+                         whole=True)
+        if self._versions.get(r.model, 0) != version or version < 1:
+            raise RuntimeError(f"`{r.model}` changed version while scoring, or serves none yet")
         steps = o.prompt_logprobs[len(r.prompt):]
         logprobs = [float(step[t].logprob) for step, t in zip(steps, r.tokens)]
-        return Completion(tokens=list(r.tokens), logprobs=logprobs)
+        return Completion(tokens=list(r.tokens), logprobs=logprobs, versions=[version] * len(r.tokens))
 
     @staticmethod
     def _completion(output: Any) -> Completion:

@@ -235,7 +235,7 @@ pub fn join_workload(
     topo.rank(launch.rank)?;
     topo.check_links(refit_transports::link::reach_of)?;
     if refit_node::launch::checking() {
-        check_roles(topo, work.as_ref())?;
+        check_roles(topo, work.as_ref(), launch.rank)?;
         refit_node::launch::announce_passed();
         return Ok(None);
     }
@@ -275,18 +275,25 @@ pub fn join_workload(
     answer
 }
 
-/// What a rank run as a check (`REFIT_CHECK`, before `refit launch` starts any rank)
-/// checks: every model's framework params, and its roles built once (the learner, unless
-/// the program hosts none: an engine rank of a backend, whose trainer is another program's;
-/// the engines' layout, the conversion between them, the roles against each other), so
-/// that a bad value in `params` is refused before anything starts.
+/// What rank `rank`'s program run as a check (`REFIT_CHECK`, before `refit launch` starts
+/// any rank) checks: every model's framework params, and its roles built once (the
+/// learner, where a trainer rank of the model runs this program and the program hosts one:
+/// not an engine rank of a backend, nor one whose trainer is another program, a Python
+/// learner; the engines' layout, the conversion between them, the roles against each
+/// other), so that a bad value in `params` is refused before anything starts.
 ///
 /// # Errors
 /// The first refusal, naming the model and the key.
-pub fn check_roles(topo: &Topology, work: &dyn Workload) -> Result<()> {
+pub fn check_roles(topo: &Topology, work: &dyn Workload, rank: u32) -> Result<()> {
+    let command = |r: u32| topo.rank(r).map(|p| p.command).ok();
+    let ours = command(rank);
     for spec in model_specs(topo)? {
         work.check(&spec, topo.run.seed)?;
-        if work.hosts_learner() {
+        let trains_here = topo
+            .trainer_ranks(&spec.id)
+            .into_iter()
+            .any(|t| command(t) == ours);
+        if work.hosts_learner() && trains_here {
             drop(work.learner(&spec)?);
         }
         work.engine_manifest(&spec)?;

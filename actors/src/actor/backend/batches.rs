@@ -105,9 +105,9 @@ impl Batch {
 
     /// Runs the batch on `backend` (blocking): one call for the completions, one for the
     /// scores, each answer checked and given its versions (the version `served` at the
-    /// batch's start for each token the backend left unlabelled; unless `in_flight` for
-    /// completions: a version may be committed during the batch, and the backend must label
-    /// every token it generates). Requests of another epoch than `epoch` (cancelled while
+    /// batch's start for each token the backend left unlabelled; unless `in_flight`: a
+    /// version may be committed during the batch, and the backend must label every token
+    /// it generates or scores). Requests of another epoch than `epoch` (cancelled while
     /// they waited for their turn) are not run: they are answered cancelled.
     pub(super) fn run<B: EngineBackend>(
         mut self,
@@ -125,7 +125,8 @@ impl Batch {
             out.answers
                 .push((reply, s.epoch, Err(Error::Cancelled { epoch })));
         }
-        // a score is one pass over given tokens: the version served at the batch's start
+        // in flight, a version may land between the batch's start and any answer: the
+        // backend labels what it generated and what it scored
         let (name, labels) = (backend.name(), (!in_flight).then_some(served));
         if !self.generate.is_empty() {
             let (reqs, replies): (Vec<Generate>, Vec<Reply>) = self.generate.into_iter().unzip();
@@ -137,7 +138,7 @@ impl Batch {
             let (reqs, replies): (Vec<Score>, Vec<Reply>) = self.score.into_iter().unzip();
             let answers = backend.score(&reqs, served);
             let models = reqs.iter().map(|r| (&r.model, r.epoch));
-            out.take(&name, models, replies, answers, Some(served));
+            out.take(&name, models, replies, answers, labels);
         }
         out
     }
@@ -205,7 +206,8 @@ impl Answered {
 /// [`Error::Generator`] naming the model, the backend and the field when `logprobs` or
 /// `versions` is not one per token (no versions at all where `served` is `None`: a commit
 /// may have landed inside the batch, so only the backend knows), or a log-probability is
-/// not finite or above 0 (a learner would learn from it as a behaviour probability).
+/// not finite or above 1e-4 (a learner would learn from it as a behaviour probability);
+/// one in (0, 1e-4] is rounding, taken as 0.
 pub(super) fn fill_versions(
     mut c: Completion,
     served: Option<Version>,

@@ -67,7 +67,7 @@ pub trait EngineBackend: Send + Sync + 'static {
     /// True when the backend can serve a version committed while a batch runs: it loads it
     /// at its next step boundary and the batch's sequences go on under it (vLLM's `keep`;
     /// their KV entries kept, or recomputed under the new weights, as the backend does),
-    /// and it labels each token it generates with the version that made it. Under
+    /// and it labels each token it generates or scores with the version that made it. Under
     /// `pause_mode = "keep"`, the engine then commits without waiting for the running
     /// batch: the pause reported includes the backend's wait for its step boundary, and
     /// commits of different models may run at once (the backend orders them as it needs).
@@ -109,8 +109,8 @@ pub trait EngineBackend: Send + Sync + 'static {
 
     /// Completions of `batch`, one answer per request, in order; `served` is the version
     /// of each model served when this batch started. A completion whose `versions` is
-    /// empty gets
-    /// the served version for each of its tokens.
+    /// empty gets the served version for each of its tokens (refused from a backend that
+    /// commits in flight).
     fn generate(
         &self,
         batch: &[Generate],
@@ -187,9 +187,8 @@ pub struct BackendEngine<B: EngineBackend> {
     slots: BTreeMap<ModelId, Arc<tokio::sync::Mutex<Slot>>>,
     served: Served,
     holds: Holds<Held>,
-    /// Commits and batches take turns on this lock, but a commit in flight (tokio's is
-    /// fair: a commit waiting for
-    /// the running batch goes before the next batch).
+    /// Commits and batches take turns on this lock (tokio's is fair: a commit waiting for
+    /// the running batch goes before the next batch); a commit in flight does not take it.
     turn: Arc<tokio::sync::Mutex<()>>,
     pending: Pending,
     running: bool,
