@@ -716,7 +716,9 @@ env = {{ GREETING = "hi there" }}"#,
 /// `done.2`); rank 1 sleeps; rank 0 waits for `done.2` (or sleeps until stopped).
 const RESTART_SCRIPT: &str = r#"echo $$ > "$D/pid.tmp.$RANK"; mv "$D/pid.tmp.$RANK" "$D/pid.$RANK";
 case "$RANK" in
-  0) while [ ! -e "$D/done.2" ]; do sleep 0.05; done; echo finished; exit 0 ;;
+  0) while [ ! -e "$D/done.2" ]; do sleep 0.05; done
+     if [ -e "$D/lead.fails" ]; then echo "error: the run ended unsolved" >&2; exit 1; fi
+     echo finished; exit 0 ;;
   1) exec sleep 120 ;;
   2) echo "$REFIT_INCARNATION" >> "$D/starts.2"
      what=$(sed -n "$((REFIT_INCARNATION + 1))p" "$D/plan.2")
@@ -735,21 +737,36 @@ fn starts(dir: &Path) -> Vec<u32> {
         .collect()
 }
 
-#[test]
-fn a_failed_rank_is_restarted_with_the_next_incarnation() {
+/// `refit launch` of the restart script, rank 2 restarted on failure up to `max_restarts`
+/// times and doing at each start what the next line of `plan` says; the lead fails at the
+/// end when `lead_fails`. Answers the run's folder, output, stdout and stderr.
+fn launch_restarts(
+    plan: &str,
+    max_restarts: u32,
+    lead_fails: bool,
+) -> (tempfile::TempDir, Output, String, String) {
     let dir = tempfile::tempdir().unwrap();
     let topo = topology_with(
         dir.path(),
         "abort",
         RESTART_SCRIPT,
-        "restart = \"on-failure\"\nmax_restarts = 2",
+        &format!("restart = \"on-failure\"\nmax_restarts = {max_restarts}"),
     );
-    // killed by a signal, then a failing exit, then a success: two restarts
-    std::fs::write(dir.path().join("plan.2"), "kill\nfail\nok\n").unwrap();
+    std::fs::write(dir.path().join("plan.2"), plan).unwrap();
+    if lead_fails {
+        std::fs::write(dir.path().join("lead.fails"), "").unwrap();
+    }
     let mut cmd = refit();
     cmd.arg("launch").arg(&topo).args(["--grace-s", "1"]);
     let out = run_within(cmd, Duration::from_secs(90));
     let (stdout, stderr) = text(&out);
+    (dir, out, stdout, stderr)
+}
+
+#[test]
+fn a_failed_rank_is_restarted_with_the_next_incarnation() {
+    // killed by a signal, then a failing exit, then a success: two restarts
+    let (dir, out, stdout, stderr) = launch_restarts("kill\nfail\nok\n", 2, false);
     assert_eq!(out.status.code(), Some(0), "{stdout}\n{stderr}");
     assert_eq!(starts(dir.path()), [0, 1, 2], "{stderr}");
     assert!(
@@ -778,20 +795,22 @@ fn a_failed_rank_is_restarted_with_the_next_incarnation() {
     assert!(!stderr.contains("restarted rank 1"), "{stderr}");
 }
 
+/// A run that ends badly names what ended it, not a rank a restart made good before.
+#[test]
+fn a_failed_run_names_its_cause_not_a_rank_restarted_before() {
+    let (dir, out, stdout, stderr) = launch_restarts("kill\nok\n", 1, true);
+    assert_eq!(out.status.code(), Some(1), "{stdout}\n{stderr}");
+    assert_eq!(starts(dir.path()), [0, 1], "{stderr}");
+    assert!(
+        stderr.contains("refit launch: error: rank 0 (learner) failed: the run ended unsolved"),
+        "{stderr}"
+    );
+    assert!(!stderr.contains("refit launch: error: rank 2"), "{stderr}");
+}
+
 #[test]
 fn restarts_stop_at_the_limit_and_on_failure_decides() {
-    let dir = tempfile::tempdir().unwrap();
-    let topo = topology_with(
-        dir.path(),
-        "abort",
-        RESTART_SCRIPT,
-        "restart = \"on-failure\"\nmax_restarts = 2",
-    );
-    std::fs::write(dir.path().join("plan.2"), "fail\nfail\nfail\nok\n").unwrap();
-    let mut cmd = refit();
-    cmd.arg("launch").arg(&topo).args(["--grace-s", "1"]);
-    let out = run_within(cmd, Duration::from_secs(90));
-    let (stdout, stderr) = text(&out);
+    let (dir, out, stdout, stderr) = launch_restarts("fail\nfail\nfail\nok\n", 2, false);
     // the first start and two restarts, no third: the run is aborted with the rank's status
     assert_eq!(starts(dir.path()), [0, 1, 2], "{stderr}");
     assert_eq!(out.status.code(), Some(3), "{stdout}\n{stderr}");

@@ -13,10 +13,20 @@
 //! let passed = refit_actors::conformance::weight_plane(&engine, &model, &mut publisher).await?;
 //! assert_eq!(passed.len(), refit_actors::conformance::CHECKS.len());
 //! ```
+//!
+//! [`backend`] runs it on an [`EngineBackend`] (a Python engine, vLLM's) in an engine and a
+//! system of its own, with the publisher made for it: what `refit.engine.conformance` runs.
 
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use refit_runtime::{ModelId, Version};
+use actix::Actor;
+use refit_runtime::{
+    Manifest, Manifests, ModelId, PendingSend, ReceiverInit, Sender, SenderInit, Version, WeightSet,
+};
+use refit_transports::inproc::{InProc, InProcSender};
+
+use crate::actor::{BackendEngine, EngineBackend};
 
 use crate::error::{Error, Result};
 use crate::protocol::engine::{
@@ -47,6 +57,62 @@ pub const CHECKS: [&str; 8] = [
     "cancel-epochs",
 ];
 // ANCHOR_END: checks
+
+/// How long the in-process sender and receiver of [`backend`] take to connect at most.
+const CONNECT: Duration = Duration::from_secs(10);
+
+/// Runs the suite on `model` of `backend`, served by a [`BackendEngine`] of its own in an
+/// actix system of its own, its versions published through an in-process sender in the
+/// backend's layout ([`EngineBackend::manifest`]), every element zero (the suite checks
+/// what is served, not what is computed). Blocking: call it from outside any actix system.
+///
+/// # Errors
+/// A layout the backend does not give, a sender or receiver that does not connect, or the
+/// first check that fails, naming it.
+pub fn backend<B: EngineBackend>(backend: B, model: &ModelId) -> Result<Vec<&'static str>> {
+    let manifest = backend.manifest(model)?;
+    let mut first = WeightSet::zeroed(model.clone(), Arc::clone(&manifest));
+    first.set_version(Version(1));
+    let manifests = Manifests::new([(model.clone(), Arc::clone(&manifest))])?;
+    let hub = InProc::new();
+    let receiver = ReceiverInit::new(hub.receiver(), Some(manifests.clone()));
+    let receiving = std::thread::spawn(move || receiver.connect(CONNECT));
+    let sender = SenderInit::new(hub.sender()?, manifests).connect(vec![first], CONNECT);
+    let inlet = receiving
+        .join()
+        .map_err(|_| Error::Actor("the suite's receiver thread panicked".into()))??;
+    let mut publisher = Zeroed {
+        sender: sender?,
+        manifest,
+        model: model.clone(),
+        pending: Vec::new(),
+    };
+    actix_rt::System::new().block_on(async {
+        let engine =
+            BackendEngine::new(Arc::new(backend), vec![(model.clone(), Box::new(inlet))])?.start();
+        weight_plane(&EngineRef::local(&engine), model, &mut publisher).await
+    })
+}
+
+/// [`backend`]'s publisher: versions of zeros (version 1 went at connect).
+struct Zeroed {
+    sender: Sender<InProcSender>,
+    manifest: Arc<Manifest>,
+    model: ModelId,
+    /// Kept to the end (dropped, a send still goes; its acknowledgement is not waited for).
+    pending: Vec<PendingSend>,
+}
+
+impl Publish for Zeroed {
+    fn publish(&mut self, version: Version) -> Result<()> {
+        if version > Version(1) {
+            let mut ws = WeightSet::zeroed(self.model.clone(), Arc::clone(&self.manifest));
+            ws.set_version(version);
+            self.pending.push(self.sender.send_async(vec![ws])?);
+        }
+        Ok(())
+    }
+}
 
 /// How long each call of the suite may take before it counts as unanswered.
 const CALL: Duration = Duration::from_secs(30);

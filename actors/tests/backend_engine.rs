@@ -49,7 +49,7 @@ impl<B: EngineBackend> EngineBackend for Faulty<B> {
         }
         self.inner.stage(weights)
     }
-    fn commit(&self, model: &ModelId, version: Version) -> Result<()> {
+    fn commit(&self, model: &ModelId, version: Version) -> Result<Option<Duration>> {
         if Some(version) == self.fail_commit {
             return Err(Error::Generator {
                 model: model.to_string(),
@@ -387,6 +387,10 @@ async fn a_failed_commit_leaves_the_served_version_and_a_running_cancelled_reque
 /// version served when it was made (or none, when it does not label its tokens). Its
 /// fourth token waits (`hold` at most) for a commit to land, so one lands mid-sequence
 /// however loaded the machine is, where the engine lets it.
+/// How long [`Stepping`]'s commit waits for its step boundary, and the load it reports.
+const STEP_WAIT: Duration = Duration::from_millis(80);
+const STEP_LOAD: Duration = Duration::from_millis(1);
+
 struct Stepping {
     manifest: Arc<Manifest>,
     served: AtomicU64,
@@ -427,13 +431,16 @@ impl EngineBackend for Stepping {
         *self.staged.lock().unwrap() = Some(weights.version());
         Ok(())
     }
-    fn commit(&self, _: &ModelId, version: Version) -> Result<()> {
+    /// Waits `STEP_WAIT` for its step boundary (tokens still made), then loads in
+    /// `STEP_LOAD`: the pause it answers.
+    fn commit(&self, _: &ModelId, version: Version) -> Result<Option<Duration>> {
         assert_eq!(self.staged.lock().unwrap().take(), Some(version));
+        std::thread::sleep(STEP_WAIT);
         if self.generating.load(Ordering::SeqCst) {
             self.overlapped.store(true, Ordering::SeqCst);
         }
         self.served.store(version.get(), Ordering::SeqCst);
-        Ok(())
+        Ok(Some(STEP_LOAD))
     }
     fn generate(
         &self,
@@ -477,7 +484,8 @@ impl EngineBackend for Stepping {
 /// `wait` the same backend's commit waits for the batch (held 300 ms for a commit that
 /// does not come: drained, never during it). A
 /// backend that commits in flight and leaves its tokens unlabelled is refused, naming the
-/// versions.
+/// versions. The pause counted is the one the backend reports (its load), not its wait for
+/// a step boundary.
 #[actix_rt::test]
 async fn a_backend_that_commits_in_flight_is_committed_during_the_batch_under_keep() {
     use refit_runtime::sync_policy::PauseMode;
@@ -519,6 +527,10 @@ async fn a_backend_that_commits_in_flight_is_committed_during_the_batch_under_ke
                 assert!((1..10).contains(&ones), "{:?}", c.versions);
                 assert_eq!(c.versions[..ones], vec![Version(1); ones]);
                 assert_eq!(c.versions[ones..], vec![Version(2); 10 - ones]);
+                // the wait for the step boundary is drained time, the load alone a pause
+                let stats = e.send(GetEngineStats).await.unwrap();
+                assert_eq!(stats.paused_max, STEP_LOAD, "{stats:?}");
+                assert!(stats.drained_total >= STEP_WAIT - STEP_LOAD, "{stats:?}");
             }
             (PauseMode::Wait, _) => {
                 assert_eq!(c.unwrap().versions, vec![Version(1); 10]);

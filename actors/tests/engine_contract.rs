@@ -139,6 +139,25 @@ async fn both_engine_families_pass_the_suite_in_this_process() {
     assert_eq!(passed, CHECKS);
 }
 
+/// `conformance::backend`, what `refit.engine.conformance` runs on a Python engine: a
+/// backend in an engine and a system of their own, fed versions of zeros in its layout.
+#[test]
+fn a_backend_passes_the_suite_in_an_engine_of_its_own() {
+    let backend = GeneratorBackend::new()
+        .with_model(policy(), bigram(), bigram(), 16)
+        .unwrap();
+    assert_eq!(conformance::backend(backend, &policy()).unwrap(), CHECKS);
+    // a model the backend does not serve is named
+    let other = ModelId::new("other").unwrap();
+    let backend = GeneratorBackend::new()
+        .with_model(policy(), bigram(), bigram(), 16)
+        .unwrap();
+    let e = conformance::backend(backend, &other)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("other"), "{e}");
+}
+
 /// Both families served by one node and driven from another, through the wire contract.
 #[test]
 fn both_engine_families_pass_the_suite_across_nodes() {

@@ -342,7 +342,14 @@ def _program(join: Any, part: Any, roles: str) -> int:
     except Exception as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    return 1 if report is not None and not report.get("solved", True) else 0
+    if report is not None and not report.get("solved", True):
+        print(f"error: {_UNSOLVED}", file=sys.stderr)
+        return 1
+    return 0
+
+
+#: The cause a rank 0 program gives when its run ended unsolved.
+_UNSOLVED = "the run ended unsolved: the held-out reward did not reach its target within the update and time budget"
 
 
 def checksums(weights: Mapping[str, Any]) -> dict[str, int]:

@@ -127,9 +127,12 @@ class Engine:
         version (the served one stays)."""
         raise NotImplementedError
 
-    def commit(self, model: str, version: int) -> None:
+    def commit(self, model: str, version: int) -> float | None:
         """Serves the version :meth:`stage` took last: the pause. No batch runs meanwhile,
-        unless :attr:`commits_in_flight`."""
+        unless :attr:`commits_in_flight`. An engine committed in flight may answer the
+        seconds generation stopped for it (it first waits for a step boundary while tokens
+        are still made: that wait is not the pause the report shows); otherwise, or with
+        ``None``, the whole call is the pause."""
         raise NotImplementedError
 
     def abort(self, model: str) -> None:
@@ -168,8 +171,8 @@ class _Adapter:
         (model, version), = update.entries
         self.engine.stage(model, version, update)
 
-    def commit(self, model: str, version: int) -> None:
-        self.engine.commit(model, version)
+    def commit(self, model: str, version: int) -> float | None:
+        return self.engine.commit(model, version)
 
     def abort(self, model: str) -> None:
         self.engine.abort(model)
@@ -220,6 +223,26 @@ def join(engine: Engine, roles: str = "grpo") -> dict[str, Any] | None:
     return _native.join_engine(_Adapter(engine), roles)
 
 
+#: The checks :func:`conformance` runs, in order.
+CONFORMANCE_CHECKS: list[str] = list(_native.CONFORMANCE_CHECKS)
+
+
+def conformance(engine: Engine, params: dict[str, Any] | None = None, model: str = "policy") -> list[str]:
+    """Runs the engine contract's conformance suite on ``engine``, in this process: Refit's
+    own engine drives it as the controller does a rank's, through loads, a stage then its
+    commit, an abort, a stage whose hold runs out, a commit of another version than the
+    one staged, a fetch that times out, and cancellation epochs, checking after each what
+    it serves. The versions are zeros in the engine's layout (:meth:`Engine.manifest`) of
+    the ``"grpo"`` roles' model of ``params`` (a topology's ``[model.params]``): the suite
+    checks what is served, not what is computed. Blocks until it ends.
+
+    Returns the checks passed (:data:`CONFORMANCE_CHECKS`, all of them). Raises
+    :class:`refit.errors.RefitError` naming the first check that fails (what was asked,
+    what the engine answered), or what the engine raised; ``ConfigError`` for params that
+    do not fit."""
+    return list(_native.engine_conformance(_Adapter(engine), model, json.dumps(params or {})))
+
+
 def main(engine: Engine, roles: str = "grpo") -> int:
     """:func:`join` as a rank program's body (``sys.exit(refit.engine.main(MyEngine()))``):
     0 when the run ends well; 1 after one ``error: ...`` line on stderr when it raised
@@ -228,4 +251,4 @@ def main(engine: Engine, roles: str = "grpo") -> int:
     return _program(join, engine, roles)
 
 
-__all__ = ["Completion", "Engine", "Request", "ScoreRequest", "join", "main"]
+__all__ = ["CONFORMANCE_CHECKS", "Completion", "Engine", "Request", "ScoreRequest", "conformance", "join", "main"]

@@ -48,6 +48,7 @@ import logging
 import math
 import os
 import threading
+import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -218,11 +219,12 @@ class VllmEngine(refit.engine.Engine):
                 staged.append((key, buf))
         self._staged[model] = (version, staged)
 
-    def commit(self, model: str, version: int) -> None:
+    def commit(self, model: str, version: int) -> float:
         """Serves the staged ``version``: between two of vLLM's steps when a batch runs (its
-        sequences go on under it), at once otherwise. Raises ``TimeoutError`` when vLLM's
-        running step does not end within :attr:`step_deadline_s` (the staged version is
-        not served)."""
+        sequences go on under it), at once otherwise. Answers the seconds no step ran
+        (the load and the cache reset; the wait for the running step is not a pause).
+        Raises ``TimeoutError`` when vLLM's running step does not end within
+        :attr:`step_deadline_s` (the staged version is not served)."""
         with self._turn:
             self._commits_waiting += 1
             try:
@@ -233,8 +235,10 @@ class VllmEngine(refit.engine.Engine):
                 raise TimeoutError(f"v{version} of `{model}` waited {self.step_deadline_s} s for vLLM's "
                                    "running step to end")
             self._driving = True
+        loading = time.perf_counter()
         try:
             self._commit(model, version)
+            return time.perf_counter() - loading
         finally:
             with self._turn:
                 self._driving = False
@@ -341,24 +345,22 @@ class VllmEngine(refit.engine.Engine):
             self._driving = False
             self._turn.notify_all()
 
-    def _run(self, model: str, prompts: list, params: list, whole: bool = False) -> list:
+    def _run(self, model: str, prompts: list, params: list, held: bool = False) -> list:
         """vLLM's outputs of ``prompts``, in order: the requests added and stepped to their
         end one step at a time, a commit waiting taking its turn between two steps (none
-        while the run is ``whole``: a score is of one version). A commit that leaves the
-        model's weights mixed ends the batch (its requests aborted). One thread at a time
-        runs requests (the rank's requests thread): the engine's other requests are this
-        call's."""
+        when the caller ``held`` the turn for the whole run: a score is of one version). A
+        commit that leaves the model's weights mixed ends the batch (its requests aborted).
+        One thread at a time runs requests (the rank's requests thread): the engine's other
+        requests are this call's."""
         from vllm.sampling_params import RequestOutputKind
 
         engine = self._llm(model).llm_engine
         ids = [f"refit-{next(self._ids)}" for _ in prompts]
         done: dict[str, Any] = {}
         added: list[str] = []
-        if whole:
-            self._take_turn()
         try:
             while len(done) < len(ids):
-                if not whole:
+                if not held:
                     self._take_turn()
                 try:
                     if model in self._mixed:
@@ -374,21 +376,18 @@ class VllmEngine(refit.engine.Engine):
                     else:
                         done.update((o.request_id, o) for o in engine.step() if o.finished and o.request_id in ids)
                 finally:
-                    if not whole:
+                    if not held:
                         self._give_turn()
         except BaseException:
             left = [rid for rid in added if rid not in done]
             if left:
                 with self._turn:
-                    self._turn.wait_for(lambda: whole or not self._driving)
+                    self._turn.wait_for(lambda: held or not self._driving)
                     try:
                         engine.abort_request(left)
                     except Exception as e:  # the original error is the one to report
                         _log.warning("aborting %d requests of `%s` failed: %s", len(left), model, e)
             raise
-        finally:
-            if whole:
-                self._give_turn()
         return [done[rid] for rid in ids]
 
     def score(self, requests: list[refit.engine.ScoreRequest]) -> list[Completion | BaseException]:
@@ -414,12 +413,16 @@ class VllmEngine(refit.engine.Engine):
         if r.model in self._mixed:
             raise RuntimeError(f"`{r.model}` serves mixed weights ({self._mixed[r.model]})")
         params = SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False)
-        # scored whole, under one version (no commit lands inside), labelled with it
-        version = self._versions.get(r.model, 0)
-        (o,) = self._run(r.model, [TokensPrompt(prompt_token_ids=list(r.prompt) + list(r.tokens))], [params],
-                         whole=True)
-        if self._versions.get(r.model, 0) != version or version < 1:
-            raise RuntimeError(f"`{r.model}` changed version while scoring, or serves none yet")
+        # scored whole under one version (the turn held: no commit lands inside), labelled with it
+        self._take_turn()
+        try:
+            version = self._versions.get(r.model, 0)
+            if version < 1:
+                raise RuntimeError(f"`{r.model}` serves no version yet")
+            (o,) = self._run(r.model, [TokensPrompt(prompt_token_ids=list(r.prompt) + list(r.tokens))], [params],
+                             held=True)
+        finally:
+            self._give_turn()
         steps = o.prompt_logprobs[len(r.prompt):]
         logprobs = [float(step[t].logprob) for step, t in zip(steps, r.tokens)]
         return Completion(tokens=list(r.tokens), logprobs=logprobs, versions=[version] * len(r.tokens))

@@ -7,6 +7,7 @@
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
+use std::time::Duration;
 
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
@@ -48,7 +49,7 @@ pub(crate) fn rank_setup(
 /// the same name ([`Calls`]), on one of two threads of the process's life ([`Lane`]): one
 /// for the weights (stage, commit, abort), one for the requests, so a stage runs beside a
 /// batch as the contract wants.
-struct PyBackend {
+pub(crate) struct PyBackend {
     calls: Arc<Calls>,
     weights: Arc<Lane>,
     requests: Arc<Lane>,
@@ -221,15 +222,27 @@ impl Calls {
         })
     }
 
-    fn commit(&self, model: &ModelId, version: Version) -> refit_actors::Result<()> {
+    /// The Python engine's `commit` may answer the seconds it stopped generation (a float
+    /// at least 0), or `None`.
+    fn commit(&self, model: &ModelId, version: Version) -> refit_actors::Result<Option<Duration>> {
         Python::attach(|py| {
-            self.call(
+            let answer = self.call(
                 py,
                 model.as_str(),
                 "commit",
                 (model.as_str(), version.get()),
-            )
-            .map(drop)
+            )?;
+            let refused = || refit_actors::Error::Generator {
+                model: model.to_string(),
+                reason: format!(
+                    "the Python engine's commit answered {answer}: the seconds it stopped \
+                     generation (a number at least 0) or None"
+                ),
+            };
+            let seconds: Option<f64> = answer.extract().map_err(|_| refused())?;
+            seconds
+                .map(|s| Duration::try_from_secs_f64(s).map_err(|_| refused()))
+                .transpose()
         })
     }
 
@@ -263,7 +276,7 @@ impl EngineBackend for PyBackend {
         done.unwrap_or_else(|| Err(lane_gone(&model, "stage")))
     }
 
-    fn commit(&self, model: &ModelId, version: Version) -> refit_actors::Result<()> {
+    fn commit(&self, model: &ModelId, version: Version) -> refit_actors::Result<Option<Duration>> {
         let (calls, m) = (Arc::clone(&self.calls), model.clone());
         let done = self.weights.run(move || calls.commit(&m, version));
         done.unwrap_or_else(|| Err(lane_gone(model.as_str(), "commit")))
@@ -296,6 +309,52 @@ impl EngineBackend for PyBackend {
 }
 
 impl PyBackend {
+    /// The backend of `adapter` (`refit.engine._Adapter`) serving `specs`: each model's
+    /// layout is the one the engine answers for the roles' (`"grpo"`) engine layout, and
+    /// its calls run on two lanes of their own (answered beside it, to be closed when the
+    /// backend is done).
+    ///
+    /// # Errors
+    /// What the engine raised (its name, `commits_in_flight`, `manifest`), a layout that
+    /// is not one, or a lane that cannot start.
+    pub(crate) fn start(
+        py: Python<'_>,
+        adapter: Py<PyAny>,
+        specs: &[refit_actors::ModelSpec],
+    ) -> PyResult<(Self, [Arc<Lane>; 2])> {
+        let grpo = GrpoRoles::new();
+        let name: String = adapter.bind(py).call_method0("name")?.extract()?;
+        let in_flight: bool = adapter
+            .bind(py)
+            .call_method0("commits_in_flight")?
+            .extract()?;
+        let mut manifests = BTreeMap::new();
+        for spec in specs {
+            let theirs = grpo.engine_shape(spec).map_err(rank_error)?.manifest;
+            let params = serde_json::to_string(&spec.params)
+                .map_err(|e| config(format!("model `{}`: params: {e}", spec.id)))?;
+            let layout: Vec<(String, String, Vec<usize>)> = adapter
+                .bind(py)
+                .call_method1("manifest", (spec.id.as_str(), layout_of(&theirs), params))?
+                .extract()?;
+            let of = format!(" of the engine's layout of `{}`", spec.id);
+            manifests.insert(spec.id.clone(), Arc::new(manifest_of(layout, &of)?));
+        }
+        let lanes = [
+            Arc::new(Lane::start("refit-py-weights")?),
+            Arc::new(Lane::start("refit-py-requests")?),
+        ];
+        let backend = Self {
+            calls: Arc::new(Calls { adapter }),
+            weights: Arc::clone(&lanes[0]),
+            requests: Arc::clone(&lanes[1]),
+            name,
+            manifests,
+            in_flight,
+        };
+        Ok((backend, lanes))
+    }
+
     /// The adapter's `method` on `batch` (each request made by `request`), on the
     /// requests' thread; every request fails naming `method` when that thread is gone.
     fn on_requests<R: Clone + Send + 'static>(
@@ -366,42 +425,14 @@ pub(crate) fn join_engine(
     roles: &str,
 ) -> PyResult<Option<Py<PyDict>>> {
     let (topo, launch) = rank_setup(roles)?;
-    let grpo = GrpoRoles::new();
-    let name: String = adapter.bind(py).call_method0("name")?.extract()?;
-    let in_flight: bool = adapter
-        .bind(py)
-        .call_method0("commits_in_flight")?
-        .extract()?;
-    let mut manifests = BTreeMap::new();
-    for spec in run::model_specs(&topo).map_err(rank_error)? {
-        let theirs = grpo.engine_shape(&spec).map_err(rank_error)?.manifest;
-        let params = serde_json::to_string(&spec.params)
-            .map_err(|e| config(format!("model `{}`: params: {e}", spec.id)))?;
-        let layout: Vec<(String, String, Vec<usize>)> = adapter
-            .bind(py)
-            .call_method1("manifest", (spec.id.as_str(), layout_of(&theirs), params))?
-            .extract()?;
-        let of = format!(" of the engine's layout of `{}`", spec.id);
-        manifests.insert(spec.id.clone(), Arc::new(manifest_of(layout, &of)?));
-    }
-    let lanes = [
-        Arc::new(Lane::start("refit-py-weights")?),
-        Arc::new(Lane::start("refit-py-requests")?),
-    ];
-    let backend = PyBackend {
-        calls: Arc::new(Calls { adapter }),
-        weights: Arc::clone(&lanes[0]),
-        requests: Arc::clone(&lanes[1]),
-        name,
-        manifests,
-        in_flight,
-    };
+    let specs = run::model_specs(&topo).map_err(rank_error)?;
+    let (backend, lanes) = PyBackend::start(py, adapter, &specs)?;
     // a rank from here on: SIGINT and SIGTERM release what it holds and end the process
     // (for good: Python's own handling of them does not come back after the run)
     refit_node::signals::install_signal_handlers().map_err(|e| to_py(e.into()))?;
     let report = py
         .detach(|| {
-            let report = run::join_backend(&topo, &launch, grpo, backend);
+            let report = run::join_backend(&topo, &launch, GrpoRoles::new(), backend);
             // a batch may still run in Python for a request nobody waits for any more
             lanes.iter().for_each(|l| l.close());
             report

@@ -10,6 +10,7 @@
 
 use pyo3::prelude::*;
 
+mod conformance;
 mod engine;
 mod errors;
 mod lane;
@@ -33,9 +34,14 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<mesh::MeshReceiver>()?;
     m.add_function(wrap_pyfunction!(spec::transports, m)?)?;
     m.add_function(wrap_pyfunction!(engine::join_engine, m)?)?;
+    m.add_function(wrap_pyfunction!(conformance::engine_conformance, m)?)?;
     m.add_function(wrap_pyfunction!(engine::check_started, m)?)?;
     m.add_function(wrap_pyfunction!(trainer::join_trainer, m)?)?;
     m.add_function(wrap_pyfunction!(verify::checksums, m)?)?;
+    m.add(
+        "CONFORMANCE_CHECKS",
+        refit_actors::conformance::CHECKS.to_vec(),
+    )?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

@@ -4,10 +4,13 @@ binary (built by cargo beside the package), and a sender/receiver pair on any tr
 from __future__ import annotations
 
 import os
+import queue
 import re
+import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -90,6 +93,62 @@ def launch_solves(cmd: list[str], env: dict, cwd: Path, low: float = 0.3, high: 
     # each update's line names the version each engine rank serves and its pause per load
     served = r"engines serve rank 1 v\d+ \(pause [\d.]+ (us|ms|s) per load\), rank 2 v\d+ \(pause"
     assert re.search(served, out), out[-6000:]
+    return out
+
+
+#: The engine ranks restarted on failure, and a dead one seen within seconds.
+RESTARTS = ["process.engine.restart=on-failure", "process.engine.max_restarts=2",
+            "run.keepalive_s=0.5", "run.dead_after_s=3.0"]
+
+
+def killed_rank_rejoins(cmd: list[str], env: dict, cwd: Path, kill_at: str = "policy v4:",
+                        solves: bool = True) -> str:
+    """Runs a launch whose engine ranks restart on failure (:data:`RESTARTS`), ``kill -9``s
+    rank 2 once a line holds ``kill_at``, and checks that the launcher started it again,
+    that its new incarnation rejoined the running job, loaded versions and stopped cleanly,
+    that the report counts its loads, and that the run ended: solved when ``solves``, else
+    unsolved at its budget (status 1, rank 0 named as the cause, not the rank the restart
+    made good). Answers the output."""
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    # lines come through a reader thread, so a silent run cannot hang the test past its
+    # deadline
+    lines: queue.Queue = queue.Queue()
+    reader = threading.Thread(target=lambda: [lines.put(l) for l in proc.stdout], daemon=True)
+    reader.start()
+    seen: list[str] = []
+    pid = killed = None
+    deadline = time.monotonic() + 600
+    try:
+        while reader.is_alive() or not lines.empty():
+            assert time.monotonic() < deadline, "".join(seen[-40:])
+            try:
+                line = lines.get(timeout=1)
+            except queue.Empty:
+                continue
+            seen.append(line)
+            if pid is None and "rank 2 (process `engine`, replica 1): pid " in line:
+                pid = int(line.split(": pid ")[1].split(",")[0])
+            if killed is None and pid is not None and kill_at in line:
+                os.kill(pid, signal.SIGKILL)
+                killed = pid
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    out = "".join(seen)
+    assert killed is not None, out[-6000:]
+    if solves:
+        assert proc.returncode == 0 and "solved: policy held-out reward" in out, out[-6000:]
+    else:
+        assert proc.returncode == 1 and "NOT solved: policy held-out reward" in out, out[-6000:]
+        assert "refit launch: error: rank 0 (learner) failed: the run ended unsolved" in out, out[-6000:]
+        assert "refit launch: error: rank 2" not in out, out[-6000:]
+    assert "rank 2 (process `engine`, replica 1) rejoined (incarnation 1)" in out, out[-6000:]
+    after = out.split("rejoined (incarnation 1)", 1)[1]
+    assert "rank 2 (process `engine`, replica 1): stopped; engine loaded" in after, out[-6000:]
+    loads = re.search(r"rank 2 \(incarnation 1\): (\d+) loads", after)
+    assert loads and int(loads.group(1)) > 0, out[-6000:]
     return out
 
 

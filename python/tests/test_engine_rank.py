@@ -6,17 +6,12 @@ reversal; and what the adapter between the binding and an engine does with its a
 from __future__ import annotations
 
 import json
-import os
-import queue
-import signal
 import subprocess
 import sys
-import threading
-import time
 
 import pytest
 
-from conftest import REPO, SHORT, grpo_example, launch_command, launch_solves, require
+from conftest import REPO, RESTARTS, SHORT, grpo_example, killed_rank_rejoins, launch_command, launch_solves, require
 
 import refit.engine
 from refit.engine import Completion, _Adapter
@@ -35,43 +30,9 @@ def test_a_killed_python_engine_rank_is_restarted_and_rejoins(refit_bin, tmp_pat
     starts it again, its new incarnation rejoins the running job with the current weights
     (through the same Rust rank code as a Rust engine's), and the run solves."""
     require("torch")
-    sets = SHORT + ["process.engine.restart=on-failure", "process.engine.max_restarts=2",
-                    "run.keepalive_s=0.5", "run.dead_after_s=3.0", "stop.target_eval=0.7"]
+    sets = SHORT + RESTARTS + ["stop.target_eval=0.7"]
     cmd, env = launch_command(refit_bin, tmp_path, sets)
-    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-    # lines come through a reader thread, so a silent run cannot hang the test past its
-    # deadline
-    lines: queue.Queue = queue.Queue()
-    reader = threading.Thread(target=lambda: [lines.put(l) for l in proc.stdout], daemon=True)
-    reader.start()
-    seen: list[str] = []
-    pid = killed = None
-    deadline = time.monotonic() + 600
-    try:
-        while reader.is_alive() or not lines.empty():
-            assert time.monotonic() < deadline, "".join(seen[-40:])
-            try:
-                line = lines.get(timeout=1)
-            except queue.Empty:
-                continue
-            seen.append(line)
-            if pid is None and "rank 2 (process `engine`, replica 1): pid " in line:
-                pid = int(line.split(": pid ")[1].split(",")[0])
-            if killed is None and pid is not None and "policy v4:" in line:
-                os.kill(pid, signal.SIGKILL)
-                killed = pid
-        proc.wait(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    out = "".join(seen)
-    assert killed is not None, out[-6000:]
-    assert proc.returncode == 0, out[-6000:]
-    assert "rank 2 (process `engine`, replica 1) rejoined (incarnation 1)" in out, out[-6000:]
-    assert "solved: policy held-out reward" in out, out[-6000:]
-    after = out.split("rejoined (incarnation 1)", 1)[1]
-    assert "rank 2 (process `engine`, replica 1): stopped; engine loaded" in after, out[-6000:]
+    killed_rank_rejoins(cmd, env, tmp_path)
 
 
 def test_the_torch_engine_scores_as_refits_own_generator(tmp_path):
@@ -109,6 +70,37 @@ def test_the_torch_engine_scores_as_refits_own_generator(tmp_path):
     print(f"the PyTorch engine's log-probabilities differ from Refit's by up to {worst:.1e}")
     assert worst < 2e-3, f"log-probabilities differ by up to {worst}"
     assert torch.isfinite(torch.tensor(want_all)).all()
+
+
+def test_the_torch_engine_passes_the_conformance_suite_and_a_failing_engine_is_named():
+    """The engine contract's conformance suite, the one Refit's own engines pass, run on the
+    PyTorch engine of the launch test through the backend a rank puts it behind; an engine
+    whose commit of a staged version raises fails it, the check named."""
+    require("torch")
+    sys.path.insert(0, str(REPO / "python/examples"))
+    try:
+        from torch_engine_rank import TorchTransformer
+    finally:
+        sys.path.pop(0)
+    params = {"heads": 4}
+    # ANCHOR: conformance
+    passed = refit.engine.conformance(TorchTransformer(), params)
+    assert passed == refit.engine.CONFORMANCE_CHECKS
+    # ANCHOR_END: conformance
+    assert refit.engine.CONFORMANCE_CHECKS[:3] == ["load", "load-served", "stage-then-commit"]
+
+    class RefusesV2(TorchTransformer):
+        def commit(self, model, version):
+            if version == 2:
+                raise RuntimeError("v2 does not fit")
+            return super().commit(model, version)
+
+    with pytest.raises(refit.RefitError, match="stage-then-commit") as e:
+        refit.engine.conformance(RefusesV2(), params)
+    assert "v2 does not fit" in str(e.value)
+    # params the roles refuse are a configuration error, named
+    with pytest.raises(refit.ConfigError, match="nope"):
+        refit.engine.conformance(TorchTransformer(), {"nope": 1})
 
 
 def test_the_adapter_hands_answers_over_and_names_what_is_wrong():

@@ -13,12 +13,14 @@ from types import SimpleNamespace
 
 import pytest
 
-from conftest import REPO, SHORT, grpo_example, launch_command, launch_solves, require_vllm
+from conftest import (REPO, RESTARTS, SHORT, grpo_example, killed_rank_rejoins, launch_command, launch_solves,
+                      require_vllm)
 
 require_vllm()
 torch = pytest.importorskip("torch")  # vLLM's own dependency
 from safetensors.torch import load_file  # noqa: E402
 
+import refit.engine  # noqa: E402
 from refit.engine import Request, ScoreRequest  # noqa: E402
 from refit.vllm_engine import VllmEngine, token_versions  # noqa: E402
 
@@ -133,6 +135,17 @@ def test_completions_carry_vllms_versions_stop_tokens_and_behaviour_logprobs(eng
     # a seed gives the same completion again
     again = engine.generate(asked[:2])
     assert [a.tokens for a in again] == [a.tokens for a in answers[:2]]
+
+
+def test_the_vllm_engine_passes_the_conformance_suite(engine):
+    """The engine contract's conformance suite, the one Refit's own engines pass, run on the
+    module's vLLM engine through the backend a rank puts it behind (a new engine in front
+    of it, whose versions start from none): loads, a stage then its commit, an abort, a
+    hold that runs out, a commit of another version, a fetch that times out, cancellation
+    epochs. It serves versions of zeros after: the last test of the module's engine (a
+    second vLLM in this process would take the first one's parallel groups with it when it
+    goes)."""
+    assert refit.engine.conformance(engine, PARAMS) == refit.engine.CONFORMANCE_CHECKS
 
 
 def test_a_version_that_leaves_a_parameter_unwritten_is_refused_naming_it(golden):
@@ -313,6 +326,19 @@ def test_vllm_engine_ranks_learn_grpo_under_refit_launch(refit_bin, tmp_path, mo
         sets.append(f'process.learner.command=["{grpo_example()}", "topology"]')
     cmd, env = launch_command(refit_bin, tmp_path, sets, topology="grpo-vllm.toml", script="vllm_engine_rank.py")
     launch_solves(cmd, env, tmp_path)
+
+
+def test_a_killed_vllm_engine_rank_is_restarted_and_rejoins(refit_bin, tmp_path):
+    """``kill -9`` of a vLLM engine rank with ``restart = "on-failure"``: the launcher starts
+    it again, its new vLLM rejoins the running job with the current weights and serves
+    rollouts, and the report counts the new incarnation's loads. The run goes to its update
+    budget (a reward is at most 1: the target is never met), so the restarted rank, whose
+    vLLM takes seconds to start, rejoins before the end; it ends unsolved, and the launcher
+    names rank 0's end as the cause, not the rank the restart made good."""
+    sets = SHORT + RESTARTS + ["stop.target_eval=2.0", "stop.max_updates=150"]
+    cmd, env = launch_command(refit_bin, tmp_path, sets, topology="grpo-vllm.toml", script="vllm_engine_rank.py")
+    out = killed_rank_rejoins(cmd, env, tmp_path, kill_at="policy v2:", solves=False)
+    assert "Traceback" not in out, out[-6000:]
 
 
 def test_a_hugging_face_llama_learns_behind_vllm_engine_ranks(refit_bin, tmp_path):

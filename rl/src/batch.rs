@@ -11,7 +11,7 @@ use refit_runtime::Version;
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
-use crate::generation::{Finish, Token};
+use crate::generation::{Finish, Token, check_logprobs, check_per_token};
 
 /// An observation as a transition holds it: up to [`Observation::INLINE`] values live in
 /// the transition itself, so that collecting a step of a small environment (CartPole's
@@ -168,7 +168,8 @@ impl Sequence {
 
     /// What any learner needs of a sequence, its fault named by field: a prompt; one
     /// behaviour log-probability, one version (and one token reward, when given) per
-    /// token; log-probabilities finite and at most 0; a finite reward.
+    /// token; log-probabilities finite and at most 0 (within
+    /// [`LOGPROB_ROUNDING`](crate::generation::LOGPROB_ROUNDING)); a finite reward.
     ///
     /// # Errors
     /// The field at fault and what it holds, as a message.
@@ -176,30 +177,16 @@ impl Sequence {
         if self.prompt.is_empty() {
             return Err("empty prompt".into());
         }
-        let n = self.tokens.len();
-        let per_token = [
-            ("logprobs", Some(self.logprobs.len())),
-            ("versions", Some(self.versions.len())),
-            ("token_rewards", self.token_rewards.as_ref().map(Vec::len)),
-            ("ref_logprobs", self.ref_logprobs.as_ref().map(Vec::len)),
-        ];
-        for (field, len) in per_token {
-            if let Some(len) = len
-                && len != n
-            {
-                return Err(format!("{n} tokens with {len} {field} (one per token)"));
-            }
-        }
-        if let Some(i) = self
-            .logprobs
-            .iter()
-            .position(|lp| !(lp.is_finite() && *lp <= 0.0))
-        {
-            return Err(format!(
-                "logprobs[{i}] = {} is not a finite log-probability (behaviour)",
-                self.logprobs[i]
-            ));
-        }
+        check_per_token(
+            self.tokens.len(),
+            &[
+                ("logprobs", Some(self.logprobs.len())),
+                ("versions", Some(self.versions.len())),
+                ("token_rewards", self.token_rewards.as_ref().map(Vec::len)),
+                ("ref_logprobs", self.ref_logprobs.as_ref().map(Vec::len)),
+            ],
+        )?;
+        check_logprobs(&self.logprobs)?;
         if !self.reward.is_finite() {
             return Err(format!("reward {} is not finite", self.reward));
         }
@@ -486,14 +473,14 @@ mod tests {
                     logprobs: vec![],
                     ..good.clone()
                 },
-                "2 tokens with 0 logprobs",
+                "0 logprobs for 2 tokens",
             ),
             (
                 Sequence {
                     versions: vec![Version(1)],
                     ..good.clone()
                 },
-                "with 1 versions",
+                "1 versions for 2 tokens",
             ),
             (
                 Sequence {
@@ -538,6 +525,12 @@ mod tests {
                 "empty prompt",
             ),
         ];
+        // rounding above 0 is a log-probability of 0
+        let rounded = Sequence {
+            logprobs: vec![5e-5, -1.0],
+            ..good.clone()
+        };
+        assert_eq!(rounded.check_fields(), Ok(()));
         for (s, says) in cases {
             let e = s.check_fields().unwrap_err();
             assert!(e.contains(says), "{says}: {e}");

@@ -117,6 +117,53 @@ pub struct Completion {
 }
 // ANCHOR_END: completion
 
+/// How far above 0 a behaviour log-probability may lie and still be taken as 0: a
+/// probability of 1 rounded in `f32` by an engine's softmax.
+pub const LOGPROB_ROUNDING: f32 = 1e-4;
+
+/// Checks the fields that hold one value per generated token: each `(field, len)` whose
+/// length is given must be `tokens`.
+///
+/// # Errors
+/// The first field of another length, named, as a message.
+pub fn check_per_token(
+    tokens: usize,
+    fields: &[(&str, Option<usize>)],
+) -> std::result::Result<(), String> {
+    match fields
+        .iter()
+        .find(|(_, len)| len.is_some_and(|len| len != tokens))
+    {
+        Some((field, Some(len))) => {
+            Err(format!("{len} {field} for {tokens} tokens (one per token)"))
+        }
+        _ => Ok(()),
+    }
+}
+
+/// Checks behaviour log-probabilities: each finite and at most [`LOGPROB_ROUNDING`] (what
+/// lies above 0 is rounding, which [`clamp_logprobs`] takes to 0).
+///
+/// # Errors
+/// The first that is not a log-probability, by index and value, as a message.
+pub fn check_logprobs(logprobs: &[f32]) -> std::result::Result<(), String> {
+    match logprobs
+        .iter()
+        .position(|p| !(p.is_finite() && *p <= LOGPROB_ROUNDING))
+    {
+        Some(i) => Err(format!(
+            "logprobs[{i}] = {}, not a log-probability",
+            logprobs[i]
+        )),
+        None => Ok(()),
+    }
+}
+
+/// Takes checked log-probabilities' rounding above 0 to 0, as every learner wants them.
+pub fn clamp_logprobs(logprobs: &mut [f32]) {
+    logprobs.iter_mut().for_each(|p| *p = p.min(0.0));
+}
+
 impl Completion {
     /// The oldest version among its tokens (`None` when it has no token).
     pub fn oldest_version(&self) -> Option<Version> {

@@ -38,7 +38,6 @@
 use refit_runtime::Want;
 
 use crate::error::{Error, Result};
-use crate::generation::Generator;
 use crate::grpo::{Correction, GrpoConfig, GrpoLearner, ServedReference};
 use crate::learner::Learner;
 use crate::llama::LlamaShape;
@@ -352,23 +351,28 @@ impl GenRoles for GrpoRoles {
         ReverseDigits::new(self.settings(model)?.task)
     }
 
-    /// A Llama's engines hold the layout [`LlamaShape`] gives, the task's vocabulary and
-    /// context; a transformer's are the generator's.
+    /// A Llama's engines hold the layout [`LlamaShape`] gives, a transformer's the
+    /// generator's; both the task's vocabulary and context.
     fn engine_shape(&self, model: &ModelSpec) -> Result<EngineShape> {
         let s = self.settings(model)?;
-        if s.arch == Arch::Transformer {
-            let g = self.generator(model)?;
-            return Ok(EngineShape {
-                manifest: g.manifest(),
-                vocab: g.vocab_size(),
-                context: g.max_context(),
-            });
-        }
-        let llama = s.llama();
+        let (manifest, vocab, context) = match s.arch {
+            Arch::Transformer => {
+                let m = &s.grpo.model;
+                (m.generator_manifest()?, m.vocab, m.context)
+            }
+            Arch::Llama => {
+                let llama = s.llama();
+                (
+                    std::sync::Arc::new(llama.manifest()?),
+                    llama.vocab,
+                    llama.context,
+                )
+            }
+        };
         Ok(EngineShape {
-            manifest: std::sync::Arc::new(llama.manifest()?),
-            vocab: llama.vocab,
-            context: llama.context,
+            manifest,
+            vocab,
+            context,
         })
     }
 
@@ -452,9 +456,11 @@ mod tests {
         // a transformer is what it was: converted on the way, its generator's layout
         let t = spec("");
         assert!(r.want(&t).unwrap().is_some());
+        let (shape, g) = (r.engine_shape(&t).unwrap(), r.generator(&t).unwrap());
+        assert_eq!(shape.manifest, g.manifest());
         assert_eq!(
-            r.engine_shape(&t).unwrap().manifest,
-            r.generator(&t).unwrap().manifest()
+            (shape.vocab, shape.context),
+            (g.vocab_size(), g.max_context())
         );
     }
 

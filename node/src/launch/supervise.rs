@@ -33,6 +33,8 @@ pub struct Supervisor {
     log_dir: Option<PathBuf>,
     /// The first failure that ended or marred the run: who, and its cause.
     failure: Mutex<Option<String>>,
+    /// The first failure a restart made good, reported only when no other failure was.
+    recovered: Mutex<Option<String>>,
 }
 
 /// How the run ends.
@@ -113,14 +115,17 @@ impl Supervisor {
             streams: AtomicUsize::new(0),
             log_dir,
             failure: Mutex::new(None),
+            recovered: Mutex::new(None),
         })
     }
 
     /// The first failure of the run, once [`run`](Self::run) returned: `rank 1 (actor)
     /// failed: CAUSE`, with the first `error:` line the rank printed as its cause (or how
-    /// it ended, when it printed none). `None` when no rank failed.
+    /// it ended, when it printed none). A failure a restart made good is the run's only
+    /// when no other rank failed. `None` when no rank failed.
     pub fn failure(&self) -> Option<String> {
-        lock(&self.failure).clone()
+        let failure = lock(&self.failure).clone();
+        failure.or_else(|| lock(&self.recovered).clone())
     }
 
     /// Whether a signal (SIGINT, SIGTERM) stopped the last [`run`](Self::run).
@@ -134,15 +139,13 @@ impl Supervisor {
     pub fn clear(&self) {
         self.lock().clear();
         *lock(&self.failure) = None;
+        *lock(&self.recovered) = None;
         self.streams.store(0, Ordering::SeqCst);
     }
 
     /// Keeps `what` as the run's failure unless one came first.
     fn note_failure(&self, what: String) {
-        let mut first = lock(&self.failure);
-        if first.is_none() {
-            *first = Some(what);
-        }
+        lock(&self.failure).get_or_insert(what);
     }
 
     /// Starts every rank of `specs` (the first is the lead: the run ends with it) and
@@ -330,10 +333,12 @@ impl Supervisor {
                 if !told.contains(&i) {
                     tracing::error!("{label} failed: it {}", child::describe(status));
                 }
-                self.note_failure(self.failure_of(i, &label, status));
+                let what = self.failure_of(i, &label, status);
                 if self.restart(i, done) {
+                    lock(&self.recovered).get_or_insert(what);
                     continue;
                 }
+                self.note_failure(what);
                 if i == 0 {
                     if self.lock().len() > 1 {
                         tracing::warn!("rank 0 ended; stopping the other ranks");

@@ -7,7 +7,7 @@ use refit_runtime::{ModelId, Version};
 use tokio::sync::oneshot;
 
 use crate::error::{Error, Result};
-use crate::generation::Completion;
+use crate::generation::{Completion, check_logprobs, check_per_token, clamp_logprobs};
 use crate::protocol::engine::{Generate, Score};
 
 use super::EngineBackend;
@@ -206,8 +206,9 @@ impl Answered {
 /// [`Error::Generator`] naming the model, the backend and the field when `logprobs` or
 /// `versions` is not one per token (no versions at all where `served` is `None`: a commit
 /// may have landed inside the batch, so only the backend knows), or a log-probability is
-/// not finite or above 1e-4 (a learner would learn from it as a behaviour probability);
-/// one in (0, 1e-4] is rounding, taken as 0.
+/// not finite or above [`LOGPROB_ROUNDING`](crate::generation::LOGPROB_ROUNDING) (a
+/// learner would learn from it as a behaviour probability); one in between is rounding,
+/// taken as 0.
 pub(super) fn fill_versions(
     mut c: Completion,
     served: Option<Version>,
@@ -228,27 +229,16 @@ pub(super) fn fill_versions(
         };
         c.versions = vec![served; c.tokens.len()];
     }
-    let n = c.tokens.len();
-    for (field, len) in [
-        ("logprobs", c.logprobs.len()),
-        ("versions", c.versions.len()),
-    ] {
-        if len != n {
-            return Err(refused(format!(
-                "{len} {field} for {n} tokens (one per token)"
-            )));
-        }
-    }
-    // a little above 0 is rounding (a probability of 1 in float32): taken as 0, as every
-    // learner wants it
-    let bad = c.logprobs.iter().position(|p| !p.is_finite() || *p > 1e-4);
-    if let Some(i) = bad {
-        let p = c.logprobs[i];
-        return Err(refused(format!(
-            "logprobs[{i}] = {p}, not a log-probability"
-        )));
-    }
-    c.logprobs.iter_mut().for_each(|p| *p = p.min(0.0));
+    check_per_token(
+        c.tokens.len(),
+        &[
+            ("logprobs", Some(c.logprobs.len())),
+            ("versions", Some(c.versions.len())),
+        ],
+    )
+    .and_then(|()| check_logprobs(&c.logprobs))
+    .map_err(refused)?;
+    clamp_logprobs(&mut c.logprobs);
     Ok(c)
 }
 

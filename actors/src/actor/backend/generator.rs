@@ -4,6 +4,7 @@
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::time::Duration;
 
 use refit_runtime::{Manifest, ModelId, Version, WeightSet};
 
@@ -153,7 +154,7 @@ impl<G: Generator> EngineBackend for GeneratorBackend<G> {
         Ok(())
     }
 
-    fn commit(&self, model: &ModelId, version: Version) -> Result<()> {
+    fn commit(&self, model: &ModelId, version: Version) -> Result<Option<Duration>> {
         let served = self.model(model)?;
         let staged = lock(&served.staged).take();
         let Some((weights, v)) = staged.filter(|(_, v)| *v == version) else {
@@ -167,7 +168,7 @@ impl<G: Generator> EngineBackend for GeneratorBackend<G> {
         // nothing runs during a commit: the swap is made at this step's boundary
         let swap = scheduler.step().swap;
         match swap {
-            Some(s) if s.to == version => Ok(()),
+            Some(s) if s.to == version => Ok(None),
             _ => Err(Error::Generator {
                 model: model.to_string(),
                 reason: format!("v{version} was offered but not swapped in"),

@@ -11,11 +11,13 @@
 //!    staging form (pinned buffers, a copy per tensor-parallel worker), on a blocking thread
 //!    while batches keep running;
 //! 2. **commit, the only pause**: once the batch running now ends, no new one starts until
-//!    [`EngineBackend::commit`] returned; the pause reported is that call alone, and the
-//!    wait for the running batch is reported as drained time, not pause. A backend that
-//!    commits in flight ([`EngineBackend::commits_in_flight`], vLLM between its steps) is
-//!    committed during the running batch under `pause_mode = "keep"`: its sequences go on
-//!    under the new version, and their tokens say which version made each;
+//!    [`EngineBackend::commit`] returned; the pause reported is that call alone (or the
+//!    part of it the backend says it stopped generation), and the wait for the running
+//!    batch is reported as drained time, not pause. A backend that commits in flight
+//!    ([`EngineBackend::commits_in_flight`], vLLM between its steps) is committed during
+//!    the running batch under `pause_mode = "keep"`: its sequences go on under the new
+//!    version, and their tokens say which version made each; its wait for a step
+//!    boundary is drained time too;
 //! 3. **acknowledge** the version to its sender: it is served.
 //!
 //! Requests are batched: those that arrive while a batch runs go together into the next
@@ -69,9 +71,9 @@ pub trait EngineBackend: Send + Sync + 'static {
     /// their KV entries kept, or recomputed under the new weights, as the backend does),
     /// and it labels each token it generates or scores with the version that made it. Under
     /// `pause_mode = "keep"`, the engine then commits without waiting for the running
-    /// batch: the pause reported includes the backend's wait for its step boundary, and
-    /// commits of different models may run at once (the backend orders them as it needs).
-    /// Default: false.
+    /// batch (commits of different models may run at once: the backend orders them as it
+    /// needs), and the backend's wait for its step boundary is not a pause: its
+    /// [`EngineBackend::commit`] says how long it stopped generation. Default: false.
     fn commits_in_flight(&self) -> bool {
         false
     }
@@ -93,11 +95,14 @@ pub trait EngineBackend: Send + Sync + 'static {
     fn stage(&self, weights: Arc<WeightSet>) -> Result<()>;
 
     /// Serves what was staged last of `model`, `version`: the only part of an update that
-    /// may stop the backend's generation of the model.
+    /// may stop the backend's generation of the model. Answers the time generation stopped
+    /// for it when the backend measured it (`Some`: a backend committed in flight first
+    /// waits for a step boundary, during which tokens are still made), or `None`: the
+    /// whole call is the pause (as it always is when the engine waited for the batch).
     ///
     /// # Errors
     /// A load that failed; the engine then serves no new version (and says so).
-    fn commit(&self, model: &ModelId, version: Version) -> Result<()>;
+    fn commit(&self, model: &ModelId, version: Version) -> Result<Option<Duration>>;
 
     /// Drops what was staged of `model`, serving nothing new: the fleet did not commit it,
     /// its hold ran out, or a newer load took its place (default: nothing to drop). Called
@@ -435,16 +440,21 @@ impl<B: EngineBackend> Job<B> {
             Arc::clone(&self.backend),
             Arc::clone(&self.served),
         );
+        // out of flight, no batch runs during the call: all of it is a pause
+        let in_flight = self.in_flight;
         let done = actix_rt::task::spawn_blocking(move || {
             let mut guard = guard;
             let started = Instant::now();
-            if let Err(e) = backend.commit(&model, version) {
-                if let Some(abort) = abort {
-                    abort();
+            let measured = match backend.commit(&model, version) {
+                Ok(measured) => measured,
+                Err(e) => {
+                    if let Some(abort) = abort {
+                        abort();
+                    }
+                    return Err(e);
                 }
-                return Err(e);
-            }
-            let paused = started.elapsed();
+            };
+            let (paused, waited) = pause_of(started.elapsed(), measured.filter(|_| in_flight));
             // the next batch, which waits for the turn, sees the version it runs under
             served
                 .lock()
@@ -452,7 +462,7 @@ impl<B: EngineBackend> Job<B> {
                 .insert(model.clone(), version);
             drop(turn);
             guard.inlet.applied(&model, version)?;
-            Ok(paused)
+            Ok((paused, waited))
         })
         .await
         .map_err(|e| {
@@ -461,16 +471,24 @@ impl<B: EngineBackend> Job<B> {
                 self.model
             ))
         })?;
-        let paused = done.map_err(|e: Error| {
+        let (paused, waited) = done.map_err(|e: Error| {
             tracing::error!(model = %self.model, "v{version} did not load: {e}");
             e
         })?;
         Ok(Committed {
             version,
             paused,
-            drained,
+            drained: drained + waited,
         })
     }
+}
+
+/// A commit call's pause and the rest of it, which the backend spent waiting while its
+/// batch went on (drained time): the backend's own measure of its pause, at most the call;
+/// the whole call when it measured none.
+fn pause_of(call: Duration, measured: Option<Duration>) -> (Duration, Duration) {
+    let paused = measured.map_or(call, |m| m.min(call));
+    (paused, call.saturating_sub(paused))
 }
 
 /// The least time a staged version waits for the running batch to end, even when the fetch
@@ -745,5 +763,21 @@ impl<B: EngineBackend> BackendEngine<B> {
             }
             act.start_batch(ctx);
         }));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_commit_pauses_for_what_the_backend_measured_at_most_the_call() {
+        let ms = Duration::from_millis;
+        // no measure: the whole call
+        assert_eq!(pause_of(ms(30), None), (ms(30), ms(0)));
+        // measured: the rest was a wait while the batch went on
+        assert_eq!(pause_of(ms(30), Some(ms(4))), (ms(4), ms(26)));
+        // a measure longer than the call is the call
+        assert_eq!(pause_of(ms(30), Some(ms(90))), (ms(30), ms(0)));
     }
 }
