@@ -27,6 +27,7 @@ use refit_runtime::{
 use refit_transports::inproc::{InProc, InProcSender};
 
 use crate::actor::{BackendEngine, EngineBackend};
+use crate::generation::PauseMode;
 
 use crate::error::{Error, Result};
 use crate::protocol::engine::{
@@ -64,11 +65,16 @@ const CONNECT: Duration = Duration::from_secs(10);
 /// Runs the suite on `model` of `backend`, served by a [`BackendEngine`] of its own in an
 /// actix system of its own, its versions published through an in-process sender in the
 /// backend's layout ([`EngineBackend::manifest`]), every element zero (the suite checks
-/// what is served, not what is computed). Blocking: call it from outside any actix system.
+/// what is served, not what is computed), under `pause_mode = "keep"` as a topology's
+/// default (a backend that commits in flight is committed during its batches). Blocking.
 ///
 /// # Errors
 /// A layout the backend does not give, a sender or receiver that does not connect, or the
 /// first check that fails, naming it.
+///
+/// # Panics
+/// Called inside an async runtime (an actix system, a tokio runtime): its own system
+/// cannot start there.
 pub fn backend<B: EngineBackend>(backend: B, model: &ModelId) -> Result<Vec<&'static str>> {
     let manifest = backend.manifest(model)?;
     let mut first = WeightSet::zeroed(model.clone(), Arc::clone(&manifest));
@@ -78,18 +84,23 @@ pub fn backend<B: EngineBackend>(backend: B, model: &ModelId) -> Result<Vec<&'st
     let receiver = ReceiverInit::new(hub.receiver(), Some(manifests.clone()));
     let receiving = std::thread::spawn(move || receiver.connect(CONNECT));
     let sender = SenderInit::new(hub.sender()?, manifests).connect(vec![first], CONNECT);
-    let inlet = receiving
+    let received = receiving
         .join()
-        .map_err(|_| Error::Actor("the suite's receiver thread panicked".into()))??;
+        .map_err(|_| Error::Actor("the suite's receiver thread panicked".into()))?;
+    // the sender's error first: a receiver left without one times out
+    let sender = sender?;
+    let inlet = received?;
     let mut publisher = Zeroed {
-        sender: sender?,
+        sender,
         manifest,
         model: model.clone(),
         pending: Vec::new(),
     };
     actix_rt::System::new().block_on(async {
-        let engine =
-            BackendEngine::new(Arc::new(backend), vec![(model.clone(), Box::new(inlet))])?.start();
+        // the topology's default: a backend that commits in flight is committed so
+        let engine = BackendEngine::new(Arc::new(backend), vec![(model.clone(), Box::new(inlet))])?
+            .pause_mode(PauseMode::Keep)
+            .start();
         weight_plane(&EngineRef::local(&engine), model, &mut publisher).await
     })
 }

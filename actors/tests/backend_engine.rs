@@ -383,14 +383,15 @@ async fn a_failed_commit_leaves_the_served_version_and_a_running_cancelled_reque
     assert_eq!(stats.cancelled, 1, "{stats:?}");
 }
 
+/// How long [`Stepping`]'s commit waits for its step boundary.
+const STEP_WAIT: Duration = Duration::from_millis(80);
+/// The load [`Stepping`]'s commit reports: its pause.
+const STEP_LOAD: Duration = Duration::from_millis(1);
+
 /// A backend that commits in flight: each token of a request takes 20 ms and carries the
 /// version served when it was made (or none, when it does not label its tokens). Its
 /// fourth token waits (`hold` at most) for a commit to land, so one lands mid-sequence
 /// however loaded the machine is, where the engine lets it.
-/// How long [`Stepping`]'s commit waits for its step boundary, and the load it reports.
-const STEP_WAIT: Duration = Duration::from_millis(80);
-const STEP_LOAD: Duration = Duration::from_millis(1);
-
 struct Stepping {
     manifest: Arc<Manifest>,
     served: AtomicU64,
@@ -539,6 +540,8 @@ async fn a_backend_that_commits_in_flight_is_committed_during_the_batch_under_ke
                     stats.drained_total >= Duration::from_millis(100),
                     "{stats:?}"
                 );
+                // out of flight the whole commit is a pause, whatever the backend says
+                assert!(stats.paused_max >= STEP_WAIT, "{stats:?}");
             }
             _ => {
                 let e = c.unwrap_err().to_string();

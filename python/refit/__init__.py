@@ -349,7 +349,7 @@ def _program(join: Any, part: Any, roles: str) -> int:
 
 
 #: The cause a rank 0 program gives when its run ended unsolved.
-_UNSOLVED = "the run ended unsolved: the held-out reward did not reach its target within the update and time budget"
+_UNSOLVED = "the run ended unsolved: no model reached its stop target within the update and time budget"
 
 
 def checksums(weights: Mapping[str, Any]) -> dict[str, int]:

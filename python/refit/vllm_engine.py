@@ -222,7 +222,9 @@ class VllmEngine(refit.engine.Engine):
     def commit(self, model: str, version: int) -> float:
         """Serves the staged ``version``: between two of vLLM's steps when a batch runs (its
         sequences go on under it), at once otherwise. Answers the seconds no step ran
-        (the load and the cache reset; the wait for the running step is not a pause).
+        (the load and the cache reset; the wait for the running step is not a pause, nor,
+        with several models, the wait behind another model's commit, though no step runs
+        then either: that one is reported by the other model).
         Raises ``TimeoutError`` when vLLM's running step does not end within
         :attr:`step_deadline_s` (the staged version is not served)."""
         with self._turn:

@@ -140,6 +140,7 @@ def killed_rank_rejoins(cmd: list[str], env: dict, cwd: Path, kill_at: str = "po
     assert killed is not None, out[-6000:]
     if solves:
         assert proc.returncode == 0 and "solved: policy held-out reward" in out, out[-6000:]
+        assert "NOT solved" not in out, out[-6000:]
     else:
         assert proc.returncode == 1 and "NOT solved: policy held-out reward" in out, out[-6000:]
         assert "refit launch: error: rank 0 (learner) failed: the run ended unsolved" in out, out[-6000:]

@@ -137,15 +137,15 @@ def test_completions_carry_vllms_versions_stop_tokens_and_behaviour_logprobs(eng
     assert [a.tokens for a in again] == [a.tokens for a in answers[:2]]
 
 
-def test_the_vllm_engine_passes_the_conformance_suite(engine):
-    """The engine contract's conformance suite, the one Refit's own engines pass, run on the
-    module's vLLM engine through the backend a rank puts it behind (a new engine in front
-    of it, whose versions start from none): loads, a stage then its commit, an abort, a
-    hold that runs out, a commit of another version, a fetch that times out, cancellation
-    epochs. It serves versions of zeros after: the last test of the module's engine (a
-    second vLLM in this process would take the first one's parallel groups with it when it
-    goes)."""
-    assert refit.engine.conformance(engine, PARAMS) == refit.engine.CONFORMANCE_CHECKS
+def test_the_vllm_engine_passes_the_conformance_suite():
+    """The engine contract's conformance suite, the one Refit's own engines pass, run on a
+    fresh vLLM engine through the backend a rank puts it behind, committed in flight (keep,
+    the default): loads, a stage then its commit, an abort, a hold that runs out, a commit
+    of another version, a fetch that times out, cancellation epochs. After the tests of the
+    module's engine: a second vLLM in this process takes the first one's parallel groups
+    with it when it goes."""
+    e = VllmEngine(example.build, checkpoint=example.checkpoint)
+    assert refit.engine.conformance(e, PARAMS) == refit.engine.CONFORMANCE_CHECKS
 
 
 def test_a_version_that_leaves_a_parameter_unwritten_is_refused_naming_it(golden):
@@ -335,7 +335,7 @@ def test_a_killed_vllm_engine_rank_is_restarted_and_rejoins(refit_bin, tmp_path)
     budget (a reward is at most 1: the target is never met), so the restarted rank, whose
     vLLM takes seconds to start, rejoins before the end; it ends unsolved, and the launcher
     names rank 0's end as the cause, not the rank the restart made good."""
-    sets = SHORT + RESTARTS + ["stop.target_eval=2.0", "stop.max_updates=150"]
+    sets = SHORT + RESTARTS + ["stop.target_eval=2.0", "stop.max_updates=250"]
     cmd, env = launch_command(refit_bin, tmp_path, sets, topology="grpo-vllm.toml", script="vllm_engine_rank.py")
     out = killed_rank_rejoins(cmd, env, tmp_path, kill_at="policy v2:", solves=False)
     assert "Traceback" not in out, out[-6000:]

@@ -168,8 +168,8 @@ impl Sequence {
 
     /// What any learner needs of a sequence, its fault named by field: a prompt; one
     /// behaviour log-probability, one version (and one token reward, when given) per
-    /// token; log-probabilities finite and at most 0 (within
-    /// [`LOGPROB_ROUNDING`](crate::generation::LOGPROB_ROUNDING)); a finite reward.
+    /// token; log-probabilities finite and at most 0 (an engine's rounding above 0 was
+    /// taken to 0 when it answered); a finite reward.
     ///
     /// # Errors
     /// The field at fault and what it holds, as a message.
@@ -186,7 +186,7 @@ impl Sequence {
                 ("ref_logprobs", self.ref_logprobs.as_ref().map(Vec::len)),
             ],
         )?;
-        check_logprobs(&self.logprobs)?;
+        check_logprobs(&self.logprobs, 0.0)?;
         if !self.reward.is_finite() {
             return Err(format!("reward {} is not finite", self.reward));
         }
@@ -525,12 +525,12 @@ mod tests {
                 "empty prompt",
             ),
         ];
-        // rounding above 0 is a log-probability of 0
-        let rounded = Sequence {
+        // a learner takes no value above 0 (an engine's rounding was clamped before)
+        let above = Sequence {
             logprobs: vec![5e-5, -1.0],
             ..good.clone()
         };
-        assert_eq!(rounded.check_fields(), Ok(()));
+        assert!(above.check_fields().unwrap_err().contains("logprobs[0]"));
         for (s, says) in cases {
             let e = s.check_fields().unwrap_err();
             assert!(e.contains(says), "{says}: {e}");

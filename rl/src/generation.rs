@@ -141,15 +141,16 @@ pub fn check_per_token(
     }
 }
 
-/// Checks behaviour log-probabilities: each finite and at most [`LOGPROB_ROUNDING`] (what
-/// lies above 0 is rounding, which [`clamp_logprobs`] takes to 0).
+/// Checks behaviour log-probabilities: each finite and at most `above_zero` (0 for what a
+/// learner takes; [`LOGPROB_ROUNDING`] for an engine's answer, whose rounding
+/// [`clamp_logprobs`] then takes to 0).
 ///
 /// # Errors
 /// The first that is not a log-probability, by index and value, as a message.
-pub fn check_logprobs(logprobs: &[f32]) -> std::result::Result<(), String> {
+pub fn check_logprobs(logprobs: &[f32], above_zero: f32) -> std::result::Result<(), String> {
     match logprobs
         .iter()
-        .position(|p| !(p.is_finite() && *p <= LOGPROB_ROUNDING))
+        .position(|p| !(p.is_finite() && *p <= above_zero))
     {
         Some(i) => Err(format!(
             "logprobs[{i}] = {}, not a log-probability",

@@ -226,7 +226,8 @@ pub struct EngineStats {
     /// Tokens generated (a generating engine; zero for an acting engine).
     pub tokens: u64,
     /// Total time generation went on under the old version while a new one waited for its
-    /// boundary (a generating engine's drains in `wait` mode; not a pause).
+    /// boundary (a generating engine's drains in `wait` mode, a backend's wait for the
+    /// running batch or, committed in flight, for its step boundary; not a pause).
     pub drained_total: Duration,
     /// Sequences ended by an update in `abort` mode (a generating engine).
     pub aborted: u64,

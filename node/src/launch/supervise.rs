@@ -122,7 +122,8 @@ impl Supervisor {
     /// The first failure of the run, once [`run`](Self::run) returned: `rank 1 (actor)
     /// failed: CAUSE`, with the first `error:` line the rank printed as its cause (or how
     /// it ended, when it printed none). A failure a restart made good is the run's only
-    /// when no other rank failed. `None` when no rank failed.
+    /// when no other rank failed; a restart that could not start is named by its own
+    /// error. `None` when no rank failed.
     pub fn failure(&self) -> Option<String> {
         let failure = lock(&self.failure).clone();
         failure.or_else(|| lock(&self.recovered).clone())

@@ -7,7 +7,9 @@ use refit_runtime::{ModelId, Version};
 use tokio::sync::oneshot;
 
 use crate::error::{Error, Result};
-use crate::generation::{Completion, check_logprobs, check_per_token, clamp_logprobs};
+use crate::generation::{
+    Completion, LOGPROB_ROUNDING, check_logprobs, check_per_token, clamp_logprobs,
+};
 use crate::protocol::engine::{Generate, Score};
 
 use super::EngineBackend;
@@ -236,7 +238,7 @@ pub(super) fn fill_versions(
             ("versions", Some(c.versions.len())),
         ],
     )
-    .and_then(|()| check_logprobs(&c.logprobs))
+    .and_then(|()| check_logprobs(&c.logprobs, LOGPROB_ROUNDING))
     .map_err(refused)?;
     clamp_logprobs(&mut c.logprobs);
     Ok(c)

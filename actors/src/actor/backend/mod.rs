@@ -402,8 +402,9 @@ impl<B: EngineBackend> Job<B> {
     }
 
     /// Serves the staged version: waits for the running batch (drained; not when the
-    /// backend commits in flight), commits on a blocking thread (the pause), then
-    /// acknowledges the version.
+    /// backend commits in flight), commits on a blocking thread (the pause: the call, or
+    /// in flight the part of it the backend measured, the rest drained), then acknowledges
+    /// the version.
     ///
     /// # Cancel safety
     /// Not cancel safe: dropped after the commit started, the version may be served and
