@@ -31,10 +31,6 @@ use refit_actors::{GenRoles, GrpoRoles, ModelSpec, policy_model_id};
 use refit_node::LaunchEnv;
 use refit_runtime::sync_policy::{PauseMode, SyncConfig, SyncMode};
 
-/// What rank 0 says when its run ended unsolved (before exiting with status 1).
-const UNSOLVED: &str = "the run ended unsolved: the held-out reward did not reach its target \
-                        within the update and time budget";
-
 /// GRPO on digit reversal through generating engines (one process, or a topology rank).
 #[derive(Parser, Debug)]
 #[command(long_about = None, args_conflicts_with_subcommands = true)]
@@ -153,7 +149,7 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     print!("{}", report.summary(allowed));
     if !report.solved {
         // the launcher repeats this line as the rank's cause
-        eprintln!("error: {UNSOLVED}");
+        eprintln!("error: {}", run::UNSOLVED);
         std::process::exit(1);
     }
     Ok(())

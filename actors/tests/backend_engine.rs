@@ -550,3 +550,13 @@ async fn a_backend_that_commits_in_flight_is_committed_during_the_batch_under_ke
         }
     }
 }
+
+/// The engine contract's conformance suite on a backend that commits in flight, as
+/// `conformance::backend` runs it (under keep, a topology's default): every check holds
+/// with commits that skip the batch's turn.
+#[test]
+fn a_backend_committed_in_flight_passes_the_conformance_suite() {
+    let backend = Stepping::new(true, Duration::from_millis(300));
+    let passed = refit_actors::conformance::backend(backend, &policy()).unwrap();
+    assert_eq!(passed, refit_actors::conformance::CHECKS);
+}

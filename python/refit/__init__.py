@@ -343,13 +343,10 @@ def _program(join: Any, part: Any, roles: str) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     if report is not None and not report.get("solved", True):
-        print(f"error: {_UNSOLVED}", file=sys.stderr)
+        print(f"error: {_native.UNSOLVED}", file=sys.stderr)
         return 1
     return 0
 
-
-#: The cause a rank 0 program gives when its run ended unsolved.
-_UNSOLVED = "the run ended unsolved: no model reached its stop target within the update and time budget"
 
 
 def checksums(weights: Mapping[str, Any]) -> dict[str, int]:

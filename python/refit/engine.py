@@ -132,7 +132,8 @@ class Engine:
         unless :attr:`commits_in_flight`. An engine committed in flight may answer the
         seconds generation stopped for it (it first waits for a step boundary while tokens
         are still made: that wait is not the pause the report shows); otherwise, or with
-        ``None``, the whole call is the pause."""
+        ``None``, the whole call is the pause. Any engine's answer is ``None`` or a number
+        at least 0: another fails the commit, naming it."""
         raise NotImplementedError
 
     def abort(self, model: str) -> None:
@@ -234,10 +235,10 @@ def conformance(engine: Engine, params: dict[str, Any] | None = None, model: str
     one staged, a fetch that times out, and cancellation epochs, checking after each what
     it serves. The versions are zeros in the engine's layout (:meth:`Engine.manifest`) of
     the ``"grpo"`` roles' model of ``params`` (a topology's ``[model.params]``): the suite
-    checks what is served, not what is computed. An engine committed in flight
-    (:attr:`Engine.commits_in_flight`) is committed so, as under a topology's default
-    ``pause_mode = "keep"``. It calls :meth:`Engine.manifest` first, as a rank does: give
-    it an engine that serves nothing yet. Blocks until it ends.
+    checks what is served, not what is computed; ``model`` is the id it loads. An engine
+    committed in flight (:attr:`Engine.commits_in_flight`) is committed so, as under a
+    topology's default ``pause_mode = "keep"``. It calls :meth:`Engine.manifest` first,
+    as a rank does: give it an engine that serves nothing yet. Blocks until it ends.
 
     Returns the checks passed (:data:`CONFORMANCE_CHECKS`, all of them). Raises
     :class:`refit.errors.RefitError` naming the first check that fails (what was asked,

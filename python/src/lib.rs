@@ -42,6 +42,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
         "CONFORMANCE_CHECKS",
         refit_actors::conformance::CHECKS.to_vec(),
     )?;
+    m.add("UNSOLVED", refit_actors::run::UNSOLVED)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

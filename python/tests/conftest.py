@@ -148,8 +148,9 @@ def killed_rank_rejoins(cmd: list[str], env: dict, cwd: Path, kill_at: str = "po
     assert "rank 2 (process `engine`, replica 1) rejoined (incarnation 1)" in out, out[-6000:]
     after = out.split("rejoined (incarnation 1)", 1)[1]
     assert "rank 2 (process `engine`, replica 1): stopped; engine loaded" in after, out[-6000:]
-    loads = re.search(r"rank 2 \(incarnation 1\): (\d+) loads", after)
-    assert loads and int(loads.group(1)) > 0, out[-6000:]
+    # the report counts the new incarnation's loads and the tokens it made for rollouts
+    counts = re.search(r"rank 2 \(incarnation 1\): (\d+) loads, .*; (\d+) tokens;", after)
+    assert counts and int(counts.group(1)) > 0 and int(counts.group(2)) > 0, out[-6000:]
     return out
 
 

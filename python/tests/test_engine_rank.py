@@ -98,6 +98,16 @@ def test_the_torch_engine_passes_the_conformance_suite_and_a_failing_engine_is_n
     with pytest.raises(refit.RefitError, match="stage-then-commit") as e:
         refit.engine.conformance(RefusesV2(), params)
     assert "v2 does not fit" in str(e.value)
+
+    class NegativePause(TorchTransformer):
+        def commit(self, model, version):
+            super().commit(model, version)
+            return -1.0
+
+    # a commit's answer is seconds paused or None: another fails the first load, named
+    with pytest.raises(refit.RefitError, match="load") as e:
+        refit.engine.conformance(NegativePause(), params)
+    assert "commit answered -1.0" in str(e.value)
     # params the roles refuse are a configuration error, named
     with pytest.raises(refit.ConfigError, match="nope"):
         refit.engine.conformance(TorchTransformer(), {"nope": 1})

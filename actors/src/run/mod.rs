@@ -66,7 +66,9 @@ use crate::roles::{GenRoles, ModelSpec, Roles};
 pub use backend::join_backend;
 pub use checkpoint::resume_version;
 pub use rendezvous::PING_TARGET;
-pub use report::{ModelReport, RankEvent, RankEventKind, RankReport, RunReport, UpdateRecord};
+pub use report::{
+    ModelReport, RankEvent, RankEventKind, RankReport, RunReport, UNSOLVED, UpdateRecord,
+};
 pub use workload::{EngineSetup, Inference, Started, Workload};
 
 /// When a run stops. Every model stops at the same version, so that the last barrier

@@ -133,6 +133,12 @@ pub(crate) fn gone_ranks(events: &[RankEvent]) -> std::collections::BTreeSet<u32
     gone
 }
 
+/// What rank 0's program says (as `error: ...` on stderr, which `refit launch` repeats as
+/// the rank's cause) before it exits with status 1 because its run ended unsolved
+/// ([`RunReport::solved`] false).
+pub const UNSOLVED: &str = "the run ended unsolved: not every model reached its stop target \
+                            within the update and time budget";
+
 /// What a run did.
 #[derive(Debug, Clone)]
 pub struct RunReport {
