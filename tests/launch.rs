@@ -729,6 +729,40 @@ case "$RANK" in
      esac ;;
 esac"#;
 
+/// Rank 2 fails saying rank 0 is gone; rank 0 ends with its own error a moment later.
+const LEAD_FAILS_LAST: &str = r#"case "$RANK" in
+  0) while [ ! -e "$D/gone.2" ]; do sleep 0.02; done; sleep 0.2
+     echo "error: the lead's own cause" >&2; exit 1 ;;
+  1) exec sleep 120 ;;
+  2) sleep 0.3; touch "$D/gone.2"; echo "error: rank 0 is gone" >&2; exit 1 ;;
+esac"#;
+
+/// A rank that fails because the lead has just ended is not the run's cause: the launcher
+/// gives the lead a moment to end on its own before stopping it, and names it.
+#[test]
+fn a_lead_that_fails_just_after_another_rank_is_the_runs_cause() {
+    let dir = tempfile::tempdir().unwrap();
+    let topo = topology_with(dir.path(), "abort", LEAD_FAILS_LAST, "");
+    let mut cmd = refit();
+    cmd.arg("launch").arg(&topo).args(["--grace-s", "1"]);
+    let out = run_within(cmd, Duration::from_secs(60));
+    let (stdout, stderr) = text(&out);
+    assert!(!out.status.success(), "{stdout}\n{stderr}");
+    assert!(
+        stderr.contains("rank 2 (actor) failed: it exited with status 1"),
+        "{stderr}"
+    );
+    assert!(
+        stderr.contains("[rank 0 learner] error: the lead's own cause"),
+        "{stderr}"
+    );
+    assert_eq!(
+        stderr.lines().last(),
+        Some("refit launch: error: rank 0 (learner) failed: the lead's own cause"),
+        "{stderr}"
+    );
+}
+
 fn starts(dir: &Path) -> Vec<u32> {
     std::fs::read_to_string(dir.join("starts.2"))
         .unwrap()

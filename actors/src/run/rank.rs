@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 
 use refit_runtime::topology::Topology;
 
-use crate::error::{Error, Result};
+use crate::error::Result;
 
 use super::begin::{admit, await_start};
 use super::end::{finish_lead, finish_member, run};
@@ -62,47 +62,39 @@ fn call_deadline(topo: &Topology) -> Duration {
 
 /// Runs one rank to the end: rank 0 answers the run's report, the others `None`.
 pub(crate) async fn rank_main(s: RankSetup) -> Result<Option<RunReport>> {
-    let me = s.launch.rank;
-    // said while this rank's node is up: the ranks that see its connection close, and the
-    // launcher that may stop this rank for their failure, come after the line
-    let failed = |e: &Error| tracing::error!("rank {me} failed: {e}");
-    let (mut ctx, watch) = join(s).await.inspect_err(failed)?;
-    serve(&mut ctx, watch).await.inspect_err(failed)
-}
+    let (mut ctx, watch) = join(s).await?;
 
-/// The rank's roles started, the run, and its end: what [`rank_main`] does once joined.
-async fn serve(ctx: &mut RankCtx, watch: LeadWatch) -> Result<Option<RunReport>> {
     // the starters, in order
-    let eval = start::evaluator::start(ctx)?;
-    let heads = start::controller::start(ctx, eval)?;
-    let opened = start::trainer::open(ctx)?;
+    let eval = start::evaluator::start(&ctx)?;
+    let heads = start::controller::start(&ctx, eval)?;
+    let opened = start::trainer::open(&ctx)?;
     let _shards = shard::start_members(
         &ctx.shard_site(),
         &ctx.setup.specs,
         &ctx.setup.work,
         ctx.rejoining,
     )?;
-    let links = start::links::connect(ctx, opened.models).await?;
-    let training = start::pool::start(ctx, links.outlets, &heads.controller).await?;
+    let links = start::links::connect(&ctx, opened.models).await?;
+    let training = start::pool::start(&ctx, links.outlets, &heads.controller).await?;
     ctx.meters = links.meters;
-    let engine = start::engine::start(ctx, links.inlets)?;
-    publish_card(ctx)?;
+    let engine = start::engine::start(&mut ctx, links.inlets)?;
+    publish_card(&ctx)?;
     let gates = heads.leading.as_ref().map(|l| &l.gates);
-    let rollouts = start::rollout::start(ctx, &training.pools, gates, engine.as_ref()).await?;
+    let rollouts = start::rollout::start(&mut ctx, &training.pools, gates, engine.as_ref()).await?;
 
     // the start: rank 0 admits every rank; the others rejoin or wait for it
     let watching = match &heads.leading {
-        Some(l) => Some(admit(ctx, l, engine.as_ref(), &rollouts).await?),
-        None if await_start(ctx, &heads.lead, &watch).await? => None,
+        Some(l) => Some(admit(&ctx, l, engine.as_ref(), &rollouts).await?),
+        None if await_start(&ctx, &heads.lead, &watch).await? => None,
         None => return Ok(None),
     };
 
     // the run and its end
-    run(ctx, &heads, &rollouts, training.drivers);
+    run(&ctx, &heads, &rollouts, training.drivers);
     let out = match heads.leading {
-        Some(l) => Some(finish_lead(ctx, l, watching).await?),
+        Some(l) => Some(finish_lead(&ctx, l, watching).await?),
         None => {
-            finish_member(ctx, &watch, &rollouts, engine.as_ref()).await?;
+            finish_member(&mut ctx, &watch, &rollouts, engine.as_ref()).await?;
             None
         }
     };

@@ -16,6 +16,11 @@ use super::child::{self, Running};
 
 const TICK: Duration = Duration::from_millis(25);
 
+/// How long a failure that aborts the run waits for the lead to end on its own first: a
+/// rank often fails because the lead has just ended (its connections closed as it did),
+/// and then the lead's failure, not theirs, is the run's.
+const LEAD_SETTLE: Duration = Duration::from_secs(1);
+
 /// Starts the ranks of a launch and runs them to the end (what `refit launch` does once it
 /// knows its ranks). Reports (a rank started, failed, restarted, stopped) are `tracing`
 /// events of target `refit_node::launch::supervise`, at `info` for the expected ones and
@@ -348,6 +353,7 @@ impl Supervisor {
                 }
                 match on_failure {
                     OnFailure::Abort => {
+                        self.settle_lead();
                         tracing::error!(
                             "stopping the run (on_failure = \"abort\") after {label} failed"
                         );
@@ -369,6 +375,44 @@ impl Supervisor {
             }
             drop(ranks);
             std::thread::sleep(TICK);
+        }
+    }
+
+    /// Waits at most [`LEAD_SETTLE`] for the lead (rank 0, when this launcher runs it) to
+    /// end on its own; a lead that failed meanwhile is named, and its failure becomes the
+    /// run's (as when the lead fails first: the others may have failed because of it).
+    fn settle_lead(&self) {
+        let deadline = Instant::now() + LEAD_SETTLE;
+        loop {
+            let ended = {
+                let mut ranks = self.lock();
+                let Some(lead) = ranks.first_mut().filter(|r| r.spec.rank == 0) else {
+                    return;
+                };
+                if lead.status.is_some() {
+                    return;
+                }
+                match lead.child.try_wait() {
+                    Ok(Some(status)) => {
+                        lead.status = Some(status);
+                        Some((lead.label(), status))
+                    }
+                    Ok(None) => None,
+                    Err(_) => return,
+                }
+            };
+            if let Some((label, status)) = ended {
+                if !status.success() {
+                    tracing::error!("{label} failed: it {}", child::describe(status));
+                    let what = self.failure_of(0, &label, status);
+                    *lock(&self.failure) = Some(what);
+                }
+                return;
+            }
+            if Instant::now() >= deadline {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(10));
         }
     }
 
