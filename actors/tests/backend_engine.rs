@@ -391,7 +391,8 @@ const STEP_LOAD: Duration = Duration::from_millis(1);
 /// A backend that commits in flight: each token of a request takes 20 ms and carries the
 /// version served when it was made (or none, when it does not label its tokens). Its
 /// fourth token waits (`hold` at most) for a commit to land, so one lands mid-sequence
-/// however loaded the machine is, where the engine lets it.
+/// however loaded the machine is, where the engine lets it. An interrupt while it
+/// generates ends its sequences at the next token.
 struct Stepping {
     manifest: Arc<Manifest>,
     served: AtomicU64,
@@ -401,6 +402,8 @@ struct Stepping {
     generating: AtomicBool,
     /// A commit came while a batch ran.
     overlapped: Arc<AtomicBool>,
+    /// The version an interrupt of the running batch named.
+    interrupted: std::sync::Mutex<Option<Version>>,
 }
 
 impl Stepping {
@@ -414,6 +417,45 @@ impl Stepping {
             hold,
             generating: AtomicBool::new(false),
             overlapped: Arc::new(AtomicBool::new(false)),
+            interrupted: std::sync::Mutex::new(None),
+        }
+    }
+
+    fn interrupted(&self) -> Option<Version> {
+        *self.interrupted.lock().unwrap()
+    }
+
+    /// One request's tokens, each 20 ms, ended early by an interrupt.
+    fn sequence(&self, g: &Generate) -> Completion {
+        let n = g.params.max_tokens as usize;
+        let mut versions = Vec::new();
+        let at = self.served.load(Ordering::SeqCst);
+        for i in 0..n {
+            if let Some(by) = self.interrupted() {
+                return Completion {
+                    tokens: vec![1; i],
+                    logprobs: vec![-0.5; i],
+                    versions,
+                    finish: refit_actors::Finish::Aborted { by },
+                };
+            }
+            if i == 3 {
+                let deadline = std::time::Instant::now() + self.hold;
+                while self.served.load(Ordering::SeqCst) == at
+                    && self.interrupted().is_none()
+                    && std::time::Instant::now() < deadline
+                {
+                    std::thread::sleep(Duration::from_millis(2));
+                }
+            }
+            std::thread::sleep(Duration::from_millis(20));
+            versions.push(Version(self.served.load(Ordering::SeqCst)));
+        }
+        Completion {
+            tokens: vec![1; n],
+            logprobs: vec![-0.5; n],
+            versions: if self.labels { versions } else { Vec::new() },
+            finish: refit_actors::Finish::Length,
         }
     }
 }
@@ -443,39 +485,21 @@ impl EngineBackend for Stepping {
         self.served.store(version.get(), Ordering::SeqCst);
         Ok(Some(STEP_LOAD))
     }
+    /// Only a running batch is interrupted.
+    fn interrupt(&self, _: &ModelId, version: Version) {
+        if self.generating.load(Ordering::SeqCst) {
+            *self.interrupted.lock().unwrap() = Some(version);
+        }
+    }
     fn generate(
         &self,
         batch: &[Generate],
         _: &BTreeMap<ModelId, Version>,
     ) -> Vec<Result<Completion>> {
         self.generating.store(true, Ordering::SeqCst);
-        let out = batch
-            .iter()
-            .map(|g| {
-                let n = g.params.max_tokens as usize;
-                let mut versions = Vec::new();
-                let at = self.served.load(Ordering::SeqCst);
-                for i in 0..n {
-                    if i == 3 {
-                        let deadline = std::time::Instant::now() + self.hold;
-                        while self.served.load(Ordering::SeqCst) == at
-                            && std::time::Instant::now() < deadline
-                        {
-                            std::thread::sleep(Duration::from_millis(2));
-                        }
-                    }
-                    std::thread::sleep(Duration::from_millis(20));
-                    versions.push(Version(self.served.load(Ordering::SeqCst)));
-                }
-                Ok(Completion {
-                    tokens: vec![1; n],
-                    logprobs: vec![-0.5; n],
-                    versions: if self.labels { versions } else { Vec::new() },
-                    finish: refit_actors::Finish::Length,
-                })
-            })
-            .collect();
+        let out = batch.iter().map(|g| Ok(self.sequence(g))).collect();
         self.generating.store(false, Ordering::SeqCst);
+        *self.interrupted.lock().unwrap() = None;
         out
     }
 }
@@ -483,7 +507,9 @@ impl EngineBackend for Stepping {
 /// Under `keep`, a backend that commits in flight is committed during the running batch
 /// (the commit lands while it generates) and the sequence carries both versions; under
 /// `wait` the same backend's commit waits for the batch (held 300 ms for a commit that
-/// does not come: drained, never during it). A
+/// does not come: drained, never during it); under `abort` the commit interrupts the
+/// batch (held 10 s otherwise): the sequence ends aborted by v2 with the v1 tokens made so
+/// far, and the commit follows at once. A
 /// backend that commits in flight and leaves its tokens unlabelled is refused, naming the
 /// versions. The pause counted is the one the backend reports (its load), not its wait for
 /// a step boundary.
@@ -493,6 +519,7 @@ async fn a_backend_that_commits_in_flight_is_committed_during_the_batch_under_ke
     let cases = [
         (PauseMode::Keep, true),
         (PauseMode::Wait, true),
+        (PauseMode::Abort, true),
         (PauseMode::Keep, false),
     ];
     for (mode, labels) in cases {
@@ -500,8 +527,8 @@ async fn a_backend_that_commits_in_flight_is_committed_during_the_batch_under_ke
         let (mut sender, receiver) = generating::scheme(&m, &bigram(), table(&m, 1));
         let inlet: Box<dyn refit_actors::WeightInlet> = Box::new(receiver);
         let hold = match mode {
-            PauseMode::Keep => Duration::from_secs(10),
-            _ => Duration::from_millis(300),
+            PauseMode::Wait => Duration::from_millis(300),
+            _ => Duration::from_secs(10),
         };
         let backend = Stepping::new(labels, hold);
         let overlapped = Arc::clone(&backend.overlapped);
@@ -542,6 +569,17 @@ async fn a_backend_that_commits_in_flight_is_committed_during_the_batch_under_ke
                 );
                 // out of flight the whole commit is a pause, whatever the backend says
                 assert!(stats.paused_max >= STEP_WAIT, "{stats:?}");
+            }
+            (PauseMode::Abort, _) => {
+                let c = c.unwrap();
+                assert_eq!(c.finish, refit_actors::Finish::Aborted { by: Version(2) });
+                let n = c.tokens.len();
+                assert!((1..10).contains(&n), "{c:?}");
+                assert_eq!(c.versions, vec![Version(1); n]);
+                let stats = e.send(GetEngineStats).await.unwrap();
+                assert_eq!(stats.aborted, 1, "{stats:?}");
+                // the commit waited for a token, not for the 10 s the batch would hold
+                assert!(stats.drained_total < Duration::from_secs(5), "{stats:?}");
             }
             _ => {
                 let e = c.unwrap_err().to_string();

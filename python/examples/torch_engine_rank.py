@@ -10,7 +10,9 @@ orphan exit, restarts, its rollout workers); only the model is here, in torch:
   generation;
 - :meth:`TorchTransformer.commit` swaps them in: the pause;
 - :meth:`TorchTransformer.generate` decodes each request (greedy or sampled at its
-  temperature) and answers its tokens with their behaviour log-probabilities.
+  temperature) and answers its tokens with their behaviour log-probabilities;
+- :meth:`TorchTransformer.interrupt` (under ``pause_mode = "abort"``) ends the running
+  batch at its next token, its requests answered ``"aborted"``.
 
 Run it under ``refit launch`` (``REFIT_PYTHON`` names the interpreter that has torch and
 ``refit``)::
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import math
 import sys
+import threading
 from typing import Any
 
 import torch
@@ -47,6 +50,10 @@ class TorchTransformer(refit.engine.Engine):
         self.heads: dict[str, int] = {}
         self.staged: dict[str, tuple[int, dict[str, torch.Tensor]]] = {}
         self.served: dict[str, dict[str, torch.Tensor]] = {}
+        # the models whose batch runs now, and the version whose interrupt ends it
+        self.lock = threading.Lock()
+        self.running: set[str] = set()
+        self.interrupted: dict[str, int] = {}
 
     def manifest(self, model: str, layout: list, params: dict[str, Any]) -> list:
         # the shapes give every size but the number of heads: the model's params do (4 is
@@ -75,6 +82,12 @@ class TorchTransformer(refit.engine.Engine):
 
     def abort(self, model: str) -> None:
         self.staged.pop(model, None)
+
+    def interrupt(self, model: str, version: int) -> None:
+        # only a running batch is ended (it stops at its next token)
+        with self.lock:
+            if model in self.running:
+                self.interrupted[model] = version
 
     # ANCHOR_END: weights
 
@@ -110,6 +123,9 @@ class TorchTransformer(refit.engine.Engine):
         logprobs: list[float] = []
         finish = "length"
         for _ in range(r.max_tokens):
+            if r.model in self.interrupted:  # an update in abort mode: the tokens so far
+                finish = "aborted"
+                break
             logits = self.logits(r.model, seq).double()
             t = r.temperature if r.temperature > 0 else 1.0
             logp = (logits / t).log_softmax(-1)
@@ -126,12 +142,21 @@ class TorchTransformer(refit.engine.Engine):
         return Completion(tokens=tokens, logprobs=logprobs, finish=finish)
 
     def generate(self, requests: list[Request]) -> list[Completion | BaseException]:
+        models = {r.model for r in requests}
+        with self.lock:
+            self.running |= models
         out: list[Completion | BaseException] = []
-        for r in requests:
-            try:
-                out.append(self.complete(r))
-            except Exception as e:  # one bad request does not fail the batch
-                out.append(e)
+        try:
+            for r in requests:
+                try:
+                    out.append(self.complete(r))
+                except Exception as e:  # one bad request does not fail the batch
+                    out.append(e)
+        finally:
+            with self.lock:
+                self.running -= models
+                for m in models:
+                    self.interrupted.pop(m, None)
         return out
 
 

@@ -91,7 +91,8 @@ class Completion:
     #: The version that made each token (``None``: every token is the version served when
     #: the batch started; refused from an engine that commits in flight).
     versions: list[int] | None = None
-    #: ``"length"`` (``max_tokens`` reached) or ``"stop"`` (the stop token sampled).
+    #: ``"length"`` (``max_tokens`` reached), ``"stop"`` (the stop token sampled) or
+    #: ``"aborted"`` (:meth:`Engine.interrupt` ended it: the tokens made so far).
     finish: str = "length"
 
 
@@ -140,6 +141,16 @@ class Engine:
         """Drops what :meth:`stage` took of ``model``: the fleet did not commit it, its hold
         ran out, a newer load took its place, or a commit named another version."""
 
+    def interrupt(self, model: str, version: int) -> None:
+        """Under the topology's ``pause_mode = "abort"``, before ``version`` of ``model`` is
+        committed: ends the running :meth:`generate` call's sequences of ``model`` at the
+        engine's next step boundary, each answered with the tokens made so far and
+        ``finish = "aborted"`` (a rollout worker asks again, under the new version), so that
+        the commit waits for a step, not for the batch. Called whether or not a batch runs,
+        on the thread of :meth:`stage` and :meth:`commit` (before the commit): a call that
+        starts later is not interrupted. The default does nothing: the commit waits for the
+        batch, as under ``"wait"``."""
+
     def generate(self, requests: list[Request]) -> list[Completion | BaseException]:
         """One :class:`Completion` per request, in order (or the exception that request
         raised). Requests that arrive while a batch runs come in the next call."""
@@ -177,6 +188,11 @@ class _Adapter:
 
     def abort(self, model: str) -> None:
         self.engine.abort(model)
+
+    def interrupt(self, model: str, version: int) -> None:
+        interrupt = getattr(self.engine, "interrupt", None)  # an engine that is no Engine may lack it
+        if interrupt is not None:
+            interrupt(model, version)
 
     def generate(self, requests: list, served: dict[str, int]) -> list:
         asked = [Request(m, list(p), n, t, s, stop, served.get(m, 0))

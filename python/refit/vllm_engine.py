@@ -26,10 +26,13 @@ The engine commits in flight (:attr:`refit.engine.Engine.commits_in_flight`): un
 topology's ``pause_mode = "keep"`` (the default) a commit lands between two of vLLM's steps
 while a batch runs, as vLLM's ``pause_generation(mode="keep")`` does: the running sequences
 go on under the new weights (their KV entries recomputed with them, vLLM's cache being
-cleared), so a sequence may carry two versions. Under ``"wait"`` (and ``"abort"``) a commit
-waits for the running batch to end. The engine drives vLLM's steps itself to do so
-(``LLMEngine.add_request`` / ``step``), with vLLM's asynchronous scheduling off, so that
-each step's tokens are labelled with the weights that sampled them.
+cleared), so a sequence may carry two versions. Under ``"wait"`` a commit waits for the
+running batch to end; under ``"abort"`` it first interrupts the batch
+(:meth:`VllmEngine.interrupt`): at the next step its unfinished requests are aborted and
+answered ``"aborted"`` with the tokens made so far, and the rollout workers ask again.
+The engine drives vLLM's steps itself to do so (``LLMEngine.add_request`` / ``step``,
+each step's new tokens taken as they come), with vLLM's asynchronous scheduling off, so
+that each step's tokens are labelled with the weights that sampled them.
 
 Each completion's per-token versions come from vLLM's ``weight_versions`` spans, so the
 pool's staleness filter and the learner see the version that sampled each token.
@@ -162,6 +165,10 @@ class VllmEngine(refit.engine.Engine):
         self._ids = itertools.count()
         # the version each model serves (what its scores are labelled with)
         self._versions: dict[str, int] = {}
+        # models whose batch runs now, and the version whose interrupt ends it (under the
+        # turn's lock)
+        self._running: set[str] = set()
+        self._interrupts: dict[str, int] = {}
 
     # -- the weights ---------------------------------------------------------------------
 
@@ -347,41 +354,62 @@ class VllmEngine(refit.engine.Engine):
             self._driving = False
             self._turn.notify_all()
 
-    def _run(self, model: str, prompts: list, params: list, held: bool = False) -> list:
-        """vLLM's outputs of ``prompts``, in order: the requests added and stepped to their
+    def _run(self, model: str, prompts: list, params: list, held: bool = False) -> list[_Sequence]:
+        """The sequences of ``prompts``, in order: the requests added and stepped to their
         end one step at a time, a commit waiting taking its turn between two steps (none
-        when the caller ``held`` the turn for the whole run: a score is of one version). A
-        commit that leaves the model's weights mixed ends the batch (its requests aborted).
-        One thread at a time runs requests (the rank's requests thread): the engine's other
-        requests are this call's."""
+        when the caller ``held`` the turn for the whole run: a score is of one version), each
+        step's tokens labelled with the version that made them. An :meth:`interrupt` of the
+        model ends the run at the next step boundary (not a ``held`` one): the requests not
+        finished are aborted, answered with the tokens made so far. A commit that leaves the
+        model's weights mixed ends the batch (its requests aborted). One thread at a time
+        runs requests (the rank's requests thread): the engine's other requests are this
+        call's."""
         from vllm.sampling_params import RequestOutputKind
 
         engine = self._llm(model).llm_engine
         ids = [f"refit-{next(self._ids)}" for _ in prompts]
-        done: dict[str, Any] = {}
+        seqs = {rid: _Sequence() for rid in ids}
+        finished = 0
         added: list[str] = []
+        if not held:
+            with self._turn:
+                self._running.add(model)
         try:
-            while len(done) < len(ids):
+            while finished < len(ids):
                 if not held:
                     self._take_turn()
                 try:
                     if model in self._mixed:
                         raise RuntimeError(f"`{model}` serves mixed weights ({self._mixed[model]}): "
                                            "the batch is ended")
+                    by = None if held else self._interrupts.get(model)
+                    if by is not None:
+                        left = [rid for rid in added if seqs[rid].final is None]
+                        if left:
+                            engine.abort_request(left)
+                        for rid in ids:
+                            if seqs[rid].final is None:
+                                seqs[rid].aborted_by = by
+                        break
                     if not added:
                         for rid, prompt, p in zip(ids, prompts, params):
-                            p.output_kind = RequestOutputKind.FINAL_ONLY
+                            # each step's new tokens: labelled with the version that made them
+                            p.output_kind = RequestOutputKind.DELTA
                             engine.add_request(rid, prompt, p)
                             added.append(rid)
                     elif not engine.has_unfinished_requests():
-                        raise RuntimeError(f"vLLM finished {len(done)} of {len(ids)} requests")
+                        raise RuntimeError(f"vLLM finished {finished} of {len(ids)} requests")
                     else:
-                        done.update((o.request_id, o) for o in engine.step() if o.finished and o.request_id in ids)
+                        version = self._versions.get(model, 0)
+                        for o in engine.step():
+                            seq = seqs.get(o.request_id)
+                            if seq is not None:
+                                finished += seq.add(o, version)
                 finally:
                     if not held:
                         self._give_turn()
         except BaseException:
-            left = [rid for rid in added if rid not in done]
+            left = [rid for rid in added if seqs[rid].final is None]
             if left:
                 with self._turn:
                     self._turn.wait_for(lambda: held or not self._driving)
@@ -390,7 +418,20 @@ class VllmEngine(refit.engine.Engine):
                     except Exception as e:  # the original error is the one to report
                         _log.warning("aborting %d requests of `%s` failed: %s", len(left), model, e)
             raise
-        return [done[rid] for rid in ids]
+        finally:
+            if not held:
+                with self._turn:
+                    self._running.discard(model)
+                    self._interrupts.pop(model, None)
+        return [seqs[rid] for rid in ids]
+
+    def interrupt(self, model: str, version: int) -> None:
+        """Under ``pause_mode = "abort"``: the running batch of ``model`` ends at vLLM's next
+        step boundary, its unfinished requests aborted and answered ``"aborted"`` with the
+        tokens made so far (nothing when no batch of the model runs)."""
+        with self._turn:
+            if model in self._running:
+                self._interrupts[model] = version
 
     def score(self, requests: list[refit.engine.ScoreRequest]) -> list[Completion | BaseException]:
         """The log-probability of each of ``tokens`` after ``prompt`` and the tokens before
@@ -421,32 +462,59 @@ class VllmEngine(refit.engine.Engine):
             version = self._versions.get(r.model, 0)
             if version < 1:
                 raise RuntimeError(f"`{r.model}` serves no version yet")
-            (o,) = self._run(r.model, [TokensPrompt(prompt_token_ids=list(r.prompt) + list(r.tokens))], [params],
-                             held=True)
+            (seq,) = self._run(r.model, [TokensPrompt(prompt_token_ids=list(r.prompt) + list(r.tokens))], [params],
+                               held=True)
         finally:
             self._give_turn()
-        steps = o.prompt_logprobs[len(r.prompt):]
+        steps = seq.final.prompt_logprobs[len(r.prompt):]
         logprobs = [float(step[t].logprob) for step, t in zip(steps, r.tokens)]
         return Completion(tokens=list(r.tokens), logprobs=logprobs, versions=[version] * len(r.tokens))
 
     @staticmethod
-    def _completion(output: Any) -> Completion:
-        c = output.outputs[0]
-        tokens = [int(t) for t in c.token_ids]
-        if c.logprobs is None or len(c.logprobs) != len(tokens):
-            raise ValueError(f"vLLM gave {0 if c.logprobs is None else len(c.logprobs)} logprobs "
-                             f"for {len(tokens)} tokens")
+    def _completion(seq: _Sequence) -> Completion:
+        tokens = seq.tokens
+        if len(seq.logprobs) != len(tokens):
+            raise ValueError(f"vLLM gave {len(seq.logprobs)} logprobs for {len(tokens)} tokens")
         logprobs = []
-        for step, token in zip(c.logprobs, tokens):
+        for step, token in zip(seq.logprobs, tokens):
             lp = float(step[token].logprob)
             if not math.isfinite(lp):  # -inf: a token the sampled distribution excluded
                 raise ValueError(f"vLLM gave token {token} a log-probability of {lp}")
             logprobs.append(lp)
+        if seq.aborted_by is not None:
+            # no spans for a request vLLM did not finish: each step's own label
+            return Completion(tokens=tokens, logprobs=logprobs, versions=seq.versions, finish="aborted")
+        c = seq.final.outputs[0]
         if c.finish_reason not in ("stop", "length"):
             raise ValueError(f"vLLM ended the completion with `{c.finish_reason}`, neither stop nor length")
-        finish = str(c.finish_reason)
         return Completion(tokens=tokens, logprobs=logprobs,
-                          versions=token_versions(c.weight_versions, len(tokens)), finish=finish)
+                          versions=token_versions(c.weight_versions, len(tokens)), finish=str(c.finish_reason))
+
+
+class _Sequence:
+    """One request's tokens as vLLM's steps give them (``DELTA`` outputs): the tokens, each
+    one's log-probabilities and the version served at its step; its final output once
+    vLLM finished it, or the version whose interrupt aborted it."""
+
+    __slots__ = ("aborted_by", "final", "logprobs", "tokens", "versions")
+
+    def __init__(self) -> None:
+        self.tokens: list[int] = []
+        self.logprobs: list[Any] = []
+        self.versions: list[int] = []
+        self.final: Any = None
+        self.aborted_by: int | None = None
+
+    def add(self, output: Any, version: int) -> bool:
+        """Takes one step's output, made by ``version``: true when it finished the request."""
+        c = output.outputs[0]
+        new = [int(t) for t in c.token_ids]
+        self.tokens.extend(new)
+        self.logprobs.extend(c.logprobs or ())
+        self.versions.extend([version] * len(new))
+        if output.finished:
+            self.final = output
+        return bool(output.finished)
 
 
 __all__ = ["Checkpoint", "VllmEngine", "in_process_llm", "token_versions"]

@@ -57,7 +57,13 @@ pub(crate) struct PyBackend {
     manifests: BTreeMap<ModelId, Arc<Manifest>>,
     /// The engine's `commits_in_flight`.
     in_flight: bool,
+    /// The version the last interrupt of each model named: what an answer `aborted` was
+    /// aborted by.
+    interrupted: Interrupted,
 }
+
+/// The version the last interrupt of each model named.
+type Interrupted = Arc<std::sync::Mutex<BTreeMap<ModelId, Version>>>;
 
 /// The adapter's methods, called with the GIL held.
 struct Calls {
@@ -129,7 +135,7 @@ impl Calls {
 
     /// One batch call of `method` (`generate`, `score`): the requests as `request` makes
     /// them, then one answer each (a call that fails whole fails every request, naming
-    /// what it raised).
+    /// what it raised; an answer `aborted` was aborted by the model's last interrupt).
     fn batch<R>(
         &self,
         method: &str,
@@ -137,6 +143,7 @@ impl Calls {
         model_of: fn(&R) -> &ModelId,
         request: impl for<'py> Fn(Python<'py>, &R) -> PyResult<Bound<'py, PyAny>>,
         served: &BTreeMap<ModelId, Version>,
+        interrupted: &Interrupted,
     ) -> Vec<refit_actors::Result<Completion>> {
         Python::attach(|py| {
             let all_failed = |e: PyErr| -> Vec<refit_actors::Result<Completion>> {
@@ -160,11 +167,19 @@ impl Calls {
                 .bind(py)
                 .call_method1(method, (requests, served))
                 .and_then(|out| out.extract::<Vec<Bound<'_, PyAny>>>());
+            // read once the call returned: the interrupts that ended its sequences
+            let by = interrupted
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .clone();
             match answers {
                 Ok(list) => list
                     .iter()
                     .zip(batch)
-                    .map(|(a, r)| completion(model_of(r).as_str(), method, a))
+                    .map(|(a, r)| {
+                        let model = model_of(r);
+                        completion(model.as_str(), method, a, by.get(model).copied())
+                    })
                     .collect(),
                 Err(e) => all_failed(e),
             }
@@ -173,8 +188,14 @@ impl Calls {
 }
 
 /// One answer of the adapter: a completion `(tokens, logprobs, versions, finish)`, or the
-/// message of what the request raised.
-fn completion(model: &str, method: &str, a: &Bound<'_, PyAny>) -> refit_actors::Result<Completion> {
+/// message of what the request raised. A completion `aborted` was aborted by the version
+/// `interrupted_by` (the model's last interrupt; refused when there was none).
+fn completion(
+    model: &str,
+    method: &str,
+    a: &Bound<'_, PyAny>,
+    interrupted_by: Option<Version>,
+) -> refit_actors::Result<Completion> {
     let refused = |reason: String| refit_actors::Error::Generator {
         model: model.to_owned(),
         reason,
@@ -190,12 +211,18 @@ fn completion(model: &str, method: &str, a: &Bound<'_, PyAny>) -> refit_actors::
             "the Python engine's {method} answered something that is not a completion: {e}"
         ))
     })?;
-    let finish = match finish.as_str() {
-        "length" => Finish::Length,
-        "stop" => Finish::Stop,
-        other => {
+    let finish = match (finish.as_str(), interrupted_by) {
+        ("length", _) => Finish::Length,
+        ("stop", _) => Finish::Stop,
+        ("aborted", Some(by)) => Finish::Aborted { by },
+        ("aborted", None) => {
             return Err(refused(format!(
-                "the Python engine's {method} answered finish `{other}` (length or stop)"
+                "the Python engine's {method} answered finish `aborted`, but no update                  interrupted model `{model}`"
+            )));
+        }
+        (other, _) => {
+            return Err(refused(format!(
+                "the Python engine's {method} answered finish `{other}` (length, stop or                  aborted)"
             )));
         }
     };
@@ -253,6 +280,15 @@ impl Calls {
             }
         });
     }
+
+    fn interrupt(&self, model: &ModelId, version: Version) {
+        Python::attach(|py| {
+            let args = (model.as_str(), version.get());
+            if let Err(e) = self.call(py, model.as_str(), "interrupt", args) {
+                tracing::warn!(model = %model, "{e}");
+            }
+        });
+    }
 }
 
 impl EngineBackend for PyBackend {
@@ -288,6 +324,23 @@ impl EngineBackend for PyBackend {
         let (calls, m) = (Arc::clone(&self.calls), model.clone());
         if !self.weights.post(Box::new(move || calls.abort(&m))) {
             tracing::warn!(model = %model, "{}", lane_gone(model.as_str(), "abort"));
+        }
+    }
+
+    /// Recorded (what the answers `aborted` were aborted by), then queued on the weights'
+    /// thread, not waited for (the engine's thread calls it): the commit that follows runs
+    /// after it.
+    fn interrupt(&self, model: &ModelId, version: Version) {
+        self.interrupted
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .insert(model.clone(), version);
+        let (calls, m) = (Arc::clone(&self.calls), model.clone());
+        if !self
+            .weights
+            .post(Box::new(move || calls.interrupt(&m, version)))
+        {
+            tracing::warn!(model = %model, "{}", lane_gone(model.as_str(), "interrupt"));
         }
     }
 
@@ -351,6 +404,7 @@ impl PyBackend {
             name,
             manifests,
             in_flight,
+            interrupted: Interrupted::default(),
         };
         Ok((backend, lanes))
     }
@@ -366,9 +420,10 @@ impl PyBackend {
         request: for<'py> fn(Python<'py>, &R) -> PyResult<Bound<'py, PyAny>>,
     ) -> Vec<refit_actors::Result<Completion>> {
         let (calls, asked, at) = (Arc::clone(&self.calls), batch.to_vec(), served.clone());
+        let interrupted = Arc::clone(&self.interrupted);
         let done = self
             .requests
-            .run(move || calls.batch(method, &asked, model_of, request, &at));
+            .run(move || calls.batch(method, &asked, model_of, request, &at, &interrupted));
         done.unwrap_or_else(|| {
             batch
                 .iter()

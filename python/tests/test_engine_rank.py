@@ -6,6 +6,7 @@ reversal; and what the adapter between the binding and an engine does with its a
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -23,6 +24,18 @@ def test_python_engine_ranks_learn_grpo_under_refit_launch(refit_bin, tmp_path):
     out = launch_solves(cmd, env, tmp_path)
     # the Python ranks end cleanly (no call left running in Python when it finalizes)
     assert "terminate called" not in out and "Fatal Python error" not in out, out[-6000:]
+
+
+def test_python_engine_ranks_learn_grpo_when_updates_abort_their_batches(refit_bin, tmp_path):
+    """``pause_mode = "abort"``: each commit first interrupts the batch the torch engine is
+    decoding (``interrupt``), whose requests end ``aborted`` at their next token; the
+    rollout workers ask them again under the new version, the run learns, and the report
+    counts the sequences the updates aborted."""
+    require("torch")
+    cmd, env = launch_command(refit_bin, tmp_path, SHORT + ["sync.pause_mode=abort"])
+    out = launch_solves(cmd, env, tmp_path)
+    aborted = [int(n) for n in re.findall(r"tokens; (\d+) sequences aborted", out)]
+    assert len(aborted) == 2 and sum(aborted) > 0, out[-6000:]
 
 
 def test_a_killed_python_engine_rank_is_restarted_and_rejoins(refit_bin, tmp_path):
@@ -147,6 +160,18 @@ def test_the_adapter_hands_answers_over_and_names_what_is_wrong():
     assert a.manifest("policy", layout, '{"heads": 2}') == [("w", "bf16", [2, 3])]
     with pytest.raises(NotImplementedError, match="echo does not score"):
         a.score([("policy", [1], [2], 1.0)], {"policy": 1})
+    # an interrupt is passed on; an engine without one (the default, or an object that is
+    # no Engine) lets the commit wait for the batch
+    a.interrupt("policy", 6)
+    _Adapter(object()).interrupt("policy", 6)
+    seen = []
+
+    class Interrupted(Echo):
+        def interrupt(self, model, version):
+            seen.append((model, version))
+
+    _Adapter(Interrupted()).interrupt("policy", 6)
+    assert seen == [("policy", 6)]
 
 
 def test_join_outside_refit_launch_says_what_is_missing(monkeypatch, capsys):

@@ -7,8 +7,10 @@ trainer in both sync modes, and behind the Rust one."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -261,6 +263,59 @@ def test_a_commit_during_a_batch_lands_between_steps_and_its_sequence_carries_tw
     assert max(abs(a - b) for a, b in zip(c.logprobs[ones:], under1.logprobs[ones:])) > 1e-3
 
 
+def test_an_interrupt_aborts_the_running_batch_at_a_step_with_the_tokens_made_so_far(golden):
+    """Abort mode (:meth:`VllmEngine.interrupt`, which Refit calls before a commit under
+    ``pause_mode = "abort"``): the running batch ends at the next step boundary, its
+    unfinished request aborted by vLLM and answered ``"aborted"`` with the tokens made so
+    far, each labelled with the version that made it, their log-probabilities the ones the
+    same request makes when it runs to its end. An interrupt when no batch runs ends
+    nothing."""
+    import threading
+
+    weights, _ = golden
+    e = VllmEngine(example.build, checkpoint=example.checkpoint)
+    e.manifest(MODEL, layout_of(weights), PARAMS)
+    e.stage(MODEL, 1, Held(weights))
+    e.commit(MODEL, 1)
+    engine = e._llm(MODEL).llm_engine
+    step, steps, midway = engine.step, [], threading.Event()
+
+    def counted_step():
+        out = step()
+        steps.append(len(out))
+        if len(steps) == 4:  # a prefill and three tokens, then the interrupt comes
+            midway.set()
+            deadline = time.monotonic() + 30
+            while MODEL not in e._interrupts and time.monotonic() < deadline:
+                time.sleep(0.001)
+        return out
+
+    engine.step = counted_step
+    asked = Request(MODEL, [1, 2, 3], 9, 1.0, 7, None, 1)  # the context is 12
+    answer: list = []
+    runner = threading.Thread(target=lambda: answer.extend(e.generate([asked])))
+    runner.start()
+    assert midway.wait(60)
+    e.interrupt(MODEL, 2)
+    runner.join(60)
+    engine.step = step
+    assert not runner.is_alive(), "the batch did not end"
+    (c,) = answer
+    assert not isinstance(c, BaseException), c
+    assert c.finish == "aborted" and 3 <= len(c.tokens) < 9, c
+    assert c.versions == [1] * len(c.tokens)
+    assert not engine.has_unfinished_requests(), "vLLM still runs the aborted request"
+    # the interrupt is spent: the same request now runs to its end, and the tokens made
+    # before the interrupt are its first ones (same seed), with the same log-probabilities
+    e.interrupt(MODEL, 2)  # no batch runs: nothing to end
+    (whole,) = e.generate([asked])
+    assert not isinstance(whole, BaseException), whole
+    assert whole.finish == "length" and len(whole.tokens) == 9, whole
+    n = len(c.tokens)
+    assert whole.tokens[:n] == c.tokens
+    assert max(abs(a - b) for a, b in zip(whole.logprobs[:n], c.logprobs)) < 1e-5
+
+
 def test_vllm_serves_the_trainers_llama_as_transformers_computes_it():
     """``params.arch = "llama"``: the torch learner's ``transformers`` LlamaForCausalLM
     (random, seeded) exported as it is, loaded by vLLM's Llama built from the config
@@ -326,6 +381,18 @@ def test_vllm_engine_ranks_learn_grpo_under_refit_launch(refit_bin, tmp_path, mo
         sets.append(f'process.learner.command=["{grpo_example()}", "topology"]')
     cmd, env = launch_command(refit_bin, tmp_path, sets, topology="grpo-vllm.toml", script="vllm_engine_rank.py")
     launch_solves(cmd, env, tmp_path)
+
+
+def test_vllm_engine_ranks_learn_grpo_when_updates_abort_their_batches(refit_bin, tmp_path):
+    """``pause_mode = "abort"``: each commit first interrupts the vLLM batch running on its
+    rank, whose sequences end aborted at the next step and are asked again by the rollout
+    workers under the new version; the run still learns, and the report counts the
+    sequences the updates aborted."""
+    sets = SHORT + ["sync.pause_mode=abort"]
+    cmd, env = launch_command(refit_bin, tmp_path, sets, topology="grpo-vllm.toml", script="vllm_engine_rank.py")
+    out = launch_solves(cmd, env, tmp_path)
+    aborted = [int(n) for n in re.findall(r"tokens; (\d+) sequences aborted", out)]
+    assert len(aborted) == 2 and sum(aborted) > 0, out[-6000:]
 
 
 def test_a_killed_vllm_engine_rank_is_restarted_and_rejoins(refit_bin, tmp_path):

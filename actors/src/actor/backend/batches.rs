@@ -8,7 +8,7 @@ use tokio::sync::oneshot;
 
 use crate::error::{Error, Result};
 use crate::generation::{
-    Completion, LOGPROB_ROUNDING, check_logprobs, check_per_token, clamp_logprobs,
+    Completion, Finish, LOGPROB_ROUNDING, check_logprobs, check_per_token, clamp_logprobs,
 };
 use crate::protocol::engine::{Generate, Score};
 
@@ -182,23 +182,35 @@ impl Answered {
     }
 
     /// Sends every answer (a request of another epoch than `epoch` is answered as
-    /// cancelled): the tokens generated and the requests cancelled.
-    pub(super) fn answer(self, epoch: u64) -> (u64, u64) {
-        let (mut tokens, mut cancelled) = (0, 0);
+    /// cancelled): what the answers counted.
+    pub(super) fn answer(self, epoch: u64) -> Counts {
+        let mut counts = Counts::default();
         for (reply, asked, answer) in self.answers {
             let answer = if stale(asked, epoch) {
-                cancelled += 1;
+                counts.cancelled += 1;
                 Err(Error::Cancelled { epoch })
             } else {
                 answer
             };
             if let Ok(c) = &answer {
-                tokens += c.tokens.len() as u64;
+                counts.tokens += c.tokens.len() as u64;
+                counts.aborted += u64::from(matches!(c.finish, Finish::Aborted { .. }));
             }
             let _ = reply.send(answer);
         }
-        (tokens, cancelled)
+        counts
     }
+}
+
+/// What a batch's answers counted, for the engine's statistics.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub(super) struct Counts {
+    /// Tokens generated or scored.
+    pub(super) tokens: u64,
+    /// Requests answered cancelled.
+    pub(super) cancelled: u64,
+    /// Completions an update ended (`abort`).
+    pub(super) aborted: u64,
 }
 
 /// Checks a backend's completion and gives each token its version: a completion with no
@@ -340,14 +352,22 @@ mod tests {
         let m = model();
         let served = BTreeMap::from([(m.clone(), Version(2))]);
         let reqs = [(&m, None), (&m, Some(0)), (&m, None)];
+        // the first one an update ended (`abort`): counted, answered with its tokens
+        let mut aborted = completion(2);
+        aborted.finish = Finish::Aborted { by: Version(3) };
         a.take(
             "test",
             reqs.into_iter(),
             vec![tx0, tx1, tx2],
-            vec![Ok(completion(2)), Ok(completion(1))],
+            vec![Ok(aborted), Ok(completion(1))],
             Some(&served),
         );
-        assert_eq!(a.answer(1), (2, 1));
+        let counts = Counts {
+            tokens: 2,
+            cancelled: 1,
+            aborted: 1,
+        };
+        assert_eq!(a.answer(1), counts);
         // (a request of epoch 0 when the engine is at 1 is answered cancelled)
         assert_eq!(
             rx0.try_recv().unwrap().unwrap().versions,

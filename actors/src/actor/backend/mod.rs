@@ -55,13 +55,14 @@ pub use generator::GeneratorBackend;
 
 // ANCHOR: backend
 /// What a backend does for a [`BackendEngine`]: blocking calls. `stage`, `commit`,
-/// `generate` and `score` run on blocking threads beside the actor; `name`, `manifest` and
-/// `abort` run on the actor's own thread and must be quick. Stages of one model never
-/// overlap. Commits and batches never overlap (a commit waits for the running batch, and
-/// no batch starts until it returns, so a commit pauses every model the engine serves, as
-/// `pause_mode = "wait"` does; `abort` is taken as `wait`), unless the backend commits in
-/// flight ([`EngineBackend::commits_in_flight`]) and the topology's `pause_mode` is
-/// `keep`.
+/// `generate` and `score` run on blocking threads beside the actor; `name`, `manifest`,
+/// `abort` and `interrupt` run on the actor's own thread and must be quick. Stages of one
+/// model never overlap. Commits and batches never overlap (a commit waits for the running
+/// batch, and no batch starts until it returns, so a commit pauses every model the engine
+/// serves, as `pause_mode = "wait"` does; under `abort` the backend is first asked to end
+/// the running batch's sequences of the model, [`EngineBackend::interrupt`]), unless the
+/// backend commits in flight ([`EngineBackend::commits_in_flight`]) and the topology's
+/// `pause_mode` is `keep`.
 pub trait EngineBackend: Send + Sync + 'static {
     /// A name for messages (`"vllm"`, `"python engine"`).
     fn name(&self) -> String;
@@ -110,6 +111,18 @@ pub trait EngineBackend: Send + Sync + 'static {
     /// with its later calls, as the Python engine does).
     fn abort(&self, model: &ModelId) {
         let _ = model;
+    }
+
+    /// Under `pause_mode = "abort"`, before `version` of `model` is committed: ends the
+    /// running batch's sequences of `model` at the backend's next step boundary, each
+    /// answered with the tokens made so far and [`Finish::Aborted`](crate::generation::Finish)
+    /// (`by` is `version`; a rollout worker asks again, under the new version), so that the
+    /// commit waits for a step, not for the batch. Called whether or not a batch runs: a
+    /// batch that starts later is not interrupted. The default does nothing: the commit
+    /// waits for the batch, as under `wait`. Called on the engine's own thread: it must not
+    /// wait (a backend may queue it, in order with its later calls).
+    fn interrupt(&self, model: &ModelId, version: Version) {
+        let _ = (model, version);
     }
 
     /// Completions of `batch`, one answer per request, in order; `served` is the version
@@ -202,6 +215,8 @@ pub struct BackendEngine<B: EngineBackend> {
     epoch_now: Arc<AtomicU64>,
     /// Commits land during batches (`keep`, a backend that commits in flight).
     in_flight: bool,
+    /// A commit first interrupts the running batch (`abort`).
+    interrupts: bool,
     stats: EngineStats,
 }
 
@@ -247,16 +262,21 @@ impl<B: EngineBackend> BackendEngine<B> {
             epoch: 0,
             epoch_now: Arc::new(AtomicU64::new(0)),
             in_flight: false,
+            interrupts: false,
             stats: EngineStats::default(),
         })
     }
 
     /// What the engine does with a running batch at a commit: with `keep`, a backend that
     /// commits in flight ([`EngineBackend::commits_in_flight`]) is committed during the
-    /// batch; otherwise (and with `wait` or `abort`) the commit waits for the batch to end.
+    /// batch; with `abort`, the backend is asked to end the batch's sequences of the model
+    /// ([`EngineBackend::interrupt`]) and the commit waits for the batch to end, as it
+    /// does otherwise (with `wait`, or `keep` and a backend that does not commit in
+    /// flight).
     #[must_use]
     pub fn pause_mode(mut self, mode: PauseMode) -> Self {
         self.in_flight = mode == PauseMode::Keep && self.backend.commits_in_flight();
+        self.interrupts = mode == PauseMode::Abort;
         self
     }
 
@@ -285,6 +305,7 @@ impl<B: EngineBackend> BackendEngine<B> {
             served: Arc::clone(&self.served),
             turn: Arc::clone(&self.turn),
             in_flight: self.in_flight,
+            interrupts: self.interrupts,
         })
     }
 }
@@ -302,6 +323,8 @@ struct Job<B: EngineBackend> {
     turn: Arc<tokio::sync::Mutex<()>>,
     /// The commit does not wait for the running batch.
     in_flight: bool,
+    /// The commit interrupts the running batch before it waits for it.
+    interrupts: bool,
 }
 
 /// What a commit did, for the report and the statistics.
@@ -402,7 +425,7 @@ impl<B: EngineBackend> Job<B> {
     }
 
     /// Serves the staged version: waits for the running batch (drained; not when the
-    /// backend commits in flight), commits on a blocking thread (the pause: the call, or
+    /// backend commits in flight; interrupted first under `abort`), commits on a blocking thread (the pause: the call, or
     /// in flight the part of it the backend measured, the rest drained), then acknowledges
     /// the version.
     ///
@@ -425,6 +448,9 @@ impl<B: EngineBackend> Job<B> {
         let turn = if self.in_flight {
             None
         } else {
+            if self.interrupts {
+                self.backend.interrupt(&self.model, version);
+            }
             let lock = Arc::clone(&self.turn).lock_owned();
             let Ok(turn) = actix_rt::time::timeout(wait, lock).await else {
                 if let Some(abort) = abort {
@@ -758,9 +784,10 @@ impl<B: EngineBackend> BackendEngine<B> {
         ctx.spawn(run.into_actor(self).map(|answered, act, ctx| {
             act.running = false;
             if let Some(a) = answered {
-                let (tokens, cancelled) = a.answer(act.epoch);
-                act.stats.tokens += tokens;
-                act.stats.cancelled += cancelled;
+                let counts = a.answer(act.epoch);
+                act.stats.tokens += counts.tokens;
+                act.stats.cancelled += counts.cancelled;
+                act.stats.aborted += counts.aborted;
             }
             act.start_batch(ctx);
         }));
