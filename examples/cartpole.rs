@@ -297,9 +297,7 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     refit::init()?;
     if matches!(args.command, Some(Sub::Topology)) {
         if !cartpole_topology::run_rank()? {
-            // the launcher repeats this line as the rank's cause
-            eprintln!("error: {}", run::UNSOLVED);
-            std::process::exit(1);
+            run::exit_unsolved();
         }
         return Ok(());
     }
@@ -501,8 +499,7 @@ fn run_actors(args: &Args) -> Result<(), Box<dyn std::error::Error>> {
         );
     }
     if !report.solved {
-        eprintln!("error: {}", run::UNSOLVED);
-        std::process::exit(1);
+        run::exit_unsolved();
     }
     Ok(())
 }

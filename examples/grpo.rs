@@ -148,9 +148,7 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     };
     print!("{}", report.summary(allowed));
     if !report.solved {
-        // the launcher repeats this line as the rank's cause
-        eprintln!("error: {}", run::UNSOLVED);
-        std::process::exit(1);
+        run::exit_unsolved();
     }
     Ok(())
 }

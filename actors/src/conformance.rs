@@ -77,8 +77,7 @@ const CONNECT: Duration = Duration::from_secs(10);
 /// cannot start there.
 pub fn backend<B: EngineBackend>(backend: B, model: &ModelId) -> Result<Vec<&'static str>> {
     let manifest = backend.manifest(model)?;
-    let mut first = WeightSet::zeroed(model.clone(), Arc::clone(&manifest));
-    first.set_version(Version(1));
+    let first = zeros(model, &manifest, Version(1));
     let manifests = Manifests::new([(model.clone(), Arc::clone(&manifest))])?;
     let hub = InProc::new();
     let receiver = ReceiverInit::new(hub.receiver(), Some(manifests.clone()));
@@ -117,12 +116,18 @@ struct Zeroed {
 impl Publish for Zeroed {
     fn publish(&mut self, version: Version) -> Result<()> {
         if version > Version(1) {
-            let mut ws = WeightSet::zeroed(self.model.clone(), Arc::clone(&self.manifest));
-            ws.set_version(version);
+            let ws = zeros(&self.model, &self.manifest, version);
             self.pending.push(self.sender.send_async(vec![ws])?);
         }
         Ok(())
     }
+}
+
+/// `version` of `model`, zeros in `manifest`'s layout.
+fn zeros(model: &ModelId, manifest: &Arc<Manifest>, version: Version) -> WeightSet {
+    let mut ws = WeightSet::zeroed(model.clone(), Arc::clone(manifest));
+    ws.set_version(version);
+    ws
 }
 
 /// How long each call of the suite may take before it counts as unanswered.

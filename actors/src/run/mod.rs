@@ -68,6 +68,7 @@ pub use checkpoint::resume_version;
 pub use rendezvous::PING_TARGET;
 pub use report::{
     ModelReport, RankEvent, RankEventKind, RankReport, RunReport, UNSOLVED, UpdateRecord,
+    exit_unsolved,
 };
 pub use workload::{EngineSetup, Inference, Started, Workload};
 

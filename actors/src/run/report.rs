@@ -139,6 +139,13 @@ pub(crate) fn gone_ranks(events: &[RankEvent]) -> std::collections::BTreeSet<u32
 pub const UNSOLVED: &str = "the run ended unsolved: not every model reached its stop target \
                             within the update and time budget";
 
+/// Ends rank 0's program because its run ended unsolved: [`UNSOLVED`] as one `error: ...`
+/// line on stderr (what `refit launch` repeats as the rank's cause), then status 1.
+pub fn exit_unsolved() -> ! {
+    eprintln!("error: {UNSOLVED}");
+    std::process::exit(1)
+}
+
 /// What a run did.
 #[derive(Debug, Clone)]
 pub struct RunReport {
