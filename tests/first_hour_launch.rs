@@ -82,6 +82,17 @@ fn a_bad_value_in_params_is_refused_before_any_rank_starts() {
     // an unknown key: the same, naming the keys the roles know
     let out = launch(dir.path(), &topo, &["--set", "model.policy.params.lrr=1"]);
     refused_before_start(&out, &["unknown parameter params.lrr", "knows hidden, lr"]);
+    // the same in a GRPO model whose engines verify what they serve: named as the typo it
+    // is, not as a failure of the verification that reads the params too
+    let grpo = shipped_topology(dir.path(), "grpo-processes.toml", "grpo", &[]);
+    let out = launch(dir.path(), &grpo, &["--set", "model.policy.params.hedas=2"]);
+    let says = [
+        "model `policy`: unknown parameter params.hedas",
+        "knows arch",
+    ];
+    refused_before_start(&out, &says);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!stderr.contains("verify"), "{stderr}");
     // a bad range of a framework key: the launcher's own check, naming the file
     let out = launch(
         dir.path(),

@@ -391,8 +391,8 @@ const STEP_LOAD: Duration = Duration::from_millis(1);
 /// A backend that commits in flight: each token of a request takes 20 ms and carries the
 /// version served when it was made (or none, when it does not label its tokens). Its
 /// fourth token waits (`hold` at most) for a commit to land, so one lands mid-sequence
-/// however loaded the machine is, where the engine lets it. An interrupt while it
-/// generates ends its sequences at the next token.
+/// however loaded the machine is, where the engine lets it. An interrupt ends its
+/// sequences at the next token, until the commit.
 struct Stepping {
     manifest: Arc<Manifest>,
     served: AtomicU64,
@@ -402,7 +402,7 @@ struct Stepping {
     generating: AtomicBool,
     /// A commit came while a batch ran.
     overlapped: Arc<AtomicBool>,
-    /// The version an interrupt of the running batch named.
+    /// The version an interrupt named, until the commit or an abort.
     interrupted: std::sync::Mutex<Option<Version>>,
 }
 
@@ -477,6 +477,7 @@ impl EngineBackend for Stepping {
     /// Waits `STEP_WAIT` for its step boundary (tokens still made), then loads in
     /// `STEP_LOAD`: the pause it answers.
     fn commit(&self, _: &ModelId, version: Version) -> Result<Option<Duration>> {
+        *self.interrupted.lock().unwrap() = None;
         assert_eq!(self.staged.lock().unwrap().take(), Some(version));
         std::thread::sleep(STEP_WAIT);
         if self.generating.load(Ordering::SeqCst) {
@@ -485,11 +486,12 @@ impl EngineBackend for Stepping {
         self.served.store(version.get(), Ordering::SeqCst);
         Ok(Some(STEP_LOAD))
     }
-    /// Only a running batch is interrupted.
+    /// Holds until the commit (or an abort).
     fn interrupt(&self, _: &ModelId, version: Version) {
-        if self.generating.load(Ordering::SeqCst) {
-            *self.interrupted.lock().unwrap() = Some(version);
-        }
+        *self.interrupted.lock().unwrap() = Some(version);
+    }
+    fn abort(&self, _: &ModelId) {
+        *self.interrupted.lock().unwrap() = None;
     }
     fn generate(
         &self,
@@ -499,7 +501,6 @@ impl EngineBackend for Stepping {
         self.generating.store(true, Ordering::SeqCst);
         let out = batch.iter().map(|g| Ok(self.sequence(g))).collect();
         self.generating.store(false, Ordering::SeqCst);
-        *self.interrupted.lock().unwrap() = None;
         out
     }
 }
@@ -574,7 +575,7 @@ async fn a_backend_that_commits_in_flight_is_committed_during_the_batch_under_ke
                 let c = c.unwrap();
                 assert_eq!(c.finish, refit_actors::Finish::Aborted { by: Version(2) });
                 let n = c.tokens.len();
-                assert!((1..10).contains(&n), "{c:?}");
+                assert!(n < 10, "{c:?}");
                 assert_eq!(c.versions, vec![Version(1); n]);
                 let stats = e.send(GetEngineStats).await.unwrap();
                 assert_eq!(stats.aborted, 1, "{stats:?}");

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import math
 import sys
-import threading
 from typing import Any
 
 import torch
@@ -50,9 +49,7 @@ class TorchTransformer(refit.engine.Engine):
         self.heads: dict[str, int] = {}
         self.staged: dict[str, tuple[int, dict[str, torch.Tensor]]] = {}
         self.served: dict[str, dict[str, torch.Tensor]] = {}
-        # the models whose batch runs now, and the version whose interrupt ends it
-        self.lock = threading.Lock()
-        self.running: set[str] = set()
+        # the version whose interrupt ends each model's batch, until its next commit or abort
         self.interrupted: dict[str, int] = {}
 
     def manifest(self, model: str, layout: list, params: dict[str, Any]) -> list:
@@ -75,19 +72,19 @@ class TorchTransformer(refit.engine.Engine):
         self.staged[model] = (version, weights)
 
     def commit(self, model: str, version: int) -> None:
+        self.interrupted.pop(model, None)  # no batch runs now: the next ones go on
         staged, weights = self.staged.pop(model)
         if staged != version:
             raise RuntimeError(f"v{version} is not the version staged (v{staged})")
         self.served[model] = weights
 
     def abort(self, model: str) -> None:
+        self.interrupted.pop(model, None)
         self.staged.pop(model, None)
 
     def interrupt(self, model: str, version: int) -> None:
-        # only a running batch is ended (it stops at its next token)
-        with self.lock:
-            if model in self.running:
-                self.interrupted[model] = version
+        # the batch decoding now (or about to) stops at its next token
+        self.interrupted[model] = version
 
     # ANCHOR_END: weights
 
@@ -142,21 +139,12 @@ class TorchTransformer(refit.engine.Engine):
         return Completion(tokens=tokens, logprobs=logprobs, finish=finish)
 
     def generate(self, requests: list[Request]) -> list[Completion | BaseException]:
-        models = {r.model for r in requests}
-        with self.lock:
-            self.running |= models
         out: list[Completion | BaseException] = []
-        try:
-            for r in requests:
-                try:
-                    out.append(self.complete(r))
-                except Exception as e:  # one bad request does not fail the batch
-                    out.append(e)
-        finally:
-            with self.lock:
-                self.running -= models
-                for m in models:
-                    self.interrupted.pop(m, None)
+        for r in requests:
+            try:
+                out.append(self.complete(r))
+            except Exception as e:  # one bad request does not fail the batch
+                out.append(e)
         return out
 
 

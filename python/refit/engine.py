@@ -143,13 +143,15 @@ class Engine:
 
     def interrupt(self, model: str, version: int) -> None:
         """Under the topology's ``pause_mode = "abort"``, before ``version`` of ``model`` is
-        committed: ends the running :meth:`generate` call's sequences of ``model`` at the
-        engine's next step boundary, each answered with the tokens made so far and
+        committed: ends the :meth:`generate` call's sequences of ``model`` at the engine's
+        next step boundary, each answered with the tokens made so far and
         ``finish = "aborted"`` (a rollout worker asks again, under the new version), so that
-        the commit waits for a step, not for the batch. Called whether or not a batch runs,
-        on the thread of :meth:`stage` and :meth:`commit` (before the commit): a call that
-        starts later is not interrupted. The default does nothing: the commit waits for the
-        batch, as under ``"wait"``."""
+        the commit waits for a step, not for the batch. It holds until the model's next
+        :meth:`commit` or :meth:`abort`, which always follow it on the same thread (that of
+        :meth:`stage`): the call running when it comes, or one that starts before that
+        commit, ends; no call starts after the commit until the commit returns, and none
+        after it is interrupted. Called whether or not a batch runs. The default does
+        nothing: the commit waits for the batch, as under ``"wait"``."""
 
     def generate(self, requests: list[Request]) -> list[Completion | BaseException]:
         """One :class:`Completion` per request, in order (or the exception that request

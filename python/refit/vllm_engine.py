@@ -165,9 +165,8 @@ class VllmEngine(refit.engine.Engine):
         self._ids = itertools.count()
         # the version each model serves (what its scores are labelled with)
         self._versions: dict[str, int] = {}
-        # models whose batch runs now, and the version whose interrupt ends it (under the
-        # turn's lock)
-        self._running: set[str] = set()
+        # the version whose interrupt ends each model's batch, until the model's next commit
+        # or abort (under the turn's lock)
         self._interrupts: dict[str, int] = {}
 
     # -- the weights ---------------------------------------------------------------------
@@ -251,6 +250,7 @@ class VllmEngine(refit.engine.Engine):
         finally:
             with self._turn:
                 self._driving = False
+                self._interrupts.pop(model, None)  # spent: the batches after are not ended
                 self._turn.notify_all()
 
     def _commit(self, model: str, version: int) -> None:
@@ -283,6 +283,7 @@ class VllmEngine(refit.engine.Engine):
         # stage, commit and abort come one after another on the rank's weights thread, an
         # abort before the next stage: what is staged now is the version aborted
         self._staged.pop(model, None)
+        self._interrupt_spent(model)
 
     def _llm(self, model: str) -> Any:
         try:
@@ -371,9 +372,6 @@ class VllmEngine(refit.engine.Engine):
         seqs = {rid: _Sequence() for rid in ids}
         finished = 0
         added: list[str] = []
-        if not held:
-            with self._turn:
-                self._running.add(model)
         try:
             while finished < len(ids):
                 if not held:
@@ -393,8 +391,9 @@ class VllmEngine(refit.engine.Engine):
                         break
                     if not added:
                         for rid, prompt, p in zip(ids, prompts, params):
-                            # each step's new tokens: labelled with the version that made them
-                            p.output_kind = RequestOutputKind.DELTA
+                            # each step's new tokens, labelled with the version that made them
+                            # (a held run, a score, is one version: its final output alone)
+                            p.output_kind = RequestOutputKind.FINAL_ONLY if held else RequestOutputKind.DELTA
                             engine.add_request(rid, prompt, p)
                             added.append(rid)
                     elif not engine.has_unfinished_requests():
@@ -418,20 +417,18 @@ class VllmEngine(refit.engine.Engine):
                     except Exception as e:  # the original error is the one to report
                         _log.warning("aborting %d requests of `%s` failed: %s", len(left), model, e)
             raise
-        finally:
-            if not held:
-                with self._turn:
-                    self._running.discard(model)
-                    self._interrupts.pop(model, None)
         return [seqs[rid] for rid in ids]
 
     def interrupt(self, model: str, version: int) -> None:
-        """Under ``pause_mode = "abort"``: the running batch of ``model`` ends at vLLM's next
-        step boundary, its unfinished requests aborted and answered ``"aborted"`` with the
-        tokens made so far (nothing when no batch of the model runs)."""
+        """Under ``pause_mode = "abort"``: the batch of ``model`` ends at vLLM's next step
+        boundary, its unfinished requests aborted and answered ``"aborted"`` with the tokens
+        made so far, until the model's next :meth:`commit` or :meth:`abort`."""
         with self._turn:
-            if model in self._running:
-                self._interrupts[model] = version
+            self._interrupts[model] = version
+
+    def _interrupt_spent(self, model: str) -> None:
+        with self._turn:
+            self._interrupts.pop(model, None)
 
     def score(self, requests: list[refit.engine.ScoreRequest]) -> list[Completion | BaseException]:
         """The log-probability of each of ``tokens`` after ``prompt`` and the tokens before

@@ -217,12 +217,14 @@ fn completion(
         ("aborted", Some(by)) => Finish::Aborted { by },
         ("aborted", None) => {
             return Err(refused(format!(
-                "the Python engine's {method} answered finish `aborted`, but no update                  interrupted model `{model}`"
+                "the Python engine's {method} answered finish `aborted`, but no update \
+                 interrupted model `{model}`"
             )));
         }
         (other, _) => {
             return Err(refused(format!(
-                "the Python engine's {method} answered finish `{other}` (length, stop or                  aborted)"
+                "the Python engine's {method} answered finish `{other}` (length, stop or \
+                 aborted)"
             )));
         }
     };

@@ -305,15 +305,25 @@ def test_an_interrupt_aborts_the_running_batch_at_a_step_with_the_tokens_made_so
     assert c.finish == "aborted" and 3 <= len(c.tokens) < 9, c
     assert c.versions == [1] * len(c.tokens)
     assert not engine.has_unfinished_requests(), "vLLM still runs the aborted request"
-    # the interrupt is spent: the same request now runs to its end, and the tokens made
-    # before the interrupt are its first ones (same seed), with the same log-probabilities
-    e.interrupt(MODEL, 2)  # no batch runs: nothing to end
+    # until the abort (or commit) that follows it, a batch that starts ends at once
+    (again,) = e.generate([asked])
+    assert not isinstance(again, BaseException) and again.finish == "aborted" and not again.tokens, again
+    e.abort(MODEL)
+    # spent: the same request now runs to its end, and the tokens made before the
+    # interrupt are its first ones (same seed), with the same log-probabilities
     (whole,) = e.generate([asked])
     assert not isinstance(whole, BaseException), whole
     assert whole.finish == "length" and len(whole.tokens) == 9, whole
     n = len(c.tokens)
     assert whole.tokens[:n] == c.tokens
     assert max(abs(a - b) for a, b in zip(whole.logprobs[:n], c.logprobs)) < 1e-5
+    # a commit spends it too: the batch after it runs whole under the new version
+    e.interrupt(MODEL, 2)
+    e.stage(MODEL, 2, Held(weights))
+    e.commit(MODEL, 2)
+    (after,) = e.generate([asked])
+    assert not isinstance(after, BaseException), after
+    assert after.finish == "length" and after.versions == [2] * 9, after
 
 
 def test_vllm_serves_the_trainers_llama_as_transformers_computes_it():

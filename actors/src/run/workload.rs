@@ -268,6 +268,9 @@ impl<G: GenRoles> Workload for Generating<G> {
     }
 
     fn check(&self, model: &ModelSpec, seed: u64) -> Result<()> {
+        // the model's params first: a typo there is named as such, not as a failure of
+        // what reads them
+        let engines = self.0.engine_shape(model)?;
         if model.verify >= Verify::Startup {
             let generator = self.0.generator(model).map_err(|e| {
                 Error::Config(format!(
@@ -279,7 +282,6 @@ impl<G: GenRoles> Workload for Generating<G> {
             can_read_back(model, &generator)?;
         }
         let task = self.0.task(model, seed)?;
-        let engines = self.0.engine_shape(model)?;
         if task.vocab_size() > engines.vocab {
             return Err(Error::Config(format!(
                 "model `{}`: the task writes in {} tokens, the engines' model knows {}",

@@ -114,13 +114,16 @@ pub trait EngineBackend: Send + Sync + 'static {
     }
 
     /// Under `pause_mode = "abort"`, before `version` of `model` is committed: ends the
-    /// running batch's sequences of `model` at the backend's next step boundary, each
-    /// answered with the tokens made so far and [`Finish::Aborted`](crate::generation::Finish)
-    /// (`by` is `version`; a rollout worker asks again, under the new version), so that the
-    /// commit waits for a step, not for the batch. Called whether or not a batch runs: a
-    /// batch that starts later is not interrupted. The default does nothing: the commit
-    /// waits for the batch, as under `wait`. Called on the engine's own thread: it must not
-    /// wait (a backend may queue it, in order with its later calls).
+    /// batch's sequences of `model` at the backend's next step boundary, each answered with
+    /// the tokens made so far and [`Finish::Aborted`](crate::generation::Finish) (`by` is
+    /// `version`; a rollout worker asks again, under the new version), so that the commit
+    /// waits for a step, not for the batch. It holds until the model's next
+    /// [`EngineBackend::commit`] or [`EngineBackend::abort`], which always follow it: the
+    /// batch running when it comes, or one the engine started that the backend has not
+    /// entered yet, ends; none starts between it and that call. Called whether or not a
+    /// batch runs. The default does nothing: the commit waits for the batch, as under
+    /// `wait`. Called on the engine's own thread: it must not wait (a backend may queue
+    /// it, in order with its later calls).
     fn interrupt(&self, model: &ModelId, version: Version) {
         let _ = (model, version);
     }
