@@ -86,18 +86,35 @@ fn grpo_learns_through_refit_launch_in_every_sync_mode() {
 
 /// The engines behind the backend contract (`grpo-backend.toml`: the path a vLLM or Python
 /// engine takes): the run learns as with Refit's own generating engines, every completion
-/// labelled with the versions that made it, each engine's pause reported.
+/// labelled with the versions that made it, each engine's pause reported. Under
+/// `pause_mode = "abort"` each commit interrupts the engine's running batch: the report
+/// counts the sequences aborted (asked again by the rollout workers), and the run learns.
 #[test]
 fn grpo_learns_with_backend_engines_under_refit_launch() {
     let dir = tempfile::tempdir().unwrap();
     let topo = shipped_topology(dir.path(), "grpo-backend.toml", "grpo", &[]);
     let text = std::fs::read_to_string(&topo).unwrap();
     assert!(text.contains("\"topology\", \"--backend\"]"), "{text}");
-    let launch = Launch::start_with(&topo, "batch-async", &SHORT);
-    let (status, out) = launch.finish(Duration::from_secs(900));
-    assert!(status.success(), "{status}\n{out}");
-    assert!(out.contains("solved: policy held-out reward"), "{out}");
-    assert!(out.contains("engine pauses"), "{out}");
-    assert!(out.contains("mean reward"), "{out}");
-    assert_clean(&out);
+    for pause in ["keep", "abort"] {
+        let mut args = SHORT.to_vec();
+        let set = format!("sync.pause_mode={pause}");
+        args.extend(["--set", &set]);
+        let launch = Launch::start_with(&topo, "batch-async", &args);
+        let (status, out) = launch.finish(Duration::from_secs(900));
+        assert!(status.success(), "{pause}: {status}\n{out}");
+        assert!(out.contains("solved: policy held-out reward"), "{out}");
+        assert!(out.contains("engine pauses"), "{out}");
+        assert!(out.contains("mean reward"), "{out}");
+        let aborted: u64 = out
+            .lines()
+            .filter_map(|l| l.split("tokens; ").nth(1))
+            .filter_map(|t| t.split(' ').next()?.parse::<u64>().ok())
+            .sum();
+        assert_eq!(
+            aborted > 0,
+            pause == "abort",
+            "{pause}: {aborted} aborted\n{out}"
+        );
+        assert_clean(&out);
+    }
 }

@@ -192,6 +192,49 @@ async fn a_commit_waits_for_the_running_batch_and_pauses_only_for_its_load() {
     assert_eq!((c.tokens, c.versions), (walk(0, 2, 3), vec![Version(2); 3]));
 }
 
+/// Under `pause_mode = "abort"` Refit's own backend (a generator behind the contract) ends
+/// the running batch at its next step when a commit comes: the request is answered aborted
+/// by v2 with the v1 tokens made before, and v2 is served once the batch ended.
+#[actix_rt::test]
+async fn under_abort_a_commit_ends_the_generators_running_batch_at_its_next_step() {
+    use refit_runtime::sync_policy::PauseMode;
+    let gate = Gate::closed();
+    let backend = GeneratorBackend::new()
+        .with_model(policy(), Gated::new(&gate), Gated::new(&gate), 8)
+        .unwrap();
+    let m = policy();
+    let (mut sender, receiver) = generating::scheme(&m, &bigram(), table(&m, 1));
+    let inlet: Box<dyn refit_actors::WeightInlet> = Box::new(receiver);
+    let e = BackendEngine::new(Arc::new(backend), vec![(m, inlet)])
+        .unwrap()
+        .pause_mode(PauseMode::Abort)
+        .start();
+    assert_eq!(update(&e, 1).await.unwrap(), Version(1));
+    // a batch runs (held at its first forward pass), then v2 comes and interrupts it
+    let mut long = ask(0, None);
+    long.params = SamplingParams::greedy(6);
+    let running = e.send(long);
+    gate.wait_entered(1).await;
+    let _ = sender.send_async(vec![table(&policy(), 2)]).unwrap();
+    let e2 = e.clone();
+    let load = actix_rt::spawn(async move { update(&e2, 2).await });
+    actix_rt::time::sleep(Duration::from_millis(300)).await;
+    gate.open();
+    let c = within("the running batch", running).await.unwrap().unwrap();
+    assert_eq!(c.finish, refit_actors::Finish::Aborted { by: Version(2) });
+    assert!(c.tokens.len() < 6, "{c:?}");
+    assert_eq!(c.versions, vec![Version(1); c.tokens.len()]);
+    assert_eq!(within("the load", load).await.unwrap().unwrap(), Version(2));
+    let stats = e.send(GetEngineStats).await.unwrap();
+    assert_eq!(stats.aborted, 1, "{stats:?}");
+    // spent by the commit: the next batch runs whole under v2
+    let c = within("a request after", e.send(ask(0, None)))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!((c.tokens, c.versions), (walk(0, 2, 3), vec![Version(2); 3]));
+}
+
 #[actix_rt::test]
 async fn refused_versions_and_bad_answers_are_typed_errors_and_v1_stays_served() {
     let inner = GeneratorBackend::new()

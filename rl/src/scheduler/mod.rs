@@ -377,26 +377,40 @@ impl<G: Generator> Scheduler<G> {
     /// Ends every running and waiting request whose cancellation epoch is older than
     /// `below` with [`Finish::Cancelled`] (running ones keep their tokens so far).
     pub fn cancel(&mut self, below: u64) -> Vec<(RequestId, Completion)> {
-        let hit = |g: Option<u64>| g.is_some_and(|g| g < below);
+        let out = self.end_where(|g| g.is_some_and(|g| g < below), Finish::Cancelled);
+        self.stats.cancelled += out.len() as u64;
+        out
+    }
+
+    /// Ends every running and waiting request with [`Finish::Aborted`] by `by`, the tokens
+    /// made so far kept, as an abort-mode swap to `by` ends the running ones: for an owner
+    /// that swaps versions in itself (a backend's commit) under `pause_mode = "abort"`.
+    pub fn abort(&mut self, by: Version) -> Vec<(RequestId, Completion)> {
+        let out = self.end_where(|_| true, Finish::Aborted { by });
+        self.stats.aborted += out.len() as u64;
+        out
+    }
+
+    /// Ends the running and waiting requests whose cancellation epoch `hit` says, with
+    /// `finish`.
+    fn end_where(
+        &mut self,
+        hit: impl Fn(Option<u64>) -> bool,
+        finish: Finish,
+    ) -> Vec<(RequestId, Completion)> {
         let mut out = Vec::new();
         let mut i = 0;
         while i < self.running.len() {
             if hit(self.running[i].epoch) {
                 let s = self.running.swap_remove(i);
-                out.push((s.id, s.finish(Finish::Cancelled)));
+                out.push((s.id, s.finish(finish)));
             } else {
                 i += 1;
             }
         }
-        let (cancelled, kept): (Vec<_>, Vec<_>) =
-            self.waiting.drain(..).partition(|w| hit(w.epoch));
+        let (ended, kept): (Vec<_>, Vec<_>) = self.waiting.drain(..).partition(|w| hit(w.epoch));
         self.waiting = kept.into();
-        out.extend(
-            cancelled
-                .into_iter()
-                .map(|w| (w.id, w.finish(Finish::Cancelled))),
-        );
-        self.stats.cancelled += out.len() as u64;
+        out.extend(ended.into_iter().map(|w| (w.id, w.finish(finish))));
         out
     }
 

@@ -304,6 +304,26 @@ fn cancel_ends_cancellable_requests_only() {
 }
 
 #[test]
+fn abort_ends_every_request_with_its_tokens_so_far() {
+    let mut s = scheduler(PauseMode::Keep, 1);
+    let running = s.submit(vec![0], SamplingParams::greedy(9), None).unwrap();
+    let queued = s
+        .submit(vec![2], SamplingParams::greedy(9), Some(0))
+        .unwrap();
+    s.step();
+    s.step();
+    let aborted: BTreeMap<_, _> = s.abort(Version(5)).into_iter().collect();
+    let by = Finish::Aborted { by: Version(5) };
+    assert_eq!(aborted.len(), 2);
+    assert_eq!(aborted[&running].finish, by);
+    assert_eq!(aborted[&running].tokens, walk(0, 1, 2));
+    assert_eq!(aborted[&queued].finish, by);
+    assert!(aborted[&queued].tokens.is_empty());
+    assert!(!s.has_work());
+    assert_eq!((s.stats().aborted, s.stats().cancelled), (2, 0));
+}
+
+#[test]
 fn the_batch_size_holds_and_requests_join_as_others_leave() {
     let mut s = scheduler(PauseMode::Keep, 2);
     let lens = [2, 5, 4];

@@ -22,6 +22,9 @@ struct Served<G: Generator> {
     stager: Mutex<G>,
     staged: Mutex<Option<(Arc<G::Weights>, Version)>>,
     scheduler: Mutex<Scheduler<G>>,
+    /// The version whose interrupt ends the model's requests, until its commit or abort
+    /// (read between decoding steps).
+    interrupted: Mutex<Option<Version>>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -75,6 +78,7 @@ impl<G: Generator> GeneratorBackend<G> {
             stager: Mutex::new(stager),
             staged: Mutex::new(None),
             scheduler: Mutex::new(Scheduler::new(generator, cfg)?),
+            interrupted: Mutex::new(None),
         };
         self.models.insert(model, served);
         Ok(self)
@@ -87,7 +91,8 @@ impl<G: Generator> GeneratorBackend<G> {
     }
 
     /// Runs `submit` for each request on its model's scheduler, then decodes every model's
-    /// requests to their end: one answer per request, in order.
+    /// requests to their end (or until an interrupt of the model ends them): one answer
+    /// per request, in order.
     fn run<R>(
         &self,
         batch: &[R],
@@ -110,7 +115,17 @@ impl<G: Generator> GeneratorBackend<G> {
                 }
             }
             while !ids.is_empty() && scheduler.has_work() {
-                for (id, answer) in scheduler.step().finished {
+                // read apart: the lock is not held during the step (an interrupt waits for it)
+                let interrupted = *lock(&served.interrupted);
+                let ended = match interrupted {
+                    Some(by) => scheduler
+                        .abort(by)
+                        .into_iter()
+                        .map(|(id, c)| (id, Ok(c)))
+                        .collect(),
+                    None => scheduler.step().finished,
+                };
+                for (id, answer) in ended {
                     if let Some(i) = ids.remove(&id) {
                         answers[i] = Some(answer);
                     }
@@ -156,6 +171,7 @@ impl<G: Generator> EngineBackend for GeneratorBackend<G> {
 
     fn commit(&self, model: &ModelId, version: Version) -> Result<Option<Duration>> {
         let served = self.model(model)?;
+        lock(&served.interrupted).take();
         let staged = lock(&served.staged).take();
         let Some((weights, v)) = staged.filter(|(_, v)| *v == version) else {
             return Err(Error::Generator {
@@ -178,7 +194,16 @@ impl<G: Generator> EngineBackend for GeneratorBackend<G> {
 
     fn abort(&self, model: &ModelId) {
         if let Ok(served) = self.model(model) {
+            lock(&served.interrupted).take();
             lock(&served.staged).take();
+        }
+    }
+
+    /// Read between two decoding steps of the running batch: its requests of `model` end
+    /// there, aborted by `version`, until the commit (or abort) that follows.
+    fn interrupt(&self, model: &ModelId, version: Version) {
+        if let Ok(served) = self.model(model) {
+            *lock(&served.interrupted) = Some(version);
         }
     }
 
