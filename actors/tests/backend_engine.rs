@@ -19,6 +19,7 @@ use refit_actors::protocol::engine::{
     StageModel, UpdateModel,
 };
 use refit_actors::{Error, Result};
+use refit_runtime::sync_policy::PauseMode;
 use refit_runtime::{Manifest, ModelId, Version, WeightSet};
 
 use generating::{Gate, Gated, bigram, policy, table, walk, within};
@@ -84,18 +85,42 @@ impl<B: EngineBackend> EngineBackend for Faulty<B> {
     }
 }
 
-/// A sender of the bigram's versions and an engine of `backend` fed by it.
-fn engine<B: EngineBackend>(
-    backend: B,
+type InProcSender = refit_runtime::Sender<refit_transports::inproc::InProcSender>;
+
+/// A sender of the bigram's versions and an engine of `backend` fed by it (commits wait
+/// for the running batch).
+fn engine<B: EngineBackend>(backend: B) -> (Addr<BackendEngine<B>>, InProcSender) {
+    engine_in(backend, PauseMode::Wait)
+}
+
+/// An engine of Refit's own backend under `mode`, whose forward passes go through the
+/// gate answered beside it, closed.
+fn gated(
+    mode: PauseMode,
 ) -> (
-    Addr<BackendEngine<B>>,
-    refit_runtime::Sender<refit_transports::inproc::InProcSender>,
+    Arc<Gate>,
+    Addr<BackendEngine<GeneratorBackend<Gated>>>,
+    InProcSender,
 ) {
+    let gate = Gate::closed();
+    let backend = GeneratorBackend::new()
+        .with_model(policy(), Gated::new(&gate), Gated::new(&gate), 8)
+        .unwrap();
+    let (e, sender) = engine_in(backend, mode);
+    (gate, e, sender)
+}
+
+/// [`engine`] under the pause mode `mode`.
+fn engine_in<B: EngineBackend>(
+    backend: B,
+    mode: PauseMode,
+) -> (Addr<BackendEngine<B>>, InProcSender) {
     let m = policy();
     let (sender, receiver) = generating::scheme(&m, &bigram(), table(&m, 1));
     let inlet: Box<dyn refit_actors::WeightInlet> = Box::new(receiver);
     let addr = BackendEngine::new(Arc::new(backend), vec![(m, inlet)])
         .unwrap()
+        .pause_mode(mode)
         .start();
     (addr, sender)
 }
@@ -151,11 +176,7 @@ async fn completions_carry_the_version_that_made_them() {
 
 #[actix_rt::test]
 async fn a_commit_waits_for_the_running_batch_and_pauses_only_for_its_load() {
-    let gate = Gate::closed();
-    let backend = GeneratorBackend::new()
-        .with_model(policy(), Gated::new(&gate), Gated::new(&gate), 8)
-        .unwrap();
-    let (e, mut sender) = engine(backend);
+    let (gate, e, mut sender) = gated(PauseMode::Wait);
     assert_eq!(update(&e, 1).await.unwrap(), Version(1));
     // a batch runs (held at its first forward pass), then v2 arrives
     let running = e.send(ask(0, None));
@@ -197,18 +218,7 @@ async fn a_commit_waits_for_the_running_batch_and_pauses_only_for_its_load() {
 /// by v2 with the v1 tokens made before, and v2 is served once the batch ended.
 #[actix_rt::test]
 async fn under_abort_a_commit_ends_the_generators_running_batch_at_its_next_step() {
-    use refit_runtime::sync_policy::PauseMode;
-    let gate = Gate::closed();
-    let backend = GeneratorBackend::new()
-        .with_model(policy(), Gated::new(&gate), Gated::new(&gate), 8)
-        .unwrap();
-    let m = policy();
-    let (mut sender, receiver) = generating::scheme(&m, &bigram(), table(&m, 1));
-    let inlet: Box<dyn refit_actors::WeightInlet> = Box::new(receiver);
-    let e = BackendEngine::new(Arc::new(backend), vec![(m, inlet)])
-        .unwrap()
-        .pause_mode(PauseMode::Abort)
-        .start();
+    let (gate, e, mut sender) = gated(PauseMode::Abort);
     assert_eq!(update(&e, 1).await.unwrap(), Version(1));
     // a batch runs (held at its first forward pass), then v2 comes and interrupts it
     let mut long = ask(0, None);
@@ -559,7 +569,6 @@ impl EngineBackend for Stepping {
 /// a step boundary.
 #[actix_rt::test]
 async fn a_backend_that_commits_in_flight_is_committed_during_the_batch_under_keep() {
-    use refit_runtime::sync_policy::PauseMode;
     let cases = [
         (PauseMode::Keep, true),
         (PauseMode::Wait, true),
@@ -567,19 +576,13 @@ async fn a_backend_that_commits_in_flight_is_committed_during_the_batch_under_ke
         (PauseMode::Keep, false),
     ];
     for (mode, labels) in cases {
-        let m = policy();
-        let (mut sender, receiver) = generating::scheme(&m, &bigram(), table(&m, 1));
-        let inlet: Box<dyn refit_actors::WeightInlet> = Box::new(receiver);
         let hold = match mode {
             PauseMode::Wait => Duration::from_millis(300),
             _ => Duration::from_secs(10),
         };
         let backend = Stepping::new(labels, hold);
         let overlapped = Arc::clone(&backend.overlapped);
-        let e = BackendEngine::new(Arc::new(backend), vec![(m, inlet)])
-            .unwrap()
-            .pause_mode(mode)
-            .start();
+        let (e, mut sender) = engine_in(backend, mode);
         assert_eq!(update(&e, 1).await.unwrap(), Version(1));
         let mut long = ask(0, None);
         long.params = SamplingParams::greedy(10);
