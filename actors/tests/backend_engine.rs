@@ -32,6 +32,7 @@ struct Faulty<B> {
     fail_commit: Option<Version>,
     drop_logprobs: AtomicBool,
     aborts: Arc<AtomicU64>,
+    interrupts: Arc<AtomicU64>,
 }
 
 impl<B: EngineBackend> EngineBackend for Faulty<B> {
@@ -62,6 +63,10 @@ impl<B: EngineBackend> EngineBackend for Faulty<B> {
     fn abort(&self, model: &ModelId) {
         self.aborts.fetch_add(1, Ordering::Relaxed);
         self.inner.abort(model);
+    }
+    fn interrupt(&self, model: &ModelId, version: Version) {
+        self.interrupts.fetch_add(1, Ordering::SeqCst);
+        self.inner.interrupt(model, version);
     }
     fn generate(
         &self,
@@ -94,21 +99,33 @@ fn engine<B: EngineBackend>(backend: B) -> (Addr<BackendEngine<B>>, InProcSender
 }
 
 /// An engine of Refit's own backend under `mode`, whose forward passes go through the
-/// gate answered beside it, closed.
+/// gate answered beside it, closed; the count of its interrupts beside it too.
 fn gated(
     mode: PauseMode,
 ) -> (
     Arc<Gate>,
-    Addr<BackendEngine<GeneratorBackend<Gated>>>,
+    Arc<AtomicU64>,
+    Addr<BackendEngine<GatedBackend>>,
     InProcSender,
 ) {
     let gate = Gate::closed();
-    let backend = GeneratorBackend::new()
+    let inner = GeneratorBackend::new()
         .with_model(policy(), Gated::new(&gate), Gated::new(&gate), 8)
         .unwrap();
+    let interrupts = Arc::new(AtomicU64::new(0));
+    let backend = Faulty {
+        inner,
+        refuse: None,
+        fail_commit: None,
+        drop_logprobs: AtomicBool::new(false),
+        aborts: Arc::default(),
+        interrupts: Arc::clone(&interrupts),
+    };
     let (e, sender) = engine_in(backend, mode);
-    (gate, e, sender)
+    (gate, interrupts, e, sender)
 }
+
+type GatedBackend = Faulty<GeneratorBackend<Gated>>;
 
 /// [`engine`] under the pause mode `mode`.
 fn engine_in<B: EngineBackend>(
@@ -176,7 +193,7 @@ async fn completions_carry_the_version_that_made_them() {
 
 #[actix_rt::test]
 async fn a_commit_waits_for_the_running_batch_and_pauses_only_for_its_load() {
-    let (gate, e, mut sender) = gated(PauseMode::Wait);
+    let (gate, _, e, mut sender) = gated(PauseMode::Wait);
     assert_eq!(update(&e, 1).await.unwrap(), Version(1));
     // a batch runs (held at its first forward pass), then v2 arrives
     let running = e.send(ask(0, None));
@@ -218,7 +235,7 @@ async fn a_commit_waits_for_the_running_batch_and_pauses_only_for_its_load() {
 /// by v2 with the v1 tokens made before, and v2 is served once the batch ended.
 #[actix_rt::test]
 async fn under_abort_a_commit_ends_the_generators_running_batch_at_its_next_step() {
-    let (gate, e, mut sender) = gated(PauseMode::Abort);
+    let (gate, interrupts, e, mut sender) = gated(PauseMode::Abort);
     assert_eq!(update(&e, 1).await.unwrap(), Version(1));
     // a batch runs (held at its first forward pass), then v2 comes and interrupts it
     let mut long = ask(0, None);
@@ -228,7 +245,8 @@ async fn under_abort_a_commit_ends_the_generators_running_batch_at_its_next_step
     let _ = sender.send_async(vec![table(&policy(), 2)]).unwrap();
     let e2 = e.clone();
     let load = actix_rt::spawn(async move { update(&e2, 2).await });
-    actix_rt::time::sleep(Duration::from_millis(300)).await;
+    // (v1's commit interrupted too: no batch ran)
+    generating::until("v2's interrupt", || interrupts.load(Ordering::SeqCst) > 1).await;
     gate.open();
     let c = within("the running batch", running).await.unwrap().unwrap();
     assert_eq!(c.finish, refit_actors::Finish::Aborted { by: Version(2) });
@@ -256,6 +274,7 @@ async fn refused_versions_and_bad_answers_are_typed_errors_and_v1_stays_served()
         fail_commit: None,
         drop_logprobs: AtomicBool::new(false),
         aborts: Arc::default(),
+        interrupts: Arc::default(),
     };
     let (e, mut sender) = engine(backend);
     // a request of an episode cancelled while it waits for the first version
@@ -307,6 +326,7 @@ async fn a_completion_without_logprobs_is_refused_naming_the_field() {
         fail_commit: None,
         drop_logprobs: AtomicBool::new(true),
         aborts: Arc::default(),
+        interrupts: Arc::default(),
     };
     let (e, _sender) = engine(backend);
     assert_eq!(update(&e, 1).await.unwrap(), Version(1));
@@ -338,6 +358,7 @@ async fn every_version_left_uncommitted_is_dropped_by_the_backend() {
         fail_commit: None,
         drop_logprobs: AtomicBool::new(false),
         aborts: Arc::clone(&aborts),
+        interrupts: Arc::default(),
     };
     let (e, mut sender) = engine(backend);
     assert_eq!(update(&e, 1).await.unwrap(), Version(1));
@@ -404,6 +425,7 @@ async fn a_failed_commit_leaves_the_served_version_and_a_running_cancelled_reque
         fail_commit: Some(Version(2)),
         drop_logprobs: AtomicBool::new(false),
         aborts: Arc::clone(&aborts),
+        interrupts: Arc::default(),
     };
     let (e, mut sender) = engine(backend);
     assert_eq!(update(&e, 1).await.unwrap(), Version(1));

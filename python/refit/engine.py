@@ -138,15 +138,18 @@ class Engine:
         raise NotImplementedError
 
     def abort(self, model: str) -> None:
-        """Drops what :meth:`stage` took of ``model``: the fleet did not commit it, its hold
-        ran out, a newer load took its place, or a commit named another version."""
+        """Drops what :meth:`stage` took of ``model``, and ends its :meth:`interrupt`: the
+        fleet did not commit it, its hold ran out, a newer load took its place, a commit
+        named another version or failed, or the commit's wait for the running batch ran
+        out."""
 
     def interrupt(self, model: str, version: int) -> None:
         """Under the topology's ``pause_mode = "abort"``, before ``version`` of ``model`` is
         committed: ends the :meth:`generate` call's sequences of ``model`` at the engine's
         next step boundary, each answered with the tokens made so far and
         ``finish = "aborted"`` (a rollout worker asks again, under the new version), so that
-        the commit waits for a step, not for the batch. It holds until the model's next
+        the commit waits for a step, not for the batch (other models' sequences in the call
+        still run to their end). It holds until the model's next
         :meth:`commit` or :meth:`abort`, which always follow it on the same thread (that of
         :meth:`stage`): the call running when it comes, or one that starts before that
         commit, ends; no call starts after the commit until the commit returns, and none

@@ -314,7 +314,13 @@ impl EngineBackend for PyBackend {
         done.unwrap_or_else(|| Err(lane_gone(&model, "stage")))
     }
 
+    /// Ends the model's interrupt here too: no batch runs (under `abort` a commit waits for
+    /// the batch, whose answers were read), so a later `aborted` answer is refused.
     fn commit(&self, model: &ModelId, version: Version) -> refit_actors::Result<Option<Duration>> {
+        self.interrupted
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .remove(model);
         let (calls, m) = (Arc::clone(&self.calls), model.clone());
         let done = self.weights.run(move || calls.commit(&m, version));
         done.unwrap_or_else(|| Err(lane_gone(model.as_str(), "commit")))

@@ -229,7 +229,8 @@ pub struct EngineStats {
     /// boundary (a generating engine's drains in `wait` mode, a backend's wait for the
     /// running batch or, committed in flight, for its step boundary; not a pause).
     pub drained_total: Duration,
-    /// Sequences ended by an update in `abort` mode (a generating engine).
+    /// Sequences ended by an update in `abort` mode (a generating engine, or a backend
+    /// engine whose backend ends them when interrupted).
     pub aborted: u64,
 }
 

@@ -122,7 +122,7 @@ pub struct SchedulerStats {
     pub paused_max: Duration,
     /// Total drain (see [`Swap::drained`]).
     pub drained_total: Duration,
-    /// Sequences ended by abort-mode swaps.
+    /// Sequences ended by abort-mode swaps or by [`Scheduler::abort`].
     pub aborted: u64,
     /// Requests ended by [`Scheduler::cancel`].
     pub cancelled: u64,

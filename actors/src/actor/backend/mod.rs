@@ -105,10 +105,12 @@ pub trait EngineBackend: Send + Sync + 'static {
     /// A load that failed; the engine then serves no new version (and says so).
     fn commit(&self, model: &ModelId, version: Version) -> Result<Option<Duration>>;
 
-    /// Drops what was staged of `model`, serving nothing new: the fleet did not commit it,
-    /// its hold ran out, or a newer load took its place (default: nothing to drop). Called
-    /// on the engine's own thread: it must not wait long (a backend may queue it, in order
-    /// with its later calls, as the Python engine does).
+    /// Drops what was staged of `model`, serving nothing new, and ends its interrupt
+    /// ([`EngineBackend::interrupt`]): the fleet did not commit it, its hold ran out, a
+    /// newer load took its place, its commit failed, or the commit's wait for the running
+    /// batch ran out (default: nothing to drop). Called on the engine's own thread: it must
+    /// not wait long (a backend may queue it, in order with its later calls, as the Python
+    /// engine does).
     fn abort(&self, model: &ModelId) {
         let _ = model;
     }
@@ -117,7 +119,8 @@ pub trait EngineBackend: Send + Sync + 'static {
     /// batch's sequences of `model` at the backend's next step boundary, each answered with
     /// the tokens made so far and [`Finish::Aborted`](crate::generation::Finish) (`by` is
     /// `version`; a rollout worker asks again, under the new version), so that the commit
-    /// waits for a step, not for the batch. It holds until the model's next
+    /// waits for a step, not for the batch (sequences of other models in the batch still
+    /// run to their end). It holds until the model's next
     /// [`EngineBackend::commit`] or [`EngineBackend::abort`], which always follow it: the
     /// batch running when it comes, or one the engine started that the backend has not
     /// entered yet, ends; none starts between it and that call. Called whether or not a
@@ -496,6 +499,9 @@ impl<B: EngineBackend> Job<B> {
         })
         .await
         .map_err(|e| {
+            // a commit that panicked did not abort: what it staged, and its interrupt,
+            // are dropped here
+            self.backend.abort(&self.model);
             Error::Actor(format!(
                 "the commit thread of model `{}` failed: {e}",
                 self.model
