@@ -35,6 +35,20 @@ struct Faulty<B> {
     interrupts: Arc<AtomicU64>,
 }
 
+impl<B> Faulty<B> {
+    /// `inner`, refusing nothing and failing nothing.
+    fn new(inner: B) -> Self {
+        Self {
+            inner,
+            refuse: None,
+            fail_commit: None,
+            drop_logprobs: AtomicBool::new(false),
+            aborts: Arc::default(),
+            interrupts: Arc::default(),
+        }
+    }
+}
+
 impl<B: EngineBackend> EngineBackend for Faulty<B> {
     fn name(&self) -> String {
         "faulty".into()
@@ -114,12 +128,8 @@ fn gated(
         .unwrap();
     let interrupts = Arc::new(AtomicU64::new(0));
     let backend = Faulty {
-        inner,
-        refuse: None,
-        fail_commit: None,
-        drop_logprobs: AtomicBool::new(false),
-        aborts: Arc::default(),
         interrupts: Arc::clone(&interrupts),
+        ..Faulty::new(inner)
     };
     let (e, sender) = engine_in(backend, mode);
     (gate, interrupts, e, sender)
@@ -269,12 +279,8 @@ async fn refused_versions_and_bad_answers_are_typed_errors_and_v1_stays_served()
         .with_model(policy(), bigram(), bigram(), 8)
         .unwrap();
     let backend = Faulty {
-        inner,
         refuse: Some(Version(2)),
-        fail_commit: None,
-        drop_logprobs: AtomicBool::new(false),
-        aborts: Arc::default(),
-        interrupts: Arc::default(),
+        ..Faulty::new(inner)
     };
     let (e, mut sender) = engine(backend);
     // a request of an episode cancelled while it waits for the first version
@@ -321,12 +327,8 @@ async fn a_completion_without_logprobs_is_refused_naming_the_field() {
         .with_model(policy(), bigram(), bigram(), 8)
         .unwrap();
     let backend = Faulty {
-        inner,
-        refuse: None,
-        fail_commit: None,
         drop_logprobs: AtomicBool::new(true),
-        aborts: Arc::default(),
-        interrupts: Arc::default(),
+        ..Faulty::new(inner)
     };
     let (e, _sender) = engine(backend);
     assert_eq!(update(&e, 1).await.unwrap(), Version(1));
@@ -353,12 +355,8 @@ async fn every_version_left_uncommitted_is_dropped_by_the_backend() {
         .unwrap();
     let aborts = Arc::new(AtomicU64::new(0));
     let backend = Faulty {
-        inner,
-        refuse: None,
-        fail_commit: None,
-        drop_logprobs: AtomicBool::new(false),
         aborts: Arc::clone(&aborts),
-        interrupts: Arc::default(),
+        ..Faulty::new(inner)
     };
     let (e, mut sender) = engine(backend);
     assert_eq!(update(&e, 1).await.unwrap(), Version(1));
@@ -420,12 +418,9 @@ async fn a_failed_commit_leaves_the_served_version_and_a_running_cancelled_reque
         .unwrap();
     let aborts = Arc::new(AtomicU64::new(0));
     let backend = Faulty {
-        inner,
-        refuse: None,
         fail_commit: Some(Version(2)),
-        drop_logprobs: AtomicBool::new(false),
         aborts: Arc::clone(&aborts),
-        interrupts: Arc::default(),
+        ..Faulty::new(inner)
     };
     let (e, mut sender) = engine(backend);
     assert_eq!(update(&e, 1).await.unwrap(), Version(1));
