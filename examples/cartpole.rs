@@ -157,7 +157,7 @@ fn train<C>(
     start: Instant,
 ) -> Result<Outcome, Box<dyn std::error::Error>>
 where
-    C: UpdatePolicyWeights + Iterator<Item = refit_actors::Result<Batch>>,
+    C: UpdatePolicyWeights + Iterator<Item = refit_rl::Result<Batch>>,
 {
     let pb = ProgressBar::new(args.total_frames);
     pb.set_style(
@@ -239,7 +239,7 @@ fn worker_collector(
     envs: usize,
     per_worker: usize,
     seed: u64,
-) -> refit_actors::Result<Collector<CartPole, MlpPolicy>> {
+) -> refit_rl::Result<Collector<CartPole, MlpPolicy>> {
     let envs = (0..envs)
         .map(|i| CartPole::new(seed * 1000 + (w * envs + i) as u64).with_index(i))
         .collect();
@@ -363,7 +363,7 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
                 link.configure(&mut c)?;
                 Ok(c)
             })
-            .collect::<refit_actors::Result<Vec<_>>>()?;
+            .collect::<refit_rl::Result<Vec<_>>>()?;
         let config = ProcessConfig::default();
         if sync_processes {
             let c = ProcessSyncCollector::spawn(link.sender, commands, initial, config)?;

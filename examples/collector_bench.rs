@@ -100,7 +100,7 @@ fn bare_loop(total: u64, n_envs: usize, weights: &WeightSet) -> Res<(u64, Timed)
         .iter_mut()
         .enumerate()
         .map(|(i, e)| e.reset(Some(i as u64)))
-        .collect::<refit_actors::Result<Vec<_>>>()?;
+        .collect::<refit_rl::Result<Vec<_>>>()?;
     let mut ret = vec![0.0f64; n_envs];
     let steps = BATCH.div_ceil(n_envs);
     let mut cols = Columns::default();
@@ -542,7 +542,7 @@ fn run() -> Res<()> {
                 link.configure(&mut c)?;
                 Ok(c)
             })
-            .collect::<refit_actors::Result<Vec<_>>>()?;
+            .collect::<refit_rl::Result<Vec<_>>>()?;
         let config = ProcessConfig {
             total_frames: Some(total),
             queue_depth: 2,
@@ -580,7 +580,7 @@ fn drive<C>(
     tally: &mut Tally,
 ) -> Res<Timed>
 where
-    C: Iterator<Item = refit_actors::Result<Batch>> + UpdatePolicyWeights,
+    C: Iterator<Item = refit_rl::Result<Batch>> + UpdatePolicyWeights,
 {
     let mut first: Option<Batch> = None;
     // unstamped: the collector stamps each with the next version

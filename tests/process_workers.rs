@@ -41,13 +41,13 @@ impl Env for TestPole {
     fn num_actions(&self) -> usize {
         self.inner.num_actions()
     }
-    fn reset(&mut self, seed: Option<u64>) -> refit::actors::Result<Vec<f32>> {
+    fn reset(&mut self, seed: Option<u64>) -> refit::rl::Result<Vec<f32>> {
         self.inner.reset(seed)
     }
-    fn step(&mut self, action: usize) -> refit::actors::Result<StepResult> {
+    fn step(&mut self, action: usize) -> refit::rl::Result<StepResult> {
         self.steps += 1;
         if self.fail_at == Some(self.steps) {
-            return Err(refit::actors::Error::env(0, "the test broke it"));
+            return Err(refit::rl::Error::env(0, "the test broke it"));
         }
         if self.step_ms > 0 {
             std::thread::sleep(Duration::from_millis(self.step_ms));
@@ -344,7 +344,7 @@ fn a_worker_killed_mid_collection_is_reported_gone_at_once_naming_it() {
     let took = t.elapsed();
     killer.join().unwrap();
     match &err {
-        refit::actors::Error::WorkerGone { worker: 1, reason } => {
+        refit::rl::Error::WorkerGone { worker: 1, reason } => {
             assert!(reason.contains("signal"), "{err}");
         }
         other => panic!("not worker 1 gone: {other}"),
@@ -369,7 +369,7 @@ fn a_worker_error_is_reported_as_that_workers_error() {
     c.next_batch().unwrap().unwrap();
     let err = c.next_batch().unwrap_err();
     match &err {
-        refit::actors::Error::Worker { worker: 1, source } => {
+        refit::rl::Error::Worker { worker: 1, source } => {
             assert!(source.to_string().contains("the test broke it"), "{err}");
         }
         other => panic!("not worker 1's error: {other}"),

@@ -9,10 +9,11 @@ use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 
 use actix::prelude::*;
+use refit_actors::WeightInlet;
 use refit_actors::actor::{GenModel, Generate, GenerationEngine, UpdateModel};
 use refit_actors::bigram::{Bigram, BigramCache, BigramWeights, TABLE};
 use refit_actors::generation::{Generator, PauseMode, SamplingParams, StepInput};
-use refit_actors::{Result, WeightInlet};
+use refit_rl::Result;
 use refit_runtime::topology::Verify;
 use refit_runtime::{Manifest, ModelId, Version, WeightSet};
 

@@ -9,7 +9,7 @@ use std::time::Duration;
 use refit_actors::ModelSpec;
 use refit_actors::run::{self as topology, RunConfig, StopRule};
 use refit_actors::{
-    Batch, Env, Error, LearnStats, Learner, MlpPolicy, Roles, StepResult, policy_model_id,
+    Batch, Env, LearnStats, Learner, MlpPolicy, Roles, StepResult, policy_model_id,
 };
 use refit_runtime::sync_policy::{SyncConfig, SyncMode};
 use refit_runtime::{Manifest, ModelId, Version, WeightSet};
@@ -34,17 +34,22 @@ impl Env for Corridor {
     fn num_actions(&self) -> usize {
         3
     }
-    fn reset(&mut self, _seed: Option<u64>) -> refit_actors::Result<Vec<f32>> {
+    fn reset(&mut self, _seed: Option<u64>) -> refit_rl::Result<Vec<f32>> {
         self.pos = 0;
         self.steps = 0;
         Ok(self.obs())
     }
-    fn step(&mut self, action: usize) -> refit_actors::Result<StepResult> {
+    fn step(&mut self, action: usize) -> refit_rl::Result<StepResult> {
         self.pos = match action {
             0 => (self.pos - 1).max(0),
             1 => self.pos,
             2 => self.pos + 1,
-            a => return Err(Error::env(0, format!("action {a} is not one of 0, 1, 2"))),
+            a => {
+                return Err(refit_rl::Error::env(
+                    0,
+                    format!("action {a} is not one of 0, 1, 2"),
+                ));
+            }
         };
         self.steps += 1;
         let terminated = self.pos >= 5;
@@ -67,11 +72,11 @@ struct RightLearner {
 }
 
 impl Learner for RightLearner {
-    fn update(&mut self, batch: &Batch) -> refit_actors::Result<LearnStats> {
+    fn update(&mut self, batch: &Batch) -> refit_rl::Result<LearnStats> {
         self.frames += batch.frames;
         Ok(LearnStats::new().with("frames", self.frames as f64))
     }
-    fn export(&mut self) -> refit_actors::Result<WeightSet> {
+    fn export(&mut self) -> refit_rl::Result<WeightSet> {
         let mut ws = WeightSet::zeroed(self.model.clone(), Arc::clone(&self.manifest));
         self.version = self.version.next();
         ws.view_mut::<f32>(&MlpPolicy::bias_name(0))?[2] = self.version.get() as f32;
@@ -95,7 +100,7 @@ struct CorridorRoles {
 impl Roles for CorridorRoles {
     type Env = Corridor;
     type Policy = MlpPolicy;
-    fn learner(&self, model: &ModelSpec) -> refit_actors::Result<Box<dyn Learner>> {
+    fn learner(&self, model: &ModelSpec) -> refit_rl::Result<Box<dyn Learner>> {
         Ok(Box::new(RightLearner {
             model: model.id.clone(),
             manifest: Arc::new(MlpPolicy::manifest_for(&[3, 3])?),
@@ -103,10 +108,10 @@ impl Roles for CorridorRoles {
             frames: 0,
         }))
     }
-    fn policy(&self, _model: &ModelSpec) -> refit_actors::Result<MlpPolicy> {
+    fn policy(&self, _model: &ModelSpec) -> refit_rl::Result<MlpPolicy> {
         Ok(MlpPolicy::new(&self.policy_sizes)?)
     }
-    fn env(&self, _model: &ModelSpec, _seed: u64) -> refit_actors::Result<Corridor> {
+    fn env(&self, _model: &ModelSpec, _seed: u64) -> refit_rl::Result<Corridor> {
         Ok(Corridor { pos: 0, steps: 0 })
     }
 }

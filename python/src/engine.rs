@@ -469,8 +469,8 @@ fn score_request<'py>(py: Python<'py>, s: &Score) -> PyResult<Bound<'py, PyAny>>
 
 /// A rank's failure as a Python exception: the runtime's as `to_py` maps them, a
 /// configuration error as `ConfigError`, anything else as `RefitError`.
-pub(crate) fn rank_error(e: refit_actors::Error) -> PyErr {
-    match e {
+pub(crate) fn rank_error(e: impl Into<refit_actors::Error>) -> PyErr {
+    match e.into() {
         refit_actors::Error::Runtime(r) => to_py(r),
         refit_actors::Error::Config(m) => config(m),
         other => RefitError::new_err(other.to_string()),

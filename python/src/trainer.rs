@@ -12,9 +12,10 @@ use pyo3::prelude::*;
 use pyo3::types::PyDict;
 use refit_actors::generation::Finish;
 use refit_actors::{
-    Batch, EngineShape, Error, GenRoles, GrpoRoles, LearnStats, Learner, ModelSpec, Result,
-    Sequence, run,
+    Batch, EngineShape, GenRoles, GrpoRoles, LearnStats, Learner, ModelSpec, Sequence, run,
 };
+// the learner's and the roles' traits are the RL layer's, and answer its error
+use refit_rl::{Error, Result};
 use refit_runtime::{Manifest, ModelId, Version, WeightSet};
 
 use crate::engine::{layout_of, rank_error, rank_setup, report_dict};

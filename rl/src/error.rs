@@ -1,13 +1,13 @@
-//! The one error type of the RL crate, which the actors crate (`refit-actors`) shares.
-
-use std::time::Duration;
+//! The one error type of the RL crate. The actors crate (`refit-actors`) has its own, which
+//! keeps this one's configuration, runtime and generator failures as they are and carries
+//! the rest whole.
 
 use crate::device::Device;
 
-/// Result alias used across the RL and actors crates.
+/// Result alias used across the RL crate.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
-/// Every error the RL crate and the actors built on it report. Messages are lowercase and keep their cause.
+/// Every error the RL crate reports. Messages are lowercase and keep their cause.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {
@@ -74,16 +74,6 @@ pub enum Error {
     /// The collector was used after shutdown.
     #[error("collector is shut down")]
     Closed,
-    /// An actor could not be reached or stopped (mailbox closed, timed out).
-    #[error("actor: {0}")]
-    Actor(String),
-    /// A request of an episode that was cancelled (an eval step's leader cancels in-flight
-    /// episodes so that pause and load are not contended).
-    #[error("episode cancelled (the engine's cancellation epoch is now {epoch})")]
-    Cancelled {
-        /// The engine's cancellation epoch after the cancellation.
-        epoch: u64,
-    },
     /// A generation request refused before it ran (the engine keeps serving the others).
     #[error("bad request: {field} {reason}")]
     BadRequest {
@@ -104,85 +94,6 @@ pub enum Error {
     /// A trainer input that cannot be trained on.
     #[error("trainer: {0}")]
     Trainer(String),
-    /// A shard of a sharded trainer failed one update of its model: it died, missed the
-    /// deadline, or wrote a part of another version, layout or size. The version is not
-    /// published; the previous one stays served.
-    #[error(
-        "sharded trainer of model `{model}`, version {version}: shard {shard} (rank {rank}) {reason}"
-    )]
-    Shard {
-        /// The model.
-        model: refit_runtime::ModelId,
-        /// The version being assembled.
-        version: refit_runtime::Version,
-        /// The shard's index among the trainer's ranks (0 publishes).
-        shard: usize,
-        /// The rank of the topology holding that shard.
-        rank: u32,
-        /// What went wrong.
-        reason: String,
-    },
-    /// A message to an actor in another process failed (see `remote`, feature `actix`).
-    #[error("remote actor `{actor}`, message `{message}`: {failure}")]
-    Remote {
-        /// The actor, as named when its handle was made.
-        actor: String,
-        /// The message's wire name.
-        message: &'static str,
-        /// What went wrong.
-        failure: RemoteFailure,
-    },
-}
-
-/// How a message to an actor in another process failed.
-#[derive(Debug, Clone, PartialEq, Eq)]
-#[non_exhaustive]
-pub enum RemoteFailure {
-    /// The connection to the actor's process is gone (the process died or closed it), or
-    /// could not be made.
-    PeerGone {
-        /// Why we believe so.
-        reason: String,
-    },
-    /// No answer came within the call's deadline.
-    Timeout {
-        /// The deadline.
-        after: Duration,
-    },
-    /// The actor's node refused the call: no such actor or message there, or a request it
-    /// could not decode.
-    Refused {
-        /// What the node said.
-        reason: String,
-    },
-    /// The message could not be encoded, or the answer could not be decoded.
-    Malformed {
-        /// The codec's complaint.
-        reason: String,
-    },
-    /// The actor's process lives but the actor is stopped (its mailbox is closed).
-    ActorStopped {
-        /// What the mailbox said.
-        reason: String,
-    },
-    /// The actor handled the message and answered with an error.
-    Failed {
-        /// The actor's error, as the remote side wrote it.
-        error: String,
-    },
-}
-
-impl std::fmt::Display for RemoteFailure {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            Self::PeerGone { reason } => write!(f, "its process is gone: {reason}"),
-            Self::Timeout { after } => write!(f, "no answer within {after:?}"),
-            Self::Refused { reason } => write!(f, "refused by its node: {reason}"),
-            Self::Malformed { reason } => write!(f, "malformed message: {reason}"),
-            Self::ActorStopped { reason } => write!(f, "the actor is stopped: {reason}"),
-            Self::Failed { error } => write!(f, "the actor failed: {error}"),
-        }
-    }
 }
 
 impl Error {
@@ -203,14 +114,6 @@ impl Error {
         Self::Hook {
             hook,
             message: message.into(),
-        }
-    }
-
-    /// The failure of a remote call, if this is one ([`Error::Remote`]).
-    pub fn remote_failure(&self) -> Option<&RemoteFailure> {
-        match self {
-            Self::Remote { failure, .. } => Some(failure),
-            _ => None,
         }
     }
 

@@ -33,7 +33,7 @@
 //! - [`link`]: type-erased scheme ends ([`WeightInlet`], [`WeightOutlet`]) for actors.
 //! - `ppo` (feature `candle`, on by default): `PpoTrainer`, PPO with candle on CPU,
 //!   exporting the [`MlpPolicy`] layout.
-//! - [`error`]: the one error type of this crate and of the actors built on it.
+//! - [`error`]: the one error type of this crate.
 //!
 //! Without default features the crate holds the environments, policies, role traits and
 //! collectors only, and builds without candle.
@@ -85,7 +85,7 @@ pub use collector::{
 };
 pub use device::Device;
 pub use env::{CartPole, Env, StepResult};
-pub use error::{Error, RemoteFailure, Result};
+pub use error::{Error, Result};
 pub use generation::{Completion, Finish, Generator, PauseMode, SamplingParams, StepInput, Token};
 #[cfg(feature = "candle")]
 pub use grpo::{Correction, GrpoConfig, GrpoLearner};

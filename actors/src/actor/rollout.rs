@@ -37,7 +37,7 @@ impl<E: Env> VecEnv<E> {
             .iter_mut()
             .enumerate()
             .map(|(i, e)| e.reset(Some(seed.wrapping_add(i as u64))))
-            .collect::<Result<Vec<_>>>()?;
+            .collect::<refit_rl::Result<Vec<_>>>()?;
         let n = envs.len();
         Ok(Self {
             envs,
@@ -90,7 +90,7 @@ impl<E: Env> VecEnv<E> {
         for (i, (env, a)) in self.envs.iter_mut().zip(actions).enumerate() {
             let r = env
                 .step(a.action)
-                .map_err(|e| Error::env(i, e.to_string()))?;
+                .map_err(|e| refit_rl::Error::env(i, e.to_string()))?;
             self.ret[i] += f64::from(r.reward);
             let step = self.len[i];
             self.len[i] += 1;

@@ -51,7 +51,7 @@ impl<E: Env + Unpin + 'static, P: Policy + Unpin + 'static> Handler<CollectBatch
 {
     type Result = Result<Option<Batch>>;
     fn handle(&mut self, _: CollectBatch, _: &mut SyncContext<Self>) -> Self::Result {
-        self.collector.next_batch()
+        Ok(self.collector.next_batch()?)
     }
 }
 
@@ -178,6 +178,6 @@ impl Handler<Train> for Trainer {
 impl Handler<SaveState> for Trainer {
     type Result = Result<WeightSet>;
     fn handle(&mut self, _: SaveState, _: &mut SyncContext<Self>) -> Self::Result {
-        self.learner()?.save()
+        Ok(self.learner()?.save()?)
     }
 }

@@ -158,7 +158,7 @@ pub(crate) struct Acting<R>(pub(crate) Arc<R>);
 
 impl<R: Roles> Workload for Acting<R> {
     fn learner(&self, model: &ModelSpec) -> Result<Box<dyn Learner>> {
-        self.0.learner(model)
+        Ok(self.0.learner(model)?)
     }
 
     fn engine_manifest(&self, model: &ModelSpec) -> Result<Arc<Manifest>> {
@@ -170,7 +170,11 @@ impl<R: Roles> Workload for Acting<R> {
     }
 
     fn check(&self, model: &ModelSpec, seed: u64) -> Result<()> {
-        check_fit(&model.id, &self.0.env(model, seed)?, &self.0.policy(model)?)
+        Ok(check_fit(
+            &model.id,
+            &self.0.env(model, seed)?,
+            &self.0.policy(model)?,
+        )?)
     }
 
     fn start_engine(
@@ -206,7 +210,7 @@ impl<R: Roles> Workload for Acting<R> {
     ) -> Result<Started<RolloutRef>> {
         let envs = (0..model.envs_per_worker)
             .map(|i| self.0.env(model, cfg.seed.wrapping_add(i as u64)))
-            .collect::<Result<Vec<_>>>()?;
+            .collect::<refit_rl::Result<Vec<_>>>()?;
         let act = engine.act()?.act.clone();
         let worker = RolloutWorker::new(cfg, envs, act, controller, pool)?;
         let (addr, arbiter) = on_arbiter(worker);
@@ -234,10 +238,10 @@ impl<R: Roles> Workload for Acting<R> {
                 let spec = by_id.get(model).ok_or_else(|| {
                     Error::Runtime(refit_runtime::Error::UnknownModel(model.clone()))
                 })?;
-                roles.env(
+                Ok(roles.env(
                     spec,
                     seed.wrapping_mul(31).wrapping_add(1_000_000 + i as u64),
-                )
+                )?)
             },
             episodes,
             10_000,
@@ -256,7 +260,7 @@ pub(crate) struct Generating<G>(pub(crate) Arc<G>);
 
 impl<G: GenRoles> Workload for Generating<G> {
     fn learner(&self, model: &ModelSpec) -> Result<Box<dyn Learner>> {
-        self.0.learner(model)
+        Ok(self.0.learner(model)?)
     }
 
     fn engine_manifest(&self, model: &ModelSpec) -> Result<Arc<Manifest>> {
@@ -264,7 +268,7 @@ impl<G: GenRoles> Workload for Generating<G> {
     }
 
     fn want(&self, model: &ModelSpec) -> Result<Option<Want>> {
-        self.0.want(model)
+        Ok(self.0.want(model)?)
     }
 
     fn check(&self, model: &ModelSpec, seed: u64) -> Result<()> {

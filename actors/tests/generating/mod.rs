@@ -11,11 +11,11 @@ use std::time::{Duration, Instant};
 use actix::prelude::*;
 use rand::Rng;
 use rand::rngs::SmallRng;
-use refit_actors::Result;
 use refit_actors::actor::{GenModel, GenerationEngine, GetGenStatus};
 use refit_actors::bigram::{Bigram, BigramCache, BigramWeights};
 use refit_actors::generation::{Generator, PauseMode, SamplingParams, StepInput, Token};
 use refit_actors::task::{Reward, Task};
+use refit_rl::Result;
 use refit_runtime::{
     Manifest, Manifests, ModelId, Receiver, ReceiverInit, Sender, SenderInit, Version, WeightSet,
 };
@@ -143,9 +143,7 @@ impl Gate {
         while s.permits == Some(0) {
             let left = DEADLINE.saturating_sub(t.elapsed());
             if left.is_zero() {
-                return Err(refit_actors::Error::Config(
-                    "the test gate never opened".into(),
-                ));
+                return Err(refit_rl::Error::Config("the test gate never opened".into()));
             }
             s = self.changed.wait_timeout(s, left).unwrap().0;
         }

@@ -97,7 +97,7 @@ impl<G: Generator> GeneratorBackend<G> {
         &self,
         batch: &[R],
         model_of: impl Fn(&R) -> &ModelId,
-        submit: impl Fn(&mut Scheduler<G>, &R) -> Result<RequestId>,
+        submit: impl Fn(&mut Scheduler<G>, &R) -> refit_rl::Result<RequestId>,
     ) -> Vec<Result<Completion>> {
         let mut answers: Vec<Option<Result<Completion>>> = batch.iter().map(|_| None).collect();
         for (model, served) in &self.models {
@@ -111,7 +111,7 @@ impl<G: Generator> GeneratorBackend<G> {
                     Ok(id) => {
                         ids.insert(id, i);
                     }
-                    Err(e) => answers[i] = Some(Err(e)),
+                    Err(e) => answers[i] = Some(Err(e.into())),
                 }
             }
             while !ids.is_empty() && scheduler.has_work() {
@@ -127,7 +127,7 @@ impl<G: Generator> GeneratorBackend<G> {
                 };
                 for (id, answer) in ended {
                     if let Some(i) = ids.remove(&id) {
-                        answers[i] = Some(answer);
+                        answers[i] = Some(answer.map_err(Error::from));
                     }
                 }
             }

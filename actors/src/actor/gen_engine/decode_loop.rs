@@ -210,7 +210,7 @@ impl<G: Generator> Decoder<G> {
             } => match self.scheduler.offer(weights, version) {
                 // a superseded offer is answered by the swap of the newer one
                 Ok(_) => self.offers.push((version, reply)),
-                Err(e) => drop(reply.send(Err(e))),
+                Err(e) => drop(reply.send(Err(e.into()))),
             },
             Command::Withdraw { version, why } => {
                 if self.scheduler.withdraw(version)
@@ -229,19 +229,23 @@ impl<G: Generator> Decoder<G> {
     }
 
     /// Keeps the reply of a queued request; answers a refused one at once.
-    fn asked(&mut self, asked: Result<RequestId>, reply: oneshot::Sender<Result<Completion>>) {
+    fn asked(
+        &mut self,
+        asked: refit_rl::Result<RequestId>,
+        reply: oneshot::Sender<Result<Completion>>,
+    ) {
         match asked {
             Ok(id) => {
                 self.replies.insert(id, reply);
             }
-            Err(e) => drop(reply.send(Err(e))),
+            Err(e) => drop(reply.send(Err(e.into()))),
         }
     }
 
-    fn answer(&mut self, id: RequestId, answer: Result<Completion>) {
+    fn answer(&mut self, id: RequestId, answer: refit_rl::Result<Completion>) {
         if let Some(reply) = self.replies.remove(&id) {
             // the asker may have given up; nothing to do then
-            drop(reply.send(answer));
+            drop(reply.send(answer.map_err(Error::from)));
         }
     }
 

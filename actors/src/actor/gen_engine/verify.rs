@@ -37,9 +37,9 @@ impl<G: Generator> HasWeights for Serving<'_, G> {
     }
 }
 
-fn runtime(e: Error) -> refit_runtime::Error {
+fn runtime(e: refit_rl::Error) -> refit_runtime::Error {
     match e {
-        Error::Runtime(e) => e,
+        refit_rl::Error::Runtime(e) => e,
         e => refit_runtime::Error::Strategy(e.to_string()),
     }
 }

@@ -59,7 +59,7 @@ fn byte(shard: u8, version: Version, i: usize) -> u8 {
 }
 
 impl Learner for Fake {
-    fn update(&mut self, _: &Batch) -> Result<LearnStats> {
+    fn update(&mut self, _: &Batch) -> refit_rl::Result<LearnStats> {
         if let Some((from, pause)) = self.stall
             && self.version.next() >= from
         {
@@ -67,7 +67,7 @@ impl Learner for Fake {
         }
         Ok(LearnStats::new().with("shard", f64::from(self.shard)))
     }
-    fn export(&mut self) -> Result<WeightSet> {
+    fn export(&mut self) -> refit_rl::Result<WeightSet> {
         self.version = self.version.next();
         let mut ws = WeightSet::zeroed(id(), manifest());
         ws.set_version(self.version);
