@@ -24,7 +24,7 @@
 //! | `rl` | yes | `refit::rl` (also re-exported by `refit::actors`): environments, policies, collectors | rand |
 //! | `candle` | yes | a candle-nn `VarMap` as a weight set and back (`refit::runtime::candle`), the PPO trainer (`refit::rl::ppo`); implies `rl` | candle |
 //! | `actors` | yes | the actix actors, their protocols and the training run (`refit::actors::{actor, protocol, run}`); implies `candle` | actix |
-//! | `cli` | yes | the `refit` command-line tool | clap, indicatif, bytesize, notify |
+//! | `cli` | yes | the `refit` command-line tool | clap, indicatif, notify, refit-bench |
 //! | `cuda` | no | the GPU links `nccl` and `cuda-ipc` and the CUDA/NCCL probe (CUDA and NCCL loaded at run time; without it the links refuse, saying so) | cudarc |
 //! | `test-util` | no | the transports' test hooks (crash in mid-publish, corrupted chunks, forged bucket plans), for tests only | |
 //!

@@ -26,8 +26,6 @@ pub mod error;
 pub use error::{Error, RemoteFailure, Result};
 #[cfg(feature = "actix")]
 pub mod conformance;
-#[cfg(all(feature = "actix", feature = "candle"))]
-pub mod engine_bench;
 #[cfg(feature = "actix")]
 pub mod protocol;
 #[cfg(feature = "actix")]

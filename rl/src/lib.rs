@@ -1,5 +1,8 @@
-//! Refit RL: the reinforcement-learning loop in plain Rust, on top of the runtime (no actix,
-//! no async runtime; the actix actors that host these pieces are in `refit-actors`).
+//! Refit RL: the reinforcement-learning loop in plain Rust, on top of the runtime (no actix;
+//! the actix actors that host these pieces are in `refit-actors`). Everything but
+//! [`process`] is synchronous; the process collectors talk to their worker processes over a
+//! node (`refit-node`) on a tokio runtime of their own, which is why this crate depends on
+//! both.
 //!
 //! - [`mod@env`]: the [`Env`] trait and [`CartPole`] (Gymnasium `CartPole-v1`, exactly).
 //! - [`policy`]: the [`Policy`] trait and [`MlpPolicy`], a tanh MLP whose single-observation

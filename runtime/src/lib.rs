@@ -51,8 +51,6 @@ mod safetensors_io;
 pub mod scheme;
 pub mod sharded;
 pub mod strategy;
-#[doc(hidden)]
-pub mod strategy_bench;
 pub mod sync_policy;
 #[cfg(any(test, feature = "test-util"))]
 pub mod testing;

@@ -1,13 +1,10 @@
-//! Subcommands of the `refit` tool.
+//! Subcommands of the `refit` tool. `refit bench` is a shell over `refit_bench`, where the
+//! benchmarks live.
 
-mod bench;
-#[cfg(feature = "actors")]
-mod engine_pause;
 mod launch;
 mod metrics;
 mod net;
 mod reference;
-mod stats;
 mod status;
 
 use std::process::ExitCode;
@@ -26,7 +23,7 @@ struct Cli {
 enum Command {
     /// Measure every transport against physical baselines (memcpy, loopback TCP) in one run;
     /// with --engine-pause, a generating engine's pause per update instead.
-    Bench(bench::BenchArgs),
+    Bench(refit_bench::BenchArgs),
     /// Start every rank of a topology file here and supervise them, or (with RANK/WORLD_SIZE,
     /// Slurm's variables or --rank) this machine's rank of a multi-host run.
     Launch(launch::LaunchArgs),
@@ -45,7 +42,7 @@ enum Command {
     Status(status::StatusArgs),
     /// Internal: a benchmark receiver process (spawned by `refit bench`).
     #[command(name = "__bench-child", hide = true)]
-    BenchChild(bench::ChildArgs),
+    BenchChild(refit_bench::ChildArgs),
     /// Internal: print the book's command-line reference page (Markdown).
     #[command(name = "__cli-reference", hide = true)]
     CliReference,
@@ -68,8 +65,8 @@ pub(crate) fn main() -> ExitCode {
         return ExitCode::FAILURE;
     }
     let result = match cli.command {
-        Command::Bench(args) => bench::run(&args),
-        Command::BenchChild(args) => bench::child(&args),
+        Command::Bench(args) => refit_bench::run(&args),
+        Command::BenchChild(args) => refit_bench::child(&args),
         Command::Probe => probe(),
         Command::Status(a) => status::run(&a),
         Command::Launch(a) => return launch::run(&a),

@@ -114,7 +114,7 @@ pub(crate) struct ServeArgs {
     watch: bool,
     /// Bytes per bucket of the transfer plan (a multiple of 64; tensors larger than a bucket
     /// are cut across buckets).
-    #[arg(long, default_value = "16MiB", value_parser = super::stats::parse_bytes)]
+    #[arg(long, default_value = "16MiB", value_parser = refit_bench::stats::parse_bytes)]
     bucket_size: usize,
     /// Serve the update phase timings (Prometheus text format) at http://ADDR/metrics
     /// (port 0: any free port; the page's address is printed).

@@ -34,9 +34,25 @@ fn trainer() -> Arc<Manifest> {
     )
 }
 
-/// The engine's wants of `refit bench`: fused q/k/v and gate/up, its names, bf16.
+/// An engine's wants as vLLM lays out a Llama: fused q/k/v and gate/up, its names, bf16.
 fn want() -> Want {
-    crate::strategy_bench::engine_want(CastTo::BF16)
+    Want::new()
+        .layout(
+            LayoutRules::new()
+                .fuse(
+                    ["layers.{i}.q", "layers.{i}.k", "layers.{i}.v"],
+                    "model.layers.{i}.qkv",
+                    0,
+                )
+                .rename("layers.{i}.o", "model.layers.{i}.o")
+                .fuse(
+                    ["layers.{i}.gate", "layers.{i}.up"],
+                    "model.layers.{i}.gate_up",
+                    0,
+                )
+                .rename("layers.{i}.down", "model.layers.{i}.down"),
+        )
+        .cast(CastRules::new().dtype(DType::F32, CastTo::BF16))
 }
 
 fn wants() -> Wants {

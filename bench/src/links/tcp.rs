@@ -14,16 +14,15 @@ use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
-use refit::node::{TOKEN_ENV, TOKEN_FILE_ENV};
-use refit::prelude::*;
-use refit::runtime::wire;
-use refit::transports::tcp::{TcpConfig, TcpSender};
+use refit_node::{TOKEN_ENV, TOKEN_FILE_ENV};
+use refit_runtime::{Manifests, SenderInit, WeightSet, wire};
+use refit_transports::tcp::{TcpConfig, TcpSender};
 
 use super::{
     BenchArgs, BoxResult, ChildArgs, Row, WAIT, bench_token, first_touch_baseline, make_weights,
     row, spawn_child,
 };
-use crate::cli::stats::{Summary, fmt_bytes};
+use crate::stats::{Summary, fmt_bytes};
 
 /// Bytes per `write` and per `read` of one stream.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -380,7 +379,7 @@ impl Drop for Iperf3 {
 /// baseline streams, `iperf3` (where installed) and the pulls run in alternate rounds, so
 /// machine load falls on all of them alike.
 pub(super) fn bench_pull(args: &BenchArgs) -> BoxResult<Vec<Row>> {
-    let size = args.pull_size.next_multiple_of(4 * refit::runtime::ALIGN);
+    let size = args.pull_size.next_multiple_of(4 * refit_runtime::ALIGN);
     let iters = args.iters.max(3);
     let tuning = tune(size)?;
     let baselines = Baselines {
@@ -414,7 +413,7 @@ fn time_pulls(
         ..TcpConfig::default()
     };
     let transport = TcpSender::bind(config, &manifests)?;
-    refit::runtime::write_atomically(
+    refit_runtime::write_atomically(
         &files.spec,
         wire::to_token(&transport.endpoint())?.as_bytes(),
     )?;
@@ -514,7 +513,7 @@ fn pull_rows(t: &Times, tuning: &Tuning, base: &Baselines, size: usize, dir: &st
     rows.push(against_tcp("new memory", "first touch", base.touch));
     rows.push(against_tcp(
         "new memory",
-        if refit::runtime::AlignedBuf::huge_pages() {
+        if refit_runtime::AlignedBuf::huge_pages() {
             "  arena (huge pages)"
         } else {
             "  arena (small pages)"

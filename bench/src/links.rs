@@ -6,23 +6,28 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use refit::node::{ClusterToken, TOKEN_ENV, TOKEN_FILE_ENV};
-use refit::prelude::*;
-use refit::runtime::{ReceiverTransport, SenderTransport, wire};
-use refit::transports::link::{
+use refit_node::{ClusterToken, TOKEN_ENV, TOKEN_FILE_ENV};
+use refit_runtime::{
+    DType, Error, Manifest, Manifests, ModelId, Receiver, ReceiverInit, ReceiverTransport, Sender,
+    SenderInit, SenderTransport, Version, WeightSet, wire,
+};
+use refit_transports::link::{
     self, CUDA_DEVICE_ENV, LinkFactory, LinkOptions, OpenedLink, Reach, ReceiverSpec,
 };
-use refit::transports::nccl::NcclLink;
-use refit::transports::shm::ShmLink;
-use refit::transports::tcp::TcpLink;
+use refit_transports::nccl::NcclLink;
+use refit_transports::shm::{
+    ShmConfig, ShmLink, ShmReadMode, ShmReceiver, ShmReceiverSpec, ShmSender,
+};
+use refit_transports::tcp::TcpLink;
 use serde::Serialize;
 
-use super::stats::{Summary, fmt_bytes, fmt_secs, parse_bytes};
+use crate::stats::{Summary, fmt_bytes, fmt_secs, parse_bytes};
 
 mod mesh;
 mod tcp;
 
-type BoxResult<T> = Result<T, Box<dyn StdError>>;
+/// What the benchmarks answer: a figure, or what stopped it.
+pub type BoxResult<T> = Result<T, Box<dyn StdError>>;
 
 const SIZES: [usize; 4] = [4 << 20, 64 << 20, 512 << 20, 2 << 30];
 const WAIT: Duration = Duration::from_secs(120);
@@ -36,7 +41,7 @@ const SHM_DEFAULT: &str = "shm (zero-copy)";
 
 /// Arguments of `refit bench`.
 #[derive(Debug, clap::Args)]
-pub(crate) struct BenchArgs {
+pub struct BenchArgs {
     /// Largest weight-set size measured; sizes are 4 MiB, 64 MiB, 512 MiB and 2 GiB up to it.
     #[arg(long, default_value = "2GiB", value_parser = parse_bytes)]
     max_size: usize,
@@ -102,7 +107,7 @@ pub(crate) struct BenchArgs {
 /// The options of `refit bench --engine-pause`.
 #[derive(Debug, clap::Args)]
 #[cfg_attr(not(feature = "actors"), allow(dead_code))]
-pub(crate) struct EngineArgs {
+pub struct EngineArgs {
     /// Model sizes, in bytes of the engine's layout (bf16: what the link moves; the
     /// trainer's f32 model, and what the engine serves, are twice that).
     #[arg(long, value_delimiter = ',', default_value = "1MiB,100MiB,1GiB", value_parser = parse_bytes)]
@@ -129,7 +134,7 @@ pub(crate) struct EngineArgs {
 
 /// Arguments of the hidden child process.
 #[derive(Debug, clap::Args)]
-pub(crate) struct ChildArgs {
+pub struct ChildArgs {
     /// `tcp-sink`, `link` (a receiver of any transport) or `shm-copy` / `shm-zero`.
     role: String,
     /// Address or receiver token.
@@ -188,7 +193,12 @@ fn usable_links(names: &[String]) -> BoxResult<Vec<&'static dyn LinkFactory>> {
     Ok(usable)
 }
 
-pub(crate) fn run(args: &BenchArgs) -> BoxResult<()> {
+/// Runs `refit bench` as `args` asks: the links (or, with `--engine-pause`, the generating
+/// engine's pause), each figure printed with its ratio to the baselines of the same run.
+///
+/// # Errors
+/// A bad argument (named), a link that cannot be opened, or a receiver process that fails.
+pub fn run(args: &BenchArgs) -> BoxResult<()> {
     if args.iters == 0 {
         return Err("--iters must be at least 1".into());
     }
@@ -216,7 +226,7 @@ pub(crate) fn run(args: &BenchArgs) -> BoxResult<()> {
     let gpus = links
         .iter()
         .any(|l| l.on_device())
-        .then(refit::transports::gpu::probe)
+        .then(refit_transports::gpu::probe)
         .and_then(Result::ok)
         .map_or(0, |r| r.devices.len());
     // the raw TCP baseline's chunk sizes, searched once at the largest size streamed
@@ -226,7 +236,7 @@ pub(crate) fn run(args: &BenchArgs) -> BoxResult<()> {
         let mut weights = make_weights(size, 16)?;
         let (memcpy, copy_rows) = memcpy_baseline(size, args.iters.max(3), 1, None);
         rows.extend(copy_rows);
-        let threads = refit::runtime::copy::copy_threads();
+        let threads = refit_runtime::copy::copy_threads();
         if threads > 1 {
             let (_, split) = memcpy_baseline(size, args.iters.max(3), threads, Some(memcpy));
             rows.extend(split);
@@ -249,8 +259,7 @@ pub(crate) fn run(args: &BenchArgs) -> BoxResult<()> {
         if links.iter().any(|l| l.on_device()) {
             // the GPU links' physical baseline: a device-to-device copy of the same bytes
             let device = LinkOptions::default().cuda_device()?;
-            let copies =
-                refit::transports::gpu::device_copy_times(device, size, args.iters.max(3))?;
+            let copies = refit_transports::gpu::device_copy_times(device, size, args.iters.max(3))?;
             let copy = Summary::of(&copies);
             rows.push(row("device-copy", "copy", size, 1, copy, "-", copy.median));
             base.device = Some(copy.median);
@@ -326,13 +335,13 @@ fn engine_pause(_: &BenchArgs) -> BoxResult<()> {
 /// The conversion's link: a shared-memory sender and one receiver, in this process.
 struct ShmPair;
 
-impl refit::runtime::strategy_bench::Link for ShmPair {
+impl crate::strategy::Link for ShmPair {
     type S = ShmSender;
     type R = ShmReceiver;
     fn name(&self) -> &'static str {
         "shm"
     }
-    fn make(&mut self, manifests: &Manifests) -> refit::runtime::Result<(ShmSender, ShmReceiver)> {
+    fn make(&mut self, manifests: &Manifests) -> refit_runtime::Result<(ShmSender, ShmReceiver)> {
         let config = ShmConfig {
             expected_receivers: 1,
             ..ShmConfig::default()
@@ -347,8 +356,7 @@ impl refit::runtime::strategy_bench::Link for ShmPair {
 /// receiver around shm), the same updates without it, and the delta encode, each beside
 /// a `memcpy` of the trainer's payload measured in the same run.
 fn bench_strategies(args: &BenchArgs) -> BoxResult<Vec<Row>> {
-    let sb =
-        refit::runtime::strategy_bench::run(args.strategies_size, args.iters.max(3), &mut ShmPair)?;
+    let sb = crate::strategy::run(args.strategies_size, args.iters.max(3), &mut ShmPair)?;
     let memcpy = sb.figure("memcpy").map_or(f64::NAN, |f| f.median());
     Ok(sb
         .figures
@@ -819,7 +827,11 @@ fn bench_shm(
     Ok(times.rows(name, size, n, ("memcpy", base.memcpy.median)))
 }
 
-pub(crate) fn child(args: &ChildArgs) -> BoxResult<()> {
+/// Runs one receiver process of `refit bench` (`refit __bench-child`), as its parent asked.
+///
+/// # Errors
+/// An unknown role, or a link or stream that fails.
+pub fn child(args: &ChildArgs) -> BoxResult<()> {
     match args.role.as_str() {
         "tcp-sink" => tcp::sink(args),
         "link" => {
@@ -1038,14 +1050,14 @@ impl LoanSlots for Box<dyn SenderTransport> {
 /// Writing one byte into every page of `size` bytes of memory never used before (what a
 /// fresh arena costs its first transfer before a byte moves): a plain heap buffer, or with
 /// `arena` a runtime arena (an anonymous map, advised to use transparent huge pages where
-/// they are not cold: [`refit::runtime::AlignedBuf::huge_pages`]).
+/// they are not cold: [`refit_runtime::AlignedBuf::huge_pages`]).
 fn first_touch_baseline(size: usize, iters: usize, arena: bool) -> Summary {
     let mut samples = Vec::with_capacity(iters);
     for _ in 0..iters {
         let mut heap = Vec::new();
-        let mut mapped = refit::runtime::AlignedBuf::zeroed(0);
+        let mut mapped = refit_runtime::AlignedBuf::zeroed(0);
         let fresh = if arena {
-            mapped = refit::runtime::AlignedBuf::zeroed(size);
+            mapped = refit_runtime::AlignedBuf::zeroed(size);
             mapped.as_mut_slice()
         } else {
             heap = vec![0u8; size];
@@ -1128,7 +1140,7 @@ fn memcpy_baseline(
     threads: usize,
     one: Option<Summary>,
 ) -> (Summary, Vec<Row>) {
-    let copies = refit::runtime::copy::fastest_copy(&vec![7u8; size], iters, threads);
+    let copies = refit_runtime::copy::fastest_copy(&vec![7u8; size], iters, threads);
     let best = Summary::of(copies.times());
     let name = match threads {
         1 => "memcpy".to_string(),

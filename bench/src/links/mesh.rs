@@ -1,6 +1,6 @@
 //! The mesh rows of `refit bench`: M trainer shards, each holding its rows of every tensor,
 //! publish a version to N engines, each pulling its columns from every shard at once
-//! (`refit::transports::mesh`), timed from the publish until every engine holds its part,
+//! (`refit_transports::mesh`), timed from the publish until every engine holds its part,
 //! against the raw loopback TCP stream of the same bytes measured in the same run.
 //!
 //! Every end runs in this process: M nodes on loopback serve the shards' pulls, N threads
@@ -12,13 +12,13 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use refit::node::{ClusterToken, Node};
-use refit::prelude::*;
-use refit::runtime::mesh::{extract, slices};
-use refit::transports::mesh::{MeshReceiver, MeshSender};
+use refit_node::{ClusterToken, Node};
+use refit_runtime::mesh::{extract, slices};
+use refit_runtime::{DType, Error, Manifest, ModelId, Result, Version};
+use refit_transports::mesh::{MeshReceiver, MeshSender};
 
 use super::{BoxResult, Row, WAIT, bench_token, row, tcp};
-use crate::cli::stats::{Summary, fmt_bytes};
+use crate::stats::{Summary, fmt_bytes};
 
 /// A shape of the mesh: trainer shards and engines.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -13,19 +13,19 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crate::cast::{CastRules, CastTo};
-use crate::convert::{
+use refit_runtime::cast::{CastRules, CastTo};
+use refit_runtime::convert::{
     Conversions, ConvertStats, ConvertingReceiver, ConvertingSender, Want, Wants,
 };
-use crate::delta::{Delta, Granularity};
-use crate::dtype::DType;
-use crate::error::{Error, Result};
-use crate::ids::{ModelId, Version};
-use crate::layout::LayoutRules;
-use crate::manifest::Manifest;
-use crate::protocol::Manifests;
-use crate::scheme::{ReceiverInit, ReceiverTransport, SenderInit, SenderTransport};
-use crate::weights::WeightSet;
+use refit_runtime::delta::{Delta, Granularity};
+use refit_runtime::dtype::DType;
+use refit_runtime::ids::{ModelId, Version};
+use refit_runtime::layout::LayoutRules;
+use refit_runtime::manifest::Manifest;
+use refit_runtime::protocol::Manifests;
+use refit_runtime::scheme::{ReceiverInit, ReceiverTransport, SenderInit, SenderTransport};
+use refit_runtime::weights::WeightSet;
+use refit_runtime::{Error, Result};
 
 /// How long one connect or update may take.
 const WAIT: Duration = Duration::from_secs(120);
@@ -260,7 +260,7 @@ where
 ///
 /// | figure | what |
 /// | --- | --- |
-/// | `memcpy` | the fastest simple copy of the trainer's payload, one thread ([`crate::copy::fastest_copy`]) |
+/// | `memcpy` | the fastest simple copy of the trainer's payload, one thread ([`refit_runtime::copy::fastest_copy`]) |
 /// | `  tried memcpy` / `  tried streaming` | each simple copy tried |
 /// | `update plain` | one update over `link` (publish, receive, ack), no conversion |
 /// | `convert bf16 send` / `recv` | the adapter's conversion to fused bf16 on the sender / receiver side |
@@ -299,7 +299,7 @@ pub fn run<L: Link>(bytes: usize, reps: usize, link: &mut L) -> Result<StrategyB
     };
     let mut figures = Vec::new();
 
-    let copies = crate::copy::fastest_copy(base.bytes(), reps, 1);
+    let copies = refit_runtime::copy::fastest_copy(base.bytes(), reps, 1);
     let secs = |t: &[Duration]| t.iter().map(Duration::as_secs_f64).collect();
     figures.push(fig("memcpy".into(), secs(copies.times())));
     for (c, times) in &copies.tried {
@@ -337,11 +337,11 @@ pub fn run<L: Link>(bytes: usize, reps: usize, link: &mut L) -> Result<StrategyB
     })
 }
 
-/// Element-level deltas ([`crate::delta::elements`]) of `base` against a version with
+/// Element-level deltas ([`refit_runtime::delta::elements`]) of `base` against a version with
 /// every 50th element nudged (2%): the encode and the apply, timed `reps` times after one
 /// untimed run each.
 fn element_deltas(base: &WeightSet, reps: usize) -> Result<Vec<(String, Vec<f64>)>> {
-    use crate::delta::elements;
+    use refit_runtime::delta::elements;
     let mut new = base.clone();
     for x in bytemuck::cast_slice_mut::<u8, f32>(new.bytes_mut()?)
         .iter_mut()
@@ -375,7 +375,7 @@ fn element_deltas(base: &WeightSet, reps: usize) -> Result<Vec<(String, Vec<f64>
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::inproc::{InProc, InProcReceiver, InProcSender};
+    use refit_runtime::inproc::{InProc, InProcReceiver, InProcSender};
 
     struct InProcLink;
 
@@ -422,7 +422,7 @@ mod tests {
         assert!(b.to_string().contains("convert bf16 recv"));
     }
 
-    /// `cargo test --release -p refit-runtime --lib strategy_bench -- --ignored --nocapture`
+    /// `cargo test --release -p refit-bench --lib strategy -- --ignored --nocapture`
     #[test]
     #[ignore = "a measurement, not a check"]
     fn print_64_mib() {

@@ -13,10 +13,10 @@ use refit_transports::link::{self, LinkOptions, OpenedLink};
 use super::clients::{self, Clients, Engine};
 use super::transport::connect_pair;
 use super::{PauseBenchConfig, VOCAB, WAIT, model_id};
-use crate::actor::{GenModel, GenerationEngine};
-use crate::error::{Error, Result};
-use crate::generation::PauseMode;
-use crate::protocol::engine::UpdateModel;
+use refit_actors::actor::{GenModel, GenerationEngine};
+use refit_actors::generation::PauseMode;
+use refit_actors::protocol::engine::UpdateModel;
+use refit_actors::{Error, Result};
 
 /// One engine's updates.
 #[derive(Clone, Debug, PartialEq)]
@@ -45,10 +45,10 @@ impl EngineFigures {
 pub struct UpdateFigures {
     /// The version loaded.
     pub version: Version,
-    /// [`LoadReport::paused`](crate::protocol::engine::LoadReport::paused): the swap at a
+    /// [`LoadReport::paused`](refit_actors::protocol::engine::LoadReport::paused): the swap at a
     /// step boundary, the time no token was produced because of the update.
     pub paused: Duration,
-    /// [`LoadReport::staged`](crate::protocol::engine::LoadReport::staged): fetching and
+    /// [`LoadReport::staged`](refit_actors::protocol::engine::LoadReport::staged): fetching and
     /// staging the version, beside generation.
     pub staged: Duration,
     /// The whole load, from [`UpdateModel`] sent to its answer (staging, the wait for the

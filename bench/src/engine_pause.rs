@@ -3,14 +3,14 @@
 
 use std::time::Duration;
 
-use refit::actors::engine_bench::{self, EngineFigures, PauseBenchConfig, SizeFigures};
-use refit::actors::generation::PauseMode;
+use crate::engine::{self, EngineFigures, PauseBenchConfig, SizeFigures};
+use refit_actors::generation::PauseMode;
 use serde::Serialize;
 
-use super::bench::BenchArgs;
-use super::stats::{Summary, fmt_secs};
+use crate::links::BenchArgs;
+use crate::stats::{Summary, fmt_secs};
 
-type BoxResult<T> = Result<T, Box<dyn std::error::Error>>;
+use crate::links::BoxResult;
 
 /// One figure: samples over the timed updates, with its ratios to figures of the same run.
 #[derive(Debug, Clone, Serialize)]
@@ -53,14 +53,14 @@ struct Report {
     engines: Vec<EngineLoad>,
 }
 
-pub(crate) fn run(args: &BenchArgs, e: &super::bench::EngineArgs) -> BoxResult<()> {
+pub(crate) fn run(args: &BenchArgs, e: &crate::links::EngineArgs) -> BoxResult<()> {
     let modes = e
         .engine_modes
         .iter()
         .map(|m| PauseMode::parse(m))
         .collect::<Result<Vec<_>, _>>()?;
     for l in &e.engine_transports {
-        refit::transports::link::find(l)?;
+        refit_transports::link::find(l)?;
     }
     let cfg = PauseBenchConfig {
         sizes: e.engine_sizes.clone(),
@@ -72,7 +72,7 @@ pub(crate) fn run(args: &BenchArgs, e: &super::bench::EngineArgs) -> BoxResult<(
         max_tokens: e.engine_tokens,
         threads: e.engine_threads,
     };
-    let figures = engine_bench::run(&cfg, &mut |line| eprintln!("refit bench: {line}"))?;
+    let figures = engine::run(&cfg, &mut |line| eprintln!("refit bench: {line}"))?;
     let report = Report {
         rows: figures.iter().flat_map(rows).collect(),
         engines: figures.iter().flat_map(loads).collect(),

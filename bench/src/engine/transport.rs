@@ -8,8 +8,8 @@ use refit_runtime::{Manifests, ReceiverInit, SenderInit, WeightSet};
 use refit_transports::link::{self, LinkOptions, OpenedLink};
 
 use super::WAIT;
-use crate::error::{Error, Result};
-use crate::link::WeightInlet;
+use refit_actors::link::WeightInlet;
+use refit_actors::{Error, Result};
 
 /// The transport alone, one sample per update.
 #[derive(Clone, Debug, PartialEq)]

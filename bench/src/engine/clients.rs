@@ -11,10 +11,10 @@ use refit_rl::transformer::TransformerGenerator;
 use refit_runtime::ModelId;
 
 use super::WAIT;
-use crate::actor::{GenModelStatus, Generate, GenerationEngine, GetGenStatus};
-use crate::error::{Error, Result};
-use crate::generation::{SamplingParams, Token};
-use crate::protocol::engine::{CancelInFlight, EngineStats, GetEngineStats};
+use refit_actors::actor::{GenModelStatus, Generate, GenerationEngine, GetGenStatus};
+use refit_actors::generation::{SamplingParams, Token};
+use refit_actors::protocol::engine::{CancelInFlight, EngineStats, GetEngineStats};
+use refit_actors::{Error, Result};
 
 pub(super) type Engine = Addr<GenerationEngine<TransformerGenerator>>;
 

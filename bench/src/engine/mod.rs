@@ -8,16 +8,16 @@
 //!   layout, fused and bf16), on one thread and split as the transports split theirs;
 //! - **the transport alone**, for each link: a version of the engine's bytes published
 //!   through a link opened by the link factory, and fetched by its receiver through the
-//!   [`WeightInlet`](crate::WeightInlet) an engine uses, with no engine: what the bytes
+//!   [`WeightInlet`](refit_actors::WeightInlet) an engine uses, with no engine: what the bytes
 //!   cost to move;
-//! - **the engine**, for each link and pause mode: a [`GenerationEngine`](crate::actor::GenerationEngine) serving a
+//! - **the engine**, for each link and pause mode: a [`GenerationEngine`](refit_actors::actor::GenerationEngine) serving a
 //!   [`TransformerGenerator`](refit_rl::transformer::TransformerGenerator) (and a second one staging, as a run builds them), fed through
 //!   the link with the trainer-to-engine conversion on the send path
 //!   ([`ConvertingSender`](refit_runtime::convert::ConvertingSender) with
 //!   [`TransformerConfig::want`]), while clients keep several
 //!   requests decoding. Each update: the trainer publishes the next version, the engine is
-//!   asked to load it ([`UpdateModel`](crate::protocol::engine::UpdateModel)) and answers its
-//!   [`LoadReport`](crate::protocol::engine::LoadReport): `paused` (the swap
+//!   asked to load it ([`UpdateModel`](refit_actors::protocol::engine::UpdateModel)) and answers its
+//!   [`LoadReport`](refit_actors::protocol::engine::LoadReport): `paused` (the swap
 //!   at a step boundary: the time no token is produced because of the update) and `staged`
 //!   (fetch and stage, beside generation). A decoding step's time is measured between
 //!   updates from the engine's step counter.
@@ -35,8 +35,8 @@ use refit_rl::transformer::TransformerConfig;
 use refit_runtime::convert::{Conversions, Wants};
 use refit_runtime::{Manifests, ModelId, Version};
 
-use crate::error::{Error, Result};
-use crate::generation::PauseMode;
+use refit_actors::generation::PauseMode;
+use refit_actors::{Error, Result};
 
 pub use engine_run::{EngineFigures, UpdateFigures};
 pub use transport::TransportFigures;

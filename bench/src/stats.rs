@@ -6,17 +6,22 @@ use serde::Serialize;
 
 /// min / median / p99 / max of a set of timings, in seconds.
 #[derive(Debug, Clone, Copy, Serialize)]
-pub(crate) struct Summary {
-    pub(crate) min: f64,
-    pub(crate) median: f64,
+pub struct Summary {
+    /// The smallest sample.
+    pub min: f64,
+    /// The median (the figure a benchmark quotes: these machines are noisy).
+    pub median: f64,
     /// The 99th percentile (nearest rank: below 101 samples it is the largest).
-    pub(crate) p99: f64,
-    pub(crate) max: f64,
-    pub(crate) samples: usize,
+    pub p99: f64,
+    /// The largest sample.
+    pub max: f64,
+    /// How many samples.
+    pub samples: usize,
 }
 
 impl Summary {
-    pub(crate) fn of(samples: &[Duration]) -> Self {
+    /// The summary of `samples` (NaN figures when there are none).
+    pub fn of(samples: &[Duration]) -> Self {
         let mut s: Vec<f64> = samples.iter().map(Duration::as_secs_f64).collect();
         s.sort_by(f64::total_cmp);
         let n = s.len();
@@ -47,7 +52,7 @@ impl Summary {
 }
 
 /// Human form of a duration in seconds.
-pub(crate) fn fmt_secs(s: f64) -> String {
+pub fn fmt_secs(s: f64) -> String {
     if !s.is_finite() {
         "-".into()
     } else if s < 1e-6 {
@@ -62,7 +67,7 @@ pub(crate) fn fmt_secs(s: f64) -> String {
 }
 
 /// Human form of a byte count.
-pub(crate) fn fmt_bytes(n: usize) -> String {
+pub fn fmt_bytes(n: usize) -> String {
     const GIB: usize = 1 << 30;
     const MIB: usize = 1 << 20;
     if n >= GIB && n.is_multiple_of(GIB) {
@@ -76,7 +81,10 @@ pub(crate) fn fmt_bytes(n: usize) -> String {
 
 /// Parses a byte size with `bytesize`: `4096`, `4MiB`, `2GiB` (binary units: `KiB`, `MiB`,
 /// `GiB`, also `Ki`, `Mi`, `Gi`), `64MB`, `1G` (decimal units: `KB` / `K` is 1000 bytes).
-pub(crate) fn parse_bytes(s: &str) -> Result<usize, String> {
+///
+/// # Errors
+/// A string that is not a size, or a size beyond `usize`, as a message naming it.
+pub fn parse_bytes(s: &str) -> Result<usize, String> {
     let size: bytesize::ByteSize = s
         .trim()
         .parse()
