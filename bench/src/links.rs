@@ -538,12 +538,13 @@ fn tcp_baseline(size: usize, iters: usize) -> BoxResult<Summary> {
     tcp::baseline(size, iters)
 }
 
-/// Next version of the weights, every tensor changed (its first byte: a delta moves every
-/// bucket, as a full transfer does); copies them first (untimed) if a transport still holds
+/// Next version of the weights, every tensor changed (its first byte, of any dtype: a delta
+/// moves every bucket, as a full transfer does; a little-endian f32 stays finite, only its
+/// lowest mantissa byte changing); copies them first (untimed) if a transport still holds
 /// the previous one (the TCP sender keeps recent versions for receivers still pulling).
 /// The byte written, `2v + 1`, differs from the previous version's for every `v` (`v | 1`
 /// did not: versions 2k and 2k+1 were equal, so every other update was an empty delta).
-fn bump(weights: &mut Arc<WeightSet>) -> BoxResult<()> {
+pub(crate) fn bump(weights: &mut Arc<WeightSet>) -> refit_runtime::Result<()> {
     let ws = Arc::make_mut(weights);
     let next = ws.version().next();
     let names: Vec<String> = ws
@@ -553,7 +554,7 @@ fn bump(weights: &mut Arc<WeightSet>) -> BoxResult<()> {
         .map(|t| t.name.clone())
         .collect();
     for name in &names {
-        if let Some(first) = ws.view_mut::<u8>(name)?.first_mut() {
+        if let Some(first) = ws.tensor_bytes_mut(name)?.first_mut() {
             *first = (next.get() as u8).wrapping_mul(2) | 1;
         }
     }

@@ -257,21 +257,9 @@ fn publish_next(
     mut sender: TrainerSender,
     mut trainer: Arc<WeightSet>,
 ) -> Result<(TrainerSender, Arc<WeightSet>, PendingSend, Duration)> {
-    let ws = Arc::make_mut(&mut trainer);
-    let next = ws.version().next();
-    let names: Vec<String> = ws
-        .manifest()
-        .tensors()
-        .iter()
-        .map(|t| t.name.clone())
-        .collect();
-    for name in &names {
-        if let Some(x) = ws.view_mut::<f32>(name)?.first_mut() {
-            *x += 1e-3;
-        }
-    }
-    ws.set_version(next);
-    let version = trainer.view_as(next)?;
+    // every tensor's lowest mantissa byte: the model stays finite and every bucket changes
+    crate::links::bump(&mut trainer)?;
+    let version = trainer.view_as(trainer.version())?;
     let t = Instant::now();
     let pending = sender.publish_shared(vec![Arc::new(version)])?;
     let publish = t.elapsed();
