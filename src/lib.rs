@@ -11,8 +11,8 @@
 //!   with feature `cuda`, the GPU links `nccl` and `cuda-ipc` and the CUDA/NCCL probe);
 //! - `rl` (features `rl`, `candle`): environments, policies, collectors, the PPO trainer,
 //!   in plain Rust;
-//! - `actors` (features `rl`, `candle`, `actors`): the actix actors, and everything of `rl`
-//!   re-exported.
+//! - `actors` (features `rl`, `candle`, `actors`): the actix actors, their own error, and
+//!   `rl` re-exported but for its error.
 //!
 //! The most used items are in the [`prelude`]: `use refit::prelude::*;`.
 //!

@@ -94,6 +94,7 @@ fn the_environment_page_lists_every_variable_the_code_reads() {
         "transports/src",
         "rl/src",
         "actors/src",
+        "bench/src",
         "python/src",
         "python/refit",
         "python/examples",

@@ -41,6 +41,8 @@ pub enum Error {
         reason: String,
     },
     /// Any other failure of the RL layer (a learner, an environment, a hook, a collector).
+    /// Never one of the variants above: build it with `?` or `.into()` from a
+    /// [`refit_rl::Error`], which keeps those as themselves.
     #[error(transparent)]
     Rl(refit_rl::Error),
     /// An actor could not be reached or stopped (mailbox closed, timed out).
@@ -174,6 +176,7 @@ impl From<refit_node::Error> for Error {
 }
 
 #[cfg(test)]
+#[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
 
@@ -186,13 +189,26 @@ mod tests {
             "invalid configuration: lr must be positive"
         );
         let bad = Error::from(refit_rl::Error::bad_request("prompt", "is empty"));
+        assert!(
+            matches!(&bad, Error::BadRequest { field: "prompt", reason } if reason == "is empty")
+        );
+        let generator = Error::from(refit_rl::Error::Generator {
+            model: "policy".into(),
+            reason: "step 3 failed".into(),
+        });
         assert!(matches!(
-            bad,
-            Error::BadRequest {
-                field: "prompt",
-                ..
-            }
+            &generator,
+            Error::Generator { model, reason } if model == "policy" && reason == "step 3 failed"
         ));
+        let critic = refit_runtime::ModelId::new("critic").unwrap();
+        let runtime = Error::from(refit_rl::Error::Runtime(
+            refit_runtime::Error::UnknownModel(critic),
+        ));
+        assert!(matches!(
+            &runtime,
+            Error::Runtime(refit_runtime::Error::UnknownModel(m)) if m.as_str() == "critic"
+        ));
+        assert!(runtime.to_string().starts_with("runtime: "), "{runtime}");
         let env = Error::from(refit_rl::Error::env(3, "diverged"));
         assert!(matches!(
             &env,

@@ -2,11 +2,11 @@
 //! the command line into [`BenchArgs`] and calls [`run`]; everything measured, the physical
 //! baselines of the same run and the tables printed live here.
 //!
-//! - [`links`]: every link of the factory (shared memory, TCP, files, NCCL) against the
-//!   baselines of the same run (`memcpy`, a raw loopback stream, first-touch of new memory),
-//!   with receivers in processes of their own (the `refit` binary re-executed as
-//!   `refit __bench-child`, answered by [`child`]); the TCP pull of `refit pull` and the mesh
-//!   of sharded senders.
+//! - [`links`]: every link of the factory against the baselines of the same run (`memcpy`,
+//!   a raw loopback stream, first-touch of new memory, a device copy for the GPU links), the
+//!   receivers of the process-crossing links in processes of their own (the `refit` binary
+//!   run again as `refit __bench-child`, answered by [`child`]); the TCP pull of
+//!   `refit pull`, and the mesh of sharded senders (in one process).
 //! - [`strategy`]: the weight strategies (where a conversion runs, deltas) over a link.
 //! - `engine` and `engine_pause` (feature `actors`): a generating engine's pause per update
 //!   beside the transport's time for the same bytes, a decoding step and `memcpy`.
@@ -24,3 +24,7 @@ pub mod stats;
 pub mod strategy;
 
 pub use links::{BenchArgs, ChildArgs, EngineArgs, child, run};
+
+/// The hidden subcommand of the `refit` binary that runs a bench receiver process
+/// ([`child`]).
+pub const CHILD_COMMAND: &str = "__bench-child";

@@ -196,6 +196,10 @@ fn usable_links(names: &[String]) -> BoxResult<Vec<&'static dyn LinkFactory>> {
 /// Runs `refit bench` as `args` asks: the links (or, with `--engine-pause`, the generating
 /// engine's pause), each figure printed with its ratio to the baselines of the same run.
 ///
+/// Called from the `refit` binary only: the receiver processes are that binary run again
+/// (`refit` [`CHILD_COMMAND`](crate::CHILD_COMMAND), answered by [`child`]; the pull rows
+/// run `refit pull` and `refit serve`).
+///
 /// # Errors
 /// A bad argument (named), a link that cannot be opened, or a receiver process that fails.
 pub fn run(args: &BenchArgs) -> BoxResult<()> {
@@ -521,7 +525,7 @@ fn spawn_child_on(args: &[&str], device: Option<usize>) -> BoxResult<Child> {
 /// The command of a bench child process (see [`spawn_child_on`]).
 fn child_command(args: &[&str], device: Option<usize>) -> BoxResult<Command> {
     let mut cmd = Command::new(std::env::current_exe()?);
-    cmd.arg("__bench-child")
+    cmd.arg(crate::CHILD_COMMAND)
         .args(args)
         .env(TOKEN_ENV, bench_token().expose())
         .env_remove(TOKEN_FILE_ENV)
@@ -538,13 +542,12 @@ fn tcp_baseline(size: usize, iters: usize) -> BoxResult<Summary> {
     tcp::baseline(size, iters)
 }
 
-/// Next version of the weights, every tensor changed (its first byte, of any dtype: a delta
-/// moves every bucket, as a full transfer does; a little-endian f32 stays finite, only its
-/// lowest mantissa byte changing); copies them first (untimed) if a transport still holds
+/// Next version of the weights, every tensor changed (its first byte: a delta moves every
+/// bucket, as a full transfer does; the weights are u8); copies them first (untimed) if a transport still holds
 /// the previous one (the TCP sender keeps recent versions for receivers still pulling).
 /// The byte written, `2v + 1`, differs from the previous version's for every `v` (`v | 1`
 /// did not: versions 2k and 2k+1 were equal, so every other update was an empty delta).
-pub(crate) fn bump(weights: &mut Arc<WeightSet>) -> refit_runtime::Result<()> {
+fn bump(weights: &mut Arc<WeightSet>) -> BoxResult<()> {
     let ws = Arc::make_mut(weights);
     let next = ws.version().next();
     let names: Vec<String> = ws
@@ -554,7 +557,7 @@ pub(crate) fn bump(weights: &mut Arc<WeightSet>) -> refit_runtime::Result<()> {
         .map(|t| t.name.clone())
         .collect();
     for name in &names {
-        if let Some(first) = ws.tensor_bytes_mut(name)?.first_mut() {
+        if let Some(first) = ws.view_mut::<u8>(name)?.first_mut() {
             *first = (next.get() as u8).wrapping_mul(2) | 1;
         }
     }
@@ -828,7 +831,7 @@ fn bench_shm(
     Ok(times.rows(name, size, n, ("memcpy", base.memcpy.median)))
 }
 
-/// Runs one receiver process of `refit bench` (`refit __bench-child`), as its parent asked.
+/// Runs one receiver process of `refit bench` (`refit __bench-child`, [`CHILD_COMMAND`](crate::CHILD_COMMAND)), as its parent asked.
 ///
 /// # Errors
 /// An unknown role, or a link or stream that fails.

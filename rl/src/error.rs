@@ -25,6 +25,10 @@ pub enum Error {
     #[error("split_trajs requires track_traj_ids (trajectories are split by their ids)")]
     SplitTrajsWithoutTrajIds,
     /// A configuration value that cannot work.
+    ///
+    /// This one, `Runtime`, `BadRequest` and `Generator` are the actors' too:
+    /// `refit_actors::Error`'s conversion from this error keeps them as themselves (a variant
+    /// added here that the actors share belongs in that conversion).
     #[error("invalid configuration: {0}")]
     Config(String),
     /// An environment failed to reset or step.

@@ -41,7 +41,7 @@ enum Command {
     /// health, failed updates and the versions each serves.
     Status(status::StatusArgs),
     /// Internal: a benchmark receiver process (spawned by `refit bench`).
-    #[command(name = "__bench-child", hide = true)]
+    #[command(name = refit_bench::CHILD_COMMAND, hide = true)]
     BenchChild(refit_bench::ChildArgs),
     /// Internal: print the book's command-line reference page (Markdown).
     #[command(name = "__cli-reference", hide = true)]

@@ -305,10 +305,11 @@ fn stage<G: Generator>(
         }
         Source::Pushed(ws) => {
             if ws.model() != model {
-                return Err(Error::Rl(refit_rl::Error::ModelMismatch {
+                return Err(refit_rl::Error::ModelMismatch {
                     expected: model.to_string(),
                     found: ws.model().to_string(),
-                }));
+                }
+                .into());
             }
             ws
         }
