@@ -171,17 +171,10 @@ impl Roles for CartPolePpo {
 
 #[cfg(test)]
 mod tests {
-    use refit_runtime::ModelId;
-
     use super::*;
     use crate::env::Env;
     use crate::policy::Policy;
-
-    fn spec(params: &str) -> ModelSpec {
-        let mut s = ModelSpec::new(ModelId::new("pi").unwrap(), 5);
-        s.params = toml::from_str(params).unwrap();
-        s
-    }
+    use crate::roles::spec_with as spec;
 
     #[test]
     fn params_set_the_network_and_the_hyper_parameters() {

@@ -388,17 +388,10 @@ impl GenRoles for GrpoRoles {
 
 #[cfg(test)]
 mod tests {
-    use refit_runtime::ModelId;
-
     use super::*;
     use crate::generation::Generator;
+    use crate::roles::spec_with as spec;
     use crate::task::Task;
-
-    fn spec(params: &str) -> ModelSpec {
-        let mut s = ModelSpec::new(ModelId::new("pi").unwrap(), 5);
-        s.params = toml::from_str(params).unwrap();
-        s
-    }
 
     #[test]
     fn params_set_the_model_the_learner_and_the_task() {

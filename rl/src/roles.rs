@@ -321,6 +321,16 @@ pub fn check_fit<E: Env + ?Sized, P: Policy + ?Sized>(
     Ok(())
 }
 
+/// A spec of model `pi`, seed 5, whose roles' parameters are `params` (TOML): what the
+/// role factories' tests read their settings from.
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+pub(crate) fn spec_with(params: &str) -> ModelSpec {
+    let mut s = ModelSpec::new(ModelId::new("pi").unwrap(), 5);
+    s.params = toml::from_str(params).unwrap();
+    s
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
