@@ -8,8 +8,8 @@ use std::time::{Duration, Instant};
 
 use refit_node::{ClusterToken, TOKEN_ENV, TOKEN_FILE_ENV};
 use refit_runtime::{
-    DType, Error, Manifest, Manifests, ModelId, Receiver, ReceiverInit, ReceiverTransport, Sender,
-    SenderInit, SenderTransport, Version, WeightSet, wire,
+    DType, Element, Error, Manifest, Manifests, ModelId, Receiver, ReceiverInit, ReceiverTransport,
+    Sender, SenderInit, SenderTransport, Version, WeightSet, wire,
 };
 use refit_transports::link::{
     self, CUDA_DEVICE_ENV, LinkFactory, LinkOptions, OpenedLink, Reach, ReceiverSpec,
@@ -542,12 +542,27 @@ fn tcp_baseline(size: usize, iters: usize) -> BoxResult<Summary> {
     tcp::baseline(size, iters)
 }
 
-/// Next version of the weights, every tensor changed (its first byte: a delta moves every
-/// bucket, as a full transfer does; the weights are u8); copies them first (untimed) if a transport still holds
-/// the previous one (the TCP sender keeps recent versions for receivers still pulling).
+/// Next version of the u8 weights, every tensor's first byte changed ([`next_version`]).
 /// The byte written, `2v + 1`, differs from the previous version's for every `v` (`v | 1`
 /// did not: versions 2k and 2k+1 were equal, so every other update was an empty delta).
 fn bump(weights: &mut Arc<WeightSet>) -> BoxResult<()> {
+    next_version::<u8>(weights, |first, v| {
+        *first = (v.get() as u8).wrapping_mul(2) | 1
+    })?;
+    Ok(())
+}
+
+/// Stamps the next version on `weights`, the first element of every tensor changed by
+/// `change` (given that version), so a delta moves every bucket, as a full transfer does.
+/// Copies the weights first (untimed) if a transport still holds the previous ones (the
+/// TCP sender keeps recent versions for receivers still pulling).
+///
+/// # Errors
+/// A tensor whose dtype is not `T`.
+pub(crate) fn next_version<T: Element>(
+    weights: &mut Arc<WeightSet>,
+    change: impl Fn(&mut T, Version),
+) -> refit_runtime::Result<Version> {
     let ws = Arc::make_mut(weights);
     let next = ws.version().next();
     let names: Vec<String> = ws
@@ -557,12 +572,12 @@ fn bump(weights: &mut Arc<WeightSet>) -> BoxResult<()> {
         .map(|t| t.name.clone())
         .collect();
     for name in &names {
-        if let Some(first) = ws.view_mut::<u8>(name)?.first_mut() {
-            *first = (next.get() as u8).wrapping_mul(2) | 1;
+        if let Some(first) = ws.view_mut::<T>(name)?.first_mut() {
+            change(first, next);
         }
     }
     ws.set_version(next);
-    Ok(())
+    Ok(next)
 }
 
 /// The rows every transport of the link factory gets, opened by name: its receivers are

@@ -257,22 +257,9 @@ fn publish_next(
     mut sender: TrainerSender,
     mut trainer: Arc<WeightSet>,
 ) -> Result<(TrainerSender, Arc<WeightSet>, PendingSend, Duration)> {
-    let ws = Arc::make_mut(&mut trainer);
-    let next = ws.version().next();
-    let names: Vec<String> = ws
-        .manifest()
-        .tensors()
-        .iter()
-        .map(|t| t.name.clone())
-        .collect();
-    // a change the bf16 the link carries keeps (the links' `bump` writes a byte the cast
-    // to bf16 rounds away, so a TCP delta would move nothing)
-    for name in &names {
-        if let Some(x) = ws.view_mut::<f32>(name)?.first_mut() {
-            *x += 1e-3;
-        }
-    }
-    ws.set_version(next);
+    // a change the bf16 on the link keeps (one in the lowest byte of an f32 is rounded
+    // away by the cast, and a TCP delta would move nothing)
+    let next = crate::links::next_version::<f32>(&mut trainer, |x, _| *x += 1e-3)?;
     let version = trainer.view_as(next)?;
     let t = Instant::now();
     let pending = sender.publish_shared(vec![Arc::new(version)])?;
