@@ -12,7 +12,7 @@
 //! - `rl` (features `rl`, `candle`): environments, policies, collectors, the PPO trainer,
 //!   in plain Rust;
 //! - `actors` (features `rl`, `candle`, `actors`): the actix actors, their own error, and
-//!   `rl` re-exported but for its error.
+//!   the modules and types of `rl` a topology uses, re-exported.
 //!
 //! The most used items are in the [`prelude`]: `use refit::prelude::*;`.
 //!

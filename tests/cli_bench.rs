@@ -280,6 +280,7 @@ fn an_unknown_transport_is_refused_naming_the_known_ones() {
 /// the step and to the link's own time for the same bytes; the transport-alone rows beside
 /// memcpy; requests decoding when every load was asked.
 #[test]
+#[cfg(feature = "actors")]
 fn engine_pause_rows_exist_for_every_link_and_mode() {
     let out = refit()
         .args(["bench", "--engine-pause", "--engine-sizes", "256KiB"])

@@ -41,8 +41,8 @@ pub enum Error {
         reason: String,
     },
     /// Any other failure of the RL layer (a learner, an environment, a hook, a collector).
-    /// Never one of the variants above: build it with `?` or `.into()` from a
-    /// [`refit_rl::Error`], which keeps those as themselves.
+    /// Built by `?` or `.into()` from a [`refit_rl::Error`], which never puts one of the
+    /// variants above here; do not construct it directly.
     #[error(transparent)]
     Rl(refit_rl::Error),
     /// An actor could not be reached or stopped (mailbox closed, timed out).

@@ -15,8 +15,8 @@
 //! - [`error`]: the actor layer's error ([`Error`]), which keeps the configuration, runtime
 //!   and generator failures of the layers below in the same variants.
 //!
-//! Without default features the crate is the RL re-exports and its error only, and builds without candle
-//! and actix; `actix` alone builds the actors without candle. Cargo enforces that actix
+//! Without default features the crate is the RL re-exports and its error only, and builds
+//! without candle and actix; `actix` alone builds the actors without candle. Cargo enforces that actix
 //! stays here: `refit-rl` does not depend on it.
 #![warn(missing_docs, unreachable_pub, missing_debug_implementations)]
 

@@ -846,7 +846,8 @@ fn bench_shm(
     Ok(times.rows(name, size, n, ("memcpy", base.memcpy.median)))
 }
 
-/// Runs one receiver process of `refit bench` (`refit __bench-child`, [`CHILD_COMMAND`](crate::CHILD_COMMAND)), as its parent asked.
+/// Runs one receiver process of `refit bench` (`refit __bench-child`,
+/// [`CHILD_COMMAND`](crate::CHILD_COMMAND)), as its parent asked.
 ///
 /// # Errors
 /// An unknown role, or a link or stream that fails.

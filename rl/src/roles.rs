@@ -323,7 +323,7 @@ pub fn check_fit<E: Env + ?Sized, P: Policy + ?Sized>(
 
 /// A spec of model `pi`, seed 5, whose roles' parameters are `params` (TOML): what the
 /// role factories' tests read their settings from.
-#[cfg(test)]
+#[cfg(all(test, feature = "candle"))]
 #[allow(clippy::unwrap_used)]
 pub(crate) fn spec_with(params: &str) -> ModelSpec {
     let mut s = ModelSpec::new(ModelId::new("pi").unwrap(), 5);

@@ -257,8 +257,9 @@ fn publish_next(
     mut sender: TrainerSender,
     mut trainer: Arc<WeightSet>,
 ) -> Result<(TrainerSender, Arc<WeightSet>, PendingSend, Duration)> {
-    // a change the bf16 on the link keeps (one in the lowest byte of an f32 is rounded
-    // away by the cast, and a TCP delta would move nothing)
+    // 1e-3 on the first value: the bf16 on the link keeps it for the small weights (a change
+    // in the lowest byte of an f32 never survives the cast, and a TCP delta would move
+    // nothing; a norm weight at 1.0 changes on the link every few versions)
     let next = crate::links::next_version::<f32>(&mut trainer, |x, _| *x += 1e-3)?;
     let version = trainer.view_as(next)?;
     let t = Instant::now();
