@@ -484,6 +484,46 @@ def run(binary: Path, work: Path, args) -> int:
         update_from_file("v2 again", versions[2])
         check("the next published version (version 2's file again) loads whole", tokens["v2 again"] == tokens["v2"], str(tokens["v2 again"]))
 
+        # -- streaming: each tensor into vLLM once verified, no copy of the version kept ----
+        print("streaming:", flush=True)
+        streamer = refit.Sender("tcp", state(versions[3]), model=MODEL_ID)
+        streamer.start()
+        t = time.perf_counter()
+        refit.vllm.init_engine(llm, streamer.spec, timeout=args.timeout, load_initial=True, stream=True)
+        timings.append(("stream: connect + load_initial (v3)", 0.0, time.perf_counter() - t))
+        again = generate(llm, args.max_tokens)
+        check("stream=True over tcp: load_initial streams version 3 in (its tokens)", again == tokens["v3"], str(again))
+        streamer.publish(state(versions[2]))
+        t = time.perf_counter()
+        refit.vllm.update_weights(llm, version=2, timeout=args.timeout)
+        timings.append(("stream: v2", 0.0, time.perf_counter() - t))
+        again = generate(llm, args.max_tokens)
+        check("stream=True: the next version streams in (version 2's tokens)", again == tokens["v2"], str(again))
+        # a version whose unknown tensor comes after others streamed in: mixed, then repaired
+        broken = refit.Sender("tcp", mixed, model=MODEL_ID)
+        broken.start()
+        try:
+            refit.vllm.init_engine(llm, broken.spec, timeout=args.timeout, load_initial=True, stream=True)
+            check("stream=True: a version failing part-way raises NeedsFullResend", False, "init_engine returned")
+        except errors.NeedsFullResend as e:
+            check("stream=True: a version failing part-way raises refit.errors.NeedsFullResend", "part-way" in str(e), str(e)[:300])
+        except errors.RefitError as e:
+            check("stream=True: a version failing part-way raises NeedsFullResend", False, f"{type(e).__name__}: {e}")
+        broken.close()
+        refit.vllm.init_engine(llm, streamer.spec, timeout=args.timeout, load_initial=True, stream=True)
+        again = generate(llm, args.max_tokens)
+        check("stream=True: reconnecting streams version 2 in whole again", again == tokens["v2"], str(again))
+        try:
+            refit.vllm.init_engine(llm, streamer.spec, timeout=args.timeout, stream=True, verify="startup")
+            check('stream=True with verify="startup" is refused', False, "init_engine returned")
+        except errors.ConfigError as e:
+            check('stream=True with verify="startup" is refused (refit.errors.ConfigError: the self-test needs the version kept)',
+                  "stream" in str(e), str(e)[:200])
+        streamer.close()
+        refit.vllm.init_engine(llm, spec, timeout=args.timeout, load_initial=True)
+        again = generate(llm, args.max_tokens)
+        check("back on refit serve, its version in force (version 2's file) loads whole", again == tokens["v2"], str(again))
+
         # -- verification: the startup self-test, the served hashes ----------------------
         print("verification:", flush=True)
         # an update path that skips a parameter (and says it loaded it): the self-test names it

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -113,6 +113,29 @@ def _torch():
     return torch
 
 
+def _numpy_of(t: Any, raw: bool) -> np.ndarray:
+    """A read-only numpy view of the native tensor ``t`` (see :meth:`Update.items`)."""
+    if not raw and t.dtype not in NUMPY_DTYPES:
+        raise DTypeError(
+            f"tensor `{t.name}` of `{t.model}` (version {t.version}) is {t.dtype}, "
+            "which numpy cannot represent: use torch tensors, or raw=True for its bits"
+        )
+    return np.asarray(t)
+
+
+def _torch_of(torch: Any, t: Any) -> Any:
+    """A read-only torch view of the native tensor ``t`` (see :meth:`Update.torch`)."""
+    name = _TORCH_NAMES.get(t.dtype)
+    target = getattr(torch, name, None) if name else None
+    if target is None:
+        raise DTypeError(f"tensor `{t.name}`: torch has no {t.dtype}")
+    with warnings.catch_warnings():
+        # the views are read-only on purpose; torch warns that it cannot enforce that
+        warnings.filterwarnings("ignore", message=".*not writable.*")
+        x = torch.from_numpy(np.asarray(t))
+    return x if x.dtype == target else x.view(target)
+
+
 class Update:
     """One version (of one or several models published together), held in place.
 
@@ -147,16 +170,7 @@ class Update:
         """``(name, array)`` pairs: zero-copy, read-only numpy views. numpy has no bf16 or
         fp8: such a tensor raises :class:`DTypeError` naming it, unless ``raw`` (then it
         comes as unsigned integers of the same width)."""
-        out = []
-        for t in self._u.tensors(model):
-            if not raw and t.dtype not in NUMPY_DTYPES:
-                raise DTypeError(
-                    f"tensor `{t.name}` of `{t.model}` (version {t.version}) is {t.dtype}, "
-                    "which numpy cannot represent: use Update.torch(), or items(raw=True) "
-                    "for its bits"
-                )
-            out.append((t.name, np.asarray(t)))
-        return out
+        return [(t.name, _numpy_of(t, raw)) for t in self._u.tensors(model)]
 
     def arrays(self, model: str | None = None, *, raw: bool = False) -> dict[str, np.ndarray]:
         """:meth:`items` as a dict."""
@@ -167,20 +181,7 @@ class Update:
         views), every dtype including bf16 and fp8. Read-only memory: copy before writing
         (``load_state_dict`` and vLLM's ``load_weights`` copy)."""
         torch = _torch()
-        out = []
-        with warnings.catch_warnings():
-            # the views are read-only on purpose; torch warns that it cannot enforce that
-            warnings.filterwarnings("ignore", message=".*not writable.*")
-            for t in self._u.tensors(model):
-                name = _TORCH_NAMES.get(t.dtype)
-                target = getattr(torch, name, None) if name else None
-                if target is None:
-                    raise DTypeError(f"tensor `{t.name}`: torch has no {t.dtype}")
-                x = torch.from_numpy(np.asarray(t))
-                if x.dtype != target:
-                    x = x.view(target)
-                out.append((t.name, x))
-        return out
+        return [(t.name, _torch_of(torch, t)) for t in self._u.tensors(model)]
 
     def state_dict(self, model: str | None = None) -> dict[str, Any]:
         """:meth:`torch` as a dict, for ``module.load_state_dict``."""
@@ -220,6 +221,11 @@ class Receiver:
     ``"buckets"`` (default: the buckets holding a changed tensor), ``"elements"`` (those
     buckets as their element-level difference against the version held, compressed) or
     ``"off"`` (every byte); other transports ignore it.
+
+    With ``stream=True`` the receiver is for :meth:`stream`: connecting does not receive the
+    first version (the first :meth:`stream` hands it over), and over TCP no copy of any
+    version is kept, so that a model as large as the host's memory can be updated in place
+    (see :meth:`stream`).
     """
 
     def __init__(
@@ -230,8 +236,9 @@ class Receiver:
         token: str | None = None,
         copy: bool = False,
         delta: str = "buckets",
+        stream: bool = False,
     ) -> None:
-        self._r = _native.Receiver(_spec_text(spec), timeout, token, copy, delta)
+        self._r = _native.Receiver(_spec_text(spec), timeout, token, copy, delta, stream)
 
     @property
     def wire(self) -> tuple[int, int] | None:
@@ -273,6 +280,46 @@ class Receiver:
         """
         u = self._r.receive(timeout)
         return None if u is None else Update(u)
+
+    def stream(self, apply: Callable[[str, Any], None], timeout: float = 1.0, *,
+               torch: bool = False, raw: bool = False, ack: bool = True) -> list[tuple[str, int]] | None:
+        """Waits up to ``timeout`` seconds for the next version and streams it into the
+        caller's model: ``apply(name, tensor)`` is called for each tensor as soon as its
+        bytes are in and verified (a read-only numpy array, or a torch tensor with
+        ``torch=True``; ``raw`` as for :meth:`Update.items`), on this thread, while the
+        rest of the version is still arriving. ``apply`` copies the tensor where the model
+        serves it (``param.copy_(tensor)``, vLLM's ``load_weights([(name, tensor)])``); the
+        tensor's memory is let go of once nothing refers to it.
+
+        Over TCP with ``stream=True``, the receiver keeps no copy of the version: while it
+        arrives, the memory it takes is a few buckets' worth of tensors (those in flight and
+        those waiting for ``apply``), not the model. Other transports (and TCP without
+        ``stream=True``) receive the version whole first, then hand over a copy of each
+        tensor.
+
+        Returns the ``(model, version)`` pairs streamed, acknowledged to the sender once every
+        tensor was applied (with ``ack=False``, once :meth:`ack` is called with them: an
+        engine whose load completes after the last tensor); ``None`` if nothing came. The model is mixed while a version
+        streams in: a failure once a tensor was applied (a damaged bucket, the sender gone,
+        an exception of ``apply``) raises :class:`NeedsFullResend`, with the cause chained,
+        and the next call streams the version whole again while the sender keeps it; a
+        failure before raises as itself. ``apply`` must not call this receiver.
+        """
+        if torch:
+            t = _torch()
+
+            def call(x: Any) -> None:
+                apply(x.name, _torch_of(t, x))
+        else:
+            def call(x: Any) -> None:
+                apply(x.name, _numpy_of(x, raw))
+        got = self._r.stream(call, timeout, ack)
+        return None if got is None else [(m, v) for m, v in got]
+
+    def ack(self, entries: list[tuple[str, int]]) -> None:
+        """Tells the sender these ``(model, version)`` pairs are applied (what
+        ``stream(..., ack=False)`` returned). Acknowledging a version again does nothing."""
+        self._r.ack([(m, int(v)) for m, v in entries])
 
     def __iter__(self) -> Iterator[Update]:
         """Every next version, forever (until the sender is gone: :class:`PeerGone`)."""

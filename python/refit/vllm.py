@@ -165,6 +165,7 @@ def init_engine(
     model: str | None = None,
     load_initial: bool = False,
     verify: str = "names",
+    stream: bool = False,
 ) -> None:
     """Connects every worker of ``llm`` (started with ``weight_transfer_config={"backend":
     "refit"}``) to the Refit sender ``spec`` describes (its text, or the path of a file
@@ -178,7 +179,7 @@ def init_engine(
     """
     spec = os.fspath(spec) if isinstance(spec, os.PathLike) else spec
     info = {"spec": spec, "timeout": timeout, "copy": copy, "model": model, "load_initial": load_initial,
-            "verify": verify}
+            "verify": verify, "stream": stream}
     _rpc(llm, "init_weight_transfer_engine", None, init_info=info)
 
 
@@ -621,6 +622,13 @@ def _build() -> dict[str, type]:
         weight-checker format, :func:`weight_checksums`) and compare them at the start of
         the next update: weights changed while served raise ``Damaged`` naming the
         parameter, before anything is loaded.
+        ``stream``: apply each version as it arrives (:meth:`refit.Receiver.stream`): every
+        tensor goes into the model as soon as its buckets are verified, and over TCP the
+        worker keeps no copy of the version, so its memory during an update is the model
+        plus a few buckets instead of the model plus whole versions. The model is mixed for
+        the whole transfer (vLLM is paused for all of it, not only for the load), and a
+        failure part-way is ``NeedsFullResend``. Takes ``verify`` up to ``"names"`` (the
+        self-test loads a version again from memory streaming does not keep).
         No secret: the token comes from the worker's ``REFIT_TOKEN`` / ``REFIT_TOKEN_FILE``.
         """
 
@@ -630,6 +638,7 @@ def _build() -> dict[str, type]:
         model: str | None = None
         load_initial: bool = False
         verify: str = "names"
+        stream: bool = False
 
         def __post_init__(self) -> None:
             if not isinstance(self.spec, str) or not self.spec.strip():
@@ -638,6 +647,11 @@ def _build() -> dict[str, type]:
                 raise ValueError(f"refit init_info: `verify` must be one of {', '.join(map(repr, VERIFY))}, got {self.verify!r}")
             if not self.timeout >= 0:
                 raise ValueError(f"refit init_info: `timeout` must be ≥ 0 seconds, got {self.timeout}")
+            if self.stream and VERIFY.index(self.verify) > VERIFY.index("names"):
+                # typed, so that it crosses vLLM's RPC as itself
+                raise _fail(errors.ConfigError, f"refit init_info: `stream` keeps no copy of a version, which "
+                            f"verify={self.verify!r} loads a second time for its self-test: use verify=\"names\" "
+                            "or \"off\" with `stream`")
 
     @dataclass
     class RefitUpdateInfo(WeightTransferUpdateInfo):
@@ -721,7 +735,8 @@ def _build() -> dict[str, type]:
             self._close()
             where = _describe_spec(init_info.spec)
             try:
-                receiver = refit.Receiver(init_info.spec, timeout=init_info.timeout, copy=init_info.copy)
+                receiver = refit.Receiver(init_info.spec, timeout=init_info.timeout, copy=init_info.copy,
+                                          stream=init_info.stream)
             except errors.RefitError as e:
                 raise _fail(type(e), f"connecting to the refit sender (spec {where}): {e}") from e
             models = receiver.models
@@ -743,7 +758,10 @@ def _build() -> dict[str, type]:
                 from vllm.config import set_current_vllm_config
 
                 with set_current_vllm_config(self.vllm_config):
-                    self._load(receiver.current(), RefitUpdateInfo(), time.perf_counter())
+                    if init_info.stream:
+                        self._stream_load(RefitUpdateInfo(), time.perf_counter())
+                    else:
+                        self._load(receiver.current(), RefitUpdateInfo(), time.perf_counter())
                     self._complete()
 
         def start_weight_update(self) -> None:
@@ -788,6 +806,9 @@ def _build() -> dict[str, type]:
             if self._receiver is None:
                 raise _fail(errors.Closed, "the refit engine is not connected: call init_weight_transfer_engine with the sender's spec first")
             started = time.perf_counter()
+            if self._init is not None and self._init.stream:
+                self._stream_load(update_info, started)
+                return
             try:
                 update = self._wait(update_info)
             except errors.RefitError:
@@ -997,6 +1018,91 @@ def _build() -> dict[str, type]:
             timings = {"receive_s": received - started, "load_s": loaded - received, "tensors": len(pairs), "bytes": nbytes}
             self._staged = (update, version, timings)
 
+        def _stream_load(self, info: RefitUpdateInfo, started: float) -> None:
+            """Streams the next version into the model (``stream``): each tensor, once
+            verified, goes through ``load_weights`` inside the layerwise reload (checkpoint
+            format) or is copied into its parameter (kernel format); nothing of the version
+            is kept. Staged for :meth:`finish_weight_update` as :meth:`_load` stages."""
+            want = info.version
+            if want is not None and not self.needs_full_resend and self.loaded_version is not None and self.loaded_version >= want:
+                _log.info("refit: version %d ≥ %d already in force: nothing to load", self.loaded_version, want)
+                return
+            assert self._receiver is not None and self._model_id is not None
+            if self._staged is not None:
+                # a second version in one update session: complete the first, then begin again
+                self._complete()
+            checkpoint = info.is_checkpoint_format
+            if checkpoint:
+                self._begin()
+            elif self._layerwise:
+                self._restore()
+            fresh = _loadable_layers(self.model) if checkpoint else set()
+            on_cpu = self.device is None or torch.device(self.device).type == "cpu"
+            seen = {"tensors": 0, "bytes": 0, "name": None, "version": None}
+            loaded: set[str] | None = set()
+
+            def apply(native: Any) -> None:
+                nonlocal loaded
+                name = seen["name"] = native.name
+                seen["version"] = native.version
+                if native.model != self._model_id:
+                    return  # another model of the sender's: not this engine's
+                t = refit._torch_of(torch, native)
+                t = t if on_cpu else t.to(self.device, non_blocking=True)
+                if checkpoint:
+                    got = self.model.load_weights([(name, t)])
+                    loaded = None if got is None or loaded is None else loaded | set(got)
+                else:
+                    from vllm.model_executor.model_loader.reload.inplace import get_parameter_for_reload
+
+                    param = get_parameter_for_reload(self.model, name)
+                    if tuple(param.shape) != tuple(t.shape):
+                        raise ValueError(f"tensor `{name}` is {list(t.shape)}, vLLM's parameter is {list(param.shape)}")
+                    with torch.no_grad():
+                        param.copy_(t)
+                seen["tensors"] += 1
+                seen["bytes"] += t.numel() * t.element_size()
+
+            try:
+                from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
+            except ImportError:  # pragma: no cover - older vLLM
+                from contextlib import nullcontext as disable_mtp_completeness_check
+            try:
+                with disable_mtp_completeness_check():
+                    got = self._receiver._r.stream(apply, info.timeout, False)
+            except Exception as e:
+                at = f" at tensor `{seen['name']}`" if seen["name"] else ""
+                cause = f"streaming it into the model failed{at}: {type(e).__name__}: {e}"
+                raise self._stream_failed(seen["version"], fresh, checkpoint, seen["tensors"] > 0, cause) from e
+            if got is None:
+                self._abandon()
+                raise _fail(errors.Timeout, f"a new version of {self._what()} did not come within {info.timeout:g} s; nothing was applied: {self._in_force()}")
+            entries = [(m, v) for m, v in got]
+            version = dict(entries).get(self._model_id)
+            if version is None:  # only other models of the sender's: nothing of this one
+                self._receiver.ack(entries)
+                self._abandon()
+                return
+            if checkpoint and self._at_least("names"):
+                self._check_names(loaded, version, fresh)
+            took = time.perf_counter() - started
+            timings = {"receive_s": took, "load_s": 0.0, "tensors": seen["tensors"], "bytes": seen["bytes"]}
+            self._staged = (_Acked(self._receiver, entries), version, timings)
+
+        def _stream_failed(self, version: int | None, fresh: set[int], checkpoint: bool, applied: bool,
+                           cause: str) -> errors.RefitError:
+            """The exception for a streamed version that failed for ``cause`` (as
+            :meth:`_failed` says for the checkpoint format; for the kernel format, mixed once
+            a tensor was copied)."""
+            refused = "{what} refused before any of it reached vLLM's weights: {cause}; {in_force}"
+            mixed = "{what} failed part-way into vLLM's weights ({cause}): the weights are mixed until the next version loads whole"
+            if checkpoint:
+                return self._failed(version, fresh, cause, refused=refused, mixed=mixed)
+            if not applied:
+                return _fail(errors.Refused, refused.format(what=self._what(version), cause=cause, in_force=self._in_force()))
+            self._mixed(version)
+            return _fail(errors.NeedsFullResend, mixed.format(what=self._what(version), cause=cause, in_force=self._in_force()))
+
         def _device_pairs(self, pairs: list, current: list) -> Any:
             on_cpu = self.device is None or torch.device(self.device).type == "cpu"
             for name, t in pairs:
@@ -1140,6 +1246,15 @@ def _build() -> dict[str, type]:
                     receiver.close()
                 except errors.RefitError as e:
                     _log.warning("refit: closing the receiver of %s: %s", self._what(), e)
+
+    class _Acked:
+        """The acknowledgement of streamed ``entries``, sent once the version is in force."""
+
+        def __init__(self, receiver: Any, entries: list) -> None:
+            self._receiver, self._entries = receiver, entries
+
+        def ack(self) -> None:
+            self._receiver.ack(self._entries)
 
     def _loadable_layers(model: torch.nn.Module) -> set[int]:
         """The modules a layerwise reload is waiting to load (before ``load_weights``)."""

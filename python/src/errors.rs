@@ -15,6 +15,7 @@ pyo3::import_exception!(refit.errors, ConfigError);
 pyo3::import_exception!(refit.errors, TransportError);
 pyo3::import_exception!(refit.errors, Closed);
 pyo3::import_exception!(refit.errors, Unauthorized);
+pyo3::import_exception!(refit.errors, NeedsFullResend);
 
 /// The Python exception for `e`.
 pub(crate) fn to_py(e: Error) -> PyErr {
@@ -53,6 +54,7 @@ pub(crate) fn to_py(e: Error) -> PyErr {
         | Error::Mesh { .. }
         | Error::Sync(_) => ConfigError::new_err(msg),
         Error::State(_) | Error::ReadOnly(_) => Closed::new_err(msg),
+        Error::PartlyApplied { .. } => NeedsFullResend::new_err(msg),
         Error::Io { .. }
         | Error::Path { .. }
         | Error::Collective { .. }

@@ -7,7 +7,7 @@ use pyo3::sync::MutexExt;
 use refit_runtime::{ReceiverInit, ReceiverTransport, WeightSet};
 
 use crate::errors::{Closed, to_py};
-use crate::update::Update;
+use crate::update::{Tensor, Update};
 use crate::wait::{Stash, collect, in_background, seconds};
 
 type Inner = refit_runtime::Receiver<Box<dyn ReceiverTransport>>;
@@ -21,6 +21,9 @@ pub(crate) struct Receiver {
     transport: String,
     /// A `receive` that Ctrl-C interrupted: its result, for the next `receive`.
     stash: Stash<Staged>,
+    /// The thread running a `stream` now: its `apply` must not call back into the
+    /// receiver, whose lock that thread holds.
+    streaming_on: Mutex<Option<std::thread::ThreadId>>,
 }
 
 /// What one `stage` on the receive thread gave.
@@ -31,6 +34,27 @@ type Staged = PyResult<Option<refit_runtime::Update>>;
 pub(crate) fn lock<'a, T>(py: Python<'_>, m: &'a Mutex<T>) -> MutexGuard<'a, T> {
     m.lock_py_attached(py)
         .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// Marks the current thread as streaming into a receiver for as long as it lives.
+struct StreamingOn<'a>(&'a Mutex<Option<std::thread::ThreadId>>);
+
+impl<'a> StreamingOn<'a> {
+    fn new(slot: &'a Mutex<Option<std::thread::ThreadId>>) -> Self {
+        *slot
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(std::thread::current().id());
+        Self(slot)
+    }
+}
+
+impl Drop for StreamingOn<'_> {
+    fn drop(&mut self) {
+        *self
+            .0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = None;
+    }
 }
 
 fn closed(transport: &str) -> PyErr {
@@ -48,7 +72,22 @@ impl Drop for Receiver {
 }
 
 impl Receiver {
+    /// Refuses a call from inside a `stream`'s `apply` (its thread holds the receiver).
+    fn not_streaming_here(&self) -> PyResult<()> {
+        let on = *self
+            .streaming_on
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if on == Some(std::thread::current().id()) {
+            return Err(Closed::new_err(
+                "the receiver is streaming a version into this apply: call it after stream returns",
+            ));
+        }
+        Ok(())
+    }
+
     fn with<T>(&self, py: Python<'_>, f: impl FnOnce(&mut Inner) -> PyResult<T>) -> PyResult<T> {
+        self.not_streaming_here()?;
         let mut guard = lock(py, &self.inner);
         match guard.as_mut() {
             Some(inner) => f(inner),
@@ -71,7 +110,7 @@ impl Receiver {
     /// Connects to the sender `spec` describes (text), waiting up to `timeout` seconds for
     /// its manifests and first version (which is acknowledged here).
     #[new]
-    #[pyo3(signature = (spec, timeout = 30.0, token = None, copy = false, delta = "buckets"))]
+    #[pyo3(signature = (spec, timeout = 30.0, token = None, copy = false, delta = "buckets", stream = false))]
     fn new(
         py: Python<'_>,
         spec: &str,
@@ -79,18 +118,27 @@ impl Receiver {
         token: Option<&str>,
         copy: bool,
         delta: &str,
+        stream: bool,
     ) -> PyResult<Self> {
         let timeout = seconds("timeout", timeout)?;
-        let (transport, name) = crate::spec::open(spec, token, copy, delta)?;
+        let (transport, name) = crate::spec::open(spec, token, copy, delta, stream)?;
         let meter = transport.meter();
+        let init = ReceiverInit::new(transport, None);
         let inner = py
-            .detach(|| ReceiverInit::new(transport, None).connect(timeout))
+            .detach(|| {
+                if stream {
+                    init.connect_streaming(timeout)
+                } else {
+                    init.connect(timeout)
+                }
+            })
             .map_err(to_py)?;
         Ok(Self {
             inner: Arc::new(Mutex::new(Some(inner))),
             meter,
             transport: name,
             stash: Mutex::new(None),
+            streaming_on: Mutex::new(None),
         })
     }
 
@@ -160,6 +208,7 @@ impl Receiver {
         let py = slf.py();
         let timeout = seconds("timeout", timeout)?;
         let me = slf.get();
+        me.not_streaming_here()?;
         let staged = match collect(py, &me.stash)? {
             Some(earlier) => earlier,
             None => {
@@ -179,9 +228,85 @@ impl Receiver {
         Ok(staged?.map(|u| Update::new(u.group, slf.clone().unbind(), false)))
     }
 
+    /// Waits up to `timeout` seconds for the next version and streams it: `apply` is called
+    /// with each tensor (a `Tensor`) as soon as its bytes are in and verified, on this
+    /// thread. Once every tensor is applied the versions are acknowledged (unless `ack` is
+    /// false: then `ack(entries)` does it) and returned as `(model, version)` pairs; `None`
+    /// if none came. An exception of `apply` stops the
+    /// transfer: it is raised as it is when nothing was applied, else as `NeedsFullResend`
+    /// (the caller's model is mixed) with it as the cause.
+    #[pyo3(signature = (apply, timeout = 1.0, ack = true))]
+    fn stream(
+        &self,
+        py: Python<'_>,
+        apply: Py<PyAny>,
+        timeout: f64,
+        ack: bool,
+    ) -> PyResult<Option<Vec<(String, u64)>>> {
+        let timeout = seconds("timeout", timeout)?;
+        let mut raised: Option<PyErr> = None;
+        let streamed = self.with(py, |r| {
+            let on = StreamingOn::new(&self.streaming_on);
+            let streamed = py.detach(|| {
+                let mut apply_one = |one| {
+                    Python::attach(|py| {
+                        let t = Tensor::only(Arc::new(one)).ok_or(refit_runtime::Error::State(
+                            "a streamed weight set without a tensor",
+                        ))?;
+                        let called = apply.call1(py, (t,)).and_then(|_| py.check_signals());
+                        called.map_err(|e| {
+                            let msg = format!("apply raised {e}");
+                            raised = Some(e);
+                            refit_runtime::Error::Config(msg)
+                        })
+                    })
+                };
+                if ack {
+                    r.stream(timeout, &mut apply_one)
+                } else {
+                    r.stream_staged(timeout, &mut apply_one)
+                }
+            });
+            drop(on);
+            Ok(streamed)
+        })?;
+        match streamed {
+            Ok(entries) => Ok(entries.map(|es| {
+                es.into_iter()
+                    .map(|(m, v)| (m.to_string(), v.get()))
+                    .collect()
+            })),
+            Err(e) => {
+                let partly = matches!(e, refit_runtime::Error::PartlyApplied { .. });
+                match raised {
+                    Some(cause) if partly => {
+                        let err = to_py(e);
+                        err.set_cause(py, Some(cause));
+                        Err(err)
+                    }
+                    Some(cause) => Err(cause),
+                    None => Err(to_py(e)),
+                }
+            }
+        }
+    }
+
+    /// Acknowledges `(model, version)` pairs (what `stream(..., ack=False)` returned).
+    fn ack(&self, py: Python<'_>, entries: Vec<(String, u64)>) -> PyResult<()> {
+        let entries = entries
+            .into_iter()
+            .map(|(m, v)| {
+                let m = refit_runtime::ModelId::new(&m).map_err(to_py)?;
+                Ok((m, refit_runtime::Version(v)))
+            })
+            .collect::<PyResult<Vec<_>>>()?;
+        self.ack_entries(py, &entries)
+    }
+
     /// Releases the transport (slots, connections, locks). Updates still held keep their
     /// memory; acknowledging them fails.
     fn close(&self, py: Python<'_>) -> PyResult<()> {
+        self.not_streaming_here()?;
         let taken = lock(py, &self.inner).take();
         match taken {
             Some(inner) => py.detach(|| inner.shutdown()).map_err(to_py),
@@ -191,7 +316,8 @@ impl Receiver {
 
     /// True once closed.
     #[getter]
-    fn closed(&self, py: Python<'_>) -> bool {
-        lock(py, &self.inner).is_none()
+    fn closed(&self, py: Python<'_>) -> PyResult<bool> {
+        self.not_streaming_here()?;
+        Ok(lock(py, &self.inner).is_none())
     }
 }

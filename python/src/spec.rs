@@ -23,6 +23,7 @@ pub(crate) fn open(
     token: Option<&str>,
     copy: bool,
     delta: &str,
+    streaming: bool,
 ) -> PyResult<(Box<dyn ReceiverTransport>, String)> {
     let deltas = match delta {
         "off" => Deltas::Off,
@@ -62,6 +63,7 @@ pub(crate) fn open(
         token,
         private_copies: copy,
         deltas,
+        streaming,
         ..LinkOptions::default()
     };
     let transport = spec.receiver(&options).map_err(to_py)?;

@@ -156,6 +156,22 @@ pub(crate) struct Tensor {
     len: usize,
 }
 
+impl Tensor {
+    /// The one tensor of `weights` (a weight set of a single tensor, as a streaming receive
+    /// hands over).
+    pub(crate) fn only(weights: Arc<WeightSet>) -> Option<Self> {
+        let t = weights.manifest().tensors().first()?.clone();
+        Some(Self {
+            weights,
+            name: t.name,
+            dtype: t.dtype,
+            shape: t.shape,
+            offset: t.offset,
+            len: t.len,
+        })
+    }
+}
+
 /// numpy's type string of the storage of `dtype`: its own for the types numpy has; the
 /// unsigned integer of the same width for bf16 and the fp8 types (the Python side views
 /// those as torch's types, or refuses them for numpy).

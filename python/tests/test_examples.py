@@ -62,3 +62,19 @@ def test_two_trainer_shards_feed_two_tensor_parallel_engines(tmp_path):
     assert out.returncode == 0, out.stderr
     # half the weight and the whole bias, plus a checksum per shard
     assert "version 2: each engine pulled 528400 bytes of a 1052672-byte model" in out.stdout, out.stdout
+
+
+def test_a_streaming_engine_holds_a_few_buckets_where_a_staged_one_holds_versions():
+    out = subprocess.run([sys.executable, EXAMPLES / "stream_memory.py", "--size", "128MiB", "--versions", "2"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    extra = {}
+    for line in out.stdout.splitlines():
+        mode, _, rest = line.strip().partition(":")
+        if mode in ("staged", "stream"):
+            extra[mode] = float(rest.split("above the model")[1].split("MiB")[0])
+    assert set(extra) == {"staged", "stream"}, out.stdout
+    # staged: the receiver holds whole versions beside the engine's parameters (128 MiB
+    # each); streamed: the tensors of the buckets in flight (16 MiB each, two streams)
+    assert extra["staged"] > 128, out.stdout
+    assert extra["stream"] < 3 * 16, out.stdout

@@ -88,18 +88,51 @@ impl BucketSpec {
         bytes: &[u8],
         piece_sums: &[u64],
     ) -> u64 {
+        self.checksum_with_gaps(manifest, piece_sums, |r| bytes.get(r).unwrap_or_default())
+    }
+
+    /// The bytes of the bucket that lie in no piece (padding between tensors, and after the
+    /// last), as ranges relative to the bucket's start, in order: what its checksum covers
+    /// besides the pieces' checksums.
+    pub fn gaps(&self, manifest: &Manifest) -> Vec<Range<usize>> {
+        let mut at = 0;
+        let mut gaps = Vec::new();
+        for p in &self.pieces {
+            if let Some(r) = self.piece_range(manifest, p)
+                && r.start >= at
+            {
+                if r.start > at {
+                    gaps.push(at..r.start);
+                }
+                at = r.end;
+            }
+        }
+        if at < self.len {
+            gaps.push(at..self.len);
+        }
+        gaps
+    }
+
+    /// [`BucketSpec::checksum_from_pieces`], the bytes between the pieces given by `gap`
+    /// (a range of [`BucketSpec::gaps`]; asked for in order).
+    fn checksum_with_gaps<'a>(
+        &self,
+        manifest: &Manifest,
+        piece_sums: &[u64],
+        mut gap: impl FnMut(Range<usize>) -> &'a [u8],
+    ) -> u64 {
         let mut h = xxhash_rust::xxh3::Xxh3::new();
         let mut at = 0;
         for (p, s) in self.pieces.iter().zip(piece_sums) {
             if let Some(r) = self.piece_range(manifest, p)
                 && r.start >= at
             {
-                h.update(bytes.get(at..r.start).unwrap_or_default());
+                h.update(gap(at..r.start));
                 at = r.end;
             }
             h.update(&s.to_le_bytes());
         }
-        h.update(bytes.get(at..).unwrap_or_default());
+        h.update(gap(at..self.len.max(at)));
         h.digest()
     }
 
@@ -127,6 +160,43 @@ impl BucketSpec {
         expected: Option<&[u64]>,
         found: &[u64],
     ) -> Result<u64> {
+        self.verify_with_gaps(model, manifest, header, expected, found, |r| {
+            bytes.get(r).unwrap_or_default()
+        })
+    }
+
+    /// [`BucketSpec::verify_landed`] for a bucket whose bytes went on as they landed (a
+    /// sink that keeps no copy): `gaps` holds the bytes of its [`BucketSpec::gaps`], one
+    /// after the other, in order.
+    ///
+    /// # Errors
+    /// As [`BucketSpec::verify_landed`].
+    pub fn verify_landed_gaps(
+        &self,
+        model: &ModelId,
+        manifest: &Manifest,
+        header: &BucketHeader,
+        gaps: &[u8],
+        expected: Option<&[u64]>,
+        found: &[u64],
+    ) -> Result<u64> {
+        let mut used = 0;
+        self.verify_with_gaps(model, manifest, header, expected, found, |r| {
+            let s = gaps.get(used..used + r.len()).unwrap_or_default();
+            used += r.len();
+            s
+        })
+    }
+
+    fn verify_with_gaps<'a>(
+        &self,
+        model: &ModelId,
+        manifest: &Manifest,
+        header: &BucketHeader,
+        expected: Option<&[u64]>,
+        found: &[u64],
+        gap: impl FnMut(Range<usize>) -> &'a [u8],
+    ) -> Result<u64> {
         let n = self.pieces.len();
         if found.len() != n || expected.is_some_and(|e| e.len() != n) {
             return Err(bucket_error(
@@ -150,7 +220,7 @@ impl BucketSpec {
                 ));
             }
         }
-        let sum = self.checksum_from_pieces(manifest, bytes, found);
+        let sum = self.checksum_with_gaps(manifest, found, gap);
         if sum != header.checksum {
             let names: Vec<&str> = self.pieces.iter().map(|p| p.name.as_str()).collect();
             return Err(bucket_error(

@@ -244,6 +244,29 @@ pub enum Error {
         /// What differs, and where the damage happened.
         reason: String,
     },
+    /// A version applied as it streamed in ([`ReceiverTransport::stream_next`]) that failed
+    /// part-way: some of its tensors reached the caller's model, so the model holds a mix of
+    /// two versions until a later one streams in whole. A failure before the first tensor is
+    /// reported as itself (nothing was applied).
+    ///
+    /// [`ReceiverTransport::stream_next`]: crate::ReceiverTransport::stream_next
+    #[error(
+        "version {version} of model `{model}` failed part-way through a streaming apply \
+         ({applied} of its {tensors} tensors applied; the model's weights are mixed until a \
+         version streams in whole): {source}"
+    )]
+    PartlyApplied {
+        /// The model.
+        model: ModelId,
+        /// The version that failed.
+        version: Version,
+        /// Tensors handed to the caller before the failure.
+        applied: usize,
+        /// Tensors of the version.
+        tensors: usize,
+        /// What failed.
+        source: Box<Error>,
+    },
     /// A delta update whose base version this receiver does not hold.
     #[error(
         "model `{model}`: delta from base version {base} to {version} refused, this receiver holds {}",

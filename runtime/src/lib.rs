@@ -79,7 +79,7 @@ pub use safetensors_io::{
 };
 pub use scheme::{
     PendingSend, Receiver, ReceiverInit, ReceiverLoop, ReceiverTransport, Sender, SenderInit,
-    SenderTransport, Served, Snapshot, Update, WireMeter,
+    SenderTransport, Served, Snapshot, StreamProgress, Update, WireMeter, stream_group,
 };
 pub use sharded::ShardedBuffer;
 pub use strategy::{ArenaStrategy, HasWeights, Strategy, extract_new};

@@ -201,6 +201,19 @@ impl Admission {
         self.gate.current(model)
     }
 
+    /// Admits versions whose bytes went straight into the caller's model (a streaming
+    /// receive, which checked every tensor against the manifest as it arrived): each model
+    /// must be agreed and its version must grow.
+    ///
+    /// # Errors
+    /// [`Error::UnknownModel`], or as [`VersionGate::check`]; nothing is recorded on error.
+    pub fn admit_versions(&mut self, entries: &[(ModelId, Version)]) -> Result<()> {
+        for (m, _) in entries {
+            self.manifests.get(m)?;
+        }
+        self.gate.admit(entries)
+    }
+
     /// Validates `group` ([`validate_group`]), checks its versions, runs `apply`, and commits
     /// the versions once `apply` succeeded. Returns the group's entries and `apply`'s value.
     ///

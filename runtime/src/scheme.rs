@@ -78,8 +78,104 @@ pub trait ReceiverTransport: Send {
     fn meter(&self) -> Option<Arc<dyn WireMeter>> {
         None
     }
+    /// Receives the next group as [`next_group`](Self::next_group) does, but hands `apply`
+    /// each tensor on its own as soon as its bytes are in and verified: a weight set of that
+    /// one tensor ([`WeightSet::single`]) under its model and version. Returns the
+    /// `(model, version)` entries streamed; `None` when `deadline` passes with nothing new.
+    ///
+    /// A transport that streams (a TCP receiver made `streaming`) keeps no copy of the version: while
+    /// it arrives, its memory is a few tensors, not the model. The default receives the
+    /// group whole, then hands over a copy of each tensor.
+    ///
+    /// # Errors
+    /// As [`next_group`](Self::next_group); an error of `apply` stops the transfer. Once a
+    /// tensor was applied, any failure is [`Error::PartlyApplied`] (the caller's model then
+    /// holds a mix of two versions); before, the failure itself.
+    fn stream_next(
+        &mut self,
+        deadline: Instant,
+        apply: &mut dyn FnMut(WeightSet) -> Result<()>,
+    ) -> Result<Option<Vec<(ModelId, Version)>>> {
+        let Some(group) = self.next_group(deadline)? else {
+            return Ok(None);
+        };
+        stream_group(&group, apply)?;
+        Ok(Some(entries(&group)))
+    }
 }
 // ANCHOR_END: transport_traits
+
+/// Hands `apply` a copy of each tensor of `group`, one at a time, as
+/// [`ReceiverTransport::stream_next`] does for a transport that receives versions whole.
+///
+/// # Errors
+/// As [`StreamProgress::apply`].
+pub fn stream_group(group: &Group, apply: &mut dyn FnMut(WeightSet) -> Result<()>) -> Result<()> {
+    for ws in group {
+        let mut progress = StreamProgress::new(ws.model(), ws.version(), ws.manifest());
+        for spec in ws.manifest().tensors() {
+            let one = ws.single_copy(spec).map_err(|e| progress.fail(e))?;
+            progress.apply(apply, one)?;
+        }
+    }
+    Ok(())
+}
+
+/// How far one version got through a streaming apply, so that a failure says whether the
+/// caller's model is mixed ([`Error::PartlyApplied`]) or untouched.
+#[derive(Debug, Clone)]
+pub struct StreamProgress {
+    model: ModelId,
+    version: Version,
+    tensors: usize,
+    applied: usize,
+}
+
+impl StreamProgress {
+    /// Nothing of `version` of `model` (laid out as `manifest`) applied yet.
+    pub fn new(model: &ModelId, version: Version, manifest: &crate::Manifest) -> Self {
+        Self {
+            model: model.clone(),
+            version,
+            tensors: manifest.len(),
+            applied: 0,
+        }
+    }
+
+    /// Tensors applied so far.
+    pub fn applied(&self) -> usize {
+        self.applied
+    }
+
+    /// Hands `one` to `apply`, counting it once applied.
+    ///
+    /// # Errors
+    /// `apply`'s error, as [`StreamProgress::fail`] reports it.
+    pub fn apply(
+        &mut self,
+        apply: &mut dyn FnMut(WeightSet) -> Result<()>,
+        one: WeightSet,
+    ) -> Result<()> {
+        apply(one).map_err(|e| self.fail(e))?;
+        self.applied += 1;
+        Ok(())
+    }
+
+    /// The error to report for `e`: itself while nothing was applied, else
+    /// [`Error::PartlyApplied`] carrying it.
+    pub fn fail(&self, e: Error) -> Error {
+        if self.applied == 0 || matches!(e, Error::PartlyApplied { .. }) {
+            return e;
+        }
+        Error::PartlyApplied {
+            model: self.model.clone(),
+            version: self.version,
+            applied: self.applied,
+            tensors: self.tensors,
+            source: Box::new(e),
+        }
+    }
+}
 
 /// Counts, readable from any thread, of the weight bytes a receiver's transfers landed and
 /// of the bytes they read off the wire for them (fewer where deltas encode what changed).
@@ -141,6 +237,13 @@ impl<T: ReceiverTransport + ?Sized> ReceiverTransport for Box<T> {
     }
     fn meter(&self) -> Option<Arc<dyn WireMeter>> {
         (**self).meter()
+    }
+    fn stream_next(
+        &mut self,
+        deadline: Instant,
+        apply: &mut dyn FnMut(WeightSet) -> Result<()>,
+    ) -> Result<Option<Vec<(ModelId, Version)>>> {
+        (**self).stream_next(deadline, apply)
     }
 }
 
@@ -397,6 +500,15 @@ impl Snapshot {
         self.models.iter()
     }
 
+    /// This snapshot without the models of `entries` (streamed into a caller's model).
+    fn without(&self, entries: &[(ModelId, Version)]) -> Self {
+        let mut models = self.models.clone();
+        for (m, _) in entries {
+            models.remove(m);
+        }
+        Self { models }
+    }
+
     fn with(&self, group: &Group) -> Self {
         let mut models = self.models.clone();
         for w in group {
@@ -467,6 +579,27 @@ impl<T: ReceiverTransport> ReceiverInit<T> {
         }
         Ok(receiver)
     }
+
+    /// Rendez-vous for a receiver whose caller applies every version as it streams in
+    /// ([`Receiver::stream`]): attaches and checks manifests, without receiving the initial
+    /// weights here; the first [`Receiver::stream`] hands over the version in force.
+    ///
+    /// # Errors
+    /// As [`ReceiverInit::connect`], but for the initial weights.
+    pub fn connect_streaming(mut self, timeout: Duration) -> Result<Receiver<T>> {
+        metrics::failures(Side::Receiver, self.transport.name()).increment(0);
+        let announced = self.transport.connect(deadline_in(timeout))?;
+        if let Some(expected) = &self.expected {
+            expected.check_agree(&announced)?;
+        }
+        Ok(Receiver {
+            transport: self.transport,
+            admission: Admission::new(announced),
+            served: Served::default(),
+            acked: BTreeMap::new(),
+            closed: false,
+        })
+    }
 }
 
 /// A connected receiver.
@@ -495,7 +628,23 @@ impl Update {
     }
 }
 
+/// Counts `e` as a failed update of the receiver of transport `name`, unless the sender is
+/// gone (every run ends so) or a wait ran out (the caller may wait again).
+fn count_failure(name: &'static str, e: &Error) {
+    if !matches!(e, Error::PeerGone { .. } | Error::Timeout { .. }) {
+        metrics::failed(Side::Receiver, name);
+    }
+}
+
 impl<T: ReceiverTransport> Receiver<T> {
+    /// The transport's name, while this receiver is open.
+    fn open_name(&self) -> Result<&'static str> {
+        if self.closed {
+            return Err(Error::State("receiver is shut down"));
+        }
+        Ok(self.transport.name())
+    }
+
     /// The transport (e.g. to read its transfer counters).
     pub fn transport(&self) -> &T {
         &self.transport
@@ -524,17 +673,8 @@ impl<T: ReceiverTransport> Receiver<T> {
     /// # Errors
     /// As [`Receiver::receive`].
     pub fn stage(&mut self, timeout: Duration) -> Result<Option<Update>> {
-        if self.closed {
-            return Err(Error::State("receiver is shut down"));
-        }
-        let name = self.transport.name();
-        let failed = |e: &Error| {
-            // a sender that is gone is no failed update (every run ends so), nor a wait that
-            // ran out (the caller may wait again)
-            if !matches!(e, Error::PeerGone { .. } | Error::Timeout { .. }) {
-                metrics::failed(Side::Receiver, name);
-            }
-        };
+        let name = self.open_name()?;
+        let failed = |e: &Error| count_failure(name, e);
         let next = self.transport.next_group(deadline_in(timeout));
         let Some(group) = next.inspect_err(failed)? else {
             return Ok(None);
@@ -558,6 +698,63 @@ impl<T: ReceiverTransport> Receiver<T> {
             );
         }
         Ok(Some(Update { group }))
+    }
+
+    /// Waits up to `timeout` for the next version of each model with a newer one and streams
+    /// it into the caller's model ([`ReceiverTransport::stream_next`]): `apply` gets each
+    /// tensor once its bytes are verified and must put it where it is served. Once every
+    /// tensor of the group is applied, the versions are admitted and acknowledged. The
+    /// receiver keeps no copy: [`Receiver::current`] is `None` for those models from then on
+    /// (their weights live in the caller's model). `Ok(None)` when the timeout passes with
+    /// nothing new.
+    ///
+    /// # Errors
+    /// As [`ReceiverTransport::stream_next`]: [`Error::PartlyApplied`] once part of a version
+    /// was applied (the caller's model is mixed until a later version streams in whole; that
+    /// version is pulled again by the next call while the sender keeps it), otherwise the
+    /// failure itself with nothing applied.
+    pub fn stream(
+        &mut self,
+        timeout: Duration,
+        apply: &mut dyn FnMut(WeightSet) -> Result<()>,
+    ) -> Result<Option<Vec<(ModelId, Version)>>> {
+        let Some(entries) = self.stream_staged(timeout, apply)? else {
+            return Ok(None);
+        };
+        self.ack(&entries)?;
+        Ok(Some(entries))
+    }
+
+    /// As [`Receiver::stream`], without the acknowledgement: for a caller whose "applied"
+    /// comes later (an engine that completes a load after its last tensor), which then
+    /// calls [`Receiver::ack`].
+    ///
+    /// # Errors
+    /// As [`Receiver::stream`].
+    pub fn stream_staged(
+        &mut self,
+        timeout: Duration,
+        apply: &mut dyn FnMut(WeightSet) -> Result<()>,
+    ) -> Result<Option<Vec<(ModelId, Version)>>> {
+        let name = self.open_name()?;
+        let failed = |e: &Error| count_failure(name, e);
+        let streamed = self.transport.stream_next(deadline_in(timeout), apply);
+        let Some(entries) = streamed.inspect_err(failed)? else {
+            return Ok(None);
+        };
+        self.admission
+            .admit_versions(&entries)
+            .inspect_err(failed)?;
+        self.served.store(self.served.load().without(&entries));
+        for (m, v) in &entries {
+            let bytes = self
+                .admission
+                .manifests()
+                .get(m)
+                .map_or(0, |man| man.total_len() as u64);
+            metrics::received(name, m.as_str(), v.0, bytes);
+        }
+        Ok(Some(entries))
     }
 
     /// Tells the sender these versions are applied (after [`Receiver::stage`]). Versions

@@ -154,6 +154,38 @@ impl WeightSet {
         matches!(self.storage, Storage::Shared(_))
     }
 
+    /// A zeroed weight set of one tensor shaped as `spec` (at offset 0), stamped `version`:
+    /// what a streaming receive fills and hands over one tensor at a time
+    /// ([`ReceiverTransport::stream_next`](crate::ReceiverTransport::stream_next)).
+    ///
+    /// # Errors
+    /// [`Error::InvalidManifest`] for a shape the manifest refuses.
+    pub fn single(model: ModelId, version: Version, spec: &TensorSpec) -> Result<Self> {
+        let mut b = Manifest::builder();
+        b.push(spec.name.clone(), spec.dtype, &spec.shape);
+        let mut ws = Self::zeroed(model, Arc::new(b.build()?));
+        ws.version = version;
+        Ok(ws)
+    }
+
+    /// Tensor `spec` of this weight set (one of its manifest's) as a weight set of its own:
+    /// a copy, as [`WeightSet::single`] makes.
+    ///
+    /// # Errors
+    /// As [`WeightSet::single`]; [`Error::NoSuchTensor`] for a spec past the arena.
+    pub fn single_copy(&self, spec: &TensorSpec) -> Result<Self> {
+        let mut one = Self::single(self.model.clone(), self.version, spec)?;
+        let src = self
+            .bytes()
+            .get(spec.range())
+            .ok_or_else(|| Error::NoSuchTensor(spec.name.clone()))?;
+        // the arena may be longer than the tensor (padded to the alignment)
+        if let Some(dst) = one.bytes_mut()?.get_mut(..src.len()) {
+            dst.copy_from_slice(src);
+        }
+        Ok(one)
+    }
+
     /// An owned copy (detaches shared storage, releasing the pin when the original drops).
     pub fn to_owned_copy(&self) -> Self {
         Self {
@@ -357,6 +389,22 @@ mod tests {
         fn bytes(&self) -> &[u8] {
             &self.0
         }
+    }
+
+    #[test]
+    fn a_single_tensor_copy_keeps_its_bytes_name_and_version() {
+        let id = ModelId::new("m").unwrap();
+        let mut ws = WeightSet::zeroed(id, manifest());
+        ws.set_version(Version(4));
+        for (i, b) in ws.bytes_mut().unwrap().iter_mut().enumerate() {
+            *b = i as u8;
+        }
+        // `b` is 24 bytes at offset 64: its own arena is padded to the alignment
+        let spec = ws.manifest().get("b").unwrap().clone();
+        let one = ws.single_copy(&spec).unwrap();
+        assert_eq!(one.version(), Version(4));
+        assert_eq!(one.manifest().len(), 1);
+        assert_eq!(one.tensor("b").unwrap().bytes, &ws.bytes()[spec.range()]);
     }
 
     #[test]

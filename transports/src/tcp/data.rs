@@ -358,14 +358,7 @@ impl Expect<'_> {
         dst: &[u8],
         found: &[u64],
     ) -> Result<u64> {
-        let expected = self
-            .starts
-            .get(header.index..header.index + 2)
-            .and_then(|w| self.sums.get(w[0]..w[1]))
-            .ok_or_else(|| Error::Bucket {
-                index: header.index,
-                reason: "the checksums do not fit the plan's pieces".into(),
-            })?;
+        let expected = self.expected(header.index)?;
         spec.verify_landed(
             self.model,
             self.manifest,
@@ -374,6 +367,37 @@ impl Expect<'_> {
             Some(expected),
             found,
         )
+    }
+
+    /// [`Expect::check_bucket`] for a bucket whose bytes went on as they landed: `gaps`
+    /// holds its bytes between tensors ([`BucketSpec::gaps`]), one after the other.
+    fn check_bucket_gaps(
+        &self,
+        spec: &BucketSpec,
+        header: &BucketHeader,
+        gaps: &[u8],
+        found: &[u64],
+    ) -> Result<u64> {
+        let expected = self.expected(header.index)?;
+        spec.verify_landed_gaps(
+            self.model,
+            self.manifest,
+            header,
+            gaps,
+            Some(expected),
+            found,
+        )
+    }
+
+    /// The sender's checksums of bucket `index`'s pieces.
+    fn expected(&self, index: usize) -> Result<&[u64]> {
+        self.starts
+            .get(index..index + 2)
+            .and_then(|w| self.sums.get(w[0]..w[1]))
+            .ok_or_else(|| Error::Bucket {
+                index,
+                reason: "the checksums do not fit the plan's pieces".into(),
+            })
     }
 }
 
@@ -396,8 +420,9 @@ pub(crate) type Opener<'a> = dyn Fn(&[u32]) -> Result<OpenStream> + Sync + 'a;
 pub(crate) enum Dest<'a> {
     /// Into the arena of a version in flight, bucket by bucket (relayable as they arrive).
     Arena(&'a InFlight),
-    /// Through a small buffer into a sink (e.g. the file the weights are bound for); every
-    /// bucket must be covered by its pieces.
+    /// Into a sink (e.g. the file the weights are bound for): into memory it lends
+    /// ([`Sink::claim`]; every bucket must then be covered by its pieces), else through a
+    /// small buffer (the bytes between tensors kept aside for the bucket's checksum).
     Sink(&'a dyn Sink),
 }
 
@@ -424,6 +449,17 @@ pub trait Sink: Send + Sync {
     fn claim(&self, range: std::ops::Range<usize>) -> Result<Option<SinkSlice<'_>>> {
         let _ = range;
         Ok(None)
+    }
+
+    /// The arena's bytes `range` (one bucket, written before) are verified against the
+    /// sender's checksums: e.g. a sink that applies the tensors as they arrive hands over
+    /// those now whole. The default does nothing.
+    ///
+    /// # Errors
+    /// A failure handing the bytes on, which fails the transfer.
+    fn verified(&self, range: std::ops::Range<usize>) -> Result<()> {
+        let _ = range;
+        Ok(())
     }
 
     /// Every byte is in and verified: the storage of the version (the arena's bytes, e.g. a
@@ -579,17 +615,28 @@ fn pull_part(
                     }
                     read_hashed(&mut s.stream, &mut dst, &mut landing, counters)?;
                     exp.check_bucket(spec, &header, &[], landing.sums())?;
+                    sink.verified(spec.start..spec.start + spec.len)?;
                     continue;
                 }
                 // else the sink takes the bytes from a small reused buffer, hashed while in
-                // cache; its buckets are covered by their pieces, so no byte of the bucket
-                // is read again
+                // cache; the bytes between tensors are kept aside for the bucket's checksum,
+                // so no byte of the bucket is read again
+                let gaps = spec.gaps(exp.manifest);
+                let mut gap_bytes = Vec::with_capacity(gaps.iter().map(|g| g.len()).sum());
                 let mut at = 0;
                 while at < spec.len {
                     let end = (at + READ).min(spec.len);
                     let chunk = scratch.get_mut(..end - at).unwrap_or_default();
                     s.stream.read_exact(chunk).map_err(|e| broke(&e))?;
                     landing.feed(chunk, at);
+                    for g in &gaps {
+                        let (from, to) = (g.start.max(at), g.end.min(end));
+                        if from < to {
+                            gap_bytes.extend_from_slice(
+                                chunk.get(from - at..to - at).unwrap_or_default(),
+                            );
+                        }
+                    }
                     sink.write_at(spec.start + at, chunk)?;
                     counters
                         .bytes
@@ -599,7 +646,8 @@ fn pull_part(
                         .fetch_add((end - at) as u64, Ordering::Relaxed);
                     at = end;
                 }
-                exp.check_bucket(spec, &header, &[], landing.sums())?;
+                exp.check_bucket_gaps(spec, &header, &gap_bytes, landing.sums())?;
+                sink.verified(spec.start..spec.start + spec.len)?;
                 continue;
             }
         };

@@ -6,6 +6,10 @@ use super::TransferMode;
 use super::{TcpConfig, TcpEndpoint, TcpReceiver, TcpReceiverConfig, TcpReceiverSpec, TcpSender};
 use crate::link::{Deltas, LinkFactory, LinkOptions, OpenedLink, Reach, ReceiverSpec};
 
+/// Parallel streams of a streaming receiver: each holds the tensors of the bucket it is
+/// pulling until the bucket is verified, so fewer streams bound its memory tighter.
+const STREAMING_STREAMS: usize = 2;
+
 /// TCP in the link factory: the spec is the sender agent's [`TcpEndpoint`] (no token); the
 /// receiver adds the token of its options, its node or its environment.
 #[derive(Debug, Clone, Copy)]
@@ -61,9 +65,17 @@ impl LinkFactory for TcpLink {
         if let Some(node) = &options.node {
             r = r.with_node(node.clone());
         }
+        if options.streaming {
+            r = r.streaming();
+        }
         let defaults = TcpReceiverConfig::default();
         r = r.with_config(TcpReceiverConfig {
             call_timeout: options.call_timeout.unwrap_or(defaults.call_timeout),
+            streams: if options.streaming {
+                STREAMING_STREAMS
+            } else {
+                defaults.streams
+            },
             mode: match options.deltas {
                 Deltas::Off => TransferMode::Full,
                 Deltas::Buckets => TransferMode::Delta,

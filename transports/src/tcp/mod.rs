@@ -72,6 +72,7 @@ mod messages;
 mod receiver;
 mod relay;
 mod sender;
+mod stream_sink;
 mod wait;
 
 use std::net::SocketAddr;

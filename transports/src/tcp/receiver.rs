@@ -24,7 +24,10 @@ use super::data::{
 };
 use super::inflight::InFlight;
 use super::messages::*;
+use super::stream_sink::StreamSink;
 use super::{NAME, TcpReceiverSpec};
+
+mod stream;
 use crate::pool::{BufPool, PooledBuf};
 
 /// How a receiver pulls.
@@ -148,6 +151,12 @@ struct Shared {
     pool: Arc<BufPool>,
     /// The verified bucket plan of each model (and its fingerprint).
     plans: Mutex<BTreeMap<ModelId, (u64, Arc<BucketPlan>)>>,
+    /// The newest version of each model streamed into the caller's model
+    /// ([`ReceiverTransport::stream_next`]): applied, but not held here.
+    streamed: Mutex<BTreeMap<ModelId, Version>>,
+    /// The most bytes a streaming transfer held at once (tensors put together, or waiting
+    /// for the caller).
+    stream_peak: Arc<AtomicU64>,
 }
 
 impl Shared {
@@ -239,10 +248,19 @@ impl Shared {
     }
 
     fn held_version(&self, model: &ModelId) -> Version {
-        self.held()
+        let held = self
+            .held()
             .get(model)
             .and_then(|q| q.back())
-            .map_or(Version::ZERO, |w| w.version())
+            .map_or(Version::ZERO, |w| w.version());
+        let streamed = self
+            .streamed
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(model)
+            .copied()
+            .unwrap_or(Version::ZERO);
+        held.max(streamed)
     }
 }
 
@@ -369,6 +387,8 @@ pub struct TcpReceiver {
     manifests: Option<Manifests>,
     shared: Arc<Shared>,
     sinks: Option<Arc<SinkSource>>,
+    /// Versions are applied as they stream in ([`TcpReceiver::streaming`]).
+    streaming: bool,
     closed: bool,
 }
 
@@ -397,8 +417,27 @@ impl TcpReceiver {
             manifests: None,
             shared: Arc::default(),
             sinks: None,
+            streaming: false,
             closed: false,
         }
+    }
+
+    /// Applies every version as it streams in
+    /// ([`stream_next`](ReceiverTransport::stream_next)), keeping no copy: whatever its
+    /// config says, the receiver registers as no relay, asks for every byte of each version
+    /// (a delta needs a base held here), and makes no arena ahead of the first pull. Bounded
+    /// memory for an engine whose model is as large as the host allows, at the cost of
+    /// applying while the bytes arrive (the model is mixed until the last tensor is in).
+    #[must_use]
+    pub fn streaming(mut self) -> Self {
+        self.streaming = true;
+        self
+    }
+
+    /// The most bytes a streaming transfer held at once: tensors being put together from
+    /// their buckets, or waiting for the caller to take them.
+    pub fn streaming_peak(&self) -> u64 {
+        self.shared.stream_peak.load(Ordering::Relaxed)
     }
 
     /// Writes each transfer into a sink from `source` (when it gives one) instead of an
@@ -601,13 +640,16 @@ impl TcpReceiver {
     }
 
     /// Pulls one version; `Ok(Err(latest))` when the sender no longer keeps it. Honours
-    /// `deadline` as [`TcpReceiverConfig::stall_timeout`] says.
+    /// `deadline` as [`TcpReceiverConfig::stall_timeout`] says. With `stream`, the bytes go
+    /// to that streaming sink when the plan lets a sink take them (`Ok(Ok(None))`: nothing
+    /// is held here), else to an arena as usual.
     fn pull(
         &self,
         model: &ModelId,
         version: Version,
         deadline: Instant,
-    ) -> Result<std::result::Result<Arc<WeightSet>, Version>> {
+        stream: Option<&StreamSink>,
+    ) -> Result<std::result::Result<Option<Arc<WeightSet>>, Version>> {
         let manifest: Arc<Manifest> = Arc::clone(
             self.manifests
                 .as_ref()
@@ -651,7 +693,7 @@ impl TcpReceiver {
                 flight,
                 sink,
                 fresh,
-            } = self.prepare_target(&job, base.as_deref())?;
+            } = self.prepare_target(&job, base.as_deref(), stream.is_some())?;
             self.shared.planned.fetch_add(planned, Ordering::Relaxed);
             if let Some(f) = &flight
                 && self.cfg.relay
@@ -659,16 +701,25 @@ impl TcpReceiver {
                 self.shared.set_inflight(model, Some(f));
             }
             let watchdog = Watchdog::default();
-            let result = self.receive(&job, flight.as_ref(), sink, fresh, &watchdog);
+            let stream = stream.filter(|_| flight.is_none() && sink.is_none());
+            let result = self.receive(&job, flight.as_ref(), sink, stream, fresh, &watchdog);
             if result.is_err() && watchdog.expired() {
                 self.abandon(model, t.lease);
                 return Err(job.expired());
             }
             match result {
-                Ok(ws) => {
+                Ok(None) => {
                     self.count(&t, held);
-                    let sums = Sums::of_arena(&plan, t.plan_id, &manifest, ws.bytes(), t.checksums);
-                    self.shared.offer(&ws, sums, self.cfg.keep_versions);
+                    self.done(t.lease, true, String::new());
+                    return Ok(Ok(None));
+                }
+                Ok(Some(ws)) => {
+                    self.count(&t, held);
+                    if !self.streaming {
+                        let sums =
+                            Sums::of_arena(&plan, t.plan_id, &manifest, ws.bytes(), t.checksums);
+                        self.shared.offer(&ws, sums, self.cfg.keep_versions);
+                    }
                     self.shared.set_inflight(model, None);
                     self.done(t.lease, true, String::new());
                     if flight.is_some() {
@@ -676,7 +727,7 @@ impl TcpReceiver {
                         let steady = self.cfg.keep_versions.max(1) + 1;
                         self.shared.pool.warm_spare(manifest.total_len(), steady);
                     }
-                    return Ok(Ok(ws));
+                    return Ok(Ok(Some(ws)));
                 }
                 Err(e) => {
                     self.shared.set_inflight(model, None);
@@ -686,6 +737,54 @@ impl TcpReceiver {
                     }
                     tracing::warn!(source = %t.source, error = %e, "relay pull failed; asking for another source");
                 }
+            }
+        }
+    }
+
+    /// Waits until `deadline` for versions newer than those held (or streamed): each
+    /// model's newest announced, `None` when the deadline passes first.
+    fn pending(&self, deadline: Instant) -> Result<Option<Vec<(ModelId, Version)>>> {
+        poll_until(
+            deadline,
+            self.shared.inbox(),
+            |ib| {
+                if ib.closing {
+                    return Err(self.gone("shut down"));
+                }
+                if self.ctl()?.is_closed() {
+                    return Err(self.gone("the control connection closed"));
+                }
+                let want: Vec<(ModelId, Version)> = ib
+                    .pending
+                    .iter()
+                    .filter(|(m, v)| **v > self.shared.held_version(m))
+                    .map(|(m, v)| (m.clone(), *v))
+                    .collect();
+                Ok(if want.is_empty() {
+                    Wait::Pending(())
+                } else {
+                    Wait::Done(want)
+                })
+            },
+            |ib, left| {
+                self.shared
+                    .cv
+                    .wait_timeout(ib, left.min(Duration::from_millis(50)))
+                    .unwrap_or_else(|p| p.into_inner())
+                    .0
+            },
+        )
+    }
+
+    /// The sender no longer keeps `version` of `model`, `latest` being its newest: what is
+    /// pending changes to that (or to nothing, when it is no newer).
+    fn superseded(&self, model: &ModelId, version: Version, latest: Version) {
+        let mut ib = self.shared.inbox();
+        if ib.pending.get(model) == Some(&version) {
+            if latest > version {
+                ib.pending.insert(model.clone(), latest);
+            } else {
+                ib.pending.remove(model);
             }
         }
     }
@@ -706,11 +805,12 @@ impl TcpReceiver {
             have: base.map(|b| b.version()),
             // a sink takes raw bytes
             mode: match self.cfg.mode {
+                _ if self.streaming => TransferMode::Full,
                 TransferMode::Elements if self.sinks.is_some() => TransferMode::Delta,
                 m => m,
             },
             plan: self.shared.plan(model).map(|p| p.0),
-            relay_in_flight: self.cfg.relay && self.sinks.is_none(),
+            relay_in_flight: self.cfg.relay && self.sinks.is_none() && !self.streaming,
         };
         Ok(self.ctl()?.call(
             self.spec.agent,
@@ -811,7 +911,12 @@ impl TcpReceiver {
     /// covers the arena) or an arena of the pool as a version in flight, either holding the
     /// buckets a delta does not pull already copied from `base`. A failure is reported to
     /// the sender.
-    fn prepare_target(&self, job: &Job<'_>, base: Option<&WeightSet>) -> Result<Target> {
+    fn prepare_target(
+        &self,
+        job: &Job<'_>,
+        base: Option<&WeightSet>,
+        streamed: bool,
+    ) -> Result<Target> {
         let (model, version, manifest, plan, t) =
             (job.model, job.version, job.manifest, job.plan, job.t);
         // the buckets a delta does not pull, from the version held
@@ -824,7 +929,7 @@ impl TcpReceiver {
         };
         let base_bytes = base.map_or(&[][..], |b| b.bytes());
         let sink = match &self.sinks {
-            Some(source) if covered(plan) => source(model, version, manifest),
+            Some(source) if covered(plan) && !streamed => source(model, version, manifest),
             _ => Ok(None),
         };
         let sink = match sink {
@@ -837,6 +942,8 @@ impl TcpReceiver {
         // a fresh arena (none to recycle): its pages are faulted in beside the streams
         let mut fresh = false;
         let flight = match &sink {
+            // a streaming sink takes every byte of a full transfer (no base is held)
+            None if streamed && kept.is_empty() => None,
             Some(sink) => {
                 let copied = kept.iter().try_for_each(|r| {
                     sink.write_at(r.start, base_bytes.get(r.clone()).unwrap_or_default())
@@ -874,9 +981,10 @@ impl TcpReceiver {
         job: &Job<'_>,
         flight: Option<&Arc<InFlight>>,
         sink: Option<Box<dyn Sink>>,
+        stream: Option<&StreamSink>,
         fresh: bool,
         watchdog: &Watchdog,
-    ) -> Result<Arc<WeightSet>> {
+    ) -> Result<Option<Arc<WeightSet>>> {
         let (model, version, manifest) = (job.model, job.version, job.manifest);
         let parts = assign(job.plan, &job.t.buckets, self.cfg.streams.max(1));
         let exp = Expect {
@@ -904,10 +1012,14 @@ impl TcpReceiver {
                 Some(f) if fresh => Some(scope.spawn(|| f.prefault(&prefaulted))),
                 _ => None,
             };
-            let r = match (flight, sink) {
-                (Some(f), _) => pull_buckets(Dest::Arena(f), &parts, exp, &open, counters)
-                    .and_then(|_| f.finish()),
-                (None, Some(sink)) => {
+            let r = match (flight, sink, stream) {
+                (Some(f), _, _) => pull_buckets(Dest::Arena(f), &parts, exp, &open, counters)
+                    .and_then(|_| f.finish())
+                    .map(Some),
+                (None, None, Some(s)) => pull_buckets(Dest::Sink(s), &parts, exp, &open, counters)
+                    .and_then(|_| s.check_done())
+                    .map(|()| None),
+                (None, Some(sink), _) => {
                     pull_buckets(Dest::Sink(&*sink), &parts, exp, &open, counters)
                         .and_then(|_| sink.finish())
                         .and_then(|storage| {
@@ -918,9 +1030,9 @@ impl TcpReceiver {
                                 storage,
                             )
                         })
-                        .map(Arc::new)
+                        .map(|ws| Some(Arc::new(ws)))
                 }
-                (None, None) => Err(Error::State("a transfer with neither arena nor sink")),
+                (None, None, None) => Err(Error::State("a transfer with neither arena nor sink")),
             };
             watchdog.finish();
             let _ = watch.join();
@@ -1096,7 +1208,7 @@ impl ReceiverTransport for TcpReceiver {
             protocol: PROTOCOL_VERSION,
             receiver: self.me,
             node: super::advertised("the tcp receiver", node.advertised(), self.cfg.advertise)?,
-            relay: self.cfg.relay,
+            relay: self.cfg.relay && !self.streaming,
         };
         let registered: Registered = ctl.call(self.spec.agent, REGISTER, &reg, remaining())?;
         Error::check_protocol(
@@ -1114,7 +1226,7 @@ impl ReceiverTransport for TcpReceiver {
                 .map(|(id, m)| (id, Arc::new(m))),
         )?;
         self.manifests = Some(manifests.clone());
-        if self.sinks.is_none() {
+        if self.sinks.is_none() && !self.streaming {
             // the first pull's arena, faulted in on a thread of its own from now on: while
             // the sender publishes (or announces) the version, not while its bytes arrive
             let steady = self.cfg.keep_versions.max(1) + 1;
@@ -1128,57 +1240,21 @@ impl ReceiverTransport for TcpReceiver {
 
     fn next_group(&mut self, deadline: Instant) -> Result<Option<Group>> {
         loop {
-            let want = poll_until(
-                deadline,
-                self.shared.inbox(),
-                |ib| {
-                    if ib.closing {
-                        return Err(self.gone("shut down"));
-                    }
-                    if self.ctl()?.is_closed() {
-                        return Err(self.gone("the control connection closed"));
-                    }
-                    let want: Vec<(ModelId, Version)> = ib
-                        .pending
-                        .iter()
-                        .filter(|(m, v)| **v > self.shared.held_version(m))
-                        .map(|(m, v)| (m.clone(), *v))
-                        .collect();
-                    Ok(if want.is_empty() {
-                        Wait::Pending(())
-                    } else {
-                        Wait::Done(want)
-                    })
-                },
-                |ib, left| {
-                    self.shared
-                        .cv
-                        .wait_timeout(ib, left.min(Duration::from_millis(50)))
-                        .unwrap_or_else(|p| p.into_inner())
-                        .0
-                },
-            )?;
-            let Some(want) = want else {
+            let Some(want) = self.pending(deadline)? else {
                 return Ok(None);
             };
             let mut group: Group = Vec::with_capacity(want.len());
             let mut superseded = false;
             for (m, v) in &want {
                 let wire = metrics::timed(Phase::Wire, NAME, m.as_str());
-                match self.pull(m, *v, deadline)? {
-                    Ok(ws) => {
+                match self.pull(m, *v, deadline, None)? {
+                    Ok(Some(ws)) => {
                         wire.finish();
                         group.push(ws);
                     }
+                    Ok(None) => return Err(Error::State("a whole pull landed nowhere")),
                     Err(latest) => {
-                        let mut ib = self.shared.inbox();
-                        if ib.pending.get(m) == Some(v) {
-                            if latest > *v {
-                                ib.pending.insert(m.clone(), latest);
-                            } else {
-                                ib.pending.remove(m);
-                            }
-                        }
+                        self.superseded(m, *v, latest);
                         superseded = true;
                         break;
                     }
@@ -1206,6 +1282,14 @@ impl ReceiverTransport for TcpReceiver {
             }
             return Ok(Some(group));
         }
+    }
+
+    fn stream_next(
+        &mut self,
+        deadline: Instant,
+        apply: &mut dyn FnMut(WeightSet) -> Result<()>,
+    ) -> Result<Option<Vec<(ModelId, Version)>>> {
+        self.stream_versions(deadline, apply)
     }
 
     fn ack(&mut self, applied: &[(ModelId, Version)]) -> Result<()> {

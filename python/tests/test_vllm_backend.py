@@ -1,0 +1,75 @@
+"""vLLM's ``refit`` weight-transfer backend with ``stream=True``, on a real vLLM (the CPU
+build): each version streams over TCP into vLLM's weights tensor by tensor and generates what
+the same version loaded whole generates; a version failing part-way raises
+``NeedsFullResend`` and the next one repairs the model. (``scripts/vllm-check.sh`` runs the
+whole backend example, ``python/examples/vllm_engine.py``, streaming included.)"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+from conftest import REPO, TOKEN, require_vllm
+
+require_vllm()
+torch = pytest.importorskip("torch")  # vLLM's own dependency
+from safetensors.torch import load_file  # noqa: E402
+
+import refit  # noqa: E402
+import refit.vllm  # noqa: E402
+from refit import errors  # noqa: E402
+
+sys.path.insert(0, str(REPO / "python/examples"))
+import tiny_llama  # noqa: E402
+import vllm_engine as example  # noqa: E402
+
+sys.path.pop(0)
+
+
+@pytest.fixture(scope="module")
+def llm(tmp_path_factory):
+    work = tmp_path_factory.mktemp("vllm-backend")
+    # vLLM's workers are processes started here: they take the token the tests' senders use
+    os.environ["REFIT_TOKEN"] = TOKEN
+    os.environ.pop("REFIT_TOKEN_FILE", None)
+    model_dir = tiny_llama.write_model(work / "model", seed=1)
+    v2 = load_file(str(tiny_llama.write_weights(work / "v2.safetensors", seed=2, like=model_dir)))
+    llm = example.llm_for(model_dir, weight_transfer_config={"backend": "refit"})
+    yield llm, v2
+    example.close(llm)
+
+
+def test_versions_stream_into_vllm_and_generate_as_when_loaded_whole(llm):
+    llm, v2 = llm
+    whole = refit.Sender("shm", v2, model=example.MODEL_ID)
+    whole.start()
+    refit.vllm.init_engine(llm, whole.spec, load_initial=True)
+    expected = example.generate(llm, 16)
+    whole.close()
+
+    flipped = {n: -t for n, t in v2.items()}
+    streamer = refit.Sender("tcp", flipped, model=example.MODEL_ID)
+    streamer.start()
+    refit.vllm.init_engine(llm, streamer.spec, load_initial=True, stream=True)
+    other = example.generate(llm, 16)
+    assert other != expected, "the first streamed version is another model"
+    streamer.publish(v2)
+    refit.vllm.update_weights(llm, version=2, timeout=60)
+    assert example.generate(llm, 16) == expected
+
+    # an unknown tensor after others streamed in: mixed weights, NeedsFullResend
+    names = list(v2)
+    broken = {(n if n != names[-2] else "model.layers.0.mlp.bogus_proj.weight"): t for n, t in flipped.items()}
+    bad = refit.Sender("tcp", broken, model=example.MODEL_ID)
+    bad.start()
+    with pytest.raises(errors.NeedsFullResend, match="part-way"):
+        refit.vllm.init_engine(llm, bad.spec, load_initial=True, stream=True)
+    bad.close()
+    # the streamer's version in force streams in whole again
+    refit.vllm.init_engine(llm, streamer.spec, load_initial=True, stream=True)
+    assert example.generate(llm, 16) == expected
+    with pytest.raises(errors.ConfigError, match="stream"):
+        refit.vllm.init_engine(llm, streamer.spec, stream=True, verify="startup")
+    streamer.close()
