@@ -292,25 +292,40 @@ class Receiver:
         tensor's memory is let go of once nothing refers to it.
 
         Over TCP with ``stream=True``, the receiver keeps no copy of the version: while it
-        arrives, the memory it takes is a few buckets' worth of tensors (those in flight and
-        those waiting for ``apply``), not the model. Other transports (and TCP without
-        ``stream=True``) receive the version whole first, then hand over a copy of each
-        tensor.
+        arrives, it holds the tensors of the buckets in flight and those waiting for or in
+        ``apply`` (a few buckets' worth, and at least the largest tensor), not the model.
+        Other transports (and TCP without ``stream=True``) receive the version whole first,
+        then hand over a copy of each tensor.
 
         Returns the ``(model, version)`` pairs streamed, acknowledged to the sender once every
         tensor was applied (with ``ack=False``, once :meth:`ack` is called with them: an
-        engine whose load completes after the last tensor); ``None`` if nothing came. The model is mixed while a version
-        streams in: a failure once a tensor was applied (a damaged bucket, the sender gone,
-        an exception of ``apply``) raises :class:`NeedsFullResend`, with the cause chained,
-        and the next call streams the version whole again while the sender keeps it; a
-        failure before raises as itself. ``apply`` must not call this receiver.
+        engine whose load completes after the last tensor); ``None`` if nothing came.
+
+        The model is mixed while a version streams in. A failure once a tensor was applied
+        (a damaged bucket, the sender gone, an exception of ``apply``) raises
+        :class:`NeedsFullResend` (an exception of ``apply`` chained as its cause); over TCP
+        with ``stream=True`` the next call streams the same version whole again while the
+        sender keeps it. A failure before raises as itself, nothing applied. A dtype the
+        arrays cannot represent is refused before anything streams. Ctrl-C is taken between
+        two tensors. ``apply`` must not call this receiver.
         """
         if torch:
             t = _torch()
+            for model in self.models:
+                for name, dtype, _ in self.manifest(model):
+                    if getattr(t, _TORCH_NAMES.get(dtype, ""), None) is None:
+                        raise DTypeError(f"tensor `{name}` of `{model}`: torch has no {dtype}")
 
             def call(x: Any) -> None:
                 apply(x.name, _torch_of(t, x))
         else:
+            if not raw:
+                for model in self.models:
+                    for name, dtype, _ in self.manifest(model):
+                        if dtype not in NUMPY_DTYPES:
+                            raise DTypeError(f"tensor `{name}` of `{model}` is {dtype}, which numpy cannot "
+                                             "represent: stream with torch=True, or raw=True for its bits")
+
             def call(x: Any) -> None:
                 apply(x.name, _numpy_of(x, raw))
         got = self._r.stream(call, timeout, ack)
@@ -318,7 +333,12 @@ class Receiver:
 
     def ack(self, entries: list[tuple[str, int]]) -> None:
         """Tells the sender these ``(model, version)`` pairs are applied (what
-        ``stream(..., ack=False)`` returned). Acknowledging a version again does nothing."""
+        ``stream(..., ack=False)`` returned). Acknowledging a version again does nothing;
+        a version newer than the one in force (:meth:`version`) is refused."""
+        for m, v in entries:
+            if int(v) > self.version(m):
+                raise ConfigError(f"`{m}` version {v} was not received (version {self.version(m)} is in force): "
+                                  "acknowledge what stream returned")
         self._r.ack([(m, int(v)) for m, v in entries])
 
     def __iter__(self) -> Iterator[Update]:

@@ -625,9 +625,10 @@ def _build() -> dict[str, type]:
         ``stream``: apply each version as it arrives (:meth:`refit.Receiver.stream`): every
         tensor goes into the model as soon as its buckets are verified, and over TCP the
         worker keeps no copy of the version, so its memory during an update is the model
-        plus a few buckets instead of the model plus whole versions. The model is mixed for
-        the whole transfer (vLLM is paused for all of it, not only for the load), and a
-        failure part-way is ``NeedsFullResend``. Takes ``verify`` up to ``"names"`` (the
+        plus a few buckets' worth of tensors (at least the largest) instead of the model plus
+        whole versions. The model is mixed for the whole transfer (vLLM is paused for all of
+        it, not only for the load), and a failure once a tensor reached it is
+        ``NeedsFullResend``. Takes ``verify`` up to ``"names"`` (the
         self-test loads a version again from memory streaming does not keep).
         No secret: the token comes from the worker's ``REFIT_TOKEN`` / ``REFIT_TOKEN_FILE``.
         """
@@ -759,7 +760,7 @@ def _build() -> dict[str, type]:
 
                 with set_current_vllm_config(self.vllm_config):
                     if init_info.stream:
-                        self._stream_load(RefitUpdateInfo(), time.perf_counter())
+                        self._stream_load(RefitUpdateInfo(timeout=init_info.timeout), time.perf_counter())
                     else:
                         self._load(receiver.current(), RefitUpdateInfo(), time.perf_counter())
                     self._complete()
@@ -1022,7 +1023,10 @@ def _build() -> dict[str, type]:
             """Streams the next version into the model (``stream``): each tensor, once
             verified, goes through ``load_weights`` inside the layerwise reload (checkpoint
             format) or is copied into its parameter (kernel format); nothing of the version
-            is kept. Staged for :meth:`finish_weight_update` as :meth:`_load` stages."""
+            is kept. Staged for :meth:`finish_weight_update` as :meth:`_load` stages. With
+            ``info.version``, a version older than it streams in, is completed and
+            acknowledged, and the wait goes on (a streamed version is in the model before its
+            number is known)."""
             want = info.version
             if want is not None and not self.needs_full_resend and self.loaded_version is not None and self.loaded_version >= want:
                 _log.info("refit: version %d ≥ %d already in force: nothing to load", self.loaded_version, want)
@@ -1031,6 +1035,36 @@ def _build() -> dict[str, type]:
             if self._staged is not None:
                 # a second version in one update session: complete the first, then begin again
                 self._complete()
+            deadline = time.monotonic() + info.timeout
+            older: list[int] = []
+            while True:
+                got, seen, fresh, loaded = self._stream_once(info, max(deadline - time.monotonic(), 0.0))
+                if got is None:
+                    self._abandon()
+                    asked = f"a version ≥ {want}" if want is not None else "a new version"
+                    passed = f" (streamed in older version(s) {', '.join(map(str, older))} meanwhile)" if older else ""
+                    raise _fail(errors.Timeout, f"{asked} of {self._what()} did not come within {info.timeout:g} s{passed}; "
+                                f"nothing was applied: {self._in_force()}")
+                entries = [(m, v) for m, v in got]
+                version = dict(entries).get(self._model_id)
+                if version is None:  # only other models of the sender's: nothing of this one
+                    self._receiver.ack(entries)
+                    self._abandon()
+                    continue
+                if info.is_checkpoint_format and self._at_least("names"):
+                    self._check_names(loaded, version, fresh)
+                timings = {"receive_s": time.perf_counter() - started, "load_s": 0.0, "tensors": seen["tensors"],
+                           "bytes": seen["bytes"]}
+                self._staged = (_Acked(self._receiver, entries), version, timings)
+                if want is None or version >= want:
+                    return
+                older.append(version)
+                self._complete()  # in the model already: in force until the one asked for
+
+        def _stream_once(self, info: RefitUpdateInfo, timeout: float) -> tuple[Any, dict, set[int], Any]:
+            """One :meth:`refit.Receiver.stream` into the model, unacknowledged: what it
+            returned (``None``: nothing within ``timeout``), what it applied, the layers the
+            reload waited for before it, and the names ``load_weights`` loaded."""
             checkpoint = info.is_checkpoint_format
             if checkpoint:
                 self._begin()
@@ -1038,28 +1072,32 @@ def _build() -> dict[str, type]:
                 self._restore()
             fresh = _loadable_layers(self.model) if checkpoint else set()
             on_cpu = self.device is None or torch.device(self.device).type == "cpu"
-            seen = {"tensors": 0, "bytes": 0, "name": None, "version": None}
+            seen: dict[str, Any] = {"tensors": 0, "bytes": 0, "name": None, "version": None, "raised": False}
             loaded: set[str] | None = set()
 
             def apply(native: Any) -> None:
                 nonlocal loaded
-                name = seen["name"] = native.name
-                seen["version"] = native.version
                 if native.model != self._model_id:
                     return  # another model of the sender's: not this engine's
-                t = refit._torch_of(torch, native)
-                t = t if on_cpu else t.to(self.device, non_blocking=True)
-                if checkpoint:
-                    got = self.model.load_weights([(name, t)])
-                    loaded = None if got is None or loaded is None else loaded | set(got)
-                else:
-                    from vllm.model_executor.model_loader.reload.inplace import get_parameter_for_reload
+                name = seen["name"] = native.name
+                seen["version"] = native.version
+                try:
+                    t = refit._torch_of(torch, native)
+                    t = t if on_cpu else t.to(self.device, non_blocking=True)
+                    if checkpoint:
+                        got = self.model.load_weights([(name, t)])
+                        loaded = None if got is None or loaded is None else loaded | set(got)
+                    else:
+                        from vllm.model_executor.model_loader.reload.inplace import get_parameter_for_reload
 
-                    param = get_parameter_for_reload(self.model, name)
-                    if tuple(param.shape) != tuple(t.shape):
-                        raise ValueError(f"tensor `{name}` is {list(t.shape)}, vLLM's parameter is {list(param.shape)}")
-                    with torch.no_grad():
-                        param.copy_(t)
+                        param = get_parameter_for_reload(self.model, name)
+                        if tuple(param.shape) != tuple(t.shape):
+                            raise ValueError(f"tensor `{name}` is {list(t.shape)}, vLLM's parameter is {list(param.shape)}")
+                        with torch.no_grad():
+                            param.copy_(t)
+                except BaseException:
+                    seen["raised"] = True
+                    raise
                 seen["tensors"] += 1
                 seen["bytes"] += t.numel() * t.element_size()
 
@@ -1069,36 +1107,30 @@ def _build() -> dict[str, type]:
                 from contextlib import nullcontext as disable_mtp_completeness_check
             try:
                 with disable_mtp_completeness_check():
-                    got = self._receiver._r.stream(apply, info.timeout, False)
+                    got = self._receiver._r.stream(apply, timeout, False)
+            except errors.RefitError as e:
+                if seen["tensors"] == 0 and not seen["raised"]:
+                    # the transfer failed before anything reached the model: its own class
+                    self._abandon()
+                    raise _fail(type(e), f"receiving the next version of {self._what()}: {e}; nothing was applied: "
+                                f"{self._in_force()}") from e
+                raise self._stream_failed(seen, fresh, checkpoint, e) from e
             except Exception as e:
-                at = f" at tensor `{seen['name']}`" if seen["name"] else ""
-                cause = f"streaming it into the model failed{at}: {type(e).__name__}: {e}"
-                raise self._stream_failed(seen["version"], fresh, checkpoint, seen["tensors"] > 0, cause) from e
-            if got is None:
-                self._abandon()
-                raise _fail(errors.Timeout, f"a new version of {self._what()} did not come within {info.timeout:g} s; nothing was applied: {self._in_force()}")
-            entries = [(m, v) for m, v in got]
-            version = dict(entries).get(self._model_id)
-            if version is None:  # only other models of the sender's: nothing of this one
-                self._receiver.ack(entries)
-                self._abandon()
-                return
-            if checkpoint and self._at_least("names"):
-                self._check_names(loaded, version, fresh)
-            took = time.perf_counter() - started
-            timings = {"receive_s": took, "load_s": 0.0, "tensors": seen["tensors"], "bytes": seen["bytes"]}
-            self._staged = (_Acked(self._receiver, entries), version, timings)
+                raise self._stream_failed(seen, fresh, checkpoint, e) from e
+            return got, seen, fresh, loaded
 
-        def _stream_failed(self, version: int | None, fresh: set[int], checkpoint: bool, applied: bool,
-                           cause: str) -> errors.RefitError:
-            """The exception for a streamed version that failed for ``cause`` (as
+        def _stream_failed(self, seen: dict, fresh: set[int], checkpoint: bool, e: BaseException) -> errors.RefitError:
+            """The exception for a streamed version that failed with ``e`` after ``seen`` (as
             :meth:`_failed` says for the checkpoint format; for the kernel format, mixed once
             a tensor was copied)."""
+            version = seen["version"]
+            at = f" at tensor `{seen['name']}`" if seen["name"] else ""
+            cause = f"streaming it into the model failed{at}: {type(e).__name__}: {e}"
             refused = "{what} refused before any of it reached vLLM's weights: {cause}; {in_force}"
             mixed = "{what} failed part-way into vLLM's weights ({cause}): the weights are mixed until the next version loads whole"
             if checkpoint:
                 return self._failed(version, fresh, cause, refused=refused, mixed=mixed)
-            if not applied:
+            if not seen["tensors"]:
                 return _fail(errors.Refused, refused.format(what=self._what(version), cause=cause, in_force=self._in_force()))
             self._mixed(version)
             return _fail(errors.NeedsFullResend, mixed.format(what=self._what(version), cause=cause, in_force=self._in_force()))

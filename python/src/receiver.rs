@@ -248,16 +248,27 @@ impl Receiver {
         let streamed = self.with(py, |r| {
             let on = StreamingOn::new(&self.streaming_on);
             let streamed = py.detach(|| {
-                let mut apply_one = |one| {
+                let mut apply_one = |one: refit_runtime::WeightSet| {
                     Python::attach(|py| {
+                        let tensor = one
+                            .manifest()
+                            .tensors()
+                            .first()
+                            .map(|t| t.name.clone())
+                            .unwrap_or_default();
                         let t = Tensor::only(Arc::new(one)).ok_or(refit_runtime::Error::State(
                             "a streamed weight set without a tensor",
                         ))?;
-                        let called = apply.call1(py, (t,)).and_then(|_| py.check_signals());
-                        called.map_err(|e| {
-                            let msg = format!("apply raised {e}");
+                        // Ctrl-C is taken between two tensors, before the next is applied
+                        let called = py.check_signals().and_then(|()| apply.call1(py, (t,)));
+                        called.map(|_| ()).map_err(|e| {
+                            let reason = format!("apply raised {e}");
                             raised = Some(e);
-                            refit_runtime::Error::Config(msg)
+                            refit_runtime::Error::Bridge {
+                                library: "python",
+                                tensor,
+                                reason,
+                            }
                         })
                     })
                 };
@@ -278,7 +289,13 @@ impl Receiver {
             })),
             Err(e) => {
                 let partly = matches!(e, refit_runtime::Error::PartlyApplied { .. });
+                // an exception that is no `Exception` (KeyboardInterrupt, SystemExit) goes
+                // through as itself, so that no `except Exception` swallows it
+                let fatal = raised
+                    .as_ref()
+                    .is_some_and(|c| !c.is_instance_of::<pyo3::exceptions::PyException>(py));
                 match raised {
+                    Some(cause) if fatal => Err(cause),
                     Some(cause) if partly => {
                         let err = to_py(e);
                         err.set_cause(py, Some(cause));
@@ -316,8 +333,11 @@ impl Receiver {
 
     /// True once closed.
     #[getter]
-    fn closed(&self, py: Python<'_>) -> PyResult<bool> {
-        self.not_streaming_here()?;
-        Ok(lock(py, &self.inner).is_none())
+    fn closed(&self, py: Python<'_>) -> bool {
+        // inside a `stream`'s apply the receiver is open (and locked by this thread)
+        if self.not_streaming_here().is_err() {
+            return false;
+        }
+        lock(py, &self.inner).is_none()
     }
 }

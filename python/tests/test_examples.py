@@ -75,6 +75,8 @@ def test_a_streaming_engine_holds_a_few_buckets_where_a_staged_one_holds_version
             extra[mode] = float(rest.split("above the model")[1].split("MiB")[0])
     assert set(extra) == {"staged", "stream"}, out.stdout
     # staged: the receiver holds whole versions beside the engine's parameters (128 MiB
-    # each); streamed: the tensors of the buckets in flight (16 MiB each, two streams)
+    # each); streamed: the tensors of the buckets in flight (16 MiB each, two streams) and
+    # those waiting to be applied, with the allocator's own slack
     assert extra["staged"] > 128, out.stdout
-    assert extra["stream"] < 3 * 16, out.stdout
+    assert extra["stream"] < 4 * 16, out.stdout
+    assert extra["stream"] < extra["staged"] / 4, out.stdout

@@ -80,15 +80,44 @@ def test_every_version_streams_into_the_callers_model(transport, tmp_path):
         sender.close()
 
 
-def test_a_streaming_tcp_receiver_keeps_no_copy(tcp):
+def test_torch_tensors_stream_into_torch_parameters(tcp):
     sender, r, model = tcp
-    # the weights live in the caller's model only
-    assert r.current().entries == []
-    sender.publish(weights(2))
     torch = pytest.importorskip("torch")
+    sender.publish(weights(2))
     params = {n: torch.zeros(a.shape, dtype=torch.from_numpy(a).dtype) for n, a in weights(2).items()}
     r.stream(lambda n, t: params[n].copy_(t), timeout=20, torch=True)
     assert_same({n: t.numpy() for n, t in params.items()}, weights(2))
+
+
+def test_a_dtype_numpy_cannot_hold_is_refused_before_anything_streams(tmp_path):
+    torch = pytest.importorskip("torch")
+    w = {"bf": torch.arange(6, dtype=torch.bfloat16), "f": torch.ones(3)}
+    sender = refit.Sender("tcp", w, receivers=1)
+    box: dict = {}
+
+    def connect() -> None:
+        r = refit.Receiver(sender.spec, timeout=20, stream=True)
+        box["params"] = {}
+        r.stream(lambda n, t: box["params"].__setitem__(n, t.clone()), timeout=20, torch=True)
+        box["r"] = r
+
+    t = threading.Thread(target=connect)
+    t.start()
+    sender.start(timeout=20)
+    t.join(30)
+    r = box["r"]
+    try:
+        assert torch.equal(box["params"]["bf"], w["bf"])
+        sender.publish({n: x + 1 for n, x in w.items()})
+        with pytest.raises(refit.DTypeError, match="`bf`.*bf16"):
+            r.stream(lambda n, a: None, timeout=20)
+        assert r.version() == 1  # nothing streamed
+        assert r.stream(lambda n, t: None, timeout=20, raw=True) == [("policy", 2)]
+        with pytest.raises(refit.ConfigError, match="not received"):
+            r.ack([("policy", 9)])
+    finally:
+        r.close()
+        sender.close()
 
 
 def test_an_exception_of_apply_part_way_is_needs_full_resend_and_the_next_call_repairs(tcp):
@@ -102,7 +131,7 @@ def test_an_exception_of_apply_part_way_is_needs_full_resend_and_the_next_call_r
             raise ValueError("the engine refused it")
         model.apply(name, array)
 
-    with pytest.raises(refit.NeedsFullResend, match="1 of its 6 tensors applied") as e:
+    with pytest.raises(refit.NeedsFullResend, match="1 of the update's 6 tensors applied.*apply raised ValueError") as e:
         r.stream(failing, timeout=20)
     assert isinstance(e.value.__cause__, ValueError)
     assert r.version() == 1

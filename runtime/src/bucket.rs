@@ -88,7 +88,18 @@ impl BucketSpec {
         bytes: &[u8],
         piece_sums: &[u64],
     ) -> u64 {
-        self.checksum_with_gaps(manifest, piece_sums, |r| bytes.get(r).unwrap_or_default())
+        self.checksum_with_gaps(manifest, piece_sums, |r| self.gap_in(bytes, r))
+    }
+
+    /// The bytes `r` of the bucket's `bytes`; after the last piece, all of `bytes` from
+    /// there (as many as it holds).
+    fn gap_in<'a>(&self, bytes: &'a [u8], r: Range<usize>) -> &'a [u8] {
+        let gap = if r.end >= self.len {
+            bytes.get(r.start..)
+        } else {
+            bytes.get(r)
+        };
+        gap.unwrap_or_default()
     }
 
     /// The bytes of the bucket that lie in no piece (padding between tensors, and after the
@@ -161,7 +172,7 @@ impl BucketSpec {
         found: &[u64],
     ) -> Result<u64> {
         self.verify_with_gaps(model, manifest, header, expected, found, |r| {
-            bytes.get(r).unwrap_or_default()
+            self.gap_in(bytes, r)
         })
     }
 

@@ -252,7 +252,7 @@ pub enum Error {
     /// [`ReceiverTransport::stream_next`]: crate::ReceiverTransport::stream_next
     #[error(
         "version {version} of model `{model}` failed part-way through a streaming apply \
-         ({applied} of its {tensors} tensors applied; the model's weights are mixed until a \
+         ({applied} of the update's {tensors} tensors applied; the weights are mixed until a \
          version streams in whole): {source}"
     )]
     PartlyApplied {
@@ -260,9 +260,10 @@ pub enum Error {
         model: ModelId,
         /// The version that failed.
         version: Version,
-        /// Tensors handed to the caller before the failure.
+        /// Tensors of the update (every model streamed with this one) handed to the caller
+        /// before the failure.
         applied: usize,
-        /// Tensors of the version.
+        /// Tensors of the update.
         tensors: usize,
         /// What failed.
         source: Box<Error>,

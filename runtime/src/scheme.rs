@@ -89,8 +89,8 @@ pub trait ReceiverTransport: Send {
     ///
     /// # Errors
     /// As [`next_group`](Self::next_group); an error of `apply` stops the transfer. Once a
-    /// tensor was applied, any failure is [`Error::PartlyApplied`] (the caller's model then
-    /// holds a mix of two versions); before, the failure itself.
+    /// tensor of the update was applied, a failure is [`Error::PartlyApplied`] (the caller's
+    /// model then holds a mix of two versions); before, the failure itself.
     fn stream_next(
         &mut self,
         deadline: Instant,
@@ -111,8 +111,9 @@ pub trait ReceiverTransport: Send {
 /// # Errors
 /// As [`StreamProgress::apply`].
 pub fn stream_group(group: &Group, apply: &mut dyn FnMut(WeightSet) -> Result<()>) -> Result<()> {
+    let mut progress = StreamProgress::new(group.iter().map(|w| w.manifest().len()).sum());
     for ws in group {
-        let mut progress = StreamProgress::new(ws.model(), ws.version(), ws.manifest());
+        progress.at(ws.model(), ws.version());
         for spec in ws.manifest().tensors() {
             let one = ws.single_copy(spec).map_err(|e| progress.fail(e))?;
             progress.apply(apply, one)?;
@@ -121,25 +122,29 @@ pub fn stream_group(group: &Group, apply: &mut dyn FnMut(WeightSet) -> Result<()
     Ok(())
 }
 
-/// How far one version got through a streaming apply, so that a failure says whether the
-/// caller's model is mixed ([`Error::PartlyApplied`]) or untouched.
+/// How far one update (the versions of one or several models) got through a streaming
+/// apply, so that a failure says whether the caller's models are mixed
+/// ([`Error::PartlyApplied`]) or untouched.
 #[derive(Debug, Clone)]
 pub struct StreamProgress {
-    model: ModelId,
-    version: Version,
+    model: Option<(ModelId, Version)>,
     tensors: usize,
     applied: usize,
 }
 
 impl StreamProgress {
-    /// Nothing of `version` of `model` (laid out as `manifest`) applied yet.
-    pub fn new(model: &ModelId, version: Version, manifest: &crate::Manifest) -> Self {
+    /// Nothing applied yet of an update of `tensors` tensors in all.
+    pub fn new(tensors: usize) -> Self {
         Self {
-            model: model.clone(),
-            version,
-            tensors: manifest.len(),
+            model: None,
+            tensors,
             applied: 0,
         }
+    }
+
+    /// The next tensors are of `version` of `model`.
+    pub fn at(&mut self, model: &ModelId, version: Version) {
+        self.model = Some((model.clone(), version));
     }
 
     /// Tensors applied so far.
@@ -164,15 +169,19 @@ impl StreamProgress {
     /// The error to report for `e`: itself while nothing was applied, else
     /// [`Error::PartlyApplied`] carrying it.
     pub fn fail(&self, e: Error) -> Error {
-        if self.applied == 0 || matches!(e, Error::PartlyApplied { .. }) {
-            return e;
-        }
-        Error::PartlyApplied {
-            model: self.model.clone(),
-            version: self.version,
-            applied: self.applied,
-            tensors: self.tensors,
-            source: Box::new(e),
+        match &self.model {
+            Some((model, version))
+                if self.applied > 0 && !matches!(e, Error::PartlyApplied { .. }) =>
+            {
+                Error::PartlyApplied {
+                    model: model.clone(),
+                    version: *version,
+                    applied: self.applied,
+                    tensors: self.tensors,
+                    source: Box::new(e),
+                }
+            }
+            _ => e,
         }
     }
 }
@@ -709,10 +718,11 @@ impl<T: ReceiverTransport> Receiver<T> {
     /// nothing new.
     ///
     /// # Errors
-    /// As [`ReceiverTransport::stream_next`]: [`Error::PartlyApplied`] once part of a version
-    /// was applied (the caller's model is mixed until a later version streams in whole; that
-    /// version is pulled again by the next call while the sender keeps it), otherwise the
-    /// failure itself with nothing applied.
+    /// As [`ReceiverTransport::stream_next`]: [`Error::PartlyApplied`] once part of an update
+    /// was applied (the caller's model is mixed until a later version streams in whole: a
+    /// streaming TCP receiver pulls the same version again at the next call while the
+    /// sender keeps it; a transport that received it whole hands over the next version),
+    /// otherwise the failure itself with nothing applied.
     pub fn stream(
         &mut self,
         timeout: Duration,

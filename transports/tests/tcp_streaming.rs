@@ -57,6 +57,17 @@ fn model_manifest(tensors: usize, mib: usize) -> Arc<Manifest> {
     Arc::new(b.build().unwrap())
 }
 
+/// A TCP sender of `ms` for one receiver, with `bucket` bytes per bucket.
+fn sender_for(ms: &refit_runtime::Manifests, bucket: usize) -> TcpSender {
+    let cfg = TcpConfig {
+        expected_receivers: 1,
+        token: Some(ClusterToken::random()),
+        bucket_size: bucket,
+        ..TcpConfig::default()
+    };
+    TcpSender::bind(cfg, ms).unwrap()
+}
+
 /// A sender of `initial` with `bucket` bytes per bucket, and one streaming receiver of it,
 /// which streamed `initial` into the returned model (the sender's connect waits for that).
 fn streaming_pair(
@@ -65,13 +76,7 @@ fn streaming_pair(
     bucket: usize,
 ) -> (Sender<TcpSender>, Receiver<TcpReceiver>, Model) {
     let ms = manifests(&[("policy", m)]);
-    let cfg = TcpConfig {
-        expected_receivers: 1,
-        token: Some(ClusterToken::random()),
-        bucket_size: bucket,
-        ..TcpConfig::default()
-    };
-    let s = TcpSender::bind(cfg, &ms).unwrap();
+    let s = sender_for(&ms, bucket);
     let r = TcpReceiver::new(s.receiver_spec())
         .with_config(TcpReceiverConfig::default())
         .streaming();
@@ -142,15 +147,15 @@ fn a_damaged_bucket_is_refused_and_the_next_stream_brings_the_version_whole() {
     sender.transport().inject_corruption(1);
     let pending = sender.send_async(vec![v2.to_owned_copy()]).unwrap();
     let err = r.stream(T, &mut |one| model.apply(one)).unwrap_err();
-    // the damaged tensor is named whether or not other tensors were applied first
-    let checksum = |e: &Error| {
-        matches!(
-            e,
-            Error::Tensor {
-                problem: Mismatch::Checksum { .. },
-                ..
-            }
-        )
+    // the damage is named (a tensor's checksum, or a bucket's when it hit the padding
+    // between tensors) whether or not other tensors were applied first
+    let checksum = |e: &Error| match e {
+        Error::Tensor {
+            problem: Mismatch::Checksum { .. },
+            ..
+        } => true,
+        Error::Bucket { reason, .. } => reason.contains("checksum"),
+        _ => false,
     };
     match &err {
         Error::PartlyApplied {
@@ -235,4 +240,66 @@ fn a_receiver_that_does_not_stream_hands_over_tensor_by_tensor_too() {
     sender.wait(&pending, T).unwrap();
     assert!(model.holds(&v2));
     assert_eq!(r.transport().streaming_peak(), 0);
+}
+
+#[test]
+fn an_apply_slower_than_the_stall_window_past_the_deadline_is_no_stall() {
+    let m = model_manifest(4, 1);
+    let v1 = random_set(&m, 1, 11);
+    let (mut sender, mut r, mut model) = streaming_pair(&m, v1.to_owned_copy(), MIB);
+    let v2 = random_set(&m, 2, 12);
+    let pending = sender.send_async(vec![v2.to_owned_copy()]).unwrap();
+    let mut first = true;
+    // a deadline of 200 ms, a stall window of 1 s (the default), an apply of 1.5 s
+    r.stream(Duration::from_millis(200), &mut |one| {
+        if std::mem::take(&mut first) {
+            std::thread::sleep(Duration::from_millis(1500));
+        }
+        model.apply(one)
+    })
+    .unwrap()
+    .unwrap();
+    sender.wait(&pending, T).unwrap();
+    assert!(model.holds(&v2));
+}
+
+#[test]
+fn models_sent_together_are_acknowledged_together_after_a_failure_part_way() {
+    let (a, b) = (model_manifest(2, 1), model_manifest(3, 1));
+    let ms = manifests(&[("a", &a), ("b", &b)]);
+    let s = sender_for(&ms, MIB);
+    let r = TcpReceiver::new(s.receiver_spec()).streaming();
+    let set = |m: &Arc<Manifest>, name: &str, v: u64, seed: u64| {
+        let ws = random_set(m, v, seed);
+        WeightSet::from_bytes(id(name), Version(v), Arc::clone(m), ws.bytes()).unwrap()
+    };
+    let initial = vec![set(&a, "a", 1, 1), set(&b, "b", 1, 2)];
+    let h = std::thread::spawn(move || {
+        let mut r = ReceiverInit::new(r, None).connect_streaming(T).unwrap();
+        let mut n = 0;
+        // the second model fails at its first tensor, after the first streamed in whole
+        let err = r
+            .stream(T, &mut |_| {
+                n += 1;
+                if n == a.len() + 1 {
+                    return Err(Error::Config("no room".into()));
+                }
+                Ok(())
+            })
+            .unwrap_err();
+        assert!(
+            matches!(err, Error::PartlyApplied { applied, .. } if applied == a.len()),
+            "{err}"
+        );
+        // both stream in again and are acknowledged together
+        let mut got = r.stream(T, &mut |_| Ok(())).unwrap().unwrap();
+        got.sort();
+        assert_eq!(got, vec![(id("a"), Version(1)), (id("b"), Version(1))]);
+        r
+    });
+    let _sender = SenderInit::new(s, ms)
+        .with_ack_timeout(T)
+        .connect(initial, T)
+        .unwrap();
+    h.join().unwrap();
 }

@@ -154,9 +154,18 @@ struct Shared {
     /// The newest version of each model streamed into the caller's model
     /// ([`ReceiverTransport::stream_next`]): applied, but not held here.
     streamed: Mutex<BTreeMap<ModelId, Version>>,
-    /// The most bytes a streaming transfer held at once (tensors put together, or waiting
-    /// for the caller).
+    /// The most bytes a streaming transfer held at once (tensors put together, waiting for
+    /// the caller, or being applied).
     stream_peak: Arc<AtomicU64>,
+    /// Counts the caller's applies of streamed tensors twice, at their start and at their
+    /// end (odd: one under way): the watchdog counts them as progress.
+    caller: AtomicU64,
+}
+
+/// A value that differs at every call (an apply under way looks like progress).
+fn tick() -> u64 {
+    static TICKS: AtomicU64 = AtomicU64::new(1);
+    TICKS.fetch_add(1, Ordering::Relaxed)
 }
 
 impl Shared {
@@ -343,8 +352,9 @@ impl Watchdog {
         self.state().expired
     }
 
-    /// Waits until the pull finishes (false) or expires (true).
-    fn watch(&self, deadline: Instant, stall: Duration, pulled: &AtomicU64) -> bool {
+    /// Waits until the pull finishes (false) or expires (true): past `deadline`, once
+    /// `progress` stayed the same for `stall`.
+    fn watch(&self, deadline: Instant, stall: Duration, progress: &dyn Fn() -> u64) -> bool {
         let mut st = self.state();
         let mut until = deadline;
         let mut last = None;
@@ -361,7 +371,7 @@ impl Watchdog {
                     .0;
                 continue;
             }
-            let bytes = pulled.load(Ordering::Relaxed);
+            let bytes = progress();
             if last == Some(bytes) {
                 st.expired = true;
                 for s in &st.streams {
@@ -435,7 +445,7 @@ impl TcpReceiver {
     }
 
     /// The most bytes a streaming transfer held at once: tensors being put together from
-    /// their buckets, or waiting for the caller to take them.
+    /// their buckets, waiting for the caller, or being applied.
     pub fn streaming_peak(&self) -> u64 {
         self.shared.stream_peak.load(Ordering::Relaxed)
     }
@@ -709,6 +719,8 @@ impl TcpReceiver {
             }
             match result {
                 Ok(None) => {
+                    // every byte is in and verified (the last tensors may still be on their
+                    // way to the caller): the transfer itself succeeded
                     self.count(&t, held);
                     self.done(t.lease, true, String::new());
                     return Ok(Ok(None));
@@ -732,7 +744,9 @@ impl TcpReceiver {
                 Err(e) => {
                     self.shared.set_inflight(model, None);
                     self.done(t.lease, false, e.to_string());
-                    if t.from_sender || attempt >= 4 {
+                    // a streaming sink may have handed tensors over already: the caller
+                    // decides what comes next (the version stays pending)
+                    if t.from_sender || attempt >= 4 || stream.is_some() {
                         return Err(e);
                     }
                     tracing::warn!(source = %t.source, error = %e, "relay pull failed; asking for another source");
@@ -1002,12 +1016,20 @@ impl TcpReceiver {
         };
         let me = self.node.as_ref().map_or_else(Uuid::nil, Node::id);
         let open = |part: &[u32]| self.open_pull(job, me, part, watchdog);
-        // progress is bytes off the wire: an encoded bucket lands whole only once its
-        // encoding is in
-        let (stall, pulled) = (self.cfg.stall_timeout, &self.shared.wire);
+        // progress is bytes off the wire (an encoded bucket lands whole only once its
+        // encoding is in), and, for a streaming pull, the caller applying tensors: a pull
+        // held back by a slow apply is not stalled
+        let stall = self.cfg.stall_timeout;
+        let (wire, caller) = (&self.shared.wire, &self.shared.caller);
+        let progress = || {
+            let applied = caller.load(Ordering::Relaxed);
+            // an odd count: an apply under way, which counts as progress however long
+            let busy = if applied % 2 == 1 { tick() } else { 0 };
+            wire.load(Ordering::Relaxed) + applied + busy
+        };
         let prefaulted = AtomicBool::new(false);
         let result = std::thread::scope(|scope| {
-            let watch = scope.spawn(|| watchdog.watch(job.deadline, stall, pulled));
+            let watch = scope.spawn(|| watchdog.watch(job.deadline, stall, &progress));
             let prefault = match flight {
                 Some(f) if fresh => Some(scope.spawn(|| f.prefault(&prefaulted))),
                 _ => None,

@@ -7,7 +7,7 @@
 
 use std::collections::BTreeMap;
 use std::ops::Range;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::SyncSender;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
@@ -19,6 +19,23 @@ use super::data::Sink;
 /// Tensors a stream may hand over before the caller took the first of them: the pull
 /// threads go on meanwhile, and wait once this many are queued.
 pub(crate) const QUEUE: usize = 2;
+
+/// What a streaming transfer's sink shares with the caller's side.
+#[derive(Debug, Default)]
+pub(crate) struct Handover {
+    /// Bytes of tensors put together and not yet applied by the caller (who takes its
+    /// tensors' bytes off once applied).
+    pub(crate) held: AtomicU64,
+    /// The caller stopped taking tensors: the transfer ends at its next bytes.
+    pub(crate) stopped: AtomicBool,
+}
+
+impl Handover {
+    /// The caller applied a tensor of `len` bytes: they are no longer held.
+    pub(crate) fn applied(&self, len: usize) {
+        self.held.fetch_sub(len as u64, Ordering::Relaxed);
+    }
+}
 
 /// One tensor being put together.
 struct Partial {
@@ -35,9 +52,8 @@ pub(crate) struct StreamSink {
     manifest: Arc<Manifest>,
     partial: Mutex<BTreeMap<usize, Arc<Mutex<Partial>>>>,
     out: SyncSender<WeightSet>,
-    /// Bytes of tensors put together and not yet taken by the caller.
-    held: AtomicU64,
-    /// The most `held` was, over this receiver's streaming transfers.
+    handover: Arc<Handover>,
+    /// The most [`Handover::held`] was, over this receiver's streaming transfers.
     peak: Arc<AtomicU64>,
 }
 
@@ -47,12 +63,13 @@ fn locked<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 
 impl StreamSink {
     /// The sink of `version` of `model` (laid out as `manifest`), handing each tensor to
-    /// `out` once verified; `peak` keeps the most bytes it held at once.
+    /// `out` once verified; `peak` keeps the most bytes held at once.
     pub(crate) fn new(
         model: &ModelId,
         version: Version,
         manifest: &Arc<Manifest>,
         out: SyncSender<WeightSet>,
+        handover: &Arc<Handover>,
         peak: &Arc<AtomicU64>,
     ) -> Self {
         Self {
@@ -61,9 +78,19 @@ impl StreamSink {
             manifest: Arc::clone(manifest),
             partial: Mutex::new(BTreeMap::new()),
             out,
-            held: AtomicU64::new(0),
+            handover: Arc::clone(handover),
             peak: Arc::clone(peak),
         }
+    }
+
+    fn stopped(&self) -> Result<()> {
+        if self.handover.stopped.load(Ordering::Relaxed) {
+            return Err(Error::transport(
+                NAME,
+                "the streaming apply stopped taking tensors",
+            ));
+        }
+        Ok(())
     }
 
     /// The tensors (by manifest index) holding some of the arena's bytes `range`, with the
@@ -94,7 +121,11 @@ impl StreamSink {
             .get(index)
             .ok_or(Error::State("a streamed tensor past the manifest"))?;
         let one = WeightSet::single(self.model.clone(), self.version, spec)?;
-        let held = self.held.fetch_add(spec.len as u64, Ordering::Relaxed) + spec.len as u64;
+        let held = self
+            .handover
+            .held
+            .fetch_add(spec.len as u64, Ordering::Relaxed)
+            + spec.len as u64;
         self.peak.fetch_max(held, Ordering::Relaxed);
         let p = Arc::new(Mutex::new(Partial {
             one: Some(one),
@@ -126,6 +157,7 @@ impl StreamSink {
 
 impl Sink for StreamSink {
     fn write_at(&self, at: usize, bytes: &[u8]) -> Result<()> {
+        self.stopped()?;
         for (index, part) in self.overlapping(at..at + bytes.len()) {
             let p = self.buffer(index)?;
             let mut p = locked(&p);
@@ -147,6 +179,7 @@ impl Sink for StreamSink {
     }
 
     fn verified(&self, range: Range<usize>) -> Result<()> {
+        self.stopped()?;
         for (index, part) in self.overlapping(range) {
             let p = locked(&self.partial)
                 .get(&index)
@@ -167,9 +200,9 @@ impl Sink for StreamSink {
             let Some(one) = done else { continue };
             locked(&self.partial).remove(&index);
             // waits while the caller is behind: the pull slows down, memory stays bounded
-            let sent = self.out.send(one);
-            self.held.fetch_sub(len as u64, Ordering::Relaxed);
-            sent.map_err(|_| Error::transport(NAME, "the streaming apply stopped taking tensors"))?;
+            self.out.send(one).map_err(|_| {
+                Error::transport(NAME, "the streaming apply stopped taking tensors")
+            })?;
         }
         Ok(())
     }
@@ -200,7 +233,8 @@ mod tests {
         let (tx, rx) = std::sync::mpsc::sync_channel(8);
         let peak = Arc::new(AtomicU64::new(0));
         let model = ModelId::new("m").unwrap();
-        let sink = StreamSink::new(&model, Version(3), &m, tx, &peak);
+        let handover = Arc::new(Handover::default());
+        let sink = StreamSink::new(&model, Version(3), &m, tx, &handover, &peak);
         let (b, c) = (&m.tensors()[1], &m.tensors()[2]);
         // `b` cut across two buckets: its first half, then `a` and... written out of order
         let all: Vec<u8> = (0..m.total_len()).map(|i| (i % 251) as u8).collect();
@@ -226,8 +260,13 @@ mod tests {
             .collect();
         assert_eq!(names, ["a", "b"]);
         sink.check_done().unwrap();
-        // at most `b` and `c` were held at once
-        assert_eq!(peak.load(Ordering::Relaxed), (b.len + c.len) as u64);
+        // a tensor stays held until the caller applied it: none was, so all three are
+        assert_eq!(peak.load(Ordering::Relaxed), m.total_len() as u64);
+        assert_eq!(handover.held.load(Ordering::Relaxed), m.total_len() as u64);
+        for t in m.tensors() {
+            handover.applied(t.len);
+        }
+        assert_eq!(handover.held.load(Ordering::Relaxed), 0);
     }
 
     #[test]
@@ -235,11 +274,22 @@ mod tests {
         let m = manifest();
         let (tx, rx) = std::sync::mpsc::sync_channel(1);
         let peak = Arc::new(AtomicU64::new(0));
-        let sink = StreamSink::new(&ModelId::new("m").unwrap(), Version(1), &m, tx, &peak);
+        let handover = Arc::new(Handover::default());
+        let sink = StreamSink::new(
+            &ModelId::new("m").unwrap(),
+            Version(1),
+            &m,
+            tx,
+            &handover,
+            &peak,
+        );
         drop(rx);
         sink.write_at(0, &[0; 64]).unwrap();
         let e = sink.verified(0..64).unwrap_err();
         assert!(e.to_string().contains("stopped taking"), "{e}");
+        // a caller that says it stopped ends the transfer at the next bytes
+        handover.stopped.store(true, Ordering::Relaxed);
+        assert!(sink.write_at(64, &[0; 64]).is_err());
         assert!(Box::new(sink).finish().is_err());
     }
 }

@@ -3,6 +3,7 @@
 //! caller one at a time, as the buckets holding them are verified, and nothing of the
 //! version is kept here.
 
+use std::sync::atomic::Ordering;
 use std::sync::mpsc::sync_channel;
 use std::sync::{Arc, PoisonError};
 use std::time::Instant;
@@ -15,7 +16,7 @@ use refit_runtime::{
 };
 
 use super::super::NAME;
-use super::super::stream_sink::{QUEUE, StreamSink};
+use super::super::stream_sink::{Handover, QUEUE, StreamSink};
 use super::TcpReceiver;
 
 /// What streaming one version gave.
@@ -46,27 +47,39 @@ impl TcpReceiver {
             let Some(want) = self.pending(deadline)? else {
                 return Ok(None);
             };
+            let tensors = want
+                .iter()
+                .filter_map(|(m, _)| self.manifests.as_ref()?.get(m).ok())
+                .map(|m| m.len())
+                .sum();
+            let mut progress = StreamProgress::new(tensors);
             let mut done = Vec::with_capacity(want.len());
             for (m, v) in want {
                 let wire = metrics::timed(Phase::Wire, NAME, m.as_str());
-                match self.stream_one(&m, v, deadline, apply)? {
+                progress.at(&m, v);
+                match self.stream_one(&m, v, deadline, apply, &mut progress)? {
                     Streamed::Applied => {
                         wire.finish();
-                        self.shared
-                            .streamed
-                            .lock()
-                            .unwrap_or_else(PoisonError::into_inner)
-                            .insert(m.clone(), v);
-                        let mut ib = self.shared.inbox();
-                        if ib.pending.get(&m).is_some_and(|p| *p <= v) {
-                            ib.pending.remove(&m);
-                        }
                         done.push((m, v));
                     }
                     // the newer version is pending now: wait for it (models streamed
-                    // already stay applied, and are returned with the next)
+                    // already are returned, the rest come with the next call)
                     Streamed::Superseded if done.is_empty() => continue 'wait,
                     Streamed::Superseded => break,
+                }
+            }
+            // only now, every model of the update being in: a failure above leaves them all
+            // pending, to be streamed whole again
+            let mut streamed = self
+                .shared
+                .streamed
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner);
+            let mut ib = self.shared.inbox();
+            for (m, v) in &done {
+                streamed.insert(m.clone(), *v);
+                if ib.pending.get(m).is_some_and(|p| p <= v) {
+                    ib.pending.remove(m);
                 }
             }
             return Ok(Some(done));
@@ -74,14 +87,15 @@ impl TcpReceiver {
     }
 
     /// Streams `version` of `model` into `apply`: a pull thread lands the bytes in a
-    /// [`StreamSink`], this thread hands `apply` each tensor it completes. An error of
-    /// `apply` stops the pull (the sink's next hand-over fails).
+    /// [`StreamSink`], this thread hands `apply` each tensor it completes, counting them in
+    /// `progress`. An error of `apply` stops the pull at its next bytes.
     fn stream_one(
         &self,
         model: &ModelId,
         version: Version,
         deadline: Instant,
         apply: &mut dyn FnMut(WeightSet) -> Result<()>,
+        progress: &mut StreamProgress,
     ) -> Result<Streamed> {
         let manifest: Arc<Manifest> = Arc::clone(
             self.manifests
@@ -89,9 +103,17 @@ impl TcpReceiver {
                 .ok_or(Error::State("tcp receiver used before connect"))?
                 .get(model)?,
         );
-        let mut progress = StreamProgress::new(model, version, &manifest);
         let (tx, rx) = sync_channel(QUEUE);
-        let sink = StreamSink::new(model, version, &manifest, tx, &self.shared.stream_peak);
+        let handover = Arc::new(Handover::default());
+        let sink = StreamSink::new(
+            model,
+            version,
+            &manifest,
+            tx,
+            &handover,
+            &self.shared.stream_peak,
+        );
+        let caller = &self.shared.caller;
         let (pulled, applied) = std::thread::scope(|scope| {
             let pull = scope.spawn(move || {
                 let r = self.pull(model, version, deadline, Some(&sink));
@@ -100,17 +122,25 @@ impl TcpReceiver {
             });
             let mut applied = Ok(());
             for one in rx.iter() {
-                if let Err(e) = progress.apply(apply, one) {
+                let len = one.manifest().tensors().first().map_or(0, |t| t.len);
+                // odd while the apply is under way: the pull's watchdog counts it as progress
+                caller.fetch_add(1, Ordering::Relaxed);
+                let r = progress.apply(apply, one);
+                caller.fetch_add(1, Ordering::Relaxed);
+                handover.applied(len);
+                if let Err(e) = r {
                     applied = Err(e);
                     break;
                 }
             }
-            // dropped, it fails the sink's next hand-over: the pull stops
+            // the pull ends at its next bytes, and at the sink's next hand-over
+            handover.stopped.store(true, Ordering::Relaxed);
             drop(rx);
             (pull.join(), applied)
         });
-        let pulled =
-            pulled.map_err(|_| Error::transport(NAME, "the streaming pull thread panicked"))?;
+        let pulled = pulled.map_err(|_| {
+            progress.fail(Error::transport(NAME, "the streaming pull thread panicked"))
+        })?;
         applied?;
         match pulled.map_err(|e| progress.fail(e))? {
             Ok(None) => {
