@@ -1110,13 +1110,22 @@ def _build() -> dict[str, type]:
                     got = self._receiver._r.stream(apply, timeout, False)
             except errors.RefitError as e:
                 if seen["tensors"] == 0 and not seen["raised"]:
-                    # the transfer failed before anything reached the model: its own class
+                    # the transfer failed before anything reached this model: its own class
+                    # (a NeedsFullResend about another model's tensors: what caused it)
+                    cls = type(e)
+                    if isinstance(e, errors.NeedsFullResend):
+                        cause = e.__cause__
+                        cls = type(cause) if isinstance(cause, errors.RefitError) else errors.Refused
                     self._abandon()
-                    raise _fail(type(e), f"receiving the next version of {self._what()}: {e}; nothing was applied: "
+                    raise _fail(cls, f"receiving the next version of {self._what()}: {e}; nothing was applied: "
                                 f"{self._in_force()}") from e
                 raise self._stream_failed(seen, fresh, checkpoint, e) from e
             except Exception as e:
                 raise self._stream_failed(seen, fresh, checkpoint, e) from e
+            except BaseException as e:
+                # KeyboardInterrupt and the like go on as themselves, the reload ended first
+                self._stream_failed(seen, fresh, checkpoint, e)
+                raise
             return got, seen, fresh, loaded
 
         def _stream_failed(self, seen: dict, fresh: set[int], checkpoint: bool, e: BaseException) -> errors.RefitError:

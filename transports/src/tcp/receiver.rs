@@ -162,12 +162,6 @@ struct Shared {
     caller: AtomicU64,
 }
 
-/// A value that differs at every call (an apply under way looks like progress).
-fn tick() -> u64 {
-    static TICKS: AtomicU64 = AtomicU64::new(1);
-    TICKS.fetch_add(1, Ordering::Relaxed)
-}
-
 impl Shared {
     fn inbox(&self) -> MutexGuard<'_, Inbox> {
         // plain bookkeeping, consistent even after a panic elsewhere
@@ -353,8 +347,14 @@ impl Watchdog {
     }
 
     /// Waits until the pull finishes (false) or expires (true): past `deadline`, once
-    /// `progress` stayed the same for `stall`.
-    fn watch(&self, deadline: Instant, stall: Duration, progress: &dyn Fn() -> u64) -> bool {
+    /// `progress` stayed the same for `stall` (`None`: progress under way, whatever came
+    /// before).
+    fn watch(
+        &self,
+        deadline: Instant,
+        stall: Duration,
+        progress: &dyn Fn() -> Option<(u64, u64)>,
+    ) -> bool {
         let mut st = self.state();
         let mut until = deadline;
         let mut last = None;
@@ -372,14 +372,14 @@ impl Watchdog {
                 continue;
             }
             let bytes = progress();
-            if last == Some(bytes) {
+            if bytes.is_some() && last == bytes {
                 st.expired = true;
                 for s in &st.streams {
                     let _ = s.shutdown(std::net::Shutdown::Both);
                 }
                 return true;
             }
-            last = Some(bytes);
+            last = bytes;
             until = now + stall;
         }
     }
@@ -744,10 +744,14 @@ impl TcpReceiver {
                 Err(e) => {
                     self.shared.set_inflight(model, None);
                     self.done(t.lease, false, e.to_string());
-                    // a streaming sink may have handed tensors over already: the caller
-                    // decides what comes next (the version stays pending)
-                    if t.from_sender || attempt >= 4 || stream.is_some() {
+                    // a streaming sink that handed tensors over already leaves what comes
+                    // next to its caller (the version stays pending); one that handed over
+                    // none starts again from nothing
+                    if t.from_sender || attempt >= 4 || stream.is_some_and(|s| s.handed() > 0) {
                         return Err(e);
+                    }
+                    if let Some(s) = stream {
+                        s.reset();
                     }
                     tracing::warn!(source = %t.source, error = %e, "relay pull failed; asking for another source");
                 }
@@ -1024,8 +1028,7 @@ impl TcpReceiver {
         let progress = || {
             let applied = caller.load(Ordering::Relaxed);
             // an odd count: an apply under way, which counts as progress however long
-            let busy = if applied % 2 == 1 { tick() } else { 0 };
-            wire.load(Ordering::Relaxed) + applied + busy
+            (applied % 2 == 0).then(|| (wire.load(Ordering::Relaxed), applied))
         };
         let prefaulted = AtomicBool::new(false);
         let result = std::thread::scope(|scope| {

@@ -52,6 +52,8 @@ pub(crate) struct StreamSink {
     manifest: Arc<Manifest>,
     partial: Mutex<BTreeMap<usize, Arc<Mutex<Partial>>>>,
     out: SyncSender<WeightSet>,
+    /// Tensors handed over so far.
+    handed: AtomicU64,
     handover: Arc<Handover>,
     /// The most [`Handover::held`] was, over this receiver's streaming transfers.
     peak: Arc<AtomicU64>,
@@ -78,6 +80,7 @@ impl StreamSink {
             manifest: Arc::clone(manifest),
             partial: Mutex::new(BTreeMap::new()),
             out,
+            handed: AtomicU64::new(0),
             handover: Arc::clone(handover),
             peak: Arc::clone(peak),
         }
@@ -133,6 +136,21 @@ impl StreamSink {
         }));
         partial.insert(index, Arc::clone(&p));
         Ok(p)
+    }
+
+    /// Tensors handed over so far.
+    pub(crate) fn handed(&self) -> u64 {
+        self.handed.load(Ordering::Relaxed)
+    }
+
+    /// Drops the tensors put together so far (none handed over), for a transfer that
+    /// starts again from another source.
+    pub(crate) fn reset(&self) {
+        let dropped = std::mem::take(&mut *locked(&self.partial));
+        for index in dropped.keys() {
+            let len = self.manifest.tensors().get(*index).map_or(0, |t| t.len);
+            self.handover.applied(len);
+        }
     }
 
     /// Every tensor was handed over: the transfer is whole.
@@ -203,6 +221,7 @@ impl Sink for StreamSink {
             self.out.send(one).map_err(|_| {
                 Error::transport(NAME, "the streaming apply stopped taking tensors")
             })?;
+            self.handed.fetch_add(1, Ordering::Relaxed);
         }
         Ok(())
     }
@@ -267,6 +286,36 @@ mod tests {
             handover.applied(t.len);
         }
         assert_eq!(handover.held.load(Ordering::Relaxed), 0);
+    }
+
+    #[test]
+    fn a_transfer_started_again_forgets_what_it_put_together() {
+        let m = manifest();
+        let (tx, rx) = std::sync::mpsc::sync_channel(8);
+        let peak = Arc::new(AtomicU64::new(0));
+        let handover = Arc::new(Handover::default());
+        let sink = StreamSink::new(
+            &ModelId::new("m").unwrap(),
+            Version(2),
+            &m,
+            tx,
+            &handover,
+            &peak,
+        );
+        let all: Vec<u8> = (0..m.total_len()).map(|i| (i % 7) as u8).collect();
+        // half of `b` written and verified, then the source breaks
+        sink.write_at(64, &all[64..160]).unwrap();
+        sink.verified(64..160).unwrap();
+        assert_eq!(sink.handed(), 0);
+        sink.reset();
+        assert_eq!(handover.held.load(Ordering::Relaxed), 0);
+        // from another source, whole: `b` is counted once, not with the first attempt's half
+        sink.write_at(0, &all).unwrap();
+        sink.verified(0..160).unwrap();
+        assert!(rx.try_iter().all(|w| w.manifest().tensors()[0].name == "a"));
+        sink.verified(160..m.total_len()).unwrap();
+        sink.check_done().unwrap();
+        assert_eq!(sink.handed(), 3);
     }
 
     #[test]

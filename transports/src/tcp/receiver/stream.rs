@@ -3,7 +3,7 @@
 //! caller one at a time, as the buckets holding them are verified, and nothing of the
 //! version is kept here.
 
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::sync_channel;
 use std::sync::{Arc, PoisonError};
 use std::time::Instant;
@@ -25,6 +25,23 @@ enum Streamed {
     Applied,
     /// The sender no longer keeps the version.
     Superseded,
+}
+
+/// An apply under way: the count it bumps is odd from its start to its end (a panic
+/// included), and the pull's watchdog counts that as progress.
+struct Applying<'a>(&'a AtomicU64);
+
+impl<'a> Applying<'a> {
+    fn new(count: &'a AtomicU64) -> Self {
+        count.fetch_add(1, Ordering::Relaxed);
+        Self(count)
+    }
+}
+
+impl Drop for Applying<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_add(1, Ordering::Relaxed);
+    }
 }
 
 impl TcpReceiver {
@@ -70,12 +87,13 @@ impl TcpReceiver {
             }
             // only now, every model of the update being in: a failure above leaves them all
             // pending, to be streamed whole again
+            // the inbox first, as `pending` takes them
+            let mut ib = self.shared.inbox();
             let mut streamed = self
                 .shared
                 .streamed
                 .lock()
                 .unwrap_or_else(PoisonError::into_inner);
-            let mut ib = self.shared.inbox();
             for (m, v) in &done {
                 streamed.insert(m.clone(), *v);
                 if ib.pending.get(m).is_some_and(|p| p <= v) {
@@ -123,10 +141,10 @@ impl TcpReceiver {
             let mut applied = Ok(());
             for one in rx.iter() {
                 let len = one.manifest().tensors().first().map_or(0, |t| t.len);
-                // odd while the apply is under way: the pull's watchdog counts it as progress
-                caller.fetch_add(1, Ordering::Relaxed);
-                let r = progress.apply(apply, one);
-                caller.fetch_add(1, Ordering::Relaxed);
+                let r = {
+                    let _busy = Applying::new(caller);
+                    progress.apply(apply, one)
+                };
                 handover.applied(len);
                 if let Err(e) = r {
                     applied = Err(e);
