@@ -118,7 +118,7 @@ def _numpy_of(t: Any, raw: bool) -> np.ndarray:
     if not raw and t.dtype not in NUMPY_DTYPES:
         raise DTypeError(
             f"tensor `{t.name}` of `{t.model}` (version {t.version}) is {t.dtype}, "
-            "which numpy cannot represent: use torch tensors, or raw=True for its bits"
+            "which numpy cannot represent: use Update.torch(), or items(raw=True) for its bits"
         )
     return np.asarray(t)
 

@@ -753,8 +753,12 @@ def _build() -> dict[str, type]:
             # versions number one sender's updates: none of this sender's is in force yet
             self.loaded_version = None
             self._receiver, self._init, self._model_id = receiver, init_info, model or models[0]
-            _log.info("refit: connected to the %s sender of `%s` (spec %s), version %d in force there",
-                      receiver.transport, self._model_id, where, receiver.version(self._model_id))
+            if init_info.stream:
+                _log.info("refit: connected to the %s sender of `%s` (spec %s), streaming: the version in force "
+                          "there comes with the first update", receiver.transport, self._model_id, where)
+            else:
+                _log.info("refit: connected to the %s sender of `%s` (spec %s), version %d in force there",
+                          receiver.transport, self._model_id, where, receiver.version(self._model_id))
             if init_info.load_initial:
                 from vllm.config import set_current_vllm_config
 

@@ -64,6 +64,19 @@ pub(crate) fn to_py(e: Error) -> PyErr {
     }
 }
 
+/// As [`to_py`], with the error a [`Error::PartlyApplied`] carries chained as the
+/// exception's cause (in its own class: `PeerGone`, `Timeout`, `Refused`...).
+pub(crate) fn to_py_chained(py: pyo3::Python<'_>, e: Error) -> PyErr {
+    if !matches!(e, Error::PartlyApplied { .. }) {
+        return to_py(e);
+    }
+    let outer = NeedsFullResend::new_err(e.to_string());
+    if let Error::PartlyApplied { source, .. } = e {
+        outer.set_cause(py, Some(to_py(*source)));
+    }
+    outer
+}
+
 /// Logs `e`, which a user's Python code raised in `what` ("the Python engine's commit"),
 /// with its traceback: the message alone rarely says where it failed. Takes the GIL.
 pub(crate) fn log_raised(what: &str, e: &PyErr) {

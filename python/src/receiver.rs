@@ -108,7 +108,8 @@ impl Receiver {
 #[pymethods]
 impl Receiver {
     /// Connects to the sender `spec` describes (text), waiting up to `timeout` seconds for
-    /// its manifests and first version (which is acknowledged here).
+    /// its manifests and first version (which is acknowledged here; with `stream`, the first
+    /// `stream` hands it over instead).
     #[new]
     #[pyo3(signature = (spec, timeout = 30.0, token = None, copy = false, delta = "buckets", stream = false))]
     fn new(
@@ -302,7 +303,7 @@ impl Receiver {
                         Err(err)
                     }
                     Some(cause) => Err(cause),
-                    None => Err(to_py(e)),
+                    None => Err(crate::errors::to_py_chained(py, e)),
                 }
             }
         }

@@ -83,9 +83,10 @@ pub trait ReceiverTransport: Send {
     /// one tensor ([`WeightSet::single`]) under its model and version. Returns the
     /// `(model, version)` entries streamed; `None` when `deadline` passes with nothing new.
     ///
-    /// A transport that streams (a TCP receiver made `streaming`) keeps no copy of the version: while
-    /// it arrives, its memory is a few tensors, not the model. The default receives the
-    /// group whole, then hands over a copy of each tensor.
+    /// A transport that streams (a TCP receiver made `streaming`) keeps no copy of the
+    /// version: while it arrives, its memory is a few buckets' worth of tensors (at least the
+    /// largest), not the model. The default receives the group whole, then hands over a copy
+    /// of each tensor.
     ///
     /// # Errors
     /// As [`next_group`](Self::next_group); an error of `apply` stops the transfer. Once a
@@ -767,7 +768,8 @@ impl<T: ReceiverTransport> Receiver<T> {
         Ok(Some(entries))
     }
 
-    /// Tells the sender these versions are applied (after [`Receiver::stage`]). Versions
+    /// Tells the sender these versions are applied (after [`Receiver::stage`] or
+    /// [`Receiver::stream_staged`]). Versions
     /// only grow: acknowledging a version acknowledges the older ones it replaced, and a
     /// version already acknowledged (or older) is not acknowledged again.
     ///

@@ -97,11 +97,11 @@ pub struct LinkOptions {
     /// `Elements` those as element-level deltas). Transports that move every byte ignore
     /// it.
     pub deltas: Deltas,
-    /// Receiver: apply every version as it streams in
-    /// ([`ReceiverTransport::stream_next`]),
-    /// keeping no copy of it: TCP receivers then hold a few tensors during an update, not
-    /// the model (and relay nothing, and pull every byte). Transports that receive versions
-    /// whole still hand them over tensor by tensor.
+    /// Receiver: apply every version as it streams in ([`ReceiverTransport::stream_next`]),
+    /// keeping no copy of it: TCP receivers then hold a few buckets' worth of tensors (at
+    /// least the largest) during an update, not the model (and relay nothing, and pull every
+    /// byte, over two streams). Transports that receive versions whole still hand them over
+    /// tensor by tensor.
     pub streaming: bool,
     /// The CUDA device this end uses (GPU links: `nccl`, `cuda-ipc`). Default:
     /// [`CUDA_DEVICE_ENV`] when set, else 0 (each process sees the GPUs its

@@ -2,8 +2,9 @@
 //! receiver's `stream_next`):
 //! each tensor is put together in a buffer of its own from the bytes of the buckets that
 //! hold it, handed over once every one of those buckets is verified, and let go of by the
-//! receiver then. Nothing of the version stays behind, so a receive holds a few tensors at a
-//! time (those of the buckets in flight, and those waiting for the caller), not the model.
+//! receiver then. Nothing of the version stays behind, so a receive holds a few buckets'
+//! worth of tensors at a time (those of the buckets in flight, and those waiting for or in
+//! the caller's apply; at least the largest tensor), not the model.
 
 use std::collections::BTreeMap;
 use std::ops::Range;
@@ -155,8 +156,18 @@ impl StreamSink {
 
     /// Every tensor was handed over: the transfer is whole.
     pub(crate) fn check_done(&self) -> Result<()> {
+        let with_bytes = self.manifest.tensors().iter().filter(|t| t.len > 0).count();
         match locked(&self.partial).keys().next() {
-            None => Ok(()),
+            None if self.handed() == with_bytes as u64 => Ok(()),
+            None => Err(Error::transport(
+                NAME,
+                format!(
+                    "the transfer of `{}` v{} handed over {} of its {with_bytes} tensors",
+                    self.model,
+                    self.version,
+                    self.handed()
+                ),
+            )),
             Some(&i) => Err(Error::transport(
                 NAME,
                 format!(
