@@ -145,16 +145,25 @@ pub(super) async fn stats(engine: &Engine) -> Result<EngineStats> {
     within("the engine's statistics", engine.send(GetEngineStats)).await
 }
 
-/// Waits until `n` sequences of `model` are running.
-pub(super) async fn wait_running(engine: &Engine, model: &ModelId, n: usize) -> Result<()> {
+/// Waits until `n` sequences of `model` are running; answers the status that showed them
+/// (read again later, it may show them finished: short requests end between two reads on a
+/// loaded machine).
+pub(super) async fn wait_running(
+    engine: &Engine,
+    model: &ModelId,
+    n: usize,
+) -> Result<GenModelStatus> {
     let deadline = Instant::now() + WAIT;
-    while status(engine, model).await?.running < n {
+    loop {
+        let now = status(engine, model).await?;
+        if now.running >= n {
+            return Ok(now);
+        }
         if Instant::now() > deadline {
             return Err(timed_out(&format!("{n} requests running")));
         }
         actix_rt::time::sleep(POLL).await;
     }
-    Ok(())
 }
 
 /// The mean time of one decoding step over a window of at least [`WINDOW_STEPS`] steps and

@@ -200,8 +200,9 @@ impl EngineRun<'_> {
             blocking(move || publish_next(sender, trainer)).await?;
         let convert = sender.transport().stats().last;
         let version = trainer.version();
-        clients::wait_running(engine, model, self.cfg.requests).await?;
-        let before = clients::status(engine, model).await?;
+        // the status that showed the requests running: read again, it may find them all
+        // finished between the two reads
+        let before = clients::wait_running(engine, model, self.cfg.requests).await?;
         let stats_before = clients::stats(engine).await?;
         let asked = Instant::now();
         let ask = UpdateModel {
