@@ -1212,19 +1212,16 @@ mod tests {
 pub struct FileLink;
 
 impl crate::link::LinkFactory for FileLink {
-    fn name(&self) -> &'static str {
-        NAME
+    fn traits(&self) -> &'static crate::link::LinkTraits {
+        &crate::link::LinkTraits {
+            name: NAME,
+            about: "a directory of safetensors files, one per version, readable by any safetensors reader",
+            reach: crate::link::Reach::Host,
+            receivers_copy: true,
+            memory: crate::link::LinkMemory::Host,
+        }
     }
-    fn about(&self) -> &'static str {
-        "a directory of safetensors files, one per version, readable by any safetensors reader"
-    }
-    fn reach(&self) -> crate::link::Reach {
-        crate::link::Reach::Host
-    }
-    fn receivers_copy(&self) -> bool {
-        true
-    }
-    fn open(
+    fn sender_end(
         &self,
         _: &Manifests,
         options: &crate::link::LinkOptions,
@@ -1248,12 +1245,11 @@ impl crate::link::LinkFactory for FileLink {
             leftovers,
         })
     }
-    fn receiver(
+    fn receiver_end(
         &self,
         spec: &crate::link::ReceiverSpec,
         _: &crate::link::LinkOptions,
     ) -> Result<Box<dyn refit_runtime::ReceiverTransport>> {
-        spec.check_transport(self)?;
         let s: FileReceiverSpec = spec.params()?;
         Ok(Box::new(FileReceiver::new(s)))
     }

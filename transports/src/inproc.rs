@@ -16,7 +16,9 @@ use refit_runtime::{
 };
 use serde::{Deserialize, Serialize};
 
-use crate::link::{LinkFactory, LinkOptions, OpenedLink, Reach, ReceiverSpec};
+use crate::link::{
+    LinkFactory, LinkMemory, LinkOptions, LinkTraits, OpenedLink, Reach, ReceiverSpec,
+};
 
 /// The in-process transport in the link factory: its spec names a hub of this process,
 /// kept in a process-wide table while its sender end lives; another process (or a spec
@@ -69,19 +71,16 @@ impl SenderTransport for TableSender {
 }
 
 impl LinkFactory for InProcLink {
-    fn name(&self) -> &'static str {
-        "inproc"
+    fn traits(&self) -> &'static LinkTraits {
+        &LinkTraits {
+            name: "inproc",
+            about: "threads and actors of one process: publishing is a pointer swap",
+            reach: Reach::Process,
+            receivers_copy: false,
+            memory: LinkMemory::Host,
+        }
     }
-    fn about(&self) -> &'static str {
-        "threads and actors of one process: publishing is a pointer swap"
-    }
-    fn reach(&self) -> Reach {
-        Reach::Process
-    }
-    fn receivers_copy(&self) -> bool {
-        false
-    }
-    fn open(&self, _: &Manifests, _: &LinkOptions) -> Result<OpenedLink> {
+    fn sender_end(&self, _: &Manifests, _: &LinkOptions) -> Result<OpenedLink> {
         static NEXT: AtomicU64 = AtomicU64::new(1);
         let hub = InProc::new();
         let key = NEXT.fetch_add(1, Ordering::Relaxed);
@@ -97,8 +96,11 @@ impl LinkFactory for InProcLink {
             leftovers: Vec::new(),
         })
     }
-    fn receiver(&self, spec: &ReceiverSpec, _: &LinkOptions) -> Result<Box<dyn ReceiverTransport>> {
-        spec.check_transport(self)?;
+    fn receiver_end(
+        &self,
+        spec: &ReceiverSpec,
+        _: &LinkOptions,
+    ) -> Result<Box<dyn ReceiverTransport>> {
         let r: HubRef = spec.params()?;
         if r.pid != std::process::id() {
             return Err(Error::Config(format!(

@@ -147,23 +147,62 @@ impl LinkOptions {
     }
 }
 
-/// One transport as the factory sees it: a name, how far it reaches, and how to open a
-/// sender end and connect receiver ends from a [`ReceiverSpec`].
-pub trait LinkFactory: Send + Sync + 'static {
+/// Where a transport's versions live between its two ends.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LinkMemory {
+    /// Host memory (shared segments, arenas, files, sockets).
+    Host,
+    /// GPU memory: the link exists in every build, but opens only in one with the `cuda`
+    /// feature, on a process with a usable device (and NCCL loaded, when `nccl`).
+    Gpu {
+        /// The link needs NCCL beside the driver.
+        nccl: bool,
+    },
+}
+
+/// What a transport is, as data: each [`LinkFactory`] answers one, and the factory's
+/// descriptive calls read it.
+#[derive(Debug, Clone, Copy)]
+pub struct LinkTraits {
     /// The name users write (`--transports`, `[links]`), lowercase.
-    fn name(&self) -> &'static str;
+    pub name: &'static str,
     /// One line for help texts.
-    fn about(&self) -> &'static str;
+    pub about: &'static str,
     /// How far apart its two ends may be.
-    fn reach(&self) -> Reach;
+    pub reach: Reach,
     /// True when each receiver holds the weights in memory of its own (as opposed to
     /// sharing the sender's) with default [`LinkOptions`]: `refit bench` caps its sizes for
     /// such transports.
-    fn receivers_copy(&self) -> bool;
+    pub receivers_copy: bool,
+    /// Where versions move.
+    pub memory: LinkMemory,
+}
+
+/// One transport as the factory sees it: what it is ([`LinkTraits`]), and how to open a
+/// sender end and connect receiver ends from a [`ReceiverSpec`].
+pub trait LinkFactory: Send + Sync + 'static {
+    /// What the transport is.
+    fn traits(&self) -> &'static LinkTraits;
+    /// The name users write (`--transports`, `[links]`), lowercase.
+    fn name(&self) -> &'static str {
+        self.traits().name
+    }
+    /// One line for help texts.
+    fn about(&self) -> &'static str {
+        self.traits().about
+    }
+    /// How far apart its two ends may be.
+    fn reach(&self) -> Reach {
+        self.traits().reach
+    }
+    /// As [`LinkTraits::receivers_copy`].
+    fn receivers_copy(&self) -> bool {
+        self.traits().receivers_copy
+    }
     /// True when versions move through GPU memory: `refit bench` sets such a link against a
     /// device-to-device copy of the same bytes, measured in the same run.
     fn on_device(&self) -> bool {
-        false
+        matches!(self.traits().memory, LinkMemory::Gpu { .. })
     }
     /// Whether this build carries the transport. The links behind a cargo feature (`nccl`
     /// and `cuda-ipc` need `cuda`) exist in every build, so names resolve everywhere; without
@@ -173,7 +212,10 @@ pub trait LinkFactory: Send + Sync + 'static {
     /// # Errors
     /// [`Error::Transport`] naming the transport, the missing feature and how to build it.
     fn built(&self) -> Result<()> {
-        Ok(())
+        match self.traits().memory {
+            LinkMemory::Host => Ok(()),
+            LinkMemory::Gpu { .. } => crate::gpu::link_built(self.name()),
+        }
     }
     /// Whether this process can open the transport now: [`LinkFactory::built`], and for GPU
     /// links a usable GPU (the probe's answer). `open` and `receiver` fail with the same
@@ -182,22 +224,49 @@ pub trait LinkFactory: Send + Sync + 'static {
     /// # Errors
     /// As [`LinkFactory::built`]; the probe's reason (no driver, no device, no NCCL).
     fn usable(&self, options: &LinkOptions) -> Result<()> {
-        let _ = options;
-        self.built()
+        match self.traits().memory {
+            LinkMemory::Host => self.built(),
+            LinkMemory::Gpu { nccl } => crate::gpu::link_usable(self.name(), options, nccl),
+        }
     }
-    /// Opens the sender end for `manifests`; nothing is published yet.
+    /// Opens the sender end for `manifests`, once [`LinkFactory::usable`] said yes; nothing
+    /// is published yet.
     ///
     /// # Errors
-    /// The transport's setup errors (a segment that cannot be created, a port that cannot
-    /// be bound, a directory that cannot be written).
-    fn open(&self, manifests: &Manifests, options: &LinkOptions) -> Result<OpenedLink>;
-    /// A receiver end for `spec` (one this factory made), to connect with
-    /// [`ReceiverInit`](refit_runtime::ReceiverInit).
+    /// As [`LinkFactory::usable`]; the transport's setup errors (a segment that cannot be
+    /// created, a port that cannot be bound, a directory that cannot be written).
+    fn open(&self, manifests: &Manifests, options: &LinkOptions) -> Result<OpenedLink> {
+        self.usable(options)?;
+        self.sender_end(manifests, options)
+    }
+    /// A receiver end for `spec`, to connect with
+    /// [`ReceiverInit`](refit_runtime::ReceiverInit), once the spec was found to be this
+    /// transport's and [`LinkFactory::usable`] said yes.
+    ///
+    /// # Errors
+    /// A spec of another transport, naming both; as [`LinkFactory::usable`]; a spec this
+    /// transport cannot decode, a missing token, a link that cannot reach this process.
+    fn receiver(
+        &self,
+        spec: &ReceiverSpec,
+        options: &LinkOptions,
+    ) -> Result<Box<dyn ReceiverTransport>> {
+        spec.check_named(self.name())?;
+        self.usable(options)?;
+        self.receiver_end(spec, options)
+    }
+    /// What [`LinkFactory::open`] does past its checks: the transport's own sender end.
+    ///
+    /// # Errors
+    /// The transport's setup errors.
+    fn sender_end(&self, manifests: &Manifests, options: &LinkOptions) -> Result<OpenedLink>;
+    /// What [`LinkFactory::receiver`] does past its checks: the transport's own receiver
+    /// end for `spec`.
     ///
     /// # Errors
     /// A spec this transport cannot decode, a missing token, a link that cannot reach this
     /// process.
-    fn receiver(
+    fn receiver_end(
         &self,
         spec: &ReceiverSpec,
         options: &LinkOptions,
@@ -488,13 +557,16 @@ impl ReceiverSpec {
     /// # Errors
     /// [`Error::Config`] naming both transports.
     pub fn check_transport(&self, link: &dyn LinkFactory) -> Result<()> {
-        if self.transport == link.name() {
+        self.check_named(link.name())
+    }
+
+    fn check_named(&self, transport: &str) -> Result<()> {
+        if self.transport == transport {
             Ok(())
         } else {
             Err(Error::Config(format!(
-                "a {} receiver spec handed to the {} transport",
-                self.transport,
-                link.name()
+                "a {} receiver spec handed to the {transport} transport",
+                self.transport
             )))
         }
     }

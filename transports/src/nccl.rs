@@ -27,7 +27,9 @@ use refit_runtime::{Manifests, ReceiverTransport, Result};
 use crate::broadcast::{
     BroadcastReceiver, BroadcastSender, Connector, GroupEnd, join_group, open_group,
 };
-use crate::link::{LinkFactory, LinkOptions, OpenedLink, Reach, ReceiverSpec};
+use crate::link::{
+    LinkFactory, LinkMemory, LinkOptions, LinkTraits, OpenedLink, Reach, ReceiverSpec,
+};
 
 const NAME: &str = "nccl";
 
@@ -71,40 +73,25 @@ impl NcclLink {
 }
 
 impl LinkFactory for NcclLink {
-    fn name(&self) -> &'static str {
-        NAME
+    fn traits(&self) -> &'static LinkTraits {
+        &LinkTraits {
+            name: NAME,
+            about: "processes on GPUs of any hosts: rank 0 broadcasts every bucket once through NCCL (feature `cuda`)",
+            // NCCL reaches ranks over NVLink, PCIe, sockets or InfiniBand
+            reach: Reach::Network,
+            // each receiver assembles versions in arenas of its own
+            receivers_copy: true,
+            memory: LinkMemory::Gpu { nccl: true },
+        }
     }
-    fn about(&self) -> &'static str {
-        "processes on GPUs of any hosts: rank 0 broadcasts every bucket once through NCCL (feature `cuda`)"
-    }
-    fn reach(&self) -> Reach {
-        // NCCL reaches ranks over NVLink, PCIe, sockets or InfiniBand
-        Reach::Network
-    }
-    fn receivers_copy(&self) -> bool {
-        // each receiver assembles versions in arenas of its own
-        true
-    }
-    fn on_device(&self) -> bool {
-        true
-    }
-    fn built(&self) -> Result<()> {
-        crate::gpu::link_built(NAME)
-    }
-    fn usable(&self, options: &LinkOptions) -> Result<()> {
-        crate::gpu::link_usable(NAME, options, true)
-    }
-    fn open(&self, _manifests: &Manifests, options: &LinkOptions) -> Result<OpenedLink> {
-        self.usable(options)?;
+    fn sender_end(&self, _manifests: &Manifests, options: &LinkOptions) -> Result<OpenedLink> {
         with_cuda::open(self, options)
     }
-    fn receiver(
+    fn receiver_end(
         &self,
         spec: &ReceiverSpec,
         options: &LinkOptions,
     ) -> Result<Box<dyn ReceiverTransport>> {
-        spec.check_transport(self)?;
-        self.usable(options)?;
         with_cuda::receiver(self, spec, options)
     }
 }

@@ -16,7 +16,9 @@ use serde::{Deserialize, Serialize};
 
 use super::{BroadcastConfig, BroadcastReceiver, BroadcastSender, Connector};
 use crate::collective::{CpuConfig, Rendezvous};
-use crate::link::{LinkFactory, LinkOptions, OpenedLink, Reach, ReceiverSpec};
+use crate::link::{
+    LinkFactory, LinkMemory, LinkOptions, LinkTraits, OpenedLink, Reach, ReceiverSpec,
+};
 
 /// Broadcast (CPU chain) in the link factory.
 #[derive(Debug, Clone, Copy)]
@@ -144,10 +146,18 @@ fn cpu(end: &GroupEnd) -> CpuConfig {
 }
 
 impl LinkFactory for BroadcastLink {
-    fn name(&self) -> &'static str {
-        "broadcast"
+    fn traits(&self) -> &'static LinkTraits {
+        &LinkTraits {
+            name: "broadcast",
+            about: "processes on any hosts: rank 0 broadcasts every bucket once down a chain of receivers",
+            // the chain runs over TCP: ranks on any hosts that reach each other
+            reach: Reach::Network,
+            // each receiver assembles versions in arenas of its own
+            receivers_copy: true,
+            memory: LinkMemory::Host,
+        }
     }
-    fn open(&self, _manifests: &Manifests, options: &LinkOptions) -> Result<OpenedLink> {
+    fn sender_end(&self, _manifests: &Manifests, options: &LinkOptions) -> Result<OpenedLink> {
         let bucket_size = BroadcastConfig::new("").bucket_size;
         let (sender, spec) = open_group(self, options, bucket_size, cpu)?;
         Ok(OpenedLink {
@@ -156,19 +166,12 @@ impl LinkFactory for BroadcastLink {
             leftovers: Vec::new(),
         })
     }
-    fn about(&self) -> &'static str {
-        "processes on any hosts: rank 0 broadcasts every bucket once down a chain of receivers"
-    }
-    fn receiver(&self, spec: &ReceiverSpec, o: &LinkOptions) -> Result<Box<dyn ReceiverTransport>> {
+    fn receiver_end(
+        &self,
+        spec: &ReceiverSpec,
+        o: &LinkOptions,
+    ) -> Result<Box<dyn ReceiverTransport>> {
         Ok(Box::new(join_group(self, spec, o, cpu)?))
-    }
-    fn reach(&self) -> Reach {
-        // the chain runs over TCP: ranks on any hosts that reach each other
-        Reach::Network
-    }
-    fn receivers_copy(&self) -> bool {
-        // each receiver assembles versions in arenas of its own
-        true
     }
 }
 

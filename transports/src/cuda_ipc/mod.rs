@@ -39,7 +39,9 @@ pub use device::{CudaExport, CudaImport};
 pub use host::HostSlots;
 pub use slots::{ExportSlots, ImportSlots};
 
-use crate::link::{LinkFactory, LinkOptions, OpenedLink, Reach, ReceiverSpec};
+use crate::link::{
+    LinkFactory, LinkMemory, LinkOptions, LinkTraits, OpenedLink, Reach, ReceiverSpec,
+};
 use crate::shm::{ShmConfig, ShmReceiver, ShmReceiverSpec, ShmSender};
 
 const NAME: &str = "cuda-ipc";
@@ -93,45 +95,26 @@ impl CudaIpcLink {
 }
 
 impl LinkFactory for CudaIpcLink {
-    fn name(&self) -> &'static str {
-        NAME
+    fn traits(&self) -> &'static LinkTraits {
+        &LinkTraits {
+            name: NAME,
+            about: "processes on one GPU: versions in exported device buffers, one per slot, opened once (feature `cuda`)",
+            // IPC handles open on the GPU of the same host only
+            reach: Reach::Host,
+            // each receiver copies versions out into host arenas of its own
+            receivers_copy: true,
+            memory: LinkMemory::Gpu { nccl: false },
+        }
     }
-    fn about(&self) -> &'static str {
-        "processes on one GPU: versions in exported device buffers, one per slot, opened once (feature `cuda`)"
-    }
-    fn reach(&self) -> Reach {
-        // IPC handles open on the GPU of the same host only
-        Reach::Host
-    }
-    fn receivers_copy(&self) -> bool {
-        // each receiver copies versions out into host arenas of its own
-        true
-    }
-    fn on_device(&self) -> bool {
-        true
-    }
-    fn built(&self) -> Result<()> {
-        crate::gpu::link_built(NAME)
-    }
-    fn usable(&self, options: &LinkOptions) -> Result<()> {
-        crate::gpu::link_usable(NAME, options, false)
-    }
-    fn open(&self, manifests: &Manifests, options: &LinkOptions) -> Result<OpenedLink> {
-        self.usable(options)?;
+    fn sender_end(&self, manifests: &Manifests, options: &LinkOptions) -> Result<OpenedLink> {
         let (sender, spec) = self.open_over(manifests, options, with_cuda::export(options)?)?;
-        Ok(OpenedLink {
-            spec,
-            leftovers: sender.segment_paths(),
-            sender: Box::new(sender),
-        })
+        Ok(crate::shm::link::opened(sender, spec))
     }
-    fn receiver(
+    fn receiver_end(
         &self,
         spec: &ReceiverSpec,
         options: &LinkOptions,
     ) -> Result<Box<dyn ReceiverTransport>> {
-        spec.check_transport(self)?;
-        self.usable(options)?;
         Ok(Box::new(self.join_over(spec, with_cuda::import(options)?)?))
     }
 }

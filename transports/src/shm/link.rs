@@ -3,7 +3,9 @@
 use refit_runtime::{Manifests, ReceiverTransport, Result};
 
 use super::{ShmConfig, ShmReadMode, ShmReceiver, ShmReceiverSpec, ShmSender};
-use crate::link::{LinkFactory, LinkOptions, OpenedLink, Reach, ReceiverSpec};
+use crate::link::{
+    LinkFactory, LinkMemory, LinkOptions, LinkTraits, OpenedLink, Reach, ReceiverSpec,
+};
 
 /// Shared memory in the link factory: the spec is the board's path ([`ShmReceiverSpec`]);
 /// the segment files are the link's leftovers. Receivers read each version where the sender
@@ -40,32 +42,24 @@ impl ShmLink {
 }
 
 impl LinkFactory for ShmLink {
-    fn name(&self) -> &'static str {
-        super::NAME
+    fn traits(&self) -> &'static LinkTraits {
+        &LinkTraits {
+            name: super::NAME,
+            about: "processes of one host: slots in shared memory, readers map them in place",
+            reach: Reach::Host,
+            receivers_copy: false,
+            memory: LinkMemory::Host,
+        }
     }
-    fn about(&self) -> &'static str {
-        "processes of one host: slots in shared memory, readers map them in place"
-    }
-    fn reach(&self) -> Reach {
-        Reach::Host
-    }
-    fn receivers_copy(&self) -> bool {
-        false
-    }
-    fn open(&self, manifests: &Manifests, options: &LinkOptions) -> Result<OpenedLink> {
+    fn sender_end(&self, manifests: &Manifests, options: &LinkOptions) -> Result<OpenedLink> {
         let (sender, spec) = self.open_typed(manifests, options)?;
-        Ok(OpenedLink {
-            spec,
-            leftovers: sender.segment_paths(),
-            sender: Box::new(sender),
-        })
+        Ok(opened(sender, spec))
     }
-    fn receiver(
+    fn receiver_end(
         &self,
         spec: &ReceiverSpec,
         options: &LinkOptions,
     ) -> Result<Box<dyn ReceiverTransport>> {
-        spec.check_transport(self)?;
         let s: ShmReceiverSpec = spec.params()?;
         let mode = if options.private_copies {
             ShmReadMode::Copy
@@ -73,5 +67,15 @@ impl LinkFactory for ShmLink {
             ShmReadMode::ZeroCopy
         };
         Ok(Box::new(ShmReceiver::new(s).with_mode(mode)))
+    }
+}
+
+/// The link opened over `sender` (an `shm` or `cuda-ipc` sender end): its segments are the
+/// leftovers.
+pub(crate) fn opened(sender: ShmSender, spec: ReceiverSpec) -> OpenedLink {
+    OpenedLink {
+        spec,
+        leftovers: sender.segment_paths(),
+        sender: Box::new(sender),
     }
 }

@@ -56,7 +56,7 @@ mod collect;
 mod futex;
 mod layout;
 pub(crate) mod lease;
-mod link;
+pub(crate) mod link;
 mod receiver;
 mod segment;
 mod sender;

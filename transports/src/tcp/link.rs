@@ -4,7 +4,9 @@ use refit_runtime::{Error, Manifests, ReceiverTransport, Result};
 
 use super::TransferMode;
 use super::{TcpConfig, TcpEndpoint, TcpReceiver, TcpReceiverConfig, TcpReceiverSpec, TcpSender};
-use crate::link::{Deltas, LinkFactory, LinkOptions, OpenedLink, Reach, ReceiverSpec};
+use crate::link::{
+    Deltas, LinkFactory, LinkMemory, LinkOptions, LinkTraits, OpenedLink, Reach, ReceiverSpec,
+};
 
 /// Parallel streams of a streaming receiver: each holds the tensors of the bucket it is
 /// pulling until the bucket is verified, so fewer streams bound its memory tighter.
@@ -16,19 +18,16 @@ const STREAMING_STREAMS: usize = 2;
 pub struct TcpLink;
 
 impl LinkFactory for TcpLink {
-    fn name(&self) -> &'static str {
-        super::NAME
+    fn traits(&self) -> &'static LinkTraits {
+        &LinkTraits {
+            name: super::NAME,
+            about: "processes on any hosts: receivers pull over parallel streams and relay to each other",
+            reach: Reach::Network,
+            receivers_copy: true,
+            memory: LinkMemory::Host,
+        }
     }
-    fn about(&self) -> &'static str {
-        "processes on any hosts: receivers pull over parallel streams and relay to each other"
-    }
-    fn reach(&self) -> Reach {
-        Reach::Network
-    }
-    fn receivers_copy(&self) -> bool {
-        true
-    }
-    fn open(&self, manifests: &Manifests, options: &LinkOptions) -> Result<OpenedLink> {
+    fn sender_end(&self, manifests: &Manifests, options: &LinkOptions) -> Result<OpenedLink> {
         let config = TcpConfig {
             expected_receivers: options.expected_receivers,
             token: options.token.clone(),
@@ -46,12 +45,11 @@ impl LinkFactory for TcpLink {
             leftovers: Vec::new(),
         })
     }
-    fn receiver(
+    fn receiver_end(
         &self,
         spec: &ReceiverSpec,
         options: &LinkOptions,
     ) -> Result<Box<dyn ReceiverTransport>> {
-        spec.check_transport(self)?;
         let endpoint: TcpEndpoint = spec.params()?;
         let token = options.token_or_env()?.ok_or_else(|| {
             Error::Config(format!(
