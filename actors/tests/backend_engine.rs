@@ -662,3 +662,201 @@ fn a_backend_committed_in_flight_passes_the_conformance_suite() {
     let passed = refit_actors::conformance::backend(backend, &policy()).unwrap();
     assert_eq!(passed, refit_actors::conformance::CHECKS);
 }
+
+/// Refit's backend taking each version in tensor by tensor at its commit: the tensors are
+/// written into a version of its own as they come (a real engine writes them into its
+/// served model), then loaded; `fail_at` makes its apply refuse a version's first tensor.
+struct Streamed {
+    inner: GeneratorBackend<refit_actors::bigram::Bigram>,
+    fail_at: Option<Version>,
+    /// Stages the engine asked of the backend (none for a streaming model).
+    stages: Arc<AtomicU64>,
+    /// Tensors applied, over all commits.
+    tensors: Arc<AtomicU64>,
+}
+
+impl EngineBackend for Streamed {
+    fn name(&self) -> String {
+        "streamed".into()
+    }
+    fn streams(&self) -> bool {
+        true
+    }
+    fn manifest(&self, model: &ModelId) -> Result<Arc<Manifest>> {
+        self.inner.manifest(model)
+    }
+    fn stage(&self, weights: Arc<WeightSet>) -> Result<()> {
+        self.stages.fetch_add(1, Ordering::SeqCst);
+        self.inner.stage(weights)
+    }
+    fn commit(&self, model: &ModelId, version: Version) -> Result<Option<Duration>> {
+        self.inner.commit(model, version)
+    }
+    fn commit_streamed(
+        &self,
+        model: &ModelId,
+        version: Version,
+        stream: &refit_actors::actor::TensorStream,
+    ) -> Result<()> {
+        let manifest = self.inner.manifest(model)?;
+        let mut landing = WeightSet::zeroed(model.clone(), Arc::clone(&manifest));
+        let mut apply = |one: WeightSet| -> Result<()> {
+            if Some(one.version()) == self.fail_at {
+                return Err(Error::Generator {
+                    model: model.to_string(),
+                    reason: "tensor `table` refused by the streamed backend".into(),
+                });
+            }
+            for t in one.manifest().tensors() {
+                landing
+                    .tensor_bytes_mut(&t.name)
+                    .unwrap()
+                    .copy_from_slice(&one.bytes()[t.range()]);
+            }
+            landing.set_version(one.version());
+            self.tensors.fetch_add(1, Ordering::SeqCst);
+            Ok(())
+        };
+        let streamed = stream.run(&mut apply)?;
+        assert!(streamed >= version, "v{streamed} streamed for v{version}");
+        // a second run is refused: one stream per commit
+        let again = stream.run(&mut |_| Ok(())).unwrap_err().to_string();
+        assert!(again.contains("streamed already"), "{again}");
+        self.inner.stage(Arc::new(landing))?;
+        self.inner.commit(model, streamed).map(|_| ())
+    }
+    fn generate(
+        &self,
+        batch: &[Generate],
+        served: &BTreeMap<ModelId, Version>,
+    ) -> Vec<Result<Completion>> {
+        self.inner.generate(batch, served)
+    }
+}
+
+/// A streaming engine of [`Streamed`] (failing at `fail_at`), fed by a sender through a
+/// streaming inlet: it holds v1, the version in force, until the first commit takes it.
+fn streaming_engine(
+    fail_at: Option<Version>,
+) -> (
+    Addr<BackendEngine<Streamed>>,
+    InProcSender,
+    Arc<AtomicU64>,
+    Arc<AtomicU64>,
+) {
+    let m = policy();
+    let manifests = refit_runtime::Manifests::new([(
+        m.clone(),
+        refit_actors::generation::Generator::manifest(&bigram()),
+    )])
+    .unwrap();
+    let hub = refit_transports::inproc::InProc::new();
+    let receiver = refit_runtime::ReceiverInit::new(hub.receiver(), Some(manifests.clone()));
+    let r = std::thread::spawn(move || {
+        refit_runtime::link::StreamingInlet::connect(receiver, Duration::from_secs(10)).unwrap()
+    });
+    let sender = refit_runtime::SenderInit::new(hub.sender().unwrap(), manifests)
+        .connect(vec![table(&m, 1)], Duration::from_secs(10))
+        .unwrap();
+    let inlet: Box<dyn refit_actors::WeightInlet> = Box::new(r.join().unwrap());
+    let (stages, tensors) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
+    let backend = Streamed {
+        inner: GeneratorBackend::new()
+            .with_model(m.clone(), bigram(), bigram(), 8)
+            .unwrap(),
+        fail_at,
+        stages: Arc::clone(&stages),
+        tensors: Arc::clone(&tensors),
+    };
+    let addr = BackendEngine::new(Arc::new(backend), vec![(m.clone(), inlet)])
+        .unwrap()
+        .pause_mode(PauseMode::Keep)
+        .streamed(&m)
+        .unwrap()
+        .start();
+    (addr, sender, stages, tensors)
+}
+
+#[actix_rt::test]
+async fn a_streaming_model_is_pulled_inside_its_commit_and_never_staged() {
+    let (e, mut sender, stages, tensors) = streaming_engine(None);
+    // the version in force streams in at the first load
+    assert_eq!(update(&e, 1).await.unwrap(), Version(1));
+    let c = within("a request", e.send(ask(2, None)))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!((c.tokens, c.versions), (walk(2, 1, 3), vec![Version(1); 3]));
+    // stage then commit, as the controller drives a fleet: the stage pulls nothing
+    let _ = sender.send_async(vec![table(&policy(), 2)]).unwrap();
+    let stage = StageModel {
+        model: policy(),
+        version: Version(2),
+        timeout: Duration::from_secs(10),
+        hold: Duration::from_secs(10),
+    };
+    let staged = within("the stage", e.send(stage)).await.unwrap().unwrap();
+    assert_eq!(staged.version, Version(2));
+    assert_eq!(tensors.load(Ordering::SeqCst), 1, "the stage pulled");
+    let commit = CommitModel {
+        model: policy(),
+        version: Version(2),
+        timeout: Duration::from_secs(10),
+    };
+    let report = within("the commit", e.send(commit)).await.unwrap().unwrap();
+    assert_eq!(report.version, Version(2));
+    assert_eq!(tensors.load(Ordering::SeqCst), 2);
+    let c = within("a request", e.send(ask(2, None)))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!((c.tokens, c.versions), (walk(2, 2, 3), vec![Version(2); 3]));
+    // the engine never asked the backend to stage: no second copy of the model
+    assert_eq!(stages.load(Ordering::SeqCst), 0);
+    let stats = e.send(GetEngineStats).await.unwrap();
+    assert_eq!(stats.loads, 2, "{stats:?}");
+}
+
+#[actix_rt::test]
+async fn a_streamed_version_the_backend_refuses_leaves_the_served_one() {
+    let (e, mut sender, _, _) = streaming_engine(Some(Version(2)));
+    assert_eq!(update(&e, 1).await.unwrap(), Version(1));
+    let _ = sender.send_async(vec![table(&policy(), 2)]).unwrap();
+    let err = update(&e, 2).await.unwrap_err().to_string();
+    // refused at its first tensor: the apply's own error, nothing applied
+    assert!(err.contains("refused by the streamed backend"), "{err}");
+    let served = e.send(ServedVersions).await.unwrap();
+    assert_eq!(served.get(&policy()), Some(&Version(1)));
+    let c = within("a request", e.send(ask(2, None)))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(c.versions, vec![Version(1); 3]);
+    // the next version streams in whole
+    let _ = sender.send_async(vec![table(&policy(), 3)]).unwrap();
+    assert_eq!(update(&e, 3).await.unwrap(), Version(3));
+    let c = within("a request", e.send(ask(2, None)))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!((c.tokens, c.versions), (walk(2, 3, 3), vec![Version(3); 3]));
+}
+
+#[test]
+fn a_streaming_model_on_a_backend_that_stages_is_refused_naming_both() {
+    let m = policy();
+    let (_sender, receiver) = generating::scheme(&m, &bigram(), table(&m, 1));
+    let inlet: Box<dyn refit_actors::WeightInlet> = Box::new(receiver);
+    let backend = GeneratorBackend::new()
+        .with_model(m.clone(), bigram(), bigram(), 8)
+        .unwrap();
+    let e = BackendEngine::new(Arc::new(backend), vec![(m.clone(), inlet)])
+        .unwrap()
+        .streamed(&m)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("`policy`") && e.contains("does not stream"),
+        "{e}"
+    );
+}

@@ -9,6 +9,8 @@ orphan exit, restarts, its rollout workers); only the model is here, in torch:
   the layout the trainer's link converts to) into ``float32`` torch tensors, beside
   generation;
 - :meth:`TorchTransformer.commit` swaps them in: the pause;
+- :meth:`TorchTransformer.load_streamed` (a model with ``apply = "streaming"``) pulls the
+  version inside the pause and copies each tensor into the served weights as it arrives;
 - :meth:`TorchTransformer.generate` decodes each request (greedy or sampled at its
   temperature) and answers its tokens with their behaviour log-probabilities;
 - :meth:`TorchTransformer.interrupt` (under ``pause_mode = "abort"``) ends the running
@@ -51,6 +53,8 @@ class TorchTransformer(refit.engine.Engine):
         self.served: dict[str, dict[str, torch.Tensor]] = {}
         # the version whose interrupt ends each model's batch, until its next commit or abort
         self.interrupted: dict[str, int] = {}
+        # models a streamed version left mixed (part of it loaded)
+        self.mixed: set[str] = set()
 
     def manifest(self, model: str, layout: list, params: dict[str, Any]) -> list:
         # the shapes give every size but the number of heads: the model's params do (4 is
@@ -77,6 +81,28 @@ class TorchTransformer(refit.engine.Engine):
         if staged != version:
             raise RuntimeError(f"v{version} is not the version staged (v{staged})")
         self.served[model] = weights
+
+    def load_streamed(self, model: str, version: int, stream: Any) -> None:
+        # `apply = "streaming"`: each tensor goes into the served weights as it arrives
+        # (no batch runs meanwhile); no second copy of the model is made
+        self.interrupted.pop(model, None)
+        served = self.served.setdefault(model, {})
+
+        def apply(name: str, tensor: torch.Tensor) -> None:
+            t = tensor.to(torch.float32, copy=True)
+            if not torch.isfinite(t).all():
+                raise ValueError(f"tensor `{name}` of v{version} holds a value that is not finite")
+            if name in served:
+                served[name].copy_(t)
+            else:
+                served[name] = t
+
+        try:
+            stream(apply)
+        except refit.NeedsFullResend:
+            self.mixed.add(model)  # part of the version landed: no completion until one lands whole
+            raise
+        self.mixed.discard(model)
 
     def abort(self, model: str) -> None:
         self.interrupted.pop(model, None)
@@ -114,6 +140,8 @@ class TorchTransformer(refit.engine.Engine):
         return last @ w["head.weight"].T
 
     def complete(self, r: Request) -> Completion:
+        if r.model in self.mixed:
+            raise RuntimeError(f"`{r.model}` serves mixed weights: no completion until a version loads whole")
         gen = torch.Generator().manual_seed(r.seed)
         seq = list(r.prompt)
         tokens: list[int] = []

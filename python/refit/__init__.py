@@ -123,6 +123,34 @@ def _numpy_of(t: Any, raw: bool) -> np.ndarray:
     return np.asarray(t)
 
 
+def _streamed(apply: Callable[[str, Any], None], layouts: list[tuple[str, list]], torch: bool,
+              raw: bool) -> Callable[[Any], None]:
+    """``apply(name, tensor)`` as a native stream calls it, with each native tensor: a torch
+    tensor (``torch``) or a numpy array (``raw`` as for :meth:`Update.items`). A dtype that
+    the library cannot hold is refused here, before anything streams, naming the tensor of
+    ``layouts`` (``(model, [(name, dtype, shape)])``)."""
+    if torch:
+        t = _torch()
+        for model, layout in layouts:
+            for name, dtype, _ in layout:
+                if getattr(t, _TORCH_NAMES.get(dtype, ""), None) is None:
+                    raise DTypeError(f"tensor `{name}` of `{model}`: torch has no {dtype}")
+
+        def call(x: Any) -> None:
+            apply(x.name, _torch_of(t, x))
+        return call
+    if not raw:
+        for model, layout in layouts:
+            for name, dtype, _ in layout:
+                if dtype not in NUMPY_DTYPES:
+                    raise DTypeError(f"tensor `{name}` of `{model}` is {dtype}, which numpy cannot "
+                                     "represent: stream with torch=True, or raw=True for its bits")
+
+    def call_numpy(x: Any) -> None:
+        apply(x.name, _numpy_of(x, raw))
+    return call_numpy
+
+
 def _torch_of(torch: Any, t: Any) -> Any:
     """A read-only torch view of the native tensor ``t`` (see :meth:`Update.torch`)."""
     name = _TORCH_NAMES.get(t.dtype)
@@ -309,26 +337,8 @@ class Receiver:
         arrays cannot represent is refused before anything streams. Ctrl-C is taken between
         two tensors. ``apply`` must not call this receiver.
         """
-        if torch:
-            t = _torch()
-            for model in self.models:
-                for name, dtype, _ in self.manifest(model):
-                    if getattr(t, _TORCH_NAMES.get(dtype, ""), None) is None:
-                        raise DTypeError(f"tensor `{name}` of `{model}`: torch has no {dtype}")
-
-            def call(x: Any) -> None:
-                apply(x.name, _torch_of(t, x))
-        else:
-            if not raw:
-                for model in self.models:
-                    for name, dtype, _ in self.manifest(model):
-                        if dtype not in NUMPY_DTYPES:
-                            raise DTypeError(f"tensor `{name}` of `{model}` is {dtype}, which numpy cannot "
-                                             "represent: stream with torch=True, or raw=True for its bits")
-
-            def call(x: Any) -> None:
-                apply(x.name, _numpy_of(x, raw))
-        got = self._r.stream(call, timeout, ack)
+        layouts = [(model, self.manifest(model)) for model in self.models]
+        got = self._r.stream(_streamed(apply, layouts, torch, raw), timeout, ack)
         return None if got is None else [(m, v) for m, v in got]
 
     def ack(self, entries: list[tuple[str, int]]) -> None:

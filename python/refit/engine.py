@@ -32,6 +32,11 @@ then Refit acknowledges it to the trainer. A version ``stage`` or ``commit`` ref
 failed load as it does any engine's (with ``commit = "all"`` the version is aborted
 everywhere; with a quorum the engine is fenced from rollouts until a version loads whole).
 
+A model with ``apply = "streaming"`` in the topology goes another way, for an engine that
+must not hold the model twice: once the batch running ends, :meth:`Engine.load_streamed`
+pulls the version and loads it tensor by tensor as its bytes are verified (the pause holds
+the transfer), then Refit acknowledges it.
+
 Importing this module answers ``refit launch``'s check at once (``refit-check: started``),
 so a program may import heavy modules (torch) before :func:`join`.
 """
@@ -39,10 +44,11 @@ so a program may import heavy modules (torch) before :func:`join`.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from . import Update, _native, _program
+from . import Update, _native, _program, _streamed
 
 # `refit launch` runs every rank program once as a check before it starts any, and waits a
 # few seconds for it to say so: say it now, before the program imports torch
@@ -137,6 +143,25 @@ class Engine:
         at least 0: another fails the commit, naming it."""
         raise NotImplementedError
 
+    def load_streamed(self, model: str, version: int, stream: Callable[..., int]) -> None:
+        """Serves ``version`` of ``model`` (or a newer one) for a model with
+        ``apply = "streaming"`` in the topology, pulling it inside the call: no
+        :meth:`stage` comes before it, and no batch runs during it (the whole call is the
+        pause the report shows, the transfer included). Call
+        ``stream(apply, torch=True, raw=False)`` once: it pulls the version and calls
+        ``apply(name, tensor)`` with each tensor (a read-only torch tensor, or a numpy
+        array with ``torch=False``) as soon as its bytes are verified, on this thread, and
+        answers the version streamed. ``apply`` copies the tensor where the model serves
+        it. The engine never holds a second copy of the model: over TCP, Refit holds a few
+        buckets of it at a time.
+
+        Raise to refuse the version. ``stream`` raises what ``apply`` raised while nothing
+        was applied (the model is as it was), and :class:`refit.errors.NeedsFullResend`
+        once part of it was (the model is mixed: answer no request for it until a version
+        loads whole; the controller fences the engine meanwhile). Not overridden, a model
+        with ``apply = "streaming"`` is refused before the run starts."""
+        raise NotImplementedError
+
     def abort(self, model: str) -> None:
         """Drops what :meth:`stage` took of ``model``, and ends its :meth:`interrupt`: the
         fleet did not commit it, its hold ran out, a newer load took its place, a commit
@@ -171,6 +196,8 @@ class _Adapter:
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
+        # the layout each model's engine loads, as its manifest answered it
+        self.layouts: dict[str, list] = {}
 
     def name(self) -> str:
         return str(getattr(self.engine, "name", type(self.engine).__name__))
@@ -178,10 +205,24 @@ class _Adapter:
     def commits_in_flight(self) -> bool:
         return bool(getattr(self.engine, "commits_in_flight", False))
 
+    def streams(self) -> bool:
+        # an engine that is no Engine streams when it has the method
+        mine = getattr(type(self.engine), "load_streamed", None)
+        return mine is not None and mine is not Engine.load_streamed
+
     def manifest(self, model: str, layout: list, params: str) -> list:
         triples = [(n, d, list(s)) for n, d, s in layout]
         answer = self.engine.manifest(model, triples, json.loads(params))
-        return [(str(n), str(d), [int(x) for x in s]) for n, d, s in answer]
+        out = [(str(n), str(d), [int(x) for x in s]) for n, d, s in answer]
+        self.layouts[model] = out
+        return out
+
+    def load_streamed(self, model: str, version: int, native: Any) -> None:
+        layouts = [(model, self.layouts.get(model, []))]
+
+        def stream(apply: Callable[[str, Any], None], torch: bool = True, raw: bool = False) -> int:
+            return int(native.run(_streamed(apply, layouts, torch, raw)))
+        self.engine.load_streamed(model, version, stream)
 
     def stage(self, native: Any) -> None:
         update = Update(native)

@@ -22,6 +22,12 @@ An update goes:
    every parameter of the model was written, drops the prefix cache and labels vLLM's
    outputs with the version (``set_weight_version``).
 
+A model with ``apply = "streaming"`` in the topology is not staged: between two of vLLM's
+steps, :meth:`VllmEngine.load_streamed` pulls the version and loads each tensor through
+the layerwise reload as soon as its bytes are verified, with the same checks. The pause
+holds the transfer; no buffer holds the model a second time (over TCP, Refit holds a few
+buckets of it), and the commit lands between steps whatever the pause mode.
+
 The engine commits in flight (:attr:`refit.engine.Engine.commits_in_flight`): under the
 topology's ``pause_mode = "keep"`` (the default) a commit lands between two of vLLM's steps
 while a batch runs, as vLLM's ``pause_generation(mode="keep")`` does: the running sequences
@@ -46,16 +52,18 @@ imports neither vLLM nor torch.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import math
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import refit.engine
+import refit.errors
 from refit.engine import Completion, Request
 
 from .vllm import _expected_params, _not_loaded, _reset_caches
@@ -100,9 +108,42 @@ def _load(worker: Any, pairs: list[tuple[str, Any]], expected: list[tuple[str, .
     return _not_loaded(expected, set(loaded or ()))
 
 
+def _load_stream(worker: Any, stream: Callable[[Callable[[list], None]], int],
+                 expected: list[tuple[str, ...]]) -> tuple[int, list[str]]:
+    """In vLLM's worker (in this process): the layerwise reload begun, ``stream`` called
+    with a function that loads each checkpoint-format list of pairs as it comes, the reload
+    completed; answers the version streamed and the parameters (first names) no pair wrote."""
+    from vllm.model_executor.model_loader.reload import (
+        finalize_layerwise_reload,
+        initialize_layerwise_reload,
+    )
+
+    model = worker.model_runner.model
+    loaded: set[str] = set()
+    initialize_layerwise_reload(model)
+    try:
+        version = stream(lambda pairs: loaded.update(model.load_weights(iter(pairs)) or ()))
+    finally:
+        # also after a failure: layers that got nothing are given their tensors back
+        finalize_layerwise_reload(model, worker.model_runner.model_config)
+    return version, _not_loaded(expected, loaded)
+
+
 def _expected(worker: Any) -> list[tuple[str, ...]]:
     """In vLLM's worker: the parameters a whole version must write."""
     return _expected_params(worker.model_runner.model, worker.model_runner.model_config)
+
+
+def _check_finite(t: Any, name: str, version: int, dtype: Any) -> None:
+    """Raises ``ValueError`` when tensor ``t`` (``name`` of ``version``, in the model's
+    ``dtype``) holds a value that is not finite."""
+    import torch
+
+    # a sum is finite when every value is (5x cheaper than isfinite per value); one that is
+    # not may be an overflow of finite values: then each is looked at
+    if t.is_floating_point() and not torch.isfinite(t.sum()) and not torch.isfinite(t).all():
+        raise ValueError(f"tensor `{name}` of v{version} holds a value that is not finite "
+                         f"(in the model's dtype, {dtype})")
 
 
 def token_versions(spans: Any, tokens: int) -> list[int] | None:
@@ -217,11 +258,7 @@ class VllmEngine(refit.engine.Engine):
                 if buf is None or buf.shape != t.shape or buf.dtype != dtype:
                     buf = buffers[key] = torch.empty_like(t, dtype=dtype)
                 buf.copy_(t)
-                # a sum is finite when every value is (5x cheaper than isfinite per value);
-                # one that is not may be an overflow of finite values: then each is looked at
-                if buf.is_floating_point() and not torch.isfinite(buf.sum()) and not torch.isfinite(buf).all():
-                    raise ValueError(f"tensor `{name}` of v{version} holds a value that is not finite "
-                                     f"(in the model's dtype, {dtype})")
+                _check_finite(buf, name, version, dtype)
                 staged.append((key, buf))
         self._staged[model] = (version, staged)
 
@@ -233,6 +270,25 @@ class VllmEngine(refit.engine.Engine):
         then either: that one is reported by the other model).
         Raises ``TimeoutError`` when vLLM's running step does not end within
         :attr:`step_deadline_s` (the staged version is not served)."""
+        with self._loading(model, version):
+            loading = time.perf_counter()
+            self._commit(model, version)
+            return time.perf_counter() - loading
+
+    def load_streamed(self, model: str, version: int, stream: Any) -> None:
+        """Serves ``version`` (or a newer one) of a model with ``apply = "streaming"``:
+        between two of vLLM's steps, the version is pulled and each tensor goes through
+        vLLM's layerwise reload as soon as its bytes are verified, in the model's dtype;
+        no staging buffer holds the model a second time. A failure part-way leaves vLLM
+        serving mixed weights: the model answers no request until a version loads whole.
+        Raises ``TimeoutError`` as :meth:`commit`."""
+        with self._loading(model, version):
+            self._load_streamed(model, version, stream)
+
+    @contextlib.contextmanager
+    def _loading(self, model: str, version: int) -> Iterator[None]:
+        """Holds vLLM between two of its steps (a commit waiting goes before the step
+        loop's next step) for a load of ``version`` of ``model``."""
         with self._turn:
             self._commits_waiting += 1
             try:
@@ -243,15 +299,36 @@ class VllmEngine(refit.engine.Engine):
                 raise TimeoutError(f"v{version} of `{model}` waited {self.step_deadline_s} s for vLLM's "
                                    "running step to end")
             self._driving = True
-        loading = time.perf_counter()
         try:
-            self._commit(model, version)
-            return time.perf_counter() - loading
+            yield
         finally:
             with self._turn:
                 self._driving = False
                 self._interrupts.pop(model, None)  # spent: the batches after are not ended
                 self._turn.notify_all()
+
+    def _load_streamed(self, model: str, version: int, stream: Any) -> None:
+        llm = self._llm(model)
+        dtype = llm.llm_engine.model_config.dtype
+
+        def pairs(name: str, tensor: Any) -> list[tuple[str, Any]]:
+            out = []
+            for key, t in self._checkpoint(name, tensor):
+                t = t.to(dtype)
+                _check_finite(t, name, version, dtype)
+                out.append((key, t))
+            return out
+
+        def in_worker(load: Callable[[list], None]) -> int:
+            return stream(lambda name, tensor: load(pairs(name, tensor)), torch=True)
+
+        try:
+            (streamed, missing), = llm.collective_rpc(
+                _load_stream, kwargs={"stream": in_worker, "expected": self._expected[model]})
+        except refit.errors.NeedsFullResend as e:
+            self._mixed[model] = f"v{version} failed to load part-way ({e})"
+            raise
+        self._served_whole(llm, model, int(streamed), missing)
 
     def _commit(self, model: str, version: int) -> None:
         staged = self._staged.pop(model, None)
@@ -265,6 +342,12 @@ class VllmEngine(refit.engine.Engine):
             self._mixed[model] = f"v{version} failed to load part-way ({type(e).__name__}: {e})"
             raise RuntimeError(f"loading v{version} of `{model}` into vLLM failed: {e}; "
                                "it serves mixed weights until a version loads whole") from e
+        self._served_whole(llm, model, version, missing)
+
+    def _served_whole(self, llm: Any, model: str, version: int, missing: list[str]) -> None:
+        """After ``version`` of ``model`` loaded into ``llm``: refused when it left
+        parameters ``missing``, else served (vLLM's caches of the previous weights dropped,
+        its version label set)."""
         if missing:
             self._mixed[model] = f"v{version} left {len(missing)} parameter(s) unwritten"
             named = ", ".join(f"`{n}`" for n in missing[:5])

@@ -11,12 +11,13 @@ use std::time::Duration;
 
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
-use refit_actors::actor::EngineBackend;
+use refit_actors::actor::{EngineBackend, TensorStream};
 use refit_actors::generation::{Completion, Finish};
 use refit_actors::protocol::engine::{Generate, Score};
 use refit_actors::{GenRoles, GrpoRoles, run};
 use refit_runtime::{Manifest, ModelId, Version, WeightSet};
 
+use crate::engine_stream::PyTensorStream;
 use crate::errors::{RefitError, config, log_raised, to_py};
 use crate::lane::Lane;
 use crate::mesh::manifest_of;
@@ -57,6 +58,8 @@ pub(crate) struct PyBackend {
     manifests: BTreeMap<ModelId, Arc<Manifest>>,
     /// The engine's `commits_in_flight`.
     in_flight: bool,
+    /// The engine has a `load_streamed` of its own (`apply = "streaming"`).
+    streams: bool,
     /// The version the last interrupt of each model named: what an answer `aborted` was
     /// aborted by.
     interrupted: Interrupted,
@@ -275,6 +278,23 @@ impl Calls {
         })
     }
 
+    /// The Python engine's `load_streamed`, with the commit's stream.
+    fn load_streamed(
+        &self,
+        model: &ModelId,
+        version: Version,
+        stream: TensorStream,
+    ) -> refit_actors::Result<()> {
+        Python::attach(|py| {
+            let native = PyTensorStream::new(stream, model.to_string());
+            let native =
+                Py::new(py, native).map_err(|e| failed(model.as_str(), "load_streamed", &e))?;
+            let args = (model.as_str(), version.get(), native);
+            self.call(py, model.as_str(), "load_streamed", args)
+                .map(drop)
+        })
+    }
+
     fn abort(&self, model: &ModelId) {
         Python::attach(|py| {
             if let Err(e) = self.call(py, model.as_str(), "abort", (model.as_str(),)) {
@@ -302,6 +322,10 @@ impl EngineBackend for PyBackend {
         self.in_flight
     }
 
+    fn streams(&self) -> bool {
+        self.streams
+    }
+
     fn manifest(&self, model: &ModelId) -> refit_actors::Result<Arc<Manifest>> {
         self.manifests.get(model).cloned().ok_or_else(|| {
             refit_actors::Error::Config(format!("model `{model}` is not served by {}", self.name))
@@ -324,6 +348,24 @@ impl EngineBackend for PyBackend {
         let (calls, m) = (Arc::clone(&self.calls), model.clone());
         let done = self.weights.run(move || calls.commit(&m, version));
         done.unwrap_or_else(|| Err(lane_gone(model.as_str(), "commit")))
+    }
+
+    /// On the weights' thread, as a commit; it ends the model's interrupt too.
+    fn commit_streamed(
+        &self,
+        model: &ModelId,
+        version: Version,
+        stream: &TensorStream,
+    ) -> refit_actors::Result<()> {
+        self.interrupted
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .remove(model);
+        let (calls, m, s) = (Arc::clone(&self.calls), model.clone(), stream.clone());
+        let done = self
+            .weights
+            .run(move || calls.load_streamed(&m, version, s));
+        done.unwrap_or_else(|| Err(lane_gone(model.as_str(), "load_streamed")))
     }
 
     /// Queued on the weights' thread, not waited for (the engine's thread calls it):
@@ -389,6 +431,7 @@ impl PyBackend {
             .bind(py)
             .call_method0("commits_in_flight")?
             .extract()?;
+        let streams: bool = adapter.bind(py).call_method0("streams")?.extract()?;
         let mut manifests = BTreeMap::new();
         for spec in specs {
             let theirs = grpo.engine_shape(spec).map_err(rank_error)?.manifest;
@@ -412,6 +455,7 @@ impl PyBackend {
             name,
             manifests,
             in_flight,
+            streams,
             interrupted: Interrupted::default(),
         };
         Ok((backend, lanes))

@@ -77,6 +77,28 @@ pub(crate) fn to_py_chained(py: pyo3::Python<'_>, e: Error) -> PyErr {
     outer
 }
 
+/// A streamed update's failure as Python raises it, where `err` is the failure as the
+/// package maps it and `raised` what the caller's `apply` raised, if it did: an exception
+/// that is no `Exception` (KeyboardInterrupt, SystemExit) as itself, so that no
+/// `except Exception` swallows it; after part of the update was applied (`partly`), `err`
+/// (`NeedsFullResend`) with the exception as its cause; before, the exception itself.
+pub(crate) fn stream_failure(
+    py: pyo3::Python<'_>,
+    err: PyErr,
+    partly: bool,
+    raised: Option<PyErr>,
+) -> PyErr {
+    match raised {
+        Some(cause) if !cause.is_instance_of::<pyo3::exceptions::PyException>(py) => cause,
+        Some(cause) if partly => {
+            err.set_cause(py, Some(cause));
+            err
+        }
+        Some(cause) => cause,
+        None => err,
+    }
+}
+
 /// Logs `e`, which a user's Python code raised in `what` ("the Python engine's commit"),
 /// with its traceback: the message alone rarely says where it failed. Takes the GIL.
 pub(crate) fn log_raised(what: &str, e: &PyErr) {

@@ -12,6 +12,7 @@ use pyo3::prelude::*;
 
 mod conformance;
 mod engine;
+mod engine_stream;
 mod errors;
 mod lane;
 mod mesh;
@@ -29,6 +30,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<receiver::Receiver>()?;
     m.add_class::<update::Update>()?;
     m.add_class::<update::Tensor>()?;
+    m.add_class::<engine_stream::PyTensorStream>()?;
     m.add_class::<sender::Sender>()?;
     m.add_class::<mesh::MeshSender>()?;
     m.add_class::<mesh::MeshReceiver>()?;

@@ -251,12 +251,7 @@ impl Receiver {
             let streamed = py.detach(|| {
                 let mut apply_one = |one: refit_runtime::WeightSet| {
                     Python::attach(|py| {
-                        let tensor = one
-                            .manifest()
-                            .tensors()
-                            .first()
-                            .map(|t| t.name.clone())
-                            .unwrap_or_default();
+                        let tensor = one.first_name().to_owned();
                         let t = Tensor::only(Arc::new(one)).ok_or(refit_runtime::Error::State(
                             "a streamed weight set without a tensor",
                         ))?;
@@ -290,21 +285,11 @@ impl Receiver {
             })),
             Err(e) => {
                 let partly = matches!(e, refit_runtime::Error::PartlyApplied { .. });
-                // an exception that is no `Exception` (KeyboardInterrupt, SystemExit) goes
-                // through as itself, so that no `except Exception` swallows it
-                let fatal = raised
-                    .as_ref()
-                    .is_some_and(|c| !c.is_instance_of::<pyo3::exceptions::PyException>(py));
-                match raised {
-                    Some(cause) if fatal => Err(cause),
-                    Some(cause) if partly => {
-                        let err = to_py(e);
-                        err.set_cause(py, Some(cause));
-                        Err(err)
-                    }
-                    Some(cause) => Err(cause),
-                    None => Err(crate::errors::to_py_chained(py, e)),
-                }
+                let err = match raised {
+                    Some(_) => to_py(e),
+                    None => crate::errors::to_py_chained(py, e),
+                };
+                Err(crate::errors::stream_failure(py, err, partly, raised))
             }
         }
     }

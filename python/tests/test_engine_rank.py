@@ -9,6 +9,7 @@ import json
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -36,6 +37,43 @@ def test_python_engine_ranks_learn_grpo_when_updates_abort_their_batches(refit_b
     out = launch_solves(cmd, env, tmp_path)
     aborted = [int(n) for n in re.findall(r"tokens; (\d+) sequences aborted", out)]
     assert len(aborted) == 2 and sum(aborted) > 0, out[-6000:]
+
+
+def test_python_engine_ranks_learn_grpo_with_streaming_apply_over_tcp(refit_bin, tmp_path):
+    """``apply = "streaming"``: each engine rank's commit pulls the version inside its pause
+    and the torch engine copies each tensor into its served weights as it arrives
+    (``load_streamed``; no ``stage``, no second copy), over TCP, whose streaming receivers
+    hold a few buckets of it, not the model; the run learns as a staged one does."""
+    require("torch")
+    sets = SHORT + ["model.policy.apply=streaming", "links.weights=tcp"]
+    cmd, env = launch_command(refit_bin, tmp_path, sets)
+    out = launch_solves(cmd, env, tmp_path)
+    assert out.count("weights over tcp, streaming") == 2, out[-6000:]
+
+
+def test_a_streaming_model_is_refused_before_the_run_by_an_engine_that_does_not_stream(refit_bin, tmp_path):
+    """An engine without ``load_streamed`` serving a model with ``apply = "streaming"``
+    fails its rank before the run starts, naming the model and what to write instead."""
+    require("torch")
+    sets = SHORT + ["model.policy.apply=streaming"]
+    cmd, env = launch_command(refit_bin, tmp_path, sets)
+    topo = Path(cmd[2])
+    # the engine of the example, without its load_streamed
+    staged = tmp_path / "staged_engine_rank.py"
+    staged.write_text(
+        "import sys\n"
+        f"sys.path.insert(0, {str(REPO / 'python/examples')!r})\n"
+        "import refit.engine\n"
+        "from torch_engine_rank import TorchTransformer\n"
+        "class Staged(TorchTransformer):\n"
+        "    load_streamed = refit.engine.Engine.load_streamed\n"
+        "sys.exit(refit.engine.main(Staged(), roles='grpo'))\n")
+    topo.write_text(topo.read_text().replace(str(REPO / "python/examples/torch_engine_rank.py"), str(staged)))
+    done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    out = done.stdout + done.stderr
+    assert done.returncode != 0, out[-6000:]
+    assert 'apply = \"streaming\"' in out or 'apply = "streaming"' in out, out[-6000:]
+    assert "`policy`" in out and "does not" in out, out[-6000:]
 
 
 def test_a_killed_python_engine_rank_is_restarted_and_rejoins(refit_bin, tmp_path):

@@ -405,6 +405,18 @@ def test_vllm_engine_ranks_learn_grpo_when_updates_abort_their_batches(refit_bin
     assert len(aborted) == 2 and sum(aborted) > 0, out[-6000:]
 
 
+def test_vllm_engine_ranks_learn_grpo_with_streaming_apply_over_tcp(refit_bin, tmp_path):
+    """``apply = "streaming"`` over TCP: each vLLM engine rank's commit lands between two
+    of vLLM's steps, pulls the version there and loads each tensor through the layerwise
+    reload as it arrives (no staging buffer); the run learns, the engines' names check
+    (``verify = "names"``) holding at every version."""
+    sets = SHORT + ["model.policy.apply=streaming", "links.weights=tcp"]
+    cmd, env = launch_command(refit_bin, tmp_path, sets, topology="grpo-vllm.toml", script="vllm_engine_rank.py")
+    out = launch_solves(cmd, env, tmp_path)
+    assert out.count("weights over tcp, streaming") == 2, out[-6000:]
+    assert "Traceback" not in out, out[-6000:]
+
+
 def test_a_killed_vllm_engine_rank_is_restarted_and_rejoins(refit_bin, tmp_path):
     """``kill -9`` of a vLLM engine rank with ``restart = "on-failure"``: the launcher starts
     it again, its new vLLM rejoins the running job with the current weights and serves
@@ -446,3 +458,18 @@ def test_the_update_cost_benchmark_runs_and_reports_against_the_copy():
     for phase in ("transfer (shm", "stage (copy to the model's dtype)", "pause (vLLM's load)"):
         (line,) = [l for l in lines if phase in l]
         assert float(line.split("ms")[1].split("x")[0]) > 0, line
+
+
+def test_the_apply_benchmark_sets_staged_and_streaming_side_by_side():
+    """``bench_vllm_engine.py --apply`` (the topology chapter's figures) on the tiny Llama:
+    a staged and a streaming engine, each in a process of its own fed over TCP, each
+    printing its pause and its peak memory above itself."""
+    done = subprocess.run([sys.executable, str(REPO / "python/examples/bench_vllm_engine.py"), "--apply",
+                           "--iters", "2"], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    lines = done.stdout.splitlines()
+    assert any(l.startswith("vLLM engine rank, a Llama of 1.8 MiB (float32) over TCP") for l in lines), done.stdout
+    for mode, pause in (("staged:", "pause (load)"), ("streaming:", "pause (transfer and load)")):
+        (line,) = [l for l in lines if l.strip().startswith(mode)]
+        assert float(line.split(pause)[1].split("ms")[0]) > 0, line
+        assert float(line.split("peak memory above the engine")[1].split("MiB")[0]) >= 0, line

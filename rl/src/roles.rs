@@ -45,6 +45,8 @@ pub struct ModelSpec {
     pub reference_every: Option<usize>,
     /// What its engines verify of the weights they serve (a topology's `verify`).
     pub verify: refit_runtime::topology::Verify,
+    /// How its engines take a version in (a topology's `apply`).
+    pub apply: refit_runtime::topology::Apply,
     /// Seed of this model's learner.
     pub seed: u64,
     /// Parameters for the role factory (a topology file's `[model.params]`, less the keys
@@ -77,6 +79,7 @@ impl ModelSpec {
             prompts_per_fragment: 4,
             reference_every: None,
             verify: refit_runtime::topology::Verify::Off,
+            apply: refit_runtime::topology::Apply::Staged,
             seed,
             params: toml::Table::new(),
         }

@@ -111,7 +111,10 @@ pub trait ReceiverTransport: Send {
 ///
 /// # Errors
 /// As [`StreamProgress::apply`].
-pub fn stream_group(group: &Group, apply: &mut dyn FnMut(WeightSet) -> Result<()>) -> Result<()> {
+pub fn stream_group(
+    group: &[Arc<WeightSet>],
+    apply: &mut dyn FnMut(WeightSet) -> Result<()>,
+) -> Result<()> {
     let mut progress = StreamProgress::new(group.iter().map(|w| w.manifest().len()).sum());
     for ws in group {
         progress.at(ws.model(), ws.version());

@@ -168,6 +168,15 @@ impl WeightSet {
         Ok(ws)
     }
 
+    /// The name of its first tensor (a streamed weight set's only one; empty for none): what
+    /// a failure of the caller's apply names.
+    pub fn first_name(&self) -> &str {
+        self.manifest
+            .tensors()
+            .first()
+            .map_or("", |t| t.name.as_str())
+    }
+
     /// Tensor `spec` of this weight set (one of its manifest's) as a weight set of its own:
     /// a copy, as [`WeightSet::single`] makes.
     ///

@@ -59,7 +59,7 @@ pub use crate::protocol::rollout::{
     GetRolloutStats, RolloutRef, RolloutStats, StartRollouts, StopRollouts,
 };
 pub use crate::protocol::trainer::{Train, TrainAndPublish};
-pub use backend::{BackendEngine, EngineBackend, GeneratorBackend};
+pub use backend::{BackendEngine, EngineBackend, GeneratorBackend, TensorStream};
 pub use controller::WeightSyncController;
 pub use engine::{DEFAULT_QUEUE_DEADLINE, InferenceEngine};
 pub use eval::{DEFAULT_EVAL_REQUEST_DEADLINE, Evaluator};

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use actix::prelude::*;
 use refit_node::LaunchEnv;
 use refit_runtime::convert::Want;
-use refit_runtime::topology::{Topology, Verify};
+use refit_runtime::topology::{Apply, Topology, Verify};
 use refit_runtime::{Manifest, ModelId};
 
 use crate::actor::backend::{BackendEngine, EngineBackend};
@@ -89,6 +89,12 @@ impl<G: GenRoles, B: EngineBackend> Workload for Backed<G, B> {
                  generating engine)"
             ));
         }
+        if model.apply == Apply::Streaming && !self.backend.streams() {
+            return refused(format!(
+                "apply = \"streaming\" asks the engines to take versions in tensor by \
+                 tensor, and the {name} engine does not (use \"staged\")"
+            ));
+        }
         if model.verify > Verify::Names {
             return refused(format!(
                 "verify = \"{}\" reads the weights served back, which the {name} engine does \
@@ -118,9 +124,18 @@ impl<G: GenRoles, B: EngineBackend> Workload for Backed<G, B> {
         models: Vec<(ModelSpec, Box<dyn WeightInlet>)>,
         setup: &EngineSetup,
     ) -> Result<Started<EngineHandle>> {
+        let streamed: Vec<ModelId> = models
+            .iter()
+            .filter(|(s, _)| s.apply == Apply::Streaming)
+            .map(|(s, _)| s.id.clone())
+            .collect();
         let inlets: Vec<(ModelId, Box<dyn WeightInlet>)> =
             models.into_iter().map(|(s, i)| (s.id, i)).collect();
-        let engine = BackendEngine::new(Arc::clone(&self.backend), inlets)?.pause_mode(setup.pause);
+        let mut engine =
+            BackendEngine::new(Arc::clone(&self.backend), inlets)?.pause_mode(setup.pause);
+        for model in &streamed {
+            engine = engine.streamed(model)?;
+        }
         let (addr, arbiter) = on_arbiter(engine);
         Ok(Started {
             handle: EngineHandle::generating(&addr),

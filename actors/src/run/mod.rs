@@ -179,6 +179,7 @@ pub fn model_specs(topo: &Topology) -> Result<Vec<ModelSpec>> {
         .map(|m| {
             let mut spec = ModelSpec::from_params(m.id.clone(), topo.run.seed, &m.params)?;
             spec.verify = m.verify;
+            spec.apply = m.apply;
             spec.check()?;
             Ok(spec)
         })

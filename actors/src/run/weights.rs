@@ -14,7 +14,8 @@ use std::time::Duration;
 
 use refit_node::Node;
 use refit_runtime::convert::{Conversions, ConvertingSender, Want, Wants};
-use refit_runtime::topology::{Deltas, TransportKind};
+use refit_runtime::link::StreamingInlet;
+use refit_runtime::topology::{Apply, Deltas, TransportKind};
 use refit_runtime::{Manifests, ModelId, ReceiverInit, SenderInit, Version, WeightSet};
 use refit_transports::link::{self, LinkOptions, OpenedLink, ReceiverSpec};
 
@@ -197,7 +198,9 @@ impl OpenedLinks {
 /// Connects an engine's inlet for `model` from `spec` through the link factory (TCP
 /// registers from `node`, whose token is the cluster's) and waits (until `wait`) for the
 /// version the sender serves now. `expected` is the layout the engine loads; a sender of
-/// another layout is refused, naming the tensor.
+/// another layout is refused, naming the tensor. With `apply = "streaming"` the inlet
+/// streams ([`StreamingInlet`]): it holds the version in force at connect until the
+/// engine's first commit takes it, and no version after.
 ///
 /// # Errors
 /// An unknown transport; attaching or registering failing or timing out; a manifest
@@ -209,6 +212,7 @@ pub(crate) fn connect_inlet(
     expected: Manifests,
     wait: Duration,
     deltas: Deltas,
+    apply: Apply,
 ) -> Result<Box<dyn WeightInlet>> {
     let named = |e: refit_runtime::Error| {
         Error::Config(format!(
@@ -220,14 +224,15 @@ pub(crate) fn connect_inlet(
         node: Some(node.clone()),
         call_timeout: Some(wait),
         deltas,
+        streaming: apply == Apply::Streaming,
         ..LinkOptions::default()
     };
     let transport = spec.receiver(&options).map_err(named)?;
-    Ok(Box::new(
-        ReceiverInit::new(transport, Some(expected))
-            .connect(wait)
-            .map_err(named)?,
-    ))
+    let init = ReceiverInit::new(transport, Some(expected));
+    Ok(match apply {
+        Apply::Staged => Box::new(init.connect(wait).map_err(named)?),
+        Apply::Streaming => Box::new(StreamingInlet::connect(init, wait).map_err(named)?),
+    })
 }
 
 /// Removes the links' leftovers when dropped (a trainer thread that has not dropped its

@@ -64,6 +64,7 @@ fn one_sender_per_transport_serves_every_inlet_and_leaves_no_segment() {
                 manifests.clone(),
                 WAIT,
                 Deltas::default(),
+                Apply::Staged,
             )
             .unwrap()
         })
@@ -111,8 +112,16 @@ fn a_broadcast_link_connects_once_its_engines_join_and_serves_them_every_version
             let (spec, manifests, model) = (shipped[0].clone(), manifests.clone(), model.clone());
             let node = Node::loopback(token.clone()).unwrap();
             std::thread::spawn(move || {
-                let inlet = connect_inlet(&model, &spec, &node, manifests, WAIT, Deltas::default())
-                    .unwrap();
+                let inlet = connect_inlet(
+                    &model,
+                    &spec,
+                    &node,
+                    manifests,
+                    WAIT,
+                    Deltas::default(),
+                    Apply::Staged,
+                )
+                .unwrap();
                 (inlet, node)
             })
         })
@@ -162,6 +171,7 @@ fn an_inlet_of_another_layout_is_refused_naming_the_model() {
         expected,
         WAIT,
         Deltas::default(),
+        Apply::Staged,
     ) {
         Ok(_) => panic!("a sender of another layout was accepted"),
         Err(e) => e.to_string(),
@@ -173,21 +183,11 @@ fn an_inlet_of_another_layout_is_refused_naming_the_model() {
 /// no copy.
 #[test]
 fn an_inproc_link_feeds_an_inlet_of_the_same_process() {
-    let token = ClusterToken::new("cluster-links-test-token").unwrap();
-    let node = Node::loopback(token).unwrap();
     let initial = weights(1, 1.0);
-    let manifests = Manifests::new([(policy_model_id(), Arc::clone(initial.manifest()))]).unwrap();
-    let kinds = vec![(TransportKind::Nearest(Reach::Process), 1)];
-    let opened = open_links(&node, &initial, None, &kinds, false).unwrap();
-    let spec = opened.specs[0].clone();
-    assert_eq!(spec.transport(), "inproc");
+    let kind = TransportKind::Nearest(Reach::Process);
+    let (mut outlet, mut inlet, transport) = joined(&initial, kind, Apply::Staged);
+    assert_eq!(transport, "inproc");
     let model = policy_model_id();
-    let (m2, node2) = (model.clone(), node.clone());
-    let joining = std::thread::spawn(move || {
-        connect_inlet(&m2, &spec, &node2, manifests, WAIT, Deltas::default())
-    });
-    let mut outlet = opened.connect(&initial, WAIT).unwrap();
-    let mut inlet = joining.join().unwrap().unwrap();
     let published = Arc::new(weights(2, 2.0));
     outlet.publish(Arc::clone(&published)).unwrap();
     let got = inlet.fetch(&model, Version(2), WAIT).unwrap();
@@ -227,6 +227,7 @@ fn a_wanted_layout_is_converted_on_the_send_path() {
         engine_side.clone(),
         WAIT,
         Deltas::default(),
+        Apply::Staged,
     )
     .unwrap();
     outlet.publish(Arc::new(weights(2, 2.5))).unwrap();
@@ -264,7 +265,15 @@ fn a_checksummed_shm_link_refuses_a_version_damaged_in_its_slot() {
         let model = policy_model_id();
         let (m2, node2) = (model.clone(), node.clone());
         let joining = std::thread::spawn(move || {
-            connect_inlet(&m2, &spec, &node2, manifests, WAIT, Deltas::default())
+            connect_inlet(
+                &m2,
+                &spec,
+                &node2,
+                manifests,
+                WAIT,
+                Deltas::default(),
+                Apply::Staged,
+            )
         });
         let mut outlet = opened.connect(&initial, WAIT).unwrap();
         let mut inlet = joining.join().unwrap().unwrap();
@@ -290,4 +299,74 @@ fn a_checksummed_shm_link_refuses_a_version_damaged_in_its_slot() {
             assert_ne!(first, 7.0);
         }
     }
+}
+
+/// A model with `apply = "streaming"` over TCP: the inlet holds the version in force until
+/// the first stream takes it, then hands each later version over tensor by tensor, every
+/// tensor bit-identical, and keeps no copy; acknowledging goes through the same inlet.
+#[test]
+fn a_streaming_tcp_inlet_hands_each_version_over_tensor_by_tensor() {
+    let initial = weights(1, 1.0);
+    let kind = TransportKind::Named("tcp".into());
+    let (mut outlet, mut inlet, _) = joined(&initial, kind, Apply::Streaming);
+    let model = policy_model_id();
+    // what the engine's model holds, tensor by tensor
+    let mut model_now = WeightSet::zeroed(model.clone(), Arc::clone(initial.manifest()));
+    let stream = |inlet: &mut Box<dyn WeightInlet>, at_least: u64, into: &mut WeightSet| {
+        let mut count = 0;
+        let v = inlet
+            .stream(&model, Version(at_least), WAIT, &mut |one| {
+                assert_eq!(one.manifest().len(), 1, "one tensor at a time");
+                let t = &one.manifest().tensors()[0];
+                into.tensor_bytes_mut(&t.name)?
+                    .copy_from_slice(&one.bytes()[t.range()]);
+                count += 1;
+                Ok(())
+            })
+            .unwrap();
+        into.set_version(v);
+        (v, count)
+    };
+    let tensors = initial.manifest().len();
+    assert_eq!(stream(&mut inlet, 1, &mut model_now), (Version(1), tensors));
+    assert_eq!(model_now.bytes(), initial.bytes());
+    // the version in force was handed over: fetch has nothing whole to give any more
+    assert!(inlet.fetch(&model, Version(1), WAIT).is_err());
+    inlet.applied(&model, Version(1)).unwrap();
+    let v2 = weights(2, 2.5);
+    outlet.publish(Arc::new(v2.to_owned_copy())).unwrap();
+    assert_eq!(stream(&mut inlet, 2, &mut model_now), (Version(2), tensors));
+    assert_eq!(model_now.bytes(), v2.bytes(), "v2 landed bit-identical");
+    inlet.applied(&model, Version(2)).unwrap();
+}
+
+/// A trainer's outlet of `initial` over the transport `kind` and one engine's inlet of it
+/// taking versions in by `apply`, each on a node of its own, connected together; the
+/// transport's name beside them.
+fn joined(
+    initial: &WeightSet,
+    kind: TransportKind,
+    apply: Apply,
+) -> (Box<dyn WeightOutlet>, Box<dyn WeightInlet>, &'static str) {
+    let token = ClusterToken::new("cluster-links-test-token").unwrap();
+    let trainer_node = Node::loopback(token.clone()).unwrap();
+    let engine_node = Node::loopback(token).unwrap();
+    let manifests = Manifests::new([(policy_model_id(), Arc::clone(initial.manifest()))]).unwrap();
+    let opened = open_links(&trainer_node, initial, None, &[(kind, 1)], false).unwrap();
+    let spec = opened.specs[0].clone();
+    let transport = link::find(spec.transport()).unwrap().name();
+    let joining = std::thread::spawn(move || {
+        let model = policy_model_id();
+        connect_inlet(
+            &model,
+            &spec,
+            &engine_node,
+            manifests,
+            WAIT,
+            Deltas::default(),
+            apply,
+        )
+    });
+    let outlet = opened.connect(initial, WAIT).unwrap();
+    (outlet, joining.join().unwrap().unwrap(), transport)
 }

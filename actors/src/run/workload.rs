@@ -11,7 +11,7 @@ use std::time::Duration;
 use actix::prelude::*;
 use refit_runtime::convert::Want;
 use refit_runtime::sync_policy::PauseMode;
-use refit_runtime::topology::Verify;
+use refit_runtime::topology::{Apply, Verify};
 use refit_runtime::{HasWeights, Manifest, ModelId, Version, WeightSet};
 
 use crate::actor::engine::InferenceEngine;
@@ -185,6 +185,7 @@ impl<R: Roles> Workload for Acting<R> {
         let mut engine = InferenceEngine::<R::Policy>::empty(setup.seed)
             .with_queue_deadline(setup.queue_deadline);
         for (spec, inlet) in models {
+            staged_only(&spec, "acting")?;
             let policy = self.0.policy(&spec)?;
             engine = engine.with_model(spec.id.clone(), policy, Some(inlet))?;
             engine = engine.verify_served(&spec.id, spec.verify)?;
@@ -318,6 +319,7 @@ impl<G: GenRoles> Workload for Generating<G> {
     ) -> Result<Started<EngineHandle>> {
         let mut engine = GenerationEngine::<G::Generator>::new(setup.pause);
         for (spec, inlet) in models {
+            staged_only(&spec, "generating")?;
             let generator = self.0.generator(&spec)?;
             let stager = self.0.generator(&spec)?;
             engine = engine.with_model(
@@ -434,4 +436,19 @@ fn can_read_back<G: Generator>(model: &ModelSpec, generator: &G) -> Result<()> {
             model.verify.as_str()
         ))
     })
+}
+
+/// Refit's own engines stage every version: a model with `apply = "streaming"` is refused
+/// where one of them would serve it (checked when the engine starts, since another rank's
+/// engine may be a backend's that streams).
+fn staged_only(spec: &ModelSpec, engine: &str) -> Result<()> {
+    if spec.apply == Apply::Streaming {
+        return Err(Error::Config(format!(
+            "model `{}`: apply = \"streaming\", and Refit's {engine} engine stages every \
+             version (streaming is offered by backend engines: the Python engine, vLLM's); \
+             use apply = \"staged\"",
+            spec.id
+        )));
+    }
+    Ok(())
 }

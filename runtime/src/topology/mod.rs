@@ -47,7 +47,7 @@ pub use convert::{CastRuleSection, ConvertSection, LayoutRuleSection};
 pub use overrides::Override;
 pub use placement::RankPlan;
 pub use schema::{
-    CheckpointSection, Commit, DEFAULT_MAX_RESTARTS, Deltas, HostSection, LinkTransport,
+    Apply, CheckpointSection, Commit, DEFAULT_MAX_RESTARTS, Deltas, HostSection, LinkTransport,
     LinksSection, ModelSection, OnFailure, ProcessSection, RESERVED_ENV, Reach, Restart, Role,
     RunSection, Sharded, StopSection, TransportKind, Verify,
 };

@@ -179,6 +179,38 @@ pub struct ModelSection {
     /// How a version is committed across the model's engines (default `all`).
     #[serde(default)]
     pub commit: Commit,
+    /// How the model's engines take a version in (default `staged`).
+    #[serde(default)]
+    pub apply: Apply,
+}
+
+/// How an engine takes a version of a model in: beside generation into a second copy, or
+/// tensor by tensor into the served model while generation of it is paused.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Apply {
+    /// `apply = "staged"`: the version is pulled and checked whole, and staged beside
+    /// generation; the pause holds only the load. The engine holds the model twice (and
+    /// the receiver's copy) during an update.
+    #[default]
+    Staged,
+    /// `apply = "streaming"`: at the commit, generation of the model stops, and the
+    /// version is pulled and loaded tensor by tensor as its bytes are verified; the pause
+    /// holds the transfer. The receiver holds a few buckets, not the model. A version
+    /// that fails part-way leaves the engine's model mixed: the engine is fenced from
+    /// rollouts until a version streams in whole. Offered by backend engines (the Python
+    /// engine, vLLM's); Refit's own engines stage.
+    Streaming,
+}
+
+impl Apply {
+    /// The name used in topology files.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Staged => "staged",
+            Self::Streaming => "streaming",
+        }
+    }
 }
 
 /// How the controller commits a model's version across its engines: every engine stages

@@ -30,8 +30,9 @@
 
 mod batches;
 mod generator;
+mod stream;
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
@@ -52,6 +53,7 @@ use crate::protocol::engine::{
 
 use batches::{Pending, Request};
 pub use generator::GeneratorBackend;
+pub use stream::TensorStream;
 
 // ANCHOR: backend
 /// What a backend does for a [`BackendEngine`]: blocking calls. `stage`, `commit`,
@@ -104,6 +106,38 @@ pub trait EngineBackend: Send + Sync + 'static {
     /// # Errors
     /// A load that failed; the engine then serves no new version (and says so).
     fn commit(&self, model: &ModelId, version: Version) -> Result<Option<Duration>>;
+
+    /// True when the backend can take a version in tensor by tensor inside its commit
+    /// ([`EngineBackend::commit_streamed`]), as a model with `apply = "streaming"` needs.
+    /// Default: false.
+    fn streams(&self) -> bool {
+        false
+    }
+
+    /// Serves `version` of `model`, or a newer one, pulled inside the call: the backend
+    /// stops generating the model, calls [`TensorStream::run`] once with a function that
+    /// puts each tensor where the model is served, completes its load, and answers. The
+    /// whole call is the pause (the running batch ended before it; no batch starts until
+    /// it returns). For a model with `apply = "streaming"`: the engine holds no second copy
+    /// of it.
+    ///
+    /// # Errors
+    /// The stream's failure, or a load the backend refuses. After part of the version was
+    /// applied the backend's model is mixed: the backend refuses to generate with it until
+    /// a version streams in whole (the controller fences the engine meanwhile).
+    fn commit_streamed(
+        &self,
+        model: &ModelId,
+        version: Version,
+        stream: &TensorStream,
+    ) -> Result<()> {
+        let _ = (version, stream);
+        Err(Error::Config(format!(
+            "model `{model}`: the {} backend does not stream versions in \
+             (apply = \"streaming\"); stage them (apply = \"staged\")",
+            self.name()
+        )))
+    }
 
     /// Drops what was staged of `model`, serving nothing new, and ends its interrupt
     /// ([`EngineBackend::interrupt`]): the fleet did not commit it, its hold ran out, a
@@ -223,6 +257,8 @@ pub struct BackendEngine<B: EngineBackend> {
     in_flight: bool,
     /// A commit first interrupts the running batch (`abort`).
     interrupts: bool,
+    /// The models taken in tensor by tensor at their commit (`apply = "streaming"`).
+    streaming: BTreeSet<ModelId>,
     stats: EngineStats,
 }
 
@@ -269,8 +305,31 @@ impl<B: EngineBackend> BackendEngine<B> {
             epoch_now: Arc::new(AtomicU64::new(0)),
             in_flight: false,
             interrupts: false,
+            streaming: BTreeSet::new(),
             stats: EngineStats::default(),
         })
+    }
+
+    /// Takes `model` in tensor by tensor at each commit ([`EngineBackend::commit_streamed`],
+    /// a topology's `apply = "streaming"`): its stage only takes the model's load lock, and
+    /// its commit (always after the running batch, whatever the pause mode) pulls the
+    /// version. Its inlet should stream too ([`StreamingInlet`](refit_runtime::link::StreamingInlet)),
+    /// or it holds a copy of each version itself.
+    ///
+    /// # Errors
+    /// [`Error::Config`] for a model the engine does not serve, or a backend that does not
+    /// stream ([`EngineBackend::streams`]), naming both.
+    pub fn streamed(mut self, model: &ModelId) -> Result<Self> {
+        self.slot(model)?;
+        if !self.backend.streams() {
+            return Err(Error::Config(format!(
+                "model `{model}` has apply = \"streaming\", and the {} engine does not \
+                 stream versions in (use apply = \"staged\")",
+                self.backend.name()
+            )));
+        }
+        self.streaming.insert(model.clone());
+        Ok(self)
     }
 
     /// What the engine does with a running batch at a commit: with `keep`, a backend that
@@ -310,8 +369,10 @@ impl<B: EngineBackend> BackendEngine<B> {
             backend: Arc::clone(&self.backend),
             served: Arc::clone(&self.served),
             turn: Arc::clone(&self.turn),
-            in_flight: self.in_flight,
+            // a streamed version is pulled during the commit: never beside a batch
+            in_flight: self.in_flight && !self.streaming.contains(model),
             interrupts: self.interrupts,
+            streaming: self.streaming.contains(model),
         })
     }
 }
@@ -331,6 +392,8 @@ struct Job<B: EngineBackend> {
     in_flight: bool,
     /// The commit interrupts the running batch before it waits for it.
     interrupts: bool,
+    /// The version is pulled at the commit, tensor by tensor.
+    streaming: bool,
 }
 
 /// What a commit did, for the report and the statistics.
@@ -370,6 +433,12 @@ impl<B: EngineBackend> Job<B> {
                 }
             }
         };
+        if self.streaming {
+            return (
+                Ok(self.hold_for_stream(guard, version, started)),
+                started.elapsed(),
+            );
+        }
         let (model, backend, served) = (
             self.model.clone(),
             Arc::clone(&self.backend),
@@ -474,12 +543,18 @@ impl<B: EngineBackend> Job<B> {
             Arc::clone(&self.served),
         );
         // out of flight, no batch runs during the call: all of it is a pause
-        let in_flight = self.in_flight;
+        let (in_flight, streaming) = (self.in_flight, self.streaming);
         let done = actix_rt::task::spawn_blocking(move || {
-            let mut guard = guard;
             let started = Instant::now();
-            let measured = match backend.commit(&model, version) {
-                Ok(measured) => measured,
+            let served_now = if streaming {
+                stream::commit(backend.as_ref(), &model, version, guard, deadline)
+                    .map(|(guard, v)| (guard, v, None))
+            } else {
+                let measured = backend.commit(&model, version);
+                measured.map(|m| (guard, version, m))
+            };
+            let (mut guard, version, measured) = match served_now {
+                Ok(v) => v,
                 Err(e) => {
                     if let Some(abort) = abort {
                         abort();
@@ -495,7 +570,7 @@ impl<B: EngineBackend> Job<B> {
                 .insert(model.clone(), version);
             drop(turn);
             guard.inlet.applied(&model, version)?;
-            Ok((paused, waited))
+            Ok((version, paused, waited))
         })
         .await
         .map_err(|e| {
@@ -507,7 +582,7 @@ impl<B: EngineBackend> Job<B> {
                 self.model
             ))
         })?;
-        let (paused, waited) = done.map_err(|e: Error| {
+        let (version, paused, waited) = done.map_err(|e: Error| {
             tracing::error!(model = %self.model, "v{version} did not load: {e}");
             e
         })?;

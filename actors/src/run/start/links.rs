@@ -103,6 +103,7 @@ fn spawn_inlets(ctx: &RankCtx) -> Result<Vec<Connecting<ModelInlet>>> {
         let wanted = link::for_kind(&topo.weights_transport(&spec.id, trainer, me))?.name();
         let (rv, node) = (ctx.rv.clone(), ctx.node.clone());
         let (spec, who, deltas) = (spec.clone(), ctx.who.clone(), topo.links.delta);
+        let apply = spec.apply;
         receivers.push(actix_rt::task::spawn_blocking(move || {
             let links: Vec<ReceiverSpec> = rv.take(&weights_key(&spec.id), wait)?;
             let link = links
@@ -114,11 +115,13 @@ fn spawn_inlets(ctx: &RankCtx) -> Result<Vec<Connecting<ModelInlet>>> {
                         spec.id
                     ))
                 })?;
-            let inlet = weights::connect_inlet(&spec.id, link, &node, expected, wait, deltas)?;
+            let inlet =
+                weights::connect_inlet(&spec.id, link, &node, expected, wait, deltas, apply)?;
             tracing::info!(target: RANK_LOG,
-                "{who}: pid {}, model `{}` weights over {wanted}",
+                "{who}: pid {}, model `{}` weights over {wanted}, {}",
                 std::process::id(),
-                spec.id
+                spec.id,
+                apply.as_str()
             );
             Ok::<_, Error>((spec, inlet))
         }));
