@@ -79,6 +79,9 @@ def engine_process(spec: str, mode: str, model_dir: Path, iters: int) -> None:
     with safe_open(str(model_dir / "model.safetensors"), "pt") as f:
         layout = [(n, "f32", list(f.get_slice(n).get_shape())) for n in f.keys()]
     engine = serving(model_dir, layout)
+    # the peak from here on: vLLM's start is not the update's
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
     before = peak = vm("VmRSS")
     phases: dict[str, list[float]] = {}
 
@@ -101,7 +104,7 @@ def engine_process(spec: str, mode: str, model_dir: Path, iters: int) -> None:
             sys.stdin.readline()
             timed("pause", lambda: engine.load_streamed(MODEL, v, stream))
             receiver.ack(stream.entries)  # type: ignore[attr-defined]
-        phases["pause"].pop(0)  # the version in force, streamed at connect
+        phases["pause"].pop(0)  # the version in force, which the first stream took
     else:
         receiver = refit.Receiver(spec, timeout=60)
         for i in range(iters):
@@ -140,6 +143,7 @@ def compare_applies(model_dir: Path, versions: list, iters: int) -> None:
                 child.stdin.write("go\n")
                 child.stdin.flush()
             sender.start(timeout=120)
+            sender.wait(timeout=120)  # the engine holds the version in force: the next come one by one
             for i in range(iters):
                 t = time.perf_counter()
                 sender.publish(versions[(i + 1) % 2])

@@ -87,8 +87,10 @@ class TorchTransformer(refit.engine.Engine):
         # (no batch runs meanwhile); no second copy of the model is made
         self.interrupted.pop(model, None)
         served = self.served.setdefault(model, {})
+        written = 0
 
         def apply(name: str, tensor: torch.Tensor) -> None:
+            nonlocal written
             t = tensor.to(torch.float32, copy=True)
             if not torch.isfinite(t).all():
                 raise ValueError(f"tensor `{name}` of v{version} holds a value that is not finite")
@@ -96,11 +98,13 @@ class TorchTransformer(refit.engine.Engine):
                 served[name].copy_(t)
             else:
                 served[name] = t
+            written += 1
 
         try:
             stream(apply)
-        except refit.NeedsFullResend:
-            self.mixed.add(model)  # part of the version landed: no completion until one lands whole
+        except BaseException:
+            if written:  # part of a version landed: no completion until one lands whole
+                self.mixed.add(model)
             raise
         self.mixed.discard(model)
 

@@ -123,15 +123,16 @@ def _numpy_of(t: Any, raw: bool) -> np.ndarray:
     return np.asarray(t)
 
 
-def _streamed(apply: Callable[[str, Any], None], layouts: list[tuple[str, list]], torch: bool,
+def _streamed(apply: Callable[[str, Any], None], layouts: Callable[[], list[tuple[str, list]]], torch: bool,
               raw: bool) -> Callable[[Any], None]:
     """``apply(name, tensor)`` as a native stream calls it, with each native tensor: a torch
     tensor (``torch``) or a numpy array (``raw`` as for :meth:`Update.items`). A dtype that
     the library cannot hold is refused here, before anything streams, naming the tensor of
-    ``layouts`` (``(model, [(name, dtype, shape)])``)."""
+    ``layouts()`` (``(model, [(name, dtype, shape)])``, asked only when there is a dtype to
+    check)."""
     if torch:
         t = _torch()
-        for model, layout in layouts:
+        for model, layout in layouts():
             for name, dtype, _ in layout:
                 if getattr(t, _TORCH_NAMES.get(dtype, ""), None) is None:
                     raise DTypeError(f"tensor `{name}` of `{model}`: torch has no {dtype}")
@@ -140,7 +141,7 @@ def _streamed(apply: Callable[[str, Any], None], layouts: list[tuple[str, list]]
             apply(x.name, _torch_of(t, x))
         return call
     if not raw:
-        for model, layout in layouts:
+        for model, layout in layouts():
             for name, dtype, _ in layout:
                 if dtype not in NUMPY_DTYPES:
                     raise DTypeError(f"tensor `{name}` of `{model}` is {dtype}, which numpy cannot "
@@ -337,7 +338,8 @@ class Receiver:
         arrays cannot represent is refused before anything streams. Ctrl-C is taken between
         two tensors. ``apply`` must not call this receiver.
         """
-        layouts = [(model, self.manifest(model)) for model in self.models]
+        def layouts() -> list[tuple[str, list]]:
+            return [(model, self.manifest(model)) for model in self.models]
         got = self._r.stream(_streamed(apply, layouts, torch, raw), timeout, ack)
         return None if got is None else [(m, v) for m, v in got]
 

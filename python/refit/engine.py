@@ -147,19 +147,22 @@ class Engine:
         """Serves ``version`` of ``model`` (or a newer one) for a model with
         ``apply = "streaming"`` in the topology, pulling it inside the call: no
         :meth:`stage` comes before it, and no batch runs during it (the whole call is the
-        pause the report shows, the transfer included). Call
-        ``stream(apply, torch=True, raw=False)`` once: it pulls the version and calls
+        pause the report shows, the transfer included). It ends the model's
+        :meth:`interrupt`, as :meth:`commit` does. Call ``stream(apply, torch=True, raw=False)`` once: it pulls the version and calls
         ``apply(name, tensor)`` with each tensor (a read-only torch tensor, or a numpy
         array with ``torch=False``) as soon as its bytes are verified, on this thread, and
         answers the version streamed. ``apply`` copies the tensor where the model serves
         it. The engine never holds a second copy of the model: over TCP, Refit holds a few
         buckets of it at a time.
 
-        Raise to refuse the version. ``stream`` raises what ``apply`` raised while nothing
-        was applied (the model is as it was), and :class:`refit.errors.NeedsFullResend`
-        once part of it was (the model is mixed: answer no request for it until a version
-        loads whole; the controller fences the engine meanwhile). Not overridden, a model
-        with ``apply = "streaming"`` is refused before the run starts."""
+        Raise to refuse the version. ``stream`` raises what failed (what ``apply`` raised,
+        a timeout, the sender gone) as itself while nothing was applied (the model is as it
+        was), and :class:`refit.errors.NeedsFullResend` once part of it was; a
+        ``KeyboardInterrupt`` or ``SystemExit`` goes through as itself either way. So count
+        what ``apply`` wrote: once it wrote anything, a failure leaves the model mixed
+        (answer no request for it until a version loads whole; the controller fences the
+        engine meanwhile). Not overridden in the engine's class, a model with
+        ``apply = "streaming"`` is refused before the run starts."""
         raise NotImplementedError
 
     def abort(self, model: str) -> None:
@@ -175,8 +178,8 @@ class Engine:
         ``finish = "aborted"`` (a rollout worker asks again, under the new version), so that
         the commit waits for a step, not for the batch (other models' sequences in the call
         still run to their end). It holds until the model's next
-        :meth:`commit` or :meth:`abort`, which always follow it on the same thread (that of
-        :meth:`stage`): the call running when it comes, or one that starts before that
+        :meth:`commit`, :meth:`load_streamed` or :meth:`abort`, one of which always follows
+        it on the same thread (that of :meth:`stage`): the call running when it comes, or one that starts before that
         commit, ends; no call starts after the commit until the commit returns, and none
         after it is interrupted. Called whether or not a batch runs. The default does
         nothing: the commit waits for the batch, as under ``"wait"``."""
@@ -218,7 +221,8 @@ class _Adapter:
         return out
 
     def load_streamed(self, model: str, version: int, native: Any) -> None:
-        layouts = [(model, self.layouts.get(model, []))]
+        def layouts() -> list[tuple[str, list]]:
+            return [(model, self.layouts[model])]  # the engine's manifest, asked before the run
 
         def stream(apply: Callable[[str, Any], None], torch: bool = True, raw: bool = False) -> int:
             return int(native.run(_streamed(apply, layouts, torch, raw)))

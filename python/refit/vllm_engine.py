@@ -22,11 +22,11 @@ An update goes:
    every parameter of the model was written, drops the prefix cache and labels vLLM's
    outputs with the version (``set_weight_version``).
 
-A model with ``apply = "streaming"`` in the topology is not staged: between two of vLLM's
-steps, :meth:`VllmEngine.load_streamed` pulls the version and loads each tensor through
-the layerwise reload as soon as its bytes are verified, with the same checks. The pause
-holds the transfer; no buffer holds the model a second time (over TCP, Refit holds a few
-buckets of it), and the commit lands between steps whatever the pause mode.
+A model with ``apply = "streaming"`` in the topology is not staged: once the running batch
+ends (interrupted first under ``pause_mode = "abort"``), :meth:`VllmEngine.load_streamed`
+pulls the version and loads each tensor through the layerwise reload as soon as its bytes
+are verified, with the same checks. The pause holds the transfer; no buffer holds the
+model a second time (over TCP, Refit holds a few buckets of it).
 
 The engine commits in flight (:attr:`refit.engine.Engine.commits_in_flight`): under the
 topology's ``pause_mode = "keep"`` (the default) a commit lands between two of vLLM's steps
@@ -109,10 +109,12 @@ def _load(worker: Any, pairs: list[tuple[str, Any]], expected: list[tuple[str, .
 
 
 def _load_stream(worker: Any, stream: Callable[[Callable[[list], None]], int],
-                 expected: list[tuple[str, ...]]) -> tuple[int, list[str]]:
+                 expected: list[tuple[str, ...]], touched: list[bool]) -> tuple[int, list[str]]:
     """In vLLM's worker (in this process): the layerwise reload begun, ``stream`` called
     with a function that loads each checkpoint-format list of pairs as it comes, the reload
-    completed; answers the version streamed and the parameters (first names) no pair wrote."""
+    completed; answers the version streamed and the parameters (first names) no pair wrote.
+    ``touched`` is set once a pair went to ``load_weights`` (the model may be mixed from
+    then on, whatever is raised)."""
     from vllm.model_executor.model_loader.reload import (
         finalize_layerwise_reload,
         initialize_layerwise_reload,
@@ -120,9 +122,14 @@ def _load_stream(worker: Any, stream: Callable[[Callable[[list], None]], int],
 
     model = worker.model_runner.model
     loaded: set[str] = set()
+
+    def load(pairs: list) -> None:
+        touched[0] = True
+        loaded.update(model.load_weights(iter(pairs)) or ())
+
     initialize_layerwise_reload(model)
     try:
-        version = stream(lambda pairs: loaded.update(model.load_weights(iter(pairs)) or ()))
+        version = stream(load)
     finally:
         # also after a failure: layers that got nothing are given their tensors back
         finalize_layerwise_reload(model, worker.model_runner.model_config)
@@ -276,12 +283,12 @@ class VllmEngine(refit.engine.Engine):
             return time.perf_counter() - loading
 
     def load_streamed(self, model: str, version: int, stream: Any) -> None:
-        """Serves ``version`` (or a newer one) of a model with ``apply = "streaming"``:
-        between two of vLLM's steps, the version is pulled and each tensor goes through
-        vLLM's layerwise reload as soon as its bytes are verified, in the model's dtype;
-        no staging buffer holds the model a second time. A failure part-way leaves vLLM
-        serving mixed weights: the model answers no request until a version loads whole.
-        Raises ``TimeoutError`` as :meth:`commit`."""
+        """Serves ``version`` (or a newer one) of a model with ``apply = "streaming"``
+        (Refit calls it once the running batch ended): the version is pulled and each
+        tensor goes through vLLM's layerwise reload as soon as its bytes are verified, in
+        the model's dtype; no staging buffer holds the model a second time. A failure once
+        a tensor went to vLLM leaves it serving mixed weights: the model answers no request
+        until a version loads whole. Raises ``TimeoutError`` as :meth:`commit`."""
         with self._loading(model, version):
             self._load_streamed(model, version, stream)
 
@@ -322,11 +329,13 @@ class VllmEngine(refit.engine.Engine):
         def in_worker(load: Callable[[list], None]) -> int:
             return stream(lambda name, tensor: load(pairs(name, tensor)), torch=True)
 
+        touched = [False]
         try:
             (streamed, missing), = llm.collective_rpc(
-                _load_stream, kwargs={"stream": in_worker, "expected": self._expected[model]})
-        except refit.errors.NeedsFullResend as e:
-            self._mixed[model] = f"v{version} failed to load part-way ({e})"
+                _load_stream, kwargs={"stream": in_worker, "expected": self._expected[model], "touched": touched})
+        except BaseException as e:
+            if touched[0] or isinstance(e, refit.errors.NeedsFullResend):
+                self._mixed[model] = f"v{version} or newer failed to load part-way ({type(e).__name__}: {e})"
             raise
         self._served_whole(llm, model, int(streamed), missing)
 

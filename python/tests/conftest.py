@@ -74,6 +74,29 @@ def launch_command(refit_bin: Path, tmp_path: Path, sets: list[str], topology: s
     return cmd, env
 
 
+#: The methods of an engine class (for :func:`wrap_engine`) that refuse every stage and
+#: commit: with a topology's ``apply = "streaming"``, only ``load_streamed`` serves.
+STREAMING_ONLY = ("    def stage(self, *a):\n        raise RuntimeError('a stage for a streaming model')\n"
+                  "    def commit(self, *a):\n        raise RuntimeError('a commit for a streaming model')\n")
+
+
+def wrap_engine(cmd: list[str], tmp_path: Path, script: str, base: str, make: str, body: str) -> None:
+    """Has the launch ``cmd`` (of :func:`launch_command`) run, where it runs the example
+    ``script``, a program whose engine is ``make`` (an expression): a ``Sub`` of ``base``
+    (an expression over the example's module, ``m``) with the methods ``body`` (indented
+    as in a class)."""
+    wrapper = tmp_path / f"wrapped_{script}"
+    wrapper.write_text(
+        "import sys\n"
+        f"sys.path.insert(0, {str(REPO / 'python/examples')!r})\n"
+        "import refit.engine\n"
+        f"import {Path(script).stem} as m\n"
+        f"class Sub({base}):\n{body}\n"
+        f"sys.exit(refit.engine.main({make}, roles='grpo'))\n")
+    topo = Path(cmd[2])
+    topo.write_text(topo.read_text().replace(str(REPO / "python/examples" / script), str(wrapper)))
+
+
 def launch_solves(cmd: list[str], env: dict, cwd: Path, low: float = 0.3, high: float = 0.6) -> str:
     """Runs a GRPO launch to its end and checks that it solved: held-out reward from at most
     ``low`` to at least ``high``, both engine ranks stopped after loading versions, the

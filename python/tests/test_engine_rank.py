@@ -9,11 +9,11 @@ import json
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-from conftest import REPO, RESTARTS, SHORT, grpo_example, killed_rank_rejoins, launch_command, launch_solves, require
+from conftest import (REPO, RESTARTS, SHORT, STREAMING_ONLY, grpo_example, killed_rank_rejoins,
+                      launch_command, launch_solves, require, wrap_engine)
 
 import refit.engine
 from refit.engine import Completion, _Adapter
@@ -47,6 +47,8 @@ def test_python_engine_ranks_learn_grpo_with_streaming_apply_over_tcp(refit_bin,
     require("torch")
     sets = SHORT + ["model.policy.apply=streaming", "links.weights=tcp"]
     cmd, env = launch_command(refit_bin, tmp_path, sets)
+    # the example's engine, refusing every stage and commit: only load_streamed serves
+    wrap_engine(cmd, tmp_path, "torch_engine_rank.py", "m.TorchTransformer", "Sub()", STREAMING_ONLY)
     out = launch_solves(cmd, env, tmp_path)
     assert out.count("weights over tcp, streaming") == 2, out[-6000:]
 
@@ -57,22 +59,13 @@ def test_a_streaming_model_is_refused_before_the_run_by_an_engine_that_does_not_
     require("torch")
     sets = SHORT + ["model.policy.apply=streaming"]
     cmd, env = launch_command(refit_bin, tmp_path, sets)
-    topo = Path(cmd[2])
     # the engine of the example, without its load_streamed
-    staged = tmp_path / "staged_engine_rank.py"
-    staged.write_text(
-        "import sys\n"
-        f"sys.path.insert(0, {str(REPO / 'python/examples')!r})\n"
-        "import refit.engine\n"
-        "from torch_engine_rank import TorchTransformer\n"
-        "class Staged(TorchTransformer):\n"
-        "    load_streamed = refit.engine.Engine.load_streamed\n"
-        "sys.exit(refit.engine.main(Staged(), roles='grpo'))\n")
-    topo.write_text(topo.read_text().replace(str(REPO / "python/examples/torch_engine_rank.py"), str(staged)))
+    wrap_engine(cmd, tmp_path, "torch_engine_rank.py", "m.TorchTransformer", "Sub()",
+                "    load_streamed = refit.engine.Engine.load_streamed\n")
     done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     out = done.stdout + done.stderr
     assert done.returncode != 0, out[-6000:]
-    assert 'apply = \"streaming\"' in out or 'apply = "streaming"' in out, out[-6000:]
+    assert 'apply = "streaming"' in out and 'use "staged"' in out, out[-6000:]
     assert "`policy`" in out and "does not" in out, out[-6000:]
 
 
@@ -162,6 +155,24 @@ def test_the_torch_engine_passes_the_conformance_suite_and_a_failing_engine_is_n
     # params the roles refuse are a configuration error, named
     with pytest.raises(refit.ConfigError, match="nope"):
         refit.engine.conformance(TorchTransformer(), {"nope": 1})
+
+
+def test_the_adapter_says_an_engine_streams_when_its_class_has_load_streamed():
+    class Staged(refit.engine.Engine):
+        pass
+
+    class Streams(refit.engine.Engine):
+        def load_streamed(self, model, version, stream):
+            stream(lambda name, t: None)
+
+    class DuckStreams:  # no Engine: it streams when it has the method
+        def load_streamed(self, model, version, stream):
+            pass
+
+    assert not _Adapter(Staged()).streams()
+    assert _Adapter(Streams()).streams()
+    assert _Adapter(DuckStreams()).streams()
+    assert not _Adapter(object()).streams()
 
 
 def test_the_adapter_hands_answers_over_and_names_what_is_wrong():

@@ -41,17 +41,19 @@ pub trait WeightInlet: Send + 'static {
     /// Streams the versions of `model` newer than the last one this inlet handed over into
     /// `apply`, tensor by tensor as each one's bytes are verified, until one of `at_least`
     /// or newer went through whole; answers that version. An older version that comes
-    /// first goes through whole too (the caller's model holds each version in turn).
-    /// Nothing is acknowledged: see [`WeightInlet::applied`].
+    /// first goes through whole too (the caller's model holds each version in turn): when
+    /// the timeout passes after one did, that one is answered (it is what the caller's
+    /// model holds). Nothing is acknowledged: see [`WeightInlet::applied`].
     ///
     /// A [`Receiver`] connected to stream ([`ReceiverInit::connect_streaming`](crate::ReceiverInit::connect_streaming))
     /// keeps no copy where its transport streams (TCP). The default fetches the version
     /// whole ([`WeightInlet::fetch`]) and hands over a copy of each tensor.
     ///
     /// # Errors
-    /// A timeout naming the model and version, with nothing applied; once a tensor was
-    /// applied, [`Error::PartlyApplied`] (the caller's model is mixed); before, the failure
-    /// itself (a refused update, the sender gone, `apply`'s error).
+    /// A timeout naming the model and version, with no version applied whole (nor in part);
+    /// once a tensor of a version was applied, [`Error::PartlyApplied`] (the caller's model
+    /// is mixed); before, the failure itself (a refused update, the sender gone, `apply`'s
+    /// error).
     fn stream(
         &mut self,
         model: &ModelId,
@@ -78,21 +80,26 @@ impl<T: ReceiverTransport + 'static> WeightInlet for Receiver<T> {
         at_least: Version,
         timeout: Duration,
     ) -> Result<Arc<WeightSet>> {
-        let what = |r: &Self| {
-            format!(
-                "model `{model}` v{at_least} (serving v{})",
-                r.version(model)
-            )
-        };
-        polled(self, timeout, what, |r, left| {
-            if r.version(model) >= at_least {
-                return r
-                    .current(model)
-                    .map(Some)
-                    .ok_or_else(|| Error::UnknownModel(model.clone()));
+        let here = |r: &Self| (r.version(model) >= at_least).then(|| r.current(model));
+        let step = |r: &mut Self, left: Duration| {
+            // what came in the last step counts, even past the deadline
+            if here(r).is_none() {
+                r.stage(left)?;
             }
-            r.stage(left)?;
-            Ok(None)
+            match here(r) {
+                Some(w) => w
+                    .map(Some)
+                    .ok_or_else(|| Error::UnknownModel(model.clone())),
+                None => Ok(None),
+            }
+        };
+        polled(self, step, timeout, |r| {
+            let serving = r.version(model);
+            let what = format!("model `{model}` v{at_least} (serving v{serving})");
+            Err(Error::Timeout {
+                what,
+                after: timeout,
+            })
         })
     }
 
@@ -107,14 +114,29 @@ impl<T: ReceiverTransport + 'static> WeightInlet for Receiver<T> {
         timeout: Duration,
         apply: &mut dyn FnMut(WeightSet) -> Result<()>,
     ) -> Result<Version> {
-        let what = |r: &Self| {
-            let last = r.version(model);
-            format!("model `{model}` v{at_least} streamed (v{last} streamed last)")
-        };
-        polled(self, timeout, what, |r, left| {
+        // an older version than asked that went through whole: the caller's model holds it
+        let older = std::cell::Cell::new(None);
+        let step = |r: &mut Self, left: Duration| {
             let streamed = r.stream_staged(left, apply)?;
             let mine = streamed.iter().flatten().find(|(m, _)| m == model);
-            Ok(mine.map(|&(_, v)| v).filter(|&v| v >= at_least))
+            Ok(match mine.map(|&(_, v)| v) {
+                Some(v) if v >= at_least => Some(v),
+                v => {
+                    older.set(v.or(older.get()));
+                    None
+                }
+            })
+        };
+        polled(self, step, timeout, |r| match older.get() {
+            Some(v) => Ok(v),
+            None => {
+                let last = r.version(model);
+                let what = format!("model `{model}` v{at_least} streamed (v{last} streamed last)");
+                Err(Error::Timeout {
+                    what,
+                    after: timeout,
+                })
+            }
         })
     }
 
@@ -124,12 +146,13 @@ impl<T: ReceiverTransport + 'static> WeightInlet for Receiver<T> {
 }
 
 /// Calls `step` with the time left (at most 100 ms a call, so that the loop sees its
-/// deadline) until it answers something; a timeout naming `what` once `timeout` passed.
+/// deadline) until it answers something, at least once; once `timeout` passed, what
+/// `expired` answers.
 fn polled<R, T>(
     receiver: &mut R,
-    timeout: Duration,
-    what: impl Fn(&R) -> String,
     mut step: impl FnMut(&mut R, Duration) -> Result<Option<T>>,
+    timeout: Duration,
+    expired: impl FnOnce(&R) -> Result<T>,
 ) -> Result<T> {
     let deadline = Instant::now() + timeout;
     loop {
@@ -138,10 +161,7 @@ fn polled<R, T>(
             return Ok(t);
         }
         if Instant::now() >= deadline {
-            return Err(Error::Timeout {
-                what: what(receiver),
-                after: timeout,
-            });
+            return expired(receiver);
         }
     }
 }
@@ -158,14 +178,20 @@ pub struct StreamingInlet<T: ReceiverTransport> {
 }
 
 impl<T: ReceiverTransport> StreamingInlet<T> {
-    /// Attaches ([`ReceiverInit::connect_streaming`]) and receives the version in force,
-    /// each model's, within `timeout`.
+    /// Attaches ([`ReceiverInit::connect_streaming`]) and receives the version in force
+    /// within `timeout`.
     ///
     /// # Errors
-    /// As [`ReceiverInit::connect`].
+    /// As [`ReceiverInit::connect`]; [`Error::State`] for a sender of several models (an
+    /// engine connects one inlet per model).
     pub fn connect(init: ReceiverInit<T>, timeout: Duration) -> Result<Self> {
         let deadline = Instant::now() + timeout;
         let mut receiver = init.connect_streaming(timeout)?;
+        if receiver.manifests().len() != 1 {
+            return Err(Error::State(
+                "a streaming inlet carries one model (an engine connects one per model)",
+            ));
+        }
         let mut landing: std::collections::BTreeMap<ModelId, WeightSet> = receiver
             .manifests()
             .iter()
@@ -189,14 +215,7 @@ impl<T: ReceiverTransport> StreamingInlet<T> {
                 after: timeout,
             });
         }
-        let initial = match landing.len() {
-            1 => landing.into_values().next().map(Arc::new),
-            _ => {
-                return Err(Error::State(
-                    "a streaming inlet carries one model (an engine connects one per model)",
-                ));
-            }
-        };
+        let initial = landing.into_values().next().map(Arc::new);
         Ok(Self { receiver, initial })
     }
 }
@@ -229,12 +248,16 @@ impl<T: ReceiverTransport + 'static> WeightInlet for StreamingInlet<T> {
         timeout: Duration,
         apply: &mut dyn FnMut(WeightSet) -> Result<()>,
     ) -> Result<Version> {
-        // the version in force at connect goes once (an older one than asked is dropped)
-        if let Some(w) = self.initial.take_if(|w| w.model() == model)
-            && w.version() >= at_least
-        {
-            crate::scheme::stream_group(std::slice::from_ref(&w), apply)?;
-            return Ok(w.version());
+        // the version in force at connect goes once, kept until it went through whole (an
+        // older one than asked is dropped)
+        if let Some(w) = self.initial.clone().filter(|w| w.model() == model) {
+            if w.version() >= at_least {
+                crate::scheme::stream_group(std::slice::from_ref(&w), apply)?;
+            }
+            self.initial = None;
+            if w.version() >= at_least {
+                return Ok(w.version());
+            }
         }
         WeightInlet::stream(&mut self.receiver, model, at_least, timeout, apply)
     }
@@ -260,5 +283,101 @@ impl<T: SenderTransport + 'static> WeightOutlet for Sender<T> {
         // Receivers acknowledge when they load; the controller tracks that, not the sender.
         let _pending = self.publish_shared(vec![weights])?;
         Ok(version)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::inproc::InProc;
+    use crate::testing::{filled, id, manifest, manifests};
+    use crate::{DType, SenderInit};
+
+    const T: Duration = Duration::from_secs(10);
+
+    /// A sender of `policy` at v1 and a streaming inlet of it, connected over one hub.
+    fn pair() -> (
+        Sender<crate::inproc::InProcSender>,
+        StreamingInlet<crate::inproc::InProcReceiver>,
+    ) {
+        let m = manifest(&[("a", DType::F32, &[4]), ("b", DType::F32, &[2, 2])]);
+        let ms = manifests(&[("policy", &m)]);
+        let hub = InProc::new();
+        let init = ReceiverInit::new(hub.receiver(), Some(ms.clone()));
+        let joining = std::thread::spawn(move || StreamingInlet::connect(init, T).unwrap());
+        let sender = SenderInit::new(hub.sender().unwrap(), ms)
+            .connect(vec![filled(&id("policy"), &m, 1, 1.0)], T)
+            .unwrap();
+        (sender, joining.join().unwrap())
+    }
+
+    /// What `inlet` streams of `policy` at `at_least` within `timeout`: the version, and the
+    /// first element of each tensor handed over.
+    fn streamed(
+        inlet: &mut StreamingInlet<crate::inproc::InProcReceiver>,
+        at_least: u64,
+        timeout: Duration,
+    ) -> Result<(Version, Vec<f32>)> {
+        let mut firsts = Vec::new();
+        let v = inlet.stream(&id("policy"), Version(at_least), timeout, &mut |one| {
+            firsts.push(one.view::<f32>(one.first_name())?[0]);
+            Ok(())
+        })?;
+        Ok((v, firsts))
+    }
+
+    #[test]
+    fn a_streaming_inlet_hands_the_version_in_force_over_once_then_each_next_one() {
+        let (mut sender, mut inlet) = pair();
+        let policy = id("policy");
+        // the version in force, whole, once; fetch has nothing whole after it
+        assert!(inlet.fetch(&policy, Version(1), T).is_ok());
+        assert_eq!(
+            streamed(&mut inlet, 1, T).unwrap(),
+            (Version(1), vec![1.0, 1.0])
+        );
+        assert!(inlet.fetch(&policy, Version(1), T).is_err());
+        let m = Arc::clone(inlet.receiver.manifests().get(&policy).unwrap());
+        let _ = sender
+            .send_async(vec![filled(&policy, &m, 2, 2.0)])
+            .unwrap();
+        assert_eq!(
+            streamed(&mut inlet, 2, T).unwrap(),
+            (Version(2), vec![2.0, 2.0])
+        );
+        inlet.applied(&policy, Version(2)).unwrap();
+    }
+
+    #[test]
+    fn a_stream_that_times_out_after_an_older_version_went_through_answers_that_one() {
+        let (mut sender, mut inlet) = pair();
+        let policy = id("policy");
+        let m = Arc::clone(inlet.receiver.manifests().get(&policy).unwrap());
+        assert_eq!(streamed(&mut inlet, 1, T).unwrap().0, Version(1));
+        // nothing newer comes in time: a timeout, nothing applied
+        let e = streamed(&mut inlet, 2, Duration::from_millis(150)).unwrap_err();
+        assert!(matches!(e, Error::Timeout { .. }), "{e}");
+        // v2 comes, v3 is asked and never comes: v2 went through whole, and is answered
+        let _ = sender
+            .send_async(vec![filled(&policy, &m, 2, 2.0)])
+            .unwrap();
+        let got = streamed(&mut inlet, 3, Duration::from_millis(300)).unwrap();
+        assert_eq!(got, (Version(2), vec![2.0, 2.0]));
+    }
+
+    #[test]
+    fn an_apply_that_fails_keeps_the_version_in_force_for_the_next_stream() {
+        let (_sender, mut inlet) = pair();
+        let policy = id("policy");
+        let e = inlet
+            .stream(&policy, Version(1), T, &mut |_| {
+                Err(Error::State("refused"))
+            })
+            .unwrap_err();
+        assert!(matches!(e, Error::State("refused")), "{e}");
+        assert_eq!(
+            streamed(&mut inlet, 1, T).unwrap(),
+            (Version(1), vec![1.0, 1.0])
+        );
     }
 }

@@ -20,6 +20,12 @@
 //!    boundary is drained time too;
 //! 3. **acknowledge** the version to its sender: it is served.
 //!
+//! A model taken in tensor by tensor (`apply = "streaming"`, [`BackendEngine::streamed`])
+//! goes another way: its stage only takes the model's load lock, and its commit, once the
+//! running batch ended, pulls the version and hands the backend each tensor as its bytes
+//! are verified ([`EngineBackend::commit_streamed`], [`TensorStream`]); the pause holds
+//! the transfer.
+//!
 //! Requests are batched: those that arrive while a batch runs go together into the next
 //! [`EngineBackend::generate`] call, so a backend with its own continuous batching (vLLM's
 //! `LLM.generate`) sees many prompts at once. Each completion's tokens carry the version
@@ -118,8 +124,9 @@ pub trait EngineBackend: Send + Sync + 'static {
     /// stops generating the model, calls [`TensorStream::run`] once with a function that
     /// puts each tensor where the model is served, completes its load, and answers. The
     /// whole call is the pause (the running batch ended before it; no batch starts until
-    /// it returns). For a model with `apply = "streaming"`: the engine holds no second copy
-    /// of it.
+    /// it returns). It ends the model's interrupt, as a commit does. For a model with
+    /// `apply = "streaming"`: the engine holds no second copy of it. Run the stream on the
+    /// calling thread, and return once it ended.
     ///
     /// # Errors
     /// The stream's failure, or a load the backend refuses. After part of the version was
@@ -155,7 +162,8 @@ pub trait EngineBackend: Send + Sync + 'static {
     /// `version`; a rollout worker asks again, under the new version), so that the commit
     /// waits for a step, not for the batch (sequences of other models in the batch still
     /// run to their end). It holds until the model's next
-    /// [`EngineBackend::commit`] or [`EngineBackend::abort`], which always follow it: the
+    /// [`EngineBackend::commit`], [`EngineBackend::commit_streamed`] or
+    /// [`EngineBackend::abort`], one of which always follows it: the
     /// batch running when it comes, or one the engine started that the backend has not
     /// entered yet, ends; none starts between it and that call. Called whether or not a
     /// batch runs. The default does nothing: the commit waits for the batch, as under
@@ -313,12 +321,15 @@ impl<B: EngineBackend> BackendEngine<B> {
     /// Takes `model` in tensor by tensor at each commit ([`EngineBackend::commit_streamed`],
     /// a topology's `apply = "streaming"`): its stage only takes the model's load lock, and
     /// its commit (always after the running batch, whatever the pause mode) pulls the
-    /// version. Its inlet should stream too ([`StreamingInlet`](refit_runtime::link::StreamingInlet)),
-    /// or it holds a copy of each version itself.
+    /// version. Its inlet must stream ([`WeightInlet::stream`]): a
+    /// [`StreamingInlet`](refit_runtime::link::StreamingInlet), which hands the version in
+    /// force at connect over at the first commit (a [`refit_runtime::Receiver`] connected
+    /// to receive whole keeps that one, and streams only the versions after it).
     ///
     /// # Errors
-    /// [`Error::Config`] for a model the engine does not serve, or a backend that does not
-    /// stream ([`EngineBackend::streams`]), naming both.
+    /// [`Error::Runtime`] (unknown model) for a model the engine does not serve;
+    /// [`Error::Config`] for a backend that does not stream ([`EngineBackend::streams`]),
+    /// naming both.
     pub fn streamed(mut self, model: &ModelId) -> Result<Self> {
         self.slot(model)?;
         if !self.backend.streams() {
@@ -547,7 +558,10 @@ impl<B: EngineBackend> Job<B> {
         let done = actix_rt::task::spawn_blocking(move || {
             let started = Instant::now();
             let served_now = if streaming {
-                stream::commit(backend.as_ref(), &model, version, guard, deadline)
+                // the transfer is the commit's: its time runs from here, at least
+                // MIN_TURN_WAIT, whatever the wait for the batch took
+                let until = deadline.max(started + MIN_TURN_WAIT);
+                stream::commit(backend.as_ref(), &model, version, guard, until)
                     .map(|(guard, v)| (guard, v, None))
             } else {
                 let measured = backend.commit(&model, version);
@@ -603,7 +617,8 @@ fn pause_of(call: Duration, measured: Option<Duration>) -> (Duration, Duration) 
 }
 
 /// The least time a staged version waits for the running batch to end, even when the fetch
-/// and the stage ate the load's deadline (a backend's batch has no bound of its own).
+/// and the stage ate the load's deadline (a backend's batch has no bound of its own); and
+/// the least a streamed version's transfer is given, whatever that wait took.
 const MIN_TURN_WAIT: Duration = Duration::from_secs(5);
 
 fn timed_out(model: &ModelId, what: &str, after: Duration) -> Error {

@@ -62,7 +62,8 @@ impl TensorStream {
     /// that went through last. `apply` puts the tensor where the model is served.
     ///
     /// # Errors
-    /// A second call, a call from inside `apply`, or one after the commit returned; a
+    /// A call after one that streamed a version, a call from inside `apply`, or one after
+    /// the commit returned; a
     /// timeout at the commit's deadline, with nothing applied; once a tensor was applied,
     /// [`refit_runtime::Error::PartlyApplied`] (the backend's model is mixed); before, the
     /// failure itself (the sender gone, a damaged transfer, `apply`'s error).
