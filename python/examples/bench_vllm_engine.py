@@ -142,8 +142,8 @@ def compare_applies(model_dir: Path, versions: list, iters: int) -> None:
             if mode == "streaming":  # the version in force streams in at the first load
                 child.stdin.write("go\n")
                 child.stdin.flush()
+            # returns once the engine acknowledged the version in force: the next come one by one
             sender.start(timeout=120)
-            sender.wait(timeout=120)  # the engine holds the version in force: the next come one by one
             for i in range(iters):
                 t = time.perf_counter()
                 sender.publish(versions[(i + 1) % 2])

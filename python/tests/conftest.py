@@ -94,7 +94,9 @@ def wrap_engine(cmd: list[str], tmp_path: Path, script: str, base: str, make: st
         f"class Sub({base}):\n{body}\n"
         f"sys.exit(refit.engine.main({make}, roles='grpo'))\n")
     topo = Path(cmd[2])
-    topo.write_text(topo.read_text().replace(str(REPO / "python/examples" / script), str(wrapper)))
+    example = str(REPO / "python/examples" / script)
+    assert example in topo.read_text(), f"the topology runs no {script}"
+    topo.write_text(topo.read_text().replace(example, str(wrapper)))
 
 
 def launch_solves(cmd: list[str], env: dict, cwd: Path, low: float = 0.3, high: float = 0.6) -> str:

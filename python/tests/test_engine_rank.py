@@ -39,6 +39,11 @@ def test_python_engine_ranks_learn_grpo_when_updates_abort_their_batches(refit_b
     assert len(aborted) == 2 and sum(aborted) > 0, out[-6000:]
 
 
+#: The example engine's subclass made as the example's main makes it (torch on one thread:
+#: the ranks share the machine's cores).
+ONE_THREAD = "(m.torch.set_num_threads(1), Sub())[1]"
+
+
 def test_python_engine_ranks_learn_grpo_with_streaming_apply_over_tcp(refit_bin, tmp_path):
     """``apply = "streaming"``: each engine rank's commit pulls the version inside its pause
     and the torch engine copies each tensor into its served weights as it arrives
@@ -48,7 +53,7 @@ def test_python_engine_ranks_learn_grpo_with_streaming_apply_over_tcp(refit_bin,
     sets = SHORT + ["model.policy.apply=streaming", "links.weights=tcp"]
     cmd, env = launch_command(refit_bin, tmp_path, sets)
     # the example's engine, refusing every stage and commit: only load_streamed serves
-    wrap_engine(cmd, tmp_path, "torch_engine_rank.py", "m.TorchTransformer", "Sub()", STREAMING_ONLY)
+    wrap_engine(cmd, tmp_path, "torch_engine_rank.py", "m.TorchTransformer", ONE_THREAD, STREAMING_ONLY)
     out = launch_solves(cmd, env, tmp_path)
     assert out.count("weights over tcp, streaming") == 2, out[-6000:]
 
@@ -60,7 +65,7 @@ def test_a_streaming_model_is_refused_before_the_run_by_an_engine_that_does_not_
     sets = SHORT + ["model.policy.apply=streaming"]
     cmd, env = launch_command(refit_bin, tmp_path, sets)
     # the engine of the example, without its load_streamed
-    wrap_engine(cmd, tmp_path, "torch_engine_rank.py", "m.TorchTransformer", "Sub()",
+    wrap_engine(cmd, tmp_path, "torch_engine_rank.py", "m.TorchTransformer", ONE_THREAD,
                 "    load_streamed = refit.engine.Engine.load_streamed\n")
     done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     out = done.stdout + done.stderr

@@ -474,4 +474,6 @@ def test_the_apply_benchmark_sets_staged_and_streaming_side_by_side():
     for mode, pause in (("staged:", "pause (load)"), ("streaming:", "pause (transfer and load)")):
         (line,) = [l for l in lines if l.strip().startswith(mode)]
         assert float(line.split(pause)[1].split("ms")[0]) > 0, line
-        assert float(line.split("peak memory above the engine")[1].split("MiB")[0]) > 0, line
+        # the staged engine holds the receiver's copy and its staging buffers at least
+        extra = float(line.split("peak memory above the engine")[1].split("MiB")[0])
+        assert extra > 0 if mode == "staged:" else extra >= 0, line

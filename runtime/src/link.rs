@@ -53,7 +53,9 @@ pub trait WeightInlet: Send + 'static {
     /// A timeout naming the model and version, with no version applied whole (nor in part);
     /// once a tensor of a version was applied, [`Error::PartlyApplied`] (the caller's model
     /// is mixed); before, the failure itself (a refused update, the sender gone, `apply`'s
-    /// error).
+    /// error): the caller's model is then as it was, or holds an older version that went
+    /// through whole before the failure. A caller that counts what its `apply` wrote knows
+    /// which.
     fn stream(
         &mut self,
         model: &ModelId,

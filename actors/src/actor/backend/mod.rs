@@ -567,7 +567,7 @@ impl<B: EngineBackend> Job<B> {
                 let measured = backend.commit(&model, version);
                 measured.map(|m| (guard, version, m))
             };
-            let (mut guard, version, measured) = match served_now {
+            let (mut guard, landed, measured) = match served_now {
                 Ok(v) => v,
                 Err(e) => {
                     if let Some(abort) = abort {
@@ -581,10 +581,19 @@ impl<B: EngineBackend> Job<B> {
             served
                 .lock()
                 .unwrap_or_else(PoisonError::into_inner)
-                .insert(model.clone(), version);
+                .insert(model.clone(), landed);
             drop(turn);
-            guard.inlet.applied(&model, version)?;
-            Ok((version, paused, waited))
+            guard.inlet.applied(&model, landed)?;
+            if landed < version {
+                // a stream whose version did not come in time, after an older one went
+                // through whole: that one is served, and the commit failed
+                return Err(timed_out(
+                    &model,
+                    &format!("v{version} streamed (v{landed} came whole, and is served)"),
+                    started.elapsed(),
+                ));
+            }
+            Ok((landed, paused, waited))
         })
         .await
         .map_err(|e| {
