@@ -24,10 +24,19 @@ use refit_runtime::{Manifest, ModelId, Version, WeightSet};
 
 use generating::{Gate, Gated, bigram, policy, table, walk, within};
 
-/// A backend that can refuse a version's stage and drop its answers' log-probabilities.
+/// A backend that can refuse a version and drop its answers' log-probabilities; with
+/// `streams`, it takes each version in tensor by tensor at its commit (the tensors are
+/// written into a version of its own as they come, as a real engine writes them into its
+/// served model, then loaded).
 struct Faulty<B> {
     inner: B,
+    /// A version refused: its stage, or its first tensor when streamed.
     refuse: Option<Version>,
+    streams: bool,
+    /// Stages the engine asked of the backend (none for a streaming model).
+    stages: Arc<AtomicU64>,
+    /// Tensors streamed in, over all commits.
+    tensors: Arc<AtomicU64>,
     /// A version whose commit fails.
     fail_commit: Option<Version>,
     drop_logprobs: AtomicBool,
@@ -41,6 +50,9 @@ impl<B> Faulty<B> {
         Self {
             inner,
             refuse: None,
+            streams: false,
+            stages: Arc::default(),
+            tensors: Arc::default(),
             fail_commit: None,
             drop_logprobs: AtomicBool::new(false),
             aborts: Arc::default(),
@@ -53,10 +65,14 @@ impl<B: EngineBackend> EngineBackend for Faulty<B> {
     fn name(&self) -> String {
         "faulty".into()
     }
+    fn streams(&self) -> bool {
+        self.streams
+    }
     fn manifest(&self, model: &ModelId) -> Result<Arc<Manifest>> {
         self.inner.manifest(model)
     }
     fn stage(&self, weights: Arc<WeightSet>) -> Result<()> {
+        self.stages.fetch_add(1, Ordering::SeqCst);
         if Some(weights.version()) == self.refuse {
             return Err(Error::Generator {
                 model: weights.model().to_string(),
@@ -73,6 +89,39 @@ impl<B: EngineBackend> EngineBackend for Faulty<B> {
             });
         }
         self.inner.commit(model, version)
+    }
+    fn commit_streamed(
+        &self,
+        model: &ModelId,
+        _version: Version,
+        stream: &refit_actors::actor::TensorStream,
+    ) -> Result<()> {
+        let manifest = self.inner.manifest(model)?;
+        let mut landing = WeightSet::zeroed(model.clone(), Arc::clone(&manifest));
+        let mut apply = |one: WeightSet| -> Result<()> {
+            if Some(one.version()) == self.refuse {
+                return Err(Error::Generator {
+                    model: model.to_string(),
+                    reason: "tensor `table` refused by the streamed backend".into(),
+                });
+            }
+            for t in one.manifest().tensors() {
+                landing
+                    .tensor_bytes_mut(&t.name)
+                    .unwrap()
+                    .copy_from_slice(&one.bytes()[t.range()]);
+            }
+            landing.set_version(one.version());
+            self.tensors.fetch_add(1, Ordering::SeqCst);
+            Ok(())
+        };
+        // the version asked, a newer one, or an older one that came whole in time
+        let streamed = stream.run(&mut apply)?;
+        // a second run is refused: one stream per commit
+        let again = stream.run(&mut |_| Ok(())).unwrap_err().to_string();
+        assert!(again.contains("streamed already"), "{again}");
+        self.inner.stage(Arc::new(landing))?;
+        self.inner.commit(model, streamed).map(|_| ())
     }
     fn abort(&self, model: &ModelId) {
         self.aborts.fetch_add(1, Ordering::Relaxed);
@@ -663,83 +712,14 @@ fn a_backend_committed_in_flight_passes_the_conformance_suite() {
     assert_eq!(passed, refit_actors::conformance::CHECKS);
 }
 
-/// Refit's backend taking each version in tensor by tensor at its commit: the tensors are
-/// written into a version of its own as they come (a real engine writes them into its
-/// served model), then loaded; `fail_at` makes its apply refuse a version's first tensor.
-struct Streamed {
-    inner: GeneratorBackend<refit_actors::bigram::Bigram>,
-    fail_at: Option<Version>,
-    /// Stages the engine asked of the backend (none for a streaming model).
-    stages: Arc<AtomicU64>,
-    /// Tensors applied, over all commits.
-    tensors: Arc<AtomicU64>,
-}
+type StreamedBackend = Faulty<GeneratorBackend<refit_actors::bigram::Bigram>>;
 
-impl EngineBackend for Streamed {
-    fn name(&self) -> String {
-        "streamed".into()
-    }
-    fn streams(&self) -> bool {
-        true
-    }
-    fn manifest(&self, model: &ModelId) -> Result<Arc<Manifest>> {
-        self.inner.manifest(model)
-    }
-    fn stage(&self, weights: Arc<WeightSet>) -> Result<()> {
-        self.stages.fetch_add(1, Ordering::SeqCst);
-        self.inner.stage(weights)
-    }
-    fn commit(&self, model: &ModelId, version: Version) -> Result<Option<Duration>> {
-        self.inner.commit(model, version)
-    }
-    fn commit_streamed(
-        &self,
-        model: &ModelId,
-        _version: Version,
-        stream: &refit_actors::actor::TensorStream,
-    ) -> Result<()> {
-        let manifest = self.inner.manifest(model)?;
-        let mut landing = WeightSet::zeroed(model.clone(), Arc::clone(&manifest));
-        let mut apply = |one: WeightSet| -> Result<()> {
-            if Some(one.version()) == self.fail_at {
-                return Err(Error::Generator {
-                    model: model.to_string(),
-                    reason: "tensor `table` refused by the streamed backend".into(),
-                });
-            }
-            for t in one.manifest().tensors() {
-                landing
-                    .tensor_bytes_mut(&t.name)
-                    .unwrap()
-                    .copy_from_slice(&one.bytes()[t.range()]);
-            }
-            landing.set_version(one.version());
-            self.tensors.fetch_add(1, Ordering::SeqCst);
-            Ok(())
-        };
-        // the version asked, a newer one, or an older one that came whole in time
-        let streamed = stream.run(&mut apply)?;
-        // a second run is refused: one stream per commit
-        let again = stream.run(&mut |_| Ok(())).unwrap_err().to_string();
-        assert!(again.contains("streamed already"), "{again}");
-        self.inner.stage(Arc::new(landing))?;
-        self.inner.commit(model, streamed).map(|_| ())
-    }
-    fn generate(
-        &self,
-        batch: &[Generate],
-        served: &BTreeMap<ModelId, Version>,
-    ) -> Vec<Result<Completion>> {
-        self.inner.generate(batch, served)
-    }
-}
-
-/// A streaming engine of [`Streamed`] (failing at `fail_at`), fed by a sender through a
+/// A streaming engine of [`Faulty`] (refusing `fail_at`), fed by a sender through a
 /// streaming inlet: it holds v1, the version in force, until the first commit takes it.
 fn streaming_engine(
     fail_at: Option<Version>,
 ) -> (
-    Addr<BackendEngine<Streamed>>,
+    Addr<BackendEngine<StreamedBackend>>,
     InProcSender,
     Arc<AtomicU64>,
     Arc<AtomicU64>,
@@ -759,15 +739,16 @@ fn streaming_engine(
         .connect(vec![table(&m, 1)], Duration::from_secs(10))
         .unwrap();
     let inlet: Box<dyn refit_actors::WeightInlet> = Box::new(r.join().unwrap());
-    let (stages, tensors) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
-    let backend = Streamed {
-        inner: GeneratorBackend::new()
-            .with_model(m.clone(), bigram(), bigram(), 8)
-            .unwrap(),
-        fail_at,
-        stages: Arc::clone(&stages),
-        tensors: Arc::clone(&tensors),
+    let backend = Faulty {
+        refuse: fail_at,
+        streams: true,
+        ..Faulty::new(
+            GeneratorBackend::new()
+                .with_model(m.clone(), bigram(), bigram(), 8)
+                .unwrap(),
+        )
     };
+    let (stages, tensors) = (Arc::clone(&backend.stages), Arc::clone(&backend.tensors));
     let addr = BackendEngine::new(Arc::new(backend), vec![(m.clone(), inlet)])
         .unwrap()
         .pause_mode(PauseMode::Keep)

@@ -93,7 +93,9 @@ class TorchTransformer(refit.engine.Engine):
             nonlocal written
             t = tensor.to(torch.float32, copy=True)
             if not torch.isfinite(t).all():
-                raise ValueError(f"tensor `{name}` of v{version} holds a value that is not finite")
+                # the stream may carry another version than the one asked
+                raise ValueError(f"tensor `{name}` of the version streaming (v{version} asked) "
+                                 "holds a value that is not finite")
             if name in served:
                 served[name].copy_(t)
             else:

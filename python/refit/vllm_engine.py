@@ -141,15 +141,15 @@ def _expected(worker: Any) -> list[tuple[str, ...]]:
     return _expected_params(worker.model_runner.model, worker.model_runner.model_config)
 
 
-def _check_finite(t: Any, name: str, version: int, dtype: Any) -> None:
-    """Raises ``ValueError`` when tensor ``t`` (``name`` of ``version``, in the model's
-    ``dtype``) holds a value that is not finite."""
+def _check_finite(t: Any, name: str, version: str, dtype: Any) -> None:
+    """Raises ``ValueError`` when tensor ``t`` (``name`` of the version ``version`` says,
+    in the model's ``dtype``) holds a value that is not finite."""
     import torch
 
     # a sum is finite when every value is (5x cheaper than isfinite per value); one that is
     # not may be an overflow of finite values: then each is looked at
     if t.is_floating_point() and not torch.isfinite(t.sum()) and not torch.isfinite(t).all():
-        raise ValueError(f"tensor `{name}` of v{version} holds a value that is not finite "
+        raise ValueError(f"tensor `{name}` of {version} holds a value that is not finite "
                          f"(in the model's dtype, {dtype})")
 
 
@@ -265,7 +265,7 @@ class VllmEngine(refit.engine.Engine):
                 if buf is None or buf.shape != t.shape or buf.dtype != dtype:
                     buf = buffers[key] = torch.empty_like(t, dtype=dtype)
                 buf.copy_(t)
-                _check_finite(buf, name, version, dtype)
+                _check_finite(buf, name, f"v{version}", dtype)
                 staged.append((key, buf))
         self._staged[model] = (version, staged)
 
@@ -322,7 +322,9 @@ class VllmEngine(refit.engine.Engine):
             out = []
             for key, t in self._checkpoint(name, tensor):
                 t = t.to(dtype)
-                _check_finite(t, name, version, dtype)
+                # the stream may carry a newer version than the one asked (or an older one
+                # that came whole first): the message cannot name it
+                _check_finite(t, name, f"the version streaming (v{version} asked)", dtype)
                 out.append((key, t))
             return out
 

@@ -474,6 +474,7 @@ def test_the_apply_benchmark_sets_staged_and_streaming_side_by_side():
     for mode, pause in (("staged:", "pause (load)"), ("streaming:", "pause (transfer and load)")):
         (line,) = [l for l in lines if l.strip().startswith(mode)]
         assert float(line.split(pause)[1].split("ms")[0]) > 0, line
-        # the staged engine holds the receiver's copy and its staging buffers at least
+        # the staged engine holds the receiver's copy and its staging buffers at least, the
+        # streaming one the buckets in flight and vLLM's reload (about 11 MiB here)
         extra = float(line.split("peak memory above the engine")[1].split("MiB")[0])
-        assert extra > 0 if mode == "staged:" else extra >= 0, line
+        assert extra > 0, line

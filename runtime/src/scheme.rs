@@ -151,11 +151,6 @@ impl StreamProgress {
         self.model = Some((model.clone(), version));
     }
 
-    /// Tensors applied so far.
-    pub fn applied(&self) -> usize {
-        self.applied
-    }
-
     /// Hands `one` to `apply`, counting it once applied.
     ///
     /// # Errors

@@ -61,10 +61,13 @@ impl TensorStream {
     /// weight set of one tensor, once that tensor's bytes are verified; answers the version
     /// that went through last. `apply` puts the tensor where the model is served.
     ///
+    /// A call after a failed one pulls again; a version answered ends the stream.
+    ///
     /// # Errors
-    /// A call after one that streamed a version, a call from inside `apply`, or one after
-    /// the commit returned; a
-    /// timeout at the commit's deadline, with nothing applied; once a tensor was applied,
+    /// A call after one that answered a version, a call from inside `apply`, or one after
+    /// the commit returned; a timeout at the commit's deadline when no version went through
+    /// whole (when an older one did, it is answered, and the commit then fails naming it,
+    /// with that version served); once a tensor was applied,
     /// [`refit_runtime::Error::PartlyApplied`] (the backend's model is mixed); before, the
     /// failure itself (the sender gone, a damaged transfer, `apply`'s error).
     pub fn run(&self, apply: &mut dyn FnMut(WeightSet) -> Result<()>) -> Result<Version> {
