@@ -16,16 +16,22 @@
 //!
 //! [`backend`] runs it on an [`EngineBackend`] (a Python engine, vLLM's) in an engine and a
 //! system of its own, with the publisher made for it: what `refit.engine.conformance` runs.
+//! [`backend_applied`] runs it on a model the backend takes in as a topology's
+//! `apply = "streaming"` has it (pulled inside each commit, tensor by tensor): the
+//! controller's view of the weight plane is the same, so the checks are too.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use actix::Actor;
+use refit_runtime::link::StreamingInlet;
+use refit_runtime::topology::Apply;
 use refit_runtime::{
     Manifest, Manifests, ModelId, PendingSend, ReceiverInit, Sender, SenderInit, Version, WeightSet,
 };
 use refit_transports::inproc::{InProc, InProcSender};
 
+use crate::WeightInlet;
 use crate::actor::{BackendEngine, EngineBackend};
 use crate::generation::PauseMode;
 
@@ -76,12 +82,35 @@ const CONNECT: Duration = Duration::from_secs(10);
 /// Called inside an async runtime (an actix system, a tokio runtime): its own system
 /// cannot start there.
 pub fn backend<B: EngineBackend>(backend: B, model: &ModelId) -> Result<Vec<&'static str>> {
+    backend_applied(backend, model, Apply::Staged)
+}
+
+/// [`backend`] with the model taken in as `apply` says: under [`Apply::Streaming`], the
+/// engine pulls each version inside its commit through a streaming inlet and hands it to
+/// [`EngineBackend::commit_streamed`] tensor by tensor (a backend that does not stream is
+/// refused before any check, naming it). Blocking.
+///
+/// # Errors
+/// As [`backend`].
+///
+/// # Panics
+/// As [`backend`].
+pub fn backend_applied<B: EngineBackend>(
+    backend: B,
+    model: &ModelId,
+    apply: Apply,
+) -> Result<Vec<&'static str>> {
     let manifest = backend.manifest(model)?;
     let first = zeros(model, &manifest, Version(1));
     let manifests = Manifests::new([(model.clone(), Arc::clone(&manifest))])?;
     let hub = InProc::new();
     let receiver = ReceiverInit::new(hub.receiver(), Some(manifests.clone()));
-    let receiving = std::thread::spawn(move || receiver.connect(CONNECT));
+    let receiving = std::thread::spawn(move || -> Result<Box<dyn WeightInlet>> {
+        Ok(match apply {
+            Apply::Staged => Box::new(receiver.connect(CONNECT)?),
+            Apply::Streaming => Box::new(StreamingInlet::connect(receiver, CONNECT)?),
+        })
+    });
     let sender = SenderInit::new(hub.sender()?, manifests).connect(vec![first], CONNECT);
     let received = receiving
         .join()
@@ -97,10 +126,12 @@ pub fn backend<B: EngineBackend>(backend: B, model: &ModelId) -> Result<Vec<&'st
     };
     actix_rt::System::new().block_on(async {
         // the topology's default: a backend that commits in flight is committed so
-        let engine = BackendEngine::new(Arc::new(backend), vec![(model.clone(), Box::new(inlet))])?
-            .pause_mode(PauseMode::Keep)
-            .start();
-        weight_plane(&EngineRef::local(&engine), model, &mut publisher).await
+        let mut engine = BackendEngine::new(Arc::new(backend), vec![(model.clone(), inlet)])?
+            .pause_mode(PauseMode::Keep);
+        if apply == Apply::Streaming {
+            engine = engine.streamed(model)?;
+        }
+        weight_plane(&EngineRef::local(&engine.start()), model, &mut publisher).await
     })
 }
 
@@ -225,6 +256,11 @@ pub async fn weight_plane(
     s.expect("commit-mismatch", st.version == Version(4), &st)?;
     s.refused("commit-mismatch", s.commit_raw(5).await, &["v5", "v4"])?;
     s.serves("commit-mismatch", 3).await?;
+    // v4 loads after all: no version the engine did not serve is left published (an
+    // engine that streams takes every version newer than its last in turn)
+    let r = s.update("commit-mismatch", 4, CALL).await?;
+    s.expect("commit-mismatch", r.version == Version(4), &r)?;
+    s.serves("commit-mismatch", 4).await?;
     passed.push("commit-mismatch");
 
     let asked = Instant::now();
@@ -236,7 +272,7 @@ pub async fn weight_plane(
         took < SHORT_FETCH + Duration::from_secs(10),
         &format!("answered after {took:?}"),
     )?;
-    s.serves("fetch-timeout", 3).await?;
+    s.serves("fetch-timeout", 4).await?;
     passed.push("fetch-timeout");
 
     let a = s.cancel("cancel-epochs").await?;

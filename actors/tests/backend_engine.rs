@@ -712,6 +712,46 @@ fn a_backend_committed_in_flight_passes_the_conformance_suite() {
     assert_eq!(passed, refit_actors::conformance::CHECKS);
 }
 
+/// The suite on a model taken in as `apply = "streaming"` has it: each version pulled
+/// inside its commit and handed to `commit_streamed` tensor by tensor, never staged, every
+/// check holding; a backend that only stages is refused before any check, named.
+#[test]
+fn a_streaming_backend_passes_the_conformance_suite_and_one_that_stages_is_refused() {
+    use refit_runtime::topology::Apply;
+    let inner = || {
+        GeneratorBackend::new()
+            .with_model(policy(), bigram(), bigram(), 8)
+            .unwrap()
+    };
+    let backend = Faulty {
+        streams: true,
+        ..Faulty::new(inner())
+    };
+    let (stages, tensors) = (Arc::clone(&backend.stages), Arc::clone(&backend.tensors));
+    let passed =
+        refit_actors::conformance::backend_applied(backend, &policy(), Apply::Streaming).unwrap();
+    assert_eq!(passed, refit_actors::conformance::CHECKS);
+    assert_eq!(
+        stages.load(Ordering::SeqCst),
+        0,
+        "a streaming model was staged"
+    );
+    // versions 1 to 4 streamed in, the bigram's one tensor each
+    assert_eq!(tensors.load(Ordering::SeqCst), 4);
+    let refused = refit_actors::conformance::backend_applied(
+        Faulty::new(inner()),
+        &policy(),
+        Apply::Streaming,
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(
+        refused.contains("apply = \"streaming\"")
+            && refused.contains("faulty engine does not stream"),
+        "{refused}"
+    );
+}
+
 type StreamedBackend = Faulty<GeneratorBackend<refit_actors::bigram::Bigram>>;
 
 /// A streaming engine of [`Faulty`] (refusing `fail_at`), fed by a sender through a

@@ -294,7 +294,8 @@ def join(engine: Engine, roles: str = "grpo") -> dict[str, Any] | None:
 CONFORMANCE_CHECKS: list[str] = list(_native.CONFORMANCE_CHECKS)
 
 
-def conformance(engine: Engine, params: dict[str, Any] | None = None, model: str = "policy") -> list[str]:
+def conformance(engine: Engine, params: dict[str, Any] | None = None, model: str = "policy",
+                apply: str = "staged") -> list[str]:
     """Runs the engine contract's conformance suite on ``engine``, in this process: Refit's
     own engine drives it as the controller does a rank's, through loads, a stage then its
     commit, an abort, a stage whose hold runs out, a commit of another version than the
@@ -306,11 +307,16 @@ def conformance(engine: Engine, params: dict[str, Any] | None = None, model: str
     topology's default ``pause_mode = "keep"``. It calls :meth:`Engine.manifest` first,
     as a rank does: give it an engine that serves nothing yet. Blocks until it ends.
 
+    ``apply``: how the model is taken in, as the topology key ``[[model]] apply`` says.
+    Under ``"streaming"`` every version is pulled inside its commit and handed to
+    :meth:`Engine.load_streamed` tensor by tensor (never staged), through the same checks:
+    what the controller sees of the weight plane is the same.
+
     Returns the checks passed (:data:`CONFORMANCE_CHECKS`, all of them). Raises
     :class:`refit.errors.RefitError` naming the first check that fails (what was asked,
-    what the engine answered), or what the engine raised; ``ConfigError`` for params that
-    do not fit."""
-    return list(_native.engine_conformance(_Adapter(engine), model, json.dumps(params or {})))
+    what the engine answered), or what the engine raised; ``ConfigError`` for params or an
+    ``apply`` that do not fit (``"streaming"`` for an engine without ``load_streamed``)."""
+    return list(_native.engine_conformance(_Adapter(engine), model, json.dumps(params or {}), apply))
 
 
 def main(engine: Engine, roles: str = "grpo") -> int:

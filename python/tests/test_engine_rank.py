@@ -162,6 +162,57 @@ def test_the_torch_engine_passes_the_conformance_suite_and_a_failing_engine_is_n
         refit.engine.conformance(TorchTransformer(), {"nope": 1})
 
 
+def test_the_conformance_suite_runs_a_streaming_engine_through_load_streamed():
+    """``apply="streaming"``: the same checks, every version pulled inside its commit and
+    handed to ``load_streamed`` tensor by tensor, never staged; an engine without
+    ``load_streamed`` is refused before any check, and one whose ``load_streamed`` answers
+    without taking the stream fails the first load, named."""
+    require("torch")
+    sys.path.insert(0, str(REPO / "python/examples"))
+    try:
+        from torch_engine_rank import TorchTransformer
+    finally:
+        sys.path.pop(0)
+    params = {"heads": 4}
+
+    class Counted(TorchTransformer):
+        def __init__(self):
+            super().__init__()
+            self.streamed: list[int] = []
+
+        def stage(self, model, version, update):
+            raise AssertionError("a streaming model was staged")
+
+        def load_streamed(self, model, version, stream):
+            self.streamed.append(version)
+            super().load_streamed(model, version, stream)
+
+    engine = Counted()
+    # ANCHOR: conformance_streaming
+    passed = refit.engine.conformance(engine, params, apply="streaming")
+    assert passed == refit.engine.CONFORMANCE_CHECKS
+    # ANCHOR_END: conformance_streaming
+    # versions 1 to 4 (the suite's loads and its commit), each asked once, then 9: the load
+    # whose stream times out with nothing applied
+    assert engine.streamed == [1, 2, 3, 4, 9], engine.streamed
+
+    class Staged(TorchTransformer):
+        load_streamed = None
+
+    with pytest.raises(refit.ConfigError, match='apply = "streaming"'):
+        refit.engine.conformance(Staged(), params, apply="streaming")
+
+    class Ignores(TorchTransformer):
+        def load_streamed(self, model, version, stream):
+            pass
+
+    with pytest.raises(refit.RefitError, match="check `load`") as e:
+        refit.engine.conformance(Ignores(), params, apply="streaming")
+    assert "answered without streaming it" in str(e.value)
+    with pytest.raises(refit.ConfigError, match="staged"):
+        refit.engine.conformance(TorchTransformer(), params, apply="lazily")
+
+
 def test_the_adapter_says_an_engine_streams_when_its_class_has_load_streamed():
     class Staged(refit.engine.Engine):
         pass

@@ -143,11 +143,23 @@ def test_the_vllm_engine_passes_the_conformance_suite():
     """The engine contract's conformance suite, the one Refit's own engines pass, run on a
     fresh vLLM engine through the backend a rank puts it behind, committed in flight (keep,
     the default): loads, a stage then its commit, an abort, a hold that runs out, a commit
-    of another version, a fetch that times out, cancellation epochs. After the tests of the
+    of another version, a fetch that times out, cancellation epochs; then on another, its
+    model taken in as ``apply = "streaming"`` (vLLM's layerwise reload fed tensor by tensor
+    inside each commit). After the tests of the
     module's engine: a second vLLM in this process takes the first one's parallel groups
     with it when it goes."""
     e = VllmEngine(example.build, checkpoint=example.checkpoint)
     assert refit.engine.conformance(e, PARAMS) == refit.engine.CONFORMANCE_CHECKS
+    # and taken in as apply = "streaming" (each version through load_streamed), in a process
+    # of its own: a third vLLM here would find its parallel groups gone with the second
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); import vllm_engine_rank as example, refit.engine; "
+            "from refit.vllm_engine import VllmEngine; "
+            "e = VllmEngine(example.build, checkpoint=example.checkpoint); "
+            "print(refit.engine.conformance(e, {'heads': 2}, apply='streaming'))")
+    done = subprocess.run([sys.executable, "-c", code, str(REPO / "python/examples")],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    assert done.stdout.strip().splitlines()[-1] == str(refit.engine.CONFORMANCE_CHECKS), done.stdout[-2000:]
 
 
 def test_a_version_that_leaves_a_parameter_unwritten_is_refused_naming_it(golden):
