@@ -154,6 +154,10 @@ pub struct ChildArgs {
     /// Read each round into new memory, a buffer of the round's size (tcp-sink).
     #[arg(long)]
     new_memory: bool,
+    /// Read each round into one buffer of the round's size, touched before the first
+    /// (tcp-sink).
+    #[arg(long)]
+    arena: bool,
 }
 
 /// One measured figure.
@@ -656,6 +660,7 @@ fn bench_link(
     }
     if l.reach() == Reach::Network {
         times.into_new_memory = Some(tcp::baseline_into_new_memory(size, 3)?);
+        times.arena_to_arena = Some(tcp::baseline_arena_to_arena(size, args.iters.max(3))?);
     }
     let baseline = match (l.on_device(), base.device, l.reach()) {
         (true, Some(copy), _) => ("device-copy", copy),
@@ -906,6 +911,10 @@ struct Times {
     /// Raw loopback TCP of the same size read into new memory: a simple program's first
     /// receive (links that reach the network).
     into_new_memory: Option<Summary>,
+    /// Raw loopback TCP of the same size from a whole-size buffer into another, both
+    /// touched: a simple program moving a version between arenas (links that reach the
+    /// network).
+    arena_to_arena: Option<Summary>,
     e2e: Vec<Duration>,
     write: Vec<Duration>,
     acks: Vec<Duration>,
@@ -995,6 +1004,15 @@ impl Times {
                 let connect = Summary::of(&self.connect);
                 let metric = "  connect+first pull";
                 first.push(row(name, metric, size, n, connect, floor, fresh.median));
+            }
+            if let Some(arenas) = self.arena_to_arena {
+                // the same stream between arenas, and the steady update against it
+                let floor = "raw arena to arena";
+                let metric = "  (raw, arenas)";
+                first.push(row(name, metric, size, 1, arenas, bname, base));
+                let steady = Summary::of(&self.steady);
+                let metric = "  steady update";
+                first.push(row(name, metric, size, n, steady, floor, arenas.median));
             }
             rows.splice(0..0, first);
         }

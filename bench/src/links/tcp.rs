@@ -130,6 +130,15 @@ pub(super) fn baseline(size: usize, iters: usize) -> BoxResult<Summary> {
     timed_streams(size, iters, ReadInto::Buffer)
 }
 
+/// Raw loopback TCP as [`baseline`], the writer writing from a buffer of the whole size
+/// and the reader reading into one (both touched before the first stream, reused): what a
+/// simple program moving a version from one arena to another costs, the memory traffic of
+/// both ends included (the [`baseline`] program reads and writes a buffer that stays in
+/// cache).
+pub(super) fn baseline_arena_to_arena(size: usize, iters: usize) -> BoxResult<Summary> {
+    timed_streams(size, iters, ReadInto::Arena)
+}
+
 /// Raw loopback TCP as [`baseline`], the reader reading each stream into new memory (a
 /// buffer of the whole size, allocated for the stream and freed after it): what a simple
 /// program's first receive of a version costs, where fresh memory is dear.
@@ -156,6 +165,9 @@ enum ReadInto<'a> {
     Buffer,
     /// A new buffer of the whole stream's size per stream.
     NewMemory,
+    /// A buffer of the whole stream's size, touched before the first stream and reused;
+    /// the writer writes from one too.
+    Arena,
     /// A new file at this path per stream (written through a reused buffer, synced,
     /// removed after the stream is timed).
     NewFile(&'a Path),
@@ -165,7 +177,10 @@ enum ReadInto<'a> {
 struct Stream {
     child: Child,
     sock: TcpStream,
+    /// What is written: a chunk's worth reused, or the whole size (an arena), walked.
     buf: Vec<u8>,
+    /// Bytes per write.
+    write: usize,
     size: usize,
 }
 
@@ -194,6 +209,7 @@ impl Stream {
         match into {
             ReadInto::Buffer => {}
             ReadInto::NewMemory => child_args.push("--new-memory"),
+            ReadInto::Arena => child_args.push("--arena"),
             ReadInto::NewFile(f) => {
                 file_arg = f.display().to_string();
                 child_args.extend(["--file", &file_arg]);
@@ -205,7 +221,11 @@ impl Stream {
         Ok(Self {
             child,
             sock,
-            buf: vec![3u8; chunks.write.min(size.max(1))],
+            buf: match into {
+                ReadInto::Arena => vec![3u8; size.max(1)],
+                _ => vec![3u8; chunks.write.min(size.max(1))],
+            },
+            write: chunks.write.max(1),
             size,
         })
     }
@@ -215,9 +235,15 @@ impl Stream {
     fn once(&mut self) -> BoxResult<Duration> {
         let t = Instant::now();
         let mut left = self.size;
+        // from the buffer's start each time it is walked (once per stream for an arena)
+        let mut at = 0;
         while left > 0 {
-            let n = left.min(self.buf.len());
-            self.sock.write_all(&self.buf[..n])?;
+            if at == self.buf.len() {
+                at = 0;
+            }
+            let n = left.min(self.write).min(self.buf.len() - at);
+            self.sock.write_all(&self.buf[at..at + n])?;
+            at += n;
             left -= n;
         }
         let mut ack = [0u8; 1];
@@ -244,7 +270,8 @@ pub(super) fn sink(args: &ChildArgs) -> BoxResult<()> {
     let mut sock = TcpStream::connect(&args.target)?;
     sock.set_nodelay(true)?;
     let chunk = args.chunk.max(1);
-    let mut buf = vec![0u8; chunk];
+    // an arena: the whole size, touched now and read into at its offsets every stream
+    let mut buf = vec![1u8; if args.arena { args.bytes.max(1) } else { chunk }];
     for _ in 0..args.rounds {
         if args.new_memory {
             // calloc: pages the kernel hands out as the reads first write them
@@ -276,12 +303,14 @@ pub(super) fn sink(args: &ChildArgs) -> BoxResult<()> {
         };
         let mut left = args.bytes;
         while left > 0 {
-            let n = sock.read(&mut buf[..left.min(chunk)])?;
+            let at = if args.arena { args.bytes - left } else { 0 };
+            let to = &mut buf[at..at + left.min(chunk)];
+            let n = sock.read(to)?;
             if n == 0 {
                 return Err("the sender closed the socket early".into());
             }
             if let Some(f) = file.as_mut() {
-                f.write_all(&buf[..n])?;
+                f.write_all(&to[..n])?;
             }
             left -= n;
         }
