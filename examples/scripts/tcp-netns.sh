@@ -43,25 +43,33 @@ grep -E "acknowledged|median" "$log/trainer-1"
 update=$(sed -n 's/^trainer: median \([0-9.]*\) s.*/\1/p' "$log/trainer-1")
 
 # the raw streams: a reader on host 2, a writer on host 1, `streams` connections at once,
-# each carrying its share of the bytes; a round ends when every reader answered
+# each carrying its share of the bytes; a round ends when every reader answered. Either
+# side fails (and the other is stopped) on an error of any of its connections, and
+# neither waits more than 60 s for the other.
 raw() {
   local streams=$1 port=$2
-  "$nh" run 2 python3 - "$bytes" "$rounds" "$streams" "$port" <<'EOF' &
+  "$nh" run 2 timeout 600 python3 - "$bytes" "$rounds" "$streams" "$port" <<'EOF' &
 import socket, sys, threading
 size, rounds, streams, port = map(int, sys.argv[1:])
 listener = socket.create_server(("10.77.0.2", port), backlog=streams)
+listener.settimeout(60)
 conns = [listener.accept()[0] for _ in range(streams)]
+failed = []
 
 def read(c, share):
-    buf = memoryview(bytearray(min(share, 4 << 20) or 1))
-    for _ in range(rounds):
-        left = share
-        while left:
-            n = c.recv_into(buf[:min(left, len(buf))])
-            if not n:
-                sys.exit("the writer closed early")
-            left -= n
-        c.sendall(b"k")
+    try:
+        c.settimeout(60)
+        buf = memoryview(bytearray(min(share, 4 << 20) or 1))
+        for _ in range(rounds):
+            left = share
+            while left:
+                n = c.recv_into(buf[:min(left, len(buf))])
+                if not n:
+                    raise ConnectionError("the writer closed early")
+                left -= n
+            c.sendall(b"k")
+    except Exception as e:
+        failed.append(e)
 
 shares = [size // streams + (i < size % streams) for i in range(streams)]
 threads = [threading.Thread(target=read, args=(c, s)) for c, s in zip(conns, shares)]
@@ -69,24 +77,32 @@ for t in threads:
     t.start()
 for t in threads:
     t.join()
+if failed:
+    sys.exit(f"raw stream reader: {failed[0]!r}")
 EOF
   local reader=$!
-  "$nh" run 1 python3 - "$bytes" "$rounds" "$streams" "$port" <<'EOF'
+  "$nh" run 1 timeout 600 python3 - "$bytes" "$rounds" "$streams" "$port" <<'EOF' || { kill "$reader" 2>/dev/null; wait "$reader" 2>/dev/null; return 1; }
 import socket, statistics, sys, threading, time
 size, rounds, streams, port = map(int, sys.argv[1:])
 for _ in range(100):
     try:
-        conns = [socket.create_connection(("10.77.0.2", port)) for _ in range(streams)]
+        conns = [socket.create_connection(("10.77.0.2", port), timeout=60) for _ in range(streams)]
         break
     except ConnectionRefusedError:
         time.sleep(0.1)
+else:
+    sys.exit(f"raw stream writer: nothing listens at 10.77.0.2:{port}")
 shares = [size // streams + (i < size % streams) for i in range(streams)]
 data = [memoryview(bytearray(s)) for s in shares]
+failed = []
 
 def write(c, d):
-    c.sendall(d)
-    if c.recv(1) != b"k":
-        sys.exit("the reader did not answer")
+    try:
+        c.sendall(d)
+        if c.recv(1) != b"k":
+            raise ConnectionError("the reader did not answer")
+    except Exception as e:
+        failed.append(e)
 
 times = []
 for _ in range(rounds):
@@ -96,8 +112,11 @@ for _ in range(rounds):
         t.start()
     for t in threads:
         t.join()
+    if failed:
+        sys.exit(f"raw stream writer: {failed[0]!r}")
     times.append(time.perf_counter() - start)
-print(f"{statistics.median(times):.3f}")
+# the upper median, as the trainer's
+print(f"{statistics.median_high(times):.3f}")
 EOF
   wait "$reader"
 }

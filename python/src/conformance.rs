@@ -27,15 +27,10 @@ pub(crate) fn engine_conformance(
     params: &str,
     apply: &str,
 ) -> PyResult<Vec<String>> {
-    let apply = match apply {
-        "staged" => Apply::Staged,
-        "streaming" => Apply::Streaming,
-        other => {
-            return Err(config(format!(
-                "apply = `{other}`: \"staged\" or \"streaming\""
-            )));
-        }
-    };
+    let apply: Apply = serde_json::from_value(serde_json::Value::from(apply)).map_err(|_| {
+        let known = [Apply::Staged, Apply::Streaming].map(Apply::as_str);
+        config(format!("apply = `{apply}`: one of {known:?}"))
+    })?;
     let id = ModelId::new(model).map_err(|e| config(format!("model `{model}`: {e}")))?;
     let table: toml::Table = serde_json::from_str(params)
         .map_err(|e| config(format!("model `{model}`: params: {e}")))?;

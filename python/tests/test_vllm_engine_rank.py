@@ -152,14 +152,15 @@ def test_the_vllm_engine_passes_the_conformance_suite():
     assert refit.engine.conformance(e, PARAMS) == refit.engine.CONFORMANCE_CHECKS
     # and taken in as apply = "streaming" (each version through load_streamed), in a process
     # of its own: a third vLLM here would find its parallel groups gone with the second
-    code = ("import sys; sys.path.insert(0, sys.argv[1]); import vllm_engine_rank as example, refit.engine; "
+    code = ("import json, sys; sys.path.insert(0, sys.argv[1]); import vllm_engine_rank as example, refit.engine; "
             "from refit.vllm_engine import VllmEngine; "
             "e = VllmEngine(example.build, checkpoint=example.checkpoint); "
-            "print(refit.engine.conformance(e, {'heads': 2}, apply='streaming'))")
-    done = subprocess.run([sys.executable, "-c", code, str(REPO / "python/examples")],
+            "print('passed:', json.dumps(refit.engine.conformance(e, json.loads(sys.argv[2]), apply='streaming')))")
+    done = subprocess.run([sys.executable, "-c", code, str(REPO / "python/examples"), json.dumps(PARAMS)],
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
-    assert done.stdout.strip().splitlines()[-1] == str(refit.engine.CONFORMANCE_CHECKS), done.stdout[-2000:]
+    (line,) = [l for l in done.stdout.splitlines() if l.startswith("passed: ")]
+    assert json.loads(line.removeprefix("passed: ")) == refit.engine.CONFORMANCE_CHECKS, done.stdout[-2000:]
 
 
 def test_a_version_that_leaves_a_parameter_unwritten_is_refused_naming_it(golden):

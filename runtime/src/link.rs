@@ -222,6 +222,23 @@ impl<T: ReceiverTransport> StreamingInlet<T> {
     }
 }
 
+/// Connects `init` as the inlet of a model taken in as `apply` says: a [`Receiver`] that
+/// receives each version whole ([`Apply::Staged`]), or a [`StreamingInlet`]
+/// ([`Apply::Streaming`]).
+///
+/// # Errors
+/// As [`ReceiverInit::connect`] or [`StreamingInlet::connect`].
+pub fn connect_applied<T: ReceiverTransport + 'static>(
+    init: ReceiverInit<T>,
+    apply: crate::topology::Apply,
+    timeout: Duration,
+) -> Result<Box<dyn WeightInlet>> {
+    Ok(match apply {
+        crate::topology::Apply::Staged => Box::new(init.connect(timeout)?),
+        crate::topology::Apply::Streaming => Box::new(StreamingInlet::connect(init, timeout)?),
+    })
+}
+
 impl<T: ReceiverTransport + 'static> WeightInlet for StreamingInlet<T> {
     /// The version in force at connect, while no stream took it; a streaming inlet holds
     /// no other.

@@ -14,7 +14,7 @@ use std::time::Duration;
 
 use refit_node::Node;
 use refit_runtime::convert::{Conversions, ConvertingSender, Want, Wants};
-use refit_runtime::link::StreamingInlet;
+use refit_runtime::link::connect_applied;
 use refit_runtime::topology::{Apply, Deltas, TransportKind};
 use refit_runtime::{Manifests, ModelId, ReceiverInit, SenderInit, Version, WeightSet};
 use refit_transports::link::{self, LinkOptions, OpenedLink, ReceiverSpec};
@@ -199,8 +199,8 @@ impl OpenedLinks {
 /// registers from `node`, whose token is the cluster's) and waits (until `wait`) for the
 /// version the sender serves now. `expected` is the layout the engine loads; a sender of
 /// another layout is refused, naming the tensor. With `apply = "streaming"` the inlet
-/// streams ([`StreamingInlet`]): it holds the version in force at connect until the
-/// engine's first commit takes it, and no version after.
+/// streams ([`StreamingInlet`](refit_runtime::link::StreamingInlet)): it holds the version
+/// in force at connect until the engine's first commit takes it, and no version after.
 ///
 /// # Errors
 /// An unknown transport; attaching or registering failing or timing out; a manifest
@@ -229,10 +229,7 @@ pub(crate) fn connect_inlet(
     };
     let transport = spec.receiver(&options).map_err(named)?;
     let init = ReceiverInit::new(transport, Some(expected));
-    Ok(match apply {
-        Apply::Staged => Box::new(init.connect(wait).map_err(named)?),
-        Apply::Streaming => Box::new(StreamingInlet::connect(init, wait).map_err(named)?),
-    })
+    connect_applied(init, apply, wait).map_err(named)
 }
 
 /// Removes the links' leftovers when dropped (a trainer thread that has not dropped its

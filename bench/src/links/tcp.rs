@@ -223,7 +223,7 @@ impl Stream {
             sock,
             buf: match into {
                 ReadInto::Arena => vec![3u8; size.max(1)],
-                _ => vec![3u8; chunks.write.min(size.max(1))],
+                _ => vec![3u8; chunks.write.max(1).min(size.max(1))],
             },
             write: chunks.write.max(1),
             size,
@@ -264,7 +264,8 @@ impl Stream {
 
 /// The reading end of [`Stream`]: reads `rounds` streams of `bytes` bytes, `chunk` bytes
 /// at most per read, into a reused buffer (with `--new-memory`, into a new buffer of
-/// `bytes` per stream; with `--file`, writing each into a new file, synced), answering one
+/// `bytes` per stream; with `--arena`, into one buffer of `bytes` touched before the first
+/// stream; with `--file`, writing each into a new file, synced), answering one
 /// byte after each, and one more once ready for the next (the file removed).
 pub(super) fn sink(args: &ChildArgs) -> BoxResult<()> {
     let mut sock = TcpStream::connect(&args.target)?;
