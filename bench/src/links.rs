@@ -996,23 +996,45 @@ impl Times {
                     base,
                 ));
             }
-            if let Some(fresh) = self.into_new_memory {
-                // the same stream into new memory, and the first pull against it
-                let floor = "raw into new memory";
-                let metric = "  (raw, new memory)";
-                first.push(row(name, metric, size, 1, fresh, bname, base));
-                let connect = Summary::of(&self.connect);
-                let metric = "  connect+first pull";
-                first.push(row(name, metric, size, n, connect, floor, fresh.median));
-            }
-            if let Some(arenas) = self.arena_to_arena {
-                // the same stream between arenas, and the steady update against it
-                let floor = "raw arena to arena";
-                let metric = "  (raw, arenas)";
-                first.push(row(name, metric, size, 1, arenas, bname, base));
-                let steady = Summary::of(&self.steady);
-                let metric = "  steady update";
-                first.push(row(name, metric, size, n, steady, floor, arenas.median));
+            // a raw stream doing more of the same job (into new memory, between arenas), and
+            // the figure it is the floor of against it
+            let floors = [
+                (
+                    self.into_new_memory,
+                    "new memory",
+                    "raw into new memory",
+                    "connect+first pull",
+                    &self.connect,
+                ),
+                (
+                    self.arena_to_arena,
+                    "arenas",
+                    "raw arena to arena",
+                    "steady update",
+                    &self.steady,
+                ),
+            ];
+            for (raw, what, floor, metric, times) in floors {
+                let Some(raw) = raw else { continue };
+                first.push(row(
+                    name,
+                    &format!("  (raw, {what})"),
+                    size,
+                    1,
+                    raw,
+                    bname,
+                    base,
+                ));
+                let timed = Summary::of(times);
+                first.push(row(
+                    name,
+                    &format!("  {metric}"),
+                    size,
+                    n,
+                    timed,
+                    floor,
+                    raw.median,
+                ));
             }
             rows.splice(0..0, first);
         }

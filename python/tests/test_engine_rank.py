@@ -19,6 +19,17 @@ import refit.engine
 from refit.engine import Completion, _Adapter
 
 
+def torch_engine() -> type:
+    """The PyTorch engine of ``python/examples/torch_engine_rank.py`` (the launch tests'),
+    imported from the examples folder."""
+    sys.path.insert(0, str(REPO / "python/examples"))
+    try:
+        from torch_engine_rank import TorchTransformer
+    finally:
+        sys.path.pop(0)
+    return TorchTransformer
+
+
 def test_python_engine_ranks_learn_grpo_under_refit_launch(refit_bin, tmp_path):
     require("torch")
     cmd, env = launch_command(refit_bin, tmp_path, SHORT)
@@ -96,11 +107,7 @@ def test_the_torch_engine_scores_as_refits_own_generator(tmp_path):
     subprocess.run([str(grpo_example()), "scores", str(tmp_path)], check=True,
                    capture_output=True, timeout=300)
     golden = json.loads((tmp_path / "scores.json").read_text())
-    sys.path.insert(0, str(REPO / "python/examples"))
-    try:
-        from torch_engine_rank import TorchTransformer
-    finally:
-        sys.path.pop(0)
+    TorchTransformer = torch_engine()
     engine = TorchTransformer()
     model = golden["model"]
     weights = load_file(str(tmp_path / "engine.safetensors"))
@@ -126,11 +133,7 @@ def test_the_torch_engine_passes_the_conformance_suite_and_a_failing_engine_is_n
     PyTorch engine of the launch test through the backend a rank puts it behind; an engine
     whose commit of a staged version raises fails it, the check named."""
     require("torch")
-    sys.path.insert(0, str(REPO / "python/examples"))
-    try:
-        from torch_engine_rank import TorchTransformer
-    finally:
-        sys.path.pop(0)
+    TorchTransformer = torch_engine()
     params = {"heads": 4}
     # ANCHOR: conformance
     passed = refit.engine.conformance(TorchTransformer(), params)
@@ -168,11 +171,7 @@ def test_the_conformance_suite_runs_a_streaming_engine_through_load_streamed():
     ``load_streamed`` is refused before any check, and one whose ``load_streamed`` answers
     without taking the stream fails the first load, named."""
     require("torch")
-    sys.path.insert(0, str(REPO / "python/examples"))
-    try:
-        from torch_engine_rank import TorchTransformer
-    finally:
-        sys.path.pop(0)
+    TorchTransformer = torch_engine()
     params = {"heads": 4}
 
     class Counted(TorchTransformer):
