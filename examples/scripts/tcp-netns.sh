@@ -45,10 +45,10 @@ update=$(sed -n 's/^trainer: median \([0-9.]*\) s.*/\1/p' "$log/trainer-1")
 # the raw streams: a reader on host 2, a writer on host 1, `streams` connections at once,
 # each carrying its share of the bytes; a round ends when every reader answered. Either
 # side fails (and the other is stopped) on an error of any of its connections, and
-# neither waits more than 60 s for the other.
+# neither waits more than 60 s for the other to make progress.
 raw() {
   local streams=$1 port=$2
-  "$nh" run 2 timeout 600 python3 - "$bytes" "$rounds" "$streams" "$port" <<'EOF' &
+  "$nh" run 2 python3 - "$bytes" "$rounds" "$streams" "$port" <<'EOF' &
 import socket, sys, threading
 size, rounds, streams, port = map(int, sys.argv[1:])
 listener = socket.create_server(("10.77.0.2", port), backlog=streams)
@@ -81,7 +81,7 @@ if failed:
     sys.exit(f"raw stream reader: {failed[0]!r}")
 EOF
   local reader=$!
-  "$nh" run 1 timeout 600 python3 - "$bytes" "$rounds" "$streams" "$port" <<'EOF' || { kill "$reader" 2>/dev/null; wait "$reader" 2>/dev/null; return 1; }
+  "$nh" run 1 python3 - "$bytes" "$rounds" "$streams" "$port" <<'EOF' || { kill "$reader" 2>/dev/null; wait "$reader" 2>/dev/null; return 1; }
 import socket, statistics, sys, threading, time
 size, rounds, streams, port = map(int, sys.argv[1:])
 for _ in range(100):
@@ -98,7 +98,9 @@ failed = []
 
 def write(c, d):
     try:
-        c.sendall(d)
+        # 4 MiB at a time: a socket's timeout bounds each call, not the round
+        for at in range(0, len(d), 4 << 20):
+            c.sendall(d[at:at + (4 << 20)])
         if c.recv(1) != b"k":
             raise ConnectionError("the reader did not answer")
     except Exception as e:
