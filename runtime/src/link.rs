@@ -13,6 +13,7 @@ use std::time::{Duration, Instant};
 use crate::error::{Error, Result};
 use crate::ids::{ModelId, Version};
 use crate::scheme::{Receiver, ReceiverInit, ReceiverTransport, Sender, SenderTransport};
+use crate::topology::Apply;
 use crate::weights::WeightSet;
 
 /// Where an engine's weights come from.
@@ -230,12 +231,12 @@ impl<T: ReceiverTransport> StreamingInlet<T> {
 /// As [`ReceiverInit::connect`] or [`StreamingInlet::connect`].
 pub fn connect_applied<T: ReceiverTransport + 'static>(
     init: ReceiverInit<T>,
-    apply: crate::topology::Apply,
+    apply: Apply,
     timeout: Duration,
 ) -> Result<Box<dyn WeightInlet>> {
     Ok(match apply {
-        crate::topology::Apply::Staged => Box::new(init.connect(timeout)?),
-        crate::topology::Apply::Streaming => Box::new(StreamingInlet::connect(init, timeout)?),
+        Apply::Staged => Box::new(init.connect(timeout)?),
+        Apply::Streaming => Box::new(StreamingInlet::connect(init, timeout)?),
     })
 }
 
