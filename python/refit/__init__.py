@@ -152,17 +152,29 @@ def _streamed(apply: Callable[[str, Any], None], layouts: Callable[[], list[tupl
     return call_numpy
 
 
-def _torch_of(torch: Any, t: Any) -> Any:
-    """A read-only torch view of the native tensor ``t`` (see :meth:`Update.torch`)."""
-    name = _TORCH_NAMES.get(t.dtype)
-    target = getattr(torch, name, None) if name else None
+def _torch_dtype(torch: Any, dtype: str, name: str = "?") -> Any:
+    """torch's dtype for Refit's dtype name ``dtype`` (of tensor ``name``, for the error)."""
+    attr = _TORCH_NAMES.get(dtype)
+    target = getattr(torch, attr, None) if attr else None
     if target is None:
-        raise DTypeError(f"tensor `{t.name}`: torch has no {t.dtype}")
+        raise DTypeError(f"tensor `{name}`: torch has no {dtype}")
+    return target
+
+
+def _torch_view(torch: Any, dtype: str, name: str, array: Any) -> Any:
+    """A read-only torch view of ``array`` (numpy, or anything ``np.asarray`` takes) as
+    Refit's ``dtype``: same-width raw integers are reinterpreted (bf16, fp8)."""
+    target = _torch_dtype(torch, dtype, name)
     with warnings.catch_warnings():
         # the views are read-only on purpose; torch warns that it cannot enforce that
         warnings.filterwarnings("ignore", message=".*not writable.*")
-        x = torch.from_numpy(np.asarray(t))
+        x = torch.from_numpy(np.asarray(array))
     return x if x.dtype == target else x.view(target)
+
+
+def _torch_of(torch: Any, t: Any) -> Any:
+    """A read-only torch view of the native tensor ``t`` (see :meth:`Update.torch`)."""
+    return _torch_view(torch, t.dtype, t.name, t)
 
 
 class Update:

@@ -53,6 +53,7 @@ access. Logs go to the ``vllm.refit`` logger, so vLLM's logging settings apply t
 from __future__ import annotations
 
 import logging
+import math
 import os
 import re
 import time
@@ -64,6 +65,8 @@ __all__ = [
     "BACKEND",
     "register",
     "init_engine",
+    "init_mesh",
+    "mesh_stats",
     "update_weights",
     "weight_checksums",
     "shutdown_engine",
@@ -180,6 +183,31 @@ def init_engine(
     spec = os.fspath(spec) if isinstance(spec, os.PathLike) else spec
     info = {"spec": spec, "timeout": timeout, "copy": copy, "model": model, "load_initial": load_initial,
             "verify": verify, "stream": stream}
+    _rpc(llm, "init_weight_transfer_engine", None, init_info=info)
+
+
+def init_mesh(
+    llm: Any,
+    senders: list[str],
+    manifest: list[tuple[str, str, list[int]]],
+    *,
+    model: str | None = None,
+    verify: str = "names",
+) -> None:
+    """Connects every worker of ``llm`` to the trainer shards whose cards
+    (:attr:`refit.MeshSender.card`) are ``senders``, publishing the model whose tensors
+    ``manifest`` lists (``(name, dtype, shape)`` in the checkpoint's names). Each worker
+    plans which bytes it needs from which shard once, here: a tensor-parallel worker only
+    its slice of each weight its layers split. Then :func:`update_weights` with a
+    ``version`` pulls and loads that version; :func:`mesh_stats` says what each worker pulls.
+
+    Raises:
+    :class:`~refit.errors.ConfigError` naming the tensor when the shards' parts leave a gap
+    or overlap in it; :class:`~refit.errors.Unauthorized` (no token in the workers'
+    environment).
+    """
+    info = {"mesh": list(senders), "manifest": [[n, d, list(shape)] for n, d, shape in manifest],
+            "model": model, "verify": verify}
     _rpc(llm, "init_weight_transfer_engine", None, init_info=info)
 
 
@@ -399,6 +427,98 @@ def _expected_params(model: Any, model_config: Any) -> list[tuple[str, ...]]:
     return _param_groups(named, skip)
 
 
+# --- a tensor-parallel worker's slice of each checkpoint tensor ---------------------------
+#
+# A worker of a tensor-parallel vLLM keeps a slice of most weights: vLLM's layers narrow each
+# checkpoint tensor to the worker's rows (column-parallel layers, the vocabulary) or columns
+# (row-parallel layers) as they load it. Pulled from a mesh (init info ``mesh``), a worker
+# asks the senders for that slice alone and hands ``load_weights`` a tensor of the
+# checkpoint's shape holding it where the layer will narrow (NaN elsewhere, so a slice taken
+# wrong cannot load unnoticed as plausible numbers). Layers not recognised here take the
+# whole tensor: correct always, only not smaller.
+
+
+def _tp_part(module: Any, index: int | None, param_name: str, shape: list[int]) -> Any:
+    """The part (as :class:`refit.MeshReceiver` takes it) of a checkpoint tensor of
+    ``shape`` that ``module``, the vLLM layer loading it into its ``param_name``, reads on
+    this worker: its tensor-parallel slice, or ``"whole"``. ``index``: the tensor's place in
+    a fused layer's inputs (``q``, ``k``, ``v`` of ``qkv_proj`` are 0, 1, 2; ``None``: not
+    fused)."""
+    tp_size, tp_rank = getattr(module, "tp_size", 1), getattr(module, "tp_rank", 0)
+    if not isinstance(tp_size, int) or tp_size <= 1 or param_name not in ("weight", "bias"):
+        return "whole"
+    # Unquantized layers only (quantized ones pack and scale by rules of their own). Their
+    # parameters cannot say how they split (a CPU kernel replaces a linear's weight by an
+    # empty one): the layer's class does. A linear's weight is (out, in).
+    method = type(getattr(module, "quant_method", None)).__name__
+    if not method.startswith("Unquantized"):
+        return "whole"
+    kind = type(module).__name__
+    part: Any = "whole"
+    if kind == "QKVParallelLinear" and index is not None:
+        # k and v are replicated across `num_kv_head_replicas` workers when heads are few
+        replicas = 1 if index == 0 else max(1, int(getattr(module, "num_kv_head_replicas", 1)))
+        part = ("slice", 0, tp_rank // replicas, tp_size // replicas)
+    elif kind in ("MergedColumnParallelLinear", "ColumnParallelLinear") and (index is None) == (kind == "ColumnParallelLinear"):
+        part = ("slice", 0, tp_rank, tp_size)
+    elif kind == "RowParallelLinear" and index is None and param_name == "weight" \
+            and getattr(module, "input_is_parallel", True):
+        part = ("slice", 1, tp_rank, tp_size)  # its bias is added once, whole, after the reduce
+    elif kind in ("VocabParallelEmbedding", "ParallelLMHead") and index is None and param_name == "weight":
+        # the vocabulary is padded before it is split: a worker's rows are a range of it
+        rows = getattr(module, "shard_indices", None)
+        start, end = getattr(rows, "org_vocab_start_index", 0), getattr(rows, "org_vocab_end_index", 0)
+        if shape and shape[0] == getattr(module, "org_vocab_size", None) and 0 <= start < end <= shape[0]:
+            row = 1
+            for n in shape[1:]:
+                row *= n
+            return ("flat", start * row, end * row)
+    if part == "whole":
+        return part
+    _, dim, _, world = part
+    return part if world > 1 and 0 <= dim < len(shape) and shape[dim] % world == 0 else "whole"
+
+
+def _tp_wants(model: Any, manifest: list[tuple[str, str, list[int]]]) -> list[tuple[str, Any]]:
+    """``(name, part)`` for each tensor of ``manifest`` (checkpoint names): the part this
+    worker of ``model`` loads (:func:`_tp_part`). A name is found as the module that holds
+    it, or, for the inputs of a fused layer, through the model's ``packed_modules_mapping``
+    (``q_proj`` → the ``qkv_proj`` beside it)."""
+    modules = dict(model.named_modules())
+    packed = getattr(model, "packed_modules_mapping", None) or {}
+    fused_of = {leaf: (fused, i) for fused, leaves in packed.items() for i, leaf in enumerate(leaves)}
+    wants = []
+    for name, _dtype, shape in manifest:
+        holder, _, param = name.rpartition(".")
+        owner, _, leaf = holder.rpartition(".")
+        module, index = modules.get(holder), None
+        if module is None and leaf in fused_of:
+            fused, index = fused_of[leaf]
+            module = modules.get(f"{owner}.{fused}" if owner else fused)
+        wants.append((name, "whole" if module is None else _tp_part(module, index, param, list(shape))))
+    return wants
+
+
+def _widened(torch: Any, shape: list[int], part: Any, piece: Any) -> Any:
+    """A tensor of the checkpoint's ``shape`` holding ``piece`` (``part`` of it) where that
+    part lies, NaN elsewhere (zero for integer dtypes): what ``load_weights`` narrows to the
+    part again."""
+    if part == "whole":
+        return piece.reshape(shape)
+    if piece.dtype.is_floating_point:
+        full = torch.full(shape, float("nan"), dtype=piece.dtype)
+    else:
+        full = torch.zeros(shape, dtype=piece.dtype)
+    if part[0] == "slice":
+        _, dim, rank, world = part
+        n = shape[dim] // world
+        full.narrow(dim, rank * n, n).copy_(piece)
+    else:
+        _, start, end = part
+        full.view(-1)[start:end].copy_(piece.reshape(-1))
+    return full
+
+
 # --- what an engine serves, digested as vLLM's weight checker does ------------------------
 #
 # vLLM 0.32's weight checker (``POST /weight_checker {"action": "checksum"}``,
@@ -550,6 +670,50 @@ def _worker_prefix(parallel_config: Any) -> str:
     return _checksum_prefix(dp, rank("pp"), rank("pcp"), rank("tp"))
 
 
+def _in_workers(llm: Any, fn: Any, what: str, instead: str) -> list[Any]:
+    """``fn`` run in every worker of ``llm`` (``collective_rpc``), one answer each.
+
+    Raises :class:`~refit.errors.ConfigError` for an ``llm`` without ``collective_rpc``
+    (``instead`` says what to do then) or a vLLM that refuses to send a callable."""
+    if not hasattr(llm, "collective_rpc"):
+        raise errors.ConfigError(f"{type(llm).__name__} has no collective_rpc: {instead}")
+    try:
+        return llm.collective_rpc(fn)
+    except TypeError as e:
+        if "INSECURE_SERIALIZATION" not in str(e):
+            raise
+        raise errors.ConfigError(
+            f"refit.vllm.{what} runs a function in vLLM's workers: start vLLM with "
+            f"VLLM_ALLOW_INSECURE_SERIALIZATION=1 in its environment ({e})") from e
+
+
+def _worker_mesh_stats(worker: Any) -> dict[str, Any] | None:
+    """In a vLLM worker: its refit engine's ``mesh_stats`` with its tensor-parallel rank."""
+    engine = getattr(worker, "weight_transfer_engine", None)
+    stats = getattr(engine, "mesh_stats", None)
+    if stats is None:
+        return None
+    from vllm.distributed import parallel_state as ps
+
+    return {**stats, "tp_rank": ps.get_tp_group().rank_in_group}
+
+
+def mesh_stats(llm: Any) -> list[dict[str, Any]]:
+    """What each worker of ``llm`` pulls from a mesh (:func:`init_mesh`), one dict per
+    worker: ``tp_rank``, ``wants`` (``(name, part)`` per tensor: ``"whole"``, ``("slice",
+    dim, rank, world)`` or ``("flat", start, end)``), ``bytes_per_pull`` (the bytes each
+    version costs this worker, checksums included), ``bytes_pulled`` (so far) and
+    ``model_bytes`` (the whole model's). Needs ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``, as
+    :func:`weight_checksums`.
+
+    Raises :class:`~refit.errors.ConfigError` as :func:`weight_checksums`, or when a worker
+    is not connected to a mesh."""
+    answers = _in_workers(llm, _worker_mesh_stats, "mesh_stats", "a vLLM server's workers cannot be asked")
+    if any(a is None for a in answers):
+        raise errors.ConfigError("a vLLM worker's refit engine is not connected to a mesh: call refit.vllm.init_mesh first")
+    return sorted(answers, key=lambda a: a["tp_rank"])
+
+
 def weight_checksums(llm: Any) -> dict[str, str]:
     """The digests of the weights every worker of ``llm`` (an ``LLM``, or anything with
     ``collective_rpc``) serves, merged, in vLLM's weight-checker format: the key
@@ -567,18 +731,8 @@ def weight_checksums(llm: Any) -> dict[str, str]:
     Raises :class:`~refit.errors.ConfigError` for an ``llm`` without ``collective_rpc`` (a
     :class:`Server`: use its ``/weight_checker`` route), a callable vLLM refuses to send, or
     two workers answering the same key."""
-    if not hasattr(llm, "collective_rpc"):
-        raise errors.ConfigError(
-            f"{type(llm).__name__} has no collective_rpc: ask a vLLM server for its digests with "
-            "POST /weight_checker {\"action\": \"checksum\"}")
-    try:
-        answers = llm.collective_rpc(_worker_checksums)
-    except TypeError as e:
-        if "INSECURE_SERIALIZATION" not in str(e):
-            raise
-        raise errors.ConfigError(
-            "refit.vllm.weight_checksums runs a function in vLLM's workers: start vLLM with "
-            f"VLLM_ALLOW_INSECURE_SERIALIZATION=1 in its environment ({e})") from e
+    answers = _in_workers(llm, _worker_checksums, "weight_checksums",
+                          "ask a vLLM server for its digests with POST /weight_checker {\"action\": \"checksum\"}")
     merged: dict[str, str] = {}
     for answer in answers:
         twice = merged.keys() & answer.keys()
@@ -605,7 +759,16 @@ def _build() -> dict[str, type]:
     class RefitInitInfo(WeightTransferInitInfo):
         """How a worker reaches the Refit sender (``init_weight_transfer_engine``'s dict).
 
-        ``spec``: the sender's spec, its text or the path of a file holding it (required).
+        ``spec``: the sender's spec, its text or the path of a file holding it (this or
+        ``mesh``).
+        ``mesh``: instead of one sender, the cards (:attr:`refit.MeshSender.card`) of the
+        trainer shards that together publish the model, and ``manifest``: the model's
+        tensors as ``(name, dtype, shape)``, in the checkpoint's names and layout. Each
+        worker plans once which bytes it needs from which shard and pulls only those: a
+        tensor-parallel worker its own slice of each weight its layers split (rows of a
+        column-parallel layer and of the vocabulary, columns of a row-parallel one), the
+        rest whole. Versions are asked by number (``update_weights(version=...)``); not
+        with ``stream``, ``copy`` or ``load_initial``.
         ``timeout``: seconds to wait for the sender when connecting.
         ``copy``: copy each version out of shared memory instead of reading it in place.
         ``model``: which model to load when the sender publishes several.
@@ -633,17 +796,21 @@ def _build() -> dict[str, type]:
         No secret: the token comes from the worker's ``REFIT_TOKEN`` / ``REFIT_TOKEN_FILE``.
         """
 
-        spec: str
+        spec: str | None = None
         timeout: float = 60.0
         copy: bool = False
         model: str | None = None
         load_initial: bool = False
         verify: str = "names"
         stream: bool = False
+        mesh: list[str] | None = None
+        manifest: list[tuple[str, str, list[int]]] | None = None
 
         def __post_init__(self) -> None:
-            if not isinstance(self.spec, str) or not self.spec.strip():
-                raise ValueError("refit init_info: `spec` must be the sender's spec text or a path to it")
+            if self.mesh is not None:
+                self._check_mesh()
+            elif not isinstance(self.spec, str) or not self.spec.strip():
+                raise ValueError("refit init_info: `spec` must be the sender's spec text or a path to it (or give `mesh`)")
             if self.verify not in VERIFY:
                 raise ValueError(f"refit init_info: `verify` must be one of {', '.join(map(repr, VERIFY))}, got {self.verify!r}")
             if not self.timeout >= 0:
@@ -653,6 +820,23 @@ def _build() -> dict[str, type]:
                 raise _fail(errors.ConfigError, f"refit init_info: `stream` keeps no copy of a version, which "
                             f"verify={self.verify!r} loads a second time for its self-test: use verify=\"names\" "
                             "or \"off\" with `stream`")
+
+        def _check_mesh(self) -> None:
+            """Checks the ``mesh`` fields (typed errors: they cross vLLM's RPC as themselves)."""
+            if self.spec is not None:
+                raise _fail(errors.ConfigError, "refit init_info: give `spec` (one sender) or `mesh` (trainer shards), not both")
+            if not isinstance(self.mesh, (list, tuple)) or not self.mesh or not all(isinstance(c, str) for c in self.mesh):
+                raise _fail(errors.ConfigError, "refit init_info: `mesh` is a non-empty list of the senders' cards (MeshSender.card)")
+            if not self.manifest:
+                raise _fail(errors.ConfigError, "refit init_info: `mesh` needs `manifest`, the model's tensors as (name, dtype, shape)")
+            try:
+                self.manifest = [(str(n), str(d), [int(x) for x in shape]) for n, d, shape in self.manifest]
+            except (TypeError, ValueError) as e:
+                raise _fail(errors.ConfigError, f"refit init_info: `manifest` is a list of (name, dtype, shape): {e}") from e
+            for key in ("stream", "copy", "load_initial"):
+                if getattr(self, key):
+                    raise _fail(errors.ConfigError, f"refit init_info: `{key}` is not for a mesh: its versions are pulled "
+                                "by number, whole, with update_weights(version=...)")
 
     @dataclass
     class RefitUpdateInfo(WeightTransferUpdateInfo):
@@ -695,7 +879,12 @@ def _build() -> dict[str, type]:
         def __init__(self, config: Any, vllm_config: Any, device: torch.device, model: torch.nn.Module) -> None:
             super().__init__(config, vllm_config, device, model)
             self._receiver: refit.Receiver | None = None
+            self._mesh: refit.MeshReceiver | None = None  # instead of the receiver (init info `mesh`)
+            self._mesh_wants: list[tuple[str, Any]] = []  # the part of each tensor the mesh pulls
             self._init: RefitInitInfo | None = None
+            #: with ``mesh``: ``{"wants": [(name, part)], "bytes_per_pull": n, "bytes_pulled":
+            #: total}``, the part of each tensor this worker pulls and the bytes it read
+            self.mesh_stats: dict[str, Any] | None = None
             self._model_id: str | None = None
             #: the version of the connected sender that vLLM serves (None: weights from
             #: elsewhere: the disk, or another sender connected before)
@@ -731,6 +920,9 @@ def _build() -> dict[str, type]:
             """
             if self._layerwise or self._staged is not None:
                 raise _fail(errors.Closed, "cannot reconnect the refit engine during a weight update: finish it first")
+            if init_info.mesh is not None:
+                self._connect_mesh(init_info)
+                return
             if init_info.load_initial:
                 self._check_served()  # before anything changes: the weights served as loaded
             self._close()
@@ -808,9 +1000,12 @@ def _build() -> dict[str, type]:
             Timeout, PeerGone, Refused, Closed: nothing was applied, the previous weights
             were put back. NeedsFullResend: part of the version reached the model.
             """
-            if self._receiver is None:
+            if self._receiver is None and self._mesh is None:
                 raise _fail(errors.Closed, "the refit engine is not connected: call init_weight_transfer_engine with the sender's spec first")
             started = time.perf_counter()
+            if self._mesh is not None:
+                self._mesh_load(update_info, started)
+                return
             if self._init is not None and self._init.stream:
                 self._stream_load(update_info, started)
                 return
@@ -844,8 +1039,138 @@ def _build() -> dict[str, type]:
 
         def _what(self, version: int | None = None) -> str:
             v = "" if version is None else f"version {version} of "
-            spec = _describe_spec(self._init.spec) if self._init is not None else "?"
+            if self._init is not None and self._init.mesh is not None:
+                return f"{v}`{self._model_id}` (refit mesh of {len(self._init.mesh)} sender(s))"
+            spec = _describe_spec(self._init.spec) if self._init is not None and self._init.spec else "?"
             return f"{v}`{self._model_id}` (refit spec {spec})"
+
+        def _connect_mesh(self, init_info: RefitInitInfo) -> None:
+            """Plans this worker's pull from the trainer shards ``init_info.mesh`` names: the
+            part of each tensor of ``init_info.manifest`` its layers load (:func:`_tp_wants`).
+
+            Raises:
+            ConfigError naming the tensor: senders whose parts leave a gap or overlap in
+            it, or a bad card or manifest. Unauthorized: no cluster token.
+            """
+            self._close()
+            assert init_info.manifest is not None and init_info.mesh is not None
+            wants = _tp_wants(self.model, init_info.manifest)
+            failure, mesh = None, None
+            try:
+                mesh = refit.MeshReceiver(init_info.manifest, list(init_info.mesh), wants)
+            except errors.RefitError as e:
+                failure = _fail(type(e), f"planning this worker's pull from the refit mesh ({len(init_info.mesh)} "
+                                f"sender(s)): {e}")
+                failure.__cause__ = e
+            if self._settled(failure, None, applied=False) or mesh is None:
+                return
+            if self.loaded_version is not None:
+                self._serving = f"{self._serving} (from the sender connected before)"
+            self.loaded_version = None
+            self._mesh, self._mesh_wants = mesh, wants
+            self._init, self._model_id = init_info, init_info.model or "policy"
+            whole = sum(math.prod(shape) * refit._torch_dtype(torch, dtype).itemsize
+                        for _, dtype, shape in init_info.manifest)
+            self.mesh_stats = {"wants": wants, "bytes_per_pull": mesh.bytes_per_pull, "bytes_pulled": 0,
+                               "model_bytes": whole}
+            sliced = sum(1 for _, part in wants if part != "whole")
+            _log.info("refit: planned the pull of `%s` from %d mesh sender(s): %d of %d tensors sliced for this "
+                      "worker, %d of the model's %d bytes per version", self._model_id, len(init_info.mesh),
+                      sliced, len(wants), mesh.bytes_per_pull, whole)
+
+        def _mesh_load(self, info: RefitUpdateInfo, started: float) -> None:
+            """Pulls ``info.version`` of this worker's parts from the mesh and loads them
+            through ``load_weights`` (each part widened to its tensor's shape: the layers
+            narrow it back), staged for :meth:`finish_weight_update` as :meth:`_load`
+            stages."""
+            assert self._mesh is not None and self._init is not None and self._init.manifest is not None
+            want = info.version
+            failure: errors.RefitError | None = None
+            arrays: dict = {}
+            if want is None or not info.is_checkpoint_format:
+                why = "asks for a version by number: update_weights(version=...)" if want is None else \
+                    "carries the checkpoint's format only (is_checkpoint_format=True)"
+                failure = _fail(errors.ConfigError, f"a refit mesh pull {why}; nothing was applied: {self._in_force()}")
+            elif not self.needs_full_resend and self.loaded_version is not None and self.loaded_version >= want:
+                _log.info("refit: version %d ≥ %d already in force: nothing to load", self.loaded_version, want)
+                return  # the workers agree on what is in force: each returns here
+            else:
+                try:
+                    arrays = self._mesh.pull(want, info.timeout, raw=True)
+                except errors.RefitError as e:
+                    failure = _fail(type(e), f"pulling {self._what(want)}: {e}; nothing was applied: {self._in_force()}")
+                    failure.__cause__ = e
+            if self._settled(failure, want, applied=False) or want is None:
+                return
+            received = time.perf_counter()
+            if self._staged is not None:
+                # a second version in one update session: complete the first, then begin again
+                self._complete()
+                self._begin()
+            pairs = _Widened(self._init.manifest, self._mesh_wants, arrays)
+            try:
+                self._load_checkpoint(pairs, want)
+                if self._at_least("startup") and not self._tested:
+                    self._run_self_test(pairs, want, True)
+            except errors.RefitError as e:
+                failure = e
+            if self._settled(failure, want, applied=True):
+                return
+            pulled = self._mesh.bytes_per_pull
+            if self.mesh_stats is not None:
+                self.mesh_stats["bytes_pulled"] += pulled
+            timings = {"receive_s": received - started, "load_s": time.perf_counter() - received,
+                       "tensors": len(arrays), "bytes": pulled}
+            self._staged = (_Unacked(), want, timings)
+
+        def _settled(self, failure: errors.RefitError | None, version: int | None, *, applied: bool) -> bool:
+            """Tells the tensor-parallel workers of this step whether each went through
+            (``failure``: how this one did not), so that they end it alike; answers whether
+            this worker is to return quietly. vLLM reads its workers' answers in rank order
+            and stops at the first failure, leaving the others' to be taken as the answers
+            of its next call: so a step that failed anywhere raises in the last worker alone,
+            naming every failure, and the others return. Where it failed, a step that
+            ``applied`` nothing leaves every worker serving what it served (the update
+            session abandoned); one that loaded weights leaves them mixed, unless every
+            worker refused the version before any of it landed.
+
+            Raises:
+            the failure (the only worker's), or one naming each worker's (the last worker's).
+            """
+            from vllm.distributed import parallel_state as ps
+
+            group = ps.get_tp_group()
+            world, rank = group.world_size, group.rank_in_group
+            mine = None if failure is None else (type(failure).__name__, _TAG.sub("", str(failure)))
+            every: list[Any] = [mine]
+            if world > 1:
+                every = [None] * world
+                torch.distributed.all_gather_object(every, mine, group=group.cpu_group)
+            failed = [(r, f) for r, f in enumerate(every) if f is not None]
+            if not failed:
+                return False
+            refused = all(kind == "Refused" for _, (kind, _) in failed)
+            if not applied:
+                self._abandon()
+            elif not refused:
+                if failure is None:  # in this worker's weights, not whole across the workers
+                    self._staged = None
+                    self._finalize()
+                self._mixed(version)
+            if rank != world - 1:
+                return True
+            if world == 1 and failure is not None:
+                raise failure
+            if not applied:
+                cls = getattr(errors, failed[0][1][0], errors.RefitError)
+            else:
+                cls = errors.Refused if refused else errors.NeedsFullResend
+            texts = {text for _, (_, text) in failed}
+            if len(failed) == world and len(texts) == 1:
+                detail = f"every tensor-parallel worker ({world}): {texts.pop()}"
+            else:
+                detail = "; ".join(f"tensor-parallel worker {r} of {world}: {text}" for r, (_, text) in failed)
+            raise _fail(cls, f"failed in {detail}")
 
         def _in_force(self) -> str:
             return f"vLLM still serves {self._serving}"
@@ -1285,12 +1610,38 @@ def _build() -> dict[str, type]:
                       self._what(version), timings["tensors"], timings["bytes"], timings["receive_s"], timings["load_s"], hashed)
 
         def _close(self) -> None:
+            self._mesh = None  # holds no connection between pulls
             receiver, self._receiver = self._receiver, None
             if receiver is not None:
                 try:
                     receiver.close()
                 except errors.RefitError as e:
                     _log.warning("refit: closing the receiver of %s: %s", self._what(), e)
+
+    class _Unacked:
+        """A mesh version: the shards keep their newest versions, no acknowledgement."""
+
+        def ack(self) -> None:
+            pass
+
+    class _Widened:
+        """A pulled mesh version as ``(name, tensor)`` pairs of the checkpoint's shapes
+        (:func:`_widened`), made tensor by tensor each time it is iterated (the self-test
+        loads a version more than once), so at most one widened tensor is alive at a time
+        beyond what ``load_weights`` keeps."""
+
+        def __init__(self, manifest: list, wants: list, arrays: dict) -> None:
+            self._shapes = {n: (d, list(shape)) for n, d, shape in manifest}
+            self._wants, self._arrays = wants, arrays
+
+        def __len__(self) -> int:
+            return len(self._wants)
+
+        def __iter__(self):
+            for name, part in self._wants:
+                dtype, shape = self._shapes[name]
+                piece = refit._torch_view(torch, dtype, name, self._arrays[name])
+                yield name, _widened(torch, shape, part, piece)
 
     class _Acked:
         """The acknowledgement of streamed ``entries``, sent once the version is in force."""

@@ -73,3 +73,22 @@ def test_versions_stream_into_vllm_and_generate_as_when_loaded_whole(llm):
     with pytest.raises(errors.ConfigError, match="stream"):
         refit.vllm.init_engine(llm, streamer.spec, stream=True, verify="startup")
     streamer.close()
+
+
+def test_a_tensor_parallel_vllm_pulls_only_its_slices_from_two_trainer_shards():
+    """``python/examples/vllm_tp.py`` in a process of its own (a second vLLM in this one
+    would find its parallel groups taken): two workers, each pulling half the model from two
+    flat shards, generate vLLM's own tokens and logprobs bit for bit; a version no shard
+    published fails alike in both workers and leaves the weights served."""
+    import subprocess
+
+    env = {**os.environ, "REFIT_TOKEN": TOKEN}
+    done = subprocess.run([sys.executable, str(REPO / "python/examples/vllm_tp.py")], env=env,
+                          capture_output=True, text=True, timeout=600)
+    out = done.stdout
+    assert done.returncode == 0, out + done.stderr[-4000:]
+    assert "vllm_tp: all checks passed" in out, out
+    # both workers report pulling half the model: the slices, not whole tensors
+    for rank in (0, 1):
+        assert f"worker tp{rank}: 16 of 21 tensors sliced" in out, out
+    assert out.count("bytes per version (50%)") == 2, out

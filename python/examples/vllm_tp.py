@@ -1,0 +1,163 @@
+"""Two trainer shards feed a tensor-parallel vLLM through a Refit mesh: each vLLM worker
+pulls only its slice of each weight, straight from both shards, and generates exactly what
+vLLM generates from its own load of the same weights.
+
+What it does (on a CPU; about a minute and a half on two cores):
+
+1. writes a tiny random Llama (seed 1, vLLM loads it from disk) and the weights of seed 2;
+2. starts two trainer shards (:class:`refit.MeshSender`), each holding one flat half of
+   every tensor, as FSDP shards hold them: no shard has a whole tensor;
+3. starts ``LLM(..., tensor_parallel_size=2, weight_transfer_config={"backend": "refit"})``
+   and connects its workers to the shards (:func:`refit.vllm.init_mesh`): each worker plans
+   the part of every tensor its layers load (rows of ``q/k/v/gate/up`` and of the
+   vocabulary, columns of ``o/down``, norms whole) and prints what it pulls;
+4. generates greedy tokens and their logprobs from vLLM's own load, publishes seed 2 as
+   version 1, loads it (:func:`refit.vllm.update_weights`), generates (other tokens),
+   publishes seed 1 again as version 2, loads it, and checks the tokens and logprobs are
+   those of vLLM's own load, bit for bit;
+5. asks for a version no shard published: ``TransportError`` within the timeout, and vLLM
+   still generates version 2's tokens;
+6. checks that the workers pulled less than the model each, and together less than two
+   models.
+
+Exits 0 when every check passes, 1 otherwise. Run it with the Python that has vLLM and
+``refit`` installed::
+
+    python python/examples/vllm_tp.py
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+# before vLLM is imported: a small KV cache, one core per worker on the CPU build, and
+# functions sent to the workers (refit.vllm.mesh_stats) allowed through collective_rpc
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0|1")
+os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import tiny_llama  # noqa: E402
+
+PROMPT = [1, 17, 230, 45, 99, 311, 7, 128]
+#: Refit's names of the dtypes the example's tensors have.
+DTYPES = {"torch.float32": "f32", "torch.bfloat16": "bf16", "torch.float16": "f16"}
+
+
+def manifest_of(weights: dict) -> list[tuple[str, str, list[int]]]:
+    """The model's tensors as the mesh takes them: ``(name, dtype, shape)``."""
+    return [(n, DTYPES[str(t.dtype)], list(t.shape)) for n, t in weights.items()]
+
+
+# ANCHOR: shards
+def flat_halves(manifest: list[tuple[str, str, list[int]]]) -> list[list[tuple[str, tuple]]]:
+    """Two shards' parts: each holds one flat half of every tensor (as FSDP holds them)."""
+    halves: list[list[tuple[str, tuple]]] = [[], []]
+    for name, _, shape in manifest:
+        n = math.prod(shape)
+        halves[0].append((name, ("flat", 0, n // 2)))
+        halves[1].append((name, ("flat", n // 2, n)))
+    return halves
+
+
+def publish(shards, parts, version: int, weights: dict) -> None:
+    """Each shard publishes ``version`` of what it holds: its half of each tensor."""
+    for shard, held in zip(shards, parts):
+        shard.publish(version, {n: weights[n].reshape(-1)[s:e] for n, (_, s, e) in held})
+# ANCHOR_END: shards
+
+
+# ANCHOR: engine
+def start_engine(model_dir: Path, cards: list[str], manifest: list):
+    """A tensor-parallel vLLM whose workers pull their slices from the trainer shards."""
+    from vllm import LLM
+
+    import refit.vllm
+
+    llm = LLM(model=str(model_dir), tensor_parallel_size=2, dtype="float32", enforce_eager=True,
+              skip_tokenizer_init=True, max_model_len=256, max_num_seqs=4, gpu_memory_utilization=0.1,
+              weight_transfer_config={"backend": "refit"})
+    refit.vllm.init_mesh(llm, cards, manifest)  # each worker plans its pull here
+    return llm
+# ANCHOR_END: engine
+
+
+def generate(llm, max_tokens: int = 16) -> tuple[list[int], list[float]]:
+    """Greedy tokens for :data:`PROMPT` and the logprob of each."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False, logprobs=0)
+    out = llm.generate([{"prompt_token_ids": PROMPT}], params, use_tqdm=False)[0].outputs[0]
+    return list(out.token_ids), [lp[t].logprob for t, lp in zip(out.token_ids, out.logprobs)]
+
+
+def run(work: Path) -> list[str]:
+    """The whole example in ``work``; answers the checks that failed."""
+    from safetensors.torch import load_file
+
+    import refit
+    import refit.vllm
+
+    # the shards and vLLM's workers (processes started below) share one cluster token
+    os.environ.setdefault("REFIT_TOKEN", os.urandom(16).hex())
+    model_dir = tiny_llama.write_model(work / "model", seed=1)
+    first = load_file(str(model_dir / "model.safetensors"))
+    second = load_file(str(tiny_llama.write_weights(work / "v2.safetensors", seed=2, like=model_dir)))
+    manifest = manifest_of(first)
+    parts = flat_halves(manifest)
+    shards = [refit.MeshSender(manifest, held) for held in parts]
+    failed: list[str] = []
+
+    def check(ok: bool, what: str) -> None:
+        print(("ok    " if ok else "FAIL  ") + what, flush=True)
+        if not ok:
+            failed.append(what)
+
+    llm = start_engine(model_dir, [s.card for s in shards], manifest)
+    try:
+        stats = refit.vllm.mesh_stats(llm)
+        for w in stats:
+            sliced = sum(1 for _, part in w["wants"] if part != "whole")
+            print(f"worker tp{w['tp_rank']}: {sliced} of {len(w['wants'])} tensors sliced, pulls "
+                  f"{w['bytes_per_pull']} of the model's {w['model_bytes']} bytes per version "
+                  f"({w['bytes_per_pull'] / w['model_bytes']:.0%})", flush=True)
+        from_disk = generate(llm)
+        publish(shards, parts, 1, second)
+        refit.vllm.update_weights(llm, version=1, timeout=60)
+        check(generate(llm)[0] != from_disk[0], "version 1 (seed 2) generates other tokens than vLLM's load of seed 1")
+        publish(shards, parts, 2, first)
+        refit.vllm.update_weights(llm, version=2, timeout=60)
+        check(generate(llm) == from_disk, "version 2 (seed 1 again, pulled in slices) generates vLLM's own tokens "
+              "and logprobs, bit for bit")
+        try:
+            refit.vllm.update_weights(llm, version=3, timeout=1)
+            check(False, "a version no shard published is refused")
+        except refit.errors.TransportError as e:
+            check("not published" in str(e), f"a version no shard published is refused: {e}")
+        check(generate(llm) == from_disk, "after the refusal vLLM still serves version 2")
+        stats = refit.vllm.mesh_stats(llm)
+        model_bytes = stats[0]["model_bytes"]
+        check(all(w["bytes_per_pull"] < model_bytes for w in stats), "each worker pulls less than the model")
+        check(sum(w["bytes_per_pull"] for w in stats) < 2 * model_bytes, "both workers together pull less than two models")
+        check(all(w["bytes_pulled"] == 2 * w["bytes_per_pull"] for w in stats), "each worker pulled two versions")
+    finally:
+        # stopped now: left to the garbage collector, the interpreter's exit waits for it
+        llm.llm_engine.engine_core.shutdown()
+    return failed
+
+
+def main() -> int:
+    with tempfile.TemporaryDirectory(prefix="refit-vllm-tp-") as tmp:
+        failed = run(Path(tmp))
+    print("vllm_tp: all checks passed" if not failed else f"vllm_tp: {len(failed)} check(s) failed", flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

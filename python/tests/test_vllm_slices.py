@@ -1,0 +1,124 @@
+"""Which part of each checkpoint tensor a tensor-parallel vLLM worker pulls from a mesh
+(`refit.vllm._tp_wants`), without vLLM: a tiny Llama's layers as vLLM names and splits them,
+stood in for by classes of vLLM's names. With vLLM itself, `python/examples/vllm_tp.py`
+(run by `test_vllm_backend.py`) loads the slices into a two-worker vLLM and generates its
+own tokens bit for bit."""
+
+from __future__ import annotations
+
+import pytest
+
+from refit.vllm import _tp_wants, _widened
+
+torch = pytest.importorskip("torch")
+
+
+class UnquantizedLinearMethod:
+    pass
+
+
+class UnquantizedEmbeddingMethod:
+    pass
+
+
+class Fp8LinearMethod:
+    pass
+
+
+def layer(kind: str, rank: int, world: int, **attrs):
+    """A module of class `kind` (vLLM's layer names are what the rules read)."""
+    quant = attrs.pop("quant", UnquantizedEmbeddingMethod if "Vocab" in kind or "LMHead" in kind
+                      else UnquantizedLinearMethod)
+    cls = type(kind, (torch.nn.Module,), {})
+    m = cls()
+    m.tp_rank, m.tp_size, m.quant_method = rank, world, quant()
+    for k, v in attrs.items():
+        setattr(m, k, v)
+    return m
+
+
+class Rows:
+    def __init__(self, start: int, end: int):
+        self.org_vocab_start_index, self.org_vocab_end_index = start, end
+
+
+def llama(rank: int, world: int, kv_replicas: int = 1, vocab: int = 500, padded: int = 512):
+    """vLLM's Llama modules for worker `rank` of `world` (vocabulary padded to `padded`)."""
+    per = padded // world
+    rows = Rows(min(rank * per, vocab), min((rank + 1) * per, vocab))
+    model = torch.nn.Module()
+    model.packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"],
+                                    "gate_up_proj": ["gate_proj", "up_proj"]}
+    inner = torch.nn.Module()
+    model.model = inner
+    inner.embed_tokens = layer("VocabParallelEmbedding", rank, world, shard_indices=rows, org_vocab_size=vocab)
+    attn, mlp, block = torch.nn.Module(), torch.nn.Module(), torch.nn.Module()
+    attn.qkv_proj = layer("QKVParallelLinear", rank, world, num_kv_head_replicas=kv_replicas)
+    attn.o_proj = layer("RowParallelLinear", rank, world, input_is_parallel=True)
+    mlp.gate_up_proj = layer("MergedColumnParallelLinear", rank, world)
+    mlp.down_proj = layer("RowParallelLinear", rank, world, input_is_parallel=True, quant=Fp8LinearMethod)
+    block.self_attn, block.mlp = attn, mlp
+    block.input_layernorm = torch.nn.Module()
+    inner.layers = torch.nn.ModuleList([block])
+    model.lm_head = layer("ParallelLMHead", rank, world, shard_indices=rows, org_vocab_size=vocab)
+    return model
+
+
+MANIFEST = [
+    ("model.embed_tokens.weight", "f32", [500, 8]),
+    ("model.layers.0.self_attn.q_proj.weight", "f32", [8, 8]),
+    ("model.layers.0.self_attn.k_proj.weight", "f32", [4, 8]),
+    ("model.layers.0.self_attn.v_proj.bias", "f32", [4]),
+    ("model.layers.0.self_attn.o_proj.weight", "f32", [8, 8]),
+    ("model.layers.0.self_attn.o_proj.bias", "f32", [8]),
+    ("model.layers.0.mlp.gate_proj.weight", "f32", [16, 8]),
+    ("model.layers.0.mlp.up_proj.weight", "f32", [16, 8]),
+    ("model.layers.0.mlp.down_proj.weight", "f32", [8, 16]),
+    ("model.layers.0.input_layernorm.weight", "f32", [8]),
+    ("model.layers.0.mlp.unknown_proj.weight", "f32", [8, 8]),
+    ("lm_head.weight", "f32", [500, 8]),
+]
+
+
+def test_each_layer_kind_gets_the_slice_its_loader_narrows_to():
+    wants = dict(_tp_wants(llama(1, 2), MANIFEST))
+    assert wants == {
+        # the padded vocabulary's second half of 512 rows holds the real rows 256..500
+        "model.embed_tokens.weight": ("flat", 256 * 8, 500 * 8),
+        "model.layers.0.self_attn.q_proj.weight": ("slice", 0, 1, 2),
+        "model.layers.0.self_attn.k_proj.weight": ("slice", 0, 1, 2),
+        "model.layers.0.self_attn.v_proj.bias": ("slice", 0, 1, 2),
+        "model.layers.0.self_attn.o_proj.weight": ("slice", 1, 1, 2),
+        "model.layers.0.self_attn.o_proj.bias": "whole",  # added once, after the reduce
+        "model.layers.0.mlp.gate_proj.weight": ("slice", 0, 1, 2),
+        "model.layers.0.mlp.up_proj.weight": ("slice", 0, 1, 2),
+        "model.layers.0.mlp.down_proj.weight": "whole",  # quantized: its own rules
+        "model.layers.0.input_layernorm.weight": "whole",
+        "model.layers.0.mlp.unknown_proj.weight": "whole",  # no such layer
+        "lm_head.weight": ("flat", 256 * 8, 500 * 8),
+    }
+
+
+def test_replicated_kv_heads_go_by_head_group_and_one_worker_takes_everything_whole():
+    # 4 workers, kv heads replicated on 2 each: workers 2 and 3 share k's second half
+    wants = dict(_tp_wants(llama(3, 4, kv_replicas=2), MANIFEST))
+    assert wants["model.layers.0.self_attn.q_proj.weight"] == ("slice", 0, 3, 4)
+    assert wants["model.layers.0.self_attn.k_proj.weight"] == ("slice", 0, 1, 2)
+    assert wants["model.embed_tokens.weight"] == ("flat", 384 * 8, 500 * 8)
+    assert all(part == "whole" for _, part in _tp_wants(llama(0, 1), MANIFEST))
+    # a slice that would not divide its dimension is taken whole
+    odd = [("model.layers.0.self_attn.q_proj.weight", "f32", [7, 8])]
+    assert _tp_wants(llama(0, 2), odd) == [(odd[0][0], "whole")]
+
+
+def test_a_part_widened_to_its_tensor_narrows_back_to_itself_and_nan_elsewhere():
+    full = torch.arange(24, dtype=torch.float32).reshape(4, 6)
+    cols = full[:, 3:6].contiguous()
+    wide = _widened(torch, [4, 6], ("slice", 1, 1, 2), cols)
+    assert torch.equal(wide.narrow(1, 3, 3), cols)
+    assert torch.isnan(wide.narrow(1, 0, 3)).all()
+    rows = _widened(torch, [4, 6], ("flat", 12, 24), full.reshape(-1)[12:])
+    assert torch.equal(rows[2:], full[2:]) and torch.isnan(rows[:2]).all()
+    ints = _widened(torch, [4], ("slice", 0, 0, 2), torch.tensor([5, 6]))
+    assert ints.tolist() == [5, 6, 0, 0]
+    assert torch.equal(_widened(torch, [4, 6], "whole", full.reshape(-1)), full)
