@@ -2,7 +2,7 @@
 pulls only its slice of each weight, straight from both shards, and generates exactly what
 vLLM generates from its own load of the same weights.
 
-What it does (on a CPU; about a minute and a half on two cores):
+What it does (on a CPU; about a minute on two cores):
 
 1. writes a tiny random Llama (seed 1, vLLM loads it from disk) and the weights of seed 2;
 2. starts two trainer shards (:class:`refit.MeshSender`), each holding one flat half of
@@ -18,7 +18,12 @@ What it does (on a CPU; about a minute and a half on two cores):
 5. asks for a version no shard published: ``TransportError`` within the timeout, and vLLM
    still generates version 2's tokens;
 6. checks that the workers pulled less than the model each, and together less than two
-   models.
+   models;
+7. connects the same workers to one TCP :class:`refit.Sender` of seed 2 instead
+   (:func:`refit.vllm.init_engine`, each worker pulls the whole model, the workers held to
+   one version between them): the tokens and logprobs equal those of seed 2's slices; a
+   version never published times out in both workers alike, ``stream=True`` is refused
+   (each worker would stream on its own), vLLM's next calls work, and a next version loads.
 
 Exits 0 when every check passes, 1 otherwise. Run it with the Python that has vLLM and
 ``refit`` installed::
@@ -97,12 +102,23 @@ def generate(llm, max_tokens: int = 16) -> tuple[list[int], list[float]]:
     return list(out.token_ids), [lp[t].logprob for t, lp in zip(out.token_ids, out.logprobs)]
 
 
+class Checks:
+    """Prints each check as it is made and keeps those that failed."""
+
+    def __init__(self) -> None:
+        self.failed: list[str] = []
+
+    def __call__(self, ok: bool, what: str) -> None:
+        print(("ok    " if ok else "FAIL  ") + what, flush=True)
+        if not ok:
+            self.failed.append(what)
+
+
 def run(work: Path) -> list[str]:
     """The whole example in ``work``; answers the checks that failed."""
     from safetensors.torch import load_file
 
     import refit
-    import refit.vllm
 
     # the shards and vLLM's workers (processes started below) share one cluster token
     os.environ.setdefault("REFIT_TOKEN", os.urandom(16).hex())
@@ -112,44 +128,81 @@ def run(work: Path) -> list[str]:
     manifest = manifest_of(first)
     parts = flat_halves(manifest)
     shards = [refit.MeshSender(manifest, held) for held in parts]
-    failed: list[str] = []
-
-    def check(ok: bool, what: str) -> None:
-        print(("ok    " if ok else "FAIL  ") + what, flush=True)
-        if not ok:
-            failed.append(what)
-
+    check = Checks()
     llm = start_engine(model_dir, [s.card for s in shards], manifest)
     try:
-        stats = refit.vllm.mesh_stats(llm)
-        for w in stats:
-            sliced = sum(1 for _, part in w["wants"] if part != "whole")
-            print(f"worker tp{w['tp_rank']}: {sliced} of {len(w['wants'])} tensors sliced, pulls "
-                  f"{w['bytes_per_pull']} of the model's {w['model_bytes']} bytes per version "
-                  f"({w['bytes_per_pull'] / w['model_bytes']:.0%})", flush=True)
-        from_disk = generate(llm)
-        publish(shards, parts, 1, second)
-        refit.vllm.update_weights(llm, version=1, timeout=60)
-        check(generate(llm)[0] != from_disk[0], "version 1 (seed 2) generates other tokens than vLLM's load of seed 1")
-        publish(shards, parts, 2, first)
-        refit.vllm.update_weights(llm, version=2, timeout=60)
-        check(generate(llm) == from_disk, "version 2 (seed 1 again, pulled in slices) generates vLLM's own tokens "
-              "and logprobs, bit for bit")
-        try:
-            refit.vllm.update_weights(llm, version=3, timeout=1)
-            check(False, "a version no shard published is refused")
-        except refit.errors.TransportError as e:
-            check("not published" in str(e), f"a version no shard published is refused: {e}")
-        check(generate(llm) == from_disk, "after the refusal vLLM still serves version 2")
-        stats = refit.vllm.mesh_stats(llm)
-        model_bytes = stats[0]["model_bytes"]
-        check(all(w["bytes_per_pull"] < model_bytes for w in stats), "each worker pulls less than the model")
-        check(sum(w["bytes_per_pull"] for w in stats) < 2 * model_bytes, "both workers together pull less than two models")
-        check(all(w["bytes_pulled"] == 2 * w["bytes_per_pull"] for w in stats), "each worker pulled two versions")
+        seed2 = from_the_mesh(llm, shards, parts, first, second, check)
+        from_one_sender(llm, second, seed2, check)
     finally:
         # stopped now: left to the garbage collector, the interpreter's exit waits for it
         llm.llm_engine.engine_core.shutdown()
-    return failed
+    return check.failed
+
+
+def from_the_mesh(llm, shards, parts, first: dict, second: dict, check: Checks) -> tuple:
+    """Steps 4 to 6: versions pulled in slices from the shards; answers seed 2's output."""
+    import refit
+    import refit.vllm
+
+    stats = refit.vllm.mesh_stats(llm)
+    for w in stats:
+        sliced = sum(1 for _, part in w["wants"] if part != "whole")
+        print(f"worker tp{w['tp_rank']}: {sliced} of {len(w['wants'])} tensors sliced, pulls "
+              f"{w['bytes_per_pull']} of the model's {w['model_bytes']} bytes per version "
+              f"({w['bytes_per_pull'] / w['model_bytes']:.0%})", flush=True)
+    from_disk = generate(llm)
+    publish(shards, parts, 1, second)
+    refit.vllm.update_weights(llm, version=1, timeout=60)
+    seed2 = generate(llm)
+    check(seed2[0] != from_disk[0], "version 1 (seed 2) generates other tokens than vLLM's load of seed 1")
+    publish(shards, parts, 2, first)
+    refit.vllm.update_weights(llm, version=2, timeout=60)
+    check(generate(llm) == from_disk, "version 2 (seed 1 again, pulled in slices) generates vLLM's own tokens "
+          "and logprobs, bit for bit")
+    try:
+        refit.vllm.update_weights(llm, version=3, timeout=1)
+        check(False, "a version no shard published is refused")
+    except refit.errors.TransportError as e:
+        check("not published" in str(e), f"a version no shard published is refused: {e}")
+    check(generate(llm) == from_disk, "after the refusal vLLM still serves version 2")
+    stats = refit.vllm.mesh_stats(llm)
+    model_bytes = stats[0]["model_bytes"]
+    check(all(w["bytes_per_pull"] < model_bytes for w in stats), "each worker pulls less than the model")
+    check(sum(w["bytes_per_pull"] for w in stats) < 2 * model_bytes, "both workers together pull less than two models")
+    check(all(w["bytes_pulled"] == 2 * w["bytes_per_pull"] for w in stats), "each worker pulled two versions")
+    return seed2
+
+
+def from_one_sender(llm, second: dict, seed2: tuple, check: Checks) -> None:
+    """Step 7: the same workers fed by one sender (each pulls the whole model), held to one
+    version between them, and failing alike."""
+    import refit
+    import refit.vllm
+
+    sender = refit.Sender("tcp", second, model="policy")
+    sender.start()
+    try:
+        refit.vllm.init_engine(llm, sender.spec, load_initial=True)
+        check(generate(llm) == seed2, "seed 2 from one sender (each worker pulls it whole) generates what its slices "
+              "from the mesh generate, bit for bit")
+        try:
+            refit.vllm.update_weights(llm, version=9, timeout=1)
+            check(False, "a version the sender never publishes times out")
+        except refit.errors.Timeout as e:
+            check("worker" in str(e), f"a version the sender never publishes times out in both workers: {e}")
+        try:
+            refit.vllm.init_engine(llm, sender.spec, stream=True)
+            check(False, "stream=True is refused with tensor-parallel workers")
+        except refit.errors.ConfigError as e:
+            check("tensor-parallel" in str(e), f"stream=True is refused with tensor-parallel workers: {e}")
+        # vLLM's next calls get their own answers, not a worker's failure left over
+        refit.vllm.init_engine(llm, sender.spec)
+        check(generate(llm) == seed2, "after the failures both workers serve seed 2 still")
+        sender.publish({n: -t for n, t in second.items()})
+        refit.vllm.update_weights(llm, version=2, timeout=60)
+        check(generate(llm)[0] != seed2[0], "the next version loads in both workers")
+    finally:
+        sender.close()
 
 
 def main() -> int:

@@ -41,6 +41,11 @@ records, after each load, the digests of what it serves, in vLLM's weight-checke
 changed while served raise :class:`~refit.errors.Damaged` naming the parameter, before
 anything is loaded (vLLM serves them still; the next version loaded replaces them).
 
+A tensor-parallel vLLM's workers are held to one version between them, and a step that
+fails in one fails in all alike (the last worker raises, naming each failure). Fed from
+trainer shards (:func:`init_mesh`), each worker pulls only the slice of each weight its
+layers keep.
+
 Through vLLM's RPCs the worker's exception reaches the caller as a plain ``Exception``;
 the helpers here (:func:`init_engine`, :func:`update_weights`) raise the
 :mod:`refit.errors` class again, which every message names as ``[refit.errors.Kind]``.
@@ -237,13 +242,35 @@ def update_weights(
     _rpc(llm, "start_weight_update", None)
     try:
         _rpc(llm, "update_weights", timeout + rpc_margin, update_info=info)
-    except errors.NeedsFullResend:
-        _reset_caches(llm)
+    except errors.RefitError as e:
+        _end_quiet_sessions(llm, rpc_margin)
+        if isinstance(e, errors.NeedsFullResend):
+            _reset_caches(llm)
         raise
     # a failed update_weights ends vLLM's update session itself (and the engine has put the
     # previous weights back): finish is only for a success
     _rpc(llm, "finish_weight_update", rpc_margin)
     _reset_caches(llm)
+
+
+def _end_quiet_sessions(llm: Any, rpc_timeout: float) -> None:
+    """After an ``update_weights`` that failed in a tensor-parallel vLLM: ends vLLM's update
+    session in the workers that returned quietly. (The step failed in all of them alike,
+    but only the last raises, or vLLM would take the others' answers for those of its next
+    call; vLLM ends the session of a worker that raised itself.)"""
+    try:
+        workers = llm.llm_engine.vllm_config.parallel_config.world_size
+    except AttributeError:  # a weight-sync client, or another vLLM layout: one session
+        return
+    if workers <= 1:
+        return
+    try:
+        llm.collective_rpc("finish_weight_update", timeout=rpc_timeout)
+    except Exception as e:
+        # the last worker, whose session vLLM ended as it raised, answers last: the others'
+        # sessions are ended by then
+        if "without a matching start_weight_update" not in str(e):
+            raise
 
 
 def shutdown_engine(llm: Any) -> None:
@@ -367,6 +394,11 @@ def _fail(cls: type[errors.RefitError], message: str) -> errors.RefitError:
     """``cls`` with ``message`` tagged ``[refit.errors.Kind]`` (the tag survives vLLM's RPC,
     which keeps only the text)."""
     return cls(f"[refit.errors.{cls.__name__}] {message}")
+
+
+def _described(failure: BaseException | None) -> tuple[str, str] | None:
+    """``(class name, message without its tag)`` of a failure, as workers tell each other."""
+    return None if failure is None else (type(failure).__name__, _TAG.sub("", str(failure)))
 
 
 def _describe_spec(spec: str) -> str:
@@ -923,6 +955,35 @@ def _build() -> dict[str, type]:
             if init_info.mesh is not None:
                 self._connect_mesh(init_info)
                 return
+            failure = None
+            try:
+                self._connect(init_info)
+            except errors.RefitError as e:
+                failure = e
+            if self._settled(failure, None, applied=False):
+                return
+            if init_info.load_initial:
+                from vllm.config import set_current_vllm_config
+
+                assert self._receiver is not None
+                with set_current_vllm_config(self.vllm_config):
+                    started = time.perf_counter()
+                    if init_info.stream:
+                        self._stream_load(RefitUpdateInfo(timeout=init_info.timeout), started)
+                    else:
+                        self._load_agreed(self._receiver.current(), None, RefitUpdateInfo(timeout=init_info.timeout),
+                                          started)
+                    self._complete()
+
+        def _connect(self, init_info: RefitInitInfo) -> None:
+            """:meth:`init_transfer_engine`'s connection to one sender (raises as it says)."""
+            from vllm.distributed import parallel_state as ps
+
+            if init_info.stream and ps.get_tp_group().world_size > 1:
+                # each worker would stream on its own, into the model as it comes: several
+                # could not be held to one version
+                raise _fail(errors.ConfigError, "refit init_info: `stream` takes one worker; this vLLM runs "
+                            "tensor-parallel workers: stream=False, or a mesh (init info `mesh`)")
             if init_info.load_initial:
                 self._check_served()  # before anything changes: the weights served as loaded
             self._close()
@@ -951,15 +1012,6 @@ def _build() -> dict[str, type]:
             else:
                 _log.info("refit: connected to the %s sender of `%s` (spec %s), version %d in force there",
                           receiver.transport, self._model_id, where, receiver.version(self._model_id))
-            if init_info.load_initial:
-                from vllm.config import set_current_vllm_config
-
-                with set_current_vllm_config(self.vllm_config):
-                    if init_info.stream:
-                        self._stream_load(RefitUpdateInfo(timeout=init_info.timeout), time.perf_counter())
-                    else:
-                        self._load(receiver.current(), RefitUpdateInfo(), time.perf_counter())
-                    self._complete()
 
         def start_weight_update(self) -> None:
             """Begins vLLM's layerwise reload for the incoming checkpoint-format weights
@@ -1000,27 +1052,86 @@ def _build() -> dict[str, type]:
             Timeout, PeerGone, Refused, Closed: nothing was applied, the previous weights
             were put back. NeedsFullResend: part of the version reached the model.
             """
-            if self._receiver is None and self._mesh is None:
-                raise _fail(errors.Closed, "the refit engine is not connected: call init_weight_transfer_engine with the sender's spec first")
             started = time.perf_counter()
+            if self._receiver is None and self._mesh is None:
+                closed = _fail(errors.Closed, "the refit engine is not connected: call init_weight_transfer_engine "
+                               "with the sender's spec first")
+                self._settled(closed, None, applied=False)
+                return
             if self._mesh is not None:
                 self._mesh_load(update_info, started)
                 return
             if self._init is not None and self._init.stream:
                 self._stream_load(update_info, started)
                 return
+            update, failure = None, None
             try:
                 update = self._wait(update_info)
-            except errors.RefitError:
-                self._abandon()
-                raise
+            except errors.RefitError as e:
+                failure = e
+            self._load_agreed(update, failure, update_info, started)
+
+        def _load_agreed(self, update: Any, failure: errors.RefitError | None, info: RefitUpdateInfo,
+                         started: float) -> None:
+            """Loads ``update`` (``None``: nothing to load; ``failure``: how receiving it
+            failed) once every tensor-parallel worker holds the same version
+            (:meth:`_same_version`), and stages it; a failure anywhere ends the step alike in
+            every worker (:meth:`_settled`)."""
+            update = self._same_version(update, failure, info)
             if update is None:
                 return
             if self._staged is not None:
                 # a second version in one update session: complete the first, then begin again
                 self._complete()
                 self._begin()
-            self._load(update, update_info, started)
+            failure = None
+            try:
+                self._load(update, info, started)
+            except errors.RefitError as e:
+                failure = e
+            self._settled(failure, update.version(self._model_id), applied=True)
+
+        def _same_version(self, update: Any, failure: errors.RefitError | None, info: RefitUpdateInfo) -> Any:
+            """The update every tensor-parallel worker is to load, the same version in each:
+            each worker receives from the sender on its own, and one may get a version the
+            trainer published after another's; the workers behind wait for the newest one
+            among them (within ``info.timeout``), so that no version is served in part of
+            the model. ``None``: nothing to load (already in force everywhere), or a failure
+            that :meth:`_settled` ended (raised in the last worker)."""
+            deadline = time.monotonic() + info.timeout
+            for _ in range(8):
+                mine = {"failure": _described(failure),
+                        "version": None if update is None else update.version(self._model_id)}
+                every = self._gathered(mine)
+                if any(e["failure"] for e in every):
+                    self._settled(failure, None, applied=False, every=[e["failure"] for e in every])
+                    return None
+                versions = {e["version"] for e in every}
+                if len(versions) == 1:
+                    return update
+                newest = max(v for v in versions if v is not None)
+                if update is None or mine["version"] < newest:
+                    update = None  # not applied: not acknowledged (the newer one's ack covers it)
+                    try:
+                        update = self._wait(RefitUpdateInfo(version=newest, timeout=max(deadline - time.monotonic(), 0.0)))
+                    except errors.RefitError as e:
+                        failure = e
+            failure = _fail(errors.Timeout, f"the tensor-parallel workers received different versions of {self._what()} "
+                            f"and did not come to one; nothing was applied: {self._in_force()}")
+            self._settled(failure, None, applied=False)
+            return None
+
+        def _gathered(self, mine: Any) -> list[Any]:
+            """``mine`` from every tensor-parallel worker of this step, in rank order (vLLM's
+            CPU group of the tensor-parallel workers, which all run the same step)."""
+            from vllm.distributed import parallel_state as ps
+
+            group = ps.get_tp_group()
+            if group.world_size <= 1:
+                return [mine]
+            every: list[Any] = [None] * group.world_size
+            torch.distributed.all_gather_object(every, mine, group=group.cpu_group)
+            return every
 
         def finish_weight_update(self) -> None:
             """Completes vLLM's layerwise reload and acknowledges the version loaded to the
@@ -1123,7 +1234,8 @@ def _build() -> dict[str, type]:
                        "tensors": len(arrays), "bytes": pulled}
             self._staged = (_Unacked(), want, timings)
 
-        def _settled(self, failure: errors.RefitError | None, version: int | None, *, applied: bool) -> bool:
+        def _settled(self, failure: errors.RefitError | None, version: int | None, *, applied: bool,
+                     every: list[Any] | None = None) -> bool:
             """Tells the tensor-parallel workers of this step whether each went through
             (``failure``: how this one did not), so that they end it alike; answers whether
             this worker is to return quietly. vLLM reads its workers' answers in rank order
@@ -1134,6 +1246,8 @@ def _build() -> dict[str, type]:
             session abandoned); one that loaded weights leaves them mixed, unless every
             worker refused the version before any of it landed.
 
+            ``every``: the workers' failures already gathered (:func:`_described`).
+
             Raises:
             the failure (the only worker's), or one naming each worker's (the last worker's).
             """
@@ -1141,11 +1255,8 @@ def _build() -> dict[str, type]:
 
             group = ps.get_tp_group()
             world, rank = group.world_size, group.rank_in_group
-            mine = None if failure is None else (type(failure).__name__, _TAG.sub("", str(failure)))
-            every: list[Any] = [mine]
-            if world > 1:
-                every = [None] * world
-                torch.distributed.all_gather_object(every, mine, group=group.cpu_group)
+            if every is None:
+                every = self._gathered(_described(failure))
             failed = [(r, f) for r, f in enumerate(every) if f is not None]
             if not failed:
                 return False

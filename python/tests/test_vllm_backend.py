@@ -79,7 +79,9 @@ def test_a_tensor_parallel_vllm_pulls_only_its_slices_from_two_trainer_shards():
     """``python/examples/vllm_tp.py`` in a process of its own (a second vLLM in this one
     would find its parallel groups taken): two workers, each pulling half the model from two
     flat shards, generate vLLM's own tokens and logprobs bit for bit; a version no shard
-    published fails alike in both workers and leaves the weights served."""
+    published fails alike in both workers and leaves the weights served. Then fed by one
+    sender (each worker pulls the whole model): the same output, a timeout and a refused
+    ``stream=True`` in both workers alike, and the next version loads."""
     import subprocess
 
     env = {**os.environ, "REFIT_TOKEN": TOKEN}
