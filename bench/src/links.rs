@@ -158,6 +158,9 @@ pub struct ChildArgs {
     /// (tcp-sink).
     #[arg(long)]
     arena: bool,
+    /// With `--arena`: connections, each carrying a contiguous range of the round (tcp-sink).
+    #[arg(long, default_value_t = 1)]
+    conns: usize,
 }
 
 /// One measured figure.
@@ -660,7 +663,16 @@ fn bench_link(
     }
     if l.reach() == Reach::Network {
         times.into_new_memory = Some(tcp::baseline_into_new_memory(size, 3)?);
-        times.arena_to_arena = Some(tcp::baseline_arena_to_arena(size, args.iters.max(3))?);
+        // over one connection and over as many as a pull opens: the faster is the floor
+        let streams = refit_transports::tcp::TcpReceiverConfig::default().streams;
+        let iters = args.iters.max(3);
+        let one = tcp::baseline_arena_to_arena(size, iters, 1)?;
+        let several = tcp::baseline_arena_to_arena(size, iters, streams)?;
+        times.arena_to_arena = Some(if several.median < one.median {
+            (several, streams)
+        } else {
+            (one, 1)
+        });
     }
     let baseline = match (l.on_device(), base.device, l.reach()) {
         (true, Some(copy), _) => ("device-copy", copy),
@@ -913,8 +925,9 @@ struct Times {
     into_new_memory: Option<Summary>,
     /// Raw loopback TCP of the same size from a whole-size buffer into another, both
     /// touched: a simple program moving a version between arenas (links that reach the
-    /// network).
-    arena_to_arena: Option<Summary>,
+    /// network), over one connection or as many as a pull opens, whichever was faster
+    /// (and how many that was).
+    arena_to_arena: Option<(Summary, usize)>,
     e2e: Vec<Duration>,
     write: Vec<Duration>,
     acks: Vec<Duration>,
@@ -998,17 +1011,21 @@ impl Times {
             }
             // a raw stream doing more of the same job (into new memory, between arenas), and
             // the figure it is the floor of against it
+            let arenas = self.arena_to_arena.map(|(_, conns)| match conns {
+                1 => "arenas, 1 connection".to_string(),
+                c => format!("arenas, {c} connections"),
+            });
             let floors = [
                 (
                     self.into_new_memory,
-                    "new memory",
+                    "new memory".to_string(),
                     "raw into new memory",
                     "connect+first pull",
                     &self.connect,
                 ),
                 (
-                    self.arena_to_arena,
-                    "arenas",
+                    self.arena_to_arena.map(|(s, _)| s),
+                    arenas.unwrap_or_default(),
                     "raw arena to arena",
                     "steady update",
                     &self.steady,

@@ -113,6 +113,15 @@ class Checks:
         if not ok:
             self.failed.append(what)
 
+    def raises(self, call, error: type, says: str, what: str) -> None:
+        """Checks that ``call()`` raises ``error`` with ``says`` in its message."""
+        try:
+            call()
+        except error as e:
+            self(says in str(e), f"{what}: {e}")
+        else:
+            self(False, f"{what}: nothing raised")
+
 
 def run(work: Path) -> list[str]:
     """The whole example in ``work``; answers the checks that failed."""
@@ -159,11 +168,8 @@ def from_the_mesh(llm, shards, parts, first: dict, second: dict, check: Checks) 
     refit.vllm.update_weights(llm, version=2, timeout=60)
     check(generate(llm) == from_disk, "version 2 (seed 1 again, pulled in slices) generates vLLM's own tokens "
           "and logprobs, bit for bit")
-    try:
-        refit.vllm.update_weights(llm, version=3, timeout=1)
-        check(False, "a version no shard published is refused")
-    except refit.errors.TransportError as e:
-        check("not published" in str(e), f"a version no shard published is refused: {e}")
+    check.raises(lambda: refit.vllm.update_weights(llm, version=3, timeout=1), refit.errors.TransportError,
+                 "not published", "a version no shard published is refused")
     check(generate(llm) == from_disk, "after the refusal vLLM still serves version 2")
     stats = refit.vllm.mesh_stats(llm)
     model_bytes = stats[0]["model_bytes"]
@@ -185,16 +191,10 @@ def from_one_sender(llm, second: dict, seed2: tuple, check: Checks) -> None:
         refit.vllm.init_engine(llm, sender.spec, load_initial=True)
         check(generate(llm) == seed2, "seed 2 from one sender (each worker pulls it whole) generates what its slices "
               "from the mesh generate, bit for bit")
-        try:
-            refit.vllm.update_weights(llm, version=9, timeout=1)
-            check(False, "a version the sender never publishes times out")
-        except refit.errors.Timeout as e:
-            check("worker" in str(e), f"a version the sender never publishes times out in both workers: {e}")
-        try:
-            refit.vllm.init_engine(llm, sender.spec, stream=True)
-            check(False, "stream=True is refused with tensor-parallel workers")
-        except refit.errors.ConfigError as e:
-            check("tensor-parallel" in str(e), f"stream=True is refused with tensor-parallel workers: {e}")
+        check.raises(lambda: refit.vllm.update_weights(llm, version=9, timeout=1), refit.errors.Timeout,
+                     "every tensor-parallel worker (2)", "a version the sender never publishes times out in both workers")
+        check.raises(lambda: refit.vllm.init_engine(llm, sender.spec, stream=True), refit.errors.ConfigError,
+                     "tensor-parallel", "stream=True is refused with tensor-parallel workers")
         # vLLM's next calls get their own answers, not a worker's failure left over
         refit.vllm.init_engine(llm, sender.spec)
         check(generate(llm) == seed2, "after the failures both workers serve seed 2 still")

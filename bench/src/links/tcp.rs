@@ -134,9 +134,55 @@ pub(super) fn baseline(size: usize, iters: usize) -> BoxResult<Summary> {
 /// and the reader reading into one (both touched before the first stream, reused): what a
 /// simple program moving a version from one arena to another costs, the memory traffic of
 /// both ends included (the [`baseline`] program reads and writes a buffer that stays in
-/// cache).
-pub(super) fn baseline_arena_to_arena(size: usize, iters: usize) -> BoxResult<Summary> {
-    timed_streams(size, iters, ReadInto::Arena)
+/// cache). The arenas are cut into `conns` contiguous ranges, each streamed over a
+/// connection of its own by a thread at each end (as a pull spreads a version over its
+/// streams).
+pub(super) fn baseline_arena_to_arena(
+    size: usize,
+    iters: usize,
+    conns: usize,
+) -> BoxResult<Summary> {
+    timed_streams(size, iters, ReadInto::Arena { conns })
+}
+
+/// The contiguous ranges `size` bytes are cut into for `conns` connections: as equal as
+/// bytes allow, the first ones a byte longer.
+fn ranges(size: usize, conns: usize) -> Vec<std::ops::Range<usize>> {
+    let conns = conns.max(1);
+    let (each, extra) = (size / conns, size % conns);
+    let mut at = 0;
+    (0..conns)
+        .map(|i| {
+            let len = each + usize::from(i < extra);
+            at += len;
+            at - len..at
+        })
+        .collect()
+}
+
+/// `buf` cut at `ranges` (contiguous, in order, covering it) into disjoint slices.
+fn cut<'b>(mut buf: &'b mut [u8], ranges: &[std::ops::Range<usize>]) -> Vec<&'b mut [u8]> {
+    let mut parts = Vec::with_capacity(ranges.len());
+    for r in ranges {
+        let (head, tail) = std::mem::take(&mut buf).split_at_mut(r.len());
+        parts.push(head);
+        buf = tail;
+    }
+    parts
+}
+
+/// Reads exactly `buf.len()` bytes from `sock` into `buf`, `chunk` at most per read.
+fn read_into(sock: &mut TcpStream, buf: &mut [u8], chunk: usize) -> BoxResult<()> {
+    let mut at = 0;
+    while at < buf.len() {
+        let end = buf.len().min(at + chunk);
+        let n = sock.read(&mut buf[at..end])?;
+        if n == 0 {
+            return Err("the sender closed the socket early".into());
+        }
+        at += n;
+    }
+    Ok(())
 }
 
 /// Raw loopback TCP as [`baseline`], the reader reading each stream into new memory (a
@@ -166,8 +212,8 @@ enum ReadInto<'a> {
     /// A new buffer of the whole stream's size per stream.
     NewMemory,
     /// A buffer of the whole stream's size, touched before the first stream and reused;
-    /// the writer writes from one too.
-    Arena,
+    /// the writer writes from one too, over `conns` connections (a range each).
+    Arena { conns: usize },
     /// A new file at this path per stream (written through a reused buffer, synced,
     /// removed after the stream is timed).
     NewFile(&'a Path),
@@ -177,6 +223,9 @@ enum ReadInto<'a> {
 struct Stream {
     child: Child,
     sock: TcpStream,
+    /// Further connections of an arena stream over several: `sock` carries the first range
+    /// and the acknowledgements, these the other ranges.
+    more: Vec<TcpStream>,
     /// What is written: a chunk's worth reused, or the whole size (an arena), walked.
     buf: Vec<u8>,
     /// Bytes per write.
@@ -205,24 +254,37 @@ impl Stream {
             chunks.read.to_string(),
         );
         let mut child_args = vec!["tcp-sink", &addr, &size_arg, &rounds_arg, &read_arg];
-        let file_arg;
+        let (file_arg, conns_arg);
+        let mut conns = 1;
         match into {
             ReadInto::Buffer => {}
             ReadInto::NewMemory => child_args.push("--new-memory"),
-            ReadInto::Arena => child_args.push("--arena"),
+            ReadInto::Arena { conns: c } => {
+                conns = c.max(1);
+                conns_arg = conns.to_string();
+                child_args.extend(["--arena", "--conns", &conns_arg]);
+            }
             ReadInto::NewFile(f) => {
                 file_arg = f.display().to_string();
                 child_args.extend(["--file", &file_arg]);
             }
         }
         let child = spawn_child(&child_args)?;
-        let (sock, _) = listener.accept()?;
-        sock.set_nodelay(true)?;
+        // the sink connects in order: the first connection is the first range's
+        let mut socks = (0..conns)
+            .map(|_| {
+                let (sock, _) = listener.accept()?;
+                sock.set_nodelay(true)?;
+                Ok(sock)
+            })
+            .collect::<BoxResult<Vec<_>>>()?;
+        let sock = socks.remove(0);
         Ok(Self {
             child,
             sock,
+            more: socks,
             buf: match into {
-                ReadInto::Arena => vec![3u8; size.max(1)],
+                ReadInto::Arena { .. } => vec![3u8; size.max(1)],
                 _ => vec![3u8; chunks.write.max(1).min(size.max(1))],
             },
             write: chunks.write.max(1),
@@ -233,6 +295,9 @@ impl Stream {
     /// Streams `size` bytes and waits for the reader's byte: the time it took. Then waits
     /// (untimed) for the reader to be ready for the next stream.
     fn once(&mut self) -> BoxResult<Duration> {
+        if !self.more.is_empty() {
+            return self.once_over_several();
+        }
         let t = Instant::now();
         let mut left = self.size;
         // from the buffer's start each time it is walked (once per stream for an arena)
@@ -253,7 +318,39 @@ impl Stream {
         Ok(took)
     }
 
+    /// [`Stream::once`] of an arena over several connections: a thread per connection
+    /// writes its range.
+    fn once_over_several(&mut self) -> BoxResult<Duration> {
+        let t = Instant::now();
+        let ranges = ranges(self.size, self.more.len() + 1);
+        let (buf, write) = (&self.buf, self.write);
+        let socks = std::iter::once(&mut self.sock).chain(self.more.iter_mut());
+        std::thread::scope(|s| {
+            let writers: Vec<_> = socks
+                .zip(&ranges)
+                .map(|(sock, r)| {
+                    s.spawn(move || -> std::io::Result<()> {
+                        for piece in buf[r.clone()].chunks(write) {
+                            sock.write_all(piece)?;
+                        }
+                        Ok(())
+                    })
+                })
+                .collect();
+            writers.into_iter().try_for_each(|w| -> BoxResult<()> {
+                w.join().map_err(|_| "a writer thread panicked")??;
+                Ok(())
+            })
+        })?;
+        let mut ack = [0u8; 1];
+        self.sock.read_exact(&mut ack)?;
+        let took = t.elapsed();
+        self.sock.read_exact(&mut ack)?;
+        Ok(took)
+    }
+
     fn finish(mut self) -> BoxResult<()> {
+        drop(self.more);
         drop(self.sock);
         if !self.child.wait()?.success() {
             return Err("the tcp sink process failed".into());
@@ -271,6 +368,9 @@ pub(super) fn sink(args: &ChildArgs) -> BoxResult<()> {
     let mut sock = TcpStream::connect(&args.target)?;
     sock.set_nodelay(true)?;
     let chunk = args.chunk.max(1);
+    if args.arena && args.conns > 1 {
+        return sink_over_several(args, sock, chunk);
+    }
     // an arena: the whole size, touched now and read into at its offsets every stream
     let mut buf = vec![1u8; if args.arena { args.bytes.max(1) } else { chunk }];
     for _ in 0..args.rounds {
@@ -323,6 +423,39 @@ pub(super) fn sink(args: &ChildArgs) -> BoxResult<()> {
             std::fs::remove_file(path)?;
         }
         sock.write_all(&[2])?;
+    }
+    Ok(())
+}
+
+/// [`sink`] of an arena over `args.conns` connections (`first` the first, which carries the
+/// acknowledgements): a thread per connection reads its range.
+fn sink_over_several(args: &ChildArgs, mut first: TcpStream, chunk: usize) -> BoxResult<()> {
+    let mut more = (1..args.conns)
+        .map(|_| {
+            let sock = TcpStream::connect(&args.target)?;
+            sock.set_nodelay(true)?;
+            Ok(sock)
+        })
+        .collect::<BoxResult<Vec<_>>>()?;
+    let ranges = ranges(args.bytes, args.conns);
+    let mut buf = vec![1u8; args.bytes.max(1)];
+    for _ in 0..args.rounds {
+        let parts = cut(&mut buf[..args.bytes], &ranges);
+        let socks = std::iter::once(&mut first).chain(more.iter_mut());
+        std::thread::scope(|s| {
+            let readers: Vec<_> = socks
+                .zip(parts)
+                .map(|(sock, part)| {
+                    s.spawn(move || read_into(sock, part, chunk).map_err(|e| e.to_string()))
+                })
+                .collect();
+            readers.into_iter().try_for_each(|r| -> BoxResult<()> {
+                r.join().map_err(|_| "a reader thread panicked")??;
+                Ok(())
+            })
+        })?;
+        first.write_all(&[1])?;
+        first.write_all(&[2])?;
     }
     Ok(())
 }
@@ -729,4 +862,21 @@ fn file_write_baseline(size: usize, iters: usize, dir: &Path) -> BoxResult<Summa
         std::fs::remove_file(&path)?;
     }
     Ok(Summary::of(&samples))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{cut, ranges};
+
+    #[test]
+    fn ranges_cover_the_size_in_order_as_equal_as_bytes_allow() {
+        assert_eq!(ranges(10, 4), vec![0..3, 3..6, 6..8, 8..10]);
+        assert_eq!(ranges(8, 1), vec![0..8]);
+        assert_eq!(ranges(3, 0), vec![0..3]);
+        let mut buf: Vec<u8> = (0..10).collect();
+        let parts = cut(&mut buf, &ranges(10, 4));
+        let lens: Vec<usize> = parts.iter().map(|p| p.len()).collect();
+        assert_eq!(lens, vec![3, 3, 2, 2]);
+        assert_eq!(parts[2], &[6, 7]);
+    }
 }
