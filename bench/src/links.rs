@@ -662,17 +662,8 @@ fn bench_link(
         times.touch = Some(first_touch_baseline(size, 3, true));
     }
     if l.reach() == Reach::Network {
-        times.into_new_memory = Some(tcp::baseline_into_new_memory(size, 3)?);
-        // over one connection and over as many as a pull opens: the faster is the floor
-        let streams = refit_transports::tcp::TcpReceiverConfig::default().streams;
-        let iters = args.iters.max(3);
-        let one = tcp::baseline_arena_to_arena(size, iters, 1)?;
-        let several = tcp::baseline_arena_to_arena(size, iters, streams)?;
-        times.arena_to_arena = Some(if several.median < one.median {
-            (several, streams)
-        } else {
-            (one, 1)
-        });
+        times.into_new_memory = Some(tcp::floor_into_new_memory(size)?);
+        times.arena_to_arena = Some(tcp::floor_arena_to_arena(size, args.iters.max(3))?);
     }
     let baseline = match (l.on_device(), base.device, l.reach()) {
         (true, Some(copy), _) => ("device-copy", copy),

@@ -148,8 +148,9 @@ class Engine:
         ``apply = "streaming"`` in the topology, pulling it inside the call: no
         :meth:`stage` comes before it, and no batch runs during it (the whole call is the
         pause the report shows, the transfer included). It ends the model's
-        :meth:`interrupt`, as :meth:`commit` does. Call ``stream(apply, torch=True, raw=False)`` once: it pulls the version and calls
-        ``apply(name, tensor)`` with each tensor (a read-only torch tensor, or a numpy
+        :meth:`interrupt`, as :meth:`commit` does. Call ``stream(apply, torch=True,
+        raw=False)`` once: it pulls the version and calls ``apply(name, tensor)`` with each
+        tensor (a read-only torch tensor, or a numpy
         array with ``torch=False``) as soon as its bytes are verified, on this thread, and
         answers the version streamed. ``apply`` copies the tensor where the model serves
         it. The engine never holds a second copy of the model: over TCP, Refit holds a few
@@ -177,10 +178,10 @@ class Engine:
         next step boundary, each answered with the tokens made so far and
         ``finish = "aborted"`` (a rollout worker asks again, under the new version), so that
         the commit waits for a step, not for the batch (other models' sequences in the call
-        still run to their end). It holds until the model's next
-        :meth:`commit`, :meth:`load_streamed` or :meth:`abort`, one of which always follows
-        it on the same thread (that of :meth:`stage`): the call running when it comes, or one that starts before that
-        commit, ends; no call starts after the commit until the commit returns, and none
+        still run to their end). It holds until the model's next :meth:`commit`,
+        :meth:`load_streamed` or :meth:`abort`, one of which always follows it on the same
+        thread (that of :meth:`stage`): the call running when it comes, or one that starts
+        before that commit, ends; no call starts after the commit until the commit returns, and none
         after it is interrupted. Called whether or not a batch runs. The default does
         nothing: the commit waits for the batch, as under ``"wait"``."""
 

@@ -273,11 +273,10 @@ impl<T: ReceiverTransport + 'static> WeightInlet for StreamingInlet<T> {
         if let Some(w) = self.initial.clone().filter(|w| w.model() == model) {
             if w.version() >= at_least {
                 crate::scheme::stream_group(std::slice::from_ref(&w), apply)?;
-            }
-            self.initial = None;
-            if w.version() >= at_least {
+                self.initial = None;
                 return Ok(w.version());
             }
+            self.initial = None;
         }
         WeightInlet::stream(&mut self.receiver, model, at_least, timeout, apply)
     }
