@@ -28,7 +28,7 @@ What it does (on a CPU; about a minute on two cores):
 Exits 0 when every check passes, 1 otherwise. Run it with the Python that has vLLM and
 ``refit`` installed::
 
-    python python/examples/vllm_tp.py
+    python python/examples/vllm_tp.py [--arch hidden_size=1024,intermediate_size=4096]
 """
 
 from __future__ import annotations
@@ -123,15 +123,27 @@ class Checks:
             self(False, f"{what}: nothing raised")
 
 
-def run(work: Path) -> list[str]:
-    """The whole example in ``work``; answers the checks that failed."""
+def timed_update(llm, version: int) -> float:
+    """Loads ``version`` in every worker (:func:`refit.vllm.update_weights`): milliseconds."""
+    import time
+
+    import refit.vllm
+
+    t = time.perf_counter()
+    refit.vllm.update_weights(llm, version=version, timeout=60)
+    return (time.perf_counter() - t) * 1e3
+
+
+def run(work: Path, arch: dict | None = None) -> list[str]:
+    """The whole example in ``work`` (the tiny Llama, ``arch`` overriding its
+    :data:`tiny_llama.DEFAULT_ARCH` entries); answers the checks that failed."""
     from safetensors.torch import load_file
 
     import refit
 
     # the shards and vLLM's workers (processes started below) share one cluster token
     os.environ.setdefault("REFIT_TOKEN", os.urandom(16).hex())
-    model_dir = tiny_llama.write_model(work / "model", seed=1)
+    model_dir = tiny_llama.write_model(work / "model", seed=1, **(arch or {}))
     first = load_file(str(model_dir / "model.safetensors"))
     second = load_file(str(tiny_llama.write_weights(work / "v2.safetensors", seed=2, like=model_dir)))
     manifest = manifest_of(first)
@@ -161,11 +173,12 @@ def from_the_mesh(llm, shards, parts, first: dict, second: dict, check: Checks) 
               f"({w['bytes_per_pull'] / w['model_bytes']:.0%})", flush=True)
     from_disk = generate(llm)
     publish(shards, parts, 1, second)
-    refit.vllm.update_weights(llm, version=1, timeout=60)
+    took = timed_update(llm, 1)
     seed2 = generate(llm)
     check(seed2[0] != from_disk[0], "version 1 (seed 2) generates other tokens than vLLM's load of seed 1")
     publish(shards, parts, 2, first)
-    refit.vllm.update_weights(llm, version=2, timeout=60)
+    took = min(took, timed_update(llm, 2))
+    print(f"update from the mesh (each worker its slices): {took:.1f} ms (the faster of two)", flush=True)
     check(generate(llm) == from_disk, "version 2 (seed 1 again, pulled in slices) generates vLLM's own tokens "
           "and logprobs, bit for bit")
     check.raises(lambda: refit.vllm.update_weights(llm, version=3, timeout=1), refit.errors.TransportError,
@@ -199,15 +212,31 @@ def from_one_sender(llm, second: dict, seed2: tuple, check: Checks) -> None:
         refit.vllm.init_engine(llm, sender.spec)
         check(generate(llm) == seed2, "after the failures both workers serve seed 2 still")
         sender.publish({n: -t for n, t in second.items()})
-        refit.vllm.update_weights(llm, version=2, timeout=60)
+        took = timed_update(llm, 2)
         check(generate(llm)[0] != seed2[0], "the next version loads in both workers")
+        sender.publish(second)
+        took = min(took, timed_update(llm, 3))
+        print(f"update from one sender (each worker the whole model): {took:.1f} ms (the faster of two)", flush=True)
     finally:
         sender.close()
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--arch", default="", metavar="KEY=N,...",
+                        help="the tiny Llama's architecture, e.g. hidden_size=1024,intermediate_size=4096 "
+                             "(keys of tiny_llama.DEFAULT_ARCH)")
+    args = parser.parse_args(argv)
+    arch = {}
+    for item in filter(None, args.arch.split(",")):
+        key, _, value = item.partition("=")
+        if key not in tiny_llama.DEFAULT_ARCH or not value:
+            parser.error(f"--arch: `{item}` is not KEY=N with KEY one of {', '.join(tiny_llama.DEFAULT_ARCH)}")
+        arch[key] = float(value) if "." in value else int(value)
     with tempfile.TemporaryDirectory(prefix="refit-vllm-tp-") as tmp:
-        failed = run(Path(tmp))
+        failed = run(Path(tmp), arch)
     print("vllm_tp: all checks passed" if not failed else f"vllm_tp: {len(failed)} check(s) failed", flush=True)
     return 1 if failed else 0
 

@@ -67,6 +67,8 @@ NUMPY_DTYPES: dict[str, np.dtype] = {
     "f64": np.dtype("<f8"),
 }
 _FROM_NUMPY = {v: k for k, v in NUMPY_DTYPES.items()}
+#: The dtypes numpy cannot represent, as unsigned integers of their width.
+_RAW_DTYPES = {"bf16": np.dtype("<u2"), "f8_e4m3": np.dtype("u1"), "f8_e5m2": np.dtype("u1")}
 
 _TORCH_NAMES = {
     "bool": "bool",
@@ -666,6 +668,43 @@ class MeshReceiver:
     def bytes_per_pull(self) -> int:
         """Bytes each pull reads: the wanted parts, plus an 8-byte checksum per sender."""
         return self._r.bytes_per_pull
+
+    def empty_parts(self) -> dict[str, np.ndarray]:
+        """One new array per wanted part, of its shape and dtype (bf16 and fp8 as unsigned
+        integers of the same width), for :meth:`pull_into` to fill version after version."""
+        out = {}
+        for name, part in self._wants:
+            dtype, shape = self._shapes[name]
+            np_dtype = NUMPY_DTYPES.get(dtype) or _RAW_DTYPES.get(dtype)
+            if np_dtype is None:
+                raise DTypeError(f"tensor `{name}` is {dtype}, which has no array dtype here")
+            out[name] = np.empty(_part_shape(shape, part), dtype=np_dtype)
+        return out
+
+    def pull_into(self, version: int, parts: Mapping[str, Any], timeout: float = 30.0) -> None:
+        """As :meth:`pull`, into ``parts`` (as :meth:`empty_parts` makes them: a writable,
+        C-contiguous array of the part's size per wanted part, none overlapping another),
+        with no new memory and no copy. On failure the arrays hold a mix of versions.
+
+        Raises as :meth:`pull`; :class:`Refused` for a missing, read-only, overlapping or
+        wrongly sized array (naming the tensor)."""
+        missing = [n for n, _ in self._wants if n not in parts]
+        if missing:
+            raise Refused(f"pull_into of version {version}: no array for {', '.join(missing)}")
+        views = []
+        for (name, _), size in zip(self._wants, self._r.part_bytes):
+            try:
+                view = memoryview(parts[name]).cast("B")  # its bytes, in place
+            except TypeError as e:
+                raise Refused(f"pull_into of version {version}: the array for `{name}` is not a "
+                              f"C-contiguous buffer ({e})") from e
+            if view.nbytes != size:
+                raise Refused(f"pull_into of version {version}: the array for `{name}` holds {view.nbytes} "
+                              f"bytes, its part {size}")
+            if view.readonly:
+                raise Refused(f"pull_into of version {version}: the array for `{name}` is not writable")
+            views.append(view)
+        self._r.pull_into(version, views, timeout)
 
     def pull(self, version: int, timeout: float = 30.0, *, raw: bool = False) -> dict[str, np.ndarray]:
         """Pulls ``version`` of the wanted parts from every sender holding a piece of them

@@ -537,17 +537,21 @@ def _widened(torch: Any, shape: list[int], part: Any, piece: Any) -> Any:
     part again."""
     if part == "whole":
         return piece.reshape(shape)
-    if piece.dtype.is_floating_point:
-        full = torch.full(shape, float("nan"), dtype=piece.dtype)
-    else:
-        full = torch.zeros(shape, dtype=piece.dtype)
+    # each byte written once: the part where it lies, the filler around it
+    filler = float("nan") if piece.dtype.is_floating_point else 0
+    full = torch.empty(shape, dtype=piece.dtype)
     if part[0] == "slice":
         _, dim, rank, world = part
         n = shape[dim] // world
         full.narrow(dim, rank * n, n).copy_(piece)
+        full.narrow(dim, 0, rank * n).fill_(filler)
+        full.narrow(dim, (rank + 1) * n, shape[dim] - (rank + 1) * n).fill_(filler)
     else:
         _, start, end = part
-        full.view(-1)[start:end].copy_(piece.reshape(-1))
+        flat = full.view(-1)
+        flat[start:end].copy_(piece.reshape(-1))
+        flat[:start].fill_(filler)
+        flat[end:].fill_(filler)
     return full
 
 
@@ -913,6 +917,7 @@ def _build() -> dict[str, type]:
             self._receiver: refit.Receiver | None = None
             self._mesh: refit.MeshReceiver | None = None  # instead of the receiver (init info `mesh`)
             self._mesh_wants: list[tuple[str, Any]] = []  # the part of each tensor the mesh pulls
+            self._mesh_parts: dict[str, Any] = {}  # where the mesh's pulls land
             self._init: RefitInitInfo | None = None
             #: with ``mesh``: ``{"wants": [(name, part)], "bytes_per_pull": n, "bytes_pulled":
             #: total}``, the part of each tensor this worker pulls and the bytes it read
@@ -1178,7 +1183,8 @@ def _build() -> dict[str, type]:
             if self.loaded_version is not None:
                 self._serving = f"{self._serving} (from the sender connected before)"
             self.loaded_version = None
-            self._mesh, self._mesh_wants = mesh, wants
+            # each version lands in these, the same memory every time
+            self._mesh, self._mesh_wants, self._mesh_parts = mesh, wants, mesh.empty_parts()
             self._init, self._model_id = init_info, init_info.model or "policy"
             whole = sum(math.prod(shape) * refit._torch_dtype(torch, dtype).itemsize
                         for _, dtype, shape in init_info.manifest)
@@ -1207,7 +1213,8 @@ def _build() -> dict[str, type]:
                 return  # the workers agree on what is in force: each returns here
             else:
                 try:
-                    arrays = self._mesh.pull(want, info.timeout, raw=True)
+                    self._mesh.pull_into(want, self._mesh_parts, info.timeout)
+                    arrays = self._mesh_parts
                 except errors.RefitError as e:
                     failure = _fail(type(e), f"pulling {self._what(want)}: {e}; nothing was applied: {self._in_force()}")
                     failure.__cause__ = e
@@ -1721,7 +1728,7 @@ def _build() -> dict[str, type]:
                       self._what(version), timings["tensors"], timings["bytes"], timings["receive_s"], timings["load_s"], hashed)
 
         def _close(self) -> None:
-            self._mesh = None  # holds no connection between pulls
+            self._mesh, self._mesh_parts = None, {}  # holds no connection between pulls
             receiver, self._receiver = self._receiver, None
             if receiver is not None:
                 try:

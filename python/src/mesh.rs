@@ -197,6 +197,75 @@ impl MeshReceiver {
         Ok(out)
     }
 
+    /// Pulls `version` of the wanted parts straight into `buffers` (one writable,
+    /// C-contiguous buffer per wanted part, in the order of the wants, each the part's
+    /// size, none overlapping another), waiting up to `timeout` seconds.
+    #[pyo3(signature = (version, buffers, timeout = 30.0))]
+    fn pull_into(
+        &self,
+        py: Python<'_>,
+        version: u64,
+        buffers: Vec<Bound<'_, PyAny>>,
+        timeout: f64,
+    ) -> PyResult<()> {
+        let timeout = seconds("timeout", timeout)?;
+        let held = buffers
+            .iter()
+            .enumerate()
+            .map(|(i, obj)| {
+                let buf = PyBuffer::<u8>::get(obj)
+                    .map_err(|e| refused(format!("buffer {i}: not a byte buffer ({e})")))?;
+                if buf.readonly() || !buf.is_c_contiguous() {
+                    return Err(refused(format!(
+                        "buffer {i}: not writable and C-contiguous"
+                    )));
+                }
+                Ok(buf)
+            })
+            .collect::<PyResult<Vec<_>>>()?;
+        let mut spans: Vec<(usize, usize, usize)> = held
+            .iter()
+            .enumerate()
+            .map(|(i, b)| (b.buf_ptr() as usize, b.len_bytes(), i))
+            .collect();
+        spans.sort_unstable();
+        for w in spans.windows(2) {
+            if w[0].1 > 0 && w[1].1 > 0 && w[0].0 + w[0].1 > w[1].0 {
+                return Err(refused(format!(
+                    "buffers {} and {} overlap",
+                    w[0].2.min(w[1].2),
+                    w[0].2.max(w[1].2)
+                )));
+            }
+        }
+        let mut views: Vec<&mut [u8]> = held
+            .iter()
+            .map(|b| {
+                if b.len_bytes() == 0 {
+                    return &mut [][..];
+                }
+                // SAFETY: `b` is a writable, C-contiguous buffer of `len_bytes()` bytes that
+                // its exporter keeps valid and in place while `b` lives (`held` outlives every
+                // use of `views`, both dropped at the end of this function); no two buffers
+                // overlap (checked above), so the slices alias nothing; `u8` has no alignment
+                // or validity requirement. A Python thread touching the buffer while the pull
+                // runs (the GIL is released) sees bytes of either version, as with any
+                // extension that writes a buffer without the GIL.
+                unsafe { std::slice::from_raw_parts_mut(b.buf_ptr().cast::<u8>(), b.len_bytes()) }
+            })
+            .collect();
+        let mut guard = lock(py, &self.receiver);
+        let receiver: &mut mesh::MeshReceiver = &mut guard;
+        py.detach(|| receiver.pull_to(&mut views, Version(version), timeout))
+            .map_err(to_py)
+    }
+
+    /// Bytes of each wanted part, in the order of the wants.
+    #[getter]
+    fn part_bytes(&self, py: Python<'_>) -> Vec<usize> {
+        lock(py, &self.receiver).part_lens().to_vec()
+    }
+
     /// Bytes each pull reads: the wanted parts, plus 8 bytes of checksum per sender.
     #[getter]
     fn bytes_per_pull(&self, py: Python<'_>) -> u64 {

@@ -62,3 +62,35 @@ def test_a_gap_in_the_shards_and_a_missing_version_are_refused_naming_them():
         only_top.publish(1, {"w": np.zeros(5, np.float32)})
     only_top.publish(1, {"w": whole(1)["w"][:4]})
     assert np.array_equal(r.pull(1)["w"], whole(1)["w"][:4])
+
+
+def test_pull_into_fills_the_callers_arrays_version_after_version_and_refuses_bad_ones():
+    held = [[("w", ("slice", 0, r, 2)), ("b", ("flat", 3 * r, 3 * r + 3))] for r in range(2)]
+    senders = [refit.MeshSender(MANIFEST, h) for h in held]
+    r = refit.MeshReceiver(MANIFEST, [s.card for s in senders], [("w", ("slice", 1, 1, 2)), ("b", "whole")])
+    parts = r.empty_parts()
+    assert parts["w"].shape == (8, 3) and parts["b"].shape == (6,)
+    at = {n: a.ctypes.data for n, a in parts.items()}
+    for v in (1, 2):
+        w = whole(v)
+        for i, s in enumerate(senders):
+            s.publish(v, {"w": w["w"][4 * i : 4 * i + 4], "b": w["b"][3 * i : 3 * i + 3]})
+        r.pull_into(v, parts, timeout=20)
+        assert np.array_equal(parts["w"], w["w"][:, 3:6])
+        assert np.array_equal(parts["b"], w["b"])
+        assert {n: a.ctypes.data for n, a in parts.items()} == at  # the same memory
+    with pytest.raises(refit.Refused, match="no array for b"):
+        r.pull_into(2, {"w": parts["w"]})
+    with pytest.raises(refit.Refused, match="`b`"):
+        r.pull_into(2, {"w": parts["w"], "b": np.empty(5, np.float32)})
+    frozen = parts["b"].copy()
+    frozen.flags.writeable = False
+    with pytest.raises(refit.Refused, match="writable"):
+        r.pull_into(2, {"w": parts["w"], "b": frozen})
+    with pytest.raises(refit.Refused, match="C-contiguous"):
+        r.pull_into(2, {"w": np.empty((3, 8), np.float32).T, "b": parts["b"]})
+    both = np.empty(24 + 6, np.float32)
+    with pytest.raises(refit.Refused, match="overlap"):
+        r.pull_into(2, {"w": both[:24], "b": both[20:26]})
+    # refused before anything was pulled: the arrays still hold version 2
+    assert np.array_equal(parts["w"], whole(2)["w"][:, 3:6])

@@ -438,6 +438,11 @@ impl MeshReceiver {
             .sum()
     }
 
+    /// Bytes of each wanted part, in the order of the wants.
+    pub fn part_lens(&self) -> &[usize] {
+        &self.lens
+    }
+
     /// Bytes pulled so far.
     pub fn bytes_pulled(&self) -> u64 {
         self.pulled
@@ -489,6 +494,47 @@ impl MeshReceiver {
                 Err(e)
             }
         }
+    }
+
+    /// Pulls `version` of the wanted parts straight into `parts`: one buffer per want, in
+    /// the order of the wants, each the part's length (the caller's memory, reused from
+    /// version to version: no buffer of this receiver's is involved).
+    ///
+    /// # Errors
+    /// As [`MeshReceiver::pull`]; [`Error::Mesh`] naming the tensor when a buffer is
+    /// missing, extra, or not its part's length (nothing is pulled then).
+    ///
+    /// # Cancel safety
+    /// Not async; on failure the buffers hold a mix of versions.
+    pub fn pull_to(
+        &mut self,
+        parts: &mut [&mut [u8]],
+        version: Version,
+        timeout: Duration,
+    ) -> Result<()> {
+        let deadline = Instant::now() + timeout;
+        if parts.len() != self.wants.len() {
+            let tensor = match self.wants.get(parts.len()) {
+                Some((name, _)) => name.clone(),
+                None => format!("<buffer {}>", self.wants.len()),
+            };
+            let reason = format!(
+                "{} buffers for {} wanted parts",
+                parts.len(),
+                self.wants.len()
+            );
+            return Err(Error::Mesh { tensor, reason });
+        }
+        for ((p, &len), (name, _)) in parts.iter().zip(&self.lens).zip(&self.wants) {
+            if p.len() != len {
+                return Err(Error::Mesh {
+                    tensor: name.clone(),
+                    reason: format!("a buffer of {} bytes for a part of {len}", p.len()),
+                });
+            }
+        }
+        self.pulled += self.pull_into(parts, version, deadline)?;
+        Ok(())
     }
 
     /// Pulls `version` of the whole model into `weights`, each tensor straight into its
