@@ -206,8 +206,10 @@ def from_one_sender(llm, second: dict, seed2: tuple, check: Checks) -> None:
               "from the mesh generate, bit for bit")
         check.raises(lambda: refit.vllm.update_weights(llm, version=9, timeout=1), refit.errors.Timeout,
                      "every tensor-parallel worker (2)", "a version the sender never publishes times out in both workers")
+        check.raises(lambda: refit.vllm.init_engine(llm, sender.spec, verify="all"), refit.errors.ConfigError,
+                     "`verify` must be one of", "an init info vLLM's parse refuses is refused in both workers alike")
         check.raises(lambda: refit.vllm.init_engine(llm, sender.spec, stream=True), refit.errors.ConfigError,
-                     "tensor-parallel", "stream=True is refused with tensor-parallel workers")
+                     "`stream` takes one worker", "stream=True is refused with tensor-parallel workers")
         # vLLM's next calls get their own answers, not a worker's failure left over
         refit.vllm.init_engine(llm, sender.spec)
         check(generate(llm) == seed2, "after the failures both workers serve seed 2 still")

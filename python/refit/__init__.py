@@ -686,8 +686,9 @@ class MeshReceiver:
         C-contiguous array of the part's size per wanted part, none overlapping another),
         with no new memory and no copy. On failure the arrays hold a mix of versions.
 
-        Raises as :meth:`pull`; :class:`Refused` for a missing, read-only, overlapping or
-        wrongly sized array (naming the tensor)."""
+        Raises as :meth:`pull`; :class:`Refused` for a missing, read-only, non-contiguous or
+        wrongly sized array (naming the tensor), or two overlapping (naming their places in
+        the order of the wants)."""
         missing = [n for n, _ in self._wants if n not in parts]
         if missing:
             raise Refused(f"pull_into of version {version}: no array for {', '.join(missing)}")
@@ -695,7 +696,7 @@ class MeshReceiver:
         for (name, _), size in zip(self._wants, self._r.part_bytes):
             try:
                 view = memoryview(parts[name]).cast("B")  # its bytes, in place
-            except TypeError as e:
+            except (TypeError, ValueError) as e:
                 raise Refused(f"pull_into of version {version}: the array for `{name}` is not a "
                               f"C-contiguous buffer ({e})") from e
             if view.nbytes != size:

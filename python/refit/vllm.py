@@ -239,7 +239,11 @@ def update_weights(
     the last load; nothing was loaded, and the next update loads a version whole.
     """
     info = {"version": version, "timeout": timeout, "is_checkpoint_format": is_checkpoint_format}
-    _rpc(llm, "start_weight_update", None)
+    try:
+        _rpc(llm, "start_weight_update", None)
+    except errors.RefitError:
+        _end_quiet_sessions(llm, rpc_margin)
+        raise
     try:
         _rpc(llm, "update_weights", timeout + rpc_margin, update_info=info)
     except errors.RefitError as e:
@@ -254,15 +258,12 @@ def update_weights(
 
 
 def _end_quiet_sessions(llm: Any, rpc_timeout: float) -> None:
-    """After an ``update_weights`` that failed in a tensor-parallel vLLM: ends vLLM's update
-    session in the workers that returned quietly. (The step failed in all of them alike,
-    but only the last raises, or vLLM would take the others' answers for those of its next
-    call; vLLM ends the session of a worker that raised itself.)"""
-    try:
-        workers = llm.llm_engine.vllm_config.parallel_config.world_size
-    except AttributeError:  # a weight-sync client, or another vLLM layout: one session
-        return
-    if workers <= 1:
+    """After a ``start_weight_update`` or ``update_weights`` that failed: ends vLLM's update
+    session in the workers that returned quietly. (A step fails in every worker alike, but
+    only the last raises, or vLLM would take the others' answers for those of its next
+    call; vLLM ends the session of a worker that raised itself.) Only an ``LLM``: a
+    weight-sync client's server is left as it is."""
+    if not hasattr(llm, "collective_rpc"):
         return
     try:
         llm.collective_rpc("finish_weight_update", timeout=rpc_timeout)
@@ -396,6 +397,22 @@ def _fail(cls: type[errors.RefitError], message: str) -> errors.RefitError:
     return cls(f"[refit.errors.{cls.__name__}] {message}")
 
 
+class _Unparsed:
+    """An init or update info the engine's parse refused: ``error`` says why."""
+
+    def __init__(self, error: errors.RefitError) -> None:
+        self.error = error
+
+
+def _as_refit(e: BaseException, what: str) -> errors.RefitError:
+    """``e`` as a :mod:`refit.errors` exception: itself, or a ``ConfigError`` about ``what``
+    (an init or update info vLLM or its ``__post_init__`` refused)."""
+    if isinstance(e, errors.RefitError):
+        return e
+    text = str(e)
+    return _fail(errors.ConfigError, text if text.startswith(what) else f"{what}: {text}")
+
+
 def _described(failure: BaseException | None) -> tuple[str, str] | None:
     """``(class name, message without its tag)`` of a failure, as workers tell each other."""
     return None if failure is None else (type(failure).__name__, _TAG.sub("", str(failure)))
@@ -465,9 +482,10 @@ def _expected_params(model: Any, model_config: Any) -> list[tuple[str, ...]]:
 # checkpoint tensor to the worker's rows (column-parallel layers, the vocabulary) or columns
 # (row-parallel layers) as they load it. Pulled from a mesh (init info ``mesh``), a worker
 # asks the senders for that slice alone and hands ``load_weights`` a tensor of the
-# checkpoint's shape holding it where the layer will narrow (NaN elsewhere, so a slice taken
-# wrong cannot load unnoticed as plausible numbers). Layers not recognised here take the
-# whole tensor: correct always, only not smaller.
+# checkpoint's shape holding it where the layer will narrow (NaN elsewhere: a slice taken
+# wrong loads NaN, which the first generation shows, never plausible numbers). Layers not
+# recognised here, and models whose ``load_weights`` reshapes tensors before the layers see
+# them, take the whole tensor: correct always, only not smaller.
 
 
 def _tp_part(module: Any, index: int | None, param_name: str, shape: list[int]) -> Any:
@@ -511,11 +529,20 @@ def _tp_part(module: Any, index: int | None, param_name: str, shape: list[int]) 
     return part if world > 1 and 0 <= dim < len(shape) and shape[dim] % world == 0 else "whole"
 
 
+#: The vLLM models whose ``load_weights`` hands each checkpoint tensor to its layer as it is
+#: (no transpose, no split before the layer's loader narrows it), so that the rules above
+#: hold; they and their subclasses (Mistral is one) pull slices, every other model every
+#: tensor whole. (vLLM's GPT-2, for one, transposes its MLP weights first.)
+_SLICED_MODELS = frozenset({"LlamaForCausalLM"})
+
+
 def _tp_wants(model: Any, manifest: list[tuple[str, str, list[int]]]) -> list[tuple[str, Any]]:
     """``(name, part)`` for each tensor of ``manifest`` (checkpoint names): the part this
-    worker of ``model`` loads (:func:`_tp_part`). A name is found as the module that holds
+    worker of ``model`` loads (:func:`_tp_part`), for the models of :data:`_SLICED_MODELS`. A name is found as the module that holds
     it, or, for the inputs of a fused layer, through the model's ``packed_modules_mapping``
     (``q_proj`` → the ``qkv_proj`` beside it)."""
+    if not any(c.__name__ in _SLICED_MODELS for c in type(model).__mro__):
+        return [(name, "whole") for name, _, _ in manifest]
     modules = dict(model.named_modules())
     packed = getattr(model, "packed_modules_mapping", None) or {}
     fused_of = {leaf: (fused, i) for fused, leaves in packed.items() for i, leaf in enumerate(leaves)}
@@ -531,28 +558,46 @@ def _tp_wants(model: Any, manifest: list[tuple[str, str, list[int]]]) -> list[tu
     return wants
 
 
-def _widened(torch: Any, shape: list[int], part: Any, piece: Any) -> Any:
-    """A tensor of the checkpoint's ``shape`` holding ``piece`` (``part`` of it) where that
-    part lies, NaN elsewhere (zero for integer dtypes): what ``load_weights`` narrows to the
-    part again."""
-    if part == "whole":
-        return piece.reshape(shape)
-    # each byte written once: the part where it lies, the filler around it
-    filler = float("nan") if piece.dtype.is_floating_point else 0
-    full = torch.empty(shape, dtype=piece.dtype)
-    if part[0] == "slice":
-        _, dim, rank, world = part
-        n = shape[dim] // world
-        full.narrow(dim, rank * n, n).copy_(piece)
-        full.narrow(dim, 0, rank * n).fill_(filler)
-        full.narrow(dim, (rank + 1) * n, shape[dim] - (rank + 1) * n).fill_(filler)
-    else:
-        _, start, end = part
-        flat = full.view(-1)
-        flat[start:end].copy_(piece.reshape(-1))
-        flat[:start].fill_(filler)
-        flat[end:].fill_(filler)
-    return full
+class _Wide:
+    """What a worker fed by a mesh hands ``load_weights``: a tensor of the checkpoint's
+    shape per tensor of ``manifest``, made once, holding the worker's part (``wants``)
+    where that part lies and NaN elsewhere (zero for integer dtypes), so that the layers
+    narrow each back to the part. Each pull lands in :attr:`targets` (byte arrays for
+    :meth:`refit.MeshReceiver.pull_into`): in place where the part is contiguous in its
+    tensor (a whole tensor, rows, a flat range), else in a buffer of its own that
+    :meth:`landed` copies into place (columns). The same memory serves every version:
+    no allocation, no page fault, no filler written again."""
+
+    def __init__(self, torch: Any, manifest: list, wants: list[tuple[str, Any]]) -> None:
+        import refit
+
+        shapes = {n: (d, list(shape)) for n, d, shape in manifest}
+        self.pairs: list[tuple[str, Any]] = []
+        self.targets: dict[str, Any] = {}
+        self._spread: list[tuple[Any, Any]] = []
+        for name, part in wants:
+            dtype, shape = shapes[name]
+            full = torch.empty(shape, dtype=refit._torch_dtype(torch, dtype, name))
+            if part == "whole":
+                land = full
+            else:
+                full.fill_(float("nan") if full.dtype.is_floating_point else 0)
+                if part[0] == "flat":
+                    land = full.view(-1)[part[1]:part[2]]
+                else:
+                    _, dim, rank, world = part
+                    n = shape[dim] // world
+                    land = full.narrow(dim, rank * n, n)
+                    if not land.is_contiguous():  # columns: a buffer, copied into place
+                        place, land = land, torch.empty(land.shape, dtype=full.dtype)
+                        self._spread.append((place, land))
+            self.pairs.append((name, full))
+            self.targets[name] = land.reshape(-1).view(torch.uint8).numpy()
+
+    def landed(self) -> None:
+        """Copies the parts pulled into buffers of their own into their tensors."""
+        for place, land in self._spread:
+            place.copy_(land)
 
 
 # --- what an engine serves, digested as vLLM's weight checker does ------------------------
@@ -917,7 +962,7 @@ def _build() -> dict[str, type]:
             self._receiver: refit.Receiver | None = None
             self._mesh: refit.MeshReceiver | None = None  # instead of the receiver (init info `mesh`)
             self._mesh_wants: list[tuple[str, Any]] = []  # the part of each tensor the mesh pulls
-            self._mesh_parts: dict[str, Any] = {}  # where the mesh's pulls land
+            self._mesh_wide: _Wide | None = None  # what the mesh's pulls land in
             self._init: RefitInitInfo | None = None
             #: with ``mesh``: ``{"wants": [(name, part)], "bytes_per_pull": n, "bytes_pulled":
             #: total}``, the part of each tensor this worker pulls and the bytes it read
@@ -955,17 +1000,26 @@ def _build() -> dict[str, type]:
             ConfigError (bad spec, unknown or ambiguous model), Unauthorized, Timeout;
             with ``load_initial`` as :meth:`receive_weights`.
             """
-            if self._layerwise or self._staged is not None:
-                raise _fail(errors.Closed, "cannot reconnect the refit engine during a weight update: finish it first")
-            if init_info.mesh is not None:
+            failure: errors.RefitError | None = None
+            if isinstance(init_info, _Unparsed):
+                failure = init_info.error
+            elif self._layerwise or self._staged is not None:
+                failure = _fail(errors.Closed, "cannot reconnect the refit engine during a weight update: finish it first")
+            elif init_info.mesh is not None:
                 self._connect_mesh(init_info)
                 return
-            failure = None
+            else:
+                try:
+                    self._connect(init_info)
+                except errors.RefitError as e:
+                    failure = e
             try:
-                self._connect(init_info)
-            except errors.RefitError as e:
-                failure = e
-            if self._settled(failure, None, applied=False):
+                quiet = self._settled(failure, None, applied=False)
+            except errors.RefitError:
+                self._disconnect()
+                raise
+            if quiet:
+                self._disconnect()  # connected in no worker, as in the one that failed
                 return
             if init_info.load_initial:
                 from vllm.config import set_current_vllm_config
@@ -976,9 +1030,27 @@ def _build() -> dict[str, type]:
                     if init_info.stream:
                         self._stream_load(RefitUpdateInfo(timeout=init_info.timeout), started)
                     else:
-                        self._load_agreed(self._receiver.current(), None, RefitUpdateInfo(timeout=init_info.timeout),
-                                          started)
+                        current, failure = None, None
+                        try:
+                            current = self._receiver.current()
+                        except errors.RefitError as e:
+                            failure = e
+                        self._load_agreed(current, failure, RefitUpdateInfo(timeout=init_info.timeout), started)
                     self._complete()
+
+        def parse_init_info(self, init_dict: dict[str, Any]) -> Any:
+            """vLLM's parse, with an init info it refuses kept as :class:`_Unparsed`: the
+            refusal is then raised by :meth:`init_transfer_engine` as every step's failure
+            is, alike in every worker."""
+            try:
+                return super().parse_init_info(init_dict)
+            except Exception as e:
+                return _Unparsed(_as_refit(e, "refit init_info"))
+
+        def _disconnect(self) -> None:
+            """Closes the receiver or mesh and forgets the init info."""
+            self._close()
+            self._init, self.mesh_stats = None, None
 
         def _connect(self, init_info: RefitInitInfo) -> None:
             """:meth:`init_transfer_engine`'s connection to one sender (raises as it says)."""
@@ -1011,6 +1083,7 @@ def _build() -> dict[str, type]:
             # versions number one sender's updates: none of this sender's is in force yet
             self.loaded_version = None
             self._receiver, self._init, self._model_id = receiver, init_info, model or models[0]
+            self.mesh_stats = None
             if init_info.stream:
                 _log.info("refit: connected to the %s sender of `%s` (spec %s), streaming: the version in force "
                           "there comes with the first update", receiver.transport, self._model_id, where)
@@ -1028,8 +1101,13 @@ def _build() -> dict[str, type]:
             Damaged when the weights changed while served (naming the parameter): nothing
             was loaded, vLLM serves them still; the next version loaded replaces them.
             """
-            self._check_served()
-            self._begin()
+            failure = None
+            try:
+                self._check_served()
+                self._begin()
+            except errors.RefitError as e:
+                failure = e
+            self._settled(failure, None, applied=False)
 
         def served_checksums(self) -> dict[str, str] | None:
             """The digests of what vLLM served after the last load, in vLLM's weight-checker
@@ -1043,7 +1121,13 @@ def _build() -> dict[str, type]:
             machine without one (vLLM's CPU build): this one synchronizes only where there is
             an accelerator.
             """
-            self.receive_weights(self.parse_update_info(update_info))
+            try:
+                info = self.parse_update_info(update_info)
+            except Exception as e:
+                # refused alike in every worker, as every step's failure is
+                self._settled(_as_refit(e, "refit update_info"), None, applied=False)
+                return
+            self.receive_weights(info)
             if torch.accelerator.is_available():
                 torch.accelerator.synchronize()
 
@@ -1184,7 +1268,8 @@ def _build() -> dict[str, type]:
                 self._serving = f"{self._serving} (from the sender connected before)"
             self.loaded_version = None
             # each version lands in these, the same memory every time
-            self._mesh, self._mesh_wants, self._mesh_parts = mesh, wants, mesh.empty_parts()
+            # each version lands in these, the same memory every time
+            self._mesh, self._mesh_wants, self._mesh_wide = mesh, wants, _Wide(torch, init_info.manifest, wants)
             self._init, self._model_id = init_info, init_info.model or "policy"
             whole = sum(math.prod(shape) * refit._torch_dtype(torch, dtype).itemsize
                         for _, dtype, shape in init_info.manifest)
@@ -1196,36 +1281,45 @@ def _build() -> dict[str, type]:
                       sliced, len(wants), mesh.bytes_per_pull, whole)
 
         def _mesh_load(self, info: RefitUpdateInfo, started: float) -> None:
-            """Pulls ``info.version`` of this worker's parts from the mesh and loads them
-            through ``load_weights`` (each part widened to its tensor's shape: the layers
-            narrow it back), staged for :meth:`finish_weight_update` as :meth:`_load`
-            stages."""
+            """Pulls ``info.version`` of this worker's parts from the mesh into tensors of
+            the checkpoint's shapes (:class:`_Wide`: the layers narrow each back to the part)
+            and loads them through ``load_weights``, staged for :meth:`finish_weight_update`
+            as :meth:`_load` stages."""
             assert self._mesh is not None and self._init is not None and self._init.manifest is not None
             want = info.version
             failure: errors.RefitError | None = None
-            arrays: dict = {}
+            in_force = False
             if want is None or not info.is_checkpoint_format:
                 why = "asks for a version by number: update_weights(version=...)" if want is None else \
                     "carries the checkpoint's format only (is_checkpoint_format=True)"
                 failure = _fail(errors.ConfigError, f"a refit mesh pull {why}; nothing was applied: {self._in_force()}")
-            elif not self.needs_full_resend and self.loaded_version is not None and self.loaded_version >= want:
-                _log.info("refit: version %d ≥ %d already in force: nothing to load", self.loaded_version, want)
-                return  # the workers agree on what is in force: each returns here
             else:
-                try:
-                    self._mesh.pull_into(want, self._mesh_parts, info.timeout)
-                    arrays = self._mesh_parts
-                except errors.RefitError as e:
-                    failure = _fail(type(e), f"pulling {self._what(want)}: {e}; nothing was applied: {self._in_force()}")
-                    failure.__cause__ = e
+                in_force = not self.needs_full_resend and self.loaded_version is not None and self.loaded_version >= want
+            # nothing to load only where it is in force in every worker
+            every = self._gathered({"failure": _described(failure), "in_force": in_force})
+            if any(e["failure"] for e in every):
+                self._settled(failure, None, applied=False, every=[e["failure"] for e in every])
+                return
+            if all(e["in_force"] for e in every):
+                _log.info("refit: version %d ≥ %d already in force: nothing to load", self.loaded_version, want)
+                return
+            if self._staged is not None:
+                # a second version in one update session: the first is completed before its
+                # tensors are overwritten by the pull (a reload may hold them till then)
+                self._complete()
+                self._begin()
+            try:
+                assert self._mesh_wide is not None
+                self._mesh.pull_into(want, self._mesh_wide.targets, info.timeout)
+                self._mesh_wide.landed()
+            except errors.RefitError as e:
+                failure = _fail(type(e), f"pulling {self._what(want)}: {e}; nothing was applied: {self._in_force()}")
+                failure.__cause__ = e
             if self._settled(failure, want, applied=False) or want is None:
                 return
             received = time.perf_counter()
-            if self._staged is not None:
-                # a second version in one update session: complete the first, then begin again
-                self._complete()
-                self._begin()
-            pairs = _Widened(self._init.manifest, self._mesh_wants, arrays)
+            assert self._mesh_wide is not None
+            pairs = self._mesh_wide.pairs
             try:
                 self._load_checkpoint(pairs, want)
                 if self._at_least("startup") and not self._tested:
@@ -1238,7 +1332,7 @@ def _build() -> dict[str, type]:
             if self.mesh_stats is not None:
                 self.mesh_stats["bytes_pulled"] += pulled
             timings = {"receive_s": received - started, "load_s": time.perf_counter() - received,
-                       "tensors": len(arrays), "bytes": pulled}
+                       "tensors": len(pairs), "bytes": pulled}
             self._staged = (_Unacked(), want, timings)
 
         def _settled(self, failure: errors.RefitError | None, version: int | None, *, applied: bool,
@@ -1267,7 +1361,7 @@ def _build() -> dict[str, type]:
             failed = [(r, f) for r, f in enumerate(every) if f is not None]
             if not failed:
                 return False
-            refused = all(kind == "Refused" for _, (kind, _) in failed)
+            refused = len(failed) == world and all(kind == "Refused" for _, (kind, _) in failed)
             if not applied:
                 self._abandon()
             elif not refused:
@@ -1728,7 +1822,7 @@ def _build() -> dict[str, type]:
                       self._what(version), timings["tensors"], timings["bytes"], timings["receive_s"], timings["load_s"], hashed)
 
         def _close(self) -> None:
-            self._mesh, self._mesh_parts = None, {}  # holds no connection between pulls
+            self._mesh, self._mesh_wide = None, None  # holds no connection between pulls
             receiver, self._receiver = self._receiver, None
             if receiver is not None:
                 try:
@@ -1741,25 +1835,6 @@ def _build() -> dict[str, type]:
 
         def ack(self) -> None:
             pass
-
-    class _Widened:
-        """A pulled mesh version as ``(name, tensor)`` pairs of the checkpoint's shapes
-        (:func:`_widened`), made tensor by tensor each time it is iterated (the self-test
-        loads a version more than once), so at most one widened tensor is alive at a time
-        beyond what ``load_weights`` keeps."""
-
-        def __init__(self, manifest: list, wants: list, arrays: dict) -> None:
-            self._shapes = {n: (d, list(shape)) for n, d, shape in manifest}
-            self._wants, self._arrays = wants, arrays
-
-        def __len__(self) -> int:
-            return len(self._wants)
-
-        def __iter__(self):
-            for name, part in self._wants:
-                dtype, shape = self._shapes[name]
-                piece = refit._torch_view(torch, dtype, name, self._arrays[name])
-                yield name, _widened(torch, shape, part, piece)
 
     class _Acked:
         """The acknowledgement of streamed ``entries``, sent once the version is in force."""

@@ -92,5 +92,10 @@ def test_pull_into_fills_the_callers_arrays_version_after_version_and_refuses_ba
     both = np.empty(24 + 6, np.float32)
     with pytest.raises(refit.Refused, match="overlap"):
         r.pull_into(2, {"w": both[:24], "b": both[20:26]})
+    # an empty buffer between two that overlap does not hide them (the native call, whose
+    # buffers the wrapper has not checked)
+    views = [memoryview(both[:24]).cast("B"), memoryview(both[10:10]).cast("B"), memoryview(both[20:26]).cast("B")]
+    with pytest.raises(refit.Refused, match="buffers 0 and 2 overlap"):
+        r._r.pull_into(2, views)
     # refused before anything was pulled: the arrays still hold version 2
     assert np.array_equal(parts["w"], whole(2)["w"][:, 3:6])

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from refit.vllm import _tp_wants, _widened
+from refit.vllm import _tp_wants, _Wide
 
 torch = pytest.importorskip("torch")
 
@@ -46,7 +46,7 @@ def llama(rank: int, world: int, kv_replicas: int = 1, vocab: int = 500, padded:
     """vLLM's Llama modules for worker `rank` of `world` (vocabulary padded to `padded`)."""
     per = padded // world
     rows = Rows(min(rank * per, vocab), min((rank + 1) * per, vocab))
-    model = torch.nn.Module()
+    model = type("LlamaForCausalLM", (torch.nn.Module,), {})()
     model.packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"],
                                     "gate_up_proj": ["gate_proj", "up_proj"]}
     inner = torch.nn.Module()
@@ -106,19 +106,33 @@ def test_replicated_kv_heads_go_by_head_group_and_one_worker_takes_everything_wh
     assert wants["model.layers.0.self_attn.k_proj.weight"] == ("slice", 0, 1, 2)
     assert wants["model.embed_tokens.weight"] == ("flat", 384 * 8, 500 * 8)
     assert all(part == "whole" for _, part in _tp_wants(llama(0, 1), MANIFEST))
+    # another model's load_weights may reshape tensors first: everything whole
+    other = llama(1, 2)
+    other.__class__ = type("GPT2LMHeadModel", (torch.nn.Module,), {})
+    assert all(part == "whole" for _, part in _tp_wants(other, MANIFEST))
     # a slice that would not divide its dimension is taken whole
     odd = [("model.layers.0.self_attn.q_proj.weight", "f32", [7, 8])]
     assert _tp_wants(llama(0, 2), odd) == [(odd[0][0], "whole")]
 
 
-def test_a_part_widened_to_its_tensor_narrows_back_to_itself_and_nan_elsewhere():
+def test_each_part_lands_where_its_layer_narrows_and_nan_fills_the_rest_once():
+    manifest = [("rows", "f32", [4, 6]), ("cols", "f32", [4, 6]), ("flat", "f32", [4, 6]),
+                ("whole", "f32", [2, 3]), ("ints", "i64", [4])]
+    wants = [("rows", ("slice", 0, 1, 2)), ("cols", ("slice", 1, 1, 2)), ("flat", ("flat", 12, 24)),
+             ("whole", "whole"), ("ints", ("slice", 0, 0, 2))]
+    wide = _Wide(torch, manifest, wants)
     full = torch.arange(24, dtype=torch.float32).reshape(4, 6)
-    cols = full[:, 3:6].contiguous()
-    wide = _widened(torch, [4, 6], ("slice", 1, 1, 2), cols)
-    assert torch.equal(wide.narrow(1, 3, 3), cols)
-    assert torch.isnan(wide.narrow(1, 0, 3)).all()
-    rows = _widened(torch, [4, 6], ("flat", 12, 24), full.reshape(-1)[12:])
-    assert torch.equal(rows[2:], full[2:]) and torch.isnan(rows[:2]).all()
-    ints = _widened(torch, [4], ("slice", 0, 0, 2), torch.tensor([5, 6]))
-    assert ints.tolist() == [5, 6, 0, 0]
-    assert torch.equal(_widened(torch, [4, 6], "whole", full.reshape(-1)), full)
+    for version in (1, 2):  # the same memory, version after version
+        pulled = {"rows": full[2:], "cols": full[:, 3:], "flat": full.reshape(-1)[12:],
+                  "whole": full[0, :6].reshape(2, 3), "ints": torch.tensor([5, 6])}
+        for name, t in pulled.items():
+            target = wide.targets[name]
+            assert target.nbytes == t.numel() * t.element_size()
+            target[:] = (t * version if t.is_floating_point() else t).contiguous().view(torch.uint8).reshape(-1).numpy()
+        wide.landed()
+        got = dict(wide.pairs)
+        assert torch.equal(got["rows"][2:], full[2:] * version) and torch.isnan(got["rows"][:2]).all()
+        assert torch.equal(got["cols"][:, 3:], full[:, 3:] * version) and torch.isnan(got["cols"][:, :3]).all()
+        assert torch.equal(got["flat"][2:], full[2:] * version) and torch.isnan(got["flat"][:2]).all()
+        assert torch.equal(got["whole"], full[0, :6].reshape(2, 3) * version)
+        assert got["ints"].tolist() == [5, 6, 0, 0]
