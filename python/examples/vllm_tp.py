@@ -207,9 +207,11 @@ def from_one_sender(llm, second: dict, seed2: tuple, check: Checks) -> None:
         check.raises(lambda: refit.vllm.update_weights(llm, version=9, timeout=1), refit.errors.Timeout,
                      "every tensor-parallel worker (2)", "a version the sender never publishes times out in both workers")
         check.raises(lambda: refit.vllm.init_engine(llm, sender.spec, verify="all"), refit.errors.ConfigError,
-                     "`verify` must be one of", "an init info vLLM's parse refuses is refused in both workers alike")
+                     "every tensor-parallel worker (2): refit init_info: `verify` must be one of",
+                     "an init info vLLM's parse refuses is refused in both workers alike")
         check.raises(lambda: refit.vllm.init_engine(llm, sender.spec, stream=True), refit.errors.ConfigError,
-                     "`stream` takes one worker", "stream=True is refused with tensor-parallel workers")
+                     "every tensor-parallel worker (2): refit init_info: `stream` takes one worker",
+                     "stream=True is refused with tensor-parallel workers")
         # vLLM's next calls get their own answers, not a worker's failure left over
         refit.vllm.init_engine(llm, sender.spec)
         check(generate(llm) == seed2, "after the failures both workers serve seed 2 still")
@@ -218,6 +220,7 @@ def from_one_sender(llm, second: dict, seed2: tuple, check: Checks) -> None:
         check(generate(llm)[0] != seed2[0], "the next version loads in both workers")
         sender.publish(second)
         took = min(took, timed_update(llm, 3))
+        check(generate(llm) == seed2, "version 3 (seed 2 again) loads in both workers as seed 2")
         print(f"update from one sender (each worker the whole model): {took:.1f} ms (the faster of two)", flush=True)
     finally:
         sender.close()

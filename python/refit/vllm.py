@@ -261,17 +261,19 @@ def _end_quiet_sessions(llm: Any, rpc_timeout: float) -> None:
     """After a ``start_weight_update`` or ``update_weights`` that failed: ends vLLM's update
     session in the workers that returned quietly. (A step fails in every worker alike, but
     only the last raises, or vLLM would take the others' answers for those of its next
-    call; vLLM ends the session of a worker that raised itself.) Only an ``LLM``: a
-    weight-sync client's server is left as it is."""
-    if not hasattr(llm, "collective_rpc"):
-        return
+    call; vLLM ends the session of a worker that raised itself.) Through an ``LLM``'s
+    ``collective_rpc`` or a weight-sync client's ``finish_weight_update``; a failure to end
+    them is logged, the update's own error is what the caller gets."""
     try:
-        llm.collective_rpc("finish_weight_update", timeout=rpc_timeout)
+        if hasattr(llm, "collective_rpc"):
+            llm.collective_rpc("finish_weight_update", timeout=rpc_timeout)
+        elif hasattr(llm, "finish_weight_update"):
+            llm.finish_weight_update()
     except Exception as e:
         # the last worker, whose session vLLM ended as it raised, answers last: the others'
         # sessions are ended by then
         if "without a matching start_weight_update" not in str(e):
-            raise
+            _log.warning("refit: ending vLLM's update session after a failed update: %s: %s", type(e).__name__, e)
 
 
 def shutdown_engine(llm: Any) -> None:
@@ -404,13 +406,16 @@ class _Unparsed:
         self.error = error
 
 
-def _as_refit(e: BaseException, what: str) -> errors.RefitError:
-    """``e`` as a :mod:`refit.errors` exception: itself, or a ``ConfigError`` about ``what``
-    (an init or update info vLLM or its ``__post_init__`` refused)."""
+def _as_refit(e: BaseException, what: str, cls: type[errors.RefitError] = errors.ConfigError) -> errors.RefitError:
+    """``e`` as a :mod:`refit.errors` exception: itself, or ``cls`` about ``what`` (by
+    default a ``ConfigError``: an init or update info vLLM or its ``__post_init__``
+    refused)."""
     if isinstance(e, errors.RefitError):
         return e
-    text = str(e)
-    return _fail(errors.ConfigError, text if text.startswith(what) else f"{what}: {text}")
+    text = str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
+    typed = _fail(cls, text if text.startswith(what) else f"{what}: {text}")
+    typed.__cause__ = e
+    return typed
 
 
 def _described(failure: BaseException | None) -> tuple[str, str] | None:
@@ -531,8 +536,9 @@ def _tp_part(module: Any, index: int | None, param_name: str, shape: list[int]) 
 
 #: The vLLM models whose ``load_weights`` hands each checkpoint tensor to its layer as it is
 #: (no transpose, no split before the layer's loader narrows it), so that the rules above
-#: hold; they and their subclasses (Mistral is one) pull slices, every other model every
-#: tensor whole. (vLLM's GPT-2, for one, transposes its MLP weights first.)
+#: hold; they and their subclasses that keep that ``load_weights`` pull slices, every other
+#: model every tensor whole. (vLLM's GPT-2, for one, transposes its MLP weights first;
+#: Mistral permutes some of its own.)
 _SLICED_MODELS = frozenset({"LlamaForCausalLM"})
 
 
@@ -541,7 +547,8 @@ def _tp_wants(model: Any, manifest: list[tuple[str, str, list[int]]]) -> list[tu
     worker of ``model`` loads (:func:`_tp_part`), for the models of :data:`_SLICED_MODELS`. A name is found as the module that holds
     it, or, for the inputs of a fused layer, through the model's ``packed_modules_mapping``
     (``q_proj`` → the ``qkv_proj`` beside it)."""
-    if not any(c.__name__ in _SLICED_MODELS for c in type(model).__mro__):
+    base = next((c for c in type(model).__mro__ if c.__name__ in _SLICED_MODELS), None)
+    if base is None or getattr(type(model), "load_weights", None) is not getattr(base, "load_weights", None):
         return [(name, "whole") for name, _, _ in manifest]
     modules = dict(model.named_modules())
     packed = getattr(model, "packed_modules_mapping", None) or {}
@@ -1000,19 +1007,23 @@ def _build() -> dict[str, type]:
             ConfigError (bad spec, unknown or ambiguous model), Unauthorized, Timeout;
             with ``load_initial`` as :meth:`receive_weights`.
             """
-            failure: errors.RefitError | None = None
+            refused = None
             if isinstance(init_info, _Unparsed):
-                failure = init_info.error
+                refused = init_info.error
             elif self._layerwise or self._staged is not None:
-                failure = _fail(errors.Closed, "cannot reconnect the refit engine during a weight update: finish it first")
-            elif init_info.mesh is not None:
+                refused = _fail(errors.Closed, "cannot reconnect the refit engine during a weight update: finish it first")
+            # refused alike in every worker before anything changes: the connection and the
+            # update session in progress stay as they were
+            if self._settled(refused, None, applied=False, abandon=False):
+                return
+            if init_info.mesh is not None:
                 self._connect_mesh(init_info)
                 return
-            else:
-                try:
-                    self._connect(init_info)
-                except errors.RefitError as e:
-                    failure = e
+            failure: errors.RefitError | None = None
+            try:
+                self._connect(init_info)
+            except Exception as e:
+                failure = _as_refit(e, "connecting to the refit sender")
             try:
                 quiet = self._settled(failure, None, applied=False)
             except errors.RefitError:
@@ -1105,8 +1116,8 @@ def _build() -> dict[str, type]:
             try:
                 self._check_served()
                 self._begin()
-            except errors.RefitError as e:
-                failure = e
+            except Exception as e:
+                failure = _as_refit(e, "beginning the weight update", errors.Refused)
             self._settled(failure, None, applied=False)
 
         def served_checksums(self) -> dict[str, str] | None:
@@ -1169,15 +1180,15 @@ def _build() -> dict[str, type]:
             update = self._same_version(update, failure, info)
             if update is None:
                 return
-            if self._staged is not None:
-                # a second version in one update session: complete the first, then begin again
-                self._complete()
-                self._begin()
             failure = None
             try:
+                if self._staged is not None:
+                    # a second version in one update session: complete the first, then begin again
+                    self._complete()
+                    self._begin()
                 self._load(update, info, started)
-            except errors.RefitError as e:
-                failure = e
+            except Exception as e:
+                failure = _as_refit(e, "loading the version", errors.NeedsFullResend)
             self._settled(failure, update.version(self._model_id), applied=True)
 
         def _same_version(self, update: Any, failure: errors.RefitError | None, info: RefitUpdateInfo) -> Any:
@@ -1233,7 +1244,7 @@ def _build() -> dict[str, type]:
 
         def shutdown(self) -> None:
             """Closes the receiver (vLLM keeps serving the weights in force)."""
-            self._close()
+            self._disconnect()
 
         # -- internals ---------------------------------------------------------------------
 
@@ -1252,27 +1263,29 @@ def _build() -> dict[str, type]:
             ConfigError naming the tensor: senders whose parts leave a gap or overlap in
             it, or a bad card or manifest. Unauthorized: no cluster token.
             """
-            self._close()
+            self._disconnect()
             assert init_info.manifest is not None and init_info.mesh is not None
-            wants = _tp_wants(self.model, init_info.manifest)
-            failure, mesh = None, None
+            failure, mesh, wide, wants, whole = None, None, None, [], 0
+            what = f"planning this worker's pull from the refit mesh ({len(init_info.mesh)} sender(s))"
             try:
+                wants = _tp_wants(self.model, init_info.manifest)
                 mesh = refit.MeshReceiver(init_info.manifest, list(init_info.mesh), wants)
+                # each version lands in these, the same memory every time
+                wide = _Wide(torch, init_info.manifest, wants)
+                whole = sum(math.prod(shape) * refit._torch_dtype(torch, dtype).itemsize
+                            for _, dtype, shape in init_info.manifest)
             except errors.RefitError as e:
-                failure = _fail(type(e), f"planning this worker's pull from the refit mesh ({len(init_info.mesh)} "
-                                f"sender(s)): {e}")
+                failure = _fail(type(e), f"{what}: {e}")
                 failure.__cause__ = e
+            except Exception as e:
+                failure = _as_refit(e, what)
             if self._settled(failure, None, applied=False) or mesh is None:
                 return
             if self.loaded_version is not None:
                 self._serving = f"{self._serving} (from the sender connected before)"
             self.loaded_version = None
-            # each version lands in these, the same memory every time
-            # each version lands in these, the same memory every time
-            self._mesh, self._mesh_wants, self._mesh_wide = mesh, wants, _Wide(torch, init_info.manifest, wants)
+            self._mesh, self._mesh_wants, self._mesh_wide = mesh, wants, wide
             self._init, self._model_id = init_info, init_info.model or "policy"
-            whole = sum(math.prod(shape) * refit._torch_dtype(torch, dtype).itemsize
-                        for _, dtype, shape in init_info.manifest)
             self.mesh_stats = {"wants": wants, "bytes_per_pull": mesh.bytes_per_pull, "bytes_pulled": 0,
                                "model_bytes": whole}
             sliced = sum(1 for _, part in wants if part != "whole")
@@ -1303,29 +1316,33 @@ def _build() -> dict[str, type]:
             if all(e["in_force"] for e in every):
                 _log.info("refit: version %d ≥ %d already in force: nothing to load", self.loaded_version, want)
                 return
-            if self._staged is not None:
-                # a second version in one update session: the first is completed before its
-                # tensors are overwritten by the pull (a reload may hold them till then)
-                self._complete()
-                self._begin()
             try:
+                if self._staged is not None:
+                    # a second version in one update session: the first is completed before
+                    # its tensors are overwritten by the pull (a reload may hold them till then)
+                    self._complete()
+                    self._begin()
                 assert self._mesh_wide is not None
                 self._mesh.pull_into(want, self._mesh_wide.targets, info.timeout)
                 self._mesh_wide.landed()
             except errors.RefitError as e:
                 failure = _fail(type(e), f"pulling {self._what(want)}: {e}; nothing was applied: {self._in_force()}")
                 failure.__cause__ = e
-            if self._settled(failure, want, applied=False) or want is None:
+            except Exception as e:
+                failure = _as_refit(e, f"pulling {self._what(want)}", errors.TransportError)
+            if self._settled(failure, want, applied=False):
                 return
             received = time.perf_counter()
             assert self._mesh_wide is not None
             pairs = self._mesh_wide.pairs
             try:
-                self._load_checkpoint(pairs, want)
+                # on the CPU as they are: each layer narrows its tensor there, so only the
+                # worker's slice goes to its device
+                self._load_checkpoint(pairs, want, to_device=False)
                 if self._at_least("startup") and not self._tested:
                     self._run_self_test(pairs, want, True)
-            except errors.RefitError as e:
-                failure = e
+            except Exception as e:
+                failure = _as_refit(e, "loading the version", errors.NeedsFullResend)
             if self._settled(failure, want, applied=True):
                 return
             pulled = self._mesh.bytes_per_pull
@@ -1336,7 +1353,7 @@ def _build() -> dict[str, type]:
             self._staged = (_Unacked(), want, timings)
 
         def _settled(self, failure: errors.RefitError | None, version: int | None, *, applied: bool,
-                     every: list[Any] | None = None) -> bool:
+                     every: list[Any] | None = None, abandon: bool = True) -> bool:
             """Tells the tensor-parallel workers of this step whether each went through
             (``failure``: how this one did not), so that they end it alike; answers whether
             this worker is to return quietly. vLLM reads its workers' answers in rank order
@@ -1348,6 +1365,8 @@ def _build() -> dict[str, type]:
             worker refused the version before any of it landed.
 
             ``every``: the workers' failures already gathered (:func:`_described`).
+            ``abandon=False``: a refusal that changed nothing anywhere (the update session
+            in progress is left as it is).
 
             Raises:
             the failure (the only worker's), or one naming each worker's (the last worker's).
@@ -1363,7 +1382,8 @@ def _build() -> dict[str, type]:
                 return False
             refused = len(failed) == world and all(kind == "Refused" for _, (kind, _) in failed)
             if not applied:
-                self._abandon()
+                if abandon:
+                    self._abandon()
             elif not refused:
                 if failure is None:  # in this worker's weights, not whole across the workers
                     self._staged = None
@@ -1685,14 +1705,15 @@ def _build() -> dict[str, type]:
             self._mixed(version)
             return _fail(errors.NeedsFullResend, mixed.format(what=self._what(version), cause=cause, in_force=self._in_force()))
 
-        def _device_pairs(self, pairs: list, current: list) -> Any:
-            on_cpu = self.device is None or torch.device(self.device).type == "cpu"
+        def _device_pairs(self, pairs: list, current: list, to_device: bool = True) -> Any:
+            on_cpu = not to_device or self.device is None or torch.device(self.device).type == "cpu"
             for name, t in pairs:
                 current[0] = name
                 yield name, (t if on_cpu else t.to(self.device, non_blocking=True))
 
-        def _load_checkpoint(self, pairs: list, version: int) -> None:
-            """``load_weights`` inside a layerwise reload (begun here if no session is)."""
+        def _load_checkpoint(self, pairs: list, version: int, to_device: bool = True) -> None:
+            """``load_weights`` inside a layerwise reload (begun here if no session is);
+            ``to_device=False`` hands the tensors over where they are."""
             self._begin()
             fresh = _loadable_layers(self.model)
             current = [None]
@@ -1702,7 +1723,7 @@ def _build() -> dict[str, type]:
                 from contextlib import nullcontext as disable_mtp_completeness_check
             try:
                 with disable_mtp_completeness_check():
-                    loaded = self.model.load_weights(self._device_pairs(pairs, current))
+                    loaded = self.model.load_weights(self._device_pairs(pairs, current, to_device))
             except Exception as e:
                 cause = f"the model's load_weights failed at tensor `{current[0]}`: {type(e).__name__}: {e}"
                 raise self._failed(
