@@ -43,8 +43,8 @@ anything is loaded (vLLM serves them still; the next version loaded replaces the
 
 A tensor-parallel vLLM's workers are held to one version between them, and a step that
 fails in one fails in all alike (the last worker raises, naming each failure). Fed from
-trainer shards (:func:`init_mesh`), each worker pulls only the slice of each weight its
-layers keep.
+trainer shards (:func:`init_mesh`), each worker of a Llama-built model pulls only the
+slice of each weight its layers keep (other models pull every tensor whole).
 
 Through vLLM's RPCs the worker's exception reaches the caller as a plain ``Exception``;
 the helpers here (:func:`init_engine`, :func:`update_weights`) raise the
@@ -544,7 +544,8 @@ _SLICED_MODELS = frozenset({"LlamaForCausalLM"})
 
 def _tp_wants(model: Any, manifest: list[tuple[str, str, list[int]]]) -> list[tuple[str, Any]]:
     """``(name, part)`` for each tensor of ``manifest`` (checkpoint names): the part this
-    worker of ``model`` loads (:func:`_tp_part`), for the models of :data:`_SLICED_MODELS`. A name is found as the module that holds
+    worker of ``model`` loads (:func:`_tp_part`), for the models of :data:`_SLICED_MODELS`
+    and their subclasses that keep its ``load_weights`` (every tensor whole for others). A name is found as the module that holds
     it, or, for the inputs of a fused layer, through the model's ``packed_modules_mapping``
     (``q_proj`` → the ``qkv_proj`` beside it)."""
     base = next((c for c in type(model).__mro__ if c.__name__ in _SLICED_MODELS), None)
@@ -1001,11 +1002,14 @@ def _build() -> dict[str, type]:
 
         def init_transfer_engine(self, init_info: RefitInitInfo) -> None:
             """Connects a :class:`refit.Receiver` to the sender (closing one connected
-            before) and, with ``load_initial``, loads the sender's version in force.
+            before) and, with ``load_initial``, loads the sender's version in force; or,
+            with ``mesh``, plans the pull from the trainer shards.
 
             Raises:
-            ConfigError (bad spec, unknown or ambiguous model), Unauthorized, Timeout;
-            with ``load_initial`` as :meth:`receive_weights`.
+            ConfigError for an init info refused at parse, Closed during an update session:
+            the connection is left as it was. ConfigError (a bad spec, an unknown or
+            ambiguous model, ``stream`` with several workers), Unauthorized, Timeout: no
+            worker is connected then. With ``load_initial`` as :meth:`receive_weights`.
             """
             refused = None
             if isinstance(init_info, _Unparsed):
@@ -1044,8 +1048,9 @@ def _build() -> dict[str, type]:
                         current, failure = None, None
                         try:
                             current = self._receiver.current()
-                        except errors.RefitError as e:
-                            failure = e
+                        except Exception as e:
+                            failure = _as_refit(e, f"receiving the version in force of {self._what()}",
+                                                errors.TransportError)
                         self._load_agreed(current, failure, RefitUpdateInfo(timeout=init_info.timeout), started)
                     self._complete()
 
@@ -1167,8 +1172,8 @@ def _build() -> dict[str, type]:
             update, failure = None, None
             try:
                 update = self._wait(update_info)
-            except errors.RefitError as e:
-                failure = e
+            except Exception as e:
+                failure = _as_refit(e, f"receiving the next version of {self._what()}", errors.TransportError)
             self._load_agreed(update, failure, update_info, started)
 
         def _load_agreed(self, update: Any, failure: errors.RefitError | None, info: RefitUpdateInfo,
@@ -1188,7 +1193,8 @@ def _build() -> dict[str, type]:
                     self._begin()
                 self._load(update, info, started)
             except Exception as e:
-                failure = _as_refit(e, "loading the version", errors.NeedsFullResend)
+                failure = _as_refit(e, f"loading {self._what(update.version(self._model_id))}",
+                                    errors.NeedsFullResend)
             self._settled(failure, update.version(self._model_id), applied=True)
 
         def _same_version(self, update: Any, failure: errors.RefitError | None, info: RefitUpdateInfo) -> Any:
@@ -1214,8 +1220,8 @@ def _build() -> dict[str, type]:
                     update = None  # not applied: not acknowledged (the newer one's ack covers it)
                     try:
                         update = self._wait(RefitUpdateInfo(version=newest, timeout=max(deadline - time.monotonic(), 0.0)))
-                    except errors.RefitError as e:
-                        failure = e
+                    except Exception as e:
+                        failure = _as_refit(e, f"receiving version {newest} of {self._what()}", errors.TransportError)
             failure = _fail(errors.Timeout, f"the tensor-parallel workers received different versions of {self._what()} "
                             f"and did not come to one; nothing was applied: {self._in_force()}")
             self._settled(failure, None, applied=False)
@@ -1316,12 +1322,17 @@ def _build() -> dict[str, type]:
             if all(e["in_force"] for e in every):
                 _log.info("refit: version %d ≥ %d already in force: nothing to load", self.loaded_version, want)
                 return
-            try:
-                if self._staged is not None:
-                    # a second version in one update session: the first is completed before
-                    # its tensors are overwritten by the pull (a reload may hold them till then)
+            if self._staged is not None:
+                # a second version in one update session: the first is completed before its
+                # tensors are overwritten by the pull (a reload may hold them till then)
+                try:
                     self._complete()
                     self._begin()
+                except Exception as e:
+                    failure = _as_refit(e, "completing the version loaded before", errors.NeedsFullResend)
+                if self._settled(failure, want, applied=True):
+                    return
+            try:
                 assert self._mesh_wide is not None
                 self._mesh.pull_into(want, self._mesh_wide.targets, info.timeout)
                 self._mesh_wide.landed()
@@ -1342,7 +1353,7 @@ def _build() -> dict[str, type]:
                 if self._at_least("startup") and not self._tested:
                     self._run_self_test(pairs, want, True)
             except Exception as e:
-                failure = _as_refit(e, "loading the version", errors.NeedsFullResend)
+                failure = _as_refit(e, f"loading {self._what(want)}", errors.NeedsFullResend)
             if self._settled(failure, want, applied=True):
                 return
             pulled = self._mesh.bytes_per_pull
@@ -1848,7 +1859,7 @@ def _build() -> dict[str, type]:
             if receiver is not None:
                 try:
                     receiver.close()
-                except errors.RefitError as e:
+                except Exception as e:
                     _log.warning("refit: closing the receiver of %s: %s", self._what(), e)
 
     class _Unacked:

@@ -46,7 +46,7 @@ def llama(rank: int, world: int, kv_replicas: int = 1, vocab: int = 500, padded:
     """vLLM's Llama modules for worker `rank` of `world` (vocabulary padded to `padded`)."""
     per = padded // world
     rows = Rows(min(rank * per, vocab), min((rank + 1) * per, vocab))
-    model = type("LlamaForCausalLM", (torch.nn.Module,), {})()
+    model = type("LlamaForCausalLM", (torch.nn.Module,), {"load_weights": lambda self, weights: set()})()
     model.packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"],
                                     "gate_up_proj": ["gate_proj", "up_proj"]}
     inner = torch.nn.Module()
@@ -106,10 +106,16 @@ def test_replicated_kv_heads_go_by_head_group_and_one_worker_takes_everything_wh
     assert wants["model.layers.0.self_attn.k_proj.weight"] == ("slice", 0, 1, 2)
     assert wants["model.embed_tokens.weight"] == ("flat", 384 * 8, 500 * 8)
     assert all(part == "whole" for _, part in _tp_wants(llama(0, 1), MANIFEST))
-    # another model's load_weights may reshape tensors first: everything whole
+    # another model's load_weights may reshape tensors first: everything whole, and so for a
+    # model built on Llama's that brings a load_weights of its own; one that keeps it slices
     other = llama(1, 2)
+    base = type(other)
     other.__class__ = type("GPT2LMHeadModel", (torch.nn.Module,), {})
     assert all(part == "whole" for _, part in _tp_wants(other, MANIFEST))
+    other.__class__ = type("MistralForCausalLM", (base,), {"load_weights": lambda self, weights: set()})
+    assert all(part == "whole" for _, part in _tp_wants(other, MANIFEST))
+    other.__class__ = type("Phi3ForCausalLM", (base,), {})
+    assert dict(_tp_wants(other, MANIFEST))["lm_head.weight"] == ("flat", 256 * 8, 500 * 8)
     # a slice that would not divide its dimension is taken whole
     odd = [("model.layers.0.self_attn.q_proj.weight", "f32", [7, 8])]
     assert _tp_wants(llama(0, 2), odd) == [(odd[0][0], "whole")]
