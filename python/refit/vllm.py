@@ -969,7 +969,6 @@ def _build() -> dict[str, type]:
             super().__init__(config, vllm_config, device, model)
             self._receiver: refit.Receiver | None = None
             self._mesh: refit.MeshReceiver | None = None  # instead of the receiver (init info `mesh`)
-            self._mesh_wants: list[tuple[str, Any]] = []  # the part of each tensor the mesh pulls
             self._mesh_wide: _Wide | None = None  # what the mesh's pulls land in
             self._init: RefitInitInfo | None = None
             #: with ``mesh``: ``{"wants": [(name, part)], "bytes_per_pull": n, "bytes_pulled":
@@ -1290,7 +1289,7 @@ def _build() -> dict[str, type]:
             if self.loaded_version is not None:
                 self._serving = f"{self._serving} (from the sender connected before)"
             self.loaded_version = None
-            self._mesh, self._mesh_wants, self._mesh_wide = mesh, wants, wide
+            self._mesh, self._mesh_wide = mesh, wide
             self._init, self._model_id = init_info, init_info.model or "policy"
             self.mesh_stats = {"wants": wants, "bytes_per_pull": mesh.bytes_per_pull, "bytes_pulled": 0,
                                "model_bytes": whole}
