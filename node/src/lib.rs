@@ -38,7 +38,7 @@ use std::collections::HashMap;
 use std::future::Future;
 use std::net::SocketAddr;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
@@ -142,6 +142,28 @@ pub(crate) struct Shared {
     hooks: RwLock<Vec<DisconnectHook>>,
     next_conn: AtomicU64,
     refused: AtomicU64,
+    /// Remote calls read and not yet answered (see [`server::Owed`]).
+    owed: AtomicUsize,
+    /// Set once the node stops: calls still running are dropped unanswered.
+    stopping: tokio::sync::watch::Sender<bool>,
+}
+
+/// How long a stopping node waits for the replies of calls it already carried out to be
+/// written (a peer that reads nothing holds it this long at most).
+const ANSWER_GRACE: Duration = Duration::from_millis(500);
+
+impl Shared {
+    /// Stops the node's runtime: calls still running are dropped (their callers see the
+    /// connection close), the replies of calls that finished are written first, within
+    /// [`ANSWER_GRACE`], then every task and connection is dropped.
+    fn stop(&self, runtime: tokio::runtime::Runtime) {
+        self.stopping.send_replace(true);
+        let until = Instant::now() + ANSWER_GRACE;
+        while self.owed.load(Ordering::Acquire) > 0 && Instant::now() < until {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        runtime.shutdown_background();
+    }
 }
 
 fn read<T>(l: &RwLock<T>) -> std::sync::RwLockReadGuard<'_, T> {
@@ -169,7 +191,7 @@ impl Drop for Inner {
             .unwrap_or_else(|p| p.into_inner())
             .take();
         if let Some(rt) = rt {
-            rt.shutdown_background();
+            self.shared.stop(rt);
         }
     }
 }
@@ -228,6 +250,8 @@ impl Node {
             hooks: RwLock::default(),
             next_conn: AtomicU64::new(1),
             refused: AtomicU64::new(0),
+            owed: AtomicUsize::new(0),
+            stopping: tokio::sync::watch::Sender::new(false),
         });
         let listener = {
             let _guard = runtime.enter();
@@ -439,7 +463,10 @@ impl Node {
     }
 
     /// Stops accepting and drops every connection and task of this node (idempotent; other
-    /// clones see a stopped node).
+    /// clones see a stopped node). Calls still running are dropped unanswered (their callers
+    /// get [`PeerGone`](refit_runtime::Error::PeerGone)); a call that already finished is
+    /// answered first, so a caller whose call changed this node's state is told it did
+    /// (waiting up to half a second for a peer that does not read).
     pub fn shutdown(&self) {
         let rt = self
             .inner
@@ -448,7 +475,7 @@ impl Node {
             .unwrap_or_else(|p| p.into_inner())
             .take();
         if let Some(rt) = rt {
-            rt.shutdown_background();
+            self.inner.shared.stop(rt);
         }
     }
 }

@@ -161,12 +161,32 @@ async fn serve_stream(
     }
 }
 
+/// A remote call read and not yet answered: counted in [`Shared::owed`] from the moment its
+/// frame is read until its reply is written (or the call is dropped), so that a stopping
+/// node writes the replies of the calls it carried out before it closes their connections.
+pub(super) struct Owed(Arc<Shared>);
+
+impl Owed {
+    fn new(shared: &Arc<Shared>) -> Self {
+        shared.owed.fetch_add(1, Ordering::AcqRel);
+        Self(Arc::clone(shared))
+    }
+}
+
+impl Drop for Owed {
+    fn drop(&mut self) {
+        self.0.owed.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
 async fn rpc_loop(shared: &Arc<Shared>, stream: TcpStream, info: CallInfo) -> Result<()> {
     let (mut rd, mut wr) = stream.into_split();
-    let (tx, mut rx) = mpsc::unbounded_channel::<Vec<u8>>();
+    let (tx, mut rx) = mpsc::unbounded_channel::<(Vec<u8>, Owed)>();
     let writer = tokio::spawn(async move {
-        while let Some(body) = rx.recv().await {
-            if frame::write_frame(&mut wr, &body).await.is_err() {
+        while let Some((body, owed)) = rx.recv().await {
+            let written = frame::write_frame(&mut wr, &body).await;
+            drop(owed);
+            if written.is_err() {
                 break;
             }
         }
@@ -190,25 +210,36 @@ async fn rpc_loop(shared: &Arc<Shared>, stream: TcpStream, info: CallInfo) -> Re
             deadline: refit_runtime::scheme::deadline_in(timeout),
             ..info
         };
+        let owed = Owed::new(shared);
+        let mut stopping = shared.stopping.subscribe();
         // the handler is called here, as its frame arrives, so that what it does at once
         // (an actor handler enqueues the message) happens in the order the calls were sent
         let call = handler.map(|h| h(info, req.payload));
         let method = req.method;
         let target = req.target;
         tokio::spawn(async move {
-            let outcome = match call {
-                None => Outcome::Err(format!("no handler `{method}` for target {target}")),
-                Some(fut) => match tokio::time::timeout(timeout, fut).await {
-                    Ok(Ok(bytes)) => Outcome::Ok(bytes),
-                    Ok(Err(e)) => Outcome::Err(e.to_string()),
-                    Err(_) => Outcome::TimedOut,
-                },
+            let answer = async {
+                match call {
+                    None => Outcome::Err(format!("no handler `{method}` for target {target}")),
+                    Some(fut) => match tokio::time::timeout(timeout, fut).await {
+                        Ok(Ok(bytes)) => Outcome::Ok(bytes),
+                        Ok(Err(e)) => Outcome::Err(e.to_string()),
+                        Err(_) => Outcome::TimedOut,
+                    },
+                }
+            };
+            // a stopping node drops the calls still running (their callers see the
+            // connection close) and answers those that finished
+            let outcome = tokio::select! {
+                biased;
+                outcome = answer => outcome,
+                _ = stopping.wait_for(|stop| *stop) => return,
             };
             if let Ok(body) = wire::encode(&Reply {
                 call: req.call,
                 outcome,
             }) {
-                let _ = tx.send(body);
+                let _ = tx.send((body, owed));
             }
         });
     };

@@ -407,3 +407,31 @@ fn store_sets_counts_and_waits() {
     assert!(t.elapsed() < Duration::from_secs(2));
     assert!(sa.set("", b"x").is_err());
 }
+
+/// A node that shuts down answers the calls it already carried out: a caller whose call
+/// changed the node's state is told so, not that the node is gone (a receiver's last ack,
+/// written to the sender's store as the sender closes, is the case met in practice).
+#[test]
+fn a_node_that_shuts_down_answers_the_calls_it_carried_out() {
+    for round in 0..200 {
+        let server = Node::loopback(token()).unwrap();
+        let me = Uuid::new_v4();
+        let done = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let d = Arc::clone(&done);
+        server.register(me, "mark", move |_, ()| {
+            let d = Arc::clone(&d);
+            async move {
+                d.store(true, Ordering::Release);
+                Ok::<_, Error>(round)
+            }
+        });
+        let client = Node::loopback(token()).unwrap();
+        let peer = client.connect(server.addr(), T).unwrap();
+        let call = std::thread::spawn(move || peer.call::<_, u32>(me, "mark", &(), T));
+        while !done.load(Ordering::Acquire) {
+            std::hint::spin_loop();
+        }
+        server.shutdown();
+        assert_eq!(call.join().unwrap().unwrap(), round, "round {round}");
+    }
+}
