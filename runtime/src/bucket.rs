@@ -359,6 +359,11 @@ pub struct BucketHeader {
     /// follows the header instead of `len` raw bytes. `None`: the raw bytes follow.
     #[serde(default)]
     pub encoded: Option<usize>,
+    /// xxh3-64 of each of the bucket's pieces, in order, where the sender declares them here
+    /// rather than in the transfer's terms (it hashed the bucket as it served it, not the
+    /// whole version before announcing it). Empty: declared elsewhere, or not at all.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub piece_sums: Vec<u64>,
 }
 
 fn bucket_error(index: usize, reason: impl Into<String>) -> Error {
@@ -607,6 +612,7 @@ impl BucketPlan {
                 pieces: b.pieces.clone(),
                 checksum: b.checksum(weights.manifest(), bytes),
                 encoded: None,
+                piece_sums: Vec::new(),
             },
             bytes,
         ))

@@ -6,13 +6,15 @@
 //! raw bytes. The receiving thread checks the header against the plan before reading a byte,
 //! hashes each piece as its bytes land (while they are in cache), then verifies the pieces
 //! and the bucket's checksum (derived from the piece checksums and the gap bytes) as soon as
-//! the bucket is in, in parallel with the other streams. The sender hashes each piece once at
-//! publish; headers are built from those cached checksums. A relay serves a version it is
-//! still pulling as its bytes arrive, a socket read at a time (see [`InFlight`]).
+//! the bucket is in, in parallel with the other streams. The sender hashes each bucket once,
+//! when it is first served (the next bucket of a stream meanwhile, on a blocking thread), not
+//! the whole version before announcing it: the hashing overlaps the transfer, and the header
+//! declares the pieces' checksums ([`Hashes`]). A relay serves a version it is still pulling
+//! as its bytes arrive, a socket read at a time (see [`InFlight`]).
 
 use std::io::Read;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use refit_node::{OpenStream, StreamHead, frame, write_head};
 use refit_runtime::bucket::{BucketSpec, PieceHasher};
@@ -23,7 +25,7 @@ use tokio::io::AsyncWriteExt;
 
 use super::NAME;
 use super::encoded::{Encodings, max_encoded};
-use super::inflight::{BucketWriter, InFlight};
+use super::inflight::{BucketWriter, Declared, InFlight};
 use super::messages::PullReq;
 
 /// Bytes written per socket write on the serving side (the unit of injected corruption).
@@ -47,9 +49,9 @@ pub(crate) struct Source {
     pub(crate) weights: Arc<WeightSet>,
     pub(crate) plan: Arc<BucketPlan>,
     pub(crate) plan_id: u64,
-    /// The version's checksums, cut by `plan`: headers are built from them, so serving
-    /// hashes nothing.
-    pub(crate) sums: Arc<Sums>,
+    /// The version's checksums, cut by `plan`, hashed a bucket at a time as pulls first ask
+    /// for it (known whole already on a relay, which verified them as the bytes landed).
+    pub(crate) sums: Arc<Hashes>,
     /// The buckets' encodings against the base version the pull names, when it names one
     /// ([`TransferMode::Elements`](super::TransferMode::Elements)).
     pub(crate) encoded: Option<Arc<Encodings>>,
@@ -79,32 +81,31 @@ pub(crate) struct Sums {
 }
 
 impl Sums {
+    #[cfg(test)]
     /// Hashes every piece of `ws` by `plan` (one pass over the bytes), bucket by bucket on
     /// rayon's global pool when `threads > 1` (its worker threads are started once per
     /// process and kept, so a publish starts no thread), then derives the bucket checksums.
     pub(crate) fn compute(plan: &BucketPlan, plan_id: u64, ws: &WeightSet, threads: usize) -> Self {
         use rayon::prelude::*;
-        let bytes = ws.bytes();
-        let manifest = ws.manifest();
-        let hash_bucket = |b: &BucketSpec| {
-            let data = bytes.get(b.range()).unwrap_or_default();
-            let pieces = b.piece_checksums(manifest, data);
-            let sum = b.checksum_from_pieces(manifest, data, &pieces);
-            (pieces, sum)
-        };
-        let done: Vec<(Vec<u64>, u64)> = if threads > 1 && plan.buckets.len() > 1 {
-            plan.buckets.par_iter().map(hash_bucket).collect()
+        let hash = |b: &BucketSpec| Hashed::of(b, ws);
+        let done: Vec<Hashed> = if threads > 1 && plan.buckets.len() > 1 {
+            plan.buckets.par_iter().map(hash).collect()
         } else {
-            plan.buckets.iter().map(hash_bucket).collect()
+            plan.buckets.iter().map(hash).collect()
         };
+        Self::of_buckets(plan_id, done.iter())
+    }
+
+    /// The sums of a version from every bucket's, in plan order.
+    fn of_buckets<'a>(plan_id: u64, buckets: impl ExactSizeIterator<Item = &'a Hashed>) -> Self {
         let mut sums = Self {
             plan_id,
-            pieces: Vec::with_capacity(plan.buckets.iter().map(|b| b.pieces.len()).sum()),
-            buckets: Vec::with_capacity(plan.len()),
+            pieces: Vec::new(),
+            buckets: Vec::with_capacity(buckets.len()),
         };
-        for (pieces, sum) in done {
-            sums.pieces.extend(pieces);
-            sums.buckets.push(sum);
+        for b in buckets {
+            sums.pieces.extend_from_slice(&b.pieces);
+            sums.buckets.push(b.checksum);
         }
         sums
     }
@@ -136,6 +137,128 @@ impl Sums {
     }
 }
 
+/// One bucket's checksums: each of its pieces', and its own (derived from those and the bytes
+/// between its tensors).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Hashed {
+    pub(crate) pieces: Vec<u64>,
+    pub(crate) checksum: u64,
+}
+
+impl Hashed {
+    /// Hashes bucket `b` of `ws` (one pass over its bytes).
+    fn of(b: &BucketSpec, ws: &WeightSet) -> Self {
+        let manifest = ws.manifest();
+        let data = ws.bytes().get(b.range()).unwrap_or_default();
+        let pieces = b.piece_checksums(manifest, data);
+        let checksum = b.checksum_from_pieces(manifest, data, &pieces);
+        Self { pieces, checksum }
+    }
+}
+
+/// The checksums of one version cut by one plan, hashed a bucket at a time when first asked
+/// for: serving a bucket hashes it just before its header goes out, so a version is announced
+/// without a pass over its bytes and its hashing overlaps the transfer. Each bucket is hashed
+/// once, by whoever asks first (others asking meanwhile wait for that hash); the whole
+/// [`Sums`] exist once every bucket is hashed ([`Hashes::complete`] hashes the rest).
+#[derive(Debug)]
+pub(crate) struct Hashes {
+    plan: Arc<BucketPlan>,
+    plan_id: u64,
+    buckets: Vec<OnceLock<Hashed>>,
+    whole: OnceLock<Arc<Sums>>,
+}
+
+impl Hashes {
+    /// Nothing hashed yet.
+    pub(crate) fn new(plan: Arc<BucketPlan>, plan_id: u64) -> Self {
+        let buckets = plan.buckets.iter().map(|_| OnceLock::new()).collect();
+        Self {
+            plan,
+            plan_id,
+            buckets,
+            whole: OnceLock::new(),
+        }
+    }
+
+    /// Every bucket known already: `sums` (cut by `plan`), e.g. verified as the bytes landed.
+    pub(crate) fn known(plan: Arc<BucketPlan>, sums: Sums) -> Self {
+        let starts = piece_starts(&plan);
+        let buckets = starts
+            .windows(2)
+            .zip(&sums.buckets)
+            .map(|(w, &checksum)| {
+                OnceLock::from(Hashed {
+                    pieces: sums.pieces.get(w[0]..w[1]).unwrap_or_default().to_vec(),
+                    checksum,
+                })
+            })
+            .collect();
+        Self {
+            plan_id: sums.plan_id,
+            plan,
+            buckets,
+            whole: OnceLock::from(Arc::new(sums)),
+        }
+    }
+
+    /// Fingerprint of the plan that cuts them.
+    pub(crate) fn plan_id(&self) -> u64 {
+        self.plan_id
+    }
+
+    /// Buckets of the plan.
+    pub(crate) fn len(&self) -> usize {
+        self.buckets.len()
+    }
+
+    /// Bucket `i`'s checksums, when hashed already.
+    pub(crate) fn hashed(&self, i: usize) -> Option<&Hashed> {
+        self.buckets.get(i)?.get()
+    }
+
+    /// Bucket `i`'s checksums, hashed from `ws` now unless done before (waiting while another
+    /// thread hashes it); `None` for a bucket not in the plan.
+    pub(crate) fn bucket(&self, i: usize, ws: &WeightSet) -> Option<&Hashed> {
+        let spec = self.plan.buckets.get(i)?;
+        Some(self.buckets.get(i)?.get_or_init(|| Hashed::of(spec, ws)))
+    }
+
+    /// Hashes every bucket not hashed yet (in parallel on rayon's pool when `threads > 1`);
+    /// the version's whole sums.
+    pub(crate) fn complete(&self, ws: &WeightSet, threads: usize) -> Arc<Sums> {
+        use rayon::prelude::*;
+        if let Some(s) = self.whole.get() {
+            return Arc::clone(s);
+        }
+        let todo: Vec<usize> = (0..self.len())
+            .filter(|&i| self.hashed(i).is_none())
+            .collect();
+        if threads > 1 && todo.len() > 1 {
+            todo.par_iter().for_each(|&i| {
+                let _ = self.bucket(i, ws);
+            });
+        } else {
+            for i in todo {
+                let _ = self.bucket(i, ws);
+            }
+        }
+        let hashed: Vec<&Hashed> = (0..self.len()).filter_map(|i| self.bucket(i, ws)).collect();
+        let sums = Arc::new(Sums::of_buckets(self.plan_id, hashed.into_iter()));
+        Arc::clone(self.whole.get_or_init(|| sums))
+    }
+
+    /// The version's whole sums, once every bucket is hashed (`None` before).
+    pub(crate) fn whole(&self) -> Option<Arc<Sums>> {
+        if let Some(s) = self.whole.get() {
+            return Some(Arc::clone(s));
+        }
+        let hashed: Option<Vec<&Hashed>> = self.buckets.iter().map(OnceLock::get).collect();
+        let sums = Arc::new(Sums::of_buckets(self.plan_id, hashed?.into_iter()));
+        Some(Arc::clone(self.whole.get_or_init(|| sums)))
+    }
+}
+
 /// Where the pieces of each bucket start in the flattened piece list (one entry per bucket,
 /// plus the total).
 pub(crate) fn piece_starts(plan: &BucketPlan) -> Vec<usize> {
@@ -153,7 +276,7 @@ pub(crate) fn piece_starts(plan: &BucketPlan) -> Vec<usize> {
 fn check_buckets(req: &PullReq, src: &Serve) -> std::result::Result<u64, String> {
     let (plan, plan_id) = match src {
         Serve::Whole(src) => {
-            if src.sums.plan_id != src.plan_id || src.sums.buckets.len() != src.plan.len() {
+            if src.sums.plan_id() != src.plan_id || src.sums.len() != src.plan.len() {
                 return Err(format!(
                     "the checksums of `{}` version {} were cut by another bucket plan",
                     req.model, req.version
@@ -211,28 +334,32 @@ pub(crate) async fn serve_pull(
         Err(reason) => return Ok(write_head(&mut stream, &StreamHead::Err { reason }).await?),
     };
     write_head(&mut stream, &StreamHead::Ok { len: total }).await?;
-    for &i in &req.buckets {
+    for (k, &i) in req.buckets.iter().enumerate() {
         let index = i as usize;
         match &src {
             Serve::Whole(s) => {
                 let all = s.weights.bytes();
-                let (Some(b), Some(&checksum)) =
-                    (s.plan.buckets.get(index), s.sums.buckets.get(index))
-                else {
+                let Some(b) = s.plan.buckets.get(index) else {
                     return Err(Error::Bucket {
                         index,
-                        reason: "not in the plan or without a checksum".into(),
+                        reason: "not in the plan".into(),
                     });
                 };
                 let bytes = all.get(b.range()).ok_or_else(|| Error::Bucket {
                     index,
                     reason: format!("runs past the arena's {} bytes", all.len()),
                 })?;
+                let hashed = bucket_sums(s, index).await?;
+                // the next bucket of this pull is hashed while this one's bytes go out
+                if let Some(&next) = req.buckets.get(k + 1) {
+                    prefetch_sums(s, next as usize);
+                }
                 let encoded = match &s.encoded {
                     Some(e) => encode_bucket(e, index, b, &s.weights).await?,
                     None => None,
                 };
-                let mut header = header_of(index, b, s.weights.version(), checksum);
+                let mut header = header_of(index, b, s.weights.version(), hashed.checksum);
+                header.piece_sums = hashed.pieces;
                 header.encoded = encoded.as_ref().map(|e| e.len());
                 frame::send(&mut stream, &header).await?;
                 write_bytes(&mut stream, encoded.as_deref().unwrap_or(bytes), stats).await?;
@@ -246,8 +373,9 @@ pub(crate) async fn serve_pull(
                     reason: "not in the plan".into(),
                 })?;
                 let gone = |reason| Error::Bucket { index, reason };
-                let checksum = f.started(index).await.map_err(gone)?;
-                let header = header_of(index, b, f.version(), checksum);
+                let declared = f.started(index).await.map_err(gone)?;
+                let mut header = header_of(index, b, f.version(), declared.checksum);
+                header.piece_sums = declared.pieces;
                 frame::send(&mut stream, &header).await?;
                 let mut sent = 0;
                 while sent < b.len {
@@ -262,6 +390,32 @@ pub(crate) async fn serve_pull(
         .flush()
         .await
         .map_err(|e| Error::io("serving a pull", e))
+}
+
+/// Bucket `index`'s checksums from `s`: known already, else hashed now on a blocking thread
+/// (or waited for, when another pull or a prefetch is hashing it).
+async fn bucket_sums(s: &Source, index: usize) -> Result<Hashed> {
+    if let Some(h) = s.sums.hashed(index) {
+        return Ok(h.clone());
+    }
+    let (sums, ws) = (Arc::clone(&s.sums), Arc::clone(&s.weights));
+    tokio::task::spawn_blocking(move || sums.bucket(index, &ws).cloned())
+        .await
+        .map_err(|e| Error::transport(NAME, format!("hashing bucket {index} failed: {e}")))?
+        .ok_or_else(|| Error::Bucket {
+            index,
+            reason: "not in the plan".into(),
+        })
+}
+
+/// Starts hashing bucket `index` of `s` on a blocking thread unless it is hashed already.
+fn prefetch_sums(s: &Source, index: usize) {
+    if s.sums.hashed(index).is_none() {
+        let (sums, ws) = (Arc::clone(&s.sums), Arc::clone(&s.weights));
+        drop(tokio::task::spawn_blocking(move || {
+            let _ = sums.bucket(index, &ws);
+        }));
+    }
 }
 
 /// Bucket `index` (`spec`) of `ws` encoded by `enc` (made on a blocking thread unless an
@@ -288,6 +442,7 @@ fn header_of(index: usize, spec: &BucketSpec, version: Version, checksum: u64) -
         pieces: spec.pieces.clone(),
         checksum,
         encoded: None,
+        piece_sums: Vec::new(),
     }
 }
 
@@ -340,10 +495,37 @@ pub(crate) struct Expect<'a> {
     pub(crate) version: Version,
     pub(crate) manifest: &'a Manifest,
     pub(crate) plan: &'a BucketPlan,
-    /// xxh3-64 of every piece of the plan, in plan order ([`Sums::pieces`]).
+    /// xxh3-64 of every piece of the plan, in plan order ([`Sums::pieces`]), as the
+    /// transfer's terms declared them; empty: each bucket's header declares its own.
     pub(crate) sums: &'a [u64],
-    /// Where each bucket's pieces start in `sums` ([`piece_starts`]).
+    /// Where each bucket's pieces start in the plan's pieces ([`piece_starts`]).
     pub(crate) starts: &'a [usize],
+    /// Where the checksums of each verified bucket's pieces are kept.
+    pub(crate) verified: &'a Verified,
+}
+
+/// The checksums of the pieces a pull verified, in plan order: once every bucket is in, the
+/// version's own (what a receiver relaying it serves with).
+#[derive(Debug)]
+pub(crate) struct Verified(Mutex<Vec<u64>>);
+
+impl Verified {
+    /// Room for `pieces` checksums.
+    pub(crate) fn new(pieces: usize) -> Self {
+        Self(Mutex::new(vec![0; pieces]))
+    }
+
+    fn record(&self, at: usize, sums: &[u64]) {
+        let mut all = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(dst) = all.get_mut(at..at + sums.len()) {
+            dst.copy_from_slice(sums);
+        }
+    }
+
+    /// What was recorded (zeros for pieces of buckets not verified).
+    pub(crate) fn take(&self) -> Vec<u64> {
+        std::mem::take(&mut *self.0.lock().unwrap_or_else(|p| p.into_inner()))
+    }
 }
 
 impl Expect<'_> {
@@ -358,15 +540,17 @@ impl Expect<'_> {
         dst: &[u8],
         found: &[u64],
     ) -> Result<u64> {
-        let expected = self.expected(header.index)?;
-        spec.verify_landed(
+        let expected = self.expected(header)?;
+        let sum = spec.verify_landed(
             self.model,
             self.manifest,
             header,
             dst,
             Some(expected),
             found,
-        )
+        )?;
+        self.record(header.index, found);
+        Ok(sum)
     }
 
     /// [`Expect::check_bucket`] for a bucket whose bytes went on as they landed: `gaps`
@@ -378,19 +562,33 @@ impl Expect<'_> {
         gaps: &[u8],
         found: &[u64],
     ) -> Result<u64> {
-        let expected = self.expected(header.index)?;
-        spec.verify_landed_gaps(
+        let expected = self.expected(header)?;
+        let sum = spec.verify_landed_gaps(
             self.model,
             self.manifest,
             header,
             gaps,
             Some(expected),
             found,
-        )
+        )?;
+        self.record(header.index, found);
+        Ok(sum)
     }
 
-    /// The sender's checksums of bucket `index`'s pieces.
-    fn expected(&self, index: usize) -> Result<&[u64]> {
+    fn record(&self, index: usize, found: &[u64]) {
+        if let Some(&at) = self.starts.get(index) {
+            self.verified.record(at, found);
+        }
+    }
+
+    /// The sender's checksums of the pieces of the bucket `header` announces: from the
+    /// transfer's terms, else as the header declares them (their count is checked with the
+    /// bucket).
+    fn expected<'s>(&'s self, header: &'s BucketHeader) -> Result<&'s [u64]> {
+        if self.sums.is_empty() {
+            return Ok(&header.piece_sums);
+        }
+        let index = header.index;
         self.starts
             .get(index..index + 2)
             .and_then(|w| self.sums.get(w[0]..w[1]))
@@ -666,12 +864,14 @@ fn claim<'f>(
     spec: &BucketSpec,
 ) -> Result<BucketWriter<'f>> {
     let index = header.index;
-    let dst = flight
-        .claim(index, header.checksum)
-        .ok_or_else(|| Error::Bucket {
-            index,
-            reason: "pulled twice or not part of the transfer".into(),
-        })?;
+    let declared = Declared {
+        checksum: header.checksum,
+        pieces: header.piece_sums.clone(),
+    };
+    let dst = flight.claim(index, declared).ok_or_else(|| Error::Bucket {
+        index,
+        reason: "pulled twice or not part of the transfer".into(),
+    })?;
     if dst.len() != spec.len {
         return Err(Error::Bucket {
             index,
@@ -834,7 +1034,11 @@ mod tests {
         let relay = flight(zero.clone());
         let damaged = m.tensors()[0].offset + 1234;
         for (i, spec) in plan.buckets.iter().enumerate() {
-            let mut w = relay.claim(i, sums.buckets[i]).unwrap();
+            let declared = Declared {
+                checksum: sums.buckets[i],
+                pieces: Vec::new(),
+            };
+            let mut w = relay.claim(i, declared).unwrap();
             let dst = w.piece(0, spec.len).unwrap();
             dst.copy_from_slice(&good.bytes()[spec.range()]);
             if spec.range().contains(&damaged) {
@@ -856,6 +1060,7 @@ mod tests {
         });
         let next = flight(zero);
         let starts = piece_starts(&plan);
+        let verified = Verified::new(sums.pieces.len());
         let exp = Expect {
             model: &model,
             version: Version(3),
@@ -863,6 +1068,7 @@ mod tests {
             plan: &plan,
             sums: &sums.pieces,
             starts: &starts,
+            verified: &verified,
         };
         let (bytes, headers) = (AtomicU64::new(0), AtomicU64::new(0));
         let wire = AtomicU64::new(0);
@@ -947,7 +1153,7 @@ mod tests {
         let weights = WeightSet::zeroed(ModelId::new("m").unwrap(), m);
         let plan_id = p.fingerprint().unwrap();
         let src = Source {
-            sums: Arc::new(Sums::compute(&p, plan_id, &weights, 2)),
+            sums: Arc::new(Hashes::new(Arc::clone(&p), plan_id)),
             weights: Arc::new(weights),
             plan: Arc::clone(&p),
             plan_id,
@@ -1038,6 +1244,7 @@ mod tests {
         let p = BucketPlan::compute(&ModelId::new("m").unwrap(), &m, &m, 4096).unwrap();
         let sums = Sums::compute(&p, 1, &ws, 1);
         let starts = piece_starts(&p);
+        let verified = Verified::new(sums.pieces.len());
         let exp = Expect {
             model: &ModelId::new("m").unwrap(),
             version: Version(1),
@@ -1045,6 +1252,7 @@ mod tests {
             plan: &p,
             sums: &sums.pieces,
             starts: &starts,
+            verified: &verified,
         };
         for step in [1, 7, 64, 1000, 1 << 20] {
             for (i, spec) in p.buckets.iter().enumerate() {
@@ -1065,6 +1273,7 @@ mod tests {
                     pieces: spec.pieces.clone(),
                     checksum: sums.buckets[i],
                     encoded: None,
+                    piece_sums: Vec::new(),
                 };
                 exp.check_bucket(spec, &header, bytes, l.sums()).unwrap();
                 // a wrong piece names its tensor
@@ -1073,6 +1282,110 @@ mod tests {
                 let e = exp.check_bucket(spec, &header, bytes, &bad).unwrap_err();
                 assert!(matches!(e, Error::Tensor { .. }), "{e}");
             }
+        }
+        assert_eq!(
+            verified.take(),
+            sums.pieces,
+            "every verified piece is recorded"
+        );
+    }
+
+    /// Where the transfer's terms carry no checksums, each header declares its bucket's
+    /// pieces': they are checked as the terms' would be (a wrong one names its tensor, a
+    /// wrong count names the bucket), and what was verified is the version's checksums.
+    #[test]
+    fn checksums_declared_by_the_headers_are_verified_and_recorded() {
+        let mut b = Manifest::builder();
+        for (i, n) in [3000usize, 100, 5000].iter().enumerate() {
+            b.push(format!("t{i}"), DType::U8, &[*n]);
+        }
+        let m = Arc::new(b.build().unwrap());
+        let model = ModelId::new("m").unwrap();
+        let mut ws = WeightSet::zeroed(model.clone(), Arc::clone(&m));
+        for (i, x) in ws.bytes_mut().unwrap().iter_mut().enumerate() {
+            *x = (i * 13 % 251) as u8;
+        }
+        let p = Arc::new(BucketPlan::compute(&model, &m, &m, 4096).unwrap());
+        assert!(p.len() >= 2);
+        let hashes = Hashes::new(Arc::clone(&p), 1);
+        let starts = piece_starts(&p);
+        let verified = Verified::new(*starts.last().unwrap());
+        let exp = Expect {
+            model: &model,
+            version: Version(1),
+            manifest: &m,
+            plan: &p,
+            sums: &[],
+            starts: &starts,
+            verified: &verified,
+        };
+        for (i, spec) in p.buckets.iter().enumerate().rev() {
+            let bytes = &ws.bytes()[spec.range()];
+            let mut l = PieceHasher::new(spec, &m, i).unwrap();
+            l.feed(bytes, 0);
+            let declared = hashes.bucket(i, &ws).unwrap().clone();
+            let mut header = header_of(i, spec, Version(1), declared.checksum);
+            header.piece_sums = declared.pieces.clone();
+            // a forged piece checksum is refused naming the tensor
+            header.piece_sums[0] ^= 1;
+            let e = exp
+                .check_bucket(spec, &header, bytes, l.sums())
+                .unwrap_err();
+            assert!(matches!(e, Error::Tensor { .. }), "{e}");
+            // a header declaring none (or too few) for its pieces is refused naming the bucket
+            header.piece_sums.clear();
+            let e = exp
+                .check_bucket(spec, &header, bytes, l.sums())
+                .unwrap_err();
+            assert!(
+                matches!(e, Error::Bucket { index, .. } if index == i),
+                "{e}"
+            );
+            header.piece_sums = declared.pieces;
+            exp.check_bucket(spec, &header, bytes, l.sums()).unwrap();
+        }
+        let whole = Sums::compute(&p, 1, &ws, 1);
+        assert_eq!(verified.take(), whole.pieces);
+    }
+
+    /// A version's checksums hashed a bucket at a time, in any order, equal those hashed at
+    /// once; the whole sums exist once every bucket is hashed, and known ones are served
+    /// as they are.
+    #[test]
+    fn hashes_made_bucket_by_bucket_equal_the_whole_versions() {
+        let mut b = Manifest::builder();
+        for (i, n) in [100usize, 5000, 0, 64, 3000, 7].iter().enumerate() {
+            b.push(format!("t{i}"), DType::U8, &[*n]);
+        }
+        let m = Arc::new(b.build().unwrap());
+        let model = ModelId::new("m").unwrap();
+        let mut ws = WeightSet::zeroed(model.clone(), Arc::clone(&m));
+        for (i, x) in ws.bytes_mut().unwrap().iter_mut().enumerate() {
+            *x = (i * 29 % 241) as u8;
+        }
+        let p = Arc::new(BucketPlan::compute(&model, &m, &m, 1024).unwrap());
+        let want = Sums::compute(&p, 9, &ws, 1);
+        let lazy = Hashes::new(Arc::clone(&p), 9);
+        assert!(lazy.whole().is_none());
+        assert!(lazy.hashed(1).is_none());
+        let one = lazy.bucket(1, &ws).unwrap().clone();
+        assert_eq!(lazy.hashed(1), Some(&one));
+        assert_eq!(one.checksum, want.buckets[1]);
+        assert!(lazy.whole().is_none(), "one bucket of {} hashed", p.len());
+        assert!(lazy.bucket(p.len(), &ws).is_none(), "past the plan");
+        assert_eq!(*lazy.complete(&ws, 2), want);
+        assert_eq!(lazy.whole().as_deref(), Some(&want));
+        // every bucket hashed one by one: whole too
+        let each = Hashes::new(Arc::clone(&p), 9);
+        for i in (0..p.len()).rev() {
+            each.bucket(i, &ws).unwrap();
+        }
+        assert_eq!(each.whole().as_deref(), Some(&want));
+        let known = Hashes::known(Arc::clone(&p), want.clone());
+        assert_eq!(known.plan_id(), 9);
+        assert_eq!(known.len(), p.len());
+        for i in 0..p.len() {
+            assert_eq!(known.hashed(i), lazy.hashed(i));
         }
     }
 }

@@ -14,8 +14,8 @@
 //! the one piece it is about to read into, readers the bytes of a bucket written so far
 //! (never written again).
 
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, AtomicUsize, Ordering};
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use refit_runtime::{BucketPlan, Error, Result, WeightSet};
@@ -35,6 +35,15 @@ const WRITING: u8 = 3;
 /// Written and verified; read-only from now on.
 const LANDED: u8 = 4;
 
+/// What a bucket's header declared: its checksum and its pieces' (what a relayed pull
+/// passes on with the bytes).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub(crate) struct Declared {
+    pub(crate) checksum: u64,
+    /// Empty where the transfer's terms declared them.
+    pub(crate) pieces: Vec<u64>,
+}
+
 /// A version being pulled into its arena.
 pub(crate) struct InFlight {
     /// Owns the arena (keeps it alive for readers); never read whole before
@@ -45,8 +54,8 @@ pub(crate) struct InFlight {
     pub(crate) plan: Arc<BucketPlan>,
     pub(crate) plan_id: u64,
     state: Vec<AtomicU8>,
-    /// The checksum each bucket's header declared (set when its writer starts).
-    sums: Vec<AtomicU64>,
+    /// What each bucket's header declared (set when its writer starts).
+    declared: Vec<OnceLock<Declared>>,
     /// Bytes of each bucket written so far, from its start.
     progress: Vec<AtomicUsize>,
     failed: AtomicBool,
@@ -181,7 +190,7 @@ impl InFlight {
             }
         }
         Ok(Self {
-            sums: (0..plan.len()).map(|_| AtomicU64::new(0)).collect(),
+            declared: (0..plan.len()).map(|_| OnceLock::new()).collect(),
             progress: (0..plan.len()).map(|_| AtomicUsize::new(0)).collect(),
             weights: Arc::new(weights),
             ptr,
@@ -200,17 +209,18 @@ impl InFlight {
         self.weights.version()
     }
 
-    /// Claims bucket `i` for writing, its header declaring `checksum` (what a relayed pull
+    /// Claims bucket `i` for writing, its header declaring `declared` (what a relayed pull
     /// passes on with the bytes): `None` when it is not expected or already claimed.
-    pub(crate) fn claim(&self, i: usize, checksum: u64) -> Option<BucketWriter<'_>> {
+    pub(crate) fn claim(&self, i: usize, declared: Declared) -> Option<BucketWriter<'_>> {
         let b = self.plan.buckets.get(i)?;
         let state = self.state.get(i)?;
         state
             .compare_exchange(EXPECTED, CLAIMED, Ordering::AcqRel, Ordering::Acquire)
             .ok()?;
         debug_assert!(b.start + b.len <= self.len);
-        if let Some(s) = self.sums.get(i) {
-            s.store(checksum, Ordering::Relaxed);
+        if let Some(d) = self.declared.get(i) {
+            // the claim above makes this thread the bucket's only writer: set once
+            let _ = d.set(declared);
         }
         state.store(WRITING, Ordering::Release);
         self.notify.notify_waiters();
@@ -280,10 +290,10 @@ impl InFlight {
         self.notify.notify_waiters();
     }
 
-    /// The checksum bucket `i`'s header declared, once its writer started (`None` before).
-    fn started_now(&self, i: usize) -> std::result::Result<Option<u64>, String> {
+    /// What bucket `i`'s header declared, once its writer started (`None` before).
+    fn started_now(&self, i: usize) -> std::result::Result<Option<Declared>, String> {
         match self.state(i)? {
-            WRITING | LANDED => Ok(self.sums.get(i).map(|s| s.load(Ordering::Relaxed))),
+            WRITING | LANDED => Ok(self.declared.get(i).and_then(OnceLock::get).cloned()),
             _ => Ok(None),
         }
     }
@@ -354,12 +364,12 @@ impl InFlight {
             .ok_or_else(|| format!("{} within {:?}", what(), self.wait))
     }
 
-    /// Waits until bucket `i`'s writer has started; the checksum its header declared.
+    /// Waits until bucket `i`'s writer has started; what its header declared.
     ///
     /// # Errors
     /// A reason when the bucket is not part of this transfer, the pull failed, or no writer
     /// started within the wait.
-    pub(crate) async fn started(&self, i: usize) -> std::result::Result<u64, String> {
+    pub(crate) async fn started(&self, i: usize) -> std::result::Result<Declared, String> {
         let what = || format!("bucket {i} of version {} did not start", self.version());
         self.wait_for(what, || self.started_now(i)).await
     }
@@ -407,6 +417,13 @@ mod tests {
     use super::*;
     use refit_runtime::{DType, Manifest, ModelId, Version};
 
+    fn sum(checksum: u64) -> Declared {
+        Declared {
+            checksum,
+            pieces: vec![checksum],
+        }
+    }
+
     fn flight(buckets: &[u32]) -> InFlight {
         let m = Arc::new({
             let mut b = Manifest::builder();
@@ -444,14 +461,14 @@ mod tests {
     fn buckets_are_written_once_and_served_as_their_pieces_arrive() {
         let f = flight(&[0, 2, 3]);
         // a bucket outside the transfer can be neither claimed nor served
-        assert!(f.claim(1, 0).is_none());
+        assert!(f.claim(1, sum(0)).is_none());
         assert!(f.started_now(1).is_err());
         assert!(f.arrived_now(1, 0).is_err());
         assert_eq!(f.started_now(2), Ok(None), "not claimed yet");
-        let mut w = f.claim(2, 42).unwrap();
-        assert!(f.claim(2, 42).is_none(), "claimed twice");
+        let mut w = f.claim(2, sum(42)).unwrap();
+        assert!(f.claim(2, sum(42)).is_none(), "claimed twice");
         // the header's checksum is known as soon as the writer starts, before any byte
-        assert_eq!(f.started_now(2), Ok(Some(42)));
+        assert_eq!(f.started_now(2), Ok(Some(sum(42))));
         assert_eq!(f.arrived_now(2, 0), Ok(None));
         // pieces are handed out in order only
         assert!(w.piece(10, 20).is_err());
@@ -480,13 +497,13 @@ mod tests {
             let f = &f;
             s.spawn(move || {
                 std::thread::sleep(Duration::from_millis(50));
-                let mut w = f.claim(3, 3).unwrap();
+                let mut w = f.claim(3, sum(3)).unwrap();
                 std::thread::sleep(Duration::from_millis(20));
                 fill(&mut w, 3, 64);
                 w.land();
             });
             let rt = rt();
-            assert_eq!(rt.block_on(f.started(3)), Ok(3));
+            assert_eq!(rt.block_on(f.started(3)), Ok(sum(3)));
             let mut got = Vec::new();
             while got.len() < 256 {
                 let bytes = rt.block_on(f.arrived(3, got.len())).unwrap();
@@ -495,7 +512,7 @@ mod tests {
             }
             assert_eq!(got, [3u8; 256]);
         });
-        let mut w = f.claim(0, 0).unwrap();
+        let mut w = f.claim(0, sum(0)).unwrap();
         fill(&mut w, 1, 256);
         w.land();
         let ws = f.finish().unwrap();
@@ -529,13 +546,13 @@ mod tests {
                 // the writers race the prefault from both ends
                 s.spawn(move || {
                     for i in (0..n).rev().step_by(2) {
-                        let mut w = f.claim(i, 0).unwrap();
+                        let mut w = f.claim(i, sum(0)).unwrap();
                         fill(&mut w, i as u8 | 1, 4096);
                         w.land();
                     }
                 });
                 for i in (0..n).filter(|i| (n - 1 - i) % 2 == 1) {
-                    let mut w = f.claim(i, 0).unwrap();
+                    let mut w = f.claim(i, sum(0)).unwrap();
                     fill(&mut w, i as u8 | 1, 4096);
                     w.land();
                 }
@@ -558,7 +575,7 @@ mod tests {
         let f = flight(&[0, 1]);
         // a reader waiting for a bucket to start, and one part-way through a bucket whose
         // bytes a relay passed on before its pull failed
-        let mut w = f.claim(0, 5).unwrap();
+        let mut w = f.claim(0, sum(5)).unwrap();
         w.piece(0, 128).unwrap().fill(1);
         w.arrived(128);
         std::thread::scope(|s| {

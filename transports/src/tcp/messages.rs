@@ -42,7 +42,10 @@ pub enum TransferMode {
 /// its own, and each refuses another version naming both. Version 2 added element-level
 /// deltas ([`TransferMode::Elements`], an encoded bucket's length in its header, the base a
 /// pull names): a version-1 peer could not decode them, so it is refused at registration.
-pub const PROTOCOL_VERSION: u32 = 2;
+/// Version 3 lets a transfer's terms leave the checksums to each bucket's header (the
+/// sender hashes a bucket as it first serves it): a version-2 receiver would refuse such
+/// terms mid-update, so it is refused at registration instead.
+pub const PROTOCOL_VERSION: u32 = 3;
 
 /// The name of the protocol in errors.
 pub(crate) const PROTOCOL_NAME: &str = "tcp transport";
@@ -68,7 +71,7 @@ pub(crate) struct Registered {
     pub(crate) latest: Vec<(ModelId, Version)>,
 }
 
-#[derive(Debug, Serialize, Deserialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub(crate) struct TransferReq {
     pub(crate) receiver: u32,
     pub(crate) model: ModelId,
@@ -111,7 +114,10 @@ pub(crate) struct Plan {
     /// True for a full transfer (every bucket, into a fresh arena); false for a delta (the
     /// receiver starts from the version it holds).
     pub(crate) full: bool,
-    /// xxh3-64 of every tensor of the version, verified before apply.
+    /// xxh3-64 of every piece of the version (plan order), verified before apply, where
+    /// the sender has hashed the whole version already (always for a delta). Empty: each
+    /// bucket's header declares its pieces' checksums (the sender hashes a bucket as it
+    /// first serves it).
     pub(crate) checksums: Vec<u64>,
     /// For [`TransferMode::Elements`]: the version the buckets are encoded against (the
     /// one the receiver holds, which it copies whole into the new arena first); `None`:

@@ -3,8 +3,13 @@
 //! - A **sender agent** ([`TcpSender`]) runs on a [node](refit_node) and serves the
 //!   newest versions of its models (the last [`TcpConfig::keep_versions`] of each) and their
 //!   checksums (the last [`TcpConfig::checksum_history`]): one xxh3 per piece of the bucket
-//!   plan (a tensor a bucket holds whole, or a chunk of a cut one), hashed once at publish in
-//!   parallel, plus each bucket's checksum derived from them, so serving hashes nothing.
+//!   plan (a tensor a bucket holds whole, or a chunk of a cut one), plus each bucket's
+//!   checksum derived from them. Publishing hashes nothing: each bucket is hashed once, when
+//!   a pull first asks for it (a stream hashes its next bucket while it writes this one), and
+//!   its header declares its pieces' checksums, so a trainer's publish returns at once and
+//!   the hashing overlaps the transfer. A delta compares checksums, so a delta's request has
+//!   the whole version (and its base) hashed first; a version leaving the kept set is hashed
+//!   whole before its bytes go, as its checksums outlive it as a delta base.
 //! - A **receiver** ([`TcpReceiver`]) registers with it, then for each version it is told
 //!   about (the sender calls `_receive_weights_scheme` on the receiver's node) asks for a
 //!   transfer in `full` or `delta` mode, pulls the bytes over several parallel streams,
@@ -19,8 +24,8 @@
 //!   fit, with the error naming the bucket and tensor; nothing is pulled then and the
 //!   previous version stays served. Streams take whole buckets (each to the stream with the
 //!   fewest bytes so far); each bucket travels as exactly one framed
-//!   [`BucketHeader`](refit_runtime::BucketHeader) (index, version, range, pieces, xxh3)
-//!   followed by its bytes, straight into the new arena. A tensor larger than a bucket is
+//!   [`BucketHeader`](refit_runtime::BucketHeader) (index, version, range, pieces, the xxh3
+//!   of the bucket and of each piece) followed by its bytes, straight into the new arena. A tensor larger than a bucket is
 //!   cut across buckets, never refused.
 //! - **Delta**: a delta transfer moves the buckets that hold at least one byte of a changed
 //!   tensor, whole, and starts from the version the receiver holds; buckets with no changed

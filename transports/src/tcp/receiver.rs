@@ -19,8 +19,8 @@ use refit_runtime::{
 use uuid::Uuid;
 
 use super::data::{
-    Counters, Dest, Expect, Serve, ServeStats, Sink, Source, Sums, assign, covered, piece_starts,
-    pull_buckets, serve_pull,
+    Counters, Dest, Expect, Hashes, Serve, ServeStats, Sink, Source, Sums, Verified, assign,
+    covered, piece_starts, pull_buckets, serve_pull,
 };
 use super::inflight::InFlight;
 use super::messages::*;
@@ -122,7 +122,7 @@ pub type SinkSource =
     dyn Fn(&ModelId, Version, &Arc<Manifest>) -> Result<Option<Box<dyn Sink>>> + Send + Sync;
 
 /// A verified version this receiver can relay, with its checksums.
-type Relayable = (Arc<WeightSet>, Arc<Sums>);
+type Relayable = (Arc<WeightSet>, Arc<Hashes>);
 
 #[derive(Debug, Default)]
 struct Shared {
@@ -241,7 +241,7 @@ impl Shared {
     }
 
     /// Makes a verified version available to relayed pulls, keeping the newest `keep`.
-    fn offer(&self, ws: &Arc<WeightSet>, sums: Sums, keep: usize) {
+    fn offer(&self, ws: &Arc<WeightSet>, sums: Hashes, keep: usize) {
         let mut r = self.relayable.lock().unwrap_or_else(|p| p.into_inner());
         let q = r.entry(ws.model().clone()).or_default();
         q.push_back((Arc::clone(ws), Arc::new(sums)));
@@ -285,6 +285,8 @@ struct Job<'a> {
     plan: &'a Arc<BucketPlan>,
     t: &'a Plan,
     starts: &'a [usize],
+    /// The checksums of the pieces verified so far.
+    verified: &'a Verified,
     token: &'a ClusterToken,
     deadline: Instant,
     /// When the pull began (its first attempt).
@@ -682,6 +684,7 @@ impl TcpReceiver {
             };
             let held = base.as_ref().map(|b| b.version());
             let (plan, starts) = self.verify_transfer(model, &manifest, &t, held)?;
+            let verified = Verified::new(starts.last().copied().unwrap_or(0));
             let planned: u64 = t
                 .buckets
                 .iter()
@@ -695,6 +698,7 @@ impl TcpReceiver {
                 plan: &plan,
                 t: &t,
                 starts: &starts,
+                verified: &verified,
                 token: &token,
                 deadline,
                 started,
@@ -728,9 +732,16 @@ impl TcpReceiver {
                 Ok(Some(ws)) => {
                     self.count(&t, held);
                     if !self.streaming {
-                        let sums =
-                            Sums::of_arena(&plan, t.plan_id, &manifest, ws.bytes(), t.checksums);
-                        self.shared.offer(&ws, sums, self.cfg.keep_versions);
+                        // the terms' checksums, else those the headers declared (every bucket
+                        // of a full transfer was verified against them)
+                        let pieces = if t.checksums.is_empty() {
+                            verified.take()
+                        } else {
+                            t.checksums.clone()
+                        };
+                        let sums = Sums::of_arena(&plan, t.plan_id, &manifest, ws.bytes(), pieces);
+                        let relayed = Hashes::known(Arc::clone(&plan), sums);
+                        self.shared.offer(&ws, relayed, self.cfg.keep_versions);
                     }
                     self.shared.set_inflight(model, None);
                     self.done(t.lease, true, String::new());
@@ -839,8 +850,9 @@ impl TcpReceiver {
     }
 
     /// Checks a transfer's terms before a byte is pulled: its bucket plan (accepted as
-    /// [`Self::accept_plan`] says), a checksum per piece, every bucket for a full transfer, a
-    /// base held for a delta. Returns the plan and where each bucket's pieces start; a refused
+    /// [`Self::accept_plan`] says), a checksum per piece (or, for a full transfer, none: each
+    /// bucket's header declares its own), every bucket for a full transfer, a base held for a
+    /// delta. Returns the plan and where each bucket's pieces start; a refused
     /// transfer is reported to the sender as failed.
     fn verify_transfer(
         &self,
@@ -858,7 +870,8 @@ impl TcpReceiver {
         };
         let starts = piece_starts(&plan);
         let pieces = starts.last().copied().unwrap_or(0);
-        if t.checksums.len() != pieces {
+        let in_headers = t.checksums.is_empty() && t.full;
+        if t.checksums.len() != pieces && !in_headers {
             self.done(t.lease, false, "checksum count".into());
             return Err(Error::transport(
                 NAME,
@@ -1012,6 +1025,7 @@ impl TcpReceiver {
             plan: job.plan,
             sums: &job.t.checksums,
             starts: job.starts,
+            verified: job.verified,
         };
         let counters = Counters {
             bytes: &self.shared.pulled,

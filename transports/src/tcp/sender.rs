@@ -2,7 +2,8 @@
 //!
 //! Handlers (on the sender's node, addressed by the agent's uuid): `register`,
 //! `request_transfer` (answers a transfer: which source to pull from, which buckets, the
-//! tensors' checksums, and the bucket plan itself when the receiver does not hold it yet),
+//! tensors' checksums where they are known, and the bucket plan itself when the receiver
+//! does not hold it yet),
 //! `transfer_done` (the completion signal), `ack`, and the `pull` stream. Publishing calls
 //! `_receive_weights_scheme` on every receiver.
 //!
@@ -10,6 +11,12 @@
 //! manifest and [`TcpConfig::bucket_size`]: receivers adopt the sender's manifests when they
 //! register (the scheme checks them against the ones they expect), so one plan per model
 //! serves every receiver and is replayed for every version.
+//!
+//! Publishing hashes nothing: a version is announced at once, and each bucket is hashed when
+//! it is first served, its header declaring its pieces' checksums ([`Hashes`]); so the hash
+//! overlaps the transfer. A delta needs every checksum of the version and of its base, so a
+//! delta's request hashes what is missing first, and a version leaving the kept set is
+//! hashed whole before its bytes go (its checksums outlive it as a delta base).
 
 use std::collections::{BTreeMap, VecDeque};
 use std::net::SocketAddr;
@@ -28,7 +35,7 @@ use refit_runtime::{
 use tokio::sync::watch;
 use uuid::Uuid;
 
-use super::data::{Serve, ServeStats, Source, Sums, serve_pull};
+use super::data::{Hashes, Serve, ServeStats, Source, serve_pull};
 use super::encoded::Encodings;
 use super::messages::*;
 use super::relay::{RelayBook, Src, Want};
@@ -38,9 +45,9 @@ use super::{NAME, TcpConfig, TcpEndpoint, TcpReceiverSpec};
 #[derive(Debug, Default)]
 struct ModelSlot {
     versions: VecDeque<Arc<WeightSet>>,
-    /// Checksums of recent versions (pieces and buckets, cut by the plan), computed once at
-    /// publish.
-    sums: VecDeque<(Version, Arc<Sums>)>,
+    /// Checksums of recent versions (pieces and buckets, cut by the plan), hashed a bucket
+    /// at a time as pulls ask for them; whole for every version no longer kept.
+    sums: VecDeque<(Version, Arc<Hashes>)>,
     /// The bucket plan (and its fingerprint) every version of the model travels by.
     plan: Option<(u64, Arc<BucketPlan>)>,
     /// Element-level encodings of recent versions against their bases, bucket by bucket,
@@ -170,40 +177,78 @@ impl Agent {
         })
     }
 
+    /// Hashes whatever a delta of `req` needs and is not hashed yet: every bucket of the
+    /// version asked for and of the base the receiver holds, while the sender keeps them
+    /// (a base no longer kept was hashed whole when it left). Run before planning, off the
+    /// state's lock.
+    fn hash_for_delta(&self, req: &TransferReq) {
+        let (TransferMode::Delta | TransferMode::Elements, Some(have)) = (req.mode, req.have)
+        else {
+            return;
+        };
+        let todo: Vec<(Arc<Hashes>, Arc<WeightSet>)> = {
+            let st = self.lock();
+            let Some(slot) = st.models.get(&req.model) else {
+                return;
+            };
+            [req.version, have]
+                .into_iter()
+                .filter_map(|v| {
+                    let ws = slot.versions.iter().find(|w| w.version() == v)?;
+                    let h = slot.sums.iter().find(|(sv, _)| *sv == v)?;
+                    h.1.whole()
+                        .is_none()
+                        .then(|| (Arc::clone(&h.1), Arc::clone(ws)))
+                })
+                .collect()
+        };
+        let threads = std::thread::available_parallelism().map_or(1, usize::from);
+        for (h, ws) in todo {
+            h.complete(&ws, threads);
+        }
+    }
+
     /// One attempt at a plan; `None` means "wait for a source to free up".
     fn plan(&self, st: &mut State, req: &TransferReq) -> Option<Result<TransferReply>> {
         let Some(slot) = st.models.get_mut(&req.model) else {
             return Some(Err(Error::UnknownModel(req.model.clone())));
         };
-        let Some(ws) = slot
-            .versions
-            .iter()
-            .find(|w| w.version() == req.version)
-            .cloned()
-        else {
+        if !slot.versions.iter().any(|w| w.version() == req.version) {
             let latest = slot.versions.back().map_or(Version::ZERO, |w| w.version());
             return Some(Ok(TransferReply::Superseded { latest }));
-        };
+        }
         let Some((plan_id, bucket_plan)) = slot.plan.clone() else {
             return Some(Err(Error::State("a model without a bucket plan")));
         };
         let Some(entry) = slot.sums.iter_mut().find(|(v, _)| *v == req.version) else {
             return Some(Err(Error::State("checksums of a kept version are missing")));
         };
-        if entry.1.plan_id != plan_id {
+        if entry.1.plan_id() != plan_id {
             // the plan was replaced since publish (a test hook): cut the sums anew
-            entry.1 = Arc::new(Sums::compute(&bucket_plan, plan_id, &ws, 1));
+            entry.1 = Arc::new(Hashes::new(Arc::clone(&bucket_plan), plan_id));
         }
-        let sums = Arc::clone(&entry.1);
-        let sums_of = |v: Version| slot.sums.iter().find(|(sv, _)| *sv == v).map(|s| &s.1);
+        // the version's checksums where every bucket is hashed (a delta's request hashed
+        // them); else each bucket's header declares its own
+        let sums = entry.1.whole();
+        let sums_of = |v: Version| {
+            slot.sums
+                .iter()
+                .find(|(sv, _)| *sv == v)
+                .and_then(|s| s.1.whole())
+        };
         // a delta moves the buckets holding a byte of a changed tensor, whole
-        let base = match (req.mode, req.have) {
-            (TransferMode::Delta | TransferMode::Elements, Some(have)) => sums_of(have)
-                .filter(|b| b.plan_id == sums.plan_id)
-                .map(|b| b.pieces.as_slice()),
+        let base = match (req.mode, req.have, &sums) {
+            (TransferMode::Delta | TransferMode::Elements, Some(have), Some(new)) => {
+                sums_of(have).filter(|b| b.plan_id == new.plan_id)
+            }
             _ => None,
         };
-        let delta = BucketDelta::plan(&bucket_plan, base, &sums.pieces);
+        let new_pieces = sums.as_ref().map_or(&[][..], |s| s.pieces.as_slice());
+        let delta = BucketDelta::plan(
+            &bucket_plan,
+            base.as_ref().map(|b| b.pieces.as_slice()),
+            new_pieces,
+        );
         // element-level deltas, from the sender only, against a version it still keeps
         let keeps = |v: Version| slot.versions.iter().any(|w| w.version() == v);
         let encode_against = match (req.mode, req.have) {
@@ -243,7 +288,7 @@ impl Agent {
             bucket_plan: (req.plan != Some(plan_id)).then(|| (*bucket_plan).clone()),
             buckets,
             full,
-            checksums: sums.pieces.clone(),
+            checksums: new_pieces.to_vec(),
             encoded_base: encode_against.filter(|_| source == Src::Sender),
         })))
     }
@@ -449,6 +494,30 @@ impl TcpSender {
             .store(chunks, Ordering::Release);
     }
 
+    /// Hashes whole the versions that publishing `group` takes out of the kept set (the
+    /// oldest beyond `keep` of each model), off the state's lock: their checksums outlive
+    /// their bytes as delta bases. Nothing to do for a version whose every bucket was served.
+    fn hash_leaving(&self, group: &Group, keep: usize) {
+        let leaving: Vec<(Arc<WeightSet>, Arc<Hashes>)> = {
+            let st = self.agent.lock();
+            group
+                .iter()
+                .filter_map(|w| st.models.get(w.model()))
+                .flat_map(|slot| {
+                    let n = (slot.versions.len() + 1).saturating_sub(keep);
+                    slot.versions.iter().take(n).filter_map(|ws| {
+                        let h = slot.sums.iter().find(|(v, _)| *v == ws.version())?;
+                        Some((Arc::clone(ws), Arc::clone(&h.1)))
+                    })
+                })
+                .collect()
+        };
+        let threads = std::thread::available_parallelism().map_or(1, usize::from);
+        for (ws, h) in leaving {
+            h.complete(&ws, threads);
+        }
+    }
+
     fn announce(
         &self,
         entries: Vec<(ModelId, Version)>,
@@ -561,6 +630,11 @@ fn register_handlers(node: &Node, agent: &Arc<Agent>, manifests: Manifests) {
     node.register(target, TRANSFER, move |info: CallInfo, r: TransferReq| {
         let a = Arc::clone(&a);
         async move {
+            let hashing = Arc::clone(&a);
+            let req = r.clone();
+            tokio::task::spawn_blocking(move || hashing.hash_for_delta(&req))
+                .await
+                .map_err(|e| Error::transport(NAME, format!("hashing for a delta failed: {e}")))?;
             let rx = a.changed.subscribe();
             let deadline = tokio::time::Instant::from_std(info.deadline);
             // re-plan on every change; wake now and then too, for leases that expire
@@ -684,8 +758,7 @@ impl SenderTransport for TcpSender {
         if self.closed {
             return Err(Error::State("tcp sender is shut down"));
         }
-        // every piece's checksum, hashed once in parallel bucket by bucket; the bucket
-        // checksums derive from them, so serving hashes nothing
+        // nothing is hashed here: each bucket is, when first served
         let plans: Vec<Option<(u64, Arc<BucketPlan>)>> = {
             let st = self.agent.lock();
             group
@@ -693,18 +766,18 @@ impl SenderTransport for TcpSender {
                 .map(|w| st.models.get(w.model()).and_then(|s| s.plan.clone()))
                 .collect()
         };
-        let threads = std::thread::available_parallelism().map_or(1, usize::from);
-        let sums: Vec<Arc<Sums>> = group
+        let sums: Vec<Arc<Hashes>> = group
             .iter()
             .zip(plans)
             .map(|(w, plan)| {
                 let (id, plan) = plan.ok_or_else(|| Error::UnknownModel(w.model().clone()))?;
-                Ok(Arc::new(Sums::compute(&plan, id, w, threads)))
+                Ok(Arc::new(Hashes::new(plan, id)))
             })
             .collect::<Result<_>>()?;
+        let keep = self.agent.cfg.keep_versions.max(1);
+        self.hash_leaving(group, keep);
         let mut retired = Vec::new();
         {
-            let keep = self.agent.cfg.keep_versions.max(1);
             let history = self.agent.cfg.checksum_history.max(keep);
             let mut st = self.agent.lock();
             for (w, s) in group.iter().zip(sums) {
