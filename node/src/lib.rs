@@ -152,17 +152,45 @@ pub(crate) struct Shared {
 /// written (a peer that reads nothing holds it this long at most).
 const ANSWER_GRACE: Duration = Duration::from_millis(500);
 
+/// Stops a node's runtime: no new connection or call is taken, calls still running are
+/// dropped (their callers see the connection close), the replies of calls that finished are
+/// written first, within [`ANSWER_GRACE`], then every task and connection is dropped. On a
+/// thread of a runtime (perhaps this node's own, whose workers write those replies) the wait
+/// moves to a thread of its own, so that it holds up nothing.
+fn stop(shared: &Arc<Shared>, runtime: tokio::runtime::Runtime) {
+    shared.stopping.send_replace(true);
+    if tokio::runtime::Handle::try_current().is_err() {
+        shared.await_answers();
+        runtime.shutdown_background();
+        return;
+    }
+    let slot = Arc::new(Mutex::new(Some(runtime)));
+    let take = |s: &Mutex<Option<tokio::runtime::Runtime>>| {
+        s.lock().unwrap_or_else(|p| p.into_inner()).take()
+    };
+    let (waiting, later) = (Arc::clone(shared), Arc::clone(&slot));
+    let spawned = std::thread::Builder::new()
+        .name("refit-node-stop".into())
+        .spawn(move || {
+            waiting.await_answers();
+            if let Some(rt) = take(&later) {
+                rt.shutdown_background();
+            }
+        });
+    if spawned.is_err()
+        && let Some(rt) = take(&slot)
+    {
+        rt.shutdown_background();
+    }
+}
+
 impl Shared {
-    /// Stops the node's runtime: calls still running are dropped (their callers see the
-    /// connection close), the replies of calls that finished are written first, within
-    /// [`ANSWER_GRACE`], then every task and connection is dropped.
-    fn stop(&self, runtime: tokio::runtime::Runtime) {
-        self.stopping.send_replace(true);
+    /// Waits (at most [`ANSWER_GRACE`]) until every call taken is answered or dropped.
+    fn await_answers(&self) {
         let until = Instant::now() + ANSWER_GRACE;
         while self.owed.load(Ordering::Acquire) > 0 && Instant::now() < until {
             std::thread::sleep(Duration::from_millis(1));
         }
-        runtime.shutdown_background();
     }
 }
 
@@ -191,7 +219,7 @@ impl Drop for Inner {
             .unwrap_or_else(|p| p.into_inner())
             .take();
         if let Some(rt) = rt {
-            self.shared.stop(rt);
+            stop(&self.shared, rt);
         }
     }
 }
@@ -466,16 +494,13 @@ impl Node {
     /// clones see a stopped node). Calls still running are dropped unanswered (their callers
     /// get [`PeerGone`](refit_runtime::Error::PeerGone)); a call that already finished is
     /// answered first, so a caller whose call changed this node's state is told it did
-    /// (waiting up to half a second for a peer that does not read).
+    /// (waiting up to half a second for a peer that does not read; called on a thread of a
+    /// runtime, the node finishes stopping on a thread of its own). A second call waits for
+    /// the first.
     pub fn shutdown(&self) {
-        let rt = self
-            .inner
-            .runtime
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .take();
-        if let Some(rt) = rt {
-            self.inner.shared.stop(rt);
+        let mut runtime = self.inner.runtime.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(rt) = runtime.take() {
+            stop(&self.inner.shared, rt);
         }
     }
 }

@@ -17,8 +17,14 @@ use refit_runtime::Error as CoreError;
 use refit_runtime::wire;
 
 pub(super) async fn accept_loop(shared: Arc<Shared>, listener: tokio::net::TcpListener) {
+    let mut stopping = shared.stopping.subscribe();
     loop {
-        match listener.accept().await {
+        let accepted = tokio::select! {
+            accepted = listener.accept() => accepted,
+            // a stopping node takes no new connection
+            _ = stopping.wait_for(|stop| *stop) => return,
+        };
+        match accepted {
             Ok((stream, peer)) => {
                 let _ = stream.set_nodelay(true);
                 tokio::spawn(serve_conn(Arc::clone(&shared), stream, peer));
@@ -211,6 +217,13 @@ async fn rpc_loop(shared: &Arc<Shared>, stream: TcpStream, info: CallInfo) -> Re
             ..info
         };
         let owed = Owed::new(shared);
+        if *shared.stopping.borrow() {
+            // a stopping node carries out no new call (counted first, so that the stop sees
+            // either the count or this check sees it stopping). The frame is still read off
+            // the socket: unread bytes would turn its close into a reset that loses the
+            // replies written just before.
+            continue;
+        }
         let mut stopping = shared.stopping.subscribe();
         // the handler is called here, as its frame arrives, so that what it does at once
         // (an actor handler enqueues the message) happens in the order the calls were sent

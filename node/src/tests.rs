@@ -410,10 +410,13 @@ fn store_sets_counts_and_waits() {
 
 /// A node that shuts down answers the calls it already carried out: a caller whose call
 /// changed the node's state is told so, not that the node is gone (a receiver's last ack,
-/// written to the sender's store as the sender closes, is the case met in practice).
+/// written to the sender's store as the sender closes, is the case met in practice). The
+/// reply is large, so that without the wait it would still be on its way when the node
+/// stopped. Then: shut down from inside its own runtime, the node still answers, and a call
+/// sent after the stop is not carried out.
 #[test]
 fn a_node_that_shuts_down_answers_the_calls_it_carried_out() {
-    for round in 0..200 {
+    for round in 0..50u8 {
         let server = Node::loopback(token()).unwrap();
         let me = Uuid::new_v4();
         let done = Arc::new(std::sync::atomic::AtomicBool::new(false));
@@ -422,16 +425,43 @@ fn a_node_that_shuts_down_answers_the_calls_it_carried_out() {
             let d = Arc::clone(&d);
             async move {
                 d.store(true, Ordering::Release);
-                Ok::<_, Error>(round)
+                Ok::<_, Error>(serde_bytes::ByteBuf::from(vec![round; 4 << 20]))
             }
         });
         let client = Node::loopback(token()).unwrap();
         let peer = client.connect(server.addr(), T).unwrap();
-        let call = std::thread::spawn(move || peer.call::<_, u32>(me, "mark", &(), T));
-        while !done.load(Ordering::Acquire) {
+        let call =
+            std::thread::spawn(move || peer.call::<_, serde_bytes::ByteBuf>(me, "mark", &(), T));
+        let deadline = Instant::now() + T;
+        while !done.load(Ordering::Acquire) && !call.is_finished() && Instant::now() < deadline {
             std::hint::spin_loop();
         }
         server.shutdown();
-        assert_eq!(call.join().unwrap().unwrap(), round, "round {round}");
+        let reply = call.join().unwrap().unwrap();
+        assert_eq!(reply.len(), 4 << 20, "round {round}");
+        assert!(reply.iter().all(|&b| b == round), "round {round}");
     }
+}
+
+#[test]
+fn a_node_stopped_from_its_own_runtime_still_answers_and_takes_no_new_call() {
+    let server = Node::loopback(token()).unwrap();
+    let me = Uuid::new_v4();
+    let calls = Arc::new(AtomicU64::new(0));
+    let (c, stopper) = (Arc::clone(&calls), server.clone());
+    // the handler stops its own node, on a worker of the node's runtime
+    server.register(me, "stop", move |_, ()| {
+        c.fetch_add(1, Ordering::AcqRel);
+        stopper.shutdown();
+        async move { Ok::<_, Error>(7u32) }
+    });
+    let client = Node::loopback(token()).unwrap();
+    let peer = client.connect(server.addr(), T).unwrap();
+    let t = Instant::now();
+    assert_eq!(peer.call::<_, u32>(me, "stop", &(), T).unwrap(), 7);
+    assert!(t.elapsed() < Duration::from_secs(2), "{:?}", t.elapsed());
+    // the node is gone (or going): a later call fails and is not carried out
+    assert!(peer.call::<_, u32>(me, "stop", &(), T).is_err());
+    assert_eq!(calls.load(Ordering::Acquire), 1);
+    drop(server);
 }

@@ -67,8 +67,9 @@ pub(crate) enum Serve {
     Landing(Arc<InFlight>),
 }
 
-/// The checksums of one version cut by one bucket plan, computed once (at publish on the
-/// sender, while the bytes land on a receiver) and served with every header.
+/// The checksums of one version cut by one bucket plan, whole: on the sender, once every
+/// bucket is hashed ([`Hashes::whole`]); on a receiver, those it verified as the bytes
+/// landed (what it relays the version with).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct Sums {
     /// Fingerprint of the plan that cut them.
@@ -81,10 +82,10 @@ pub(crate) struct Sums {
 }
 
 impl Sums {
-    #[cfg(test)]
     /// Hashes every piece of `ws` by `plan` (one pass over the bytes), bucket by bucket on
-    /// rayon's global pool when `threads > 1` (its worker threads are started once per
-    /// process and kept, so a publish starts no thread), then derives the bucket checksums.
+    /// rayon's global pool when `threads > 1`, then derives the bucket checksums (what
+    /// [`Hashes`] make a bucket at a time, at once: the tests' reference).
+    #[cfg(test)]
     pub(crate) fn compute(plan: &BucketPlan, plan_id: u64, ws: &WeightSet, threads: usize) -> Self {
         use rayon::prelude::*;
         let hash = |b: &BucketSpec| Hashed::of(b, ws);

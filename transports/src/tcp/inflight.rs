@@ -6,9 +6,10 @@
 //! of receivers moves a version in about the time of one hop.
 //!
 //! Checksums stay per bucket: each receiver of a chain hashes the bytes it gets and verifies
-//! them against the sender's checksums itself, so a damaged bucket that a relay already
-//! passed on is refused by every receiver that got it (and the relay's own failure ends the
-//! streams it serves).
+//! them itself against the sender's checksums (the transfer's terms, or the header the
+//! sender wrote, which relays pass on as it was and never compute from their own bytes), so
+//! a damaged bucket that a relay already passed on is refused by every receiver that got it
+//! (and the relay's own failure ends the streams it serves).
 //!
 //! Nobody holds a reference to the whole arena until every bucket has landed: a writer gets
 //! the one piece it is about to read into, readers the bytes of a bucket written so far
@@ -40,7 +41,8 @@ const LANDED: u8 = 4;
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub(crate) struct Declared {
     pub(crate) checksum: u64,
-    /// Empty where the transfer's terms declared them.
+    /// Its pieces' checksums, as the header declared them (empty from a header that left
+    /// them to the transfer's terms).
     pub(crate) pieces: Vec<u64>,
 }
 

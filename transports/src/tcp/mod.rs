@@ -8,8 +8,9 @@
 //!   a pull first asks for it (a stream hashes its next bucket while it writes this one), and
 //!   its header declares its pieces' checksums, so a trainer's publish returns at once and
 //!   the hashing overlaps the transfer. A delta compares checksums, so a delta's request has
-//!   the whole version (and its base) hashed first; a version leaving the kept set is hashed
-//!   whole before its bytes go, as its checksums outlive it as a delta base.
+//!   the whole version (and its base) hashed first, within its deadline; a version leaving
+//!   the kept set whose checksums outlive it (as a delta base) is hashed whole in the
+//!   background before its bytes go.
 //! - A **receiver** ([`TcpReceiver`]) registers with it, then for each version it is told
 //!   about (the sender calls `_receive_weights_scheme` on the receiver's node) asks for a
 //!   transfer in `full` or `delta` mode, pulls the bytes over several parallel streams,
@@ -25,8 +26,8 @@
 //!   previous version stays served. Streams take whole buckets (each to the stream with the
 //!   fewest bytes so far); each bucket travels as exactly one framed
 //!   [`BucketHeader`](refit_runtime::BucketHeader) (index, version, range, pieces, the xxh3
-//!   of the bucket and of each piece) followed by its bytes, straight into the new arena. A tensor larger than a bucket is
-//!   cut across buckets, never refused.
+//!   of the bucket and of each piece) followed by its bytes, straight into the new arena. A
+//!   tensor larger than a bucket is cut across buckets, never refused.
 //! - **Delta**: a delta transfer moves the buckets that hold at least one byte of a changed
 //!   tensor, whole, and starts from the version the receiver holds; buckets with no changed
 //!   tensor are skipped. One header still describes each bucket, and the delta needs no
@@ -38,9 +39,11 @@
 //!   receivers form a pipelined chain whatever the bucket size: the sender writes each byte
 //!   once however many receivers there are, and N receivers take about the time of one plus
 //!   a piece per hop. Checksums stay per bucket: every receiver of the chain verifies the
-//!   bytes it got against the sender's checksums itself, so a damaged bucket a relay passed
-//!   on is refused by every receiver that got it (the previous version stays served), and a
-//!   relay whose own pull fails ends the streams it serves at once.
+//!   bytes it got against the sender's checksums itself (the transfer's terms, or the
+//!   sender's bucket headers, which a relay passes on as they were: it never computes them
+//!   from its own bytes), so a damaged bucket a relay passed on is refused by every receiver
+//!   that got it (the previous version stays served), and a relay whose own pull fails ends
+//!   the streams it serves at once.
 //! - **First pulls**: a receiver's first pulls land in arenas it has never used. It starts
 //!   faulting the first one in on a thread of its own as soon as it has registered (and
 //!   knows the models' sizes), while the sender publishes and announces the version; a pull

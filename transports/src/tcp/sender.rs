@@ -16,12 +16,13 @@
 //! it is first served, its header declaring its pieces' checksums ([`Hashes`]); so the hash
 //! overlaps the transfer. A delta needs every checksum of the version and of its base, so a
 //! delta's request hashes what is missing first, and a version leaving the kept set is
-//! hashed whole before its bytes go (its checksums outlive it as a delta base).
+//! hashed whole in the background before its bytes go (its checksums outlive it as a delta
+//! base).
 
 use std::collections::{BTreeMap, VecDeque};
 use std::net::SocketAddr;
 use std::sync::atomic::Ordering;
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
 use std::time::{Duration, Instant};
 
 use refit_node::{CallInfo, ClusterToken, ConnId, Node, NodeConfig, Peer};
@@ -46,8 +47,12 @@ use super::{NAME, TcpConfig, TcpEndpoint, TcpReceiverSpec};
 struct ModelSlot {
     versions: VecDeque<Arc<WeightSet>>,
     /// Checksums of recent versions (pieces and buckets, cut by the plan), hashed a bucket
-    /// at a time as pulls ask for them; whole for every version no longer kept.
+    /// at a time as pulls ask for them; a version no longer kept is hashed whole in the
+    /// background when its checksums outlive it.
     sums: VecDeque<(Version, Arc<Hashes>)>,
+    /// Versions no longer kept whose bytes the background hashing still holds: a delta's
+    /// request against one of them joins that hashing rather than finding it unfinished.
+    leaving: Vec<(Version, Weak<WeightSet>)>,
     /// The bucket plan (and its fingerprint) every version of the model travels by.
     plan: Option<(u64, Arc<BucketPlan>)>,
     /// Element-level encodings of recent versions against their bases, bucket by bucket,
@@ -177,35 +182,49 @@ impl Agent {
         })
     }
 
-    /// Hashes whatever a delta of `req` needs and is not hashed yet: every bucket of the
-    /// version asked for and of the base the receiver holds, while the sender keeps them
-    /// (a base no longer kept was hashed whole when it left). Run before planning, off the
-    /// state's lock.
-    fn hash_for_delta(&self, req: &TransferReq) {
+    /// What a delta of `req` needs hashed and is not yet: every bucket of the version asked
+    /// for and of the base the receiver holds, with their bytes (kept, or still held by the
+    /// background hashing of a version leaving). Nothing for a request that cannot become a
+    /// delta: an unregistered receiver, another mode, no base, a base whose checksums are
+    /// gone or were cut by another plan.
+    fn delta_todo(&self, req: &TransferReq) -> Vec<(Arc<Hashes>, Arc<WeightSet>)> {
         let (TransferMode::Delta | TransferMode::Elements, Some(have)) = (req.mode, req.have)
         else {
-            return;
+            return Vec::new();
         };
-        let todo: Vec<(Arc<Hashes>, Arc<WeightSet>)> = {
-            let st = self.lock();
-            let Some(slot) = st.models.get(&req.model) else {
-                return;
-            };
-            [req.version, have]
-                .into_iter()
-                .filter_map(|v| {
-                    let ws = slot.versions.iter().find(|w| w.version() == v)?;
-                    let h = slot.sums.iter().find(|(sv, _)| *sv == v)?;
-                    h.1.whole()
-                        .is_none()
-                        .then(|| (Arc::clone(&h.1), Arc::clone(ws)))
-                })
-                .collect()
-        };
-        let threads = std::thread::available_parallelism().map_or(1, usize::from);
-        for (h, ws) in todo {
-            h.complete(&ws, threads);
+        let st = self.lock();
+        if !st.receivers.contains_key(&req.receiver) {
+            return Vec::new();
         }
+        let Some(slot) = st.models.get(&req.model) else {
+            return Vec::new();
+        };
+        let plan_id = slot.plan.as_ref().map(|p| p.0);
+        let hashes = |v: Version| {
+            slot.sums
+                .iter()
+                .find(|(sv, _)| *sv == v)
+                .map(|h| Arc::clone(&h.1))
+                .filter(|h| Some(h.plan_id()) == plan_id)
+        };
+        let bytes = |v: Version| {
+            slot.versions
+                .iter()
+                .find(|w| w.version() == v)
+                .cloned()
+                .or_else(|| {
+                    let left = slot.leaving.iter().find(|(lv, _)| *lv == v)?;
+                    left.1.upgrade()
+                })
+        };
+        let (Some(new), Some(base)) = (hashes(req.version), hashes(have)) else {
+            return Vec::new();
+        };
+        [(new, req.version), (base, have)]
+            .into_iter()
+            .filter(|(h, _)| h.whole().is_none())
+            .filter_map(|(h, v)| Some((h, bytes(v)?)))
+            .collect()
     }
 
     /// One attempt at a plan; `None` means "wait for a source to free up".
@@ -494,30 +513,6 @@ impl TcpSender {
             .store(chunks, Ordering::Release);
     }
 
-    /// Hashes whole the versions that publishing `group` takes out of the kept set (the
-    /// oldest beyond `keep` of each model), off the state's lock: their checksums outlive
-    /// their bytes as delta bases. Nothing to do for a version whose every bucket was served.
-    fn hash_leaving(&self, group: &Group, keep: usize) {
-        let leaving: Vec<(Arc<WeightSet>, Arc<Hashes>)> = {
-            let st = self.agent.lock();
-            group
-                .iter()
-                .filter_map(|w| st.models.get(w.model()))
-                .flat_map(|slot| {
-                    let n = (slot.versions.len() + 1).saturating_sub(keep);
-                    slot.versions.iter().take(n).filter_map(|ws| {
-                        let h = slot.sums.iter().find(|(v, _)| *v == ws.version())?;
-                        Some((Arc::clone(ws), Arc::clone(&h.1)))
-                    })
-                })
-                .collect()
-        };
-        let threads = std::thread::available_parallelism().map_or(1, usize::from);
-        for (ws, h) in leaving {
-            h.complete(&ws, threads);
-        }
-    }
-
     fn announce(
         &self,
         entries: Vec<(ModelId, Version)>,
@@ -630,13 +625,20 @@ fn register_handlers(node: &Node, agent: &Arc<Agent>, manifests: Manifests) {
     node.register(target, TRANSFER, move |info: CallInfo, r: TransferReq| {
         let a = Arc::clone(&a);
         async move {
-            let hashing = Arc::clone(&a);
-            let req = r.clone();
-            tokio::task::spawn_blocking(move || hashing.hash_for_delta(&req))
-                .await
-                .map_err(|e| Error::transport(NAME, format!("hashing for a delta failed: {e}")))?;
-            let rx = a.changed.subscribe();
             let deadline = tokio::time::Instant::from_std(info.deadline);
+            // a delta compares checksums: what it needs is hashed first, off the state's
+            // lock, within the call's deadline (unfinished, the plan sends every byte)
+            let todo = a.delta_todo(&r);
+            if !todo.is_empty() {
+                let threads = std::thread::available_parallelism().map_or(1, usize::from);
+                let hashing = tokio::task::spawn_blocking(move || {
+                    for (h, ws) in todo {
+                        h.complete(&ws, threads);
+                    }
+                });
+                let _ = tokio::time::timeout_at(deadline, hashing).await;
+            }
+            let rx = a.changed.subscribe();
             // re-plan on every change; wake now and then too, for leases that expire
             let arm = || {
                 let mut next = rx.clone();
@@ -775,8 +777,10 @@ impl SenderTransport for TcpSender {
             })
             .collect::<Result<_>>()?;
         let keep = self.agent.cfg.keep_versions.max(1);
-        self.hash_leaving(group, keep);
         let mut retired = Vec::new();
+        // versions leaving the kept set whose checksums outlive them (delta bases): hashed
+        // whole in the background (nothing to do for one whose every bucket was served)
+        let mut to_hash: Vec<(Arc<WeightSet>, Arc<Hashes>)> = Vec::new();
         {
             let history = self.agent.cfg.checksum_history.max(keep);
             let mut st = self.agent.lock();
@@ -795,6 +799,16 @@ impl SenderTransport for TcpSender {
                 while slot.sums.len() > history {
                     slot.sums.pop_front();
                 }
+                slot.leaving.retain(|(_, w)| w.strong_count() > 0);
+                for old in retired.iter().filter(|o| o.model() == w.model()) {
+                    let Some(h) = slot.sums.iter().find(|(v, _)| *v == old.version()) else {
+                        continue;
+                    };
+                    if h.1.whole().is_none() {
+                        to_hash.push((Arc::clone(old), Arc::clone(&h.1)));
+                        slot.leaving.push((old.version(), Arc::downgrade(old)));
+                    }
+                }
             }
         }
         self.agent.notify();
@@ -804,10 +818,16 @@ impl SenderTransport for TcpSender {
             .collect();
         drop(self.announce(entries, false));
         // a retired version may be the last owner of its arena: unmapping hundreds of MiB
-        // takes tens of milliseconds, which publish need not wait for; rayon's pool (the
-        // one that hashed the version) drops it, so publishing starts no thread
+        // takes tens of milliseconds, which publish need not wait for; rayon's pool hashes
+        // what is left of it and drops it, so publishing starts no thread
         if !retired.is_empty() {
-            rayon::spawn(move || drop(retired));
+            let threads = std::thread::available_parallelism().map_or(1, usize::from);
+            rayon::spawn(move || {
+                for (ws, h) in to_hash {
+                    h.complete(&ws, threads);
+                }
+                drop(retired);
+            });
         }
         Ok(())
     }
