@@ -570,6 +570,22 @@ impl TcpSender {
     }
 }
 
+/// A delta compares checksums: what `r` needs is hashed first, off the state's lock, within
+/// `deadline` (left unfinished, the plan sends every byte).
+async fn hash_for_delta(a: &Agent, r: &TransferReq, deadline: tokio::time::Instant) {
+    let todo = a.delta_todo(r);
+    if todo.is_empty() {
+        return;
+    }
+    let threads = std::thread::available_parallelism().map_or(1, usize::from);
+    let hashing = tokio::task::spawn_blocking(move || {
+        for (h, ws) in todo {
+            h.complete(&ws, threads);
+        }
+    });
+    let _ = tokio::time::timeout_at(deadline, hashing).await;
+}
+
 fn register_handlers(node: &Node, agent: &Arc<Agent>, manifests: Manifests) {
     let target = agent.id;
     let a = Arc::clone(agent);
@@ -626,18 +642,7 @@ fn register_handlers(node: &Node, agent: &Arc<Agent>, manifests: Manifests) {
         let a = Arc::clone(&a);
         async move {
             let deadline = tokio::time::Instant::from_std(info.deadline);
-            // a delta compares checksums: what it needs is hashed first, off the state's
-            // lock, within the call's deadline (unfinished, the plan sends every byte)
-            let todo = a.delta_todo(&r);
-            if !todo.is_empty() {
-                let threads = std::thread::available_parallelism().map_or(1, usize::from);
-                let hashing = tokio::task::spawn_blocking(move || {
-                    for (h, ws) in todo {
-                        h.complete(&ws, threads);
-                    }
-                });
-                let _ = tokio::time::timeout_at(deadline, hashing).await;
-            }
+            hash_for_delta(&a, &r, deadline).await;
             let rx = a.changed.subscribe();
             // re-plan on every change; wake now and then too, for leases that expire
             let arm = || {
