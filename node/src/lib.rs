@@ -249,12 +249,7 @@ impl Node {
     /// # Errors
     /// [`Io`](refit_runtime::Error::Io) when the runtime cannot start or the address cannot be bound.
     pub fn start(config: NodeConfig) -> Result<Self> {
-        let runtime = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(config.threads.max(1))
-            .thread_name("refit-node")
-            .enable_all()
-            .build()
-            .map_err(|e| Error::io("starting the node runtime", e))?;
+        // the address first: a runtime dropped on a failure here, from async code, would panic
         let listener = std::net::TcpListener::bind(config.bind)
             .map_err(|e| Error::io(format!("binding {}", config.bind), e))?;
         listener
@@ -281,10 +276,23 @@ impl Node {
             owed: AtomicUsize::new(0),
             stopping: tokio::sync::watch::Sender::new(false),
         });
-        let listener = {
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(config.threads.max(1))
+            .thread_name("refit-node")
+            .enable_all()
+            .build()
+            .map_err(|e| Error::io("starting the node runtime", e))?;
+        let registered = {
             let _guard = runtime.enter();
             tokio::net::TcpListener::from_std(listener)
-                .map_err(|e| Error::io("registering the listener", e))?
+        };
+        let listener = match registered {
+            Ok(l) => l,
+            Err(e) => {
+                // never dropped whole: that panics when this is called from async code
+                runtime.shutdown_background();
+                return Err(Error::io("registering the listener", e));
+            }
         };
         runtime.spawn(server::accept_loop(Arc::clone(&shared), listener));
         tracing::debug!(%addr, %advertised, node = %shared.id, "node listening");
@@ -495,11 +503,16 @@ impl Node {
     /// get [`PeerGone`](refit_runtime::Error::PeerGone)); a call that already finished is
     /// answered first, so a caller whose call changed this node's state is told it did
     /// (waiting up to half a second for a peer that does not read; called on a thread of a
-    /// runtime, the node finishes stopping on a thread of its own). A second call waits for
-    /// the first.
+    /// runtime, the node finishes stopping on a thread of its own). A call that runs on, or
+    /// awaits after it stopped its own node, is dropped unanswered like any other.
     pub fn shutdown(&self) {
-        let mut runtime = self.inner.runtime.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(rt) = runtime.take() {
+        let rt = self
+            .inner
+            .runtime
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take();
+        if let Some(rt) = rt {
             stop(&self.inner.shared, rt);
         }
     }

@@ -94,6 +94,10 @@ async fn serve_conn(shared: Arc<Shared>, mut stream: TcpStream, peer: SocketAddr
         node: hello.node,
         deadline: Instant::now(),
     };
+    if *shared.stopping.borrow() {
+        // a stopping node starts nothing new
+        return;
+    }
     match hello.kind {
         ConnKind::Rpc => {
             if let Err(e) = rpc_loop(&shared, stream, info).await {
@@ -216,6 +220,10 @@ async fn rpc_loop(shared: &Arc<Shared>, stream: TcpStream, info: CallInfo) -> Re
             deadline: refit_runtime::scheme::deadline_in(timeout),
             ..info
         };
+        if *shared.stopping.borrow() {
+            // stopping: the frame is read and dropped (see below)
+            continue;
+        }
         let owed = Owed::new(shared);
         if *shared.stopping.borrow() {
             // a stopping node carries out no new call (counted first, so that the stop sees

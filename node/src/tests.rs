@@ -448,11 +448,16 @@ fn a_node_stopped_from_its_own_runtime_still_answers_and_takes_no_new_call() {
     let server = Node::loopback(token()).unwrap();
     let me = Uuid::new_v4();
     let calls = Arc::new(AtomicU64::new(0));
-    let (c, stopper) = (Arc::clone(&calls), server.clone());
+    // taken by the handler, so that no clone of the node stays inside its own handlers
+    let own = Arc::new(Mutex::new(Some(server.clone())));
+    let c = Arc::clone(&calls);
     // the handler stops its own node, on a worker of the node's runtime
     server.register(me, "stop", move |_, ()| {
         c.fetch_add(1, Ordering::AcqRel);
-        stopper.shutdown();
+        let node = own.lock().unwrap().take();
+        if let Some(node) = node {
+            node.shutdown();
+        }
         async move { Ok::<_, Error>(7u32) }
     });
     let client = Node::loopback(token()).unwrap();

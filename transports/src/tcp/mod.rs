@@ -8,9 +8,8 @@
 //!   a pull first asks for it (a stream hashes its next bucket while it writes this one), and
 //!   its header declares its pieces' checksums, so a trainer's publish returns at once and
 //!   the hashing overlaps the transfer. A delta compares checksums, so a delta's request has
-//!   the whole version (and its base) hashed first, within its deadline; a version leaving
-//!   the kept set whose checksums outlive it (as a delta base) is hashed whole in the
-//!   background before its bytes go.
+//!   the whole version (and its base) hashed first, within half its deadline (a base a
+//!   receiver holds was hashed whole on its way to it).
 //! - A **receiver** ([`TcpReceiver`]) registers with it, then for each version it is told
 //!   about (the sender calls `_receive_weights_scheme` on the receiver's node) asks for a
 //!   transfer in `full` or `delta` mode, pulls the bytes over several parallel streams,

@@ -15,14 +15,14 @@
 //! Publishing hashes nothing: a version is announced at once, and each bucket is hashed when
 //! it is first served, its header declaring its pieces' checksums ([`Hashes`]); so the hash
 //! overlaps the transfer. A delta needs every checksum of the version and of its base, so a
-//! delta's request hashes what is missing first, and a version leaving the kept set is
-//! hashed whole in the background before its bytes go (its checksums outlive it as a delta
-//! base).
+//! delta's request hashes what is missing first. A version a receiver holds was hashed
+//! whole on its way (served whole, or compared for a delta), so a base's checksums are whole
+//! after the sender lets its bytes go.
 
 use std::collections::{BTreeMap, VecDeque};
 use std::net::SocketAddr;
 use std::sync::atomic::Ordering;
-use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use refit_node::{CallInfo, ClusterToken, ConnId, Node, NodeConfig, Peer};
@@ -47,12 +47,10 @@ use super::{NAME, TcpConfig, TcpEndpoint, TcpReceiverSpec};
 struct ModelSlot {
     versions: VecDeque<Arc<WeightSet>>,
     /// Checksums of recent versions (pieces and buckets, cut by the plan), hashed a bucket
-    /// at a time as pulls ask for them; a version no longer kept is hashed whole in the
-    /// background when its checksums outlive it.
+    /// at a time as pulls ask for them. A version a receiver holds was hashed whole (served
+    /// whole, or compared for a delta), so the checksums of any version that can be a delta
+    /// base are whole, whether or not the sender still keeps its bytes.
     sums: VecDeque<(Version, Arc<Hashes>)>,
-    /// Versions no longer kept whose bytes the background hashing still holds: a delta's
-    /// request against one of them joins that hashing rather than finding it unfinished.
-    leaving: Vec<(Version, Weak<WeightSet>)>,
     /// The bucket plan (and its fingerprint) every version of the model travels by.
     plan: Option<(u64, Arc<BucketPlan>)>,
     /// Element-level encodings of recent versions against their bases, bucket by bucket,
@@ -183,10 +181,9 @@ impl Agent {
     }
 
     /// What a delta of `req` needs hashed and is not yet: every bucket of the version asked
-    /// for and of the base the receiver holds, with their bytes (kept, or still held by the
-    /// background hashing of a version leaving). Nothing for a request that cannot become a
-    /// delta: an unregistered receiver, another mode, no base, a base whose checksums are
-    /// gone or were cut by another plan.
+    /// for and of the base the receiver holds, with their bytes (where the sender keeps
+    /// them). Nothing for a request that cannot become a delta: an unregistered receiver,
+    /// another mode, no base, a base whose checksums are gone or were cut by another plan.
     fn delta_todo(&self, req: &TransferReq) -> Vec<(Arc<Hashes>, Arc<WeightSet>)> {
         let (TransferMode::Delta | TransferMode::Elements, Some(have)) = (req.mode, req.have)
         else {
@@ -207,16 +204,7 @@ impl Agent {
                 .map(|h| Arc::clone(&h.1))
                 .filter(|h| Some(h.plan_id()) == plan_id)
         };
-        let bytes = |v: Version| {
-            slot.versions
-                .iter()
-                .find(|w| w.version() == v)
-                .cloned()
-                .or_else(|| {
-                    let left = slot.leaving.iter().find(|(lv, _)| *lv == v)?;
-                    left.1.upgrade()
-                })
-        };
+        let bytes = |v: Version| slot.versions.iter().find(|w| w.version() == v).cloned();
         let (Some(new), Some(base)) = (hashes(req.version), hashes(have)) else {
             return Vec::new();
         };
@@ -571,19 +559,22 @@ impl TcpSender {
 }
 
 /// A delta compares checksums: what `r` needs is hashed first, off the state's lock, within
-/// `deadline` (left unfinished, the plan sends every byte).
+/// half the time left before `deadline` (left unfinished, the plan sends every byte, and the
+/// other half is for that plan to reach the receiver before it stops waiting).
 async fn hash_for_delta(a: &Agent, r: &TransferReq, deadline: tokio::time::Instant) {
     let todo = a.delta_todo(r);
     if todo.is_empty() {
         return;
     }
+    let now = tokio::time::Instant::now();
+    let by = now + deadline.saturating_duration_since(now) / 2;
     let threads = std::thread::available_parallelism().map_or(1, usize::from);
     let hashing = tokio::task::spawn_blocking(move || {
         for (h, ws) in todo {
             h.complete(&ws, threads);
         }
     });
-    let _ = tokio::time::timeout_at(deadline, hashing).await;
+    let _ = tokio::time::timeout_at(by, hashing).await;
 }
 
 fn register_handlers(node: &Node, agent: &Arc<Agent>, manifests: Manifests) {
@@ -783,9 +774,6 @@ impl SenderTransport for TcpSender {
             .collect::<Result<_>>()?;
         let keep = self.agent.cfg.keep_versions.max(1);
         let mut retired = Vec::new();
-        // versions leaving the kept set whose checksums outlive them (delta bases): hashed
-        // whole in the background (nothing to do for one whose every bucket was served)
-        let mut to_hash: Vec<(Arc<WeightSet>, Arc<Hashes>)> = Vec::new();
         {
             let history = self.agent.cfg.checksum_history.max(keep);
             let mut st = self.agent.lock();
@@ -804,16 +792,6 @@ impl SenderTransport for TcpSender {
                 while slot.sums.len() > history {
                     slot.sums.pop_front();
                 }
-                slot.leaving.retain(|(_, w)| w.strong_count() > 0);
-                for old in retired.iter().filter(|o| o.model() == w.model()) {
-                    let Some(h) = slot.sums.iter().find(|(v, _)| *v == old.version()) else {
-                        continue;
-                    };
-                    if h.1.whole().is_none() {
-                        to_hash.push((Arc::clone(old), Arc::clone(&h.1)));
-                        slot.leaving.push((old.version(), Arc::downgrade(old)));
-                    }
-                }
             }
         }
         self.agent.notify();
@@ -823,16 +801,10 @@ impl SenderTransport for TcpSender {
             .collect();
         drop(self.announce(entries, false));
         // a retired version may be the last owner of its arena: unmapping hundreds of MiB
-        // takes tens of milliseconds, which publish need not wait for; rayon's pool hashes
-        // what is left of it and drops it, so publishing starts no thread
+        // takes tens of milliseconds, which publish need not wait for; rayon's pool drops
+        // it, so publishing starts no thread
         if !retired.is_empty() {
-            let threads = std::thread::available_parallelism().map_or(1, usize::from);
-            rayon::spawn(move || {
-                for (ws, h) in to_hash {
-                    h.complete(&ws, threads);
-                }
-                drop(retired);
-            });
+            rayon::spawn(move || drop(retired));
         }
         Ok(())
     }
