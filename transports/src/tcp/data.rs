@@ -226,12 +226,9 @@ impl Hashes {
     }
 
     /// Hashes every bucket not hashed yet (in parallel on rayon's pool when `threads > 1`);
-    /// the version's whole sums.
-    pub(crate) fn complete(&self, ws: &WeightSet, threads: usize) -> Arc<Sums> {
+    /// the version's whole sums ([`Hashes::whole`]).
+    pub(crate) fn complete(&self, ws: &WeightSet, threads: usize) -> Option<Arc<Sums>> {
         use rayon::prelude::*;
-        if let Some(s) = self.whole.get() {
-            return Arc::clone(s);
-        }
         let todo: Vec<usize> = (0..self.len())
             .filter(|&i| self.hashed(i).is_none())
             .collect();
@@ -244,9 +241,7 @@ impl Hashes {
                 let _ = self.bucket(i, ws);
             }
         }
-        let hashed: Vec<&Hashed> = (0..self.len()).filter_map(|i| self.bucket(i, ws)).collect();
-        let sums = Arc::new(Sums::of_buckets(self.plan_id, hashed.into_iter()));
-        Arc::clone(self.whole.get_or_init(|| sums))
+        self.whole()
     }
 
     /// The version's whole sums, once every bucket is hashed (`None` before).
@@ -1374,7 +1369,7 @@ mod tests {
         assert_eq!(one.checksum, want.buckets[1]);
         assert!(lazy.whole().is_none(), "one bucket of {} hashed", p.len());
         assert!(lazy.bucket(p.len(), &ws).is_none(), "past the plan");
-        assert_eq!(*lazy.complete(&ws, 2), want);
+        assert_eq!(lazy.complete(&ws, 2).as_deref(), Some(&want));
         assert_eq!(lazy.whole().as_deref(), Some(&want));
         // every bucket hashed one by one: whole too
         let each = Hashes::new(Arc::clone(&p), 9);

@@ -71,7 +71,7 @@ pub(crate) struct Registered {
     pub(crate) latest: Vec<(ModelId, Version)>,
 }
 
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Serialize, Deserialize)]
 pub(crate) struct TransferReq {
     pub(crate) receiver: u32,
     pub(crate) model: ModelId,
