@@ -27,12 +27,13 @@ use crate::error::{Error, Result};
 use crate::link::WeightInlet;
 use crate::policy::{ActionOut, Policy};
 use crate::protocol::engine::{
-    AbortStage, Act, ActBatch, Acted, ActedBatch, CancelInFlight, CommitModel, Continue,
-    EngineStats, GetEngineStats, LoadReport, LoadWeights, Pause, ServedVersion, ServedVersions,
-    StageModel, StageReport, UpdateModel,
+    Act, ActBatch, Acted, ActedBatch, CancelInFlight, Continue, EngineStats, GetEngineStats,
+    LoadReport, LoadWeights, Pause, ServedVersion, ServedVersions,
 };
 
-use super::staging::{Committing, Holds, Stage, StagedVersion};
+use super::staging::{
+    Holds, Stage, StagedEngine, StagedVersion, StagingFuture, weight_plane_handlers,
+};
 use super::stale;
 use super::verify::{Damage, ServedHashes, Unverified};
 
@@ -40,16 +41,9 @@ type Waiter = oneshot::Sender<Result<ActedBatch>>;
 type SharedInlet = Arc<Mutex<Box<dyn WeightInlet>>>;
 type InletGuard = tokio::sync::OwnedMutexGuard<Box<dyn WeightInlet>>;
 
-/// What a fetch under the inlet lock brought.
-enum Fetched {
-    /// A version newer than the one served, with the lock (held until it is acknowledged).
-    New(InletGuard, Arc<WeightSet>),
-    /// Nothing newer than this version, which is served.
-    Served(Version),
-}
-
-/// A version staged for a commit ([`StageModel`]), holding the model's inlet lock.
-struct Held {
+/// A version staged (fetched newer than the one served), holding the model's inlet lock
+/// until it is acknowledged.
+pub(crate) struct Held {
     weights: Arc<WeightSet>,
     guard: InletGuard,
     /// Lock wait and fetch.
@@ -530,18 +524,34 @@ impl<P: Policy + Unpin + 'static> Handler<LoadWeights> for InferenceEngine<P> {
     }
 }
 
-impl<P: Policy + Unpin + 'static> InferenceEngine<P> {
+impl<P: Policy + Unpin + 'static> StagedEngine for InferenceEngine<P> {
+    type Held = Held;
+
+    fn holds(&mut self) -> &mut Holds<Held> {
+        &mut self.holds
+    }
+
+    fn staged_total(&mut self) -> &mut Duration {
+        &mut self.stats.staged_total
+    }
+
+    fn served(&self, model: &ModelId) -> Result<Version> {
+        self.models
+            .get(model)
+            .map(|s| s.version)
+            .ok_or_else(|| Error::Runtime(refit_runtime::Error::UnknownModel(model.clone())))
+    }
+
     /// Fetches `version` (or newer) of `model` through its inlet on a blocking thread,
-    /// under the model's inlet lock (`held`: the lock a staged version holds, else taken
-    /// here, FIFO). Answers what was fetched and the staging time (lock wait and fetch).
-    fn fetch_locked(
+    /// under the model's inlet lock (`held`'s, else taken here, FIFO, by `deadline`).
+    fn stage(
         &mut self,
-        model: ModelId,
+        model: &ModelId,
         version: Version,
-        timeout: Duration,
-        held: Option<InletGuard>,
-    ) -> ResponseActFuture<Self, (Result<Fetched>, Duration)> {
-        let inlet = match self.slot(&model).map(|s| s.inlet.clone()) {
+        deadline: Instant,
+        held: Option<Held>,
+    ) -> StagingFuture<Self> {
+        let inlet = match self.slot(model).map(|s| s.inlet.clone()) {
             Ok(Some(inlet)) => inlet,
             Ok(None) => {
                 let e = Error::Config(format!(
@@ -556,44 +566,64 @@ impl<P: Policy + Unpin + 'static> InferenceEngine<P> {
         let stage = async move {
             // The per-model lock: loads of one model are serialised, FIFO.
             let mut guard = match held {
-                Some(g) => g,
-                None => inlet.lock_owned().await,
+                Some(h) => h.guard,
+                None => {
+                    let wait = deadline.saturating_duration_since(started);
+                    let lock = actix_rt::time::timeout(wait, inlet.lock_owned()).await;
+                    lock.map_err(|_| {
+                        Error::Runtime(refit_runtime::Error::Timeout {
+                            what: format!(
+                                "model `{fetch_model}`: waiting for an earlier load of the model"
+                            ),
+                            after: wait,
+                        })
+                    })?
+                }
             };
             let fetched = actix_rt::task::spawn_blocking(move || {
+                let left = deadline.saturating_duration_since(Instant::now());
                 let r = guard
-                    .fetch(&fetch_model, version, timeout)
+                    .fetch(&fetch_model, version, left)
                     .map_err(Error::from);
                 (guard, r)
             })
             .await;
             fetched.map_err(|e| Error::Actor(format!("weight fetch thread failed: {e}")))
         };
+        let model = model.clone();
         Box::pin(stage.into_actor(self).map(move |fetched, act, _| {
             let staged = started.elapsed();
-            act.stats.staged_total += staged;
             let current = act.slot(&model).map(|s| s.version);
             let r = match (fetched, current) {
-                (Ok((guard, Ok(w))), Ok(current)) if w.version() > current => {
-                    Ok(Fetched::New(guard, w))
+                (Ok((guard, Ok(weights))), Ok(current)) if weights.version() > current => {
+                    Ok(Stage::New(Held {
+                        weights,
+                        guard,
+                        staged,
+                    }))
                 }
                 // a newer version already landed through an earlier load
-                (Ok((_, Ok(_))), Ok(current)) => Ok(Fetched::Served(current)),
+                (Ok((_, Ok(_))), Ok(current)) => Ok(Stage::Served(current)),
                 (Ok((_, Err(e))), _) | (Err(e), _) | (_, Err(e)) => Err(e),
             };
             (r, staged)
         }))
     }
 
-    /// Serves fetched `weights`: applies them (the model paused), then acknowledges them to
-    /// the sender under the inlet lock `guard` (an ack means served: the requests that
-    /// queued during the apply were answered by it first).
-    fn commit_fetched(
+    /// Applies the staged weights (the model paused), then acknowledges them to the sender
+    /// under the inlet lock (an ack means served: the requests that queued during the
+    /// apply were answered by it first).
+    fn commit(
         &mut self,
-        guard: InletGuard,
-        weights: Arc<WeightSet>,
-        staged: Duration,
+        model: ModelId,
+        held: Held,
+        _deadline: Instant,
     ) -> ResponseActFuture<Self, Result<LoadReport>> {
-        let model = weights.model().clone();
+        let Held {
+            weights,
+            guard,
+            staged,
+        } = held;
         Box::pin(self.apply(weights).then(move |paused, act, _| {
             let served = act.slot(&model).map(|s| s.version);
             let (applied, version, mut guard) = match (paused, served) {
@@ -618,84 +648,7 @@ impl<P: Policy + Unpin + 'static> InferenceEngine<P> {
     }
 }
 
-impl<P: Policy + Unpin + 'static> Handler<UpdateModel> for InferenceEngine<P> {
-    type Result = ResponseActFuture<Self, Result<LoadReport>>;
-
-    fn handle(&mut self, msg: UpdateModel, ctx: &mut Context<Self>) -> Self::Result {
-        let UpdateModel {
-            model,
-            version,
-            timeout,
-        } = msg;
-        // a version staged for a commit that never came gives its lock to this load
-        let held = self.holds.take(&model, ctx).map(|h| h.guard);
-        Box::pin(
-            self.fetch_locked(model.clone(), version, timeout, held)
-                .then(move |(fetched, staged), act, _| match fetched {
-                    Ok(Fetched::New(guard, weights)) => act.commit_fetched(guard, weights, staged),
-                    Ok(Fetched::Served(current)) => Box::pin(fut::ready(Ok(
-                        LoadReport::already_served(model, current, staged),
-                    ))),
-                    Err(e) => Box::pin(fut::ready(Err(e))),
-                }),
-        )
-    }
-}
-
-impl<P: Policy + Unpin + 'static> Handler<StageModel> for InferenceEngine<P> {
-    type Result = ResponseActFuture<Self, Result<StageReport>>;
-
-    fn handle(&mut self, msg: StageModel, ctx: &mut Context<Self>) -> Self::Result {
-        let StageModel {
-            model,
-            version,
-            timeout,
-            hold,
-        } = msg;
-        let held = self.holds.take(&model, ctx).map(|h| h.guard);
-        Box::pin(
-            self.fetch_locked(model.clone(), version, timeout, held)
-                .map(move |(fetched, staged), act, ctx| {
-                    let stage = match fetched? {
-                        Fetched::Served(current) => Stage::Served(current),
-                        Fetched::New(guard, weights) => Stage::New(Held {
-                            weights,
-                            guard,
-                            staged,
-                        }),
-                    };
-                    Ok(act
-                        .holds
-                        .staged(model, stage, staged, hold, ctx, |a| &mut a.holds))
-                }),
-        )
-    }
-}
-
-impl<P: Policy + Unpin + 'static> Handler<CommitModel> for InferenceEngine<P> {
-    type Result = ResponseActFuture<Self, Result<LoadReport>>;
-
-    fn handle(&mut self, msg: CommitModel, ctx: &mut Context<Self>) -> Self::Result {
-        let CommitModel { model, version, .. } = msg;
-        let served = match self.slot(&model) {
-            Ok(s) => s.version,
-            Err(e) => return Box::pin(fut::ready(Err(e))),
-        };
-        match self.holds.commit(&model, version, served, ctx) {
-            Ok(Committing::Apply(h)) => self.commit_fetched(h.guard, h.weights, h.staged),
-            Ok(Committing::Served(report)) => Box::pin(fut::ready(Ok(report))),
-            Err(e) => Box::pin(fut::ready(Err(e))),
-        }
-    }
-}
-
-impl<P: Policy + Unpin + 'static> Handler<AbortStage> for InferenceEngine<P> {
-    type Result = ();
-
-    fn handle(&mut self, msg: AbortStage, ctx: &mut Context<Self>) {
-        drop(self.holds.take(&msg.model, ctx));
-    }
-}
+weight_plane_handlers!(impl[P: Policy + Unpin + 'static] InferenceEngine<P>);
 
 impl<P: Policy + Unpin + 'static> Handler<ServedVersion> for InferenceEngine<P> {
     type Result = MessageResult<ServedVersion>;

@@ -1,17 +1,222 @@
-//! The stage-then-commit life-cycle both engine families share: a version staged for a
-//! fleet-wide commit is held (with its model's load lock) until the controller commits or
-//! aborts it, or its hold runs out; a commit applies the version held, finds it served
-//! already, or is refused naming both versions. What differs between the families is how a
-//! version is staged and applied, not this bookkeeping.
+//! The weight plane every engine shares: a load ([`UpdateModel`]) stages a version and
+//! serves it; a fleet-wide update stages it ([`StageModel`]) and holds it (with its model's
+//! load lock) until the controller commits ([`CommitModel`]) or aborts ([`AbortStage`]) it,
+//! or its hold runs out; a commit applies the version held, finds it served already, or is
+//! refused naming both versions.
+//!
+//! An engine says only how it stages a version and how it serves one it staged
+//! ([`StagedEngine`]); the four handlers are written once, here, and
+//! [`weight_plane_handlers!`] implements them for an engine actor.
 
 use std::collections::BTreeMap;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use actix::prelude::*;
+use refit_runtime::metrics::{self, Side};
 use refit_runtime::{ModelId, Version};
 
 use crate::error::{Error, Result};
-use crate::protocol::engine::{LoadReport, StageReport};
+use crate::protocol::engine::{
+    AbortStage, CommitModel, LoadReport, StageModel, StageReport, UpdateModel,
+};
+
+/// An engine's side of the weight plane: how it stages a version, and how it serves one it
+/// staged. The handlers of [`UpdateModel`], [`StageModel`], [`CommitModel`] and
+/// [`AbortStage`] are the functions of this module over it ([`weight_plane_handlers!`]).
+pub(crate) trait StagedEngine: Actor<Context = Context<Self>> {
+    /// A version staged and held for its commit, with its model's load lock.
+    type Held: StagedVersion + 'static;
+
+    /// The versions held for their commits.
+    fn holds(&mut self) -> &mut Holds<Self::Held>;
+
+    /// Where the engine counts the time its stages took (its statistics).
+    fn staged_total(&mut self) -> &mut Duration;
+
+    /// The version of `model` served now.
+    ///
+    /// # Errors
+    /// A model the engine does not load (unknown, or one that loads nothing itself).
+    fn served(&self, model: &ModelId) -> Result<Version>;
+
+    /// Takes `model`'s load lock (that of `held`, a version staged before and never
+    /// committed, whose staged bytes are dropped; otherwise waited for by `deadline`), then
+    /// fetches and stages `version` or a newer one beside what the engine serves. Answers
+    /// what staging found and how long the lock wait, fetch and stage took (counted by the
+    /// caller, also when staging failed).
+    fn stage(
+        &mut self,
+        model: &ModelId,
+        version: Version,
+        deadline: Instant,
+        held: Option<Self::Held>,
+    ) -> StagingFuture<Self>;
+
+    /// Serves `held`, a version of `model` staged newer than the one served, then
+    /// acknowledges it to its sender (an ack means served), by `deadline` where the engine
+    /// waits for anything. A failure is counted in the metrics here.
+    fn commit(
+        &mut self,
+        model: ModelId,
+        held: Self::Held,
+        deadline: Instant,
+    ) -> ResponseActFuture<Self, Result<LoadReport>>;
+}
+
+/// What an engine's stage answers: what staging found, and how long it took.
+pub(crate) type StagingFuture<A> =
+    ResponseActFuture<A, (Result<Stage<<A as StagedEngine>::Held>>, Duration)>;
+
+/// A load: stages the version (taking the lock of one staged for a commit that never came)
+/// and serves it, all by the message's deadline.
+pub(crate) fn update_model<A: StagedEngine>(
+    act: &mut A,
+    msg: UpdateModel,
+    ctx: &mut Context<A>,
+) -> ResponseActFuture<A, Result<LoadReport>> {
+    let UpdateModel {
+        model,
+        version,
+        timeout,
+    } = msg;
+    let held = act.holds().take(&model, ctx);
+    let deadline = Instant::now() + timeout;
+    Box::pin(
+        act.stage(&model, version, deadline, held)
+            .then(move |(r, staged), act, _| {
+                *act.staged_total() += staged;
+                match r {
+                    Ok(Stage::New(h)) => act.commit(model, h, deadline),
+                    Ok(Stage::Served(current)) => Box::pin(fut::ready(Ok(
+                        LoadReport::already_served(model, current, staged),
+                    ))),
+                    Err(e) => {
+                        metrics::failed(Side::Engine, "engine");
+                        Box::pin(fut::ready(Err(e)))
+                    }
+                }
+            }),
+    )
+}
+
+/// A fleet-wide update's stage: what staging found is held for its commit ([`Holds::staged`]).
+pub(crate) fn stage_model<A: StagedEngine>(
+    act: &mut A,
+    msg: StageModel,
+    ctx: &mut Context<A>,
+) -> ResponseActFuture<A, Result<StageReport>> {
+    let StageModel {
+        model,
+        version,
+        timeout,
+        hold,
+    } = msg;
+    let held = act.holds().take(&model, ctx);
+    let deadline = Instant::now() + timeout;
+    Box::pin(
+        act.stage(&model, version, deadline, held)
+            .map(move |(r, staged), act, ctx| {
+                *act.staged_total() += staged;
+                let stage = r?;
+                Ok(act
+                    .holds()
+                    .staged(model, stage, staged, hold, ctx, A::holds))
+            }),
+    )
+}
+
+/// A fleet-wide update's commit ([`Holds::commit`]): serves the version held, by the
+/// message's deadline.
+pub(crate) fn commit_model<A: StagedEngine>(
+    act: &mut A,
+    msg: CommitModel,
+    ctx: &mut Context<A>,
+) -> ResponseActFuture<A, Result<LoadReport>> {
+    let CommitModel {
+        model,
+        version,
+        timeout,
+    } = msg;
+    let served = match act.served(&model) {
+        Ok(v) => v,
+        Err(e) => return Box::pin(fut::ready(Err(e))),
+    };
+    match act.holds().commit(&model, version, served, ctx) {
+        Ok(Committing::Apply(h)) => act.commit(model, h, Instant::now() + timeout),
+        Ok(Committing::Served(report)) => Box::pin(fut::ready(Ok(report))),
+        // what was staged is dropped with its hold
+        Err(e) => Box::pin(fut::ready(Err(e))),
+    }
+}
+
+/// A fleet-wide update's abort: what was staged is dropped with its hold.
+pub(crate) fn abort_stage<A: StagedEngine>(act: &mut A, msg: &AbortStage, ctx: &mut Context<A>) {
+    drop(act.holds().take(&msg.model, ctx));
+}
+
+/// Implements the weight plane's four handlers for an engine actor that is a
+/// [`StagedEngine`]: `weight_plane_handlers!(impl[P: Policy] InferenceEngine<P>);`.
+macro_rules! weight_plane_handlers {
+    (impl[$($generics:tt)*] $engine:ty) => {
+        impl<$($generics)*> ::actix::Handler<$crate::protocol::engine::UpdateModel> for $engine {
+            type Result = ::actix::ResponseActFuture<
+                Self,
+                $crate::error::Result<$crate::protocol::engine::LoadReport>,
+            >;
+
+            fn handle(
+                &mut self,
+                msg: $crate::protocol::engine::UpdateModel,
+                ctx: &mut ::actix::Context<Self>,
+            ) -> Self::Result {
+                $crate::actor::staging::update_model(self, msg, ctx)
+            }
+        }
+
+        impl<$($generics)*> ::actix::Handler<$crate::protocol::engine::StageModel> for $engine {
+            type Result = ::actix::ResponseActFuture<
+                Self,
+                $crate::error::Result<$crate::protocol::engine::StageReport>,
+            >;
+
+            fn handle(
+                &mut self,
+                msg: $crate::protocol::engine::StageModel,
+                ctx: &mut ::actix::Context<Self>,
+            ) -> Self::Result {
+                $crate::actor::staging::stage_model(self, msg, ctx)
+            }
+        }
+
+        impl<$($generics)*> ::actix::Handler<$crate::protocol::engine::CommitModel> for $engine {
+            type Result = ::actix::ResponseActFuture<
+                Self,
+                $crate::error::Result<$crate::protocol::engine::LoadReport>,
+            >;
+
+            fn handle(
+                &mut self,
+                msg: $crate::protocol::engine::CommitModel,
+                ctx: &mut ::actix::Context<Self>,
+            ) -> Self::Result {
+                $crate::actor::staging::commit_model(self, msg, ctx)
+            }
+        }
+
+        impl<$($generics)*> ::actix::Handler<$crate::protocol::engine::AbortStage> for $engine {
+            type Result = ();
+
+            fn handle(
+                &mut self,
+                msg: $crate::protocol::engine::AbortStage,
+                ctx: &mut ::actix::Context<Self>,
+            ) {
+                $crate::actor::staging::abort_stage(self, &msg, ctx);
+            }
+        }
+    };
+}
+pub(crate) use weight_plane_handlers;
 
 /// A version staged and held for its commit.
 pub(crate) trait StagedVersion {
@@ -105,27 +310,6 @@ impl<H: StagedVersion + 'static> Holds<H> {
             fresh,
             staged,
         }
-    }
-
-    /// Answers a [`StageModel`](crate::protocol::engine::StageModel) once `staging` (what
-    /// staging found, and how long it took) ends: the time counted in `staged_total`, a new
-    /// version held for its commit ([`Holds::staged`]).
-    pub(crate) fn answer_stage<A>(
-        staging: impl std::future::Future<Output = (Result<Stage<H>>, Duration)> + 'static,
-        model: ModelId,
-        hold: Duration,
-        act: &A,
-        holds: fn(&mut A) -> &mut Self,
-        staged_total: fn(&mut A) -> &mut Duration,
-    ) -> ResponseActFuture<A, Result<StageReport>>
-    where
-        A: Actor<Context = Context<A>>,
-    {
-        Box::pin(staging.into_actor(act).map(move |(r, staged), act, ctx| {
-            *staged_total(act) += staged;
-            let stage = r?;
-            Ok(holds(act).staged(model, stage, staged, hold, ctx, holds))
-        }))
     }
 
     /// Takes what is held for `model` (its expiry disarmed): for its commit, or to drop it

@@ -48,13 +48,14 @@ use refit_runtime::metrics::Side;
 use refit_runtime::{Manifest, ModelId, Version, WeightSet};
 use tokio::sync::{OwnedMutexGuard, oneshot};
 
-use crate::actor::staging::{Committing, Holds, Stage, StagedVersion};
+use crate::actor::staging::{
+    Holds, Stage, StagedEngine, StagedVersion, StagingFuture, weight_plane_handlers,
+};
 use crate::error::{Error, Result};
 use crate::generation::{Completion, PauseMode};
 use crate::link::WeightInlet;
 use crate::protocol::engine::{
-    AbortStage, CancelInFlight, CommitModel, EngineStats, Generate, GetEngineStats, LoadReport,
-    Score, ServedVersions, StageModel, StageReport, UpdateModel,
+    CancelInFlight, EngineStats, Generate, GetEngineStats, LoadReport, Score, ServedVersions,
 };
 
 use batches::{Pending, Request};
@@ -211,7 +212,7 @@ struct Slot {
 }
 
 /// A version staged and held for its commit, with its model's load lock.
-struct Held {
+pub(crate) struct Held {
     /// The lock (taken by its commit, or by the load that takes its place).
     guard: Option<OwnedMutexGuard<Slot>>,
     version: Version,
@@ -361,16 +362,6 @@ impl<B: EngineBackend> BackendEngine<B> {
             .get(model)
             .cloned()
             .ok_or_else(|| Error::Runtime(refit_runtime::Error::UnknownModel(model.clone())))
-    }
-
-    /// The load lock of a version staged for a commit that never came, for the load or
-    /// stage that takes its place (the backend drops that version first, with its hold).
-    fn take_lock(
-        &mut self,
-        model: &ModelId,
-        ctx: &mut Context<Self>,
-    ) -> Option<OwnedMutexGuard<Slot>> {
-        self.holds.take(model, ctx).and_then(|mut h| h.guard.take())
     }
 
     fn job(&self, model: &ModelId) -> Result<Job<B>> {
@@ -655,97 +646,50 @@ impl<B: EngineBackend> BackendEngine<B> {
     }
 }
 
-impl<B: EngineBackend> Handler<UpdateModel> for BackendEngine<B> {
-    type Result = ResponseActFuture<Self, Result<LoadReport>>;
+impl<B: EngineBackend> StagedEngine for BackendEngine<B> {
+    type Held = Held;
 
-    fn handle(&mut self, msg: UpdateModel, ctx: &mut Context<Self>) -> Self::Result {
-        let job = match self.job(&msg.model) {
-            Ok(j) => j,
-            Err(e) => return Box::pin(fut::ready(Err(e))),
-        };
-        let held = self.take_lock(&msg.model, ctx);
-        let deadline = Instant::now() + msg.timeout;
-        let load = async move {
-            let (staging, staged) = job.stage(msg.version, deadline, held).await;
-            let r = match staging {
-                Ok(Stage::New(h)) => job.commit(h, deadline).await.map(Some),
-                Ok(Stage::Served(_)) => Ok(None),
-                Err(e) => Err(e),
-            };
-            (r, staged, job)
-        };
-        Box::pin(
-            load.into_actor(self)
-                .map(move |(r, staged, job), act, ctx| {
-                    act.stats.staged_total += staged;
-                    act.start_batch(ctx);
-                    if r.is_err() {
-                        refit_runtime::metrics::failed(Side::Engine, "engine");
-                    }
-                    match r {
-                        Ok(Some(c)) => Ok(act.committed(job.model, staged, c)),
-                        Ok(None) => Ok(LoadReport::already_served(
-                            job.model.clone(),
-                            served_of(&act.served, &job.model),
-                            staged,
-                        )),
-                        Err(e) => Err(e),
-                    }
-                }),
-        )
+    fn holds(&mut self) -> &mut Holds<Held> {
+        &mut self.holds
     }
-}
 
-impl<B: EngineBackend> Handler<StageModel> for BackendEngine<B> {
-    type Result = ResponseActFuture<Self, Result<StageReport>>;
-
-    fn handle(&mut self, msg: StageModel, ctx: &mut Context<Self>) -> Self::Result {
-        let job = match self.job(&msg.model) {
-            Ok(j) => j,
-            Err(e) => return Box::pin(fut::ready(Err(e))),
-        };
-        let held = self.take_lock(&msg.model, ctx);
-        let StageModel {
-            model,
-            version,
-            timeout,
-            hold,
-        } = msg;
-        let deadline = Instant::now() + timeout;
-        let staging = async move { job.stage(version, deadline, held).await };
-        Holds::answer_stage(
-            staging,
-            model,
-            hold,
-            self,
-            |a| &mut a.holds,
-            |a| &mut a.stats.staged_total,
-        )
+    fn staged_total(&mut self) -> &mut Duration {
+        &mut self.stats.staged_total
     }
-}
 
-impl<B: EngineBackend> Handler<CommitModel> for BackendEngine<B> {
-    type Result = ResponseActFuture<Self, Result<LoadReport>>;
+    fn served(&self, model: &ModelId) -> Result<Version> {
+        self.slot(model)?;
+        Ok(served_of(&self.served, model))
+    }
 
-    fn handle(&mut self, msg: CommitModel, ctx: &mut Context<Self>) -> Self::Result {
-        let CommitModel {
-            model,
-            version,
-            timeout,
-        } = msg;
+    /// The backend drops what `held` staged ([`EngineBackend::abort`]) and its lock goes
+    /// to this stage.
+    fn stage(
+        &mut self,
+        model: &ModelId,
+        version: Version,
+        deadline: Instant,
+        held: Option<Held>,
+    ) -> StagingFuture<Self> {
+        let job = match self.job(model) {
+            Ok(j) => j,
+            Err(e) => return Box::pin(fut::ready((Err(e), Duration::ZERO))),
+        };
+        let held = held.and_then(|mut h| h.guard.take());
+        Box::pin(async move { job.stage(version, deadline, held).await }.into_actor(self))
+    }
+
+    fn commit(
+        &mut self,
+        model: ModelId,
+        held: Held,
+        deadline: Instant,
+    ) -> ResponseActFuture<Self, Result<LoadReport>> {
         let job = match self.job(&model) {
             Ok(j) => j,
             Err(e) => return Box::pin(fut::ready(Err(e))),
         };
-        let served = served_of(&self.served, &model);
-        let held = match self.holds.commit(&model, version, served, ctx) {
-            Ok(Committing::Apply(h)) => h,
-            Ok(Committing::Served(report)) => return Box::pin(fut::ready(Ok(report))),
-            // what was staged is dropped with its hold
-            Err(e) => return Box::pin(fut::ready(Err(e))),
-        };
         let staged = held.staged;
-        let deadline = Instant::now() + timeout;
         let commit = async move { job.commit(held, deadline).await };
         Box::pin(commit.into_actor(self).map(move |r, act, ctx| {
             act.start_batch(ctx);
@@ -757,14 +701,7 @@ impl<B: EngineBackend> Handler<CommitModel> for BackendEngine<B> {
     }
 }
 
-impl<B: EngineBackend> Handler<AbortStage> for BackendEngine<B> {
-    type Result = ();
-
-    /// What was staged is dropped with its hold (the backend's `abort`).
-    fn handle(&mut self, msg: AbortStage, ctx: &mut Context<Self>) {
-        drop(self.holds.take(&msg.model, ctx));
-    }
-}
+weight_plane_handlers!(impl[B: EngineBackend] BackendEngine<B>);
 
 impl<B: EngineBackend> Handler<CancelInFlight> for BackendEngine<B> {
     type Result = u64;

@@ -50,10 +50,10 @@ enum Staged<W> {
     Served(Version),
 }
 
-pub(super) type Guard<G> = OwnedMutexGuard<Loader<G>>;
+pub(crate) type Guard<G> = OwnedMutexGuard<Loader<G>>;
 
 /// A version staged and held for its swap, with the model's load lock.
-pub(super) struct Held<G: Generator> {
+pub(crate) struct Held<G: Generator> {
     guard: Guard<G>,
     weights: Arc<G::Weights>,
     pub(super) version: Version,

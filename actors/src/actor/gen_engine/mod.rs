@@ -21,7 +21,7 @@ mod verify;
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use actix::prelude::*;
 use refit_runtime::topology::Verify;
@@ -34,10 +34,10 @@ use crate::generation::{Completion, Generator, PauseMode};
 use crate::link::WeightInlet;
 use crate::scheduler::{Scheduler, SchedulerConfig, SchedulerStats};
 
-use super::staging::{Committing, Holds};
+use super::staging::{Holds, StagedEngine, StagingFuture, weight_plane_handlers};
 use crate::protocol::engine::{
-    AbortStage, CancelInFlight, CommitModel, EngineStats, Generate, GetEngineStats, LoadReport,
-    LoadWeights, Score, ServedVersions, StageModel, StageReport, UpdateModel,
+    CancelInFlight, EngineStats, Generate, GetEngineStats, LoadReport, LoadWeights, Score,
+    ServedVersions,
 };
 use decode_loop::{Command, Commands, Shared};
 use load::{Held, LoadJob, Source};
@@ -494,77 +494,48 @@ impl<G: Generator> Handler<Score> for GenerationEngine<G> {
     }
 }
 
-impl<G: Generator> Handler<UpdateModel> for GenerationEngine<G> {
-    type Result = ResponseActFuture<Self, Result<LoadReport>>;
+impl<G: Generator> StagedEngine for GenerationEngine<G> {
+    type Held = Held<G>;
 
-    fn handle(&mut self, msg: UpdateModel, ctx: &mut Context<Self>) -> Self::Result {
-        let job = match self.job(&msg.model) {
-            Ok(j) => j,
-            Err(e) => return Box::pin(fut::ready(Err(e))),
-        };
-        // a version staged for a commit that never came gives its lock to this load
-        let held = self.holds.take(&msg.model, ctx).map(Held::into_guard);
-        let source = Source::Inlet {
-            version: msg.version,
-        };
-        Box::pin(job.run(source, msg.timeout, held).into_actor(self).map(
-            |(report, staged), act, _| {
-                act.stats.staged_total += staged;
-                report
-            },
-        ))
+    fn holds(&mut self) -> &mut Holds<Held<G>> {
+        &mut self.holds
     }
-}
 
-impl<G: Generator> Handler<StageModel> for GenerationEngine<G> {
-    type Result = ResponseActFuture<Self, Result<StageReport>>;
-
-    fn handle(&mut self, msg: StageModel, ctx: &mut Context<Self>) -> Self::Result {
-        let job = match self.job(&msg.model) {
-            Ok(j) => j,
-            Err(e) => return Box::pin(fut::ready(Err(e))),
-        };
-        let held = self.holds.take(&msg.model, ctx).map(Held::into_guard);
-        let StageModel {
-            model,
-            version,
-            timeout,
-            hold,
-        } = msg;
-        let source = Source::Inlet { version };
-        let deadline = std::time::Instant::now() + timeout;
-        let staging = async move { job.stage(source, deadline, held).await };
-        Holds::answer_stage(
-            staging,
-            model,
-            hold,
-            self,
-            |a| &mut a.holds,
-            |a| &mut a.stats.staged_total,
-        )
+    fn staged_total(&mut self) -> &mut Duration {
+        &mut self.stats.staged_total
     }
-}
 
-impl<G: Generator> Handler<CommitModel> for GenerationEngine<G> {
-    type Result = ResponseActFuture<Self, Result<LoadReport>>;
+    /// Refused for a follower, which loads nothing itself.
+    fn served(&self, model: &ModelId) -> Result<Version> {
+        Ok(self.job(model)?.served().unwrap_or(Version::ZERO))
+    }
 
-    fn handle(&mut self, msg: CommitModel, ctx: &mut Context<Self>) -> Self::Result {
-        let CommitModel {
-            model,
-            version,
-            timeout,
-        } = msg;
+    fn stage(
+        &mut self,
+        model: &ModelId,
+        version: Version,
+        deadline: Instant,
+        held: Option<Held<G>>,
+    ) -> StagingFuture<Self> {
+        let job = match self.job(model) {
+            Ok(j) => j,
+            Err(e) => return Box::pin(fut::ready((Err(e), Duration::ZERO))),
+        };
+        let (source, held) = (Source::Inlet { version }, held.map(Held::into_guard));
+        Box::pin(async move { job.stage(source, deadline, held).await }.into_actor(self))
+    }
+
+    /// Offers the version to the decoding thread and waits for its swap.
+    fn commit(
+        &mut self,
+        model: ModelId,
+        held: Held<G>,
+        deadline: Instant,
+    ) -> ResponseActFuture<Self, Result<LoadReport>> {
         let job = match self.job(&model) {
             Ok(j) => j,
             Err(e) => return Box::pin(fut::ready(Err(e))),
         };
-        let served = job.served().unwrap_or(Version::ZERO);
-        let held = match self.holds.commit(&model, version, served, ctx) {
-            Ok(Committing::Apply(h)) => h,
-            Ok(Committing::Served(report)) => return Box::pin(fut::ready(Ok(report))),
-            Err(e) => return Box::pin(fut::ready(Err(e))),
-        };
-        let deadline = std::time::Instant::now() + timeout;
         let commit = async move {
             let r = job.commit(held, deadline).await;
             if r.is_err() {
@@ -576,13 +547,7 @@ impl<G: Generator> Handler<CommitModel> for GenerationEngine<G> {
     }
 }
 
-impl<G: Generator> Handler<AbortStage> for GenerationEngine<G> {
-    type Result = ();
-
-    fn handle(&mut self, msg: AbortStage, ctx: &mut Context<Self>) {
-        drop(self.holds.take(&msg.model, ctx));
-    }
-}
+weight_plane_handlers!(impl[G: Generator] GenerationEngine<G>);
 
 impl<G: Generator> Handler<LoadWeights> for GenerationEngine<G> {
     type Result = ResponseActFuture<Self, Result<Version>>;
