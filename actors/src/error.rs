@@ -152,6 +152,18 @@ impl Error {
             reason: reason.into(),
         }
     }
+
+    /// A request to a local actor that got no answer: past its deadline `after` (a
+    /// timeout naming `what`), or to an actor that stopped.
+    #[cfg(feature = "actix")]
+    pub(crate) fn unanswered(e: actix::MailboxError, after: Duration, what: String) -> Self {
+        match e {
+            actix::MailboxError::Timeout => {
+                Self::Runtime(refit_runtime::Error::Timeout { what, after })
+            }
+            actix::MailboxError::Closed => Self::Actor(format!("{what}: it stopped")),
+        }
+    }
 }
 
 /// What the RL layer reports keeps its variant where the actor layer has the same one, so

@@ -164,20 +164,12 @@ pub(crate) async fn deliver(
     .timeout(timeout)
     .await
     .map_err(|e| {
-        unanswered(
+        Error::unanswered(
             e,
             timeout,
             format!("the trajectory pool of model `{model}`"),
         )
     })
-}
-
-/// A request that got no answer: past its deadline, or to an actor that stopped.
-pub(crate) fn unanswered(e: MailboxError, after: Duration, what: String) -> Error {
-    match e {
-        MailboxError::Timeout => Error::Runtime(refit_runtime::Error::Timeout { what, after }),
-        MailboxError::Closed => Error::Actor(format!("{what}: it stopped")),
-    }
 }
 
 #[derive(Debug, Message)]

@@ -15,7 +15,7 @@ use crate::error::{Error, Result};
 use crate::generation::{Completion, Finish, SamplingParams, Token};
 use crate::task::Task;
 
-use super::fragments::{FragmentLoop, Fragments, Outcome, deliver, unanswered};
+use super::fragments::{FragmentLoop, Fragments, Outcome, deliver};
 use crate::protocol::controller::{Admission, AwaitRollout, ControllerLink};
 use crate::protocol::engine::{Generate, Score};
 use crate::protocol::pool::PushFragment;
@@ -112,7 +112,7 @@ pub(crate) async fn generate_whole<M: CompletionRequest>(
             .timeout(timeout)
             .await
             .map_err(|e| {
-                unanswered(
+                Error::unanswered(
                     e,
                     timeout,
                     format!("the engine to {} for model `{model}`", M::DOING),
@@ -331,7 +331,7 @@ async fn admit(cfg: &GenRolloutConfig, controller: &ControllerLink) -> Result<Ad
         .timeout(cfg.admission_timeout)
         .await
         .map_err(|e| {
-            unanswered(
+            Error::unanswered(
                 e,
                 cfg.admission_timeout,
                 format!("the controller to admit a rollout of model `{}`", cfg.model),

@@ -14,7 +14,7 @@ use crate::protocol::controller::{AwaitRollout, ControllerLink};
 use crate::protocol::engine::ActBatch;
 use crate::protocol::pool::PushFragment;
 
-use super::fragments::{FragmentLoop, Fragments, Outcome, deliver, unanswered};
+use super::fragments::{FragmentLoop, Fragments, Outcome, deliver};
 
 /// A vector of environments stepped together, with per-episode bookkeeping (an acting
 /// rollout worker's state).
@@ -260,7 +260,7 @@ async fn run_fragment<E: Env>(
             .timeout(cfg.timeout)
             .await
             .map_err(|e| {
-                unanswered(
+                Error::unanswered(
                     e,
                     cfg.timeout,
                     format!("the engine to act for model `{}`", cfg.model),

@@ -80,15 +80,9 @@ fn save_now(
     checkpoint::write(cfg, model, &state)
 }
 
-/// A request that got no answer: past its deadline, or to an actor that stopped.
+/// A request to one of `model`'s actors (`what`) that got no answer.
 fn unanswered(model: &ModelId, what: &str, e: MailboxError, after: Duration) -> Error {
-    match e {
-        MailboxError::Timeout => Error::Runtime(refit_runtime::Error::Timeout {
-            what: format!("the {what} of model `{model}`"),
-            after,
-        }),
-        MailboxError::Closed => Error::Actor(format!("the {what} of model `{model}` stopped")),
-    }
+    Error::unanswered(e, after, format!("the {what} of model `{model}`"))
 }
 
 /// What rank 0's log line says of the update `record` (its held-out score is added once
