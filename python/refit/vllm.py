@@ -1379,7 +1379,10 @@ def _build() -> dict[str, type]:
             in progress is left as it is).
 
             Raises:
-            the failure (the only worker's), or one naming each worker's (the last worker's).
+            the failure (the only worker's), or one naming each worker's (the last worker's);
+            NeedsFullResend when ending the step failed in that worker too (putting the
+            previous weights back, or completing the reload), naming that failure after the
+            step's: its weights are then of unknown state, and the next version loads whole.
             """
             from vllm.distributed import parallel_state as ps
 
@@ -1391,28 +1394,58 @@ def _build() -> dict[str, type]:
             if not failed:
                 return False
             refused = len(failed) == world and all(kind == "Refused" for _, (kind, _) in failed)
-            if not applied:
-                if abandon:
-                    self._abandon()
-            elif not refused:
-                if failure is None:  # in this worker's weights, not whole across the workers
-                    self._staged = None
-                    self._finalize()
-                self._mixed(version)
+            undone = self._end_failed_step(applied=applied, refused=refused, abandon=abandon,
+                                           whole_here=failure is None, version=version)
             if rank != world - 1:
                 return True
-            if world == 1 and failure is not None:
+            if world == 1 and failure is not None and undone is None:
                 raise failure
-            if not applied:
+            if undone is not None:
+                cls = errors.NeedsFullResend
+            elif not applied:
                 cls = getattr(errors, failed[0][1][0], errors.RefitError)
             else:
                 cls = errors.Refused if refused else errors.NeedsFullResend
             texts = {text for _, (_, text) in failed}
-            if len(failed) == world and len(texts) == 1:
+            if world == 1:
+                kind, text = failed[0][1]
+                detail = f"{kind}: {text}"  # raised as NeedsFullResend: the step's own kind named
+            elif len(failed) == world and len(texts) == 1:
                 detail = f"every tensor-parallel worker ({world}): {texts.pop()}"
             else:
                 detail = "; ".join(f"tensor-parallel worker {r} of {world}: {text}" for r, (_, text) in failed)
-            raise _fail(cls, f"failed in {detail}")
+            if undone is None:
+                raise _fail(cls, f"failed in {detail}")
+            detail += f"; then ending the update failed here too ({type(undone).__name__}: {undone}): {self._in_force()}"
+            raise _fail(cls, f"failed in {detail}") from undone
+
+        def _end_failed_step(self, *, applied: bool, refused: bool, abandon: bool, whole_here: bool,
+                             version: int | None) -> Exception | None:
+            """Ends this worker's part of a step that failed somewhere (:meth:`_settled`):
+            the previous weights put back where nothing was applied, the weights marked mixed
+            where part of the version landed. Answers ``None``, or what went wrong doing so
+            (then this worker's weights are of unknown state: the next version must load
+            whole): it is reported, never raised, so that every worker still answers the step
+            as :meth:`_settled` says."""
+            try:
+                if not applied:
+                    if abandon:
+                        self._abandon()
+                elif not refused:
+                    if whole_here:  # in this worker's weights, not whole across the workers
+                        self._staged = None
+                        self._finalize()
+                    self._mixed(version)
+            except Exception as e:
+                self._staged = None
+                self.needs_full_resend = True
+                self.loaded_version = None
+                self._serving = (f"weights of unknown state (ending a failed update of `{self._model_id}` "
+                                 f"raised {type(e).__name__})")
+                _log.error("refit: ending a failed update of %s failed: %s: %s; %s", self._what(),
+                           type(e).__name__, e, self._in_force())
+                return e
+            return None
 
         def _in_force(self) -> str:
             return f"vLLM still serves {self._serving}"

@@ -75,6 +75,44 @@ def test_versions_stream_into_vllm_and_generate_as_when_loaded_whole(llm):
     streamer.close()
 
 
+def _break_restore(worker) -> None:
+    """In vLLM's worker: putting the previous weights back after a failed update raises."""
+    def broken() -> None:
+        raise RuntimeError("the restore broke")
+
+    worker.weight_transfer_engine._restore = broken
+
+
+def _mend_restore(worker) -> None:
+    del worker.weight_transfer_engine._restore  # the class's own again
+
+
+def test_an_update_whose_failure_cannot_be_undone_asks_for_a_whole_version_and_the_next_repairs(llm):
+    llm, v2 = llm
+    sender = refit.Sender("tcp", v2, model=example.MODEL_ID)
+    sender.start()
+    refit.vllm.init_engine(llm, sender.spec, load_initial=True)
+    expected = example.generate(llm, 16)
+    llm.collective_rpc(_break_restore)
+    try:
+        # a version that never comes, and putting the previous weights back fails too: the
+        # step's own failure is named first, then the one that leaves the weights unknown
+        with pytest.raises(errors.NeedsFullResend,
+                           match=r"(?s)Timeout: .* did not come .*then ending the update failed here too \(RuntimeError: the restore broke\)"
+                                 r".*unknown state"):
+            refit.vllm.update_weights(llm, version=9, timeout=1)
+    finally:
+        llm.collective_rpc(_mend_restore)
+    # the next version loads whole and is served; then the first one again
+    sender.publish({n: -t for n, t in v2.items()})
+    refit.vllm.update_weights(llm, timeout=60)
+    assert example.generate(llm, 16) != expected
+    sender.publish(v2)
+    refit.vllm.update_weights(llm, timeout=60)
+    assert example.generate(llm, 16) == expected
+    sender.close()
+
+
 def test_a_tensor_parallel_vllm_pulls_only_its_slices_from_two_trainer_shards():
     """``python/examples/vllm_tp.py`` in a process of its own (a second vLLM in this one
     would find its parallel groups taken): two workers, each pulling half the model from two
