@@ -23,7 +23,9 @@ What it does (on a CPU; about a minute on two cores):
    (:func:`refit.vllm.init_engine`, each worker pulls the whole model, the workers held to
    one version between them): the tokens and logprobs equal those of seed 2's slices; a
    version never published times out in both workers alike, ``stream=True`` is refused
-   (each worker would stream on its own), vLLM's next calls work, and a next version loads.
+   (each worker would stream on its own), vLLM's next calls work, and a next version loads;
+8. makes one worker fail to put its weights back after a failed update: the update raises
+   ``NeedsFullResend`` naming that worker, and the next version loads whole in both.
 
 Exits 0 when every check passes, 1 otherwise. Run it with the Python that has vLLM and
 ``refit`` installed::
@@ -121,6 +123,23 @@ class Checks:
             self(says in str(e), f"{what}: {e}")
         else:
             self(False, f"{what}: nothing raised")
+
+
+def break_restore_in_tp1(worker) -> None:
+    """In vLLM's worker (through ``collective_rpc``), tp1 alone: putting the previous
+    weights back after a failed update raises."""
+    from vllm.distributed import parallel_state as ps
+
+    if ps.get_tp_group().rank_in_group == 1:
+        def broken() -> None:
+            raise RuntimeError("the restore broke")
+
+        worker.weight_transfer_engine._restore = broken
+
+
+def mend_restore(worker) -> None:
+    """In vLLM's worker: the engine's own ``_restore`` again."""
+    worker.weight_transfer_engine.__dict__.pop("_restore", None)
 
 
 def timed_update(llm, version: int) -> float:
@@ -222,6 +241,17 @@ def from_one_sender(llm, second: dict, seed2: tuple, check: Checks) -> None:
         took = min(took, timed_update(llm, 3))
         check(generate(llm) == seed2, "version 3 (seed 2 again) loads in both workers as seed 2")
         print(f"update from one sender (each worker the whole model): {took:.1f} ms (the faster of two)", flush=True)
+        # step 8: a failed update that one worker cannot end either
+        llm.collective_rpc(break_restore_in_tp1)
+        try:
+            check.raises(lambda: refit.vllm.update_weights(llm, version=9, timeout=1), refit.errors.NeedsFullResend,
+                         "in tensor-parallel worker 1 of 2: RuntimeError: the restore broke",
+                         "a failed update whose ending fails in one worker asks for a whole version, naming the worker")
+        finally:
+            llm.collective_rpc(mend_restore)
+        sender.publish({n: -t for n, t in second.items()})
+        refit.vllm.update_weights(llm, version=4, timeout=60)
+        check(generate(llm)[0] != seed2[0], "then the next version loads whole in both workers")
     finally:
         sender.close()
 

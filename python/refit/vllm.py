@@ -1380,9 +1380,9 @@ def _build() -> dict[str, type]:
 
             Raises:
             the failure (the only worker's), or one naming each worker's (the last worker's);
-            NeedsFullResend when ending the step failed in that worker too (putting the
-            previous weights back, or completing the reload), naming that failure after the
-            step's: its weights are then of unknown state, and the next version loads whole.
+            NeedsFullResend when ending the step failed in any worker too (putting the
+            previous weights back, or completing the reload), naming those failures after the
+            step's: the weights are then of unknown state, and the next version loads whole.
             """
             from vllm.distributed import parallel_state as ps
 
@@ -1396,11 +1396,13 @@ def _build() -> dict[str, type]:
             refused = len(failed) == world and all(kind == "Refused" for _, (kind, _) in failed)
             undone = self._end_failed_step(applied=applied, refused=refused, abandon=abandon,
                                            whole_here=failure is None, version=version)
+            # each worker's ending, told to all (every worker of the step gets here alike)
+            ends = [(r, e) for r, e in enumerate(self._gathered(_described(undone))) if e is not None]
             if rank != world - 1:
                 return True
-            if world == 1 and failure is not None and undone is None:
+            if world == 1 and failure is not None and not ends:
                 raise failure
-            if undone is not None:
+            if ends:
                 cls = errors.NeedsFullResend
             elif not applied:
                 cls = getattr(errors, failed[0][1][0], errors.RefitError)
@@ -1409,15 +1411,19 @@ def _build() -> dict[str, type]:
             texts = {text for _, (_, text) in failed}
             if world == 1:
                 kind, text = failed[0][1]
-                detail = f"{kind}: {text}"  # raised as NeedsFullResend: the step's own kind named
+                detail = f"failed: {kind}: {text}"  # raised as NeedsFullResend: the step's own kind named
             elif len(failed) == world and len(texts) == 1:
-                detail = f"every tensor-parallel worker ({world}): {texts.pop()}"
+                detail = f"failed in every tensor-parallel worker ({world}): {texts.pop()}"
             else:
-                detail = "; ".join(f"tensor-parallel worker {r} of {world}: {text}" for r, (_, text) in failed)
-            if undone is None:
-                raise _fail(cls, f"failed in {detail}")
-            detail += f"; then ending the update failed here too ({type(undone).__name__}: {undone}): {self._in_force()}"
-            raise _fail(cls, f"failed in {detail}") from undone
+                detail = "failed in " + "; ".join(f"tensor-parallel worker {r} of {world}: {text}" for r, (_, text) in failed)
+            if not ends:
+                raise _fail(cls, detail)
+            undid = "; ".join(("" if world == 1 else f"in tensor-parallel worker {r} of {world}: ") + f"{kind}: {text}"
+                              for r, (kind, text) in ends)
+            if undone is not None and failure is not None and undone.__context__ is None:
+                undone.__context__ = failure
+            raise _fail(cls, f"{detail}; then ending the update failed too ({undid}), so that no longer "
+                        "holds: the weights are of unknown state until a version loads whole") from (undone or failure)
 
         def _end_failed_step(self, *, applied: bool, refused: bool, abandon: bool, whole_here: bool,
                              version: int | None) -> Exception | None:
@@ -1425,8 +1431,9 @@ def _build() -> dict[str, type]:
             the previous weights put back where nothing was applied, the weights marked mixed
             where part of the version landed. Answers ``None``, or what went wrong doing so
             (then this worker's weights are of unknown state: the next version must load
-            whole): it is reported, never raised, so that every worker still answers the step
-            as :meth:`_settled` says."""
+            whole, and a reconnect is refused until one did, vLLM's reload being left open):
+            it is reported, never raised, so that every worker still answers the step as
+            :meth:`_settled` says."""
             try:
                 if not applied:
                     if abandon:

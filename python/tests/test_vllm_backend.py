@@ -98,7 +98,7 @@ def test_an_update_whose_failure_cannot_be_undone_asks_for_a_whole_version_and_t
         # a version that never comes, and putting the previous weights back fails too: the
         # step's own failure is named first, then the one that leaves the weights unknown
         with pytest.raises(errors.NeedsFullResend,
-                           match=r"(?s)Timeout: .* did not come .*then ending the update failed here too \(RuntimeError: the restore broke\)"
+                           match=r"(?s)failed: Timeout: .* did not come .*then ending the update failed too \(RuntimeError: the restore broke\)"
                                  r".*unknown state"):
             refit.vllm.update_weights(llm, version=9, timeout=1)
     finally:
@@ -119,7 +119,8 @@ def test_a_tensor_parallel_vllm_pulls_only_its_slices_from_two_trainer_shards():
     flat shards, generate vLLM's own tokens and logprobs bit for bit; a version no shard
     published fails alike in both workers and leaves the weights served. Then fed by one
     sender (each worker pulls the whole model): the same output, a timeout and a refused
-    ``stream=True`` in both workers alike, and the next version loads."""
+    ``stream=True`` in both workers alike, and the next version loads; an update that one
+    worker cannot end either raises ``NeedsFullResend`` naming it, and the next loads whole."""
     import subprocess
 
     env = {**os.environ, "REFIT_TOKEN": TOKEN}

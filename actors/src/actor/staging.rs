@@ -53,8 +53,9 @@ pub(crate) trait StagedEngine: Actor<Context = Context<Self>> {
     ) -> StagingFuture<Self>;
 
     /// Serves `held`, a version of `model` staged newer than the one served, then
-    /// acknowledges it to its sender (an ack means served), by `deadline` where the engine
-    /// waits for anything. A failure is counted in the metrics here.
+    /// acknowledges it to its sender (an ack means served); `deadline` bounds the waits the
+    /// engine makes for a running batch or a step boundary (an engine that applies at once
+    /// has none). The engine counts its failures in the metrics itself.
     fn commit(
         &mut self,
         model: ModelId,
@@ -79,6 +80,10 @@ pub(crate) fn update_model<A: StagedEngine>(
         version,
         timeout,
     } = msg;
+    // a model the engine does not load is refused before anything is counted
+    if let Err(e) = act.served(&model) {
+        return Box::pin(fut::ready(Err(e)));
+    }
     let held = act.holds().take(&model, ctx);
     let deadline = Instant::now() + timeout;
     Box::pin(

@@ -97,7 +97,8 @@ pub struct UpdateModel {
     pub model: ModelId,
     /// The least version to serve afterwards.
     pub version: Version,
-    /// Deadline for the fetch.
+    /// Deadline for the whole load: the wait for the model's load lock, the fetch, and the
+    /// wait for a running batch or a step boundary at the commit.
     pub timeout: Duration,
 }
 
