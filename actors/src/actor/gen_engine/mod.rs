@@ -1,7 +1,7 @@
 //! The generating engine actor: serves [`Generate`] requests for one or several models with
 //! continuous batching, each model decoded by a [`Scheduler`] on its own thread.
 //!
-//! A load ([`UpdateModel`], or [`LoadWeights`] for weights pushed by the caller) runs beside
+//! A load ([`UpdateModel`](crate::protocol::engine::UpdateModel), or [`LoadWeights`] for weights pushed by the caller) runs beside
 //! generation: the bytes are fetched through the model's [`WeightInlet`] and staged by the
 //! model's [`Generator::stage`] on a blocking thread (conversion included), then the staged
 //! version is offered to the decoding thread, which swaps it in at a step boundary as the
@@ -123,7 +123,7 @@ impl<G: Generator> GenModel<G> {
         }
     }
 
-    /// Fed through `inlet` ([`UpdateModel`] loads through it).
+    /// Fed through `inlet` ([`UpdateModel`](crate::protocol::engine::UpdateModel) loads through it).
     #[must_use]
     pub fn inlet(mut self, inlet: Box<dyn WeightInlet>) -> Self {
         self.inlet = Some(inlet);
