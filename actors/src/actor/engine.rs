@@ -32,7 +32,7 @@ use crate::protocol::engine::{
 };
 
 use super::staging::{
-    Holds, Stage, StagedEngine, StagedVersion, StagingFuture, weight_plane_handlers,
+    Holds, Stage, StagedEngine, StagedVersion, StagingFuture, load_lock, weight_plane_handlers,
 };
 use super::stale;
 use super::verify::{Damage, ServedHashes, Unverified};
@@ -565,21 +565,8 @@ impl<P: Policy + Unpin + 'static> StagedEngine for InferenceEngine<P> {
         let fetch_model = model.clone();
         let stage = async move {
             // The per-model lock: loads of one model are serialised, FIFO.
-            let mut guard = match held {
-                Some(h) => h.guard,
-                None => {
-                    let wait = deadline.saturating_duration_since(started);
-                    let lock = actix_rt::time::timeout(wait, inlet.lock_owned()).await;
-                    lock.map_err(|_| {
-                        Error::Runtime(refit_runtime::Error::Timeout {
-                            what: format!(
-                                "model `{fetch_model}`: waiting for an earlier load of the model"
-                            ),
-                            after: wait,
-                        })
-                    })?
-                }
-            };
+            let mut guard =
+                load_lock(held.map(|h| h.guard), &inlet, &fetch_model, deadline).await?;
             let fetched = actix_rt::task::spawn_blocking(move || {
                 let left = deadline.saturating_duration_since(Instant::now());
                 let r = guard

@@ -14,6 +14,7 @@ use std::time::{Duration, Instant};
 use actix::prelude::*;
 use refit_runtime::metrics::{self, Side};
 use refit_runtime::{ModelId, Version};
+use tokio::sync::OwnedMutexGuard;
 
 use crate::error::{Error, Result};
 use crate::protocol::engine::{
@@ -62,6 +63,38 @@ pub(crate) trait StagedEngine: Actor<Context = Context<Self>> {
         held: Self::Held,
         deadline: Instant,
     ) -> ResponseActFuture<Self, Result<LoadReport>>;
+}
+
+/// `model`'s load lock for a stage: `held` (the lock of a version staged before, given up
+/// to this stage), else `lock` once an earlier load lets it go, by `deadline`.
+///
+/// # Errors
+/// A timeout naming the model when no earlier load let the lock go by `deadline`.
+///
+/// # Cancel safety
+/// Cancel safe: dropped while it waits, it takes nothing.
+pub(crate) async fn load_lock<T>(
+    held: Option<OwnedMutexGuard<T>>,
+    lock: &std::sync::Arc<tokio::sync::Mutex<T>>,
+    model: &ModelId,
+    deadline: Instant,
+) -> Result<OwnedMutexGuard<T>> {
+    if let Some(guard) = held {
+        return Ok(guard);
+    }
+    let wait = deadline.saturating_duration_since(Instant::now());
+    let lock = std::sync::Arc::clone(lock).lock_owned();
+    actix_rt::time::timeout(wait, lock)
+        .await
+        .map_err(|_| timed_out(model, "waiting for an earlier load of the model", wait))
+}
+
+/// A wait of a load of `model` (`what`) that ran out after `after`.
+pub(crate) fn timed_out(model: &ModelId, what: &str, after: Duration) -> Error {
+    Error::Runtime(refit_runtime::Error::Timeout {
+        what: format!("model `{model}`: {what}"),
+        after,
+    })
 }
 
 /// What an engine's stage answers: what staging found, and how long it took.

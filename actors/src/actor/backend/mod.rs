@@ -49,7 +49,8 @@ use refit_runtime::{Manifest, ModelId, Version, WeightSet};
 use tokio::sync::{OwnedMutexGuard, oneshot};
 
 use crate::actor::staging::{
-    Holds, Stage, StagedEngine, StagedVersion, StagingFuture, weight_plane_handlers,
+    Holds, Stage, StagedEngine, StagedVersion, StagingFuture, load_lock, timed_out,
+    weight_plane_handlers,
 };
 use crate::error::{Error, Result};
 use crate::generation::{Completion, PauseMode};
@@ -421,19 +422,9 @@ impl<B: EngineBackend> Job<B> {
         held: Option<OwnedMutexGuard<Slot>>,
     ) -> (Result<Stage<Held>>, Duration) {
         let started = Instant::now();
-        let guard = match held {
-            Some(g) => g,
-            None => {
-                let wait = deadline.saturating_duration_since(started);
-                let lock = Arc::clone(&self.slot).lock_owned();
-                match actix_rt::time::timeout(wait, lock).await {
-                    Ok(g) => g,
-                    Err(_) => {
-                        let what = "waiting for an earlier load of the model";
-                        return (Err(timed_out(&self.model, what, wait)), started.elapsed());
-                    }
-                }
-            }
+        let guard = match load_lock(held, &self.slot, &self.model, deadline).await {
+            Ok(g) => g,
+            Err(e) => return (Err(e), started.elapsed()),
         };
         if self.streaming {
             return (
@@ -620,13 +611,6 @@ fn pause_of(call: Duration, measured: Option<Duration>) -> (Duration, Duration) 
 /// and the stage ate the load's deadline (a backend's batch has no bound of its own); and
 /// the least a streamed version's transfer is given, whatever that wait took.
 const MIN_TURN_WAIT: Duration = Duration::from_secs(5);
-
-fn timed_out(model: &ModelId, what: &str, after: Duration) -> Error {
-    Error::Runtime(refit_runtime::Error::Timeout {
-        what: format!("model `{model}`: {what}"),
-        after,
-    })
-}
 
 impl<B: EngineBackend> BackendEngine<B> {
     /// Counts a commit and answers its report.

@@ -8,7 +8,7 @@ use refit_runtime::metrics::{self, Side};
 use refit_runtime::{ModelId, Version, WeightSet};
 use tokio::sync::{OwnedMutexGuard, oneshot};
 
-use crate::actor::staging::{Stage, StagedVersion};
+use crate::actor::staging::{Stage, StagedVersion, load_lock, timed_out};
 use crate::error::{Error, Result};
 use crate::generation::Generator;
 use crate::scheduler::Swap;
@@ -123,18 +123,9 @@ impl<G: Generator> LoadJob<G> {
     ) -> (Result<Staging<G>>, Duration) {
         let started = Instant::now();
         let model = self.model.clone();
-        let guard = match held {
-            Some(g) => g,
-            None => {
-                let wait = deadline.saturating_duration_since(started);
-                match actix_rt::time::timeout(wait, Arc::clone(&self.loader).lock_owned()).await {
-                    Ok(g) => g,
-                    Err(_) => {
-                        let e = timed_out(&model, "waiting for an earlier load of the model", wait);
-                        return (Err(e), started.elapsed());
-                    }
-                }
-            }
+        let guard = match load_lock(held, &self.loader, &model, deadline).await {
+            Ok(g) => g,
+            Err(e) => return (Err(e), started.elapsed()),
         };
         let inlet = matches!(source, Source::Inlet { .. });
         let shared = Arc::clone(&self.shared);
@@ -339,11 +330,4 @@ fn stage<G: Generator>(
         }
     };
     Ok(Staged::New(staged, version))
-}
-
-fn timed_out(model: &ModelId, what: &str, after: Duration) -> Error {
-    Error::Runtime(refit_runtime::Error::Timeout {
-        what: format!("model `{model}`: {what}"),
-        after,
-    })
 }
