@@ -17,7 +17,8 @@ Only the learner is here, in torch:
 - :class:`TorchGrpo` is GRPO as Refit's Rust learner does it: group-relative advantages
   (per token when the task gives per-token credit), the clipped ratio against the behaviour
   log-probabilities (or against the learner's own, with ``correction = "truncated"`` or
-  ``"ignore"``), AdamW, the gradient norm clipped.
+  ``"ignore"``), an optional KL term to a frozen copy of the first weights (``kl_coef``),
+  AdamW, the gradient norm clipped.
 
 Run it under ``refit launch`` (``REFIT_PYTHON`` names an interpreter with torch and
 ``refit``)::
@@ -28,6 +29,7 @@ Run it under ``refit launch`` (``REFIT_PYTHON`` names an interpreter with torch 
 
 from __future__ import annotations
 
+import copy
 import math
 import sys
 from typing import Any
@@ -142,10 +144,12 @@ def group_advantages(batch: list[Sequence], scale_by_std: bool, token_credit: bo
 
 class TorchGrpo(refit.trainer.Learner):
     """GRPO in torch, with the Rust learner's params and defaults (`lr`, `beta2`,
-    `weight_decay`, `clip`, `clip_high`, `correction`, `is_cap`, `scale_by_std`,
+    `weight_decay`, `clip`, `clip_high`, `correction`, `is_cap`, `kl_coef`, `scale_by_std`,
     `token_credit`, `max_grad_norm`, `temperature`, `heads`); one gradient step per batch.
-    What it does not do is refused by name: a KL term (`kl_coef`), several epochs or
-    minibatches."""
+    With `kl_coef > 0` the loss adds `kl_coef` times the `k3` estimate of KL(policy ‖
+    reference) on the sampled tokens, the reference a frozen copy of the first weights (as
+    the Rust learner's without a served reference). What it does not do is refused by name:
+    several epochs or minibatches."""
 
     name = "torch grpo"
 
@@ -162,10 +166,15 @@ class TorchGrpo(refit.trainer.Learner):
         self.correction = str(params.get("correction", "behaviour"))
         if self.correction not in ("behaviour", "truncated", "ignore"):
             raise ValueError(f"params.correction = {self.correction!r}: behaviour, truncated or ignore")
-        for key, default in (("kl_coef", 0.0), ("epochs", 1), ("minibatch", 0)):
+        for key, default in (("epochs", 1), ("minibatch", 0)):
             if params.get(key, default) != default:
                 raise ValueError(f"model `{model}`: params.{key} = {params[key]}: the torch learner takes "
-                                 f"only {key} = {default} (one step per batch, no KL term)")
+                                 f"only {key} = {default} (one step per batch)")
+        self.kl_coef = float(params.get("kl_coef", 0.0))
+        if not (math.isfinite(self.kl_coef) and self.kl_coef >= 0.0):
+            raise ValueError(f"model `{model}`: params.kl_coef = {params['kl_coef']} is not a number >= 0")
+        # the KL term's reference: the first weights, frozen
+        self.reference = copy.deepcopy(self.policy).requires_grad_(False) if self.kl_coef > 0 else None
 
     # ANCHOR: update
     def update(self, model: str, batch: list[Sequence]) -> dict[str, float]:
@@ -186,24 +195,33 @@ class TorchGrpo(refit.trainer.Learner):
         clip, clip_high = float(self.p.get("clip", 0.2)), float(self.p.get("clip_high", 0.2))
         per_token = -torch.minimum(ratio * adv, ratio.clamp(1 - clip, 1 + clip_high) * adv)
         loss = (per_token * weight if weight is not None else per_token).mean()
+        kl = None
+        if self.reference is not None:
+            with torch.no_grad():
+                ref = self.logprobs(seqs, self.reference)
+            kl = ((ref - logp).exp() - (ref - logp) - 1).mean()  # k3, per sampled token
+            loss = loss + self.kl_coef * kl
         self.opt.zero_grad()
         loss.backward()
         max_norm = self.p.get("max_grad_norm", 1.0)
         norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), float(max_norm) if max_norm else math.inf)
         self.opt.step()
         rewards = [s.reward for s in batch]
-        return {"loss": loss.item(), "grad_norm": float(norm), "mean_reward": sum(rewards) / len(rewards),
-                "behaviour_ratio_mean": float((prox - behaviour).exp().mean()), "sequences": float(len(batch))}
+        stats = {"loss": loss.item(), "grad_norm": float(norm), "mean_reward": sum(rewards) / len(rewards),
+                 "behaviour_ratio_mean": float((prox - behaviour).exp().mean()), "sequences": float(len(batch))}
+        if kl is not None:
+            stats["kl"] = kl.item()
+        return stats
     # ANCHOR_END: update
 
-    def logprobs(self, seqs: list[Sequence]) -> torch.Tensor:
-        """Each generated token's log-probability under the policy (at the sampling
-        temperature), flat over the sequences, with the gradient."""
+    def logprobs(self, seqs: list[Sequence], model: torch.nn.Module | None = None) -> torch.Tensor:
+        """Each generated token's log-probability under the policy (or ``model``), at the
+        sampling temperature, flat over the sequences, with the gradient."""
         n = max(len(s.prompt) + len(s.tokens) for s in seqs)
         ids = torch.zeros(len(seqs), n, dtype=torch.long)
         for i, s in enumerate(seqs):
             ids[i, : len(s.prompt) + len(s.tokens)] = torch.tensor(s.prompt + s.tokens)
-        logits = self.policy(ids) / float(self.p.get("temperature", 1.0))
+        logits = (self.policy if model is None else model)(ids) / float(self.p.get("temperature", 1.0))
         logp = logits.log_softmax(-1)
         out = []
         for i, s in enumerate(seqs):

@@ -66,7 +66,7 @@ def test_a_topology_the_python_learner_cannot_serve_is_refused_before_the_run(re
     torch learner does not take are refused at ``refit launch``'s check, naming them; no
     rank starts."""
     for extra, cause in ((['checkpoint.dir="ckpt"', "checkpoint.every=5"], "a Python learner is not checkpointed"),
-                         (["model.policy.params.kl_coef=0.1"], "params.kl_coef = 0.1")):
+                         (["model.policy.params.epochs=2"], "params.epochs = 2")):
         cmd, env = launch_command(refit_bin, tmp_path, SHORT + extra, topology="grpo-torch.toml",
                                   script="torch_trainer_rank.py")
         done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
@@ -186,5 +186,32 @@ def test_the_torch_objective_is_the_clipped_ratio_of_the_rust_learner(correction
     assert stats["behaviour_ratio_mean"] == pytest.approx(e, rel=1e-4)
     after = learner.export("pi")
     assert any(not torch.equal(before[n], after[n]) for n in before)
-    with pytest.raises(ValueError, match="params.kl_coef = 0.1"):
-        example.TorchGrpo().start("pi", tiny_layout(), {"heads": 2, "kl_coef": 0.1}, 0)
+    with pytest.raises(ValueError, match="params.epochs = 2"):
+        example.TorchGrpo().start("pi", tiny_layout(), {"heads": 2, "epochs": 2}, 0)
+    with pytest.raises(ValueError, match="params.kl_coef = -0.1 is not a number >= 0"):
+        example.TorchGrpo().start("pi", tiny_layout(), {"heads": 2, "kl_coef": -0.1}, 0)
+
+
+def test_the_torch_kl_term_pulls_the_policy_back_to_its_first_weights():
+    """``kl_coef > 0``: the loss adds ``kl_coef`` times the k3 estimate of KL(policy ‖ first
+    weights) on the sampled tokens, reported as ``kl``. With every advantage zero (one group,
+    equal rewards) the loss is that term alone, and updates shrink it; without ``kl_coef``
+    no ``kl`` is reported."""
+    learner = example.TorchGrpo()
+    learner.start("pi", tiny_layout(), {"heads": 2, "kl_coef": 1.0, "correction": "ignore", "lr": 0.01}, 3)
+    seqs = [Sequence([1, 2], [3, 4], [0.0, 0.0], [1, 1], 1.0, None, 0, "length"),
+            Sequence([1, 2], [4, 0, 1], [0.0] * 3, [1] * 3, 1.0, None, 0, "length")]
+    assert learner.update("pi", seqs)["kl"] == pytest.approx(0.0, abs=1e-9)  # the policy is its reference
+    with torch.no_grad():  # move the policy away from its first weights
+        gen = torch.Generator().manual_seed(1)
+        for t in learner.policy.parameters():
+            t.add_(torch.randn(t.shape, generator=gen) * 0.5)
+    kls = []
+    for _ in range(5):
+        stats = learner.update("pi", seqs)
+        assert stats["loss"] == pytest.approx(stats["kl"], rel=1e-5)
+        kls.append(stats["kl"])
+    assert kls[0] > 0.01 and kls[4] < kls[0] * 0.8, kls
+    plain = example.TorchGrpo()
+    plain.start("pi", tiny_layout(), {"heads": 2}, 3)
+    assert "kl" not in plain.update("pi", seqs)
