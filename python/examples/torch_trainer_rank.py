@@ -17,8 +17,9 @@ Only the learner is here, in torch:
 - :class:`TorchGrpo` is GRPO as Refit's Rust learner does it: group-relative advantages
   (per token when the task gives per-token credit), the clipped ratio against the behaviour
   log-probabilities (or against the learner's own, with ``correction = "truncated"`` or
-  ``"ignore"``), an optional KL term to a frozen copy of the first weights (``kl_coef``),
-  AdamW, the gradient norm clipped.
+  ``"ignore"``), an optional KL term (``kl_coef``) to a frozen copy of the first weights
+  or to the reference the engines serve (``reference_every``), AdamW, the gradient norm
+  clipped.
 
 Run it under ``refit launch`` (``REFIT_PYTHON`` names an interpreter with torch and
 ``refit``)::
@@ -147,9 +148,10 @@ class TorchGrpo(refit.trainer.Learner):
     `weight_decay`, `clip`, `clip_high`, `correction`, `is_cap`, `kl_coef`, `scale_by_std`,
     `token_credit`, `max_grad_norm`, `temperature`, `heads`); one gradient step per batch.
     With `kl_coef > 0` the loss adds `kl_coef` times the `k3` estimate of KL(policy ‖
-    reference) on the sampled tokens, the reference a frozen copy of the first weights (as
-    the Rust learner's without a served reference). What it does not do is refused by name:
-    several epochs or minibatches."""
+    reference) on the sampled tokens, the reference a frozen copy of the first weights, or,
+    with `reference_every`, the model the engines serve beside the policy (its
+    log-probabilities come with each sequence), as the Rust learner's. What it does not do
+    is refused by name: several epochs or minibatches."""
 
     name = "torch grpo"
 
@@ -173,8 +175,15 @@ class TorchGrpo(refit.trainer.Learner):
         self.kl_coef = float(params.get("kl_coef", 0.0))
         if not (math.isfinite(self.kl_coef) and self.kl_coef >= 0.0):
             raise ValueError(f"model `{model}`: params.kl_coef = {params['kl_coef']} is not a number >= 0")
-        # the KL term's reference: the first weights, frozen
-        self.reference = copy.deepcopy(self.policy).requires_grad_(False) if self.kl_coef > 0 else None
+        # the KL term's reference: the one the engines serve, or the first weights, frozen
+        self.served = "reference_every" in params
+        if self.served and self.kl_coef <= 0:
+            raise ValueError(f"model `{model}`: params.reference_every asks the engines to serve a reference "
+                             f"for the KL term, and params.kl_coef is {self.kl_coef} (set it above 0, or drop "
+                             "reference_every)")
+        self.reference = None
+        if self.kl_coef > 0 and not self.served:
+            self.reference = copy.deepcopy(self.policy).requires_grad_(False)
 
     # ANCHOR: update
     def update(self, model: str, batch: list[Sequence]) -> dict[str, float]:
@@ -196,9 +205,8 @@ class TorchGrpo(refit.trainer.Learner):
         per_token = -torch.minimum(ratio * adv, ratio.clamp(1 - clip, 1 + clip_high) * adv)
         loss = (per_token * weight if weight is not None else per_token).mean()
         kl = None
-        if self.reference is not None:
-            with torch.no_grad():
-                ref = self.logprobs(seqs, self.reference)
+        if self.kl_coef > 0:
+            ref = self.reference_logprobs(seqs)
             kl = ((ref - logp).exp() - (ref - logp) - 1).mean()  # k3, per sampled token
             loss = loss + self.kl_coef * kl
         self.opt.zero_grad()
@@ -229,6 +237,20 @@ class TorchGrpo(refit.trainer.Learner):
             at = torch.arange(len(s.prompt) - 1, len(s.prompt) + len(s.tokens) - 1)
             out.append(logp[i, at, torch.tensor(s.tokens)])
         return torch.cat(out)
+
+    def reference_logprobs(self, seqs: list[Sequence]) -> torch.Tensor:
+        """Each generated token's log-probability under the KL term's reference, flat: the
+        ones the engines' reference gave (``reference_every``), or the frozen first
+        weights'. Raises ``ValueError`` naming a sequence that lacks the served ones."""
+        if self.reference is not None:
+            with torch.no_grad():
+                return self.logprobs(seqs, self.reference)
+        for i, s in enumerate(seqs):
+            if s.ref_logprobs is None or len(s.ref_logprobs) != len(s.tokens):
+                got = "none" if s.ref_logprobs is None else f"{len(s.ref_logprobs)} for {len(s.tokens)} tokens"
+                raise ValueError(f"sequence {i} (group {s.group}) carries no reference log-probability per "
+                                 f"token ({got}): the KL term reads the engines' reference (reference_every)")
+        return torch.tensor([lp for s in seqs for lp in s.ref_logprobs])
 
     def export(self, model: str) -> dict[str, torch.Tensor]:
         return {name: t.detach() for name, t in self.policy.named().items()}

@@ -66,9 +66,9 @@ class Sequence:
     group: int
     #: ``"length"``, ``"stop"``, ``"aborted"`` (a weight update ended it) or ``"cancelled"``.
     finish: str
-    #: Each token's log-probability under a reference model the engines serve: ``None``
-    #: (a Python trainer rank does not take a served reference yet: ``reference_every`` is
-    #: refused).
+    #: Each token's log-probability under the reference model the engines serve, when the
+    #: model's params set ``reference_every`` (the learner's ``params`` then hold it);
+    #: ``None`` otherwise.
     ref_logprobs: list[float] | None = None
 
 

@@ -49,17 +49,22 @@ impl GenRoles for PyRoles {
     type Generator = <GrpoRoles as GenRoles>::Generator;
 
     /// Asks the Python learner to start `model` in GRPO's learner layout (its params and
-    /// seed given), the layout every export must have.
+    /// seed given), the layout every export must have. The params are the model's own,
+    /// with `reference_every` when it is set: the engines then serve a reference, and each
+    /// sequence carries its log-probabilities under it (`ref_logprobs`).
     fn learner(&self, model: &ModelSpec) -> Result<Box<dyn Learner>> {
-        if model.reference_every.is_some() {
-            return Err(Error::Config(format!(
-                "model `{}`: params.reference_every asks for a KL term to a reference the \
-                 engines serve, which a Python learner does not take",
-                model.id
-            )));
-        }
         let manifest = Arc::new(self.grpo.learner_manifest(model)?);
-        let params = serde_json::to_string(&model.params)
+        let mut params = model.params.clone();
+        if let Some(every) = model.reference_every {
+            let every = i64::try_from(every).map_err(|_| {
+                Error::Config(format!(
+                    "model `{}`: params.reference_every {every} is too large",
+                    model.id
+                ))
+            })?;
+            params.insert("reference_every".into(), toml::Value::Integer(every));
+        }
+        let params = serde_json::to_string(&params)
             .map_err(|e| Error::Config(format!("model `{}`: params: {e}", model.id)))?;
         let (id, layout, seed) = (model.id.to_string(), layout_of(&manifest), model.seed);
         let adapter = Arc::clone(&self.adapter);

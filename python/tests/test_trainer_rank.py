@@ -61,6 +61,33 @@ def test_an_export_that_does_not_fit_the_layout_ends_the_run_naming_the_tensor(r
     assert "tensor `head.weight` of `policy` is missing" in out, out[-4000:]
 
 
+def test_a_pytorch_trainer_rank_takes_its_kl_term_to_the_reference_the_engines_serve(refit_bin, tmp_path):
+    """``reference_every`` with a Python learner: Refit's engines serve a reference beside
+    the policy (refreshed every 4 versions), every sequence of every batch reaches the
+    torch learner with its log-probabilities under it, the learner's KL term reads them
+    (it builds no frozen copy), and the run solves."""
+    script = tmp_path / "served.py"
+    script.write_text(
+        "import sys\n"
+        f"sys.path.insert(0, {str(REPO / 'python/examples')!r})\n"
+        "import refit.trainer\n"
+        "import torch_trainer_rank as ex\n"
+        "class Served(ex.TorchGrpo):\n"
+        "    def start(self, model, layout, params, seed):\n"
+        "        super().start(model, layout, params, seed)\n"
+        "        assert params['reference_every'] == 4 and self.served and self.reference is None, params\n"
+        "    def update(self, model, batch):\n"
+        "        assert all(s.ref_logprobs is not None and len(s.ref_logprobs) == len(s.tokens) for s in batch)\n"
+        "        stats = super().update(model, batch)\n"
+        "        assert stats['kl'] >= 0.0, stats\n"
+        "        return stats\n"
+        "refit.trainer.join(Served())\n")
+    sets = SHORT + [f'process.learner.command=["python3", "{script}"]', "model.policy.params.reference_every=4",
+                    "model.policy.params.kl_coef=0.02"]
+    cmd, env = launch_command(refit_bin, tmp_path, sets, topology="grpo-torch.toml", script="torch_trainer_rank.py")
+    launch_solves(cmd, env, tmp_path)
+
+
 def test_a_topology_the_python_learner_cannot_serve_is_refused_before_the_run(refit_bin, tmp_path):
     """A ``[checkpoint]`` (a Python learner's state is not Refit's to save) and a param the
     torch learner does not take are refused at ``refit launch``'s check, naming them; no
@@ -215,3 +242,30 @@ def test_the_torch_kl_term_pulls_the_policy_back_to_its_first_weights():
     plain = example.TorchGrpo()
     plain.start("pi", tiny_layout(), {"heads": 2}, 3)
     assert "kl" not in plain.update("pi", seqs)
+
+
+def test_the_torch_kl_term_reads_the_served_reference_log_probabilities():
+    """With ``reference_every`` the KL term's reference is the one the engines serve: each
+    token e^0.5 times less likely under it gives k3 = e^-0.5 + 0.5 - 1 per token, the whole
+    loss when advantages are zero; a sequence without them is refused naming it, and the
+    setting without ``kl_coef`` is refused at the start."""
+    learner = example.TorchGrpo()
+    learner.start("pi", tiny_layout(), {"heads": 2, "kl_coef": 1.0, "correction": "ignore", "reference_every": 4}, 3)
+    assert learner.reference is None
+    seqs = [Sequence([1, 2], [3, 4], [0.0, 0.0], [1, 1], 1.0, None, 0, "length"),
+            Sequence([1, 2], [4, 0, 1], [0.0] * 3, [1] * 3, 1.0, None, 0, "length")]
+    with torch.no_grad():
+        logp = learner.logprobs(seqs)
+    at = 0
+    for s in seqs:
+        s.ref_logprobs = (logp[at: at + len(s.tokens)] - 0.5).tolist()
+        at += len(s.tokens)
+    stats = learner.update("pi", seqs)
+    k3 = math.exp(-0.5) + 0.5 - 1
+    assert stats["kl"] == pytest.approx(k3, rel=1e-4) and stats["loss"] == pytest.approx(k3, rel=1e-4)
+    seqs[1].ref_logprobs = seqs[1].ref_logprobs[:2]
+    with pytest.raises(ValueError, match=r"sequence 1 \(group 0\) carries no reference log-probability per token "
+                                         r"\(2 for 3 tokens\)"):
+        learner.update("pi", seqs)
+    with pytest.raises(ValueError, match="params.kl_coef is 0.0"):
+        example.TorchGrpo().start("pi", tiny_layout(), {"heads": 2, "reference_every": 4}, 0)
