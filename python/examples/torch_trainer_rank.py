@@ -18,8 +18,8 @@ Only the learner is here, in torch:
   (per token when the task gives per-token credit), the clipped ratio against the behaviour
   log-probabilities (or against the learner's own, with ``correction = "truncated"`` or
   ``"ignore"``), an optional KL term (``kl_coef``) to a frozen copy of the first weights
-  or to the reference the engines serve (``reference_every``), AdamW, the gradient norm
-  clipped.
+  or to the reference Refit's generating engines serve (``reference_every``; Python and
+  vLLM engines serve none), AdamW, the gradient norm clipped.
 
 Run it under ``refit launch`` (``REFIT_PYTHON`` names an interpreter with torch and
 ``refit``)::
@@ -149,9 +149,9 @@ class TorchGrpo(refit.trainer.Learner):
     `token_credit`, `max_grad_norm`, `temperature`, `heads`); one gradient step per batch.
     With `kl_coef > 0` the loss adds `kl_coef` times the `k3` estimate of KL(policy ‖
     reference) on the sampled tokens, the reference a frozen copy of the first weights, or,
-    with `reference_every`, the model the engines serve beside the policy (its
-    log-probabilities come with each sequence), as the Rust learner's. What it does not do
-    is refused by name: several epochs or minibatches."""
+    with `reference_every`, the model Refit's generating engines serve beside the policy
+    (its log-probabilities come with each sequence), as the Rust learner's. What it does
+    not do is refused by name: several epochs or minibatches."""
 
     name = "torch grpo"
 
@@ -183,7 +183,7 @@ class TorchGrpo(refit.trainer.Learner):
                              "reference_every)")
         self.reference = None
         if self.kl_coef > 0 and not self.served:
-            self.reference = copy.deepcopy(self.policy).requires_grad_(False)
+            self.reference = copy.deepcopy(self.policy).requires_grad_(False).eval()
 
     # ANCHOR: update
     def update(self, model: str, batch: list[Sequence]) -> dict[str, float]:

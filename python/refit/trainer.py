@@ -83,7 +83,9 @@ class Learner:
         """Builds the learner of ``model`` before the run: ``layout`` is what
         :meth:`export` must answer, as ``(name, dtype, shape)`` triples (the layout of
         GRPO's own learner, which the engines' link converts from), ``params`` the model's
-        ``[model.params]`` of the topology file, ``seed`` the model's seed. Raise to refuse
+        ``[model.params]`` of the topology file less the framework's keys (``group_size``,
+        ``batch_frames``, ...), with ``reference_every`` when it is set (the sequences then
+        carry ``ref_logprobs``), ``seed`` the model's seed. Raise to refuse
         the topology (the run does not start: a configuration error naming what was
         raised). A Python learner is not checkpointed: a topology with ``[checkpoint]`` is
         refused."""

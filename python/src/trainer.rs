@@ -51,14 +51,24 @@ impl GenRoles for PyRoles {
     /// Asks the Python learner to start `model` in GRPO's learner layout (its params and
     /// seed given), the layout every export must have. The params are the model's own,
     /// with `reference_every` when it is set: the engines then serve a reference, and each
-    /// sequence carries its log-probabilities under it (`ref_logprobs`).
+    /// sequence carries its log-probabilities under it (`ref_logprobs`); it needs
+    /// `kl_coef > 0`, as for GRPO's own learner.
     fn learner(&self, model: &ModelSpec) -> Result<Box<dyn Learner>> {
         let manifest = Arc::new(self.grpo.learner_manifest(model)?);
         let mut params = model.params.clone();
         if let Some(every) = model.reference_every {
+            let kl_coef = self.grpo.settings(model)?.grpo.kl_coef;
+            if kl_coef <= 0.0 {
+                return Err(Error::Config(format!(
+                    "model `{}`: params.reference_every asks the engines to serve a reference \
+                     for the KL term, and params.kl_coef is {kl_coef} (set it above 0, or drop \
+                     reference_every)",
+                    model.id
+                )));
+            }
             let every = i64::try_from(every).map_err(|_| {
                 Error::Config(format!(
-                    "model `{}`: params.reference_every {every} is too large",
+                    "model `{}`: params.reference_every = {every} is too large",
                     model.id
                 ))
             })?;

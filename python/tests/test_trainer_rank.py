@@ -64,8 +64,10 @@ def test_an_export_that_does_not_fit_the_layout_ends_the_run_naming_the_tensor(r
 def test_a_pytorch_trainer_rank_takes_its_kl_term_to_the_reference_the_engines_serve(refit_bin, tmp_path):
     """``reference_every`` with a Python learner: Refit's engines serve a reference beside
     the policy (refreshed every 4 versions), every sequence of every batch reaches the
-    torch learner with its log-probabilities under it, the learner's KL term reads them
-    (it builds no frozen copy), and the run solves."""
+    torch learner with its log-probabilities under it, aligned token for token with the
+    learner's own (the first batch's KL term, policy and reference both version 1, is
+    near zero), the learner builds no frozen copy, and the run solves; without
+    ``kl_coef`` the topology is refused before the run, naming both settings."""
     script = tmp_path / "served.py"
     script.write_text(
         "import sys\n"
@@ -76,16 +78,25 @@ def test_a_pytorch_trainer_rank_takes_its_kl_term_to_the_reference_the_engines_s
         "    def start(self, model, layout, params, seed):\n"
         "        super().start(model, layout, params, seed)\n"
         "        assert params['reference_every'] == 4 and self.served and self.reference is None, params\n"
+        "        self.updates = 0\n"
         "    def update(self, model, batch):\n"
         "        assert all(s.ref_logprobs is not None and len(s.ref_logprobs) == len(s.tokens) for s in batch)\n"
         "        stats = super().update(model, batch)\n"
-        "        assert stats['kl'] >= 0.0, stats\n"
+        "        self.updates += 1\n"
+        "        # the first batch: the policy is still the reference's version 1, token for token\n"
+        "        assert self.updates > 1 or stats['kl'] < 1e-4, stats\n"
         "        return stats\n"
         "refit.trainer.join(Served())\n")
     sets = SHORT + [f'process.learner.command=["python3", "{script}"]', "model.policy.params.reference_every=4",
                     "model.policy.params.kl_coef=0.02"]
     cmd, env = launch_command(refit_bin, tmp_path, sets, topology="grpo-torch.toml", script="torch_trainer_rank.py")
     launch_solves(cmd, env, tmp_path)
+    cmd, env = launch_command(refit_bin, tmp_path, SHORT + ["model.policy.params.reference_every=4"],
+                              topology="grpo-torch.toml", script="torch_trainer_rank.py")
+    done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    out = done.stdout + done.stderr
+    assert done.returncode != 0 and "params.kl_coef is 0 (set it above 0" in out, out[-4000:]
+    assert "before any rank started" in out, out[-4000:]
 
 
 def test_a_topology_the_python_learner_cannot_serve_is_refused_before_the_run(refit_bin, tmp_path):
@@ -222,10 +233,12 @@ def test_the_torch_objective_is_the_clipped_ratio_of_the_rust_learner(correction
 def test_the_torch_kl_term_pulls_the_policy_back_to_its_first_weights():
     """``kl_coef > 0``: the loss adds ``kl_coef`` times the k3 estimate of KL(policy ‖ first
     weights) on the sampled tokens, reported as ``kl``. With every advantage zero (one group,
-    equal rewards) the loss is that term alone, and updates shrink it; without ``kl_coef``
-    no ``kl`` is reported."""
+    equal rewards) the loss is that term alone, and updates shrink it; the reference is
+    scored at the sampling temperature as the policy is (zero at the first step); without
+    ``kl_coef`` no ``kl`` is reported."""
     learner = example.TorchGrpo()
-    learner.start("pi", tiny_layout(), {"heads": 2, "kl_coef": 1.0, "correction": "ignore", "lr": 0.01}, 3)
+    learner.start("pi", tiny_layout(), {"heads": 2, "kl_coef": 0.5, "correction": "ignore", "lr": 0.01,
+                                         "temperature": 2.0}, 3)
     seqs = [Sequence([1, 2], [3, 4], [0.0, 0.0], [1, 1], 1.0, None, 0, "length"),
             Sequence([1, 2], [4, 0, 1], [0.0] * 3, [1] * 3, 1.0, None, 0, "length")]
     assert learner.update("pi", seqs)["kl"] == pytest.approx(0.0, abs=1e-9)  # the policy is its reference
@@ -236,7 +249,7 @@ def test_the_torch_kl_term_pulls_the_policy_back_to_its_first_weights():
     kls = []
     for _ in range(5):
         stats = learner.update("pi", seqs)
-        assert stats["loss"] == pytest.approx(stats["kl"], rel=1e-5)
+        assert stats["loss"] == pytest.approx(0.5 * stats["kl"], rel=1e-5)
         kls.append(stats["kl"])
     assert kls[0] > 0.01 and kls[4] < kls[0] * 0.8, kls
     plain = example.TorchGrpo()
@@ -245,24 +258,29 @@ def test_the_torch_kl_term_pulls_the_policy_back_to_its_first_weights():
 
 
 def test_the_torch_kl_term_reads_the_served_reference_log_probabilities():
-    """With ``reference_every`` the KL term's reference is the one the engines serve: each
-    token e^0.5 times less likely under it gives k3 = e^-0.5 + 0.5 - 1 per token, the whole
-    loss when advantages are zero; a sequence without them is refused naming it, and the
-    setting without ``kl_coef`` is refused at the start."""
+    """With ``reference_every`` the KL term's reference is the one the engines serve: a
+    token e^d times less likely under it gives k3 = e^-d + d - 1, averaged over every token
+    of the batch (d = 0.5 for the first sequence's two, -0.3 for the second's three), times
+    ``kl_coef``: the whole loss when advantages are zero, the truncated importance weight
+    (here 2: behaviour e times less likely) weighing the policy term only; a sequence
+    without them is refused naming it, and the setting without ``kl_coef`` is refused at
+    the start."""
     learner = example.TorchGrpo()
-    learner.start("pi", tiny_layout(), {"heads": 2, "kl_coef": 1.0, "correction": "ignore", "reference_every": 4}, 3)
+    learner.start("pi", tiny_layout(), {"heads": 2, "kl_coef": 0.5, "correction": "truncated", "is_cap": 2.0,
+                                         "reference_every": 4}, 3)
     assert learner.reference is None
     seqs = [Sequence([1, 2], [3, 4], [0.0, 0.0], [1, 1], 1.0, None, 0, "length"),
             Sequence([1, 2], [4, 0, 1], [0.0] * 3, [1] * 3, 1.0, None, 0, "length")]
     with torch.no_grad():
         logp = learner.logprobs(seqs)
     at = 0
-    for s in seqs:
-        s.ref_logprobs = (logp[at: at + len(s.tokens)] - 0.5).tolist()
+    for s, d in zip(seqs, (0.5, -0.3)):
+        s.ref_logprobs = (logp[at: at + len(s.tokens)] - d).tolist()
+        s.logprobs = (logp[at: at + len(s.tokens)] - 1.0).tolist()
         at += len(s.tokens)
     stats = learner.update("pi", seqs)
-    k3 = math.exp(-0.5) + 0.5 - 1
-    assert stats["kl"] == pytest.approx(k3, rel=1e-4) and stats["loss"] == pytest.approx(k3, rel=1e-4)
+    k3 = (2 * (math.exp(-0.5) + 0.5 - 1) + 3 * (math.exp(0.3) - 0.3 - 1)) / 5
+    assert stats["kl"] == pytest.approx(k3, rel=1e-4) and stats["loss"] == pytest.approx(0.5 * k3, rel=1e-4)
     seqs[1].ref_logprobs = seqs[1].ref_logprobs[:2]
     with pytest.raises(ValueError, match=r"sequence 1 \(group 0\) carries no reference log-probability per token "
                                          r"\(2 for 3 tokens\)"):
