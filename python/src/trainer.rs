@@ -56,16 +56,8 @@ impl GenRoles for PyRoles {
     fn learner(&self, model: &ModelSpec) -> Result<Box<dyn Learner>> {
         let manifest = Arc::new(self.grpo.learner_manifest(model)?);
         let mut params = model.params.clone();
+        GrpoRoles::served_reference(model, self.grpo.settings(model)?.grpo.kl_coef)?;
         if let Some(every) = model.reference_every {
-            let kl_coef = self.grpo.settings(model)?.grpo.kl_coef;
-            if kl_coef <= 0.0 {
-                return Err(Error::Config(format!(
-                    "model `{}`: params.reference_every asks the engines to serve a reference \
-                     for the KL term, and params.kl_coef is {kl_coef} (set it above 0, or drop \
-                     reference_every)",
-                    model.id
-                )));
-            }
             let every = i64::try_from(every).map_err(|_| {
                 Error::Config(format!(
                     "model `{}`: params.reference_every = {every} is too large",

@@ -159,6 +159,25 @@ impl GrpoRoles {
         Self { base }
     }
 
+    /// Whether `model`'s KL term reads a reference the engines serve (`reference_every`),
+    /// which any learner of these roles, Rust or Python, takes only with `kl_coef > 0`.
+    ///
+    /// # Errors
+    /// [`Error::Config`] naming both settings when `reference_every` is set and `kl_coef`
+    /// is not above 0.
+    pub fn served_reference(model: &ModelSpec, kl_coef: f32) -> Result<bool> {
+        let served = model.reference_every.is_some();
+        if served && kl_coef <= 0.0 {
+            return Err(Error::Config(format!(
+                "model `{}`: params.reference_every asks the engines to serve a reference for \
+                 the KL term, and params.kl_coef is {kl_coef} (set it above 0, or drop \
+                 reference_every)",
+                model.id
+            )));
+        }
+        Ok(served)
+    }
+
     /// The settings of `model`: the base, then its params.
     ///
     /// # Errors
@@ -324,15 +343,7 @@ impl GenRoles for GrpoRoles {
     /// `kl_coef > 0`.
     fn learner(&self, model: &ModelSpec) -> Result<Box<dyn Learner>> {
         let grpo = self.rust_settings(model, "Refit's GRPO learner")?.grpo;
-        let served = model.reference_every.is_some();
-        if served && grpo.kl_coef <= 0.0 {
-            return Err(Error::Config(format!(
-                "model `{}`: params.reference_every asks the engines to serve a reference for \
-                 the KL term, and params.kl_coef is {} (set it above 0, or drop \
-                 reference_every)",
-                model.id, grpo.kl_coef
-            )));
-        }
+        let served = Self::served_reference(model, grpo.kl_coef)?;
         let mut learner = GrpoLearner::new(grpo)?;
         if served {
             learner.set_reference(Box::new(ServedReference));

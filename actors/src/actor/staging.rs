@@ -9,12 +9,13 @@
 //! [`weight_plane_handlers!`] implements them for an engine actor.
 
 use std::collections::BTreeMap;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use actix::prelude::*;
 use refit_runtime::metrics::{self, Side};
 use refit_runtime::{ModelId, Version};
-use tokio::sync::OwnedMutexGuard;
+use tokio::sync::{Mutex, OwnedMutexGuard};
 
 use crate::error::{Error, Result};
 use crate::protocol::engine::{
@@ -75,7 +76,7 @@ pub(crate) trait StagedEngine: Actor<Context = Context<Self>> {
 /// Cancel safe: dropped while it waits, it takes nothing.
 pub(crate) async fn load_lock<T>(
     held: Option<OwnedMutexGuard<T>>,
-    lock: &std::sync::Arc<tokio::sync::Mutex<T>>,
+    lock: &Arc<Mutex<T>>,
     model: &ModelId,
     deadline: Instant,
 ) -> Result<OwnedMutexGuard<T>> {
@@ -83,7 +84,7 @@ pub(crate) async fn load_lock<T>(
         return Ok(guard);
     }
     let wait = deadline.saturating_duration_since(Instant::now());
-    let lock = std::sync::Arc::clone(lock).lock_owned();
+    let lock = Arc::clone(lock).lock_owned();
     actix_rt::time::timeout(wait, lock)
         .await
         .map_err(|_| timed_out(model, "waiting for an earlier load of the model", wait))
