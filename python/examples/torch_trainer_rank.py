@@ -12,8 +12,8 @@ Only the learner is here, in torch:
   the engines' link converts its exports as it converts the Rust learner's;
 - :class:`HfLlama` is Hugging Face's ``LlamaForCausalLM`` of random initialisation (no
   download), for a model of ``params.arch = "llama"`` (``grpo-vllm.toml``): Refit gives its
-  layout, :func:`refit.models.llama_config` its config, and the vLLM engines load its
-  tensors under the names they have;
+  layout, :func:`refit.models.llama_config` its config (with ``params.rope_theta``), and
+  the vLLM engines load its tensors under the names they have;
 - :class:`TorchGrpo` is GRPO as Refit's Rust learner does it: group-relative advantages
   (per token when the task gives per-token credit), the clipped ratio against the behaviour
   log-probabilities (or against the learner's own, with ``correction = "truncated"`` or

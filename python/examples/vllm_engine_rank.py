@@ -1,4 +1,5 @@
-"""A vLLM engine as a rank of ``refit launch``: Refit's GRPO transformer served by vLLM.
+"""A vLLM engine as a rank of ``refit launch``: the GRPO roles' model (a Hugging Face Llama,
+or Refit's transformer) served by vLLM.
 
 ``examples/topologies/grpo-vllm.toml`` starts rank 0 (the PyTorch GRPO trainer of
 ``torch_trainer_rank.py``, the controller, the evaluator) and two engine ranks from this
@@ -12,9 +13,10 @@ in-process ``vllm.LLM`` driven by :class:`refit.vllm_engine.VllmEngine`:
   roles' layout (no weights: vLLM starts with dummy ones, the trainer's first version
   replaces them), and :func:`checkpoint` names each tensor as GPT-2's checkpoint does
   (``Conv1D`` weights transposed, zero biases beside the linear layers);
-- a model of ``params.arch = "llama"`` is Hugging Face's ``LlamaForCausalLM``: vLLM serves
-  it from the config :func:`refit.models.llama_config` writes, its tensors under the names
-  they come with;
+- a model of ``params.arch = "llama"`` (the file's) is Hugging Face's
+  ``LlamaForCausalLM``: vLLM serves it from the config :func:`refit.models.llama_config`
+  writes (its rotary base ``params.rope_theta``), its tensors under the names they come
+  with;
 - updates are staged beside generation and loaded in the pause; completions carry vLLM's
   per-token versions.
 

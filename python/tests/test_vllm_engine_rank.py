@@ -29,6 +29,14 @@ from refit.vllm_engine import VllmEngine, token_versions  # noqa: E402
 sys.path.insert(0, str(REPO / "python/examples"))
 import vllm_engine_rank as example  # noqa: E402
 
+#: The shipped file's model as Refit's transformer (its comment's override): the params
+#: without the Llama's.
+TRANSFORMER = "model.policy.params={ heads = 2, batch_frames = 128, group_size = 8, prompts_per_fragment = 4 }"
+#: The shipped file's Llama on the shorter task, solved: from its first held-out reward
+#: (after 5 updates: about 0.3 for three digits) to 0.9.
+LLAMA = SHORT + ["stop.target_eval=0.9"]
+SOLVES = {"low": 0.4, "high": 0.9}
+
 sys.path.pop(0)
 
 MODEL = "policy"
@@ -343,25 +351,31 @@ def test_vllm_serves_the_trainers_llama_as_transformers_computes_it():
     """``params.arch = "llama"``: the torch learner's ``transformers`` LlamaForCausalLM
     (random, seeded) exported as it is, loaded by vLLM's Llama built from the config
     :func:`refit.models.llama_config` derives from the layout, scores every token as
-    ``transformers`` does. The config round-trips the sizes (grouped key/value heads
-    included), and a layout that is not a Llama's is refused by name."""
+    ``transformers`` does, under the rotary base the params set (the shipped file's 2.0;
+    vLLM taking another would score otherwise). The config round-trips the sizes (grouped
+    key/value heads included); a layout that is not a Llama's, and a rotary base that is not
+    above 0, are refused by name."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from refit.models import llama_config
 
-    params = {"arch": "llama", "heads": 2}
+    params = {"arch": "llama", "heads": 2, "rope_theta": 2.0}
     torch.manual_seed(3)
     hf = LlamaForCausalLM(LlamaConfig(vocab_size=14, hidden_size=64, intermediate_size=256, num_hidden_layers=2,
                                       num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=False,
-                                      rms_norm_eps=1e-5, rope_theta=10000.0))
+                                      rms_norm_eps=1e-5, rope_theta=2.0))
     weights = hf.state_dict()
     layout = [(n, "f32", list(t.shape)) for n, t in weights.items()]
     config = llama_config(layout, params)
     for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                 "num_key_value_heads"):
         assert config[key] == getattr(hf.config, key), key
+    assert LlamaConfig(**config).rope_parameters["rope_theta"] == 2.0
+    assert llama_config(layout, {"heads": 2})["rope_theta"] == 10000.0  # Hugging Face's default
     with pytest.raises(ValueError, match="not a LlamaForCausalLM's"):
         llama_config([("tok_emb.weight", "f32", [14, 64])], params)
+    with pytest.raises(ValueError, match="rope_theta = 0.0 is not above 0"):
+        llama_config(layout, {**params, "rope_theta": 0})
     e = VllmEngine(example.build, checkpoint=example.checkpoint)
     assert e.manifest(MODEL, layout, params) == layout
     e.stage(MODEL, 1, Held(weights))
@@ -395,15 +409,19 @@ def test_token_versions_read_vllms_spans_and_refuse_what_does_not_fit():
 
 @pytest.mark.parametrize(("mode", "trainer"), [("batch-async", "torch"), ("sync", "torch"), ("batch-async", "rust")])
 def test_vllm_engine_ranks_learn_grpo_under_refit_launch(refit_bin, tmp_path, mode, trainer):
-    """The shipped grpo-vllm.toml as a user runs it: rank 0 the PyTorch GRPO trainer (or,
-    with its command set to Refit's GRPO example, the Rust one), two ranks each with an
-    in-process vLLM, learning digit reversal in either sync mode; the pool trained on
-    tokens whose versions vLLM gave."""
-    sets = SHORT + [f"sync.sync_mode={mode}"]
+    """The shipped grpo-vllm.toml as a user runs it: rank 0 the PyTorch GRPO trainer of a
+    Hugging Face Llama, two ranks each with an in-process vLLM serving it, learning digit
+    reversal in either sync mode; the pool trained on tokens whose versions vLLM gave. Or,
+    with the model's params replaced by the transformer's (the file's comment) and the
+    learner's command set to Refit's GRPO example, the Rust learner training Refit's
+    transformer, which the engines serve as GPT-2."""
+    sets, bounds = LLAMA + [f"sync.sync_mode={mode}"], SOLVES
     if trainer == "rust":
-        sets.append(f'process.learner.command=["{grpo_example()}", "topology"]')
+        sets = [TRANSFORMER] + SHORT + [f"sync.sync_mode={mode}",
+                                        f'process.learner.command=["{grpo_example()}", "topology"]']
+        bounds = {}
     cmd, env = launch_command(refit_bin, tmp_path, sets, topology="grpo-vllm.toml", script="vllm_engine_rank.py")
-    launch_solves(cmd, env, tmp_path)
+    launch_solves(cmd, env, tmp_path, **bounds)
 
 
 def test_vllm_engine_ranks_learn_grpo_when_updates_abort_their_batches(refit_bin, tmp_path):
@@ -411,9 +429,9 @@ def test_vllm_engine_ranks_learn_grpo_when_updates_abort_their_batches(refit_bin
     rank, whose sequences end aborted at the next step and are asked again by the rollout
     workers under the new version; the run still learns, and the report counts the
     sequences the updates aborted."""
-    sets = SHORT + ["sync.pause_mode=abort"]
+    sets = LLAMA + ["sync.pause_mode=abort"]
     cmd, env = launch_command(refit_bin, tmp_path, sets, topology="grpo-vllm.toml", script="vllm_engine_rank.py")
-    out = launch_solves(cmd, env, tmp_path)
+    out = launch_solves(cmd, env, tmp_path, **SOLVES)
     aborted = [int(n) for n in re.findall(r"tokens; (\d+) sequences aborted", out)]
     assert len(aborted) == 2 and sum(aborted) > 0, out[-6000:]
 
@@ -423,12 +441,12 @@ def test_vllm_engine_ranks_learn_grpo_with_streaming_apply_over_tcp(refit_bin, t
     of vLLM's steps, pulls the version there and loads each tensor through the layerwise
     reload as it arrives (no staging buffer); the run learns, the engines' names check
     (``verify = "names"``) holding at every version."""
-    sets = SHORT + ["model.policy.apply=streaming", "links.weights=tcp"]
+    sets = LLAMA + ["model.policy.apply=streaming", "links.weights=tcp"]
     cmd, env = launch_command(refit_bin, tmp_path, sets, topology="grpo-vllm.toml", script="vllm_engine_rank.py")
     # the example's engine, refusing every stage and commit: only load_streamed serves
     wrap_engine(cmd, tmp_path, "vllm_engine_rank.py", "m.VllmEngine", "Sub(m.build, checkpoint=m.checkpoint)",
                 STREAMING_ONLY)
-    out = launch_solves(cmd, env, tmp_path)
+    out = launch_solves(cmd, env, tmp_path, **SOLVES)
     assert out.count("weights over tcp, streaming") == 2, out[-6000:]
 
 
@@ -445,21 +463,21 @@ def test_a_killed_vllm_engine_rank_is_restarted_and_rejoins(refit_bin, tmp_path)
     assert "Traceback" not in out, out[-6000:]
 
 
-def test_a_hugging_face_llama_learns_behind_vllm_engine_ranks(refit_bin, tmp_path):
-    """``params.arch = "llama"``: the torch learner trains a ``transformers``
-    LlamaForCausalLM and the vLLM engines serve it under its own names (no conversion), from
-    the layout Refit derives on every rank. It learns the shorter task past 0.55 from at most
-    0.35 (it learns digit reversal more slowly than Refit's transformer with learned
-    positions: the book gives its figures). Refit's own learner refuses the architecture
-    before any rank starts."""
-    sets = SHORT + ['model.policy.params.arch="llama"', "stop.target_eval=0.55"]
-    cmd, env = launch_command(refit_bin, tmp_path, sets, topology="grpo-vllm.toml", script="vllm_engine_rank.py")
-    launch_solves(cmd, env, tmp_path, low=0.35, high=0.55)
-    rust = sets + [f'process.learner.command=["{grpo_example()}", "topology"]']
+def test_refits_own_learner_refuses_the_llama_and_the_transformer_its_rotary_base(refit_bin, tmp_path):
+    """The shipped file's Llama (``params.arch = "llama"``) is trained by a Python learner:
+    Refit's own learner refuses it before any rank starts, naming the architecture; and
+    Refit's transformer, whose positions are learned, refuses the Llama's ``rope_theta``
+    naming the key, so that a file switched to it does not keep a setting that does
+    nothing."""
+    rust = SHORT + [f'process.learner.command=["{grpo_example()}", "topology"]']
     cmd, env = launch_command(refit_bin, tmp_path, rust, topology="grpo-vllm.toml", script="vllm_engine_rank.py")
     done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode != 0 and 'params.arch = "llama" is trained by a Python learner' in done.stderr, done.stderr[-3000:]
     assert "before any rank started" in done.stderr, done.stderr[-3000:]
+    switched = rust + ['model.policy.params.arch="transformer"']
+    cmd, env = launch_command(refit_bin, tmp_path, switched, topology="grpo-vllm.toml", script="vllm_engine_rank.py")
+    done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0 and "params.rope_theta must be unset" in done.stderr, done.stderr[-3000:]
 
 
 def test_the_update_cost_benchmark_runs_and_reports_against_the_copy():

@@ -9,6 +9,7 @@
 //! | `arch` | `"transformer"` or `"llama"` | `"transformer"` |
 //! | `d_model`, `layers`, `heads`, `mlp_ratio` | positive integer | see [`GrpoRoles::new`] |
 //! | `kv_heads` (`arch = "llama"`) | positive integer dividing `heads` | `heads` |
+//! | `rope_theta` (`arch = "llama"`) | float > 0 (the rotary base) | `10000.0` |
 //! | `lr`, `beta2`, `weight_decay`, `clip`, `clip_high`, `kl_coef` | float | [`GrpoRoles::new`] |
 //! | `correction` | `"behaviour"`, `"truncated"` or `"ignore"` | `"behaviour"` |
 //! | `is_cap` | float >= 1 (the cap of `"truncated"`) | `2.0` |
@@ -59,6 +60,9 @@ pub struct GrpoSettings {
     pub arch: Arch,
     /// Key and value heads of a Llama (`None`: as many as `heads`).
     pub kv_heads: Option<usize>,
+    /// The rotary base of a Llama (`None`: Hugging Face's default, 10000), which the
+    /// Python learner and engines read from the same params.
+    pub rope_theta: Option<f64>,
 }
 
 /// The architecture of a GRPO model (`params.arch`).
@@ -102,10 +106,11 @@ impl Default for GrpoRoles {
 
 impl GrpoRoles {
     /// The keys a model's params may hold.
-    pub const KEYS: [&'static str; 27] = [
+    pub const KEYS: [&'static str; 28] = [
         "arch",
         "d_model",
         "kv_heads",
+        "rope_theta",
         "layers",
         "heads",
         "mlp_ratio",
@@ -151,6 +156,7 @@ impl GrpoRoles {
             generator_threads: 1,
             arch: Arch::Transformer,
             kv_heads: None,
+            rope_theta: None,
         })
     }
 
@@ -199,6 +205,13 @@ impl GrpoRoles {
                     };
                 }
                 "kv_heads" => s.kv_heads = Some(p.positive(key, value)?),
+                "rope_theta" => {
+                    let theta = p.float(key, value)?;
+                    if theta <= 0.0 {
+                        return Err(p.bad(key, "a float above 0 (the Llama's rotary base)"));
+                    }
+                    s.rope_theta = Some(theta);
+                }
                 "d_model" => g.model.d_model = p.positive(key, value)?,
                 "layers" => g.model.layers = p.positive(key, value)?,
                 "heads" => g.model.heads = p.positive(key, value)?,
@@ -287,6 +300,13 @@ impl GrpoRoles {
                 s.llama()
                     .check()
                     .map_err(|e| Error::Config(format!("model `{}`: {e}", model.id)))?;
+            }
+            Arch::Transformer if s.rope_theta.is_some() => {
+                return Err(p.bad(
+                    "rope_theta",
+                    "unset: it is the rotary base of arch = \"llama\" (Refit's transformer \
+                     learns its positions)",
+                ));
             }
             Arch::Transformer if s.kv_heads.is_some_and(|k| k != s.grpo.model.heads) => {
                 return Err(p.bad(
@@ -434,7 +454,8 @@ mod tests {
     #[test]
     fn a_llama_is_served_in_its_own_layout_and_refused_by_the_rust_roles() {
         let r = GrpoRoles::new();
-        let m = spec("arch = \"llama\"\nheads = 2\nkv_heads = 1");
+        let m = spec("arch = \"llama\"\nheads = 2\nkv_heads = 1\nrope_theta = 2.0");
+        assert_eq!(r.settings(&m).unwrap().rope_theta, Some(2.0));
         let shape = r.engine_shape(&m).unwrap();
         // the learner's layout is the engines': nothing converts it on the way
         assert_eq!(*shape.manifest, r.learner_manifest(&m).unwrap());
@@ -481,6 +502,12 @@ mod tests {
             ("arch = \"mamba\"", "params.arch"),
             ("kv_heads = 2", "params.kv_heads"),
             ("arch = \"llama\"\nkv_heads = 3", "kv_heads (3)"),
+            ("rope_theta = 2.0", "params.rope_theta must be unset"),
+            ("arch = \"llama\"\nrope_theta = 0.0", "params.rope_theta"),
+            (
+                "arch = \"llama\"\nrope_theta = \"low\"",
+                "params.rope_theta",
+            ),
         ] {
             let e = r.learner(&spec(params)).err().unwrap().to_string();
             assert!(e.contains(key) && e.contains("`pi`"), "{params}: {e}");
