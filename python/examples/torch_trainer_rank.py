@@ -1,4 +1,5 @@
-"""A PyTorch trainer as rank 0 of ``refit launch``: GRPO in torch on Refit's transformer.
+"""A PyTorch trainer as rank 0 of ``refit launch``: GRPO in torch on Refit's transformer or
+a Hugging Face Llama.
 
 ``examples/topologies/grpo-torch.toml`` starts rank 0 from this file (the trainer, with the
 weight-sync controller, the trajectory pool and the evaluator, all Refit's own rank code
@@ -146,7 +147,8 @@ def group_advantages(batch: list[Sequence], scale_by_std: bool, token_credit: bo
 class TorchGrpo(refit.trainer.Learner):
     """GRPO in torch, with the Rust learner's params and defaults (`lr`, `beta2`,
     `weight_decay`, `clip`, `clip_high`, `correction`, `is_cap`, `kl_coef`, `scale_by_std`,
-    `token_credit`, `max_grad_norm`, `temperature`, `heads`); one gradient step per batch.
+    `token_credit`, `max_grad_norm`, `temperature`, `heads`; for a Llama, `arch`, `kv_heads`
+    and `rope_theta`, which shape its config); one gradient step per batch.
     With `kl_coef > 0` the loss adds `kl_coef` times the `k3` estimate of KL(policy ‖
     reference) on the sampled tokens, the reference a frozen copy of the first weights, or,
     with `reference_every`, the model Refit's generating engines serve beside the policy

@@ -1,8 +1,9 @@
 """vLLM as an engine rank (:mod:`refit.vllm_engine`, ``python/examples/vllm_engine_rank.py``):
 a real vLLM (the CPU build) computes what Refit's generator computes, labels each token with
 the version that sampled it, refuses a version that leaves a parameter unwritten, and learns
-GRPO under ``refit launch`` (``examples/topologies/grpo-vllm.toml``) behind the PyTorch
-trainer in both sync modes, and behind the Rust one."""
+GRPO under ``refit launch`` (``examples/topologies/grpo-vllm.toml``): a Hugging Face Llama
+behind the PyTorch trainer in both sync modes, and Refit's transformer behind the Rust
+one."""
 
 from __future__ import annotations
 
@@ -29,6 +30,11 @@ from refit.vllm_engine import VllmEngine, token_versions  # noqa: E402
 sys.path.insert(0, str(REPO / "python/examples"))
 import vllm_engine_rank as example  # noqa: E402
 
+sys.path.pop(0)
+
+MODEL = "policy"
+PARAMS = {"heads": 2}  # head size 32: vLLM's CPU attention takes 32 and more
+
 #: The shipped file's model as Refit's transformer (its comment's override): the params
 #: without the Llama's.
 TRANSFORMER = "model.policy.params={ heads = 2, batch_frames = 128, group_size = 8, prompts_per_fragment = 4 }"
@@ -36,11 +42,6 @@ TRANSFORMER = "model.policy.params={ heads = 2, batch_frames = 128, group_size =
 #: (after 5 updates: about 0.3 for three digits) to 0.9.
 LLAMA = SHORT + ["stop.target_eval=0.9"]
 SOLVES = {"low": 0.4, "high": 0.9}
-
-sys.path.pop(0)
-
-MODEL = "policy"
-PARAMS = {"heads": 2}  # head size 32: vLLM's CPU attention takes 32 and more
 
 
 class Held:
@@ -478,6 +479,7 @@ def test_refits_own_learner_refuses_the_llama_and_the_transformer_its_rotary_bas
     cmd, env = launch_command(refit_bin, tmp_path, switched, topology="grpo-vllm.toml", script="vllm_engine_rank.py")
     done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode != 0 and "params.rope_theta must be unset" in done.stderr, done.stderr[-3000:]
+    assert "before any rank started" in done.stderr, done.stderr[-3000:]
 
 
 def test_the_update_cost_benchmark_runs_and_reports_against_the_copy():

@@ -9,7 +9,7 @@
 //! | `arch` | `"transformer"` or `"llama"` | `"transformer"` |
 //! | `d_model`, `layers`, `heads`, `mlp_ratio` | positive integer | see [`GrpoRoles::new`] |
 //! | `kv_heads` (`arch = "llama"`) | positive integer dividing `heads` | `heads` |
-//! | `rope_theta` (`arch = "llama"`) | float > 0 (the rotary base) | `10000.0` |
+//! | `rope_theta` (`arch = "llama"`) | number > 0 (the rotary base) | `10000.0` |
 //! | `lr`, `beta2`, `weight_decay`, `clip`, `clip_high`, `kl_coef` | float | [`GrpoRoles::new`] |
 //! | `correction` | `"behaviour"`, `"truncated"` or `"ignore"` | `"behaviour"` |
 //! | `is_cap` | float >= 1 (the cap of `"truncated"`) | `2.0` |
@@ -208,7 +208,7 @@ impl GrpoRoles {
                 "rope_theta" => {
                     let theta = p.float(key, value)?;
                     if theta <= 0.0 {
-                        return Err(p.bad(key, "a float above 0 (the Llama's rotary base)"));
+                        return Err(p.bad(key, "a number above 0 (the Llama's rotary base)"));
                     }
                     s.rope_theta = Some(theta);
                 }
