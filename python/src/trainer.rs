@@ -54,9 +54,10 @@ impl GenRoles for PyRoles {
     /// sequence carries its log-probabilities under it (`ref_logprobs`); it needs
     /// `kl_coef > 0`, as for GRPO's own learner.
     fn learner(&self, model: &ModelSpec) -> Result<Box<dyn Learner>> {
-        let manifest = Arc::new(self.grpo.learner_manifest(model)?);
+        let settings = self.grpo.settings(model)?;
+        GrpoRoles::served_reference(model, settings.grpo.kl_coef)?;
+        let manifest = Arc::new(settings.learner_manifest()?);
         let mut params = model.params.clone();
-        GrpoRoles::served_reference(model, self.grpo.settings(model)?.grpo.kl_coef)?;
         if let Some(every) = model.reference_every {
             let every = i64::try_from(every).map_err(|_| {
                 Error::Config(format!(

@@ -89,6 +89,18 @@ impl GrpoSettings {
             intermediate: m.mlp_ratio * m.d_model,
         }
     }
+
+    /// The layout a learner of these settings exports: the trainer layout of Refit's
+    /// transformer (converted on the way to the engines), or the Llama's (served as it is).
+    ///
+    /// # Errors
+    /// As [`TransformerConfig::trainer_manifest`] and [`LlamaShape::manifest`].
+    pub fn learner_manifest(&self) -> Result<refit_runtime::Manifest> {
+        match self.arch {
+            Arch::Transformer => self.grpo.model.trainer_manifest(),
+            Arch::Llama => self.llama().manifest(),
+        }
+    }
 }
 
 /// The role factory: a [`GrpoLearner`], a [`TransformerGenerator`] and [`ReverseDigits`],
@@ -326,11 +338,7 @@ impl GrpoRoles {
     /// # Errors
     /// As [`GrpoRoles::settings`].
     pub fn learner_manifest(&self, model: &ModelSpec) -> Result<refit_runtime::Manifest> {
-        let s = self.settings(model)?;
-        match s.arch {
-            Arch::Transformer => s.grpo.model.trainer_manifest(),
-            Arch::Llama => s.llama().manifest(),
-        }
+        self.settings(model)?.learner_manifest()
     }
 
     /// The settings of `model`, refused naming `what` (Refit's learner or generator) when
