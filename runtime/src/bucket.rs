@@ -72,7 +72,7 @@ impl BucketSpec {
             .iter()
             .map(|p| {
                 let r = self.piece_range(manifest, p).unwrap_or_default();
-                xxhash_rust::xxh3::xxh3_64(bytes.get(r).unwrap_or_default())
+                crate::hash::xxh3_64(bytes.get(r).unwrap_or_default())
             })
             .collect()
     }
@@ -132,7 +132,7 @@ impl BucketSpec {
         piece_sums: &[u64],
         mut gap: impl FnMut(Range<usize>) -> &'a [u8],
     ) -> u64 {
-        let mut h = xxhash_rust::xxh3::Xxh3::new();
+        let mut h = crate::hash::Xxh3::new();
         let mut at = 0;
         for (p, s) in self.pieces.iter().zip(piece_sums) {
             if let Some(r) = self.piece_range(manifest, p)
@@ -253,7 +253,7 @@ impl BucketSpec {
 pub struct PieceHasher {
     ranges: Vec<Range<usize>>,
     next: usize,
-    hasher: xxhash_rust::xxh3::Xxh3,
+    hasher: crate::hash::Xxh3,
     sums: Vec<u64>,
 }
 
@@ -295,7 +295,7 @@ impl PieceHasher {
             sums: Vec::with_capacity(ranges.len()),
             ranges,
             next: 0,
-            hasher: xxhash_rust::xxh3::Xxh3::new(),
+            hasher: crate::hash::Xxh3::new(),
         })
     }
 
@@ -518,7 +518,7 @@ impl BucketPlan {
     /// # Errors
     /// [`Error::Wire`] when the plan cannot be encoded.
     pub fn fingerprint(&self) -> Result<u64> {
-        Ok(xxhash_rust::xxh3::xxh3_64(&crate::wire::encode(self)?))
+        Ok(crate::hash::xxh3_64(&crate::wire::encode(self)?))
     }
 
     /// The buckets holding at least one byte of any of `tensors` (manifest positions), in

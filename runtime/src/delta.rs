@@ -103,7 +103,7 @@ impl Delta {
                         tensor: t,
                         block: b,
                         bytes: c.to_vec(),
-                        checksum: xxhash_rust::xxh3::xxh3_64(c),
+                        checksum: crate::hash::xxh3_64(c),
                     });
                 }
             }
@@ -115,7 +115,7 @@ impl Delta {
             schema_hash: new.manifest().schema_hash(),
             granularity,
             changed,
-            result_checksum: xxhash_rust::xxh3::xxh3_64(new.bytes()),
+            result_checksum: crate::hash::xxh3_64(new.bytes()),
         })
     }
 
@@ -175,7 +175,7 @@ impl Delta {
                     },
                 ));
             }
-            let found = xxhash_rust::xxh3::xxh3_64(&c.bytes);
+            let found = crate::hash::xxh3_64(&c.bytes);
             if found != c.checksum {
                 return Err(Error::tensor(
                     &self.model,
@@ -189,7 +189,7 @@ impl Delta {
             let at = spec.offset + start;
             arena[at..at + want].copy_from_slice(&c.bytes);
         }
-        let found = xxhash_rust::xxh3::xxh3_64(arena);
+        let found = crate::hash::xxh3_64(arena);
         if found != self.result_checksum {
             return Err(Error::tensor(
                 &self.model,

@@ -39,6 +39,7 @@ pub mod copy;
 pub mod delta;
 pub mod dtype;
 pub mod error;
+pub mod hash;
 pub mod ids;
 pub mod inproc;
 pub mod layout;

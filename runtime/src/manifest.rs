@@ -261,7 +261,7 @@ impl Manifest {
 }
 
 fn schema_hash(tensors: &[TensorSpec], total_len: usize) -> u64 {
-    let mut h = xxhash_rust::xxh3::Xxh3::new();
+    let mut h = crate::hash::Xxh3::new();
     h.update(b"refit.manifest.v1");
     h.update(&(total_len as u64).to_le_bytes());
     for t in tensors {

@@ -148,7 +148,7 @@ pub fn inspect_safetensors(
                     format!("tensor `{name}`: checksum {:?} is not hex", sums[i]),
                 )
             })?;
-            let found = xxhash_rust::xxh3::xxh3_64(view.data());
+            let found = crate::hash::xxh3_64(view.data());
             if found != expected {
                 return Err(refused(
                     source,

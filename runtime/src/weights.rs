@@ -382,7 +382,7 @@ impl<'a> TensorView<'a> {
 /// (xxh3-64): what a receiver verifies before apply, and what an engine compares what it
 /// serves with.
 pub fn tensor_checksum(bytes: &[u8]) -> u64 {
-    xxhash_rust::xxh3::xxh3_64(bytes)
+    crate::hash::xxh3_64(bytes)
 }
 
 #[cfg(test)]

@@ -289,7 +289,7 @@ async fn serve(mut stream: tokio::net::TcpStream, s: &Shared, req: Pull) -> Resu
     }
     write_head(&mut stream, &StreamHead::Ok { len: total + 8 }).await?;
     let io = |e| Error::io("serving a mesh pull", e);
-    let mut hasher = xxhash_rust::xxh3::Xxh3::new();
+    let mut hasher = refit_runtime::hash::Xxh3::new();
     // small pieces (a column slice of a row-major tensor is one piece per row) are
     // gathered into writes of up to CHUNK bytes; a chunk of CHUNK goes straight out
     let mut stream = tokio::io::BufWriter::with_capacity(CHUNK, stream);
@@ -752,7 +752,7 @@ fn pull_one(
             want + 8
         )));
     }
-    let mut hasher = xxhash_rust::xxh3::Xxh3::new();
+    let mut hasher = refit_runtime::hash::Xxh3::new();
     let mut chunks = dst.into_iter().flat_map(|p| p.chunks_mut(CHUNK)).peekable();
     let mut group: Vec<&mut [u8]> = Vec::new();
     while chunks.peek().is_some() {

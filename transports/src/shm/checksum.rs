@@ -5,7 +5,7 @@
 //! hashes each piece of the trainer's bytes and copies it into the slot right after, while
 //! it is still in cache, so a checksummed publish reads its bytes from memory once.
 
-use xxhash_rust::xxh3::{xxh3_64, xxh3_64_with_seed};
+use refit_runtime::hash::{xxh3_64, xxh3_64_with_seed};
 
 pub(crate) use refit_runtime::copy::PIECE;
 use refit_runtime::copy::{copy_piece, share, threads_for};

@@ -1195,7 +1195,7 @@ mod tests {
                 .flat_map(|b| &b.pieces)
                 .map(|pc| {
                     let at = m.tensors()[pc.tensor].offset + pc.offset;
-                    xxhash_rust::xxh3::xxh3_64(&ws.bytes()[at..at + pc.len])
+                    refit_runtime::hash::xxh3_64(&ws.bytes()[at..at + pc.len])
                 })
                 .collect();
             assert_eq!(serial.pieces, flat);
