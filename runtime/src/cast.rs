@@ -33,12 +33,12 @@ pub mod fp8;
 mod kernels;
 
 use std::fmt;
-use std::sync::Arc;
 
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::layout::{Pattern, Segment};
 use crate::manifest::Manifest;
+use crate::plan::{Ops, Plan, Sealed};
 use crate::weights::WeightSet;
 
 pub use fp8::Overflow;
@@ -181,13 +181,13 @@ enum Step {
     },
 }
 
-/// A checked conversion from a source manifest to the manifest that is sent.
+/// The steps of a [`CastPlan`] (each tensor copied or converted, with its scales).
 #[derive(Clone, Debug)]
-pub struct CastPlan {
-    source: Arc<Manifest>,
-    target: Arc<Manifest>,
-    steps: Vec<Step>,
-}
+pub struct CastSteps(Vec<Step>);
+
+/// A checked conversion from a source manifest to the manifest that is sent (converted
+/// dtypes, `<name>.scale` tensors added), applied to every version ([`Plan::apply`]).
+pub type CastPlan = Plan<CastSteps>;
 
 fn cast_error(tensor: &str, reason: impl Into<String>) -> Error {
     Error::Cast {
@@ -307,41 +307,7 @@ impl CastPlan {
             });
             n += 1 + usize::from(scale.is_some());
         }
-        Ok(Self {
-            source: Arc::new(source.clone()),
-            target: Arc::new(b.build()?),
-            steps,
-        })
-    }
-
-    /// The manifest the plan was made for.
-    pub fn source(&self) -> &Arc<Manifest> {
-        &self.source
-    }
-
-    /// The manifest of what is sent (converted dtypes, `<name>.scale` tensors added).
-    pub fn target(&self) -> &Arc<Manifest> {
-        &self.target
-    }
-
-    /// Converts one version (same model and version).
-    ///
-    /// # Errors
-    /// A schema error when `weights` does not have the source manifest; [`Error::Cast`]
-    /// naming the tensor and element when a scaled fp8 tensor holds a NaN or infinity (a
-    /// scale cannot be computed from it).
-    pub fn apply(&self, weights: &WeightSet) -> Result<WeightSet> {
-        let mut out = WeightSet::zeroed(weights.model().clone(), Arc::clone(&self.target));
-        self.apply_into(weights, &mut out)?;
-        Ok(out)
-    }
-
-    /// As [`CastPlan::apply`], into a weight set of the target manifest whose every tensor
-    /// byte is overwritten (reused by the converting adapters).
-    pub(crate) fn apply_into(&self, weights: &WeightSet, out: &mut WeightSet) -> Result<()> {
-        self.source
-            .check_same_schema(weights.model(), weights.manifest())?;
-        self.apply_runs(weights.bytes(), &exec::whole(self), weights.version(), out)
+        Ok(Plan::of(source, b.build()?, CastSteps(steps)))
     }
 
     /// Whether [`CastPlan::apply_runs`] can read the source tensors from `runs` (a tensor with
@@ -365,6 +331,14 @@ impl CastPlan {
         exec::run(self, src, runs, out)?;
         out.set_version(version);
         Ok(())
+    }
+}
+
+impl Sealed for CastSteps {}
+
+impl Ops for CastSteps {
+    fn write(plan: &CastPlan, weights: &WeightSet, out: &mut WeightSet) -> Result<()> {
+        plan.apply_runs(weights.bytes(), &exec::whole(plan), weights.version(), out)
     }
 }
 

@@ -47,6 +47,7 @@ pub mod link;
 pub mod manifest;
 pub mod mesh;
 pub mod metrics;
+pub mod plan;
 pub mod protocol;
 mod safetensors_io;
 pub mod scheme;

@@ -10,10 +10,10 @@ mod rules;
 
 use std::collections::HashMap;
 use std::fmt;
-use std::sync::Arc;
 
 use crate::error::{Error, Result};
 use crate::manifest::{Manifest, TensorSpec};
+use crate::plan::{Ops, Plan, Sealed};
 use crate::weights::WeightSet;
 
 pub(crate) use pattern::Pattern;
@@ -57,14 +57,13 @@ enum PendingKind {
     Split(usize, usize),
 }
 
-/// A checked mapping from a source manifest to a target manifest, computed once and applied
-/// to every version.
+/// The operations of a [`LayoutPlan`] (renames, transposes, fusions, splits).
 #[derive(Clone, Debug)]
-pub struct LayoutPlan {
-    source: Arc<Manifest>,
-    target: Arc<Manifest>,
-    ops: Vec<Op>,
-}
+pub struct LayoutOps(Vec<Op>);
+
+/// A checked mapping from a source manifest to a target manifest, computed once and applied
+/// to every version ([`Plan::apply`]) with exact byte copies.
+pub type LayoutPlan = Plan<LayoutOps>;
 
 impl LayoutPlan {
     /// Checks `rules` against `source` and computes the target manifest.
@@ -171,44 +170,19 @@ impl LayoutPlan {
                 }
             })
             .collect();
-        Ok(Self {
-            source: Arc::new(source.clone()),
-            target: Arc::new(target),
-            ops,
-        })
+        Ok(Plan::of(source, target, LayoutOps(ops)))
     }
+}
 
-    /// The trainer's manifest this plan was made for.
-    pub fn source(&self) -> &Arc<Manifest> {
-        &self.source
-    }
+impl Sealed for LayoutOps {}
 
-    /// The engine's manifest this plan produces.
-    pub fn target(&self) -> &Arc<Manifest> {
-        &self.target
-    }
-
-    /// Produces the engine-layout weight set (same model and version) from `weights`.
-    ///
-    /// # Errors
-    /// [`Error::Tensor`] / [`Error::Schema`] when `weights` does not have the source manifest.
-    pub fn apply(&self, weights: &WeightSet) -> Result<WeightSet> {
-        let mut out = WeightSet::zeroed(weights.model().clone(), Arc::clone(&self.target));
-        self.apply_into(weights, &mut out)?;
-        Ok(out)
-    }
-
-    /// As [`LayoutPlan::apply`], into a weight set of the target manifest (reused by the
-    /// converting adapters, so a version does not fault in a fresh arena).
-    pub(crate) fn apply_into(&self, weights: &WeightSet, out: &mut WeightSet) -> Result<()> {
-        self.source
-            .check_same_schema(weights.model(), weights.manifest())?;
-        self.target.check_same_schema(out.model(), out.manifest())?;
-        let src_specs = self.source.tensors();
-        let dst_specs = self.target.tensors();
+impl Ops for LayoutOps {
+    fn write(plan: &LayoutPlan, weights: &WeightSet, out: &mut WeightSet) -> Result<()> {
+        let src_specs = plan.source.tensors();
+        let dst_specs = plan.target.tensors();
         let src = weights.bytes();
         let dst = out.bytes_mut()?;
-        for op in &self.ops {
+        for op in &plan.ops.0 {
             match op {
                 Op::Copy { src: s, dst: d } => {
                     dst[dst_specs[*d].range()].copy_from_slice(&src[src_specs[*s].range()]);
@@ -282,7 +256,7 @@ impl LayoutPlan {
                 _ => runs.push(seg),
             }
         };
-        for op in &self.ops {
+        for op in &self.ops.0 {
             match op {
                 Op::Copy { src, dst } => push(*dst, Segment::whole(&src_specs[*src])),
                 Op::Transpose { .. } => return None,
@@ -530,7 +504,7 @@ impl fmt::Display for LayoutPlan {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let (s, t) = (self.source.tensors(), self.target.tensors());
         let desc = |x: &TensorSpec| format!("{} {} {:?}", x.name, x.dtype, x.shape);
-        for op in &self.ops {
+        for op in &self.ops.0 {
             match op {
                 Op::Copy { src, dst } if s[*src].name == t[*dst].name => {
                     writeln!(f, "keep      {}", desc(&s[*src]))?;
