@@ -38,7 +38,7 @@ use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::layout::{Pattern, Segment};
 use crate::manifest::Manifest;
-use crate::plan::{Ops, Plan, Sealed};
+use crate::plan::{Checked, Ops, Plan, Sealed};
 use crate::weights::WeightSet;
 
 pub use fp8::Overflow;
@@ -337,7 +337,7 @@ impl CastPlan {
 impl Sealed for CastSteps {}
 
 impl Ops for CastSteps {
-    fn write(plan: &CastPlan, weights: &WeightSet, out: &mut WeightSet) -> Result<()> {
+    fn write(plan: &CastPlan, weights: &WeightSet, out: &mut WeightSet, _: Checked) -> Result<()> {
         plan.apply_runs(weights.bytes(), &exec::whole(plan), weights.version(), out)
     }
 }

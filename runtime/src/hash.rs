@@ -1,13 +1,15 @@
 //! The checksum of every transport and file: xxh3-64 (XXH3's 64-bit hash), in one place.
 //!
-//! The implementation picks the widest vector unit the CPU has when the process runs (AVX2
-//! on most x86-64 machines, SSE2 otherwise; NEON on aarch64), not the one the build
-//! targeted: the default x86-64 target has SSE2 alone, and the transports hash every byte
-//! they move, on both ends, in the path of every update. The digests are XXH3's, whatever
-//! the unit (checked against the reference values below), so parties of different builds
-//! or machines agree.
+//! The implementation picks its vector unit when the process runs (AVX2 where the x86-64
+//! CPU has it, SSE2 otherwise; NEON on aarch64), not the one the build targeted: the default
+//! x86-64 target has SSE2 alone, and the transports hash every byte they move, on both
+//! ends, in the path of every update. The digests are XXH3's whatever the unit (the tests
+//! check XXH3's reference values on the unit the machine running them picks), so parties of
+//! different builds or machines agree.
 
 use std::hash::Hasher as _;
+
+use twox_hash::xxhash3_64::{DEFAULT_SECRET_LENGTH, RawHasher, SecretBuffer};
 
 /// xxh3-64 of `bytes` (seed 0).
 #[inline]
@@ -20,8 +22,6 @@ pub fn xxh3_64(bytes: &[u8]) -> u64 {
 pub fn xxh3_64_with_seed(bytes: &[u8], seed: u64) -> u64 {
     twox_hash::XxHash3_64::oneshot_with_seed(seed, bytes)
 }
-
-use twox_hash::xxhash3_64::{DEFAULT_SECRET_LENGTH, RawHasher, SecretBuffer};
 
 /// xxh3-64 of bytes given in pieces: the digest equals [`xxh3_64`] of their concatenation,
 /// however they are cut. It allocates nothing (XXH3's default secret is static).
@@ -70,11 +70,12 @@ mod tests {
         (0..1_000_003usize).map(|i| (i * 131 % 251) as u8).collect()
     }
 
-    /// XXH3-64's reference digests (the empty input's is the one XXH3's authors publish;
-    /// the others are those of the reference implementation's port used before this one):
-    /// a different digest would make this build refuse every other build's bytes.
+    /// XXH3-64's reference digests, on the vector unit this machine picks (the empty
+    /// input's is the one XXH3's authors publish; the others are those of the port this
+    /// project used before): a different digest would make this build refuse every other
+    /// build's bytes.
     #[test]
-    fn the_digests_are_xxh3s_whichever_vector_unit_computes_them() {
+    fn the_digests_are_xxh3s_reference_digests() {
         assert_eq!(xxh3_64(b""), 0x2d06_8005_38d3_94c2);
         assert_eq!(xxh3_64(b"abc"), 0x78af_5f94_892f_3950);
         let p = pattern();

@@ -11,15 +11,26 @@ use crate::weights::WeightSet;
 
 mod sealed {
     pub trait Sealed {}
+
+    /// Proof that both manifests were checked: only [`Plan::apply_into`](super::Plan)
+    /// makes one, so no caller reaches [`Ops::write`](super::Ops::write) around the checks.
+    #[derive(Clone, Copy, Debug)]
+    pub struct Checked(pub(super) ());
 }
 
 /// The operations of one kind of [`Plan`] (a layout's, a cast's); implemented in this crate
 /// only.
 pub trait Ops: sealed::Sealed + Sized {
     /// Writes every byte of `out`, a weight set of the plan's target manifest, from
-    /// `weights`, one of its source manifest (both checked), and gives `out` their version.
+    /// `weights`, one of its source manifest (both checked, as `checked` proves), and gives
+    /// `out` their version.
     #[doc(hidden)]
-    fn write(plan: &Plan<Self>, weights: &WeightSet, out: &mut WeightSet) -> Result<()>;
+    fn write(
+        plan: &Plan<Self>,
+        weights: &WeightSet,
+        out: &mut WeightSet,
+        checked: sealed::Checked,
+    ) -> Result<()>;
 }
 
 /// A checked conversion from a source manifest to a target manifest, computed once (by the
@@ -54,9 +65,10 @@ impl<O: Ops> Plan<O> {
     /// Converts one version (same model and version).
     ///
     /// # Errors
-    /// A schema error naming the tensor when `weights` does not have the source manifest;
-    /// the kind's own (a cast: [`Error::Cast`](crate::Error::Cast) naming the tensor and
-    /// element when a scaled fp8 tensor holds a NaN or infinity).
+    /// [`Error::Tensor`](crate::Error::Tensor) (naming the tensor) or
+    /// [`Error::Schema`](crate::Error::Schema) when `weights` does not have the source
+    /// manifest; a cast's [`Error::Cast`](crate::Error::Cast) naming the tensor and element
+    /// when a scaled fp8 tensor holds a NaN or infinity.
     pub fn apply(&self, weights: &WeightSet) -> Result<WeightSet> {
         let mut out = WeightSet::zeroed(weights.model().clone(), Arc::clone(&self.target));
         self.apply_into(weights, &mut out)?;
@@ -70,8 +82,8 @@ impl<O: Ops> Plan<O> {
         self.source
             .check_same_schema(weights.model(), weights.manifest())?;
         self.target.check_same_schema(out.model(), out.manifest())?;
-        O::write(self, weights, out)
+        O::write(self, weights, out, sealed::Checked(()))
     }
 }
 
-pub(crate) use sealed::Sealed;
+pub(crate) use sealed::{Checked, Sealed};

@@ -13,7 +13,7 @@ use std::fmt;
 
 use crate::error::{Error, Result};
 use crate::manifest::{Manifest, TensorSpec};
-use crate::plan::{Ops, Plan, Sealed};
+use crate::plan::{Checked, Ops, Plan, Sealed};
 use crate::weights::WeightSet;
 
 pub(crate) use pattern::Pattern;
@@ -177,7 +177,12 @@ impl LayoutPlan {
 impl Sealed for LayoutOps {}
 
 impl Ops for LayoutOps {
-    fn write(plan: &LayoutPlan, weights: &WeightSet, out: &mut WeightSet) -> Result<()> {
+    fn write(
+        plan: &LayoutPlan,
+        weights: &WeightSet,
+        out: &mut WeightSet,
+        _: Checked,
+    ) -> Result<()> {
         let src_specs = plan.source.tensors();
         let dst_specs = plan.target.tensors();
         let src = weights.bytes();
