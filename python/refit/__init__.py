@@ -40,14 +40,18 @@ from .errors import (
     ConfigError,
     Damaged,
     DTypeError,
+    ManifestMismatch,
     NeedsFullResend,
     PeerGone,
+    ReceiversGone,
+    ReceiversLate,
     Refused,
     RefitError,
     Timeout,
     TransportError,
     Unauthorized,
 )
+from .errors import __all__ as _error_names
 
 __version__ = _native.__version__
 
@@ -736,17 +740,7 @@ __all__ = [
     "Update",
     "transports",
     "NUMPY_DTYPES",
-    "RefitError",
-    "Timeout",
-    "PeerGone",
-    "Refused",
-    "ConfigError",
-    "Unauthorized",
-    "DTypeError",
-    "TransportError",
-    "Closed",
-    "NeedsFullResend",
-    "Damaged",
+    *_error_names,  # every error type, also at the top level: refit.Timeout is refit.errors.Timeout
     "checksums",
     "verify_served",
 ]

@@ -273,3 +273,15 @@ def test_checksums_of_torch_tensors_match_the_versions_they_were_sent_as(pair):
     assert refit.checksums(served) == dict(zip(served, u.checksums()))
     refit.verify_served(u, served)
     u.ack()
+
+
+def test_every_error_type_is_also_at_the_top_level():
+    """``refit.X`` and ``refit.errors.X`` are one class for every error the package raises,
+    so ``except refit.ReceiversLate`` catches what ``refit.errors.ReceiversLate`` names."""
+    import refit.errors
+
+    for name in refit.errors.__all__:
+        assert getattr(refit, name) is getattr(refit.errors, name), name
+        assert name in refit.__all__, name
+        assert issubclass(getattr(refit, name), refit.RefitError), name
+

@@ -228,18 +228,21 @@ impl LaunchEnv {
     }
 }
 
+/// An environment of the given variables alone, as the launch code reads one (the unit
+/// tests of this module and its files).
+#[cfg(test)]
+pub(crate) fn test_env(pairs: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> + use<> {
+    let vars: std::collections::HashMap<String, String> = pairs
+        .iter()
+        .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+        .collect();
+    move |k| vars.get(k).cloned()
+}
+
 #[cfg(test)]
 mod tests {
+    use super::test_env as env;
     use super::*;
-    use std::collections::HashMap;
-
-    fn env(pairs: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> {
-        let m: HashMap<String, String> = pairs
-            .iter()
-            .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
-            .collect();
-        move |k| m.get(k).cloned()
-    }
 
     #[test]
     fn launch_variables_are_typed_and_named_when_bad() {

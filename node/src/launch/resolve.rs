@@ -187,7 +187,7 @@ pub fn scheduler_incarnation(lookup: &impl Fn(&str) -> Option<String>) -> Result
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::collections::HashMap;
+    use crate::launch::test_env as env;
 
     fn topo() -> Topology {
         Topology::parse(
@@ -209,14 +209,6 @@ mod tests {
             "#,
         )
         .unwrap()
-    }
-
-    fn env(pairs: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> {
-        let map: HashMap<String, String> = pairs
-            .iter()
-            .map(|(k, v)| (k.to_string(), v.to_string()))
-            .collect();
-        move |k| map.get(k).cloned()
     }
 
     fn err(r: Result<Option<LaunchEnv>>) -> String {

@@ -285,15 +285,7 @@ pub fn scheduler_hosts(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::collections::HashMap;
-
-    fn env(pairs: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> {
-        let map: HashMap<String, String> = pairs
-            .iter()
-            .map(|(k, v)| (k.to_string(), v.to_string()))
-            .collect();
-        move |k| map.get(k).cloned()
-    }
+    use crate::launch::test_env as env;
 
     /// Three hosts, the middle one with its address written; one rank on each.
     const TOPO: &str = r#"

@@ -452,12 +452,7 @@ mod tests {
         }
     }
 
-    fn rt() -> tokio::runtime::Runtime {
-        tokio::runtime::Builder::new_current_thread()
-            .enable_time()
-            .build()
-            .unwrap()
-    }
+    use crate::tcp::test_runtime as rt;
 
     #[test]
     fn buckets_are_written_once_and_served_as_their_pieces_arrive() {

@@ -233,6 +233,15 @@ pub(crate) fn advertised(
     }
 }
 
+/// A single-threaded runtime with timers, for the unit tests of this module's waits.
+#[cfg(test)]
+pub(crate) fn test_runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_time()
+        .build()
+        .unwrap()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -44,12 +44,7 @@ mod tests {
     use std::sync::Arc;
     use std::sync::atomic::{AtomicU32, Ordering};
 
-    fn rt() -> tokio::runtime::Runtime {
-        tokio::runtime::Builder::new_current_thread()
-            .enable_time()
-            .build()
-            .unwrap()
-    }
+    use crate::tcp::test_runtime as rt;
 
     #[test]
     fn a_change_wakes_the_wait_and_a_deadline_ends_it() {
