@@ -284,4 +284,3 @@ def test_every_error_type_is_also_at_the_top_level():
         assert getattr(refit, name) is getattr(refit.errors, name), name
         assert name in refit.__all__, name
         assert issubclass(getattr(refit, name), refit.RefitError), name
-

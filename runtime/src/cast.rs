@@ -328,9 +328,25 @@ impl CastPlan {
         out: &mut WeightSet,
     ) -> Result<()> {
         self.target.check_same_schema(out.model(), out.manifest())?;
+        self.write_runs(src, runs, version, out)
+    }
+
+    /// [`CastPlan::apply_runs`] once `out`'s manifest is known to be the target's.
+    fn write_runs(
+        &self,
+        src: &[u8],
+        runs: &[Vec<Segment>],
+        version: crate::ids::Version,
+        out: &mut WeightSet,
+    ) -> Result<()> {
         exec::run(self, src, runs, out)?;
         out.set_version(version);
         Ok(())
+    }
+
+    /// The plan's steps, one per source tensor, in order.
+    fn steps(&self) -> &[Step] {
+        &self.ops.0
     }
 }
 
@@ -338,7 +354,8 @@ impl Sealed for CastSteps {}
 
 impl Ops for CastSteps {
     fn write(plan: &CastPlan, weights: &WeightSet, out: &mut WeightSet, _: Checked) -> Result<()> {
-        plan.apply_runs(weights.bytes(), &exec::whole(plan), weights.version(), out)
+        // both manifests were checked: no second check of the output's
+        plan.write_runs(weights.bytes(), &exec::whole(plan), weights.version(), out)
     }
 }
 

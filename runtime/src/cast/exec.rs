@@ -90,7 +90,7 @@ struct Ctx<'a> {
 /// tensor with per-block fp8 scales must come whole, from one run.
 pub(crate) fn direct(plan: &CastPlan, segments: &[Vec<Segment>]) -> bool {
     let specs = plan.source.tensors();
-    plan.ops.0.iter().all(|step| {
+    plan.steps().iter().all(|step| {
         let (src, per_block) = match *step {
             Step::Copy { src, .. } => (src, false),
             Step::Convert { src, to, .. } => (
@@ -133,7 +133,7 @@ pub(crate) fn run(
     // the scales of large tensors with one scale, found in a pass of their own
     let early = early_scales(&ctx)?;
     let mut jobs = Vec::new();
-    for (k, step) in plan.ops.0.iter().enumerate() {
+    for (k, step) in plan.steps().iter().enumerate() {
         let (s, d) = match *step {
             Step::Copy { src, dst } | Step::Convert { src, dst, .. } => (src, dst),
         };
@@ -211,8 +211,7 @@ pub(crate) fn run(
     let found = write_parallel(bytes, &jobs, threads, |job, dst| write(&ctx, job, dst))?;
     // the scales, beside their tensors
     let mut scales: Vec<Vec<f32>> = plan
-        .ops
-        .0
+        .steps()
         .iter()
         .zip(&early)
         .map(|(step, e)| match (*step, e) {
@@ -243,7 +242,7 @@ pub(crate) fn run(
             d.copy_from_slice(&values);
         }
     }
-    for (step, s) in plan.ops.0.iter().zip(&scales) {
+    for (step, s) in plan.steps().iter().zip(&scales) {
         if let Step::Convert {
             scale: Some(at), ..
         } = *step
@@ -591,7 +590,7 @@ fn amax_of(f: DType, b: &[u8]) -> Result<u32> {
 fn early_scales(ctx: &Ctx<'_>) -> Result<Vec<Option<f32>>> {
     let specs = ctx.plan.source.tensors();
     let mut scans: Vec<(usize, Range<usize>)> = Vec::new();
-    for (k, step) in ctx.plan.ops.0.iter().enumerate() {
+    for (k, step) in ctx.plan.steps().iter().enumerate() {
         let Step::Convert { src: s, to, .. } = *step else {
             continue;
         };
@@ -607,7 +606,7 @@ fn early_scales(ctx: &Ctx<'_>) -> Result<Vec<Option<f32>>> {
             scans.push((k, r.src + at..r.src + at + n));
         }
     }
-    let mut amax = vec![None; ctx.plan.ops.0.len()];
+    let mut amax = vec![None; ctx.plan.steps().len()];
     if scans.is_empty() {
         return Ok(amax);
     }
@@ -616,7 +615,7 @@ fn early_scales(ctx: &Ctx<'_>) -> Result<Vec<Option<f32>>> {
         share
             .iter()
             .map(|(k, r)| {
-                let Step::Convert { src, .. } = ctx.plan.ops.0[*k] else {
+                let Step::Convert { src, .. } = ctx.plan.steps()[*k] else {
                     return Err(Error::State("a scale scan of a copy"));
                 };
                 amax_of(specs[src].dtype, bytes_at(ctx.src, r.clone())?)
@@ -624,12 +623,12 @@ fn early_scales(ctx: &Ctx<'_>) -> Result<Vec<Option<f32>>> {
             .collect::<Result<Vec<u32>>>()
     })?;
     let found = found.into_iter().flatten();
-    let mut bits: Vec<u32> = vec![0; ctx.plan.ops.0.len()];
+    let mut bits: Vec<u32> = vec![0; ctx.plan.steps().len()];
     for ((k, _), b) in scans.iter().zip(found) {
         bits[*k] = bits[*k].max(b);
         amax[*k] = Some(0.0);
     }
-    for (k, step) in ctx.plan.ops.0.iter().enumerate() {
+    for (k, step) in ctx.plan.steps().iter().enumerate() {
         let (Some(_), Step::Convert { src, to, .. }) = (amax[k], *step) else {
             continue;
         };
