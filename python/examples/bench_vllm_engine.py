@@ -11,6 +11,12 @@ through vLLM's layerwise reload (the *pause*). The baseline is the fastest simpl
 for the bytes: one ``copy_`` of every tensor into tensors already allocated. Figures are
 medians of ``--iters`` versions.
 
+With ``--serve`` the model is behind a ``vllm serve`` driven over HTTP
+(:class:`refit.vllm_server.VllmServerEngine`): the stage publishes the version to the
+sender the server's workers pull from, the pause runs from vLLM's ``/pause`` to its
+``/resume``. Either way the run ends with the time of a rollout worker's batch of 32
+completions.
+
 With ``--apply``, the two ways an engine rank takes a version in (a topology's ``apply``)
 are set side by side over TCP, each in an engine process of its own fed by this one:
 ``staged`` (received whole, staged, then loaded: the pause holds the load) and
@@ -20,6 +26,7 @@ connected (vLLM and the model loaded), and its pause; this process times each ve
 publish to served (acknowledged).
 
     python python/examples/bench_vllm_engine.py                       # tiny
+    python python/examples/bench_vllm_engine.py --serve               # tiny, behind a `vllm serve`
     python python/examples/bench_vllm_engine.py --hidden 512 --layers 6 --intermediate 1408 --vocab 8192 --heads 8
     python python/examples/bench_vllm_engine.py --apply --hidden 512 --layers 6 --intermediate 1408 --vocab 8192 --heads 8
 """
@@ -63,11 +70,36 @@ def connected(weights: dict) -> tuple[refit.Sender, refit.Receiver]:
     return sender, box["r"]
 
 
-def serving(model_dir: Path, layout: list) -> VllmEngine:
-    """A vLLM engine of the model in ``model_dir``, its layout ``layout`` declared."""
-    engine = VllmEngine(in_process_llm(model=str(model_dir), dtype="float32", max_model_len=256, seed=0))
+def serving(model_dir: Path, layout: list, serve: bool = False) -> Any:
+    """A vLLM engine of the model in ``model_dir``, its layout ``layout`` declared: an
+    in-process ``LLM``, or with ``serve`` a ``vllm serve`` driven over HTTP."""
+    if serve:
+        from refit.vllm_server import VllmServerEngine, start_server
+
+        # its threads not pinned to the cores this process times its copies on
+        engine = VllmServerEngine(start_server(model_dir, dtype="float32", max_model_len=256, seed=0,
+                                               enforce_eager=True,
+                                               env={"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}))
+    else:
+        engine = VllmEngine(in_process_llm(model=str(model_dir), dtype="float32", max_model_len=256, seed=0))
     engine.manifest(MODEL, layout, {})
     return engine
+
+
+def batch_ms(engine: Any, version: int, iters: int) -> float:
+    """The median time of a rollout worker's batch: 32 completions of 6 tokens, sampled."""
+    from refit.engine import Request
+
+    took = []
+    for i in range(iters + 1):  # the first warms vLLM up
+        asked = [Request(MODEL, [1, 3, 4, 5, 6, 7, 2], 6, 1.0, 100 * i + j, None, version) for j in range(32)]
+        t = time.perf_counter()
+        answers = engine.generate(asked)
+        took.append(time.perf_counter() - t)
+        failed = [a for a in answers if isinstance(a, BaseException)]
+        if failed:
+            raise failed[0]
+    return statistics.median(took[1:]) * 1e3
 
 
 def engine_process(spec: str, mode: str, model_dir: Path, iters: int) -> None:
@@ -177,6 +209,7 @@ def main() -> int:
     for key in ("hidden", "layers", "intermediate", "vocab", "heads"):
         p.add_argument(f"--{key}", type=int)
     p.add_argument("--apply", action="store_true", help="staged against streaming, over TCP")
+    p.add_argument("--serve", action="store_true", help="the model behind a `vllm serve` (refit.vllm_server)")
     p.add_argument("--engine", choices=["staged", "streaming"], help=argparse.SUPPRESS)
     p.add_argument("--spec", help=argparse.SUPPRESS)
     p.add_argument("--model-dir", type=Path, help=argparse.SUPPRESS)
@@ -184,6 +217,9 @@ def main() -> int:
     if args.engine:
         engine_process(args.spec, args.engine, args.model_dir, args.iters)
         return 0
+    if args.serve:
+        # torch's threads here would spin against the server's processes on the same cores
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
     from safetensors.torch import load_file
 
@@ -200,7 +236,7 @@ def main() -> int:
             return 0
         size = sum(t.numel() * t.element_size() for t in versions[0].values())
         layout = [(n, "f32", list(t.shape)) for n, t in versions[0].items()]
-        engine = serving(model_dir, layout)
+        engine = serving(model_dir, layout, args.serve)
         sender, receiver = connected(versions[0])
         copy_s, transfer_s, stage_s, pause_s = [], [], [], []
         targets = {n: torch.empty_like(t) for n, t in versions[0].items()}
@@ -224,16 +260,22 @@ def main() -> int:
                 pause_s.append(time.perf_counter() - t)
                 update.ack()
                 del update
+            batch = batch_ms(engine, version, args.iters)
         finally:
             receiver.close()
             sender.close()
+            if args.serve:
+                engine.close()
     copy = statistics.median(copy_s)
-    print(f"vLLM engine rank, a Llama of {size / 2**20:.1f} MiB (float32), medians of {args.iters} versions:")
+    kind = "a `vllm serve` over HTTP" if args.serve else "an in-process LLM"
+    print(f"vLLM engine rank ({kind}), a Llama of {size / 2**20:.1f} MiB (float32), medians of {args.iters} versions:")
     print(f"  copy of the bytes (baseline)   {copy * 1e3:9.2f} ms")
-    for what, xs in (("transfer (shm, publish->received)", transfer_s), ("stage (copy to the model's dtype)", stage_s),
-                     ("pause (vLLM's load)", pause_s)):
+    stage = "stage (to the server's sender)" if args.serve else "stage (copy to the model's dtype)"
+    pause = "pause (/pause to /resume)" if args.serve else "pause (vLLM's load)"
+    for what, xs in (("transfer (shm, publish->received)", transfer_s), (stage, stage_s), (pause, pause_s)):
         m = statistics.median(xs)
         print(f"  {what:<33}{m * 1e3:9.2f} ms  {m / copy:6.1f}x the copy")
+    print(f"  a batch of 32 completions of 6 tokens {batch:6.1f} ms")
     return 0
 
 

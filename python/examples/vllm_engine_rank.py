@@ -20,6 +20,11 @@ in-process ``vllm.LLM`` driven by :class:`refit.vllm_engine.VllmEngine`:
 - updates are staged beside generation and loaded in the pause; completions carry vLLM's
   per-token versions.
 
+With ``--serve`` the model is not in the rank's process: the rank starts a ``vllm serve``
+of it (:func:`refit.vllm_server.start_server`, ended with the rank) and drives it over HTTP
+through :class:`refit.vllm_server.VllmServerEngine` (vLLM's ``pause_generation`` around
+each load, its tokens route for completions).
+
 vLLM's CPU attention takes head sizes of 32 and more: the topology sets ``heads = 2`` for
 ``d_model = 64``. Run it under ``refit launch`` (``REFIT_PYTHON`` names an interpreter with
 vLLM, torch and ``refit``, such as the one ``scripts/vllm-env.sh`` makes)::
@@ -42,6 +47,7 @@ from typing import Any
 import refit.engine  # answers refit launch's check before vLLM is imported
 from refit.models import llama_config
 from refit.vllm_engine import VllmEngine, in_process_llm
+from refit.vllm_server import VllmServerEngine, start_server
 
 # a small KV cache (the completions are a dozen tokens); the ranks share the machine's
 # cores, so vLLM does not pin its threads to them, and uses one
@@ -116,21 +122,37 @@ def checkpoint(name: str, tensor: Any):
 # ANCHOR_END: checkpoint
 
 
-def build(model: str, layout: list, params: dict[str, Any]) -> Any:
-    """The in-process LLM of ``model``: its config written to a fresh directory, dummy
-    weights until the trainer's first version."""
+def model_folder(model: str, layout: list, params: dict[str, Any]) -> tuple[str, int]:
+    """A fresh Hugging Face model folder for ``model`` (its ``config.json`` only: vLLM starts
+    with dummy weights, the trainer's first version replaces them) and its context."""
     llama = params.get("arch") == "llama"
     config = llama_config(layout, params) if llama else gpt2_config(layout, params)
     directory = tempfile.mkdtemp(prefix=f"refit-vllm-{model}-")
     atexit.register(shutil.rmtree, directory, True)  # vLLM may read it again: kept until exit
     with open(os.path.join(directory, "config.json"), "w") as f:
         json.dump(config, f)
-    return in_process_llm(model=directory, load_format="dummy", dtype="float32",
-                          max_model_len=config["max_position_embeddings" if llama else "n_positions"], seed=0)
+    return directory, int(config["max_position_embeddings" if llama else "n_positions"])
+
+
+def build(model: str, layout: list, params: dict[str, Any]) -> Any:
+    """The in-process LLM of ``model``."""
+    directory, context = model_folder(model, layout, params)
+    return in_process_llm(model=directory, load_format="dummy", dtype="float32", max_model_len=context, seed=0)
+
+
+# ANCHOR: serve
+def build_server(model: str, layout: list, params: dict[str, Any]) -> Any:
+    """A ``vllm serve`` of ``model`` that this rank starts (and ends with it)."""
+    directory, context = model_folder(model, layout, params)
+    return start_server(directory, load_format="dummy", dtype="float32", max_model_len=context, seed=0,
+                        enforce_eager=True)
+# ANCHOR_END: serve
 
 
 # ANCHOR: main
 def main() -> int:
+    if "--serve" in sys.argv[1:]:  # the model behind a `vllm serve` of this rank, over HTTP
+        return refit.engine.main(VllmServerEngine(build_server, checkpoint=checkpoint), roles="grpo")
     return refit.engine.main(VllmEngine(build, checkpoint=checkpoint), roles="grpo")
 # ANCHOR_END: main
 

@@ -61,6 +61,7 @@ import logging
 import math
 import os
 import re
+import threading
 import time
 from typing import Any
 
@@ -223,12 +224,20 @@ def update_weights(
     timeout: float = 60.0,
     is_checkpoint_format: bool = True,
     rpc_margin: float = 300.0,
+    weight_version: str | None = None,
+    running: bool = False,
 ) -> None:
     """Loads the trainer's next version (or the first one ≥ ``version``) into every worker
     of ``llm``: ``start_weight_update``, ``update_weights``, ``finish_weight_update`` as vLLM
     requires, then drops vLLM's prefix cache (its KV entries were computed with the previous
     weights). Each worker waits up to ``timeout`` seconds for the version; the RPC itself
     may take ``rpc_margin`` seconds more (loading).
+
+    ``weight_version``: the label vLLM gives the tokens these weights make (its
+    ``weight_versions`` spans), passed to ``finish_weight_update`` (a :class:`Server`) or
+    set on the engine (an ``LLM``). ``running``: requests are held in vLLM (paused with
+    ``mode="keep"``); they go back to vLLM's queue and their KV entries are recomputed
+    under the new weights.
 
     Raises:
     :class:`~refit.errors.Timeout`, :class:`~refit.errors.PeerGone`,
@@ -253,8 +262,15 @@ def update_weights(
         raise
     # a failed update_weights ends vLLM's update session itself (and the engine has put the
     # previous weights back): finish is only for a success
-    _rpc(llm, "finish_weight_update", rpc_margin)
-    _reset_caches(llm)
+    if weight_version is not None and not hasattr(llm, "collective_rpc"):
+        _rpc(llm, "finish_weight_update", rpc_margin, weight_version=weight_version)
+    else:
+        _rpc(llm, "finish_weight_update", rpc_margin)
+        if weight_version is not None:
+            llm.llm_engine.set_weight_version(weight_version)
+    if not _reset_caches(llm, running=running) and running:
+        raise errors.NeedsFullResend("the version loaded, but vLLM kept the KV entries the previous weights "
+                                     "computed for the requests it holds (its prefix cache was not dropped)")
 
 
 def _end_quiet_sessions(llm: Any, rpc_timeout: float) -> None:
@@ -305,6 +321,8 @@ class Server:
         self.url = url.rstrip("/")
         self.api_key = api_key
         self.timeout = timeout
+        # each thread's kept connection for :meth:`generate`
+        self._local = threading.local()
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
         """``POST /init_weight_transfer_engine``."""
@@ -326,11 +344,137 @@ class Server:
         """``POST /shutdown_weight_transfer_engine``."""
         self._post("shutdown_weight_transfer_engine")
 
-    def reset_prefix_cache(self) -> None:
-        """``POST /reset_prefix_cache``."""
-        self._post("reset_prefix_cache")
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        """``POST /reset_prefix_cache``: whether vLLM dropped it (it does not while running
+        requests hold blocks, unless ``reset_running_requests`` sends them back to its
+        queue). Raises as every route does (:meth:`pause`)."""
+        query = "?reset_running_requests=true" if reset_running_requests else ""
+        answer = self._post(f"reset_prefix_cache{query}")
+        return not isinstance(answer, dict) or answer.get("success") is not False
 
-    def _post(self, route: str, body: dict[str, Any] | None = None) -> None:
+    def pause(self, mode: str = "keep") -> None:
+        """``POST /pause?mode=...``: vLLM's ``pause_generation``. ``"keep"``: the requests
+        running are held where they are and go on at :meth:`resume`; ``"abort"``: they end
+        now, answered with the tokens made so far; ``"wait"``: they run to their end
+        first. New requests wait for :meth:`resume` either way.
+
+        Raises (as every route of this class does): :class:`~refit.errors.PeerGone` (no
+        server), :class:`~refit.errors.Timeout` (no answer within the server's
+        ``timeout``), :class:`~refit.errors.Unauthorized` (the API key refused),
+        :class:`~refit.errors.ConfigError` (no such route: a server not in development
+        mode), ``Exception`` naming the route and vLLM's message for another failure."""
+        self._post(f"pause?mode={mode}")
+
+    def resume(self) -> None:
+        """``POST /resume``: vLLM's ``resume_generation``. Raises as :meth:`pause`."""
+        self._post("resume")
+
+    def abort_requests(self) -> int:
+        """``POST /abort_requests``: every request in flight ends now, answered with the
+        tokens made so far; answers how many. Raises as :meth:`pause`."""
+        answer = self._post("abort_requests", {})
+        return int(answer.get("aborted", 0)) if isinstance(answer, dict) else 0
+
+    def generate(self, body: dict[str, Any], timeout: float | None = None) -> dict[str, Any]:
+        """``POST /inference/v1/generate`` (vLLM's tokens in, tokens out route: ``vllm serve
+        --tokens-only`` or ``--enable-scale-out``): ``body`` as that route takes it, its
+        answer as it gives it, over a connection each calling thread keeps open (a batch
+        sends one request per completion). A request vLLM refuses raises ``ValueError``
+        with its message; ``timeout`` (the server's by default) bounds the answer.
+
+        Raises:
+        ``ValueError`` (the request refused, HTTP 400, or an answer that is no JSON object),
+        :class:`~refit.errors.Timeout` (no answer within ``timeout``),
+        :class:`~refit.errors.PeerGone` (no server), :class:`~refit.errors.Unauthorized`
+        (the API key refused), :class:`~refit.errors.ConfigError` (no such route: a server
+        without ``--tokens-only`` or ``--enable-scale-out``), ``Exception`` naming the
+        route and vLLM's message for another failure.
+        """
+        import http.client
+        import json
+
+        route = "inference/v1/generate"
+        timeout = self.timeout if timeout is None else timeout
+        data = json.dumps(body).encode()
+        headers = {"Content-Type": "application/json"}
+        if self.api_key is not None:
+            headers["Authorization"] = f"Bearer {self.api_key}"
+        while True:
+            conn = self._connection(timeout)
+            kept = conn.sock is not None  # a connection an earlier request opened
+            try:
+                conn.request("POST", f"{self._path}/{route}", body=data, headers=headers)
+                response = conn.getresponse()
+                text = response.read()
+            except TimeoutError as e:
+                self._drop(conn)
+                raise errors.Timeout(f"vLLM at {self.url} did not answer /{route} within {timeout:g} s") from e
+            except (http.client.HTTPException, OSError) as e:
+                self._drop(conn)
+                # a kept connection the server closed meanwhile, before it read the request:
+                # once more on a fresh one (a fresh one failing is the server's answer)
+                if kept and isinstance(e, (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError)):
+                    continue
+                raise errors.PeerGone(f"vLLM at {self.url} cannot be reached (/{route}): {e}") from e
+            break
+        if response.status != 200:
+            raise self._error(route, response.status, text.decode(errors="replace"), ValueError)
+        try:
+            answer = json.loads(text)
+        except ValueError:
+            answer = None
+        if not isinstance(answer, dict):
+            raise ValueError(f"vLLM at {self.url} answered /{route} with no JSON object")
+        return answer
+
+    def _connection(self, timeout: float) -> Any:
+        """This thread's kept connection to the server (made on first use)."""
+        import http.client
+        import urllib.parse
+
+        conn = getattr(self._local, "conn", None)
+        if conn is None:
+            parts = urllib.parse.urlsplit(self.url)
+            make = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
+            conn = self._local.conn = make(parts.hostname or "127.0.0.1", parts.port, timeout=timeout)
+        conn.timeout = timeout
+        if conn.sock is not None:
+            conn.sock.settimeout(timeout)
+        return conn
+
+    def _drop(self, conn: Any) -> None:
+        conn.close()
+        self._local.conn = None
+
+    @property
+    def _path(self) -> str:
+        import urllib.parse
+
+        return urllib.parse.urlsplit(self.url).path.rstrip("/")
+
+    def _error(self, route: str, code: int, text: str, refused: type[Exception] = Exception) -> Exception:
+        """What an answer of HTTP ``code`` to ``route`` means (``refused`` for 400)."""
+        import json
+
+        try:
+            detail = json.loads(text)
+            detail = detail.get("error", detail).get("message", text) if isinstance(detail, dict) else text
+        except (ValueError, AttributeError):
+            pass
+        else:
+            text = str(detail)
+        if code in (401, 403):
+            return errors.Unauthorized(f"vLLM at {self.url} refused the API key on /{route} (HTTP {code})")
+        if code == 404 and route.startswith("inference/"):
+            return errors.ConfigError(f"vLLM at {self.url} has no /{route}: start it with --tokens-only (or --enable-scale-out)")
+        if code == 404:
+            return errors.ConfigError(f"vLLM at {self.url} has no /{route}: start it with VLLM_SERVER_DEV_MODE=1 and --weight-transfer-config '{{\"backend\": \"refit\"}}'")
+        if code == 400 and refused is not Exception:
+            return refused(f"vLLM at {self.url} refused /{route}: {text}")
+        return Exception(f"vLLM at {self.url}: /{route} failed (HTTP {code}): {text}")
+
+    def _post(self, route: str, body: dict[str, Any] | None = None, timeout: float | None = None) -> Any:
+        """POSTs ``body`` to ``route``; answers the JSON vLLM answers (``None`` for none)."""
         import json
         import urllib.error
         import urllib.request
@@ -340,27 +484,20 @@ class Server:
                                          headers={"Content-Type": "application/json"})
         if self.api_key is not None:
             request.add_header("Authorization", f"Bearer {self.api_key}")
+        timeout = self.timeout if timeout is None else timeout
         try:
-            with urllib.request.urlopen(request, timeout=self.timeout) as r:
-                r.read()
+            with urllib.request.urlopen(request, timeout=timeout) as r:
+                text = r.read()
         except urllib.error.HTTPError as e:
-            text = e.read().decode(errors="replace")
-            try:
-                detail = json.loads(text)
-                detail = detail.get("error", detail).get("message", text) if isinstance(detail, dict) else text
-            except (ValueError, AttributeError):
-                pass
-            else:
-                text = str(detail)
-            if e.code in (401, 403):
-                raise errors.Unauthorized(f"vLLM at {self.url} refused the API key on /{route} (HTTP {e.code})") from e
-            if e.code == 404:
-                raise errors.ConfigError(f"vLLM at {self.url} has no /{route}: start it with VLLM_SERVER_DEV_MODE=1 and --weight-transfer-config '{{\"backend\": \"refit\"}}'") from e
-            raise Exception(f"vLLM at {self.url}: /{route} failed (HTTP {e.code}): {text}") from e
+            raise self._error(route.split("?")[0], e.code, e.read().decode(errors="replace")) from e
         except TimeoutError as e:
-            raise errors.Timeout(f"vLLM at {self.url} did not answer /{route} within {self.timeout:g} s") from e
+            raise errors.Timeout(f"vLLM at {self.url} did not answer /{route} within {timeout:g} s") from e
         except urllib.error.URLError as e:
             raise errors.PeerGone(f"vLLM at {self.url} cannot be reached (/{route}): {e.reason}") from e
+        try:
+            return json.loads(text) if text else None
+        except ValueError:
+            return None
 
     def __repr__(self) -> str:
         return f"refit.vllm.Server({self.url!r})"

@@ -3,6 +3,7 @@ binary (built by cargo beside the package), and a sender/receiver pair on any tr
 
 from __future__ import annotations
 
+import json
 import os
 import queue
 import re
@@ -177,6 +178,124 @@ def killed_rank_rejoins(cmd: list[str], env: dict, cwd: Path, kill_at: str = "po
     counts = re.search(r"rank 2 \(incarnation 1\): (\d+) loads, .*; (\d+) tokens;", after)
     assert counts and int(counts.group(1)) > 0 and int(counts.group(2)) > 0, out[-6000:]
     return out
+
+
+#: The model id of the vLLM engine tests.
+MODEL = "policy"
+
+
+class Held:
+    """What a vLLM engine's ``stage`` reads of a :class:`refit.Update`: ``torch(model)``."""
+
+    def __init__(self, weights: dict):
+        self.weights = weights
+
+    def torch(self, model: str):
+        assert model == MODEL
+        return list(self.weights.items())
+
+
+def layout_of(weights: dict) -> list:
+    """The engines' layout of ``weights`` (bf16, as the GRPO roles serve it)."""
+    return [(n, "bf16", list(t.shape)) for n, t in weights.items()]
+
+
+@pytest.fixture(scope="session")
+def golden(tmp_path_factory):
+    """``grpo scores --param heads=2``: a version in the engines' layout (torch tensors) and
+    the scores Refit's generator gives a few sequences."""
+    from safetensors.torch import load_file
+
+    d = tmp_path_factory.mktemp("scores")
+    subprocess.run([str(grpo_example()), "scores", str(d), "--param", "heads=2"], check=True,
+                   capture_output=True, timeout=300)
+    weights = load_file(str(d / "engine.safetensors"))
+    return weights, json.loads((d / "scores.json").read_text())
+
+
+def scores_check(engine, golden) -> float:
+    """A vLLM engine serving the golden weights gives each token the log-probability
+    Refit's generator gives it (the scores spread over several nats, so a name, a transpose
+    or a head split gone wrong would not pass); another temperature is refused by name,
+    alone. Answers the largest difference."""
+    from refit.engine import ScoreRequest
+
+    _, scores = golden
+    asked = [ScoreRequest(MODEL, s["prompt"], s["tokens"], 1.0, 1) for s in scores["sequences"]]
+    answers = engine.score(asked)
+    assert all(not isinstance(a, BaseException) for a in answers), answers
+    want = [lp for s in scores["sequences"] for lp in s["logprobs"]]
+    worst = max(abs(a - b) for a, b in zip([lp for a in answers for lp in a.logprobs], want))
+    assert max(want) - min(want) > 5.0, want
+    assert worst < 1e-4, f"log-probabilities differ by up to {worst}"
+    (hot,) = engine.score([ScoreRequest(MODEL, [1, 2], [3], 0.5, 1)])
+    assert isinstance(hot, ValueError) and "temperature 1 only" in str(hot)
+    return worst
+
+
+def replaces_check(engine, golden) -> None:
+    """Each version a vLLM engine commits replaces what it serves: a version of other
+    weights changes every score, and the golden weights committed again give the golden
+    scores back."""
+    from refit.engine import ScoreRequest
+
+    weights, scores = golden
+    other = {n: t * 0.5 if t.dim() == 2 else t for n, t in weights.items()}
+    want = [lp for s in scores["sequences"] for lp in s["logprobs"]]
+    for version, served, close in ((11, other, False), (12, weights, True)):
+        engine.stage(MODEL, version, Held(served))
+        engine.commit(MODEL, version)
+        answers = engine.score([ScoreRequest(MODEL, s["prompt"], s["tokens"], 1.0, version)
+                                for s in scores["sequences"]])
+        got = [lp for a in answers for lp in a.logprobs]
+        if close:
+            assert max(abs(a - b) for a, b in zip(got, want)) < 1e-4
+        else:
+            assert min(abs(a - b) for a, b in zip(got, want)) > 1e-3
+
+
+def non_finite_refused(engine, weights: dict, version: int) -> None:
+    """A version holding a value that is not finite is refused at the stage, naming the
+    tensor, and nothing of it is staged (its commit is refused)."""
+    import torch
+
+    bad = dict(weights)
+    bad["ln_f.weight"] = torch.full_like(bad["ln_f.weight"], float("nan"))
+    with pytest.raises(ValueError, match=f"`ln_f.weight` of v{version} holds a value that is not finite"):
+        engine.stage(MODEL, version, Held(bad))
+    with pytest.raises(RuntimeError, match=f"v{version} of `{MODEL}` is not the version staged"):
+        engine.commit(MODEL, version)
+
+
+def completions_check(engine, weights: dict) -> tuple[list, list]:
+    """A vLLM engine's completions after it committed ``weights`` as v2: every token is
+    labelled v2 (vLLM's weight_versions spans); a sampled stop token ends the completion
+    and is kept; a greedy completion's log-probabilities are the temperature-1 scores of
+    its tokens; a seed gives the same completion again. Answers the requests and their
+    completions."""
+    from refit.engine import Request, ScoreRequest
+
+    engine.stage(MODEL, 2, Held(weights))
+    engine.commit(MODEL, 2)
+    stop = 4
+    asked = [Request(MODEL, [1, 2, 3], 6, 1.0, seed, stop, 2) for seed in range(16)]
+    asked.append(Request(MODEL, [5, 6, 7], 5, 0.0, 0, None, 2))
+    answers = engine.generate(asked)
+    assert all(not isinstance(a, BaseException) for a in answers), answers
+    for r, a in zip(asked, answers):
+        assert a.versions == [2] * len(a.tokens)
+        assert all(lp <= 0.0 for lp in a.logprobs) and len(a.logprobs) == len(a.tokens)
+        if a.finish == "stop":
+            assert a.tokens[-1] == stop and stop not in a.tokens[:-1]
+        else:
+            assert len(a.tokens) == r.max_tokens and (r.stop is None or r.stop not in a.tokens)
+    assert any(a.finish == "stop" for a in answers[:-1]), answers  # the check can fail
+    greedy = answers[-1]
+    (scored,) = engine.score([ScoreRequest(MODEL, [5, 6, 7], greedy.tokens, 1.0, 2)])
+    assert max(abs(a - b) for a, b in zip(greedy.logprobs, scored.logprobs)) < 1e-4
+    again = engine.generate(asked[:2])
+    assert [a.tokens for a in again] == [a.tokens for a in answers[:2]]
+    return asked, answers
 
 
 def require(module: str):

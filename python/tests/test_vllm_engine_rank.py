@@ -16,12 +16,12 @@ from types import SimpleNamespace
 
 import pytest
 
-from conftest import (REPO, RESTARTS, SHORT, STREAMING_ONLY, grpo_example, killed_rank_rejoins,
-                      launch_command, launch_solves, require_vllm, wrap_engine)
+from conftest import (MODEL, REPO, RESTARTS, SHORT, STREAMING_ONLY, Held, completions_check, grpo_example,
+                      killed_rank_rejoins, launch_command, launch_solves, layout_of, replaces_check, require_vllm,
+                      non_finite_refused, scores_check, wrap_engine)
 
 require_vllm()
 torch = pytest.importorskip("torch")  # vLLM's own dependency
-from safetensors.torch import load_file  # noqa: E402
 
 import refit.engine  # noqa: E402
 from refit.engine import Request, ScoreRequest  # noqa: E402
@@ -32,7 +32,6 @@ import vllm_engine_rank as example  # noqa: E402
 
 sys.path.pop(0)
 
-MODEL = "policy"
 PARAMS = {"heads": 2}  # head size 32: vLLM's CPU attention takes 32 and more
 
 #: The shipped file's model as Refit's transformer (its comment's override): the params
@@ -42,32 +41,6 @@ TRANSFORMER = "model.policy.params={ heads = 2, batch_frames = 128, group_size =
 #: (after 5 updates: about 0.3 for three digits) to 0.9.
 LLAMA = SHORT + ["stop.target_eval=0.9"]
 SOLVES = {"low": 0.4, "high": 0.9}
-
-
-class Held:
-    """What :meth:`VllmEngine.stage` reads of a :class:`refit.Update`."""
-
-    def __init__(self, weights: dict):
-        self.weights = weights
-
-    def torch(self, model: str):
-        assert model == MODEL
-        return list(self.weights.items())
-
-
-@pytest.fixture(scope="module")
-def golden(tmp_path_factory):
-    """``grpo scores --param heads=2``: a version in the engines' layout and the scores Refit's
-    generator gives a few sequences."""
-    d = tmp_path_factory.mktemp("scores")
-    subprocess.run([str(grpo_example()), "scores", str(d), "--param", "heads=2"], check=True,
-                   capture_output=True, timeout=300)
-    weights = load_file(str(d / "engine.safetensors"))
-    return weights, json.loads((d / "scores.json").read_text())
-
-
-def layout_of(weights: dict) -> list:
-    return [(n, "bf16", list(t.shape)) for n, t in weights.items()]
 
 
 @pytest.fixture(scope="module")
@@ -82,70 +55,21 @@ def engine(golden):
 
 def test_the_vllm_engine_scores_as_refits_own_generator(engine, golden):
     """vLLM's GPT-2, loaded through the example's checkpoint names, gives each token the
-    log-probability Refit's generator gives it; the scores spread over several nats, so a
-    name, a transpose or a head split gone wrong would not pass."""
-    _, scores = golden
-    asked = [ScoreRequest(MODEL, s["prompt"], s["tokens"], 1.0, 1) for s in scores["sequences"]]
-    answers = engine.score(asked)
-    worst, want_all = 0.0, []
-    for a, s in zip(answers, scores["sequences"]):
-        assert not isinstance(a, BaseException), a
-        for got, want in zip(a.logprobs, s["logprobs"]):
-            worst = max(worst, abs(got - want))
-            want_all.append(want)
-    assert max(want_all) - min(want_all) > 5.0, want_all
-    print(f"vLLM's log-probabilities differ from Refit's by up to {worst:.1e}")
-    assert worst < 1e-4, f"log-probabilities differ by up to {worst}"
-    # another temperature is refused by name, alone
-    (hot,) = engine.score([ScoreRequest(MODEL, [1, 2], [3], 0.5, 1)])
-    assert isinstance(hot, ValueError) and "temperature 1 only" in str(hot)
+    log-probability Refit's generator gives it."""
+    print(f"vLLM's log-probabilities differ from Refit's by up to {scores_check(engine, golden):.1e}")
 
 
 def test_each_version_replaces_what_is_served(engine, golden):
     """The staging buffers are reused from version to version: a version of other weights
     changes every score, and the first weights staged again give the golden scores back."""
-    weights, scores = golden
-    asked = [ScoreRequest(MODEL, s["prompt"], s["tokens"], 1.0, 1) for s in scores["sequences"]]
-    want = [lp for s in scores["sequences"] for lp in s["logprobs"]]
-
-    def served() -> list[float]:
-        return [lp for a in engine.score(asked) for lp in a.logprobs]
-
-    other = {n: t * 0.5 if t.dim() == 2 else t for n, t in weights.items()}
-    engine.stage(MODEL, 11, Held(other))
-    engine.commit(MODEL, 11)
-    assert min(abs(a - b) for a, b in zip(served(), want)) > 1e-3
-    engine.stage(MODEL, 12, Held(weights))
-    engine.commit(MODEL, 12)
-    assert max(abs(a - b) for a, b in zip(served(), want)) < 1e-4
+    replaces_check(engine, golden)
 
 
 def test_completions_carry_vllms_versions_stop_tokens_and_behaviour_logprobs(engine, golden):
     """After a commit of v2, every token is labelled v2 (from vLLM's weight_versions spans);
     a sampled stop token ends the completion and is kept; a greedy completion's
     log-probabilities are the temperature-1 scores of its tokens."""
-    weights, _ = golden
-    engine.stage(MODEL, 2, Held(weights))
-    engine.commit(MODEL, 2)
-    stop = 4
-    asked = [Request(MODEL, [1, 2, 3], 6, 1.0, seed, stop, 2) for seed in range(16)]
-    asked.append(Request(MODEL, [5, 6, 7], 5, 0.0, 0, None, 2))
-    answers = engine.generate(asked)
-    assert all(not isinstance(a, BaseException) for a in answers), answers
-    for r, a in zip(asked, answers):
-        assert a.versions == [2] * len(a.tokens)
-        assert all(lp <= 0.0 for lp in a.logprobs) and len(a.logprobs) == len(a.tokens)
-        if a.finish == "stop":
-            assert a.tokens[-1] == stop and stop not in a.tokens[:-1]
-        else:
-            assert len(a.tokens) == r.max_tokens and (r.stop is None or r.stop not in a.tokens)
-    assert any(a.finish == "stop" for a in answers[:-1]), answers  # the check can fail
-    greedy = answers[-1]
-    (scored,) = engine.score([ScoreRequest(MODEL, [5, 6, 7], greedy.tokens, 1.0, 2)])
-    assert max(abs(a - b) for a, b in zip(greedy.logprobs, scored.logprobs)) < 1e-4
-    # a seed gives the same completion again
-    again = engine.generate(asked[:2])
-    assert [a.tokens for a in again] == [a.tokens for a in answers[:2]]
+    completions_check(engine, golden[0])
 
 
 def test_the_vllm_engine_passes_the_conformance_suite():
@@ -200,13 +124,8 @@ def test_a_version_that_leaves_a_parameter_unwritten_is_refused_naming_it(golden
     # a commit of a version not staged is refused, and a non-finite version at the stage
     with pytest.raises(RuntimeError, match="not the version staged"):
         e.commit(MODEL, 4)
-    bad = dict(weights)
-    bad["ln_f.weight"] = torch.full_like(bad["ln_f.weight"], float("nan"))
-    with pytest.raises(ValueError, match="`ln_f.weight` of v5 holds a value that is not finite"):
-        e.stage(MODEL, 5, Held(bad))
-    # refused whole: nothing of it is staged, v3 still serves
-    with pytest.raises(RuntimeError, match="v5 of `policy` is not the version staged"):
-        e.commit(MODEL, 5)
+    non_finite_refused(e, weights, 5)
+    # refused whole: v3 still serves
     (still,) = e.generate([Request(MODEL, [1, 2], 3, 1.0, 0, None, 3)])
     assert still.versions == [3, 3, 3] and still.tokens == served.tokens, still
     # a request vLLM would refuse fails alone
@@ -482,17 +401,24 @@ def test_refits_own_learner_refuses_the_llama_and_the_transformer_its_rotary_bas
     assert "before any rank started" in done.stderr, done.stderr[-3000:]
 
 
-def test_the_update_cost_benchmark_runs_and_reports_against_the_copy():
-    """``bench_vllm_engine.py`` (the book's figures) on the tiny Llama: each phase with its
-    ratio to the copy of the same bytes measured in the same run."""
-    done = subprocess.run([sys.executable, str(REPO / "python/examples/bench_vllm_engine.py"), "--iters", "3"],
-                          capture_output=True, text=True, timeout=600)
+@pytest.mark.parametrize("serve", [False, True])
+def test_the_update_cost_benchmark_runs_and_reports_against_the_copy(serve):
+    """``bench_vllm_engine.py`` (the book's figures) on the tiny Llama, in process and
+    behind a ``vllm serve``: each phase with its ratio to the copy of the same bytes
+    measured in the same run, and a rollout batch's time."""
+    done = subprocess.run([sys.executable, str(REPO / "python/examples/bench_vllm_engine.py"), "--iters", "3"]
+                          + (["--serve"] if serve else []), capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     lines = done.stdout.splitlines()
-    assert any(l.startswith("vLLM engine rank, a Llama of 1.8 MiB") for l in lines), done.stdout
-    for phase in ("transfer (shm", "stage (copy to the model's dtype)", "pause (vLLM's load)"):
+    kind = "a `vllm serve` over HTTP" if serve else "an in-process LLM"
+    assert any(l.startswith(f"vLLM engine rank ({kind}), a Llama of 1.8 MiB") for l in lines), done.stdout
+    phases = (["stage (to the server's sender)", "pause (/pause to /resume)"] if serve
+              else ["stage (copy to the model's dtype)", "pause (vLLM's load)"])
+    for phase in ["transfer (shm"] + phases:
         (line,) = [l for l in lines if phase in l]
         assert float(line.split("ms")[1].split("x")[0]) > 0, line
+    (batch,) = [l for l in lines if "a batch of 32 completions" in l]
+    assert float(batch.split()[-2]) > 0, batch
 
 
 def test_the_apply_benchmark_sets_staged_and_streaming_side_by_side():
