@@ -63,6 +63,7 @@ import os
 import re
 import threading
 import time
+import urllib.parse
 from typing import Any
 
 from . import errors
@@ -323,6 +324,8 @@ class Server:
         self.timeout = timeout
         # each thread's kept connection for :meth:`generate`
         self._local = threading.local()
+        # where generate's connections go: host, port and path prefix, read once
+        self._at = urllib.parse.urlsplit(self.url)
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
         """``POST /init_weight_transfer_engine``."""
@@ -403,7 +406,7 @@ class Server:
             conn = self._connection(timeout)
             kept = conn.sock is not None  # a connection an earlier request opened
             try:
-                conn.request("POST", f"{self._path}/{route}", body=data, headers=headers)
+                conn.request("POST", f"{self._at.path.rstrip('/')}/{route}", body=data, headers=headers)
                 response = conn.getresponse()
                 text = response.read()
             except TimeoutError as e:
@@ -430,13 +433,11 @@ class Server:
     def _connection(self, timeout: float) -> Any:
         """This thread's kept connection to the server (made on first use)."""
         import http.client
-        import urllib.parse
 
         conn = getattr(self._local, "conn", None)
         if conn is None:
-            parts = urllib.parse.urlsplit(self.url)
-            make = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
-            conn = self._local.conn = make(parts.hostname or "127.0.0.1", parts.port, timeout=timeout)
+            make = http.client.HTTPSConnection if self._at.scheme == "https" else http.client.HTTPConnection
+            conn = self._local.conn = make(self._at.hostname or "127.0.0.1", self._at.port, timeout=timeout)
         conn.timeout = timeout
         if conn.sock is not None:
             conn.sock.settimeout(timeout)
@@ -445,12 +446,6 @@ class Server:
     def _drop(self, conn: Any) -> None:
         conn.close()
         self._local.conn = None
-
-    @property
-    def _path(self) -> str:
-        import urllib.parse
-
-        return urllib.parse.urlsplit(self.url).path.rstrip("/")
 
     def _error(self, route: str, code: int, text: str, refused: type[Exception] = Exception) -> Exception:
         """What an answer of HTTP ``code`` to ``route`` means (``refused`` for 400)."""

@@ -187,6 +187,11 @@ class Routes:
         self.calls.append("abort")
         return 1
 
+    def generate(self, body, timeout=None):
+        # one token, labelled with the version served before the failed commit
+        return {"choices": [{"token_ids": [3], "logprobs": {"content": [{"token_id": 3, "logprob": -0.5}]},
+                             "weight_versions": [{"version": "4", "start": 0, "end": 1}], "finish_reason": "length"}]}
+
 
 @pytest.mark.parametrize(("raised", "mixed"), [(refit.Refused, False), (refit.Timeout, False),
                                                (refit.NeedsFullResend, True), (Exception, True)])
@@ -212,9 +217,10 @@ def test_a_server_commit_that_fails_resumes_vllm_and_aborts_the_held_requests_on
         e.commit("policy", 5)
     assert routes.calls == ["pause keep"] + (["abort"] if mixed else []) + ["resume"]
     (answer,) = e.generate([Request("policy", [1], 1, 1.0, 0, None, 4)])
-    assert isinstance(answer, RuntimeError) == mixed, answer
     if mixed:
-        assert "mixed weights (v5 failed to load part-way" in str(answer)
+        assert isinstance(answer, RuntimeError) and "mixed weights (v5 failed to load part-way" in str(answer)
+    else:  # the previous version still serves
+        assert not isinstance(answer, BaseException) and answer.tokens == [3] and answer.versions == [4], answer
     # a load that works after vLLM failed to resume: the commit fails, the model fenced
     monkeypatch.setattr(refit.vllm, "update_weights", lambda *a, **k: None)
     e._models["policy"] = served = _Served(Routes(resume_fails=True), None, [])
