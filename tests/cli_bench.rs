@@ -118,26 +118,26 @@ fn every_registered_transport_gets_its_rows() {
         .unwrap_or_else(|| panic!("no first pull against new memory: {rows:?}"));
     assert_eq!(against["metric"], "  connect+first pull");
     assert_eq!(against["baseline_median"], floor["seconds"]["median"]);
-    // and against a simple program moving the bytes between two arenas: the steady update
-    let arenas = rows
-        .iter()
-        .find(|r| {
-            r["transport"] == "tcp"
-                && r["metric"]
-                    .as_str()
-                    .is_some_and(|m| m.starts_with("  (raw, arenas, "))
-        })
-        .unwrap_or_else(|| panic!("no raw arena-to-arena row: {rows:?}"));
-    assert!(
-        arenas["seconds"]["median"].as_f64().unwrap() > 0.0,
-        "{arenas}"
-    );
-    let steady = rows
-        .iter()
-        .find(|r| r["transport"] == "tcp" && r["baseline"] == "raw arena to arena")
-        .unwrap_or_else(|| panic!("no steady update against the arenas: {rows:?}"));
-    assert_eq!(steady["metric"], "  steady update");
-    assert_eq!(steady["baseline_median"], arenas["seconds"]["median"]);
+    // and against two simple programs moving the bytes between two arenas, one of them also
+    // hashing every byte at both ends (the checks a pull makes): the steady update
+    for (hashed, floor) in [(false, "raw arena to arena"), (true, "raw arenas, hashed")] {
+        let raw = rows
+            .iter()
+            .find(|r| {
+                r["transport"] == "tcp"
+                    && r["metric"].as_str().is_some_and(|m| {
+                        m.starts_with("  (raw, arenas, ") && m.ends_with(", hashed)") == hashed
+                    })
+            })
+            .unwrap_or_else(|| panic!("no raw arena-to-arena row (hashed: {hashed}): {rows:?}"));
+        assert!(raw["seconds"]["median"].as_f64().unwrap() > 0.0, "{raw}");
+        let steady = rows
+            .iter()
+            .find(|r| r["transport"] == "tcp" && r["baseline"] == floor)
+            .unwrap_or_else(|| panic!("no steady update against {floor:?}: {rows:?}"));
+        assert_eq!(steady["metric"], "  steady update");
+        assert_eq!(steady["baseline_median"], raw["seconds"]["median"]);
+    }
     // the memcpy baseline is the faster of the simple copies tried, each shown against it
     let copies: Vec<_> = rows
         .iter()

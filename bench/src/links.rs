@@ -161,6 +161,9 @@ pub struct ChildArgs {
     /// With `--arena`: connections, each carrying a contiguous range of the round (tcp-sink).
     #[arg(long, default_value_t = 1)]
     conns: usize,
+    /// With `--arena`: hash every piece read with the transports' checksum (tcp-sink).
+    #[arg(long)]
+    hash: bool,
 }
 
 /// One measured figure.
@@ -664,6 +667,8 @@ fn bench_link(
     if l.reach() == Reach::Network {
         times.into_new_memory = Some(tcp::floor_into_new_memory(size)?);
         times.arena_to_arena = Some(tcp::floor_arena_to_arena(size, args.iters.max(3))?);
+        times.arena_to_arena_hashed =
+            Some(tcp::floor_arena_to_arena_hashed(size, args.iters.max(3))?);
     }
     let baseline = match (l.on_device(), base.device, l.reach()) {
         (true, Some(copy), _) => ("device-copy", copy),
@@ -919,6 +924,9 @@ struct Times {
     /// network), over one connection or as many as a pull opens, whichever was faster
     /// (and how many that was).
     arena_to_arena: Option<(Summary, usize)>,
+    /// The same program hashing every byte at both ends, as a pull checks it (links that
+    /// reach the network), and its connections.
+    arena_to_arena_hashed: Option<(Summary, usize)>,
     e2e: Vec<Duration>,
     write: Vec<Duration>,
     acks: Vec<Duration>,
@@ -1002,10 +1010,10 @@ impl Times {
             }
             // a raw stream doing more of the same job (into new memory, between arenas), and
             // the figure it is the floor of against it
-            let arenas = self.arena_to_arena.map(|(_, conns)| match conns {
-                1 => "arenas, 1 connection".to_string(),
-                c => format!("arenas, {c} connections"),
-            });
+            let arenas = |conns: usize, hashed: &str| match conns {
+                1 => format!("arenas, 1 connection{hashed}"),
+                c => format!("arenas, {c} connections{hashed}"),
+            };
             let floors = [
                 (
                     self.into_new_memory,
@@ -1016,8 +1024,17 @@ impl Times {
                 ),
                 (
                     self.arena_to_arena.map(|(s, _)| s),
-                    arenas.unwrap_or_default(),
+                    self.arena_to_arena
+                        .map_or_else(String::new, |(_, c)| arenas(c, "")),
                     "raw arena to arena",
+                    "steady update",
+                    &self.steady,
+                ),
+                (
+                    self.arena_to_arena_hashed.map(|(s, _)| s),
+                    self.arena_to_arena_hashed
+                        .map_or_else(String::new, |(_, c)| arenas(c, ", hashed")),
+                    "raw arenas, hashed",
                     "steady update",
                     &self.steady,
                 ),

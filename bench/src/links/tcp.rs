@@ -15,6 +15,7 @@ use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use refit_node::{TOKEN_ENV, TOKEN_FILE_ENV};
+use refit_runtime::hash::Xxh3;
 use refit_runtime::{Manifests, SenderInit, WeightSet, wire};
 use refit_transports::tcp::{TcpConfig, TcpSender};
 
@@ -136,13 +137,18 @@ pub(super) fn baseline(size: usize, iters: usize) -> BoxResult<Summary> {
 /// both ends included (the [`baseline`] program reads and writes a buffer that stays in
 /// cache). The arenas are cut into `conns` contiguous ranges, each streamed over a
 /// connection of its own by a thread at each end (as a pull spreads a version over its
-/// streams).
+/// streams). With `hashed`, both ends also hash every byte with the transports' checksum
+/// (xxh3-64, [`refit_runtime::hash`]): the writer each chunk just before it writes it, the
+/// reader each piece just after it reads it, while the bytes are in cache. That is the
+/// simple program doing the whole job a pull does (every byte moved between arenas and
+/// checked end to end), and the floor the integrity check sets on two busy cores.
 pub(super) fn baseline_arena_to_arena(
     size: usize,
     iters: usize,
     conns: usize,
+    hashed: bool,
 ) -> BoxResult<Summary> {
-    timed_streams(size, iters, ReadInto::Arena { conns })
+    timed_streams(size, iters, ReadInto::Arena { conns, hashed })
 }
 
 /// Raw floors measured in this run, by size: a floor is the machine's at that size, the same
@@ -182,15 +188,28 @@ pub(super) fn floor_into_new_memory(size: usize) -> BoxResult<Summary> {
 /// opens, the faster with its connections, once per size in a run.
 pub(super) fn floor_arena_to_arena(size: usize, iters: usize) -> BoxResult<(Summary, usize)> {
     static FLOORS: Floors<(Summary, usize)> = OnceLock::new();
-    once_per_size(&FLOORS, size, || {
-        let streams = refit_transports::tcp::TcpReceiverConfig::default().streams;
-        let one = baseline_arena_to_arena(size, iters, 1)?;
-        let several = baseline_arena_to_arena(size, iters, streams)?;
-        Ok(if several.median < one.median {
-            (several, streams)
-        } else {
-            (one, 1)
-        })
+    once_per_size(&FLOORS, size, || faster_arena_stream(size, iters, false))
+}
+
+/// [`floor_arena_to_arena`] with both ends hashing every byte, once per size in a run.
+pub(super) fn floor_arena_to_arena_hashed(
+    size: usize,
+    iters: usize,
+) -> BoxResult<(Summary, usize)> {
+    static FLOORS: Floors<(Summary, usize)> = OnceLock::new();
+    once_per_size(&FLOORS, size, || faster_arena_stream(size, iters, true))
+}
+
+/// The faster of [`baseline_arena_to_arena`] over one connection and over as many as a pull
+/// opens, with its connections.
+fn faster_arena_stream(size: usize, iters: usize, hashed: bool) -> BoxResult<(Summary, usize)> {
+    let streams = refit_transports::tcp::TcpReceiverConfig::default().streams;
+    let one = baseline_arena_to_arena(size, iters, 1, hashed)?;
+    let several = baseline_arena_to_arena(size, iters, streams, hashed)?;
+    Ok(if several.median < one.median {
+        (several, streams)
+    } else {
+        (one, 1)
     })
 }
 
@@ -220,8 +239,14 @@ fn cut<'b>(mut buf: &'b mut [u8], ranges: &[std::ops::Range<usize>]) -> Vec<&'b 
     parts
 }
 
-/// Reads exactly `buf.len()` bytes from `sock` into `buf`, `chunk` at most per read.
-fn read_into(sock: &mut TcpStream, buf: &mut [u8], chunk: usize) -> BoxResult<()> {
+/// Reads exactly `buf.len()` bytes from `sock` into `buf`, `chunk` at most per read, each
+/// piece hashed into `hash` as it lands when there is one.
+fn read_into(
+    sock: &mut TcpStream,
+    buf: &mut [u8],
+    chunk: usize,
+    mut hash: Option<&mut Xxh3>,
+) -> BoxResult<()> {
     let mut at = 0;
     while at < buf.len() {
         let end = buf.len().min(at + chunk);
@@ -229,7 +254,27 @@ fn read_into(sock: &mut TcpStream, buf: &mut [u8], chunk: usize) -> BoxResult<()
         if n == 0 {
             return Err("the sender closed the socket early".into());
         }
+        if let Some(h) = hash.as_deref_mut() {
+            h.update(&buf[at..at + n]);
+        }
         at += n;
+    }
+    Ok(())
+}
+
+/// Writes `bytes` to `sock` in pieces of `write` bytes, each hashed into `hash` just before
+/// it is written when there is one.
+fn write_from(
+    sock: &mut TcpStream,
+    bytes: &[u8],
+    write: usize,
+    mut hash: Option<&mut Xxh3>,
+) -> std::io::Result<()> {
+    for piece in bytes.chunks(write.max(1)) {
+        if let Some(h) = hash.as_deref_mut() {
+            h.update(piece);
+        }
+        sock.write_all(piece)?;
     }
     Ok(())
 }
@@ -261,8 +306,9 @@ enum ReadInto<'a> {
     /// A new buffer of the whole stream's size per stream.
     NewMemory,
     /// A buffer of the whole stream's size, touched before the first stream and reused;
-    /// the writer writes from one too, over `conns` connections (a range each).
-    Arena { conns: usize },
+    /// the writer writes from one too, over `conns` connections (a range each); with
+    /// `hashed`, both ends hash every byte as they write or read it.
+    Arena { conns: usize, hashed: bool },
     /// A new file at this path per stream (written through a reused buffer, synced,
     /// removed after the stream is timed).
     NewFile(&'a Path),
@@ -280,6 +326,8 @@ struct Stream {
     /// Bytes per write.
     write: usize,
     size: usize,
+    /// Each piece is hashed before it is written (an arena stream doing a pull's checks).
+    hashed: bool,
 }
 
 impl Stream {
@@ -305,13 +353,21 @@ impl Stream {
         let mut child_args = vec!["tcp-sink", &addr, &size_arg, &rounds_arg, &read_arg];
         let (file_arg, conns_arg);
         let mut conns = 1;
+        let mut hashed = false;
         match into {
             ReadInto::Buffer => {}
             ReadInto::NewMemory => child_args.push("--new-memory"),
-            ReadInto::Arena { conns: c } => {
+            ReadInto::Arena {
+                conns: c,
+                hashed: h,
+            } => {
                 conns = c.max(1);
+                hashed = h;
                 conns_arg = conns.to_string();
                 child_args.extend(["--arena", "--conns", &conns_arg]);
+                if hashed {
+                    child_args.push("--hash");
+                }
             }
             ReadInto::NewFile(f) => {
                 file_arg = f.display().to_string();
@@ -338,6 +394,7 @@ impl Stream {
             },
             write: chunks.write.max(1),
             size,
+            hashed,
         })
     }
 
@@ -349,6 +406,7 @@ impl Stream {
         }
         let t = Instant::now();
         let mut left = self.size;
+        let mut hash = self.hashed.then(Xxh3::new);
         // from the buffer's start each time it is walked (once per stream for an arena)
         let mut at = 0;
         while left > 0 {
@@ -356,10 +414,11 @@ impl Stream {
                 at = 0;
             }
             let n = left.min(self.write).min(self.buf.len() - at);
-            self.sock.write_all(&self.buf[at..at + n])?;
+            write_from(&mut self.sock, &self.buf[at..at + n], n, hash.as_mut())?;
             at += n;
             left -= n;
         }
+        std::hint::black_box(hash.map(|h| h.digest()));
         let mut ack = [0u8; 1];
         self.sock.read_exact(&mut ack)?;
         let took = t.elapsed();
@@ -372,16 +431,16 @@ impl Stream {
     fn once_over_several(&mut self) -> BoxResult<Duration> {
         let t = Instant::now();
         let ranges = ranges(self.size, self.more.len() + 1);
-        let (buf, write) = (&self.buf, self.write);
+        let (buf, write, hashed) = (&self.buf, self.write, self.hashed);
         let socks = std::iter::once(&mut self.sock).chain(self.more.iter_mut());
         std::thread::scope(|s| {
             let writers: Vec<_> = socks
                 .zip(&ranges)
                 .map(|(sock, r)| {
                     s.spawn(move || -> std::io::Result<()> {
-                        for piece in buf[r.clone()].chunks(write) {
-                            sock.write_all(piece)?;
-                        }
+                        let mut hash = hashed.then(Xxh3::new);
+                        write_from(sock, &buf[r.clone()], write, hash.as_mut())?;
+                        std::hint::black_box(hash.map(|h| h.digest()));
                         Ok(())
                     })
                 })
@@ -417,7 +476,7 @@ pub(super) fn sink(args: &ChildArgs) -> BoxResult<()> {
     let mut sock = TcpStream::connect(&args.target)?;
     sock.set_nodelay(true)?;
     let chunk = args.chunk.max(1);
-    if args.arena && args.conns > 1 {
+    if args.arena && (args.conns > 1 || args.hash) {
         return sink_over_several(args, sock, chunk);
     }
     // an arena: the whole size, touched now and read into at its offsets every stream
@@ -477,7 +536,8 @@ pub(super) fn sink(args: &ChildArgs) -> BoxResult<()> {
 }
 
 /// [`sink`] of an arena over `args.conns` connections (`first` the first, which carries the
-/// acknowledgements): a thread per connection reads its range.
+/// acknowledgements): a thread per connection reads its range (with `--hash`, hashing each
+/// piece as it lands).
 fn sink_over_several(args: &ChildArgs, mut first: TcpStream, chunk: usize) -> BoxResult<()> {
     let mut more = (1..args.conns)
         .map(|_| {
@@ -495,7 +555,12 @@ fn sink_over_several(args: &ChildArgs, mut first: TcpStream, chunk: usize) -> Bo
             let readers: Vec<_> = socks
                 .zip(parts)
                 .map(|(sock, part)| {
-                    s.spawn(move || read_into(sock, part, chunk).map_err(|e| e.to_string()))
+                    s.spawn(move || {
+                        let mut hash = args.hash.then(Xxh3::new);
+                        read_into(sock, part, chunk, hash.as_mut()).map_err(|e| e.to_string())?;
+                        std::hint::black_box(hash.map(|h| h.digest()));
+                        Ok::<(), String>(())
+                    })
                 })
                 .collect();
             readers.into_iter().try_for_each(|r| -> BoxResult<()> {
