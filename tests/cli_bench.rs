@@ -120,13 +120,16 @@ fn every_registered_transport_gets_its_rows() {
     assert_eq!(against["baseline_median"], floor["seconds"]["median"]);
     // and against two simple programs moving the bytes between two arenas, one of them also
     // hashing every byte at both ends (the checks a pull makes): the steady update
-    for (hashed, floor) in [(false, "raw arena to arena"), (true, "raw arenas, hashed")] {
+    for (hashed, floor) in [
+        (false, "raw arena to arena"),
+        (true, "raw arena to arena, hashed"),
+    ] {
         let raw = rows
             .iter()
             .find(|r| {
                 r["transport"] == "tcp"
                     && r["metric"].as_str().is_some_and(|m| {
-                        m.starts_with("  (raw, arenas, ") && m.ends_with(", hashed)") == hashed
+                        m.starts_with("  (raw, arenas, ") && (m.ends_with(", hashed)") == hashed)
                     })
             })
             .unwrap_or_else(|| panic!("no raw arena-to-arena row (hashed: {hashed}): {rows:?}"));

@@ -161,7 +161,8 @@ pub struct ChildArgs {
     /// With `--arena`: connections, each carrying a contiguous range of the round (tcp-sink).
     #[arg(long, default_value_t = 1)]
     conns: usize,
-    /// With `--arena`: hash every piece read with the transports' checksum (tcp-sink).
+    /// With `--arena`: hash every piece read with the transports' checksum and compare each
+    /// range's digest with the one its writer sends after it (tcp-sink).
     #[arg(long)]
     hash: bool,
 }
@@ -1034,7 +1035,7 @@ impl Times {
                     self.arena_to_arena_hashed.map(|(s, _)| s),
                     self.arena_to_arena_hashed
                         .map_or_else(String::new, |(_, c)| arenas(c, ", hashed")),
-                    "raw arenas, hashed",
+                    "raw arena to arena, hashed",
                     "steady update",
                     &self.steady,
                 ),

@@ -332,7 +332,7 @@ def test_vllm_engine_ranks_learn_grpo_under_refit_launch(refit_bin, tmp_path, mo
     """The shipped grpo-vllm.toml as a user runs it: rank 0 the PyTorch GRPO trainer of a
     Hugging Face Llama, two ranks each with an in-process vLLM serving it, learning digit
     reversal in sync mode (batch-async is the next test's, whose updates also abort their
-    batches); the pool trained on tokens whose versions vLLM gave. Or,
+    batches); the pool trained on tokens whose versions vLLM gave. Or (batch-async),
     with the model's params replaced by the transformer's (the file's comment) and the
     learner's command set to Refit's GRPO example, the Rust learner training Refit's
     transformer, which the engines serve as GPT-2."""
@@ -347,9 +347,9 @@ def test_vllm_engine_ranks_learn_grpo_under_refit_launch(refit_bin, tmp_path, mo
 
 def test_vllm_engine_ranks_learn_grpo_when_updates_abort_their_batches(refit_bin, tmp_path):
     """The shipped file in batch-async mode with ``pause_mode = "abort"``: each commit first
-    interrupts the vLLM batch running on its rank, whose sequences end aborted at the next step and are asked again by the rollout
-    workers under the new version; the run still learns, and the report counts the
-    sequences the updates aborted."""
+    interrupts the vLLM batch running on its rank, whose sequences end aborted at the next
+    step and are asked again by the rollout workers under the new version; the run still
+    learns, and the report counts the sequences the updates aborted."""
     sets = LLAMA + ["sync.pause_mode=abort"]
     cmd, env = launch_command(refit_bin, tmp_path, sets, topology="grpo-vllm.toml", script="vllm_engine_rank.py")
     out = launch_solves(cmd, env, tmp_path, **SOLVES)

@@ -138,10 +138,9 @@ pub(super) fn baseline(size: usize, iters: usize) -> BoxResult<Summary> {
 /// cache). The arenas are cut into `conns` contiguous ranges, each streamed over a
 /// connection of its own by a thread at each end (as a pull spreads a version over its
 /// streams). With `hashed`, both ends also hash every byte with the transports' checksum
-/// (xxh3-64, [`refit_runtime::hash`]): the writer each chunk just before it writes it, the
-/// reader each piece just after it reads it, while the bytes are in cache. That is the
-/// simple program doing the whole job a pull does (every byte moved between arenas and
-/// checked end to end), and the floor the integrity check sets on two busy cores.
+/// (xxh3-64, [`refit_runtime::hash`]), a write's or a read's worth at a time as it goes,
+/// and the writer sends each range's digest after it, which the reader compares with its
+/// own: the simple program that checks every byte it moves end to end, as a pull does.
 pub(super) fn baseline_arena_to_arena(
     size: usize,
     iters: usize,
@@ -191,7 +190,7 @@ pub(super) fn floor_arena_to_arena(size: usize, iters: usize) -> BoxResult<(Summ
     once_per_size(&FLOORS, size, || faster_arena_stream(size, iters, false))
 }
 
-/// [`floor_arena_to_arena`] with both ends hashing every byte, once per size in a run.
+/// [`floor_arena_to_arena`] with every byte checked end to end, once per size in a run.
 pub(super) fn floor_arena_to_arena_hashed(
     size: usize,
     iters: usize,
@@ -239,14 +238,11 @@ fn cut<'b>(mut buf: &'b mut [u8], ranges: &[std::ops::Range<usize>]) -> Vec<&'b 
     parts
 }
 
-/// Reads exactly `buf.len()` bytes from `sock` into `buf`, `chunk` at most per read, each
-/// piece hashed into `hash` as it lands when there is one.
-fn read_into(
-    sock: &mut TcpStream,
-    buf: &mut [u8],
-    chunk: usize,
-    mut hash: Option<&mut Xxh3>,
-) -> BoxResult<()> {
+/// Reads exactly `buf.len()` bytes from `sock` into `buf`, `chunk` at most per read. With
+/// `hashed`, hashes each piece as it lands, then reads the writer's digest of the range
+/// ([`write_range`]) and refuses one that differs.
+fn read_range(sock: &mut TcpStream, buf: &mut [u8], chunk: usize, hashed: bool) -> BoxResult<()> {
+    let mut hash = hashed.then(Xxh3::new);
     let mut at = 0;
     while at < buf.len() {
         let end = buf.len().min(at + chunk);
@@ -254,27 +250,42 @@ fn read_into(
         if n == 0 {
             return Err("the sender closed the socket early".into());
         }
-        if let Some(h) = hash.as_deref_mut() {
+        if let Some(h) = hash.as_mut() {
             h.update(&buf[at..at + n]);
         }
         at += n;
     }
+    if let Some(h) = hash {
+        let mut sent = [0u8; 8];
+        sock.read_exact(&mut sent)?;
+        let (sent, got) = (u64::from_le_bytes(sent), h.digest());
+        if sent != got {
+            let len = buf.len();
+            return Err(
+                format!("a range of {len} bytes hashed {got:#x}, its writer's {sent:#x}").into(),
+            );
+        }
+    }
     Ok(())
 }
 
-/// Writes `bytes` to `sock` in pieces of `write` bytes, each hashed into `hash` just before
-/// it is written when there is one.
-fn write_from(
+/// Writes `bytes` to `sock` in pieces of `write` bytes. With `hashed`, hashes each piece
+/// just before it is written, then writes the digest of the whole (8 bytes, little-endian).
+fn write_range(
     sock: &mut TcpStream,
     bytes: &[u8],
     write: usize,
-    mut hash: Option<&mut Xxh3>,
+    hashed: bool,
 ) -> std::io::Result<()> {
+    let mut hash = hashed.then(Xxh3::new);
     for piece in bytes.chunks(write.max(1)) {
-        if let Some(h) = hash.as_deref_mut() {
+        if let Some(h) = hash.as_mut() {
             h.update(piece);
         }
         sock.write_all(piece)?;
+    }
+    if let Some(h) = hash {
+        sock.write_all(&h.digest().to_le_bytes())?;
     }
     Ok(())
 }
@@ -307,7 +318,7 @@ enum ReadInto<'a> {
     NewMemory,
     /// A buffer of the whole stream's size, touched before the first stream and reused;
     /// the writer writes from one too, over `conns` connections (a range each); with
-    /// `hashed`, both ends hash every byte as they write or read it.
+    /// `hashed`, every range checked end to end ([`baseline_arena_to_arena`]).
     Arena { conns: usize, hashed: bool },
     /// A new file at this path per stream (written through a reused buffer, synced,
     /// removed after the stream is timed).
@@ -326,7 +337,9 @@ struct Stream {
     /// Bytes per write.
     write: usize,
     size: usize,
-    /// Each piece is hashed before it is written (an arena stream doing a pull's checks).
+    /// An arena stream: the writer walks `buf` once per stream, a range per connection.
+    arena: bool,
+    /// Each range is checked end to end (an arena stream doing a pull's checks).
     hashed: bool,
 }
 
@@ -353,7 +366,7 @@ impl Stream {
         let mut child_args = vec!["tcp-sink", &addr, &size_arg, &rounds_arg, &read_arg];
         let (file_arg, conns_arg);
         let mut conns = 1;
-        let mut hashed = false;
+        let (mut arena, mut hashed) = (false, false);
         match into {
             ReadInto::Buffer => {}
             ReadInto::NewMemory => child_args.push("--new-memory"),
@@ -362,7 +375,7 @@ impl Stream {
                 hashed: h,
             } => {
                 conns = c.max(1);
-                hashed = h;
+                (arena, hashed) = (true, h);
                 conns_arg = conns.to_string();
                 child_args.extend(["--arena", "--conns", &conns_arg]);
                 if hashed {
@@ -394,6 +407,7 @@ impl Stream {
             },
             write: chunks.write.max(1),
             size,
+            arena,
             hashed,
         })
     }
@@ -401,24 +415,22 @@ impl Stream {
     /// Streams `size` bytes and waits for the reader's byte: the time it took. Then waits
     /// (untimed) for the reader to be ready for the next stream.
     fn once(&mut self) -> BoxResult<Duration> {
-        if !self.more.is_empty() {
-            return self.once_over_several();
+        if self.arena {
+            return self.once_from_arena();
         }
         let t = Instant::now();
         let mut left = self.size;
-        let mut hash = self.hashed.then(Xxh3::new);
-        // from the buffer's start each time it is walked (once per stream for an arena)
+        // from the buffer's start each time it is walked
         let mut at = 0;
         while left > 0 {
             if at == self.buf.len() {
                 at = 0;
             }
             let n = left.min(self.write).min(self.buf.len() - at);
-            write_from(&mut self.sock, &self.buf[at..at + n], n, hash.as_mut())?;
+            self.sock.write_all(&self.buf[at..at + n])?;
             at += n;
             left -= n;
         }
-        std::hint::black_box(hash.map(|h| h.digest()));
         let mut ack = [0u8; 1];
         self.sock.read_exact(&mut ack)?;
         let took = t.elapsed();
@@ -426,9 +438,9 @@ impl Stream {
         Ok(took)
     }
 
-    /// [`Stream::once`] of an arena over several connections: a thread per connection
-    /// writes its range.
-    fn once_over_several(&mut self) -> BoxResult<Duration> {
+    /// [`Stream::once`] of an arena: a thread per connection writes its range (checked end
+    /// to end when the stream is hashed).
+    fn once_from_arena(&mut self) -> BoxResult<Duration> {
         let t = Instant::now();
         let ranges = ranges(self.size, self.more.len() + 1);
         let (buf, write, hashed) = (&self.buf, self.write, self.hashed);
@@ -436,14 +448,7 @@ impl Stream {
         std::thread::scope(|s| {
             let writers: Vec<_> = socks
                 .zip(&ranges)
-                .map(|(sock, r)| {
-                    s.spawn(move || -> std::io::Result<()> {
-                        let mut hash = hashed.then(Xxh3::new);
-                        write_from(sock, &buf[r.clone()], write, hash.as_mut())?;
-                        std::hint::black_box(hash.map(|h| h.digest()));
-                        Ok(())
-                    })
-                })
+                .map(|(sock, r)| s.spawn(move || write_range(sock, &buf[r.clone()], write, hashed)))
                 .collect();
             writers.into_iter().try_for_each(|w| -> BoxResult<()> {
                 w.join().map_err(|_| "a writer thread panicked")??;
@@ -470,17 +475,17 @@ impl Stream {
 /// The reading end of [`Stream`]: reads `rounds` streams of `bytes` bytes, `chunk` bytes
 /// at most per read, into a reused buffer (with `--new-memory`, into a new buffer of
 /// `bytes` per stream; with `--arena`, into one buffer of `bytes` touched before the first
-/// stream; with `--file`, writing each into a new file, synced), answering one
-/// byte after each, and one more once ready for the next (the file removed).
+/// stream, over `--conns` connections, each range checked with `--hash`: [`sink_arena`];
+/// with `--file`, writing each into a new file, synced), answering one byte after each,
+/// and one more once ready for the next (the file removed).
 pub(super) fn sink(args: &ChildArgs) -> BoxResult<()> {
     let mut sock = TcpStream::connect(&args.target)?;
     sock.set_nodelay(true)?;
     let chunk = args.chunk.max(1);
-    if args.arena && (args.conns > 1 || args.hash) {
-        return sink_over_several(args, sock, chunk);
+    if args.arena {
+        return sink_arena(args, sock, chunk);
     }
-    // an arena: the whole size, touched now and read into at its offsets every stream
-    let mut buf = vec![1u8; if args.arena { args.bytes.max(1) } else { chunk }];
+    let mut buf = vec![1u8; chunk];
     for _ in 0..args.rounds {
         if args.new_memory {
             // calloc: pages the kernel hands out as the reads first write them
@@ -512,8 +517,7 @@ pub(super) fn sink(args: &ChildArgs) -> BoxResult<()> {
         };
         let mut left = args.bytes;
         while left > 0 {
-            let at = if args.arena { args.bytes - left } else { 0 };
-            let to = &mut buf[at..at + left.min(chunk)];
+            let to = &mut buf[..left.min(chunk)];
             let n = sock.read(to)?;
             if n == 0 {
                 return Err("the sender closed the socket early".into());
@@ -536,9 +540,9 @@ pub(super) fn sink(args: &ChildArgs) -> BoxResult<()> {
 }
 
 /// [`sink`] of an arena over `args.conns` connections (`first` the first, which carries the
-/// acknowledgements): a thread per connection reads its range (with `--hash`, hashing each
-/// piece as it lands).
-fn sink_over_several(args: &ChildArgs, mut first: TcpStream, chunk: usize) -> BoxResult<()> {
+/// acknowledgements): a thread per connection reads its range into the arena, touched
+/// before the first stream (with `--hash`, checking it: [`read_range`]).
+fn sink_arena(args: &ChildArgs, mut first: TcpStream, chunk: usize) -> BoxResult<()> {
     let mut more = (1..args.conns)
         .map(|_| {
             let sock = TcpStream::connect(&args.target)?;
@@ -556,10 +560,7 @@ fn sink_over_several(args: &ChildArgs, mut first: TcpStream, chunk: usize) -> Bo
                 .zip(parts)
                 .map(|(sock, part)| {
                     s.spawn(move || {
-                        let mut hash = args.hash.then(Xxh3::new);
-                        read_into(sock, part, chunk, hash.as_mut()).map_err(|e| e.to_string())?;
-                        std::hint::black_box(hash.map(|h| h.digest()));
-                        Ok::<(), String>(())
+                        read_range(sock, part, chunk, args.hash).map_err(|e| e.to_string())
                     })
                 })
                 .collect();
@@ -980,7 +981,10 @@ fn file_write_baseline(size: usize, iters: usize, dir: &Path) -> BoxResult<Summa
 
 #[cfg(test)]
 mod tests {
-    use super::{cut, ranges};
+    use std::io::Write;
+    use std::net::{TcpListener, TcpStream};
+
+    use super::{cut, ranges, read_range, write_range};
 
     #[test]
     fn ranges_cover_the_size_in_order_as_equal_as_bytes_allow() {
@@ -992,5 +996,33 @@ mod tests {
         let lens: Vec<usize> = parts.iter().map(|p| p.len()).collect();
         assert_eq!(lens, vec![3, 3, 2, 2]);
         assert_eq!(parts[2], &[6, 7]);
+    }
+
+    /// The checked raw stream: a range written with its digest reads back whole, in reads
+    /// smaller than the writes; a range whose digest does not match is refused naming both.
+    #[test]
+    fn a_checked_range_reads_back_and_a_wrong_digest_is_refused() {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let mut writer = TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+        let (mut reader, _) = listener.accept().unwrap();
+        let sent: Vec<u8> = (0..100_000u32).map(|i| (i * 7 % 251) as u8).collect();
+        let feeder = std::thread::spawn(move || {
+            write_range(&mut writer, &sent, 4096, true).unwrap();
+            // the same bytes again, then a digest that is not theirs
+            write_range(&mut writer, &sent, 4096, false).unwrap();
+            writer.write_all(&1u64.to_le_bytes()).unwrap();
+            sent
+        });
+        let mut got = vec![0u8; 100_000];
+        read_range(&mut reader, &mut got, 1000, true).unwrap();
+        let wrong = read_range(&mut reader, &mut got, 1000, true)
+            .unwrap_err()
+            .to_string();
+        let sent = feeder.join().unwrap();
+        assert_eq!(got, sent);
+        assert!(
+            wrong.contains("a range of 100000 bytes hashed") && wrong.contains("its writer's 0x1"),
+            "{wrong}"
+        );
     }
 }
