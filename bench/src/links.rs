@@ -667,9 +667,9 @@ fn bench_link(
     }
     if l.reach() == Reach::Network {
         times.into_new_memory = Some(tcp::floor_into_new_memory(size)?);
-        times.arena_to_arena = Some(tcp::floor_arena_to_arena(size, args.iters.max(3))?);
-        times.arena_to_arena_hashed =
-            Some(tcp::floor_arena_to_arena_hashed(size, args.iters.max(3))?);
+        let iters = args.iters.max(3);
+        times.arena_to_arena = Some(tcp::floor_arena_to_arena(size, iters, false)?);
+        times.arena_to_arena_hashed = Some(tcp::floor_arena_to_arena(size, iters, true)?);
     }
     let baseline = match (l.on_device(), base.device, l.reach()) {
         (true, Some(copy), _) => ("device-copy", copy),
@@ -925,8 +925,8 @@ struct Times {
     /// network), over one connection or as many as a pull opens, whichever was faster
     /// (and how many that was).
     arena_to_arena: Option<(Summary, usize)>,
-    /// The same program hashing every byte at both ends, as a pull checks it (links that
-    /// reach the network), and its connections.
+    /// The same program checking every byte end to end, as a pull does (links that reach
+    /// the network), and its connections.
     arena_to_arena_hashed: Option<(Summary, usize)>,
     e2e: Vec<Duration>,
     write: Vec<Duration>,
@@ -1011,10 +1011,16 @@ impl Times {
             }
             // a raw stream doing more of the same job (into new memory, between arenas), and
             // the figure it is the floor of against it
-            let arenas = |conns: usize, hashed: &str| match conns {
-                1 => format!("arenas, 1 connection{hashed}"),
-                c => format!("arenas, {c} connections{hashed}"),
+            // an arena stream's floor: its time, and its row named by its connections
+            let arenas = |floor: Option<(Summary, usize)>, hashed: &str| {
+                let what = floor.map_or_else(String::new, |(_, conns)| match conns {
+                    1 => format!("arenas, 1 connection{hashed}"),
+                    c => format!("arenas, {c} connections{hashed}"),
+                });
+                (floor.map(|(s, _)| s), what)
             };
+            let (plain, plain_what) = arenas(self.arena_to_arena, "");
+            let (hashed, hashed_what) = arenas(self.arena_to_arena_hashed, ", hashed");
             let floors = [
                 (
                     self.into_new_memory,
@@ -1024,17 +1030,15 @@ impl Times {
                     &self.connect,
                 ),
                 (
-                    self.arena_to_arena.map(|(s, _)| s),
-                    self.arena_to_arena
-                        .map_or_else(String::new, |(_, c)| arenas(c, "")),
+                    plain,
+                    plain_what,
                     "raw arena to arena",
                     "steady update",
                     &self.steady,
                 ),
                 (
-                    self.arena_to_arena_hashed.map(|(s, _)| s),
-                    self.arena_to_arena_hashed
-                        .map_or_else(String::new, |(_, c)| arenas(c, ", hashed")),
+                    hashed,
+                    hashed_what,
                     "raw arena to arena, hashed",
                     "steady update",
                     &self.steady,

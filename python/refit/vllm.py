@@ -324,7 +324,8 @@ class Server:
         self.timeout = timeout
         # each thread's kept connection for :meth:`generate`
         self._local = threading.local()
-        # where generate's connections go: host, port and path prefix, read once
+        # where generate's connections go: host, port and path prefix (no trailing `/`, as
+        # the URL has none), read once
         self._at = urllib.parse.urlsplit(self.url)
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
@@ -406,7 +407,7 @@ class Server:
             conn = self._connection(timeout)
             kept = conn.sock is not None  # a connection an earlier request opened
             try:
-                conn.request("POST", f"{self._at.path.rstrip('/')}/{route}", body=data, headers=headers)
+                conn.request("POST", f"{self._at.path}/{route}", body=data, headers=headers)
                 response = conn.getresponse()
                 text = response.read()
             except TimeoutError as e:

@@ -183,32 +183,25 @@ pub(super) fn floor_into_new_memory(size: usize) -> BoxResult<Summary> {
     once_per_size(&FLOORS, size, || baseline_into_new_memory(size, 3))
 }
 
-/// [`baseline_arena_to_arena`] at `size` over one connection and over as many as a pull
-/// opens, the faster with its connections, once per size in a run.
-pub(super) fn floor_arena_to_arena(size: usize, iters: usize) -> BoxResult<(Summary, usize)> {
-    static FLOORS: Floors<(Summary, usize)> = OnceLock::new();
-    once_per_size(&FLOORS, size, || faster_arena_stream(size, iters, false))
-}
-
-/// [`floor_arena_to_arena`] with every byte checked end to end, once per size in a run.
-pub(super) fn floor_arena_to_arena_hashed(
+/// [`baseline_arena_to_arena`] at `size` (checked end to end with `hashed`) over one
+/// connection and over as many as a pull opens, the faster with its connections, once per
+/// size and kind in a run.
+pub(super) fn floor_arena_to_arena(
     size: usize,
     iters: usize,
+    hashed: bool,
 ) -> BoxResult<(Summary, usize)> {
-    static FLOORS: Floors<(Summary, usize)> = OnceLock::new();
-    once_per_size(&FLOORS, size, || faster_arena_stream(size, iters, true))
-}
-
-/// The faster of [`baseline_arena_to_arena`] over one connection and over as many as a pull
-/// opens, with its connections.
-fn faster_arena_stream(size: usize, iters: usize, hashed: bool) -> BoxResult<(Summary, usize)> {
-    let streams = refit_transports::tcp::TcpReceiverConfig::default().streams;
-    let one = baseline_arena_to_arena(size, iters, 1, hashed)?;
-    let several = baseline_arena_to_arena(size, iters, streams, hashed)?;
-    Ok(if several.median < one.median {
-        (several, streams)
-    } else {
-        (one, 1)
+    static PLAIN: Floors<(Summary, usize)> = OnceLock::new();
+    static HASHED: Floors<(Summary, usize)> = OnceLock::new();
+    once_per_size(if hashed { &HASHED } else { &PLAIN }, size, || {
+        let streams = refit_transports::tcp::TcpReceiverConfig::default().streams;
+        let one = baseline_arena_to_arena(size, iters, 1, hashed)?;
+        let several = baseline_arena_to_arena(size, iters, streams, hashed)?;
+        Ok(if several.median < one.median {
+            (several, streams)
+        } else {
+            (one, 1)
+        })
     })
 }
 
@@ -484,6 +477,9 @@ pub(super) fn sink(args: &ChildArgs) -> BoxResult<()> {
     let chunk = args.chunk.max(1);
     if args.arena {
         return sink_arena(args, sock, chunk);
+    }
+    if args.hash {
+        return Err("--hash checks arena streams only: add --arena".into());
     }
     let mut buf = vec![1u8; chunk];
     for _ in 0..args.rounds {
