@@ -12,25 +12,14 @@ use std::time::Duration;
 use refit::prelude::*;
 use refit::transports::file::{FileConfig, FileReceiver, FileSender, FileVersion};
 
-/// What the trainer would produce at `version`: every weight equals the version.
-fn weights_at(manifest: &Arc<Manifest>, version: u64) -> Result<WeightSet> {
-    let mut ws = WeightSet::zeroed(ModelId::new("policy")?, Arc::clone(manifest));
-    for t in manifest.tensors() {
-        ws.view_mut::<f32>(&t.name)?.fill(version as f32);
-    }
-    ws.set_version(Version(version));
-    Ok(ws)
-}
+#[path = "support/policy.rs"]
+mod policy;
+use policy::{policy_manifest, weights_at};
 
 fn run(versions: u64) -> Result<()> {
     let tmp = tempfile::tempdir().map_err(|e| Error::io("making a directory", e))?;
     let dir = tmp.path().join("weights");
-    let manifest = Arc::new(
-        Manifest::builder()
-            .tensor("fc1.weight", DType::F32, &[64, 4])
-            .tensor("fc1.bias", DType::F32, &[64])
-            .build()?,
-    );
+    let manifest = Arc::new(policy_manifest()?);
     let policy = ModelId::new("policy")?;
     // ANCHOR: publish
     // the sender owns the directory; it keeps the newest 2 versions for readers that do

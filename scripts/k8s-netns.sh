@@ -19,7 +19,6 @@
 set -euo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
 cd "$here"
-nh=${NETNS_HOSTS:-$here/scripts/netns-hosts}
 refit=${REFIT:-$here/target/release/refit}
 manifest=examples/kubernetes/cartpole.yaml
 if [ $# -gt 0 ] && [ "$1" != -- ]; then manifest=$1; shift; fi
@@ -29,15 +28,10 @@ extra=("$@")
 python3 scripts/k8s-manifest.py check "$manifest" >/dev/null
 n=$(python3 scripts/k8s-manifest.py replicas "$manifest")
 token=$(head -c 16 /dev/urandom | od -An -tx1 | tr -d ' \n')
-log=$(mktemp -d)
+# netns-hosts, a log directory and a cleanup that stops what this script started and
+# removes the hosts whatever happens
+. "$here/examples/scripts/netns-lib.sh"
 pids=()
-cleanup() {
-  for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
-  wait 2>/dev/null || true
-  "$nh" down >/dev/null 2>&1 || true
-  rm -rf "$log"
-}
-trap cleanup EXIT
 "$nh" up "$n" >/dev/null
 # each pod's Service DNS names, in every host's /etc/hosts
 names=""

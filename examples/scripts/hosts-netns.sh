@@ -16,24 +16,17 @@ here=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$here"
 topo=${1:-examples/topologies/cartpole-hosts.toml}
 mode=${2:-}
-nh=${NETNS_HOSTS:-$here/scripts/netns-hosts}
 refit=${REFIT:-$here/target/release/refit}
 program=$(sed -n 's/^command = \["\([^"]*\)".*/\1/p' "$topo" | head -1)
 for f in "$refit" "$program"; do
   [ -x "$f" ] || { echo "build first: $f is missing (cargo build --release --example ... --bin refit)" >&2; exit 1; }
 done
-export REFIT_TOKEN=${REFIT_TOKEN:-$(head -c 16 /dev/urandom | od -An -tx1 | tr -d ' \n')}
 set_mode=()
 [ -n "$mode" ] && set_mode=(--set "sync.sync_mode=$mode")
-log=$(mktemp -d)
+# netns-hosts, the cluster token, a log directory and a cleanup that stops what this
+# script started and removes the hosts whatever happens
+. "$here/examples/scripts/netns-lib.sh"
 pids=()
-cleanup() {
-  for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
-  wait 2>/dev/null || true
-  "$nh" down >/dev/null 2>&1 || true
-  rm -rf "$log"
-}
-trap cleanup EXIT
 "$nh" up 3
 launch() { # rank
   "$nh" run $(($1 + 1)) env RANK="$1" WORLD_SIZE=3 MASTER_ADDR=10.77.0.1 MASTER_PORT=29500 \

@@ -113,6 +113,25 @@ impl Error {
         }
     }
 
+    /// Checks that one size divides another: [`Error::Config`] as
+    /// `{kind} {part} ({p}) must divide {whole} ({w})` when it does not.
+    ///
+    /// # Errors
+    /// As said.
+    pub(crate) fn check_divides(
+        kind: &str,
+        (part, p): (&str, usize),
+        (whole, w): (&str, usize),
+    ) -> Result<()> {
+        if w.is_multiple_of(p) {
+            Ok(())
+        } else {
+            Err(Self::Config(format!(
+                "{kind} {part} ({p}) must divide {whole} ({w})"
+            )))
+        }
+    }
+
     /// Builds an [`Error::Hook`], for hooks that fail.
     pub fn hook(hook: &'static str, message: impl Into<String>) -> Self {
         Self::Hook {

@@ -49,18 +49,8 @@ impl LlamaShape {
                 ("intermediate", self.intermediate),
             ],
         )?;
-        if !self.d_model.is_multiple_of(self.heads) {
-            return Err(Error::Config(format!(
-                "llama heads ({}) must divide d_model ({})",
-                self.heads, self.d_model
-            )));
-        }
-        if !self.heads.is_multiple_of(self.kv_heads) {
-            return Err(Error::Config(format!(
-                "llama kv_heads ({}) must divide heads ({})",
-                self.kv_heads, self.heads
-            )));
-        }
+        Error::check_divides("llama", ("heads", self.heads), ("d_model", self.d_model))?;
+        Error::check_divides("llama", ("kv_heads", self.kv_heads), ("heads", self.heads))?;
         Ok(())
     }
 

@@ -146,22 +146,17 @@ impl ModelSpec {
     /// # Errors
     /// [`Error::Config`] naming the model and the setting that cannot work.
     pub fn check(&self) -> Result<()> {
-        for (name, v) in [
-            ("workers", self.workers),
-            ("envs_per_worker", self.envs_per_worker),
-            ("fragment_steps", self.fragment_steps),
-            ("batch_frames", self.batch_frames),
-            ("group_size", self.group_size),
-            ("prompts_per_fragment", self.prompts_per_fragment),
-        ] {
-            if v == 0 {
-                return Err(Error::Config(format!(
-                    "model `{}`: {name} must be positive",
-                    self.id
-                )));
-            }
-        }
-        Ok(())
+        Error::check_positive(
+            &format!("model `{}`:", self.id),
+            &[
+                ("workers", self.workers),
+                ("envs_per_worker", self.envs_per_worker),
+                ("fragment_steps", self.fragment_steps),
+                ("batch_frames", self.batch_frames),
+                ("group_size", self.group_size),
+                ("prompts_per_fragment", self.prompts_per_fragment),
+            ],
+        )
     }
 }
 
@@ -361,5 +356,14 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("params.batch_frames"), "{e}");
+    }
+
+    #[test]
+    fn check_names_the_model_and_the_size_that_is_zero() {
+        let mut s = ModelSpec::new(ModelId::new("m").unwrap(), 0);
+        assert!(s.check().is_ok());
+        s.group_size = 0;
+        let e = s.check().unwrap_err().to_string();
+        assert!(e.ends_with("model `m`: group_size must be positive"), "{e}");
     }
 }

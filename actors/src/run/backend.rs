@@ -24,7 +24,7 @@ use crate::protocol::pool::PushFragment;
 use crate::protocol::rollout::RolloutRef;
 use crate::roles::{GenRoles, ModelSpec};
 
-use super::workload::{EngineSetup, Generating, Inference, Started, Workload, on_arbiter};
+use super::workload::{EngineSetup, Generating, Inference, Started, Workload};
 use super::{RunReport, join_workload};
 
 /// Runs this rank's part of `topo` as [`join_generating`](super::join_generating) does,
@@ -136,11 +136,7 @@ impl<G: GenRoles, B: EngineBackend> Workload for Backed<G, B> {
         for model in &streamed {
             engine = engine.streamed(model)?;
         }
-        let (addr, arbiter) = on_arbiter(engine);
-        Ok(Started {
-            handle: EngineHandle::generating(&addr),
-            arbiter,
-        })
+        Ok(Started::on_arbiter(engine, EngineHandle::generating))
     }
 
     fn family(&self) -> Family {

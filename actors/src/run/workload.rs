@@ -144,11 +144,20 @@ pub trait Workload: Send + Sync + 'static {
 }
 // ANCHOR_END: workload
 
-/// Starts `actor` on an arbiter (a thread) of its own.
-pub(crate) fn on_arbiter<A: Actor<Context = Context<A>> + Send>(actor: A) -> (Addr<A>, Arbiter) {
-    let arbiter = Arbiter::new();
-    let addr = A::start_in_arbiter(&arbiter.handle(), move |_| actor);
-    (addr, arbiter)
+impl<T> Started<T> {
+    /// Starts `actor` on an arbiter (a thread) of its own, `handle` making its typed
+    /// reference from its address.
+    pub(crate) fn on_arbiter<A: Actor<Context = Context<A>> + Send>(
+        actor: A,
+        handle: impl FnOnce(&Addr<A>) -> T,
+    ) -> Self {
+        let arbiter = Arbiter::new();
+        let addr = A::start_in_arbiter(&arbiter.handle(), move |_| actor);
+        Self {
+            handle: handle(&addr),
+            arbiter,
+        }
+    }
 }
 
 /// A [`Roles`] factory as a workload: an [`InferenceEngine`] of its policies,
@@ -190,11 +199,7 @@ impl<R: Roles> Workload for Acting<R> {
             engine = engine.with_model(spec.id.clone(), policy, Some(inlet))?;
             engine = engine.verify_served(&spec.id, spec.verify)?;
         }
-        let (addr, arbiter) = on_arbiter(engine);
-        Ok(Started {
-            handle: EngineHandle::acting(&addr),
-            arbiter,
-        })
+        Ok(Started::on_arbiter(engine, EngineHandle::acting))
     }
 
     fn family(&self) -> Family {
@@ -214,11 +219,7 @@ impl<R: Roles> Workload for Acting<R> {
             .collect::<refit_rl::Result<Vec<_>>>()?;
         let act = engine.act()?.act.clone();
         let worker = RolloutWorker::new(cfg, envs, act, controller, pool)?;
-        let (addr, arbiter) = on_arbiter(worker);
-        Ok(Started {
-            handle: RolloutRef::local(&addr),
-            arbiter,
-        })
+        Ok(Started::on_arbiter(worker, RolloutRef::local))
     }
 
     fn start_evaluator(
@@ -341,11 +342,7 @@ impl<G: GenRoles> Workload for Generating<G> {
             }
             // ANCHOR_END: reference
         }
-        let (addr, arbiter) = on_arbiter(engine);
-        Ok(Started {
-            handle: EngineHandle::generating(&addr),
-            arbiter,
-        })
+        Ok(Started::on_arbiter(engine, EngineHandle::generating))
     }
 
     fn family(&self) -> Family {
@@ -373,11 +370,7 @@ impl<G: GenRoles> Workload for Generating<G> {
         let worker =
             GenRolloutWorker::new(gen_cfg, task, requests.generate.clone(), controller, pool)?
                 .scorer(requests.score.clone());
-        let (addr, arbiter) = on_arbiter(worker);
-        Ok(Started {
-            handle: RolloutRef::local(&addr),
-            arbiter,
-        })
+        Ok(Started::on_arbiter(worker, RolloutRef::local))
     }
 
     fn start_evaluator(

@@ -91,12 +91,11 @@ impl TransformerConfig {
                 ("mlp_ratio", self.mlp_ratio),
             ],
         )?;
-        if !self.d_model.is_multiple_of(self.heads) {
-            return Err(Error::Config(format!(
-                "transformer heads ({}) must divide d_model ({})",
-                self.heads, self.d_model
-            )));
-        }
+        Error::check_divides(
+            "transformer",
+            ("heads", self.heads),
+            ("d_model", self.d_model),
+        )?;
         if self.vocab > u32::MAX as usize {
             return Err(Error::Config(format!(
                 "transformer vocab {} does not fit token ids (u32)",
@@ -273,7 +272,11 @@ mod tests {
         let ok = TransformerConfig::small(13, 16);
         assert!(ok.check().is_ok());
         let e = TransformerConfig { heads: 5, ..ok }.check().unwrap_err();
-        assert!(e.to_string().contains("heads"), "{e}");
+        assert!(
+            e.to_string()
+                .contains("transformer heads (5) must divide d_model"),
+            "{e}"
+        );
         let e = TransformerConfig { layers: 0, ..ok }.check().unwrap_err();
         assert!(e.to_string().contains("layers"), "{e}");
     }
