@@ -27,9 +27,8 @@ extra=("$@")
 [ -x "$refit" ] || { echo "k8s-netns: build first: $refit is missing" >&2; exit 1; }
 python3 scripts/k8s-manifest.py check "$manifest" >/dev/null
 n=$(python3 scripts/k8s-manifest.py replicas "$manifest")
-token=$(head -c 16 /dev/urandom | od -An -tx1 | tr -d ' \n')
-# netns-hosts, a log directory and a cleanup that stops what this script started and
-# removes the hosts whatever happens
+# netns-hosts, the cluster token (REFIT_TOKEN, in the Secret's place), a log directory and
+# a cleanup that stops what this script started and removes the hosts whatever happens
 . "$here/examples/scripts/netns-lib.sh"
 pids=()
 "$nh" up "$n" >/dev/null
@@ -49,7 +48,7 @@ start() { # pod index
   for l in "${lines[@]}"; do
     if [ "$l" = -- ]; then seen=1; continue; fi
     if [ -z "$seen" ]; then
-      env+=("${l/#REFIT_TOKEN=<secret>/REFIT_TOKEN=$token}")
+      env+=("${l/#REFIT_TOKEN=<secret>/REFIT_TOKEN=$REFIT_TOKEN}")
     else
       cmd+=("$l")
     fi
